@@ -1,0 +1,1 @@
+"""Environment tier: tools, sandbox and verifiers. Never imports JAX."""

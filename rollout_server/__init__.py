@@ -1,0 +1,1 @@
+"""Inference tier: a JetStream-shaped engine that returns exact token ids and log-probs."""
