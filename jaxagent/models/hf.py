@@ -30,19 +30,18 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     raise ValueError(f"architecture {arch!r} is not supported; supported: "
                      f"{list(SUPPORTED_ARCHITECTURES)}")
   n_heads = hf["num_attention_heads"]
+  # transformers < 5 writes rope_theta / rope_scaling; >= 5 nests both in rope_parameters.
+  rope = dict(hf.get("rope_parameters") or {})
+  rope.update(hf.get("rope_scaling") or {})
+  theta = hf.get("rope_theta", rope.get("rope_theta", 10_000.0))
+  kind = rope.get("rope_type", rope.get("type"))
   scaling = None
-  rs = hf.get("rope_scaling") or None
-  if rs is not None:
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind == "llama3":
-      scaling = RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
-                            high_freq_factor=rs["high_freq_factor"],
-                            original_max_position=rs["original_max_position_embeddings"])
-    elif kind not in (None, "default"):
-      raise ValueError(f"rope_scaling type {kind!r} is not supported")
-  theta = hf.get("rope_theta")
-  if theta is None:  # transformers >= 5 keeps it under rope_parameters
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10_000.0)
+  if kind == "llama3":
+    scaling = RopeScaling(factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                          high_freq_factor=rope["high_freq_factor"],
+                          original_max_position=rope["original_max_position_embeddings"])
+  elif kind not in (None, "default"):
+    raise ValueError(f"rope type {kind!r} is not supported (supported: default, llama3)")
   fields = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
       n_layers=hf["num_hidden_layers"], n_heads=n_heads,
@@ -166,7 +165,8 @@ def load_gguf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES
       head_dim=int(gguf_field(reader, "llama.rope.dimension_count", d_model // n_heads)),
       d_ff=int(gguf_field(reader, "llama.feed_forward_length")),
       rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10_000.0)),
-      norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      # GGUF stores eps as float32; 6 significant digits recover the decimal value.
+      norm_eps=float(f"{gguf_field(reader, 'llama.attention.layer_norm_rms_epsilon', 1e-5):.6g}"),
       tie_embeddings="output.weight" not in tensors,
       max_seq_len=int(gguf_field(reader, "llama.context_length", 2048)))
   if config_overrides:

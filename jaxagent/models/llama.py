@@ -76,7 +76,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
   x32 = x.astype(jnp.float32)
   # Normalise in float32 whatever the compute dtype (as HF Llama does).
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+  w = weight.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + weight.shape)
+  return (x32 * w).astype(x.dtype)
 
 
 def attention_mask(positions_BxT: jax.Array, segment_ids_BxT: Optional[jax.Array],

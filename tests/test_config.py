@@ -1,0 +1,59 @@
+import dataclasses
+import os
+
+import pytest
+
+from jaxagent import config
+from tests.conftest import REPO
+
+
+def test_tiny_yaml_loads_with_types():
+  cfg = config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"))
+  assert cfg.model.preset == "tiny"
+  assert isinstance(cfg.learner.lr, float)
+  assert dataclasses.is_dataclass(cfg.learner)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.learner.lr = 1.0
+
+
+def test_dotted_overrides():
+  cfg = config.load(config.RunConfig, None, ["learner.lr=3e-4", "mesh.fsdp=2",
+                                             "learner.dual_clip=3.0"])
+  assert cfg.learner.lr == pytest.approx(3e-4)
+  assert cfg.mesh.fsdp == 2
+  assert cfg.learner.dual_clip == 3.0
+
+
+def test_unknown_key_names_key_and_closest(tmp_path):
+  with pytest.raises(config.ConfigError, match=r"learner\.lrr.*'lr'"):
+    config.load(config.RunConfig, None, ["learner.lrr=1"])
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("lerner:\n  lr: 1.0\n")
+  with pytest.raises(config.ConfigError, match=r"bad\.yaml.*lerner.*'learner'"):
+    config.load(config.RunConfig, str(bad))
+
+
+def test_wrong_type_names_key(tmp_path):
+  with pytest.raises(config.ConfigError, match=r"learner\.microbatches"):
+    config.load(config.RunConfig, None, ["learner.microbatches=many"])
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("checkpoint:\n  async_save: sometimes\n")
+  with pytest.raises(config.ConfigError, match=r"checkpoint\.async_save"):
+    config.load(config.RunConfig, str(bad))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Needs:
+  path: str = "???"  # OmegaConf's marker for a required value
+  n: int = 1
+
+
+def test_missing_required_value_names_key():
+  with pytest.raises(config.ConfigError, match=r"missing required config value 'path'"):
+    config.load(_Needs)
+  assert config.load(_Needs, None, ["path=/x"]).path == "/x"
+
+
+def test_malformed_override():
+  with pytest.raises(config.ConfigError, match="key=value"):
+    config.load(config.RunConfig, None, ["steps"])
