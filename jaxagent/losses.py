@@ -71,14 +71,27 @@ def align_to_tokens(per_position_BxT: Array) -> Array:
 # -- segment helpers ----------------------------------------------------------------
 
 
-def segment_totals(values_BxT: Array, segment_ids_BxT: Array) -> Array:
-  """For each token, the sum of `values` over its segment (segments never cross rows)."""
+def _segment_sums(values_BxT: Array, segment_ids_BxT: Array) -> tuple[Array, Array]:
+  """Sums of `values` per (row, segment id), and each token's index into them."""
   chex.assert_equal_shape([values_BxT, segment_ids_BxT])
   B, T = values_BxT.shape
   # A segment is (row, id); ids in a row are < T, so row * T + id is unique.
   key = (jnp.arange(B, dtype=jnp.int32)[:, None] * T + segment_ids_BxT.astype(jnp.int32))
-  totals = jax.ops.segment_sum(values_BxT.reshape(-1), key.reshape(-1), num_segments=B * T)
-  return totals[key]
+  sums = jax.ops.segment_sum(values_BxT.reshape(-1), key.reshape(-1), num_segments=B * T)
+  return sums, key
+
+
+def segment_totals(values_BxT: Array, segment_ids_BxT: Array) -> Array:
+  """For each token, the sum of `values` over its segment (segments never cross rows)."""
+  sums, key = _segment_sums(values_BxT, segment_ids_BxT)
+  return sums[key]
+
+
+def _count_and_sequences(mask_BxT: Array, segment_ids_BxT: Array) -> tuple[Array, Array]:
+  """Per-token action-token count of its segment, and the (exact) number of sequences
+  with at least one action token."""
+  counts, key = _segment_sums(mask_BxT.astype(jnp.float32), segment_ids_BxT)
+  return counts[key], jnp.sum((counts > 0).astype(jnp.float32))
 
 
 # -- reductions -----------------------------------------------------------------------
@@ -98,9 +111,8 @@ def seq_mean_token_mean(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Arr
   the number of sequences with at least one action token.
   """
   m = mask_BxT.astype(jnp.float32)
-  count = segment_totals(m, segment_ids_BxT)
-  w = m / jnp.maximum(count, 1.0)
-  return jnp.sum(values_BxT * w), jnp.sum(w)
+  count, n_seqs = _count_and_sequences(m, segment_ids_BxT)
+  return jnp.sum(values_BxT * m / jnp.maximum(count, 1.0)), n_seqs
 
 
 def seq_mean_token_sum_norm(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Array,
@@ -110,8 +122,7 @@ def seq_mean_token_sum_norm(values_BxT: Array, mask_BxT: Array, segment_ids_BxT:
   (Liu et al., 2025, "Understanding R1-Zero-Like Training".)
   """
   m = mask_BxT.astype(jnp.float32)
-  count = segment_totals(m, segment_ids_BxT)
-  n_seqs = jnp.sum(m / jnp.maximum(count, 1.0))
+  _, n_seqs = _count_and_sequences(m, segment_ids_BxT)
   return jnp.sum(values_BxT * m) / norm_len, n_seqs
 
 

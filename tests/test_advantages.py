@@ -1,0 +1,111 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent import advantages as adv
+
+
+def test_group_normalized_hand_computed():
+  r = jnp.asarray([1.0, 0.0, 0.0, 1.0, 5.0, 5.0])
+  g = jnp.asarray([0, 0, 0, 0, 1, 1])
+  # group 0: mean 0.5, population std 0.5; group 1: all equal -> 0
+  np.testing.assert_allclose(adv.group_normalized(r, g, 2), [1, -1, -1, 1, 0, 0], atol=1e-5)
+  np.testing.assert_allclose(adv.group_normalized(r, g, 2, scale_by_std=False),
+                             [0.5, -0.5, -0.5, 0.5, 0, 0], atol=1e-6)
+
+
+def test_group_normalized_ignores_invalid_samples():
+  r = jnp.asarray([1.0, 0.0, 123.0])
+  g = jnp.asarray([0, 0, 0])
+  out = adv.group_normalized(r, g, 1, scale_by_std=False, valid_N=jnp.asarray([1, 1, 0], bool))
+  np.testing.assert_allclose(out, [0.5, -0.5, 0.0])
+
+
+def test_rloo_hand_computed():
+  r = jnp.asarray([1.0, 0.0, 0.0, 3.0])
+  g = jnp.asarray([0, 0, 0, 1])
+  # r_i - mean(others): 1 - 0, 0 - 0.5, 0 - 0.5; a group of one gets 0
+  np.testing.assert_allclose(adv.rloo(r, g, 2), [1.0, -0.5, -0.5, 0.0], atol=1e-6)
+
+
+class GroupReferenceTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_grpo_and_rloo_match_numpy(self):
+    rng = np.random.default_rng(0)
+    n_groups, size = 5, 8
+    r = rng.normal(size=n_groups * size).astype(np.float32)
+    g = np.repeat(np.arange(n_groups), size)
+    grpo = self.variant(adv.group_normalized, static_argnums=2)(r, g, n_groups)
+    loo = self.variant(adv.rloo, static_argnums=2)(r, g, n_groups)
+    rr = r.reshape(n_groups, size)
+    want = (rr - rr.mean(1, keepdims=True)) / (rr.std(1, keepdims=True) + 1e-6)
+    want_loo = rr - (rr.sum(1, keepdims=True) - rr) / (size - 1)
+    np.testing.assert_allclose(grpo, want.reshape(-1), atol=1e-4)
+    np.testing.assert_allclose(loo, want_loo.reshape(-1), atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_reward_to_go_matches_numpy(self):
+    rng = np.random.default_rng(1)
+    r = rng.normal(size=12).astype(np.float32)
+    valid = np.arange(12) < 9
+    out = self.variant(adv.reward_to_go, static_argnums=2)(r, valid, 0.9)
+    want = np.zeros(12)
+    g = 0.0
+    for k in reversed(range(9)):
+      g = r[k] + 0.9 * g
+      want[k] = g
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_reward_to_go_hand_computed():
+  out = adv.reward_to_go(jnp.asarray([1.0, 0.0, 2.0, 7.0]), jnp.asarray([1, 1, 1, 0], bool), 0.5)
+  # G2 = 2, G1 = 0 + 0.5 * 2 = 1, G0 = 1 + 0.5 * 1 = 1.5; padding -> 0
+  np.testing.assert_allclose(out, [1.5, 1.0, 2.0, 0.0])
+
+
+def test_splitting_an_episode_gives_the_same_returns():
+  rng = np.random.default_rng(2)
+  r = jnp.asarray(rng.normal(size=10), jnp.float32)
+  ones = jnp.ones(10, bool)
+  full = adv.reward_to_go(r, ones, 0.95)
+  second = adv.reward_to_go(r[6:], ones[6:], 0.95)
+  # The first part bootstraps from the value after it: the second part's first return.
+  first = adv.reward_to_go(r[:6], ones[:6], 0.95, bootstrap=second[0])
+  np.testing.assert_allclose(jnp.concatenate([first, second]), full, atol=1e-5)
+
+
+def test_turn_rewards_add_terminal_to_last_turn():
+  process = jnp.asarray([[0.1, 0.2, 0.3], [0.5, 0.0, 0.0]])
+  valid = jnp.asarray([[1, 1, 1], [1, 0, 0]], bool)
+  out = adv.turn_rewards(process, jnp.asarray([1.0, 2.0]), valid)
+  np.testing.assert_allclose(out, [[0.1, 0.2, 1.3], [2.5, 0.0, 0.0]])
+
+
+def test_chunk_advantages_with_group_baseline_hand_computed():
+  rewards = jnp.asarray([[0.0, 1.0], [0.0, 0.0], [2.0, 0.0]])
+  valid = jnp.asarray([[1, 1], [1, 1], [1, 0]], bool)
+  returns = adv.chunk_advantages(rewards, valid, 1.0)
+  np.testing.assert_allclose(returns, [[1, 1], [0, 0], [2, 0]])
+  out = adv.chunk_advantages(rewards, valid, 1.0, group_ids_N=jnp.asarray([0, 0, 0]),
+                             num_groups=1)
+  # turn 0 baseline: mean(1, 0, 2) = 1; turn 1 baseline over samples with a turn 1: mean(1, 0)
+  np.testing.assert_allclose(out, [[0.0, 0.5], [-1.0, -0.5], [1.0, 0.0]])
+
+
+def test_to_tokens_gathers_sample_turn_values():
+  values = jnp.asarray([[1.0, 2.0], [3.0, 4.0]])
+  sample = jnp.asarray([[0, 0, 0, 1, 1, 1]])
+  turn = jnp.asarray([[0, 0, 1, 0, 1, 1]])
+  mask = jnp.asarray([[0, 1, 1, 0, 1, 1]], jnp.float32)
+  np.testing.assert_allclose(adv.to_tokens(values, sample, turn, mask), [[0, 1, 2, 0, 4, 4]])
+
+
+def test_gradient_free_but_jittable_end_to_end():
+  f = jax.jit(lambda r, v: adv.chunk_advantages(r, v, 0.9, group_ids_N=jnp.asarray([0, 0]),
+                                                num_groups=1, scale_by_std=True))
+  out = f(jnp.ones((2, 3)), jnp.ones((2, 3), bool))
+  assert bool(jnp.all(jnp.isfinite(out)))
+  assert float(jnp.abs(out).max()) == pytest.approx(0.0)  # identical samples: no advantage

@@ -1,0 +1,295 @@
+"""Losses: hand-computed cases, a NumPy reference, jit/no-jit, and structural properties."""
+
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent import losses
+from jaxagent.batch import pack, rollout_weights
+
+
+def row(*xs):
+  return jnp.asarray([xs], jnp.float32)
+
+
+# -- hand-computed -------------------------------------------------------------------
+
+
+def test_token_logp_and_entropy_match_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 5, 11)).astype(np.float32) * 3
+  targets = rng.integers(0, 11, (2, 5))
+  for temp in (1.0, 0.7):
+    z = logits / temp
+    logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    want = np.take_along_axis(logp_all, targets[..., None], -1)[..., 0]
+    want_ent = -(np.exp(logp_all) * logp_all).sum(-1)
+    logp, ent = losses.token_logp_and_entropy(jnp.asarray(logits), jnp.asarray(targets), temp)
+    np.testing.assert_allclose(logp, want, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+
+
+def test_ppo_clip_hand_computed():
+  ratio = np.array([1.5, 0.5, 1.0, 1.1, 5.0])
+  adv = row(1.0, 1.0, -1.0, -2.0, -1.0)
+  logp = row(*np.log(ratio))
+  old = jnp.zeros_like(logp)
+  mask = row(1, 1, 1, 1, 1)
+  out = losses.ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+  # per token: max(-A r, -A clip(r, 0.8, 1.28))
+  per_token = [-1.28, -0.5, 1.0, 2.2, 5.0]
+  assert float(out.sum) == pytest.approx(sum(per_token), abs=1e-5)
+  assert float(out.denom) == 5
+  assert out.metrics["clip_frac"][0] == pytest.approx(1.0)  # only token 0
+  dual = losses.ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+  # Token 4 (A < 0, r = 5): capped at -A * 3 = 3.
+  assert float(dual.sum) == pytest.approx(sum(per_token[:4]) + 3.0, abs=1e-5)
+  assert dual.metrics["dual_clip_frac"][0] == pytest.approx(1.0)
+
+
+def test_gspo_hand_computed_and_gradient():
+  logp = row(0.1, 0.3, 0.0)
+  old = row(0.0, 0.0, 0.0)
+  mask = row(1, 1, 0)
+  seg = jnp.asarray([[1, 1, 1]])
+  s = math.exp(0.2)  # exp(mean log-ratio over the two action tokens)
+  up = losses.gspo_loss(logp, old, row(1, 1, 1), mask, seg, clip_low=0.1, clip_high=0.1)
+  assert float(up.sum) == pytest.approx(2 * -1.1, abs=1e-5)  # clipped at 1 + 0.1
+  down = losses.gspo_loss(logp, old, row(-1, -1, -1), mask, seg, clip_low=0.1, clip_high=0.1)
+  assert float(down.sum) == pytest.approx(2 * s, abs=1e-5)  # unclipped side is larger
+
+  # Unclipped, with a constant advantage, the gradient is GSPO's: A s / |y| per token.
+  def loss(lp):
+    out = losses.gspo_loss(lp, old, row(-1, -1, -1), mask, seg, clip_low=0.5, clip_high=0.5,
+                           reduce=functools.partial(losses.seq_mean_token_mean,
+                                                    segment_ids_BxT=seg))
+    return out.sum / out.denom
+
+  g = jax.grad(loss)(logp)
+  np.testing.assert_allclose(g, [[s / 2, s / 2, 0.0]], atol=1e-5)
+
+
+def test_reinforce_hand_computed():
+  out = losses.reinforce_loss(row(-1.0, -2.0, -3.0), row(2.0, -1.0, 5.0), row(1, 1, 0))
+  assert float(out.sum) == pytest.approx(2.0 - 2.0)
+  assert float(out.denom) == 2
+
+
+@pytest.mark.parametrize("level,mode,weights,mask", [
+    ("token", "truncate", [2.0, math.exp(-1), 1.0, 1.0], [1, 1, 1, 0]),
+    ("token", "mask", [math.e, math.exp(-1), 1.0, 1.0], [0, 0, 1, 0]),
+    # sequence: product over the segment's action tokens = e^(1 - 1 + 0) = 1
+    ("sequence", "mask", [1.0, 1.0, 1.0, 1.0], [1, 1, 1, 0]),
+    ("geometric", "truncate", [1.0, 1.0, 1.0, 1.0], [1, 1, 1, 0]),
+])
+def test_rollout_correction_hand_computed(level, mode, weights, mask):
+  old = row(0.0, -2.0, -1.0, -5.0)
+  rollout = row(-1.0, -1.0, -1.0, 0.0)  # log w = [1, -1, 0, (masked)]
+  m = row(1, 1, 1, 0)
+  seg = jnp.asarray([[1, 1, 1, 1]])
+  c = losses.rollout_correction(old, rollout, m, seg, mode=mode, level=level, low=0.5, high=2.0)
+  np.testing.assert_allclose(c.weights[0, :3], weights[:3], rtol=1e-5)
+  np.testing.assert_array_equal(c.mask[0], mask)
+  key = "is_masked_frac" if mode == "mask" else "is_truncated_frac"
+  s, d = c.metrics[key]
+  assert float(s / d) == pytest.approx(1.0 - sum(mask) / 3 if mode == "mask" else
+                                       (1 / 3 if level == "token" else 0.0))
+
+
+def test_sequence_level_mask_drops_the_whole_sequence():
+  old = row(0.0, 0.0, 0.0, 0.0)
+  rollout = row(-1.0, -1.0, 0.0, 0.0)
+  m = row(1, 1, 1, 1)
+  seg = jnp.asarray([[1, 1, 2, 2]])
+  c = losses.rollout_correction(old, rollout, m, seg, mode="mask", level="sequence", high=2.0)
+  np.testing.assert_array_equal(c.mask[0], [0, 0, 1, 1])  # e^2 > 2 for segment 1
+
+
+def test_kl_estimators_hand_computed():
+  logp, ref = row(0.5), row(0.0)
+  assert float(losses.kl_penalty(logp, ref, "k1")[0, 0]) == pytest.approx(0.5)
+  assert float(losses.kl_penalty(logp, ref, "k2")[0, 0]) == pytest.approx(0.125)
+  assert float(losses.kl_penalty(logp, ref, "k3")[0, 0]) == pytest.approx(
+      math.exp(-0.5) - 1 + 0.5, rel=1e-6)
+  with pytest.raises(ValueError, match="k4"):
+    losses.kl_penalty(logp, ref, "k4")
+
+
+def test_reductions_hand_computed():
+  values = jnp.asarray([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0]])
+  mask = jnp.asarray([[0, 1, 1, 1], [1, 1, 0, 0]], jnp.float32)
+  seg = jnp.asarray([[1, 1, 2, 2], [1, 1, 0, 0]])
+  # token mean: (2 + 3 + 4 + 5 + 6) / 5
+  s, d = losses.token_mean(values, mask)
+  assert (float(s), float(d)) == (20.0, 5.0)
+  # sequences: row0 seg1 = [2] -> 2; row0 seg2 = [3, 4] -> 3.5; row1 seg1 = [5, 6] -> 5.5
+  s, d = losses.seq_mean_token_mean(values, mask, seg)
+  assert float(s) == pytest.approx(2 + 3.5 + 5.5) and float(d) == pytest.approx(3)
+  # Dr. GRPO: token sums / 4, mean over 3 sequences
+  s, d = losses.seq_mean_token_sum_norm(values, mask, seg, norm_len=4.0)
+  assert float(s) == pytest.approx(20 / 4) and float(d) == pytest.approx(3)
+  # per rollout: rollout A = row0 seg1 + row1 seg1 (3 tokens), rollout B = row0 seg2
+  rollout_ids = np.asarray([[0, 0, 1, 1], [0, 0, -1, -1]])
+  w = rollout_weights(np.asarray(mask), rollout_ids)
+  s, d = losses.per_rollout(values, mask, jnp.asarray(w))
+  assert float(s) == pytest.approx((2 + 5 + 6) / 3 + (3 + 4) / 2) and float(d) == pytest.approx(2)
+
+
+# -- NumPy reference and jit ------------------------------------------------------------
+
+
+def _np_ppo(logp, old, adv, mask, lo, hi):
+  r = np.exp(logp - old)
+  loss = np.maximum(-adv * r, -adv * np.clip(r, 1 - lo, 1 + hi))
+  return (loss * mask).sum() / mask.sum()
+
+
+class LossVariantsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_ppo_matches_numpy_reference(self):
+    rng = np.random.default_rng(1)
+    shape = (6, 50)
+    logp = -rng.random(shape).astype(np.float32) * 3
+    old = logp + rng.normal(0, 0.3, shape).astype(np.float32)
+    adv = rng.normal(size=shape).astype(np.float32)
+    mask = (rng.random(shape) < 0.7).astype(np.float32)
+
+    @self.variant
+    def f(logp, old, adv, mask):
+      out = losses.ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+      return out.sum / out.denom
+
+    np.testing.assert_allclose(f(logp, old, adv, mask),
+                               _np_ppo(logp, old, adv, mask, 0.2, 0.28), rtol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_seq_mean_matches_numpy_reference(self):
+    rng = np.random.default_rng(2)
+    B, T = 4, 40
+    values = rng.normal(size=(B, T)).astype(np.float32)
+    mask = (rng.random((B, T)) < 0.6).astype(np.float32)
+    seg = np.sort(rng.integers(1, 5, (B, T)), axis=1)
+    means = []
+    for b in range(B):
+      for s in np.unique(seg[b]):
+        m = (seg[b] == s) * mask[b]
+        if m.sum():
+          means.append((values[b] * m).sum() / m.sum())
+    s, d = self.variant(losses.seq_mean_token_mean)(values, mask, seg)
+    np.testing.assert_allclose(s / d, np.mean(means), rtol=1e-5)
+    assert float(d) == len(means)
+
+
+# -- properties -----------------------------------------------------------------------
+
+
+def _segments(rng, n, vocab=50):
+  out = []
+  for i in range(n):
+    length = int(rng.integers(4, 12))
+    mask = (rng.random(length) < 0.7).astype(np.float32)
+    mask[0] = 0
+    out.append(dict(tokens=rng.integers(0, vocab, length), loss_mask=mask,
+                    rollout_logp=-rng.random(length).astype(np.float32) * mask,
+                    advantages=rng.normal(size=length).astype(np.float32) * mask,
+                    old_logp=-rng.random(length).astype(np.float32), rollout_id=i // 2))
+  return out
+
+
+@pytest.mark.parametrize("reduction", sorted(losses.REDUCTIONS))
+def test_packed_equals_unpacked(reduction):
+  rng = np.random.default_rng(3)
+  segs = _segments(rng, 7)
+  logp_of = [-rng.random(len(s["tokens"])).astype(np.float32) for s in segs]
+  for s, lp in zip(segs, logp_of):
+    s["ref_logp"] = lp  # carry the "current" log-probs through packing
+
+  def total(batch):
+    reduce = losses.make_reduce(reduction, segment_ids_BxT=jnp.asarray(batch.segment_ids),
+                                rollout_weight_BxT=jnp.asarray(batch.rollout_weight),
+                                norm_len=12.0)
+    out = losses.ppo_clip_loss(jnp.asarray(batch.ref_logp), jnp.asarray(batch.old_logp),
+                               jnp.asarray(batch.advantages), jnp.asarray(batch.loss_mask),
+                               reduce=reduce)
+    return float(out.sum), float(out.denom)
+
+  packed, placed = pack(segs, rows=2, seq_len=48)
+  assert (placed >= 0).all() and len(set(placed.tolist())) == 2
+  unpacked, _ = pack(segs, rows=len(segs), seq_len=12)
+  # One row per segment when each row only fits one.
+  assert (unpacked.segment_ids.max(axis=1) == 1).all()
+  np.testing.assert_allclose(total(packed), total(unpacked), rtol=1e-5)
+
+
+def test_masked_equals_filtered():
+  rng = np.random.default_rng(4)
+  T = 30
+  logp, old = -rng.random((1, T)), -rng.random((1, T))
+  adv = rng.normal(size=(1, T))
+  mask = (rng.random((1, T)) < 0.5).astype(np.float32)
+  keep = mask[0] > 0
+  full = losses.ppo_clip_loss(*(jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)))
+  filt = losses.ppo_clip_loss(*(jnp.asarray(x[:, keep], jnp.float32)
+                                for x in (logp, old, adv, np.ones_like(mask))))
+  np.testing.assert_allclose([full.sum, full.denom], [filt.sum, filt.denom], rtol=1e-5)
+
+
+def test_reductions_add_up_over_microbatches():
+  rng = np.random.default_rng(5)
+  batch, _ = pack(_segments(rng, 12), rows=4, seq_len=30)
+  values = jnp.asarray(rng.normal(size=batch.tokens.shape), jnp.float32)
+  for name in losses.REDUCTIONS:
+    def sd(rows):
+      reduce = losses.make_reduce(name, segment_ids_BxT=jnp.asarray(batch.segment_ids[rows]),
+                                  rollout_weight_BxT=jnp.asarray(batch.rollout_weight[rows]),
+                                  norm_len=30.0)
+      return np.asarray(reduce(values[rows], jnp.asarray(batch.loss_mask[rows])))
+    full = sd(slice(0, 4))
+    split = sd(slice(0, 2)) + sd(slice(2, 4))
+    np.testing.assert_allclose(split, full, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("policy", ["ppo", "gspo", "reinforce"])
+def test_gradients_finite_under_masks(policy):
+  # A fully masked row, extreme log-probs on masked tokens, and an empty segment.
+  logp = jnp.asarray([[-1.0, -200.0, -0.5], [-300.0, -1e4, 0.0]])
+  old = jnp.asarray([[-1.2, 0.0, -0.4], [0.0, 0.0, -50.0]])
+  rollout = jnp.asarray([[-1.0, -90.0, -0.3], [0.0, 0.0, 0.0]])
+  adv = jnp.asarray([[1.0, 1.0, -1.0], [1.0, 1.0, 1.0]])
+  mask = jnp.asarray([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+  seg = jnp.asarray([[1, 1, 2], [1, 1, 1]])
+
+  def objective(lp):
+    corr = losses.rollout_correction(old, rollout, mask, seg, mode="mask", level="geometric")
+    reduce = functools.partial(losses.seq_mean_token_mean, segment_ids_BxT=seg)
+    if policy == "ppo":
+      out = losses.ppo_clip_loss(lp, old, adv, corr.mask, reduce=reduce, dual_clip=3.0,
+                                 is_weights_BxT=corr.weights)
+    elif policy == "gspo":
+      out = losses.gspo_loss(lp, old, adv, corr.mask, seg, reduce=reduce,
+                             is_weights_BxT=corr.weights)
+    else:
+      out = losses.reinforce_loss(lp, adv, corr.mask, reduce=reduce, is_weights_BxT=corr.weights)
+    kl, _ = reduce(losses.kl_penalty(lp, old, "k3"), corr.mask)
+    return (out.sum + 0.1 * kl) / jnp.maximum(out.denom, 1.0)
+
+  g = jax.grad(objective)(logp)
+  assert bool(jnp.all(jnp.isfinite(g)))
+  assert float(jnp.abs(g[1]).sum()) == 0.0  # masked row gets no gradient
+  assert float(jnp.abs(g[0, 0])) > 0.0
+
+
+def test_unknown_names_are_errors():
+  z = row(0.0)
+  with pytest.raises(ValueError, match="unknown reduction"):
+    losses.make_reduce("mean", segment_ids_BxT=z, rollout_weight_BxT=z, norm_len=1.0)
+  with pytest.raises(ValueError, match="level"):
+    losses.rollout_correction(z, z, z, z, level="word")
+  with pytest.raises(ValueError, match="mode"):
+    losses.rollout_correction(z, z, z, z, mode="clip")
