@@ -134,34 +134,44 @@ def _split_microbatches(batch: TrajectoryBatch, n: int, sharding: Optional[Named
   return jax.tree.map(split, batch)
 
 
+def accumulate_gradients(params: Params, batch: TrajectoryBatch, objective, microbatches: int,
+                         micro_sharding: Optional[NamedSharding] = None):
+  """Gradient of the full-batch objective sum(sums) / sum(denominators), by microbatches.
+
+  `objective(params, batch) -> (sum, (denominator, metrics))`. Returns the
+  summed gradient of the sums (not yet divided), the summed loss, the summed
+  denominator and summed metric (sum, denominator) pairs.
+  """
+  rows = batch.tokens.shape[0]
+  if rows % microbatches:
+    raise ValueError(f"batch rows ({rows}) must be divisible by learner.microbatches "
+                     f"({microbatches})")
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  if microbatches == 1:
+    (total, (denom, metrics)), grads = grad_fn(params, batch)
+    return grads, total, denom, metrics
+  mbs = _split_microbatches(batch, microbatches, micro_sharding)
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+  def body(acc, mb):
+    return jax.tree.map(jnp.add, acc, grad_fn(params, mb)), None
+
+  ((total, (denom, metrics)), grads), _ = jax.lax.scan(body, zeros, mbs)
+  return grads, total, denom, metrics
+
+
 def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_state,
                tx: optax.GradientTransformation, schedule: optax.Schedule, cfg: LearnerConfig,
                micro_sharding: Optional[NamedSharding] = None) -> tuple[TrainState, dict]:
   """One optimiser step over `batch`, accumulating `cfg.microbatches` exactly."""
   chex.assert_rank(batch.tokens, 2)
-  rows = batch.tokens.shape[0]
-  n = cfg.microbatches
-  if rows % n:
-    raise ValueError(f"batch rows ({rows}) must be divisible by learner.microbatches ({n})")
 
   def objective(params, mb):
     return microbatch_objective(bind(graphdef, abstract_state, params), mb, cfg)
 
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
-  if n == 1:
-    (total, (denom, metrics)), grads = grad_fn(state.params, batch)
-  else:
-    mbs = _split_microbatches(batch, n, micro_sharding)
-    first = jax.tree.map(lambda x: x[0], mbs)
-    shapes = jax.eval_shape(grad_fn, state.params, first)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def body(acc, mb):
-      out = grad_fn(state.params, mb)
-      return jax.tree.map(jnp.add, acc, out), None
-
-    ((total, (denom, metrics)), grads), _ = jax.lax.scan(body, zeros, mbs)
-
+  grads, total, denom, metrics = accumulate_gradients(state.params, batch, objective,
+                                                      cfg.microbatches, micro_sharding)
   # The objective is sum / denom; the denominator does not depend on the params.
   scale = jnp.where(denom > 0, 1.0 / jnp.maximum(denom, 1e-12), 0.0)
   grads = jax.tree.map(lambda g: g * scale, grads)

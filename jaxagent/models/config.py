@@ -56,6 +56,19 @@ class ModelConfig:
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + l * per_layer + d + head
 
+  def train_flops_per_token(self, seq_len: int) -> float:
+    """Matmul FLOPs of one training token (forward + backward = 3 x forward).
+
+    Counts every weight matmul (including the output head) and the attention
+    score and value products over a `seq_len` context, as computed (the
+    causal mask is applied to a full T x T product).
+    """
+    d, f, l = self.d_model, self.d_ff, self.n_layers
+    weights = l * (d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * d * f)
+    weights += d * self.vocab_size
+    attention = l * 2 * seq_len * self.n_heads * self.head_dim
+    return 3 * 2 * (weights + attention)
+
 
 PRESETS: dict[str, ModelConfig] = {
     # ~0.8M parameters: CPU tests and the default run. Vocabulary fits the

@@ -160,7 +160,11 @@ class Decoder(nnx.Module):
     scale = 1.0 / math.sqrt(cfg.head_dim)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
 
-    x = jnp.take(self.embed.get_value(), tokens_BxT, axis=0).astype(dt)
+    # Gather the FSDP-sharded embedding dimension first: a lookup into a table
+    # split on `embed` would yield activations split on `embed`, which cannot be
+    # resharded to batch-split activations cheaply.
+    table = self._constrain(self.embed.get_value(), ("vocab", None))
+    x = jnp.take(table, tokens_BxT, axis=0).astype(dt)
     x = self._constrain(x, ("batch", "length", "act_embed"))
 
     def layer(x, xs):
