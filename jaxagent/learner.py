@@ -175,7 +175,7 @@ def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_
   # The objective is sum / denom; the denominator does not depend on the params.
   scale = jnp.where(denom > 0, 1.0 / jnp.maximum(denom, 1e-12), 0.0)
   grads = jax.tree.map(lambda g: g * scale, grads)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   rng, _ = jax.random.split(state.rng)

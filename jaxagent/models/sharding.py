@@ -104,7 +104,7 @@ def state_specs(state: nnx.State, rules: Rules, mesh: Optional[Mesh] = None) -> 
   it is replicated.
   """
   out: dict = {}
-  for path, var in state.flat_state():
+  for path, var in nnx.to_flat_state(state):
     axes = var.get_metadata().get("logical_axes")
     shape = getattr(var.get_value(), "shape", ())
     if axes is None:

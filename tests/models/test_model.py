@@ -97,7 +97,7 @@ def test_preset_shapes(name, expected_millions):
 
 def test_every_parameter_has_logical_axes():
   _, state = abstract_model(preset("tiny", qkv_bias=True, tie_embeddings=False))
-  for path, var in state.flat_state():
+  for path, var in nnx.to_flat_state(state):
     axes = var.get_metadata().get("logical_axes")
     assert axes is not None and len(axes) == var.get_value().ndim, path
 

@@ -1,0 +1,365 @@
+"""A JetStream-shaped inference engine over the jaxagent decoder.
+
+Same method names and meaning as JetStream's `engine_api.Engine`:
+`load_params`, `init_decode_state`, `prefill`, `insert`, `generate`,
+`free_resource`, `max_concurrent_decodes`, `max_prefill_length`, `mesh`, with
+params and decode state passed explicitly. Differences are additions:
+`prefill` takes per-request `SamplingParams`, and `ResultTokens` carry
+log-probs and the policy version beside the token ids.
+
+- Prefill lengths are bucketed (powers of two) so each bucket compiles once;
+  a prefill may extend an existing prefix (KV from the prefix cache), whose
+  length is bucketed too.
+- The decode state is a fixed array of `max_concurrent_decodes` slots, so
+  `generate` compiles once; `insert` and `generate` donate it.
+- Sampling is per slot (temperature, top-k, top-p, seed). The key of the
+  token at position p is `fold_in(PRNGKey(seed), p)`, so a request's tokens do
+  not depend on which slot it runs in or what runs beside it.
+- Each step returns one packed int32 array (`ResultTokens.data`): token id,
+  valid, length, log-prob bits, raw log-prob bits, policy version, so the host
+  copy is one transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxagent.models.config import ModelConfig
+from jaxagent.models.llama import KVCache
+from jaxagent.models.params import abstract_model, bind, param_shardings
+from jaxagent.models.sharding import SAMPLE_RULES, Rules
+
+# Columns of the packed per-step result.
+TOKEN, VALID, LENGTH, LOGP, RAW_LOGP, VERSION = range(6)
+NUM_COLUMNS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 64
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  def validate(self, vocab_size: int) -> None:
+    if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+class ResultTokens(NamedTuple):
+  """Packed results of one step: `data[slot] = (token, valid, length, logp bits,
+  raw logp bits, version)`; log-probs are float32 bit patterns in int32."""
+
+  data: Any
+
+  def to_host(self) -> "HostResult":
+    d = np.asarray(self.data)
+    return HostResult(tokens=d[:, TOKEN], valid=d[:, VALID].astype(bool), lengths=d[:, LENGTH],
+                      logp=d[:, LOGP].view(np.float32), raw_logp=d[:, RAW_LOGP].view(np.float32),
+                      versions=d[:, VERSION])
+
+
+class HostResult(NamedTuple):
+  tokens: np.ndarray
+  valid: np.ndarray
+  lengths: np.ndarray
+  logp: np.ndarray
+  raw_logp: np.ndarray
+  versions: np.ndarray
+
+
+class Prefix(NamedTuple):
+  """A prefilled request: its KV row and the state its first decode step starts from."""
+
+  cache: KVCache  # [layers, 1, max_len, kv_heads, head_dim]
+  token: jax.Array  # the first sampled token (fed at the next step)
+  length: jax.Array  # tokens in the cache (= position of `token`)
+  key: jax.Array  # the request's base PRNG key
+  temperature: jax.Array
+  top_p: jax.Array
+  top_k: jax.Array
+
+
+class DecodeState(NamedTuple):
+  cache: KVCache  # [layers, slots, max_len, kv_heads, head_dim]
+  tokens: jax.Array  # [slots] token to feed at the next step
+  lengths: jax.Array  # [slots] its position
+  keys: jax.Array  # [slots, 2]
+  temperature: jax.Array  # [slots]
+  top_p: jax.Array
+  top_k: jax.Array
+
+
+class ExistingPrefix(NamedTuple):
+  """KV of the first `length` tokens of a prompt (from the prefix cache), host arrays
+  `[layers, length, kv_heads, head_dim]`."""
+
+  k: np.ndarray
+  v: np.ndarray
+
+  @property
+  def length(self) -> int:
+    return int(self.k.shape[1])
+
+
+def bucket(n: int, smallest: int = 16) -> int:
+  """The prefill bucket for `n` tokens: the next power of two, at least `smallest`."""
+  return max(smallest, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def _bits(x):
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def sample_token(logits_V: jax.Array, key: jax.Array, temperature: jax.Array,
+                 top_p: jax.Array, top_k: jax.Array, filtered: bool = True):
+  """Samples one token; returns (token, log-prob under the sampling distribution,
+  log-prob under the raw model).
+
+  The sampling distribution is softmax(logits / temperature) restricted to the
+  top-k tokens and then to the smallest set whose probability reaches top_p;
+  the returned log-prob is taken from exactly that distribution. Greedy
+  (temperature 0) samples from a point mass: log-prob 0.
+  """
+  logits = logits_V.astype(jnp.float32)
+  raw_logp = jax.nn.log_softmax(logits)
+  greedy = temperature <= 0.0
+  scaled = logits / jnp.where(greedy, 1.0, temperature)
+  if filtered:
+    order = jnp.sort(scaled)[::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, scaled.shape[0]), scaled.shape[0])
+    kth = order[k - 1]
+    probs = jax.nn.softmax(jnp.where(order >= kth, order, -jnp.inf))
+    # Keep a sorted token if the mass before it is below top_p (the first always is).
+    keep = (jnp.cumsum(probs) - probs) < top_p
+    threshold = jnp.min(jnp.where(keep & (order >= kth), order, jnp.inf))
+    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+  logp_all = jax.nn.log_softmax(scaled)
+  sampled = jax.random.categorical(key, scaled)
+  token = jnp.where(greedy, jnp.argmax(logits), sampled).astype(jnp.int32)
+  logp = jnp.where(greedy, 0.0, logp_all[token])
+  return token, logp, raw_logp[token]
+
+
+def _sample_rows(logits_SxV, keys, temperature, top_p, top_k):
+  """Samples every row; skips the sort of top-k/top-p when no row uses them."""
+  any_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+  plain = jax.vmap(functools.partial(sample_token, filtered=False))
+  fancy = jax.vmap(functools.partial(sample_token, filtered=True))
+  return jax.lax.cond(any_filter, fancy, plain, logits_SxV, keys, temperature, top_p, top_k)
+
+
+def _step_key(key, position):
+  return jax.random.fold_in(key, position)
+
+
+class Engine:
+  """JetStream-style engine for the Llama/Qwen2 decoder of `jaxagent.models`."""
+
+  def __init__(self, model_cfg: ModelConfig, *, max_concurrent_decodes: int = 8,
+               max_prefill_length: int = 512, max_seq_len: int = 1024,
+               mesh: Optional[Mesh] = None, rules: Rules = SAMPLE_RULES,
+               min_prefill_bucket: int = 16, cache_dtype: Optional[str] = None):
+    if max_prefill_length > max_seq_len:
+      raise ValueError(f"max_prefill_length ({max_prefill_length}) exceeds max_seq_len "
+                       f"({max_seq_len})")
+    self.model_cfg = model_cfg
+    self._slots = max_concurrent_decodes
+    self._max_prefill = max_prefill_length
+    self.max_seq_len = max_seq_len
+    self.min_bucket = min_prefill_bucket
+    self._mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                                                    ("data", "fsdp", "tensor"))
+    self.rules = rules
+    self.cache_dtype = jnp.dtype(cache_dtype or model_cfg.dtype)
+    self.graphdef, self.abstract_params = abstract_model(model_cfg)
+    self.weight_shardings = param_shardings(model_cfg, self._mesh, rules)
+    rep = NamedSharding(self._mesh, P())
+    self._replicated = rep
+    self._prefill = jax.jit(self._prefill_impl, static_argnames=("has_prefix",))
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+    self._row = jax.jit(lambda state, slot: (state.cache.k[:, slot], state.cache.v[:, slot]))
+
+  # -- JetStream properties ----------------------------------------------------------
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self._slots
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self._max_prefill
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model_cfg.vocab_size
+
+  # -- params ---------------------------------------------------------------------------
+
+  def load_params(self, params: Any = None, *, path: Optional[str] = None, version: int = 0):
+    """Engine params: weights placed with the sampling shardings, plus the policy version.
+
+    Give host/device `params` (a pure dict), or `path` to a policy export.
+    """
+    if (params is None) == (path is None):
+      raise ValueError("give exactly one of params or path")
+    if path is not None:
+      from jaxagent.checkpoint import abstract_params_like, load_policy
+      from flax import nnx
+
+      shapes = nnx.to_pure_dict(self.abstract_params)
+      weights = load_policy(path, abstract_params_like(shapes, self.weight_shardings))
+    else:
+      weights = jax.device_put(params, self.weight_shardings)
+    dtype = jnp.dtype(self.model_cfg.param_dtype)
+    weights = jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, weights)
+    return {"weights": weights, "version": jax.device_put(jnp.int32(version), self._replicated)}
+
+  # -- decode state -----------------------------------------------------------------------
+
+  def init_decode_state(self) -> DecodeState:
+    S, cfg = self._slots, self.model_cfg
+    shape = (cfg.n_layers, S, self.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
+    zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
+    return DecodeState(
+        cache=KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype)),
+        tokens=zeros((S,)), lengths=zeros((S,)),
+        keys=jnp.zeros((S, 2), jnp.uint32), temperature=jnp.ones((S,), jnp.float32),
+        top_p=jnp.ones((S,), jnp.float32), top_k=zeros((S,)))
+
+  def free_resource(self, slot: int) -> None:
+    """Nothing to release: a freed slot's row is overwritten by the next `insert`."""
+    del slot
+
+  # -- prefill --------------------------------------------------------------------------
+
+  def pad_tokens(self, tokens: Sequence[int], prefix_length: int = 0) -> tuple[np.ndarray, int]:
+    """Pads prompt tokens to their bucket; returns (padded, true_length)."""
+    n = len(tokens)
+    if n < 1:
+      raise ValueError("a prompt needs at least one token")
+    if prefix_length + n > self._max_prefill:
+      raise ValueError(f"prompt of {prefix_length + n} tokens exceeds max_prefill_length "
+                       f"{self._max_prefill}")
+    b = min(bucket(n, self.min_bucket), bucket(self._max_prefill, self.min_bucket))
+    out = np.zeros(b, np.int32)
+    out[:n] = tokens
+    return out, n
+
+  def _prefill_impl(self, params, prefix_k, prefix_v, prefix_len, padded, true_length,
+                    key, temperature, top_p, top_k, *, has_prefix: bool):
+    cfg = self.model_cfg
+    shape = (cfg.n_layers, 1, self.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
+    k = jnp.zeros(shape, self.cache_dtype)
+    v = jnp.zeros(shape, self.cache_dtype)
+    if has_prefix:
+      k = jax.lax.dynamic_update_slice(k, prefix_k[:, None].astype(k.dtype), (0, 0, 0, 0, 0))
+      v = jax.lax.dynamic_update_slice(v, prefix_v[:, None].astype(v.dtype), (0, 0, 0, 0, 0))
+    model = bind(self.graphdef, self.abstract_params, params["weights"])
+    T = padded.shape[0]
+    positions = (prefix_len + jnp.arange(T, dtype=jnp.int32))[None, :]
+    logits, cache = model(padded[None, :], positions, cache=KVCache(k, v))
+    length = prefix_len + true_length
+    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)
+    token, logp, raw = sample_token(last, _step_key(key, length), temperature, top_p, top_k)
+    prefix = Prefix(cache=cache, token=token, length=length, key=key,
+                    temperature=temperature, top_p=top_p, top_k=top_k)
+    data = jnp.stack([token, jnp.int32(1), length + 1, _bits(logp), _bits(raw),
+                      params["version"]])[None, :]
+    return prefix, ResultTokens(data)
+
+  def prefill(self, *, params, existing_prefix: Optional[ExistingPrefix] = None,
+              padded_tokens: np.ndarray, true_length: int,
+              sampling: SamplingParams = SamplingParams()) -> tuple[Prefix, ResultTokens]:
+    """Computes the KV of a prompt (after `existing_prefix`) and samples its first token."""
+    if existing_prefix is not None and existing_prefix.length > 0:
+      m = existing_prefix.length
+      pb = min(bucket(m, self.min_bucket), self.max_seq_len)
+      pk = np.zeros((existing_prefix.k.shape[0], pb) + existing_prefix.k.shape[2:],
+                    existing_prefix.k.dtype)
+      pv = np.zeros_like(pk)
+      pk[:, :m], pv[:, :m] = existing_prefix.k, existing_prefix.v
+      has_prefix = True
+    else:
+      m, pk, pv, has_prefix = 0, np.zeros((1,), np.float32), np.zeros((1,), np.float32), False
+    return self._prefill(params, pk, pv, np.int32(m), np.asarray(padded_tokens, np.int32),
+                         np.int32(true_length), jax.random.PRNGKey(sampling.seed),
+                         np.float32(sampling.temperature), np.float32(sampling.top_p),
+                         np.int32(sampling.top_k), has_prefix=has_prefix)
+
+  # -- insert / generate ----------------------------------------------------------------
+
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
+    cache = KVCache(
+        jax.lax.dynamic_update_index_in_dim(state.cache.k, prefix.cache.k[:, 0], slot, axis=1),
+        jax.lax.dynamic_update_index_in_dim(state.cache.v, prefix.cache.v[:, 0], slot, axis=1))
+    return DecodeState(
+        cache=cache, tokens=state.tokens.at[slot].set(prefix.token),
+        lengths=state.lengths.at[slot].set(prefix.length),
+        keys=state.keys.at[slot].set(prefix.key),
+        temperature=state.temperature.at[slot].set(prefix.temperature),
+        top_p=state.top_p.at[slot].set(prefix.top_p), top_k=state.top_k.at[slot].set(prefix.top_k))
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Moves a prefilled request into decode slot `slot` (donates `decode_state`)."""
+    return self._insert(prefix, decode_state, np.int32(slot))
+
+  def _generate_impl(self, params, state: DecodeState):
+    model = bind(self.graphdef, self.abstract_params, params["weights"])
+    logits, cache = model(state.tokens[:, None], state.lengths[:, None], cache=state.cache)
+    lengths = jnp.minimum(state.lengths + 1, self.max_seq_len - 1)
+    keys = jax.vmap(_step_key)(state.keys, lengths)
+    tokens, logp, raw = _sample_rows(logits[:, 0], keys, state.temperature, state.top_p,
+                                     state.top_k)
+    S = tokens.shape[0]
+    data = jnp.stack([tokens, jnp.ones((S,), jnp.int32), lengths + 1, _bits(logp), _bits(raw),
+                      jnp.broadcast_to(params["version"], (S,))], axis=1)
+    return state._replace(cache=cache, tokens=tokens, lengths=lengths), ResultTokens(data)
+
+  def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+    """One decode step for every slot (donates `decode_state`)."""
+    return self._generate(params, decode_state)
+
+  # -- helpers for the prefix cache ------------------------------------------------------
+
+  def prefix_kv(self, prefix: Prefix, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host copy of the first `n` positions of a prefill's KV: `[layers, n, heads, dim]`."""
+    k = np.asarray(prefix.cache.k[:, 0])
+    v = np.asarray(prefix.cache.v[:, 0])
+    return k[:, :n], v[:, :n]
+
+  def slot_kv(self, decode_state: DecodeState, slot: int, n: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Host copy of the first `n` cached positions of decode slot `slot`."""
+    k, v = self._row(decode_state, np.int32(slot))
+    return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
