@@ -105,6 +105,40 @@ class RunConfig:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Rollout engine sizes: decode slots, prefill and cache lengths, prefix cache."""
+
+  slots: int = 8
+  max_prefill_length: int = 512
+  max_seq_len: int = 1024
+  min_prefill_bucket: int = 16
+  # Prefix cache capacity in tokens; 0 turns it off.
+  prefix_cache_tokens: int = 65536
+  # Also cache each finished sequence (prompt + output), for the next turn of a session.
+  cache_finished: bool = True
+  max_queue: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """`python -m rollout_server --config ...`: one rollout server."""
+
+  name: str = "server"
+  seed: int = 0
+  host: str = "127.0.0.1"
+  port: int = 8000
+  model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  # A policy export to serve at start (a version directory, or a root with
+  # versions.json: its latest version); None serves `model` as built.
+  policy: Optional[str] = None
+  # What a weight update does to running requests: drain | abort.
+  update_mode: str = "drain"
+  max_sessions: int = 10000
+
+
 T = TypeVar("T")
 
 

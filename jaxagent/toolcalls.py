@@ -1,0 +1,66 @@
+"""Tool calls in model text: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+
+The format the chat templates of `jaxagent.tokenizer` render, parsed back into
+OpenAI-shaped tool calls. Standard library only (the environment tier and the
+server both use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  name: str
+  arguments: dict
+  id: str = ""
+
+  def openai(self) -> dict:
+    return {"id": self.id, "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedOutput:
+  content: str  # text outside tool-call blocks
+  calls: list[ToolCall]
+  errors: list[str]  # one message per malformed block
+
+
+def _parse_block(body: str) -> Any:
+  obj = json.loads(body.strip())
+  if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    raise ValueError('a tool call must be a JSON object with a string "name"')
+  args = obj.get("arguments", {})
+  if isinstance(args, str):  # some models write the arguments as a JSON string
+    args = json.loads(args) if args.strip() else {}
+  if not isinstance(args, dict):
+    raise ValueError('"arguments" must be a JSON object')
+  return obj["name"], args
+
+
+def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedOutput:
+  """Splits model text into content and tool calls; malformed blocks become errors."""
+  calls, errors, content = [], [], []
+  pos = 0
+  for i, m in enumerate(_BLOCK.finditer(text)):
+    content.append(text[pos:m.start()])
+    pos = m.end()
+    body = m.group(1)
+    if not m.group(0).endswith(CLOSE):
+      errors.append(f"tool call {i}: missing {CLOSE}")
+      continue
+    try:
+      name, args = _parse_block(body)
+      calls.append(ToolCall(name, args, f"{id_prefix}_{i}"))
+    except (ValueError, json.JSONDecodeError) as e:
+      errors.append(f"tool call {i}: {e}: {body.strip()[:200]!r}")
+  content.append(text[pos:])
+  return ParsedOutput("".join(content).strip(), calls, errors)

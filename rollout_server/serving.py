@@ -1,0 +1,114 @@
+"""Building a rollout server from its config, and running ASGI apps in a thread.
+
+`ServerThread` runs uvicorn in a background thread on a loopback port, for
+tests, benchmarks and the in-process servers of a training run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from typing import Optional
+
+import uvicorn
+
+from jaxagent.build import build_model
+from jaxagent.checkpoint import REGISTRY, latest_version, list_versions
+from jaxagent.config import ServerConfig
+from jaxagent.models.params import init_params
+from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
+from rollout_server.engine import Engine
+from rollout_server.orchestrator import Orchestrator
+from rollout_server.prefix_cache import PrefixCache
+from rollout_server.server import create_app
+
+
+def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
+  """A policy export's version directory and version number.
+
+  `path` is a version directory (`.../v00000007`) or an export root with a
+  registry (then `version`, or the latest).
+  """
+  if os.path.exists(os.path.join(path, REGISTRY)):
+    entries = {e["version"]: e["path"] for e in list_versions(path)}
+    v = latest_version(path) if version is None else int(version)
+    if v not in entries:
+      raise FileNotFoundError(f"policy version {v} is not in {path} (have {sorted(entries)})")
+    return entries[v], v
+  m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
+  if version is None and m is None:
+    raise ValueError(f"cannot tell the policy version of {path}: give a version")
+  return path, int(version if version is not None else m.group(1))
+
+
+def build_orchestrator(cfg: ServerConfig):
+  """Engine, orchestrator (started) and tokenizer for a server config."""
+  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  model_cfg, params, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES)
+  e = cfg.engine
+  engine = Engine(model_cfg, max_concurrent_decodes=e.slots,
+                  max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
+                  mesh=mesh, min_prefill_bucket=e.min_prefill_bucket)
+  if cfg.policy is not None:
+    path, version = resolve_policy(cfg.policy)
+    engine_params = engine.load_params(path=path, version=version)
+  else:
+    if params is None:
+      params = init_params(model_cfg, cfg.seed, mesh, SAMPLE_RULES)
+    engine_params = engine.load_params(params, version=0)
+  cache = PrefixCache(e.prefix_cache_tokens) if e.prefix_cache_tokens > 0 else None
+  orch = Orchestrator(engine, engine_params, prefix_cache=cache, max_queue=e.max_queue,
+                      cache_finished=e.cache_finished).start()
+  return engine, orch, tokenizer
+
+
+def build_app(cfg: ServerConfig):
+  engine, orch, tokenizer = build_orchestrator(cfg)
+
+  def load(path: str, version: Optional[int]):
+    path, version = resolve_policy(path, version)
+    return engine.load_params(path=path, version=version)
+
+  app = create_app(orch, tokenizer, load_params=load, update_mode=cfg.update_mode,
+                   max_sessions=cfg.max_sessions, model_name=cfg.name)
+  return app, orch
+
+
+class ServerThread:
+  """Serves an ASGI app with uvicorn on `host:port` (0: any free port) in a thread."""
+
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=5)
+    self.server = uvicorn.Server(config)
+    self.host = host
+    self._thread = threading.Thread(target=self.server.run, daemon=True, name="uvicorn")
+
+  def start(self, timeout: float = 30.0) -> "ServerThread":
+    self._thread.start()
+    deadline = time.time() + timeout
+    while not self.server.started:
+      if not self._thread.is_alive() or time.time() > deadline:
+        raise RuntimeError("server failed to start")
+      time.sleep(0.01)
+    return self
+
+  @property
+  def port(self) -> int:
+    return self.server.servers[0].sockets[0].getsockname()[1]
+
+  @property
+  def url(self) -> str:
+    return f"http://{self.host}:{self.port}"
+
+  def stop(self) -> None:
+    self.server.should_exit = True
+    self._thread.join(timeout=15)
+
+  def __enter__(self):
+    return self.start()
+
+  def __exit__(self, *exc):
+    self.stop()
