@@ -1,0 +1,91 @@
+"""Fixtures: a small model that has memorised two chat answers, and servers on loopback."""
+
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+
+from jaxagent.batch import pack
+from jaxagent.config import LearnerConfig
+from jaxagent.learner import Learner
+from jaxagent.models import preset
+from jaxagent.models.params import init_params
+from jaxagent.models.sharding import make_mesh
+from jaxagent.tokenizer import Tokenizer
+from rollout_server.engine import Engine
+from rollout_server.orchestrator import Orchestrator
+from rollout_server.prefix_cache import PrefixCache
+from rollout_server.server import create_app
+from rollout_server.serving import ServerThread
+
+CFG = preset("tiny", n_layers=2)
+TOOLS = [{"type": "function", "function": {
+    "name": "calculate", "description": "Evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}]
+# (messages, tools, memorised answer)
+MEMORISED = [
+    ([{"role": "user", "content": "What is 2+3?"}], TOOLS,
+     '<tool_call>{"name": "calculate", "arguments": {"expression": "2+3"}}</tool_call>'),
+    ([{"role": "user", "content": "Say hi"}], None, "Hi there!"),
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+  return Tokenizer.byte_level()
+
+
+@pytest.fixture(scope="session")
+def random_params():
+  return jax.device_get(init_params(CFG, 0))
+
+
+@pytest.fixture(scope="session")
+def memorised_params(tokenizer):
+  """Tiny-model weights trained (REINFORCE with advantage 1) to answer MEMORISED greedily."""
+  segs = []
+  for i, (messages, tools, answer) in enumerate(MEMORISED):
+    prompt = tokenizer.apply_chat_template(messages, tools=tools)
+    target = tokenizer.encode(answer + "<|im_end|>")
+    seq = np.asarray(prompt + target, np.int32)
+    mask = np.zeros(len(seq), np.float32)
+    mask[len(prompt):] = 1.0
+    segs.append(dict(tokens=seq, loss_mask=mask, advantages=mask, rollout_id=i,
+                     rollout_logp=np.zeros(len(seq), np.float32)))
+  batch, placed = pack(segs, len(segs), 512)
+  assert (placed >= 0).all()
+  learner = Learner(CFG, LearnerConfig(lr=3e-3, policy_loss="reinforce"), make_mesh())
+  state = learner.init_state(0)
+  for _ in range(300):
+    state, m = learner.step(state, batch)
+  assert float(m["loss"]) < 0.05, float(m["loss"])
+  return jax.device_get(state.params)
+
+
+def make_engine(**kw):
+  opts = dict(max_concurrent_decodes=4, max_prefill_length=256, max_seq_len=384)
+  opts.update(kw)
+  return Engine(CFG, **opts)
+
+
+@contextlib.contextmanager
+def running_server(params, tokenizer, *, version=0, prefix_cache=True, engine=None, **app_kw):
+  """A real server on a loopback port, stopped afterwards."""
+  engine = engine or make_engine()
+  orch = Orchestrator(engine, engine.load_params(params, version=version),
+                      prefix_cache=PrefixCache(100_000) if prefix_cache else None).start()
+
+  def load(path, version):
+    from rollout_server.serving import resolve_policy
+    path, version = resolve_policy(path, version)
+    return engine.load_params(path=path, version=version)
+
+  app = create_app(orch, tokenizer, load_params=load, **app_kw)
+  server = ServerThread(app).start()
+  try:
+    yield server, orch
+  finally:
+    server.stop()
+    orch.stop()

@@ -1,0 +1,121 @@
+"""Engine: exact log-probs against the learner, sampling semantics, compile-once shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent import losses
+from jaxagent.models.params import abstract_model, bind
+from rollout_server.engine import SamplingParams, bucket
+from tests.rollout_server.conftest import CFG, make_engine
+
+
+def run_alone(engine, params, prompt, sampling, steps, slot=0):
+  """Prefill, insert, then `steps` decode steps; returns tokens, logp, raw logp, versions."""
+  state = engine.init_decode_state()
+  padded, n = engine.pad_tokens(prompt)
+  prefix, first = engine.prefill(params=params, padded_tokens=padded, true_length=n,
+                                 sampling=sampling)
+  state = engine.insert(prefix, state, slot)
+  h = first.to_host()
+  out = [[int(h.tokens[0])], [float(h.logp[0])], [float(h.raw_logp[0])], [int(h.versions[0])]]
+  for _ in range(steps):
+    state, res = engine.generate(params, state)
+    h = res.to_host()
+    for col, arr in zip(out, (h.tokens, h.logp, h.raw_logp, h.versions)):
+      col.append(arr[slot].item())
+  return out
+
+
+def teacher_forced(params, tokens, temperature=1.0):
+  graphdef, state = abstract_model(CFG)
+  model = bind(graphdef, state, jax.device_put(params))
+  seq = jnp.asarray([tokens])
+  logits, _ = model(seq)
+  logp, _ = losses.token_logp_and_entropy(logits, losses.shifted_targets(seq), temperature)
+  return np.asarray(losses.align_to_tokens(logp)[0])
+
+
+def test_engine_logprobs_equal_learner_teacher_forced(random_params):
+  engine = make_engine()
+  params = engine.load_params(random_params, version=7)
+  prompt = [3, 14, 15, 92, 65, 35]
+  toks, logp, raw, versions = run_alone(engine, params, prompt, SamplingParams(seed=1), 24)
+  want = teacher_forced(random_params, prompt + toks)[len(prompt):]
+  np.testing.assert_allclose(logp, want, atol=2e-5)
+  np.testing.assert_allclose(raw, want, atol=2e-5)
+  assert set(versions) == {7}
+
+
+def test_tempered_and_truncated_logprobs(random_params):
+  engine = make_engine()
+  params = engine.load_params(random_params)
+  prompt = [5, 6, 7]
+  # Temperature: log-prob under softmax(logits / T); raw: under the model itself.
+  toks, logp, raw, _ = run_alone(engine, params, prompt, SamplingParams(temperature=0.7, seed=2),
+                                 10)
+  np.testing.assert_allclose(logp, teacher_forced(random_params, prompt + toks, 0.7)[3:],
+                             atol=2e-5)
+  np.testing.assert_allclose(raw, teacher_forced(random_params, prompt + toks)[3:], atol=2e-5)
+  # Greedy: the argmax every time, log-prob 0 (a point mass); top_k=1 is the same.
+  greedy = run_alone(engine, params, prompt, SamplingParams(temperature=0.0), 10)
+  tf_logits_argmax = []
+  graphdef, state = abstract_model(CFG)
+  model = bind(graphdef, state, jax.device_put(random_params))
+  logits, _ = model(jnp.asarray([prompt + greedy[0]]))
+  tf_logits_argmax = np.asarray(jnp.argmax(logits[0], -1))[len(prompt) - 1:-1]
+  assert greedy[0] == tf_logits_argmax.tolist()
+  assert greedy[1] == [0.0] * 11
+  topk1 = run_alone(engine, params, prompt, SamplingParams(top_k=1, seed=9), 10)
+  assert topk1[0] == greedy[0] and np.allclose(topk1[1], 0.0, atol=1e-6)
+
+
+def test_top_k_top_p_restrict_the_distribution(random_params):
+  engine = make_engine()
+  params = engine.load_params(random_params)
+  prompt = [40, 41, 42]
+  toks, logp, raw, _ = run_alone(engine, params, prompt, SamplingParams(top_k=5, seed=4), 15)
+  graphdef, state = abstract_model(CFG)
+  model = bind(graphdef, state, jax.device_put(random_params))
+  logits, _ = model(jnp.asarray([prompt + toks]))
+  logits = np.asarray(logits[0, len(prompt) - 1:-1])
+  for t, lp, row in zip(toks, logp, logits):
+    top5 = np.argsort(row)[-5:]
+    assert t in top5
+    z = row[top5] - row[top5].max()
+    want = z[list(top5).index(t)] - np.log(np.exp(z).sum())
+    assert lp == pytest.approx(want, abs=2e-5)  # renormalised over the top 5
+  toks_p, logp_p, _, _ = run_alone(engine, params, prompt, SamplingParams(top_p=0.05, seed=4), 5)
+  assert all(lp > np.log(0.05) - 1e-6 or lp == pytest.approx(0.0, abs=1e-6) for lp in logp_p)
+
+
+def test_same_seed_same_tokens_in_any_slot(random_params):
+  engine = make_engine()
+  params = engine.load_params(random_params)
+  a = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=5), 12, slot=0)
+  b = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=5), 12, slot=3)
+  c = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=6), 12, slot=0)
+  assert a == b and a[0] != c[0]
+
+
+def test_buckets_compile_once(random_params):
+  engine = make_engine()
+  params = engine.load_params(random_params)
+  assert bucket(3) == 16 and bucket(17) == 32 and bucket(64) == 64
+  for n in (3, 7, 16):  # one bucket
+    run_alone(engine, params, list(range(1, n + 1)), SamplingParams(seed=n), 3)
+  assert engine._prefill._cache_size() == 1
+  assert engine._generate._cache_size() == 1
+  run_alone(engine, params, list(range(1, 30)), SamplingParams(), 3)
+  assert engine._prefill._cache_size() == 2 and engine._generate._cache_size() == 1
+
+
+def test_bad_requests_are_named(random_params):
+  engine = make_engine(max_prefill_length=32)
+  with pytest.raises(ValueError, match="max_prefill_length 32"):
+    engine.pad_tokens(list(range(40)))
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=0.0).validate(CFG.vocab_size)
+  with pytest.raises(ValueError, match="stop_token_ids"):
+    SamplingParams(stop_token_ids=(10_000,)).validate(CFG.vocab_size)

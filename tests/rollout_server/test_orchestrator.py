@@ -1,0 +1,117 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rollout_server.engine import SamplingParams
+from rollout_server.orchestrator import Orchestrator, QueueFull, continuation
+from tests.rollout_server.conftest import make_engine
+
+
+@pytest.fixture
+def orch(random_params):
+  engine = make_engine()
+  o = Orchestrator(engine, engine.load_params(random_params, version=1)).start()
+  yield o
+  o.stop()
+
+
+def test_continuous_batching_more_requests_than_slots(orch):
+  reqs = [orch.submit([1 + i, 2, 3], SamplingParams(seed=i, max_new_tokens=5 + 3 * i))
+          for i in range(10)]
+  assert all(r.wait(120) for r in reqs)
+  assert [len(r.output_ids) for r in reqs] == [5 + 3 * i for i in range(10)]
+  assert all(r.finish_reason == "length" for r in reqs)
+  s = orch.stats()
+  assert s["live_slots"] == 0 and s["queue"] == 0 and s["requests_finished"] == 10
+  # Slots were shared: fewer decode steps than the sum of the outputs.
+  assert s["steps"] < sum(len(r.output_ids) for r in reqs)
+
+
+def test_same_seed_same_result_alone_or_among_others(orch):
+  alone = orch.generate([5, 6, 7, 8], SamplingParams(seed=42, max_new_tokens=16), timeout=60)
+  others = [orch.submit([9, i], SamplingParams(seed=i, max_new_tokens=4 + i)) for i in range(3)]
+  crowd = orch.submit([5, 6, 7, 8], SamplingParams(seed=42, max_new_tokens=16))
+  more = [orch.submit([11, i], SamplingParams(seed=i, max_new_tokens=9)) for i in range(3)]
+  for r in others + more + [crowd]:
+    r.wait(60)
+  assert crowd.output_ids == alone.output_ids
+  assert crowd.output_logprobs == alone.output_logprobs
+
+
+def test_stop_tokens_end_a_request(orch):
+  probe = orch.generate([1, 2], SamplingParams(seed=3, max_new_tokens=10), timeout=60)
+  stop = probe.output_ids[4]
+  r = orch.generate([1, 2], SamplingParams(seed=3, max_new_tokens=10, stop_token_ids=(stop,)),
+                    timeout=60)
+  assert r.finish_reason == "stop" and r.output_ids[-1] == stop
+  assert r.output_ids == probe.output_ids[:probe.output_ids.index(stop) + 1]
+
+
+def test_abort_returns_partial_output_and_frees_the_slot(orch):
+  r = orch.submit([1, 2, 3], SamplingParams(seed=1, max_new_tokens=300))
+  while len(r.output_ids) < 3:
+    time.sleep(0.01)
+  assert orch.abort(r.request_id)
+  assert r.wait(30) and r.finish_reason == "abort"
+  assert 3 <= len(r.output_ids) < 300
+  assert orch.stats()["live_slots"] == 0
+  assert not orch.abort("no-such-request")
+  # Resuming continues from the partial output.
+  prompt, sampling = continuation(r)
+  assert prompt == r.prompt_ids + r.output_ids and sampling.max_new_tokens == 300 - len(
+      r.output_ids)
+
+
+def test_weight_update_drain_and_abort(random_params):
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1)).start()
+  try:
+    before = orch.generate([4, 4, 4], SamplingParams(seed=0, max_new_tokens=12), timeout=60)
+    assert set(before.versions) == {1}
+    new = {k: v * 1.5 for k, v in random_params.items()}
+    # drain: the running request finishes on version 1.
+    running = orch.submit([4, 4, 4], SamplingParams(seed=0, max_new_tokens=40))
+    while not running.output_ids:
+      time.sleep(0.005)
+    report = orch.update_weights(engine.load_params(new, version=2), mode="drain")
+    assert running.done and running.finish_reason == "length" and set(running.versions) == {1}
+    assert report["version"] == 2 and report["in_flight"] == 1 and report["paused_s"] >= 0
+    after = orch.generate([4, 4, 4], SamplingParams(seed=0, max_new_tokens=12), timeout=60)
+    assert set(after.versions) == {2} and after.output_ids != before.output_ids
+    # abort: a running request comes back partial, stamped with the old version.
+    running = orch.submit([4, 4, 4], SamplingParams(seed=0, max_new_tokens=300))
+    while len(running.output_ids) < 2:
+      time.sleep(0.005)
+    report = orch.update_weights(engine.load_params(random_params, version=3), mode="abort")
+    assert running.finish_reason == "abort" and set(running.versions) == {2}
+    prompt, sampling = continuation(running)
+    resumed = orch.generate(prompt, sampling, timeout=120)
+    assert set(resumed.versions) == {3} and resumed.finish_reason == "length"
+    assert orch.stats()["last_swap"]["version"] == 3
+  finally:
+    orch.stop()
+
+
+def test_bad_requests_fail_alone(orch):
+  with pytest.raises(ValueError, match="vocabulary"):
+    orch.submit([1, 99999])
+  with pytest.raises(ValueError, match="empty"):
+    orch.submit([])
+  with pytest.raises(ValueError, match="max_prefill_length"):
+    orch.submit(list(range(1, 300)))
+  with pytest.raises(ValueError, match="temperature"):
+    orch.submit([1], SamplingParams(temperature=-1))
+  ok = orch.generate([1, 2], SamplingParams(max_new_tokens=3), timeout=60)
+  assert ok.finish_reason == "length"
+
+
+def test_queue_limit(random_params):
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params), max_queue=2)  # not started
+  orch.submit([1])
+  orch.submit([2])
+  with pytest.raises(QueueFull):
+    orch.submit([3])
+  orch.stop()
