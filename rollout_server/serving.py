@@ -93,11 +93,8 @@ class ServerThread:
       if not self._thread.is_alive() or time.time() > deadline:
         raise RuntimeError("server failed to start")
       time.sleep(0.01)
+    self.port = self.server.servers[0].sockets[0].getsockname()[1]
     return self
-
-  @property
-  def port(self) -> int:
-    return self.server.servers[0].sockets[0].getsockname()[1]
 
   @property
   def url(self) -> str:

@@ -65,7 +65,7 @@ def memorised_params(tokenizer):
 
 
 def make_engine(**kw):
-  opts = dict(max_concurrent_decodes=4, max_prefill_length=256, max_seq_len=384)
+  opts = dict(max_concurrent_decodes=4, max_prefill_length=512, max_seq_len=640)
   opts.update(kw)
   return Engine(CFG, **opts)
 

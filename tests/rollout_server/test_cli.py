@@ -1,0 +1,47 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.conftest import REPO
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_server_cli_serves_and_stops():
+  port = free_port()
+  proc = subprocess.Popen([sys.executable, "-m", "rollout_server", "--config",
+                           "configs/server_tiny.yaml", f"port={port}", "engine.slots=2"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 120
+    while True:
+      try:
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        if r.status_code == 200:
+          break
+      except httpx.HTTPError:
+        pass
+      assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+      time.sleep(0.3)
+    out = httpx.post(f"http://127.0.0.1:{port}/generate",
+                     json={"input_ids": [72, 105], "max_new_tokens": 4}, timeout=60).json()
+    assert len(out["output_ids"]) == 4
+  finally:
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+
+
+def test_server_cli_bad_config():
+  proc = subprocess.run([sys.executable, "-m", "rollout_server", "--config",
+                         "configs/server_tiny.yaml", "engine.slot=2"], cwd=REPO,
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and "engine.slot" in proc.stderr and "'slots'" in proc.stderr

@@ -1,0 +1,161 @@
+"""The HTTP API against real servers on loopback ports."""
+
+import json
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+from jaxagent.checkpoint import export_policy
+from tests.rollout_server.conftest import MEMORISED, TOOLS, running_server
+
+
+@pytest.fixture(scope="module")
+def server(memorised_params, tokenizer):
+  with running_server(memorised_params, tokenizer, version=3) as (srv, orch):
+    yield srv, orch
+
+
+def client(srv):
+  return httpx.Client(base_url=srv.url, timeout=120)
+
+
+def test_generate_token_in_token_out(server, tokenizer):
+  srv, _ = server
+  prompt = tokenizer.apply_chat_template(MEMORISED[1][0])
+  r = client(srv).post("/generate", json={"input_ids": prompt, "temperature": 0,
+                                          "max_new_tokens": 30,
+                                          "stop_token_ids": list(tokenizer.stop_ids)})
+  assert r.status_code == 200, r.text
+  out = r.json()
+  assert tokenizer.decode(out["output_ids"]) == MEMORISED[1][2] + "<|im_end|>"
+  assert out["finish_reason"] == "stop" and set(out["versions"]) == {3}
+  assert len(out["output_logprobs"]) == len(out["output_ids"]) == len(out["raw_logprobs"])
+  assert out["prompt_ids"] == prompt
+
+
+def test_openai_client_tool_calls_and_sessions(server):
+  srv, _ = server
+  oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+  messages, tools, _ = MEMORISED[0]
+  resp = oai.chat.completions.create(model="tiny", messages=messages, tools=tools,
+                                     temperature=0, max_tokens=100,
+                                     extra_headers={"X-Session-Id": "agent-1"})
+  choice = resp.choices[0]
+  assert choice.finish_reason == "tool_calls"
+  call = choice.message.tool_calls[0]
+  assert call.function.name == "calculate"
+  assert json.loads(call.function.arguments) == {"expression": "2+3"}
+  # The agent answers the tool call; the second call is the session's second turn.
+  follow = messages + [choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+  oai.chat.completions.create(model="tiny", messages=follow, tools=tools, temperature=0,
+                              max_tokens=5, extra_headers={"X-Session-Id": "agent-1"})
+  turns = client(srv).get("/sessions/agent-1").json()["turns"]
+  assert [t["turn"] for t in turns] == [0, 1]
+  first, second = turns
+  assert first["response"]["tool_calls"][0]["function"]["name"] == "calculate"
+  # Token-exact: the second prompt starts with the first prompt and its output.
+  assert second["prompt_ids"][:len(first["prompt_ids"])] == first["prompt_ids"]
+  assert len(first["output_logprobs"]) == len(first["output_ids"])
+  assert set(first["versions"]) == {3}
+  assert client(srv).get("/sessions/nope").status_code == 404
+
+
+def test_openai_streaming(server):
+  srv, _ = server
+  oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+  stream = oai.chat.completions.create(model="tiny", messages=MEMORISED[1][0], temperature=0,
+                                       max_tokens=40, stream=True)
+  chunks = list(stream)
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == MEMORISED[1][2]
+  assert chunks[-1].choices[0].finish_reason == "stop"
+  tool_stream = list(oai.chat.completions.create(
+      model="tiny", messages=MEMORISED[0][0], tools=TOOLS, temperature=0, max_tokens=100,
+      stream=True))
+  calls = [tc for c in tool_stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+  assert calls[0].function.name == "calculate"
+  assert tool_stream[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_bad_requests_get_4xx_and_the_server_lives(server):
+  srv, _ = server
+  c = client(srv)
+  cases = [
+      ({"input_ids": "abc"}, 422, "input_ids"),
+      ({"input_ids": [1, 2], "temperature": -1}, 400, "temperature"),
+      ({"input_ids": [1, 10**6]}, 400, "vocabulary"),
+      ({"input_ids": [1] * 600}, 400, "max_prefill_length) is 512"),
+      ({"input_ids": [1], "top_p": 2}, 400, "top_p"),
+      ({"input_ids": [1], "bogus": 1}, 422, "bogus"),
+  ]
+  for body, status, needle in cases:
+    r = c.post("/generate", json=body)
+    assert r.status_code == status and needle in r.text, (body, r.status_code, r.text)
+  r = c.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+  assert r.status_code == 422
+  r = c.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+  assert r.status_code == 400 and "role" in r.text
+  r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                           "n": 2})
+  assert r.status_code == 400 and "n must be 1" in r.text
+  r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                           "stop": ["\n"]})
+  assert r.status_code == 400 and "stop" in r.text
+  assert c.get("/health").json()["status"] == "ok"
+
+
+def test_abort_over_http(server):
+  srv, orch = server
+  result = {}
+
+  def long_request():
+    result["r"] = client(srv).post("/generate", json={
+        "input_ids": [1, 2, 3], "max_new_tokens": 300, "request_id": "long-1", "seed": 1}).json()
+
+  t = threading.Thread(target=long_request)
+  t.start()
+  deadline = time.time() + 60
+  while orch.stats()["live_slots"] == 0 and time.time() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.1)
+  assert client(srv).post("/abort", json={"request_id": "long-1"}).json()["aborted"]
+  t.join(60)
+  assert result["r"]["finish_reason"] == "abort" and 0 < len(result["r"]["output_ids"]) < 300
+
+
+def test_metrics_and_health(server):
+  srv, _ = server
+  text = client(srv).get("/metrics").text
+  for name in ("rollout_queue_length", "rollout_live_slots", "rollout_tokens_per_second",
+               "rollout_prefix_cache_hit_rate", "rollout_time_to_first_token_seconds_bucket",
+               "rollout_policy_version 3.0", 'rollout_requests_total{finish_reason="stop"}'):
+    assert name in text, name
+  assert client(srv).get("/health").json()["version"] == 3
+
+
+def test_update_weights_over_http(random_params, memorised_params, tokenizer, tmp_path):
+  root = str(tmp_path / "policy")
+  export_policy(root, 8, jax.device_put(random_params), dtype=None)
+  with running_server(memorised_params, tokenizer, version=7) as (srv, _):
+    c = client(srv)
+    prompt = tokenizer.apply_chat_template(MEMORISED[1][0])
+    body = {"input_ids": prompt, "temperature": 0, "max_new_tokens": 12}
+    before = c.post("/generate", json=body).json()
+    r = c.post("/update_weights", json={"path": root, "mode": "drain"})
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert report["version"] == 8 and report["load_s"] > 0 and "swap_s" in report
+    after = c.post("/generate", json=body).json()
+    assert set(before["versions"]) == {7} and set(after["versions"]) == {8}
+    assert after["output_ids"] != before["output_ids"]
+    bad = c.post("/update_weights", json={"path": str(tmp_path / "missing")})
+    assert bad.status_code == 400 and "no policy export" in bad.text
+    bad = c.post("/update_weights", json={"path": root, "version": 99})
+    assert bad.status_code == 400 and "99" in bad.text
+    assert c.get("/health").json()["version"] == 8
