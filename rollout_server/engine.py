@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.llama import KVCache
 from jaxagent.models.params import abstract_model, bind, param_shardings
-from jaxagent.models.sharding import SAMPLE_RULES, Rules
+from jaxagent.models.sharding import SAMPLE_RULES, Rules, logical_to_spec
 
 # Columns of the packed per-step result.
 TOKEN, VALID, LENGTH, LOGP, RAW_LOGP, VERSION = range(6)
@@ -248,14 +248,25 @@ class Engine:
   # -- decode state -----------------------------------------------------------------------
 
   def init_decode_state(self) -> DecodeState:
+    """Empty slots, created on the mesh: the KV cache split over slots (`data`) and
+    KV heads (`tensor`), the small per-slot arrays replicated."""
     S, cfg = self._slots, self.model_cfg
     shape = (cfg.n_layers, S, self.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
-    return DecodeState(
-        cache=KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype)),
-        tokens=zeros((S,)), lengths=zeros((S,)),
-        keys=jnp.zeros((S, 2), jnp.uint32), temperature=jnp.ones((S,), jnp.float32),
-        top_p=jnp.ones((S,), jnp.float32), top_k=zeros((S,)))
+    cache_spec = logical_to_spec(("layers", "batch", "length", "kv_heads", "head_dim"),
+                                 self.rules, self._mesh, shape)
+    cache_sharding = NamedSharding(self._mesh, cache_spec)
+    rep = self._replicated
+    shardings = DecodeState(KVCache(cache_sharding, cache_sharding), rep, rep, rep, rep, rep, rep)
+
+    def init():
+      return DecodeState(
+          cache=KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype)),
+          tokens=zeros((S,)), lengths=zeros((S,)),
+          keys=jnp.zeros((S, 2), jnp.uint32), temperature=jnp.ones((S,), jnp.float32),
+          top_p=jnp.ones((S,), jnp.float32), top_k=zeros((S,)))
+
+    return jax.jit(init, out_shardings=shardings)()
 
   def free_resource(self, slot: int) -> None:
     """Nothing to release: a freed slot's row is overwritten by the next `insert`."""

@@ -124,6 +124,7 @@ class Orchestrator:
     self._ids = itertools.count()
     self._recent = collections.deque(maxlen=256)  # (time, tokens) per step
     self.tokens_generated = 0
+    self.prefill_tokens = 0  # prompt tokens actually computed (prefix-cache hits excluded)
     self.requests_finished = 0
     self.steps = 0
     self.last_swap: Optional[dict] = None
@@ -227,6 +228,7 @@ class Orchestrator:
     out = {"queue": queued, "live_slots": live, "slots": len(self._slots),
            "tokens_generated": self.tokens_generated, "tokens_per_s": tps,
            "requests_finished": self.requests_finished, "steps": self.steps,
+           "prefill_tokens": self.prefill_tokens,
            "version": self.version, "loop_errors": self.loop_errors,
            "last_swap": self.last_swap}
     if self.prefix_cache is not None:
@@ -330,6 +332,7 @@ class Orchestrator:
         req.prefix_hit_tokens = m
     m = existing.length if existing is not None else 0
     padded, n = self.engine.pad_tokens(prompt[m:], prefix_length=m)
+    self.prefill_tokens += n
     prefix, result = self.engine.prefill(params=self.params, existing_prefix=existing,
                                          padded_tokens=padded, true_length=n,
                                          sampling=req.sampling)
