@@ -1,0 +1,171 @@
+"""The environment protocol, task specs, verdicts and the registry of environments.
+
+An environment is a small async protocol:
+  `reset(task) -> Observation` (messages and the tool schemas offered),
+  `step(action) -> StepResult(observation, reward, terminated, truncated, info)`,
+  `verify() -> Verdict` once the episode is over, and `close()`.
+Terminated (the task reached an end) and truncated (out of turns or time) are
+kept apart. Every result carries the environment's and verifier's versions.
+
+Standard library only: this tier runs on CPU hosts without JAX.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import json
+from typing import Any, Callable, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  """One task: which environment, its parameters, and the task's version."""
+
+  id: str
+  env: str
+  params: dict = dataclasses.field(default_factory=dict)
+  version: str = "1"
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "TaskSpec":
+    unknown = set(d) - {"id", "env", "params", "version"}
+    if unknown:
+      raise ValueError(f"task spec has unknown keys {sorted(unknown)}")
+    for key in ("id", "env"):
+      if not isinstance(d.get(key), str) or not d[key]:
+        raise ValueError(f"task spec needs a non-empty string {key!r}: {d!r}")
+    if not isinstance(d.get("params", {}), dict):
+      raise ValueError(f"task {d['id']}: params must be an object")
+    return cls(d["id"], d["env"], dict(d.get("params", {})), str(d.get("version", "1")))
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def load_tasks(path: str) -> list[TaskSpec]:
+  """Reads a JSONL task file; errors name the line."""
+  tasks = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        tasks.append(TaskSpec.from_dict(json.loads(line)))
+      except (ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}:{n}: {e}") from None
+  return tasks
+
+
+def write_tasks(path: str, tasks: list[TaskSpec]) -> None:
+  with open(path, "w") as f:
+    for t in tasks:
+      f.write(json.dumps(t.to_dict()) + "\n")
+
+
+@dataclasses.dataclass
+class Observation:
+  """What the agent sees: new messages (OpenAI shape) and the tools it may call."""
+
+  messages: list[dict]
+  tools: list[dict] = dataclasses.field(default_factory=list)
+
+
+class VerdictStatus(str, enum.Enum):
+  PASS = "pass"
+  FAIL = "fail"  # a wrong answer
+  TIMEOUT = "timeout"  # the solution ran out of time
+  INFRA_ERROR = "infra_error"  # the grader itself failed: drop or retry, never score
+
+
+@dataclasses.dataclass
+class Verdict:
+  status: VerdictStatus
+  reward: float
+  env_version: str
+  verifier_version: str
+  details: dict = dataclasses.field(default_factory=dict)
+  attempts: int = 1
+
+  @property
+  def is_infra_error(self) -> bool:
+    return self.status == VerdictStatus.INFRA_ERROR
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["status"] = self.status.value
+    return d
+
+
+@dataclasses.dataclass
+class StepResult:
+  observation: Observation
+  reward: float
+  terminated: bool
+  truncated: bool
+  info: dict = dataclasses.field(default_factory=dict)
+
+
+class Env(abc.ABC):
+  """Base class of environments. Subclasses set `name`, `version`, `verifier_version`."""
+
+  name: str = "env"
+  version: str = "1"
+  verifier_version: str = "1"
+
+  def __init__(self):
+    self.task: Optional[TaskSpec] = None
+    self.turns = 0
+    self.done = False
+    self.counters = {"tool_calls": 0, "invalid_tool_calls": 0}
+
+  @abc.abstractmethod
+  async def reset(self, task: TaskSpec) -> Observation:
+    ...
+
+  @abc.abstractmethod
+  async def step(self, action: str) -> StepResult:
+    """`action`: the model's text for this turn (tool calls inside it are parsed here)."""
+
+  @abc.abstractmethod
+  async def verify(self) -> Verdict:
+    ...
+
+  async def close(self) -> None:
+    pass
+
+  def versions(self) -> dict:
+    return {"env": f"{self.name}@{self.version}", "verifier": f"{self.name}@{self.verifier_version}",
+            "task": self.task.version if self.task else None}
+
+  def _info(self, **extra) -> dict:
+    return {"versions": self.versions(), "turn": self.turns, **self.counters, **extra}
+
+
+ENVS: dict[str, Callable[..., Env]] = {}
+
+
+def register(name: str):
+  """Class decorator: makes an environment available by `name`."""
+
+  def deco(cls):
+    if name in ENVS:
+      raise ValueError(f"environment {name!r} is already registered")
+    cls.name = name
+    ENVS[name] = cls
+    return cls
+
+  return deco
+
+
+def make(name: str, **kwargs) -> Env:
+  _load_builtins()
+  if name not in ENVS:
+    raise KeyError(f"unknown environment {name!r}; known: {sorted(ENVS)}")
+  return ENVS[name](**kwargs)
+
+
+def _load_builtins() -> None:
+  # Built-in environments register themselves on import.
+  from envs import calculator, guess_number, python_tests  # noqa: F401

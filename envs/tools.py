@@ -1,0 +1,97 @@
+"""Tools declared with JSON schemas, and the model's tool calls run against them.
+
+Tool calls are parsed from the model's text in the chat template's format
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, see
+`jaxagent.toolcalls`). A malformed call, an unknown tool or arguments that do
+not match the schema become an error message for the model and a counted
+`invalid_tool_call`; a tool that raises becomes an error message and a
+counted `tool_error`. Nothing here ends an episode by raising.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+import time
+from typing import Any, Awaitable, Callable, Union
+
+import jsonschema
+
+from jaxagent.toolcalls import ParsedOutput, parse_tool_calls
+
+ToolFn = Callable[..., Union[str, Awaitable[str]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+  name: str
+  description: str
+  parameters: dict  # JSON schema of the arguments object
+  fn: ToolFn
+
+  def schema(self) -> dict:
+    """The OpenAI `tools` entry."""
+    return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                             "parameters": self.parameters}}
+
+
+@dataclasses.dataclass
+class ToolRun:
+  """What one assistant turn's tool calls produced."""
+
+  parsed: ParsedOutput
+  messages: list[dict]  # tool-result messages, in call order
+  calls: int = 0
+  invalid: int = 0
+  errors: int = 0
+  latencies_s: list[float] = dataclasses.field(default_factory=list)
+
+
+class ToolSet:
+  def __init__(self, tools: list[Tool]):
+    self.tools = {t.name: t for t in tools}
+    for t in tools:
+      jsonschema.Draft202012Validator.check_schema(t.parameters)
+
+  def schemas(self) -> list[dict]:
+    return [t.schema() for t in self.tools.values()]
+
+  async def call(self, name: str, arguments: Any) -> tuple[str, str]:
+    """Runs one call; returns (status, text) with status ok | invalid | error."""
+    tool = self.tools.get(name)
+    if tool is None:
+      return "invalid", f"error: unknown tool {name!r}; available: {sorted(self.tools)}"
+    try:
+      jsonschema.validate(arguments, tool.parameters)
+    except jsonschema.ValidationError as e:
+      where = "/".join(map(str, e.absolute_path)) or "arguments"
+      return "invalid", f"error: bad arguments for {name} at {where}: {e.message}"
+    try:
+      out = tool.fn(**arguments)
+      if inspect.isawaitable(out):
+        out = await out
+      return "ok", out if isinstance(out, str) else json.dumps(out)
+    except asyncio.CancelledError:
+      raise
+    except Exception as e:  # the tool failed: tell the model, keep the episode
+      return "error", f"error: {name} failed: {type(e).__name__}: {e}"
+
+  async def run(self, text: str) -> ToolRun:
+    """Parses `text` and runs every tool call in it."""
+    parsed = parse_tool_calls(text)
+    result = ToolRun(parsed, [])
+    for err in parsed.errors:
+      result.invalid += 1
+      result.messages.append({"role": "tool", "content": f"error: malformed tool call: {err}"})
+    for call in parsed.calls:
+      t0 = time.perf_counter()
+      status, out = await self.call(call.name, call.arguments)
+      result.latencies_s.append(time.perf_counter() - t0)
+      result.calls += 1
+      result.invalid += status == "invalid"
+      result.errors += status == "error"
+      result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name,
+                              "content": out})
+    return result
