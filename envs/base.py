@@ -113,6 +113,7 @@ class Env(abc.ABC):
   name: str = "env"
   version: str = "1"
   verifier_version: str = "1"
+  needs_resources: bool = False
 
   def __init__(self):
     self.task: Optional[TaskSpec] = None
@@ -135,12 +136,37 @@ class Env(abc.ABC):
   async def close(self) -> None:
     pass
 
+  def reference_action(self) -> str:
+    """The next action of a perfect agent (for task filtering); optional."""
+    raise NotImplementedError(f"{self.name} has no reference policy")
+
   def versions(self) -> dict:
     return {"env": f"{self.name}@{self.version}", "verifier": f"{self.name}@{self.verifier_version}",
             "task": self.task.version if self.task else None}
 
   def _info(self, **extra) -> dict:
     return {"versions": self.versions(), "turn": self.turns, **self.counters, **extra}
+
+
+@dataclasses.dataclass
+class EnvResources:
+  """Shared, expensive things environments borrow: the sandbox pool (created on first use)."""
+
+  sandboxes: int = 4
+  sandbox_limits: Any = None
+  _pool: Any = None
+
+  def pool(self):
+    if self._pool is None:
+      from envs.sandbox import Limits, SandboxPool
+
+      self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits())
+    return self._pool
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.close()
+      self._pool = None
 
 
 ENVS: dict[str, Callable[..., Env]] = {}
@@ -159,11 +185,17 @@ def register(name: str):
   return deco
 
 
-def make(name: str, **kwargs) -> Env:
+def make(name: str, resources: Optional[EnvResources] = None) -> Env:
+  """A new environment by registered name; those that need shared resources get them."""
   _load_builtins()
   if name not in ENVS:
     raise KeyError(f"unknown environment {name!r}; known: {sorted(ENVS)}")
-  return ENVS[name](**kwargs)
+  cls = ENVS[name]
+  if getattr(cls, "needs_resources", False):
+    if resources is None:
+      raise ValueError(f"environment {name!r} needs EnvResources (a sandbox pool)")
+    return cls(resources)
+  return cls()
 
 
 def _load_builtins() -> None:

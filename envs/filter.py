@@ -1,0 +1,86 @@
+"""`python -m envs.filter TASKS.jsonl [--out KEPT.jsonl]`: keep only gradeable tasks.
+
+Each task is played twice with scripted agents: the reference policy
+(`Env.reference_action`) must pass, and the no-op agent (empty replies) must
+not. A task that fails either check is dropped, with the reason reported; a
+grader infrastructure error is reported as such, not as a bad task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Callable
+
+from envs.base import EnvResources, TaskSpec, Verdict, VerdictStatus, load_tasks, make, write_tasks
+
+
+async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Verdict:
+  env = make(task.env, resources)
+  try:
+    await env.reset(task)
+    while not env.done:
+      await env.step(policy(env))
+    return await env.verify()
+  finally:
+    await env.close()
+
+
+async def check(task: TaskSpec, resources: EnvResources) -> dict:
+  ref = await play(task, lambda env: env.reference_action(), resources)
+  noop = await play(task, lambda env: "", resources)
+  reasons = []
+  if ref.is_infra_error or noop.is_infra_error:
+    reasons.append("grader infrastructure error: " + json.dumps(
+        (ref if ref.is_infra_error else noop).details.get("reason")))
+  if ref.status != VerdictStatus.PASS and not ref.is_infra_error:
+    reasons.append(f"reference solution does not pass ({ref.status.value})")
+  if noop.status == VerdictStatus.PASS:
+    reasons.append("no-op solution passes")
+  return {"id": task.id, "keep": not reasons, "reasons": reasons,
+          "reference": ref.status.value, "noop": noop.status.value}
+
+
+async def filter_tasks(tasks: list[TaskSpec], resources: EnvResources,
+                       concurrency: int = 4) -> list[dict]:
+  sem = asyncio.Semaphore(concurrency)
+
+  async def one(t):
+    async with sem:
+      return await check(t, resources)
+
+  return await asyncio.gather(*(one(t) for t in tasks))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m envs.filter", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("tasks")
+  p.add_argument("--out", default=None, help="write the kept tasks here (JSONL)")
+  p.add_argument("--concurrency", type=int, default=4)
+  args = p.parse_args(argv)
+  try:
+    tasks = load_tasks(args.tasks)
+  except (OSError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  resources = EnvResources(sandboxes=args.concurrency * 2)
+  try:
+    reports = asyncio.run(filter_tasks(tasks, resources, args.concurrency))
+  finally:
+    resources.close()
+  for r in reports:
+    status = "keep" if r["keep"] else "DROP"
+    print(f"{status} {r['id']}: reference {r['reference']}, no-op {r['noop']}"
+          + (f" -- {'; '.join(r['reasons'])}" if r["reasons"] else ""))
+  kept = [t for t, r in zip(tasks, reports) if r["keep"]]
+  print(f"{len(kept)} of {len(tasks)} tasks kept")
+  if args.out:
+    write_tasks(args.out, kept)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,93 @@
+"""`guess_number`: find a hidden number in a range from higher/lower feedback.
+
+Terminal reward 1 for the right number within the turn budget; an optional
+process reward per turn for a guess that is still possible given the feedback
+so far. Messages are short so a tiny byte-level model can learn the game from
+scratch.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register)
+
+_INT = re.compile(r"-?\d+")
+
+
+@register("guess_number")
+class GuessNumber(Env):
+  version = "1"
+  verifier_version = "1"
+
+  async def reset(self, task: TaskSpec) -> Observation:
+    p = task.params
+    self.task = task
+    self.low, self.high = int(p.get("low", 1)), int(p.get("high", 16))
+    if self.low > self.high:
+      raise ValueError(f"task {task.id}: low ({self.low}) > high ({self.high})")
+    self.max_turns = int(p.get("max_turns", 5))
+    self.process_reward = float(p.get("process_reward", 0.0))
+    seed = p.get("seed", task.id)
+    self.secret = int(p["secret"]) if "secret" in p else random.Random(str(seed)).randint(
+        self.low, self.high)
+    self.lo, self.hi = self.low, self.high  # what the feedback still allows
+    self.turns, self.done, self.solved = 0, False, False
+    self.guesses: list[int] = []
+    prompt = p.get("prompt", "Guess my number, {low} to {high}.")
+    return Observation([{"role": "user", "content": prompt.format(low=self.low,
+                                                                  high=self.high)}])
+
+  async def step(self, action: str) -> StepResult:
+    if self.done:
+      raise RuntimeError("episode is over: reset first")
+    self.turns += 1
+    m = _INT.search(action)
+    reward = 0.0
+    if m is None:
+      feedback, valid = "Say a number.", False
+    else:
+      guess = int(m.group())
+      valid = True
+      self.guesses.append(guess)
+      if self.process_reward and self.lo <= guess <= self.hi:
+        reward += self.process_reward
+      if guess == self.secret:
+        self.solved = True
+        feedback = "Correct!"
+      elif guess < self.secret:
+        feedback = "Higher."
+        self.lo = max(self.lo, guess + 1)
+      else:
+        feedback = "Lower."
+        self.hi = min(self.hi, guess - 1)
+    terminated = self.solved
+    truncated = not terminated and self.turns >= self.max_turns
+    if terminated:
+      reward += 1.0
+    self.done = terminated or truncated
+    info = self._info(valid_action=valid, solved=self.solved)
+    if truncated:
+      info["truncation"] = "turn_budget"
+    return StepResult(Observation([{"role": "user", "content": feedback}]), reward, terminated,
+                      truncated, info)
+
+  async def verify(self) -> Verdict:
+    ok = self.solved
+    return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, 1.0 if ok else 0.0,
+                   f"{self.name}@{self.version}", f"{self.name}@{self.verifier_version}",
+                   {"secret": self.secret, "guesses": self.guesses, "turns": self.turns})
+
+  def reference_action(self) -> str:
+    """A perfect player: bisect what the feedback still allows."""
+    return str((self.lo + self.hi) // 2)
+
+
+def make_tasks(n: int, *, low: int = 1, high: int = 16, max_turns: int = 5, seed: int = 0,
+               process_reward: float = 0.0) -> list[TaskSpec]:
+  rng = random.Random(seed)
+  return [TaskSpec(f"guess_number/{seed}-{i}", "guess_number",
+                   {"low": low, "high": high, "max_turns": max_turns,
+                    "secret": rng.randint(low, high), "process_reward": process_reward})
+          for i in range(n)]

@@ -1,0 +1,132 @@
+"""`python_tests`: write a Python function so that hidden unit tests pass.
+
+Tools run in the episode's sandbox: `write_file`, `run_python` and
+`run_public_tests`. The episode ends when the model answers without a tool
+call (for example "DONE") or runs out of turns. `verify()` grades the final
+files against hidden tests in a fresh workspace (`envs.verifier`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict, register)
+from envs.python_tasks_data import TASKS, _function_name, as_tests
+from envs.tools import Tool, ToolSet
+from envs.verifier import PythonTestVerifier
+
+PUBLIC_TESTS = "test_public.py"
+SYSTEM = ("Write Python in the file solution.py using the write_file tool. You can run code "
+          "with run_python and check your work with run_public_tests. Reply DONE when "
+          "finished.")
+BY_NAME = {t[0]: t for t in TASKS}
+
+
+def _output(result) -> str:
+  out = {"exit_code": result.exit_code, "timed_out": result.timed_out,
+         "stdout": result.stdout[-2000:], "stderr": result.stderr[-2000:]}
+  return json.dumps(out)
+
+
+@register("python_tests")
+class PythonTests(Env):
+  version = "1"
+  verifier_version = PythonTestVerifier.version
+  needs_resources = True
+
+  def __init__(self, resources: EnvResources):
+    super().__init__()
+    self.resources = resources
+    self.verifier = PythonTestVerifier(resources.pool())
+    self._lease = None
+    self.sandbox = None
+    self.tools = ToolSet([
+        Tool("write_file", "Write a text file in the workspace",
+             {"type": "object", "properties": {"path": {"type": "string"},
+                                               "content": {"type": "string"}},
+              "required": ["path", "content"], "additionalProperties": False},
+             self._write_file),
+        Tool("run_python", "Run Python code in the workspace; returns exit code and output",
+             {"type": "object", "properties": {"code": {"type": "string"}},
+              "required": ["code"], "additionalProperties": False}, self._run_python),
+        Tool("run_public_tests", "Run the public tests against solution.py",
+             {"type": "object", "properties": {}, "additionalProperties": False},
+             self._run_public_tests),
+    ])
+
+  async def _write_file(self, path: str, content: str) -> str:
+    if path in (PUBLIC_TESTS,):
+      return f"error: {path} is read-only"
+    self.sandbox.write_file(path, content)
+    return f"wrote {len(content.encode())} bytes to {path}"
+
+  async def _run_python(self, code: str) -> str:
+    return _output(await self.sandbox.run_python(code))
+
+  async def _run_public_tests(self) -> str:
+    runner = ("import traceback\nimport test_public as t\nok = True\n"
+              "for n in sorted(dir(t)):\n  if n.startswith('test_'):\n    try:\n"
+              "      getattr(t, n)(); print(n, 'passed')\n    except Exception as e:\n"
+              "      ok = False; print(n, 'FAILED', type(e).__name__, e)\n"
+              "raise SystemExit(0 if ok else 1)\n")
+    return _output(await self.sandbox.run_python(runner, filename="_public_runner.py"))
+
+  async def reset(self, task: TaskSpec) -> Observation:
+    name = task.params.get("task")
+    if name not in BY_NAME:
+      raise ValueError(f"task {task.id}: unknown python_tests task {name!r}")
+    await self.close()
+    self.task = task
+    self.spec = BY_NAME[name]
+    self.fn = _function_name(self.spec[2])
+    self.max_turns = int(task.params.get("max_turns", 8))
+    self.turns, self.done, self._ref_step = 0, False, 0
+    self.counters = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0}
+    self._lease = self.resources.pool().acquire()
+    self.sandbox = await self._lease.__aenter__()
+    self.sandbox.write_file(PUBLIC_TESTS, as_tests(self.spec[3], "public", self.fn))
+    user = f"{self.spec[1]}\nPublic test:\n{self.spec[3]}"
+    return Observation([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+                       self.tools.schemas())
+
+  async def step(self, action: str) -> StepResult:
+    if self.done:
+      raise RuntimeError("episode is over: reset first")
+    self.turns += 1
+    run = await self.tools.run(action)
+    self.counters["tool_calls"] += run.calls
+    self.counters["invalid_tool_calls"] += run.invalid
+    self.counters["tool_errors"] += run.errors
+    terminated = not run.messages
+    truncated = not terminated and self.turns >= self.max_turns
+    self.done = terminated or truncated
+    info = self._info(tool_latency_s=run.latencies_s)
+    if truncated:
+      info["truncation"] = "turn_budget"
+    return StepResult(Observation(run.messages), 0.0, terminated, truncated, info)
+
+  def final_files(self) -> dict[str, bytes]:
+    skip = {PUBLIC_TESTS, "_run.py", "_public_runner.py"}
+    return {k: v for k, v in self.sandbox.files().items() if k not in skip}
+
+  async def verify(self) -> Verdict:
+    if self.sandbox is None:
+      raise RuntimeError("verify() needs an episode: reset first")
+    return await self.verifier.grade(self.final_files(), as_tests(self.spec[4], "hidden", self.fn),
+                                     env_version=f"{self.name}@{self.version}")
+
+  async def close(self) -> None:
+    if self._lease is not None:
+      lease, self._lease, self.sandbox = self._lease, None, None
+      await lease.__aexit__(None, None, None)
+
+  def reference_action(self) -> str:
+    self._ref_step += 1
+    if self._ref_step == 1:
+      call = {"name": "write_file", "arguments": {"path": "solution.py", "content": self.spec[2]}}
+      return f"<tool_call>{json.dumps(call)}</tool_call>"
+    return "DONE"
+
+
+def make_tasks() -> list[TaskSpec]:
+  return [TaskSpec(f"python_tests/{t[0]}", "python_tests", {"task": t[0]}) for t in TASKS]
