@@ -163,6 +163,19 @@ def _processes_of(uid: int) -> list[int]:
   return pids
 
 
+def _check_traversable(path: str) -> None:
+  """The sandbox uid must be able to reach its workspace through every parent directory."""
+  path = os.path.abspath(path)
+  while True:
+    if not os.stat(path).st_mode & 0o001:
+      raise ValueError(f"{path} is not traversable by the sandbox uid (needs o+x); put "
+                       "workspaces under a directory of mode 711, as SandboxPool does")
+    parent = os.path.dirname(path)
+    if parent == path:
+      return
+    path = parent
+
+
 def _children(pid: int) -> list[int]:
   try:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -196,6 +209,8 @@ class Sandbox:
     self.uid = uid if (uid is not None and os.geteuid() == 0
                        and self.isolation != "rlimits") else None
     self.limits = limits
+    if self.uid is not None:
+      _check_traversable(os.path.dirname(self.host_path))
     self.history: list[ExecResult] = []
     self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
     self._own()

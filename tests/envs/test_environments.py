@@ -1,0 +1,164 @@
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from envs import base
+from envs.base import EnvResources, TaskSpec, VerdictStatus, load_tasks, make, write_tasks
+from envs.calculator import safe_eval
+from tests.conftest import REPO
+
+
+def play(env, task, actions):
+  async def go():
+    obs = await env.reset(task)
+    steps = []
+    for a in actions:
+      steps.append(await env.step(a))
+      if env.done:
+        break
+    return obs, steps, await env.verify()
+  return asyncio.run(go())
+
+
+def test_guess_number_plays_by_the_rules():
+  env = make("guess_number")
+  task = TaskSpec("g", "guess_number", {"secret": 11, "max_turns": 5, "process_reward": 0.1})
+  obs, steps, verdict = play(env, task, ["8", "hmm", "12", "11"])
+  assert obs.messages[0]["content"] == "Guess my number, 1 to 16."
+  assert [s.observation.messages[0]["content"] for s in steps] == [
+      "Higher.", "Say a number.", "Lower.", "Correct!"]
+  assert [s.reward for s in steps] == [0.1, 0.0, 0.1, 1.1]
+  assert steps[-1].terminated and not steps[-1].truncated
+  assert verdict.status == VerdictStatus.PASS and verdict.details["guesses"] == [8, 12, 11]
+  assert steps[0].info["versions"]["env"] == "guess_number@1"
+
+
+def test_guess_number_truncates_at_the_turn_budget():
+  env = make("guess_number")
+  _, steps, verdict = play(env, TaskSpec("g", "guess_number", {"secret": 3, "max_turns": 2}),
+                           ["9", "9", "9"])
+  assert len(steps) == 2 and steps[-1].truncated and not steps[-1].terminated
+  assert steps[-1].info["truncation"] == "turn_budget"
+  assert verdict.status == VerdictStatus.FAIL
+
+
+def test_calculator_with_tool_calls():
+  env = make("calculator")
+  task = TaskSpec("c", "calculator", {"expression": "12 * 7 + 3"})
+  call = json.dumps({"name": "calculate", "arguments": {"expression": "12 * 7 + 3"}})
+  obs, steps, verdict = play(env, task, [f"<tool_call>{call}</tool_call>",
+                                         "<tool_call>{oops}</tool_call>", "ANSWER: 87"])
+  assert obs.tools[0]["function"]["name"] == "calculate"
+  assert steps[0].observation.messages[0]["content"] == "87"
+  assert steps[1].info["invalid_tool_calls"] == 1 and not steps[1].terminated
+  assert steps[2].terminated and steps[2].reward == 1.0
+  assert verdict.status == VerdictStatus.PASS
+  _, _, wrong = play(make("calculator"), task, ["ANSWER: 86"])
+  assert wrong.status == VerdictStatus.FAIL
+
+
+def test_safe_eval():
+  assert safe_eval("2 ** 10 - (3 // 2) % 5") == 1023
+  for bad in ("__import__('os')", "x + 1", "9 ** 9999", "1 +"):
+    with pytest.raises(ValueError):
+      safe_eval(bad)
+
+
+def test_python_tests_episode_with_reference_and_public_tests():
+  resources = EnvResources(sandboxes=2)
+  try:
+    env = make("python_tests", resources)
+    task = TaskSpec("p", "python_tests", {"task": "fibonacci"})
+    write = json.dumps({"name": "write_file", "arguments": {
+        "path": "solution.py",
+        "content": "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+                   "        a, b = b, a + b\n    return a\n"}})
+    public = json.dumps({"name": "run_public_tests", "arguments": {}})
+    obs, steps, verdict = play(env, task, [f"<tool_call>{write}</tool_call>",
+                                           f"<tool_call>{public}</tool_call>", "DONE"])
+    assert {t["function"]["name"] for t in obs.tools} == {"write_file", "run_python",
+                                                          "run_public_tests"}
+    assert "test_public passed" in steps[1].observation.messages[0]["content"]
+    assert steps[2].terminated
+    assert verdict.status == VerdictStatus.PASS and verdict.details["passed"] == 1
+    asyncio.run(env.close())
+  finally:
+    resources.close()
+
+
+def test_task_files_and_registry(tmp_path):
+  tasks = [TaskSpec("a", "guess_number", {"secret": 2}), TaskSpec("b", "calculator",
+                                                                    {"expression": "1+1"})]
+  path = str(tmp_path / "t.jsonl")
+  write_tasks(path, tasks)
+  assert load_tasks(path) == tasks
+  (tmp_path / "bad.jsonl").write_text('{"id": "x", "env": "guess_number"}\n{"id": 3}\n')
+  with pytest.raises(ValueError, match="bad.jsonl:2"):
+    load_tasks(str(tmp_path / "bad.jsonl"))
+  with pytest.raises(KeyError, match="unknown environment 'chess'"):
+    make("chess")
+  with pytest.raises(ValueError, match="needs EnvResources"):
+    make("python_tests")
+
+
+def test_filter_cli_keeps_good_tasks_and_says_why_it_drops(tmp_path):
+  tasks = [
+      TaskSpec("ok", "guess_number", {"secret": 5}),
+      # One turn is not enough for bisection to find 5 in 1..16: the reference fails.
+      TaskSpec("too-hard", "guess_number", {"secret": 5, "max_turns": 1}),
+      TaskSpec("py", "python_tests", {"task": "add"}),
+  ]
+  path = str(tmp_path / "tasks.jsonl")
+  write_tasks(path, tasks)
+  out = str(tmp_path / "kept.jsonl")
+  proc = subprocess.run([sys.executable, "-m", "envs.filter", path, "--out", out], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "DROP too-hard: reference fail, no-op fail -- reference solution does not pass" in (
+      proc.stdout)
+  assert "2 of 3 tasks kept" in proc.stdout
+  assert [t.id for t in load_tasks(out)] == ["ok", "py"]
+
+
+def test_bundled_python_tasks_all_pass_the_filter():
+  from envs.filter import filter_tasks
+
+  tasks = load_tasks(f"{REPO}/envs/tasks/python_tests.jsonl")
+  assert len(tasks) >= 30
+  resources = EnvResources(sandboxes=4)
+  try:
+    reports = asyncio.run(filter_tasks(tasks, resources, concurrency=2))
+  finally:
+    resources.close()
+  assert all(r["keep"] for r in reports), [r for r in reports if not r["keep"]]
+  assert {r["reference"] for r in reports} == {"pass"} and {r["noop"] for r in reports} == {
+      "fail"}
+
+
+def test_noop_passing_task_is_dropped():
+  from envs.filter import check
+
+  @base.register("always_pass_test_env")
+  class AlwaysPass(base.Env):
+    async def reset(self, task):
+      self.done = False
+      return base.Observation([])
+
+    async def step(self, action):
+      self.done = True
+      return base.StepResult(base.Observation([]), 0.0, True, False)
+
+    async def verify(self):
+      return base.Verdict(VerdictStatus.PASS, 1.0, "x", "x")
+
+    def reference_action(self):
+      return ""
+
+  try:
+    report = asyncio.run(check(TaskSpec("t", "always_pass_test_env"), EnvResources()))
+    assert not report["keep"] and report["reasons"] == ["no-op solution passes"]
+  finally:
+    base.ENVS.pop("always_pass_test_env")

@@ -1,0 +1,64 @@
+import asyncio
+
+import pytest
+
+from envs.tools import Tool, ToolSet
+
+
+def boom(**_):
+  raise RuntimeError("disk on fire")
+
+
+async def slow_add(a: int, b: int) -> str:
+  await asyncio.sleep(0)
+  return str(a + b)
+
+
+TOOLS = ToolSet([
+    Tool("add", "add", {"type": "object", "properties": {"a": {"type": "integer"},
+                                                        "b": {"type": "integer"}},
+                        "required": ["a", "b"], "additionalProperties": False}, slow_add),
+    Tool("boom", "fails", {"type": "object", "properties": {}}, boom),
+])
+
+
+def run(text):
+  return asyncio.run(TOOLS.run(text))
+
+
+def test_good_call():
+  r = run('Let me add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+  assert (r.calls, r.invalid, r.errors) == (1, 0, 0)
+  assert r.messages == [{"role": "tool", "tool_call_id": "call_0", "name": "add", "content": "5"}]
+  assert r.parsed.content == "Let me add."
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>', "'b' is a required"),
+    ('<tool_call>{"name": "add", "arguments": {"a": "x", "b": 1}}</tool_call>', "at a"),
+    ('<tool_call>{"name": "mul", "arguments": {}}</tool_call>', "unknown tool 'mul'"),
+    ('<tool_call>{"name": add}</tool_call>', "malformed"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}', "missing </tool_call>"),
+    ('<tool_call>[1, 2]</tool_call>', "malformed"),
+])
+def test_bad_calls_become_error_observations(text, needle):
+  r = run(text)
+  assert r.invalid == 1 and len(r.messages) == 1
+  assert r.messages[0]["content"].startswith("error") and needle in r.messages[0]["content"]
+
+
+def test_failing_tool_is_an_error_not_an_exception():
+  r = run('<tool_call>{"name": "boom", "arguments": {}}</tool_call>')
+  assert (r.calls, r.invalid, r.errors) == (1, 0, 1)
+  assert "disk on fire" in r.messages[0]["content"]
+
+
+def test_text_without_calls():
+  r = run("just an answer")
+  assert r.messages == [] and r.calls == 0 and r.parsed.content == "just an answer"
+
+
+def test_schemas_are_openai_tools_and_checked():
+  assert TOOLS.schemas()[0]["function"]["name"] == "add"
+  with pytest.raises(Exception):
+    ToolSet([Tool("bad", "x", {"type": "nonsense"}, boom)])
