@@ -62,8 +62,8 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0
   """Packs segments into `rows` rows of `seq_len` tokens (first fit, in order).
 
   Each segment is a dict of 1-D arrays `tokens`, `loss_mask`, `rollout_logp`,
-  `advantages` (and optionally `old_logp`, `ref_logp`) plus an integer
-  `rollout_id`. Returns the batch and, for each segment, its row (-1: it did
+  `advantages` (and optionally `old_logp`, `ref_logp`) plus a `rollout_id`
+  (any hashable; segments of one rollout share it). Returns the batch and, for each segment, its row (-1: it did
   not fit and was left out; the caller decides what to do with it).
   """
   shape = (rows, seq_len)
@@ -75,6 +75,7 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0
   fill = np.zeros(rows, np.int64)
   placed = np.full(len(segments), -1, np.int64)
   has = {name: any(name in s for s in segments) for name in ("old_logp", "ref_logp")}
+  rollout_index: dict = {}  # rollout ids may be any hashable (strings from sessions)
   for i, seg in enumerate(segments):
     n = len(seg["tokens"])
     if n > seq_len:
@@ -87,7 +88,7 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0
     tokens[r, sl] = seg["tokens"]
     positions[r, sl] = np.arange(n)
     segment_ids[r, sl] = segment_ids[r].max() + 1
-    rollout_ids[r, sl] = seg["rollout_id"]
+    rollout_ids[r, sl] = rollout_index.setdefault(seg["rollout_id"], len(rollout_index))
     for name in FLOAT_FIELDS:
       if name in seg:
         out[name][r, sl] = seg[name]

@@ -85,8 +85,10 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Batch shape (rows x tokens per row) and the synthetic data of the smoke run."""
+  """Tasks (a JSONL task file read with grain) and the learner's batch shape."""
 
+  tasks: Optional[str] = None
+  # Each learner batch is `rows` packed rows of `seq_len` tokens.
   rows: int = 8
   seq_len: int = 128
   seed: int = 0
@@ -94,15 +96,52 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-  name: str = "run"
-  seed: int = 0
-  steps: int = 10
-  model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
-  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-  learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
-  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+class AgentConfig:
+  """How an episode is played: sampling, budgets, deadlines, context compaction."""
+
+  # whitebox: the Python agent loop; openai: an OpenAI-client agent against the gateway.
+  kind: str = "whitebox"
+  max_turns: int = 8
+  max_new_tokens: int = 32
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  turn_deadline_s: float = 60.0
+  episode_deadline_s: float = 600.0
+  # Longest prompt + response; past it: none (truncate the episode), summary
+  # (replace old messages by a summary, kept as untrained context) or fork.
+  max_context_tokens: int = 1024
+  compaction: str = "none"
+  keep_last_messages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """The rollout scheduler: groups per step, staleness, concurrency, filters."""
+
+  # sync: on-policy; async: bounded staleness (AReaL); window: async, consuming
+  # only among the oldest `window` groups in flight.
+  mode: str = "sync"
+  groups_per_step: int = 8
+  group_size: int = 8
+  max_staleness: int = 1
+  window: int = 16
+  max_concurrent_episodes: int = 64
+  max_retries: int = 2
+  filter_equal_rewards: bool = True
+  # Weight updates: drain (finish running turns) | abort (return them partial, then resume).
+  update_mode: str = "drain"
+  sync_every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+  # grpo | rloo | chunk (chunked-MDP reward-to-go with a group baseline)
+  estimator: str = "grpo"
+  scale_by_std: bool = True
+  gamma: float = 1.0
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +176,46 @@ class ServerConfig:
   # What a weight update does to running requests: drain | abort.
   update_mode: str = "drain"
   max_sessions: int = 10000
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+  """Rollout servers for training: in-process (no urls) or remote servers / a router."""
+
+  urls: list[str] = dataclasses.field(default_factory=list)
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  # In-process only: also serve the HTTP gateway (needed by black-box agents).
+  gateway: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """Environments: in-process (no urls) or `envs.server` workers."""
+
+  urls: list[str] = dataclasses.field(default_factory=list)
+  sandboxes: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """`python -m jaxagent.train --config ...`: one training run."""
+
+  name: str = "run"
+  seed: int = 0
+  steps: int = 10
+  model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+  serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+  env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+  # Stop early once the success rate over the last `stop_window` steps reaches it (0: never).
+  stop_success_rate: float = 0.0
+  stop_window: int = 5
 
 
 T = TypeVar("T")

@@ -1,16 +1,20 @@
-"""`python -m jaxagent.train --config configs/<run>.yaml [key=value ...]`.
+"""`python -m jaxagent.train --config configs/<run>.yaml [key=value ...] [--run-dir D] [--resume]`.
 
-Until the end-to-end agentic loop lands, this is the learner smoke run: the
-configured model trains for `steps` steps on synthetic trajectories from a
-grain pipeline, with periodic run checkpoints and policy exports. At the end
-it restores the last checkpoint and checks it equals the live state bit for
-bit. `--resume` continues a run directory from its last checkpoint, data
-iterator position included.
+Agentic RL end to end: rollout servers (in-process by default, or URLs),
+environments (in-process, or `envs.server` URLs), the rollout scheduler, the
+jitted learner, policy exports every `rollout.sync_every` steps and weight
+updates on the servers. One run directory holds `config.json`,
+`metrics.jsonl`, TensorBoard events, `checkpoints/`, `policy/`,
+`trajectories.jsonl` and `learning_curve.png`. `--resume` continues from the
+last checkpoint: parameters, optimiser, data-iterator position, policy
+version and the tasks that were in flight.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,14 +26,16 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxagent import config as config_lib
-from jaxagent.batch import pack
+from jaxagent.agent import Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
-from jaxagent.checkpoint import RunCheckpointer, export_policy
-from jaxagent.data import synthetic_dataset, take
+from jaxagent.checkpoint import RunCheckpointer, export_policy, version_dir
+from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
-from jaxagent.models.sharding import make_mesh
-
-SYNTHETIC_MAX_LEN = 64
+from jaxagent.metrics import MetricsWriter, episode_metrics, plot_learning_curve
+from jaxagent.models.params import init_params
+from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
+from jaxagent.scheduler import RolloutScheduler, make_batch
+from jaxagent.trajectory import dump_segments
 
 
 def parse_args(argv=None):
@@ -42,15 +48,220 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def trees_equal(a, b) -> bool:
-  return all(jax.tree.leaves(jax.tree.map(
-      lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))), a, b)))
+class Serving:
+  """The rollout side of a run: an engine client, and a gateway URL for black-box agents."""
+
+  def __init__(self, cfg: config_lib.RunConfig, model_cfg, params, tokenizer, mesh):
+    from rollout_server.client import HttpClient, LocalClient
+    from rollout_server.serving import ServerThread
+
+    self._threads = []
+    self.orch = None
+    s = cfg.serving
+    if s.urls:
+      url = s.urls[0]
+      if len(s.urls) > 1:  # several servers: route by session through a local router
+        from rollout_server.router import create_router
+
+        router = ServerThread(create_router(s.urls)).start()
+        self._threads.append(router)
+        url = router.url
+      self.client = HttpClient(url)
+      self.gateway_url = url
+      return
+    from rollout_server.engine import Engine
+    from rollout_server.orchestrator import Orchestrator
+    from rollout_server.prefix_cache import PrefixCache
+    from rollout_server.server import create_app
+
+    e = s.engine
+    engine = Engine(model_cfg, max_concurrent_decodes=e.slots,
+                    max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
+                    mesh=mesh, min_prefill_bucket=e.min_prefill_bucket)
+    sample_params = jax.device_put(params, engine.weight_shardings)
+    cache = PrefixCache(e.prefix_cache_tokens) if e.prefix_cache_tokens > 0 else None
+    self.orch = Orchestrator(engine, engine.load_params(sample_params, version=0),
+                             prefix_cache=cache, max_queue=e.max_queue,
+                             cache_finished=e.cache_finished).start()
+    self.client = LocalClient(self.orch, engine)
+    self.gateway_url = None
+    if s.gateway or cfg.agent.kind == "openai":
+      app = create_app(self.orch, tokenizer,
+                       load_params=lambda path, v: engine.load_params(path=path, version=v))
+      gateway = ServerThread(app).start()
+      self._threads.append(gateway)
+      self.gateway_url = gateway.url
+
+  async def close(self) -> None:
+    await self.client.aclose()
+    for t in self._threads:
+      t.stop()
+    if self.orch is not None:
+      self.orch.stop()
+
+
+def make_env_factory(cfg: config_lib.RunConfig):
+  from envs.base import EnvResources, make
+
+  if cfg.env.urls:
+    from envs.server import RemoteEnv
+
+    urls = list(cfg.env.urls)
+    counter = iter(range(1 << 62))
+    return (lambda task: RemoteEnv(urls[next(counter) % len(urls)])), (lambda: None)
+  resources = EnvResources(sandboxes=cfg.env.sandboxes)
+  return (lambda task: make(task.env, resources)), resources.close
+
+
+def check_config(cfg: config_lib.RunConfig) -> None:
+  if not cfg.data.tasks:
+    raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
+  if not os.path.exists(cfg.data.tasks):
+    raise config_lib.ConfigError(f"data.tasks: no such file {cfg.data.tasks}")
+  if cfg.rollout.mode not in ("sync", "async", "window"):
+    raise config_lib.ConfigError(f"rollout.mode: unknown {cfg.rollout.mode!r}; known: sync, "
+                                 "async, window")
+  if cfg.agent.kind not in ("whitebox", "openai"):
+    raise config_lib.ConfigError(f"agent.kind: unknown {cfg.agent.kind!r}; known: whitebox, "
+                                 "openai")
+  if cfg.agent.compaction not in ("none", "summary", "fork"):
+    raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}")
+  if cfg.rollout.group_size < 2:
+    raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
+
+
+async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
+  from envs.base import TaskSpec
+
+  t_start = time.time()
+  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  model_cfg, params, tokenizer = build_model(cfg.model, mesh)
+  print(f"model: {describe(model_cfg)}")
+  print(f"mesh: {dict(mesh.shape)} on {jax.devices()[0].platform}; run dir: {run_dir}")
+  learner = Learner(model_cfg, cfg.learner, mesh)
+  state = learner.init_state(cfg.seed, params)
+  tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle))
+  ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
+                         async_save=cfg.checkpoint.async_save)
+  requeue = []
+  if resume:
+    state, meta = ckpt.restore(learner.abstract_state(), tasks)
+    requeue = [TaskSpec.from_dict(t) for t in meta.get("pending_tasks", [])]
+    print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
+          f"{len(requeue)} tasks re-queued)")
+  policy_root = os.path.join(run_dir, "policy")
+  version = int(state.policy_version)
+  serving = Serving(cfg, model_cfg, jax.device_get(state.params), tokenizer, mesh)
+  env_factory, close_envs = make_env_factory(cfg)
+  if resume or cfg.serving.urls:  # servers must start from the learner's weights
+    path = version_dir(policy_root, version)
+    if not os.path.exists(path):
+      export_policy(policy_root, version, state.params, dtype=None)
+    await serving.client.update_weights(path, version)
+
+  async def play(task_dict, session_id, group_id) -> Episode:
+    task = task_dict if isinstance(task_dict, TaskSpec) else TaskSpec.from_dict(task_dict)
+    env = env_factory(task)
+    if cfg.agent.kind == "openai":
+      return await run_blackbox(env, task, serving.gateway_url, cfg.agent,
+                                session_id=session_id, group_id=group_id)
+    return await run_whitebox(env, task, serving.client, tokenizer, cfg.agent,
+                              session_id=session_id, group_id=group_id)
+
+  scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue)
+  scheduler.set_version(version)
+  scheduler.start()
+  writer = MetricsWriter(run_dir)
+  meta = {"config": config_lib.to_dict(cfg), "model": dataclasses.asdict(model_cfg),
+          "tokenizer": tokenizer.identity()}
+  loop = asyncio.get_running_loop()
+  step = int(state.step)
+  recent = []
+  bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True,
+             disable=not sys.stdout.isatty() and not os.environ.get("JAXAGENT_PROGRESS"))
+  t_rollout_mark = time.perf_counter()
+  try:
+    while step < cfg.steps:
+      accepted, taken = await scheduler.next_groups()
+      rollout_s = time.perf_counter() - t_rollout_mark
+      row = {"step": step + 1, **episode_metrics(taken, accepted, version)}
+      t0 = time.perf_counter()
+      batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
+                               tokenizer.pad_id)
+      if info["segments"] == 0:  # nothing to learn from (all filtered): sample again
+        row.update(dropped={**scheduler.dropped}, skipped=True)
+        t_rollout_mark = time.perf_counter()
+        continue
+      state, m = await loop.run_in_executor(None, learner.step, state, batch)
+      m = {k: float(v) for k, v in jax.device_get(m).items()}
+      learner_s = time.perf_counter() - t0
+      step = int(state.step)
+      version = int(state.policy_version)
+      sync_s = 0.0
+      if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
+        t0 = time.perf_counter()
+        path = await loop.run_in_executor(None, export_policy, policy_root, version,
+                                          state.params, None)
+        await serving.client.update_weights(path, version, cfg.rollout.update_mode)
+        scheduler.set_version(version)
+        sync_s = time.perf_counter() - t0
+      t_rollout_mark = time.perf_counter()
+      dump_segments(os.path.join(run_dir, "trajectories.jsonl"), info["used_segments"])
+      out_tokens = row.get("output_tokens", 0)
+      row.update({
+          "wall_time_s": round(time.time() - t_start, 3), "policy_version": version,
+          "rollout_s": rollout_s, "learner_s": learner_s, "weight_sync_s": sync_s,
+          "rollout_tokens_per_s": out_tokens / max(rollout_s, 1e-9),
+          "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
+              rollout_s, 1e-9),
+          "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
+          "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
+          "retries": scheduler.retries,
+          **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
+          **{k: v for k, v in m.items() if k != "denom"}})
+      writer.write(row)
+      recent = (recent + [row.get("success_rate", 0.0)])[-cfg.stop_window:]
+      bar.update(1)
+      bar.set_postfix(success=f"{row.get('success_rate', 0):.2f}",
+                      reward=f"{row.get('reward_mean', 0):.2f}",
+                      tok_s=f"{row['rollout_tokens_per_s']:.0f}",
+                      lag=f"{row.get('policy_lag_mean', 0):.1f}")
+      if not bar.disable:
+        pass
+      else:
+        print(f"step {step}: success {row.get('success_rate', 0):.3f} reward "
+              f"{row.get('reward_mean', 0):.3f} loss {m['loss']:.4f} rollout {rollout_s:.1f}s "
+              f"learner {learner_s:.1f}s sync {sync_s:.2f}s wall {row['wall_time_s']:.0f}s",
+              flush=True)
+      if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+        ckpt.save(step, state, {**meta, "pending_tasks": [
+            t.to_dict() if isinstance(t, TaskSpec) else t for t in scheduler.pending_tasks()]},
+                  tasks)
+      if (cfg.stop_success_rate and len(recent) == cfg.stop_window
+          and min(recent) >= cfg.stop_success_rate):
+        print(f"success rate >= {cfg.stop_success_rate} for {cfg.stop_window} steps: stopping")
+        break
+  finally:
+    bar.close()
+    pending = scheduler.pending_tasks()
+    await scheduler.stop()
+    if ckpt.latest_step() != step and step > 0:
+      ckpt.save(step, state, {**meta, "pending_tasks": [
+          t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]}, tasks, force=True)
+    ckpt.close()
+    writer.close()
+    await serving.close()
+    close_envs()
+  png = plot_learning_curve(run_dir, cfg.name)
+  print(f"done: {step} steps in {time.time() - t_start:.0f}s; learning curve: {png}")
+  return 0
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   try:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+    check_config(cfg)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -61,67 +272,7 @@ def main(argv=None) -> int:
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "config.json"), "w") as f:
     json.dump(config_lib.to_dict(cfg), f, indent=1)
-
-  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-  model_cfg, params, tokenizer = build_model(cfg.model, mesh)
-  print(f"model: {describe(model_cfg)}")
-  print(f"mesh: {dict(mesh.shape)} on {jax.devices()[0].platform}; run dir: {run_dir}")
-  learner = Learner(model_cfg, cfg.learner, mesh)
-  state = learner.init_state(cfg.seed, params)
-  target = tokenizer.encode("a")[0]
-  data = iter(synthetic_dataset(seed=cfg.data.seed, vocab=min(model_cfg.vocab_size, 256),
-                                target=target, shuffle=cfg.data.shuffle))
-  ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
-                         async_save=cfg.checkpoint.async_save)
-  meta = {"config": config_lib.to_dict(cfg), "model": dataclasses.asdict(model_cfg),
-          "tokenizer": tokenizer.identity()}
-  start = 0
-  if args.resume:
-    state, _ = ckpt.restore(learner.abstract_state(), data)
-    start = int(state.step)
-    print(f"resumed from step {start}")
-
-  if cfg.data.seq_len < SYNTHETIC_MAX_LEN:
-    print(f"error: data.seq_len must be >= {SYNTHETIC_MAX_LEN} for synthetic trajectories",
-          file=sys.stderr)
-    return 2
-  per_step = cfg.data.rows * (cfg.data.seq_len // SYNTHETIC_MAX_LEN)  # always fits (first fit)
-  t_start = time.time()
-  metrics_path = os.path.join(run_dir, "metrics.jsonl")
-  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="learner",
-             dynamic_ncols=True)
-  with open(metrics_path, "a") as log:
-    for step in bar:
-      segs = take(data, per_step)
-      batch, placed = pack(segs, cfg.data.rows, cfg.data.seq_len, tokenizer.pad_id)
-      assert (placed >= 0).all()
-      t0 = time.time()
-      state, m = learner.step(state, batch)
-      m = {k: float(v) for k, v in jax.device_get(m).items()}
-      dt = time.time() - t0
-      rewards = [s["reward"] for s in segs]
-      row = {"step": step + 1, "wall_time_s": round(time.time() - t_start, 3),
-             "reward_mean": float(np.mean(rewards)), "success_rate": float(np.mean(rewards)),
-             "step_time_s": round(dt, 4), "tokens_per_s": float(batch.tokens.size / dt), **m}
-      log.write(json.dumps(row) + "\n")
-      bar.set_postfix(loss=f"{m['loss']:.4f}", ent=f"{m['entropy']:.3f}",
-                      tok_s=f"{row['tokens_per_s']:.0f}")
-      version = step + 1
-      if cfg.checkpoint.every_steps and version % cfg.checkpoint.every_steps == 0:
-        ckpt.save(version, state, meta, data)
-      if cfg.checkpoint.export_every and version % cfg.checkpoint.export_every == 0:
-        export_policy(os.path.join(run_dir, "policy"), version, state.params,
-                      cfg.checkpoint.export_dtype)
-  final = int(state.step)
-  if ckpt.latest_step() != final:
-    ckpt.save(final, state, meta, data, force=True)
-  ckpt.wait()
-  restored, _ = ckpt.restore(learner.abstract_state())
-  same = trees_equal(restored, state)
-  print(f"checkpoint step {final} written to {ckpt.directory}; restored state "
-        f"{'equals' if same else 'DIFFERS FROM'} the live state bit for bit")
-  ckpt.close()
-  return 0 if same else 1
+  return asyncio.run(train(cfg, run_dir, args.resume))
 
 
 if __name__ == "__main__":

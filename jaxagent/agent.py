@@ -1,0 +1,310 @@
+"""Agent loops: play one episode and return its token-exact trajectory.
+
+- White-box (`run_whitebox`): the loop is ours: render the chat with the
+  tokenizer, call the engine by token ids, hand the text to the environment
+  (which parses tool calls), repeat. Per-turn and per-episode deadlines.
+- Black-box (`run_openai_agent` + `collect_session`): any program that speaks
+  the OpenAI chat API plays against the server's gateway with an
+  `X-Session-Id`; the trajectory is rebuilt from the turns the server recorded.
+
+Both produce an `Episode`: segments from the `TrajectoryManager`, per-turn
+rewards, the verifier's verdict and the counters the metrics need. A server
+failure or an infrastructure verdict marks the episode `infra_error` (to be
+retried or dropped, never scored 0); running out of turns, tokens or time is a
+truncation with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import zlib
+from typing import Any, Optional
+
+from jaxagent.config import AgentConfig
+from jaxagent.tokenizer import Tokenizer
+from jaxagent.trajectory import Segment, TrajectoryManager, TurnRecord
+
+
+@dataclasses.dataclass
+class Episode:
+  task_id: str
+  session_id: str
+  group_id: str
+  segments: list[Segment]
+  turn_rewards: list[float]
+  verdict: dict
+  status: str  # completed | truncated | aborted | failed
+  reason: str = ""
+  infra_error: bool = False
+  turns: int = 0
+  tool_calls: int = 0
+  invalid_tool_calls: int = 0
+  tool_latencies_s: list[float] = dataclasses.field(default_factory=list)
+  latency_s: float = 0.0
+  generate_s: float = 0.0
+  env_s: float = 0.0
+  output_tokens: int = 0
+
+  @property
+  def reward(self) -> float:
+    return float(sum(self.turn_rewards))
+
+  @property
+  def success(self) -> bool:
+    return self.verdict.get("status") == "pass"
+
+  def min_version(self) -> Optional[int]:
+    vs = [s.min_version() for s in self.segments]
+    vs = [v for v in vs if v is not None]
+    return min(vs) if vs else None
+
+
+def _seed(session_id: str, turn: int) -> int:
+  return zlib.crc32(f"{session_id}/{turn}".encode()) & 0x7FFFFFFF
+
+
+def _merge(first: TurnRecord, more: TurnRecord) -> TurnRecord:
+  """A turn resumed after an abort: one turn whose output spans both requests."""
+  return dataclasses.replace(first, output_ids=first.output_ids + more.output_ids,
+                             output_logprobs=first.output_logprobs + more.output_logprobs,
+                             versions=first.versions + more.versions,
+                             finish_reason=more.finish_reason)
+
+
+def _compact(messages: list[dict], cfg: AgentConfig) -> list[dict]:
+  """Keeps the system message and the last messages; the rest becomes a summary (or goes)."""
+  head = [m for m in messages[:1] if m["role"] == "system"]
+  body = messages[len(head):]
+  keep = body[-cfg.keep_last_messages:] if cfg.keep_last_messages > 0 else []
+  dropped = body[:len(body) - len(keep)]
+  if cfg.compaction == "summary" and dropped:
+    lines = [f"{m['role']}: {str(m.get('content') or '')[:80]}" for m in dropped]
+    head = head + [{"role": "user", "content": "Summary of earlier turns:\n" + "\n".join(lines)}]
+  return head + keep
+
+
+def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
+                new_messages: list[dict], tools) -> Optional[list[int]]:
+  """The next turn's prompt as the last prompt + the sampled tokens + the newly rendered
+  text, so the sampled tokens stay in the context exactly as sampled (no re-tokenising
+  of history). None when the template does not render append-only (then the caller
+  re-renders the whole history and the trajectory manager realigns or forks).
+
+  `messages` ends with the assistant message of `record`.
+  """
+  head = tokenizer.render(messages[:-1], tools, add_generation_prompt=True)
+  content = messages[-1].get("content") or ""
+  closed = tokenizer.render(messages, tools, add_generation_prompt=False)
+  full = tokenizer.render(messages + new_messages, tools, add_generation_prompt=True)
+  if not (closed.startswith(head + content) and full.startswith(closed)):
+    return None
+  closing = closed[len(head) + len(content):]  # the template's end of the assistant turn
+  out = record.output_ids
+  if out and out[-1] in tokenizer.stop_ids:
+    stop_text = tokenizer.decode([out[-1]])
+    if not closing.startswith(stop_text):
+      return None
+    closing = closing[len(stop_text):]
+  return (record.prompt_ids + list(out) + tokenizer.encode(closing)
+          + tokenizer.encode(full[len(closed):]))
+
+
+async def _generate(engine, prompt, sampling, session_id, deadline_s):
+  """One turn from the engine; resumes a turn aborted by a weight update."""
+  from rollout_server.engine import SamplingParams
+
+  record = await asyncio.wait_for(engine.generate(prompt, sampling, session_id), deadline_s)
+  for _ in range(4):
+    if record.finish_reason != "abort" or len(record.output_ids) >= sampling.max_new_tokens:
+      break
+    rest = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(
+        record.output_ids), seed=sampling.seed + len(record.output_ids))
+    more = await asyncio.wait_for(
+        engine.generate(prompt + record.output_ids, rest, session_id), deadline_s)
+    record = _merge(record, more)
+  assert isinstance(sampling, SamplingParams)
+  return record
+
+
+async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig, *,
+                       session_id: str, group_id: str = "") -> Episode:
+  """Plays one episode with our own loop; never raises for the model's or the env's faults."""
+  from rollout_server.client import GenerateError
+  from rollout_server.engine import SamplingParams
+
+  t_start = time.perf_counter()
+  manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)
+  ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
+  status, reason = "completed", ""
+
+  async def play():
+    nonlocal status, reason
+    t0 = time.perf_counter()
+    obs = await env.reset(task)
+    ep.env_s += time.perf_counter() - t0
+    messages, tools = list(obs.messages), list(obs.tools) or None
+    prompt = None
+    for turn in range(cfg.max_turns):
+      if prompt is None:
+        prompt = tokenizer.apply_chat_template(messages, tools=tools)
+      if len(prompt) + cfg.max_new_tokens > cfg.max_context_tokens:
+        if cfg.compaction == "none":
+          status, reason = "truncated", "token_cap"
+          return
+        messages = _compact(messages, cfg)
+        prompt = tokenizer.apply_chat_template(messages, tools=tools)
+        if len(prompt) + cfg.max_new_tokens > cfg.max_context_tokens:
+          status, reason = "truncated", "token_cap"
+          return
+      sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                max_new_tokens=cfg.max_new_tokens,
+                                stop_token_ids=tuple(tokenizer.stop_ids),
+                                seed=_seed(session_id, turn))
+      t0 = time.perf_counter()
+      record = await _generate(engine, prompt, sampling, session_id, cfg.turn_deadline_s)
+      ep.generate_s += time.perf_counter() - t0
+      out = record.output_ids
+      text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out)
+      response = {"role": "assistant", "content": text}
+      record.messages, record.response = list(messages), response
+      manager.add_turn(record, turn)
+      ep.turns += 1
+      ep.output_tokens += len(out)
+      messages.append(response)
+      t0 = time.perf_counter()
+      step = await env.step(text)
+      ep.env_s += time.perf_counter() - t0
+      ep.turn_rewards.append(float(step.reward))
+      info = step.info or {}
+      ep.tool_latencies_s += list(info.get("tool_latency_s", []))
+      new_messages = list(step.observation.messages)
+      if not (step.terminated or step.truncated):
+        prompt = next_prompt(tokenizer, messages, record, new_messages, tools)
+      messages += new_messages
+      if step.terminated:
+        return
+      if step.truncated:
+        status, reason = "truncated", info.get("truncation", "env")
+        return
+    status, reason = "truncated", "turn_cap"
+
+  try:
+    await asyncio.wait_for(play(), cfg.episode_deadline_s)
+    t0 = time.perf_counter()
+    verdict = await env.verify()
+    ep.env_s += time.perf_counter() - t0
+    ep.verdict = verdict.to_dict()
+    if verdict.is_infra_error:
+      status, reason, ep.infra_error = "failed", "verifier_infra_error", True
+  except asyncio.TimeoutError:
+    status, reason = "truncated", "episode_deadline"
+    ep.verdict = {"status": "fail", "reward": 0.0}
+  except GenerateError as e:
+    status, reason, ep.infra_error = "failed", f"server: {e}"[:300], True
+  except Exception as e:  # an environment or worker failure is infrastructure, not a score
+    status, reason, ep.infra_error = "failed", f"{type(e).__name__}: {e}"[:300], True
+  finally:
+    counters = getattr(env, "counters", {}) or {}
+    ep.tool_calls = int(counters.get("tool_calls", 0))
+    ep.invalid_tool_calls = int(counters.get("invalid_tool_calls", 0))
+    try:
+      await env.close()
+    except Exception:
+      pass
+  ep.status, ep.reason = status, reason
+  ep.latency_s = time.perf_counter() - t_start
+  ep.segments = manager.segments(status=status, reason=reason, reward=ep.reward,
+                                 turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
+  return ep
+
+
+# -- black-box agents ---------------------------------------------------------------------
+
+
+async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
+                           max_turns: int = 8, max_tokens: int = 32,
+                           temperature: float = 1.0) -> list[float]:
+  """An agent written only against the official `openai` client (it knows nothing of
+  token ids): chat with the gateway, hand each reply to the environment.
+
+  Returns the per-turn rewards; the trajectory is read back from the server.
+  """
+  import openai
+
+  client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                              default_headers={"X-Session-Id": session_id})
+  rewards: list[float] = []
+  try:
+    obs = await env.reset(task)
+    messages = list(obs.messages)
+    for _ in range(max_turns):
+      kwargs = {"tools": obs.tools} if obs.tools else {}
+      resp = await client.chat.completions.create(model=model, messages=messages,
+                                                  max_tokens=max_tokens,
+                                                  temperature=temperature, **kwargs)
+      msg = resp.choices[0].message
+      text = msg.content or ""
+      if msg.tool_calls:  # hand the raw call text back in the template's format
+        import json
+        text += "".join(f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": '
+                        f"{c.function.arguments}}}</tool_call>" for c in msg.tool_calls)
+      messages.append({"role": "assistant", "content": text})
+      step = await env.step(text)
+      rewards.append(float(step.reward))
+      messages += step.observation.messages
+      if step.terminated or step.truncated:
+        break
+  finally:
+    await client.close()
+  return rewards
+
+
+def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
+                    **outcome: Any) -> list[Segment]:
+  """Segments from the turns a server recorded for a session (`GET /sessions/{id}`)."""
+  manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id)
+  for t in turns:
+    manager.add_turn(TurnRecord.from_result(t), t.get("turn"))
+  return manager.segments(**outcome)
+
+
+async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
+                       group_id: str = "") -> Episode:
+  """Plays an episode with the OpenAI-client agent, then rebuilds it from the server's record."""
+  import httpx
+
+  t_start = time.perf_counter()
+  ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
+  try:
+    ep.turn_rewards = await asyncio.wait_for(run_openai_agent(
+        env, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
+        max_tokens=cfg.max_new_tokens, temperature=cfg.temperature), cfg.episode_deadline_s)
+    ep.verdict = (await env.verify()).to_dict()
+    async with httpx.AsyncClient(timeout=60) as client:
+      r = await client.get(f"{gateway_url}/sessions/{session_id}")
+      r.raise_for_status()
+      turns = r.json()["turns"]
+      await client.delete(f"{gateway_url}/sessions/{session_id}")
+    ep.turns = len(turns)
+    ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
+    if ep.verdict.get("status") == "infra_error":
+      ep.status, ep.reason, ep.infra_error = "failed", "verifier_infra_error", True
+    elif ep.verdict.get("status") != "pass" and len(turns) >= cfg.max_turns:
+      ep.status, ep.reason = "truncated", "turn_cap"
+    ep.segments = collect_session(turns, session_id=session_id, task_id=task.id,
+                                  group_id=group_id, status=ep.status, reason=ep.reason,
+                                  reward=ep.reward, turn_rewards=list(ep.turn_rewards),
+                                  verdict=ep.verdict)
+  except asyncio.TimeoutError:
+    ep.status, ep.reason = "truncated", "episode_deadline"
+  except Exception as e:  # the gateway or the worker failed: infrastructure
+    ep.status, ep.reason, ep.infra_error = "failed", f"{type(e).__name__}: {e}"[:300], True
+  finally:
+    try:
+      await env.close()
+    except Exception:
+      pass
+  ep.latency_s = time.perf_counter() - t_start
+  return ep

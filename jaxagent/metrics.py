@@ -1,0 +1,113 @@
+"""Per-step training metrics: from episodes and learner outputs to JSONL, TensorBoard and a PNG."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Iterable, Optional
+
+import numpy as np
+
+
+def percentiles(xs: Iterable[float], name: str) -> dict:
+  xs = list(xs)
+  if not xs:
+    return {}
+  p = np.percentile(np.asarray(xs, np.float64), [50, 95, 99])
+  return {f"{name}_p50": float(p[0]), f"{name}_p95": float(p[1]), f"{name}_p99": float(p[2])}
+
+
+def episode_metrics(groups, accepted, learner_version: int) -> dict:
+  """What the step's finished episodes say (all of them, not only the accepted ones)."""
+  episodes = [e for g in groups for e in g.episodes]
+  out: dict = {"groups": len(groups), "groups_accepted": len(accepted),
+               "episodes": len(episodes)}
+  if not episodes:
+    return out
+  rewards = [e.reward for e in episodes]
+  terminal = [float(e.verdict.get("reward", 0.0) or 0.0) for e in episodes]
+  truncations = collections.Counter(e.reason for e in episodes if e.status == "truncated")
+  lags = [learner_version - v for g in accepted for v in [g.min_version()] if v is not None]
+  out.update({
+      "success_rate": float(np.mean([e.success for e in episodes])),
+      "reward_mean": float(np.mean(rewards)),
+      "reward_terminal_mean": float(np.mean(terminal)),
+      "reward_process_mean": float(np.mean(np.asarray(rewards) - np.asarray(terminal))),
+      "turns_mean": float(np.mean([e.turns for e in episodes])),
+      "tool_calls": int(sum(e.tool_calls for e in episodes)),
+      "invalid_tool_calls": int(sum(e.invalid_tool_calls for e in episodes)),
+      "output_tokens": int(sum(e.output_tokens for e in episodes)),
+      "generate_s_mean": float(np.mean([e.generate_s for e in episodes])),
+      "env_s_mean": float(np.mean([e.env_s for e in episodes])),
+      "policy_lag_mean": float(np.mean(lags)) if lags else 0.0,
+      "policy_lag_max": int(max(lags)) if lags else 0,
+  })
+  out.update({f"truncated_{k}": v for k, v in truncations.items()})
+  out.update(percentiles([e.latency_s for e in episodes], "episode_latency_s"))
+  out.update(percentiles([t for e in episodes for t in e.tool_latencies_s], "tool_latency_s"))
+  return out
+
+
+class MetricsWriter:
+  """One JSON object per learner step in metrics.jsonl, the same scalars in TensorBoard."""
+
+  def __init__(self, run_dir: str):
+    self.path = os.path.join(run_dir, "metrics.jsonl")
+    self._file = open(self.path, "a")
+    try:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+    except ImportError:  # TensorBoard events are optional
+      self._tb = None
+
+  def write(self, row: dict) -> None:
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if isinstance(v, (int, float)) and k != "step":
+          self._tb.add_scalar(k, v, row["step"])
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_learning_curve(run_dir: str, title: Optional[str] = None) -> Optional[str]:
+  """learning_curve.png: success rate and mean reward against wall time and step."""
+  rows = read_metrics(run_dir)
+  rows = [r for r in rows if "success_rate" in r]
+  if not rows:
+    return None
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  wall = [r["wall_time_s"] / 60 for r in rows]
+  steps = [r["step"] for r in rows]
+  for ax, x, label in ((axes[0], wall, "wall time (min)"), (axes[1], steps, "learner step")):
+    ax.plot(x, [r["success_rate"] for r in rows], label="success rate")
+    ax.plot(x, [r["reward_mean"] for r in rows], label="mean reward", alpha=0.7)
+    ax.set_xlabel(label)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.suptitle(title or os.path.basename(os.path.normpath(run_dir)))
+  fig.tight_layout()
+  path = os.path.join(run_dir, "learning_curve.png")
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path

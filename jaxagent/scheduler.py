@@ -1,0 +1,254 @@
+"""The asynchronous rollout scheduler, its buffer, and the batcher.
+
+Tasks come from a grain iterator; each task is played by a group of G
+episodes (one asyncio task each) for group-relative advantages, under caps on
+episodes in flight (and, through the environment's sandbox pool and the
+server's queue, on sandboxes and requests).
+
+Modes:
+- `sync`: on-policy: start a step's groups on the current weights, wait for all.
+- `async`: groups keep running while the learner trains; a group is accepted
+  only if the learner's version minus its oldest token's version is at most
+  `max_staleness`, and no more groups are started than that bound lets through
+  ((version + max_staleness + 1) x groups_per_step in all, as AReaL).
+- `window`: async, but a batch is taken only from the oldest `window` groups
+  in flight, so long episodes are not starved and short ones do not dominate.
+Weight updates reach episodes mid-flight (partial rollout): their later turns
+run on the new weights and every token keeps the version that produced it.
+
+An episode that fails for infrastructure reasons (server call, environment
+worker, `infra_error` verdict) is retried, then dropped and counted, never
+scored 0. Filters drop stale groups and groups whose rewards are all equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from jaxagent.agent import Episode
+from jaxagent.batch import TrajectoryBatch, pack
+from jaxagent.config import AdvantageConfig, RolloutConfig
+
+
+@dataclasses.dataclass
+class Group:
+  index: int
+  task: object  # envs.base.TaskSpec
+  episodes: list[Episode] = dataclasses.field(default_factory=list)
+  started_version: int = 0
+  done: bool = False
+  retries: int = 0
+  dropped_episodes: int = 0
+
+  @property
+  def rewards(self) -> list[float]:
+    return [e.reward for e in self.episodes]
+
+  def min_version(self) -> Optional[int]:
+    vs = [e.min_version() for e in self.episodes]
+    vs = [v for v in vs if v is not None]
+    return min(vs) if vs else None
+
+
+class RolloutScheduler:
+  """Runs groups of episodes and hands finished, filtered groups to the learner."""
+
+  def __init__(self, cfg: RolloutConfig, tasks: Iterator, play: Callable, *,
+               requeue: Optional[list] = None):
+    """`play(task, session_id, group_id) -> Episode` plays one episode (async)."""
+    self.cfg = cfg
+    self.tasks = tasks
+    self.play = play
+    self.requeue = collections.deque(requeue or [])  # tasks to run before the iterator's
+    self.version = 0  # the learner's policy version
+    self.started = 0
+    self.groups: collections.OrderedDict[int, Group] = collections.OrderedDict()
+    self.episode_slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
+    self.dropped: collections.Counter = collections.Counter()
+    self.retries = 0
+    self._changed = asyncio.Event()
+    self._producer: Optional[asyncio.Task] = None
+    self._tasks: set[asyncio.Task] = set()
+    self._stop = False
+
+  # -- playing ---------------------------------------------------------------------------
+
+  def _next_task(self):
+    return self.requeue.popleft() if self.requeue else next(self.tasks)
+
+  async def _episode(self, group: Group, i: int) -> Optional[Episode]:
+    for attempt in range(self.cfg.max_retries + 1):
+      sid = f"g{group.index}-{i}-r{attempt}"
+      async with self.episode_slots:
+        ep = await self.play(group.task, sid, f"g{group.index}")
+      if not ep.infra_error:
+        return ep
+      self.retries += attempt < self.cfg.max_retries
+    self.dropped["infra_error"] += 1
+    group.dropped_episodes += 1
+    return None
+
+  async def _run_group(self, group: Group) -> None:
+    results = await asyncio.gather(*(self._episode(group, i) for i in range(self.cfg.group_size)))
+    group.episodes = [e for e in results if e is not None]
+    group.done = True
+    self._changed.set()
+
+  def _start_group(self) -> Group:
+    group = Group(self.started, self._next_task(), started_version=self.version)
+    self.started += 1
+    self.groups[group.index] = group
+    t = asyncio.create_task(self._run_group(group))
+    self._tasks.add(t)
+    t.add_done_callback(self._tasks.discard)
+    return group
+
+  # -- async production --------------------------------------------------------------------
+
+  def _capacity(self) -> int:
+    if self.cfg.mode == "sync":
+      return 0
+    return (self.version + self.cfg.max_staleness + 1) * self.cfg.groups_per_step
+
+  async def _produce(self) -> None:
+    while not self._stop:
+      running = sum(not g.done for g in self.groups.values())
+      in_flight_cap = max(1, self.cfg.max_concurrent_episodes // self.cfg.group_size) * 2
+      if self.started < self._capacity() and running < in_flight_cap:
+        self._start_group()
+        continue
+      self._changed.clear()
+      await self._changed.wait()
+
+  def start(self) -> None:
+    if self.cfg.mode != "sync" and self._producer is None:
+      self._producer = asyncio.create_task(self._produce())
+
+  def set_version(self, version: int) -> None:
+    self.version = version
+    self._changed.set()
+
+  async def stop(self) -> None:
+    self._stop = True
+    self._changed.set()
+    for t in [self._producer, *self._tasks]:
+      if t is not None:
+        t.cancel()
+    await asyncio.gather(*[t for t in [self._producer, *self._tasks] if t is not None],
+                         return_exceptions=True)
+
+  # -- consumption -----------------------------------------------------------------------
+
+  def _accept(self, group: Group) -> bool:
+    if len(group.episodes) < 2:
+      self.dropped["too_few_valid"] += 1
+      return False
+    v = group.min_version()
+    if self.cfg.mode != "sync" and v is not None and self.version - v > self.cfg.max_staleness:
+      self.dropped["stale"] += 1
+      return False
+    rewards = group.rewards
+    if self.cfg.filter_equal_rewards and max(rewards) - min(rewards) < 1e-9:
+      self.dropped["no_signal"] += 1
+      return False
+    return True
+
+  async def next_groups(self) -> tuple[list[Group], list[Group]]:
+    """The next step's groups: (accepted, all finished groups consumed, for metrics)."""
+    n = self.cfg.groups_per_step
+    if self.cfg.mode == "sync":
+      fresh = [self._start_group() for _ in range(n)]
+      while not all(g.done for g in fresh):
+        self._changed.clear()
+        await self._changed.wait()
+      taken = fresh
+    else:
+      while True:
+        order = list(self.groups.values())
+        pool = order[:self.cfg.window] if self.cfg.mode == "window" else order
+        ready = [g for g in pool if g.done]
+        if len(ready) >= n:
+          taken = ready[:n]
+          break
+        self._changed.clear()
+        await self._changed.wait()
+    for g in taken:
+      self.groups.pop(g.index, None)
+    self._changed.set()
+    return [g for g in taken if self._accept(g)], taken
+
+  def pending_tasks(self) -> list:
+    """Tasks started but not yet consumed (saved with a checkpoint, replayed on resume)."""
+    return list(self.requeue) + [g.task for g in self.groups.values()]
+
+
+# -- batcher ------------------------------------------------------------------------------
+
+
+def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
+  """Sets `advantages` on every segment of the groups' episodes (host side)."""
+  import jax.numpy as jnp
+
+  from jaxagent import advantages as adv
+
+  episodes = [e for g in groups for e in g.episodes]
+  if not episodes:
+    return
+  gid = np.asarray([i for i, g in enumerate(groups) for _ in g.episodes], np.int32)
+  if cfg.estimator in ("grpo", "rloo"):
+    r = np.asarray([e.reward for e in episodes], np.float32)
+    if cfg.estimator == "grpo":
+      a = adv.group_normalized(jnp.asarray(r), jnp.asarray(gid), len(groups),
+                               scale_by_std=cfg.scale_by_std)
+    else:
+      a = adv.rloo(jnp.asarray(r), jnp.asarray(gid), len(groups))
+    values = np.asarray(a)[:, None]
+    per_turn = False
+  elif cfg.estimator == "chunk":
+    K = max(1, max(len(e.turn_rewards) for e in episodes))
+    rewards = np.zeros((len(episodes), K), np.float32)
+    valid = np.zeros((len(episodes), K), bool)
+    for i, e in enumerate(episodes):
+      rewards[i, :len(e.turn_rewards)] = e.turn_rewards
+      valid[i, :len(e.turn_rewards)] = True
+    values = np.asarray(adv.chunk_advantages(
+        jnp.asarray(rewards), jnp.asarray(valid), cfg.gamma, group_ids_N=jnp.asarray(gid),
+        num_groups=len(groups), scale_by_std=cfg.scale_by_std))
+    per_turn = True
+  else:
+    raise ValueError(f"advantage.estimator: unknown {cfg.estimator!r}; known: grpo, rloo, chunk")
+  for i, e in enumerate(episodes):
+    for s in e.segments:
+      turns = np.clip(s.turn_ids, 0, values.shape[1] - 1) if per_turn else np.zeros_like(
+          s.turn_ids)
+      s.advantages = (values[i, turns] * s.loss_mask).astype(np.float32)
+
+
+def batch_rows(segments: list, max_rows: int, seq_len: int, min_rows: int = 4) -> int:
+  """Rows for a batch: the smallest power of two (>= min_rows) that holds the segments'
+  tokens with some slack for packing, at most `max_rows`. Few shapes, so few compiles."""
+  need = sum(len(s) for s in segments) * 1.15 / seq_len
+  rows = min_rows
+  while rows < need and rows < max_rows:
+    rows *= 2
+  return min(rows, max_rows)
+
+
+def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
+               pad_id: int) -> tuple[TrajectoryBatch, dict]:
+  """Advantages, then packing into at most `rows` x `seq_len`; reports what did not fit."""
+  compute_advantages(groups, cfg)
+  segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
+  too_long = [s for s in segments if len(s) > seq_len]
+  fits = [s for s in segments if len(s) <= seq_len]
+  rows = batch_rows(fits, rows, seq_len)
+  batch, placed = pack([s.to_training() for s in fits], rows, seq_len, pad_id)
+  used = [s for s, p in zip(fits, placed) if p >= 0]
+  return batch, {"segments": len(used), "too_long": len(too_long),
+                 "overflow": int((placed < 0).sum()), "used_segments": used}

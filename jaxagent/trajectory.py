@@ -1,0 +1,323 @@
+"""From engine turns to token-exact training segments.
+
+`TurnRecord` is one sampled turn as the engine returned it. A session's turns
+are mounted in a tree (`TrajectoryManager.add_turn`): a turn hangs under the
+deepest earlier turn whose prompt and response its own prompt continues (by
+chat messages when known, else by tokens), so branches that share a prefix
+share it. Linearising the tree gives `Segment`s, the unit the learner trains
+on. Walking a root-to-leaf path, each turn is classified against the tokens
+built so far:
+
+- CLEAN: its prompt extends them: append the new prompt tokens (mask 0) and
+  the output (mask 1, with its log-probs and versions);
+- REALIGN: the prompt departs from them inside the last response (the chat
+  template re-rendered it differently) and at most `realign_max_tokens` of that
+  response would change: keep the tokens up to the divergence, continue with
+  the re-rendered tokens as untrained context, then the new output;
+- FORK: anything else: close the segment and start a new one (its parent
+  recorded) from the full prompt.
+
+A turn shared by several branches is trained once (mask 0 in later branches).
+Never round-trips text: the tokens trained on are the tokens sampled.
+
+Contracts tier: NumPy and the standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+CLEAN, REALIGN, FORK = "clean", "realign", "fork"
+STATUSES = ("completed", "truncated", "aborted", "failed")
+
+
+@dataclasses.dataclass
+class TurnRecord:
+  """One sampled turn: token ids in and out, log-probs and versions of each output token."""
+
+  prompt_ids: list[int]
+  output_ids: list[int]
+  output_logprobs: list[float]
+  versions: list[int]
+  finish_reason: str
+  messages: Optional[list[dict]] = None  # chat messages rendered into prompt_ids
+  response: Optional[dict] = None  # the assistant message made of the output
+  agent_role: str = "main"
+  sampling: dict = dataclasses.field(default_factory=dict)
+  raw_logprobs: Optional[list[float]] = None
+  request_id: str = ""
+
+  def __post_init__(self):
+    if not (len(self.output_ids) == len(self.output_logprobs) == len(self.versions)):
+      raise ValueError(f"turn {self.request_id}: output_ids, output_logprobs and versions "
+                       "differ in length")
+
+  @classmethod
+  def from_result(cls, r: dict, **extra) -> "TurnRecord":
+    """From a `/generate` result or a recorded session turn of the rollout server."""
+    return cls(prompt_ids=list(r["prompt_ids"]), output_ids=list(r["output_ids"]),
+               output_logprobs=list(r["output_logprobs"]), versions=list(r["versions"]),
+               finish_reason=r["finish_reason"], messages=r.get("messages"),
+               response=r.get("response"), sampling=r.get("sampling") or {},
+               raw_logprobs=r.get("raw_logprobs"), request_id=r.get("request_id", ""), **extra)
+
+
+@dataclasses.dataclass
+class Segment:
+  """One trainable linear sequence (DESIGN.md): arrays, lineage, outcome, versions."""
+
+  tokens: np.ndarray
+  loss_mask: np.ndarray
+  rollout_logp: np.ndarray
+  versions: np.ndarray  # policy version per token; -1 where not sampled
+  turn_ids: np.ndarray  # chunk (turn) index per token
+  session_id: str
+  rollout_id: str
+  segment_id: str
+  parent_segment_id: Optional[str] = None
+  branch_id: int = 0
+  agent_role: str = "main"
+  task_id: str = ""
+  group_id: str = ""
+  status: str = "completed"
+  reason: str = ""
+  reward: float = 0.0
+  turn_rewards: list[float] = dataclasses.field(default_factory=list)
+  verdict: dict = dataclasses.field(default_factory=dict)
+  meta_versions: dict = dataclasses.field(default_factory=dict)
+  decisions: list[str] = dataclasses.field(default_factory=list)
+  advantages: Optional[np.ndarray] = None  # filled in by the batcher
+
+  def __len__(self) -> int:
+    return len(self.tokens)
+
+  @property
+  def num_action_tokens(self) -> int:
+    return int(self.loss_mask.sum())
+
+  def min_version(self) -> Optional[int]:
+    v = self.versions[self.loss_mask > 0]
+    return int(v.min()) if len(v) else None
+
+  def to_training(self) -> dict:
+    """The dict `jaxagent.batch.pack` takes (advantages must be set)."""
+    if self.advantages is None:
+      raise ValueError(f"segment {self.segment_id} has no advantages yet")
+    return {"tokens": self.tokens, "loss_mask": self.loss_mask,
+            "rollout_logp": self.rollout_logp, "advantages": self.advantages,
+            "rollout_id": self.rollout_id}
+
+  def to_json(self) -> dict:
+    d = {}
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      d[f.name] = v.tolist() if isinstance(v, np.ndarray) else v
+    return d
+
+  @classmethod
+  def from_json(cls, d: dict) -> "Segment":
+    d = dict(d)
+    for name, dtype in (("tokens", np.int32), ("loss_mask", np.float32),
+                        ("rollout_logp", np.float32), ("versions", np.int32),
+                        ("turn_ids", np.int32)):
+      d[name] = np.asarray(d[name], dtype)
+    if d.get("advantages") is not None:
+      d["advantages"] = np.asarray(d["advantages"], np.float32)
+    return cls(**d)
+
+
+def dump_segments(path: str, segments: Iterable[Segment]) -> int:
+  """Appends segments to a JSONL file; returns how many were written."""
+  n = 0
+  with open(path, "a") as f:
+    for s in segments:
+      f.write(json.dumps(s.to_json()) + "\n")
+      n += 1
+  return n
+
+
+def load_segments(path: str) -> list[Segment]:
+  with open(path) as f:
+    return [Segment.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+# -- the message tree ---------------------------------------------------------------------
+
+
+def _norm_message(m: dict) -> tuple:
+  calls = m.get("tool_calls") or []
+  calls = tuple((c.get("function", {}).get("name"), str(c.get("function", {}).get("arguments")))
+                for c in calls)
+  return (m.get("role"), m.get("content") or "", calls)
+
+
+@dataclasses.dataclass
+class _Node:
+  id: int
+  record: TurnRecord
+  turn: int
+  parent: Optional["_Node"]
+  children: list = dataclasses.field(default_factory=list)
+
+  @property
+  def full_tokens(self) -> list[int]:
+    return self.record.prompt_ids + self.record.output_ids
+
+  def messages_after(self) -> Optional[list[tuple]]:
+    r = self.record
+    if r.messages is None or r.response is None:
+      return None
+    return [_norm_message(m) for m in r.messages] + [_norm_message(r.response)]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+  n = min(len(a), len(b))
+  i = 0
+  while i < n and a[i] == b[i]:
+    i += 1
+  return i
+
+
+class _Builder:
+  """A segment under construction."""
+
+  def __init__(self, segment_id: str, parent: Optional[str]):
+    self.segment_id, self.parent = segment_id, parent
+    self.tokens: list[int] = []
+    self.mask: list[float] = []
+    self.logp: list[float] = []
+    self.versions: list[int] = []
+    self.turns: list[int] = []
+    self.last_out = (0, 0)
+    self.decisions: list[str] = []
+
+  def truncate(self, n: int) -> None:
+    for arr in (self.tokens, self.mask, self.logp, self.versions, self.turns):
+      del arr[n:]
+
+  def add_context(self, ids: list[int], turn: int) -> None:
+    self.tokens += ids
+    self.mask += [0.0] * len(ids)
+    self.logp += [0.0] * len(ids)
+    self.versions += [-1] * len(ids)
+    self.turns += [turn] * len(ids)
+
+  def add_output(self, r: TurnRecord, turn: int, train: bool) -> None:
+    start = len(self.tokens)
+    self.tokens += r.output_ids
+    self.mask += [1.0 if train else 0.0] * len(r.output_ids)
+    self.logp += list(r.output_logprobs) if train else [0.0] * len(r.output_ids)
+    self.versions += list(r.versions)
+    self.turns += [turn] * len(r.output_ids)
+    self.last_out = (start, len(self.tokens))
+
+
+class TrajectoryManager:
+  """Collects one session's turns and linearises them into segments."""
+
+  def __init__(self, session_id: str, rollout_id: Optional[str] = None, *, task_id: str = "",
+               group_id: str = "", realign_max_tokens: int = 16):
+    self.session_id = session_id
+    self.rollout_id = rollout_id or session_id
+    self.task_id = task_id
+    self.group_id = group_id
+    self.realign_max_tokens = realign_max_tokens
+    self.roots: list[_Node] = []
+    self.nodes: list[_Node] = []
+
+  def add_turn(self, record: TurnRecord, turn: Optional[int] = None) -> int:
+    """Mounts a turn under the deepest turn its prompt continues; returns its node id."""
+    parent = self._find_parent(record)
+    node = _Node(len(self.nodes), record, len(self.nodes) if turn is None else turn, parent)
+    (parent.children if parent is not None else self.roots).append(node)
+    self.nodes.append(node)
+    return node.id
+
+  def _find_parent(self, r: TurnRecord) -> Optional[_Node]:
+    if r.messages is not None:
+      msgs = [_norm_message(m) for m in r.messages]
+      best = None
+      for node in self.nodes:
+        after = node.messages_after()
+        if after is not None and len(after) <= len(msgs) and msgs[:len(after)] == after:
+          if best is None or len(after) > len(best.messages_after()):
+            best = node
+      if best is not None:
+        return best
+    best, best_len = None, 0
+    for node in self.nodes:
+      full = node.full_tokens
+      # The node's whole turn is a prefix, or the prompt leaves it inside its response.
+      d = _common_prefix(full, r.prompt_ids)
+      if d >= len(node.record.prompt_ids) and d > 0 and d >= best_len:
+        best, best_len = node, d
+    return best
+
+  def paths(self) -> list[list[_Node]]:
+    out = []
+
+    def walk(node, path):
+      path = path + [node]
+      if not node.children:
+        out.append(path)
+      for c in node.children:
+        walk(c, path)
+
+    for root in self.roots:
+      walk(root, [])
+    return out
+
+  def segments(self, **outcome: Any) -> list[Segment]:
+    """Linearises every branch; `outcome` (status, reason, reward, ...) goes on each segment."""
+    trained: set[int] = set()
+    node_segment: dict[int, str] = {}
+    result: list[Segment] = []
+    counter = 0
+
+    def close(b: Optional[_Builder], branch: int, role: str):
+      if b is None or not b.tokens:
+        return
+      result.append(Segment(
+          tokens=np.asarray(b.tokens, np.int32), loss_mask=np.asarray(b.mask, np.float32),
+          rollout_logp=np.asarray(b.logp, np.float32), versions=np.asarray(b.versions, np.int32),
+          turn_ids=np.asarray(b.turns, np.int32), session_id=self.session_id,
+          rollout_id=self.rollout_id, segment_id=b.segment_id, parent_segment_id=b.parent,
+          branch_id=branch, agent_role=role, task_id=self.task_id, group_id=self.group_id,
+          decisions=b.decisions, **outcome))
+
+    for branch, path in enumerate(self.paths()):
+      cur: Optional[_Builder] = None
+      for node in path:
+        r = node.record
+        train = node.id not in trained
+        if cur is None:
+          parent = node_segment.get(node.parent.id) if node.parent is not None else None
+          cur = _Builder(f"{self.session_id}/{counter}", parent)
+          counter += 1
+          cur.add_context(r.prompt_ids, node.turn)
+          cur.decisions.append(FORK if parent else CLEAN)
+        elif r.prompt_ids[:len(cur.tokens)] == cur.tokens:
+          cur.add_context(r.prompt_ids[len(cur.tokens):], node.turn)
+          cur.decisions.append(CLEAN)
+        else:
+          d = _common_prefix(cur.tokens, r.prompt_ids)
+          start, end = cur.last_out
+          if d >= start and end - d <= self.realign_max_tokens:
+            cur.truncate(d)
+            cur.add_context(r.prompt_ids[d:], node.turn)
+            cur.decisions.append(REALIGN)
+          else:
+            close(cur, branch, path[0].record.agent_role)
+            cur = _Builder(f"{self.session_id}/{counter}", cur.segment_id)
+            counter += 1
+            cur.add_context(r.prompt_ids, node.turn)
+            cur.decisions.append(FORK)
+        cur.add_output(r, node.turn, train)
+        trained.add(node.id)
+        node_segment.setdefault(node.id, cur.segment_id)
+      close(cur, branch, path[0].record.agent_role)
+    return result

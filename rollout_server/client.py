@@ -1,0 +1,110 @@
+"""Clients of a rollout server, with the same async methods in-process and over HTTP.
+
+The learner talks to rollout servers only through these: `generate` (token
+ids in, a `TurnRecord` out), `update_weights` (load a policy export), `stats`.
+`LocalClient` wraps an in-process orchestrator; `HttpClient` a server or a
+router URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Optional
+
+import httpx
+
+from jaxagent.trajectory import TurnRecord
+from rollout_server.engine import Engine, SamplingParams
+from rollout_server.orchestrator import Orchestrator, Request
+
+
+class GenerateError(RuntimeError):
+  """The server could not serve the request (an infrastructure failure, not the model's)."""
+
+
+def _record(r: dict) -> TurnRecord:
+  return TurnRecord.from_result(r)
+
+
+class LocalClient:
+  def __init__(self, orchestrator: Orchestrator, engine: Engine, load_params=None):
+    self.orch = orchestrator
+    self.engine = engine
+    self._load = load_params
+
+  async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                     session_id: Optional[str] = None) -> TurnRecord:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def done(req: Request, _n):
+      if req.done and not fut.done():
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+    try:
+      req = self.orch.submit(prompt_ids, sampling, session_id=session_id)
+    except (ValueError, RuntimeError) as e:
+      raise GenerateError(str(e)) from e
+    req.add_listener(done)
+    if not req.done:
+      try:
+        await fut
+      except asyncio.CancelledError:
+        self.orch.abort(req.request_id)
+        raise
+    if req.finish_reason == "error":
+      raise GenerateError(req.error or "engine error")
+    return _record(req.result())
+
+  async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    params = await loop.run_in_executor(None, lambda: self.engine.load_params(path=path,
+                                                                              version=version))
+    load_s = time.perf_counter() - t0
+    report = await loop.run_in_executor(None, self.orch.update_weights, params, mode)
+    return {**report, "load_s": load_s}
+
+  async def stats(self) -> dict:
+    return self.orch.stats()
+
+  async def aclose(self) -> None:
+    pass
+
+
+class HttpClient:
+  def __init__(self, url: str, *, timeout_s: float = 600.0):
+    self.url = url.rstrip("/")
+    self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+  async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                     session_id: Optional[str] = None) -> TurnRecord:
+    body = {"input_ids": list(prompt_ids), **dataclasses.asdict(sampling)}
+    body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if session_id:
+      body["session_id"] = session_id
+    try:
+      r = await self._client.post(f"{self.url}/generate", json=body)
+    except httpx.HTTPError as e:
+      raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
+    if r.status_code != 200:
+      raise GenerateError(f"{self.url}/generate: {r.status_code}: {r.text[:500]}")
+    out = r.json()
+    if out["finish_reason"] == "error":
+      raise GenerateError(out.get("error") or "engine error")
+    return _record(out)
+
+  async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
+    r = await self._client.post(f"{self.url}/update_weights",
+                                json={"path": path, "version": version, "mode": mode})
+    if r.status_code != 200:
+      raise GenerateError(f"{self.url}/update_weights: {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+  async def stats(self) -> dict:
+    return (await self._client.get(f"{self.url}/health")).json()
+
+  async def aclose(self) -> None:
+    await self._client.aclose()
