@@ -1,9 +1,11 @@
 """`guess_number`: find a hidden number in a range from higher/lower feedback.
 
-Terminal reward 1 for the right number within the turn budget; an optional
-process reward per turn for a guess that is still possible given the feedback
-so far. Messages are short so a tiny byte-level model can learn the game from
-scratch.
+Terminal reward 1 for the right number within the turn budget. An optional
+process reward per turn (`process_reward`, a scale) pays for information: the
+fraction of the numbers still possible that the guess rules out (about half
+for a bisecting guess, all of them for the right one, none for a guess the
+feedback had already excluded). Messages are short so a tiny byte-level model
+can learn the game from scratch.
 """
 
 from __future__ import annotations
@@ -51,8 +53,7 @@ class GuessNumber(Env):
       guess = int(m.group())
       valid = True
       self.guesses.append(guess)
-      if self.process_reward and self.lo <= guess <= self.hi:
-        reward += self.process_reward
+      before = max(self.hi - self.lo + 1, 1)
       if guess == self.secret:
         self.solved = True
         feedback = "Correct!"
@@ -62,6 +63,8 @@ class GuessNumber(Env):
       else:
         feedback = "Lower."
         self.hi = min(self.hi, guess - 1)
+      after = 0 if self.solved else max(self.hi - self.lo + 1, 0)
+      reward += self.process_reward * (before - after) / before
     terminated = self.solved
     truncated = not terminated and self.turns >= self.max_turns
     if terminated:

@@ -23,6 +23,8 @@ from tokenizers import decoders, models, pre_tokenizers
 
 IM_START, IM_END, ENDOFTEXT, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|pad|>"
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# ChatML role headers as single tokens: a byte-level chat turn costs ~10 tokens less.
+ROLE_TOKENS = ("system\n", "user\n", "assistant\n", "tool\n")
 
 # ChatML with tools: tool schemas in the system turn, calls as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call> inside assistant turns,
@@ -149,13 +151,20 @@ class Tokenizer:
 
   @classmethod
   def byte_level(cls, chat_template: str = CHATML_TOOLS_TEMPLATE) -> "Tokenizer":
-    """The file-free default: one token per byte (ids 0-255), then special tokens."""
+    """The file-free default: one token per byte (ids 0-255), the 100 two-digit
+    numbers "00".."99" as single tokens (ids 256-355; numbers split into digit
+    pairs, much as Llama 3 groups digits), then special tokens (ChatML markers,
+    tool-call markers, role headers)."""
     vocab = {ch: b for b, ch in byte_to_unicode().items()}
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    pairs = [(str(a), str(b)) for a in range(10) for b in range(10)]
+    for a, b in pairs:
+      vocab[a + b] = len(vocab)
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([ENDOFTEXT, IM_START, IM_END, PAD])
-    tok.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in TOOL_TOKENS])
+    tok.add_tokens([tokenizers.AddedToken(t, normalized=False)
+                    for t in TOOL_TOKENS + ROLE_TOKENS])
     return cls(tok, chat_template, eos_token=ENDOFTEXT, pad_token=PAD, stop_tokens=[IM_END],
                name="bytes")
 

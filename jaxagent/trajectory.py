@@ -295,7 +295,9 @@ class TrajectoryManager:
         r = node.record
         train = node.id not in trained
         if cur is None:
-          parent = node_segment.get(node.parent.id) if node.parent is not None else None
+          # A later branch starts on a shared turn: it hangs off the segment that trained it.
+          parent = node_segment.get(node.id) or (
+              node_segment.get(node.parent.id) if node.parent is not None else None)
           cur = _Builder(f"{self.session_id}/{counter}", parent)
           counter += 1
           cur.add_context(r.prompt_ids, node.turn)

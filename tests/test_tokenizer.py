@@ -18,7 +18,8 @@ def test_byte_level_round_trip_and_ids():
   ids = tok.encode(text)
   assert tok.decode(ids) == text
   assert tok.encode("A") == [65]  # byte value is the id
-  assert tok.vocab_size <= 320  # fits the tiny preset
+  assert tok.vocab_size <= 384  # fits the tiny preset
+  assert tok.encode("1 to 16") == [49, 32, 116, 111, 32, 256 + 16]  # digit pairs are one token
   assert len(tok.encode("<|im_start|>")) == 1 and len(tok.encode("<tool_call>")) == 1
   assert tok.stop_ids == (tok.encode("<|im_end|>")[0], tok.eos_id)
 

@@ -72,9 +72,9 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # ~0.8M parameters: CPU tests and the default run. Vocabulary fits the
-    # byte-level tokenizer (256 bytes + special tokens).
+    # byte-level tokenizer (256 bytes, 100 digit pairs, special tokens).
     "tiny": ModelConfig(
-        vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+        vocab_size=384, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
         d_ff=384, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024),
     "smollm2-135m": ModelConfig(
         vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,

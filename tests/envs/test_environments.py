@@ -30,7 +30,8 @@ def test_guess_number_plays_by_the_rules():
   assert obs.messages[0]["content"] == "Guess my number, 1 to 16."
   assert [s.observation.messages[0]["content"] for s in steps] == [
       "Higher.", "Say a number.", "Lower.", "Correct!"]
-  assert [s.reward for s in steps] == [0.1, 0.0, 0.1, 1.1]
+  # Information rewards: 8 rules out 8 of 16; 12 rules out 5 of 9..16; 11 ends it.
+  assert [s.reward for s in steps] == pytest.approx([0.05, 0.0, 0.1 * 5 / 8, 1.1])
   assert steps[-1].terminated and not steps[-1].truncated
   assert verdict.status == VerdictStatus.PASS and verdict.details["guesses"] == [8, 12, 11]
   assert steps[0].info["versions"]["env"] == "guess_number@1"

@@ -1,0 +1,195 @@
+"""Rollout scheduler and batcher with a scripted `play` (no model): modes, staleness,
+retries, filters, advantages and packing."""
+
+import asyncio
+import itertools
+
+import numpy as np
+import pytest
+
+from jaxagent.agent import Episode
+from jaxagent.config import AdvantageConfig, RolloutConfig
+from jaxagent.scheduler import RolloutScheduler, batch_rows, make_batch
+from jaxagent.trajectory import TrajectoryManager, TurnRecord
+
+
+def episode(task, sid, gid, *, reward, version=0, turns=1, infra=False, tokens=6):
+  m = TrajectoryManager(sid, task_id=str(task), group_id=gid)
+  prompt = [1] * 3
+  for t in range(turns):
+    out = [2] * 2
+    m.add_turn(TurnRecord(prompt, out, [-0.5, -0.5], [version, version], "stop"), t)
+    prompt = prompt + out + [3]
+  per_turn = [reward / turns] * turns
+  ep = Episode(str(task), sid, gid, [], per_turn, {"status": "pass" if reward >= 1 else "fail"},
+               "failed" if infra else "completed", infra_error=infra, turns=turns)
+  ep.segments = m.segments(reward=reward, turn_rewards=per_turn)
+  return ep
+
+
+def run(coro):
+  return asyncio.run(coro)
+
+
+def test_sync_mode_plays_whole_groups_on_current_weights():
+  calls = []
+
+  async def play(task, sid, gid):
+    calls.append((task, sid))
+    return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")), version=3)
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=3, group_size=4),
+                         itertools.count(), play)
+    s.set_version(3)
+    accepted, taken = await s.next_groups()
+    return s, accepted, taken
+
+  s, accepted, taken = run(go())
+  assert len(taken) == 3 and len(accepted) == 3 and len(calls) == 12
+  assert [g.task for g in taken] == [0, 1, 2]
+  assert all(len(g.episodes) == 4 and g.started_version == 3 for g in taken)
+
+
+def test_infra_errors_are_retried_then_dropped_never_scored():
+  attempts = {}
+
+  async def play(task, sid, gid):
+    key = sid.rsplit("-r", 1)[0]
+    attempts[key] = attempts.get(key, 0) + 1
+    if key.endswith("-0"):  # always broken: dropped after retries
+      return episode(task, sid, gid, reward=0.0, infra=True)
+    if key.endswith("-1") and attempts[key] == 1:  # broken once: the retry counts
+      return episode(task, sid, gid, reward=0.0, infra=True)
+    return episode(task, sid, gid, reward=float(key.endswith("-2")))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=4,
+                                       max_retries=2), itertools.count(), play)
+    return s, *(await s.next_groups())
+
+  s, accepted, taken = run(go())
+  (group,) = taken
+  assert len(group.episodes) == 3  # the broken one is gone, not scored 0
+  assert s.dropped["infra_error"] == 1 and s.retries == 3
+  assert all(not e.infra_error for e in group.episodes)
+
+
+def test_equal_reward_groups_are_filtered():
+  async def play(task, sid, gid):
+    return episode(task, sid, gid, reward=1.0 if task % 2 else float(sid[-4] == "0"))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=4, group_size=3),
+                         itertools.count(), play)
+    return s, *(await s.next_groups())
+
+  s, accepted, taken = run(go())
+  assert [g.task for g in accepted] == [0, 2] and s.dropped["no_signal"] == 2
+
+
+def test_async_staleness_bound_and_capacity():
+  gate = asyncio.Event
+
+  async def go():
+    release = asyncio.Event()
+    started_versions = []
+
+    async def play(task, sid, gid):
+      started_versions.append(s.version)
+      if task == 0:
+        await release.wait()  # the first group is slow
+      return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")), version=s.version)
+
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
+                                       max_staleness=1, max_concurrent_episodes=64),
+                         itertools.count(), play)
+    s.start()
+    await asyncio.sleep(0.05)
+    # Capacity: (version 0 + staleness 1 + 1) * 2 groups = 4 started, no more.
+    assert s.started == 4
+    accepted, taken = await s.next_groups()  # groups 1, 2 (0 is still running)
+    assert sorted(g.task for g in taken) == [1, 2]
+    s.set_version(2)  # the learner moved on twice
+    release.set()
+    await asyncio.sleep(0.05)
+    accepted, taken = await s.next_groups()
+    await s.stop()
+    return s, accepted, taken
+
+  s, accepted, taken = run(go())
+  # Groups sampled at version 0 are now 2 versions old: stale, dropped and counted.
+  assert s.dropped["stale"] >= 1
+  assert all(s.version - g.min_version() <= 1 for g in accepted)
+
+
+def test_window_mode_waits_for_the_oldest_groups():
+  async def go():
+    release = asyncio.Event()
+
+    async def play(task, sid, gid):
+      if task == 0:
+        await release.wait()
+      return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")))
+
+    s = RolloutScheduler(RolloutConfig(mode="window", window=2, groups_per_step=2,
+                                       group_size=2, max_staleness=4), itertools.count(), play)
+    s.start()
+    await asyncio.sleep(0.05)
+    waiter = asyncio.create_task(s.next_groups())
+    await asyncio.sleep(0.05)
+    blocked = not waiter.done()  # groups 1.. are done, but group 0 heads the window
+    release.set()
+    accepted, taken = await waiter
+    await s.stop()
+    return blocked, taken
+
+  blocked, taken = run(go())
+  assert blocked and sorted(g.task for g in taken) == [0, 1]
+
+
+def test_pending_tasks_are_kept_for_resume():
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=2),
+                         iter(range(100)), lambda *a: asyncio.sleep(10), requeue=["a", "b"])
+    s.start()
+    await asyncio.sleep(0.05)
+    pending = s.pending_tasks()
+    await s.stop()
+    return pending
+
+  assert run(go())[:2] == ["a", "b"]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "chunk"])
+def test_make_batch_advantages_and_packing(estimator):
+  from jaxagent.scheduler import Group
+
+  groups = []
+  for gi in range(2):
+    g = Group(gi, gi)
+    g.episodes = [episode(gi, f"g{gi}-{i}", f"g{gi}", reward=float(i), turns=2)
+                  for i in range(3)]
+    groups.append(g)
+  batch, info = make_batch(groups, AdvantageConfig(estimator=estimator, scale_by_std=False),
+                           rows=8, seq_len=32, pad_id=0)
+  assert info["segments"] == 6 and info["overflow"] == 0
+  adv = batch.advantages[batch.loss_mask > 0]
+  assert abs(adv.sum()) < 1e-4  # group baselines: advantages sum to zero
+  if estimator == "grpo":
+    # rewards 0, 1, 2: advantages -1, 0, 1 on every action token of the episode
+    assert sorted(set(np.round(adv, 4))) == [-1.0, 0.0, 1.0]
+  assert batch.tokens.shape == (4, 32)  # rows: the smallest power of two that fits
+
+
+def test_batch_rows():
+  class S:
+    def __init__(self, n):
+      self.n = n
+
+    def __len__(self):
+      return self.n
+
+  assert batch_rows([S(100)] * 3, 64, 128) == 4
+  assert batch_rows([S(100)] * 20, 64, 128) == 32
+  assert batch_rows([S(100)] * 200, 64, 128) == 64

