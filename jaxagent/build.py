@@ -21,6 +21,11 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
                 ) -> tuple[ModelConfig, Optional[Params], Tokenizer]:
   """Model config, loaded parameters (None for a random init) and tokenizer."""
   overrides = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat)
+  templates = {None: None, "chatml_tools": CHATML_TOOLS_TEMPLATE}
+  if spec.chat_template not in templates:
+    raise ValueError(f"model.chat_template: unknown {spec.chat_template!r}; known: "
+                     "null (the tokenizer's own), chatml_tools")
+  template = templates[spec.chat_template]
   ckpt = spec.checkpoint
   if ckpt is None:
     return preset(spec.preset, **overrides), None, Tokenizer.byte_level()
@@ -28,16 +33,16 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
     ckpt = hf.smollm2_gguf_path()
   if ckpt.endswith(".gguf"):
     cfg, params = hf.load_gguf(ckpt, mesh, rules, **overrides)
-    return cfg, params, Tokenizer.from_gguf(ckpt)
+    return cfg, params, Tokenizer.from_gguf(ckpt, template)
   if os.path.isdir(ckpt):
     cfg, params = hf.load_hf(ckpt, mesh, rules, **overrides)
-    return cfg, params, _hf_tokenizer(ckpt)
+    return cfg, params, _hf_tokenizer(ckpt, template)
   raise FileNotFoundError(
       f"model.checkpoint: {ckpt!r} is neither a .gguf file, a HF checkpoint directory, "
       "nor 'smollm2'")
 
 
-def _hf_tokenizer(path: str) -> Tokenizer:
+def _hf_tokenizer(path: str, template: Optional[str] = None) -> Tokenizer:
   tj = os.path.join(path, "tokenizer.json")
   if not os.path.exists(tj):
     raise FileNotFoundError(f"no tokenizer.json in {path}")
@@ -50,7 +55,7 @@ def _hf_tokenizer(path: str) -> Tokenizer:
   def text(t):
     return t.get("content") if isinstance(t, dict) else t
 
-  template = conf.get("chat_template") or CHATML_TOOLS_TEMPLATE
+  template = template or conf.get("chat_template") or CHATML_TOOLS_TEMPLATE
   eos = text(conf.get("eos_token")) or "<|endoftext|>"
   return Tokenizer.from_file(tj, template, eos_token=eos,
                              pad_token=text(conf.get("pad_token")) or eos,

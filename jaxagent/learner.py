@@ -90,7 +90,8 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig
                          ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
   """Unreduced objective sum of one microbatch, its denominator and metric (sum, denom) pairs."""
   logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
-  logp, entropy = losses.token_logp_and_entropy(logits, losses.shifted_targets(batch.tokens))
+  logp, entropy = losses.token_logp_and_entropy(logits, losses.shifted_targets(batch.tokens),
+                                                cfg.temperature)
   logp, entropy = losses.align_to_tokens(logp), losses.align_to_tokens(entropy)
   mask = batch.loss_mask
   # On-policy single update: the learner's "old" policy is the current one.

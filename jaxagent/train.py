@@ -138,7 +138,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   model_cfg, params, tokenizer = build_model(cfg.model, mesh)
   print(f"model: {describe(model_cfg)}")
   print(f"mesh: {dict(mesh.shape)} on {jax.devices()[0].platform}; run dir: {run_dir}")
-  learner = Learner(model_cfg, cfg.learner, mesh)
+  # Score tokens under the distribution they were sampled from (temperature included).
+  learner_cfg = dataclasses.replace(cfg.learner, temperature=max(cfg.agent.temperature, 1e-6))
+  learner = Learner(model_cfg, learner_cfg, mesh)
   state = learner.init_state(cfg.seed, params)
   tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle))
   ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,

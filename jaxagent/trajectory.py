@@ -4,7 +4,8 @@
 are mounted in a tree (`TrajectoryManager.add_turn`): a turn hangs under the
 deepest earlier turn whose prompt and response its own prompt continues (by
 chat messages when known, else by tokens), so branches that share a prefix
-share it. Linearising the tree gives `Segment`s, the unit the learner trains
+share it; a turn that continues nothing (compacted context) follows the same
+agent's previous turn, and a new agent role starts a root of its own. Linearising the tree gives `Segment`s, the unit the learner trains
 on. Walking a root-to-leaf path, each turn is classified against the tokens
 built so far:
 
@@ -255,6 +256,11 @@ class TrajectoryManager:
       d = _common_prefix(full, r.prompt_ids)
       if d >= len(node.record.prompt_ids) and d > 0 and d >= best_len:
         best, best_len = node, d
+    if best is None:
+      # Nothing it continues (compacted or rewritten context): it follows the same
+      # agent's previous turn, and linearising will fork there.
+      same = [n for n in self.nodes if n.record.agent_role == r.agent_role]
+      best = same[-1] if same else None
     return best
 
   def paths(self) -> list[list[_Node]]:

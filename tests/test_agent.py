@@ -1,0 +1,136 @@
+"""Agent loops: white-box against a scripted engine, black-box through the real gateway."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from envs.base import TaskSpec, make
+from jaxagent.agent import run_blackbox, run_whitebox
+from jaxagent.config import AgentConfig
+from jaxagent.tokenizer import Tokenizer
+from jaxagent.trajectory import CLEAN, FORK, TurnRecord
+
+TOK = Tokenizer.byte_level()
+
+
+class ScriptedEngine:
+  """Answers each turn with the next scripted text (as tokens + stop), version 5."""
+
+  def __init__(self, replies, fail_at=None, abort_first=False):
+    self.replies = list(replies)
+    self.fail_at = fail_at
+    self.abort_first = abort_first
+    self.prompts = []
+
+  async def generate(self, prompt_ids, sampling, session_id=None):
+    from rollout_server.client import GenerateError
+
+    self.prompts.append(list(prompt_ids))
+    if self.fail_at is not None and len(self.prompts) - 1 == self.fail_at:
+      raise GenerateError("server went away")
+    if self.abort_first:  # a weight update aborts the turn after its first token
+      self.abort_first = False
+      return TurnRecord(list(prompt_ids), TOK.encode("1"), [-0.1], [4], "abort")
+    text = self.replies.pop(0)
+    ids = TOK.encode(text) + [TOK.stop_ids[0]]
+    return TurnRecord(list(prompt_ids), ids, [-0.5] * len(ids), [5] * len(ids), "stop")
+
+
+def play(replies, task, cfg=AgentConfig(max_turns=5, max_new_tokens=4), **engine_kw):
+  engine = ScriptedEngine(replies, **engine_kw)
+  ep = asyncio.run(run_whitebox(make(task.env), task, engine, TOK, cfg, session_id="s1",
+                                group_id="g"))
+  return ep, engine
+
+
+def test_whitebox_episode_is_token_exact_and_clean():
+  task = TaskSpec("t", "guess_number", {"secret": 11, "process_reward": 0.0})
+  ep, engine = play(["8", "12", "11"], task)
+  assert ep.status == "completed" and ep.success and ep.turns == 3
+  assert ep.turn_rewards == [0.0, 0.0, 1.0]
+  (seg,) = ep.segments
+  assert seg.decisions == [CLEAN] * 3 and seg.status == "completed"
+  # Every prompt extends the previous prompt and its sampled output exactly.
+  for a, b in zip(engine.prompts, engine.prompts[1:]):
+    assert b[:len(a)] == a
+  text = TOK.decode(seg.tokens.tolist())
+  assert text.count("Higher.") == 1 and text.count("Lower.") == 1
+  actions = TOK.decode(seg.tokens[seg.loss_mask > 0].tolist())
+  assert actions == "8<|im_end|>12<|im_end|>11<|im_end|>"
+  assert set(seg.versions[seg.loss_mask > 0].tolist()) == {5}
+
+
+def test_truncations_have_their_reasons():
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 2})
+  ep, _ = play(["1", "2"], task)
+  assert (ep.status, ep.reason) == ("truncated", "turn_budget") and not ep.success
+  ep, _ = play(["1", "2", "3"], TaskSpec("t", "guess_number", {"secret": 11}),
+               cfg=AgentConfig(max_turns=2, max_new_tokens=4))
+  assert (ep.status, ep.reason) == ("truncated", "turn_cap")
+  ep, _ = play(["1"], TaskSpec("t", "guess_number", {"secret": 11}),
+               cfg=AgentConfig(max_context_tokens=20, max_new_tokens=4))
+  assert (ep.status, ep.reason) == ("truncated", "token_cap")
+
+
+def test_server_failure_is_infrastructure_not_a_score():
+  ep, _ = play(["8", "9"], TaskSpec("t", "guess_number", {"secret": 11}), fail_at=1)
+  assert ep.infra_error and ep.status == "failed" and "server went away" in ep.reason
+
+
+def test_aborted_turn_is_resumed_as_one_turn():
+  # The turn is "1" (aborted, version 4) + "1" (resumed, version 5): the guess 11.
+  ep, engine = play(["1"], TaskSpec("t", "guess_number", {"secret": 11}), abort_first=True)
+  (seg,) = ep.segments
+  assert ep.success and len(engine.prompts) == 2  # resumed with prompt + partial output
+  assert engine.prompts[1] == engine.prompts[0] + TOK.encode("1")
+  versions = seg.versions[seg.loss_mask > 0].tolist()
+  assert versions[0] == 4 and set(versions[1:]) == {5}  # partial rollout keeps both versions
+
+
+LONG = ("Guess my number, {low} to {high}. "
+        + "You have a few tries, so think about which number splits the range best. " * 3)
+
+
+@pytest.mark.parametrize("compaction,cap,prompt", [
+    ("fork", 70, "Guess my number, {low} to {high}."), ("summary", 300, LONG)])
+def test_compaction_forks_the_trajectory(compaction, cap, prompt):
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=cap,
+                    compaction=compaction, keep_last_messages=2)
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6, "prompt": prompt})
+  ep, engine = play(["1", "2", "3", "4", "11"], task, cfg)
+  assert ep.success and all(len(p) + 4 <= cap for p in engine.prompts)
+  first, second = ep.segments
+  assert first.decisions == [CLEAN] * 3 and second.decisions == [FORK, CLEAN]
+  assert second.parent_segment_id == first.segment_id
+  # Summary mode keeps a summary of the dropped turns as untrained context.
+  assert ("Summary of earlier turns" in TOK.decode(second.tokens.tolist())) == (
+      compaction == "summary")
+  assert TOK.decode(second.tokens[second.loss_mask > 0].tolist()) == "4<|im_end|>11<|im_end|>"
+
+
+@pytest.mark.parametrize("kind", ["blackbox"])
+def test_blackbox_openai_agent_through_the_gateway(kind, random_params):
+  from tests.rollout_server.conftest import running_server
+
+  with running_server(random_params, TOK, version=9) as (srv, _):
+    task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 3})
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  AgentConfig(max_turns=3, max_new_tokens=3),
+                                  session_id="bb-1", group_id="g"))
+  assert not ep.infra_error, ep.reason
+  assert ep.turns == len(ep.turn_rewards) >= 1
+  seg = ep.segments[0]
+  assert seg.session_id == "bb-1" and seg.num_action_tokens > 0
+  assert set(seg.versions[seg.loss_mask > 0].tolist()) == {9}
+  # The trajectory is the server's record: outputs are exactly what was sampled.
+  assert seg.rollout_logp[seg.loss_mask > 0].max() <= 0.0
+
+
+@pytest.fixture(scope="module")
+def random_params():
+  import jax
+
+  from jaxagent.models.params import init_params
+  from tests.rollout_server.conftest import CFG
+  return jax.device_get(init_params(CFG, 0))
