@@ -191,7 +191,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
                                tokenizer.pad_id)
       if info["segments"] == 0:  # nothing to learn from (all filtered): sample again
-        row.update(dropped={**scheduler.dropped}, skipped=True)
         t_rollout_mark = time.perf_counter()
         continue
       state, m = await loop.run_in_executor(None, learner.step, state, batch)
@@ -228,9 +227,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
                       reward=f"{row.get('reward_mean', 0):.2f}",
                       tok_s=f"{row['rollout_tokens_per_s']:.0f}",
                       lag=f"{row.get('policy_lag_mean', 0):.1f}")
-      if not bar.disable:
-        pass
-      else:
+      if bar.disable:  # no terminal: one line per step instead of a bar
         print(f"step {step}: success {row.get('success_rate', 0):.3f} reward "
               f"{row.get('reward_mean', 0):.3f} loss {m['loss']:.4f} rollout {rollout_s:.1f}s "
               f"learner {learner_s:.1f}s sync {sync_s:.2f}s wall {row['wall_time_s']:.0f}s",
