@@ -98,9 +98,15 @@ def plot_learning_curve(run_dir: str, title: Optional[str] = None) -> Optional[s
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   wall = [r["wall_time_s"] / 60 for r in rows]
   steps = [r["step"] for r in rows]
+  def smooth(ys, w=10):  # trailing mean: per-step values are noisy (few tasks per step)
+    return [float(np.mean(ys[max(0, i - w + 1):i + 1])) for i in range(len(ys))]
+
+  success = [r["success_rate"] for r in rows]
+  reward = [r["reward_mean"] for r in rows]
   for ax, x, label in ((axes[0], wall, "wall time (min)"), (axes[1], steps, "learner step")):
-    ax.plot(x, [r["success_rate"] for r in rows], label="success rate")
-    ax.plot(x, [r["reward_mean"] for r in rows], label="mean reward", alpha=0.7)
+    ax.plot(x, success, color="C0", alpha=0.25)
+    ax.plot(x, smooth(success), color="C0", label="success rate (mean of 10 steps)")
+    ax.plot(x, smooth(reward), color="C1", label="mean reward (mean of 10 steps)")
     ax.set_xlabel(label)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
