@@ -119,7 +119,16 @@ class Env(abc.ABC):
     self.task: Optional[TaskSpec] = None
     self.turns = 0
     self.done = False
-    self.counters = {"tool_calls": 0, "invalid_tool_calls": 0}
+    self.reset_counters()
+
+  def reset_counters(self) -> None:
+    self.counters = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0}
+
+  def begin_turn(self) -> None:
+    """Counts a turn; stepping a finished episode is an error."""
+    if self.done:
+      raise RuntimeError("episode is over: reset first")
+    self.turns += 1
 
   @abc.abstractmethod
   async def reset(self, task: TaskSpec) -> Observation:

@@ -77,19 +77,13 @@ class Calculator(Env):
     self.answer = safe_eval(self.expression)
     self.max_turns = int(p.get("max_turns", 4))
     self.turns, self.done, self.final = 0, False, None
-    self.counters = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0}
+    self.reset_counters()
     question = p.get("question", "What is {expression}?").format(expression=self.expression)
     return Observation([{"role": "system", "content": SYSTEM},
                         {"role": "user", "content": question}], self.tools.schemas())
 
   async def step(self, action: str) -> StepResult:
-    if self.done:
-      raise RuntimeError("episode is over: reset first")
-    self.turns += 1
-    run = await self.tools.run(action)
-    self.counters["tool_calls"] += run.calls
-    self.counters["invalid_tool_calls"] += run.invalid
-    self.counters["tool_errors"] += run.errors
+    run = await self.tools.run_turn(self, action)
     terminated = False
     messages = run.messages
     reward = 0.0

@@ -36,15 +36,14 @@ class GuessNumber(Env):
         self.low, self.high)
     self.lo, self.hi = self.low, self.high  # what the feedback still allows
     self.turns, self.done, self.solved = 0, False, False
+    self.reset_counters()
     self.guesses: list[int] = []
     prompt = p.get("prompt", "Guess my number, {low} to {high}.")
     return Observation([{"role": "user", "content": prompt.format(low=self.low,
                                                                   high=self.high)}])
 
   async def step(self, action: str) -> StepResult:
-    if self.done:
-      raise RuntimeError("episode is over: reset first")
-    self.turns += 1
+    self.begin_turn()
     m = _INT.search(action)
     reward = 0.0
     if m is None:

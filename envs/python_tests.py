@@ -81,7 +81,7 @@ class PythonTests(Env):
     self.fn = _function_name(self.spec[2])
     self.max_turns = int(task.params.get("max_turns", 8))
     self.turns, self.done, self._ref_step = 0, False, 0
-    self.counters = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0}
+    self.reset_counters()
     self._lease = self.resources.pool().acquire()
     self.sandbox = await self._lease.__aenter__()
     self.sandbox.write_file(PUBLIC_TESTS, as_tests(self.spec[3], "public", self.fn))
@@ -90,13 +90,7 @@ class PythonTests(Env):
                        self.tools.schemas())
 
   async def step(self, action: str) -> StepResult:
-    if self.done:
-      raise RuntimeError("episode is over: reset first")
-    self.turns += 1
-    run = await self.tools.run(action)
-    self.counters["tool_calls"] += run.calls
-    self.counters["invalid_tool_calls"] += run.invalid
-    self.counters["tool_errors"] += run.errors
+    run = await self.tools.run_turn(self, action)
     terminated = not run.messages
     truncated = not terminated and self.turns >= self.max_turns
     self.done = terminated or truncated

@@ -78,6 +78,16 @@ class ToolSet:
     except Exception as e:  # the tool failed: tell the model, keep the episode
       return "error", f"error: {name} failed: {type(e).__name__}: {e}"
 
+  async def run_turn(self, env, text: str) -> ToolRun:
+    """One environment turn of tool use: counts the turn, runs the calls, and adds the
+    call counters to `env.counters`."""
+    env.begin_turn()
+    run = await self.run(text)
+    env.counters["tool_calls"] += run.calls
+    env.counters["invalid_tool_calls"] += run.invalid
+    env.counters["tool_errors"] += run.errors
+    return run
+
   async def run(self, text: str) -> ToolRun:
     """Parses `text` and runs every tool call in it."""
     parsed = parse_tool_calls(text)
