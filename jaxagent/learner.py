@@ -9,7 +9,6 @@ full-batch update however the batch is split (and over however many devices).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Optional
 

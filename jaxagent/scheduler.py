@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import time
 from typing import Callable, Iterator, Optional
 
 import numpy as np

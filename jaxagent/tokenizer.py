@@ -10,7 +10,6 @@ Contracts tier: imports only the standard library, numpy and tokenizer libraries
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json

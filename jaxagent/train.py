@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -22,7 +21,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from jaxagent import config as config_lib
@@ -32,8 +30,7 @@ from jaxagent.checkpoint import RunCheckpointer, export_policy, version_dir
 from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
 from jaxagent.metrics import MetricsWriter, episode_metrics, plot_learning_curve
-from jaxagent.models.params import init_params
-from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
+from jaxagent.models.sharding import make_mesh
 from jaxagent.scheduler import RolloutScheduler, make_batch
 from jaxagent.trajectory import dump_segments
 

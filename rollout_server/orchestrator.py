@@ -24,7 +24,6 @@ import traceback
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 
 from rollout_server.engine import Engine, ExistingPrefix, SamplingParams
 from rollout_server.prefix_cache import PrefixCache

@@ -1,4 +1,3 @@
-import dataclasses
 import functools
 
 import jax
@@ -6,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent import losses
 from jaxagent.batch import pack
 from jaxagent.config import LearnerConfig
 from jaxagent.learner import Learner, accumulate_gradients, microbatch_objective

@@ -89,8 +89,6 @@ def test_equal_reward_groups_are_filtered():
 
 
 def test_async_staleness_bound_and_capacity():
-  gate = asyncio.Event
-
   async def go():
     release = asyncio.Event()
     started_versions = []

@@ -1,6 +1,5 @@
 """Trajectory manager: CLEAN / REALIGN / FORK on real tokenizers, branches, lineage, dumps."""
 
-import asyncio
 
 import numpy as np
 import pytest

@@ -1,4 +1,3 @@
-import os
 import signal
 import socket
 import subprocess

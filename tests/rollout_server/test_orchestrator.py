@@ -1,7 +1,5 @@
-import threading
 import time
 
-import numpy as np
 import pytest
 
 from rollout_server.engine import SamplingParams

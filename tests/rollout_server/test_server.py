@@ -6,7 +6,6 @@ import time
 
 import httpx
 import jax
-import numpy as np
 import openai
 import pytest
 
