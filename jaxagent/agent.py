@@ -113,8 +113,6 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
 
 async def _generate(engine, prompt, sampling, session_id, deadline_s):
   """One turn from the engine; resumes a turn aborted by a weight update."""
-  from rollout_server.engine import SamplingParams
-
   record = await asyncio.wait_for(engine.generate(prompt, sampling, session_id), deadline_s)
   for _ in range(4):
     if record.finish_reason != "abort" or len(record.output_ids) >= sampling.max_new_tokens:
@@ -124,7 +122,6 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s):
     more = await asyncio.wait_for(
         engine.generate(prompt + record.output_ids, rest, session_id), deadline_s)
     record = _merge(record, more)
-  assert isinstance(sampling, SamplingParams)
   return record
 
 
