@@ -59,6 +59,8 @@ class LearnerConfig:
   eps: float = 1e-8
   max_grad_norm: float = 1.0
   microbatches: int = 1
+  # Optimiser updates per batch (PPO epochs); ratios are against the pre-update policy.
+  epochs: int = 1
   # ppo | gspo | reinforce
   policy_loss: str = "ppo"
   clip_low: float = 0.2
@@ -84,7 +86,9 @@ class CheckpointConfig:
   every_steps: int = 10
   keep: int = 3
   async_save: bool = True
-  # Export the policy (parameters only) for inference servers every K steps; 0: never.
+  # Export the policy (parameters only, for inference servers) every K steps and at the
+  # end; 0: only at the end. In-process servers take the weights in memory at each sync;
+  # servers reached by URL load an export at each sync whatever K is.
   export_every: int = 1
   export_dtype: str = "bfloat16"
 

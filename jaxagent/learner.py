@@ -50,48 +50,60 @@ def make_optimizer(cfg: LearnerConfig) -> tuple[optax.GradientTransformation, op
   return tx, schedule
 
 
-POLICY_LOSSES = ("ppo", "gspo", "reinforce")
+def _ppo(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
+  return losses.ppo_clip_loss(logp, old_logp, adv, mask, reduce=reduce, clip_low=cfg.clip_low,
+                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                              is_weights_BxT=is_w)
 
 
-def _policy_loss(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
-  if cfg.policy_loss == "ppo":
-    return losses.ppo_clip_loss(logp, old_logp, adv, mask, reduce=reduce, clip_low=cfg.clip_low,
-                                clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                                is_weights_BxT=is_w)
-  if cfg.policy_loss == "gspo":
-    return losses.gspo_loss(logp, old_logp, adv, mask, segment_ids, reduce=reduce,
-                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_weights_BxT=is_w)
-  if cfg.policy_loss == "reinforce":
-    return losses.reinforce_loss(logp, adv, mask, reduce=reduce, is_weights_BxT=is_w)
-  raise ValueError(f"learner.policy_loss: unknown {cfg.policy_loss!r}; known: {POLICY_LOSSES}")
+def _gspo(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
+  return losses.gspo_loss(logp, old_logp, adv, mask, segment_ids, reduce=reduce,
+                          clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_weights_BxT=is_w)
+
+
+def _reinforce(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
+  return losses.reinforce_loss(logp, adv, mask, reduce=reduce, is_weights_BxT=is_w)
+
+
+# `learner.policy_loss` names one of these; each closes the config over a loss of `losses`.
+POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo, "reinforce": _reinforce}
 
 
 def check_config(cfg: LearnerConfig) -> None:
   """Fails early, naming the config key, on settings the step cannot run with."""
   if cfg.policy_loss not in POLICY_LOSSES:
-    raise ValueError(f"learner.policy_loss: unknown {cfg.policy_loss!r}; known: {POLICY_LOSSES}")
+    raise ValueError(f"learner.policy_loss: unknown {cfg.policy_loss!r}; "
+                     f"known: {sorted(POLICY_LOSSES)}")
   if cfg.reduction not in losses.REDUCTIONS:
     raise ValueError(f"learner.reduction: unknown {cfg.reduction!r}; "
                      f"known: {sorted(losses.REDUCTIONS)}")
-  if cfg.kl_estimator not in ("k1", "k2", "k3"):
-    raise ValueError(f"learner.kl_estimator: unknown {cfg.kl_estimator!r}; known: k1, k2, k3")
-  if cfg.correction_mode not in ("none", "truncate", "mask"):
+  if cfg.kl_estimator not in losses.KL_ESTIMATORS:
+    raise ValueError(f"learner.kl_estimator: unknown {cfg.kl_estimator!r}; "
+                     f"known: {sorted(losses.KL_ESTIMATORS)}")
+  if cfg.correction_mode != "none" and cfg.correction_mode not in losses.CORRECTION_MODES:
     raise ValueError(f"learner.correction_mode: unknown {cfg.correction_mode!r}; "
-                     "known: none, truncate, mask")
-  if cfg.correction_level not in ("token", "sequence", "geometric"):
+                     f"known: none, {', '.join(sorted(losses.CORRECTION_MODES))}")
+  if cfg.correction_level not in losses.CORRECTION_LEVELS:
     raise ValueError(f"learner.correction_level: unknown {cfg.correction_level!r}; "
-                     "known: token, sequence, geometric")
+                     f"known: {sorted(losses.CORRECTION_LEVELS)}")
+  if cfg.epochs < 1:
+    raise ValueError(f"learner.epochs must be >= 1, got {cfg.epochs}")
   if cfg.microbatches < 1:
     raise ValueError(f"learner.microbatches must be >= 1, got {cfg.microbatches}")
+
+
+def token_logps(model, batch: TrajectoryBatch, temperature: float) -> tuple[jax.Array, jax.Array]:
+  """Per-token log-probs and entropies `[B, T]` of the batch's tokens under `model`."""
+  logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
+  logp, entropy = losses.token_logp_and_entropy(logits, losses.shifted_targets(batch.tokens),
+                                                temperature)
+  return losses.align_to_tokens(logp), losses.align_to_tokens(entropy)
 
 
 def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig
                          ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
   """Unreduced objective sum of one microbatch, its denominator and metric (sum, denom) pairs."""
-  logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
-  logp, entropy = losses.token_logp_and_entropy(logits, losses.shifted_targets(batch.tokens),
-                                                cfg.temperature)
-  logp, entropy = losses.align_to_tokens(logp), losses.align_to_tokens(entropy)
+  logp, entropy = token_logps(model, batch, cfg.temperature)
   mask = batch.loss_mask
   # On-policy single update: the learner's "old" policy is the current one.
   old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
@@ -107,7 +119,8 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig
       cfg.reduction, segment_ids_BxT=batch.segment_ids,
       rollout_weight_BxT=batch.rollout_weight,
       norm_len=float(cfg.norm_len or batch.tokens.shape[1]))
-  pl = _policy_loss(cfg, logp, old_logp, batch.advantages, mask, batch.segment_ids, reduce, is_w)
+  pl = POLICY_LOSSES[cfg.policy_loss](cfg, logp, old_logp, batch.advantages, mask,
+                                       batch.segment_ids, reduce, is_w)
   metrics.update(pl.metrics)
   metrics["pg_loss"] = (pl.sum, pl.denom)
   total = pl.sum
@@ -161,15 +174,20 @@ def accumulate_gradients(params: Params, batch: TrajectoryBatch, objective, micr
   return grads, total, denom, metrics
 
 
-def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_state,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, cfg: LearnerConfig,
-               micro_sharding: Optional[NamedSharding] = None) -> tuple[TrainState, dict]:
-  """One optimiser step over `batch`, accumulating `cfg.microbatches` exactly."""
-  chex.assert_rank(batch.tokens, 2)
+def old_logps(params: Params, batch: TrajectoryBatch, *, graphdef, abstract_state,
+              cfg: LearnerConfig, micro_sharding: Optional[NamedSharding] = None) -> jax.Array:
+  """Log-probs `[B, T]` under `params` (no gradient), by the learner's microbatches."""
+  model = bind(graphdef, abstract_state, jax.lax.stop_gradient(params))
+  if cfg.microbatches == 1:
+    return token_logps(model, batch, cfg.temperature)[0]
+  mbs = _split_microbatches(batch, cfg.microbatches, micro_sharding)
+  out = jax.lax.map(lambda mb: token_logps(model, mb, cfg.temperature)[0], mbs)
+  return out.swapaxes(0, 1).reshape(batch.tokens.shape)  # undo the row interleaving
 
-  def objective(params, mb):
-    return microbatch_objective(bind(graphdef, abstract_state, params), mb, cfg)
 
+def _update(state: TrainState, batch: TrajectoryBatch, objective, tx, cfg: LearnerConfig,
+            micro_sharding) -> tuple[TrainState, dict]:
+  """One optimiser update on the full-batch objective; returns metrics as means."""
   grads, total, denom, metrics = accumulate_gradients(state.params, batch, objective,
                                                       cfg.microbatches, micro_sharding)
   # The objective is sum / denom; the denominator does not depend on the params.
@@ -178,11 +196,37 @@ def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  rng, _ = jax.random.split(state.rng)
   out = {k: jnp.where(d > 0, s / jnp.maximum(d, 1e-12), 0.0) for k, (s, d) in metrics.items()}
-  out.update(loss=total * scale, grad_norm=grad_norm, lr=schedule(state.step),
-             tokens=jnp.sum(batch.loss_mask), denom=denom)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
+  out.update(loss=total * scale, grad_norm=grad_norm, denom=denom)
+  return state.replace(params=params, opt_state=opt_state), out
+
+
+def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_state,
+               tx: optax.GradientTransformation, schedule: optax.Schedule, cfg: LearnerConfig,
+               micro_sharding: Optional[NamedSharding] = None) -> tuple[TrainState, dict]:
+  """`cfg.epochs` optimiser updates on `batch` (one new policy version), each accumulating
+  `cfg.microbatches` exactly. With several epochs the ratios of later updates are taken
+  against the policy before the first (PPO); the metrics are the last update's, with the
+  first update's loss as `loss_first`."""
+  chex.assert_rank(batch.tokens, 2)
+
+  def objective(params, mb):
+    return microbatch_objective(bind(graphdef, abstract_state, params), mb, cfg)
+
+  if cfg.epochs > 1 and batch.old_logp is None:
+    batch = batch._replace(old_logp=old_logps(
+        state.params, batch, graphdef=graphdef, abstract_state=abstract_state, cfg=cfg,
+        micro_sharding=micro_sharding))
+  lr = schedule(state.step)
+  first = None
+  for _ in range(cfg.epochs):  # unrolled: epochs is a small static number
+    state, out = _update(state, batch, objective, tx, cfg, micro_sharding)
+    first = out["loss"] if first is None else first
+  rng, _ = jax.random.split(state.rng)
+  out.update(lr=lr, tokens=jnp.sum(batch.loss_mask))
+  if cfg.epochs > 1:
+    out["loss_first"] = first
+  new_state = state.replace(step=state.step + 1, rng=rng,
                             policy_version=state.policy_version + 1)
   return new_state, out
 

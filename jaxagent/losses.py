@@ -256,6 +256,29 @@ class Correction(NamedTuple):
   metrics: dict[str, SumDenom]
 
 
+# Log importance weight per token at each level, from per-token log-ratios (masked).
+CORRECTION_LEVELS: dict[str, Callable[[Array, Array, Array], Array]] = {
+    "token": lambda log_w, m, seg: log_w,
+    "sequence": lambda log_w, m, seg: segment_totals(log_w, seg),
+    "geometric": lambda log_w, m, seg: segment_totals(log_w, seg) / jnp.maximum(
+        segment_totals(m, seg), 1.0),
+}
+
+
+def _truncate(w, m, low, high):
+  return jnp.minimum(w, high), m, (w > high).astype(jnp.float32)
+
+
+def _mask_out(w, m, low, high):
+  hit = ((w < low) | (w > high)).astype(jnp.float32)
+  return w, m * (1.0 - hit), hit
+
+
+# (weights, mask, hit) from the weights, the mask and the bounds.
+CORRECTION_MODES: dict[str, Callable[..., tuple[Array, Array, Array]]] = {
+    "truncate": _truncate, "mask": _mask_out}
+
+
 def rollout_correction(old_logp_BxT: Array, rollout_logp_BxT: Array, mask_BxT: Array,
                        segment_ids_BxT: Array, *, mode: str = "truncate",
                        level: str = "token", low: float = 0.5, high: float = 2.0) -> Correction:
@@ -272,24 +295,13 @@ def rollout_correction(old_logp_BxT: Array, rollout_logp_BxT: Array, mask_BxT: A
   """
   chex.assert_equal_shape([old_logp_BxT, rollout_logp_BxT, mask_BxT, segment_ids_BxT])
   m = mask_BxT.astype(jnp.float32)
-  log_w = (old_logp_BxT - rollout_logp_BxT) * m
-  if level == "sequence":
-    log_w = segment_totals(log_w, segment_ids_BxT)
-  elif level == "geometric":
-    log_w = segment_totals(log_w, segment_ids_BxT) / jnp.maximum(
-        segment_totals(m, segment_ids_BxT), 1.0)
-  elif level != "token":
-    raise ValueError(f"unknown correction level {level!r}; known: token, sequence, geometric")
+  if level not in CORRECTION_LEVELS:
+    raise ValueError(f"unknown correction level {level!r}; known: {sorted(CORRECTION_LEVELS)}")
+  if mode not in CORRECTION_MODES:
+    raise ValueError(f"unknown correction mode {mode!r}; known: {sorted(CORRECTION_MODES)}")
+  log_w = CORRECTION_LEVELS[level]((old_logp_BxT - rollout_logp_BxT) * m, m, segment_ids_BxT)
   w = jax.lax.stop_gradient(jnp.exp(jnp.clip(log_w, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)))
-  if mode == "truncate":
-    hit = (w > high).astype(jnp.float32)
-    weights, new_mask = jnp.minimum(w, high), m
-  elif mode == "mask":
-    hit = ((w < low) | (w > high)).astype(jnp.float32)
-    new_mask = m * (1.0 - hit)
-    weights = w
-  else:
-    raise ValueError(f"unknown correction mode {mode!r}; known: truncate, mask")
+  weights, new_mask, hit = CORRECTION_MODES[mode](w, m, low, high)
   return Correction(weights, new_mask, {
       "is_masked_frac" if mode == "mask" else "is_truncated_frac": token_mean(hit, m),
       "is_weight_mean": token_mean(w, m),
@@ -300,6 +312,14 @@ def rollout_correction(old_logp_BxT: Array, rollout_logp_BxT: Array, mask_BxT: A
 # -- KL to a reference ----------------------------------------------------------------
 
 
+# Per-token KL estimators of the log-ratio log r = logp - ref_logp.
+KL_ESTIMATORS: dict[str, Callable[[Array], Array]] = {
+    "k1": lambda log_r: log_r,
+    "k2": lambda log_r: 0.5 * jnp.square(log_r),
+    "k3": lambda log_r: jnp.exp(-log_r) - 1.0 + log_r,
+}
+
+
 def kl_penalty(logp_BxT: Array, ref_logp_BxT: Array, estimator: str = "k3") -> Array:
   """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, 2020).
 
@@ -307,11 +327,7 @@ def kl_penalty(logp_BxT: Array, ref_logp_BxT: Array, estimator: str = "k3") -> A
   log r = logp - ref_logp. k3 is unbiased and non-negative.
   """
   chex.assert_equal_shape([logp_BxT, ref_logp_BxT])
-  log_r = jnp.clip(logp_BxT - ref_logp_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-  if estimator == "k1":
-    return log_r
-  if estimator == "k2":
-    return 0.5 * jnp.square(log_r)
-  if estimator == "k3":
-    return jnp.exp(-log_r) - 1.0 + log_r
-  raise ValueError(f"unknown KL estimator {estimator!r}; known: k1, k2, k3")
+  if estimator not in KL_ESTIMATORS:
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: {sorted(KL_ESTIMATORS)}")
+  return KL_ESTIMATORS[estimator](
+      jnp.clip(logp_BxT - ref_logp_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))

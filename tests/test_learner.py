@@ -7,7 +7,7 @@ import pytest
 
 from jaxagent.batch import pack
 from jaxagent.config import LearnerConfig
-from jaxagent.learner import Learner, accumulate_gradients, microbatch_objective
+from jaxagent.learner import Learner, accumulate_gradients, microbatch_objective, old_logps
 from jaxagent.models import preset
 from jaxagent.models.params import bind, init_params
 from jaxagent.models.sharding import make_mesh
@@ -74,6 +74,33 @@ def test_step_metrics_and_learning():
   assert int(state.step) == 5 and int(state.policy_version) == 5
   assert float(m["tokens"]) == batch.loss_mask.sum()
   assert float(m["loss"]) < first["loss"]  # the same batch: the objective goes down
+
+
+def test_ppo_epochs_equal_updates_against_the_pre_update_policy():
+  """epochs=2 is one version bump made of two updates whose ratios use the old policy."""
+  base = dict(lr=1e-2, correction_mode="truncate", clip_low=0.05, clip_high=0.05)
+  batch = make_batch()
+  two = Learner(CFG, LearnerConfig(epochs=2, microbatches=2, **base), make_mesh())
+  state, m = two.step(two.init_state(0), batch)
+  assert int(state.policy_version) == 1 and int(state.step) == 1
+  assert float(m["clip_frac"]) > 0 and "loss_first" in m  # the 2nd update saw moved ratios
+
+  one = Learner(CFG, LearnerConfig(epochs=1, microbatches=2, **base), make_mesh())
+  ref = one.init_state(0)
+  old = jax.jit(functools.partial(
+      old_logps, graphdef=one.graphdef,
+      abstract_state=one.abstract_params, cfg=one.cfg))(ref.params, jax.tree.map(jnp.asarray,
+                                                                              batch))
+  whole = jax.jit(functools.partial(
+      old_logps, graphdef=one.graphdef,
+      abstract_state=one.abstract_params, cfg=LearnerConfig()))(ref.params,
+                                                               jax.tree.map(jnp.asarray, batch))
+  np.testing.assert_allclose(old, whole, atol=1e-5)  # microbatched = whole batch
+  fixed = batch._replace(old_logp=np.asarray(old))
+  for _ in range(2):
+    ref, _ = one.step(ref, fixed)
+  for name in ref.params:
+    np.testing.assert_allclose(state.params[name], ref.params[name], atol=1e-5, err_msg=name)
 
 
 def test_bad_settings_name_their_key():
