@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from jaxagent.config import AgentConfig
 from jaxagent.tokenizer import Tokenizer
-from jaxagent.trajectory import Segment, TrajectoryManager, TurnRecord
+from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
 
 
 @dataclasses.dataclass
@@ -129,7 +129,6 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
                        session_id: str, group_id: str = "") -> Episode:
   """Plays one episode with our own loop; never raises for the model's or the env's faults."""
   from rollout_server.client import GenerateError
-  from rollout_server.engine import SamplingParams
 
   t_start = time.perf_counter()
   manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)

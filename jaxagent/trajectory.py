@@ -28,12 +28,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Iterable, Optional
 
 import numpy as np
 
 CLEAN, REALIGN, FORK = "clean", "realign", "fork"
 STATUSES = ("completed", "truncated", "aborted", "failed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 64
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  def validate(self, vocab_size: int) -> None:
+    if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
 @dataclasses.dataclass

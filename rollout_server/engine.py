@@ -22,9 +22,7 @@ log-probs and the policy version beside the token ids.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
@@ -36,35 +34,11 @@ from jaxagent.models.config import ModelConfig
 from jaxagent.models.llama import KVCache
 from jaxagent.models.params import abstract_model, bind, param_shardings
 from jaxagent.models.sharding import SAMPLE_RULES, Rules, logical_to_spec
+from jaxagent.trajectory import SamplingParams  # noqa: F401 (the request contract, re-exported)
 
 # Columns of the packed per-step result.
 TOKEN, VALID, LENGTH, LOGP, RAW_LOGP, VERSION = range(6)
 NUM_COLUMNS = 6
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
-
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  max_new_tokens: int = 64
-  stop_token_ids: tuple[int, ...] = ()
-  seed: int = 0
-
-  def validate(self, vocab_size: int) -> None:
-    if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-    bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-      raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
 class ResultTokens(NamedTuple):
