@@ -21,6 +21,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 from tqdm import tqdm
 
 from jaxagent import config as config_lib
@@ -196,13 +197,22 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       step = int(state.step)
       version = int(state.policy_version)
       sync_s = 0.0
+      export = step == cfg.steps or bool(
+          cfg.checkpoint.export_every and step % cfg.checkpoint.export_every == 0)
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
-        path = await loop.run_in_executor(None, export_policy, policy_root, version,
-                                          state.params, None)
-        await serving.client.update_weights(path, version, cfg.rollout.update_mode)
+        if serving.orch is not None:  # in-process: hand the weights over in memory
+          weights = jax.tree.map(jnp.copy, state.params)  # the next step donates state
+          await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
+        else:  # servers load the export
+          path = await loop.run_in_executor(None, export_policy, policy_root, version,
+                                            state.params, None)
+          await serving.client.update_weights(path, version, cfg.rollout.update_mode)
+          export = False
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0
+      if export:
+        await loop.run_in_executor(None, export_policy, policy_root, version, state.params, None)
       t_rollout_mark = time.perf_counter()
       dump_segments(os.path.join(run_dir, "trajectories.jsonl"), info["used_segments"])
       out_tokens = row.get("output_tokens", 0)

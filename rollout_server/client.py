@@ -67,6 +67,17 @@ class LocalClient:
     report = await loop.run_in_executor(None, self.orch.update_weights, params, mode)
     return {**report, "load_s": load_s}
 
+  async def load_weights(self, params, version: int, mode: str = "drain") -> dict:
+    """Swaps in `params` (a pure dict, host or device; not aliased by the caller later)
+    without a file: the in-process path of a training run."""
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    engine_params = await loop.run_in_executor(
+        None, lambda: self.engine.load_params(params, version=version))
+    load_s = time.perf_counter() - t0
+    report = await loop.run_in_executor(None, self.orch.update_weights, engine_params, mode)
+    return {**report, "load_s": load_s}
+
   async def stats(self) -> dict:
     return self.orch.stats()
 
