@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -190,6 +191,14 @@ class RolloutScheduler:
 # -- batcher ------------------------------------------------------------------------------
 
 
+@functools.cache
+def _jit(fn, *static: str):
+  """`fn` jitted with `static` keyword arguments (cached: one wrapper per estimator)."""
+  import jax
+
+  return jax.jit(fn, static_argnames=static)
+
+
 def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
   """Sets `advantages` on every segment of the groups' episodes (host side)."""
   import jax.numpy as jnp
@@ -203,10 +212,12 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
   if cfg.estimator in ("grpo", "rloo"):
     r = np.asarray([e.reward for e in episodes], np.float32)
     if cfg.estimator == "grpo":
-      a = adv.group_normalized(jnp.asarray(r), jnp.asarray(gid), len(groups),
-                               scale_by_std=cfg.scale_by_std)
+      a = _jit(adv.group_normalized, "num_groups", "scale_by_std")(
+          jnp.asarray(r), jnp.asarray(gid), num_groups=len(groups),
+          scale_by_std=cfg.scale_by_std)
     else:
-      a = adv.rloo(jnp.asarray(r), jnp.asarray(gid), len(groups))
+      a = _jit(adv.rloo, "num_groups")(jnp.asarray(r), jnp.asarray(gid),
+                                       num_groups=len(groups))
     values = np.asarray(a)[:, None]
     per_turn = False
   elif cfg.estimator == "chunk":
@@ -216,9 +227,9 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
     for i, e in enumerate(episodes):
       rewards[i, :len(e.turn_rewards)] = e.turn_rewards
       valid[i, :len(e.turn_rewards)] = True
-    values = np.asarray(adv.chunk_advantages(
-        jnp.asarray(rewards), jnp.asarray(valid), cfg.gamma, group_ids_N=jnp.asarray(gid),
-        num_groups=len(groups), scale_by_std=cfg.scale_by_std))
+    values = np.asarray(_jit(adv.chunk_advantages, "gamma", "num_groups", "scale_by_std")(
+        jnp.asarray(rewards), jnp.asarray(valid), gamma=cfg.gamma,
+        group_ids_N=jnp.asarray(gid), num_groups=len(groups), scale_by_std=cfg.scale_by_std))
     per_turn = True
   else:
     raise ValueError(f"advantage.estimator: unknown {cfg.estimator!r}; known: grpo, rloo, chunk")
