@@ -76,6 +76,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         vocab_size=384, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
         d_ff=384, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024),
+    # ~0.15M parameters: the default RL run, where steps per second matter most on a CPU.
+    "nano": ModelConfig(
+        vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+        d_ff=256, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024),
     "smollm2-135m": ModelConfig(
         vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
         d_ff=1536, rope_theta=100_000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192),
