@@ -4,8 +4,13 @@ Terminal reward 1 for the right number within the turn budget. An optional
 process reward per turn (`process_reward`, a scale) pays for information: the
 fraction of the numbers still possible that the guess rules out (about half
 for a bisecting guess, all of them for the right one, none for a guess the
-feedback had already excluded). Messages are short so a tiny byte-level model
-can learn the game from scratch.
+feedback had already excluded). With `information: expected` it pays the
+expected fraction over the numbers still possible instead of the fraction this
+secret happened to give: a grade of the move itself, free of the luck of the
+draw (the realized fraction rewards a guess next to the secret more than a
+bisecting one). `feedback: range` restates the range still possible after
+"Higher"/"Lower". Messages are short so a tiny byte-level model can learn the
+game from scratch.
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ class GuessNumber(Env):
     self.turns, self.done, self.solved = 0, False, False
     self.reset_counters()
     self.guesses: list[int] = []
+    self.feedback = p.get("feedback", "plain")
+    if self.feedback not in ("plain", "range"):
+      raise ValueError(f"task {task.id}: feedback must be 'plain' or 'range', got "
+                       f"{self.feedback!r}")
+    self.information = p.get("information", "realized")
+    if self.information not in ("realized", "expected"):
+      raise ValueError(f"task {task.id}: information must be 'realized' or 'expected', got "
+                       f"{self.information!r}")
     prompt = p.get("prompt", "Guess my number, {low} to {high}.")
     return Observation([{"role": "user", "content": prompt.format(low=self.low,
                                                                   high=self.high)}])
@@ -53,6 +66,7 @@ class GuessNumber(Env):
       valid = True
       self.guesses.append(guess)
       before = max(self.hi - self.lo + 1, 1)
+      expected = expected_information(self.lo, self.hi, guess)
       if guess == self.secret:
         self.solved = True
         feedback = "Correct!"
@@ -63,7 +77,10 @@ class GuessNumber(Env):
         feedback = "Lower."
         self.hi = min(self.hi, guess - 1)
       after = 0 if self.solved else max(self.hi - self.lo + 1, 0)
-      reward += self.process_reward * (before - after) / before
+      if self.feedback == "range" and not self.solved:
+        feedback = f"{feedback[:-1]}: {self.lo}-{self.hi}."
+      info = expected if self.information == "expected" else (before - after) / before
+      reward += self.process_reward * info
     terminated = self.solved
     truncated = not terminated and self.turns >= self.max_turns
     if terminated:
@@ -84,6 +101,18 @@ class GuessNumber(Env):
   def reference_action(self) -> str:
     """A perfect player: bisect what the feedback still allows."""
     return str((self.lo + self.hi) // 2)
+
+
+def expected_information(lo: int, hi: int, guess: int) -> float:
+  """Expected fraction of the numbers lo..hi that `guess` rules out, the secret uniform
+  among them: 1 if it is the secret, else the side the feedback excludes plus the guess."""
+  n = hi - lo + 1
+  if n < 1 or not lo <= guess <= hi:
+    return 0.0
+  below, above = guess - lo, hi - guess  # secrets under / over the guess
+  # Secret below: "Lower" rules out the guess and everything above it (n - below);
+  # secret above: "Higher" rules out the guess and everything below it (n - above).
+  return (below * (n - below) + above * (n - above) + n) / (n * n)
 
 
 def make_tasks(n: int, *, low: int = 1, high: int = 16, max_turns: int = 5, seed: int = 0,

@@ -37,6 +37,29 @@ def test_guess_number_plays_by_the_rules():
   assert steps[0].info["versions"]["env"] == "guess_number@1"
 
 
+def test_guess_number_expected_information_and_range_feedback():
+  env = make("guess_number")
+  task = TaskSpec("g", "guess_number", {"secret": 11, "process_reward": 1.0,
+                                        "information": "expected", "feedback": "range"})
+  _, steps, verdict = play(env, task, ["8", "8", "12", "11"])
+  assert [s.observation.messages[0]["content"] for s in steps] == [
+      "Higher: 9-16.", "Higher: 9-16.", "Lower: 9-11.", "Correct!"]
+  # The move's grade, whatever the secret: 8 of 1..16 -> (7*9 + 8*8 + 16) / 256; a number
+  # already excluded -> 0; 12 of 9..16 -> (3*5 + 4*4 + 8) / 64; 11 of 9..11 -> (2*1 + 3) / 9,
+  # plus the terminal reward.
+  assert [s.reward for s in steps] == pytest.approx([143 / 256, 0.0, 39 / 64, 5 / 9 + 1.0])
+  assert verdict.status == VerdictStatus.PASS
+  # Monte Carlo over secrets agrees with the closed form.
+  from envs.guess_number import expected_information
+  lo, hi, g = 3, 11, 6
+  def ruled_out(secret):
+    return 1.0 if secret == g else ((hi - g + 1) if secret < g else (g - lo + 1)) / (hi - lo + 1)
+  assert expected_information(lo, hi, g) == pytest.approx(
+      sum(ruled_out(x) for x in range(lo, hi + 1)) / (hi - lo + 1))
+  with pytest.raises(ValueError, match="information"):
+    play(make("guess_number"), TaskSpec("g", "guess_number", {"information": "lucky"}), [])
+
+
 def test_guess_number_truncates_at_the_turn_budget():
   env = make("guess_number")
   _, steps, verdict = play(env, TaskSpec("g", "guess_number", {"secret": 3, "max_turns": 2}),
