@@ -139,6 +139,9 @@ class RolloutConfig:
   max_concurrent_episodes: int = 64
   max_retries: int = 2
   filter_equal_rewards: bool = True
+  # Groups the filters drop are replaced until groups_per_step are accepted, consuming at
+  # most this many times groups_per_step groups a step (1: no replacement).
+  max_sample_rounds: int = 4
   # Weight updates: drain (finish running turns) | abort (return them partial, then resume).
   update_mode: str = "drain"
   sync_every: int = 1

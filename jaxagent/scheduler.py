@@ -72,6 +72,7 @@ class RolloutScheduler:
     self.episode_slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
     self.dropped: collections.Counter = collections.Counter()
     self.retries = 0
+    self.replaced = 0  # groups dropped by the filters and replaced by fresh ones
     self._changed = asyncio.Event()
     self._producer: Optional[asyncio.Task] = None
     self._tasks: set[asyncio.Task] = set()
@@ -114,7 +115,8 @@ class RolloutScheduler:
   def _capacity(self) -> int:
     if self.cfg.mode == "sync":
       return 0
-    return (self.version + self.cfg.max_staleness + 1) * self.cfg.groups_per_step
+    # Groups the filters dropped were replaced, so they do not count against the bound.
+    return (self.version + self.cfg.max_staleness + 1) * self.cfg.groups_per_step + self.replaced
 
   async def _produce(self) -> None:
     while not self._stop:
@@ -160,8 +162,25 @@ class RolloutScheduler:
     return True
 
   async def next_groups(self) -> tuple[list[Group], list[Group]]:
-    """The next step's groups: (accepted, all finished groups consumed, for metrics)."""
+    """The next step's groups: (accepted, all finished groups consumed, for metrics).
+
+    Groups the filters drop are replaced (dynamic sampling, as DAPO) until
+    `groups_per_step` are accepted or `max_sample_rounds` x `groups_per_step` groups
+    have been consumed, so batches keep their size as the policy converges.
+    """
     n = self.cfg.groups_per_step
+    accepted: list[Group] = []
+    taken: list[Group] = []
+    while len(accepted) < n and len(taken) < self.cfg.max_sample_rounds * n:
+      batch = await self._take(n - len(accepted))
+      taken += batch
+      ok = [g for g in batch if self._accept(g)]
+      self.replaced += len(batch) - len(ok)
+      accepted += ok
+    return accepted, taken
+
+  async def _take(self, n: int) -> list[Group]:
+    """`n` finished groups: fresh ones on the current weights (sync), or the oldest ready."""
     if self.cfg.mode == "sync":
       fresh = [self._start_group() for _ in range(n)]
       while not all(g.done for g in fresh):
@@ -181,7 +200,7 @@ class RolloutScheduler:
     for g in taken:
       self.groups.pop(g.index, None)
     self._changed.set()
-    return [g for g in taken if self._accept(g)], taken
+    return taken
 
   def pending_tasks(self) -> list:
     """Tasks started but not yet consumed (saved with a checkpoint, replayed on resume)."""

@@ -126,6 +126,8 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}")
   if cfg.rollout.group_size < 2:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
+  if cfg.rollout.max_sample_rounds < 1:
+    raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
 
 
 async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
@@ -224,7 +226,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
               rollout_s, 1e-9),
           "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
           "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
-          "retries": scheduler.retries,
+          "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
           **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
           **{k: v for k, v in m.items() if k != "denom"}})
       writer.write(row)

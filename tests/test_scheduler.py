@@ -79,13 +79,26 @@ def test_equal_reward_groups_are_filtered():
   async def play(task, sid, gid):
     return episode(task, sid, gid, reward=1.0 if task % 2 else float(sid[-4] == "0"))
 
-  async def go():
-    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=4, group_size=3),
-                         itertools.count(), play)
+  async def go(rounds):
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=4, group_size=3,
+                                       max_sample_rounds=rounds), itertools.count(), play)
     return s, *(await s.next_groups())
 
-  s, accepted, taken = run(go())
+  s, accepted, taken = run(go(1))  # no replacement
   assert [g.task for g in accepted] == [0, 2] and s.dropped["no_signal"] == 2
+  # Dynamic sampling: dropped groups are replaced until the step has its 4 groups.
+  s, accepted, taken = run(go(4))
+  # (rounds of 4, then 2 for the 2 missing, then 1 for the last)
+  assert [g.task for g in accepted] == [0, 2, 4, 6] and [g.task for g in taken] == list(range(7))
+  assert s.dropped["no_signal"] == 3 and s.replaced == 3
+  # ... but at most max_sample_rounds x groups_per_step groups are consumed.
+  async def no_signal(task, sid, gid):
+    return episode(task, sid, gid, reward=1.0)
+
+  s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=2, group_size=2,
+                                     max_sample_rounds=3), itertools.count(), no_signal)
+  accepted, taken = run(s.next_groups())
+  assert accepted == [] and len(taken) == 6
 
 
 def test_async_staleness_bound_and_capacity():
