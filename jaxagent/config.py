@@ -53,6 +53,11 @@ class LearnerConfig:
   # CLI sets it to agent.temperature), so ratios compare like with like.
   temperature: float = 1.0
   warmup_steps: int = 0
+  # constant | cosine: after the warm-up, cosine decay to lr * lr_end_factor at
+  # lr_decay_steps (0: the run's steps). Steps count optimiser updates (x epochs).
+  lr_schedule: str = "constant"
+  lr_decay_steps: int = 0
+  lr_end_factor: float = 0.1
   weight_decay: float = 0.0
   b1: float = 0.9
   b2: float = 0.99
@@ -153,6 +158,11 @@ class AdvantageConfig:
   estimator: str = "grpo"
   scale_by_std: bool = True
   gamma: float = 1.0
+  # What a sample is compared with: `group` (the G samples of its task; GRPO) or `batch`
+  # (every sample of the step, as REINFORCE++'s global normalisation). With `batch`, a
+  # group whose samples all fail alike still learns that its actions are worse than the
+  # step's; turn off rollout.filter_equal_rewards with it.
+  baseline: str = "group"
 
 
 
@@ -226,7 +236,8 @@ class RunConfig:
   advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
   serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
   env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
-  # Stop early once the success rate over the last `stop_window` steps reaches it (0: never).
+  # Stop early once the success rate over the episodes of the last `stop_window` steps
+  # reaches it (0: never).
   stop_success_rate: float = 0.0
   stop_window: int = 5
 

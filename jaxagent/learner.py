@@ -38,12 +38,24 @@ class TrainState(struct.PyTreeNode):
   policy_version: jax.Array
 
 
+def _cosine(cfg: LearnerConfig) -> optax.Schedule:
+  if cfg.lr_decay_steps < 1:
+    raise ValueError("learner.lr_decay_steps must be >= 1 for the cosine schedule (the train "
+                     "CLI sets it to the run's steps when it is 0)")
+  updates = max(cfg.lr_decay_steps * cfg.epochs - cfg.warmup_steps, 1)
+  return optax.cosine_decay_schedule(cfg.lr, updates, alpha=cfg.lr_end_factor)
+
+
+# `learner.lr_schedule` names one of these (after the optional linear warm-up).
+SCHEDULES = {"constant": lambda cfg: optax.constant_schedule(cfg.lr), "cosine": _cosine}
+
+
 def make_optimizer(cfg: LearnerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with linear warm-up, after global-norm clipping."""
+  schedule = SCHEDULES[cfg.lr_schedule](cfg)
   if cfg.warmup_steps > 0:
-    schedule = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
-  else:
-    schedule = optax.constant_schedule(cfg.lr)
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), schedule], [cfg.warmup_steps])
   tx = optax.chain(
       optax.clip_by_global_norm(cfg.max_grad_norm),
       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
@@ -86,6 +98,9 @@ def check_config(cfg: LearnerConfig) -> None:
   if cfg.correction_level not in losses.CORRECTION_LEVELS:
     raise ValueError(f"learner.correction_level: unknown {cfg.correction_level!r}; "
                      f"known: {sorted(losses.CORRECTION_LEVELS)}")
+  if cfg.lr_schedule not in SCHEDULES:
+    raise ValueError(f"learner.lr_schedule: unknown {cfg.lr_schedule!r}; "
+                     f"known: {sorted(SCHEDULES)}")
   if cfg.epochs < 1:
     raise ValueError(f"learner.epochs must be >= 1, got {cfg.epochs}")
   if cfg.microbatches < 1:

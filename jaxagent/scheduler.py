@@ -218,8 +218,23 @@ def _jit(fn, *static: str):
   return jax.jit(fn, static_argnames=static)
 
 
+ESTIMATORS = ("grpo", "rloo", "chunk")
+BASELINES = ("group", "batch")
+
+
+def check_advantage_config(cfg: AdvantageConfig) -> None:
+  """Fails naming the key on an unknown estimator or baseline."""
+  if cfg.estimator not in ESTIMATORS:
+    raise ValueError(f"advantage.estimator: unknown {cfg.estimator!r}; known: "
+                     f"{', '.join(ESTIMATORS)}")
+  if cfg.baseline not in BASELINES:
+    raise ValueError(f"advantage.baseline: unknown {cfg.baseline!r}; known: "
+                     f"{', '.join(BASELINES)}")
+
+
 def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
   """Sets `advantages` on every segment of the groups' episodes (host side)."""
+  check_advantage_config(cfg)
   import jax.numpy as jnp
 
   from jaxagent import advantages as adv
@@ -228,15 +243,18 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
   if not episodes:
     return
   gid = np.asarray([i for i, g in enumerate(groups) for _ in g.episodes], np.int32)
+  num_groups = len(groups)
+  if cfg.baseline == "batch":  # one group: the baseline (and std) of the whole step
+    gid, num_groups = np.zeros_like(gid), 1
   if cfg.estimator in ("grpo", "rloo"):
     r = np.asarray([e.reward for e in episodes], np.float32)
     if cfg.estimator == "grpo":
       a = _jit(adv.group_normalized, "num_groups", "scale_by_std")(
-          jnp.asarray(r), jnp.asarray(gid), num_groups=len(groups),
+          jnp.asarray(r), jnp.asarray(gid), num_groups=num_groups,
           scale_by_std=cfg.scale_by_std)
     else:
       a = _jit(adv.rloo, "num_groups")(jnp.asarray(r), jnp.asarray(gid),
-                                       num_groups=len(groups))
+                                       num_groups=num_groups)
     values = np.asarray(a)[:, None]
     per_turn = False
   elif cfg.estimator == "chunk":
@@ -248,10 +266,10 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
       valid[i, :len(e.turn_rewards)] = True
     values = np.asarray(_jit(adv.chunk_advantages, "gamma", "num_groups", "scale_by_std")(
         jnp.asarray(rewards), jnp.asarray(valid), gamma=cfg.gamma,
-        group_ids_N=jnp.asarray(gid), num_groups=len(groups), scale_by_std=cfg.scale_by_std))
+        group_ids_N=jnp.asarray(gid), num_groups=num_groups, scale_by_std=cfg.scale_by_std))
     per_turn = True
-  else:
-    raise ValueError(f"advantage.estimator: unknown {cfg.estimator!r}; known: grpo, rloo, chunk")
+  else:  # unreachable: checked above
+    raise AssertionError(cfg.estimator)
   for i, e in enumerate(episodes):
     for s in e.segments:
       turns = np.clip(s.turn_ids, 0, values.shape[1] - 1) if per_turn else np.zeros_like(

@@ -32,7 +32,7 @@ from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
 from jaxagent.metrics import MetricsWriter, episode_metrics, plot_learning_curve
 from jaxagent.models.sharding import make_mesh
-from jaxagent.scheduler import RolloutScheduler, make_batch
+from jaxagent.scheduler import RolloutScheduler, check_advantage_config, make_batch
 from jaxagent.trajectory import dump_segments
 
 
@@ -128,6 +128,10 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
   if cfg.rollout.max_sample_rounds < 1:
     raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
+  try:
+    check_advantage_config(cfg.advantage)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
 
 
 async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
@@ -139,7 +143,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   print(f"model: {describe(model_cfg)}")
   print(f"mesh: {dict(mesh.shape)} on {jax.devices()[0].platform}; run dir: {run_dir}")
   # Score tokens under the distribution they were sampled from (temperature included).
-  learner_cfg = dataclasses.replace(cfg.learner, temperature=max(cfg.agent.temperature, 1e-6))
+  learner_cfg = dataclasses.replace(cfg.learner, temperature=max(cfg.agent.temperature, 1e-6),
+                                    lr_decay_steps=cfg.learner.lr_decay_steps or cfg.steps)
   learner = Learner(model_cfg, learner_cfg, mesh)
   state = learner.init_state(cfg.seed, params)
   tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle))
@@ -182,17 +187,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True,
              disable=not sys.stdout.isatty() and not os.environ.get("JAXAGENT_PROGRESS"))
   t_rollout_mark = time.perf_counter()
+  played: list = []  # every group consumed since the last step, trained on or not
   try:
     while step < cfg.steps:
       accepted, taken = await scheduler.next_groups()
+      played += taken
+      if not any(s.num_action_tokens for g in accepted for e in g.episodes
+                 for s in e.segments):
+        continue  # nothing to learn from (all filtered): sample again; the step counts it all
       rollout_s = time.perf_counter() - t_rollout_mark
-      row = {"step": step + 1, **episode_metrics(taken, accepted, version)}
+      row = {"step": step + 1, **episode_metrics(played, accepted, version)}
+      played = []
       t0 = time.perf_counter()
       batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
                                tokenizer.pad_id)
-      if info["segments"] == 0:  # nothing to learn from (all filtered): sample again
-        t_rollout_mark = time.perf_counter()
-        continue
       state, m = await loop.run_in_executor(None, learner.step, state, batch)
       m = {k: float(v) for k, v in jax.device_get(m).items()}
       learner_s = time.perf_counter() - t0
@@ -230,7 +238,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
           **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
           **{k: v for k, v in m.items() if k != "denom"}})
       writer.write(row)
-      recent = (recent + [row.get("success_rate", 0.0)])[-cfg.stop_window:]
+      recent = (recent + [(row.get("success_rate", 0.0) * row["episodes"],
+                           row["episodes"])])[-cfg.stop_window:]
+      recent_success = sum(s for s, _ in recent) / max(sum(n for _, n in recent), 1)
       bar.update(1)
       bar.set_postfix(success=f"{row.get('success_rate', 0):.2f}",
                       reward=f"{row.get('reward_mean', 0):.2f}",
@@ -246,8 +256,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
             t.to_dict() if isinstance(t, TaskSpec) else t for t in scheduler.pending_tasks()]},
                   tasks)
       if (cfg.stop_success_rate and len(recent) == cfg.stop_window
-          and min(recent) >= cfg.stop_success_rate):
-        print(f"success rate >= {cfg.stop_success_rate} for {cfg.stop_window} steps: stopping")
+          and recent_success >= cfg.stop_success_rate):
+        print(f"success rate {recent_success:.3f} over the last {cfg.stop_window} steps' "
+              f"episodes reached {cfg.stop_success_rate}: stopping")
         break
   finally:
     bar.close()

@@ -103,11 +103,26 @@ def test_ppo_epochs_equal_updates_against_the_pre_update_policy():
     np.testing.assert_allclose(state.params[name], ref.params[name], atol=1e-5, err_msg=name)
 
 
+def test_learning_rate_schedules():
+  from jaxagent.learner import make_optimizer
+
+  _, cos = make_optimizer(LearnerConfig(lr=1.0, lr_schedule="cosine", lr_decay_steps=100,
+                                        warmup_steps=10, lr_end_factor=0.1))
+  assert [float(cos(i)) for i in (0, 10, 100, 500)] == pytest.approx([0.0, 1.0, 0.1, 0.1])
+  assert 0.1 < float(cos(55)) < 1.0
+  _, const = make_optimizer(LearnerConfig(lr=0.5))
+  assert float(const(0)) == float(const(10_000)) == 0.5
+
+
 def test_bad_settings_name_their_key():
   with pytest.raises(ValueError, match="learner.policy_loss"):
     Learner(CFG, LearnerConfig(policy_loss="ppo2"), make_mesh())
   with pytest.raises(ValueError, match="learner.reduction"):
     Learner(CFG, LearnerConfig(reduction="mean"), make_mesh())
+  with pytest.raises(ValueError, match="learner.lr_schedule"):
+    Learner(CFG, LearnerConfig(lr_schedule="step"), make_mesh())
+  with pytest.raises(ValueError, match="learner.epochs"):
+    Learner(CFG, LearnerConfig(epochs=0), make_mesh())
   learner = Learner(CFG, LearnerConfig(microbatches=3), make_mesh())
   with pytest.raises(ValueError, match="microbatches"):
     learner.step(learner.init_state(0), make_batch(rows=4))

@@ -193,6 +193,35 @@ def test_make_batch_advantages_and_packing(estimator):
   assert batch.tokens.shape == (4, 32)  # rows: the smallest power of two that fits
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "chunk"])
+def test_batch_baseline_gives_uniform_failures_a_signal(estimator):
+  """A group whose samples all fail alike: 0 against its own group, negative against
+  the step (REINFORCE++-style global baseline)."""
+  from jaxagent.scheduler import Group, compute_advantages
+
+  def groups():
+    out = []
+    for gi, rewards in enumerate([(0.0, 0.0), (1.0, 3.0)]):
+      g = Group(gi, gi)
+      g.episodes = [episode(gi, f"g{gi}-{i}", f"g{gi}", reward=r) for i, r in enumerate(rewards)]
+      out.append(g)
+    return out
+
+  def first_adv(gs):
+    return [float(e.segments[0].advantages[e.segments[0].loss_mask > 0][0])
+            for g in gs for e in g.episodes]
+
+  cfg = dict(estimator=estimator, scale_by_std=False, gamma=1.0)
+  gs = groups()
+  compute_advantages(gs, AdvantageConfig(**cfg))
+  assert first_adv(gs) == pytest.approx([0.0, 0.0, -1.0, 1.0])
+  gs = groups()
+  compute_advantages(gs, AdvantageConfig(baseline="batch", **cfg))
+  assert first_adv(gs) == pytest.approx([-1.0, -1.0, 0.0, 2.0])  # step mean: 1
+  with pytest.raises(ValueError, match="advantage.baseline"):
+    compute_advantages(groups(), AdvantageConfig(baseline="global", **cfg))
+
+
 def test_batch_rows():
   class S:
     def __init__(self, n):
