@@ -116,9 +116,31 @@ def expected_information(lo: int, hi: int, guess: int) -> float:
 
 
 def make_tasks(n: int, *, low: int = 1, high: int = 16, max_turns: int = 5, seed: int = 0,
-               process_reward: float = 0.0) -> list[TaskSpec]:
+               process_reward: float = 0.0, **options) -> list[TaskSpec]:
+  """`n` tasks with secrets drawn by `seed`; `options` (information, feedback, prompt) go
+  into every task's params."""
   rng = random.Random(seed)
   return [TaskSpec(f"guess_number/{seed}-{i}", "guess_number",
                    {"low": low, "high": high, "max_turns": max_turns,
-                    "secret": rng.randint(low, high), "process_reward": process_reward})
+                    "secret": rng.randint(low, high), "process_reward": process_reward,
+                    **options})
           for i in range(n)]
+
+
+if __name__ == "__main__":  # writes the task file of the default run
+  import argparse
+  import json
+
+  ap = argparse.ArgumentParser(description="Write guess_number tasks as JSONL.")
+  ap.add_argument("--out", default="envs/tasks/guess_number.jsonl")
+  ap.add_argument("-n", type=int, default=256)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--process-reward", type=float, default=1.0)
+  ap.add_argument("--information", default="expected", choices=["realized", "expected"])
+  ap.add_argument("--feedback", default="range", choices=["plain", "range"])
+  a = ap.parse_args()
+  with open(a.out, "w") as f:
+    for t in make_tasks(a.n, seed=a.seed, process_reward=a.process_reward,
+                        information=a.information, feedback=a.feedback):
+      f.write(json.dumps(t.to_dict()) + "\n")
+  print(f"wrote {a.n} tasks to {a.out}")
