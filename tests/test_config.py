@@ -9,7 +9,7 @@ from tests.conftest import REPO
 
 def test_tiny_yaml_loads_with_types():
   cfg = config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"))
-  assert cfg.model.preset == "tiny"
+  assert cfg.model.preset == "nano"
   assert isinstance(cfg.learner.lr, float)
   assert dataclasses.is_dataclass(cfg.learner)
   with pytest.raises(dataclasses.FrozenInstanceError):

@@ -10,7 +10,8 @@ import pytest
 from tests.conftest import REPO
 
 SMALL = ["rollout.groups_per_step=2", "rollout.group_size=4", "rollout.filter_equal_rewards=false",
-         "data.rows=8", "serving.engine.slots=8", "checkpoint.every_steps=2"]
+         "data.rows=8", "serving.engine.slots=8", "checkpoint.every_steps=2",
+         "checkpoint.export_every=1"]
 
 
 def run_train(*args, timeout=600):
