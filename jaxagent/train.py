@@ -2,8 +2,9 @@
 
 Agentic RL end to end: rollout servers (in-process by default, or URLs),
 environments (in-process, or `envs.server` URLs), the rollout scheduler, the
-jitted learner, policy exports every `rollout.sync_every` steps and weight
-updates on the servers. One run directory holds `config.json`,
+jitted learner, and weight updates every `rollout.sync_every` steps (in memory
+for in-process servers; servers by URL load a policy export, written then and
+every `checkpoint.export_every` steps). One run directory holds `config.json`,
 `metrics.jsonl`, TensorBoard events, `checkpoints/`, `policy/`,
 `trajectories.jsonl` and `learning_curve.png`. `--resume` continues from the
 last checkpoint: parameters, optimiser, data-iterator position, policy
@@ -192,15 +193,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
     while step < cfg.steps:
       accepted, taken = await scheduler.next_groups()
       played += taken
-      if not any(s.num_action_tokens for g in accepted for e in g.episodes
-                 for s in e.segments):
-        continue  # nothing to learn from (all filtered): sample again; the step counts it all
       rollout_s = time.perf_counter() - t_rollout_mark
-      row = {"step": step + 1, **episode_metrics(played, accepted, version)}
-      played = []
       t0 = time.perf_counter()
       batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
                                tokenizer.pad_id)
+      if info["segments"] == 0:
+        continue  # nothing to learn from (all filtered or too long): sample again; the
+        # next step's metrics count these episodes and their time too
+      row = {"step": step + 1, **episode_metrics(played, accepted, version)}
+      played = []
       state, m = await loop.run_in_executor(None, learner.step, state, batch)
       m = {k: float(v) for k, v in jax.device_get(m).items()}
       learner_s = time.perf_counter() - t0
