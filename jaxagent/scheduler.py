@@ -10,7 +10,8 @@ Modes:
 - `async`: groups keep running while the learner trains; a group is accepted
   only if the learner's version minus its oldest token's version is at most
   `max_staleness`, and no more groups are started than that bound lets through
-  ((version + max_staleness + 1) x groups_per_step in all, as AReaL).
+  ((version + max_staleness + 1) x groups_per_step in all, as AReaL, plus the
+  groups the filters dropped and replaced).
 - `window`: async, but a batch is taken only from the oldest `window` groups
   in flight, so long episodes are not starved and short ones do not dominate.
 Weight updates reach episodes mid-flight (partial rollout): their later turns
@@ -18,7 +19,9 @@ run on the new weights and every token keeps the version that produced it.
 
 An episode that fails for infrastructure reasons (server call, environment
 worker, `infra_error` verdict) is retried, then dropped and counted, never
-scored 0. Filters drop stale groups and groups whose rewards are all equal.
+scored 0. Filters drop stale groups and groups whose rewards are all equal;
+dropped groups are replaced by fresh ones until the step has its groups
+(dynamic sampling, at most `max_sample_rounds` x groups_per_step consumed).
 """
 
 from __future__ import annotations
