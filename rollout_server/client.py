@@ -59,21 +59,19 @@ class LocalClient:
     return _record(req.result())
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
-    loop = asyncio.get_running_loop()
-    t0 = time.perf_counter()
-    params = await loop.run_in_executor(None, lambda: self.engine.load_params(path=path,
-                                                                              version=version))
-    load_s = time.perf_counter() - t0
-    report = await loop.run_in_executor(None, self.orch.update_weights, params, mode)
-    return {**report, "load_s": load_s}
+    """Loads a policy export and swaps it in."""
+    return await self._swap(lambda: self.engine.load_params(path=path, version=version), mode)
 
   async def load_weights(self, params, version: int, mode: str = "drain") -> dict:
     """Swaps in `params` (a pure dict, host or device; not aliased by the caller later)
     without a file: the in-process path of a training run."""
+    return await self._swap(lambda: self.engine.load_params(params, version=version), mode)
+
+  async def _swap(self, load, mode: str) -> dict:
+    """Engine params from `load()`, then the orchestrator's swap; timings in seconds."""
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
-    engine_params = await loop.run_in_executor(
-        None, lambda: self.engine.load_params(params, version=version))
+    engine_params = await loop.run_in_executor(None, load)
     load_s = time.perf_counter() - t0
     report = await loop.run_in_executor(None, self.orch.update_weights, engine_params, mode)
     return {**report, "load_s": load_s}
