@@ -104,9 +104,12 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
   out = record.output_ids
   if out and out[-1] in tokenizer.stop_ids:
     stop_text = tokenizer.decode([out[-1]])
-    if not closing.startswith(stop_text):
-      return None
-    closing = closing[len(stop_text):]
+    # A stop token the template would write itself is not written twice. Any other (the
+    # model said <|endoftext|> where the template closes with <|im_end|>) stays where it
+    # was sampled: re-rendering would drop it, and with it the only trace, and the
+    # training signal, of that move.
+    if closing.startswith(stop_text):
+      closing = closing[len(stop_text):]
   return (record.prompt_ids + list(out) + tokenizer.encode(closing)
           + tokenizer.encode(full[len(closed):]))
 

@@ -31,8 +31,8 @@ class ScriptedEngine:
     if self.abort_first:  # a weight update aborts the turn after its first token
       self.abort_first = False
       return TurnRecord(list(prompt_ids), TOK.encode("1"), [-0.1], [4], "abort")
-    text = self.replies.pop(0)
-    ids = TOK.encode(text) + [TOK.stop_ids[0]]
+    reply = self.replies.pop(0)  # text (closed with <|im_end|>) or the exact token ids
+    ids = list(reply) if isinstance(reply, list) else TOK.encode(reply) + [TOK.stop_ids[0]]
     return TurnRecord(list(prompt_ids), ids, [-0.5] * len(ids), [5] * len(ids), "stop")
 
 
@@ -58,6 +58,22 @@ def test_whitebox_episode_is_token_exact_and_clean():
   actions = TOK.decode(seg.tokens[seg.loss_mask > 0].tolist())
   assert actions == "8<|im_end|>12<|im_end|>11<|im_end|>"
   assert set(seg.versions[seg.loss_mask > 0].tolist()) == {5}
+
+
+def test_a_foreign_stop_token_stays_in_the_context_and_is_trained():
+  """<|endoftext|> where the template closes with <|im_end|>: the move is kept as sampled
+  (re-rendering would erase it and its reward would reach no token)."""
+  task = TaskSpec("t", "guess_number", {"secret": 11, "process_reward": 0.0})
+  ep, engine = play(["8", [TOK.eos_id], "11"], task)
+  assert ep.success and ep.turns == 3
+  (seg,) = ep.segments
+  assert seg.decisions == [CLEAN] * 3
+  assert "Say a number." in TOK.decode(seg.tokens.tolist())
+  actions = TOK.decode(seg.tokens[seg.loss_mask > 0].tolist())
+  assert actions == "8<|im_end|><|endoftext|>11<|im_end|>"
+  # The template's closing follows the sampled stop token in the next prompt.
+  eos_at = engine.prompts[2].index(TOK.eos_id)
+  assert TOK.decode(engine.prompts[2][eos_at:eos_at + 2]) == "<|endoftext|><|im_end|>"
 
 
 def test_truncations_have_their_reasons():
