@@ -175,6 +175,9 @@ class EngineConfig:
   max_prefill_length: int = 512
   max_seq_len: int = 1024
   min_prefill_bucket: int = 16
+  # Requests prefilled together in one call (always this many rows, padded: a request's
+  # log-probs do not depend on its neighbours).
+  prefill_rows: int = 8
   # Prefix cache capacity in tokens; 0 turns it off.
   prefix_cache_tokens: int = 65536
   # Also cache each finished sequence (prompt + output), for the next turn of a session.

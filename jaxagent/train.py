@@ -68,15 +68,13 @@ class Serving:
       self.client = HttpClient(url)
       self.gateway_url = url
       return
-    from rollout_server.engine import Engine
+    from rollout_server.serving import make_engine
     from rollout_server.orchestrator import Orchestrator
     from rollout_server.prefix_cache import PrefixCache
     from rollout_server.server import create_app
 
     e = s.engine
-    engine = Engine(model_cfg, max_concurrent_decodes=e.slots,
-                    max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
-                    mesh=mesh, min_prefill_bucket=e.min_prefill_bucket)
+    engine = make_engine(model_cfg, e, mesh)
     sample_params = jax.device_put(params, engine.weight_shardings)
     cache = PrefixCache(e.prefix_cache_tokens) if e.prefix_cache_tokens > 0 else None
     self.orch = Orchestrator(engine, engine.load_params(sample_params, version=0),
@@ -129,6 +127,8 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
   if cfg.rollout.max_sample_rounds < 1:
     raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
+  if cfg.serving.engine.prefill_rows < 1:
+    raise config_lib.ConfigError("serving.engine.prefill_rows must be >= 1")
   try:
     check_advantage_config(cfg.advantage)
   except ValueError as e:

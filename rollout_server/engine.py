@@ -9,7 +9,12 @@ log-probs and the policy version beside the token ids.
 
 - Prefill lengths are bucketed (powers of two) so each bucket compiles once;
   a prefill may extend an existing prefix (KV from the prefix cache), whose
-  length is bucketed too.
+  length is bucketed too. `prefill_many` / `insert_many` prefill up to
+  `prefill_rows` requests in one call; `prefill` / `insert` are the
+  one-request case. Every call has exactly `prefill_rows` rows (fewer
+  requests are padded), so a request's log-probs do not depend on what is
+  prefilled beside it: other shapes would change XLA's arithmetic in the
+  last bits.
 - The decode state is a fixed array of `max_concurrent_decodes` slots, so
   `generate` compiles once; `insert` and `generate` donate it.
 - Sampling is per slot (temperature, top-k, top-p, seed). The key of the
@@ -64,15 +69,24 @@ class HostResult(NamedTuple):
 
 
 class Prefix(NamedTuple):
-  """A prefilled request: its KV row and the state its first decode step starts from."""
+  """Prefilled requests, one per row (one row from `prefill`): KV rows and the state each
+  first decode step starts from."""
 
-  cache: KVCache  # [layers, 1, max_len, kv_heads, head_dim]
-  token: jax.Array  # the first sampled token (fed at the next step)
-  length: jax.Array  # tokens in the cache (= position of `token`)
-  key: jax.Array  # the request's base PRNG key
-  temperature: jax.Array
+  cache: KVCache  # [layers, rows, max_len, kv_heads, head_dim]
+  token: jax.Array  # [rows] the first sampled token (fed at the next step)
+  length: jax.Array  # [rows] tokens in the cache (= position of `token`)
+  key: jax.Array  # [rows, 2] the request's base PRNG key
+  temperature: jax.Array  # [rows]
   top_p: jax.Array
   top_k: jax.Array
+
+
+class PrefillRequest(NamedTuple):
+  """One request of `prefill_many`: its prompt tokens after `existing_prefix` (unpadded)."""
+
+  tokens: Sequence[int]
+  existing_prefix: Optional["ExistingPrefix"] = None
+  sampling: SamplingParams = SamplingParams()
 
 
 class DecodeState(NamedTuple):
@@ -148,18 +162,33 @@ def _step_key(key, position):
   return jax.random.fold_in(key, position)
 
 
+def _key(seed: int) -> np.ndarray:
+  """`jax.random.PRNGKey(seed)` computed on the host (no device call per request)."""
+  seed = int(seed)
+  if 0 <= seed < 1 << 32:
+    return np.array([0, seed], np.uint32)
+  return np.asarray(jax.random.PRNGKey(seed))
+
+
 class Engine:
   """JetStream-style engine for the Llama/Qwen2 decoder of `jaxagent.models`."""
 
   def __init__(self, model_cfg: ModelConfig, *, max_concurrent_decodes: int = 8,
                max_prefill_length: int = 512, max_seq_len: int = 1024,
                mesh: Optional[Mesh] = None, rules: Rules = SAMPLE_RULES,
-               min_prefill_bucket: int = 16, cache_dtype: Optional[str] = None):
+               min_prefill_bucket: int = 16, cache_dtype: Optional[str] = None,
+               prefill_rows: Optional[int] = None):
     if max_prefill_length > max_seq_len:
       raise ValueError(f"max_prefill_length ({max_prefill_length}) exceeds max_seq_len "
                        f"({max_seq_len})")
+    if prefill_rows is None:
+      prefill_rows = min(8, max_concurrent_decodes)
+    if not 1 <= prefill_rows <= max_concurrent_decodes:
+      raise ValueError(f"prefill_rows ({prefill_rows}) must be in 1..max_concurrent_decodes "
+                       f"({max_concurrent_decodes})")
     self.model_cfg = model_cfg
     self._slots = max_concurrent_decodes
+    self.prefill_rows = prefill_rows
     self._max_prefill = max_prefill_length
     self.max_seq_len = max_seq_len
     self.min_bucket = min_prefill_bucket
@@ -175,6 +204,8 @@ class Engine:
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
     self._row = jax.jit(lambda state, slot: (state.cache.k[:, slot], state.cache.v[:, slot]))
+    self._head = jax.jit(lambda cache, n: (cache.k[:, :, :n], cache.v[:, :, :n]),
+                         static_argnums=(1,))
 
   # -- JetStream properties ----------------------------------------------------------
 
@@ -262,62 +293,101 @@ class Engine:
     return out, n
 
   def _prefill_impl(self, params, prefix_k, prefix_v, prefix_len, padded, true_length,
-                    key, temperature, top_p, top_k, *, has_prefix: bool):
+                    keys, temperature, top_p, top_k, *, has_prefix: bool):
     cfg = self.model_cfg
-    shape = (cfg.n_layers, 1, self.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
+    B, T = padded.shape
+    shape = (cfg.n_layers, B, self.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
     k = jnp.zeros(shape, self.cache_dtype)
     v = jnp.zeros(shape, self.cache_dtype)
     if has_prefix:
-      k = jax.lax.dynamic_update_slice(k, prefix_k[:, None].astype(k.dtype), (0, 0, 0, 0, 0))
-      v = jax.lax.dynamic_update_slice(v, prefix_v[:, None].astype(v.dtype), (0, 0, 0, 0, 0))
+      k = jax.lax.dynamic_update_slice(k, prefix_k.astype(k.dtype), (0, 0, 0, 0, 0))
+      v = jax.lax.dynamic_update_slice(v, prefix_v.astype(v.dtype), (0, 0, 0, 0, 0))
     model = bind(self.graphdef, self.abstract_params, params["weights"])
-    T = padded.shape[0]
-    positions = (prefix_len + jnp.arange(T, dtype=jnp.int32))[None, :]
-    logits, cache = model(padded[None, :], positions, cache=KVCache(k, v))
+    positions = prefix_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    logits, cache = model(padded, positions, cache=KVCache(k, v))
     length = prefix_len + true_length
-    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=False)
-    token, logp, raw = sample_token(last, _step_key(key, length), temperature, top_p, top_k)
-    prefix = Prefix(cache=cache, token=token, length=length, key=key,
+    last = logits[jnp.arange(B), true_length - 1]
+    step_keys = jax.vmap(_step_key)(keys, length)
+    token, logp, raw = _sample_rows(last, step_keys, temperature, top_p, top_k)
+    prefix = Prefix(cache=cache, token=token, length=length, key=keys,
                     temperature=temperature, top_p=top_p, top_k=top_k)
-    data = jnp.stack([token, jnp.int32(1), length + 1, _bits(logp), _bits(raw),
-                      params["version"]])[None, :]
+    data = jnp.stack([token, jnp.ones((B,), jnp.int32), length + 1, _bits(logp), _bits(raw),
+                      jnp.broadcast_to(params["version"], (B,))], axis=1)
     return prefix, ResultTokens(data)
 
   def prefill(self, *, params, existing_prefix: Optional[ExistingPrefix] = None,
               padded_tokens: np.ndarray, true_length: int,
               sampling: SamplingParams = SamplingParams()) -> tuple[Prefix, ResultTokens]:
     """Computes the KV of a prompt (after `existing_prefix`) and samples its first token."""
-    if existing_prefix is not None and existing_prefix.length > 0:
-      m = existing_prefix.length
-      pb = min(bucket(m, self.min_bucket), self.max_seq_len)
-      pk = np.zeros((existing_prefix.k.shape[0], pb) + existing_prefix.k.shape[2:],
-                    existing_prefix.k.dtype)
+    tokens = np.asarray(padded_tokens)[:int(true_length)]
+    return self.prefill_many(params=params,
+                             requests=[PrefillRequest(tokens, existing_prefix, sampling)])
+
+  def prefill_many(self, *, params, requests: Sequence[PrefillRequest]
+                   ) -> tuple[Prefix, ResultTokens]:
+    """Prefills up to `prefill_rows` requests in one call: row i of the results is
+    request i (rows past `len(requests)` are padding). Tokens are padded to the longest
+    request's bucket, so group requests of one bucket."""
+    if not requests:
+      raise ValueError("prefill_many needs at least one request")
+    rows = self.prefill_rows
+    if len(requests) > rows:
+      raise ValueError(f"{len(requests)} requests exceed prefill_rows ({rows})")
+    m = [r.existing_prefix.length if r.existing_prefix is not None else 0 for r in requests]
+    padded = [self.pad_tokens(r.tokens, prefix_length=mi) for r, mi in zip(requests, m)]
+    T = max(len(p) for p, _ in padded)
+    tokens = np.zeros((rows, T), np.int32)
+    true_length = np.ones(rows, np.int32)
+    for i, (p, n) in enumerate(padded):
+      tokens[i, :n], true_length[i] = p[:n], n
+    prefix_len = np.zeros(rows, np.int32)
+    prefix_len[:len(m)] = m
+    has_prefix = max(m) > 0
+    if has_prefix:
+      ref = next(r.existing_prefix for r in requests if r.existing_prefix is not None)
+      pb = min(bucket(max(m), self.min_bucket), self.max_seq_len)
+      pk = np.zeros((ref.k.shape[0], rows, pb) + ref.k.shape[2:], ref.k.dtype)
       pv = np.zeros_like(pk)
-      pk[:, :m], pv[:, :m] = existing_prefix.k, existing_prefix.v
-      has_prefix = True
+      for i, r in enumerate(requests):
+        if m[i]:
+          pk[:, i, :m[i]], pv[:, i, :m[i]] = r.existing_prefix.k, r.existing_prefix.v
     else:
-      m, pk, pv, has_prefix = 0, np.zeros((1,), np.float32), np.zeros((1,), np.float32), False
-    return self._prefill(params, pk, pv, np.int32(m), np.asarray(padded_tokens, np.int32),
-                         np.int32(true_length), jax.random.PRNGKey(sampling.seed),
-                         np.float32(sampling.temperature), np.float32(sampling.top_p),
-                         np.int32(sampling.top_k), has_prefix=has_prefix)
+      pk = pv = np.zeros((1,), np.float32)
+    sampling = [r.sampling for r in requests] + [SamplingParams()] * (rows - len(requests))
+    keys = np.stack([_key(s.seed) for s in sampling])
+    return self._prefill(params, pk, pv, prefix_len, tokens, true_length, keys,
+                         np.array([s.temperature for s in sampling], np.float32),
+                         np.array([s.top_p for s in sampling], np.float32),
+                         np.array([s.top_k for s in sampling], np.int32),
+                         has_prefix=has_prefix)
 
   # -- insert / generate ----------------------------------------------------------------
 
-  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
-    cache = KVCache(
-        jax.lax.dynamic_update_index_in_dim(state.cache.k, prefix.cache.k[:, 0], slot, axis=1),
-        jax.lax.dynamic_update_index_in_dim(state.cache.v, prefix.cache.v[:, 0], slot, axis=1))
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slots):
+    # Padding rows carry slot index `slots` (out of range): their writes are dropped.
+    put = lambda a, x: a.at[slots].set(x, mode="drop")
+    cache = KVCache(state.cache.k.at[:, slots].set(prefix.cache.k, mode="drop"),
+                    state.cache.v.at[:, slots].set(prefix.cache.v, mode="drop"))
     return DecodeState(
-        cache=cache, tokens=state.tokens.at[slot].set(prefix.token),
-        lengths=state.lengths.at[slot].set(prefix.length),
-        keys=state.keys.at[slot].set(prefix.key),
-        temperature=state.temperature.at[slot].set(prefix.temperature),
-        top_p=state.top_p.at[slot].set(prefix.top_p), top_k=state.top_k.at[slot].set(prefix.top_k))
+        cache=cache, tokens=put(state.tokens, prefix.token),
+        lengths=put(state.lengths, prefix.length), keys=put(state.keys, prefix.key),
+        temperature=put(state.temperature, prefix.temperature),
+        top_p=put(state.top_p, prefix.top_p), top_k=put(state.top_k, prefix.top_k))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Moves a prefilled request into decode slot `slot` (donates `decode_state`)."""
-    return self._insert(prefix, decode_state, np.int32(slot))
+    return self.insert_many(prefix, decode_state, [slot])
+
+  def insert_many(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]
+                  ) -> DecodeState:
+    """Moves row i of `prefix` into decode slot `slots[i]`; rows past `len(slots)` are
+    not inserted (donates `decode_state`)."""
+    rows = int(prefix.token.shape[0])
+    if len(slots) > rows:
+      raise ValueError(f"{len(slots)} slots given for {rows} prefilled rows")
+    idx = np.full(rows, self._slots, np.int32)
+    idx[:len(slots)] = slots
+    return self._insert(prefix, decode_state, idx)
 
   def _generate_impl(self, params, state: DecodeState):
     model = bind(self.graphdef, self.abstract_params, params["weights"])
@@ -337,11 +407,14 @@ class Engine:
 
   # -- helpers for the prefix cache ------------------------------------------------------
 
-  def prefix_kv(self, prefix: Prefix, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host copy of the first `n` positions of a prefill's KV: `[layers, n, heads, dim]`."""
-    k = np.asarray(prefix.cache.k[:, 0])
-    v = np.asarray(prefix.cache.v[:, 0])
-    return k[:, :n], v[:, :n]
+  def prefix_kv(self, prefix: Prefix, lengths: Sequence[int]
+                ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Host copies of the first `lengths[i]` positions of row i of a prefill's KV, each
+    `[layers, n, heads, dim]`: one transfer of the positions any row needs."""
+    n = min(bucket(max(lengths), self.min_bucket), self.max_seq_len)
+    k, v = self._head(prefix.cache, n)
+    k, v = np.asarray(k), np.asarray(v)
+    return [(k[:, i, :m], v[:, i, :m]) for i, m in enumerate(lengths)]
 
   def slot_kv(self, decode_state: DecodeState, slot: int, n: int
               ) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 
 
-from rollout_server.engine import Engine, ExistingPrefix, SamplingParams
+from rollout_server.engine import Engine, ExistingPrefix, PrefillRequest, SamplingParams, bucket
 from rollout_server.prefix_cache import PrefixCache
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -307,20 +307,46 @@ class Orchestrator:
     upd.done.set()
 
   def _admit(self) -> None:
-    while self._update is None:
-      free = [i for i, r in enumerate(self._slots) if r is None]
-      if not free:
-        return
-      with self._cv:
-        if not self._queue:
-          return
-        req = self._queue.popleft()
+    """Prefills queued requests into the free slots, those of one length bucket together."""
+    if self._update is not None:
+      return
+    free = [i for i, r in enumerate(self._slots) if r is None]
+    with self._cv:
+      reqs = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+    groups: dict[tuple[int, bool], list] = {}
+    seen, later = set(), []
+    for req in reqs:
+      if self.prefix_cache is not None:
+        # Samples of one prompt (a GRPO group) wait one round: then the prompt's KV is
+        # cached by the first and each of them prefills a single token.
+        key = tuple(req.prompt_ids)
+        if key in seen:
+          later.append(req)
+          continue
+        seen.add(key)
       try:
-        self._prefill_into(req, free[0])
+        item = self._prepare(req)
       except Exception as e:  # a bad request fails alone
         self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        continue
+      n = len(item.tokens)
+      key = (bucket(n, self.engine.min_bucket), item.existing_prefix is not None)
+      groups.setdefault(key, []).append((req, item))
+    if later:
+      with self._cv:
+        self._queue.extendleft(reversed(later))
+    rows = self.engine.prefill_rows
+    for same in groups.values():
+      for group in (same[i:i + rows] for i in range(0, len(same), rows)):
+        slots, free = free[:len(group)], free[len(group):]
+        try:
+          self._prefill_into(group, slots)
+        except Exception as e:
+          for req, _ in group:
+            self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
-  def _prefill_into(self, req: Request, slot: int) -> None:
+  def _prepare(self, req: Request) -> PrefillRequest:
+    """The request's prefill: its prompt after the longest cached prefix."""
     prompt = req.prompt_ids
     existing = None
     if self.prefix_cache is not None:
@@ -330,19 +356,23 @@ class Orchestrator:
         existing = ExistingPrefix(k, v)
         req.prefix_hit_tokens = m
     m = existing.length if existing is not None else 0
-    padded, n = self.engine.pad_tokens(prompt[m:], prefix_length=m)
-    self.prefill_tokens += n
-    prefix, result = self.engine.prefill(params=self.params, existing_prefix=existing,
-                                         padded_tokens=padded, true_length=n,
-                                         sampling=req.sampling)
-    if self.prefix_cache is not None and m < len(prompt):
-      k, v = self.engine.prefix_kv(prefix, len(prompt))
-      self.prefix_cache.insert(prompt, k, v)
-    self._state = self.engine.insert(prefix, self._state, slot)
-    self._slots[slot] = req
+    self.engine.pad_tokens(prompt[m:], prefix_length=m)  # names a prompt that cannot fit
+    return PrefillRequest(prompt[m:], existing, req.sampling)
+
+  def _prefill_into(self, group: list, slots: list[int]) -> None:
+    prefix, result = self.engine.prefill_many(params=self.params,
+                                              requests=[item for _, item in group])
+    self.prefill_tokens += sum(len(item.tokens) for _, item in group)
+    self._state = self.engine.insert_many(prefix, self._state, slots)
+    if self.prefix_cache is not None:
+      for (req, _), (k, v) in zip(group, self.engine.prefix_kv(
+          prefix, [len(req.prompt_ids) for req, _ in group])):
+        self.prefix_cache.insert(req.prompt_ids, k, v)
     h = result.to_host()
-    self._emit(req, slot, int(h.tokens[0]), float(h.logp[0]), float(h.raw_logp[0]),
-               int(h.versions[0]), int(h.lengths[0]))
+    for i, ((req, _), slot) in enumerate(zip(group, slots)):
+      self._slots[slot] = req
+      self._emit(req, slot, int(h.tokens[i]), float(h.logp[i]), float(h.raw_logp[i]),
+                 int(h.versions[i]), int(h.lengths[i]))
 
   def _step(self) -> None:
     self._state, result = self.engine.generate(self.params, self._state)
@@ -377,8 +407,9 @@ class Orchestrator:
       return
     self._slots[slot] = None
     self.engine.free_resource(slot)
-    if self.prefix_cache is not None and self.cache_finished:
-      # KV exists for every token but the last sampled one (never fed back).
+    if self.prefix_cache is not None and self.cache_finished and len(req.output_ids) > 1:
+      # KV exists for every token but the last sampled one (never fed back); a request
+      # that ends at its first token adds nothing the prefill did not cache.
       seq = req.prompt_ids + req.output_ids[:-1]
       k, v = self.engine.slot_kv(self._state, slot, len(seq))
       self.prefix_cache.insert(seq, k, v)

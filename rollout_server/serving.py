@@ -16,7 +16,7 @@ import uvicorn
 
 from jaxagent.build import build_model
 from jaxagent.checkpoint import REGISTRY, latest_version, list_versions
-from jaxagent.config import ServerConfig
+from jaxagent.config import EngineConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
 from rollout_server.engine import Engine
@@ -43,14 +43,20 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
   return path, int(version if version is not None else m.group(1))
 
 
+def make_engine(model_cfg, e: EngineConfig, mesh) -> Engine:
+  """The engine an `EngineConfig` describes."""
+  return Engine(model_cfg, max_concurrent_decodes=e.slots,
+                max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
+                mesh=mesh, min_prefill_bucket=e.min_prefill_bucket,
+                prefill_rows=min(e.prefill_rows, e.slots))
+
+
 def build_orchestrator(cfg: ServerConfig):
   """Engine, orchestrator (started) and tokenizer for a server config."""
   mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   model_cfg, params, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES)
   e = cfg.engine
-  engine = Engine(model_cfg, max_concurrent_decodes=e.slots,
-                  max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
-                  mesh=mesh, min_prefill_bucket=e.min_prefill_bucket)
+  engine = make_engine(model_cfg, e, mesh)
   if cfg.policy is not None:
     path, version = resolve_policy(cfg.policy)
     engine_params = engine.load_params(path=path, version=version)

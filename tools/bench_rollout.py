@@ -8,6 +8,9 @@
    last turn with the prefix cache on versus off.
 3. GRPO groups (one prompt, 8 samples): prompt tokens prefilled with and
    without the prefix cache.
+4. Agent turns (many short prompts, one new token each, as in guess_number):
+   requests/s with `prefill_rows` requests prefilled per call against one per
+   call.
 
 Models are randomly initialised with the preset's shape (speed does not
 depend on the weights).
@@ -107,6 +110,25 @@ def grpo_prefill(engine, params, cache_on, prompt, group) -> int:
   return n
 
 
+def turn_rate(cfg, weights, rows, requests, prompt_len, seed) -> float:
+  """Requests/s for `requests` distinct prompts that each want one token; the first
+  round compiles the shapes and is not timed."""
+  engine = Engine(cfg, max_concurrent_decodes=32, max_prefill_length=prompt_len,
+                  max_seq_len=prompt_len + 8, prefill_rows=rows)
+  orch = Orchestrator(engine, engine.load_params(weights)).start()
+  rng = np.random.default_rng(seed)
+  for timed in (False, True):
+    prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(requests)]
+    t0 = time.perf_counter()
+    reqs = [orch.submit(p, SamplingParams(seed=i, max_new_tokens=1))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+      r.wait(600)
+    dt = time.perf_counter() - t0
+  orch.stop()
+  return requests / dt
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--presets", default="tiny,smollm2-135m")
@@ -115,6 +137,7 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=16, help="timed decode steps")
   p.add_argument("--naive-steps", type=int, default=4)
   p.add_argument("--turns", type=int, default=8)
+  p.add_argument("--prefill-rows", type=int, default=8)
   args = p.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}")
@@ -144,6 +167,11 @@ def main() -> None:
     print(f"GRPO group (1 prompt of {len(prompt)} tokens, 8 samples): prefill tokens "
           f"without cache {without}, with cache {with_cache}; ratio "
           f"{without / with_cache:.1f}x", flush=True)
+    one = turn_rate(cfg, weights, 1, 128, 16, 3)
+    many = turn_rate(cfg, weights, args.prefill_rows, 128, 16, 3)
+    print(f"agent turns (128 prompts of 16 tokens, 1 new token each): {one:.0f} requests/s "
+          f"one prefill per call, {many:.0f} with {args.prefill_rows} per call; ratio "
+          f"{many / one:.1f}x", flush=True)
 
 
 if __name__ == "__main__":

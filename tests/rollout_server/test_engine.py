@@ -7,7 +7,7 @@ import pytest
 
 from jaxagent import losses
 from jaxagent.models.params import abstract_model, bind
-from rollout_server.engine import SamplingParams, bucket
+from rollout_server.engine import ExistingPrefix, PrefillRequest, SamplingParams, bucket
 from tests.rollout_server.conftest import CFG, make_engine
 
 
@@ -97,6 +97,41 @@ def test_same_seed_same_tokens_in_any_slot(random_params):
   b = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=5), 12, slot=3)
   c = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=6), 12, slot=0)
   assert a == b and a[0] != c[0]
+
+
+def test_prefill_many_equals_one_request_at_a_time(random_params):
+  """Requests prefilled together (one with KV from an earlier prefill) decode exactly as
+  alone; padding rows reach no slot."""
+  engine = make_engine(prefill_rows=4)
+  params = engine.load_params(random_params)
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+  sampling = [SamplingParams(seed=s) for s in (3, 4, 5)]
+  alone = [run_alone(engine, params, p, s, 6) for p, s in zip(prompts, sampling)]
+  # The third request's first four tokens come from an earlier prefill's KV.
+  first, _ = engine.prefill_many(params=params, requests=[PrefillRequest(prompts[2][:4])])
+  ((k, v),) = engine.prefix_kv(first, [4])
+  reqs = [PrefillRequest(prompts[0], None, sampling[0]),
+          PrefillRequest(prompts[1], None, sampling[1]),
+          PrefillRequest(prompts[2][4:], ExistingPrefix(k, v), sampling[2])]
+  prefix, res = engine.prefill_many(params=params, requests=reqs)
+  assert prefix.token.shape == (4,)  # always prefill_rows rows
+  slots = [2, 0, 3]
+  state = engine.insert_many(prefix, engine.init_decode_state(), slots)
+  assert int(state.lengths[1]) == 0  # the padding row was dropped
+  h = res.to_host()
+  got = [[[int(h.tokens[i])], [float(h.logp[i])]] for i in range(3)]
+  for _ in range(6):
+    state, step = engine.generate(params, state)
+    hs = step.to_host()
+    for i, slot in enumerate(slots):
+      got[i][0].append(int(hs.tokens[slot]))
+      got[i][1].append(float(hs.logp[slot]))
+  for i in range(2):
+    assert got[i] == alone[i][:2]
+  assert got[2][0] == alone[2][0]
+  np.testing.assert_allclose(got[2][1], alone[2][1], atol=1e-5)
+  with pytest.raises(ValueError, match="prefill_rows"):
+    engine.prefill_many(params=params, requests=[PrefillRequest([1])] * 5)
 
 
 def test_buckets_compile_once(random_params):
