@@ -124,6 +124,7 @@ class Orchestrator:
     self._recent = collections.deque(maxlen=256)  # (time, tokens) per step
     self.tokens_generated = 0
     self.prefill_tokens = 0  # prompt tokens actually computed (prefix-cache hits excluded)
+    self.prefill_calls = 0
     self.requests_finished = 0
     self.steps = 0
     self.last_swap: Optional[dict] = None
@@ -227,7 +228,7 @@ class Orchestrator:
     out = {"queue": queued, "live_slots": live, "slots": len(self._slots),
            "tokens_generated": self.tokens_generated, "tokens_per_s": tps,
            "requests_finished": self.requests_finished, "steps": self.steps,
-           "prefill_tokens": self.prefill_tokens,
+           "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
            "version": self.version, "loop_errors": self.loop_errors,
            "last_swap": self.last_swap}
     if self.prefix_cache is not None:
@@ -316,7 +317,12 @@ class Orchestrator:
     groups: dict[tuple[int, bool], list] = {}
     seen, later = set(), []
     for req in reqs:
-      if self.prefix_cache is not None:
+      try:
+        item = self._prepare(req)
+      except Exception as e:  # a bad request fails alone
+        self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        continue
+      if self.prefix_cache is not None and len(item.tokens) > 1:
         # Samples of one prompt (a GRPO group) wait one round: then the prompt's KV is
         # cached by the first and each of them prefills a single token.
         key = tuple(req.prompt_ids)
@@ -324,11 +330,6 @@ class Orchestrator:
           later.append(req)
           continue
         seen.add(key)
-      try:
-        item = self._prepare(req)
-      except Exception as e:  # a bad request fails alone
-        self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-        continue
       n = len(item.tokens)
       key = (bucket(n, self.engine.min_bucket), item.existing_prefix is not None)
       groups.setdefault(key, []).append((req, item))
@@ -363,6 +364,7 @@ class Orchestrator:
     prefix, result = self.engine.prefill_many(params=self.params,
                                               requests=[item for _, item in group])
     self.prefill_tokens += sum(len(item.tokens) for _, item in group)
+    self.prefill_calls += 1
     self._state = self.engine.insert_many(prefix, self._state, slots)
     if self.prefix_cache is not None:
       for (req, _), (k, v) in zip(group, self.engine.prefix_kv(

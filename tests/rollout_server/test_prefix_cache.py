@@ -87,3 +87,20 @@ def test_outputs_identical_with_cache_on_or_off(random_params):
   for off, on in zip(results["off"], results["on"]):
     assert off.output_ids == on.output_ids
     np.testing.assert_allclose(off.output_logprobs, on.output_logprobs, atol=1e-5)
+
+
+def test_samples_of_one_prompt_share_its_prefill(random_params):
+  """A GRPO group submitted at once: the prompt is computed once, the other samples wait
+  a round and prefill one token each, several per call."""
+  engine = make_engine(prefill_rows=4)
+  orch = Orchestrator(engine, engine.load_params(random_params),
+                      prefix_cache=PrefixCache(50_000)).start()
+  prompt = list(range(1, 41))
+  reqs = [orch.submit(prompt, SamplingParams(seed=i, max_new_tokens=1)) for i in range(8)]
+  for r in reqs:
+    assert r.wait(60) and r.finish_reason == "length"
+  s = orch.stats()
+  orch.stop()
+  assert s["prefill_tokens"] == len(prompt) + 7
+  assert s["prefill_calls"] <= 4
+  assert len({r.output_ids[0] for r in reqs}) > 1  # each sample drew its own token
