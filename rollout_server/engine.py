@@ -163,11 +163,17 @@ def _step_key(key, position):
 
 
 def _key(seed: int) -> np.ndarray:
-  """`jax.random.PRNGKey(seed)` computed on the host (no device call per request)."""
+  """`jax.random.PRNGKey(seed)`, built on the host (no device call per request) where the
+  key layout is the default threefry one, [0, seed] for a 32-bit seed."""
   seed = int(seed)
-  if 0 <= seed < 1 << 32:
+  if 0 <= seed < 1 << 32 and _threefry_keys():
     return np.array([0, seed], np.uint32)
   return np.asarray(jax.random.PRNGKey(seed))
+
+
+@functools.cache
+def _threefry_keys() -> bool:
+  return np.array_equal(np.asarray(jax.random.PRNGKey(12345)), np.array([0, 12345], np.uint32))
 
 
 class Engine:
@@ -279,16 +285,20 @@ class Engine:
 
   # -- prefill --------------------------------------------------------------------------
 
-  def pad_tokens(self, tokens: Sequence[int], prefix_length: int = 0) -> tuple[np.ndarray, int]:
-    """Pads prompt tokens to their bucket; returns (padded, true_length)."""
-    n = len(tokens)
+  def prefill_bucket(self, n: int, prefix_length: int = 0) -> int:
+    """The padded length of a prefill of `n` tokens after `prefix_length` cached ones;
+    raises for a prompt that cannot be prefilled."""
     if n < 1:
       raise ValueError("a prompt needs at least one token")
     if prefix_length + n > self._max_prefill:
       raise ValueError(f"prompt of {prefix_length + n} tokens exceeds max_prefill_length "
                        f"{self._max_prefill}")
-    b = min(bucket(n, self.min_bucket), bucket(self._max_prefill, self.min_bucket))
-    out = np.zeros(b, np.int32)
+    return min(bucket(n, self.min_bucket), bucket(self._max_prefill, self.min_bucket))
+
+  def pad_tokens(self, tokens: Sequence[int], prefix_length: int = 0) -> tuple[np.ndarray, int]:
+    """Pads prompt tokens to their bucket; returns (padded, true_length)."""
+    n = len(tokens)
+    out = np.zeros(self.prefill_bucket(n, prefix_length), np.int32)
     out[:n] = tokens
     return out, n
 

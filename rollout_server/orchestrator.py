@@ -25,7 +25,7 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 
 
-from rollout_server.engine import Engine, ExistingPrefix, PrefillRequest, SamplingParams, bucket
+from rollout_server.engine import Engine, ExistingPrefix, PrefillRequest, SamplingParams
 from rollout_server.prefix_cache import PrefixCache
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -330,8 +330,8 @@ class Orchestrator:
           later.append(req)
           continue
         seen.add(key)
-      n = len(item.tokens)
-      key = (bucket(n, self.engine.min_bucket), item.existing_prefix is not None)
+      m = item.existing_prefix.length if item.existing_prefix is not None else 0
+      key = (self.engine.prefill_bucket(len(item.tokens), m), m > 0)
       groups.setdefault(key, []).append((req, item))
     if later:
       with self._cv:
@@ -357,7 +357,7 @@ class Orchestrator:
         existing = ExistingPrefix(k, v)
         req.prefix_hit_tokens = m
     m = existing.length if existing is not None else 0
-    self.engine.pad_tokens(prompt[m:], prefix_length=m)  # names a prompt that cannot fit
+    self.engine.prefill_bucket(len(prompt) - m, m)  # names a prompt that cannot fit
     return PrefillRequest(prompt[m:], existing, req.sampling)
 
   def _prefill_into(self, group: list, slots: list[int]) -> None:
