@@ -68,18 +68,13 @@ class Serving:
       self.client = HttpClient(url)
       self.gateway_url = url
       return
-    from rollout_server.serving import make_engine
-    from rollout_server.orchestrator import Orchestrator
-    from rollout_server.prefix_cache import PrefixCache
+    from rollout_server.serving import make_engine, start_orchestrator
     from rollout_server.server import create_app
 
-    e = s.engine
-    engine = make_engine(model_cfg, e, mesh)
+    engine = make_engine(model_cfg, s.engine, mesh)
     sample_params = jax.device_put(params, engine.weight_shardings)
-    cache = PrefixCache(e.prefix_cache_tokens) if e.prefix_cache_tokens > 0 else None
-    self.orch = Orchestrator(engine, engine.load_params(sample_params, version=0),
-                             prefix_cache=cache, max_queue=e.max_queue,
-                             cache_finished=e.cache_finished).start()
+    self.orch = start_orchestrator(engine, engine.load_params(sample_params, version=0),
+                                   s.engine)
     self.client = LocalClient(self.orch, engine)
     self.gateway_url = None
     if s.gateway or cfg.agent.kind == "openai":

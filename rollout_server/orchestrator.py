@@ -319,19 +319,19 @@ class Orchestrator:
     for req in reqs:
       try:
         item = self._prepare(req)
+        m = item.existing_prefix.length if item.existing_prefix is not None else 0
+        key = (self.engine.prefill_bucket(len(item.tokens), m), m > 0)  # raises if too long
       except Exception as e:  # a bad request fails alone
         self._finish(req, "error", error=f"{type(e).__name__}: {e}")
         continue
       if self.prefix_cache is not None and len(item.tokens) > 1:
         # Samples of one prompt (a GRPO group) wait one round: then the prompt's KV is
         # cached by the first and each of them prefills a single token.
-        key = tuple(req.prompt_ids)
-        if key in seen:
+        prompt_key = tuple(req.prompt_ids)
+        if prompt_key in seen:
           later.append(req)
           continue
-        seen.add(key)
-      m = item.existing_prefix.length if item.existing_prefix is not None else 0
-      key = (self.engine.prefill_bucket(len(item.tokens), m), m > 0)
+        seen.add(prompt_key)
       groups.setdefault(key, []).append((req, item))
     if later:
       with self._cv:
@@ -357,7 +357,6 @@ class Orchestrator:
         existing = ExistingPrefix(k, v)
         req.prefix_hit_tokens = m
     m = existing.length if existing is not None else 0
-    self.engine.prefill_bucket(len(prompt) - m, m)  # names a prompt that cannot fit
     return PrefillRequest(prompt[m:], existing, req.sampling)
 
   def _prefill_into(self, group: list, slots: list[int]) -> None:

@@ -51,6 +51,13 @@ def make_engine(model_cfg, e: EngineConfig, mesh) -> Engine:
                 prefill_rows=min(e.prefill_rows, e.slots))
 
 
+def start_orchestrator(engine: Engine, engine_params, e: EngineConfig) -> Orchestrator:
+  """The engine's orchestrator (started), with the prefix cache and queue `e` describes."""
+  cache = PrefixCache(e.prefix_cache_tokens) if e.prefix_cache_tokens > 0 else None
+  return Orchestrator(engine, engine_params, prefix_cache=cache, max_queue=e.max_queue,
+                      cache_finished=e.cache_finished).start()
+
+
 def build_orchestrator(cfg: ServerConfig):
   """Engine, orchestrator (started) and tokenizer for a server config."""
   mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -64,10 +71,7 @@ def build_orchestrator(cfg: ServerConfig):
     if params is None:
       params = init_params(model_cfg, cfg.seed, mesh, SAMPLE_RULES)
     engine_params = engine.load_params(params, version=0)
-  cache = PrefixCache(e.prefix_cache_tokens) if e.prefix_cache_tokens > 0 else None
-  orch = Orchestrator(engine, engine_params, prefix_cache=cache, max_queue=e.max_queue,
-                      cache_finished=e.cache_finished).start()
-  return engine, orch, tokenizer
+  return engine, start_orchestrator(engine, engine_params, e), tokenizer
 
 
 def build_app(cfg: ServerConfig):
