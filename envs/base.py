@@ -98,6 +98,24 @@ class Verdict:
     return d
 
 
+def trained_rewards(step_rewards: list[float], verdict: "Verdict | dict") -> list[float]:
+  """The per-turn rewards the learner trains on, the one reward contract of every environment.
+
+  A step's reward is that turn's process reward; the verifier's verdict carries the
+  episode's outcome (terminal) reward, added here to the last turn, so chunked-MDP
+  reward-to-go carries it back to every earlier turn and an episode's total is
+  `sum(process rewards) + verdict reward`. An `infra_error` verdict is not a score:
+  it raises, and the caller retries or drops the episode.
+  """
+  status = verdict.status.value if isinstance(verdict, Verdict) else verdict.get("status")
+  if status == VerdictStatus.INFRA_ERROR.value:
+    raise ValueError("an infra_error verdict has no reward to train on")
+  terminal = float(verdict.reward if isinstance(verdict, Verdict) else verdict.get("reward", 0.0))
+  rewards = [float(r) for r in step_rewards] or [0.0]
+  rewards[-1] += terminal
+  return rewards
+
+
 @dataclasses.dataclass
 class StepResult:
   observation: Observation

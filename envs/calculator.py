@@ -2,7 +2,8 @@
 
 The model may call `calculate(expression)` (evaluated safely: numbers,
 + - * / // % ** and parentheses, bounded sizes) and ends with
-`ANSWER: <number>`. Reward 1 for the right final answer.
+`ANSWER: <number>`. The verdict pays 1 for the right final answer (steps pay
+no process reward).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _fmt(x) -> str:
 
 @register("calculator")
 class Calculator(Env):
-  version = "1"
+  version = "2"  # 2: the terminal reward moved from the last step into the verdict
   verifier_version = "1"
 
   def __init__(self):
@@ -86,19 +87,17 @@ class Calculator(Env):
     run = await self.tools.run_turn(self, action)
     terminated = False
     messages = run.messages
-    reward = 0.0
     if not run.messages:  # no tool call: this is the final answer
       m = _ANSWER.search(action) or re.search(r"(-?\d+(?:\.\d+)?)\s*$", action.strip())
       self.final = float(m.group(1)) if m else None
       terminated = True
-      reward = 1.0 if self._correct() else 0.0
       messages = []
     truncated = not terminated and self.turns >= self.max_turns
     self.done = terminated or truncated
     info = self._info(tool_latency_s=run.latencies_s)
     if truncated:
       info["truncation"] = "turn_budget"
-    return StepResult(Observation(messages), reward, terminated, truncated, info)
+    return StepResult(Observation(messages), 0.0, terminated, truncated, info)
 
   def _correct(self) -> bool:
     return self.final is not None and abs(self.final - float(self.answer)) < 1e-6

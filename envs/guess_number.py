@@ -1,7 +1,7 @@
 """`guess_number`: find a hidden number in a range from higher/lower feedback.
 
-Terminal reward 1 for the right number within the turn budget. An optional
-process reward per turn (`process_reward`, a scale) pays for information: the
+The verdict pays 1 for the right number within the turn budget (the terminal
+reward, `envs.base.trained_rewards`). An optional process reward per turn (`process_reward`, a scale) pays for information: the
 fraction of the numbers still possible that the guess rules out (about half
 for a bisecting guess, all of them for the right one, none for a guess the
 feedback had already excluded). With `information: expected` it pays the
@@ -25,7 +25,7 @@ _INT = re.compile(r"-?\d+")
 
 @register("guess_number")
 class GuessNumber(Env):
-  version = "1"
+  version = "2"  # 2: the terminal reward moved from the last step into the verdict
   verifier_version = "1"
 
   async def reset(self, task: TaskSpec) -> Observation:
@@ -83,8 +83,6 @@ class GuessNumber(Env):
       reward += self.process_reward * info
     terminated = self.solved
     truncated = not terminated and self.turns >= self.max_turns
-    if terminated:
-      reward += 1.0
     self.done = terminated or truncated
     info = self._info(valid_action=valid, solved=self.solved)
     if truncated:

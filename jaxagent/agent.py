@@ -22,6 +22,7 @@ import time
 import zlib
 from typing import Any, Optional
 
+from envs.base import trained_rewards
 from jaxagent.config import AgentConfig
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
@@ -197,6 +198,8 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
       status, reason, ep.infra_error = "failed", "verifier_infra_error", True
+    else:
+      ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
   except asyncio.TimeoutError:
     status, reason = "truncated", "episode_deadline"
     ep.verdict = {"status": "fail", "reward": 0.0}
@@ -281,6 +284,8 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
         env, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature), cfg.episode_deadline_s)
     ep.verdict = (await env.verify()).to_dict()
+    if ep.verdict.get("status") != "infra_error":
+      ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
     async with httpx.AsyncClient(timeout=60) as client:
       r = await client.get(f"{gateway_url}/sessions/{session_id}")
       r.raise_for_status()

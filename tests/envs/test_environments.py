@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from envs import base
-from envs.base import EnvResources, TaskSpec, VerdictStatus, load_tasks, make, write_tasks
+from envs.base import (EnvResources, TaskSpec, VerdictStatus, load_tasks, make, trained_rewards,
+                       write_tasks)
 from envs.calculator import safe_eval
 from tests.conftest import REPO
 
@@ -31,10 +32,13 @@ def test_guess_number_plays_by_the_rules():
   assert [s.observation.messages[0]["content"] for s in steps] == [
       "Higher.", "Say a number.", "Lower.", "Correct!"]
   # Information rewards: 8 rules out 8 of 16; 12 rules out 5 of 9..16; 11 ends it.
-  assert [s.reward for s in steps] == pytest.approx([0.05, 0.0, 0.1 * 5 / 8, 1.1])
+  assert [s.reward for s in steps] == pytest.approx([0.05, 0.0, 0.1 * 5 / 8, 0.1])
+  # The verdict's reward is the outcome, added to the last turn for the learner.
+  assert trained_rewards([s.reward for s in steps], verdict) == pytest.approx(
+      [0.05, 0.0, 0.1 * 5 / 8, 1.1])
   assert steps[-1].terminated and not steps[-1].truncated
   assert verdict.status == VerdictStatus.PASS and verdict.details["guesses"] == [8, 12, 11]
-  assert steps[0].info["versions"]["env"] == "guess_number@1"
+  assert steps[0].info["versions"]["env"] == "guess_number@2"
 
 
 def test_guess_number_expected_information_and_range_feedback():
@@ -46,8 +50,9 @@ def test_guess_number_expected_information_and_range_feedback():
       "Higher: 9-16.", "Higher: 9-16.", "Lower: 9-11.", "Correct!"]
   # The move's grade, whatever the secret: 8 of 1..16 -> (7*9 + 8*8 + 16) / 256; a number
   # already excluded -> 0; 12 of 9..16 -> (3*5 + 4*4 + 8) / 64; 11 of 9..11 -> (2*1 + 3) / 9,
-  # plus the terminal reward.
-  assert [s.reward for s in steps] == pytest.approx([143 / 256, 0.0, 39 / 64, 5 / 9 + 1.0])
+  # and the verdict's terminal reward on the last turn.
+  assert [s.reward for s in steps] == pytest.approx([143 / 256, 0.0, 39 / 64, 5 / 9])
+  assert trained_rewards([s.reward for s in steps], verdict)[-1] == pytest.approx(5 / 9 + 1.0)
   assert verdict.status == VerdictStatus.PASS
   # Monte Carlo over secrets agrees with the closed form.
   from envs.guess_number import expected_information
@@ -78,8 +83,8 @@ def test_calculator_with_tool_calls():
   assert obs.tools[0]["function"]["name"] == "calculate"
   assert steps[0].observation.messages[0]["content"] == "87"
   assert steps[1].info["invalid_tool_calls"] == 1 and not steps[1].terminated
-  assert steps[2].terminated and steps[2].reward == 1.0
-  assert verdict.status == VerdictStatus.PASS
+  assert steps[2].terminated and steps[2].reward == 0.0
+  assert verdict.status == VerdictStatus.PASS and verdict.reward == 1.0
   _, _, wrong = play(make("calculator"), task, ["ANSWER: 86"])
   assert wrong.status == VerdictStatus.FAIL
 

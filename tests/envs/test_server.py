@@ -49,8 +49,8 @@ def test_remote_episode_matches_in_process(worker):
   obs, r1, r2, verdict = asyncio.run(go())
   assert obs.messages[0]["content"].startswith("Guess my number")
   assert r1.observation.messages[0]["content"] == "Lower." and not r1.terminated
-  assert r2.terminated and r2.reward == 1.0
-  assert verdict.status == VerdictStatus.PASS and verdict.env_version == "guess_number@1"
+  assert r2.terminated and r2.reward == 0.0
+  assert verdict.status == VerdictStatus.PASS and verdict.env_version == "guess_number@2" and verdict.reward == 1.0
 
 
 def test_python_tests_over_the_service(worker):
