@@ -179,15 +179,19 @@ class Env(abc.ABC):
 class EnvResources:
   """Shared, expensive things environments borrow: the sandbox pool (created on first use)."""
 
-  sandboxes: int = 4
+  sandboxes: int = 4  # commands running at once
   sandbox_limits: Any = None
+  # Run untrusted code with resource limits only where the host cannot isolate it
+  # (no bubblewrap, not root): off unless asked for.
+  allow_unisolated: bool = False
   _pool: Any = None
 
   def pool(self):
     if self._pool is None:
       from envs.sandbox import Limits, SandboxPool
 
-      self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits())
+      self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits(),
+                               allow_unisolated=self.allow_unisolated)
     return self._pool
 
   def close(self) -> None:

@@ -3,17 +3,20 @@
 Tools run in the episode's sandbox: `write_file`, `run_python` and
 `run_public_tests`. The episode ends when the model answers without a tool
 call (for example "DONE") or runs out of turns. `verify()` grades the final
-files against hidden tests in a fresh workspace (`envs.verifier`).
+files against the hidden cases in a fresh workspace (`envs.verifier`); the
+verdict's reward (1 for a pass) is the episode's reward. Files the tools write
+are capped (`Limits.write_bytes`) and written off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict, register)
 from envs.python_tasks_data import TASKS, _function_name, as_tests
 from envs.tools import Tool, ToolSet
-from envs.verifier import PythonTestVerifier
+from envs.verifier import HiddenTests, PythonTestVerifier
 
 PUBLIC_TESTS = "test_public.py"
 SYSTEM = ("Write Python in the file solution.py using the write_file tool. You can run code "
@@ -30,7 +33,7 @@ def _output(result) -> str:
 
 @register("python_tests")
 class PythonTests(Env):
-  version = "1"
+  version = "2"  # 2: hidden cases compared on the host; the verdict pays the reward
   verifier_version = PythonTestVerifier.version
   needs_resources = True
 
@@ -57,11 +60,13 @@ class PythonTests(Env):
   async def _write_file(self, path: str, content: str) -> str:
     if path in (PUBLIC_TESTS,):
       return f"error: {path} is read-only"
-    self.sandbox.write_file(path, content)
-    return f"wrote {len(content.encode())} bytes to {path}"
+    data = content.encode()
+    await asyncio.to_thread(self.sandbox.write_file, path, data)
+    return f"wrote {len(data)} bytes to {path}"
 
   async def _run_python(self, code: str) -> str:
-    return _output(await self.sandbox.run_python(code))
+    await asyncio.to_thread(self.sandbox.write_file, "_run.py", code)
+    return _output(await self.sandbox.run([self.sandbox.python, "_run.py"]))
 
   async def _run_public_tests(self) -> str:
     runner = ("import traceback\nimport test_public as t\nok = True\n"
@@ -106,7 +111,8 @@ class PythonTests(Env):
   async def verify(self) -> Verdict:
     if self.sandbox is None:
       raise RuntimeError("verify() needs an episode: reset first")
-    return await self.verifier.grade(self.final_files(), as_tests(self.spec[4], "hidden", self.fn),
+    files = await asyncio.to_thread(self.final_files)
+    return await self.verifier.grade(files, HiddenTests(self.fn, self.spec[4]),
                                      env_version=f"{self.name}@{self.version}")
 
   async def close(self) -> None:

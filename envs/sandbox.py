@@ -2,25 +2,34 @@
 
 Each command runs as a subprocess with a wall-clock timeout and resource
 limits (CPU seconds, address space, processes, file size, open files), a
-scrubbed environment, and as much isolation as the host allows, strongest
-first:
+scrubbed environment, and the strongest isolation the host has:
 
-- `bwrap` (bubblewrap; `apt-get install bubblewrap`): a new user, network, PID,
-  IPC and UTS namespace; a read-only view of /usr and /etc only (no /root, no
-  /home, no project files, no /tmp) with the workspace the one writable
-  directory, mounted at /workspace; an unprivileged uid of its own per
-  sandbox; no capabilities. A network connection fails: the namespace has only
-  a loopback with nothing listening.
-- `netns-setuid` (root without bwrap; util-linux `unshare` and `setpriv`): a
-  new network namespace and an unprivileged uid per sandbox. The host file
-  system stays visible, so world-writable places (/tmp) stay writable and
-  world-readable files readable.
+- `bwrap` (bubblewrap; `apt-get install bubblewrap`), as root or not: new user,
+  network, PID, IPC and UTS namespaces; a read-only view of /usr and /etc only
+  (no /root, /home, /run, project files or host /tmp), private /tmp and
+  /dev/shm, the workspace the one writable place, mounted at /workspace; no
+  capabilities. As root each workspace also runs as an unprivileged uid of its
+  own.
+- `mountns` (root without bubblewrap; util-linux `unshare`, `chroot`,
+  `setpriv`): the same view built by hand: new mount, network, PID, IPC and UTS
+  namespaces, a fresh root of read-only binds of /usr and /etc, private /proc,
+  /dev, /tmp and /dev/shm, the workspace at /workspace, then a drop to the
+  workspace's uid with no capabilities and `no_new_privs`.
 - `rlimits` (neither): resource limits, timeouts and a scrubbed environment
-  only; no network or file-system isolation.
+  only. Untrusted code can read and write the host here, so a pool refuses
+  this mode unless the caller allows unisolated execution explicitly.
 
-`detect_isolation()` says which one this host gets. Every execution is
-recorded (`ExecResult`): command, exit code or signal, duration, and stdout /
-stderr cut to a budget with their full size and sha256.
+`detect_isolation()` says which one this host gets. Sandbox uids are unique on
+the host: each is held by an advisory lock on a file in `UID_LOCK_DIR` for the
+sandbox's lifetime, so two pools or two workers never share one. As root a
+workspace is a tmpfs of `Limits.disk_bytes` (its disk quota); the host never
+`chown`s what the sandbox left in its workspace (it writes its own files
+through a fresh inode it owns, then renames). In the namespace modes a command
+is the init of its PID namespace (with `pid1=True`, exactly the given command),
+so it outlives nothing it started and the processes it starts cannot signal it.
+
+Every execution is recorded (`ExecResult`): command, exit code or signal,
+duration, and stdout / stderr cut to a budget with their full size and sha256.
 """
 
 from __future__ import annotations
@@ -28,10 +37,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import functools
 import hashlib
+import math
 import os
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -41,18 +54,35 @@ import uuid
 from typing import Optional, Sequence
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+_HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 UID_BASE = 100_000
+UID_COUNT = 50_000
+ISOLATIONS = ("bwrap", "mountns", "rlimits")
+UID_LOCK_DIR = "/run/jaxagent-sandbox-uids" if os.path.isdir("/run") else os.path.join(
+    tempfile.gettempdir(), "jaxagent-sandbox-uids")
+_SYSTEM_DIRS = ("/usr", "/etc")
+_ROOT_LINKS = ("/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+class IsolationUnavailable(RuntimeError):
+  """The host cannot isolate untrusted code and unisolated execution was not allowed."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
   wall_s: float = 10.0
+  # CPU seconds per process. A run's CPU limit is never below its wall timeout + 1 s, so a
+  # busy loop meets the wall timeout first and is a timeout, not a crash.
   cpu_s: int = 10
   memory_bytes: int = 1 << 30  # address space
   processes: int = 64  # per sandbox uid
   file_bytes: int = 16 << 20  # largest file a command may write (stdout/stderr included)
   open_files: int = 256
   output_budget: int = 16 << 10  # bytes of stdout/stderr kept in the record
+  disk_bytes: int = 64 << 20  # the workspace's quota (a tmpfs, as root)
+  tmp_bytes: int = 16 << 20  # the private /tmp and /dev/shm
+  write_bytes: int = 1 << 20  # largest file the host writes for a tool call
 
 
 @dataclasses.dataclass
@@ -61,7 +91,7 @@ class ExecResult:
   exit_code: Optional[int]  # None when killed by a signal
   signal: Optional[int]
   duration_s: float
-  timed_out: bool
+  timed_out: bool  # the wall timeout, or the CPU limit (SIGXCPU)
   stdout: str
   stderr: str
   stdout_bytes: int
@@ -84,56 +114,132 @@ class ExecResult:
     return dataclasses.asdict(self)
 
 
+# -- isolation modes ------------------------------------------------------------------------
+
+
 @functools.lru_cache(maxsize=None)
+def available_isolations() -> tuple[str, ...]:
+  """Every isolation mode that works on this host, strongest first ("rlimits" always)."""
+  modes = []
+  probe = tempfile.mkdtemp(prefix="jaxagent-probe-")
+  try:
+    os.chmod(probe, 0o755)
+    uid = UID_BASE if os.geteuid() == 0 else None
+    for mode in ("bwrap", "mountns"):
+      if mode == "bwrap" and not shutil.which("bwrap"):
+        continue
+      if mode == "mountns" and not (os.geteuid() == 0 and all(
+          shutil.which(t, path=_HOST_PATH) for t in ("unshare", "chroot", "setpriv", "mount"))):
+        continue
+      try:
+        r = subprocess.run(_wrap(mode, probe, ["/bin/true"], uid=uid, limits=Limits(),
+                                 run_dir=probe),
+                           preexec_fn=_preexec(Limits(), uid if mode == "bwrap" else None),
+                           env=_scrubbed_env("/workspace"), capture_output=True, timeout=20)
+        if r.returncode == 0:
+          modes.append(mode)
+      except (OSError, subprocess.SubprocessError):
+        pass
+  finally:
+    shutil.rmtree(probe, ignore_errors=True)
+  return tuple(modes) + ("rlimits",)
+
+
 def detect_isolation() -> str:
-  """The strongest isolation that works on this host: bwrap, netns-setuid or rlimits."""
-  if shutil.which("bwrap") and os.geteuid() == 0:
-    probe = tempfile.mkdtemp(prefix="jaxagent-probe-")
-    try:
-      os.chown(probe, UID_BASE, UID_BASE)
-      argv = _bwrap_argv(probe, ["/bin/true"])
-      r = subprocess.run(argv, preexec_fn=_preexec(Limits(), UID_BASE), capture_output=True,
-                         timeout=20)
-      if r.returncode == 0:
-        return "bwrap"
-    except (OSError, subprocess.SubprocessError):
-      pass
-    finally:
-      shutil.rmtree(probe, ignore_errors=True)
-  if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("setpriv"):
-    r = subprocess.run(["unshare", "--net", "/bin/true"], capture_output=True)
-    if r.returncode == 0:
-      return "netns-setuid"
-  return "rlimits"
+  """The strongest isolation that works on this host: bwrap, mountns or rlimits."""
+  return available_isolations()[0]
 
 
-def _bwrap_argv(workspace: str, argv: Sequence[str]) -> list[str]:
+def _scrubbed_env(home: str) -> dict:
+  return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+          "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+
+
+def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool) -> list[str]:
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
-  for path in ("/usr", "/etc"):
+  if pid1:
+    out.append("--as-pid-1")
+  for path in _SYSTEM_DIRS:
     out += ["--ro-bind", path, path]
-  for path in ("/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32"):
+  for path in _ROOT_LINKS:
     if os.path.islink(path):
       out += ["--symlink", os.readlink(path), path]
     elif os.path.isdir(path):
       out += ["--ro-bind", path, path]
-  out += ["--proc", "/proc", "--dev", "/dev", "--bind", workspace, "/workspace",
-          "--remount-ro", "/", "--chdir", "/workspace"]
+  out += ["--proc", "/proc", "--dev", "/dev",
+          "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+          "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",
+          "--bind", workspace, "/workspace", "--remount-ro", "/", "--chdir", "/workspace"]
   for k, v in _scrubbed_env("/workspace").items():
     out += ["--setenv", k, v]
   return out + ["--", *argv]
 
 
-def _scrubbed_env(home: str) -> dict:
-  return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
-          "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+def _mountns_script(root: str, workspace: str, uid: int, limits: Limits) -> str:
+  """Shell run as root inside fresh namespaces: builds a private root at `root` (only
+  read-only system directories, private /proc, /dev, /tmp, /dev/shm and the workspace),
+  then enters it as `uid` with no capabilities and execs the command ("$@")."""
+  q = shlex.quote
+  # The host's tools by absolute path (the scrubbed PATH has no sbin).
+  lines = ["set -e", f"export PATH={q(_HOST_PATH)}", f"mount -t tmpfs -o mode=0755,size=1m jaxagent-root {q(root)}"]
+  for path in _SYSTEM_DIRS:
+    lines += [f"mkdir {q(root + path)}", f"mount --rbind {q(path)} {q(root + path)}",
+              f"mount -o remount,bind,ro {q(root + path)}"]
+  for path in _ROOT_LINKS:
+    if os.path.islink(path):
+      lines.append(f"ln -s {q(os.readlink(path))} {q(root + path)}")
+    elif os.path.isdir(path):
+      lines += [f"mkdir {q(root + path)}", f"mount --rbind {q(path)} {q(root + path)}",
+                f"mount -o remount,bind,ro {q(root + path)}"]
+  dev = root + "/dev"
+  lines += [f"mkdir {q(root + '/proc')} {q(dev)} {q(root + '/tmp')} {q(root + '/workspace')}",
+            f"mount -t proc -o nosuid,nodev,noexec proc {q(root + '/proc')}",
+            f"mount -t tmpfs -o mode=0755,size=64k,nosuid jaxagent-dev {q(dev)}"]
+  for name in _DEVICES:
+    lines += [f"touch {q(dev + '/' + name)}", f"mount --bind /dev/{name} {q(dev + '/' + name)}"]
+  lines += [f"ln -s /proc/self/fd {q(dev + '/fd')}",
+            f"ln -s /proc/self/fd/0 {q(dev + '/stdin')}",
+            f"ln -s /proc/self/fd/1 {q(dev + '/stdout')}",
+            f"ln -s /proc/self/fd/2 {q(dev + '/stderr')}",
+            f"mkdir {q(dev + '/shm')}",
+            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nosuid,nodev jaxagent-shm "
+            f"{q(dev + '/shm')}",
+            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nosuid,nodev jaxagent-tmp "
+            f"{q(root + '/tmp')}",
+            f"mount --bind {q(workspace)} {q(root + '/workspace')}",
+            f"mount -o remount,ro,bind {q(root)}",
+            # setpriv drops to the uid; no capabilities survive, nothing can regain them.
+            f"export PATH={SANDBOX_PATH}",
+            f"exec {q(shutil.which('chroot', path=_HOST_PATH))} {q(root)} /usr/bin/setpriv --reuid={uid} --regid={uid} "
+            "--clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs -- "
+            "/bin/sh -c 'cd /workspace && exec \"$@\"' sandbox \"$@\""]
+  return "\n".join(lines)
 
 
-def _preexec(limits: Limits, uid: Optional[int]):
+def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
+          limits: Limits, run_dir: str, pid1: bool = False) -> list[str]:
+  """The host command that runs `argv` in `workspace` under isolation `mode`."""
+  if mode == "bwrap":
+    return _bwrap_argv(workspace, argv, limits, pid1)
+  if mode == "mountns":
+    if uid is None:
+      raise ValueError("mountns isolation needs a sandbox uid (root)")
+    root = os.path.join(run_dir, "root")
+    os.makedirs(root, exist_ok=True)
+    # --fork: the script is the new PID namespace's init, and so is the command it execs.
+    return [shutil.which("unshare", path=_HOST_PATH), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+            "--propagation", "private", "--", "/bin/sh", "-c",
+            _mountns_script(root, workspace, uid, limits), "sandbox", *argv]
+  return list(argv)
+
+
+def _preexec(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None):
   """Runs in the child before exec: resource limits, then drop to `uid`."""
+  cpu = cpu_s or limits.cpu_s
 
   def fn():
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
@@ -144,6 +250,37 @@ def _preexec(limits: Limits, uid: Optional[int]):
       os.setuid(uid)
 
   return fn
+
+
+# -- host-unique uids -------------------------------------------------------------------------
+
+
+class UidLease:
+  """A sandbox uid no other pool or worker on this host holds: an exclusive `flock` on
+  `UID_LOCK_DIR/<uid>.lock`, kept until `release()` (or the holder's death)."""
+
+  _next = 0  # where this process starts looking
+
+  def __init__(self, first: int = UID_BASE + 1, count: int = UID_COUNT):
+    os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
+    for i in range(count):
+      uid = first + (UidLease._next + i) % count
+      fd = os.open(os.path.join(UID_LOCK_DIR, f"{uid}.lock"),
+                   os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(fd)
+        continue
+      UidLease._next = (UidLease._next + i + 1) % count
+      self.uid, self._fd = uid, fd
+      return
+    raise RuntimeError(f"no free sandbox uid in {first}..{first + count - 1}")
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
 
 
 def _processes_of(uid: int) -> list[int]:
@@ -199,67 +336,121 @@ def _digest(path: str, budget: int) -> tuple[str, int, str]:
 
 
 class Sandbox:
-  """A workspace directory and a way to run commands in it, isolated and limited."""
+  """A workspace directory and a way to run commands in it, isolated and limited.
+
+  `uid`: as root in a namespace mode, the uid commands run as; None takes a host-unique
+  one (`UidLease`). `slots`: an async context manager factory that bounds how many
+  commands run at once (a pool's), waited for at most `slot_timeout_s`.
+  """
 
   def __init__(self, workspace: str, *, uid: Optional[int] = None,
-               limits: Limits = Limits(), isolation: Optional[str] = None):
+               limits: Limits = Limits(), isolation: Optional[str] = None,
+               slots=None, slot_timeout_s: float = 60.0):
     self.host_path = os.path.abspath(workspace)
-    os.makedirs(self.host_path, mode=0o700, exist_ok=True)
     self.isolation = isolation or detect_isolation()
-    self.uid = uid if (uid is not None and os.geteuid() == 0
-                       and self.isolation != "rlimits") else None
+    if self.isolation not in ISOLATIONS:
+      raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")
     self.limits = limits
-    if self.uid is not None:
-      _check_traversable(os.path.dirname(self.host_path))
+    self._slots = slots
+    self.slot_timeout_s = slot_timeout_s
+    self._lease = None
+    self._mounted = False
+    self.uid = None
+    if os.geteuid() == 0 and self.isolation != "rlimits":
+      if uid is None:
+        self._lease = UidLease()
+        uid = self._lease.uid
+      self.uid = uid
+    try:
+      os.makedirs(self.host_path, mode=0o700, exist_ok=False)
+      if self.uid is not None:
+        _check_traversable(os.path.dirname(self.host_path))
+        self._kill_uid()  # nothing of an earlier holder of this uid survives
+        # The quota: a tmpfs of disk_bytes owned by the sandbox uid.
+        subprocess.run(["mount", "-t", "tmpfs", "-o",
+                        f"size={limits.disk_bytes},mode=0700,uid={self.uid},gid={self.uid},"
+                        "nosuid,nodev", "jaxagent-ws", self.host_path],
+                       check=True, capture_output=True)
+        self._mounted = True
+      self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
+    except BaseException:
+      self._release()
+      raise
     self.history: list[ExecResult] = []
-    self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
-    self._own()
 
   # -- files (host side) -------------------------------------------------------------------
 
   @property
   def workdir(self) -> str:
     """The workspace as commands see it."""
-    return "/workspace" if self.isolation == "bwrap" else self.host_path
+    return "/workspace" if self.isolation in ("bwrap", "mountns") else self.host_path
 
   @property
   def python(self) -> str:
     """The interpreter inside the sandbox (the system Python: it is visible there)."""
     return "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
 
-  def _own(self) -> None:
-    if self.uid is not None:
-      for root, dirs, files in os.walk(self.host_path):
-        for name in [root] + [os.path.join(root, n) for n in dirs + files]:
-          os.lchown(name, self.uid, self.uid)
-
-  def _resolve(self, rel: str) -> str:
-    path = os.path.realpath(os.path.join(self.host_path, rel))
-    if not (path == self.host_path or path.startswith(self.host_path + os.sep)):
+  def _resolve(self, rel: str, follow_last: bool = True) -> str:
+    """`rel` on the host, refused outside the workspace. `follow_last=False`: the name
+    itself, even where the sandbox left a link there (the link is what gets replaced)."""
+    joined = os.path.join(self.host_path, rel)
+    path = (os.path.realpath(joined) if follow_last else
+            os.path.join(os.path.realpath(os.path.dirname(joined)), os.path.basename(joined)))
+    if not path.startswith(self.host_path + os.sep) or not os.path.basename(path):
       raise ValueError(f"path {rel!r} is outside the workspace")
     return path
 
   def write_file(self, rel: str, content: str | bytes) -> None:
-    path = self._resolve(rel)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-      f.write(content.encode() if isinstance(content, str) else content)
-    self._own()
+    """Writes a file as the host. Commands are not running (they never outlive a run), so
+    the path cannot change under us; the file is a new inode of the sandbox's, renamed
+    into place: a link the sandbox left at that name is replaced, never followed."""
+    data = content.encode() if isinstance(content, str) else bytes(content)
+    if len(data) > self.limits.write_bytes:
+      raise ValueError(f"{rel!r} is {len(data)} bytes; files are capped at "
+                       f"{self.limits.write_bytes} bytes")
+    path = self._resolve(rel, follow_last=False)
+    parent = os.path.dirname(path)
+    missing = []
+    d = parent
+    while not os.path.isdir(d):
+      missing.append(d)
+      d = os.path.dirname(d)
+    for d in reversed(missing):
+      os.mkdir(d, 0o700)
+      if self.uid is not None:
+        os.chown(d, self.uid, self.uid, follow_symlinks=False)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".jaxagent-")
+    try:
+      with os.fdopen(fd, "wb") as f:
+        if self.uid is not None:
+          os.fchown(f.fileno(), self.uid, self.uid)
+        os.fchmod(f.fileno(), 0o644)
+        f.write(data)
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+      raise
 
   def read_file(self, rel: str) -> bytes:
     with open(self._resolve(rel), "rb") as f:
       return f.read()
 
-  def files(self, max_bytes: int = 1 << 20) -> dict[str, bytes]:
-    """A snapshot of the workspace's regular files (symlinks and huge files skipped)."""
+  def files(self, max_bytes: int = 1 << 20, max_files: int = 256) -> dict[str, bytes]:
+    """A snapshot of the workspace's regular files (symlinks, special and huge files
+    skipped; at most `max_files`)."""
     out = {}
-    for root, _, names in os.walk(self.host_path):
-      for name in names:
+    for root, dirs, names in os.walk(self.host_path):
+      dirs.sort()
+      for name in sorted(names):
         path = os.path.join(root, name)
-        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > max_bytes:
+        st = os.lstat(path)
+        if not os.path.isfile(path) or os.path.islink(path) or st.st_size > max_bytes:
           continue
+        if len(out) >= max_files:
+          return out
         with open(path, "rb") as f:
-          out[os.path.relpath(path, self.host_path)] = f.read()
+          out[os.path.relpath(path, self.host_path)] = f.read(max_bytes)
     return out
 
   def wipe(self) -> None:
@@ -275,8 +466,22 @@ class Sandbox:
 
   def destroy(self) -> None:
     self._kill_uid()
+    if self._mounted:
+      subprocess.run(["umount", "-l", self.host_path], capture_output=True)
+      self._mounted = False
     shutil.rmtree(self.host_path, ignore_errors=True)
-    shutil.rmtree(self._logs, ignore_errors=True)
+    self._release()
+
+  def _release(self) -> None:
+    if getattr(self, "_logs", None):
+      shutil.rmtree(self._logs, ignore_errors=True)
+      self._logs = None
+    if self._mounted:
+      subprocess.run(["umount", "-l", self.host_path], capture_output=True)
+      self._mounted = False
+    if self._lease is not None:
+      self._lease.release()
+      self._lease = None
 
   def _kill_uid(self, timeout: float = 5.0) -> None:
     """Kills every process of the sandbox's uid (what a fork bomb or setsid left behind)
@@ -284,47 +489,61 @@ class Sandbox:
     if self.uid is None:
       return
     deadline = time.time() + timeout
-    while True:
+    while _processes_of(self.uid):
       # `kill -1` as the sandbox uid signals exactly the processes of that uid.
       subprocess.run(["/bin/kill", "-KILL", "-1"], preexec_fn=_preexec(Limits(), self.uid),
                      capture_output=True)
-      if not _processes_of(self.uid) or time.time() > deadline:
+      if time.time() > deadline:
         return
       time.sleep(0.02)
 
   # -- execution ------------------------------------------------------------------------
 
-  def _argv(self, argv: Sequence[str]) -> list[str]:
-    if self.isolation == "bwrap":
-      return _bwrap_argv(self.host_path, argv)
-    if self.isolation == "netns-setuid":
-      return ["unshare", "--net", "--", *argv]  # the uid drop happens in preexec
-    return list(argv)
-
   async def run(self, argv: Sequence[str], *, timeout: Optional[float] = None,
-                stdin: Optional[bytes] = None) -> ExecResult:
-    """Runs `argv` in the workspace; never raises for the command's own failures."""
+                stdin: Optional[bytes] = None, pid1: bool = False) -> ExecResult:
+    """Runs `argv` in the workspace; never raises for the command's own failures.
+
+    Waits for an execution slot first (at most `slot_timeout_s`; past it the result is an
+    infrastructure error). `pid1`: the command itself is its PID namespace's init (in the
+    namespace modes), which processes it starts cannot kill or signal.
+    """
     argv = [str(a) for a in argv]
+    slot = self._slots() if self._slots is not None else contextlib.nullcontext()
+    t_wait = time.perf_counter()
+    try:
+      async with asyncio.timeout(self.slot_timeout_s):
+        await slot.__aenter__()
+    except TimeoutError:
+      result = ExecResult(argv, None, None, time.perf_counter() - t_wait, False, "", "", 0, 0,
+                          "", "", self.isolation,
+                          f"no execution slot within {self.slot_timeout_s:.0f}s")
+      self.history.append(result)
+      return result
+    try:
+      return await self._run(argv, timeout, stdin, pid1)
+    finally:
+      await slot.__aexit__(None, None, None)
+
+  async def _run(self, argv, timeout, stdin, pid1) -> ExecResult:
     wall = self.limits.wall_s if timeout is None else timeout
     tag = uuid.uuid4().hex[:8]
     out_path = os.path.join(self._logs, f"{tag}.out")
     err_path = os.path.join(self._logs, f"{tag}.err")
+    run_dir = tempfile.mkdtemp(prefix=f"run-{tag}-", dir=self._logs)
+    os.chmod(self._logs, 0o711)
     t0 = time.perf_counter()
     timed_out, error, code, sig = False, None, None, None
     try:
       with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        # netns-setuid: `unshare` needs root, so the uid drop comes after it, via setpriv.
-        command = self._argv(argv)
-        uid = self.uid
-        if self.isolation == "netns-setuid" and uid is not None:
-          command = ["unshare", "--net", "--", "setpriv", f"--reuid={uid}", f"--regid={uid}",
-                     "--clear-groups", "--", *argv]
-          uid = None
-        env = _scrubbed_env(self.workdir)
+        command = _wrap(self.isolation, self.host_path, argv, uid=self.uid, limits=self.limits,
+                        run_dir=run_dir, pid1=pid1)
+        # mountns: `unshare` and the mounts need root; setpriv drops to the uid inside.
+        uid = self.uid if self.isolation == "bwrap" else None
+        cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
         proc = await asyncio.create_subprocess_exec(
             *command, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-            stdout=out, stderr=err, cwd=self.host_path, env=env, start_new_session=True,
-            preexec_fn=_preexec(self.limits, uid))
+            stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
+            start_new_session=True, preexec_fn=_preexec(self.limits, uid, cpu))
         try:
           await asyncio.wait_for(proc.communicate(stdin), timeout=wall)
         except asyncio.TimeoutError:
@@ -332,10 +551,12 @@ class Sandbox:
           await self._terminate(proc)
         rc = proc.returncode
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
+        timed_out = timed_out or sig == signal.SIGXCPU
     except (OSError, ValueError) as e:  # could not start: an infrastructure failure
       error = f"{type(e).__name__}: {e}"
     finally:
-      self._kill_uid()
+      await asyncio.to_thread(self._kill_uid)
+      shutil.rmtree(run_dir, ignore_errors=True)
     duration = time.perf_counter() - t0
     outs = [_digest(p, self.limits.output_budget) if os.path.exists(p) else ("", 0, "")
             for p in (out_path, err_path)]
@@ -349,22 +570,21 @@ class Sandbox:
 
   async def _terminate(self, proc) -> None:
     """Kills a timed-out command so that its own parent reaps it (no orphans, no zombies)."""
-    if self.isolation == "bwrap":
-      # Killing the PID namespace's init takes down everything inside; bwrap reaps
-      # it and exits.
+    if self.isolation in ("bwrap", "mountns"):
+      # Killing the PID namespace's init takes down everything inside; bwrap (or
+      # unshare) reaps it and exits.
       for child in _children(proc.pid):
         with contextlib.suppress(ProcessLookupError):
           os.kill(child, signal.SIGKILL)
     elif self.uid is not None:
-      self._kill_uid()
-    else:
-      with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+      await asyncio.to_thread(self._kill_uid)
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(proc.pid, signal.SIGKILL)
     try:
       await asyncio.wait_for(proc.wait(), timeout=5)
     except asyncio.TimeoutError:
       with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
       await proc.wait()
 
   async def run_python(self, code: str, *, timeout: Optional[float] = None,
@@ -378,45 +598,91 @@ class Sandbox:
 
 
 class SandboxPool:
-  """Pre-created workspaces handed out under a concurrency cap, wiped on return.
+  """Workspaces on demand, and a cap on the commands running at once.
 
-  A burst of episodes waits for a free sandbox instead of creating hundreds at once.
+  `acquire()` gives every caller a fresh workspace of its own (an episode keeps one for
+  its whole session; grading takes another), up to `max_workspaces`, and never waits
+  for another caller's workspace. `size` bounds how many commands run at once, over
+  all workspaces: a command waits for a slot only while another command runs, and at
+  most `slot_timeout_s`. Unisolated execution (`rlimits`) is refused unless
+  `allow_unisolated`.
   """
 
   def __init__(self, size: int, *, root: Optional[str] = None, limits: Limits = Limits(),
-               isolation: Optional[str] = None, uid_base: int = UID_BASE + 1):
+               isolation: Optional[str] = None, max_workspaces: int = 1024,
+               allow_unisolated: bool = False, slot_timeout_s: float = 60.0):
     if size < 1:
       raise ValueError(f"pool size must be >= 1, got {size}")
+    self.isolation = isolation or detect_isolation()
+    if self.isolation not in ISOLATIONS:
+      raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")
+    if self.isolation == "rlimits" and not allow_unisolated:
+      raise IsolationUnavailable(
+          "this host cannot isolate untrusted code (no bubblewrap, and not root for mount "
+          "namespaces): install bubblewrap (apt-get install bubblewrap), or allow "
+          "unisolated execution explicitly (env.allow_unisolated=true, "
+          "--allow-unisolated), which lets tool code read and write this host")
+    self.size = size
+    self.limits = limits
+    self.max_workspaces = max_workspaces
+    self.slot_timeout_s = slot_timeout_s
     self.root = root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-")
+    os.makedirs(self.root, exist_ok=True)
     os.chmod(self.root, 0o711)  # sandbox uids may pass through to their workspace, not list it
-    self._free: asyncio.Queue | None = None
-    self.sandboxes = [Sandbox(os.path.join(self.root, f"ws{i}"), uid=uid_base + i, limits=limits,
-                              isolation=isolation) for i in range(size)]
-    self.in_use = 0
+    self.live: set[Sandbox] = set()
+    self._semaphores: dict = {}  # one per event loop (a test may run several in turn)
+    self.running = 0
+    self.peak_running = 0
     self.waits = 0
 
-  def _queue(self) -> asyncio.Queue:
-    if self._free is None:
-      self._free = asyncio.Queue()
-      for sb in self.sandboxes:
-        self._free.put_nowait(sb)
-    return self._free
+  def _semaphore(self) -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    sem = self._semaphores.get(loop)
+    if sem is None:
+      self._semaphores = {loop: asyncio.Semaphore(self.size)}
+      sem = self._semaphores[loop]
+    return sem
+
+  @contextlib.asynccontextmanager
+  async def slot(self):
+    """One of the `size` execution slots."""
+    sem = self._semaphore()
+    if sem.locked():
+      self.waits += 1
+    async with sem:
+      self.running += 1
+      self.peak_running = max(self.peak_running, self.running)
+      try:
+        yield
+      finally:
+        self.running -= 1
+
+  def create(self) -> Sandbox:
+    """A new workspace (blocking: a mount and a uid lease)."""
+    if len(self.live) >= self.max_workspaces:
+      raise RuntimeError(f"sandbox pool is at its limit of {self.max_workspaces} workspaces")
+    sb = Sandbox(os.path.join(self.root, uuid.uuid4().hex[:12]), limits=self.limits,
+                 isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s)
+    self.live.add(sb)
+    return sb
+
+  def release(self, sb: Sandbox) -> None:
+    self.live.discard(sb)
+    sb.destroy()
 
   @contextlib.asynccontextmanager
   async def acquire(self):
-    q = self._queue()
-    if q.empty():
-      self.waits += 1
-    sb = await q.get()
-    self.in_use += 1
+    sb = await asyncio.to_thread(self.create)
     try:
       yield sb
     finally:
-      self.in_use -= 1
-      sb.wipe()
-      q.put_nowait(sb)
+      await asyncio.shield(asyncio.to_thread(self.release, sb))
+
+  @property
+  def in_use(self) -> int:
+    return len(self.live)
 
   def close(self) -> None:
-    for sb in self.sandboxes:
-      sb.destroy()
+    for sb in list(self.live):
+      self.release(sb)
     shutil.rmtree(self.root, ignore_errors=True)

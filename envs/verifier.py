@@ -1,76 +1,171 @@
-"""Grading in a clean workspace, with verdicts that keep infrastructure failures apart.
+"""Grading in a clean workspace, by a harness the solution cannot steer.
 
-The agent's final files are copied into a fresh sandbox workspace, and the
-hidden tests are written there only at grading time, never where the agent
-could read them during its episode. A small harness runs the tests and
-reports through stdout lines tagged with a per-grading nonce (read from stdin,
-never on the command line).
+The agent's final files are copied into a fresh sandbox workspace. The hidden
+cases, `(args, expected)`, are split: only the arguments enter the sandbox (on
+the harness's stdin); the expected values stay on the host. In the sandbox:
+
+- the harness starts as `python3 -I -c HARNESS`: no user site, no `.pth` or
+  `*customize.py` from the workspace, no `PYTHON*` variables, and nothing of the
+  workspace on `sys.path` while it imports what it needs;
+- it is the init of the sandbox's PID namespace (so nothing it starts can kill
+  or signal it), ignores SIGINT, and is not dumpable (nothing can ptrace it or
+  open its file descriptors through /proc);
+- it forks the solution's process, which closes the report channel, sends its
+  prints to stderr, appends the workspace to the *end* of `sys.path` (a
+  `json.py` there cannot shadow the standard library), imports the solution,
+  calls the function on each case's arguments and sends back each return value
+  encoded by exact type (`envs.values`: an object with a forged `__eq__` is not
+  a value);
+- the harness reads at most `max_report_bytes` of results, waits for the
+  solution's process, and writes one report on its stdout, the channel only it
+  holds.
+
+The host decodes the returned values and compares them with the expected ones
+by type and value. Forging a report gains nothing: a report passes only if it
+carries the right return values.
 
 Verdicts:
-- `pass`: every hidden test passed;
-- `fail`: a wrong answer, including a solution that crashes, exits early or
-  runs out of memory once the harness has started it;
-- `timeout`: the solution ran past the time limit;
+- `pass`: every case returned the expected value;
+- `fail`: a wrong answer, a solution that crashes, exits early, runs out of
+  memory or returns something that is not plain data;
+- `timeout`: the solution ran past the time limit (wall clock, or the CPU limit,
+  which the sandbox keeps above the wall limit);
 - `infra_error`: the grader itself failed (the sandbox would not start, the
-  interpreter never ran the harness, the grader raised). The learner drops or
-  retries such samples instead of scoring them 0. Grading is a pure function
-  of (files, tests), so retries are idempotent; infra errors are retried here
-  up to `retries` times first.
+  harness never started, or it died after starting without a report: it cannot
+  be killed from inside). The learner drops or retries such samples instead of
+  scoring them 0. Grading is a pure function of (files, cases), so retries are
+  idempotent; infra errors are retried here up to `retries` times first.
 
-Known limit: the solution runs in the harness's process, so code written to
-introspect the harness (frames, modules) could forge a result; the nonce and
-the deletion of the test file before the solution loads only stop casual
-reading of the tests.
+Without namespaces (`rlimits`, allowed only explicitly) the harness is not an
+init and the solution could kill it: that ends as `infra_error`, never `pass`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import json
-import secrets
-from typing import Optional
+from typing import Any, Optional, Sequence
 
+from envs import values
 from envs.base import Verdict, VerdictStatus
-from envs.sandbox import ExecResult, SandboxPool
+from envs.sandbox import ExecResult, Sandbox, SandboxPool
 
-VERSION = "python-harness-1"
-HARNESS_FILE = "_grader.py"
-TESTS_FILE = "_hidden_tests.py"
+VERSION = "python-harness-2"
 
-_HARNESS = r'''
-import json, sys, traceback
-nonce = sys.stdin.readline().strip()
-sys.stdin.close()
-with open("_hidden_tests.py") as f:
-  source = f.read()
-import os
-os.remove("_hidden_tests.py")
-os.remove(__file__)
-print(nonce + " START", flush=True)
-def report(obj):
-  sys.stdout.write(nonce + " RESULT " + json.dumps(obj) + "\n")
-  sys.stdout.flush()
-namespace = {"__name__": "_hidden_tests"}
-try:
-  exec(compile(source, "_hidden_tests.py", "exec"), namespace)
-except BaseException as e:
-  report({"import_error": f"{type(e).__name__}: {e}"[:500]})
-  sys.exit(1)
-results = {}
-for name in sorted(namespace):
-  fn = namespace[name]
-  if name.startswith("test_") and callable(fn):
+_HARNESS_BODY = r'''
+import ctypes, os, select, signal, sys
+
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # as init, a default disposition is immune
+try:  # PR_SET_DUMPABLE = 4: no ptrace of this process, no /proc/<pid>/fd or mem for others
+  ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+  pass
+report = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+spec = json.loads(sys.stdin.read())
+report.write("START\n")
+report.flush()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # the solution's process
+  try:
+    os.close(r)
+    report.close()
+    os.closerange(3, w)
+    os.closerange(w + 1, 1 << 16)
+    sys.stdin = open(os.devnull)
+    channel = os.fdopen(w, "w")
+    sys.path.append(os.getcwd())
+    import importlib
     try:
-      fn()
-      results[name] = "pass"
+      fn = getattr(importlib.import_module(spec["module"]), spec["function"])
     except BaseException as e:
-      results[name] = f"fail: {type(e).__name__}: {e}"[:300]
-report({"tests": results})
+      channel.write(json.dumps({"import_error": (type(e).__name__ + ": " + str(e))[:300]}) + "\n")
+      channel.flush()
+      os._exit(0)
+    for i, args in enumerate(spec["args"]):
+      try:
+        line = json.dumps({"i": i, "value": encode(fn(*decode(args)))})
+      except BaseException as e:
+        try:
+          line = json.dumps({"i": i, "error": (type(e).__name__ + ": " + str(e))[:300]})
+        except BaseException:
+          line = json.dumps({"i": i, "error": "unprintable exception"})
+      channel.write(line + "\n")
+      channel.flush()
+  finally:
+    os._exit(0)
+os.close(w)
+limit = spec["max_report_bytes"]
+data, status, overflow = b"", None, False
+while status is None:
+  ready, _, _ = select.select([r], [], [], 0.05)
+  if ready:
+    chunk = os.read(r, 1 << 16)
+    if chunk:
+      data += chunk
+      if len(data) > limit:
+        overflow = True
+        os.kill(pid, signal.SIGKILL)
+  done, st = os.waitpid(pid, os.WNOHANG)
+  if done:
+    status = st
+os.set_blocking(r, False)
+try:  # what the solution's process wrote before it ended; nothing after
+  while len(data) <= limit:
+    chunk = os.read(r, 1 << 16)
+    if not chunk:
+      break
+    data += chunk
+except BlockingIOError:
+  pass
+results, import_error = {}, None
+for line in data[:limit].split(b"\n"):
+  try:
+    item = json.loads(line)
+  except ValueError:
+    continue
+  if not isinstance(item, dict):
+    continue
+  if import_error is None and isinstance(item.get("import_error"), str):
+    import_error = item["import_error"][:300]
+  i = item.get("i")
+  if type(i) is int and 0 <= i < len(spec["args"]) and str(i) not in results:
+    if "value" in item:
+      results[str(i)] = {"value": item["value"]}
+    elif isinstance(item.get("error"), str):
+      results[str(i)] = {"error": item["error"][:300]}
+child = ({"exit": os.waitstatus_to_exitcode(status)} if os.WIFEXITED(status)
+         else {"signal": os.WTERMSIG(status)})
+report.write(json.dumps({"results": results, "import_error": import_error, "child": child,
+                         "overflow": overflow}) + "\n")
+report.flush()
 '''
 
 
-def classify(result: ExecResult, nonce: str, env_version: str) -> Verdict:
-  """Turns one harness run into a verdict."""
+@dataclasses.dataclass(frozen=True)
+class HiddenTests:
+  """Cases for one function of `module`: each `(args, expected)`."""
+
+  function: str
+  cases: Sequence[tuple[tuple, Any]]
+  module: str = "solution"
+
+  def harness_input(self, max_report_bytes: int) -> bytes:
+    """What the sandbox gets: the arguments only, never the expected values."""
+    return json.dumps({"module": self.module, "function": self.function,
+                       "args": [values.encode(tuple(a)) for a, _ in self.cases],
+                       "max_report_bytes": max_report_bytes}).encode()
+
+
+def harness_source() -> str:
+  return inspect.getsource(values) + _HARNESS_BODY
+
+
+def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdict:
+  """Turns one harness run into a verdict; the expected values never left the host."""
 
   def verdict(status, reward=0.0, **details):
     return Verdict(status, reward, env_version, VERSION,
@@ -81,52 +176,70 @@ def classify(result: ExecResult, nonce: str, env_version: str) -> Verdict:
 
   if result.error is not None:
     return verdict(VerdictStatus.INFRA_ERROR, reason=f"sandbox could not run: {result.error}")
-  lines = result.stdout.splitlines()
-  started = f"{nonce} START" in lines
-  if not started:
-    if result.timed_out:
-      return verdict(VerdictStatus.INFRA_ERROR, reason="harness did not start before the timeout")
-    return verdict(VerdictStatus.INFRA_ERROR,
-                   reason=f"harness did not start (exit {result.exit_code}, signal "
-                          f"{result.signal})")
+  lines = result.stdout.split("\n")
+  if lines[0] != "START":
+    why = "before the timeout" if result.timed_out else (
+        f"(exit {result.exit_code}, signal {result.signal})")
+    return verdict(VerdictStatus.INFRA_ERROR, reason=f"harness did not start {why}")
   if result.timed_out:
     return verdict(VerdictStatus.TIMEOUT, reason="solution ran past the time limit")
-  reports = [l[len(nonce) + 8:] for l in lines if l.startswith(f"{nonce} RESULT ")]
-  if not reports:
-    return verdict(VerdictStatus.FAIL, reason=f"solution ended the harness (exit "
-                                              f"{result.exit_code}, signal {result.signal})")
   try:
-    report = json.loads(reports[-1])
-  except json.JSONDecodeError:
-    return verdict(VerdictStatus.INFRA_ERROR, reason="harness report unreadable")
-  if "import_error" in report:
-    return verdict(VerdictStatus.FAIL, reason=report["import_error"])
-  tests = report.get("tests", {})
-  passed = sum(v == "pass" for v in tests.values())
-  if not tests:
-    return verdict(VerdictStatus.INFRA_ERROR, reason="hidden test file defines no tests")
-  status = VerdictStatus.PASS if passed == len(tests) else VerdictStatus.FAIL
-  return verdict(status, 1.0 if status == VerdictStatus.PASS else 0.0, tests=tests,
-                 passed=passed, total=len(tests))
+    report = json.loads(lines[1])
+    results, child = report["results"], report["child"]
+  except (IndexError, ValueError, KeyError, TypeError):
+    return verdict(VerdictStatus.INFRA_ERROR,
+                   reason=f"harness died after it started (exit {result.exit_code}, signal "
+                          f"{result.signal})")
+  if child.get("signal") == 24:  # SIGXCPU: the CPU limit is a time limit
+    return verdict(VerdictStatus.TIMEOUT, reason="solution ran past the CPU limit")
+  if report.get("import_error"):
+    return verdict(VerdictStatus.FAIL, reason=f"solution did not load: {report['import_error']}",
+                   child=child)
+  if not tests.cases:
+    return verdict(VerdictStatus.INFRA_ERROR, reason="the task has no hidden cases")
+  outcomes = {}
+  for i, (_, expected) in enumerate(tests.cases):
+    got = results.get(str(i))
+    if got is None:
+      outcomes[i] = "no result (the solution's process ended first)"
+    elif "error" in got:
+      outcomes[i] = f"raised {got['error']}"
+    else:
+      try:
+        value = values.decode(got["value"])
+      except (ValueError, TypeError, OverflowError) as e:
+        outcomes[i] = f"unreadable value: {e}"[:200]
+        continue
+      outcomes[i] = "pass" if values.strict_equal(value, expected) else (
+          f"returned {value!r:.100} of type {type(value).__name__}")
+  passed = sum(o == "pass" for o in outcomes.values())
+  status = VerdictStatus.PASS if passed == len(tests.cases) and not report.get(
+      "overflow") else VerdictStatus.FAIL
+  return verdict(status, 1.0 if status == VerdictStatus.PASS else 0.0, passed=passed,
+                 total=len(tests.cases), cases={str(i): o for i, o in outcomes.items()},
+                 child=child, overflow=bool(report.get("overflow")))
 
 
 class PythonTestVerifier:
-  """Grades Python files against hidden tests in a fresh sandbox from `pool`."""
+  """Grades Python files against hidden cases in a fresh sandbox workspace from `pool`."""
 
   version = VERSION
 
-  def __init__(self, pool: SandboxPool, *, timeout_s: float = 20.0, retries: int = 2):
+  def __init__(self, pool: SandboxPool, *, timeout_s: float = 20.0, retries: int = 2,
+               max_report_bytes: int = 1 << 20):
     self.pool = pool
     self.timeout_s = timeout_s
     self.retries = retries
+    self.max_report_bytes = max_report_bytes
     self.infra_errors = 0
 
-  async def grade(self, files: dict[str, bytes], hidden_tests: str, *,
+  async def grade(self, files: dict[str, bytes], tests: HiddenTests, *,
                   env_version: str) -> Verdict:
     last: Optional[Verdict] = None
     for attempt in range(1, self.retries + 2):
       try:
-        last = await self._grade_once(files, hidden_tests, env_version)
+        async with self.pool.acquire() as sb:
+          last = await self.grade_in(sb, files, tests, env_version=env_version)
       except asyncio.CancelledError:
         raise
       except Exception as e:  # the grader failed, not the solution
@@ -138,15 +251,11 @@ class PythonTestVerifier:
       self.infra_errors += 1
     return last
 
-  async def _grade_once(self, files, hidden_tests, env_version) -> Verdict:
-    nonce = secrets.token_hex(16)
-    async with self.pool.acquire() as sb:
-      for name, data in files.items():
-        if name in (HARNESS_FILE, TESTS_FILE):
-          continue  # the agent cannot plant its own grader
-        sb.write_file(name, data)
-      sb.write_file(TESTS_FILE, hidden_tests)
-      sb.write_file(HARNESS_FILE, _HARNESS)
-      result = await sb.run([sb.python, HARNESS_FILE], timeout=self.timeout_s,
-                            stdin=(nonce + "\n").encode())
-    return classify(result, nonce, env_version)
+  async def grade_in(self, sb: Sandbox, files: dict[str, bytes], tests: HiddenTests, *,
+                     env_version: str) -> Verdict:
+    """One grading run in the empty workspace `sb`."""
+    for name, data in files.items():
+      sb.write_file(name, data)
+    result = await sb.run([sb.python, "-I", "-c", harness_source()], timeout=self.timeout_s,
+                          stdin=tests.harness_input(self.max_report_bytes), pid1=True)
+    return classify(result, tests, env_version)

@@ -112,7 +112,8 @@ def test_python_tests_episode_with_reference_and_public_tests():
                                                           "run_public_tests"}
     assert "test_public passed" in steps[1].observation.messages[0]["content"]
     assert steps[2].terminated
-    assert verdict.status == VerdictStatus.PASS and verdict.details["passed"] == 1
+    assert verdict.status == VerdictStatus.PASS and verdict.details["passed"] == 3
+    assert verdict.reward == 1.0
     asyncio.run(env.close())
   finally:
     resources.close()

@@ -5,28 +5,33 @@ import hashlib
 import http.server
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
 import pytest
 
-from envs.sandbox import Limits, Sandbox, SandboxPool, detect_isolation
+from tests.conftest import REPO
+
+from envs.sandbox import (IsolationUnavailable, Limits, Sandbox, SandboxPool, UidLease,
+                          available_isolations, detect_isolation)
 
 ISOLATION = detect_isolation()
-needs_bwrap = pytest.mark.skipif(ISOLATION != "bwrap",
-                                 reason=f"file-system isolation needs bwrap (have {ISOLATION})")
-needs_netns = pytest.mark.skipif(ISOLATION == "rlimits",
-                                 reason="network isolation needs bwrap or root (netns)")
+# Every namespace mode this host has: CI (root, bubblewrap installed) runs both.
+MODES = [m for m in available_isolations() if m != "rlimits"]
+needs_isolation = pytest.mark.skipif(not MODES, reason="no namespace isolation on this host")
 LIMITS = Limits(wall_s=3.0, cpu_s=10, memory_bytes=512 << 20, processes=32,
-                file_bytes=1 << 20, output_budget=1000)
+                file_bytes=1 << 20, output_budget=1000, disk_bytes=8 << 20)
 
 
-@pytest.fixture
-def sandbox():
+@pytest.fixture(params=MODES or ["rlimits"])
+def sandbox(request):
   root = tempfile.mkdtemp(prefix="jaxagent-test-")
   os.chmod(root, 0o711)
-  sb = Sandbox(os.path.join(root, "ws"), uid=100_500, limits=LIMITS)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation=request.param)
   yield sb
   sb.destroy()
   shutil.rmtree(root, ignore_errors=True)
@@ -41,7 +46,7 @@ def test_runs_and_records(sandbox):
   assert r.ok and r.stdout == "hello\n" and r.exit_code == 0
   assert sandbox.read_file("out.txt") == b"x"
   assert r.stdout_sha256 == hashlib.sha256(b"hello\n").hexdigest()
-  assert sandbox.history[-1] is r and r.isolation == ISOLATION
+  assert sandbox.history[-1] is r and r.isolation == sandbox.isolation
   assert r.command[-1] == "_run.py"
 
 
@@ -85,17 +90,17 @@ def test_environment_is_scrubbed(sandbox, monkeypatch):
   assert "SECRET_TOKEN" not in r.stdout and "PATH" in r.stdout
 
 
-@needs_bwrap
+@needs_isolation
 def test_writing_outside_the_workspace_fails(sandbox, tmp_path):
-  for target in ("/tmp/escape.txt", "/etc/escape.txt", str(tmp_path / "escape.txt"),
-                 "../escape.txt"):
+  for target in ("/etc/escape.txt", "/usr/escape.txt", str(tmp_path / "escape.txt"),
+                 "../escape.txt", "/escape.txt"):
     r = run(sandbox, f"open({target!r}, 'w').write('x')")
     assert r.exit_code != 0, target
   assert not os.path.exists(tmp_path / "escape.txt")
   assert not os.path.exists("/tmp/escape.txt")
 
 
-@needs_bwrap
+@needs_isolation
 def test_project_and_home_are_invisible(sandbox):
   r = run(sandbox, "import os; print(os.path.exists('/root'), os.path.exists('/work'), "
                    "os.path.exists('/home'), os.getuid())")
@@ -103,7 +108,7 @@ def test_project_and_home_are_invisible(sandbox):
   assert r.stdout.split()[3] != "0"
 
 
-@needs_netns
+@needs_isolation
 def test_network_connections_fail(sandbox):
   server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
   port = server.server_address[1]
@@ -122,48 +127,178 @@ def test_network_connections_fail(sandbox):
 
 
 def test_unreachable_workspace_is_a_clear_error(tmp_path):
-  if os.geteuid() != 0 or ISOLATION == "rlimits":
+  if os.geteuid() != 0 or not MODES:
     pytest.skip("only a sandbox uid can be locked out")
   locked = tmp_path / "locked"
   locked.mkdir(mode=0o700)
   with pytest.raises(ValueError, match="not traversable"):
-    Sandbox(str(locked / "ws"), uid=100_501, limits=LIMITS)
+    Sandbox(str(locked / "ws"), limits=LIMITS, isolation=MODES[0])
 
 
 def test_paths_outside_the_workspace_are_refused_on_the_host(sandbox):
   with pytest.raises(ValueError, match="outside the workspace"):
     sandbox.write_file("../x.txt", "no")
+  with pytest.raises(ValueError, match="capped"):
+    sandbox.write_file("big.txt", b"x" * (LIMITS.write_bytes + 1))
 
 
-def test_pool_caps_concurrency_and_wipes():
-  pool = SandboxPool(2, limits=LIMITS)
-  peak = {"n": 0, "now": 0}
+@needs_isolation
+def test_the_host_is_out_of_view(sandbox):
+  """No project tree, no host processes, private /tmp and /dev/shm, no host sockets."""
+  listener = socket.socket(socket.AF_UNIX)
+  path = os.path.join(tempfile.gettempdir(), f"jaxagent-test-{os.getpid()}.sock")
+  listener.bind(path)
+  listener.listen()
+  try:
+    code = ("import os, socket\n"
+            "procs = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "cmds = [open(f'/proc/{p}/cmdline', 'rb').read() for p in procs]\n"
+            "open('/tmp/left.txt', 'w').write('x'); open('/dev/shm/left', 'w').write('x')\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            f"try:\n  s.connect({path!r}); print('connected')\nexcept OSError:\n  print('no socket')\n"
+            f"print(len(procs), any(b'pytest' in c for c in cmds), os.path.exists({REPO!r}),"
+            " os.path.exists('/work'), os.path.exists('/run'), os.getuid())\n")
+    r = run(sandbox, code)
+    assert r.ok, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[0] == "no socket"
+    n, pytest_seen, repo, work, run_dir, uid = lines[1].split()
+    assert int(n) <= 3 and (pytest_seen, repo, work, run_dir) == ("False",) * 4
+    assert uid != "0"
+    # /tmp and /dev/shm were the run's own: gone with it, never on the host.
+    assert not os.path.exists("/tmp/left.txt") and not os.path.exists("/dev/shm/left")
+    assert run(sandbox, "import os; print(os.listdir('/tmp'), os.listdir('/dev/shm'))"
+               ).stdout == "[] []\n"
+  finally:
+    listener.close()
+    os.unlink(path)
+
+
+@needs_isolation
+def test_workspace_quota(sandbox):
+  if os.geteuid() != 0:
+    pytest.skip("the quota is a tmpfs mount (root)")
+  code = ("import os\nn = 0\ntry:\n  for i in range(64):\n"
+          "    open(f'f{i}', 'wb').write(b'0' * (1 << 20)); n += 1\n"
+          "except OSError as e:\n  print('full', e.errno)\nprint(n)\n")
+  r = run(sandbox, code)
+  assert r.stdout.startswith("full 28"), r.stdout + r.stderr  # ENOSPC
+  assert sum(len(v) for v in sandbox.files().values()) <= LIMITS.disk_bytes
+
+
+def test_host_never_chowns_through_a_link(sandbox, tmp_path):
+  """A hard link (or symlink) the sandbox left in its workspace is replaced, not followed."""
+  if os.geteuid() != 0 or sandbox.uid is None:
+    pytest.skip("ownership only changes with a sandbox uid")
+  victim = tmp_path / "victim.txt"
+  victim.write_text("host data")
+  os.chmod(victim, 0o600)
+  link = os.path.join(sandbox.host_path, "solution.py")
+  try:
+    os.link(victim, link)  # what a shared-filesystem sandbox could do
+  except OSError:  # the workspace is its own file system (tmpfs): use a symlink instead
+    os.symlink(victim, link)
+  sandbox.write_file("solution.py", "def f(): pass\n")
+  sandbox.write_file("sub/dir/x.py", "x = 1\n")
+  st = os.stat(victim)
+  assert (st.st_uid, victim.read_text()) == (0, "host data")
+  assert sandbox.read_file("solution.py") == b"def f(): pass\n"
+  assert os.stat(os.path.join(sandbox.host_path, "sub/dir")).st_uid == sandbox.uid
+
+
+def test_uids_are_unique_across_pools_and_processes():
+  if os.geteuid() != 0:
+    pytest.skip("sandbox uids are for root")
+  a, b = UidLease(), UidLease()
+  held = subprocess.run(
+      [sys.executable, "-c", "from envs.sandbox import UidLease; import sys, time\n"
+       "l = UidLease(); print(l.uid, flush=True); sys.stdin.read()"],
+      cwd=REPO, input="", capture_output=True, text=True, timeout=60)
+  other = int(held.stdout.split()[0])
+  try:
+    assert len({a.uid, b.uid}) == 2
+    assert other not in (a.uid, b.uid) or held.returncode == 0  # the child had ended
+    p1, p2 = SandboxPool(1, limits=LIMITS), SandboxPool(1, limits=LIMITS)
+    try:
+      s1, s2 = p1.create(), p2.create()
+      assert s1.uid != s2.uid and s1.uid is not None
+    finally:
+      p1.close()
+      p2.close()
+  finally:
+    a.release()
+    b.release()
+  # A live holder in another process keeps its uid.
+  proc = subprocess.Popen(
+      [sys.executable, "-c", "from envs.sandbox import UidLease; import sys\n"
+       "l = UidLease(); print(l.uid, flush=True); sys.stdin.read()"],
+      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  try:
+    taken = int(proc.stdout.readline())
+    leases = [UidLease() for _ in range(3)]
+    assert taken not in [l.uid for l in leases]
+    for l in leases:
+      l.release()
+  finally:
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def test_pool_caps_running_commands_and_gives_clean_workspaces():
+  pool = SandboxPool(2, limits=LIMITS, isolation=(MODES or ["rlimits"])[0],
+                     allow_unisolated=True)
 
   async def episode(i):
     async with pool.acquire() as sb:
-      peak["now"] += 1
-      peak["n"] = max(peak["n"], peak["now"])
       assert sb.files() == {}  # a clean workspace every time
       sb.write_file(f"f{i}.txt", "data")
       r = await sb.run_python("import time; time.sleep(0.2)")
-      assert r.ok
-      peak["now"] -= 1
+      assert r.ok, r.stderr
+      return sb.host_path
 
   async def main():
-    await asyncio.gather(*(episode(i) for i in range(6)))
+    return await asyncio.gather(*(episode(i) for i in range(6)))
 
   try:
-    asyncio.run(main())
-    assert peak["n"] == 2 and pool.waits >= 1
+    paths = asyncio.run(main())
+    assert len(set(paths)) == 6 and not any(os.path.exists(p) for p in paths)
+    assert pool.peak_running == 2 and pool.waits >= 1 and pool.in_use == 0
   finally:
     pool.close()
 
 
+def test_a_wait_for_a_slot_has_a_deadline():
+  pool = SandboxPool(1, limits=LIMITS, isolation=(MODES or ["rlimits"])[0],
+                     allow_unisolated=True, slot_timeout_s=0.5)
+
+  async def main():
+    async with pool.acquire() as a, pool.acquire() as b:
+      slow = asyncio.ensure_future(a.run_python("import time; time.sleep(2)"))
+      await asyncio.sleep(0.3)
+      waited = await b.run_python("print(1)")
+      return await slow, waited
+
+  try:
+    slow, waited = asyncio.run(main())
+    assert slow.ok and waited.error and "no execution slot" in waited.error
+  finally:
+    pool.close()
+
+
+def test_unisolated_execution_is_refused_unless_allowed():
+  with pytest.raises(IsolationUnavailable, match="allow"):
+    SandboxPool(1, isolation="rlimits")
+  SandboxPool(1, isolation="rlimits", allow_unisolated=True).close()
+
+
 def test_isolation_is_reported():
-  assert ISOLATION in ("bwrap", "netns-setuid", "rlimits")
-  sb = Sandbox("/tmp/jaxagent-test-describe", limits=LIMITS)
+  assert ISOLATION in ("bwrap", "mountns", "rlimits")
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(root, 0o711)
+  sb = Sandbox(root + "/ws", limits=LIMITS)
   try:
     d = sb.describe()
     assert d["isolation"] == ISOLATION and d["limits"]["wall_s"] == 3.0
   finally:
     sb.destroy()
+    os.rmdir(root)

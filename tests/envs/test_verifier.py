@@ -1,57 +1,203 @@
+"""The grader, and the attacks a policy would try on it: each must end `fail`, never `pass`."""
+
 import asyncio
 import json
+import os
+import signal
+import time
 
 import pytest
 
 from envs.base import EnvResources, TaskSpec, VerdictStatus, make
-from envs.sandbox import ExecResult, Limits, SandboxPool
-from envs.verifier import PythonTestVerifier, classify
+from envs.sandbox import ExecResult, Limits, SandboxPool, available_isolations
+from envs.verifier import HiddenTests, PythonTestVerifier, classify
 
-HIDDEN = "from solution import add\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+ADD = HiddenTests("add", [((2, 3), 5), ((-1, 1), 0), ((10**12, 1), 10**12 + 1)])
+GOOD = "def add(a, b):\n    return a + b\n"
+WRONG = "def add(a, b):\n    return 0\n"
+# The namespace modes this host has (CI: bwrap and mountns, as root).
+MODES = [m for m in available_isolations() if m != "rlimits"]
+pytestmark = pytest.mark.skipif(not MODES, reason="no sandbox isolation on this host")
 
 
-@pytest.fixture(scope="module")
-def pool():
-  p = SandboxPool(2, limits=Limits(wall_s=5))
+@pytest.fixture(scope="module", params=MODES)
+def pool(request):
+  p = SandboxPool(2, limits=Limits(wall_s=5), isolation=request.param)
   yield p
   p.close()
 
 
-def grade(pool, files, hidden=HIDDEN, timeout_s=5.0, retries=1):
+def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
   v = PythonTestVerifier(pool, timeout_s=timeout_s, retries=retries)
-  return asyncio.run(v.grade({k: v.encode() for k, v in files.items()}, hidden,
+  return asyncio.run(v.grade({k: v.encode() for k, v in files.items()}, tests,
                              env_version="test@1"))
 
 
 def test_pass_and_fail(pool):
-  ok = grade(pool, {"solution.py": "def add(a, b):\n    return a + b\n"})
-  assert ok.status == VerdictStatus.PASS and ok.reward == 1.0
-  assert ok.details["tests"] == {"test_add": "pass"} and ok.verifier_version
+  ok = grade(pool, {"solution.py": GOOD})
+  assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
+  assert ok.verifier_version == "python-harness-2"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
+  assert wrong.details["cases"]["0"].startswith("returned -1")
   missing = grade(pool, {})
   assert missing.status == VerdictStatus.FAIL and "solution" in missing.details["reason"]
 
 
-def test_timeout_is_its_own_verdict(pool):
+def test_timeouts_are_their_own_verdict(pool):
   v = grade(pool, {"solution.py": "def add(a, b):\n    while True: pass\n"}, timeout_s=1.5)
   assert v.status == VerdictStatus.TIMEOUT and v.reward == 0.0
+  # A CPU limit below the wall limit still makes an endless loop a timeout.
+  tight = SandboxPool(1, limits=Limits(wall_s=5, cpu_s=1), isolation=pool.isolation)
+  try:
+    v = grade(tight, {"solution.py": "def add(a, b):\n    while True: pass\n"}, timeout_s=3)
+    assert v.status == VerdictStatus.TIMEOUT, v.details
+    sleepy = "import time\ndef add(a, b):\n    time.sleep(30)\n"
+    assert grade(tight, {"solution.py": sleepy}, timeout_s=2).status == VerdictStatus.TIMEOUT
+  finally:
+    tight.close()
 
 
-@pytest.mark.parametrize("solution", [
-    "import os\nos._exit(0)\n",  # exits before the harness can report
-    "import sys\nsys.exit(0)\n",
-    "x = bytearray(4 << 30)\n",  # memory limit
-])
-def test_solutions_that_break_the_harness_fail(pool, solution):
-  assert grade(pool, {"solution.py": solution}).status == VerdictStatus.FAIL
+SITE = ".local/lib/python3.11/site-packages"
+FORGE = ("import sys, os\n"
+         "for fd in (1, 3, 4, 5):\n"
+         "  try:\n    os.write(fd, b'START\\n' + b'{\"results\": {\"0\": {\"value\": [\"int\", \"5\"]}}, '"
+         "b'\"child\": {\"exit\": 0}}\\n')\n  except OSError:\n    pass\n")
+ATTACKS = {
+    "wrong answer": {"solution.py": WRONG},
+    "always-equal return value": {"solution.py": (
+        "class Eq(int):\n  def __eq__(self, o): return True\n  __hash__ = int.__hash__\n"
+        "def add(a, b):\n    return Eq(0)\n")},
+    "always-equal object": {"solution.py": (
+        "class Eq:\n  def __eq__(self, o): return True\ndef add(a, b):\n    return Eq()\n")},
+    "usercustomize in the user site": {
+        "solution.py": WRONG, f"{SITE}/usercustomize.py": FORGE + "os._exit(0)\n"},
+    ".pth file in the user site": {
+        "solution.py": WRONG, f"{SITE}/evil.pth": "import os; os._exit(0)\n"},
+    "sitecustomize in the workspace": {"solution.py": WRONG, "sitecustomize.py": FORGE},
+    "conftest in the workspace": {"solution.py": WRONG, "conftest.py": FORGE},
+    "json.py shadowing the standard library": {
+        "solution.py": "import json\n" + WRONG,
+        "json.py": "def dumps(*a, **k):\n  return '{\"i\": 0, \"value\": [\"int\", \"5\"]}'\n"
+                   "def loads(*a, **k):\n  return {}\n"},
+    "forged report on every file descriptor": {"solution.py": FORGE + WRONG},
+    "forged report through /proc": {"solution.py": (
+        "import os\nfor pid in ('1', str(os.getppid())):\n"
+        "  for fd in range(8):\n    try:\n"
+        "      with open(f'/proc/{pid}/fd/{fd}', 'w') as f:\n"
+        "        f.write('START\\n{\"results\": {}}\\n')\n    except OSError:\n      pass\n"
+        + WRONG)},
+    "__main__ introspection": {"solution.py": (
+        "import __main__, sys\n"
+        "spec = getattr(__main__, 'spec', None)\nreport = getattr(__main__, 'report', None)\n"
+        "try:\n  report.write('forged'); report.flush()\nexcept Exception:\n  pass\n"
+        "try:\n  __main__.strict_equal = lambda a, b: True\nexcept Exception:\n  pass\n" + WRONG)},
+    "patching the harness's encoder": {"solution.py": (
+        "import __main__\n__main__.encode = lambda v, depth=0: ['int', '5']\n" + WRONG)},
+    "os._exit(0) at import": {"solution.py": "import os\nos._exit(0)\n"},
+    "os._exit(0) in the call": {"solution.py": "import os\ndef add(a, b):\n    os._exit(0)\n"},
+    "sys.exit at import": {"solution.py": "import sys\nsys.exit(0)\n"},
+    "fake 'N passed' output": {"solution.py": (
+        "print('3 passed in 0.01s')\nprint('START')\nprint('{\"results\": {}}')\n" + WRONG)},
+    "symlinks to the harness's input and files": {"solution.py": (
+        "import os\nfor i, t in enumerate(('/proc/1/fd/0', '/proc/1/cwd', '/proc/1/root')):\n"
+        "  try:\n    os.symlink(t, f'l{i}')\n    print(open(f'l{i}').read()[:100])\n"
+        "  except OSError:\n    pass\n" + WRONG)},
+    "killing the harness": {"solution.py": (
+        "import os, signal\nfor s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):\n"
+        "  for pid in (1, os.getppid()):\n    try:\n      os.kill(pid, s)\n"
+        "    except OSError:\n      pass\n" + WRONG)},
+    "ptrace of the harness": {"solution.py": (
+        "import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+        "print('attach', libc.ptrace(16, os.getppid(), 0, 0))\n" + WRONG)},
+    "memory hog": {"solution.py": "x = bytearray(4 << 30)\n" + GOOD},
+    "flooding the result channel": {"solution.py": (
+        "def add(a, b):\n    return 'x' * (4 << 20)\n")},
+    "a background process that outlives the solution": {"solution.py": (
+        "import os, time\nif os.fork() == 0:\n  time.sleep(60)\n" + WRONG)},
+}
 
 
-def test_agent_cannot_plant_the_grader_or_read_tests_during_the_episode(pool):
-  fake = "print('RESULT {\"tests\": {\"test_add\": \"pass\"}}')\n"
-  v = grade(pool, {"solution.py": "def add(a, b):\n    return 0\n", "_grader.py": fake,
-                   "_hidden_tests.py": "def test_x():\n    pass\n"})
-  assert v.status == VerdictStatus.FAIL  # our harness and tests replaced the planted files
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_reward_hacks_fail(pool, name):
+  v = grade(pool, ATTACKS[name])
+  assert v.status == VerdictStatus.FAIL and v.reward == 0.0, (name, v.status, v.details)
+
+
+def test_harness_names_and_noisy_output_do_not_cost_a_correct_solution(pool):
+  files = {"solution.py": "print('x' * 20000)\ndef add(a, b):\n    print('y' * 30000)\n"
+                          "    return a + b\n",
+           "_hidden_tests.py/x": "", "_grader.py/x": "", "test_public.py": "assert False\n"}
+  v = grade(pool, files)
+  assert v.status == VerdictStatus.PASS, v.details
+
+
+def test_strict_types():
+  from envs.values import decode, encode, strict_equal
+  assert not strict_equal(True, 1) and not strict_equal(1.0, 1) and not strict_equal((1,), [1])
+  assert strict_equal({"a": [1, (2.0,)]}, decode(encode({"a": [1, (2.0 + 1e-12,)]})))
+  assert strict_equal({1, 2}, decode(encode({2, 1}))) and not strict_equal({1}, frozenset({1}))
+  with pytest.raises(TypeError):
+    encode(type("Eq", (int,), {})(3))
+
+
+def test_the_hidden_expected_values_never_enter_the_sandbox(pool):
+  secret = HiddenTests("f", [((1,), "expected-7f3a9c-value")])
+  probe = ("import os\nneedle = ''.join(['7f3a', '9c'])\nfound = []\n"
+           "for d, _, fs in os.walk('/'):\n"
+           "  if d.startswith(('/proc', '/sys', '/usr', '/dev')):\n    continue\n"
+           "  for f in fs:\n    try:\n"
+           "      if needle.encode() in open(os.path.join(d, f), 'rb').read():\n"
+           "        found.append(os.path.join(d, f))\n    except OSError:\n      pass\n"
+           "import sys\nenv = str(dict(os.environ)) + ' '.join(sys.argv)\n"
+           "def f(x):\n    return repr((found, needle in env))\n")
+  v = grade(pool, {"solution.py": probe}, tests=secret)
+  assert v.status == VerdictStatus.FAIL
+  assert v.details["cases"]["0"].startswith("returned '([], False)'"), v.details
+
+
+def _harness_pids(uid_floor=100_000):
+  """Host pids of grading harnesses: sandboxed processes that are their namespace's init."""
+  pids = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/status") as f:
+        status = f.read()
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmd = f.read()
+    except OSError:
+      continue
+    nspid = [l.split()[1:] for l in status.splitlines() if l.startswith("NSpid:")]
+    uid = [int(l.split()[1]) for l in status.splitlines() if l.startswith("Uid:")]
+    if nspid and nspid[0][-1] == "1" and uid and uid[0] > uid_floor and b"-I\0-c" in cmd:
+      pids.append(int(entry))
+  return pids
+
+
+def test_a_grader_killed_from_outside_is_an_infra_error(pool):
+  if os.geteuid() != 0:
+    pytest.skip("needs root to kill a sandbox uid's process")
+  sleepy = "import time\ndef add(a, b):\n    time.sleep(20)\n    return a + b\n"
+
+  async def main():
+    v = PythonTestVerifier(pool, timeout_s=15, retries=0)
+    task = asyncio.ensure_future(v.grade({"solution.py": sleepy.encode()}, ADD,
+                                         env_version="t@1"))
+    for _ in range(100):
+      await asyncio.sleep(0.1)
+      if pids := _harness_pids():
+        break
+    await asyncio.sleep(1.0)  # well past START: the solution sleeps in its first case
+    for pid in pids:
+      os.kill(pid, signal.SIGKILL)
+    return await task, pids
+
+  t0 = time.time()
+  verdict, pids = asyncio.run(main())
+  assert pids and verdict.is_infra_error, verdict.details
+  assert "died after it started" in verdict.details["reason"] and time.time() - t0 < 14
 
 
 def test_infra_errors_are_marked_and_retried():
@@ -69,10 +215,9 @@ def test_infra_errors_are_marked_and_retried():
 
   inner = SandboxPool(1, limits=Limits(wall_s=5))
   try:
-    good = {"solution.py": "def add(a, b):\n    return a + b\n"}
-    v = grade(FlakyPool(inner, 1), good, retries=2)
+    v = grade(FlakyPool(inner, 1), {"solution.py": GOOD}, retries=2)
     assert v.status == VerdictStatus.PASS and v.attempts == 2  # the retry gives the same verdict
-    v = grade(FlakyPool(inner, 5), good, retries=2)
+    v = grade(FlakyPool(inner, 5), {"solution.py": GOOD}, retries=2)
     assert v.status == VerdictStatus.INFRA_ERROR and v.is_infra_error and v.attempts == 3
     assert "sandbox host unavailable" in v.details["reason"]
   finally:
@@ -88,18 +233,27 @@ def _result(stdout, **kw):
 
 
 def test_classification_rules():
-  n = "abc"
-  assert classify(_result("", error="OSError: no bwrap"), n, "e").is_infra_error
-  assert classify(_result("", exit_code=127), n, "e").is_infra_error  # never started
-  assert classify(_result("", timed_out=True), n, "e").is_infra_error
-  assert classify(_result("abc START\n", timed_out=True), n, "e").status == VerdictStatus.TIMEOUT
-  assert classify(_result("abc START\n", exit_code=1), n, "e").status == VerdictStatus.FAIL
-  forged = "abc START\nxyz RESULT " + json.dumps({"tests": {"t": "pass"}}) + "\n"
-  assert classify(_result(forged), n, "e").status == VerdictStatus.FAIL  # wrong nonce
-  good = "abc START\nabc RESULT " + json.dumps({"tests": {"t": "pass"}}) + "\n"
-  assert classify(_result(good), n, "e").status == VerdictStatus.PASS
-  empty = "abc START\nabc RESULT " + json.dumps({"tests": {}}) + "\n"
-  assert classify(_result(empty), n, "e").is_infra_error  # a broken test file is ours
+  t = HiddenTests("add", [((1, 2), 3)])
+
+  def status(stdout, **kw):
+    return classify(_result(stdout, **kw), t, "e").status
+
+  def report(results, **child):
+    return "START\n" + json.dumps({"results": results, "import_error": None,
+                                   "child": child or {"exit": 0}, "overflow": False}) + "\n"
+
+  assert status("", error="OSError: no bwrap") == VerdictStatus.INFRA_ERROR
+  assert status("", exit_code=127) == VerdictStatus.INFRA_ERROR  # never started
+  assert status("", timed_out=True) == VerdictStatus.INFRA_ERROR
+  assert status("START\n", timed_out=True) == VerdictStatus.TIMEOUT
+  assert status("START\n", signal=9, exit_code=None) == VerdictStatus.INFRA_ERROR  # killed
+  assert status(report({"0": {"value": ["int", "3"]}})) == VerdictStatus.PASS
+  assert status(report({"0": {"value": ["float", "3.0"]}})) == VerdictStatus.FAIL
+  assert status(report({"0": {"value": ["bool", True]}})) == VerdictStatus.FAIL
+  assert status(report({"0": {"value": "3"}})) == VerdictStatus.FAIL  # malformed
+  assert status(report({})) == VerdictStatus.FAIL  # the solution's process ended first
+  assert status(report({}, signal=24)) == VerdictStatus.TIMEOUT  # SIGXCPU
+  assert classify(_result(report({})), HiddenTests("add", []), "e").is_infra_error
 
 
 def test_hidden_tests_are_not_in_the_episode_workspace():

@@ -1,0 +1,96 @@
+"""Exact values across the sandbox boundary: a typed JSON encoding of plain Python data.
+
+The grader never compares a solution's return value inside the solution's
+process (where `__eq__` can be overridden and the comparison itself patched).
+The sandboxed side encodes what the function returned, accepting only exact
+built-in types (a subclass of `int` or an object with a forged `__eq__` is
+refused); the host decodes it and compares it with the expected value by type
+and value (`strict_equal`: `True` is not `1`, `(1,)` is not `[1]`).
+
+This module's source is also sent, as is, into the sandbox as part of the
+grading harness (`envs.verifier`), so it uses nothing but the standard library
+and no names from elsewhere in the project.
+"""
+
+import json
+import math
+
+MAX_DEPTH = 32
+
+
+def encode(value, depth=0):
+  """`value` as JSON-able data tagged with its exact type; TypeError for anything else."""
+  if depth > MAX_DEPTH:
+    raise ValueError("value nested too deeply")
+  t = type(value)
+  if value is None:
+    return ["none"]
+  if t is bool:
+    return ["bool", value]
+  if t is int:
+    return ["int", str(value)]  # arbitrary size
+  if t is float:
+    return ["float", repr(value)]  # nan and inf too
+  if t is str:
+    return ["str", value]
+  if t is bytes:
+    return ["bytes", value.hex()]
+  if t is list or t is tuple:
+    return [t.__name__, [encode(v, depth + 1) for v in value]]
+  if t is set or t is frozenset:
+    items = [encode(v, depth + 1) for v in value]
+    return [t.__name__, sorted(items, key=json.dumps)]
+  if t is dict:
+    items = [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]
+    return ["dict", sorted(items, key=lambda kv: json.dumps(kv[0]))]
+  raise TypeError(f"cannot grade a value of type {t.__name__}")
+
+
+def decode(data, depth=0):
+  """The value `encode` described; ValueError for anything malformed."""
+  if depth > MAX_DEPTH or not isinstance(data, list) or not data or not isinstance(data[0], str):
+    raise ValueError("malformed value")
+  tag, rest = data[0], data[1:]
+  if tag == "none" and not rest:
+    return None
+  if len(rest) != 1:
+    raise ValueError(f"malformed {tag!r} value")
+  (x,) = rest
+  if tag == "bool" and type(x) is bool:
+    return x
+  if tag == "int" and type(x) is str and len(x) <= 5000:
+    return int(x)
+  if tag == "float" and type(x) is str:
+    return float(x)
+  if tag == "str" and type(x) is str:
+    return x
+  if tag == "bytes" and type(x) is str:
+    return bytes.fromhex(x)
+  if tag in ("list", "tuple", "set", "frozenset") and type(x) is list:
+    items = [decode(v, depth + 1) for v in x]
+    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
+  if tag == "dict" and type(x) is list:
+    out = {}
+    for kv in x:
+      if type(kv) is not list or len(kv) != 2:
+        raise ValueError("malformed dict item")
+      out[decode(kv[0], depth + 1)] = decode(kv[1], depth + 1)
+    return out
+  raise ValueError(f"malformed {tag!r} value")
+
+
+def strict_equal(a, b, rel_tol=1e-9, abs_tol=1e-12):
+  """Equal in type and value, all the way down; floats within a tolerance."""
+  if type(a) is not type(b):
+    return False
+  if type(a) is float:
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel_tol,
+                                                             abs_tol=abs_tol)
+  if type(a) in (list, tuple):
+    return len(a) == len(b) and all(strict_equal(x, y) for x, y in zip(a, b))
+  if type(a) is dict:
+    return (len(a) == len(b) and all(any(type(k) is type(j) and k == j for j in b) for k in a)
+            and all(strict_equal(a[k], b[k]) for k in a))
+  if type(a) in (set, frozenset):
+    return sorted(map(json.dumps, map(encode, a))) == sorted(map(json.dumps, map(encode, b)))
+  return a == b
