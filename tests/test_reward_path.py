@@ -1,0 +1,97 @@
+"""The reward path is one contract: what the verifier returns is what the learner trains on.
+
+A python_tests task played through the white-box loop with a scripted policy: the
+reference solution trains with reward 1, a wrong one with 0, and a grader that fails
+is retried, then dropped and counted by the scheduler, never trained.
+"""
+
+import asyncio
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from envs.base import EnvResources, TaskSpec, make
+from envs.python_tasks_data import TASKS
+from envs.sandbox import available_isolations
+from jaxagent.agent import run_whitebox
+from jaxagent.config import AdvantageConfig, AgentConfig, RolloutConfig
+from jaxagent.scheduler import RolloutScheduler, make_batch
+from tests.test_agent import TOK, ScriptedEngine
+
+pytestmark = pytest.mark.skipif(available_isolations() == ("rlimits",),
+                                reason="python_tests needs sandbox isolation")
+REFERENCE = {t[0]: t[2] for t in TASKS}
+TASK = TaskSpec("python_tests/add", "python_tests", {"task": "add"})
+CFG = AgentConfig(max_turns=4, max_new_tokens=64, max_context_tokens=4096)
+
+
+def write(content: str) -> str:
+  call = {"name": "write_file", "arguments": {"path": "solution.py", "content": content}}
+  return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+@pytest.fixture
+def resources():
+  r = EnvResources(sandboxes=2)
+  yield r
+  r.close()
+
+
+def play(resources, replies, session_id="s", env=None):
+  env = env or make("python_tests", resources)
+  return asyncio.run(run_whitebox(env, TASK, ScriptedEngine(replies), TOK, CFG,
+                                  session_id=session_id, group_id="g"))
+
+
+def test_the_reference_solution_trains_with_reward_1_and_a_wrong_one_with_0(resources):
+  good = play(resources, [write(REFERENCE["add"]), "DONE"])
+  assert good.status == "completed" and not good.infra_error and good.success
+  assert good.turn_rewards == [0.0, 1.0] and good.reward == 1.0
+  (seg,) = good.segments
+  assert seg.reward == 1.0 and seg.turn_rewards == [0.0, 1.0]
+  wrong = play(resources, [write("def add(a, b):\n    return a * b\n"), "DONE"])
+  assert wrong.verdict["status"] == "fail" and wrong.turn_rewards == [0.0, 0.0]
+  # Both reach the batch with exactly those rewards: advantages +1/-1 around the mean.
+  from jaxagent.scheduler import Group
+  group = Group(0, TASK, [good, wrong])
+  batch, _ = make_batch([group], AdvantageConfig(estimator="grpo", scale_by_std=False),
+                        rows=2, seq_len=2048, pad_id=TOK.pad_id)
+  adv = np.asarray(batch.advantages)[np.asarray(batch.loss_mask) > 0]
+  assert sorted(set(np.round(adv, 4).tolist())) == [-0.5, 0.5]
+
+
+class BrokenPool:
+  """A sandbox host that fails every grading (an infrastructure failure)."""
+
+  def acquire(self):
+    raise OSError("sandbox host unavailable")
+
+
+def test_an_infrastructure_failure_is_retried_then_dropped_and_counted(resources):
+  plays = []
+
+  async def play_one(task, sid, gid):
+    env = make("python_tests", resources)
+    broken = sid.startswith("g0-0")  # the first episode of the group: its grader always fails
+    if broken:
+      env.verifier.pool = BrokenPool()
+    plays.append(sid)
+    return await run_whitebox(env, task, ScriptedEngine([write(REFERENCE["add"]), "DONE"]),
+                              TOK, CFG, session_id=sid, group_id=gid)
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=3,
+                                       max_retries=2, filter_equal_rewards=False),
+                         itertools.repeat(TASK), play_one)
+    accepted, taken = await s.next_groups()
+    return s, accepted, taken
+
+  s, accepted, taken = asyncio.run(go())
+  assert sorted(plays) == ["g0-0-r0", "g0-0-r1", "g0-0-r2", "g0-1-r0", "g0-2-r0"]
+  assert s.dropped["infra_error"] == 1 and s.retries == 2
+  (group,) = taken
+  # Only the graded episodes train; the dropped one is not a 0.
+  assert [e.session_id for e in group.episodes] == ["g0-1-r0", "g0-2-r0"]
+  assert [e.reward for e in group.episodes] == [1.0, 1.0]
