@@ -91,14 +91,17 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
   """The next turn's prompt as the last prompt + the sampled tokens + the newly rendered
   text, so the sampled tokens stay in the context exactly as sampled (no re-tokenising
   of history). None when the template does not render append-only (then the caller
-  re-renders the whole history and the trajectory manager realigns or forks).
+  re-renders the whole history and the trajectory manager realigns or forks). The new
+  messages' content is data: encoded as plain text, so an observation that writes the
+  template's control strings cannot open a turn (`Tokenizer.render_pieces`).
 
   `messages` ends with the assistant message of `record`.
   """
   head = tokenizer.render(messages[:-1], tools, add_generation_prompt=True)
   content = messages[-1].get("content") or ""
   closed = tokenizer.render(messages, tools, add_generation_prompt=False)
-  full = tokenizer.render(messages + new_messages, tools, add_generation_prompt=True)
+  pieces = tokenizer.render_pieces(messages + new_messages, tools, add_generation_prompt=True)
+  full = "".join(text for text, _ in pieces)
   if not (closed.startswith(head + content) and full.startswith(closed)):
     return None
   closing = closed[len(head) + len(content):]  # the template's end of the assistant turn
@@ -112,7 +115,7 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
     if closing.startswith(stop_text):
       closing = closing[len(stop_text):]
   return (record.prompt_ids + list(out) + tokenizer.encode(closing)
-          + tokenizer.encode(full[len(closed):]))
+          + tokenizer.encode_pieces(pieces, start=len(closed)))
 
 
 async def _generate(engine, prompt, sampling, session_id, deadline_s):

@@ -5,6 +5,13 @@ one rebuilt from a GGUF file) and a Jinja2 chat template. The tiny default is
 a byte-level tokenizer that needs no files: 256 byte tokens plus ChatML and
 tool-call special tokens.
 
+Observations are data: a chat becomes tokens with the template's own text
+encoded with its control tokens live, and the text that comes from messages
+(system, user, tool and environment content, tool schemas) encoded as plain
+text, so a tool that prints `<|im_start|>user` cannot open a turn
+(`render_pieces`, `encode_plain`). The assistant's content is the model's own
+words and is encoded as the model wrote them.
+
 Contracts tier: imports only the standard library, numpy and tokenizer libraries.
 """
 
@@ -13,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from typing import Any, Optional, Sequence
 
 import jinja2
@@ -72,10 +80,95 @@ def byte_to_unicode() -> dict[int, str]:
   return table
 
 
+# A piece of a rendered chat: (text, is_data). Data is encoded as plain text.
+Piece = tuple[str, bool]
+# Data spans are wrapped in a run of this private-use character (longer than any
+# run of it in the rendering) followed by "<" (open) or ">" (close).
+_MARK = "\ue000"
+
+
+class _DataDict(dict):
+  """A tool schema (or a part of one): its `tojson` text is a data span."""
+
+  def __init__(self, value: dict, marks: tuple[str, str]):
+    super().__init__(value)
+    self.data_marks = marks
+
+
+class _DataList(list):
+  """A list of tool schemas: its `tojson` text is a data span."""
+
+  def __init__(self, value: list, marks: tuple[str, str]):
+    super().__init__(value)
+    self.data_marks = marks
+
+
+def _as_data(value: Any, marks: tuple[str, str]) -> Any:
+  """`value` with every dict and list in it marked, so whatever of it `tojson` writes is data."""
+  if isinstance(value, dict):
+    return _DataDict({k: _as_data(v, marks) for k, v in value.items()}, marks)
+  if isinstance(value, (list, tuple)):
+    return _DataList([_as_data(v, marks) for v in value], marks)
+  return value
+
+
+def _mark_text(text: str, marks: tuple[str, str], ws_inside: bool) -> str:
+  """`text` wrapped in data marks; `ws_inside=False` leaves its leading and trailing
+  whitespace outside them, so a template that trims content still trims it."""
+  if ws_inside:
+    return marks[0] + text + marks[1] if text else text
+  core = text.strip()
+  if not core:
+    return text
+  start = text.index(core)
+  return text[:start] + marks[0] + core + marks[1] + text[start + len(core):]
+
+
+def _data_messages(messages: Sequence[dict], marks: tuple[str, str], ws_inside: bool
+                   ) -> list[dict]:
+  """The messages with the content of every non-assistant message (text, or the text
+  of its parts) marked as data. The assistant's content is the model's own words."""
+  out = []
+  for m in messages:
+    content = m.get("content")
+    if m.get("role") == "assistant" or not isinstance(content, (str, list)):
+      out.append(m)
+      continue
+    if isinstance(content, str):
+      content = _mark_text(content, marks, ws_inside)
+    else:
+      content = [dict(p, text=_mark_text(p["text"], marks, ws_inside))
+                 if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+                 for p in content]
+    out.append(dict(m, content=content))
+  return out
+
+
+def _split_marked(text: str, marks: tuple[str, str]) -> Optional[list[Piece]]:
+  """The pieces of a rendering made with data marks, adjacent pieces of a kind joined;
+  None if the marks do not alternate open, close (the template cut or moved them)."""
+  parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", text)
+  pieces: list[Piece] = []
+  inside = False
+  for i, part in enumerate(parts):
+    if i % 2:  # a mark
+      if (part == marks[0]) == inside:
+        return None
+      inside = not inside
+    elif part:
+      if pieces and pieces[-1][1] == inside:
+        pieces[-1] = (pieces[-1][0] + part, inside)
+      else:
+        pieces.append((part, inside))
+  return None if inside else pieces
+
+
 def _tojson(value: Any, indent: Optional[int] = None) -> str:
   # Jinja2's built-in tojson escapes <, > and & for HTML; chat templates need
   # the plain JSON text.
-  return json.dumps(value, ensure_ascii=False, indent=indent)
+  text = json.dumps(value, ensure_ascii=False, indent=indent)
+  marks = getattr(value, "data_marks", None)
+  return text if marks is None else marks[0] + text + marks[1]
 
 
 def _raise(message: str):
@@ -105,6 +198,13 @@ class Tokenizer:
     self.pad_id = self._id(pad_token)
     self.stop_ids = tuple(dict.fromkeys([self._id(t) for t in stop_tokens] + [self.eos_id]))
     self._template = _compile(chat_template)
+    # The same tokenizer without its added tokens: special and control strings in the
+    # text are split into ordinary tokens. (`encode_special_tokens` would leave the
+    # non-special added tokens live: `<tool_call>` and the role headers of the byte-level
+    # vocabulary, Qwen2's `<tool_call>`.)
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = []
+    self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
 
   def _id(self, token: str) -> int:
     i = self.tok.token_to_id(token)
@@ -117,8 +217,27 @@ class Tokenizer:
     return self.tok.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> list[int]:
-    """Token ids of `text`; special tokens written in the text become their ids."""
+    """Token ids of `text`; special tokens written in the text become their ids.
+
+    For the template's own text and the model's own words; data (what environments,
+    tools and users wrote) goes through `encode_plain`.
+    """
     return self.tok.encode(text, add_special_tokens=False).ids
+
+  def encode_plain(self, text: str) -> list[int]:
+    """Token ids of `text` as plain text: special and added tokens written in it (e.g.
+    `<|im_start|>`, `<tool_call>`) are spelled out in ordinary tokens, never their ids."""
+    return self._plain.encode(text, add_special_tokens=False).ids
+
+  def encode_pieces(self, pieces: Sequence[Piece], start: int = 0) -> list[int]:
+    """Token ids of a rendering's pieces from character `start` on: template text with
+    its special tokens live, data as plain text (`encode_plain`)."""
+    ids: list[int] = []
+    for text, is_data in pieces:
+      text, start = text[start:], max(0, start - len(text))
+      if text:
+        ids += self.encode_plain(text) if is_data else self.encode(text)
+    return ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -129,13 +248,44 @@ class Tokenizer:
     for i, m in enumerate(messages):
       if not isinstance(m, dict) or "role" not in m:
         raise ValueError(f"message {i} must be a dict with a 'role', got {m!r}")
-    return self._template.render(messages=list(messages), tools=list(tools or []) or None,
+    return self._render(list(messages), list(tools or []) or None, add_generation_prompt)
+
+  def _render(self, messages: list, tools: Optional[list], add_generation_prompt: bool) -> str:
+    return self._template.render(messages=messages, tools=tools,
                                  add_generation_prompt=add_generation_prompt,
                                  bos_token=self.bos_token or "", eos_token=self.eos_token)
 
+  def render_pieces(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None,
+                    add_generation_prompt: bool = True) -> list[Piece]:
+    """`render`'s text cut into the template's own text and data: the content of every
+    non-assistant message and the `tojson` text of the tool schemas.
+
+    The template is rendered again with each data string wrapped in marks that occur
+    nowhere in the rendering, and cut at the marks. If the template changes or tests
+    the content, so that the marked rendering is not the rendering, the marks are
+    tried outside the content's leading and trailing whitespace (templates that trim);
+    if that fails too, ValueError: no piece of the content may be read as template.
+    Tool schema fields a template writes one by one (not through `tojson`) are template
+    text.
+    """
+    text = self.render(messages, tools, add_generation_prompt)
+    run = max(map(len, re.findall(_MARK + "+", text)), default=0) + 1
+    marks = (_MARK * run + "<", _MARK * run + ">")
+    data_tools = _as_data(list(tools), marks) if tools else None
+    for ws_inside in (True, False):
+      marked = self._render(_data_messages(messages, marks, ws_inside), data_tools,
+                            add_generation_prompt)
+      pieces = _split_marked(marked, marks)
+      if pieces is not None and "".join(t for t, _ in pieces) == text:
+        return pieces
+    raise ValueError(f"the chat template of tokenizer {self.name} changes or tests message "
+                     "content, so its text cannot be told from the template's")
+
   def apply_chat_template(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None,
                           add_generation_prompt: bool = True) -> list[int]:
-    return self.encode(self.render(messages, tools, add_generation_prompt))
+    """Token ids of the chat: the template's text with its special tokens live, the
+    messages' content (but the assistant's) and tool schemas as plain text."""
+    return self.encode_pieces(self.render_pieces(messages, tools, add_generation_prompt))
 
   def identity(self) -> dict[str, str]:
     """Hashes that identify the vocabulary and the chat template (stored with checkpoints)."""
