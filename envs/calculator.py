@@ -1,14 +1,19 @@
 """`calculator`: arithmetic word tasks with a `calculate` tool.
 
 The model may call `calculate(expression)` (evaluated safely: numbers,
-+ - * / // % ** and parentheses, bounded sizes) and ends with
++ - * / // % ** and parentheses, bounded sizes) and ends with a line
 `ANSWER: <number>`. The verdict pays 1 for the right final answer (steps pay
-no process reward).
+no process reward). The first observation holds two worked exchanges
+(`EXAMPLES`, task option `examples`), so that a small instruct model (SmolLM2-135M)
+calls the tool in the chat template's format rather than guessing.
+
+`python -m envs.calculator` writes `envs/tasks/calculator.jsonl`.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 import re
@@ -19,9 +24,33 @@ from envs.tools import Tool, ToolSet
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
         ast.Pow: operator.pow}
-_ANSWER = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+# The final answer is a line of its own, `ANSWER: <number>` (any case; an optional
+# trailing period); the last such line counts. Nothing else is read as an answer: not a
+# number at the end of other text, not the digits of an identifier (`calculate_82_66`).
+_ANSWER = re.compile(r"^[ \t]*ANSWER:[ \t]*(-?\d+(?:\.\d+)?)[ \t]*\.?[ \t]*$",
+                     re.IGNORECASE | re.MULTILINE)
 SYSTEM = ("Solve the arithmetic. You may call the calculate tool. "
           "Finish with 'ANSWER: <number>'.")
+
+
+def _example(question: str, expression: str, result: str, call_id: str) -> list[dict]:
+  """One worked exchange in OpenAI message shape: question, tool call, result, answer."""
+  call = {"id": call_id, "type": "function",
+          "function": {"name": "calculate", "arguments": json.dumps({"expression": expression})}}
+  return [{"role": "user", "content": question},
+          {"role": "assistant", "content": "", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": call_id, "name": "calculate", "content": result},
+          {"role": "assistant", "content": f"ANSWER: {result}"}]
+
+
+EXAMPLES = (_example("What is 3 * 41 + 2?", "3 * 41 + 2", "125", "example_0")
+            + _example("What is 88 - 17 * 3?", "88 - 17 * 3", "37", "example_1"))
+
+
+def final_answer(text: str) -> float | None:
+  """The number on the last `ANSWER: <number>` line of `text`, or None."""
+  found = _ANSWER.findall(text)
+  return float(found[-1]) if found else None
 
 
 def safe_eval(expression: str) -> float | int:
@@ -60,8 +89,10 @@ def _fmt(x) -> str:
 
 @register("calculator")
 class Calculator(Env):
-  version = "2"  # 2: the terminal reward moved from the last step into the verdict
-  verifier_version = "1"
+  # 2: the terminal reward moved from the last step into the verdict. 3: two worked
+  # examples in the first observation; only an `ANSWER: <number>` line is an answer.
+  version = "3"
+  verifier_version = "2"  # 2: no trailing-number fallback
 
   def __init__(self):
     super().__init__()
@@ -80,7 +111,11 @@ class Calculator(Env):
     self.turns, self.done, self.final = 0, False, None
     self.reset_counters()
     question = p.get("question", "What is {expression}?").format(expression=self.expression)
-    return Observation([{"role": "system", "content": SYSTEM},
+    shots = int(p.get("examples", 2))
+    if not 0 <= shots <= len(EXAMPLES) // 4:
+      raise ValueError(f"task {task.id}: examples must be 0..{len(EXAMPLES) // 4}, got {shots}")
+    examples = [dict(m) for m in EXAMPLES[:4 * shots]]
+    return Observation([{"role": "system", "content": SYSTEM}, *examples,
                         {"role": "user", "content": question}], self.tools.schemas())
 
   async def step(self, action: str) -> StepResult:
@@ -88,8 +123,7 @@ class Calculator(Env):
     terminated = False
     messages = run.messages
     if not run.messages:  # no tool call: this is the final answer
-      m = _ANSWER.search(action) or re.search(r"(-?\d+(?:\.\d+)?)\s*$", action.strip())
-      self.final = float(m.group(1)) if m else None
+      self.final = final_answer(action)
       terminated = True
       messages = []
     truncated = not terminated and self.turns >= self.max_turns
@@ -113,6 +147,8 @@ class Calculator(Env):
 
 
 def make_tasks(n: int, *, seed: int = 0) -> list[TaskSpec]:
+  """`n` tasks `a op b op c` (a, b in 2..99, c in 2..20, op in + - *): results up to ~10^5,
+  some negative; hard to get right without the tool for a small model."""
   rng = random.Random(seed)
   tasks = []
   for i in range(n):
@@ -121,3 +157,17 @@ def make_tasks(n: int, *, seed: int = 0) -> list[TaskSpec]:
     tasks.append(TaskSpec(f"calculator/{seed}-{i}", "calculator",
                           {"expression": f"{a} {op1} {b} {op2} {c}"}))
   return tasks
+
+
+if __name__ == "__main__":  # writes the task file of the SmolLM2 run
+  import argparse
+
+  from envs.base import write_tasks
+
+  ap = argparse.ArgumentParser(description="Write calculator tasks as JSONL.")
+  ap.add_argument("--out", default="envs/tasks/calculator.jsonl")
+  ap.add_argument("-n", type=int, default=256)
+  ap.add_argument("--seed", type=int, default=0)
+  a = ap.parse_args()
+  write_tasks(a.out, make_tasks(a.n, seed=a.seed))
+  print(f"wrote {a.n} tasks to {a.out}")

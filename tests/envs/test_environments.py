@@ -1,5 +1,6 @@
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 from envs import base
 from envs.base import (EnvResources, TaskSpec, VerdictStatus, load_tasks, make, trained_rewards,
                        write_tasks)
-from envs.calculator import safe_eval
+from envs.calculator import final_answer, make_tasks, safe_eval
 from tests.conftest import REPO
 
 
@@ -87,6 +88,49 @@ def test_calculator_with_tool_calls():
   assert verdict.status == VerdictStatus.PASS and verdict.reward == 1.0
   _, _, wrong = play(make("calculator"), task, ["ANSWER: 86"])
   assert wrong.status == VerdictStatus.FAIL
+
+
+@pytest.mark.parametrize("text, want", [
+    ("ANSWER: 87", 87.0), ("answer: -11.", -11.0), ("It is 87.\nANSWER: 87\nThanks!", 87.0),
+    ("ANSWER: 1\nANSWER: 2.5", 2.5), ("calculate_82_66", None), ("82 + 66 = 148", None),
+    ("The result is 87", None), ("ANSWER: 87abc", None), ("ANSWER: 12 * 7 = 84", None),
+    ("ANSWER:", None), ("MY ANSWER: 3", None)])
+def test_calculator_reads_only_an_answer_line(text, want):
+  assert final_answer(text) == want
+
+
+def test_calculator_identifier_is_not_an_answer():
+  task = TaskSpec("c", "calculator", {"expression": "82 - 16"})
+  for action in ("calculate_82_66", "82 - 16 = 66"):
+    _, steps, verdict = play(make("calculator"), task, [action])
+    assert steps[0].terminated and verdict.status == VerdictStatus.FAIL
+    assert verdict.details["final"] is None
+  _, _, verdict = play(make("calculator"), task, ["82 - 16 is\nANSWER: 66"])
+  assert verdict.status == VerdictStatus.PASS
+
+
+def test_calculator_worked_examples_render_as_tool_calls():
+  from jaxagent.toolcalls import parse_tool_calls
+  from jaxagent.tokenizer import Tokenizer
+
+  env = make("calculator")
+  obs, _, _ = play(env, TaskSpec("c", "calculator", {"expression": "1 + 2"}), [])
+  roles = [m["role"] for m in obs.messages]
+  assert roles == ["system"] + ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+  text = Tokenizer.byte_level().render(obs.messages, obs.tools)
+  first_answer = text.split("<|im_start|>assistant\n")[1]  # as the model should write it
+  parsed = parse_tool_calls(first_answer)
+  (call,) = parsed.calls
+  assert not parsed.errors and call.name == "calculate"
+  assert call.arguments == {"expression": "3 * 41 + 2"}
+  assert safe_eval(call.arguments["expression"]) == 125 and "ANSWER: 125" in text
+  obs, _, _ = play(make("calculator"), TaskSpec("c", "calculator",
+                                                {"expression": "1 + 2", "examples": 0}), [])
+  assert [m["role"] for m in obs.messages] == ["system", "user"]
+
+
+def test_calculator_task_file_is_make_tasks():
+  assert load_tasks(os.path.join(REPO, "envs/tasks/calculator.jsonl")) == make_tasks(256)
 
 
 def test_safe_eval():
