@@ -184,6 +184,7 @@ class EnvResources:
   # Run untrusted code with resource limits only where the host cannot isolate it
   # (no bubblewrap, not root): off unless asked for.
   allow_unisolated: bool = False
+  sandbox_root: Optional[str] = None  # where workspaces go (default: a new temporary folder)
   _pool: Any = None
 
   def pool(self):
@@ -191,7 +192,7 @@ class EnvResources:
       from envs.sandbox import Limits, SandboxPool
 
       self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits(),
-                               allow_unisolated=self.allow_unisolated)
+                               allow_unisolated=self.allow_unisolated, root=self.sandbox_root)
     return self._pool
 
   def close(self) -> None:

@@ -626,9 +626,11 @@ class SandboxPool:
     self.limits = limits
     self.max_workspaces = max_workspaces
     self.slot_timeout_s = slot_timeout_s
-    self.root = root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-")
+    self.root = os.path.abspath(root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-"))
     os.makedirs(self.root, exist_ok=True)
     os.chmod(self.root, 0o711)  # sandbox uids may pass through to their workspace, not list it
+    if os.geteuid() == 0 and self.isolation != "rlimits":
+      _check_traversable(self.root)  # at start, not at each episode
     self.live: set[Sandbox] = set()
     self._semaphores: dict = {}  # one per event loop (a test may run several in turn)
     self.running = 0

@@ -6,11 +6,16 @@
   DELETE /sessions/{id}
   GET    /health, GET /metrics (Prometheus)
 
-A cap on sessions and on calls running at once, and a deadline per call: a
-call past its deadline answers 504 and its session is closed (its state is
-unknown). A session the worker does not have (expired, closed, or the worker
-restarted) answers 404 naming it, never a hang. `RemoteEnv` is the client,
-with the same async methods as an in-process environment.
+A cap on sessions and on calls running at once, and a deadline per call that
+covers its wait for a turn as well as its work: a call past its deadline
+answers 504 and its session is closed (its state is unknown). A session the
+worker does not have (expired, closed, or the worker restarted) answers 404
+naming it, never a hang. Sessions idle for `idle_timeout_s` are closed by a
+reaper; a session whose creation was abandoned (deadline, client gone) is
+closed, not kept. Request bodies are capped (`max_body_bytes`, 413). On
+shutdown (SIGTERM, Ctrl-C) every session is closed and the sandbox pool
+removes its workspaces. `RemoteEnv` is the client, with the same async methods
+as an in-process environment.
 
 `python -m envs.server [--host 127.0.0.1] [--port 8100] [--sandboxes 8]`
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import sys
 import time
@@ -53,9 +59,47 @@ class _Session:
   last_used: float
 
 
+class _BodyLimit:
+  """ASGI middleware: a request body over `limit` bytes is refused with 413, by its
+  Content-Length or as it streams in, before the application parses any of it."""
+
+  def __init__(self, app, limit: int):
+    self.app, self.limit = app, limit
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    length = dict(scope.get("headers") or []).get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > self.limit:
+      return await self._refuse(send)
+    messages, seen = [], 0
+    while True:  # at most `limit` bytes are held: the body is read here, then replayed
+      message = await receive()
+      messages.append(message)
+      if message["type"] != "http.request":
+        break
+      seen += len(message.get("body", b""))
+      if seen > self.limit:
+        return await self._refuse(send)
+      if not message.get("more_body", False):
+        break
+
+    async def replay():
+      return messages.pop(0) if messages else await receive()
+
+    await self.app(scope, replay, send)
+
+  async def _refuse(self, send):
+    body = f'{{"detail": "request body over {self.limit} bytes"}}'.encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
                max_concurrent_calls: int = 32, deadline_s: float = 60.0,
-               idle_timeout_s: float = 1800.0) -> FastAPI:
+               idle_timeout_s: float = 300.0, max_body_bytes: int = 8 << 20) -> FastAPI:
   resources = resources or EnvResources()
   sessions: dict[str, _Session] = {}
   calls = asyncio.Semaphore(max_concurrent_calls)
@@ -63,8 +107,27 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   n_sessions = Gauge("env_sessions", "Open sessions", registry=registry)
   n_calls = Counter("env_calls", "Calls by kind and outcome", ["kind", "outcome"],
                     registry=registry)
+  n_reaped = Counter("env_sessions_reaped", "Sessions closed for being idle", registry=registry)
   latency = Histogram("env_call_seconds", "Call latency", ["kind"], registry=registry)
-  app = FastAPI(title="jaxagent environment worker")
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    async def reaper():
+      while True:
+        await asyncio.sleep(max(0.05, min(30.0, idle_timeout_s / 4)))
+        await reap_idle()
+
+    task = asyncio.create_task(reaper())
+    try:
+      yield
+    finally:
+      task.cancel()
+      for sid in list(sessions):  # shutdown: every session's workspace goes
+        await close_session(sid)
+      await asyncio.to_thread(resources.close)
+
+  app = FastAPI(title="jaxagent environment worker", lifespan=lifespan)
+  app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
   async def close_session(sid: str) -> None:
     s = sessions.pop(sid, None)
@@ -78,7 +141,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   async def reap_idle() -> None:
     now = time.time()
     for sid, s in list(sessions.items()):
-      if now - s.last_used > idle_timeout_s:
+      if now - s.last_used > idle_timeout_s and not s.lock.locked():
+        n_reaped.inc()
         await close_session(sid)
 
   def get(sid: str) -> _Session:
@@ -90,25 +154,29 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return s
 
   async def guarded(kind: str, sid: Optional[str], coro_fn):
-    """Runs one call under the concurrency cap and the deadline."""
+    """Runs one call under the concurrency cap; the deadline covers the wait for a turn."""
     t0 = time.perf_counter()
-    async with calls:
-      try:
-        out = await asyncio.wait_for(coro_fn(), timeout=deadline_s)
-      except asyncio.TimeoutError:
-        n_calls.labels(kind, "deadline").inc()
-        if sid is not None:
-          await close_session(sid)
-        raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline; "
-                                 "the session was closed")
-      except HTTPException:
-        raise
-      except (ValueError, KeyError, RuntimeError) as e:
-        n_calls.labels(kind, "bad_request").inc()
-        raise HTTPException(400, f"{kind} failed: {type(e).__name__}: {e}")
-      except Exception as e:  # the environment broke: report, keep serving
-        n_calls.labels(kind, "error").inc()
-        raise HTTPException(500, f"{kind} failed in the environment: {type(e).__name__}: {e}")
+
+    async def capped():
+      async with calls:
+        return await coro_fn()
+
+    try:
+      out = await asyncio.wait_for(capped(), timeout=deadline_s)
+    except asyncio.TimeoutError:
+      n_calls.labels(kind, "deadline").inc()
+      if sid is not None:
+        await close_session(sid)
+      raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline; "
+                               "the session was closed")
+    except HTTPException:
+      raise
+    except (ValueError, KeyError, RuntimeError) as e:
+      n_calls.labels(kind, "bad_request").inc()
+      raise HTTPException(400, f"{kind} failed: {type(e).__name__}: {e}")
+    except Exception as e:  # the environment broke: report, keep serving
+      n_calls.labels(kind, "error").inc()
+      raise HTTPException(500, f"{kind} failed in the environment: {type(e).__name__}: {e}")
     n_calls.labels(kind, "ok").inc()
     latency.labels(kind).observe(time.perf_counter() - t0)
     return out
@@ -135,7 +203,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
 
     async def start():
       env = make(task.env, resources)
-      obs = await env.reset(task)
+      try:
+        obs = await env.reset(task)
+      except BaseException:  # failed or abandoned (deadline): nothing is kept
+        await asyncio.shield(env.close())
+        raise
       sessions[sid] = _Session(env, task, asyncio.Lock(), time.time())
       n_sessions.set(len(sessions))
       return obs
@@ -184,12 +256,15 @@ class RemoteEnv:
   def __init__(self, url: str, *, timeout_s: float = 120.0,
                client: Optional[httpx.AsyncClient] = None):
     self.url = url.rstrip("/")
-    self._client = client or httpx.AsyncClient(timeout=timeout_s)
+    self.timeout_s = timeout_s
+    self._client = client  # our own is opened on first use and closed with the session
     self._own_client = client is None
     self.session_id: Optional[str] = None
     self.done = False
 
   async def _call(self, method: str, path: str, **kw) -> dict:
+    if self._client is None:
+      self._client = httpx.AsyncClient(timeout=self.timeout_s)
     r = await self._client.request(method, self.url + path, **kw)
     if r.status_code == 404 and self.session_id and self.session_id in path:
       raise SessionLost(r.json().get("detail", r.text))
@@ -219,17 +294,18 @@ class RemoteEnv:
     return Verdict(**out)
 
   async def close(self) -> None:
+    """Ends the session on the worker, and closes our own HTTP client."""
     if self.session_id is not None:
       sid, self.session_id = self.session_id, None
       try:
         await self._call("DELETE", f"/sessions/{sid}")
       except (SessionLost, RuntimeError, httpx.HTTPError):
         pass
+    if self._own_client and self._client is not None:
+      client, self._client = self._client, None
+      await client.aclose()
 
-  async def aclose(self) -> None:
-    await self.close()
-    if self._own_client:
-      await self._client.aclose()
+  aclose = close
 
 
 def main(argv=None) -> int:
@@ -243,10 +319,29 @@ def main(argv=None) -> int:
   p.add_argument("--max-sessions", type=int, default=256)
   p.add_argument("--max-concurrent-calls", type=int, default=32)
   p.add_argument("--deadline-s", type=float, default=60.0)
+  p.add_argument("--idle-timeout-s", type=float, default=300.0,
+                 help="close sessions idle this long")
+  p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+  p.add_argument("--workspace-root", default=None,
+                 help="directory for sandbox workspaces (default: a new temporary one)")
+  p.add_argument("--allow-unisolated", action="store_true",
+                 help="run tool code with resource limits only where the host cannot isolate "
+                      "it (no bubblewrap, not root): it can then read and write this host")
   args = p.parse_args(argv)
-  resources = EnvResources(sandboxes=args.sandboxes)
+  from envs.sandbox import IsolationUnavailable
+
+  resources = EnvResources(sandboxes=args.sandboxes, allow_unisolated=args.allow_unisolated,
+                           sandbox_root=args.workspace_root)
+  try:
+    pool = resources.pool()
+  except (IsolationUnavailable, ValueError, OSError) as e:
+    print(f"envs.server: {e}", file=sys.stderr)
+    return 2
+  print(f"envs.server: sandbox isolation {pool.isolation}, {args.sandboxes} commands at once, "
+        f"workspaces under {pool.root}", file=sys.stderr, flush=True)
   app = create_app(resources, max_sessions=args.max_sessions,
-                   max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s)
+                   max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s,
+                   idle_timeout_s=args.idle_timeout_s, max_body_bytes=args.max_body_bytes)
   try:
     uvicorn.run(app, host=args.host, port=args.port)
   finally:

@@ -2,6 +2,13 @@
 
 import asyncio
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 
 import httpx
 import pytest
@@ -9,7 +16,12 @@ import pytest
 from envs import base
 from envs.base import EnvResources, TaskSpec, VerdictStatus
 from envs.server import RemoteEnv, SessionLost, create_app
+from envs.sandbox import available_isolations
 from rollout_server.serving import ServerThread
+from tests.conftest import REPO
+
+needs_isolation = pytest.mark.skipif(available_isolations() == ("rlimits",),
+                                     reason="python_tests needs sandbox isolation")
 
 
 @base.register("slow_test_env")
@@ -122,7 +134,7 @@ def test_concurrency_cap_queues_calls(worker):
   async def one():
     env = RemoteEnv(worker.url)
     await env.reset(TaskSpec("s", "slow_test_env"))
-    await env.step("1.0")
+    await env.step("0.6")
     await env.aclose()
 
   async def go():
@@ -130,4 +142,162 @@ def test_concurrency_cap_queues_calls(worker):
     await asyncio.gather(one(), one(), one())  # cap is 2 calls at once
     return time.perf_counter() - t0
 
-  assert asyncio.run(go()) >= 1.9
+  assert asyncio.run(go()) >= 1.15
+
+
+def test_the_deadline_covers_the_wait_for_a_turn(worker):
+  async def one(seconds):
+    env = RemoteEnv(worker.url)
+    await env.reset(TaskSpec("s", "slow_test_env"))
+    try:
+      await env.step(str(seconds))
+      return "ok"
+    except RuntimeError as e:
+      return "504" if "504" in str(e) else str(e)
+    finally:
+      await env.aclose()
+
+  async def go():
+    first = [asyncio.ensure_future(one(1.2)), asyncio.ensure_future(one(1.2))]
+    await asyncio.sleep(0.2)
+    late = await one(0.1)  # waits ~1 s for a turn, then runs: inside its 1.5 s deadline
+    later = await asyncio.gather(one(1.2), one(1.2), one(1.2))  # the third waits 1.2 + 1.2
+    return await asyncio.gather(*first), late, later
+
+  first, late, later = asyncio.run(go())
+  assert first == ["ok", "ok"] and late == "ok"
+  assert sorted(later) == ["504", "ok", "ok"]
+
+
+def test_request_bodies_are_capped():
+  app = create_app(EnvResources(sandboxes=1), max_body_bytes=1000)
+  with ServerThread(app) as srv:
+    sid = httpx.post(f"{srv.url}/sessions", json={"task": {"id": "g", "env": "guess_number"}}
+                     ).json()["session_id"]
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "8" * 5000})
+    assert r.status_code == 413 and "1000 bytes" in r.text
+
+    def chunks():  # no Content-Length: counted as it streams
+      yield b'{"action": "'
+      for _ in range(10):
+        yield b"8" * 500
+      yield b'"}'
+
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", content=chunks(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "8"})
+    assert r.status_code == 200 and httpx.get(f"{srv.url}/health").json()["status"] == "ok"
+
+
+def test_idle_sessions_are_reaped():
+  app = create_app(EnvResources(sandboxes=1), idle_timeout_s=0.4)
+  with ServerThread(app) as srv:
+    sid = httpx.post(f"{srv.url}/sessions", json={"task": {"id": "g", "env": "guess_number"}}
+                     ).json()["session_id"]
+    time.sleep(1.2)
+    assert httpx.get(f"{srv.url}/health").json()["sessions"] == 0
+    assert httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "8"}).status_code == 404
+    assert "env_sessions_reaped_total 1.0" in httpx.get(f"{srv.url}/metrics").text
+
+
+# -- a real worker process ----------------------------------------------------------------
+
+
+def start_worker(tmp_path, *args):
+  """`python -m envs.server` on a free loopback port; returns (process, url, workspace root)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  parent = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(parent, 0o711)  # sandbox uids pass through to their workspaces
+  root = os.path.join(parent, "workspaces")
+  # The log goes to a file: a pipe nobody reads would fill and stall the worker.
+  log = open(os.path.join(parent, "worker.log"), "w+")
+  proc = subprocess.Popen([sys.executable, "-m", "envs.server", "--port", str(port),
+                           "--workspace-root", root, *args], cwd=REPO,
+                          stdout=log, stderr=subprocess.STDOUT, text=True)
+  proc.log = log
+  url = f"http://127.0.0.1:{port}"
+  for _ in range(300):
+    try:
+      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+        return proc, url, root
+    except httpx.HTTPError:
+      pass
+    if proc.poll() is not None:
+      raise AssertionError(f"worker exited: {worker_log(proc)}")
+    time.sleep(0.1)
+  proc.kill()
+  raise AssertionError("worker did not start")
+
+
+def worker_log(proc) -> str:
+  proc.log.seek(0)
+  return proc.log.read()
+
+
+def _mounts_under(root):
+  with open("/proc/self/mounts") as f:
+    return [l.split()[1] for l in f if l.split()[1].startswith(root)]
+
+
+@needs_isolation
+def test_sigterm_removes_every_workspace(tmp_path):
+  proc, url, root = start_worker(tmp_path, "--sandboxes", "2")
+  try:
+    for i in range(3):
+      r = httpx.post(f"{url}/sessions", json={"task": {
+          "id": f"p{i}", "env": "python_tests", "params": {"task": "add"}}}, timeout=30)
+      assert r.status_code == 200, r.text
+    assert len(os.listdir(root)) >= 3
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+  out = worker_log(proc)
+  assert proc.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal
+  assert "sandbox isolation" in out
+  assert not os.path.exists(root) and not _mounts_under(root)
+
+
+@needs_isolation
+def test_200_concurrent_python_tests_episodes_all_end_with_a_verdict(tmp_path):
+  """The acceptance load: 200 episodes at once against `--sandboxes 8`."""
+  from envs.play import play_episode
+  from envs.python_tasks_data import TASKS, _function_name
+
+  proc, url, root = start_worker(tmp_path, "--sandboxes", "8")
+  solutions = {t[0]: t[2] for t in TASKS}
+
+  def actions(i, name):
+    fn = solutions[name]
+    wrong = f"\n\ndef {_function_name(fn)}(*a):\n    return 'wrong'\n" + (
+        "raise SystemExit(3)\n" if i % 2 else "")
+    content = fn if i % 3 else fn + wrong
+    call = json.dumps({"name": "write_file",
+                       "arguments": {"path": "solution.py", "content": content}})
+    return [f"<tool_call>{call}</tool_call>", "DONE"]
+
+  async def one(i):
+    name = TASKS[i % len(TASKS)][0]
+    script = actions(i, name)
+    return await play_episode(RemoteEnv(url, timeout_s=300),
+                              TaskSpec(f"python_tests/{name}", "python_tests", {"task": name}),
+                              lambda turn: script[turn] if turn < len(script) else None)
+
+  async def go():
+    return await asyncio.gather(*(one(i) for i in range(200)), return_exceptions=True)
+
+  try:
+    t0 = time.perf_counter()
+    results = asyncio.run(go())
+    wall = time.perf_counter() - t0
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+  errors = [r for r in results if isinstance(r, BaseException)]
+  assert not errors, errors[:3]
+  statuses = [r["verdict"]["status"] for r in results]
+  assert set(statuses) <= {"pass", "fail", "timeout"}, statuses
+  assert statuses.count("pass") == 133 and statuses.count("fail") == 67, (statuses, wall)
+  assert not os.path.exists(root)

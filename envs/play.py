@@ -1,0 +1,182 @@
+"""`python -m envs.play`: play one task by hand or from a file of actions.
+
+Prints each observation, the verdict and the exact per-turn rewards the learner
+would train on (`envs.base.trained_rewards`): the tool to debug an environment
+or a reward, and the one tests use.
+
+  python -m envs.play --task-file envs/tasks/python_tests.jsonl --task-id python_tests/add
+  python -m envs.play --task-file T.jsonl --task-id ID --actions actions.jsonl --json
+  echo '"8"' | python -m envs.play --task-file envs/tasks/guess_number.jsonl \
+      --task-id guess_number/0-0 --actions - --json
+
+Without `--actions` each line typed is one action (`\\n` for a newline). An
+actions file is JSONL: each line a JSON string (the model's whole reply for the
+turn) or `{"action": "..."}`. With `--json` every event is one JSON object per
+line; the last is `{"verdict": ..., "reward": ..., "turn_rewards": [...]}`
+(`reward` and `turn_rewards` are null for an `infra_error` verdict: the learner
+retries or drops such an episode, it never scores it). `--server URL` plays
+against an `envs.server` worker instead of in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import difflib
+import json
+import sys
+import time
+from typing import Callable, Iterable, Optional
+
+from envs.base import EnvResources, TaskSpec, VerdictStatus, load_tasks, make, trained_rewards
+
+
+def read_actions(lines: Iterable[str]) -> list[str]:
+  """Actions from JSONL lines (a JSON string, or an object with "action")."""
+  actions = []
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      item = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"actions line {n}: not JSON ({e.msg}); write each action as a JSON "
+                       "string") from None
+    if isinstance(item, dict):
+      item = item.get("action")
+    if not isinstance(item, str):
+      raise ValueError(f"actions line {n}: expected a JSON string or {{\"action\": \"...\"}}")
+    actions.append(item)
+  return actions
+
+
+async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optional[str]],
+                       emit: Callable[[dict], None] = lambda event: None) -> dict:
+  """Plays `task` on `env`, taking each turn's action from `next_action(turn)` (None: no
+  more actions), and reports every event to `emit`. Returns the final event: the verdict
+  and the rewards the learner would train on. The environment is closed at the end."""
+  try:
+    obs = await env.reset(task)
+    emit({"event": "reset", "task": task.id, "observation": dataclasses.asdict(obs)})
+    step_rewards = []
+    done = False
+    turn = 0
+    while not done:
+      action = next_action(turn)
+      if action is None:
+        break
+      step = await env.step(action)
+      step_rewards.append(float(step.reward))
+      done = step.terminated or step.truncated
+      emit({"event": "step", "turn": turn, "action": action,
+            "observation": dataclasses.asdict(step.observation), "reward": step.reward,
+            "terminated": step.terminated, "truncated": step.truncated, "info": step.info})
+      turn += 1
+    t0 = time.perf_counter()
+    verdict = await env.verify()
+    verify_s = time.perf_counter() - t0
+  finally:
+    await env.close()
+  infra = verdict.status == VerdictStatus.INFRA_ERROR
+  rewards = None if infra else trained_rewards(step_rewards, verdict)
+  final = {"verdict": verdict.to_dict(), "reward": None if infra else sum(rewards),
+           "turn_rewards": rewards, "finished": done, "verify_s": verify_s}
+  emit(final)
+  return final
+
+
+def _print_event(event: dict) -> None:
+  if event.get("event") == "reset":
+    print(f"== task {event['task']}")
+    for m in event["observation"]["messages"]:
+      print(f"[{m['role']}] {m.get('content')}")
+    for t in event["observation"].get("tools") or []:
+      print(f"[tool available] {t['function']['name']}: {t['function'].get('description', '')}")
+  elif event.get("event") == "step":
+    print(f"-- turn {event['turn']}: action {event['action']!r}")
+    for m in event["observation"]["messages"]:
+      print(f"[{m['role']}] {m.get('content')}")
+    end = " (terminated)" if event["terminated"] else " (truncated)" if event["truncated"] else ""
+    print(f"   step reward {event['reward']}{end}")
+  else:
+    v = event["verdict"]
+    print(f"== verdict {v['status']} (verdict reward {v['reward']}, verifier "
+          f"{v['verifier_version']}, {event['verify_s']:.2f}s)")
+    reason = v.get("details", {}).get("reason")
+    if reason:
+      print(f"   {reason}")
+    if event["turn_rewards"] is None:
+      print("   infra_error: the learner retries or drops this episode; it is never scored")
+    else:
+      print(f"   the learner trains on reward {event['reward']} (per turn "
+            f"{event['turn_rewards']})")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m envs.play", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--task-file", required=True, help="JSONL task file")
+  p.add_argument("--task-id", help="which task (default: the file's first)")
+  p.add_argument("--actions", help="JSONL file of actions, or - for stdin (default: type them)")
+  p.add_argument("--json", action="store_true", help="one JSON object per event")
+  p.add_argument("--server", help="an envs.server worker URL (default: in this process)")
+  p.add_argument("--sandboxes", type=int, default=2)
+  p.add_argument("--allow-unisolated", action="store_true",
+                 help="run tool code without isolation where the host has none")
+  args = p.parse_args(argv)
+  try:
+    tasks = load_tasks(args.task_file)
+    by_id = {t.id: t for t in tasks}
+    if not tasks:
+      raise ValueError(f"{args.task_file} has no tasks")
+    if args.task_id is not None and args.task_id not in by_id:
+      near = difflib.get_close_matches(args.task_id, list(by_id), n=5)
+      raise ValueError(f"no task {args.task_id!r} in {args.task_file}"
+                       + (f"; did you mean {near}?" if near else ""))
+    task = by_id[args.task_id] if args.task_id else tasks[0]
+    scripted = None
+    if args.actions == "-":
+      scripted = read_actions(sys.stdin)
+    elif args.actions:
+      with open(args.actions) as f:
+        scripted = read_actions(f)
+  except (OSError, ValueError) as e:
+    print(f"envs.play: {e}", file=sys.stderr)
+    return 2
+
+  def next_action(turn: int) -> Optional[str]:
+    if scripted is not None:
+      return scripted[turn] if turn < len(scripted) else None
+    try:
+      line = input("action> ")
+    except EOFError:
+      return None
+    return line.replace("\\n", "\n")
+
+  emit = (lambda e: print(json.dumps(e), flush=True)) if args.json else _print_event
+  resources = None
+  if args.server:
+    from envs.server import RemoteEnv
+    env = RemoteEnv(args.server)
+  else:
+    resources = EnvResources(sandboxes=args.sandboxes, allow_unisolated=args.allow_unisolated)
+    try:
+      env = make(task.env, resources)
+    except Exception as e:  # unknown environment, no isolation: say so, no traceback
+      print(f"envs.play: {type(e).__name__}: {e}", file=sys.stderr)
+      resources.close()
+      return 2
+  try:
+    asyncio.run(play_episode(env, task, next_action, emit))
+  except (ValueError, RuntimeError) as e:
+    print(f"envs.play: {e}", file=sys.stderr)
+    return 2
+  finally:
+    if resources is not None:
+      resources.close()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

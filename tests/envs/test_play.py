@@ -1,0 +1,67 @@
+"""`python -m envs.play`: scripted and typed episodes, the exact rewards the learner gets."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from envs.sandbox import available_isolations
+from tests.conftest import REPO
+
+
+def play(*args, stdin=""):
+  r = subprocess.run([sys.executable, "-m", "envs.play", *args], cwd=REPO, input=stdin,
+                     capture_output=True, text=True, timeout=120)
+  return r.returncode, r.stdout, r.stderr
+
+
+def test_guess_number_from_actions_on_stdin_as_json(tmp_path):
+  tasks = tmp_path / "t.jsonl"
+  tasks.write_text(json.dumps({"id": "g", "env": "guess_number", "params": {
+      "secret": 11, "process_reward": 0.1}}) + "\n")
+  code, out, err = play("--task-file", str(tasks), "--actions", "-", "--json",
+                        stdin='"8"\n{"action": "12"}\n"11"\n')
+  assert code == 0, err
+  events = [json.loads(l) for l in out.splitlines()]
+  assert events[0]["event"] == "reset" and [e["action"] for e in events[1:4]] == ["8", "12", "11"]
+  final = events[-1]
+  assert final["verdict"]["status"] == "pass"
+  # Process rewards per step, the verdict's 1.0 on the last turn.
+  assert final["turn_rewards"] == pytest.approx([0.05, 0.1 * 5 / 8, 0.1 + 1.0])
+  assert final["reward"] == pytest.approx(sum(final["turn_rewards"]))
+
+
+def test_typed_actions_and_a_readable_report(tmp_path):
+  tasks = tmp_path / "t.jsonl"
+  tasks.write_text(json.dumps({"id": "c", "env": "calculator",
+                               "params": {"expression": "2 + 3"}}) + "\n")
+  code, out, _ = play("--task-file", str(tasks), stdin="ANSWER: 4\n")
+  assert code == 0 and "verdict fail" in out and "the learner trains on reward 0.0" in out
+
+
+@pytest.mark.skipif(available_isolations() == ("rlimits",), reason="needs sandbox isolation")
+def test_python_tests_reference_and_wrong_solutions(tmp_path):
+  def actions(content):
+    call = {"name": "write_file", "arguments": {"path": "solution.py", "content": content}}
+    return f"{json.dumps(f'<tool_call>{json.dumps(call)}</tool_call>')}\n\"DONE\"\n"
+
+  base = ("--task-file", f"{REPO}/envs/tasks/python_tests.jsonl", "--task-id",
+          "python_tests/add", "--actions", "-", "--json")
+  _, out, err = play(*base, stdin=actions("def add(a, b):\n    return a + b\n"))
+  final = json.loads(out.splitlines()[-1])
+  assert final["verdict"]["status"] == "pass" and final["turn_rewards"] == [0.0, 1.0], err
+  _, out, _ = play(*base, stdin=actions("def add(a, b):\n    return a - b\n"))
+  final = json.loads(out.splitlines()[-1])
+  assert final["verdict"]["status"] == "fail" and final["reward"] == 0.0
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+  code, _, err = play("--task-file", f"{REPO}/envs/tasks/guess_number.jsonl", "--task-id",
+                      "guess_number/0-x")
+  assert code == 2 and "no task 'guess_number/0-x'" in err and "did you mean" in err
+  code, _, err = play("--task-file", f"{REPO}/envs/tasks/guess_number.jsonl", "--actions", "-",
+                      stdin="8\n")
+  assert code == 2 and "actions line 1" in err
+  code, _, err = play("--task-file", str(tmp_path / "missing.jsonl"))
+  assert code == 2 and "missing.jsonl" in err
