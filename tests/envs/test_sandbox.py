@@ -302,3 +302,31 @@ def test_isolation_is_reported():
   finally:
     sb.destroy()
     os.rmdir(root)
+
+
+def test_a_non_root_worker_uses_bubblewrap(tmp_path):
+  """A worker that is not root still gets namespaces from bubblewrap (user namespaces)."""
+  if os.geteuid() != 0 or "bwrap" not in MODES or not os.path.exists("/usr/bin/python3"):
+    pytest.skip("needs root (to become another user), bubblewrap and the system Python")
+  code_dir = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(code_dir, 0o755)  # the module alone, readable by the unprivileged user
+  shutil.copy(os.path.join(REPO, "envs", "sandbox.py"), code_dir)
+  script = ("import asyncio, os, sys, tempfile\n"
+            f"sys.path.insert(0, {code_dir!r})\n"
+            "import sandbox as S\n"
+            "root = tempfile.mkdtemp(); os.chmod(root, 0o711)\n"
+            "sb = S.Sandbox(root + '/ws')\n"
+            "r = asyncio.run(sb.run([sb.python, '-c', 'import os; print(os.getuid(), "
+            "sorted(os.listdir(\"/\")), os.path.exists(\"/root\"))']))\n"
+            "print(sb.isolation, r.stdout.strip())\n"
+            "sb.destroy()\n")
+  try:
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        "/usr/bin/python3", "-c", script], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+  finally:
+    shutil.rmtree(code_dir, ignore_errors=True)
+  assert r.returncode == 0, r.stderr
+  isolation, uid, *rest = r.stdout.strip().split(" ", 2)
+  assert isolation == "bwrap" and uid == "65534"
+  assert "'workspace'" in rest[0] and "'root'" not in rest[0] and rest[0].endswith("False")
