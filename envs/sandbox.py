@@ -43,7 +43,6 @@ import functools
 import hashlib
 import math
 import os
-import resource
 import shlex
 import shutil
 import signal
@@ -55,6 +54,8 @@ from typing import Optional, Sequence
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 _HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_PRLIMIT = shutil.which("prlimit", path=_HOST_PATH) or "prlimit"
+_SETPRIV = shutil.which("setpriv", path=_HOST_PATH) or "setpriv"
 UID_BASE = 100_000
 UID_COUNT = 50_000
 ISOLATIONS = ("bwrap", "mountns", "rlimits")
@@ -80,7 +81,9 @@ class Limits:
   file_bytes: int = 16 << 20  # largest file a command may write (stdout/stderr included)
   open_files: int = 256
   output_budget: int = 16 << 10  # bytes of stdout/stderr kept in the record
-  disk_bytes: int = 64 << 20  # the workspace's quota (a tmpfs, as root)
+  # The workspace's quota, as root: a tmpfs, so it counts against memory (at most
+  # sessions x disk_bytes).
+  disk_bytes: int = 32 << 20
   tmp_bytes: int = 16 << 20  # the private /tmp and /dev/shm
   write_bytes: int = 1 << 20  # largest file the host writes for a tool call
 
@@ -132,9 +135,9 @@ def available_isolations() -> tuple[str, ...]:
           shutil.which(t, path=_HOST_PATH) for t in ("unshare", "chroot", "setpriv", "mount"))):
         continue
       try:
-        r = subprocess.run(_wrap(mode, probe, ["/bin/true"], uid=uid, limits=Limits(),
-                                 run_dir=probe),
-                           preexec_fn=_preexec(Limits(), uid if mode == "bwrap" else None),
+        r = subprocess.run(_confine(Limits(), uid if mode == "bwrap" else None)
+                           + _wrap(mode, probe, ["/bin/true"], uid=uid, limits=Limits(),
+                                   run_dir=probe),
                            env=_scrubbed_env("/workspace"), capture_output=True, timeout=20)
         if r.returncode == 0:
           modes.append(mode)
@@ -233,23 +236,18 @@ def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
   return list(argv)
 
 
-def _preexec(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None):
-  """Runs in the child before exec: resource limits, then drop to `uid`."""
+def _confine(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None) -> list[str]:
+  """The command prefix that sets the resource limits, then drops to `uid` (util-linux
+  `prlimit` and `setpriv`). A prefix, not a `preexec_fn`: Python code between fork and
+  exec can deadlock in a process with other threads (JAX's), and without it the
+  subprocess starts with vfork."""
   cpu = cpu_s or limits.cpu_s
-
-  def fn():
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-    if uid is not None:
-      os.setgroups([])
-      os.setgid(uid)
-      os.setuid(uid)
-
-  return fn
+  argv = [_PRLIMIT, "--core=0", f"--cpu={cpu}:{cpu + 1}",
+          f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
+          f"--nofile={limits.open_files}", f"--nproc={limits.processes}", "--"]
+  if uid is not None:
+    argv += [_SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+  return argv
 
 
 # -- host-unique uids -------------------------------------------------------------------------
@@ -491,8 +489,8 @@ class Sandbox:
     deadline = time.time() + timeout
     while _processes_of(self.uid):
       # `kill -1` as the sandbox uid signals exactly the processes of that uid.
-      subprocess.run(["/bin/kill", "-KILL", "-1"], preexec_fn=_preexec(Limits(), self.uid),
-                     capture_output=True)
+      subprocess.run([_SETPRIV, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+                      "--", "/bin/kill", "-KILL", "-1"], capture_output=True)
       if time.time() > deadline:
         return
       time.sleep(0.02)
@@ -541,9 +539,10 @@ class Sandbox:
         uid = self.uid if self.isolation == "bwrap" else None
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
         proc = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+            *_confine(self.limits, uid, cpu), *command,
+            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
-            start_new_session=True, preexec_fn=_preexec(self.limits, uid, cpu))
+            start_new_session=True)
         try:
           await asyncio.wait_for(proc.communicate(stdin), timeout=wall)
         except asyncio.TimeoutError:
