@@ -219,7 +219,11 @@ class EnvConfig:
   """Environments: in-process (no urls) or `envs.server` workers."""
 
   urls: list[str] = dataclasses.field(default_factory=list)
-  sandboxes: int = 4
+  sandboxes: int = 4  # sandboxed commands running at once (in-process environments)
+  # Run tool code with resource limits only where the host cannot isolate it (no
+  # bubblewrap, not root): it can then read and write this host. Off: such a host
+  # refuses to start environments that run code.
+  allow_unisolated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
