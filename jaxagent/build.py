@@ -5,41 +5,93 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
+import jinja2
 from jax.sharding import Mesh
 
-from jaxagent.config import ModelSpec
+from jaxagent.config import ConfigError, ModelSpec
 from jaxagent.models import hf
 from jaxagent.models.config import ModelConfig, preset
 from jaxagent.models.params import Params
 from jaxagent.models.sharding import Rules, TRAIN_RULES
-from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
+from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, IM_END, IM_START, Tokenizer
+
+# model.chat_template values: None is the tokenizer's own template.
+TEMPLATES = {None: None, "chatml_tools": CHATML_TOOLS_TEMPLATE}
 
 
-def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES
-                ) -> tuple[ModelConfig, Optional[Params], Tokenizer]:
-  """Model config, loaded parameters (None for a random init) and tokenizer."""
+def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES,
+                tools: Sequence[dict] = ()) -> tuple[ModelConfig, Optional[Params], Tokenizer]:
+  """Model config, loaded parameters (None for a random init) and tokenizer.
+
+  `tools` are the tools the tasks offer (OpenAI `tools` entries): with the
+  checkpoint's own template (`model.chat_template: null`) and a template that
+  drops them, `chatml_tools` is used instead (see `choose_template`).
+  """
   overrides = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat)
-  templates = {None: None, "chatml_tools": CHATML_TOOLS_TEMPLATE}
-  if spec.chat_template not in templates:
+  if spec.chat_template not in TEMPLATES:
     raise ValueError(f"model.chat_template: unknown {spec.chat_template!r}; known: "
                      "null (the tokenizer's own), chatml_tools")
-  template = templates[spec.chat_template]
   ckpt = spec.checkpoint
   if ckpt is None:
     return preset(spec.preset, **overrides), None, Tokenizer.byte_level()
   if ckpt == "smollm2":
     ckpt = hf.smollm2_gguf_path()
-  if ckpt.endswith(".gguf"):
-    cfg, params = hf.load_gguf(ckpt, mesh, rules, **overrides)
-    return cfg, params, Tokenizer.from_gguf(ckpt, template)
+  if ckpt.endswith(".gguf"):  # the tokenizer first: a template error fails before the load
+    tokenizer = choose_template(lambda t: Tokenizer.from_gguf(ckpt, t), spec.chat_template,
+                                tools)
+    return (*hf.load_gguf(ckpt, mesh, rules, **overrides), tokenizer)
   if os.path.isdir(ckpt):
-    cfg, params = hf.load_hf(ckpt, mesh, rules, **overrides)
-    return cfg, params, _hf_tokenizer(ckpt, template)
+    tokenizer = choose_template(lambda t: _hf_tokenizer(ckpt, t), spec.chat_template, tools)
+    return (*hf.load_hf(ckpt, mesh, rules, **overrides), tokenizer)
   raise FileNotFoundError(
       f"model.checkpoint: {ckpt!r} is neither a .gguf file, a HF checkpoint directory, "
       "nor 'smollm2'")
+
+
+def renders_tools(tokenizer: Tokenizer, tools: Sequence[dict]) -> bool:
+  """Whether `tokenizer`'s chat template writes every tool's name into the prompt (a
+  probe chat rendered with and without `tools`; a template that raises on tools
+  does not render them)."""
+  probe = [{"role": "system", "content": "probe"}, {"role": "user", "content": "probe"}]
+  try:
+    with_tools = tokenizer.render(probe, tools)
+  except (jinja2.TemplateError, TypeError, KeyError, AttributeError):
+    return False
+  without = tokenizer.render(probe)
+  return all(with_tools.count(name) > without.count(name) for name in _tool_names(tools))
+
+
+def choose_template(make_tokenizer: Callable[[Optional[str]], Tokenizer],
+                    chat_template: Optional[str], tools: Sequence[dict]) -> Tokenizer:
+  """The tokenizer with the template `model.chat_template` names, unless the tasks offer
+  `tools` and the checkpoint's own template (`chat_template=None`) drops them: then
+  `chatml_tools` (printed), where the vocabulary has the ChatML tokens it needs, and
+  otherwise `ConfigError` naming `model.chat_template`.
+
+  `make_tokenizer(template)` builds the tokenizer with a template's text (None: its own).
+  """
+  tokenizer = make_tokenizer(TEMPLATES[chat_template])
+  if not tools or renders_tools(tokenizer, tools):
+    return tokenizer
+  names = ", ".join(_tool_names(tools))
+  if chat_template is not None:
+    raise ConfigError(f"model.chat_template: {chat_template} does not render the tools the "
+                      f"tasks offer ({names})")
+  if any(tokenizer.tok.token_to_id(t) is None for t in (IM_START, IM_END)):
+    raise ConfigError(
+        f"model.chat_template: the chat template of {tokenizer.name} drops the tools the tasks "
+        f"offer ({names}), and its vocabulary has no {IM_START} / {IM_END} for chatml_tools; "
+        "use a checkpoint whose template renders tools")
+  print(f"model.chat_template: the chat template of {tokenizer.name} drops the tools the "
+        f"tasks offer ({names}); using chatml_tools (set model.chat_template to choose)",
+        flush=True)
+  return make_tokenizer(CHATML_TOOLS_TEMPLATE)
+
+
+def _tool_names(tools: Sequence[dict]) -> list[str]:
+  return [t["function"]["name"] if "function" in t else t["name"] for t in tools]
 
 
 def _hf_tokenizer(path: str, template: Optional[str] = None) -> Tokenizer:

@@ -105,6 +105,26 @@ def make_env_factory(cfg: config_lib.RunConfig):
   return (lambda task: make(task.env, resources)), resources.close
 
 
+async def task_tools(path: str, env_factory) -> list[dict]:
+  """The tools (OpenAI `tools` entries) the environments of a task file offer: the first
+  observation of the first task of each environment the file names."""
+  from envs.base import load_tasks
+
+  first = {}
+  for task in load_tasks(path):
+    first.setdefault(task.env, task)
+  tools = {}
+  for task in first.values():
+    env = env_factory(task)
+    try:
+      obs = await env.reset(task)
+    finally:
+      await env.close()
+    for t in obs.tools:
+      tools.setdefault(t["function"]["name"], t)
+  return list(tools.values())
+
+
 def check_config(cfg: config_lib.RunConfig) -> None:
   if not cfg.data.tasks:
     raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
@@ -135,7 +155,13 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
 
   t_start = time.time()
   mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-  model_cfg, params, tokenizer = build_model(cfg.model, mesh)
+  env_factory, close_envs = make_env_factory(cfg)
+  try:  # the chat template must render the tools the tasks offer
+    tools = await task_tools(cfg.data.tasks, env_factory)
+    model_cfg, params, tokenizer = build_model(cfg.model, mesh, tools=tools)
+  except BaseException:
+    close_envs()
+    raise
   print(f"model: {describe(model_cfg)}")
   print(f"mesh: {dict(mesh.shape)} on {jax.devices()[0].platform}; run dir: {run_dir}")
   # Score tokens under the distribution they were sampled from (temperature included).
@@ -155,7 +181,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   policy_root = os.path.join(run_dir, "policy")
   version = int(state.policy_version)
   serving = Serving(cfg, model_cfg, jax.device_get(state.params), tokenizer, mesh)
-  env_factory, close_envs = make_env_factory(cfg)
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     path = version_dir(policy_root, version)
     if not os.path.exists(path):
@@ -287,7 +312,11 @@ def main(argv=None) -> int:
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, "config.json"), "w") as f:
     json.dump(config_lib.to_dict(cfg), f, indent=1)
-  return asyncio.run(train(cfg, run_dir, args.resume))
+  try:
+    return asyncio.run(train(cfg, run_dir, args.resume))
+  except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
