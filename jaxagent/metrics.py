@@ -37,6 +37,12 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
       "turns_mean": float(np.mean([e.turns for e in episodes])),
       "tool_calls": int(sum(e.tool_calls for e in episodes)),
       "invalid_tool_calls": int(sum(e.invalid_tool_calls for e in episodes)),
+      # Episodes with a valid tool call: more calls than invalid ones (malformed blocks,
+      # unknown tools and bad arguments all count as invalid), so at least one was run.
+      "tool_call_rate": float(np.mean([e.tool_calls > e.invalid_tool_calls for e in episodes])),
+      # Groups whose rewards differ: the ones with a nonzero group advantage.
+      "groups_with_signal": sum(
+          len(g.episodes) > 1 and max(g.rewards) - min(g.rewards) > 1e-9 for g in groups),
       "output_tokens": int(sum(e.output_tokens for e in episodes)),
       "generate_s_mean": float(np.mean([e.generate_s for e in episodes])),
       "env_s_mean": float(np.mean([e.env_s for e in episodes])),

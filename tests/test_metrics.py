@@ -1,0 +1,20 @@
+"""Per-step episode metrics, hand-computed."""
+
+from jaxagent.agent import Episode
+from jaxagent.metrics import episode_metrics
+from jaxagent.scheduler import Group
+
+
+def episode(reward, calls=0, invalid=0):
+  return Episode("t", "s", "g", [], [reward], {"status": "pass" if reward else "fail",
+                                               "reward": reward}, "completed",
+                 tool_calls=calls, invalid_tool_calls=invalid)
+
+
+def test_tool_call_rate_and_groups_with_signal():
+  mixed = Group(0, None, [episode(1.0, calls=1), episode(0.0, calls=1, invalid=1)])
+  flat = Group(1, None, [episode(0.0), episode(0.0, calls=2, invalid=1)])
+  m = episode_metrics([mixed, flat], [mixed, flat], learner_version=0)
+  # Valid calls in episodes 0 and 3 (2 calls, 1 invalid); episode 1's call was invalid.
+  assert m["tool_call_rate"] == 0.5
+  assert m["groups_with_signal"] == 1 and m["success_rate"] == 0.25
