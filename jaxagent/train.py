@@ -101,8 +101,11 @@ def make_env_factory(cfg: config_lib.RunConfig):
     urls = list(cfg.env.urls)
     counter = iter(range(1 << 62))
     return (lambda task: RemoteEnv(urls[next(counter) % len(urls)])), (lambda: None)
-  resources = EnvResources(sandboxes=cfg.env.sandboxes)
-  return (lambda task: make(task.env, resources)), resources.close
+  resources = EnvResources(sandboxes=cfg.env.sandboxes,
+                           allow_unisolated=cfg.env.allow_unisolated)
+  factory = lambda task: make(task.env, resources)  # noqa: E731
+  factory.resources = resources
+  return factory, resources.close
 
 
 async def task_tools(path: str, env_factory) -> list[dict]:
@@ -156,12 +159,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   t_start = time.time()
   mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   env_factory, close_envs = make_env_factory(cfg)
+  from envs.sandbox import IsolationUnavailable
+
   try:  # the chat template must render the tools the tasks offer
     tools = await task_tools(cfg.data.tasks, env_factory)
     model_cfg, params, tokenizer = build_model(cfg.model, mesh, tools=tools)
+  except IsolationUnavailable as e:  # the tasks run code and this host cannot isolate it
+    close_envs()
+    raise config_lib.ConfigError(f"env.allow_unisolated: {e}") from None
   except BaseException:
     close_envs()
     raise
+  pool = getattr(getattr(env_factory, "resources", None), "_pool", None)
+  if pool is not None:  # say how untrusted tool code is isolated here, at the start
+    print(f"sandbox: isolation {pool.isolation}, {pool.size} commands at once")
   print(f"model: {describe(model_cfg)}")
   print(f"mesh: {dict(mesh.shape)} on {jax.devices()[0].platform}; run dir: {run_dir}")
   # Score tokens under the distribution they were sampled from (temperature included).
