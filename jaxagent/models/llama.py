@@ -11,7 +11,12 @@ Two attention modes share one code path:
   restart at 0 for each segment;
 - decoding with a KV cache: each row is one sequence whose keys live in cache
   slots indexed by absolute position; new keys are written at `positions` and
-  a query at position p sees slots 0..p.
+  a query at position p sees slots 0..p;
+- decoding from a paged KV pool (`forward_paged`): each row's past lives in
+  fixed-size pages of a shared pool named by a page table, read block by block
+  with an online softmax (flash-decoding), so the work follows the tokens in
+  use rather than the pool's capacity; the pool is only read, and the new keys
+  and values are returned for `write_pages` to scatter in once per step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -94,6 +100,118 @@ def attention_mask(positions_BxT: jax.Array, segment_ids_BxT: Optional[jax.Array
   return mask
 
 
+class PagedKV(NamedTuple):
+  """A paged KV pool for every layer: `k`, `v` each `[layers, num_pages, page_size,
+  kv_heads, head_dim]`.
+
+  A sequence owns a list of page ids (its row of a page table); its token at
+  position p lives in page `table[p // page_size]` at offset `p % page_size`
+  (vLLM's PagedAttention layout).
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> PagedKV:
+  """An all-zero paged pool of `num_pages` pages of `page_size` tokens."""
+  shape = (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+  dtype = jnp.dtype(dtype or cfg.dtype)
+  return PagedKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def page_slots(page_table_BxN: jax.Array, positions_BxT: jax.Array, valid_BxT: jax.Array,
+               page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+  """The (page, offset) of each token, `[B, T]` each; invalid tokens get page
+  `num_pages` (out of range, so a scatter with mode="drop" skips them).
+
+  A token is invalid when `valid_BxT` is False, its position is negative, its page
+  column lies past the table's width, or its page id is out of `[0, num_pages)`.
+  """
+  n_cols = page_table_BxN.shape[1]
+  col_BxT = positions_BxT // page_size
+  page_BxT = jnp.take_along_axis(page_table_BxN, jnp.clip(col_BxT, 0, n_cols - 1), axis=1)
+  ok = (valid_BxT & (positions_BxT >= 0) & (col_BxT < n_cols)
+        & (page_BxT >= 0) & (page_BxT < num_pages))
+  return jnp.where(ok, page_BxT, num_pages), positions_BxT % page_size
+
+
+def write_pages(pages: PagedKV, new_k_LxBxTxKxD: jax.Array, new_v_LxBxTxKxD: jax.Array,
+                page_table_BxN: jax.Array, positions_BxT: jax.Array,
+                valid_BxT: jax.Array) -> PagedKV:
+  """Scatters every layer's new keys and values into the pool at their (page, offset).
+
+  `new_k/new_v` `[layers, B, T, kv_heads, head_dim]` are what `forward_paged`
+  returns; token (b, t) goes to page `page_table_BxN[b, positions_BxT[b, t] //
+  page_size]`. Tokens with `valid_BxT` False (padding, padding rows) or outside the
+  table are dropped. Pure: jit it with the pool donated to update it in place.
+  Two valid tokens must not share a (page, offset) (the last write would be
+  unspecified).
+  """
+  chex.assert_rank([new_k_LxBxTxKxD, new_v_LxBxTxKxD], 5)
+  chex.assert_equal_shape([new_k_LxBxTxKxD, new_v_LxBxTxKxD])
+  chex.assert_rank([page_table_BxN, positions_BxT, valid_BxT], 2)
+  chex.assert_equal_shape([positions_BxT, valid_BxT])
+  page_BxT, offset_BxT = page_slots(page_table_BxN, positions_BxT, valid_BxT,
+                                    pages.page_size, pages.num_pages)
+  # Advanced indices on the adjacent axes 1 and 2 index `[L, B, T, K, D]` in place.
+  k = pages.k.at[:, page_BxT, offset_BxT].set(new_k_LxBxTxKxD.astype(pages.k.dtype),
+                                              mode="drop")
+  v = pages.v.at[:, page_BxT, offset_BxT].set(new_v_LxBxTxKxD.astype(pages.v.dtype),
+                                              mode="drop")
+  return PagedKV(k, v)
+
+
+class _OnlineSoftmax(NamedTuple):
+  """Running state of a softmax-weighted sum over key blocks (flash attention), float32.
+
+  `m` `[B, K, G, T]` is the running max of the scores seen (-inf before any key),
+  `l` the running sum of exp(score - m), `acc` `[B, K, G, T, Dh]` the running sum of
+  exp(score - m) * value. The attention output is `acc / l`.
+  """
+
+  m: jax.Array
+  l: jax.Array
+  acc: jax.Array
+
+
+def _attend_block(state: _OnlineSoftmax, q_BxTxKxGxD: jax.Array, k_BxSxKxD: jax.Array,
+                  v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array, scale: float) -> _OnlineSoftmax:
+  """Folds one block of S keys into the online-softmax state (Milakov & Gimelshein 2018;
+  FlashAttention; flash-decoding).
+
+  `mask_BxTxS` may have T = 1 (one mask for all queries of a row). A query whose
+  keys in this block are all masked keeps its state bit-for-bit: its max does
+  not move (alpha is exactly 1) and it adds exact zeros.
+  """
+  s = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
+                 preferred_element_type=jnp.float32) * scale
+  mask = mask_BxTxS[:, None, None, :, :]  # [B, 1, 1, T, S]
+  m_new = jnp.maximum(state.m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
+  # Rescale the old sums by exp(m_old - m_new). Where the max did not move the
+  # factor is exactly 1 (not exp(0) from a polynomial), so fully masked blocks
+  # change nothing; where m_old is -inf (no keys yet) exp(-inf) = 0. The inner
+  # where keeps -inf - -inf (NaN) out of exp.
+  grew = m_new > state.m
+  alpha = jnp.where(grew, jnp.exp(jnp.where(grew, state.m - m_new, 0.0)), 1.0)
+  # Subtract a finite max (0 while no key has been seen) so exp never sees
+  # -inf - -inf; masked keys then contribute exact zeros.
+  m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+  p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+  pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD,
+                  preferred_element_type=jnp.float32)
+  return _OnlineSoftmax(m=m_new, l=state.l * alpha + jnp.sum(p, axis=-1),
+                        acc=state.acc * alpha[..., None] + pv)
+
+
 class Decoder(nnx.Module):
   """Llama / Qwen2 decoder. Call with token ids; returns float32 logits and the cache."""
 
@@ -142,6 +260,49 @@ class Decoder(nnx.Module):
       names += ["bq", "bk", "bv"]
     return {n: getattr(self, n).get_value() for n in names}
 
+  def _embed(self, tokens_BxT: jax.Array) -> jax.Array:
+    """Token embeddings `[B, T, D]` in the compute dtype."""
+    # Gather the FSDP-sharded embedding dimension first: a lookup into a table
+    # split on `embed` would yield activations split on `embed`, which cannot be
+    # resharded to batch-split activations cheaply.
+    table = self._constrain(self.embed.get_value(), ("vocab", None))
+    x = jnp.take(table, tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    return self._constrain(x, ("batch", "length", "act_embed"))
+
+  def _qkv(self, p: dict[str, jax.Array], x_BxTxD: jax.Array, positions_BxT: jax.Array,
+           inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's pre-norm projections, with bias and RoPE on q and k.
+
+    Returns q `[B, T, H, Dh]`, k and v `[B, T, K, Dh]`, in the compute dtype.
+    """
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    h = rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+    if cfg.qkv_bias:
+      q = q + p["bq"].astype(dt)[None, None]
+      k = k + p["bk"].astype(dt)[None, None]
+      v = v + p["bv"].astype(dt)[None, None]
+    return apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq), v
+
+  def _attn_out_and_mlp(self, p: dict[str, jax.Array], x_BxTxD: jax.Array,
+                        attn_BxTxHxDh: jax.Array) -> jax.Array:
+    """The rest of a layer after attention: output projection and residual, then the
+    pre-norm SwiGLU MLP and its residual. Returns the layer's output `[B, T, D]`."""
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    attn = self._constrain(attn_BxTxHxDh, ("batch", "length", "act_heads", None))
+    x = x_BxTxD + jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
+    x = self._constrain(x, ("batch", "length", "act_embed"))
+    h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
+    up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
+    act = self._constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    x = x + jnp.einsum("btf,fd->btd", act, p["w_down"].astype(dt))
+    return self._constrain(x, ("batch", "length", "act_embed"))
+
   # -- forward ---------------------------------------------------------------
 
   def hidden_states(self, tokens_BxT: jax.Array, positions_BxT: Optional[jax.Array] = None,
@@ -160,25 +321,11 @@ class Decoder(nnx.Module):
     scale = 1.0 / math.sqrt(cfg.head_dim)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
 
-    # Gather the FSDP-sharded embedding dimension first: a lookup into a table
-    # split on `embed` would yield activations split on `embed`, which cannot be
-    # resharded to batch-split activations cheaply.
-    table = self._constrain(self.embed.get_value(), ("vocab", None))
-    x = jnp.take(table, tokens_BxT, axis=0).astype(dt)
-    x = self._constrain(x, ("batch", "length", "act_embed"))
+    x = self._embed(tokens_BxT)
 
     def layer(x, xs):
       p, k_cache, v_cache = xs
-      h = rms_norm(x, p["attn_norm"], cfg.norm_eps)
-      q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
-      k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
-      v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
-      if cfg.qkv_bias:
-        q = q + p["bq"].astype(dt)[None, None]
-        k = k + p["bk"].astype(dt)[None, None]
-        v = v + p["bv"].astype(dt)[None, None]
-      q = apply_rope(q, positions_BxT, inv_freq)
-      k = apply_rope(k, positions_BxT, inv_freq)
+      q, k, v = self._qkv(p, x, positions_BxT, inv_freq)
       if k_cache is not None:
         # Write this step's keys at their absolute positions; out-of-range
         # positions (bucket padding past the cache end) are dropped.
@@ -195,16 +342,7 @@ class Decoder(nnx.Module):
       probs = jax.nn.softmax(scores, axis=-1).astype(dt)
       attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_all).reshape(B, T, cfg.n_heads,
                                                                      cfg.head_dim)
-      attn = self._constrain(attn, ("batch", "length", "act_heads", None))
-      x = x + jnp.einsum("bthk,hkd->btd", attn, p["wo"].astype(dt))
-      x = self._constrain(x, ("batch", "length", "act_embed"))
-      h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-      gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
-      up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
-      act = self._constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-      x = x + jnp.einsum("btf,fd->btd", act, p["w_down"].astype(dt))
-      x = self._constrain(x, ("batch", "length", "act_embed"))
-      return x, (k_cache, v_cache)
+      return self._attn_out_and_mlp(p, x, attn), (k_cache, v_cache)
 
     if cfg.remat:
       layer = jax.checkpoint(layer)
@@ -229,3 +367,106 @@ class Decoder(nnx.Module):
                cache: Optional[KVCache] = None) -> tuple[jax.Array, Optional[KVCache]]:
     h, cache = self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT, cache)
     return self.logits(h), cache
+
+  # -- paged decoding -------------------------------------------------------------
+
+  def hidden_states_paged(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+                          past_len_B: jax.Array, pages: PagedKV, page_table_BxN: jax.Array,
+                          num_blocks: Optional[jax.Array] = None, *, pages_per_block: int
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`forward_paged` without the output head: final-norm hidden states `[B, T, D]`
+    (compute dtype) and the new keys and values (see `forward_paged`).
+
+    Use it to take the logits of a few tokens only (a prefill's last token)."""
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    chex.assert_rank([tokens_BxT, positions_BxT, page_table_BxN], 2)
+    chex.assert_equal_shape([tokens_BxT, positions_BxT])
+    chex.assert_rank(past_len_B, 1)
+    chex.assert_rank([pages.k, pages.v], 5)
+    chex.assert_equal_shape([pages.k, pages.v])
+    B, T = tokens_BxT.shape
+    n_cols = page_table_BxN.shape[1]
+    P, ppb = pages.page_size, pages_per_block
+    K, G, Dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    S = ppb * P  # keys per past block
+    scale = 1.0 / math.sqrt(Dh)
+    inv_freq = rope_inv_freq(Dh, cfg.rope_theta, cfg.rope_scaling)
+    pool_dt = pages.k.dtype
+    max_blocks = -(-n_cols // ppb)  # blocks past the table's width read nothing new
+    if num_blocks is None:
+      num_blocks = (jnp.max(past_len_B) + S - 1) // S
+    num_blocks = jnp.minimum(jnp.asarray(num_blocks, jnp.int32), max_blocks)
+    # A query sees the new tokens of its own row at positions up to its own.
+    self_mask_BxTxT = positions_BxT[:, None, :] <= positions_BxT[:, :, None]
+
+    def layer(x, xs):
+      p, layer_idx = xs
+      q, k, v = self._qkv(p, x, positions_BxT, inv_freq)
+      # New keys go through the pool's dtype before use, so attending to them
+      # now equals attending to them later from the pool (chunked prefill
+      # equals one chunk; as the dense cache path, which reads back its cache).
+      k, v = k.astype(pool_dt), v.astype(pool_dt)
+      q = q.reshape(B, T, K, G, Dh)
+
+      def past_block(j, state):
+        # Block j covers table columns j*C .. j*C + C-1 (C = pages_per_block).
+        cols_C = j * ppb + jnp.arange(ppb)
+        # Columns past the table are clamped to a valid page; their keys lie at
+        # positions >= the table's span, so the mask drops them. Page ids are
+        # clipped too, so unused table entries may hold any sentinel.
+        ids_BxC = jnp.clip(page_table_BxN[:, jnp.minimum(cols_C, n_cols - 1)], 0,
+                           pages.num_pages - 1)
+        # One gather of the block's pages of this layer (not a slice of the layer).
+        k_blk = pages.k[layer_idx, ids_BxC].reshape(B, S, K, Dh).astype(dt)
+        v_blk = pages.v[layer_idx, ids_BxC].reshape(B, S, K, Dh).astype(dt)
+        key_pos_S = (cols_C[:, None] * P + jnp.arange(P)[None, :]).reshape(S)
+        mask_Bx1xS = (key_pos_S[None, :] < past_len_B[:, None])[:, None, :]
+        return _attend_block(state, q, k_blk, v_blk, mask_Bx1xS, scale)
+
+      state = _OnlineSoftmax(m=jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
+                             l=jnp.zeros((B, K, G, T), jnp.float32),
+                             acc=jnp.zeros((B, K, G, T, Dh), jnp.float32))
+      # A traced trip count: one compiled loop serves every past length.
+      state = jax.lax.fori_loop(0, num_blocks, past_block, state)
+      # The new tokens last, so blocks a row skips cannot reorder its sums.
+      state = _attend_block(state, q, k.astype(dt), v.astype(dt), self_mask_BxTxT, scale)
+      # Every query sees at least itself, so l >= 1.
+      attn = (state.acc / state.l[..., None]).astype(dt)  # [B, K, G, T, Dh]
+      attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, cfg.n_heads, Dh)
+      return self._attn_out_and_mlp(p, x, attn), (k, v)
+
+    xs = (self._layer_params(), jnp.arange(cfg.n_layers, dtype=jnp.int32))
+    x, (new_k, new_v) = jax.lax.scan(layer, self._embed(tokens_BxT), xs)
+    return rms_norm(x, self.final_norm.get_value(), cfg.norm_eps), new_k, new_v
+
+  def forward_paged(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+                    past_len_B: jax.Array, pages: PagedKV, page_table_BxN: jax.Array,
+                    num_blocks: Optional[jax.Array] = None, *, pages_per_block: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Forward pass of T new tokens per row over a paged KV pool (inference only).
+
+    Row b has `past_len_B[b]` tokens in the pool, in pages `page_table_BxN[b, :]`
+    (`[B, N]` int32 page ids; entries past a row's pages may hold any integer,
+    they are masked by position). Its new tokens `tokens_BxT` sit at `positions_BxT`
+    (normally past_len + arange(T); padding may lie beyond and its outputs are
+    meaningless). Each new token attends to the row's past (positions <
+    past_len, read from the pool) and to the row's new tokens at positions <=
+    its own; nothing else.
+
+    The past is read in blocks of `pages_per_block` pages with an online softmax
+    in float32 (flash-decoding), in a loop of `num_blocks` iterations: a traced
+    int32 scalar, at least ceil(max past_len / (page_size * pages_per_block)),
+    so one compiled function serves every length (None: computed here from
+    `past_len_B`). A row's result does not depend on the other rows, bit for
+    bit: blocks past its own past leave its state unchanged.
+
+    The pool is only read (gathered per block and layer, never carried through
+    the layer scan). Returns float32 logits `[B, T, V]` and the new keys and
+    values of every layer `[layers, B, T, kv_heads, head_dim]` in the pool's
+    dtype, for `write_pages`.
+    """
+    h, new_k, new_v = self.hidden_states_paged(
+        tokens_BxT, positions_BxT, past_len_B, pages, page_table_BxN, num_blocks,
+        pages_per_block=pages_per_block)
+    return self.logits(h), new_k, new_v
