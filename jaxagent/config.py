@@ -178,11 +178,22 @@ class EngineConfig:
   # Requests prefilled together in one call (always this many rows, padded: a request's
   # log-probs do not depend on its neighbours).
   prefill_rows: int = 8
-  # Prefix cache capacity in tokens; 0 turns it off.
+  # Prefix cache capacity in tokens (whole KV pages shared by prefix); 0 turns it off.
   prefix_cache_tokens: int = 65536
   # Also cache each finished sequence (prompt + output), for the next turn of a session.
   cache_finished: bool = True
   max_queue: int = 4096
+  # The KV pool: pages of `page_size` tokens on the device; `kv_pages` 0 sizes it for
+  # every slot at max_seq_len plus the prefix cache. Decode attention reads
+  # `pages_per_block` pages per step of its loop.
+  page_size: int = 16
+  kv_pages: int = 0
+  pages_per_block: int = 8
+  # Longest piece of one prompt prefilled per call (0: max_prefill_length); decode
+  # steps run between the pieces of a long prompt.
+  prefill_chunk: int = 0
+  # The sampling copy's compute dtype (e.g. bfloat16 on accelerators); null: the model's.
+  dtype: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ log-probs and the policy version beside the token ids.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -36,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent.models.config import ModelConfig
-from jaxagent.models.llama import KVCache
+from jaxagent.models.llama import PagedKV, write_pages
 from jaxagent.models.params import abstract_model, bind, param_shardings
 from jaxagent.models.sharding import SAMPLE_RULES, Rules, logical_to_spec
 from jaxagent.trajectory import SamplingParams  # noqa: F401 (the request contract, re-exported)
@@ -69,46 +70,39 @@ class HostResult(NamedTuple):
 
 
 class Prefix(NamedTuple):
-  """Prefilled requests, one per row (one row from `prefill`): KV rows and the state each
-  first decode step starts from."""
+  """Prefilled requests, one per row (one row from `prefill`): the state each first decode
+  step starts from. Their KV is already in the decode state's page pool."""
 
-  cache: KVCache  # [layers, rows, max_len, kv_heads, head_dim]
   token: jax.Array  # [rows] the first sampled token (fed at the next step)
-  length: jax.Array  # [rows] tokens in the cache (= position of `token`)
+  length: jax.Array  # [rows] tokens in the pool (= position of `token`)
   key: jax.Array  # [rows, 2] the request's base PRNG key
   temperature: jax.Array  # [rows]
   top_p: jax.Array
   top_k: jax.Array
+  page_table: jax.Array  # [rows, pages per sequence]
 
 
 class PrefillRequest(NamedTuple):
-  """One request of `prefill_many`: its prompt tokens after `existing_prefix` (unpadded)."""
+  """One row of `prefill_many`: `tokens` at positions `start`, `start + 1`, ... of a
+  sequence whose KV lives in `pages` (page j holds positions j*page_size ..); positions
+  before `start` are in the pool already (a cached prefix, or earlier chunks)."""
 
   tokens: Sequence[int]
-  existing_prefix: Optional["ExistingPrefix"] = None
+  pages: Sequence[int]
+  start: int = 0
   sampling: SamplingParams = SamplingParams()
 
 
 class DecodeState(NamedTuple):
-  cache: KVCache  # [layers, slots, max_len, kv_heads, head_dim]
+  pages: PagedKV  # the KV pool: [layers, num_pages, page_size, kv_heads, head_dim]
+  page_table: jax.Array  # [slots, pages per sequence] page ids (0: the null page)
   tokens: jax.Array  # [slots] token to feed at the next step
   lengths: jax.Array  # [slots] its position
+  active: jax.Array  # [slots] bool: the slot holds a request
   keys: jax.Array  # [slots, 2]
   temperature: jax.Array  # [slots]
   top_p: jax.Array
   top_k: jax.Array
-
-
-class ExistingPrefix(NamedTuple):
-  """KV of the first `length` tokens of a prompt (from the prefix cache), host arrays
-  `[layers, length, kv_heads, head_dim]`."""
-
-  k: np.ndarray
-  v: np.ndarray
-
-  @property
-  def length(self) -> int:
-    return int(self.k.shape[1])
 
 
 def bucket(n: int, smallest: int = 16) -> int:
@@ -177,13 +171,21 @@ def _threefry_keys() -> bool:
 
 
 class Engine:
-  """JetStream-style engine for the Llama/Qwen2 decoder of `jaxagent.models`."""
+  """JetStream-style engine for the Llama/Qwen2 decoder of `jaxagent.models`, with its KV in
+  a paged pool on the device.
+
+  `page_size` tokens per page; `num_pages` pages in the pool (page 0 is the null page;
+  default: enough for every slot at `max_seq_len`, plus `extra_pages`, e.g. for a prefix
+  cache); decode attention reads `pages_per_block` pages per loop iteration.
+  """
 
   def __init__(self, model_cfg: ModelConfig, *, max_concurrent_decodes: int = 8,
                max_prefill_length: int = 512, max_seq_len: int = 1024,
                mesh: Optional[Mesh] = None, rules: Rules = SAMPLE_RULES,
                min_prefill_bucket: int = 16, cache_dtype: Optional[str] = None,
-               prefill_rows: Optional[int] = None):
+               prefill_rows: Optional[int] = None, page_size: int = 16,
+               num_pages: Optional[int] = None, extra_pages: int = 0,
+               pages_per_block: int = 8, dtype: Optional[str] = None):
     if max_prefill_length > max_seq_len:
       raise ValueError(f"max_prefill_length ({max_prefill_length}) exceeds max_seq_len "
                        f"({max_seq_len})")
@@ -192,12 +194,21 @@ class Engine:
     if not 1 <= prefill_rows <= max_concurrent_decodes:
       raise ValueError(f"prefill_rows ({prefill_rows}) must be in 1..max_concurrent_decodes "
                        f"({max_concurrent_decodes})")
+    if page_size < 1 or pages_per_block < 1:
+      raise ValueError("page_size and pages_per_block must be >= 1")
+    if dtype is not None:  # the sampling copy's own dtype (e.g. bfloat16 on accelerators)
+      model_cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype)
     self.model_cfg = model_cfg
     self._slots = max_concurrent_decodes
     self.prefill_rows = prefill_rows
     self._max_prefill = max_prefill_length
     self.max_seq_len = max_seq_len
     self.min_bucket = min_prefill_bucket
+    self.page_size = page_size
+    self.pages_per_seq = -(-max_seq_len // page_size)
+    self.num_pages = num_pages or (1 + max_concurrent_decodes * self.pages_per_seq + extra_pages)
+    self.pages_per_block = pages_per_block
+    self.prefill_tokens = max(512, prefill_rows * min_prefill_bucket)
     self._mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
                                                     ("data", "fsdp", "tensor"))
     self.rules = rules
@@ -206,12 +217,10 @@ class Engine:
     self.weight_shardings = param_shardings(model_cfg, self._mesh, rules)
     rep = NamedSharding(self._mesh, P())
     self._replicated = rep
-    self._prefill = jax.jit(self._prefill_impl, static_argnames=("has_prefix",))
+    self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+    self._release = jax.jit(self._release_impl, donate_argnums=(0,))
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
-    self._row = jax.jit(lambda state, slot: (state.cache.k[:, slot], state.cache.v[:, slot]))
-    self._head = jax.jit(lambda cache, n: (cache.k[:, :, :n], cache.v[:, :, :n]),
-                         static_argnums=(1,))
 
   # -- JetStream properties ----------------------------------------------------------
 
@@ -234,6 +243,10 @@ class Engine:
   @property
   def vocab_size(self) -> int:
     return self.model_cfg.vocab_size
+
+  def pages_for(self, n_tokens: int) -> int:
+    """Pages that hold `n_tokens` positions."""
+    return -(-int(n_tokens) // self.page_size)
 
   # -- params ---------------------------------------------------------------------------
 
@@ -259,28 +272,42 @@ class Engine:
   # -- decode state -----------------------------------------------------------------------
 
   def init_decode_state(self) -> DecodeState:
-    """Empty slots, created on the mesh: the KV cache split over slots (`data`) and
-    KV heads (`tensor`), the small per-slot arrays replicated."""
+    """Empty slots and an empty page pool, created on the mesh: the pool split over KV
+    heads (`tensor`), the small per-slot arrays replicated."""
     S, cfg = self._slots, self.model_cfg
-    shape = (cfg.n_layers, S, self.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
-    zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
-    cache_spec = logical_to_spec(("layers", "batch", "length", "kv_heads", "head_dim"),
-                                 self.rules, self._mesh, shape)
-    cache_sharding = NamedSharding(self._mesh, cache_spec)
+    shape = (cfg.n_layers, self.num_pages, self.page_size, cfg.n_kv_heads, cfg.head_dim)
+    spec = logical_to_spec(("layers", None, None, "kv_heads", "head_dim"), self.rules,
+                           self._mesh, shape)
+    pool = NamedSharding(self._mesh, spec)
     rep = self._replicated
-    shardings = DecodeState(KVCache(cache_sharding, cache_sharding), rep, rep, rep, rep, rep, rep)
+    shardings = DecodeState(PagedKV(pool, pool), rep, rep, rep, rep, rep, rep, rep, rep)
+    zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
 
     def init():
       return DecodeState(
-          cache=KVCache(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype)),
-          tokens=zeros((S,)), lengths=zeros((S,)),
-          keys=jnp.zeros((S, 2), jnp.uint32), temperature=jnp.ones((S,), jnp.float32),
-          top_p=jnp.ones((S,), jnp.float32), top_k=zeros((S,)))
+          pages=PagedKV(jnp.zeros(shape, self.cache_dtype), jnp.zeros(shape, self.cache_dtype)),
+          page_table=zeros((S, self.pages_per_seq)), tokens=zeros((S,)), lengths=zeros((S,)),
+          active=jnp.zeros((S,), bool), keys=jnp.zeros((S, 2), jnp.uint32),
+          temperature=jnp.ones((S,), jnp.float32), top_p=jnp.ones((S,), jnp.float32),
+          top_k=zeros((S,)))
 
     return jax.jit(init, out_shardings=shardings)()
 
+  def _release_impl(self, state: DecodeState, slots):
+    put = lambda a, x: a.at[slots].set(x, mode="drop")
+    return state._replace(active=put(state.active, False), lengths=put(state.lengths, 0),
+                          page_table=put(state.page_table, 0))
+
+  def release(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+    """Empties decode slots (donates `decode_state`); their pages go back to whoever
+    allocated them (the orchestrator's allocator). An extension of JetStream's
+    `free_resource`, which has no decode state to update."""
+    idx = np.full(self._slots, self._slots, np.int32)
+    idx[:len(slots)] = slots
+    return self._release(decode_state, idx)
+
   def free_resource(self, slot: int) -> None:
-    """Nothing to release: a freed slot's row is overwritten by the next `insert`."""
+    """JetStream's hook: nothing to do here (see `release`)."""
     del slot
 
   # -- prefill --------------------------------------------------------------------------
@@ -302,132 +329,130 @@ class Engine:
     out[:n] = tokens
     return out, n
 
-  def _prefill_impl(self, params, prefix_k, prefix_v, prefix_len, padded, true_length,
-                    keys, temperature, top_p, top_k, *, has_prefix: bool):
-    cfg = self.model_cfg
-    B, T = padded.shape
-    shape = (cfg.n_layers, B, self.max_seq_len, cfg.n_kv_heads, cfg.head_dim)
-    k = jnp.zeros(shape, self.cache_dtype)
-    v = jnp.zeros(shape, self.cache_dtype)
-    if has_prefix:
-      k = jax.lax.dynamic_update_slice(k, prefix_k.astype(k.dtype), (0, 0, 0, 0, 0))
-      v = jax.lax.dynamic_update_slice(v, prefix_v.astype(v.dtype), (0, 0, 0, 0, 0))
+  def _prefill_impl(self, params, state: DecodeState, tokens, start, true_length, page_table,
+                    keys, temperature, top_p, top_k):
+    B, T = tokens.shape
     model = bind(self.graphdef, self.abstract_params, params["weights"])
-    positions = prefix_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, cache = model(padded, positions, cache=KVCache(k, v))
-    length = prefix_len + true_length
-    last = logits[jnp.arange(B), true_length - 1]
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(T)[None, :] < true_length[:, None]
+    h, new_k, new_v = model.hidden_states_paged(tokens, positions, start, state.pages,
+                                                page_table, pages_per_block=self.pages_per_block)
+    pages = write_pages(state.pages, new_k, new_v, page_table, positions, valid)
+    last = model.logits(h[jnp.arange(B), true_length - 1][:, None])[:, 0]
+    length = start + true_length
     step_keys = jax.vmap(_step_key)(keys, length)
     token, logp, raw = _sample_rows(last, step_keys, temperature, top_p, top_k)
-    prefix = Prefix(cache=cache, token=token, length=length, key=keys,
-                    temperature=temperature, top_p=top_p, top_k=top_k)
+    prefix = Prefix(token=token, length=length, key=keys, temperature=temperature, top_p=top_p,
+                    top_k=top_k, page_table=page_table)
     data = jnp.stack([token, jnp.ones((B,), jnp.int32), length + 1, _bits(logp), _bits(raw),
                       jnp.broadcast_to(params["version"], (B,))], axis=1)
-    return prefix, ResultTokens(data)
+    return state._replace(pages=pages), prefix, ResultTokens(data)
 
-  def prefill(self, *, params, existing_prefix: Optional[ExistingPrefix] = None,
-              padded_tokens: np.ndarray, true_length: int,
-              sampling: SamplingParams = SamplingParams()) -> tuple[Prefix, ResultTokens]:
-    """Computes the KV of a prompt (after `existing_prefix`) and samples its first token."""
+  def rows_for(self, bucket_len: int) -> int:
+    """Rows of a prefill call of bucket length `bucket_len`: `prefill_rows` for short
+    prompts, fewer for long ones, so that a call computes about `prefill_tokens` padded
+    tokens. A function of the bucket alone, so a request's numbers never depend on what
+    is prefilled beside it."""
+    return max(1, min(self.prefill_rows, self.prefill_tokens // bucket_len))
+
+  def page_row(self, pages: Sequence[int]) -> np.ndarray:
+    """A page-table row: the sequence's page ids, the null page after them."""
+    if len(pages) > self.pages_per_seq:
+      raise ValueError(f"{len(pages)} pages exceed a sequence's {self.pages_per_seq} "
+                       f"(max_seq_len {self.max_seq_len})")
+    row = np.zeros(self.pages_per_seq, np.int32)
+    row[:len(pages)] = pages
+    return row
+
+  def prefill(self, *, params, decode_state: DecodeState, pages: Sequence[int],
+              padded_tokens: np.ndarray, true_length: int, start: int = 0,
+              sampling: SamplingParams = SamplingParams()
+              ) -> tuple[DecodeState, Prefix, ResultTokens]:
+    """Computes the KV of a prompt's tokens (after `start` already in `pages`) into the
+    pool and samples the next token."""
     tokens = np.asarray(padded_tokens)[:int(true_length)]
-    return self.prefill_many(params=params,
-                             requests=[PrefillRequest(tokens, existing_prefix, sampling)])
+    return self.prefill_many(params=params, decode_state=decode_state,
+                             requests=[PrefillRequest(tokens, pages, start, sampling)])
 
-  def prefill_many(self, *, params, requests: Sequence[PrefillRequest]
-                   ) -> tuple[Prefix, ResultTokens]:
-    """Prefills up to `prefill_rows` requests in one call: row i of the results is
-    request i (rows past `len(requests)` are padding). Tokens are padded to the longest
-    request's bucket, so group requests of one bucket."""
+  def prefill_many(self, *, params, decode_state: DecodeState,
+                   requests: Sequence[PrefillRequest]
+                   ) -> tuple[DecodeState, Prefix, ResultTokens]:
+    """Prefills up to `prefill_rows` requests in one call (donates `decode_state`): their
+    KV goes into the pool at their pages, row i of the results is request i (rows past
+    `len(requests)` are padding). Tokens are padded to the longest request's bucket, so
+    group requests of one bucket. An extension of JetStream's `prefill`, which returns
+    the KV instead of writing it into a pool."""
     if not requests:
       raise ValueError("prefill_many needs at least one request")
-    rows = self.prefill_rows
-    if len(requests) > rows:
-      raise ValueError(f"{len(requests)} requests exceed prefill_rows ({rows})")
-    m = [r.existing_prefix.length if r.existing_prefix is not None else 0 for r in requests]
-    padded = [self.pad_tokens(r.tokens, prefix_length=mi) for r, mi in zip(requests, m)]
+    padded = [self.pad_tokens(r.tokens, prefix_length=r.start) for r in requests]
     T = max(len(p) for p, _ in padded)
+    rows = self.rows_for(T)
+    if len(requests) > rows:
+      raise ValueError(f"{len(requests)} requests exceed the {rows} rows of a {T}-token "
+                       f"prefill (prefill_rows {self.prefill_rows})")
     tokens = np.zeros((rows, T), np.int32)
     true_length = np.ones(rows, np.int32)
-    for i, (p, n) in enumerate(padded):
-      tokens[i, :n], true_length[i] = p[:n], n
-    prefix_len = np.zeros(rows, np.int32)
-    prefix_len[:len(m)] = m
-    has_prefix = max(m) > 0
-    if has_prefix:
-      ref = next(r.existing_prefix for r in requests if r.existing_prefix is not None)
-      pb = min(bucket(max(m), self.min_bucket), self.max_seq_len)
-      pk = np.zeros((ref.k.shape[0], rows, pb) + ref.k.shape[2:], ref.k.dtype)
-      pv = np.zeros_like(pk)
-      for i, r in enumerate(requests):
-        if m[i]:
-          pk[:, i, :m[i]], pv[:, i, :m[i]] = r.existing_prefix.k, r.existing_prefix.v
-    else:
-      pk = pv = np.zeros((1,), np.float32)
+    start = np.zeros(rows, np.int32)
+    table = np.zeros((rows, self.pages_per_seq), np.int32)
+    for i, ((p, n), r) in enumerate(zip(padded, requests)):
+      if self.pages_for(r.start + n) > len(r.pages):
+        raise ValueError(f"request {i}: {len(r.pages)} pages cannot hold {r.start + n} tokens")
+      tokens[i, :n], true_length[i], start[i] = p[:n], n, r.start
+      table[i] = self.page_row(r.pages)
+    true_length[len(requests):] = 0  # padding rows write nothing
     sampling = [r.sampling for r in requests] + [SamplingParams()] * (rows - len(requests))
     keys = np.stack([_key(s.seed) for s in sampling])
-    return self._prefill(params, pk, pv, prefix_len, tokens, true_length, keys,
-                         np.array([s.temperature for s in sampling], np.float32),
+    return self._prefill(params, decode_state, tokens, start, np.maximum(true_length, 0), table,
+                         keys, np.array([s.temperature for s in sampling], np.float32),
                          np.array([s.top_p for s in sampling], np.float32),
-                         np.array([s.top_k for s in sampling], np.int32),
-                         has_prefix=has_prefix)
+                         np.array([s.top_k for s in sampling], np.int32))
 
   # -- insert / generate ----------------------------------------------------------------
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slots):
     # Padding rows carry slot index `slots` (out of range): their writes are dropped.
     put = lambda a, x: a.at[slots].set(x, mode="drop")
-    cache = KVCache(state.cache.k.at[:, slots].set(prefix.cache.k, mode="drop"),
-                    state.cache.v.at[:, slots].set(prefix.cache.v, mode="drop"))
-    return DecodeState(
-        cache=cache, tokens=put(state.tokens, prefix.token),
-        lengths=put(state.lengths, prefix.length), keys=put(state.keys, prefix.key),
-        temperature=put(state.temperature, prefix.temperature),
+    return state._replace(
+        page_table=put(state.page_table, prefix.page_table), tokens=put(state.tokens, prefix.token),
+        lengths=put(state.lengths, prefix.length), active=put(state.active, True),
+        keys=put(state.keys, prefix.key), temperature=put(state.temperature, prefix.temperature),
         top_p=put(state.top_p, prefix.top_p), top_k=put(state.top_k, prefix.top_k))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Moves a prefilled request into decode slot `slot` (donates `decode_state`)."""
     return self.insert_many(prefix, decode_state, [slot])
 
-  def insert_many(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]
-                  ) -> DecodeState:
-    """Moves row i of `prefix` into decode slot `slots[i]`; rows past `len(slots)` are
-    not inserted (donates `decode_state`)."""
+  def insert_many(self, prefix: Prefix, decode_state: DecodeState,
+                  slots: Sequence[Optional[int]]) -> DecodeState:
+    """Moves row i of `prefix` into decode slot `slots[i]`; rows whose slot is None or
+    past `len(slots)` are not inserted (donates `decode_state`)."""
     rows = int(prefix.token.shape[0])
     if len(slots) > rows:
       raise ValueError(f"{len(slots)} slots given for {rows} prefilled rows")
     idx = np.full(rows, self._slots, np.int32)
-    idx[:len(slots)] = slots
+    for i, slot in enumerate(slots):
+      if slot is not None:
+        idx[i] = slot
     return self._insert(prefix, decode_state, idx)
 
   def _generate_impl(self, params, state: DecodeState):
     model = bind(self.graphdef, self.abstract_params, params["weights"])
-    logits, cache = model(state.tokens[:, None], state.lengths[:, None], cache=state.cache)
-    lengths = jnp.minimum(state.lengths + 1, self.max_seq_len - 1)
+    past = jnp.where(state.active, state.lengths, 0)  # empty slots read no pages
+    logits, new_k, new_v = model.forward_paged(
+        state.tokens[:, None], state.lengths[:, None], past, state.pages, state.page_table,
+        pages_per_block=self.pages_per_block)
+    pages = write_pages(state.pages, new_k, new_v, state.page_table, state.lengths[:, None],
+                        state.active[:, None])
+    lengths = jnp.where(state.active, jnp.minimum(state.lengths + 1, self.max_seq_len - 1),
+                        state.lengths)
     keys = jax.vmap(_step_key)(state.keys, lengths)
     tokens, logp, raw = _sample_rows(logits[:, 0], keys, state.temperature, state.top_p,
                                      state.top_k)
-    S = tokens.shape[0]
-    data = jnp.stack([tokens, jnp.ones((S,), jnp.int32), lengths + 1, _bits(logp), _bits(raw),
-                      jnp.broadcast_to(params["version"], (S,))], axis=1)
-    return state._replace(cache=cache, tokens=tokens, lengths=lengths), ResultTokens(data)
+    data = jnp.stack([tokens, state.active.astype(jnp.int32), lengths + 1, _bits(logp),
+                      _bits(raw), jnp.broadcast_to(params["version"], tokens.shape)], axis=1)
+    return state._replace(pages=pages, tokens=tokens, lengths=lengths), ResultTokens(data)
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-    """One decode step for every slot (donates `decode_state`)."""
+    """One decode step for every active slot (donates `decode_state`). Its cost follows
+    the longest sequence in use, not the pool's size."""
     return self._generate(params, decode_state)
-
-  # -- helpers for the prefix cache ------------------------------------------------------
-
-  def prefix_kv(self, prefix: Prefix, lengths: Sequence[int]
-                ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Host copies of the first `lengths[i]` positions of row i of a prefill's KV, each
-    `[layers, n, heads, dim]`: one transfer of the positions any row needs."""
-    n = min(bucket(max(lengths), self.min_bucket), self.max_seq_len)
-    k, v = self._head(prefix.cache, n)
-    k, v = np.asarray(k), np.asarray(v)
-    return [(k[:, i, :m], v[:, i, :m]) for i, m in enumerate(lengths)]
-
-  def slot_kv(self, decode_state: DecodeState, slot: int, n: int
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Host copy of the first `n` cached positions of decode slot `slot`."""
-    k, v = self._row(decode_state, np.int32(slot))
-    return np.asarray(k)[:, :n], np.asarray(v)[:, :n]

@@ -1,10 +1,18 @@
-"""Continuous batching over the engine: a queue, decode slots, abort and weight swaps.
+"""Continuous batching over the engine: a queue, decode slots, paged KV, abort and weight swaps.
 
-One background thread owns the engine. Requests queue; a free slot takes the
-next request (prefill, reusing the prefix cache, then insert); all live slots
-decode together, one `generate` per step; a finished request frees its slot at
-once. Other threads talk to the loop through thread-safe calls: `submit`,
-`abort`, `update_weights`, `stats`.
+One background thread owns the engine. Requests queue; a request is admitted
+when a slot and the KV pages for its whole length are free (its cached prefix's
+pages are shared, not copied: `rollout_server.pages`); its prompt is prefilled
+in chunks of at most `prefill_chunk` tokens, one prefill call between decode
+steps, so a long prompt never stalls the running requests for long; then it
+decodes with the others, one `generate` per step. Results come back
+asynchronously: each step's packed result is copied to the host while the next
+step runs, and the host reads it one step behind, so no decode step waits on
+the host. A request that finished at step t has one more token computed and
+discarded. A finished request frees its slot and pages at once.
+
+Other threads talk to the loop through thread-safe calls: `submit`, `abort`,
+`update_weights`, `stats`.
 
 Weight updates pause admission, then either let in-flight requests finish
 (`drain`) or abort them (`abort`: partial outputs are returned with finish
@@ -25,8 +33,8 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 
 
-from rollout_server.engine import Engine, ExistingPrefix, PrefillRequest, SamplingParams
-from rollout_server.prefix_cache import PrefixCache
+from rollout_server.engine import Engine, PrefillRequest, SamplingParams
+from rollout_server.pages import OutOfPages, PageAllocator, PagedPrefixCache
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -50,6 +58,10 @@ class Request:
   finish_reason: Optional[str] = None
   error: Optional[str] = None
   prefix_hit_tokens: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list, repr=False)
+  prefilled: int = 0  # prompt positions in the pool
+  dispatched: int = 0  # output tokens computed or in flight
+  slot: Optional[int] = None
   submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
   first_token_at: Optional[float] = None
   finished_at: Optional[float] = None
@@ -100,19 +112,25 @@ class _Update:
 
 
 class Orchestrator:
-  """Runs the engine loop in a thread and serves requests to other threads."""
+  """Runs the engine loop in a thread and serves requests to other threads.
 
-  def __init__(self, engine: Engine, params: Any, *,
-               prefix_cache: Optional[PrefixCache] = None, max_queue: int = 4096,
-               cache_finished: bool = True):
+  `prefix_cache_tokens` > 0 keeps up to that many tokens of finished and prefilled
+  sequences' whole pages for reuse (0: off). `prefill_chunk` bounds the tokens of one
+  request prefilled per call.
+  """
+
+  def __init__(self, engine: Engine, params: Any, *, prefix_cache_tokens: int = 0,
+               max_queue: int = 4096, cache_finished: bool = True,
+               prefill_chunk: Optional[int] = None):
     self.engine = engine
     self.params = params
     self.version = int(params["version"])
-    self.prefix_cache = prefix_cache
+    self.prefix_cache_tokens = prefix_cache_tokens
     self.cache_finished = cache_finished
     self.max_queue = max_queue
-    self._state = engine.init_decode_state()
-    self._slots: list[Optional[Request]] = [None] * engine.max_concurrent_decodes
+    self.prefill_chunk = min(prefill_chunk or engine.max_prefill_length,
+                             engine.max_prefill_length)
+    self._reset_engine_state()
     self._queue: collections.deque[Request] = collections.deque()
     self._requests: dict[str, Request] = {}
     self._aborts: set[str] = set()
@@ -125,10 +143,22 @@ class Orchestrator:
     self.tokens_generated = 0
     self.prefill_tokens = 0  # prompt tokens actually computed (prefix-cache hits excluded)
     self.prefill_calls = 0
+    self.shared_pages = 0  # KV pages requests took from the prefix cache instead of computing
     self.requests_finished = 0
     self.steps = 0
     self.last_swap: Optional[dict] = None
     self.loop_errors = 0
+
+  def _reset_engine_state(self) -> None:
+    """A fresh decode state, page allocator and prefix cache (at start, after a loop error)."""
+    self._state = self.engine.init_decode_state()
+    self.allocator = PageAllocator(self.engine.num_pages)
+    self.prefix_cache = (PagedPrefixCache(self.allocator, self.engine.page_size,
+                                          self.engine.pages_for(self.prefix_cache_tokens))
+                         if self.prefix_cache_tokens > 0 else None)
+    self._slots: list[Optional[Request]] = [None] * self.engine.max_concurrent_decodes
+    self._prefilling: list[Request] = []  # admitted, holding a slot, prompt not all in the pool
+    self._pending: collections.deque = collections.deque()  # results not yet read
 
   # -- lifecycle -----------------------------------------------------------------------
 
@@ -164,6 +194,11 @@ class Orchestrator:
       raise ValueError(f"prompt has {len(prompt)} tokens; the limit (max_prefill_length) is "
                        f"{self.engine.max_prefill_length}")
     sampling.validate(vocab)
+    need = self.engine.pages_for(min(len(prompt) + sampling.max_new_tokens,
+                                     self.engine.max_seq_len))
+    if need > self.engine.num_pages - 1:
+      raise ValueError(f"prompt + max_new_tokens need {need} KV pages; the engine has "
+                       f"{self.engine.num_pages - 1}")
     with self._cv:
       if self._stop:
         raise RuntimeError("the orchestrator is stopped")
@@ -229,8 +264,10 @@ class Orchestrator:
            "tokens_generated": self.tokens_generated, "tokens_per_s": tps,
            "requests_finished": self.requests_finished, "steps": self.steps,
            "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
-           "version": self.version, "loop_errors": self.loop_errors,
-           "last_swap": self.last_swap}
+           "shared_pages": self.shared_pages, "version": self.version, "loop_errors": self.loop_errors,
+           "last_swap": self.last_swap,
+           "kv_pages": {"total": self.engine.num_pages - 1, "used": self.allocator.used,
+                        "free": self.allocator.free, "page_size": self.engine.page_size}}
     if self.prefix_cache is not None:
       out["prefix_cache"] = self.prefix_cache.stats()
     return out
@@ -248,21 +285,19 @@ class Orchestrator:
         self._process_aborts()
         self._process_update()
         self._admit()
-        if any(r is not None for r in self._slots):
-          self._step()
+        self._prefill_step()
+        self._step()
       except Exception:  # the loop never dies: fail the live requests and go on
         self.loop_errors += 1
         msg = traceback.format_exc(limit=3)
-        for slot, req in enumerate(self._slots):
-          if req is not None:
-            self._slots[slot] = None
-            self._finish(req, "error", error=msg)
-        self._state = self.engine.init_decode_state()
+        for req in [r for r in self._slots if r is not None]:
+          self._finish(req, "error", error=msg)
+        self._reset_engine_state()
 
   def _has_work(self) -> bool:
     admit = bool(self._queue) and self._update is None
-    return admit or bool(self._aborts) or self._update is not None or any(
-        r is not None for r in self._slots)
+    return (admit or bool(self._aborts) or self._update is not None or bool(self._pending)
+            or any(r is not None for r in self._slots))
 
   def _process_aborts(self) -> None:
     with self._cv:
@@ -274,10 +309,8 @@ class Orchestrator:
         self._queue.remove(r)
     for r in queued:
       self._finish(r, "abort")
-    for slot, req in enumerate(self._slots):
-      if req is not None and req.request_id in aborts:
-        self._slots[slot] = None
-        self._finish(req, "abort")
+    for req in [r for r in self._slots if r is not None and r.request_id in aborts]:
+      self._end(req, "abort")
 
   def _process_update(self) -> None:
     upd = self._update
@@ -287,12 +320,11 @@ class Orchestrator:
       upd.paused_at = time.perf_counter()
       upd.report["in_flight"] = sum(r is not None for r in self._slots)
       if upd.mode == "abort":
-        for slot, req in enumerate(self._slots):
-          if req is not None:
-            self._slots[slot] = None
-            self._finish(req, "abort")
+        for req in [r for r in self._slots if r is not None]:
+          self._end(req, "abort")
     if any(r is not None for r in self._slots):
       return  # draining: keep decoding until the running requests finish
+    self._read_results(keep=0)
     t0 = time.perf_counter()
     self.params = upd.params
     self.version = upd.version
@@ -308,87 +340,156 @@ class Orchestrator:
     upd.done.set()
 
   def _admit(self) -> None:
-    """Prefills queued requests into the free slots, those of one length bucket together."""
+    """Admits queued requests while a slot and their pages are free, in order; samples
+    of a prompt being prefilled (a GRPO group) wait for it, then share its pages."""
     if self._update is not None:
       return
     free = [i for i, r in enumerate(self._slots) if r is None]
-    with self._cv:
-      reqs = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
-    groups: dict[tuple[int, bool], list] = {}
-    seen, later = set(), []
-    for req in reqs:
+    # Prompts being computed whole pages of, which their siblings will then share.
+    page = self.engine.page_size
+    busy = {tuple(r.prompt_ids) for r in self._prefilling
+            if len(r.prompt_ids) - r.prefix_hit_tokens > page}
+    waiting = []
+    while free:
+      with self._cv:
+        if not self._queue:
+          break
+        req = self._queue.popleft()
+      key = tuple(req.prompt_ids)
+      if self.prefix_cache is not None and key in busy and len(req.prompt_ids) > 1:
+        waiting.append(req)
+        continue
       try:
-        item = self._prepare(req)
-        m = item.existing_prefix.length if item.existing_prefix is not None else 0
-        key = (self.engine.prefill_bucket(len(item.tokens), m), m > 0)  # raises if too long
+        if not self._reserve(req):
+          with self._cv:
+            self._queue.appendleft(req)
+          break  # no pages: wait for running requests to free some
       except Exception as e:  # a bad request fails alone
         self._finish(req, "error", error=f"{type(e).__name__}: {e}")
         continue
-      if self.prefix_cache is not None and len(item.tokens) > 1:
-        # Samples of one prompt (a GRPO group) wait one round: then the prompt's KV is
-        # cached by the first and each of them prefills a single token.
-        prompt_key = tuple(req.prompt_ids)
-        if prompt_key in seen:
-          later.append(req)
-          continue
-        seen.add(prompt_key)
-      groups.setdefault(key, []).append((req, item))
-    if later:
+      if len(req.prompt_ids) - req.prefilled > page:
+        busy.add(key)
+      req.slot = free.pop(0)
+      self._slots[req.slot] = req
+      self._prefilling.append(req)
+    if waiting:
       with self._cv:
-        self._queue.extendleft(reversed(later))
-    rows = self.engine.prefill_rows
-    for same in groups.values():
-      for group in (same[i:i + rows] for i in range(0, len(same), rows)):
-        slots, free = free[:len(group)], free[len(group):]
-        try:
-          self._prefill_into(group, slots)
-        except Exception as e:
-          for req, _ in group:
-            self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        self._queue.extendleft(reversed(waiting))
 
-  def _prepare(self, req: Request) -> PrefillRequest:
-    """The request's prefill: its prompt after the longest cached prefix."""
-    prompt = req.prompt_ids
-    existing = None
+  def _reserve(self, req: Request) -> bool:
+    """Takes the pages of `req`'s whole length: its cached prefix's pages are shared, the
+    rest allocated (evicting unused cached prefixes when short). False if they are not
+    free now."""
+    prompt, engine = req.prompt_ids, self.engine
+    m, cached = 0, []
     if self.prefix_cache is not None:
       # Reuse at most all but the last prompt token: its logits give the first sample.
-      m, k, v = self.prefix_cache.match(prompt, max_length=len(prompt) - 1)
-      if m:
-        existing = ExistingPrefix(k, v)
-        req.prefix_hit_tokens = m
-    m = existing.length if existing is not None else 0
-    return PrefillRequest(prompt[m:], existing, req.sampling)
+      m, cached = self.prefix_cache.match(prompt, max_length=len(prompt) - 1)
+    need = engine.pages_for(min(len(prompt) + req.sampling.max_new_tokens, engine.max_seq_len))
+    engine.prefill_bucket(min(len(prompt) - m, self.prefill_chunk), m)  # raises if too long
+    want = max(need - len(cached), 0)
+    if want > self.allocator.free and self.prefix_cache is not None:
+      self.prefix_cache.evict(want - self.allocator.free)
+    try:
+      new = self.allocator.alloc(want)
+    except OutOfPages:
+      self.allocator.unref(cached)
+      return False
+    req.pages, req.prefilled, req.prefix_hit_tokens = cached + new, m, m
+    self.shared_pages += len(cached)
+    return True
 
-  def _prefill_into(self, group: list, slots: list[int]) -> None:
-    prefix, result = self.engine.prefill_many(params=self.params,
-                                              requests=[item for _, item in group])
-    self.prefill_tokens += sum(len(item.tokens) for _, item in group)
+  def _prefill_step(self) -> None:
+    """One prefill call: the next chunk of up to `prefill_rows` admitted requests whose
+    chunks share a length bucket (the oldest request's)."""
+    if not self._prefilling:
+      return
+    engine = self.engine
+
+    def chunk(req):
+      return min(len(req.prompt_ids) - req.prefilled, self.prefill_chunk)
+
+    def key(req):
+      return engine.prefill_bucket(chunk(req), req.prefilled)
+
+    first = key(self._prefilling[0])
+    rows = [r for r in self._prefilling if key(r) == first][:engine.rows_for(first)]
+    requests = [PrefillRequest(r.prompt_ids[r.prefilled:r.prefilled + chunk(r)], r.pages,
+                               r.prefilled, r.sampling) for r in rows]
+    try:
+      self._state, prefix, result = engine.prefill_many(params=self.params,
+                                                        decode_state=self._state,
+                                                        requests=requests)
+    except Exception as e:
+      for req in rows:
+        self._end(req, "error", error=f"{type(e).__name__}: {e}")
+      return
     self.prefill_calls += 1
-    self._state = self.engine.insert_many(prefix, self._state, slots)
-    if self.prefix_cache is not None:
-      for (req, _), (k, v) in zip(group, self.engine.prefix_kv(
-          prefix, [len(req.prompt_ids) for req, _ in group])):
-        self.prefix_cache.insert(req.prompt_ids, k, v)
-    h = result.to_host()
-    for i, ((req, _), slot) in enumerate(zip(group, slots)):
-      self._slots[slot] = req
-      self._emit(req, slot, int(h.tokens[i]), float(h.logp[i]), float(h.raw_logp[i]),
-                 int(h.versions[i]), int(h.lengths[i]))
+    self.prefill_tokens += sum(len(r.tokens) for r in requests)
+    done, decode = [], []
+    for req, r in zip(rows, requests):
+      req.prefilled += len(r.tokens)
+      finished = req.prefilled == len(req.prompt_ids)
+      req.dispatched = int(finished)
+      done.append(finished)
+      # A request that wants one token is done with its prefill: no decode slot on device.
+      decode.append(req.slot if finished and self._budget(req) > 1 else None)
+    if not any(done):
+      return
+    if any(s is not None for s in decode):
+      self._state = engine.insert_many(prefix, self._state, decode)
+    result.data.copy_to_host_async()
+    self._pending.append(("prefill", result, [(i, req) for i, (req, d) in
+                                               enumerate(zip(rows, done)) if d]))
+    for req, d in zip(rows, done):
+      if d:
+        self._prefilling.remove(req)
+        if self.prefix_cache is not None:  # its siblings and next turns share these pages
+          self.prefix_cache.insert(req.prompt_ids, req.pages)
+
+  def _budget(self, req: Request) -> int:
+    """Output tokens `req` ends at, unless a stop token comes first."""
+    return min(req.sampling.max_new_tokens, self.engine.max_seq_len - len(req.prompt_ids))
 
   def _step(self) -> None:
+    """Dispatches one decode step for the requests that still want tokens, then reads the
+    results of the step before it. A request whose last token is in flight leaves the
+    device's batch at once (its length budget is known on the host)."""
+    running = [(slot, req) for slot, req in enumerate(self._slots)
+               if req is not None and req.prefilled == len(req.prompt_ids)
+               and req.dispatched < self._budget(req)]
+    if not running:
+      self._read_results(keep=0)
+      return
     self._state, result = self.engine.generate(self.params, self._state)
-    h = result.to_host()
+    result.data.copy_to_host_async()
     self.steps += 1
-    n = 0
-    for slot, req in enumerate(self._slots):
-      if req is None:
-        continue
-      n += 1
-      self._emit(req, slot, int(h.tokens[slot]), float(h.logp[slot]), float(h.raw_logp[slot]),
-                 int(h.versions[slot]), int(h.lengths[slot]))
-    self._recent.append((time.perf_counter(), n))
+    self._pending.append(("step", result, running))
+    spent = []
+    for slot, req in running:
+      req.dispatched += 1
+      if req.dispatched >= self._budget(req):
+        spent.append(slot)
+    if spent:
+      self._state = self.engine.release(self._state, spent)
+    self._read_results(keep=1)
 
-  def _emit(self, req: Request, slot: int, token: int, logp: float, raw: float, version: int,
+  def _read_results(self, keep: int) -> None:
+    """Reads dispatched results in order, leaving the newest `keep` in flight."""
+    while len(self._pending) > keep:
+      kind, result, rows = self._pending.popleft()
+      h = result.to_host()
+      n = 0
+      for i, req in rows:
+        if req.done or req.slot is None:
+          continue  # finished (or aborted) after this step was dispatched
+        n += 1
+        self._emit(req, int(h.tokens[i]), float(h.logp[i]), float(h.raw_logp[i]),
+                   int(h.versions[i]), int(h.lengths[i]))
+      if kind == "step":
+        self._recent.append((time.perf_counter(), n))
+
+  def _emit(self, req: Request, token: int, logp: float, raw: float, version: int,
             length: int) -> None:
     if req.first_token_at is None:
       req.first_token_at = time.perf_counter()
@@ -406,15 +507,26 @@ class Orchestrator:
       for fn in req._listeners:
         fn(req, len(req.output_ids))
       return
-    self._slots[slot] = None
-    self.engine.free_resource(slot)
-    if self.prefix_cache is not None and self.cache_finished and len(req.output_ids) > 1:
+    self._end(req, reason)
+
+  def _end(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+    """Ends an admitted request: frees its slot and pages (a finished sequence's whole pages
+    stay in the prefix cache, for the next turn of its session)."""
+    if req.slot is not None:
+      self._state = self.engine.release(self._state, [req.slot])
+      self._slots[req.slot] = None
+      req.slot = None
+    if req in self._prefilling:
+      self._prefilling.remove(req)
+    if (self.prefix_cache is not None and self.cache_finished and reason in ("stop", "length")
+        and len(req.output_ids) > 1):
       # KV exists for every token but the last sampled one (never fed back); a request
       # that ends at its first token adds nothing the prefill did not cache.
-      seq = req.prompt_ids + req.output_ids[:-1]
-      k, v = self.engine.slot_kv(self._state, slot, len(seq))
-      self.prefix_cache.insert(seq, k, v)
-    self._finish(req, reason)
+      self.prefix_cache.insert(req.prompt_ids + req.output_ids[:-1], req.pages)
+    if req.pages:
+      self.allocator.unref(req.pages)
+      req.pages = []
+    self._finish(req, reason, error)
 
   def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
     if req.done:

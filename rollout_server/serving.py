@@ -21,7 +21,6 @@ from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
 from rollout_server.engine import Engine
 from rollout_server.orchestrator import Orchestrator
-from rollout_server.prefix_cache import PrefixCache
 from rollout_server.server import create_app
 
 
@@ -48,14 +47,17 @@ def make_engine(model_cfg, e: EngineConfig, mesh) -> Engine:
   return Engine(model_cfg, max_concurrent_decodes=e.slots,
                 max_prefill_length=e.max_prefill_length, max_seq_len=e.max_seq_len,
                 mesh=mesh, min_prefill_bucket=e.min_prefill_bucket,
-                prefill_rows=min(e.prefill_rows, e.slots))
+                prefill_rows=min(e.prefill_rows, e.slots), page_size=e.page_size,
+                num_pages=e.kv_pages or None,
+                extra_pages=-(-e.prefix_cache_tokens // e.page_size),
+                pages_per_block=e.pages_per_block, dtype=e.dtype)
 
 
 def start_orchestrator(engine: Engine, engine_params, e: EngineConfig) -> Orchestrator:
   """The engine's orchestrator (started), with the prefix cache and queue `e` describes."""
-  cache = PrefixCache(e.prefix_cache_tokens) if e.prefix_cache_tokens > 0 else None
-  return Orchestrator(engine, engine_params, prefix_cache=cache, max_queue=e.max_queue,
-                      cache_finished=e.cache_finished).start()
+  return Orchestrator(engine, engine_params, prefix_cache_tokens=e.prefix_cache_tokens,
+                      max_queue=e.max_queue, cache_finished=e.cache_finished,
+                      prefill_chunk=e.prefill_chunk or None).start()
 
 
 def build_orchestrator(cfg: ServerConfig):

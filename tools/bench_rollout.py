@@ -1,94 +1,86 @@
 """Rollout engine benchmark; every ratio is against a baseline measured in the same run.
 
-  python tools/bench_rollout.py [--presets tiny,smollm2-135m] [--batches 1,8,32,64]
+  python tools/bench_rollout.py [--presets tiny] [--batches 1,16,64]
+                                [--seq-lens 128,1024,8192] [--json]
 
-1. Decode tokens/s at each batch size, against a naive decoder that recomputes
-   the whole sequence every step (no KV cache), same model, batch and tokens.
+1. Capacity: decode tokens/s with `batch` requests (prompt 32, 64 new tokens) for
+   each engine `max_seq_len`; the baseline is the smallest `max_seq_len`. With the
+   paged KV pool a step's cost follows the tokens in use, so the ratio should
+   stay near 1 however large the capacity. Also batch B against batch 1.
 2. Multi-turn sessions (8 turns, growing history): time to first token of the
    last turn with the prefix cache on versus off.
-3. GRPO groups (one prompt, 8 samples): prompt tokens prefilled with and
-   without the prefix cache.
+3. GRPO groups (one prompt, 8 samples): prompt tokens prefilled and pages shared
+   with and without the prefix cache.
 4. Agent turns (many short prompts, one new token each, as in guess_number):
-   requests/s with `prefill_rows` requests prefilled per call against one per
-   call.
+   requests/s with `prefill_rows` requests prefilled per call against one.
 
-Models are randomly initialised with the preset's shape (speed does not
-depend on the weights).
+Decoding is timed as the orchestrator runs it: each step's result is copied to
+the host asynchronously and read one step later. Models are randomly
+initialised with the preset's shape (speed does not depend on the weights);
+`tiny` with `--vocab 1024` is the 1.1M-parameter Qwen3-like shape. With
+`--json` every figure is one JSON object per line; a readable table follows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxagent.models.config import preset
-from jaxagent.models.params import abstract_model, bind, init_params
+from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES
-from rollout_server.engine import Engine, SamplingParams
+from rollout_server.engine import Engine, PrefillRequest, SamplingParams
 from rollout_server.orchestrator import Orchestrator
-from rollout_server.prefix_cache import PrefixCache
+
+ROWS: list[dict] = []
 
 
-def decode_rate(engine, params, batch, prompt_len, steps, rng) -> float:
-  """Engine tokens/s: `batch` slots filled, then `steps` timed decode steps."""
-  state = engine.init_decode_state()
-  for slot in range(batch):
-    prompt = rng.integers(0, engine.vocab_size, prompt_len).tolist()
-    padded, n = engine.pad_tokens(prompt)
-    prefix, _ = engine.prefill(params=params, padded_tokens=padded, true_length=n,
-                               sampling=SamplingParams(seed=slot))
-    state = engine.insert(prefix, state, slot)
-  for _ in range(2):  # warm-up, as for the baseline
-    state, r = engine.generate(params, state)
-  jax.block_until_ready(r.data)
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    state, r = engine.generate(params, state)
-    r.to_host()  # the per-step host copy is part of serving
-  return batch * steps / (time.perf_counter() - t0)
+def emit(row: dict, as_json: bool) -> None:
+  ROWS.append(row)
+  if as_json:
+    print(json.dumps(row), flush=True)
 
 
-def naive_rate(cfg, weights, batch, prompt_len, steps, rng) -> float:
-  """No KV cache: every step runs the full (padded) sequence and samples the last position."""
-  graphdef, abstract = abstract_model(cfg)
-  total = prompt_len + steps + 1
+def decode_rate(cfg, weights, batch, max_seq_len, prompt_len, new_tokens, rng,
+                repeats) -> float:
+  """Engine tokens/s: `batch` requests prefilled and inserted, then `new_tokens` decode
+  steps (results read one step behind, as served); the median of `repeats` timed runs
+  after one that compiles."""
+  engine = Engine(cfg, max_concurrent_decodes=batch, max_prefill_length=min(512, max_seq_len),
+                  max_seq_len=max_seq_len, prefill_rows=min(8, batch))
+  params = engine.load_params(weights)
+  times = []
+  for run in range(repeats + 1):
+    state = engine.init_decode_state()
+    per = engine.pages_for(prompt_len + new_tokens + 1)
+    for start in range(0, batch, engine.prefill_rows):
+      slots = list(range(start, min(batch, start + engine.prefill_rows)))
+      reqs = [PrefillRequest(rng.integers(0, cfg.vocab_size, prompt_len).tolist(),
+                             list(range(1 + s * per, 1 + (s + 1) * per)), 0,
+                             SamplingParams(seed=s)) for s in slots]
+      state, prefix, _ = engine.prefill_many(params=params, decode_state=state, requests=reqs)
+      state = engine.insert_many(prefix, state, slots)
+    jax.block_until_ready(state.tokens)
+    t0 = time.perf_counter()
+    pending = None
+    for _ in range(new_tokens):
+      state, r = engine.generate(params, state)
+      r.data.copy_to_host_async()
+      if pending is not None:
+        pending.to_host()
+      pending = r
+    pending.to_host()
+    if run:
+      times.append(time.perf_counter() - t0)
+  return batch * new_tokens / float(np.median(times))
 
-  @jax.jit
-  def step(weights, tokens, length, key):
-    logits, _ = bind(graphdef, abstract, weights)(tokens)
-    last = jax.vmap(lambda row: jax.lax.dynamic_index_in_dim(row, length - 1, keepdims=False))(
-        logits)
-    nxt = jax.random.categorical(jax.random.fold_in(key, length), last).astype(jnp.int32)
-    tokens = jax.vmap(lambda row, t: jax.lax.dynamic_update_index_in_dim(row, t, length, 0))(
-        tokens, nxt)
-    return tokens, nxt
 
-  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, total)), jnp.int32)
-  key = jax.random.PRNGKey(0)
-  for _ in range(2):  # warm-up: compiles for the input, then for the output's sharding
-    tokens, nxt = step(weights, tokens, np.int32(prompt_len), key)
-  jax.block_until_ready(tokens)
-  t0 = time.perf_counter()
-  for i in range(steps):
-    tokens, nxt = step(weights, tokens, np.int32(prompt_len + 1 + i), key)
-    np.asarray(nxt)  # the same per-step host copy as the engine
-  return batch * steps / (time.perf_counter() - t0)
-
-
-def multi_turn_ttft(engine, params, cache_on, turns, seed) -> float:
-  """TTFT of the last turn; run twice, the first run only compiles the shapes."""
-  for _ in range(2):
-    ttft = _multi_turn(engine, params, cache_on, turns, np.random.default_rng(seed))
-  return ttft
-
-
-def _multi_turn(engine, params, cache_on, turns, rng) -> float:
-  orch = Orchestrator(engine, params,
-                      prefix_cache=PrefixCache(1_000_000) if cache_on else None).start()
+def _multi_turn(engine, params, cache_tokens, turns, rng) -> float:
+  orch = Orchestrator(engine, params, prefix_cache_tokens=cache_tokens).start()
   history = rng.integers(0, engine.vocab_size, 48).tolist()
   ttft = 0.0
   for turn in range(turns):
@@ -99,15 +91,21 @@ def _multi_turn(engine, params, cache_on, turns, rng) -> float:
   return ttft
 
 
-def grpo_prefill(engine, params, cache_on, prompt, group) -> int:
-  orch = Orchestrator(engine, params,
-                      prefix_cache=PrefixCache(1_000_000) if cache_on else None).start()
+def multi_turn_ttft(engine, params, cache_tokens, turns, seed) -> float:
+  """TTFT of the last turn; run twice, the first run only compiles the shapes."""
+  for _ in range(2):
+    ttft = _multi_turn(engine, params, cache_tokens, turns, np.random.default_rng(seed))
+  return ttft
+
+
+def grpo_prefill(engine, params, cache_tokens, prompt, group) -> dict:
+  orch = Orchestrator(engine, params, prefix_cache_tokens=cache_tokens).start()
   reqs = [orch.submit(prompt, SamplingParams(seed=i, max_new_tokens=8)) for i in range(group)]
   for r in reqs:
     r.wait(600)
-  n = orch.stats()["prefill_tokens"]
+  s = orch.stats()
   orch.stop()
-  return n
+  return {"prefill_tokens": s["prefill_tokens"], "shared_pages": s["shared_pages"]}
 
 
 def turn_rate(cfg, weights, rows, requests, prompt_len, seed) -> float:
@@ -130,48 +128,78 @@ def turn_rate(cfg, weights, rows, requests, prompt_len, seed) -> float:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--presets", default="tiny,smollm2-135m")
-  p.add_argument("--batches", default="1,8,32,64")
-  p.add_argument("--prompt-len", type=int, default=64)
-  p.add_argument("--steps", type=int, default=16, help="timed decode steps")
-  p.add_argument("--naive-steps", type=int, default=4)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--presets", default="tiny")
+  p.add_argument("--vocab", type=int, default=1024, help="vocabulary override (0: the preset's)")
+  p.add_argument("--batches", default="1,16,64")
+  p.add_argument("--seq-lens", default="128,1024,8192")
+  p.add_argument("--prompt-len", type=int, default=32)
+  p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median)")
   p.add_argument("--turns", type=int, default=8)
   p.add_argument("--prefill-rows", type=int, default=8)
+  p.add_argument("--skip", default="", help="sections to skip: capacity,sessions,grpo,turns")
+  p.add_argument("--json", action="store_true")
   args = p.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
+  seq_lens = [int(s) for s in args.seq_lens.split(",")]
+  skip = set(filter(None, args.skip.split(",")))
   print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}")
   for name in args.presets.split(","):
-    cfg = preset(name)
-    rng = np.random.default_rng(0)
+    cfg = preset(name, **({"vocab_size": args.vocab} if args.vocab else {}))
     weights = init_params(cfg, 0, None, SAMPLE_RULES)
-    print(f"\n== {name} ({cfg.num_params() / 1e6:.1f}M params) ==")
-    print(f"{'batch':>6} {'engine tok/s':>14} {'naive tok/s':>13} {'ratio':>7}")
-    for b in batches:
-      engine = Engine(cfg, max_concurrent_decodes=b, max_prefill_length=args.prompt_len,
-                      max_seq_len=args.prompt_len + args.steps + 8)
-      params = engine.load_params(weights)
-      fast = decode_rate(engine, params, b, args.prompt_len, args.steps, rng)
-      slow = naive_rate(cfg, params["weights"], b, args.prompt_len, args.naive_steps, rng)
-      print(f"{b:>6} {fast:>14.1f} {slow:>13.1f} {fast / slow:>6.1f}x", flush=True)
-
-    engine = Engine(cfg, max_concurrent_decodes=8, max_prefill_length=1024, max_seq_len=1280)
+    mparams = cfg.num_params() / 1e6
+    if "capacity" not in skip:
+      rates = {}
+      for L in seq_lens:
+        for b in batches:
+          rate = decode_rate(cfg, weights, b, L, args.prompt_len, args.new_tokens,
+                             np.random.default_rng(0), args.repeats)
+          rates[L, b] = rate
+          emit({"section": "decode", "preset": name, "params_m": round(mparams, 2),
+                "max_seq_len": L, "batch": b, "prompt": args.prompt_len,
+                "new_tokens": args.new_tokens, "tok_per_s": round(rate, 1)}, args.json)
+      base = seq_lens[0]
+      for L in seq_lens[1:]:
+        for b in batches:
+          emit({"section": "decode_ratio", "preset": name, "batch": b,
+                "ratio": f"max_seq_len {L} / {base}",
+                "value": round(rates[L, b] / rates[base, b], 3)}, args.json)
+      for L in seq_lens:
+        for b in batches[1:]:
+          emit({"section": "batch_ratio", "preset": name, "max_seq_len": L,
+                "ratio": f"batch {b} / {batches[0]}",
+                "value": round(rates[L, b] / rates[L, batches[0]], 2)}, args.json)
+    engine = Engine(cfg, max_concurrent_decodes=8, max_prefill_length=1024, max_seq_len=1280,
+                    extra_pages=4096)
     params = engine.load_params(weights)
-    off = multi_turn_ttft(engine, params, False, args.turns, 1)
-    on = multi_turn_ttft(engine, params, True, args.turns, 1)
-    print(f"multi-turn ({args.turns} turns): last-turn TTFT cache off {off * 1e3:.1f} ms, "
-          f"on {on * 1e3:.1f} ms; ratio off/on {off / on:.2f}x", flush=True)
-    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 256).tolist()
-    without = grpo_prefill(engine, params, False, prompt, 8)
-    with_cache = grpo_prefill(engine, params, True, prompt, 8)
-    print(f"GRPO group (1 prompt of {len(prompt)} tokens, 8 samples): prefill tokens "
-          f"without cache {without}, with cache {with_cache}; ratio "
-          f"{without / with_cache:.1f}x", flush=True)
-    one = turn_rate(cfg, weights, 1, 128, 16, 3)
-    many = turn_rate(cfg, weights, args.prefill_rows, 128, 16, 3)
-    print(f"agent turns (128 prompts of 16 tokens, 1 new token each): {one:.0f} requests/s "
-          f"one prefill per call, {many:.0f} with {args.prefill_rows} per call; ratio "
-          f"{many / one:.1f}x", flush=True)
+    if "sessions" not in skip:
+      off = multi_turn_ttft(engine, params, 0, args.turns, 1)
+      on = multi_turn_ttft(engine, params, 65536, args.turns, 1)
+      emit({"section": "multi_turn", "preset": name, "turns": args.turns,
+            "ttft_off_ms": round(off * 1e3, 2), "ttft_on_ms": round(on * 1e3, 2),
+            "ratio_off_over_on": round(off / on, 2)}, args.json)
+    if "grpo" not in skip:
+      prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, 256).tolist()
+      without = grpo_prefill(engine, params, 0, prompt, 8)
+      with_cache = grpo_prefill(engine, params, 65536, prompt, 8)
+      emit({"section": "grpo_group", "preset": name, "prompt": len(prompt), "samples": 8,
+            "prefill_tokens_off": without["prefill_tokens"],
+            "prefill_tokens_on": with_cache["prefill_tokens"],
+            "shared_pages_on": with_cache["shared_pages"],
+            "ratio_off_over_on": round(without["prefill_tokens"]
+                                       / with_cache["prefill_tokens"], 2)}, args.json)
+    if "turns" not in skip:
+      one = turn_rate(cfg, weights, 1, 128, 16, 3)
+      many = turn_rate(cfg, weights, args.prefill_rows, 128, 16, 3)
+      emit({"section": "agent_turns", "preset": name, "requests": 128,
+            "one_per_call_rps": round(one, 1), "many_per_call_rps": round(many, 1),
+            "prefill_rows": args.prefill_rows, "ratio": round(many / one, 2)}, args.json)
+  print()
+  for r in ROWS:
+    print("  ".join(f"{k}={v}" for k, v in r.items() if k != "section").ljust(20),
+          f"[{r['section']}]")
 
 
 if __name__ == "__main__":

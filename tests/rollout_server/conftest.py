@@ -15,7 +15,6 @@ from jaxagent.models.sharding import make_mesh
 from jaxagent.tokenizer import Tokenizer
 from rollout_server.engine import Engine
 from rollout_server.orchestrator import Orchestrator
-from rollout_server.prefix_cache import PrefixCache
 from rollout_server.server import create_app
 from rollout_server.serving import ServerThread
 
@@ -75,7 +74,8 @@ def running_server(params, tokenizer, *, version=0, prefix_cache=True, engine=No
   """A real server on a loopback port, stopped afterwards."""
   engine = engine or make_engine()
   orch = Orchestrator(engine, engine.load_params(params, version=version),
-                      prefix_cache=PrefixCache(100_000) if prefix_cache else None).start()
+                      prefix_cache_tokens=engine.page_size * (engine.num_pages // 2)
+                      if prefix_cache else 0).start()
 
   def load(path, version):
     from rollout_server.serving import resolve_policy

@@ -7,16 +7,22 @@ import pytest
 
 from jaxagent import losses
 from jaxagent.models.params import abstract_model, bind
-from rollout_server.engine import ExistingPrefix, PrefillRequest, SamplingParams, bucket
+from rollout_server.engine import PrefillRequest, SamplingParams, bucket
 from tests.rollout_server.conftest import CFG, make_engine
+
+
+def pages_of(engine, n_tokens, first=1):
+  """Page ids for `n_tokens` positions, not contiguous (every other page from `first`)."""
+  return list(range(first, first + 2 * engine.pages_for(n_tokens), 2))
 
 
 def run_alone(engine, params, prompt, sampling, steps, slot=0):
   """Prefill, insert, then `steps` decode steps; returns tokens, logp, raw logp, versions."""
   state = engine.init_decode_state()
   padded, n = engine.pad_tokens(prompt)
-  prefix, first = engine.prefill(params=params, padded_tokens=padded, true_length=n,
-                                 sampling=sampling)
+  state, prefix, first = engine.prefill(params=params, decode_state=state,
+                                        pages=pages_of(engine, n + steps + 1),
+                                        padded_tokens=padded, true_length=n, sampling=sampling)
   state = engine.insert(prefix, state, slot)
   h = first.to_host()
   out = [[int(h.tokens[0])], [float(h.logp[0])], [float(h.raw_logp[0])], [int(h.versions[0])]]
@@ -100,29 +106,32 @@ def test_same_seed_same_tokens_in_any_slot(random_params):
 
 
 def test_prefill_many_equals_one_request_at_a_time(random_params):
-  """Requests prefilled together (one with KV from an earlier prefill) decode exactly as
-  alone; padding rows reach no slot."""
+  """Requests prefilled together (one after its first tokens were prefilled by an
+  earlier call into its pages) decode exactly as alone; padding rows reach no slot."""
   engine = make_engine(prefill_rows=4)
   params = engine.load_params(random_params)
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
   sampling = [SamplingParams(seed=s) for s in (3, 4, 5)]
   alone = [run_alone(engine, params, p, s, 6) for p, s in zip(prompts, sampling)]
-  # The third request's first four tokens come from an earlier prefill's KV.
-  first, _ = engine.prefill_many(params=params, requests=[PrefillRequest(prompts[2][:4])])
-  ((k, v),) = engine.prefix_kv(first, [4])
-  reqs = [PrefillRequest(prompts[0], None, sampling[0]),
-          PrefillRequest(prompts[1], None, sampling[1]),
-          PrefillRequest(prompts[2][4:], ExistingPrefix(k, v), sampling[2])]
-  prefix, res = engine.prefill_many(params=params, requests=reqs)
+  pages = [pages_of(engine, 16, first=1 + i) for i in range(3)]  # interleaved page ids
+  state = engine.init_decode_state()
+  # The third request's first four tokens are in its pages from an earlier prefill.
+  state, _, _ = engine.prefill_many(params=params, decode_state=state,
+                                    requests=[PrefillRequest(prompts[2][:4], pages[2])])
+  reqs = [PrefillRequest(prompts[0], pages[0], 0, sampling[0]),
+          PrefillRequest(prompts[1], pages[1], 0, sampling[1]),
+          PrefillRequest(prompts[2][4:], pages[2], 4, sampling[2])]
+  state, prefix, res = engine.prefill_many(params=params, decode_state=state, requests=reqs)
   assert prefix.token.shape == (4,)  # always prefill_rows rows
   slots = [2, 0, 3]
-  state = engine.insert_many(prefix, engine.init_decode_state(), slots)
-  assert int(state.lengths[1]) == 0  # the padding row was dropped
+  state = engine.insert_many(prefix, state, slots)
+  assert int(state.lengths[1]) == 0 and not bool(state.active[1])  # padding was dropped
   h = res.to_host()
   got = [[[int(h.tokens[i])], [float(h.logp[i])]] for i in range(3)]
   for _ in range(6):
     state, step = engine.generate(params, state)
     hs = step.to_host()
+    assert hs.valid.tolist() == [True, False, True, True]
     for i, slot in enumerate(slots):
       got[i][0].append(int(hs.tokens[slot]))
       got[i][1].append(float(hs.logp[slot]))
@@ -131,7 +140,20 @@ def test_prefill_many_equals_one_request_at_a_time(random_params):
   assert got[2][0] == alone[2][0]
   np.testing.assert_allclose(got[2][1], alone[2][1], atol=1e-5)
   with pytest.raises(ValueError, match="prefill_rows"):
-    engine.prefill_many(params=params, requests=[PrefillRequest([1])] * 5)
+    engine.prefill_many(params=params, decode_state=state, requests=[PrefillRequest([1], [1])] * 5)
+  with pytest.raises(ValueError, match="pages cannot hold"):
+    engine.prefill_many(params=params, decode_state=state,
+                        requests=[PrefillRequest(list(range(40)), [1])])
+
+
+def test_decode_cost_follows_the_tokens_in_use_not_the_pool(random_params):
+  """The same request decodes to the same numbers in a pool 8x larger (same compiled
+  loop, more pages it never reads)."""
+  small = make_engine(max_seq_len=640)
+  big = make_engine(max_seq_len=640, num_pages=8 * small.num_pages)
+  a = run_alone(small, small.load_params(random_params), [7, 8, 9], SamplingParams(seed=3), 8)
+  b = run_alone(big, big.load_params(random_params), [7, 8, 9], SamplingParams(seed=3), 8)
+  assert a == b
 
 
 def test_buckets_compile_once(random_params):
