@@ -1,28 +1,38 @@
-"""A JetStream-shaped inference engine over the jaxagent decoder.
+"""A JetStream-shaped inference engine over the jaxagent decoder, with paged KV on the device.
 
 Same method names and meaning as JetStream's `engine_api.Engine`:
 `load_params`, `init_decode_state`, `prefill`, `insert`, `generate`,
 `free_resource`, `max_concurrent_decodes`, `max_prefill_length`, `mesh`, with
-params and decode state passed explicitly. Differences are additions:
-`prefill` takes per-request `SamplingParams`, and `ResultTokens` carry
-log-probs and the policy version beside the token ids.
+params and decode state passed explicitly. `ResultTokens` carry log-probs and
+the policy version beside the token ids. Extensions the paged KV needs:
+`prefill_many(params, decode_state, requests)` writes each prompt's KV into its
+pages in the decode state's pool (and returns the state), requests name their
+pages and start position, and `release(decode_state, slots)` empties slots.
 
-- Prefill lengths are bucketed (powers of two) so each bucket compiles once;
-  a prefill may extend an existing prefix (KV from the prefix cache), whose
-  length is bucketed too. `prefill_many` / `insert_many` prefill up to
-  `prefill_rows` requests in one call; `prefill` / `insert` are the
-  one-request case. Every call has exactly `prefill_rows` rows (fewer
-  requests are padded), so a request's log-probs do not depend on what is
-  prefilled beside it: other shapes would change XLA's arithmetic in the
-  last bits.
+- The KV lives in one pool of fixed-size pages on the device (`PagedKV`,
+  `[layers, num_pages, page_size, kv_heads, head_dim]`, sharded over KV heads);
+  each slot has a row of a page table. Which pages a sequence uses is decided on
+  the host (`rollout_server.pages`); no KV is copied to the host.
+- Attention reads only the pages a sequence uses, in blocks, with an online
+  softmax whose loop runs as many blocks as the longest sequence in use needs
+  (`Decoder.forward_paged`): a step costs the tokens in use, not the capacity.
+  New keys and values are scattered into the pool once per step, in place (the
+  state is donated).
+- Prefill lengths are bucketed (powers of two) so each bucket compiles once; a
+  prefill may start after positions already in the pool (a shared prefix, or
+  the earlier chunks of a long prompt). A call has `rows_for(bucket)` rows
+  (`prefill_rows` for short prompts, fewer for long ones), padded with rows that
+  write nothing: a function of the bucket alone, so a request's log-probs do not
+  depend on what is prefilled beside it.
 - The decode state is a fixed array of `max_concurrent_decodes` slots, so
-  `generate` compiles once; `insert` and `generate` donate it.
-- Sampling is per slot (temperature, top-k, top-p, seed). The key of the
-  token at position p is `fold_in(PRNGKey(seed), p)`, so a request's tokens do
-  not depend on which slot it runs in or what runs beside it.
+  `generate` compiles once; empty slots read no pages and write nothing.
+- Sampling is per slot (temperature, top-k, top-p, seed), on the device. The key
+  of the token at position p is `fold_in(PRNGKey(seed), p)`, so a request's
+  tokens do not depend on which slot it runs in or what runs beside it.
 - Each step returns one packed int32 array (`ResultTokens.data`): token id,
   valid, length, log-prob bits, raw log-prob bits, policy version, so the host
-  copy is one transfer.
+  copy is one transfer, which can be started asynchronously
+  (`data.copy_to_host_async()`) and read a step later.
 """
 
 from __future__ import annotations
