@@ -1,0 +1,96 @@
+"""A model served through the OpenAI-compatible gateway: completion tokens/s by concurrency.
+
+  python tools/bench_gateway.py [--checkpoint smollm2] [--concurrency 1,16] [--max-tokens 64]
+
+Starts a rollout server in this process on a loopback port (the model of
+`--checkpoint`, or `--preset` with random weights), then for each concurrency
+level sends that many chat completions at once with the official `openai`
+client (`max_tokens`, temperature 1, a seed per request, a prompt that asks for
+a long answer) and reports completion tokens (as the server counts them; a
+reply may end early at the model's end token) per second of wall time. The
+first round compiles the shapes and is not timed; the baseline of every ratio
+is the first level in the same run. One JSON line per level, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxagent import config as config_lib  # noqa: E402
+from rollout_server.serving import ServerThread, build_app  # noqa: E402
+
+
+async def level(url: str, n: int, max_tokens: int, rounds: int) -> dict:
+  import openai
+
+  client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                              timeout=1800)
+  messages = [{"role": "user", "content": "Write a long story about a robot who learns to "
+                                          "paint. Describe every day of its life."}]
+
+  async def one(i):
+    t0 = time.perf_counter()
+    r = await client.chat.completions.create(model="policy", messages=messages,
+                                             max_tokens=max_tokens, temperature=1.0, seed=i)
+    return r.usage.completion_tokens, time.perf_counter() - t0
+
+  out = None
+  for timed in [False] + [True] * rounds:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    wall = time.perf_counter() - t0
+    if timed:
+      tokens = sum(t for t, _ in results)
+      rate = tokens / wall
+      if out is None or rate > out["tok_per_s"]:
+        out = {"concurrency": n, "completion_tokens": tokens, "wall_s": round(wall, 2),
+               "tok_per_s": round(rate, 2)}
+  await client.close()
+  return out
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--checkpoint", default="smollm2")
+  p.add_argument("--preset", default=None, help="a preset with random weights instead")
+  p.add_argument("--concurrency", default="1,16")
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--rounds", type=int, default=1, help="timed rounds per level (best kept)")
+  p.add_argument("--max-seq-len", type=int, default=1024)
+  args = p.parse_args()
+  levels = [int(x) for x in args.concurrency.split(",")]
+  overrides = [f"engine.slots={max(levels)}", f"engine.max_seq_len={args.max_seq_len}",
+               "engine.max_prefill_length=512", "engine.prefix_cache_tokens=0"]
+  overrides += ([f"model.preset={args.preset}"] if args.preset else
+                [f"model.checkpoint={args.checkpoint}", "model.chat_template=chatml_tools"])
+  cfg = config_lib.load(config_lib.ServerConfig, None, overrides)
+  app, orch = build_app(cfg)
+  rows = []
+  with ServerThread(app) as srv:
+    for n in levels:
+      row = asyncio.run(level(srv.url, n, args.max_tokens, args.rounds))
+      row["model"] = args.preset or args.checkpoint
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  orch.stop()
+  base = rows[0]["tok_per_s"]
+  for r in rows[1:]:
+    print(json.dumps({"ratio": f"concurrency {r['concurrency']} / {rows[0]['concurrency']}",
+                      "value": round(r["tok_per_s"] / base, 2)}))
+  print(f"\n{'concurrency':>11} {'tokens':>7} {'wall s':>7} {'tok/s':>8}")
+  for r in rows:
+    print(f"{r['concurrency']:>11} {r['completion_tokens']:>7} {r['wall_s']:>7} "
+          f"{r['tok_per_s']:>8}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
