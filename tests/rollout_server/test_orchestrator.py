@@ -1,5 +1,6 @@
 import time
 
+import numpy as np
 import pytest
 
 from rollout_server.engine import SamplingParams
@@ -113,3 +114,49 @@ def test_queue_limit(random_params):
   with pytest.raises(QueueFull):
     orch.submit([3])
   orch.stop()
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(random_params):
+  """A prompt prefilled 16 tokens a call decodes as one prefilled whole; a request already
+  decoding keeps stepping while the long prompt's chunks go in."""
+  prompt = list(range(1, 121))
+  whole_engine = make_engine(page_size=8)
+  whole = Orchestrator(whole_engine, whole_engine.load_params(random_params)).start()
+  want = whole.generate(prompt, SamplingParams(seed=3, max_new_tokens=8), timeout=120)
+  whole.stop()
+  engine = make_engine(page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params), prefill_chunk=16).start()
+  try:
+    runner = orch.submit([5, 6, 7], SamplingParams(seed=1, max_new_tokens=400))
+    while not runner.output_ids:
+      time.sleep(0.001)
+    steps_before = orch.stats()["steps"]
+    got = orch.generate(prompt, SamplingParams(seed=3, max_new_tokens=8), timeout=120)
+    s = orch.stats()
+  finally:
+    orch.stop()
+  assert got.output_ids == want.output_ids
+  np.testing.assert_allclose(got.output_logprobs, want.output_logprobs, atol=1e-5)
+  assert s["prefill_calls"] >= 1 + 120 // 16
+  assert s["steps"] - steps_before >= 120 // 16  # decode steps ran between the chunks
+
+
+def test_requests_wait_for_pages_and_all_finish(random_params):
+  """A pool with room for two sequences at a time: the rest queue until pages return."""
+  engine = make_engine(page_size=8, num_pages=1 + 2 * 5)
+  orch = Orchestrator(engine, engine.load_params(random_params)).start()
+  try:
+    reqs = [orch.submit([1 + i, 2, 3], SamplingParams(seed=i, max_new_tokens=30))
+            for i in range(6)]
+    peak = 0
+    while not all(r.done for r in reqs):
+      peak = max(peak, orch.stats()["live_slots"])
+      time.sleep(0.002)
+    s = orch.stats()
+  finally:
+    orch.stop()
+  assert all(r.finish_reason == "length" and len(r.output_ids) == 30 for r in reqs)
+  assert peak <= 2 and s["kv_pages"]["used"] == 0
+  with pytest.raises(ValueError, match="KV pages"):
+    Orchestrator(engine, engine.load_params(random_params)).submit(
+        [1], SamplingParams(max_new_tokens=200))
