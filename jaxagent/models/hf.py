@@ -57,17 +57,22 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 
 def _stack(get: Callable[[str], np.ndarray], cfg: ModelConfig, fmt: str,
-           fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-  return np.stack([fn(get(fmt.format(i=i))) for i in range(cfg.n_layers)])
+           fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[], np.ndarray]:
+  return lambda: np.stack([fn(get(fmt.format(i=i))) for i in range(cfg.n_layers)])
 
 
-def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
-  """Rearranges HF tensors (`[out, in]` linear weights) into `Decoder` parameters."""
+def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray]
+                   ) -> dict[str, Callable[[], np.ndarray]]:
+  """Rearranges HF tensors (`[out, in]` linear weights) into `Decoder` parameters.
+
+  Each value is a thunk that reads and builds one parameter, so `place_params` holds one
+  parameter on the host at a time, never the whole model in float32.
+  """
   D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   pre = "model.layers.{i}."
   out = {
-      "embed": get("model.embed_tokens.weight"),
-      "final_norm": get("model.norm.weight"),
+      "embed": lambda: get("model.embed_tokens.weight"),
+      "final_norm": lambda: get("model.norm.weight"),
       "attn_norm": _stack(get, cfg, pre + "input_layernorm.weight", lambda w: w),
       "mlp_norm": _stack(get, cfg, pre + "post_attention_layernorm.weight", lambda w: w),
       "wq": _stack(get, cfg, pre + "self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, Dh)),
@@ -83,7 +88,7 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[s
     out["bk"] = _stack(get, cfg, pre + "self_attn.k_proj.bias", lambda b: b.reshape(K, Dh))
     out["bv"] = _stack(get, cfg, pre + "self_attn.v_proj.bias", lambda b: b.reshape(K, Dh))
   if not cfg.tie_embeddings:
-    out["lm_head"] = get("lm_head.weight").T
+    out["lm_head"] = lambda: get("lm_head.weight").T
   return out
 
 

@@ -47,7 +47,11 @@ def init_params(cfg: ModelConfig, seed: int, mesh: Optional[Mesh] = None,
 
 def place_params(cfg: ModelConfig, arrays: Mapping[str, Any], mesh: Optional[Mesh] = None,
                  rules: Rules = TRAIN_RULES) -> Params:
-  """Checks host arrays against the model's shapes and puts them on devices, sharded."""
+  """Checks host arrays against the model's shapes and puts them on devices, sharded.
+
+  A value may be a thunk returning the array: it is built, cast to the parameter dtype,
+  placed and dropped before the next one, so a checkpoint never sits on the host whole.
+  """
   _, state = abstract_model(cfg)
   expected = nnx.to_pure_dict(state)
   missing = sorted(set(expected) - set(arrays))
@@ -58,7 +62,8 @@ def place_params(cfg: ModelConfig, arrays: Mapping[str, Any], mesh: Optional[Mes
   shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
   out = {}
   for name, abstract in expected.items():
-    arr = np.asarray(arrays[name])
+    value = arrays[name]
+    arr = np.asarray(value() if callable(value) else value)
     if arr.shape != abstract.shape:
       raise ValueError(f"{name}: shape {arr.shape} does not match the model's {abstract.shape}")
     arr = arr.astype(abstract.dtype)
