@@ -218,7 +218,7 @@ class Engine:
     self.pages_per_seq = -(-max_seq_len // page_size)
     self.num_pages = num_pages or (1 + max_concurrent_decodes * self.pages_per_seq + extra_pages)
     self.pages_per_block = pages_per_block
-    self.prefill_tokens = max(512, prefill_rows * min_prefill_bucket)
+    self.prefill_token_budget = max(512, prefill_rows * min_prefill_bucket)
     self._mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
                                                     ("data", "fsdp", "tensor"))
     self.rules = rules
@@ -360,10 +360,10 @@ class Engine:
 
   def rows_for(self, bucket_len: int) -> int:
     """Rows of a prefill call of bucket length `bucket_len`: `prefill_rows` for short
-    prompts, fewer for long ones, so that a call computes about `prefill_tokens` padded
-    tokens. A function of the bucket alone, so a request's numbers never depend on what
+    prompts, fewer for long ones, so that a call computes about `prefill_token_budget`
+    padded tokens. A function of the bucket alone, so a request's numbers never depend on what
     is prefilled beside it."""
-    return max(1, min(self.prefill_rows, self.prefill_tokens // bucket_len))
+    return max(1, min(self.prefill_rows, self.prefill_token_budget // bucket_len))
 
   def page_row(self, pages: Sequence[int]) -> np.ndarray:
     """A page-table row: the sequence's page ids, the null page after them."""

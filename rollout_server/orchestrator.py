@@ -386,7 +386,6 @@ class Orchestrator:
       # Reuse at most all but the last prompt token: its logits give the first sample.
       m, cached = self.prefix_cache.match(prompt, max_length=len(prompt) - 1)
     need = engine.pages_for(min(len(prompt) + req.sampling.max_new_tokens, engine.max_seq_len))
-    engine.prefill_bucket(min(len(prompt) - m, self.prefill_chunk), m)  # raises if too long
     want = max(need - len(cached), 0)
     if want > self.allocator.free and self.prefix_cache is not None:
       self.prefix_cache.evict(want - self.allocator.free)

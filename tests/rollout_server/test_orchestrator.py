@@ -160,3 +160,22 @@ def test_requests_wait_for_pages_and_all_finish(random_params):
   with pytest.raises(ValueError, match="KV pages"):
     Orchestrator(engine, engine.load_params(random_params)).submit(
         [1], SamplingParams(max_new_tokens=200))
+
+
+def test_abort_and_weight_update_while_a_prompt_is_prefilled_in_chunks(random_params):
+  engine = make_engine(page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1),
+                      prefill_chunk=16).start()
+  try:
+    long_prompt = [1 + i % 300 for i in range(399)]
+    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=5))
+    orch.abort(r.request_id)
+    assert r.wait(60) and r.finish_reason == "abort"
+    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=5))
+    report = orch.update_weights(engine.load_params(random_params, version=2), mode="abort")
+    assert r.wait(60) and r.finish_reason == "abort" and report["version"] == 2
+    ok = orch.generate(long_prompt, SamplingParams(seed=1, max_new_tokens=5), timeout=120)
+    assert ok.finish_reason == "length" and set(ok.versions) == {2}
+    assert orch.stats()["kv_pages"]["used"] == 0
+  finally:
+    orch.stop()
