@@ -37,6 +37,7 @@ from rollout_server.engine import Engine, PrefillRequest, SamplingParams
 from rollout_server.orchestrator import Orchestrator
 
 ROWS: list[dict] = []
+DTYPE = [None]  # the sampling dtype (--dtype)
 
 
 def emit(row: dict, as_json: bool) -> None:
@@ -51,7 +52,7 @@ def decode_rate(cfg, weights, batch, max_seq_len, prompt_len, new_tokens, rng,
   steps (results read one step behind, as served); the median of `repeats` timed runs
   after one that compiles."""
   engine = Engine(cfg, max_concurrent_decodes=batch, max_prefill_length=min(512, max_seq_len),
-                  max_seq_len=max_seq_len, prefill_rows=min(8, batch))
+                  max_seq_len=max_seq_len, prefill_rows=min(8, batch), dtype=DTYPE[0])
   params = engine.load_params(weights)
   times = []
   for run in range(repeats + 1):
@@ -140,8 +141,10 @@ def main() -> None:
   p.add_argument("--turns", type=int, default=8)
   p.add_argument("--prefill-rows", type=int, default=8)
   p.add_argument("--skip", default="", help="sections to skip: capacity,sessions,grpo,turns")
+  p.add_argument("--dtype", default=None, help="sampling dtype, e.g. bfloat16 (default: the model's)")
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
+  DTYPE[0] = args.dtype
   batches = [int(b) for b in args.batches.split(",")]
   seq_lens = [int(s) for s in args.seq_lens.split(",")]
   skip = set(filter(None, args.skip.split(",")))
@@ -158,6 +161,7 @@ def main() -> None:
                              np.random.default_rng(0), args.repeats)
           rates[L, b] = rate
           emit({"section": "decode", "preset": name, "params_m": round(mparams, 2),
+                "dtype": args.dtype or cfg.dtype, "device": jax.devices()[0].platform,
                 "max_seq_len": L, "batch": b, "prompt": args.prompt_len,
                 "new_tokens": args.new_tokens, "tok_per_s": round(rate, 1)}, args.json)
       base = seq_lens[0]
