@@ -27,14 +27,19 @@ import argparse
 import json
 import time
 
+import os
+import sys
+
 import jax
 import numpy as np
 
-from jaxagent.models.config import preset
-from jaxagent.models.params import init_params
-from jaxagent.models.sharding import SAMPLE_RULES
-from rollout_server.engine import Engine, PrefillRequest, SamplingParams
-from rollout_server.orchestrator import Orchestrator
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxagent.models.config import preset  # noqa: E402
+from jaxagent.models.params import init_params  # noqa: E402
+from jaxagent.models.sharding import SAMPLE_RULES  # noqa: E402
+from rollout_server.engine import Engine, PrefillRequest, SamplingParams  # noqa: E402
+from rollout_server.orchestrator import Orchestrator  # noqa: E402
 
 ROWS: list[dict] = []
 DTYPE = [None]  # the sampling dtype (--dtype)
