@@ -194,6 +194,9 @@ class EngineConfig:
   prefill_chunk: int = 0
   # The sampling copy's compute dtype (e.g. bfloat16 on accelerators); null: the model's.
   dtype: Optional[str] = None
+  # Length-aware admission (Seer): a prompt's first sample runs ahead as a probe, then
+  # queued requests start longest-expected first.
+  length_aware: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

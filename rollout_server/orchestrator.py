@@ -121,7 +121,7 @@ class Orchestrator:
 
   def __init__(self, engine: Engine, params: Any, *, prefix_cache_tokens: int = 0,
                max_queue: int = 4096, cache_finished: bool = True,
-               prefill_chunk: Optional[int] = None):
+               prefill_chunk: Optional[int] = None, length_aware: bool = False):
     self.engine = engine
     self.params = params
     self.version = int(params["version"])
@@ -130,6 +130,11 @@ class Orchestrator:
     self.max_queue = max_queue
     self.prefill_chunk = min(prefill_chunk or engine.max_prefill_length,
                              engine.max_prefill_length)
+    # Length-aware admission (as Seer): the first sample of a prompt runs ahead as a
+    # probe; its siblings wait for it, then queued requests start longest-expected first.
+    self.length_aware = length_aware
+    self._lengths: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+    self._probing: set[tuple] = set()
     self._reset_engine_state()
     self._queue: collections.deque[Request] = collections.deque()
     self._requests: dict[str, Request] = {}
@@ -292,6 +297,7 @@ class Orchestrator:
         msg = traceback.format_exc(limit=3)
         for req in [r for r in self._slots if r is not None]:
           self._finish(req, "error", error=msg)
+        self._probing.clear()
         self._reset_engine_state()
 
   def _has_work(self) -> bool:
@@ -350,13 +356,16 @@ class Orchestrator:
     busy = {tuple(r.prompt_ids) for r in self._prefilling
             if len(r.prompt_ids) - r.prefix_hit_tokens > page}
     waiting = []
+    if self.length_aware:
+      self._order_by_expected_length()
     while free:
       with self._cv:
         if not self._queue:
           break
         req = self._queue.popleft()
       key = tuple(req.prompt_ids)
-      if self.prefix_cache is not None and key in busy and len(req.prompt_ids) > 1:
+      if (self.prefix_cache is not None and key in busy and len(req.prompt_ids) > 1) or (
+          key in self._probing):
         waiting.append(req)
         continue
       try:
@@ -369,12 +378,23 @@ class Orchestrator:
         continue
       if len(req.prompt_ids) - req.prefilled > page:
         busy.add(key)
+      if self.length_aware and key not in self._lengths:
+        self._probing.add(key)  # the prompt's probe: its siblings wait for its length
       req.slot = free.pop(0)
       self._slots[req.slot] = req
       self._prefilling.append(req)
     if waiting:
       with self._cv:
         self._queue.extendleft(reversed(waiting))
+
+  def _order_by_expected_length(self) -> None:
+    """Queued requests in admission order: probes of prompts never seen first, then the
+    longest expected output first (the longest its siblings produced); stable."""
+    def expected(req):
+      return self._lengths.get(tuple(req.prompt_ids), float("inf"))
+
+    with self._cv:
+      self._queue = collections.deque(sorted(self._queue, key=lambda r: -expected(r)))
 
   def _reserve(self, req: Request) -> bool:
     """Takes the pages of `req`'s whole length: its cached prefix's pages are shared, the
@@ -525,6 +545,13 @@ class Orchestrator:
     if req.pages:
       self.allocator.unref(req.pages)
       req.pages = []
+    if self.length_aware:
+      key = tuple(req.prompt_ids)
+      self._probing.discard(key)
+      if reason in ("stop", "length"):
+        self._lengths[key] = max(self._lengths.pop(key, 0), len(req.output_ids))
+        while len(self._lengths) > 4096:
+          self._lengths.popitem(last=False)
     self._finish(req, reason, error)
 
   def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:

@@ -57,7 +57,8 @@ def start_orchestrator(engine: Engine, engine_params, e: EngineConfig) -> Orches
   """The engine's orchestrator (started), with the prefix cache and queue `e` describes."""
   return Orchestrator(engine, engine_params, prefix_cache_tokens=e.prefix_cache_tokens,
                       max_queue=e.max_queue, cache_finished=e.cache_finished,
-                      prefill_chunk=e.prefill_chunk or None).start()
+                      prefill_chunk=e.prefill_chunk or None,
+                      length_aware=e.length_aware).start()
 
 
 def build_orchestrator(cfg: ServerConfig):

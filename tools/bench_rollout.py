@@ -114,6 +114,29 @@ def grpo_prefill(engine, params, cache_tokens, prompt, group) -> dict:
   return {"prefill_tokens": s["prefill_tokens"], "shared_pages": s["shared_pages"]}
 
 
+def scheduling_makespan(cfg, weights, length_aware, groups, group_size, slots, seed) -> float:
+  """Seconds until every sample of `groups` GRPO groups has finished, all submitted at
+  once; each group's samples run a heavy-tailed length (lognormal, median 16 tokens,
+  capped at 256) the server does not know in advance. The first run compiles."""
+  engine = Engine(cfg, max_concurrent_decodes=slots, max_prefill_length=64, max_seq_len=320)
+  orch = Orchestrator(engine, engine.load_params(weights), length_aware=length_aware).start()
+  out = None
+  for timed in (False, True):
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(256, np.maximum(1, rng.lognormal(np.log(16), 1.2, groups))).astype(int)
+    t0 = time.perf_counter()
+    reqs = []
+    for g, n in enumerate(lengths):
+      prompt = rng.integers(0, cfg.vocab_size, 24).tolist()
+      reqs += [orch.submit(prompt, SamplingParams(seed=g * group_size + i, max_new_tokens=int(n)))
+               for i in range(group_size)]
+    for r in reqs:
+      r.wait(600)
+    out = time.perf_counter() - t0
+  orch.stop()
+  return out
+
+
 def turn_rate(cfg, weights, rows, requests, prompt_len, seed) -> float:
   """Requests/s for `requests` distinct prompts that each want one token; the first
   round compiles the shapes and is not timed."""
@@ -145,7 +168,8 @@ def main() -> None:
   p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median)")
   p.add_argument("--turns", type=int, default=8)
   p.add_argument("--prefill-rows", type=int, default=8)
-  p.add_argument("--skip", default="", help="sections to skip: capacity,sessions,grpo,turns")
+  p.add_argument("--skip", default="",
+                 help="sections to skip: capacity,sessions,grpo,turns,scheduling")
   p.add_argument("--dtype", default=None, help="sampling dtype, e.g. bfloat16 (default: the model's)")
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
@@ -199,6 +223,13 @@ def main() -> None:
             "shared_pages_on": with_cache["shared_pages"],
             "ratio_off_over_on": round(without["prefill_tokens"]
                                        / with_cache["prefill_tokens"], 2)}, args.json)
+    if "scheduling" not in skip:
+      fifo = scheduling_makespan(cfg, weights, False, 48, 4, 16, 5)
+      aware = scheduling_makespan(cfg, weights, True, 48, 4, 16, 5)
+      emit({"section": "scheduling", "preset": name, "groups": 48, "group_size": 4,
+            "slots": 16, "makespan_fifo_s": round(fifo, 3),
+            "makespan_length_aware_s": round(aware, 3),
+            "ratio_fifo_over_aware": round(fifo / aware, 2)}, args.json)
     if "turns" not in skip:
       one = turn_rate(cfg, weights, 1, 128, 16, 3)
       many = turn_rate(cfg, weights, args.prefill_rows, 128, 16, 3)

@@ -179,3 +179,31 @@ def test_abort_and_weight_update_while_a_prompt_is_prefilled_in_chunks(random_pa
     assert orch.stats()["kv_pages"]["used"] == 0
   finally:
     orch.stop()
+
+
+def test_length_aware_admission_probes_then_runs_longest_first(random_params):
+  """Each prompt's first sample runs as a probe and its siblings wait for it; once lengths
+  are known, queued requests start longest-expected first."""
+  engine = make_engine()  # 4 slots
+  orch = Orchestrator(engine, engine.load_params(random_params), length_aware=True).start()
+  lengths = {0: 4, 1: 40, 2: 12, 3: 80}
+
+  def submit(g, i):
+    return g, orch.submit([10 + g, 2, 3], SamplingParams(seed=10 * g + i,
+                                                         max_new_tokens=lengths[g]))
+
+  try:
+    first = [submit(g, i) for g in range(4) for i in range(2)]  # probes + one sibling each
+    for _, r in first:
+      assert r.wait(120) and r.finish_reason == "length"
+    later = [submit(g, i) for g in range(4) for i in range(2, 5)]  # 12 for 4 slots
+    for _, r in later:
+      assert r.wait(120) and r.finish_reason == "length"
+  finally:
+    orch.stop()
+  by_group = {g: sorted((r for h, r in first if h == g), key=lambda r: r.first_token_at)
+              for g in range(4)}
+  for g, (probe, sibling) in by_group.items():  # the sibling waited for its probe
+    assert sibling.first_token_at >= probe.finished_at
+  order = [g for _, g in sorted((r.first_token_at, g) for g, r in later)]
+  assert order[:3] == [3, 3, 3] and order[-3:] == [0, 0, 0], order
