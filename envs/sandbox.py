@@ -527,8 +527,9 @@ class Sandbox:
     tag = uuid.uuid4().hex[:8]
     out_path = os.path.join(self._logs, f"{tag}.out")
     err_path = os.path.join(self._logs, f"{tag}.err")
-    run_dir = tempfile.mkdtemp(prefix=f"run-{tag}-", dir=self._logs)
-    os.chmod(self._logs, 0o711)
+    # mountns builds the run's private root here (root-owned; nothing else needs it).
+    run_dir = (tempfile.mkdtemp(prefix=f"run-{tag}-", dir=self._logs)
+               if self.isolation == "mountns" else self._logs)
     t0 = time.perf_counter()
     timed_out, error, code, sig = False, None, None, None
     try:
@@ -555,7 +556,8 @@ class Sandbox:
       error = f"{type(e).__name__}: {e}"
     finally:
       await asyncio.to_thread(self._kill_uid)
-      shutil.rmtree(run_dir, ignore_errors=True)
+      if run_dir != self._logs:
+        shutil.rmtree(run_dir, ignore_errors=True)
     duration = time.perf_counter() - t0
     outs = [_digest(p, self.limits.output_budget) if os.path.exists(p) else ("", 0, "")
             for p in (out_path, err_path)]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 from typing import Any, Optional, Sequence
@@ -160,7 +161,9 @@ class HiddenTests:
                        "max_report_bytes": max_report_bytes}).encode()
 
 
+@functools.cache
 def harness_source() -> str:
+  """The harness run with `python3 -I -c`: the value codec, then the harness itself."""
   return inspect.getsource(values) + _HARNESS_BODY
 
 
