@@ -197,6 +197,8 @@ class EngineConfig:
   # Length-aware admission (Seer): a prompt's first sample runs ahead as a probe, then
   # queued requests start longest-expected first.
   length_aware: bool = False
+  # Group speculative decoding (Seer): draft tokens a step from sibling samples (0: off).
+  speculative_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

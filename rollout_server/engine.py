@@ -124,16 +124,10 @@ def _bits(x):
   return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 
 
-def sample_token(logits_V: jax.Array, key: jax.Array, temperature: jax.Array,
-                 top_p: jax.Array, top_k: jax.Array, filtered: bool = True):
-  """Samples one token; returns (token, log-prob under the sampling distribution,
-  log-prob under the raw model).
-
-  The sampling distribution is softmax(logits / temperature) restricted to the
-  top-k tokens and then to the smallest set whose probability reaches top_p;
-  the returned log-prob is taken from exactly that distribution. Greedy
-  (temperature 0) samples from a point mass: log-prob 0.
-  """
+def _sampling_logits(logits_V: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                     top_k: jax.Array, filtered: bool = True):
+  """(float32 logits, scaled logits of the sampling distribution with the tokens top-k and
+  top-p exclude at -inf, raw log-probs, greedy flag)."""
   logits = logits_V.astype(jnp.float32)
   raw_logp = jax.nn.log_softmax(logits)
   greedy = temperature <= 0.0
@@ -147,11 +141,66 @@ def sample_token(logits_V: jax.Array, key: jax.Array, temperature: jax.Array,
     keep = (jnp.cumsum(probs) - probs) < top_p
     threshold = jnp.min(jnp.where(keep & (order >= kth), order, jnp.inf))
     scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+  return logits, scaled, raw_logp, greedy
+
+
+def sample_token(logits_V: jax.Array, key: jax.Array, temperature: jax.Array,
+                 top_p: jax.Array, top_k: jax.Array, filtered: bool = True):
+  """Samples one token; returns (token, log-prob under the sampling distribution,
+  log-prob under the raw model).
+
+  The sampling distribution is softmax(logits / temperature) restricted to the
+  top-k tokens and then to the smallest set whose probability reaches top_p;
+  the returned log-prob is taken from exactly that distribution. Greedy
+  (temperature 0) samples from a point mass: log-prob 0.
+  """
+  logits, scaled, raw_logp, greedy = _sampling_logits(logits_V, temperature, top_p, top_k,
+                                                      filtered)
   logp_all = jax.nn.log_softmax(scaled)
   sampled = jax.random.categorical(key, scaled)
   token = jnp.where(greedy, jnp.argmax(logits), sampled).astype(jnp.int32)
   logp = jnp.where(greedy, 0.0, logp_all[token])
   return token, logp, raw_logp[token]
+
+
+def speculate_row(logits_TxV, drafts_K, n_drafts, key, length, temperature, top_p, top_k):
+  """Exact speculative sampling with point-mass drafts (speculative decoding, Leviathan et
+  al. 2023; drafts from sibling samples as in Seer) for one sequence.
+
+  `logits_TxV` (T = K + 1) are the model's logits after the fed token at position
+  `length` and after each draft; draft j is accepted with probability p_j(draft_j), the
+  sampling distribution's probability of it (the draft distribution is a point mass).
+  At the first rejection the token is drawn from p with the draft's token removed and
+  renormalised (the residual max(p - q, 0)); when all `n_drafts` are accepted one more
+  token is drawn from p. Each emitted token is therefore distributed exactly as p, and
+  its recorded log-prob is log p(token). Returns (tokens [T], log-probs [T], raw log-probs
+  [T], n_out): the first n_out tokens are emitted.
+  """
+  T = logits_TxV.shape[0]
+  K = T - 1
+  logits, scaled, raw, greedy = jax.vmap(
+      lambda l: _sampling_logits(l, temperature, top_p, top_k))(logits_TxV)
+  greedy = greedy[0]
+  logp = jax.nn.log_softmax(scaled, axis=-1)
+  best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  j = jnp.arange(K)
+  p_draft = jnp.where(greedy, (drafts_K == best[:K]).astype(jnp.float32),
+                      jnp.exp(logp[j, drafts_K]))
+  # The accept draw of the token at position length + 1 + j has a key of its own.
+  u = jax.vmap(lambda i: jax.random.uniform(
+      jax.random.fold_in(jax.random.fold_in(key, length + 1 + i), 1)))(j)
+  accepted = jnp.cumprod((u < p_draft) & (j < n_drafts)).sum().astype(jnp.int32)
+  rejected = accepted < n_drafts
+  bad = drafts_K[jnp.minimum(accepted, K - 1)]
+  final_scaled = jnp.where(rejected & (jnp.arange(scaled.shape[1]) == bad), -jnp.inf,
+                           scaled[accepted])
+  sampled = jax.random.categorical(jax.random.fold_in(key, length + 1 + accepted), final_scaled)
+  final = jnp.where(greedy, best[accepted], sampled).astype(jnp.int32)
+  tokens = jnp.concatenate([drafts_K.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+  tokens = tokens.at[accepted].set(final)
+  t = jnp.arange(T)
+  token_logp = jnp.where(greedy, 0.0, logp[t, tokens])
+  return tokens, token_logp, raw[t, tokens], accepted + 1
 
 
 def _sample_rows(logits_SxV, keys, temperature, top_p, top_k):
@@ -231,6 +280,7 @@ class Engine:
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._release = jax.jit(self._release_impl, donate_argnums=(0,))
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+    self._verify = jax.jit(self._verify_impl, donate_argnums=(1,))
 
   # -- JetStream properties ----------------------------------------------------------
 
@@ -461,6 +511,40 @@ class Engine:
     data = jnp.stack([tokens, state.active.astype(jnp.int32), lengths + 1, _bits(logp),
                       _bits(raw), jnp.broadcast_to(params["version"], tokens.shape)], axis=1)
     return state._replace(pages=pages, tokens=tokens, lengths=lengths), ResultTokens(data)
+
+  def _verify_impl(self, params, state: DecodeState, drafts, n_drafts):
+    S, K = drafts.shape
+    model = bind(self.graphdef, self.abstract_params, params["weights"])
+    tokens_in = jnp.concatenate([state.tokens[:, None], drafts], axis=1)
+    positions = state.lengths[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+    past = jnp.where(state.active, state.lengths, 0)
+    logits, new_k, new_v = model.forward_paged(tokens_in, positions, past, state.pages,
+                                               state.page_table,
+                                               pages_per_block=self.pages_per_block)
+    valid = state.active[:, None] & (jnp.arange(K + 1)[None, :] <= n_drafts[:, None])
+    pages = write_pages(state.pages, new_k, new_v, state.page_table, positions, valid)
+    tokens, logp, raw, n_out = jax.vmap(speculate_row)(
+        logits, drafts, n_drafts, state.keys, state.lengths, state.temperature, state.top_p,
+        state.top_k)
+    n_out = jnp.where(state.active, n_out, 0)
+    lengths = jnp.where(state.active,
+                        jnp.minimum(state.lengths + n_out, self.max_seq_len - 1), state.lengths)
+    last = tokens[jnp.arange(S), jnp.maximum(n_out - 1, 0)]
+    emitted = (jnp.arange(K + 1)[None, :] < n_out[:, None]).astype(jnp.int32)
+    data = jnp.stack([tokens, emitted, positions + 2, _bits(logp), _bits(raw),
+                      jnp.broadcast_to(params["version"], tokens.shape)], axis=-1)
+    return state._replace(pages=pages, tokens=jnp.where(state.active, last, state.tokens),
+                          lengths=lengths), ResultTokens(data)
+
+  def verify(self, params, decode_state: DecodeState, drafts: np.ndarray,
+             n_drafts: np.ndarray) -> tuple[DecodeState, ResultTokens]:
+    """A decode step that also checks up to K draft tokens per slot in the same forward
+    pass (`drafts` `[slots, K]`, `n_drafts` `[slots]`; donates `decode_state`): each slot
+    emits its accepted drafts and one more token (`speculate_row`), all distributed
+    exactly as `generate`'s. The result's data is `[slots, K + 1, columns]`; column VALID
+    marks the emitted tokens. An extension of JetStream's API."""
+    return self._verify(params, decode_state, np.asarray(drafts, np.int32),
+                        np.asarray(n_drafts, np.int32))
 
   def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     """One decode step for every active slot (donates `decode_state`). Its cost follows

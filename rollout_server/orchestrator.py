@@ -32,6 +32,8 @@ import traceback
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
+
 
 from rollout_server.engine import Engine, PrefillRequest, SamplingParams
 from rollout_server.pages import OutOfPages, PageAllocator, PagedPrefixCache
@@ -121,7 +123,8 @@ class Orchestrator:
 
   def __init__(self, engine: Engine, params: Any, *, prefix_cache_tokens: int = 0,
                max_queue: int = 4096, cache_finished: bool = True,
-               prefill_chunk: Optional[int] = None, length_aware: bool = False):
+               prefill_chunk: Optional[int] = None, length_aware: bool = False,
+               speculative: int = 0):
     self.engine = engine
     self.params = params
     self.version = int(params["version"])
@@ -135,6 +138,12 @@ class Orchestrator:
     self.length_aware = length_aware
     self._lengths: collections.OrderedDict[tuple, int] = collections.OrderedDict()
     self._probing: set[tuple] = set()
+    # Group speculative decoding (as Seer): up to `speculative` draft tokens a step, taken
+    # from what samples of the same prompt generated after the same recent tokens.
+    self.speculative = speculative
+    self._siblings: collections.OrderedDict[tuple, list] = collections.OrderedDict()
+    self.spec_proposed = 0
+    self.spec_accepted = 0
     self._reset_engine_state()
     self._queue: collections.deque[Request] = collections.deque()
     self._requests: dict[str, Request] = {}
@@ -269,7 +278,9 @@ class Orchestrator:
            "tokens_generated": self.tokens_generated, "tokens_per_s": tps,
            "requests_finished": self.requests_finished, "steps": self.steps,
            "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
-           "shared_pages": self.shared_pages, "version": self.version, "loop_errors": self.loop_errors,
+           "shared_pages": self.shared_pages,
+           "speculative": {"proposed": self.spec_proposed, "accepted": self.spec_accepted},
+           "version": self.version, "loop_errors": self.loop_errors,
            "last_swap": self.last_swap,
            "kv_pages": {"total": self.engine.num_pages - 1, "used": self.allocator.used,
                         "free": self.allocator.free, "page_size": self.engine.page_size}}
@@ -291,7 +302,10 @@ class Orchestrator:
         self._process_update()
         self._admit()
         self._prefill_step()
-        self._step()
+        if self.speculative:
+          self._spec_step()
+        else:
+          self._step()
       except Exception:  # the loop never dies: fail the live requests and go on
         self.loop_errors += 1
         msg = traceback.format_exc(limit=3)
@@ -380,6 +394,12 @@ class Orchestrator:
         busy.add(key)
       if self.length_aware and key not in self._lengths:
         self._probing.add(key)  # the prompt's probe: its siblings wait for its length
+      if self.speculative:
+        group = self._siblings.setdefault(key, [])
+        group[:] = group[-15:] + [req]
+        self._siblings.move_to_end(key)
+        while len(self._siblings) > 1024:
+          self._siblings.popitem(last=False)
       req.slot = free.pop(0)
       self._slots[req.slot] = req
       self._prefilling.append(req)
@@ -492,6 +512,62 @@ class Orchestrator:
     if spent:
       self._state = self.engine.release(self._state, spent)
     self._read_results(keep=1)
+
+  def _draft(self, req: Request, k: int) -> list[int]:
+    """Up to `k` tokens a sibling (a sample of the same prompt) generated after the
+    longest suffix (at most 4 tokens) of `req`'s output that it also generated."""
+    out, best = req.output_ids, []
+    if k <= 0 or not out:
+      return best
+    for sib in self._siblings.get(tuple(req.prompt_ids), ()):
+      if sib is req:
+        continue
+      o = sib.output_ids
+      for n in range(min(4, len(out)), 0, -1):
+        tail = out[-n:]
+        hits = [p for p in range(len(o) - n) if o[p:p + n] == tail]
+        if hits:
+          # Prefer the occurrence at the same offset (samples of a group run alike).
+          p = min(hits, key=lambda p: abs(p + n - len(out)))
+          cand = o[p + n:p + n + k]
+          if len(cand) > len(best):
+            best = cand
+          break
+    return best
+
+  def _spec_step(self) -> None:
+    """One decode step that also verifies sibling drafts (`Engine.verify`). The host
+    needs the latest tokens to draft, so results are read at once (no step behind)."""
+    self._read_results(keep=0)
+    running = [(slot, req) for slot, req in enumerate(self._slots)
+               if req is not None and req.prefilled == len(req.prompt_ids) and not req.done
+               and len(req.output_ids) < self._budget(req)]
+    if not running:
+      return
+    K = self.speculative
+    drafts = np.zeros((len(self._slots), K), np.int32)
+    n = np.zeros(len(self._slots), np.int32)
+    for slot, req in running:
+      d = self._draft(req, min(K, self._budget(req) - len(req.output_ids) - 1))
+      drafts[slot, :len(d)] = d
+      n[slot] = len(d)
+    self._state, result = self.engine.verify(self.params, self._state, drafts, n)
+    self.steps += 1
+    d = np.asarray(result.data)
+    emitted = 0
+    for slot, req in running:
+      row = d[slot]
+      count = int(row[:, 1].sum())
+      self.spec_proposed += int(n[slot])
+      self.spec_accepted += count - 1
+      for j in range(count):
+        if req.done:
+          break  # ended at a stop token: the rest is discarded
+        emitted += 1
+        self._emit(req, int(row[j, 0]), float(row[j, 3:4].view(np.float32)[0]),
+                   float(row[j, 4:5].view(np.float32)[0]), int(row[j, 5]), int(row[j, 2]))
+      req.dispatched = len(req.output_ids)
+    self._recent.append((time.perf_counter(), emitted))
 
   def _read_results(self, keep: int) -> None:
     """Reads dispatched results in order, leaving the newest `keep` in flight."""

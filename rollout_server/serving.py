@@ -58,7 +58,8 @@ def start_orchestrator(engine: Engine, engine_params, e: EngineConfig) -> Orches
   return Orchestrator(engine, engine_params, prefix_cache_tokens=e.prefix_cache_tokens,
                       max_queue=e.max_queue, cache_finished=e.cache_finished,
                       prefill_chunk=e.prefill_chunk or None,
-                      length_aware=e.length_aware).start()
+                      length_aware=e.length_aware,
+                      speculative=e.speculative_tokens).start()
 
 
 def build_orchestrator(cfg: ServerConfig):

@@ -202,3 +202,28 @@ def test_paged_pool_sharded_over_kv_heads_gives_the_same_tokens(multidevice):
     print("ok")
   """)
   assert "ok" in out and "'tensor'" in out
+
+
+@pytest.mark.parametrize("draft,temperature,top_k", [(2, 1.0, 0), (0, 0.7, 3), (4, 1.0, 3)])
+def test_speculative_sampling_keeps_the_distribution(draft, temperature, top_k):
+  """Whatever the draft, the first emitted token is distributed exactly as the sampling
+  distribution (20,000 draws), and its log-prob is that distribution's."""
+  from rollout_server.engine import speculate_row
+
+  logits = jnp.asarray([[1.0, 0.2, 2.0, -1.0, 0.5], [0.3, 0.1, 0.0, 1.5, -0.5]])
+  scaled = np.asarray(logits[0]) / temperature
+  if top_k:
+    scaled = np.where(scaled >= np.sort(scaled)[-top_k], scaled, -np.inf)
+  p = np.exp(scaled - scaled.max())
+  p /= p.sum()
+  keys = jax.random.split(jax.random.PRNGKey(0), 20_000)
+  run = jax.jit(jax.vmap(lambda k: speculate_row(
+      logits, jnp.asarray([draft]), jnp.int32(1), k, jnp.int32(5), jnp.float32(temperature),
+      jnp.float32(1.0), jnp.int32(top_k))))
+  tokens, logp, _, n_out = run(keys)
+  first = np.asarray(tokens[:, 0])
+  freq = np.bincount(first, minlength=5) / len(first)
+  np.testing.assert_allclose(freq, p, atol=0.015)
+  np.testing.assert_allclose(np.asarray(logp[:, 0]), np.log(p[first]), atol=1e-5)
+  accepted = np.asarray(n_out) == 2
+  assert abs(accepted.mean() - p[draft]) < 0.015  # a draft is kept with probability p(draft)

@@ -207,3 +207,33 @@ def test_length_aware_admission_probes_then_runs_longest_first(random_params):
     assert sibling.first_token_at >= probe.finished_at
   order = [g for _, g in sorted((r.first_token_at, g) for g, r in later)]
   assert order[:3] == [3, 3, 3] and order[-3:] == [0, 0, 0], order
+
+
+def test_group_speculative_decoding_is_exact(random_params):
+  """Drafts from sibling samples: greedy samples come out exactly as without speculation
+  (with most drafts accepted), and sampled tokens carry their exact log-probs."""
+  from tests.rollout_server.test_engine import teacher_forced
+
+  prompt = [9, 8, 7, 6]
+  runs = {}
+  for spec in (0, 4):
+    engine = make_engine()
+    orch = Orchestrator(engine, engine.load_params(random_params), speculative=spec).start()
+    try:
+      greedy = [orch.submit(prompt, SamplingParams(temperature=0.0, max_new_tokens=40, seed=i))
+                for i in range(4)]
+      for r in greedy:
+        assert r.wait(120) and r.finish_reason == "length"
+      sampled = [orch.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i))
+                 for i in range(4)]
+      for r in sampled:
+        assert r.wait(120)
+      runs[spec] = (greedy, sampled, orch.stats())
+    finally:
+      orch.stop()
+  (g0, _, s0), (g4, sampled, s4) = runs[0], runs[4]
+  assert [r.output_ids for r in g4] == [r.output_ids for r in g0]
+  assert s4["speculative"]["accepted"] > 40 and s4["steps"] < s0["steps"]
+  for r in sampled:  # every emitted token's log-prob is the policy's, draft or not
+    want = teacher_forced(random_params, prompt + r.output_ids)[len(prompt):]
+    np.testing.assert_allclose(r.output_logprobs, want, atol=2e-5)
