@@ -196,7 +196,8 @@ def test_length_aware_admission_probes_then_runs_longest_first(random_params):
     first = [submit(g, i) for g in range(4) for i in range(2)]  # probes + one sibling each
     for _, r in first:
       assert r.wait(120) and r.finish_reason == "length"
-    later = [submit(g, i) for g in range(4) for i in range(2, 5)]  # 12 for 4 slots
+    with orch._cv:  # all 12 queued before the loop admits any (4 slots)
+      later = [submit(g, i) for g in range(4) for i in range(2, 5)]
     for _, r in later:
       assert r.wait(120) and r.finish_reason == "length"
   finally:
@@ -220,8 +221,11 @@ def test_group_speculative_decoding_is_exact(random_params):
     engine = make_engine()
     orch = Orchestrator(engine, engine.load_params(random_params), speculative=spec).start()
     try:
-      greedy = [orch.submit(prompt, SamplingParams(temperature=0.0, max_new_tokens=40, seed=i))
-                for i in range(4)]
+      # The first sample runs alone; its siblings then draft from its finished output.
+      greedy = [orch.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=40),
+                              timeout=120)]
+      greedy += [orch.submit(prompt, SamplingParams(temperature=0.0, max_new_tokens=40, seed=i))
+                 for i in range(1, 4)]
       for r in greedy:
         assert r.wait(120) and r.finish_reason == "length"
       sampled = [orch.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=30, seed=i))
@@ -233,7 +237,8 @@ def test_group_speculative_decoding_is_exact(random_params):
       orch.stop()
   (g0, _, s0), (g4, sampled, s4) = runs[0], runs[4]
   assert [r.output_ids for r in g4] == [r.output_ids for r in g0]
-  assert s4["speculative"]["accepted"] > 40 and s4["steps"] < s0["steps"]
+  # Each sibling accepts every draft: 4 of every 5 tokens after its first.
+  assert s4["speculative"]["accepted"] >= 3 * 30 and s4["steps"] < s0["steps"]
   for r in sampled:  # every emitted token's log-prob is the policy's, draft or not
     want = teacher_forced(random_params, prompt + r.output_ids)[len(prompt):]
     np.testing.assert_allclose(r.output_logprobs, want, atol=2e-5)
