@@ -464,11 +464,8 @@ class Sandbox:
 
   def destroy(self) -> None:
     self._kill_uid()
-    if self._mounted:
-      subprocess.run(["umount", "-l", self.host_path], capture_output=True)
-      self._mounted = False
+    self._release()  # unmounts the quota tmpfs first, so rmtree removes only the mountpoint
     shutil.rmtree(self.host_path, ignore_errors=True)
-    self._release()
 
   def _release(self) -> None:
     if getattr(self, "_logs", None):

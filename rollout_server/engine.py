@@ -64,10 +64,11 @@ class ResultTokens(NamedTuple):
   data: Any
 
   def to_host(self) -> "HostResult":
+    """Host columns, `[slots]` each (`[slots, K + 1]` for `Engine.verify`'s results)."""
     d = np.asarray(self.data)
-    return HostResult(tokens=d[:, TOKEN], valid=d[:, VALID].astype(bool), lengths=d[:, LENGTH],
-                      logp=d[:, LOGP].view(np.float32), raw_logp=d[:, RAW_LOGP].view(np.float32),
-                      versions=d[:, VERSION])
+    return HostResult(tokens=d[..., TOKEN], valid=d[..., VALID].astype(bool),
+                      lengths=d[..., LENGTH], logp=d[..., LOGP].view(np.float32),
+                      raw_logp=d[..., RAW_LOGP].view(np.float32), versions=d[..., VERSION])
 
 
 class HostResult(NamedTuple):

@@ -553,19 +553,18 @@ class Orchestrator:
       n[slot] = len(d)
     self._state, result = self.engine.verify(self.params, self._state, drafts, n)
     self.steps += 1
-    d = np.asarray(result.data)
+    h = result.to_host()
     emitted = 0
     for slot, req in running:
-      row = d[slot]
-      count = int(row[:, 1].sum())
+      count = int(h.valid[slot].sum())
       self.spec_proposed += int(n[slot])
       self.spec_accepted += count - 1
       for j in range(count):
         if req.done:
           break  # ended at a stop token: the rest is discarded
         emitted += 1
-        self._emit(req, int(row[j, 0]), float(row[j, 3:4].view(np.float32)[0]),
-                   float(row[j, 4:5].view(np.float32)[0]), int(row[j, 5]), int(row[j, 2]))
+        self._emit(req, int(h.tokens[slot, j]), float(h.logp[slot, j]),
+                   float(h.raw_logp[slot, j]), int(h.versions[slot, j]), int(h.lengths[slot, j]))
       req.dispatched = len(req.output_ids)
     self._recent.append((time.perf_counter(), emitted))
 
