@@ -64,6 +64,11 @@ class LearnerConfig:
   eps: float = 1e-8
   max_grad_norm: float = 1.0
   microbatches: int = 1
+  # Log-probs and entropies are computed this many positions at a time (a [rows, chunk,
+  # vocab] float32 block at most), and with logits_vocab_chunk > 0 over the vocabulary
+  # in chunks too (for vocabularies of 10^5); 0 forms the whole [rows, T, vocab] logits.
+  logits_chunk: int = 256
+  logits_vocab_chunk: int = 0
   # Optimiser updates per batch (PPO epochs); ratios are against the pre-update policy.
   epochs: int = 1
   # ppo | gspo | reinforce

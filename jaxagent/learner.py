@@ -10,6 +10,7 @@ full-batch update however the batch is split (and over however many devices).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Optional
 
 import chex
@@ -107,18 +108,26 @@ def check_config(cfg: LearnerConfig) -> None:
     raise ValueError(f"learner.microbatches must be >= 1, got {cfg.microbatches}")
 
 
-def token_logps(model, batch: TrajectoryBatch, temperature: float) -> tuple[jax.Array, jax.Array]:
-  """Per-token log-probs and entropies `[B, T]` of the batch's tokens under `model`."""
-  logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
-  logp, entropy = losses.token_logp_and_entropy(logits, losses.shifted_targets(batch.tokens),
-                                                temperature)
+def token_logps(model, batch: TrajectoryBatch, cfg: LearnerConfig
+                ) -> tuple[jax.Array, jax.Array]:
+  """Per-token log-probs and entropies `[B, T]` of the batch's tokens under `model`
+  (chunked over positions, `cfg.logits_chunk`; never the whole logits unless 0)."""
+  targets = losses.shifted_targets(batch.tokens)
+  if cfg.logits_chunk <= 0:
+    logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
+    logp, entropy = losses.token_logp_and_entropy(logits, targets, cfg.temperature)
+  else:
+    hidden, _ = model.hidden_states(batch.tokens, batch.positions, batch.segment_ids)
+    logp, entropy = losses.chunked_token_logp_and_entropy(
+        hidden, model.head_matrix(), targets, cfg.temperature, chunk=cfg.logits_chunk,
+        vocab_chunk=cfg.logits_vocab_chunk)
   return losses.align_to_tokens(logp), losses.align_to_tokens(entropy)
 
 
 def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig
                          ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
   """Unreduced objective sum of one microbatch, its denominator and metric (sum, denom) pairs."""
-  logp, entropy = token_logps(model, batch, cfg.temperature)
+  logp, entropy = token_logps(model, batch, cfg)
   mask = batch.loss_mask
   # On-policy single update: the learner's "old" policy is the current one.
   old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
@@ -168,13 +177,19 @@ def accumulate_gradients(params: Params, batch: TrajectoryBatch, objective, micr
 
   `objective(params, batch) -> (sum, (denominator, metrics))`. Returns the
   summed gradient of the sums (not yet divided), the summed loss, the summed
-  denominator and summed metric (sum, denominator) pairs.
+  denominator and summed metric (sum, denominator) pairs. Gradients are summed in
+  float32 whatever the parameters' dtype.
   """
   rows = batch.tokens.shape[0]
   if rows % microbatches:
     raise ValueError(f"batch rows ({rows}) must be divisible by learner.microbatches "
                      f"({microbatches})")
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  value_and_grad = jax.value_and_grad(objective, has_aux=True)
+
+  def grad_fn(params, mb):
+    out, grads = value_and_grad(params, mb)
+    return out, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
   if microbatches == 1:
     (total, (denom, metrics)), grads = grad_fn(params, batch)
     return grads, total, denom, metrics
@@ -194,9 +209,9 @@ def old_logps(params: Params, batch: TrajectoryBatch, *, graphdef, abstract_stat
   """Log-probs `[B, T]` under `params` (no gradient), by the learner's microbatches."""
   model = bind(graphdef, abstract_state, jax.lax.stop_gradient(params))
   if cfg.microbatches == 1:
-    return token_logps(model, batch, cfg.temperature)[0]
+    return token_logps(model, batch, cfg)[0]
   mbs = _split_microbatches(batch, cfg.microbatches, micro_sharding)
-  out = jax.lax.map(lambda mb: token_logps(model, mb, cfg.temperature)[0], mbs)
+  out = jax.lax.map(lambda mb: token_logps(model, mb, cfg)[0], mbs)
   return out.swapaxes(0, 1).reshape(batch.tokens.shape)  # undo the row interleaving
 
 
@@ -267,6 +282,10 @@ class Learner:
                                       policy_version=replicated)
     batch_axes = logical_to_spec(("batch",), rules, mesh)[0]
     self.batch_sharding = NamedSharding(mesh, P(batch_axes, None))
+    axes = () if batch_axes is None else (batch_axes if isinstance(batch_axes, tuple)
+                                          else (batch_axes,))
+    # Batch rows must split evenly over the batch shards and then the microbatches.
+    self.row_multiple = cfg.microbatches * math.prod(mesh.shape[a] for a in axes)
     micro = NamedSharding(mesh, P(None, batch_axes, None))
     step = functools.partial(train_step, graphdef=self.graphdef,
                              abstract_state=self.abstract_params, tx=self.tx,

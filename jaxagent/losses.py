@@ -57,6 +57,81 @@ def token_logp_and_entropy(logits_BxTxV: Array, targets_BxT: Array,
   return target_logit - logz, entropy
 
 
+def _logz_target_entropy(logits_NxV: Array, targets_N: Array, valid_V: Optional[Array]
+                         ) -> tuple[Array, Array, Array, Array]:
+  """Pieces of an online log-softmax over one vocabulary chunk: the chunk's max m,
+  l = sum exp(z - m), s = sum exp(z - m) z and the target's logit (0 if not in the chunk;
+  `targets_N` are chunk-local ids)."""
+  if valid_V is not None:  # padding columns of the last chunk: exp() gives exact zeros
+    logits_NxV = jnp.where(valid_V[None, :], logits_NxV, -1e30)  # finite: no NaN gradients
+  m = jnp.max(logits_NxV, axis=-1)
+  e = jnp.exp(logits_NxV - m[:, None])
+  l = jnp.sum(e, axis=-1)
+  s = jnp.sum(e * logits_NxV, axis=-1)
+  V = logits_NxV.shape[-1]
+  inside = (targets_N >= 0) & (targets_N < V)
+  t = jnp.take_along_axis(logits_NxV, jnp.clip(targets_N, 0, V - 1)[:, None], axis=-1)[:, 0]
+  return m, l, s, jnp.where(inside, t, 0.0)
+
+
+def chunked_token_logp_and_entropy(hidden_BxTxD: Array, head_DxV: Array, targets_BxT: Array,
+                                   temperature: float = 1.0, *, chunk: int = 256,
+                                   vocab_chunk: int = 0) -> tuple[Array, Array]:
+  """`token_logp_and_entropy` of the logits `hidden @ head`, never forming `[B, T, V]`.
+
+  The positions are taken `chunk` at a time (a `[B, chunk, V]` float32 block at most
+  alive) under `jax.checkpoint`, so the backward pass recomputes each block instead
+  of keeping it; with `vocab_chunk` > 0 the vocabulary is walked in chunks too, with
+  an online log-sum-exp (peak `[B, chunk, vocab_chunk]`, for vocabularies of 10^5).
+  Equal to the full computation to float32 rounding.
+  """
+  chex.assert_rank([hidden_BxTxD, targets_BxT], [3, 2])
+  B, T, D = hidden_BxTxD.shape
+  V = head_DxV.shape[1]
+  chunk = max(1, min(chunk, T))
+  pad_t = -T % chunk
+  h = jnp.pad(hidden_BxTxD, [(0, 0), (0, pad_t), (0, 0)])
+  tg = jnp.pad(targets_BxT, [(0, 0), (0, pad_t)])
+  n_chunks = (T + pad_t) // chunk
+  h = h.reshape(B, n_chunks, chunk, D).swapaxes(0, 1)  # [n, B, chunk, D]
+  tg = tg.reshape(B, n_chunks, chunk).swapaxes(0, 1)
+  w = head_DxV.astype(jnp.float32)
+  vc = V if vocab_chunk <= 0 else min(vocab_chunk, V)
+  pad_v = -V % vc
+  w_chunks = jnp.pad(w, [(0, 0), (0, pad_v)]).reshape(D, -1, vc).swapaxes(0, 1)  # [nv, D, vc]
+  n_v = w_chunks.shape[0]
+
+  def vocab_step(carry, xs):
+    m, l, s, t = carry
+    w_c, start, h_N, tg_N = xs
+    logits = (h_N @ w_c) / temperature
+    valid = (start + jnp.arange(vc)) < V if pad_v else None
+    m_c, l_c, s_c, t_c = _logz_target_entropy(logits, tg_N - start, valid)
+    m_new = jnp.maximum(m, m_c)
+    a, b = jnp.exp(m - m_new), jnp.exp(m_c - m_new)
+    return (m_new, l * a + l_c * b, s * a + s_c * b, t + t_c), None
+
+  @jax.checkpoint
+  def position_chunk(h_BxCxD, tg_BxC):
+    h_N = h_BxCxD.reshape(-1, D).astype(jnp.float32)
+    tg_N = tg_BxC.reshape(-1)
+    if n_v == 1:
+      m, l, s, t = _logz_target_entropy((h_N @ w) / temperature, tg_N, None)
+    else:
+      n = h_N.shape[0]
+      init = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)), jnp.zeros((n,)), jnp.zeros((n,)))
+      starts = jnp.arange(n_v, dtype=jnp.int32) * vc
+      step = jax.checkpoint(lambda c, xs: vocab_step(c, (*xs, h_N, tg_N)))
+      (m, l, s, t), _ = jax.lax.scan(step, init, (w_chunks, starts))
+    logz = m + jnp.log(l)
+    # H = log Z - E_p[z], with E_p[z] = s / l.
+    return (t - logz).reshape(B, chunk), (logz - s / l).reshape(B, chunk)
+
+  logp, entropy = jax.lax.map(lambda xs: position_chunk(*xs), (h, tg))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(B, -1)[:, :T]
+  return unchunk(logp), unchunk(entropy)
+
+
 def shifted_targets(tokens_BxT: Array) -> Array:
   """Targets for logits at t: token t+1 (the last position gets token 0, masked out)."""
   return jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros_like(tokens_BxT[:, :1])], axis=1)

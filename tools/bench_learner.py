@@ -1,17 +1,28 @@
-"""Learner throughput: train-step tokens/s and achieved FLOP/s against a plain matmul.
+"""Learner throughput and memory: train-step tokens/s, achieved FLOP/s against a matmul
+measured in the same run, and the compiled step's peak memory, per row length.
 
-  python tools/bench_learner.py [--preset tiny] [--rows 8] [--seq-len 256] [--steps 10]
+  python tools/bench_learner.py [--preset tiny] [--seq-lens 1024,8192] [--tokens 8192]
+      [--steps 5] [--attention auto] [--remat none] [--scan-unroll 1] [--json]
 
-The baseline is measured in the same run: a large float32 matmul, the best
-FLOP/s this machine's XLA reaches. The train step's FLOPs are counted
-analytically (`ModelConfig.train_flops_per_token`: every weight matmul and the
-attention products, forward and backward). XLA's cost analysis is printed too
-but undercounts: it counts the body of the layer `scan` once.
+Each row length trains on `--tokens` token slots per step (rows = tokens / seq_len)
+of packed synthetic segments (a quarter to a half of the row each); tokens/s counts
+real tokens, not padding. The baseline is a large float32 matmul, the best FLOP/s
+this machine's XLA reaches, timed in the same run. The step's FLOPs are the model's
+(`ModelConfig.train_flops`: every weight matmul of the real tokens and the attention
+products over each token's own causal context in its segment, forward and backward,
+as MFU counts them); work an implementation adds (recomputation, masked-out blocks,
+padding) does not count. Peak memory is XLA's own account
+of the compiled step (arguments + outputs + temporaries, `memory_analysis`).
+
+`--json` prints one JSON object per row length, then a summary line with the peak
+memory ratio between the longest and the shortest length (linear growth: about the
+ratio of the lengths at a fixed token count, i.e. about 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
@@ -43,31 +54,29 @@ def matmul_flops_per_s(n: int, repeats: int) -> float:
   return 2 * n**3 / best_time(lambda: f(a, b), repeats)
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--preset", default="tiny")
-  p.add_argument("--rows", type=int, default=8)
-  p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--microbatches", type=int, default=1)
-  p.add_argument("--matmul-n", type=int, default=2048)
-  args = p.parse_args()
+def peak_bytes(compiled) -> int:
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
 
-  cfg = preset(args.preset)
+
+def measure(args, seq_len: int) -> dict:
+  overrides = dict(attention=args.attention, remat=args.remat, scan_unroll=args.scan_unroll,
+                   max_seq_len=max(seq_len, 1024))
+  if args.attention_block:
+    overrides["attention_block"] = args.attention_block
+  cfg = preset(args.preset, **overrides)
+  rows = max(1, args.tokens // seq_len)
   vocab = min(cfg.vocab_size, 256)
-  segs = [synthetic_segment(i, seed=0, vocab=vocab, target=97, min_len=args.seq_len // 4,
-                            max_len=args.seq_len // 2) for i in range(args.rows * 4)]
-  batch, _ = pack(segs, args.rows, args.seq_len)
-  learner = Learner(cfg, LearnerConfig(microbatches=args.microbatches), make_mesh())
+  segs = [synthetic_segment(i, seed=0, vocab=vocab, target=97, min_len=seq_len // 4,
+                            max_len=seq_len // 2) for i in range(rows * 4)]
+  batch, _ = pack(segs, rows, seq_len)
+  lcfg = LearnerConfig(microbatches=args.microbatches, logits_chunk=args.logits_chunk)
+  learner = Learner(cfg, lcfg, make_mesh())
   state = learner.init_state(0)
   sharded = learner.shard_batch(batch)
   compiled = learner._step.lower(state, sharded).compile()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  xla_flops = float(cost.get("flops", 0.0))
-  step_flops = cfg.train_flops_per_token(args.seq_len) * batch.tokens.size
-
-  state, m = learner.step(state, batch)  # warm-up (compiles)
+  state, m = learner.step(state, batch)  # warm-up
   jax.block_until_ready(m)
   times = []
   for _ in range(args.steps):
@@ -76,19 +85,59 @@ def main() -> None:
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
   step_s = float(np.median(times))
-  tokens = batch.tokens.size
-  peak = matmul_flops_per_s(args.matmul_n, 5)
+  real = batch.segment_ids > 0
+  tokens = int(real.sum())  # padding is not counted
+  flops = cfg.train_flops(tokens, float(np.sum((batch.positions + 1) * real)))
+  return {"bench": "learner", "preset": args.preset, "seq_len": seq_len, "rows": rows,
+          "fill": round(tokens / batch.tokens.size, 3),
+          "attention": args.attention, "remat": args.remat, "scan_unroll": args.scan_unroll,
+          "logits_chunk": args.logits_chunk, "step_s": round(step_s, 4),
+          "tok_per_s": round(tokens / step_s, 1), "flops_per_s": round(flops / step_s),
+          "peak_bytes": peak_bytes(compiled)}
 
-  print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}; preset {args.preset} "
-        f"({cfg.num_params() / 1e6:.2f}M params); batch {args.rows} x {args.seq_len} tokens")
-  print(f"train step: {step_s * 1e3:.1f} ms median of {args.steps}; "
-        f"{tokens / step_s:,.0f} tokens/s")
-  print(f"step FLOPs (analytic): {step_flops / 1e9:.3f} GFLOP; 6*N*tokens: "
-        f"{6 * cfg.num_params() * tokens / 1e9:.3f}; XLA cost analysis (scan body once): "
-        f"{xla_flops / 1e9:.3f}")
-  print(f"achieved: {step_flops / step_s / 1e9:.2f} GFLOP/s; "
-        f"baseline {args.matmul_n}^2 float32 matmul: {peak / 1e9:.2f} GFLOP/s")
-  print(f"ratio achieved / matmul baseline: {step_flops / step_s / peak:.3f}")
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", default="tiny")
+  p.add_argument("--seq-lens", default="1024,8192")
+  p.add_argument("--tokens", type=int, default=8192, help="tokens per train step")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--microbatches", type=int, default=1)
+  p.add_argument("--attention", default="auto")
+  p.add_argument("--attention-block", type=int, default=0)
+  p.add_argument("--remat", default="none")
+  p.add_argument("--scan-unroll", type=int, default=1)
+  p.add_argument("--logits-chunk", type=int, default=256)
+  p.add_argument("--matmul-n", type=int, default=2048)
+  p.add_argument("--json", action="store_true")
+  args = p.parse_args()
+
+  baseline = matmul_flops_per_s(args.matmul_n, 5)
+  results = []
+  for seq_len in [int(s) for s in args.seq_lens.split(",")]:
+    r = measure(args, seq_len)
+    r["matmul_flops_per_s"] = round(baseline)
+    r["fraction_of_matmul"] = round(r["flops_per_s"] / baseline, 3)
+    results.append(r)
+    if args.json:
+      print(json.dumps(r), flush=True)
+  summary = {"bench": "learner_summary", "matmul_n": args.matmul_n,
+             "matmul_flops_per_s": round(baseline),
+             "peak_bytes_ratio_longest_over_shortest":
+                 round(results[-1]["peak_bytes"] / results[0]["peak_bytes"], 3),
+             "seq_len_ratio": results[-1]["seq_len"] / results[0]["seq_len"]}
+  if args.json:
+    print(json.dumps(summary), flush=True)
+  print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}; preset {args.preset}; "
+        f"{args.tokens} tokens per step; {args.matmul_n}^2 float32 matmul: "
+        f"{baseline / 1e9:.1f} GFLOP/s")
+  print(f"{'seq_len':>8} {'rows':>5} {'step ms':>9} {'tok/s':>9} {'GFLOP/s':>8} "
+        f"{'of matmul':>9} {'peak MiB':>9}")
+  for r in results:
+    print(f"{r['seq_len']:>8} {r['rows']:>5} {r['step_s'] * 1e3:>9.1f} {r['tok_per_s']:>9,.0f} "
+          f"{r['flops_per_s'] / 1e9:>8.1f} {r['fraction_of_matmul']:>9.3f} "
+          f"{r['peak_bytes'] / 2**20:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ import dataclasses
 from typing import Optional
 
 
+# `ModelConfig.remat`: what `jax.checkpoint` may keep of a layer's forward pass.
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
@@ -36,16 +40,35 @@ class ModelConfig:
   # Compute dtype for matmuls; softmax, norms and logits always run in float32.
   dtype: str = "float32"
   param_dtype: str = "float32"
-  # Rematerialise each layer in the backward pass (saves activation memory).
-  remat: bool = False
+  # What the backward pass keeps of each layer's forward (see REMAT_POLICIES):
+  # none (everything), full (only the layer's input; recompute the rest),
+  # dots (matmul outputs), dots_no_batch (matmuls without batch dims: weights').
+  # true / false are accepted for full / none.
+  remat: str = "none"
+  # Training attention (jaxagent.models.attention): auto | dense | flash | dot_product,
+  # and the flash implementation's block of positions.
+  attention: str = "auto"
+  attention_block: int = 512
+  # Layers per iteration of the layer scan (1: a rolled loop; n_layers: unrolled).
+  # Unrolling lets XLA fuse across layers and makes the scan's backward cheaper.
+  scan_unroll: int = 1
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_ff"):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_ff",
+                 "attention_block", "scan_unroll"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if isinstance(self.remat, bool):  # frozen: set through object.__setattr__
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat: unknown {self.remat!r}; known: {', '.join(REMAT_POLICIES)}")
+    from jaxagent.models.attention import IMPLEMENTATIONS
+    if self.attention not in IMPLEMENTATIONS:
+      raise ValueError(f"attention: unknown {self.attention!r}; known: "
+                       f"{', '.join(IMPLEMENTATIONS)}")
 
   def num_params(self) -> int:
     d, f, l = self.d_model, self.d_ff, self.n_layers
@@ -56,18 +79,22 @@ class ModelConfig:
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + l * per_layer + d + head
 
-  def train_flops_per_token(self, seq_len: int) -> float:
-    """Matmul FLOPs of one training token (forward + backward = 3 x forward).
-
-    Counts every weight matmul (including the output head) and the attention
-    score and value products over a `seq_len` context, as computed (the
-    causal mask is applied to a full T x T product).
+  def train_flops(self, tokens: float, attended_keys: float) -> float:
+    """Matmul FLOPs of training on `tokens` tokens (forward + backward = 3 x forward)
+    whose queries attend to `attended_keys` keys in all (each token: its position in
+    its sequence + 1). Counts every weight matmul (including the output head) and the
+    attention score and value products the model needs, as MFU counts them; work an
+    implementation adds (recomputation, masked-out blocks, padding) does not count.
     """
     d, f, l = self.d_model, self.d_ff, self.n_layers
     weights = l * (d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * d * f)
     weights += d * self.vocab_size
-    attention = l * 2 * seq_len * self.n_heads * self.head_dim
-    return 3 * 2 * (weights + attention)
+    attention = l * 2 * self.n_heads * self.head_dim  # QK and PV, per attended key
+    return 3 * 2 * (weights * tokens + attention * attended_keys)
+
+  def train_flops_per_token(self, seq_len: int) -> float:
+    """`train_flops` per token of unpacked rows of `seq_len` tokens (causal context)."""
+    return self.train_flops(1, (seq_len + 1) / 2)
 
 
 PRESETS: dict[str, ModelConfig] = {

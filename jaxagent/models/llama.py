@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxagent.models import attention as attn_lib
+from jaxagent.models.attention import OnlineSoftmax, attend_block
 from jaxagent.models.config import ModelConfig, RopeScaling
 from jaxagent.models.sharding import ActivationSharding
 
@@ -170,46 +172,13 @@ def write_pages(pages: PagedKV, new_k_LxBxTxKxD: jax.Array, new_v_LxBxTxKxD: jax
   return PagedKV(k, v)
 
 
-class _OnlineSoftmax(NamedTuple):
-  """Running state of a softmax-weighted sum over key blocks (flash attention), float32.
-
-  `m` `[B, K, G, T]` is the running max of the scores seen (-inf before any key),
-  `l` the running sum of exp(score - m), `acc` `[B, K, G, T, Dh]` the running sum of
-  exp(score - m) * value. The attention output is `acc / l`.
-  """
-
-  m: jax.Array
-  l: jax.Array
-  acc: jax.Array
-
-
-def _attend_block(state: _OnlineSoftmax, q_BxTxKxGxD: jax.Array, k_BxSxKxD: jax.Array,
-                  v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array, scale: float) -> _OnlineSoftmax:
-  """Folds one block of S keys into the online-softmax state (Milakov & Gimelshein 2018;
-  FlashAttention; flash-decoding).
-
-  `mask_BxTxS` may have T = 1 (one mask for all queries of a row). A query whose
-  keys in this block are all masked keeps its state bit-for-bit: its max does
-  not move (alpha is exactly 1) and it adds exact zeros.
-  """
-  s = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
-                 preferred_element_type=jnp.float32) * scale
-  mask = mask_BxTxS[:, None, None, :, :]  # [B, 1, 1, T, S]
-  m_new = jnp.maximum(state.m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
-  # Rescale the old sums by exp(m_old - m_new). Where the max did not move the
-  # factor is exactly 1 (not exp(0) from a polynomial), so fully masked blocks
-  # change nothing; where m_old is -inf (no keys yet) exp(-inf) = 0. The inner
-  # where keeps -inf - -inf (NaN) out of exp.
-  grew = m_new > state.m
-  alpha = jnp.where(grew, jnp.exp(jnp.where(grew, state.m - m_new, 0.0)), 1.0)
-  # Subtract a finite max (0 while no key has been seen) so exp never sees
-  # -inf - -inf; masked keys then contribute exact zeros.
-  m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-  p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-  pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_BxSxKxD.dtype), v_BxSxKxD,
-                  preferred_element_type=jnp.float32)
-  return _OnlineSoftmax(m=m_new, l=state.l * alpha + jnp.sum(p, axis=-1),
-                        acc=state.acc * alpha[..., None] + pv)
+def remat(fn, policy: str):
+  """`fn` under `jax.checkpoint` with the named policy (`ModelConfig.remat`)."""
+  policies = {"full": None, "dots": jax.checkpoint_policies.checkpoint_dots,
+              "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+  if policy == "none":
+    return fn
+  return jax.checkpoint(fn, policy=policies[policy])
 
 
 class Decoder(nnx.Module):
@@ -315,51 +284,48 @@ class Decoder(nnx.Module):
     if positions_BxT is None:
       positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    mask = attention_mask(positions_BxT, None if cache is not None else segment_ids_BxT,
-                          cache.max_len if cache is not None else None)[:, None, None, :, :]
     G = cfg.n_heads // cfg.n_kv_heads
     scale = 1.0 / math.sqrt(cfg.head_dim)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    cache_mask = None if cache is None else attention_mask(positions_BxT, None, cache.max_len)
 
     x = self._embed(tokens_BxT)
 
     def layer(x, xs):
       p, k_cache, v_cache = xs
       q, k, v = self._qkv(p, x, positions_BxT, inv_freq)
+      q = q.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
       if k_cache is not None:
         # Write this step's keys at their absolute positions; out-of-range
         # positions (bucket padding past the cache end) are dropped.
         k_cache = k_cache.at[rows, positions_BxT].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[rows, positions_BxT].set(v.astype(v_cache.dtype), mode="drop")
-        k_all, v_all = k_cache.astype(dt), v_cache.astype(dt)
+        attn = attn_lib.dense_attention(q, k_cache.astype(dt), v_cache.astype(dt),
+                                        cache_mask, scale)
       else:
-        k_all, v_all = k, v
-      q = q.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)
-      scores = jnp.einsum("btkgd,bskd->bkgts", q, k_all,
-                          preferred_element_type=jnp.float32) * scale
-      # Masked scores get the most negative float, so exp() gives exactly 0.
-      scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      attn = jnp.einsum("bkgts,bskd->btkgd", probs, v_all).reshape(B, T, cfg.n_heads,
-                                                                     cfg.head_dim)
+        attn = attn_lib.causal_attention(q, k, v, segment_ids_BxT, scale,
+                                         implementation=cfg.attention,
+                                         block=cfg.attention_block)
+      attn = attn.reshape(B, T, cfg.n_heads, cfg.head_dim)
       return self._attn_out_and_mlp(p, x, attn), (k_cache, v_cache)
 
-    if cfg.remat:
-      layer = jax.checkpoint(layer)
+    layer = remat(layer, cfg.remat)
     xs = (self._layer_params(),
           None if cache is None else cache.k,
           None if cache is None else cache.v)
-    x, (k_new, v_new) = jax.lax.scan(layer, x, xs)
+    x, (k_new, v_new) = jax.lax.scan(layer, x, xs, unroll=min(cfg.scan_unroll, cfg.n_layers))
     new_cache = None if cache is None else KVCache(k_new, v_new)
     return rms_norm(x, self.final_norm.get_value(), cfg.norm_eps), new_cache
 
+  def head_matrix(self) -> jax.Array:
+    """The output head as `[D, V]` float32 (the embedding's transpose when tied)."""
+    if self.cfg.tie_embeddings:
+      return self.embed.get_value().astype(jnp.float32).T
+    return self.lm_head.get_value().astype(jnp.float32)
+
   def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
     """Float32 logits `[B, T, V]` from final hidden states."""
-    h = hidden_BxTxD.astype(jnp.float32)
-    if self.cfg.tie_embeddings:
-      out = jnp.einsum("btd,vd->btv", h, self.embed.get_value().astype(jnp.float32))
-    else:
-      out = jnp.einsum("btd,dv->btv", h, self.lm_head.get_value().astype(jnp.float32))
+    out = jnp.einsum("btd,dv->btv", hidden_BxTxD.astype(jnp.float32), self.head_matrix())
     return self._constrain(out, ("batch", "length", "act_vocab"))
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: Optional[jax.Array] = None,
@@ -422,15 +388,13 @@ class Decoder(nnx.Module):
         v_blk = pages.v[layer_idx, ids_BxC].reshape(B, S, K, Dh).astype(dt)
         key_pos_S = (cols_C[:, None] * P + jnp.arange(P)[None, :]).reshape(S)
         mask_Bx1xS = (key_pos_S[None, :] < past_len_B[:, None])[:, None, :]
-        return _attend_block(state, q, k_blk, v_blk, mask_Bx1xS, scale)
+        return attend_block(state, q, k_blk, v_blk, mask_Bx1xS, scale)
 
-      state = _OnlineSoftmax(m=jnp.full((B, K, G, T), -jnp.inf, jnp.float32),
-                             l=jnp.zeros((B, K, G, T), jnp.float32),
-                             acc=jnp.zeros((B, K, G, T, Dh), jnp.float32))
+      state = OnlineSoftmax.empty(B, K, G, T, Dh)
       # A traced trip count: one compiled loop serves every past length.
       state = jax.lax.fori_loop(0, num_blocks, past_block, state)
       # The new tokens last, so blocks a row skips cannot reorder its sums.
-      state = _attend_block(state, q, k.astype(dt), v.astype(dt), self_mask_BxTxT, scale)
+      state = attend_block(state, q, k.astype(dt), v.astype(dt), self_mask_BxTxT, scale)
       # Every query sees at least itself, so l >= 1.
       attn = (state.acc / state.l[..., None]).astype(dt)  # [B, K, G, T, Dh]
       attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, cfg.n_heads, Dh)
