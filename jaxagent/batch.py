@@ -57,14 +57,31 @@ def rollout_weights(loss_mask: np.ndarray, rollout_ids: np.ndarray) -> np.ndarra
   return w.reshape(np.shape(loss_mask)).astype(np.float32)
 
 
-def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0
-         ) -> tuple[TrajectoryBatch, np.ndarray]:
-  """Packs segments into `rows` rows of `seq_len` tokens (first fit, in order).
+def row_ladder(max_rows: int, multiple: int = 1) -> list[int]:
+  """The row counts a batch may take: multiples of `multiple` at 1, 1.25, 1.5 and 1.75
+  times powers of two (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ... times `multiple`),
+  up to `max_rows` (included, rounded up to the multiple). Four shapes an octave: a
+  batch wastes at most a quarter of its rows past 8 x `multiple`, and the train step
+  compiles once per shape."""
+  top = -(-max_rows // multiple)
+  units = {1, 2, 3}
+  p = 4
+  while p < top:
+    units.update(p * k // 4 for k in (4, 5, 6, 7))
+    p *= 2
+  return sorted(u * multiple for u in units if u < top) + [top * multiple]
+
+
+def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
+         decreasing: bool = False) -> tuple[TrajectoryBatch, np.ndarray]:
+  """Packs segments into `rows` rows of `seq_len` tokens (first fit).
 
   Each segment is a dict of 1-D arrays `tokens`, `loss_mask`, `rollout_logp`,
   `advantages` (and optionally `old_logp`, `ref_logp`) plus a `rollout_id`
-  (any hashable; segments of one rollout share it). Returns the batch and, for each segment, its row (-1: it did
-  not fit and was left out; the caller decides what to do with it).
+  (any hashable; segments of one rollout share it). Segments are placed in order, or
+  longest first with `decreasing` (first-fit decreasing: fuller rows; the rows used
+  are then a prefix of the batch). Returns the batch and, for each segment, its row
+  (-1: it did not fit and was left out; the caller decides what to do with it).
   """
   shape = (rows, seq_len)
   out = {name: np.zeros(shape, np.float32) for name in FLOAT_FIELDS}
@@ -76,18 +93,22 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0
   placed = np.full(len(segments), -1, np.int64)
   has = {name: any(name in s for s in segments) for name in ("old_logp", "ref_logp")}
   rollout_index: dict = {}  # rollout ids may be any hashable (strings from sessions)
-  for i, seg in enumerate(segments):
+  order = range(len(segments))
+  if decreasing:  # stable: equal lengths keep their order
+    order = sorted(order, key=lambda i: -len(segments[i]["tokens"]))
+  for i in order:
+    seg = segments[i]
     n = len(seg["tokens"])
     if n > seq_len:
       raise ValueError(f"segment {i} has {n} tokens, more than the row length {seq_len}")
     fits = np.nonzero(fill + n <= seq_len)[0]
     if not len(fits):
       continue
-    r = fits[0]
+    r = int(fits[0])
     sl = slice(fill[r], fill[r] + n)
     tokens[r, sl] = seg["tokens"]
     positions[r, sl] = np.arange(n)
-    segment_ids[r, sl] = segment_ids[r].max() + 1
+    segment_ids[r, sl] = segment_ids[r].max() + 1  # ids follow placement within a row
     rollout_ids[r, sl] = rollout_index.setdefault(seg["rollout_id"], len(rollout_index))
     for name in FLOAT_FIELDS:
       if name in seg:
@@ -102,3 +123,8 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0
       old_logp=out["old_logp"] if has["old_logp"] else None,
       ref_logp=out["ref_logp"] if has["ref_logp"] else None)
   return batch, placed
+
+
+def take_rows(batch: TrajectoryBatch, rows: int) -> TrajectoryBatch:
+  """The first `rows` rows of every array of the batch."""
+  return TrajectoryBatch(*(None if x is None else x[:rows] for x in batch))

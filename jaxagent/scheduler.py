@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from jaxagent.agent import Episode
-from jaxagent.batch import TrajectoryBatch, pack
+from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
 from jaxagent.config import AdvantageConfig, RolloutConfig
 
 
@@ -280,25 +280,29 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
       s.advantages = (values[i, turns] * s.loss_mask).astype(np.float32)
 
 
-def batch_rows(segments: list, max_rows: int, seq_len: int, min_rows: int = 4) -> int:
-  """Rows for a batch: the smallest power of two (>= min_rows) that holds the segments'
-  tokens with some slack for packing, at most `max_rows`. Few shapes, so few compiles."""
-  need = sum(len(s) for s in segments) * 1.15 / seq_len
-  rows = min_rows
-  while rows < need and rows < max_rows:
-    rows *= 2
-  return min(rows, max_rows)
+def batch_rows(used_rows: int, max_rows: int, multiple: int = 1) -> int:
+  """Rows for a batch whose segments fill `used_rows` rows: the smallest entry of
+  `row_ladder(max_rows, multiple)` that holds them (few shapes, so few compiles)."""
+  ladder = row_ladder(max_rows, multiple)
+  return next((r for r in ladder if r >= used_rows), ladder[-1])
 
 
 def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
-               pad_id: int) -> tuple[TrajectoryBatch, dict]:
-  """Advantages, then packing into at most `rows` x `seq_len`; reports what did not fit."""
+               pad_id: int, row_multiple: int = 1) -> tuple[TrajectoryBatch, dict]:
+  """Advantages, then packing (first-fit decreasing) into at most `rows` x `seq_len`,
+  trimmed to the smallest row count of the ladder that holds what was packed (a
+  multiple of `row_multiple`: the learner's batch shards x microbatches); reports what
+  did not fit and the fraction of token slots filled."""
   compute_advantages(groups, cfg)
   segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
   too_long = [s for s in segments if len(s) > seq_len]
   fits = [s for s in segments if len(s) <= seq_len]
-  rows = batch_rows(fits, rows, seq_len)
-  batch, placed = pack([s.to_training() for s in fits], rows, seq_len, pad_id)
+  max_rows = row_ladder(rows, row_multiple)[-1]
+  batch, placed = pack([s.to_training() for s in fits], max_rows, seq_len, pad_id,
+                       decreasing=True)
+  used_rows = int(placed.max()) + 1 if len(placed) and placed.max() >= 0 else 1
+  batch = take_rows(batch, batch_rows(used_rows, rows, row_multiple))
   used = [s for s, p in zip(fits, placed) if p >= 0]
   return batch, {"segments": len(used), "too_long": len(too_long),
-                 "overflow": int((placed < 0).sum()), "used_segments": used}
+                 "overflow": int((placed < 0).sum()), "used_segments": used,
+                 "fill": float(np.mean(batch.segment_ids > 0))}

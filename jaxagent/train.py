@@ -227,7 +227,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       rollout_s = time.perf_counter() - t_rollout_mark
       t0 = time.perf_counter()
       batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
-                               tokenizer.pad_id)
+                               tokenizer.pad_id, learner.row_multiple)
       if info["segments"] == 0:
         continue  # nothing to learn from (all filtered or too long): sample again; the
         # next step's metrics count these episodes and their time too
@@ -266,6 +266,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
               rollout_s, 1e-9),
           "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
           "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
+          "batch_rows": int(batch.tokens.shape[0]), "batch_fill": round(info["fill"], 4),
           "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
           **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
           **{k: v for k, v in m.items() if k != "denom"}})

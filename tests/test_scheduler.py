@@ -9,6 +9,7 @@ import pytest
 
 from jaxagent.agent import Episode
 from jaxagent.config import AdvantageConfig, RolloutConfig
+from jaxagent.batch import row_ladder
 from jaxagent.scheduler import RolloutScheduler, batch_rows, make_batch
 from jaxagent.trajectory import TrajectoryManager, TurnRecord
 
@@ -190,7 +191,7 @@ def test_make_batch_advantages_and_packing(estimator):
   if estimator == "grpo":
     # rewards 0, 1, 2: advantages -1, 0, 1 on every action token of the episode
     assert sorted(set(np.round(adv, 4))) == [-1.0, 0.0, 1.0]
-  assert batch.tokens.shape == (4, 32)  # rows: the smallest power of two that fits
+  assert batch.tokens.shape == (2, 32)  # six 8-token segments fill two rows exactly
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "chunk"])
@@ -222,14 +223,27 @@ def test_batch_baseline_gives_uniform_failures_a_signal(estimator):
     compute_advantages(groups(), AdvantageConfig(baseline="global", **cfg))
 
 
-def test_batch_rows():
-  class S:
-    def __init__(self, n):
-      self.n = n
+def test_batch_rows_follow_a_ladder_of_few_shapes():
+  assert row_ladder(64) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48,
+                            56, 64]
+  assert row_ladder(20, multiple=4) == [4, 8, 12, 16, 20]
+  assert row_ladder(10, multiple=4) == [4, 8, 12]  # the cap rounds up to the multiple
+  assert batch_rows(17, 64) == 20
+  assert batch_rows(3, 64, multiple=2) == 4
+  assert batch_rows(100, 64) == 64
 
-    def __len__(self):
-      return self.n
 
-  assert batch_rows([S(100)] * 3, 64, 128) == 4
-  assert batch_rows([S(100)] * 20, 64, 128) == 32
-  assert batch_rows([S(100)] * 200, 64, 128) == 64
+def test_make_batch_fills_rows_instead_of_rounding_to_powers_of_two():
+  """32 episodes of ~80 tokens with 160-token rows: two a row, 16 rows (was 32)."""
+  from jaxagent.scheduler import Group
+  groups = [Group(g, None, [episode(g, f"s{g}-{i}", f"g{g}", reward=float(i % 2), turns=25 + i % 2)
+                            for i in range(4)]) for g in range(8)]
+  assert {len(s) for g in groups for e in g.episodes for s in e.segments} <= set(range(72, 81))
+  batch, info = make_batch(groups, AdvantageConfig(), rows=64, seq_len=160, pad_id=0)
+  assert batch.tokens.shape == (16, 160)
+  assert info["segments"] == 32 and info["overflow"] == 0
+  assert info["fill"] > 0.9
+  # Row counts honour the learner's multiple (batch shards x microbatches).
+  batch, _ = make_batch(groups, AdvantageConfig(), rows=64, seq_len=160, pad_id=0,
+                        row_multiple=3)
+  assert batch.tokens.shape[0] % 3 == 0 and batch.tokens.shape[0] >= 16
