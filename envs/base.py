@@ -201,6 +201,87 @@ class EnvResources:
       self._pool = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Latency:
+  """Made-up time every environment step takes (benchmarks of asynchrony).
+
+  `distribution`: none | constant (every step sleeps `median_s`) | lognormal (median
+  `median_s`, log-space spread `sigma`: sigma 1.5 puts the 99th percentile at 33x the
+  median). Every sleep is capped at `max_s` (the tail's end). Seeded per episode.
+  """
+
+  distribution: str = "none"
+  median_s: float = 0.05
+  sigma: float = 1.5
+  max_s: float = 2.0
+  seed: int = 0
+
+  DISTRIBUTIONS = ("none", "constant", "lognormal")
+
+  def __post_init__(self):
+    if self.distribution not in self.DISTRIBUTIONS:
+      raise ValueError(f"latency distribution: unknown {self.distribution!r}; known: "
+                       f"{', '.join(self.DISTRIBUTIONS)}")
+    if self.median_s < 0 or self.max_s < 0 or self.sigma < 0:
+      raise ValueError("latency median_s, sigma and max_s must be >= 0")
+
+  def sampler(self, key: str) -> Callable[[], float]:
+    """Seconds to sleep per step, from a generator seeded by `key` (the episode's)."""
+    import math
+    import random
+
+    rng = random.Random(f"{self.seed}:{key}")
+    if self.distribution == "constant":
+      return lambda: min(self.median_s, self.max_s)
+    if self.distribution == "lognormal":
+      mu = math.log(max(self.median_s, 1e-9))
+      return lambda: min(rng.lognormvariate(mu, self.sigma), self.max_s)
+    return lambda: 0.0
+
+
+class WithLatency(Env):
+  """Any environment whose every step first waits a `Latency` (asyncio: others run)."""
+
+  def __init__(self, env: Env, latency: Latency, key: str = ""):
+    # No Env.__init__: the state (task, turns, done, counters) is the wrapped env's.
+    self.env, self.latency = env, latency
+    self._sample = latency.sampler(key)
+    self.name, self.version = env.name, env.version
+    self.verifier_version = env.verifier_version
+    self.slept_s = 0.0
+
+  task = property(lambda self: self.env.task)
+  turns = property(lambda self: self.env.turns)
+  done = property(lambda self: self.env.done)
+  counters = property(lambda self: self.env.counters)
+
+  async def reset(self, task: TaskSpec) -> Observation:
+    return await self.env.reset(task)
+
+  async def step(self, action: str) -> StepResult:
+    import asyncio
+
+    wait = self._sample()
+    self.slept_s += wait
+    await asyncio.sleep(wait)
+    return await self.env.step(action)
+
+  async def verify(self) -> Verdict:
+    return await self.env.verify()
+
+  async def close(self) -> None:
+    await self.env.close()
+
+  def reference_action(self) -> str:
+    return self.env.reference_action()
+
+  def versions(self) -> dict:
+    return self.env.versions()
+
+  def __getattr__(self, name):  # counters, tools and the rest of the wrapped env
+    return getattr(self.__dict__["env"], name)
+
+
 ENVS: dict[str, Callable[..., Env]] = {}
 
 

@@ -29,7 +29,9 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
   checkpoint's own template (`model.chat_template: null`) and a template that
   drops them, `chatml_tools` is used instead (see `choose_template`).
   """
-  overrides = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat)
+  overrides = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat,
+                   attention=spec.attention, attention_block=spec.attention_block,
+                   scan_unroll=spec.scan_unroll)
   if spec.chat_template not in TEMPLATES:
     raise ValueError(f"model.chat_template: unknown {spec.chat_template!r}; known: "
                      "null (the tokenizer's own), chatml_tools")

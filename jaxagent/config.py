@@ -32,7 +32,14 @@ class ModelSpec:
   chat_template: Optional[str] = None
   dtype: str = "float32"
   param_dtype: str = "float32"
-  remat: bool = False
+  # What the backward pass keeps of each layer: none | full | dots | dots_no_batch.
+  remat: str = "none"
+  # Training attention: auto (cuDNN through jax.nn.dot_product_attention on GPUs,
+  # blockwise "flash" elsewhere) | flash | dot_product | dense; flash's block size.
+  attention: str = "auto"
+  attention_block: int = 256
+  # Layers per iteration of the layer scan (unrolling trades compile time for speed).
+  scan_unroll: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +243,17 @@ class ServingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LatencyConfig:
+  """See `envs.base.Latency` (the config tier does not import the environment tier)."""
+
+  distribution: str = "none"
+  median_s: float = 0.05
+  sigma: float = 1.5
+  max_s: float = 2.0
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class EnvConfig:
   """Environments: in-process (no urls) or `envs.server` workers."""
 
@@ -245,6 +263,10 @@ class EnvConfig:
   # bubblewrap, not root): it can then read and write this host. Off: such a host
   # refuses to start environments that run code.
   allow_unisolated: bool = False
+  # Made-up time every environment step takes, for benchmarks of asynchrony
+  # (envs.base.Latency): distribution none | constant | lognormal, median_s, sigma,
+  # max_s (the tail's cap), seed.
+  latency: LatencyConfig = dataclasses.field(default_factory=lambda: LatencyConfig())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,8 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
   """What the step's finished episodes say (all of them, not only the accepted ones)."""
   episodes = [e for g in groups for e in g.episodes]
   out: dict = {"groups": len(groups), "groups_accepted": len(accepted),
-               "episodes": len(episodes)}
+               "episodes": len(episodes),
+               "episodes_trained": sum(len(g.episodes) for g in accepted)}
   if not episodes:
     return out
   rewards = [e.reward for e in episodes]

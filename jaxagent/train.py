@@ -93,17 +93,29 @@ class Serving:
 
 
 def make_env_factory(cfg: config_lib.RunConfig):
-  from envs.base import EnvResources, make
+  """`factory(task) -> Env` (in-process or a remote worker's), and a closer. With
+  `env.latency` set, every environment waits that made-up time at each step."""
+  from envs.base import EnvResources, Latency, WithLatency, make
+
+  try:
+    latency = Latency(**dataclasses.asdict(cfg.env.latency))
+  except ValueError as e:
+    raise config_lib.ConfigError(f"env.latency: {e}") from None
+  counter = iter(range(1 << 62))
+
+  def delayed(env):
+    if latency.distribution == "none":
+      return env
+    return WithLatency(env, latency, key=str(next(counter)))
 
   if cfg.env.urls:
     from envs.server import RemoteEnv
 
     urls = list(cfg.env.urls)
-    counter = iter(range(1 << 62))
-    return (lambda task: RemoteEnv(urls[next(counter) % len(urls)])), (lambda: None)
+    return (lambda task: delayed(RemoteEnv(urls[next(counter) % len(urls)]))), (lambda: None)
   resources = EnvResources(sandboxes=cfg.env.sandboxes,
                            allow_unisolated=cfg.env.allow_unisolated)
-  factory = lambda task: make(task.env, resources)  # noqa: E731
+  factory = lambda task: delayed(make(task.env, resources))  # noqa: E731
   factory.resources = resources
   return factory, resources.close
 
@@ -151,6 +163,11 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     check_advantage_config(cfg.advantage)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
+  from envs.base import Latency
+  try:
+    Latency(**dataclasses.asdict(cfg.env.latency))
+  except ValueError as e:
+    raise config_lib.ConfigError(f"env.latency: {e}") from None
 
 
 async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:

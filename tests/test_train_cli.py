@@ -65,6 +65,9 @@ def test_config_errors_are_clear(tmp_path):
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path),
                    "rollout.mode=fast")
   assert proc.returncode == 2 and "rollout.mode" in proc.stderr
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path),
+                   "env.latency.distribution=pareto")
+  assert proc.returncode == 2 and "env.latency" in proc.stderr and "'pareto'" in proc.stderr
 
 
 def test_smollm2_calculator_config_runs(tmp_path):
