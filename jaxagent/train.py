@@ -231,6 +231,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   meta = {"config": config_lib.to_dict(cfg), "model": dataclasses.asdict(model_cfg),
           "tokenizer": tokenizer.identity()}
   loop = asyncio.get_running_loop()
+
+  def learn(state, accepted):
+    """Packs the groups and runs one train step to completion (in a worker thread)."""
+    batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
+                             tokenizer.pad_id, learner.row_multiple)
+    if info["segments"] == 0:
+      return state, None, batch, info
+    state, m = learner.step(state, batch)
+    return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, info
+
   step = int(state.step)
   recent = []
   bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True,
@@ -243,15 +253,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       played += taken
       rollout_s = time.perf_counter() - t_rollout_mark
       t0 = time.perf_counter()
-      batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
-                               tokenizer.pad_id, learner.row_multiple)
-      if info["segments"] == 0:
+      # Batching, the step and reading its metrics run off the event loop, which keeps
+      # serving episodes' turns and environment steps meanwhile (asynchrony).
+      state, m, batch, info = await loop.run_in_executor(None, learn, state, accepted)
+      if m is None:
         continue  # nothing to learn from (all filtered or too long): sample again; the
         # next step's metrics count these episodes and their time too
       row = {"step": step + 1, **episode_metrics(played, accepted, version)}
       played = []
-      state, m = await loop.run_in_executor(None, learner.step, state, batch)
-      m = {k: float(v) for k, v in jax.device_get(m).items()}
       learner_s = time.perf_counter() - t0
       step = int(state.step)
       version = int(state.policy_version)
@@ -273,7 +282,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       if export:
         await loop.run_in_executor(None, export_policy, policy_root, version, state.params, None)
       t_rollout_mark = time.perf_counter()
-      dump_segments(os.path.join(run_dir, "trajectories.jsonl"), info["used_segments"])
+      await loop.run_in_executor(None, dump_segments,
+                                 os.path.join(run_dir, "trajectories.jsonl"),
+                                 info["used_segments"])
       out_tokens = row.get("output_tokens", 0)
       row.update({
           "wall_time_s": round(time.time() - t_start, 3), "policy_version": version,
