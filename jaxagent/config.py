@@ -152,6 +152,10 @@ class RolloutConfig:
   groups_per_step: int = 8
   group_size: int = 8
   max_staleness: int = 1
+  # async/window: up to (1 + redundancy) x the groups the staleness bound lets run at
+  # once; those that finish first are trained on, stragglers go stale and are dropped
+  # (work spent for throughput on heavy-tailed environments). 0: none.
+  redundancy: float = 0.0
   window: int = 16
   max_concurrent_episodes: int = 64
   max_retries: int = 2

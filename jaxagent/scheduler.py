@@ -11,7 +11,9 @@ Modes:
   only if the learner's version minus its oldest token's version is at most
   `max_staleness`, and no more groups are started than that bound lets through
   ((version + max_staleness + 1) x groups_per_step in all, as AReaL, plus the
-  groups the filters dropped and replaced).
+  groups the filters dropped and replaced). When the version moves, groups the
+  bound can no longer accept are dropped at once (running ones cancelled) and
+  replaced, so a straggler does not hold capacity until it finishes.
 - `window`: async, but a batch is taken only from the oldest `window` groups
   in flight, so long episodes are not starved and short ones do not dominate.
 Weight updates reach episodes mid-flight (partial rollout): their later turns
@@ -48,6 +50,7 @@ class Group:
   done: bool = False
   retries: int = 0
   dropped_episodes: int = 0
+  task_handle: Optional[asyncio.Task] = dataclasses.field(default=None, repr=False)
 
   @property
   def rewards(self) -> list[float]:
@@ -109,6 +112,7 @@ class RolloutScheduler:
     self.started += 1
     self.groups[group.index] = group
     t = asyncio.create_task(self._run_group(group))
+    group.task_handle = t
     self._tasks.add(t)
     t.add_done_callback(self._tasks.discard)
     return group
@@ -119,7 +123,13 @@ class RolloutScheduler:
     if self.cfg.mode == "sync":
       return 0
     # Groups the filters dropped were replaced, so they do not count against the bound.
-    return (self.version + self.cfg.max_staleness + 1) * self.cfg.groups_per_step + self.replaced
+    # With redundancy r, (1 + r) times the groups the bound lets through may run: the
+    # first to finish are trained on, the rest go stale and are dropped (ROLL's
+    # redundant rollouts: throughput against heavy-tailed environments, paid in work).
+    bound = (self.version + self.cfg.max_staleness + 1) * self.cfg.groups_per_step
+    extra = int(round(self.cfg.redundancy * (self.cfg.max_staleness + 1)
+                      * self.cfg.groups_per_step))
+    return bound + extra + self.replaced
 
   async def _produce(self) -> None:
     while not self._stop:
@@ -137,7 +147,26 @@ class RolloutScheduler:
 
   def set_version(self, version: int) -> None:
     self.version = version
+    if self.cfg.mode != "sync":
+      self._drop_doomed()
     self._changed.set()
+
+  def _drop_doomed(self) -> None:
+    """Drops, at once, the groups the staleness bound can no longer accept: finished ones
+    whose oldest token is too old, and running ones started on weights too old (their
+    first turns ran on them; they are cancelled: engine requests aborted, environments
+    closed). Each is replaced, so its capacity goes to a fresh group now instead of
+    after it has run to the end and been consumed."""
+    oldest = self.version - self.cfg.max_staleness
+    for g in list(self.groups.values()):
+      v = g.min_version() if g.done else g.started_version
+      if v is None or v >= oldest:
+        continue
+      if not g.done and g.task_handle is not None:
+        g.task_handle.cancel()
+      del self.groups[g.index]
+      self.dropped["stale"] += 1
+      self.replaced += 1
 
   async def stop(self) -> None:
     self._stop = True

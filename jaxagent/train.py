@@ -155,6 +155,8 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}")
   if cfg.rollout.group_size < 2:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
+  if cfg.rollout.redundancy < 0:
+    raise config_lib.ConfigError("rollout.redundancy must be >= 0")
   if cfg.rollout.max_sample_rounds < 1:
     raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
   if cfg.serving.engine.prefill_rows < 1:

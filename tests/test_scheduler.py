@@ -135,6 +135,58 @@ def test_async_staleness_bound_and_capacity():
   assert all(s.version - g.min_version() <= 1 for g in accepted)
 
 
+def test_groups_the_bound_cannot_accept_are_dropped_at_once_and_replaced():
+  """A straggler started on weights the staleness bound no longer accepts is cancelled
+  when the version moves (its environment closed by the cancellation), counted stale,
+  and its capacity goes to a fresh group at once."""
+  async def go():
+    cancelled = []
+
+    async def play(task, sid, gid):
+      if task == 0:
+        try:
+          await asyncio.sleep(60)  # the straggler
+        except asyncio.CancelledError:
+          cancelled.append(sid)
+          raise
+      return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")), version=s.version)
+
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
+                                       max_staleness=1), itertools.count(), play)
+    s.start()
+    await asyncio.sleep(0.05)
+    assert s.started == 4  # (0 + 1 + 1) x 2
+    await s.next_groups()  # groups 1 and 2
+    s.set_version(1)
+    await asyncio.sleep(0.05)
+    running_at_1 = 0 in s.groups  # started at version 0: still acceptable at version 1
+    s.set_version(2)
+    await asyncio.sleep(0.05)
+    out = (running_at_1, 0 in s.groups, sorted(cancelled), s.dropped["stale"], s.started)
+    await s.stop()
+    return out
+
+  running_at_1, running_at_2, cancelled, stale, started = run(go())
+  assert running_at_1 and not running_at_2
+  assert cancelled == ["g0-0-r0", "g0-1-r0"] and stale >= 1
+  # (2 + 1 + 1) x 2 + the replaced group(s): capacity did not wait for the straggler.
+  assert started >= 8 + 1
+
+
+def test_redundancy_runs_more_groups_than_the_bound():
+  async def go(redundancy):
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
+                                       max_staleness=1, redundancy=redundancy),
+                         itertools.count(), lambda *a: asyncio.sleep(60))
+    s.start()
+    await asyncio.sleep(0.05)
+    started = s.started
+    await s.stop()
+    return started
+
+  assert run(go(0.0)) == 4 and run(go(0.5)) == 6 and run(go(1.0)) == 8
+
+
 def test_window_mode_waits_for_the_oldest_groups():
   async def go():
     release = asyncio.Event()
