@@ -30,8 +30,9 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
   drops them, `chatml_tools` is used instead (see `choose_template`).
   """
   overrides = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat,
-                   attention=spec.attention, attention_block=spec.attention_block,
-                   scan_unroll=spec.scan_unroll)
+                   attention=spec.attention, attention_block=spec.attention_block)
+  if spec.scan_unroll is not None:
+    overrides["scan_unroll"] = spec.scan_unroll
   if spec.chat_template not in TEMPLATES:
     raise ValueError(f"model.chat_template: unknown {spec.chat_template!r}; known: "
                      "null (the tokenizer's own), chatml_tools")

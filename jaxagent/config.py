@@ -38,8 +38,9 @@ class ModelSpec:
   # blockwise "flash" elsewhere) | flash | dot_product | dense; flash's block size.
   attention: str = "auto"
   attention_block: int = 256
-  # Layers per iteration of the layer scan (unrolling trades compile time for speed).
-  scan_unroll: int = 1
+  # Layers per iteration of the layer scan (unrolling trades compile time for speed);
+  # null: the preset's (tiny and nano unroll fully; checkpoints: 1).
+  scan_unroll: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,11 +61,13 @@ def peak_bytes(compiled) -> int:
 
 
 def measure(args, seq_len: int) -> dict:
-  overrides = dict(attention=args.attention, remat=args.remat, scan_unroll=args.scan_unroll,
-                   max_seq_len=max(seq_len, 1024))
+  overrides = dict(attention=args.attention, remat=args.remat, max_seq_len=max(seq_len, 1024))
+  if args.scan_unroll:
+    overrides["scan_unroll"] = args.scan_unroll
   if args.attention_block:
     overrides["attention_block"] = args.attention_block
   cfg = preset(args.preset, **overrides)
+  args.scan_unroll = cfg.scan_unroll
   rows = max(1, args.tokens // seq_len)
   vocab = min(cfg.vocab_size, 256)
   segs = [synthetic_segment(i, seed=0, vocab=vocab, target=97, min_len=seq_len // 4,
@@ -107,7 +109,7 @@ def main() -> None:
   p.add_argument("--attention", default="auto")
   p.add_argument("--attention-block", type=int, default=0)
   p.add_argument("--remat", default="none")
-  p.add_argument("--scan-unroll", type=int, default=1)
+  p.add_argument("--scan-unroll", type=int, default=0, help="0: the preset's")
   p.add_argument("--logits-chunk", type=int, default=256)
   p.add_argument("--matmul-n", type=int, default=2048)
   p.add_argument("--json", action="store_true")

@@ -48,7 +48,7 @@ class ModelConfig:
   # Training attention (jaxagent.models.attention): auto | dense | flash | dot_product,
   # and the flash implementation's block of positions.
   attention: str = "auto"
-  attention_block: int = 512
+  attention_block: int = 256
   # Layers per iteration of the layer scan (1: a rolled loop; n_layers: unrolled).
   # Unrolling lets XLA fuse across layers and makes the scan's backward cheaper.
   scan_unroll: int = 1
@@ -102,11 +102,11 @@ PRESETS: dict[str, ModelConfig] = {
     # byte-level tokenizer (256 bytes, 100 digit pairs, special tokens).
     "tiny": ModelConfig(
         vocab_size=384, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
-        d_ff=384, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024),
+        d_ff=384, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024, scan_unroll=4),
     # ~0.15M parameters: the default RL run, where steps per second matter most on a CPU.
     "nano": ModelConfig(
         vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-        d_ff=256, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024),
+        d_ff=256, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=1024, scan_unroll=2),
     "smollm2-135m": ModelConfig(
         vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
         d_ff=1536, rope_theta=100_000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192),
