@@ -112,6 +112,32 @@ class _IdTokenizer:
     return 0  # prompts are exactly max_prompt_length long, so no padding is inserted
 
 
+def tunix_model(shape: str, kind: str):
+  """A randomly initialised Tunix `qwen3` or `llama3` model of one of SHAPES, and its
+  parameter count (runs under the Tunix environment's Python)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  s = SHAPES[shape]
+  fields = dict(num_layers=s["n_layers"], vocab_size=s["vocab_size"], embed_dim=s["d_model"],
+                hidden_dim=s["d_ff"], num_heads=s["n_heads"], head_dim=s["head_dim"],
+                num_kv_heads=s["n_kv_heads"], rope_theta=int(s["rope_theta"]),
+                norm_eps=s["norm_eps"])
+  if kind == "qwen3":
+    from tunix.models.qwen3 import model as model_lib
+    config = model_lib.ModelConfig(**fields, use_tied_embedding=s["tie_embeddings"],
+                                   dtype=jnp.float32, param_dtype=jnp.float32)
+    model = model_lib.Qwen3(config, rngs=nnx.Rngs(0))
+  else:
+    from tunix.models.llama3 import model as model_lib
+    config = model_lib.ModelConfig(**fields, weight_tying=s["tie_embeddings"])
+    model = model_lib.Llama3(config, rngs=nnx.Rngs(0))
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  return model, sum(int(np.prod(x.shape)) for x in leaves)
+
+
 def run_tunix(args) -> None:
   import importlib.metadata
 
@@ -122,21 +148,7 @@ def run_tunix(args) -> None:
   from tunix.generate import sampler as sampler_lib
 
   s = SHAPES[args.shape]
-  fields = dict(num_layers=s["n_layers"], vocab_size=s["vocab_size"], embed_dim=s["d_model"],
-                hidden_dim=s["d_ff"], num_heads=s["n_heads"], head_dim=s["head_dim"],
-                num_kv_heads=s["n_kv_heads"], rope_theta=int(s["rope_theta"]),
-                norm_eps=s["norm_eps"])
-  if args.tunix_model == "qwen3":
-    from tunix.models.qwen3 import model as model_lib
-    config = model_lib.ModelConfig(**fields, use_tied_embedding=s["tie_embeddings"],
-                                   dtype=jnp.float32, param_dtype=jnp.float32)
-    model = model_lib.Qwen3(config, rngs=nnx.Rngs(0))
-  else:
-    from tunix.models.llama3 import model as model_lib
-    config = model_lib.ModelConfig(**fields, weight_tying=s["tie_embeddings"])
-    model = model_lib.Llama3(config, rngs=nnx.Rngs(0))
-  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-  n_params = sum(int(np.prod(x.shape)) for x in leaves)
+  model, n_params = tunix_model(args.shape, args.tunix_model)
   sampler = sampler_lib.Sampler(
       model, _IdTokenizer(),
       sampler_lib.CacheConfig(cache_size=args.max_seq_len, num_layers=s["n_layers"],
@@ -181,7 +193,7 @@ def run_tunix(args) -> None:
   n = args.batch * args.new_tokens
   _result({"params": n_params, "tok_per_s": n / statistics.median(decode_times),
            "call_tok_per_s": n / statistics.median(call_times),
-           "dtype": str(leaves[0].dtype),
+           "dtype": str(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype),
            "platform": jax.devices()[0].platform,
            "tunix_version": importlib.metadata.version("google-tunix")})
 
