@@ -56,6 +56,8 @@ class MeshConfig:
 class LearnerConfig:
   """Optimiser and objective of the learner's train step."""
 
+  # adamw | sgd
+  optimizer: str = "adamw"
   lr: float = 1e-3
   # Logits are divided by this before log-probs, as the sampler did (the train
   # CLI sets it to agent.temperature), so ratios compare like with like.

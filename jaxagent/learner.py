@@ -51,15 +51,24 @@ def _cosine(cfg: LearnerConfig) -> optax.Schedule:
 SCHEDULES = {"constant": lambda cfg: optax.constant_schedule(cfg.lr), "cosine": _cosine}
 
 
+# `learner.optimizer` names one of these, given the schedule and the config.
+OPTIMIZERS = {
+    "adamw": lambda sched, cfg: optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                            weight_decay=cfg.weight_decay),
+    # Plain gradient descent: an update proportional to the gradient (tests compare
+    # runs to float rounding with it; Adam's first step is a sign step that is not).
+    "sgd": lambda sched, cfg: optax.sgd(sched),
+}
+
+
 def make_optimizer(cfg: LearnerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with linear warm-up, after global-norm clipping."""
+  """The optimiser (AdamW by default) with linear warm-up, after global-norm clipping."""
   schedule = SCHEDULES[cfg.lr_schedule](cfg)
   if cfg.warmup_steps > 0:
     schedule = optax.join_schedules(
         [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), schedule], [cfg.warmup_steps])
-  tx = optax.chain(
-      optax.clip_by_global_norm(cfg.max_grad_norm),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+  tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                   OPTIMIZERS[cfg.optimizer](schedule, cfg))
   return tx, schedule
 
 
@@ -99,6 +108,9 @@ def check_config(cfg: LearnerConfig) -> None:
   if cfg.correction_level not in losses.CORRECTION_LEVELS:
     raise ValueError(f"learner.correction_level: unknown {cfg.correction_level!r}; "
                      f"known: {sorted(losses.CORRECTION_LEVELS)}")
+  if cfg.optimizer not in OPTIMIZERS:
+    raise ValueError(f"learner.optimizer: unknown {cfg.optimizer!r}; "
+                     f"known: {sorted(OPTIMIZERS)}")
   if cfg.lr_schedule not in SCHEDULES:
     raise ValueError(f"learner.lr_schedule: unknown {cfg.lr_schedule!r}; "
                      f"known: {sorted(SCHEDULES)}")
@@ -323,7 +335,13 @@ class Learner:
                       policy_version=jnp.zeros((), jnp.int32))
 
   def shard_batch(self, batch: TrajectoryBatch) -> TrajectoryBatch:
-    return jax.device_put(batch, self.batch_sharding)
+    """A host batch onto the mesh. With several processes, `batch` is this process's
+    rows (`distributed.process_rows` of the global batch) and the global batch is
+    assembled from every process's part."""
+    if jax.process_count() == 1:
+      return jax.device_put(batch, self.batch_sharding)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch)
 
   def step(self, state: TrainState, batch: TrajectoryBatch) -> tuple[TrainState, dict]:
     """Runs the jitted step. `state` is donated: do not use it afterwards."""
