@@ -105,9 +105,14 @@ def export_policy(root: str, version: int, params: Params, dtype: Optional[str] 
   A version directory is written once: exporting an existing version fails.
   Returns the directory.
   """
+  from jaxagent import distributed
+
   os.makedirs(root, exist_ok=True)
   path = version_dir(root, version)
-  if os.path.exists(path):
+  exists = os.path.exists(path)
+  # Every process of a multi-process run writes its shards; all look before any writes.
+  distributed.barrier(f"export-policy-{version}")
+  if exists:
     raise FileExistsError(f"policy version {version} already exported at {path}")
   if dtype is not None:
     params = cast_params(params, dtype)
@@ -115,6 +120,8 @@ def export_policy(root: str, version: int, params: Params, dtype: Optional[str] 
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path, params)
     ckptr.wait_until_finished()
+  if not distributed.is_primary():  # process 0 alone keeps the registry
+    return path
   entry = {"version": int(version), "path": path, "dtype": dtype or "as-trained",
            "time": time.time(), "save_s": round(time.time() - t0, 4), **(extra or {})}
   versions = [v for v in list_versions(root) if v["version"] != int(version)] + [entry]

@@ -111,3 +111,28 @@ def process_rows(rows: int) -> slice:
                      f"({n})")
   per = rows // n
   return slice(i * per, (i + 1) * per)
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier `name` (no-op when alone)."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def sum_episode_counts(row: dict) -> dict:
+  """A step's episode counts and rates over every process (all must call it): the
+  metrics process 0 writes and the early-stopping rule then see the whole run."""
+  from jax.experimental import multihost_utils
+
+  n = float(row.get("episodes", 0))
+  local = np.asarray([n, row.get("success_rate", 0.0) * n, row.get("reward_mean", 0.0) * n,
+                      row.get("episodes_trained", 0), row.get("groups", 0),
+                      row.get("groups_accepted", 0)], np.float64)
+  total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(local)).sum(0)
+  episodes = max(total[0], 1.0)
+  return {"episodes": int(total[0]), "success_rate": float(total[1] / episodes),
+          "reward_mean": float(total[2] / episodes), "episodes_trained": int(total[3]),
+          "groups": int(total[4]), "groups_accepted": int(total[5])}

@@ -317,11 +317,14 @@ def batch_rows(used_rows: int, max_rows: int, multiple: int = 1) -> int:
 
 
 def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
-               pad_id: int, row_multiple: int = 1) -> tuple[TrajectoryBatch, dict]:
+               pad_id: int, row_multiple: int = 1,
+               agree_rows: Optional[Callable[[int], int]] = None
+               ) -> tuple[TrajectoryBatch, dict]:
   """Advantages, then packing (first-fit decreasing) into at most `rows` x `seq_len`,
   trimmed to the smallest row count of the ladder that holds what was packed (a
   multiple of `row_multiple`: the learner's batch shards x microbatches); reports what
-  did not fit and the fraction of token slots filled."""
+  did not fit and the fraction of token slots filled. `agree_rows` maps this
+  packing's rows to the rows every process of a multi-process run uses (the max)."""
   compute_advantages(groups, cfg)
   segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
   too_long = [s for s in segments if len(s) > seq_len]
@@ -330,6 +333,8 @@ def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: in
   batch, placed = pack([s.to_training() for s in fits], max_rows, seq_len, pad_id,
                        decreasing=True)
   used_rows = int(placed.max()) + 1 if len(placed) and placed.max() >= 0 else 1
+  if agree_rows is not None:
+    used_rows = agree_rows(used_rows)
   batch = take_rows(batch, batch_rows(used_rows, rows, row_multiple))
   used = [s for s, p in zip(fits, placed) if p >= 0]
   return batch, {"segments": len(used), "too_long": len(too_long),

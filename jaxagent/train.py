@@ -28,6 +28,7 @@ from tqdm import tqdm
 from jaxagent import config as config_lib
 from jaxagent.agent import Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
+from jaxagent import distributed
 from jaxagent.checkpoint import RunCheckpointer, export_policy, version_dir
 from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
@@ -43,6 +44,10 @@ def parse_args(argv=None):
   p.add_argument("--config", required=True, help="YAML run config (see configs/)")
   p.add_argument("--run-dir", default=None, help="run directory (default: runs/<name>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue --run-dir from its last checkpoint")
+  g = p.add_argument_group("multi-process runs (one process per host; see jaxagent.distributed)")
+  g.add_argument("--coordinator", help="HOST:PORT of process 0's coordinator")
+  g.add_argument("--num-processes", type=int, help="processes in the run")
+  g.add_argument("--process-id", type=int, help="this process's index")
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=3e-4")
   return p.parse_args(argv)
 
@@ -210,7 +215,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
           f"{len(requeue)} tasks re-queued)")
   policy_root = os.path.join(run_dir, "policy")
   version = int(state.policy_version)
-  serving = Serving(cfg, model_cfg, jax.device_get(state.params), tokenizer, mesh)
+  # Each process serves its own rollouts on its own devices; the weights it starts
+  # from (and is updated with) are the whole values, gathered from every process.
+  multi = jax.process_count() > 1
+  serving_mesh = make_mesh(devices=jax.local_devices()) if multi else mesh
+  serving = Serving(cfg, model_cfg, distributed.host_copy(state.params), tokenizer,
+                    serving_mesh)
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     path = version_dir(policy_root, version)
     if not os.path.exists(path):
@@ -229,16 +239,23 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue)
   scheduler.set_version(version)
   scheduler.start()
-  writer = MetricsWriter(run_dir)
+  primary = distributed.is_primary()
+  writer = MetricsWriter(run_dir) if primary else None
   meta = {"config": config_lib.to_dict(cfg), "model": dataclasses.asdict(model_cfg),
           "tokenizer": tokenizer.identity()}
   loop = asyncio.get_running_loop()
 
+  n_proc = jax.process_count()
+
   def learn(state, accepted):
-    """Packs the groups and runs one train step to completion (in a worker thread)."""
-    batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows, cfg.data.seq_len,
-                             tokenizer.pad_id, learner.row_multiple)
-    if info["segments"] == 0:
+    """Packs the groups and runs one train step to completion (in a worker thread).
+    With several processes each packs its own groups into its share of the rows; they
+    agree on the row count (and on skipping a step nobody has data for)."""
+    batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows // n_proc,
+                             cfg.data.seq_len, tokenizer.pad_id,
+                             learner.row_multiple // n_proc,
+                             agree_rows=distributed.agree_max if multi else None)
+    if distributed.agree_max(info["segments"]) == 0:
       return state, None, batch, info
     state, m = learner.step(state, batch)
     return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, info
@@ -246,7 +263,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   step = int(state.step)
   recent = []
   bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True,
-             disable=not sys.stdout.isatty() and not os.environ.get("JAXAGENT_PROGRESS"))
+             disable=not primary or (not sys.stdout.isatty()
+                                     and not os.environ.get("JAXAGENT_PROGRESS")))
   t_rollout_mark = time.perf_counter()
   played: list = []  # every group consumed since the last step, trained on or not
   try:
@@ -262,6 +280,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
         continue  # nothing to learn from (all filtered or too long): sample again; the
         # next step's metrics count these episodes and their time too
       row = {"step": step + 1, **episode_metrics(played, accepted, version)}
+      if multi:  # the episode counts and success of every process, not only this one's
+        row.update(distributed.sum_episode_counts(row))
       played = []
       learner_s = time.perf_counter() - t0
       step = int(state.step)
@@ -272,7 +292,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
         if serving.orch is not None:  # in-process: hand the weights over in memory
-          weights = jax.tree.map(jnp.copy, state.params)  # the next step donates state
+          weights = (distributed.host_copy(state.params) if multi else
+                     jax.tree.map(jnp.copy, state.params))  # the next step donates state
           await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
         else:  # servers load the export
           path = await loop.run_in_executor(None, export_policy, policy_root, version,
@@ -284,8 +305,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       if export:
         await loop.run_in_executor(None, export_policy, policy_root, version, state.params, None)
       t_rollout_mark = time.perf_counter()
-      await loop.run_in_executor(None, dump_segments,
-                                 os.path.join(run_dir, "trajectories.jsonl"),
+      # Each process records the segments it played (process 0: trajectories.jsonl).
+      traj = ("trajectories.jsonl" if primary else
+              f"trajectories.process{jax.process_index()}.jsonl")
+      await loop.run_in_executor(None, dump_segments, os.path.join(run_dir, traj),
                                  info["used_segments"])
       out_tokens = row.get("output_tokens", 0)
       row.update({
@@ -296,11 +319,13 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
               rollout_s, 1e-9),
           "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
           "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
-          "batch_rows": int(batch.tokens.shape[0]), "batch_fill": round(info["fill"], 4),
+          "batch_rows": int(batch.tokens.shape[0]) * n_proc,
+          "batch_fill": round(info["fill"], 4),
           "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
           **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
           **{k: v for k, v in m.items() if k != "denom"}})
-      writer.write(row)
+      if writer is not None:
+        writer.write(row)
       recent = (recent + [(row.get("success_rate", 0.0) * row["episodes"],
                            row["episodes"])])[-cfg.stop_window:]
       recent_success = sum(s for s, _ in recent) / max(sum(n for _, n in recent), 1)
@@ -309,7 +334,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
                       reward=f"{row.get('reward_mean', 0):.2f}",
                       tok_s=f"{row['rollout_tokens_per_s']:.0f}",
                       lag=f"{row.get('policy_lag_mean', 0):.1f}")
-      if bar.disable:  # no terminal: one line per step instead of a bar
+      if bar.disable and primary:  # no terminal: one line per step instead of a bar
         print(f"step {step}: success {row.get('success_rate', 0):.3f} reward "
               f"{row.get('reward_mean', 0):.3f} loss {m['loss']:.4f} rollout {rollout_s:.1f}s "
               f"learner {learner_s:.1f}s sync {sync_s:.2f}s wall {row['wall_time_s']:.0f}s",
@@ -331,9 +356,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       ckpt.save(step, state, {**meta, "pending_tasks": [
           t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]}, tasks, force=True)
     ckpt.close()
-    writer.close()
+    if writer is not None:
+      writer.close()
     await serving.close()
     close_envs()
+  if not primary:
+    return 0
   png = plot_learning_curve(run_dir, cfg.name)
   print(f"done: {step} steps in {time.time() - t_start:.0f}s; learning curve: {png}")
   return 0
@@ -350,10 +378,20 @@ def main(argv=None) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir", file=sys.stderr)
     return 2
+  try:
+    multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if multi and not args.run_dir:
+    print("error: a multi-process run needs --run-dir (the same for every process)",
+          file=sys.stderr)
+    return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "config.json"), "w") as f:
-    json.dump(config_lib.to_dict(cfg), f, indent=1)
+  if distributed.is_primary():
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+      json.dump(config_lib.to_dict(cfg), f, indent=1)
   try:
     return asyncio.run(train(cfg, run_dir, args.resume))
   except config_lib.ConfigError as e:  # found while building (e.g. the chat template)

@@ -67,3 +67,34 @@ def test_partial_multi_process_settings_are_named():
   with pytest.raises(ValueError, match="not in"):
     distributed.initialize("127.0.0.1:1234", 2, 2)
   assert distributed.initialize(None, None, None) is False
+
+
+def test_train_cli_as_two_processes(tmp_path):
+  """`python -m jaxagent.train` as 2 jax.distributed processes: one run directory,
+  metrics and the policy registry from process 0 with every process's episodes,
+  checkpoints and exports written by both, each process's trajectories kept."""
+  run_dir = tmp_path / "run"
+  port = _free_port()
+  common = ["--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=2",
+            "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
+            "serving.engine.slots=8", "checkpoint.every_steps=2", "checkpoint.export_every=1",
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+  procs = [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *common, "--process-id",
+                             str(i)], cwd=REPO, env=_env(2), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+  outs = [p.communicate(timeout=400)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  import json
+
+  with open(run_dir / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows] == [1, 2]  # written once, not once per process
+  assert all(r["episodes"] == 16 for r in rows)  # 2 processes x 2 groups x 4
+  assert rows[-1]["policy_version"] == 2 and rows[-1]["batch_rows"] % 2 == 0
+  with open(run_dir / "policy" / "versions.json") as f:
+    assert [v["version"] for v in json.load(f)["versions"]] == [1, 2]
+  assert os.listdir(run_dir / "checkpoints") == ["2"]
+  assert (run_dir / "trajectories.jsonl").exists()
+  assert (run_dir / "trajectories.process1.jsonl").exists()
+  assert "done: 2 steps" in outs[0] and "done:" not in outs[1]
