@@ -114,6 +114,17 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64,
         d_ff=4864, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
         max_seq_len=32768),
+    # Shapes for capacity planning (tools/scaling.py, docs/scaling.md).
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+        d_ff=18944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True,
+        tie_embeddings=False, max_seq_len=32768),
+    "llama-3.1-70b": ModelConfig(
+        vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+        d_ff=28672, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=False,
+        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position=8192),
+        max_seq_len=131072),
     "llama-3.2-1b": ModelConfig(
         vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
         d_ff=8192, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True,
