@@ -50,6 +50,9 @@ class MeshConfig:
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  # Which of this process's devices the learner uses: "" (all), or indices and
+  # inclusive ranges into jax.local_devices() ("0-3", "0,2,4-5"). See serving.devices.
+  devices: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +250,10 @@ class ServingConfig:
   engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
   # In-process only: also serve the HTTP gateway (needed by black-box agents).
   gateway: bool = False
+  # In-process only: the engine's own devices (as mesh.devices, e.g. "4-7"; "": the
+  # learner's, time-shared). Weight updates reshard from
+  # the learner's mesh to these devices directly (no host copy).
+  devices: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

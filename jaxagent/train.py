@@ -33,7 +33,7 @@ from jaxagent.checkpoint import RunCheckpointer, export_policy, version_dir
 from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
 from jaxagent.metrics import MetricsWriter, episode_metrics, plot_learning_curve
-from jaxagent.models.sharding import make_mesh
+from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.scheduler import RolloutScheduler, check_advantage_config, make_batch
 from jaxagent.trajectory import dump_segments
 
@@ -181,7 +181,17 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   from envs.base import TaskSpec
 
   t_start = time.time()
-  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  multi = jax.process_count() > 1
+  try:
+    learner_devices = (jax.devices() if multi and not cfg.mesh.devices
+                       else select_devices(cfg.mesh.devices))
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=learner_devices)
+    # The engine's devices: its own (serving.devices), this process's when the learner
+    # spans several processes, or the learner's mesh (colocated, time-shared).
+    serving_mesh = (make_mesh(devices=select_devices(cfg.serving.devices))
+                    if cfg.serving.devices or multi else mesh)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"mesh.devices / serving.devices: {e}") from None
   env_factory, close_envs = make_env_factory(cfg)
   from envs.sandbox import IsolationUnavailable
 
@@ -215,10 +225,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
           f"{len(requeue)} tasks re-queued)")
   policy_root = os.path.join(run_dir, "policy")
   version = int(state.policy_version)
-  # Each process serves its own rollouts on its own devices; the weights it starts
-  # from (and is updated with) are the whole values, gathered from every process.
-  multi = jax.process_count() > 1
-  serving_mesh = make_mesh(devices=jax.local_devices()) if multi else mesh
+  # With several processes each serves its own rollouts on its own devices; the weights
+  # it starts from (and is updated with) are the whole values, gathered from every one.
   serving = Serving(cfg, model_cfg, distributed.host_copy(state.params), tokenizer,
                     serving_mesh)
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
@@ -286,20 +294,23 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       learner_s = time.perf_counter() - t0
       step = int(state.step)
       version = int(state.policy_version)
-      sync_s = 0.0
+      sync_s, sync_path = 0.0, None
       export = step == cfg.steps or bool(
           cfg.checkpoint.export_every and step % cfg.checkpoint.export_every == 0)
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
         if serving.orch is not None:  # in-process: hand the weights over in memory
+          # One process: a device-to-device reshard onto the engine's mesh (its own
+          # devices or the learner's). Several: the whole values through the host.
           weights = (distributed.host_copy(state.params) if multi else
                      jax.tree.map(jnp.copy, state.params))  # the next step donates state
           await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
+          sync_path = "host" if multi else "reshard"
         else:  # servers load the export
           path = await loop.run_in_executor(None, export_policy, policy_root, version,
                                             state.params, None)
           await serving.client.update_weights(path, version, cfg.rollout.update_mode)
-          export = False
+          export, sync_path = False, "export"
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0
       if export:
@@ -314,6 +325,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       row.update({
           "wall_time_s": round(time.time() - t_start, 3), "policy_version": version,
           "rollout_s": rollout_s, "learner_s": learner_s, "weight_sync_s": sync_s,
+          **({"weight_sync_path": sync_path} if sync_path else {}),
           "rollout_tokens_per_s": out_tokens / max(rollout_s, 1e-9),
           "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
               rollout_s, 1e-9),

@@ -98,3 +98,39 @@ def test_train_cli_as_two_processes(tmp_path):
   assert (run_dir / "trajectories.jsonl").exists()
   assert (run_dir / "trajectories.process1.jsonl").exists()
   assert "done: 2 steps" in outs[0] and "done:" not in outs[1]
+
+
+def test_rollout_on_its_own_devices(tmp_path):
+  """mesh.devices / serving.devices split one process's 8 devices: the learner on 4,
+  the engine on the other 4, weights resharded between them (no export)."""
+  run_dir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxagent.train", "--config", "configs/tiny.yaml", "--run-dir",
+       str(run_dir), "steps=2", "rollout.groups_per_step=2", "rollout.group_size=4",
+       "data.rows=8", "serving.engine.slots=8", "checkpoint.every_steps=0",
+       "checkpoint.export_every=0", "mesh.devices=0-3", "serving.devices=4-7"],
+      cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "mesh: {'data': 4" in proc.stdout
+  import json
+
+  with open(run_dir / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["weight_sync_path"] for r in rows] == ["reshard", "reshard"]
+  assert rows[-1]["policy_version"] == 2
+
+
+def test_device_selection_errors_are_named():
+  import jax
+
+  from jaxagent.models.sharding import select_devices
+
+  devices = jax.local_devices()
+  assert select_devices("", devices) == devices
+  assert select_devices("0-0", devices) == devices[:1]
+  with pytest.raises(ValueError, match="twice"):
+    select_devices("0,0", devices)
+  with pytest.raises(ValueError, match="'5-9'"):
+    select_devices("5-9", devices[:8])
+  with pytest.raises(ValueError, match="'x'"):
+    select_devices("x", devices)

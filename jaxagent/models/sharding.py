@@ -47,6 +47,31 @@ SAMPLE_RULES: Rules = tuple(
     for name, axes in TRAIN_RULES)
 
 
+def select_devices(spec: str, devices: Optional[Sequence[jax.Device]] = None
+                   ) -> list[jax.Device]:
+  """Devices named by `spec`, a list of indices and inclusive ranges as for CPU sets
+  ("0-3", "4-7", "0,2,4-5"); "" is all of `devices` (default: this process's).
+  Raises ValueError naming the spec when it is malformed or indexes past the devices."""
+  devices = list(jax.local_devices() if devices is None else devices)
+  spec = str(spec).strip()
+  if not spec:
+    return devices
+  chosen = []
+  try:
+    for part in spec.split(","):
+      lo, _, hi = part.strip().partition("-")
+      for i in range(int(lo), int(hi or lo) + 1):
+        if i >= len(devices) or i < 0:
+          raise IndexError
+        chosen.append(devices[i])
+  except (ValueError, IndexError):
+    raise ValueError(f"devices {spec!r}: expected indices and ranges like '0-3' or "
+                     f"'0,2,4-5' within {len(devices)} devices") from None
+  if len({id(d) for d in chosen}) != len(chosen):
+    raise ValueError(f"devices {spec!r} names a device twice")
+  return chosen
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """A mesh with axes (data, fsdp, tensor); `data=-1` takes the remaining devices."""
