@@ -231,9 +231,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
                     serving_mesh)
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     path = version_dir(policy_root, version)
-    if not os.path.exists(path):
+    if not distributed.agree_max(os.path.exists(path)):
       export_policy(policy_root, version, state.params, dtype=None)
-    await serving.client.update_weights(path, version)
+    if distributed.is_primary():  # the servers are shared: one update is enough
+      await serving.client.update_weights(path, version)
 
   async def play(task_dict, session_id, group_id) -> Episode:
     task = task_dict if isinstance(task_dict, TaskSpec) else TaskSpec.from_dict(task_dict)
@@ -309,7 +310,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
         else:  # servers load the export
           path = await loop.run_in_executor(None, export_policy, policy_root, version,
                                             state.params, None)
-          await serving.client.update_weights(path, version, cfg.rollout.update_mode)
+          if primary:  # the servers are shared by every process: one update is enough
+            await serving.client.update_weights(path, version, cfg.rollout.update_mode)
           export, sync_path = False, "export"
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0

@@ -1,0 +1,216 @@
+"""The whole system as separate processes on one machine, from one run config.
+
+  python -m jaxagent.launch local --config configs/tiny.yaml [--learner-processes 2]
+      [--servers N] [--env-workers M] [--run-dir D] [overrides ...]
+
+Starts N rollout servers (`python -m rollout_server`, the run's model and engine
+settings; several are routed by session by the learner's router), M environment
+workers (`python -m envs.server`), waits until each answers `/health`, then the
+learner (`python -m jaxagent.train`, as `--learner-processes` jax.distributed
+processes) pointed at them with `serving.urls` / `env.urls`. Every child's output is
+forwarded line by line with a `[name]` prefix. When the learner finishes, the
+services are stopped; if any child dies first (a service at all, a learner with a
+non-zero code), the launcher says which, stops the rest and exits non-zero; Ctrl-C
+stops them all. With `--servers 0` the learner keeps its in-process engine, with
+`--env-workers 0` its in-process environments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Optional
+
+from jaxagent import config as config_lib
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Child:
+  name: str
+  cmd: list[str]
+  url: Optional[str] = None  # a service's base URL (None for learner processes)
+  proc: Optional[subprocess.Popen] = None
+  env: Optional[dict] = None
+
+  def start(self, out_lock: threading.Lock) -> "Child":
+    self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, bufsize=1, env=self.env, start_new_session=True)
+    threading.Thread(target=self._forward, args=(out_lock,), daemon=True).start()
+    return self
+
+  def _forward(self, out_lock: threading.Lock) -> None:
+    for line in self.proc.stdout:
+      with out_lock:
+        sys.stdout.write(f"[{self.name}] {line}")
+        sys.stdout.flush()
+
+  def alive(self) -> bool:
+    return self.proc is not None and self.proc.poll() is None
+
+  def stop(self, grace_s: float = 10.0) -> None:
+    if not self.alive():
+      return
+    try:
+      os.killpg(self.proc.pid, signal.SIGTERM)
+      self.proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+      self.proc.wait()
+    except ProcessLookupError:
+      pass
+
+
+def wait_healthy(child: Child, timeout_s: float) -> None:
+  """Polls `child.url/health` until it answers 200; raises naming the child if it dies
+  or does not answer in time."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if not child.alive():
+      raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while "
+                         "starting (its output is above)")
+    try:
+      with urllib.request.urlopen(f"{child.url}/health", timeout=2) as r:
+        if r.status == 200:
+          return
+    except OSError:
+      pass
+    time.sleep(0.3)
+  raise RuntimeError(f"{child.name} did not answer {child.url}/health within {timeout_s:.0f} s")
+
+
+def server_config(cfg: config_lib.RunConfig, name: str, port: int) -> dict:
+  """A rollout server's config: the run's model and engine, this port."""
+  return {"name": name, "seed": cfg.seed, "host": "127.0.0.1", "port": port,
+          "model": dataclasses.asdict(cfg.model),
+          "engine": dataclasses.asdict(cfg.serving.engine),
+          "update_mode": cfg.rollout.update_mode}
+
+
+def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], list[Child]]:
+  """The services and the learner processes to start (nothing is started here)."""
+  from omegaconf import OmegaConf
+
+  py = sys.executable
+  services: list[Child] = []
+  launch_dir = os.path.join(run_dir, "launch")
+  os.makedirs(launch_dir, exist_ok=True)
+  for i in range(args.servers):
+    port = free_port()
+    path = os.path.join(launch_dir, f"server{i}.yaml")
+    OmegaConf.save(OmegaConf.create(server_config(cfg, f"server{i}", port)), path)
+    services.append(Child(f"server{i}", [py, "-m", "rollout_server", "--config", path],
+                          url=f"http://127.0.0.1:{port}"))
+  for j in range(args.env_workers):
+    port = free_port()
+    cmd = [py, "-m", "envs.server", "--port", str(port)]
+    if cfg.env.allow_unisolated:
+      cmd.append("--allow-unisolated")
+    services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}"))
+  overrides = list(args.overrides)
+  servers = [c.url for c in services if c.name.startswith("server")]
+  envs = [c.url for c in services if c.name.startswith("env")]
+  if servers:
+    overrides.append("serving.urls=[" + ",".join(f'"{u}"' for u in servers) + "]")
+  if envs:
+    overrides.append("env.urls=[" + ",".join(f'"{u}"' for u in envs) + "]")
+  base = [py, "-m", "jaxagent.train", "--config", args.config, "--run-dir", run_dir]
+  learners = []
+  n = args.learner_processes
+  coordinator = f"127.0.0.1:{free_port()}"
+  for i in range(n):
+    extra = ([] if n == 1 else
+             ["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i)])
+    learners.append(Child("learner" if n == 1 else f"learner{i}", base + extra + overrides))
+  return services, learners
+
+
+def run_local(args) -> int:
+  try:
+    cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  for flag in ("servers", "env_workers"):
+    if getattr(args, flag) < 0:
+      print(f"error: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
+      return 2
+  if args.learner_processes < 1:
+    print("error: --learner-processes must be >= 1", file=sys.stderr)
+    return 2
+  run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  services, learners = plan(args, cfg, run_dir)
+  lock = threading.Lock()
+  started: list[Child] = []
+
+  def stop_all():
+    for c in reversed(started):
+      c.stop()
+
+  def interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+  signal.signal(signal.SIGTERM, interrupted)
+  try:
+    for c in services:
+      started.append(c.start(lock))
+    for c in services:
+      wait_healthy(c, args.start_timeout_s)
+    print(f"launch: {len(services)} services up; starting {len(learners)} learner "
+          f"process(es); run dir {run_dir}", flush=True)
+    for c in learners:
+      started.append(c.start(lock))
+    while True:
+      if all(c.proc.poll() == 0 for c in learners):
+        print("launch: the learner finished; stopping the services", flush=True)
+        return 0
+      # A dead service first: it is the cause when a learner fails after it.
+      for c in services:
+        if not c.alive():
+          raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during the run")
+      for c in learners:
+        code = c.proc.poll()
+        if code not in (None, 0):
+          raise RuntimeError(f"{c.name} exited with code {code}")
+      time.sleep(0.2)
+  except RuntimeError as e:
+    print(f"launch: error: {e}; stopping the others", file=sys.stderr, flush=True)
+    return 1
+  except KeyboardInterrupt:
+    print("launch: interrupted; stopping every process", file=sys.stderr, flush=True)
+    return 130
+  finally:
+    stop_all()
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jaxagent.launch", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="where", required=True)
+  local = sub.add_parser("local", help="every part as a process on this machine")
+  local.add_argument("--config", required=True)
+  local.add_argument("--learner-processes", type=int, default=1)
+  local.add_argument("--servers", type=int, default=1)
+  local.add_argument("--env-workers", type=int, default=1)
+  local.add_argument("--run-dir", default=None)
+  local.add_argument("--start-timeout-s", type=float, default=180.0)
+  local.add_argument("overrides", nargs="*", help="dotted config overrides")
+  args = p.parse_args(argv)
+  return run_local(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

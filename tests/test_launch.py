@@ -1,0 +1,57 @@
+"""`python -m jaxagent.launch local`: the learner, rollout servers and environment
+workers as separate processes from one config; a short run, and failing fast."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tests.conftest import REPO
+
+SMALL = ["rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
+         "serving.engine.slots=8", "checkpoint.every_steps=0", "checkpoint.export_every=0"]
+
+
+def launch(run_dir, *args):
+  return subprocess.Popen([sys.executable, "-m", "jaxagent.launch", "local", "--config",
+                           "configs/tiny.yaml", "--run-dir", str(run_dir), *args],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+
+
+def test_short_run_as_processes(tmp_path):
+  proc = launch(tmp_path / "run", "--servers", "2", "--env-workers", "1", "steps=2", *SMALL)
+  out = proc.communicate(timeout=400)[0]
+  assert proc.returncode == 0, out[-4000:]
+  # Every child's output is forwarded with its name.
+  for name in ("[server0]", "[server1]", "[env0]", "[learner]"):
+    assert name in out, name
+  assert "launch: the learner finished; stopping the services" in out
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(r["weight_sync_path"] == "export" for r in rows)  # servers load exports
+  with open(tmp_path / "run" / "launch" / "server0.yaml") as f:
+    assert "preset: nano" in f.read()  # the run's model
+
+
+def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
+  proc = launch(tmp_path / "run", "--servers", "1", "--env-workers", "0", "steps=500",
+                *SMALL)
+  lines = []
+  deadline = time.monotonic() + 300
+  for line in proc.stdout:
+    lines.append(line)
+    if "[learner] step 1:" in line or time.monotonic() > deadline:
+      break
+  server = subprocess.run(["pgrep", "-f", "launch/server0.yaml"], capture_output=True,
+                          text=True).stdout.split()
+  assert server, "".join(lines)[-3000:]
+  os.kill(int(server[0]), 9)
+  out = "".join(lines) + proc.communicate(timeout=60)[0]
+  assert proc.returncode == 1, out[-3000:]
+  assert "launch: error: server0 exited with code -9" in out
+  # Nothing is left running.
+  time.sleep(1)
+  assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
