@@ -1,0 +1,24 @@
+# jaxagent's image: the learner, rollout servers, router and environment workers all
+# run from it (`python -m jaxagent.train | rollout_server | rollout_server.router |
+# envs.server`). Build args choose the accelerator's JAX:
+#   docker build -t jaxagent:cpu .
+#   docker build -t jaxagent:tpu --build-arg JAX_EXTRA=tpu .
+#   docker build -t jaxagent:gpu --build-arg JAX_EXTRA=cuda12 .
+ARG PYTHON=3.11
+FROM python:${PYTHON}-slim
+ARG JAX_EXTRA=""
+# bubblewrap isolates untrusted tool code in the environment workers.
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY jaxagent jaxagent
+COPY rollout_server rollout_server
+COPY envs envs
+COPY configs configs
+RUN pip install --no-cache-dir . \
+    && if [ -n "$JAX_EXTRA" ]; then \
+         pip install --no-cache-dir "jax[$JAX_EXTRA]==$(python -c 'import jax; print(jax.__version__)')"; \
+       fi
+# The tiny default job, when run without arguments.
+CMD ["python", "-m", "jaxagent.train", "--config", "configs/tiny.yaml"]

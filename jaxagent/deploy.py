@@ -1,0 +1,315 @@
+"""Kubernetes manifests for a run on GKE: the learner on a TPU slice, rollout servers,
+their router and environment workers.
+
+  python -m jaxagent.deploy gke --config configs/tiny.yaml --tpu-type v5litepod-16
+      --servers 4 --env-workers 8 --image IMAGE --out DIR [--bucket gs://B/runs]
+      [--server-accelerator nvidia-l4] [--namespace default] [overrides ...]
+
+Writes one YAML file per resource into DIR (`kubectl apply -f DIR`):
+- `configmap.yaml`: the resolved run config, mounted at /config/run.yaml;
+- `learner-jobset.yaml`: a JobSet (jobset.x-k8s.io/v1alpha2) of one slice: one pod
+  per TPU host (an Indexed Job, parallelism = completions = hosts), the slice's
+  accelerator and topology node selectors and `google.com/tpu` requests;
+  `jax.distributed` initialises itself on the slice (`jaxagent.distributed`);
+- `rollout-statefulset.yaml` + `rollout-service.yaml`: N rollout servers with
+  stable names (a headless Service) on an accelerator node pool;
+- `router-deployment.yaml` + `router-service.yaml`: the session router over them;
+- `env-statefulset.yaml` + `env-service.yaml`: M environment workers on the CPU
+  pool (stateful sessions, so each has a stable name the learner lists), with the
+  capability bubblewrap needs to build its sandboxes.
+The run directory lives in `--bucket` (gs://BUCKET[/PREFIX]), mounted at /runs in the
+learner and the rollout servers by GKE's GCS FUSE CSI driver, so metrics,
+checkpoints and the policy exports the servers load are plain paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from typing import Any
+
+from jaxagent import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+  """A TPU slice type as GKE schedules it."""
+
+  name: str  # e.g. v5litepod-16
+  accelerator: str  # cloud.google.com/gke-tpu-accelerator
+  topology: str  # cloud.google.com/gke-tpu-topology
+  chips: int
+  chips_per_host: int
+
+  @property
+  def hosts(self) -> int:
+    return self.chips // self.chips_per_host
+
+
+# name prefix -> (GKE accelerator label, chips per host of a multi-host slice, TensorCores
+# counted per chip in the type's number, topology by chip count).
+_FAMILIES = {
+    "v5litepod": ("tpu-v5-lite-podslice", 4, 1,
+                  {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8",
+                   128: "8x16", 256: "16x16"}),
+    "v6e": ("tpu-v6e-slice", 4, 1,
+            {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+             256: "16x16"}),
+    "v5p": ("tpu-v5p-slice", 4, 2,
+            {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}),
+    "v4": ("tpu-v4-podslice", 4, 2,
+           {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}),
+}
+
+
+def tpu_slice(name: str) -> TpuSlice:
+  """Parses `v5litepod-16`, `v5p-32`, `v6e-8`, `v4-16`; errors list what is known."""
+  m = re.fullmatch(r"(v5litepod|v6e|v5p|v4)-(\d+)", name)
+  known = ", ".join(f"{f}-N" for f in _FAMILIES)
+  if not m:
+    raise ValueError(f"--tpu-type {name!r}: expected one of {known}")
+  family, n = m.group(1), int(m.group(2))
+  accel, per_host, cores, topologies = _FAMILIES[family]
+  chips = n // cores
+  if chips not in topologies:
+    raise ValueError(f"--tpu-type {name!r}: {chips} chips is not a {family} slice GKE "
+                     f"offers here; known sizes: "
+                     f"{', '.join(f'{family}-{c * cores}' for c in sorted(topologies))}")
+  # v5e and v6e hosts of 1, 4 or 8 chips serve slices up to 8 chips alone; bigger
+  # slices (and every v5p / v4 slice) have 4 chips a host.
+  single_host_max = 8 if family in ("v5litepod", "v6e") else per_host
+  return TpuSlice(name, accel, topologies[chips], chips,
+                  chips if chips <= single_host_max else per_host)
+
+
+def _labels(app: str, run: str) -> dict:
+  return {"app.kubernetes.io/name": app, "app.kubernetes.io/part-of": "jaxagent",
+          "jaxagent/run": run}
+
+
+def _container(name: str, image: str, command: list[str], *, port: int = 0,
+               resources: dict | None = None, mount_config: bool = True) -> dict:
+  c: dict[str, Any] = {"name": name, "image": image, "command": command}
+  if port:
+    c["ports"] = [{"containerPort": port, "name": "http"}]
+    c["readinessProbe"] = {"httpGet": {"path": "/health", "port": port},
+                           "periodSeconds": 5}
+  if resources:
+    c["resources"] = resources
+  if mount_config:
+    c["volumeMounts"] = [{"name": "config", "mountPath": "/config", "readOnly": True}]
+  return c
+
+
+def _config_volume(run: str) -> dict:
+  return {"name": "config", "configMap": {"name": f"{run}-config"}}
+
+
+def _mount_bucket(pod: dict, container: dict, bucket: str) -> None:
+  """Mounts `bucket` at /runs with the GKE GCS FUSE CSI driver."""
+  pod.setdefault("volumes", []).append({
+      "name": "runs", "csi": {"driver": "gcsfuse.csi.storage.gke.io",
+                              "volumeAttributes": {"bucketName": bucket,
+                                                   "mountOptions": "implicit-dirs"}}})
+  container.setdefault("volumeMounts", []).append({"name": "runs", "mountPath": "/runs"})
+
+
+def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
+  """File name -> Kubernetes object, for the run `cfg` with the CLI's `args`."""
+  from omegaconf import OmegaConf
+
+  sl = tpu_slice(args.tpu_type)
+  run = re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")[:40] or "run"
+  ns = args.namespace
+  meta = lambda name, app: {"name": name, "namespace": ns, "labels": _labels(app, run)}
+  server_port, router_port, env_port = 8000, 8000, 8100
+  rollout_svc, env_svc = f"{run}-rollout", f"{run}-env"
+  servers = [f"http://{run}-rollout-{i}.{rollout_svc}.{ns}.svc:{server_port}"
+             for i in range(args.servers)]
+  envs = [f"http://{run}-env-{i}.{env_svc}.{ns}.svc:{env_port}"
+          for i in range(args.env_workers)]
+  router_url = f"http://{run}-router.{ns}.svc:{router_port}"
+  bucket, _, prefix = args.bucket.removeprefix("gs://").partition("/")
+  if not args.bucket.startswith("gs://") or not bucket:
+    raise ValueError(f"--bucket {args.bucket!r}: expected gs://BUCKET[/PREFIX]")
+  # The bucket is mounted by the GCS FUSE CSI driver at /runs in the learner and the
+  # rollout servers: metrics, checkpoints and policy exports are plain paths, and the
+  # servers load the exports the learner writes.
+  run_dir = "/".join(x for x in ("/runs", prefix.strip("/"), run) if x)
+  out: dict[str, dict] = {}
+
+  out["configmap.yaml"] = {
+      "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{run}-config", "config"),
+      "data": {"run.yaml": OmegaConf.to_yaml(OmegaConf.create(config_lib.to_dict(cfg))),
+               "server.yaml": OmegaConf.to_yaml(OmegaConf.create({
+                   "name": "rollout", "host": "0.0.0.0", "port": server_port,
+                   "model": dataclasses.asdict(cfg.model),
+                   "engine": dataclasses.asdict(cfg.serving.engine),
+                   "update_mode": cfg.rollout.update_mode}))}}
+
+  learner_cmd = ["python", "-m", "jaxagent.train", "--config", "/config/run.yaml",
+                 "--run-dir", run_dir]
+  if servers:
+    learner_cmd.append(f"serving.urls=[\"{router_url}\"]")
+  if envs:
+    learner_cmd.append("env.urls=[" + ",".join(f'"{u}"' for u in envs) + "]")
+  tpu = {"google.com/tpu": str(sl.chips_per_host)}
+  pod = {
+      "restartPolicy": "Never",
+      "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": sl.accelerator,
+                       "cloud.google.com/gke-tpu-topology": sl.topology},
+      "containers": [_container("learner", args.image, learner_cmd,
+                                resources={"requests": tpu, "limits": tpu})],
+      "volumes": [_config_volume(run)],
+  }
+  _mount_bucket(pod, pod["containers"][0], bucket)
+  out["learner-jobset.yaml"] = {
+      "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+      "metadata": {**meta(f"{run}-learner", "learner"),
+                   "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology":
+                                   "cloud.google.com/gke-nodepool"}},
+      "spec": {
+          "failurePolicy": {"maxRestarts": args.max_restarts},
+          "network": {"enableDNSHostnames": True},
+          "replicatedJobs": [{
+              "name": "slice", "replicas": 1,
+              "template": {"spec": {
+                  "parallelism": sl.hosts, "completions": sl.hosts,
+                  "completionMode": "Indexed", "backoffLimit": 0,
+                  "template": {"metadata": {"labels": _labels("learner", run),
+                                            "annotations": _FUSE},
+                               "spec": pod}}}}]}}
+
+  gpu = ({"nvidia.com/gpu": "1"} if args.server_accelerator.startswith("nvidia") else {})
+  server_pod = {
+      "containers": [_container("rollout", args.image,
+                                ["python", "-m", "rollout_server", "--config",
+                                 "/config/server.yaml"], port=server_port,
+                                resources={"requests": {"cpu": "4", "memory": "16Gi", **gpu},
+                                           "limits": gpu} if gpu else
+                                {"requests": {"cpu": "4", "memory": "16Gi"}})],
+      "volumes": [_config_volume(run)]}
+  if gpu:
+    server_pod["nodeSelector"] = {"cloud.google.com/gke-accelerator": args.server_accelerator}
+  _mount_bucket(server_pod, server_pod["containers"][0], bucket)
+  out["rollout-statefulset.yaml"] = _statefulset(
+      meta(f"{run}-rollout", "rollout"), rollout_svc, args.servers, server_pod,
+      _labels("rollout", run), annotations=_FUSE)
+  out["rollout-service.yaml"] = _headless(meta(rollout_svc, "rollout"),
+                                          _labels("rollout", run), server_port)
+
+  router_pod = {"containers": [_container(
+      "router", args.image,
+      ["python", "-m", "rollout_server.router", "--backends", ",".join(servers),
+       "--host", "0.0.0.0", "--port", str(router_port)], port=router_port,
+      resources={"requests": {"cpu": "1", "memory": "1Gi"}}, mount_config=False)]}
+  out["router-deployment.yaml"] = {
+      "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{run}-router", "router"),
+      "spec": {"replicas": 1, "selector": {"matchLabels": _labels("router", run)},
+               "template": {"metadata": {"labels": _labels("router", run)},
+                            "spec": router_pod}}}
+  out["router-service.yaml"] = {
+      "apiVersion": "v1", "kind": "Service", "metadata": meta(f"{run}-router", "router"),
+      "spec": {"selector": _labels("router", run),
+               "ports": [{"name": "http", "port": router_port, "targetPort": router_port}]}}
+
+  env_cmd = ["python", "-m", "envs.server", "--host", "0.0.0.0", "--port", str(env_port),
+             "--sandboxes", str(args.sandboxes)]
+  env_container = _container("env", args.image, env_cmd, port=env_port, mount_config=False,
+                             resources={"requests": {"cpu": str(args.sandboxes),
+                                                     "memory": "8Gi"}})
+  # bubblewrap builds user, mount and PID namespaces for each sandbox.
+  env_container["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]},
+                                      "seccompProfile": {"type": "Unconfined"}}
+  env_pod = {"containers": [env_container],
+             "nodeSelector": {"cloud.google.com/gke-nodepool": args.cpu_pool}}
+  out["env-statefulset.yaml"] = _statefulset(meta(f"{run}-env", "env"), env_svc,
+                                             args.env_workers, env_pod, _labels("env", run))
+  out["env-service.yaml"] = _headless(meta(env_svc, "env"), _labels("env", run), env_port)
+  return out
+
+
+# The pod annotation that asks GKE to inject the GCS FUSE sidecar.
+_FUSE = {"gke-gcsfuse/volumes": "true"}
+
+
+def _statefulset(metadata: dict, service: str, replicas: int, pod: dict, labels: dict,
+                 annotations: dict | None = None) -> dict:
+  template = {"metadata": {"labels": labels}, "spec": pod}
+  if annotations:
+    template["metadata"]["annotations"] = annotations
+  return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata,
+          "spec": {"serviceName": service, "replicas": replicas,
+                   "podManagementPolicy": "Parallel",
+                   "selector": {"matchLabels": labels}, "template": template}}
+
+
+def _headless(metadata: dict, labels: dict, port: int) -> dict:
+  return {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
+          "spec": {"clusterIP": "None", "selector": labels,
+                   "ports": [{"name": "http", "port": port, "targetPort": port}]}}
+
+
+def xpk_command(cfg: config_lib.RunConfig, args) -> str:
+  """The learner's launch as an `xpk workload create` command (xpk users' path)."""
+  sl = tpu_slice(args.tpu_type)
+  run = re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")[:40] or "run"
+  cmd = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir",
+                  f"/runs/{run}", *args.overrides])
+  return (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
+          f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} "
+          f"--command '{cmd}'")
+
+
+def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
+  from omegaconf import OmegaConf
+
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for name, obj in objects.items():
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+      f.write(OmegaConf.to_yaml(OmegaConf.create(obj)))
+    paths.append(path)
+  return paths
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jaxagent.deploy", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="where", required=True)
+  g = sub.add_parser("gke", help="manifests for GKE")
+  g.add_argument("--config", required=True)
+  g.add_argument("--tpu-type", required=True, help="the learner's slice, e.g. v5litepod-16")
+  g.add_argument("--servers", type=int, default=4)
+  g.add_argument("--env-workers", type=int, default=8)
+  g.add_argument("--sandboxes", type=int, default=8, help="sandboxes per environment worker")
+  g.add_argument("--image", required=True)
+  g.add_argument("--out", required=True)
+  g.add_argument("--bucket", default="gs://BUCKET/runs", help="where run directories go")
+  g.add_argument("--namespace", default="default")
+  g.add_argument("--server-accelerator", default="nvidia-l4",
+                 help="GKE accelerator of the rollout servers' pool (cpu: none)")
+  g.add_argument("--cpu-pool", default="cpu-pool", help="node pool of environment workers")
+  g.add_argument("--max-restarts", type=int, default=3)
+  g.add_argument("overrides", nargs="*")
+  args = p.parse_args(argv)
+  try:
+    cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+    if args.servers < 0 or args.env_workers < 0:
+      raise ValueError("--servers and --env-workers must be >= 0")
+    objects = manifests(cfg, args)
+  except (config_lib.ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  for path in write(args.out, objects):
+    print(path)
+  print(f"apply: kubectl apply -f {args.out}\nor, with xpk: {xpk_command(cfg, args)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

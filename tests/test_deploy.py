@@ -1,0 +1,134 @@
+"""`python -m jaxagent.deploy gke`: every generated manifest validates against the
+Kubernetes schemas (kubernetes-validate) and the JobSet's structure; the learner's
+command, replica counts, TPU topology and resource requests for two slice shapes."""
+
+import os
+import subprocess
+import sys
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+K8S_VERSION = "1.31.0"
+
+# The parts of JobSet v1alpha2 (jobset.x-k8s.io) the generator writes, as a JSON schema
+# of our own; each replicated Job's template is validated as a batch/v1 Job below.
+JOBSET = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "jobset.x-k8s.io/v1alpha2"},
+        "kind": {"const": "JobSet"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object", "required": ["replicatedJobs"],
+            "additionalProperties": False,
+            "properties": {
+                "failurePolicy": {"type": "object", "additionalProperties": False,
+                                  "properties": {"maxRestarts": {"type": "integer",
+                                                                 "minimum": 0}}},
+                "network": {"type": "object", "additionalProperties": False,
+                            "properties": {"enableDNSHostnames": {"type": "boolean"},
+                                           "subdomain": {"type": "string"}}},
+                "replicatedJobs": {
+                    "type": "array", "minItems": 1,
+                    "items": {"type": "object", "required": ["name", "template"],
+                              "additionalProperties": False,
+                              "properties": {"name": {"type": "string",
+                                                      "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                                             "replicas": {"type": "integer", "minimum": 1},
+                                             "template": {"type": "object",
+                                                          "required": ["spec"]}}}},
+            }},
+    },
+}
+
+SHAPES = {"v5litepod-16": ("tpu-v5-lite-podslice", "4x4", 4, 4),
+          "v5p-32": ("tpu-v5p-slice", "2x2x4", 4, 4),
+          "v5litepod-8": ("tpu-v5-lite-podslice", "2x4", 1, 8)}
+
+
+def generate(tmp_path, tpu, *extra):
+  out = tmp_path / tpu
+  proc = subprocess.run([sys.executable, "-m", "jaxagent.deploy", "gke", "--config",
+                         "configs/tiny.yaml", "--tpu-type", tpu, "--servers", "4",
+                         "--env-workers", "8", "--image", "example.com/jaxagent:tpu",
+                         "--bucket", "gs://my-bucket/runs", "--out", str(out), *extra],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  docs = {}
+  for name in sorted(os.listdir(out)):
+    with open(out / name) as f:
+      docs[name] = yaml.safe_load(f)
+  return docs, proc.stdout
+
+
+@pytest.mark.parametrize("tpu", sorted(SHAPES))
+def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
+  docs, stdout = generate(tmp_path, tpu)
+  assert set(docs) == {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
+                       "rollout-service.yaml", "router-deployment.yaml",
+                       "router-service.yaml", "env-statefulset.yaml", "env-service.yaml"}
+  for name, doc in docs.items():
+    if doc["kind"] == "JobSet":
+      jsonschema.validate(doc, JOBSET)
+      for rj in doc["spec"]["replicatedJobs"]:
+        job = {"apiVersion": "batch/v1", "kind": "Job",
+               "metadata": {"name": rj["name"]}, "spec": rj["template"]["spec"]}
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    else:
+      kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+  accel, topology, hosts, chips_per_host = SHAPES[tpu]
+  job = docs["learner-jobset.yaml"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+  assert job["parallelism"] == job["completions"] == hosts
+  assert job["completionMode"] == "Indexed"
+  pod = job["template"]["spec"]
+  assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": accel,
+                                 "cloud.google.com/gke-tpu-topology": topology}
+  (learner,) = pod["containers"]
+  assert learner["resources"]["requests"]["google.com/tpu"] == str(chips_per_host)
+  assert learner["resources"]["limits"]["google.com/tpu"] == str(chips_per_host)
+  cmd = learner["command"]
+  assert cmd[:5] == ["python", "-m", "jaxagent.train", "--config", "/config/run.yaml"]
+  assert cmd[cmd.index("--run-dir") + 1] == "/runs/runs/tiny-guess-number"
+  assert any(c.startswith("serving.urls=") and "router" in c for c in cmd)
+  env_urls = next(c for c in cmd if c.startswith("env.urls="))
+  assert env_urls.count("http://") == 8
+  # Replicas and the router's backends.
+  assert docs["rollout-statefulset.yaml"]["spec"]["replicas"] == 4
+  assert docs["env-statefulset.yaml"]["spec"]["replicas"] == 8
+  router = docs["router-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+  backends = router["command"][router["command"].index("--backends") + 1]
+  assert backends.count("http://") == 4
+  # The run config travels in the ConfigMap and loads as a run config.
+  from jaxagent import config as config_lib
+
+  run_yaml = docs["configmap.yaml"]["data"]["run.yaml"]
+  path = tmp_path / "run.yaml"
+  path.write_text(run_yaml)
+  assert config_lib.load(config_lib.RunConfig, str(path), []).name == "tiny-guess-number"
+  assert "xpk workload create" in stdout and f"--tpu-type {tpu}" in stdout
+
+
+def test_bad_slice_and_bucket_are_named(tmp_path):
+  for args, msg in [(["--tpu-type", "v5litepod-12"], "12 chips is not a v5litepod slice"),
+                    (["--tpu-type", "h100-8"], "expected one of"),
+                    (["--tpu-type", "v5p-32", "--bucket", "s3://x"], "expected gs://")]:
+    proc = subprocess.run([sys.executable, "-m", "jaxagent.deploy", "gke", "--config",
+                           "configs/tiny.yaml", "--image", "i", "--out", str(tmp_path),
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+
+
+def test_dockerfile_installs_the_project_with_an_accelerator_choice():
+  with open(os.path.join(REPO, "Dockerfile")) as f:
+    text = f.read()
+  assert "ARG JAX_EXTRA" in text and "pip install --no-cache-dir ." in text
+  assert "bubblewrap" in text
+  for part in ("jaxagent", "rollout_server", "envs", "configs"):
+    assert f"COPY {part} {part}" in text
