@@ -15,8 +15,11 @@ from tests.conftest import REPO
 
 K8S_VERSION = "1.31.0"
 
-# The parts of JobSet v1alpha2 (jobset.x-k8s.io) the generator writes, as a JSON schema
-# of our own; each replicated Job's template is validated as a batch/v1 Job below.
+# JobSet v1alpha2 (jobset.x-k8s.io) as a JSON schema of our own, written from the
+# JobSet API's field list (the CRD's published schema is not on PyPI, and is not copied
+# here): unknown fields are errors; each replicated Job's template is validated as a
+# batch/v1 Job with the Kubernetes schemas below.
+_NAME = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63}
 JOBSET = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -28,19 +31,35 @@ JOBSET = {
             "type": "object", "required": ["replicatedJobs"],
             "additionalProperties": False,
             "properties": {
-                "failurePolicy": {"type": "object", "additionalProperties": False,
-                                  "properties": {"maxRestarts": {"type": "integer",
-                                                                 "minimum": 0}}},
+                "failurePolicy": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"maxRestarts": {"type": "integer", "minimum": 0},
+                                   "restartStrategy": {"enum": ["Recreate",
+                                                                "BlockingRecreate"]},
+                                   "rules": {"type": "array"}}},
+                "successPolicy": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"operator": {"enum": ["All", "Any"]},
+                                   "targetReplicatedJobs": {"type": "array",
+                                                            "items": {"type": "string"}}}},
+                "startupPolicy": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"startupPolicyOrder": {"enum": ["AnyOrder", "InOrder"]}}},
                 "network": {"type": "object", "additionalProperties": False,
                             "properties": {"enableDNSHostnames": {"type": "boolean"},
-                                           "subdomain": {"type": "string"}}},
+                                           "subdomain": {"type": "string"},
+                                           "publishNotReadyAddresses": {"type": "boolean"}}},
+                "suspend": {"type": "boolean"},
+                "managedBy": {"type": "string"},
+                "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
                 "replicatedJobs": {
                     "type": "array", "minItems": 1,
                     "items": {"type": "object", "required": ["name", "template"],
                               "additionalProperties": False,
-                              "properties": {"name": {"type": "string",
-                                                      "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                              "properties": {"name": _NAME,
+                                             "groupName": {"type": "string"},
                                              "replicas": {"type": "integer", "minimum": 1},
+                                             "dependsOn": {"type": "array"},
                                              "template": {"type": "object",
                                                           "required": ["spec"]}}}},
             }},
