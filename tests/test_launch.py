@@ -41,9 +41,9 @@ def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
                 *SMALL)
   lines = []
   deadline = time.monotonic() + 300
-  for line in proc.stdout:
+  for line in proc.stdout:  # the learner has started: the services are up
     lines.append(line)
-    if "[learner] step 1:" in line or time.monotonic() > deadline:
+    if "launch: 1 services up" in line or time.monotonic() > deadline:
       break
   server = subprocess.run(["pgrep", "-f", "launch/server0.yaml"], capture_output=True,
                           text=True).stdout.split()
