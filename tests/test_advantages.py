@@ -109,3 +109,21 @@ def test_gradient_free_but_jittable_end_to_end():
   out = f(jnp.ones((2, 3)), jnp.ones((2, 3), bool))
   assert bool(jnp.all(jnp.isfinite(out)))
   assert float(jnp.abs(out).max()) == pytest.approx(0.0)  # identical samples: no advantage
+
+
+@pytest.mark.parametrize("reward", [0.7, 0.1, 1.0 / 3.0, 123.456])
+def test_equal_rewards_give_exactly_zero_advantage_with_std_scaling(reward):
+  """Float32 rounding of a group's mean must not turn into an advantage: eight equal
+  rewards of 0.7 gave +0.056 each with scale_by_std (the mean was off by ~6e-8)."""
+  from jaxagent import advantages as adv
+
+  r = jnp.full((8,), reward, jnp.float32)
+  gid = jnp.zeros((8,), jnp.int32)
+  np.testing.assert_array_equal(adv.group_normalized(r, gid, 1, scale_by_std=True), 0.0)
+  returns = jnp.full((8, 3), reward, jnp.float32)
+  out = adv.chunk_advantages(returns, jnp.ones((8, 3), bool), 0.0, group_ids_N=gid,
+                             num_groups=1, scale_by_std=True)
+  np.testing.assert_array_equal(out, 0.0)
+  # A group with signal is unchanged: mean 0.5, std 0.5.
+  mixed = adv.group_normalized(jnp.asarray([0.0, 1.0] * 4), gid, 1)
+  np.testing.assert_allclose(mixed, [-1.0, 1.0] * 4, atol=1e-5)
