@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from fastapi import FastAPI, HTTPException, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -38,18 +38,27 @@ SESSION_HEADER = "x-session-id"
 # -- request bodies -----------------------------------------------------------------------
 
 
+# Ranges the engine can take: a request outside them is refused with a 422 naming the
+# field, instead of failing on the device (and taking its prefill batch with it).
+_TOP_K = Field(0, ge=0, lt=2**31)
+_SEED = Field(None, ge=-(2**63), lt=2**63)
+_TEMPERATURE = Field(1.0, ge=0.0)
+_TOP_P = Field(1.0, gt=0.0, le=1.0)
+_TOKEN_ID = Field(ge=0, lt=2**31)
+
+
 class SamplingBody(BaseModel):
   model_config = ConfigDict(extra="forbid")
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  max_new_tokens: int = 64
-  stop_token_ids: list[int] = Field(default_factory=list)
-  seed: Optional[int] = None
+  temperature: float = _TEMPERATURE
+  top_p: float = _TOP_P
+  top_k: int = _TOP_K
+  max_new_tokens: int = Field(64, ge=1)
+  stop_token_ids: list[Annotated[int, _TOKEN_ID]] = Field(default_factory=list)
+  seed: Optional[int] = _SEED
 
 
 class GenerateBody(SamplingBody):
-  input_ids: list[int]
+  input_ids: list[Annotated[int, _TOKEN_ID]] = Field(min_length=1)
   request_id: Optional[str] = None
   session_id: Optional[str] = None
 
@@ -68,18 +77,18 @@ class UpdateWeightsBody(BaseModel):
 class ChatBody(BaseModel):
   # Unknown OpenAI fields (user, metadata, ...) are accepted and ignored.
   model_config = ConfigDict(extra="allow")
-  messages: list[dict]
+  messages: list[dict] = Field(min_length=1)
   model: Optional[str] = None
   tools: Optional[list[dict]] = None
   tool_choice: Optional[Union[str, dict]] = None
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  max_tokens: Optional[int] = None
-  max_completion_tokens: Optional[int] = None
-  seed: Optional[int] = None
+  temperature: float = _TEMPERATURE
+  top_p: float = _TOP_P
+  top_k: int = _TOP_K
+  max_tokens: Optional[int] = Field(None, ge=1)
+  max_completion_tokens: Optional[int] = Field(None, ge=1)
+  seed: Optional[int] = _SEED
   stop: Optional[Union[str, list[str]]] = None
-  stop_token_ids: Optional[list[int]] = None
+  stop_token_ids: Optional[list[Annotated[int, _TOKEN_ID]]] = None
   stream: bool = False
   n: int = 1
   logprobs: bool = False
@@ -249,6 +258,12 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     return {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
             "queue": s["queue"]}
 
+  @app.get("/v1/models")
+  async def models():
+    """The one model this server serves (what the OpenAI client's `models.list()` reads)."""
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                        "owned_by": "jaxagent"}]}
+
   @app.get("/metrics")
   async def metrics():
     return PlainTextResponse(generate_latest(registry).decode(),
@@ -316,7 +331,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       raise HTTPException(400, str(e))
     except Exception as e:  # a template error names the problem
       raise HTTPException(400, f"cannot render the chat template: {type(e).__name__}: {e}")
-    max_new = body.max_completion_tokens or body.max_tokens or 256
+    max_new = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                   256)
     stops = list(tokenizer.stop_ids) + list(body.stop_token_ids or [])
     session_id = body.session_id or http.headers.get(SESSION_HEADER)
     req = submit(prompt, _sampling(body, max_new, stops), None, session_id)

@@ -106,11 +106,17 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   c = client(srv)
   cases = [
       ({"input_ids": "abc"}, 422, "input_ids"),
-      ({"input_ids": [1, 2], "temperature": -1}, 400, "temperature"),
+      ({"input_ids": [1, 2], "temperature": -1}, 422, "temperature"),
       ({"input_ids": [1, 10**6]}, 400, "vocabulary"),
       ({"input_ids": [1] * 600}, 400, "max_prefill_length) is 512"),
-      ({"input_ids": [1], "top_p": 2}, 400, "top_p"),
+      ({"input_ids": [1], "top_p": 2}, 422, "top_p"),
       ({"input_ids": [1], "bogus": 1}, 422, "bogus"),
+      # Values the device cannot take are refused here, not failed in a prefill batch.
+      ({"input_ids": [1], "seed": 2**63}, 422, "seed"),
+      ({"input_ids": [1], "top_k": 2**31}, 422, "top_k"),
+      ({"input_ids": [1], "max_new_tokens": 0}, 422, "max_new_tokens"),
+      ({"input_ids": []}, 422, "input_ids"),
+      ({"input_ids": [1], "stop_token_ids": [2**40]}, 422, "stop_token_ids"),
   ]
   for body, status, needle in cases:
     r = c.post("/generate", json=body)
@@ -125,7 +131,21 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                            "stop": ["\n"]})
   assert r.status_code == 400 and "stop" in r.text
+  user = [{"role": "user", "content": "x"}]
+  for body, needle in [({"messages": []}, "messages"),
+                       ({"messages": user, "max_tokens": 0}, "max_tokens"),
+                       ({"messages": user, "seed": 2**64}, "seed"),
+                       ({"messages": user, "top_k": 2**31}, "top_k")]:
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 422 and needle in r.text, (body, r.status_code, r.text)
   assert c.get("/health").json()["status"] == "ok"
+
+
+def test_models_list_through_the_openai_client(server):
+  srv, _ = server
+  oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+  models = oai.models.list()
+  assert [m.id for m in models.data] == ["jaxagent"]
 
 
 def test_abort_over_http(server):
