@@ -223,6 +223,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
     requeue = [TaskSpec.from_dict(t) for t in meta.get("pending_tasks", [])]
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
           f"{len(requeue)} tasks re-queued)")
+  if distributed.is_primary():  # after a resume has restored: a failed one changes nothing
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+      json.dump(config_lib.to_dict(cfg), f, indent=1)
   policy_root = os.path.join(run_dir, "policy")
   version = int(state.policy_version)
   # With several processes each serves its own rollouts on its own devices; the weights
@@ -361,6 +364,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
           and recent_success >= cfg.stop_success_rate):
         print(f"success rate {recent_success:.3f} over the last {cfg.stop_window} steps' "
               f"episodes reached {cfg.stop_success_rate}: stopping")
+        # The final weights are a policy export too, not only a checkpoint.
+        if not distributed.agree_max(os.path.exists(version_dir(policy_root, version))):
+          await loop.run_in_executor(None, export_policy, policy_root, version,
+                                     state.params, None)
         break
   finally:
     bar.close()
@@ -403,9 +410,6 @@ def main(argv=None) -> int:
     return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   os.makedirs(run_dir, exist_ok=True)
-  if distributed.is_primary():
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-      json.dump(config_lib.to_dict(cfg), f, indent=1)
   try:
     return asyncio.run(train(cfg, run_dir, args.resume))
   except config_lib.ConfigError as e:  # found while building (e.g. the chat template)

@@ -55,6 +55,19 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["policy_version"] == 4
 
 
+def test_early_stop_exports_the_final_policy(tmp_path):
+  run_dir = str(tmp_path / "run")
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=50",
+                   "stop_success_rate=0.0001", "stop_window=1", *SMALL[:-1],
+                   "checkpoint.export_every=0")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "stopping" in proc.stdout
+  step = read_metrics(run_dir)[-1]["step"]
+  assert step < 50
+  with open(os.path.join(run_dir, "policy", "versions.json")) as f:
+    assert [v["version"] for v in json.load(f)["versions"]] == [step]
+
+
 def test_config_errors_are_clear(tmp_path):
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path), "learner.lrr=1")
   assert proc.returncode == 2
