@@ -145,7 +145,43 @@ async def task_tools(path: str, env_factory) -> list[dict]:
   return list(tools.values())
 
 
+def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
+  """The model and learner settings, checked before anything is built (each error
+  names its key)."""
+  from jaxagent import learner as learner_lib
+  from jaxagent.build import TEMPLATES
+  from jaxagent.models.config import PRESETS, preset
+
+  m = cfg.model
+  if m.checkpoint is None:
+    if m.preset not in PRESETS:
+      import difflib
+
+      close = difflib.get_close_matches(m.preset, PRESETS, n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise config_lib.ConfigError(f"model.preset: unknown {m.preset!r}{hint}; known: "
+                                   f"{', '.join(sorted(PRESETS))}")
+    try:
+      preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+             attention=m.attention, attention_block=m.attention_block,
+             **({} if m.scan_unroll is None else {"scan_unroll": m.scan_unroll}))
+    except (ValueError, TypeError) as e:
+      raise config_lib.ConfigError(f"model: {e}") from None
+  elif m.checkpoint != "smollm2" and not os.path.exists(m.checkpoint):
+    raise config_lib.ConfigError(f"model.checkpoint: no such file or directory "
+                                 f"{m.checkpoint!r} (a .gguf file, a Hugging Face directory "
+                                 "or 'smollm2')")
+  if m.chat_template not in TEMPLATES:
+    raise config_lib.ConfigError(f"model.chat_template: unknown {m.chat_template!r}; known: "
+                                 "null (the tokenizer's own), chatml_tools")
+  try:
+    learner_lib.check_config(cfg.learner)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
+
+
 def check_config(cfg: config_lib.RunConfig) -> None:
+  check_model_and_learner(cfg)
   if not cfg.data.tasks:
     raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
   if not os.path.exists(cfg.data.tasks):
@@ -399,6 +435,12 @@ def main(argv=None) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir", file=sys.stderr)
     return 2
+  if args.resume:
+    ckpts = os.path.join(args.run_dir, "checkpoints")
+    if not os.path.isdir(ckpts) or not any(d.isdigit() for d in os.listdir(ckpts)):
+      print(f"error: --resume: no checkpoint in {ckpts} (nothing to resume; drop --resume "
+            "to start the run)", file=sys.stderr)
+      return 2
   try:
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   except ValueError as e:

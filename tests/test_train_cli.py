@@ -81,6 +81,17 @@ def test_config_errors_are_clear(tmp_path):
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path),
                    "env.latency.distribution=pareto")
   assert proc.returncode == 2 and "env.latency" in proc.stderr and "'pareto'" in proc.stderr
+  for override, needle in [("model.preset=nanoo", "did you mean 'nano'"),
+                           ("model.checkpoint=/nonexistent.gguf", "model.checkpoint"),
+                           ("learner.policy_loss=ppoo", "learner.policy_loss"),
+                           ("model.attention=flashy", "attention: unknown 'flashy'"),
+                           ("model.chat_template=nope", "model.chat_template")]:
+    proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path), override)
+    assert proc.returncode == 2 and needle in proc.stderr, (override, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"),
+                   "--resume")
+  assert proc.returncode == 2 and "no checkpoint" in proc.stderr
 
 
 def test_smollm2_calculator_config_runs(tmp_path):
