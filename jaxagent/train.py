@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jaxagent import config as config_lib
+from jaxagent import config as config_lib, distributed
 from jaxagent.agent import Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
-from jaxagent import distributed
 from jaxagent.checkpoint import RunCheckpointer, export_policy, version_dir
 from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
@@ -97,15 +96,22 @@ class Serving:
       self.orch.stop()
 
 
+def env_latency(cfg: config_lib.RunConfig):
+  """`env.latency` as an `envs.base.Latency`; a bad one is a ConfigError naming it."""
+  from envs.base import Latency
+
+  try:
+    return Latency(**dataclasses.asdict(cfg.env.latency))
+  except ValueError as e:
+    raise config_lib.ConfigError(f"env.latency: {e}") from None
+
+
 def make_env_factory(cfg: config_lib.RunConfig):
   """`factory(task) -> Env` (in-process or a remote worker's), and a closer. With
   `env.latency` set, every environment waits that made-up time at each step."""
-  from envs.base import EnvResources, Latency, WithLatency, make
+  from envs.base import EnvResources, WithLatency, make
 
-  try:
-    latency = Latency(**dataclasses.asdict(cfg.env.latency))
-  except ValueError as e:
-    raise config_lib.ConfigError(f"env.latency: {e}") from None
+  latency = env_latency(cfg)
   counter = iter(range(1 << 62))
 
   def delayed(env):
@@ -206,11 +212,7 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     check_advantage_config(cfg.advantage)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
-  from envs.base import Latency
-  try:
-    Latency(**dataclasses.asdict(cfg.env.latency))
-  except ValueError as e:
-    raise config_lib.ConfigError(f"env.latency: {e}") from None
+  env_latency(cfg)
 
 
 async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
@@ -218,9 +220,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
 
   t_start = time.time()
   multi = jax.process_count() > 1
+  if multi and cfg.mesh.devices:
+    raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
+                                 "process's devices; choose devices per process only for "
+                                 "the engine (serving.devices)")
   try:
-    learner_devices = (jax.devices() if multi and not cfg.mesh.devices
-                       else select_devices(cfg.mesh.devices))
+    learner_devices = jax.devices() if multi else select_devices(cfg.mesh.devices)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=learner_devices)
     # The engine's devices: its own (serving.devices), this process's when the learner
     # spans several processes, or the learner's mesh (colocated, time-shared).
