@@ -21,6 +21,15 @@ from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, IM_END, IM_START, Tokenize
 TEMPLATES = {None: None, "chatml_tools": CHATML_TOOLS_TEMPLATE}
 
 
+def model_overrides(spec: ModelSpec) -> dict:
+  """The `ModelConfig` fields a `ModelSpec` sets over a preset's or a checkpoint's."""
+  overrides = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat,
+                   attention=spec.attention, attention_block=spec.attention_block)
+  if spec.scan_unroll is not None:  # None keeps the preset's
+    overrides["scan_unroll"] = spec.scan_unroll
+  return overrides
+
+
 def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES,
                 tools: Sequence[dict] = ()) -> tuple[ModelConfig, Optional[Params], Tokenizer]:
   """Model config, loaded parameters (None for a random init) and tokenizer.
@@ -29,10 +38,7 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
   checkpoint's own template (`model.chat_template: null`) and a template that
   drops them, `chatml_tools` is used instead (see `choose_template`).
   """
-  overrides = dict(dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat,
-                   attention=spec.attention, attention_block=spec.attention_block)
-  if spec.scan_unroll is not None:
-    overrides["scan_unroll"] = spec.scan_unroll
+  overrides = model_overrides(spec)
   if spec.chat_template not in TEMPLATES:
     raise ValueError(f"model.chat_template: unknown {spec.chat_template!r}; known: "
                      "null (the tokenizer's own), chatml_tools")

@@ -85,6 +85,11 @@ def tpu_slice(name: str) -> TpuSlice:
                   chips if chips <= single_host_max else per_host)
 
 
+def run_name(cfg: config_lib.RunConfig) -> str:
+  """The run's name as Kubernetes names take it (lower case, dashes, <= 40 chars)."""
+  return re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")[:40] or "run"
+
+
 def _labels(app: str, run: str) -> dict:
   return {"app.kubernetes.io/name": app, "app.kubernetes.io/part-of": "jaxagent",
           "jaxagent/run": run}
@@ -121,8 +126,10 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
   """File name -> Kubernetes object, for the run `cfg` with the CLI's `args`."""
   from omegaconf import OmegaConf
 
+  from jaxagent.launch import server_config
+
   sl = tpu_slice(args.tpu_type)
-  run = re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")[:40] or "run"
+  run = run_name(cfg)
   ns = args.namespace
   meta = lambda name, app: {"name": name, "namespace": ns, "labels": _labels(app, run)}
   server_port, router_port, env_port = 8000, 8000, 8100
@@ -144,11 +151,8 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
   out["configmap.yaml"] = {
       "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{run}-config", "config"),
       "data": {"run.yaml": OmegaConf.to_yaml(OmegaConf.create(config_lib.to_dict(cfg))),
-               "server.yaml": OmegaConf.to_yaml(OmegaConf.create({
-                   "name": "rollout", "host": "0.0.0.0", "port": server_port,
-                   "model": dataclasses.asdict(cfg.model),
-                   "engine": dataclasses.asdict(cfg.serving.engine),
-                   "update_mode": cfg.rollout.update_mode}))}}
+               "server.yaml": OmegaConf.to_yaml(OmegaConf.create(
+                   server_config(cfg, "rollout", server_port, host="0.0.0.0")))}}
 
   learner_cmd = ["python", "-m", "jaxagent.train", "--config", "/config/run.yaml",
                  "--run-dir", run_dir]
@@ -256,7 +260,7 @@ def _headless(metadata: dict, labels: dict, port: int) -> dict:
 def xpk_command(cfg: config_lib.RunConfig, args) -> str:
   """The learner's launch as an `xpk workload create` command (xpk users' path)."""
   sl = tpu_slice(args.tpu_type)
-  run = re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")[:40] or "run"
+  run = run_name(cfg)
   cmd = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir",
                   f"/runs/{run}", *args.overrides])
   return (f"xpk workload create --cluster CLUSTER --workload {run}-learner "

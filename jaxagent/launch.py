@@ -92,9 +92,10 @@ def wait_healthy(child: Child, timeout_s: float) -> None:
   raise RuntimeError(f"{child.name} did not answer {child.url}/health within {timeout_s:.0f} s")
 
 
-def server_config(cfg: config_lib.RunConfig, name: str, port: int) -> dict:
-  """A rollout server's config: the run's model and engine, this port."""
-  return {"name": name, "seed": cfg.seed, "host": "127.0.0.1", "port": port,
+def server_config(cfg: config_lib.RunConfig, name: str, port: int,
+                  host: str = "127.0.0.1") -> dict:
+  """A rollout server's config: the run's model and engine, this address."""
+  return {"name": name, "seed": cfg.seed, "host": host, "port": port,
           "model": dataclasses.asdict(cfg.model),
           "engine": dataclasses.asdict(cfg.serving.engine),
           "update_mode": cfg.rollout.update_mode}

@@ -155,7 +155,7 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
   """The model and learner settings, checked before anything is built (each error
   names its key)."""
   from jaxagent import learner as learner_lib
-  from jaxagent.build import TEMPLATES
+  from jaxagent.build import TEMPLATES, model_overrides
   from jaxagent.models.config import PRESETS, preset
 
   m = cfg.model
@@ -168,9 +168,7 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
       raise config_lib.ConfigError(f"model.preset: unknown {m.preset!r}{hint}; known: "
                                    f"{', '.join(sorted(PRESETS))}")
     try:
-      preset(m.preset, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-             attention=m.attention, attention_block=m.attention_block,
-             **({} if m.scan_unroll is None else {"scan_unroll": m.scan_unroll}))
+      preset(m.preset, **model_overrides(m))
     except (ValueError, TypeError) as e:
       raise config_lib.ConfigError(f"model: {e}") from None
   elif m.checkpoint != "smollm2" and not os.path.exists(m.checkpoint):

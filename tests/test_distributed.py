@@ -2,20 +2,14 @@
 1 process x 8 devices on the same fixed batch, and checkpoint together."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from jaxagent.launch import free_port
 from tests.conftest import REPO
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict:
@@ -37,7 +31,7 @@ def test_two_processes_train_like_one(tmp_path):
   out_one = one.communicate(timeout=300)[0]
   assert one.returncode == 0, out_one[-3000:]
 
-  port = _free_port()
+  port = free_port()
   procs = [_worker(tmp_path / "two", "--coordinator", f"127.0.0.1:{port}",
                    "--num-processes", "2", "--process-id", str(i), devices=4) for i in (0, 1)]
   outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -74,7 +68,7 @@ def test_train_cli_as_two_processes(tmp_path):
   metrics and the policy registry from process 0 with every process's episodes,
   checkpoints and exports written by both, each process's trajectories kept."""
   run_dir = tmp_path / "run"
-  port = _free_port()
+  port = free_port()
   common = ["--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=2",
             "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
             "serving.engine.slots=8", "checkpoint.every_steps=2", "checkpoint.export_every=1",
