@@ -221,6 +221,10 @@ class EngineConfig:
   length_aware: bool = False
   # Group speculative decoding (Seer): draft tokens a step from sibling samples (0: off).
   speculative_tokens: int = 0
+  # Decode steps run in one device call while no request waits for admission or prefill
+  # (fewer dispatches and host reads a token; up to decode_steps - 1 steps are wasted
+  # when a request stops early).
+  decode_steps: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

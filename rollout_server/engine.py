@@ -281,6 +281,8 @@ class Engine:
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._release = jax.jit(self._release_impl, donate_argnums=(0,))
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
+                                   static_argnums=(3,))
     self._verify = jax.jit(self._verify_impl, donate_argnums=(1,))
 
   # -- JetStream properties ----------------------------------------------------------
@@ -513,6 +515,17 @@ class Engine:
                       _bits(raw), jnp.broadcast_to(params["version"], tokens.shape)], axis=1)
     return state._replace(pages=pages, tokens=tokens, lengths=lengths), ResultTokens(data)
 
+  def _generate_steps_impl(self, params, state: DecodeState, remaining, n: int):
+    """`n` decode steps in one call (a `lax.scan` of `_generate_impl`); a slot stops
+    (becomes inactive) after `remaining[slot]` of them."""
+    def body(st, i):
+      go = st.active & (i < remaining)
+      st, result = self._generate_impl(params, st._replace(active=go))
+      return st._replace(active=state.active), result.data
+
+    state, data = jax.lax.scan(body, state, jnp.arange(n, dtype=jnp.int32))
+    return state._replace(active=state.active & (remaining > n)), ResultTokens(data)
+
   def _verify_impl(self, params, state: DecodeState, drafts, n_drafts):
     S, K = drafts.shape
     model = bind(self.graphdef, self.abstract_params, params["weights"])
@@ -551,3 +564,15 @@ class Engine:
     """One decode step for every active slot (donates `decode_state`). Its cost follows
     the longest sequence in use, not the pool's size."""
     return self._generate(params, decode_state)
+
+  def generate_steps(self, params, decode_state: DecodeState, steps: int,
+                     remaining: Optional[Sequence[int]] = None
+                     ) -> tuple[DecodeState, ResultTokens]:
+    """`steps` decode steps in one device call (donates `decode_state`): the same tokens,
+    log-probs and keys as `steps` calls of `generate`, without a dispatch (and a host
+    round trip) per token. Slot i takes part in its first `remaining[i]` steps (default:
+    all) and is released after them; its other rows of the result have VALID 0. The
+    result's data is `[steps, slots, columns]`. An extension of JetStream's API."""
+    if remaining is None:
+      remaining = np.full(self._slots, steps, np.int32)
+    return self._generate_steps(params, decode_state, np.asarray(remaining, np.int32), steps)

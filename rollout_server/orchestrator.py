@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 
-from rollout_server.engine import Engine, PrefillRequest, SamplingParams
+from rollout_server.engine import Engine, HostResult, PrefillRequest, SamplingParams
 from rollout_server.pages import OutOfPages, PageAllocator, PagedPrefixCache
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -118,13 +118,18 @@ class Orchestrator:
 
   `prefix_cache_tokens` > 0 keeps up to that many tokens of finished and prefilled
   sequences' whole pages for reuse (0: off). `prefill_chunk` bounds the tokens of one
-  request prefilled per call.
+  request prefilled per call. `decode_steps` > 1 runs up to that many decode steps in one
+  device call while no request waits to be admitted or prefilled (fewer dispatches and
+  host reads a token; a request that stops early wastes the rest of its call's steps).
   """
 
   def __init__(self, engine: Engine, params: Any, *, prefix_cache_tokens: int = 0,
                max_queue: int = 4096, cache_finished: bool = True,
                prefill_chunk: Optional[int] = None, length_aware: bool = False,
-               speculative: int = 0):
+               speculative: int = 0, decode_steps: int = 1):
+    if decode_steps < 1:
+      raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    self.decode_steps = decode_steps
     self.engine = engine
     self.params = params
     self.version = int(params["version"])
@@ -491,8 +496,9 @@ class Orchestrator:
     return min(req.sampling.max_new_tokens, self.engine.max_seq_len - len(req.prompt_ids))
 
   def _step(self) -> None:
-    """Dispatches one decode step for the requests that still want tokens, then reads the
-    results of the step before it. A request whose last token is in flight leaves the
+    """Dispatches decode steps for the requests that still want tokens (one step, or up to
+    `decode_steps` in one call when nothing waits to be admitted or prefilled), then reads
+    the results of the call before it. A request whose last token is in flight leaves the
     device's batch at once (its length budget is known on the host)."""
     running = [(slot, req) for slot, req in enumerate(self._slots)
                if req is not None and req.prefilled == len(req.prompt_ids)
@@ -500,15 +506,24 @@ class Orchestrator:
     if not running:
       self._read_results(keep=0)
       return
-    self._state, result = self.engine.generate(self.params, self._state)
+    left = {slot: self._budget(req) - req.dispatched for slot, req in running}
+    waiting = self._prefilling or (self._queue and None in self._slots)
+    n = 1 if waiting else min(self.decode_steps, max(left.values()))
+    if n == 1:
+      self._state, result = self.engine.generate(self.params, self._state)
+    else:
+      remaining = np.zeros(len(self._slots), np.int32)
+      for slot, k in left.items():
+        remaining[slot] = k
+      self._state, result = self.engine.generate_steps(self.params, self._state, n, remaining)
     result.data.copy_to_host_async()
-    self.steps += 1
-    self._pending.append(("step", result, running))
+    self.steps += n
+    self._pending.append(("step" if n == 1 else "steps", result, running))
     spent = []
     for slot, req in running:
-      req.dispatched += 1
-      if req.dispatched >= self._budget(req):
-        spent.append(slot)
+      req.dispatched += min(n, left[slot])
+      if n == 1 and req.dispatched >= self._budget(req):
+        spent.append(slot)  # (generate_steps releases its spent slots itself)
     if spent:
       self._state = self.engine.release(self._state, spent)
     self._read_results(keep=1)
@@ -573,14 +588,17 @@ class Orchestrator:
     while len(self._pending) > keep:
       kind, result, rows = self._pending.popleft()
       h = result.to_host()
+      if kind != "steps":  # one row a slot: as `generate_steps`' `[1, slots]`
+        h = HostResult(*(c[None] for c in h))
       n = 0
-      for i, req in rows:
-        if req.done or req.slot is None:
-          continue  # finished (or aborted) after this step was dispatched
-        n += 1
-        self._emit(req, int(h.tokens[i]), float(h.logp[i]), float(h.raw_logp[i]),
-                   int(h.versions[i]), int(h.lengths[i]))
-      if kind == "step":
+      for t in range(h.tokens.shape[0]):
+        for i, req in rows:
+          if req.done or req.slot is None or not (kind == "prefill" or h.valid[t, i]):
+            continue  # finished (or aborted) after this call was dispatched, or past its budget
+          n += 1
+          self._emit(req, int(h.tokens[t, i]), float(h.logp[t, i]), float(h.raw_logp[t, i]),
+                     int(h.versions[t, i]), int(h.lengths[t, i]))
+      if kind != "prefill":
         self._recent.append((time.perf_counter(), n))
 
   def _emit(self, req: Request, token: int, logp: float, raw: float, version: int,

@@ -59,7 +59,8 @@ def start_orchestrator(engine: Engine, engine_params, e: EngineConfig) -> Orches
                       max_queue=e.max_queue, cache_finished=e.cache_finished,
                       prefill_chunk=e.prefill_chunk or None,
                       length_aware=e.length_aware,
-                      speculative=e.speculative_tokens).start()
+                      speculative=e.speculative_tokens,
+                      decode_steps=e.decode_steps).start()
 
 
 def build_orchestrator(cfg: ServerConfig):

@@ -118,7 +118,8 @@ def run_jaxagent(args) -> None:
   learner = Learner(cfg, LearnerConfig(lr=LR, b2=B2, max_grad_norm=MAX_GRAD_NORM, clip_low=CLIP,
                                        clip_high=CLIP, reduction="seq_mean_token_mean"), mesh)
   state = learner.init_state(0)
-  e = EngineConfig(slots=PROMPTS * GROUP, max_seq_len=L, max_prefill_length=min(512, L))
+  e = EngineConfig(slots=PROMPTS * GROUP, max_seq_len=L, max_prefill_length=min(512, L),
+                   decode_steps=args.decode_steps or EngineConfig.decode_steps)
   engine = make_engine(cfg, e, mesh)
   # Copies: the learner donates its state, the engine must keep its own weights.
   weights = lambda state: engine.load_params(jax.tree.map(jnp.copy, state.params),  # noqa: E731
@@ -202,7 +203,7 @@ def run_jaxagent(args) -> None:
     raise RuntimeError(f"non-finite loss: {metrics}")
   bench_tunix._result({"params": n_params, "step_s": statistics.median(times), "times": times,
                        "rollout_s": statistics.median(rollout_times),
-                       "platform": jax.devices()[0].platform})
+                       "platform": jax.devices()[0].platform, "decode_steps": e.decode_steps})
 
 
 # --------------------------------------------------------------------------- tunix
@@ -286,6 +287,8 @@ def _child(python: str, system: str, shape: str, max_seq_len: int, args) -> dict
          "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
          "--warmup", str(args.warmup), "--tunix-model", args.tunix_model,
          "--jaxagent-rollout", args.jaxagent_rollout]
+  if args.decode_steps:
+    cmd += ["--decode-steps", str(args.decode_steps)]
   # The tunix child starts outside the repository so that nothing of ours is on its path.
   cwd = os.path.dirname(_HERE) if system == "jaxagent" else "/"
   proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
@@ -336,7 +339,7 @@ def drive(args) -> None:
     if system == "tunix":
       out.update(model=args.tunix_model, tunix_version=tunix_version)
     else:
-      out["rollout_via"] = args.jaxagent_rollout
+      out.update(rollout_via=args.jaxagent_rollout, decode_steps=rows[0].get("decode_steps"))
     if args.json:
       print(json.dumps(out), flush=True)
   ratios = {}
@@ -388,6 +391,8 @@ def main() -> None:
   p.add_argument("--jaxagent-rollout", choices=["orchestrator", "engine"], default="orchestrator",
                  help="jaxagent rollouts through the orchestrator (as training) or the engine's "
                       "prefill/insert/generate calls directly")
+  p.add_argument("--decode-steps", type=int, default=None,
+                 help="jaxagent: decode steps a device call (default: the engine config's)")
   p.add_argument("--json", action="store_true", help="driver: one JSON object per line")
   args = p.parse_args()
   {"driver": drive, "jaxagent": run_jaxagent, "tunix": run_tunix}[args.system](args)

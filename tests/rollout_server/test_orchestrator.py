@@ -242,3 +242,32 @@ def test_group_speculative_decoding_is_exact(random_params):
   for r in sampled:  # every emitted token's log-prob is the policy's, draft or not
     want = teacher_forced(random_params, prompt + r.output_ids)[len(prompt):]
     np.testing.assert_allclose(r.output_logprobs, want, atol=2e-5)
+
+
+def test_multi_step_decode_gives_the_same_tokens(random_params):
+  """Decode steps run several to a device call (`decode_steps`): every request's tokens,
+  log-probs, versions and finish reasons are those of one step a call, stop tokens and
+  length budgets included (more requests than slots, so slots are reused)."""
+  probe = None
+  runs = {}
+  for steps in (1, 5):
+    engine = make_engine()
+    orch = Orchestrator(engine, engine.load_params(random_params, version=3),
+                        decode_steps=steps).start()
+    try:
+      if probe is None:
+        probe = orch.generate([4, 5], SamplingParams(seed=1, max_new_tokens=12), timeout=60)
+      stop = probe.output_ids[6]
+      reqs = [orch.submit([4 + i % 2, 5], SamplingParams(
+          seed=1 + i % 3, max_new_tokens=3 + 4 * i, stop_token_ids=(stop,) if i % 2 else ()))
+          for i in range(10)]
+      assert all(r.wait(120) for r in reqs)
+      runs[steps] = ([(r.output_ids, r.output_logprobs, r.versions, r.finish_reason)
+                      for r in reqs], orch.stats())
+    finally:
+      orch.stop()
+  (one, s1), (many, s5) = runs[1], runs[5]
+  assert many == one
+  assert any(reason == "stop" for *_, reason in one)
+  assert all(set(v) == {3} for _, _, v, _ in one)
+  assert s5["live_slots"] == 0 and s5["queue"] == 0 and s5["kv_pages"]["used"] == s1["kv_pages"]["used"]
