@@ -19,14 +19,15 @@ import os
 import threading
 import time
 import uuid
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Callable, Optional, Union
 
 from fastapi import FastAPI, HTTPException, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxagent.config import ServerConfig
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.toolcalls import parse_tool_calls
 from rollout_server.engine import SamplingParams
@@ -99,33 +100,68 @@ class ChatBody(BaseModel):
 
 
 class SessionStore:
-  """Recorded turns per session id, bounded by session count (least recently used go)."""
+  """Recorded turns per session id, bounded by session count, by the bytes of their
+  records (JSON) and by a time to live since a session's last turn; the least recently
+  used go first. `evicted` counts the sessions dropped by each bound."""
 
-  def __init__(self, max_sessions: int):
+  def __init__(self, max_sessions: int, ttl_s: Optional[float] = None,
+               max_bytes: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
     self.max_sessions = max_sessions
-    self._turns: collections.OrderedDict[str, list[dict]] = collections.OrderedDict()
+    self.ttl_s = ttl_s
+    self.max_bytes = max_bytes
+    self._clock = clock
+    # session id -> [turns, bytes, last touched]
+    self._sessions: collections.OrderedDict[str, list] = collections.OrderedDict()
+    self.bytes = 0
+    self.evicted = {"count": 0, "bytes": 0, "ttl": 0}
     self._lock = threading.Lock()
 
   def record(self, session_id: str, turn: dict) -> None:
     with self._lock:
-      turns = self._turns.setdefault(session_id, [])
-      self._turns.move_to_end(session_id)
-      turn["turn"] = len(turns)
-      turns.append(turn)
-      while len(self._turns) > self.max_sessions:
-        self._turns.popitem(last=False)
+      self._expire()
+      entry = self._sessions.setdefault(session_id, [[], 0, 0.0])
+      self._sessions.move_to_end(session_id)
+      turn["turn"] = len(entry[0])
+      size = len(json.dumps(turn, default=str))
+      entry[0].append(turn)
+      entry[1] += size
+      entry[2] = self._clock()
+      self.bytes += size
+      while len(self._sessions) > self.max_sessions:
+        self._drop_oldest("count")
+      while self.max_bytes is not None and self.bytes > self.max_bytes and self._sessions:
+        self._drop_oldest("bytes")
+
+  def _drop_oldest(self, reason: str) -> None:
+    _, (_, size, _) = self._sessions.popitem(last=False)
+    self.bytes -= size
+    self.evicted[reason] += 1
+
+  def _expire(self) -> None:
+    if self.ttl_s is None:
+      return
+    now = self._clock()
+    while self._sessions and now - next(iter(self._sessions.values()))[2] > self.ttl_s:
+      self._drop_oldest("ttl")
 
   def get(self, session_id: str) -> Optional[list[dict]]:
     with self._lock:
-      turns = self._turns.get(session_id)
-      return None if turns is None else list(turns)
+      self._expire()
+      entry = self._sessions.get(session_id)
+      return None if entry is None else list(entry[0])
 
   def pop(self, session_id: str) -> Optional[list[dict]]:
     with self._lock:
-      return self._turns.pop(session_id, None)
+      entry = self._sessions.pop(session_id, None)
+      if entry is None:
+        return None
+      self.bytes -= entry[1]
+      return entry[0]
 
   def __len__(self) -> int:
-    return len(self._turns)
+    with self._lock:
+      self._expire()
+      return len(self._sessions)
 
 
 def _turn_record(req: Request, **extra) -> dict:
@@ -138,13 +174,19 @@ def _turn_record(req: Request, **extra) -> dict:
 
 
 class _EngineCollector:
-  """Gauges read from the orchestrator at scrape time."""
+  """Gauges read from the orchestrator and the session store at scrape time."""
 
-  def __init__(self, orch: Orchestrator):
+  def __init__(self, orch: Orchestrator, sessions: SessionStore):
     self.orch = orch
+    self.sessions = sessions
 
   def collect(self):
     s = self.orch.stats()
+    evicted = CounterMetricFamily("rollout_sessions_evicted", "Sessions dropped, by the bound "
+                                  "that dropped them", labels=["reason"])
+    for reason, n in self.sessions.evicted.items():
+      evicted.add_metric([reason], n)
+    yield evicted
     pc = s.get("prefix_cache") or {}
     for name, doc, value in [
         ("rollout_queue_length", "Requests waiting for a slot", s["queue"]),
@@ -157,6 +199,9 @@ class _EngineCollector:
         ("rollout_prefix_cache_tokens", "Tokens held by the prefix cache", pc.get("tokens", 0)),
         ("rollout_policy_version", "Policy version being served", s["version"]),
         ("rollout_generated_tokens", "Tokens generated since start", s["tokens_generated"]),
+        ("rollout_sessions", "Sessions recorded", len(self.sessions)),
+        ("rollout_session_bytes", "Bytes of recorded session turns (JSON)",
+         self.sessions.bytes),
     ]:
       g = GaugeMetricFamily(name, doc)
       g.add_metric([], float(value))
@@ -208,18 +253,28 @@ async def _wait(req: Request) -> None:
   await fut
 
 
+async def _disconnected(http: HttpRequest) -> None:
+  """Returns when the client of a request whose body was read disconnects."""
+  while (await http.receive())["type"] != "http.disconnect":
+    await asyncio.sleep(0.05)  # (a server that repeats empty body messages)
+
+
 def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
-               update_mode: str = "drain", max_sessions: int = 10000,
+               update_mode: str = "drain", max_sessions: int = ServerConfig.max_sessions,
+               session_ttl_s: Optional[float] = ServerConfig.session_ttl_s,
+               session_max_bytes: Optional[int] = ServerConfig.session_max_bytes,
                model_name: str = "jaxagent") -> FastAPI:
   """The server app. `load_params(path, version) -> engine params` serves /update_weights."""
   app = FastAPI(title="jaxagent rollout server")
-  sessions = SessionStore(max_sessions)
+  sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
   registry = CollectorRegistry()
-  registry.register(_EngineCollector(orch))
+  registry.register(_EngineCollector(orch, sessions))
   ttft = Histogram("rollout_time_to_first_token_seconds", "Time to first token",
                    registry=registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
   finished = Counter("rollout_requests", "Finished requests", ["finish_reason"],
                      registry=registry)
+  disconnects = Counter("rollout_client_disconnects", "Requests aborted because their client "
+                        "went away before the answer", registry=registry)
   update_lock = asyncio.Lock()
   app.state.orchestrator = orch
   app.state.sessions = sessions
@@ -241,12 +296,17 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     req.add_listener(observe)
     return req
 
-  async def run(req: Request) -> None:
+  async def run(req: Request, http: HttpRequest) -> None:
+    """Awaits `req`; aborts it (freeing its slot) if the client disconnects first."""
+    tasks = [asyncio.ensure_future(_wait(req)), asyncio.ensure_future(_disconnected(http))]
     try:
-      await _wait(req)
+      await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-      if not req.done:  # the client went away: free the slot
+      for t in tasks:
+        t.cancel()
+      if not req.done:  # the client went away (or the handler was cancelled)
         orch.abort(req.request_id)
+        disconnects.inc()
 
   @app.exception_handler(ValueError)
   async def value_error(_request, exc: ValueError):
@@ -274,7 +334,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     session_id = body.session_id or http.headers.get(SESSION_HEADER)
     req = submit(body.input_ids, _sampling(body, body.max_new_tokens, body.stop_token_ids),
                  body.request_id, session_id)
-    await run(req)
+    await run(req, http)
     out = req.result()
     if session_id:
       sessions.record(session_id, _turn_record(req, kind="generate"))
@@ -368,7 +428,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                           for t, lp in zip(req.output_ids, req.output_logprobs)]}
 
     if not body.stream:
-      await run(req)
+      await run(req, http)
       message, reason = finish(req)
       return {"id": cid, "object": "chat.completion", "created": created,
               "model": body.model or model_name,

@@ -87,7 +87,8 @@ def build_app(cfg: ServerConfig):
     return engine.load_params(path=path, version=version)
 
   app = create_app(orch, tokenizer, load_params=load, update_mode=cfg.update_mode,
-                   max_sessions=cfg.max_sessions, model_name=cfg.name)
+                   max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
+                   session_max_bytes=cfg.session_max_bytes, model_name=cfg.name)
   return app, orch
 
 

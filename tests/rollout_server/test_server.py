@@ -166,6 +166,56 @@ def test_abort_over_http(server):
   assert result["r"]["finish_reason"] == "abort" and len(result["r"]["output_ids"]) < 600
 
 
+def test_a_client_that_disconnects_frees_its_slot(random_params, tokenizer):
+  """A non-streaming request whose client goes away is aborted (its slot and pages freed)
+  instead of generating to its end, and counted in /metrics."""
+  from tests.rollout_server.conftest import make_engine
+
+  engine = make_engine(max_seq_len=4096)
+  with running_server(random_params, tokenizer, engine=engine) as (srv, orch):
+    for path, body in [("/generate", {"input_ids": [1, 2, 3], "max_new_tokens": 4000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 4000, "temperature": 0.0})]:
+      with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + path, json=body, timeout=0.5)
+      deadline = time.time() + 30
+      while orch.stats()["live_slots"] and time.time() < deadline:
+        time.sleep(0.01)
+      assert orch.stats()["live_slots"] == 0 and orch.stats()["tokens_generated"] < 4000
+    text = client(srv).get("/metrics").text
+    assert "rollout_client_disconnects_total 2.0" in text
+    assert 'rollout_requests_total{finish_reason="abort"} 2.0' in text
+
+
+def test_sessions_are_bounded_by_count_bytes_and_time():
+  from rollout_server.server import SessionStore
+
+  now = [0.0]
+  store = SessionStore(max_sessions=3, ttl_s=10.0, max_bytes=1000, clock=lambda: now[0])
+  turn = lambda n: {"output_ids": list(range(n))}  # noqa: E731
+  for i in range(4):
+    store.record(f"s{i}", turn(10))
+  assert len(store) == 3 and store.get("s0") is None and store.evicted["count"] == 1
+  small = store.bytes // 3
+  # 1000 - 2 * small < its size <= 1000: s1 goes by count, then s2 by bytes
+  store.record("big", turn(200))
+  assert [store.get(k) is None for k in ("s1", "s2", "s3", "big")] == [True, True, False, False]
+  assert store.evicted == {"count": 2, "bytes": 1, "ttl": 0} and small < store.bytes <= 1000
+  store.record("huge", turn(400))  # over the budget alone: nothing is kept
+  assert len(store) == 0 and store.bytes == 0 and store.evicted["bytes"] == 4
+  store = SessionStore(max_sessions=10, ttl_s=10.0, max_bytes=None, clock=lambda: now[0])
+  store.record("a", turn(5))
+  now[0] = 5.0
+  store.record("b", turn(5))
+  now[0] = 12.0  # a's last turn was 12 s ago, b's 7 s ago
+  assert store.get("a") is None and store.get("b") is not None and store.evicted["ttl"] == 1
+  store.record("b", turn(5))  # a new turn renews b
+  now[0] = 20.0
+  assert store.get("b") is not None and len(store.get("b")) == 2
+  size = store.bytes
+  assert store.pop("b") is not None and store.bytes == 0 and size > 0
+
+
 def test_metrics_and_health(server):
   srv, _ = server
   text = client(srv).get("/metrics").text
