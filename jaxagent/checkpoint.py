@@ -6,18 +6,24 @@ Run checkpoints (`RunCheckpointer`): one Orbax `CheckpointManager` step holds
 - `data_iter`: the grain iterator's position (grain's own Orbax handler);
 - `meta`: JSON with the run config, model config, tokenizer / chat-template
   identities and anything else the caller adds (buffer cursors, ...).
-Saves are asynchronous; the last `keep` steps are kept.
+Saves are asynchronous; the last `keep` steps are kept. A save cut short by a
+crash leaves an Orbax temporary directory, removed when the next run opens the
+directory; `restore_latest_readable` falls back over steps that do not read back.
 
 Policy exports (`export_policy`, `load_policy`): parameters only (optionally
-cast to bfloat16), one immutable directory per policy version under a root,
-with a `versions.json` registry. Readers restore onto any mesh: they pass the
-shapes and shardings they want and Orbax reshards on read.
+cast to bfloat16), one directory per policy version under a root, with a
+`versions.json` registry. Exporting a version again (a resumed run reaching it
+anew) replaces it: the new one is written beside it and swapped in, so a crash
+at any point leaves a whole export under the version. Readers restore onto any
+mesh: they pass the shapes and shardings they want and Orbax reshards on read.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import time
 from typing import Any, Optional
 
@@ -27,6 +33,24 @@ import orbax.checkpoint as ocp
 from jaxagent.models.params import Params, cast_params
 
 REGISTRY = "versions.json"
+# Beside a version directory while it is exported again: the new export, then the old one.
+STAGING, ASIDE = ".new", ".old"
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's name for a save not yet finalised
+UNREADABLE = ".unreadable"  # a run checkpoint that did not read back, kept for a look
+
+
+class CheckpointUnreadable(RuntimeError):
+  """No run checkpoint reads back."""
+
+
+def short_reason(e: BaseException, limit: int = 120) -> str:
+  """An exception in one short line: the type and the start of the first line of the
+  error it came from (the innermost, which names the file or array at fault)."""
+  while (e.__cause__ or e.__context__) is not None:
+    e = e.__cause__ or e.__context__
+  lines = str(e).strip().splitlines()
+  text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+  return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class RunCheckpointer:
@@ -37,7 +61,8 @@ class RunCheckpointer:
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                             enable_async_checkpointing=async_save))
+                                             enable_async_checkpointing=async_save,
+                                             cleanup_tmp_directories=True))
 
   def save(self, step: int, state: Any, meta: dict, data_iter: Any = None,
            force: bool = False) -> bool:
@@ -69,6 +94,41 @@ class RunCheckpointer:
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
     return out["state"], out["meta"]
 
+  def restore_latest_readable(self, abstract_state: Any, data_iter: Any = None
+                              ) -> tuple[Any, dict, list[tuple[int, str]]]:
+    """Restores the newest step that reads back; returns `(state, meta, skipped)`.
+
+    `skipped` lists the newer steps that did not read back, newest first, as
+    `(step, reason)` with the reason in one short line. They are moved aside
+    (`<step>.unreadable`) so that the run can save those steps again. Raises
+    `CheckpointUnreadable` when no step reads back (and then moves nothing).
+    Every process must call it: a step counts as read only if it read on all.
+    """
+    from jaxagent import distributed
+
+    skipped = []
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(abstract_state, data_iter, step)
+        reason = None
+      except Exception as e:  # any failure to read it: a cut file, bad JSON, a missing array
+        reason = short_reason(e)
+      if not distributed.agree_max(reason is not None):
+        break
+      skipped.append((step, reason or "unreadable on another process"))
+    else:
+      detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "none saved"
+      raise CheckpointUnreadable(f"no readable checkpoint in {self.directory} ({detail})")
+    if skipped:
+      if distributed.is_primary():
+        for s, _ in skipped:
+          aside = os.path.join(self.directory, f"{s}{UNREADABLE}")
+          shutil.rmtree(aside, ignore_errors=True)  # an older copy of the same step
+          os.rename(os.path.join(self.directory, str(s)), aside)
+      distributed.barrier("checkpoint-set-aside")
+      self.manager.reload()
+    return state, meta, skipped
+
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
@@ -93,6 +153,29 @@ def list_versions(root: str) -> list[dict]:
     return json.load(f)["versions"]
 
 
+def _write_registry(root: str, versions: list[dict]) -> None:
+  tmp = os.path.join(root, REGISTRY + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump({"versions": sorted(versions, key=lambda v: v["version"])}, f, indent=1)
+  os.replace(tmp, os.path.join(root, REGISTRY))  # atomic: readers never see half a registry
+
+
+def _tidy(root: str) -> None:
+  """Finishes or undoes what a crash left of an export under `root`: a staging or
+  unfinalised directory is removed; an old export set aside goes back if nothing took
+  its place, else it is removed."""
+  for name in os.listdir(root):
+    path = os.path.join(root, name)
+    if ORBAX_TMP in name or name.endswith(STAGING):
+      shutil.rmtree(path, ignore_errors=True)
+    elif name.endswith(ASIDE):
+      target = path[:-len(ASIDE)]
+      if os.path.exists(target):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        os.rename(path, target)
+
+
 def latest_version(root: str) -> Optional[int]:
   versions = list_versions(root)
   return versions[-1]["version"] if versions else None
@@ -100,36 +183,63 @@ def latest_version(root: str) -> Optional[int]:
 
 def export_policy(root: str, version: int, params: Params, dtype: Optional[str] = "bfloat16",
                   extra: Optional[dict] = None) -> str:
-  """Writes `params` as policy `version` under `root` and registers it.
+  """Writes `params` as policy `version` under `root` and registers it; returns the
+  directory.
 
-  A version directory is written once: exporting an existing version fails.
-  Returns the directory.
+  An existing export of the version is replaced: the new one is written to
+  `<dir>.new`, the old one renamed to `<dir>.old`, the new one renamed in and the
+  old one removed. A crash in between leaves a whole export under one of the names:
+  `load_policy` reads `<dir>.old` while `<dir>` is missing, and the next export
+  under `root` tidies up.
   """
   from jaxagent import distributed
 
-  os.makedirs(root, exist_ok=True)
   path = version_dir(root, version)
-  exists = os.path.exists(path)
-  # Every process of a multi-process run writes its shards; all look before any writes.
+  staging, aside = path + STAGING, path + ASIDE
+  primary = distributed.is_primary()
+  if primary:
+    os.makedirs(root, exist_ok=True)
+    _tidy(root)
+  # Every process of a multi-process run writes its shards; all wait for the tidy-up.
   distributed.barrier(f"export-policy-{version}")
-  if exists:
-    raise FileExistsError(f"policy version {version} already exported at {path}")
   if dtype is not None:
     params = cast_params(params, dtype)
   t0 = time.time()
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, params)
+    ckptr.save(staging, params)
     ckptr.wait_until_finished()
-  if not distributed.is_primary():  # process 0 alone keeps the registry
+  distributed.barrier(f"export-policy-{version}-written")
+  if not primary:  # process 0 alone swaps the export in and keeps the registry
     return path
+  if os.path.exists(path):
+    os.rename(path, aside)
+    os.rename(staging, path)
+    shutil.rmtree(aside)
+  else:
+    os.rename(staging, path)
   entry = {"version": int(version), "path": path, "dtype": dtype or "as-trained",
            "time": time.time(), "save_s": round(time.time() - t0, 4), **(extra or {})}
-  versions = [v for v in list_versions(root) if v["version"] != int(version)] + [entry]
-  tmp = os.path.join(root, REGISTRY + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump({"versions": sorted(versions, key=lambda v: v["version"])}, f, indent=1)
-  os.replace(tmp, os.path.join(root, REGISTRY))  # atomic: readers never see half a registry
+  _write_registry(root, [v for v in list_versions(root) if v["version"] != int(version)]
+                  + [entry])
   return path
+
+
+def drop_versions_after(root: str, version: int) -> list[int]:
+  """Unregisters and removes the exports newer than `version` (what a resumed run
+  abandons), registered or not; returns their versions. Process 0 alone calls it."""
+  if not os.path.isdir(root):
+    return []
+  _tidy(root)
+  versions = list_versions(root)
+  if any(v["version"] > version for v in versions):
+    _write_registry(root, [v for v in versions if v["version"] <= version])
+  dropped = []
+  for name in sorted(os.listdir(root)):
+    m = re.fullmatch(r"v(\d+)", name)
+    if m and int(m.group(1)) > version:
+      shutil.rmtree(os.path.join(root, name))
+      dropped.append(int(m.group(1)))
+  return dropped
 
 
 def load_policy(path: str, abstract_params: Any) -> Params:
@@ -138,6 +248,8 @@ def load_policy(path: str, abstract_params: Any) -> Params:
   `abstract_params`: a pytree of `jax.ShapeDtypeStruct` with the shardings (and
   dtypes) the reader wants, which need not match the writer's mesh.
   """
+  if not os.path.isdir(path) and os.path.isdir(path + ASIDE):
+    path += ASIDE  # a crash cut a replacement short: the previous export stands
   if not os.path.isdir(path):
     raise FileNotFoundError(f"no exported policy at {path}")
   with ocp.StandardCheckpointer() as ckptr:

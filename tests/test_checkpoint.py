@@ -1,3 +1,4 @@
+import glob
 import os
 
 import grain
@@ -6,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.checkpoint import (RunCheckpointer, abstract_params_like, export_policy,
-                                 latest_version, list_versions, load_policy)
+from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, abstract_params_like,
+                                 drop_versions_after, export_policy, latest_version,
+                                 list_versions, load_policy, version_dir)
 from jaxagent.config import LearnerConfig
 from jaxagent.data import take
 from jaxagent.learner import Learner
@@ -70,25 +72,81 @@ def test_keeps_last_n_and_latest(tmp_path):
     RunCheckpointer(str(tmp_path / "empty")).restore(learner.abstract_state())
 
 
-def test_policy_export_is_immutable_and_registered(tmp_path):
+def test_unreadable_latest_checkpoint_falls_back(tmp_path):
+  learner = Learner(CFG, LearnerConfig(), make_mesh())
+  state = learner.init_state(0)
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3, async_save=False)
+  for step in (1, 2, 3):
+    ckpt.save(step, state, {"step": step})
+  ckpt.close()
+  # Step 3's largest array file cut in half, step 2's metadata JSON cut short.
+  data = max(glob.glob(str(tmp_path / "ckpt" / "3" / "state" / "**" / "d" / "*"),
+                       recursive=True), key=os.path.getsize)
+  for path in (data, str(tmp_path / "ckpt" / "2" / "meta" / "metadata")):
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3)
+  _, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state())
+  assert meta == {"step": 1} and [s for s, _ in skipped] == [3, 2]
+  for _, reason in skipped:
+    assert "\n" not in reason and len(reason) <= 120, reason
+  assert "JSONDecodeError" in skipped[1][1]
+  # Set aside, so the resumed run saves those steps again.
+  assert ckpt.all_steps() == [1]
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2.unreadable", "3.unreadable"]
+  ckpt.save(2, state, {"step": 2})
+  ckpt.close()
+
+  with open(str(tmp_path / "ckpt" / "1" / "meta" / "metadata"), "w") as f:
+    f.write("{")
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3)
+  with open(str(tmp_path / "ckpt" / "2" / "meta" / "metadata"), "w") as f:
+    f.write("{")
+  with pytest.raises(CheckpointUnreadable, match="step 2: JSONDecodeError.*; step 1: "):
+    ckpt.restore_latest_readable(learner.abstract_state())
+  assert ckpt.all_steps() == [1, 2]  # nothing moved when nothing reads back
+  ckpt.close()
+
+
+def test_policy_exports_are_registered_and_replaced_whole(tmp_path):
   learner = Learner(CFG, LearnerConfig(), make_mesh())
   state = learner.init_state(0)
   root = str(tmp_path / "policy")
   p1 = export_policy(root, 1, state.params)
+  stale = jax.tree.map(jnp.copy, state.params)  # the step donates state
   state, _ = learner.step(state, make_batch())
-  export_policy(root, 2, state.params, dtype=None, extra={"step": 1})
-  with pytest.raises(FileExistsError):
-    export_policy(root, 2, state.params)
+  export_policy(root, 2, stale, dtype=None, extra={"step": 1})
   versions = list_versions(root)
   assert [v["version"] for v in versions] == [1, 2] and latest_version(root) == 2
   assert versions[0]["dtype"] == "bfloat16" and versions[1]["step"] == 1
   target = abstract_params_like(state.params, learner.param_shardings)
   v1 = load_policy(p1, abstract_params_like(state.params, learner.param_shardings, jnp.bfloat16))
   assert v1["wq"].dtype == jnp.bfloat16
-  v2 = load_policy(versions[1]["path"], target)
-  assert equal(v2, state.params)
+  assert equal(load_policy(versions[1]["path"], target), stale)
   with pytest.raises(FileNotFoundError):
     load_policy(os.path.join(root, "v99"), target)
+
+  # Exporting a version again replaces it (a resumed run reaching it anew).
+  p2 = export_policy(root, 2, state.params, dtype=None)
+  assert equal(load_policy(p2, target), state.params)
+  assert [v["version"] for v in list_versions(root)] == [1, 2]
+  # A crash between setting the old export aside and renaming the new one in: the
+  # old one is read meanwhile, and the next export puts it back and drops the new one.
+  os.rename(p2, p2 + ".old")
+  export_policy(root, 3, stale, dtype=None)
+  os.rename(version_dir(root, 3), p2 + ".new")
+  assert equal(load_policy(p2, target), state.params)
+  export_policy(root, 3, stale, dtype=None)
+  assert sorted(os.listdir(root)) == ["v00000001", "v00000002", "v00000003", "versions.json"]
+  assert equal(load_policy(p2, target), state.params)
+
+  # A resumed run at version 1 drops the newer exports, registered or not.
+  export_policy(root, 4, stale)
+  os.rename(version_dir(root, 4), version_dir(root, 5))
+  assert drop_versions_after(root, 1) == [2, 3, 5]
+  assert [v["version"] for v in list_versions(root)] == [1]
+  assert sorted(os.listdir(root)) == ["v00000001", "versions.json"]
 
 
 def test_policy_restores_onto_a_different_mesh(tmp_path, multidevice):
