@@ -3,8 +3,12 @@
 A session's turns land on the server that holds its prefix in cache. Each
 backend sits at many points of a hash ring (virtual nodes); a key goes to the
 first healthy backend clockwise from its hash, and on a connection failure to
-the next one (failover). A background task checks `/health` of every backend.
-`POST /update_weights` goes to every backend.
+the next one (failover). A background task checks `/health` of every backend; one
+that comes back (or serves another policy version) loads the current policy before
+it takes traffic. `POST /update_weights` goes to every healthy backend and reports
+each one's result. The router keeps a copy of every session's recorded turns, so
+`GET /sessions/{id}` still answers after the backend that ran them died. A stream
+cut by a dying backend ends with an error event.
 
 `python -m rollout_server.router --backends http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8000`
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import collections
 import contextlib
 import hashlib
 import json
@@ -24,6 +29,8 @@ from typing import Optional, Sequence
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rollout_server.sessions import SessionStore
 
 SESSION_HEADER = "x-session-id"
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -58,11 +65,22 @@ class HashRing:
 
 
 def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
-                  timeout_s: float = 600.0) -> FastAPI:
+                  timeout_s: float = 600.0, max_sessions: int = 10000,
+                  session_ttl_s: Optional[float] = 3600.0,
+                  session_max_bytes: Optional[int] = 1 << 30) -> FastAPI:
+  """The router app. It keeps a copy of every session's recorded turns (bounded as a
+  server's records are), so a session outlives the backend its turns ran on."""
   ring = HashRing([b.rstrip("/") for b in backends])
+  # Healthy: answers /health and serves the current policy (a backend that comes back
+  # loads it before it takes traffic again).
   healthy = {b: True for b in ring.backends}
   counts = {b: 0 for b in ring.backends}
-  failovers = {"n": 0}
+  failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0}
+  policy: dict = {"body": None, "version": None}  # the last update the backends took
+  updating = asyncio.Lock()
+  sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
+  # session id -> {backend: turns of its record already copied}
+  cursors: collections.OrderedDict[str, dict] = collections.OrderedDict()
   client_box: dict = {}
 
   def client() -> httpx.AsyncClient:
@@ -70,17 +88,50 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       client_box["c"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
     return client_box["c"]
 
+  async def push_policy(backend: str) -> bool:
+    """Loads the current policy into `backend`; True if it now serves it."""
+    failovers["policy_pushes"] += 1
+    try:
+      r = await client().post(f"{backend}/update_weights", content=policy["body"],
+                              headers={"content-type": "application/json"})
+      return r.status_code == 200 and r.json().get("version") == policy["version"]
+    except (httpx.HTTPError, ValueError):
+      return False
+
   async def check(backend: str) -> None:
     try:
       r = await client().get(f"{backend}/health", timeout=5.0)
-      healthy[backend] = r.status_code == 200
-    except httpx.HTTPError:
+      ok = r.status_code == 200
+      if ok and policy["version"] is not None and not updating.locked() and \
+          r.json().get("version") != policy["version"]:
+        ok = await push_policy(backend)  # restarted (or missed an update): catch up first
+      healthy[backend] = ok
+    except (httpx.HTTPError, ValueError):
       healthy[backend] = False
 
   async def health_loop() -> None:
     while True:
       await asyncio.gather(*(check(b) for b in ring.backends))
       await asyncio.sleep(health_interval_s)
+
+  async def copy_turns(session_id: str, backend: str) -> None:
+    """Appends the turns `backend` recorded for the session since the last copy."""
+    seen = cursors.setdefault(session_id, {})
+    cursors.move_to_end(session_id)
+    while len(cursors) > max_sessions:
+      cursors.popitem(last=False)
+    n = seen.get(backend, 0)
+    try:
+      r = await client().get(f"{backend}/sessions/{session_id}", params={"since": n},
+                             timeout=10.0)
+      if r.status_code != 200:
+        return
+      turns = r.json()["turns"]
+    except (httpx.HTTPError, ValueError, KeyError):
+      return  # the copy catches up at the next turn or read
+    seen[backend] = n + len(turns)
+    if turns:
+      sessions.extend(session_id, turns, number=True)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -92,24 +143,25 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
 
-  def routing_key(request: Request, body: bytes) -> str:
+  def session_of(request: Request, body: bytes) -> Optional[str]:
     sid = request.headers.get(SESSION_HEADER)
     if sid:
       return sid
-    if request.url.path.startswith("/sessions/"):
-      return request.url.path.split("/", 2)[2]
     try:
       data = json.loads(body) if body else {}
       if isinstance(data, dict) and data.get("session_id"):
         return str(data["session_id"])
     except ValueError:
       pass
-    return uuid.uuid4().hex  # no session: any backend
+    return None
 
   @app.get("/router/health")
   async def router_health():
     return {"backends": [{"url": b, "healthy": healthy[b], "requests": counts[b]}
-                         for b in ring.backends], "failovers": failovers["n"]}
+                         for b in ring.backends], "failovers": failovers["n"],
+            "streams_cut": failovers["streams_cut"],
+            "policy_pushes": failovers["policy_pushes"], "policy_version": policy["version"],
+            "sessions": len(sessions), "session_bytes": sessions.bytes}
 
   @app.get("/health")
   async def health():
@@ -120,29 +172,82 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   @app.post("/update_weights")
   async def update_all(request: Request):
+    """Sends the update to every healthy backend. 200 when all of them took it (one that
+    died meanwhile is left out of rotation and catches up when it returns); a backend
+    that is down now loads this policy before it serves again."""
     body = await request.body()
-    results = await asyncio.gather(*(
-        client().post(f"{b}/update_weights", content=body,
-                      headers={"content-type": "application/json"})
-        for b in ring.backends), return_exceptions=True)
-    out = []
-    for b, r in zip(ring.backends, results):
-      if isinstance(r, Exception):
-        out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
-      else:
-        out.append({"backend": b, "status": r.status_code, "body": r.json()})
-    ok = all(isinstance(r, httpx.Response) and r.status_code == 200 for r in results)
-    return JSONResponse({"results": out}, status_code=200 if ok else 502)
+    async with updating:
+      targets = [b for b in ring.backends if healthy[b]]
+      if not targets:
+        return JSONResponse({"detail": "no healthy backend to update"}, status_code=503)
+      results = await asyncio.gather(*(
+          client().post(f"{b}/update_weights", content=body,
+                        headers={"content-type": "application/json"})
+          for b in targets), return_exceptions=True)
+      out, took, refused = [], {}, []
+      for b in ring.backends:
+        if b not in targets:
+          out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
+          continue
+        r = results[targets.index(b)]
+        if isinstance(r, Exception):
+          healthy[b] = False
+          out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
+          continue
+        try:
+          answer = r.json()
+        except ValueError:
+          answer = {"detail": r.text[:500]}
+        out.append({"backend": b, "status": r.status_code, "body": answer})
+        if r.status_code == 200:
+          took[b] = answer.get("version")
+        else:
+          refused.append(b)
+      if took:
+        version = next(iter(took.values()))
+        try:
+          pinned = dict(json.loads(body), version=version)  # the same version on a rejoin
+        except (ValueError, TypeError):
+          pinned = None
+        policy.update(body=json.dumps(pinned) if pinned else body, version=version)
+        for b in refused:  # live but stale: out of rotation until it catches up
+          healthy[b] = False
+      ok = bool(took) and not refused
+      return JSONResponse({"results": out, "version": policy["version"], "ok": ok},
+                          status_code=200 if ok else 502)
+
+  @app.get("/sessions/{session_id}")
+  async def get_session(session_id: str, request: Request):
+    """The router's copy of the session, brought up to date from its live backends."""
+    holders = list(cursors.get(session_id, {})) or ring.candidates(session_id)[:1]
+    await asyncio.gather(*(copy_turns(session_id, b) for b in holders if healthy[b]))
+    turns = sessions.get(session_id)
+    if turns is None:
+      return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
+    since = int(request.query_params.get("since", 0) or 0)
+    return {"session_id": session_id, "turns": turns[since:]}
+
+  @app.delete("/sessions/{session_id}")
+  async def delete_session(session_id: str):
+    holders = cursors.pop(session_id, {})
+    had = sessions.pop(session_id) is not None
+    for b in holders:
+      with contextlib.suppress(httpx.HTTPError):
+        await client().delete(f"{b}/sessions/{session_id}")
+    if not had:
+      return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
+    return {"session_id": session_id, "deleted": True}
 
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
     body = await request.body()
-    key = routing_key(request, body)
-    order = ring.candidates(key)
+    session_id = session_of(request, body)
+    order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    records = session_id is not None and path in ("generate", "v1/chat/completions")
     last_error: Optional[str] = None
-    for i, backend in enumerate(order):
+    for backend in order:
       req = client().build_request(request.method, f"{backend}/{path}", content=body,
                                    headers=headers, params=request.query_params)
       try:
@@ -156,18 +261,34 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
       out_headers["x-routed-to"] = backend
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        async def relay(resp=resp):
-          try:
-            async for chunk in resp.aiter_raw():
-              yield chunk
-          finally:
-            await resp.aclose()
-        return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+        return StreamingResponse(relay(resp, backend, session_id if records else None),
+                                 status_code=resp.status_code, headers=out_headers)
       content = await resp.aread()
       await resp.aclose()
+      if records and resp.status_code == 200:
+        await copy_turns(session_id, backend)
       return Response(content, status_code=resp.status_code, headers=out_headers)
     return JSONResponse({"detail": f"no backend could take the request; last error: "
                                    f"{last_error}"}, status_code=502)
+
+  async def relay(resp: httpx.Response, backend: str, session_id: Optional[str]):
+    """Relays a stream; if the backend dies mid-stream, ends it with an error event
+    (as OpenAI's streams carry errors) instead of a silently cut connection."""
+    try:
+      async for chunk in resp.aiter_raw():
+        yield chunk
+    except httpx.TransportError as e:
+      healthy[backend] = False
+      failovers["streams_cut"] += 1
+      error = {"message": f"the rollout server {backend} went away mid-stream "
+                          f"({type(e).__name__}); the answer is incomplete: retry the request",
+               "type": "backend_unavailable", "code": 502}
+      yield f"data: {json.dumps({'error': error})}\n\n".encode()
+      return
+    finally:
+      await resp.aclose()
+    if session_id is not None:
+      await copy_turns(session_id, backend)
 
   return app
 

@@ -13,15 +13,13 @@ Bad requests get a 4xx naming what is wrong; nothing a request does stops the se
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import os
-import threading
 import time
 import uuid
-from typing import Annotated, Any, Callable, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from fastapi import FastAPI, HTTPException, Request as HttpRequest
+from fastapi import FastAPI, HTTPException, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -32,6 +30,7 @@ from jaxagent.tokenizer import Tokenizer
 from jaxagent.toolcalls import parse_tool_calls
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request
+from rollout_server.sessions import SessionStore
 
 SESSION_HEADER = "x-session-id"
 
@@ -97,71 +96,6 @@ class ChatBody(BaseModel):
 
 
 # -- sessions ------------------------------------------------------------------------------
-
-
-class SessionStore:
-  """Recorded turns per session id, bounded by session count, by the bytes of their
-  records (JSON) and by a time to live since a session's last turn; the least recently
-  used go first. `evicted` counts the sessions dropped by each bound."""
-
-  def __init__(self, max_sessions: int, ttl_s: Optional[float] = None,
-               max_bytes: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
-    self.max_sessions = max_sessions
-    self.ttl_s = ttl_s
-    self.max_bytes = max_bytes
-    self._clock = clock
-    # session id -> [turns, bytes, last touched]
-    self._sessions: collections.OrderedDict[str, list] = collections.OrderedDict()
-    self.bytes = 0
-    self.evicted = {"count": 0, "bytes": 0, "ttl": 0}
-    self._lock = threading.Lock()
-
-  def record(self, session_id: str, turn: dict) -> None:
-    with self._lock:
-      self._expire()
-      entry = self._sessions.setdefault(session_id, [[], 0, 0.0])
-      self._sessions.move_to_end(session_id)
-      turn["turn"] = len(entry[0])
-      size = len(json.dumps(turn, default=str))
-      entry[0].append(turn)
-      entry[1] += size
-      entry[2] = self._clock()
-      self.bytes += size
-      while len(self._sessions) > self.max_sessions:
-        self._drop_oldest("count")
-      while self.max_bytes is not None and self.bytes > self.max_bytes and self._sessions:
-        self._drop_oldest("bytes")
-
-  def _drop_oldest(self, reason: str) -> None:
-    _, (_, size, _) = self._sessions.popitem(last=False)
-    self.bytes -= size
-    self.evicted[reason] += 1
-
-  def _expire(self) -> None:
-    if self.ttl_s is None:
-      return
-    now = self._clock()
-    while self._sessions and now - next(iter(self._sessions.values()))[2] > self.ttl_s:
-      self._drop_oldest("ttl")
-
-  def get(self, session_id: str) -> Optional[list[dict]]:
-    with self._lock:
-      self._expire()
-      entry = self._sessions.get(session_id)
-      return None if entry is None else list(entry[0])
-
-  def pop(self, session_id: str) -> Optional[list[dict]]:
-    with self._lock:
-      entry = self._sessions.pop(session_id, None)
-      if entry is None:
-        return None
-      self.bytes -= entry[1]
-      return entry[0]
-
-  def __len__(self) -> int:
-    with self._lock:
-      self._expire()
-      return len(self._sessions)
 
 
 def _turn_record(req: Request, **extra) -> dict:
@@ -365,11 +299,12 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     return {**report, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
   @app.get("/sessions/{session_id}")
-  async def get_session(session_id: str):
+  async def get_session(session_id: str, since: int = Query(0, ge=0)):
+    """The session's recorded turns (from turn `since` on: a router copies new ones)."""
     turns = sessions.get(session_id)
     if turns is None:
       raise HTTPException(404, f"no session {session_id!r}")
-    return {"session_id": session_id, "turns": turns}
+    return {"session_id": session_id, "turns": turns[since:]}
 
   @app.delete("/sessions/{session_id}")
   async def delete_session(session_id: str):

@@ -1,13 +1,20 @@
 """Router: consistent hashing on the session id, health checks, failover; real servers."""
 
 import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
 
 from rollout_server.router import HashRing, create_router
 from rollout_server.serving import ServerThread
+from tests.conftest import REPO
 from tests.rollout_server.conftest import running_server
+from tests.rollout_server.test_cli import free_port
 
 
 def test_ring_spreads_keys_and_moves_few_on_removal():
@@ -70,3 +77,102 @@ def test_update_weights_goes_to_every_backend(random_params, tokenizer, tmp_path
     assert [x["body"]["version"] for x in r.json()["results"]] == [5, 5]
     for s in servers:
       assert httpx.get(f"{s.url}/health").json()["version"] == 5
+
+
+def _start_server_process(port: int) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, "-m", "rollout_server", "--config",
+                           "configs/server_tiny.yaml", f"port={port}", "engine.slots=2",
+                           "engine.max_seq_len=768"],
+                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+  deadline = time.time() + timeout
+  while True:
+    with contextlib.suppress(httpx.HTTPError):
+      if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+        return
+    assert proc.poll() is None and time.time() < deadline, "server did not start"
+    time.sleep(0.3)
+
+
+def test_a_killed_backend_loses_no_session_and_a_returning_one_catches_up(tokenizer, tmp_path):
+  """kill -9 of a real server process: its stream in flight ends with an error event, its
+  sessions' records are still served by the router and continue on the other backend,
+  /update_weights succeeds without it, and when it comes back on its port it loads the
+  current policy before it takes traffic."""
+  import jax
+  from jaxagent.checkpoint import export_policy
+  from jaxagent.models import preset
+  from jaxagent.models.params import init_params
+  from rollout_server.engine import Engine
+
+  cfg = preset("tiny")  # configs/server_tiny.yaml's model, with its seed
+  params = jax.device_get(init_params(cfg, 0))
+  root = str(tmp_path / "policy")
+  export_policy(root, 7, jax.device_put(params), dtype=None)
+  port = free_port()
+  victim_url = f"http://127.0.0.1:{port}"
+  procs = [_start_server_process(port)]
+  try:
+    with contextlib.ExitStack() as stack:
+      engine = Engine(cfg, max_concurrent_decodes=2, max_prefill_length=512, max_seq_len=768)
+      other, _ = stack.enter_context(running_server(params, tokenizer, engine=engine))
+      _wait_healthy(victim_url, procs[0])
+      router = stack.enter_context(ServerThread(create_router([victim_url, other.url],
+                                                              health_interval_s=0.3)))
+      c = httpx.Client(base_url=router.url, timeout=120)
+      ring = HashRing([victim_url, other.url])
+      sids = [f"s{i}" for i in range(100) if ring.candidates(f"s{i}")[0] == victim_url]
+      sid = sids[0]
+      body = {"input_ids": [1, 2, 3], "max_new_tokens": 3}
+      for _ in range(2):
+        r = c.post("/generate", json=body, headers={"X-Session-Id": sid})
+        assert r.headers["x-routed-to"] == victim_url
+
+      # A long stream on the victim, cut by kill -9.
+      chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 700,
+              "temperature": 0.0, "stream": True}
+      events = []
+      with c.stream("POST", "/v1/chat/completions", json=chat,
+                    headers={"X-Session-Id": sids[1]}) as stream:
+        assert stream.headers["x-routed-to"] == victim_url
+        for line in stream.iter_lines():
+          if line.startswith("data: "):
+            events.append(line[6:])
+          if len(events) == 1:  # the first event: the answer is being generated
+            time.sleep(0.3)
+            procs[0].send_signal(signal.SIGKILL)
+      assert events[-1] != "[DONE]", (len(events), events[-4:])
+      error = json.loads(events[-1])["error"]
+      assert error["type"] == "backend_unavailable" and victim_url in error["message"]
+
+      # The dead backend's session: its record is still there, and it goes on elsewhere.
+      assert len(c.get(f"/sessions/{sid}").json()["turns"]) == 2
+      r = c.post("/generate", json=body, headers={"X-Session-Id": sid})
+      assert r.status_code == 200 and r.headers["x-routed-to"] == other.url
+      turns = c.get(f"/sessions/{sid}").json()["turns"]
+      assert [t["turn"] for t in turns] == [0, 1, 2]
+      assert all(len(t["output_ids"]) == 3 for t in turns)
+
+      # An update while it is down succeeds for the backends that are up.
+      r = c.post("/update_weights", json={"path": root})
+      assert r.status_code == 200, r.text
+      by_backend = {x["backend"]: x for x in r.json()["results"]}
+      assert "skipped" in by_backend[victim_url] and by_backend[other.url]["body"]["version"] == 7
+
+      # It comes back at version 0; the router brings it to 7 before routing to it.
+      procs.append(_start_server_process(port))
+      _wait_healthy(victim_url, procs[1])
+      deadline = time.time() + 120
+      while not {b["url"]: b["healthy"] for b in
+                 c.get("/router/health").json()["backends"]}[victim_url]:
+        assert time.time() < deadline
+        time.sleep(0.2)
+      assert httpx.get(f"{victim_url}/health").json()["version"] == 7
+      r = c.post("/generate", json=body, headers={"X-Session-Id": sids[2]})
+      assert r.headers["x-routed-to"] == victim_url and set(r.json()["versions"]) == {7}
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait(timeout=30)

@@ -188,7 +188,7 @@ def test_a_client_that_disconnects_frees_its_slot(random_params, tokenizer):
 
 
 def test_sessions_are_bounded_by_count_bytes_and_time():
-  from rollout_server.server import SessionStore
+  from rollout_server.sessions import SessionStore
 
   now = [0.0]
   store = SessionStore(max_sessions=3, ttl_s=10.0, max_bytes=1000, clock=lambda: now[0])
