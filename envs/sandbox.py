@@ -52,6 +52,8 @@ import time
 import uuid
 from typing import Optional, Sequence
 
+from jaxagent.errors import InfraError
+
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 _HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _PRLIMIT = shutil.which("prlimit", path=_HOST_PATH) or "prlimit"
@@ -273,7 +275,7 @@ class UidLease:
       UidLease._next = (UidLease._next + i + 1) % count
       self.uid, self._fd = uid, fd
       return
-    raise RuntimeError(f"no free sandbox uid in {first}..{first + count - 1}")
+    raise InfraError("sandbox", f"no free sandbox uid in {first}..{first + count - 1}")
 
   def release(self) -> None:
     if self._fd is not None:
@@ -660,7 +662,8 @@ class SandboxPool:
   def create(self) -> Sandbox:
     """A new workspace (blocking: a mount and a uid lease)."""
     if len(self.live) >= self.max_workspaces:
-      raise RuntimeError(f"sandbox pool is at its limit of {self.max_workspaces} workspaces")
+      raise InfraError("sandbox", f"sandbox pool is at its limit of {self.max_workspaces} "
+                       "workspaces")
     sb = Sandbox(os.path.join(self.root, uuid.uuid4().hex[:12]), limits=self.limits,
                  isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s)
     self.live.add(sb)

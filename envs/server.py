@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from envs.base import (EnvResources, Observation, StepResult, TaskSpec, Verdict, VerdictStatus,
                        make)
+from jaxagent.errors import InfraError
 
 
 class CreateBody(BaseModel):
@@ -246,8 +247,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   return app
 
 
-class SessionLost(RuntimeError):
-  """The worker no longer has this session."""
+class SessionLost(InfraError):
+  """The worker no longer has this session (it restarted, or dropped it)."""
+
+  def __init__(self, message: str):
+    super().__init__("env_session_lost", message)
 
 
 class RemoteEnv:
@@ -263,15 +267,24 @@ class RemoteEnv:
     self.done = False
 
   async def _call(self, method: str, path: str, **kw) -> dict:
+    """One call to the worker. A worker that is unreachable, too slow, or fails (5xx) is
+    infrastructure (`InfraError`); a 4xx is a bad call of ours (a bug) and raises
+    RuntimeError."""
     if self._client is None:
       self._client = httpx.AsyncClient(timeout=self.timeout_s)
-    r = await self._client.request(method, self.url + path, **kw)
+    try:
+      r = await self._client.request(method, self.url + path, **kw)
+    except httpx.HTTPError as e:
+      raise InfraError("env_worker", f"{self.url}{path}: {type(e).__name__}: {e}") from e
     if r.status_code == 404 and self.session_id and self.session_id in path:
       raise SessionLost(r.json().get("detail", r.text))
     if r.status_code >= 400:
       detail = r.json().get("detail", r.text) if r.headers.get(
           "content-type", "").startswith("application/json") else r.text
-      raise RuntimeError(f"env worker {self.url}{path}: {r.status_code}: {detail}")
+      message = f"env worker {self.url}{path}: {r.status_code}: {detail}"
+      if r.status_code >= 500:
+        raise InfraError("env_worker", message)
+      raise RuntimeError(message)
     return r.json()
 
   async def reset(self, task: TaskSpec) -> Observation:
@@ -299,7 +312,7 @@ class RemoteEnv:
       sid, self.session_id = self.session_id, None
       try:
         await self._call("DELETE", f"/sessions/{sid}")
-      except (SessionLost, RuntimeError, httpx.HTTPError):
+      except RuntimeError:  # (InfraError too) the session is gone either way
         pass
     if self._own_client and self._client is not None:
       client, self._client = self._client, None

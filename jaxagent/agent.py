@@ -9,9 +9,11 @@
 
 Both produce an `Episode`: segments from the `TrajectoryManager`, per-turn
 rewards, the verifier's verdict and the counters the metrics need. A server
-failure or an infrastructure verdict marks the episode `infra_error` (to be
-retried or dropped, never scored 0); running out of turns, tokens or time is a
-truncation with its reason.
+failure (`jaxagent.errors.InfraError`: server, overload, turn deadline, worker,
+sandbox) or an infrastructure verdict marks the episode `infra_error` (to be
+retried or dropped, never scored 0); running out of turns or tokens, or of time
+in the environment, is a truncation with its reason; any other exception is a bug
+and propagates.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Optional
 
 from envs.base import trained_rewards
 from jaxagent.config import AgentConfig
+from jaxagent.errors import InfraError
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
 
@@ -39,6 +42,7 @@ class Episode:
   status: str  # completed | truncated | aborted | failed
   reason: str = ""
   infra_error: bool = False
+  infra_kind: str = ""  # the InfraError's kind (or "verifier") when infra_error
   turns: int = 0
   tool_calls: int = 0
   invalid_tool_calls: int = 0
@@ -119,28 +123,38 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
 
 
 async def _generate(engine, prompt, sampling, session_id, deadline_s):
-  """One turn from the engine; resumes a turn aborted by a weight update."""
-  record = await asyncio.wait_for(engine.generate(prompt, sampling, session_id), deadline_s)
+  """One turn from the engine; resumes a turn aborted by a weight update. A turn that
+  outlasts its deadline is the server's (overloaded or slow), not the policy's: its
+  length is bounded by max_new_tokens."""
+  async def call(prompt, sampling):
+    try:
+      return await asyncio.wait_for(engine.generate(prompt, sampling, session_id), deadline_s)
+    except asyncio.TimeoutError:
+      raise InfraError("turn_deadline", f"no answer from the server in {deadline_s} s") from None
+
+  record = await call(prompt, sampling)
   for _ in range(4):
     if record.finish_reason != "abort" or len(record.output_ids) >= sampling.max_new_tokens:
       break
     rest = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(
         record.output_ids), seed=sampling.seed + len(record.output_ids))
-    more = await asyncio.wait_for(
-        engine.generate(prompt + record.output_ids, rest, session_id), deadline_s)
-    record = _merge(record, more)
+    record = _merge(record, await call(prompt + record.output_ids, rest))
   return record
 
 
 async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig, *,
                        session_id: str, group_id: str = "") -> Episode:
-  """Plays one episode with our own loop; never raises for the model's or the env's faults."""
-  from rollout_server.client import GenerateError
-
+  """Plays one episode with our own loop. The model's faults are the episode's outcome;
+  an `InfraError` marks it `infra_error` (retried or dropped, never scored); anything
+  else an environment raises is a bug and propagates."""
   t_start = time.perf_counter()
   manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   status, reason = "completed", ""
+  waiting = {"on": "env", "since": t_start}  # what the episode is waiting on now
+
+  def wait_on(what):
+    waiting.update(on=what, since=time.perf_counter())
 
   async def play():
     nonlocal status, reason
@@ -166,7 +180,9 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
                                 stop_token_ids=tuple(tokenizer.stop_ids),
                                 seed=_seed(session_id, turn))
       t0 = time.perf_counter()
+      wait_on("server")
       record = await _generate(engine, prompt, sampling, session_id, cfg.turn_deadline_s)
+      wait_on("env")
       ep.generate_s += time.perf_counter() - t0
       out = record.output_ids
       text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out)
@@ -200,16 +216,26 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     ep.env_s += time.perf_counter() - t0
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
-      status, reason, ep.infra_error = "failed", "verifier_infra_error", True
+      status, reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", True, \
+          "verifier"
     else:
       ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
   except asyncio.TimeoutError:
-    status, reason = "truncated", "episode_deadline"
-    ep.verdict = {"status": "fail", "reward": 0.0}
-  except GenerateError as e:
-    status, reason, ep.infra_error = "failed", f"server: {e}"[:300], True
-  except Exception as e:  # an environment or worker failure is infrastructure, not a score
-    status, reason, ep.infra_error = "failed", f"{type(e).__name__}: {e}"[:300], True
+    # The episode's wall-clock budget ran out. Spent mostly waiting on the server, it is
+    # infrastructure; mostly in the environment (the policy's own tool calls, each bounded
+    # by its sandbox limits), it is the policy's: a truncation, scored.
+    in_flight = time.perf_counter() - waiting["since"]
+    server_s = ep.generate_s + (in_flight if waiting["on"] == "server" else 0.0)
+    env_s = ep.env_s + (in_flight if waiting["on"] == "env" else 0.0)
+    if server_s >= env_s:
+      status, ep.infra_error, ep.infra_kind = "failed", True, "episode_deadline"
+      reason = f"episode_deadline: {server_s:.1f} s waiting on the server, {env_s:.1f} s in " \
+               "the environment"
+    else:
+      status, reason = "truncated", "episode_deadline"
+      ep.verdict = {"status": "fail", "reward": 0.0}
+  except InfraError as e:  # a server, worker, sandbox or network failure: not a score
+    status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   finally:
     counters = getattr(env, "counters", {}) or {}
     ep.tool_calls = int(counters.get("tool_calls", 0))
@@ -279,6 +305,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
                        group_id: str = "") -> Episode:
   """Plays an episode with the OpenAI-client agent, then rebuilds it from the server's record."""
   import httpx
+  import openai
 
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
@@ -297,17 +324,22 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.turns = len(turns)
     ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
     if ep.verdict.get("status") == "infra_error":
-      ep.status, ep.reason, ep.infra_error = "failed", "verifier_infra_error", True
+      ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
+          True, "verifier"
     elif ep.verdict.get("status") != "pass" and len(turns) >= cfg.max_turns:
       ep.status, ep.reason = "truncated", "turn_cap"
     ep.segments = collect_session(turns, session_id=session_id, task_id=task.id,
                                   group_id=group_id, status=ep.status, reason=ep.reason,
                                   reward=ep.reward, turn_rewards=list(ep.turn_rewards),
                                   verdict=ep.verdict)
-  except asyncio.TimeoutError:
+  except asyncio.TimeoutError:  # the agent's own time: truncated, scored
     ep.status, ep.reason = "truncated", "episode_deadline"
-  except Exception as e:  # the gateway or the worker failed: infrastructure
-    ep.status, ep.reason, ep.infra_error = "failed", f"{type(e).__name__}: {e}"[:300], True
+  except InfraError as e:
+    ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
+  except (openai.APIConnectionError, openai.APIStatusError, httpx.HTTPError) as e:
+    # the gateway failed (down, overloaded, cut): infrastructure
+    ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
+        "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
   finally:
     try:
       await env.close()

@@ -52,7 +52,8 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
                                 tools)
     return (*hf.load_gguf(ckpt, mesh, rules, **overrides), tokenizer)
   if os.path.isdir(ckpt):
-    tokenizer = choose_template(lambda t: _hf_tokenizer(ckpt, t), spec.chat_template, tools)
+    tokenizer = choose_template(lambda t: _hf_tokenizer(ckpt, t, spec.tokenizer),
+                                spec.chat_template, tools)
     return (*hf.load_hf(ckpt, mesh, rules, **overrides), tokenizer)
   raise FileNotFoundError(
       f"model.checkpoint: {ckpt!r} is neither a .gguf file, a HF checkpoint directory, "
@@ -103,15 +104,31 @@ def _tool_names(tools: Sequence[dict]) -> list[str]:
   return [t["function"]["name"] if "function" in t else t["name"] for t in tools]
 
 
-def _hf_tokenizer(path: str, template: Optional[str] = None) -> Tokenizer:
+def _hf_tokenizer(path: str, template: Optional[str] = None,
+                  tokenizer: Optional[str] = None) -> Tokenizer:
+  """The tokenizer of checkpoint directory `path`: its tokenizer.json, or `tokenizer`
+  (`model.tokenizer`: a tokenizer.json, or a directory with one); the special tokens and
+  template come from the tokenizer_config.json beside it (else the checkpoint's)."""
   tj = os.path.join(path, "tokenizer.json")
-  if not os.path.exists(tj):
-    raise FileNotFoundError(f"no tokenizer.json in {path}")
+  if tokenizer is not None:
+    tj = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+    if not os.path.isfile(tj):
+      raise ConfigError(f"model.tokenizer: no tokenizer.json at {tokenizer!r}")
+  elif not os.path.exists(tj):
+    slow = sorted(f for f in ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+                              "spiece.model") if os.path.exists(os.path.join(path, f)))
+    has = f" (it has {', '.join(slow)}: a slow tokenizer)" if slow else ""
+    raise ConfigError(
+        f"model.checkpoint: {path} has no tokenizer.json{has}; set model.tokenizer to a "
+        "tokenizer.json (or a directory with one) for this vocabulary; transformers writes one "
+        "with AutoTokenizer.from_pretrained(PATH).save_pretrained(DIR)")
   conf = {}
-  tc = os.path.join(path, "tokenizer_config.json")
-  if os.path.exists(tc):
-    with open(tc) as f:
-      conf = json.load(f)
+  for tc in (os.path.join(os.path.dirname(tj), "tokenizer_config.json"),
+             os.path.join(path, "tokenizer_config.json")):
+    if os.path.exists(tc):
+      with open(tc) as f:
+        conf = json.load(f)
+      break
 
   def text(t):
     return t.get("content") if isinstance(t, dict) else t

@@ -30,6 +30,9 @@ class ModelSpec:
   # Chat template: None for the tokenizer's own (the GGUF's, tokenizer_config.json's);
   # "chatml_tools" for jaxagent's ChatML template with tool calls.
   chat_template: Optional[str] = None
+  # The tokenizer of a Hugging Face checkpoint directory: None for its own tokenizer.json;
+  # else a tokenizer.json file, or a directory holding one (and tokenizer_config.json).
+  tokenizer: Optional[str] = None
   dtype: str = "float32"
   param_dtype: str = "float32"
   # What the backward pass keeps of each layer: none | full | dots | dots_no_batch.

@@ -19,9 +19,10 @@ Modes:
 Weight updates reach episodes mid-flight (partial rollout): their later turns
 run on the new weights and every token keeps the version that produced it.
 
-An episode that fails for infrastructure reasons (server call, environment
-worker, `infra_error` verdict) is retried, then dropped and counted, never
-scored 0. Filters drop stale groups and groups whose rewards are all equal;
+An episode that fails for infrastructure reasons (an `InfraError`: server call,
+overload, turn deadline, environment worker, sandbox; or an `infra_error`
+verdict) is retried, then dropped and counted by kind, never scored 0. Any other
+exception an episode raises is a bug: `next_groups` raises it and the run stops. Filters drop stale groups and groups whose rewards are all equal;
 dropped groups are replaced by fresh ones until the step has its groups
 (dynamic sampling, at most `max_sample_rounds` x groups_per_step consumed).
 """
@@ -83,6 +84,7 @@ class RolloutScheduler:
     self._producer: Optional[asyncio.Task] = None
     self._tasks: set[asyncio.Task] = set()
     self._stop = False
+    self.error: Optional[BaseException] = None  # a bug an episode raised
 
   # -- playing ---------------------------------------------------------------------------
 
@@ -98,11 +100,20 @@ class RolloutScheduler:
         return ep
       self.retries += attempt < self.cfg.max_retries
     self.dropped["infra_error"] += 1
+    self.dropped[f"infra_{ep.infra_kind or 'unknown'}"] += 1  # by the last attempt's kind
     group.dropped_episodes += 1
     return None
 
   async def _run_group(self, group: Group) -> None:
-    results = await asyncio.gather(*(self._episode(group, i) for i in range(self.cfg.group_size)))
+    try:
+      results = await asyncio.gather(*(self._episode(group, i)
+                                       for i in range(self.cfg.group_size)))
+    except asyncio.CancelledError:
+      raise
+    except Exception as e:  # a bug: the run stops with it (next_groups raises it)
+      self.error = e
+      self._changed.set()
+      return
     group.episodes = [e for e in results if e is not None]
     group.done = True
     self._changed.set()
@@ -216,11 +227,13 @@ class RolloutScheduler:
     if self.cfg.mode == "sync":
       fresh = [self._start_group() for _ in range(n)]
       while not all(g.done for g in fresh):
+        self._raise_error()
         self._changed.clear()
         await self._changed.wait()
       taken = fresh
     else:
       while True:
+        self._raise_error()
         order = list(self.groups.values())
         pool = order[:self.cfg.window] if self.cfg.mode == "window" else order
         ready = [g for g in pool if g.done]
@@ -233,6 +246,11 @@ class RolloutScheduler:
       self.groups.pop(g.index, None)
     self._changed.set()
     return taken
+
+  def _raise_error(self) -> None:
+    if self.error is not None:
+      raise RuntimeError(f"an episode raised {type(self.error).__name__} (a bug, not an "
+                         f"infrastructure failure): {self.error}") from self.error
 
   def pending_tasks(self) -> list:
     """Tasks started but not yet consumed (saved with a checkpoint, replayed on resume)."""

@@ -15,13 +15,17 @@ from typing import Optional
 
 import httpx
 
+from jaxagent.errors import InfraError
 from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
-from rollout_server.orchestrator import Orchestrator, Request
+from rollout_server.orchestrator import Orchestrator, QueueFull, Request
 
 
-class GenerateError(RuntimeError):
+class GenerateError(InfraError):
   """The server could not serve the request (an infrastructure failure, not the model's)."""
+
+  def __init__(self, message: str, kind: str = "server"):
+    super().__init__(kind, message)
 
 
 def _record(r: dict) -> TurnRecord:
@@ -45,7 +49,11 @@ class LocalClient:
 
     try:
       req = self.orch.submit(prompt_ids, sampling, session_id=session_id)
-    except (ValueError, RuntimeError) as e:
+    except QueueFull as e:
+      raise GenerateError(str(e), "server_overload") from e
+    except ValueError as e:  # e.g. a prompt longer than the engine takes
+      raise GenerateError(str(e), "request_refused") from e
+    except RuntimeError as e:
       raise GenerateError(str(e)) from e
     req.add_listener(done)
     if not req.done:
@@ -99,7 +107,9 @@ class HttpClient:
     except httpx.HTTPError as e:
       raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
     if r.status_code != 200:
-      raise GenerateError(f"{self.url}/generate: {r.status_code}: {r.text[:500]}")
+      kind = ("server_overload" if r.status_code == 503 else
+              "request_refused" if r.status_code < 500 else "server")
+      raise GenerateError(f"{self.url}/generate: {r.status_code}: {r.text[:500]}", kind)
     out = r.json()
     if out["finish_reason"] == "error":
       raise GenerateError(out.get("error") or "engine error")

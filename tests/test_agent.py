@@ -94,6 +94,82 @@ def test_truncations_have_their_reasons():
 def test_server_failure_is_infrastructure_not_a_score():
   ep, _ = play(["8", "9"], TaskSpec("t", "guess_number", {"secret": 11}), fail_at=1)
   assert ep.infra_error and ep.status == "failed" and "server went away" in ep.reason
+  assert ep.infra_kind == "server"
+
+
+class SlowEngine(ScriptedEngine):
+  """Takes `delay_s` to answer each turn."""
+
+  def __init__(self, replies, delay_s):
+    super().__init__(replies)
+    self.delay_s = delay_s
+
+  async def generate(self, prompt_ids, sampling, session_id=None):
+    await asyncio.sleep(self.delay_s)
+    return await super().generate(prompt_ids, sampling, session_id)
+
+
+class SlowEnv(Env):
+  """guess_number whose steps take `delay_s` (the policy's own slow tool calls)."""
+
+  def __init__(self, delay_s, fail=False):
+    self.inner, self.delay_s, self.fail = make("guess_number"), delay_s, fail
+    self.counters = {}
+
+  async def reset(self, task):
+    return await self.inner.reset(task)
+
+  async def step(self, action):
+    await asyncio.sleep(self.delay_s)
+    if self.fail:
+      return 1 / 0  # a bug in the environment
+    return await self.inner.step(action)
+
+  async def verify(self):
+    return await self.inner.verify()
+
+
+def test_deadlines_waiting_on_the_server_are_infrastructure_and_the_policys_are_scored():
+  task = TaskSpec("t", "guess_number", {"secret": 11})
+  run = lambda env, engine, **kw: asyncio.run(run_whitebox(  # noqa: E731
+      env, task, engine, TOK, AgentConfig(max_turns=5, max_new_tokens=4, **kw),
+      session_id="s", group_id="g"))
+  # A turn the server does not answer within turn_deadline_s: infrastructure, never scored.
+  ep = run(make("guess_number"), SlowEngine(["8"], 1.0), turn_deadline_s=0.05)
+  assert ep.infra_error and ep.infra_kind == "turn_deadline" and ep.status == "failed"
+  # The episode's time ran out, spent mostly waiting on the server: infrastructure.
+  ep = run(make("guess_number"), SlowEngine(["8", "9", "10"], 0.1), turn_deadline_s=5,
+           episode_deadline_s=0.25)
+  assert ep.infra_error and ep.infra_kind == "episode_deadline" and "server" in ep.reason
+  # ... spent mostly in the environment (the policy's tool calls): a truncation, scored.
+  ep = run(SlowEnv(0.1), ScriptedEngine(["8", "9", "10", "11"]), episode_deadline_s=0.25)
+  assert not ep.infra_error and (ep.status, ep.reason) == ("truncated", "episode_deadline")
+  assert ep.reward == 0.0 and ep.segments
+
+
+def test_a_bug_in_an_environment_propagates():
+  with pytest.raises(ZeroDivisionError):
+    asyncio.run(run_whitebox(SlowEnv(0.0, fail=True), TaskSpec("t", "guess_number",
+                                                                {"secret": 11}),
+                             ScriptedEngine(["8"]), TOK, AgentConfig(max_new_tokens=4),
+                             session_id="s", group_id="g"))
+
+
+def test_an_overloaded_server_is_infrastructure(random_params):
+  from rollout_server.client import GenerateError, LocalClient
+  from rollout_server.engine import SamplingParams
+  from rollout_server.orchestrator import Orchestrator
+  from tests.rollout_server.conftest import make_engine
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params), max_queue=0)  # not started
+  client = LocalClient(orch, engine)
+  with pytest.raises(GenerateError) as e:
+    asyncio.run(client.generate([1, 2], SamplingParams(max_new_tokens=2)))
+  assert e.value.kind == "server_overload"
+  with pytest.raises(GenerateError) as e:
+    asyncio.run(client.generate([1] * 5000, SamplingParams(max_new_tokens=2)))
+  assert e.value.kind == "request_refused" and "max_prefill_length" in str(e.value)
 
 
 def test_aborted_turn_is_resumed_as_one_turn():

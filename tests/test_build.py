@@ -70,3 +70,31 @@ def test_smollm2_gets_chatml_tools_by_default(capsys):
   assert tok.chat_template == CHATML_TOOLS_TEMPLATE and renders_tools(tok, TOOLS)
   assert tok.stop_ids == (2,)  # <|im_end|> ends a turn, as with the own template
   assert "chatml_tools" in capsys.readouterr().out
+
+
+def test_a_checkpoint_without_tokenizer_json_names_model_tokenizer(tmp_path):
+  import json
+
+  from jaxagent.build import _hf_tokenizer, build_model
+  from jaxagent.config import ModelSpec
+
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  (ckpt / "config.json").write_text("{}")
+  (ckpt / "vocab.json").write_text("{}")
+  with pytest.raises(ConfigError) as e:
+    build_model(ModelSpec(checkpoint=str(ckpt)))
+  message = str(e.value)
+  assert "\n" not in message and "model.tokenizer" in message and "vocab.json" in message
+  # model.tokenizer: a tokenizer.json elsewhere (with its tokenizer_config.json).
+  own = tmp_path / "tok"
+  own.mkdir()
+  bpe = tokenizers.Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<|im_start|>": 1,
+                                               "<|im_end|>": 2, "hi": 3}, unk_token="hi"))
+  bpe.save(str(own / "tokenizer.json"))
+  (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  tok = _hf_tokenizer(str(ckpt), None, str(own))
+  assert tok.eos_id == 2
+  assert _hf_tokenizer(str(ckpt), None, str(own / "tokenizer.json")).eos_id == 2
+  with pytest.raises(ConfigError, match="model.tokenizer: no tokenizer.json"):
+    _hf_tokenizer(str(ckpt), None, str(tmp_path / "nothing"))

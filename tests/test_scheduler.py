@@ -23,7 +23,8 @@ def episode(task, sid, gid, *, reward, version=0, turns=1, infra=False, tokens=6
     prompt = prompt + out + [3]
   per_turn = [reward / turns] * turns
   ep = Episode(str(task), sid, gid, [], per_turn, {"status": "pass" if reward >= 1 else "fail"},
-               "failed" if infra else "completed", infra_error=infra, turns=turns)
+               "failed" if infra else "completed", infra_error=infra,
+               infra_kind="turn_deadline" if infra else "", turns=turns)
   ep.segments = m.segments(reward=reward, turn_rewards=per_turn)
   return ep
 
@@ -73,7 +74,29 @@ def test_infra_errors_are_retried_then_dropped_never_scored():
   (group,) = taken
   assert len(group.episodes) == 3  # the broken one is gone, not scored 0
   assert s.dropped["infra_error"] == 1 and s.retries == 3
+  assert s.dropped["infra_turn_deadline"] == 1  # counted by kind too
   assert all(not e.infra_error for e in group.episodes)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_bug_in_an_episode_stops_the_run_instead_of_hiding(mode):
+  async def play(task, sid, gid):
+    if sid.startswith("g0-2"):
+      raise KeyError("a bug")
+    return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode=mode, groups_per_step=1, group_size=4),
+                         itertools.count(), play)
+    s.start()
+    try:
+      await asyncio.wait_for(s.next_groups(), 30)
+    finally:
+      await s.stop()
+
+  with pytest.raises(RuntimeError, match="KeyError") as e:
+    run(go())
+  assert isinstance(e.value.__cause__, KeyError)
 
 
 def test_equal_reward_groups_are_filtered():

@@ -301,3 +301,14 @@ def test_200_concurrent_python_tests_episodes_all_end_with_a_verdict(tmp_path):
   assert set(statuses) <= {"pass", "fail", "timeout"}, statuses
   assert statuses.count("pass") == 133 and statuses.count("fail") == 67, (statuses, wall)
   assert not os.path.exists(root)
+
+
+def test_an_unreachable_worker_is_infrastructure():
+  from jaxagent.errors import InfraError
+  from jaxagent.launch import free_port
+
+  env = RemoteEnv(f"http://127.0.0.1:{free_port()}", timeout_s=5)
+  with pytest.raises(InfraError) as e:
+    asyncio.run(env.reset(TaskSpec("t", "guess_number", {"secret": 3})))
+  assert e.value.kind == "env_worker" and "ConnectError" in str(e.value)
+  assert issubclass(SessionLost, InfraError)

@@ -1,0 +1,19 @@
+"""Typed failures.
+
+An `InfraError` is the infrastructure's fault, not the policy's: a rollout server that
+is down, overloaded or too slow (a turn deadline), an environment worker or sandbox
+that failed, the network. An episode that meets one is retried within its budget, then
+dropped and counted by `kind`; it is never trained as a score. Anything else an episode
+raises is a bug: it stops the run with its traceback instead of hiding as a failure.
+"""
+
+from __future__ import annotations
+
+
+class InfraError(RuntimeError):
+  """An infrastructure failure; `kind` names it for the drop counters (`server`,
+  `server_overload`, `turn_deadline`, `episode_deadline`, `env_worker`, `sandbox`, ...)."""
+
+  def __init__(self, kind: str, message: str = ""):
+    super().__init__(f"{kind}: {message}" if message else kind)
+    self.kind = kind
