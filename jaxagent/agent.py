@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
 import time
 import zlib
 from typing import Any, Optional
@@ -142,6 +144,28 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s):
   return record
 
 
+def provenance(tokenizer: Optional[Tokenizer], tools, cfg: AgentConfig, verdict: dict,
+               task) -> dict:
+  """What produced an episode, for each of its segments' `meta_versions`: tokenizer and
+  chat template hashes, the tool schemas' hash, environment, verifier and task versions,
+  and the sampling parameters (the policy version range is added per segment)."""
+  schema = json.dumps(list(tools or []), sort_keys=True)
+  out = dict(tokenizer.identity()) if tokenizer is not None else {}
+  out.update(tool_schema_sha256=hashlib.sha256(schema.encode()).hexdigest()[:16],
+             env=verdict.get("env_version"), verifier=verdict.get("verifier_version"),
+             task=getattr(task, "version", None),
+             sampling={"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                       "max_new_tokens": cfg.max_new_tokens})
+  return out
+
+
+def _stamp(segments: list[Segment], meta: dict) -> None:
+  for seg in segments:
+    trained = seg.versions[seg.loss_mask > 0]
+    seg.meta_versions = dict(meta, policy_versions=[int(trained.min()), int(trained.max())]
+                             if len(trained) else None)
+
+
 async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig, *,
                        session_id: str, group_id: str = "") -> Episode:
   """Plays one episode with our own loop. The model's faults are the episode's outcome;
@@ -152,6 +176,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   status, reason = "completed", ""
   waiting = {"on": "env", "since": t_start}  # what the episode is waiting on now
+  offered = []  # the tool schemas the environment offered
 
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
@@ -162,6 +187,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     obs = await env.reset(task)
     ep.env_s += time.perf_counter() - t0
     messages, tools = list(obs.messages), list(obs.tools) or None
+    offered[:] = tools or []
     prompt = None
     for turn in range(cfg.max_turns):
       if prompt is None:
@@ -248,6 +274,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   ep.latency_s = time.perf_counter() - t_start
   ep.segments = manager.segments(status=status, reason=reason, reward=ep.reward,
                                  turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
+  _stamp(ep.segments, provenance(tokenizer, offered, cfg, ep.verdict, task))
   return ep
 
 
@@ -302,8 +329,9 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
 
 
 async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
-                       group_id: str = "") -> Episode:
-  """Plays an episode with the OpenAI-client agent, then rebuilds it from the server's record."""
+                       group_id: str = "", tokenizer: Optional[Tokenizer] = None) -> Episode:
+  """Plays an episode with the OpenAI-client agent, then rebuilds it from the server's
+  record (`tokenizer`, the server's, is named in the segments' provenance)."""
   import httpx
   import openai
 
@@ -332,6 +360,8 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
                                   group_id=group_id, status=ep.status, reason=ep.reason,
                                   reward=ep.reward, turn_rewards=list(ep.turn_rewards),
                                   verdict=ep.verdict)
+    _stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None, cfg,
+                                   ep.verdict, task))
   except asyncio.TimeoutError:  # the agent's own time: truncated, scored
     ep.status, ep.reason = "truncated", "episode_deadline"
   except InfraError as e:

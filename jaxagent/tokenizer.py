@@ -288,13 +288,17 @@ class Tokenizer:
     return self.encode_pieces(self.render_pieces(messages, tools, add_generation_prompt))
 
   def identity(self) -> dict[str, str]:
-    """Hashes that identify the vocabulary and the chat template (stored with checkpoints)."""
-    vocab = json.dumps(sorted(self.tok.get_vocab(with_added_tokens=True).items()))
-    return {
-        "tokenizer": self.name,
-        "vocab_sha256": hashlib.sha256(vocab.encode()).hexdigest()[:16],
-        "chat_template_sha256": hashlib.sha256(self.chat_template.encode()).hexdigest()[:16],
-    }
+    """Hashes that identify the vocabulary and the chat template (stored with checkpoints
+    and on every trajectory segment; computed once)."""
+    cached = self.__dict__.get("_identity")
+    if cached is None or cached[0] != self.chat_template:
+      vocab = json.dumps(sorted(self.tok.get_vocab(with_added_tokens=True).items()))
+      cached = self.__dict__["_identity"] = (self.chat_template, {
+          "tokenizer": self.name,
+          "vocab_sha256": hashlib.sha256(vocab.encode()).hexdigest()[:16],
+          "chat_template_sha256": hashlib.sha256(self.chat_template.encode()).hexdigest()[:16],
+      })
+    return dict(cached[1])
 
   # -- constructors ----------------------------------------------------------
 

@@ -292,3 +292,19 @@ def random_params():
   from jaxagent.models.params import init_params
   from tests.rollout_server.conftest import CFG
   return jax.device_get(init_params(CFG, 0))
+
+
+def test_every_segment_carries_its_provenance():
+  task = TaskSpec("t", "guess_number", {"secret": 11}, version="7")
+  ep, _ = play(["8", "11"], task)
+  (seg,) = ep.segments
+  meta = seg.meta_versions
+  assert meta["policy_versions"] == [5, 5]
+  assert meta["vocab_sha256"] == TOK.identity()["vocab_sha256"]
+  assert meta["chat_template_sha256"] == TOK.identity()["chat_template_sha256"]
+  assert meta["env"].startswith("guess_number@") and meta["verifier"].startswith("guess_number@")
+  assert meta["task"] == "7" and meta["sampling"]["max_new_tokens"] == 4
+  assert len(meta["tool_schema_sha256"]) == 16
+  # A segment written to JSONL and read back keeps it.
+  from jaxagent.trajectory import Segment
+  assert Segment.from_json(seg.to_json()).meta_versions == meta
