@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import time
 from typing import Iterable, Optional
 
 import numpy as np
@@ -57,30 +58,72 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
 
 
 class MetricsWriter:
-  """One JSON object per learner step in metrics.jsonl, the same scalars in TensorBoard."""
+  """One JSON object per learner step in metrics.jsonl, the same scalars in TensorBoard.
 
-  def __init__(self, run_dir: str):
+  Each row is on disk when `write` returns, in both (TensorBoard: one event per
+  step, written in this thread rather than by tensorboardX's background writer), so
+  a killed run keeps every step it reported. `purge_step`: the first step a resumed
+  run writes again; its TensorBoard file starts by telling readers to drop the
+  earlier points from that step on (TensorBoard's purge on restart), so each step
+  is seen once.
+  """
+
+  def __init__(self, run_dir: str, purge_step: Optional[int] = None):
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self._file = open(self.path, "a")
     try:
-      from tensorboardX import SummaryWriter
-
-      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+      from tensorboardX.event_file_writer import EventsWriter
+      from tensorboardX.proto import event_pb2, summary_pb2
     except ImportError:  # TensorBoard events are optional
       self._tb = None
+      return
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    tb_dir = os.path.join(run_dir, "tensorboard")
+    os.makedirs(tb_dir, exist_ok=True)
+    # Named by the second it starts, then by how many files came before: a new file
+    # never overwrites one started in the same second, and sorts after it.
+    self._tb = EventsWriter(os.path.join(tb_dir, "events"), f".{len(os.listdir(tb_dir)):04d}")
+    if purge_step is not None:
+      self._tb.write_event(self._event(
+          wall_time=time.time(), step=purge_step,
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    self._tb.flush()
 
   def write(self, row: dict) -> None:
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
     if self._tb is not None:
-      for k, v in row.items():
-        if isinstance(v, (int, float)) and k != "step":
-          self._tb.add_scalar(k, v, row["step"])
+      values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in row.items()
+                if isinstance(v, (int, float)) and k != "step"]
+      self._tb.write_event(self._event(wall_time=time.time(), step=row["step"],
+                                       summary=self._summary(value=values)))
+      self._tb.flush()
 
   def close(self) -> None:
     self._file.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def cut_jsonl(path: str, last_step: int) -> int:
+  """Rewrites the JSONL file at `path` without its rows whose `step` is past
+  `last_step` and without lines a kill cut short; rows without a step stay. The new
+  file replaces the old in one rename. Returns the rows kept."""
+  if not os.path.exists(path):
+    return 0
+  kept = 0
+  tmp = path + ".tmp"
+  with open(path) as src, open(tmp, "w") as dst:
+    for line in src:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if row.get("step") is None or row["step"] <= last_step:
+        dst.write(line if line.endswith("\n") else line + "\n")
+        kept += 1
+  os.replace(tmp, path)
+  return kept
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -118,6 +118,7 @@ class Segment:
   meta_versions: dict = dataclasses.field(default_factory=dict)
   decisions: list[str] = dataclasses.field(default_factory=list)
   advantages: Optional[np.ndarray] = None  # filled in by the batcher
+  step: Optional[int] = None  # the learner step that trained it, as a run records it
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -157,12 +158,16 @@ class Segment:
     return cls(**d)
 
 
-def dump_segments(path: str, segments: Iterable[Segment]) -> int:
-  """Appends segments to a JSONL file; returns how many were written."""
+def dump_segments(path: str, segments: Iterable[Segment], step: Optional[int] = None) -> int:
+  """Appends segments to a JSONL file, each marked with the learner `step` that
+  trained them when given; returns how many were written."""
   n = 0
   with open(path, "a") as f:
     for s in segments:
-      f.write(json.dumps(s.to_json()) + "\n")
+      d = s.to_json()
+      if step is not None:
+        d["step"] = step
+      f.write(json.dumps(d) + "\n")
       n += 1
   return n
 

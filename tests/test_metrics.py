@@ -1,7 +1,7 @@
 """Per-step episode metrics, hand-computed."""
 
 from jaxagent.agent import Episode
-from jaxagent.metrics import episode_metrics
+from jaxagent.metrics import cut_jsonl, episode_metrics
 from jaxagent.scheduler import Group
 
 
@@ -18,3 +18,13 @@ def test_tool_call_rate_and_groups_with_signal():
   # Valid calls in episodes 0 and 3 (2 calls, 1 invalid); episode 1's call was invalid.
   assert m["tool_call_rate"] == 0.5
   assert m["groups_with_signal"] == 1 and m["success_rate"] == 0.25
+
+
+def test_cut_jsonl_keeps_rows_up_to_the_step(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1}\n{"note": "no step"}\n{"step": 2}\n{"step": 3}\n'
+                  '{"step": 2, "again": true}\n{"step": 4, "los')  # the last cut by a kill
+  assert cut_jsonl(str(path), 2) == 4
+  assert path.read_text() == ('{"step": 1}\n{"note": "no step"}\n{"step": 2}\n'
+                              '{"step": 2, "again": true}\n')
+  assert cut_jsonl(str(tmp_path / "absent.jsonl"), 2) == 0

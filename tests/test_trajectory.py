@@ -157,8 +157,9 @@ def test_dump_and_replay_give_the_same_batch(tmp_path):
   for i, s in enumerate(segs):
     s.advantages = s.loss_mask * (i + 1.5)
   path = str(tmp_path / "traj.jsonl")
-  assert dump_segments(path, segs) == 2
+  assert dump_segments(path, segs, step=3) == 2
   loaded = load_segments(path)
+  assert [s.step for s in loaded] == [3, 3]  # the learner step, as a run records it
   assert loaded[0].reason == "turn_cap" and loaded[0].turn_rewards == [0.2, 0.3]
   assert loaded[0].verdict == {"status": "fail"} and loaded[0].decisions == [CLEAN, CLEAN]
   a, _ = pack([s.to_training() for s in segs], 2, 16)
