@@ -7,8 +7,10 @@ for in-process servers; servers by URL load a policy export, written then and
 every `checkpoint.export_every` steps). One run directory holds `config.json`,
 `metrics.jsonl`, TensorBoard events, `checkpoints/`, `policy/`,
 `trajectories.jsonl` and `learning_curve.png`. `--resume` continues from the
-last checkpoint: parameters, optimiser, data-iterator position, policy
-version and the tasks that were in flight.
+last checkpoint that reads back: parameters, optimiser, data-iterator position,
+policy version, wall time and the tasks that were in flight. What the stopped
+run wrote after that step (metrics rows, trajectory segments, TensorBoard
+points, newer policy exports) is cut back, so every step is recorded once.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from tqdm import tqdm
 from jaxagent import config as config_lib, distributed
 from jaxagent.agent import Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
-from jaxagent.checkpoint import RunCheckpointer, export_policy, version_dir
+from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, drop_versions_after,
+                                 export_policy)
 from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
-from jaxagent.metrics import MetricsWriter, episode_metrics, plot_learning_curve
+from jaxagent.metrics import MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve
 from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.scheduler import RolloutScheduler, check_advantage_config, make_batch
 from jaxagent.trajectory import dump_segments
@@ -213,6 +216,24 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   env_latency(cfg)
 
 
+def trajectories_file(run_dir: str) -> str:
+  """Where this process records the segments it trains on (process 0:
+  trajectories.jsonl, others one file each)."""
+  name = ("trajectories.jsonl" if distributed.is_primary() else
+          f"trajectories.process{jax.process_index()}.jsonl")
+  return os.path.join(run_dir, name)
+
+
+def cut_back(run_dir: str, step: int, version: int) -> None:
+  """Rewinds what a stopped run wrote after the `step` (and policy `version`) a
+  resumed run restores: each process its trajectory segments, process 0 the metrics
+  rows and the newer policy exports."""
+  cut_jsonl(trajectories_file(run_dir), step)
+  if distributed.is_primary():
+    cut_jsonl(os.path.join(run_dir, "metrics.jsonl"), step)
+    drop_versions_after(os.path.join(run_dir, "policy"), version)
+
+
 async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   from envs.base import TaskSpec
 
@@ -258,7 +279,17 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
                          async_save=cfg.checkpoint.async_save)
   requeue = []
   if resume:
-    state, meta = ckpt.restore(learner.abstract_state(), tasks)
+    try:
+      state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
+    except CheckpointUnreadable:
+      ckpt.close()
+      close_envs()
+      raise
+    for bad, reason in skipped:
+      print(f"warning: checkpoint step {bad} unreadable ({reason}); using step "
+            f"{int(state.step)}", file=sys.stderr)
+    t_start -= meta.get("wall_time_s", 0.0)  # the run's wall time goes on from there
+    cut_back(run_dir, int(state.step), int(state.policy_version))
     requeue = [TaskSpec.from_dict(t) for t in meta.get("pending_tasks", [])]
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
           f"{len(requeue)} tasks re-queued)")
@@ -271,10 +302,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   # it starts from (and is updated with) are the whole values, gathered from every one.
   serving = Serving(cfg, model_cfg, distributed.host_copy(state.params), tokenizer,
                     serving_mesh)
+  exported = None  # the policy version last exported
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
-    path = version_dir(policy_root, version)
-    if not distributed.agree_max(os.path.exists(path)):
-      export_policy(policy_root, version, state.params, dtype=None)
+    # Exported again on a resume: an export under this version may be a stopped run's.
+    path = export_policy(policy_root, version, state.params, dtype=None)
+    exported = version
     if distributed.is_primary():  # the servers are shared: one update is enough
       await serving.client.update_weights(path, version)
 
@@ -291,9 +323,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   scheduler.set_version(version)
   scheduler.start()
   primary = distributed.is_primary()
-  writer = MetricsWriter(run_dir) if primary else None
+  writer = (MetricsWriter(run_dir, purge_step=int(state.step) + 1 if resume else None)
+            if primary else None)
   meta = {"config": config_lib.to_dict(cfg), "model": dataclasses.asdict(model_cfg),
           "tokenizer": tokenizer.identity()}
+
+  def save_checkpoint(step, state, pending, force=False):
+    pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
+    ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
+                            "pending_tasks": pending}, tasks, force=force)
+
   loop = asyncio.get_running_loop()
 
   n_proc = jax.process_count()
@@ -354,17 +393,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
                                             state.params, None)
           if primary:  # the servers are shared by every process: one update is enough
             await serving.client.update_weights(path, version, cfg.rollout.update_mode)
-          export, sync_path = False, "export"
+          export, sync_path, exported = False, "export", version
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0
       if export:
         await loop.run_in_executor(None, export_policy, policy_root, version, state.params, None)
+        exported = version
       t_rollout_mark = time.perf_counter()
-      # Each process records the segments it played (process 0: trajectories.jsonl).
-      traj = ("trajectories.jsonl" if primary else
-              f"trajectories.process{jax.process_index()}.jsonl")
-      await loop.run_in_executor(None, dump_segments, os.path.join(run_dir, traj),
-                                 info["used_segments"])
+      await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir),
+                                 info["used_segments"], step)
       out_tokens = row.get("output_tokens", 0)
       row.update({
           "wall_time_s": round(time.time() - t_start, 3), "policy_version": version,
@@ -396,25 +433,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
               f"learner {learner_s:.1f}s sync {sync_s:.2f}s wall {row['wall_time_s']:.0f}s",
               flush=True)
       if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-        ckpt.save(step, state, {**meta, "pending_tasks": [
-            t.to_dict() if isinstance(t, TaskSpec) else t for t in scheduler.pending_tasks()]},
-                  tasks)
+        save_checkpoint(step, state, scheduler.pending_tasks())
       if (cfg.stop_success_rate and len(recent) == cfg.stop_window
           and recent_success >= cfg.stop_success_rate):
         print(f"success rate {recent_success:.3f} over the last {cfg.stop_window} steps' "
               f"episodes reached {cfg.stop_success_rate}: stopping")
-        # The final weights are a policy export too, not only a checkpoint.
-        if not distributed.agree_max(os.path.exists(version_dir(policy_root, version))):
-          await loop.run_in_executor(None, export_policy, policy_root, version,
-                                     state.params, None)
         break
   finally:
     bar.close()
     pending = scheduler.pending_tasks()
     await scheduler.stop()
     if ckpt.latest_step() != step and step > 0:
-      ckpt.save(step, state, {**meta, "pending_tasks": [
-          t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]}, tasks, force=True)
+      save_checkpoint(step, state, pending, force=True)
+    if exported != version and step > 0:  # the final weights are a policy export too
+      export_policy(policy_root, version, state.params, dtype=None)
     ckpt.close()
     if writer is not None:
       writer.close()
@@ -459,6 +491,9 @@ def main(argv=None) -> int:
     return asyncio.run(train(cfg, run_dir, args.resume))
   except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  except CheckpointUnreadable as e:
+    print(f"error: --resume: {e}", file=sys.stderr)
     return 2
 
 

@@ -1,0 +1,170 @@
+"""`python -m jaxagent.train --resume` after SIGKILLs: during the steps, while an
+export replaces an existing version, during a checkpoint save, and from a corrupt
+latest checkpoint. The run's records come out as if it had never stopped."""
+
+import glob
+import json
+import os
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from tests.conftest import REPO
+from tests.test_train_cli import SMALL, read_metrics
+
+STEPS = 12
+SETTINGS = ["--config", "configs/tiny.yaml", f"steps={STEPS}", "checkpoint.keep=2", *SMALL]
+
+# Runs the trainer; KILL_AT=replace SIGKILLs it once an export being replaced is set
+# aside (before the new one is renamed in), KILL_AT=save while its second checkpoint
+# save is under way.
+TRAIN = """
+import os, signal, sys
+from jaxagent import checkpoint, train
+
+def die():
+  os.kill(os.getpid(), signal.SIGKILL)
+
+if os.environ.get("KILL_AT") == "replace":
+  rename = os.rename
+  def rename_then_die(src, dst):
+    rename(src, dst)
+    if dst.endswith(checkpoint.ASIDE):
+      die()
+  os.rename = rename_then_die
+elif os.environ.get("KILL_AT") == "save":
+  save, saves = checkpoint.RunCheckpointer.save, []
+  def save_then_die(self, step, *args, **kwargs):
+    save(self, step, *args, **kwargs)
+    saves.append(step)
+    if len(saves) == 2:
+      die()
+  checkpoint.RunCheckpointer.save = save_then_die
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def start(run_dir, cache, *args, kill_at=None):
+  # A persistent compilation cache: runs after the first skip compiling (8 s, not 19).
+  env = dict(os.environ, KILL_AT=kill_at or "", JAX_COMPILATION_CACHE_DIR=cache,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  log = open(os.path.join(os.path.dirname(run_dir), f"log{time.monotonic_ns()}.txt"), "w+")
+  proc = subprocess.Popen([sys.executable, "-c", TRAIN, *SETTINGS, "--run-dir", run_dir, *args],
+                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+  return proc, log
+
+
+def finish(proc, log, timeout=240):
+  proc.wait(timeout=timeout)
+  log.seek(0)
+  out = log.read()
+  log.close()
+  return proc.returncode, out
+
+
+def complete_rows(run_dir):
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [line for line in f if line.endswith("\n")]
+
+
+def tensorboard_points(logdir, tag):
+  """The steps TensorBoard shows for `tag`: event files in name order, where a session
+  START at step s drops the points from step s on written before it (its purge)."""
+  from tensorboardX.proto import event_pb2
+
+  steps = []
+  for name in sorted(os.listdir(logdir)):
+    with open(os.path.join(logdir, name), "rb") as f:
+      data = f.read()
+    i = 0
+    while i + 12 <= len(data):  # TFRecords: length, its CRC, the event, its CRC
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      if i + 16 + n > len(data):
+        break  # cut short by a kill
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 16 + n
+      if event.session_log.status == event_pb2.SessionLog.START:
+        steps = [s for s in steps if s < event.step]
+      steps += [event.step for v in event.summary.value if v.tag == tag]
+  return steps
+
+
+def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
+  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "jax-cache")
+  ckpts, policy = os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "policy")
+
+  # 1. Killed at a random moment once a checkpoint is down and a step is past it.
+  proc, log = start(run_dir, cache)
+  deadline = time.time() + 180
+  while not (os.path.isdir(os.path.join(ckpts, "2")) and len(complete_rows(run_dir)) >= 3):
+    assert proc.poll() is None, finish(proc, log)[1][-3000:]
+    assert time.time() < deadline, "no checkpoint and step past it within 180 s"
+    time.sleep(0.05)
+  time.sleep(random.uniform(0, 0.4))
+  proc.send_signal(signal.SIGKILL)
+  assert finish(proc, log)[0] == -signal.SIGKILL
+
+  # 2. Killed while the resume's export replaces the version it restored: the old
+  # export is set aside, the new one not yet in.
+  rc, out = finish(*start(run_dir, cache, "--resume", kill_at="replace"))
+  assert rc == -signal.SIGKILL, out[-3000:]
+  restored = int(re.search(r"resumed from step (\d+)", out).group(1))
+  assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, restored + 1))
+  assert {f"v{restored:08d}.old", f"v{restored:08d}.new"} <= set(os.listdir(policy))
+
+  # 3. Killed during a checkpoint save: Orbax's unfinished directory is left.
+  rc, out = finish(*start(run_dir, cache, "--resume", kill_at="save"))
+  assert rc == -signal.SIGKILL, out[-3000:]
+  assert f"resumed from step {restored} " in out
+  assert any(".orbax-checkpoint-tmp" in d for d in os.listdir(ckpts)), os.listdir(ckpts)
+  steps = sorted(int(d) for d in os.listdir(ckpts) if d.isdigit())
+  assert len(steps) == 2 and steps[-1] == restored + 2, os.listdir(ckpts)
+
+  # 4. The latest checkpoint cut short: the run goes on from the one before, saying so
+  # in one line.
+  data = max(glob.glob(os.path.join(ckpts, str(steps[-1]), "state", "**", "d", "*"),
+                       recursive=True), key=os.path.getsize)
+  with open(data, "r+b") as f:
+    f.truncate(os.path.getsize(data) // 2)
+  rc, out = finish(*start(run_dir, cache, "--resume"))
+  assert rc == 0, out[-3000:]
+  warnings = [line for line in out.splitlines() if "unreadable" in line]
+  assert len(warnings) == 1 and re.fullmatch(
+      rf"warning: checkpoint step {steps[-1]} unreadable \(.+\); using step {steps[0]}",
+      warnings[0]), warnings
+  assert "Traceback" not in out and f"resumed from step {steps[0]} " in out
+
+  rows = read_metrics(run_dir)
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  wall = [r["wall_time_s"] for r in rows]
+  assert wall == sorted(wall), wall
+  assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
+  with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
+    traj_steps = [json.loads(line)["step"] for line in f]
+  assert traj_steps == sorted(traj_steps) and set(traj_steps) == set(range(1, STEPS + 1))
+  assert tensorboard_points(os.path.join(run_dir, "tensorboard"), "loss") == list(
+      range(1, STEPS + 1))
+
+  # Every version is registered once, whole, and the last holds the final weights.
+  with open(os.path.join(policy, "versions.json")) as f:
+    versions = json.load(f)["versions"]
+  assert [v["version"] for v in versions] == list(range(1, STEPS + 1))
+  assert sorted(os.listdir(policy)) == [f"v{v:08d}" for v in range(1, STEPS + 1)] + [
+      "versions.json"]
+  with ocp.StandardCheckpointer() as ckptr:
+    exports = [ckptr.restore(v["path"]) for v in versions]
+  final = ocp.CheckpointManager(ckpts).restore(
+      STEPS, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+  for k, v in exports[-1].items():
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(final["params"][k]))
