@@ -31,6 +31,7 @@ from jaxagent.config import AgentConfig
 from jaxagent.errors import InfraError
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
+from jaxagent.wal import EpisodeLog, Replay, observation_hash
 
 
 @dataclasses.dataclass
@@ -124,15 +125,24 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
           + tokenizer.encode_pieces(pieces, start=len(closed)))
 
 
-async def _generate(engine, prompt, sampling, session_id, deadline_s):
+async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: int = 0):
   """One turn from the engine; resumes a turn aborted by a weight update. A turn that
   outlasts its deadline is the server's (overloaded or slow), not the policy's: its
-  length is bounded by max_new_tokens."""
+  length is bounded by max_new_tokens. A turn whose server failed is asked again up to
+  `retries` times (of the next server, through a router): the same seed samples the same
+  tokens, so the episode goes on from its last committed token instead of restarting."""
   async def call(prompt, sampling):
-    try:
-      return await asyncio.wait_for(engine.generate(prompt, sampling, session_id), deadline_s)
-    except asyncio.TimeoutError:
-      raise InfraError("turn_deadline", f"no answer from the server in {deadline_s} s") from None
+    for attempt in range(retries + 1):
+      try:
+        return await asyncio.wait_for(engine.generate(prompt, sampling, session_id),
+                                      deadline_s)
+      except asyncio.TimeoutError:
+        raise InfraError("turn_deadline",
+                         f"no answer from the server in {deadline_s} s") from None
+      except InfraError as e:
+        if e.kind != "server" or attempt == retries:
+          raise
+        await asyncio.sleep(0.2 * (attempt + 1))
 
   record = await call(prompt, sampling)
   for _ in range(4):
@@ -167,16 +177,25 @@ def _stamp(segments: list[Segment], meta: dict) -> None:
 
 
 async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig, *,
-                       session_id: str, group_id: str = "") -> Episode:
+                       session_id: str, group_id: str = "", log: Optional[EpisodeLog] = None,
+                       replay: Optional[Replay] = None) -> Episode:
   """Plays one episode with our own loop. The model's faults are the episode's outcome;
   an `InfraError` marks it `infra_error` (retried or dropped, never scored); anything
-  else an environment raises is a bug and propagates."""
+  else an environment raises is a bug and propagates.
+
+  `log` (a `jaxagent.wal.EpisodeLog`) receives every turn before the environment sees
+  it, and every observation. `replay` (a log left by a run that died) is played first:
+  its turns are taken as logged (token-exact) while the environment is stepped through
+  their actions and checked against the logged observations; then the episode goes on,
+  sampling with the seeds of the logged session."""
   t_start = time.perf_counter()
   manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   status, reason = "completed", ""
   waiting = {"on": "env", "since": t_start}  # what the episode is waiting on now
   offered = []  # the tool schemas the environment offered
+  seed_session = replay.start.get("session_id", session_id) if replay is not None \
+      else session_id
 
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
@@ -201,15 +220,26 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
         if len(prompt) + cfg.max_new_tokens > cfg.max_context_tokens:
           status, reason = "truncated", "token_cap"
           return
-      sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                max_new_tokens=cfg.max_new_tokens,
-                                stop_token_ids=tuple(tokenizer.stop_ids),
-                                seed=_seed(session_id, turn))
-      t0 = time.perf_counter()
-      wait_on("server")
-      record = await _generate(engine, prompt, sampling, session_id, cfg.turn_deadline_s)
-      wait_on("env")
-      ep.generate_s += time.perf_counter() - t0
+      record = None
+      if replay is not None:  # committed by the run that died: taken as it was sampled
+        try:
+          record = replay.next_turn(prompt)
+        except ValueError as e:
+          raise InfraError("wal_replay", str(e)) from None
+      from_log = record is not None
+      if not from_log:
+        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                  top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
+                                  stop_token_ids=tuple(tokenizer.stop_ids),
+                                  seed=_seed(seed_session, turn))
+        t0 = time.perf_counter()
+        wait_on("server")
+        record = await _generate(engine, prompt, sampling, session_id, cfg.turn_deadline_s,
+                                 cfg.turn_retries)
+        wait_on("env")
+        ep.generate_s += time.perf_counter() - t0
+      if log is not None:  # the commit (durable: fsync, off the event loop), before the
+        await asyncio.to_thread(log.turn, turn, record)  # environment sees the action
       out = record.output_ids
       text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out)
       response = {"role": "assistant", "content": text}
@@ -221,6 +251,11 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
       t0 = time.perf_counter()
       step = await env.step(text)
       ep.env_s += time.perf_counter() - t0
+      if from_log and turn in replay.hashes and observation_hash(step) != replay.hashes[turn]:
+        raise InfraError("wal_replay", f"turn {turn}: the environment answered the logged "
+                                       "action differently (not deterministic)")
+      if log is not None:
+        await asyncio.to_thread(log.observation, turn, step)
       ep.turn_rewards.append(float(step.reward))
       info = step.info or {}
       ep.tool_latencies_s += list(info.get("tool_latency_s", []))
@@ -275,6 +310,9 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   ep.segments = manager.segments(status=status, reason=reason, reward=ep.reward,
                                  turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
   _stamp(ep.segments, provenance(tokenizer, offered, cfg, ep.verdict, task))
+  if log is not None:
+    log.end(status, reason)
+    log.close()
   return ep
 
 

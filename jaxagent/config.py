@@ -143,6 +143,9 @@ class AgentConfig:
   top_p: float = 1.0
   top_k: int = 0
   turn_deadline_s: float = 60.0
+  # A turn whose server failed (down, cut off) is asked again, of the next server, with
+  # the same seed (the same tokens), up to this many times before the episode is dropped.
+  turn_retries: int = 2
   episode_deadline_s: float = 600.0
   # Longest prompt + response; past it: none (truncate the episode), summary
   # (replace old messages by a summary, kept as untrained context) or fork.

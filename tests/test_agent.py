@@ -17,9 +17,10 @@ TOK = Tokenizer.byte_level()
 class ScriptedEngine:
   """Answers each turn with the next scripted text (as tokens + stop), version 5."""
 
-  def __init__(self, replies, fail_at=None, abort_first=False, tok=TOK):
+  def __init__(self, replies, fail_at=None, abort_first=False, tok=TOK, fail_times=None):
     self.replies = list(replies)
     self.fail_at = fail_at
+    self.fail_times = fail_times  # None: the server stays down from call fail_at on
     self.abort_first = abort_first
     self.tok = tok
     self.prompts = []
@@ -28,7 +29,9 @@ class ScriptedEngine:
     from rollout_server.client import GenerateError
 
     self.prompts.append(list(prompt_ids))
-    if self.fail_at is not None and len(self.prompts) - 1 == self.fail_at:
+    calls = len(self.prompts) - 1
+    if self.fail_at is not None and calls >= self.fail_at and (
+        self.fail_times is None or calls < self.fail_at + self.fail_times):
       raise GenerateError("server went away")
     if self.abort_first:  # a weight update aborts the turn after its first token
       self.abort_first = False
@@ -92,9 +95,16 @@ def test_truncations_have_their_reasons():
 
 
 def test_server_failure_is_infrastructure_not_a_score():
-  ep, _ = play(["8", "9"], TaskSpec("t", "guess_number", {"secret": 11}), fail_at=1)
+  ep, engine = play(["8", "9"], TaskSpec("t", "guess_number", {"secret": 11}), fail_at=1)
   assert ep.infra_error and ep.status == "failed" and "server went away" in ep.reason
-  assert ep.infra_kind == "server"
+  assert ep.infra_kind == "server" and len(engine.prompts) == 1 + 3  # the turn, retried twice
+
+
+def test_a_turn_whose_server_failed_is_asked_again_and_the_episode_goes_on():
+  task = TaskSpec("t", "guess_number", {"secret": 11, "process_reward": 0.0})
+  ep, engine = play(["8", "11"], task, fail_at=1, fail_times=2)
+  assert not ep.infra_error and ep.success and ep.turns == 2
+  assert engine.prompts[1] == engine.prompts[2] == engine.prompts[3]  # the same turn again
 
 
 class SlowEngine(ScriptedEngine):

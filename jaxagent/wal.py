@@ -1,0 +1,168 @@
+"""Token write-ahead log: an episode's committed work, durable before its side effects.
+
+Each episode appends to its own JSONL file under the log's directory:
+
+- a `start` record (session, group, task, episode index in its group);
+- a `turn` record for every sampled turn (prompt and output token ids, log-probs,
+  versions, finish reason), written and flushed (and fsync'd) *before* the
+  environment sees the action: the commit boundary comes before any side effect;
+- an `obs` record after the environment's step: its reward, flags and the hash of
+  what it returned (`observation_hash`), so a replay can check it rebuilt the same
+  state;
+- an `end` record when the episode is over.
+
+A log is deleted once its episode's group is trained (or dropped). When the trainer
+dies, `--resume` replays each log left (`jaxagent.agent.run_whitebox(..., replay=...)`): the environment is
+reset and stepped through the logged actions (each observation checked against its
+hash), the logged turns are taken as they were sampled (token-exact, with their
+log-probs and versions) and the episode goes on from its last committed token. A dead
+rollout server costs less still: the turn in flight is asked of another server with
+the same seed, which samples the same tokens (`fold_in(seed, position)` keys).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any, Iterable, Optional
+
+from jaxagent.trajectory import TurnRecord
+
+
+def tokens_hash(ids) -> str:
+  return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+
+
+def observation_hash(step: Any) -> str:
+  """A hash of what an environment step returned (observation messages, reward, flags)."""
+  obs = step.observation
+  payload = json.dumps({"messages": list(obs.messages), "tools": list(obs.tools or []),
+                        "reward": float(step.reward), "terminated": bool(step.terminated),
+                        "truncated": bool(step.truncated)}, sort_keys=True, default=str)
+  return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class EpisodeLog:
+  """The append-only log of one episode (see the module's docstring)."""
+
+  def __init__(self, path: str, fsync: bool = True):
+    self.path = path
+    self.fsync = fsync
+    self._file = open(path, "a")
+    self.bytes = 0
+
+  def _append(self, record: dict) -> None:
+    line = json.dumps(record, separators=(",", ":")) + "\n"
+    self._file.write(line)
+    self._file.flush()
+    if self.fsync:
+      os.fsync(self._file.fileno())
+    self.bytes += len(line)
+
+  def start(self, *, session_id: str, group_id: str, task: dict, episode: int) -> None:
+    self._append({"kind": "start", "session_id": session_id, "group_id": group_id,
+                  "task": task, "episode": episode})
+
+  def turn(self, turn: int, record: TurnRecord) -> None:
+    """Commits a sampled turn (call before the environment sees its action)."""
+    # The prompt is rebuilt on replay (from the task and the logged actions): its length
+    # and hash check the rebuild, and the log grows with the outputs only.
+    self._append({"kind": "turn", "turn": turn, "prompt_len": len(record.prompt_ids),
+                  "prompt_hash": tokens_hash(record.prompt_ids),
+                  "output_ids": list(record.output_ids),
+                  "output_logprobs": list(record.output_logprobs),
+                  "raw_logprobs": record.raw_logprobs, "versions": list(record.versions),
+                  "finish_reason": record.finish_reason, "request_id": record.request_id})
+
+  def observation(self, turn: int, step: Any) -> None:
+    self._append({"kind": "obs", "turn": turn, "reward": float(step.reward),
+                  "terminated": bool(step.terminated), "truncated": bool(step.truncated),
+                  "hash": observation_hash(step)})
+
+  def end(self, status: str, reason: str = "") -> None:
+    self._append({"kind": "end", "status": status, "reason": reason})
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class Replay:
+  """The logged turns of an episode in flight, in order, for `run_whitebox(replay=...)`."""
+
+  def __init__(self, records: Iterable[dict]):
+    records = list(records)
+    self.start = next((r for r in records if r["kind"] == "start"), {})
+    self.turns = [r for r in records if r["kind"] == "turn"]
+    self.hashes = {r["turn"]: r["hash"] for r in records if r["kind"] == "obs"}
+
+  def __len__(self) -> int:
+    return len(self.turns)
+
+  def next_turn(self, prompt: list[int]) -> Optional[TurnRecord]:
+    """The next logged turn as sampled, on `prompt` (the rebuilt one); None when the log
+    is played out. Raises ValueError if `prompt` is not the logged turn's prompt."""
+    if not self.turns:
+      return None
+    r = self.turns.pop(0)
+    if len(prompt) != r["prompt_len"] or tokens_hash(prompt) != r["prompt_hash"]:
+      raise ValueError(f"turn {r['turn']}: the rebuilt prompt differs from the logged one")
+    return TurnRecord.from_result(dict(r, prompt_ids=list(prompt)))
+
+
+def read_log(path: str) -> list[dict]:
+  """The records of a log; a last line cut short by a crash is left out."""
+  out = []
+  with open(path) as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        break  # the write the crash interrupted: not committed
+  return out
+
+
+class TokenWAL:
+  """Episode logs in `directory` (one file a session)."""
+
+  def __init__(self, directory: str, fsync: bool = True):
+    self.directory = directory
+    self.fsync = fsync
+    os.makedirs(directory, exist_ok=True)
+
+  def _path(self, session_id: str) -> str:
+    return os.path.join(self.directory, re.sub(r"[^A-Za-z0-9_.-]", "_", session_id) + ".jsonl")
+
+  def open(self, session_id: str, *, group_id: str, task: dict, episode: int) -> EpisodeLog:
+    log = EpisodeLog(self._path(session_id), self.fsync)
+    log.start(session_id=session_id, group_id=group_id, task=task, episode=episode)
+    return log
+
+  def discard(self, session_id: str) -> None:
+    """Deletes a finished episode's log (its trajectory is in the run's records)."""
+    try:
+      os.remove(self._path(session_id))
+    except FileNotFoundError:
+      pass
+
+  def pending(self) -> list[Replay]:
+    """Every logged episode not yet discarded (in flight, or finished but not trained):
+    what a restarted trainer replays instead of playing again."""
+    out = []
+    for name in sorted(os.listdir(self.directory)):
+      if not name.endswith(".jsonl"):
+        continue
+      records = read_log(os.path.join(self.directory, name))
+      if records and records[0]["kind"] == "start":
+        out.append(Replay(records))
+    return out
+
+
+def take_replay(replays: list[Replay], task_id: str, episode: int) -> Optional[Replay]:
+  """Removes and returns the logged episode of `task_id` with index `episode` in its
+  group, if `replays` has one."""
+  for i, r in enumerate(replays):
+    if r.start.get("task", {}).get("id") == task_id and r.start.get("episode") == episode:
+      return replays.pop(i)
+  return None

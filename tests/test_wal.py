@@ -1,0 +1,83 @@
+"""Token write-ahead log: commits before side effects, and token-exact replay of an
+episode a dead trainer left in flight."""
+
+import asyncio
+import json
+
+import numpy as np
+
+from envs.base import TaskSpec, make
+from jaxagent.agent import run_whitebox
+from jaxagent.config import AgentConfig
+from jaxagent.wal import Replay, TokenWAL, read_log, take_replay
+from tests.test_agent import TOK, ScriptedEngine
+
+TASK = TaskSpec("t", "guess_number", {"secret": 11, "process_reward": 0.1})
+CFG = AgentConfig(max_turns=6, max_new_tokens=4)
+
+
+class WatchedEnv:
+  """guess_number that checks, at each step, that the action is already in the log."""
+
+  def __init__(self, path):
+    self.inner, self.path, self.seen = make("guess_number"), path, []
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  async def step(self, action):
+    turns = [r for r in read_log(self.path) if r["kind"] == "turn"]
+    self.seen.append(TOK.decode(turns[-1]["output_ids"][:-1]) if turns else None)
+    return await self.inner.step(action)
+
+
+def play(engine, env=None, **kw):
+  return asyncio.run(run_whitebox(env or make("guess_number"), TASK, engine, TOK, CFG,
+                                  session_id="s1", group_id="g", **kw))
+
+
+def test_every_turn_is_logged_before_the_environment_sees_it(tmp_path):
+  wal = TokenWAL(str(tmp_path))
+  log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
+  env = WatchedEnv(log.path)
+  ep = play(ScriptedEngine(["8", "12", "11"]), env, log=log)
+  assert ep.success and env.seen == ["8", "12", "11"]  # each action durable before its step
+  kinds = [r["kind"] for r in read_log(log.path)]
+  assert kinds == ["start", "turn", "obs", "turn", "obs", "turn", "obs", "end"]
+  (replay,) = wal.pending()
+  assert replay.start["task"]["id"] == "t" and len(replay) == 3
+  wal.discard("s1")
+  assert wal.pending() == []
+
+
+def test_a_dead_trainers_episode_is_replayed_token_exactly(tmp_path):
+  wal = TokenWAL(str(tmp_path))
+  log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=2)
+  whole = play(ScriptedEngine(["8", "12", "10", "11"]), log=log)
+  # The trainer died during turn 3's step: the log has turns 0-2 (the last without its
+  # observation) and half a line.
+  lines = open(log.path).read().splitlines(keepends=True)
+  cut = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == "turn"][2]
+  with open(log.path, "w") as f:
+    f.writelines(lines[:cut + 1])
+    f.write(lines[cut + 1][:20])
+  (replay,) = wal.pending()
+  assert take_replay([replay], "t", 1) is None and take_replay([replay], "t", 2) is replay
+  assert len(replay) == 3
+  engine = ScriptedEngine(["11"])  # only the turn that was never committed is sampled
+  resumed = play(engine, replay=replay)
+  assert len(engine.prompts) == 1 and resumed.success
+  assert resumed.turn_rewards == whole.turn_rewards
+  (a,), (b,) = whole.segments, resumed.segments
+  for field in ("tokens", "loss_mask", "rollout_logp", "versions", "turn_ids"):
+    np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
+def test_a_replay_the_environment_answers_differently_is_dropped_not_scored(tmp_path):
+  wal = TokenWAL(str(tmp_path))
+  log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
+  play(ScriptedEngine(["8", "11"]), log=log)
+  records = read_log(log.path)
+  records[2]["hash"] = "0" * 16  # the logged observation of turn 0 no longer matches
+  ep = play(ScriptedEngine([]), replay=Replay(records))
+  assert ep.infra_error and ep.infra_kind == "wal_replay" and "turn 0" in ep.reason
