@@ -54,6 +54,7 @@ class Episode:
   generate_s: float = 0.0
   env_s: float = 0.0
   output_tokens: int = 0
+  replayed_turns: int = 0  # turns taken from a dead run's write-ahead log
 
   @property
   def reward(self) -> float:
@@ -227,6 +228,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
         except ValueError as e:
           raise InfraError("wal_replay", str(e)) from None
       from_log = record is not None
+      ep.replayed_turns += from_log
       if not from_log:
         sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                   top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,

@@ -117,6 +117,11 @@ class CheckpointConfig:
   # servers reached by URL load an export at each sync whatever K is.
   export_every: int = 1
   export_dtype: str = "bfloat16"
+  # The token write-ahead log (run_dir/wal): every white-box turn committed before the
+  # environment sees it, so a resumed run replays its episodes in flight instead of
+  # playing them again; fsync makes each commit durable (an OS crash, not only a kill).
+  wal: bool = True
+  wal_fsync: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,6 +85,7 @@ class RolloutScheduler:
     self._tasks: set[asyncio.Task] = set()
     self._stop = False
     self.error: Optional[BaseException] = None  # a bug an episode raised
+    self._finished: list[str] = []  # ids of groups consumed or dropped (drain_finished)
 
   # -- playing ---------------------------------------------------------------------------
 
@@ -176,6 +177,7 @@ class RolloutScheduler:
       if not g.done and g.task_handle is not None:
         g.task_handle.cancel()
       del self.groups[g.index]
+      self._finished.append(f"g{g.index}")
       self.dropped["stale"] += 1
       self.replaced += 1
 
@@ -244,8 +246,15 @@ class RolloutScheduler:
         await self._changed.wait()
     for g in taken:
       self.groups.pop(g.index, None)
+      self._finished.append(f"g{g.index}")
     self._changed.set()
     return taken
+
+  def drain_finished(self) -> list[str]:
+    """Ids of the groups consumed or dropped since the last call (their episodes are
+    done with: a resumed run will not replay them)."""
+    out, self._finished = self._finished, []
+    return out
 
   def _raise_error(self) -> None:
     if self.error is not None:
@@ -258,6 +267,12 @@ class RolloutScheduler:
 
 
 # -- batcher ------------------------------------------------------------------------------
+
+
+def episode_index(session_id: str) -> int:
+  """The index in its group of the episode a scheduler session id names
+  (`g<group>-<episode>-r<attempt>`)."""
+  return int(session_id.split("-")[1])
 
 
 @functools.cache

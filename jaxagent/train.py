@@ -36,8 +36,10 @@ from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
 from jaxagent.metrics import MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve
 from jaxagent.models.sharding import make_mesh, select_devices
-from jaxagent.scheduler import RolloutScheduler, check_advantage_config, make_batch
+from jaxagent.scheduler import (RolloutScheduler, check_advantage_config, episode_index,
+                                make_batch)
 from jaxagent.trajectory import dump_segments
+from jaxagent.wal import TokenWAL, take_replay
 
 
 def parse_args(argv=None):
@@ -293,6 +295,19 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
     requeue = [TaskSpec.from_dict(t) for t in meta.get("pending_tasks", [])]
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
           f"{len(requeue)} tasks re-queued)")
+  # The episodes a stopped run left in its write-ahead log are replayed by the groups of
+  # the re-queued tasks (in memory: the log starts afresh, and re-logs what is replayed).
+  wal = TokenWAL(os.path.join(run_dir, "wal" if distributed.is_primary() else
+                              f"wal.process{jax.process_index()}"),
+                 fsync=cfg.checkpoint.wal_fsync) if cfg.checkpoint.wal else None
+  replays = []
+  if wal is not None:
+    if resume:
+      replays = wal.pending()
+      if replays:
+        print(f"token WAL: {len(replays)} logged episodes "
+              f"({sum(len(r) for r in replays)} turns) to replay")
+    wal.clear()
   if distributed.is_primary():  # after a resume has restored: a failed one changes nothing
     with open(os.path.join(run_dir, "config.json"), "w") as f:
       json.dump(config_lib.to_dict(cfg), f, indent=1)
@@ -315,9 +330,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
     env = env_factory(task)
     if cfg.agent.kind == "openai":
       return await run_blackbox(env, task, serving.gateway_url, cfg.agent,
-                                session_id=session_id, group_id=group_id)
+                                session_id=session_id, group_id=group_id,
+                                tokenizer=tokenizer)
+    replay = log = None
+    if wal is not None:
+      i = episode_index(session_id)
+      replay = take_replay(replays, task.id, i) if session_id.endswith("-r0") else None
+      log = wal.open(session_id, group_id=group_id, task=task.to_dict(), episode=i)
     return await run_whitebox(env, task, serving.client, tokenizer, cfg.agent,
-                              session_id=session_id, group_id=group_id)
+                              session_id=session_id, group_id=group_id, log=log,
+                              replay=replay)
 
   scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue)
   scheduler.set_version(version)
@@ -332,6 +354,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending}, tasks, force=force)
+    if wal is not None:  # groups this checkpoint no longer lists need no replay
+      for group_id in scheduler.drain_finished():
+        wal.discard_group(group_id)
 
   loop = asyncio.get_running_loop()
 
@@ -370,6 +395,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
         continue  # nothing to learn from (all filtered or too long): sample again; the
         # next step's metrics count these episodes and their time too
       row = {"step": step + 1, **episode_metrics(played, accepted, version)}
+      if wal is not None:
+        row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)
       if multi:  # the episode counts and success of every process, not only this one's
         row.update(distributed.sum_episode_counts(row))
       played = []

@@ -22,6 +22,7 @@ the same seed, which samples the same tokens (`fold_in(seed, position)` keys).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -145,6 +146,21 @@ class TokenWAL:
       os.remove(self._path(session_id))
     except FileNotFoundError:
       pass
+
+  def discard_group(self, group_id: str) -> None:
+    """Deletes the logs of a group's episodes (every attempt) once it is done with."""
+    prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", group_id) + "-"
+    for name in os.listdir(self.directory):
+      if name.startswith(prefix) and name.endswith(".jsonl"):
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(os.path.join(self.directory, name))
+
+  def clear(self) -> None:
+    """Deletes every log (a resumed run, having read them, starts the log afresh)."""
+    for name in os.listdir(self.directory):
+      if name.endswith(".jsonl"):
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(os.path.join(self.directory, name))
 
   def pending(self) -> list[Replay]:
     """Every logged episode not yet discarded (in flight, or finished but not trained):

@@ -39,6 +39,21 @@ if os.environ.get("KILL_AT") == "replace":
     if dst.endswith(checkpoint.ASIDE):
       die()
   os.rename = rename_then_die
+elif os.environ.get("KILL_AT", "").startswith("wal"):
+  # The n-th turn committed after the first checkpoint save: killed before its step.
+  from jaxagent import wal
+  turn, save, turns = wal.EpisodeLog.turn, checkpoint.RunCheckpointer.save, []
+  def save_and_count(self, *args, **kwargs):
+    save(self, *args, **kwargs)
+    turns.append(0)
+  def turn_then_die(self, *args):
+    turn(self, *args)
+    if turns:
+      turns.append(1)
+      if sum(turns) == int(os.environ["KILL_AT"][3:]):
+        die()
+  checkpoint.RunCheckpointer.save = save_and_count
+  wal.EpisodeLog.turn = turn_then_die
 elif os.environ.get("KILL_AT") == "save":
   save, saves = checkpoint.RunCheckpointer.save, []
   def save_then_die(self, step, *args, **kwargs):
@@ -51,13 +66,14 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def start(run_dir, cache, *args, kill_at=None):
+def start(run_dir, cache, *args, kill_at=None, overrides=()):
   # A persistent compilation cache: runs after the first skip compiling (8 s, not 19).
   env = dict(os.environ, KILL_AT=kill_at or "", JAX_COMPILATION_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   log = open(os.path.join(os.path.dirname(run_dir), f"log{time.monotonic_ns()}.txt"), "w+")
-  proc = subprocess.Popen([sys.executable, "-c", TRAIN, *SETTINGS, "--run-dir", run_dir, *args],
+  proc = subprocess.Popen([sys.executable, "-c", TRAIN, *SETTINGS, *overrides, "--run-dir",
+                           run_dir, *args],
                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
   return proc, log
 
@@ -168,3 +184,25 @@ def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
       STEPS, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
   for k, v in exports[-1].items():
     np.testing.assert_array_equal(np.asarray(v), np.asarray(final["params"][k]))
+
+
+def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_path):
+  """Killed right after a turn is committed (before its environment step): the resumed
+  run replays the logged turns of its episodes in flight instead of sampling them again."""
+  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+  sync_saves = ["checkpoint.async_save=false"]  # the kill comes after the save is whole
+  proc, log = start(run_dir, cache, kill_at="wal10", overrides=sync_saves)
+  code, out = finish(proc, log)
+  assert code == -signal.SIGKILL, out
+  logs = glob.glob(os.path.join(run_dir, "wal", "*.jsonl"))
+  assert logs
+  rows = read_metrics(run_dir)
+  assert rows and rows[-1]["step"] >= 2, out
+  proc, log = start(run_dir, cache, "--resume", overrides=sync_saves)
+  code, out = finish(proc, log)
+  assert code == 0, out
+  m = re.search(r"token WAL: (\d+) logged episodes \((\d+) turns\) to replay", out)
+  assert m and int(m.group(2)) > 0, out
+  rows = read_metrics(run_dir)
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  assert sum(r.get("wal_replayed_turns", 0) for r in rows) > 0
