@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import hashlib
 import json
 from typing import Any, Callable, Optional
 
@@ -170,6 +171,17 @@ class Env(abc.ABC):
   def versions(self) -> dict:
     return {"env": f"{self.name}@{self.version}", "verifier": f"{self.name}@{self.verifier_version}",
             "task": self.task.version if self.task else None}
+
+  def state(self) -> dict:
+    """What the environment's next answers depend on besides its task (subclasses add
+    their own)."""
+    return {"turns": self.turns, "done": self.done, "counters": self.counters}
+
+  def state_hash(self) -> str:
+    """A hash of `state()`: logged with each observation in the token write-ahead log and
+    checked when a resumed run replays the episode."""
+    payload = json.dumps(self.state(), sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
   def _info(self, **extra) -> dict:
     return {"versions": self.versions(), "turn": self.turns, **self.counters, **extra}

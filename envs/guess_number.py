@@ -90,6 +90,10 @@ class GuessNumber(Env):
     return StepResult(Observation([{"role": "user", "content": feedback}]), reward, terminated,
                       truncated, info)
 
+  def state(self) -> dict:
+    return {**super().state(), "secret": self.secret, "range": [self.lo, self.hi],
+            "solved": self.solved}
+
   async def verify(self) -> Verdict:
     ok = self.solved
     return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, 1.0 if ok else 0.0,

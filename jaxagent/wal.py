@@ -1,14 +1,15 @@
 """Token write-ahead log: an episode's committed work, durable before its side effects.
 
-Each episode appends to its own JSONL file under the log's directory:
+The episodes of a group append to the group's JSONL file under the log's directory
+(every record tagged with its episode's session id):
 
 - a `start` record (session, group, task, episode index in its group);
 - a `turn` record for every sampled turn (prompt and output token ids, log-probs,
   versions, finish reason), written and flushed (and fsync'd) *before* the
   environment sees the action: the commit boundary comes before any side effect;
-- an `obs` record after the environment's step: its reward, flags and the hash of
-  what it returned (`observation_hash`), so a replay can check it rebuilt the same
-  state;
+- an `obs` record after the environment's step: its reward, flags, the hash of
+  what it returned (`observation_hash`) and the environment's state hash
+  (`Env.state_hash`), so a replay can check it rebuilt the same state;
 - an `end` record when the episode is over.
 
 A log is deleted once its episode's group is trained (or dropped). When the trainer
@@ -27,13 +28,16 @@ import hashlib
 import json
 import os
 import re
+import threading
 from typing import Any, Iterable, Optional
+
+import numpy as np
 
 from jaxagent.trajectory import TurnRecord
 
 
 def tokens_hash(ids) -> str:
-  return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+  return hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16]
 
 
 def observation_hash(step: Any) -> str:
@@ -45,25 +49,45 @@ def observation_hash(step: Any) -> str:
   return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-class EpisodeLog:
-  """The append-only log of one episode (see the module's docstring)."""
+class _GroupFile:
+  """The append-only file a group's episodes share (one open a group, not an episode)."""
 
-  def __init__(self, path: str, fsync: bool = True):
+  def __init__(self, path: str, fsync: bool):
     self.path = path
     self.fsync = fsync
     self._file = open(path, "a")
+    self._lock = threading.Lock()  # fsync'd writes come from worker threads
+
+  def append(self, record: dict) -> int:
+    line = json.dumps(record, separators=(",", ":")) + "\n"
+    with self._lock:
+      self._file.write(line)  # one line a write: records of episodes never interleave
+      self._file.flush()
+      if self.fsync:
+        os.fsync(self._file.fileno())
+    return len(line)
+
+  def close(self) -> None:
+    with self._lock:
+      self._file.close()
+
+
+class EpisodeLog:
+  """The log of one episode (see the module's docstring): records tagged with its
+  session id in its group's file."""
+
+  def __init__(self, group_file: _GroupFile, session_id: str):
+    self._group = group_file
+    self.path = group_file.path
+    self.fsync = group_file.fsync
+    self.session_id = session_id
     self.bytes = 0
 
   def _append(self, record: dict) -> None:
-    line = json.dumps(record, separators=(",", ":")) + "\n"
-    self._file.write(line)
-    self._file.flush()
-    if self.fsync:
-      os.fsync(self._file.fileno())
-    self.bytes += len(line)
+    self.bytes += self._group.append({"session": self.session_id, **record})
 
-  def start(self, *, session_id: str, group_id: str, task: dict, episode: int) -> None:
-    self._append({"kind": "start", "session_id": session_id, "group_id": group_id,
+  def start(self, *, group_id: str, task: dict, episode: int) -> None:
+    self._append({"kind": "start", "session_id": self.session_id, "group_id": group_id,
                   "task": task, "episode": episode})
 
   def turn(self, turn: int, record: TurnRecord) -> None:
@@ -77,16 +101,18 @@ class EpisodeLog:
                   "raw_logprobs": record.raw_logprobs, "versions": list(record.versions),
                   "finish_reason": record.finish_reason, "request_id": record.request_id})
 
-  def observation(self, turn: int, step: Any) -> None:
+  def observation(self, turn: int, step: Any, state_hash: Optional[str] = None) -> None:
+    """Logs what the environment answered, with its hash and the environment's own
+    state hash (`Env.state_hash`) when it has one."""
     self._append({"kind": "obs", "turn": turn, "reward": float(step.reward),
                   "terminated": bool(step.terminated), "truncated": bool(step.truncated),
-                  "hash": observation_hash(step)})
+                  "hash": observation_hash(step), "state": state_hash})
 
   def end(self, status: str, reason: str = "") -> None:
     self._append({"kind": "end", "status": status, "reason": reason})
 
   def close(self) -> None:
-    self._file.close()
+    """Nothing to do: the group's file stays open for its other episodes."""
 
 
 class Replay:
@@ -96,7 +122,8 @@ class Replay:
     records = list(records)
     self.start = next((r for r in records if r["kind"] == "start"), {})
     self.turns = [r for r in records if r["kind"] == "turn"]
-    self.hashes = {r["turn"]: r["hash"] for r in records if r["kind"] == "obs"}
+    self.hashes = {r["turn"]: (r["hash"], r.get("state")) for r in records
+                   if r["kind"] == "obs"}
 
   def __len__(self) -> int:
     return len(self.turns)
@@ -125,38 +152,37 @@ def read_log(path: str) -> list[dict]:
 
 
 class TokenWAL:
-  """Episode logs in `directory` (one file a session)."""
+  """Episode logs in `directory`: one file a group (`<group id>.jsonl`), each record
+  tagged with its episode's session id."""
 
   def __init__(self, directory: str, fsync: bool = True):
     self.directory = directory
     self.fsync = fsync
+    self._files: dict[str, _GroupFile] = {}
     os.makedirs(directory, exist_ok=True)
 
-  def _path(self, session_id: str) -> str:
-    return os.path.join(self.directory, re.sub(r"[^A-Za-z0-9_.-]", "_", session_id) + ".jsonl")
+  def _path(self, group_id: str) -> str:
+    return os.path.join(self.directory, re.sub(r"[^A-Za-z0-9_.-]", "_", group_id) + ".jsonl")
 
   def open(self, session_id: str, *, group_id: str, task: dict, episode: int) -> EpisodeLog:
-    log = EpisodeLog(self._path(session_id), self.fsync)
-    log.start(session_id=session_id, group_id=group_id, task=task, episode=episode)
+    if group_id not in self._files:
+      self._files[group_id] = _GroupFile(self._path(group_id), self.fsync)
+    log = EpisodeLog(self._files[group_id], session_id)
+    log.start(group_id=group_id, task=task, episode=episode)
     return log
 
-  def discard(self, session_id: str) -> None:
-    """Deletes a finished episode's log (its trajectory is in the run's records)."""
-    try:
-      os.remove(self._path(session_id))
-    except FileNotFoundError:
-      pass
-
   def discard_group(self, group_id: str) -> None:
-    """Deletes the logs of a group's episodes (every attempt) once it is done with."""
-    prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", group_id) + "-"
-    for name in os.listdir(self.directory):
-      if name.startswith(prefix) and name.endswith(".jsonl"):
-        with contextlib.suppress(FileNotFoundError):
-          os.remove(os.path.join(self.directory, name))
+    """Deletes a group's log (every episode and attempt) once it is done with."""
+    f = self._files.pop(group_id, None)
+    if f is not None:
+      f.close()
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self._path(group_id))
 
   def clear(self) -> None:
     """Deletes every log (a resumed run, having read them, starts the log afresh)."""
+    for group_id in list(self._files):
+      self.discard_group(group_id)
     for name in os.listdir(self.directory):
       if name.endswith(".jsonl"):
         with contextlib.suppress(FileNotFoundError):
@@ -169,9 +195,11 @@ class TokenWAL:
     for name in sorted(os.listdir(self.directory)):
       if not name.endswith(".jsonl"):
         continue
-      records = read_log(os.path.join(self.directory, name))
-      if records and records[0]["kind"] == "start":
-        out.append(Replay(records))
+      sessions: dict[str, list] = {}
+      for r in read_log(os.path.join(self.directory, name)):
+        sessions.setdefault(r.get("session"), []).append(r)
+      out += [Replay(records) for records in sessions.values()
+              if records and records[0]["kind"] == "start"]
     return out
 
 

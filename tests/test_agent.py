@@ -123,8 +123,11 @@ class SlowEnv(Env):
   """guess_number whose steps take `delay_s` (the policy's own slow tool calls)."""
 
   def __init__(self, delay_s, fail=False):
+    super().__init__()
     self.inner, self.delay_s, self.fail = make("guess_number"), delay_s, fail
-    self.counters = {}
+
+  def state(self):
+    return self.inner.state()
 
   async def reset(self, task):
     return await self.inner.reset(task)

@@ -46,7 +46,7 @@ def test_every_turn_is_logged_before_the_environment_sees_it(tmp_path):
   assert kinds == ["start", "turn", "obs", "turn", "obs", "turn", "obs", "end"]
   (replay,) = wal.pending()
   assert replay.start["task"]["id"] == "t" and len(replay) == 3
-  wal.discard("s1")
+  wal.discard_group("g")
   assert wal.pending() == []
 
 
@@ -81,3 +81,17 @@ def test_a_replay_the_environment_answers_differently_is_dropped_not_scored(tmp_
   records[2]["hash"] = "0" * 16  # the logged observation of turn 0 no longer matches
   ep = play(ScriptedEngine([]), replay=Replay(records))
   assert ep.infra_error and ep.infra_kind == "wal_replay" and "turn 0" in ep.reason
+
+
+def test_the_environments_state_hash_is_logged_and_checked(tmp_path):
+  wal = TokenWAL(str(tmp_path))
+  log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
+  play(ScriptedEngine(["8", "11"]), log=log)
+  obs = [r for r in read_log(log.path) if r["kind"] == "obs"]
+  assert all(len(r["state"]) == 16 for r in obs) and obs[0]["state"] != obs[1]["state"]
+  # The same actions against another secret: the first answer reads the same ("Higher."),
+  # the environment's state does not.
+  other = TaskSpec("t", "guess_number", {"secret": 12, "process_reward": 0.1})
+  ep = asyncio.run(run_whitebox(make("guess_number"), other, ScriptedEngine([]), TOK, CFG,
+                                session_id="s2", replay=Replay(read_log(log.path))))
+  assert ep.infra_error and ep.infra_kind == "wal_replay"
