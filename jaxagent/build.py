@@ -104,17 +104,17 @@ def _tool_names(tools: Sequence[dict]) -> list[str]:
   return [t["function"]["name"] if "function" in t else t["name"] for t in tools]
 
 
-def _hf_tokenizer(path: str, template: Optional[str] = None,
-                  tokenizer: Optional[str] = None) -> Tokenizer:
-  """The tokenizer of checkpoint directory `path`: its tokenizer.json, or `tokenizer`
-  (`model.tokenizer`: a tokenizer.json, or a directory with one); the special tokens and
-  template come from the tokenizer_config.json beside it (else the checkpoint's)."""
-  tj = os.path.join(path, "tokenizer.json")
+def hf_tokenizer_file(path: str, tokenizer: Optional[str] = None) -> str:
+  """The tokenizer.json of checkpoint directory `path`: its own, or `tokenizer`
+  (`model.tokenizer`: a tokenizer.json, or a directory with one); ConfigError naming the
+  setting when there is none."""
   if tokenizer is not None:
     tj = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
     if not os.path.isfile(tj):
       raise ConfigError(f"model.tokenizer: no tokenizer.json at {tokenizer!r}")
-  elif not os.path.exists(tj):
+    return tj
+  tj = os.path.join(path, "tokenizer.json")
+  if not os.path.exists(tj):
     slow = sorted(f for f in ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
                               "spiece.model") if os.path.exists(os.path.join(path, f)))
     has = f" (it has {', '.join(slow)}: a slow tokenizer)" if slow else ""
@@ -122,6 +122,15 @@ def _hf_tokenizer(path: str, template: Optional[str] = None,
         f"model.checkpoint: {path} has no tokenizer.json{has}; set model.tokenizer to a "
         "tokenizer.json (or a directory with one) for this vocabulary; transformers writes one "
         "with AutoTokenizer.from_pretrained(PATH).save_pretrained(DIR)")
+  return tj
+
+
+def _hf_tokenizer(path: str, template: Optional[str] = None,
+                  tokenizer: Optional[str] = None) -> Tokenizer:
+  """The tokenizer of checkpoint directory `path` (see `hf_tokenizer_file`); the special
+  tokens and template come from the tokenizer_config.json beside its tokenizer.json
+  (else the checkpoint's)."""
+  tj = hf_tokenizer_file(path, tokenizer)
   conf = {}
   for tc in (os.path.join(os.path.dirname(tj), "tokenizer_config.json"),
              os.path.join(path, "tokenizer_config.json")):

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 from typing import Any, Optional, Sequence, TypeVar
 
+import yaml
 from omegaconf import OmegaConf, errors as oc_errors
 
 
@@ -119,9 +120,13 @@ class CheckpointConfig:
   export_dtype: str = "bfloat16"
   # The token write-ahead log (run_dir/wal): every white-box turn committed before the
   # environment sees it, so a resumed run replays its episodes in flight instead of
-  # playing them again; fsync makes each commit durable (an OS crash, not only a kill).
+  # playing them again. A commit is written to the OS (it outlives the process: kill -9);
+  # wal_fsync also forces it to the disk (an OS crash or power loss), ~1 ms a turn.
   wal: bool = True
-  wal_fsync: bool = True
+  wal_fsync: bool = False
+  # Episodes on the first N tasks, played at each save with fixed seeds and stored with
+  # the checkpoint; `--resume --canary` replays them and refuses to go on on a mismatch.
+  canary_tasks: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +368,11 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     raise _error(e, schema, path or "config") from None
   except OSError as e:
     raise ConfigError(f"cannot read config file {path}: {e}") from None
+  except yaml.YAMLError as e:  # malformed YAML: where, in one line
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(f"cannot read config file {path}:{where}: {problem}") from None
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"override {item!r} must look like key=value")

@@ -18,10 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
+import signal
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +51,9 @@ def parse_args(argv=None):
   p.add_argument("--config", required=True, help="YAML run config (see configs/)")
   p.add_argument("--run-dir", default=None, help="run directory (default: runs/<name>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue --run-dir from its last checkpoint")
+  p.add_argument("--canary", action="store_true",
+                 help="with --resume: replay the checkpoint's canary episodes first and "
+                      "refuse to go on unless tokens, log-probs and rewards match")
   g = p.add_argument_group("multi-process runs (one process per host; see jaxagent.distributed)")
   g.add_argument("--coordinator", help="HOST:PORT of process 0's coordinator")
   g.add_argument("--num-processes", type=int, help="processes in the run")
@@ -160,7 +166,7 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
   """The model and learner settings, checked before anything is built (each error
   names its key)."""
   from jaxagent import learner as learner_lib
-  from jaxagent.build import TEMPLATES, model_overrides
+  from jaxagent.build import TEMPLATES, hf_tokenizer_file, model_overrides
   from jaxagent.models.config import PRESETS, preset
 
   m = cfg.model
@@ -180,6 +186,8 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(f"model.checkpoint: no such file or directory "
                                  f"{m.checkpoint!r} (a .gguf file, a Hugging Face directory "
                                  "or 'smollm2')")
+  elif os.path.isdir(m.checkpoint):
+    hf_tokenizer_file(m.checkpoint, m.tokenizer)
   if m.chat_template not in TEMPLATES:
     raise config_lib.ConfigError(f"model.chat_template: unknown {m.chat_template!r}; known: "
                                  "null (the tokenizer's own), chatml_tools")
@@ -236,7 +244,60 @@ def cut_back(run_dir: str, step: int, version: int) -> None:
     drop_versions_after(os.path.join(run_dir, "policy"), version)
 
 
-async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
+CANARY_LOGP_ATOL = 1e-4
+
+
+def dependency_versions() -> dict:
+  """Versions of the packages a checkpoint's numbers depend on."""
+  from importlib import metadata
+
+  out = {}
+  for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "jaxagent"):
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+async def play_canary(cfg: config_lib.RunConfig, env_factory, client, tokenizer) -> list:
+  """The first `checkpoint.canary_tasks` tasks, played with fixed session ids (so fixed
+  seeds): what each one sampled, its log-probs and rewards (stored with a checkpoint)."""
+  from envs.base import TaskSpec
+
+  if not cfg.checkpoint.canary_tasks:
+    return []
+  with open(cfg.data.tasks) as f:
+    specs = [TaskSpec.from_dict(json.loads(line)) for line in f if line.strip()]
+  out = []
+  for i, task in enumerate(specs[:cfg.checkpoint.canary_tasks]):
+    ep = await run_whitebox(env_factory(task), task, client, tokenizer, cfg.agent,
+                            session_id=f"canary-{i}", group_id="canary")
+    seg = ep.segments[0] if ep.segments else None
+    out.append({"task": task.id, "status": ep.status, "rewards": ep.turn_rewards,
+                "tokens": [] if seg is None else seg.tokens.tolist(),
+                "logp": [] if seg is None else
+                [round(float(x), 6) for x in seg.rollout_logp[seg.loss_mask > 0]]})
+  return out
+
+
+def compare_canary(saved: list, now: list) -> Optional[str]:
+  """None when the replayed canary matches the stored one, else what differs."""
+  for a, b in zip(saved, now):
+    if a["tokens"] != b["tokens"]:
+      return f"task {a['task']}: sampled other tokens"
+    if a["rewards"] != b["rewards"]:
+      return f"task {a['task']}: rewards {b['rewards']} instead of {a['rewards']}"
+    diff = max((abs(x - y) for x, y in zip(a["logp"], b["logp"])), default=0.0)
+    if diff > CANARY_LOGP_ATOL:
+      return f"task {a['task']}: log-probs differ by up to {diff:.2e} (> {CANARY_LOGP_ATOL})"
+  if len(saved) != len(now):
+    return f"{len(now)} canary episodes instead of {len(saved)}"
+  return None
+
+
+async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
+                canary: bool = False) -> int:
   from envs.base import TaskSpec
 
   t_start = time.time()
@@ -280,6 +341,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                          async_save=cfg.checkpoint.async_save)
   requeue = []
+  saved_canary = None
   if resume:
     try:
       state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
@@ -291,6 +353,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
       print(f"warning: checkpoint step {bad} unreadable ({reason}); using step "
             f"{int(state.step)}", file=sys.stderr)
     t_start -= meta.get("wall_time_s", 0.0)  # the run's wall time goes on from there
+    saved_canary = meta.get("canary")
     cut_back(run_dir, int(state.step), int(state.policy_version))
     requeue = [TaskSpec.from_dict(t) for t in meta.get("pending_tasks", [])]
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
@@ -324,6 +387,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
     exported = version
     if distributed.is_primary():  # the servers are shared: one update is enough
       await serving.client.update_weights(path, version)
+  if canary:  # the restored run must sample what the saved one did
+    if not saved_canary:
+      print(f"warning: --canary: checkpoint step {int(state.step)} stored no canary "
+            "(checkpoint.canary_tasks was 0); going on unchecked", file=sys.stderr)
+    else:
+      problem = compare_canary(saved_canary, await play_canary(cfg, env_factory,
+                                                               serving.client, tokenizer))
+      if problem:
+        await serving.close()
+        ckpt.close()
+        close_envs()
+        raise config_lib.ConfigError(f"--canary: step {int(state.step)} does not replay as "
+                                     f"saved: {problem}; not going on")
+      print(f"canary: {len(saved_canary)} episodes replayed as saved")
 
   async def play(task_dict, session_id, group_id) -> Episode:
     task = task_dict if isinstance(task_dict, TaskSpec) else TaskSpec.from_dict(task_dict)
@@ -348,12 +425,23 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
   writer = (MetricsWriter(run_dir, purge_step=int(state.step) + 1 if resume else None)
             if primary else None)
   meta = {"config": config_lib.to_dict(cfg), "model": dataclasses.asdict(model_cfg),
-          "tokenizer": tokenizer.identity()}
+          "tokenizer": tokenizer.identity(), "dependencies": dependency_versions(),
+          "mesh": {"shape": dict(mesh.shape), "devices": mesh.devices.size,
+                   "platform": jax.devices()[0].platform, "processes": jax.process_count()},
+          "tool_schema_sha256": hashlib.sha256(json.dumps(tools, sort_keys=True)
+                                               .encode()).hexdigest()[:16]}
 
-  def save_checkpoint(step, state, pending, force=False):
+  async def save_checkpoint(step, state, pending, force=False, canary=True):
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
+    canary_now = None
+    try:  # what the saved weights sample on fixed tasks (checked by --canary)
+      if canary:
+        canary_now = await play_canary(cfg, env_factory, serving.client, tokenizer)
+    except Exception as e:  # the checkpoint matters more than its canary
+      print(f"warning: canary episodes failed ({type(e).__name__}: {e}); saved without",
+            file=sys.stderr)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
-                            "pending_tasks": pending}, tasks, force=force)
+                            "pending_tasks": pending, "canary": canary_now}, tasks, force=force)
     if wal is not None:  # groups this checkpoint no longer lists need no replay
       for group_id in scheduler.drain_finished():
         wal.discard_group(group_id)
@@ -382,8 +470,27 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
                                      and not os.environ.get("JAXAGENT_PROGRESS")))
   t_rollout_mark = time.perf_counter()
   played: list = []  # every group consumed since the last step, trained on or not
+  finished = False  # the loop ended by itself (not by an exception)
+  # SIGTERM (a pod's eviction) or Ctrl-C: stop after the step under way, then checkpoint
+  # and export as at the end (a second one stops at once).
+  signals = {"got": None}
+
+  def request_stop(sig):
+    if signals["got"] is not None:
+      raise KeyboardInterrupt
+    signals["got"] = sig.name
+    print(f"{sig.name}: stopping after this step (again to stop now)", file=sys.stderr,
+          flush=True)
+
+  handled = []
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    try:
+      loop.add_signal_handler(sig, request_stop, sig)
+      handled.append(sig)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+      pass
   try:
-    while step < cfg.steps:
+    while step < cfg.steps and signals["got"] is None:
       accepted, taken = await scheduler.next_groups()
       played += taken
       rollout_s = time.perf_counter() - t_rollout_mark
@@ -460,18 +567,21 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool) -> int:
               f"learner {learner_s:.1f}s sync {sync_s:.2f}s wall {row['wall_time_s']:.0f}s",
               flush=True)
       if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-        save_checkpoint(step, state, scheduler.pending_tasks())
+        await save_checkpoint(step, state, scheduler.pending_tasks())
       if (cfg.stop_success_rate and len(recent) == cfg.stop_window
           and recent_success >= cfg.stop_success_rate):
         print(f"success rate {recent_success:.3f} over the last {cfg.stop_window} steps' "
               f"episodes reached {cfg.stop_success_rate}: stopping")
         break
+    finished = True
   finally:
+    for sig in handled:
+      loop.remove_signal_handler(sig)
     bar.close()
     pending = scheduler.pending_tasks()
     await scheduler.stop()
     if ckpt.latest_step() != step and step > 0:
-      save_checkpoint(step, state, pending, force=True)
+      await save_checkpoint(step, state, pending, force=True, canary=finished)
     if exported != version and step > 0:  # the final weights are a policy export too
       export_policy(policy_root, version, state.params, dtype=None)
     ckpt.close()
@@ -515,7 +625,7 @@ def main(argv=None) -> int:
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   os.makedirs(run_dir, exist_ok=True)
   try:
-    return asyncio.run(train(cfg, run_dir, args.resume))
+    return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
   except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -47,12 +47,28 @@ def test_tiny_default_runs_and_resumes(tmp_path):
     seg = json.loads(f.readline())
   assert seg["advantages"] is not None and seg["status"] in ("completed", "truncated")
 
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume", "steps=4",
-                   *SMALL)
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
+                   "--canary", "steps=4", *SMALL)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "resumed from step 3 (policy version 3" in proc.stdout
+  assert "canary: 2 episodes replayed as saved" in proc.stdout
   rows = read_metrics(run_dir)
   assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["policy_version"] == 4
+
+  # The checkpoint's provenance, and a canary that no longer replays: refused in one line.
+  meta_file = os.path.join(run_dir, "checkpoints", "4", "meta", "metadata")
+  with open(meta_file) as f:
+    meta = json.load(f)
+  assert meta["dependencies"]["jax"] and meta["mesh"]["platform"] == "cpu"
+  assert len(meta["tool_schema_sha256"]) == 16 and len(meta["canary"]) == 2
+  meta["canary"][1]["logp"][0] += 0.5
+  with open(meta_file, "w") as f:
+    json.dump(meta, f)
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
+                   "--canary", "steps=5", *SMALL)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  (line,) = proc.stderr.strip().splitlines()
+  assert "--canary: step 4 does not replay as saved" in line and "log-probs differ" in line
 
 
 def test_early_stop_exports_the_final_policy(tmp_path):
@@ -68,30 +84,73 @@ def test_early_stop_exports_the_final_policy(tmp_path):
     assert [v["version"] for v in json.load(f)["versions"]] == [step]
 
 
-def test_config_errors_are_clear(tmp_path):
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path), "learner.lrr=1")
-  assert proc.returncode == 2
-  assert "learner.lrr" in proc.stderr and "'lr'" in proc.stderr and "Traceback" not in proc.stderr
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path),
-                   "data.tasks=/nonexistent.jsonl")
-  assert proc.returncode == 2 and "data.tasks" in proc.stderr
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path),
-                   "rollout.mode=fast")
-  assert proc.returncode == 2 and "rollout.mode" in proc.stderr
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path),
-                   "env.latency.distribution=pareto")
-  assert proc.returncode == 2 and "env.latency" in proc.stderr and "'pareto'" in proc.stderr
-  for override, needle in [("model.preset=nanoo", "did you mean 'nano'"),
-                           ("model.checkpoint=/nonexistent.gguf", "model.checkpoint"),
-                           ("learner.policy_loss=ppoo", "learner.policy_loss"),
-                           ("model.attention=flashy", "attention: unknown 'flashy'"),
-                           ("model.chat_template=nope", "model.chat_template")]:
-    proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path), override)
-    assert proc.returncode == 2 and needle in proc.stderr, (override, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"),
-                   "--resume")
-  assert proc.returncode == 2 and "no checkpoint" in proc.stderr
+def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
+  """A pod's eviction (SIGTERM): the step under way finishes, then the final checkpoint
+  and policy export are written and the run exits 0."""
+  import signal
+  import time
+
+  run_dir = str(tmp_path / "run")
+  proc = subprocess.Popen([sys.executable, "-m", "jaxagent.train", "--config",
+                           "configs/tiny.yaml", "--run-dir", run_dir, "steps=500", *SMALL[:-1],
+                           "checkpoint.export_every=0", "checkpoint.every_steps=100"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  deadline = time.time() + 240
+  while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=240)
+  assert proc.returncode == 0, err[-3000:]
+  assert "SIGTERM: stopping after this step" in err
+  step = read_metrics(run_dir)[-1]["step"]
+  assert 2 <= step < 500
+  assert str(step) in os.listdir(os.path.join(run_dir, "checkpoints"))
+  with open(os.path.join(run_dir, "policy", "versions.json")) as f:
+    assert [v["version"] for v in json.load(f)["versions"]] == [step]
+
+
+def _bad_settings(tmp_path):
+  """(arguments, what the one error line must say) for a table of bad settings."""
+  hf_dir = tmp_path / "hf"  # a Hugging Face directory with a slow tokenizer only
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text("{}")
+  (hf_dir / "tokenizer.model").write_text("")
+  bad_yaml = tmp_path / "bad.yaml"
+  bad_yaml.write_text("steps: [1,\n")
+  run = str(tmp_path / "run")
+  tiny = ["--config", "configs/tiny.yaml", "--run-dir", run]
+  return [
+      (tiny + ["learner.lrr=1"], "learner.lrr"),
+      (tiny + ["steps=many"], "steps"),
+      (tiny + ["data.tasks=/nonexistent.jsonl"], "data.tasks"),
+      (tiny + ["rollout.mode=fast"], "rollout.mode"),
+      (tiny + ["env.latency.distribution=pareto"], "'pareto'"),
+      (tiny + ["model.preset=nanoo"], "did you mean 'nano'"),
+      (tiny + ["model.checkpoint=/nonexistent.gguf"], "model.checkpoint"),
+      (tiny + [f"model.checkpoint={hf_dir}"], "set model.tokenizer"),
+      (tiny + [f"model.checkpoint={hf_dir}", "model.tokenizer=/nope"], "model.tokenizer: no"),
+      (tiny + ["learner.policy_loss=ppoo"], "learner.policy_loss"),
+      (tiny + ["model.attention=flashy"], "attention: unknown 'flashy'"),
+      (tiny + ["model.chat_template=nope"], "model.chat_template"),
+      (["--config", str(bad_yaml)], "cannot read config file"),
+      (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
+      (["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"), "--resume"],
+       "no checkpoint"),
+      (["--config", "configs/tiny.yaml", "--resume"], "--resume needs --run-dir"),
+  ]
+
+
+def test_bad_settings_get_one_line_naming_the_key(tmp_path, capsys):
+  """Each bad setting: exit code 2 and one line on stderr that names it (no traceback)."""
+  from jaxagent import train
+
+  for args, needle in _bad_settings(tmp_path):
+    assert train.main(args) == 2, args
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, (args, err)
+    assert err.startswith("error: ")
 
 
 def test_smollm2_calculator_config_runs(tmp_path):
