@@ -20,10 +20,13 @@ mesh: they pass the shapes and shardings they want and Orbax reshards on read.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import re
 import shutil
+import sys
 import time
 from typing import Any, Optional
 
@@ -37,6 +40,20 @@ REGISTRY = "versions.json"
 STAGING, ASIDE = ".new", ".old"
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's name for a save not yet finalised
 UNREADABLE = ".unreadable"  # a run checkpoint that did not read back, kept for a look
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads():
+  """Drops what Python would print for Orbax's array reads abandoned when one fails
+  ("Exception ignored in: <coroutine ...>" with a traceback each): the failure is
+  reported once, in one line, by the caller."""
+  previous = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    yield
+  finally:
+    gc.collect()  # the abandoned coroutines go now, while the hook is quiet
+    sys.unraisablehook = previous
 
 
 class CheckpointUnreadable(RuntimeError):
@@ -109,7 +126,8 @@ class RunCheckpointer:
     skipped = []
     for step in sorted(self.all_steps(), reverse=True):
       try:
-        state, meta = self.restore(abstract_state, data_iter, step)
+        with _quiet_abandoned_reads():
+          state, meta = self.restore(abstract_state, data_iter, step)
         reason = None
       except Exception as e:  # any failure to read it: a cut file, bad JSON, a missing array
         reason = short_reason(e)
