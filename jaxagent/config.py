@@ -309,6 +309,20 @@ class EnvConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Evaluation during training on held-out tasks (`python -m jaxagent.eval` alone)."""
+
+  # Every N learner steps (0: never), on this task file; `samples` a task (greedy: one
+  # sample at temperature 0), pass@k for each k <= samples; `limit` tasks (0: all).
+  every: int = 0
+  tasks: Optional[str] = None
+  greedy: bool = True
+  samples: int = 1
+  k: list[int] = dataclasses.field(default_factory=lambda: [1])
+  limit: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   """`python -m jaxagent.train --config ...`: one training run."""
 
@@ -325,6 +339,7 @@ class RunConfig:
   advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
   serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
   env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   # Stop early once the success rate over the episodes of the last `stop_window` steps
   # reaches it (0: never).
   stop_success_rate: float = 0.0
@@ -355,11 +370,15 @@ def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str) -> Con
   return ConfigError(f"{source}: bad value for config key '{key}': {first}")
 
 
-def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()) -> T:
-  """Loads `cls` (a frozen dataclass) from a YAML file plus dotted overrides."""
+def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = (),
+         base: Optional[T] = None) -> T:
+  """Loads `cls` (a frozen dataclass) from `base` (an instance; default: the class's
+  defaults), then a YAML file, then dotted overrides."""
   schema = OmegaConf.structured(cls)
   OmegaConf.set_readonly(schema, False)  # frozen dataclasses come back read-only
   layers = [schema]
+  if base is not None:
+    layers.append(OmegaConf.create(to_dict(base)))
   try:
     if path is not None:
       layers.append(OmegaConf.load(path))

@@ -51,6 +51,8 @@ def parse_args(argv=None):
   p.add_argument("--config", required=True, help="YAML run config (see configs/)")
   p.add_argument("--run-dir", default=None, help="run directory (default: runs/<name>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue --run-dir from its last checkpoint")
+  p.add_argument("--print-config", action="store_true",
+                 help="print the resolved config (the file with the overrides) as YAML and exit")
   p.add_argument("--canary", action="store_true",
                  help="with --resume: replay the checkpoint's canary episodes first and "
                       "refuse to go on unless tokens, log-probs and rewards match")
@@ -206,6 +208,14 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if cfg.rollout.mode not in ("sync", "async", "window"):
     raise config_lib.ConfigError(f"rollout.mode: unknown {cfg.rollout.mode!r}; known: sync, "
                                  "async, window")
+  if cfg.eval.every:
+    if not cfg.eval.tasks or not os.path.exists(cfg.eval.tasks):
+      raise config_lib.ConfigError(f"eval.tasks: no such file {cfg.eval.tasks!r} (needed with "
+                                   "eval.every)")
+    samples = 1 if cfg.eval.greedy else cfg.eval.samples
+    if not cfg.eval.k or min(cfg.eval.k) < 1 or max(cfg.eval.k) > samples:
+      raise config_lib.ConfigError(f"eval.k: each k must be in 1..{samples} (eval.samples; "
+                                   "1 when eval.greedy)")
   if cfg.agent.kind not in ("whitebox", "openai"):
     raise config_lib.ConfigError(f"agent.kind: unknown {cfg.agent.kind!r}; known: whitebox, "
                                  "openai")
@@ -402,6 +412,26 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                      f"saved: {problem}; not going on")
       print(f"canary: {len(saved_canary)} episodes replayed as saved")
 
+  async def evaluate_policy() -> dict:
+    """The held-out tasks (`eval.*`) played with the current weights: eval_* figures."""
+    from envs.base import load_tasks
+    from jaxagent import eval as eval_lib
+
+    e = cfg.eval
+    agent = dataclasses.replace(cfg.agent, temperature=0.0) if e.greedy else cfg.agent
+    held_out = load_tasks(e.tasks)[:e.limit or None]
+
+    async def play_eval(task, session_id):
+      return await run_whitebox(env_factory(task), task, serving.client, tokenizer, agent,
+                                session_id=session_id, group_id="eval")
+
+    by_task = await eval_lib.evaluate(held_out, play_eval, 1 if e.greedy else e.samples)
+    rep = eval_lib.report(by_task, e.k)
+    out = {f"eval_{k}": v for k, v in rep["overall"].items() if isinstance(v, (int, float))}
+    for env, r in rep["by_env"].items():
+      out[f"eval_{env}_success_rate"] = r["success_rate"]
+    return out
+
   async def play(task_dict, session_id, group_id) -> Episode:
     task = task_dict if isinstance(task_dict, TaskSpec) else TaskSpec.from_dict(task_dict)
     env = env_factory(task)
@@ -551,6 +581,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
           **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
           **{k: v for k, v in m.items() if k != "denom"}})
+      if cfg.eval.every and step % cfg.eval.every == 0 and primary:
+        row.update(await evaluate_policy())
       if writer is not None:
         writer.write(row)
       recent = (recent + [(row.get("success_rate", 0.0) * row["episodes"],
@@ -600,6 +632,11 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   try:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+    if args.print_config:
+      import yaml
+
+      print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end="")
+      return 0
     check_config(cfg)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -1,8 +1,13 @@
-"""`python -m rollout_server --config configs/server_tiny.yaml [key=value ...]`."""
+"""`python -m rollout_server --config configs/server_tiny.yaml [key=value ...]`, or
+`python -m rollout_server --policy RUN_DIR/policy [key=value ...]` to serve a trained
+run's policy (its latest export, or `.../vN`) with the run's model and engine settings
+(from its `config.json`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 
 import uvicorn
@@ -13,11 +18,27 @@ from rollout_server.serving import build_app
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m rollout_server", description=__doc__)
-  p.add_argument("--config", required=True, help="YAML server config (see configs/)")
+  p.add_argument("--config", help="YAML server config (see configs/)")
+  p.add_argument("--policy", help="a trained run's policy export (RUN_DIR/policy: the latest "
+                                  "version, or RUN_DIR/policy/vN)")
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
   args = p.parse_args(argv)
   try:
-    cfg = config_lib.load(config_lib.ServerConfig, args.config, args.overrides)
+    if args.config is None and args.policy is None:
+      raise config_lib.ConfigError("give --config (a server config) or --policy (a run's "
+                                   "policy export)")
+    base = None
+    if args.policy is not None:
+      from jaxagent.eval import run_config_of
+
+      if not os.path.exists(args.policy):
+        raise config_lib.ConfigError(f"--policy: no such export {args.policy}")
+      run = run_config_of(args.policy, None)
+      base = config_lib.ServerConfig(name=run.name, model=run.model,
+                                     engine=run.serving.engine, policy=args.policy)
+    cfg = config_lib.load(config_lib.ServerConfig, args.config, args.overrides, base=base)
+    if args.policy is not None and args.config is not None:
+      cfg = dataclasses.replace(cfg, policy=args.policy)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -171,3 +171,19 @@ def test_smollm2_calculator_config_runs(tmp_path):
   # The learner's log-probs of the sampled tokens match the engine's (same weights,
   # same temperature): the importance weights start at 1.
   assert row["rollout_abs_logp_diff"] < 1e-3
+
+
+def test_print_config_shows_the_resolved_config(capsys, tmp_path):
+  import yaml
+
+  from jaxagent import config as config_lib, train
+
+  assert train.main(["--config", "configs/tiny.yaml", "--print-config", "learner.lr=0.25",
+                     "eval.k=[1,4]"]) == 0
+  printed = capsys.readouterr().out
+  resolved = yaml.safe_load(printed)
+  assert resolved["learner"]["lr"] == 0.25 and resolved["eval"]["k"] == [1, 4]
+  path = tmp_path / "resolved.yaml"
+  path.write_text(printed)  # it loads back as the same run config
+  assert config_lib.load(config_lib.RunConfig, str(path)) == config_lib.load(
+      config_lib.RunConfig, "configs/tiny.yaml", ["learner.lr=0.25", "eval.k=[1,4]"])

@@ -1,0 +1,217 @@
+"""`python -m jaxagent.eval --policy RUN_DIR/policy[/vN] --tasks FILE [--k 1,4,8] ...`
+
+Plays held-out tasks with a trained policy and reports, per environment and overall:
+success rate, pass@k (the unbiased estimator of Chen et al. 2021: with n samples of
+which c pass, 1 - C(n - c, k) / C(n, k)), terminal and process rewards, turns, tool
+calls, invalid tool calls and episode latency p50/p95/p99. Writes a JSON report
+(`--out`, default `<policy>/eval-<tasks>.json`) and prints a table.
+
+The policy is served in process (an engine built from the run's `config.json`, loaded
+with the export's weights) or by a running server (`--server URL`, which must serve
+that policy). Each task is played max(k) times (`--samples` to play more) at the run's
+temperature, or once greedily with `--greedy` (then only pass@1). Sampling seeds
+follow from the task and sample index, so a report is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxagent import config as config_lib
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased pass@k estimate from n samples with c successes (k <= n)."""
+  if k > n:
+    raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
+  """Report figures over tasks: {task_id: (env name, [Episode, ...])}."""
+  from jaxagent.metrics import percentiles
+
+  episodes = [e for _, eps in episodes_by_task.values() for e in eps]
+  if not episodes:
+    return {"tasks": 0, "episodes": 0}
+  terminal = [float(e.verdict.get("reward", 0.0) or 0.0) for e in episodes]
+  out = {
+      "tasks": len(episodes_by_task), "episodes": len(episodes),
+      "success_rate": float(np.mean([e.success for e in episodes])),
+      "reward_mean": float(np.mean([e.reward for e in episodes])),
+      "reward_terminal_mean": float(np.mean(terminal)),
+      "reward_process_mean": float(np.mean([e.reward - t for e, t in zip(episodes, terminal)])),
+      "turns_mean": float(np.mean([e.turns for e in episodes])),
+      "tool_calls_mean": float(np.mean([e.tool_calls for e in episodes])),
+      "invalid_tool_calls_mean": float(np.mean([e.invalid_tool_calls for e in episodes])),
+      "truncated": int(sum(e.status == "truncated" for e in episodes)),
+      "infra_errors": int(sum(e.infra_error for e in episodes)),
+  }
+  for k in ks:
+    out[f"pass@{k}"] = float(np.mean([
+        pass_at_k(len(eps), sum(e.success for e in eps), k)
+        for _, eps in episodes_by_task.values()]))
+  out.update(percentiles([e.latency_s for e in episodes], "latency_s"))
+  return out
+
+
+def report(episodes_by_task: dict, ks: Sequence[int]) -> dict:
+  """Overall figures and the same per environment."""
+  envs = sorted({env for env, _ in episodes_by_task.values()})
+  return {"overall": summarize(episodes_by_task, ks),
+          "by_env": {env: summarize({t: v for t, v in episodes_by_task.items() if v[0] == env},
+                                    ks) for env in envs}}
+
+
+async def evaluate(tasks, play, samples: int, concurrency: int = 64) -> dict:
+  """Plays each task `samples` times (`play(task, session_id)` -> Episode), at most
+  `concurrency` episodes at once; {task_id: (env name, [Episode, ...])}."""
+  slots = asyncio.Semaphore(concurrency)
+
+  async def one(task, j):
+    async with slots:
+      return await play(task, f"eval-{task.id}-{j}")
+
+  results = await asyncio.gather(*(one(t, j) for t in tasks for j in range(samples)))
+  out: dict = {}
+  for (task, _), ep in zip(((t, j) for t in tasks for j in range(samples)), results):
+    out.setdefault(task.id, (task.env, []))[1].append(ep)
+  return out
+
+
+def print_table(rep: dict, ks: Sequence[int]) -> None:
+  cols = ["success_rate", *[f"pass@{k}" for k in ks], "reward_mean", "reward_terminal_mean",
+          "turns_mean", "tool_calls_mean", "invalid_tool_calls_mean", "latency_s_p50",
+          "latency_s_p95", "latency_s_p99"]
+  names = ["success", *[f"pass@{k}" for k in ks], "reward", "terminal", "turns", "tools",
+           "invalid", "p50 s", "p95 s", "p99 s"]
+  print(f"{'env':<16} {'tasks':>5} {'eps':>5} " + " ".join(f"{n:>8}" for n in names))
+  rows = [(env, r) for env, r in rep["by_env"].items()] + [("all", rep["overall"])]
+  for env, r in rows:
+    vals = " ".join(f"{r.get(c, float('nan')):>8.3f}" for c in cols)
+    print(f"{env:<16} {r.get('tasks', 0):>5} {r.get('episodes', 0):>5} {vals}")
+
+
+def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
+  """The run's config: --config, else the config.json of the run the export belongs to."""
+  if config is not None:
+    return config_lib.load(config_lib.RunConfig, config)
+  d = os.path.abspath(policy)
+  for _ in range(3):  # RUN_DIR/policy/vN, RUN_DIR/policy, RUN_DIR
+    path = os.path.join(d, "config.json")
+    if os.path.exists(path):
+      return config_lib.load(config_lib.RunConfig, path)
+    d = os.path.dirname(d)
+  raise config_lib.ConfigError(f"--policy: no config.json in the run directory above "
+                               f"{policy}; give the run's config with --config")
+
+
+async def run(args) -> dict:
+  import dataclasses
+
+  from envs.base import load_tasks
+  from jaxagent.agent import run_whitebox
+  from jaxagent.build import build_model
+  from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
+  from jaxagent.train import make_env_factory, task_tools
+  from rollout_server.serving import resolve_policy
+
+  cfg = run_config_of(args.policy, args.config)
+  ks = sorted({int(k) for k in args.k.split(",")}) if not args.greedy else [1]
+  samples = 1 if args.greedy else max(args.samples or 0, max(ks))
+  agent = dataclasses.replace(cfg.agent, temperature=0.0 if args.greedy else
+                              (args.temperature if args.temperature is not None
+                               else cfg.agent.temperature))
+  tasks = load_tasks(args.tasks)
+  if args.limit:
+    tasks = tasks[:args.limit]
+  env_factory, close_envs = make_env_factory(cfg)
+  path, version = resolve_policy(args.policy, None)
+  try:
+    tools = await task_tools(args.tasks, env_factory)
+    mesh = make_mesh()
+    model_cfg, _, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES, tools=tools)
+    orch = None
+    if args.server:
+      from rollout_server.client import HttpClient
+
+      client = HttpClient(args.server)
+    else:
+      from rollout_server.client import LocalClient
+      from rollout_server.serving import make_engine, start_orchestrator
+
+      engine = make_engine(model_cfg, cfg.serving.engine, mesh)
+      orch = start_orchestrator(engine, engine.load_params(path=path, version=version),
+                                cfg.serving.engine)
+      client = LocalClient(orch, engine)
+
+    async def play(task, session_id):
+      return await run_whitebox(env_factory(task), task, client, tokenizer, agent,
+                                session_id=session_id, group_id="eval")
+
+    t0 = time.time()
+    by_task = await evaluate(tasks, play, samples)
+    rep = report(by_task, ks)
+  finally:
+    if orch is not None:
+      orch.stop()
+    close_envs()
+  rep.update(policy=path, policy_version=version, tasks_file=args.tasks, samples=samples,
+             temperature=agent.temperature, k=ks, wall_s=round(time.time() - t0, 2))
+  return rep
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jaxagent.eval", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--policy", required=True,
+                 help="a policy export: RUN_DIR/policy (latest) or RUN_DIR/policy/vN")
+  p.add_argument("--tasks", required=True, help="held-out tasks (JSONL)")
+  p.add_argument("--k", default="1", help="pass@k for these k (comma-separated)")
+  p.add_argument("--samples", type=int, default=None, help="samples a task (default max k)")
+  p.add_argument("--greedy", action="store_true", help="one greedy sample a task (pass@1)")
+  p.add_argument("--temperature", type=float, default=None,
+                 help="sampling temperature (default: the run's agent.temperature)")
+  p.add_argument("--limit", type=int, default=0, help="only the first N tasks")
+  p.add_argument("--server", default=None, help="a rollout server serving this policy")
+  p.add_argument("--config", default=None, help="the run's config (default: its config.json)")
+  p.add_argument("--out", default=None, help="JSON report path")
+  p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+  args = p.parse_args(argv)
+  try:
+    if not os.path.exists(args.tasks):
+      raise config_lib.ConfigError(f"--tasks: no such file {args.tasks}")
+    if not os.path.exists(args.policy):
+      raise config_lib.ConfigError(f"--policy: no such export {args.policy}")
+    ks = [int(k) for k in args.k.split(",")]
+    if min(ks) < 1 or (args.samples is not None and args.samples < max(ks)):
+      raise config_lib.ConfigError("--k: each k must be >= 1 and <= --samples")
+    rep = asyncio.run(run(args))
+  except (config_lib.ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  out = args.out or os.path.join(
+      args.policy if os.path.isdir(args.policy) else os.path.dirname(args.policy),
+      f"eval-{os.path.splitext(os.path.basename(args.tasks))[0]}.json")
+  with open(out, "w") as f:
+    json.dump(rep, f, indent=1)
+  if args.json:
+    print(json.dumps(rep))
+  print_table(rep, rep["k"])
+  print(f"report: {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,104 @@
+"""Evaluation: the pass@k estimator, the report, `python -m jaxagent.eval` on a trained
+run's policy, and evaluation every N steps during training."""
+
+import json
+import math
+import os
+
+import pytest
+
+from jaxagent import eval as eval_lib
+from jaxagent.agent import Episode
+from tests.test_train_cli import SMALL, read_metrics, run_train
+
+HELD_OUT = "envs/tasks/guess_number_heldout.jsonl"
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+  assert eval_lib.pass_at_k(5, 2, 1) == pytest.approx(0.4)
+  assert eval_lib.pass_at_k(5, 2, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2))
+  assert eval_lib.pass_at_k(5, 0, 3) == 0.0 and eval_lib.pass_at_k(5, 4, 2) == 1.0
+  assert eval_lib.pass_at_k(4, 1, 4) == 1.0
+  with pytest.raises(ValueError):
+    eval_lib.pass_at_k(2, 1, 3)
+
+
+def _episode(task, passed, reward, turns=2, latency=1.0):
+  ep = Episode(task, "s", "g", [], [reward - 1.0 * passed, 1.0 * passed],
+               {"status": "pass" if passed else "fail", "reward": 1.0 * passed}, "completed",
+               turns=turns, tool_calls=1, invalid_tool_calls=0)
+  ep.latency_s = latency
+  return ep
+
+
+def test_report_per_environment_and_overall():
+  by_task = {"a": ("env1", [_episode("a", True, 1.5), _episode("a", False, 0.2)]),
+             "b": ("env1", [_episode("b", False, 0.0), _episode("b", False, 0.1)]),
+             "c": ("env2", [_episode("c", True, 1.0), _episode("c", True, 1.0)])}
+  rep = eval_lib.report(by_task, [1, 2])
+  env1, overall = rep["by_env"]["env1"], rep["overall"]
+  assert env1["tasks"] == 2 and env1["episodes"] == 4
+  assert env1["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+  assert env1["pass@2"] == pytest.approx((1.0 + 0.0) / 2)
+  assert overall["success_rate"] == pytest.approx(3 / 6)
+  assert overall["reward_terminal_mean"] == pytest.approx(3 / 6)
+  assert overall["reward_process_mean"] == pytest.approx((0.5 + 0.2 + 0 + 0.1 + 0 + 0) / 6)
+  assert overall["latency_s_p50"] == 1.0 and overall["tool_calls_mean"] == 1.0
+
+
+def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
+  run_dir = str(tmp_path / "run")
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=2", *SMALL,
+                   "eval.every=2", f"eval.tasks={HELD_OUT}", "eval.limit=4")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = read_metrics(run_dir)
+  assert "eval_success_rate" not in rows[0] and "eval_pass@1" in rows[1]
+  assert rows[1]["eval_tasks"] == 4 and "eval_guess_number_success_rate" in rows[1]
+
+  out = str(tmp_path / "report.json")
+  assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
+                        "--k", "1,2", "--limit", "3", "--out", out]) == 0
+  table = capsys.readouterr().out
+  assert "guess_number" in table and "pass@2" in table
+  with open(out) as f:
+    rep = json.load(f)
+  assert rep["policy_version"] == 2 and rep["samples"] == 2 and rep["k"] == [1, 2]
+  overall = rep["overall"]
+  assert overall["tasks"] == 3 and overall["episodes"] == 6
+  assert 0.0 <= overall["pass@1"] <= overall["pass@2"] <= 1.0
+  assert set(rep["by_env"]) == {"guess_number"} and "latency_s_p99" in overall
+
+  assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks",
+                        "/nonexistent.jsonl"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "--tasks" in err
+
+  # Serving the trained policy: `python -m rollout_server --policy RUN_DIR/policy`, and a
+  # chat through the official openai client.
+  import subprocess
+  import sys
+
+  import openai
+
+  from tests.conftest import REPO
+  from tests.rollout_server.test_router import _wait_healthy
+  from tests.rollout_server.test_cli import free_port
+
+  port = free_port()
+  server = subprocess.Popen([sys.executable, "-m", "rollout_server", "--policy",
+                             os.path.join(run_dir, "policy"), f"port={port}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, server)
+    import httpx
+    assert httpx.get(f"{url}/health").json()["version"] == 2
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="policy", max_tokens=8, temperature=0.0,
+        messages=[{"role": "user", "content": "Guess a number from 1 to 16."}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens >= 1
+  finally:
+    server.kill()
+    server.wait(timeout=30)
