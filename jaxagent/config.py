@@ -309,6 +309,19 @@ class EnvConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrajectoriesConfig:
+  """What a run records of the segments it trains on (`trajectories.jsonl[.gz]`)."""
+
+  # all: every trained segment; sample: those of every `sample_every`-th step; none.
+  mode: str = "all"
+  sample_every: int = 10
+  # gzip (trajectories.jsonl.gz) | none (trajectories.jsonl).
+  compress: str = "gzip"
+  # Each segment's tokens decoded to text beside its ids.
+  text: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
   """Evaluation during training on held-out tasks (`python -m jaxagent.eval` alone)."""
 
@@ -340,6 +353,7 @@ class RunConfig:
   serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
   env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  trajectories: TrajectoriesConfig = dataclasses.field(default_factory=TrajectoriesConfig)
   # Stop early once the success rate over the episodes of the last `stop_window` steps
   # reaches it (0: never).
   stop_success_rate: float = 0.0

@@ -106,21 +106,19 @@ class MetricsWriter:
 
 
 def cut_jsonl(path: str, last_step: int) -> int:
-  """Rewrites the JSONL file at `path` without its rows whose `step` is past
-  `last_step` and without lines a kill cut short; rows without a step stay. The new
-  file replaces the old in one rename. Returns the rows kept."""
+  """Rewrites the JSONL file at `path` (gzipped if it ends in .gz) without its rows
+  whose `step` is past `last_step` and without what a kill cut short; rows without a
+  step stay. The new file replaces the old in one rename. Returns the rows kept."""
+  from jaxagent.trajectory import open_jsonl, read_jsonl
+
   if not os.path.exists(path):
     return 0
   kept = 0
-  tmp = path + ".tmp"
-  with open(path) as src, open(tmp, "w") as dst:
-    for line in src:
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue
+  tmp = path[:-3] + ".tmp.gz" if path.endswith(".gz") else path + ".tmp"  # same format
+  with open_jsonl(tmp, "w") as dst:
+    for row in read_jsonl(path):
       if row.get("step") is None or row["step"] <= last_step:
-        dst.write(line if line.endswith("\n") else line + "\n")
+        dst.write(json.dumps(row) + "\n")
         kept += 1
   os.replace(tmp, path)
   return kept

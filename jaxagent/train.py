@@ -6,7 +6,7 @@ jitted learner, and weight updates every `rollout.sync_every` steps (in memory
 for in-process servers; servers by URL load a policy export, written then and
 every `checkpoint.export_every` steps). One run directory holds `config.json`,
 `metrics.jsonl`, TensorBoard events, `checkpoints/`, `policy/`,
-`trajectories.jsonl` and `learning_curve.png`. `--resume` continues from the
+`trajectories.jsonl.gz` and `learning_curve.png`. `--resume` continues from the
 last checkpoint that reads back: parameters, optimiser, data-iterator position,
 policy version, wall time and the tasks that were in flight. What the stopped
 run wrote after that step (metrics rows, trajectory segments, TensorBoard
@@ -41,6 +41,7 @@ from jaxagent.metrics import MetricsWriter, cut_jsonl, episode_metrics, plot_lea
 from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.scheduler import (RolloutScheduler, check_advantage_config, episode_index,
                                 make_batch)
+from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE
 from jaxagent.trajectory import dump_segments
 from jaxagent.wal import TokenWAL, take_replay
 
@@ -208,6 +209,12 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if cfg.rollout.mode not in ("sync", "async", "window"):
     raise config_lib.ConfigError(f"rollout.mode: unknown {cfg.rollout.mode!r}; known: sync, "
                                  "async, window")
+  t = cfg.trajectories
+  if t.mode not in ("all", "sample", "none") or t.compress not in ("gzip", "none") or (
+      t.sample_every < 1):
+    raise config_lib.ConfigError(
+        f"trajectories: mode must be all, sample or none (got {t.mode!r}), compress gzip or "
+        f"none (got {t.compress!r}), sample_every >= 1 (got {t.sample_every})")
   if cfg.eval.every:
     if not cfg.eval.tasks or not os.path.exists(cfg.eval.tasks):
       raise config_lib.ConfigError(f"eval.tasks: no such file {cfg.eval.tasks!r} (needed with "
@@ -236,19 +243,19 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   env_latency(cfg)
 
 
-def trajectories_file(run_dir: str) -> str:
+def trajectories_file(run_dir: str, cfg: config_lib.RunConfig) -> str:
   """Where this process records the segments it trains on (process 0:
-  trajectories.jsonl, others one file each)."""
+  trajectories.jsonl[.gz], others one file each)."""
   name = ("trajectories.jsonl" if distributed.is_primary() else
           f"trajectories.process{jax.process_index()}.jsonl")
-  return os.path.join(run_dir, name)
+  return os.path.join(run_dir, name + (".gz" if cfg.trajectories.compress == "gzip" else ""))
 
 
-def cut_back(run_dir: str, step: int, version: int) -> None:
+def cut_back(run_dir: str, cfg: config_lib.RunConfig, step: int, version: int) -> None:
   """Rewinds what a stopped run wrote after the `step` (and policy `version`) a
   resumed run restores: each process its trajectory segments, process 0 the metrics
   rows and the newer policy exports."""
-  cut_jsonl(trajectories_file(run_dir), step)
+  cut_jsonl(trajectories_file(run_dir, cfg), step)
   if distributed.is_primary():
     cut_jsonl(os.path.join(run_dir, "metrics.jsonl"), step)
     drop_versions_after(os.path.join(run_dir, "policy"), version)
@@ -364,7 +371,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             f"{int(state.step)}", file=sys.stderr)
     t_start -= meta.get("wall_time_s", 0.0)  # the run's wall time goes on from there
     saved_canary = meta.get("canary")
-    cut_back(run_dir, int(state.step), int(state.policy_version))
+    cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
     requeue = [TaskSpec.from_dict(t) for t in meta.get("pending_tasks", [])]
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
           f"{len(requeue)} tasks re-queued)")
@@ -382,8 +389,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
               f"({sum(len(r) for r in replays)} turns) to replay")
     wal.clear()
   if distributed.is_primary():  # after a resume has restored: a failed one changes nothing
+    written = cfg
+    if cfg.model.chat_template is None and tokenizer.chat_template == CHATML_TOOLS_TEMPLATE:
+      # The template the run uses (chosen because the checkpoint's own drops the tools):
+      # what serves or evaluates this run's policy must render its prompts the same way.
+      written = dataclasses.replace(cfg, model=dataclasses.replace(
+          cfg.model, chat_template="chatml_tools"))
     with open(os.path.join(run_dir, "config.json"), "w") as f:
-      json.dump(config_lib.to_dict(cfg), f, indent=1)
+      json.dump(config_lib.to_dict(written), f, indent=1)
   policy_root = os.path.join(run_dir, "policy")
   version = int(state.policy_version)
   # With several processes each serves its own rollouts on its own devices; the weights
@@ -564,8 +577,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         await loop.run_in_executor(None, export_policy, policy_root, version, state.params, None)
         exported = version
       t_rollout_mark = time.perf_counter()
-      await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir),
-                                 info["used_segments"], step)
+      traj = cfg.trajectories
+      if traj.mode == "all" or (traj.mode == "sample" and step % traj.sample_every == 0):
+        await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir, cfg),
+                                   info["used_segments"], step,
+                                   tokenizer.decode if traj.text else None)
       out_tokens = row.get("output_tokens", 0)
       row.update({
           "wall_time_s": round(time.time() - t_start, 3), "policy_version": version,

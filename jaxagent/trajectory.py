@@ -27,9 +27,11 @@ Contracts tier: NumPy and the standard library only.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
-from typing import Any, Iterable, Optional
+import zlib
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -158,23 +160,51 @@ class Segment:
     return cls(**d)
 
 
-def dump_segments(path: str, segments: Iterable[Segment], step: Optional[int] = None) -> int:
-  """Appends segments to a JSONL file, each marked with the learner `step` that
-  trained them when given; returns how many were written."""
+def open_jsonl(path: str, mode: str = "r"):
+  """A JSONL file in text mode, gzip-compressed when `path` ends in .gz (appends add a
+  gzip member, which readers see as one stream)."""
+  if path.endswith(".gz"):
+    return gzip.open(path, mode + "t" if "t" not in mode else mode, encoding="utf-8")
+  return open(path, mode, encoding="utf-8")
+
+
+def read_jsonl(path: str) -> Iterator[dict]:
+  """The rows of a (gzipped) JSONL file; a last line or member cut short by a kill ends it."""
+  with open_jsonl(path) as f:
+    try:
+      for line in f:
+        try:
+          yield json.loads(line)
+        except json.JSONDecodeError:
+          return
+    except (EOFError, gzip.BadGzipFile, zlib.error):
+      return
+
+
+def dump_segments(path: str, segments: Iterable[Segment], step: Optional[int] = None,
+                  text: Optional[Callable[[list[int]], str]] = None) -> int:
+  """Appends segments to a JSONL file (gzipped if `path` ends in .gz), each marked with
+  the learner `step` that trained them when given and, with `text` (a tokenizer's
+  decode), its tokens as text; returns how many were written."""
   n = 0
-  with open(path, "a") as f:
+  with open_jsonl(path, "a") as f:
     for s in segments:
       d = s.to_json()
       if step is not None:
         d["step"] = step
+      if text is not None:
+        d["text"] = text(s.tokens.tolist())
       f.write(json.dumps(d) + "\n")
       n += 1
   return n
 
 
 def load_segments(path: str) -> list[Segment]:
-  with open(path) as f:
-    return [Segment.from_json(json.loads(line)) for line in f if line.strip()]
+  out = []
+  for d in read_jsonl(path):
+    d.pop("text", None)
+    out.append(Segment.from_json(d))
+  return out
 
 
 # -- the message tree ---------------------------------------------------------------------

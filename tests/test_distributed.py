@@ -89,8 +89,8 @@ def test_train_cli_as_two_processes(tmp_path):
   with open(run_dir / "policy" / "versions.json") as f:
     assert [v["version"] for v in json.load(f)["versions"]] == [1, 2]
   assert os.listdir(run_dir / "checkpoints") == ["2"]
-  assert (run_dir / "trajectories.jsonl").exists()
-  assert (run_dir / "trajectories.process1.jsonl").exists()
+  assert (run_dir / "trajectories.jsonl.gz").exists()
+  assert (run_dir / "trajectories.process1.jsonl.gz").exists()
   assert "done: 2 steps" in outs[0] and "done:" not in outs[1]
 
 

@@ -49,8 +49,11 @@ def test_report_per_environment_and_overall():
 def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   run_dir = str(tmp_path / "run")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=2", *SMALL,
-                   "eval.every=2", f"eval.tasks={HELD_OUT}", "eval.limit=4")
+                   "eval.every=2", f"eval.tasks={HELD_OUT}", "eval.limit=4",
+                   "trajectories.mode=sample", "trajectories.sample_every=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  from jaxagent.trajectory import read_jsonl
+  assert {r["step"] for r in read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz"))} == {2}
   rows = read_metrics(run_dir)
   assert "eval_success_rate" not in rows[0] and "eval_pass@1" in rows[1]
   assert rows[1]["eval_tasks"] == 4 and "eval_guess_number_success_rate" in rows[1]

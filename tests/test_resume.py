@@ -16,6 +16,7 @@ import time
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxagent.trajectory import read_jsonl
 from tests.conftest import REPO
 from tests.test_train_cli import SMALL, read_metrics
 
@@ -166,8 +167,8 @@ def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
   wall = [r["wall_time_s"] for r in rows]
   assert wall == sorted(wall), wall
   assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
-  with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
-    traj_steps = [json.loads(line)["step"] for line in f]
+  traj_steps = [row["step"] for row in read_jsonl(os.path.join(run_dir,
+                                                              "trajectories.jsonl.gz"))]
   assert traj_steps == sorted(traj_steps) and set(traj_steps) == set(range(1, STEPS + 1))
   assert tensorboard_points(os.path.join(run_dir, "tensorboard"), "loss") == list(
       range(1, STEPS + 1))

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from jaxagent.trajectory import read_jsonl
 from tests.conftest import REPO
 
 SMALL = ["rollout.groups_per_step=2", "rollout.group_size=4", "rollout.filter_equal_rewards=false",
@@ -37,15 +38,15 @@ def test_tiny_default_runs_and_resumes(tmp_path):
               "rollout_s", "learner_s", "weight_sync_s", "loss", "entropy", "grad_norm"):
     assert key in rows[-1], key
   assert rows[-1]["policy_version"] == 3
-  for name in ("metrics.jsonl", "learning_curve.png", "trajectories.jsonl", "config.json"):
+  for name in ("metrics.jsonl", "learning_curve.png", "trajectories.jsonl.gz", "config.json"):
     assert os.path.exists(os.path.join(run_dir, name)), name
   assert os.listdir(os.path.join(run_dir, "tensorboard"))
   assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["2", "3"]
   with open(os.path.join(run_dir, "policy", "versions.json")) as f:
     assert [v["version"] for v in json.load(f)["versions"]] == [1, 2, 3]
-  with open(os.path.join(run_dir, "trajectories.jsonl")) as f:
-    seg = json.loads(f.readline())
+  seg = next(read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz")))
   assert seg["advantages"] is not None and seg["status"] in ("completed", "truncated")
+  assert "<|im_start|>assistant" in seg["text"]  # the tokens as text, beside the ids
 
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
                    "--canary", "steps=4", *SMALL)
@@ -75,9 +76,10 @@ def test_early_stop_exports_the_final_policy(tmp_path):
   run_dir = str(tmp_path / "run")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=50",
                    "stop_success_rate=0.0001", "stop_window=1", *SMALL[:-1],
-                   "checkpoint.export_every=0")
+                   "checkpoint.export_every=0", "trajectories.mode=none")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "stopping" in proc.stdout
+  assert not [n for n in os.listdir(run_dir) if n.startswith("trajectories")]
   step = read_metrics(run_dir)[-1]["step"]
   assert step < 50
   with open(os.path.join(run_dir, "policy", "versions.json")) as f:
@@ -126,6 +128,8 @@ def _bad_settings(tmp_path):
       (tiny + ["steps=many"], "steps"),
       (tiny + ["data.tasks=/nonexistent.jsonl"], "data.tasks"),
       (tiny + ["rollout.mode=fast"], "rollout.mode"),
+      (tiny + ["trajectories.mode=most"], "trajectories: mode"),
+      (tiny + ["eval.every=5"], "eval.tasks"),
       (tiny + ["env.latency.distribution=pareto"], "'pareto'"),
       (tiny + ["model.preset=nanoo"], "did you mean 'nano'"),
       (tiny + ["model.checkpoint=/nonexistent.gguf"], "model.checkpoint"),
@@ -165,6 +169,8 @@ def test_smollm2_calculator_config_runs(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   # The GGUF's own template drops tools: chatml_tools is chosen, and said so.
   assert "drops the tools the tasks offer (calculate); using chatml_tools" in proc.stdout
+  with open(os.path.join(run_dir, "config.json")) as f:  # what serves its policy uses it too
+    assert json.load(f)["model"]["chat_template"] == "chatml_tools"
   (row,) = read_metrics(run_dir)
   assert row["episodes"] == 2 and row["action_tokens"] > 0
   assert 0 <= row["tool_call_rate"] <= 1 and row["groups_with_signal"] in (0, 1)

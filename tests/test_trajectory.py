@@ -1,5 +1,6 @@
 """Trajectory manager: CLEAN / REALIGN / FORK on real tokenizers, branches, lineage, dumps."""
 
+import os
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from jaxagent.batch import pack
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
 from jaxagent.trajectory import (CLEAN, FORK, REALIGN, TrajectoryManager, TurnRecord,
-                                 dump_segments, load_segments)
+                                 dump_segments, load_segments, read_jsonl)
 
 
 def turn(prompt, output, version=1, messages=None, response=None, role="main", base=-1.0):
@@ -166,6 +167,22 @@ def test_dump_and_replay_give_the_same_batch(tmp_path):
   b, _ = pack([s.to_training() for s in loaded], 2, 16)
   for x, y in zip(a, b):
     np.testing.assert_array_equal(x, y)
+
+  # Gzipped, with the tokens as text; appends add members; a cut tail ends the stream.
+  gz = str(tmp_path / "traj.jsonl.gz")
+  text = lambda ids: ",".join(map(str, ids))  # noqa: E731
+  dump_segments(gz, segs[:1], step=1, text=text)
+  dump_segments(gz, segs[1:], step=2, text=text)
+  rows = list(read_jsonl(gz))
+  assert [r["step"] for r in rows] == [1, 2] and rows[0]["text"] == "1,2,3,4,5,6,7,8"
+  assert [s.step for s in load_segments(gz)] == [1, 2]
+  from jaxagent.metrics import cut_jsonl
+  assert cut_jsonl(gz, 1) == 1 and [r["step"] for r in read_jsonl(gz)] == [1]
+  before = os.path.getsize(gz)
+  dump_segments(gz, segs[1:], step=2, text=text)
+  with open(gz, "r+b") as f:  # a kill in the middle of the last write
+    f.truncate((before + os.path.getsize(gz)) // 2)
+  assert [r["step"] for r in read_jsonl(gz)] == [1]
 
 
 def test_mismatched_record_is_rejected():
