@@ -1,10 +1,20 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
-import jax
-import pytest
+# One persistent XLA compilation cache for the session, inherited by every process a
+# test starts (trainers, servers, launchers): they compile the same small models, and
+# after the first one they load the executables instead (a tiny training run starts in
+# ~8 s instead of ~19 s). JAX reads these when it is imported, just below.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      tempfile.mkdtemp(prefix="jaxagent-tests-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Implicit rank promotion hides shape bugs; the whole suite runs with it off.
 jax.config.update("jax_numpy_rank_promotion", "raise")
