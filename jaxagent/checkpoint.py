@@ -28,6 +28,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -45,14 +46,16 @@ UNREADABLE = ".unreadable"  # a run checkpoint that did not read back, kept for 
 @contextlib.contextmanager
 def _quiet_abandoned_reads():
   """Drops what Python would print for Orbax's array reads abandoned when one fails
-  ("Exception ignored in: <coroutine ...>" with a traceback each): the failure is
-  reported once, in one line, by the caller."""
+  ("Exception ignored in: <coroutine ...>" with a traceback each, "coroutine ... was
+  never awaited"): the failure is reported once, in one line, by the caller."""
   previous = sys.unraisablehook
   sys.unraisablehook = lambda unraisable: None
   try:
     yield
   finally:
-    gc.collect()  # the abandoned coroutines go now, while the hook is quiet
+    with warnings.catch_warnings():  # "coroutine ... was never awaited", one a read
+      warnings.simplefilter("ignore", RuntimeWarning)
+      gc.collect()  # the abandoned coroutines go now, while the hook is quiet
     sys.unraisablehook = previous
 
 
