@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -118,8 +119,6 @@ def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
 
 
 async def run(args) -> dict:
-  import dataclasses
-
   from envs.base import load_tasks
   from jaxagent.agent import run_whitebox
   from jaxagent.build import build_model
