@@ -33,7 +33,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from jaxagent.trajectory import TurnRecord
+from jaxagent.trajectory import TurnRecord, read_jsonl
 
 
 def tokens_hash(ids) -> str:
@@ -140,15 +140,9 @@ class Replay:
 
 
 def read_log(path: str) -> list[dict]:
-  """The records of a log; a last line cut short by a crash is left out."""
-  out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        break  # the write the crash interrupted: not committed
-  return out
+  """The records of a log; a last line cut short by a crash (a write the crash
+  interrupted: not committed) is left out."""
+  return list(read_jsonl(path))
 
 
 class TokenWAL:
