@@ -23,6 +23,8 @@ class TrajectoryBatch(NamedTuple):
   rollout_weight:  1 / action tokens of the token's whole rollout (per-rollout reduction)
   old_logp:        learner log-probs before this update (None: on-policy, use the current)
   ref_logp:        reference-policy log-probs for a KL penalty (None: no KL)
+  versions:        policy version that sampled the token (int32; -1 where mask is 0;
+                   None: not recorded); the learner's staleness weighting reads it
   """
 
   tokens: np.ndarray
@@ -34,6 +36,7 @@ class TrajectoryBatch(NamedTuple):
   rollout_weight: np.ndarray
   old_logp: Optional[np.ndarray] = None
   ref_logp: Optional[np.ndarray] = None
+  versions: Optional[np.ndarray] = None
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -77,7 +80,7 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
   """Packs segments into `rows` rows of `seq_len` tokens (first fit).
 
   Each segment is a dict of 1-D arrays `tokens`, `loss_mask`, `rollout_logp`,
-  `advantages` (and optionally `old_logp`, `ref_logp`) plus a `rollout_id`
+  `advantages` (and optionally `old_logp`, `ref_logp`, `versions`) plus a `rollout_id`
   (any hashable; segments of one rollout share it). Segments are placed in order, or
   longest first with `decreasing` (first-fit decreasing: fuller rows; the rows used
   are then a prefix of the batch). Returns the batch and, for each segment, its row
@@ -89,9 +92,11 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
   positions = np.zeros(shape, np.int32)
   segment_ids = np.zeros(shape, np.int32)
   rollout_ids = np.full(shape, -1, np.int64)
+  versions = np.full(shape, -1, np.int32)
   fill = np.zeros(rows, np.int64)
   placed = np.full(len(segments), -1, np.int64)
-  has = {name: any(name in s for s in segments) for name in ("old_logp", "ref_logp")}
+  has = {name: any(name in s for s in segments) for name in ("old_logp", "ref_logp",
+                                                             "versions")}
   rollout_index: dict = {}  # rollout ids may be any hashable (strings from sessions)
   order = range(len(segments))
   if decreasing:  # stable: equal lengths keep their order
@@ -113,6 +118,8 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
     for name in FLOAT_FIELDS:
       if name in seg:
         out[name][r, sl] = seg[name]
+    if "versions" in seg:
+      versions[r, sl] = np.where(np.asarray(seg["loss_mask"]) > 0, seg["versions"], -1)
     fill[r] += n
     placed[i] = r
   out["rollout_weight"] = rollout_weights(out["loss_mask"], rollout_ids)
@@ -121,7 +128,8 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
       loss_mask=out["loss_mask"], rollout_logp=out["rollout_logp"],
       advantages=out["advantages"], rollout_weight=out["rollout_weight"],
       old_logp=out["old_logp"] if has["old_logp"] else None,
-      ref_logp=out["ref_logp"] if has["ref_logp"] else None)
+      ref_logp=out["ref_logp"] if has["ref_logp"] else None,
+      versions=versions if has["versions"] else None)
   return batch, placed
 
 

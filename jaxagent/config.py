@@ -106,6 +106,13 @@ class LearnerConfig:
   correction_level: str = "token"
   correction_low: float = 0.5
   correction_high: float = 2.0
+  # Tokens sampled by older policies (async rollout; staleness = this update's policy
+  # version - the token's): none trains them like fresh ones; mask drops tokens staler
+  # than max_token_staleness from the loss; decay scales their advantage by
+  # staleness_decay ** staleness.
+  staleness: str = "none"
+  max_token_staleness: int = 1
+  staleness_decay: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)

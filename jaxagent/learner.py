@@ -114,6 +114,13 @@ def check_config(cfg: LearnerConfig) -> None:
   if cfg.lr_schedule not in SCHEDULES:
     raise ValueError(f"learner.lr_schedule: unknown {cfg.lr_schedule!r}; "
                      f"known: {sorted(SCHEDULES)}")
+  if cfg.staleness not in losses.STALENESS_MODES:
+    raise ValueError(f"learner.staleness: unknown {cfg.staleness!r}; "
+                     f"known: {', '.join(losses.STALENESS_MODES)}")
+  if cfg.max_token_staleness < 0:
+    raise ValueError(f"learner.max_token_staleness must be >= 0, got {cfg.max_token_staleness}")
+  if not 0.0 < cfg.staleness_decay <= 1.0:
+    raise ValueError(f"learner.staleness_decay must be in (0, 1], got {cfg.staleness_decay}")
   if cfg.epochs < 1:
     raise ValueError(f"learner.epochs must be >= 1, got {cfg.epochs}")
   if cfg.microbatches < 1:
@@ -136,14 +143,23 @@ def token_logps(model, batch: TrajectoryBatch, cfg: LearnerConfig
   return losses.align_to_tokens(logp), losses.align_to_tokens(entropy)
 
 
-def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig
+def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig,
+                         policy_version: Optional[jax.Array] = None
                          ) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-  """Unreduced objective sum of one microbatch, its denominator and metric (sum, denom) pairs."""
+  """Unreduced objective sum of one microbatch, its denominator and metric (sum, denom)
+  pairs. `policy_version` is the version this update trains (for token staleness)."""
   logp, entropy = token_logps(model, batch, cfg)
   mask = batch.loss_mask
+  advantages = batch.advantages
+  metrics: dict[str, tuple] = {}
+  if cfg.staleness != "none" and batch.versions is not None and policy_version is not None:
+    stale = losses.staleness_weighting(batch.versions, policy_version, mask,
+                                       mode=cfg.staleness, max_staleness=cfg.max_token_staleness,
+                                       decay=cfg.staleness_decay)
+    advantages, mask = advantages * stale.scale, stale.mask
+    metrics.update(stale.metrics)
   # On-policy single update: the learner's "old" policy is the current one.
   old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
-  metrics: dict[str, tuple] = {}
   is_w = None
   if cfg.correction_mode != "none":
     corr = losses.rollout_correction(old_logp, batch.rollout_logp, mask, batch.segment_ids,
@@ -155,7 +171,7 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig
       cfg.reduction, segment_ids_BxT=batch.segment_ids,
       rollout_weight_BxT=batch.rollout_weight,
       norm_len=float(cfg.norm_len or batch.tokens.shape[1]))
-  pl = POLICY_LOSSES[cfg.policy_loss](cfg, logp, old_logp, batch.advantages, mask,
+  pl = POLICY_LOSSES[cfg.policy_loss](cfg, logp, old_logp, advantages, mask,
                                        batch.segment_ids, reduce, is_w)
   metrics.update(pl.metrics)
   metrics["pg_loss"] = (pl.sum, pl.denom)
@@ -252,8 +268,10 @@ def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_
   first update's loss as `loss_first`."""
   chex.assert_rank(batch.tokens, 2)
 
+  version = state.policy_version  # the version these updates train (token staleness)
+
   def objective(params, mb):
-    return microbatch_objective(bind(graphdef, abstract_state, params), mb, cfg)
+    return microbatch_objective(bind(graphdef, abstract_state, params), mb, cfg, version)
 
   if cfg.epochs > 1 and batch.old_logp is None:
     batch = batch._replace(old_logp=old_logps(

@@ -406,3 +406,44 @@ def kl_penalty(logp_BxT: Array, ref_logp_BxT: Array, estimator: str = "k3") -> A
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {sorted(KL_ESTIMATORS)}")
   return KL_ESTIMATORS[estimator](
       jnp.clip(logp_BxT - ref_logp_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+
+# -- stale tokens ---------------------------------------------------------------------
+
+
+STALENESS_MODES = ("none", "mask", "decay")
+
+
+class Staleness(NamedTuple):
+  """Per-token advantage scale `[B, T]`, the loss mask after staleness masking, metrics."""
+  scale: Array
+  mask: Array
+  metrics: dict
+
+
+def staleness_weighting(versions_BxT: Array, policy_version: Array, mask_BxT: Array, *,
+                        mode: str = "none", max_staleness: int = 1, decay: float = 0.5
+                        ) -> Staleness:
+  """How much tokens sampled by older policies count (AReaL's decoupled staleness).
+
+  A token's staleness is `policy_version - versions` (the updates since the policy
+  that sampled it). `mask` drops tokens staler than `max_staleness` from the loss and
+  its denominators; `decay` keeps them but scales their advantage by
+  `decay ** staleness` (their gradient shrinks, the denominators do not change);
+  `none` trains every token alike. Tokens whose version is unknown (< 0) count as fresh.
+  """
+  if mode not in STALENESS_MODES:
+    raise ValueError(f"unknown staleness mode {mode!r}; known: {list(STALENESS_MODES)}")
+  stale = jnp.where(versions_BxT >= 0, policy_version - versions_BxT, 0).astype(jnp.float32)
+  stale = jnp.maximum(stale, 0.0)
+  scale = jnp.ones_like(mask_BxT)
+  new_mask = mask_BxT
+  if mode == "mask":
+    new_mask = mask_BxT * (stale <= max_staleness)
+  elif mode == "decay":
+    scale = jnp.power(jnp.float32(decay), stale)
+  m = mask_BxT
+  return Staleness(scale, new_mask, {
+      "stale_masked_frac": token_mean(mask_BxT - new_mask, m),
+      "stale_scale_mean": token_mean(scale, m),
+  })

@@ -57,6 +57,25 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
   return out
 
 
+def token_staleness_metrics(versions, loss_mask, learner_version: int) -> dict:
+  """The distribution of the trained tokens' staleness (updates since the policy that
+  sampled each token): mean, max, p50/p90 and the fractions at 0, 1, 2 and 3 or more."""
+  if versions is None:
+    return {}
+  v = np.asarray(versions)[np.asarray(loss_mask) > 0]
+  v = v[v >= 0]
+  if not len(v):
+    return {}
+  stale = learner_version - v.astype(np.int64)
+  out = {"token_staleness_mean": float(stale.mean()), "token_staleness_max": int(stale.max()),
+         "token_staleness_p50": float(np.percentile(stale, 50)),
+         "token_staleness_p90": float(np.percentile(stale, 90))}
+  for k in (0, 1, 2):
+    out[f"token_staleness_frac_{k}"] = float(np.mean(stale == k))
+  out["token_staleness_frac_3plus"] = float(np.mean(stale >= 3))
+  return out
+
+
 class MetricsWriter:
   """One JSON object per learner step in metrics.jsonl, the same scalars in TensorBoard.
 

@@ -37,7 +37,8 @@ from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, drop_ver
                                  export_policy)
 from jaxagent.data import task_dataset
 from jaxagent.learner import Learner
-from jaxagent.metrics import MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve
+from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
+                              token_staleness_metrics)
 from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.scheduler import (RolloutScheduler, check_advantage_config, episode_index,
                                 make_batch)
@@ -544,7 +545,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       if m is None:
         continue  # nothing to learn from (all filtered or too long): sample again; the
         # next step's metrics count these episodes and their time too
-      row = {"step": step + 1, **episode_metrics(played, accepted, version)}
+      row = {"step": step + 1, **episode_metrics(played, accepted, version),
+             **token_staleness_metrics(batch.versions, batch.loss_mask, version)}
       if wal is not None:
         row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)
       if multi:  # the episode counts and success of every process, not only this one's

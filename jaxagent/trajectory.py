@@ -139,7 +139,7 @@ class Segment:
       raise ValueError(f"segment {self.segment_id} has no advantages yet")
     return {"tokens": self.tokens, "loss_mask": self.loss_mask,
             "rollout_logp": self.rollout_logp, "advantages": self.advantages,
-            "rollout_id": self.rollout_id}
+            "versions": self.versions, "rollout_id": self.rollout_id}
 
   def to_json(self) -> dict:
     d = {}

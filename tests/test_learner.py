@@ -59,6 +59,41 @@ def test_microbatched_gradient_equals_full_batch_gradient(reduction):
                                  err_msg=f"{name} microbatches={n}")
 
 
+@pytest.mark.parametrize("mode", ["mask", "decay"])
+def test_staleness_weighting_equals_training_on_the_reweighted_batch(mode):
+  """Masking stale tokens is their loss mask at 0; decay is their advantage scaled."""
+  cfg = LearnerConfig(staleness=mode, max_token_staleness=1, staleness_decay=0.5)
+  learner = Learner(CFG, cfg, make_mesh())
+  params = init_params(CFG, 0)
+  batch = make_batch()
+  rng = np.random.default_rng(1)
+  versions = np.where(batch.loss_mask > 0, rng.integers(7, 11, batch.loss_mask.shape), -1)
+  stale = 10 - versions
+  if mode == "mask":
+    want_batch = batch._replace(loss_mask=batch.loss_mask * ((stale <= 1) | (versions < 0)))
+  else:
+    want_batch = batch._replace(advantages=batch.advantages * np.where(
+        versions >= 0, 0.5 ** stale, 1.0).astype(np.float32))
+
+  def grad(b, c, version):
+    def mean(p):
+      s, (d, _) = microbatch_objective(bind(learner.graphdef, learner.abstract_params, p),
+                                       jax.tree.map(jnp.asarray, b), c, version)
+      return s / d
+    return jax.grad(mean)(params)
+
+  got = grad(batch._replace(versions=versions.astype(np.int32)), cfg, jnp.int32(10))
+  want = grad(want_batch, LearnerConfig(), None)
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], atol=1e-7, rtol=1e-5, err_msg=name)
+  # The whole step: stale tokens counted in the metrics.
+  state = learner.init_state(0).replace(policy_version=jnp.int32(5))
+  _, m = learner.step(state, batch._replace(
+      versions=np.where(batch.loss_mask > 0, 0, -1).astype(np.int32)))  # all 5 behind
+  assert float(m["stale_masked_frac"]) == (1.0 if mode == "mask" else 0.0)
+  assert float(m["stale_scale_mean"]) == (1.0 if mode == "mask" else 0.5 ** 5)
+
+
 def test_step_metrics_and_learning():
   cfg = LearnerConfig(lr=1e-2, correction_mode="mask", kl_coef=0.01, entropy_coef=0.001)
   learner = Learner(CFG, cfg, make_mesh())
@@ -121,6 +156,8 @@ def test_bad_settings_name_their_key():
     Learner(CFG, LearnerConfig(reduction="mean"), make_mesh())
   with pytest.raises(ValueError, match="learner.lr_schedule"):
     Learner(CFG, LearnerConfig(lr_schedule="step"), make_mesh())
+  with pytest.raises(ValueError, match="learner.staleness"):
+    Learner(CFG, LearnerConfig(staleness="drop"), make_mesh())
   with pytest.raises(ValueError, match="learner.epochs"):
     Learner(CFG, LearnerConfig(epochs=0), make_mesh())
   learner = Learner(CFG, LearnerConfig(microbatches=3), make_mesh())

@@ -293,3 +293,21 @@ def test_unknown_names_are_errors():
     losses.rollout_correction(z, z, z, z, level="word")
   with pytest.raises(ValueError, match="mode"):
     losses.rollout_correction(z, z, z, z, mode="clip")
+
+
+def test_staleness_weighting_masks_or_decays_old_tokens():
+  versions = jnp.array([[7, 6, 5, 4, -1, 6]])
+  mask = jnp.array([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+  none = losses.staleness_weighting(versions, jnp.int32(7), mask)
+  np.testing.assert_array_equal(none.mask, mask)
+  np.testing.assert_array_equal(none.scale, jnp.ones_like(mask))
+  out = losses.staleness_weighting(versions, jnp.int32(7), mask, mode="mask", max_staleness=1)
+  # staleness 0, 1, 2, 3; an unknown version (-1) counts as fresh; mask 0 stays 0
+  np.testing.assert_array_equal(out.mask, [[1, 1, 0, 0, 1, 0]])
+  s, d = out.metrics["stale_masked_frac"]
+  assert float(s / d) == pytest.approx(2 / 5)
+  out = losses.staleness_weighting(versions, jnp.int32(7), mask, mode="decay", decay=0.5)
+  np.testing.assert_allclose(out.scale, [[1, 0.5, 0.25, 0.125, 1, 0.5]])
+  np.testing.assert_array_equal(out.mask, mask)
+  with pytest.raises(ValueError, match="staleness mode"):
+    losses.staleness_weighting(versions, jnp.int32(7), mask, mode="drop")

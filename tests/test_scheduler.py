@@ -269,6 +269,20 @@ def test_make_batch_advantages_and_packing(estimator):
   assert batch.tokens.shape == (2, 32)  # six 8-token segments fill two rows exactly
 
 
+def test_batches_carry_each_tokens_policy_version():
+  from jaxagent.metrics import token_staleness_metrics
+  from jaxagent.scheduler import Group
+  groups = [Group(g, None, [episode(g, f"s{g}-{i}", f"g{g}", reward=float(i), version=v)
+                            for i in range(2)]) for g, v in enumerate([5, 3])]
+  batch, _ = make_batch(groups, AdvantageConfig(), rows=8, seq_len=32, pad_id=0)
+  sampled = batch.loss_mask > 0
+  assert sorted(np.unique(batch.versions[sampled])) == [3, 5]
+  assert (batch.versions[~sampled] == -1).all()  # prompts, observations and padding
+  m = token_staleness_metrics(batch.versions, batch.loss_mask, 6)
+  assert m["token_staleness_frac_1"] == 0.5 and m["token_staleness_frac_3plus"] == 0.5
+  assert m["token_staleness_mean"] == 2.0 and m["token_staleness_max"] == 3
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "chunk"])
 def test_batch_baseline_gives_uniform_failures_a_signal(estimator):
   """A group whose samples all fail alike: 0 against its own group, negative against

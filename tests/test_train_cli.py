@@ -35,7 +35,8 @@ def test_tiny_default_runs_and_resumes(tmp_path):
               "reward_process_mean", "turns_mean", "tool_calls", "invalid_tool_calls",
               "action_tokens", "episode_latency_s_p50", "episode_latency_s_p99",
               "rollout_tokens_per_s", "valid_trajectories_per_s", "policy_lag_mean",
-              "rollout_s", "learner_s", "weight_sync_s", "loss", "entropy", "grad_norm"):
+              "rollout_s", "learner_s", "weight_sync_s", "loss", "entropy", "grad_norm",
+              "token_staleness_mean", "token_staleness_frac_0"):
     assert key in rows[-1], key
   assert rows[-1]["policy_version"] == 3
   for name in ("metrics.jsonl", "learning_curve.png", "trajectories.jsonl.gz", "config.json"):
