@@ -284,6 +284,7 @@ class Engine:
     self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
                                    static_argnums=(3,))
     self._verify = jax.jit(self._verify_impl, donate_argnums=(1,))
+    self._score = jax.jit(self._score_impl)
 
   # -- JetStream properties ----------------------------------------------------------
 
@@ -576,3 +577,38 @@ class Engine:
     if remaining is None:
       remaining = np.full(self._slots, steps, np.int32)
     return self._generate_steps(params, decode_state, np.asarray(remaining, np.int32), steps)
+
+  # -- scoring ------------------------------------------------------------------------
+
+  def _score_impl(self, params, tokens, segment_ids, temperature):
+    from jaxagent import losses
+
+    model = bind(self.graphdef, self.abstract_params, params["weights"])
+    positions = jnp.maximum(jnp.cumsum(segment_ids > 0, axis=1) - 1, 0).astype(jnp.int32)
+    hidden, _ = model.hidden_states(tokens, positions, segment_ids)
+    logp, _ = losses.chunked_token_logp_and_entropy(
+        hidden, model.head_matrix(), losses.shifted_targets(tokens), temperature)
+    return losses.align_to_tokens(logp)
+
+  def score(self, params, sequences: Sequence[Sequence[int]], temperature: float = 1.0,
+            rows: int = 8) -> list[np.ndarray]:
+    """The log-prob of every token of each sequence given the tokens before it (0 for the
+    first), under `params` at `temperature`: one forward pass, no KV kept (what a
+    reference, a teacher or a judge of sampled tokens needs). Sequences are scored
+    `rows` at a time, padded to a bucketed length, each alone in its row, so a
+    sequence's log-probs do not depend on what is scored beside it. An extension of
+    JetStream's API."""
+    out: list[np.ndarray] = []
+    for i in range(0, len(sequences), rows):
+      chunk = [np.asarray(s, np.int32) for s in sequences[i:i + rows]]
+      T = bucket(max(max(len(s) for s in chunk), 1), self.min_bucket)
+      tokens = np.zeros((rows, T), np.int32)
+      segment_ids = np.zeros((rows, T), np.int32)
+      for r, s in enumerate(chunk):
+        if len(s) and (s.min() < 0 or s.max() >= self.vocab_size):
+          raise ValueError(f"sequence {i + r}: token ids must be in [0, {self.vocab_size})")
+        tokens[r, :len(s)] = s
+        segment_ids[r, :len(s)] = 1
+      logp = np.asarray(self._score(params, tokens, segment_ids, jnp.float32(temperature)))
+      out += [logp[r, :len(s)].copy() for r, s in enumerate(chunk)]
+    return out

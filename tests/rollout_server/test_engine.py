@@ -54,6 +54,26 @@ def test_engine_logprobs_equal_learner_teacher_forced(random_params):
   assert set(versions) == {7}
 
 
+def test_score_gives_every_tokens_logprob_as_sampled(random_params):
+  """`score` (a frozen model's view of given tokens) equals what sampling recorded, at any
+  temperature, and a sequence's scores do not depend on what is scored beside it."""
+  engine = make_engine()
+  params = engine.load_params(random_params)
+  prompt = [3, 14, 15, 92, 65, 35]
+  toks, logp, _, _ = run_alone(engine, params, prompt, SamplingParams(temperature=0.7, seed=4),
+                               20)
+  seqs = [prompt + toks, [5, 6], prompt]
+  scored = engine.score(params, seqs, temperature=0.7, rows=2)
+  assert [len(s) for s in scored] == [len(s) for s in seqs] and scored[0][0] == 0.0
+  np.testing.assert_allclose(scored[0][len(prompt):], logp, atol=2e-5)
+  alone = engine.score(params, [prompt], temperature=0.7)[0]
+  np.testing.assert_allclose(alone, scored[2], atol=1e-6)
+  np.testing.assert_allclose(engine.score(params, [prompt + toks])[0],
+                             teacher_forced(random_params, prompt + toks), atol=2e-5)
+  with pytest.raises(ValueError, match="token ids"):
+    engine.score(params, [[1, 10 ** 6]])
+
+
 def test_tempered_and_truncated_logprobs(random_params):
   engine = make_engine()
   params = engine.load_params(random_params)
