@@ -147,3 +147,16 @@ def to_tokens(values_NxK: Array, sample_idx_BxT: Array, turn_ids_BxT: Array,
   K = values_NxK.shape[1]
   out = values_NxK[sample_idx_BxT, jnp.clip(turn_ids_BxT, 0, K - 1)]
   return jnp.where(mask_BxT > 0, out, 0.0)
+
+
+def distillation(teacher_logp_T: Array, student_logp_T: Array, mask_T: Array,
+                 coef: float = 1.0) -> Array:
+  """On-policy distillation's per-token advantage: `coef * (log pi_teacher - log pi_student)`
+  of each sampled action token (0 elsewhere).
+
+  Its expectation under the student is `-coef * KL(student || teacher)` per token, so the
+  policy gradient with these advantages descends the reverse KL to the teacher on the
+  student's own samples (no discounting: each token is credited with its own term).
+  """
+  chex.assert_equal_shape([teacher_logp_T, student_logp_T, mask_T])
+  return jnp.where(mask_T > 0, coef * (teacher_logp_T - student_logp_T), 0.0)

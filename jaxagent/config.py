@@ -97,7 +97,12 @@ class LearnerConfig:
   reduction: str = "token_mean"
   # Dr. GRPO's constant length for seq_mean_token_sum_norm; 0 means the row length.
   norm_len: int = 0
+  # KL(policy || reference) penalty; the reference's log-probs come from `kl_reference`:
+  # "initial" (the run's initial weights, kept frozen by the learner, which scores the
+  # batch itself) or the name of a served model (serving.models, or a remote server's
+  # models), which scores it.
   kl_coef: float = 0.0
+  kl_reference: str = "initial"
   # k1 | k2 | k3
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
@@ -208,6 +213,12 @@ class AdvantageConfig:
   # group whose samples all fail alike still learns that its actions are worse than the
   # step's; turn off rollout.filter_equal_rewards with it.
   baseline: str = "group"
+  # On-policy distillation: a served teacher model (serving.models, or a remote server's
+  # models) scores the student's sampled tokens; each action token's advantage gains
+  # opd_coef x (teacher log-prob - student log-prob), the per-token reverse KL's
+  # negative. With estimator "opd" that is the whole advantage (no task reward).
+  teacher: Optional[str] = None
+  opd_coef: float = 1.0
 
 
 
@@ -251,6 +262,22 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServedModelConfig:
+  """A model a rollout server hosts beside its policy (a frozen reference, a teacher for
+  on-policy distillation, a judge); requests name it in `model`."""
+
+  model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+  # Its weights: a policy export (a version directory, or a root with versions.json: its
+  # latest version); None: `model` as built (its checkpoint, or its preset's random init
+  # with `seed`).
+  policy: Optional[str] = None
+  seed: int = 0
+  # false: frozen, weight updates never touch it; true: an update naming it loads into it.
+  update_weights: bool = False
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
   """`python -m rollout_server --config ...`: one rollout server."""
 
@@ -272,6 +299,8 @@ class ServerConfig:
   max_sessions: int = 10000
   session_ttl_s: Optional[float] = 3600.0
   session_max_bytes: Optional[int] = 1 << 30
+  # More models served beside the policy, by name (see ServedModelConfig).
+  models: dict[str, ServedModelConfig] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +315,10 @@ class ServingConfig:
   # learner's, time-shared). Weight updates reshard from
   # the learner's mesh to these devices directly (no host copy).
   devices: str = ""
+  # In-process only: more models served beside the policy, by name (a frozen reference
+  # for learner.kl_reference, a teacher for advantage.teacher, a judge); remote servers
+  # declare theirs in their own config.
+  models: dict[str, ServedModelConfig] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

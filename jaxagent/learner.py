@@ -259,14 +259,20 @@ def _update(state: TrainState, batch: TrajectoryBatch, objective, tx, cfg: Learn
   return state.replace(params=params, opt_state=opt_state), out
 
 
-def train_step(state: TrainState, batch: TrajectoryBatch, *, graphdef, abstract_state,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, cfg: LearnerConfig,
+def train_step(state: TrainState, batch: TrajectoryBatch, ref_params: Optional[Params] = None,
+               *, graphdef, abstract_state, tx: optax.GradientTransformation,
+               schedule: optax.Schedule, cfg: LearnerConfig,
                micro_sharding: Optional[NamedSharding] = None) -> tuple[TrainState, dict]:
   """`cfg.epochs` optimiser updates on `batch` (one new policy version), each accumulating
   `cfg.microbatches` exactly. With several epochs the ratios of later updates are taken
   against the policy before the first (PPO); the metrics are the last update's, with the
-  first update's loss as `loss_first`."""
+  first update's loss as `loss_first`. `ref_params`: a frozen reference whose log-probs
+  of the batch (computed here, unless the batch brings `ref_logp`) the KL penalty uses."""
   chex.assert_rank(batch.tokens, 2)
+  if ref_params is not None and batch.ref_logp is None:
+    batch = batch._replace(ref_logp=old_logps(
+        ref_params, batch, graphdef=graphdef, abstract_state=abstract_state, cfg=cfg,
+        micro_sharding=micro_sharding))
 
   version = state.policy_version  # the version these updates train (token staleness)
 
@@ -322,6 +328,9 @@ class Learner:
                              schedule=self.schedule, cfg=cfg, micro_sharding=micro)
     self._step = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                          out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+    self._step_ref = jax.jit(
+        step, in_shardings=(self.state_shardings, self.batch_sharding, self.param_shardings),
+        out_shardings=(self.state_shardings, replicated), donate_argnums=0)
 
   def _abstract_param_values(self):
     from flax import nnx
@@ -361,6 +370,11 @@ class Learner:
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch)
 
-  def step(self, state: TrainState, batch: TrajectoryBatch) -> tuple[TrainState, dict]:
-    """Runs the jitted step. `state` is donated: do not use it afterwards."""
-    return self._step(state, self.shard_batch(batch))
+  def step(self, state: TrainState, batch: TrajectoryBatch,
+           ref_params: Optional[Params] = None) -> tuple[TrainState, dict]:
+    """Runs the jitted step. `state` is donated: do not use it afterwards. `ref_params`
+    (params placed like the state's, e.g. a copy of the initial ones): the frozen
+    reference the learner scores the batch with for the KL penalty."""
+    if ref_params is None:
+      return self._step(state, self.shard_batch(batch))
+    return self._step_ref(state, self.shard_batch(batch), ref_params)

@@ -283,7 +283,7 @@ def _jit(fn, *static: str):
   return jax.jit(fn, static_argnames=static)
 
 
-ESTIMATORS = ("grpo", "rloo", "chunk")
+ESTIMATORS = ("grpo", "rloo", "chunk", "opd")
 BASELINES = ("group", "batch")
 
 
@@ -295,6 +295,8 @@ def check_advantage_config(cfg: AdvantageConfig) -> None:
   if cfg.baseline not in BASELINES:
     raise ValueError(f"advantage.baseline: unknown {cfg.baseline!r}; known: "
                      f"{', '.join(BASELINES)}")
+  if cfg.estimator == "opd" and not cfg.teacher:
+    raise ValueError("advantage.estimator opd needs advantage.teacher (a served model's name)")
 
 
 def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
@@ -333,6 +335,8 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
         jnp.asarray(rewards), jnp.asarray(valid), gamma=cfg.gamma,
         group_ids_N=jnp.asarray(gid), num_groups=num_groups, scale_by_std=cfg.scale_by_std))
     per_turn = True
+  elif cfg.estimator == "opd":  # the teacher's term alone
+    values, per_turn = np.zeros((len(episodes), 1), np.float32), False
   else:  # unreachable: checked above
     raise AssertionError(cfg.estimator)
   for i, e in enumerate(episodes):
@@ -340,6 +344,13 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
       turns = np.clip(s.turn_ids, 0, values.shape[1] - 1) if per_turn else np.zeros_like(
           s.turn_ids)
       s.advantages = (values[i, turns] * s.loss_mask).astype(np.float32)
+      if cfg.teacher:
+        if s.teacher_logp is None:
+          raise ValueError(f"segment {s.segment_id} has no teacher log-probs "
+                           f"(advantage.teacher {cfg.teacher!r} did not score it)")
+        s.advantages = s.advantages + np.asarray(adv.distillation(
+            jnp.asarray(s.teacher_logp), jnp.asarray(s.rollout_logp),
+            jnp.asarray(s.loss_mask), cfg.opd_coef), np.float32)
 
 
 def batch_rows(used_rows: int, max_rows: int, multiple: int = 1) -> int:

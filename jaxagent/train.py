@@ -28,14 +28,16 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from jaxagent import config as config_lib, distributed
-from jaxagent.agent import Episode, run_blackbox, run_whitebox
+from jaxagent.agent import BLACKBOX_AGENTS, Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, drop_versions_after,
                                  export_policy)
 from jaxagent.data import task_dataset
+from jaxagent.errors import InfraError
 from jaxagent.learner import Learner
 from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
                               token_staleness_metrics)
@@ -75,6 +77,7 @@ class Serving:
 
     self._threads = []
     self.orch = None
+    self.models = {}
     s = cfg.serving
     if s.urls:
       url = s.urls[0]
@@ -87,16 +90,23 @@ class Serving:
       self.client = HttpClient(url)
       self.gateway_url = url
       return
-    from rollout_server.serving import make_engine, start_orchestrator
+    from rollout_server.serving import build_served_models, make_engine, start_orchestrator
     from rollout_server.server import create_app
 
     engine = make_engine(model_cfg, s.engine, mesh)
     sample_params = jax.device_put(params, engine.weight_shardings)
+    self.models = build_served_models(s.models, mesh)
+    for name, m in self.models.items():  # scored tokens must mean the same to both
+      if m.engine.vocab_size != model_cfg.vocab_size:
+        self.close_models()
+        raise config_lib.ConfigError(
+            f"serving.models.{name}: vocabulary of {m.engine.vocab_size} tokens, the "
+            f"policy's has {model_cfg.vocab_size}")
     self.orch = start_orchestrator(engine, engine.load_params(sample_params, version=0),
                                    s.engine)
-    self.client = LocalClient(self.orch, engine)
+    self.client = LocalClient(self.orch, engine, models=self.models)
     self.gateway_url = None
-    if s.gateway or cfg.agent.kind == "openai":
+    if s.gateway or cfg.agent.kind in BLACKBOX_AGENTS:
       app = create_app(self.orch, tokenizer,
                        load_params=lambda path, v: engine.load_params(path=path, version=v))
       gateway = ServerThread(app).start()
@@ -109,6 +119,11 @@ class Serving:
       t.stop()
     if self.orch is not None:
       self.orch.stop()
+    self.close_models()
+
+  def close_models(self) -> None:
+    for m in self.models.values():
+      m.orch.stop()
 
 
 def env_latency(cfg: config_lib.RunConfig):
@@ -224,9 +239,9 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     if not cfg.eval.k or min(cfg.eval.k) < 1 or max(cfg.eval.k) > samples:
       raise config_lib.ConfigError(f"eval.k: each k must be in 1..{samples} (eval.samples; "
                                    "1 when eval.greedy)")
-  if cfg.agent.kind not in ("whitebox", "openai"):
+  if cfg.agent.kind != "whitebox" and cfg.agent.kind not in BLACKBOX_AGENTS:
     raise config_lib.ConfigError(f"agent.kind: unknown {cfg.agent.kind!r}; known: whitebox, "
-                                 "openai")
+                                 f"{', '.join(BLACKBOX_AGENTS)}")
   if cfg.agent.compaction not in ("none", "summary", "fork"):
     raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}")
   if cfg.rollout.group_size < 2:
@@ -241,7 +256,55 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     check_advantage_config(cfg.advantage)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
+  if cfg.advantage.estimator == "opd" and cfg.rollout.filter_equal_rewards:
+    raise config_lib.ConfigError("advantage.estimator opd: set rollout.filter_equal_rewards="
+                                 "false (distillation needs no reward spread in a group)")
+  if cfg.serving.models and cfg.serving.urls:
+    raise config_lib.ConfigError("serving.models: only for in-process serving; with "
+                                 "serving.urls declare the models in the servers' configs")
+  for key, name in served_scorers(cfg).values():
+    if not cfg.serving.urls and name not in cfg.serving.models:
+      raise config_lib.ConfigError(f"{key}: no served model {name!r} in serving.models "
+                                   f"(have {sorted(cfg.serving.models)})")
   env_latency(cfg)
+
+
+def served_scorers(cfg: config_lib.RunConfig) -> dict[str, tuple[str, str]]:
+  """The segment fields a served model fills in before batching: field -> (the config
+  key that asks for it, the model's name)."""
+  out = {}
+  if cfg.learner.kl_coef and cfg.learner.kl_reference != "initial":
+    out["ref_logp"] = ("learner.kl_reference", cfg.learner.kl_reference)
+  if cfg.advantage.teacher:
+    out["teacher_logp"] = ("advantage.teacher", cfg.advantage.teacher)
+  return out
+
+
+async def score_segments(client, groups, scorers: dict, temperature: float,
+                         attempts: int = 3) -> dict:
+  """Fills in each field of `scorers` on every segment of `groups` with the named served
+  model's log-probs of its tokens (a failed call is retried; the last failure is
+  raised). Returns metrics: with a teacher, the mean over action tokens of
+  log pi_student - log pi_teacher (a sampled estimate of the per-token reverse KL)."""
+  segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
+  if not segments:
+    return {}
+  for field, (_, model) in scorers.items():
+    for attempt in range(attempts):
+      try:
+        scores = await client.score(model, [s.tokens.tolist() for s in segments], temperature)
+        break
+      except InfraError:
+        if attempt == attempts - 1:
+          raise
+        await asyncio.sleep(0.5 * 2 ** attempt)
+    for s, x in zip(segments, scores):
+      setattr(s, field, np.asarray(x, np.float32))
+  if "teacher_logp" not in scorers:
+    return {}
+  mask = np.concatenate([s.loss_mask for s in segments])
+  gap = np.concatenate([s.rollout_logp - s.teacher_logp for s in segments])
+  return {"opd_reverse_kl": float(np.sum(gap * mask) / max(np.sum(mask), 1.0))}
 
 
 def trajectories_file(run_dir: str, cfg: config_lib.RunConfig) -> str:
@@ -355,6 +418,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                     lr_decay_steps=cfg.learner.lr_decay_steps or cfg.steps)
   learner = Learner(model_cfg, learner_cfg, mesh)
   state = learner.init_state(cfg.seed, params)
+  # The KL penalty's reference when the learner scores it: the run's initial weights,
+  # frozen (rebuilt the same way on a resume: the preset's seed or the checkpoint).
+  ref_params = (jax.tree.map(jnp.copy, state.params)
+                if cfg.learner.kl_coef and cfg.learner.kl_reference == "initial" else None)
+  scorers = served_scorers(cfg)
   tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle))
   ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                          async_save=cfg.checkpoint.async_save)
@@ -449,10 +517,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   async def play(task_dict, session_id, group_id) -> Episode:
     task = task_dict if isinstance(task_dict, TaskSpec) else TaskSpec.from_dict(task_dict)
     env = env_factory(task)
-    if cfg.agent.kind == "openai":
+    if cfg.agent.kind in BLACKBOX_AGENTS:
       return await run_blackbox(env, task, serving.gateway_url, cfg.agent,
                                 session_id=session_id, group_id=group_id,
-                                tokenizer=tokenizer)
+                                tokenizer=tokenizer, api=cfg.agent.kind)
     replay = log = None
     if wal is not None:
       i = episode_index(session_id)
@@ -504,7 +572,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                              agree_rows=distributed.agree_max if multi else None)
     if distributed.agree_max(info["segments"]) == 0:
       return state, None, batch, info
-    state, m = learner.step(state, batch)
+    state, m = learner.step(state, batch, ref_params)
     return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, info
 
   step = int(state.step)
@@ -537,6 +605,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     while step < cfg.steps and signals["got"] is None:
       accepted, taken = await scheduler.next_groups()
       played += taken
+      scored = (await score_segments(serving.client, accepted, scorers, learner_cfg.temperature)
+                if scorers else {})
       rollout_s = time.perf_counter() - t_rollout_mark
       t0 = time.perf_counter()
       # Batching, the step and reading its metrics run off the event loop, which keeps
@@ -546,7 +616,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         continue  # nothing to learn from (all filtered or too long): sample again; the
         # next step's metrics count these episodes and their time too
       row = {"step": step + 1, **episode_metrics(played, accepted, version),
-             **token_staleness_metrics(batch.versions, batch.loss_mask, version)}
+             **token_staleness_metrics(batch.versions, batch.loss_mask, version), **scored}
       if wal is not None:
         row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)
       if multi:  # the episode counts and success of every process, not only this one's

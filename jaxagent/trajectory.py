@@ -120,6 +120,10 @@ class Segment:
   meta_versions: dict = dataclasses.field(default_factory=dict)
   decisions: list[str] = dataclasses.field(default_factory=list)
   advantages: Optional[np.ndarray] = None  # filled in by the batcher
+  # A served model's log-probs of the tokens, filled in before batching when asked for:
+  # a frozen reference's (learner.kl_reference) and a teacher's (advantage.teacher).
+  ref_logp: Optional[np.ndarray] = None
+  teacher_logp: Optional[np.ndarray] = None
   step: Optional[int] = None  # the learner step that trained it, as a run records it
 
   def __len__(self) -> int:
@@ -137,9 +141,12 @@ class Segment:
     """The dict `jaxagent.batch.pack` takes (advantages must be set)."""
     if self.advantages is None:
       raise ValueError(f"segment {self.segment_id} has no advantages yet")
-    return {"tokens": self.tokens, "loss_mask": self.loss_mask,
-            "rollout_logp": self.rollout_logp, "advantages": self.advantages,
-            "versions": self.versions, "rollout_id": self.rollout_id}
+    out = {"tokens": self.tokens, "loss_mask": self.loss_mask,
+           "rollout_logp": self.rollout_logp, "advantages": self.advantages,
+           "versions": self.versions, "rollout_id": self.rollout_id}
+    if self.ref_logp is not None:
+      out["ref_logp"] = self.ref_logp
+    return out
 
   def to_json(self) -> dict:
     d = {}
@@ -155,8 +162,9 @@ class Segment:
                         ("rollout_logp", np.float32), ("versions", np.int32),
                         ("turn_ids", np.int32)):
       d[name] = np.asarray(d[name], dtype)
-    if d.get("advantages") is not None:
-      d["advantages"] = np.asarray(d["advantages"], np.float32)
+    for name in ("advantages", "ref_logp", "teacher_logp"):
+      if d.get(name) is not None:
+        d[name] = np.asarray(d[name], np.float32)
     return cls(**d)
 
 

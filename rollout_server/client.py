@@ -1,7 +1,8 @@
 """Clients of a rollout server, with the same async methods in-process and over HTTP.
 
 The learner talks to rollout servers only through these: `generate` (token
-ids in, a `TurnRecord` out), `update_weights` (load a policy export), `stats`.
+ids in, a `TurnRecord` out), `update_weights` (load a policy export), `score`
+(a served model's log-probs of given tokens: a reference, a teacher), `stats`.
 `LocalClient` wraps an in-process orchestrator; `HttpClient` a server or a
 router URL.
 """
@@ -32,11 +33,31 @@ def _record(r: dict) -> TurnRecord:
   return TurnRecord.from_result(r)
 
 
+def _check_scores(model: str, sequences, scores) -> list:
+  if not isinstance(scores, list) or len(scores) != len(sequences) or any(
+      len(s) != len(q) for s, q in zip(scores, sequences)):
+    raise GenerateError(f"model {model!r}: scores do not match the sequences sent")
+  return scores
+
+
 class LocalClient:
-  def __init__(self, orchestrator: Orchestrator, engine: Engine, load_params=None):
+  def __init__(self, orchestrator: Orchestrator, engine: Engine, load_params=None,
+               models: Optional[dict] = None):
     self.orch = orchestrator
     self.engine = engine
     self._load = load_params
+    self.models = models or {}  # name -> rollout_server.serving.ServedModel
+
+  async def score(self, model: str, sequences: list[list[int]],
+                  temperature: float = 1.0) -> list[list[float]]:
+    """The served model `model`'s log-prob of every token of each sequence (0 for the
+    first), at `temperature`."""
+    if model not in self.models:
+      raise GenerateError(f"no served model {model!r} (have {sorted(self.models)})",
+                          "request_refused")
+    loop = asyncio.get_running_loop()
+    out = await loop.run_in_executor(None, self.models[model].score, sequences, temperature)
+    return _check_scores(model, sequences, [x.tolist() for x in out])
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                      session_id: Optional[str] = None) -> TurnRecord:
@@ -114,6 +135,19 @@ class HttpClient:
     if out["finish_reason"] == "error":
       raise GenerateError(out.get("error") or "engine error")
     return _record(out)
+
+  async def score(self, model: str, sequences: list[list[int]],
+                  temperature: float = 1.0) -> list[list[float]]:
+    body = {"model": model, "input_ids": [list(map(int, s)) for s in sequences],
+            "temperature": temperature}
+    try:
+      r = await self._client.post(f"{self.url}/v1/score", json=body)
+    except httpx.HTTPError as e:
+      raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
+    if r.status_code != 200:
+      kind = "request_refused" if 400 <= r.status_code < 500 else "server"
+      raise GenerateError(f"{self.url}/v1/score: {r.status_code}: {r.text[:500]}", kind)
+    return _check_scores(model, sequences, r.json().get("logprobs"))
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
     r = await self._client.post(f"{self.url}/update_weights",

@@ -6,17 +6,18 @@ tests, benchmarks and the in-process servers of a training run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import uvicorn
 
 from jaxagent.build import build_model
 from jaxagent.checkpoint import REGISTRY, latest_version, list_versions
-from jaxagent.config import EngineConfig, ServerConfig
+from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
 from rollout_server.engine import Engine
@@ -63,20 +64,54 @@ def start_orchestrator(engine: Engine, engine_params, e: EngineConfig) -> Orches
                       decode_steps=e.decode_steps).start()
 
 
-def build_orchestrator(cfg: ServerConfig):
-  """Engine, orchestrator (started) and tokenizer for a server config."""
-  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-  model_cfg, params, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES)
-  e = cfg.engine
+@dataclasses.dataclass
+class ServedModel:
+  """A model a server hosts beside its policy (a reference, a teacher, a judge): its
+  engine, running orchestrator and tokenizer; `update_weights` False: frozen."""
+
+  name: str
+  engine: Engine
+  orch: Orchestrator
+  tokenizer: Any
+  update_weights: bool = False
+
+  def score(self, sequences, temperature: float = 1.0):
+    """Each sequence's per-token log-probs under the weights the model serves now."""
+    return self.engine.score(self.orch.params, sequences, temperature)
+
+
+def _start_model(spec: ModelSpec, e: EngineConfig, policy: Optional[str], seed: int, mesh):
+  """Builds `spec`, loads `policy` (an export) or the built/random weights, starts serving."""
+  model_cfg, params, tokenizer = build_model(spec, mesh, SAMPLE_RULES)
   engine = make_engine(model_cfg, e, mesh)
-  if cfg.policy is not None:
-    path, version = resolve_policy(cfg.policy)
+  if policy is not None:
+    path, version = resolve_policy(policy)
     engine_params = engine.load_params(path=path, version=version)
   else:
     if params is None:
-      params = init_params(model_cfg, cfg.seed, mesh, SAMPLE_RULES)
+      params = init_params(model_cfg, seed, mesh, SAMPLE_RULES)
     engine_params = engine.load_params(params, version=0)
   return engine, start_orchestrator(engine, engine_params, e), tokenizer
+
+
+def build_served_models(models: dict[str, ServedModelConfig], mesh) -> dict[str, ServedModel]:
+  """The extra models of a config (`models:`), each started on `mesh`."""
+  out = {}
+  for name, m in models.items():
+    try:
+      engine, orch, tokenizer = _start_model(m.model, m.engine, m.policy, m.seed, mesh)
+    except (OSError, ValueError) as e:
+      for started in out.values():
+        started.orch.stop()
+      raise ValueError(f"models.{name}: {e}") from e
+    out[name] = ServedModel(name, engine, orch, tokenizer, m.update_weights)
+  return out
+
+
+def build_orchestrator(cfg: ServerConfig):
+  """Engine, orchestrator (started) and tokenizer for a server config."""
+  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  return _start_model(cfg.model, cfg.engine, cfg.policy, cfg.seed, mesh)
 
 
 def build_app(cfg: ServerConfig):

@@ -94,6 +94,21 @@ def test_staleness_weighting_equals_training_on_the_reweighted_batch(mode):
   assert float(m["stale_scale_mean"]) == (1.0 if mode == "mask" else 0.5 ** 5)
 
 
+def test_the_learner_scores_its_frozen_reference_for_the_kl_penalty():
+  cfg = LearnerConfig(lr=1e-2, kl_coef=0.1)
+  learner = Learner(CFG, cfg, make_mesh())
+  state = learner.init_state(0)
+  ref = jax.tree.map(jnp.copy, state.params)  # the initial weights, kept frozen
+  batch = make_batch()
+  state, m = learner.step(state, batch, ref)
+  assert abs(float(m["kl_ref"])) < 1e-6  # the policy is still the reference
+  for _ in range(3):
+    state, m = learner.step(state, batch, ref)
+  assert float(m["kl_ref"]) > 1e-4  # it moved away; k3 is non-negative
+  state, m = learner.step(state, batch)  # no reference: no KL term
+  assert "kl_ref" not in m
+
+
 def test_step_metrics_and_learning():
   cfg = LearnerConfig(lr=1e-2, correction_mode="mask", kl_coef=0.01, entropy_coef=0.001)
   learner = Learner(CFG, cfg, make_mesh())
