@@ -8,7 +8,7 @@ that comes back (or serves another policy version) loads the current policy befo
 it takes traffic. `POST /update_weights` goes to every healthy backend and reports
 each one's result. The router keeps a copy of every session's recorded turns, so
 `GET /sessions/{id}` still answers after the backend that ran them died. A stream
-cut by a dying backend ends with an error event.
+cut by a dying backend ends with an error event (Anthropic's shape on `/v1/messages`).
 
 `python -m rollout_server.router --backends http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8000`
 """
@@ -30,6 +30,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rollout_server import anthropic_api
 from rollout_server.sessions import SessionStore
 
 SESSION_HEADER = "x-session-id"
@@ -245,7 +246,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-    records = session_id is not None and path in ("generate", "v1/chat/completions")
+    records = session_id is not None and path in ("generate", "v1/chat/completions",
+                                                    "v1/messages")
     last_error: Optional[str] = None
     for backend in order:
       req = client().build_request(request.method, f"{backend}/{path}", content=body,
@@ -261,29 +263,36 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
       out_headers["x-routed-to"] = backend
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamingResponse(relay(resp, backend, session_id if records else None),
+        return StreamingResponse(relay(resp, backend, session_id if records else None, path),
                                  status_code=resp.status_code, headers=out_headers)
       content = await resp.aread()
       await resp.aclose()
       if records and resp.status_code == 200:
         await copy_turns(session_id, backend)
       return Response(content, status_code=resp.status_code, headers=out_headers)
-    return JSONResponse({"detail": f"no backend could take the request; last error: "
-                                   f"{last_error}"}, status_code=502)
+    detail = f"no backend could take the request; last error: {last_error}"
+    if path == "v1/messages":
+      return JSONResponse(anthropic_api.error_body(502, detail), status_code=502)
+    return JSONResponse({"detail": detail}, status_code=502)
 
-  async def relay(resp: httpx.Response, backend: str, session_id: Optional[str]):
-    """Relays a stream; if the backend dies mid-stream, ends it with an error event
-    (as OpenAI's streams carry errors) instead of a silently cut connection."""
+  async def relay(resp: httpx.Response, backend: str, session_id: Optional[str], path: str):
+    """Relays a stream; if the backend dies mid-stream, ends it with an error event (in
+    the shape of the API's own stream errors: OpenAI's or Anthropic's) instead of a
+    silently cut connection."""
     try:
       async for chunk in resp.aiter_raw():
         yield chunk
     except httpx.TransportError as e:
       healthy[backend] = False
       failovers["streams_cut"] += 1
-      error = {"message": f"the rollout server {backend} went away mid-stream "
-                          f"({type(e).__name__}); the answer is incomplete: retry the request",
-               "type": "backend_unavailable", "code": 502}
-      yield f"data: {json.dumps({'error': error})}\n\n".encode()
+      message = (f"the rollout server {backend} went away mid-stream ({type(e).__name__}); "
+                 "the answer is incomplete: retry the request")
+      if path == "v1/messages":
+        body = json.dumps(anthropic_api.error_body(502, message))
+        yield f"event: error\ndata: {body}\n\n".encode()
+      else:
+        error = {"message": message, "type": "backend_unavailable", "code": 502}
+        yield f"data: {json.dumps({'error': error})}\n\n".encode()
       return
     finally:
       await resp.aclose()

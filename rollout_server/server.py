@@ -5,6 +5,9 @@
   and optional streaming. An `X-Session-Id` header groups the calls of one
   agent session; each call is recorded as a turn (prompt ids, output ids,
   log-probs, versions, finish reason) and `GET /sessions/{id}` returns them.
+- `POST /v1/messages`: Anthropic-compatible (`rollout_server.anthropic_api`), with
+  `tool_use` / `tool_result` blocks and streaming events, rendered and recorded as
+  the chat completions are (the same `X-Session-Id` header).
 - `POST /abort`, `POST /update_weights`, `GET /health`, `GET /metrics` (Prometheus).
 
 Bad requests get a 4xx naming what is wrong; nothing a request does stops the server.
@@ -17,9 +20,9 @@ import json
 import os
 import time
 import uuid
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Optional, Union
 
-from fastapi import FastAPI, HTTPException, Query, Request as HttpRequest
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -27,7 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxagent.config import ServerConfig
 from jaxagent.tokenizer import Tokenizer
-from jaxagent.toolcalls import parse_tool_calls
+from rollout_server import anthropic_api
+from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
+                                 normalise_messages)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request
 from rollout_server.sessions import SessionStore
@@ -38,27 +43,18 @@ SESSION_HEADER = "x-session-id"
 # -- request bodies -----------------------------------------------------------------------
 
 
-# Ranges the engine can take: a request outside them is refused with a 422 naming the
-# field, instead of failing on the device (and taking its prefill batch with it).
-_TOP_K = Field(0, ge=0, lt=2**31)
-_SEED = Field(None, ge=-(2**63), lt=2**63)
-_TEMPERATURE = Field(1.0, ge=0.0)
-_TOP_P = Field(1.0, gt=0.0, le=1.0)
-_TOKEN_ID = Field(ge=0, lt=2**31)
-
-
 class SamplingBody(BaseModel):
   model_config = ConfigDict(extra="forbid")
-  temperature: float = _TEMPERATURE
-  top_p: float = _TOP_P
-  top_k: int = _TOP_K
+  temperature: float = TEMPERATURE
+  top_p: float = TOP_P
+  top_k: int = TOP_K
   max_new_tokens: int = Field(64, ge=1)
-  stop_token_ids: list[Annotated[int, _TOKEN_ID]] = Field(default_factory=list)
-  seed: Optional[int] = _SEED
+  stop_token_ids: list[Annotated[int, TOKEN_ID]] = Field(default_factory=list)
+  seed: Optional[int] = SEED
 
 
 class GenerateBody(SamplingBody):
-  input_ids: list[Annotated[int, _TOKEN_ID]] = Field(min_length=1)
+  input_ids: list[Annotated[int, TOKEN_ID]] = Field(min_length=1)
   request_id: Optional[str] = None
   session_id: Optional[str] = None
 
@@ -81,14 +77,14 @@ class ChatBody(BaseModel):
   model: Optional[str] = None
   tools: Optional[list[dict]] = None
   tool_choice: Optional[Union[str, dict]] = None
-  temperature: float = _TEMPERATURE
-  top_p: float = _TOP_P
-  top_k: int = _TOP_K
+  temperature: float = TEMPERATURE
+  top_p: float = TOP_P
+  top_k: int = TOP_K
   max_tokens: Optional[int] = Field(None, ge=1)
   max_completion_tokens: Optional[int] = Field(None, ge=1)
-  seed: Optional[int] = _SEED
+  seed: Optional[int] = SEED
   stop: Optional[Union[str, list[str]]] = None
-  stop_token_ids: Optional[list[Annotated[int, _TOKEN_ID]]] = None
+  stop_token_ids: Optional[list[Annotated[int, TOKEN_ID]]] = None
   stream: bool = False
   n: int = 1
   logprobs: bool = False
@@ -149,27 +145,6 @@ def _sampling(body: SamplingBody, max_new: int, stop_ids: list[int]) -> Sampling
   return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                         max_new_tokens=max_new, stop_token_ids=tuple(stop_ids),
                         seed=body.seed if body.seed is not None else uuid.uuid4().int % (2**31))
-
-
-def _message_text(content: Any) -> str:
-  if content is None:
-    return ""
-  if isinstance(content, str):
-    return content
-  if isinstance(content, list):  # OpenAI content parts
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-  raise ValueError(f"message content must be a string or a list of parts, got {type(content)}")
-
-
-def _normalise_messages(messages: list[dict]) -> list[dict]:
-  out = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-      raise ValueError(f"messages[{i}] needs a role of system, user, assistant or tool")
-    m = dict(m)
-    m["content"] = _message_text(m.get("content"))
-    out.append(m)
-  return out
 
 
 async def _wait(req: Request) -> None:
@@ -312,6 +287,21 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       raise HTTPException(404, f"no session {session_id!r}")
     return {"session_id": session_id, "deleted": True}
 
+  def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,
+                 session_id: Optional[str], kind: str, id_prefix: str) -> ChatTurn:
+    """Renders a chat (internal form) through the template and submits it: what both chat
+    gateways do with a call."""
+    try:
+      messages = normalise_messages(messages)
+      prompt = tokenizer.apply_chat_template(messages, tools=tools)
+    except ValueError as e:
+      raise HTTPException(400, str(e))
+    except Exception as e:  # a template error names the problem
+      raise HTTPException(400, f"cannot render the chat template: {type(e).__name__}: {e}")
+    req = submit(prompt, sampling, None, session_id)
+    return ChatTurn(req, tokenizer, orch, messages=messages, tools=tools, sessions=sessions,
+                    session_id=session_id, kind=kind, id_prefix=id_prefix)
+
   @app.post("/v1/chat/completions")
   async def chat(body: ChatBody, http: HttpRequest):
     if body.n != 1:
@@ -319,44 +309,28 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     if body.stop:
       raise HTTPException(400, "stop strings are not supported (they would cut tokens); "
                                "use stop_token_ids")
-    try:
-      messages = _normalise_messages(body.messages)
-      prompt = tokenizer.apply_chat_template(messages, tools=body.tools)
-    except ValueError as e:
-      raise HTTPException(400, str(e))
-    except Exception as e:  # a template error names the problem
-      raise HTTPException(400, f"cannot render the chat template: {type(e).__name__}: {e}")
     max_new = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                    256)
     stops = list(tokenizer.stop_ids) + list(body.stop_token_ids or [])
     session_id = body.session_id or http.headers.get(SESSION_HEADER)
-    req = submit(prompt, _sampling(body, max_new, stops), None, session_id)
+    turn = start_chat(body.messages, body.tools, _sampling(body, max_new, stops), session_id,
+                      kind="chat", id_prefix="call")
+    req = turn.req
     created = int(time.time())
     cid = f"chatcmpl-{req.request_id}"
 
-    def finish(req: Request) -> tuple[dict, str]:
-      ids = req.output_ids
-      if ids and ids[-1] in tokenizer.stop_ids:
-        ids = ids[:-1]
-      text = tokenizer.decode(ids)
-      parsed = parse_tool_calls(text, id_prefix=f"call_{req.request_id}")
-      message = {"role": "assistant", "content": parsed.content if parsed.calls else text}
+    def finish() -> tuple[dict, str]:
+      message = turn.finish()
       reason = {"stop": "stop", "length": "length"}.get(req.finish_reason, req.finish_reason)
-      if parsed.calls:
-        message["tool_calls"] = [c.openai() for c in parsed.calls]
-        if req.finish_reason == "stop":
-          reason = "tool_calls"
-      if session_id:
-        sessions.record(session_id, _turn_record(
-            req, kind="chat", messages=messages, tools=body.tools, response=message,
-            tool_call_errors=parsed.errors))
+      if message.get("tool_calls") and req.finish_reason == "stop":
+        reason = "tool_calls"
       return message, reason
 
-    def usage(req: Request) -> dict:
+    def usage() -> dict:
       return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
               "total_tokens": len(req.prompt_ids) + len(req.output_ids)}
 
-    def logprobs(req: Request) -> Optional[dict]:
+    def logprobs() -> Optional[dict]:
       if not body.logprobs:
         return None
       return {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
@@ -364,27 +338,42 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
     if not body.stream:
       await run(req, http)
-      message, reason = finish(req)
+      message, reason = finish()
       return {"id": cid, "object": "chat.completion", "created": created,
               "model": body.model or model_name,
               "choices": [{"index": 0, "message": message, "finish_reason": reason,
-                           "logprobs": logprobs(req)}],
-              "usage": usage(req),
+                           "logprobs": logprobs()}],
+              "usage": usage(),
               "jaxagent": {"request_id": req.request_id, "versions": req.versions,
                            "prompt_ids": req.prompt_ids, "output_ids": req.output_ids}}
 
-    return StreamingResponse(_stream_chat(req, tokenizer, cid, created,
-                                          body.model or model_name, finish, usage, orch),
+    return StreamingResponse(_stream_chat(turn, cid, created, body.model or model_name,
+                                          finish, usage),
                              media_type="text/event-stream")
 
+  # Anthropic's Messages API: errors in Anthropic's shape (the route class), the chat
+  # converted to the internal form and served as above.
+  messages_api = APIRouter(route_class=anthropic_api.AnthropicRoute)
+
+  @messages_api.post("/v1/messages")
+  async def messages(body: anthropic_api.MessagesBody, http: HttpRequest):
+    chat_messages, tools = anthropic_api.chat_messages(body)
+    session_id = http.headers.get(SESSION_HEADER)
+    turn = start_chat(chat_messages, tools,
+                      _sampling(body, body.max_tokens, list(tokenizer.stop_ids)), session_id,
+                      kind="messages", id_prefix="toolu")
+    if body.stream:
+      return StreamingResponse(anthropic_api.stream_events(turn, body.model),
+                               media_type="text/event-stream")
+    await run(turn.req, http)
+    return anthropic_api.message_body(turn, body.model)
+
+  app.include_router(messages_api)
   return app
 
 
-async def _stream_chat(req, tokenizer, cid, created, model, finish, usage, orch):
+async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
   """Server-sent events: content deltas as tokens arrive, tool calls at the end."""
-  loop = asyncio.get_running_loop()
-  queue: asyncio.Queue = asyncio.Queue()
-  req.add_listener(lambda r, n: loop.call_soon_threadsafe(queue.put_nowait, n))
 
   def chunk(delta, reason=None, **extra):
     body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -394,25 +383,18 @@ async def _stream_chat(req, tokenizer, cid, created, model, finish, usage, orch)
   sent = ""
   try:
     yield chunk({"role": "assistant", "content": ""})
-    while not req.done:
-      await queue.get()
-      ids = [t for t in req.output_ids if t not in tokenizer.stop_ids]
-      text = tokenizer.decode(ids)
-      # Hold back text after a tool-call marker and incomplete UTF-8 (U+FFFD).
-      cut = text.find("<tool_call>")
-      visible = text if cut < 0 else text[:cut]
-      visible = visible.rstrip("\ufffd")
+    async for _ in turn.progress():
+      visible = turn.visible_text()
       if len(visible) > len(sent) and visible.startswith(sent):
         yield chunk({"content": visible[len(sent):]})
         sent = visible
-    message, reason = finish(req)
+    message, reason = finish()
     if message.get("tool_calls"):
       yield chunk({"tool_calls": [dict(c, index=i) for i, c in
                                   enumerate(message["tool_calls"])]})
     elif message["content"] != sent and message["content"].startswith(sent):
       yield chunk({"content": message["content"][len(sent):]})
-    yield chunk({}, reason, usage=usage(req))
+    yield chunk({}, reason, usage=usage())
     yield "data: [DONE]\n\n"
   finally:
-    if not req.done:
-      orch.abort(req.request_id)
+    turn.abort_unfinished()

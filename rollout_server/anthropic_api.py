@@ -1,0 +1,315 @@
+"""Anthropic's Messages API on the rollout server (`POST /v1/messages`).
+
+The request body; its conversion to the internal chat form (OpenAI-shaped message dicts:
+`tool_use` blocks become an assistant message's `tool_calls`, `tool_result` blocks become
+`tool` messages, tools become function schemas), so that the same chat renders to the same
+tokens through either gateway; the answer as Anthropic's content blocks; its server-sent
+events; and errors as Anthropic's `{"type": "error", "error": {"type", "message"}}`. The
+route is in `server.py`, beside the OpenAI one, and shares its rendering, sampling and
+session record (`rollout_server.chat`).
+
+Refused, naming the field: `stop_sequences` (a turn ends at the chat template's stop
+token; cutting at text would cut sampled tokens), a `tool_choice` other than `auto` (the
+engine samples freely: it can neither force nor forbid a tool call), a last message of the
+assistant's (Anthropic continues it; the chat template closes it), content blocks other
+than `text`, `tool_use` and `tool_result` (images, documents, thinking). `temperature`,
+`top_p`, `top_k` and `seed` are read from the body (recent `anthropic` clients send the
+first three through `extra_body`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, AsyncIterator, Literal, Optional, Union
+
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_server.chat import SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn
+
+# -- request bodies -----------------------------------------------------------------------
+
+
+class _Block(BaseModel):
+  # Fields that change nothing here (cache_control, citations, ...) are dropped.
+  model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Block):
+  type: Literal["text"]
+  text: str
+
+
+class ToolUseBlock(_Block):
+  type: Literal["tool_use"]
+  id: str
+  name: str
+  input: dict
+
+
+class ToolResultBlock(_Block):
+  type: Literal["tool_result"]
+  tool_use_id: str
+  content: Union[str, list[TextBlock]] = ""
+  is_error: bool = False
+
+
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock],
+                         Field(discriminator="type")]
+
+
+class MessageParam(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  role: Literal["user", "assistant"]
+  content: Union[str, list[ContentBlock]]
+
+
+class ToolParam(_Block):
+  type: Optional[Literal["custom"]] = None  # Anthropic's server tools are not served here
+  name: str = Field(min_length=1)
+  description: Optional[str] = None
+  input_schema: dict
+
+
+class ToolChoice(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["auto", "any", "tool", "none"]
+  name: Optional[str] = None
+  disable_parallel_tool_use: Optional[bool] = None
+
+
+class Metadata(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  user_id: Optional[str] = None
+
+
+class MessagesBody(BaseModel):
+  # Unknown fields are accepted and ignored, as on the OpenAI route.
+  model_config = ConfigDict(extra="allow")
+  model: str
+  max_tokens: int = Field(ge=1)
+  messages: list[MessageParam] = Field(min_length=1)
+  system: Optional[Union[str, list[TextBlock]]] = None
+  tools: Optional[list[ToolParam]] = None
+  tool_choice: Optional[ToolChoice] = None
+  temperature: float = TEMPERATURE
+  top_p: float = TOP_P
+  top_k: int = TOP_K
+  stop_sequences: Optional[list[str]] = None
+  stream: bool = False
+  metadata: Optional[Metadata] = None
+  seed: Optional[int] = SEED  # not Anthropic's: the sampling seed, as on the OpenAI route
+
+
+# -- to the internal chat form --------------------------------------------------------------
+
+
+def _text(content: Union[str, list[TextBlock]]) -> str:
+  return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def _user_messages(content: Union[str, list], where: str) -> list[dict]:
+  """A user message: its tool results as `tool` messages, its text as user messages, in
+  their order."""
+  if isinstance(content, str):
+    return [{"role": "user", "content": content}]
+  out: list[dict] = []
+  for j, b in enumerate(content):
+    if isinstance(b, ToolUseBlock):
+      raise ValueError(f"{where}.content.{j}: a tool_use block belongs in an assistant message")
+    if isinstance(b, ToolResultBlock):
+      tool = {"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+      if b.is_error:  # kept in the session record; the template renders the text
+        tool["is_error"] = True
+      out.append(tool)
+    elif out and out[-1]["role"] == "user":
+      out[-1]["content"] += b.text
+    else:
+      out.append({"role": "user", "content": b.text})
+  return out
+
+
+def _assistant_message(content: Union[str, list], where: str) -> dict:
+  """An assistant message: its text, and its tool uses as OpenAI-shaped tool calls."""
+  if isinstance(content, str):
+    return {"role": "assistant", "content": content}
+  text, calls = "", []
+  for j, b in enumerate(content):
+    if isinstance(b, ToolResultBlock):
+      raise ValueError(f"{where}.content.{j}: a tool_result block belongs in a user message")
+    if isinstance(b, TextBlock):
+      text += b.text
+    else:
+      calls.append({"id": b.id, "type": "function",
+                    "function": {"name": b.name, "arguments": json.dumps(b.input)}})
+  message = {"role": "assistant", "content": text}
+  if calls:
+    message["tool_calls"] = calls
+  return message
+
+
+def _function_schema(tool: ToolParam) -> dict:
+  function = {"name": tool.name}
+  if tool.description is not None:
+    function["description"] = tool.description
+  function["parameters"] = tool.input_schema
+  return {"type": "function", "function": function}
+
+
+def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]:
+  """The request in the internal chat form: (messages, tool schemas), OpenAI's shapes.
+  ValueError names what cannot be served."""
+  if body.stop_sequences:
+    raise ValueError("stop_sequences: not supported (a turn ends at the chat template's stop "
+                     "token; stopping at text would cut sampled tokens)")
+  if body.tool_choice is not None and body.tool_choice.type != "auto":
+    raise ValueError(f"tool_choice: only auto is supported, got {body.tool_choice.type!r} (the "
+                     "engine samples freely: it can neither force nor forbid a tool call)")
+  if body.messages[-1].role == "assistant":
+    raise ValueError(f"messages.{len(body.messages) - 1}: the last message must be the user's "
+                     "(continuing an assistant's text is not supported)")
+  messages = []
+  system = _text(body.system) if body.system is not None else ""
+  if system:
+    messages.append({"role": "system", "content": system})
+  for i, m in enumerate(body.messages):
+    where = f"messages.{i}"
+    if m.role == "user":
+      messages += _user_messages(m.content, where)
+    else:
+      messages.append(_assistant_message(m.content, where))
+  tools = [_function_schema(t) for t in body.tools] if body.tools else None
+  return messages, tools
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def content_blocks(message: dict) -> list[dict]:
+  """An internal assistant message as Anthropic content blocks: its text (when there is
+  any, or nothing else), then a `tool_use` block a call."""
+  calls = message.get("tool_calls") or []
+  blocks = []
+  if message["content"] or not calls:
+    blocks.append({"type": "text", "text": message["content"]})
+  for c in calls:
+    blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                   "input": json.loads(c["function"]["arguments"])})
+  return blocks
+
+
+def stop_reason(turn: ChatTurn) -> str:
+  """end_turn, tool_use (a stop after tool calls), max_tokens; an engine's abort or error
+  as its own word."""
+  finish = turn.req.finish_reason
+  if finish == "stop" and turn.finish().get("tool_calls"):
+    return "tool_use"
+  return {"stop": "end_turn", "length": "max_tokens"}.get(finish, finish)
+
+
+def _usage(turn: ChatTurn) -> dict:
+  return {"input_tokens": len(turn.req.prompt_ids), "output_tokens": len(turn.req.output_ids)}
+
+
+def message_body(turn: ChatTurn, model: str) -> dict:
+  """The answer of a finished turn. `jaxagent` (not Anthropic's) holds the token ids,
+  log-probs and policy versions the engine sampled, as the session records them."""
+  req = turn.req
+  return {"id": f"msg_{req.request_id}", "type": "message", "role": "assistant", "model": model,
+          "content": content_blocks(turn.finish()), "stop_reason": stop_reason(turn),
+          "stop_sequence": None, "usage": _usage(turn),
+          "jaxagent": {"request_id": req.request_id, "prompt_ids": req.prompt_ids,
+                       "output_ids": req.output_ids, "output_logprobs": req.output_logprobs,
+                       "versions": req.versions}}
+
+
+def _event(kind: str, **body) -> str:
+  return f"event: {kind}\ndata: {json.dumps({'type': kind, **body})}\n\n"
+
+
+async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
+  """The answer as Anthropic's server-sent events: text deltas as tokens arrive, tool uses
+  (whole, one `input_json_delta` each) once the turn ends."""
+  req = turn.req
+  sent: Optional[str] = None  # the text block's text so far; None while it is not open
+  try:
+    yield _event("message_start", message={
+        "id": f"msg_{req.request_id}", "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": len(req.prompt_ids), "output_tokens": 0}})
+    async for _ in turn.progress():
+      # Trailing white space is held back: before a tool call the answer's text drops it.
+      visible = turn.visible_text().rstrip()
+      if not visible or (sent is not None and not (len(visible) > len(sent)
+                                                   and visible.startswith(sent))):
+        continue
+      if sent is None:
+        yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        sent = ""
+      yield _event("content_block_delta", index=0,
+                   delta={"type": "text_delta", "text": visible[len(sent):]})
+      sent = visible
+    blocks = content_blocks(turn.finish())
+    index = 0
+    if blocks[0]["type"] == "text":
+      text = blocks[0]["text"]
+      if sent is None:
+        yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        sent = ""
+      if len(text) > len(sent) and text.startswith(sent):
+        yield _event("content_block_delta", index=0,
+                     delta={"type": "text_delta", "text": text[len(sent):]})
+      yield _event("content_block_stop", index=0)
+      index = 1
+    for block in blocks[index:]:
+      yield _event("content_block_start", index=index, content_block=dict(block, input={}))
+      yield _event("content_block_delta", index=index, delta={
+          "type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+      yield _event("content_block_stop", index=index)
+      index += 1
+    yield _event("message_delta", delta={"stop_reason": stop_reason(turn), "stop_sequence": None},
+                 usage={"output_tokens": len(req.output_ids)})
+    yield _event("message_stop")
+  finally:
+    turn.abort_unfinished()
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                422: "invalid_request_error", 429: "rate_limit_error", 502: "api_error",
+                503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+  """Anthropic's error shape for an HTTP status."""
+  return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"),
+                                     "message": message}}
+
+
+def _field_errors(errors) -> str:
+  return "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}" for e in errors)
+
+
+class AnthropicRoute(APIRoute):
+  """A route whose errors take Anthropic's shape: a body that breaks the schema gets a
+  422 naming the field, a request that cannot be served a 400, a full queue a 503."""
+
+  def get_route_handler(self):
+    handler = super().get_route_handler()
+
+    async def shaped(request):
+      try:
+        return await handler(request)
+      except RequestValidationError as e:
+        return JSONResponse(error_body(422, _field_errors(e.errors())), status_code=422)
+      except HTTPException as e:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+      except ValueError as e:
+        return JSONResponse(error_body(400, str(e)), status_code=400)
+
+    return shaped

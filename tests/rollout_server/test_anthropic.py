@@ -1,0 +1,286 @@
+"""The Anthropic-compatible gateway (`POST /v1/messages`) against real servers on loopback
+ports, through the official `anthropic` client: messages, a tool-use round trip, streams,
+errors in Anthropic's shape, session records token-exact, the router."""
+
+import asyncio
+import json
+
+import anthropic
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from jaxagent.agent import collect_session
+from jaxagent.trajectory import CLEAN
+from rollout_server.anthropic_api import MessagesBody, chat_messages, message_body, stream_events
+from rollout_server.chat import ChatTurn
+from rollout_server.engine import SamplingParams
+from rollout_server.orchestrator import Request
+from rollout_server.router import create_router
+from rollout_server.serving import ServerThread
+from rollout_server.sessions import SessionStore
+from tests.rollout_server.conftest import MEMORISED, TOOLS, running_server
+
+# Recent clients send sampling settings only as extra body fields.
+GREEDY = {"temperature": 0}
+# The conftest's tool in Anthropic's shape: it renders to the same prompt.
+CALCULATE = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def test_messages_convert_to_the_openai_form_by_hand():
+  body = MessagesBody.model_validate({
+      "model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "Be brief."}],
+      "tools": [{"name": "f", "description": "F", "input_schema": {"type": "object"},
+                 "cache_control": {"type": "ephemeral"}}],
+      "messages": [
+          {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": [
+              {"type": "text", "text": "Two calls."},
+              {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}},
+              {"type": "tool_use", "id": "t2", "name": "f", "input": {}}]},
+          {"role": "user", "content": [
+              {"type": "tool_result", "tool_use_id": "t1", "content": "one"},
+              {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
+               "content": [{"type": "text", "text": "bad "}, {"type": "text", "text": "x"}]},
+              {"type": "text", "text": "Go "}, {"type": "text", "text": "on."}]}]})
+  messages, tools = chat_messages(body)
+  assert tools == [{"type": "function", "function": {"name": "f", "description": "F",
+                                                     "parameters": {"type": "object"}}}]
+  assert messages == [
+      {"role": "system", "content": "Be brief."},
+      {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Two calls.", "tool_calls": [
+          {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+          {"id": "t2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "t1", "content": "one"},
+      {"role": "tool", "tool_call_id": "t2", "content": "bad x", "is_error": True},
+      {"role": "user", "content": "Go on."}]
+
+
+def accumulate(events: list[str]) -> list[dict]:
+  """The content blocks a client builds from a stream's events."""
+  blocks, json_parts = [], {}
+  for event in events:
+    kind, data = event.split("\n")[:2]
+    data = json.loads(data[len("data: "):])
+    assert kind == f"event: {data['type']}"
+    if data["type"] == "content_block_start":
+      assert data["index"] == len(blocks)
+      blocks.append(dict(data["content_block"]))
+    elif data["type"] == "content_block_delta":
+      delta = data["delta"]
+      if delta["type"] == "text_delta":
+        blocks[data["index"]]["text"] += delta["text"]
+      else:
+        json_parts[data["index"]] = json_parts.get(data["index"], "") + delta["partial_json"]
+  for i, text in json_parts.items():
+    blocks[i]["input"] = json.loads(text)
+  return blocks
+
+
+@pytest.mark.parametrize("output", [
+    "Hi there!", "", "Let me see. " + MEMORISED[0][2], MEMORISED[0][2] * 2,
+    "A" + MEMORISED[0][2] + " and B", "<tool_call>{broken</tool_call>"])
+def test_a_stream_builds_the_blocks_of_the_answer(output, tokenizer):
+  """Whatever the model wrote, the blocks a stream's events build are the answer's."""
+  req = Request(tokenizer.encode("x"), SamplingParams(), "r1",
+                output_ids=tokenizer.encode(output) + list(tokenizer.stop_ids[:1]),
+                finish_reason="stop")
+  req._done.set()
+  turn = ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=SessionStore(1),
+                  session_id=None, kind="messages", id_prefix="toolu")
+
+  async def events():
+    return [e async for e in stream_events(turn, "m")]
+
+  streamed = asyncio.run(events())
+  answer = message_body(turn, "m")
+  assert accumulate(streamed) == answer["content"]
+  assert json.loads(streamed[-2].split("\n")[1][6:])["delta"]["stop_reason"] == \
+      answer["stop_reason"]
+
+
+@pytest.fixture(scope="module")
+def server(memorised_params, tokenizer):
+  with running_server(memorised_params, tokenizer, version=3) as (srv, orch):
+    yield srv, orch
+
+
+def claude(url: str, session_id=None) -> anthropic.Anthropic:
+  headers = {"X-Session-Id": session_id} if session_id else None
+  return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0,
+                             default_headers=headers)
+
+
+def test_a_message_renders_as_the_openai_route_does(server, tokenizer):
+  srv, _ = server
+  messages, _, answer = MEMORISED[1]
+  raw = claude(srv.url).messages.with_raw_response.create(
+      model="tiny", max_tokens=30, extra_body=GREEDY, messages=messages)
+  msg = raw.parse()
+  assert msg.type == "message" and msg.role == "assistant" and msg.model == "tiny"
+  assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == answer
+  assert msg.stop_reason == "end_turn" and msg.stop_sequence is None
+  ids = raw.http_response.json()["jaxagent"]
+  assert ids["prompt_ids"] == tokenizer.apply_chat_template(messages)
+  assert msg.usage.input_tokens == len(ids["prompt_ids"])
+  assert msg.usage.output_tokens == len(ids["output_ids"]) == len(ids["output_logprobs"])
+  assert set(ids["versions"]) == {3}
+  # A string system prompt and one of text blocks are the OpenAI route's system message.
+  blocks = [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]
+  for system in ("Be brief.", blocks):
+    raw = claude(srv.url).messages.with_raw_response.create(
+        model="tiny", max_tokens=1, system=system, messages=messages)
+    assert raw.http_response.json()["jaxagent"]["prompt_ids"] == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}] + messages)
+  # A length cut is max_tokens.
+  assert claude(srv.url).messages.create(model="tiny", max_tokens=2, extra_body=GREEDY,
+                                         messages=messages).stop_reason == "max_tokens"
+
+
+def test_tool_use_round_trip_is_recorded_token_exactly(server, tokenizer):
+  srv, _ = server
+  client = claude(srv.url, session_id="claude-1")
+  messages = MEMORISED[0][0]
+  first = client.messages.with_raw_response.create(model="tiny", max_tokens=100, extra_body=GREEDY,
+                                                   tools=CALCULATE, messages=messages)
+  msg = first.parse()
+  assert msg.stop_reason == "tool_use"
+  (use,) = msg.content  # no text before the call
+  assert use.type == "tool_use" and use.name == "calculate" and use.id.startswith("toolu_")
+  assert use.input == {"expression": "2+3"}
+  # The agent answers with the client's own content blocks and a tool result.
+  follow = messages + [{"role": "assistant", "content": msg.content},
+                       {"role": "user", "content": [
+                           {"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+  second = client.messages.with_raw_response.create(model="tiny", max_tokens=5, extra_body=GREEDY,
+                                                    tools=CALCULATE, messages=follow)
+  answers = [first.http_response.json()["jaxagent"], second.http_response.json()["jaxagent"]]
+  # The same chat through the OpenAI route's shapes renders to the same tokens.
+  call = {"id": use.id, "type": "function",
+          "function": {"name": "calculate", "arguments": json.dumps(use.input)}}
+  openai_follow = messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                              {"role": "tool", "tool_call_id": use.id, "content": "5"}]
+  assert answers[1]["prompt_ids"] == tokenizer.apply_chat_template(openai_follow, tools=TOOLS)
+
+  turns = httpx.get(f"{srv.url}/sessions/claude-1").json()["turns"]
+  assert [t["turn"] for t in turns] == [0, 1] and turns[0]["kind"] == "messages"
+  for turn, answer in zip(turns, answers):  # the record is what the engine sampled
+    for key in ("prompt_ids", "output_ids", "output_logprobs", "versions"):
+      assert turn[key] == answer[key], key
+  assert turns[0]["response"]["tool_calls"][0]["id"] == use.id
+  # The sampled call stays in the next prompt token for token: one clean segment whose
+  # trained tokens and log-probs are the two answers'.
+  assert answers[1]["prompt_ids"][:len(answers[0]["prompt_ids"]) + len(answers[0]["output_ids"])] \
+      == answers[0]["prompt_ids"] + answers[0]["output_ids"]
+  (seg,) = collect_session(turns, session_id="claude-1", task_id="t")
+  assert seg.decisions == [CLEAN, CLEAN]
+  mask = seg.loss_mask > 0
+  assert seg.tokens[mask].tolist() == answers[0]["output_ids"] + answers[1]["output_ids"]
+  assert seg.rollout_logp[mask].tolist() == pytest.approx(
+      answers[0]["output_logprobs"] + answers[1]["output_logprobs"])
+
+
+def test_streams(server):
+  srv, _ = server
+  client = claude(srv.url)
+  messages, _, answer = MEMORISED[1]
+  with client.messages.stream(model="tiny", max_tokens=40, extra_body=GREEDY,
+                              messages=messages) as stream:
+    text = "".join(stream.text_stream)
+    final = stream.get_final_message()
+  assert text == answer and final.content[0].text == answer
+  assert final.stop_reason == "end_turn" and final.usage.output_tokens > 0
+  with client.messages.stream(model="tiny", max_tokens=100, extra_body=GREEDY, tools=CALCULATE,
+                              messages=MEMORISED[0][0]) as stream:
+    final = stream.get_final_message()
+  (use,) = final.content
+  assert use.type == "tool_use" and use.input == {"expression": "2+3"}
+  assert final.stop_reason == "tool_use"
+  # The raw events, in Anthropic's order.
+  events = [e.type for e in client.messages.create(model="tiny", max_tokens=100, extra_body=GREEDY,
+                                                   tools=CALCULATE, messages=MEMORISED[0][0],
+                                                   stream=True)]
+  assert events == ["message_start", "content_block_start", "content_block_delta",
+                    "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_bad_requests_get_anthropic_errors_naming_the_field(server):
+  srv, _ = server
+  c = httpx.Client(base_url=srv.url, timeout=60)
+  user = [{"role": "user", "content": "x"}]
+  ok = {"model": "tiny", "max_tokens": 4, "messages": user}
+  cases = [
+      ({"model": "tiny", "messages": user}, 422, "max_tokens"),
+      (dict(ok, max_tokens=0), 422, "max_tokens"),
+      (dict(ok, messages=[]), 422, "messages"),
+      (dict(ok, messages=[{"role": "system", "content": "x"}]), 422, "messages.0.role"),
+      (dict(ok, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 422,
+       "messages.0.content"),
+      (dict(ok, temperature=-1), 422, "temperature"),
+      (dict(ok, tools=[{"name": "f"}]), 422, "tools.0.input_schema"),
+      (dict(ok, stop_sequences=["\n"]), 400, "stop_sequences"),
+      (dict(ok, tool_choice={"type": "any"}), 400, "tool_choice"),
+      (dict(ok, messages=user + [{"role": "assistant", "content": "Su"}]), 400, "messages.1"),
+      (dict(ok, messages=user + [{"role": "assistant", "content": [
+          {"type": "tool_result", "tool_use_id": "a", "content": "x"}]}] + user), 400,
+       "messages.1.content.0"),
+      (dict(ok, messages=[{"role": "user", "content": "x" * 600}]), 400, "max_prefill_length"),
+  ]
+  for body, status, needle in cases:
+    r = c.post("/v1/messages", json=body)
+    assert r.status_code == status, (body, r.status_code, r.text)
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert needle in error["error"]["message"], (needle, error)
+  r = c.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
+  assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request_error"
+  # The client raises its own typed errors with the message.
+  with pytest.raises(anthropic.BadRequestError, match="stop_sequences"):
+    claude(srv.url).messages.create(model="tiny", max_tokens=4, messages=user,
+                                    stop_sequences=["\n"])
+  assert c.get("/health").json()["status"] == "ok"
+
+
+def test_through_the_router(server):
+  srv, _ = server
+  with ServerThread(create_router([srv.url], health_interval_s=600)) as router:
+    client = claude(router.url, session_id="routed-1")
+    raw = client.messages.with_raw_response.create(
+        model="tiny", max_tokens=100, extra_body=GREEDY, tools=CALCULATE,
+        messages=MEMORISED[0][0])
+    assert raw.http_response.headers["x-routed-to"] == srv.url
+    assert raw.parse().stop_reason == "tool_use"
+    with client.messages.stream(model="tiny", max_tokens=40, extra_body=GREEDY,
+                                messages=MEMORISED[1][0]) as stream:
+      assert stream.get_final_message().content[0].text == MEMORISED[1][2]
+    # The router's copy of the session: both turns (the stream's too), as sampled.
+    answer = raw.http_response.json()["jaxagent"]
+    turns = httpx.get(f"{router.url}/sessions/routed-1").json()["turns"]
+    assert [t["turn"] for t in turns] == [0, 1] and turns[0]["kind"] == "messages"
+    assert turns[0]["output_ids"] == answer["output_ids"]
+    assert turns[0]["output_logprobs"] == answer["output_logprobs"]
+    with pytest.raises(anthropic.UnprocessableEntityError, match="max_tokens"):
+      client.messages.create(model="tiny", max_tokens=0, messages=MEMORISED[1][0])
+
+
+def test_a_stream_cut_by_a_dying_backend_ends_with_an_anthropic_error():
+  backend = FastAPI()
+
+  @backend.post("/v1/messages")
+  async def dies_mid_stream():
+    async def events():
+      yield 'event: message_start\ndata: {"type": "message_start", "message": {}}\n\n'
+      raise RuntimeError("the backend dies")  # the connection is cut mid-body
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  with ServerThread(backend) as dying, \
+      ServerThread(create_router([dying.url], health_interval_s=600)) as router:
+    with pytest.raises(anthropic.APIStatusError, match="went away mid-stream") as e:
+      with claude(router.url).messages.stream(model="tiny", max_tokens=3,
+                                              messages=MEMORISED[1][0]) as stream:
+        stream.get_final_message()
+    assert e.value.body["error"]["type"] == "api_error"
