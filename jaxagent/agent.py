@@ -3,9 +3,10 @@
 - White-box (`run_whitebox`): the loop is ours: render the chat with the
   tokenizer, call the engine by token ids, hand the text to the environment
   (which parses tool calls), repeat. Per-turn and per-episode deadlines.
-- Black-box (`run_openai_agent` + `collect_session`): any program that speaks
-  the OpenAI chat API plays against the server's gateway with an
-  `X-Session-Id`; the trajectory is rebuilt from the turns the server recorded.
+- Black-box (`run_openai_agent` or `run_anthropic_agent`, + `collect_session`): any
+  program that speaks the OpenAI chat API or Anthropic's Messages API plays against the
+  server's gateway with an `X-Session-Id`; the trajectory is rebuilt from the turns the
+  server recorded.
 
 Both produce an `Episode`: segments from the `TrajectoryManager`, per-turn
 rewards, the verifier's verdict and the counters the metrics need. A server
@@ -333,6 +334,12 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 # -- black-box agents ---------------------------------------------------------------------
 
 
+def _tool_call_text(name: str, arguments: str) -> str:
+  """A tool call in the chat template's format (what the environment parses), from its
+  name and its arguments' JSON."""
+  return f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {arguments}}}</tool_call>'
+
+
 async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
                            max_turns: int = 8, max_tokens: int = 32,
                            temperature: float = 1.0) -> list[float]:
@@ -356,10 +363,9 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
                                                   temperature=temperature, **kwargs)
       msg = resp.choices[0].message
       text = msg.content or ""
-      if msg.tool_calls:  # hand the raw call text back in the template's format
-        import json
-        text += "".join(f'<tool_call>{{"name": {json.dumps(c.function.name)}, "arguments": '
-                        f"{c.function.arguments}}}</tool_call>" for c in msg.tool_calls)
+      # hand the raw call text back in the template's format
+      text += "".join(_tool_call_text(c.function.name, c.function.arguments)
+                      for c in msg.tool_calls or [])
       messages.append({"role": "assistant", "content": text})
       step = await env.step(text)
       rewards.append(float(step.reward))
@@ -371,6 +377,81 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
   return rewards
 
 
+def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
+                       ) -> tuple[str, list[dict]]:
+  """An environment's messages (OpenAI's shape) in Anthropic's: (system text, messages).
+  Tool calls become `tool_use` blocks, tool messages `tool_result` blocks of a user
+  message (the k-th answering `tool_use_ids[k]`, the ids of the reply they answer, when
+  given), consecutive messages of one role one message."""
+  system, out = "", []
+  answers = iter(tool_use_ids)
+  for m in messages:
+    role, content = m["role"], m.get("content") or ""
+    if role == "system":
+      system += content
+      continue
+    if role == "assistant":
+      blocks = [{"type": "text", "text": content}] if content else []
+      blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                  "input": json.loads(c["function"]["arguments"])}
+                 for c in m.get("tool_calls") or []]
+    elif role == "tool":
+      role = "user"
+      blocks = [{"type": "tool_result", "content": content,
+                 "tool_use_id": next(answers, m.get("tool_call_id") or "")}]
+    else:
+      blocks = [{"type": "text", "text": content}]
+    if out and out[-1]["role"] == role:
+      out[-1]["content"] += blocks
+    else:
+      out.append({"role": role, "content": blocks})
+  return system, out
+
+
+async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
+                              model: str = "policy", max_turns: int = 8, max_tokens: int = 32,
+                              temperature: float = 1.0) -> list[float]:
+  """An agent written only against the official `anthropic` client: Anthropic's messages,
+  its replies' content blocks sent back as they came, `tool_use` answered by
+  `tool_result`. Each reply goes to the environment as text (its tool uses in the
+  template's tool-call format). The temperature goes as an extra body field (recent
+  clients have no argument for it).
+
+  Returns the per-turn rewards; the trajectory is read back from the server.
+  """
+  import anthropic
+
+  client = anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0,
+                                    default_headers={"X-Session-Id": session_id})
+  rewards: list[float] = []
+  try:
+    obs = await env.reset(task)
+    system, messages = anthropic_messages(obs.messages)
+    kwargs: dict[str, Any] = {"system": system} if system else {}
+    if obs.tools:  # function schemas as Anthropic's tools (the server renders them back)
+      kwargs["tools"] = [{**{k: v for k, v in t["function"].items() if k != "parameters"},
+                          "input_schema": t["function"]["parameters"]} for t in obs.tools]
+    for _ in range(max_turns):
+      resp = await client.messages.create(model=model, messages=messages, max_tokens=max_tokens,
+                                          extra_body={"temperature": temperature}, **kwargs)
+      uses = [b for b in resp.content if b.type == "tool_use"]
+      text = "".join(b.text for b in resp.content if b.type == "text")
+      text += "".join(_tool_call_text(b.name, json.dumps(b.input)) for b in uses)
+      messages.append({"role": "assistant", "content": resp.content})
+      step = await env.step(text)
+      rewards.append(float(step.reward))
+      messages += anthropic_messages(step.observation.messages, tuple(b.id for b in uses))[1]
+      if step.terminated or step.truncated:
+        break
+  finally:
+    await client.close()
+  return rewards
+
+
+# The black-box agents by the API they speak (`agent.kind`).
+BLACKBOX_AGENTS = {"openai": run_openai_agent, "anthropic": run_anthropic_agent}
+
+
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
                     **outcome: Any) -> list[Segment]:
   """Segments from the turns a server recorded for a session (`GET /sessions/{id}`)."""
@@ -380,17 +461,29 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
   return manager.segments(**outcome)
 
 
-async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
-                       group_id: str = "", tokenizer: Optional[Tokenizer] = None) -> Episode:
-  """Plays an episode with the OpenAI-client agent, then rebuilds it from the server's
-  record (`tokenizer`, the server's, is named in the segments' provenance)."""
+def _gateway_errors(api: str) -> tuple[type[Exception], ...]:
+  """What the agent's client raises when the gateway fails (down, overloaded, cut)."""
   import httpx
-  import openai
+
+  if api == "anthropic":
+    import anthropic as client
+  else:
+    import openai as client
+  return client.APIConnectionError, client.APIStatusError, httpx.HTTPError
+
+
+async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
+                       group_id: str = "", tokenizer: Optional[Tokenizer] = None,
+                       api: str = "openai") -> Episode:
+  """Plays an episode with the black-box agent that speaks `api` (`BLACKBOX_AGENTS`),
+  then rebuilds it from the server's record (`tokenizer`, the server's, is named in the
+  segments' provenance)."""
+  import httpx
 
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   try:
-    ep.turn_rewards = await asyncio.wait_for(run_openai_agent(
+    ep.turn_rewards = await asyncio.wait_for(BLACKBOX_AGENTS[api](
         env, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature), cfg.episode_deadline_s)
     ep.verdict = (await env.verify()).to_dict()
@@ -418,8 +511,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.status, ep.reason = "truncated", "episode_deadline"
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
-  except (openai.APIConnectionError, openai.APIStatusError, httpx.HTTPError) as e:
-    # the gateway failed (down, overloaded, cut): infrastructure
+  except _gateway_errors(api) as e:  # the gateway failed (down, overloaded, cut)
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
         "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
   finally:

@@ -1,9 +1,13 @@
 """The Anthropic-compatible gateway (`POST /v1/messages`) against real servers on loopback
 ports, through the official `anthropic` client: messages, a tool-use round trip, streams,
-errors in Anthropic's shape, session records token-exact, the router."""
+errors in Anthropic's shape, session records token-exact, the router, and a black-box
+agent written against the client that trains."""
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import anthropic
 import httpx
@@ -11,8 +15,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from jaxagent.agent import collect_session
-from jaxagent.trajectory import CLEAN
+from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus
+from envs.calculator import EXAMPLES, SYSTEM, safe_eval
+from envs.tools import Tool, ToolSet
+from jaxagent.agent import anthropic_messages, collect_session, run_blackbox
+from jaxagent.config import AgentConfig
+from jaxagent.trajectory import CLEAN, read_jsonl
 from rollout_server.anthropic_api import MessagesBody, chat_messages, message_body, stream_events
 from rollout_server.chat import ChatTurn
 from rollout_server.engine import SamplingParams
@@ -20,6 +28,7 @@ from rollout_server.orchestrator import Request
 from rollout_server.router import create_router
 from rollout_server.serving import ServerThread
 from rollout_server.sessions import SessionStore
+from tests.conftest import REPO
 from tests.rollout_server.conftest import MEMORISED, TOOLS, running_server
 
 # Recent clients send sampling settings only as extra body fields.
@@ -57,6 +66,20 @@ def test_messages_convert_to_the_openai_form_by_hand():
       {"role": "tool", "tool_call_id": "t1", "content": "one"},
       {"role": "tool", "tool_call_id": "t2", "content": "bad x", "is_error": True},
       {"role": "user", "content": "Go on."}]
+
+
+def test_an_environment_chat_renders_alike_through_either_gateway(tokenizer):
+  """The calculator's worked examples (OpenAI's shape), put in Anthropic's shape by the
+  agent and back by the server, render to the same tokens."""
+  chat = [{"role": "system", "content": SYSTEM}] + list(EXAMPLES) + [
+      {"role": "user", "content": "What is 6 * 7?"}]
+  system, messages = anthropic_messages(chat)
+  body = MessagesBody(model="m", max_tokens=8, system=system, messages=messages,
+                      tools=[{"name": "calculate", "description": "Evaluate an arithmetic "
+                              "expression", "input_schema": TOOLS[0]["function"]["parameters"]}])
+  back, tools = chat_messages(body)
+  assert tools == TOOLS
+  assert tokenizer.apply_chat_template(back, tools) == tokenizer.apply_chat_template(chat, TOOLS)
 
 
 def accumulate(events: list[str]) -> list[dict]:
@@ -284,3 +307,72 @@ def test_a_stream_cut_by_a_dying_backend_ends_with_an_anthropic_error():
                                               messages=MEMORISED[1][0]) as stream:
         stream.get_final_message()
     assert e.value.body["error"]["type"] == "api_error"
+
+
+class MemorisedToolEnv(Env):
+  """The memorised tool question; passes once a `calculate` call has run. A turn without a
+  tool call ends the episode."""
+
+  name = "memorised_tool"
+
+  def __init__(self):
+    super().__init__()
+    schema = TOOLS[0]["function"]
+    self.tools = ToolSet([Tool(schema["name"], schema["description"], schema["parameters"],
+                               lambda expression: str(safe_eval(expression)))])
+
+  async def reset(self, task):
+    return Observation(list(MEMORISED[0][0]), TOOLS)
+
+  async def step(self, action):
+    run = await self.tools.run_turn(self, action)
+    self.done = not run.messages  # no tool call: the final answer
+    return StepResult(Observation(run.messages), 0.0, self.done, False, self._info())
+
+  async def verify(self):
+    ok = self.counters["tool_calls"] == 1
+    return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, float(ok),
+                   f"{self.name}@1", f"{self.name}@1", {})
+
+
+def test_blackbox_anthropic_agent_uses_a_tool_through_the_gateway(server, tokenizer):
+  """The agent's tool_use goes to the environment, its result back as a tool_result; the
+  trajectory, read back from the server, holds both turns token for token."""
+  srv, _ = server
+  ep = asyncio.run(run_blackbox(MemorisedToolEnv(), TaskSpec("t", "memorised_tool"), srv.url,
+                                AgentConfig(max_turns=2, max_new_tokens=100, temperature=0.0),
+                                session_id="claude-bb", group_id="g", api="anthropic"))
+  assert not ep.infra_error, ep.reason
+  assert ep.success and ep.turns == 2
+  (seg,) = ep.segments
+  assert seg.session_id == "claude-bb" and seg.decisions == [CLEAN, CLEAN]
+  assert set(seg.versions[seg.loss_mask > 0].tolist()) == {3}
+  first_turn = seg.tokens[(seg.loss_mask > 0) & (seg.turn_ids == 0)].tolist()
+  assert tokenizer.decode(first_turn) == MEMORISED[0][2] + "<|im_end|>"
+  # The tool's result is in the second turn's context, as a tool turn.
+  assert "<|im_start|>tool\n5<|im_end|>" in tokenizer.decode(seg.tokens.tolist())
+
+
+def test_training_with_an_anthropic_agent(tmp_path):
+  """Two training steps whose episodes an `anthropic`-client agent plays through the
+  gateway; their trajectories are the server's session records."""
+  run_dir = str(tmp_path / "run")
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxagent.train", "--config", "configs/tiny.yaml", "--run-dir",
+       run_dir, "steps=2", "agent.kind=anthropic", "agent.max_turns=2",
+       "rollout.groups_per_step=2", "rollout.group_size=2", "data.rows=4",
+       "serving.engine.slots=4", "checkpoint.every_steps=0", "checkpoint.export_every=0",
+       "checkpoint.wal=false"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows] == [1, 2] and rows[-1]["policy_version"] == 2
+  assert all(r["action_tokens"] > 0 for r in rows)
+  segs = list(read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz")))
+  assert segs and "<|im_start|>assistant" in segs[0]["text"]
+  for seg in segs:  # the sampled tokens, with the engine's log-probs and versions
+    sampled = [i for i, m in enumerate(seg["loss_mask"]) if m]
+    assert sampled and all(seg["rollout_logp"][i] <= 0 for i in sampled)
+    assert {seg["versions"][i] for i in sampled} <= {0, 1}
+  assert any(lp < 0 for seg in segs for lp in seg["rollout_logp"])
