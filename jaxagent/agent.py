@@ -56,6 +56,7 @@ class Episode:
   env_s: float = 0.0
   output_tokens: int = 0
   replayed_turns: int = 0  # turns taken from a dead run's write-ahead log
+  compactions: int = 0  # times the context was compacted (agent.compaction)
 
   @property
   def reward(self) -> float:
@@ -83,16 +84,70 @@ def _merge(first: TurnRecord, more: TurnRecord) -> TurnRecord:
                              finish_reason=more.finish_reason)
 
 
-def _compact(messages: list[dict], cfg: AgentConfig) -> list[dict]:
-  """Keeps the system message and the last messages; the rest becomes a summary (or goes)."""
+SUMMARY_INSTRUCTIONS = ("Summarise this transcript briefly: the task, what was tried, what "
+                        "is known now.")
+SUMMARY_HEADER = "Summary of earlier turns:\n"
+
+
+def _split_for_compaction(messages: list[dict], cfg: AgentConfig
+                          ) -> tuple[list[dict], list[dict], list[dict]]:
+  """(head, dropped, kept): the system message, the messages compaction drops, and the
+  last `keep_last_messages` messages it keeps."""
   head = [m for m in messages[:1] if m["role"] == "system"]
   body = messages[len(head):]
   keep = body[-cfg.keep_last_messages:] if cfg.keep_last_messages > 0 else []
-  dropped = body[:len(body) - len(keep)]
-  if cfg.compaction == "summary" and dropped:
-    lines = [f"{m['role']}: {str(m.get('content') or '')[:80]}" for m in dropped]
-    head = head + [{"role": "user", "content": "Summary of earlier turns:\n" + "\n".join(lines)}]
-  return head + keep
+  return head, body[:len(body) - len(keep)], keep
+
+
+def summary_prompt(tokenizer: Tokenizer, dropped: list[dict], budget: int) -> list[int]:
+  """The summariser's prompt: instructions, then the dropped messages as a transcript.
+  Whole when it fits in `budget` tokens; else every message cut to a shorter head
+  (2000 characters, then 1000, ... 60); else the first (usually the task) and as many
+  of the last as fit."""
+  def render(lines):
+    return tokenizer.apply_chat_template(
+        [{"role": "system", "content": SUMMARY_INSTRUCTIONS},
+         {"role": "user", "content": "\n".join(lines)}])
+
+  def clip(text: str, limit: Optional[int]) -> str:
+    return text if limit is None or len(text) <= limit else text[:limit] + " ..."
+
+  for limit in (None, 2000, 1000, 500, 250, 120, 60):
+    lines = [f"{m['role']}: {clip(str(m.get('content') or ''), limit)}" for m in dropped]
+    ids = render(lines)
+    if len(ids) <= budget:
+      return ids
+  while len(lines) > 1 and len(ids) > budget:
+    lines = lines[:1] + lines[2:]
+    ids = render(lines)
+  return ids if len(ids) <= budget else render([])
+
+
+async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
+                   tokenizer: Optional[Tokenizer] = None, session_id: str = "",
+                   turn: int = 0) -> list[dict]:
+  """Keeps the system message and the last messages. The others go (`fork`), or (with
+  `summary`) the policy, or the served model `agent.summarizer`, writes a summary of them
+  that takes their place as a user message: context, never trained (the summariser's
+  tokens are not the episode's actions)."""
+  head, dropped, keep = _split_for_compaction(messages, cfg)
+  if cfg.compaction != "summary" or not dropped:
+    return head + keep
+  prompt = summary_prompt(tokenizer, dropped, cfg.max_context_tokens - cfg.summary_max_tokens)
+  sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_new_tokens=cfg.summary_max_tokens,
+                            stop_token_ids=tuple(tokenizer.stop_ids),
+                            seed=_seed(session_id + "#summary", turn))
+  extra = {"model": cfg.summarizer} if cfg.summarizer else {}
+  call = engine.generate(prompt, sampling, session_id + "#summary", **extra)
+  try:
+    record = await asyncio.wait_for(call, cfg.turn_deadline_s)
+  except asyncio.TimeoutError:
+    raise InfraError("turn_deadline", f"no summary from the server in {cfg.turn_deadline_s} s"
+                     ) from None
+  out = record.output_ids
+  text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out).strip()
+  return head + [{"role": "user", "content": SUMMARY_HEADER + (text or "(empty)")}] + keep
 
 
 def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
@@ -205,6 +260,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   status, reason = "completed", ""
   waiting = {"on": "env", "since": t_start}  # what the episode is waiting on now
   offered = []  # the tool schemas the environment offered
+  compacted_at: list[int] = []  # turns before which the context was compacted
   seed_session = replay.start.get("session_id", session_id) if replay is not None \
       else session_id
 
@@ -226,7 +282,12 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
         if cfg.compaction == "none":
           status, reason = "truncated", "token_cap"
           return
-        messages = _compact(messages, cfg)
+        wait_on("server")
+        messages = await _compact(messages, cfg, engine=engine, tokenizer=tokenizer,
+                                  session_id=session_id, turn=turn)
+        wait_on("env")
+        compacted_at.append(turn)
+        ep.compactions += 1
         prompt = tokenizer.apply_chat_template(messages, tools=tools)
         if len(prompt) + cfg.max_new_tokens > cfg.max_context_tokens:
           status, reason = "truncated", "token_cap"
@@ -324,6 +385,10 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   ep.latency_s = time.perf_counter() - t_start
   ep.segments = manager.segments(status=status, reason=reason, reward=ep.reward,
                                  turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
+  for seg in ep.segments:  # a segment that a compaction cut says so
+    last_turn = int(seg.turn_ids.max()) if len(seg.turn_ids) else -1
+    if any(t > last_turn for t in compacted_at):
+      seg.reason = "context_compacted"
   _stamp(ep.segments, provenance(tokenizer, offered, cfg, ep.verdict, task))
   if log is not None:
     log.end(status, reason)

@@ -170,11 +170,16 @@ class AgentConfig:
   # the same seed (the same tokens), up to this many times before the episode is dropped.
   turn_retries: int = 2
   episode_deadline_s: float = 600.0
-  # Longest prompt + response; past it: none (truncate the episode), summary
-  # (replace old messages by a summary, kept as untrained context) or fork.
+  # Longest prompt + response; past it: none (truncate the episode), fork (drop all but
+  # the system message and the last keep_last_messages) or summary (as fork, and the
+  # policy, or the served model `summarizer`, writes a summary of the dropped messages of
+  # at most summary_max_tokens, which takes their place as untrained context). The
+  # trajectory forks there; the cut segment's reason is context_compacted.
   max_context_tokens: int = 1024
   compaction: str = "none"
   keep_last_messages: int = 4
+  summary_max_tokens: int = 64
+  summarizer: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +352,14 @@ class EnvConfig:
   # (envs.base.Latency): distribution none | constant | lognormal, median_s, sigma,
   # max_s (the tail's cap), seed.
   latency: LatencyConfig = dataclasses.field(default_factory=lambda: LatencyConfig())
+  # A served judge model (a name in serving.models, or on judge_url's server) that
+  # environments with tests show each pass to (envs.judge; ROLL's false-positive check):
+  # its FAIL fails the episode, an answer it gives outside the strict VERDICT form is an
+  # infra_error. judge_url: None for the run's own gateway; judge_rubric: None for the
+  # default rubric. In-process environments only.
+  judge: Optional[str] = None
+  judge_url: Optional[str] = None
+  judge_rubric: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
       "turns_mean": float(np.mean([e.turns for e in episodes])),
       "tool_calls": int(sum(e.tool_calls for e in episodes)),
       "invalid_tool_calls": int(sum(e.invalid_tool_calls for e in episodes)),
+      "compactions": int(sum(getattr(e, "compactions", 0) for e in episodes)),
       # Episodes with a valid tool call: more calls than invalid ones (malformed blocks,
       # unknown tools and bad arguments all count as invalid), so at least one was run.
       "tool_call_rate": float(np.mean([e.tool_calls > e.invalid_tool_calls for e in episodes])),

@@ -60,7 +60,15 @@ class LocalClient:
     return _check_scores(model, sequences, [x.tolist() for x in out])
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                     session_id: Optional[str] = None) -> TurnRecord:
+                     session_id: Optional[str] = None, model: Optional[str] = None
+                     ) -> TurnRecord:
+    """A turn of the policy, or of the served model `model`."""
+    orch = self.orch
+    if model is not None:
+      if model not in self.models:
+        raise GenerateError(f"no served model {model!r} (have {sorted(self.models)})",
+                            "request_refused")
+      orch = self.models[model].orch
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
@@ -69,7 +77,7 @@ class LocalClient:
         loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
     try:
-      req = self.orch.submit(prompt_ids, sampling, session_id=session_id)
+      req = orch.submit(prompt_ids, sampling, session_id=session_id)
     except QueueFull as e:
       raise GenerateError(str(e), "server_overload") from e
     except ValueError as e:  # e.g. a prompt longer than the engine takes
@@ -81,7 +89,7 @@ class LocalClient:
       try:
         await fut
       except asyncio.CancelledError:
-        self.orch.abort(req.request_id)
+        orch.abort(req.request_id)
         raise
     if req.finish_reason == "error":
       raise GenerateError(req.error or "engine error")
@@ -118,11 +126,14 @@ class HttpClient:
     self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                     session_id: Optional[str] = None) -> TurnRecord:
+                     session_id: Optional[str] = None, model: Optional[str] = None
+                     ) -> TurnRecord:
     body = {"input_ids": list(prompt_ids), **dataclasses.asdict(sampling)}
     body["stop_token_ids"] = list(sampling.stop_token_ids)
     if session_id:
       body["session_id"] = session_id
+    if model:
+      body["model"] = model
     try:
       r = await self._client.post(f"{self.url}/generate", json=body)
     except httpx.HTTPError as e:

@@ -24,11 +24,13 @@ class ScriptedEngine:
     self.abort_first = abort_first
     self.tok = tok
     self.prompts = []
+    self.models = []
 
-  async def generate(self, prompt_ids, sampling, session_id=None):
+  async def generate(self, prompt_ids, sampling, session_id=None, model=None):
     from rollout_server.client import GenerateError
 
     self.prompts.append(list(prompt_ids))
+    self.models.append(model)
     calls = len(self.prompts) - 1
     if self.fail_at is not None and calls >= self.fail_at and (
         self.fail_times is None or calls < self.fail_at + self.fail_times):
@@ -267,17 +269,69 @@ LONG = ("Guess my number, {low} to {high}. "
     ("fork", 70, "Guess my number, {low} to {high}."), ("summary", 300, LONG)])
 def test_compaction_forks_the_trajectory(compaction, cap, prompt):
   cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=cap,
-                    compaction=compaction, keep_last_messages=2)
+                    compaction=compaction, keep_last_messages=2, summary_max_tokens=16)
   task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6, "prompt": prompt})
-  ep, engine = play(["1", "2", "3", "4", "11"], task, cfg)
+  summary = ["Tried 1, 2, 3: higher."] if compaction == "summary" else []
+  ep, engine = play(["1", "2", "3"] + summary + ["4", "11"], task, cfg)
   assert ep.success and all(len(p) + 4 <= cap for p in engine.prompts)
+  assert ep.compactions == 1 and ep.turns == 5
   first, second = ep.segments
   assert first.decisions == [CLEAN] * 3 and second.decisions == [FORK, CLEAN]
   assert second.parent_segment_id == first.segment_id
-  # Summary mode keeps a summary of the dropped turns as untrained context.
-  assert ("Summary of earlier turns" in TOK.decode(second.tokens.tolist())) == (
+  assert first.reason == "context_compacted" and second.reason == ""
+  if compaction == "summary":  # the policy was asked for a summary of the dropped turns
+    asked = TOK.decode(engine.prompts[3])
+    assert "Summarise this transcript" in asked and "assistant: 2\nuser: Higher." in asked
+  # Summary mode keeps the summary as untrained context.
+  context = TOK.decode(second.tokens[second.loss_mask == 0].tolist())
+  assert ("Summary of earlier turns:\nTried 1, 2, 3: higher." in context) == (
       compaction == "summary")
   assert TOK.decode(second.tokens[second.loss_mask > 0].tolist()) == "4<|im_end|>11<|im_end|>"
+
+
+def test_a_served_summariser_writes_the_summary():
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=300,
+                    compaction="summary", keep_last_messages=2, summarizer="judge")
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6, "prompt": LONG})
+  ep, engine = play(["1", "2", "3", "Tried 1 to 3.", "4", "11"], task, cfg)
+  assert ep.success and engine.models == [None] * 3 + ["judge"] + [None] * 2
+
+
+def test_long_episodes_go_on_past_the_context_cap_with_summaries(random_params):
+  """A long guess_number (1..200, 14 guesses) with a 120-token context, against the real
+  engine: the context is summarised again and again, the episode plays every turn, every
+  prompt fits, and the masks train exactly the policy's sampled guesses."""
+  from rollout_server.client import LocalClient
+  from rollout_server.orchestrator import Orchestrator
+  from tests.rollout_server.conftest import make_engine
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params)).start()
+  tok = Tokenizer.byte_level()
+  cfg = AgentConfig(max_turns=14, max_new_tokens=3, max_context_tokens=120,
+                    compaction="summary", keep_last_messages=2, summary_max_tokens=24)
+  task = TaskSpec("t", "guess_number", {"secret": 137, "low": 1, "high": 200,
+                                        "max_turns": 14})
+  try:
+    ep = asyncio.run(run_whitebox(make("guess_number"), task, LocalClient(orch, engine), tok,
+                                  cfg, session_id="long", group_id="g"))
+  finally:
+    orch.stop()
+  assert ep.turns == 14 and ep.compactions >= 3 and not ep.infra_error
+  assert len(ep.segments) == ep.compactions + 1
+  assert all(s.reason == "context_compacted" for s in ep.segments[:-1])
+  assert ep.segments[-1].reason in ("turn_cap", "turn_budget") or ep.success
+  sampled = 0
+  for s in ep.segments:
+    assert len(s) <= 120
+    trained = s.loss_mask > 0
+    assert (s.versions[trained] == 0).all() and (s.rollout_logp[trained] < 0).all()
+    assert (s.rollout_logp[~trained] == 0).all() and (s.versions[~trained] == -1).all()
+    sampled += int(trained.sum())
+    if s.decisions[0] == FORK:  # a compacted context starts with its summary, untrained
+      text = tok.decode(s.tokens[~trained].tolist())
+      assert "Summary of earlier turns:" in text
+  assert sampled == ep.output_tokens  # every sampled token trained once, summaries never
 
 
 @pytest.mark.parametrize("kind", ["blackbox"])
