@@ -197,6 +197,9 @@ class EnvResources:
   # (no bubblewrap, not root): off unless asked for.
   allow_unisolated: bool = False
   sandbox_root: Optional[str] = None  # where workspaces go (default: a new temporary folder)
+  # An `envs.judge.LLMJudge` that environments with tests show their passes to (ROLL's
+  # false-positive check); None: tests alone decide.
+  judge: Any = None
   _pool: Any = None
 
   def pool(self):

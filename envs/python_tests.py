@@ -112,8 +112,12 @@ class PythonTests(Env):
     if self.sandbox is None:
       raise RuntimeError("verify() needs an episode: reset first")
     files = await asyncio.to_thread(self.final_files)
-    return await self.verifier.grade(files, HiddenTests(self.fn, self.spec[4]),
-                                     env_version=f"{self.name}@{self.version}")
+    verdict = await self.verifier.grade(files, HiddenTests(self.fn, self.spec[4]),
+                                        env_version=f"{self.name}@{self.version}")
+    if self.resources.judge is not None:  # a pass is shown to the judge too (ROLL)
+      answer = files.get("solution.py", b"").decode("utf-8", "replace")
+      verdict = await self.resources.judge.confirm(verdict, self.spec[1], answer)
+    return verdict
 
   async def close(self) -> None:
     if self._lease is not None:

@@ -108,7 +108,8 @@ class Serving:
     self.gateway_url = None
     if s.gateway or cfg.agent.kind in BLACKBOX_AGENTS:
       app = create_app(self.orch, tokenizer,
-                       load_params=lambda path, v: engine.load_params(path=path, version=v))
+                       load_params=lambda path, v: engine.load_params(path=path, version=v),
+                       models=self.models)
       gateway = ServerThread(app).start()
       self._threads.append(gateway)
       self.gateway_url = gateway.url
@@ -262,7 +263,11 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if cfg.serving.models and cfg.serving.urls:
     raise config_lib.ConfigError("serving.models: only for in-process serving; with "
                                  "serving.urls declare the models in the servers' configs")
-  for key, name in served_scorers(cfg).values():
+  if cfg.env.judge and cfg.env.urls:
+    raise config_lib.ConfigError("env.judge: in-process environments only (not with env.urls)")
+  judge = {"judge": ("env.judge", cfg.env.judge)} if cfg.env.judge and not cfg.env.judge_url \
+      else {}
+  for key, name in {**served_scorers(cfg), **judge}.values():
     if not cfg.serving.urls and name not in cfg.serving.models:
       raise config_lib.ConfigError(f"{key}: no served model {name!r} in serving.models "
                                    f"(have {sorted(cfg.serving.models)})")
@@ -472,6 +477,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # it starts from (and is updated with) are the whole values, gathered from every one.
   serving = Serving(cfg, model_cfg, distributed.host_copy(state.params), tokenizer,
                     serving_mesh)
+  if cfg.env.judge:  # environments show their passes to the served judge
+    from envs.judge import DEFAULT_RUBRIC, LLMJudge
+
+    env_factory.resources.judge = LLMJudge(cfg.env.judge_url or serving.gateway_url,
+                                           cfg.env.judge,
+                                           rubric=cfg.env.judge_rubric or DEFAULT_RUBRIC)
   exported = None  # the policy version last exported
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     # Exported again on a resume: an export under this version may be a stopped run's.

@@ -42,13 +42,20 @@ def main(argv=None) -> int:
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  app, orch = build_app(cfg)
+  try:
+    app, orch, models = build_app(cfg)
+  except ValueError as e:  # e.g. a served model whose export is missing
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(f"rollout server {cfg.name} on http://{cfg.host}:{cfg.port} "
-        f"(policy version {orch.version})", flush=True)
+        f"(policy version {orch.version}"
+        + (f"; also serving {', '.join(sorted(models))})" if models else ")"), flush=True)
   try:
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
   finally:
     orch.stop()
+    for m in models.values():
+      m.orch.stop()
   return 0
 
 

@@ -8,7 +8,14 @@
 - `POST /v1/messages`: Anthropic-compatible (`rollout_server.anthropic_api`), with
   `tool_use` / `tool_result` blocks and streaming events, rendered and recorded as
   the chat completions are (the same `X-Session-Id` header).
+- `POST /v1/score`: token ids in; each token's log-prob under a model out (a frozen
+  reference's or a teacher's view of sampled tokens).
 - `POST /abort`, `POST /update_weights`, `GET /health`, `GET /metrics` (Prometheus).
+
+A server may host more models beside its policy (`models:` in its config: a frozen
+reference, a teacher, a judge): `model` in a request names one (`/generate`,
+`/v1/score`, `/update_weights` refuse names they do not serve; the chat gateways serve
+the policy under any other name, as OpenAI clients always send one).
 
 Bad requests get a 4xx naming what is wrong; nothing a request does stops the server.
 """
@@ -16,6 +23,7 @@ Bad requests get a 4xx naming what is wrong; nothing a request does stops the se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -57,6 +65,15 @@ class GenerateBody(SamplingBody):
   input_ids: list[Annotated[int, TOKEN_ID]] = Field(min_length=1)
   request_id: Optional[str] = None
   session_id: Optional[str] = None
+  model: Optional[str] = None
+
+
+class ScoreBody(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  input_ids: list[Annotated[list[Annotated[int, TOKEN_ID]], Field(min_length=1)]] = Field(
+      min_length=1, max_length=1024)
+  model: Optional[str] = None
+  temperature: float = Field(1.0, gt=0.0, le=100.0)
 
 
 class AbortBody(BaseModel):
@@ -68,6 +85,7 @@ class UpdateWeightsBody(BaseModel):
   path: str
   version: Optional[int] = None
   mode: Optional[str] = None
+  model: Optional[str] = None
 
 
 class ChatBody(BaseModel):
@@ -172,9 +190,22 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                update_mode: str = "drain", max_sessions: int = ServerConfig.max_sessions,
                session_ttl_s: Optional[float] = ServerConfig.session_ttl_s,
                session_max_bytes: Optional[int] = ServerConfig.session_max_bytes,
-               model_name: str = "jaxagent") -> FastAPI:
-  """The server app. `load_params(path, version) -> engine params` serves /update_weights."""
+               model_name: str = "jaxagent", models: Optional[dict] = None) -> FastAPI:
+  """The server app. `load_params(path, version) -> engine params` serves /update_weights.
+  `models`: more models served by name (`rollout_server.serving.ServedModel`s)."""
   app = FastAPI(title="jaxagent rollout server")
+  models = dict(models or {})
+  if model_name in models:
+    raise ValueError(f"models: {model_name!r} is the policy's name")
+
+  def served(name: Optional[str], strict: bool):
+    """The served model `name` (None: the policy's orchestrator and tokenizer)."""
+    if name in models:
+      return models[name]
+    if strict and name not in (None, model_name):
+      raise HTTPException(404, f"model {name!r} is not served here (served: "
+                               f"{[model_name] + sorted(models)})")
+    return None
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
   registry = CollectorRegistry()
   registry.register(_EngineCollector(orch, sessions))
@@ -188,9 +219,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   app.state.orchestrator = orch
   app.state.sessions = sessions
 
-  def submit(prompt, sampling, request_id=None, session_id=None) -> Request:
+  def submit(prompt, sampling, request_id=None, session_id=None, on=None) -> Request:
     try:
-      req = orch.submit(prompt, sampling, request_id=request_id, session_id=session_id)
+      req = (on or orch).submit(prompt, sampling, request_id=request_id,
+                                session_id=session_id)
     except QueueFull as e:
       raise HTTPException(503, str(e))
     except ValueError as e:
@@ -205,7 +237,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     req.add_listener(observe)
     return req
 
-  async def run(req: Request, http: HttpRequest) -> None:
+  async def run(req: Request, http: HttpRequest, on=None) -> None:
     """Awaits `req`; aborts it (freeing its slot) if the client disconnects first."""
     tasks = [asyncio.ensure_future(_wait(req)), asyncio.ensure_future(_disconnected(http))]
     try:
@@ -214,7 +246,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       for t in tasks:
         t.cancel()
       if not req.done:  # the client went away (or the handler was cancelled)
-        orch.abort(req.request_id)
+        (on or orch).abort(req.request_id)
         disconnects.inc()
 
   @app.exception_handler(ValueError)
@@ -224,14 +256,20 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   @app.get("/health")
   async def health():
     s = orch.stats()
-    return {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
-            "queue": s["queue"]}
+    out = {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
+           "queue": s["queue"]}
+    if models:
+      out["models"] = {name: {"version": m.orch.stats()["version"],
+                              "update_weights": m.update_weights} for name, m in models.items()}
+    return out
 
   @app.get("/v1/models")
-  async def models():
-    """The one model this server serves (what the OpenAI client's `models.list()` reads)."""
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                        "owned_by": "jaxagent"}]}
+  async def list_models():
+    """The models this server serves (what the OpenAI client's `models.list()` reads): the
+    policy first."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                        "owned_by": "jaxagent"}
+                                       for name in [model_name] + sorted(models)]}
 
   @app.get("/metrics")
   async def metrics():
@@ -241,13 +279,28 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   @app.post("/generate")
   async def generate(body: GenerateBody, http: HttpRequest):
     session_id = body.session_id or http.headers.get(SESSION_HEADER)
+    m = served(body.model, strict=True)
+    on = m.orch if m is not None else None
     req = submit(body.input_ids, _sampling(body, body.max_new_tokens, body.stop_token_ids),
-                 body.request_id, session_id)
-    await run(req, http)
+                 body.request_id, session_id, on)
+    await run(req, http, on)
     out = req.result()
     if session_id:
       sessions.record(session_id, _turn_record(req, kind="generate"))
     return out
+
+  @app.post("/v1/score")
+  async def score(body: ScoreBody):
+    """Each token's log-prob given the tokens before it (0 for the first), under the
+    weights the named model serves now, at `temperature`."""
+    m = served(body.model, strict=True)
+    engine, params = (m.engine, m.orch.params) if m is not None else (orch.engine, orch.params)
+    try:
+      out = await asyncio.get_running_loop().run_in_executor(
+          None, engine.score, params, body.input_ids, body.temperature)
+    except ValueError as e:
+      raise HTTPException(400, str(e))
+    return {"model": body.model or model_name, "logprobs": [x.tolist() for x in out]}
 
   @app.post("/abort")
   async def abort(body: AbortBody):
@@ -255,7 +308,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   @app.post("/update_weights")
   async def update_weights(body: UpdateWeightsBody):
-    if load_params is None:
+    m = served(body.model, strict=True)
+    if m is not None and not m.update_weights:
+      raise HTTPException(409, f"model {body.model!r} is frozen (update_weights: false)")
+    load, target = (m.load, m.orch) if m is not None else (load_params, orch)
+    if load is None:
       raise HTTPException(501, "this server was started without a weight loader")
     mode = body.mode or update_mode
     if mode not in ("drain", "abort"):
@@ -266,11 +323,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       loop = asyncio.get_running_loop()
       t0 = time.perf_counter()
       try:
-        params = await loop.run_in_executor(None, load_params, body.path, body.version)
+        params = await loop.run_in_executor(None, load, body.path, body.version)
       except Exception as e:  # a bad checkpoint must not take the server down
         raise HTTPException(400, f"cannot load {body.path}: {type(e).__name__}: {e}")
       load_s = time.perf_counter() - t0
-      report = await loop.run_in_executor(None, orch.update_weights, params, mode)
+      report = await loop.run_in_executor(None, target.update_weights, params, mode)
     return {**report, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
   @app.get("/sessions/{session_id}")
@@ -288,18 +345,26 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     return {"session_id": session_id, "deleted": True}
 
   def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,
-                 session_id: Optional[str], kind: str, id_prefix: str) -> ChatTurn:
-    """Renders a chat (internal form) through the template and submits it: what both chat
+                 session_id: Optional[str], kind: str, id_prefix: str,
+                 model: Optional[str] = None) -> ChatTurn:
+    """Renders a chat (internal form) through the template of the model `model` names (the
+    policy's unless it is another served model's name) and submits it: what both chat
     gateways do with a call."""
+    m = served(model, strict=False)
+    tok, on = (m.tokenizer, m.orch) if m is not None else (tokenizer, orch)
+    if m is not None:  # stop on that model's own end-of-turn tokens
+      sampling = dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys(
+          [*tok.stop_ids, *(t for t in sampling.stop_token_ids
+                            if t not in tokenizer.stop_ids)])))
     try:
       messages = normalise_messages(messages)
-      prompt = tokenizer.apply_chat_template(messages, tools=tools)
+      prompt = tok.apply_chat_template(messages, tools=tools)
     except ValueError as e:
       raise HTTPException(400, str(e))
     except Exception as e:  # a template error names the problem
       raise HTTPException(400, f"cannot render the chat template: {type(e).__name__}: {e}")
-    req = submit(prompt, sampling, None, session_id)
-    return ChatTurn(req, tokenizer, orch, messages=messages, tools=tools, sessions=sessions,
+    req = submit(prompt, sampling, None, session_id, on)
+    return ChatTurn(req, tok, on, messages=messages, tools=tools, sessions=sessions,
                     session_id=session_id, kind=kind, id_prefix=id_prefix)
 
   @app.post("/v1/chat/completions")
@@ -314,7 +379,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     stops = list(tokenizer.stop_ids) + list(body.stop_token_ids or [])
     session_id = body.session_id or http.headers.get(SESSION_HEADER)
     turn = start_chat(body.messages, body.tools, _sampling(body, max_new, stops), session_id,
-                      kind="chat", id_prefix="call")
+                      kind="chat", id_prefix="call", model=body.model)
     req = turn.req
     created = int(time.time())
     cid = f"chatcmpl-{req.request_id}"
@@ -333,11 +398,12 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     def logprobs() -> Optional[dict]:
       if not body.logprobs:
         return None
-      return {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
+      return {"content": [{"token": turn.tokenizer.decode([t]), "logprob": lp,
+                           "top_logprobs": []}
                           for t, lp in zip(req.output_ids, req.output_logprobs)]}
 
     if not body.stream:
-      await run(req, http)
+      await run(req, http, turn.orch)
       message, reason = finish()
       return {"id": cid, "object": "chat.completion", "created": created,
               "model": body.model or model_name,
@@ -361,11 +427,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     session_id = http.headers.get(SESSION_HEADER)
     turn = start_chat(chat_messages, tools,
                       _sampling(body, body.max_tokens, list(tokenizer.stop_ids)), session_id,
-                      kind="messages", id_prefix="toolu")
+                      kind="messages", id_prefix="toolu", model=body.model)
     if body.stream:
       return StreamingResponse(anthropic_api.stream_events(turn, body.model),
                                media_type="text/event-stream")
-    await run(turn.req, http)
+    await run(turn.req, http, turn.orch)
     return anthropic_api.message_body(turn, body.model)
 
   app.include_router(messages_api)

@@ -79,6 +79,11 @@ class ServedModel:
     """Each sequence's per-token log-probs under the weights the model serves now."""
     return self.engine.score(self.orch.params, sequences, temperature)
 
+  def load(self, path: str, version: Optional[int] = None):
+    """Engine params of a policy export, for a weight update of this model."""
+    path, version = resolve_policy(path, version)
+    return self.engine.load_params(path=path, version=version)
+
 
 def _start_model(spec: ModelSpec, e: EngineConfig, policy: Optional[str], seed: int, mesh):
   """Builds `spec`, loads `policy` (an export) or the built/random weights, starts serving."""
@@ -108,14 +113,22 @@ def build_served_models(models: dict[str, ServedModelConfig], mesh) -> dict[str,
   return out
 
 
-def build_orchestrator(cfg: ServerConfig):
+def build_orchestrator(cfg: ServerConfig, mesh=None):
   """Engine, orchestrator (started) and tokenizer for a server config."""
-  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  if mesh is None:
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   return _start_model(cfg.model, cfg.engine, cfg.policy, cfg.seed, mesh)
 
 
 def build_app(cfg: ServerConfig):
-  engine, orch, tokenizer = build_orchestrator(cfg)
+  """The app of a server config, its policy's orchestrator and its other models."""
+  mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  engine, orch, tokenizer = build_orchestrator(cfg, mesh)
+  try:
+    models = build_served_models(cfg.models, mesh)
+  except Exception:
+    orch.stop()
+    raise
 
   def load(path: str, version: Optional[int]):
     path, version = resolve_policy(path, version)
@@ -123,8 +136,9 @@ def build_app(cfg: ServerConfig):
 
   app = create_app(orch, tokenizer, load_params=load, update_mode=cfg.update_mode,
                    max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
-                   session_max_bytes=cfg.session_max_bytes, model_name=cfg.name)
-  return app, orch
+                   session_max_bytes=cfg.session_max_bytes, model_name=cfg.name,
+                   models=models)
+  return app, orch, models
 
 
 class ServerThread:

@@ -72,7 +72,7 @@ def main() -> int:
   overrides += ([f"model.preset={args.preset}"] if args.preset else
                 [f"model.checkpoint={args.checkpoint}", "model.chat_template=chatml_tools"])
   cfg = config_lib.load(config_lib.ServerConfig, None, overrides)
-  app, orch = build_app(cfg)
+  app, orch, _ = build_app(cfg)
   rows = []
   with ServerThread(app) as srv:
     for n in levels:

@@ -41,26 +41,32 @@ def random_params():
   return jax.device_get(init_params(CFG, 0))
 
 
-@pytest.fixture(scope="session")
-def memorised_params(tokenizer):
-  """Tiny-model weights trained (REINFORCE with advantage 1) to answer MEMORISED greedily."""
+def memorise(pairs, *, steps: int = 300, seed: int = 0, row_len: int = 512):
+  """Tiny-model weights trained (REINFORCE with advantage 1) to answer each prompt of
+  `pairs` ((prompt ids, answer ids)) with its answer greedily."""
   segs = []
-  for i, (messages, tools, answer) in enumerate(MEMORISED):
-    prompt = tokenizer.apply_chat_template(messages, tools=tools)
-    target = tokenizer.encode(answer + "<|im_end|>")
-    seq = np.asarray(prompt + target, np.int32)
+  for i, (prompt, target) in enumerate(pairs):
+    seq = np.asarray(list(prompt) + list(target), np.int32)
     mask = np.zeros(len(seq), np.float32)
     mask[len(prompt):] = 1.0
     segs.append(dict(tokens=seq, loss_mask=mask, advantages=mask, rollout_id=i,
                      rollout_logp=np.zeros(len(seq), np.float32)))
-  batch, placed = pack(segs, len(segs), 512)
+  batch, placed = pack(segs, len(segs), row_len)
   assert (placed >= 0).all()
   learner = Learner(CFG, LearnerConfig(lr=3e-3, policy_loss="reinforce"), make_mesh())
-  state = learner.init_state(0)
-  for _ in range(300):
+  state = learner.init_state(seed)
+  for _ in range(steps):
     state, m = learner.step(state, batch)
   assert float(m["loss"]) < 0.05, float(m["loss"])
   return jax.device_get(state.params)
+
+
+@pytest.fixture(scope="session")
+def memorised_params(tokenizer):
+  """Tiny-model weights trained to answer MEMORISED greedily."""
+  return memorise([(tokenizer.apply_chat_template(messages, tools=tools),
+                    tokenizer.encode(answer + "<|im_end|>"))
+                   for messages, tools, answer in MEMORISED])
 
 
 def make_engine(**kw):

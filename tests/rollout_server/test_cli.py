@@ -18,7 +18,8 @@ def free_port() -> int:
 def test_server_cli_serves_and_stops():
   port = free_port()
   proc = subprocess.Popen([sys.executable, "-m", "rollout_server", "--config",
-                           "configs/server_tiny.yaml", f"port={port}", "engine.slots=2"],
+                           "configs/server_tiny.yaml", f"port={port}", "engine.slots=2",
+                           "models.ref.model.preset=nano", "models.ref.engine.slots=1"],
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.time() + 120
@@ -34,6 +35,12 @@ def test_server_cli_serves_and_stops():
     out = httpx.post(f"http://127.0.0.1:{port}/generate",
                      json={"input_ids": [72, 105], "max_new_tokens": 4}, timeout=60).json()
     assert len(out["output_ids"]) == 4
+    # A second model served beside the policy, by name.
+    ids = [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]]
+    assert ids == ["server-tiny", "ref"]
+    scored = httpx.post(f"http://127.0.0.1:{port}/v1/score",
+                        json={"model": "ref", "input_ids": [[72, 105, 33]]}, timeout=60).json()
+    assert len(scored["logprobs"][0]) == 3 and scored["logprobs"][0][0] == 0.0
   finally:
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)

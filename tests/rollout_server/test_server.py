@@ -246,3 +246,82 @@ def test_update_weights_over_http(random_params, memorised_params, tokenizer, tm
     bad = c.post("/update_weights", json={"path": root, "version": 99})
     assert bad.status_code == 400 and "99" in bad.text
     assert c.get("/health").json()["version"] == 8
+
+
+def test_models_served_beside_the_policy(random_params, memorised_params, tokenizer, tmp_path):
+  """A random policy and, by name, a frozen reference (the memorised weights) and an
+  updatable second model: each request reaches the model it names."""
+  from rollout_server.engine import SamplingParams
+  from rollout_server.orchestrator import Orchestrator
+  from rollout_server.serving import ServedModel
+  from tests.rollout_server.conftest import make_engine
+
+  models = {}
+  for name, params, updatable in (("ref", memorised_params, False),
+                                  ("second", random_params, True)):
+    engine = make_engine()
+    orch = Orchestrator(engine, engine.load_params(params, version=0)).start()
+    models[name] = ServedModel(name, engine, orch, tokenizer, update_weights=updatable)
+  root = str(tmp_path / "policy")
+  export_policy(root, 4, jax.device_put(memorised_params), dtype=None)
+  try:
+    with running_server(random_params, tokenizer, models=models) as (srv, _):
+      c = client(srv)
+      assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["jaxagent", "ref",
+                                                                       "second"]
+      prompt = tokenizer.apply_chat_template(MEMORISED[1][0])
+      body = {"input_ids": prompt, "temperature": 0, "max_new_tokens": 12,
+              "stop_token_ids": list(tokenizer.stop_ids)}
+      ref = c.post("/generate", json={**body, "model": "ref"}).json()
+      assert tokenizer.decode(ref["output_ids"]) == MEMORISED[1][2] + "<|im_end|>"
+      policy = c.post("/generate", json=body).json()
+      assert policy["output_ids"] != ref["output_ids"]
+      chat = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x").chat.completions.create(
+          model="ref", messages=MEMORISED[1][0], temperature=0, max_tokens=12)
+      assert chat.choices[0].message.content == MEMORISED[1][2]
+      # /v1/score: the reference's log-probs of what it sampled, as it sampled them.
+      seq = ref["prompt_ids"] + ref["output_ids"]
+      scored = c.post("/v1/score", json={"model": "ref", "input_ids": [seq, prompt[:5]]})
+      assert scored.status_code == 200, scored.text
+      lp = scored.json()["logprobs"]
+      assert [len(x) for x in lp] == [len(seq), 5]
+      assert max(abs(a - b) for a, b in zip(lp[0][len(prompt):], ref["raw_logprobs"])) < 2e-5
+      for bad, want in [({"model": "nobody", "input_ids": [[1]]}, 404),
+                        ({"model": "ref", "input_ids": [[]]}, 422),
+                        ({"input_ids": [[1, 10 ** 9]]}, 400),  # past the vocabulary
+                        ({"model": "ref", "input_ids": [[1]], "temperature": 0}, 422)]:
+        assert c.post("/v1/score", json=bad).status_code == want, bad
+      assert c.post("/generate", json={**body, "model": "nobody"}).status_code == 404
+      # Weight updates: the policy by default, a frozen model never, an updatable one by name.
+      frozen = c.post("/update_weights", json={"path": root, "model": "ref"})
+      assert frozen.status_code == 409 and "frozen" in frozen.text
+      r = c.post("/update_weights", json={"path": root, "model": "second"})
+      assert r.status_code == 200 and r.json()["version"] == 4, r.text
+      second = c.post("/generate", json={**body, "model": "second"}).json()
+      assert second["output_ids"] == ref["output_ids"] and set(second["versions"]) == {4}
+      health = c.get("/health").json()
+      assert health["version"] == 0 and health["models"]["second"]["version"] == 4
+      assert health["models"]["ref"] == {"version": 0, "update_weights": False}
+      # The in-process client scores and generates by name too.
+      from rollout_server.client import GenerateError, HttpClient, LocalClient
+      import asyncio
+      local = LocalClient(None, None, models=models)
+      got = asyncio.run(local.score("ref", [seq]))
+      assert max(abs(a - b) for a, b in zip(got[0], lp[0])) < 1e-6
+      turn = asyncio.run(local.generate(prompt, SamplingParams(
+          temperature=0, max_new_tokens=12, stop_token_ids=tuple(tokenizer.stop_ids)),
+          model="ref"))
+      assert turn.output_ids == ref["output_ids"]
+      with pytest.raises(GenerateError, match="no served model"):
+        asyncio.run(local.score("nobody", [seq]))
+
+      async def over_http():
+        http = HttpClient(srv.url)
+        try:
+          return await http.score("ref", [seq])
+        finally:
+          await http.aclose()
+      assert max(abs(a - b) for a, b in zip(asyncio.run(over_http())[0], lp[0])) < 1e-6
+  finally:
+    for m in models.values():
+      m.orch.stop()

@@ -1,0 +1,108 @@
+"""`llm_judge`: a served judge model grades an answer against a rubric.
+
+The judge is a model a rollout server hosts beside the policy (`models:` in its
+config, `serving.models` in a run's), asked through the OpenAI-compatible chat API
+at temperature 0. Its answer is parsed strictly: the last non-empty line must be
+exactly `VERDICT: PASS` or `VERDICT: FAIL`, and no other line may say `VERDICT:`.
+Anything else (an empty answer, a verdict in another form, two verdicts, a cut-off
+answer), like a server that cannot be reached, is the grader's failure: an
+`infra_error` verdict, never a 0 the policy would learn from. A judge never sees
+instructions from the answer as its own: the answer is quoted as data in the user
+message, and the rubric sits in the system message.
+
+`confirm(verdict, task, answer)` is ROLL's false-positive check: an answer that passed
+its tests is shown to the judge, which can still fail it (a solution that special-cases
+the tests instead of solving the task); answers that failed are not asked about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Optional
+
+import httpx
+
+from envs.base import Verdict, VerdictStatus
+
+VERSION = "llm-judge-1"
+
+DEFAULT_RUBRIC = (
+    "You grade an answer to a task. PASS only if the answer solves the task as stated, "
+    "in general, not just for particular inputs or tests; FAIL otherwise. You may reason "
+    "first. End with one line that is exactly VERDICT: PASS or VERDICT: FAIL.")
+
+_VERDICT = re.compile(r"VERDICT: (PASS|FAIL)")
+
+
+def parse_verdict(text: str) -> Optional[bool]:
+  """True (PASS) or False (FAIL) for a well-formed judge answer, None otherwise."""
+  lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+  if not lines or sum("VERDICT:" in line for line in lines) != 1:
+    return None
+  m = _VERDICT.fullmatch(lines[-1])
+  return None if m is None else m.group(1) == "PASS"
+
+
+class LLMJudge:
+  """Asks the served model `model` at `url` (a rollout server, router or gateway) for a
+  verdict. Failures to get a well-formed one are retried `retries` times, then are an
+  `infra_error` verdict."""
+
+  version = VERSION
+
+  def __init__(self, url: str, model: str, *, rubric: str = DEFAULT_RUBRIC,
+               max_tokens: int = 256, timeout_s: float = 60.0, retries: int = 1):
+    self.url, self.model, self.rubric = url.rstrip("/"), model, rubric
+    self.max_tokens, self.timeout_s, self.retries = max_tokens, timeout_s, retries
+
+  def messages(self, task: str, answer: str) -> list[dict]:
+    return [{"role": "system", "content": self.rubric},
+            {"role": "user", "content": f"Task:\n{task}\n\nAnswer:\n{answer}"}]
+
+  async def _ask(self, client: httpx.AsyncClient, task: str, answer: str) -> str:
+    r = await client.post(f"{self.url}/v1/chat/completions", json={
+        "model": self.model, "messages": self.messages(task, answer), "temperature": 0.0,
+        "max_tokens": self.max_tokens})
+    if r.status_code != 200:
+      raise RuntimeError(f"judge {self.model!r}: HTTP {r.status_code}: {r.text[:200]}")
+    choice = r.json()["choices"][0]
+    if choice.get("finish_reason") == "length":
+      raise RuntimeError(f"judge {self.model!r}: answer cut at max_tokens ({self.max_tokens})")
+    return choice["message"].get("content") or ""
+
+  async def grade(self, task: str, answer: str, env_version: str = "") -> Verdict:
+    """The judge's verdict on `answer` to `task` (reward 1 for PASS, 0 for FAIL)."""
+    problem = ""
+    async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+      for attempt in range(self.retries + 1):
+        try:
+          text = await self._ask(client, task, answer)
+        except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as e:
+          problem = f"{type(e).__name__}: {e}"
+        else:
+          ok = parse_verdict(text)
+          if ok is not None:
+            return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, float(ok),
+                           env_version, self.version,
+                           details={"judge": self.model, "judge_answer": text[-500:]})
+          problem = f"judge answer not in the VERDICT: PASS|FAIL form: {text[-200:]!r}"
+        if attempt < self.retries:
+          await asyncio.sleep(0.2 * (attempt + 1))
+    return Verdict(VerdictStatus.INFRA_ERROR, 0.0, env_version, self.version,
+                   details={"judge": self.model, "error": problem})
+
+  async def confirm(self, verdict: Verdict, task: str, answer: str) -> Verdict:
+    """`verdict` (from tests), checked by the judge when it is a pass: the judge's FAIL
+    turns it into a fail (a false positive of the tests), its infra_error into an
+    infra_error; other verdicts are returned as they are."""
+    if verdict.status != VerdictStatus.PASS:
+      return verdict
+    judged = await self.grade(task, answer, verdict.env_version)
+    details = {**verdict.details, **judged.details}
+    if judged.status == VerdictStatus.PASS:
+      return Verdict(verdict.status, verdict.reward, verdict.env_version,
+                     f"{verdict.verifier_version}+{self.version}", details=details)
+    return Verdict(judged.status, 0.0, verdict.env_version,
+                   f"{verdict.verifier_version}+{self.version}",
+                   details={**details, "false_positive": judged.status == VerdictStatus.FAIL})

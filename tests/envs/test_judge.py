@@ -1,0 +1,103 @@
+"""`llm_judge`: a judge model served beside the policy grades answers; its output is parsed
+strictly, and what it cannot say clearly is infra_error, never a 0."""
+
+import asyncio
+import json
+
+import pytest
+
+from envs.base import EnvResources, TaskSpec, Verdict, VerdictStatus, make
+from envs.judge import LLMJudge, parse_verdict
+from envs.python_tasks_data import TASKS
+from rollout_server.orchestrator import Orchestrator
+from rollout_server.serving import ServedModel
+from tests.envs.test_environments import play
+from tests.rollout_server.conftest import (make_engine, memorise, random_params,  # noqa: F401
+                                           running_server, tokenizer)
+
+TASK = next(t for t in TASKS if t[0] == "fibonacci")[1]
+HONEST = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n" \
+         "    return a\n"
+# Passes every hidden case (0, 1, 30) and the public one (5) without solving the task.
+HARD_CODED = "def fibonacci(n):\n    return {0: 0, 1: 1, 5: 5, 30: 832040}[n]\n"
+
+
+@pytest.mark.parametrize("text,want", [
+    ("VERDICT: PASS", True), ("VERDICT: FAIL", False),
+    ("The loop computes F(n) for every n.\n\nVERDICT: PASS\n", True),
+    ("verdict: pass", None), ("VERDICT: PASS.", None), ("VERDICT: MAYBE", None),
+    ("VERDICT: PASS\nVERDICT: FAIL", None), ("VERDICT: FAIL\nbut maybe it passes", None),
+    ("I think it passes", None), ("", None), ("VERDICT: PASS VERDICT: FAIL", None)])
+def test_judge_answers_are_parsed_strictly(text, want):
+  assert parse_verdict(text) is want
+
+
+@pytest.fixture(scope="module")
+def judge_params(tokenizer):
+  """A tiny judge trained to answer greedily: PASS for the honest solution, FAIL for the
+  hard-coded one (the rubric and task are the same; only the answer differs)."""
+  judge = LLMJudge("http://unused", "judge")
+  return memorise([(tokenizer.apply_chat_template(judge.messages(TASK, answer)),
+                    tokenizer.encode(f"VERDICT: {verdict}<|im_end|>"))
+                   for answer, verdict in ((HONEST, "PASS"), (HARD_CODED, "FAIL"))],
+                  steps=200, seed=1, row_len=1024)
+
+
+@pytest.fixture(scope="module")
+def server(judge_params, random_params, tokenizer):
+  """A real rollout server: a random policy, the trained judge and a random 'judge' served
+  beside it by name."""
+  models = {}
+  for name, params in (("judge", judge_params), ("babbler", random_params)):
+    engine = make_engine(max_prefill_length=1024, max_seq_len=1100)
+    orch = Orchestrator(engine, engine.load_params(params)).start()
+    models[name] = ServedModel(name, engine, orch, tokenizer)
+  try:
+    with running_server(random_params, tokenizer, models=models) as (srv, _):
+      yield srv
+  finally:
+    for m in models.values():
+      m.orch.stop()
+
+
+def passed():
+  return Verdict(VerdictStatus.PASS, 1.0, "python_tests@2", "python-harness-2",
+                 {"passed": 3})
+
+
+def test_a_served_judge_confirms_a_pass_and_catches_a_false_positive(server):
+  judge = LLMJudge(server.url, "judge", max_tokens=16)
+  ok = asyncio.run(judge.confirm(passed(), TASK, HONEST))
+  assert ok.status == VerdictStatus.PASS and ok.reward == 1.0
+  assert ok.verifier_version == "python-harness-2+llm-judge-1"
+  caught = asyncio.run(judge.confirm(passed(), TASK, HARD_CODED))
+  assert caught.status == VerdictStatus.FAIL and caught.reward == 0.0
+  assert caught.details["false_positive"] and caught.details["judge_answer"] == "VERDICT: FAIL"
+  failed = Verdict(VerdictStatus.FAIL, 0.0, "e", "v")
+  assert asyncio.run(judge.confirm(failed, TASK, HONEST)) is failed  # not asked
+
+
+def test_a_judge_that_cannot_say_is_infra_error_not_a_zero(server):
+  for judge in (LLMJudge(server.url, "babbler", max_tokens=16, retries=0),
+                LLMJudge(server.url, "nobody", retries=0),
+                LLMJudge("http://127.0.0.1:9", "judge", retries=0, timeout_s=2)):
+    v = asyncio.run(judge.confirm(passed(), TASK, HONEST))
+    assert v.status == VerdictStatus.INFRA_ERROR and v.is_infra_error, judge.model
+    assert v.details["error"]
+
+
+def test_python_tests_shows_its_passes_to_the_judge(server):
+  """The coding environment with a judge: the hard-coded solution passes the hidden tests
+  but not the judge."""
+  resources = EnvResources(sandboxes=1, judge=LLMJudge(server.url, "judge", max_tokens=16))
+  try:
+    for solution, status in ((HONEST, VerdictStatus.PASS), (HARD_CODED, VerdictStatus.FAIL)):
+      env = make("python_tests", resources)
+      write = json.dumps({"name": "write_file", "arguments": {"path": "solution.py",
+                                                              "content": solution}})
+      _, _, verdict = play(env, TaskSpec("p", "python_tests", {"task": "fibonacci"}),
+                           [f"<tool_call>{write}</tool_call>", "DONE"])
+      asyncio.run(env.close())
+      assert verdict.status == status and verdict.details["passed"] == 3
+  finally:
+    resources.close()
