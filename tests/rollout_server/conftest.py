@@ -41,7 +41,7 @@ def random_params():
   return jax.device_get(init_params(CFG, 0))
 
 
-def memorise(pairs, *, steps: int = 300, seed: int = 0, row_len: int = 512):
+def memorise(pairs, *, steps: int = 300, seed: int = 0, row_len: int = 512, lr: float = 3e-3):
   """Tiny-model weights trained (REINFORCE with advantage 1) to answer each prompt of
   `pairs` ((prompt ids, answer ids)) with its answer greedily."""
   segs = []
@@ -53,7 +53,7 @@ def memorise(pairs, *, steps: int = 300, seed: int = 0, row_len: int = 512):
                      rollout_logp=np.zeros(len(seq), np.float32)))
   batch, placed = pack(segs, len(segs), row_len)
   assert (placed >= 0).all()
-  learner = Learner(CFG, LearnerConfig(lr=3e-3, policy_loss="reinforce"), make_mesh())
+  learner = Learner(CFG, LearnerConfig(lr=lr, policy_loss="reinforce"), make_mesh())
   state = learner.init_state(seed)
   for _ in range(steps):
     state, m = learner.step(state, batch)
