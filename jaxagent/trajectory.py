@@ -321,11 +321,17 @@ class TrajectoryManager:
     best, best_len = None, 0
     for node in self.nodes:
       full = node.full_tokens
-      # The node's whole turn is a prefix, or the prompt leaves it inside its response.
+      # The node's whole turn is a prefix, or the prompt leaves it inside its response
+      # (it holds the node's whole prompt and goes on past it).
       d = _common_prefix(full, r.prompt_ids)
-      if d >= len(node.record.prompt_ids) and d > 0 and d >= best_len:
+      if (d >= len(node.record.prompt_ids) and len(r.prompt_ids) > len(node.record.prompt_ids)
+          and d > 0 and d >= best_len):
         best, best_len = node, d
     if best is None:
+      # Sampled again from the prompt of an earlier turn: that turn's sibling.
+      for node in self.nodes:
+        if node.record.prompt_ids == r.prompt_ids:
+          return node.parent
       # Nothing it continues (compacted or rewritten context): it follows the same
       # agent's previous turn, and linearising will fork there.
       same = [n for n in self.nodes if n.record.agent_role == r.agent_role]

@@ -147,6 +147,20 @@ def test_branches_share_a_prefix_and_train_it_once():
   assert a == 0
 
 
+def test_two_samples_from_one_prompt_are_siblings_both_trained():
+  """Turns recorded by tokens alone (no messages), sampled twice from the same prompt:
+  neither is mounted under the other, so no sampled token is cut away."""
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2, 3, 4], [10, 11]))
+  m.add_turn(turn([1, 2, 3, 4], [20, 21]))
+  m.add_turn(turn([1, 2, 3, 4, 20, 21, 5], [30]))  # continues the second sample
+  first, second = m.segments()
+  assert first.tokens.tolist() == [1, 2, 3, 4, 10, 11] and first.decisions == [CLEAN]
+  assert second.tokens.tolist() == [1, 2, 3, 4, 20, 21, 5, 30]
+  assert second.decisions == [CLEAN, CLEAN] and second.parent_segment_id is None
+  assert first.loss_mask.sum() + second.loss_mask.sum() == 5  # every sampled token, once
+
+
 def test_dump_and_replay_give_the_same_batch(tmp_path):
   m = TrajectoryManager("s1")
   m.add_turn(turn([1, 2, 3], [4, 5]))
