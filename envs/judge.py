@@ -8,7 +8,10 @@ Anything else (an empty answer, a verdict in another form, two verdicts, a cut-o
 answer), like a server that cannot be reached, is the grader's failure: an
 `infra_error` verdict, never a 0 the policy would learn from. A judge never sees
 instructions from the answer as its own: the answer is quoted as data in the user
-message, and the rubric sits in the system message.
+message between fences derived from its hash (it cannot close them itself), cut to
+`max_answer_chars`, and the rubric sits in the system message. The judge must be a
+model the server lists in `/v1/models` other than its policy (checked before the first
+question), so a misnamed judge never lets the policy grade itself.
 
 `confirm(verdict, task, answer)` is ROLL's false-positive check: an answer that passed
 its tests is shown to the judge, which can still fail it (a solution that special-cases
@@ -18,6 +21,7 @@ the tests instead of solving the task); answers that failed are not asked about.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 from typing import Optional
 
@@ -52,15 +56,40 @@ class LLMJudge:
   version = VERSION
 
   def __init__(self, url: str, model: str, *, rubric: str = DEFAULT_RUBRIC,
-               max_tokens: int = 256, timeout_s: float = 60.0, retries: int = 1):
+               max_tokens: int = 256, timeout_s: float = 60.0, retries: int = 1,
+               max_answer_chars: int = 12000):
+    if not url:
+      raise ValueError("LLMJudge needs the URL of a server that hosts the judge")
     self.url, self.model, self.rubric = url.rstrip("/"), model, rubric
     self.max_tokens, self.timeout_s, self.retries = max_tokens, timeout_s, retries
+    self.max_answer_chars = max_answer_chars
+    self._checked = False
 
   def messages(self, task: str, answer: str) -> list[dict]:
+    """The judge's chat: the rubric, then the task and the answer as quoted data."""
+    if len(answer) > self.max_answer_chars:
+      answer = (answer[:self.max_answer_chars]
+                + f"\n[... {len(answer) - self.max_answer_chars} more characters not shown]")
+    fence = "ANSWER-" + hashlib.sha256(answer.encode()).hexdigest()[:12]
     return [{"role": "system", "content": self.rubric},
-            {"role": "user", "content": f"Task:\n{task}\n\nAnswer:\n{answer}"}]
+            {"role": "user", "content": f"Task:\n{task}\n\nThe answer, between the "
+                                        f"{fence} lines:\n{fence}\n{answer}\n{fence}"}]
+
+  async def _check_model(self, client: httpx.AsyncClient) -> None:
+    """The judge must be served at `url`, and must not be the server's policy."""
+    if self._checked:
+      return
+    r = await client.get(f"{self.url}/v1/models")
+    if r.status_code != 200:
+      raise RuntimeError(f"{self.url}/v1/models: HTTP {r.status_code}")
+    names = [m["id"] for m in r.json()["data"]]
+    if self.model not in names[1:]:  # the first is the policy
+      raise RuntimeError(f"judge {self.model!r} is not a model served beside the policy at "
+                         f"{self.url} (served: {names}; the first is the policy)")
+    self._checked = True
 
   async def _ask(self, client: httpx.AsyncClient, task: str, answer: str) -> str:
+    await self._check_model(client)
     r = await client.post(f"{self.url}/v1/chat/completions", json={
         "model": self.model, "messages": self.messages(task, answer), "temperature": 0.0,
         "max_tokens": self.max_tokens})

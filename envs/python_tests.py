@@ -25,6 +25,13 @@ SYSTEM = ("Write Python in the file solution.py using the write_file tool. You c
 BY_NAME = {t[0]: t for t in TASKS}
 
 
+def judged_answer(files: dict[str, bytes]) -> str:
+  """What a judge is shown of a solution: every file the tests ran with, named
+  (solution.py first), so nothing the tests used is hidden from it."""
+  names = sorted(files, key=lambda n: (n != "solution.py", n))
+  return "\n\n".join(f"### {n}\n{files[n].decode('utf-8', 'replace')}" for n in names)
+
+
 def _output(result) -> str:
   out = {"exit_code": result.exit_code, "timed_out": result.timed_out,
          "stdout": result.stdout[-2000:], "stderr": result.stderr[-2000:]}
@@ -105,8 +112,14 @@ class PythonTests(Env):
     return StepResult(Observation(run.messages), 0.0, terminated, truncated, info)
 
   def final_files(self) -> dict[str, bytes]:
+    """The files graded (and shown to a judge): the workspace's, without our own and
+    without compiled bytecode, so what runs is the source that was written (an
+    unchecked-hash .pyc in __pycache__ would otherwise be imported in place of an
+    innocent-looking solution.py)."""
     skip = {PUBLIC_TESTS, "_run.py", "_public_runner.py"}
-    return {k: v for k, v in self.sandbox.files().items() if k not in skip}
+    return {k: v for k, v in self.sandbox.files().items()
+            if k not in skip and not k.endswith((".pyc", ".pyo"))
+            and "__pycache__" not in k.split("/")}
 
   async def verify(self) -> Verdict:
     if self.sandbox is None:
@@ -115,8 +128,7 @@ class PythonTests(Env):
     verdict = await self.verifier.grade(files, HiddenTests(self.fn, self.spec[4]),
                                         env_version=f"{self.name}@{self.version}")
     if self.resources.judge is not None:  # a pass is shown to the judge too (ROLL)
-      answer = files.get("solution.py", b"").decode("utf-8", "replace")
-      verdict = await self.resources.judge.confirm(verdict, self.spec[1], answer)
+      verdict = await self.resources.judge.confirm(verdict, self.spec[1], judged_answer(files))
     return verdict
 
   async def close(self) -> None:

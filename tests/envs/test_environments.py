@@ -10,6 +10,7 @@ from envs import base
 from envs.base import (EnvResources, TaskSpec, VerdictStatus, load_tasks, make, trained_rewards,
                        write_tasks)
 from envs.calculator import final_answer, make_tasks, safe_eval
+from envs.verifier import HiddenTests
 from tests.conftest import REPO
 
 
@@ -158,6 +159,47 @@ def test_python_tests_episode_with_reference_and_public_tests():
     assert steps[2].terminated
     assert verdict.status == VerdictStatus.PASS and verdict.details["passed"] == 3
     assert verdict.reward == 1.0
+    asyncio.run(env.close())
+  finally:
+    resources.close()
+
+
+def test_python_tests_grades_the_source_not_planted_bytecode():
+  """An attack: solution.py looks wrong-but-innocent, and run_python plants an
+  unchecked-hash .pyc of a correct one in __pycache__ (Python would import it without
+  looking at the source). Grading drops bytecode, so the source is what is graded."""
+  resources = EnvResources(sandboxes=1)
+  try:
+    env = make("python_tests", resources)
+    task = TaskSpec("p", "python_tests", {"task": "fibonacci"})
+    innocent = "def fibonacci(n):\n    return 0\n"
+    plant = ("import py_compile, sys, os\n"
+             "open('real.py', 'w').write('def fibonacci(n):\\n    a, b = 0, 1\\n'\n"
+             "  '    for _ in range(n):\\n        a, b = b, a + b\\n    return a\\n')\n"
+             "tag = sys.implementation.cache_tag\n"
+             "py_compile.compile('real.py', cfile=f'__pycache__/solution.{tag}.pyc',\n"
+             "  invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)\n"
+             "os.remove('real.py')\n"
+             "import solution; print('imported', solution.fibonacci(30))\n")
+    calls = [{"name": "write_file", "arguments": {"path": "solution.py", "content": innocent}},
+             {"name": "run_python", "arguments": {"code": plant}}]
+
+    async def go():
+      await env.reset(task)
+      steps = [await env.step(f"<tool_call>{json.dumps(c)}</tool_call>") for c in calls]
+      await env.step("DONE")
+      workspace = await asyncio.to_thread(env.sandbox.files)
+      planted = {k: v for k, v in workspace.items() if k.startswith(("solution", "__pycache__"))}
+      # Graded with the bytecode, the plant would pass ...
+      forged = await env.verifier.grade(planted, HiddenTests(env.fn, env.spec[4]),
+                                        env_version="attack")
+      return steps, forged, await env.verify()
+
+    steps, forged, verdict = asyncio.run(go())
+    assert "imported 832040" in steps[1].observation.messages[0]["content"]
+    assert forged.status == VerdictStatus.PASS
+    # ... but the environment grades only the source.
+    assert verdict.status == VerdictStatus.FAIL and verdict.details["passed"] == 1
     asyncio.run(env.close())
   finally:
     resources.close()
