@@ -147,18 +147,23 @@ class HttpClient:
       raise GenerateError(out.get("error") or "engine error")
     return _record(out)
 
-  async def score(self, model: str, sequences: list[list[int]],
-                  temperature: float = 1.0) -> list[list[float]]:
-    body = {"model": model, "input_ids": [list(map(int, s)) for s in sequences],
-            "temperature": temperature}
-    try:
-      r = await self._client.post(f"{self.url}/v1/score", json=body)
-    except httpx.HTTPError as e:
-      raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
-    if r.status_code != 200:
-      kind = "request_refused" if 400 <= r.status_code < 500 else "server"
-      raise GenerateError(f"{self.url}/v1/score: {r.status_code}: {r.text[:500]}", kind)
-    return _check_scores(model, sequences, r.json().get("logprobs"))
+  async def score(self, model: str, sequences: list[list[int]], temperature: float = 1.0,
+                  per_request: int = 64) -> list[list[float]]:
+    """As `LocalClient.score`, `per_request` sequences a request."""
+    out = []
+    for i in range(0, len(sequences), per_request):
+      part = sequences[i:i + per_request]
+      body = {"model": model, "input_ids": [list(map(int, s)) for s in part],
+              "temperature": temperature}
+      try:
+        r = await self._client.post(f"{self.url}/v1/score", json=body)
+      except httpx.HTTPError as e:
+        raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
+      if r.status_code != 200:
+        kind = "request_refused" if 400 <= r.status_code < 500 else "server"
+        raise GenerateError(f"{self.url}/v1/score: {r.status_code}: {r.text[:500]}", kind)
+      out += _check_scores(model, part, r.json().get("logprobs"))
+    return out
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
     r = await self._client.post(f"{self.url}/update_weights",

@@ -605,6 +605,9 @@ class Engine:
       tokens = np.zeros((rows, T), np.int32)
       segment_ids = np.zeros((rows, T), np.int32)
       for r, s in enumerate(chunk):
+        if len(s) > self.max_seq_len:
+          raise ValueError(f"sequence {i + r}: {len(s)} tokens, more than max_seq_len "
+                           f"({self.max_seq_len})")
         if len(s) and (s.min() < 0 or s.max() >= self.vocab_size):
           raise ValueError(f"sequence {i + r}: token ids must be in [0, {self.vocab_size})")
         tokens[r, :len(s)] = s

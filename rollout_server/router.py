@@ -204,12 +204,15 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           took[b] = answer.get("version")
         else:
           refused.append(b)
-      if took:
+      try:
+        sent = json.loads(body)
+      except ValueError:
+        sent = None
+      # Only the policy's update is what a rejoining backend must catch up on (an update
+      # of another served model, named in "model", is passed on, not pinned).
+      if took and not (isinstance(sent, dict) and sent.get("model")):
         version = next(iter(took.values()))
-        try:
-          pinned = dict(json.loads(body), version=version)  # the same version on a rejoin
-        except (ValueError, TypeError):
-          pinned = None
+        pinned = dict(sent, version=version) if isinstance(sent, dict) else None
         policy.update(body=json.dumps(pinned) if pinned else body, version=version)
         for b in refused:  # live but stale: out of rotation until it catches up
           healthy[b] = False

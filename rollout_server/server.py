@@ -190,7 +190,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                update_mode: str = "drain", max_sessions: int = ServerConfig.max_sessions,
                session_ttl_s: Optional[float] = ServerConfig.session_ttl_s,
                session_max_bytes: Optional[int] = ServerConfig.session_max_bytes,
-               model_name: str = "jaxagent", models: Optional[dict] = None) -> FastAPI:
+               model_name: str = "jaxagent", models: Optional[dict] = None,
+               max_score_tokens: int = 1 << 18) -> FastAPI:
   """The server app. `load_params(path, version) -> engine params` serves /update_weights.
   `models`: more models served by name (`rollout_server.serving.ServedModel`s)."""
   app = FastAPI(title="jaxagent rollout server")
@@ -216,6 +217,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   disconnects = Counter("rollout_client_disconnects", "Requests aborted because their client "
                         "went away before the answer", registry=registry)
   update_lock = asyncio.Lock()
+  score_lock = asyncio.Lock()
   app.state.orchestrator = orch
   app.state.sessions = sessions
 
@@ -285,7 +287,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                  body.request_id, session_id, on)
     await run(req, http, on)
     out = req.result()
-    if session_id:
+    if session_id and m is None:  # a session records the policy's turns only
       sessions.record(session_id, _turn_record(req, kind="generate"))
     return out
 
@@ -295,9 +297,14 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     weights the named model serves now, at `temperature`."""
     m = served(body.model, strict=True)
     engine, params = (m.engine, m.orch.params) if m is not None else (orch.engine, orch.params)
+    total = sum(map(len, body.input_ids))
+    if total > max_score_tokens:
+      raise HTTPException(413, f"input_ids: {total} tokens, more than {max_score_tokens} a "
+                               "request (send fewer sequences at a time)")
     try:
-      out = await asyncio.get_running_loop().run_in_executor(
-          None, engine.score, params, body.input_ids, body.temperature)
+      async with score_lock:  # one scoring pass at a time beside decoding
+        out = await asyncio.get_running_loop().run_in_executor(
+            None, engine.score, params, body.input_ids, body.temperature)
     except ValueError as e:
       raise HTTPException(400, str(e))
     return {"model": body.model or model_name, "logprobs": [x.tolist() for x in out]}
@@ -364,8 +371,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     except Exception as e:  # a template error names the problem
       raise HTTPException(400, f"cannot render the chat template: {type(e).__name__}: {e}")
     req = submit(prompt, sampling, None, session_id, on)
+    # A session records the policy's turns only: another model's are not its actions.
     return ChatTurn(req, tok, on, messages=messages, tools=tools, sessions=sessions,
-                    session_id=session_id, kind=kind, id_prefix=id_prefix)
+                    session_id=session_id if m is None else None, kind=kind,
+                    id_prefix=id_prefix)
 
   @app.post("/v1/chat/completions")
   async def chat(body: ChatBody, http: HttpRequest):

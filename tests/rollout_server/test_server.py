@@ -265,7 +265,8 @@ def test_models_served_beside_the_policy(random_params, memorised_params, tokeni
   root = str(tmp_path / "policy")
   export_policy(root, 4, jax.device_put(memorised_params), dtype=None)
   try:
-    with running_server(random_params, tokenizer, models=models) as (srv, _):
+    with running_server(random_params, tokenizer, models=models,
+                        max_score_tokens=5000) as (srv, _):
       c = client(srv)
       assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["jaxagent", "ref",
                                                                        "second"]
@@ -292,6 +293,13 @@ def test_models_served_beside_the_policy(random_params, memorised_params, tokeni
                         ({"model": "ref", "input_ids": [[1]], "temperature": 0}, 422)]:
         assert c.post("/v1/score", json=bad).status_code == want, bad
       assert c.post("/generate", json={**body, "model": "nobody"}).status_code == 404
+      too_long = c.post("/v1/score", json={"input_ids": [[1] * 700]})  # max_seq_len 640
+      assert too_long.status_code == 400 and "max_seq_len" in too_long.text
+      too_many = c.post("/v1/score", json={"input_ids": [[1] * 600] * 10})
+      assert too_many.status_code == 413 and "input_ids" in too_many.text
+      # A session records the policy's turns only.
+      c.post("/generate", json={**body, "model": "ref", "session_id": "s-ref"})
+      assert c.get("/sessions/s-ref").status_code == 404
       # Weight updates: the policy by default, a frozen model never, an updatable one by name.
       frozen = c.post("/update_weights", json={"path": root, "model": "ref"})
       assert frozen.status_code == 409 and "frozen" in frozen.text
