@@ -76,7 +76,8 @@ def row_ladder(max_rows: int, multiple: int = 1) -> list[int]:
 
 
 def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
-         decreasing: bool = False) -> tuple[TrajectoryBatch, np.ndarray]:
+         decreasing: bool = False, with_ref: bool = False
+         ) -> tuple[TrajectoryBatch, np.ndarray]:
   """Packs segments into `rows` rows of `seq_len` tokens (first fit).
 
   Each segment is a dict of 1-D arrays `tokens`, `loss_mask`, `rollout_logp`,
@@ -85,6 +86,9 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
   longest first with `decreasing` (first-fit decreasing: fuller rows; the rows used
   are then a prefix of the batch). Returns the batch and, for each segment, its row
   (-1: it did not fit and was left out; the caller decides what to do with it).
+  `versions` is always there (-1 where unknown), and `ref_logp` with `with_ref` even
+  when no segment has one: every process of a run then hands the step the same
+  structure, whatever it packed.
   """
   shape = (rows, seq_len)
   out = {name: np.zeros(shape, np.float32) for name in FLOAT_FIELDS}
@@ -128,8 +132,8 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
       loss_mask=out["loss_mask"], rollout_logp=out["rollout_logp"],
       advantages=out["advantages"], rollout_weight=out["rollout_weight"],
       old_logp=out["old_logp"] if has["old_logp"] else None,
-      ref_logp=out["ref_logp"] if has["ref_logp"] else None,
-      versions=versions if has["versions"] else None)
+      ref_logp=out["ref_logp"] if has["ref_logp"] or with_ref else None,
+      versions=versions)
   return batch, placed
 
 

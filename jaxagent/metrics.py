@@ -67,7 +67,7 @@ def token_staleness_metrics(versions, loss_mask, learner_version: int) -> dict:
   v = v[v >= 0]
   if not len(v):
     return {}
-  stale = learner_version - v.astype(np.int64)
+  stale = np.maximum(learner_version - v.astype(np.int64), 0)  # (replayed newer tokens)
   out = {"token_staleness_mean": float(stale.mean()), "token_staleness_max": int(stale.max()),
          "token_staleness_p50": float(np.percentile(stale, 50)),
          "token_staleness_p90": float(np.percentile(stale, 90))}

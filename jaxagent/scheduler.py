@@ -344,7 +344,7 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
       turns = np.clip(s.turn_ids, 0, values.shape[1] - 1) if per_turn else np.zeros_like(
           s.turn_ids)
       s.advantages = (values[i, turns] * s.loss_mask).astype(np.float32)
-      if cfg.teacher:
+      if cfg.teacher and s.num_action_tokens:  # (nothing sampled: nothing scored)
         if s.teacher_logp is None:
           raise ValueError(f"segment {s.segment_id} has no teacher log-probs "
                            f"(advantage.teacher {cfg.teacher!r} did not score it)")
@@ -362,20 +362,21 @@ def batch_rows(used_rows: int, max_rows: int, multiple: int = 1) -> int:
 
 def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
                pad_id: int, row_multiple: int = 1,
-               agree_rows: Optional[Callable[[int], int]] = None
+               agree_rows: Optional[Callable[[int], int]] = None, with_ref: bool = False
                ) -> tuple[TrajectoryBatch, dict]:
   """Advantages, then packing (first-fit decreasing) into at most `rows` x `seq_len`,
   trimmed to the smallest row count of the ladder that holds what was packed (a
   multiple of `row_multiple`: the learner's batch shards x microbatches); reports what
   did not fit and the fraction of token slots filled. `agree_rows` maps this
-  packing's rows to the rows every process of a multi-process run uses (the max)."""
+  packing's rows to the rows every process of a multi-process run uses (the max);
+  `with_ref`: the batch carries `ref_logp` (scored by a served reference)."""
   compute_advantages(groups, cfg)
   segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
   too_long = [s for s in segments if len(s) > seq_len]
   fits = [s for s in segments if len(s) <= seq_len]
   max_rows = row_ladder(rows, row_multiple)[-1]
   batch, placed = pack([s.to_training() for s in fits], max_rows, seq_len, pad_id,
-                       decreasing=True)
+                       decreasing=True, with_ref=with_ref)
   used_rows = int(placed.max()) + 1 if len(placed) and placed.max() >= 0 else 1
   if agree_rows is not None:
     used_rows = agree_rows(used_rows)

@@ -106,7 +106,8 @@ class Serving:
                                    s.engine)
     self.client = LocalClient(self.orch, engine, models=self.models)
     self.gateway_url = None
-    if s.gateway or cfg.agent.kind in BLACKBOX_AGENTS:
+    # The gateway serves black-box agents, and the judge of in-process environments.
+    if s.gateway or cfg.agent.kind in BLACKBOX_AGENTS or (cfg.env.judge and not cfg.env.judge_url):
       app = create_app(self.orch, tokenizer,
                        load_params=lambda path, v: engine.load_params(path=path, version=v),
                        models=self.models)
@@ -257,6 +258,12 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     check_advantage_config(cfg.advantage)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from None
+  if cfg.advantage.teacher and (cfg.agent.temperature <= 0 or cfg.agent.top_p < 1
+                                or cfg.agent.top_k):
+    # The student's log-probs must be of the distribution the teacher is compared with.
+    raise config_lib.ConfigError("advantage.teacher: sample the student from its whole "
+                                 "distribution (agent.temperature > 0, agent.top_p 1, "
+                                 "agent.top_k 0)")
   if cfg.advantage.estimator == "opd" and cfg.rollout.filter_equal_rewards:
     raise config_lib.ConfigError("advantage.estimator opd: set rollout.filter_equal_rewards="
                                  "false (distillation needs no reward spread in a group)")
@@ -580,7 +587,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows // n_proc,
                              cfg.data.seq_len, tokenizer.pad_id,
                              learner.row_multiple // n_proc,
-                             agree_rows=distributed.agree_max if multi else None)
+                             agree_rows=distributed.agree_max if multi else None,
+                             with_ref="ref_logp" in scorers)
     if distributed.agree_max(info["segments"]) == 0:
       return state, None, batch, info
     state, m = learner.step(state, batch, ref_params)

@@ -278,6 +278,11 @@ def test_batches_carry_each_tokens_policy_version():
   sampled = batch.loss_mask > 0
   assert sorted(np.unique(batch.versions[sampled])) == [3, 5]
   assert (batch.versions[~sampled] == -1).all()  # prompts, observations and padding
+  from jaxagent.batch import pack  # versions always there (-1 unknown), ref_logp on request
+  bare, _ = pack([{k: v for k, v in s.to_training().items() if k != "versions"}
+                  for g in groups for e in g.episodes for s in e.segments], 2, 32,
+                 with_ref=True)
+  assert (bare.versions == -1).all() and (bare.ref_logp == 0).all()
   m = token_staleness_metrics(batch.versions, batch.loss_mask, 6)
   assert m["token_staleness_frac_1"] == 0.5 and m["token_staleness_frac_3plus"] == 0.5
   assert m["token_staleness_mean"] == 2.0 and m["token_staleness_max"] == 3

@@ -145,6 +145,7 @@ def _bad_settings(tmp_path):
       (tiny + ["advantage.estimator=opd", "advantage.teacher=t",
                "rollout.filter_equal_rewards=true"], "filter_equal_rewards"),
       (tiny + ["learner.staleness=some"], "learner.staleness"),
+      (tiny + ["advantage.teacher=t", "agent.top_p=0.9"], "whole distribution"),
       (["--config", str(bad_yaml)], "cannot read config file"),
       (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
       (["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"), "--resume"],
