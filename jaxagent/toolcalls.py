@@ -34,13 +34,23 @@ class ParsedOutput:
   errors: list[str]  # one message per malformed block
 
 
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not JSON (a tool call's arguments must be plain JSON)")
+
+
+def _loads(text: str) -> Any:
+  """Strict JSON: NaN and Infinity, which Python's json accepts, are malformed (they
+  cannot be sent back out as JSON)."""
+  return json.loads(text, parse_constant=_no_constant)
+
+
 def _parse_block(body: str) -> Any:
-  obj = json.loads(body.strip())
+  obj = _loads(body.strip())
   if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
     raise ValueError('a tool call must be a JSON object with a string "name"')
   args = obj.get("arguments", {})
   if isinstance(args, str):  # some models write the arguments as a JSON string
-    args = json.loads(args) if args.strip() else {}
+    args = _loads(args) if args.strip() else {}
   if not isinstance(args, dict):
     raise ValueError('"arguments" must be a JSON object')
   return obj["name"], args

@@ -208,8 +208,8 @@ class TrajectoryIndex:
         for offset, line in self._lines.scan(f):
           try:
             self._add(json.loads(line), offset, len(line))
-          except (json.JSONDecodeError, KeyError, TypeError):
-            self.bad_lines += 1
+          except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            self.bad_lines += 1  # (not JSON, or not a segment object)
 
   def _add(self, row: dict, offset: int, length: int) -> None:
     key = (row.get("step"), row.get("rollout_id") or row["session_id"])

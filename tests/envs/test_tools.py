@@ -40,6 +40,10 @@ def test_good_call():
     ('<tool_call>{"name": add}</tool_call>', "malformed"),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}', "missing </tool_call>"),
     ('<tool_call>[1, 2]</tool_call>', "malformed"),
+    # Python's json takes NaN and Infinity; they are not JSON and cannot be sent back out.
+    ('<tool_call>{"name": "add", "arguments": {"a": NaN, "b": 1}}</tool_call>', "NaN"),
+    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
+     "Infinity"),
 ])
 def test_bad_calls_become_error_observations(text, needle):
   r = run(text)

@@ -171,7 +171,9 @@ def test_abort_and_weight_update_while_a_prompt_is_prefilled_in_chunks(random_pa
     r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=5))
     orch.abort(r.request_id)
     assert r.wait(60) and r.finish_reason == "abort"
-    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=5))
+    # Long enough an answer that it cannot end before the update does (on a warm cache
+    # and a fast machine 5 tokens could, and the request then ends by length).
+    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=200))
     report = orch.update_weights(engine.load_params(random_params, version=2), mode="abort")
     assert r.wait(60) and r.finish_reason == "abort" and report["version"] == 2
     ok = orch.generate(long_prompt, SamplingParams(seed=1, max_new_tokens=5), timeout=120)
