@@ -122,6 +122,24 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+def gather_json(value: Any) -> list:
+  """Every process's `value` (JSON-serialisable), in process order (all must call it;
+  alone: `[value]`)."""
+  import json
+
+  import jax
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return [value]
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  size = agree_max(len(data))
+  padded = np.zeros(size, np.uint8)
+  padded[:len(data)] = data
+  rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, size)
+  return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]
+
+
 def sum_episode_counts(row: dict) -> dict:
   """A step's episode counts and rates over every process (all must call it): the
   metrics process 0 writes and the early-stopping rule then see the whole run."""

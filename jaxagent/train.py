@@ -453,7 +453,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     t_start -= meta.get("wall_time_s", 0.0)  # the run's wall time goes on from there
     saved_canary = meta.get("canary")
     cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
-    requeue = [TaskSpec.from_dict(t) for t in meta.get("pending_tasks", [])]
+    mine = meta.get("pending_tasks_by_process")
+    mine = (mine[jax.process_index()] if mine and jax.process_index() < len(mine)
+            else meta.get("pending_tasks", []) if distributed.is_primary() else [])
+    requeue = [TaskSpec.from_dict(t) for t in mine]
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
           f"{len(requeue)} tasks re-queued)")
   # The episodes a stopped run left in its write-ahead log are replayed by the groups of
@@ -570,8 +573,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     except Exception as e:  # the checkpoint matters more than its canary
       print(f"warning: canary episodes failed ({type(e).__name__}: {e}); saved without",
             file=sys.stderr)
+    # Every process's tasks in flight (process 0 writes the metadata): each re-queues
+    # its own on a resume.
+    by_process = distributed.gather_json(pending) if multi else [pending]
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
-                            "pending_tasks": pending, "canary": canary_now}, tasks, force=force)
+                            "pending_tasks": pending, "pending_tasks_by_process": by_process,
+                            "canary": canary_now}, tasks, force=force)
     if wal is not None:  # groups this checkpoint no longer lists need no replay
       for group_id in scheduler.drain_finished():
         wal.discard_group(group_id)

@@ -1,6 +1,7 @@
 """Multi-controller learner: 2 processes x 4 CPU devices give the parameters of
 1 process x 8 devices on the same fixed batch, and checkpoint together."""
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,9 @@ def test_two_processes_train_like_one(tmp_path):
     np.testing.assert_allclose(b[k], a[k], atol=1e-6, rtol=1e-5, err_msg=k)
     # Saved and restored by both processes together: the same values.
     np.testing.assert_array_equal(b["r/" + k[2:]], b[k])
+  # Every process's JSON, gathered in process order.
+  assert json.loads(str(b["gathered"])) == [{"process": 0, "tasks": []},
+                                            {"process": 1, "tasks": ["t"]}]
   # Only process 0 wrote the shared file; both wrote their checkpoint shards.
   assert os.listdir(tmp_path / "two" / "checkpoints") == ["3"]
 
@@ -79,8 +83,6 @@ def test_train_cli_as_two_processes(tmp_path):
   outs = [p.communicate(timeout=400)[0] for p in procs]
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
-  import json
-
   with open(run_dir / "metrics.jsonl") as f:
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows] == [1, 2]  # written once, not once per process
@@ -89,6 +91,9 @@ def test_train_cli_as_two_processes(tmp_path):
   with open(run_dir / "policy" / "versions.json") as f:
     assert [v["version"] for v in json.load(f)["versions"]] == [1, 2]
   assert os.listdir(run_dir / "checkpoints") == ["2"]
+  with open(run_dir / "checkpoints" / "2" / "meta" / "metadata") as f:
+    meta = json.load(f)  # each process's tasks in flight, for its own resume
+  assert len(meta["pending_tasks_by_process"]) == 2
   assert (run_dir / "trajectories.jsonl.gz").exists()
   assert (run_dir / "trajectories.process1.jsonl.gz").exists()
   assert "done: 2 steps" in outs[0] and "done:" not in outs[1]

@@ -11,6 +11,7 @@ parameters (and the restored ones) to OUT_DIR/params.npz.
 """
 
 import argparse
+import json
 import os
 
 
@@ -54,8 +55,10 @@ def main() -> None:
   ckpt.close()
   params = distributed.host_copy(state.params)
   again = distributed.host_copy(restored.params)
+  i = jax.process_index()
+  gathered = distributed.gather_json({"process": i, "tasks": ["t"] * i})
   if distributed.is_primary():
-    np.savez(os.path.join(args.out, "params.npz"), loss=loss,
+    np.savez(os.path.join(args.out, "params.npz"), loss=loss, gathered=json.dumps(gathered),
              processes=jax.process_count(), devices=jax.device_count(),
              **{f"p/{k}": v for k, v in params.items()},
              **{f"r/{k}": v for k, v in again.items()})
