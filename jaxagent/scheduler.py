@@ -33,7 +33,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -299,22 +299,38 @@ def check_advantage_config(cfg: AdvantageConfig) -> None:
     raise ValueError("advantage.estimator opd needs advantage.teacher (a served model's name)")
 
 
-def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
-  """Sets `advantages` on every segment of the groups' episodes (host side)."""
+def compute_advantages(groups: list[Group], cfg: AdvantageConfig,
+                       gather: Optional[Callable[[Any], tuple[list, int]]] = None) -> None:
+  """Sets `advantages` on every segment of the groups' episodes (host side).
+
+  `gather(value) -> (every process's value, this process's index)`: with several
+  processes and `baseline: batch`, the step's baseline is over every process's episodes
+  (all processes must call it, each step)."""
   check_advantage_config(cfg)
   import jax.numpy as jnp
 
   from jaxagent import advantages as adv
 
   episodes = [e for g in groups for e in g.episodes]
+  # With a step-wide baseline across processes: the other processes' episodes' rewards
+  # join this one's (before and after them, in process order), and only this one's
+  # advantages are kept.
+  before: list = []
+  after: list = []
+  if cfg.baseline == "batch" and gather is not None:
+    parts, me = gather([list(map(float, e.turn_rewards)) if cfg.estimator == "chunk"
+                        else float(e.reward) for e in episodes])
+    before = [x for p in parts[:me] for x in p]
+    after = [x for p in parts[me + 1:] for x in p]
   if not episodes:
     return
   gid = np.asarray([i for i, g in enumerate(groups) for _ in g.episodes], np.int32)
   num_groups = len(groups)
   if cfg.baseline == "batch":  # one group: the baseline (and std) of the whole step
-    gid, num_groups = np.zeros_like(gid), 1
+    gid, num_groups = np.zeros(len(before) + len(episodes) + len(after), np.int32), 1
+  mine = slice(len(before), len(before) + len(episodes))
   if cfg.estimator in ("grpo", "rloo"):
-    r = np.asarray([e.reward for e in episodes], np.float32)
+    r = np.asarray(before + [e.reward for e in episodes] + after, np.float32)
     if cfg.estimator == "grpo":
       a = _jit(adv.group_normalized, "num_groups", "scale_by_std")(
           jnp.asarray(r), jnp.asarray(gid), num_groups=num_groups,
@@ -322,18 +338,20 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig) -> None:
     else:
       a = _jit(adv.rloo, "num_groups")(jnp.asarray(r), jnp.asarray(gid),
                                        num_groups=num_groups)
-    values = np.asarray(a)[:, None]
+    values = np.asarray(a)[mine, None]
     per_turn = False
   elif cfg.estimator == "chunk":
-    K = max(1, max(len(e.turn_rewards) for e in episodes))
-    rewards = np.zeros((len(episodes), K), np.float32)
-    valid = np.zeros((len(episodes), K), bool)
-    for i, e in enumerate(episodes):
-      rewards[i, :len(e.turn_rewards)] = e.turn_rewards
-      valid[i, :len(e.turn_rewards)] = True
+    turns = before + [list(e.turn_rewards) for e in episodes] + after
+    K = max(1, max(len(t) for t in turns))
+    rewards = np.zeros((len(turns), K), np.float32)
+    valid = np.zeros((len(turns), K), bool)
+    for i, t in enumerate(turns):
+      rewards[i, :len(t)] = t
+      valid[i, :len(t)] = True
     values = np.asarray(_jit(adv.chunk_advantages, "gamma", "num_groups", "scale_by_std")(
         jnp.asarray(rewards), jnp.asarray(valid), gamma=cfg.gamma,
-        group_ids_N=jnp.asarray(gid), num_groups=num_groups, scale_by_std=cfg.scale_by_std))
+        group_ids_N=jnp.asarray(gid), num_groups=num_groups,
+        scale_by_std=cfg.scale_by_std))[mine]
     per_turn = True
   elif cfg.estimator == "opd":  # the teacher's term alone
     values, per_turn = np.zeros((len(episodes), 1), np.float32), False
@@ -362,15 +380,17 @@ def batch_rows(used_rows: int, max_rows: int, multiple: int = 1) -> int:
 
 def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
                pad_id: int, row_multiple: int = 1,
-               agree_rows: Optional[Callable[[int], int]] = None, with_ref: bool = False
+               agree_rows: Optional[Callable[[int], int]] = None, with_ref: bool = False,
+               gather: Optional[Callable[[Any], tuple[list, int]]] = None
                ) -> tuple[TrajectoryBatch, dict]:
   """Advantages, then packing (first-fit decreasing) into at most `rows` x `seq_len`,
   trimmed to the smallest row count of the ladder that holds what was packed (a
   multiple of `row_multiple`: the learner's batch shards x microbatches); reports what
   did not fit and the fraction of token slots filled. `agree_rows` maps this
   packing's rows to the rows every process of a multi-process run uses (the max);
-  `with_ref`: the batch carries `ref_logp` (scored by a served reference)."""
-  compute_advantages(groups, cfg)
+  `with_ref`: the batch carries `ref_logp` (scored by a served reference); `gather`:
+  see `compute_advantages`."""
+  compute_advantages(groups, cfg, gather)
   segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
   too_long = [s for s in segments if len(s) > seq_len]
   fits = [s for s in segments if len(s) <= seq_len]

@@ -586,6 +586,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   loop = asyncio.get_running_loop()
 
   n_proc = jax.process_count()
+  # A step-wide advantage baseline spans every process's episodes.
+  gather = (lambda value: (distributed.gather_json(value), jax.process_index())) if multi \
+      else None
 
   def learn(state, accepted):
     """Packs the groups and runs one train step to completion (in a worker thread).
@@ -595,7 +598,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                              cfg.data.seq_len, tokenizer.pad_id,
                              learner.row_multiple // n_proc,
                              agree_rows=distributed.agree_max if multi else None,
-                             with_ref="ref_logp" in scorers)
+                             with_ref="ref_logp" in scorers, gather=gather)
     if distributed.agree_max(info["segments"]) == 0:
       return state, None, batch, info
     state, m = learner.step(state, batch, ref_params)

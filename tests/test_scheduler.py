@@ -317,6 +317,39 @@ def test_batch_baseline_gives_uniform_failures_a_signal(estimator):
     compute_advantages(groups(), AdvantageConfig(baseline="global", **cfg))
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "chunk"])
+def test_a_step_wide_baseline_spans_every_process(estimator):
+  """Two processes' groups with `baseline: batch`: each process's advantages equal those
+  of the whole step computed in one process."""
+  from jaxagent.scheduler import Group, compute_advantages
+
+  def groups(offset, rewards):
+    return [Group(g, None, [episode(g, f"s{g}-{i}", f"g{g}", reward=r, turns=1 + i % 2)
+                            for i, r in enumerate(rs)])
+            for g, rs in enumerate(rewards, offset)]
+
+  def firsts(gs):
+    return [float(s.advantages[s.loss_mask > 0][0]) for g in gs for e in g.episodes
+            for s in e.segments]
+
+  cfg = AdvantageConfig(estimator=estimator, baseline="batch", scale_by_std=True)
+  a_rewards, b_rewards = [(0.0, 1.0), (1.0, 1.0)], [(0.0, 0.0, 3.0)]
+  whole = groups(0, a_rewards) + groups(2, b_rewards)
+  compute_advantages(whole, cfg)
+
+  def contributed(gs):  # what a process hands `gather`
+    return [list(e.turn_rewards) if estimator == "chunk" else float(e.reward)
+            for g in gs for e in g.episodes]
+
+  a, b = groups(0, a_rewards), groups(2, b_rewards)
+  compute_advantages(a, cfg, gather=lambda v: ([v, contributed(groups(2, b_rewards))], 0))
+  compute_advantages(b, cfg, gather=lambda v: ([contributed(groups(0, a_rewards)), v], 1))
+  assert firsts(a) + firsts(b) == pytest.approx(firsts(whole), abs=1e-6)
+  alone = groups(2, b_rewards)  # what process 1 computed before: its own step only
+  compute_advantages(alone, cfg)
+  assert firsts(b) != pytest.approx(firsts(alone), abs=1e-3)
+
+
 def test_batch_rows_follow_a_ladder_of_few_shapes():
   assert row_ladder(64) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48,
                             56, 64]
