@@ -125,14 +125,18 @@ def summary_prompt(tokenizer: Tokenizer, dropped: list[dict], budget: int) -> li
 
 async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
                    tokenizer: Optional[Tokenizer] = None, session_id: str = "",
-                   turn: int = 0) -> list[dict]:
+                   turn: int = 0, logged: Optional[str] = None
+                   ) -> tuple[list[dict], Optional[str]]:
   """Keeps the system message and the last messages. The others go (`fork`), or (with
   `summary`) the policy, or the served model `agent.summarizer`, writes a summary of them
   that takes their place as a user message: context, never trained (the summariser's
-  tokens are not the episode's actions)."""
+  tokens are not the episode's actions). `logged`: a summary taken from the write-ahead
+  log instead of asked for. Returns the messages and the summary's text (None: none)."""
   head, dropped, keep = _split_for_compaction(messages, cfg)
   if cfg.compaction != "summary" or not dropped:
-    return head + keep
+    return head + keep, None
+  if logged is not None:
+    return head + [{"role": "user", "content": SUMMARY_HEADER + logged}] + keep, logged
   prompt = summary_prompt(tokenizer, dropped, cfg.max_context_tokens - cfg.summary_max_tokens)
   sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.summary_max_tokens,
@@ -147,7 +151,8 @@ async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
                      ) from None
   out = record.output_ids
   text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out).strip()
-  return head + [{"role": "user", "content": SUMMARY_HEADER + (text or "(empty)")}] + keep
+  text = text or "(empty)"
+  return head + [{"role": "user", "content": SUMMARY_HEADER + text}] + keep, text
 
 
 def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
@@ -283,8 +288,11 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
           status, reason = "truncated", "token_cap"
           return
         wait_on("server")
-        messages = await _compact(messages, cfg, engine=engine, tokenizer=tokenizer,
-                                  session_id=session_id, turn=turn)
+        messages, summary = await _compact(
+            messages, cfg, engine=engine, tokenizer=tokenizer, session_id=seed_session,
+            turn=turn, logged=replay.summaries.get(turn) if replay is not None else None)
+        if log is not None and summary is not None:  # the next prompts are built on it
+          await _commit(log, log.summary, turn, summary)
         wait_on("env")
         compacted_at.append(turn)
         ep.compactions += 1

@@ -10,6 +10,8 @@ The episodes of a group append to the group's JSONL file under the log's directo
 - an `obs` record after the environment's step: its reward, flags, the hash of
   what it returned (`observation_hash`) and the environment's state hash
   (`Env.state_hash`), so a replay can check it rebuilt the same state;
+- a `summary` record when compaction replaced the context by a summary (its text: it
+  is not the policy's action, but the next prompts are built on it);
 - an `end` record when the episode is over.
 
 A log is deleted once its episode's group is trained (or dropped). When the trainer
@@ -108,6 +110,10 @@ class EpisodeLog:
                   "terminated": bool(step.terminated), "truncated": bool(step.truncated),
                   "hash": observation_hash(step), "state": state_hash})
 
+  def summary(self, turn: int, text: str) -> None:
+    """Logs the summary that compaction put in the context before `turn`."""
+    self._append({"kind": "summary", "turn": turn, "text": text})
+
   def end(self, status: str, reason: str = "") -> None:
     self._append({"kind": "end", "status": status, "reason": reason})
 
@@ -124,6 +130,9 @@ class Replay:
     self.turns = [r for r in records if r["kind"] == "turn"]
     self.hashes = {r["turn"]: (r["hash"], r.get("state")) for r in records
                    if r["kind"] == "obs"}
+    # Summaries are taken as logged (asked again, a summariser whose weights moved since
+    # would write another, and the logged prompts would no longer be rebuilt).
+    self.summaries = {r["turn"]: r["text"] for r in records if r["kind"] == "summary"}
 
   def __len__(self) -> int:
     return len(self.turns)

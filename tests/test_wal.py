@@ -73,6 +73,36 @@ def test_a_dead_trainers_episode_is_replayed_token_exactly(tmp_path):
     np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
 
+def test_a_compacted_episode_replays_with_its_logged_summary(tmp_path):
+  """The summary compaction wrote is logged and taken back on replay (not asked again:
+  a summariser whose weights moved would write another, and the logged prompts after
+  it would not rebuild)."""
+  from tests.test_agent import LONG
+
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6, "prompt": LONG})
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=300,
+                    compaction="summary", keep_last_messages=2, summary_max_tokens=16)
+
+  def run(engine, **kw):
+    return asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
+                                    session_id="s1", group_id="g", **kw))
+
+  wal = TokenWAL(str(tmp_path))
+  log = wal.open("s1", group_id="g", task=task.to_dict(), episode=0)
+  whole = run(ScriptedEngine(["1", "2", "3", "Tried 1 to 3: higher.", "4", "11"]), log=log)
+  assert whole.success and whole.compactions == 1
+  records = read_log(log.path)
+  assert [r["text"] for r in records if r["kind"] == "summary"] == ["Tried 1 to 3: higher."]
+  # Died after turn 3 (the first after the summary) was committed.
+  last = [i for i, r in enumerate(records) if r["kind"] == "turn"][3]
+  engine = ScriptedEngine(["11"])  # no summary to write: only the last turn is sampled
+  resumed = run(engine, replay=Replay(records[:last + 1]))
+  assert resumed.success and len(engine.prompts) == 1 and resumed.replayed_turns == 4
+  for a, b in zip(whole.segments, resumed.segments, strict=True):
+    for field in ("tokens", "loss_mask", "rollout_logp", "versions"):
+      np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
 def test_a_replay_the_environment_answers_differently_is_dropped_not_scored(tmp_path):
   wal = TokenWAL(str(tmp_path))
   log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
