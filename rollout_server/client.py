@@ -48,27 +48,26 @@ class LocalClient:
     self._load = load_params
     self.models = models or {}  # name -> rollout_server.serving.ServedModel
 
+  def _served(self, model: str):
+    if model not in self.models:
+      raise GenerateError(f"no served model {model!r} (have {sorted(self.models)})",
+                          "request_refused")
+    return self.models[model]
+
   async def score(self, model: str, sequences: list[list[int]],
                   temperature: float = 1.0) -> list[list[float]]:
     """The served model `model`'s log-prob of every token of each sequence (0 for the
     first), at `temperature`."""
-    if model not in self.models:
-      raise GenerateError(f"no served model {model!r} (have {sorted(self.models)})",
-                          "request_refused")
+    served = self._served(model)
     loop = asyncio.get_running_loop()
-    out = await loop.run_in_executor(None, self.models[model].score, sequences, temperature)
+    out = await loop.run_in_executor(None, served.score, sequences, temperature)
     return _check_scores(model, sequences, [x.tolist() for x in out])
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                      session_id: Optional[str] = None, model: Optional[str] = None
                      ) -> TurnRecord:
     """A turn of the policy, or of the served model `model`."""
-    orch = self.orch
-    if model is not None:
-      if model not in self.models:
-        raise GenerateError(f"no served model {model!r} (have {sorted(self.models)})",
-                            "request_refused")
-      orch = self.models[model].orch
+    orch = self.orch if model is None else self._served(model).orch
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
