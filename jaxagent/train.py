@@ -41,6 +41,7 @@ from jaxagent.errors import InfraError
 from jaxagent.learner import Learner
 from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
                               token_staleness_metrics)
+from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.scheduler import (RolloutScheduler, check_advantage_config, episode_index,
                                 make_batch)
@@ -254,6 +255,15 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
   if cfg.serving.engine.prefill_rows < 1:
     raise config_lib.ConfigError("serving.engine.prefill_rows must be >= 1")
+  kernel = cfg.serving.engine.attention_kernel
+  if kernel not in ("auto",) + PAGED_KERNELS:
+    raise config_lib.ConfigError(f"serving.engine.attention_kernel: unknown {kernel!r}; one "
+                                 f"of auto, {', '.join(PAGED_KERNELS)}")
+  page_size = cfg.serving.engine.page_size
+  if kernel == "triton" and not (page_size >= 16 and page_size & (page_size - 1) == 0):
+    # head_dim, known once the model is built, is checked by the engine.
+    raise config_lib.ConfigError(f"serving.engine.attention_kernel: triton needs page_size a "
+                                 f"power of two >= 16, got {page_size}")
   try:
     check_advantage_config(cfg.advantage)
   except ValueError as e:

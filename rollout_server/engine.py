@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.llama import PagedKV, write_pages
+from jaxagent.models.paged_attention import PAGED_KERNELS, check_triton_shapes, default_kernel
 from jaxagent.models.params import abstract_model, bind, param_shardings
 from jaxagent.models.sharding import SAMPLE_RULES, Rules, logical_to_spec
 from jaxagent.trajectory import SamplingParams  # noqa: F401 (the request contract, re-exported)
@@ -236,7 +237,11 @@ class Engine:
 
   `page_size` tokens per page; `num_pages` pages in the pool (page 0 is the null page;
   default: enough for every slot at `max_seq_len`, plus `extra_pages`, e.g. for a prefix
-  cache); decode attention reads `pages_per_block` pages per loop iteration.
+  cache). `attention_kernel` (`paged_attention.PAGED_KERNELS`, or `auto`: `triton` on
+  GPUs, `gather` elsewhere) reads each row's past: `gather` reads `pages_per_block`
+  pages per loop iteration; `triton` is a Pallas kernel (on another backend it runs in
+  Pallas' interpreter: slow, for tests) and needs the KV heads unsplit (no `tensor`
+  axis in the engine's mesh).
   """
 
   def __init__(self, model_cfg: ModelConfig, *, max_concurrent_decodes: int = 8,
@@ -245,7 +250,8 @@ class Engine:
                min_prefill_bucket: int = 16, cache_dtype: Optional[str] = None,
                prefill_rows: Optional[int] = None, page_size: int = 16,
                num_pages: Optional[int] = None, extra_pages: int = 0,
-               pages_per_block: int = 8, dtype: Optional[str] = None):
+               pages_per_block: int = 8, dtype: Optional[str] = None,
+               attention_kernel: str = "auto"):
     if max_prefill_length > max_seq_len:
       raise ValueError(f"max_prefill_length ({max_prefill_length}) exceeds max_seq_len "
                        f"({max_seq_len})")
@@ -268,10 +274,24 @@ class Engine:
     self.pages_per_seq = -(-max_seq_len // page_size)
     self.num_pages = num_pages or (1 + max_concurrent_decodes * self.pages_per_seq + extra_pages)
     self.pages_per_block = pages_per_block
+    if attention_kernel == "auto":
+      attention_kernel = default_kernel()
+    if attention_kernel not in PAGED_KERNELS:
+      raise ValueError(f"attention_kernel {attention_kernel!r} is not one of "
+                       f"{('auto',) + PAGED_KERNELS}")
     self.prefill_token_budget = max(512, prefill_rows * min_prefill_bucket)
     self._mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
                                                     ("data", "fsdp", "tensor"))
     self.rules = rules
+    if attention_kernel == "triton":
+      check_triton_shapes(page_size, model_cfg.head_dim)
+      if self._mesh.shape.get("tensor", 1) > 1:
+        raise ValueError("attention_kernel 'triton' reads whole KV heads; the engine's mesh "
+                         "splits them over its tensor axis (use 'gather')")
+    self.attention_kernel = attention_kernel
+    # Off a GPU the Triton kernel runs in Pallas' interpreter (tests).
+    self._paged = dict(pages_per_block=pages_per_block, paged_kernel=attention_kernel,
+                       interpret=attention_kernel == "triton" and jax.default_backend() != "gpu")
     self.cache_dtype = jnp.dtype(cache_dtype or model_cfg.dtype)
     self.graphdef, self.abstract_params = abstract_model(model_cfg)
     self.weight_shardings = param_shardings(model_cfg, self._mesh, rules)
@@ -400,7 +420,7 @@ class Engine:
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     valid = jnp.arange(T)[None, :] < true_length[:, None]
     h, new_k, new_v = model.hidden_states_paged(tokens, positions, start, state.pages,
-                                                page_table, pages_per_block=self.pages_per_block)
+                                                page_table, **self._paged)
     pages = write_pages(state.pages, new_k, new_v, page_table, positions, valid)
     last = model.logits(h[jnp.arange(B), true_length - 1][:, None])[:, 0]
     length = start + true_length
@@ -504,7 +524,7 @@ class Engine:
     past = jnp.where(state.active, state.lengths, 0)  # empty slots read no pages
     logits, new_k, new_v = model.forward_paged(
         state.tokens[:, None], state.lengths[:, None], past, state.pages, state.page_table,
-        pages_per_block=self.pages_per_block)
+        **self._paged)
     pages = write_pages(state.pages, new_k, new_v, state.page_table, state.lengths[:, None],
                         state.active[:, None])
     lengths = jnp.where(state.active, jnp.minimum(state.lengths + 1, self.max_seq_len - 1),
@@ -534,8 +554,7 @@ class Engine:
     positions = state.lengths[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None, :]
     past = jnp.where(state.active, state.lengths, 0)
     logits, new_k, new_v = model.forward_paged(tokens_in, positions, past, state.pages,
-                                               state.page_table,
-                                               pages_per_block=self.pages_per_block)
+                                               state.page_table, **self._paged)
     valid = state.active[:, None] & (jnp.arange(K + 1)[None, :] <= n_drafts[:, None])
     pages = write_pages(state.pages, new_k, new_v, state.page_table, positions, valid)
     tokens, logp, raw, n_out = jax.vmap(speculate_row)(

@@ -51,7 +51,8 @@ def make_engine(model_cfg, e: EngineConfig, mesh) -> Engine:
                 prefill_rows=min(e.prefill_rows, e.slots), page_size=e.page_size,
                 num_pages=e.kv_pages or None,
                 extra_pages=-(-e.prefix_cache_tokens // e.page_size),
-                pages_per_block=e.pages_per_block, dtype=e.dtype)
+                pages_per_block=e.pages_per_block, dtype=e.dtype,
+                attention_kernel=e.attention_kernel)
 
 
 def start_orchestrator(engine: Engine, engine_params, e: EngineConfig) -> Orchestrator:

@@ -1,12 +1,14 @@
 """Rollout engine benchmark; every ratio is against a baseline measured in the same run.
 
   python tools/bench_rollout.py [--presets tiny] [--batches 1,16,64]
-                                [--seq-lens 128,1024,8192] [--json]
+                                [--seq-lens 128,1024,8192] [--kernels gather,triton] [--json]
 
 1. Capacity: decode tokens/s with `batch` requests (prompt 32, 64 new tokens) for
    each engine `max_seq_len`; the baseline is the smallest `max_seq_len`. With the
    paged KV pool a step's cost follows the tokens in use, so the ratio should
-   stay near 1 however large the capacity. Also batch B against batch 1.
+   stay near 1 however large the capacity. Also batch B against batch 1, and with
+   two `--kernels` the paged-attention kernels against each other (GPU: the Pallas
+   Triton kernel against the gather loop).
 2. Multi-turn sessions (8 turns, growing history): time to first token of the
    last turn with the prefix cache on versus off.
 3. GRPO groups (one prompt, 8 samples): prompt tokens prefilled and pages shared
@@ -52,12 +54,13 @@ def emit(row: dict, as_json: bool) -> None:
 
 
 def decode_rate(cfg, weights, batch, max_seq_len, prompt_len, new_tokens, rng,
-                repeats) -> float:
+                repeats, kernel="auto") -> float:
   """Engine tokens/s: `batch` requests prefilled and inserted, then `new_tokens` decode
   steps (results read one step behind, as served); the median of `repeats` timed runs
   after one that compiles."""
   engine = Engine(cfg, max_concurrent_decodes=batch, max_prefill_length=min(512, max_seq_len),
-                  max_seq_len=max_seq_len, prefill_rows=min(8, batch), dtype=DTYPE[0])
+                  max_seq_len=max_seq_len, prefill_rows=min(8, batch), dtype=DTYPE[0],
+                  attention_kernel=kernel)
   params = engine.load_params(weights)
   times = []
   for run in range(repeats + 1):
@@ -171,6 +174,9 @@ def main() -> None:
   p.add_argument("--skip", default="",
                  help="sections to skip: capacity,sessions,grpo,turns,scheduling")
   p.add_argument("--dtype", default=None, help="sampling dtype, e.g. bfloat16 (default: the model's)")
+  p.add_argument("--kernels", default="auto",
+                 help="paged attention kernels to time (auto, gather, triton); with two, "
+                      "the second's tok/s over the first's per case")
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
   DTYPE[0] = args.dtype
@@ -183,27 +189,38 @@ def main() -> None:
     weights = init_params(cfg, 0, None, SAMPLE_RULES)
     mparams = cfg.num_params() / 1e6
     if "capacity" not in skip:
-      rates = {}
-      for L in seq_lens:
-        for b in batches:
-          rate = decode_rate(cfg, weights, b, L, args.prompt_len, args.new_tokens,
-                             np.random.default_rng(0), args.repeats)
-          rates[L, b] = rate
-          emit({"section": "decode", "preset": name, "params_m": round(mparams, 2),
-                "dtype": args.dtype or cfg.dtype, "device": jax.devices()[0].platform,
-                "max_seq_len": L, "batch": b, "prompt": args.prompt_len,
-                "new_tokens": args.new_tokens, "tok_per_s": round(rate, 1)}, args.json)
-      base = seq_lens[0]
-      for L in seq_lens[1:]:
-        for b in batches:
-          emit({"section": "decode_ratio", "preset": name, "batch": b,
-                "ratio": f"max_seq_len {L} / {base}",
-                "value": round(rates[L, b] / rates[base, b], 3)}, args.json)
-      for L in seq_lens:
-        for b in batches[1:]:
-          emit({"section": "batch_ratio", "preset": name, "max_seq_len": L,
-                "ratio": f"batch {b} / {batches[0]}",
-                "value": round(rates[L, b] / rates[L, batches[0]], 2)}, args.json)
+      kernels = args.kernels.split(",")
+      by_kernel = {}
+      for kernel in kernels:
+        rates = by_kernel[kernel] = {}
+        for L in seq_lens:
+          for b in batches:
+            rate = decode_rate(cfg, weights, b, L, args.prompt_len, args.new_tokens,
+                               np.random.default_rng(0), args.repeats, kernel)
+            rates[L, b] = rate
+            emit({"section": "decode", "preset": name, "params_m": round(mparams, 2),
+                  "dtype": args.dtype or cfg.dtype, "device": jax.devices()[0].platform,
+                  "kernel": kernel, "max_seq_len": L, "batch": b, "prompt": args.prompt_len,
+                  "new_tokens": args.new_tokens, "tok_per_s": round(rate, 1)}, args.json)
+        base = seq_lens[0]
+        for L in seq_lens[1:]:
+          for b in batches:
+            emit({"section": "decode_ratio", "preset": name, "kernel": kernel, "batch": b,
+                  "ratio": f"max_seq_len {L} / {base}",
+                  "value": round(rates[L, b] / rates[base, b], 3)}, args.json)
+        for L in seq_lens:
+          for b in batches[1:]:
+            emit({"section": "batch_ratio", "preset": name, "kernel": kernel,
+                  "max_seq_len": L, "ratio": f"batch {b} / {batches[0]}",
+                  "value": round(rates[L, b] / rates[L, batches[0]], 2)}, args.json)
+      if len(kernels) == 2:
+        first, second = kernels
+        for L in seq_lens:
+          for b in batches:
+            emit({"section": "kernel_ratio", "preset": name, "max_seq_len": L, "batch": b,
+                  "ratio": f"{second} / {first}",
+                  "value": round(by_kernel[second][L, b] / by_kernel[first][L, b], 2)},
+                 args.json)
     engine = Engine(cfg, max_concurrent_decodes=8, max_prefill_length=1024, max_seq_len=1280,
                     extra_pages=4096)
     params = engine.load_params(weights)

@@ -15,8 +15,9 @@ Two attention modes share one code path:
 - decoding from a paged KV pool (`forward_paged`): each row's past lives in
   fixed-size pages of a shared pool named by a page table, read block by block
   with an online softmax (flash-decoding), so the work follows the tokens in
-  use rather than the pool's capacity; the pool is only read, and the new keys
-  and values are returned for `write_pages` to scatter in once per step.
+  use rather than the pool's capacity (`paged_attention`: a plain-JAX loop, or a
+  Pallas kernel on GPUs); the pool is only read, and the new keys and values are
+  returned for `write_pages` to scatter in once per step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from flax import nnx
 from jaxagent.models import attention as attn_lib
 from jaxagent.models.attention import OnlineSoftmax, attend_block
 from jaxagent.models.config import ModelConfig, RopeScaling
+from jaxagent.models.paged_attention import (PAGED_KERNELS, past_attention_gather,
+                                             past_attention_triton)
 from jaxagent.models.sharding import ActivationSharding
 
 
@@ -346,7 +349,8 @@ class Decoder(nnx.Module):
 
   def hidden_states_paged(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                           past_len_B: jax.Array, pages: PagedKV, page_table_BxN: jax.Array,
-                          num_blocks: Optional[jax.Array] = None, *, pages_per_block: int
+                          num_blocks: Optional[jax.Array] = None, *, pages_per_block: int,
+                          paged_kernel: str = "gather", interpret: bool = False
                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`forward_paged` without the output head: final-norm hidden states `[B, T, D]`
     (compute dtype) and the new keys and values (see `forward_paged`).
@@ -383,24 +387,16 @@ class Decoder(nnx.Module):
       k, v = k.astype(pool_dt), v.astype(pool_dt)
       q = q.reshape(B, T, K, G, Dh)
 
-      def past_block(j, state):
-        # Block j covers table columns j*C .. j*C + C-1 (C = pages_per_block).
-        cols_C = j * ppb + jnp.arange(ppb)
-        # Columns past the table are clamped to a valid page; their keys lie at
-        # positions >= the table's span, so the mask drops them. Page ids are
-        # clipped too, so unused table entries may hold any sentinel.
-        ids_BxC = jnp.clip(page_table_BxN[:, jnp.minimum(cols_C, n_cols - 1)], 0,
-                           pages.num_pages - 1)
-        # One gather of the block's pages of this layer (not a slice of the layer).
-        k_blk = pages.k[layer_idx, ids_BxC].reshape(B, S, K, Dh).astype(dt)
-        v_blk = pages.v[layer_idx, ids_BxC].reshape(B, S, K, Dh).astype(dt)
-        key_pos_S = (cols_C[:, None] * P + jnp.arange(P)[None, :]).reshape(S)
-        mask_Bx1xS = (key_pos_S[None, :] < past_len_B[:, None])[:, None, :]
-        return attend_block(state, q, k_blk, v_blk, mask_Bx1xS, scale)
-
-      state = OnlineSoftmax.empty(B, K, G, T, Dh)
-      # A traced trip count: one compiled loop serves every past length.
-      state = jax.lax.fori_loop(0, num_blocks, past_block, state)
+      if paged_kernel == "gather":
+        state = past_attention_gather(q, pages.k, pages.v, layer_idx, page_table_BxN,
+                                      past_len_B, num_blocks, pages_per_block=ppb,
+                                      scale=scale, compute_dtype=dt)
+      elif paged_kernel == "triton":
+        state = past_attention_triton(q, pages.k, pages.v, layer_idx, page_table_BxN,
+                                      past_len_B, scale=scale, interpret=interpret)
+      else:
+        raise ValueError(f"unknown paged attention kernel {paged_kernel!r}; "
+                         f"one of {PAGED_KERNELS}")
       # The new tokens last, so blocks a row skips cannot reorder its sums.
       state = attend_block(state, q, k.astype(dt), v.astype(dt), self_mask_BxTxT, scale)
       # Every query sees at least itself, so l >= 1.
@@ -414,7 +410,8 @@ class Decoder(nnx.Module):
 
   def forward_paged(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                     past_len_B: jax.Array, pages: PagedKV, page_table_BxN: jax.Array,
-                    num_blocks: Optional[jax.Array] = None, *, pages_per_block: int
+                    num_blocks: Optional[jax.Array] = None, *, pages_per_block: int,
+                    paged_kernel: str = "gather", interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Forward pass of T new tokens per row over a paged KV pool (inference only).
 
@@ -431,7 +428,11 @@ class Decoder(nnx.Module):
     int32 scalar, at least ceil(max past_len / (page_size * pages_per_block)),
     so one compiled function serves every length (None: computed here from
     `past_len_B`). A row's result does not depend on the other rows, bit for
-    bit: blocks past its own past leave its state unchanged.
+    bit: blocks past its own past leave its state unchanged. `paged_kernel`
+    picks how the past is read (`paged_attention.PAGED_KERNELS`): `gather`, the
+    loop above in plain JAX; `triton`, a Pallas kernel for GPUs whose programs walk
+    only their own row's pages (`num_blocks` and `pages_per_block` unused;
+    `interpret` runs it in Pallas' interpreter, for tests).
 
     The pool is only read (gathered per block and layer, never carried through
     the layer scan). Returns float32 logits `[B, T, V]` and the new keys and
@@ -440,5 +441,5 @@ class Decoder(nnx.Module):
     """
     h, new_k, new_v = self.hidden_states_paged(
         tokens_BxT, positions_BxT, past_len_B, pages, page_table_BxN, num_blocks,
-        pages_per_block=pages_per_block)
+        pages_per_block=pages_per_block, paged_kernel=paged_kernel, interpret=interpret)
     return self.logits(h), new_k, new_v

@@ -54,6 +54,21 @@ def test_engine_logprobs_equal_learner_teacher_forced(random_params):
   assert set(versions) == {7}
 
 
+def test_engine_with_the_kernel_keeps_the_logprob_contract(random_params):
+  """The engine's log-probs with the kernel equal the learner's teacher-forced ones, and
+  its tokens equal the gather engine's."""
+  prompt = [3, 14, 15, 92, 65, 35]
+  runs = {}
+  for kernel in ("gather", "triton"):
+    engine = make_engine(attention_kernel=kernel, max_seq_len=128, max_prefill_length=64)
+    params = engine.load_params(random_params, version=3)
+    runs[kernel] = run_alone(engine, params, prompt, SamplingParams(seed=2), 20)
+  toks, logp = runs["triton"][:2]
+  assert toks == runs["gather"][0]
+  want = teacher_forced(random_params, prompt + toks)[len(prompt):]
+  np.testing.assert_allclose(logp, want, atol=2e-5)
+
+
 def test_score_gives_every_tokens_logprob_as_sampled(random_params):
   """`score` (a frozen model's view of given tokens) equals what sampling recorded, at any
   temperature, and a sequence's scores do not depend on what is scored beside it."""

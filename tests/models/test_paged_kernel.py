@@ -1,0 +1,131 @@
+"""The Pallas/Triton paged-attention kernel against the plain-JAX gather loop.
+
+On CPU the kernel runs in Pallas' interpreter (same program, same masks and loop
+bounds); a lowering test compiles it to Triton IR for CUDA without a GPU, which
+checks the shapes and operations Triton accepts. Its speed is measured on a GPU
+by `tools/check_engine.py`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.models import preset
+from jaxagent.models.llama import PagedKV, write_pages
+from jaxagent.models.paged_attention import (check_triton_shapes, past_attention_gather,
+                                             past_attention_triton)
+from jaxagent.models.params import abstract_model, bind, init_params
+from tests.rollout_server.conftest import CFG as ENGINE_CFG
+from tests.rollout_server.conftest import make_engine
+
+B, T, K, G, DH, L, NUM_PAGES, PAGE, COLS = 3, 2, 2, 3, 16, 2, 24, 16, 6
+
+
+def _inputs(seed=0, past=(0, 17, 90)):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, T, K, G, DH)), jnp.float32)
+  # Finite garbage everywhere: whatever lies outside a row's past must be masked.
+  pool_k = jnp.asarray(rng.normal(size=(L, NUM_PAGES, PAGE, K, DH)), jnp.float32)
+  pool_v = jnp.asarray(rng.normal(size=(L, NUM_PAGES, PAGE, K, DH)), jnp.float32)
+  table = rng.permutation(NUM_PAGES)[:B * COLS].reshape(B, COLS)
+  table[0, :] = -1  # an empty row's table may hold any sentinel
+  return q, pool_k, pool_v, jnp.asarray(table, jnp.int32), jnp.asarray(past, jnp.int32)
+
+
+def _state(kernel, q, pool_k, pool_v, layer, table, past):
+  if kernel == "gather":
+    blocks = jnp.int32(-(-int(jnp.max(past)) // (4 * PAGE)))
+    return past_attention_gather(q, pool_k, pool_v, jnp.int32(layer), table, past, blocks,
+                                 pages_per_block=4, scale=0.25, compute_dtype=jnp.float32)
+  return past_attention_triton(q, pool_k, pool_v, jnp.int32(layer), table, past, scale=0.25,
+                               interpret=True)
+
+
+def _normalised(state):
+  """Attention output (acc / l) where a row has a past; zeros elsewhere."""
+  l = np.asarray(state.l)
+  return np.where(l[..., None] > 0, np.asarray(state.acc) / np.maximum(l, 1e-30)[..., None], 0)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_kernel_equals_the_gather_loop(layer):
+  args = _inputs()
+  want = _state("gather", *args[:3], layer, *args[3:])
+  got = _state("triton", *args[:3], layer, *args[3:])
+  # A row without a past is the empty state exactly.
+  assert np.all(np.asarray(got.m)[0] == -np.inf) and not np.asarray(got.l)[0].any()
+  assert not np.asarray(got.acc)[0].any()
+  np.testing.assert_allclose(np.asarray(got.m)[1:], np.asarray(want.m)[1:], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(got.l), np.asarray(want.l), rtol=1e-5)
+  np.testing.assert_allclose(_normalised(got), _normalised(want), atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_its_neighbours():
+  """Bit for bit: another row's length, pages and queries change nothing in row 1."""
+  q, pool_k, pool_v, table, past = _inputs()
+  base = _state("triton", q, pool_k, pool_v, 0, table, past)
+  q2 = q.at[2].set(-q[2])
+  table2 = table.at[2].set(jnp.roll(table[2], 1))
+  other = _state("triton", q2, pool_k, pool_v, 0, table2, past.at[2].set(33))
+  for a, b in zip(base, other):
+    np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[1])
+
+
+def test_forward_paged_with_the_kernel_equals_the_gather_loop():
+  """A prefill into pages, then decode steps: the same logits either way."""
+  cfg = preset("tiny", n_layers=2)
+  graphdef, abstract = abstract_model(cfg)
+  params = init_params(cfg, 0)
+  pool = PagedKV(*(jnp.zeros((cfg.n_layers, 16, PAGE, cfg.n_kv_heads, cfg.head_dim))
+                   for _ in range(2)))
+  table = jnp.asarray([[3, 7, 1], [10, 2, 5]], jnp.int32)
+  rng = np.random.default_rng(1)
+
+  def step(kernel, pool, tokens, positions, past):
+    model = bind(graphdef, abstract, params)
+    logits, nk, nv = model.forward_paged(tokens, positions, past, pool, table,
+                                         pages_per_block=2, paged_kernel=kernel,
+                                         interpret=True)
+    valid = jnp.ones(tokens.shape, bool)
+    return logits, write_pages(pool, nk, nv, table, positions, valid)
+
+  pools = {"gather": pool, "triton": pool}
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 20)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
+  past = jnp.zeros(2, jnp.int32)
+  for t in range(4):
+    out = {}
+    for kernel in pools:
+      out[kernel], pools[kernel] = step(kernel, pools[kernel], tokens, positions, past)
+    np.testing.assert_allclose(out["triton"], out["gather"], atol=2e-5)
+    past = positions[:, -1] + 1
+    tokens = jnp.argmax(out["gather"][:, -1:], axis=-1).astype(jnp.int32)
+    positions = past[:, None] + jnp.int32(t % 2)  # rows may sit past a gap (padding)
+    past = past + jnp.int32(t % 2)
+
+
+def test_shapes_the_kernel_refuses_are_named():
+  with pytest.raises(ValueError, match="page_size a power of two >= 16, got 8"):
+    check_triton_shapes(8, 64)
+  with pytest.raises(ValueError, match="head_dim a power of two >= 16, got 48"):
+    check_triton_shapes(16, 48)
+  with pytest.raises(ValueError, match="attention_kernel"):
+    make_engine(attention_kernel="cuda")
+  assert ENGINE_CFG.head_dim >= 16
+
+
+def test_the_kernel_lowers_to_triton_for_cuda():
+  """Compiled for a GPU without one: Pallas lowers the kernel to Triton IR (block
+  shapes, dots, the dynamic page loop), which must succeed for every shape the engine
+  uses (a decode step, a verify step of 5 tokens, a prefill chunk of 64)."""
+  _, pool_k, pool_v, table, past = _inputs()
+  for t in (1, 5, 64):
+    q = jnp.zeros((B, t, K, G, DH), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v, tab, p: past_attention_triton(
+        q, k, v, jnp.int32(1), tab, p, scale=0.25))
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, pool_k.astype(jnp.bfloat16), pool_v.astype(jnp.bfloat16), table, past)
+    assert "xla.gpu.triton" in exported.mlir_module()
