@@ -251,7 +251,7 @@ class EngineConfig:
   page_size: int = 16
   kv_pages: int = 0
   pages_per_block: int = 8
-  # How decode attention reads the pool: auto (triton on GPUs, else gather), gather
+  # How decode attention reads the pool: auto (gather until triton is measured on a GPU), gather
   # (plain JAX), triton (a Pallas kernel; page_size and head_dim powers of two >= 16).
   attention_kernel: str = "auto"
   # Longest piece of one prompt prefilled per call (0: max_prefill_length); decode

@@ -237,8 +237,8 @@ class Engine:
 
   `page_size` tokens per page; `num_pages` pages in the pool (page 0 is the null page;
   default: enough for every slot at `max_seq_len`, plus `extra_pages`, e.g. for a prefix
-  cache). `attention_kernel` (`paged_attention.PAGED_KERNELS`, or `auto`: `triton` on
-  GPUs, `gather` elsewhere) reads each row's past: `gather` reads `pages_per_block`
+  cache). `attention_kernel` (`paged_attention.PAGED_KERNELS`, or `auto`:
+  `paged_attention.default_kernel()`) reads each row's past: `gather` reads `pages_per_block`
   pages per loop iteration; `triton` is a Pallas kernel (on another backend it runs in
   Pallas' interpreter: slow, for tests) and needs the KV heads unsplit (no `tensor`
   axis in the engine's mesh).
