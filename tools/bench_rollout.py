@@ -53,22 +53,29 @@ def emit(row: dict, as_json: bool) -> None:
     print(json.dumps(row), flush=True)
 
 
-def decode_rate(cfg, weights, batch, max_seq_len, prompt_len, new_tokens, rng,
-                repeats, kernel="auto") -> float:
-  """Engine tokens/s: `batch` requests prefilled and inserted, then `new_tokens` decode
-  steps (results read one step behind, as served); the median of `repeats` timed runs
-  after one that compiles."""
-  engine = Engine(cfg, max_concurrent_decodes=batch, max_prefill_length=min(512, max_seq_len),
-                  max_seq_len=max_seq_len, prefill_rows=min(8, batch), dtype=DTYPE[0],
-                  attention_kernel=kernel)
-  params = engine.load_params(weights)
-  times = []
-  for run in range(repeats + 1):
+class DecodeCase:
+  """One decode case: an engine with `batch` slots and `max_seq_len` capacity; each run
+  prefills and inserts `batch` requests (prompt `prompt_len`), then times `new_tokens`
+  decode steps with results read one step behind, as served."""
+
+  def __init__(self, cfg, weights, batch, max_seq_len, prompt_len, new_tokens,
+               kernel="auto"):
+    self.cfg, self.batch, self.prompt_len, self.new_tokens = cfg, batch, prompt_len, new_tokens
+    self.engine = Engine(cfg, max_concurrent_decodes=batch,
+                         max_prefill_length=min(512, max_seq_len), max_seq_len=max_seq_len,
+                         prefill_rows=min(8, batch), dtype=DTYPE[0], attention_kernel=kernel)
+    self.params = self.engine.load_params(weights)
+    self.rng = np.random.default_rng(0)
+    self.times: list[float] = []
+    self.run()  # compiles; not kept
+
+  def run(self) -> float:
+    engine, params = self.engine, self.params
     state = engine.init_decode_state()
-    per = engine.pages_for(prompt_len + new_tokens + 1)
-    for start in range(0, batch, engine.prefill_rows):
-      slots = list(range(start, min(batch, start + engine.prefill_rows)))
-      reqs = [PrefillRequest(rng.integers(0, cfg.vocab_size, prompt_len).tolist(),
+    per = engine.pages_for(self.prompt_len + self.new_tokens + 1)
+    for start in range(0, self.batch, engine.prefill_rows):
+      slots = list(range(start, min(self.batch, start + engine.prefill_rows)))
+      reqs = [PrefillRequest(self.rng.integers(0, self.cfg.vocab_size, self.prompt_len).tolist(),
                              list(range(1 + s * per, 1 + (s + 1) * per)), 0,
                              SamplingParams(seed=s)) for s in slots]
       state, prefix, _ = engine.prefill_many(params=params, decode_state=state, requests=reqs)
@@ -76,16 +83,28 @@ def decode_rate(cfg, weights, batch, max_seq_len, prompt_len, new_tokens, rng,
     jax.block_until_ready(state.tokens)
     t0 = time.perf_counter()
     pending = None
-    for _ in range(new_tokens):
+    for _ in range(self.new_tokens):
       state, r = engine.generate(params, state)
       r.data.copy_to_host_async()
       if pending is not None:
         pending.to_host()
       pending = r
     pending.to_host()
-    if run:
-      times.append(time.perf_counter() - t0)
-  return batch * new_tokens / float(np.median(times))
+    return time.perf_counter() - t0
+
+  def rate(self) -> float:
+    """Tokens/s over the median timed run."""
+    return self.batch * self.new_tokens / float(np.median(self.times))
+
+
+def interleaved_rates(cases: dict, repeats: int) -> dict:
+  """Times every case once per round, `repeats` rounds, in an order rotated each round,
+  so a slow spell of the machine falls on every case alike; key -> tokens/s."""
+  keys = list(cases)
+  for r in range(repeats):
+    for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+      cases[key].times.append(cases[key].run())
+  return {key: case.rate() for key, case in cases.items()}
 
 
 def _multi_turn(engine, params, cache_tokens, turns, rng) -> float:
@@ -168,7 +187,8 @@ def main() -> None:
   p.add_argument("--seq-lens", default="128,1024,8192")
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--new-tokens", type=int, default=64)
-  p.add_argument("--repeats", type=int, default=5, help="timed runs per case (median)")
+  p.add_argument("--repeats", type=int, default=5,
+                 help="timed runs per case (median), in rounds over all cases")
   p.add_argument("--turns", type=int, default=8)
   p.add_argument("--prefill-rows", type=int, default=8)
   p.add_argument("--skip", default="",
@@ -190,14 +210,16 @@ def main() -> None:
     mparams = cfg.num_params() / 1e6
     if "capacity" not in skip:
       kernels = args.kernels.split(",")
+      cases = {(kernel, L, b): DecodeCase(cfg, weights, b, L, args.prompt_len, args.new_tokens,
+                                          kernel)
+               for kernel in kernels for L in seq_lens for b in batches}
+      all_rates = interleaved_rates(cases, args.repeats)
       by_kernel = {}
       for kernel in kernels:
         rates = by_kernel[kernel] = {}
         for L in seq_lens:
           for b in batches:
-            rate = decode_rate(cfg, weights, b, L, args.prompt_len, args.new_tokens,
-                               np.random.default_rng(0), args.repeats, kernel)
-            rates[L, b] = rate
+            rate = rates[L, b] = all_rates[kernel, L, b]
             emit({"section": "decode", "preset": name, "params_m": round(mparams, 2),
                   "dtype": args.dtype or cfg.dtype, "device": jax.devices()[0].platform,
                   "kernel": kernel, "max_seq_len": L, "batch": b, "prompt": args.prompt_len,
