@@ -18,6 +18,8 @@ Otherwise the process is alone and nothing is initialised.
 
 from __future__ import annotations
 
+import functools
+
 import os
 from typing import Any, Optional
 
@@ -98,6 +100,69 @@ def host_copy(tree: Any) -> Any:
     return np.asarray(jax.device_get(x))
 
   return jax.tree.map(one, tree)
+
+
+@functools.lru_cache(maxsize=8)
+def _process_replicator(local_mesh, specs: tuple):
+  """(A jitted copy of a list of arrays onto the global mesh (processes, *local mesh)
+  with `specs` within each process and replication across them (built once per local
+  mesh and specs: every process calls it in the same order, as it gathers), that mesh)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  rows = gather_json([d.id for d in local_mesh.devices.flat])
+  by_id = {d.id: d for d in jax.devices()}
+  ids = [i for row in rows for i in row]
+  if len(set(ids)) != len(ids):
+    raise ValueError("copy_to_local: the processes' local meshes share devices")
+  grid = np.asarray([by_id[i] for i in ids], dtype=object).reshape(
+      (len(rows),) + local_mesh.devices.shape)
+  global_mesh = Mesh(grid, ("process",) + tuple(local_mesh.axis_names))
+  # jnp.copy keeps the outputs from aliasing the inputs (the caller's next train step
+  # donates them).
+  copy = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+                 out_shardings=[NamedSharding(global_mesh, PartitionSpec(*s)) for s in specs])
+  return copy, global_mesh
+
+
+def copy_to_local(tree: Any, local_shardings: Any) -> Any:
+  """Every array of `tree` (sharded over the devices of every process), whole, on this
+  process's devices with `local_shardings` (a matching tree of `NamedSharding`s over one
+  local mesh, the same shape on every process): device to device, by collectives.
+
+  The arrays are resharded onto a global mesh of shape (processes, *local mesh) that
+  lays each process's local mesh along a `process` axis, split within a process as
+  `local_shardings` say and replicated across processes; this process's shards of the
+  result are then the local arrays. Each process ends with one copy of the model
+  (its engine's layout), not one per device, and nothing crosses the host.
+  All processes must call it; their local meshes together must be the devices the
+  arrays live on (else ValueError: use `host_copy`). One process: a plain reshard.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = treedef.flatten_up_to(local_shardings)
+  if not leaves:
+    return tree
+  local_mesh = targets[0].mesh
+  if any(t.mesh != local_mesh for t in targets):
+    raise ValueError("copy_to_local: every target sharding must use one local mesh")
+  if jax.process_count() == 1:
+    return jax.tree.unflatten(treedef, [jax.device_put(jnp.copy(x), t)
+                                        for x, t in zip(leaves, targets)])
+  copy, global_mesh = _process_replicator(local_mesh, tuple(t.spec for t in targets))
+  sources = {d.id for x in leaves for d in x.sharding.device_set}
+  if sources != {d.id for d in global_mesh.devices.flat}:
+    raise ValueError("copy_to_local: the processes' local meshes do not cover the arrays' "
+                     "devices exactly once")
+  copied = copy(leaves)
+  out = [jax.make_array_from_single_device_arrays(
+             y.shape, t, [shard.data for shard in y.addressable_shards])
+         for y, t in zip(copied, targets)]
+  return jax.tree.unflatten(treedef, out)
 
 
 def process_rows(rows: int) -> slice:

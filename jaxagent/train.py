@@ -625,6 +625,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # SIGTERM (a pod's eviction) or Ctrl-C: stop after the step under way, then checkpoint
   # and export as at the end (a second one stops at once).
   signals = {"got": None}
+  device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
     if signals["got"] is not None:
@@ -670,12 +671,21 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
         if serving.orch is not None:  # in-process: hand the weights over in memory
-          # One process: a device-to-device reshard onto the engine's mesh (its own
-          # devices or the learner's). Several: the whole values through the host.
-          weights = (distributed.host_copy(state.params) if multi else
-                     jax.tree.map(jnp.copy, state.params))  # the next step donates state
+          # A device-to-device reshard onto the engine's mesh (its own devices or the
+          # learner's; with several processes, each process's engine gets the whole
+          # model by collectives). Through the host only when the processes' engines
+          # do not cover the learner's devices (serving.devices a subset).
+          weights, sync_path = None, "host"
+          if device_sync:
+            try:
+              weights = distributed.copy_to_local(state.params,
+                                                  serving.client.engine.weight_shardings)
+              sync_path = "reshard"
+            except ValueError:
+              device_sync = False
+          if weights is None:
+            weights = distributed.host_copy(state.params)
           await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
-          sync_path = "host" if multi else "reshard"
         else:  # servers load the export
           path = await loop.run_in_executor(None, export_policy, policy_root, version,
                                             state.params, None)

@@ -53,6 +53,8 @@ def test_two_processes_train_like_one(tmp_path):
   # Every process's JSON, gathered in process order.
   assert json.loads(str(b["gathered"])) == [{"process": 0, "tasks": []},
                                             {"process": 1, "tasks": ["t"]}]
+  # The engine copy of process 0 lives on its own 4 devices (1 process: all 8).
+  assert b["local_devices"].tolist() == [0, 1, 2, 3] and len(a["local_devices"]) == 8
   # Only process 0 wrote the shared file; both wrote their checkpoint shards.
   assert os.listdir(tmp_path / "two" / "checkpoints") == ["3"]
 
@@ -88,6 +90,8 @@ def test_train_cli_as_two_processes(tmp_path):
   assert [r["step"] for r in rows] == [1, 2]  # written once, not once per process
   assert all(r["episodes"] == 16 for r in rows)  # 2 processes x 2 groups x 4
   assert rows[-1]["policy_version"] == 2 and rows[-1]["batch_rows"] % 2 == 0
+  # Each process's engine got the weights device to device (collectives), not via host.
+  assert [r["weight_sync_path"] for r in rows] == ["reshard", "reshard"]
   with open(run_dir / "policy" / "versions.json") as f:
     assert [v["version"] for v in json.load(f)["versions"]] == [1, 2]
   assert os.listdir(run_dir / "checkpoints") == ["2"]
