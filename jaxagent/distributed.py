@@ -102,8 +102,12 @@ def host_copy(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
+class MeshCoverageError(ValueError):
+  """The processes' local meshes do not hold the arrays' devices exactly once."""
+
+
 @functools.lru_cache(maxsize=8)
-def _process_replicator(local_mesh, specs: tuple):
+def _process_replicator(local_mesh, specs: tuple, dtype: Optional[str]):
   """(A jitted copy of a list of arrays onto the global mesh (processes, *local mesh)
   with `specs` within each process and replication across them (built once per local
   mesh and specs: every process calls it in the same order, as it gathers), that mesh)."""
@@ -115,18 +119,18 @@ def _process_replicator(local_mesh, specs: tuple):
   by_id = {d.id: d for d in jax.devices()}
   ids = [i for row in rows for i in row]
   if len(set(ids)) != len(ids):
-    raise ValueError("copy_to_local: the processes' local meshes share devices")
+    raise MeshCoverageError("copy_to_local: the processes' local meshes share devices")
   grid = np.asarray([by_id[i] for i in ids], dtype=object).reshape(
       (len(rows),) + local_mesh.devices.shape)
   global_mesh = Mesh(grid, ("process",) + tuple(local_mesh.axis_names))
   # jnp.copy keeps the outputs from aliasing the inputs (the caller's next train step
   # donates them).
-  copy = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+  copy = jax.jit(lambda xs: [jnp.copy(x) if dtype is None else x.astype(dtype) for x in xs],
                  out_shardings=[NamedSharding(global_mesh, PartitionSpec(*s)) for s in specs])
   return copy, global_mesh
 
 
-def copy_to_local(tree: Any, local_shardings: Any) -> Any:
+def copy_to_local(tree: Any, local_shardings: Any, dtype: Any = None) -> Any:
   """Every array of `tree` (sharded over the devices of every process), whole, on this
   process's devices with `local_shardings` (a matching tree of `NamedSharding`s over one
   local mesh, the same shape on every process): device to device, by collectives.
@@ -134,10 +138,12 @@ def copy_to_local(tree: Any, local_shardings: Any) -> Any:
   The arrays are resharded onto a global mesh of shape (processes, *local mesh) that
   lays each process's local mesh along a `process` axis, split within a process as
   `local_shardings` say and replicated across processes; this process's shards of the
-  result are then the local arrays. Each process ends with one copy of the model
-  (its engine's layout), not one per device, and nothing crosses the host.
-  All processes must call it; their local meshes together must be the devices the
-  arrays live on (else ValueError: use `host_copy`). One process: a plain reshard.
+  result are then the local arrays: each process holds the model as its engine lays it
+  out (split or replicated over its own devices), and nothing crosses the host.
+  `dtype` (e.g. the engine's bfloat16) casts on the way, so the copy moves and holds
+  only the engine's bytes. All processes must call it; their local meshes together must
+  be the devices the arrays live on (else `MeshCoverageError`: use `host_copy`). One
+  process: a plain reshard.
   """
   import jax
   import jax.numpy as jnp
@@ -150,14 +156,16 @@ def copy_to_local(tree: Any, local_shardings: Any) -> Any:
   local_mesh = targets[0].mesh
   if any(t.mesh != local_mesh for t in targets):
     raise ValueError("copy_to_local: every target sharding must use one local mesh")
-  if jax.process_count() == 1:
-    return jax.tree.unflatten(treedef, [jax.device_put(jnp.copy(x), t)
-                                        for x, t in zip(leaves, targets)])
-  copy, global_mesh = _process_replicator(local_mesh, tuple(t.spec for t in targets))
+  if jax.process_count() == 1:  # never aliasing the input (the next train step donates it)
+    return jax.tree.unflatten(treedef, [
+        jax.device_put(x if dtype is None or x.dtype == dtype else x.astype(dtype), t,
+                       may_alias=False) for x, t in zip(leaves, targets)])
+  copy, global_mesh = _process_replicator(local_mesh, tuple(t.spec for t in targets),
+                                          None if dtype is None else jnp.dtype(dtype).name)
   sources = {d.id for x in leaves for d in x.sharding.device_set}
   if sources != {d.id for d in global_mesh.devices.flat}:
-    raise ValueError("copy_to_local: the processes' local meshes do not cover the arrays' "
-                     "devices exactly once")
+    raise MeshCoverageError("copy_to_local: the processes' local meshes do not cover the "
+                            "arrays' devices exactly once")
   copied = copy(leaves)
   out = [jax.make_array_from_single_device_arrays(
              y.shape, t, [shard.data for shard in y.addressable_shards])

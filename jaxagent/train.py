@@ -264,6 +264,11 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     # head_dim, known once the model is built, is checked by the engine.
     raise config_lib.ConfigError(f"serving.engine.attention_kernel: triton needs page_size a "
                                  f"power of two >= 16, got {page_size}")
+  if kernel == "triton" and cfg.mesh.tensor > 1 and not cfg.serving.devices:
+    raise config_lib.ConfigError("serving.engine.attention_kernel: triton reads whole KV "
+                                 "heads, and the engine shares the learner's mesh, which "
+                                 "splits them (mesh.tensor > 1): use gather, or give the "
+                                 "engine devices of its own (serving.devices)")
   try:
     check_advantage_config(cfg.advantage)
   except ValueError as e:
@@ -677,12 +682,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           # do not cover the learner's devices (serving.devices a subset).
           weights, sync_path = None, "host"
           if device_sync:
+            engine = serving.client.engine
             try:
-              weights = distributed.copy_to_local(state.params,
-                                                  serving.client.engine.weight_shardings)
+              weights = distributed.copy_to_local(state.params, engine.weight_shardings,
+                                                  engine.model_cfg.param_dtype)
               sync_path = "reshard"
-            except ValueError:
+            except distributed.MeshCoverageError as e:
               device_sync = False
+              if primary:
+                print(f"weight sync through the host: {e}", flush=True)
           if weights is None:
             weights = distributed.host_copy(state.params)
           await serving.client.load_weights(weights, version, cfg.rollout.update_mode)

@@ -239,9 +239,9 @@ class Engine:
   default: enough for every slot at `max_seq_len`, plus `extra_pages`, e.g. for a prefix
   cache). `attention_kernel` (`paged_attention.PAGED_KERNELS`, or `auto`:
   `paged_attention.default_kernel()`) reads each row's past: `gather` reads `pages_per_block`
-  pages per loop iteration; `triton` is a Pallas kernel (on another backend it runs in
-  Pallas' interpreter: slow, for tests) and needs the KV heads unsplit (no `tensor`
-  axis in the engine's mesh).
+  pages per loop iteration; `triton` is a Pallas kernel for GPUs (on CPU it runs in
+  Pallas' interpreter: slow, for tests; refused on TPUs) and needs the KV heads unsplit
+  (no `tensor` axis in the engine's mesh).
   """
 
   def __init__(self, model_cfg: ModelConfig, *, max_concurrent_decodes: int = 8,
@@ -285,6 +285,8 @@ class Engine:
     self.rules = rules
     if attention_kernel == "triton":
       check_triton_shapes(page_size, model_cfg.head_dim)
+      if jax.default_backend() == "tpu":
+        raise ValueError("attention_kernel 'triton' is for GPUs; on TPUs use 'gather'")
       if self._mesh.shape.get("tensor", 1) > 1:
         raise ValueError("attention_kernel 'triton' reads whole KV heads; the engine's mesh "
                          "splits them over its tensor axis (use 'gather')")

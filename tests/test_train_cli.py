@@ -148,6 +148,7 @@ def _bad_settings(tmp_path):
       (tiny + ["serving.engine.attention_kernel=cuda"], "attention_kernel: unknown 'cuda'"),
       (tiny + ["serving.engine.attention_kernel=triton", "serving.engine.page_size=8"],
        "power of two >= 16"),
+      (tiny + ["serving.engine.attention_kernel=triton", "mesh.tensor=2"], "whole KV heads"),
       (tiny + ["advantage.teacher=t", "agent.top_p=0.9"], "whole distribution"),
       (["--config", str(bad_yaml)], "cannot read config file"),
       (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),

@@ -127,12 +127,21 @@ def launch_workers(args) -> None:
   base = [sys.executable, os.path.abspath(__file__), "--presets", args.presets, "--devices",
           str(args.devices), "--repeats", str(args.repeats), "--processes",
           str(args.processes)] + (["--json"] if args.json else [])
-  procs = [subprocess.Popen(base + ["--worker", f"{coordinator},{i}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-           for i in range(args.processes)]
-  outs = [proc.communicate()[0] for proc in procs]
-  for i, (proc, out) in enumerate(zip(procs, outs)):
-    if proc.returncode:
+  if args.devices % args.processes:
+    raise SystemExit(f"--devices {args.devices} do not split over {args.processes} processes")
+  with tempfile.TemporaryDirectory() as tmp:  # files, not pipes: no worker blocks on output
+    logs = [open(os.path.join(tmp, f"{i}.log"), "w+") for i in range(args.processes)]
+    procs = [subprocess.Popen(base + ["--worker", f"{coordinator},{i}"], stdout=log,
+                              stderr=subprocess.STDOUT, text=True)
+             for i, log in enumerate(logs)]
+    codes = [proc.wait() for proc in procs]
+    outs = []
+    for log in logs:
+      log.seek(0)
+      outs.append(log.read())
+      log.close()
+  for i, (code, out) in enumerate(zip(codes, outs)):
+    if code:
       raise SystemExit(f"process {i} failed:\n{out[-3000:]}")
   print(outs[0], end="")
 
@@ -159,7 +168,8 @@ def multi_process_worker(args) -> None:
     params = init_params(cfg, 0, make_mesh(fsdp=jax.device_count(), devices=jax.devices()))
     engine = Engine(cfg, max_concurrent_decodes=2, max_prefill_length=16, max_seq_len=64,
                     mesh=make_mesh(devices=jax.local_devices()))
-    paths = {"multi_reshard": lambda: distributed.copy_to_local(params, engine.weight_shardings),
+    paths = {"multi_reshard": lambda: distributed.copy_to_local(
+                 params, engine.weight_shardings, engine.model_cfg.param_dtype),
              "multi_host": lambda: distributed.host_copy(params)}
     for path, take in paths.items():
       times = []

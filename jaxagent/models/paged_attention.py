@@ -54,15 +54,16 @@ def past_attention_gather(q_BxTxKxGxD: jax.Array, pool_k: jax.Array, pool_v: jax
   def block(j, state):
     # Block j covers table columns j*C .. j*C + C-1 (C = pages_per_block).
     cols_C = j * ppb + jnp.arange(ppb)
-    # Columns past the table are clamped to a valid page; their keys lie at
-    # positions >= the table's span, so the mask drops them. Page ids are
-    # clipped too, so unused table entries may hold any sentinel.
+    # Columns past the table are clamped to a valid page and masked (a row's past
+    # is read only as far as its table reaches, as the Triton kernel does). Page
+    # ids are clipped too, so unused table entries may hold any sentinel.
     ids_BxC = jnp.clip(page_table_BxN[:, jnp.minimum(cols_C, n_cols - 1)], 0, num_pages - 1)
     # One gather of the block's pages of this layer (not a slice of the layer).
     k_blk = pool_k[layer, ids_BxC].reshape(B, S, K, Dh).astype(compute_dtype)
     v_blk = pool_v[layer, ids_BxC].reshape(B, S, K, Dh).astype(compute_dtype)
     key_pos_S = (cols_C[:, None] * P + jnp.arange(P)[None, :]).reshape(S)
-    mask_Bx1xS = (key_pos_S[None, :] < past_len_B[:, None])[:, None, :]
+    in_table_S = jnp.repeat(cols_C < n_cols, P)
+    mask_Bx1xS = ((key_pos_S[None, :] < past_len_B[:, None]) & in_table_S[None, :])[:, None, :]
     return attend_block(state, q_BxTxKxGxD, k_blk, v_blk, mask_Bx1xS, scale)
 
   # A traced trip count: one compiled loop serves every past length.
@@ -73,10 +74,10 @@ def _is_pow2(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
-def check_triton_shapes(page_size: int, head_dim: int) -> None:
+def check_triton_shapes(page_size: int, head_dim: int, block_q: int = 64) -> None:
   """Raises ValueError when the Triton kernel cannot take these shapes (its tiles
   must be powers of two, and at least 16 wide for the tensor-core dot)."""
-  for name, n in (("page_size", page_size), ("head_dim", head_dim)):
+  for name, n in (("page_size", page_size), ("head_dim", head_dim), ("block_q", block_q)):
     if not (_is_pow2(n) and n >= 16):
       raise ValueError(f"the triton paged-attention kernel needs {name} a power of two "
                        f">= 16, got {n}")
@@ -139,7 +140,7 @@ def past_attention_triton(q_BxTxKxGxD: jax.Array, pool_k: jax.Array, pool_v: jax
   L, num_pages, P, K_pool, Dh_pool = pool_k.shape
   if (K_pool, Dh_pool) != (K, Dh):
     raise ValueError(f"pool heads {K_pool}x{Dh_pool} do not match queries' {K}x{Dh}")
-  check_triton_shapes(P, Dh)
+  check_triton_shapes(P, Dh, block_q)
   n_cols = page_table_BxN.shape[1]
   M = G * T
   bq = min(block_q, max(16, 1 << (M - 1).bit_length()))
