@@ -137,3 +137,30 @@ def test_the_kernel_lowers_to_triton_for_cuda():
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(q, pool_k.astype(jnp.bfloat16), pool_v.astype(jnp.bfloat16), table, past)
     assert "xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_compiled_kernel_on_a_gpu(dtype):
+  """Triton-compiled on a GPU (SmolLM2's head shape, decode and a 5-token verify):
+  equal to the gather loop to the GPU's matmul rounding, rows independent bit for bit."""
+  rng = np.random.default_rng(3)
+  b, k, g, dh, pages, cols = 8, 3, 3, 64, 600, 64
+  pool_k = jnp.asarray(rng.normal(size=(2, pages, PAGE, k, dh)), dtype)
+  pool_v = jnp.asarray(rng.normal(size=(2, pages, PAGE, k, dh)), dtype)
+  table = jnp.asarray(rng.permutation(pages)[:b * cols].reshape(b, cols), jnp.int32)
+  past = jnp.asarray(rng.integers(0, cols * PAGE, b), jnp.int32)
+  for t in (1, 5):
+    q = jnp.asarray(rng.normal(size=(b, t, k, g, dh)), dtype)
+    want = past_attention_gather(q, pool_k, pool_v, jnp.int32(1), table, past,
+                                 jnp.int32(cols // 4), pages_per_block=4, scale=0.125,
+                                 compute_dtype=dtype)
+    run = jax.jit(lambda q, past: past_attention_triton(q, pool_k, pool_v, jnp.int32(1),
+                                                        table, past, scale=0.125))
+    got = run(q, past)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3  # TF32 / bf16 matmuls
+    np.testing.assert_allclose(_normalised(got), _normalised(want), atol=tol, rtol=tol)
+    other = run(q.at[0].set(-q[0]), past.at[0].set(7))
+    for a, c in zip(got, other):
+      np.testing.assert_array_equal(np.asarray(a)[1:], np.asarray(c)[1:])
