@@ -61,6 +61,8 @@ class GuessNumber(Env):
     reward = 0.0
     if m is None:
       feedback, valid = "Say a number.", False
+    elif len(m.group()) > 18:  # int() refuses 4,300+ digits; no range here is this wide
+      feedback, valid = "That number is too long.", False
     else:
       guess = int(m.group())
       valid = True

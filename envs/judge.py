@@ -124,9 +124,18 @@ class LLMJudge:
   async def confirm(self, verdict: Verdict, task: str, answer: str) -> Verdict:
     """`verdict` (from tests), checked by the judge when it is a pass: the judge's FAIL
     turns it into a fail (a false positive of the tests), its infra_error into an
-    infra_error; other verdicts are returned as they are."""
+    infra_error; other verdicts are returned as they are. An answer longer than the
+    judge is shown is a fail: a pass must be checked whole."""
     if verdict.status != VerdictStatus.PASS:
       return verdict
+    if len(answer) > self.max_answer_chars:
+      # The judge would see part of it, and a hard-coded table could sit past the cut:
+      # a pass the judge cannot check is not confirmed.
+      return Verdict(VerdictStatus.FAIL, 0.0, verdict.env_version,
+                     f"{verdict.verifier_version}+{self.version}",
+                     details={**verdict.details, "false_positive": True,
+                              "reason": f"answer of {len(answer)} characters is longer "
+                                        f"than the judge is shown ({self.max_answer_chars})"})
     judged = await self.grade(task, answer, verdict.env_version)
     details = {**verdict.details, **judged.details}
     if judged.status == VerdictStatus.PASS:

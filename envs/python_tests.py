@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from typing import Optional
 
-from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict, register)
+from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict,
+                       VerdictStatus, register)
 from envs.python_tasks_data import TASKS, _function_name, as_tests
 from envs.tools import Tool, ToolSet
+from envs.sandbox import WorkspaceTooLarge
 from envs.verifier import HiddenTests, PythonTestVerifier
 
 PUBLIC_TESTS = "test_public.py"
@@ -32,6 +36,32 @@ def judged_answer(files: dict[str, bytes]) -> str:
   return "\n\n".join(f"### {n}\n{files[n].decode('utf-8', 'replace')}" for n in names)
 
 
+_CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
+
+
+def source_problem(files: dict[str, bytes]) -> Optional[str]:
+  """Why these files cannot be graded as written, or None. Every graded file must be
+  UTF-8 text under a UTF-8 name, and no Python file may declare another source
+  encoding (PEP 263): Python would run what a `# coding: utf-7` line decodes, while
+  the judge and any reader see the raw text, so a hard-coded answer could hide in a
+  comment."""
+  for name, data in files.items():
+    try:
+      name.encode("utf-8")
+    except UnicodeEncodeError:
+      return f"file name {name.encode('utf-8', 'backslashreplace')!r} is not UTF-8"
+    try:
+      data.decode("utf-8")
+    except UnicodeDecodeError:
+      return f"{name} is not UTF-8 text"
+    if name.endswith(".py"):
+      for line in data.splitlines()[:2]:
+        m = _CODING.match(line)
+        if m and m.group(1).lower().replace(b"_", b"-") not in (b"utf-8", b"utf8"):
+          return f"{name} declares the source encoding {m.group(1).decode()!r} (only UTF-8)"
+  return None
+
+
 def _output(result) -> str:
   out = {"exit_code": result.exit_code, "timed_out": result.timed_out,
          "stdout": result.stdout[-2000:], "stderr": result.stderr[-2000:]}
@@ -40,7 +70,9 @@ def _output(result) -> str:
 
 @register("python_tests")
 class PythonTests(Env):
-  version = "2"  # 2: hidden cases compared on the host; the verdict pays the reward
+  # 2: hidden cases compared on the host; the verdict pays the reward. 3: files must be
+  # UTF-8 text, fit the quota as read, and (with a judge) be shown whole.
+  version = "3"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
 
@@ -124,9 +156,18 @@ class PythonTests(Env):
   async def verify(self) -> Verdict:
     if self.sandbox is None:
       raise RuntimeError("verify() needs an episode: reset first")
-    files = await asyncio.to_thread(self.final_files)
+    env_version = f"{self.name}@{self.version}"
+    try:
+      files = await asyncio.to_thread(self.final_files)
+    except WorkspaceTooLarge as e:  # the policy's doing: its files will not fit to grade
+      return Verdict(VerdictStatus.FAIL, 0.0, env_version, self.verifier_version,
+                     {"reason": str(e)})
+    problem = source_problem(files)
+    if problem is not None:
+      return Verdict(VerdictStatus.FAIL, 0.0, env_version, self.verifier_version,
+                     {"reason": problem})
     verdict = await self.verifier.grade(files, HiddenTests(self.fn, self.spec[4]),
-                                        env_version=f"{self.name}@{self.version}")
+                                        env_version=env_version)
     if self.resources.judge is not None:  # a pass is shown to the judge too (ROLL)
       verdict = await self.resources.judge.confirm(verdict, self.spec[1], judged_answer(files))
     return verdict

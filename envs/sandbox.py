@@ -72,6 +72,10 @@ class IsolationUnavailable(RuntimeError):
   """The host cannot isolate untrusted code and unisolated execution was not allowed."""
 
 
+class WorkspaceTooLarge(ValueError):
+  """A workspace's files hold more bytes than a snapshot (or a grading copy) may."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
   wall_s: float = 10.0
@@ -436,21 +440,46 @@ class Sandbox:
     with open(self._resolve(rel), "rb") as f:
       return f.read()
 
-  def files(self, max_bytes: int = 1 << 20, max_files: int = 256) -> dict[str, bytes]:
+  def files(self, max_bytes: int = 1 << 20, max_files: int = 256, max_depth: int = 32,
+            max_total_bytes: Optional[int] = None) -> dict[str, bytes]:
     """A snapshot of the workspace's regular files (symlinks, special and huge files
-    skipped; at most `max_files`)."""
-    out = {}
-    for root, dirs, names in os.walk(self.host_path):
-      dirs.sort()
-      for name in sorted(names):
-        path = os.path.join(root, name)
-        st = os.lstat(path)
-        if not os.path.isfile(path) or os.path.islink(path) or st.st_size > max_bytes:
+    skipped; at most `max_files`, directories at most `max_depth` deep).
+
+    The walk is iterative (a policy's 1,000 nested directories must not exhaust the
+    host's recursion limit). Files are counted by the bytes they hold as read, so
+    sparse files cannot pass for small ones: past `max_total_bytes` (default: the
+    workspace quota, which the files must fit in again to be graded) it raises
+    `WorkspaceTooLarge`."""
+    budget = self.limits.disk_bytes if max_total_bytes is None else max_total_bytes
+    out, total = {}, 0
+    stack = [(self.host_path, 0)]
+    while stack:
+      root, depth = stack.pop()
+      try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+      except OSError:
+        continue
+      subdirs = []
+      for entry in entries:
+        if entry.is_symlink():
+          continue
+        if entry.is_dir(follow_symlinks=False):
+          if depth + 1 < max_depth:
+            subdirs.append((entry.path, depth + 1))
+          continue
+        if not entry.is_file(follow_symlinks=False):
+          continue
+        if entry.stat(follow_symlinks=False).st_size > max_bytes:
           continue
         if len(out) >= max_files:
           return out
-        with open(path, "rb") as f:
-          out[os.path.relpath(path, self.host_path)] = f.read(max_bytes)
+        with open(entry.path, "rb") as f:
+          data = f.read(max_bytes)
+        total += len(data)
+        if total > budget:
+          raise WorkspaceTooLarge(f"the workspace's files hold over {budget} bytes")
+        out[os.path.relpath(entry.path, self.host_path)] = data
+      stack.extend(reversed(subdirs))  # depth first, in name order
     return out
 
   def wipe(self) -> None:

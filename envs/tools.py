@@ -50,8 +50,15 @@ class ToolRun:
 
 
 class ToolSet:
-  def __init__(self, tools: list[Tool]):
+  """Tools by name. At most `max_calls_per_turn` calls of a turn are run (the rest are
+  answered as invalid, unrun): a turn's work stays bounded whatever the model writes,
+  so a policy cannot stretch one environment step past an environment worker's
+  deadline (which would turn its episode into an infrastructure failure, dropped
+  instead of scored)."""
+
+  def __init__(self, tools: list[Tool], max_calls_per_turn: int = 4):
     self.tools = {t.name: t for t in tools}
+    self.max_calls_per_turn = max_calls_per_turn
     for t in tools:
       jsonschema.Draft202012Validator.check_schema(t.parameters)
 
@@ -95,7 +102,14 @@ class ToolSet:
     for err in parsed.errors:
       result.invalid += 1
       result.messages.append({"role": "tool", "content": f"error: malformed tool call: {err}"})
-    for call in parsed.calls:
+    for n, call in enumerate(parsed.calls):
+      if n >= self.max_calls_per_turn:
+        result.calls += 1
+        result.invalid += 1
+        result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name,
+                                "content": f"error: at most {self.max_calls_per_turn} tool "
+                                           "calls are run a turn; this one was not run"})
+        continue
       t0 = time.perf_counter()
       status, out = await self.call(call.name, call.arguments)
       result.latencies_s.append(time.perf_counter() - t0)

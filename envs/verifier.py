@@ -53,7 +53,7 @@ from envs import values
 from envs.base import Verdict, VerdictStatus
 from envs.sandbox import ExecResult, Sandbox, SandboxPool
 
-VERSION = "python-harness-2"
+VERSION = "python-harness-3"  # 3: the report is capped to what the host keeps
 
 _HARNESS_BODY = r'''
 import ctypes, os, select, signal, sys
@@ -126,7 +126,7 @@ results, import_error = {}, None
 for line in data[:limit].split(b"\n"):
   try:
     item = json.loads(line)
-  except ValueError:
+  except Exception:  # not JSON, or nested past the recursion limit: not a result
     continue
   if not isinstance(item, dict):
     continue
@@ -140,8 +140,17 @@ for line in data[:limit].split(b"\n"):
       results[str(i)] = {"error": item["error"][:300]}
 child = ({"exit": os.waitstatus_to_exitcode(status)} if os.WIFEXITED(status)
          else {"signal": os.WTERMSIG(status)})
-report.write(json.dumps({"results": results, "import_error": import_error, "child": child,
-                         "overflow": overflow}) + "\n")
+try:
+  line = json.dumps({"results": results, "import_error": import_error, "child": child,
+                     "overflow": overflow})
+except Exception:  # a value nested too deep to encode again
+  line = None
+if line is None or len(line) > spec["max_report_line"]:
+  # The host keeps only so much of this channel: a report that would not fit is an
+  # overflow (a failure), never a report cut short (which would read as a dead harness).
+  line = json.dumps({"results": {}, "import_error": import_error, "child": child,
+                     "overflow": True})
+report.write(line + "\n")
 report.flush()
 '''
 
@@ -154,11 +163,12 @@ class HiddenTests:
   cases: Sequence[tuple[tuple, Any]]
   module: str = "solution"
 
-  def harness_input(self, max_report_bytes: int) -> bytes:
+  def harness_input(self, max_report_bytes: int, max_report_line: int) -> bytes:
     """What the sandbox gets: the arguments only, never the expected values."""
     return json.dumps({"module": self.module, "function": self.function,
                        "args": [values.encode(tuple(a)) for a, _ in self.cases],
-                       "max_report_bytes": max_report_bytes}).encode()
+                       "max_report_bytes": max_report_bytes,
+                       "max_report_line": max_report_line}).encode()
 
 
 @functools.cache
@@ -186,10 +196,17 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
     return verdict(VerdictStatus.INFRA_ERROR, reason=f"harness did not start {why}")
   if result.timed_out:
     return verdict(VerdictStatus.TIMEOUT, reason="solution ran past the time limit")
+  if result.stdout_bytes > len(result.stdout.encode()):
+    # The harness caps its report to what the host keeps; more output than that can
+    # only be the solution's doing (it never holds the channel, but be strict).
+    return verdict(VerdictStatus.FAIL, reason="the report overflowed the output kept",
+                   overflow=True)
   try:
     report = json.loads(lines[1])
     results, child = report["results"], report["child"]
-  except (IndexError, ValueError, KeyError, TypeError):
+    if not isinstance(results, dict) or not isinstance(child, dict):
+      raise TypeError("malformed report")
+  except (IndexError, ValueError, KeyError, TypeError, RecursionError):
     return verdict(VerdictStatus.INFRA_ERROR,
                    reason=f"harness died after it started (exit {result.exit_code}, signal "
                           f"{result.signal})")
@@ -210,11 +227,11 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
     else:
       try:
         value = values.decode(got["value"])
-      except (ValueError, TypeError, OverflowError) as e:
-        outcomes[i] = f"unreadable value: {e}"[:200]
-        continue
-      outcomes[i] = "pass" if values.strict_equal(value, expected) else (
-          f"returned {value!r:.100} of type {type(value).__name__}")
+        same = values.strict_equal(value, expected)
+        outcomes[i] = "pass" if same else (
+            f"returned {value!r:.100} of type {type(value).__name__}")
+      except (ValueError, TypeError, OverflowError, RecursionError) as e:
+        outcomes[i] = f"unreadable value: {type(e).__name__}: {e}"[:200]
   passed = sum(o == "pass" for o in outcomes.values())
   status = VerdictStatus.PASS if passed == len(tests.cases) and not report.get(
       "overflow") else VerdictStatus.FAIL
@@ -259,6 +276,9 @@ class PythonTestVerifier:
     """One grading run in the empty workspace `sb`."""
     for name, data in files.items():
       sb.write_file(name, data)
+    # The report line must fit in what the sandbox keeps of stdout (after "START\n").
+    report_line = sb.limits.output_budget - 64
     result = await sb.run([sb.python, "-I", "-c", harness_source()], timeout=self.timeout_s,
-                          stdin=tests.harness_input(self.max_report_bytes), pid1=True)
+                          stdin=tests.harness_input(self.max_report_bytes, report_line),
+                          pid1=True)
     return classify(result, tests, env_version)

@@ -545,6 +545,18 @@ def _gateway_errors(api: str) -> tuple[type[Exception], ...]:
   return client.APIConnectionError, client.APIStatusError, httpx.HTTPError
 
 
+async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
+  """The turns the server recorded for a session; the record is then deleted."""
+  import httpx
+
+  async with httpx.AsyncClient(timeout=60) as client:
+    r = await client.get(f"{gateway_url}/sessions/{session_id}")
+    r.raise_for_status()
+    turns = r.json()["turns"]
+    await client.delete(f"{gateway_url}/sessions/{session_id}")
+  return turns
+
+
 async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
                        group_id: str = "", tokenizer: Optional[Tokenizer] = None,
                        api: str = "openai") -> Episode:
@@ -562,11 +574,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.verdict = (await env.verify()).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
-    async with httpx.AsyncClient(timeout=60) as client:
-      r = await client.get(f"{gateway_url}/sessions/{session_id}")
-      r.raise_for_status()
-      turns = r.json()["turns"]
-      await client.delete(f"{gateway_url}/sessions/{session_id}")
+    turns = await _take_session(gateway_url, session_id)
     ep.turns = len(turns)
     ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
     if ep.verdict.get("status") == "infra_error":
@@ -580,8 +588,23 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
                                   verdict=ep.verdict)
     _stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None, cfg,
                                    ep.verdict, task))
-  except asyncio.TimeoutError:  # the agent's own time: truncated, scored
+  except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
     ep.status, ep.reason = "truncated", "episode_deadline"
+    ep.verdict = {"status": "fail", "reward": 0.0}
+    try:  # the turns it played still carry the score: stalling must not hide them
+      turns = await _take_session(gateway_url, session_id)
+      ep.turns = len(turns)
+      ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
+      ep.turn_rewards = [0.0] * len(turns)
+      ep.segments = collect_session(turns, session_id=session_id, task_id=task.id,
+                                    group_id=group_id, status=ep.status, reason=ep.reason,
+                                    reward=0.0, turn_rewards=list(ep.turn_rewards),
+                                    verdict=ep.verdict)
+      _stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None,
+                                     cfg, ep.verdict, task))
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+      ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
+          "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   except _gateway_errors(api) as e:  # the gateway failed (down, overloaded, cut)

@@ -183,6 +183,19 @@ def _compile(template: str) -> jinja2.Template:
   return env.from_string(template)
 
 
+def _unicode(text: str) -> str:
+  """`text` with lone surrogates (which Python strings may hold, e.g. from a JSON
+  escape in a tool call echoed back by a tool, and which no tokenizer can encode)
+  replaced by U+FFFD; any other text unchanged."""
+  if text.isascii():
+    return text
+  try:
+    text.encode("utf-8")
+    return text
+  except UnicodeEncodeError:
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 class Tokenizer:
   """A `tokenizers.Tokenizer` plus a chat template and the ids of its control tokens."""
 
@@ -222,12 +235,12 @@ class Tokenizer:
     For the template's own text and the model's own words; data (what environments,
     tools and users wrote) goes through `encode_plain`.
     """
-    return self.tok.encode(text, add_special_tokens=False).ids
+    return self.tok.encode(_unicode(text), add_special_tokens=False).ids
 
   def encode_plain(self, text: str) -> list[int]:
     """Token ids of `text` as plain text: special and added tokens written in it (e.g.
     `<|im_start|>`, `<tool_call>`) are spelled out in ordinary tokens, never their ids."""
-    return self._plain.encode(text, add_special_tokens=False).ids
+    return self._plain.encode(_unicode(text), add_special_tokens=False).ids
 
   def encode_pieces(self, pieces: Sequence[Piece], start: int = 0) -> list[int]:
     """Token ids of a rendering's pieces from character `start` on: template text with

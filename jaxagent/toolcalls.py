@@ -40,8 +40,17 @@ def _no_constant(name: str):
 
 def _loads(text: str) -> Any:
   """Strict JSON: NaN and Infinity, which Python's json accepts, are malformed (they
-  cannot be sent back out as JSON)."""
-  return json.loads(text, parse_constant=_no_constant)
+  cannot be sent back out as JSON), and so are lone surrogates (`"\\udcff"`, which
+  no file name, tokenizer or HTTP body can carry) and nesting past the recursion
+  limit."""
+  try:
+    obj = json.loads(text, parse_constant=_no_constant)
+    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+  except RecursionError:
+    raise ValueError("nested too deep") from None
+  except UnicodeEncodeError:
+    raise ValueError("a string holds a lone surrogate (not Unicode text)") from None
+  return obj
 
 
 def _parse_block(body: str) -> Any:

@@ -352,6 +352,25 @@ def test_blackbox_openai_agent_through_the_gateway(kind, random_params):
   assert seg.rollout_logp[seg.loss_mask > 0].max() <= 0.0
 
 
+def test_a_blackbox_agent_that_runs_out_the_clock_is_trained_as_a_fail(random_params):
+  """The episode deadline passing in the environment (the policy's own slow tool calls):
+  a scored truncation whose played turns are trained with reward 0 (before, the
+  episode left no segments: stalling hid a failure from the loss)."""
+  from tests.rollout_server.conftest import running_server
+
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
+    ep = asyncio.run(run_blackbox(SlowEnv(0.4), task, srv.url,
+                                  AgentConfig(max_turns=8, max_new_tokens=3,
+                                              episode_deadline_s=1.0),
+                                  session_id="bb-slow", group_id="g"))
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline") and not ep.infra_error
+  assert ep.verdict["status"] == "fail" and ep.reward == 0.0
+  assert ep.turns >= 1 and ep.segments
+  assert sum(s.num_action_tokens for s in ep.segments) > 0
+  assert all(s.reward == 0.0 for s in ep.segments)
+
+
 @pytest.fixture(scope="module")
 def random_params():
   import jax

@@ -278,3 +278,85 @@ def test_noop_passing_task_is_dropped():
     assert not report["keep"] and report["reasons"] == ["no-op solution passes"]
   finally:
     base.ENVS.pop("always_pass_test_env")
+
+
+GOOD_ADD = "def add(a, b):\n    return a + b\n"
+WRONG_ADD = "def add(a, b):\n    return 0\n"
+
+
+def _call(name, **arguments):
+  return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+# Attacks on what python_tests grades (each a policy's actions, then the verdict it must
+# get). Each used to crash the training run or end as infra_error (dropped, then sampled
+# again): never a score.
+WORKSPACE_ATTACKS = {
+    # 1,100 nested directories: the host's recursive walk raised RecursionError.
+    "deep directories": ([_call("write_file", path="solution.py", content=GOOD_ADD),
+                          _call("run_python", code="import os\nfor i in range(1100):\n"
+                                "    os.mkdir('d')\n    os.chdir('d')\n")], "pass"),
+    # Python runs what the cookie decodes; the judge would read the raw text.
+    "a utf-7 source encoding": ([_call("write_file", path="solution.py",
+                                       content="# -*- coding: utf-7 -*-\n" + GOOD_ADD)], "fail"),
+    # A file name the judge's request could not encode.
+    "a non-UTF-8 file name": ([_call("write_file", path="solution.py", content=GOOD_ADD),
+                               _call("run_python", code="open(b'\\xff', 'w').write('x')\n")],
+                              "fail"),
+    # Sparse files cost the episode's quota nothing but would not fit the grading copy.
+    "sparse files over the quota": ([
+        _call("write_file", path="solution.py", content=WRONG_ADD),
+        _call("run_python", code="for i in range(40):\n"
+              "    with open(f'pad{i}.dat', 'wb') as f:\n        f.truncate(1 << 20)\n")],
+        "fail"),
+}
+
+
+@pytest.mark.parametrize("name", list(WORKSPACE_ATTACKS))
+def test_python_tests_workspace_attacks_get_a_verdict_not_a_crash(name):
+  actions, want = WORKSPACE_ATTACKS[name]
+  resources = EnvResources(sandboxes=1)
+  try:
+    env = make("python_tests", resources)
+    _, steps, verdict = play(env, TaskSpec("p", "python_tests", {"task": "add"}),
+                             actions + ["DONE"])
+    assert verdict.status.value == want, (name, verdict.details)
+    asyncio.run(env.close())
+  finally:
+    resources.close()
+
+
+def test_tool_calls_are_capped_per_turn_and_lone_surrogates_are_malformed():
+  """Seven 9.5 s runs in one turn would outlast an environment worker's 60 s deadline
+  (an infra error, dropped instead of scored): only the first 4 of a turn run. A path
+  with a lone surrogate (a JSON escape) is a malformed call, not a crash in the
+  tokenizer when the tool echoes it."""
+  from jaxagent.tokenizer import Tokenizer
+
+  resources = EnvResources(sandboxes=1)
+  try:
+    env = make("python_tests", resources)
+    stall = "".join(_call("run_python", code=f"print({i})") for i in range(7))
+    surrogate = ('<tool_call>{"name": "write_file", "arguments": {"path": "\\udcff.py", '
+                 '"content": "x"}}</tool_call>')
+    _, steps, _ = play(env, TaskSpec("p", "python_tests", {"task": "add"}),
+                       [stall, surrogate, "DONE"])
+    out = [m["content"] for m in steps[0].observation.messages]
+    assert len(out) == 7 and all('"exit_code": 0' in o for o in out[:4])
+    assert all("at most 4 tool calls" in o for o in out[4:])
+    assert env.counters["invalid_tool_calls"] == 4  # 3 unrun + the surrogate call
+    bad = steps[1].observation.messages[0]["content"]
+    assert "malformed tool call" in bad and "lone surrogate" in bad
+    Tokenizer.byte_level().encode_plain(bad)  # whatever is echoed can be tokenized
+    asyncio.run(env.close())
+  finally:
+    resources.close()
+
+
+def test_guess_number_refuses_a_number_too_long_to_read():
+  env = make("guess_number")
+  _, steps, verdict = play(env, TaskSpec("g", "guess_number", {"secret": 7}),
+                           ["9" * 4301, "7"])
+  assert steps[0].info["valid_action"] is False
+  assert steps[0].observation.messages[0]["content"] == "That number is too long."
+  assert verdict.status == VerdictStatus.PASS

@@ -119,3 +119,14 @@ def test_python_tests_shows_its_passes_to_the_judge(server):
       assert verdict.status == status and verdict.details["passed"] == 3
   finally:
     resources.close()
+
+
+def test_a_pass_longer_than_the_judge_is_shown_is_a_fail():
+  """A hard-coded table placed past the judge's cut would go unseen: a pass the judge
+  cannot check whole is not confirmed (and nothing is asked: the URL is unreachable,
+  so asking would have been an infra_error)."""
+  judge = LLMJudge("http://127.0.0.1:9", "judge", max_answer_chars=100, retries=0)
+  passed = Verdict(VerdictStatus.PASS, 1.0, "python_tests@3", "python-harness-3")
+  v = asyncio.run(judge.confirm(passed, "Write add.", "x" * 101))
+  assert v.status == VerdictStatus.FAIL and v.reward == 0.0
+  assert v.details["false_positive"] and "longer than the judge is shown" in v.details["reason"]

@@ -36,7 +36,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-2"
+  assert ok.verifier_version == "python-harness-3"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -115,6 +115,21 @@ ATTACKS = {
         "def add(a, b):\n    return 'x' * (4 << 20)\n")},
     "a background process that outlives the solution": {"solution.py": (
         "import os, time\nif os.fork() == 0:\n  time.sleep(60)\n" + WRONG)},
+    # Attacks on the verdict's class rather than its value: each used to end as
+    # infra_error (dropped, then sampled again: a re-roll of a wrong answer).
+    "a wrong answer too large for the kept output": {"solution.py": (
+        "def add(a, b):\n    return 'x' * 20000\n")},
+    "a crash turned into an oversized answer": {"solution.py": (
+        "def _attempt(a, b):\n    raise RuntimeError('no idea')\n"
+        "def add(a, b):\n    try:\n        return _attempt(a, b)\n"
+        "    except Exception:\n        return 'x' * 20000\n")},
+    "a result line nested past the recursion limit": {"solution.py": (
+        "import os\nfor fd in os.listdir('/proc/self/fd'):\n  try:\n"
+        "    assert int(fd) > 2\n    os.write(int(fd), b'[' * 200000 + b'\\n')\n"
+        "  except (OSError, AssertionError):\n    pass\n" + WRONG)},
+    "a return value nested past the recursion limit": {"solution.py": (
+        "import sys\nsys.setrecursionlimit(100000)\ndef add(a, b):\n    v = []\n"
+        "    for _ in range(5000):\n        v = [v]\n    return v\n")},
 }
 
 
