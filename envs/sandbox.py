@@ -164,8 +164,22 @@ def _scrubbed_env(home: str) -> dict:
           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
 
 
+@functools.cache
+def _bwrap_can_disable_userns() -> bool:
+  """bubblewrap >= 0.8 can stop the sandbox from creating user namespaces of its own."""
+  try:
+    r = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return False
+  return "--disable-userns" in r.stdout + r.stderr
+
+
 def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool) -> list[str]:
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  if _bwrap_can_disable_userns():
+    # No nested user namespaces: the kernel surface they open (mounts, capabilities
+    # within them) is closed to tool code.
+    out += ["--unshare-user", "--disable-userns"]
   if pid1:
     out.append("--as-pid-1")
   for path in _SYSTEM_DIRS:

@@ -330,3 +330,24 @@ def test_a_non_root_worker_uses_bubblewrap(tmp_path):
   isolation, uid, *rest = r.stdout.strip().split(" ", 2)
   assert isolation == "bwrap" and uid == "65534"
   assert "'workspace'" in rest[0] and "'root'" not in rest[0] and rest[0].endswith("False")
+
+
+@pytest.mark.skipif("bwrap" not in MODES, reason="bubblewrap is not on this host")
+def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
+  """`unshare -r` (a user namespace of its own, with capabilities inside it: more of the
+  kernel in reach) fails inside the sandbox."""
+  from envs.sandbox import _bwrap_can_disable_userns
+
+  if not _bwrap_can_disable_userns():
+    pytest.skip("this bubblewrap has no --disable-userns (before 0.8)")
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="bwrap")
+  try:
+    r = asyncio.run(sb.run(["unshare", "-r", "true"]))
+    assert r.exit_code not in (0, None), (r.stdout, r.stderr)
+    ok = run(sb, "print('still runs')")
+    assert ok.ok and ok.stdout == "still runs\n"
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
