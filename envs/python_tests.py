@@ -36,6 +36,9 @@ def judged_answer(files: dict[str, bytes]) -> str:
   return "\n\n".join(f"### {n}\n{files[n].decode('utf-8', 'replace')}" for n in names)
 
 
+# Compiled code Python would import in place of a source file: bytecode, extension
+# modules (every platform's suffixes, not only this host's).
+_COMPILED = (".pyc", ".pyo", ".so", ".pyd", ".dll", ".dylib")
 _CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
 
 
@@ -145,13 +148,14 @@ class PythonTests(Env):
 
   def final_files(self) -> dict[str, bytes]:
     """The files graded (and shown to a judge): the workspace's, without our own and
-    without compiled bytecode, so what runs is the source that was written (an
-    unchecked-hash .pyc in __pycache__ would otherwise be imported in place of an
-    innocent-looking solution.py)."""
+    without compiled code, so what runs is the source that was written: an
+    unchecked-hash .pyc in __pycache__, or an extension module
+    (`solution.cpython-311-x86_64-linux-gnu.so`, which the sandbox's gcc can build and
+    which Python imports before `solution.py`), would otherwise run in place of an
+    innocent-looking solution.py."""
     skip = {PUBLIC_TESTS, "_run.py", "_public_runner.py"}
     return {k: v for k, v in self.sandbox.files().items()
-            if k not in skip and not k.endswith((".pyc", ".pyo"))
-            and "__pycache__" not in k.split("/")}
+            if k not in skip and not k.endswith(_COMPILED) and "__pycache__" not in k.split("/")}
 
   async def verify(self) -> Verdict:
     if self.sandbox is None:

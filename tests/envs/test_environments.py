@@ -1,6 +1,8 @@
 import asyncio
 import json
+import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -360,3 +362,55 @@ def test_guess_number_refuses_a_number_too_long_to_read():
   assert steps[0].info["valid_action"] is False
   assert steps[0].observation.messages[0]["content"] == "That number is too long."
   assert verdict.status == VerdictStatus.PASS
+
+
+EXTENSION = r'''
+#include <Python.h>
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "solution", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_solution(void) {
+  PyObject *m = PyModule_Create(&def);
+  PyObject *d = PyModule_GetDict(m);
+  PyDict_SetItemString(d, "__builtins__", PyEval_GetBuiltins());
+  Py_XDECREF(PyRun_String("def add(a, b):\n    return a + b\n", Py_file_input, d, d));
+  return m;
+}
+'''
+
+
+@pytest.mark.skipif(not (shutil.which("gcc") and glob.glob("/usr/include/python3*/Python.h")),
+                    reason="no C compiler and Python headers for the sandbox's Python")
+def test_python_tests_grades_the_source_not_a_compiled_extension():
+  """An attack: solution.py is wrong but innocent, and run_python builds a C extension
+  `solution.<abi>.so` with the sandbox's gcc; Python imports it before solution.py.
+  Grading leaves compiled code behind, so the source is what is graded."""
+  resources = EnvResources(sandboxes=1)
+  try:
+    env = make("python_tests", resources)
+    build = ("import importlib.machinery, subprocess, sysconfig\n"
+             f"open('ext.c', 'w').write({EXTENSION!r})\n"
+             "out = 'solution' + importlib.machinery.EXTENSION_SUFFIXES[0]\n"
+             "subprocess.run(['gcc', '-shared', '-fPIC', '-I' + sysconfig.get_paths()['include'],"
+             " 'ext.c', '-o', out], check=True)\n"
+             "import os; os.remove('ext.c')\n"
+             "import solution; print('imported', solution.add(2, 3), solution.__file__)\n")
+
+    async def go():
+      await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
+      await env.step(_call("write_file", path="solution.py", content=WRONG_ADD))
+      step = await env.step(_call("run_python", code=build))
+      await env.step("DONE")
+      workspace = await asyncio.to_thread(env.sandbox.files)
+      planted = {k: v for k, v in workspace.items() if k.startswith("solution")}
+      forged = await env.verifier.grade(planted, HiddenTests(env.fn, env.spec[4]),
+                                        env_version="attack")
+      return step, planted, forged, await env.verify()
+
+    step, planted, forged, verdict = asyncio.run(go())
+    out = step.observation.messages[0]["content"]
+    assert "imported 5" in out and ".so" in out, out
+    assert any(k.endswith(".so") for k in planted)
+    assert forged.status == VerdictStatus.PASS  # graded with the extension it would pass
+    assert verdict.status == VerdictStatus.FAIL and verdict.reward == 0.0
+    asyncio.run(env.close())
+  finally:
+    resources.close()
