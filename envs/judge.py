@@ -4,9 +4,9 @@ The judge is a model a rollout server hosts beside the policy (`models:` in its
 config, `serving.models` in a run's), asked through the OpenAI-compatible chat API
 at temperature 0. Its answer is parsed strictly: the last non-empty line must be
 exactly `VERDICT: PASS` or `VERDICT: FAIL`, and no other line may say `VERDICT:`.
-Anything else (an empty answer, a verdict in another form, two verdicts, a cut-off
-answer), like a server that cannot be reached, is the grader's failure: an
-`infra_error` verdict, never a 0 the policy would learn from. A judge never sees
+Asked on its own (`grade`), anything else (an empty answer, a verdict in another
+form, two verdicts, a cut-off answer), like a server that cannot be reached, is an
+`infra_error` verdict (see `confirm` for passes). A judge never sees
 instructions from the answer as its own: the answer is quoted as data in the user
 message between fences derived from its hash (it cannot close them itself), cut to
 `max_answer_chars`, and the rubric sits in the system message. The judge must be a
@@ -15,7 +15,11 @@ question), so a misnamed judge never lets the policy grade itself.
 
 `confirm(verdict, task, answer)` is ROLL's false-positive check: an answer that passed
 its tests is shown to the judge, which can still fail it (a solution that special-cases
-the tests instead of solving the task); answers that failed are not asked about.
+the tests instead of solving the task); answers that failed are not asked about. There
+a judge that answered but not in the form (it quoted a `VERDICT:` line the answer
+planted, rambled past `max_tokens`, or said nothing) has not confirmed the pass: a
+fail (`judge_unparsed` in its details), since the answer can provoke it and an
+infra_error would be a re-roll. Only failing to reach the judge is an infra_error.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import httpx
 
 from envs.base import Verdict, VerdictStatus
 
-VERSION = "llm-judge-1"
+VERSION = "llm-judge-2"  # 2: under confirm, an unparsed answer is a fail
 
 DEFAULT_RUBRIC = (
     "You grade an answer to a task. PASS only if the answer solves the task as stated, "
@@ -46,6 +50,10 @@ def parse_verdict(text: str) -> Optional[bool]:
     return None
   m = _VERDICT.fullmatch(lines[-1])
   return None if m is None else m.group(1) == "PASS"
+
+
+class _Unparsed(RuntimeError):
+  """The judge answered, but not with a verdict in the form."""
 
 
 class LLMJudge:
@@ -97,18 +105,20 @@ class LLMJudge:
       raise RuntimeError(f"judge {self.model!r}: HTTP {r.status_code}: {r.text[:200]}")
     choice = r.json()["choices"][0]
     if choice.get("finish_reason") == "length":
-      raise RuntimeError(f"judge {self.model!r}: answer cut at max_tokens ({self.max_tokens})")
+      raise _Unparsed(f"judge {self.model!r}: answer cut at max_tokens ({self.max_tokens})")
     return choice["message"].get("content") or ""
 
   async def grade(self, task: str, answer: str, env_version: str = "") -> Verdict:
     """The judge's verdict on `answer` to `task` (reward 1 for PASS, 0 for FAIL)."""
-    problem = ""
+    problem, unparsed = "", False
     async with httpx.AsyncClient(timeout=self.timeout_s) as client:
       for attempt in range(self.retries + 1):
         try:
           text = await self._ask(client, task, answer)
+        except _Unparsed as e:
+          problem, unparsed = str(e), True
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as e:
-          problem = f"{type(e).__name__}: {e}"
+          problem, unparsed = f"{type(e).__name__}: {e}", False
         else:
           ok = parse_verdict(text)
           if ok is not None:
@@ -116,16 +126,18 @@ class LLMJudge:
                            env_version, self.version,
                            details={"judge": self.model, "judge_answer": text[-500:]})
           problem = f"judge answer not in the VERDICT: PASS|FAIL form: {text[-200:]!r}"
+          unparsed = True
         if attempt < self.retries:
           await asyncio.sleep(0.2 * (attempt + 1))
     return Verdict(VerdictStatus.INFRA_ERROR, 0.0, env_version, self.version,
-                   details={"judge": self.model, "error": problem})
+                   details={"judge": self.model, "error": problem, "unparsed": unparsed})
 
   async def confirm(self, verdict: Verdict, task: str, answer: str) -> Verdict:
     """`verdict` (from tests), checked by the judge when it is a pass: the judge's FAIL
-    turns it into a fail (a false positive of the tests), its infra_error into an
-    infra_error; other verdicts are returned as they are. An answer longer than the
-    judge is shown is a fail: a pass must be checked whole."""
+    turns it into a fail (a false positive of the tests), an answer not in the form into
+    a fail too, failing to reach it into an infra_error; other verdicts are returned as
+    they are. An answer longer than the judge is shown is a fail: a pass must be
+    checked whole."""
     if verdict.status != VerdictStatus.PASS:
       return verdict
     if len(answer) > self.max_answer_chars:
@@ -138,6 +150,10 @@ class LLMJudge:
                                         f"than the judge is shown ({self.max_answer_chars})"})
     judged = await self.grade(task, answer, verdict.env_version)
     details = {**verdict.details, **judged.details}
+    if judged.details.get("unparsed"):  # it answered, but did not confirm the pass
+      return Verdict(VerdictStatus.FAIL, 0.0, verdict.env_version,
+                     f"{verdict.verifier_version}+{self.version}",
+                     details={**details, "false_positive": False, "judge_unparsed": True})
     if judged.status == VerdictStatus.PASS:
       return Verdict(verdict.status, verdict.reward, verdict.env_version,
                      f"{verdict.verifier_version}+{self.version}", details=details)

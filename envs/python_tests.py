@@ -33,7 +33,10 @@ def judged_answer(files: dict[str, bytes]) -> str:
   """What a judge is shown of a solution: every file the tests ran with, named
   (solution.py first), so nothing the tests used is hidden from it."""
   names = sorted(files, key=lambda n: (n != "solution.py", n))
-  return "\n\n".join(f"### {n}\n{files[n].decode('utf-8', 'replace')}" for n in names)
+  # Line ends as Python reads them (a lone carriage return ends a line there, so code
+  # after one in a comment runs): the judge sees the lines that run.
+  return "\n\n".join(f"### {n}\n" + files[n].decode("utf-8", "replace").replace(
+      "\r\n", "\n").replace("\r", "\n") for n in names)
 
 
 # Compiled code Python would import in place of a source file: bytecode, extension
@@ -42,26 +45,39 @@ _COMPILED = (".pyc", ".pyo", ".so", ".pyd", ".dll", ".dylib")
 _CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
 
 
-def source_problem(files: dict[str, bytes]) -> Optional[str]:
-  """Why these files cannot be graded as written, or None. Every graded file must be
-  UTF-8 text under a UTF-8 name, and no Python file may declare another source
-  encoding (PEP 263): Python would run what a `# coding: utf-7` line decodes, while
-  the judge and any reader see the raw text, so a hard-coded answer could hide in a
-  comment."""
+# Unicode's bidirectional controls: text that reads differently from how it runs
+# ("Trojan Source").
+_BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
+def source_problem(files: dict[str, bytes], module: str = "solution") -> Optional[str]:
+  """Why these files cannot be graded as written, or None. What the judge reads must
+  be what Python runs: every graded file must be UTF-8 text under a printable UTF-8
+  name (a newline in a name could forge a file header in the judge's view), with no
+  bidirectional controls, and no file may declare another source encoding (PEP 263:
+  Python would run what a `# coding: utf-7` line decodes, and a loader can run any
+  file as source, while the judge sees the raw text, so a hard-coded answer could
+  hide in a comment). `module` must not be both a package and a module (the package
+  is what Python imports)."""
   for name, data in files.items():
     try:
       name.encode("utf-8")
     except UnicodeEncodeError:
       return f"file name {name.encode('utf-8', 'backslashreplace')!r} is not UTF-8"
+    if not name.isprintable():
+      return f"file name {name!r} holds control characters"
     try:
-      data.decode("utf-8")
+      text = data.decode("utf-8")
     except UnicodeDecodeError:
       return f"{name} is not UTF-8 text"
-    if name.endswith(".py"):
-      for line in data.splitlines()[:2]:
-        m = _CODING.match(line)
-        if m and m.group(1).lower().replace(b"_", b"-") not in (b"utf-8", b"utf8"):
-          return f"{name} declares the source encoding {m.group(1).decode()!r} (only UTF-8)"
+    if _BIDI.search(text):
+      return f"{name} holds Unicode bidirectional controls"
+    for line in data.splitlines()[:2]:
+      m = _CODING.match(line)
+      if m and m.group(1).lower().replace(b"_", b"-") not in (b"utf-8", b"utf8"):
+        return f"{name} declares the source encoding {m.group(1).decode()!r} (only UTF-8)"
+  if f"{module}.py" in files and f"{module}/__init__.py" in files:
+    return f"{module} is both a module and a package"
   return None
 
 

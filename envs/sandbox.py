@@ -72,6 +72,12 @@ class IsolationUnavailable(RuntimeError):
   """The host cannot isolate untrusted code and unisolated execution was not allowed."""
 
 
+# A snapshot's longest relative path: a grading copy under another (longer) host
+# directory, with its temporary names, stays within PATH_MAX.
+MAX_PATH_CHARS = 1024
+_PAGE = 4096  # tmpfs (the quota) allocates whole pages
+
+
 class WorkspaceTooLarge(ValueError):
   """A workspace's files hold more bytes than a snapshot (or a grading copy) may."""
 
@@ -460,10 +466,13 @@ class Sandbox:
     skipped; at most `max_files`, directories at most `max_depth` deep).
 
     The walk is iterative (a policy's 1,000 nested directories must not exhaust the
-    host's recursion limit). Files are counted by the bytes they hold as read, so
-    sparse files cannot pass for small ones: past `max_total_bytes` (default: the
-    workspace quota, which the files must fit in again to be graded) it raises
-    `WorkspaceTooLarge`."""
+    host's recursion limit). Files are counted by the memory pages their bytes take
+    as read, so neither sparse files nor hard links (one inode, many names: each is
+    copied) pass for small ones: past `max_total_bytes` (default: the workspace
+    quota, which the files must fit in again to be graded) it raises
+    `WorkspaceTooLarge`. Entries the host cannot read (a name too long for the
+    host's longer path, a mode that shuts the host out) and paths over
+    `MAX_PATH_CHARS` are left out, never an error."""
     budget = self.limits.disk_bytes if max_total_bytes is None else max_total_bytes
     out, total = {}, 0
     stack = [(self.host_path, 0)]
@@ -475,24 +484,27 @@ class Sandbox:
         continue
       subdirs = []
       for entry in entries:
-        if entry.is_symlink():
+        rel = os.path.relpath(entry.path, self.host_path)
+        try:
+          if entry.is_symlink() or len(rel) > MAX_PATH_CHARS:
+            continue
+          if entry.is_dir(follow_symlinks=False):
+            if depth + 1 < max_depth:
+              subdirs.append((entry.path, depth + 1))
+            continue
+          if (not entry.is_file(follow_symlinks=False)
+              or entry.stat(follow_symlinks=False).st_size > max_bytes):
+            continue
+          if len(out) >= max_files:
+            return out
+          with open(entry.path, "rb") as f:
+            data = f.read(max_bytes)
+        except OSError:
           continue
-        if entry.is_dir(follow_symlinks=False):
-          if depth + 1 < max_depth:
-            subdirs.append((entry.path, depth + 1))
-          continue
-        if not entry.is_file(follow_symlinks=False):
-          continue
-        if entry.stat(follow_symlinks=False).st_size > max_bytes:
-          continue
-        if len(out) >= max_files:
-          return out
-        with open(entry.path, "rb") as f:
-          data = f.read(max_bytes)
-        total += len(data)
+        total += -(-len(data) // _PAGE) * _PAGE
         if total > budget:
-          raise WorkspaceTooLarge(f"the workspace's files hold over {budget} bytes")
-        out[os.path.relpath(entry.path, self.host_path)] = data
+          raise WorkspaceTooLarge(f"the workspace's files take over {budget} bytes")
+        out[rel] = data
       stack.extend(reversed(subdirs))  # depth first, in name order
     return out
 

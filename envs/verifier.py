@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import inspect
 import json
@@ -274,8 +275,15 @@ class PythonTestVerifier:
   async def grade_in(self, sb: Sandbox, files: dict[str, bytes], tests: HiddenTests, *,
                      env_version: str) -> Verdict:
     """One grading run in the empty workspace `sb`."""
-    for name, data in files.items():
-      sb.write_file(name, data)
+    try:
+      for name, data in files.items():
+        sb.write_file(name, data)
+    except OSError as e:
+      if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.EFBIG):
+        raise
+      # The files the policy left do not fit a workspace like its own: its doing.
+      return Verdict(VerdictStatus.FAIL, 0.0, env_version, VERSION,
+                     {"reason": f"the files cannot be copied to grade: {e.strerror}"})
     # The report line must fit in what the sandbox keeps of stdout (after "START\n").
     report_line = sb.limits.output_budget - 64
     result = await sb.run([sb.python, "-I", "-c", harness_source()], timeout=self.timeout_s,

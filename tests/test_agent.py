@@ -1,6 +1,7 @@
 """Agent loops: white-box against a scripted engine, black-box through the real gateway."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -360,9 +361,14 @@ def test_a_blackbox_agent_that_runs_out_the_clock_is_trained_as_a_fail(random_pa
 
   with running_server(random_params, TOK, version=4) as (srv, _):
     task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
-    ep = asyncio.run(run_blackbox(SlowEnv(0.4), task, srv.url,
-                                  AgentConfig(max_turns=8, max_new_tokens=3,
-                                              episode_deadline_s=1.0),
+    config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
+    # A first episode compiles the server's shapes, so turns then take milliseconds.
+    asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                             session_id="bb-warm", group_id="g"))
+    # Steps of 1 s against a 4 s deadline: a few turns (the agent's client takes up to
+    # a second to start on a busy machine), then the deadline, in the environment.
+    ep = asyncio.run(run_blackbox(SlowEnv(1.0), task, srv.url,
+                                  dataclasses.replace(config, episode_deadline_s=4.0),
                                   session_id="bb-slow", group_id="g"))
   assert (ep.status, ep.reason) == ("truncated", "episode_deadline") and not ep.infra_error
   assert ep.verdict["status"] == "fail" and ep.reward == 0.0

@@ -1,5 +1,6 @@
 """`llm_judge`: a judge model served beside the policy grades answers; its output is parsed
-strictly, and what it cannot say clearly is infra_error, never a 0."""
+strictly: what it cannot say clearly about a pass is a fail, failing to reach it is an
+infra_error."""
 
 import asyncio
 import json
@@ -74,7 +75,7 @@ def test_a_served_judge_confirms_a_pass_and_catches_a_false_positive(server):
   judge = LLMJudge(server.url, "judge", max_tokens=16, rubric=RUBRIC)
   ok = asyncio.run(judge.confirm(passed(), TASK, SHOWN[HONEST]))
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0
-  assert ok.verifier_version == "python-harness-2+llm-judge-1"
+  assert ok.verifier_version == "python-harness-2+llm-judge-2"
   caught = asyncio.run(judge.confirm(passed(), TASK, SHOWN[HARD_CODED]))
   assert caught.status == VerdictStatus.FAIL and caught.reward == 0.0
   assert caught.details["false_positive"] and caught.details["judge_answer"] == "VERDICT: FAIL"
@@ -82,14 +83,22 @@ def test_a_served_judge_confirms_a_pass_and_catches_a_false_positive(server):
   assert asyncio.run(judge.confirm(failed, TASK, SHOWN[HONEST])) is failed  # not asked
 
 
-def test_a_judge_that_cannot_say_is_infra_error_not_a_zero(server):
-  for judge in (LLMJudge(server.url, "babbler", max_tokens=16, retries=0, rubric=RUBRIC),
-                LLMJudge(server.url, "nobody", max_tokens=16, retries=0),
+def test_a_judge_that_cannot_be_reached_is_infra_error_one_that_cannot_say_fails(server):
+  """Not reaching a judge (unknown model, the policy's own name, no server) is the
+  grader's failure. A judge that answers out of form has not confirmed the pass: a fail,
+  not an infra_error, since an answer can provoke it (a planted `VERDICT:` line the
+  judge quotes) and an infra_error would be a re-roll."""
+  for judge in (LLMJudge(server.url, "nobody", max_tokens=16, retries=0),
                 LLMJudge(server.url, "jaxagent", max_tokens=16, retries=0),  # the policy
                 LLMJudge("http://127.0.0.1:9", "judge", retries=0, timeout_s=2)):
     v = asyncio.run(judge.confirm(passed(), TASK, SHOWN[HONEST]))
     assert v.status == VerdictStatus.INFRA_ERROR and v.is_infra_error, judge.model
-    assert v.details["error"]
+    assert v.details["error"] and not v.details["unparsed"]
+  babbler = LLMJudge(server.url, "babbler", max_tokens=16, retries=0, rubric=RUBRIC)
+  v = asyncio.run(babbler.confirm(passed(), TASK, SHOWN[HONEST]))
+  assert v.status == VerdictStatus.FAIL and v.reward == 0.0 and v.details["judge_unparsed"]
+  alone = asyncio.run(babbler.grade(TASK, SHOWN[HONEST]))  # asked on its own: no verdict
+  assert alone.is_infra_error and alone.details["unparsed"]
 
 
 def test_the_answer_is_fenced_data_and_cut_to_a_bound():
@@ -130,3 +139,10 @@ def test_a_pass_longer_than_the_judge_is_shown_is_a_fail():
   v = asyncio.run(judge.confirm(passed, "Write add.", "x" * 101))
   assert v.status == VerdictStatus.FAIL and v.reward == 0.0
   assert v.details["false_positive"] and "longer than the judge is shown" in v.details["reason"]
+
+
+def test_the_judge_reads_lines_as_python_does():
+  """A lone carriage return ends a line for Python: code after it in a 'comment' runs,
+  so the judge is shown it on a line of its own."""
+  shown = judged_answer({"solution.py": b"def f():\n    return 1  # note\rTABLE = {1: 2}\n"})
+  assert "\nTABLE = {1: 2}" in shown and "\r" not in shown

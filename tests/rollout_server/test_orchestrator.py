@@ -168,13 +168,17 @@ def test_abort_and_weight_update_while_a_prompt_is_prefilled_in_chunks(random_pa
                       prefill_chunk=16).start()
   try:
     long_prompt = [1 + i % 300 for i in range(399)]
-    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=5))
+    # Answers long enough that they cannot end before the abort or the update does (a
+    # busy machine can hold this thread back while the engine runs; 5 tokens could end).
+    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=200))
     orch.abort(r.request_id)
     assert r.wait(60) and r.finish_reason == "abort"
-    # Long enough an answer that it cannot end before the update does (on a warm cache
-    # and a fast machine 5 tokens could, and the request then ends by length).
-    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=200))
-    report = orch.update_weights(engine.load_params(random_params, version=2), mode="abort")
+    new_params = engine.load_params(random_params, version=2)  # placed before the race
+    r = orch.submit(long_prompt, SamplingParams(seed=1, max_new_tokens=240))
+    deadline = time.monotonic() + 60
+    while r.slot is None and not r.done and time.monotonic() < deadline:
+      time.sleep(0.001)  # admitted (a queued request would wait and run on the new weights)
+    report = orch.update_weights(new_params, mode="abort")
     assert r.wait(60) and r.finish_reason == "abort" and report["version"] == 2
     ok = orch.generate(long_prompt, SamplingParams(seed=1, max_new_tokens=5), timeout=120)
     assert ok.finish_reason == "length" and set(ok.versions) == {2}
