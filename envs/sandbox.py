@@ -98,6 +98,10 @@ class Limits:
   disk_bytes: int = 32 << 20
   tmp_bytes: int = 16 << 20  # the private /tmp and /dev/shm
   write_bytes: int = 1 << 20  # largest file the host writes for a tool call
+  # Memory of all a sandbox's processes together (its tmpfs pages included): a memory
+  # cgroup, where the host allows one (root, a writable memory controller). Without it
+  # only `memory_bytes` per process holds, `processes` times over.
+  group_memory_bytes: int = 1 << 30
 
 
 @dataclasses.dataclass
@@ -262,6 +266,47 @@ def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
   return list(argv)
 
 
+_CGROUP_V1_MEMORY = "/sys/fs/cgroup/memory"
+_CGROUP_V2 = "/sys/fs/cgroup"
+
+
+def _memory_cgroup(uid: int, limit: int) -> Optional[str]:
+  """A memory cgroup for the sandbox uid's processes, holding them to `limit` bytes
+  together; None where the host cannot make one (not root, no writable memory
+  controller: cgroup v1's memory hierarchy, or v2 with memory enabled below the
+  root)."""
+  if os.geteuid() != 0:
+    return None
+  candidates = []
+  if os.path.isdir(_CGROUP_V1_MEMORY):
+    candidates.append((os.path.join(_CGROUP_V1_MEMORY, f"jaxagent-{uid}"),
+                       "memory.limit_in_bytes"))
+  try:
+    with open(os.path.join(_CGROUP_V2, "cgroup.subtree_control")) as f:
+      if "memory" in f.read().split():
+        candidates.append((os.path.join(_CGROUP_V2, f"jaxagent-{uid}"), "memory.max"))
+  except OSError:
+    pass
+  for path, knob in candidates:
+    try:
+      os.makedirs(path, exist_ok=True)
+      with open(os.path.join(path, knob), "w") as f:
+        f.write(str(limit))
+      return path
+    except OSError:
+      with contextlib.suppress(OSError):
+        os.rmdir(path)
+  return None
+
+
+def _join_cgroup(path: Optional[str]) -> list[str]:
+  """A command prefix that moves itself into the cgroup at `path`, then execs the rest
+  (its descendants stay there); nothing without one."""
+  if path is None:
+    return []
+  return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', path]
+
+
 def _confine(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None) -> list[str]:
   """The command prefix that sets the resource limits, then drops to `uid` (util-linux
   `prlimit` and `setpriv`). A prefix, not a `preexec_fn`: Python code between fork and
@@ -379,6 +424,7 @@ class Sandbox:
     self.slot_timeout_s = slot_timeout_s
     self._lease = None
     self._mounted = False
+    self._cgroup: Optional[str] = None
     self.uid = None
     if os.geteuid() == 0 and self.isolation != "rlimits":
       if uid is None:
@@ -396,6 +442,7 @@ class Sandbox:
                         "nosuid,nodev", "jaxagent-ws", self.host_path],
                        check=True, capture_output=True)
         self._mounted = True
+        self._cgroup = _memory_cgroup(self.uid, limits.group_memory_bytes)
       self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
     except BaseException:
       self._release()
@@ -531,6 +578,10 @@ class Sandbox:
     if self._mounted:
       subprocess.run(["umount", "-l", self.host_path], capture_output=True)
       self._mounted = False
+    if self._cgroup is not None:  # empty once the uid's processes are gone
+      with contextlib.suppress(OSError):
+        os.rmdir(self._cgroup)
+      self._cgroup = None
     if self._lease is not None:
       self._lease.release()
       self._lease = None
@@ -594,7 +645,7 @@ class Sandbox:
         uid = self.uid if self.isolation == "bwrap" else None
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
         proc = await asyncio.create_subprocess_exec(
-            *_confine(self.limits, uid, cpu), *command,
+            *_join_cgroup(self._cgroup), *_confine(self.limits, uid, cpu), *command,
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
             start_new_session=True)

@@ -351,3 +351,27 @@ def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
   finally:
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
+
+
+@needs_isolation
+def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
+  """Three processes of 200 MB each stay under the per-process address-space limit
+  (512 MiB) but not under a 256 MiB limit for the sandbox as a whole, which a memory
+  cgroup enforces where the host allows one (root with a writable controller)."""
+  from envs.sandbox import _memory_cgroup
+
+  if sandbox._cgroup is None:
+    assert _memory_cgroup(sandbox.uid or 0, 1 << 30) is None or sandbox.uid is None
+    pytest.skip("no writable memory cgroup on this host")
+  with open(os.path.join(sandbox._cgroup, "memory.limit_in_bytes")
+            if os.path.exists(os.path.join(sandbox._cgroup, "memory.limit_in_bytes"))
+            else os.path.join(sandbox._cgroup, "memory.max"), "w") as f:
+    f.write(str(256 << 20))
+  code = ("import os, sys, time\nkids = []\nfor i in range(3):\n  pid = os.fork()\n"
+          "  if pid == 0:\n    b = bytearray(200 << 20)\n    for j in range(0, len(b), 4096):\n"
+          "      b[j] = 1\n    time.sleep(1)\n    os._exit(0)\n  kids.append(pid)\n"
+          "ok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint('completed', ok)\n")
+  r = run(sandbox, code, timeout=20)
+  assert "completed" in r.stdout, r.stderr[-500:]
+  assert int(r.stdout.split()[-1]) < 3, r.stdout  # the cgroup's OOM killer took one
+  assert run(sandbox, "print('alive')").stdout == "alive\n"
