@@ -140,23 +140,23 @@ class LLMJudge:
     checked whole."""
     if verdict.status != VerdictStatus.PASS:
       return verdict
+
+    def judged_as(status: VerdictStatus, **details) -> Verdict:
+      return Verdict(status, verdict.reward if status == VerdictStatus.PASS else 0.0,
+                     verdict.env_version, f"{verdict.verifier_version}+{self.version}",
+                     details={**verdict.details, **details})
+
     if len(answer) > self.max_answer_chars:
       # The judge would see part of it, and a hard-coded table could sit past the cut:
       # a pass the judge cannot check is not confirmed.
-      return Verdict(VerdictStatus.FAIL, 0.0, verdict.env_version,
-                     f"{verdict.verifier_version}+{self.version}",
-                     details={**verdict.details, "false_positive": True,
-                              "reason": f"answer of {len(answer)} characters is longer "
-                                        f"than the judge is shown ({self.max_answer_chars})"})
+      return judged_as(VerdictStatus.FAIL, false_positive=True,
+                       reason=f"answer of {len(answer)} characters is longer than the "
+                              f"judge is shown ({self.max_answer_chars})")
     judged = await self.grade(task, answer, verdict.env_version)
-    details = {**verdict.details, **judged.details}
     if judged.details.get("unparsed"):  # it answered, but did not confirm the pass
-      return Verdict(VerdictStatus.FAIL, 0.0, verdict.env_version,
-                     f"{verdict.verifier_version}+{self.version}",
-                     details={**details, "false_positive": False, "judge_unparsed": True})
+      return judged_as(VerdictStatus.FAIL, **judged.details, false_positive=False,
+                       judge_unparsed=True)
     if judged.status == VerdictStatus.PASS:
-      return Verdict(verdict.status, verdict.reward, verdict.env_version,
-                     f"{verdict.verifier_version}+{self.version}", details=details)
-    return Verdict(judged.status, 0.0, verdict.env_version,
-                   f"{verdict.verifier_version}+{self.version}",
-                   details={**details, "false_positive": judged.status == VerdictStatus.FAIL})
+      return judged_as(VerdictStatus.PASS, **judged.details)
+    return judged_as(judged.status, **judged.details,
+                     false_positive=judged.status == VerdictStatus.FAIL)

@@ -179,10 +179,9 @@ class PythonTests(Env):
     env_version = f"{self.name}@{self.version}"
     try:
       files = await asyncio.to_thread(self.final_files)
+      problem = source_problem(files)
     except WorkspaceTooLarge as e:  # the policy's doing: its files will not fit to grade
-      return Verdict(VerdictStatus.FAIL, 0.0, env_version, self.verifier_version,
-                     {"reason": str(e)})
-    problem = source_problem(files)
+      problem = str(e)
     if problem is not None:
       return Verdict(VerdictStatus.FAIL, 0.0, env_version, self.verifier_version,
                      {"reason": problem})

@@ -507,20 +507,19 @@ class Sandbox:
     with open(self._resolve(rel), "rb") as f:
       return f.read()
 
-  def files(self, max_bytes: int = 1 << 20, max_files: int = 256, max_depth: int = 32,
-            max_total_bytes: Optional[int] = None) -> dict[str, bytes]:
+  def files(self, max_bytes: int = 1 << 20, max_files: int = 256,
+            max_depth: int = 32) -> dict[str, bytes]:
     """A snapshot of the workspace's regular files (symlinks, special and huge files
     skipped; at most `max_files`, directories at most `max_depth` deep).
 
     The walk is iterative (a policy's 1,000 nested directories must not exhaust the
     host's recursion limit). Files are counted by the memory pages their bytes take
     as read, so neither sparse files nor hard links (one inode, many names: each is
-    copied) pass for small ones: past `max_total_bytes` (default: the workspace
-    quota, which the files must fit in again to be graded) it raises
-    `WorkspaceTooLarge`. Entries the host cannot read (a name too long for the
+    copied) pass for small ones: past the workspace quota (which the files must fit
+    in again to be graded) it raises `WorkspaceTooLarge`. Entries the host cannot read (a name too long for the
     host's longer path, a mode that shuts the host out) and paths over
     `MAX_PATH_CHARS` are left out, never an error."""
-    budget = self.limits.disk_bytes if max_total_bytes is None else max_total_bytes
+    budget = self.limits.disk_bytes
     out, total = {}, 0
     stack = [(self.host_path, 0)]
     while stack:

@@ -557,6 +557,20 @@ async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
   return turns
 
 
+def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
+                           tokenizer: Optional[Tokenizer]) -> None:
+  """Fills `ep`'s turn counts and segments from the server's record of its session,
+  with the episode's outcome (status, rewards, verdict) as it stands."""
+  ep.turns = len(turns)
+  ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
+  ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
+                                group_id=ep.group_id, status=ep.status, reason=ep.reason,
+                                reward=ep.reward, turn_rewards=list(ep.turn_rewards),
+                                verdict=ep.verdict)
+  _stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None, cfg,
+                                 ep.verdict, task))
+
+
 async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
                        group_id: str = "", tokenizer: Optional[Tokenizer] = None,
                        api: str = "openai") -> Episode:
@@ -575,33 +589,19 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
     turns = await _take_session(gateway_url, session_id)
-    ep.turns = len(turns)
-    ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
     if ep.verdict.get("status") == "infra_error":
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
           True, "verifier"
     elif ep.verdict.get("status") != "pass" and len(turns) >= cfg.max_turns:
       ep.status, ep.reason = "truncated", "turn_cap"
-    ep.segments = collect_session(turns, session_id=session_id, task_id=task.id,
-                                  group_id=group_id, status=ep.status, reason=ep.reason,
-                                  reward=ep.reward, turn_rewards=list(ep.turn_rewards),
-                                  verdict=ep.verdict)
-    _stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None, cfg,
-                                   ep.verdict, task))
+    _segments_from_session(ep, turns, task, cfg, tokenizer)
   except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
     ep.status, ep.reason = "truncated", "episode_deadline"
     ep.verdict = {"status": "fail", "reward": 0.0}
     try:  # the turns it played still carry the score: stalling must not hide them
       turns = await _take_session(gateway_url, session_id)
-      ep.turns = len(turns)
-      ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
       ep.turn_rewards = [0.0] * len(turns)
-      ep.segments = collect_session(turns, session_id=session_id, task_id=task.id,
-                                    group_id=group_id, status=ep.status, reason=ep.reason,
-                                    reward=0.0, turn_rewards=list(ep.turn_rewards),
-                                    verdict=ep.verdict)
-      _stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None,
-                                     cfg, ep.verdict, task))
+      _segments_from_session(ep, turns, task, cfg, tokenizer)
     except (httpx.HTTPError, KeyError, ValueError) as e:
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
           "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")

@@ -19,7 +19,6 @@ Otherwise the process is alone and nothing is initialised.
 from __future__ import annotations
 
 import functools
-
 import os
 from typing import Any, Optional
 
@@ -147,7 +146,6 @@ def copy_to_local(tree: Any, local_shardings: Any, dtype: Any = None) -> Any:
   """
   import jax
   import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(local_shardings)
