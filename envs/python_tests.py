@@ -21,6 +21,7 @@ from envs.python_tasks_data import TASKS, _function_name, as_tests
 from envs.tools import Tool, ToolSet
 from envs.sandbox import WorkspaceTooLarge
 from envs.verifier import HiddenTests, PythonTestVerifier
+from jaxagent.errors import InfraError
 
 PUBLIC_TESTS = "test_public.py"
 SYSTEM = ("Write Python in the file solution.py using the write_file tool. You can run code "
@@ -82,6 +83,11 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
 
 
 def _output(result) -> str:
+  """A command's outcome as the tool's answer. A command the sandbox could not run (no
+  execution slot in time, could not start) is the infrastructure's failure: it ends the
+  episode as such (dropped, never scored), and the policy never sees it as its output."""
+  if result.error is not None:
+    raise InfraError("sandbox", result.error)
   out = {"exit_code": result.exit_code, "timed_out": result.timed_out,
          "stdout": result.stdout[-2000:], "stderr": result.stderr[-2000:]}
   return json.dumps(out)

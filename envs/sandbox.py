@@ -52,6 +52,7 @@ import time
 import uuid
 from typing import Optional, Sequence
 
+from envs import waits
 from jaxagent.errors import InfraError
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -613,8 +614,9 @@ class Sandbox:
     slot = self._slots() if self._slots is not None else contextlib.nullcontext()
     t_wait = time.perf_counter()
     try:
-      async with asyncio.timeout(self.slot_timeout_s):
-        await slot.__aenter__()
+      with waits.waiting():  # other episodes' load: infrastructure time, not the policy's
+        async with asyncio.timeout(self.slot_timeout_s):
+          await slot.__aenter__()
     except TimeoutError:
       result = ExecResult(argv, None, None, time.perf_counter() - t_wait, False, "", "", 0, 0,
                           "", "", self.isolation,

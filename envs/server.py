@@ -6,9 +6,15 @@
   DELETE /sessions/{id}
   GET    /health, GET /metrics (Prometheus)
 
-A cap on sessions and on calls running at once, and a deadline per call that
-covers its wait for a turn as well as its work: a call past its deadline
-answers 504 and its session is closed (its state is unknown). A session the
+A cap on sessions and on calls running at once, and a deadline per call on its
+own work: a call past it answers 504 and its session is closed (its state is
+unknown). Waits on shared infrastructure (a turn under the call cap, a sandbox
+slot) are not charged to a call's deadline (other episodes' load must not turn
+the policy's bounded work into a 504) and have bounds of their own: a call that
+gets no turn within the deadline answers 503, unrun; a command that gets no
+sandbox slot within the pool's `slot_timeout_s` fails its episode as
+infrastructure (503). A step's answer carries `info["infra_wait_s"]`, the
+seconds it waited, which the agent charges to the infrastructure. A session the
 worker does not have (expired, closed, or the worker restarted) answers 404
 naming it, never a hang. Sessions idle for `idle_timeout_s` are closed by a
 reaper; a session whose creation was abandoned (deadline, client gone) is
@@ -37,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from envs import waits
 from envs.base import (EnvResources, Observation, StepResult, TaskSpec, Verdict, VerdictStatus,
                        make)
 from jaxagent.errors import InfraError
@@ -98,6 +105,32 @@ class _BodyLimit:
     await send({"type": "http.response.body", "body": body})
 
 
+class _NoTurn(Exception):
+  """A call waited its whole deadline for a turn under the worker's call cap."""
+
+
+async def _within_deadline(task: asyncio.Future, clock: waits.WaitClock, limit_s: float,
+                           t0: float):
+  """`task`'s result, or `asyncio.TimeoutError` once its own time (wall time since `t0`
+  less what `clock` counted as waits on shared infrastructure) passes `limit_s`. While a
+  wait is in progress the task is never cut (each wait has its own bound). The task is
+  cancelled when it is cut or when the caller is."""
+  try:
+    while True:
+      left = limit_s - (time.perf_counter() - t0 - clock.total_s())
+      if left <= 0 and not clock.waiting:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+          await task
+        raise asyncio.TimeoutError
+      done, _ = await asyncio.wait({task}, timeout=max(left, 0.05))
+      if done:
+        return task.result()
+  except asyncio.CancelledError:
+    task.cancel()
+    raise
+
+
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
                max_concurrent_calls: int = 32, deadline_s: float = 60.0,
                idle_timeout_s: float = 300.0, max_body_bytes: int = 8 << 20) -> FastAPI:
@@ -155,23 +188,43 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return s
 
   async def guarded(kind: str, sid: Optional[str], coro_fn):
-    """Runs one call under the concurrency cap; the deadline covers the wait for a turn."""
+    """Runs one call under the concurrency cap. The deadline bounds the call's own work;
+    its waits on shared infrastructure (a turn under the cap, a sandbox slot) are not
+    charged to it (other episodes' load must not turn the policy's bounded work into a
+    504, dropped instead of scored) and have bounds of their own."""
     t0 = time.perf_counter()
 
     async def capped():
-      async with calls:
+      try:
+        with waits.waiting():
+          await asyncio.wait_for(calls.acquire(), timeout=deadline_s)
+      except asyncio.TimeoutError:
+        raise _NoTurn(f"{kind} waited {deadline_s:.0f}s for a turn (the worker runs "
+                      f"{max_concurrent_calls} calls at once)") from None
+      try:
         return await coro_fn()
+      finally:
+        calls.release()
 
+    with waits.measured() as clock:
+      task = asyncio.ensure_future(capped())
     try:
-      out = await asyncio.wait_for(capped(), timeout=deadline_s)
+      out = await _within_deadline(task, clock, deadline_s, t0)
     except asyncio.TimeoutError:
       n_calls.labels(kind, "deadline").inc()
       if sid is not None:
         await close_session(sid)
-      raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline; "
-                               "the session was closed")
+      raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline "
+                               f"({clock.total_s():.1f}s waiting on sandbox slots and turns "
+                               "not counted); the session was closed")
+    except _NoTurn as e:
+      n_calls.labels(kind, "busy").inc()
+      raise HTTPException(503, str(e))
     except HTTPException:
       raise
+    except InfraError as e:  # a sandbox the worker could not run: the worker's failure
+      n_calls.labels(kind, "infra").inc()
+      raise HTTPException(503, f"{kind} failed in the infrastructure: {e}")
     except (ValueError, KeyError, RuntimeError) as e:
       n_calls.labels(kind, "bad_request").inc()
       raise HTTPException(400, f"{kind} failed: {type(e).__name__}: {e}")
@@ -180,6 +233,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       raise HTTPException(500, f"{kind} failed in the environment: {type(e).__name__}: {e}")
     n_calls.labels(kind, "ok").inc()
     latency.labels(kind).observe(time.perf_counter() - t0)
+    if isinstance(out, StepResult):  # the agent charges these to the infrastructure
+      out.info = {**(out.info or {}), "infra_wait_s": round(clock.total_s(), 4)}
     return out
 
   @app.get("/health")

@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Union
 
 import jsonschema
 
+from jaxagent.errors import InfraError
 from jaxagent.toolcalls import ParsedOutput, parse_tool_calls
 
 ToolFn = Callable[..., Union[str, Awaitable[str]]]
@@ -80,7 +81,7 @@ class ToolSet:
       if inspect.isawaitable(out):
         out = await out
       return "ok", out if isinstance(out, str) else json.dumps(out)
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, InfraError):  # the infrastructure's, not the policy's
       raise
     except Exception as e:  # the tool failed: tell the model, keep the episode
       return "error", f"error: {name} failed: {type(e).__name__}: {e}"

@@ -28,6 +28,7 @@ import zlib
 from typing import Any, Optional
 
 from envs.base import trained_rewards
+from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import InfraError
 from jaxagent.tokenizer import Tokenizer
@@ -53,7 +54,8 @@ class Episode:
   tool_latencies_s: list[float] = dataclasses.field(default_factory=list)
   latency_s: float = 0.0
   generate_s: float = 0.0
-  env_s: float = 0.0
+  env_s: float = 0.0  # in the environment, its waits on shared infrastructure left out
+  infra_wait_s: float = 0.0  # waiting for sandbox slots and worker turns (others' load)
   output_tokens: int = 0
   replayed_turns: int = 0  # turns taken from a dead run's write-ahead log
   compactions: int = 0  # times the context was compacted (agent.compaction)
@@ -263,7 +265,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   status, reason = "completed", ""
-  waiting = {"on": "env", "since": t_start}  # what the episode is waiting on now
+  waiting = {"on": "env", "since": t_start, "clock": None}  # what the episode waits on now
   offered = []  # the tool schemas the environment offered
   compacted_at: list[int] = []  # turns before which the context was compacted
   seed_session = replay.start.get("session_id", session_id) if replay is not None \
@@ -272,11 +274,24 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
 
+  async def in_env(call):
+    """Awaits an environment call: its waits on shared infrastructure (sandbox slots, a
+    worker's turn; in process, or as the worker reports them) go to `ep.infra_wait_s`,
+    the rest of its time to `ep.env_s`."""
+    t0 = time.perf_counter()
+    with waits.measured() as clock:
+      waiting["clock"] = clock  # kept if the deadline cancels the call: read after it
+      out = await call
+    waiting["clock"] = None
+    info = getattr(out, "info", None) or {}
+    infra = clock.total_s() + float(info.get("infra_wait_s", 0.0))
+    ep.infra_wait_s += infra
+    ep.env_s += time.perf_counter() - t0 - infra
+    return out
+
   async def play():
     nonlocal status, reason
-    t0 = time.perf_counter()
-    obs = await env.reset(task)
-    ep.env_s += time.perf_counter() - t0
+    obs = await in_env(env.reset(task))
     messages, tools = list(obs.messages), list(obs.tools) or None
     offered[:] = tools or []
     prompt = None
@@ -329,9 +344,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
       ep.turns += 1
       ep.output_tokens += len(out)
       messages.append(response)
-      t0 = time.perf_counter()
-      step = await env.step(text)
-      ep.env_s += time.perf_counter() - t0
+      step = await in_env(env.step(text))
       state = (env.state_hash() if (log is not None or from_log)
                and callable(getattr(env, "state_hash", None)) else None)
       if from_log and turn in replay.hashes and (
@@ -356,9 +369,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 
   try:
     await asyncio.wait_for(play(), cfg.episode_deadline_s)
-    t0 = time.perf_counter()
-    verdict = await env.verify()
-    ep.env_s += time.perf_counter() - t0
+    verdict = await in_env(env.verify())
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
       status, reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", True, \
@@ -366,16 +377,21 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     else:
       ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
   except asyncio.TimeoutError:
-    # The episode's wall-clock budget ran out. Spent mostly waiting on the server, it is
-    # infrastructure; mostly in the environment (the policy's own tool calls, each bounded
-    # by its sandbox limits), it is the policy's: a truncation, scored.
+    # The episode's wall-clock budget ran out. Spent mostly waiting on the server or on
+    # shared sandbox slots and worker turns (other episodes' load), it is infrastructure;
+    # mostly in the environment's own work (the policy's tool calls, each bounded by its
+    # sandbox limits), it is the policy's: a truncation, scored.
     in_flight = time.perf_counter() - waiting["since"]
+    clock = waiting.get("clock")
+    in_flight_wait = clock.total_s() if clock is not None else 0.0
     server_s = ep.generate_s + (in_flight if waiting["on"] == "server" else 0.0)
-    env_s = ep.env_s + (in_flight if waiting["on"] == "env" else 0.0)
-    if server_s >= env_s:
+    wait_s = ep.infra_wait_s + in_flight_wait
+    env_s = ep.env_s + (in_flight - in_flight_wait if waiting["on"] == "env" else 0.0)
+    ep.infra_wait_s, ep.env_s = wait_s, env_s
+    if server_s + wait_s >= env_s:
       status, ep.infra_error, ep.infra_kind = "failed", True, "episode_deadline"
-      reason = f"episode_deadline: {server_s:.1f} s waiting on the server, {env_s:.1f} s in " \
-               "the environment"
+      reason = f"episode_deadline: {server_s:.1f} s waiting on the server, {wait_s:.1f} s " \
+               f"on sandbox slots and worker turns, {env_s:.1f} s in the environment"
     else:
       status, reason = "truncated", "episode_deadline"
       ep.verdict = {"status": "fail", "reward": 0.0}

@@ -49,6 +49,7 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
       "output_tokens": int(sum(e.output_tokens for e in episodes)),
       "generate_s_mean": float(np.mean([e.generate_s for e in episodes])),
       "env_s_mean": float(np.mean([e.env_s for e in episodes])),
+      "infra_wait_s_mean": float(np.mean([getattr(e, "infra_wait_s", 0.0) for e in episodes])),
       "policy_lag_mean": float(np.mean(lags)) if lags else 0.0,
       "policy_lag_max": int(max(lags)) if lags else 0,
   })

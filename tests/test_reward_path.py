@@ -6,6 +6,7 @@ is retried, then dropped and counted by the scheduler, never trained.
 """
 
 import asyncio
+import dataclasses
 import itertools
 import json
 
@@ -95,3 +96,42 @@ def test_an_infrastructure_failure_is_retried_then_dropped_and_counted(resources
   # Only the graded episodes train; the dropped one is not a 0.
   assert [e.session_id for e in group.episodes] == ["g0-1-r0", "g0-2-r0"]
   assert [e.reward for e in group.episodes] == [1.0, 1.0]
+
+
+def run_code(code: str) -> str:
+  return f"<tool_call>{json.dumps({'name': 'run_python', 'arguments': {'code': code}})}</tool_call>"
+
+
+def test_waiting_for_a_sandbox_slot_is_the_infrastructures_time(resources):
+  """Other episodes' load (every execution slot taken) is not the policy's failure: an
+  episode whose budget runs out waiting for a slot is dropped, not scored as a fail;
+  a command that gets no slot in time ends its episode as infrastructure instead of
+  reaching the policy as a strange tool output; a slot wait that ends in time is
+  counted apart from the episode's own environment time."""
+  pool = resources.pool()
+
+  async def with_slots_taken(hold_s, **cfg):
+    async def hold():
+      async with pool.slot(), pool.slot():  # both slots: another episode's long commands
+        await asyncio.sleep(hold_s)
+
+    holder = asyncio.ensure_future(hold())
+    await asyncio.sleep(0.05)
+    env = make("python_tests", resources)
+    ep = await run_whitebox(env, TASK, ScriptedEngine([run_code("print(1)"), "DONE"]), TOK,
+                            dataclasses.replace(CFG, **cfg), session_id="s", group_id="g")
+    await holder
+    return ep
+
+  ep = asyncio.run(with_slots_taken(3.0, episode_deadline_s=1.0))
+  assert ep.infra_error and ep.infra_kind == "episode_deadline" and ep.status == "failed"
+  assert "on sandbox slots" in ep.reason and ep.infra_wait_s > ep.env_s
+
+  pool.slot_timeout_s = 0.5  # for the workspaces made from here on
+  ep = asyncio.run(with_slots_taken(2.0))
+  assert ep.infra_error and ep.infra_kind == "sandbox" and "no execution slot" in ep.reason
+  pool.slot_timeout_s = 60.0
+
+  ep = asyncio.run(with_slots_taken(1.0))  # waits ~1 s, then runs and is graded
+  assert not ep.infra_error and ep.verdict["status"] == "fail"
+  assert 0.7 < ep.infra_wait_s < 5.0 and ep.env_s < ep.latency_s - 0.7

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from envs import base
 from envs.base import EnvResources, TaskSpec, VerdictStatus
 from envs.server import RemoteEnv, SessionLost, create_app
 from envs.sandbox import available_isolations
+from jaxagent.errors import InfraError
 from rollout_server.serving import ServerThread
 from tests.conftest import REPO
 
@@ -145,28 +147,80 @@ def test_concurrency_cap_queues_calls(worker):
   assert asyncio.run(go()) >= 1.15
 
 
-def test_the_deadline_covers_the_wait_for_a_turn(worker):
-  async def one(seconds):
-    env = RemoteEnv(worker.url)
-    await env.reset(TaskSpec("s", "slow_test_env"))
+def _status(e: Exception) -> str:
+  m = re.search(r": (\d{3}): ", str(e))
+  return m.group(1) if m else str(e)
+
+
+def test_the_deadline_bounds_the_work_and_not_the_wait_for_a_turn():
+  """Other calls' load must not turn a call's bounded work into a 504 (its episode
+  dropped instead of scored): the deadline counts a call's own time; the wait for a
+  turn has a bound of its own (503, the call unrun)."""
+  app = create_app(EnvResources(sandboxes=1), max_sessions=8, max_concurrent_calls=1,
+                   deadline_s=1.5)
+
+  async def step(env, seconds, after=0.0):
+    await asyncio.sleep(after)
     try:
-      await env.step(str(seconds))
-      return "ok"
+      result = await env.step(str(seconds))
+      return "ok", result.info["infra_wait_s"]
     except RuntimeError as e:
-      return "504" if "504" in str(e) else str(e)
+      return _status(e), None
+
+  with ServerThread(app) as srv:
+    async def go():
+      envs = [RemoteEnv(srv.url) for _ in range(4)]
+      for env in envs:
+        await env.reset(TaskSpec("s", "slow_test_env"))
+      # One call at a time: the second waits ~1 s for its turn and then works 1 s (2 s
+      # in all, past the 1.5 s deadline, but its own time is inside it); the third gets
+      # no turn within 1.5 s; alone, a call that works 2 s is cut.
+      out = await asyncio.gather(step(envs[0], 1.0), step(envs[1], 1.0, 0.1),
+                                 step(envs[2], 0.1, 0.2))
+      out.append(await step(envs[3], 2.0))
+      for env in envs:
+        await env.aclose()
+      return out
+
+    first, second, third, alone = asyncio.run(asyncio.wait_for(go(), timeout=30))
+  assert first[0] == "ok" and first[1] < 0.3
+  assert second[0] == "ok" and 0.6 < second[1] < 1.4
+  assert third == ("503", None) and alone == ("504", None)
+
+
+@needs_isolation
+def test_waiting_for_a_sandbox_slot_is_not_charged_to_the_deadline():
+  """Two python_tests sessions on a worker with one execution slot: the second's command
+  waits for the first's, then runs; neither is cut, and the wait is reported."""
+  resources = EnvResources(sandboxes=1)
+  app = create_app(resources, max_sessions=8, deadline_s=3.0)
+  action = '<tool_call>{"name": "run_python", "arguments": {"code": ' \
+           '"import time; time.sleep(2.0); print(7)"}}</tool_call>'
+
+  async def one(url, after):
+    await asyncio.sleep(after)
+    env = RemoteEnv(url)
+    await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
+    try:
+      t0 = time.perf_counter()
+      result = await env.step(action)
+      return (json.loads(result.observation.messages[0]["content"])["stdout"].strip(),
+              result.info["infra_wait_s"], time.perf_counter() - t0)
     finally:
       await env.aclose()
 
-  async def go():
-    first = [asyncio.ensure_future(one(1.2)), asyncio.ensure_future(one(1.2))]
-    await asyncio.sleep(0.2)
-    late = await one(0.1)  # waits ~1 s for a turn, then runs: inside its 1.5 s deadline
-    later = await asyncio.gather(one(1.2), one(1.2), one(1.2))  # the third waits 1.2 + 1.2
-    return await asyncio.gather(*first), late, later
+  with ServerThread(app) as srv:
+    async def go():
+      return await asyncio.gather(one(srv.url, 0.0), one(srv.url, 0.3))
 
-  first, late, later = asyncio.run(go())
-  assert first == ["ok", "ok"] and late == "ok"
-  assert sorted(later) == ["504", "ok", "ok"]
+    first, second = asyncio.run(asyncio.wait_for(go(), timeout=60))
+    # A command that gets no slot in time: the infrastructure's failure (503), which
+    # the client raises as such; it never reaches the policy as a tool output.
+    resources.pool().slot_timeout_s = 0.5
+    with pytest.raises(InfraError, match="503.*no execution slot"):
+      asyncio.run(asyncio.wait_for(go(), timeout=60))
+  assert first[0] == second[0] == "7"
+  assert second[1] > 1.0 and second[2] > 3.0  # past the deadline in wall time, not cut
 
 
 def test_request_bodies_are_capped():

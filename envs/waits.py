@@ -1,0 +1,74 @@
+"""Time an environment call spends waiting on shared infrastructure.
+
+A sandboxed command waits for one of its pool's execution slots; a call on an
+environment worker waits for a turn under the worker's call cap. How long depends on
+the other episodes' load, not on the policy's actions, so those waits are kept apart
+from a call's own time: an environment worker's deadline bounds a call's work and not
+its waits (each wait has a bound of its own), and an episode whose wall-clock budget
+runs out charges them to the infrastructure, not to the policy.
+
+    with measured() as clock:      # who wants to know (the worker, the agent loop)
+      await env.step(action)
+    clock.total_s()
+
+    with waiting():                # where a wait happens (the sandbox, the worker)
+      await slot.acquire()
+
+The clock travels in a context variable, so tasks and threads started inside
+`measured()` report to it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from typing import Iterator, Optional
+
+
+class WaitClock:
+  """Seconds waited on shared infrastructure inside one `measured()` block."""
+
+  def __init__(self):
+    self.waited_s = 0.0  # waits that ended
+    self._open: list[float] = []  # start times of waits in progress
+
+  @property
+  def waiting(self) -> bool:
+    return bool(self._open)
+
+  def total_s(self) -> float:
+    """Waits so far, those in progress included."""
+    now = time.perf_counter()
+    return self.waited_s + sum(now - t for t in self._open)
+
+
+_CLOCK: contextvars.ContextVar[Optional[WaitClock]] = contextvars.ContextVar(
+    "jaxagent_env_wait_clock", default=None)
+
+
+@contextlib.contextmanager
+def measured() -> Iterator[WaitClock]:
+  """Runs the block with a fresh clock (yielded) that its infrastructure waits add to."""
+  clock = WaitClock()
+  token = _CLOCK.set(clock)
+  try:
+    yield clock
+  finally:
+    _CLOCK.reset(token)
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+  """Marks the block as a wait on shared infrastructure (on the current clock, if any)."""
+  clock = _CLOCK.get()
+  if clock is None:
+    yield
+    return
+  t0 = time.perf_counter()
+  clock._open.append(t0)
+  try:
+    yield
+  finally:
+    clock._open.remove(t0)
+    clock.waited_s += time.perf_counter() - t0
