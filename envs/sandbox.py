@@ -19,6 +19,12 @@ scrubbed environment, and the strongest isolation the host has:
   only. Untrusted code can read and write the host here, so a pool refuses
   this mode unless the caller allows unisolated execution explicitly.
 
+In both namespace modes a seccomp filter (compiled by libseccomp, through
+`pyseccomp`) makes the syscalls tool code never needs fail with EPERM
+(`SECCOMP_DENIED`: ptrace, io_uring, bpf, keyctl, perf_event_open, mount, module
+loading, ...; clone() into new namespaces); bubblewrap installs it itself, the
+mountns mode with a few lines of ctypes before it drops privileges.
+
 `detect_isolation()` says which one this host gets. Sandbox uids are unique on
 the host: each is held by an advisory lock on a file in `UID_LOCK_DIR` for the
 sandbox's lifetime, so two pools or two workers never share one. As root a
@@ -35,6 +41,7 @@ duration, and stdout / stderr cut to a budget with their full size and sha256.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -175,6 +182,68 @@ def _scrubbed_env(home: str) -> dict:
           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
 
 
+# -- a seccomp filter -----------------------------------------------------------------------
+
+# Syscalls tool code never needs and that open the kernel's rarely used, often attacked
+# surface (Docker's default profile refuses much the same): they fail with EPERM.
+SECCOMP_DENIED = (
+    "acct", "add_key", "bpf", "clock_adjtime", "clock_settime", "delete_module",
+    "finit_module", "fsconfig", "fsmount", "fsopen", "fspick", "init_module",
+    "io_uring_enter", "io_uring_register", "io_uring_setup", "ioperm", "iopl", "kcmp",
+    "kexec_file_load", "kexec_load", "keyctl", "lookup_dcookie", "mount", "mount_setattr",
+    "move_mount", "name_to_handle_at", "open_by_handle_at", "open_tree", "perf_event_open",
+    "pivot_root", "process_vm_readv", "process_vm_writev", "ptrace", "quotactl",
+    "quotactl_fd", "reboot", "request_key", "setns", "settimeofday", "swapoff", "swapon",
+    "syslog", "umount2", "unshare", "uselib", "userfaultfd", "vhangup")
+# clone() asking for a new namespace of any kind fails too; clone3 (whose flags sit in
+# memory a filter cannot read) answers ENOSYS, so that libc falls back to clone().
+_CLONE_NEW_NAMESPACES = 0x7E02_0080  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
+
+
+@functools.cache
+def seccomp_program() -> Optional[str]:
+  """The path of the compiled filter (BPF, for this host's architecture; other ABIs'
+  syscalls kill the process), or None where libseccomp is missing."""
+  try:
+    import pyseccomp as sc  # ctypes over the system's libseccomp.so.2
+    flt = sc.SyscallFilter(defaction=sc.ALLOW)
+  except (ImportError, OSError, RuntimeError):
+    return None
+  eperm = sc.ERRNO(errno.EPERM)
+  for name in SECCOMP_DENIED:
+    try:
+      flt.add_rule(eperm, name)
+    except (ValueError, RuntimeError, OSError):  # not a syscall on this architecture
+      pass
+  for bit in range(32):  # any one of them set
+    flag = 1 << bit
+    if flag & _CLONE_NEW_NAMESPACES:
+      flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+  with contextlib.suppress(ValueError, RuntimeError, OSError):
+    flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+  fd, path = tempfile.mkstemp(prefix="jaxagent-seccomp-", suffix=".bpf")
+  with os.fdopen(fd, "wb") as f:
+    flt.export_bpf(f)
+  atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+  return path
+
+
+# Installs the filter at /.seccomp.bpf (inside the mountns root), then execs the rest:
+# what bubblewrap's --seccomp does, for the mode built by hand.
+_SECCOMP_LOADER = """\
+import ctypes, os, sys
+data = open("/.seccomp.bpf", "rb").read()
+class Prog(ctypes.Structure):
+  _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+buf = ctypes.create_string_buffer(data, len(data))
+prog = Prog(len(data) // 8, ctypes.cast(buf, ctypes.c_void_p))
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(prog), 0, 0):
+  sys.exit("seccomp: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
 @functools.cache
 def _bwrap_can_disable_userns() -> bool:
   """bubblewrap >= 0.8 can stop the sandbox from creating user namespaces of its own."""
@@ -185,8 +254,11 @@ def _bwrap_can_disable_userns() -> bool:
   return "--disable-userns" in r.stdout + r.stderr
 
 
-def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool) -> list[str]:
+def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
+                seccomp_fd: Optional[int] = None) -> list[str]:
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  if seccomp_fd is not None:  # bwrap installs it (with no_new_privs) just before the exec
+    out += ["--seccomp", str(seccomp_fd)]
   if _bwrap_can_disable_userns():
     # No nested user namespaces: the kernel surface they open (mounts, capabilities
     # within them) is closed to tool code.
@@ -209,7 +281,8 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool)
   return out + ["--", *argv]
 
 
-def _mountns_script(root: str, workspace: str, uid: int, limits: Limits) -> str:
+def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
+                    seccomp: Optional[str] = None) -> str:
   """Shell run as root inside fresh namespaces: builds a private root at `root` (only
   read-only system directories, private /proc, /dev, /tmp, /dev/shm and the workspace),
   then enters it as `uid` with no capabilities and execs the command ("$@")."""
@@ -240,21 +313,27 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits) -> str:
             f"{q(dev + '/shm')}",
             f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nosuid,nodev jaxagent-tmp "
             f"{q(root + '/tmp')}",
-            f"mount --bind {q(workspace)} {q(root + '/workspace')}",
-            f"mount -o remount,ro,bind {q(root)}",
+            f"mount --bind {q(workspace)} {q(root + '/workspace')}"]
+  loader = ""
+  if seccomp is not None and os.path.exists("/usr/bin/python3"):
+    lines.append(f"cp {q(seccomp)} {q(root + '/.seccomp.bpf')}")
+    loader = f"/usr/bin/python3 -I -S -c {q(_SECCOMP_LOADER)} "
+  lines += [f"mount -o remount,ro,bind {q(root)}",
             # setpriv drops to the uid; no capabilities survive, nothing can regain them.
             f"export PATH={SANDBOX_PATH}",
-            f"exec {q(shutil.which('chroot', path=_HOST_PATH))} {q(root)} /usr/bin/setpriv --reuid={uid} --regid={uid} "
+            f"exec {q(shutil.which('chroot', path=_HOST_PATH))} {q(root)} {loader}"
+            f"/usr/bin/setpriv --reuid={uid} --regid={uid} "
             "--clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs -- "
             "/bin/sh -c 'cd /workspace && exec \"$@\"' sandbox \"$@\""]
   return "\n".join(lines)
 
 
 def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
-          limits: Limits, run_dir: str, pid1: bool = False) -> list[str]:
+          limits: Limits, run_dir: str, pid1: bool = False,
+          seccomp_fd: Optional[int] = None) -> list[str]:
   """The host command that runs `argv` in `workspace` under isolation `mode`."""
   if mode == "bwrap":
-    return _bwrap_argv(workspace, argv, limits, pid1)
+    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd)
   if mode == "mountns":
     if uid is None:
       raise ValueError("mountns isolation needs a sandbox uid (root)")
@@ -263,7 +342,7 @@ def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
     # --fork: the script is the new PID namespace's init, and so is the command it execs.
     return [shutil.which("unshare", path=_HOST_PATH), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
             "--propagation", "private", "--", "/bin/sh", "-c",
-            _mountns_script(root, workspace, uid, limits), "sandbox", *argv]
+            _mountns_script(root, workspace, uid, limits, seccomp_program()), "sandbox", *argv]
   return list(argv)
 
 
@@ -638,10 +717,15 @@ class Sandbox:
                if self.isolation == "mountns" else self._logs)
     t0 = time.perf_counter()
     timed_out, error, code, sig = False, None, None, None
+    program = seccomp_program() if self.isolation == "bwrap" else None
     try:
-      with open(out_path, "wb") as out, open(err_path, "wb") as err:
+      with open(out_path, "wb") as out, open(err_path, "wb") as err, \
+          (open(program, "rb") if program else contextlib.nullcontext()) as bpf:
+        # bwrap reads the filter from an fd of its own (one open a command: it reads it
+        # to the end)
+        seccomp_fd = bpf.fileno() if bpf is not None else None
         command = _wrap(self.isolation, self.host_path, argv, uid=self.uid, limits=self.limits,
-                        run_dir=run_dir, pid1=pid1)
+                        run_dir=run_dir, pid1=pid1, seccomp_fd=seccomp_fd)
         # mountns: `unshare` and the mounts need root; setpriv drops to the uid inside.
         uid = self.uid if self.isolation == "bwrap" else None
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
@@ -649,7 +733,7 @@ class Sandbox:
             *_join_cgroup(self._cgroup), *_confine(self.limits, uid, cpu), *command,
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
-            start_new_session=True)
+            start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
         try:
           await asyncio.wait_for(proc.communicate(stdin), timeout=wall)
         except asyncio.TimeoutError:
@@ -701,7 +785,8 @@ class Sandbox:
 
   def describe(self) -> dict:
     return {"isolation": self.isolation, "uid": self.uid, "limits": dataclasses.asdict(self.limits),
-            "workdir": self.workdir}
+            "workdir": self.workdir,
+            "seccomp": self.isolation != "rlimits" and seccomp_program() is not None}
 
 
 class SandboxPool:

@@ -375,3 +375,34 @@ def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
   assert "completed" in r.stdout, r.stderr[-500:]
   assert int(r.stdout.split()[-1]) < 3, r.stdout  # the cgroup's OOM killer took one
   assert run(sandbox, "print('alive')").stdout == "alive\n"
+
+
+SECCOMP_PROBE = r'''
+import ctypes, errno, multiprocessing, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+  r = libc.syscall(nr, *args)
+  return errno.errorcode.get(ctypes.get_errno(), "?") if r == -1 else str(r)
+# x86_64 numbers; without the filter these answer 0, EFAULT, EINVAL, EINVAL, EFAULT.
+print(call(101, 0, 0, 0, 0), call(425, 1, 0), call(321, 0, 0, 0), call(250, 0, 0),
+      call(298, 0, 0, 0, 0, 0))
+print(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.strip())
+t = threading.Thread(target=print, args=("thread",)); t.start(); t.join()
+with multiprocessing.Pool(2) as pool:
+  print(sum(pool.map(abs, [-1, -2])))
+'''
+
+
+@needs_isolation
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 numbers")
+def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
+  """ptrace, io_uring, bpf, keyctl and perf_event_open (the kernel surface that tool code
+  never needs and exploits often do) fail with EPERM; processes, threads and pools run."""
+  from envs.sandbox import seccomp_program
+
+  if seccomp_program() is None:
+    pytest.skip("no libseccomp on this host")
+  r = run(sandbox, SECCOMP_PROBE, timeout=10)
+  assert r.ok, r.stderr
+  assert r.stdout.split("\n")[:4] == ["EPERM EPERM EPERM EPERM EPERM", "child", "thread", "3"]
+  assert sandbox.describe()["seccomp"]
