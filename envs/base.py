@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 from typing import Any, Callable, Optional
 
 
@@ -80,6 +81,18 @@ class VerdictStatus(str, enum.Enum):
   INFRA_ERROR = "infra_error"  # the grader itself failed: drop or retry, never score
 
 
+def json_safe(obj: Any) -> Any:
+  """`obj` with every float that JSON cannot carry (inf, nan: say, a policy's 400-digit
+  answer read as a float) written as its repr, so that it can be sent and logged."""
+  if isinstance(obj, float) and not math.isfinite(obj):
+    return repr(obj)
+  if isinstance(obj, dict):
+    return {k: json_safe(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [json_safe(v) for v in obj]
+  return obj
+
+
 @dataclasses.dataclass
 class Verdict:
   status: VerdictStatus
@@ -89,12 +102,16 @@ class Verdict:
   details: dict = dataclasses.field(default_factory=dict)
   attempts: int = 1
 
+  def __post_init__(self):
+    if not math.isfinite(self.reward):
+      raise ValueError(f"a verdict's reward must be finite, got {self.reward}")
+
   @property
   def is_infra_error(self) -> bool:
     return self.status == VerdictStatus.INFRA_ERROR
 
   def to_dict(self) -> dict:
-    d = dataclasses.asdict(self)
+    d = json_safe(dataclasses.asdict(self))
     d["status"] = self.status.value
     return d
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import random
 import re
@@ -48,9 +49,11 @@ EXAMPLES = (_example("What is 3 * 41 + 2?", "3 * 41 + 2", "125", "example_0")
 
 
 def final_answer(text: str) -> float | None:
-  """The number on the last `ANSWER: <number>` line of `text`, or None."""
+  """The number on the last `ANSWER: <number>` line of `text`, or None (as for a number
+  past a float's range: no task's answer, and not a value JSON can carry)."""
   found = _ANSWER.findall(text)
-  return float(found[-1]) if found else None
+  value = float(found[-1]) if found else None
+  return value if value is not None and math.isfinite(value) else None
 
 
 def safe_eval(expression: str) -> float | int:

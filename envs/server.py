@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict
 
 from envs import waits
 from envs.base import (EnvResources, Observation, StepResult, TaskSpec, Verdict, VerdictStatus,
-                       make)
+                       json_safe, make)
 from jaxagent.errors import InfraError
 
 
@@ -280,7 +280,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return await s.env.step(body.action)
 
     result = await guarded("step", sid, run)
-    return dataclasses.asdict(result)
+    return json_safe(dataclasses.asdict(result))
 
   @app.post("/sessions/{sid}/verify")
   async def verify(sid: str):

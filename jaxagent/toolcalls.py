@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -38,14 +39,21 @@ def _no_constant(name: str):
   raise ValueError(f"{name} is not JSON (a tool call's arguments must be plain JSON)")
 
 
+def _finite(literal: str) -> float:
+  value = float(literal)
+  if not math.isfinite(value):
+    raise ValueError(f"{literal[:20]}... overflows a float (not JSON that can be sent back)")
+  return value
+
+
 def _loads(text: str) -> Any:
   """Strict JSON: NaN and Infinity, which Python's json accepts, are malformed (they
-  cannot be sent back out as JSON), and so are lone surrogates (`"\\udcff"`, which
-  no file name, tokenizer or HTTP body can carry) and nesting past the recursion
-  limit."""
+  cannot be sent back out as JSON), and so are numbers that overflow a float (`1e999`
+  reads as infinity), lone surrogates (`"\\udcff"`, which no file name, tokenizer or
+  HTTP body can carry) and nesting past the recursion limit."""
   try:
-    obj = json.loads(text, parse_constant=_no_constant)
-    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
   except RecursionError:
     raise ValueError("nested too deep") from None
   except UnicodeEncodeError:

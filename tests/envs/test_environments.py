@@ -97,7 +97,7 @@ def test_calculator_with_tool_calls():
     ("ANSWER: 87", 87.0), ("answer: -11.", -11.0), ("It is 87.\nANSWER: 87\nThanks!", 87.0),
     ("ANSWER: 1\nANSWER: 2.5", 2.5), ("calculate_82_66", None), ("82 + 66 = 148", None),
     ("The result is 87", None), ("ANSWER: 87abc", None), ("ANSWER: 12 * 7 = 84", None),
-    ("ANSWER:", None), ("MY ANSWER: 3", None)])
+    ("ANSWER:", None), ("MY ANSWER: 3", None), ("ANSWER: " + "9" * 400, None)])
 def test_calculator_reads_only_an_answer_line(text, want):
   assert final_answer(text) == want
 

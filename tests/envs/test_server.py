@@ -94,6 +94,24 @@ def test_lost_session_is_a_clear_error_not_a_hang(worker):
   asyncio.run(asyncio.wait_for(go(), timeout=30))
 
 
+def test_values_json_cannot_carry_are_a_wrong_answer_not_a_worker_error(worker):
+  """A 400-digit answer (a float's infinity) once made the worker's verdict unsendable:
+  a 500, so an infrastructure error, so a re-roll of a wrong answer (red-team)."""
+  async def go():
+    env = RemoteEnv(worker.url)
+    await env.reset(TaskSpec("c", "calculator", {"expression": "2 + 3 * 4"}))
+    await env.step("ANSWER: " + "9" * 400)
+    verdict = await env.verify()
+    await env.aclose()
+    return verdict
+
+  assert asyncio.run(go()).status == VerdictStatus.FAIL
+  details = base.Verdict(VerdictStatus.FAIL, 0.0, "e", "v", {"x": float("inf")}).to_dict()
+  assert json.loads(json.dumps(details, allow_nan=False))["details"] == {"x": "inf"}
+  with pytest.raises(ValueError, match="finite"):
+    base.Verdict(VerdictStatus.PASS, float("nan"), "e", "v")
+
+
 def test_deadline_closes_the_session(worker):
   async def go():
     env = RemoteEnv(worker.url)

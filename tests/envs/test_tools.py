@@ -44,6 +44,10 @@ def test_good_call():
     ('<tool_call>{"name": "add", "arguments": {"a": NaN, "b": 1}}</tool_call>', "NaN"),
     ('<tool_call>{"name": "add", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
      "Infinity"),
+    # ... nor does a number past a float's range, which reads as infinity (a red-team
+    # finding: the Anthropic gateway could not send it back, an infra error, a re-roll).
+    ('<tool_call>{"name": "add", "arguments": {"a": 1e999, "b": 1}}</tool_call>',
+     "overflows a float"),
 ])
 def test_bad_calls_become_error_observations(text, needle):
   r = run(text)
