@@ -551,14 +551,15 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
 
 
 def _gateway_errors(api: str) -> tuple[type[Exception], ...]:
-  """What the agent's client raises when the gateway fails (down, overloaded, cut)."""
+  """What the agent's client raises when the gateway fails (down, overloaded, a turn it
+  could not finish: an error status, or an error event in a stream)."""
   import httpx
 
   if api == "anthropic":
     import anthropic as client
   else:
     import openai as client
-  return client.APIConnectionError, client.APIStatusError, httpx.HTTPError
+  return client.APIError, httpx.HTTPError
 
 
 async def _take_session(gateway_url: str, session_id: str) -> list[dict]:

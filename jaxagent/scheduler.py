@@ -378,6 +378,15 @@ def batch_rows(used_rows: int, max_rows: int, multiple: int = 1) -> int:
   return next((r for r in ladder if r >= used_rows), ladder[-1])
 
 
+def _first_tokens(training: dict, n: int) -> dict:
+  """A segment's training arrays cut to their first `n` tokens."""
+  length = len(training["tokens"])
+  if length <= n:
+    return training
+  return {k: v[:n] if isinstance(v, np.ndarray) and v.ndim and len(v) == length else v
+          for k, v in training.items()}
+
+
 def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
                pad_id: int, row_multiple: int = 1,
                agree_rows: Optional[Callable[[int], int]] = None, with_ref: bool = False,
@@ -386,22 +395,25 @@ def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: in
   """Advantages, then packing (first-fit decreasing) into at most `rows` x `seq_len`,
   trimmed to the smallest row count of the ladder that holds what was packed (a
   multiple of `row_multiple`: the learner's batch shards x microbatches); reports what
-  did not fit and the fraction of token slots filled. `agree_rows` maps this
+  did not fit (`overflow`), the segments cut to `seq_len` (`too_long`) and the fraction
+  of token slots filled. `agree_rows` maps this
   packing's rows to the rows every process of a multi-process run uses (the max);
   `with_ref`: the batch carries `ref_logp` (scored by a served reference); `gather`:
   see `compute_advantages`."""
   compute_advantages(groups, cfg, gather)
   segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
+  # A segment longer than a row trains its first `seq_len` tokens (with its episode's
+  # advantage). Dropped, a long failure would still lower its group's baseline while
+  # never being pushed down itself: running long would hide a loss (red-team).
   too_long = [s for s in segments if len(s) > seq_len]
-  fits = [s for s in segments if len(s) <= seq_len]
   max_rows = row_ladder(rows, row_multiple)[-1]
-  batch, placed = pack([s.to_training() for s in fits], max_rows, seq_len, pad_id,
-                       decreasing=True, with_ref=with_ref)
+  batch, placed = pack([_first_tokens(s.to_training(), seq_len) for s in segments], max_rows,
+                       seq_len, pad_id, decreasing=True, with_ref=with_ref)
   used_rows = int(placed.max()) + 1 if len(placed) and placed.max() >= 0 else 1
   if agree_rows is not None:
     used_rows = agree_rows(used_rows)
   batch = take_rows(batch, batch_rows(used_rows, rows, row_multiple))
-  used = [s for s, p in zip(fits, placed) if p >= 0]
+  used = [s for s, p in zip(segments, placed) if p >= 0]
   return batch, {"segments": len(used), "too_long": len(too_long),
                  "overflow": int((placed < 0).sum()), "used_segments": used,
                  "fill": float(np.mean(batch.segment_ids > 0))}

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_server.chat import SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn
+from rollout_server.chat import SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn, TurnCut
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -202,28 +202,26 @@ def content_blocks(message: dict) -> list[dict]:
 
 
 def stop_reason(turn: ChatTurn) -> str:
-  """end_turn, tool_use (a stop after tool calls), max_tokens; an engine's abort or error
-  as its own word."""
-  finish = turn.req.finish_reason
+  """end_turn, tool_use (a stop after tool calls), max_tokens."""
+  finish = turn.finish_reason
   if finish == "stop" and turn.finish().get("tool_calls"):
     return "tool_use"
   return {"stop": "end_turn", "length": "max_tokens"}.get(finish, finish)
 
 
 def _usage(turn: ChatTurn) -> dict:
-  return {"input_tokens": len(turn.req.prompt_ids), "output_tokens": len(turn.req.output_ids)}
+  return {"input_tokens": len(turn.prompt_ids), "output_tokens": len(turn.output_ids)}
 
 
 def message_body(turn: ChatTurn, model: str) -> dict:
   """The answer of a finished turn. `jaxagent` (not Anthropic's) holds the token ids,
   log-probs and policy versions the engine sampled, as the session records them."""
-  req = turn.req
-  return {"id": f"msg_{req.request_id}", "type": "message", "role": "assistant", "model": model,
-          "content": content_blocks(turn.finish()), "stop_reason": stop_reason(turn),
-          "stop_sequence": None, "usage": _usage(turn),
-          "jaxagent": {"request_id": req.request_id, "prompt_ids": req.prompt_ids,
-                       "output_ids": req.output_ids, "output_logprobs": req.output_logprobs,
-                       "versions": req.versions}}
+  return {"id": f"msg_{turn.request_id}", "type": "message", "role": "assistant",
+          "model": model, "content": content_blocks(turn.finish()),
+          "stop_reason": stop_reason(turn), "stop_sequence": None, "usage": _usage(turn),
+          "jaxagent": {"request_id": turn.request_id, "prompt_ids": turn.prompt_ids,
+                       "output_ids": turn.output_ids, "output_logprobs": turn.output_logprobs,
+                       "versions": turn.versions}}
 
 
 def _event(kind: str, **body) -> str:
@@ -233,13 +231,12 @@ def _event(kind: str, **body) -> str:
 async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
   """The answer as Anthropic's server-sent events: text deltas as tokens arrive, tool uses
   (whole, one `input_json_delta` each) once the turn ends."""
-  req = turn.req
   sent: Optional[str] = None  # the text block's text so far; None while it is not open
   try:
     yield _event("message_start", message={
-        "id": f"msg_{req.request_id}", "type": "message", "role": "assistant", "model": model,
-        "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": len(req.prompt_ids), "output_tokens": 0}})
+        "id": f"msg_{turn.request_id}", "type": "message", "role": "assistant",
+        "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": len(turn.prompt_ids), "output_tokens": 0}})
     async for _ in turn.progress():
       # Trailing white space is held back: before a tool call the answer's text drops it.
       visible = turn.visible_text().rstrip()
@@ -252,7 +249,12 @@ async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
       yield _event("content_block_delta", index=0,
                    delta={"type": "text_delta", "text": visible[len(sent):]})
       sent = visible
-    blocks = content_blocks(turn.finish())
+    try:
+      blocks = content_blocks(turn.finish())
+    except TurnCut as e:  # the status is sent: an error event (the client raises it)
+      yield _event("error", error={"type": _ERROR_TYPES.get(e.status, "api_error"),
+                                   "message": str(e)})
+      return
     index = 0
     if blocks[0]["type"] == "text":
       text = blocks[0]["text"]
@@ -271,7 +273,7 @@ async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
       yield _event("content_block_stop", index=index)
       index += 1
     yield _event("message_delta", delta={"stop_reason": stop_reason(turn), "stop_sequence": None},
-                 usage={"output_tokens": len(req.output_ids)})
+                 usage={"output_tokens": len(turn.output_ids)})
     yield _event("message_stop")
   finally:
     turn.abort_unfinished()

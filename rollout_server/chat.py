@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional
 
 from pydantic import Field
 
@@ -55,17 +55,39 @@ def normalise_messages(messages: list[dict]) -> list[dict]:
   return out
 
 
+class TurnCut(Exception):
+  """A turn the server could not finish: the engine failed (`status` 500) or the request
+  was aborted other than by a weight update (`status` 503: the server stopping, an
+  explicit abort). Never recorded, never shown as the model's answer: the agent must see
+  an infrastructure failure, not a partial turn to be scored."""
+
+  def __init__(self, status: int, message: str):
+    super().__init__(message)
+    self.status = status
+
+
+# A turn that weight updates (`update_mode: abort`) cut again and again is resumed at
+# most this many times, then ends as cut.
+MAX_RESUMES = 8
+
+
 @dataclasses.dataclass
 class ChatTurn:
   """One chat call in flight: its engine request and, once it ends, the assistant message
   parsed from the output (internal form: `content` and OpenAI-shaped `tool_calls`),
   recorded as a turn of the session (once) when first asked for.
 
+  A weight update in abort mode cuts running requests; a chat turn so cut is resumed
+  where it stopped, as a new request (`resubmit`) of its prompt and the tokens sampled so
+  far, with the rest of its token budget and its seed moved on by them (as the white-box
+  agent resumes its turns): the agent gets one whole turn, each token stamped with the
+  version that sampled it. The parts are one turn everywhere (`output_ids`, the record).
+
   `messages` and `tools` are what was rendered into the prompt (internal form); `kind`
   names the gateway in the record; tool calls get ids `{id_prefix}_{request id}_{i}`.
   """
 
-  req: Request
+  req: Request  # the part running now (the last one)
   tokenizer: Tokenizer
   orch: Orchestrator
   _: dataclasses.KW_ONLY
@@ -75,23 +97,94 @@ class ChatTurn:
   session_id: Optional[str]
   kind: str
   id_prefix: str
+  resubmit: Optional[Callable[[list[int], Any], Request]] = None
   _message: Optional[dict] = dataclasses.field(default=None, init=False, repr=False)
+  _parts: list = dataclasses.field(default_factory=list, init=False, repr=False)
+
+  def __post_init__(self):
+    self._parts = [self.req]
+
+  # -- the turn across its parts -----------------------------------------------------------
+
+  @property
+  def request_id(self) -> str:
+    return self._parts[0].request_id
+
+  @property
+  def prompt_ids(self) -> list[int]:
+    return self._parts[0].prompt_ids
+
+  def _joined(self, field: str) -> list:
+    return [x for part in self._parts for x in getattr(part, field)]
+
+  @property
+  def output_ids(self) -> list[int]:
+    return self._joined("output_ids")
+
+  @property
+  def output_logprobs(self) -> list[float]:
+    return self._joined("output_logprobs")
+
+  @property
+  def versions(self) -> list[int]:
+    return self._joined("versions")
+
+  @property
+  def finish_reason(self) -> Optional[str]:
+    return self.req.finish_reason
+
+  def result(self) -> dict:
+    """The record of the whole turn (as `Request.result`, over every part)."""
+    out = self._parts[0].result()
+    for field in ("output_ids", "output_logprobs", "raw_logprobs", "versions"):
+      out[field] = self._joined(field)
+    out.update(finish_reason=self.req.finish_reason, error=self.req.error,
+               resumed=len(self._parts) - 1)
+    return out
+
+  def _resume(self) -> bool:
+    """Submits the next part if a weight update cut the running one; False if it ended."""
+    req, first = self.req, self._parts[0]
+    done = len(self.output_ids)
+    if not (req.finish_reason == "abort" and req.abort_cause == "weight_update"
+            and self.resubmit is not None and len(self._parts) <= MAX_RESUMES
+            and done < first.sampling.max_new_tokens):
+      return False
+    seed = first.sampling.seed
+    sampling = dataclasses.replace(first.sampling,
+                                   max_new_tokens=first.sampling.max_new_tokens - done,
+                                   seed=None if seed is None else seed + done)
+    self.req = self.resubmit(list(first.prompt_ids) + self.output_ids, sampling)
+    self._parts.append(self.req)
+    return True
+
+  async def complete(self, wait: Callable[[Request], Awaitable[None]]) -> None:
+    """Awaits the turn's end (`wait` awaits one request), resuming it across updates."""
+    await wait(self.req)
+    while self._resume():
+      await wait(self.req)
 
   def finish(self) -> dict:
-    """The assistant message of the finished request; records the turn the first time."""
+    """The assistant message of the finished turn; records the turn the first time.
+    Raises `TurnCut` for a turn the server could not finish."""
     if self._message is not None:
       return self._message
     req = self.req
-    ids = req.output_ids
+    if req.finish_reason == "error":
+      raise TurnCut(500, f"the engine failed during this turn: {req.error}")
+    if req.finish_reason == "abort":
+      raise TurnCut(503, "the turn was aborted before it ended (the server stopping, an "
+                         "explicit abort, or more weight updates than it resumes across)")
+    ids = self.output_ids
     if ids and ids[-1] in self.tokenizer.stop_ids:
       ids = ids[:-1]
     text = self.tokenizer.decode(ids)
-    parsed = parse_tool_calls(text, id_prefix=f"{self.id_prefix}_{req.request_id}")
+    parsed = parse_tool_calls(text, id_prefix=f"{self.id_prefix}_{self.request_id}")
     message = {"role": "assistant", "content": parsed.content if parsed.calls else text}
     if parsed.calls:
       message["tool_calls"] = [c.openai() for c in parsed.calls]
     if self.session_id:
-      record = req.result()
+      record = self.result()
       record.update(kind=self.kind, messages=self.messages, tools=self.tools, response=message,
                     tool_call_errors=parsed.errors)
       self.sessions.record(self.session_id, record)
@@ -101,19 +194,22 @@ class ChatTurn:
   def visible_text(self) -> str:
     """The text sampled so far that a stream may show: up to the first tool-call marker,
     less a trailing incomplete UTF-8 character (U+FFFD) and stop tokens."""
-    ids = [t for t in self.req.output_ids if t not in self.tokenizer.stop_ids]
+    ids = [t for t in self.output_ids if t not in self.tokenizer.stop_ids]
     text = self.tokenizer.decode(ids)
     cut = text.find(OPEN)
     return (text if cut < 0 else text[:cut]).rstrip("\ufffd")
 
   async def progress(self) -> AsyncIterator[None]:
-    """Yields after each batch of new tokens, until the request ends."""
+    """Yields after each batch of new tokens, until the turn ends (across resumes)."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    self.req.add_listener(lambda r, n: loop.call_soon_threadsafe(queue.put_nowait, n))
-    while not self.req.done:
-      await queue.get()
-      yield
+    while True:
+      req, queue = self.req, asyncio.Queue()
+      req.add_listener(lambda r, n: loop.call_soon_threadsafe(queue.put_nowait, n))
+      while not req.done:
+        await queue.get()
+        yield
+      if not self._resume():
+        return
 
   def abort_unfinished(self) -> None:
     """Frees the request's slot if it is still running (its stream's client went away)."""

@@ -59,6 +59,9 @@ class Request:
   versions: list[int] = dataclasses.field(default_factory=list)
   finish_reason: Optional[str] = None
   error: Optional[str] = None
+  # Why an aborted request was aborted: "weight_update" (update_mode abort: the caller
+  # may resume it, see `continuation`), else None (an explicit abort, the server stopping).
+  abort_cause: Optional[str] = None
   prefix_hit_tokens: int = 0
   pages: list[int] = dataclasses.field(default_factory=list, repr=False)
   prefilled: int = 0  # prompt positions in the pool
@@ -346,6 +349,7 @@ class Orchestrator:
       upd.report["in_flight"] = sum(r is not None for r in self._slots)
       if upd.mode == "abort":
         for req in [r for r in self._slots if r is not None]:
+          req.abort_cause = "weight_update"
           self._end(req, "abort")
     if any(r is not None for r in self._slots):
       return  # draining: keep decoding until the running requests finish

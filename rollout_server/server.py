@@ -40,7 +40,7 @@ from jaxagent.config import ServerConfig
 from jaxagent.tokenizer import Tokenizer
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
-                                 normalise_messages)
+                                 TurnCut, normalise_messages)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request
 from rollout_server.sessions import SessionStore
@@ -374,7 +374,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     # A session records the policy's turns only: another model's are not its actions.
     return ChatTurn(req, tok, on, messages=messages, tools=tools, sessions=sessions,
                     session_id=session_id if m is None else None, kind=kind,
-                    id_prefix=id_prefix)
+                    id_prefix=id_prefix,
+                    resubmit=lambda ids, s: submit(ids, s, None, session_id, on))
 
   @app.post("/v1/chat/completions")
   async def chat(body: ChatBody, http: HttpRequest):
@@ -389,38 +390,39 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     session_id = body.session_id or http.headers.get(SESSION_HEADER)
     turn = start_chat(body.messages, body.tools, _sampling(body, max_new, stops), session_id,
                       kind="chat", id_prefix="call", model=body.model)
-    req = turn.req
     created = int(time.time())
-    cid = f"chatcmpl-{req.request_id}"
+    cid = f"chatcmpl-{turn.request_id}"
 
     def finish() -> tuple[dict, str]:
-      message = turn.finish()
-      reason = {"stop": "stop", "length": "length"}.get(req.finish_reason, req.finish_reason)
-      if message.get("tool_calls") and req.finish_reason == "stop":
-        reason = "tool_calls"
+      message = turn.finish()  # (TurnCut for a turn the server could not finish)
+      reason = "tool_calls" if message.get("tool_calls") and turn.finish_reason == "stop" \
+          else turn.finish_reason
       return message, reason
 
     def usage() -> dict:
-      return {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-              "total_tokens": len(req.prompt_ids) + len(req.output_ids)}
+      prompt, out = len(turn.prompt_ids), len(turn.output_ids)
+      return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
     def logprobs() -> Optional[dict]:
       if not body.logprobs:
         return None
       return {"content": [{"token": turn.tokenizer.decode([t]), "logprob": lp,
                            "top_logprobs": []}
-                          for t, lp in zip(req.output_ids, req.output_logprobs)]}
+                          for t, lp in zip(turn.output_ids, turn.output_logprobs)]}
 
     if not body.stream:
-      await run(req, http, turn.orch)
-      message, reason = finish()
+      await turn.complete(lambda r: run(r, http, turn.orch))
+      try:
+        message, reason = finish()
+      except TurnCut as e:
+        raise HTTPException(e.status, str(e))
       return {"id": cid, "object": "chat.completion", "created": created,
               "model": body.model or model_name,
               "choices": [{"index": 0, "message": message, "finish_reason": reason,
                            "logprobs": logprobs()}],
               "usage": usage(),
-              "jaxagent": {"request_id": req.request_id, "versions": req.versions,
-                           "prompt_ids": req.prompt_ids, "output_ids": req.output_ids}}
+              "jaxagent": {"request_id": turn.request_id, "versions": turn.versions,
+                           "prompt_ids": turn.prompt_ids, "output_ids": turn.output_ids}}
 
     return StreamingResponse(_stream_chat(turn, cid, created, body.model or model_name,
                                           finish, usage),
@@ -440,8 +442,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     if body.stream:
       return StreamingResponse(anthropic_api.stream_events(turn, body.model),
                                media_type="text/event-stream")
-    await run(turn.req, http, turn.orch)
-    return anthropic_api.message_body(turn, body.model)
+    await turn.complete(lambda r: run(r, http, turn.orch))
+    try:
+      return anthropic_api.message_body(turn, body.model)
+    except TurnCut as e:
+      raise HTTPException(e.status, str(e))
 
   app.include_router(messages_api)
   return app
@@ -463,7 +468,11 @@ async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
       if len(visible) > len(sent) and visible.startswith(sent):
         yield chunk({"content": visible[len(sent):]})
         sent = visible
-    message, reason = finish()
+    try:
+      message, reason = finish()
+    except TurnCut as e:  # the status is sent: an error event (the client raises it)
+      yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"
+      return
     if message.get("tool_calls"):
       yield chunk({"tool_calls": [dict(c, index=i) for i, c in
                                   enumerate(message["tool_calls"])]})

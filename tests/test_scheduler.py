@@ -269,6 +269,24 @@ def test_make_batch_advantages_and_packing(estimator):
   assert batch.tokens.shape == (2, 32)  # six 8-token segments fill two rows exactly
 
 
+def test_a_segment_longer_than_a_row_trains_its_first_tokens_not_nothing():
+  """A long failure beside a short success: dropped, it would still lower the group's
+  baseline (pushing the success up) while never being pushed down itself, so running
+  long would hide a loss (red-team). It trains its first seq_len tokens."""
+  from jaxagent.scheduler import Group
+
+  g = Group(0, 0)
+  g.episodes = [episode(0, "win", "g", reward=1.0), episode(0, "lose", "g", reward=0.0,
+                                                            turns=8)]
+  assert len(g.episodes[1].segments[0]) > 16 >= len(g.episodes[0].segments[0])
+  batch, info = make_batch([g], AdvantageConfig(estimator="grpo", scale_by_std=False),
+                           rows=2, seq_len=16, pad_id=0)
+  assert info["segments"] == 2 and info["too_long"] == 1
+  adv = batch.advantages[batch.loss_mask > 0]
+  assert sorted(set(np.round(adv, 4))) == [-0.5, 0.5]
+  assert (batch.segment_ids > 0).sum() == 16 + len(g.episodes[0].segments[0])
+
+
 def test_batches_carry_each_tokens_policy_version():
   from jaxagent.metrics import token_staleness_metrics
   from jaxagent.scheduler import Group

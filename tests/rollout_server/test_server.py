@@ -216,8 +216,12 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
   assert store.pop("b") is not None and store.bytes == 0 and size > 0
 
 
-def test_metrics_and_health(server):
+def test_metrics_and_health(server, tokenizer):
   srv, _ = server
+  prompt = tokenizer.apply_chat_template(MEMORISED[1][0])  # one finished request at least
+  assert client(srv).post("/generate", json={
+      "input_ids": prompt, "max_new_tokens": 30, "temperature": 0,
+      "stop_token_ids": list(tokenizer.stop_ids)}).json()["finish_reason"] == "stop"
   text = client(srv).get("/metrics").text
   for name in ("rollout_queue_length", "rollout_live_slots", "rollout_tokens_per_second",
                "rollout_prefix_cache_hit_rate", "rollout_time_to_first_token_seconds_bucket",
@@ -333,3 +337,72 @@ def test_models_served_beside_the_policy(random_params, memorised_params, tokeni
   finally:
     for m in models.values():
       m.orch.stop()
+
+
+def test_a_chat_turn_cut_by_a_weight_update_is_resumed_whole(random_params, tokenizer):
+  """`update_mode: abort` cuts running requests. A gateway turn so cut is resumed on the
+  server where it stopped: the agent gets one whole turn (not a partial one to be
+  scored as the policy's answer: a red-team finding), each token stamped with the
+  version that sampled it, recorded once with every part's tokens and log-probs."""
+  with running_server(random_params, tokenizer, version=3) as (srv, orch):
+    out = {}
+
+    def chat():
+      out["r"] = client(srv).post("/v1/chat/completions", headers={"x-session-id": "s1"},
+                                  json={"messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 400, "seed": 5}).json()
+
+    t = threading.Thread(target=chat)
+    t.start()
+    deadline = time.time() + 60
+    while orch.stats()["tokens_generated"] < 3 and time.time() < deadline:
+      time.sleep(0.002)
+    new = {k: v * 1.5 for k, v in random_params.items()}
+    report = orch.update_weights(orch.engine.load_params(new, version=4), mode="abort")
+    t.join(120)
+    assert report["in_flight"] == 1
+    r = out["r"]
+    assert r["choices"][0]["finish_reason"] in ("stop", "length"), r
+    ids, versions = r["jaxagent"]["output_ids"], r["jaxagent"]["versions"]
+    assert len(ids) == len(versions) and set(versions) == {3, 4}
+    assert versions == sorted(versions)  # the old version's tokens, then the new one's
+    (turn,) = client(srv).get("/sessions/s1").json()["turns"]
+    assert turn["output_ids"] == ids and turn["versions"] == versions
+    assert len(turn["output_logprobs"]) == len(ids) and turn["resumed"] == 1
+    assert turn["prompt_ids"] == r["jaxagent"]["prompt_ids"]
+
+
+def test_a_chat_turn_the_server_could_not_finish_is_an_error_not_an_answer(random_params,
+                                                                            tokenizer):
+  """A turn the engine failed in (finish `error`) or that was aborted other than by a
+  weight update answers 500 / 503, in a stream an error event the client raises, and is
+  not recorded: a partial turn must not reach the environment as the policy's answer."""
+  with running_server(random_params, tokenizer, version=3) as (srv, orch):
+    submit = orch.submit
+    cut = {"how": "fail"}
+
+    def cutting(prompt, sampling, **kw):  # the turn is cut after two tokens
+      req = submit(prompt, sampling, **kw)
+
+      def at_two(r, n):
+        if n >= 2 and not r.done:
+          if cut["how"] == "fail":
+            raise RuntimeError("simulated device failure")
+          orch.abort(r.request_id)  # an explicit abort (POST /abort does the same)
+
+      req.add_listener(at_two)
+      return req
+
+    orch.submit = cutting
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}
+    r = client(srv).post("/v1/chat/completions", headers={"x-session-id": "s2"}, json=body)
+    assert r.status_code == 500 and "engine failed" in r.text
+    oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+    with pytest.raises(openai.APIError, match="engine failed"):
+      for _ in oai.chat.completions.create(model="m", stream=True, extra_headers={
+          "x-session-id": "s2"}, **body):
+        pass
+    cut["how"] = "abort"
+    r = client(srv).post("/v1/chat/completions", headers={"x-session-id": "s2"}, json=body)
+    assert r.status_code == 503 and "aborted" in r.text
+    assert client(srv).get("/sessions/s2").status_code == 404  # nothing was recorded
