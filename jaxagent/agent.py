@@ -30,7 +30,7 @@ from typing import Any, Optional
 from envs.base import trained_rewards
 from envs import waits
 from jaxagent.config import AgentConfig
-from jaxagent.errors import InfraError
+from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
 from jaxagent.wal import EpisodeLog, Replay, observation_hash
@@ -330,8 +330,17 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
                                   seed=_seed(seed_session, turn))
         t0 = time.perf_counter()
         wait_on("server")
-        record = await _generate(engine, prompt, sampling, session_id, cfg.turn_deadline_s,
-                                 cfg.turn_retries)
+        try:
+          record = await _generate(engine, prompt, sampling, session_id, cfg.turn_deadline_s,
+                                   cfg.turn_retries)
+        except InfraError as e:
+          if e.kind != "prompt_too_long":
+            raise
+          # The conversation outgrew what the engine takes (its max_prefill_length below
+          # max_context_tokens): the policy's length, so a truncation, scored; a drop
+          # would re-roll every episode that ran long.
+          status, reason = "truncated", "token_cap"
+          return
         wait_on("env")
         ep.generate_s += time.perf_counter() - t0
       if log is not None:  # the commit, before the environment sees the action
@@ -598,6 +607,19 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
+
+  async def truncated(reason: str) -> None:
+    """The episode ended by its own doing before its answer: trained as a fail."""
+    ep.status, ep.reason = "truncated", reason
+    ep.verdict = {"status": "fail", "reward": 0.0}
+    try:  # the turns it played still carry the score: stalling must not hide them
+      turns = await _take_session(gateway_url, session_id)
+      ep.turn_rewards = [0.0] * len(turns)
+      _segments_from_session(ep, turns, task, cfg, tokenizer)
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+      ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
+          "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
+
   try:
     ep.turn_rewards = await asyncio.wait_for(BLACKBOX_AGENTS[api](
         env, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
@@ -613,20 +635,16 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       ep.status, ep.reason = "truncated", "turn_cap"
     _segments_from_session(ep, turns, task, cfg, tokenizer)
   except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
-    ep.status, ep.reason = "truncated", "episode_deadline"
-    ep.verdict = {"status": "fail", "reward": 0.0}
-    try:  # the turns it played still carry the score: stalling must not hide them
-      turns = await _take_session(gateway_url, session_id)
-      ep.turn_rewards = [0.0] * len(turns)
-      _segments_from_session(ep, turns, task, cfg, tokenizer)
-    except (httpx.HTTPError, KeyError, ValueError) as e:
-      ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
-          "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
+    await truncated("episode_deadline")
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
-  except _gateway_errors(api) as e:  # the gateway failed (down, overloaded, cut)
-    ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
-        "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
+  except _gateway_errors(api) as e:
+    said = f"{e} {getattr(e, 'body', '')}"
+    if getattr(e, "status_code", None) == 400 and PROMPT_TOO_LONG in said:
+      await truncated("token_cap")  # the conversation outgrew the engine: its own length
+    else:  # the gateway failed (down, overloaded, cut)
+      ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
+          "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
   finally:
     try:
       await env.close()

@@ -17,3 +17,9 @@ class InfraError(RuntimeError):
   def __init__(self, kind: str, message: str = ""):
     super().__init__(f"{kind}: {message}" if message else kind)
     self.kind = kind
+
+
+# How every refusal of a prompt for its length begins, in the error of any server or
+# gateway: the agent reads it as the conversation outgrowing the context (the policy's
+# own truncation, scored), never as the infrastructure failing.
+PROMPT_TOO_LONG = "prompt is too long"

@@ -16,10 +16,10 @@ from typing import Optional
 
 import httpx
 
-from jaxagent.errors import InfraError
+from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
-from rollout_server.orchestrator import Orchestrator, QueueFull, Request
+from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request
 
 
 class GenerateError(InfraError):
@@ -79,7 +79,9 @@ class LocalClient:
       req = orch.submit(prompt_ids, sampling, session_id=session_id)
     except QueueFull as e:
       raise GenerateError(str(e), "server_overload") from e
-    except ValueError as e:  # e.g. a prompt longer than the engine takes
+    except PromptTooLong as e:  # the conversation outgrew the engine: not the server's fault
+      raise GenerateError(str(e), "prompt_too_long") from e
+    except ValueError as e:
       raise GenerateError(str(e), "request_refused") from e
     except RuntimeError as e:
       raise GenerateError(str(e)) from e
@@ -139,6 +141,7 @@ class HttpClient:
       raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
     if r.status_code != 200:
       kind = ("server_overload" if r.status_code == 503 else
+              "prompt_too_long" if r.status_code == 400 and PROMPT_TOO_LONG in r.text else
               "request_refused" if r.status_code < 500 else "server")
       raise GenerateError(f"{self.url}/generate: {r.status_code}: {r.text[:500]}", kind)
     out = r.json()

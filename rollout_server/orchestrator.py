@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 
+from jaxagent.errors import PROMPT_TOO_LONG
 from rollout_server.engine import Engine, HostResult, PrefillRequest, SamplingParams
 from rollout_server.pages import OutOfPages, PageAllocator, PagedPrefixCache
 
@@ -43,6 +44,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class QueueFull(RuntimeError):
   pass
+
+
+class PromptTooLong(ValueError):
+  """A prompt longer than the engine takes (`max_prefill_length`)."""
 
 
 @dataclasses.dataclass
@@ -213,8 +218,8 @@ class Orchestrator:
     if bad:
       raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     if len(prompt) > self.engine.max_prefill_length:
-      raise ValueError(f"prompt has {len(prompt)} tokens; the limit (max_prefill_length) is "
-                       f"{self.engine.max_prefill_length}")
+      raise PromptTooLong(f"{PROMPT_TOO_LONG}: {len(prompt)} tokens; the limit "
+                          f"(max_prefill_length) is {self.engine.max_prefill_length}")
     sampling.validate(vocab)
     need = self.engine.pages_for(min(len(prompt) + sampling.max_new_tokens,
                                      self.engine.max_seq_len))

@@ -185,7 +185,11 @@ def test_an_overloaded_server_is_infrastructure(random_params):
   assert e.value.kind == "server_overload"
   with pytest.raises(GenerateError) as e:
     asyncio.run(client.generate([1] * 5000, SamplingParams(max_new_tokens=2)))
-  assert e.value.kind == "request_refused" and "max_prefill_length" in str(e.value)
+  # (a prompt too long is its own kind: the agent scores it as the policy's truncation)
+  assert e.value.kind == "prompt_too_long" and "max_prefill_length" in str(e.value)
+  with pytest.raises(GenerateError) as e:
+    asyncio.run(client.generate([1, 2], SamplingParams(max_new_tokens=2, temperature=-1)))
+  assert e.value.kind == "request_refused"
 
 
 def test_aborted_turn_is_resumed_as_one_turn():
@@ -375,6 +379,29 @@ def test_a_blackbox_agent_that_runs_out_the_clock_is_trained_as_a_fail(random_pa
   assert ep.turns >= 1 and ep.segments
   assert sum(s.num_action_tokens for s in ep.segments) > 0
   assert all(s.reward == 0.0 for s in ep.segments)
+
+
+def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(random_params):
+  """An engine that takes shorter prompts than agent.max_context_tokens refuses a turn
+  once the conversation outgrows it: that is the policy's length, a scored truncation
+  (before: an infrastructure error, so every episode that ran long was re-rolled; a
+  red-team finding), through the in-process client and through the gateway alike."""
+  from rollout_server.client import LocalClient
+  from tests.rollout_server.conftest import make_engine, running_server
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3)  # max_context_tokens 1024
+  with running_server(random_params, TOK, version=4,
+                      engine=make_engine(max_prefill_length=64)) as (srv, orch):
+    white = asyncio.run(run_whitebox(make("guess_number"), task,
+                                     LocalClient(orch, orch.engine), TOK, config,
+                                     session_id="wb", group_id="g"))
+    black = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                     session_id="bb", group_id="g"))
+  for ep in (white, black):
+    assert (ep.status, ep.reason) == ("truncated", "token_cap") and not ep.infra_error
+    assert ep.reward == 0.0 and 1 <= ep.turns < 8
+    assert sum(s.num_action_tokens for s in ep.segments) > 0
 
 
 @pytest.fixture(scope="module")
