@@ -439,8 +439,8 @@ def _tool_call_text(name: str, arguments: str) -> str:
 
 
 async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
-                           max_turns: int = 8, max_tokens: int = 32,
-                           temperature: float = 1.0) -> list[float]:
+                           max_turns: int = 8, max_tokens: int = 32, temperature: float = 1.0,
+                           top_p: float = 1.0, top_k: int = 0) -> list[float]:
   """An agent written only against the official `openai` client (it knows nothing of
   token ids): chat with the gateway, hand each reply to the environment.
 
@@ -457,8 +457,9 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
     for _ in range(max_turns):
       kwargs = {"tools": obs.tools} if obs.tools else {}
       resp = await client.chat.completions.create(model=model, messages=messages,
-                                                  max_tokens=max_tokens,
-                                                  temperature=temperature, **kwargs)
+                                                  max_tokens=max_tokens, temperature=temperature,
+                                                  top_p=top_p, extra_body={"top_k": top_k},
+                                                  **kwargs)
       msg = resp.choices[0].message
       text = msg.content or ""
       # hand the raw call text back in the template's format
@@ -508,12 +509,13 @@ def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
 
 async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
                               model: str = "policy", max_turns: int = 8, max_tokens: int = 32,
-                              temperature: float = 1.0) -> list[float]:
+                              temperature: float = 1.0, top_p: float = 1.0,
+                              top_k: int = 0) -> list[float]:
   """An agent written only against the official `anthropic` client: Anthropic's messages,
   its replies' content blocks sent back as they came, `tool_use` answered by
   `tool_result`. Each reply goes to the environment as text (its tool uses in the
-  template's tool-call format). The temperature goes as an extra body field (recent
-  clients have no argument for it).
+  template's tool-call format). The sampling goes as extra body fields (recent clients
+  have no argument for the temperature).
 
   Returns the per-turn rewards; the trajectory is read back from the server.
   """
@@ -531,7 +533,9 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
                           "input_schema": t["function"]["parameters"]} for t in obs.tools]
     for _ in range(max_turns):
       resp = await client.messages.create(model=model, messages=messages, max_tokens=max_tokens,
-                                          extra_body={"temperature": temperature}, **kwargs)
+                                          extra_body={"temperature": temperature,
+                                                      "top_p": top_p, "top_k": top_k},
+                                          **kwargs)
       uses = [b for b in resp.content if b.type == "tool_use"]
       text = "".join(b.text for b in resp.content if b.type == "text")
       text += "".join(_tool_call_text(b.name, json.dumps(b.input)) for b in uses)
@@ -583,10 +587,30 @@ async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
   return turns
 
 
+class SamplingMismatch(Exception):
+  """A black-box agent sampled turns otherwise than the run's `agent` sampling says."""
+
+
+def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None:
+  """Every recorded turn was sampled as the run trains (temperature, top_p, top_k): the
+  learner scores tokens at `agent.temperature` against the recorded log-probs, so a
+  harness sampling its own way (greedy: log-prob 0 for every token) would train on
+  another distribution's ratios. A harness that does is a bug: it stops the run."""
+  want = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+  for i, t in enumerate(turns):
+    got = {k: (t.get("sampling") or {}).get(k) for k in want}
+    if any(got[k] is None or abs(float(got[k]) - float(v)) > 1e-6 for k, v in want.items()):
+      raise SamplingMismatch(
+          f"turn {i} of black-box session {session_id} was sampled with "
+          f"{got}; the run trains at agent {want}: the agent must pass the run's sampling "
+          "to the gateway")
+
+
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
                            tokenizer: Optional[Tokenizer]) -> None:
   """Fills `ep`'s turn counts and segments from the server's record of its session,
   with the episode's outcome (status, rewards, verdict) as it stands."""
+  check_sampling(turns, cfg, ep.session_id)
   ep.turns = len(turns)
   ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
   ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
@@ -623,7 +647,8 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   try:
     ep.turn_rewards = await asyncio.wait_for(BLACKBOX_AGENTS[api](
         env, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
-        max_tokens=cfg.max_new_tokens, temperature=cfg.temperature), cfg.episode_deadline_s)
+        max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k), cfg.episode_deadline_s)
     ep.verdict = (await env.verify()).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)

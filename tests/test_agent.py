@@ -404,6 +404,34 @@ def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(rando
     assert sum(s.num_action_tokens for s in ep.segments) > 0
 
 
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monkeypatch):
+  """The built-in agents pass the run's temperature, top_p and top_k, and the record
+  says so; a harness that samples its own way (greedy: log-prob 0 for every token, a
+  red-team finding) stops the run with the turn and values named, instead of training
+  on another distribution's log-probs."""
+  from jaxagent import agent as agent_mod
+  from jaxagent.agent import SamplingMismatch
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 2})
+  config = AgentConfig(max_turns=2, max_new_tokens=3, temperature=0.8, top_p=0.9, top_k=50)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="bb-ok", group_id="g", api=api))
+    assert not ep.infra_error and ep.segments, ep.reason
+    assert ep.segments[0].meta_versions["sampling"]["top_k"] == 50
+    own_way = agent_mod.BLACKBOX_AGENTS[api]
+
+    async def greedy(*args, **kw):
+      return await own_way(*args, **{**kw, "temperature": 0.0})
+
+    monkeypatch.setitem(agent_mod.BLACKBOX_AGENTS, api, greedy)
+    with pytest.raises(SamplingMismatch, match="turn 0 of black-box session bb-greedy.*0.0"):
+      asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                               session_id="bb-greedy", group_id="g", api=api))
+
+
 @pytest.fixture(scope="module")
 def random_params():
   import jax
