@@ -556,10 +556,24 @@ BLACKBOX_AGENTS = {"openai": run_openai_agent, "anthropic": run_anthropic_agent}
 
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
                     **outcome: Any) -> list[Segment]:
-  """Segments from the turns a server recorded for a session (`GET /sessions/{id}`)."""
+  """Segments from the turns a server recorded for a session (`GET /sessions/{id}`).
+
+  A black-box agent may call the gateway more than once for one environment step (a
+  retry, a best-of-n): the replies it left train nothing (`TrajectoryManager.abandoned`),
+  and turn ids count the steps the kept replies made (the calls, less those left), so
+  per-turn rewards land on the turns that earned them."""
+  records = [TurnRecord.from_result(t) for t in turns]
+  probe = TrajectoryManager(session_id)
+  for r in records:
+    probe.add_turn(r)
+  left = probe.abandoned()
+  steps, step = [], 0
+  for i, t in enumerate(turns):
+    steps.append(t["turn"] if t.get("turn") is not None else step)
+    step += i not in left
   manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id)
-  for t in turns:
-    manager.add_turn(TurnRecord.from_result(t), t.get("turn"))
+  for r, turn in zip(records, steps):
+    manager.add_turn(r, turn)
   return manager.segments(**outcome)
 
 

@@ -338,6 +338,22 @@ class TrajectoryManager:
       best = same[-1] if same else None
     return best
 
+  def abandoned(self) -> set[int]:
+    """Node ids of turns sampled again from the same prompt and then left (a harness's
+    retry, a best-of-n that kept one reply): they led nowhere, so the episode's outcome
+    is not theirs and they train nothing. Of siblings with one prompt, those a later turn
+    continues are kept, else the last one."""
+    siblings: dict[tuple, list[_Node]] = {}
+    for n in self.nodes:
+      key = (n.parent.id if n.parent is not None else -1, n.record.agent_role,
+             tuple(n.record.prompt_ids))
+      siblings.setdefault(key, []).append(n)
+    out = set()
+    for group in siblings.values():
+      kept = [n for n in group if n.children] or group[-1:]
+      out.update(n.id for n in group if n not in kept)
+    return out
+
   def paths(self) -> list[list[_Node]]:
     out = []
 
@@ -354,7 +370,7 @@ class TrajectoryManager:
 
   def segments(self, **outcome: Any) -> list[Segment]:
     """Linearises every branch; `outcome` (status, reason, reward, ...) goes on each segment."""
-    trained: set[int] = set()
+    trained: set[int] = self.abandoned()  # (their tokens stay, as context, untrained)
     node_segment: dict[int, str] = {}
     result: list[Segment] = []
     counter = 0

@@ -147,18 +147,45 @@ def test_branches_share_a_prefix_and_train_it_once():
   assert a == 0
 
 
-def test_two_samples_from_one_prompt_are_siblings_both_trained():
+def test_two_samples_from_one_prompt_are_siblings_and_the_one_left_trains_nothing():
   """Turns recorded by tokens alone (no messages), sampled twice from the same prompt:
-  neither is mounted under the other, so no sampled token is cut away."""
+  neither is mounted under the other, so no sampled token is cut away. The sample that
+  nothing continued (a harness's retry, a best-of-n) did not lead to the episode's
+  outcome: it trains nothing (before, a rejected reply was reinforced with the chosen
+  one's reward: a red-team finding)."""
   m = TrajectoryManager("s")
   m.add_turn(turn([1, 2, 3, 4], [10, 11]))
   m.add_turn(turn([1, 2, 3, 4], [20, 21]))
   m.add_turn(turn([1, 2, 3, 4, 20, 21, 5], [30]))  # continues the second sample
+  assert m.abandoned() == {0}
   first, second = m.segments()
   assert first.tokens.tolist() == [1, 2, 3, 4, 10, 11] and first.decisions == [CLEAN]
+  assert first.loss_mask.sum() == 0
   assert second.tokens.tolist() == [1, 2, 3, 4, 20, 21, 5, 30]
   assert second.decisions == [CLEAN, CLEAN] and second.parent_segment_id is None
-  assert first.loss_mask.sum() + second.loss_mask.sum() == 5  # every sampled token, once
+  assert second.loss_mask.tolist() == [0, 0, 0, 0, 1, 1, 0, 1]
+  # Nothing continues either: the last one is the reply that was kept.
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2], [10]))
+  m.add_turn(turn([1, 2], [20]))
+  assert m.abandoned() == {0}
+
+
+def test_a_blackbox_retry_trains_nothing_and_turns_count_the_steps():
+  """A session where the harness asked twice for its first step, kept the second reply
+  and went on: the first reply trains nothing, and turn ids count environment steps
+  (0, 1), not gateway calls (0, 1, 2), so per-turn credit lands where it was earned."""
+  from jaxagent.agent import collect_session
+
+  def rec(prompt, out):
+    return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-1.0] * len(out),
+            "versions": [1] * len(out), "finish_reason": "stop"}
+
+  turns = [rec([1, 2], [10]), rec([1, 2], [20]), rec([1, 2, 20, 5], [30])]
+  (seg_left, seg) = collect_session(turns, session_id="s", task_id="t")
+  assert seg_left.num_action_tokens == 0
+  assert seg.tokens.tolist() == [1, 2, 20, 5, 30]
+  assert seg.turn_ids[seg.loss_mask > 0].tolist() == [0, 1]
 
 
 def test_dump_and_replay_give_the_same_batch(tmp_path):
