@@ -211,10 +211,22 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
   record = await call(prompt, sampling)
   for _ in range(4):
     if record.finish_reason != "abort" or len(record.output_ids) >= sampling.max_new_tokens:
-      break
+      return record
     rest = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(
         record.output_ids), seed=sampling.seed + len(record.output_ids))
-    record = _merge(record, await call(prompt + record.output_ids, rest))
+    try:
+      part = await call(prompt + record.output_ids, rest)
+    except InfraError as e:
+      if e.kind != "prompt_too_long":
+        raise
+      # The prompt with the cut turn's tokens is past what the engine prefills: without
+      # the update the turn would have gone on, so this is not the policy's length.
+      raise InfraError("server", f"a turn cut by a weight update cannot be resumed: {e}"
+                       ) from None
+    record = _merge(record, part)
+  if record.finish_reason == "abort" and len(record.output_ids) < sampling.max_new_tokens:
+    # Never a partial turn as the policy's answer.
+    raise InfraError("server", "a turn was cut by weight updates more often than it resumes")
   return record
 
 

@@ -154,12 +154,19 @@ class ChatTurn:
     sampling = dataclasses.replace(first.sampling,
                                    max_new_tokens=first.sampling.max_new_tokens - done,
                                    seed=None if seed is None else seed + done)
-    self.req = self.resubmit(list(first.prompt_ids) + self.output_ids, sampling)
+    try:
+      self.req = self.resubmit(list(first.prompt_ids) + self.output_ids, sampling)
+    except Exception as e:  # refused (the prompt with the cut turn is too long, a full
+      # queue): the update's doing, never the policy's; the turn is cut
+      detail = getattr(e, "detail", None) or e
+      raise TurnCut(503, f"a turn cut by a weight update could not be resumed: {detail}"
+                    ) from None
     self._parts.append(self.req)
     return True
 
   async def complete(self, wait: Callable[[Request], Awaitable[None]]) -> None:
-    """Awaits the turn's end (`wait` awaits one request), resuming it across updates."""
+    """Awaits the turn's end (`wait` awaits one request), resuming it across updates;
+    `TurnCut` when a resume is refused."""
     await wait(self.req)
     while self._resume():
       await wait(self.req)
@@ -200,7 +207,8 @@ class ChatTurn:
     return (text if cut < 0 else text[:cut]).rstrip("\ufffd")
 
   async def progress(self) -> AsyncIterator[None]:
-    """Yields after each batch of new tokens, until the turn ends (across resumes)."""
+    """Yields after each batch of new tokens, until the turn ends (across resumes);
+    `TurnCut` when a resume is refused."""
     loop = asyncio.get_running_loop()
     while True:
       req, queue = self.req, asyncio.Queue()

@@ -411,8 +411,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                           for t, lp in zip(turn.output_ids, turn.output_logprobs)]}
 
     if not body.stream:
-      await turn.complete(lambda r: run(r, http, turn.orch))
       try:
+        await turn.complete(lambda r: run(r, http, turn.orch))
         message, reason = finish()
       except TurnCut as e:
         raise HTTPException(e.status, str(e))
@@ -442,8 +442,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     if body.stream:
       return StreamingResponse(anthropic_api.stream_events(turn, body.model),
                                media_type="text/event-stream")
-    await turn.complete(lambda r: run(r, http, turn.orch))
     try:
+      await turn.complete(lambda r: run(r, http, turn.orch))
       return anthropic_api.message_body(turn, body.model)
     except TurnCut as e:
       raise HTTPException(e.status, str(e))
@@ -463,12 +463,12 @@ async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
   sent = ""
   try:
     yield chunk({"role": "assistant", "content": ""})
-    async for _ in turn.progress():
-      visible = turn.visible_text()
-      if len(visible) > len(sent) and visible.startswith(sent):
-        yield chunk({"content": visible[len(sent):]})
-        sent = visible
     try:
+      async for _ in turn.progress():
+        visible = turn.visible_text()
+        if len(visible) > len(sent) and visible.startswith(sent):
+          yield chunk({"content": visible[len(sent):]})
+          sent = visible
       message, reason = finish()
     except TurnCut as e:  # the status is sent: an error event (the client raises it)
       yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"

@@ -192,6 +192,25 @@ def test_an_overloaded_server_is_infrastructure(random_params):
   assert e.value.kind == "request_refused"
 
 
+def test_a_cut_turn_that_cannot_be_resumed_is_infrastructure():
+  """A turn cut by a weight update whose resume the engine refuses as too long (the
+  prompt with the cut turn's tokens past max_prefill_length) is the update's doing: an
+  infrastructure error, not the policy's token_cap (a review finding)."""
+  from rollout_server.client import GenerateError
+
+  class Refusing(ScriptedEngine):
+    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+      if self.prompts:  # the resume
+        raise GenerateError("prompt is too long: 999 tokens", "prompt_too_long")
+      return await super().generate(prompt_ids, sampling, session_id, model)
+
+  task = TaskSpec("t", "guess_number", {"secret": 11})
+  ep = asyncio.run(run_whitebox(make("guess_number"), task, Refusing(["1"], abort_first=True),
+                                TOK, AgentConfig(max_turns=3, max_new_tokens=4),
+                                session_id="s", group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "server" and "cannot be resumed" in ep.reason
+
+
 def test_aborted_turn_is_resumed_as_one_turn():
   # The turn is "1" (aborted, version 4) + "1" (resumed, version 5): the guess 11.
   ep, engine = play(["1"], TaskSpec("t", "guess_number", {"secret": 11}), abort_first=True)

@@ -372,6 +372,38 @@ def test_a_chat_turn_cut_by_a_weight_update_is_resumed_whole(random_params, toke
     assert turn["prompt_ids"] == r["jaxagent"]["prompt_ids"]
 
 
+def test_a_cut_turn_the_server_cannot_resume_is_cut_not_too_long(tokenizer):
+  """Resuming resubmits the prompt with the tokens sampled so far; the engine may refuse
+  that as too long (its max_prefill_length). Without the update the turn would have
+  gone on: a cut turn (503), never the 400 'prompt is too long' that an agent scores
+  as the policy's own length (a review finding)."""
+  import asyncio
+
+  from fastapi import HTTPException
+
+  from rollout_server.chat import ChatTurn, TurnCut
+  from rollout_server.engine import SamplingParams
+  from rollout_server.orchestrator import Request
+
+  first = Request(list(range(500)), SamplingParams(max_new_tokens=256, seed=1), "r1")
+  first.output_ids, first.output_logprobs, first.versions = [65] * 40, [-0.1] * 40, [3] * 40
+  first.finish_reason, first.abort_cause = "abort", "weight_update"
+  first._done.set()
+
+  def refuse(ids, sampling):
+    assert len(ids) == 540 and sampling.max_new_tokens == 216 and sampling.seed == 41
+    raise HTTPException(400, "prompt is too long: 540 tokens; the limit is 512")
+
+  async def wait(req):
+    pass
+
+  turn = ChatTurn(first, tokenizer, None, messages=[], tools=None, sessions=None,
+                  session_id="s", kind="chat", id_prefix="call", resubmit=refuse)
+  with pytest.raises(TurnCut) as cut:
+    asyncio.run(turn.complete(wait))
+  assert cut.value.status == 503 and "could not be resumed" in str(cut.value)
+
+
 def test_a_chat_turn_the_server_could_not_finish_is_an_error_not_an_answer(random_params,
                                                                             tokenizer):
   """A turn the engine failed in (finish `error`) or that was aborted other than by a
