@@ -13,8 +13,11 @@ slot) are not charged to a call's deadline (other episodes' load must not turn
 the policy's bounded work into a 504) and have bounds of their own: a call that
 gets no turn within the deadline answers 503, unrun; a command that gets no
 sandbox slot within the pool's `slot_timeout_s` fails its episode as
-infrastructure (503). A step's answer carries `info["infra_wait_s"]`, the
-seconds it waited, which the agent charges to the infrastructure. A session the
+infrastructure (503); a call ends within `WALL_FACTOR` deadlines, waits and all
+(504), below `RemoteEnv`'s timeout. Every answer carries `infra_wait_s`, the
+seconds the call waited, and `GET /sessions/{id}/waits` those of the call running
+now, which the agent charges to the infrastructure. Closing a session (DELETE,
+the reaper, shutdown) cancels its running call before the environment closes. A session the
 worker does not have (expired, closed, or the worker restarted) answers 404
 naming it, never a hang. Sessions idle for `idle_timeout_s` are closed by a
 reaper; a session whose creation was abandoned (deadline, client gone) is
@@ -65,6 +68,8 @@ class _Session:
   task: TaskSpec
   lock: asyncio.Lock
   last_used: float
+  call: Optional[asyncio.Future] = None  # the call running now (cancelled on close)
+  clock: Optional[waits.WaitClock] = None  # its waits on shared infrastructure
 
 
 class _BodyLimit:
@@ -105,20 +110,27 @@ class _BodyLimit:
     await send({"type": "http.response.body", "body": body})
 
 
+# A call answers within this many deadlines, waits and all (a client's timeout must be
+# longer: `RemoteEnv`'s default is).
+WALL_FACTOR = 2
+
+
 class _NoTurn(Exception):
   """A call waited its whole deadline for a turn under the worker's call cap."""
 
 
 async def _within_deadline(task: asyncio.Future, clock: waits.WaitClock, limit_s: float,
-                           t0: float):
+                           t0: float, wall_s: float):
   """`task`'s result, or `asyncio.TimeoutError` once its own time (wall time since `t0`
-  less what `clock` counted as waits on shared infrastructure) passes `limit_s`. While a
-  wait is in progress the task is never cut (each wait has its own bound). The task is
-  cancelled when it is cut or when the caller is."""
+  less what `clock` counted as waits on shared infrastructure) passes `limit_s`, or its
+  wall time `wall_s` (waits and all: a worker answers within a bound its clients can
+  wait for). While a wait is in progress the task is not cut for its own time (each wait
+  has its own bound). The task is cancelled when it is cut or when the caller is."""
   try:
     while True:
-      left = limit_s - (time.perf_counter() - t0 - clock.total_s())
-      if left <= 0 and not clock.waiting:
+      elapsed = time.perf_counter() - t0
+      left = min(limit_s - (elapsed - clock.total_s()), wall_s - elapsed)
+      if elapsed >= wall_s or (left <= 0 and not clock.waiting):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
           await task
@@ -167,6 +179,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     s = sessions.pop(sid, None)
     n_sessions.set(len(sessions))
     if s is not None:
+      if s.call is not None and not s.call.done():  # its client gave up (DELETE): the
+        # running call ends before the environment closes under it
+        s.call.cancel()
+        with contextlib.suppress(BaseException):
+          await s.call
       try:
         await s.env.close()
       except Exception:
@@ -188,10 +205,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return s
 
   async def guarded(kind: str, sid: Optional[str], coro_fn):
-    """Runs one call under the concurrency cap. The deadline bounds the call's own work;
-    its waits on shared infrastructure (a turn under the cap, a sandbox slot) are not
-    charged to it (other episodes' load must not turn the policy's bounded work into a
-    504, dropped instead of scored) and have bounds of their own."""
+    """Runs one call under the concurrency cap; returns (its result, seconds it waited).
+    The deadline bounds the call's own work; its waits on shared infrastructure (a turn
+    under the cap, a sandbox slot) are not charged to it (other episodes' load must not
+    turn the policy's bounded work into a 504, dropped instead of scored) and have bounds
+    of their own; the whole call, waits and all, ends within WALL_FACTOR deadlines."""
     t0 = time.perf_counter()
 
     async def capped():
@@ -208,15 +226,19 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
 
     with waits.measured() as clock:
       task = asyncio.ensure_future(capped())
+    s = sessions.get(sid) if sid is not None else None
+    if s is not None:
+      s.call, s.clock = task, clock
     try:
-      out = await _within_deadline(task, clock, deadline_s, t0)
+      out = await _within_deadline(task, clock, deadline_s, t0, WALL_FACTOR * deadline_s)
     except asyncio.TimeoutError:
       n_calls.labels(kind, "deadline").inc()
       if sid is not None:
         await close_session(sid)
       raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline "
                                f"({clock.total_s():.1f}s waiting on sandbox slots and turns "
-                               "not counted); the session was closed")
+                               f"not counted; {WALL_FACTOR * deadline_s:.0f}s in all at "
+                               "most); the session was closed")
     except _NoTurn as e:
       n_calls.labels(kind, "busy").inc()
       raise HTTPException(503, str(e))
@@ -233,9 +255,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       raise HTTPException(500, f"{kind} failed in the environment: {type(e).__name__}: {e}")
     n_calls.labels(kind, "ok").inc()
     latency.labels(kind).observe(time.perf_counter() - t0)
-    if isinstance(out, StepResult):  # the agent charges these to the infrastructure
-      out.info = {**(out.info or {}), "infra_wait_s": round(clock.total_s(), 4)}
-    return out
+    return out, round(clock.total_s(), 4)  # the waits: the agent charges them elsewhere
 
   @app.get("/health")
   async def health():
@@ -268,8 +288,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       n_sessions.set(len(sessions))
       return obs
 
-    obs = await guarded("reset", None, start)
-    return {"session_id": sid, "observation": dataclasses.asdict(obs)}
+    obs, waited = await guarded("reset", None, start)
+    return {"session_id": sid, "observation": dataclasses.asdict(obs), "infra_wait_s": waited}
 
   @app.post("/sessions/{sid}/step")
   async def step(sid: str, body: StepBody):
@@ -279,8 +299,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       async with s.lock:
         return await s.env.step(body.action)
 
-    result = await guarded("step", sid, run)
-    return json_safe(dataclasses.asdict(result))
+    result, waited = await guarded("step", sid, run)
+    return {**json_safe(dataclasses.asdict(result)), "infra_wait_s": waited}
 
   @app.post("/sessions/{sid}/verify")
   async def verify(sid: str):
@@ -290,7 +310,16 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       async with s.lock:
         return await s.env.verify()
 
-    return (await guarded("verify", sid, run)).to_dict()
+    verdict, waited = await guarded("verify", sid, run)
+    return {**verdict.to_dict(), "infra_wait_s": waited}
+
+  @app.get("/sessions/{sid}/waits")
+  async def session_waits(sid: str):
+    """The waits on shared infrastructure of the session's latest call, running or not
+    (an agent whose deadline passed during a call asks how much of it was waiting)."""
+    s = get(sid)
+    return {"session_id": sid, "infra_wait_s": s.clock.total_s() if s.clock else 0.0,
+            "running": s.call is not None and not s.call.done()}
 
   @app.delete("/sessions/{sid}")
   async def delete(sid: str):
@@ -312,7 +341,7 @@ class SessionLost(InfraError):
 class RemoteEnv:
   """An environment hosted by an `envs.server` worker; same methods as `Env`."""
 
-  def __init__(self, url: str, *, timeout_s: float = 120.0,
+  def __init__(self, url: str, *, timeout_s: float = 180.0,
                client: Optional[httpx.AsyncClient] = None):
     self.url = url.rstrip("/")
     self.timeout_s = timeout_s
@@ -320,6 +349,7 @@ class RemoteEnv:
     self._own_client = client is None
     self.session_id: Optional[str] = None
     self.done = False
+    self.infra_wait_s = 0.0  # what the worker reported its calls waited on its load
 
   async def _call(self, method: str, path: str, **kw) -> dict:
     """One call to the worker. A worker that is unreachable, too slow, or fails (5xx) is
@@ -340,7 +370,21 @@ class RemoteEnv:
       if r.status_code >= 500:
         raise InfraError("env_worker", message)
       raise RuntimeError(message)
-    return r.json()
+    out = r.json()
+    if isinstance(out, dict):
+      self.infra_wait_s += float(out.get("infra_wait_s", 0.0))
+    return out
+
+  async def in_flight_wait_s(self) -> float:
+    """How long the call now running on the worker for this session (one whose client
+    gave up: an episode deadline) has waited on shared infrastructure; 0 if unknown."""
+    if self.session_id is None or self._client is None:
+      return 0.0
+    try:
+      r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits", timeout=5)
+      return float(r.json()["infra_wait_s"]) if r.status_code == 200 else 0.0
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+      return 0.0
 
   async def reset(self, task: TaskSpec) -> Observation:
     if self.session_id is not None:
@@ -358,6 +402,7 @@ class RemoteEnv:
 
   async def verify(self) -> Verdict:
     out = await self._call("POST", f"/sessions/{self.session_id}/verify")
+    out.pop("infra_wait_s", None)
     out["status"] = VerdictStatus(out["status"])
     return Verdict(**out)
 

@@ -288,15 +288,15 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 
   async def in_env(call):
     """Awaits an environment call: its waits on shared infrastructure (sandbox slots, a
-    worker's turn; in process, or as the worker reports them) go to `ep.infra_wait_s`,
-    the rest of its time to `ep.env_s`."""
+    worker's turn; in process, or as a worker reports them) go to `ep.infra_wait_s`, the
+    rest of its time to `ep.env_s`."""
     t0 = time.perf_counter()
+    reported = getattr(env, "infra_wait_s", 0.0)
     with waits.measured() as clock:
       waiting["clock"] = clock  # kept if the deadline cancels the call: read after it
       out = await call
     waiting["clock"] = None
-    info = getattr(out, "info", None) or {}
-    infra = clock.total_s() + float(info.get("infra_wait_s", 0.0))
+    infra = clock.total_s() + getattr(env, "infra_wait_s", 0.0) - reported
     ep.infra_wait_s += infra
     ep.env_s += time.perf_counter() - t0 - infra
     return out
@@ -405,9 +405,12 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     in_flight = time.perf_counter() - waiting["since"]
     clock = waiting.get("clock")
     in_flight_wait = clock.total_s() if clock is not None else 0.0
+    if waiting["on"] == "env" and hasattr(env, "in_flight_wait_s"):
+      in_flight_wait += await env.in_flight_wait_s()  # a worker's call, cut client-side
     server_s = ep.generate_s + (in_flight if waiting["on"] == "server" else 0.0)
     wait_s = ep.infra_wait_s + in_flight_wait
-    env_s = ep.env_s + (in_flight - in_flight_wait if waiting["on"] == "env" else 0.0)
+    env_s = ep.env_s + (max(0.0, in_flight - in_flight_wait) if waiting["on"] == "env"
+                        else 0.0)
     ep.infra_wait_s, ep.env_s = wait_s, env_s
     if server_s + wait_s >= env_s:
       status, ep.infra_error, ep.infra_kind = "failed", True, "episode_deadline"

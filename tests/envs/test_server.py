@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from envs import base
+from envs import base, waits
 from envs.base import EnvResources, TaskSpec, VerdictStatus
 from envs.server import RemoteEnv, SessionLost, create_app
 from envs.sandbox import available_isolations
@@ -181,7 +181,8 @@ def test_the_deadline_bounds_the_work_and_not_the_wait_for_a_turn():
     await asyncio.sleep(after)
     try:
       result = await env.step(str(seconds))
-      return "ok", result.info["infra_wait_s"]
+      assert result.terminated
+      return "ok", env.infra_wait_s
     except RuntimeError as e:
       return _status(e), None
 
@@ -223,7 +224,7 @@ def test_waiting_for_a_sandbox_slot_is_not_charged_to_the_deadline():
       t0 = time.perf_counter()
       result = await env.step(action)
       return (json.loads(result.observation.messages[0]["content"])["stdout"].strip(),
-              result.info["infra_wait_s"], time.perf_counter() - t0)
+              env.infra_wait_s, time.perf_counter() - t0)
     finally:
       await env.aclose()
 
@@ -384,3 +385,81 @@ def test_an_unreachable_worker_is_infrastructure():
     asyncio.run(env.reset(TaskSpec("t", "guess_number", {"secret": 3})))
   assert e.value.kind == "env_worker" and "ConnectError" in str(e.value)
   assert issubclass(SessionLost, InfraError)
+
+
+EVENTS: list[str] = []
+
+
+@base.register("waiting_test_env")
+class WaitingEnv(base.Env):
+  """A step that waits on shared infrastructure (as a sandbox slot wait is marked) for
+  as long as its action says; it records being cancelled and being closed."""
+
+  async def reset(self, task):
+    return base.Observation([{"role": "user", "content": "go"}])
+
+  async def step(self, action):
+    try:
+      with waits.waiting():
+        await asyncio.sleep(float(action))
+    except asyncio.CancelledError:
+      EVENTS.append("cancelled")
+      raise
+    return base.StepResult(base.Observation([]), 0.0, True, False)
+
+  async def verify(self):
+    return base.Verdict(VerdictStatus.FAIL, 0.0, "w@1", "w@1")
+
+  async def close(self):
+    EVENTS.append("closed")
+
+
+def test_a_call_ends_within_two_deadlines_and_closing_cancels_it_first():
+  """Waits are not charged to a call's deadline, but a call answers within two deadlines
+  in all (a client's timeout must not pass first: a review finding); a session closed
+  while a call runs (the client gave up) has the call cancelled before the environment
+  closes under it."""
+  app = create_app(EnvResources(sandboxes=1), max_sessions=8, deadline_s=1.0)
+
+  async def go(url):
+    env = RemoteEnv(url)
+    await env.reset(TaskSpec("w", "waiting_test_env"))
+    t0 = time.perf_counter()
+    with pytest.raises(InfraError, match="504"):
+      await env.step("5")  # waits 5 s: cut at 2 s
+    cut_after = time.perf_counter() - t0
+    await env.aclose()
+    EVENTS.clear()
+    env = RemoteEnv(url)
+    await env.reset(TaskSpec("w", "waiting_test_env"))
+    running = asyncio.ensure_future(env.step("1.5"))
+    await asyncio.sleep(0.3)
+    async with httpx.AsyncClient() as c:  # another client closes the session
+      assert (await c.delete(f"{url}/sessions/{env.session_id}")).status_code == 200
+    with pytest.raises(Exception):
+      await running
+    return cut_after
+
+  with ServerThread(app) as srv:
+    cut_after = asyncio.run(asyncio.wait_for(go(srv.url), timeout=30))
+  assert 1.9 < cut_after < 4.0
+  assert EVENTS == ["cancelled", "closed"]
+
+
+def test_a_workers_waits_are_the_infrastructures_time_at_an_episode_deadline():
+  """An episode deadline that passes while a step waits on the worker's load (here a
+  marked wait; in a worker, a sandbox slot): the agent asks the worker how long the
+  running call waited and charges it to the infrastructure (dropped), as it does in
+  process, instead of scoring the wait as the policy's slow tool call."""
+  from jaxagent.agent import run_whitebox
+  from jaxagent.config import AgentConfig
+  from tests.test_agent import TOK, ScriptedEngine
+
+  app = create_app(EnvResources(sandboxes=1), deadline_s=10.0)
+  config = AgentConfig(max_turns=2, max_new_tokens=4, episode_deadline_s=1.5)
+  with ServerThread(app) as srv:
+    ep = asyncio.run(run_whitebox(RemoteEnv(srv.url), TaskSpec("w", "waiting_test_env"),
+                                  ScriptedEngine(["3.0"]), TOK, config, session_id="b",
+                                  group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "episode_deadline", ep.reason
+  assert "on sandbox slots" in ep.reason and ep.infra_wait_s > 1.0
