@@ -569,16 +569,29 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
 BLACKBOX_AGENTS = {"openai": run_openai_agent, "anthropic": run_anthropic_agent}
 
 
+def _action_text(response: Optional[dict]) -> Optional[str]:
+  """The text an agent hands the environment for a gateway reply: its content, then its
+  tool calls in the chat template's format (what the built-in agents send)."""
+  if not response:
+    return None
+  return (response.get("content") or "") + "".join(
+      _tool_call_text(c["function"]["name"], c["function"]["arguments"])
+      for c in response.get("tool_calls") or [])
+
+
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
-                    **outcome: Any) -> list[Segment]:
+                    actions: Optional[list[str]] = None, **outcome: Any) -> list[Segment]:
   """Segments from the turns a server recorded for a session (`GET /sessions/{id}`).
 
   A black-box agent may call the gateway more than once for one environment step (a
   retry, a best-of-n): the replies it left train nothing (`TrajectoryManager.abandoned`),
   and turn ids count the steps the kept replies made (the calls, less those left), so
-  per-turn rewards land on the turns that earned them."""
+  per-turn rewards land on the turns that earned them. `actions`, the texts the agent
+  handed the environment, tell which of a last step's replies it acted on."""
+  handed = set(actions or ())
+  acted_on = (lambda r: _action_text(r.response) in handed) if actions is not None else None
   records = [TurnRecord.from_result(t) for t in turns]
-  probe = TrajectoryManager(session_id)
+  probe = TrajectoryManager(session_id, acted_on=acted_on)
   for r in records:
     probe.add_turn(r)
   left = probe.abandoned()
@@ -586,7 +599,8 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
   for i, t in enumerate(turns):
     steps.append(t["turn"] if t.get("turn") is not None else step)
     step += i not in left
-  manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id)
+  manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id,
+                              acted_on=acted_on)
   for r, turn in zip(records, steps):
     manager.add_turn(r, turn)
   return manager.segments(**outcome)
@@ -635,17 +649,32 @@ def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None
           "to the gateway")
 
 
+class _ActionLog:
+  """An environment as a black-box agent gets it: the actions it is handed are kept
+  (which reply of several the agent acted on)."""
+
+  def __init__(self, env):
+    self.env, self.actions = env, []
+
+  def __getattr__(self, name):
+    return getattr(self.env, name)
+
+  async def step(self, action: str):
+    self.actions.append(action)
+    return await self.env.step(action)
+
+
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
-                           tokenizer: Optional[Tokenizer]) -> None:
+                           tokenizer: Optional[Tokenizer], actions: list[str]) -> None:
   """Fills `ep`'s turn counts and segments from the server's record of its session,
   with the episode's outcome (status, rewards, verdict) as it stands."""
   check_sampling(turns, cfg, ep.session_id)
   ep.turns = len(turns)
   ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
   ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
-                                group_id=ep.group_id, status=ep.status, reason=ep.reason,
-                                reward=ep.reward, turn_rewards=list(ep.turn_rewards),
-                                verdict=ep.verdict)
+                                group_id=ep.group_id, actions=actions, status=ep.status,
+                                reason=ep.reason, reward=ep.reward,
+                                turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
   _stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None, cfg,
                                  ep.verdict, task))
 
@@ -660,6 +689,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
+  acting = _ActionLog(env)
 
   async def truncated(reason: str) -> None:
     """The episode ended by its own doing before its answer: trained as a fail."""
@@ -668,14 +698,14 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     try:  # the turns it played still carry the score: stalling must not hide them
       turns = await _take_session(gateway_url, session_id)
       ep.turn_rewards = [0.0] * len(turns)
-      _segments_from_session(ep, turns, task, cfg, tokenizer)
+      _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
     except (httpx.HTTPError, KeyError, ValueError) as e:
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
           "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
 
   try:
     ep.turn_rewards = await asyncio.wait_for(BLACKBOX_AGENTS[api](
-        env, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
+        acting, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k), cfg.episode_deadline_s)
     ep.verdict = (await env.verify()).to_dict()
@@ -687,7 +717,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
           True, "verifier"
     elif ep.verdict.get("status") != "pass" and len(turns) >= cfg.max_turns:
       ep.status, ep.reason = "truncated", "turn_cap"
-    _segments_from_session(ep, turns, task, cfg, tokenizer)
+    _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
   except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
     await truncated("episode_deadline")
   except InfraError as e:

@@ -290,8 +290,10 @@ class TrajectoryManager:
   """Collects one session's turns and linearises them into segments."""
 
   def __init__(self, session_id: str, rollout_id: Optional[str] = None, *, task_id: str = "",
-               group_id: str = "", realign_max_tokens: int = 16):
+               group_id: str = "", realign_max_tokens: int = 16,
+               acted_on: Optional[Callable[[TurnRecord], bool]] = None):
     self.session_id = session_id
+    self.acted_on = acted_on  # whether the agent acted on a turn (see `abandoned`)
     self.rollout_id = rollout_id or session_id
     self.task_id = task_id
     self.group_id = group_id
@@ -342,7 +344,9 @@ class TrajectoryManager:
     """Node ids of turns sampled again from the same prompt and then left (a harness's
     retry, a best-of-n that kept one reply): they led nowhere, so the episode's outcome
     is not theirs and they train nothing. Of siblings with one prompt, those a later turn
-    continues are kept, else the last one."""
+    continues are kept; if none is continued (the last step), the one reply `acted_on`
+    says the agent handed on, and when that cannot be told, none of them: a rejected
+    reply must not be reinforced with the outcome."""
     siblings: dict[tuple, list[_Node]] = {}
     for n in self.nodes:
       key = (n.parent.id if n.parent is not None else -1, n.record.agent_role,
@@ -350,7 +354,12 @@ class TrajectoryManager:
       siblings.setdefault(key, []).append(n)
     out = set()
     for group in siblings.values():
-      kept = [n for n in group if n.children] or group[-1:]
+      if len(group) == 1:
+        continue
+      kept = [n for n in group if n.children]
+      if not kept and self.acted_on is not None:
+        acted = [n for n in group if self.acted_on(n.record)]
+        kept = acted if len(acted) == 1 else []
       out.update(n.id for n in group if n not in kept)
     return out
 

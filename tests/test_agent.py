@@ -451,6 +451,41 @@ def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monk
                                session_id="bb-greedy", group_id="g", api=api))
 
 
+def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monkeypatch):
+  """A harness that samples its last step twice and hands the environment the first
+  reply: that reply trains, the other does not (a review finding: the last recorded one
+  trained, whichever the agent used)."""
+  import openai
+
+  from jaxagent import agent as agent_mod
+  from tests.rollout_server.conftest import running_server
+
+  async def best_of_two(env, task, base_url, *, session_id, max_tokens, temperature,
+                        top_p, top_k, **_):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                                default_headers={"X-Session-Id": session_id})
+    obs = await env.reset(task)
+    replies = [(await client.chat.completions.create(
+        model="policy", messages=obs.messages, max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, seed=seed, extra_body={"top_k": top_k})).choices[0].message.content
+        for seed in (1, 2)]
+    await env.step(replies[0])
+    await client.close()
+    return [0.0]
+
+  monkeypatch.setitem(agent_mod.BLACKBOX_AGENTS, "openai", best_of_two)
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  AgentConfig(max_turns=1, max_new_tokens=8),
+                                  session_id="bb-best", group_id="g", tokenizer=TOK))
+  assert not ep.infra_error, ep.reason
+  trained = [s for s in ep.segments if s.num_action_tokens]
+  (seg,) = trained
+  first, second = [s for s in ep.segments]
+  assert seg is first and second.num_action_tokens == 0
+
+
 @pytest.fixture(scope="module")
 def random_params():
   import jax

@@ -164,11 +164,14 @@ def test_two_samples_from_one_prompt_are_siblings_and_the_one_left_trains_nothin
   assert second.tokens.tolist() == [1, 2, 3, 4, 20, 21, 5, 30]
   assert second.decisions == [CLEAN, CLEAN] and second.parent_segment_id is None
   assert second.loss_mask.tolist() == [0, 0, 0, 0, 1, 1, 0, 1]
-  # Nothing continues either: the last one is the reply that was kept.
-  m = TrajectoryManager("s")
-  m.add_turn(turn([1, 2], [10]))
-  m.add_turn(turn([1, 2], [20]))
-  assert m.abandoned() == {0}
+  # Nothing continues either (the last step): the reply the agent acted on trains, and
+  # when that cannot be told, none of them (not a guess that may reinforce the rejected).
+  for acted_on, left in [(None, {0, 1}), (lambda r: r.output_ids == [10], {1}),
+                         (lambda r: True, {0, 1})]:
+    m = TrajectoryManager("s", acted_on=acted_on)
+    m.add_turn(turn([1, 2], [10]))
+    m.add_turn(turn([1, 2], [20]))
+    assert m.abandoned() == left
 
 
 def test_a_blackbox_retry_trains_nothing_and_turns_count_the_steps():
