@@ -307,54 +307,64 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     messages, tools = list(obs.messages), list(obs.tools) or None
     offered[:] = tools or []
     prompt = None
+    limit = cfg.max_context_tokens  # lowered when the engine refuses a shorter prompt
     for turn in range(cfg.max_turns):
       if prompt is None:
         prompt = tokenizer.apply_chat_template(messages, tools=tools)
-      if len(prompt) + cfg.max_new_tokens > cfg.max_context_tokens:
-        if cfg.compaction == "none":
-          status, reason = "truncated", "token_cap"
-          return
-        wait_on("server")
-        messages, summary = await _compact(
-            messages, cfg, engine=engine, tokenizer=tokenizer, session_id=seed_session,
-            turn=turn, logged=replay.summaries.get(turn) if replay is not None else None)
-        if log is not None and summary is not None:  # the next prompts are built on it
-          await _commit(log, log.summary, turn, summary)
-        wait_on("env")
-        compacted_at.append(turn)
-        ep.compactions += 1
-        prompt = tokenizer.apply_chat_template(messages, tools=tools)
-        if len(prompt) + cfg.max_new_tokens > cfg.max_context_tokens:
-          status, reason = "truncated", "token_cap"
-          return
-      record = None
-      if replay is not None:  # committed by the run that died: taken as it was sampled
-        try:
-          record = replay.next_turn(prompt)
-        except ValueError as e:
-          raise InfraError("wal_replay", str(e)) from None
-      from_log = record is not None
-      ep.replayed_turns += from_log
-      if not from_log:
-        sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                  top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                                  stop_token_ids=tuple(tokenizer.stop_ids),
-                                  seed=_seed(seed_session, turn))
-        t0 = time.perf_counter()
-        wait_on("server")
-        try:
-          record = await _generate(engine, prompt, sampling, session_id, cfg.turn_deadline_s,
-                                   cfg.turn_retries)
-        except InfraError as e:
-          if e.kind != "prompt_too_long":
-            raise
-          # The conversation outgrew what the engine takes (its max_prefill_length below
-          # max_context_tokens): the policy's length, so a truncation, scored; a drop
-          # would re-roll every episode that ran long.
-          status, reason = "truncated", "token_cap"
-          return
-        wait_on("env")
-        ep.generate_s += time.perf_counter() - t0
+      while True:  # twice at most: a compaction when the engine refuses the prompt
+        if len(prompt) + cfg.max_new_tokens > limit:
+          if cfg.compaction == "none" or turn in compacted_at:
+            status, reason = "truncated", "token_cap"
+            return
+          wait_on("server")
+          try:
+            messages, summary = await _compact(
+                messages, cfg, engine=engine, tokenizer=tokenizer, session_id=seed_session,
+                turn=turn, logged=replay.summaries.get(turn) if replay is not None else None)
+          except InfraError as e:
+            if e.kind != "prompt_too_long":
+              raise
+            status, reason = "truncated", "token_cap"  # too long even to summarise
+            return
+          if log is not None and summary is not None:  # the next prompts are built on it
+            await _commit(log, log.summary, turn, summary)
+          wait_on("env")
+          compacted_at.append(turn)
+          ep.compactions += 1
+          prompt = tokenizer.apply_chat_template(messages, tools=tools)
+          if len(prompt) + cfg.max_new_tokens > limit:
+            status, reason = "truncated", "token_cap"
+            return
+        record = None
+        if replay is not None:  # committed by the run that died: taken as it was sampled
+          try:
+            record = replay.next_turn(prompt)
+          except ValueError as e:
+            raise InfraError("wal_replay", str(e)) from None
+        from_log = record is not None
+        ep.replayed_turns += from_log
+        if not from_log:
+          sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                    top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
+                                    stop_token_ids=tuple(tokenizer.stop_ids),
+                                    seed=_seed(seed_session, turn))
+          t0 = time.perf_counter()
+          wait_on("server")
+          try:
+            record = await _generate(engine, prompt, sampling, session_id,
+                                     cfg.turn_deadline_s, cfg.turn_retries)
+          except InfraError as e:
+            if e.kind != "prompt_too_long":
+              raise
+            # The conversation outgrew what the engine takes (its max_prefill_length
+            # below max_context_tokens): the policy's length, so compacted (when on) or
+            # a truncation, scored; a drop would re-roll every episode that ran long.
+            wait_on("env")
+            limit = len(prompt) + cfg.max_new_tokens - 1
+            continue
+          wait_on("env")
+          ep.generate_s += time.perf_counter() - t0
+        break
       if log is not None:  # the commit, before the environment sees the action
         await _commit(log, log.turn, turn, record)
       out = record.output_ids

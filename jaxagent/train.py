@@ -247,6 +247,15 @@ def check_config(cfg: config_lib.RunConfig) -> None:
                                  f"{', '.join(BLACKBOX_AGENTS)}")
   if cfg.agent.compaction not in ("none", "summary", "fork"):
     raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}")
+  a, e = cfg.agent, cfg.serving.engine
+  takes = min(e.max_prefill_length + a.max_new_tokens, e.max_seq_len)
+  if not cfg.serving.urls and a.max_context_tokens > takes:
+    # (compaction triggers at max_context_tokens: the engine's limit must not come first)
+    raise config_lib.ConfigError(
+        f"agent.max_context_tokens ({a.max_context_tokens}) is more than the engine takes "
+        f"(prompts of serving.engine.max_prefill_length {e.max_prefill_length} plus "
+        f"agent.max_new_tokens {a.max_new_tokens}, within max_seq_len {e.max_seq_len}): "
+        f"set it to {takes} or less")
   if cfg.rollout.group_size < 2:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
   if cfg.rollout.redundancy < 0:

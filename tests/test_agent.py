@@ -313,6 +313,29 @@ def test_compaction_forks_the_trajectory(compaction, cap, prompt):
   assert TOK.decode(second.tokens[second.loss_mask > 0].tolist()) == "4<|im_end|>11<|im_end|>"
 
 
+def test_an_engine_that_refuses_a_long_prompt_gets_a_compaction_not_a_truncation():
+  """An engine that takes shorter prompts than agent.max_context_tokens (a remote server
+  whose limits the config cannot check): its refusal triggers the compaction the config
+  asks for, as reaching max_context_tokens would (a review finding: it was a scored
+  truncation, compaction never ran)."""
+  from rollout_server.client import GenerateError
+
+  class Short(ScriptedEngine):
+    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+      if len(prompt_ids) + sampling.max_new_tokens > 70:
+        raise GenerateError(f"prompt is too long: {len(prompt_ids)} tokens", "prompt_too_long")
+      return await super().generate(prompt_ids, sampling, session_id, model)
+
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=1000,
+                    compaction="fork", keep_last_messages=2)
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6,
+                                        "prompt": "Guess my number, {low} to {high}."})
+  engine = Short(["1", "2", "3", "4", "11"])
+  ep = asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
+                                session_id="s", group_id="g"))
+  assert ep.success and ep.compactions == 1 and ep.turns == 5 and not ep.infra_error
+
+
 def test_a_served_summariser_writes_the_summary():
   cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=300,
                     compaction="summary", keep_last_messages=2, summarizer="judge")
