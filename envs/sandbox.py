@@ -41,7 +41,6 @@ duration, and stdout / stderr cut to a budget with their full size and sha256.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import dataclasses
 import errno
@@ -201,9 +200,10 @@ _CLONE_NEW_NAMESPACES = 0x7E02_0080  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,
 
 
 @functools.cache
-def seccomp_program() -> Optional[str]:
-  """The path of the compiled filter (BPF, for this host's architecture; other ABIs'
-  syscalls kill the process), or None where libseccomp is missing."""
+def seccomp_program() -> Optional[bytes]:
+  """The compiled filter (BPF, for this host's architecture; other ABIs' syscalls kill
+  the process), or None where libseccomp is missing. Kept in memory: each command gets
+  its own copy (nothing on disk that a cleaner could remove from under a worker)."""
   try:
     import pyseccomp as sc  # ctypes over the system's libseccomp.so.2
     flt = sc.SyscallFilter(defaction=sc.ALLOW)
@@ -221,11 +221,18 @@ def seccomp_program() -> Optional[str]:
       flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
   with contextlib.suppress(ValueError, RuntimeError, OSError):
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-  fd, path = tempfile.mkstemp(prefix="jaxagent-seccomp-", suffix=".bpf")
-  with os.fdopen(fd, "wb") as f:
+  with tempfile.TemporaryFile() as f:
     flt.export_bpf(f)
-  atexit.register(lambda: os.path.exists(path) and os.unlink(path))
-  return path
+    f.seek(0)
+    return f.read()
+
+
+def _seccomp_fd(program: bytes) -> int:
+  """A fresh in-memory file holding `program`, at offset 0 (bwrap reads it to the end)."""
+  fd = os.memfd_create("jaxagent-seccomp")
+  os.write(fd, program)
+  os.lseek(fd, 0, os.SEEK_SET)
+  return fd
 
 
 # Installs the filter at /.seccomp.bpf (inside the mountns root), then execs the rest:
@@ -281,6 +288,12 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
   return out + ["--", *argv]
 
 
+# Written by the mountns setup script beside the private root just before it enters
+# it: a run that exits without it failed in the setup (the infrastructure), not in the
+# command (which cannot reach the file: it is outside its root).
+_SETUP_DONE = "setup-done"
+
+
 def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
                     seccomp: Optional[str] = None) -> str:
   """Shell run as root inside fresh namespaces: builds a private root at `root` (only
@@ -319,6 +332,7 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
     lines.append(f"cp {q(seccomp)} {q(root + '/.seccomp.bpf')}")
     loader = f"/usr/bin/python3 -I -S -c {q(_SECCOMP_LOADER)} "
   lines += [f"mount -o remount,ro,bind {q(root)}",
+            f"touch {q(os.path.join(os.path.dirname(root), _SETUP_DONE))}",
             # setpriv drops to the uid; no capabilities survive, nothing can regain them.
             f"export PATH={SANDBOX_PATH}",
             f"exec {q(shutil.which('chroot', path=_HOST_PATH))} {q(root)} {loader}"
@@ -331,7 +345,8 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
 def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
           limits: Limits, run_dir: str, pid1: bool = False,
           seccomp_fd: Optional[int] = None) -> list[str]:
-  """The host command that runs `argv` in `workspace` under isolation `mode`."""
+  """The host command that runs `argv` in `workspace` under isolation `mode` (the
+  seccomp filter: bwrap's from `seccomp_fd`, mountns's written into `run_dir`)."""
   if mode == "bwrap":
     return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd)
   if mode == "mountns":
@@ -339,10 +354,15 @@ def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
       raise ValueError("mountns isolation needs a sandbox uid (root)")
     root = os.path.join(run_dir, "root")
     os.makedirs(root, exist_ok=True)
+    program, bpf = seccomp_program(), None
+    if program is not None:
+      bpf = os.path.join(run_dir, "seccomp.bpf")
+      with open(bpf, "wb") as f:
+        f.write(program)
     # --fork: the script is the new PID namespace's init, and so is the command it execs.
     return [shutil.which("unshare", path=_HOST_PATH), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
             "--propagation", "private", "--", "/bin/sh", "-c",
-            _mountns_script(root, workspace, uid, limits, seccomp_program()), "sandbox", *argv]
+            _mountns_script(root, workspace, uid, limits, bpf), "sandbox", *argv]
   return list(argv)
 
 
@@ -718,12 +738,10 @@ class Sandbox:
     t0 = time.perf_counter()
     timed_out, error, code, sig = False, None, None, None
     program = seccomp_program() if self.isolation == "bwrap" else None
+    seccomp_fd = None
     try:
-      with open(out_path, "wb") as out, open(err_path, "wb") as err, \
-          (open(program, "rb") if program else contextlib.nullcontext()) as bpf:
-        # bwrap reads the filter from an fd of its own (one open a command: it reads it
-        # to the end)
-        seccomp_fd = bpf.fileno() if bpf is not None else None
+      with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        seccomp_fd = _seccomp_fd(program) if program is not None else None
         command = _wrap(self.isolation, self.host_path, argv, uid=self.uid, limits=self.limits,
                         run_dir=run_dir, pid1=pid1, seccomp_fd=seccomp_fd)
         # mountns: `unshare` and the mounts need root; setpriv drops to the uid inside.
@@ -742,9 +760,14 @@ class Sandbox:
         rc = proc.returncode
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
         timed_out = timed_out or sig == signal.SIGXCPU
+        if (self.isolation == "mountns" and not timed_out
+            and not os.path.exists(os.path.join(run_dir, _SETUP_DONE))):
+          error = f"the sandbox's setup failed (exit {rc})"
     except (OSError, ValueError) as e:  # could not start: an infrastructure failure
       error = f"{type(e).__name__}: {e}"
     finally:
+      if seccomp_fd is not None:
+        os.close(seccomp_fd)
       await asyncio.to_thread(self._kill_uid)
       if run_dir != self._logs:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -786,7 +809,9 @@ class Sandbox:
   def describe(self) -> dict:
     return {"isolation": self.isolation, "uid": self.uid, "limits": dataclasses.asdict(self.limits),
             "workdir": self.workdir,
-            "seccomp": self.isolation != "rlimits" and seccomp_program() is not None}
+            "seccomp": seccomp_program() is not None and (
+                self.isolation == "bwrap" or (self.isolation == "mountns"
+                                              and os.path.exists("/usr/bin/python3")))}
 
 
 class SandboxPool:

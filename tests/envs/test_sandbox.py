@@ -406,3 +406,27 @@ def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
   assert r.ok, r.stderr
   assert r.stdout.split("\n")[:4] == ["EPERM EPERM EPERM EPERM EPERM", "child", "thread", "3"]
   assert sandbox.describe()["seccomp"]
+
+
+@pytest.mark.skipif("mountns" not in MODES, reason="needs the mountns mode (root)")
+def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monkeypatch):
+  """The hand-built namespace's setup failing (a mount refused) exits non-zero before the
+  command runs: that is the sandbox's failure (`error`), not the command's exit code,
+  which a grader would score as the solution's (a review finding)."""
+  import envs.sandbox as sandbox_mod
+
+  real = sandbox_mod._mountns_script
+  monkeypatch.setattr(sandbox_mod, "_mountns_script",
+                      lambda *a, **k: real(*a, **k).replace("set -e", "set -e\nfalse", 1))
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="mountns")
+  try:
+    r = run(sb, "print('ran')")
+    assert r.error and "setup failed" in r.error and r.stdout == ""
+    monkeypatch.setattr(sandbox_mod, "_mountns_script", real)
+    r = run(sb, "raise SystemExit(3)")  # the command's own exit stays the command's
+    assert r.error is None and r.exit_code == 3
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
