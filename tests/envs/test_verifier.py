@@ -171,8 +171,9 @@ def test_the_hidden_expected_values_never_enter_the_sandbox(pool):
   assert v.details["cases"]["0"].startswith("returned '([], False)'"), v.details
 
 
-def _harness_pids(uid_floor=100_000):
-  """Host pids of grading harnesses: sandboxed processes that are their namespace's init."""
+def _harness_pids(uids):
+  """Host pids of grading harnesses run as one of `uids` (this test's sandboxes, not a
+  test's beside it on another worker): processes that are their namespace's init."""
   pids = []
   for entry in os.listdir("/proc"):
     if not entry.isdigit():
@@ -186,7 +187,7 @@ def _harness_pids(uid_floor=100_000):
       continue
     nspid = [l.split()[1:] for l in status.splitlines() if l.startswith("NSpid:")]
     uid = [int(l.split()[1]) for l in status.splitlines() if l.startswith("Uid:")]
-    if nspid and nspid[0][-1] == "1" and uid and uid[0] > uid_floor and b"-I\0-c" in cmd:
+    if nspid and nspid[0][-1] == "1" and uid and uid[0] in uids and b"-I\0-c" in cmd:
       pids.append(int(entry))
   return pids
 
@@ -202,7 +203,7 @@ def test_a_grader_killed_from_outside_is_an_infra_error(pool):
                                          env_version="t@1"))
     for _ in range(100):
       await asyncio.sleep(0.1)
-      if pids := _harness_pids():
+      if pids := _harness_pids({sb.uid for sb in pool.live}):
         break
     await asyncio.sleep(1.0)  # well past START: the solution sleeps in its first case
     for pid in pids:
