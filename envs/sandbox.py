@@ -757,6 +757,9 @@ class Sandbox:
         except asyncio.TimeoutError:
           timed_out = True
           await self._terminate(proc)
+        except BaseException:  # cancelled (its caller gave up): nothing outlives the run
+          await asyncio.shield(self._terminate(proc))
+          raise
         rc = proc.returncode
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
         timed_out = timed_out or sig == signal.SIGXCPU

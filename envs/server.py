@@ -382,7 +382,9 @@ class RemoteEnv:
       return 0.0
     try:
       r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits", timeout=5)
-      return float(r.json()["infra_wait_s"]) if r.status_code == 200 else 0.0
+      out = r.json() if r.status_code == 200 else {}
+      # (a call that ended has reported its waits in its answer already)
+      return float(out["infra_wait_s"]) if out.get("running") else 0.0
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
       return 0.0
 

@@ -127,8 +127,8 @@ def summary_prompt(tokenizer: Tokenizer, dropped: list[dict], budget: int) -> li
 
 async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
                    tokenizer: Optional[Tokenizer] = None, session_id: str = "",
-                   turn: int = 0, logged: Optional[str] = None
-                   ) -> tuple[list[dict], Optional[str]]:
+                   turn: int = 0, logged: Optional[str] = None,
+                   limit: Optional[int] = None) -> tuple[list[dict], Optional[str]]:
   """Keeps the system message and the last messages. The others go (`fork`), or (with
   `summary`) the policy, or the served model `agent.summarizer`, writes a summary of them
   that takes their place as a user message: context, never trained (the summariser's
@@ -139,7 +139,9 @@ async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
     return head + keep, None
   if logged is not None:
     return head + [{"role": "user", "content": SUMMARY_HEADER + logged}] + keep, logged
-  prompt = summary_prompt(tokenizer, dropped, cfg.max_context_tokens - cfg.summary_max_tokens)
+  # (`limit`: the context the engine takes, when it refused more than it)
+  prompt = summary_prompt(tokenizer, dropped,
+                          (limit or cfg.max_context_tokens) - cfg.summary_max_tokens)
   sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.summary_max_tokens,
                             stop_token_ids=tuple(tokenizer.stop_ids),
@@ -320,7 +322,8 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
           try:
             messages, summary = await _compact(
                 messages, cfg, engine=engine, tokenizer=tokenizer, session_id=seed_session,
-                turn=turn, logged=replay.summaries.get(turn) if replay is not None else None)
+                turn=turn, logged=replay.summaries.get(turn) if replay is not None else None,
+                limit=limit)
           except InfraError as e:
             if e.kind != "prompt_too_long":
               raise
@@ -606,8 +609,8 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
     probe.add_turn(r)
   left = probe.abandoned()
   steps, step = [], 0
-  for i, t in enumerate(turns):
-    steps.append(t["turn"] if t.get("turn") is not None else step)
+  for i in range(len(turns)):  # (the server's own `turn` counts its gateway calls)
+    steps.append(step)
     step += i not in left
   manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id,
                               acted_on=acted_on)

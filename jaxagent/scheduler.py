@@ -406,6 +406,9 @@ def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: in
   # advantage). Dropped, a long failure would still lower its group's baseline while
   # never being pushed down itself: running long would hide a loss (red-team).
   too_long = [s for s in segments if len(s) > seq_len]
+  # (one whose first seq_len tokens hold no action trains nothing: it takes no row)
+  segments = [s for s in segments
+              if len(s) <= seq_len or s.loss_mask[:seq_len].any()]
   max_rows = row_ladder(rows, row_multiple)[-1]
   batch, placed = pack([_first_tokens(s.to_training(), seq_len) for s in segments], max_rows,
                        seq_len, pad_id, decreasing=True, with_ref=with_ref)

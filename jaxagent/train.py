@@ -256,6 +256,12 @@ def check_config(cfg: config_lib.RunConfig) -> None:
         f"(prompts of serving.engine.max_prefill_length {e.max_prefill_length} plus "
         f"agent.max_new_tokens {a.max_new_tokens}, within max_seq_len {e.max_seq_len}): "
         f"set it to {takes} or less")
+  if cfg.data.seq_len < a.max_context_tokens and a.kind == "whitebox":
+    # A longer episode would train only its first seq_len tokens (its failure's last
+    # turns never pushed down).
+    raise config_lib.ConfigError(
+        f"data.seq_len ({cfg.data.seq_len}) is shorter than agent.max_context_tokens "
+        f"({a.max_context_tokens}): an episode must fit a row")
   if cfg.rollout.group_size < 2:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
   if cfg.rollout.redundancy < 0:

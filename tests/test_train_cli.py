@@ -151,6 +151,7 @@ def _bad_settings(tmp_path):
       (tiny + ["serving.engine.attention_kernel=triton", "mesh.tensor=2"], "whole KV heads"),
       (tiny + ["advantage.teacher=t", "agent.top_p=0.9"], "whole distribution"),
       (tiny + ["agent.max_context_tokens=1024"], "agent.max_context_tokens (1024) is more"),
+      (tiny + ["data.seq_len=128"], "data.seq_len (128) is shorter"),
       (["--config", str(bad_yaml)], "cannot read config file"),
       (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
       (["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"), "--resume"],

@@ -430,3 +430,30 @@ def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monk
   finally:
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_cancelled_command_is_killed_not_left_running():
+  """A command whose caller gives up (an episode deadline, a closed worker session) is
+  killed before its slot is freed; without a sandbox uid to sweep (bubblewrap as
+  non-root, here the rlimits mode) it was left running past its wall limit (red-team)."""
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
+  marker = f"jaxagent_cancel_probe_{os.getpid()}"
+
+  async def go():
+    task = asyncio.ensure_future(sb.run_python(f"import time\n{marker} = 1\ntime.sleep(30)\n",
+                                               filename=f"{marker}.py"))
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await task
+
+  try:
+    asyncio.run(go())
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert left.strip() == ""
+  finally:
+    subprocess.run(["pkill", "-f", marker])
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
