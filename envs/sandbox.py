@@ -56,7 +56,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from envs import waits
 from jaxagent.errors import InfraError
@@ -509,12 +509,14 @@ class Sandbox:
 
   `uid`: as root in a namespace mode, the uid commands run as; None takes a host-unique
   one (`UidLease`). `slots`: an async context manager factory that bounds how many
-  commands run at once (a pool's), waited for at most `slot_timeout_s`.
+  commands run at once (a pool's); a command waits for one as long as the pool frees
+  slots (`progress`: when it last did), and fails after `slot_timeout_s` without one.
   """
 
   def __init__(self, workspace: str, *, uid: Optional[int] = None,
                limits: Limits = Limits(), isolation: Optional[str] = None,
-               slots=None, slot_timeout_s: float = 60.0):
+               slots=None, slot_timeout_s: float = 60.0,
+               progress: Optional[Callable[[], float]] = None):
     self.host_path = os.path.abspath(workspace)
     self.isolation = isolation or detect_isolation()
     if self.isolation not in ISOLATIONS:
@@ -522,6 +524,7 @@ class Sandbox:
     self.limits = limits
     self._slots = slots
     self.slot_timeout_s = slot_timeout_s
+    self._progress = progress  # when a slot was last freed (time.monotonic)
     self._lease = None
     self._mounted = False
     self._cgroup: Optional[str] = None
@@ -710,18 +713,27 @@ class Sandbox:
     namespace modes), which processes it starts cannot kill or signal.
     """
     argv = [str(a) for a in argv]
-    slot = self._slots() if self._slots is not None else contextlib.nullcontext()
     t_wait = time.perf_counter()
-    try:
-      with waits.waiting():  # other episodes' load: infrastructure time, not the policy's
-        async with asyncio.timeout(self.slot_timeout_s):
-          await slot.__aenter__()
-    except TimeoutError:
-      result = ExecResult(argv, None, None, time.perf_counter() - t_wait, False, "", "", 0, 0,
-                          "", "", self.isolation,
-                          f"no execution slot within {self.slot_timeout_s:.0f}s")
-      self.history.append(result)
-      return result
+    slot = None
+    with waits.waiting():  # others' load: not the command's own time
+      while slot is None:
+        attempt = self._slots() if self._slots is not None else contextlib.nullcontext()
+        t_try = time.monotonic()
+        try:
+          async with asyncio.timeout(self.slot_timeout_s):
+            await attempt.__aenter__()
+          slot = attempt
+        except TimeoutError:
+          # A full pool that runs (slots freed meanwhile) is waited on as long as it
+          # takes: a run whose own episodes crowd it goes slower, no command is failed
+          # for it. One that freed nothing for slot_timeout_s is stuck: infrastructure.
+          if self._progress is None or self._progress() <= t_try:
+            result = ExecResult(argv, None, None, time.perf_counter() - t_wait, False, "", "",
+                                0, 0, "", "", self.isolation,
+                                f"no execution slot within {self.slot_timeout_s:.0f}s "
+                                "(no command of the pool ended meanwhile)")
+            self.history.append(result)
+            return result
     try:
       return await self._run(argv, timeout, stdin, pid1)
     finally:
@@ -823,8 +835,8 @@ class SandboxPool:
   `acquire()` gives every caller a fresh workspace of its own (an episode keeps one for
   its whole session; grading takes another), up to `max_workspaces`, and never waits
   for another caller's workspace. `size` bounds how many commands run at once, over
-  all workspaces: a command waits for a slot only while another command runs, and at
-  most `slot_timeout_s`. Unisolated execution (`rlimits`) is refused unless
+  all workspaces: a command waits for a slot only while others run, as long as the pool
+  frees slots, and fails after `slot_timeout_s` in which none was freed (stuck). Unisolated execution (`rlimits`) is refused unless
   `allow_unisolated`.
   """
 
@@ -856,6 +868,7 @@ class SandboxPool:
     self.running = 0
     self.peak_running = 0
     self.waits = 0
+    self.last_freed = time.monotonic()  # when a command last gave its slot back
 
   def _semaphore(self) -> asyncio.Semaphore:
     loop = asyncio.get_running_loop()
@@ -878,6 +891,7 @@ class SandboxPool:
         yield
       finally:
         self.running -= 1
+        self.last_freed = time.monotonic()
 
   def create(self) -> Sandbox:
     """A new workspace (blocking: a mount and a uid lease)."""
@@ -885,7 +899,8 @@ class SandboxPool:
       raise InfraError("sandbox", f"sandbox pool is at its limit of {self.max_workspaces} "
                        "workspaces")
     sb = Sandbox(os.path.join(self.root, uuid.uuid4().hex[:12]), limits=self.limits,
-                 isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s)
+                 isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
+                 progress=lambda: self.last_freed)
     self.live.add(sb)
     return sb
 

@@ -20,12 +20,13 @@ and propagates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
 import time
 import zlib
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from envs.base import trained_rewards
 from envs import waits
@@ -232,6 +233,45 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
   return record
 
 
+# An episode's wall time, waits on shared infrastructure included, is cut at this many
+# episode deadlines. Cut there, it is the policy's (a truncation, scored) if its own time
+# had spent at least OWN_SHARE_AT_WALL of its budget (it is slow itself, in a pool that
+# its own run's load crowds), else the infrastructure's (a bystander of an overload).
+EPISODE_WALL_FACTOR = 3
+OWN_SHARE_AT_WALL = 0.5
+
+
+class _WallCut(Exception):
+  """An episode ran past EPISODE_WALL_FACTOR deadlines of wall time, waits and all."""
+
+
+async def _within_budget(task: asyncio.Future, waited: Callable[[], Awaitable[float]],
+                         limit_s: float, wall_s: float, t0: float):
+  """`task`'s result; `asyncio.TimeoutError` once the episode's own time (wall time since
+  `t0` less `waited()`, its waits on shared infrastructure) passes `limit_s`; `_WallCut`
+  once its wall time passes `wall_s`. Waits do not spend an episode's budget: when the
+  run's own episodes crowd the sandbox pool, each goes slower rather than being cut (a
+  policy slow everywhere must not have its failures charged to the infrastructure, nor a
+  bystander's wait scored as its own). The task is cancelled when cut or when the
+  caller is."""
+  try:
+    while True:
+      elapsed = time.perf_counter() - t0
+      if elapsed >= wall_s:
+        raise _WallCut
+      left = limit_s - (elapsed - await waited())
+      if left <= 0:
+        raise asyncio.TimeoutError
+      done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), 0.05))
+      if done:
+        return task.result()
+  except BaseException:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+      await task
+    raise
+
+
 async def _commit(log: EpisodeLog, write, *args) -> None:
   """A write-ahead log record: in a worker thread when it is fsync'd (a disk wait), else
   right here (a buffered write to the OS: microseconds, less than a thread hop)."""
@@ -401,8 +441,20 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
         return
     status, reason = "truncated", "turn_cap"
 
+  async def waited() -> float:
+    """The episode's waits on shared infrastructure so far, a running call's included
+    (a remote one's asked of its worker only when the budget seems spent)."""
+    clock = waiting.get("clock")
+    total = ep.infra_wait_s + (clock.total_s() if clock is not None else 0.0)
+    own = time.perf_counter() - t_start - total
+    if (own >= cfg.episode_deadline_s and waiting["on"] == "env" and clock is not None
+        and hasattr(env, "in_flight_wait_s")):
+      total += await env.in_flight_wait_s()
+    return total
+
   try:
-    await asyncio.wait_for(play(), cfg.episode_deadline_s)
+    await _within_budget(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
+                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start)
     verdict = await in_env(env.verify())
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
@@ -410,11 +462,21 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
           "verifier"
     else:
       ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
+  except _WallCut:
+    wall = EPISODE_WALL_FACTOR * cfg.episode_deadline_s
+    ep.infra_wait_s = await waited()
+    if wall - ep.infra_wait_s >= OWN_SHARE_AT_WALL * cfg.episode_deadline_s:
+      status, reason = "truncated", "episode_wall"
+      ep.verdict = {"status": "fail", "reward": 0.0}
+    else:
+      status, ep.infra_error, ep.infra_kind = "failed", True, "episode_wall"
+      reason = (f"episode_wall: {wall:.0f} s of wall time, {ep.infra_wait_s:.1f} s of it "
+                "waiting on sandbox slots and worker turns (the infrastructure overloaded)")
   except asyncio.TimeoutError:
-    # The episode's wall-clock budget ran out. Spent mostly waiting on the server or on
-    # shared sandbox slots and worker turns (other episodes' load), it is infrastructure;
-    # mostly in the environment's own work (the policy's tool calls, each bounded by its
-    # sandbox limits), it is the policy's: a truncation, scored.
+    # The episode's own time (waits on shared infrastructure left out) ran out. Spent
+    # mostly waiting on the server, it is infrastructure; mostly in the environment's
+    # own work (the policy's tool calls, each bounded by its sandbox limits), it is the
+    # policy's: a truncation, scored.
     in_flight = time.perf_counter() - waiting["since"]
     clock = waiting.get("clock")
     in_flight_wait = clock.total_s() if clock is not None else 0.0
@@ -425,7 +487,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     env_s = ep.env_s + (max(0.0, in_flight - in_flight_wait) if waiting["on"] == "env"
                         else 0.0)
     ep.infra_wait_s, ep.env_s = wait_s, env_s
-    if server_s + wait_s >= env_s:
+    if server_s >= env_s:
       status, ep.infra_error, ep.infra_kind = "failed", True, "episode_deadline"
       reason = f"episode_deadline: {server_s:.1f} s waiting on the server, {wait_s:.1f} s " \
                f"on sandbox slots and worker turns, {env_s:.1f} s in the environment"
@@ -664,17 +726,35 @@ def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None
 
 class _ActionLog:
   """An environment as a black-box agent gets it: the actions it is handed are kept
-  (which reply of several the agent acted on)."""
+  (which reply of several the agent acted on), and its steps' waits on shared
+  infrastructure counted (they do not spend the episode's budget)."""
 
   def __init__(self, env):
     self.env, self.actions = env, []
+    self.waited_s = 0.0
+    self._clock: Optional[waits.WaitClock] = None
 
   def __getattr__(self, name):
     return getattr(self.env, name)
 
   async def step(self, action: str):
     self.actions.append(action)
-    return await self.env.step(action)
+    reported = getattr(self.env, "infra_wait_s", 0.0)
+    try:
+      with waits.measured() as self._clock:
+        return await self.env.step(action)
+    finally:
+      self.waited_s += self._clock.total_s() + getattr(self.env, "infra_wait_s", 0.0) - reported
+      self._clock = None
+
+  async def waited(self) -> float:
+    """Waits so far, a running step's included (a remote one's asked of its worker)."""
+    if self._clock is None:
+      return self.waited_s
+    running = self._clock.total_s()
+    if hasattr(self.env, "in_flight_wait_s"):
+      running += await self.env.in_flight_wait_s()
+    return self.waited_s + running
 
 
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
@@ -717,10 +797,13 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
           "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
 
   try:
-    ep.turn_rewards = await asyncio.wait_for(BLACKBOX_AGENTS[api](
+    harness = asyncio.ensure_future(BLACKBOX_AGENTS[api](
         acting, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k), cfg.episode_deadline_s)
+        top_k=cfg.top_k))
+    ep.turn_rewards = await _within_budget(harness, acting.waited, cfg.episode_deadline_s,
+                                           EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
+                                           t_start)
     ep.verdict = (await env.verify()).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
@@ -733,6 +816,14 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
   except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
     await truncated("episode_deadline")
+  except _WallCut:
+    wall = EPISODE_WALL_FACTOR * cfg.episode_deadline_s
+    if wall - acting.waited_s >= OWN_SHARE_AT_WALL * cfg.episode_deadline_s:
+      await truncated("episode_wall")  # slow itself, in its own run's crowd
+    else:
+      ep.status, ep.infra_error, ep.infra_kind = "failed", True, "episode_wall"
+      ep.reason = (f"episode_wall: {acting.waited_s:.1f} s of {wall:.0f} s waiting on "
+                   "sandbox slots and worker turns (the infrastructure overloaded)")
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   except _gateway_errors(api) as e:

@@ -145,6 +145,41 @@ class SlowEnv(Env):
     return await self.inner.verify()
 
 
+class CrowdedEnv(SlowEnv):
+  """guess_number whose steps work `delay_s` of their own, then wait `wait_s` on shared
+  infrastructure (as a sandbox slot wait in a crowded pool is marked)."""
+
+  def __init__(self, delay_s, wait_s):
+    super().__init__(delay_s)
+    self.wait_s = wait_s
+
+  async def step(self, action):
+    from envs import waits
+
+    result = await super().step(action)
+    with waits.waiting():
+      await asyncio.sleep(self.wait_s)
+    return result
+
+
+@pytest.mark.parametrize("own_s,scored", [(0.3, True), (0.05, False)])
+def test_an_episode_cut_at_its_wall_time_is_scored_if_it_was_slow_itself(own_s, scored):
+  """Waits do not spend an episode's 1 s budget, but its wall time is cut at three
+  budgets: then it is the policy's (scored) if its own time had spent half its budget
+  (slow itself, in the crowd its own run makes), else the infrastructure's."""
+  import rollout_server.client  # noqa: F401  (imported before the episode's clock starts)
+
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 20})
+  ep = asyncio.run(run_whitebox(CrowdedEnv(own_s, 1.0), task, ScriptedEngine(["1"] * 20), TOK,
+                                AgentConfig(max_turns=20, max_new_tokens=4,
+                                            episode_deadline_s=1.0),
+                                session_id="s", group_id="g"))
+  assert ep.reason.startswith("episode_wall") and ep.infra_wait_s > 1.5
+  assert ep.infra_error != scored and (ep.status == "truncated") == scored
+  if scored:
+    assert ep.reward == 0.0 and ep.segments
+
+
 def test_deadlines_waiting_on_the_server_are_infrastructure_and_the_policys_are_scored():
   task = TaskSpec("t", "guess_number", {"secret": 11})
   run = lambda env, engine, **kw: asyncio.run(run_whitebox(  # noqa: E731

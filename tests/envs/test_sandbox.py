@@ -267,7 +267,28 @@ def test_pool_caps_running_commands_and_gives_clean_workspaces():
     pool.close()
 
 
+def test_a_crowded_pool_that_runs_is_waited_on_past_the_slot_timeout():
+  """Six commands on one slot, each waiting behind the ones before it for longer than
+  the 0.5 s slot timeout: the pool frees a slot meanwhile, so every command waits its
+  turn and runs (a run whose own episodes crowd the pool goes slower; before, its
+  commands failed as infrastructure and its episodes were dropped: red-team)."""
+  pool = SandboxPool(1, limits=LIMITS, isolation=(MODES or ["rlimits"])[0],
+                     allow_unisolated=True, slot_timeout_s=0.5)
+
+  async def main():
+    async with pool.acquire() as sb:
+      return await asyncio.gather(*(sb.run(["sleep", "0.3"]) for _ in range(6)))
+
+  try:
+    results = asyncio.run(main())
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert pool.peak_running == 1 and pool.waits >= 4
+  finally:
+    pool.close()
+
+
 def test_a_wait_for_a_slot_has_a_deadline():
+  """... but a pool that frees no slot for slot_timeout_s is stuck: infrastructure."""
   pool = SandboxPool(1, limits=LIMITS, isolation=(MODES or ["rlimits"])[0],
                      allow_unisolated=True, slot_timeout_s=0.5)
 
