@@ -262,7 +262,8 @@ async def _within_budget(task: asyncio.Future, waited: Callable[[], Awaitable[fl
       left = limit_s - (elapsed - await waited())
       if left <= 0:
         raise asyncio.TimeoutError
-      done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), 0.05))
+      # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
+      done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), 0.25))
       if done:
         return task.result()
   except BaseException:
