@@ -714,26 +714,35 @@ class Sandbox:
     """
     argv = [str(a) for a in argv]
     t_wait = time.perf_counter()
-    slot = None
-    with waits.waiting():  # others' load: not the command's own time
-      while slot is None:
-        attempt = self._slots() if self._slots is not None else contextlib.nullcontext()
-        t_try = time.monotonic()
-        try:
-          async with asyncio.timeout(self.slot_timeout_s):
-            await attempt.__aenter__()
-          slot = attempt
-        except TimeoutError:
+    slot = self._slots() if self._slots is not None else contextlib.nullcontext()
+    # One place in the queue, kept however long the wait (first come, first served).
+    acquire = asyncio.ensure_future(slot.__aenter__())
+    try:
+      with waits.waiting():  # others' load: not the command's own time
+        while True:
+          t_look = time.monotonic()
+          done, _ = await asyncio.wait({acquire}, timeout=self.slot_timeout_s)
+          if done:
+            acquire.result()
+            break
           # A full pool that runs (slots freed meanwhile) is waited on as long as it
           # takes: a run whose own episodes crowd it goes slower, no command is failed
           # for it. One that freed nothing for slot_timeout_s is stuck: infrastructure.
-          if self._progress is None or self._progress() <= t_try:
-            result = ExecResult(argv, None, None, time.perf_counter() - t_wait, False, "", "",
-                                0, 0, "", "", self.isolation,
-                                f"no execution slot within {self.slot_timeout_s:.0f}s "
-                                "(no command of the pool ended meanwhile)")
-            self.history.append(result)
-            return result
+          if self._progress is None or self._progress() <= t_look:
+            raise TimeoutError
+    except BaseException as e:  # stuck, or the caller gave up: leave the queue
+      acquire.cancel()
+      await asyncio.wait({acquire})
+      if not acquire.cancelled() and acquire.exception() is None:  # got it meanwhile
+        await slot.__aexit__(None, None, None)
+      if not isinstance(e, TimeoutError):
+        raise
+      result = ExecResult(argv, None, None, time.perf_counter() - t_wait, False, "", "",
+                          0, 0, "", "", self.isolation,
+                          f"no execution slot within {self.slot_timeout_s:.0f}s "
+                          "(no command of the pool ended meanwhile)")
+      self.history.append(result)
+      return result
     try:
       return await self._run(argv, timeout, stdin, pid1)
     finally:

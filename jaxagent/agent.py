@@ -234,11 +234,10 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
 
 
 # An episode's wall time, waits on shared infrastructure included, is cut at this many
-# episode deadlines. Cut there, it is the policy's (a truncation, scored) if its own time
-# had spent at least OWN_SHARE_AT_WALL of its budget (it is slow itself, in a pool that
-# its own run's load crowds), else the infrastructure's (a bystander of an overload).
+# episode deadlines, and judged as at its deadline: the waits of a pool that keeps
+# freeing slots are the run's own load (its policy's), not an outage (a stuck pool fails
+# its command at once).
 EPISODE_WALL_FACTOR = 3
-OWN_SHARE_AT_WALL = 0.5
 
 
 class _WallCut(Exception):
@@ -268,9 +267,18 @@ async def _within_budget(task: asyncio.Future, waited: Callable[[], Awaitable[fl
         return task.result()
   except BaseException:
     task.cancel()
-    with contextlib.suppress(BaseException):
-      await task
+    await asyncio.wait({task})  # (lets a cancellation of the caller through)
     raise
+
+
+async def _graded(verify: Awaitable, cfg: AgentConfig):
+  """The verdict, within EPISODE_WALL_FACTOR episode deadlines (its own runs are bounded
+  by the grader's timeouts: past that, the grader's waits for sandbox slots)."""
+  limit = EPISODE_WALL_FACTOR * cfg.episode_deadline_s
+  try:
+    return await asyncio.wait_for(verify, limit)
+  except asyncio.TimeoutError:
+    raise InfraError("verifier", f"grading took longer than {limit:.0f} s") from None
 
 
 async def _commit(log: EpisodeLog, write, *args) -> None:
@@ -456,28 +464,19 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   try:
     await _within_budget(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
                          EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start)
-    verdict = await in_env(env.verify())
+    verdict = await _graded(in_env(env.verify()), cfg)
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
       status, reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", True, \
           "verifier"
     else:
       ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
-  except _WallCut:
-    wall = EPISODE_WALL_FACTOR * cfg.episode_deadline_s
-    ep.infra_wait_s = await waited()
-    if wall - ep.infra_wait_s >= OWN_SHARE_AT_WALL * cfg.episode_deadline_s:
-      status, reason = "truncated", "episode_wall"
-      ep.verdict = {"status": "fail", "reward": 0.0}
-    else:
-      status, ep.infra_error, ep.infra_kind = "failed", True, "episode_wall"
-      reason = (f"episode_wall: {wall:.0f} s of wall time, {ep.infra_wait_s:.1f} s of it "
-                "waiting on sandbox slots and worker turns (the infrastructure overloaded)")
-  except asyncio.TimeoutError:
-    # The episode's own time (waits on shared infrastructure left out) ran out. Spent
-    # mostly waiting on the server, it is infrastructure; mostly in the environment's
-    # own work (the policy's tool calls, each bounded by its sandbox limits), it is the
-    # policy's: a truncation, scored.
+  except (asyncio.TimeoutError, _WallCut) as cut:
+    # The episode's own time (waits on shared infrastructure left out) ran out, or its
+    # wall time. Spent mostly waiting on the server, it is infrastructure; mostly in the
+    # environment (the policy's tool calls, each bounded by its sandbox limits, and the
+    # crowd its own run makes), it is the policy's: a truncation, scored.
+    kind = "episode_wall" if isinstance(cut, _WallCut) else "episode_deadline"
     in_flight = time.perf_counter() - waiting["since"]
     clock = waiting.get("clock")
     in_flight_wait = clock.total_s() if clock is not None else 0.0
@@ -488,12 +487,14 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     env_s = ep.env_s + (max(0.0, in_flight - in_flight_wait) if waiting["on"] == "env"
                         else 0.0)
     ep.infra_wait_s, ep.env_s = wait_s, env_s
-    if server_s >= env_s:
-      status, ep.infra_error, ep.infra_kind = "failed", True, "episode_deadline"
-      reason = f"episode_deadline: {server_s:.1f} s waiting on the server, {wait_s:.1f} s " \
+    # (at the wall, the waits of the crowd its own run makes are on the policy's side)
+    policy_s = env_s + (wait_s if kind == "episode_wall" else 0.0)
+    if server_s >= policy_s:
+      status, ep.infra_error, ep.infra_kind = "failed", True, kind
+      reason = f"{kind}: {server_s:.1f} s waiting on the server, {wait_s:.1f} s " \
                f"on sandbox slots and worker turns, {env_s:.1f} s in the environment"
     else:
-      status, reason = "truncated", "episode_deadline"
+      status, reason = "truncated", kind
       ep.verdict = {"status": "fail", "reward": 0.0}
   except InfraError as e:  # a server, worker, sandbox or network failure: not a score
     status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
@@ -738,15 +739,21 @@ class _ActionLog:
   def __getattr__(self, name):
     return getattr(self.env, name)
 
-  async def step(self, action: str):
-    self.actions.append(action)
+  async def _measured(self, call):
     reported = getattr(self.env, "infra_wait_s", 0.0)
     try:
       with waits.measured() as self._clock:
-        return await self.env.step(action)
+        return await call
     finally:
       self.waited_s += self._clock.total_s() + getattr(self.env, "infra_wait_s", 0.0) - reported
       self._clock = None
+
+  async def reset(self, task):
+    return await self._measured(self.env.reset(task))
+
+  async def step(self, action: str):
+    self.actions.append(action)
+    return await self._measured(self.env.step(action))
 
   async def waited(self) -> float:
     """Waits so far, a running step's included (a remote one's asked of its worker)."""
@@ -805,7 +812,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.turn_rewards = await _within_budget(harness, acting.waited, cfg.episode_deadline_s,
                                            EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
                                            t_start)
-    ep.verdict = (await env.verify()).to_dict()
+    ep.verdict = (await _graded(env.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
     turns = await _take_session(gateway_url, session_id)
@@ -817,14 +824,8 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
   except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
     await truncated("episode_deadline")
-  except _WallCut:
-    wall = EPISODE_WALL_FACTOR * cfg.episode_deadline_s
-    if wall - acting.waited_s >= OWN_SHARE_AT_WALL * cfg.episode_deadline_s:
-      await truncated("episode_wall")  # slow itself, in its own run's crowd
-    else:
-      ep.status, ep.infra_error, ep.infra_kind = "failed", True, "episode_wall"
-      ep.reason = (f"episode_wall: {acting.waited_s:.1f} s of {wall:.0f} s waiting on "
-                   "sandbox slots and worker turns (the infrastructure overloaded)")
+  except _WallCut:  # its wall time, waits in the crowd its own run makes and all
+    await truncated("episode_wall")
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   except _gateway_errors(api) as e:

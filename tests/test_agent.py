@@ -162,22 +162,24 @@ class CrowdedEnv(SlowEnv):
     return result
 
 
-@pytest.mark.parametrize("own_s,scored", [(0.3, True), (0.05, False)])
-def test_an_episode_cut_at_its_wall_time_is_scored_if_it_was_slow_itself(own_s, scored):
+@pytest.mark.parametrize("own_s", [0.3, 0.0])
+def test_an_episode_cut_at_its_wall_time_is_judged_as_at_its_deadline(own_s):
   """Waits do not spend an episode's 1 s budget, but its wall time is cut at three
-  budgets: then it is the policy's (scored) if its own time had spent half its budget
-  (slow itself, in the crowd its own run makes), else the infrastructure's."""
+  budgets; then, as at the deadline, it is the infrastructure's only if it went mostly
+  to waiting on the server: the waits of a pool that keeps freeing slots are the crowd
+  its own run makes, the policy's (a review finding: at 16 episodes a slot, a slow
+  policy's failures were all dropped as infrastructure). Whether it worked itself or
+  only waited, it is scored."""
   import rollout_server.client  # noqa: F401  (imported before the episode's clock starts)
 
   task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 20})
-  ep = asyncio.run(run_whitebox(CrowdedEnv(own_s, 1.0), task, ScriptedEngine(["1"] * 20), TOK,
+  engine = ScriptedEngine(["1"] * 20)
+  ep = asyncio.run(run_whitebox(CrowdedEnv(own_s, 1.0), task, engine, TOK,
                                 AgentConfig(max_turns=20, max_new_tokens=4,
                                             episode_deadline_s=1.0),
                                 session_id="s", group_id="g"))
-  assert ep.reason.startswith("episode_wall") and ep.infra_wait_s > 1.5
-  assert ep.infra_error != scored and (ep.status == "truncated") == scored
-  if scored:
-    assert ep.reward == 0.0 and ep.segments
+  assert (ep.status, ep.reason) == ("truncated", "episode_wall") and not ep.infra_error
+  assert ep.infra_wait_s > 1.5 and ep.reward == 0.0 and ep.segments
 
 
 def test_deadlines_waiting_on_the_server_are_infrastructure_and_the_policys_are_scored():

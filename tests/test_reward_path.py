@@ -110,6 +110,8 @@ def test_waiting_for_a_sandbox_slot_is_the_infrastructures_time(resources):
   it is the infrastructure's; a command that gets no slot while the pool makes no
   progress ends its episode as infrastructure instead of reaching the policy as a
   strange tool output; waits are counted apart from the episode's own time."""
+  import rollout_server.client  # noqa: F401  (imported before the episodes' clocks start)
+
   pool = resources.pool()
 
   async def with_slots_taken(hold_s, **cfg):
@@ -129,7 +131,8 @@ def test_waiting_for_a_sandbox_slot_is_the_infrastructures_time(resources):
   assert not ep.infra_error and ep.verdict["status"] == "fail", ep.reason
   assert ep.infra_wait_s > 1.5 and ep.env_s < 1.0
   ep = asyncio.run(with_slots_taken(5.0, episode_deadline_s=1.0))  # past 3 deadlines
-  assert ep.infra_error and ep.infra_kind == "episode_wall" and ep.status == "failed"
+  # (cut at its wall time, as at its deadline: not mostly on the server, so its own)
+  assert not ep.infra_error and (ep.status, ep.reason) == ("truncated", "episode_wall")
 
   pool.slot_timeout_s = 0.5  # for the workspaces made from here on
   ep = asyncio.run(with_slots_taken(2.0))
