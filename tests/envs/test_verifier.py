@@ -166,7 +166,8 @@ def test_the_hidden_expected_values_never_enter_the_sandbox(pool):
            "        found.append(os.path.join(d, f))\n    except OSError:\n      pass\n"
            "import sys\nenv = str(dict(os.environ)) + ' '.join(sys.argv)\n"
            "def f(x):\n    return repr((found, needle in env))\n")
-  v = grade(pool, {"solution.py": probe}, tests=secret)
+  # (the probe reads every file it can see: 30 s, not 5, on a loaded machine)
+  v = grade(pool, {"solution.py": probe}, tests=secret, timeout_s=30.0)
   assert v.status == VerdictStatus.FAIL
   assert v.details["cases"]["0"].startswith("returned '([], False)'"), v.details
 
