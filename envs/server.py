@@ -119,30 +119,6 @@ class _NoTurn(Exception):
   """A call waited its whole deadline for a turn under the worker's call cap."""
 
 
-async def _within_deadline(task: asyncio.Future, clock: waits.WaitClock, limit_s: float,
-                           t0: float, wall_s: float):
-  """`task`'s result, or `asyncio.TimeoutError` once its own time (wall time since `t0`
-  less what `clock` counted as waits on shared infrastructure) passes `limit_s`, or its
-  wall time `wall_s` (waits and all: a worker answers within a bound its clients can
-  wait for). While a wait is in progress the task is not cut for its own time (each wait
-  has its own bound). The task is cancelled when it is cut or when the caller is."""
-  try:
-    while True:
-      elapsed = time.perf_counter() - t0
-      left = min(limit_s - (elapsed - clock.total_s()), wall_s - elapsed)
-      if elapsed >= wall_s or (left <= 0 and not clock.waiting):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-          await task
-        raise asyncio.TimeoutError
-      done, _ = await asyncio.wait({task}, timeout=max(left, 0.05))
-      if done:
-        return task.result()
-  except asyncio.CancelledError:
-    task.cancel()
-    raise
-
-
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
                max_concurrent_calls: int = 32, deadline_s: float = 60.0,
                idle_timeout_s: float = 300.0, max_body_bytes: int = 8 << 20) -> FastAPI:
@@ -229,9 +205,12 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     s = sessions.get(sid) if sid is not None else None
     if s is not None:
       s.call, s.clock = task, clock
+    async def waited() -> float:
+      return clock.total_s()
+
     try:
-      out = await _within_deadline(task, clock, deadline_s, t0, WALL_FACTOR * deadline_s)
-    except asyncio.TimeoutError:
+      out = await waits.within(task, waited, deadline_s, WALL_FACTOR * deadline_s, t0)
+    except (asyncio.TimeoutError, waits.WallCut):
       n_calls.labels(kind, "deadline").inc()
       if sid is not None:
         await close_session(sid)

@@ -20,10 +20,11 @@ The clock travels in a context variable, so tasks and threads started inside
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import time
-from typing import Iterator, Optional
+from typing import Awaitable, Callable, Iterator, Optional
 
 
 class WaitClock:
@@ -72,3 +73,32 @@ def waiting() -> Iterator[None]:
   finally:
     clock._open.remove(t0)
     clock.waited_s += time.perf_counter() - t0
+
+
+class WallCut(Exception):
+  """A task ran past its wall-time bound, waits and all."""
+
+
+async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], limit_s: float,
+                 wall_s: float, t0: float, *, look_s: float = 0.05):
+  """`task`'s result; `asyncio.TimeoutError` once its own time (wall time since `t0` less
+  `waited()`, its waits on shared infrastructure) passes `limit_s`; `WallCut` once its
+  wall time passes `wall_s`. Waits do not spend the budget: a crowded pool makes a task
+  slower, not cut. It looks at least every `look_s` seconds (`waited()` may ask a remote
+  worker). The task is cancelled, and its end awaited, when it is cut or when the caller
+  is (whose cancellation goes through)."""
+  try:
+    while True:
+      elapsed = time.perf_counter() - t0
+      if elapsed >= wall_s:
+        raise WallCut
+      left = limit_s - (elapsed - await waited())
+      if left <= 0:
+        raise asyncio.TimeoutError
+      done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), look_s))
+      if done:
+        return task.result()
+  except BaseException:
+    task.cancel()
+    await asyncio.wait({task})
+    raise

@@ -20,13 +20,12 @@ and propagates.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import json
 import time
 import zlib
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Optional
 
 from envs.base import trained_rewards
 from envs import waits
@@ -240,37 +239,6 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
 EPISODE_WALL_FACTOR = 3
 
 
-class _WallCut(Exception):
-  """An episode ran past EPISODE_WALL_FACTOR deadlines of wall time, waits and all."""
-
-
-async def _within_budget(task: asyncio.Future, waited: Callable[[], Awaitable[float]],
-                         limit_s: float, wall_s: float, t0: float):
-  """`task`'s result; `asyncio.TimeoutError` once the episode's own time (wall time since
-  `t0` less `waited()`, its waits on shared infrastructure) passes `limit_s`; `_WallCut`
-  once its wall time passes `wall_s`. Waits do not spend an episode's budget: when the
-  run's own episodes crowd the sandbox pool, each goes slower rather than being cut (a
-  policy slow everywhere must not have its failures charged to the infrastructure, nor a
-  bystander's wait scored as its own). The task is cancelled when cut or when the
-  caller is."""
-  try:
-    while True:
-      elapsed = time.perf_counter() - t0
-      if elapsed >= wall_s:
-        raise _WallCut
-      left = limit_s - (elapsed - await waited())
-      if left <= 0:
-        raise asyncio.TimeoutError
-      # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
-      done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), 0.25))
-      if done:
-        return task.result()
-  except BaseException:
-    task.cancel()
-    await asyncio.wait({task})  # (lets a cancellation of the caller through)
-    raise
-
-
 async def _graded(verify: Awaitable, cfg: AgentConfig):
   """The verdict, within EPISODE_WALL_FACTOR episode deadlines (its own runs are bounded
   by the grader's timeouts: past that, the grader's waits for sandbox slots)."""
@@ -462,8 +430,9 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     return total
 
   try:
-    await _within_budget(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
-                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start)
+    # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
+    await waits.within(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
+                       EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25)
     verdict = await _graded(in_env(env.verify()), cfg)
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
@@ -471,12 +440,12 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
           "verifier"
     else:
       ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
-  except (asyncio.TimeoutError, _WallCut) as cut:
+  except (asyncio.TimeoutError, waits.WallCut) as cut:
     # The episode's own time (waits on shared infrastructure left out) ran out, or its
     # wall time. Spent mostly waiting on the server, it is infrastructure; mostly in the
     # environment (the policy's tool calls, each bounded by its sandbox limits, and the
     # crowd its own run makes), it is the policy's: a truncation, scored.
-    kind = "episode_wall" if isinstance(cut, _WallCut) else "episode_deadline"
+    kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
     in_flight = time.perf_counter() - waiting["since"]
     clock = waiting.get("clock")
     in_flight_wait = clock.total_s() if clock is not None else 0.0
@@ -809,9 +778,9 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
         acting, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k))
-    ep.turn_rewards = await _within_budget(harness, acting.waited, cfg.episode_deadline_s,
-                                           EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
-                                           t_start)
+    ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
+                                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
+                                         t_start, look_s=0.25)
     ep.verdict = (await _graded(env.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
@@ -824,7 +793,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
   except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
     await truncated("episode_deadline")
-  except _WallCut:  # its wall time, waits in the crowd its own run makes and all
+  except waits.WallCut:  # its wall time, waits in the crowd its own run makes and all
     await truncated("episode_wall")
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
