@@ -61,6 +61,9 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=None, help="write the kept tasks here (JSONL)")
   p.add_argument("--concurrency", type=int, default=4)
   args = p.parse_args(argv)
+  if args.concurrency < 1:
+    print(f"error: --concurrency must be >= 1, got {args.concurrency}", file=sys.stderr)
+    return 2
   try:
     tasks = load_tasks(args.tasks)
   except (OSError, ValueError) as e:

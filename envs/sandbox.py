@@ -104,6 +104,9 @@ class Limits:
   # sessions x disk_bytes).
   disk_bytes: int = 32 << 20
   tmp_bytes: int = 16 << 20  # the private /tmp and /dev/shm
+  # Files and directories in the workspace, /tmp and /dev/shm each (as root): each costs
+  # kernel memory that the tmpfs size does not count.
+  max_inodes: int = 16384
   write_bytes: int = 1 << 20  # largest file the host writes for a tool call
   # Memory of all a sandbox's processes together (its tmpfs pages included): a memory
   # cgroup, where the host allows one (root, a writable memory controller). Without it
@@ -126,6 +129,8 @@ class ExecResult:
   stderr_sha256: str
   isolation: str
   error: Optional[str] = None  # the sandbox could not run the command (infrastructure)
+  # Processes the kernel killed while it ran, its memory cgroup's limit reached.
+  oom_kills: int = 0
 
   @property
   def ok(self) -> bool:
@@ -322,10 +327,10 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
             f"ln -s /proc/self/fd/1 {q(dev + '/stdout')}",
             f"ln -s /proc/self/fd/2 {q(dev + '/stderr')}",
             f"mkdir {q(dev + '/shm')}",
-            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nosuid,nodev jaxagent-shm "
-            f"{q(dev + '/shm')}",
-            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nosuid,nodev jaxagent-tmp "
-            f"{q(root + '/tmp')}",
+            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nr_inodes={limits.max_inodes},"
+            f"nosuid,nodev jaxagent-shm {q(dev + '/shm')}",
+            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nr_inodes={limits.max_inodes},"
+            f"nosuid,nodev jaxagent-tmp {q(root + '/tmp')}",
             f"mount --bind {q(workspace)} {q(root + '/workspace')}"]
   loader = ""
   if seccomp is not None and os.path.exists("/usr/bin/python3"):
@@ -541,8 +546,9 @@ class Sandbox:
         self._kill_uid()  # nothing of an earlier holder of this uid survives
         # The quota: a tmpfs of disk_bytes owned by the sandbox uid.
         subprocess.run(["mount", "-t", "tmpfs", "-o",
-                        f"size={limits.disk_bytes},mode=0700,uid={self.uid},gid={self.uid},"
-                        "nosuid,nodev", "jaxagent-ws", self.host_path],
+                        f"size={limits.disk_bytes},nr_inodes={limits.max_inodes},mode=0700,"
+                        f"uid={self.uid},gid={self.uid},nosuid,nodev", "jaxagent-ws",
+                        self.host_path],
                        check=True, capture_output=True)
         self._mounted = True
         self._cgroup = _memory_cgroup(self.uid, limits.group_memory_bytes)
@@ -758,6 +764,7 @@ class Sandbox:
                if self.isolation == "mountns" else self._logs)
     t0 = time.perf_counter()
     timed_out, error, code, sig = False, None, None, None
+    ooms = self.oom_kills()
     program = seccomp_program() if self.isolation == "bwrap" else None
     seccomp_fd = None
     try:
@@ -779,7 +786,7 @@ class Sandbox:
           timed_out = True
           await self._terminate(proc)
         except BaseException:  # cancelled (its caller gave up): nothing outlives the run
-          await asyncio.shield(self._terminate(proc))
+          await waits.to_the_end(self._terminate(proc))
           raise
         rc = proc.returncode
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
@@ -792,7 +799,7 @@ class Sandbox:
     finally:
       if seccomp_fd is not None:
         os.close(seccomp_fd)
-      await asyncio.to_thread(self._kill_uid)
+      await waits.to_the_end(asyncio.to_thread(self._kill_uid))
       if run_dir != self._logs:
         shutil.rmtree(run_dir, ignore_errors=True)
     duration = time.perf_counter() - t0
@@ -802,9 +809,26 @@ class Sandbox:
       with contextlib.suppress(FileNotFoundError):
         os.unlink(p)
     result = ExecResult(argv, code, sig, duration, timed_out, outs[0][0], outs[1][0], outs[0][1],
-                        outs[1][1], outs[0][2], outs[1][2], self.isolation, error)
+                        outs[1][1], outs[0][2], outs[1][2], self.isolation, error,
+                        self.oom_kills() - ooms)
     self.history.append(result)
     return result
+
+  def oom_kills(self) -> int:
+    """Processes the kernel has killed in the sandbox's memory cgroup for its limit (0
+    without a cgroup)."""
+    if self._cgroup is None:
+      return 0
+    for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
+      try:
+        with open(os.path.join(self._cgroup, name)) as f:
+          for line in f:
+            key, _, n = line.partition(" ")
+            if key == "oom_kill":
+              return int(n)
+      except (OSError, ValueError):
+        continue
+    return 0
 
   async def _terminate(self, proc) -> None:
     """Kills a timed-out command so that its own parent reaps it (no orphans, no zombies)."""
@@ -923,7 +947,7 @@ class SandboxPool:
     try:
       yield sb
     finally:
-      await asyncio.shield(asyncio.to_thread(self.release, sb))
+      await waits.to_the_end(asyncio.to_thread(self.release, sb))
 
   @property
   def in_use(self) -> int:

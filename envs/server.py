@@ -14,7 +14,8 @@ the policy's bounded work into a 504) and have bounds of their own: a call that
 gets no turn within the deadline answers 503, unrun; a command that gets no
 sandbox slot within the pool's `slot_timeout_s` fails its episode as
 infrastructure (503); a call ends within `WALL_FACTOR` deadlines, waits and all
-(504), below `RemoteEnv`'s timeout. Every answer carries `infra_wait_s`, the
+(504); every answer says how long that is (`call_wall_s`), and `RemoteEnv` waits
+that long and a margin for an answer. Every answer carries `infra_wait_s`, the
 seconds the call waited, and `GET /sessions/{id}/waits` those of the call running
 now, which the agent charges to the infrastructure. Closing a session (DELETE,
 the reaper, shutdown) cancels its running call before the environment closes. A session the
@@ -35,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import math
 import sys
 import time
 import uuid
@@ -113,6 +115,8 @@ class _BodyLimit:
 # A call answers within this many deadlines, waits and all (a client's timeout must be
 # longer: `RemoteEnv`'s default is).
 WALL_FACTOR = 2
+# A client waits this much past a worker's longest call for the answer (`RemoteEnv`).
+CALL_MARGIN_S = 15.0
 
 
 class _NoTurn(Exception):
@@ -125,6 +129,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   resources = resources or EnvResources()
   sessions: dict[str, _Session] = {}
   calls = asyncio.Semaphore(max_concurrent_calls)
+  call_wall_s = WALL_FACTOR * deadline_s  # told to clients in every answer
   registry = CollectorRegistry()
   n_sessions = Gauge("env_sessions", "Open sessions", registry=registry)
   n_calls = Counter("env_calls", "Calls by kind and outcome", ["kind", "outcome"],
@@ -238,7 +243,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
 
   @app.get("/health")
   async def health():
-    return {"status": "ok", "sessions": len(sessions), "max_sessions": max_sessions}
+    return {"status": "ok", "sessions": len(sessions), "max_sessions": max_sessions,
+            "call_wall_s": call_wall_s}
 
   @app.get("/metrics")
   async def metrics():
@@ -261,14 +267,15 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       try:
         obs = await env.reset(task)
       except BaseException:  # failed or abandoned (deadline): nothing is kept
-        await asyncio.shield(env.close())
+        await waits.to_the_end(env.close())
         raise
       sessions[sid] = _Session(env, task, asyncio.Lock(), time.time())
       n_sessions.set(len(sessions))
       return obs
 
     obs, waited = await guarded("reset", None, start)
-    return {"session_id": sid, "observation": dataclasses.asdict(obs), "infra_wait_s": waited}
+    return {"session_id": sid, "observation": dataclasses.asdict(obs), "infra_wait_s": waited,
+            "call_wall_s": call_wall_s}
 
   @app.post("/sessions/{sid}/step")
   async def step(sid: str, body: StepBody):
@@ -279,7 +286,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return await s.env.step(body.action)
 
     result, waited = await guarded("step", sid, run)
-    return {**json_safe(dataclasses.asdict(result)), "infra_wait_s": waited}
+    return {**json_safe(dataclasses.asdict(result)), "infra_wait_s": waited,
+            "call_wall_s": call_wall_s}
 
   @app.post("/sessions/{sid}/verify")
   async def verify(sid: str):
@@ -290,7 +298,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return await s.env.verify()
 
     verdict, waited = await guarded("verify", sid, run)
-    return {**verdict.to_dict(), "infra_wait_s": waited}
+    return {**verdict.to_dict(), "infra_wait_s": waited, "call_wall_s": call_wall_s}
 
   @app.get("/sessions/{sid}/waits")
   async def session_waits(sid: str):
@@ -318,7 +326,15 @@ class SessionLost(InfraError):
 
 
 class RemoteEnv:
-  """An environment hosted by an `envs.server` worker; same methods as `Env`."""
+  """An environment hosted by an `envs.server` worker; same methods as `Env`.
+
+  A call waits `timeout_s` for its answer, or longer for a worker whose calls may take
+  longer (its `call_wall_s`, in every answer, learnt per worker URL): a worker started
+  with a long `--deadline-s` answers a slow call itself instead of the client giving up
+  on a call that was within its deadline."""
+
+  # Per worker URL, the longest a call may take there (WALL_FACTOR deadlines).
+  _call_walls: dict[str, float] = {}
 
   def __init__(self, url: str, *, timeout_s: float = 180.0,
                client: Optional[httpx.AsyncClient] = None):
@@ -336,6 +352,9 @@ class RemoteEnv:
     RuntimeError."""
     if self._client is None:
       self._client = httpx.AsyncClient(timeout=self.timeout_s)
+    wall = self._call_walls.get(self.url, 0.0)
+    if wall + CALL_MARGIN_S > self.timeout_s:
+      kw.setdefault("timeout", wall + CALL_MARGIN_S)
     try:
       r = await self._client.request(method, self.url + path, **kw)
     except httpx.HTTPError as e:
@@ -352,6 +371,9 @@ class RemoteEnv:
     out = r.json()
     if isinstance(out, dict):
       self.infra_wait_s += float(out.get("infra_wait_s", 0.0))
+      wall = out.pop("call_wall_s", None)
+      if isinstance(wall, (int, float)) and math.isfinite(wall) and wall > 0:
+        self._call_walls[self.url] = float(wall)
     return out
 
   async def in_flight_wait_s(self) -> float:

@@ -16,6 +16,21 @@ import json
 import math
 
 MAX_DEPTH = 32
+# The deepest JSON nesting an encoded value of MAX_DEPTH reaches (a dict level is three:
+# the tagged pair, its items, an item), with room for the result line around it.
+MAX_JSON_DEPTH = 3 * MAX_DEPTH + 12
+
+
+def json_depth(data) -> int:
+  """How deep lists and dicts nest in parsed JSON, counted without recursion (a value
+  nested near the interpreter's recursion limit must not raise where it is measured)."""
+  deepest, stack = 0, [(data, 1)]
+  while stack:
+    x, d = stack.pop()
+    if isinstance(x, (list, dict)):
+      deepest = max(deepest, d)
+      stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+  return deepest
 
 
 def encode(value, depth=0):

@@ -54,7 +54,9 @@ from envs import values
 from envs.base import Verdict, VerdictStatus
 from envs.sandbox import ExecResult, Sandbox, SandboxPool
 
-VERSION = "python-harness-3"  # 3: the report is capped to what the host keeps
+# 3: the report is capped to what the host keeps; 4: values nested past what the host
+# reads are errors, the solution is the kernel's first pick when memory runs out.
+VERSION = "python-harness-4"
 
 _HARNESS_BODY = r'''
 import ctypes, os, select, signal, sys
@@ -73,6 +75,15 @@ r, w = os.pipe()
 pid = os.fork()
 if pid == 0:  # the solution's process
   try:
+    try:  # the kernel's first pick when the sandbox's memory runs out, not the harness
+      # (a process that is not dumpable cannot write its own /proc files: for a moment)
+      ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
+      with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    except Exception:
+      pass
+    finally:
+      ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     os.close(r)
     report.close()
     os.closerange(3, w)
@@ -135,7 +146,10 @@ for line in data[:limit].split(b"\n"):
     import_error = item["import_error"][:300]
   i = item.get("i")
   if type(i) is int and 0 <= i < len(spec["args"]) and str(i) not in results:
-    if "value" in item:
+    if "value" in item and json_depth(item["value"]) > MAX_JSON_DEPTH:
+      # (parsed here, near the stack's bottom, it might not parse on the host's side)
+      results[str(i)] = {"error": "value nested too deeply"}
+    elif "value" in item:
       results[str(i)] = {"value": item["value"]}
     elif isinstance(item.get("error"), str):
       results[str(i)] = {"error": item["error"][:300]}
@@ -207,7 +221,16 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
     results, child = report["results"], report["child"]
     if not isinstance(results, dict) or not isinstance(child, dict):
       raise TypeError("malformed report")
-  except (IndexError, ValueError, KeyError, TypeError, RecursionError):
+  except RecursionError:  # only the solution's values nest: its doing
+    return verdict(VerdictStatus.FAIL, reason="the report nested too deeply to read")
+  except (IndexError, ValueError, KeyError, TypeError):
+    if result.oom_kills:
+      # The sandbox's memory (its processes and the kernel memory they made, files in
+      # its tmpfs included) ran out and the kernel killed the harness: only the
+      # solution's process and what it started use memory there.
+      return verdict(VerdictStatus.FAIL, reason="the solution ran the sandbox out of memory "
+                     f"(the kernel killed {result.oom_kills} of its processes, the "
+                     "harness among them)")
     return verdict(VerdictStatus.INFRA_ERROR,
                    reason=f"harness died after it started (exit {result.exit_code}, signal "
                           f"{result.signal})")

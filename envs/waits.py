@@ -79,6 +79,23 @@ class WallCut(Exception):
   """A task ran past its wall-time bound, waits and all."""
 
 
+async def to_the_end(aw: Awaitable):
+  """Awaits `aw` to its end even when cancelled meanwhile, again and again (cleanup that
+  must finish: a command killed before its slot is freed); a cancellation that came
+  meanwhile is raised after. `asyncio.shield` alone lets a second cancellation return
+  at once, the cleanup still running."""
+  task = asyncio.ensure_future(aw)
+  cancelled = False
+  while not task.done():
+    try:
+      await asyncio.shield(task)
+    except asyncio.CancelledError:  # (ours, even when the cleanup ended in the meantime)
+      cancelled = True
+  if cancelled:
+    raise asyncio.CancelledError
+  return task.result()
+
+
 async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], limit_s: float,
                  wall_s: float, t0: float, *, look_s: float = 0.05):
   """`task`'s result; `asyncio.TimeoutError` once its own time (wall time since `t0` less

@@ -186,6 +186,25 @@ def test_workspace_quota(sandbox):
   assert sum(len(v) for v in sandbox.files().values()) <= LIMITS.disk_bytes
 
 
+@needs_isolation
+def test_the_workspace_and_tmp_hold_a_bounded_number_of_files(sandbox):
+  """Each file or directory costs kernel memory that a tmpfs's size does not count (a
+  red-team held 600 MB of memory with empty directories in a 32 MB workspace): the
+  workspace (and the mount-namespace mode's /tmp and /dev/shm) hold `max_inodes`."""
+  if os.geteuid() != 0:
+    pytest.skip("the quota is a tmpfs mount (root)")
+  code = ("import os, sys\nfor where in sys.argv[1:] or ['.', '/tmp']:\n  n = 0\n  try:\n"
+          "    for i in range(40000):\n      os.mkdir(os.path.join(where, f'd{i}')); n += 1\n"
+          "  except OSError as e:\n    print(where, 'full', e.errno, n)\n  else:\n"
+          "    print(where, 'all', n)\n")
+  r = run(sandbox, code, timeout=20)
+  lines = r.stdout.splitlines()
+  assert lines[0].startswith(". full 28 ") and int(lines[0].split()[-1]) < 16384, r.stdout
+  if sandbox.isolation == "mountns":
+    assert lines[1].startswith("/tmp full 28 "), r.stdout
+  assert set(sandbox.files()) == {"_run.py"}  # and empty directories
+
+
 def test_host_never_chowns_through_a_link(sandbox, tmp_path):
   """A hard link (or symlink) the sandbox left in its workspace is replaced, not followed."""
   if os.geteuid() != 0 or sandbox.uid is None:
@@ -451,6 +470,67 @@ def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monk
   finally:
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_command_cancelled_twice_is_killed_before_its_run_ends(monkeypatch):
+  """A second cancellation while a cancelled command is being killed (an episode cut,
+  then its worker session closed) must not end the run, and free its slot, before the
+  command is dead (`asyncio.shield` alone let it)."""
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
+  marker = f"jaxagent_twice_probe_{os.getpid()}"
+  terminate = Sandbox._terminate
+
+  async def slow_terminate(self, proc):
+    await asyncio.sleep(1.0)  # a kill that takes a while
+    await terminate(self, proc)
+
+  monkeypatch.setattr(Sandbox, "_terminate", slow_terminate)
+
+  def alive() -> str:
+    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+
+  async def go():
+    task = asyncio.ensure_future(sb.run_python(f"import time\n{marker} = 1\ntime.sleep(30)\n",
+                                               filename=f"{marker}.py"))
+    await asyncio.sleep(1.0)
+    task.cancel()
+    await asyncio.sleep(0.3)
+    task.cancel()  # during the kill
+    with pytest.raises(asyncio.CancelledError):
+      await task
+    return alive()
+
+  try:
+    assert asyncio.run(go()).strip() == ""  # dead when the run ended
+  finally:
+    subprocess.run(["pkill", "-f", marker])
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_to_the_end_finishes_its_cleanup_and_then_raises_the_cancellation():
+  from envs import waits
+
+  done = []
+
+  async def cleanup():
+    await asyncio.sleep(0.3)
+    done.append(True)
+    return 7
+
+  async def go():
+    inner = asyncio.ensure_future(waits.to_the_end(cleanup()))
+    for _ in range(3):
+      await asyncio.sleep(0.05)
+      inner.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await inner
+    assert done == [True]
+    return await waits.to_the_end(cleanup())
+
+  assert asyncio.run(go()) == 7
 
 
 def test_a_cancelled_command_is_killed_not_left_running():

@@ -207,6 +207,37 @@ def test_the_deadline_bounds_the_work_and_not_the_wait_for_a_turn():
   assert third == ("503", None) and alone == ("504", None)
 
 
+def test_a_client_waits_as_long_as_its_worker_may_take():
+  """A worker with a long deadline says how long a call may take there (`call_wall_s`)
+  and its clients wait that long: a call within the worker's deadline is answered, not
+  given up by the client as an infrastructure failure (the client's own timeout was a
+  fixed 180 s, below a call's bound for workers started with a deadline over 90 s)."""
+  app = create_app(EnvResources(sandboxes=1), deadline_s=2.0)
+  url = None
+  with ServerThread(app) as srv:
+    url = srv.url
+    assert httpx.get(f"{srv.url}/health").json()["call_wall_s"] == 4.0
+
+    async def go():
+      RemoteEnv._call_walls.pop(srv.url, None)
+      env = RemoteEnv(srv.url, timeout_s=0.5)
+      try:
+        await env.reset(TaskSpec("s", "slow_test_env"))  # learns the worker's bound
+        result = await env.step("1.0")  # past the client's 0.5 s, within the worker's 2 s
+        fresh = RemoteEnv(srv.url, timeout_s=0.5)  # a new client of the same worker knows
+        await fresh.reset(TaskSpec("s", "slow_test_env"))
+        await fresh.step("1.0")
+        await fresh.aclose()
+        verdict = await env.verify()
+        return result, verdict
+      finally:
+        await env.aclose()
+
+    result, verdict = asyncio.run(asyncio.wait_for(go(), timeout=30))
+  assert result.terminated and verdict.status == VerdictStatus.FAIL
+  assert RemoteEnv._call_walls.pop(url) == 4.0
+
+
 @needs_isolation
 def test_waiting_for_a_sandbox_slot_is_not_charged_to_the_deadline():
   """Two python_tests sessions on a worker with one execution slot: the second's command

@@ -36,7 +36,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-3"
+  assert ok.verifier_version == "python-harness-4"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -127,6 +127,14 @@ ATTACKS = {
         "import os\nfor fd in os.listdir('/proc/self/fd'):\n  try:\n"
         "    assert int(fd) > 2\n    os.write(int(fd), b'[' * 200000 + b'\\n')\n"
         "  except (OSError, AssertionError):\n    pass\n" + WRONG)},
+    # Nested so that the harness (near the stack's bottom) parses it and the host, from
+    # deeper, could not (red-team round 5: an infra_error at depths 975-990).
+    **{f"a result line nested {n} deep, inside the harness's recursion limit": {
+        "solution.py": (
+            "import os\nfor fd in os.listdir('/proc/self/fd'):\n  try:\n"
+            f"    assert int(fd) > 2\n    os.write(int(fd), b'{{\"i\": 0, \"value\": ' + "
+            f"b'[' * {n} + b']' * {n} + b'}}\\n')\n"
+            "  except (OSError, AssertionError):\n    pass\n" + WRONG)} for n in (900, 980, 990)},
     "a return value nested past the recursion limit": {"solution.py": (
         "import sys\nsys.setrecursionlimit(100000)\ndef add(a, b):\n    v = []\n"
         "    for _ in range(5000):\n        v = [v]\n    return v\n")},
@@ -137,6 +145,23 @@ ATTACKS = {
 def test_reward_hacks_fail(pool, name):
   v = grade(pool, ATTACKS[name])
   assert v.status == VerdictStatus.FAIL and v.reward == 0.0, (name, v.status, v.details)
+
+
+def test_running_the_sandbox_out_of_memory_is_the_solutions_failure():
+  """The solution fills its sandbox's memory cgroup with kernel memory no process owns
+  (directories in a tmpfs): the kernel's OOM killer used to pick the harness (the
+  largest process), an infra_error (a re-roll); the solution's processes are its first
+  pick now, and a harness killed so would read as the solution's failure."""
+  code = ("import os\nos.execv('/bin/sh', ['sh', '-c', 'cd /tmp && mkdir x && cd x && "
+          "seq -f %0200g 1 4000000 | xargs -P 4 mkdir'])\n" + WRONG)
+  for mode in MODES:
+    pool = SandboxPool(1, limits=Limits(wall_s=10, group_memory_bytes=96 << 20),
+                       isolation=mode)
+    try:
+      v = grade(pool, {"solution.py": code}, timeout_s=10, retries=0)
+    finally:
+      pool.close()
+    assert v.status in (VerdictStatus.FAIL, VerdictStatus.TIMEOUT), (mode, v.details)
 
 
 def test_harness_names_and_noisy_output_do_not_cost_a_correct_solution(pool):
@@ -271,6 +296,10 @@ def test_classification_rules():
   assert status(report({})) == VerdictStatus.FAIL  # the solution's process ended first
   assert status(report({}, signal=24)) == VerdictStatus.TIMEOUT  # SIGXCPU
   assert classify(_result(report({})), HiddenTests("add", []), "e").is_infra_error
+  # The harness killed after it started: by the sandbox's OOM killer, the solution's
+  # doing; otherwise from outside, infrastructure. A report too deep to read: the solution's.
+  assert status("START\n", signal=9, exit_code=None, oom_kills=1) == VerdictStatus.FAIL
+  assert status("START\n" + "[" * 100000 + "]" * 100000 + "\n") == VerdictStatus.FAIL
 
 
 def test_hidden_tests_are_not_in_the_episode_workspace():
