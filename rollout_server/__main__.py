@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     cfg = config_lib.load(config_lib.ServerConfig, args.config, args.overrides, base=base)
     if args.policy is not None and args.config is not None:
       cfg = dataclasses.replace(cfg, policy=args.policy)
+    if not 0 < cfg.port < 65536:
+      raise config_lib.ConfigError(f"port must be in 1..65535, got {cfg.port}")
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

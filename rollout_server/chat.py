@@ -97,7 +97,7 @@ class ChatTurn:
   session_id: Optional[str]
   kind: str
   id_prefix: str
-  resubmit: Optional[Callable[[list[int], Any], Request]] = None
+  resubmit: Optional[Callable[[list[int], Any, int], Request]] = None
   _message: Optional[dict] = dataclasses.field(default=None, init=False, repr=False)
   _parts: list = dataclasses.field(default_factory=list, init=False, repr=False)
 
@@ -155,7 +155,7 @@ class ChatTurn:
                                    max_new_tokens=first.sampling.max_new_tokens - done,
                                    seed=None if seed is None else seed + done)
     try:
-      self.req = self.resubmit(list(first.prompt_ids) + self.output_ids, sampling)
+      self.req = self.resubmit(list(first.prompt_ids) + self.output_ids, sampling, done)
     except Exception as e:  # refused (the prompt with the cut turn is too long, a full
       # queue): the update's doing, never the policy's; the turn is cut
       detail = getattr(e, "detail", None) or e

@@ -64,9 +64,10 @@ class LocalClient:
     return _check_scores(model, sequences, [x.tolist() for x in out])
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                     session_id: Optional[str] = None, model: Optional[str] = None
-                     ) -> TurnRecord:
-    """A turn of the policy, or of the served model `model`."""
+                     session_id: Optional[str] = None, model: Optional[str] = None,
+                     resumed_tokens: int = 0) -> TurnRecord:
+    """A turn of the policy, or of the served model `model`; `resumed_tokens` > 0 resumes
+    a cut turn whose sampled tokens end the prompt (`Orchestrator.submit`)."""
     orch = self.orch if model is None else self._served(model).orch
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
@@ -76,7 +77,8 @@ class LocalClient:
         loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
     try:
-      req = orch.submit(prompt_ids, sampling, session_id=session_id)
+      req = orch.submit(prompt_ids, sampling, session_id=session_id,
+                        resumed_tokens=resumed_tokens)
     except QueueFull as e:
       raise GenerateError(str(e), "server_overload") from e
     except PromptTooLong as e:  # the conversation outgrew the engine: not the server's fault
@@ -122,19 +124,30 @@ class LocalClient:
 
 
 class HttpClient:
+  """A rollout server (or router) over HTTP. After it took a policy from this client
+  (`update_weights`), a turn it serves from older weights means it lost them (restarted):
+  the client loads the policy into it again and raises, so that the turn is asked again
+  (on a single server, where no router catches up a server that comes back)."""
+
   def __init__(self, url: str, *, timeout_s: float = 600.0):
     self.url = url.rstrip("/")
     self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+    self._policy: Optional[dict] = None  # the last update the server took
+    self._updates = 0  # how many it took (a turn asked before the latest is not checked)
+    self._reloading = asyncio.Lock()
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                     session_id: Optional[str] = None, model: Optional[str] = None
-                     ) -> TurnRecord:
+                     session_id: Optional[str] = None, model: Optional[str] = None,
+                     resumed_tokens: int = 0) -> TurnRecord:
     body = {"input_ids": list(prompt_ids), **dataclasses.asdict(sampling)}
+    if resumed_tokens:
+      body["resumed_tokens"] = int(resumed_tokens)
     body["stop_token_ids"] = list(sampling.stop_token_ids)
     if session_id:
       body["session_id"] = session_id
     if model:
       body["model"] = model
+    updates = self._updates
     try:
       r = await self._client.post(f"{self.url}/generate", json=body)
     except httpx.HTTPError as e:
@@ -147,7 +160,30 @@ class HttpClient:
     out = r.json()
     if out["finish_reason"] == "error":
       raise GenerateError(out.get("error") or "engine error")
-    return _record(out)
+    record = _record(out)
+    policy = self._policy
+    if (policy is not None and model is None and updates == self._updates and record.versions
+        and min(record.versions) < policy["version"]):
+      # (shielded: a turn deadline must not cut a load in the middle)
+      await asyncio.shield(self._reload(updates))
+      raise GenerateError(f"{self.url} served version {min(record.versions)} after it took "
+                          f"version {policy['version']} (restarted?): loaded it again")
+    return record
+
+  async def _reload(self, updates: int) -> None:
+    """Loads the policy into the server again, unless an update came since `updates`
+    (the turn that found it stale was asked before), or the server serves it already, or
+    does not say which version it serves (a router: it catches its servers up itself)."""
+    async with self._reloading:
+      if updates != self._updates or self._policy is None:
+        return
+      policy = dict(self._policy)
+      try:
+        health = (await self._client.get(f"{self.url}/health", timeout=10.0)).json()
+        if "version" in health and health["version"] != policy["version"]:
+          await self._push(**policy)
+      except (httpx.HTTPError, ValueError, GenerateError):
+        pass  # the next turn finds out again
 
   async def score(self, model: str, sequences: list[list[int]], temperature: float = 1.0,
                   per_request: int = 64) -> list[list[float]]:
@@ -168,11 +204,21 @@ class HttpClient:
     return out
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
-    r = await self._client.post(f"{self.url}/update_weights",
-                                json={"path": path, "version": version, "mode": mode})
+    async with self._reloading:  # one push at a time: a reload never lands after a newer one
+      return await self._push(path, version, mode)
+
+  async def _push(self, path: str, version: int, mode: str = "drain") -> dict:
+    try:
+      r = await self._client.post(f"{self.url}/update_weights",
+                                  json={"path": path, "version": version, "mode": mode})
+    except httpx.HTTPError as e:
+      raise GenerateError(f"{self.url}/update_weights: {type(e).__name__}: {e}") from e
     if r.status_code != 200:
       raise GenerateError(f"{self.url}/update_weights: {r.status_code}: {r.text[:500]}")
-    return r.json()
+    out = r.json()
+    self._policy = {"path": path, "version": version, "mode": mode}
+    self._updates += 1
+    return out
 
   async def stats(self) -> dict:
     return (await self._client.get(f"{self.url}/health")).json()

@@ -399,13 +399,19 @@ class Engine:
   # -- prefill --------------------------------------------------------------------------
 
   def prefill_bucket(self, n: int, prefix_length: int = 0) -> int:
-    """The padded length of a prefill of `n` tokens after `prefix_length` cached ones;
-    raises for a prompt that cannot be prefilled."""
+    """The padded length of a prefill of `n` tokens after `prefix_length` ones already in
+    the sequence's pages; raises for a prefill that cannot be done. One call prefills at
+    most `max_prefill_length` tokens; a sequence may reach `max_seq_len` (a prompt is
+    limited by the orchestrator, which lets a resumed turn's prompt run past
+    `max_prefill_length`)."""
     if n < 1:
       raise ValueError("a prompt needs at least one token")
-    if prefix_length + n > self._max_prefill:
-      raise ValueError(f"prompt of {prefix_length + n} tokens exceeds max_prefill_length "
+    if n > self._max_prefill:
+      raise ValueError(f"a prefill of {n} tokens exceeds max_prefill_length "
                        f"{self._max_prefill}")
+    if prefix_length + n > self.max_seq_len:
+      raise ValueError(f"prompt of {prefix_length + n} tokens exceeds max_seq_len "
+                       f"{self.max_seq_len}")
     return min(bucket(n, self.min_bucket), bucket(self._max_prefill, self.min_bucket))
 
   def pad_tokens(self, tokens: Sequence[int], prefix_length: int = 0) -> tuple[np.ndarray, int]:

@@ -104,11 +104,12 @@ class Request:
     }
 
 
-def continuation(req: Request) -> tuple[list[int], SamplingParams]:
-  """Prompt and sampling to resume an aborted request where it stopped."""
+def continuation(req: Request) -> tuple[list[int], SamplingParams, int]:
+  """Prompt, sampling and `resumed_tokens` (see `Orchestrator.submit`) to resume an
+  aborted request where it stopped."""
   left = max(1, req.sampling.max_new_tokens - len(req.output_ids))
   return (list(req.prompt_ids) + list(req.output_ids),
-          dataclasses.replace(req.sampling, max_new_tokens=left))
+          dataclasses.replace(req.sampling, max_new_tokens=left), len(req.output_ids))
 
 
 @dataclasses.dataclass
@@ -208,8 +209,15 @@ class Orchestrator:
   # -- client API (any thread) ---------------------------------------------------------
 
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-             request_id: Optional[str] = None, session_id: Optional[str] = None) -> Request:
-    """Queues a request; raises ValueError for a bad request and QueueFull when full."""
+             request_id: Optional[str] = None, session_id: Optional[str] = None,
+             resumed_tokens: int = 0) -> Request:
+    """Queues a request; raises ValueError for a bad request and QueueFull when full.
+
+    `resumed_tokens` > 0 says that the prompt's last `resumed_tokens` tokens are the output
+    of a turn that was cut (a weight update in abort mode) and is resumed here (see
+    `continuation`): the prompt limit (`max_prefill_length`) applies to the prompt
+    without them, as it did when the turn was submitted; the whole may run to
+    `max_seq_len` (its pages were reserved for prompt + max_new_tokens then)."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
       raise ValueError("prompt_ids must not be empty")
@@ -217,9 +225,16 @@ class Orchestrator:
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
       raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    if len(prompt) > self.engine.max_prefill_length:
-      raise PromptTooLong(f"{PROMPT_TOO_LONG}: {len(prompt)} tokens; the limit "
-                          f"(max_prefill_length) is {self.engine.max_prefill_length}")
+    resumed_tokens = int(resumed_tokens)
+    if not 0 <= resumed_tokens < len(prompt):
+      raise ValueError(f"resumed_tokens must be in [0, {len(prompt)}) (the prompt's "
+                       f"length), got {resumed_tokens}")
+    if len(prompt) - resumed_tokens > self.engine.max_prefill_length:
+      raise PromptTooLong(f"{PROMPT_TOO_LONG}: {len(prompt) - resumed_tokens} tokens; the "
+                          f"limit (max_prefill_length) is {self.engine.max_prefill_length}")
+    if len(prompt) >= self.engine.max_seq_len:
+      raise PromptTooLong(f"{PROMPT_TOO_LONG}: {len(prompt)} tokens with the resumed turn's "
+                          f"leave no room in max_seq_len {self.engine.max_seq_len}")
     sampling.validate(vocab)
     need = self.engine.pages_for(min(len(prompt) + sampling.max_new_tokens,
                                      self.engine.max_seq_len))

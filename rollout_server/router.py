@@ -22,6 +22,7 @@ import collections
 import contextlib
 import hashlib
 import json
+import re
 import sys
 import uuid
 from typing import Optional, Sequence
@@ -315,6 +316,14 @@ def main(argv=None) -> int:
   p.add_argument("--port", type=int, default=8000)
   args = p.parse_args(argv)
   backends = [b for b in args.backends.split(",") if b]
+  bad = [b for b in backends if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", b)]
+  if not backends or bad:
+    print(f"error: --backends: give server URLs (http://host:port), got {bad or 'none'}",
+          file=sys.stderr)
+    return 2
+  if not 0 < args.port < 65536:
+    print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+    return 2
   uvicorn.run(create_router(backends), host=args.host, port=args.port)
   return 0
 

@@ -63,6 +63,8 @@ class SamplingBody(BaseModel):
 
 class GenerateBody(SamplingBody):
   input_ids: list[Annotated[int, TOKEN_ID]] = Field(min_length=1)
+  # The last n input ids are a cut turn's output, resumed (`Orchestrator.submit`).
+  resumed_tokens: int = Field(0, ge=0)
   request_id: Optional[str] = None
   session_id: Optional[str] = None
   model: Optional[str] = None
@@ -221,10 +223,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   app.state.orchestrator = orch
   app.state.sessions = sessions
 
-  def submit(prompt, sampling, request_id=None, session_id=None, on=None) -> Request:
+  def submit(prompt, sampling, request_id=None, session_id=None, on=None,
+             resumed_tokens=0) -> Request:
     try:
       req = (on or orch).submit(prompt, sampling, request_id=request_id,
-                                session_id=session_id)
+                                session_id=session_id, resumed_tokens=resumed_tokens)
     except QueueFull as e:
       raise HTTPException(503, str(e))
     except ValueError as e:
@@ -284,7 +287,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     m = served(body.model, strict=True)
     on = m.orch if m is not None else None
     req = submit(body.input_ids, _sampling(body, body.max_new_tokens, body.stop_token_ids),
-                 body.request_id, session_id, on)
+                 body.request_id, session_id, on, body.resumed_tokens)
     await run(req, http, on)
     out = req.result()
     if session_id and m is None:  # a session records the policy's turns only
@@ -375,7 +378,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     return ChatTurn(req, tok, on, messages=messages, tools=tools, sessions=sessions,
                     session_id=session_id if m is None else None, kind=kind,
                     id_prefix=id_prefix,
-                    resubmit=lambda ids, s: submit(ids, s, None, session_id, on))
+                    resubmit=lambda ids, s, n: submit(ids, s, None, session_id, on, n))
 
   @app.post("/v1/chat/completions")
   async def chat(body: ChatBody, http: HttpRequest):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import uvicorn
 
 from jaxagent.build import build_model
-from jaxagent.checkpoint import REGISTRY, latest_version, list_versions
+from jaxagent.checkpoint import REGISTRY, latest_version, list_versions, version_dir
 from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
@@ -31,15 +31,20 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
   `path` is a version directory (`.../v00000007`) or an export root with a
   registry (then `version`, or the latest).
   """
+  path = os.path.abspath(path)  # (relative to where the command runs; Orbax needs it whole)
   if os.path.exists(os.path.join(path, REGISTRY)):
-    entries = {e["version"]: e["path"] for e in list_versions(path)}
+    entries = {e["version"] for e in list_versions(path)}
     v = latest_version(path) if version is None else int(version)
     if v not in entries:
       raise FileNotFoundError(f"policy version {v} is not in {path} (have {sorted(entries)})")
-    return entries[v], v
+    # The export beside the registry (a run directory copied or moved elsewhere reads its
+    # own exports, not the paths the registry was written with).
+    return version_dir(path, v), v
   m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
   if version is None and m is None:
-    raise ValueError(f"cannot tell the policy version of {path}: give a version")
+    hint = (f" (a run directory: its exports are in {os.path.join(path, 'policy')})"
+            if os.path.exists(os.path.join(path, "policy", REGISTRY)) else "")
+    raise ValueError(f"cannot tell the policy version of {path}: give a version{hint}")
   return path, int(version if version is not None else m.group(1))
 
 

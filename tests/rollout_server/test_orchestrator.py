@@ -58,9 +58,9 @@ def test_abort_returns_partial_output_and_frees_the_slot(orch):
   assert orch.stats()["live_slots"] == 0
   assert not orch.abort("no-such-request")
   # Resuming continues from the partial output.
-  prompt, sampling = continuation(r)
+  prompt, sampling, resumed = continuation(r)
   assert prompt == r.prompt_ids + r.output_ids and sampling.max_new_tokens == 300 - len(
-      r.output_ids)
+      r.output_ids) and resumed == len(r.output_ids)
 
 
 def test_weight_update_drain_and_abort(random_params):
@@ -85,12 +85,52 @@ def test_weight_update_drain_and_abort(random_params):
       time.sleep(0.005)
     report = orch.update_weights(engine.load_params(random_params, version=3), mode="abort")
     assert running.finish_reason == "abort" and set(running.versions) == {2}
-    prompt, sampling = continuation(running)
-    resumed = orch.generate(prompt, sampling, timeout=120)
+    prompt, sampling, n = continuation(running)
+    resumed = orch.generate(prompt, sampling, timeout=120, resumed_tokens=n)
     assert set(resumed.versions) == {3} and resumed.finish_reason == "length"
     assert orch.stats()["last_swap"]["version"] == 3
   finally:
     orch.stop()
+
+
+def test_a_cut_turn_resumes_past_max_prefill_length(random_params):
+  """A turn whose prompt is near `max_prefill_length`, cut by a weight update in abort
+  mode, resumes with its prompt plus the tokens it sampled: past `max_prefill_length`
+  (up to `max_seq_len`), which the prompt limit does not count (red-team round 4: the
+  turn was refused and re-rolled as infrastructure). Its tokens are those an engine that
+  takes the whole continuation in one prefill samples."""
+  engine = make_engine(max_prefill_length=64, max_seq_len=160)
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1)).start()
+  try:
+    running = orch.submit(list(range(1, 61)), SamplingParams(seed=5, max_new_tokens=80))
+    while len(running.output_ids) < 12:
+      time.sleep(0.005)
+    scaled = {k: v * 1.5 for k, v in random_params.items()}
+    orch.update_weights(engine.load_params(scaled, version=2), mode="abort")
+    assert running.finish_reason == "abort" and running.abort_cause == "weight_update"
+    prompt, sampling, n = continuation(running)
+    assert len(prompt) > 64 and n == len(running.output_ids)
+    with pytest.raises(ValueError, match="max_prefill_length"):
+      orch.submit(prompt, sampling)  # as a new prompt it is too long
+    resumed = orch.generate(prompt, sampling, timeout=120, resumed_tokens=n)
+    assert resumed.finish_reason == "length" and set(resumed.versions) == {2}
+    assert len(resumed.output_ids) == 80 - n
+    with pytest.raises(ValueError, match="resumed_tokens"):
+      orch.submit(prompt, sampling, resumed_tokens=len(prompt))
+    with pytest.raises(ValueError, match="max_prefill_length"):  # the prompt is still bound
+      orch.submit(list(range(1, 71)) + [1] * 4, sampling, resumed_tokens=4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+      orch.submit(list(range(1, 61)) + [1] * 100, sampling, resumed_tokens=100)
+  finally:
+    orch.stop()
+  whole = make_engine(max_prefill_length=160, max_seq_len=160)
+  ref = Orchestrator(whole, whole.load_params(scaled, version=2)).start()
+  try:
+    one = ref.generate(prompt, sampling, timeout=120)
+  finally:
+    ref.stop()
+  assert one.output_ids == resumed.output_ids
+  np.testing.assert_allclose(one.output_logprobs, resumed.output_logprobs, atol=2e-5)
 
 
 def test_bad_requests_fail_alone(orch):

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from jaxagent.checkpoint import export_policy
-from tests.rollout_server.conftest import MEMORISED, TOOLS, running_server
+from tests.rollout_server.conftest import MEMORISED, TOOLS, make_engine, running_server
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +169,6 @@ def test_abort_over_http(server):
 def test_a_client_that_disconnects_frees_its_slot(random_params, tokenizer):
   """A non-streaming request whose client goes away is aborted (its slot and pages freed)
   instead of generating to its end, and counted in /metrics."""
-  from tests.rollout_server.conftest import make_engine
-
   engine = make_engine(max_seq_len=4096)
   with running_server(random_params, tokenizer, engine=engine) as (srv, orch):
     for path, body in [("/generate", {"input_ids": [1, 2, 3], "max_new_tokens": 4000}),
@@ -230,6 +228,41 @@ def test_metrics_and_health(server, tokenizer):
   assert client(srv).get("/health").json()["version"] == 3
 
 
+def test_a_server_that_lost_its_weights_gets_them_again(random_params, memorised_params,
+                                                       tokenizer, tmp_path):
+  """A single server that restarts serves its initial weights; no router catches it up.
+  The client that loaded the policy into it sees a turn from older weights, loads the
+  policy again and raises (the turn is asked again): no tokens of the lost weights are
+  trained as the policy's (a chaos helper's finding: a whole step of version 0)."""
+  import asyncio
+
+  from rollout_server.client import GenerateError, HttpClient
+  from rollout_server.engine import SamplingParams
+
+  root = str(tmp_path / "policy")
+  export_policy(root, 8, jax.device_put(random_params), dtype=None)
+  with running_server(memorised_params, tokenizer, version=0) as (srv, orch):
+    async def go():
+      c = HttpClient(srv.url)
+      try:
+        await c.update_weights(root, 8)
+        first = await c.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+        # "restarted": the server is back on its initial weights
+        await asyncio.get_running_loop().run_in_executor(
+            None, orch.update_weights, orch.engine.load_params(memorised_params, version=0),
+            "drain")
+        with pytest.raises(GenerateError, match="served version 0 after it took version 8"):
+          await c.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+        again = await c.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+        return first, again
+      finally:
+        await c.aclose()
+
+    first, again = asyncio.run(go())
+    assert set(first.versions) == set(again.versions) == {8}
+    assert httpx.get(f"{srv.url}/health").json()["version"] == 8
+
+
 def test_update_weights_over_http(random_params, memorised_params, tokenizer, tmp_path):
   root = str(tmp_path / "policy")
   export_policy(root, 8, jax.device_put(random_params), dtype=None)
@@ -258,7 +291,6 @@ def test_models_served_beside_the_policy(random_params, memorised_params, tokeni
   from rollout_server.engine import SamplingParams
   from rollout_server.orchestrator import Orchestrator
   from rollout_server.serving import ServedModel
-  from tests.rollout_server.conftest import make_engine
 
   models = {}
   for name, params, updatable in (("ref", memorised_params, False),
@@ -372,6 +404,39 @@ def test_a_chat_turn_cut_by_a_weight_update_is_resumed_whole(random_params, toke
     assert turn["prompt_ids"] == r["jaxagent"]["prompt_ids"]
 
 
+def test_generate_takes_a_resumed_turn_past_the_prompt_limit(random_params, tokenizer):
+  """`/generate` with `resumed_tokens`: the prompt limit (max_prefill_length) does not
+  count a cut turn's own tokens at the prompt's end, through the HTTP client too."""
+  import asyncio
+
+  from rollout_server.client import GenerateError, HttpClient
+  from rollout_server.engine import SamplingParams
+
+  engine = make_engine(max_prefill_length=64, max_seq_len=160)
+  with running_server(random_params, tokenizer, engine=engine) as (srv, orch):
+    body = {"input_ids": [7] * 70, "max_new_tokens": 3}
+    r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
+    assert r.status_code == 400 and "prompt is too long" in r.text
+    r = httpx.post(f"{srv.url}/generate", json={**body, "resumed_tokens": 10}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+    r = httpx.post(f"{srv.url}/generate", json={**body, "resumed_tokens": -1}, timeout=120)
+    assert r.status_code == 422 and "resumed_tokens" in r.text
+
+    async def via_client():
+      client = HttpClient(srv.url)
+      try:
+        ok = await client.generate([7] * 70, SamplingParams(max_new_tokens=2), "s",
+                                   resumed_tokens=8)
+        with pytest.raises(GenerateError) as e:
+          await client.generate([7] * 70, SamplingParams(max_new_tokens=2), "s")
+        return ok, e.value.kind
+      finally:
+        await client.aclose()
+
+    ok, kind = asyncio.run(via_client())
+    assert len(ok.output_ids) == 2 and kind == "prompt_too_long"
+
+
 def test_a_cut_turn_the_server_cannot_resume_is_cut_not_too_long(tokenizer):
   """Resuming resubmits the prompt with the tokens sampled so far; the engine may refuse
   that as too long (its max_prefill_length). Without the update the turn would have
@@ -390,8 +455,8 @@ def test_a_cut_turn_the_server_cannot_resume_is_cut_not_too_long(tokenizer):
   first.finish_reason, first.abort_cause = "abort", "weight_update"
   first._done.set()
 
-  def refuse(ids, sampling):
-    assert len(ids) == 540 and sampling.max_new_tokens == 216 and sampling.seed == 41
+  def refuse(ids, sampling, resumed):
+    assert len(ids) == 540 and resumed == 40 and sampling.max_new_tokens == 216 and sampling.seed == 41
     raise HTTPException(400, "prompt is too long: 540 tokens; the limit is 512")
 
   async def wait(req):
@@ -413,11 +478,11 @@ def test_a_chat_turn_the_server_could_not_finish_is_an_error_not_an_answer(rando
     submit = orch.submit
     cut = {"how": "fail"}
 
-    def cutting(prompt, sampling, **kw):  # the turn is cut after two tokens
+    def cutting(prompt, sampling, **kw):  # the turn is cut after its first token
       req = submit(prompt, sampling, **kw)
 
-      def at_two(r, n):
-        if n >= 2 and not r.done:
+      def at_two(r, n):  # (after two, a random model's turn had ended once: no cut)
+        if n >= 1 and not r.done:
           if cut["how"] == "fail":
             raise RuntimeError("simulated device failure")
           orch.abort(r.request_id)  # an explicit abort (POST /abort does the same)
