@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Optional
 from envs.base import trained_rewards
 from envs import waits
 from jaxagent.config import AgentConfig
-from jaxagent.errors import PROMPT_TOO_LONG, InfraError
+from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
 from jaxagent.wal import EpisodeLog, Replay, observation_hash
@@ -197,10 +197,12 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
   length is bounded by max_new_tokens. A turn whose server failed is asked again up to
   `retries` times (of the next server, through a router): the same seed samples the same
   tokens, so the episode goes on from its last committed token instead of restarting."""
-  async def call(prompt, sampling):
+  async def call(prompt, sampling, resumed=0):
+    # A resume names its sampled tokens: the prompt limit does not count them.
+    more = {"resumed_tokens": resumed} if resumed else {}
     for attempt in range(retries + 1):
       try:
-        return await asyncio.wait_for(engine.generate(prompt, sampling, session_id),
+        return await asyncio.wait_for(engine.generate(prompt, sampling, session_id, **more),
                                       deadline_s)
       except asyncio.TimeoutError:
         raise InfraError("turn_deadline",
@@ -217,12 +219,12 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
     rest = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(
         record.output_ids), seed=sampling.seed + len(record.output_ids))
     try:
-      part = await call(prompt + record.output_ids, rest)
+      part = await call(prompt + record.output_ids, rest, len(record.output_ids))
     except InfraError as e:
       if e.kind != "prompt_too_long":
         raise
-      # The prompt with the cut turn's tokens is past what the engine prefills: without
-      # the update the turn would have gone on, so this is not the policy's length.
+      # A resume the engine refuses as too long (a server without `resumed_tokens`):
+      # without the update the turn would have gone on, so this is not the policy's length.
       raise InfraError("server", f"a turn cut by a weight update cannot be resumed: {e}"
                        ) from None
     record = _merge(record, part)
@@ -296,7 +298,8 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   status, reason = "completed", ""
-  waiting = {"on": "env", "since": t_start, "clock": None}  # what the episode waits on now
+  waiting = {"on": "env", "since": t_start}  # what the episode waits on now
+  measured = _MeasuredEnv(env)  # its calls' waits on shared infrastructure and own time
   offered = []  # the tool schemas the environment offered
   compacted_at: list[int] = []  # turns before which the context was compacted
   seed_session = replay.start.get("session_id", session_id) if replay is not None \
@@ -305,24 +308,12 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
 
-  async def in_env(call):
-    """Awaits an environment call: its waits on shared infrastructure (sandbox slots, a
-    worker's turn; in process, or as a worker reports them) go to `ep.infra_wait_s`, the
-    rest of its time to `ep.env_s`."""
-    t0 = time.perf_counter()
-    reported = getattr(env, "infra_wait_s", 0.0)
-    with waits.measured() as clock:
-      waiting["clock"] = clock  # kept if the deadline cancels the call: read after it
-      out = await call
-    waiting["clock"] = None
-    infra = clock.total_s() + getattr(env, "infra_wait_s", 0.0) - reported
-    ep.infra_wait_s += infra
-    ep.env_s += time.perf_counter() - t0 - infra
-    return out
-
   async def play():
     nonlocal status, reason
-    obs = await in_env(env.reset(task))
+    try:
+      obs = await measured.reset(task)
+    except ValueError as e:  # the task's parameters (as environments report them)
+      raise TaskError(f"task {task.id!r} ({task.env}): {e}") from e
     messages, tools = list(obs.messages), list(obs.tools) or None
     offered[:] = tools or []
     prompt = None
@@ -395,7 +386,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
       ep.turns += 1
       ep.output_tokens += len(out)
       messages.append(response)
-      step = await in_env(env.step(text))
+      step = await measured.step(text)
       state = (env.state_hash() if (log is not None or from_log)
                and callable(getattr(env, "state_hash", None)) else None)
       if from_log and turn in replay.hashes and (
@@ -421,19 +412,16 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   async def waited() -> float:
     """The episode's waits on shared infrastructure so far, a running call's included
     (a remote one's asked of its worker only when the budget seems spent)."""
-    clock = waiting.get("clock")
-    total = ep.infra_wait_s + (clock.total_s() if clock is not None else 0.0)
-    own = time.perf_counter() - t_start - total
-    if (own >= cfg.episode_deadline_s and waiting["on"] == "env" and clock is not None
-        and hasattr(env, "in_flight_wait_s")):
-      total += await env.in_flight_wait_s()
+    total = await measured.waited(ask_worker=False)
+    if time.perf_counter() - t_start - total >= cfg.episode_deadline_s:
+      total = await measured.waited()
     return total
 
   try:
     # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
     await waits.within(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
                        EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25)
-    verdict = await _graded(in_env(env.verify()), cfg)
+    verdict = await _graded(measured.verify(), cfg)
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
       status, reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", True, \
@@ -445,17 +433,11 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     # wall time. Spent mostly waiting on the server, it is infrastructure; mostly in the
     # environment (the policy's tool calls, each bounded by its sandbox limits, and the
     # crowd its own run makes), it is the policy's: a truncation, scored.
+    # (a cut environment call's time is in `measured`, its worker's waits too)
     kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
     in_flight = time.perf_counter() - waiting["since"]
-    clock = waiting.get("clock")
-    in_flight_wait = clock.total_s() if clock is not None else 0.0
-    if waiting["on"] == "env" and hasattr(env, "in_flight_wait_s"):
-      in_flight_wait += await env.in_flight_wait_s()  # a worker's call, cut client-side
     server_s = ep.generate_s + (in_flight if waiting["on"] == "server" else 0.0)
-    wait_s = ep.infra_wait_s + in_flight_wait
-    env_s = ep.env_s + (max(0.0, in_flight - in_flight_wait) if waiting["on"] == "env"
-                        else 0.0)
-    ep.infra_wait_s, ep.env_s = wait_s, env_s
+    wait_s, env_s = measured.waited_s, measured.env_s
     # (at the wall, the waits of the crowd its own run makes are on the policy's side)
     policy_s = env_s + (wait_s if kind == "episode_wall" else 0.0)
     if server_s >= policy_s:
@@ -468,6 +450,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   except InfraError as e:  # a server, worker, sandbox or network failure: not a score
     status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   finally:
+    ep.infra_wait_s, ep.env_s = measured.waited_s, measured.env_s
     counters = getattr(env, "counters", {}) or {}
     ep.tool_calls = int(counters.get("tool_calls", 0))
     ep.invalid_tool_calls = int(counters.get("invalid_tool_calls", 0))
@@ -695,26 +678,37 @@ def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None
           "to the gateway")
 
 
-class _ActionLog:
-  """An environment as a black-box agent gets it: the actions it is handed are kept
-  (which reply of several the agent acted on), and its steps' waits on shared
-  infrastructure counted (they do not spend the episode's budget)."""
+class _MeasuredEnv:
+  """An environment whose calls' waits on shared infrastructure (sandbox slots, a
+  worker's turn; in process from `envs.waits`, or as a worker reports them) are counted
+  in `waited_s`, apart from the rest of their time (`env_s`): waits do not spend an
+  episode's budget. A call the episode's deadline cuts is counted too, its worker asked
+  how long it waited. Keeps the actions it is handed (which reply of several a black-box
+  agent acted on)."""
 
   def __init__(self, env):
     self.env, self.actions = env, []
-    self.waited_s = 0.0
+    self.waited_s = self.env_s = 0.0
     self._clock: Optional[waits.WaitClock] = None
 
   def __getattr__(self, name):
     return getattr(self.env, name)
 
   async def _measured(self, call):
-    reported = getattr(self.env, "infra_wait_s", 0.0)
+    t0, reported = time.perf_counter(), getattr(self.env, "infra_wait_s", 0.0)
+    remote = 0.0
     try:
       with waits.measured() as self._clock:
         return await call
+    except asyncio.CancelledError:
+      if hasattr(self.env, "in_flight_wait_s"):  # a worker's call, cut client-side
+        remote = await self.env.in_flight_wait_s()
+      raise
     finally:
-      self.waited_s += self._clock.total_s() + getattr(self.env, "infra_wait_s", 0.0) - reported
+      waited = (self._clock.total_s() + getattr(self.env, "infra_wait_s", 0.0) - reported
+                + remote)
+      self.waited_s += waited
+      self.env_s += max(0.0, time.perf_counter() - t0 - waited)
       self._clock = None
 
   async def reset(self, task):
@@ -724,12 +718,15 @@ class _ActionLog:
     self.actions.append(action)
     return await self._measured(self.env.step(action))
 
-  async def waited(self) -> float:
-    """Waits so far, a running step's included (a remote one's asked of its worker)."""
+  async def verify(self):
+    return await self._measured(self.env.verify())
+
+  async def waited(self, ask_worker: bool = True) -> float:
+    """Waits so far, a running call's included (a remote one's asked of its worker)."""
     if self._clock is None:
       return self.waited_s
     running = self._clock.total_s()
-    if hasattr(self.env, "in_flight_wait_s"):
+    if ask_worker and hasattr(self.env, "in_flight_wait_s"):
       running += await self.env.in_flight_wait_s()
     return self.waited_s + running
 
@@ -759,7 +756,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
-  acting = _ActionLog(env)
+  acting = _MeasuredEnv(env)
 
   async def truncated(reason: str) -> None:
     """The episode ended by its own doing before its answer: trained as a fail."""
@@ -805,6 +802,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
           "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
   finally:
+    ep.infra_wait_s, ep.env_s = acting.waited_s, acting.env_s
     try:
       await env.close()
     except Exception:

@@ -13,7 +13,7 @@ import difflib
 from typing import Any, Optional, Sequence, TypeVar
 
 import yaml
-from omegaconf import OmegaConf, errors as oc_errors
+from omegaconf import DictConfig, OmegaConf, errors as oc_errors
 
 
 class ConfigError(ValueError):
@@ -199,6 +199,16 @@ class RolloutConfig:
   window: int = 16
   max_concurrent_episodes: int = 64
   max_retries: int = 2
+  # The run stops (InfraOutage; checkpoint saved) when more than this fraction of the
+  # last `infra_window` episodes were dropped for the infrastructure (1: never).
+  max_infra_fraction: float = 0.5
+  infra_window: int = 64
+  # ... and only once those drops span this long (a server that restarts in seconds
+  # fails the episodes in flight at once: that is not an outage).
+  infra_grace_s: float = 30.0
+  # An episode the infrastructure failed is played again after this many seconds,
+  # doubled at each retry (a restarting server or worker is not asked again at once).
+  retry_backoff_s: float = 1.0
   filter_equal_rewards: bool = True
   # Groups the filters drop are replaced until groups_per_step are accepted, consuming at
   # most this many times groups_per_step groups a step (1: no replacement).
@@ -452,7 +462,11 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     layers.append(OmegaConf.create(to_dict(base)))
   try:
     if path is not None:
-      layers.append(OmegaConf.load(path))
+      loaded = OmegaConf.load(path)
+      if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path}: its top level must be a mapping of keys "
+                          f"(section: settings), not a {type(loaded).__name__}")
+      layers.append(loaded)
     merged = OmegaConf.merge(*layers)
   except oc_errors.OmegaConfBaseException as e:
     raise _error(e, schema, path or "config") from None

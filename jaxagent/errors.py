@@ -19,6 +19,18 @@ class InfraError(RuntimeError):
     self.kind = kind
 
 
+class TaskError(ValueError):
+  """A task its environment cannot start (bad parameters in the task file): the data's
+  fault, not a bug of the code and not the infrastructure's; the run stops naming it."""
+
+
+class InfraOutage(RuntimeError):
+  """Most recent episodes failed in the infrastructure (`rollout.max_infra_fraction`):
+  a server, an environment worker or the sandbox is down. The run stops (and saves its
+  checkpoint, with the tasks it has not trained on) instead of consuming its data on
+  episodes that are all dropped."""
+
+
 # How every refusal of a prompt for its length begins, in the error of any server or
 # gateway: the agent reads it as the conversation outgrowing the context (the policy's
 # own truncation, scored), never as the infrastructure failing.

@@ -21,7 +21,13 @@ run on the new weights and every token keeps the version that produced it.
 
 An episode that fails for infrastructure reasons (an `InfraError`: server call,
 overload, turn deadline, environment worker, sandbox; or an `infra_error`
-verdict) is retried, then dropped and counted by kind, never scored 0. Any other
+verdict) is retried, then dropped and counted by kind, never scored 0; a group left
+with too few episodes by such drops has its task played again once (later, as a fresh
+group); a dropped episode is retried after `retry_backoff_s`, doubled each time. When
+more than `max_infra_fraction` of the last `infra_window` episodes were dropped so, for
+`infra_grace_s`, the infrastructure is down: `next_groups` raises `InfraOutage` and the
+run stops
+(a run that went on would consume its tasks on episodes that are all dropped). Any other
 exception an episode raises is a bug: `next_groups` raises it and the run stops. Filters drop stale groups and groups whose rewards are all equal;
 dropped groups are replaced by fresh ones until the step has its groups
 (dynamic sampling, at most `max_sample_rounds` x groups_per_step consumed).
@@ -33,6 +39,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -40,6 +47,21 @@ import numpy as np
 from jaxagent.agent import Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
 from jaxagent.config import AdvantageConfig, RolloutConfig
+from jaxagent.errors import InfraOutage, TaskError
+
+
+# What to look at when most drops are of one kind (InfraOutage's message).
+_OUTAGE_HINT = "check the rollout servers, environment workers and sandbox"
+_OUTAGE_HINTS = {
+    "env_worker": "check the environment workers (env.urls)",
+    "server": "check the rollout servers (serving.urls, or the in-process engine)",
+    "server_overload": "the rollout servers turn turns away (their queue is full)",
+    "turn_deadline": "the rollout servers answer turns slower than agent.turn_deadline_s",
+    "episode_deadline": "episodes wait on the servers past agent.episode_deadline_s",
+    "episode_wall": "episodes wait on the servers past agent.episode_deadline_s",
+    "sandbox": "check the sandbox (env.sandboxes, the host's isolation)",
+    "verifier": "the grader fails (its sandbox, or env.judge)",
+}
 
 
 @dataclasses.dataclass
@@ -62,6 +84,11 @@ class Group:
     vs = [v for v in vs if v is not None]
     return min(vs) if vs else None
 
+  def max_version(self) -> Optional[int]:
+    vs = [s.max_version() for e in self.episodes for s in e.segments]
+    vs = [v for v in vs if v is not None]
+    return max(vs) if vs else None
+
 
 class RolloutScheduler:
   """Runs groups of episodes and hands finished, filtered groups to the learner."""
@@ -75,6 +102,9 @@ class RolloutScheduler:
     self.requeue = collections.deque(requeue or [])  # tasks to run before the iterator's
     self.version = 0  # the learner's policy version
     self.started = 0
+    # The next group's number (in session ids `g<number>-...`); a resumed run goes on
+    # from its checkpoint's, so ids stay unique over the run.
+    self.next_index = 0
     self.groups: collections.OrderedDict[int, Group] = collections.OrderedDict()
     self.episode_slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
     self.dropped: collections.Counter = collections.Counter()
@@ -84,7 +114,12 @@ class RolloutScheduler:
     self._producer: Optional[asyncio.Task] = None
     self._tasks: set[asyncio.Task] = set()
     self._stop = False
-    self.error: Optional[BaseException] = None  # a bug an episode raised
+    self.error: Optional[BaseException] = None  # a bug an episode raised, or an outage
+    # The last infra_window episodes' outcomes: the infrastructure failure's kind that
+    # dropped one after its retries, None for one that ended.
+    self.outcomes: collections.deque = collections.deque(maxlen=max(1, cfg.infra_window))
+    self._over_since: Optional[float] = None  # when the drops went past the bound
+    self._replaying: dict[int, object] = {}  # tasks being played again after infra drops
     self._finished: list[str] = []  # ids of groups consumed or dropped (drain_finished)
 
   # -- playing ---------------------------------------------------------------------------
@@ -98,12 +133,41 @@ class RolloutScheduler:
       async with self.episode_slots:
         ep = await self.play(group.task, sid, f"g{group.index}")
       if not ep.infra_error:
+        self._ended(None)
         return ep
       self.retries += attempt < self.cfg.max_retries
+      if attempt < self.cfg.max_retries and self.cfg.retry_backoff_s > 0:
+        await asyncio.sleep(min(self.cfg.retry_backoff_s * 2 ** attempt, 30.0))
+    self._ended(ep.infra_kind or "unknown")
     self.dropped["infra_error"] += 1
     self.dropped[f"infra_{ep.infra_kind or 'unknown'}"] += 1  # by the last attempt's kind
     group.dropped_episodes += 1
     return None
+
+  def _ended(self, infra_kind: Optional[str]) -> None:
+    """Counts an episode's outcome, its retries done (one per episode: a policy that
+    could make some of its episodes fail so does not weigh max_retries + 1 times);
+    past `max_infra_fraction` of drops in a full window, spanning `infra_grace_s`, sets
+    the outage that stops the run."""
+    now = time.monotonic()
+    self.outcomes.append(infra_kind)
+    failed = [k for k in self.outcomes if k is not None]
+    over = (len(self.outcomes) == self.outcomes.maxlen
+            and len(failed) > self.cfg.max_infra_fraction * len(self.outcomes))
+    if not over:
+      self._over_since = None
+    elif self._over_since is None:
+      self._over_since = now  # past the bound from here on: for infra_grace_s, an outage
+    if (self.error is None and over
+        and now - self._over_since >= self.cfg.infra_grace_s):
+      counts = collections.Counter(failed).most_common()
+      kinds = ", ".join(f"{k} {n}" for k, n in counts)
+      self.error = InfraOutage(
+          f"{len(failed)} of the last {len(self.outcomes)} episodes failed in the "
+          f"infrastructure, retries and all ({kinds}), more than rollout.max_infra_fraction "
+          f"{self.cfg.max_infra_fraction}: {_OUTAGE_HINTS.get(counts[0][0], _OUTAGE_HINT)} "
+          "(their logs; metrics dropped_infra_*), then resume the run")
+      self._changed.set()
 
   async def _run_group(self, group: Group) -> None:
     try:
@@ -112,6 +176,9 @@ class RolloutScheduler:
     except asyncio.CancelledError:
       raise
     except Exception as e:  # a bug: the run stops with it (next_groups raises it)
+      if isinstance(e, TaskError):  # the data's: not kept to be played on a resume
+        self.groups.pop(group.index, None)
+        self._finished.append(f"g{group.index}")
       self.error = e
       self._changed.set()
       return
@@ -120,8 +187,9 @@ class RolloutScheduler:
     self._changed.set()
 
   def _start_group(self) -> Group:
-    group = Group(self.started, self._next_task(), started_version=self.version)
+    group = Group(self.next_index, self._next_task(), started_version=self.version)
     self.started += 1
+    self.next_index += 1
     self.groups[group.index] = group
     t = asyncio.create_task(self._run_group(group))
     group.task_handle = t
@@ -176,6 +244,7 @@ class RolloutScheduler:
         continue
       if not g.done and g.task_handle is not None:
         g.task_handle.cancel()
+      self._replaying.pop(id(g.task), None)
       del self.groups[g.index]
       self._finished.append(f"g{g.index}")
       self.dropped["stale"] += 1
@@ -193,12 +262,25 @@ class RolloutScheduler:
   # -- consumption -----------------------------------------------------------------------
 
   def _accept(self, group: Group) -> bool:
+    replay = self._replaying.pop(id(group.task), None) is not None
     if len(group.episodes) < 2:
       self.dropped["too_few_valid"] += 1
+      if not replay and group.dropped_episodes:
+        # The infrastructure's drops left it short: its task is played again, once.
+        self._replaying[id(group.task)] = group.task
+        self.requeue.append(group.task)
       return False
     v = group.min_version()
-    if self.cfg.mode != "sync" and v is not None and self.version - v > self.cfg.max_staleness:
+    if v is not None and self.version - v > (0 if self.cfg.mode == "sync"
+                                              else self.cfg.max_staleness):
+      # (in sync mode any older token: a server that lost its weights, restarted)
       self.dropped["stale"] += 1
+      return False
+    newest = group.max_version()
+    if newest is not None and newest > self.version:
+      # Weights this run has not made (a server still serving a stopped run's): the
+      # versions would not say which weights sampled the tokens.
+      self.dropped["future_version"] += 1
       return False
     rewards = group.rewards
     if self.cfg.filter_equal_rewards and max(rewards) - min(rewards) < 1e-9:
@@ -217,6 +299,7 @@ class RolloutScheduler:
     accepted: list[Group] = []
     taken: list[Group] = []
     while len(accepted) < n and len(taken) < self.cfg.max_sample_rounds * n:
+      self._raise_error()
       batch = await self._take(n - len(accepted))
       taken += batch
       ok = [g for g in batch if self._accept(g)]
@@ -257,6 +340,8 @@ class RolloutScheduler:
     return out
 
   def _raise_error(self) -> None:
+    if isinstance(self.error, (InfraOutage, TaskError)):
+      raise self.error
     if self.error is not None:
       raise RuntimeError(f"an episode raised {type(self.error).__name__} (a bug, not an "
                          f"infrastructure failure): {self.error}") from self.error

@@ -137,6 +137,10 @@ class Segment:
     v = self.versions[self.loss_mask > 0]
     return int(v.min()) if len(v) else None
 
+  def max_version(self) -> Optional[int]:
+    v = self.versions[self.loss_mask > 0]
+    return int(v.max()) if len(v) else None
+
   def to_training(self) -> dict:
     """The dict `jaxagent.batch.pack` takes (advantages must be set)."""
     if self.advantages is None:

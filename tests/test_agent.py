@@ -26,12 +26,15 @@ class ScriptedEngine:
     self.tok = tok
     self.prompts = []
     self.models = []
+    self.resumed = []
 
-  async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+  async def generate(self, prompt_ids, sampling, session_id=None, model=None,
+                     resumed_tokens=0):
     from rollout_server.client import GenerateError
 
     self.prompts.append(list(prompt_ids))
     self.models.append(model)
+    self.resumed.append(resumed_tokens)
     calls = len(self.prompts) - 1
     if self.fail_at is not None and calls >= self.fail_at and (
         self.fail_times is None or calls < self.fail_at + self.fail_times):
@@ -236,7 +239,7 @@ def test_a_cut_turn_that_cannot_be_resumed_is_infrastructure():
   from rollout_server.client import GenerateError
 
   class Refusing(ScriptedEngine):
-    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+    async def generate(self, prompt_ids, sampling, session_id=None, model=None, **kw):
       if self.prompts:  # the resume
         raise GenerateError("prompt is too long: 999 tokens", "prompt_too_long")
       return await super().generate(prompt_ids, sampling, session_id, model)
@@ -254,6 +257,7 @@ def test_aborted_turn_is_resumed_as_one_turn():
   (seg,) = ep.segments
   assert ep.success and len(engine.prompts) == 2  # resumed with prompt + partial output
   assert engine.prompts[1] == engine.prompts[0] + TOK.encode("1")
+  assert engine.resumed == [0, 1]  # the resume names its sampled tokens (prompt limit)
   versions = seg.versions[seg.loss_mask > 0].tolist()
   assert versions[0] == 4 and set(versions[1:]) == {5}  # partial rollout keeps both versions
 

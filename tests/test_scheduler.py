@@ -79,6 +79,98 @@ def test_infra_errors_are_retried_then_dropped_never_scored():
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_infrastructure_outage_stops_the_run_instead_of_consuming_the_tasks(mode):
+  """With the environment workers down every episode is dropped: a run that went on
+  would take its tasks group after group (each consumed, trained on by nobody) without a
+  step. Past max_infra_fraction of a full window of episodes, for infra_grace_s, it stops
+  naming the kinds."""
+  from jaxagent.errors import InfraOutage
+
+  async def play(task, sid, gid):
+    await asyncio.sleep(0.001)
+    ep = episode(task, sid, gid, reward=0.0, infra=True)
+    ep.infra_kind = "env_worker"
+    return ep
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode=mode, groups_per_step=2, group_size=4,
+                                       max_retries=1, infra_window=16, infra_grace_s=0.5,
+                                       retry_backoff_s=0.0), itertools.count(), play)
+    s.start()
+    try:
+      with pytest.raises(InfraOutage, match=r"16 of the last 16 .*env_worker 16.*"
+                                            r"max_infra_fraction 0.5"):
+        for _ in range(10000):  # (as the training loop asks again after an empty step)
+          await asyncio.wait_for(s.next_groups(), 30)
+      return s
+    finally:
+      await s.stop()
+
+  s = run(go())
+  assert s.dropped["infra_error"] >= 16
+
+
+def test_the_outage_bound_counts_a_full_window_of_episodes():
+  import time
+
+  s = RolloutScheduler(RolloutConfig(infra_window=4, max_infra_fraction=0.5,
+                                     infra_grace_s=0.3), itertools.count(), None)
+  for kind in ["sandbox", None, "sandbox", None, "server"]:  # 2 of 4: at the bound
+    s._ended(kind)
+  assert s.error is None
+  s._ended("server")  # 3 of the last 4: past it, but only just begun (a restart?)
+  assert s.error is None
+  time.sleep(0.35)
+  s._ended("server")  # and 0.3 s on, still
+  assert "3 of the last 4" in str(s.error) and "(server 3)" in str(s.error)
+
+
+def test_episodes_the_policy_gets_dropped_count_once_not_per_retry():
+  """One episode in three dropped, retries and all (a policy that found a way to make
+  some of its episodes read as infrastructure failures): a third of the window, below
+  the bound. Counted per attempt it was 3 in 5 (red-team round 5: the policy could stop
+  the run with a third of its episodes)."""
+  async def play(task, sid, gid):
+    infra = sid.split("-")[1] == "0"
+    return episode(task, sid, gid, reward=float(sid.split("-")[1] == "1"), infra=infra)
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=2, group_size=3,
+                                       max_retries=2, infra_window=12, infra_grace_s=0.0,
+                                       retry_backoff_s=0.0), itertools.count(), play)
+    for _ in range(3):
+      accepted, _ = await s.next_groups()
+      assert len(accepted) == 2
+    return s
+
+  s = run(go())
+  assert s.error is None and s.dropped["infra_error"] == 6 and s.retries == 12
+
+
+def test_a_group_the_infrastructure_left_short_is_played_again_once():
+  """A group left with fewer than two episodes by infrastructure drops has its task
+  played again, once (later, as a fresh group): the task was never fairly played."""
+  async def play(task, sid, gid):
+    i = sid.split("-")[1]
+    if task == 1 and i != "0":  # task 1: three of four episodes broken, every time
+      return episode(task, sid, gid, reward=0.0, infra=True)
+    return episode(task, sid, gid, reward=float(i == "0"))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=3, group_size=4,
+                                       max_retries=1), itertools.count(), play)
+    first = await s.next_groups()
+    second = await s.next_groups()
+    return s, first, second
+
+  s, (accepted, taken), (accepted2, taken2) = run(go())
+  assert [g.task for g in taken] == [0, 1, 2, 1, 3]  # task 1 again (before task 3)
+  assert [g.task for g in accepted] == [0, 2, 3]
+  assert [g.task for g in taken2] == [4, 5, 6]  # not a third time
+  assert s.dropped["too_few_valid"] == 2 and s.dropped["infra_error"] == 6
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_bug_in_an_episode_stops_the_run_instead_of_hiding(mode):
   async def play(task, sid, gid):
     if sid.startswith("g0-2"):
@@ -392,3 +484,49 @@ def test_make_batch_fills_rows_instead_of_rounding_to_powers_of_two():
   batch, _ = make_batch(groups, AdvantageConfig(), rows=64, seq_len=160, pad_id=0,
                         row_multiple=3)
   assert batch.tokens.shape[0] % 3 == 0 and batch.tokens.shape[0] >= 16
+
+
+def test_groups_of_weights_other_than_the_servers_current_are_dropped():
+  """Sync mode trains tokens of the current weights only (older ones: a server that lost
+  its weights); no mode trains tokens of versions newer than the learner's (a stopped
+  run's weights, which a resumed run gave up)."""
+  def play_at(version):
+    async def play(task, sid, gid):
+      return episode(task, sid, gid, reward=float(sid.split("-")[1] == "0"),
+                     version=version(task))
+    return play
+
+  async def go(mode, version):
+    s = RolloutScheduler(RolloutConfig(mode=mode, groups_per_step=2, group_size=2,
+                                       max_sample_rounds=2), itertools.count(),
+                         play_at(version))
+    s.set_version(5)
+    s.start()
+    try:
+      accepted, taken = await asyncio.wait_for(s.next_groups(), 30)
+    finally:
+      await s.stop()
+    return s, accepted, taken
+
+  s, accepted, _ = run(go("sync", lambda task: 4 if task % 2 else 5))
+  assert all(g.task % 2 == 0 for g in accepted) and s.dropped["stale"] >= 1
+  s, accepted, _ = run(go("async", lambda task: 6 if task % 2 else 5))
+  assert all(g.task % 2 == 0 for g in accepted) and s.dropped["future_version"] >= 1
+
+
+def test_a_task_its_environment_cannot_start_stops_the_run_naming_it():
+  from jaxagent.errors import TaskError
+
+  async def play(task, sid, gid):
+    if task == 1:
+      raise TaskError("task 'z' (guess_number): ValueError: low (10) > high (2)")
+    return episode(task, sid, gid, reward=float(sid.split("-")[1] == "0"))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=2, group_size=2),
+                         itertools.count(), play)
+    with pytest.raises(TaskError, match="low"):  # itself, not wrapped as "a bug"
+      await s.next_groups()
+    return s
+
+  assert 1 not in run(go()).pending_tasks()  # not played again on a resume
