@@ -269,6 +269,7 @@ def load_policy(path: str, abstract_params: Any) -> Params:
   `abstract_params`: a pytree of `jax.ShapeDtypeStruct` with the shardings (and
   dtypes) the reader wants, which need not match the writer's mesh.
   """
+  path = os.path.abspath(path)
   if not os.path.isdir(path) and os.path.isdir(path + ASIDE):
     path += ASIDE  # a crash cut a replacement short: the previous export stands
   if not os.path.isdir(path):

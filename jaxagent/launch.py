@@ -128,7 +128,8 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
     overrides.append("serving.urls=[" + ",".join(f'"{u}"' for u in servers) + "]")
   if envs:
     overrides.append("env.urls=[" + ",".join(f'"{u}"' for u in envs) + "]")
-  base = [py, "-m", "jaxagent.train", "--config", args.config, "--run-dir", run_dir]
+  base = [py, "-m", "jaxagent.train", "--config", args.config, "--run-dir", run_dir,
+          *(["--resume"] if getattr(args, "resume", False) else [])]
   learners = []
   n = args.learner_processes
   coordinator = f"127.0.0.1:{free_port()}"
@@ -151,6 +152,24 @@ def run_local(args) -> int:
       return 2
   if args.learner_processes < 1:
     print("error: --learner-processes must be >= 1", file=sys.stderr)
+    return 2
+  if args.resume and not args.run_dir:
+    print("error: --resume needs --run-dir (the run to go on with)", file=sys.stderr)
+    return 2
+  from jaxagent.train import check_config, holds_a_run
+
+  try:  # the learner's checks, before any service starts (with the URLs it will get)
+    urls = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]
+    check_config(dataclasses.replace(
+        cfg, serving=dataclasses.replace(cfg.serving, urls=urls(args.servers)) if args.servers
+        else cfg.serving, env=dataclasses.replace(cfg.env, urls=urls(args.env_workers))
+        if args.env_workers else cfg.env))
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.run_dir and not args.resume and holds_a_run(args.run_dir):
+    print(f"error: {args.run_dir} already holds a run: --resume to go on with it, or "
+          "another --run-dir", file=sys.stderr)
     return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   services, learners = plan(args, cfg, run_dir)
@@ -207,6 +226,8 @@ def main(argv=None) -> int:
   local.add_argument("--servers", type=int, default=1)
   local.add_argument("--env-workers", type=int, default=1)
   local.add_argument("--run-dir", default=None)
+  local.add_argument("--resume", action="store_true",
+                     help="the learner goes on with the run in --run-dir (fresh services)")
   local.add_argument("--start-timeout-s", type=float, default=180.0)
   local.add_argument("overrides", nargs="*", help="dotted config overrides")
   args = p.parse_args(argv)

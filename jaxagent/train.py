@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import signal
 import sys
@@ -37,7 +38,7 @@ from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, drop_versions_after,
                                  export_policy)
 from jaxagent.data import task_dataset
-from jaxagent.errors import InfraError
+from jaxagent.errors import InfraError, InfraOutage, TaskError
 from jaxagent.learner import Learner
 from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
                               token_staleness_metrics)
@@ -172,6 +173,8 @@ async def task_tools(path: str, env_factory) -> list[dict]:
   first = {}
   for task in load_tasks(path):
     first.setdefault(task.env, task)
+  if not first:
+    raise ValueError(f"task file {path} has no tasks")
   tools = {}
   for task in first.values():
     env = env_factory(task)
@@ -219,7 +222,39 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(str(e)) from None
 
 
+def _check_ranges(cfg: config_lib.RunConfig) -> None:
+  """Counts and limits that must be positive (a 0 made the run hang with no output,
+  sampling nothing or learning from nothing), and the sampling parameters."""
+  r, a, d = cfg.rollout, cfg.agent, cfg.data
+  at_least_one = {"steps": cfg.steps, "rollout.groups_per_step": r.groups_per_step,
+                  "rollout.max_concurrent_episodes": r.max_concurrent_episodes,
+                  "rollout.window": r.window, "rollout.sync_every": r.sync_every,
+                  "agent.max_turns": a.max_turns, "agent.max_new_tokens": a.max_new_tokens,
+                  "data.rows": d.rows, "data.seq_len": d.seq_len,
+                  "serving.engine.slots": cfg.serving.engine.slots,
+                  "stop_window": cfg.stop_window}
+  for key, value in at_least_one.items():
+    if value < 1:
+      raise config_lib.ConfigError(f"{key} must be >= 1, got {value}")
+  not_negative = {"rollout.max_retries": r.max_retries, "rollout.max_staleness":
+                  r.max_staleness, "agent.turn_retries": a.turn_retries, "agent.top_k": a.top_k}
+  for key, value in not_negative.items():
+    if value < 0:
+      raise config_lib.ConfigError(f"{key} must be >= 0, got {value}")
+  positive = {"learner.lr": cfg.learner.lr, "agent.turn_deadline_s": a.turn_deadline_s,
+              "agent.episode_deadline_s": a.episode_deadline_s}
+  for key, value in positive.items():
+    if not (value > 0 and math.isfinite(value)):
+      raise config_lib.ConfigError(f"{key} must be a number > 0, got {value}")
+  if not (a.temperature >= 0 and math.isfinite(a.temperature)):
+    raise config_lib.ConfigError(f"agent.temperature must be >= 0 (0: greedy), got "
+                                 f"{a.temperature}")
+  if not 0 < a.top_p <= 1:
+    raise config_lib.ConfigError(f"agent.top_p must be in (0, 1], got {a.top_p}")
+
+
 def check_config(cfg: config_lib.RunConfig) -> None:
+  _check_ranges(cfg)
   check_model_and_learner(cfg)
   if not cfg.data.tasks:
     raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
@@ -266,6 +301,15 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
   if cfg.rollout.redundancy < 0:
     raise config_lib.ConfigError("rollout.redundancy must be >= 0")
+  if not 0 <= cfg.rollout.max_infra_fraction <= 1:
+    raise config_lib.ConfigError("rollout.max_infra_fraction must be in [0, 1] (1: never "
+                                 f"stop), got {cfg.rollout.max_infra_fraction}")
+  if cfg.rollout.infra_grace_s < 0 or cfg.rollout.retry_backoff_s < 0:
+    raise config_lib.ConfigError("rollout.infra_grace_s and rollout.retry_backoff_s must be "
+                                 ">= 0")
+  if cfg.rollout.infra_window < 1:
+    raise config_lib.ConfigError(f"rollout.infra_window must be >= 1, got "
+                                 f"{cfg.rollout.infra_window}")
   if cfg.rollout.max_sample_rounds < 1:
     raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
   if cfg.serving.engine.prefill_rows < 1:
@@ -357,6 +401,21 @@ def trajectories_file(run_dir: str, cfg: config_lib.RunConfig) -> str:
   return os.path.join(run_dir, name + (".gz" if cfg.trajectories.compress == "gzip" else ""))
 
 
+def holds_a_run(run_dir: str) -> bool:
+  """Whether `run_dir` has a run's records (a new run there would mix into them): a
+  metrics row or a checkpoint. (A run that stopped before its first step left neither:
+  it is started again there.)"""
+  ckpts = os.path.join(run_dir, "checkpoints")
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  return ((os.path.exists(metrics) and os.path.getsize(metrics) > 0)
+          or (os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))))
+
+
+def _deleted(state) -> bool:
+  """Whether `state`'s arrays were given away (donated to a train step under way)."""
+  return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
+
+
 def cut_back(run_dir: str, cfg: config_lib.RunConfig, step: int, version: int) -> None:
   """Rewinds what a stopped run wrote after the `step` (and policy `version`) a
   resumed run restores: each process its trajectory segments, process 0 the metrics
@@ -442,7 +501,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   from envs.sandbox import IsolationUnavailable
 
   try:  # the chat template must render the tools the tasks offer
-    tools = await task_tools(cfg.data.tasks, env_factory)
+    try:
+      tools = await task_tools(cfg.data.tasks, env_factory)
+    except (ValueError, KeyError) as e:  # a bad line, an unknown environment, no tasks
+      said = e.args[0] if isinstance(e, KeyError) and e.args else e
+      raise config_lib.ConfigError(f"data.tasks: {said}") from None
     model_cfg, params, tokenizer = build_model(cfg.model, mesh, tools=tools)
   except IsolationUnavailable as e:  # the tasks run code and this host cannot isolate it
     close_envs()
@@ -470,6 +533,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                          async_save=cfg.checkpoint.async_save)
   requeue = []
   saved_canary = None
+  next_group = 0  # group numbers go on from the checkpoint's: session ids stay unique
   if resume:
     try:
       state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
@@ -482,6 +546,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             f"{int(state.step)}", file=sys.stderr)
     t_start -= meta.get("wall_time_s", 0.0)  # the run's wall time goes on from there
     saved_canary = meta.get("canary")
+    next_group = int(meta.get("next_group", 0))
     cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
     mine = meta.get("pending_tasks_by_process")
     mine = (mine[jax.process_index()] if mine and jax.process_index() < len(mine)
@@ -497,11 +562,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   replays = []
   if wal is not None:
     if resume:
-      replays = wal.pending()
+      replays = [r.up_to_version(int(state.policy_version)) for r in wal.pending()]
       if replays:
         print(f"token WAL: {len(replays)} logged episodes "
               f"({sum(len(r) for r in replays)} turns) to replay")
-    wal.clear()
+      wal.set_aside()  # kept until this run's first checkpoint is whole
+    else:
+      wal.clear()
+      wal.drop_aside()
   if distributed.is_primary():  # after a resume has restored: a failed one changes nothing
     written = cfg
     if cfg.model.chat_template is None and tokenizer.chat_template == CHATML_TOOLS_TEMPLATE:
@@ -530,6 +598,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     exported = version
     if distributed.is_primary():  # the servers are shared: one update is enough
       await serving.client.update_weights(path, version)
+    # Every process's episodes start once the servers serve it (sync mode trains tokens
+    # of the current weights only).
+    distributed.barrier(f"policy-{version}")
   if canary:  # the restored run must sample what the saved one did
     if not saved_canary:
       print(f"warning: --canary: checkpoint step {int(state.step)} stored no canary "
@@ -562,7 +633,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     rep = eval_lib.report(by_task, e.k)
     out = {f"eval_{k}": v for k, v in rep["overall"].items() if isinstance(v, (int, float))}
     for env, r in rep["by_env"].items():
-      out[f"eval_{env}_success_rate"] = r["success_rate"]
+      out[f"eval_{env}_success_rate"] = r.get("success_rate")
     return out
 
   async def play(task_dict, session_id, group_id) -> Episode:
@@ -582,6 +653,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                               replay=replay)
 
   scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue)
+  scheduler.next_index = next_group
   scheduler.set_version(version)
   scheduler.start()
   primary = distributed.is_primary()
@@ -593,6 +665,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                    "platform": jax.devices()[0].platform, "processes": jax.process_count()},
           "tool_schema_sha256": hashlib.sha256(json.dumps(tools, sort_keys=True)
                                                .encode()).hexdigest()[:16]}
+
+  wal_done_with: list[str] = []  # groups whose logs the save under way makes needless
+  saves_begun: list[int] = []  # this run's checkpoint saves
 
   async def save_checkpoint(step, state, pending, force=False, canary=True):
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
@@ -606,12 +681,23 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # Every process's tasks in flight (process 0 writes the metadata): each re-queues
     # its own on a resume.
     by_process = distributed.gather_json(pending) if multi else [pending]
+    next_group = (max(distributed.gather_json(scheduler.next_index)) if multi
+                  else scheduler.next_index)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending, "pending_tasks_by_process": by_process,
+                            "next_group": next_group,
                             "canary": canary_now}, tasks, force=force)
-    if wal is not None:  # groups this checkpoint no longer lists need no replay
-      for group_id in scheduler.drain_finished():
+    if wal is not None:
+      # Groups this checkpoint no longer lists need no replay once it is written: those
+      # of the checkpoint before are let go now (a save waits for the one before it to
+      # finish), this one's at the next save or at the end. Let go when the save began,
+      # a crash before it was finalised resumed from the one before without their logs.
+      for group_id in wal_done_with:
         wal.discard_group(group_id)
+      if saves_begun:  # a checkpoint of this run is whole: the set-aside logs are needless
+        wal.drop_aside()
+      wal_done_with[:] = scheduler.drain_finished()
+    saves_begun.append(step)
 
   loop = asyncio.get_running_loop()
 
@@ -635,6 +721,35 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, info
 
   step = int(state.step)
+  recorded = step  # the last step whose metrics row and trajectories are written
+  records = None  # what the latest step's records need (`write_records`)
+
+  async def write_records(p: dict) -> None:
+    """The step's trajectory segments and its metrics row (completed here)."""
+    nonlocal recorded
+    row, info, batch, accepted = p["row"], p["info"], p["batch"], p["accepted"]
+    traj = cfg.trajectories
+    if traj.mode == "all" or (traj.mode == "sample" and p["step"] % traj.sample_every == 0):
+      await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir, cfg),
+                                 info["used_segments"], p["step"],
+                                 tokenizer.decode if traj.text else None)
+    rollout_s = p["rollout_s"]
+    row.update({
+        "wall_time_s": round(time.time() - t_start, 3), "policy_version": p["version"],
+        "rollout_s": rollout_s, "learner_s": p["learner_s"],
+        "rollout_tokens_per_s": row.get("output_tokens", 0) / max(rollout_s, 1e-9),
+        "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
+            rollout_s, 1e-9),
+        "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
+        "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
+        "batch_rows": int(batch.tokens.shape[0]) * n_proc,
+        "batch_fill": round(info["fill"], 4),
+        "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
+        **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
+        **{k: v for k, v in p["m"].items() if k != "denom"}})
+    if writer is not None:
+      writer.write(row)
+    recorded = p["step"]
   recent = []
   bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True,
              disable=not primary or (not sys.stdout.isatty()
@@ -685,6 +800,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       learner_s = time.perf_counter() - t0
       step = int(state.step)
       version = int(state.policy_version)
+      # What the step's records need: written after the weight sync (with its figures),
+      # or on the way out if the run stops before (a step is never checkpointed without
+      # its records).
+      records = dict(row=row, info=info, batch=batch, m=m, accepted=accepted,
+                     rollout_s=rollout_s, learner_s=learner_s, step=step, version=version)
       sync_s, sync_path = 0.0, None
       export = step == cfg.steps or bool(
           cfg.checkpoint.export_every and step % cfg.checkpoint.export_every == 0)
@@ -714,6 +834,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                             state.params, None)
           if primary:  # the servers are shared by every process: one update is enough
             await serving.client.update_weights(path, version, cfg.rollout.update_mode)
+          if multi:  # no process samples on for the new version before the servers have it
+            await loop.run_in_executor(None, distributed.barrier, f"policy-{version}")
           export, sync_path, exported = False, "export", version
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0
@@ -721,30 +843,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         await loop.run_in_executor(None, export_policy, policy_root, version, state.params, None)
         exported = version
       t_rollout_mark = time.perf_counter()
-      traj = cfg.trajectories
-      if traj.mode == "all" or (traj.mode == "sample" and step % traj.sample_every == 0):
-        await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir, cfg),
-                                   info["used_segments"], step,
-                                   tokenizer.decode if traj.text else None)
-      out_tokens = row.get("output_tokens", 0)
-      row.update({
-          "wall_time_s": round(time.time() - t_start, 3), "policy_version": version,
-          "rollout_s": rollout_s, "learner_s": learner_s, "weight_sync_s": sync_s,
-          **({"weight_sync_path": sync_path} if sync_path else {}),
-          "rollout_tokens_per_s": out_tokens / max(rollout_s, 1e-9),
-          "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
-              rollout_s, 1e-9),
-          "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
-          "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
-          "batch_rows": int(batch.tokens.shape[0]) * n_proc,
-          "batch_fill": round(info["fill"], 4),
-          "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
-          **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
-          **{k: v for k, v in m.items() if k != "denom"}})
+      row.update({"weight_sync_s": sync_s,
+                  **({"weight_sync_path": sync_path} if sync_path else {})})
       if cfg.eval.every and step % cfg.eval.every == 0 and primary:
         row.update(await evaluate_policy())
-      if writer is not None:
-        writer.write(row)
+      await write_records(records)
       recent = (recent + [(row.get("success_rate", 0.0) * row["episodes"],
                            row["episodes"])])[-cfg.stop_window:]
       recent_success = sum(s for s, _ in recent) / max(sum(n for _, n in recent), 1)
@@ -770,13 +873,36 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     for sig in handled:
       loop.remove_signal_handler(sig)
     bar.close()
+    if records is not None and recorded != records["step"]:  # stopped before its records
+      try:
+        await write_records(records)
+      except Exception as e:  # (then it is not checkpointed: a resume replays the step)
+        print(f"warning: step {records['step']}'s records could not be written "
+              f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     pending = scheduler.pending_tasks()
     await scheduler.stop()
-    if ckpt.latest_step() != step and step > 0:
+    # Saved only with its records: a checkpoint of a step whose metrics row and
+    # trajectories were not written would resume past them, losing them for good. Nor
+    # when the step under way holds the state (stopped at once in the learner's step).
+    unsaved = (f"step {step}'s records were not written" if step != recorded else
+               "the step under way holds the state" if _deleted(state) else None)
+    if unsaved and ckpt.latest_step() != step and step > 0:
+      print(f"{unsaved}: not checkpointed (a resume goes on from step "
+            f"{ckpt.latest_step() or 0})", file=sys.stderr, flush=True)
+    elif ckpt.latest_step() != step and step > 0:
       await save_checkpoint(step, state, pending, force=True, canary=finished)
-    if exported != version and step > 0:  # the final weights are a policy export too
-      export_policy(policy_root, version, state.params, dtype=None)
-    ckpt.close()
+    if exported != version and step > 0 and not unsaved:  # the final weights, exported
+      try:
+        export_policy(policy_root, version, state.params, dtype=None)
+      except Exception as e:  # (the checkpoint has them; a resume exports them again)
+        print(f"warning: policy version {version} could not be exported "
+              f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    ckpt.close()  # (waits for the last save)
+    if wal is not None:
+      for group_id in wal_done_with:
+        wal.discard_group(group_id)
+      if saves_begun:
+        wal.drop_aside()
     if writer is not None:
       writer.close()
     await serving.close()
@@ -804,6 +930,9 @@ def main(argv=None) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir", file=sys.stderr)
     return 2
+  if args.canary and not args.resume:
+    print("error: --canary checks a resumed run: it needs --resume", file=sys.stderr)
+    return 2
   if args.resume:
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if not os.path.isdir(ckpts) or not any(d.isdigit() for d in os.listdir(ckpts)):
@@ -820,6 +949,10 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  if not args.resume and holds_a_run(run_dir):
+    print(f"error: {run_dir} already holds a run (its metrics, checkpoints or policy "
+          "exports): --resume to go on with it, or another --run-dir", file=sys.stderr)
+    return 2
   os.makedirs(run_dir, exist_ok=True)
   try:
     return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
@@ -829,6 +962,20 @@ def main(argv=None) -> int:
   except CheckpointUnreadable as e:
     print(f"error: --resume: {e}", file=sys.stderr)
     return 2
+  except TaskError as e:
+    print(f"error: data.tasks: {e} (python -m envs.filter {cfg.data.tasks} checks a task "
+          "file)", file=sys.stderr)
+    return 2
+  except (InfraOutage, InfraError) as e:
+    # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),
+    # or a server or worker that could not be reached (at the start, a weight update).
+    saved = os.path.isdir(os.path.join(run_dir, "checkpoints")) and any(
+        d.isdigit() for d in os.listdir(os.path.join(run_dir, "checkpoints")))
+    again = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir", run_dir,
+                      "--resume", *args.overrides])
+    what = "" if isinstance(e, InfraOutage) else "the infrastructure failed: "
+    print(f"error: {what}{e}" + (f" (then: {again})" if saved else ""), file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":

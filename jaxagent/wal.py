@@ -30,12 +30,17 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 from typing import Any, Iterable, Optional
 
 import numpy as np
 
 from jaxagent.trajectory import TurnRecord, read_jsonl
+
+
+# Where a resumed run keeps the stopped run's logs until its own first checkpoint is whole.
+ASIDE = "replaying"
 
 
 def tokens_hash(ids) -> str:
@@ -137,6 +142,17 @@ class Replay:
   def __len__(self) -> int:
     return len(self.turns)
 
+  def up_to_version(self, version: int) -> "Replay":
+    """Keeps the turns up to the first one sampled by weights newer than `version` (a
+    resumed run restored `version`: later weights of the stopped run are gone, and their
+    tokens would carry versions this run gives to other weights); the episode goes on
+    sampling from there."""
+    for i, r in enumerate(self.turns):
+      if r.get("versions") and max(r["versions"]) > version:
+        del self.turns[i:]
+        break
+    return self
+
   def next_turn(self, prompt: list[int]) -> Optional[TurnRecord]:
     """The next logged turn as sampled, on `prompt` (the rebuilt one); None when the log
     is played out. Raises ValueError if `prompt` is not the logged turn's prompt."""
@@ -191,19 +207,52 @@ class TokenWAL:
         with contextlib.suppress(FileNotFoundError):
           os.remove(os.path.join(self.directory, name))
 
-  def pending(self) -> list[Replay]:
-    """Every logged episode not yet discarded (in flight, or finished but not trained):
-    what a restarted trainer replays instead of playing again."""
-    out = []
+  @property
+  def aside(self) -> str:
+    return os.path.join(self.directory, ASIDE)
+
+  def set_aside(self) -> None:
+    """Moves every log into `ASIDE/` (a resumed run, having read them, logs afresh; the
+    old logs stay until a checkpoint of the resumed run is whole, `drop_aside`: a crash
+    before that, in its start-up too, still replays them)."""
+    os.makedirs(self.aside, exist_ok=True)
     for name in sorted(os.listdir(self.directory)):
-      if not name.endswith(".jsonl"):
-        continue
-      sessions: dict[str, list] = {}
-      for r in read_log(os.path.join(self.directory, name)):
-        sessions.setdefault(r.get("session"), []).append(r)
-      out += [Replay(records) for records in sessions.values()
-              if records and records[0]["kind"] == "start"]
-    return out
+      if name.endswith(".jsonl"):
+        target, n = os.path.join(self.aside, name), 0
+        while os.path.exists(target):  # (a log of an earlier resume's start-up)
+          n += 1
+          target = os.path.join(self.aside, f"{name[:-len('.jsonl')]}.{n}.jsonl")
+        os.rename(os.path.join(self.directory, name), target)
+
+  def drop_aside(self) -> None:
+    shutil.rmtree(self.aside, ignore_errors=True)
+
+  def pending(self) -> list[Replay]:
+    """Every logged episode not yet discarded (in flight, or finished but not trained),
+    set aside or not: what a restarted trainer replays instead of playing again (one a
+    task's episode index, as `take_replay` matches them)."""
+    def read(directory: str) -> list[Replay]:
+      out = []
+      for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if not name.endswith(".jsonl"):
+          continue
+        sessions: dict[str, list] = {}
+        for r in read_log(os.path.join(directory, name)):
+          sessions.setdefault(r.get("session"), []).append(r)
+        out += [Replay(records) for records in sessions.values()
+                if records and records[0]["kind"] == "start"]
+      return out
+
+    def key(replay: Replay) -> tuple:
+      return replay.start.get("task", {}).get("id"), replay.start.get("episode")
+
+    out: dict[tuple, Replay] = {}
+    for replay in read(self.aside) + read(self.directory):
+      # An episode re-logged by a resume (set aside again by the next) supersedes its
+      # older log: the longest of one task's episode is kept.
+      if key(replay) not in out or len(replay) >= len(out[key(replay)]):
+        out[key(replay)] = replay
+    return list(out.values())
 
 
 def take_replay(replays: list[Replay], task_id: str, episode: int) -> Optional[Replay]:

@@ -34,6 +34,14 @@ def test_short_run_as_processes(tmp_path):
   assert all(r["weight_sync_path"] == "export" for r in rows)  # servers load exports
   with open(tmp_path / "run" / "launch" / "server0.yaml") as f:
     assert "preset: nano" in f.read()  # the run's model
+  # The run goes on, with services started afresh.
+  proc = launch(tmp_path / "run", "--resume", "--servers", "1", "--env-workers", "0", "steps=3",
+                *SMALL)
+  out = proc.communicate(timeout=400)[0]
+  assert proc.returncode == 0, out[-4000:]
+  assert "resumed from step 2" in out
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
 
 
 def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
@@ -55,3 +63,17 @@ def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
   # Nothing is left running.
   time.sleep(1)
   assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
+
+
+def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
+  from jaxagent import launch as launch_lib
+
+  run = tmp_path / "run"
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir", str(run),
+                          "steps=0"]) == 2
+  assert "steps must be >= 1" in capsys.readouterr().err
+  (run / "checkpoints" / "2").mkdir(parents=True)
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                          str(run)]) == 2
+  assert "already holds a run" in capsys.readouterr().err
+  assert not (run / "launch").exists()  # nothing was started

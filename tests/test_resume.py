@@ -55,6 +55,15 @@ elif os.environ.get("KILL_AT", "").startswith("wal"):
         die()
   checkpoint.RunCheckpointer.save = save_and_count
   wal.EpisodeLog.turn = turn_then_die
+elif os.environ.get("KILL_AT") == "exportfail":
+  # The disk is full when step 3's policy is exported: after the step, before its
+  # metrics row and trajectories are written.
+  export = train.export_policy
+  def export_or_fail(root, version, *args, **kwargs):
+    if version == 3:
+      raise OSError(28, "No space left on device")
+    return export(root, version, *args, **kwargs)
+  train.export_policy = export_or_fail
 elif os.environ.get("KILL_AT") == "save":
   save, saves = checkpoint.RunCheckpointer.save, []
   def save_then_die(self, step, *args, **kwargs):
@@ -207,3 +216,38 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
   rows = read_metrics(run_dir)
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
   assert sum(r.get("wal_replayed_turns", 0) for r in rows) > 0
+
+
+def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
+  """Nothing is lost (a chaos helper's findings): a step that failed after the learner
+  step but before its metrics row and trajectories gets them written on the way out,
+  then its checkpoint (it was checkpointed without them: a resume went on past the
+  step, its records lost for good); the token WAL keeps the episodes of an asynchronous
+  save until it is finalised (they were let go when it began: a kill before it was whole
+  resumed from the save before, without them); group numbers go on over a resume, so
+  session ids stay unique."""
+  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+  rc, out = finish(*start(run_dir, cache, kill_at="exportfail"))
+  assert rc == 1 and "No space left on device" in out, out[-3000:]
+  assert "warning: policy version 3 could not be exported" in out, out[-3000:]
+  ckpts = os.path.join(run_dir, "checkpoints")
+  assert sorted(d for d in os.listdir(ckpts) if d.isdigit()) == ["2", "3"]
+  assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+  segs = list(read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz")))
+  assert sorted({s["step"] for s in segs}) == [1, 2, 3]
+
+  # Killed right after its second save (step 6) began: the one before (4) is whole.
+  rc, out = finish(*start(run_dir, cache, "--resume", kill_at="save"))
+  assert rc == -signal.SIGKILL and "resumed from step 3 " in out, out[-3000:]
+
+  rc, out = finish(*start(run_dir, cache, "--resume"))
+  assert rc == 0, out[-3000:]
+  restored = int(re.search(r"resumed from step (\d+)", out).group(1))
+  m = re.search(r"token WAL: (\d+) logged episodes \((\d+) turns\)", out)
+  assert restored == 4 and m and int(m.group(2)) > 0, out[-3000:]
+  rows = read_metrics(run_dir)
+  assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+  assert sum(r.get("wal_replayed_turns", 0) for r in rows) > 0
+  segs = list(read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz")))
+  assert sorted({s["step"] for s in segs}) == list(range(1, STEPS + 1))
+  assert len({s["segment_id"] for s in segs}) == len(segs)  # no id twice over the run

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,52 @@ def test_early_stop_exports_the_final_policy(tmp_path):
     assert [v["version"] for v in json.load(f)["versions"]] == [step]
 
 
+def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
+  """A worker that cannot be reached at the start is one line. One that dies during the
+  run drops every episode as an infrastructure failure: the run stops after a window of
+  episodes, saves its checkpoint and says what failed and how to resume, instead of
+  consuming its tasks on episodes nobody trains on (it went on sampling for ever)."""
+  import socket
+  import time
+
+  from tests.envs.test_server import start_worker
+
+  with socket.socket() as sock:  # a port nothing listens on
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  run_dir = str(tmp_path / "run")
+  args = ["--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=50", *SMALL,
+          "rollout.infra_window=16", "rollout.infra_grace_s=2"]
+  proc = run_train(*args, f"env.urls=[http://127.0.0.1:{port}]", timeout=300)
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  line = proc.stderr.strip().splitlines()[-1]
+  assert line.startswith("error: the infrastructure failed: env_worker: ") and \
+      "Traceback" not in proc.stderr and "--resume" not in line, line
+
+  worker, url, _ = start_worker(tmp_path)
+  train = subprocess.Popen([sys.executable, "-m", "jaxagent.train", *args, f"env.urls=[{url}]"],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.time() + 240
+    while not (os.path.exists(metrics) and os.path.getsize(metrics)):
+      assert train.poll() is None and time.time() < deadline, "no step was trained"
+      time.sleep(0.2)
+    worker.kill()  # the worker dies after the first step
+    worker.wait()
+    out, err = train.communicate(timeout=240)
+  finally:
+    worker.kill()
+    train.kill()
+  assert train.returncode == 3, err[-3000:]
+  line = err.strip().splitlines()[-1]
+  assert re.match(r"error: \d+ of the last 16 episodes failed in the infrastructure, "
+                  r"retries and all \(env_worker \d+", line), line
+  assert f"--run-dir {run_dir} --resume" in line and "Traceback" not in err
+  assert os.listdir(os.path.join(run_dir, "checkpoints"))  # saved on the way out
+  assert len(read_metrics(run_dir)) < 50
+
+
 def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
   """A pod's eviction (SIGTERM): the step under way finishes, then the final checkpoint
   and policy export are written and the run exits 0."""
@@ -124,7 +171,35 @@ def _bad_settings(tmp_path):
   bad_yaml.write_text("steps: [1,\n")
   run = str(tmp_path / "run")
   tiny = ["--config", "configs/tiny.yaml", "--run-dir", run]
+  used = tmp_path / "used"  # a run directory that holds a run
+  (used / "checkpoints" / "4").mkdir(parents=True)
+  a_list = tmp_path / "list.yaml"
+  a_list.write_text("- steps\n")
+  tasks = {}
+  for name, text in (("broken", '{"id": "a", "env": "guess_number"}\n{"id": "b",\n'),
+                     ("unknown", '{"id": "a", "env": "guess_numbr"}\n'), ("empty", ""),
+                     ("params", '{"id": "z", "env": "guess_number", '
+                                '"params": {"low": 10, "high": 2}}\n')):
+    tasks[name] = tmp_path / f"{name}.jsonl"
+    tasks[name].write_text(text)
   return [
+      # Counts that must be positive (a 0 hung the run with no output), sampling ranges.
+      (tiny + ["rollout.groups_per_step=0"], "rollout.groups_per_step must be >= 1"),
+      (tiny + ["agent.max_turns=0"], "agent.max_turns must be >= 1"),
+      (tiny + ["data.rows=0"], "data.rows must be >= 1"),
+      (tiny + ["steps=0"], "steps must be >= 1"),
+      (tiny + ["agent.temperature=-1"], "agent.temperature must be >= 0"),
+      (tiny + ["agent.top_p=0"], "agent.top_p must be in (0, 1]"),
+      (tiny + ["learner.lr=-1"], "learner.lr must be a number > 0"),
+      # A new run where one is (they mixed: metrics steps 1..80, then 1..5).
+      (["--config", "configs/tiny.yaml", "--run-dir", str(used)], "already holds a run"),
+      (tiny + ["--canary"], "--canary checks a resumed run"),
+      (["--config", str(a_list)], "must be a mapping"),
+      # Task files: one line each (they were tracebacks).
+      (tiny + [f"data.tasks={tasks['broken']}"], "broken.jsonl:2:"),
+      (tiny + [f"data.tasks={tasks['unknown']}"], "unknown environment 'guess_numbr'"),
+      (tiny + [f"data.tasks={tasks['empty']}"], "has no tasks"),
+      (tiny + [f"data.tasks={tasks['params']}"], "low (10) > high (2)"),
       (tiny + ["learner.lrr=1"], "learner.lrr"),
       (tiny + ["steps=many"], "steps"),
       (tiny + ["data.tasks=/nonexistent.jsonl"], "data.tasks"),
@@ -158,6 +233,20 @@ def _bad_settings(tmp_path):
        "no checkpoint"),
       (["--config", "configs/tiny.yaml", "--resume"], "--resume needs --run-dir"),
   ]
+
+
+def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tmp_path):
+  """What a run writes before its first step (an empty metrics file, the initial export
+  for remote servers) is not a run: starting it again there is not refused (a review
+  finding: refused, and --resume refused for want of a checkpoint)."""
+  from jaxagent.train import holds_a_run
+
+  (tmp_path / "policy").mkdir()
+  (tmp_path / "policy" / "versions.json").write_text('{"versions": []}')
+  (tmp_path / "metrics.jsonl").write_text("")
+  assert not holds_a_run(str(tmp_path))
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+  assert holds_a_run(str(tmp_path))
 
 
 def test_bad_settings_get_one_line_naming_the_key(tmp_path, capsys):

@@ -3,6 +3,7 @@ episode a dead trainer left in flight."""
 
 import asyncio
 import json
+import os
 
 import numpy as np
 
@@ -125,3 +126,37 @@ def test_the_environments_state_hash_is_logged_and_checked(tmp_path):
   ep = asyncio.run(run_whitebox(make("guess_number"), other, ScriptedEngine([]), TOK, CFG,
                                 session_id="s2", replay=Replay(read_log(log.path))))
   assert ep.infra_error and ep.infra_kind == "wal_replay"
+
+
+def test_a_replay_stops_at_the_first_turn_of_weights_the_resumed_run_gave_up():
+  from jaxagent.wal import Replay
+
+  turns = [{"kind": "turn", "turn": t, "versions": v} for t, v in
+           enumerate([[2, 2], [2, 3], [4, 4]])]
+  r = Replay([{"kind": "start", "task": {"id": "t"}, "episode": 0}, *turns])
+  assert len(r.up_to_version(3)) == 2  # (with versions 2 and 3)
+  assert len(Replay([{"kind": "start"}, *turns]).up_to_version(2)) == 1
+
+
+def test_a_resume_sets_the_logs_aside_until_its_first_checkpoint(tmp_path):
+  """A resumed run logs afresh but keeps the stopped run's logs aside: a crash in its own
+  start-up (before a checkpoint of it is whole) still replays them (a chaos helper's
+  finding: they were deleted at once); a re-logged episode supersedes its old log."""
+  wal = TokenWAL(str(tmp_path))
+  for group, episode, turns in (("g0", 0, ["8", "12"]), ("g1", 1, ["8"])):
+    log = wal.open(f"{group}-{episode}-r0", group_id=group, task=TASK.to_dict(),
+                   episode=episode)
+    play(ScriptedEngine(turns + ["11"]), log=log)
+  assert sorted(len(r) for r in wal.pending()) == [2, 3]
+  wal = TokenWAL(str(tmp_path))  # the resumed run
+  wal.set_aside()
+  assert not [n for n in os.listdir(tmp_path) if n.endswith(".jsonl")]
+  assert sorted(len(r) for r in wal.pending()) == [2, 3]  # a crash now: still replayed
+  # The resumed run re-logs episode 1 of task t (and goes on from it).
+  log = wal.open("g5-1-r0", group_id="g5", task=TASK.to_dict(), episode=1)
+  play(ScriptedEngine(["8", "9", "11"]), log=log)
+  assert sorted(len(r) for r in wal.pending()) == [3, 3]  # the old log of episode 1 gone
+  wal.set_aside()  # a second resume: names do not collide
+  assert sorted(len(r) for r in wal.pending()) == [3, 3]
+  wal.drop_aside()  # a checkpoint of the resumed run is whole
+  assert wal.pending() == []
