@@ -4,7 +4,9 @@ Plays held-out tasks with a trained policy and reports, per environment and over
 success rate, pass@k (the unbiased estimator of Chen et al. 2021: with n samples of
 which c pass, 1 - C(n - c, k) / C(n, k)), terminal and process rewards, turns, tool
 calls, invalid tool calls and episode latency p50/p95/p99. Writes a JSON report
-(`--out`, default `<policy>/eval-<tasks>.json`) and prints a table.
+(`--out`, default `<policy>/eval-<tasks>.json`, `eval-<tasks>-greedy.json` with
+`--greedy`) and prints a table. An episode the infrastructure failed (a server or
+worker down) is played again twice, then left out of every figure and counted.
 
 The policy is served in process (an engine built from the run's `config.json`, loaded
 with the export's weights) or by a running server (`--server URL`, which must serve
@@ -43,9 +45,13 @@ def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
   """Report figures over tasks: {task_id: (env name, [Episode, ...])}."""
   from jaxagent.metrics import percentiles
 
-  episodes = [e for _, eps in episodes_by_task.values() for e in eps]
-  if not episodes:
-    return {"tasks": 0, "episodes": 0}
+  everything = [e for _, eps in episodes_by_task.values() for e in eps]
+  # An episode the infrastructure failed (retried first) is left out, never a 0.
+  episodes = [e for e in everything if not e.infra_error]
+  infra = len(everything) - len(episodes)
+  if not episodes:  # (figures of nothing: null, never NaN in JSON)
+    return {"tasks": len(episodes_by_task), "episodes": 0, "infra_errors": infra,
+            "success_rate": None, **{f"pass@{k}": None for k in ks}}
   terminal = [float(e.verdict.get("reward", 0.0) or 0.0) for e in episodes]
   out = {
       "tasks": len(episodes_by_task), "episodes": len(episodes),
@@ -57,12 +63,14 @@ def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
       "tool_calls_mean": float(np.mean([e.tool_calls for e in episodes])),
       "invalid_tool_calls_mean": float(np.mean([e.invalid_tool_calls for e in episodes])),
       "truncated": int(sum(e.status == "truncated" for e in episodes)),
-      "infra_errors": int(sum(e.infra_error for e in episodes)),
+      "infra_errors": infra,
   }
-  for k in ks:
-    out[f"pass@{k}"] = float(np.mean([
-        pass_at_k(len(eps), sum(e.success for e in eps), k)
-        for _, eps in episodes_by_task.values()]))
+  scored = [[e for e in eps if not e.infra_error] for _, eps in episodes_by_task.values()]
+  for k in ks:  # over the tasks with at least k scored samples
+    values = [pass_at_k(len(eps), sum(e.success for e in eps), k) for eps in scored
+              if len(eps) >= k]
+    out[f"pass@{k}"] = float(np.mean(values)) if values else None
+    out[f"pass@{k}_tasks"] = len(values)
   out.update(percentiles([e.latency_s for e in episodes], "latency_s"))
   return out
 
@@ -75,14 +83,19 @@ def report(episodes_by_task: dict, ks: Sequence[int]) -> dict:
                                     ks) for env in envs}}
 
 
-async def evaluate(tasks, play, samples: int, concurrency: int = 64) -> dict:
+async def evaluate(tasks, play, samples: int, concurrency: int = 64, retries: int = 2) -> dict:
   """Plays each task `samples` times (`play(task, session_id)` -> Episode), at most
-  `concurrency` episodes at once; {task_id: (env name, [Episode, ...])}."""
+  `concurrency` episodes at once; an episode the infrastructure failed is played again up
+  to `retries` times; {task_id: (env name, [Episode, ...])}."""
   slots = asyncio.Semaphore(concurrency)
 
   async def one(task, j):
-    async with slots:
-      return await play(task, f"eval-{task.id}-{j}")
+    for attempt in range(retries + 1):
+      async with slots:
+        ep = await play(task, f"eval-{task.id}-{j}" + (f"-r{attempt}" if attempt else ""))
+      if not ep.infra_error:
+        break
+    return ep
 
   results = await asyncio.gather(*(one(t, j) for t in tasks for j in range(samples)))
   out: dict = {}
@@ -91,17 +104,26 @@ async def evaluate(tasks, play, samples: int, concurrency: int = 64) -> dict:
   return out
 
 
+def _num(x) -> float:
+  return float("nan") if x is None else x
+
+
 def print_table(rep: dict, ks: Sequence[int]) -> None:
   cols = ["success_rate", *[f"pass@{k}" for k in ks], "reward_mean", "reward_terminal_mean",
           "turns_mean", "tool_calls_mean", "invalid_tool_calls_mean", "latency_s_p50",
           "latency_s_p95", "latency_s_p99"]
   names = ["success", *[f"pass@{k}" for k in ks], "reward", "terminal", "turns", "tools",
            "invalid", "p50 s", "p95 s", "p99 s"]
-  print(f"{'env':<16} {'tasks':>5} {'eps':>5} " + " ".join(f"{n:>8}" for n in names))
+  print(f"{'env':<16} {'tasks':>5} {'eps':>5} {'trunc':>5} {'infra':>5} "
+        + " ".join(f"{n:>8}" for n in names))
   rows = [(env, r) for env, r in rep["by_env"].items()] + [("all", rep["overall"])]
   for env, r in rows:
-    vals = " ".join(f"{r.get(c, float('nan')):>8.3f}" for c in cols)
-    print(f"{env:<16} {r.get('tasks', 0):>5} {r.get('episodes', 0):>5} {vals}")
+    vals = " ".join(f"{_num(r.get(c)):>8.3f}" for c in cols)
+    print(f"{env:<16} {r.get('tasks', 0):>5} {r.get('episodes', 0):>5} "
+          f"{r.get('truncated', 0):>5} {r.get('infra_errors', 0):>5} {vals}")
+  if rep["overall"].get("infra_errors"):
+    print(f"({rep['overall']['infra_errors']} episodes failed in the infrastructure after "
+          "retries: left out of every figure)")
 
 
 def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
@@ -197,12 +219,18 @@ def main(argv=None) -> int:
     if min(ks) < 1 or (args.samples is not None and args.samples < max(ks)):
       raise config_lib.ConfigError("--k: each k must be >= 1 and <= --samples")
     rep = asyncio.run(run(args))
-  except (config_lib.ConfigError, ValueError) as e:
+  except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if not rep["overall"].get("episodes"):  # nothing to report: no report overwritten
+    print(f"error: all {rep['overall'].get('infra_errors', 0)} episodes failed in the "
+          f"infrastructure{' (is --server ' + args.server + ' up?)' if args.server else ''}: "
+          "no report written", file=sys.stderr)
+    return 3
+  name = os.path.splitext(os.path.basename(args.tasks))[0] + ("-greedy" if args.greedy else "")
   out = args.out or os.path.join(
       args.policy if os.path.isdir(args.policy) else os.path.dirname(args.policy),
-      f"eval-{os.path.splitext(os.path.basename(args.tasks))[0]}.json")
+      f"eval-{name}.json")
   with open(out, "w") as f:
     json.dump(rep, f, indent=1)
   if args.json:

@@ -46,6 +46,18 @@ def test_report_per_environment_and_overall():
   assert overall["latency_s_p50"] == 1.0 and overall["tool_calls_mean"] == 1.0
 
 
+def test_infrastructure_failures_are_left_out_of_the_figures():
+  broken = _episode("a", False, 0.0)
+  broken.infra_error = True
+  by_task = {"a": ("env1", [_episode("a", True, 1.0), broken]),
+             "b": ("env1", [_episode("b", False, 0.0), _episode("b", True, 1.0)])}
+  overall = eval_lib.report(by_task, [1, 2])["overall"]
+  assert overall["episodes"] == 3 and overall["infra_errors"] == 1
+  assert overall["success_rate"] == pytest.approx(2 / 3)
+  assert overall["pass@1"] == pytest.approx((1.0 + 0.5) / 2)
+  assert overall["pass@2"] == pytest.approx(1.0)  # (task a has one scored sample: left out)
+
+
 def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   run_dir = str(tmp_path / "run")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=2", *SMALL,
@@ -70,6 +82,20 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   assert overall["tasks"] == 3 and overall["episodes"] == 6
   assert 0.0 <= overall["pass@1"] <= overall["pass@2"] <= 1.0
   assert set(rep["by_env"]) == {"guess_number"} and "latency_s_p99" in overall
+
+  # A relative path (as the README's RUN_DIR/policy), greedy: a report of its own name.
+  assert eval_lib.main(["--policy", os.path.relpath(os.path.join(run_dir, "policy")),
+                        "--tasks", HELD_OUT, "--greedy", "--limit", "2"]) == 0
+  assert os.path.exists(os.path.join(run_dir, "policy", "eval-guess_number_heldout-greedy.json"))
+  capsys.readouterr()
+  # A server that is not there: episodes are infrastructure failures, never scored 0,
+  # and nothing to report is an error (no report overwritten).
+  assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
+                        "--limit", "2", "--server", "http://127.0.0.1:9", "--out", out]) == 3
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: all 2 episodes failed in the infrastructure"), err
+  with open(out) as f:
+    assert json.load(f)["overall"]["episodes"] == 6  # the report before stands
 
   assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks",
                         "/nonexistent.jsonl"]) == 2
