@@ -211,7 +211,6 @@ def run_jaxagent(args) -> None:
 
 def run_tunix(args) -> None:
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from flax import nnx

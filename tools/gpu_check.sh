@@ -15,6 +15,7 @@
 # 4. group speculative decoding against plain decoding (tools/bench_speculative.py).
 # Each step's output goes to OUT_DIR/<step>.log; a summary line per step is printed.
 set -u
+case "${1:-}" in -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

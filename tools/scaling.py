@@ -160,7 +160,6 @@ def plan(name: str, chip_name: str, learner_chips: int, episode_tokens: int,
 def check_against_jax(presets=("nano", "tiny")) -> list[dict]:
   """The formulas against what JAX reports for the tiny presets on this CPU."""
   import jax
-  import numpy as np
 
   from jaxagent.batch import pack
   from jaxagent.config import LearnerConfig

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxagent.models import attention as attn_lib
-from jaxagent.models.attention import OnlineSoftmax, attend_block
+from jaxagent.models.attention import attend_block
 from jaxagent.models.config import ModelConfig, RopeScaling
 from jaxagent.models.paged_attention import (PAGED_KERNELS, past_attention_gather,
                                              past_attention_triton)
