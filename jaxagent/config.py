@@ -215,6 +215,8 @@ class RolloutConfig:
   max_sample_rounds: int = 4
   # Weight updates: drain (finish running turns) | abort (return them partial, then resume).
   update_mode: str = "drain"
+  # The servers get the learner's weights every this many steps (and at the last); in
+  # sync mode a step then trains tokens up to sync_every - 1 versions old.
   sync_every: int = 1
 
 

@@ -231,13 +231,22 @@ class RolloutScheduler:
       self._drop_doomed()
     self._changed.set()
 
+  def staleness_bound(self) -> int:
+    """How many versions a group's oldest token may be behind `version`: max_staleness
+    in the async modes. In sync mode, none beyond what the learner runs ahead of the
+    servers between weight updates (sync_every - 1; 0 when it updates them every step):
+    an older token is a server that lost its weights (restarted). A run resumed from a
+    checkpoint between two updates replays episodes of the last update's weights, within
+    that bound."""
+    return self.cfg.sync_every - 1 if self.cfg.mode == "sync" else self.cfg.max_staleness
+
   def _drop_doomed(self) -> None:
     """Drops, at once, the groups the staleness bound can no longer accept: finished ones
     whose oldest token is too old, and running ones started on weights too old (their
     first turns ran on them; they are cancelled: engine requests aborted, environments
     closed). Each is replaced, so its capacity goes to a fresh group now instead of
     after it has run to the end and been consumed."""
-    oldest = self.version - self.cfg.max_staleness
+    oldest = self.version - self.staleness_bound()
     for g in list(self.groups.values()):
       v = g.min_version() if g.done else g.started_version
       if v is None or v >= oldest:
@@ -271,9 +280,7 @@ class RolloutScheduler:
         self.requeue.append(group.task)
       return False
     v = group.min_version()
-    if v is not None and self.version - v > (0 if self.cfg.mode == "sync"
-                                              else self.cfg.max_staleness):
-      # (in sync mode any older token: a server that lost its weights, restarted)
+    if v is not None and self.version - v > self.staleness_bound():
       self.dropped["stale"] += 1
       return False
     newest = group.max_version()

@@ -488,7 +488,7 @@ def test_make_batch_fills_rows_instead_of_rounding_to_powers_of_two():
 
 def test_groups_of_weights_other_than_the_servers_current_are_dropped():
   """Sync mode trains tokens of the current weights only (older ones: a server that lost
-  its weights); no mode trains tokens of versions newer than the learner's (a stopped
+  its weights), or those of the last weight update with sync_every > 1; no mode trains tokens of versions newer than the learner's (a stopped
   run's weights, which a resumed run gave up)."""
   def play_at(version):
     async def play(task, sid, gid):
@@ -496,10 +496,10 @@ def test_groups_of_weights_other_than_the_servers_current_are_dropped():
                      version=version(task))
     return play
 
-  async def go(mode, version):
+  async def go(mode, version, sync_every=1):
     s = RolloutScheduler(RolloutConfig(mode=mode, groups_per_step=2, group_size=2,
-                                       max_sample_rounds=2), itertools.count(),
-                         play_at(version))
+                                       max_sample_rounds=2, sync_every=sync_every),
+                         itertools.count(), play_at(version))
     s.set_version(5)
     s.start()
     try:
@@ -512,6 +512,10 @@ def test_groups_of_weights_other_than_the_servers_current_are_dropped():
   assert all(g.task % 2 == 0 for g in accepted) and s.dropped["stale"] >= 1
   s, accepted, _ = run(go("async", lambda task: 6 if task % 2 else 5))
   assert all(g.task % 2 == 0 for g in accepted) and s.dropped["future_version"] >= 1
+  # Weights updated every 3 steps: the learner runs up to 2 versions ahead of the servers
+  # (a run resumed between two updates replays episodes of the last one's weights).
+  s, accepted, _ = run(go("sync", lambda task: 3 if task % 2 else 2, sync_every=3))
+  assert all(g.task % 2 == 1 for g in accepted) and s.dropped["stale"] >= 1
 
 
 def test_a_task_its_environment_cannot_start_stops_the_run_naming_it():
