@@ -103,8 +103,11 @@ class RolloutScheduler:
     self.version = 0  # the learner's policy version
     self.started = 0
     # The next group's number (in session ids `g<number>-...`); a resumed run goes on
-    # from its checkpoint's, so ids stay unique over the run.
+    # from its checkpoint's, so ids stay unique over the run. Numbers go up by
+    # `index_stride`: the processes of a multi-process run number their groups apart
+    # (process p of n: p, p + n, ...), so that sessions on servers they share never meet.
     self.next_index = 0
+    self.index_stride = 1
     self.groups: collections.OrderedDict[int, Group] = collections.OrderedDict()
     self.episode_slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
     self.dropped: collections.Counter = collections.Counter()
@@ -189,7 +192,7 @@ class RolloutScheduler:
   def _start_group(self) -> Group:
     group = Group(self.next_index, self._next_task(), started_version=self.version)
     self.started += 1
-    self.next_index += 1
+    self.next_index += self.index_stride
     self.groups[group.index] = group
     t = asyncio.create_task(self._run_group(group))
     group.task_handle = t

@@ -653,7 +653,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                               replay=replay)
 
   scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue)
-  scheduler.next_index = next_group
+  # Process p of n numbers its groups p, p + n, ... from the checkpoint's next number on.
+  scheduler.index_stride = jax.process_count()
+  scheduler.next_index = next_group + (jax.process_index() - next_group) % jax.process_count()
   scheduler.set_version(version)
   scheduler.start()
   primary = distributed.is_primary()

@@ -100,6 +100,14 @@ def test_train_cli_as_two_processes(tmp_path):
   assert len(meta["pending_tasks_by_process"]) == 2
   assert (run_dir / "trajectories.jsonl.gz").exists()
   assert (run_dir / "trajectories.process1.jsonl.gz").exists()
+  # The processes number their groups apart (0, 2, ... and 1, 3, ...): their sessions on
+  # servers they share would never meet.
+  from jaxagent.trajectory import read_jsonl
+
+  groups = [{int(s["group_id"][1:]) for s in read_jsonl(str(run_dir / name))}
+            for name in ("trajectories.jsonl.gz", "trajectories.process1.jsonl.gz")]
+  assert groups[0] and groups[1] and {g % 2 for g in groups[0]} == {0} \
+      and {g % 2 for g in groups[1]} == {1}, groups
   assert "done: 2 steps" in outs[0] and "done:" not in outs[1]
 
 
