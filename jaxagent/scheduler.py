@@ -224,6 +224,19 @@ class RolloutScheduler:
       self._changed.clear()
       await self._changed.wait()
 
+  def go_on_from(self, version: int, next_group: int, process: int = 0,
+                 processes: int = 1) -> None:
+    """Where a run goes on (a resume: its checkpoint's policy version and next group
+    number; 0 and 0 for a new run), as process `process` of `processes`: groups are
+    numbered from `next_group` on, this process's apart from the others' (p, p + n, ...),
+    and the capacity rule counts the groups the run's earlier steps consumed as started
+    (without them, a run resumed at version v would start v x groups_per_step groups
+    beyond the bound, to go stale)."""
+    self.index_stride = processes
+    self.next_index = next_group + (process - next_group) % processes
+    self.started = version * self.cfg.groups_per_step
+    self.set_version(version)
+
   def start(self) -> None:
     if self.cfg.mode != "sync" and self._producer is None:
       self._producer = asyncio.create_task(self._produce())

@@ -653,10 +653,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                               replay=replay)
 
   scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue)
-  # Process p of n numbers its groups p, p + n, ... from the checkpoint's next number on.
-  scheduler.index_stride = jax.process_count()
-  scheduler.next_index = next_group + (jax.process_index() - next_group) % jax.process_count()
-  scheduler.set_version(version)
+  scheduler.go_on_from(version, next_group, jax.process_index(), jax.process_count())
   scheduler.start()
   primary = distributed.is_primary()
   writer = (MetricsWriter(run_dir, purge_step=int(state.step) + 1 if resume else None)

@@ -250,6 +250,30 @@ def test_async_staleness_bound_and_capacity():
   assert all(s.version - g.min_version() <= 1 for g in accepted)
 
 
+def test_a_resumed_scheduler_keeps_the_capacity_bound_and_numbers_groups_apart():
+  """Resumed at version 10 as process 1 of 2 (next group 7): as many groups start as at a
+  run's start, (0 + 1 + 1) x 2, not 10 x 2 more; numbered 7, 9, 11, ..."""
+  async def go():
+    sids = []
+
+    async def play(task, sid, gid):
+      sids.append(sid)
+      await asyncio.sleep(60)  # nothing finishes: only the bound stops the producer
+
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
+                                       max_staleness=1, max_concurrent_episodes=64),
+                         itertools.count(), play)
+    s.go_on_from(10, 7, process=1, processes=2)
+    s.start()
+    await asyncio.sleep(0.05)
+    await s.stop()
+    return s, sids
+
+  s, sids = run(go())
+  assert s.version == 10
+  assert sorted({sid.split("-")[0] for sid in sids}) == ["g11", "g13", "g7", "g9"]
+
+
 def test_groups_the_bound_cannot_accept_are_dropped_at_once_and_replaced():
   """A straggler started on weights the staleness bound no longer accepts is cancelled
   when the version moves (its environment closed by the cancellation), counted stale,
