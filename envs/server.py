@@ -425,7 +425,7 @@ class RemoteEnv:
 
 
 def main(argv=None) -> int:
-  import uvicorn
+  from jaxagent.serve_http import ListenError, listen, serve
 
   p = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -446,11 +446,17 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   from envs.sandbox import IsolationUnavailable
 
+  try:
+    sock = listen(args.host, args.port)
+  except ListenError as e:
+    print(f"envs.server: {e}", file=sys.stderr)
+    return 2
   resources = EnvResources(sandboxes=args.sandboxes, allow_unisolated=args.allow_unisolated,
                            sandbox_root=args.workspace_root)
   try:
     pool = resources.pool()
   except (IsolationUnavailable, ValueError, OSError) as e:
+    sock.close()
     print(f"envs.server: {e}", file=sys.stderr)
     return 2
   print(f"envs.server: sandbox isolation {pool.isolation}, {args.sandboxes} commands at once, "
@@ -459,7 +465,7 @@ def main(argv=None) -> int:
                    max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s,
                    idle_timeout_s=args.idle_timeout_s, max_body_bytes=args.max_body_bytes)
   try:
-    uvicorn.run(app, host=args.host, port=args.port)
+    serve(app, sock)
   finally:
     resources.close()
   return 0

@@ -45,10 +45,10 @@ import zlib
 from typing import Iterator, Optional
 
 import tokenizers
-import uvicorn
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 
+from jaxagent.serve_http import ListenError, listen, serve
 from jaxagent.tokenizer import IM_END, IM_START, Tokenizer, smollm2_tokenizer
 from jaxagent.toolcalls import parse_tool_calls
 from jaxagent.trajectory import FORK, REALIGN
@@ -492,11 +492,16 @@ def main(argv=None) -> int:
   if trajectory_file(args.run_dir) is None:
     print(f"error: no {' or '.join(FILES)} in {args.run_dir}", file=sys.stderr)
     return 2
+  try:
+    sock = listen(args.host, args.port)
+  except ListenError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   app = create_app(args.run_dir)
   facts = app.state.index.facets()
   print(f"{facts['episodes']} episodes ({facts['segments']} segments) in "
         f"{app.state.index.path}; serving http://{args.host}:{args.port}/", flush=True)
-  uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+  serve(app, sock, log_level="warning")
   return 0
 
 

@@ -10,9 +10,8 @@ import dataclasses
 import os
 import sys
 
-import uvicorn
-
 from jaxagent import config as config_lib
+from jaxagent.serve_http import ListenError, listen, serve
 from rollout_server.serving import build_app
 
 
@@ -44,16 +43,22 @@ def main(argv=None) -> int:
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  try:  # (before the model loads: a port in use fails at once)
+    sock = listen(cfg.host, cfg.port)
+  except ListenError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   try:
     app, orch, models = build_app(cfg)
   except ValueError as e:  # e.g. a served model whose export is missing
+    sock.close()
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"rollout server {cfg.name} on http://{cfg.host}:{cfg.port} "
         f"(policy version {orch.version}"
         + (f"; also serving {', '.join(sorted(models))})" if models else ")"), flush=True)
   try:
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
+    serve(app, sock)
   finally:
     orch.stop()
     for m in models.values():

@@ -66,3 +66,28 @@ def test_bad_arguments_are_one_line_before_anything_listens(capsys):
     assert main(args) == 2, args
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, (args, err)
+
+
+def test_a_port_in_use_is_one_line_before_anything_loads(capsys, tmp_path):
+  """Every service CLI binds its port before it says where it serves (or loads a model):
+  a port in use is one line and exit 2, not "serving on ..." then uvicorn's error log."""
+  from envs import server as env_server
+  from jaxagent import view
+  from rollout_server import __main__ as server_cli, router
+
+  (tmp_path / "trajectories.jsonl").write_text("")
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    for main, args in (
+        (server_cli.main, ["--config", "configs/server_tiny.yaml", f"port={port}"]),
+        (router.main, ["--backends", "http://127.0.0.1:1", "--port", str(port)]),
+        (env_server.main, ["--port", str(port)]),
+        (view.main, [str(tmp_path), "--port", str(port)])):
+      assert main(args) == 2, args
+      out = capsys.readouterr()
+      assert out.out == "", (args, out.out)  # nothing said it serves
+      err = out.err.strip()
+      assert len(err.splitlines()) == 1 and f"cannot listen on 127.0.0.1:{port}: the port " \
+          "is in use" in err, (args, err)

@@ -1,0 +1,42 @@
+"""Serving an ASGI app from a command line: the socket is bound before the command says
+where it serves, so a port in use (or a host that is not this machine's) is one clear
+error and exit 2, not a line saying "serving on ..." followed by uvicorn's log of the
+failure. Used by every service CLI (rollout server, router, environment worker, viewer).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import uvicorn
+
+
+class ListenError(OSError):
+  """A service could not listen where it was told to (the message names host and port)."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+  """A TCP socket bound to `host:port` (0: a free port), listening."""
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except OSError as e:
+    raise ListenError(f"cannot listen on {host}:{port}: {e}") from None
+  family, kind, proto, _, address = infos[0]
+  sock = socket.socket(family, kind, proto)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind(address)
+    sock.listen(2048)
+  except OSError as e:
+    sock.close()
+    why = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+    raise ListenError(f"cannot listen on {host}:{port}: {why}") from None
+  return sock
+
+
+def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
+  """Runs uvicorn on the bound `sock` until it is stopped (SIGINT / SIGTERM)."""
+  host, port = sock.getsockname()[:2]
+  config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+  uvicorn.Server(config).run(sockets=[sock])
