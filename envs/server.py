@@ -425,7 +425,7 @@ class RemoteEnv:
 
 
 def main(argv=None) -> int:
-  from jaxagent.serve_http import ListenError, listen, serve
+  from jaxagent.serve_http import listen_or_say, serve
 
   p = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -446,10 +446,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   from envs.sandbox import IsolationUnavailable
 
-  try:
-    sock = listen(args.host, args.port)
-  except ListenError as e:
-    print(f"envs.server: {e}", file=sys.stderr)
+  sock = listen_or_say(args.host, args.port, "envs.server")
+  if sock is None:
     return 2
   resources = EnvResources(sandboxes=args.sandboxes, allow_unisolated=args.allow_unisolated,
                            sandbox_root=args.workspace_root)

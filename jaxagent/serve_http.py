@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import socket
+import sys
+from typing import Optional
 
 import uvicorn
 
@@ -33,6 +35,16 @@ def listen(host: str, port: int) -> socket.socket:
     why = "the port is in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
     raise ListenError(f"cannot listen on {host}:{port}: {why}") from None
   return sock
+
+
+def listen_or_say(host: str, port: int, prefix: str = "error") -> Optional[socket.socket]:
+  """`listen`, or None after one line on stderr (`<prefix>: cannot listen on ...`): a
+  CLI then exits 2."""
+  try:
+    return listen(host, port)
+  except ListenError as e:
+    print(f"{prefix}: {e}", file=sys.stderr)
+    return None
 
 
 def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:

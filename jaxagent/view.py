@@ -48,7 +48,7 @@ import tokenizers
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 
-from jaxagent.serve_http import ListenError, listen, serve
+from jaxagent.serve_http import listen_or_say, serve
 from jaxagent.tokenizer import IM_END, IM_START, Tokenizer, smollm2_tokenizer
 from jaxagent.toolcalls import parse_tool_calls
 from jaxagent.trajectory import FORK, REALIGN
@@ -492,10 +492,8 @@ def main(argv=None) -> int:
   if trajectory_file(args.run_dir) is None:
     print(f"error: no {' or '.join(FILES)} in {args.run_dir}", file=sys.stderr)
     return 2
-  try:
-    sock = listen(args.host, args.port)
-  except ListenError as e:
-    print(f"error: {e}", file=sys.stderr)
+  sock = listen_or_say(args.host, args.port)
+  if sock is None:
     return 2
   app = create_app(args.run_dir)
   facts = app.state.index.facets()

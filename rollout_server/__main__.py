@@ -11,7 +11,7 @@ import os
 import sys
 
 from jaxagent import config as config_lib
-from jaxagent.serve_http import ListenError, listen, serve
+from jaxagent.serve_http import listen_or_say, serve
 from rollout_server.serving import build_app
 
 
@@ -43,10 +43,8 @@ def main(argv=None) -> int:
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  try:  # (before the model loads: a port in use fails at once)
-    sock = listen(cfg.host, cfg.port)
-  except ListenError as e:
-    print(f"error: {e}", file=sys.stderr)
+  sock = listen_or_say(cfg.host, cfg.port)  # (before the model loads: fails at once)
+  if sock is None:
     return 2
   try:
     app, orch, models = build_app(cfg)

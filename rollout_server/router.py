@@ -307,7 +307,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
 
 def main(argv=None) -> int:
-  from jaxagent.serve_http import ListenError, listen, serve
+  from jaxagent.serve_http import listen_or_say, serve
 
   p = argparse.ArgumentParser(prog="python -m rollout_server.router", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -324,10 +324,8 @@ def main(argv=None) -> int:
   if not 0 < args.port < 65536:
     print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
     return 2
-  try:
-    sock = listen(args.host, args.port)
-  except ListenError as e:
-    print(f"error: {e}", file=sys.stderr)
+  sock = listen_or_say(args.host, args.port)
+  if sock is None:
     return 2
   print(f"router on http://{args.host}:{args.port} over {len(backends)} backends", flush=True)
   serve(create_router(backends), sock)
