@@ -81,13 +81,27 @@ class VerdictStatus(str, enum.Enum):
   INFRA_ERROR = "infra_error"  # the grader itself failed: drop or retry, never score
 
 
+def text_safe(s: str) -> str:
+  """`s`, with any lone surrogate (not Unicode text: a policy's `raise
+  ValueError("\\ud800")` read back from JSON) written as its `\\u` escape: what UTF-8
+  cannot encode must not fail an answer, a log line or a print."""
+  try:
+    s.encode("utf-8")
+    return s
+  except UnicodeEncodeError:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def json_safe(obj: Any) -> Any:
   """`obj` with every float that JSON cannot carry (inf, nan: say, a policy's 400-digit
-  answer read as a float) written as its repr, so that it can be sent and logged."""
+  answer read as a float) written as its repr, and every string as `text_safe` makes
+  it, so that it can be sent and logged."""
   if isinstance(obj, float) and not math.isfinite(obj):
     return repr(obj)
+  if isinstance(obj, str):
+    return text_safe(obj)
   if isinstance(obj, dict):
-    return {k: json_safe(v) for k, v in obj.items()}
+    return {text_safe(k) if isinstance(k, str) else k: json_safe(v) for k, v in obj.items()}
   if isinstance(obj, (list, tuple)):
     return [json_safe(v) for v in obj]
   return obj
@@ -105,6 +119,9 @@ class Verdict:
   def __post_init__(self):
     if not math.isfinite(self.reward):
       raise ValueError(f"a verdict's reward must be finite, got {self.reward}")
+    # (its reasons quote what a solution raised or printed: JSON and UTF-8 text,
+    # whatever it was)
+    self.details = json_safe(self.details)
 
   @property
   def is_infra_error(self) -> bool:

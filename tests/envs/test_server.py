@@ -82,6 +82,30 @@ def test_python_tests_over_the_service(worker):
   assert asyncio.run(go()).status == VerdictStatus.PASS
 
 
+def test_a_solution_raising_a_lone_surrogate_fails_over_the_service(worker):
+  """A wrong solution whose error holds a lone surrogate (`raise ValueError("\\ud800")`,
+  or at import) made the worker's verdict unencodable as UTF-8: a 500, so an
+  infrastructure error, so a wrong answer retried and dropped, never scored 0 (red-team)."""
+  sources = ['def is_even(n):\n    raise ValueError("\\ud800 no idea")\n',
+             'raise ImportError("\\udcff")\n']
+
+  async def go(source):
+    env = RemoteEnv(worker.url)
+    await env.reset(TaskSpec("p", "python_tests", {"task": "is_even"}))
+    call = json.dumps({"name": "write_file", "arguments": {"path": "solution.py",
+                                                           "content": source}})
+    await env.step(f"<tool_call>{call}</tool_call>")
+    await env.step("DONE")
+    verdict = await env.verify()
+    await env.aclose()
+    return verdict
+
+  raised, unloaded = (asyncio.run(go(source)) for source in sources)
+  assert raised.status == unloaded.status == VerdictStatus.FAIL
+  assert raised.details["cases"]["0"] == "raised ValueError: \\ud800 no idea"
+  assert unloaded.details["reason"] == "solution did not load: ImportError: \\udcff"
+
+
 def test_lost_session_is_a_clear_error_not_a_hang(worker):
   async def go():
     env = RemoteEnv(worker.url)
