@@ -616,10 +616,13 @@ class Sandbox:
     with open(self._resolve(rel), "rb") as f:
       return f.read()
 
-  def files(self, max_bytes: int = 1 << 20, max_files: int = 256,
+  def files(self, max_bytes: Optional[int] = None, max_files: int = 256,
             max_depth: int = 32) -> dict[str, bytes]:
-    """A snapshot of the workspace's regular files (symlinks, special and huge files
-    skipped; at most `max_files`, directories at most `max_depth` deep).
+    """A snapshot of the workspace's regular files (symlinks, special files and files over
+    `max_bytes` skipped, by default over what `write_file` writes: a snapshot is written
+    into a fresh workspace to be graded, where a file the episode's code made larger
+    must not fail the grading as the infrastructure; at most `max_files`, directories at
+    most `max_depth` deep).
 
     The walk is iterative (a policy's 1,000 nested directories must not exhaust the
     host's recursion limit). Files are counted by the memory pages their bytes take
@@ -629,6 +632,7 @@ class Sandbox:
     host's longer path, a mode that shuts the host out) and paths over
     `MAX_PATH_CHARS` are left out, never an error."""
     budget = self.limits.disk_bytes
+    max_bytes = self.limits.write_bytes if max_bytes is None else max_bytes
     out, total = {}, 0
     stack = [(self.host_path, 0)]
     while stack:

@@ -322,3 +322,30 @@ def test_hidden_tests_are_not_in_the_episode_workspace():
     assert out["stdout"].strip() == "[]", out
   finally:
     resources.close()
+
+
+def test_a_file_larger_than_the_host_writes_is_not_graded_and_not_an_infra_error():
+  """With `Limits.write_bytes` under the snapshot's old 1 MiB cap, a file the episode's
+  code wrote (never capped by write_bytes) made the grading copy raise: an infra error on
+  every retry, a wrong answer never scored (red-team). The snapshot leaves it out."""
+  resources = EnvResources(sandboxes=1, sandbox_limits=Limits(write_bytes=4096))
+
+  async def episode(solution):
+    env = make("python_tests", resources)
+    await env.reset(TaskSpec("t", "python_tests", {"task": "is_even"}))
+    code = (f"open('notes.txt', 'w').write('x' * 5000)\n"
+            f"open('solution.py', 'w').write({solution!r})\n")
+    call = json.dumps({"name": "run_python", "arguments": {"code": code}})
+    await env.step(f"<tool_call>{call}</tool_call>")
+    await env.step("DONE")
+    verdict = await env.verify()
+    await env.close()
+    return verdict
+
+  try:
+    wrong = asyncio.run(episode("def is_even(n):\n    return True\n"))
+    right = asyncio.run(episode("def is_even(n):\n    return n % 2 == 0\n"))
+  finally:
+    resources.close()
+  assert wrong.status == VerdictStatus.FAIL, wrong.details
+  assert right.status == VerdictStatus.PASS, right.details
