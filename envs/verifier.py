@@ -55,8 +55,10 @@ from envs.base import Verdict, VerdictStatus
 from envs.sandbox import ExecResult, Sandbox, SandboxPool
 
 # 3: the report is capped to what the host keeps; 4: values nested past what the host
-# reads are errors, the solution is the kernel's first pick when memory runs out.
-VERSION = "python-harness-4"
+# reads are errors, the solution is the kernel's first pick when memory runs out; 5: the
+# solution's process lets go of the harness's report before it turns dumpable; dict keys
+# compare exactly.
+VERSION = "python-harness-5"
 
 _HARNESS_BODY = r'''
 import ctypes, os, select, signal, sys
@@ -75,8 +77,13 @@ r, w = os.pipe()
 pid = os.fork()
 if pid == 0:  # the solution's process
   try:
+    os.close(r)
+    report.close()
+    os.closerange(3, w)
+    os.closerange(w + 1, 1 << 16)
     try:  # the kernel's first pick when the sandbox's memory runs out, not the harness
-      # (a process that is not dumpable cannot write its own /proc files: for a moment)
+      # (a process that is not dumpable cannot write its own /proc files: for a moment,
+      # holding no descriptor of the harness's but its result pipe)
       ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
       with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
@@ -84,10 +91,6 @@ if pid == 0:  # the solution's process
       pass
     finally:
       ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
-    os.close(r)
-    report.close()
-    os.closerange(3, w)
-    os.closerange(w + 1, 1 << 16)
     sys.stdin = open(os.devnull)
     channel = os.fdopen(w, "w")
     sys.path.append(os.getcwd())

@@ -36,7 +36,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-4"
+  assert ok.verifier_version == "python-harness-5"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -177,6 +177,10 @@ def test_strict_types():
   assert not strict_equal(True, 1) and not strict_equal(1.0, 1) and not strict_equal((1,), [1])
   assert strict_equal({"a": [1, (2.0,)]}, decode(encode({"a": [1, (2.0 + 1e-12,)]})))
   assert strict_equal({1, 2}, decode(encode({2, 1}))) and not strict_equal({1}, frozenset({1}))
+  # Dict keys match exactly, inside tuples too (red-team: (True, 2.0) passed for (1, 2)).
+  assert not strict_equal({(True, 2.0): "a"}, {(1, 2): "a"})
+  assert not strict_equal({frozenset({True}): 1}, {frozenset({1}): 1})
+  assert strict_equal({(1, 2): "a", 3: [1.0]}, decode(encode({3: [1.0 + 1e-12], (1, 2): "a"})))
   with pytest.raises(TypeError):
     encode(type("Eq", (int,), {})(3))
 
