@@ -112,6 +112,10 @@ class Limits:
   # cgroup, where the host allows one (root, a writable memory controller). Without it
   # only `memory_bytes` per process holds, `processes` times over.
   group_memory_bytes: int = 1 << 30
+  # CPU time all a sandbox's processes get together, in CPUs (a CPU cgroup's quota, where
+  # the host allows one; 0: unbounded): 64 busy processes of one sandbox must not starve
+  # the host's other sandboxes and graders (their start-up would time out: infra errors).
+  cpus: float = 1.0
 
 
 @dataclasses.dataclass
@@ -371,32 +375,31 @@ def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
   return list(argv)
 
 
-_CGROUP_V1_MEMORY = "/sys/fs/cgroup/memory"
-_CGROUP_V2 = "/sys/fs/cgroup"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_CPU_PERIOD_US = 100_000
 
 
-def _memory_cgroup(uid: int, limit: int) -> Optional[str]:
-  """A memory cgroup for the sandbox uid's processes, holding them to `limit` bytes
-  together; None where the host cannot make one (not root, no writable memory
-  controller: cgroup v1's memory hierarchy, or v2 with memory enabled below the
-  root)."""
+def _cgroup(uid: int, controller: str, v1_knobs: dict, v2_knobs: dict) -> Optional[str]:
+  """A cgroup of `controller` for the sandbox uid's processes with `knobs` written (cgroup
+  v1's hierarchy of that controller, or v2's with it enabled below the root); None where
+  the host cannot make one (not root, no writable controller)."""
   if os.geteuid() != 0:
     return None
   candidates = []
-  if os.path.isdir(_CGROUP_V1_MEMORY):
-    candidates.append((os.path.join(_CGROUP_V1_MEMORY, f"jaxagent-{uid}"),
-                       "memory.limit_in_bytes"))
+  if os.path.isdir(os.path.join(_CGROUP_ROOT, controller)):
+    candidates.append((os.path.join(_CGROUP_ROOT, controller, f"jaxagent-{uid}"), v1_knobs))
   try:
-    with open(os.path.join(_CGROUP_V2, "cgroup.subtree_control")) as f:
-      if "memory" in f.read().split():
-        candidates.append((os.path.join(_CGROUP_V2, f"jaxagent-{uid}"), "memory.max"))
+    with open(os.path.join(_CGROUP_ROOT, "cgroup.subtree_control")) as f:
+      if controller in f.read().split():
+        candidates.append((os.path.join(_CGROUP_ROOT, f"jaxagent-{uid}"), v2_knobs))
   except OSError:
     pass
-  for path, knob in candidates:
+  for path, knobs in candidates:
     try:
       os.makedirs(path, exist_ok=True)
-      with open(os.path.join(path, knob), "w") as f:
-        f.write(str(limit))
+      for knob, value in knobs.items():
+        with open(os.path.join(path, knob), "w") as f:
+          f.write(str(value))
       return path
     except OSError:
       with contextlib.suppress(OSError):
@@ -404,12 +407,29 @@ def _memory_cgroup(uid: int, limit: int) -> Optional[str]:
   return None
 
 
-def _join_cgroup(path: Optional[str]) -> list[str]:
-  """A command prefix that moves itself into the cgroup at `path`, then execs the rest
-  (its descendants stay there); nothing without one."""
-  if path is None:
+def _memory_cgroup(uid: int, limit: int) -> Optional[str]:
+  """Holds the sandbox uid's processes to `limit` bytes together (None: cannot)."""
+  return _cgroup(uid, "memory", {"memory.limit_in_bytes": limit}, {"memory.max": limit})
+
+
+def _cpu_cgroup(uid: int, cpus: float) -> Optional[str]:
+  """Holds the sandbox uid's processes to `cpus` CPUs' time together (None: cannot, or
+  `cpus` 0)."""
+  if cpus <= 0:
+    return None
+  quota = max(1000, int(cpus * _CPU_PERIOD_US))
+  return _cgroup(uid, "cpu", {"cpu.cfs_period_us": _CPU_PERIOD_US, "cpu.cfs_quota_us": quota},
+                 {"cpu.max": f"{quota} {_CPU_PERIOD_US}"})
+
+
+def _join_cgroups(paths: Sequence[Optional[str]]) -> list[str]:
+  """A command prefix that moves itself into the cgroups at `paths` (None: none), then
+  execs the rest (its descendants stay there); nothing without one."""
+  paths = list(dict.fromkeys(p for p in paths if p is not None))  # (v2: one for both)
+  if not paths:
     return []
-  return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', path]
+  joins = " && ".join(f'echo $$ > "${i + 1}/cgroup.procs"' for i in range(len(paths)))
+  return ["/bin/sh", "-c", f'{joins} && shift {len(paths)} && exec "$@"', "sh", *paths]
 
 
 def _confine(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None) -> list[str]:
@@ -532,7 +552,8 @@ class Sandbox:
     self._progress = progress  # when a slot was last freed (time.monotonic)
     self._lease = None
     self._mounted = False
-    self._cgroup: Optional[str] = None
+    self._cgroup: Optional[str] = None  # memory
+    self._cpu_cgroup: Optional[str] = None
     self.uid = None
     if os.geteuid() == 0 and self.isolation != "rlimits":
       if uid is None:
@@ -552,6 +573,7 @@ class Sandbox:
                        check=True, capture_output=True)
         self._mounted = True
         self._cgroup = _memory_cgroup(self.uid, limits.group_memory_bytes)
+        self._cpu_cgroup = _cpu_cgroup(self.uid, limits.cpus)
       self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
     except BaseException:
       self._release()
@@ -690,10 +712,10 @@ class Sandbox:
     if self._mounted:
       subprocess.run(["umount", "-l", self.host_path], capture_output=True)
       self._mounted = False
-    if self._cgroup is not None:  # empty once the uid's processes are gone
+    for cgroup in {self._cgroup, self._cpu_cgroup} - {None}:  # empty: its processes gone
       with contextlib.suppress(OSError):
-        os.rmdir(self._cgroup)
-      self._cgroup = None
+        os.rmdir(cgroup)
+    self._cgroup = self._cpu_cgroup = None
     if self._lease is not None:
       self._lease.release()
       self._lease = None
@@ -780,7 +802,7 @@ class Sandbox:
         uid = self.uid if self.isolation == "bwrap" else None
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
         proc = await asyncio.create_subprocess_exec(
-            *_join_cgroup(self._cgroup), *_confine(self.limits, uid, cpu), *command,
+            *_join_cgroups([self._cgroup, self._cpu_cgroup]), *_confine(self.limits, uid, cpu), *command,
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
             start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))

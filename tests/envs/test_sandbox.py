@@ -417,6 +417,30 @@ def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
   assert run(sandbox, "print('alive')").stdout == "alive\n"
 
 
+@needs_isolation
+def test_cpu_time_is_limited_for_all_of_a_sandboxs_processes_together():
+  """Four processes spinning for 1.5 s get half a CPU's time together (`Limits.cpus`, a
+  CPU cgroup's quota where the host allows one): a sandbox cannot starve the host's other
+  sandboxes and graders (red-team)."""
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=Limits(cpus=0.5), isolation=MODES[0])
+  try:
+    if sb._cpu_cgroup is None:
+      pytest.skip("no writable CPU cgroup on this host")
+    code = ("import os, time\nkids = []\nfor i in range(4):\n  pid = os.fork()\n"
+            "  if pid == 0:\n    t = time.time()\n    while time.time() - t < 1.5:\n"
+            "      pass\n    os._exit(0)\n  kids.append(pid)\n"
+            "for p in kids:\n  os.waitpid(p, 0)\nt = os.times()\n"
+            "print(t.children_user + t.children_system)\n")
+    r = run(sb, code, timeout=20)
+    assert r.ok, r.stderr[-500:]
+    assert float(r.stdout) < 0.5 * 1.5 + 0.45, r.stdout  # 6 s of spinning, unbounded
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 SECCOMP_PROBE = r'''
 import ctypes, errno, multiprocessing, subprocess, threading
 libc = ctypes.CDLL(None, use_errno=True)
