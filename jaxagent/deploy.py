@@ -154,8 +154,10 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
                "server.yaml": OmegaConf.to_yaml(OmegaConf.create(
                    server_config(cfg, "rollout", server_port, host="0.0.0.0")))}}
 
+  # A restarted learner (JobSet failurePolicy: a failure or a preemption, which exits
+  # non-zero) goes on from the run's last checkpoint.
   learner_cmd = ["python", "-m", "jaxagent.train", "--config", "/config/run.yaml",
-                 "--run-dir", run_dir]
+                 "--run-dir", run_dir, "--auto-resume"]
   if servers:
     learner_cmd.append(f"serving.urls=[\"{router_url}\"]")
   if envs:

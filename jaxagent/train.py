@@ -54,9 +54,13 @@ from jaxagent.wal import TokenWAL, take_replay
 def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m jaxagent.train", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="YAML run config (see configs/)")
+  p.add_argument("--config", help="YAML run config (see configs/); with --resume, the run's "
+                                  "own config.json when not given")
   p.add_argument("--run-dir", default=None, help="run directory (default: runs/<name>-<time>)")
   p.add_argument("--resume", action="store_true", help="continue --run-dir from its last checkpoint")
+  p.add_argument("--auto-resume", action="store_true",
+                 help="--resume when --run-dir holds a run, else start it there (for a "
+                      "scheduler that restarts a failed or preempted job: a JobSet)")
   p.add_argument("--print-config", action="store_true",
                  help="print the resolved config (the file with the overrides) as YAML and exit")
   p.add_argument("--canary", action="store_true",
@@ -533,8 +537,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                          async_save=cfg.checkpoint.async_save)
   requeue = []
   saved_canary = None
+  saved_recent = []  # the early stop's window of steps, as the checkpoint left it
   next_group = 0  # group numbers go on from the checkpoint's: session ids stay unique
-  if resume:
+  if resume and ckpt.latest_step() is None:
+    # Stopped before its first checkpoint: it starts again from step 0, the records of
+    # the steps it made cut back (its logged episodes are still replayed: same weights).
+    print("no checkpoint yet: the run starts again from step 0", flush=True)
+    cut_back(run_dir, cfg, 0, 0)
+  elif resume:
     try:
       state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
     except CheckpointUnreadable:
@@ -546,6 +556,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             f"{int(state.step)}", file=sys.stderr)
     t_start -= meta.get("wall_time_s", 0.0)  # the run's wall time goes on from there
     saved_canary = meta.get("canary")
+    saved_recent = meta.get("stop_window_recent", [])
     next_group = int(meta.get("next_group", 0))
     cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
     mine = meta.get("pending_tasks_by_process")
@@ -577,8 +588,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       # what serves or evaluates this run's policy must render its prompts the same way.
       written = dataclasses.replace(cfg, model=dataclasses.replace(
           cfg.model, chat_template="chatml_tools"))
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-      json.dump(config_lib.to_dict(written), f, indent=1)
+    path = os.path.join(run_dir, "config.json")
+    text = json.dumps(config_lib.to_dict(written), indent=1)
+    if resume and os.path.exists(path):
+      with open(path) as f:
+        if f.read() != text:  # changed on the resume: what ran up to here is kept
+          os.replace(path, os.path.join(run_dir, f"config.step{int(state.step)}.json"))
+    with open(path, "w") as f:
+      f.write(text)
   policy_root = os.path.join(run_dir, "policy")
   version = int(state.policy_version)
   # With several processes each serves its own rollouts on its own devices; the weights
@@ -685,6 +702,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending, "pending_tasks_by_process": by_process,
                             "next_group": next_group,
+                            "stop_window_recent": recent,
                             "canary": canary_now}, tasks, force=force)
     if wal is not None:
       # Groups this checkpoint no longer lists need no replay once it is written: those
@@ -719,7 +737,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     state, m = learner.step(state, batch, ref_params)
     return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, info
 
-  step = int(state.step)
+  step = first_step = int(state.step)
   recorded = step  # the last step whose metrics row and trajectories are written
   records = None  # what the latest step's records need (`write_records`)
 
@@ -749,7 +767,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     if writer is not None:
       writer.write(row)
     recorded = p["step"]
-  recent = []
+  # The last stop_window steps' (successes, episodes), for the early stop; a resumed run
+  # goes on with its checkpoint's (a run that had stopped there stops again at once).
+  recent = [tuple(x) for x in saved_recent][-cfg.stop_window:]
+
+  def stop_reached() -> Optional[float]:
+    """The window's success rate when it reached `stop_success_rate` (else None)."""
+    rate = sum(s for s, _ in recent) / max(sum(n for _, n in recent), 1)
+    return rate if (cfg.stop_success_rate and len(recent) == cfg.stop_window
+                    and rate >= cfg.stop_success_rate) else None
+
   bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True,
              disable=not primary or (not sys.stdout.isatty()
                                      and not os.environ.get("JAXAGENT_PROGRESS")))
@@ -775,8 +802,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       handled.append(sig)
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
       pass
+  early_stop = stop_reached()
   try:
-    while step < cfg.steps and signals["got"] is None:
+    while step < cfg.steps and signals["got"] is None and early_stop is None:
       accepted, taken = await scheduler.next_groups()
       played += taken
       scored = (await score_segments(serving.client, accepted, scorers, learner_cfg.temperature)
@@ -849,7 +877,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       await write_records(records)
       recent = (recent + [(row.get("success_rate", 0.0) * row["episodes"],
                            row["episodes"])])[-cfg.stop_window:]
-      recent_success = sum(s for s, _ in recent) / max(sum(n for _, n in recent), 1)
       bar.update(1)
       bar.set_postfix(success=f"{row.get('success_rate', 0):.2f}",
                       reward=f"{row.get('reward_mean', 0):.2f}",
@@ -862,11 +889,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
               flush=True)
       if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
         await save_checkpoint(step, state, scheduler.pending_tasks())
-      if (cfg.stop_success_rate and len(recent) == cfg.stop_window
-          and recent_success >= cfg.stop_success_rate):
-        print(f"success rate {recent_success:.3f} over the last {cfg.stop_window} steps' "
-              f"episodes reached {cfg.stop_success_rate}: stopping")
-        break
+      early_stop = stop_reached()
+    if early_stop is not None:
+      print(f"success rate {early_stop:.3f} over the last {cfg.stop_window} steps' "
+            f"episodes reached {cfg.stop_success_rate}: stopping" + (
+                " (it had stopped there)" if step == first_step else ""), flush=True)
     finished = True
   finally:
     for sig in handled:
@@ -906,6 +933,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       writer.close()
     await serving.close()
     close_envs()
+  stopped = signals["got"] is not None and step < cfg.steps and early_stop is None
+  if stopped and primary:  # (not finished: a scheduler that restarts the run resumes it)
+    print(f"stopped at step {step} of {cfg.steps} ({signals['got']}); to go on: python -m "
+          f"jaxagent.train --run-dir {run_dir} --resume", file=sys.stderr, flush=True)
+  if stopped:
+    return 128 + getattr(signal, signals["got"]).value
   if not primary:
     return 0
   png = plot_learning_curve(run_dir, cfg.name)
@@ -913,10 +946,74 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   return 0
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict) and v:
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def resumed_config(cfg: config_lib.RunConfig, run_dir: str) -> config_lib.RunConfig:
+  """The config a resumed run goes on with: `cfg`, checked against the run's own
+  `config.json`. Its model cannot change (ConfigError); every other change is said, one
+  line each; a run given more (or fewer) `steps` keeps its cosine schedule's horizon (the
+  learning rate would jump)."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.exists(path):
+    return cfg
+  saved = config_lib.load(config_lib.RunConfig, path)
+  horizon = saved.learner.lr_decay_steps or saved.steps  # the cosine schedule's, as it ran
+  kept = (cfg.learner.lr_schedule == "cosine" and cfg.learner.lr_decay_steps == 0
+          and horizon != cfg.steps)
+  if kept:  # (with the run's steps changed: the learning rate would jump)
+    cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner,
+                                                               lr_decay_steps=horizon))
+  before, now = _flat(config_lib.to_dict(saved)), _flat(config_lib.to_dict(cfg))
+  changed = {k: (before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
+             if before.get(k) != now.get(k)}
+  if now.get("model.chat_template") is None:  # (auto: the saved one is what auto chose)
+    changed.pop("model.chat_template", None)
+  model = [k for k in changed if k.startswith("model.")]
+  if model:
+    raise config_lib.ConfigError(
+        "--resume: a run keeps its model (" + ", ".join(
+            f"{k}: {changed[k][0]} -> {changed[k][1]}" for k in model)
+        + "); start a new run with another --run-dir")
+  for k, (a, b) in changed.items():
+    why = (" (the cosine schedule keeps the run's horizon)"
+           if kept and k == "learner.lr_decay_steps" else "")
+    print(f"warning: --resume changes {k}: {a} -> {b}{why}", file=sys.stderr)
+  return cfg
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.auto_resume:
+    if not args.run_dir:
+      print("error: --auto-resume needs --run-dir", file=sys.stderr)
+      return 2
+    args.resume = holds_a_run(args.run_dir)
+  if args.resume and not args.run_dir:
+    print("error: --resume needs --run-dir", file=sys.stderr)
+    return 2
+  if args.resume and not holds_a_run(args.run_dir):
+    print(f"error: --resume: {args.run_dir} holds no run (no checkpoint, no step recorded: "
+          "nothing to resume; drop --resume to start the run)", file=sys.stderr)
+    return 2
   try:
+    if args.config is None and not args.resume:
+      raise config_lib.ConfigError("--config is required (a YAML run config, see configs/; "
+                                   "with --resume --run-dir, the run's own config.json)")
+    if args.resume and args.config is None:
+      args.config = os.path.join(args.run_dir, "config.json")
+      if not os.path.exists(args.config):
+        raise config_lib.ConfigError(f"--resume: no {args.config}: give --config")
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+    if args.resume:
+      cfg = resumed_config(cfg, args.run_dir)
     if args.print_config:
       import yaml
 
@@ -926,18 +1023,9 @@ def main(argv=None) -> int:
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if args.resume and not args.run_dir:
-    print("error: --resume needs --run-dir", file=sys.stderr)
-    return 2
   if args.canary and not args.resume:
     print("error: --canary checks a resumed run: it needs --resume", file=sys.stderr)
     return 2
-  if args.resume:
-    ckpts = os.path.join(args.run_dir, "checkpoints")
-    if not os.path.isdir(ckpts) or not any(d.isdigit() for d in os.listdir(ckpts)):
-      print(f"error: --resume: no checkpoint in {ckpts} (nothing to resume; drop --resume "
-            "to start the run)", file=sys.stderr)
-      return 2
   try:
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   except ValueError as e:
@@ -955,6 +1043,10 @@ def main(argv=None) -> int:
   os.makedirs(run_dir, exist_ok=True)
   try:
     return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
+  except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM, or one before the run was set up
+    print(f"interrupted: stopped at once (a resume goes on from the last checkpoint: python "
+          f"-m jaxagent.train --run-dir {run_dir} --resume)", file=sys.stderr)
+    return 130
   except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
     print(f"error: {e}", file=sys.stderr)
     return 2

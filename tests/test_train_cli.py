@@ -70,7 +70,9 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
                    "--canary", "steps=5", *SMALL)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  (line,) = proc.stderr.strip().splitlines()
+  lines = proc.stderr.strip().splitlines()  # the changes of config said, then the error
+  assert lines[0] == "warning: --resume changes steps: 4 -> 5", lines
+  (line,) = [line for line in lines if not line.startswith("warning: --resume changes")]
   assert "--canary: step 4 does not replay as saved" in line and "log-probs differ" in line
 
 
@@ -136,7 +138,8 @@ def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
 
 def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
   """A pod's eviction (SIGTERM): the step under way finishes, then the final checkpoint
-  and policy export are written and the run exits 0."""
+  and policy export are written and the run exits 143, not finished (a JobSet restarts
+  it: a 0 would have marked the job complete), saying how to go on."""
   import signal
   import time
 
@@ -152,13 +155,60 @@ def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
     time.sleep(0.2)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=240)
-  assert proc.returncode == 0, err[-3000:]
-  assert "SIGTERM: stopping after this step" in err
+  assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
+  assert f"stopped at step " in err and f"--run-dir {run_dir} --resume" in err
   step = read_metrics(run_dir)[-1]["step"]
   assert 2 <= step < 500
   assert str(step) in os.listdir(os.path.join(run_dir, "checkpoints"))
   with open(os.path.join(run_dir, "policy", "versions.json")) as f:
     assert [v["version"] for v in json.load(f)["versions"]] == [step]
+
+
+def test_runs_stopped_before_a_checkpoint_or_by_success_resume_as_stopped(tmp_path):
+  """A run killed before its first checkpoint was stuck (--resume: no checkpoint; without:
+  the directory holds a run): it starts again from step 0, its records cut back. A run
+  that stopped at its success rate, resumed, stops again at once (its window of steps is
+  in the checkpoint; it trained on from an empty one). --resume needs no --config: the
+  run's config.json, and a change of steps keeps the learning-rate schedule's horizon."""
+  import signal
+  import time
+
+  killed = str(tmp_path / "killed")
+  proc = subprocess.Popen([sys.executable, "-m", "jaxagent.train", "--config",
+                           "configs/tiny.yaml", "--run-dir", killed, "steps=500", *SMALL[:-2],
+                           "checkpoint.every_steps=100", "checkpoint.export_every=0"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(killed, "metrics.jsonl")
+  deadline = time.time() + 240
+  while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  assert not os.path.exists(os.path.join(killed, "checkpoints")) or not [
+      d for d in os.listdir(os.path.join(killed, "checkpoints")) if d.isdigit()]
+  proc = run_train("--run-dir", killed, "--resume", "steps=3")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "no checkpoint yet: the run starts again from step 0" in proc.stdout
+  assert "warning: --resume changes steps: 500 -> 3" in proc.stderr
+  assert "learner.lr_decay_steps: 0 -> 500 (the cosine schedule keeps" in proc.stderr
+  rows = read_metrics(killed)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  with open(os.path.join(killed, "config.json")) as f:
+    assert json.load(f)["learner"]["lr_decay_steps"] == 500
+  with open(os.path.join(killed, "config.step0.json")) as f:  # what ran before, kept
+    assert json.load(f)["steps"] == 500
+
+  won = str(tmp_path / "won")
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", won, "steps=50", *SMALL,
+                   "stop_success_rate=0.001", "stop_window=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  n = len(read_metrics(won))
+  assert n < 50 and "reached 0.001: stopping" in proc.stdout
+  proc = run_train("--run-dir", won, "--resume")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "stopping (it had stopped there)" in proc.stdout and len(read_metrics(won)) == n
 
 
 def _bad_settings(tmp_path):
@@ -173,6 +223,13 @@ def _bad_settings(tmp_path):
   tiny = ["--config", "configs/tiny.yaml", "--run-dir", run]
   used = tmp_path / "used"  # a run directory that holds a run
   (used / "checkpoints" / "4").mkdir(parents=True)
+  resumable = tmp_path / "resumable"  # a run's directory with its config.json
+  resumable.mkdir()
+  (resumable / "metrics.jsonl").write_text('{"step": 1}\n')
+  from jaxagent import config as config_lib
+
+  (resumable / "config.json").write_text(json.dumps(config_lib.to_dict(config_lib.load(
+      config_lib.RunConfig, "configs/tiny.yaml"))))
   a_list = tmp_path / "list.yaml"
   a_list.write_text("- steps\n")
   tasks = {}
@@ -230,7 +287,12 @@ def _bad_settings(tmp_path):
       (["--config", str(bad_yaml)], "cannot read config file"),
       (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
       (["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"), "--resume"],
-       "no checkpoint"),
+       "holds no run (no checkpoint, no step recorded"),
+      (["--run-dir", str(resumable), "--resume", "model.preset=tiny"],
+       "a run keeps its model (model.preset: nano -> tiny)"),
+      (["--run-dir", str(tmp_path / "empty"), "--resume"], "no checkpoint, no step"),
+      (["--run-dir", str(tmp_path / "x")], "--config is required"),
+      (["--config", "configs/tiny.yaml", "--auto-resume"], "--auto-resume needs --run-dir"),
       (["--config", "configs/tiny.yaml", "--resume"], "--resume needs --run-dir"),
   ]
 
