@@ -72,6 +72,9 @@ def main(argv=None) -> int:
   resources = EnvResources(sandboxes=args.concurrency * 2)
   try:
     reports = asyncio.run(filter_tasks(tasks, resources, args.concurrency))
+  except KeyError as e:  # a task of an environment nobody registered
+    print(f"error: {args.tasks}: {e.args[0] if e.args else e}", file=sys.stderr)
+    return 2
   finally:
     resources.close()
   for r in reports:

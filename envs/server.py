@@ -425,7 +425,7 @@ class RemoteEnv:
 
 
 def main(argv=None) -> int:
-  from jaxagent.serve_http import listen_or_say, serve
+  from jaxagent.serve_http import add_log_level, listen_or_say, serve
 
   p = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -443,6 +443,7 @@ def main(argv=None) -> int:
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code with resource limits only where the host cannot isolate "
                       "it (no bubblewrap, not root): it can then read and write this host")
+  add_log_level(p)
   args = p.parse_args(argv)
   from envs.sandbox import IsolationUnavailable
 
@@ -463,7 +464,7 @@ def main(argv=None) -> int:
                    max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s,
                    idle_timeout_s=args.idle_timeout_s, max_body_bytes=args.max_body_bytes)
   try:
-    serve(app, sock)
+    serve(app, sock, log_level=args.log_level)
   finally:
     resources.close()
   return 0

@@ -159,11 +159,15 @@ async def run(args) -> dict:
     tasks = tasks[:args.limit]
   env_factory, close_envs = make_env_factory(cfg)
   path, version = resolve_policy(args.policy, None)
+  orch = None
   try:
-    tools = await task_tools(args.tasks, env_factory)
+    try:
+      tools = await task_tools(args.tasks, env_factory)
+    except (ValueError, KeyError) as e:  # an unknown environment, bad parameters
+      said = e.args[0] if isinstance(e, KeyError) and e.args else e
+      raise config_lib.ConfigError(f"--tasks: {said}") from None
     mesh = make_mesh()
     model_cfg, _, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES, tools=tools)
-    orch = None
     if args.server:
       from rollout_server.client import HttpClient
 
@@ -227,7 +231,8 @@ def main(argv=None) -> int:
           f"infrastructure{' (is --server ' + args.server + ' up?)' if args.server else ''}: "
           "no report written", file=sys.stderr)
     return 3
-  name = os.path.splitext(os.path.basename(args.tasks))[0] + ("-greedy" if args.greedy else "")
+  name = (os.path.splitext(os.path.basename(args.tasks))[0] + ("-greedy" if args.greedy else "")
+          + (f"-first{args.limit}" if args.limit else ""))  # (never a whole run's report)
   out = args.out or os.path.join(
       args.policy if os.path.isdir(args.policy) else os.path.dirname(args.policy),
       f"eval-{name}.json")

@@ -113,11 +113,12 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
     port = free_port()
     path = os.path.join(launch_dir, f"server{i}.yaml")
     OmegaConf.save(OmegaConf.create(server_config(cfg, f"server{i}", port)), path)
-    services.append(Child(f"server{i}", [py, "-m", "rollout_server", "--config", path],
+    services.append(Child(f"server{i}", [py, "-m", "rollout_server", "--config", path,
+                                         "--log-level", "warning"],
                           url=f"http://127.0.0.1:{port}"))
   for j in range(args.env_workers):
     port = free_port()
-    cmd = [py, "-m", "envs.server", "--port", str(port)]
+    cmd = [py, "-m", "envs.server", "--port", str(port), "--log-level", "warning"]
     if cfg.env.allow_unisolated:
       cmd.append("--allow-unisolated")
     services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}"))

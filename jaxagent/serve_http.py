@@ -47,6 +47,15 @@ def listen_or_say(host: str, port: int, prefix: str = "error") -> Optional[socke
     return None
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_log_level(parser) -> None:
+  """A service CLI's `--log-level` (uvicorn's; `warning` drops its line per request)."""
+  parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                      help="uvicorn's log level (warning: no line per request)")
+
+
 def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
   """Runs uvicorn on the bound `sock` until it is stopped (SIGINT / SIGTERM)."""
   host, port = sock.getsockname()[:2]

@@ -11,7 +11,7 @@ import os
 import sys
 
 from jaxagent import config as config_lib
-from jaxagent.serve_http import listen_or_say, serve
+from jaxagent.serve_http import add_log_level, listen_or_say, serve
 from rollout_server.serving import build_app
 
 
@@ -20,8 +20,13 @@ def main(argv=None) -> int:
   p.add_argument("--config", help="YAML server config (see configs/)")
   p.add_argument("--policy", help="a trained run's policy export (RUN_DIR/policy: the latest "
                                   "version, or RUN_DIR/policy/vN)")
+  p.add_argument("--host", help="where to listen (the config's host; as the override host=)")
+  p.add_argument("--port", type=int, help="the port (the config's port; as the override port=)")
+  add_log_level(p)
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
   args = p.parse_args(argv)
+  args.overrides += [f"{k}={v}" for k, v in (("host", args.host), ("port", args.port))
+                     if v is not None]
   try:
     if args.config is None and args.policy is None:
       raise config_lib.ConfigError("give --config (a server config) or --policy (a run's "
@@ -37,6 +42,10 @@ def main(argv=None) -> int:
                                      engine=run.serving.engine, policy=args.policy)
     cfg = config_lib.load(config_lib.ServerConfig, args.config, args.overrides, base=base)
     if args.policy is not None and args.config is not None:
+      if cfg.model != base.model:  # (its weights would not fit: an Orbax shape error)
+        raise config_lib.ConfigError(
+            f"--config {args.config} sets a model other than the policy's (its run's "
+            f"config.json: {base.model}); with --policy, leave model out of --config")
       cfg = dataclasses.replace(cfg, policy=args.policy)
     if not 0 < cfg.port < 65536:
       raise config_lib.ConfigError(f"port must be in 1..65535, got {cfg.port}")
@@ -56,7 +65,7 @@ def main(argv=None) -> int:
         f"(policy version {orch.version}"
         + (f"; also serving {', '.join(sorted(models))})" if models else ")"), flush=True)
   try:
-    serve(app, sock)
+    serve(app, sock, log_level=args.log_level)
   finally:
     orch.stop()
     for m in models.values():

@@ -307,13 +307,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
 
 def main(argv=None) -> int:
-  from jaxagent.serve_http import listen_or_say, serve
+  from jaxagent.serve_http import add_log_level, listen_or_say, serve
 
   p = argparse.ArgumentParser(prog="python -m rollout_server.router", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--backends", required=True, help="comma-separated server URLs")
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)
+  add_log_level(p)
   args = p.parse_args(argv)
   backends = [b for b in args.backends.split(",") if b]
   bad = [b for b in backends if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", b)]
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
   if sock is None:
     return 2
   print(f"router on http://{args.host}:{args.port} over {len(backends)} backends", flush=True)
-  serve(create_router(backends), sock)
+  serve(create_router(backends), sock, log_level=args.log_level)
   return 0
 
 

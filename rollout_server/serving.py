@@ -32,6 +32,9 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
   registry (then `version`, or the latest).
   """
   path = os.path.abspath(path)  # (relative to where the command runs; Orbax needs it whole)
+  if (not os.path.exists(os.path.join(path, REGISTRY))
+      and os.path.exists(os.path.join(path, "policy", REGISTRY))):
+    path = os.path.join(path, "policy")  # a run directory: its exports
   if os.path.exists(os.path.join(path, REGISTRY)):
     entries = {e["version"] for e in list_versions(path)}
     v = latest_version(path) if version is None else int(version)
@@ -42,9 +45,7 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
     return version_dir(path, v), v
   m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
   if version is None and m is None:
-    hint = (f" (a run directory: its exports are in {os.path.join(path, 'policy')})"
-            if os.path.exists(os.path.join(path, "policy", REGISTRY)) else "")
-    raise ValueError(f"cannot tell the policy version of {path}: give a version{hint}")
+    raise ValueError(f"cannot tell the policy version of {path}: give a version")
   return path, int(version if version is not None else m.group(1))
 
 

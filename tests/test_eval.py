@@ -83,10 +83,12 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   assert 0.0 <= overall["pass@1"] <= overall["pass@2"] <= 1.0
   assert set(rep["by_env"]) == {"guess_number"} and "latency_s_p99" in overall
 
-  # A relative path (as the README's RUN_DIR/policy), greedy: a report of its own name.
+  # A relative path (as the README's RUN_DIR/policy), greedy: a report of its own name
+  # (of the first 2 tasks only: never taken for the whole set's).
   assert eval_lib.main(["--policy", os.path.relpath(os.path.join(run_dir, "policy")),
                         "--tasks", HELD_OUT, "--greedy", "--limit", "2"]) == 0
-  assert os.path.exists(os.path.join(run_dir, "policy", "eval-guess_number_heldout-greedy.json"))
+  assert os.path.exists(os.path.join(run_dir, "policy",
+                                     "eval-guess_number_heldout-greedy-first2.json"))
   capsys.readouterr()
   # A server that is not there: episodes are infrastructure failures, never scored 0,
   # and nothing to report is an error (no report overwritten).
@@ -101,6 +103,19 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
                         "/nonexistent.jsonl"]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "--tasks" in err
+  # A task of an unknown environment (a KeyError, then an UnboundLocalError traceback),
+  # the run directory itself as the policy (its exports are found).
+  unknown = tmp_path / "unknown.jsonl"
+  unknown.write_text('{"id": "x", "env": "nosuch"}\n')
+  assert eval_lib.main(["--policy", run_dir, "--tasks", str(unknown)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "--tasks: unknown environment 'nosuch'" in err, err
+  # A server config's model over a policy of another model: named (an Orbax shape error).
+  from rollout_server import __main__ as server_cli
+
+  assert server_cli.main(["--policy", run_dir, "--config", "configs/server_tiny.yaml"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "sets a model other than the policy's" in err, err
 
   # Serving the trained policy: `python -m rollout_server --policy RUN_DIR/policy`, and a
   # chat through the official openai client.

@@ -53,16 +53,21 @@ def test_server_cli_bad_config():
   assert proc.returncode == 2 and "engine.slot" in proc.stderr and "'slots'" in proc.stderr
 
 
-def test_bad_arguments_are_one_line_before_anything_listens(capsys):
+def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
   from envs import filter as env_filter
   from rollout_server import __main__ as server_cli, router
+
+  unknown = tmp_path / "unknown.jsonl"
+  unknown.write_text('{"id": "x", "env": "nosuch"}\n')
 
   for main, args, needle in (
       (router.main, ["--backends", "notaurl"], "--backends: give server URLs"),
       (router.main, ["--backends", "http://127.0.0.1:1", "--port", "99999"], "--port"),
       (server_cli.main, ["--config", "configs/server_tiny.yaml", "port=99999"], "port must"),
+      (server_cli.main, ["--config", "configs/server_tiny.yaml", "--port", "0"], "port must"),
       (env_filter.main, ["envs/tasks/python_tests.jsonl", "--concurrency", "0"],
-       "--concurrency must be >= 1")):
+       "--concurrency must be >= 1"),
+      (env_filter.main, [str(unknown)], "unknown environment 'nosuch'")):
     assert main(args) == 2, args
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, (args, err)
