@@ -264,7 +264,7 @@ def xpk_command(cfg: config_lib.RunConfig, args) -> str:
   sl = tpu_slice(args.tpu_type)
   run = run_name(cfg)
   cmd = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir",
-                  f"/runs/{run}", *args.overrides])
+                  f"/runs/{run}", "--auto-resume", *args.overrides])
   return (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
           f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} "
           f"--command '{cmd}'")

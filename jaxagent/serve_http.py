@@ -20,6 +20,8 @@ class ListenError(OSError):
 
 def listen(host: str, port: int) -> socket.socket:
   """A TCP socket bound to `host:port` (0: a free port), listening."""
+  if not 0 <= port <= 65535:  # (the socket layer would take it modulo 65536)
+    raise ListenError(f"cannot listen on {host}:{port}: a port is 0..65535")
   try:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
   except OSError as e:

@@ -54,7 +54,7 @@ def test_server_cli_bad_config():
 
 
 def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
-  from envs import filter as env_filter
+  from envs import filter as env_filter, server as env_server
   from rollout_server import __main__ as server_cli, router
 
   unknown = tmp_path / "unknown.jsonl"
@@ -67,7 +67,8 @@ def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
       (server_cli.main, ["--config", "configs/server_tiny.yaml", "--port", "0"], "port must"),
       (env_filter.main, ["envs/tasks/python_tests.jsonl", "--concurrency", "0"],
        "--concurrency must be >= 1"),
-      (env_filter.main, [str(unknown)], "unknown environment 'nosuch'")):
+      (env_filter.main, [str(unknown)], "unknown environment 'nosuch'"),
+      (env_server.main, ["--port", "99999"], "a port is 0..65535")):
     assert main(args) == 2, args
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, (args, err)
