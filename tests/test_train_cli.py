@@ -77,6 +77,9 @@ def test_tiny_default_runs_and_resumes(tmp_path):
 
 
 def test_early_stop_exports_the_final_policy(tmp_path):
+  """A run that stopped at its success rate exports its final policy; resumed, it stops
+  again at once (its window of steps is in the checkpoint: it trained on from an empty
+  one), with no --config (the run's config.json)."""
   run_dir = str(tmp_path / "run")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=50",
                    "stop_success_rate=0.0001", "stop_window=1", *SMALL[:-1],
@@ -88,6 +91,10 @@ def test_early_stop_exports_the_final_policy(tmp_path):
   assert step < 50
   with open(os.path.join(run_dir, "policy", "versions.json")) as f:
     assert [v["version"] for v in json.load(f)["versions"]] == [step]
+  proc = run_train("--run-dir", run_dir, "--resume")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "stopping (it had stopped there)" in proc.stdout
+  assert read_metrics(run_dir)[-1]["step"] == step
 
 
 def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
@@ -165,12 +172,11 @@ def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
     assert [v["version"] for v in json.load(f)["versions"]] == [step]
 
 
-def test_runs_stopped_before_a_checkpoint_or_by_success_resume_as_stopped(tmp_path):
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
   """A run killed before its first checkpoint was stuck (--resume: no checkpoint; without:
-  the directory holds a run): it starts again from step 0, its records cut back. A run
-  that stopped at its success rate, resumed, stops again at once (its window of steps is
-  in the checkpoint; it trained on from an empty one). --resume needs no --config: the
-  run's config.json, and a change of steps keeps the learning-rate schedule's horizon."""
+  the directory holds a run): it starts again from step 0, its records cut back.
+  --resume needs no --config (the run's config.json); a change of steps keeps the
+  learning-rate schedule's horizon, and the config that ran before is kept."""
   import signal
   import time
 
@@ -199,16 +205,6 @@ def test_runs_stopped_before_a_checkpoint_or_by_success_resume_as_stopped(tmp_pa
     assert json.load(f)["learner"]["lr_decay_steps"] == 500
   with open(os.path.join(killed, "config.step0.json")) as f:  # what ran before, kept
     assert json.load(f)["steps"] == 500
-
-  won = str(tmp_path / "won")
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", won, "steps=50", *SMALL,
-                   "stop_success_rate=0.001", "stop_window=2")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  n = len(read_metrics(won))
-  assert n < 50 and "reached 0.001: stopping" in proc.stdout
-  proc = run_train("--run-dir", won, "--resume")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "stopping (it had stopped there)" in proc.stdout and len(read_metrics(won)) == n
 
 
 def _bad_settings(tmp_path):
