@@ -164,7 +164,7 @@ def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
   out, err = proc.communicate(timeout=240)
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
   assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
-  assert f"stopped at step " in err and f"--run-dir {run_dir} --resume" in err
+  assert "stopped at step " in err and f"--run-dir {run_dir} --resume" in err
   step = read_metrics(run_dir)[-1]["step"]
   assert 2 <= step < 500
   assert str(step) in os.listdir(os.path.join(run_dir, "checkpoints"))
