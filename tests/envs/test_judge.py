@@ -46,7 +46,7 @@ def judge_params(tokenizer):
   return memorise([(tokenizer.apply_chat_template(judge.messages(TASK, SHOWN[answer])),
                     tokenizer.encode(f"VERDICT: {verdict}<|im_end|>"))
                    for answer, verdict in ((HONEST, "PASS"), (HARD_CODED, "FAIL"))],
-                  steps=250, seed=1, row_len=512, lr=5e-3)
+                  steps=125, seed=1, row_len=512, lr=5e-3)
 
 
 @pytest.fixture(scope="module")

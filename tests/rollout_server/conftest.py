@@ -41,7 +41,7 @@ def random_params():
   return jax.device_get(init_params(CFG, 0))
 
 
-def memorise(pairs, *, steps: int = 300, seed: int = 0, row_len: int = 512, lr: float = 3e-3):
+def memorise(pairs, *, steps: int = 150, seed: int = 0, row_len: int = 512, lr: float = 3e-3):
   """Tiny-model weights trained (REINFORCE with advantage 1) to answer each prompt of
   `pairs` ((prompt ids, answer ids)) with its answer greedily."""
   segs = []
