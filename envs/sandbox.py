@@ -395,6 +395,7 @@ def _cgroup(uid: int, controller: str, v1_knobs: dict, v2_knobs: dict) -> Option
   except OSError:
     pass
   for path, knobs in candidates:
+    existed = os.path.isdir(path)  # (v2: the memory cgroup's, which must stay)
     try:
       os.makedirs(path, exist_ok=True)
       for knob, value in knobs.items():
@@ -402,8 +403,9 @@ def _cgroup(uid: int, controller: str, v1_knobs: dict, v2_knobs: dict) -> Option
           f.write(str(value))
       return path
     except OSError:
-      with contextlib.suppress(OSError):
-        os.rmdir(path)
+      if not existed:
+        with contextlib.suppress(OSError):
+          os.rmdir(path)
   return None
 
 

@@ -107,7 +107,7 @@ def strict_equal(a, b, rel_tol=1e-9, abs_tol=1e-12):
     # Keys match exactly, all the way down, as set items do (`==` took (True, 2.0) for
     # (1, 2)); values strictly.
     keys_a, keys_b = ({json.dumps(encode(k)): k for k in d} for d in (a, b))
-    return keys_a.keys() == keys_b.keys() and all(
+    return len(a) == len(b) and keys_a.keys() == keys_b.keys() and all(
         strict_equal(a[keys_a[e]], b[keys_b[e]]) for e in keys_a)
   if type(a) in (set, frozenset):
     return sorted(map(json.dumps, map(encode, a))) == sorted(map(json.dumps, map(encode, b)))

@@ -47,6 +47,16 @@ class ModelSpec:
   scan_unroll: Optional[int] = None
 
 
+  # The fields that decide the weights (their shapes, values and dtype): a run or an
+  # export keeps them; the others (remat, attention, dtype, ...) only change how it runs.
+  WEIGHT_FIELDS = ("preset", "checkpoint", "tokenizer", "param_dtype")
+
+  def weight_changes(self, other: "ModelSpec") -> list[str]:
+    """`field: mine -> other's` for each weight field that differs."""
+    return [f"{k}: {getattr(self, k)} -> {getattr(other, k)}" for k in self.WEIGHT_FIELDS
+            if getattr(self, k) != getattr(other, k)]
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Device mesh shape; `data: -1` takes all devices not used by fsdp x tensor."""

@@ -248,13 +248,14 @@ class RolloutScheduler:
     self._changed.set()
 
   def staleness_bound(self) -> int:
-    """How many versions a group's oldest token may be behind `version`: max_staleness
-    in the async modes. In sync mode, none beyond what the learner runs ahead of the
-    servers between weight updates (sync_every - 1; 0 when it updates them every step):
-    an older token is a server that lost its weights (restarted). A run resumed from a
-    checkpoint between two updates replays episodes of the last update's weights, within
-    that bound."""
-    return self.cfg.sync_every - 1 if self.cfg.mode == "sync" else self.cfg.max_staleness
+    """How many versions a group's oldest token may be behind `version`: in sync mode,
+    none beyond what the learner runs ahead of the servers between weight updates
+    (sync_every - 1; 0 when it updates them every step): an older token is a server that
+    lost its weights (restarted); in the async modes max_staleness, and at least that. A
+    run resumed from a checkpoint between two updates replays episodes of the last
+    update's weights, within that bound."""
+    behind = self.cfg.sync_every - 1
+    return behind if self.cfg.mode == "sync" else max(self.cfg.max_staleness, behind)
 
   def _drop_doomed(self) -> None:
     """Drops, at once, the groups the staleness bound can no longer accept: finished ones

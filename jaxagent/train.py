@@ -589,13 +589,17 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       written = dataclasses.replace(cfg, model=dataclasses.replace(
           cfg.model, chat_template="chatml_tools"))
     path = os.path.join(run_dir, "config.json")
-    text = json.dumps(config_lib.to_dict(written), indent=1)
     if resume and os.path.exists(path):
       with open(path) as f:
-        if f.read() != text:  # changed on the resume: what ran up to here is kept
-          os.replace(path, os.path.join(run_dir, f"config.step{int(state.step)}.json"))
+        try:
+          before = json.load(f)
+        except ValueError:
+          before = {}
+      if config_changes(before, config_lib.to_dict(written)):
+        # Changed on the resume: the config that ran up to here is kept.
+        os.replace(path, os.path.join(run_dir, f"config.step{int(state.step)}.json"))
     with open(path, "w") as f:
-      f.write(text)
+      json.dump(config_lib.to_dict(written), f, indent=1)
   policy_root = os.path.join(run_dir, "policy")
   version = int(state.policy_version)
   # With several processes each serves its own rollouts on its own devices; the weights
@@ -893,7 +897,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     if early_stop is not None:
       print(f"success rate {early_stop:.3f} over the last {cfg.stop_window} steps' "
             f"episodes reached {cfg.stop_success_rate}: stopping" + (
-                " (it had stopped there)" if step == first_step else ""), flush=True)
+                " (met when the run was resumed)" if step == first_step else ""), flush=True)
     finished = True
   finally:
     for sig in handled:
@@ -956,32 +960,45 @@ def _flat(d: dict, prefix: str = "") -> dict:
   return out
 
 
+# Where a run's services are: fresh on each start (`launch local`), not a change of the run.
+_SERVICE_ADDRESSES = ("serving.urls", "env.urls")
+
+
+def config_changes(before: dict, now: dict) -> dict:
+  """{dotted key: (before, now)} between two configs as dicts, service addresses aside."""
+  before, now = _flat(before), _flat(now)
+  return {k: (before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
+          if before.get(k) != now.get(k) and k not in _SERVICE_ADDRESSES}
+
+
 def resumed_config(cfg: config_lib.RunConfig, run_dir: str) -> config_lib.RunConfig:
   """The config a resumed run goes on with: `cfg`, checked against the run's own
-  `config.json`. Its model cannot change (ConfigError); every other change is said, one
-  line each; a run given more (or fewer) `steps` keeps its cosine schedule's horizon (the
-  learning rate would jump)."""
+  `config.json`. The fields that decide its weights cannot change (ConfigError); every
+  other change is said, one line each; a run given more (or fewer) `steps` keeps its
+  cosine schedule's horizon (the learning rate would jump)."""
   path = os.path.join(run_dir, "config.json")
   if not os.path.exists(path):
     return cfg
-  saved = config_lib.load(config_lib.RunConfig, path)
+  try:
+    saved = config_lib.load(config_lib.RunConfig, path)
+  except config_lib.ConfigError as e:  # (written by another version of the code)
+    print(f"warning: --resume: not compared with the run's config.json ({e})",
+          file=sys.stderr)
+    return cfg
   horizon = saved.learner.lr_decay_steps or saved.steps  # the cosine schedule's, as it ran
   kept = (cfg.learner.lr_schedule == "cosine" and cfg.learner.lr_decay_steps == 0
           and horizon != cfg.steps)
   if kept:  # (with the run's steps changed: the learning rate would jump)
     cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner,
                                                                lr_decay_steps=horizon))
-  before, now = _flat(config_lib.to_dict(saved)), _flat(config_lib.to_dict(cfg))
-  changed = {k: (before.get(k), now.get(k)) for k in sorted(set(before) | set(now))
-             if before.get(k) != now.get(k)}
-  if now.get("model.chat_template") is None:  # (auto: the saved one is what auto chose)
-    changed.pop("model.chat_template", None)
-  model = [k for k in changed if k.startswith("model.")]
-  if model:
+  weights = saved.model.weight_changes(cfg.model)
+  if weights:
     raise config_lib.ConfigError(
-        "--resume: a run keeps its model (" + ", ".join(
-            f"{k}: {changed[k][0]} -> {changed[k][1]}" for k in model)
+        "--resume: a run keeps its model (" + ", ".join(f"model.{w}" for w in weights)
         + "); start a new run with another --run-dir")
+  changed = config_changes(config_lib.to_dict(saved), config_lib.to_dict(cfg))
+  if cfg.model.chat_template is None:  # (auto: the saved one is what auto chose)
+    changed.pop("model.chat_template", None)
   for k, (a, b) in changed.items():
     why = (" (the cosine schedule keeps the run's horizon)"
            if kept and k == "learner.lr_decay_steps" else "")
@@ -1012,6 +1029,8 @@ def main(argv=None) -> int:
       if not os.path.exists(args.config):
         raise config_lib.ConfigError(f"--resume: no {args.config}: give --config")
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+    if not args.print_config:
+      check_config(cfg)
     if args.resume:
       cfg = resumed_config(cfg, args.run_dir)
     if args.print_config:
@@ -1019,7 +1038,6 @@ def main(argv=None) -> int:
 
       print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end="")
       return 0
-    check_config(cfg)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -498,7 +498,7 @@ def main(argv=None) -> int:
   app = create_app(args.run_dir)
   facts = app.state.index.facets()
   print(f"{facts['episodes']} episodes ({facts['segments']} segments) in "
-        f"{app.state.index.path}; serving http://{args.host}:{args.port}/", flush=True)
+        f"{app.state.index.path}; serving http://{args.host}:{sock.getsockname()[1]}/", flush=True)
   serve(app, sock, log_level="warning")
   return 0
 

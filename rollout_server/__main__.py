@@ -42,10 +42,12 @@ def main(argv=None) -> int:
                                      engine=run.serving.engine, policy=args.policy)
     cfg = config_lib.load(config_lib.ServerConfig, args.config, args.overrides, base=base)
     if args.policy is not None and args.config is not None:
-      if cfg.model != base.model:  # (its weights would not fit: an Orbax shape error)
+      changes = base.model.weight_changes(cfg.model)
+      if changes:  # (its weights would not fit: an Orbax shape error)
         raise config_lib.ConfigError(
-            f"--config {args.config} sets a model other than the policy's (its run's "
-            f"config.json: {base.model}); with --policy, leave model out of --config")
+            f"--config {args.config} sets a model other than the policy's ("
+            + ", ".join(f"model.{c}" for c in changes) + "); with --policy, leave the model "
+            "out of --config")
       cfg = dataclasses.replace(cfg, policy=args.policy)
     if not 0 < cfg.port < 65536:
       raise config_lib.ConfigError(f"port must be in 1..65535, got {cfg.port}")

@@ -115,6 +115,8 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   cmd = learner["command"]
   assert cmd[:5] == ["python", "-m", "jaxagent.train", "--config", "/config/run.yaml"]
   assert cmd[cmd.index("--run-dir") + 1] == "/runs/runs/tiny-guess-number"
+  # A JobSet restart (a failure, a preemption's non-zero exit) goes on with the run.
+  assert "--auto-resume" in cmd
   assert any(c.startswith("serving.urls=") and "router" in c for c in cmd)
   env_urls = next(c for c in cmd if c.startswith("env.urls="))
   assert env_urls.count("http://") == 8
@@ -132,6 +134,7 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   path.write_text(run_yaml)
   assert config_lib.load(config_lib.RunConfig, str(path), []).name == "tiny-guess-number"
   assert "xpk workload create" in stdout and f"--tpu-type {tpu}" in stdout
+  assert "--run-dir /runs/tiny-guess-number --auto-resume" in stdout
 
 
 def test_bad_slice_and_bucket_are_named(tmp_path):

@@ -93,7 +93,7 @@ def test_early_stop_exports_the_final_policy(tmp_path):
     assert [v["version"] for v in json.load(f)["versions"]] == [step]
   proc = run_train("--run-dir", run_dir, "--resume")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "stopping (it had stopped there)" in proc.stdout
+  assert "stopping (met when the run was resumed)" in proc.stdout
   assert read_metrics(run_dir)[-1]["step"] == step
 
 
@@ -205,6 +205,27 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
     assert json.load(f)["learner"]["lr_decay_steps"] == 500
   with open(os.path.join(killed, "config.step0.json")) as f:  # what ran before, kept
     assert json.load(f)["steps"] == 500
+
+
+def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path, capsys):
+  """How a run computes may change on a resume (remat after running out of memory), its
+  weights may not; the service addresses of `launch local` (fresh ports) are no change,
+  nor is a config.json the code cannot read a reason to refuse."""
+  from jaxagent import config as config_lib, train
+
+  tiny = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml")
+  (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(tiny)))
+  cfg = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
+                        ["model.remat=full", 'serving.urls=["http://127.0.0.1:1"]'])
+  assert train.resumed_config(cfg, str(tmp_path)) == cfg
+  assert capsys.readouterr().err == "warning: --resume changes model.remat: none -> full\n"
+  for override in ("model.param_dtype=bfloat16", "model.checkpoint=smollm2"):
+    with pytest.raises(config_lib.ConfigError, match="a run keeps its model"):
+      train.resumed_config(config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
+                                           [override]), str(tmp_path))
+  (tmp_path / "config.json").write_text('{"learner": {"gone_field": 1}}')
+  assert train.resumed_config(cfg, str(tmp_path)) == cfg
+  assert "not compared with the run's config.json" in capsys.readouterr().err
 
 
 def _bad_settings(tmp_path):
