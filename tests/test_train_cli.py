@@ -143,23 +143,30 @@ def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
   assert len(read_metrics(run_dir)) < 50
 
 
+def train_until_rows(run_dir: str, *overrides, rows: int = 2) -> subprocess.Popen:
+  """A tiny run of 500 steps, started and left running once `rows` steps are recorded."""
+  import time
+
+  proc = subprocess.Popen([sys.executable, "-m", "jaxagent.train", "--config",
+                           "configs/tiny.yaml", "--run-dir", run_dir, "steps=500", *overrides],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(run_dir, "metrics.jsonl")
+  deadline = time.time() + 240
+  while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= rows):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()
+    time.sleep(0.2)
+  return proc
+
+
 def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
   """A pod's eviction (SIGTERM): the step under way finishes, then the final checkpoint
   and policy export are written and the run exits 143, not finished (a JobSet restarts
   it: a 0 would have marked the job complete), saying how to go on."""
   import signal
-  import time
 
   run_dir = str(tmp_path / "run")
-  proc = subprocess.Popen([sys.executable, "-m", "jaxagent.train", "--config",
-                           "configs/tiny.yaml", "--run-dir", run_dir, "steps=500", *SMALL[:-1],
-                           "checkpoint.export_every=0", "checkpoint.every_steps=100"],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  metrics = os.path.join(run_dir, "metrics.jsonl")
-  deadline = time.time() + 240
-  while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
-    assert proc.poll() is None and time.time() < deadline, proc.communicate()
-    time.sleep(0.2)
+  proc = train_until_rows(run_dir, *SMALL[:-1], "checkpoint.export_every=0",
+                          "checkpoint.every_steps=100")
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=240)
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -178,18 +185,10 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
   --resume needs no --config (the run's config.json); a change of steps keeps the
   learning-rate schedule's horizon, and the config that ran before is kept."""
   import signal
-  import time
 
   killed = str(tmp_path / "killed")
-  proc = subprocess.Popen([sys.executable, "-m", "jaxagent.train", "--config",
-                           "configs/tiny.yaml", "--run-dir", killed, "steps=500", *SMALL[:-2],
-                           "checkpoint.every_steps=100", "checkpoint.export_every=0"],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  metrics = os.path.join(killed, "metrics.jsonl")
-  deadline = time.time() + 240
-  while not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 2):
-    assert proc.poll() is None and time.time() < deadline, proc.communicate()
-    time.sleep(0.2)
+  proc = train_until_rows(killed, *SMALL[:-2], "checkpoint.every_steps=100",
+                          "checkpoint.export_every=0")
   proc.send_signal(signal.SIGKILL)
   proc.communicate(timeout=60)
   assert not os.path.exists(os.path.join(killed, "checkpoints")) or not [
