@@ -1058,33 +1058,39 @@ def main(argv=None) -> int:
     print(f"error: {run_dir} already holds a run (its metrics, checkpoints or policy "
           "exports): --resume to go on with it, or another --run-dir", file=sys.stderr)
     return 2
+  made = not os.path.isdir(run_dir)
   os.makedirs(run_dir, exist_ok=True)
   try:
-    return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
-  except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM, or one before the run was set up
-    print(f"interrupted: stopped at once (a resume goes on from the last checkpoint: python "
-          f"-m jaxagent.train --run-dir {run_dir} --resume)", file=sys.stderr)
-    return 130
-  except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except CheckpointUnreadable as e:
-    print(f"error: --resume: {e}", file=sys.stderr)
-    return 2
-  except TaskError as e:
-    print(f"error: data.tasks: {e} (python -m envs.filter {cfg.data.tasks} checks a task "
-          "file)", file=sys.stderr)
-    return 2
-  except (InfraOutage, InfraError) as e:
-    # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),
-    # or a server or worker that could not be reached (at the start, a weight update).
-    saved = os.path.isdir(os.path.join(run_dir, "checkpoints")) and any(
-        d.isdigit() for d in os.listdir(os.path.join(run_dir, "checkpoints")))
-    again = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir", run_dir,
-                      "--resume", *args.overrides])
-    what = "" if isinstance(e, InfraOutage) else "the infrastructure failed: "
-    print(f"error: {what}{e}" + (f" (then: {again})" if saved else ""), file=sys.stderr)
-    return 3
+    try:
+      return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
+    except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM, or one before the run was set up
+      print(f"interrupted: stopped at once (a resume goes on from the last checkpoint: python "
+            f"-m jaxagent.train --run-dir {run_dir} --resume)", file=sys.stderr)
+      return 130
+    except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    except CheckpointUnreadable as e:
+      print(f"error: --resume: {e}", file=sys.stderr)
+      return 2
+    except TaskError as e:
+      print(f"error: data.tasks: {e} (python -m envs.filter {cfg.data.tasks} checks a task "
+            "file)", file=sys.stderr)
+      return 2
+    except (InfraOutage, InfraError) as e:
+      # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),
+      # or a server or worker that could not be reached (at the start, a weight update).
+      saved = os.path.isdir(os.path.join(run_dir, "checkpoints")) and any(
+          d.isdigit() for d in os.listdir(os.path.join(run_dir, "checkpoints")))
+      again = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir", run_dir,
+                        "--resume", *args.overrides])
+      what = "" if isinstance(e, InfraOutage) else "the infrastructure failed: "
+      print(f"error: {what}{e}" + (f" (then: {again})" if saved else ""), file=sys.stderr)
+      return 3
+  finally:
+    # (a start that failed leaves no empty run directory behind)
+    if made and not multi and os.path.isdir(run_dir) and not os.listdir(run_dir):
+      os.rmdir(run_dir)
 
 
 if __name__ == "__main__":

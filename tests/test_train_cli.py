@@ -336,6 +336,9 @@ def test_bad_settings_get_one_line_naming_the_key(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, (args, err)
     assert err.startswith("error: ")
+  # The task-file errors are found once the run has started: no empty run directory
+  # is left behind.
+  assert not (tmp_path / "run").exists()
 
 
 def test_smollm2_calculator_config_runs(tmp_path):
