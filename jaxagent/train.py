@@ -1063,7 +1063,7 @@ def main(argv=None) -> int:
   try:
     try:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
-    except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM, or one before the run was set up
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
       print(f"interrupted: stopped at once (a resume goes on from the last checkpoint: python "
             f"-m jaxagent.train --run-dir {run_dir} --resume)", file=sys.stderr)
       return 130
