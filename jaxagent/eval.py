@@ -163,9 +163,8 @@ async def run(args) -> dict:
   try:
     try:
       tools = await task_tools(args.tasks, env_factory)
-    except (ValueError, KeyError) as e:  # an unknown environment, bad parameters
-      said = e.args[0] if isinstance(e, KeyError) and e.args else e
-      raise config_lib.ConfigError(f"--tasks: {said}") from None
+    except ValueError as e:  # an unknown environment, bad parameters
+      raise config_lib.ConfigError(f"--tasks: {e}") from None
     mesh = make_mesh()
     model_cfg, _, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES, tools=tools)
     if args.server:

@@ -171,7 +171,8 @@ def make_env_factory(cfg: config_lib.RunConfig):
 
 async def task_tools(path: str, env_factory) -> list[dict]:
   """The tools (OpenAI `tools` entries) the environments of a task file offer: the first
-  observation of the first task of each environment the file names."""
+  observation of the first task of each environment the file names. A task file that
+  cannot be used (a bad line, no tasks, an unknown environment) raises ValueError."""
   from envs.base import load_tasks
 
   first = {}
@@ -181,11 +182,14 @@ async def task_tools(path: str, env_factory) -> list[dict]:
     raise ValueError(f"task file {path} has no tasks")
   tools = {}
   for task in first.values():
-    env = env_factory(task)
     try:
-      obs = await env.reset(task)
-    finally:
-      await env.close()
+      env = env_factory(task)
+      try:
+        obs = await env.reset(task)
+      finally:
+        await env.close()
+    except KeyError as e:  # an environment nobody registered: its message, unquoted
+      raise ValueError(e.args[0] if e.args else str(e)) from None
     for t in obs.tools:
       tools.setdefault(t["function"]["name"], t)
   return list(tools.values())
@@ -507,9 +511,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   try:  # the chat template must render the tools the tasks offer
     try:
       tools = await task_tools(cfg.data.tasks, env_factory)
-    except (ValueError, KeyError) as e:  # a bad line, an unknown environment, no tasks
-      said = e.args[0] if isinstance(e, KeyError) and e.args else e
-      raise config_lib.ConfigError(f"data.tasks: {said}") from None
+    except ValueError as e:  # a bad line, an unknown environment, no tasks
+      raise config_lib.ConfigError(f"data.tasks: {e}") from None
     model_cfg, params, tokenizer = build_model(cfg.model, mesh, tools=tools)
   except IsolationUnavailable as e:  # the tasks run code and this host cannot isolate it
     close_envs()
