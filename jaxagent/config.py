@@ -455,8 +455,15 @@ def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str) -> Con
   key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
   first = str(e).splitlines()[0] if str(e) else type(e).__name__
   if isinstance(e, oc_errors.ConfigKeyError):
-    close = difflib.get_close_matches(str(key).split(".")[-1], _valid_keys(schema, str(key)), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close and "Did you mean" not in first else ""
+    valid = _valid_keys(schema, str(key))
+    close = difflib.get_close_matches(str(key).split(".")[-1], valid, n=1, cutoff=0.5)
+    if "Did you mean" in first:
+      hint = ""
+    elif close:
+      hint = f"; did you mean '{close[0]}'?"
+    else:  # nothing close: say what there is
+      section = str(key).rpartition(".")[0]
+      hint = f"; the keys of {section or 'the top level'} are {', '.join(sorted(valid))}"
     return ConfigError(f"{source}: unknown config key '{key}': {first}{hint}")
   if isinstance(e, oc_errors.MissingMandatoryValue):
     return ConfigError(f"{source}: missing required config value '{key}'")

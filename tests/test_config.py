@@ -31,6 +31,13 @@ def test_unknown_key_names_key_and_closest(tmp_path):
   bad.write_text("lerner:\n  lr: 1.0\n")
   with pytest.raises(config.ConfigError, match=r"bad\.yaml.*lerner.*'learner'"):
     config.load(config.RunConfig, str(bad))
+  with pytest.raises(config.ConfigError, match=r"learner\.lrate.*did you mean 'lr'"):
+    config.load(config.RunConfig, None, ["learner.lrate=1"])
+  # Nothing close: the section's keys are listed.
+  with pytest.raises(config.ConfigError, match=r"the keys of learner are b1, b2, .*warmup_steps"):
+    config.load(config.RunConfig, None, ["learner.xyzzy=1"])
+  with pytest.raises(config.ConfigError, match=r"the keys of the top level are advantage, agent"):
+    config.load(config.RunConfig, None, ["bogus=1"])
 
 
 def test_wrong_type_names_key(tmp_path):
