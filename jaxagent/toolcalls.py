@@ -14,6 +14,8 @@ import re
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The deepest lists and dicts a tool call may nest (its name/arguments object included).
+MAX_NESTING = 64
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -46,18 +48,30 @@ def _finite(literal: str) -> float:
   return value
 
 
+def nesting(obj: Any) -> int:
+  """How many levels of lists and dicts `obj` has, level by level (no recursion)."""
+  depth, level = 0, [obj]
+  while level := [x for x in level if isinstance(x, (dict, list))]:
+    depth += 1
+    level = [c for x in level for c in (x.values() if isinstance(x, dict) else x)]
+  return depth
+
+
 def _loads(text: str) -> Any:
   """Strict JSON: NaN and Infinity, which Python's json accepts, are malformed (they
   cannot be sent back out as JSON), and so are numbers that overflow a float (`1e999`
   reads as infinity), lone surrogates (`"\\udcff"`, which no file name, tokenizer or
-  HTTP body can carry) and nesting past the recursion limit."""
+  HTTP body can carry) and nesting deeper than MAX_NESTING (an agent's own client, a
+  harness's SDK, may fail to serialise it back: pydantic stops at a few hundred)."""
   try:
     obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
   except RecursionError:
-    raise ValueError("nested too deep") from None
+    raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
   except UnicodeEncodeError:
     raise ValueError("a string holds a lone surrogate (not Unicode text)") from None
+  if nesting(obj) > MAX_NESTING:
+    raise ValueError(f"nested deeper than {MAX_NESTING} levels")
   return obj
 
 

@@ -381,6 +381,24 @@ def test_tool_calls_are_capped_per_turn_and_lone_surrogates_are_malformed():
     resources.close()
 
 
+def test_tool_call_arguments_nested_past_the_bound_are_malformed():
+  """An `anthropic`-client agent sends a reply's tool_use input back on its next turn;
+  pydantic refused to serialise ~300 levels and the episode raised, which stopped the
+  run. Calls nested past MAX_NESTING are malformed, told to the policy as such."""
+  from jaxagent.toolcalls import MAX_NESTING, nesting, parse_tool_calls
+
+  def call(depth):  # the call object and its arguments are two levels
+    value = "[" * (depth - 2) + "]" * (depth - 2)
+    return '<tool_call>{"name": "calculate", "arguments": {"expression": %s}}</tool_call>' % value
+
+  ok = parse_tool_calls(call(MAX_NESTING))
+  assert not ok.errors and nesting(ok.calls[0].arguments) == MAX_NESTING - 1
+  for depth in (MAX_NESTING + 1, 300, 5000):
+    bad = parse_tool_calls(call(depth))
+    assert not bad.calls and f"nested deeper than {MAX_NESTING} levels" in bad.errors[0]
+  assert nesting(1) == 0 and nesting({"a": [1, {"b": []}]}) == 4
+
+
 def test_guess_number_refuses_a_number_too_long_to_read():
   env = make("guess_number")
   _, steps, verdict = play(env, TaskSpec("g", "guess_number", {"secret": 7}),
