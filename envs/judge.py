@@ -19,7 +19,10 @@ the tests instead of solving the task); answers that failed are not asked about.
 a judge that answered but not in the form (it quoted a `VERDICT:` line the answer
 planted, rambled past `max_tokens`, or said nothing) has not confirmed the pass: a
 fail (`judge_unparsed` in its details), since the answer can provoke it and an
-infra_error would be a re-roll. Only failing to reach the judge is an infra_error.
+infra_error would be a re-roll. An answer too long for the judge's own prompt limit
+(its engine's `max_prefill_length`, below `max_answer_chars` in tokens) is a fail in
+both (`judge_too_long`): it would be too long on every retry. Only failing to reach
+the judge is an infra_error.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from typing import Optional
 import httpx
 
 from envs.base import Verdict, VerdictStatus
+from jaxagent.errors import PROMPT_TOO_LONG
 
-VERSION = "llm-judge-2"  # 2: under confirm, an unparsed answer is a fail
+VERSION = "llm-judge-3"  # 2: under confirm, an unparsed answer is a fail; 3: too long, a fail
 
 DEFAULT_RUBRIC = (
     "You grade an answer to a task. PASS only if the answer solves the task as stated, "
@@ -54,6 +58,10 @@ def parse_verdict(text: str) -> Optional[bool]:
 
 class _Unparsed(RuntimeError):
   """The judge answered, but not with a verdict in the form."""
+
+
+class _TooLong(RuntimeError):
+  """The judge's server refused the question as longer than its prompt limit."""
 
 
 class LLMJudge:
@@ -101,6 +109,9 @@ class LLMJudge:
     r = await client.post(f"{self.url}/v1/chat/completions", json={
         "model": self.model, "messages": self.messages(task, answer), "temperature": 0.0,
         "max_tokens": self.max_tokens})
+    if r.status_code == 400 and PROMPT_TOO_LONG in r.text:
+      raise _TooLong(f"judge {self.model!r}: the answer does not fit its prompt limit: "
+                     f"{r.text[:200]}")
     if r.status_code != 200:
       raise RuntimeError(f"judge {self.model!r}: HTTP {r.status_code}: {r.text[:200]}")
     choice = r.json()["choices"][0]
@@ -117,6 +128,9 @@ class LLMJudge:
           text = await self._ask(client, task, answer)
         except _Unparsed as e:
           problem, unparsed = str(e), True
+        except _TooLong as e:  # the same on every retry: the answer cannot be judged
+          return Verdict(VerdictStatus.FAIL, 0.0, env_version, self.version,
+                         details={"judge": self.model, "error": str(e), "judge_too_long": True})
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as e:
           problem, unparsed = f"{type(e).__name__}: {e}", False
         else:
@@ -156,6 +170,8 @@ class LLMJudge:
     if judged.details.get("unparsed"):  # it answered, but did not confirm the pass
       return judged_as(VerdictStatus.FAIL, **judged.details, false_positive=False,
                        judge_unparsed=True)
+    if judged.details.get("judge_too_long"):  # a pass the judge cannot check
+      return judged_as(VerdictStatus.FAIL, **judged.details, false_positive=False)
     if judged.status == VerdictStatus.PASS:
       return judged_as(VerdictStatus.PASS, **judged.details)
     return judged_as(judged.status, **judged.details,

@@ -75,7 +75,7 @@ def test_a_served_judge_confirms_a_pass_and_catches_a_false_positive(server):
   judge = LLMJudge(server.url, "judge", max_tokens=16, rubric=RUBRIC)
   ok = asyncio.run(judge.confirm(passed(), TASK, SHOWN[HONEST]))
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0
-  assert ok.verifier_version == "python-harness-2+llm-judge-2"
+  assert ok.verifier_version == "python-harness-2+llm-judge-3"
   caught = asyncio.run(judge.confirm(passed(), TASK, SHOWN[HARD_CODED]))
   assert caught.status == VerdictStatus.FAIL and caught.reward == 0.0
   assert caught.details["false_positive"] and caught.details["judge_answer"] == "VERDICT: FAIL"
@@ -99,6 +99,21 @@ def test_a_judge_that_cannot_be_reached_is_infra_error_one_that_cannot_say_fails
   assert v.status == VerdictStatus.FAIL and v.reward == 0.0 and v.details["judge_unparsed"]
   alone = asyncio.run(babbler.grade(TASK, SHOWN[HONEST]))  # asked on its own: no verdict
   assert alone.is_infra_error and alone.details["unparsed"]
+
+
+def test_an_answer_too_long_for_the_judges_prompt_limit_is_a_fail_not_a_re_roll(server):
+  """The judge's engine refuses a prompt over its `max_prefill_length` (512 tokens here)
+  with 400 'prompt is too long'. That is the answer's doing and the same on every retry:
+  a pass padded with a 600-character comment was an infra_error (dropped and re-rolled,
+  an outage if every answer did it); it is a fail."""
+  padded = judged_answer({"solution.py": (HARD_CODED + "# " + "x" * 600 + "\n").encode()})
+  judge = LLMJudge(server.url, "judge", max_tokens=16, rubric=RUBRIC)
+  assert len(padded) < judge.max_answer_chars
+  v = asyncio.run(judge.confirm(passed(), TASK, padded))
+  assert v.status == VerdictStatus.FAIL and v.reward == 0.0 and not v.is_infra_error
+  assert v.details["judge_too_long"] and "prompt limit" in v.details["error"]
+  alone = asyncio.run(judge.grade(TASK, padded))
+  assert alone.status == VerdictStatus.FAIL and alone.details["judge_too_long"]
 
 
 def test_the_answer_is_fenced_data_and_cut_to_a_bound():
