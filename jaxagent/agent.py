@@ -659,6 +659,21 @@ async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
   return turns
 
 
+async def _clear_session(gateway_url: str, session_id: str) -> None:
+  """Deletes what the server holds under `session_id` before an episode plays it: turns
+  of an attempt that died before its record was taken (a run killed and resumed plays
+  its groups under the same ids) would be trained with this episode's reward."""
+  import httpx
+
+  try:
+    async with httpx.AsyncClient(timeout=60) as client:
+      r = await client.delete(f"{gateway_url}/sessions/{session_id}")
+  except httpx.HTTPError as e:
+    raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}")
+  if r.status_code not in (200, 404):  # 404: nothing recorded, as it should be
+    raise InfraError("server", f"clearing session {session_id!r}: HTTP {r.status_code}")
+
+
 class SamplingMismatch(Exception):
   """A black-box agent sampled turns otherwise than the run's `agent` sampling says."""
 
@@ -771,6 +786,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
           "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
 
   try:
+    await _clear_session(gateway_url, session_id)
     harness = asyncio.ensure_future(BLACKBOX_AGENTS[api](
         acting, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,

@@ -550,6 +550,30 @@ def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monk
   assert seg is first and second.num_action_tokens == 0
 
 
+def test_a_blackbox_episode_starts_its_session_afresh(random_params):
+  """Turns an attempt recorded under a session id before it died (a run killed and
+  resumed plays its groups under the same ids, on a server that outlived it) are not
+  this episode's: the red team had the dead attempt's tool call trained with the new
+  attempt's reward, and the new reply left out as an abandoned sibling."""
+  import httpx
+
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  config = AgentConfig(max_turns=1, max_new_tokens=4)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    for _ in range(2):  # the dead attempt's turns, left on the server
+      r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"X-Session-Id": "g7-0-r0"},
+                     json={"model": "policy", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "stale"}]})
+      assert r.status_code == 200
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="g7-0-r0", group_id="g", tokenizer=TOK))
+  assert not ep.infra_error, ep.reason
+  assert ep.turns == 1 and len(ep.segments) == 1
+  assert "stale" not in TOK.decode(ep.segments[0].tokens.tolist())
+
+
 @pytest.fixture(scope="module")
 def random_params():
   import jax
