@@ -804,10 +804,21 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     elif ep.verdict.get("status") != "pass" and len(turns) >= cfg.max_turns:
       ep.status, ep.reason = "truncated", "turn_cap"
     _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
-  except asyncio.TimeoutError:  # the agent's own time: truncated, scored (trained as a fail)
-    await truncated("episode_deadline")
-  except waits.WallCut:  # its wall time, waits in the crowd its own run makes and all
-    await truncated("episode_wall")
+  except (asyncio.TimeoutError, waits.WallCut) as cut:
+    # The agent's own time (waits on shared infrastructure left out), or its wall time.
+    # As in run_whitebox: spent mostly on the gateway (everything the harness did outside
+    # the environment: its calls to the server, sampling, queueing), it is the
+    # infrastructure's; mostly in the environment, the policy's: truncated, scored.
+    kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
+    elapsed = time.perf_counter() - t_start
+    server_s = max(0.0, elapsed - acting.env_s - acting.waited_s)
+    policy_s = acting.env_s + (acting.waited_s if kind == "episode_wall" else 0.0)
+    if server_s >= policy_s:
+      ep.status, ep.infra_error, ep.infra_kind = "failed", True, kind
+      ep.reason = (f"{kind}: {server_s:.1f} s on the gateway, {acting.waited_s:.1f} s on "
+                   f"sandbox slots and worker turns, {acting.env_s:.1f} s in the environment")
+    else:
+      await truncated(kind)
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   except _gateway_errors(api) as e:

@@ -550,6 +550,34 @@ def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monk
   assert seg is first and second.num_action_tokens == 0
 
 
+def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(random_params):
+  """A server that takes 1.5 s a turn against a 2.5 s deadline: the time went to the
+  gateway, not the environment, so the episode is dropped as infrastructure, as
+  run_whitebox does (before, it was a truncation trained with reward 0; red team)."""
+  import time as time_mod
+
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
+  with running_server(random_params, TOK, version=4) as (srv, orch):
+    asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,  # compiles
+                             session_id="bb-warm", group_id="g"))
+    submit = orch.submit
+
+    def slow_submit(*args, **kw):
+      time_mod.sleep(1.5)
+      return submit(*args, **kw)
+
+    orch.submit = slow_submit
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  dataclasses.replace(config, episode_deadline_s=2.5),
+                                  session_id="bb-slow-server", group_id="g"))
+    orch.submit = submit
+  assert ep.infra_error and ep.infra_kind == "episode_deadline", (ep.status, ep.reason)
+  assert "on the gateway" in ep.reason and not ep.segments
+
+
 def test_a_blackbox_episode_starts_its_session_afresh(random_params):
   """Turns an attempt recorded under a session id before it died (a run killed and
   resumed plays its groups under the same ids, on a server that outlived it) are not
