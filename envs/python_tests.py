@@ -11,8 +11,12 @@ are capped (`Limits.write_bytes`) and written off the event loop.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import json
 import re
+import tokenize
+import unicodedata
 from typing import Optional
 
 from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict,
@@ -32,12 +36,30 @@ BY_NAME = {t[0]: t for t in TASKS}
 
 def judged_answer(files: dict[str, bytes]) -> str:
   """What a judge is shown of a solution: every file the tests ran with, named
-  (solution.py first), so nothing the tests used is hidden from it."""
+  (solution.py first), so nothing the tests used is hidden from it. Each file starts
+  after a header line tagged from a hash of them all, which no file can write ahead of
+  time: a `### test_public.py` line inside solution.py cannot pass for a file of its own."""
   names = sorted(files, key=lambda n: (n != "solution.py", n))
   # Line ends as Python reads them (a lone carriage return ends a line there, so code
   # after one in a comment runs): the judge sees the lines that run.
-  return "\n\n".join(f"### {n}\n" + files[n].decode("utf-8", "replace").replace(
-      "\r\n", "\n").replace("\r", "\n") for n in names)
+  texts = [files[n].decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
+           for n in names]
+  tag = "FILE-" + hashlib.sha256(json.dumps([names, texts]).encode()).hexdigest()[:12]
+  return (f"{len(names)} file(s), each after a line '{tag} <name>':\n\n"
+          + "\n\n".join(f"{tag} {n}\n{t}" for n, t in zip(names, texts)))
+
+
+def _unnormalized_name(text: str) -> Optional[str]:
+  """An identifier Python would read as another (it folds names to NFKC: a `def` of
+  mathematical bold letters rebinds the plain name), or None. A file that does not
+  tokenize is left to the tests."""
+  try:
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+      if tok.type == tokenize.NAME and unicodedata.normalize("NFKC", tok.string) != tok.string:
+        return tok.string
+  except (tokenize.TokenError, SyntaxError):
+    pass
+  return None
 
 
 # Compiled code Python would import in place of a source file: bytecode, extension
@@ -55,7 +77,7 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   """Why these files cannot be graded as written, or None. What the judge reads must
   be what Python runs: every graded file must be UTF-8 text under a printable UTF-8
   name (a newline in a name could forge a file header in the judge's view), with no
-  bidirectional controls, and no file may declare another source encoding (PEP 263:
+  bidirectional controls or names Python reads as others (NFKC), and no file may declare another source encoding (PEP 263:
   Python would run what a `# coding: utf-7` line decodes, and a loader can run any
   file as source, while the judge sees the raw text, so a hard-coded answer could
   hide in a comment). `module` must not be both a package and a module (the package
@@ -73,6 +95,10 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
       return f"{name} is not UTF-8 text"
     if _BIDI.search(text):
       return f"{name} holds Unicode bidirectional controls"
+    odd = _unnormalized_name(text) if name.endswith(".py") else None
+    if odd is not None:
+      return (f"{name}: the name {odd!r} is not what Python reads "
+              f"({unicodedata.normalize('NFKC', odd)!r})")
     for line in data.splitlines()[:2]:
       m = _CODING.match(line)
       if m and m.group(1).lower().replace(b"_", b"-") not in (b"utf-8", b"utf8"):
@@ -97,7 +123,7 @@ def _output(result) -> str:
 class PythonTests(Env):
   # 2: hidden cases compared on the host; the verdict pays the reward. 3: files must be
   # UTF-8 text, fit the quota as read, and (with a judge) be shown whole.
-  version = "3"
+  version = "4"  # 4: look-alike names refused; the judge's file headers are tagged
   verifier_version = PythonTestVerifier.version
   needs_resources = True
 
