@@ -46,15 +46,34 @@ class TaskSpec:
     return dataclasses.asdict(self)
 
 
+# What an environment's `reset` raises for a task whose parameters have the wrong type or
+# shape (`low: [1]`, a question with a stray `{0}`): the task data's fault, not a bug of
+# the code and not the infrastructure's (`jaxagent.errors.TaskError`).
+BAD_TASK = (ValueError, TypeError, KeyError, IndexError)
+
+
+def _not_a_number(name: str):
+  raise ValueError(f"{name} is not a number a task may hold")
+
+
+def _finite_number(literal: str) -> float:
+  value = float(literal)
+  if not math.isfinite(value):
+    raise ValueError(f"{literal[:20]} overflows a float")
+  return value
+
+
 def load_tasks(path: str) -> list[TaskSpec]:
-  """Reads a JSONL task file; errors name the line."""
+  """Reads a JSONL task file; errors name the line. NaN, Infinity and numbers that
+  overflow a float are refused (a `process_reward: NaN` reached the advantages)."""
   tasks = []
   with open(path) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
-        tasks.append(TaskSpec.from_dict(json.loads(line)))
+        tasks.append(TaskSpec.from_dict(json.loads(line, parse_constant=_not_a_number,
+                                                   parse_float=_finite_number)))
       except (ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}:{n}: {e}") from None
   return tasks
@@ -148,6 +167,9 @@ def trained_rewards(step_rewards: list[float], verdict: "Verdict | dict") -> lis
   terminal = float(verdict.reward if isinstance(verdict, Verdict) else verdict.get("reward", 0.0))
   rewards = [float(r) for r in step_rewards] or [0.0]
   rewards[-1] += terminal
+  if not all(math.isfinite(r) for r in rewards):  # an environment's bug: the run stops
+    raise ValueError(f"rewards must be finite numbers: steps {list(step_rewards)}, "
+                     f"verdict {terminal}")
   return rewards
 
 
@@ -158,6 +180,14 @@ class StepResult:
   terminated: bool
   truncated: bool
   info: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    try:
+      finite = math.isfinite(float(self.reward))
+    except (TypeError, ValueError):
+      finite = False
+    if not finite:  # an environment's bug (or its task data's): named, never trained
+      raise ValueError(f"a step's reward must be a finite number, got {self.reward!r}")
 
 
 class Env(abc.ABC):

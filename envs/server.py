@@ -49,8 +49,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from envs import waits
-from envs.base import (EnvResources, Observation, StepResult, TaskSpec, Verdict, VerdictStatus,
-                       json_safe, make)
+from envs.base import (BAD_TASK, EnvResources, Observation, StepResult, TaskSpec, Verdict,
+                       VerdictStatus, json_safe, make)
 from jaxagent.errors import InfraError
 
 
@@ -266,8 +266,10 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       env = make(task.env, resources)
       try:
         obs = await env.reset(task)
-      except BaseException:  # failed or abandoned (deadline): nothing is kept
+      except BaseException as e:  # failed or abandoned (deadline): nothing is kept
         await waits.to_the_end(env.close())
+        if isinstance(e, BAD_TASK):  # parameters of the wrong type or shape: the task's
+          raise ValueError(f"task {task.id!r} cannot start: {type(e).__name__}: {e}") from e
         raise
       sessions[sid] = _Session(env, task, asyncio.Lock(), time.time())
       n_sessions.set(len(sessions))
@@ -316,6 +318,14 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
 
   app.state.sessions = sessions
   return app
+
+
+class _Refused(RuntimeError):
+  """The worker refused a call (4xx): a bad call of ours, or a task that cannot start."""
+
+  def __init__(self, status_code: int, message: str):
+    super().__init__(message)
+    self.status_code = status_code
 
 
 class SessionLost(InfraError):
@@ -367,7 +377,7 @@ class RemoteEnv:
       message = f"env worker {self.url}{path}: {r.status_code}: {detail}"
       if r.status_code >= 500:
         raise InfraError("env_worker", message)
-      raise RuntimeError(message)
+      raise _Refused(r.status_code, message)
     out = r.json()
     if isinstance(out, dict):
       self.infra_wait_s += float(out.get("infra_wait_s", 0.0))
@@ -392,7 +402,12 @@ class RemoteEnv:
   async def reset(self, task: TaskSpec) -> Observation:
     if self.session_id is not None:
       await self.close()
-    out = await self._call("POST", "/sessions", json={"task": task.to_dict()})
+    try:
+      out = await self._call("POST", "/sessions", json={"task": task.to_dict()})
+    except _Refused as e:
+      if e.status_code == 400:  # the task cannot start (TaskError, as in process)
+        raise ValueError(str(e)) from None
+      raise
     self.session_id = out["session_id"]
     self.done = False
     return Observation(**out["observation"])

@@ -27,7 +27,7 @@ import time
 import zlib
 from typing import Any, Awaitable, Optional
 
-from envs.base import trained_rewards
+from envs.base import BAD_TASK, trained_rewards
 from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
@@ -312,8 +312,8 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     nonlocal status, reason
     try:
       obs = await measured.reset(task)
-    except ValueError as e:  # the task's parameters (as environments report them)
-      raise TaskError(f"task {task.id!r} ({task.env}): {e}") from e
+    except BAD_TASK as e:  # the task's parameters (as environments report them)
+      raise TaskError(f"task {task.id!r} ({task.env}): {type(e).__name__}: {e}") from e
     messages, tools = list(obs.messages), list(obs.tools) or None
     offered[:] = tools or []
     prompt = None

@@ -222,6 +222,30 @@ def test_task_files_and_registry(tmp_path):
     make("python_tests")
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_reward_that_is_not_a_finite_number_never_reaches_the_learner(tmp_path, literal):
+  """`process_reward: NaN` in a task file made every advantage of its group NaN (red
+  team): task files refuse such numbers, and a step reward or trained reward that is
+  not finite (a task built in code, an environment's bug) is an error naming it."""
+  from envs.base import StepResult, Observation, trained_rewards
+
+  path = tmp_path / "t.jsonl"
+  path.write_text('{"id": "g", "env": "guess_number", "params": {"secret": 5}}\n'
+                  '{"id": "h", "env": "guess_number", "params": {"secret": 5, '
+                  f'"process_reward": {literal}}}}}\n')
+  with pytest.raises(ValueError, match="t.jsonl:2: .*(not a number a task may hold|overflows)"):
+    load_tasks(str(path))
+  env = make("guess_number")
+  asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5,
+                                                        "process_reward": float(literal)})))
+  with pytest.raises(ValueError, match="a step's reward must be a finite number"):
+    asyncio.run(env.step("8"))
+  with pytest.raises(ValueError, match="finite"):
+    StepResult(Observation([]), float("nan"), False, False)
+  with pytest.raises(ValueError, match="rewards must be finite numbers"):
+    trained_rewards([0.0, float(literal)], {"status": "pass", "reward": 1.0})
+
+
 def test_filter_cli_keeps_good_tasks_and_says_why_it_drops(tmp_path):
   tasks = [
       TaskSpec("ok", "guess_number", {"secret": 5}),

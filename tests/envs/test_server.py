@@ -161,6 +161,23 @@ def test_bad_requests_and_limits(worker):
   assert r.status_code == 400 and "nope" in r.text
   r = c.post("/sessions", json={"tusk": {}})
   assert r.status_code == 422
+  # Parameters of the wrong type or shape are the task's fault (400), not the worker's
+  # (a 500 read as an infrastructure failure: retried and dropped; red team).
+  for params, err in (({"low": [1]}, "TypeError"), ({"prompt": "{x}"}, "KeyError")):
+    r = c.post("/sessions", json={"task": {"id": "t", "env": "guess_number", "params": params}})
+    assert r.status_code == 400 and "task 't' cannot start" in r.text and err in r.text, r.text
+  r = c.post("/sessions", json={"task": {"id": "t", "env": "calculator",
+                                         "params": {"expression": "1", "question": "{0}"}}})
+  assert r.status_code == 400 and "IndexError" in r.text
+
+  async def remote_reset():
+    env = RemoteEnv(worker.url)
+    try:
+      await env.reset(TaskSpec("t", "guess_number", {"low": [1]}))
+    finally:
+      await env.aclose()
+  with pytest.raises(ValueError, match="cannot start: TypeError"):  # TaskError to the agent
+    asyncio.run(remote_reset())
   ids = [c.post("/sessions", json={"task": {"id": f"g{i}", "env": "guess_number"}}).json()
          for i in range(4)]
   r = c.post("/sessions", json={"task": {"id": "g5", "env": "guess_number"}})
