@@ -26,6 +26,7 @@ import json
 import time
 import zlib
 from typing import Any, Awaitable, Optional
+from urllib.parse import quote
 
 from envs.base import BAD_TASK, trained_rewards
 from envs import waits
@@ -652,10 +653,10 @@ async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
   import httpx
 
   async with httpx.AsyncClient(timeout=60) as client:
-    r = await client.get(f"{gateway_url}/sessions/{session_id}")
+    r = await client.get(f"{gateway_url}/sessions/{quote(session_id)}")
     r.raise_for_status()
     turns = r.json()["turns"]
-    await client.delete(f"{gateway_url}/sessions/{session_id}")
+    await client.delete(f"{gateway_url}/sessions/{quote(session_id)}")
   return turns
 
 
@@ -667,7 +668,7 @@ async def _clear_session(gateway_url: str, session_id: str) -> None:
 
   try:
     async with httpx.AsyncClient(timeout=60) as client:
-      r = await client.delete(f"{gateway_url}/sessions/{session_id}")
+      r = await client.delete(f"{gateway_url}/sessions/{quote(session_id)}")
   except httpx.HTTPError as e:
     raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}")
   if r.status_code not in (200, 404):  # 404: nothing recorded, as it should be

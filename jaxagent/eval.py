@@ -9,8 +9,11 @@ calls, invalid tool calls and episode latency p50/p95/p99. Writes a JSON report
 worker down) is played again twice, then left out of every figure and counted.
 
 The policy is served in process (an engine built from the run's `config.json`, loaded
-with the export's weights) or by a running server (`--server URL`, which must serve
-that policy). Each task is played max(k) times (`--samples` to play more) at the run's
+with the export's weights, with the models served beside it and a gateway where the
+run has them) or by a running server (`--server URL`, which must serve that policy).
+Episodes are played as the run plays them: its built-in agent, or its black-box
+harness (`agent.kind`) through the gateway; with `env.judge`, passes are shown to the
+judge as in training. Each task is played max(k) times (`--samples` to play more) at the run's
 temperature, or once greedily with `--greedy` (then only pass@1). Sampling seeds
 follow from the task and sample index, so a report is reproducible.
 """
@@ -104,6 +107,18 @@ async def evaluate(tasks, play, samples: int, concurrency: int = 64, retries: in
   return out
 
 
+async def play_as_configured(env, task, serving, tokenizer, agent, session_id: str):
+  """One held-out episode played as the run plays its own (`agent.kind`): the built-in
+  agent against the engine, or the black-box harness through the gateway."""
+  from jaxagent.agent import BLACKBOX_AGENTS, run_blackbox, run_whitebox
+
+  if agent.kind in BLACKBOX_AGENTS:
+    return await run_blackbox(env, task, serving.gateway_url, agent, session_id=session_id,
+                              group_id="eval", tokenizer=tokenizer, api=agent.kind)
+  return await run_whitebox(env, task, serving.client, tokenizer, agent,
+                            session_id=session_id, group_id="eval")
+
+
 def _num(x) -> float:
   return float("nan") if x is None else x
 
@@ -142,13 +157,15 @@ def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
 
 async def run(args) -> dict:
   from envs.base import load_tasks
-  from jaxagent.agent import run_whitebox
   from jaxagent.build import build_model
   from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
-  from jaxagent.train import make_env_factory, task_tools
+  from jaxagent.train import Serving, attach_judge, make_env_factory, task_tools
   from rollout_server.serving import resolve_policy
 
   cfg = run_config_of(args.policy, args.config)
+  # The run's own servers (serving.urls) are not this eval's: --server, or in process.
+  cfg = dataclasses.replace(cfg, serving=dataclasses.replace(
+      cfg.serving, urls=[args.server] if args.server else []))
   ks = sorted({int(k) for k in args.k.split(",")}) if not args.greedy else [1]
   samples = 1 if args.greedy else max(args.samples or 0, max(ks))
   agent = dataclasses.replace(cfg.agent, temperature=0.0 if args.greedy else
@@ -159,7 +176,7 @@ async def run(args) -> dict:
     tasks = tasks[:args.limit]
   env_factory, close_envs = make_env_factory(cfg)
   path, version = resolve_policy(args.policy, None)
-  orch = None
+  serving = None
   try:
     try:
       tools = await task_tools(args.tasks, env_factory)
@@ -167,32 +184,25 @@ async def run(args) -> dict:
       raise config_lib.ConfigError(f"--tasks: {e}") from None
     mesh = make_mesh()
     model_cfg, _, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES, tools=tools)
-    if args.server:
-      from rollout_server.client import HttpClient
-
-      client = HttpClient(args.server)
-    else:
-      from rollout_server.client import LocalClient
-      from rollout_server.serving import make_engine, start_orchestrator
-
-      engine = make_engine(model_cfg, cfg.serving.engine, mesh)
-      orch = start_orchestrator(engine, engine.load_params(path=path, version=version),
-                                cfg.serving.engine)
-      client = LocalClient(orch, engine)
+    # Served as the run serves it: the policy (in process, or --server), the models
+    # beside it (a judge), a gateway for a black-box agent.
+    serving = Serving(cfg, model_cfg, None, tokenizer, mesh, policy=(path, version))
+    attach_judge(cfg, env_factory, serving)
 
     async def play(task, session_id):
-      return await run_whitebox(env_factory(task), task, client, tokenizer, agent,
-                                session_id=session_id, group_id="eval")
+      return await play_as_configured(env_factory(task), task, serving, tokenizer, agent,
+                                      session_id)
 
     t0 = time.time()
     by_task = await evaluate(tasks, play, samples)
     rep = report(by_task, ks)
   finally:
-    if orch is not None:
-      orch.stop()
+    if serving is not None:
+      await serving.close()
     close_envs()
   rep.update(policy=path, policy_version=version, tasks_file=args.tasks, samples=samples,
-             temperature=agent.temperature, k=ks, wall_s=round(time.time() - t0, 2))
+             temperature=agent.temperature, agent=agent.kind, k=ks,
+             wall_s=round(time.time() - t0, 2))
   return rep
 
 

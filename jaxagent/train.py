@@ -75,9 +75,12 @@ def parse_args(argv=None):
 
 
 class Serving:
-  """The rollout side of a run: an engine client, and a gateway URL for black-box agents."""
+  """The rollout side of a run: an engine client, and a gateway URL for black-box agents
+  (and the judge). The in-process engine starts from `params`, or from the policy
+  export `policy` = (path, version)."""
 
-  def __init__(self, cfg: config_lib.RunConfig, model_cfg, params, tokenizer, mesh):
+  def __init__(self, cfg: config_lib.RunConfig, model_cfg, params, tokenizer, mesh, *,
+               policy: Optional[tuple[str, int]] = None):
     from rollout_server.client import HttpClient, LocalClient
     from rollout_server.serving import ServerThread
 
@@ -100,7 +103,8 @@ class Serving:
     from rollout_server.server import create_app
 
     engine = make_engine(model_cfg, s.engine, mesh)
-    sample_params = jax.device_put(params, engine.weight_shardings)
+    first = (engine.load_params(path=policy[0], version=policy[1]) if policy is not None
+             else engine.load_params(jax.device_put(params, engine.weight_shardings), version=0))
     self.models = build_served_models(s.models, mesh)
     for name, m in self.models.items():  # scored tokens must mean the same to both
       if m.engine.vocab_size != model_cfg.vocab_size:
@@ -108,8 +112,7 @@ class Serving:
         raise config_lib.ConfigError(
             f"serving.models.{name}: vocabulary of {m.engine.vocab_size} tokens, the "
             f"policy's has {model_cfg.vocab_size}")
-    self.orch = start_orchestrator(engine, engine.load_params(sample_params, version=0),
-                                   s.engine)
+    self.orch = start_orchestrator(engine, first, s.engine)
     self.client = LocalClient(self.orch, engine, models=self.models)
     self.gateway_url = None
     # The gateway serves black-box agents, and the judge of in-process environments.
@@ -167,6 +170,16 @@ def make_env_factory(cfg: config_lib.RunConfig):
   factory = lambda task: delayed(make(task.env, resources))  # noqa: E731
   factory.resources = resources
   return factory, resources.close
+
+
+def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving) -> None:
+  """With `env.judge`, in-process environments show their passes to the served judge."""
+  if cfg.env.judge:
+    from envs.judge import DEFAULT_RUBRIC, LLMJudge
+
+    env_factory.resources.judge = LLMJudge(cfg.env.judge_url or serving.gateway_url,
+                                           cfg.env.judge,
+                                           rubric=cfg.env.judge_rubric or DEFAULT_RUBRIC)
 
 
 async def task_tools(path: str, env_factory) -> list[dict]:
@@ -609,12 +622,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # it starts from (and is updated with) are the whole values, gathered from every one.
   serving = Serving(cfg, model_cfg, distributed.host_copy(state.params), tokenizer,
                     serving_mesh)
-  if cfg.env.judge:  # environments show their passes to the served judge
-    from envs.judge import DEFAULT_RUBRIC, LLMJudge
-
-    env_factory.resources.judge = LLMJudge(cfg.env.judge_url or serving.gateway_url,
-                                           cfg.env.judge,
-                                           rubric=cfg.env.judge_rubric or DEFAULT_RUBRIC)
+  attach_judge(cfg, env_factory, serving)
   exported = None  # the policy version last exported
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     # Exported again on a resume: an export under this version may be a stopped run's.
@@ -650,8 +658,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     held_out = load_tasks(e.tasks)[:e.limit or None]
 
     async def play_eval(task, session_id):
-      return await run_whitebox(env_factory(task), task, serving.client, tokenizer, agent,
-                                session_id=session_id, group_id="eval")
+      return await eval_lib.play_as_configured(env_factory(task), task, serving, tokenizer,
+                                               agent, session_id)
 
     by_task = await eval_lib.evaluate(held_out, play_eval, 1 if e.greedy else e.samples)
     rep = eval_lib.report(by_task, e.k)

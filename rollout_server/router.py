@@ -26,6 +26,7 @@ import re
 import sys
 import uuid
 from typing import Optional, Sequence
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -124,7 +125,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       cursors.popitem(last=False)
     n = seen.get(backend, 0)
     try:
-      r = await client().get(f"{backend}/sessions/{session_id}", params={"since": n},
+      r = await client().get(f"{backend}/sessions/{quote(session_id)}", params={"since": n},
                              timeout=10.0)
       if r.status_code != 200:
         return
@@ -221,7 +222,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return JSONResponse({"results": out, "version": policy["version"], "ok": ok},
                           status_code=200 if ok else 502)
 
-  @app.get("/sessions/{session_id}")
+  @app.get("/sessions/{session_id:path}")
   async def get_session(session_id: str, request: Request):
     """The router's copy of the session, brought up to date from its live backends."""
     holders = list(cursors.get(session_id, {})) or ring.candidates(session_id)[:1]
@@ -232,13 +233,13 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     since = int(request.query_params.get("since", 0) or 0)
     return {"session_id": session_id, "turns": turns[since:]}
 
-  @app.delete("/sessions/{session_id}")
+  @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):
     holders = cursors.pop(session_id, {})
     had = sessions.pop(session_id) is not None
     for b in holders:
       with contextlib.suppress(httpx.HTTPError):
-        await client().delete(f"{b}/sessions/{session_id}")
+        await client().delete(f"{b}/sessions/{quote(session_id)}")
     if not had:
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "deleted": True}

@@ -340,7 +340,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       report = await loop.run_in_executor(None, target.update_weights, params, mode)
     return {**report, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
-  @app.get("/sessions/{session_id}")
+  @app.get("/sessions/{session_id:path}")
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
     """The session's recorded turns (from turn `since` on: a router copies new ones)."""
     turns = sessions.get(session_id)
@@ -348,7 +348,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       raise HTTPException(404, f"no session {session_id!r}")
     return {"session_id": session_id, "turns": turns[since:]}
 
-  @app.delete("/sessions/{session_id}")
+  @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):
     if sessions.pop(session_id) is None:
       raise HTTPException(404, f"no session {session_id!r}")

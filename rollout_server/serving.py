@@ -152,8 +152,10 @@ class ServerThread:
   """Serves an ASGI app with uvicorn on `host:port` (0: any free port) in a thread."""
 
   def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    # log_config None: uvicorn leaves the process's logging alone (its own config binds
+    # handlers to the sys.stderr of the moment, which a caller may close: pytest's capture).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, log_config=None)
     self.server = uvicorn.Server(config)
     self.host = host
     self._thread = threading.Thread(target=self.server.run, daemon=True, name="uvicorn")

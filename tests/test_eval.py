@@ -90,6 +90,21 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   assert os.path.exists(os.path.join(run_dir, "policy",
                                      "eval-guess_number_heldout-greedy-first2.json"))
   capsys.readouterr()
+  # A run whose agent is a black-box harness is evaluated with that harness, through a
+  # gateway the eval serves (before, always with the built-in agent).
+  with open(os.path.join(run_dir, "config.json")) as f:
+    blackbox = json.load(f)
+  blackbox["agent"]["kind"] = "openai"
+  (tmp_path / "blackbox.json").write_text(json.dumps(blackbox))
+  bb_out = str(tmp_path / "bb.json")
+  assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
+                        "--greedy", "--limit", "2", "--config", str(tmp_path / "blackbox.json"),
+                        "--out", bb_out]) == 0
+  with open(bb_out) as f:
+    rep = json.load(f)
+  assert rep["agent"] == "openai" and rep["overall"]["episodes"] == 2
+  assert rep["overall"]["infra_errors"] == 0 and rep["overall"]["turns_mean"] >= 1
+  capsys.readouterr()
   # A server that is not there: episodes are infrastructure failures, never scored 0,
   # and nothing to report is an error (no report overwritten).
   assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,

@@ -49,6 +49,14 @@ def test_sessions_stick_and_fail_over(random_params, tokenizer):
     # The session's record lives where its turns ran; the router finds it.
     turns = c.get("/sessions/session-0").json()["turns"]
     assert len(turns) == 3
+    # Session ids hold task ids (`eval-python_tests/add-0`): a slash, or any character,
+    # quoted, reaches the record through the router and its backend alike.
+    from urllib.parse import quote
+    odd = "eval-guess_number/1-0-0 ?#%"
+    assert c.post("/generate", json=body, headers={"X-Session-Id": odd}).status_code == 200
+    assert len(c.get(f"/sessions/{quote(odd)}").json()["turns"]) == 1
+    assert c.delete(f"/sessions/{quote(odd)}").status_code == 200
+    assert c.get(f"/sessions/{quote(odd)}").status_code == 404
     assert c.get("/router/health").json()["backends"][0]["healthy"]
 
     # Take down the server of session-0: its next turn fails over to the other one.
