@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import json
 import re
-import tokenize
 import unicodedata
 from typing import Optional
 
@@ -49,16 +47,14 @@ def judged_answer(files: dict[str, bytes]) -> str:
           + "\n\n".join(f"{tag} {n}\n{t}" for n, t in zip(names, texts)))
 
 
-def _unnormalized_name(text: str) -> Optional[str]:
-  """An identifier Python would read as another (it folds names to NFKC: a `def` of
-  mathematical bold letters rebinds the plain name), or None. A file that does not
-  tokenize is left to the tests."""
-  try:
-    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-      if tok.type == tokenize.NAME and unicodedata.normalize("NFKC", tok.string) != tok.string:
-        return tok.string
-  except (tokenize.TokenError, SyntaxError):
-    pass
+def _unnormalized_char(text: str) -> Optional[str]:
+  """A character that Python, in a name, reads as another (it folds identifiers to NFKC:
+  a `def` in mathematical bold letters rebinds the plain name), or None. Looked for
+  anywhere in the text, not by tokens: an f-string or a character the tokenizer does
+  not know would hide it from them."""
+  for ch in sorted({c for c in text if ord(c) > 127}):
+    if ("a" + ch).isidentifier() and unicodedata.normalize("NFKC", ch) != ch:
+      return ch
   return None
 
 
@@ -77,10 +73,11 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   """Why these files cannot be graded as written, or None. What the judge reads must
   be what Python runs: every graded file must be UTF-8 text under a printable UTF-8
   name (a newline in a name could forge a file header in the judge's view), with no
-  bidirectional controls or names Python reads as others (NFKC), and no file may declare another source encoding (PEP 263:
-  Python would run what a `# coding: utf-7` line decodes, and a loader can run any
-  file as source, while the judge sees the raw text, so a hard-coded answer could
-  hide in a comment). `module` must not be both a package and a module (the package
+  bidirectional controls, no Python file may hold characters a name would read as
+  others (NFKC), and no file may declare another source encoding (PEP 263: Python
+  would run what a `# coding: utf-7` line decodes, and a loader can run any file as
+  source, while the judge sees the raw text, so a hard-coded answer could hide in a
+  comment). `module` must not be both a package and a module (the package
   is what Python imports)."""
   for name, data in files.items():
     try:
@@ -95,10 +92,10 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
       return f"{name} is not UTF-8 text"
     if _BIDI.search(text):
       return f"{name} holds Unicode bidirectional controls"
-    odd = _unnormalized_name(text) if name.endswith(".py") else None
+    odd = _unnormalized_char(text) if name.endswith(".py") else None
     if odd is not None:
-      return (f"{name}: the name {odd!r} is not what Python reads "
-              f"({unicodedata.normalize('NFKC', odd)!r})")
+      return (f"{name}: {odd!r} (U+{ord(odd):04X}) reads in a Python name as "
+              f"{unicodedata.normalize('NFKC', odd)!r}; write that")
     for line in data.splitlines()[:2]:
       m = _CODING.match(line)
       if m and m.group(1).lower().replace(b"_", b"-") not in (b"utf-8", b"utf8"):

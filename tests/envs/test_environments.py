@@ -362,6 +362,18 @@ WORKSPACE_ATTACKS = {
     "a look-alike name (NFKC)": ([_call(
         "write_file", path="solution.py",
         content="def \U0001d41a\U0001d41d\U0001d41d(a, b):\n    return a + b\n")], "fail"),
+    # ... where the tokenizer does not look: inside an f-string, or a character it does
+    # not know (U+FE33 folds to "_").
+    "a look-alike name in an f-string": ([_call(
+        "write_file", path="solution.py",
+        content="_ = f'{(\U0001d41a\U0001d41d\U0001d41d := lambda a, b: a + b)}'\n")], "fail"),
+    "a look-alike underscore": ([_call(
+        "write_file", path="solution.py",
+        content=GOOD_ADD + "def is\ufe33even(n):\n    return True\n")], "fail"),
+    # Non-ASCII names and text that read as written are fine.
+    "non-ASCII names and text": ([_call(
+        "write_file", path="solution.py",
+        content="caf\u00e9 = '\u00fcber \u6570\u5b57'\n" + GOOD_ADD)], "pass"),
     # Any file can be run as source by a loader: the encoding rule covers them all.
     "a utf-7 data file": ([
         _call("write_file", path="solution.py", content=GOOD_ADD),
