@@ -235,12 +235,20 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):
-    holders = cursors.pop(session_id, {})
+    """Deletes the session here and on every live backend: one that ran its turns may
+    hold them though this router does not know it (a restarted router, a copy evicted),
+    and the next turn's copy would bring them back."""
+    cursors.pop(session_id, None)
     had = sessions.pop(session_id) is not None
-    for b in holders:
+
+    async def delete_on(b: str) -> bool:
       with contextlib.suppress(httpx.HTTPError):
-        await client().delete(f"{b}/sessions/{quote(session_id)}")
-    if not had:
+        r = await client().delete(f"{b}/sessions/{quote(session_id)}", timeout=10.0)
+        return r.status_code == 200
+      return False
+
+    found = await asyncio.gather(*(delete_on(b) for b in ring.backends if healthy[b]))
+    if not had and not any(found):
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "deleted": True}
 

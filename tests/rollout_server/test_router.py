@@ -104,6 +104,26 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> Non
     time.sleep(0.3)
 
 
+def test_deleting_a_session_through_a_fresh_router_clears_its_backends(random_params,
+                                                                       tokenizer):
+  """A black-box episode deletes its session before it plays. Through a router that
+  restarted (it knows nothing of the session), the delete reached no backend, and the
+  next turn's copy brought the dead attempt's turns back (review)."""
+  body = {"input_ids": [1, 2, 3], "max_new_tokens": 3}
+  with running_server(random_params, tokenizer) as (srv, _):
+    with ServerThread(create_router([srv.url])) as first:
+      for _ in range(2):
+        assert httpx.post(f"{first.url}/generate", json=body, timeout=120,
+                          headers={"X-Session-Id": "g7-0-r0"}).status_code == 200
+    with ServerThread(create_router([srv.url])) as restarted:
+      c = httpx.Client(base_url=restarted.url, timeout=120)
+      assert c.delete("/sessions/g7-0-r0").status_code == 200  # the backend had it
+      assert httpx.get(f"{srv.url}/sessions/g7-0-r0").status_code == 404
+      assert c.delete("/sessions/g7-0-r0").status_code == 404  # nobody has it now
+      c.post("/generate", json=body, headers={"X-Session-Id": "g7-0-r0"})
+      assert len(c.get("/sessions/g7-0-r0").json()["turns"]) == 1
+
+
 def test_a_killed_backend_loses_no_session_and_a_returning_one_catches_up(tokenizer, tmp_path):
   """kill -9 of a real server process: its stream in flight ends with an error event, its
   sessions' records are still served by the router and continue on the other backend,
