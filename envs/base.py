@@ -47,8 +47,9 @@ class TaskSpec:
 
 
 # What an environment's `reset` raises for a task whose parameters have the wrong type or
-# shape (`low: [1]`, a question with a stray `{0}`): the task data's fault, not a bug of
-# the code and not the infrastructure's (`jaxagent.errors.TaskError`).
+# shape (`low: [1]`, a question with a stray `{0}`): taken for the task data's fault
+# (`jaxagent.errors.TaskError`, the run stops naming the task), though a bug of an
+# environment's own code that raises one of these reads the same.
 BAD_TASK = (ValueError, TypeError, KeyError, IndexError)
 
 

@@ -405,7 +405,7 @@ class RemoteEnv:
     try:
       out = await self._call("POST", "/sessions", json={"task": task.to_dict()})
     except _Refused as e:
-      if e.status_code == 400:  # the task cannot start (TaskError, as in process)
+      if e.status_code == 400 and "cannot start" in str(e):  # the task's (TaskError)
         raise ValueError(str(e)) from None
       raise
     self.session_id = out["session_id"]

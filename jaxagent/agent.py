@@ -311,10 +311,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 
   async def play():
     nonlocal status, reason
-    try:
-      obs = await measured.reset(task)
-    except BAD_TASK as e:  # the task's parameters (as environments report them)
-      raise TaskError(f"task {task.id!r} ({task.env}): {type(e).__name__}: {e}") from e
+    obs = await measured.reset(task)  # (a task that cannot start: TaskError)
     messages, tools = list(obs.messages), list(obs.tools) or None
     offered[:] = tools or []
     prompt = None
@@ -728,7 +725,10 @@ class _MeasuredEnv:
       self._clock = None
 
   async def reset(self, task):
-    return await self._measured(self.env.reset(task))
+    try:
+      return await self._measured(self.env.reset(task))
+    except BAD_TASK as e:  # the task's parameters (as environments report them)
+      raise TaskError(f"task {task.id!r} ({task.env}): {type(e).__name__}: {e}") from e
 
   async def step(self, action: str):
     self.actions.append(action)

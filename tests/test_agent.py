@@ -9,6 +9,7 @@ from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictSt
 from envs.tools import Tool, ToolSet
 from jaxagent.agent import run_blackbox, run_whitebox
 from jaxagent.config import AgentConfig
+from jaxagent.errors import TaskError
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
 from jaxagent.trajectory import CLEAN, FORK, TurnRecord
 
@@ -576,6 +577,23 @@ def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(ran
     orch.submit = submit
   assert ep.infra_error and ep.infra_kind == "episode_deadline", (ep.status, ep.reason)
   assert "on the gateway" in ep.reason and not ep.segments
+
+
+def test_a_task_that_cannot_start_is_a_task_error_for_every_agent(random_params):
+  """Parameters of the wrong type are the task's fault for the black-box harness too
+  (it raised the TypeError itself, read as a bug; review)."""
+  from rollout_server.client import LocalClient
+  from tests.rollout_server.conftest import running_server
+
+  bad = TaskSpec("t", "guess_number", {"low": [1]})
+  config = AgentConfig(max_turns=1, max_new_tokens=4)
+  with running_server(random_params, TOK, version=4) as (srv, orch):
+    with pytest.raises(TaskError, match="task 't' \\(guess_number\\): TypeError"):
+      asyncio.run(run_blackbox(make("guess_number"), bad, srv.url, config,
+                               session_id="bad-bb", group_id="g"))
+    with pytest.raises(TaskError, match="TypeError"):
+      asyncio.run(run_whitebox(make("guess_number"), bad, LocalClient(orch, orch.engine), TOK,
+                               config, session_id="bad-wb", group_id="g"))
 
 
 def test_a_blackbox_episode_starts_its_session_afresh(random_params):
