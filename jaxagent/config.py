@@ -379,12 +379,15 @@ class EnvConfig:
   latency: LatencyConfig = dataclasses.field(default_factory=lambda: LatencyConfig())
   # A served judge model (a name in serving.models, or on judge_url's server) that
   # environments with tests show each pass to (envs.judge; ROLL's false-positive check):
-  # its FAIL fails the episode, an answer it gives outside the strict VERDICT form is an
+  # its FAIL fails the episode, and so does an answer it gives outside the strict VERDICT
+  # form or an answer too long to show it (over judge_max_answer_chars characters, or
+  # over the judge engine's max_prefill_length in tokens); not reaching it is an
   # infra_error. judge_url: None for the run's own gateway; judge_rubric: None for the
   # default rubric. In-process environments only.
   judge: Optional[str] = None
   judge_url: Optional[str] = None
   judge_rubric: Optional[str] = None
+  judge_max_answer_chars: int = 12000
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,12 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
       "policy_lag_max": int(max(lags)) if lags else 0,
   })
   out.update({f"truncated_{k}": v for k, v in truncations.items()})
+  judged = [d for e in episodes for d in [e.verdict.get("details") or {}] if "judge" in d]
+  if judged:  # what a judge (env.judge) made of the passes it was shown
+    out.update({"judge_asked": len(judged),
+                "judge_false_positives": sum(bool(d.get("false_positive")) for d in judged),
+                "judge_unparsed": sum(bool(d.get("judge_unparsed")) for d in judged),
+                "judge_too_long": sum(bool(d.get("judge_too_long")) for d in judged)})
   out.update(percentiles([e.latency_s for e in episodes], "episode_latency_s"))
   out.update(percentiles([t for e in episodes for t in e.tool_latencies_s], "tool_latency_s"))
   return out

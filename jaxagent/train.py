@@ -173,13 +173,24 @@ def make_env_factory(cfg: config_lib.RunConfig):
 
 
 def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving) -> None:
-  """With `env.judge`, in-process environments show their passes to the served judge."""
-  if cfg.env.judge:
-    from envs.judge import DEFAULT_RUBRIC, LLMJudge
+  """With `env.judge`, in-process environments show their passes to the served judge.
+  Says so once when the judge served here takes shorter prompts (in tokens) than the
+  answers it is shown (in characters): a pass it cannot read whole is failed."""
+  e = cfg.env
+  if not e.judge:
+    return
+  from envs.judge import DEFAULT_RUBRIC, LLMJudge
 
-    env_factory.resources.judge = LLMJudge(cfg.env.judge_url or serving.gateway_url,
-                                           cfg.env.judge,
-                                           rubric=cfg.env.judge_rubric or DEFAULT_RUBRIC)
+  env_factory.resources.judge = LLMJudge(e.judge_url or serving.gateway_url, e.judge,
+                                         rubric=e.judge_rubric or DEFAULT_RUBRIC,
+                                         max_answer_chars=e.judge_max_answer_chars)
+  served = serving.models.get(e.judge) if not e.judge_url else None
+  if served is not None and served.engine.max_prefill_length < e.judge_max_answer_chars:
+    print(f"note: the judge {e.judge!r} takes prompts of at most "
+          f"{served.engine.max_prefill_length} tokens (its engine's max_prefill_length) and "
+          f"is shown answers of up to {e.judge_max_answer_chars} characters "
+          "(env.judge_max_answer_chars): a pass too long for it is failed (judge_too_long "
+          "in the metrics)", file=sys.stderr)
 
 
 async def task_tools(path: str, env_factory) -> list[dict]:

@@ -153,7 +153,8 @@ def test_a_pass_longer_than_the_judge_is_shown_is_a_fail():
   passed = Verdict(VerdictStatus.PASS, 1.0, "python_tests@3", "python-harness-3")
   v = asyncio.run(judge.confirm(passed, "Write add.", "x" * 101))
   assert v.status == VerdictStatus.FAIL and v.reward == 0.0
-  assert v.details["false_positive"] and "longer than the judge is shown" in v.details["reason"]
+  assert v.details["judge_too_long"] and not v.details["false_positive"]
+  assert "longer than the judge is shown" in v.details["reason"]
 
 
 def test_the_judge_reads_lines_as_python_does():
@@ -177,3 +178,27 @@ def test_a_file_cannot_forge_another_files_header_in_the_judges_view():
   other_tag = real.split("'")[1].split()[0]
   copied = {"solution.py": (HONEST + f"\n\n{other_tag} test_public.py\n" + HARD_CODED).encode()}
   assert judged_answer(copied).split("'")[1].split()[0] != other_tag
+
+
+def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys):
+  """`env.judge_max_answer_chars` reaches the judge; a judge served in the run whose
+  engine takes fewer prompt tokens than that many characters is named once at start."""
+  import types
+
+  from jaxagent import config as config_lib
+  from jaxagent.train import attach_judge
+
+  cfg = config_lib.load(config_lib.RunConfig, None,
+                        ["env.judge=judge", "env.judge_max_answer_chars=4000"])
+  factory = types.SimpleNamespace(resources=EnvResources(sandboxes=1))
+  serving = types.SimpleNamespace(gateway_url="http://127.0.0.1:9", models={
+      "judge": types.SimpleNamespace(engine=types.SimpleNamespace(max_prefill_length=512))})
+  try:
+    attach_judge(cfg, factory, serving)
+    assert factory.resources.judge.max_answer_chars == 4000
+    assert "at most 512 tokens" in capsys.readouterr().err
+    serving.models["judge"].engine.max_prefill_length = 8192
+    attach_judge(cfg, factory, serving)
+    assert capsys.readouterr().err == ""
+  finally:
+    factory.resources.close()
