@@ -64,9 +64,18 @@ def _finite_number(literal: str) -> float:
   return value
 
 
+def _float_sized_int(literal: str) -> int:
+  value = int(literal)  # (past 4300 digits Python refuses it itself: a ValueError)
+  try:
+    float(value)
+  except OverflowError:
+    raise ValueError(f"{literal[:20]}... ({len(literal)} digits) overflows a float") from None
+  return value
+
+
 def load_tasks(path: str) -> list[TaskSpec]:
-  """Reads a JSONL task file; errors name the line. NaN, Infinity and numbers that
-  overflow a float are refused (a `process_reward: NaN` reached the advantages)."""
+  """Reads a JSONL task file; errors name the line. NaN, Infinity and numbers (real or
+  whole) that overflow a float are refused (a `process_reward: NaN` reached the advantages)."""
   tasks = []
   with open(path) as f:
     for n, line in enumerate(f, 1):
@@ -74,7 +83,8 @@ def load_tasks(path: str) -> list[TaskSpec]:
         continue
       try:
         tasks.append(TaskSpec.from_dict(json.loads(line, parse_constant=_not_a_number,
-                                                   parse_float=_finite_number)))
+                                                   parse_float=_finite_number,
+                                                   parse_int=_float_sized_int)))
       except (ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}:{n}: {e}") from None
   return tasks

@@ -20,6 +20,7 @@ and propagates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -482,7 +483,8 @@ def _tool_call_text(name: str, arguments: str) -> str:
 
 async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
                            max_turns: int = 8, max_tokens: int = 32, temperature: float = 1.0,
-                           top_p: float = 1.0, top_k: int = 0) -> list[float]:
+                           top_p: float = 1.0, top_k: int = 0,
+                           turn_timeout_s: float = 600.0) -> list[float]:
   """An agent written only against the official `openai` client (it knows nothing of
   token ids): chat with the gateway, hand each reply to the environment.
 
@@ -491,6 +493,7 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
   import openai
 
   client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                              timeout=turn_timeout_s,
                               default_headers={"X-Session-Id": session_id})
   rewards: list[float] = []
   try:
@@ -552,7 +555,7 @@ def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
 async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
                               model: str = "policy", max_turns: int = 8, max_tokens: int = 32,
                               temperature: float = 1.0, top_p: float = 1.0,
-                              top_k: int = 0) -> list[float]:
+                              top_k: int = 0, turn_timeout_s: float = 600.0) -> list[float]:
   """An agent written only against the official `anthropic` client: Anthropic's messages,
   its replies' content blocks sent back as they came, `tool_use` answered by
   `tool_result`. Each reply goes to the environment as text (its tool uses in the
@@ -564,6 +567,7 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
   import anthropic
 
   client = anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0,
+                                    timeout=turn_timeout_s,
                                     default_headers={"X-Session-Id": session_id})
   rewards: list[float] = []
   try:
@@ -667,7 +671,8 @@ async def _clear_session(gateway_url: str, session_id: str) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
       r = await client.delete(f"{gateway_url}/sessions/{quote(session_id)}")
   except httpx.HTTPError as e:
-    raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}")
+    raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}"
+                     ) from e
   if r.status_code not in (200, 404):  # 404: nothing recorded, as it should be
     raise InfraError("server", f"clearing session {session_id!r}: HTTP {r.status_code}")
 
@@ -791,7 +796,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     harness = asyncio.ensure_future(BLACKBOX_AGENTS[api](
         acting, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k))
+        top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
     ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
                                          EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
                                          t_start, look_s=0.25)
@@ -818,6 +823,8 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       ep.status, ep.infra_error, ep.infra_kind = "failed", True, kind
       ep.reason = (f"{kind}: {server_s:.1f} s on the gateway, {acting.waited_s:.1f} s on "
                    f"sandbox slots and worker turns, {acting.env_s:.1f} s in the environment")
+      with contextlib.suppress(InfraError):  # its record, left on the server, is no use
+        await _clear_session(gateway_url, session_id)
     else:
       await truncated(kind)
   except InfraError as e:

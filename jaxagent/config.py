@@ -464,9 +464,11 @@ def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str) -> Con
       hint = ""
     elif close:
       hint = f"; did you mean '{close[0]}'?"
-    else:  # nothing close: say what there is
+    elif valid:  # nothing close: say what there is
       section = str(key).rpartition(".")[0]
       hint = f"; the keys of {section or 'the top level'} are {', '.join(sorted(valid))}"
+    else:
+      hint = ""
     return ConfigError(f"{source}: unknown config key '{key}': {first}{hint}")
   if isinstance(e, oc_errors.MissingMandatoryValue):
     return ConfigError(f"{source}: missing required config value '{key}'")

@@ -82,6 +82,8 @@ def _parse_block(body: str) -> Any:
   args = obj.get("arguments", {})
   if isinstance(args, str):  # some models write the arguments as a JSON string
     args = _loads(args) if args.strip() else {}
+    if nesting(args) + 1 > MAX_NESTING:  # as deep as the same call written as an object
+      raise ValueError(f"nested deeper than {MAX_NESTING} levels")
   if not isinstance(args, dict):
     raise ValueError('"arguments" must be a JSON object')
   return obj["name"], args

@@ -38,6 +38,8 @@ def test_unknown_key_names_key_and_closest(tmp_path):
     config.load(config.RunConfig, None, ["learner.xyzzy=1"])
   with pytest.raises(config.ConfigError, match=r"the keys of the top level are advantage, agent"):
     config.load(config.RunConfig, None, ["bogus=1"])
+  with pytest.raises(config.ConfigError, match=r"not in 'ServedModelConfig'$"):  # no empty list
+    config.load(config.RunConfig, None, ["serving.models.j.bogus=1"])
 
 
 def test_wrong_type_names_key(tmp_path):

@@ -222,7 +222,7 @@ def test_task_files_and_registry(tmp_path):
     make("python_tests")
 
 
-@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999", "9" * 400])
 def test_a_reward_that_is_not_a_finite_number_never_reaches_the_learner(tmp_path, literal):
   """`process_reward: NaN` in a task file made every advantage of its group NaN (red
   team): task files refuse such numbers, and a step reward or trained reward that is
@@ -235,6 +235,8 @@ def test_a_reward_that_is_not_a_finite_number_never_reaches_the_learner(tmp_path
                   f'"process_reward": {literal}}}}}\n')
   with pytest.raises(ValueError, match="t.jsonl:2: .*(not a number a task may hold|overflows)"):
     load_tasks(str(path))
+  if literal.isdigit():  # a whole number: refused above, and not a float to play with
+    return
   env = make("guess_number")
   asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5,
                                                         "process_reward": float(literal)})))
@@ -437,6 +439,13 @@ def test_tool_call_arguments_nested_past_the_bound_are_malformed():
   for depth in (MAX_NESTING + 1, 300, 5000):
     bad = parse_tool_calls(call(depth))
     assert not bad.calls and f"nested deeper than {MAX_NESTING} levels" in bad.errors[0]
+  # Arguments written as a JSON string nest as deep as the same call as an object.
+  as_string = ('<tool_call>{"name": "calculate", "arguments": %s}</tool_call>'
+               % json.dumps(json.dumps({"expression": json.loads("[" * (MAX_NESTING - 2)
+                                                                 + "]" * (MAX_NESTING - 2))})))
+  assert not parse_tool_calls(as_string).errors
+  deeper = as_string.replace("[", "[[", 1).replace("]", "]]", 1)
+  assert "nested deeper" in parse_tool_calls(deeper).errors[0]
   assert nesting(1) == 0 and nesting({"a": [1, {"b": []}]}) == 4
 
 
