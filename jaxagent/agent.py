@@ -20,7 +20,6 @@ and propagates.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -823,8 +822,6 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       ep.status, ep.infra_error, ep.infra_kind = "failed", True, kind
       ep.reason = (f"{kind}: {server_s:.1f} s on the gateway, {acting.waited_s:.1f} s on "
                    f"sandbox slots and worker turns, {acting.env_s:.1f} s in the environment")
-      with contextlib.suppress(InfraError):  # its record, left on the server, is no use
-        await _clear_session(gateway_url, session_id)
     else:
       await truncated(kind)
   except InfraError as e:

@@ -557,8 +557,6 @@ def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(ran
   run_whitebox does (before, it was a truncation trained with reward 0; red team)."""
   import time as time_mod
 
-  import httpx
-
   from tests.rollout_server.conftest import running_server
 
   task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
@@ -582,10 +580,8 @@ def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(ran
                                          dataclasses.replace(config, turn_deadline_s=0.5),
                                          session_id="bb-slow-turn", group_id="g"))
     orch.submit = submit
-    left = httpx.get(f"{srv.url}/sessions/bb-slow-server").status_code
   assert ep.infra_error and ep.infra_kind == "episode_deadline", (ep.status, ep.reason)
   assert "on the gateway" in ep.reason and not ep.segments
-  assert left == 404  # its record is not left behind on the server
   assert slow_turn.infra_error and slow_turn.infra_kind == "server", slow_turn.reason
 
 
