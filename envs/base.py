@@ -20,6 +20,7 @@ import json
 import math
 from typing import Any, Callable, Optional
 
+from jaxagent.toolcalls import FINITE_JSON
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
@@ -53,17 +54,6 @@ class TaskSpec:
 BAD_TASK = (ValueError, TypeError, KeyError, IndexError)
 
 
-def _not_a_number(name: str):
-  raise ValueError(f"{name} is not a number a task may hold")
-
-
-def _finite_number(literal: str) -> float:
-  value = float(literal)
-  if not math.isfinite(value):
-    raise ValueError(f"{literal[:20]} overflows a float")
-  return value
-
-
 def _float_sized_int(literal: str) -> int:
   value = int(literal)  # (past 4300 digits Python refuses it itself: a ValueError)
   try:
@@ -82,8 +72,7 @@ def load_tasks(path: str) -> list[TaskSpec]:
       if not line.strip():
         continue
       try:
-        tasks.append(TaskSpec.from_dict(json.loads(line, parse_constant=_not_a_number,
-                                                   parse_float=_finite_number,
+        tasks.append(TaskSpec.from_dict(json.loads(line, **FINITE_JSON,
                                                    parse_int=_float_sized_int)))
       except (ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}:{n}: {e}") from None

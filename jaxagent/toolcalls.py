@@ -38,7 +38,7 @@ class ParsedOutput:
 
 
 def _no_constant(name: str):
-  raise ValueError(f"{name} is not JSON (a tool call's arguments must be plain JSON)")
+  raise ValueError(f"{name} is not plain JSON (finite numbers only)")
 
 
 def _finite(literal: str) -> float:
@@ -46,6 +46,11 @@ def _finite(literal: str) -> float:
   if not math.isfinite(value):
     raise ValueError(f"{literal[:20]}... overflows a float (not JSON that can be sent back)")
   return value
+
+
+# `json.loads` keywords that refuse what Python's json takes beyond plain JSON: NaN,
+# Infinity, and numbers that overflow a float (`1e999` reads as infinity).
+FINITE_JSON = {"parse_constant": _no_constant, "parse_float": _finite}
 
 
 def nesting(obj: Any) -> int:
@@ -64,7 +69,7 @@ def _loads(text: str) -> Any:
   HTTP body can carry) and nesting deeper than MAX_NESTING (an agent's own client, a
   harness's SDK, may fail to serialise it back: pydantic stops at a few hundred)."""
   try:
-    obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    obj = json.loads(text, **FINITE_JSON)
     json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
   except RecursionError:
     raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None

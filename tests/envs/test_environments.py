@@ -233,7 +233,7 @@ def test_a_reward_that_is_not_a_finite_number_never_reaches_the_learner(tmp_path
   path.write_text('{"id": "g", "env": "guess_number", "params": {"secret": 5}}\n'
                   '{"id": "h", "env": "guess_number", "params": {"secret": 5, '
                   f'"process_reward": {literal}}}}}\n')
-  with pytest.raises(ValueError, match="t.jsonl:2: .*(not a number a task may hold|overflows)"):
+  with pytest.raises(ValueError, match="t.jsonl:2: .*(not plain JSON|overflows)"):
     load_tasks(str(path))
   if literal.isdigit():  # a whole number: refused above, and not a float to play with
     return
