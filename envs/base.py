@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from jaxagent.toolcalls import FINITE_JSON
 
+
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
   """One task: which environment, its parameters, and the task's version."""
