@@ -73,12 +73,12 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   """Why these files cannot be graded as written, or None. What the judge reads must
   be what Python runs: every graded file must be UTF-8 text under a printable UTF-8
   name (a newline in a name could forge a file header in the judge's view), with no
-  bidirectional controls, no Python file may hold characters a name would read as
-  others (NFKC), and no file may declare another source encoding (PEP 263: Python
-  would run what a `# coding: utf-7` line decodes, and a loader can run any file as
-  source, while the judge sees the raw text, so a hard-coded answer could hide in a
-  comment). `module` must not be both a package and a module (the package
-  is what Python imports)."""
+  bidirectional controls, no file may hold characters a name would read as others
+  (NFKC; in strings and comments too, where an `exec` or a loader finds them), and no
+  file may declare another source encoding (PEP 263: Python would run what a
+  `# coding: utf-7` line decodes, and a loader can run any file as source, while the
+  judge sees the raw text, so a hard-coded answer could hide in a comment). `module`
+  must not be both a package and a module (the package is what Python imports)."""
   for name, data in files.items():
     try:
       name.encode("utf-8")
@@ -92,7 +92,7 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
       return f"{name} is not UTF-8 text"
     if _BIDI.search(text):
       return f"{name} holds Unicode bidirectional controls"
-    odd = _unnormalized_char(text) if name.endswith(".py") else None
+    odd = _unnormalized_char(text)  # in any file: a loader can run any file as source
     if odd is not None:
       return (f"{name}: {odd!r} (U+{ord(odd):04X}) reads in a Python name as "
               f"{unicodedata.normalize('NFKC', odd)!r}; write that")

@@ -653,10 +653,10 @@ async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
   import httpx
 
   async with httpx.AsyncClient(timeout=60) as client:
-    r = await client.get(f"{gateway_url}/sessions/{quote(session_id)}")
+    r = await client.get(f"{gateway_url}/sessions/{quote(session_id, safe='')}")
     r.raise_for_status()
     turns = r.json()["turns"]
-    await client.delete(f"{gateway_url}/sessions/{quote(session_id)}")
+    await client.delete(f"{gateway_url}/sessions/{quote(session_id, safe='')}")
   return turns
 
 
@@ -668,7 +668,7 @@ async def _clear_session(gateway_url: str, session_id: str) -> None:
 
   try:
     async with httpx.AsyncClient(timeout=60) as client:
-      r = await client.delete(f"{gateway_url}/sessions/{quote(session_id)}")
+      r = await client.delete(f"{gateway_url}/sessions/{quote(session_id, safe='')}")
   except httpx.HTTPError as e:
     raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}"
                      ) from e
@@ -777,13 +777,16 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   acting = _MeasuredEnv(env)
+  # The id as it travels in a header (ASCII only; eval ids hold task ids).
+  wire_id = session_id if session_id.isascii() and session_id.isprintable() \
+      else quote(session_id, safe="")
 
   async def truncated(reason: str) -> None:
     """The episode ended by its own doing before its answer: trained as a fail."""
     ep.status, ep.reason = "truncated", reason
     ep.verdict = {"status": "fail", "reward": 0.0}
     try:  # the turns it played still carry the score: stalling must not hide them
-      turns = await _take_session(gateway_url, session_id)
+      turns = await _take_session(gateway_url, wire_id)
       ep.turn_rewards = [0.0] * len(turns)
       _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
     except (httpx.HTTPError, KeyError, ValueError) as e:
@@ -791,9 +794,9 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
           "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
 
   try:
-    await _clear_session(gateway_url, session_id)
+    await _clear_session(gateway_url, wire_id)
     harness = asyncio.ensure_future(BLACKBOX_AGENTS[api](
-        acting, task, gateway_url, session_id=session_id, max_turns=cfg.max_turns,
+        acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
     ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
@@ -802,7 +805,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.verdict = (await _graded(env.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
-    turns = await _take_session(gateway_url, session_id)
+    turns = await _take_session(gateway_url, wire_id)
     if ep.verdict.get("status") == "infra_error":
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
           True, "verifier"

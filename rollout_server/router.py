@@ -25,11 +25,12 @@ import json
 import re
 import sys
 import uuid
+import weakref
 from typing import Optional, Sequence
 from urllib.parse import quote
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rollout_server import anthropic_api
@@ -82,8 +83,12 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   policy: dict = {"body": None, "version": None}  # the last update the backends took
   updating = asyncio.Lock()
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
-  # session id -> {backend: turns of its record already copied}
+  # session id -> {backend: turns of its record already copied}; only sessions a backend
+  # had (a read of an unknown id must not push live ones out)
   cursors: collections.OrderedDict[str, dict] = collections.OrderedDict()
+  # One copy of a session at a time (concurrent turns of one session each copied the
+  # same turns); a lock lives while someone holds or waits for it.
+  copy_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
   client_box: dict = {}
 
   def client() -> httpx.AsyncClient:
@@ -117,24 +122,35 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       await asyncio.gather(*(check(b) for b in ring.backends))
       await asyncio.sleep(health_interval_s)
 
+  async def fetch_turns(session_id: str, backend: str, since: int) -> Optional[dict]:
+    try:
+      r = await client().get(f"{backend}/sessions/{quote(session_id, safe='')}",
+                             params={"since": since}, timeout=10.0)
+      return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+      return None  # the copy catches up at the next turn or read
+
   async def copy_turns(session_id: str, backend: str) -> None:
     """Appends the turns `backend` recorded for the session since the last copy."""
-    seen = cursors.setdefault(session_id, {})
-    cursors.move_to_end(session_id)
-    while len(cursors) > max_sessions:
-      cursors.popitem(last=False)
-    n = seen.get(backend, 0)
-    try:
-      r = await client().get(f"{backend}/sessions/{quote(session_id)}", params={"since": n},
-                             timeout=10.0)
-      if r.status_code != 200:
+    lock = copy_locks.get(session_id)
+    if lock is None:
+      lock = copy_locks[session_id] = asyncio.Lock()
+    async with lock:
+      n = cursors.get(session_id, {}).get(backend, 0)
+      got = await fetch_turns(session_id, backend, n)
+      if got is not None and got.get("count", n) < n:
+        # The backend holds fewer turns than were copied: it restarted and its record
+        # began again (at the same address); its turns since then are all new.
+        n, got = 0, await fetch_turns(session_id, backend, 0)
+      if got is None or not isinstance(got.get("turns"), list):
         return
-      turns = r.json()["turns"]
-    except (httpx.HTTPError, ValueError, KeyError):
-      return  # the copy catches up at the next turn or read
-    seen[backend] = n + len(turns)
-    if turns:
-      sessions.extend(session_id, turns, number=True)
+      turns = got["turns"]
+      cursors.setdefault(session_id, {})[backend] = n + len(turns)
+      cursors.move_to_end(session_id)
+      while len(cursors) > max_sessions:
+        cursors.popitem(last=False)
+      if turns:
+        sessions.extend(session_id, turns, number=True)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -147,16 +163,18 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
 
   def session_of(request: Request, body: bytes) -> Optional[str]:
-    sid = request.headers.get(SESSION_HEADER)
-    if sid:
-      return sid
+    """The request's session: its X-Session-Id header or its body's `session_id`
+    (ValueError when both are given and differ, as the server refuses them)."""
+    sid = request.headers.get(SESSION_HEADER) or None
     try:
       data = json.loads(body) if body else {}
-      if isinstance(data, dict) and data.get("session_id"):
-        return str(data["session_id"])
-    except ValueError:
-      pass
-    return None
+    except (ValueError, RecursionError):
+      data = {}
+    named = data.get("session_id") if isinstance(data, dict) else None
+    if named and sid and str(named) != sid:
+      raise ValueError(f"the {SESSION_HEADER} header ({sid!r}) and the body's session_id "
+                       f"({str(named)!r}) name different sessions")
+    return sid or (str(named) if named else None)
 
   @app.get("/router/health")
   async def router_health():
@@ -223,15 +241,15 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                           status_code=200 if ok else 502)
 
   @app.get("/sessions/{session_id:path}")
-  async def get_session(session_id: str, request: Request):
-    """The router's copy of the session, brought up to date from its live backends."""
-    holders = list(cursors.get(session_id, {})) or ring.candidates(session_id)[:1]
+  async def get_session(session_id: str, since: int = Query(0, ge=0)):
+    """The router's copy of the session, brought up to date from its live backends (all
+    of them when this router has not seen it: it restarted, or its turns failed over)."""
+    holders = list(cursors.get(session_id, {})) or ring.backends
     await asyncio.gather(*(copy_turns(session_id, b) for b in holders if healthy[b]))
     turns = sessions.get(session_id)
     if turns is None:
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
-    since = int(request.query_params.get("since", 0) or 0)
-    return {"session_id": session_id, "turns": turns[since:]}
+    return {"session_id": session_id, "turns": turns[since:], "count": len(turns)}
 
   @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):
@@ -243,7 +261,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
     async def delete_on(b: str) -> bool:
       with contextlib.suppress(httpx.HTTPError):
-        r = await client().delete(f"{b}/sessions/{quote(session_id)}", timeout=10.0)
+        r = await client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0)
         return r.status_code == 200
       return False
 
@@ -255,7 +273,12 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
     body = await request.body()
-    session_id = session_of(request, body)
+    try:
+      session_id = session_of(request, body)
+    except ValueError as e:
+      if path == "v1/messages":
+        return JSONResponse(anthropic_api.error_body(400, str(e)), status_code=400)
+      return JSONResponse({"detail": str(e)}, status_code=400)
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}

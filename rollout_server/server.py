@@ -114,6 +114,17 @@ class ChatBody(BaseModel):
 # -- sessions ------------------------------------------------------------------------------
 
 
+def _session_of(named: Optional[str], http: HttpRequest) -> Optional[str]:
+  """A request's session: its body's `session_id` or its X-Session-Id header; both given
+  and different is refused (the router routes by the header: a body naming another
+  session would put the turn into that session's record)."""
+  header = http.headers.get(SESSION_HEADER) or None
+  if named and header and named != header:
+    raise HTTPException(400, f"the {SESSION_HEADER} header ({header!r}) and the body's "
+                             f"session_id ({named!r}) name different sessions")
+  return named or header
+
+
 def _turn_record(req: Request, **extra) -> dict:
   out = req.result()
   out.update(extra)
@@ -283,7 +294,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   @app.post("/generate")
   async def generate(body: GenerateBody, http: HttpRequest):
-    session_id = body.session_id or http.headers.get(SESSION_HEADER)
+    session_id = _session_of(body.session_id, http)
     m = served(body.model, strict=True)
     on = m.orch if m is not None else None
     req = submit(body.input_ids, _sampling(body, body.max_new_tokens, body.stop_token_ids),
@@ -346,7 +357,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     turns = sessions.get(session_id)
     if turns is None:
       raise HTTPException(404, f"no session {session_id!r}")
-    return {"session_id": session_id, "turns": turns[since:]}
+    return {"session_id": session_id, "turns": turns[since:], "count": len(turns)}
 
   @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):
@@ -390,7 +401,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     max_new = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                    256)
     stops = list(tokenizer.stop_ids) + list(body.stop_token_ids or [])
-    session_id = body.session_id or http.headers.get(SESSION_HEADER)
+    session_id = _session_of(body.session_id, http)
     turn = start_chat(body.messages, body.tools, _sampling(body, max_new, stops), session_id,
                       kind="chat", id_prefix="call", model=body.model)
     created = int(time.time())

@@ -625,6 +625,19 @@ def test_a_blackbox_episode_starts_its_session_afresh(random_params):
   assert ep.turns == 1 and len(ep.segments) == 1
   assert "stale" not in TOK.decode(ep.segments[0].tokens.tolist())
 
+  # Session ids hold task ids (eval's `eval-<task id>-<j>`): any character reaches the
+  # record, and a `..` in one never reaches another session's (red team).
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    other = httpx.post(f"{srv.url}/generate", json={"input_ids": [1, 2], "max_new_tokens": 2},
+                       headers={"X-Session-Id": "eval-b-0"})
+    assert other.status_code == 200
+    for sid in ("eval-caf\u00e9-0", "eval-a/../eval-b-0", "eval-dir/./x-0"):
+      ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                    session_id=sid, group_id="g", tokenizer=TOK))
+      assert not ep.infra_error and ep.turns == 1 and ep.segments[0].session_id == sid, \
+          (sid, ep.reason)
+    assert httpx.get(f"{srv.url}/sessions/eval-b-0").status_code == 200
+
 
 @pytest.fixture(scope="module")
 def random_params():

@@ -372,6 +372,11 @@ WORKSPACE_ATTACKS = {
     "a look-alike underscore": ([_call(
         "write_file", path="solution.py",
         content=GOOD_ADD + "def is\ufe33even(n):\n    return True\n")], "fail"),
+    # Any file a loader may run as source, not only *.py.
+    "a look-alike name in a data file": ([
+        _call("write_file", path="solution.py", content=GOOD_ADD),
+        _call("write_file", path="notes.txt",
+              content="def \U0001d41a\U0001d41d\U0001d41d(a, b):\n    return 42\n")], "fail"),
     # Non-ASCII names and text that read as written are fine.
     "non-ASCII names and text": ([_call(
         "write_file", path="solution.py",

@@ -204,3 +204,60 @@ def test_a_killed_backend_loses_no_session_and_a_returning_one_catches_up(tokeni
     for p in procs:
       p.kill()
       p.wait(timeout=30)
+
+
+def test_the_routers_copy_of_a_session_is_exact_under_concurrency_restarts_and_junk(
+    random_params, tokenizer):
+  """Red-team findings on the router's copy of sessions, which a black-box episode is
+  trained from: concurrent turns of one session were copied several times (4 turns read
+  as 10); reads of unknown ids pushed live sessions out of its cursors (a re-copy of the
+  whole record); a backend restarted at the same address lost the turns after; a header
+  and a body naming different sessions put a turn where the router did not look."""
+  import threading
+
+  from rollout_server.orchestrator import Orchestrator
+  from rollout_server.server import create_app
+  from tests.rollout_server.conftest import make_engine
+
+  body = {"input_ids": [1, 2, 3], "max_new_tokens": 3}
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=0)).start()
+  backend = ServerThread(create_app(orch, tokenizer)).start()
+  try:
+    with ServerThread(create_router([backend.url], health_interval_s=0.2,
+                                    max_sessions=4)) as router:
+      c = httpx.Client(base_url=router.url, timeout=120)
+      turns = lambda sid: c.get(f"/sessions/{sid}").json()["turns"]  # noqa: E731
+
+      def turn(sid):
+        with httpx.Client(base_url=router.url, timeout=120) as own:
+          assert own.post("/generate", json=body,
+                          headers={"X-Session-Id": sid}).status_code == 200
+
+      threads = [threading.Thread(target=turn, args=("par",)) for _ in range(4)]
+      [t.start() for t in threads]
+      [t.join() for t in threads]
+      assert [t["turn"] for t in turns("par")] == [0, 1, 2, 3]
+
+      for i in range(6):  # more unknown ids than the router keeps cursors for
+        assert c.get(f"/sessions/nosuch-{i}").status_code == 404
+      turn("par")
+      assert len(turns("par")) == 5
+
+      backend.stop()  # restarts at its address with no records
+      backend = ServerThread(create_app(orch, tokenizer), port=backend.port).start()
+      time.sleep(0.5)  # the router's health check sees it back
+      turn("par")
+      turn("par")
+      assert len(turns("par")) == 7
+
+      r = c.post("/generate", json={**body, "session_id": "B"}, headers={"X-Session-Id": "A"})
+      assert r.status_code == 400 and "name different sessions" in r.text
+      r = httpx.post(f"{backend.url}/generate", json={**body, "session_id": "B"},
+                     headers={"X-Session-Id": "A"}, timeout=120)
+      assert r.status_code == 400 and "name different sessions" in r.text
+      assert c.get("/sessions/par", params={"since": "x"}).status_code == 422
+      assert c.get("/sessions/par", params={"since": -1}).status_code == 422
+  finally:
+    backend.stop()
+    orch.stop()
