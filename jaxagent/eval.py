@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -123,21 +124,22 @@ def _num(x) -> float:
   return float("nan") if x is None else x
 
 
-def print_table(rep: dict, ks: Sequence[int]) -> None:
+def print_table(rep: dict, ks: Sequence[int], file=None) -> None:
   cols = ["success_rate", *[f"pass@{k}" for k in ks], "reward_mean", "reward_terminal_mean",
           "turns_mean", "tool_calls_mean", "invalid_tool_calls_mean", "latency_s_p50",
           "latency_s_p95", "latency_s_p99"]
+  say = functools.partial(print, file=file)
   names = ["success", *[f"pass@{k}" for k in ks], "reward", "terminal", "turns", "tools",
            "invalid", "p50 s", "p95 s", "p99 s"]
-  print(f"{'env':<16} {'tasks':>5} {'eps':>5} {'trunc':>5} {'infra':>5} "
+  say(f"{'env':<16} {'tasks':>5} {'eps':>5} {'trunc':>5} {'infra':>5} "
         + " ".join(f"{n:>8}" for n in names))
   rows = [(env, r) for env, r in rep["by_env"].items()] + [("all", rep["overall"])]
   for env, r in rows:
     vals = " ".join(f"{_num(r.get(c)):>8.3f}" for c in cols)
-    print(f"{env:<16} {r.get('tasks', 0):>5} {r.get('episodes', 0):>5} "
+    say(f"{env:<16} {r.get('tasks', 0):>5} {r.get('episodes', 0):>5} "
           f"{r.get('truncated', 0):>5} {r.get('infra_errors', 0):>5} {vals}")
   if rep["overall"].get("infra_errors"):
-    print(f"({rep['overall']['infra_errors']} episodes failed in the infrastructure after "
+    say(f"({rep['overall']['infra_errors']} episodes failed in the infrastructure after "
           "retries: left out of every figure)")
 
 
@@ -155,14 +157,35 @@ def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
                                f"{policy}; give the run's config with --config")
 
 
+async def served_version(url: str) -> Optional[int]:
+  """The policy version a rollout server (or a router) at `url` serves; None if it
+  cannot be told (it is down: its episodes will say so)."""
+  import httpx
+
+  async with httpx.AsyncClient(timeout=10) as client:
+    for path, key in (("/health", "version"), ("/router/health", "policy_version")):
+      try:
+        r = await client.get(url.rstrip("/") + path)
+        value = r.json().get(key) if r.status_code == 200 else None
+      except (httpx.HTTPError, ValueError, AttributeError):
+        value = None
+      if isinstance(value, int):
+        return value
+  return None
+
+
 async def run(args) -> dict:
   from envs.base import load_tasks
   from jaxagent.build import build_model
   from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
-  from jaxagent.train import Serving, attach_judge, make_env_factory, task_tools
+  from jaxagent.train import Serving, attach_judge, check_config, make_env_factory, task_tools
   from rollout_server.serving import resolve_policy
 
   cfg = run_config_of(args.policy, args.config)
+  # Checked as a run's (an `agent.kind: opnai` played the built-in agent unnoticed), with
+  # these tasks as its data and no eval of its own.
+  check_config(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=args.tasks),
+                                   eval=config_lib.EvalConfig()))
   # The run's own servers (serving.urls) are not this eval's: --server, or in process.
   cfg = dataclasses.replace(cfg, serving=dataclasses.replace(
       cfg.serving, urls=[args.server] if args.server else []))
@@ -176,6 +199,13 @@ async def run(args) -> dict:
     tasks = tasks[:args.limit]
   env_factory, close_envs = make_env_factory(cfg)
   path, version = resolve_policy(args.policy, None)
+  if args.server:
+    served = await served_version(args.server)
+    if served is not None and served != version:
+      close_envs()
+      raise config_lib.ConfigError(
+          f"--server {args.server} serves policy version {served}, not {path}'s {version}: "
+          "evaluate the export it serves, or load this one into it (POST /update_weights)")
   serving = None
   try:
     try:
@@ -217,7 +247,7 @@ def main(argv=None) -> int:
   p.add_argument("--greedy", action="store_true", help="one greedy sample a task (pass@1)")
   p.add_argument("--temperature", type=float, default=None,
                  help="sampling temperature (default: the run's agent.temperature)")
-  p.add_argument("--limit", type=int, default=0, help="only the first N tasks")
+  p.add_argument("--limit", type=int, default=None, help="only the first N tasks")
   p.add_argument("--server", default=None, help="a rollout server serving this policy")
   p.add_argument("--config", default=None, help="the run's config (default: its config.json)")
   p.add_argument("--out", default=None, help="JSON report path")
@@ -228,9 +258,20 @@ def main(argv=None) -> int:
       raise config_lib.ConfigError(f"--tasks: no such file {args.tasks}")
     if not os.path.exists(args.policy):
       raise config_lib.ConfigError(f"--policy: no such export {args.policy}")
-    ks = [int(k) for k in args.k.split(",")]
+    try:
+      ks = [int(k) for k in args.k.split(",")]
+    except ValueError:
+      raise config_lib.ConfigError(f"--k: whole numbers separated by commas, got {args.k!r}"
+                                   ) from None
     if min(ks) < 1 or (args.samples is not None and args.samples < max(ks)):
       raise config_lib.ConfigError("--k: each k must be >= 1 and <= --samples")
+    if args.temperature is not None and not args.temperature >= 0:
+      raise config_lib.ConfigError(f"--temperature must be >= 0 (0: greedy), got "
+                                   f"{args.temperature}")
+    if args.limit is not None and args.limit < 1:
+      raise config_lib.ConfigError(f"--limit must be >= 1, got {args.limit}")
+    if args.server and not args.server.startswith(("http://", "https://")):
+      raise config_lib.ConfigError(f"--server: a URL (http://HOST:PORT), got {args.server!r}")
     rep = asyncio.run(run(args))
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -247,10 +288,10 @@ def main(argv=None) -> int:
       f"eval-{name}.json")
   with open(out, "w") as f:
     json.dump(rep, f, indent=1)
-  if args.json:
+  if args.json:  # the report alone on stdout, for a pipe
     print(json.dumps(rep))
-  print_table(rep, rep["k"])
-  print(f"report: {out}")
+  print_table(rep, rep["k"], file=sys.stderr if args.json else sys.stdout)
+  print(f"report: {out}", file=sys.stderr if args.json else sys.stdout)
   return 0
 
 

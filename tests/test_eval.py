@@ -105,6 +105,22 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   assert rep["agent"] == "openai" and rep["overall"]["episodes"] == 2
   assert rep["overall"]["infra_errors"] == 0 and rep["overall"]["turns_mean"] >= 1
   capsys.readouterr()
+  # --json: the report alone on stdout (the table goes to stderr).
+  assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
+                        "--greedy", "--limit", "1", "--json", "--out", bb_out]) == 0
+  assert json.loads(capsys.readouterr().out)["overall"]["episodes"] == 1
+  # Bad arguments and a bad config: one line each, exit 2, before anything is played.
+  blackbox["agent"]["kind"] = "opnai"
+  (tmp_path / "typo.json").write_text(json.dumps(blackbox))
+  for extra, said in ((["--temperature", "-1"], "--temperature must be >= 0"),
+                      (["--limit", "0"], "--limit must be >= 1"),
+                      (["--k", "abc"], "--k: whole numbers"),
+                      (["--server", "127.0.0.1:9"], "--server: a URL"),
+                      (["--config", str(tmp_path / "typo.json")], "agent.kind: unknown 'opnai'")):
+    assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
+                          *extra]) == 2, extra
+    err = capsys.readouterr().err.strip()
+    assert said in err and len(err.splitlines()) == 1, (extra, err)
   # A server that is not there: episodes are infrastructure failures, never scored 0,
   # and nothing to report is an error (no report overwritten).
   assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
@@ -158,6 +174,13 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
         messages=[{"role": "user", "content": "Guess a number from 1 to 16."}])
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens >= 1
+    # An export the server does not serve is refused (its figures were the served
+    # version's, filed under this one's name).
+    capsys.readouterr()
+    assert eval_lib.main(["--policy", os.path.join(run_dir, "policy", "v00000001"), "--tasks",
+                          HELD_OUT, "--greedy", "--limit", "1", "--server", url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "serves policy version 2, not" in err and len(err.splitlines()) == 1, err
   finally:
     server.kill()
     server.wait(timeout=30)
