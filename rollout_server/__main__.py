@@ -51,6 +51,11 @@ def main(argv=None) -> int:
       cfg = dataclasses.replace(cfg, policy=args.policy)
     if not 0 < cfg.port < 65536:
       raise config_lib.ConfigError(f"port must be in 1..65535, got {cfg.port}")
+    from jaxagent.train import check_model_and_learner
+
+    check_model_and_learner(config_lib.RunConfig(model=cfg.model))  # as train names them
+    if cfg.engine.slots < 1:
+      raise config_lib.ConfigError(f"engine.slots must be >= 1, got {cfg.engine.slots}")
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -59,9 +64,9 @@ def main(argv=None) -> int:
     return 2
   try:
     app, orch, models = build_app(cfg)
-  except ValueError as e:  # e.g. a served model whose export is missing
+  except (ValueError, KeyError) as e:  # e.g. a served model whose export is missing
     sock.close()
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
     return 2
   print(f"rollout server {cfg.name} on http://{cfg.host}:{cfg.port} "
         f"(policy version {orch.version}"
