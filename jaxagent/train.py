@@ -592,6 +592,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     requeue = [TaskSpec.from_dict(t) for t in mine]
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
           f"{len(requeue)} tasks re-queued)")
+    if cfg.steps <= int(state.step):  # (a lower steps= does not undo steps trained)
+      print(f"note: the run is at step {int(state.step)} already, and steps is {cfg.steps}: "
+            f"nothing to train; give steps=N above {int(state.step)} to go on",
+            file=sys.stderr)
   # The episodes a stopped run left in its write-ahead log are replayed by the groups of
   # the re-queued tasks (in memory: the log starts afresh, and re-logs what is replayed).
   wal = TokenWAL(os.path.join(run_dir, "wal" if distributed.is_primary() else

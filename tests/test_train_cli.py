@@ -95,6 +95,12 @@ def test_early_stop_exports_the_final_policy(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "stopping (met when the run was resumed)" in proc.stdout
   assert read_metrics(run_dir)[-1]["step"] == step
+  # steps= at or below the run's step: said, nothing trained (a new user took the
+  # silent "done" for a rewind).
+  proc = run_train("--run-dir", run_dir, "--resume", f"steps={step - 1}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"the run is at step {step} already, and steps is {step - 1}" in proc.stderr
+  assert read_metrics(run_dir)[-1]["step"] == step
 
 
 def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
