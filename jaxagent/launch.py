@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -105,6 +106,8 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
   """The services and the learner processes to start (nothing is started here)."""
   from omegaconf import OmegaConf
 
+  from jaxagent.train import RESUME_COMMAND
+
   py = sys.executable
   services: list[Child] = []
   launch_dir = os.path.join(run_dir, "launch")
@@ -134,10 +137,18 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
   learners = []
   n = args.learner_processes
   coordinator = f"127.0.0.1:{free_port()}"
+  # How a stopped learner tells the user to go on: this launch again, with --resume (its
+  # services' addresses are in the run's config and die with this launch).
+  again = shlex.join(["python", "-m", "jaxagent.launch", "local", "--config", args.config,
+                      "--run-dir", run_dir, "--servers", str(args.servers), "--env-workers",
+                      str(args.env_workers), "--learner-processes", str(n), "--resume",
+                      *args.overrides])
+  env = {**os.environ, RESUME_COMMAND: again}
   for i in range(n):
     extra = ([] if n == 1 else
              ["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i)])
-    learners.append(Child("learner" if n == 1 else f"learner{i}", base + extra + overrides))
+    learners.append(Child("learner" if n == 1 else f"learner{i}", base + extra + overrides,
+                          env=env))
   return services, learners
 
 

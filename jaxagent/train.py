@@ -172,6 +172,17 @@ def make_env_factory(cfg: config_lib.RunConfig):
   return factory, resources.close
 
 
+# Set by `jaxagent.launch` for the learners it starts: the command that goes on with the run.
+RESUME_COMMAND = "JAXAGENT_RESUME_COMMAND"
+
+
+def resume_command(run_dir: str) -> str:
+  """The command that goes on with this run: `launch local ... --resume` when a launch
+  started this learner (its services die with the launch), else train's own."""
+  return os.environ.get(RESUME_COMMAND) or f"python -m jaxagent.train --run-dir {run_dir} " \
+      "--resume"
+
+
 def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving) -> None:
   """With `env.judge`, in-process environments show their passes to the served judge.
   Says so once when the judge served here takes shorter prompts (in tokens) than the
@@ -965,8 +976,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     close_envs()
   stopped = signals["got"] is not None and step < cfg.steps and early_stop is None
   if stopped and primary:  # (not finished: a scheduler that restarts the run resumes it)
-    print(f"stopped at step {step} of {cfg.steps} ({signals['got']}); to go on: python -m "
-          f"jaxagent.train --run-dir {run_dir} --resume", file=sys.stderr, flush=True)
+    print(f"stopped at step {step} of {cfg.steps} ({signals['got']}); to go on: "
+          f"{resume_command(run_dir)}", file=sys.stderr, flush=True)
   if stopped:
     return 128 + getattr(signal, signals["got"]).value
   if not primary:
@@ -1090,8 +1101,8 @@ def main(argv=None) -> int:
     try:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
-      print(f"interrupted: stopped at once (a resume goes on from the last checkpoint: python "
-            f"-m jaxagent.train --run-dir {run_dir} --resume)", file=sys.stderr)
+      print(f"interrupted: stopped at once (a resume goes on from the last checkpoint: "
+            f"{resume_command(run_dir)})", file=sys.stderr)
       return 130
     except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
       print(f"error: {e}", file=sys.stderr)
@@ -1108,8 +1119,9 @@ def main(argv=None) -> int:
       # or a server or worker that could not be reached (at the start, a weight update).
       saved = os.path.isdir(os.path.join(run_dir, "checkpoints")) and any(
           d.isdigit() for d in os.listdir(os.path.join(run_dir, "checkpoints")))
-      again = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir", run_dir,
-                        "--resume", *args.overrides])
+      again = os.environ.get(RESUME_COMMAND) or " ".join(
+          ["python -m jaxagent.train --config", args.config, "--run-dir", run_dir, "--resume",
+           *args.overrides])
       what = "" if isinstance(e, InfraOutage) else "the infrastructure failed: "
       print(f"error: {what}{e}" + (f" (then: {again})" if saved else ""), file=sys.stderr)
       return 3

@@ -77,3 +77,26 @@ def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
                           str(run)]) == 2
   assert "already holds a run" in capsys.readouterr().err
   assert not (run / "launch").exists()  # nothing was started
+
+
+def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeypatch):
+  """The learner of a launch said `python -m jaxagent.train --run-dir D --resume` when it
+  stopped, which fails: the run's config names the launch's services, dead by then. It
+  says this launch again, with --resume (a new user)."""
+  import argparse
+
+  from jaxagent import config as config_lib
+  from jaxagent.launch import plan
+  from jaxagent.train import RESUME_COMMAND, resume_command
+
+  args = argparse.Namespace(config="configs/tiny.yaml", servers=2, env_workers=1,
+                            learner_processes=1, resume=False, overrides=["steps=7"])
+  cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+  _, (learner,) = plan(args, cfg, str(tmp_path / "run"))
+  again = learner.env[RESUME_COMMAND]
+  assert again == (f"python -m jaxagent.launch local --config configs/tiny.yaml --run-dir "
+                   f"{tmp_path / 'run'} --servers 2 --env-workers 1 --learner-processes 1 "
+                   "--resume steps=7")
+  assert resume_command("D") == "python -m jaxagent.train --run-dir D --resume"
+  monkeypatch.setenv(RESUME_COMMAND, again)  # as the learner's process has it
+  assert resume_command("D") == again
