@@ -176,6 +176,14 @@ def make_env_factory(cfg: config_lib.RunConfig):
 RESUME_COMMAND = "JAXAGENT_RESUME_COMMAND"
 
 
+class StopNow(KeyboardInterrupt):
+  """A second SIGTERM or Ctrl-C: stop at once (the process exits 128 + its number)."""
+
+  def __init__(self, sig: signal.Signals):
+    super().__init__(sig.name)
+    self.signum = int(sig)
+
+
 def resume_command(run_dir: str) -> str:
   """The command that goes on with this run: `launch local ... --resume` when a launch
   started this learner (its services die with the launch), else train's own."""
@@ -831,7 +839,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
   def request_stop(sig):
     if signals["got"] is not None:
-      raise KeyboardInterrupt
+      raise StopNow(sig)
     signals["got"] = sig.name
     print(f"{sig.name}: stopping after this step (again to stop now)", file=sys.stderr,
           flush=True)
@@ -937,8 +945,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                 " (met when the run was resumed)" if step == first_step else ""), flush=True)
     finished = True
   finally:
-    for sig in handled:
-      loop.remove_signal_handler(sig)
     bar.close()
     if records is not None and recorded != records["step"]:  # stopped before its records
       try:
@@ -974,6 +980,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       writer.close()
     await serving.close()
     close_envs()
+    # (held until here: a second signal during the final save stops at once, saying so,
+    # instead of the default action killing the process in the middle of it)
+    for sig in handled:
+      loop.remove_signal_handler(sig)
   stopped = signals["got"] is not None and step < cfg.steps and early_stop is None
   if stopped and primary:  # (not finished: a scheduler that restarts the run resumes it)
     print(f"stopped at step {step} of {cfg.steps} ({signals['got']}); to go on: "
@@ -1100,10 +1110,10 @@ def main(argv=None) -> int:
   try:
     try:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
-    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
-      print(f"interrupted: stopped at once (a resume goes on from the last checkpoint: "
-            f"{resume_command(run_dir)})", file=sys.stderr)
-      return 130
+    except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
+      print(f"interrupted: stopped at once; to go on from the last checkpoint: "
+            f"{resume_command(run_dir)}", file=sys.stderr)
+      return 128 + getattr(e, "signum", int(signal.SIGINT))
     except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
       print(f"error: {e}", file=sys.stderr)
       return 2
