@@ -23,6 +23,10 @@ from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictS
 _INT = re.compile(r"-?\d+")
 
 
+KNOWN_PARAMS = {"low", "high", "secret", "seed", "max_turns", "process_reward", "feedback",
+                "information", "prompt"}
+
+
 @register("guess_number")
 class GuessNumber(Env):
   version = "2"  # 2: the terminal reward moved from the last step into the verdict
@@ -39,6 +43,12 @@ class GuessNumber(Env):
     seed = p.get("seed", task.id)
     self.secret = int(p["secret"]) if "secret" in p else random.Random(str(seed)).randint(
         self.low, self.high)
+    if not self.low <= self.secret <= self.high:  # (it would be played as a plain failure)
+      raise ValueError(f"task {task.id}: secret {self.secret} is outside {self.low}..{self.high}")
+    unknown = sorted(set(p) - KNOWN_PARAMS)
+    if unknown:  # a misspelt `secrt` drew a random secret
+      raise ValueError(f"task {task.id}: unknown parameters {unknown}; known: "
+                       f"{sorted(KNOWN_PARAMS)}")
     self.lo, self.hi = self.low, self.high  # what the feedback still allows
     self.turns, self.done, self.solved = 0, False, False
     self.reset_counters()

@@ -1,5 +1,6 @@
 import asyncio
 import json
+import re
 import glob
 import os
 import shutil
@@ -513,3 +514,13 @@ def test_python_tests_grades_the_source_not_a_compiled_extension():
     asyncio.run(env.close())
   finally:
     resources.close()
+
+
+@pytest.mark.parametrize("params,said", [
+    ({"secret": 99}, "secret 99 is outside 1..16"),
+    ({"secrt": 3}, "unknown parameters ['secrt']")])
+def test_guess_number_refuses_a_task_it_would_play_wrongly(params, said):
+  """A secret outside the range was played as an ordinary failure, and a misspelt
+  parameter drew a random secret (a new user): the task cannot start (a TaskError)."""
+  with pytest.raises(ValueError, match=re.escape(said)):
+    asyncio.run(make("guess_number").reset(TaskSpec("g", "guess_number", params)))
