@@ -22,13 +22,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, AsyncIterator, Literal, Optional, Union
 
-from fastapi import HTTPException
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_server.chat import SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn, TurnCut
+from rollout_server.chat import (SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn, ShapedErrorsRoute,
+                                 TurnCut)
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -294,25 +291,9 @@ def error_body(status: int, message: str) -> dict:
                                      "message": message}}
 
 
-def _field_errors(errors) -> str:
-  return "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}" for e in errors)
+class AnthropicRoute(ShapedErrorsRoute):
+  """Anthropic's error shape."""
 
-
-class AnthropicRoute(APIRoute):
-  """A route whose errors take Anthropic's shape: a body that breaks the schema gets a
-  422 naming the field, a request that cannot be served a 400, a full queue a 503."""
-
-  def get_route_handler(self):
-    handler = super().get_route_handler()
-
-    async def shaped(request):
-      try:
-        return await handler(request)
-      except RequestValidationError as e:
-        return JSONResponse(error_body(422, _field_errors(e.errors())), status_code=422)
-      except HTTPException as e:
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
-      except ValueError as e:
-        return JSONResponse(error_body(400, str(e)), status_code=400)
-
-    return shaped
+  @staticmethod
+  def error(status: int, message: str, field: Optional[str]) -> dict:
+    return error_body(status, message)

@@ -14,6 +14,10 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional
 
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import Field
 
 from jaxagent.toolcalls import OPEN, parse_tool_calls
@@ -223,3 +227,49 @@ class ChatTurn:
     """Frees the request's slot if it is still running (its stream's client went away)."""
     if not self.req.done:
       self.orch.abort(self.req.request_id)
+
+
+def openai_error(status: int, message: str, param: Optional[str] = None) -> dict:
+  """OpenAI's error shape (what its client reads into `e.message`, `e.param`, `e.type`)."""
+  kind = ("invalid_request_error" if status in (400, 404, 422) else
+          "server_overloaded" if status == 503 else "api_error")
+  return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class ShapedErrorsRoute(APIRoute):
+  """A route whose errors take its API's shape (`error(status, message, field)`): a body
+  that breaks the schema gets a 422 naming the field, a request that cannot be served a
+  400, a full queue a 503."""
+
+  @staticmethod
+  def error(status: int, message: str, field: Optional[str]) -> dict:
+    raise NotImplementedError
+
+  def get_route_handler(self):
+    handler = super().get_route_handler()
+
+    async def shaped(request):
+      try:
+        return await handler(request)
+      except RequestValidationError as e:
+        where = [(".".join(map(str, err["loc"][1:])) or "body", err["msg"])
+                 for err in e.errors()]
+        message = "; ".join(f"{field}: {msg}" for field, msg in where)
+        return JSONResponse(self.error(422, message, where[0][0] if where else None),
+                            status_code=422)
+      except HTTPException as e:
+        return JSONResponse(self.error(e.status_code, str(e.detail), None),
+                            status_code=e.status_code)
+      except ValueError as e:
+        return JSONResponse(self.error(400, str(e), None), status_code=400)
+
+    return shaped
+
+
+class OpenAIRoute(ShapedErrorsRoute):
+  """OpenAI's error shape (FastAPI's list of details read as 'Error code: 422' alone in
+  the `openai` client)."""
+
+  @staticmethod
+  def error(status: int, message: str, field: Optional[str]) -> dict:
+    return openai_error(status, message, field)

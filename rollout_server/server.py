@@ -40,7 +40,7 @@ from jaxagent.config import ServerConfig
 from jaxagent.tokenizer import Tokenizer
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
-                                 TurnCut, normalise_messages)
+                                 OpenAIRoute, TurnCut, normalise_messages)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request
 from rollout_server.sessions import SessionStore
@@ -391,7 +391,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                     id_prefix=id_prefix,
                     resubmit=lambda ids, s, n: submit(ids, s, None, session_id, on, n))
 
-  @app.post("/v1/chat/completions")
+  chat_api = APIRouter(route_class=OpenAIRoute)
+
+  @chat_api.post("/v1/chat/completions")
   async def chat(body: ChatBody, http: HttpRequest):
     if body.n != 1:
       raise HTTPException(400, "n must be 1 (sample a group as separate requests)")
@@ -462,6 +464,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     except TurnCut as e:
       raise HTTPException(e.status, str(e))
 
+  app.include_router(chat_api)
   app.include_router(messages_api)
   return app
 

@@ -138,6 +138,14 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
                        ({"messages": user, "top_k": 2**31}, "top_k")]:
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 422 and needle in r.text, (body, r.status_code, r.text)
+  # In OpenAI's error shape, which its client reads (it said "Error code: 422" alone).
+  oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+  with pytest.raises(openai.UnprocessableEntityError) as e:
+    oai.chat.completions.create(model="tiny", messages=user, temperature=-1, max_tokens=2)
+  assert e.value.param == "temperature" and e.value.type == "invalid_request_error"
+  assert "temperature: Input should be greater than or equal to 0" in e.value.message
+  with pytest.raises(openai.BadRequestError, match="n must be 1"):
+    oai.chat.completions.create(model="tiny", messages=user, n=2, max_tokens=2)
   assert c.get("/health").json()["status"] == "ok"
 
 
