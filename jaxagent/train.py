@@ -321,7 +321,10 @@ def check_config(cfg: config_lib.RunConfig) -> None:
         f"trajectories: mode must be all, sample or none (got {t.mode!r}), compress gzip or "
         f"none (got {t.compress!r}), sample_every >= 1 (got {t.sample_every})")
   if cfg.eval.every:
-    if not cfg.eval.tasks or not os.path.exists(cfg.eval.tasks):
+    if not cfg.eval.tasks:
+      raise config_lib.ConfigError("eval.every needs eval.tasks (a task file of held-out "
+                                   "tasks)")
+    if not os.path.exists(cfg.eval.tasks):
       raise config_lib.ConfigError(f"eval.tasks: no such file {cfg.eval.tasks!r} (needed with "
                                    "eval.every)")
     samples = 1 if cfg.eval.greedy else cfg.eval.samples

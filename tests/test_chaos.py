@@ -43,7 +43,7 @@ async def play_all(url, session_ids, kill_at=None, kill=None):
   tok = Tokenizer.byte_level()
 
   async def one(i, sid):
-    task = TaskSpec(f"t{i}", "guess_number", {"secret": 40 + i, "max_turns": 6})
+    task = TaskSpec(f"t{i}", "guess_number", {"secret": 40 + i, "high": 64, "max_turns": 6})
     return await run_whitebox(make("guess_number"), task, engine, tok, CFG, session_id=sid,
                               group_id="g")
 

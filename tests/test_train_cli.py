@@ -284,7 +284,7 @@ def _bad_settings(tmp_path):
       (tiny + ["data.tasks=/nonexistent.jsonl"], "data.tasks"),
       (tiny + ["rollout.mode=fast"], "rollout.mode"),
       (tiny + ["trajectories.mode=most"], "trajectories: mode"),
-      (tiny + ["eval.every=5"], "eval.tasks"),
+      (tiny + ["eval.every=5"], "eval.every needs eval.tasks"),
       (tiny + ["env.latency.distribution=pareto"], "'pareto'"),
       (tiny + ["model.preset=nanoo"], "did you mean 'nano'"),
       (tiny + ["model.checkpoint=/nonexistent.gguf"], "model.checkpoint"),
