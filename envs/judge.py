@@ -164,7 +164,8 @@ class LLMJudge:
       # The judge would see part of it, and a hard-coded table could sit past the cut:
       # a pass the judge cannot check is not confirmed.
       return judged_as(VerdictStatus.FAIL, judge=self.model, judge_too_long=True,
-                       false_positive=False, reason=f"answer of {len(answer)} characters is longer than the "
+                       false_positive=False,
+                       reason=f"answer of {len(answer)} characters is longer than the "
                               f"judge is shown ({self.max_answer_chars})")
     judged = await self.grade(task, answer, verdict.env_version)
     if judged.details.get("unparsed"):  # it answered, but did not confirm the pass

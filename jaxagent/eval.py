@@ -199,15 +199,13 @@ async def run(args) -> dict:
     tasks = tasks[:args.limit]
   env_factory, close_envs = make_env_factory(cfg)
   path, version = resolve_policy(args.policy, None)
-  if args.server:
-    served = await served_version(args.server)
+  serving = None
+  try:
+    served = await served_version(args.server) if args.server else None
     if served is not None and served != version:
-      close_envs()
       raise config_lib.ConfigError(
           f"--server {args.server} serves policy version {served}, not {path}'s {version}: "
           "evaluate the export it serves, or load this one into it (POST /update_weights)")
-  serving = None
-  try:
     try:
       tools = await task_tools(args.tasks, env_factory)
     except ValueError as e:  # an unknown environment, bad parameters

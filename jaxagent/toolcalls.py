@@ -13,6 +13,8 @@ import math
 import re
 from typing import Any
 
+from envs.values import json_depth  # (standard library only, as this module)
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The deepest lists and dicts a tool call may nest (its name/arguments object included).
 MAX_NESTING = 64
@@ -53,15 +55,6 @@ def _finite(literal: str) -> float:
 FINITE_JSON = {"parse_constant": _no_constant, "parse_float": _finite}
 
 
-def nesting(obj: Any) -> int:
-  """How many levels of lists and dicts `obj` has, level by level (no recursion)."""
-  depth, level = 0, [obj]
-  while level := [x for x in level if isinstance(x, (dict, list))]:
-    depth += 1
-    level = [c for x in level for c in (x.values() if isinstance(x, dict) else x)]
-  return depth
-
-
 def _loads(text: str) -> Any:
   """Strict JSON: NaN and Infinity, which Python's json accepts, are malformed (they
   cannot be sent back out as JSON), and so are numbers that overflow a float (`1e999`
@@ -75,7 +68,7 @@ def _loads(text: str) -> Any:
     raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
   except UnicodeEncodeError:
     raise ValueError("a string holds a lone surrogate (not Unicode text)") from None
-  if nesting(obj) > MAX_NESTING:
+  if json_depth(obj) > MAX_NESTING:
     raise ValueError(f"nested deeper than {MAX_NESTING} levels")
   return obj
 
@@ -87,7 +80,7 @@ def _parse_block(body: str) -> Any:
   args = obj.get("arguments", {})
   if isinstance(args, str):  # some models write the arguments as a JSON string
     args = _loads(args) if args.strip() else {}
-    if nesting(args) + 1 > MAX_NESTING:  # as deep as the same call written as an object
+    if json_depth(args) + 1 > MAX_NESTING:  # as deep as the same call written as an object
       raise ValueError(f"nested deeper than {MAX_NESTING} levels")
   if not isinstance(args, dict):
     raise ValueError('"arguments" must be a JSON object')

@@ -434,14 +434,15 @@ def test_tool_call_arguments_nested_past_the_bound_are_malformed():
   """An `anthropic`-client agent sends a reply's tool_use input back on its next turn;
   pydantic refused to serialise ~300 levels and the episode raised, which stopped the
   run. Calls nested past MAX_NESTING are malformed, told to the policy as such."""
-  from jaxagent.toolcalls import MAX_NESTING, nesting, parse_tool_calls
+  from envs.values import json_depth
+  from jaxagent.toolcalls import MAX_NESTING, parse_tool_calls
 
   def call(depth):  # the call object and its arguments are two levels
     value = "[" * (depth - 2) + "]" * (depth - 2)
     return '<tool_call>{"name": "calculate", "arguments": {"expression": %s}}</tool_call>' % value
 
   ok = parse_tool_calls(call(MAX_NESTING))
-  assert not ok.errors and nesting(ok.calls[0].arguments) == MAX_NESTING - 1
+  assert not ok.errors and json_depth(ok.calls[0].arguments) == MAX_NESTING - 1
   for depth in (MAX_NESTING + 1, 300, 5000):
     bad = parse_tool_calls(call(depth))
     assert not bad.calls and f"nested deeper than {MAX_NESTING} levels" in bad.errors[0]
@@ -452,7 +453,7 @@ def test_tool_call_arguments_nested_past_the_bound_are_malformed():
   assert not parse_tool_calls(as_string).errors
   deeper = as_string.replace("[", "[[", 1).replace("]", "]]", 1)
   assert "nested deeper" in parse_tool_calls(deeper).errors[0]
-  assert nesting(1) == 0 and nesting({"a": [1, {"b": []}]}) == 4
+  assert json_depth(1) == 0 and json_depth({"a": [1, {"b": []}]}) == 4
 
 
 def test_guess_number_refuses_a_number_too_long_to_read():
