@@ -432,16 +432,11 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     # environment (the policy's tool calls, each bounded by its sandbox limits, and the
     # crowd its own run makes), it is the policy's: a truncation, scored.
     # (a cut environment call's time is in `measured`, its worker's waits too)
-    kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
     in_flight = time.perf_counter() - waiting["since"]
     server_s = ep.generate_s + (in_flight if waiting["on"] == "server" else 0.0)
-    wait_s, env_s = measured.waited_s, measured.env_s
-    # (at the wall, the waits of the crowd its own run makes are on the policy's side)
-    policy_s = env_s + (wait_s if kind == "episode_wall" else 0.0)
-    if server_s >= policy_s:
-      status, ep.infra_error, ep.infra_kind = "failed", True, kind
-      reason = f"{kind}: {server_s:.1f} s waiting on the server, {wait_s:.1f} s " \
-               f"on sandbox slots and worker turns, {env_s:.1f} s in the environment"
+    kind, infra = _judge_cut(cut, server_s, "waiting on the server", measured)
+    if infra:
+      status, reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
     else:
       status, reason = "truncated", kind
       ep.verdict = {"status": "fail", "reward": 0.0}
@@ -648,15 +643,20 @@ def _gateway_errors(api: str) -> tuple[type[Exception], ...]:
   return client.APIError, httpx.HTTPError
 
 
+def _session_url(gateway_url: str, session_id: str) -> str:
+  """A session's record on a server or router (any character of the id, quoted)."""
+  return f"{gateway_url}/sessions/{quote(session_id, safe='')}"
+
+
 async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
   """The turns the server recorded for a session; the record is then deleted."""
   import httpx
 
   async with httpx.AsyncClient(timeout=60) as client:
-    r = await client.get(f"{gateway_url}/sessions/{quote(session_id, safe='')}")
+    r = await client.get(_session_url(gateway_url, session_id))
     r.raise_for_status()
     turns = r.json()["turns"]
-    await client.delete(f"{gateway_url}/sessions/{quote(session_id, safe='')}")
+    await client.delete(_session_url(gateway_url, session_id))
   return turns
 
 
@@ -668,7 +668,7 @@ async def _clear_session(gateway_url: str, session_id: str) -> None:
 
   try:
     async with httpx.AsyncClient(timeout=60) as client:
-      r = await client.delete(f"{gateway_url}/sessions/{quote(session_id, safe='')}")
+      r = await client.delete(_session_url(gateway_url, session_id))
   except httpx.HTTPError as e:
     raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}"
                      ) from e
@@ -693,6 +693,20 @@ def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None
           f"turn {i} of black-box session {session_id} was sampled with "
           f"{got}; the run trains at agent {want}: the agent must pass the run's sampling "
           "to the gateway")
+
+
+def _judge_cut(cut: BaseException, server_s: float, where: str, measured: "_MeasuredEnv"
+               ) -> tuple[str, Optional[str]]:
+  """An episode cut at its deadline or wall time: its kind, and why it is the
+  infrastructure's (it spent at least as long on the server as on its own side), or None
+  (the policy's: a truncation, scored). At the wall, the waits of the crowd its own run
+  makes are on the policy's side."""
+  kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
+  policy_s = measured.env_s + (measured.waited_s if kind == "episode_wall" else 0.0)
+  if server_s < policy_s:
+    return kind, None
+  return kind, (f"{kind}: {server_s:.1f} s {where}, {measured.waited_s:.1f} s on sandbox "
+                f"slots and worker turns, {measured.env_s:.1f} s in the environment")
 
 
 class _MeasuredEnv:
@@ -817,14 +831,11 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     # As in run_whitebox: spent mostly on the gateway (everything the harness did outside
     # the environment: its calls to the server, sampling, queueing), it is the
     # infrastructure's; mostly in the environment, the policy's: truncated, scored.
-    kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
     elapsed = time.perf_counter() - t_start
     server_s = max(0.0, elapsed - acting.env_s - acting.waited_s)
-    policy_s = acting.env_s + (acting.waited_s if kind == "episode_wall" else 0.0)
-    if server_s >= policy_s:
-      ep.status, ep.infra_error, ep.infra_kind = "failed", True, kind
-      ep.reason = (f"{kind}: {server_s:.1f} s on the gateway, {acting.waited_s:.1f} s on "
-                   f"sandbox slots and worker turns, {acting.env_s:.1f} s in the environment")
+    kind, infra = _judge_cut(cut, server_s, "on the gateway", acting)
+    if infra:
+      ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
     else:
       await truncated(kind)
   except InfraError as e:
