@@ -34,9 +34,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rollout_server import anthropic_api
-from rollout_server.sessions import SessionStore
+from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
 
-SESSION_HEADER = "x-session-id"
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
@@ -162,19 +161,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
 
-  def session_of(request: Request, body: bytes) -> Optional[str]:
-    """The request's session: its X-Session-Id header or its body's `session_id`
-    (ValueError when both are given and differ, as the server refuses them)."""
-    sid = request.headers.get(SESSION_HEADER) or None
+  def session_from(request: Request, body: bytes) -> Optional[str]:
+    """The request's session (`sessions.session_of`: its header, or its body's)."""
     try:
       data = json.loads(body) if body else {}
     except (ValueError, RecursionError):
       data = {}
     named = data.get("session_id") if isinstance(data, dict) else None
-    if named and sid and str(named) != sid:
-      raise ValueError(f"the {SESSION_HEADER} header ({sid!r}) and the body's session_id "
-                       f"({str(named)!r}) name different sessions")
-    return sid or (str(named) if named else None)
+    return session_of(request.headers.get(SESSION_HEADER), named)
 
   @app.get("/router/health")
   async def router_health():
@@ -274,7 +268,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def proxy(path: str, request: Request):
     body = await request.body()
     try:
-      session_id = session_of(request, body)
+      session_id = session_from(request, body)
     except ValueError as e:
       if path == "v1/messages":
         return JSONResponse(anthropic_api.error_body(400, str(e)), status_code=400)

@@ -43,9 +43,8 @@ from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, Chat
                                  OpenAIRoute, TurnCut, normalise_messages)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request
-from rollout_server.sessions import SessionStore
+from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
 
-SESSION_HEADER = "x-session-id"
 
 
 # -- request bodies -----------------------------------------------------------------------
@@ -112,17 +111,6 @@ class ChatBody(BaseModel):
 
 
 # -- sessions ------------------------------------------------------------------------------
-
-
-def _session_of(named: Optional[str], http: HttpRequest) -> Optional[str]:
-  """A request's session: its body's `session_id` or its X-Session-Id header; both given
-  and different is refused (the router routes by the header: a body naming another
-  session would put the turn into that session's record)."""
-  header = http.headers.get(SESSION_HEADER) or None
-  if named and header and named != header:
-    raise HTTPException(400, f"the {SESSION_HEADER} header ({header!r}) and the body's "
-                             f"session_id ({named!r}) name different sessions")
-  return named or header
 
 
 def _turn_record(req: Request, **extra) -> dict:
@@ -294,7 +282,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   @app.post("/generate")
   async def generate(body: GenerateBody, http: HttpRequest):
-    session_id = _session_of(body.session_id, http)
+    session_id = session_of(http.headers.get(SESSION_HEADER), body.session_id)
     m = served(body.model, strict=True)
     on = m.orch if m is not None else None
     req = submit(body.input_ids, _sampling(body, body.max_new_tokens, body.stop_token_ids),
@@ -403,7 +391,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     max_new = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                    256)
     stops = list(tokenizer.stop_ids) + list(body.stop_token_ids or [])
-    session_id = _session_of(body.session_id, http)
+    session_id = session_of(http.headers.get(SESSION_HEADER), body.session_id)
     turn = start_chat(body.messages, body.tools, _sampling(body, max_new, stops), session_id,
                       kind="chat", id_prefix="call", model=body.model)
     created = int(time.time())

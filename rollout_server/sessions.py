@@ -80,3 +80,17 @@ class SessionStore:
     with self._lock:
       self._expire()
       return len(self._sessions)
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def session_of(header: Optional[str], named: Optional[str]) -> Optional[str]:
+  """A request's session: its X-Session-Id header or its body's `session_id`. Both given
+  and different is a ValueError: the router routes by the header, so a body naming
+  another session would put the turn into that session's record."""
+  header, named = header or None, (str(named) if named else None)
+  if header and named and header != named:
+    raise ValueError(f"the {SESSION_HEADER} header ({header!r}) and the body's session_id "
+                     f"({named!r}) name different sessions")
+  return header or named
