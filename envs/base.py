@@ -18,7 +18,8 @@ import enum
 import hashlib
 import json
 import math
-from typing import Any, Callable, Optional
+import re
+from typing import Any, Callable, Optional, Sequence
 
 from jaxagent.toolcalls import FINITE_JSON
 
@@ -382,7 +383,9 @@ def make(name: str, resources: Optional[EnvResources] = None) -> Env:
   """A new environment by registered name; those that need shared resources get them."""
   _load_builtins()
   if name not in ENVS:
-    raise KeyError(f"unknown environment {name!r}; known: {sorted(ENVS)}")
+    raise KeyError(f"unknown environment {name!r}; known: {sorted(ENVS)} (an environment "
+                   "of your own: name its module in env.imports, or --import for envs.server, "
+                   "envs.play and envs.filter)")
   cls = ENVS[name]
   if getattr(cls, "needs_resources", False):
     if resources is None:
@@ -394,3 +397,70 @@ def make(name: str, resources: Optional[EnvResources] = None) -> Env:
 def _load_builtins() -> None:
   # Built-in environments register themselves on import.
   from envs import calculator, guess_number, python_tests  # noqa: F401
+
+
+_FILE_MODULES: dict[str, Any] = {}  # real path -> module, for environments loaded from files
+
+
+def load_modules(entries: Sequence[str]) -> list[str]:
+  """Imports the modules that register environments of a user's own (`@register(name)`
+  on an `Env` subclass): each entry a module name found on `sys.path` (`my_envs.words`)
+  or a Python file (`envs_of_mine/words.py`, relative to the working directory). A module
+  is imported once however often it is named. Returns the names of the environments they
+  registered. An entry that cannot be imported (no such module or file, or its code
+  raises, a name taken included) raises ValueError naming the entry and where it failed."""
+  import importlib
+  import importlib.util
+  import os
+  import sys
+
+  _load_builtins()  # first, so that a module taking a built-in's name is the one refused
+  before = set(ENVS)
+  for entry in entries:
+    if not isinstance(entry, str) or not entry.strip():
+      raise ValueError(f"an import must be a module name or a .py file, got {entry!r}")
+    path = os.path.realpath(entry) if entry.endswith(".py") or os.sep in entry else None
+    if path is not None and not os.path.isfile(path):
+      raise ValueError(f"{entry!r}: no such file")
+    if path in _FILE_MODULES:
+      continue
+    try:
+      if path is None:
+        importlib.import_module(entry)
+        continue
+      stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+      name = f"jaxagent_envs_{stem}_{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+      spec = importlib.util.spec_from_file_location(name, path)
+      module = importlib.util.module_from_spec(spec)
+      sys.modules[name] = module  # (dataclasses and pickling look their module up)
+      try:
+        spec.loader.exec_module(module)
+      except BaseException:
+        del sys.modules[name]
+        raise
+      _FILE_MODULES[path] = module
+    except Exception as e:
+      missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+      if missing and (entry == missing or entry.startswith(missing + ".")):
+        raise ValueError(f"{entry!r}: no module named {missing!r} on the path (name a "
+                         "module, or a .py file)") from None
+      raise ValueError(f"{entry!r}: {_where(e)}{type(e).__name__}: {e}") from None
+  return sorted(set(ENVS) - before)
+
+
+def add_import_flag(parser) -> None:
+  """`--import MODULE` (repeatable) on an environment tier command line: `load_modules`."""
+  parser.add_argument("--import", dest="imports", action="append", default=[],
+                      metavar="MODULE", help="a module name or .py file that registers "
+                      "environments of your own (repeat for more)")
+
+
+def _where(e: BaseException) -> str:
+  """`file:line: ` of the innermost frame an import failed in outside this file (for a
+  name taken twice, the `@register` line), or of a syntax error."""
+  import traceback
+
+  if isinstance(e, SyntaxError) and e.filename:
+    return f"{e.filename}:{e.lineno}: "
+  frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+  return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""

@@ -14,7 +14,8 @@ import json
 import sys
 from typing import Callable
 
-from envs.base import EnvResources, TaskSpec, Verdict, VerdictStatus, load_tasks, make, write_tasks
+from envs.base import (EnvResources, TaskSpec, Verdict, VerdictStatus, add_import_flag, load_modules,
+                       load_tasks, make, write_tasks)
 
 
 async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Verdict:
@@ -60,9 +61,15 @@ def main(argv=None) -> int:
   p.add_argument("tasks")
   p.add_argument("--out", default=None, help="write the kept tasks here (JSONL)")
   p.add_argument("--concurrency", type=int, default=4)
+  add_import_flag(p)
   args = p.parse_args(argv)
   if args.concurrency < 1:
     print(f"error: --concurrency must be >= 1, got {args.concurrency}", file=sys.stderr)
+    return 2
+  try:
+    load_modules(args.imports)
+  except ValueError as e:
+    print(f"error: --import {e}", file=sys.stderr)
     return 2
   try:
     tasks = load_tasks(args.tasks)

@@ -29,7 +29,8 @@ import sys
 import time
 from typing import Callable, Iterable, Optional
 
-from envs.base import EnvResources, TaskSpec, VerdictStatus, load_tasks, make, trained_rewards
+from envs.base import (EnvResources, TaskSpec, VerdictStatus, add_import_flag, load_modules,
+                       load_tasks, make, trained_rewards)
 
 
 def read_actions(lines: Iterable[str]) -> list[str]:
@@ -124,8 +125,13 @@ def main(argv=None) -> int:
   p.add_argument("--sandboxes", type=int, default=2)
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code without isolation where the host has none")
+  add_import_flag(p)
   args = p.parse_args(argv)
   try:
+    try:
+      load_modules(args.imports)
+    except ValueError as e:
+      raise ValueError(f"--import {e}") from None
     tasks = load_tasks(args.task_file)
     by_id = {t.id: t for t in tasks}
     if not tasks:
@@ -164,7 +170,8 @@ def main(argv=None) -> int:
     try:
       env = make(task.env, resources)
     except Exception as e:  # unknown environment, no isolation: say so, no traceback
-      print(f"envs.play: {type(e).__name__}: {e}", file=sys.stderr)
+      said = e.args[0] if isinstance(e, KeyError) and e.args else f"{type(e).__name__}: {e}"
+      print(f"envs.play: {said}", file=sys.stderr)
       resources.close()
       return 2
   try:

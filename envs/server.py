@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict
 
 from envs import waits
 from envs.base import (BAD_TASK, EnvResources, Observation, StepResult, TaskSpec, Verdict,
-                       VerdictStatus, json_safe, make)
+                       VerdictStatus, add_import_flag, json_safe, load_modules, make)
 from jaxagent.errors import InfraError
 
 
@@ -263,7 +263,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     sid = uuid.uuid4().hex
 
     async def start():
-      env = make(task.env, resources)
+      try:
+        env = make(task.env, resources)
+      except KeyError as e:  # an environment this worker has not imported: the task's
+        raise ValueError(f"task {task.id!r} cannot start: {e.args[0] if e.args else e}") \
+            from None
       try:
         obs = await env.reset(task)
       except BaseException as e:  # failed or abandoned (deadline): nothing is kept
@@ -458,9 +462,16 @@ def main(argv=None) -> int:
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code with resource limits only where the host cannot isolate "
                       "it (no bubblewrap, not root): it can then read and write this host")
+  add_import_flag(p)
   add_log_level(p)
   args = p.parse_args(argv)
   from envs.sandbox import IsolationUnavailable
+
+  try:
+    names = load_modules(args.imports)
+  except ValueError as e:
+    print(f"envs.server: --import {e}", file=sys.stderr)
+    return 2
 
   sock = listen_or_say(args.host, args.port, "envs.server")
   if sock is None:
@@ -474,7 +485,9 @@ def main(argv=None) -> int:
     print(f"envs.server: {e}", file=sys.stderr)
     return 2
   print(f"envs.server: sandbox isolation {pool.isolation}, {args.sandboxes} commands at once, "
-        f"workspaces under {pool.root}", file=sys.stderr, flush=True)
+        f"workspaces under {pool.root}"
+        + (f"; environments imported: {', '.join(names)}" if names else ""),
+        file=sys.stderr, flush=True)
   app = create_app(resources, max_sessions=args.max_sessions,
                    max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s,
                    idle_timeout_s=args.idle_timeout_s, max_body_bytes=args.max_body_bytes)

@@ -368,6 +368,10 @@ class EnvConfig:
   """Environments: in-process (no urls) or `envs.server` workers."""
 
   urls: list[str] = dataclasses.field(default_factory=list)
+  # Modules that register environments of your own (`@envs.base.register`): module names
+  # on the path or .py files (relative to the working directory). Imported by the run
+  # (in-process environments), and by the env workers `launch` starts or deploys.
+  imports: list[str] = dataclasses.field(default_factory=list)
   sandboxes: int = 4  # sandboxed commands running at once (in-process environments)
   # Run tool code with resource limits only where the host cannot isolate it (no
   # bubblewrap, not root): it can then read and write this host. Off: such a host

@@ -224,6 +224,8 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
 
   env_cmd = ["python", "-m", "envs.server", "--host", "0.0.0.0", "--port", str(env_port),
              "--sandboxes", str(args.sandboxes)]
+  for module in cfg.env.imports:  # (the image must hold them)
+    env_cmd += ["--import", module]
   env_container = _container("env", args.image, env_cmd, port=env_port, mount_config=False,
                              resources={"requests": {"cpu": str(args.sandboxes),
                                                      "memory": "8Gi"}})

@@ -124,6 +124,8 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
     cmd = [py, "-m", "envs.server", "--port", str(port), "--log-level", "warning"]
     if cfg.env.allow_unisolated:
       cmd.append("--allow-unisolated")
+    for module in cfg.env.imports:
+      cmd += ["--import", module]
     services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}"))
   overrides = list(args.overrides)
   servers = [c.url for c in services if c.name.startswith("server")]

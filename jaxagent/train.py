@@ -149,8 +149,9 @@ def env_latency(cfg: config_lib.RunConfig):
 
 def make_env_factory(cfg: config_lib.RunConfig):
   """`factory(task) -> Env` (in-process or a remote worker's), and a closer. With
-  `env.latency` set, every environment waits that made-up time at each step."""
-  from envs.base import EnvResources, WithLatency, make
+  `env.latency` set, every environment waits that made-up time at each step. The
+  modules of `env.imports` are imported here (their workers import them for `env.urls`)."""
+  from envs.base import EnvResources, WithLatency, load_modules, make
 
   latency = env_latency(cfg)
   counter = iter(range(1 << 62))
@@ -165,6 +166,10 @@ def make_env_factory(cfg: config_lib.RunConfig):
 
     urls = list(cfg.env.urls)
     return (lambda task: delayed(RemoteEnv(urls[next(counter) % len(urls)]))), (lambda: None)
+  try:
+    load_modules(cfg.env.imports)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"env.imports: {e}") from None
   resources = EnvResources(sandboxes=cfg.env.sandboxes,
                            allow_unisolated=cfg.env.allow_unisolated)
   factory = lambda task: delayed(make(task.env, resources))  # noqa: E731

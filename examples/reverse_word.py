@@ -1,0 +1,62 @@
+"""An environment of your own, whole: `reverse_word` asks for a word written backwards.
+
+Train on it with the tiny model (from the repository root):
+
+  python -m jaxagent.train --config configs/tiny.yaml \
+      'env.imports=[examples/reverse_word.py]' data.tasks=examples/reverse_word.jsonl \
+      agent.max_new_tokens=12 agent.max_turns=2
+
+`env.imports` names the module (a .py file, or a module name on the path) that registers
+it; `python -m envs.play --import examples/reverse_word.py --task-file
+examples/reverse_word.jsonl` plays it by hand, and `envs.server` / `envs.filter` take the
+same `--import`. docs/environments.md says what each method must do.
+"""
+
+from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register
+
+
+@register("reverse_word")  # the name task files give in their "env" field
+class ReverseWord(Env):
+  # Change `version` when what the policy sees changes, `verifier_version` when the
+  # grading does: both are recorded with every trajectory.
+  version = "1"
+  verifier_version = "1"
+
+  async def reset(self, task: TaskSpec) -> Observation:
+    # A bad parameter raises ValueError, TypeError or KeyError: the task's fault, named.
+    word = task.params["word"]
+    if not isinstance(word, str) or not word:
+      raise ValueError(f"task {task.id}: word must be a non-empty string")
+    self.task, self.word, self.replies = task, word, []
+    self.max_turns = int(task.params.get("max_turns", 2))
+    self.turns, self.done = 0, False
+    self.reset_counters()
+    return Observation([{"role": "user", "content": f"Write '{word}' backwards."}])
+
+  async def step(self, action: str) -> StepResult:
+    # `action` is the model's text for the turn. Every turn may earn a process reward;
+    # the outcome reward belongs to `verify`, which the learner adds to the last turn.
+    self.begin_turn()
+    reply = action.strip().strip("'\"")
+    self.replies.append(reply)
+    terminated = reply == self.word[::-1]
+    truncated = not terminated and self.turns >= self.max_turns
+    self.done = terminated or truncated
+    feedback = [] if self.done else [{"role": "user", "content": "No. Try again."}]
+    return StepResult(Observation(feedback), 0.0, terminated, truncated, self._info())
+
+  async def verify(self) -> Verdict:
+    # Grades what happened, never what the policy says happened. Raise nothing for a
+    # wrong answer (that is a FAIL); an infrastructure failure is VerdictStatus.INFRA_ERROR.
+    ok = bool(self.replies) and self.replies[-1] == self.word[::-1]
+    return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, 1.0 if ok else 0.0,
+                   f"{self.name}@{self.version}", f"{self.name}@{self.verifier_version}",
+                   {"word": self.word, "replies": self.replies})
+
+  def state(self) -> dict:
+    # What the next answers depend on besides the task: hashed into the token
+    # write-ahead log, so a resumed run can check its replay.
+    return {**super().state(), "replies": self.replies}
+
+  def reference_action(self) -> str:  # what a perfect agent says (envs.filter uses it)
+    return self.word[::-1]

@@ -1,0 +1,132 @@
+"""An environment of a user's own (examples/reverse_word.py) reaches every tier through
+`env.imports` / `--import`: played, filtered, served by a worker, trained on; an import
+that fails is named with where it failed."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from envs import base
+from envs.base import TaskSpec, load_modules
+from tests.conftest import REPO
+
+EXAMPLE = "examples/reverse_word.py"
+TASKS = "examples/reverse_word.jsonl"
+
+
+def test_played_and_filtered_with_import(tmp_path, capsys, monkeypatch):
+  from envs import filter as filter_cli
+  from envs import play
+
+  monkeypatch.chdir(REPO)
+  actions = tmp_path / "actions.jsonl"
+  actions.write_text('"god"\n"dog"\n')
+  assert play.main(["--import", EXAMPLE, "--task-file", TASKS, "--task-id",
+                    "reverse_word/dog", "--actions", str(actions), "--json"]) == 0
+  events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  verdict = next(e for e in events if "verdict" in e)
+  # The first reply is right: the episode ends there, with the outcome on its turn.
+  assert verdict["verdict"]["status"] == "pass" and verdict["turn_rewards"] == [1.0]
+
+  assert filter_cli.main(["--import", EXAMPLE, TASKS, "--concurrency", "2"]) == 0
+  assert "12 of 12 tasks kept" in capsys.readouterr().out
+  # Imported once however often it is named (its registration would clash otherwise).
+  assert load_modules([EXAMPLE, os.path.join(REPO, EXAMPLE)]) == []
+  assert "reverse_word" in base.ENVS
+
+
+def _write(tmp_path, name, text):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+def test_an_import_that_fails_is_named_with_where(tmp_path):
+  cases = {
+      _write(tmp_path, "syntax.py", "x = (\n"): "syntax.py:1: SyntaxError",
+      _write(tmp_path, "taken.py", "from envs.base import Env, register\n\n"
+             "@register('calculator')\nclass C(Env):\n  pass\n"):
+          "taken.py:3: ValueError: environment 'calculator' is already registered",
+      _write(tmp_path, "dep.py", "import not_a_module_anywhere\n"):
+          "dep.py:1: ModuleNotFoundError: No module named 'not_a_module_anywhere'",
+      _write(tmp_path, "boom.py", "\nraise RuntimeError('boom')\n"): "boom.py:2: RuntimeError: boom",
+      str(tmp_path / "missing.py"): "missing.py': no such file",
+      "no_such_pkg.envs": "no module named 'no_such_pkg' on the path",
+  }
+  for entry, said in cases.items():
+    with pytest.raises(ValueError) as e:
+      load_modules([entry])
+    assert said in str(e.value) and str(e.value).startswith(repr(entry)), (entry, e.value)
+  with pytest.raises(ValueError, match="a module name or a .py file"):
+    load_modules([""])
+  # A failed file leaves no half-imported module behind.
+  assert not [m for m in sys.modules if m.startswith("jaxagent_envs_boom_")]
+  with pytest.raises(KeyError, match="name its module in env.imports"):
+    base.make("not_registered_anywhere")
+
+
+def test_a_worker_serves_it_with_import_and_says_what_is_missing_without(tmp_path):
+  from envs.play import play_episode
+  from envs.server import RemoteEnv
+  from tests.envs.test_server import start_worker, worker_log
+
+  task = TaskSpec("reverse_word/owl", "reverse_word", {"word": "owl"})
+  proc, url, _ = start_worker(tmp_path, "--import", EXAMPLE)
+  bare, bare_url, _ = start_worker(tmp_path)
+  try:
+    replies = ["lwo"]
+    result = asyncio.run(play_episode(RemoteEnv(url), task,
+                                      lambda turn: replies[turn] if turn < 1 else None))
+    assert result["verdict"]["status"] == "pass"
+    with pytest.raises(ValueError, match="name its module in env.imports"):
+      asyncio.run(RemoteEnv(bare_url).reset(task))
+  finally:
+    for p in (proc, bare):
+      p.send_signal(signal.SIGTERM)
+      p.wait(timeout=30)
+  assert "environments imported: reverse_word" in worker_log(proc)
+  bad = subprocess.run([sys.executable, "-m", "envs.server", "--import", "examples/nope.py"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert bad.returncode == 2
+  assert bad.stderr.strip() == "envs.server: --import 'examples/nope.py': no such file"
+
+
+def test_a_run_trains_on_it_and_launch_and_deploy_pass_it_on(tmp_path):
+  import argparse
+
+  from jaxagent import config as config_lib
+  from jaxagent.launch import plan
+  from tests.test_train_cli import SMALL, read_metrics, run_train
+
+  run_dir = str(tmp_path / "run")
+  own = [f"env.imports=[{EXAMPLE}]", f"data.tasks={TASKS}", "agent.max_new_tokens=4"]
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=1",
+                   *own, *SMALL)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert read_metrics(run_dir)[-1]["step"] == 1
+  with open(os.path.join(run_dir, "config.json")) as f:
+    assert json.load(f)["env"]["imports"] == [EXAMPLE]
+
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "bad"),
+                   "env.imports=[examples/nope.py]")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == \
+      "error: env.imports: 'examples/nope.py': no such file"
+
+  # The env workers a launch starts, and those it deploys, import the same modules.
+  args = argparse.Namespace(config="configs/tiny.yaml", servers=0, env_workers=1,
+                            learner_processes=1, resume=False, overrides=own)
+  cfg = config_lib.load(config_lib.RunConfig, args.config, own)
+  (worker,), _ = plan(args, cfg, str(tmp_path / "launched"))
+  assert worker.cmd[worker.cmd.index("--import") + 1] == EXAMPLE
+  from tests.test_deploy import generate
+
+  docs, _ = generate(tmp_path, "v5litepod-8", *own)
+  env_pod = docs["env-statefulset.yaml"]["spec"]["template"]["spec"]
+  cmd = env_pod["containers"][0]["command"]
+  assert cmd[cmd.index("--import") + 1] == EXAMPLE
