@@ -518,6 +518,18 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     raise _error(e, schema, path or "config") from None
 
 
+def parse_with_overrides(parser, argv: Optional[Sequence[str]] = None):
+  """`parser.parse_args(argv)` for a command whose positional `overrides` (key=value) may
+  sit anywhere among its options: `--config c.yaml steps=5 --run-dir D lr=1` (argparse
+  takes one run of positionals, and called the second one unrecognized)."""
+  args, extra = parser.parse_known_args(argv)
+  stray = [a for a in extra if a.startswith("-") or "=" not in a]
+  if stray:
+    parser.error(f"unrecognized arguments: {' '.join(stray)}")
+  args.overrides = list(args.overrides) + extra
+  return args
+
+
 def to_dict(cfg: Any) -> dict:
   """A plain dict of a config dataclass (for checkpoints and run directories)."""
   return dataclasses.asdict(cfg)

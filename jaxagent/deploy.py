@@ -304,7 +304,7 @@ def main(argv=None) -> int:
   g.add_argument("--cpu-pool", default="cpu-pool", help="node pool of environment workers")
   g.add_argument("--max-restarts", type=int, default=3)
   g.add_argument("overrides", nargs="*")
-  args = p.parse_args(argv)
+  args = config_lib.parse_with_overrides(p, argv)
   try:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     if args.servers < 0 or args.env_workers < 0:

@@ -244,7 +244,7 @@ def main(argv=None) -> int:
                      help="the learner goes on with the run in --run-dir (fresh services)")
   local.add_argument("--start-timeout-s", type=float, default=180.0)
   local.add_argument("overrides", nargs="*", help="dotted config overrides")
-  args = p.parse_args(argv)
+  args = config_lib.parse_with_overrides(p, argv)
   return run_local(args)
 
 

@@ -71,7 +71,7 @@ def parse_args(argv=None):
   g.add_argument("--num-processes", type=int, help="processes in the run")
   g.add_argument("--process-id", type=int, help="this process's index")
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=3e-4")
-  return p.parse_args(argv)
+  return config_lib.parse_with_overrides(p, argv)
 
 
 class Serving:

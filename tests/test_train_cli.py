@@ -384,3 +384,12 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   path.write_text(printed)  # it loads back as the same run config
   assert config_lib.load(config_lib.RunConfig, str(path)) == config_lib.load(
       config_lib.RunConfig, "configs/tiny.yaml", ["learner.lr=0.25", "eval.k=[1,4]"])
+  # Overrides on either side of an option, in order (argparse took the first run of
+  # them only and called `steps=3` unrecognized: a new user's first try).
+  assert train.main(["--config", "configs/tiny.yaml", "learner.lr=0.25", "--print-config",
+                     "steps=3", "learner.lr=0.5"]) == 0
+  resolved = yaml.safe_load(capsys.readouterr().out)
+  assert resolved["steps"] == 3 and resolved["learner"]["lr"] == 0.5
+  with pytest.raises(SystemExit):
+    train.main(["--config", "configs/tiny.yaml", "steps=3", "--print-config", "--bogus"])
+  assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -82,7 +82,9 @@ def main() -> None:
   p.add_argument("--modes", default="sync,async,window")
   p.add_argument("--json", action="store_true")
   p.add_argument("overrides", nargs="*", help="config overrides for every mode (key=value)")
-  args = p.parse_args()
+  from jaxagent.config import parse_with_overrides
+
+  args = parse_with_overrides(p)
   if not 1 <= args.skip < args.steps:
     p.error("--skip must be in [1, steps)")
 
