@@ -76,7 +76,10 @@ def load_tasks(path: str) -> list[TaskSpec]:
       try:
         tasks.append(TaskSpec.from_dict(json.loads(line, **FINITE_JSON,
                                                    parse_int=_float_sized_int)))
-      except (ValueError, json.JSONDecodeError) as e:
+      except json.JSONDecodeError as e:  # (its own "line 1" is this line's)
+        raise ValueError(f"{path}:{n}: not a JSON object (column {e.colno}: {e.msg})") \
+            from None
+      except ValueError as e:
         raise ValueError(f"{path}:{n}: {e}") from None
   return tasks
 
@@ -383,7 +386,11 @@ def make(name: str, resources: Optional[EnvResources] = None) -> Env:
   """A new environment by registered name; those that need shared resources get them."""
   _load_builtins()
   if name not in ENVS:
-    raise KeyError(f"unknown environment {name!r}; known: {sorted(ENVS)} (an environment "
+    import difflib
+
+    close = difflib.get_close_matches(name, list(ENVS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise KeyError(f"unknown environment {name!r}{hint}; known: {sorted(ENVS)} (an environment "
                    "of your own: name its module in env.imports, or --import for envs.server, "
                    "envs.play and envs.filter)")
   cls = ENVS[name]

@@ -237,7 +237,7 @@ async def task_tools(path: str, env_factory) -> list[dict]:
       finally:
         await env.close()
     except KeyError as e:  # an environment nobody registered: its message, unquoted
-      raise ValueError(e.args[0] if e.args else str(e)) from None
+      raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
     for t in obs.tools:
       tools.setdefault(t["function"]["name"], t)
   return list(tools.values())
@@ -309,13 +309,22 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(f"agent.top_p must be in (0, 1], got {a.top_p}")
 
 
+def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:
+  """`key: no such file PATH`, and for a relative path where it was looked for (a new
+  user ran the bundled config from another directory)."""
+  where = "" if os.path.isabs(path) else (
+      f"; relative paths are read from the working directory ({os.getcwd()}), the bundled "
+      "configs' from the repository root")
+  return config_lib.ConfigError(f"{key}: no such file {path!r}{why}{where}")
+
+
 def check_config(cfg: config_lib.RunConfig) -> None:
   _check_ranges(cfg)
   check_model_and_learner(cfg)
   if not cfg.data.tasks:
     raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
   if not os.path.exists(cfg.data.tasks):
-    raise config_lib.ConfigError(f"data.tasks: no such file {cfg.data.tasks}")
+    raise _no_such_file("data.tasks", cfg.data.tasks)
   if cfg.rollout.mode not in ("sync", "async", "window"):
     raise config_lib.ConfigError(f"rollout.mode: unknown {cfg.rollout.mode!r}; known: sync, "
                                  "async, window")
@@ -330,8 +339,7 @@ def check_config(cfg: config_lib.RunConfig) -> None:
       raise config_lib.ConfigError("eval.every needs eval.tasks (a task file of held-out "
                                    "tasks)")
     if not os.path.exists(cfg.eval.tasks):
-      raise config_lib.ConfigError(f"eval.tasks: no such file {cfg.eval.tasks!r} (needed with "
-                                   "eval.every)")
+      raise _no_such_file("eval.tasks", cfg.eval.tasks, " (needed with eval.every)")
     samples = 1 if cfg.eval.greedy else cfg.eval.samples
     if not cfg.eval.k or min(cfg.eval.k) < 1 or max(cfg.eval.k) > samples:
       raise config_lib.ConfigError(f"eval.k: each k must be in 1..{samples} (eval.samples; "
@@ -555,7 +563,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     serving_mesh = (make_mesh(devices=select_devices(cfg.serving.devices))
                     if cfg.serving.devices or multi else mesh)
   except ValueError as e:
-    raise config_lib.ConfigError(f"mesh.devices / serving.devices: {e}") from None
+    hint = ""
+    if jax.device_count() == 1 and jax.devices()[0].platform == "cpu":
+      hint = ("; this CPU is one device: simulate more with "
+              "XLA_FLAGS=--xla_force_host_platform_device_count=8 before the command")
+    raise config_lib.ConfigError(f"mesh / serving.devices: {e}{hint}") from None
   env_factory, close_envs = make_env_factory(cfg)
   from envs.sandbox import IsolationUnavailable
 

@@ -275,8 +275,10 @@ def _bad_settings(tmp_path):
       (tiny + ["--canary"], "--canary checks a resumed run"),
       (["--config", str(a_list)], "must be a mapping"),
       # Task files: one line each (they were tracebacks).
-      (tiny + [f"data.tasks={tasks['broken']}"], "broken.jsonl:2:"),
-      (tiny + [f"data.tasks={tasks['unknown']}"], "unknown environment 'guess_numbr'"),
+      # (json's own "line 1 column 10" was the line's, not the file's)
+      (tiny + [f"data.tasks={tasks['broken']}"], "broken.jsonl:2: not a JSON object (column"),
+      (tiny + [f"data.tasks={tasks['unknown']}"],
+       "task 'a': unknown environment 'guess_numbr' (did you mean 'guess_number'?)"),
       (tiny + [f"data.tasks={tasks['empty']}"], "has no tasks"),
       (tiny + [f"data.tasks={tasks['params']}"], "low (10) > high (2)"),
       (tiny + ["learner.lrr=1"], "learner.lrr"),
@@ -287,6 +289,7 @@ def _bad_settings(tmp_path):
       (tiny + ["eval.every=5"], "eval.every needs eval.tasks"),
       (tiny + ["env.latency.distribution=pareto"], "'pareto'"),
       (tiny + ["model.preset=nanoo"], "did you mean 'nano'"),
+      (tiny + ["mesh.fsdp=2"], "simulate more with XLA_FLAGS=--xla_force_host_platform_device"),
       (tiny + ["model.checkpoint=/nonexistent.gguf"], "model.checkpoint"),
       (tiny + [f"model.checkpoint={hf_dir}"], "set model.tokenizer"),
       (tiny + [f"model.checkpoint={hf_dir}", "model.tokenizer=/nope"], "model.tokenizer: no"),
