@@ -1,10 +1,14 @@
 """An environment of your own, whole: `reverse_word` asks for a word written backwards.
 
-Train on it with the tiny model (from the repository root):
+Run it with the tiny model (from the repository root):
 
   python -m jaxagent.train --config configs/tiny.yaml \
       'env.imports=[examples/reverse_word.py]' data.tasks=examples/reverse_word.jsonl \
       agent.max_new_tokens=12 agent.max_turns=2
+
+(The nano model starts from random weights and cannot spell: in 800 steps its mean reward
+rose from 0.000 to about 0.04 with no word right. The example shows the plumbing; a
+pretrained model is what learns such a task.)
 
 `env.imports` names the module (a .py file, or a module name on the path) that registers
 it; `python -m envs.play --import examples/reverse_word.py --task-file
@@ -48,8 +52,12 @@ class ReverseWord(Env):
   async def verify(self) -> Verdict:
     # Grades what happened, never what the policy says happened. Raise nothing for a
     # wrong answer (that is a FAIL); an infrastructure failure is VerdictStatus.INFRA_ERROR.
-    ok = bool(self.replies) and self.replies[-1] == self.word[::-1]
-    return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, 1.0 if ok else 0.0,
+    # A wrong last reply earns half a point for each letter in its place, so that a model
+    # that starts from nothing finds a slope to climb; only the whole word passes.
+    target, last = self.word[::-1], self.replies[-1] if self.replies else ""
+    placed = sum(a == b for a, b in zip(last, target)) / max(len(last), len(target))
+    ok = last == target
+    return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, 1.0 if ok else 0.5 * placed,
                    f"{self.name}@{self.version}", f"{self.name}@{self.verifier_version}",
                    {"word": self.word, "replies": self.replies})
 

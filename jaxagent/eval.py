@@ -4,9 +4,10 @@ Plays held-out tasks with a trained policy and reports, per environment and over
 success rate, pass@k (the unbiased estimator of Chen et al. 2021: with n samples of
 which c pass, 1 - C(n - c, k) / C(n, k)), terminal and process rewards, turns, tool
 calls, invalid tool calls and episode latency p50/p95/p99. Writes a JSON report
-(`--out`, default `<policy>/eval-<tasks>.json`, `eval-<tasks>-greedy.json` with
-`--greedy`) and prints a table. An episode the infrastructure failed (a server or
-worker down) is played again twice, then left out of every figure and counted.
+(`--out`, default `eval-<tasks>.json` in the evaluated version's directory,
+`<policy>/vN/`; `eval-<tasks>-greedy.json` with `--greedy`) and prints a table. An
+episode the infrastructure failed (a server or worker down) is played again twice,
+then left out of every figure and counted.
 
 The policy is served in process (an engine built from the run's `config.json`, loaded
 with the export's weights, with the models served beside it and a gateway where the
@@ -87,10 +88,15 @@ def report(episodes_by_task: dict, ks: Sequence[int]) -> dict:
                                     ks) for env in envs}}
 
 
-async def evaluate(tasks, play, samples: int, concurrency: int = 64, retries: int = 2) -> dict:
+async def evaluate(tasks, play, samples: int, concurrency: int = 64, retries: int = 2,
+                   warmup: bool = False) -> dict:
   """Plays each task `samples` times (`play(task, session_id)` -> Episode), at most
   `concurrency` episodes at once; an episode the infrastructure failed is played again up
-  to `retries` times; {task_id: (env name, [Episode, ...])}."""
+  to `retries` times; {task_id: (env name, [Episode, ...])}. With `warmup`, the first
+  task is played once before, in no figure: a new engine compiles on its first requests,
+  which the first episodes' latencies held (seconds, against milliseconds)."""
+  if warmup and tasks:
+    await play(tasks[0], "eval-warmup")
   slots = asyncio.Semaphore(concurrency)
 
   async def one(task, j):
@@ -222,7 +228,8 @@ async def run(args) -> dict:
                                       session_id)
 
     t0 = time.time()
-    by_task = await evaluate(tasks, play, samples)
+    # (an engine started here compiles on its first requests: not the policy's latency)
+    by_task = await evaluate(tasks, play, samples, warmup=not args.server)
     rep = report(by_task, ks)
   finally:
     if serving is not None:
@@ -281,9 +288,9 @@ def main(argv=None) -> int:
     return 3
   name = (os.path.splitext(os.path.basename(args.tasks))[0] + ("-greedy" if args.greedy else "")
           + (f"-first{args.limit}" if args.limit else ""))  # (never a whole run's report)
-  out = args.out or os.path.join(
-      args.policy if os.path.isdir(args.policy) else os.path.dirname(args.policy),
-      f"eval-{name}.json")
+  # In the evaluated version's own directory: an eval of RUN_DIR/policy (the latest) after
+  # more training does not overwrite the report of the version before.
+  out = args.out or os.path.join(rep["policy"], f"eval-{name}.json")
   with open(out, "w") as f:
     json.dump(rep, f, indent=1)
   if args.json:  # the report alone on stdout, for a pipe

@@ -489,6 +489,9 @@ def main(argv=None) -> int:
   p.add_argument("--port", type=int, default=8765)
   p.add_argument("--host", default="127.0.0.1")
   args = p.parse_args(argv)
+  if not os.path.exists(args.run_dir):
+    print(f"error: no such run directory or file {args.run_dir}", file=sys.stderr)
+    return 2
   if trajectory_file(args.run_dir) is None:
     print(f"error: no {' or '.join(FILES)} in {args.run_dir}", file=sys.stderr)
     return 2

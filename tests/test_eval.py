@@ -58,6 +58,26 @@ def test_infrastructure_failures_are_left_out_of_the_figures():
   assert overall["pass@2"] == pytest.approx(1.0)  # (task a has one scored sample: left out)
 
 
+def test_a_warmup_episode_is_played_first_and_in_no_figure():
+  """A new engine compiles on its first requests: the first episodes' latencies held the
+  compilation (a new user's finding: the p50 latency was mostly compile time)."""
+  import asyncio
+
+  from envs.base import TaskSpec
+
+  played = []
+
+  async def play(task, session_id):
+    played.append(session_id)
+    return _episode(task.id, True, 1.0)
+
+  tasks = [TaskSpec("a", "env1"), TaskSpec("b", "env1")]
+  by_task = asyncio.run(eval_lib.evaluate(tasks, play, 2, warmup=True))
+  assert played[0] == "eval-warmup" and len(played) == 5
+  assert sorted(played[1:]) == ["eval-a-0", "eval-a-1", "eval-b-0", "eval-b-1"]
+  assert [len(eps) for _, eps in by_task.values()] == [2, 2]
+
+
 def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   run_dir = str(tmp_path / "run")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=2", *SMALL,
@@ -85,9 +105,11 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
 
   # A relative path (as the README's RUN_DIR/policy), greedy: a report of its own name
   # (of the first 2 tasks only: never taken for the whole set's).
+  # It goes in the evaluated version's directory: a later eval of RUN_DIR/policy (a newer
+  # latest version) does not overwrite it.
   assert eval_lib.main(["--policy", os.path.relpath(os.path.join(run_dir, "policy")),
                         "--tasks", HELD_OUT, "--greedy", "--limit", "2"]) == 0
-  assert os.path.exists(os.path.join(run_dir, "policy",
+  assert os.path.exists(os.path.join(rep["policy"],
                                      "eval-guess_number_heldout-greedy-first2.json"))
   capsys.readouterr()
   # A run whose agent is a black-box harness is evaluated with that harness, through a
@@ -140,7 +162,7 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   unknown.write_text('{"id": "x", "env": "nosuch"}\n')
   assert eval_lib.main(["--policy", run_dir, "--tasks", str(unknown)]) == 2
   err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and "--tasks: unknown environment 'nosuch'" in err, err
+  assert len(err.splitlines()) == 1 and "--tasks: task 'x': unknown environment 'nosuch'" in err, err
   # A server config's model over a policy of another model: named (an Orbax shape error).
   from rollout_server import __main__ as server_cli
 

@@ -239,6 +239,8 @@ def test_without_trajectories_one_line_and_exit_2(tmp_path, capsys):
   assert view.main([str(tmp_path)]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and str(tmp_path) in err and "trajectories.jsonl" in err
+  assert view.main([str(tmp_path / "typo")]) == 2  # (it said "no trajectories" in it)
+  assert capsys.readouterr().err == f"error: no such run directory or file {tmp_path / 'typo'}\n"
 
 
 # -- the page in a real browser -------------------------------------------------------------
