@@ -135,6 +135,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     if lock is None:
       lock = copy_locks[session_id] = asyncio.Lock()
     async with lock:
+      if session_id not in sessions:  # never copied, or the copy was evicted (a bound or
+        cursors.pop(session_id, None)  # its TTL): copy every backend's record whole again
       n = cursors.get(session_id, {}).get(backend, 0)
       got = await fetch_turns(session_id, backend, n)
       if got is not None and got.get("count", n) < n:
@@ -238,7 +240,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
     """The router's copy of the session, brought up to date from its live backends (all
     of them when this router has not seen it: it restarted, or its turns failed over)."""
-    holders = list(cursors.get(session_id, {})) or ring.backends
+    held = session_id in sessions  # (a copy evicted here: ask every backend again)
+    holders = (list(cursors.get(session_id, {})) if held else []) or ring.backends
     await asyncio.gather(*(copy_turns(session_id, b) for b in holders if healthy[b]))
     turns = sessions.get(session_id)
     if turns is None:

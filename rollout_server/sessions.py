@@ -76,6 +76,11 @@ class SessionStore:
       self.bytes -= entry[1]
       return entry[0]
 
+  def __contains__(self, session_id: str) -> bool:
+    with self._lock:
+      self._expire()
+      return session_id in self._sessions
+
   def __len__(self) -> int:
     with self._lock:
       self._expire()

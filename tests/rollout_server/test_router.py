@@ -258,6 +258,17 @@ def test_the_routers_copy_of_a_session_is_exact_under_concurrency_restarts_and_j
       assert r.status_code == 400 and "name different sessions" in r.text
       assert c.get("/sessions/par", params={"since": "x"}).status_code == 422
       assert c.get("/sessions/par", params={"since": -1}).status_code == 422
+    # The router's copy of a session evicted (here its time to live), its cursor was kept:
+    # the next turn's copy began after the turns it no longer held (1 turn of 3).
+    with ServerThread(create_router([backend.url], session_ttl_s=1.0)) as short:
+      for _ in range(2):
+        assert httpx.post(f"{short.url}/generate", json=body, timeout=120,
+                          headers={"X-Session-Id": "ttl"}).status_code == 200
+      time.sleep(1.2)
+      assert httpx.post(f"{short.url}/generate", json=body, timeout=120,
+                        headers={"X-Session-Id": "ttl"}).status_code == 200
+      got = httpx.get(f"{short.url}/sessions/ttl", timeout=60).json()["turns"]
+      assert [t["turn"] for t in got] == [0, 1, 2]
   finally:
     backend.stop()
     orch.stop()
