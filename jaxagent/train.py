@@ -1149,9 +1149,9 @@ def main(argv=None) -> int:
       # or a server or worker that could not be reached (at the start, a weight update).
       saved = os.path.isdir(os.path.join(run_dir, "checkpoints")) and any(
           d.isdigit() for d in os.listdir(os.path.join(run_dir, "checkpoints")))
-      again = os.environ.get(RESUME_COMMAND) or " ".join(
-          ["python -m jaxagent.train --config", args.config, "--run-dir", run_dir, "--resume",
-           *args.overrides])
+      # (the run's config.json holds its file and overrides: a resumed run's own command
+      # had no --config, and this said "--config None")
+      again = resume_command(run_dir)
       what = "" if isinstance(e, InfraOutage) else "the infrastructure failed: "
       print(f"error: {what}{e}" + (f" (then: {again})" if saved else ""), file=sys.stderr)
       return 3
