@@ -451,7 +451,7 @@ def load_modules(entries: Sequence[str]) -> list[str]:
       if missing and (entry == missing or entry.startswith(missing + ".")):
         raise ValueError(f"{entry!r}: no module named {missing!r} on the path (name a "
                          "module, or a .py file)") from None
-      raise ValueError(f"{entry!r}: {_where(e)}{type(e).__name__}: {e}") from None
+      raise ValueError(f"{entry!r}: {raised_at(e)}{type(e).__name__}: {e}") from None
   return sorted(set(ENVS) - before)
 
 
@@ -462,12 +462,20 @@ def add_import_flag(parser) -> None:
                       "environments of your own (repeat for more)")
 
 
-def _where(e: BaseException) -> str:
-  """`file:line: ` of the innermost frame an import failed in outside this file (for a
-  name taken twice, the `@register` line), or of a syntax error."""
+def raised_at(e: BaseException) -> str:
+  """`file:line: ` where `e` was raised, the innermost frame outside the environment
+  tier's plumbing (this file, the worker's client): the `@register` line of a name taken
+  twice, the line of an environment's own `reset` that failed; a syntax error's own."""
+  import os
   import traceback
 
   if isinstance(e, SyntaxError) and e.filename:
     return f"{e.filename}:{e.lineno}: "
-  frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
-  return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+  plumbing = {__file__, os.path.join(os.path.dirname(__file__), "server.py")}
+  frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename not in plumbing]
+  if not frames:
+    return ""
+  path = frames[-1].filename
+  if path.startswith(os.getcwd() + os.sep):
+    path = os.path.relpath(path)
+  return f"{path}:{frames[-1].lineno}: "

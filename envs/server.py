@@ -50,7 +50,8 @@ from pydantic import BaseModel, ConfigDict
 
 from envs import waits
 from envs.base import (BAD_TASK, EnvResources, Observation, StepResult, TaskSpec, Verdict,
-                       VerdictStatus, add_import_flag, json_safe, load_modules, make)
+                       VerdictStatus, add_import_flag, json_safe, load_modules, make,
+                       raised_at)
 from jaxagent.errors import InfraError
 
 
@@ -273,7 +274,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       except BaseException as e:  # failed or abandoned (deadline): nothing is kept
         await waits.to_the_end(env.close())
         if isinstance(e, BAD_TASK):  # parameters of the wrong type or shape: the task's
-          raise ValueError(f"task {task.id!r} cannot start: {type(e).__name__}: {e}") from e
+          raise ValueError(f"task {task.id!r} cannot start: {raised_at(e)}"
+                           f"{type(e).__name__}: {e}") from e
         raise
       sessions[sid] = _Session(env, task, asyncio.Lock(), time.time())
       n_sessions.set(len(sessions))
