@@ -7,7 +7,6 @@ import json
 import os
 from typing import Callable, Optional, Sequence
 
-import jinja2
 from jax.sharding import Mesh
 
 from jaxagent.config import ConfigError, ModelSpec
@@ -15,7 +14,8 @@ from jaxagent.models import hf
 from jaxagent.models.config import ModelConfig, preset
 from jaxagent.models.params import Params
 from jaxagent.models.sharding import Rules, TRAIN_RULES
-from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, IM_END, IM_START, Tokenizer
+from jaxagent.tokenizer import (CHATML_TOOLS_TEMPLATE, IM_END, IM_START, Tokenizer,
+                                renders_tools, tool_names)
 
 # model.chat_template values: None is the tokenizer's own template.
 TEMPLATES = {None: None, "chatml_tools": CHATML_TOOLS_TEMPLATE}
@@ -60,19 +60,6 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
       "nor 'smollm2'")
 
 
-def renders_tools(tokenizer: Tokenizer, tools: Sequence[dict]) -> bool:
-  """Whether `tokenizer`'s chat template writes every tool's name into the prompt (a
-  probe chat rendered with and without `tools`; a template that raises on tools
-  does not render them)."""
-  probe = [{"role": "system", "content": "probe"}, {"role": "user", "content": "probe"}]
-  try:
-    with_tools = tokenizer.render(probe, tools)
-  except (jinja2.TemplateError, TypeError, KeyError, AttributeError):
-    return False
-  without = tokenizer.render(probe)
-  return all(with_tools.count(name) > without.count(name) for name in _tool_names(tools))
-
-
 def choose_template(make_tokenizer: Callable[[Optional[str]], Tokenizer],
                     chat_template: Optional[str], tools: Sequence[dict]) -> Tokenizer:
   """The tokenizer with the template `model.chat_template` names, unless the tasks offer
@@ -85,7 +72,7 @@ def choose_template(make_tokenizer: Callable[[Optional[str]], Tokenizer],
   tokenizer = make_tokenizer(TEMPLATES[chat_template])
   if not tools or renders_tools(tokenizer, tools):
     return tokenizer
-  names = ", ".join(_tool_names(tools))
+  names = ", ".join(tool_names(tools))
   if chat_template is not None:
     raise ConfigError(f"model.chat_template: {chat_template} does not render the tools the "
                       f"tasks offer ({names})")
@@ -98,10 +85,6 @@ def choose_template(make_tokenizer: Callable[[Optional[str]], Tokenizer],
         f"tasks offer ({names}); using chatml_tools (set model.chat_template to choose)",
         flush=True)
   return make_tokenizer(CHATML_TOOLS_TEMPLATE)
-
-
-def _tool_names(tools: Sequence[dict]) -> list[str]:
-  return [t["function"]["name"] if "function" in t else t["name"] for t in tools]
 
 
 def hf_tokenizer_file(path: str, tokenizer: Optional[str] = None) -> str:

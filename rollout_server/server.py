@@ -28,16 +28,16 @@ import json
 import os
 import time
 import uuid
-from typing import Annotated, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxagent.config import ServerConfig
-from jaxagent.tokenizer import Tokenizer
+from jaxagent.tokenizer import Tokenizer, renders_tools
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
                                  OpenAIRoute, TurnCut, normalise_messages)
@@ -89,13 +89,29 @@ class UpdateWeightsBody(BaseModel):
   model: Optional[str] = None
 
 
+class FunctionDef(BaseModel):
+  model_config = ConfigDict(extra="allow")  # (strict, and what else a schema carries)
+  name: str = Field(min_length=1)
+  description: Optional[str] = None
+  parameters: Optional[dict] = None
+
+
+class ToolDef(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["function"]
+  function: FunctionDef
+
+
 class ChatBody(BaseModel):
-  # Unknown OpenAI fields (user, metadata, ...) are accepted and ignored.
+  # Unknown OpenAI fields (user, metadata, ...) are accepted and ignored; those that would
+  # change the answer and are not served (tool_choice other than auto, top_logprobs) are
+  # refused rather than ignored.
   model_config = ConfigDict(extra="allow")
   messages: list[dict] = Field(min_length=1)
   model: Optional[str] = None
   tools: Optional[list[dict]] = None
   tool_choice: Optional[Union[str, dict]] = None
+  top_logprobs: Optional[int] = None
   temperature: float = TEMPERATURE
   top_p: float = TOP_P
   top_k: int = TOP_K
@@ -108,6 +124,28 @@ class ChatBody(BaseModel):
   n: int = 1
   logprobs: bool = False
   session_id: Optional[str] = None
+
+  @field_validator("tools")
+  @classmethod
+  def _tools(cls, tools):
+    for tool in tools or []:  # checked, and passed on as sent (the prompt renders them)
+      ToolDef.model_validate(tool)
+    return tools
+
+  @field_validator("tool_choice")
+  @classmethod
+  def _tool_choice(cls, choice):
+    if choice not in (None, "auto"):
+      raise ValueError(f"only auto is served, got {choice!r} (sampling cannot be made to "
+                       "call, or not call, a tool)")
+    return choice
+
+  @field_validator("top_logprobs")
+  @classmethod
+  def _top_logprobs(cls, n):
+    if n:
+      raise ValueError("not served: logprobs: true gives each sampled token's log-prob")
+    return n
 
 
 # -- sessions ------------------------------------------------------------------------------
@@ -209,6 +247,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                                f"{[model_name] + sorted(models)})")
     return None
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
+  tool_rendering: dict[int, bool] = {}  # id(tokenizer) -> its chat template renders tools
   registry = CollectorRegistry()
   registry.register(_EngineCollector(orch, sessions))
   ttft = Histogram("rollout_time_to_first_token_seconds", "Time to first token",
@@ -365,6 +404,13 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       sampling = dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys(
           [*tok.stop_ids, *(t for t in sampling.stop_token_ids
                             if t not in tokenizer.stop_ids)])))
+    if tools:
+      if id(tok) not in tool_rendering:
+        tool_rendering[id(tok)] = renders_tools(tok)
+      if not tool_rendering[id(tok)]:
+        raise HTTPException(400, f"tools: the chat template of {tok.name} drops them, so the "
+                                 "model would never see them; serve it with "
+                                 "model.chat_template=chatml_tools")
     try:
       messages = normalise_messages(messages)
       prompt = tok.apply_chat_template(messages, tools=tools)
@@ -376,7 +422,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     # A session records the policy's turns only: another model's are not its actions.
     return ChatTurn(req, tok, on, messages=messages, tools=tools, sessions=sessions,
                     session_id=session_id if m is None else None, kind=kind,
-                    id_prefix=id_prefix,
+                    id_prefix=id_prefix, on_abandoned=disconnects.inc,
                     resubmit=lambda ids, s, n: submit(ids, s, None, session_id, on, n))
 
   chat_api = APIRouter(route_class=OpenAIRoute)

@@ -4,10 +4,10 @@ import pytest
 import tokenizers
 from tokenizers import models
 
-from jaxagent.build import choose_template, renders_tools
+from jaxagent.build import choose_template
 from jaxagent.config import ConfigError
 from jaxagent.models import hf
-from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
+from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer, renders_tools
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculate", "description": "Evaluate arithmetic",

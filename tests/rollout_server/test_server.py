@@ -138,6 +138,33 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
                        ({"messages": user, "top_k": 2**31}, "top_k")]:
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == 422 and needle in r.text, (body, r.status_code, r.text)
+  # Fields that would change the answer and are not served are refused, not ignored (a
+  # new user's finding: each came back 200 as if served).
+  tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+  for body, status, needle in [
+      ({"messages": user, "top_logprobs": 2, "logprobs": True}, 422, "top_logprobs: Value "),
+      ({"messages": user, "tools": [tool], "tool_choice": "required"}, 422, "only auto"),
+      ({"messages": user, "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}, 422, "only auto"),
+      ({"messages": user, "tools": [{"type": "function", "function": {"name": 5}}]}, 422,
+       "tools"),
+      ({"messages": user, "tools": [{"function": {"name": "f"}}]}, 422, "tools"),
+      ({"messages": user, "temperature": 1e308}, 422, "temperature"),
+      ({"messages": [{"role": "user"}]}, 400, "messages[0] (user) has no content"),
+      ({"messages": [{"role": "user", "content": [
+          {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
+       "messages[0].content[0]: only text parts"),
+  ]:
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == status and needle in r.text, (body, r.status_code, r.text)
+  r = c.post("/v1/chat/completions", json={"messages": user, "tools": [tool],
+                                           "tool_choice": "auto", "max_tokens": 1,
+                                           "messages": [{"role": "user", "content": [
+                                               {"type": "text", "text": "x"}]}]})
+  assert r.status_code == 200, r.text
+  r = c.post("/v1/chat/completions", content=b"{bad",
+             headers={"content-type": "application/json"})  # (it said "1: JSON decode error")
+  assert r.status_code == 422 and "body: not valid JSON (" in r.json()["error"]["message"]
   # In OpenAI's error shape, which its client reads (it said "Error code: 422" alone).
   oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
   with pytest.raises(openai.UnprocessableEntityError) as e:
@@ -147,6 +174,25 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   with pytest.raises(openai.BadRequestError, match="n must be 1"):
     oai.chat.completions.create(model="tiny", messages=user, n=2, max_tokens=2)
   assert c.get("/health").json()["status"] == "ok"
+
+
+def test_tools_a_template_drops_are_refused_not_ignored(random_params):
+  """A server started from a checkpoint whose own template drops tools (SmolLM2's) served
+  requests with tools as if they had none (a new user's finding): refused, naming the
+  setting that renders them."""
+  from jaxagent.tokenizer import Tokenizer
+  from tests.test_build import NO_TOOLS_TEMPLATE
+
+  with running_server(random_params, Tokenizer.byte_level(NO_TOOLS_TEMPLATE)) as (srv, _):
+    user = [{"role": "user", "content": "1+1?"}]
+    r = client(srv).post("/v1/chat/completions", json={"messages": user, "tools": TOOLS})
+    assert r.status_code == 400 and "model.chat_template=chatml_tools" in r.text, r.text
+    r = client(srv).post("/v1/messages", json={
+        "model": "m", "max_tokens": 2, "messages": user, "tools": [{
+            "name": "calculate", "input_schema": {"type": "object"}}]})
+    assert r.status_code == 400 and "drops them" in r.text, r.text
+    r = client(srv).post("/v1/chat/completions", json={"messages": user, "max_tokens": 2})
+    assert r.status_code == 200  # (without tools, served)
 
 
 def test_models_list_through_the_openai_client(server):
@@ -188,9 +234,24 @@ def test_a_client_that_disconnects_frees_its_slot(random_params, tokenizer):
       while orch.stats()["live_slots"] and time.time() < deadline:
         time.sleep(0.01)
       assert orch.stats()["live_slots"] == 0 and orch.stats()["tokens_generated"] < 4000
+    # A stream whose client goes away is aborted and counted too (it was not counted).
+    for n, (path, body) in enumerate([
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": 4000, "stream": True}),
+        ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 4000, "stream": True})], 3):
+      with httpx.stream("POST", srv.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(4):  # a few events (tokens are coming), then away
+          next(lines)
+      deadline = time.time() + 30
+      while f"rollout_client_disconnects_total {n}.0" not in client(srv).get("/metrics").text:
+        assert time.time() < deadline, client(srv).get("/metrics").text
+        time.sleep(0.05)
+      assert orch.stats()["live_slots"] == 0 and orch.stats()["tokens_generated"] < 8000
     text = client(srv).get("/metrics").text
-    assert "rollout_client_disconnects_total 2.0" in text
-    assert 'rollout_requests_total{finish_reason="abort"} 2.0' in text
+    assert 'rollout_requests_total{finish_reason="abort"} 4.0' in text
 
 
 def test_sessions_are_bounded_by_count_bytes_and_time():
@@ -499,7 +560,8 @@ def test_a_chat_turn_the_server_could_not_finish_is_an_error_not_an_answer(rando
       return req
 
     orch.submit = cutting
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}
+    # (seeded: unseeded, a random model's turn sometimes ended at its first token, uncut)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "seed": 1}
     r = client(srv).post("/v1/chat/completions", headers={"x-session-id": "s2"}, json=body)
     assert r.status_code == 500 and "engine failed" in r.text
     oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
