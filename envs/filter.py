@@ -11,17 +11,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Callable
 
-from envs.base import (EnvResources, TaskSpec, Verdict, VerdictStatus, add_import_flag, load_modules,
-                       load_tasks, make, write_tasks)
+from envs.base import (BAD_TASK, EnvResources, TaskSpec, Verdict, VerdictStatus, add_import_flag,
+                       load_modules, load_tasks, make, raised_at, write_tasks)
+
+
+class CannotStart(Exception):
+  """A task whose environment refuses its parameters (`reset` raised one of BAD_TASK)."""
 
 
 async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Verdict:
   env = make(task.env, resources)
   try:
-    await env.reset(task)
+    try:
+      await env.reset(task)
+    except BAD_TASK as e:
+      raise CannotStart(f"cannot start: {raised_at(e)}{type(e).__name__}: {e}") from e
     while not env.done:
       await env.step(policy(env))
     return await env.verify()
@@ -30,8 +38,11 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Ver
 
 
 async def check(task: TaskSpec, resources: EnvResources) -> dict:
-  ref = await play(task, lambda env: env.reference_action(), resources)
-  noop = await play(task, lambda env: "", resources)
+  try:
+    ref = await play(task, lambda env: env.reference_action(), resources)
+    noop = await play(task, lambda env: "", resources)
+  except CannotStart as e:  # dropped with its reason (it was a traceback)
+    return {"id": task.id, "keep": False, "reasons": [str(e)], "reference": "-", "noop": "-"}
   reasons = []
   if ref.is_infra_error or noop.is_infra_error:
     reasons.append("grader infrastructure error: " + json.dumps(
@@ -75,6 +86,11 @@ def main(argv=None) -> int:
     tasks = load_tasks(args.tasks)
   except (OSError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else None
+  if out_dir is not None and not (os.path.isdir(out_dir) and os.access(out_dir, os.W_OK)):
+    print(f"error: --out: cannot write in {out_dir} (no such directory, or not writable)",
+          file=sys.stderr)  # (found before the work, not after it)
     return 2
   resources = EnvResources(sandboxes=args.concurrency * 2)
   try:

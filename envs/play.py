@@ -29,8 +29,8 @@ import sys
 import time
 from typing import Callable, Iterable, Optional
 
-from envs.base import (EnvResources, TaskSpec, VerdictStatus, add_import_flag, load_modules,
-                       load_tasks, make, trained_rewards)
+from envs.base import (BAD_TASK, EnvResources, TaskSpec, VerdictStatus, add_import_flag,
+                       load_modules, load_tasks, make, raised_at, trained_rewards)
 
 
 def read_actions(lines: Iterable[str]) -> list[str]:
@@ -58,7 +58,13 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
   more actions), and reports every event to `emit`. Returns the final event: the verdict
   and the rewards the learner would train on. The environment is closed at the end."""
   try:
-    obs = await env.reset(task)
+    try:
+      obs = await env.reset(task)
+    except BAD_TASK as e:  # the task's parameters (or a bug of the environment's reset)
+      if "cannot start" in str(e):  # a worker's refusal says so already
+        raise
+      raise ValueError(f"task {task.id!r} cannot start: {raised_at(e)}{type(e).__name__}: "
+                       f"{e}") from None
     emit({"event": "reset", "task": task.id, "observation": dataclasses.asdict(obs)})
     step_rewards = []
     done = False

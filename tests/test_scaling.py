@@ -34,3 +34,18 @@ def test_plans_for_7b_and_70b():
   p7_long = s.plan("qwen2.5-7b", "v5p", 32, 32768)
   assert p7_long.sequences_per_rollout_chip < p7.sequences_per_rollout_chip
   assert p7_long.rollout_to_learner_chips > p7.rollout_to_learner_chips
+
+
+def test_bad_arguments_are_one_line(monkeypatch, capsys):
+  """A ZeroDivisionError (--learner-chips 0) and a KeyError traceback (--models nosuch)
+  before (a new user's round)."""
+  import pytest
+
+  s = _scaling()
+  for argv, needle in ((["--learner-chips", "0"], "must be >= 1"),
+                       (["--models", "nosuch"], "--models: unknown nosuch; known:"),
+                       (["--episode-tokens", "8k"], "whole numbers")):
+    monkeypatch.setattr(sys, "argv", ["scaling.py", *argv])
+    with pytest.raises(SystemExit) as e:
+      s.main()
+    assert e.value.code == 2 and needle in capsys.readouterr().err, argv

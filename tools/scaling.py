@@ -28,7 +28,7 @@ import dataclasses
 import json
 import math
 
-from jaxagent.models.config import ModelConfig, preset
+from jaxagent.models.config import PRESETS, ModelConfig, preset
 
 GIB = 2**30
 # XLA keeps more than the formula's live set (the attention kernel's float32
@@ -217,11 +217,22 @@ def main() -> None:
       print(json.dumps(r))
     return
   models = args.models.split(",")
-  chips = [int(c) for c in args.learner_chips.split(",")]
+  unknown = [m for m in models if m not in PRESETS]
+  if unknown:
+    p.error(f"--models: unknown {', '.join(unknown)}; known: {', '.join(sorted(PRESETS))}")
+  try:
+    chips = [int(c) for c in args.learner_chips.split(",")]
+    tokens = [int(t) for t in args.episode_tokens.split(",")]
+  except ValueError:
+    p.error("--learner-chips and --episode-tokens: whole numbers separated by commas")
+  if min(chips) < 1 or min(tokens) < 1 or args.episodes < 1 or args.tokens_per_chip < 0 \
+      or not 0 < args.mfu <= 1:
+    p.error("--learner-chips, --episode-tokens and --episodes must be >= 1, "
+            "--tokens-per-chip >= 0, --mfu in (0, 1]")
   chips += [chips[-1]] * (len(models) - len(chips))
-  plans = [plan(m, args.chip, c, int(t), episodes=args.episodes, mfu=args.mfu,
+  plans = [plan(m, args.chip, c, t, episodes=args.episodes, mfu=args.mfu,
                 tokens_per_chip=args.tokens_per_chip)
-           for m, c in zip(models, chips) for t in args.episode_tokens.split(",")]
+           for m, c in zip(models, chips) for t in tokens]
   if args.json:
     for pl in plans:
       print(json.dumps(dataclasses.asdict(pl)))

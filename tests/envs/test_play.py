@@ -1,6 +1,7 @@
 """`python -m envs.play`: scripted and typed episodes, the exact rewards the learner gets."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -65,3 +66,28 @@ def test_bad_input_is_a_clear_error(tmp_path):
   assert code == 2 and "actions line 1" in err
   code, _, err = play("--task-file", str(tmp_path / "missing.jsonl"))
   assert code == 2 and "missing.jsonl" in err
+
+
+def test_a_task_that_cannot_start_is_one_line_in_play_and_a_drop_in_filter(tmp_path, capsys):
+  """A task whose parameters its environment refuses (a missing `expression`: a KeyError)
+  was a traceback in envs.play and stopped envs.filter with one; filter drops it with its
+  reason, and a --out it cannot write is refused before the work (it was after)."""
+  from envs import filter as env_filter
+
+  tasks = tmp_path / "tasks.jsonl"
+  tasks.write_text('{"id": "z", "env": "calculator", "params": {}}\n'
+                   '{"id": "v", "env": "guess_number", "params": {"low": 5, "high": 1}}\n'
+                   '{"id": "ok", "env": "guess_number", "params": {"secret": 3}}\n')
+  code, _, err = play("--task-file", str(tasks), "--task-id", "z", "--actions", "-",
+                      stdin='"8"\n')
+  assert code == 2 and "Traceback" not in err, err
+  assert re.fullmatch(r"envs.play: task 'z' cannot start: envs/calculator.py:\d+: "
+                      r"KeyError: 'expression'\n", err), err
+  assert env_filter.main([str(tasks), "--out", str(tmp_path / "kept.jsonl")]) == 0
+  out = capsys.readouterr().out
+  assert "DROP z: reference -, no-op - -- cannot start: envs/calculator.py:" in out
+  assert "DROP v:" in out and "low (5) > high (1)" in out and "1 of 3 tasks kept" in out
+  assert (tmp_path / "kept.jsonl").read_text().splitlines() == [
+      '{"id": "ok", "env": "guess_number", "params": {"secret": 3}, "version": "1"}']
+  assert env_filter.main([str(tasks), "--out", str(tmp_path / "no" / "kept.jsonl")]) == 2
+  assert "--out: cannot write in" in capsys.readouterr().err
