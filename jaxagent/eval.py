@@ -94,7 +94,7 @@ async def evaluate(tasks, play, samples: int, concurrency: int = 64, retries: in
   `concurrency` episodes at once; an episode the infrastructure failed is played again up
   to `retries` times; {task_id: (env name, [Episode, ...])}. With `warmup`, the first
   task is played once before, in no figure: a new engine compiles on its first requests,
-  which the first episodes' latencies held (seconds, against milliseconds)."""
+  and the first episodes' latencies held that compilation."""
   if warmup and tasks:
     await play(tasks[0], "eval-warmup")
   slots = asyncio.Semaphore(concurrency)
