@@ -207,6 +207,7 @@ class Tokenizer:
     self.name = name
     self.bos_token = bos_token
     self.eos_token = eos_token
+    self.pad_token = pad_token
     self.eos_id = self._id(eos_token)
     self.pad_id = self._id(pad_token)
     self.stop_ids = tuple(dict.fromkeys([self._id(t) for t in stop_tokens] + [self.eos_id]))
@@ -312,6 +313,26 @@ class Tokenizer:
           "chat_template_sha256": hashlib.sha256(self.chat_template.encode()).hexdigest()[:16],
       })
     return dict(cached[1])
+
+  def save_hf(self, path: str) -> list[str]:
+    """Writes `tokenizer.json` and `tokenizer_config.json` (the chat template and the
+    control tokens) to `path`, as transformers' `AutoTokenizer` reads them. Its
+    `apply_chat_template` tokenizes the rendered text whole, special strings in the
+    content included; `apply_chat_template` here encodes content as plain text, so the
+    two can differ where content meets the template's text or holds a control string.
+    Returns the files written."""
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    files = [os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer_config.json")]
+    self.tok.save(files[0])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self.chat_template,
+              "eos_token": self.eos_token, "pad_token": self.pad_token,
+              "bos_token": self.bos_token, "add_bos_token": False, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False, "model_max_length": 1 << 30}
+    with open(files[1], "w") as f:
+      json.dump(config, f, indent=2, ensure_ascii=False)
+    return files
 
   # -- constructors ----------------------------------------------------------
 

@@ -119,6 +119,89 @@ def load_hf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES,
   return cfg, place_params(cfg, params_from_hf(cfg, get), mesh, rules)
 
 
+# -- export to Hugging Face ------------------------------------------------------------
+
+
+def hf_config(cfg: ModelConfig, dtype: str = "bfloat16", **token_ids) -> dict:
+  """The `config.json` of `cfg` as a transformers model: Qwen2 when it has q/k/v biases
+  (Llama's `attention_bias` would add an output bias too), else Llama. `token_ids`
+  (bos_token_id, eos_token_id, pad_token_id) are written as given."""
+  if cfg.qkv_bias and cfg.head_dim * cfg.n_heads != cfg.d_model:
+    raise ValueError(f"a model with q/k/v biases exports as Qwen2, whose head_dim is "
+                     f"d_model / n_heads ({cfg.d_model} / {cfg.n_heads}), not {cfg.head_dim}")
+  arch, kind = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else ("LlamaForCausalLM", "llama")
+  rope = None
+  if cfg.rope_scaling is not None:
+    r = cfg.rope_scaling
+    rope = {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position}
+  out = {"architectures": [arch], "model_type": kind, "vocab_size": cfg.vocab_size,
+         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+         "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+         "rope_scaling": rope, "max_position_embeddings": cfg.max_seq_len,
+         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype, "use_cache": True,
+         **{k: v for k, v in token_ids.items() if v is not None}}
+  if kind == "llama":
+    out.update(attention_bias=False, mlp_bias=False)
+  return out
+
+
+def hf_tensors(cfg: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """`Decoder` parameters (host arrays) under Hugging Face's names and layouts: the
+  inverse of `params_from_hf` (`[out, in]` linear weights, one tensor a layer)."""
+  D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  pre = "model.layers.{i}."
+  per_layer = {
+      "attn_norm": ("input_layernorm.weight", lambda w: w),
+      "mlp_norm": ("post_attention_layernorm.weight", lambda w: w),
+      "wq": ("self_attn.q_proj.weight", lambda w: w.reshape(D, H * Dh).T),
+      "wk": ("self_attn.k_proj.weight", lambda w: w.reshape(D, K * Dh).T),
+      "wv": ("self_attn.v_proj.weight", lambda w: w.reshape(D, K * Dh).T),
+      "wo": ("self_attn.o_proj.weight", lambda w: w.reshape(H * Dh, D).T),
+      "w_gate": ("mlp.gate_proj.weight", lambda w: w.T),
+      "w_up": ("mlp.up_proj.weight", lambda w: w.T),
+      "w_down": ("mlp.down_proj.weight", lambda w: w.T),
+      "bq": ("self_attn.q_proj.bias", lambda b: b.reshape(H * Dh)),
+      "bk": ("self_attn.k_proj.bias", lambda b: b.reshape(K * Dh)),
+      "bv": ("self_attn.v_proj.bias", lambda b: b.reshape(K * Dh)),
+  }
+  out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
+  if "lm_head" in params:
+    out["lm_head.weight"] = params["lm_head"].T
+  for name, (hf_name, fn) in per_layer.items():
+    if name in params:
+      for i in range(cfg.n_layers):
+        out[(pre + hf_name).format(i=i)] = fn(params[name][i])
+  unknown = set(params) - set(per_layer) - {"embed", "final_norm", "lm_head"}
+  if unknown:
+    raise ValueError(f"parameters with no Hugging Face name: {sorted(unknown)}")
+  # (safetensors stores each tensor whole and contiguous)
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def save_hf(path: str, cfg: ModelConfig, params: dict[str, np.ndarray],
+            dtype: str = "bfloat16", **token_ids) -> list[str]:
+  """Writes `config.json` and `model.safetensors` (tensors cast to `dtype`) to `path`,
+  which transformers' `from_pretrained` and `load_hf` read. Returns the files written."""
+  import ml_dtypes
+  from safetensors.numpy import save_file
+
+  np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+              "float16": np.float16}.get(dtype)
+  if np_dtype is None:
+    raise ValueError(f"dtype: bfloat16, float16 or float32, got {dtype!r}")
+  config = hf_config(cfg, dtype, **token_ids)  # (checked before anything is written)
+  tensors = {k: v.astype(np_dtype) for k, v in hf_tensors(cfg, params).items()}
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  return [os.path.join(path, n) for n in ("config.json", "model.safetensors")]
+
+
 # -- GGUF (llama.cpp) ------------------------------------------------------------
 
 
