@@ -235,11 +235,13 @@ def test_a_client_that_disconnects_frees_its_slot(random_params, tokenizer):
         time.sleep(0.01)
       assert orch.stats()["live_slots"] == 0 and orch.stats()["tokens_generated"] < 4000
     # A stream whose client goes away is aborted and counted too (it was not counted).
+    # Greedy, as above: this random model's answer to "hi" runs on (sampled, it once
+    # ended before the client left).
     for n, (path, body) in enumerate([
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                  "max_tokens": 4000, "stream": True}),
+                                  "max_tokens": 4000, "stream": True, "temperature": 0.0}),
         ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                          "max_tokens": 4000, "stream": True})], 3):
+                          "max_tokens": 4000, "stream": True, "temperature": 0.0})], 3):
       with httpx.stream("POST", srv.url + path, json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
