@@ -20,6 +20,7 @@ from jaxagent.checkpoint import REGISTRY, latest_version, list_versions, version
 from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
+from jaxagent.tokenizer import renders_tools
 from rollout_server.engine import Engine
 from rollout_server.orchestrator import Orchestrator
 from rollout_server.server import create_app
@@ -145,6 +146,9 @@ def build_app(cfg: ServerConfig):
                    max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
                    session_max_bytes=cfg.session_max_bytes, model_name=cfg.name,
                    models=models)
+  if not renders_tools(tokenizer):  # said at the start, not only to each request
+    print(f"note: the chat template of {tokenizer.name} drops tools: chat requests with "
+          "tools are refused (400); model.chat_template=chatml_tools renders them", flush=True)
   return app, orch, models
 
 
