@@ -11,8 +11,8 @@ converter) loads:
 - `generation_config.json`: the end-of-turn tokens to stop at.
 
 The model comes from the run's `config.json` (`--config` to give another). transformers'
-`apply_chat_template` tokenizes the rendered text whole; the run encoded message content
-apart from the template's text, so ids can differ where the two meet (text is the same).
+`apply_chat_template` renders the same text and tokenizes it whole; the run encoded
+message content as plain text, so ids differ where a message holds a control string.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ ROLE_TOKENS = ("system\n", "user\n", "assistant\n", "tool\n")
 CHATML_TOOLS_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
-    "{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}"
-    "{% else %}You are a helpful assistant.{% endif %}\n\n"
+    "{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
+    "{% else %}You are a helpful assistant.\n\n{% endif %}"
     "You may call tools. Their signatures:\n<tools>\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
     "</tools>\n"
@@ -177,7 +177,13 @@ def _raise(message: str):
 
 @functools.lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+  # Jinja as transformers renders chat templates (the semantics checkpoints' templates are
+  # written for): a block tag's newline trimmed, the indent before it stripped, `break`
+  # and `continue`, a template's last newline dropped. (`strftime_now` is left undefined:
+  # templates that ask for today's date take their fixed default, and a prompt does not
+  # change with the day.)
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise
   return env.from_string(template)
@@ -319,7 +325,8 @@ class Tokenizer:
     control tokens) to `path`, as transformers' `AutoTokenizer` reads them. Its
     `apply_chat_template` tokenizes the rendered text whole, special strings in the
     content included; `apply_chat_template` here encodes content as plain text, so the
-    two can differ where content meets the template's text or holds a control string.
+    two differ where content holds a control string (and could where content meets the
+    template's text, for a vocabulary that merges across that seam).
     Returns the files written."""
     import os
 

@@ -186,3 +186,46 @@ def test_templates_that_trim_or_test_content():
           "{% endfor %}")
   with pytest.raises(ValueError, match="changes or tests message content"):
     Tokenizer.byte_level(peek).apply_chat_template(messages)
+
+
+# A template written as checkpoints' are, for transformers' Jinja: one tag a line, a
+# newline after each block tag (trimmed), indents before them (stripped), `break`, a last
+# newline (dropped).
+LINES_TEMPLATE = """{% for m in messages %}
+  {% if m.role == 'system' and not loop.first %}
+    {{ raise_exception('a system message comes first') }}
+  {% endif %}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+  {% if m.content == 'stop here' %}
+    {% break %}
+  {% endif %}
+{% endfor %}
+{% if tools %}
+<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>
+{% endif %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""
+
+
+@pytest.mark.parametrize("template", [CHATML_TOOLS_TEMPLATE, LINES_TEMPLATE],
+                         ids=["chatml_tools", "lines"])
+def test_templates_render_as_transformers_renders_them(template, tmp_path):
+  """A checkpoint's template renders here as transformers renders it (block tags' newlines
+  trimmed, their indents stripped): here it kept them, so a prompt held newlines the model
+  never saw in its tuning and a Hugging Face export rendered otherwise than the run."""
+  transformers = pytest.importorskip("transformers")
+  tok = Tokenizer.byte_level(template)
+  tok.save_hf(str(tmp_path))
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  for chat, tools in (([{"role": "user", "content": "hi"}], None),
+                      ([{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "stop here"},
+                        {"role": "user", "content": "unseen"}], TOOLS)):
+    ours = tok.render(chat, tools)
+    assert ours == theirs.apply_chat_template(chat, tools=tools, add_generation_prompt=True,
+                                              tokenize=False), ours
+  assert tok.render([{"role": "user", "content": "hi"}]) == \
+      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -373,6 +373,36 @@ def test_smollm2_calculator_config_runs(tmp_path):
   # The learner's log-probs of the sampled tokens match the engine's (same weights,
   # same temperature): the importance weights start at 1.
   assert row["rollout_abs_logp_diff"] < 1e-3
+  # Its policy as a Hugging Face checkpoint: transformers reads the same model (logits)
+  # and renders the run's chat to the run's tokens.
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxagent.export_hf import main as export_main
+  from jaxagent.models.params import abstract_model, bind
+  from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, smollm2_tokenizer
+
+  out = str(tmp_path / "hf")
+  assert export_main(["--policy", os.path.join(run_dir, "policy"), "--out", out,
+                      "--dtype", "float32"]) == 0
+  cfg, params = hf.load_hf(out)
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 16))
+  graphdef, state = abstract_model(cfg)
+  ours, _ = bind(graphdef, state, params)(jnp.asarray(ids))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  with torch.no_grad():
+    expected = theirs(torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-3, rtol=1e-3)
+  chat = [{"role": "user", "content": "What is 3 * 41 + 2?"}]
+  tools = [{"type": "function", "function": {"name": "calculate", "parameters": {
+      "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+  ours = smollm2_tokenizer(CHATML_TOOLS_TEMPLATE)
+  for with_tools in (None, tools):
+    assert list(hf_tok.apply_chat_template(chat, tools=with_tools, add_generation_prompt=True)[
+        "input_ids"]) == ours.apply_chat_template(chat, with_tools)
 
 
 def test_print_config_shows_the_resolved_config(capsys, tmp_path):
