@@ -125,6 +125,27 @@ def check_config(cfg: LearnerConfig) -> None:
     raise ValueError(f"learner.epochs must be >= 1, got {cfg.epochs}")
   if cfg.microbatches < 1:
     raise ValueError(f"learner.microbatches must be >= 1, got {cfg.microbatches}")
+  # Values each loss takes as given: out of range, they trained without a word (a user's
+  # round: dual_clip 0.5, a negative clip or KL coefficient, correction_low above high).
+  for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay",
+              "max_grad_norm", "warmup_steps", "lr_decay_steps", "norm_len",
+              "logits_chunk", "logits_vocab_chunk"):
+    value = getattr(cfg, key)
+    if not (math.isfinite(value) and value >= 0):
+      raise ValueError(f"learner.{key} must be >= 0, got {value}")
+  if cfg.dual_clip is not None and not cfg.dual_clip > 1:
+    raise ValueError(f"learner.dual_clip must be > 1 (a bound on the ratio of negative "
+                     f"advantages; null: none), got {cfg.dual_clip}")
+  if not 0 <= cfg.correction_low <= 1 <= cfg.correction_high:
+    raise ValueError(f"learner.correction_low and correction_high must bracket 1 "
+                     f"(0 <= low <= 1 <= high), got {cfg.correction_low}, "
+                     f"{cfg.correction_high}")
+  if not 0 <= cfg.lr_end_factor <= 1:
+    raise ValueError(f"learner.lr_end_factor must be in [0, 1] (the decay's end, a "
+                     f"fraction of lr), got {cfg.lr_end_factor}")
+  if not (0 <= cfg.b1 < 1 and 0 <= cfg.b2 < 1 and cfg.eps > 0):
+    raise ValueError(f"learner.b1 and b2 must be in [0, 1) and eps > 0, got {cfg.b1}, "
+                     f"{cfg.b2}, {cfg.eps}")
 
 
 def token_logps(model, batch: TrajectoryBatch, cfg: LearnerConfig

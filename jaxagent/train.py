@@ -105,9 +105,13 @@ class Serving:
     engine = make_engine(model_cfg, s.engine, mesh)
     first = (engine.load_params(path=policy[0], version=policy[1]) if policy is not None
              else engine.load_params(jax.device_put(params, engine.weight_shardings), version=0))
-    self.models = build_served_models(s.models, mesh)
-    for name, m in self.models.items():  # scored tokens must mean the same to both
-      if m.engine.vocab_size != model_cfg.vocab_size:
+    try:
+      self.models = build_served_models(s.models, mesh)
+    except ValueError as e:  # (an export of another shape than its model: named)
+      raise config_lib.ConfigError(f"serving.{e}") from None
+    scorers = {name for _, name in served_scorers(cfg).values()}
+    for name, m in self.models.items():  # tokens a model scores must mean the same to both
+      if name in scorers and m.engine.vocab_size != model_cfg.vocab_size:
         self.close_models()
         raise config_lib.ConfigError(
             f"serving.models.{name}: vocabulary of {m.engine.vocab_size} tokens, the "
@@ -247,35 +251,58 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
   """The model and learner settings, checked before anything is built (each error
   names its key)."""
   from jaxagent import learner as learner_lib
+
+  check_model(cfg.model)
+  try:
+    learner_lib.check_config(cfg.learner)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from None
+
+
+def check_model(m: config_lib.ModelSpec, key: str = "model") -> None:
+  """A model's settings (the policy's, or a served model's under `key`), checked before
+  anything is built."""
   from jaxagent.build import TEMPLATES, hf_tokenizer_file, model_overrides
   from jaxagent.models.config import PRESETS, preset
 
-  m = cfg.model
   if m.checkpoint is None:
     if m.preset not in PRESETS:
       import difflib
 
       close = difflib.get_close_matches(m.preset, PRESETS, n=1)
       hint = f" (did you mean {close[0]!r}?)" if close else ""
-      raise config_lib.ConfigError(f"model.preset: unknown {m.preset!r}{hint}; known: "
+      raise config_lib.ConfigError(f"{key}.preset: unknown {m.preset!r}{hint}; known: "
                                    f"{', '.join(sorted(PRESETS))}")
     try:
       preset(m.preset, **model_overrides(m))
     except (ValueError, TypeError) as e:
-      raise config_lib.ConfigError(f"model: {e}") from None
+      raise config_lib.ConfigError(f"{key}: {e}") from None
   elif m.checkpoint != "smollm2" and not os.path.exists(m.checkpoint):
-    raise config_lib.ConfigError(f"model.checkpoint: no such file or directory "
+    raise config_lib.ConfigError(f"{key}.checkpoint: no such file or directory "
                                  f"{m.checkpoint!r} (a .gguf file, a Hugging Face directory "
                                  "or 'smollm2')")
   elif os.path.isdir(m.checkpoint):
     hf_tokenizer_file(m.checkpoint, m.tokenizer)
   if m.chat_template not in TEMPLATES:
-    raise config_lib.ConfigError(f"model.chat_template: unknown {m.chat_template!r}; known: "
+    raise config_lib.ConfigError(f"{key}.chat_template: unknown {m.chat_template!r}; known: "
                                  "null (the tokenizer's own), chatml_tools")
-  try:
-    learner_lib.check_config(cfg.learner)
-  except ValueError as e:
-    raise config_lib.ConfigError(str(e)) from None
+
+
+def check_served_models(cfg: config_lib.RunConfig) -> None:
+  """Each of `serving.models`: its model, and the export it loads (before anything is
+  built: they were tracebacks from the engine, after the run directory was made)."""
+  from rollout_server.serving import resolve_policy
+
+  for name, m in cfg.serving.models.items():
+    check_model(m.model, f"serving.models.{name}.model")
+    if m.policy:
+      if not os.path.exists(m.policy):
+        raise config_lib.ConfigError(f"serving.models.{name}.policy: no such export "
+                                     f"{m.policy!r}")
+      try:
+        resolve_policy(m.policy, None)
+      except (ValueError, FileNotFoundError, OSError) as e:
+        raise config_lib.ConfigError(f"serving.models.{name}.policy: {e}") from None
 
 
 def _check_ranges(cfg: config_lib.RunConfig) -> None:
@@ -292,8 +319,19 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
   for key, value in at_least_one.items():
     if value < 1:
       raise config_lib.ConfigError(f"{key} must be >= 1, got {value}")
+  if r.mode == "window" and r.window < r.groups_per_step:  # (it waited for ever)
+    raise config_lib.ConfigError(
+        f"rollout.window ({r.window}) must be >= rollout.groups_per_step "
+        f"({r.groups_per_step}): a step takes its groups from the oldest `window` in flight")
+  c = cfg.checkpoint
+  if c.keep < 1:  # (0 kept none: a resume started again from step 0)
+    raise config_lib.ConfigError(f"checkpoint.keep must be >= 1 (checkpoints kept), got "
+                                 f"{c.keep}")
   not_negative = {"rollout.max_retries": r.max_retries, "rollout.max_staleness":
-                  r.max_staleness, "agent.turn_retries": a.turn_retries, "agent.top_k": a.top_k}
+                  r.max_staleness, "agent.turn_retries": a.turn_retries, "agent.top_k": a.top_k,
+                  "checkpoint.every_steps": c.every_steps,
+                  "checkpoint.export_every": c.export_every,
+                  "checkpoint.canary_tasks": c.canary_tasks}
   for key, value in not_negative.items():
     if value < 0:
       raise config_lib.ConfigError(f"{key} must be >= 0, got {value}")
@@ -321,6 +359,7 @@ def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:
 def check_config(cfg: config_lib.RunConfig) -> None:
   _check_ranges(cfg)
   check_model_and_learner(cfg)
+  check_served_models(cfg)
   if not cfg.data.tasks:
     raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
   if not os.path.exists(cfg.data.tasks):

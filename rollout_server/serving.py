@@ -113,10 +113,11 @@ def build_served_models(models: dict[str, ServedModelConfig], mesh) -> dict[str,
   for name, m in models.items():
     try:
       engine, orch, tokenizer = _start_model(m.model, m.engine, m.policy, m.seed, mesh)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
       for started in out.values():
         started.orch.stop()
-      raise ValueError(f"models.{name}: {e}") from e
+      said = e.args[0] if isinstance(e, KeyError) and e.args else e
+      raise ValueError(f"models.{name}: {said}") from e
     out[name] = ServedModel(name, engine, orch, tokenizer, m.update_weights)
   return out
 

@@ -272,6 +272,23 @@ def _bad_settings(tmp_path):
       (tiny + ["agent.temperature=-1"], "agent.temperature must be >= 0"),
       (tiny + ["agent.top_p=0"], "agent.top_p must be in (0, 1]"),
       (tiny + ["learner.lr=-1"], "learner.lr must be a number > 0"),
+      # Values that ran without a word, a window that waited for ever, a keep that kept
+      # nothing (an advanced user's round).
+      (tiny + ["learner.dual_clip=0.5"], "learner.dual_clip must be > 1"),
+      (tiny + ["learner.clip_low=-1"], "learner.clip_low must be >= 0"),
+      (tiny + ["learner.kl_coef=-0.1"], "learner.kl_coef must be >= 0"),
+      (tiny + ["learner.warmup_steps=-5"], "learner.warmup_steps must be >= 0"),
+      (tiny + ["learner.correction_low=3"], "must bracket 1"),
+      (tiny + ["learner.lr_end_factor=2"], "learner.lr_end_factor must be in [0, 1]"),
+      (tiny + ["rollout.mode=window", "rollout.window=3"],
+       "rollout.window (3) must be >= rollout.groups_per_step (4)"),
+      (tiny + ["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
+      (tiny + ["advantage.estimator=opd", "advantage.teacher=t",
+               "serving.models.t.policy=/nonexistent"],
+       "serving.models.t.policy: no such export '/nonexistent'"),
+      (tiny + ["advantage.estimator=opd", "advantage.teacher=t",
+               "serving.models.t.model.preset=nanoo"],
+       "serving.models.t.model.preset: unknown 'nanoo' (did you mean 'nano'?)"),
       # A new run where one is (they mixed: metrics steps 1..80, then 1..5).
       (["--config", "configs/tiny.yaml", "--run-dir", str(used)], "already holds a run"),
       (tiny + ["--canary"], "--canary checks a resumed run"),
