@@ -139,7 +139,10 @@ class CheckpointConfig:
   # end; 0: only at the end. In-process servers take the weights in memory at each sync;
   # servers reached by URL load an export at each sync whatever K is.
   export_every: int = 1
-  export_dtype: str = "bfloat16"
+  # The dtype exports are written in: null (the parameters' own: what the learner trains
+  # is what servers sample with), bfloat16 (half the bytes of float32 to write and load;
+  # servers then sample with rounded weights), float16 or float32.
+  export_dtype: Optional[str] = None
   # The token write-ahead log (run_dir/wal): every white-box turn committed before the
   # environment sees it, so a resumed run replays its episodes in flight instead of
   # playing them again. A commit is written to the OS (it outlives the process: kill -9);

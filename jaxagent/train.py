@@ -324,6 +324,9 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
         f"rollout.window ({r.window}) must be >= rollout.groups_per_step "
         f"({r.groups_per_step}): a step takes its groups from the oldest `window` in flight")
   c = cfg.checkpoint
+  if c.export_dtype not in (None, "bfloat16", "float16", "float32"):  # (it was ignored)
+    raise config_lib.ConfigError(f"checkpoint.export_dtype: null (the parameters' own), "
+                                 f"bfloat16, float16 or float32, got {c.export_dtype!r}")
   if c.keep < 1:  # (0 kept none: a resume started again from step 0)
     raise config_lib.ConfigError(f"checkpoint.keep must be >= 1 (checkpoints kept), got "
                                  f"{c.keep}")
@@ -710,6 +713,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     with open(path, "w") as f:
       json.dump(config_lib.to_dict(written), f, indent=1)
   policy_root = os.path.join(run_dir, "policy")
+  export_dtype = cfg.checkpoint.export_dtype  # (None: the parameters' own)
   version = int(state.policy_version)
   # With several processes each serves its own rollouts on its own devices; the weights
   # it starts from (and is updated with) are the whole values, gathered from every one.
@@ -719,7 +723,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   exported = None  # the policy version last exported
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     # Exported again on a resume: an export under this version may be a stopped run's.
-    path = export_policy(policy_root, version, state.params, dtype=None)
+    path = export_policy(policy_root, version, state.params, dtype=export_dtype)
     exported = version
     if distributed.is_primary():  # the servers are shared: one update is enough
       await serving.client.update_weights(path, version)
@@ -966,7 +970,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
         else:  # servers load the export
           path = await loop.run_in_executor(None, export_policy, policy_root, version,
-                                            state.params, None)
+                                            state.params, export_dtype)
           if primary:  # the servers are shared by every process: one update is enough
             await serving.client.update_weights(path, version, cfg.rollout.update_mode)
           if multi:  # no process samples on for the new version before the servers have it
@@ -975,7 +979,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0
       if export:
-        await loop.run_in_executor(None, export_policy, policy_root, version, state.params, None)
+        await loop.run_in_executor(None, export_policy, policy_root, version, state.params,
+                                   export_dtype)
         exported = version
       t_rollout_mark = time.perf_counter()
       row.update({"weight_sync_s": sync_s,
@@ -1025,7 +1030,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       await save_checkpoint(step, state, pending, force=True, canary=finished)
     if exported != version and step > 0 and not unsaved:  # the final weights, exported
       try:
-        export_policy(policy_root, version, state.params, dtype=None)
+        export_policy(policy_root, version, state.params, dtype=export_dtype)
       except Exception as e:  # (the checkpoint has them; a resume exports them again)
         print(f"warning: policy version {version} could not be exported "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)

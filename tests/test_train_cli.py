@@ -283,6 +283,7 @@ def _bad_settings(tmp_path):
       (tiny + ["rollout.mode=window", "rollout.window=3"],
        "rollout.window (3) must be >= rollout.groups_per_step (4)"),
       (tiny + ["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
+      (tiny + ["checkpoint.export_dtype=nonsense"], "checkpoint.export_dtype: null"),
       (tiny + ["advantage.estimator=opd", "advantage.teacher=t",
                "serving.models.t.policy=/nonexistent"],
        "serving.models.t.policy: no such export '/nonexistent'"),
