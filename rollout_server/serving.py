@@ -47,6 +47,9 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
   m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
   if version is None and m is None:
     raise ValueError(f"cannot tell the policy version of {path}: give a version")
+  if m is not None and version is not None and int(version) != int(m.group(1)):
+    # (a server took it, and stamped version 99 on the tokens of export v6)
+    raise ValueError(f"{path} is policy version {int(m.group(1))}, not {version}")
   return path, int(version if version is not None else m.group(1))
 
 

@@ -1,6 +1,7 @@
 """The HTTP API against real servers on loopback ports."""
 
 import json
+import os
 import threading
 import time
 
@@ -353,6 +354,10 @@ def test_update_weights_over_http(random_params, memorised_params, tokenizer, tm
     assert bad.status_code == 400 and "no policy export" in bad.text
     bad = c.post("/update_weights", json={"path": root, "version": 99})
     assert bad.status_code == 400 and "99" in bad.text
+    # A version directory with another version: refused (its tokens were stamped 99).
+    bad = c.post("/update_weights", json={"path": os.path.join(root, "v00000008"),
+                                          "version": 99})
+    assert bad.status_code == 400 and "is policy version 8, not 99" in bad.text, bad.text
     assert c.get("/health").json()["version"] == 8
 
 
