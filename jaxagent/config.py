@@ -80,8 +80,8 @@ class LearnerConfig:
   # CLI sets it to agent.temperature), so ratios compare like with like.
   temperature: float = 1.0
   warmup_steps: int = 0
-  # constant | cosine: after the warm-up, cosine decay to lr * lr_end_factor at
-  # lr_decay_steps (0: the run's steps). Steps count optimiser updates (x epochs).
+  # constant | cosine: after the warm-up, cosine decay to lr * lr_end_factor, reached by
+  # the last update of lr_decay_steps steps (0: the run's steps; x epochs updates a step).
   lr_schedule: str = "constant"
   lr_decay_steps: int = 0
   lr_end_factor: float = 0.1

@@ -43,7 +43,9 @@ def _cosine(cfg: LearnerConfig) -> optax.Schedule:
   if cfg.lr_decay_steps < 1:
     raise ValueError("learner.lr_decay_steps must be >= 1 for the cosine schedule (the train "
                      "CLI sets it to the run's steps when it is 0)")
-  updates = max(cfg.lr_decay_steps * cfg.epochs - cfg.warmup_steps, 1)
+  # Updates are counted from 0: the last of lr_decay_steps x epochs updates is at the floor
+  # (one past it, the run's last step stopped short of lr * lr_end_factor).
+  updates = max(cfg.lr_decay_steps * cfg.epochs - 1 - cfg.warmup_steps, 1)
   return optax.cosine_decay_schedule(cfg.lr, updates, alpha=cfg.lr_end_factor)
 
 
@@ -304,7 +306,9 @@ def train_step(state: TrainState, batch: TrajectoryBatch, ref_params: Optional[P
     batch = batch._replace(old_logp=old_logps(
         state.params, batch, graphdef=graphdef, abstract_state=abstract_state, cfg=cfg,
         micro_sharding=micro_sharding))
-  lr = schedule(state.step)
+  # The rate of this step's first update: the optimiser counts updates, epochs a step
+  # (the step's count logged the rate of updates long past with epochs > 1).
+  lr = schedule(state.step * cfg.epochs)
   first = None
   for _ in range(cfg.epochs):  # unrolled: epochs is a small static number
     state, out = _update(state, batch, objective, tx, cfg, micro_sharding)

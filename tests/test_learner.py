@@ -158,10 +158,26 @@ def test_learning_rate_schedules():
 
   _, cos = make_optimizer(LearnerConfig(lr=1.0, lr_schedule="cosine", lr_decay_steps=100,
                                         warmup_steps=10, lr_end_factor=0.1))
-  assert [float(cos(i)) for i in (0, 10, 100, 500)] == pytest.approx([0.0, 1.0, 0.1, 0.1])
-  assert 0.1 < float(cos(55)) < 1.0
+  # Updates count from 0: the 100th (index 99) is at the floor (it stopped short of it).
+  assert [float(cos(i)) for i in (0, 10, 99, 500)] == pytest.approx([0.0, 1.0, 0.1, 0.1])
+  assert 0.1 < float(cos(55)) < 1.0 and float(cos(98)) > 0.1
   _, const = make_optimizer(LearnerConfig(lr=0.5))
   assert float(const(0)) == float(const(10_000)) == 0.5
+
+
+def test_the_logged_rate_is_the_steps_first_updates_with_epochs():
+  """With epochs > 1 the optimiser counts updates, epochs a step: the rate logged was the
+  schedule at the step's count, updates behind the one applied (an advanced user's
+  finding: 0.0, 7.5e-4, 1.5e-3 logged where the steps' first updates ran at 0.0, 1.5e-3,
+  1.5e-3)."""
+  cfg = LearnerConfig(lr=1.0, epochs=2, warmup_steps=4, optimizer="sgd")
+  learner = Learner(CFG, cfg, make_mesh())
+  state, batch = learner.init_state(0), make_batch(rows=4)
+  logged = []
+  for _ in range(3):
+    state, out = learner.step(state, batch)
+    logged.append(float(out["lr"]))
+  assert logged == pytest.approx([0.0, 0.5, 1.0])  # updates 0, 2, 4 of a 4-update warm-up
 
 
 def test_bad_settings_name_their_key():
