@@ -100,8 +100,9 @@ class LearnerConfig:
   epochs: int = 1
   # ppo | gspo | reinforce
   policy_loss: str = "ppo"
-  clip_low: float = 0.2
-  clip_high: float = 0.28
+  # The ratio's clip range; null: the loss's own (ppo 0.2 / 0.28, gspo 3e-4 / 4e-4).
+  clip_low: Optional[float] = None
+  clip_high: Optional[float] = None
   dual_clip: Optional[float] = None
   # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm | per_rollout
   reduction: str = "token_mean"

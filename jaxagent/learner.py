@@ -74,15 +74,29 @@ def make_optimizer(cfg: LearnerConfig) -> tuple[optax.GradientTransformation, op
   return tx, schedule
 
 
+# Each loss's own clip range, for `learner.clip_low` / `clip_high` left null: PPO's token
+# ratios (DAPO's clip-higher) and GSPO's sequence ratios, which live much nearer 1.
+CLIPS = {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+def clip_range(cfg: LearnerConfig) -> tuple[float, float]:
+  """`(clip_low, clip_high)` the configured loss uses: the config's, else the loss's own
+  (GSPO ran with PPO's 0.2 / 0.28, some 500 times its own range)."""
+  low, high = CLIPS.get(cfg.policy_loss, (None, None))
+  return (low if cfg.clip_low is None else cfg.clip_low,
+          high if cfg.clip_high is None else cfg.clip_high)
+
+
 def _ppo(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
-  return losses.ppo_clip_loss(logp, old_logp, adv, mask, reduce=reduce, clip_low=cfg.clip_low,
-                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                              is_weights_BxT=is_w)
+  low, high = clip_range(cfg)
+  return losses.ppo_clip_loss(logp, old_logp, adv, mask, reduce=reduce, clip_low=low,
+                              clip_high=high, dual_clip=cfg.dual_clip, is_weights_BxT=is_w)
 
 
 def _gspo(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
+  low, high = clip_range(cfg)
   return losses.gspo_loss(logp, old_logp, adv, mask, segment_ids, reduce=reduce,
-                          clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_weights_BxT=is_w)
+                          clip_low=low, clip_high=high, is_weights_BxT=is_w)
 
 
 def _reinforce(cfg: LearnerConfig, logp, old_logp, adv, mask, segment_ids, reduce, is_w):
@@ -129,7 +143,10 @@ def check_config(cfg: LearnerConfig) -> None:
     raise ValueError(f"learner.microbatches must be >= 1, got {cfg.microbatches}")
   # Values each loss takes as given: out of range, they trained without a word (a user's
   # round: dual_clip 0.5, a negative clip or KL coefficient, correction_low above high).
-  for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay",
+  for key, value in zip(("clip_low", "clip_high"), clip_range(cfg)):
+    if value is not None and not (math.isfinite(value) and value >= 0):
+      raise ValueError(f"learner.{key} must be >= 0 (null: the loss's own), got {value}")
+  for key in ("kl_coef", "entropy_coef", "weight_decay",
               "max_grad_norm", "warmup_steps", "lr_decay_steps", "norm_len",
               "logits_chunk", "logits_vocab_chunk"):
     value = getattr(cfg, key)

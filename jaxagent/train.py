@@ -863,12 +863,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                  info["used_segments"], p["step"],
                                  tokenizer.decode if traj.text else None)
     rollout_s = p["rollout_s"]
+    # Rates over the step's own time: waiting for rollouts, learning, syncing weights.
+    # (Over the rollout wait alone, an async step whose groups were ready read 1,559
+    # trajectories a second.)
+    step_s = rollout_s + p["learner_s"] + row.get("weight_sync_s", 0.0)
     row.update({
         "wall_time_s": round(time.time() - t_start, 3), "policy_version": p["version"],
         "rollout_s": rollout_s, "learner_s": p["learner_s"],
-        "rollout_tokens_per_s": row.get("output_tokens", 0) / max(rollout_s, 1e-9),
+        "rollout_tokens_per_s": row.get("output_tokens", 0) / max(step_s, 1e-9),
         "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
-            rollout_s, 1e-9),
+            step_s, 1e-9),
         "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
         "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
         "batch_rows": int(batch.tokens.shape[0]) * n_proc,

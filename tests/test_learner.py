@@ -180,6 +180,16 @@ def test_the_logged_rate_is_the_steps_first_updates_with_epochs():
   assert logged == pytest.approx([0.0, 0.5, 1.0])  # updates 0, 2, 4 of a 4-update warm-up
 
 
+def test_each_loss_clips_at_its_own_range_unless_told():
+  """GSPO's sequence ratios sit near 1: it ran with PPO's 0.2 / 0.28 (an advanced user's
+  finding), some 500 times its own range."""
+  from jaxagent.learner import clip_range
+
+  assert clip_range(LearnerConfig()) == (0.2, 0.28)
+  assert clip_range(LearnerConfig(policy_loss="gspo")) == (3e-4, 4e-4)
+  assert clip_range(LearnerConfig(policy_loss="gspo", clip_high=1e-3)) == (3e-4, 1e-3)
+
+
 def test_bad_settings_name_their_key():
   with pytest.raises(ValueError, match="learner.policy_loss"):
     Learner(CFG, LearnerConfig(policy_loss="ppo2"), make_mesh())
