@@ -225,7 +225,10 @@ async def task_tools(path: str, env_factory) -> list[dict]:
   """The tools (OpenAI `tools` entries) the environments of a task file offer: the first
   observation of the first task of each environment the file names. A task file that
   cannot be used (a bad line, no tasks, an unknown environment) raises ValueError."""
+  import pydantic
+
   from envs.base import load_tasks
+  from rollout_server.server import ToolDef
 
   first = {}
   for task in load_tasks(path):
@@ -243,6 +246,12 @@ async def task_tools(path: str, env_factory) -> list[dict]:
     except KeyError as e:  # an environment nobody registered: its message, unquoted
       raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
     for t in obs.tools:
+      try:  # (as the chat gateway takes them: a black-box agent's turns would be refused)
+        ToolDef.model_validate(t)
+      except pydantic.ValidationError:
+        raise ValueError(f"environment {task.env!r} offers a tool that is not an OpenAI "
+                         "tools entry ({'type': 'function', 'function': {'name': ...}}): "
+                         f"{t!r:.200}") from None
       tools.setdefault(t["function"]["name"], t)
   return list(tools.values())
 

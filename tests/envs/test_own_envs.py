@@ -130,3 +130,27 @@ def test_a_run_trains_on_it_and_launch_and_deploy_pass_it_on(tmp_path):
   env_pod = docs["env-statefulset.yaml"]["spec"]["template"]["spec"]
   cmd = env_pod["containers"][0]["command"]
   assert cmd[cmd.index("--import") + 1] == EXAMPLE
+
+
+def test_an_environment_whose_tools_are_malformed_is_named_at_the_start(tmp_path):
+  """A tool without OpenAI's shape reached the template as it was (white-box) and had
+  every black-box turn refused by the gateway: the run's start names the environment."""
+  from jaxagent.train import task_tools
+
+  @base.register("bad_tools_env")
+  class BadTools(base.Env):
+    async def reset(self, task):
+      return base.Observation([{"role": "user", "content": "go"}],
+                              [{"name": "f", "parameters": {}}])  # no type/function
+
+    async def step(self, action):
+      raise AssertionError("not stepped")
+
+    async def verify(self):
+      raise AssertionError("not verified")
+
+  tasks = tmp_path / "tasks.jsonl"
+  tasks.write_text('{"id": "b", "env": "bad_tools_env"}\n')
+  with pytest.raises(ValueError, match="environment 'bad_tools_env' offers a tool that is "
+                                       "not an OpenAI tools entry"):
+    asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
