@@ -56,6 +56,25 @@ class TaskSpec:
 BAD_TASK = (ValueError, TypeError, KeyError, IndexError)
 
 
+class CannotStart(ValueError):
+  """A task its environment will not start: `reset` raised one of BAD_TASK (`cannot_start`
+  says where), or a worker refused it so. `why` is the cause alone."""
+
+  def __init__(self, message: str, why: Optional[str] = None):
+    super().__init__(message)
+    self.why = why or message
+
+
+def failure(e: BaseException) -> str:
+  """`file:line: Type: message` of what an environment raised (`raised_at`)."""
+  return f"{raised_at(e)}{type(e).__name__}: {e}"
+
+
+def cannot_start(task: "TaskSpec", e: BaseException) -> CannotStart:
+  """The CannotStart for `task`, whose environment's `reset` raised `e` (one of BAD_TASK)."""
+  return CannotStart(f"task {task.id!r} cannot start: {failure(e)}", failure(e))
+
+
 def _float_sized_int(literal: str) -> int:
   value = int(literal)  # (past 4300 digits Python refuses it itself: a ValueError)
   try:
@@ -451,7 +470,7 @@ def load_modules(entries: Sequence[str]) -> list[str]:
       if missing and (entry == missing or entry.startswith(missing + ".")):
         raise ValueError(f"{entry!r}: no module named {missing!r} on the path (name a "
                          "module, or a .py file)") from None
-      raise ValueError(f"{entry!r}: {raised_at(e)}{type(e).__name__}: {e}") from None
+      raise ValueError(f"{entry!r}: {failure(e)}") from None
   return sorted(set(ENVS) - before)
 
 

@@ -15,12 +15,9 @@ import os
 import sys
 from typing import Callable
 
-from envs.base import (BAD_TASK, EnvResources, TaskSpec, Verdict, VerdictStatus, add_import_flag,
-                       load_modules, load_tasks, make, raised_at, write_tasks)
-
-
-class CannotStart(Exception):
-  """A task whose environment refuses its parameters (`reset` raised one of BAD_TASK)."""
+from envs.base import (BAD_TASK, CannotStart, EnvResources, TaskSpec, Verdict, VerdictStatus,
+                       add_import_flag, cannot_start, load_modules, load_tasks, make,
+                       write_tasks)
 
 
 async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Verdict:
@@ -29,7 +26,7 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Ver
     try:
       await env.reset(task)
     except BAD_TASK as e:
-      raise CannotStart(f"cannot start: {raised_at(e)}{type(e).__name__}: {e}") from e
+      raise cannot_start(task, e) from e
     while not env.done:
       await env.step(policy(env))
     return await env.verify()
@@ -42,7 +39,8 @@ async def check(task: TaskSpec, resources: EnvResources) -> dict:
     ref = await play(task, lambda env: env.reference_action(), resources)
     noop = await play(task, lambda env: "", resources)
   except CannotStart as e:  # dropped with its reason (it was a traceback)
-    return {"id": task.id, "keep": False, "reasons": [str(e)], "reference": "-", "noop": "-"}
+    return {"id": task.id, "keep": False, "reasons": [f"cannot start: {e.why}"],
+            "reference": "-", "noop": "-"}
   reasons = []
   if ref.is_infra_error or noop.is_infra_error:
     reasons.append("grader infrastructure error: " + json.dumps(

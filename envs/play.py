@@ -29,8 +29,9 @@ import sys
 import time
 from typing import Callable, Iterable, Optional
 
-from envs.base import (BAD_TASK, EnvResources, TaskSpec, VerdictStatus, add_import_flag,
-                       load_modules, load_tasks, make, raised_at, trained_rewards)
+from envs.base import (BAD_TASK, CannotStart, EnvResources, TaskSpec, VerdictStatus,
+                       add_import_flag, cannot_start, load_modules, load_tasks, make,
+                       trained_rewards)
 
 
 def read_actions(lines: Iterable[str]) -> list[str]:
@@ -60,11 +61,10 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
   try:
     try:
       obs = await env.reset(task)
+    except CannotStart:  # a worker's refusal says so already
+      raise
     except BAD_TASK as e:  # the task's parameters (or a bug of the environment's reset)
-      if "cannot start" in str(e):  # a worker's refusal says so already
-        raise
-      raise ValueError(f"task {task.id!r} cannot start: {raised_at(e)}{type(e).__name__}: "
-                       f"{e}") from None
+      raise cannot_start(task, e) from None
     emit({"event": "reset", "task": task.id, "observation": dataclasses.asdict(obs)})
     step_rewards = []
     done = False

@@ -49,9 +49,9 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from envs import waits
-from envs.base import (BAD_TASK, EnvResources, Observation, StepResult, TaskSpec, Verdict,
-                       VerdictStatus, add_import_flag, json_safe, load_modules, make,
-                       raised_at)
+from envs.base import (BAD_TASK, CannotStart, EnvResources, Observation, StepResult, TaskSpec,
+                       Verdict, VerdictStatus, add_import_flag, cannot_start, json_safe,
+                       load_modules, make)
 from jaxagent.errors import InfraError
 
 
@@ -274,8 +274,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       except BaseException as e:  # failed or abandoned (deadline): nothing is kept
         await waits.to_the_end(env.close())
         if isinstance(e, BAD_TASK):  # parameters of the wrong type or shape: the task's
-          raise ValueError(f"task {task.id!r} cannot start: {raised_at(e)}"
-                           f"{type(e).__name__}: {e}") from e
+          raise cannot_start(task, e) from e
         raise
       sessions[sid] = _Session(env, task, asyncio.Lock(), time.time())
       n_sessions.set(len(sessions))
@@ -412,7 +411,7 @@ class RemoteEnv:
       out = await self._call("POST", "/sessions", json={"task": task.to_dict()})
     except _Refused as e:
       if e.status_code == 400 and "cannot start" in str(e):  # the task's (TaskError)
-        raise ValueError(str(e)) from None
+        raise CannotStart(str(e)) from None
       raise
     self.session_id = out["session_id"]
     self.done = False

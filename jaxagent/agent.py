@@ -28,7 +28,7 @@ import zlib
 from typing import Any, Awaitable, Optional
 from urllib.parse import quote
 
-from envs.base import BAD_TASK, raised_at, trained_rewards
+from envs.base import BAD_TASK, CannotStart, failure, trained_rewards
 from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
@@ -746,9 +746,10 @@ class _MeasuredEnv:
     try:
       return await self._measured(self.env.reset(task))
     except BAD_TASK as e:  # the task's parameters (as environments report them)
-      # (where it was raised: a bug of an environment's own reset reads the same)
-      raise TaskError(f"task {task.id!r} ({task.env}): {raised_at(e)}{type(e).__name__}: "
-                      f"{e}") from e
+      # (where it was raised: a bug of an environment's own reset reads the same; a
+      # worker's refusal says it itself)
+      why = e.why if isinstance(e, CannotStart) else failure(e)
+      raise TaskError(f"task {task.id!r} ({task.env}): {why}") from e
 
   async def step(self, action: str):
     self.actions.append(action)

@@ -31,7 +31,7 @@ def export(policy: str, out: str, dtype: str = "bfloat16", config: Optional[str]
   from flax import nnx
 
   from jaxagent.build import build_model
-  from jaxagent.checkpoint import load_policy
+  from jaxagent.checkpoint import abstract_params_like, load_policy
   from jaxagent.eval import run_config_of
   from jaxagent.models.hf import hf_config, save_hf
   from jaxagent.models.params import abstract_model
@@ -43,11 +43,11 @@ def export(policy: str, out: str, dtype: str = "bfloat16", config: Optional[str]
   # (a run's config.json names the template it trained with, chatml_tools where it
   # chose that one for its tasks' tools)
   model_cfg, _, tokenizer = build_model(cfg.model, make_mesh(devices=jax.devices()[:1]))
-  hf_config(model_cfg, dtype)  # (a model the format cannot hold fails before the load)
-  _, state = abstract_model(model_cfg)
+  # (a model the format cannot hold fails before the load)
+  architecture = hf_config(model_cfg, dtype)["architectures"][0]
+  shapes = nnx.to_pure_dict(abstract_model(model_cfg)[1])
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = {k: jax.ShapeDtypeStruct(v.shape, np.float32, sharding=one)
-              for k, v in nnx.to_pure_dict(state).items()}
+  abstract = abstract_params_like(shapes, jax.tree.map(lambda _: one, shapes), np.float32)
   params = {k: np.asarray(jax.device_get(v), np.float32)
             for k, v in load_policy(path, abstract).items()}
   stops = list(tokenizer.stop_ids)
@@ -64,7 +64,7 @@ def export(policy: str, out: str, dtype: str = "bfloat16", config: Optional[str]
     json.dump(generation, f, indent=2)
   return {"policy": path, "policy_version": version, "out": out, "dtype": dtype,
           "files": sorted(os.path.basename(f) for f in files),
-          "architecture": hf_config(model_cfg, dtype)["architectures"][0],
+          "architecture": architecture,
           "parameters": int(sum(p.size for p in params.values()))}
 
 
