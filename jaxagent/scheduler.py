@@ -322,14 +322,29 @@ class RolloutScheduler:
     n = self.cfg.groups_per_step
     accepted: list[Group] = []
     taken: list[Group] = []
-    while len(accepted) < n and len(taken) < self.cfg.max_sample_rounds * n:
-      self._raise_error()
-      batch = await self._take(n - len(accepted))
-      taken += batch
-      ok = [g for g in batch if self._accept(g)]
-      self.replaced += len(batch) - len(ok)
-      accepted += ok
+    try:
+      while len(accepted) < n and len(taken) < self.cfg.max_sample_rounds * n:
+        self._raise_error()
+        batch = await self._take(n - len(accepted))
+        taken += batch
+        ok = [g for g in batch if self._accept(g)]
+        self.replaced += len(batch) - len(ok)
+        accepted += ok
+    except asyncio.CancelledError:  # (a run stopping): the groups accepted are not lost
+      self._put_back(accepted)
+      raise
     return accepted, taken
+
+  def _put_back(self, groups: list[Group]) -> None:
+    """Groups taken by a step that was given up: in the scheduler again, in their order,
+    as if never taken (saved with a checkpoint, their episodes' logs kept for a resume)."""
+    if not groups:
+      return
+    back = {f"g{g.index}" for g in groups}
+    self._finished = [i for i in self._finished if i not in back]
+    merged = sorted([*self.groups.values(), *groups], key=lambda g: g.index)
+    self.groups = collections.OrderedDict((g.index, g) for g in merged)
+    self._changed.set()
 
   async def _take(self, n: int) -> list[Group]:
     """`n` finished groups: fresh ones on the current weights (sync), or the oldest ready."""

@@ -193,6 +193,24 @@ class StopNow(KeyboardInterrupt):
     self.signum = int(sig)
 
 
+async def unless_stopped(work, stop: asyncio.Event):
+  """`work`'s result, or None when `stop` is set before it ends (it is cancelled)."""
+  task = asyncio.ensure_future(work)
+  waiting = asyncio.ensure_future(stop.wait())
+  try:
+    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    waiting.cancel()
+    if not task.done():
+      task.cancel()
+  try:
+    return await task
+  except asyncio.CancelledError:
+    if task.cancelled() and stop.is_set():
+      return None
+    raise
+
+
 def resume_command(run_dir: str) -> str:
   """The command that goes on with this run: `launch local ... --resume` when a launch
   started this learner (its services die with the launch), else train's own."""
@@ -742,7 +760,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   if canary:  # the restored run must sample what the saved one did
     if not saved_canary:
       print(f"warning: --canary: checkpoint step {int(state.step)} stored no canary "
-            "(checkpoint.canary_tasks was 0); going on unchecked", file=sys.stderr)
+            "(checkpoint.canary_tasks was 0, or the run was stopped by a signal); going on "
+            "unchecked", file=sys.stderr)
     else:
       problem = compare_canary(saved_canary, await play_canary(cfg, env_factory,
                                                                serving.client, tokenizer))
@@ -911,12 +930,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # SIGTERM (a pod's eviction) or Ctrl-C: stop after the step under way, then checkpoint
   # and export as at the end (a second one stops at once).
   signals = {"got": None}
+  stopping = asyncio.Event()
   device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
     if signals["got"] is not None:
       raise StopNow(sig)
     signals["got"] = sig.name
+    stopping.set()
     print(f"{sig.name}: stopping after this step (again to stop now)", file=sys.stderr,
           flush=True)
 
@@ -930,7 +951,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   early_stop = stop_reached()
   try:
     while step < cfg.steps and signals["got"] is None and early_stop is None:
-      accepted, taken = await scheduler.next_groups()
+      if multi:  # (every process goes into the step's collectives)
+        accepted, taken = await scheduler.next_groups()
+      else:  # a stop while the step's rollouts run: no step is under way, none waited for
+        got = await unless_stopped(scheduler.next_groups(), stopping)
+        if got is None:
+          print(f"{signals['got']}: no step was under way (the episodes in flight are "
+                "played again on a resume)", file=sys.stderr, flush=True)
+          break
+        accepted, taken = got
       played += taken
       scored = (await score_segments(serving.client, accepted, scorers, learner_cfg.temperature)
                 if scorers else {})
@@ -1040,7 +1069,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       print(f"{unsaved}: not checkpointed (a resume goes on from step "
             f"{ckpt.latest_step() or 0})", file=sys.stderr, flush=True)
     elif ckpt.latest_step() != step and step > 0:
-      await save_checkpoint(step, state, pending, force=True, canary=finished)
+      # (no canary on a stop by signal: its time is short, and its episodes may hang)
+      await save_checkpoint(step, state, pending, force=True,
+                            canary=finished and signals["got"] is None)
     if exported != version and step > 0 and not unsaved:  # the final weights, exported
       try:
         export_policy(policy_root, version, state.params, dtype=export_dtype)

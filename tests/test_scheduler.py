@@ -364,6 +364,39 @@ def test_pending_tasks_are_kept_for_resume():
   assert run(go())[:2] == ["a", "b"]
 
 
+def test_a_step_given_up_while_sampling_loses_none_of_its_groups():
+  """A run stopping while a step waits for rollouts cancels the wait (train.py): the
+  groups that step had already accepted go back, in order, to be saved with the
+  checkpoint and their episodes' logs kept (they were popped: a resume never played
+  them again, and the token WAL let their logs go)."""
+  async def play(task, sid, gid):
+    if task >= 2:  # only the first two groups end; the second is filtered (one reward)
+      await asyncio.sleep(60)
+    return episode(task, sid, gid, reward=float(task == 0 and sid.endswith("-0-r0")))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
+                                       filter_equal_rewards=True), itertools.count(), play)
+    s.start()
+    step = asyncio.ensure_future(s.next_groups())
+    for _ in range(100):
+      await asyncio.sleep(0.01)
+      if 1 not in s.groups:  # 0 accepted, 1 filtered: the step waits for another
+        break
+    assert 0 not in s.groups and 1 not in s.groups and not step.done()
+    step.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await step
+    pending, finished = s.pending_tasks(), s.drain_finished()
+    order = list(s.groups)
+    await s.stop()
+    return pending, finished, order
+
+  pending, finished, order = run(go())
+  assert pending[0] == 0 and 1 not in pending and order == sorted(order)
+  assert "g0" not in finished and "g1" in finished
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "chunk"])
 def test_make_batch_advantages_and_packing(estimator):
   from jaxagent.scheduler import Group

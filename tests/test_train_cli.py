@@ -187,6 +187,57 @@ def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
     assert [v["version"] for v in json.load(f)["versions"]] == [step]
 
 
+HANGING_ENV = """
+import asyncio, os
+from envs.base import register
+from envs.guess_number import GuessNumber
+
+@register("hangs_on_flag")
+class HangsOnFlag(GuessNumber):  # guess_number, whose steps wait while FLAG exists
+  async def step(self, action):
+    while os.path.exists(FLAG):
+      await asyncio.sleep(0.05)
+    return await super().step(action)
+"""
+
+
+def test_sigterm_while_rollouts_hang_stops_at_once_and_keeps_their_tasks(tmp_path):
+  """A SIGTERM while the step's rollouts run (here: never end) does not wait for them:
+  no step is under way, so the run checkpoints its last step at once, with the tasks in
+  flight saved to be played on a resume (a pod's eviction grace is ~30 s; the first
+  signal used to wait for the rollouts, and only a second one stopped the run)."""
+  import signal
+  import time
+
+  flag = tmp_path / "hang"
+  module = tmp_path / "hanging_env.py"
+  module.write_text(f"FLAG = {str(flag)!r}\n" + HANGING_ENV)
+  tasks = tmp_path / "tasks.jsonl"
+  tasks.write_text("".join(json.dumps({"id": f"h{i}", "env": "hangs_on_flag",
+                                       "params": {"secret": 3 + i}}) + "\n" for i in range(4)))
+  run_dir = str(tmp_path / "run")
+  proc = train_until_rows(run_dir, *SMALL[:-1], "checkpoint.export_every=0",
+                          "checkpoint.every_steps=100", f"env.imports=[{module}]",
+                          f"data.tasks={tasks}")
+  flag.write_text("")  # the next steps' episodes hang
+  time.sleep(3)  # (the step under way, if any, ends; then rollouts wait on the flag)
+  t0 = time.time()
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert "SIGTERM: no step was under way" in err and "Traceback" not in err, err[-3000:]
+  assert time.time() - t0 < 60
+  step = read_metrics(run_dir)[-1]["step"]
+  assert str(step) in os.listdir(os.path.join(run_dir, "checkpoints"))
+  with open(os.path.join(run_dir, "checkpoints", str(step), "meta", "metadata")) as f:
+    pending = json.load(f)["pending_tasks"]
+  assert len(pending) == 2 and {t["env"] for t in pending} == {"hangs_on_flag"}
+  flag.unlink()
+  proc = run_train("--run-dir", run_dir, "--resume", f"steps={step + 1}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert read_metrics(run_dir)[-1]["step"] == step + 1
+
+
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
   """A run killed before its first checkpoint was stuck (--resume: no checkpoint; without:
   the directory holds a run): it starts again from step 0, its records cut back.
