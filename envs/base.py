@@ -221,6 +221,9 @@ class Env(abc.ABC):
   version: str = "1"
   verifier_version: str = "1"
   needs_resources: bool = False
+  # Shows its passes to `resources.judge` when one is set (env.judge): a run that sets a
+  # judge for environments of which none does is told so.
+  asks_judge: bool = False
 
   def __init__(self):
     self.task: Optional[TaskSpec] = None

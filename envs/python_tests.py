@@ -123,6 +123,7 @@ class PythonTests(Env):
   version = "4"  # 4: look-alike names refused; the judge's file headers are tagged
   verifier_version = PythonTestVerifier.version
   needs_resources = True
+  asks_judge = True
 
   def __init__(self, resources: EnvResources):
     super().__init__()

@@ -230,6 +230,14 @@ def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving) -> No
   env_factory.resources.judge = LLMJudge(e.judge_url or serving.gateway_url, e.judge,
                                          rubric=e.judge_rubric or DEFAULT_RUBRIC,
                                          max_answer_chars=e.judge_max_answer_chars)
+  from envs.base import ENVS, load_tasks
+
+  names = sorted({t.env for t in load_tasks(cfg.data.tasks)}) if cfg.data.tasks else []
+  if names and not any(getattr(ENVS.get(n), "asks_judge", False) for n in names):
+    askers = sorted(n for n, c in ENVS.items() if getattr(c, "asks_judge", False))
+    print(f"note: env.judge {e.judge!r} is not asked: the task file's environments "
+          f"({', '.join(names)}) never ask a judge (those that do: {', '.join(askers)})",
+          file=sys.stderr)
   served = serving.models.get(e.judge) if not e.judge_url else None
   if served is not None and served.engine.max_prefill_length < e.judge_max_answer_chars:
     print(f"note: the judge {e.judge!r} takes prompts of at most "

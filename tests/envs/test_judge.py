@@ -4,6 +4,7 @@ infra_error."""
 
 import asyncio
 import json
+import os
 
 import pytest
 
@@ -13,6 +14,7 @@ from envs.python_tasks_data import TASKS
 from envs.python_tests import judged_answer
 from rollout_server.orchestrator import Orchestrator
 from rollout_server.serving import ServedModel
+from tests.conftest import REPO
 from tests.envs.test_environments import play
 from tests.rollout_server.conftest import (make_engine, memorise, random_params,  # noqa: F401
                                            running_server, tokenizer)
@@ -190,8 +192,10 @@ def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys
   from jaxagent import config as config_lib
   from jaxagent.train import attach_judge
 
+  tasks = os.path.join(REPO, "envs", "tasks")
   cfg = config_lib.load(config_lib.RunConfig, None,
-                        ["env.judge=judge", "env.judge_max_answer_chars=4000"])
+                        ["env.judge=judge", "env.judge_max_answer_chars=4000",
+                         f"data.tasks={tasks}/python_tests.jsonl"])
   factory = types.SimpleNamespace(resources=EnvResources(sandboxes=1))
   serving = types.SimpleNamespace(gateway_url="http://127.0.0.1:9", models={
       "judge": types.SimpleNamespace(engine=types.SimpleNamespace(max_prefill_length=512))})
@@ -202,5 +206,12 @@ def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys
     serving.models["judge"].engine.max_prefill_length = 8192
     attach_judge(cfg, factory, serving)
     assert capsys.readouterr().err == ""
+    # Environments that never ask a judge: said, not silently unused.
+    cfg = config_lib.load(config_lib.RunConfig, None,
+                          ["env.judge=judge", f"data.tasks={tasks}/guess_number.jsonl"])
+    attach_judge(cfg, factory, serving)
+    assert ("note: env.judge 'judge' is not asked: the task file's environments "
+            "(guess_number) never ask a judge (those that do: python_tests)"
+            in capsys.readouterr().err)
   finally:
     factory.resources.close()
