@@ -323,21 +323,21 @@ def check_model(m: config_lib.ModelSpec, key: str = "model") -> None:
                                  "null (the tokenizer's own), chatml_tools")
 
 
-def check_served_models(cfg: config_lib.RunConfig) -> None:
-  """Each of `serving.models`: its model, and the export it loads (before anything is
-  built: they were tracebacks from the engine, after the run directory was made)."""
+def check_served_models(models: dict, key: str = "serving.models") -> None:
+  """Each of the served `models` (a run's `serving.models`, a server's `models`): its
+  model, and the export it loads (before anything is built: they were tracebacks from
+  the engine, after the run directory was made)."""
   from rollout_server.serving import resolve_policy
 
-  for name, m in cfg.serving.models.items():
-    check_model(m.model, f"serving.models.{name}.model")
+  for name, m in models.items():
+    check_model(m.model, f"{key}.{name}.model")
     if m.policy:
       if not os.path.exists(m.policy):
-        raise config_lib.ConfigError(f"serving.models.{name}.policy: no such export "
-                                     f"{m.policy!r}")
+        raise config_lib.ConfigError(f"{key}.{name}.policy: no such export {m.policy!r}")
       try:
         resolve_policy(m.policy, None)
       except (ValueError, FileNotFoundError, OSError) as e:
-        raise config_lib.ConfigError(f"serving.models.{name}.policy: {e}") from None
+        raise config_lib.ConfigError(f"{key}.{name}.policy: {e}") from None
 
 
 def _check_ranges(cfg: config_lib.RunConfig) -> None:
@@ -397,7 +397,7 @@ def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:
 def check_config(cfg: config_lib.RunConfig) -> None:
   _check_ranges(cfg)
   check_model_and_learner(cfg)
-  check_served_models(cfg)
+  check_served_models(cfg.serving.models)
   if not cfg.data.tasks:
     raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
   if not os.path.exists(cfg.data.tasks):

@@ -69,6 +69,13 @@ def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
        "model.preset: unknown 'tinyy' (did you mean 'tiny'?)"),
       (server_cli.main, ["--config", "configs/server_tiny.yaml", "engine.slots=0"],
        "engine.slots must be >= 1"),
+      # a served model's own settings, before it is built (was the engine's error)
+      (server_cli.main, ["--config", "configs/server_tiny.yaml",
+                         "models={judge: {model: {preset: nanoo}}}"],
+       "models.judge.model.preset: unknown 'nanoo' (did you mean 'nano'?)"),
+      (server_cli.main, ["--config", "configs/server_tiny.yaml",
+                         f"models={{old: {{policy: {tmp_path}/none}}}}"],
+       "models.old.policy: no such export"),
       (env_filter.main, ["envs/tasks/python_tests.jsonl", "--concurrency", "0"],
        "--concurrency must be >= 1"),
       (env_filter.main, [str(unknown)], "unknown environment 'nosuch'"),
