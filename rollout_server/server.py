@@ -23,6 +23,7 @@ Bad requests get a 4xx naming what is wrong; nothing a request does stops the se
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -37,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxagent.config import ServerConfig
-from jaxagent.tokenizer import Tokenizer, renders_tools
+from jaxagent.tokenizer import Tokenizer, renders_tools, tool_names
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
                                  OpenAIRoute, TurnCut, normalise_messages)
@@ -247,7 +248,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                                f"{[model_name] + sorted(models)})")
     return None
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
-  tool_rendering: dict[int, bool] = {}  # id(tokenizer) -> its chat template renders tools
+  # (id(tokenizer), tool names) -> its chat template writes each of those tools' names
+  # into the prompt (an agent sends the same tools every turn: checked once per set).
+  tool_rendering: collections.OrderedDict = collections.OrderedDict()
   registry = CollectorRegistry()
   registry.register(_EngineCollector(orch, sessions))
   ttft = Histogram("rollout_time_to_first_token_seconds", "Time to first token",
@@ -405,12 +408,15 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
           [*tok.stop_ids, *(t for t in sampling.stop_token_ids
                             if t not in tokenizer.stop_ids)])))
     if tools:
-      if id(tok) not in tool_rendering:
-        tool_rendering[id(tok)] = renders_tools(tok)
-      if not tool_rendering[id(tok)]:
-        raise HTTPException(400, f"tools: the chat template of {tok.name} drops them, so the "
-                                 "model would never see them; serve it with "
-                                 "model.chat_template=chatml_tools")
+      key = (id(tok), tuple(tool_names(tools)))
+      if key not in tool_rendering:
+        tool_rendering[key] = renders_tools(tok, tools)
+        while len(tool_rendering) > 1024:
+          tool_rendering.popitem(last=False)
+      if not tool_rendering[key]:
+        raise HTTPException(400, f"tools: the chat template of {tok.name} does not write "
+                                 "them into the prompt, so the model would never see them; "
+                                 "serve it with model.chat_template=chatml_tools")
     try:
       messages = normalise_messages(messages)
       prompt = tok.apply_chat_template(messages, tools=tools)

@@ -191,9 +191,22 @@ def test_tools_a_template_drops_are_refused_not_ignored(random_params):
     r = client(srv).post("/v1/messages", json={
         "model": "m", "max_tokens": 2, "messages": user, "tools": [{
             "name": "calculate", "input_schema": {"type": "object"}}]})
-    assert r.status_code == 400 and "drops them" in r.text, r.text
+    assert r.status_code == 400 and "does not write them into the prompt" in r.text, r.text
     r = client(srv).post("/v1/chat/completions", json={"messages": user, "max_tokens": 2})
     assert r.status_code == 200  # (without tools, served)
+  # A template that writes some tools and not others: each request's own tools are
+  # checked (a probe tool was: a template that wrote the first tool only passed).
+  first_only = ("{% if tools %}{{ tools[0]['function']['name'] }}\n{% endif %}"
+                + NO_TOOLS_TEMPLATE)
+  second = {"type": "function", "function": {"name": "lookup", "parameters": {
+      "type": "object", "properties": {}}}}
+  with running_server(random_params, Tokenizer.byte_level(first_only)) as (srv, _):
+    ok = client(srv).post("/v1/chat/completions", json={
+        "messages": user, "tools": TOOLS, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    r = client(srv).post("/v1/chat/completions", json={
+        "messages": user, "tools": [*TOOLS, second], "max_tokens": 2})
+    assert r.status_code == 400 and "model.chat_template=chatml_tools" in r.text, r.text
 
 
 def test_models_list_through_the_openai_client(server):
