@@ -129,27 +129,43 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     except (httpx.HTTPError, ValueError):
       return None  # the copy catches up at the next turn or read
 
-  async def copy_turns(session_id: str, backend: str) -> None:
-    """Appends the turns `backend` recorded for the session since the last copy."""
+  async def new_turns(session_id: str, backend: str) -> Optional[tuple[int, list]]:
+    """(where the copy of `backend`'s record goes on from, the turns it recorded for the
+    session since), or None when it cannot be read."""
+    n = cursors.get(session_id, {}).get(backend, 0)
+    got = await fetch_turns(session_id, backend, n)
+    if got is not None and got.get("count", n) < n:
+      # The backend holds fewer turns than were copied: it restarted and its record
+      # began again (at the same address); its turns since then are all new.
+      n, got = 0, await fetch_turns(session_id, backend, 0)
+    if got is None or not isinstance(got.get("turns"), list):
+      return None
+    return n, got["turns"]
+
+  async def copy_turns(session_id: str, *backends: str) -> None:
+    """Appends the turns `backends` recorded for the session since the last copy, in the
+    order they were recorded (a session that failed over ran turns on several). When
+    this router's copy was evicted (a bound, or its time to live), every live backend
+    that ran its turns is copied whole again."""
     lock = copy_locks.get(session_id)
     if lock is None:
       lock = copy_locks[session_id] = asyncio.Lock()
     async with lock:
-      if session_id not in sessions:  # never copied, or the copy was evicted (a bound or
-        cursors.pop(session_id, None)  # its TTL): copy every backend's record whole again
-      n = cursors.get(session_id, {}).get(backend, 0)
-      got = await fetch_turns(session_id, backend, n)
-      if got is not None and got.get("count", n) < n:
-        # The backend holds fewer turns than were copied: it restarted and its record
-        # began again (at the same address); its turns since then are all new.
-        n, got = 0, await fetch_turns(session_id, backend, 0)
-      if got is None or not isinstance(got.get("turns"), list):
+      if session_id not in sessions:  # never copied, or the copy was evicted
+        ran = cursors.pop(session_id, {})
+        backends = (*(b for b in ran if b not in backends and healthy.get(b)), *backends)
+      got = await asyncio.gather(*(new_turns(session_id, b) for b in backends))
+      read = [(b, g) for b, g in zip(backends, got) if g is not None]
+      if not read:
         return
-      turns = got["turns"]
-      cursors.setdefault(session_id, {})[backend] = n + len(turns)
+      for b, (n, turns) in read:
+        cursors.setdefault(session_id, {})[b] = n + len(turns)
       cursors.move_to_end(session_id)
       while len(cursors) > max_sessions:
         cursors.popitem(last=False)
+      turns = [t for _, (_, ts) in read for t in ts]
+      if len(read) > 1:  # (stable: one backend's own turns keep their order)
+        turns.sort(key=lambda t: t.get("recorded_at", 0.0) if isinstance(t, dict) else 0.0)
       if turns:
         sessions.extend(session_id, turns, number=True)
 
@@ -242,7 +258,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     of them when this router has not seen it: it restarted, or its turns failed over)."""
     held = session_id in sessions  # (a copy evicted here: ask every backend again)
     holders = (list(cursors.get(session_id, {})) if held else []) or ring.backends
-    await asyncio.gather(*(copy_turns(session_id, b) for b in holders if healthy[b]))
+    await copy_turns(session_id, *(b for b in holders if healthy[b]))
     turns = sessions.get(session_id)
     if turns is None:
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)

@@ -28,7 +28,9 @@ class SessionStore:
     self._lock = threading.Lock()
 
   def record(self, session_id: str, turn: dict) -> None:
-    """Appends `turn` (numbered: its `turn` field is set to its index)."""
+    """Appends `turn` (numbered: its `turn` field is set to its index; `recorded_at` is
+    the wall time, by which a router orders the turns a session ran on several servers)."""
+    turn.setdefault("recorded_at", time.time())
     self.extend(session_id, [turn], number=True)
 
   def extend(self, session_id: str, turns: list[dict], number: bool = False) -> None:

@@ -273,3 +273,48 @@ def test_the_routers_copy_of_a_session_is_exact_under_concurrency_restarts_and_j
   finally:
     backend.stop()
     orch.stop()
+
+
+def test_an_evicted_copy_of_a_failed_over_session_comes_back_whole_and_in_order(
+    random_params, tokenizer):
+  """A session whose turns ran on two backends (its own went down, came back), then the
+  router's copy was evicted: the next turn's copy brought back only the backend it ran
+  on (3 turns of 4). Every live backend that ran its turns is copied again, in the order
+  the turns were recorded."""
+  from rollout_server.orchestrator import Orchestrator
+  from rollout_server.server import create_app
+  from tests.rollout_server.conftest import make_engine
+
+  body = {"input_ids": [1, 2, 3], "max_new_tokens": 3}
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=0)).start()
+  apps = [create_app(orch, tokenizer), create_app(orch, tokenizer)]  # their own records
+  servers = [ServerThread(app).start() for app in apps]
+  try:
+    with ServerThread(create_router([s.url for s in servers], health_interval_s=0.2,
+                                    session_ttl_s=1.5)) as router:
+      def turn():
+        r = httpx.post(f"{router.url}/generate", json=body, timeout=120,
+                       headers={"X-Session-Id": "fo"})
+        assert r.status_code == 200, r.text
+        return r.headers["x-routed-to"], r.json()["request_id"]
+
+      home, first = turn()
+      ran = [first, turn()[1]]
+      i = [s.url for s in servers].index(home)
+      servers[i].stop()
+      other, rid = turn()  # failed over
+      assert other != home
+      ran.append(rid)
+      servers[i] = ServerThread(apps[i], port=servers[i].port).start()  # back, records kept
+      time.sleep(2.0)  # healthy again; the router's copy outlives its time to live
+      back, rid = turn()
+      assert back == home
+      ran.append(rid)
+      got = httpx.get(f"{router.url}/sessions/fo", timeout=60).json()["turns"]
+      assert [t["request_id"] for t in got] == ran
+      assert [t["turn"] for t in got] == [0, 1, 2, 3]
+  finally:
+    for s in servers:
+      s.stop()
+    orch.stop()

@@ -280,8 +280,8 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
     store.record(f"s{i}", turn(10))
   assert len(store) == 3 and store.get("s0") is None and store.evicted["count"] == 1
   small = store.bytes // 3
-  # 1000 - 2 * small < its size <= 1000: s1 goes by count, then s2 by bytes
-  store.record("big", turn(200))
+  # 1000 - 2 * small < its size <= 1000 - small: s1 goes by count, then s2 by bytes
+  store.record("big", turn(180))
   assert [store.get(k) is None for k in ("s1", "s2", "s3", "big")] == [True, True, False, False]
   assert store.evicted == {"count": 2, "bytes": 1, "ttl": 0} and small < store.bytes <= 1000
   store.record("huge", turn(400))  # over the budget alone: nothing is kept
