@@ -475,7 +475,8 @@ def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(rando
   from rollout_server.client import LocalClient
   from tests.rollout_server.conftest import make_engine, running_server
 
-  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
+  # (a secret of six digits: three new tokens a turn cannot guess it and end the episode)
+  task = TaskSpec("t", "guess_number", {"secret": 123456, "high": 999999, "max_turns": 8})
   config = AgentConfig(max_turns=8, max_new_tokens=3)  # max_context_tokens 1024
   with running_server(random_params, TOK, version=4,
                       engine=make_engine(max_prefill_length=64)) as (srv, orch):
