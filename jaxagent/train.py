@@ -958,7 +958,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       pass
   early_stop = stop_reached()
   try:
-    while step < cfg.steps and signals["got"] is None and early_stop is None:
+    while step < cfg.steps and early_stop is None:
+      if multi:  # a signal to any process stops every one here, between two steps (one
+        # stopping alone left the others waiting in the step's collectives)
+        got = [g for g in await loop.run_in_executor(None, distributed.gather_json,
+                                                     signals["got"]) if g]
+        if got:
+          signals["got"] = signals["got"] or got[0]
+          break
+      elif signals["got"] is not None:
+        break
       if multi:  # (every process goes into the step's collectives)
         accepted, taken = await scheduler.next_groups()
       else:  # a stop while the step's rollouts run: no step is under way, none waited for
