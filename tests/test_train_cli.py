@@ -430,7 +430,9 @@ def test_smollm2_calculator_config_runs(tmp_path):
   run_dir = str(tmp_path / "smol")
   proc = run_train("--config", "configs/smollm2_calculator.yaml", "--run-dir", run_dir,
                    "steps=1", "rollout.groups_per_step=1", "rollout.group_size=2", "data.rows=2",
-                   "agent.max_turns=1", "agent.max_new_tokens=24")
+                   "agent.max_turns=1", "agent.max_new_tokens=12", "serving.engine.slots=2",
+                   "serving.engine.prefill_rows=2", "learner.microbatches=1",
+                   "checkpoint.canary_tasks=0")  # (smaller: the suite's slowest test)
   assert proc.returncode == 0, proc.stderr[-3000:]
   # The GGUF's own template drops tools: chatml_tools is chosen, and said so.
   assert "drops the tools the tasks offer (calculate); using chatml_tools" in proc.stdout
