@@ -10,6 +10,12 @@ ARG JAX_EXTRA=""
 # bubblewrap isolates untrusted tool code in the environment workers.
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
     && rm -rf /var/lib/apt/lists/*
+# The project and its dependencies go in a virtual environment outside /usr: tool code
+# in a sandbox sees /usr and /etc read-only, and must not find the environments' tasks
+# (hidden cases, reference solutions) there, nor the learner's packages. (The sandbox
+# also hides the environments' own packages wherever they lie under /usr.)
+ENV VIRTUAL_ENV=/opt/jaxagent PATH=/opt/jaxagent/bin:$PATH
+RUN python -m venv /opt/jaxagent
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY jaxagent jaxagent

@@ -75,6 +75,53 @@ _ROOT_LINKS = ("/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32")
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
+def hidden_paths() -> list[tuple[str, bool]]:
+  """(path, is a directory) of the environments' own code and data that lie under the
+  system directories a sandbox shows: the `envs` package and the package (or module
+  file and its compiled copies) of every registered environment. A pip install (the
+  image's) puts them under /usr, where tool code could read a task's hidden cases and
+  reference solution; the sandbox mounts an empty directory or file over each."""
+  import importlib.util
+  import sys
+
+  from envs.base import ENVS
+
+  names = {"envs", *(getattr(c, "__module__", "") for c in ENVS.values())}
+  found: dict[str, bool] = {}
+  for name in sorted(n for n in names if n):
+    top = sys.modules.get(name.split(".")[0])
+    path = getattr(top, "__file__", None)
+    if path is None:
+      continue
+    if os.path.basename(path) == "__init__.py":
+      found[os.path.realpath(os.path.dirname(path))] = True
+    else:
+      found[os.path.realpath(path)] = False
+      try:
+        cached = importlib.util.cache_from_source(path)
+      except (NotImplementedError, ValueError):
+        cached = None
+      if cached is not None:
+        stem = os.path.basename(cached).split(".")[0]
+        folder = os.path.dirname(cached)
+        for f in (os.listdir(folder) if os.path.isdir(folder) else ()):
+          if f.split(".")[0] == stem and f.endswith(".pyc"):
+            found[os.path.realpath(os.path.join(folder, f))] = False
+  shown = [os.path.realpath(d) for d in _SYSTEM_DIRS]
+  return sorted((p, is_dir) for p, is_dir in found.items()
+                if any(p.startswith(d + os.sep) for d in shown))
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_file() -> str:
+  """An empty read-only file of this process's own, mounted over hidden module files."""
+  folder = tempfile.mkdtemp(prefix="jaxagent-sandbox-empty-")
+  os.chmod(folder, 0o755)
+  path = os.path.join(folder, "empty")
+  os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444))
+  return path
+
+
 class IsolationUnavailable(RuntimeError):
   """The host cannot isolate untrusted code and unisolated execution was not allowed."""
 
@@ -283,6 +330,9 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
     out.append("--as-pid-1")
   for path in _SYSTEM_DIRS:
     out += ["--ro-bind", path, path]
+  for path, is_dir in hidden_paths():  # (the environments' own code: an empty view)
+    out += (["--perms", "0555", "--tmpfs", path, "--remount-ro", path] if is_dir
+            else ["--ro-bind", _empty_file(), path])
   for path in _ROOT_LINKS:
     if os.path.islink(path):
       out += ["--symlink", os.readlink(path), path]
@@ -312,8 +362,11 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
   # The host's tools by absolute path (the scrubbed PATH has no sbin).
   lines = ["set -e", f"export PATH={q(_HOST_PATH)}", f"mount -t tmpfs -o mode=0755,size=1m jaxagent-root {q(root)}"]
   for path in _SYSTEM_DIRS:
-    lines += [f"mkdir {q(root + path)}", f"mount --rbind {q(path)} {q(root + path)}",
+    lines += [f"mkdir -p {q(root + path)}", f"mount --rbind {q(path)} {q(root + path)}",
               f"mount -o remount,bind,ro {q(root + path)}"]
+  for path, is_dir in hidden_paths():  # (the environments' own code: an empty view)
+    lines.append(f"mount -t tmpfs -o ro,mode=0555,size=4k jaxagent-hidden {q(root + path)}"
+                 if is_dir else f"mount --bind {q(_empty_file())} {q(root + path)}")
   for path in _ROOT_LINKS:
     if os.path.islink(path):
       lines.append(f"ln -s {q(os.readlink(path))} {q(root + path)}")

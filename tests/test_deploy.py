@@ -152,5 +152,8 @@ def test_dockerfile_installs_the_project_with_an_accelerator_choice():
     text = f.read()
   assert "ARG JAX_EXTRA" in text and "pip install --no-cache-dir ." in text
   assert "bubblewrap" in text
+  # Installed outside /usr, which sandboxes see: tool code must not find the tasks there.
+  venv = text.index("RUN python -m venv /opt/jaxagent")
+  assert "PATH=/opt/jaxagent/bin:$PATH" in text and venv < text.index("pip install")
   for part in ("jaxagent", "rollout_server", "envs", "configs"):
     assert f"COPY {part} {part}" in text

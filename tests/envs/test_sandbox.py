@@ -582,3 +582,58 @@ def test_a_cancelled_command_is_killed_not_left_running():
     subprocess.run(["pkill", "-f", marker])
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
+
+
+@needs_isolation
+def test_the_environments_own_code_is_out_of_view_where_system_dirs_hold_it(sandbox,
+                                                                            monkeypatch):
+  """A pip install (the image's) puts `envs` (every task's hidden cases and reference
+  solution) under /usr, which sandboxes see: one solution.py imported them and passed
+  every python_tests task (red team). The packages and module files of registered
+  environments (with their compiled copies) that lie under a system directory are
+  mounted over with an empty view; the rest of that directory stays visible."""
+  import importlib
+  import importlib.util
+  import py_compile
+  import sys
+
+  from envs import base, sandbox as sandbox_mod
+
+  system = tempfile.mkdtemp(prefix="jaxagent-test-sys-", dir="/var/tmp")
+  site = os.path.join(system, "site")
+  os.makedirs(os.path.join(site, "secretpkg"))
+  for name, text in (("secretpkg/__init__.py", "ANSWERS = 'hidden cases'\n"),
+                     ("secretpkg/tasks.py", "REFERENCE = 'solution'\n"),
+                     ("lone_env.py", "ANSWER = 42\n"), ("other.txt", "visible\n")):
+    with open(os.path.join(site, name), "w") as f:
+      f.write(text)
+  monkeypatch.syspath_prepend(site)
+  try:
+    importlib.import_module("secretpkg.tasks")
+    importlib.import_module("lone_env")
+    lone = os.path.join(site, "lone_env.py")  # its compiled copy, as an install leaves it
+    py_compile.compile(lone, cfile=importlib.util.cache_from_source(lone))
+    for root, dirs, files in os.walk(system):
+      for n in [root, *(os.path.join(root, f) for f in files)]:
+        os.chmod(n, 0o755)
+    monkeypatch.setitem(base.ENVS, "hidden_a", type("A", (), {"__module__": "secretpkg.tasks"}))
+    monkeypatch.setitem(base.ENVS, "hidden_b", type("B", (), {"__module__": "lone_env"}))
+    monkeypatch.setattr(sandbox_mod, "_SYSTEM_DIRS", (*sandbox_mod._SYSTEM_DIRS, system))
+    pyc = [f for f in os.listdir(os.path.join(site, "__pycache__")) if f.startswith("lone_env")]
+    assert pyc
+    code = ("import os\n"
+            "def read(p):\n  try:\n    return open(p, 'rb').read()\n"
+            "  except OSError as e:\n    return type(e).__name__\n"
+            f"site = {site!r}\n"
+            "print(sorted(os.listdir(site + '/secretpkg')))\n"
+            "print(read(site + '/secretpkg/__init__.py'), read(site + '/lone_env.py'),"
+            f" read(site + '/__pycache__/' + {pyc[0]!r}), read(site + '/other.txt'))\n")
+    r = run(sandbox, code)
+    assert r.ok, r.stderr
+    listing, contents = r.stdout.splitlines()
+    assert listing == "[]"
+    assert contents == "FileNotFoundError b'' b'' b'visible\\n'", contents
+  finally:
+    for name in ("secretpkg.tasks", "secretpkg", "lone_env"):
+      sys.modules.pop(name, None)
+    shutil.rmtree(system, ignore_errors=True)
