@@ -221,7 +221,7 @@ async def run(args) -> dict:
     # Served as the run serves it: the policy (in process, or --server), the models
     # beside it (a judge), a gateway for a black-box agent.
     serving = Serving(cfg, model_cfg, None, tokenizer, mesh, policy=(path, version))
-    attach_judge(cfg, env_factory, serving)
+    attach_judge(cfg, env_factory, serving, {t.env for t in tasks})
 
     async def play(task, session_id):
       return await play_as_configured(env_factory(task), task, serving, tokenizer, agent,

@@ -218,25 +218,28 @@ def resume_command(run_dir: str) -> str:
       "--resume"
 
 
-def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving) -> None:
+def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving,
+                 environments=()) -> None:
   """With `env.judge`, in-process environments show their passes to the served judge.
-  Says so once when the judge served here takes shorter prompts (in tokens) than the
-  answers it is shown (in characters): a pass it cannot read whole is failed."""
+  Says so once when none of `environments` (the names the tasks play) asks a judge, and
+  when the judge served here takes shorter prompts (in tokens) than the answers it is
+  shown (in characters): a pass it cannot read whole is failed."""
   e = cfg.env
   if not e.judge:
     return
+  from envs.base import ENVS
   from envs.judge import DEFAULT_RUBRIC, LLMJudge
 
   env_factory.resources.judge = LLMJudge(e.judge_url or serving.gateway_url, e.judge,
                                          rubric=e.judge_rubric or DEFAULT_RUBRIC,
                                          max_answer_chars=e.judge_max_answer_chars)
-  from envs.base import ENVS, load_tasks
-
-  names = sorted({t.env for t in load_tasks(cfg.data.tasks)}) if cfg.data.tasks else []
+  names = sorted(set(environments))
   if names and not any(getattr(ENVS.get(n), "asks_judge", False) for n in names):
     askers = sorted(n for n, c in ENVS.items() if getattr(c, "asks_judge", False))
-    print(f"note: env.judge {e.judge!r} is not asked: the task file's environments "
-          f"({', '.join(names)}) never ask a judge (those that do: {', '.join(askers)})",
+    print(f"note: env.judge {e.judge!r} goes unused: none of the tasks' environments "
+          f"({', '.join(names)}) asks a judge ("
+          + (f"{', '.join(askers)} {'does' if len(askers) == 1 else 'do'}; " if askers else "")
+          + "an environment of your own says it does with asks_judge = True)",
           file=sys.stderr)
   served = serving.models.get(e.judge) if not e.judge_url else None
   if served is not None and served.engine.max_prefill_length < e.judge_max_answer_chars:
@@ -247,20 +250,29 @@ def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving) -> No
           "in the metrics)", file=sys.stderr)
 
 
-async def task_tools(path: str, env_factory) -> list[dict]:
-  """The tools (OpenAI `tools` entries) the environments of a task file offer: the first
-  observation of the first task of each environment the file names. A task file that
-  cannot be used (a bad line, no tasks, an unknown environment) raises ValueError."""
-  import pydantic
-
+def first_tasks(path: str) -> dict:
+  """{environment name: its first task} over a task file, in the file's order; a file
+  that cannot be used (a bad line, no tasks) raises ValueError."""
   from envs.base import load_tasks
-  from rollout_server.server import ToolDef
 
   first = {}
   for task in load_tasks(path):
     first.setdefault(task.env, task)
   if not first:
     raise ValueError(f"task file {path} has no tasks")
+  return first
+
+
+async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> list[dict]:
+  """The tools (OpenAI `tools` entries) the environments of a task file offer: the first
+  observation of the first task of each environment the file names (`first`, when the
+  caller read them already). A task file that cannot be used (a bad line, no tasks, an
+  unknown environment) raises ValueError."""
+  import pydantic
+
+  from rollout_server.server import ToolDef
+
+  first = first_tasks(path) if first is None else first
   tools = {}
   for task in first.values():
     try:
@@ -650,7 +662,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
   try:  # the chat template must render the tools the tasks offer
     try:
-      tools = await task_tools(cfg.data.tasks, env_factory)
+      first = first_tasks(cfg.data.tasks)
+      tools = await task_tools(cfg.data.tasks, env_factory, first)
     except ValueError as e:  # a bad line, an unknown environment, no tasks
       raise config_lib.ConfigError(f"data.tasks: {e}") from None
     model_cfg, params, tokenizer = build_model(cfg.model, mesh, tools=tools)
@@ -754,7 +767,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # it starts from (and is updated with) are the whole values, gathered from every one.
   serving = Serving(cfg, model_cfg, distributed.host_copy(state.params), tokenizer,
                     serving_mesh)
-  attach_judge(cfg, env_factory, serving)
+  attach_judge(cfg, env_factory, serving, first if distributed.is_primary() else ())
   exported = None  # the policy version last exported
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     # Exported again on a resume: an export under this version may be a stopped run's.

@@ -4,7 +4,6 @@ infra_error."""
 
 import asyncio
 import json
-import os
 
 import pytest
 
@@ -14,7 +13,6 @@ from envs.python_tasks_data import TASKS
 from envs.python_tests import judged_answer
 from rollout_server.orchestrator import Orchestrator
 from rollout_server.serving import ServedModel
-from tests.conftest import REPO
 from tests.envs.test_environments import play
 from tests.rollout_server.conftest import (make_engine, memorise, random_params,  # noqa: F401
                                            running_server, tokenizer)
@@ -192,10 +190,8 @@ def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys
   from jaxagent import config as config_lib
   from jaxagent.train import attach_judge
 
-  tasks = os.path.join(REPO, "envs", "tasks")
   cfg = config_lib.load(config_lib.RunConfig, None,
-                        ["env.judge=judge", "env.judge_max_answer_chars=4000",
-                         f"data.tasks={tasks}/python_tests.jsonl"])
+                        ["env.judge=judge", "env.judge_max_answer_chars=4000"])
   factory = types.SimpleNamespace(resources=EnvResources(sandboxes=1))
   serving = types.SimpleNamespace(gateway_url="http://127.0.0.1:9", models={
       "judge": types.SimpleNamespace(engine=types.SimpleNamespace(max_prefill_length=512))})
@@ -204,14 +200,12 @@ def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys
     assert factory.resources.judge.max_answer_chars == 4000
     assert "at most 512 tokens" in capsys.readouterr().err
     serving.models["judge"].engine.max_prefill_length = 8192
-    attach_judge(cfg, factory, serving)
+    attach_judge(cfg, factory, serving, ["python_tests", "guess_number"])
     assert capsys.readouterr().err == ""
     # Environments that never ask a judge: said, not silently unused.
-    cfg = config_lib.load(config_lib.RunConfig, None,
-                          ["env.judge=judge", f"data.tasks={tasks}/guess_number.jsonl"])
-    attach_judge(cfg, factory, serving)
-    assert ("note: env.judge 'judge' is not asked: the task file's environments "
-            "(guess_number) never ask a judge (those that do: python_tests)"
-            in capsys.readouterr().err)
+    attach_judge(cfg, factory, serving, ["guess_number", "calculator"])
+    assert ("note: env.judge 'judge' goes unused: none of the tasks' environments "
+            "(calculator, guess_number) asks a judge (python_tests does; an environment of "
+            "your own says it does with asks_judge = True)" in capsys.readouterr().err)
   finally:
     factory.resources.close()
