@@ -330,7 +330,7 @@ class RolloutScheduler:
         ok = [g for g in batch if self._accept(g)]
         self.replaced += len(batch) - len(ok)
         accepted += ok
-    except asyncio.CancelledError:  # (a run stopping): the groups accepted are not lost
+    except BaseException:  # (a run stopping, an outage): the groups accepted are not lost
       self._put_back(accepted)
       raise
     return accepted, taken

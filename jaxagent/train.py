@@ -781,8 +781,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   if canary:  # the restored run must sample what the saved one did
     if not saved_canary:
       print(f"warning: --canary: checkpoint step {int(state.step)} stored no canary "
-            "(checkpoint.canary_tasks was 0, or the run was stopped by a signal); going on "
-            "unchecked", file=sys.stderr)
+            "(checkpoint.canary_tasks was 0, or the run was stopped while its rollouts ran); "
+            "going on unchecked", file=sys.stderr)
     else:
       problem = compare_canary(saved_canary, await play_canary(cfg, env_factory,
                                                                serving.client, tokenizer))
@@ -952,6 +952,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # and export as at the end (a second one stops at once).
   signals = {"got": None}
   stopping = asyncio.Event()
+  abandoned = False  # a stop gave up a wait for rollouts
   device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
@@ -974,10 +975,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     while step < cfg.steps and early_stop is None:
       if multi:  # a signal to any process stops every one here, between two steps (one
         # stopping alone left the others waiting in the step's collectives)
-        got = [g for g in await loop.run_in_executor(None, distributed.gather_json,
-                                                     signals["got"]) if g]
-        if got:
-          signals["got"] = signals["got"] or got[0]
+        got = await loop.run_in_executor(None, distributed.gather_json,
+                                         {"stop": signals["got"]})
+        if not all(isinstance(g, dict) and "stop" in g for g in got):
+          # (what another process gathers on its way out: it stopped with an error)
+          raise RuntimeError("another process of the run stopped with an error (its log "
+                             "says which)")
+        names = [g["stop"] for g in got if g["stop"]]
+        if names:  # (its own signal's name if it had one: a process exits by its own)
+          signals["got"] = signals["got"] or names[0]
           break
       elif signals["got"] is not None:
         break
@@ -986,6 +992,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       else:  # a stop while the step's rollouts run: no step is under way, none waited for
         got = await unless_stopped(scheduler.next_groups(), stopping)
         if got is None:
+          abandoned = True
           print(f"{signals['got']}: no step was under way (the episodes in flight are "
                 "played again on a resume)", file=sys.stderr, flush=True)
           break
@@ -1099,9 +1106,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       print(f"{unsaved}: not checkpointed (a resume goes on from step "
             f"{ckpt.latest_step() or 0})", file=sys.stderr, flush=True)
     elif ckpt.latest_step() != step and step > 0:
-      # (no canary on a stop by signal: its time is short, and its episodes may hang)
+      # (no canary when a stop gave up waiting for rollouts: its episodes may hang too)
       await save_checkpoint(step, state, pending, force=True,
-                            canary=finished and signals["got"] is None)
+                            canary=finished and not abandoned)
     if exported != version and step > 0 and not unsaved:  # the final weights, exported
       try:
         export_policy(policy_root, version, state.params, dtype=export_dtype)

@@ -364,11 +364,14 @@ def test_pending_tasks_are_kept_for_resume():
   assert run(go())[:2] == ["a", "b"]
 
 
-def test_a_step_given_up_while_sampling_loses_none_of_its_groups():
-  """A run stopping while a step waits for rollouts cancels the wait (train.py): the
-  groups that step had already accepted go back, in order, to be saved with the
-  checkpoint and their episodes' logs kept (they were popped: a resume never played
-  them again, and the token WAL let their logs go)."""
+@pytest.mark.parametrize("how", ["cancelled", "outage"])
+def test_a_step_given_up_while_sampling_loses_none_of_its_groups(how):
+  """A run stopping while a step waits for rollouts cancels the wait (train.py), and an
+  outage raises out of it: the groups that step had already accepted go back, in
+  order, to be saved with the checkpoint and their episodes' logs kept (they were
+  popped: a resume never played them again, and the token WAL let their logs go)."""
+  from jaxagent.errors import InfraOutage
+
   async def play(task, sid, gid):
     if task >= 2:  # only the first two groups end; the second is filtered (one reward)
       await asyncio.sleep(60)
@@ -384,8 +387,12 @@ def test_a_step_given_up_while_sampling_loses_none_of_its_groups():
       if 1 not in s.groups:  # 0 accepted, 1 filtered: the step waits for another
         break
     assert 0 not in s.groups and 1 not in s.groups and not step.done()
-    step.cancel()
-    with pytest.raises(asyncio.CancelledError):
+    if how == "cancelled":
+      step.cancel()
+    else:
+      s.error = InfraOutage("the servers are gone")
+      s._changed.set()
+    with pytest.raises(asyncio.CancelledError if how == "cancelled" else InfraOutage):
       await step
     pending, finished = s.pending_tasks(), s.drain_finished()
     order = list(s.groups)

@@ -196,6 +196,7 @@ from envs.guess_number import GuessNumber
 class HangsOnFlag(GuessNumber):  # guess_number, whose steps wait while FLAG exists
   async def step(self, action):
     while os.path.exists(FLAG):
+      open(FLAG + ".waiting", "w").close()  # (a step waits: the run is in its rollouts)
       await asyncio.sleep(0.05)
     return await super().step(action)
 """
@@ -220,7 +221,10 @@ def test_sigterm_while_rollouts_hang_stops_at_once_and_keeps_their_tasks(tmp_pat
                           "checkpoint.every_steps=100", f"env.imports=[{module}]",
                           f"data.tasks={tasks}")
   flag.write_text("")  # the next steps' episodes hang
-  time.sleep(3)  # (the step under way, if any, ends; then rollouts wait on the flag)
+  waiting, deadline = tmp_path / "hang.waiting", time.time() + 120
+  while not waiting.exists():  # (the step under way, if any, ends; then rollouts wait)
+    assert proc.poll() is None and time.time() < deadline
+    time.sleep(0.1)
   t0 = time.time()
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
