@@ -21,6 +21,7 @@ import bisect
 import collections
 import contextlib
 import hashlib
+import heapq
 import json
 import re
 import sys
@@ -151,8 +152,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     if lock is None:
       lock = copy_locks[session_id] = asyncio.Lock()
     async with lock:
-      if session_id not in sessions:  # never copied, or the copy was evicted
-        ran = cursors.pop(session_id, {})
+      if session_id not in sessions and session_id in cursors:  # the copy was evicted
+        # Every backend that ran its turns is copied from the start again; one that
+        # cannot be read now keeps its place (read whole when it can be).
+        ran = cursors[session_id] = dict.fromkeys(cursors[session_id], 0)
         backends = (*(b for b in ran if b not in backends and healthy.get(b)), *backends)
       got = await asyncio.gather(*(new_turns(session_id, b) for b in backends))
       read = [(b, g) for b, g in zip(backends, got) if g is not None]
@@ -163,9 +166,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       cursors.move_to_end(session_id)
       while len(cursors) > max_sessions:
         cursors.popitem(last=False)
-      turns = [t for _, (_, ts) in read for t in ts]
-      if len(read) > 1:  # (stable: one backend's own turns keep their order)
-        turns.sort(key=lambda t: t.get("recorded_at", 0.0) if isinstance(t, dict) else 0.0)
+      # Each backend's turns in its own order, interleaved by when they were recorded
+      # (`recorded_at`, each server's clock; a server without it: its turns first).
+      turns = list(heapq.merge(*(ts for _, (_, ts) in read), key=lambda t: (
+          t.get("recorded_at", 0.0) if isinstance(t, dict) else 0.0)))
       if turns:
         sessions.extend(session_id, turns, number=True)
 
