@@ -419,14 +419,17 @@ PROBE_TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {}}}}]
 
 
-def renders_tools(tokenizer: Tokenizer, tools: Sequence[dict] = PROBE_TOOLS) -> bool:
+def renders_tools(tokenizer: Tokenizer, tools: Sequence[dict] = PROBE_TOOLS,
+                  strict: bool = False) -> bool:
   """Whether `tokenizer`'s chat template writes every tool's name into the prompt (a
   probe chat rendered with and without `tools`; a template that raises on tools
-  does not render them)."""
+  does not render them, or with `strict` raises its error)."""
   probe = [{"role": "system", "content": "probe"}, {"role": "user", "content": "probe"}]
   try:
     with_tools = tokenizer.render(probe, tools)
   except (jinja2.TemplateError, TypeError, KeyError, AttributeError):
+    if strict:
+      raise
     return False
   without = tokenizer.render(probe)
   return all(with_tools.count(name) > without.count(name) for name in tool_names(tools))

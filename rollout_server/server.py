@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -38,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxagent.config import ServerConfig
-from jaxagent.tokenizer import Tokenizer, renders_tools, tool_names
+from jaxagent.tokenizer import Tokenizer, renders_tools
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
                                  OpenAIRoute, TurnCut, normalise_messages)
@@ -248,8 +249,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                                f"{[model_name] + sorted(models)})")
     return None
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
-  # (id(tokenizer), tool names) -> its chat template writes each of those tools' names
-  # into the prompt (an agent sends the same tools every turn: checked once per set).
+  # (id(tokenizer), the tools' hash) -> its chat template writes each of those tools'
+  # names into the prompt (an agent sends the same tools every turn: checked once).
   tool_rendering: collections.OrderedDict = collections.OrderedDict()
   registry = CollectorRegistry()
   registry.register(_EngineCollector(orch, sessions))
@@ -408,9 +409,14 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
           [*tok.stop_ids, *(t for t in sampling.stop_token_ids
                             if t not in tokenizer.stop_ids)])))
     if tools:
-      key = (id(tok), tuple(tool_names(tools)))
+      key = (id(tok), hashlib.sha256(json.dumps(tools, sort_keys=True, default=str)
+                                     .encode()).hexdigest())
       if key not in tool_rendering:
-        tool_rendering[key] = renders_tools(tok, tools)
+        try:
+          tool_rendering[key] = renders_tools(tok, tools, strict=True)
+        except Exception as e:  # these tools break the template: said, not kept
+          raise HTTPException(400, "cannot render the chat template with these tools: "
+                                   f"{type(e).__name__}: {e}")
         while len(tool_rendering) > 1024:
           tool_rendering.popitem(last=False)
       if not tool_rendering[key]:

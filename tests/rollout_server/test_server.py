@@ -196,7 +196,8 @@ def test_tools_a_template_drops_are_refused_not_ignored(random_params):
     assert r.status_code == 200  # (without tools, served)
   # A template that writes some tools and not others: each request's own tools are
   # checked (a probe tool was: a template that wrote the first tool only passed).
-  first_only = ("{% if tools %}{{ tools[0]['function']['name'] }}\n{% endif %}"
+  first_only = ("{% if tools %}{{ tools[0]['function']['name'] }} "
+                "{{ tools[0]['function']['parameters']['properties'] | tojson }}\n{% endif %}"
                 + NO_TOOLS_TEMPLATE)
   second = {"type": "function", "function": {"name": "lookup", "parameters": {
       "type": "object", "properties": {}}}}
@@ -207,6 +208,16 @@ def test_tools_a_template_drops_are_refused_not_ignored(random_params):
     r = client(srv).post("/v1/chat/completions", json={
         "messages": user, "tools": [*TOOLS, second], "max_tokens": 2})
     assert r.status_code == 400 and "model.chat_template=chatml_tools" in r.text, r.text
+    # Tools the template cannot render: its error, and the same names with what it
+    # needs served after (the check is of the tools, not of their names).
+    bare = [{"type": "function", "function": {"name": "calculate"}}]
+    r = client(srv).post("/v1/chat/completions", json={
+        "messages": user, "tools": bare, "max_tokens": 2})
+    assert r.status_code == 400 and "cannot render the chat template with these tools: " \
+        "UndefinedError" in r.text, r.text
+    ok = client(srv).post("/v1/chat/completions", json={
+        "messages": user, "tools": TOOLS, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
 
 
 def test_models_list_through_the_openai_client(server):
