@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 import unicodedata
 from typing import Optional
@@ -120,7 +121,9 @@ def _output(result) -> str:
 class PythonTests(Env):
   # 2: hidden cases compared on the host; the verdict pays the reward. 3: files must be
   # UTF-8 text, fit the quota as read, and (with a judge) be shown whole.
-  version = "4"  # 4: look-alike names refused; the judge's file headers are tagged
+  # 4: look-alike names refused; the judge's file headers are tagged. 5: stronger hidden
+  # cases (each task's hold its public example); max_of_list may use max().
+  version = "5"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True
@@ -146,7 +149,7 @@ class PythonTests(Env):
     ])
 
   async def _write_file(self, path: str, content: str) -> str:
-    if path in (PUBLIC_TESTS,):
+    if os.path.normpath(path) == PUBLIC_TESTS:  # (./test_public.py too)
       return f"error: {path} is read-only"
     data = content.encode()
     await asyncio.to_thread(self.sandbox.write_file, path, data)
@@ -157,6 +160,9 @@ class PythonTests(Env):
     return _output(await self.sandbox.run([self.sandbox.python, "_run.py"]))
 
   async def _run_public_tests(self) -> str:
+    # The task's own public test, written again: tool code may have replaced the file.
+    await asyncio.to_thread(self.sandbox.write_file, PUBLIC_TESTS,
+                            as_tests(self.spec[3], "public", self.fn))
     runner = ("import traceback\nimport test_public as t\nok = True\n"
               "for n in sorted(dir(t)):\n  if n.startswith('test_'):\n    try:\n"
               "      getattr(t, n)(); print(n, 'passed')\n    except Exception as e:\n"

@@ -160,8 +160,37 @@ def test_python_tests_episode_with_reference_and_public_tests():
                                                           "run_public_tests"}
     assert "test_public passed" in steps[1].observation.messages[0]["content"]
     assert steps[2].terminated
-    assert verdict.status == VerdictStatus.PASS and verdict.details["passed"] == 3
+    assert verdict.status == VerdictStatus.PASS and verdict.details["passed"] == 6
     assert verdict.reward == 1.0
+    asyncio.run(env.close())
+  finally:
+    resources.close()
+
+
+def test_the_public_test_tool_runs_the_tasks_own_test():
+  """The public test is read-only by any spelling of its name, and the tool runs the
+  task's own test even when tool code replaced the file (a red-team finding: a wrong
+  solution was told 'test_public passed')."""
+  resources = EnvResources(sandboxes=1)
+  try:
+    env = make("python_tests", resources)
+    task = TaskSpec("p", "python_tests", {"task": "add"})
+    calls = [{"name": "write_file", "arguments": {"path": "./test_public.py",
+                                                  "content": "def test_x():\n    pass\n"}},
+             {"name": "write_file", "arguments": {"path": "solution.py",
+                                                  "content": "def add(a, b):\n    return 0\n"}},
+             {"name": "run_python", "arguments": {"code": (
+                 "open('test_public.py', 'w').write('def test_public():\\n    pass\\n')")}},
+             {"name": "run_public_tests", "arguments": {}}]
+
+    async def go():
+      await env.reset(task)
+      return [(await env.step(f"<tool_call>{json.dumps(c)}</tool_call>")).observation
+              .messages[0]["content"] for c in calls]
+
+    said = asyncio.run(go())
+    assert "error: ./test_public.py is read-only" in said[0]
+    assert "test_public FAILED" in said[3] and "test_public passed" not in said[3], said[3]
     asyncio.run(env.close())
   finally:
     resources.close()

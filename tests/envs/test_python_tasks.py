@@ -1,0 +1,83 @@
+"""The bundled python_tests tasks grade what they say: their hidden cases are the
+reference's answers, hold the public example, and fail wrong solutions a policy finds
+(checked on the host by calling the functions; the sandbox path is test_verifier's)."""
+
+import copy
+
+import pytest
+
+from envs.python_tasks_data import TASKS, _function_name
+from envs.values import strict_equal
+
+BY_NAME = {t[0]: t for t in TASKS}
+
+# Wrong solutions that passed the hidden cases (red team: the first five; two of them
+# even failed the public test shown in the prompt), and other near misses.
+WRONG = {
+    "leap_year": ["def is_leap(y):\n    return y % 400 == 0\n",
+                  "def is_leap(y):\n    return y % 4 == 0\n",
+                  "def is_leap(y):\n    return y % 4 == 0 and y % 100 != 0\n"],
+    "count_vowels": ["def count_vowels(s):\n    return sum(c in 'AEIOU' for c in s)\n",
+                     "def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n"],
+    "second_largest": ["def second_largest(xs):\n    s = sorted(set(xs))\n"
+                       "    return s[0] if len(s) >= 2 else None\n",
+                       "def second_largest(xs):\n    s = sorted(xs)\n"
+                       "    return s[-2] if len(s) >= 2 else None\n"],
+    "max_of_list": ["def max_of_list(xs):\n    return xs[len(xs) // 2]\n",
+                    "def max_of_list(xs):\n    return xs[-1]\n"],
+    "add": ["def add(a, b):\n    return abs(a + b)\n", "def add(a, b):\n    return a * b\n"],
+    "fibonacci": ["def fibonacci(n):\n    return {0: 0, 1: 1, 5: 5, 30: 832040}[n]\n"],
+    "is_prime": ["def is_prime(n):\n    return n == 2 or n % 2 == 1\n",
+                 "def is_prime(n):\n    return n > 1 and all(n % i for i in range(2, n // 2))\n"],
+    "anagrams": ["def are_anagrams(a, b):\n    f = lambda s: set(s.replace(' ', '').lower())\n"
+                 "    return f(a) == f(b)\n"],
+    "balanced": ["def balanced(s):\n    return all(s.count(a) == s.count(b) for a, b in "
+                 "('()', '[]', '{}'))\n"],
+    "capitalize_words": ["def capitalize_words(s):\n    return s.title()\n"],
+    "caesar": ["def caesar(s, k):\n    return ''.join(chr((ord(c.lower()) - 97 + k) % 26 + 97)"
+               " if c.isalpha() else c for c in s)\n"],
+    "binary_search": ["def binary_search(xs, target):\n    return xs.index(target) if target "
+                      "in xs[:-1] else -1\n"],
+    "mode": ["def mode(xs):\n    return max(set(xs), key=xs.count)\n"],
+    "gcd": ["def gcd(a, b):\n    return min(a, b) if a and b else 0\n"],
+    "roman": ["def to_roman(n):\n    vals = [(1000, 'M'), (500, 'D'), (100, 'C'), (50, 'L'), "
+              "(10, 'X'), (5, 'V'), (1, 'I')]\n    out = ''\n    for v, s in vals:\n"
+              "        while n >= v:\n            out += s\n            n -= v\n    return out\n"],
+    "chunk": ["def chunk(xs, n):\n    return [xs[i:i + n] for i in range(0, len(xs) - n + 1, n)]\n"],
+}
+
+
+def function(source: str):
+  ns = {}
+  exec(source, ns)
+  return ns[_function_name(source)]
+
+
+def passes(fn, cases) -> bool:
+  for args, expected in cases:
+    try:
+      got = fn(*copy.deepcopy(args))
+    except Exception:
+      return False
+    if not strict_equal(got, expected):
+      return False
+  return True
+
+
+@pytest.mark.parametrize("task", TASKS, ids=[t[0] for t in TASKS])
+def test_hidden_cases_are_the_references_and_hold_the_public_example(task):
+  name, _, reference, public, cases = task
+  assert len(cases) >= 5, name
+  assert passes(function(reference), cases)
+  # A "solution" that knows only the hidden cases passes the public test: the example
+  # the prompt shows is graded too (a solution failing it passed three tasks).
+  table = {repr(args): expected for args, expected in cases}
+  fn = _function_name(reference)
+  exec(public, {fn: lambda *args: table[repr(args)]})
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_wrong_solutions_fail_the_hidden_cases(name):
+  cases = BY_NAME[name][4]
+  for source in WRONG[name]:
+    assert not passes(function(source), cases), source
