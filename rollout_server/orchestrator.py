@@ -239,8 +239,14 @@ class Orchestrator:
     need = self.engine.pages_for(min(len(prompt) + sampling.max_new_tokens,
                                      self.engine.max_seq_len))
     if need > self.engine.num_pages - 1:
-      raise ValueError(f"prompt + max_new_tokens need {need} KV pages; the engine has "
-                       f"{self.engine.num_pages - 1}")
+      if self.engine.pages_for(min(1 + sampling.max_new_tokens,
+                                   self.engine.max_seq_len)) > self.engine.num_pages - 1:
+        raise ValueError(f"max_new_tokens {sampling.max_new_tokens} alone needs more KV "
+                         f"pages than the engine has ({self.engine.num_pages - 1})")
+      # The prompt outgrew this engine, as above: a judge's or a policy's prompt that
+      # did is its own length, not the server's failure.
+      raise PromptTooLong(f"{PROMPT_TOO_LONG}: with max_new_tokens it needs {need} KV "
+                          f"pages; the engine has {self.engine.num_pages - 1} (kv_pages)")
     with self._cv:
       if self._stop:
         raise RuntimeError("the orchestrator is stopped")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rollout_server.engine import SamplingParams
-from rollout_server.orchestrator import Orchestrator, QueueFull, continuation
+from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, continuation
 from tests.rollout_server.conftest import make_engine
 
 
@@ -197,9 +197,13 @@ def test_requests_wait_for_pages_and_all_finish(random_params):
     orch.stop()
   assert all(r.finish_reason == "length" and len(r.output_ids) == 30 for r in reqs)
   assert peak <= 2 and s["kv_pages"]["used"] == 0
-  with pytest.raises(ValueError, match="KV pages"):
-    Orchestrator(engine, engine.load_params(random_params)).submit(
-        [1], SamplingParams(max_new_tokens=200))
+  idle = Orchestrator(engine, engine.load_params(random_params))
+  with pytest.raises(ValueError, match="max_new_tokens 200 alone needs more KV pages"):
+    idle.submit([1], SamplingParams(max_new_tokens=200))
+  # A prompt that outgrew the pool is too long (the policy's or a judge's own length,
+  # as over max_prefill_length), not a server error (a judge's fail became a re-roll).
+  with pytest.raises(PromptTooLong, match="prompt is too long: with max_new_tokens it needs"):
+    idle.submit(list(range(1, 60)), SamplingParams(max_new_tokens=30))
 
 
 def test_abort_and_weight_update_while_a_prompt_is_prefilled_in_chunks(random_params):
