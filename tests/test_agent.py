@@ -49,6 +49,11 @@ class ScriptedEngine:
     return TurnRecord(list(prompt_ids), ids, [-0.5] * len(ids), [5] * len(ids), "stop")
 
 
+# A secret of six digits: a random model's guesses of three tokens a turn cannot end an
+# episode early (secret 3 was guessed now and then, failing tests that wait for a cut).
+UNGUESSABLE = {"secret": 123456, "high": 999999}
+
+
 def play(replies, task, cfg=AgentConfig(max_turns=5, max_new_tokens=4), **engine_kw):
   engine = ScriptedEngine(replies, **engine_kw)
   ep = asyncio.run(run_whitebox(make(task.env), task, engine, TOK, cfg, session_id="s1",
@@ -448,7 +453,7 @@ def test_a_blackbox_agent_that_runs_out_the_clock_is_trained_as_a_fail(random_pa
   from tests.rollout_server.conftest import running_server
 
   with running_server(random_params, TOK, version=4) as (srv, _):
-    task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
+    task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
     config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
     # A first episode compiles the server's shapes, so turns then take milliseconds.
     asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
@@ -475,8 +480,7 @@ def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(rando
   from rollout_server.client import LocalClient
   from tests.rollout_server.conftest import make_engine, running_server
 
-  # (a secret of six digits: three new tokens a turn cannot guess it and end the episode)
-  task = TaskSpec("t", "guess_number", {"secret": 123456, "high": 999999, "max_turns": 8})
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
   config = AgentConfig(max_turns=8, max_new_tokens=3)  # max_context_tokens 1024
   with running_server(random_params, TOK, version=4,
                       engine=make_engine(max_prefill_length=64)) as (srv, orch):
@@ -562,7 +566,7 @@ def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(ran
 
   from tests.rollout_server.conftest import running_server
 
-  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 8})
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
   config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
   with running_server(random_params, TOK, version=4) as (srv, orch):
     asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,  # compiles
