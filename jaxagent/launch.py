@@ -18,6 +18,7 @@ stops them all. With `--servers 0` the learner keeps its in-process engine, with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -185,6 +186,10 @@ def run_local(args) -> int:
     print(f"error: {args.run_dir} already holds a run: --resume to go on with it, or "
           "another --run-dir", file=sys.stderr)
     return 2
+  if args.resume and not holds_a_run(args.run_dir):  # (before any service starts)
+    print(f"error: --resume: {args.run_dir} holds no run (no checkpoint, no step "
+          "recorded: nothing to resume; drop --resume to start the run)", file=sys.stderr)
+    return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   services, learners = plan(args, cfg, run_dir)
   lock = threading.Lock()
@@ -194,10 +199,27 @@ def run_local(args) -> int:
     for c in reversed(started):
       c.stop()
 
+  # The first SIGTERM or Ctrl-C goes to the learners, which stop after their step and
+  # checkpoint (as train does on its own) while the services they need keep serving;
+  # then the services stop. A second one stops everything at once.
+  got: dict = {"signal": None}
+
   def interrupted(signum, frame):
+    first = got["signal"] is None
+    got["signal"] = signum
+    running = [c for c in learners if c.alive()]
+    if first and running:
+      for c in running:
+        with contextlib.suppress(ProcessLookupError):
+          os.killpg(c.proc.pid, signum)
+      print(f"launch: {signal.Signals(signum).name}: the learner stops after its step "
+            "and checkpoints, then the services (again to stop everything now)",
+            file=sys.stderr, flush=True)
+      return
     raise KeyboardInterrupt
 
-  signal.signal(signal.SIGTERM, interrupted)
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, interrupted)
   try:
     for c in services:
       started.append(c.start(lock))
@@ -208,6 +230,14 @@ def run_local(args) -> int:
     for c in learners:
       started.append(c.start(lock))
     while True:
+      if got["signal"] is not None:  # the learners were told to stop: wait for them
+        if not any(c.alive() for c in learners):
+          codes = ", ".join(f"{c.name} {c.proc.returncode}" for c in learners)
+          print(f"launch: the learner stopped ({codes}); stopping the services",
+                file=sys.stderr, flush=True)
+          return 128 + got["signal"]
+        time.sleep(0.2)
+        continue
       if all(c.proc.poll() == 0 for c in learners):
         print("launch: the learner finished; stopping the services", flush=True)
         return 0
@@ -225,8 +255,10 @@ def run_local(args) -> int:
     return 1
   except KeyboardInterrupt:
     print("launch: interrupted; stopping every process", file=sys.stderr, flush=True)
-    return 130
+    return 128 + (got["signal"] or signal.SIGINT)
   finally:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (stopping is not cut short: no orphans)
+      signal.signal(sig, signal.SIG_IGN)
     stop_all()
 
 

@@ -3,6 +3,7 @@ workers as separate processes from one config; a short run, and failing fast."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,14 +35,29 @@ def test_short_run_as_processes(tmp_path):
   assert all(r["weight_sync_path"] == "export" for r in rows)  # servers load exports
   with open(tmp_path / "run" / "launch" / "server0.yaml") as f:
     assert "preset: nano" in f.read()  # the run's model
-  # The run goes on, with services started afresh.
-  proc = launch(tmp_path / "run", "--resume", "--servers", "1", "--env-workers", "0", "steps=3",
-                *SMALL)
-  out = proc.communicate(timeout=400)[0]
-  assert proc.returncode == 0, out[-4000:]
+  # The run goes on, with services started afresh; a SIGTERM to the launcher goes to the
+  # learner, which stops after its step and checkpoints while the services still serve,
+  # then the services stop (the launcher stopped every child with 10 s each, then killed
+  # it: a learner whose step took longer died without its checkpoint; it exited 130).
+  proc = launch(tmp_path / "run", "--resume", "--servers", "1", "--env-workers", "0",
+                "steps=500", *SMALL)
+  lines, deadline = [], time.monotonic() + 300
+  for line in proc.stdout:
+    lines.append(line)
+    if "[learner] step 3:" in line or time.monotonic() > deadline:
+      break
+  proc.send_signal(signal.SIGTERM)
+  out = "".join(lines) + proc.communicate(timeout=120)[0]
+  assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
   assert "resumed from step 2" in out
+  assert "launch: SIGTERM: the learner stops after its step and checkpoints" in out
+  assert "[learner] stopped at step " in out and "launch: the learner stopped" in out
   with open(tmp_path / "run" / "metrics.jsonl") as f:
-    assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= 3
+  assert str(steps[-1]) in os.listdir(tmp_path / "run" / "checkpoints")
+  time.sleep(1)  # nothing is left running
+  assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
 
 
 def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
@@ -76,7 +92,10 @@ def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
                           str(run)]) == 2
   assert "already holds a run" in capsys.readouterr().err
-  assert not (run / "launch").exists()  # nothing was started
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                          str(tmp_path / "empty"), "--resume"]) == 2
+  assert "holds no run" in capsys.readouterr().err  # (services were started first)
+  assert not (run / "launch").exists() and not (tmp_path / "empty").exists()
 
 
 def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeypatch):
