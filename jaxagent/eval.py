@@ -192,9 +192,13 @@ async def run(args) -> dict:
   # these tasks as its data and no eval of its own.
   check_config(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=args.tasks),
                                    eval=config_lib.EvalConfig()))
-  # The run's own servers (serving.urls) are not this eval's: --server, or in process.
+  # The run's own servers (serving.urls) are not this eval's: --server, or in process;
+  # nor are its environment workers (a launch's are gone with it): in process, unless
+  # --config names some.
   cfg = dataclasses.replace(cfg, serving=dataclasses.replace(
       cfg.serving, urls=[args.server] if args.server else []))
+  if args.config is None:
+    cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, urls=[]))
   ks = sorted({int(k) for k in args.k.split(",")}) if not args.greedy else [1]
   samples = 1 if args.greedy else max(args.samples or 0, max(ks))
   agent = dataclasses.replace(cfg.agent, temperature=0.0 if args.greedy else

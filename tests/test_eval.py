@@ -111,6 +111,21 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
                         "--tasks", HELD_OUT, "--greedy", "--limit", "2"]) == 0
   assert os.path.exists(os.path.join(rep["policy"],
                                      "eval-guess_number_heldout-greedy-first2.json"))
+  # A launched run's config names its environment workers, gone with the launch: the
+  # eval plays in process (it failed with an InfraError traceback; operator round).
+  path = os.path.join(run_dir, "config.json")
+  with open(path) as f:
+    saved = f.read()
+  launched = json.loads(saved)
+  launched["env"]["urls"] = ["http://127.0.0.1:9"]
+  with open(path, "w") as f:
+    json.dump(launched, f)
+  try:
+    assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
+                          "--greedy", "--limit", "1", "--json"]) == 0
+  finally:
+    with open(path, "w") as f:
+      f.write(saved)
   capsys.readouterr()
   # A run whose agent is a black-box harness is evaluated with that harness, through a
   # gateway the eval serves (before, always with the built-in agent).
