@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shlex
 import sys
 from typing import Any
 
@@ -86,8 +87,10 @@ def tpu_slice(name: str) -> TpuSlice:
 
 
 def run_name(cfg: config_lib.RunConfig) -> str:
-  """The run's name as Kubernetes names take it (lower case, dashes, <= 40 chars)."""
-  return re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")[:40] or "run"
+  """The run's name as Kubernetes names take it (lower case, dashes, <= 40 chars,
+  starting with a letter: Service names must)."""
+  name = re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")[:40].strip("-") or "run"
+  return name if name[0].isalpha() else f"run-{name}"[:40].strip("-")
 
 
 def _labels(app: str, run: str) -> dict:
@@ -201,6 +204,8 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
   if gpu:
     server_pod["nodeSelector"] = {"cloud.google.com/gke-accelerator": args.server_accelerator}
   _mount_bucket(server_pod, server_pod["containers"][0], bucket)
+  if not servers:  # (the learner serves its rollouts itself)
+    return _env_workers(out, cfg, args, run, meta, envs, env_svc, env_port)
   out["rollout-statefulset.yaml"] = _statefulset(
       meta(f"{run}-rollout", "rollout"), rollout_svc, args.servers, server_pod,
       _labels("rollout", run), annotations=_FUSE)
@@ -222,10 +227,20 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
       "spec": {"selector": _labels("router", run),
                "ports": [{"name": "http", "port": router_port, "targetPort": router_port}]}}
 
+  return _env_workers(out, cfg, args, run, meta, envs, env_svc, env_port)
+
+
+def _env_workers(out: dict, cfg: config_lib.RunConfig, args, run: str, meta, envs: list,
+                 env_svc: str, env_port: int) -> dict:
+  """Adds the environment workers' StatefulSet and Service to `out` (none for none)."""
+  if not envs:  # (the learner runs its environments itself)
+    return out
   env_cmd = ["python", "-m", "envs.server", "--host", "0.0.0.0", "--port", str(env_port),
              "--sandboxes", str(args.sandboxes)]
   for module in cfg.env.imports:  # (the image must hold them)
     env_cmd += ["--import", module]
+  if cfg.env.allow_unisolated:  # (as launch local passes it on)
+    env_cmd.append("--allow-unisolated")
   env_container = _container("env", args.image, env_cmd, port=env_port, mount_config=False,
                              resources={"requests": {"cpu": str(args.sandboxes),
                                                      "memory": "8Gi"}})
@@ -261,15 +276,20 @@ def _headless(metadata: dict, labels: dict, port: int) -> dict:
                    "ports": [{"name": "http", "port": port, "targetPort": port}]}}
 
 
-def xpk_command(cfg: config_lib.RunConfig, args) -> str:
-  """The learner's launch as an `xpk workload create` command (xpk users' path)."""
+def xpk_command(cfg: config_lib.RunConfig, args, objects: dict) -> str:
+  """The learner's launch as an `xpk workload create` command (xpk users' path): the
+  JobSet's learner command (its run directory and services), with the run's config from
+  the image and these overrides instead of the ConfigMap."""
   sl = tpu_slice(args.tpu_type)
   run = run_name(cfg)
-  cmd = " ".join(["python -m jaxagent.train --config", args.config, "--run-dir",
-                  f"/runs/{run}", "--auto-resume", *args.overrides])
+  pod = objects["learner-jobset.yaml"]["spec"]["replicatedJobs"][0]["template"]["spec"][
+      "template"]["spec"]
+  learner = pod["containers"][0]["command"]
+  at = learner.index("--config")
+  cmd = shlex.join([*learner[:at + 1], args.config, *learner[at + 2:], *args.overrides])
   return (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
           f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} "
-          f"--command '{cmd}'")
+          f"--command {shlex.quote(cmd)}")
 
 
 def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
@@ -309,13 +329,30 @@ def main(argv=None) -> int:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     if args.servers < 0 or args.env_workers < 0:
       raise ValueError("--servers and --env-workers must be >= 0")
+    if args.sandboxes < 1:
+      raise ValueError(f"--sandboxes must be >= 1, got {args.sandboxes}")
+    if args.max_restarts < 0:
+      raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
+      raise ValueError(f"--namespace {args.namespace!r}: a Kubernetes namespace is lower-case "
+                       "letters, digits and '-', starting and ending with a letter or digit")
+    from jaxagent.train import check_config
+
+    # The learner's checks, with the services it will be given (a config the learner
+    # refuses would fail in the cluster, restarts and all).
+    some = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]  # noqa: E731
+    check_config(dataclasses.replace(
+        cfg, serving=dataclasses.replace(cfg.serving, urls=some(1)) if args.servers
+        else cfg.serving, env=dataclasses.replace(cfg.env, urls=some(args.env_workers))
+        if args.env_workers else cfg.env))
     objects = manifests(cfg, args)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for path in write(args.out, objects):
     print(path)
-  print(f"apply: kubectl apply -f {args.out}\nor, with xpk: {xpk_command(cfg, args)}")
+  print(f"apply: kubectl apply -f {args.out}\nor, with xpk (the bucket mounted at /runs): "
+        f"{xpk_command(cfg, args, objects)}")
   return 0
 
 

@@ -3,6 +3,7 @@ Kubernetes schemas (kubernetes-validate) and the JobSet's structure; the learner
 command, replica counts, TPU topology and resource requests for two slice shapes."""
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -134,7 +135,47 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   path.write_text(run_yaml)
   assert config_lib.load(config_lib.RunConfig, str(path), []).name == "tiny-guess-number"
   assert "xpk workload create" in stdout and f"--tpu-type {tpu}" in stdout
-  assert "--run-dir /runs/tiny-guess-number --auto-resume" in stdout
+  # The JobSet's learner (its run directory and services; the config from the image):
+  # it trained in another directory against an in-process engine.
+  xpk = shlex.split(stdout.split("--command ", 1)[1])[0]
+  assert shlex.split(xpk) == ["python", "-m", "jaxagent.train", "--config",
+                              "configs/tiny.yaml", *cmd[5:]]
+
+
+def test_what_the_cluster_would_refuse_is_refused_here(tmp_path, capsys):
+  """Manifests the cluster would refuse or crash-loop on (an operator round): a router
+  with no backends (--servers 0), a config the learner refuses, a Service name starting
+  with a digit, a bad namespace, no sandboxes; and a setting the env workers were not
+  given (env.allow_unisolated)."""
+  from jaxagent import deploy
+
+  def gke(*args):
+    return deploy.main(["gke", "--config", "configs/tiny.yaml", "--tpu-type", "v5litepod-8",
+                        "--image", "i", "--out", str(tmp_path / "out"), *args])
+
+  assert gke("--servers", "0", "--env-workers", "0") == 0
+  assert sorted(os.listdir(tmp_path / "out")) == ["configmap.yaml", "learner-jobset.yaml"]
+  with open(tmp_path / "out" / "learner-jobset.yaml") as f:
+    cmd = yaml.safe_load(f)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+        "spec"]["containers"][0]["command"]
+  assert not [c for c in cmd if c.startswith(("serving.urls", "env.urls"))]  # in process
+  capsys.readouterr()
+  for args, msg in [(["serving.engine.slots=0"], "serving.engine.slots must be >= 1"),
+                    (["--namespace", "Bad_NS"], "--namespace 'Bad_NS': a Kubernetes"),
+                    (["--sandboxes", "0"], "--sandboxes must be >= 1")]:
+    assert gke(*args) == 2, args
+    assert msg in capsys.readouterr().err, args
+  out = tmp_path / "named"
+  assert deploy.main(["gke", "--config", "configs/tiny.yaml", "--tpu-type", "v5litepod-8",
+                      "--image", "i", "--out", str(out), "name=7b_Run",
+                      "env.allow_unisolated=true"]) == 0
+  for name in os.listdir(out):
+    with open(out / name) as f:
+      doc = yaml.safe_load(f)
+    assert doc["metadata"]["name"].startswith("run-7b-run"), doc["metadata"]["name"]
+    if name == "env-statefulset.yaml":
+      assert "--allow-unisolated" in doc["spec"]["template"]["spec"]["containers"][0][
+          "command"]
 
 
 def test_bad_slice_and_bucket_are_named(tmp_path):
