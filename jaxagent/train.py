@@ -1251,7 +1251,14 @@ def main(argv=None) -> int:
           "exports): --resume to go on with it, or another --run-dir", file=sys.stderr)
     return 2
   made = not os.path.isdir(run_dir)
-  os.makedirs(run_dir, exist_ok=True)
+  try:
+    os.makedirs(run_dir, exist_ok=True)
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+      raise PermissionError(13, "not writable")
+  except OSError as e:  # (a file there, a read-only or missing place: was a traceback)
+    print(f"error: --run-dir {run_dir}: cannot write the run there "
+          f"({e.strerror or e})", file=sys.stderr)
+    return 2
   try:
     try:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))

@@ -318,7 +318,14 @@ def _bad_settings(tmp_path):
                                 '"params": {"low": 10, "high": 2}}\n')):
     tasks[name] = tmp_path / f"{name}.jsonl"
     tasks[name].write_text(text)
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
   return [
+      # A run directory that cannot be written (a file there, under /proc: tracebacks).
+      (["--config", "configs/tiny.yaml", "--run-dir", str(a_file)],
+       f"--run-dir {a_file}: cannot write the run there"),
+      (["--config", "configs/tiny.yaml", "--run-dir", "/proc/jaxagent-run"],
+       "--run-dir /proc/jaxagent-run: cannot write the run there"),
       # Counts that must be positive (a 0 hung the run with no output), sampling ranges.
       (tiny + ["rollout.groups_per_step=0"], "rollout.groups_per_step must be >= 1"),
       (tiny + ["agent.max_turns=0"], "agent.max_turns must be >= 1"),
