@@ -343,6 +343,9 @@ class ServingConfig:
   """Rollout servers for training: in-process (no urls) or remote servers / a router."""
 
   urls: list[str] = dataclasses.field(default_factory=list)
+  # With urls: how long a run waits at its start for its servers to answer /health (a
+  # cluster starts the learner and the servers together; servers load for minutes).
+  startup_wait_s: float = 600.0
   engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
   # In-process only: also serve the HTTP gateway (needed by black-box agents).
   gateway: bool = False

@@ -381,7 +381,8 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
                   r.max_staleness, "agent.turn_retries": a.turn_retries, "agent.top_k": a.top_k,
                   "checkpoint.every_steps": c.every_steps,
                   "checkpoint.export_every": c.export_every,
-                  "checkpoint.canary_tasks": c.canary_tasks}
+                  "checkpoint.canary_tasks": c.canary_tasks,
+                  "serving.startup_wait_s": cfg.serving.startup_wait_s}
   for key, value in not_negative.items():
     if value < 0:
       raise config_lib.ConfigError(f"{key} must be >= 0, got {value}")
@@ -769,6 +770,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                     serving_mesh)
   attach_judge(cfg, env_factory, serving, first if distributed.is_primary() else ())
   exported = None  # the policy version last exported
+  if cfg.serving.urls:  # (a cluster starts them with the learner: they may be loading)
+    await serving.client.wait_ready(
+        cfg.serving.startup_wait_s,
+        lambda m: print(m, flush=True) if distributed.is_primary() else None)
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     # Exported again on a resume: an export under this version may be a stopped run's.
     path = export_policy(policy_root, version, state.params, dtype=export_dtype)

@@ -223,5 +223,27 @@ class HttpClient:
   async def stats(self) -> dict:
     return (await self._client.get(f"{self.url}/health")).json()
 
+  async def wait_ready(self, timeout_s: float, say=print) -> None:
+    """Returns once the server (or a router with a healthy backend) answers /health with
+    200; says once that it waits; GenerateError after `timeout_s`."""
+    deadline, said, last = time.monotonic() + timeout_s, False, ""
+    while True:
+      try:
+        r = await self._client.get(f"{self.url}/health", timeout=5.0)
+        if r.status_code == 200:
+          if said:
+            say(f"{self.url} is ready")
+          return
+        last = f"HTTP {r.status_code}: {r.text[:200]}"
+      except httpx.HTTPError as e:
+        last = f"{type(e).__name__}: {e}"
+      if time.monotonic() >= deadline:
+        raise GenerateError(f"{self.url}/health did not answer 200 within {timeout_s:.0f} s "
+                            f"(serving.startup_wait_s; last: {last})")
+      if not said:
+        say(f"waiting up to {timeout_s:.0f} s for {self.url} to be ready ({last})")
+        said = True
+      await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+
   async def aclose(self) -> None:
     await self._client.aclose()

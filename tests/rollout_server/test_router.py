@@ -318,3 +318,37 @@ def test_an_evicted_copy_of_a_failed_over_session_comes_back_whole_and_in_order(
     for s in servers:
       s.stop()
     orch.stop()
+
+
+
+def test_a_client_waits_for_a_server_that_is_still_starting(random_params, tokenizer):
+  """A cluster starts the learner with its servers, which load for minutes: the learner
+  waits for /health (serving.startup_wait_s) instead of failing its first weight update
+  within seconds (a router with no healthy backend: exit 3 in 3.6 s; operator round)."""
+  import asyncio
+  import threading
+
+  from rollout_server.client import GenerateError, HttpClient
+  from rollout_server.orchestrator import Orchestrator
+  from rollout_server.server import create_app
+  from tests.rollout_server.conftest import make_engine
+
+  port = free_port()
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=0)).start()
+  backend = ServerThread(create_app(orch, tokenizer), port=port)
+  said = []
+  try:
+    with ServerThread(create_router([f"http://127.0.0.1:{port}"],
+                                    health_interval_s=0.2)) as router:
+      with pytest.raises(GenerateError, match="within 1 s \\(serving.startup_wait_s; last: "
+                                              "HTTP 503"):
+        asyncio.run(HttpClient(router.url).wait_ready(1.0, said.append))
+      threading.Timer(1.0, backend.start).start()  # the server comes up a second later
+      t0 = time.monotonic()
+      asyncio.run(HttpClient(router.url).wait_ready(60.0, said.append))
+      assert 0.9 < time.monotonic() - t0 < 30
+      assert said[-1] == f"{router.url} is ready" and "waiting up to 60 s" in said[-2]
+  finally:
+    backend.stop()
+    orch.stop()
