@@ -245,6 +245,13 @@ def export_policy(root: str, version: int, params: Params, dtype: Optional[str] 
   return path
 
 
+def drop_version(root: str, version: int) -> None:
+  """Unregisters and removes the export of `version` (one made only for servers to load,
+  once they have a newer one). Process 0 alone calls it."""
+  _write_registry(root, [v for v in list_versions(root) if v["version"] != int(version)])
+  shutil.rmtree(version_dir(root, version), ignore_errors=True)
+
+
 def drop_versions_after(root: str, version: int) -> list[int]:
   """Unregisters and removes the exports newer than `version` (what a resumed run
   abandons), registered or not; returns their versions. Process 0 alone calls it."""

@@ -35,8 +35,8 @@ from tqdm import tqdm
 from jaxagent import config as config_lib, distributed
 from jaxagent.agent import BLACKBOX_AGENTS, Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
-from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, drop_versions_after,
-                                 export_policy)
+from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, drop_version,
+                                 drop_versions_after, export_policy)
 from jaxagent.data import task_dataset
 from jaxagent.errors import InfraError, InfraOutage, TaskError
 from jaxagent.learner import Learner
@@ -770,6 +770,13 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                     serving_mesh)
   attach_judge(cfg, env_factory, serving, first if distributed.is_primary() else ())
   exported = None  # the policy version last exported
+  # With remote servers every version is exported for them to load; those that are not
+  # scheduled exports (checkpoint.export_every, the last) are removed once the servers
+  # have the next (a run kept every one: ~0.5 GB a step for a 135M model, until the
+  # disk filled).
+  every = cfg.checkpoint.export_every
+  scheduled = lambda v: bool(every and v % every == 0) or v >= cfg.steps  # noqa: E731
+  transient = None  # such an export, still the servers' until the next
   if cfg.serving.urls:  # (a cluster starts them with the learner: they may be loading)
     await serving.client.wait_ready(
         cfg.serving.startup_wait_s,
@@ -780,6 +787,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     exported = version
     if distributed.is_primary():  # the servers are shared: one update is enough
       await serving.client.update_weights(path, version)
+    if cfg.serving.urls and not scheduled(version):
+      transient = version
     # Every process's episodes start once the servers serve it (sync mode trains tokens
     # of the current weights only).
     distributed.barrier(f"policy-{version}")
@@ -1059,6 +1068,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             await serving.client.update_weights(path, version, cfg.rollout.update_mode)
           if multi:  # no process samples on for the new version before the servers have it
             await loop.run_in_executor(None, distributed.barrier, f"policy-{version}")
+          if transient is not None and transient != version and primary:
+            drop_version(policy_root, transient)  # (the servers have moved on)
+          transient = None if export else version
           export, sync_path, exported = False, "export", version
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0

@@ -35,6 +35,12 @@ def test_short_run_as_processes(tmp_path):
   assert all(r["weight_sync_path"] == "export" for r in rows)  # servers load exports
   with open(tmp_path / "run" / "launch" / "server0.yaml") as f:
     assert "preset: nano" in f.read()  # the run's model
+  # Each version was exported for the servers to load; those that were not scheduled
+  # exports (export_every 0 here: only the last) are gone once the servers had the next.
+  policy = tmp_path / "run" / "policy"
+  assert sorted(os.listdir(policy)) == ["v00000002", "versions.json"]
+  with open(policy / "versions.json") as f:
+    assert [v["version"] for v in json.load(f)["versions"]] == [2]
   # The run goes on, with services started afresh; a SIGTERM to the launcher goes to the
   # learner, which stops after its step and checkpoints while the services still serve,
   # then the services stop (the launcher stopped every child with 10 s each, then killed
@@ -56,6 +62,8 @@ def test_short_run_as_processes(tmp_path):
     steps = [json.loads(line)["step"] for line in f]
   assert steps == list(range(1, len(steps) + 1)) and steps[-1] >= 3
   assert str(steps[-1]) in os.listdir(tmp_path / "run" / "checkpoints")
+  with open(policy / "versions.json") as f:  # (the stopped run's final weights)
+    assert [v["version"] for v in json.load(f)["versions"]] == [steps[-1]]
   time.sleep(1)  # nothing is left running
   assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
 
