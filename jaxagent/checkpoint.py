@@ -21,6 +21,7 @@ mesh: they pass the shapes and shardings they want and Orbax reshards on read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -73,6 +74,11 @@ def short_reason(e: BaseException, limit: int = 120) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+class CheckpointFailed(RuntimeError):
+  """A checkpoint could not be written (a full disk, a lost mount): the run must stop,
+  since it would go on training what it cannot save."""
+
+
 class RunCheckpointer:
   """Saves and restores the run state, data-iterator position and metadata together."""
 
@@ -83,16 +89,44 @@ class RunCheckpointer:
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                              enable_async_checkpointing=async_save,
                                              cleanup_tmp_directories=True))
+    self._started: Optional[int] = None  # the step of the save last started
+    self.failed: Optional[CheckpointFailed] = None
+
+  def _failure(self, step: Optional[int], e: BaseException,
+               before: Optional[int] = None) -> CheckpointFailed:
+    full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
+    hint = "; the disk is full: free space there, then resume" if full else ""
+    which = f"step {step}" if step is not None else "a checkpoint"
+    if before is not None and before != step:
+      which += f" (or step {before}'s, written meanwhile)"
+    self.failed = CheckpointFailed(f"checkpoint {which} could not be written in "
+                                   f"{self.directory} ({short_reason(e)}){hint}")
+    return self.failed
+
+  def check(self) -> None:
+    """Raises CheckpointFailed if the save under way (asynchronous) has failed."""
+    try:
+      self.manager.check_for_errors()
+    except Exception as e:
+      raise self._failure(self._started, e) from None
 
   def save(self, step: int, state: Any, meta: dict, data_iter: Any = None,
            force: bool = False) -> bool:
-    """Starts saving `state` (asynchronously); returns whether a save was started."""
+    """Starts saving `state` (asynchronously); returns whether a save was started.
+    CheckpointFailed when it, or the save before it, cannot be written."""
     import grain
 
+    self.check()
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iter is not None:
       items["data_iter"] = grain.checkpoint.CheckpointSave(data_iter)
-    return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    try:
+      started = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    except Exception as e:  # (Orbax raises the save before's error here too)
+      raise self._failure(step, e, before=self._started) from None
+    if started:
+      self._started = step
+    return started
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
@@ -151,11 +185,17 @@ class RunCheckpointer:
     return state, meta, skipped
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._failure(self._started, e) from None
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      with contextlib.suppress(Exception):  # (a failed save's error is raised above)
+        self.manager.close()
 
 
 # -- policy exports -------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,8 +36,8 @@ from tqdm import tqdm
 from jaxagent import config as config_lib, distributed
 from jaxagent.agent import BLACKBOX_AGENTS, Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
-from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, drop_version,
-                                 drop_versions_after, export_policy)
+from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
+                                 drop_version, drop_versions_after, export_policy)
 from jaxagent.data import task_dataset
 from jaxagent.errors import InfraError, InfraOutage, TaskError
 from jaxagent.learner import Learner
@@ -1096,6 +1097,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
               f"{row.get('reward_mean', 0):.3f} loss {m['loss']:.4f} rollout {rollout_s:.1f}s "
               f"learner {learner_s:.1f}s sync {sync_s:.2f}s wall {row['wall_time_s']:.0f}s",
               flush=True)
+      ckpt.check()  # (a save under way that failed stops the run here, not at the next)
       if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
         await save_checkpoint(step, state, scheduler.pending_tasks())
       early_stop = stop_reached()
@@ -1122,18 +1124,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     if unsaved and ckpt.latest_step() != step and step > 0:
       print(f"{unsaved}: not checkpointed (a resume goes on from step "
             f"{ckpt.latest_step() or 0})", file=sys.stderr, flush=True)
-    elif ckpt.latest_step() != step and step > 0:
+    elif ckpt.latest_step() != step and step > 0 and ckpt.failed is None:
       # (no canary when a stop gave up waiting for rollouts: its episodes may hang too)
-      await save_checkpoint(step, state, pending, force=True,
-                            canary=finished and not abandoned)
+      with contextlib.suppress(CheckpointFailed):  # (ckpt.failed: raised below)
+        await save_checkpoint(step, state, pending, force=True,
+                              canary=finished and not abandoned)
     if exported != version and step > 0 and not unsaved:  # the final weights, exported
       try:
         export_policy(policy_root, version, state.params, dtype=export_dtype)
       except Exception as e:  # (the checkpoint has them; a resume exports them again)
         print(f"warning: policy version {version} could not be exported "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    ckpt.close()  # (waits for the last save)
-    if wal is not None:
+    with contextlib.suppress(CheckpointFailed):  # (ckpt.failed: raised below)
+      ckpt.close()  # (waits for the last save)
+    if wal is not None and ckpt.failed is None:  # (a failed save needs the logs)
       for group_id in wal_done_with:
         wal.discard_group(group_id)
       if saves_begun:
@@ -1146,6 +1150,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # instead of the default action killing the process in the middle of it)
     for sig in handled:
       loop.remove_signal_handler(sig)
+  if ckpt.failed is not None:  # (one that the run went on past, or the last one)
+    raise ckpt.failed
   stopped = signals["got"] is not None and step < cfg.steps and early_stop is None
   if stopped and primary:  # (not finished: a scheduler that restarts the run resumes it)
     print(f"stopped at step {step} of {cfg.steps} ({signals['got']}); to go on: "
@@ -1289,6 +1295,9 @@ def main(argv=None) -> int:
     except CheckpointUnreadable as e:
       print(f"error: --resume: {e}", file=sys.stderr)
       return 2
+    except CheckpointFailed as e:  # (the infrastructure's: the JobSet restarts it)
+      print(f"error: {e} (then: {resume_command(run_dir)})", file=sys.stderr, flush=True)
+      return 3
     except TaskError as e:
       print(f"error: data.tasks: {e} (python -m envs.filter {cfg.data.tasks} checks a task "
             "file)", file=sys.stderr)

@@ -72,6 +72,44 @@ def test_keeps_last_n_and_latest(tmp_path):
     RunCheckpointer(str(tmp_path / "empty")).restore(learner.abstract_state())
 
 
+def test_a_checkpoint_on_a_full_disk_fails_in_one_line(tmp_path):
+  """A save that cannot be written (here a full tmpfs) is CheckpointFailed naming the
+  full disk, from the save, from check() or from wait(), not Orbax's error left to a
+  background thread while the run trained on (an operator round: 1,742 lines of
+  tracebacks and no summary)."""
+  import subprocess
+
+  from jaxagent.checkpoint import CheckpointFailed
+
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                    capture_output=True).returncode != 0:
+    pytest.skip("needs root to mount a small tmpfs")
+  try:
+    with open(disk / "filler", "wb", buffering=0) as f:  # (the disk full but a few KB)
+      try:
+        while True:
+          f.write(b"x" * 4096)
+      except OSError:
+        pass
+    os.truncate(disk / "filler", os.path.getsize(disk / "filler") - 16384)
+    learner = Learner(CFG, LearnerConfig(), make_mesh())
+    ckpt = RunCheckpointer(str(disk / "ckpt"), keep=2, async_save=True)
+    state = learner.init_state(0)
+    with pytest.raises(CheckpointFailed) as e:  # (Orbax loses some failures of a save:
+      for step in (1, 2, 3):                    # the next one meets the full disk then)
+        ckpt.save(step, state, {"step": step})
+        ckpt.wait()
+    assert "the disk is full: free space there, then resume" in str(e.value)
+    assert str(e.value).startswith("checkpoint step ")
+    assert " could not be written in " in str(e.value)
+    assert ckpt.failed is e.value and "\n" not in str(e.value)  # (train raises it at the end)
+    ckpt.close()
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 def test_unreadable_latest_checkpoint_falls_back(tmp_path, capfd):
   learner = Learner(CFG, LearnerConfig(), make_mesh())
   state = learner.init_state(0)
