@@ -729,13 +729,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             file=sys.stderr)
   # The episodes a stopped run left in its write-ahead log are replayed by the groups of
   # the re-queued tasks (in memory: the log starts afresh, and re-logs what is replayed).
-  wal = TokenWAL(os.path.join(run_dir, "wal" if distributed.is_primary() else
-                              f"wal.process{jax.process_index()}"),
-                 fsync=cfg.checkpoint.wal_fsync) if cfg.checkpoint.wal else None
+  wal_dir = os.path.join(run_dir, "wal" if distributed.is_primary() else
+                         f"wal.process{jax.process_index()}")
+  wal = TokenWAL(wal_dir, fsync=cfg.checkpoint.wal_fsync) if cfg.checkpoint.wal else None
   replays = []
+  if wal is None and os.path.isdir(wal_dir):
+    # The logs of a run before this one: a later resume with the log on would replay
+    # them from another point of the run's history.
+    stale = TokenWAL(wal_dir, fsync=False)
+    stale.clear()
+    stale.drop_aside()
   if wal is not None:
     if resume:
-      replays = [r.up_to_version(int(state.policy_version)) for r in wal.pending()]
+      replays = [r for r in (r.up_to_version(int(state.policy_version))
+                             for r in wal.pending()) if len(r)]  # (none left: nothing)
       if replays:
         print(f"token WAL: {len(replays)} logged episodes "
               f"({sum(len(r) for r in replays)} turns) to replay")
