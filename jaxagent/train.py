@@ -1317,6 +1317,10 @@ def main(argv=None) -> int:
       # (the run's config.json holds its file and overrides: a resumed run's own command
       # had no --config, and this said "--config None")
       again = resume_command(run_dir)
+      if args.resume and not os.environ.get(RESUME_COMMAND) and (
+          cfg.serving.urls or cfg.env.urls):  # (services a launch started: gone with it)
+        again += (" with those services up, or in process: add serving.urls=[] "
+                  "env.urls=[]")
       what = "" if isinstance(e, InfraOutage) else "the infrastructure failed: "
       print(f"error: {what}{e}" + (f" (then: {again})" if saved else ""), file=sys.stderr)
       return 3

@@ -155,6 +155,12 @@ def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
   assert "Traceback" not in err
   assert os.listdir(os.path.join(run_dir, "checkpoints"))  # saved on the way out
   assert len(read_metrics(run_dir)) < 50
+  # Resumed while its worker is still gone: the hint is not the command that just failed.
+  proc = run_train("--run-dir", run_dir, "--resume", timeout=300)
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  assert proc.stderr.strip().endswith(
+      f"(then: python -m jaxagent.train --run-dir {run_dir} --resume with those services "
+      "up, or in process: add serving.urls=[] env.urls=[])"), proc.stderr[-2000:]
 
 
 def train_until_rows(run_dir: str, *overrides, rows: int = 2) -> subprocess.Popen:
