@@ -803,7 +803,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   if canary:  # the restored run must sample what the saved one did
     if not saved_canary:
       print(f"warning: --canary: checkpoint step {int(state.step)} stored no canary "
-            "(checkpoint.canary_tasks was 0, or the run was stopped while its rollouts ran); "
+            "(the run was stopped while its rollouts ran, or canary_tasks was 0 then); "
             "going on unchecked", file=sys.stderr)
     else:
       problem = compare_canary(saved_canary, await play_canary(cfg, env_factory,
@@ -1265,6 +1265,10 @@ def main(argv=None) -> int:
     return 2
   if args.canary and not args.resume:
     print("error: --canary checks a resumed run: it needs --resume", file=sys.stderr)
+    return 2
+  if args.canary and not cfg.checkpoint.canary_tasks:  # (a gate that checks nothing)
+    print("error: --canary: checkpoint.canary_tasks is 0, so the run saves no canary to "
+          "check", file=sys.stderr)
     return 2
   try:
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id)

@@ -321,6 +321,11 @@ def _bad_settings(tmp_path):
 
   (resumable / "config.json").write_text(json.dumps(config_lib.to_dict(config_lib.load(
       config_lib.RunConfig, "configs/tiny.yaml"))))
+  no_canary = tmp_path / "no_canary"  # a run that saves no canary
+  no_canary.mkdir()
+  (no_canary / "metrics.jsonl").write_text('{"step": 1}\n')
+  (no_canary / "config.json").write_text(json.dumps(config_lib.to_dict(config_lib.load(
+      config_lib.RunConfig, "configs/tiny.yaml", ["checkpoint.canary_tasks=0"]))))
   a_list = tmp_path / "list.yaml"
   a_list.write_text("- steps\n")
   tasks = {}
@@ -333,6 +338,9 @@ def _bad_settings(tmp_path):
   a_file = tmp_path / "a_file"
   a_file.write_text("")
   return [
+      # --canary where the run saves none: a gate that passed checking nothing.
+      (["--run-dir", str(no_canary), "--resume", "--canary"],
+       "--canary: checkpoint.canary_tasks is 0, so the run saves no canary to check"),
       # A run directory that cannot be written (a file there, under /proc: tracebacks).
       (["--config", "configs/tiny.yaml", "--run-dir", str(a_file)],
        f"--run-dir {a_file}: cannot write the run there"),
