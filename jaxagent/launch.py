@@ -194,6 +194,7 @@ def run_local(args) -> int:
   services, learners = plan(args, cfg, run_dir)
   lock = threading.Lock()
   started: list[Child] = []
+  gone: list[Child] = []  # services that died (a rollout server with others left: said)
 
   def stop_all():
     for c in reversed(started):
@@ -241,9 +242,17 @@ def run_local(args) -> int:
       if all(c.proc.poll() == 0 for c in learners):
         print("launch: the learner finished; stopping the services", flush=True)
         return 0
-      # A dead service first: it is the cause when a learner fails after it.
+      # A dead service first: it is the cause when a learner fails after it. A rollout
+      # server while others serve is not: the learner's router fails its sessions over.
       for c in services:
-        if not c.alive():
+        if not c.alive() and c not in gone:
+          gone.append(c)
+          left = [s for s in services if s.alive() and s.name.startswith("server")]
+          if c.name.startswith("server") and left:
+            print(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
+                  f"the learner goes on with {len(left)} server(s)", file=sys.stderr,
+                  flush=True)
+            continue
           raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during the run")
       for c in learners:
         code = c.proc.poll()

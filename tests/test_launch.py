@@ -69,21 +69,36 @@ def test_short_run_as_processes(tmp_path):
 
 
 def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
-  proc = launch(tmp_path / "run", "--servers", "1", "--env-workers", "0", "steps=500",
+  """One of two rollout servers dying: the learner's router fails its sessions over and
+  the run goes on (the launcher stopped it); the last one dying stops the run, named."""
+  proc = launch(tmp_path / "run", "--servers", "2", "--env-workers", "0", "steps=500",
                 *SMALL)
   lines = []
   deadline = time.monotonic() + 300
-  for line in proc.stdout:  # the learner has started: the services are up
-    lines.append(line)
-    if "launch: 1 services up" in line or time.monotonic() > deadline:
-      break
-  server = subprocess.run(["pgrep", "-f", "launch/server0.yaml"], capture_output=True,
-                          text=True).stdout.split()
-  assert server, "".join(lines)[-3000:]
-  os.kill(int(server[0]), 9)
+
+  def until(text):
+    for line in proc.stdout:
+      lines.append(line)
+      if text in line or time.monotonic() > deadline:
+        return
+
+  def kill(name):
+    pid = subprocess.run(["pgrep", "-f", f"launch/{name}.yaml"], capture_output=True,
+                         text=True).stdout.split()
+    assert pid, "".join(lines)[-3000:]
+    os.kill(int(pid[0]), 9)
+
+  until("launch: 2 services up")  # the learner has started
+  until("[learner] step 1:")
+  kill("server0")
+  until("[learner] step 4:")  # (trained on with the other)
+  assert "[learner] step 4:" in "".join(lines) and proc.poll() is None, "".join(lines)[-3000:]
+  assert "launch: server0 exited with code -9 during the run; the learner goes on with " \
+      "1 server(s)" in "".join(lines), "".join(lines)[-3000:]
+  kill("server1")
   out = "".join(lines) + proc.communicate(timeout=60)[0]
   assert proc.returncode == 1, out[-3000:]
-  assert "launch: error: server0 exited with code -9" in out
+  assert "launch: error: server1 exited with code -9" in out
   # Nothing is left running.
   time.sleep(1)
   assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
