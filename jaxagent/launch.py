@@ -9,9 +9,12 @@ workers (`python -m envs.server`), waits until each answers `/health`, then the
 learner (`python -m jaxagent.train`, as `--learner-processes` jax.distributed
 processes) pointed at them with `serving.urls` / `env.urls`. Every child's output is
 forwarded line by line with a `[name]` prefix. When the learner finishes, the
-services are stopped; if any child dies first (a service at all, a learner with a
-non-zero code), the launcher says which, stops the rest and exits non-zero; Ctrl-C
-stops them all. With `--servers 0` the learner keeps its in-process engine, with
+services are stopped; if any child dies first (a service, a learner with a non-zero
+code), the launcher says which, stops the rest and exits non-zero, except a rollout
+server while others serve (said; the learner's router fails its sessions over).
+Ctrl-C or SIGTERM goes to the learners, which stop after their step and checkpoint;
+then the services stop (a second one stops everything at once). With `--servers 0`
+the learner keeps its in-process engine, with
 `--env-workers 0` its in-process environments.
 """
 

@@ -778,10 +778,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                     serving_mesh)
   attach_judge(cfg, env_factory, serving, first if distributed.is_primary() else ())
   exported = None  # the policy version last exported
-  # With remote servers every version is exported for them to load; those that are not
-  # scheduled exports (checkpoint.export_every, the last) are removed once the servers
-  # have the next (a run kept every one: ~0.5 GB a step for a 135M model, until the
-  # disk filled).
+  # The versions exported to keep: every checkpoint.export_every-th, and the last. With
+  # remote servers every version is exported for them to load; the others are removed
+  # once the servers have the next (a run kept every one: ~0.5 GB a step for a 135M
+  # model, until the disk filled).
   every = cfg.checkpoint.export_every
   scheduled = lambda v: bool(every and v % every == 0) or v >= cfg.steps  # noqa: E731
   transient = None  # such an export, still the servers' until the next
@@ -1046,8 +1046,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       records = dict(row=row, info=info, batch=batch, m=m, accepted=accepted,
                      rollout_s=rollout_s, learner_s=learner_s, step=step, version=version)
       sync_s, sync_path = 0.0, None
-      export = step == cfg.steps or bool(
-          cfg.checkpoint.export_every and step % cfg.checkpoint.export_every == 0)
+      export = scheduled(step)
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
         if serving.orch is not None:  # in-process: hand the weights over in memory
