@@ -159,10 +159,12 @@ class PythonTests(Env):
     await asyncio.to_thread(self.sandbox.write_file, "_run.py", code)
     return _output(await self.sandbox.run([self.sandbox.python, "_run.py"]))
 
+  def _write_public_tests(self) -> None:
+    self.sandbox.write_file(PUBLIC_TESTS, as_tests(self.spec[3], "public", self.fn))
+
   async def _run_public_tests(self) -> str:
     # The task's own public test, written again: tool code may have replaced the file.
-    await asyncio.to_thread(self.sandbox.write_file, PUBLIC_TESTS,
-                            as_tests(self.spec[3], "public", self.fn))
+    await asyncio.to_thread(self._write_public_tests)
     runner = ("import traceback\nimport test_public as t\nok = True\n"
               "for n in sorted(dir(t)):\n  if n.startswith('test_'):\n    try:\n"
               "      getattr(t, n)(); print(n, 'passed')\n    except Exception as e:\n"
@@ -183,7 +185,7 @@ class PythonTests(Env):
     self.reset_counters()
     self._lease = self.resources.pool().acquire()
     self.sandbox = await self._lease.__aenter__()
-    self.sandbox.write_file(PUBLIC_TESTS, as_tests(self.spec[3], "public", self.fn))
+    self._write_public_tests()
     user = f"{self.spec[1]}\nPublic test:\n{self.spec[3]}"
     return Observation([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
                        self.tools.schemas())

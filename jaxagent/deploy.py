@@ -336,15 +336,11 @@ def main(argv=None) -> int:
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
       raise ValueError(f"--namespace {args.namespace!r}: a Kubernetes namespace is lower-case "
                        "letters, digits and '-', starting and ending with a letter or digit")
-    from jaxagent.train import check_config
+    from jaxagent.launch import check_with_services
 
-    # The learner's checks, with the services it will be given (a config the learner
-    # refuses would fail in the cluster, restarts and all).
-    some = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]  # noqa: E731
-    check_config(dataclasses.replace(
-        cfg, serving=dataclasses.replace(cfg.serving, urls=some(1)) if args.servers
-        else cfg.serving, env=dataclasses.replace(cfg.env, urls=some(args.env_workers))
-        if args.env_workers else cfg.env))
+    # The learner's checks, with the services it will be given (the router, the workers):
+    # a config the learner refuses would fail in the cluster, restarts and all.
+    check_with_services(cfg, 1 if args.servers else 0, args.env_workers)
     objects = manifests(cfg, args)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)

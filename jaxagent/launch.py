@@ -106,6 +106,19 @@ def server_config(cfg: config_lib.RunConfig, name: str, port: int,
           "update_mode": cfg.rollout.update_mode}
 
 
+def check_with_services(cfg: config_lib.RunConfig, servers: int, env_workers: int) -> None:
+  """The learner's config checks (ConfigError) as it will run: with `servers` rollout
+  servers and `env_workers` environment workers in its serving.urls / env.urls (the
+  addresses stand in for theirs: none is reached)."""
+  from jaxagent.train import check_config
+
+  urls = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]  # noqa: E731
+  check_config(dataclasses.replace(
+      cfg, serving=dataclasses.replace(cfg.serving, urls=urls(servers)) if servers
+      else cfg.serving, env=dataclasses.replace(cfg.env, urls=urls(env_workers))
+      if env_workers else cfg.env))
+
+
 def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], list[Child]]:
   """The services and the learner processes to start (nothing is started here)."""
   from omegaconf import OmegaConf
@@ -174,14 +187,10 @@ def run_local(args) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir (the run to go on with)", file=sys.stderr)
     return 2
-  from jaxagent.train import check_config, holds_a_run
+  from jaxagent.train import holds_a_run
 
   try:  # the learner's checks, before any service starts (with the URLs it will get)
-    urls = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]
-    check_config(dataclasses.replace(
-        cfg, serving=dataclasses.replace(cfg.serving, urls=urls(args.servers)) if args.servers
-        else cfg.serving, env=dataclasses.replace(cfg.env, urls=urls(args.env_workers))
-        if args.env_workers else cfg.env))
+    check_with_services(cfg, args.servers, args.env_workers)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
