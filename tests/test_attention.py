@@ -41,8 +41,8 @@ def test_attention_matches_dense_values_and_gradients(impl, block):
     out = attention.causal_attention(q, k, v, seg, 0.3, implementation=impl, block=block or 8)
     return jnp.sum(out * w)
 
-  dense = jax.value_and_grad(lambda *a: loss("dense", *a), (0, 1, 2))(q, k, v)
-  other = jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2))(q, k, v)
+  dense = jax.jit(jax.value_and_grad(lambda *a: loss("dense", *a), (0, 1, 2)))(q, k, v)
+  other = jax.jit(jax.value_and_grad(lambda *a: loss(impl, *a), (0, 1, 2)))(q, k, v)
   np.testing.assert_allclose(other[0], dense[0], rtol=1e-5)
   for a, b in zip(other[1], dense[1]):
     np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
@@ -91,10 +91,10 @@ def test_chunked_logp_and_entropy_equal_the_full_computation(chunk, vocab_chunk)
                                                     targets, 0.7)
   chunked = lambda h, w: losses.chunked_token_logp_and_entropy(
       h, w, targets, 0.7, chunk=chunk, vocab_chunk=vocab_chunk)
-  (a, (lp_a, en_a)), g_a = jax.value_and_grad(lambda *x: objective(full, *x), (0, 1),
-                                              has_aux=True)(h, w)
-  (b, (lp_b, en_b)), g_b = jax.value_and_grad(lambda *x: objective(chunked, *x), (0, 1),
-                                              has_aux=True)(h, w)
+  (a, (lp_a, en_a)), g_a = jax.jit(jax.value_and_grad(lambda *x: objective(full, *x),
+                                                      (0, 1), has_aux=True))(h, w)
+  (b, (lp_b, en_b)), g_b = jax.jit(jax.value_and_grad(lambda *x: objective(chunked, *x),
+                                                      (0, 1), has_aux=True))(h, w)
   np.testing.assert_allclose(lp_b, lp_a, atol=1e-5)
   np.testing.assert_allclose(en_b, en_a, atol=1e-5)
   for x, y in zip(g_b, g_a):
@@ -121,7 +121,7 @@ def test_lean_learner_objective_equals_the_dense_one():
     graphdef, abstract = abstract_model(cfg)
     params = init_params(cfg, 0)
     fn = lambda p: microbatch_objective(bind(graphdef, abstract, p), batch, lcfg)
-    out[name] = jax.value_and_grad(fn, has_aux=True)(params)
+    out[name] = jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
   ((loss_d, (_, m_d)), g_d), ((loss_l, (_, m_l)), g_l) = out["dense"], out["lean"]
   np.testing.assert_allclose(loss_l, loss_d, rtol=1e-5)
   np.testing.assert_allclose(m_l["entropy"][0], m_d["entropy"][0], rtol=1e-5)

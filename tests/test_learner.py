@@ -49,7 +49,7 @@ def test_microbatched_gradient_equals_full_batch_gradient(reduction):
     s, (d, _) = objective(p, batch)
     return s / d
 
-  want = jax.grad(full_mean)(params)
+  want = jax.jit(jax.grad(full_mean))(params)  # jitted: 1.3 s, not 6.6 s eager
   for n in (1, 2, 4):
     grads, total, denom, _ = jax.jit(functools.partial(
         accumulate_gradients, objective=objective, microbatches=n))(params, batch)
@@ -80,7 +80,7 @@ def test_staleness_weighting_equals_training_on_the_reweighted_batch(mode):
       s, (d, _) = microbatch_objective(bind(learner.graphdef, learner.abstract_params, p),
                                        jax.tree.map(jnp.asarray, b), c, version)
       return s / d
-    return jax.grad(mean)(params)
+    return jax.jit(jax.grad(mean))(params)
 
   got = grad(batch._replace(versions=versions.astype(np.int32)), cfg, jnp.int32(10))
   want = grad(want_batch, LearnerConfig(), None)
