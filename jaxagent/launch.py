@@ -9,19 +9,24 @@ workers (`python -m envs.server`), waits until each answers `/health`, then the
 learner (`python -m jaxagent.train`, as `--learner-processes` jax.distributed
 processes) pointed at them with `serving.urls` / `env.urls`. Every child's output is
 forwarded line by line with a `[name]` prefix. When the learner finishes, the
-services are stopped; if any child dies first (a service, a learner with a non-zero
-code), the launcher says which, stops the rest and exits non-zero, except a rollout
-server while others serve (said; the learner's router fails its sessions over).
-Ctrl-C or SIGTERM goes to the learners, which stop after their step and checkpoint;
-then the services stop (a second one stops everything at once). With `--servers 0`
-the learner keeps its in-process engine, with
-`--env-workers 0` its in-process environments.
+services are stopped. A service that dies during the run is started again on its
+address (`--restarts` times each, as a cluster restarts a pod: a restarted rollout
+server is given the policy by the learner's router before it serves again, and the
+episodes a dead environment worker held end as infrastructure failures and are played
+again); past its restarts it stops the run, named, except a rollout server while
+others serve (said; the router fails its sessions over). A learner process that fails
+stops the run. Ctrl-C or SIGTERM goes to the learners, which stop after their step and
+checkpoint; then the services stop (a second one stops everything at once). Every
+child is sent SIGTERM if the launcher itself dies (even by SIGKILL). With
+`--servers 0` the learner keeps its in-process engine, with `--env-workers 0` its
+in-process environments.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import os
 import shlex
@@ -37,10 +42,27 @@ from typing import Optional
 from jaxagent import config as config_lib
 
 
+RESTARTS = 3  # times a service that dies during the run is started again, by default
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def _parent_death_signal():
+  """A `preexec_fn` that has the kernel send the child SIGTERM when the launcher dies
+  (Linux's PR_SET_PDEATHSIG; children run in sessions of their own, so nothing else
+  would tell them), or None where there is no such call."""
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the fork
+  except (OSError, AttributeError):
+    return None
+  PR_SET_PDEATHSIG = 1
+  return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 @dataclasses.dataclass
@@ -50,10 +72,12 @@ class Child:
   url: Optional[str] = None  # a service's base URL (None for learner processes)
   proc: Optional[subprocess.Popen] = None
   env: Optional[dict] = None
+  restarts: int = 0  # times started again after dying
 
   def start(self, out_lock: threading.Lock) -> "Child":
     self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, bufsize=1, env=self.env, start_new_session=True)
+                                 text=True, bufsize=1, env=self.env, start_new_session=True,
+                                 preexec_fn=_parent_death_signal())
     threading.Thread(target=self._forward, args=(out_lock,), daemon=True).start()
     return self
 
@@ -160,8 +184,10 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
   # services' addresses are in the run's config and die with this launch).
   again = shlex.join(["python", "-m", "jaxagent.launch", "local", "--config", args.config,
                       "--run-dir", run_dir, "--servers", str(args.servers), "--env-workers",
-                      str(args.env_workers), "--learner-processes", str(n), "--resume",
-                      *args.overrides])
+                      str(args.env_workers), "--learner-processes", str(n),
+                      *(["--restarts", str(args.restarts)]
+                        if getattr(args, "restarts", RESTARTS) != RESTARTS else []),
+                      "--resume", *args.overrides])
   env = {**os.environ, RESUME_COMMAND: again}
   for i in range(n):
     extra = ([] if n == 1 else
@@ -177,7 +203,7 @@ def run_local(args) -> int:
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  for flag in ("servers", "env_workers"):
+  for flag in ("servers", "env_workers", "restarts"):
     if getattr(args, flag) < 0:
       print(f"error: --{flag.replace('_', '-')} must be >= 0", file=sys.stderr)
       return 2
@@ -254,10 +280,18 @@ def run_local(args) -> int:
       if all(c.proc.poll() == 0 for c in learners):
         print("launch: the learner finished; stopping the services", flush=True)
         return 0
-      # A dead service first: it is the cause when a learner fails after it. A rollout
-      # server while others serve is not: the learner's router fails its sessions over.
+      # A dead service first: it is the cause when a learner fails after it. It is
+      # started again on its address while it has restarts left; past them, a rollout
+      # server while others serve is not fatal: the learner's router fails its sessions over.
       for c in services:
         if not c.alive() and c not in gone:
+          if c.restarts < args.restarts:
+            c.restarts += 1
+            print(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
+                  f"starting it again (restart {c.restarts} of {args.restarts})",
+                  file=sys.stderr, flush=True)
+            c.start(lock)
+            continue
           gone.append(c)
           left = [s for s in services if s.alive() and s.name.startswith("server")]
           if c.name.startswith("server") and left:
@@ -296,6 +330,8 @@ def main(argv=None) -> int:
   local.add_argument("--resume", action="store_true",
                      help="the learner goes on with the run in --run-dir (fresh services)")
   local.add_argument("--start-timeout-s", type=float, default=180.0)
+  local.add_argument("--restarts", type=int, default=RESTARTS,
+                     help="times a service that dies during the run is started again")
   local.add_argument("overrides", nargs="*", help="dotted config overrides")
   args = config_lib.parse_with_overrides(p, argv)
   return run_local(args)

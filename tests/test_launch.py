@@ -3,10 +3,13 @@ workers as separate processes from one config; a short run, and failing fast."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+import urllib.request
 
 from tests.conftest import REPO
 
@@ -68,11 +71,12 @@ def test_short_run_as_processes(tmp_path):
   assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
 
 
-def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
-  """One of two rollout servers dying: the learner's router fails its sessions over and
-  the run goes on (the launcher stopped it); the last one dying stops the run, named."""
-  proc = launch(tmp_path / "run", "--servers", "2", "--env-workers", "0", "steps=500",
-                *SMALL)
+def test_dead_services_start_again_then_stop_the_run_with_their_names(tmp_path):
+  """A service that dies is started again on its address, --restarts times; past them one
+  of two rollout servers is not fatal (the learner's router fails its sessions over),
+  the only environment worker is, named."""
+  proc = launch(tmp_path / "run", "--servers", "2", "--env-workers", "1", "--restarts", "1",
+                "steps=500", *SMALL)
   lines = []
   deadline = time.monotonic() + 300
 
@@ -80,28 +84,87 @@ def test_a_dead_server_stops_the_run_with_its_name(tmp_path):
     for line in proc.stdout:
       lines.append(line)
       if text in line or time.monotonic() > deadline:
-        return
+        break
+    assert text in "".join(lines) and proc.poll() is None, "".join(lines)[-3000:]
+
+  def steps():
+    return len([line for line in lines if line.startswith("[learner] step ")])
+
+  def port_of(name):
+    if name.startswith("server"):
+      with open(tmp_path / "run" / "launch" / f"{name}.yaml") as f:
+        return int(re.search(r"port: (\d+)", f.read()).group(1))
+    out = subprocess.run(["pgrep", "-af", f"jaxagent.train .*{tmp_path}"], capture_output=True,
+                         text=True)  # the learner's env.urls
+    return int(re.search(r'env.urls=\["http://127.0.0.1:(\d+)"\]', out.stdout).group(1))
 
   def kill(name):
-    pid = subprocess.run(["pgrep", "-f", f"launch/{name}.yaml"], capture_output=True,
-                         text=True).stdout.split()
+    pattern = f"launch/{name}.yaml" if name.startswith("server") else \
+        f"envs.server --port {port_of(name)}"
+    pid = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     assert pid, "".join(lines)[-3000:]
-    os.kill(int(pid[0]), 9)
+    os.kill(int(pid[0]), signal.SIGKILL)
 
-  until("launch: 2 services up")  # the learner has started
+  def healthy(name):
+    url = f"http://127.0.0.1:{port_of(name)}/health"
+    while time.monotonic() < deadline:
+      try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+          if r.status == 200:
+            return
+      except OSError:
+        time.sleep(0.3)
+    raise AssertionError(f"{name} did not come back")
+
   until("[learner] step 1:")
   kill("server0")
-  until("[learner] step 4:")  # (trained on with the other)
-  assert "[learner] step 4:" in "".join(lines) and proc.poll() is None, "".join(lines)[-3000:]
-  assert "launch: server0 exited with code -9 during the run; the learner goes on with " \
-      "1 server(s)" in "".join(lines), "".join(lines)[-3000:]
-  kill("server1")
+  until("launch: server0 exited with code -9 during the run; starting it again "
+        "(restart 1 of 1)")
+  healthy("server0")
+  kill("server0")  # past its restarts: the other serves
+  until("launch: server0 exited with code -9 during the run; the learner goes on with "
+        "1 server(s)")
+  until(f"[learner] step {steps() + 2}:")
+  kill("env0")  # the only environment worker: its episodes are played again
+  until("launch: env0 exited with code -9 during the run; starting it again "
+        "(restart 1 of 1)")
+  healthy("env0")
+  until(f"[learner] step {steps() + 2}:")
+  kill("env0")
   out = "".join(lines) + proc.communicate(timeout=60)[0]
   assert proc.returncode == 1, out[-3000:]
-  assert "launch: error: server1 exited with code -9" in out
+  assert "launch: error: env0 exited with code -9 during the run" in out
   # Nothing is left running.
   time.sleep(1)
   assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
+
+
+def test_children_get_sigterm_when_the_launcher_is_killed(tmp_path):
+  """Children run in sessions of their own (a terminal's Ctrl-C reaches the launcher
+  only); a launcher that is SIGKILLed left them running."""
+  code = textwrap.dedent("""
+      import sys, threading, time
+      from jaxagent.launch import Child
+      child = Child("sleeper", ["sleep", "300"]).start(threading.Lock())
+      print(child.proc.pid, flush=True)
+      time.sleep(300)
+      """)
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                          text=True)
+  pid = int(proc.stdout.readline())
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline:
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return
+    with open(f"/proc/{pid}/stat") as f:  # reaped by init once it is a zombie
+      if f.read().split()[2] == "Z":
+        return
+    time.sleep(0.1)
+  raise AssertionError("the launcher's child outlived it")
 
 
 def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
