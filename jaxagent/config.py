@@ -114,7 +114,8 @@ class LearnerConfig:
   # models), which scores it.
   kl_coef: float = 0.0
   kl_reference: str = "initial"
-  # k1 | k2 | k3
+  # k1 | k2 | k3: as a loss, k2's gradient is KL(policy || ref)'s, k3's (GRPO's)
+  # KL(ref || policy)'s; k1's is zero in expectation (refused with a kl_coef).
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
   # Rollout-engine vs learner correction: none | truncate | mask; token | sequence | geometric

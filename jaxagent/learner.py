@@ -146,8 +146,14 @@ def check_config(cfg: LearnerConfig) -> None:
   for key, value in zip(("clip_low", "clip_high"), clip_range(cfg)):
     if value is not None and not (math.isfinite(value) and value >= 0):
       raise ValueError(f"learner.{key} must be >= 0 (null: the loss's own), got {value}")
-  for key in ("kl_coef", "entropy_coef", "weight_decay",
-              "max_grad_norm", "warmup_steps", "lr_decay_steps", "norm_len",
+  if not (math.isfinite(cfg.max_grad_norm) and cfg.max_grad_norm > 0):
+    raise ValueError(f"learner.max_grad_norm must be > 0 (the global norm gradients are "
+                     f"clipped to; 0 zeroed every update), got {cfg.max_grad_norm}")
+  if cfg.kl_coef and cfg.kl_estimator == "k1":
+    raise ValueError("learner.kl_estimator k1 with a kl_coef: as a loss its gradient is "
+                     "zero in expectation (E_pi[grad log pi] = 0): it adds noise, not a "
+                     "penalty; use k2 (the gradient of KL(pi || ref)) or k3 (GRPO's)")
+  for key in ("kl_coef", "entropy_coef", "weight_decay", "warmup_steps", "lr_decay_steps", "norm_len",
               "logits_chunk", "logits_vocab_chunk"):
     value = getattr(cfg, key)
     if not (math.isfinite(value) and value >= 0):
@@ -165,6 +171,16 @@ def check_config(cfg: LearnerConfig) -> None:
   if not (0 <= cfg.b1 < 1 and 0 <= cfg.b2 < 1 and cfg.eps > 0):
     raise ValueError(f"learner.b1 and b2 must be in [0, 1) and eps > 0, got {cfg.b1}, "
                      f"{cfg.b2}, {cfg.eps}")
+
+
+def loss_notes(cfg: LearnerConfig) -> list[str]:
+  """What a run is told of its loss settings that are allowed but easy to mistake."""
+  notes = []
+  if cfg.policy_loss == "gspo" and cfg.reduction != "seq_mean_token_mean":
+    notes.append(f"learner.policy_loss gspo with reduction {cfg.reduction}: sequences weigh "
+                 "by their length; GSPO's own gradient (a mean over sequences) is reduction "
+                 "seq_mean_token_mean")
+  return notes
 
 
 def token_logps(model, batch: TrajectoryBatch, cfg: LearnerConfig
@@ -210,7 +226,7 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig,
   reduce = losses.make_reduce(
       cfg.reduction, segment_ids_BxT=batch.segment_ids,
       rollout_weight_BxT=batch.rollout_weight,
-      norm_len=float(cfg.norm_len or batch.tokens.shape[1]))
+      norm_len=float(cfg.norm_len or batch.tokens.shape[1]), loss_mask_BxT=batch.loss_mask)
   pl = POLICY_LOSSES[cfg.policy_loss](cfg, logp, old_logp, advantages, mask,
                                        batch.segment_ids, reduce, is_w)
   metrics.update(pl.metrics)

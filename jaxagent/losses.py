@@ -201,17 +201,24 @@ def seq_mean_token_sum_norm(values_BxT: Array, mask_BxT: Array, segment_ids_BxT:
   return jnp.sum(values_BxT * m) / norm_len, n_seqs
 
 
-def per_rollout(values_BxT: Array, mask_BxT: Array, rollout_weight_BxT: Array) -> SumDenom:
+def per_rollout(values_BxT: Array, mask_BxT: Array, rollout_weight_BxT: Array,
+                loss_mask_BxT: Optional[Array] = None) -> SumDenom:
   """All segments of one rollout share one denominator.
 
   `rollout_weight` is 1 / (action tokens of the token's whole rollout), computed
   on the host over all of the rollout's segments (see `rollout_weights`), so a
   rollout split into several segments, rows or microbatches is still one
-  token-mean. Denominator: number of rollouts.
+  token-mean. Denominator: number of rollouts, counted on `loss_mask` (the batch's
+  own; default `mask`). Tokens that `mask` drops beside it (stale tokens, the
+  correction's mask mode) count as zeros in their rollout's mean: a rollout's
+  kept-token count is global to the batch, which a microbatch cannot see (dividing
+  by the kept weight instead made the denominator a fraction of a rollout and
+  inflated the loss).
   """
   chex.assert_equal_shape([values_BxT, mask_BxT, rollout_weight_BxT])
+  base = mask_BxT if loss_mask_BxT is None else loss_mask_BxT
   w = mask_BxT.astype(jnp.float32) * rollout_weight_BxT
-  return jnp.sum(values_BxT * w), jnp.sum(w)
+  return jnp.sum(values_BxT * w), jnp.sum(base.astype(jnp.float32) * rollout_weight_BxT)
 
 
 # Each entry closes a reduction over the batch's structure, giving `reduce(values, mask)`.
@@ -221,18 +228,21 @@ REDUCTIONS: dict[str, Callable[..., Reduce]] = {
         seq_mean_token_mean, segment_ids_BxT=segment_ids_BxT),
     "seq_mean_token_sum_norm": lambda segment_ids_BxT, norm_len, **_: functools.partial(
         seq_mean_token_sum_norm, segment_ids_BxT=segment_ids_BxT, norm_len=norm_len),
-    "per_rollout": lambda rollout_weight_BxT, **_: functools.partial(
-        per_rollout, rollout_weight_BxT=rollout_weight_BxT),
+    "per_rollout": lambda rollout_weight_BxT, loss_mask_BxT, **_: functools.partial(
+        per_rollout, rollout_weight_BxT=rollout_weight_BxT, loss_mask_BxT=loss_mask_BxT),
 }
 
 
 def make_reduce(name: str, *, segment_ids_BxT: Array, rollout_weight_BxT: Array,
-                norm_len: float) -> Reduce:
-  """The named reduction, closed over the batch's structure: `reduce(values, mask)`."""
+                norm_len: float, loss_mask_BxT: Optional[Array] = None) -> Reduce:
+  """The named reduction, closed over the batch's structure: `reduce(values, mask)`.
+  `loss_mask_BxT`: the batch's own loss mask, before the learner drops tokens
+  (per_rollout counts its rollouts on it)."""
   if name not in REDUCTIONS:
     raise ValueError(f"unknown reduction {name!r}; known: {sorted(REDUCTIONS)}")
   return REDUCTIONS[name](segment_ids_BxT=segment_ids_BxT,
-                          rollout_weight_BxT=rollout_weight_BxT, norm_len=norm_len)
+                          rollout_weight_BxT=rollout_weight_BxT, norm_len=norm_len,
+                          loss_mask_BxT=loss_mask_BxT)
 
 
 # -- policy losses ------------------------------------------------------------------
@@ -292,8 +302,10 @@ def gspo_loss(logp_BxT: Array, old_logp_BxT: Array, advantages_BxT: Array, mask_
 
   s = exp(mean over the sequence's action tokens of (logp - old_logp)). Uses the
   GSPO-token form s_t = sg(s) * exp(logp_t - sg(logp_t)), whose gradient equals
-  GSPO's when the advantage is constant over a sequence and which also admits
-  per-token advantages. Clipping is decided by the sequence ratio.
+  GSPO's when the advantage is constant over a sequence (and which also admits
+  per-token advantages) under `seq_mean_token_mean`, GSPO's mean over sequences;
+  `token_mean` weights each sequence by its length instead. Clipping is decided by
+  the sequence ratio.
   """
   chex.assert_equal_shape([logp_BxT, old_logp_BxT, advantages_BxT, mask_BxT, segment_ids_BxT])
   m = mask_BxT.astype(jnp.float32)
@@ -399,7 +411,10 @@ def kl_penalty(logp_BxT: Array, ref_logp_BxT: Array, estimator: str = "k3") -> A
   """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, 2020).
 
   k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r, with
-  log r = logp - ref_logp. k3 is unbiased and non-negative.
+  log r = logp - ref_logp. k1 and k3 are unbiased values; k3 is non-negative.
+  As a loss differentiated on samples of pi, their gradients differ: k2's is
+  KL(pi || pi_ref)'s, k3's (GRPO's) KL(pi_ref || pi)'s, and k1's is zero in
+  expectation (E_pi[grad log pi] = 0): the learner refuses k1 with a KL coefficient.
   """
   chex.assert_equal_shape([logp_BxT, ref_logp_BxT])
   if estimator not in KL_ESTIMATORS:
@@ -428,7 +443,7 @@ def staleness_weighting(versions_BxT: Array, policy_version: Array, mask_BxT: Ar
 
   A token's staleness is `policy_version - versions` (the updates since the policy
   that sampled it). `mask` drops tokens staler than `max_staleness` from the loss and
-  its denominators; `decay` keeps them but scales their advantage by
+  its denominators (`per_rollout`'s excepted: see there); `decay` keeps them but scales their advantage by
   `decay ** staleness` (their gradient shrinks, the denominators do not change);
   `none` trains every token alike. Tokens whose version is unknown (< 0) count as fresh.
   """

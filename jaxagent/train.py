@@ -40,7 +40,7 @@ from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunChec
                                  drop_version, drop_versions_after, export_policy)
 from jaxagent.data import task_dataset
 from jaxagent.errors import InfraError, InfraOutage, TaskError
-from jaxagent.learner import Learner
+from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
                               token_staleness_metrics)
 from jaxagent.models.paged_attention import PAGED_KERNELS
@@ -684,6 +684,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   learner_cfg = dataclasses.replace(cfg.learner, temperature=max(cfg.agent.temperature, 1e-6),
                                     lr_decay_steps=cfg.learner.lr_decay_steps or cfg.steps)
   learner = Learner(model_cfg, learner_cfg, mesh)
+  for note in loss_notes(learner_cfg) if distributed.is_primary() else ():
+    print(f"note: {note}", file=sys.stderr)
   state = learner.init_state(cfg.seed, params)
   # The KL penalty's reference when the learner scores it: the run's initial weights,
   # frozen (rebuilt the same way on a resume: the preset's seed or the checkpoint).

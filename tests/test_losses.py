@@ -138,6 +138,15 @@ def test_reductions_hand_computed():
   w = rollout_weights(np.asarray(mask), rollout_ids)
   s, d = losses.per_rollout(values, mask, jnp.asarray(w))
   assert float(s) == pytest.approx((2 + 5 + 6) / 3 + (3 + 4) / 2) and float(d) == pytest.approx(2)
+  # Tokens the learner drops beside the batch's mask (stale, the correction's mask mode)
+  # count as zeros in their rollout's mean; the denominator stays the 2 rollouts (it was
+  # their kept weight, 1 + 1/2 here: a fraction of a rollout that inflated the loss).
+  dropped = mask.at[0, 3].set(0.0)
+  s, d = losses.per_rollout(values, dropped, jnp.asarray(w), loss_mask_BxT=mask)
+  assert float(s) == pytest.approx((2 + 5 + 6) / 3 + 3 / 2) and float(d) == pytest.approx(2)
+  reduce = losses.make_reduce("per_rollout", segment_ids_BxT=seg, norm_len=4.0,
+                              rollout_weight_BxT=jnp.asarray(w), loss_mask_BxT=mask)
+  assert float(reduce(values, dropped)[1]) == pytest.approx(2)
 
 
 # -- NumPy reference and jit ------------------------------------------------------------
@@ -311,3 +320,15 @@ def test_staleness_weighting_masks_or_decays_old_tokens():
   np.testing.assert_array_equal(out.mask, mask)
   with pytest.raises(ValueError, match="staleness mode"):
     losses.staleness_weighting(versions, jnp.int32(7), mask, mode="drop")
+
+
+def test_gspo_with_a_length_weighted_reduction_is_noted():
+  """GSPO's gradient is a mean over sequences; token_mean weighs them by length (a
+  reviewer's round: the docstring claimed GSPO's gradient under the default)."""
+  from jaxagent.config import LearnerConfig
+  from jaxagent.learner import loss_notes
+
+  (note,) = loss_notes(LearnerConfig(policy_loss="gspo"))
+  assert "reduction seq_mean_token_mean" in note
+  assert loss_notes(LearnerConfig(policy_loss="gspo", reduction="seq_mean_token_mean")) == []
+  assert loss_notes(LearnerConfig()) == []

@@ -361,6 +361,11 @@ def _bad_settings(tmp_path):
       (tiny + ["learner.kl_coef=-0.1"], "learner.kl_coef must be >= 0"),
       (tiny + ["learner.warmup_steps=-5"], "learner.warmup_steps must be >= 0"),
       (tiny + ["learner.correction_low=3"], "must bracket 1"),
+      # Math that trained nothing (a reviewer's round): a clip to norm 0 zeroed every
+      # update; k1 as a loss has a zero expected gradient.
+      (tiny + ["learner.max_grad_norm=0"], "learner.max_grad_norm must be > 0"),
+      (tiny + ["learner.kl_coef=0.1", "learner.kl_estimator=k1"],
+       "learner.kl_estimator k1 with a kl_coef: as a loss its gradient is zero"),
       (tiny + ["learner.lr_end_factor=2"], "learner.lr_end_factor must be in [0, 1]"),
       (tiny + ["rollout.mode=window", "rollout.window=3"],
        "rollout.window (3) must be >= rollout.groups_per_step (4)"),
