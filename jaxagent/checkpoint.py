@@ -21,9 +21,9 @@ mesh: they pass the shapes and shardings they want and Orbax reshards on read.
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import json
+import logging
 import os
 import re
 import shutil
@@ -35,6 +35,7 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from jaxagent.errors import RunWriteFailed, disk_hint
 from jaxagent.models.params import Params, cast_params
 
 REGISTRY = "versions.json"
@@ -74,7 +75,26 @@ def short_reason(e: BaseException, limit: int = 120) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-class CheckpointFailed(RuntimeError):
+class _OrbaxErrorsInOneLine(logging.Filter):
+  """Orbax's background save threads log a failed save from each thread with its
+  traceback (hundreds of lines for one full disk, above the one line the run says,
+  `CheckpointFailed`): its error records keep their message, without the traceback."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+      record.exc_info = record.exc_text = record.stack_info = None
+    return True
+
+
+def quiet_failed_save_noise() -> None:
+  """Orbax's failed saves are said by the run in one line: its error records are kept
+  to their messages (the process's absl log filter; once)."""
+  absl_logger = logging.getLogger("absl")
+  if not any(isinstance(f, _OrbaxErrorsInOneLine) for f in absl_logger.filters):
+    absl_logger.addFilter(_OrbaxErrorsInOneLine())
+
+
+class CheckpointFailed(RunWriteFailed):
   """A checkpoint could not be written (a full disk, a lost mount): the run must stop,
   since it would go on training what it cannot save."""
 
@@ -94,8 +114,7 @@ class RunCheckpointer:
 
   def _failure(self, step: Optional[int], e: BaseException,
                before: Optional[int] = None) -> CheckpointFailed:
-    full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
-    hint = "; the disk is full: free space there, then resume" if full else ""
+    hint = disk_hint(e)
     which = f"step {step}" if step is not None else "a checkpoint"
     if before is not None and before != step:
       which += f" (or step {before}'s, written meanwhile)"

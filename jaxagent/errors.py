@@ -9,6 +9,8 @@ raises is a bug: it stops the run with its traceback instead of hiding as a fail
 
 from __future__ import annotations
 
+import errno
+
 
 class InfraError(RuntimeError):
   """An infrastructure failure; `kind` names it for the drop counters (`server`,
@@ -29,6 +31,19 @@ class InfraOutage(RuntimeError):
   a server, an environment worker or the sandbox is down. The run stops (and saves its
   checkpoint, with the tasks it has not trained on) instead of consuming its data on
   episodes that are all dropped."""
+
+
+class RunWriteFailed(RuntimeError):
+  """The run's own records (a checkpoint, the token WAL, its metrics) could not be
+  written: a full disk, a lost mount. The run stops with one line (exit 3) instead of
+  going on with what it cannot keep; not a bug of the code, and no episode's fault."""
+
+
+def disk_hint(e: BaseException) -> str:
+  """"; the disk is full: ..." for an error of a full disk or quota, else ""."""
+  full = "No space left on device" in str(e) or "Disk quota exceeded" in str(e) or getattr(
+      e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+  return "; the disk is full: free space there, then resume" if full else ""
 
 
 # How every refusal of a prompt for its length begins, in the error of any server or

@@ -47,7 +47,7 @@ import numpy as np
 from jaxagent.agent import Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
 from jaxagent.config import AdvantageConfig, RolloutConfig
-from jaxagent.errors import InfraOutage, TaskError
+from jaxagent.errors import InfraOutage, RunWriteFailed, TaskError
 
 
 # What to look at when most drops are of one kind (InfraOutage's message).
@@ -379,7 +379,7 @@ class RolloutScheduler:
     return out
 
   def _raise_error(self) -> None:
-    if isinstance(self.error, (InfraOutage, TaskError)):
+    if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed)):
       raise self.error
     if self.error is not None:
       raise RuntimeError(f"an episode raised {type(self.error).__name__} (a bug, not an "

@@ -37,9 +37,10 @@ from jaxagent import config as config_lib, distributed
 from jaxagent.agent import BLACKBOX_AGENTS, Episode, run_blackbox, run_whitebox
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
-                                 drop_version, drop_versions_after, export_policy)
+                                 drop_version, drop_versions_after, export_policy,
+                                 quiet_failed_save_noise)
 from jaxagent.data import task_dataset
-from jaxagent.errors import InfraError, InfraOutage, TaskError
+from jaxagent.errors import InfraError, InfraOutage, RunWriteFailed, TaskError, disk_hint
 from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
                               token_staleness_metrics)
@@ -693,6 +694,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                 if cfg.learner.kl_coef and cfg.learner.kl_reference == "initial" else None)
   scorers = served_scorers(cfg)
   tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle))
+  quiet_failed_save_noise()  # a failed save is said in one line (CheckpointFailed)
   ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                          async_save=cfg.checkpoint.async_save)
   requeue = []
@@ -1307,8 +1309,17 @@ def main(argv=None) -> int:
     except CheckpointUnreadable as e:
       print(f"error: --resume: {e}", file=sys.stderr)
       return 2
-    except CheckpointFailed as e:  # (the infrastructure's: the JobSet restarts it)
+    except RunWriteFailed as e:  # a checkpoint, the WAL (the infrastructure's: the JobSet
+      # restarts it)
       print(f"error: {e} (then: {resume_command(run_dir)})", file=sys.stderr, flush=True)
+      sys.unraisablehook = lambda _: None  # Orbax's abandoned writes, as Python exits
+      return 3
+    except OSError as e:
+      if not disk_hint(e):
+        raise
+      # The run's other records (metrics, trajectories, TensorBoard) on a full disk.
+      print(f"error: {e.filename or run_dir} could not be written ({e.strerror or e})"
+            f"{disk_hint(e)} (then: {resume_command(run_dir)})", file=sys.stderr, flush=True)
       return 3
     except TaskError as e:
       print(f"error: data.tasks: {e} (python -m envs.filter {cfg.data.tasks} checks a task "

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from jaxagent.errors import RunWriteFailed, disk_hint
 from jaxagent.trajectory import TurnRecord, read_jsonl
 
 
@@ -56,22 +57,35 @@ def observation_hash(step: Any) -> str:
   return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def _write_failed(path: str, e: OSError) -> RunWriteFailed:
+  """The run cannot keep its episodes' committed work: it stops (a full disk, a lost
+  mount; an episode raising OSError was a traceback, "a bug")."""
+  return RunWriteFailed(f"the token WAL could not be written in {os.path.dirname(path)} "
+                        f"({e.strerror or e}){disk_hint(e)}")
+
+
 class _GroupFile:
   """The append-only file a group's episodes share (one open a group, not an episode)."""
 
   def __init__(self, path: str, fsync: bool):
     self.path = path
     self.fsync = fsync
-    self._file = open(path, "a")
+    try:
+      self._file = open(path, "a")
+    except OSError as e:
+      raise _write_failed(path, e) from e
     self._lock = threading.Lock()  # fsync'd writes come from worker threads
 
   def append(self, record: dict) -> int:
     line = json.dumps(record, separators=(",", ":")) + "\n"
     with self._lock:
-      self._file.write(line)  # one line a write: records of episodes never interleave
-      self._file.flush()
-      if self.fsync:
-        os.fsync(self._file.fileno())
+      try:
+        self._file.write(line)  # one line a write: records of episodes never interleave
+        self._file.flush()
+        if self.fsync:
+          os.fsync(self._file.fileno())
+      except OSError as e:  # (a line cut short is skipped by a replay, as after a kill)
+        raise _write_failed(self.path, e) from e
     return len(line)
 
   def close(self) -> None:

@@ -210,3 +210,29 @@ def test_policy_restores_onto_a_different_mesh(tmp_path, multidevice):
     print("OK")
   """)
   assert out.strip().endswith("OK")
+
+
+def test_orbax_errors_keep_their_message_without_the_traceback():
+  """A full disk printed hundreds of lines of Orbax's thread tracebacks above the run's
+  one line (CheckpointFailed): its error records keep their message only; others are
+  left as they are."""
+  import logging
+  import os
+  import sys
+
+  from jaxagent.checkpoint import quiet_failed_save_noise
+
+  quiet_failed_save_noise()
+  quiet_failed_save_noise()  # (once)
+  (f,) = [f for f in logging.getLogger("absl").filters if type(f).__name__.endswith("OneLine")]
+  try:
+    raise ValueError("RESOURCE_EXHAUSTED")
+  except ValueError:
+    exc = sys.exc_info()
+  orbax = logging.LogRecord("absl", logging.ERROR, os.path.join("x", "orbax", "a.py"), 1,
+                            "save failed", None, exc)
+  ours = logging.LogRecord("absl", logging.ERROR, os.path.join("x", "jaxagent", "a.py"), 1,
+                           "other", None, exc)
+  assert f.filter(orbax) and f.filter(ours)
+  assert orbax.exc_info is None and orbax.getMessage() == "save failed"
+  assert ours.exc_info is exc

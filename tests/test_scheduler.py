@@ -598,3 +598,21 @@ def test_a_task_its_environment_cannot_start_stops_the_run_naming_it():
     return s
 
   assert 1 not in run(go()).pending_tasks()  # not played again on a resume
+
+
+def test_a_run_that_cannot_write_its_records_stops_with_that_error():
+  """The token WAL on a full disk: an episode raising it is the run's storage, not a bug
+  (it was "an episode raised OSError (a bug ...)" with its traceback, exit 1)."""
+  from jaxagent.errors import RunWriteFailed
+
+  async def play(task, sid, gid):
+    raise RunWriteFailed("the token WAL could not be written in w (No space left on device)")
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=2),
+                         itertools.count(), play)
+    with pytest.raises(RunWriteFailed, match="token WAL"):  # itself, not wrapped
+      await s.next_groups()
+    return s
+
+  assert run(go()).pending_tasks() == [0]  # kept to be played on a resume

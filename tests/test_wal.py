@@ -6,10 +6,12 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from envs.base import TaskSpec, make
 from jaxagent.agent import run_whitebox
 from jaxagent.config import AgentConfig
+from jaxagent.errors import RunWriteFailed
 from jaxagent.wal import Replay, TokenWAL, read_log, take_replay
 from tests.test_agent import TOK, ScriptedEngine
 
@@ -160,3 +162,14 @@ def test_a_resume_sets_the_logs_aside_until_its_first_checkpoint(tmp_path):
   assert sorted(len(r) for r in wal.pending()) == [3, 3]
   wal.drop_aside()  # a checkpoint of the resumed run is whole
   assert wal.pending() == []
+
+
+def test_a_full_disk_is_the_runs_storage_failing_in_one_line(tmp_path):
+  """A WAL write on a full disk (/dev/full here) raises RunWriteFailed naming the log and
+  the full disk: the run stops with one line, exit 3 (it was an OSError an episode raised,
+  stopping the run as "a bug" with its traceback)."""
+  wal = TokenWAL(str(tmp_path))
+  os.symlink("/dev/full", tmp_path / "g.jsonl")
+  with pytest.raises(RunWriteFailed, match=r"the token WAL could not be written in .+ "
+                     r"\(No space left on device\); the disk is full: free space there"):
+    wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
