@@ -20,6 +20,10 @@ VARIANTS = {
 }
 
 
+# The model called under one jit (eager, op by op: 8.6 s a decode test, 1.8 s jitted).
+run = nnx.jit(lambda model, *args, **kwargs: model(*args, **kwargs))
+
+
 def _model(**overrides):
   cfg = preset("tiny", **overrides)
   return cfg, Decoder(cfg, rngs=nnx.Rngs(0))
@@ -30,16 +34,16 @@ def test_kv_cache_decode_equals_full_forward(variant):
   cfg, model = _model(**VARIANTS[variant])
   B, T, prompt = 3, 20, 7
   tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size)
-  full, _ = model(tokens)
+  full, _ = run(model, tokens)
   # Prefill a bucket-padded prompt (garbage past `prompt` is written to the
   # cache but never attended to), then decode one token at a time.
   padded = tokens[:, :prompt + 5]
   cache = init_cache(cfg, B, 32)
-  logits, cache = model(padded, cache=cache)
+  logits, cache = run(model, padded, cache=cache)
   outs = [logits[:, :prompt]]
   for t in range(prompt, T):
     pos = jnp.full((B, 1), t, jnp.int32)
-    step_logits, cache = model(tokens[:, t:t + 1], pos, cache=cache)
+    step_logits, cache = run(model, tokens[:, t:t + 1], pos, cache=cache)
     outs.append(step_logits)
   decoded = jnp.concatenate(outs, axis=1)
   np.testing.assert_allclose(decoded, full, atol=2e-5, rtol=1e-5)
@@ -49,12 +53,13 @@ def test_cache_rows_decode_at_different_positions():
   cfg, model = _model()
   a = jax.random.randint(jax.random.PRNGKey(2), (1, 9), 0, cfg.vocab_size)
   b = jax.random.randint(jax.random.PRNGKey(3), (1, 5), 0, cfg.vocab_size)
-  full_a, _ = model(a)
-  full_b, _ = model(b)
+  full_a, _ = run(model, a)
+  full_b, _ = run(model, b)
   cache = init_cache(cfg, 2, 16)
-  _, cache = model(jnp.concatenate([a[:, :8], jnp.pad(b[:, :4], ((0, 0), (0, 4)))]),
-                   cache=cache)
-  step, _ = model(jnp.concatenate([a[:, 8:9], b[:, 4:5]]), jnp.array([[8], [4]]), cache=cache)
+  _, cache = run(model, jnp.concatenate([a[:, :8], jnp.pad(b[:, :4], ((0, 0), (0, 4)))]),
+                 cache=cache)
+  step, _ = run(model, jnp.concatenate([a[:, 8:9], b[:, 4:5]]), jnp.array([[8], [4]]),
+                cache=cache)
   np.testing.assert_allclose(step[0, 0], full_a[0, 8], atol=2e-5)
   np.testing.assert_allclose(step[1, 0], full_b[0, 4], atol=2e-5)
 
@@ -67,10 +72,10 @@ def test_packed_equals_unpacked():
   packed = jnp.concatenate(seqs + [jnp.zeros((1, 2), jnp.int32)], axis=1)
   seg = jnp.array([[1] * 5 + [2] * 9 + [3] * 4 + [0] * 2])
   pos = jnp.array([list(range(5)) + list(range(9)) + list(range(4)) + [0, 1]])
-  out, _ = model(packed, pos, seg)
+  out, _ = run(model, packed, pos, seg)
   start = 0
   for s in seqs:
-    alone, _ = model(s)
+    alone, _ = run(model, s)
     np.testing.assert_allclose(out[:, start:start + s.shape[1]], alone, atol=2e-5)
     start += s.shape[1]
 
