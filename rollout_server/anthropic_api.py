@@ -108,15 +108,21 @@ def _text(content: Union[str, list[TextBlock]]) -> str:
   return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
-def _user_messages(content: Union[str, list], where: str) -> list[dict]:
+def _user_messages(content: Union[str, list], where: str, called: set) -> list[dict]:
   """A user message: its tool results as `tool` messages, its text as user messages, in
-  their order."""
+  their order. `called`: the ids of the tool uses of the assistant message before (a
+  result answers one of them, as Anthropic's API requires)."""
   if isinstance(content, str):
     return [{"role": "user", "content": content}]
   out: list[dict] = []
   for j, b in enumerate(content):
     if isinstance(b, ToolUseBlock):
       raise ValueError(f"{where}.content.{j}: a tool_use block belongs in an assistant message")
+    if isinstance(b, ToolResultBlock) and b.tool_use_id not in called:
+      raise ValueError(f"{where}.content.{j}: tool_result for tool_use_id {b.tool_use_id!r}, "
+                       "which the assistant message before did not call ("
+                       + (f"it called {', '.join(sorted(map(repr, called)))}" if called
+                          else "it called no tool") + ")")
     if isinstance(b, ToolResultBlock):
       tool = {"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
       if b.is_error:  # kept in the session record; the template renders the text
@@ -172,12 +178,15 @@ def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]
   system = _text(body.system) if body.system is not None else ""
   if system:
     messages.append({"role": "system", "content": system})
+  called: set = set()  # the tool uses of the last assistant message
   for i, m in enumerate(body.messages):
     where = f"messages.{i}"
     if m.role == "user":
-      messages += _user_messages(m.content, where)
+      messages += _user_messages(m.content, where, called)
+      called = set()
     else:
       messages.append(_assistant_message(m.content, where))
+      called = {c["id"] for c in messages[-1].get("tool_calls", [])}
   tools = [_function_schema(t) for t in body.tools] if body.tools else None
   return messages, tools
 

@@ -251,6 +251,17 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server):
           {"type": "tool_result", "tool_use_id": "a", "content": "x"}]}] + user), 400,
        "messages.1.content.0"),
       (dict(ok, messages=[{"role": "user", "content": "x" * 600}]), 400, "max_prefill_length"),
+      # A tool result must answer a tool use of the assistant message before (Anthropic's
+      # API refuses one that does not; it was served).
+      (dict(ok, messages=[{"role": "user", "content": [
+          {"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]), 400,
+       "messages.0.content.0: tool_result for tool_use_id 'nope', which the assistant "
+       "message before did not call (it called no tool)"),
+      (dict(ok, messages=user + [{"role": "assistant", "content": [
+          {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+          {"role": "user", "content": [
+              {"type": "tool_result", "tool_use_id": "t2", "content": "x"}]}]), 400,
+       "(it called 't1')"),
   ]
   for body, status, needle in cases:
     r = c.post("/v1/messages", json=body)
