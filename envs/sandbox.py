@@ -22,7 +22,7 @@ scrubbed environment, and the strongest isolation the host has:
 In both namespace modes a seccomp filter (compiled by libseccomp, through
 `pyseccomp`) makes the syscalls tool code never needs fail with EPERM
 (`SECCOMP_DENIED`: ptrace, io_uring, bpf, keyctl, perf_event_open, mount, module
-loading, ...; clone() into new namespaces); bubblewrap installs it itself, the
+loading, ...; clone() into new namespaces; prlimit on another process); bubblewrap installs it itself, the
 mountns mode with a few lines of ctypes before it drops privileges.
 
 `detect_isolation()` says which one this host gets. Sandbox uids are unique on
@@ -277,6 +277,12 @@ def seccomp_program() -> Optional[bytes]:
       flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
   with contextlib.suppress(ValueError, RuntimeError, OSError):
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+  # Resource limits of another process: a solution lowered its grader's (the init of
+  # its namespace, same uid) RLIMIT_FSIZE, and the grader died writing its report, an
+  # infrastructure error instead of its fail. A process's own (pid 0, as setrlimit and
+  # util-linux prlimit pass it) stay its own to set.
+  with contextlib.suppress(ValueError, RuntimeError, OSError):
+    flt.add_rule(eperm, "prlimit64", sc.Arg(0, sc.NE, 0))
   with tempfile.TemporaryFile() as f:
     flt.export_bpf(f)
     f.seek(0)

@@ -138,6 +138,14 @@ ATTACKS = {
     "a return value nested past the recursion limit": {"solution.py": (
         "import sys\nsys.setrecursionlimit(100000)\ndef add(a, b):\n    v = []\n"
         "    for _ in range(5000):\n        v = [v]\n    return v\n")},
+    # The harness's own resource limits, lowered by the solution (same uid, prlimit(2)):
+    # it died writing its report (red-team round 8; the seccomp filter refuses it now).
+    **{f"lowering the harness's {name}": {"solution.py": (
+        "import resource\ntry:\n"
+        f"  resource.prlimit(1, resource.{name}, {value})\n"
+        "except OSError:\n  pass\n" + WRONG + "print('x' * 900000)\n")}
+       for name, value in (("RLIMIT_FSIZE", "(1, 1)"), ("RLIMIT_AS", "(1 << 20, 1 << 20)"),
+                           ("RLIMIT_CPU", "(0, 0)"))},
 }
 
 
