@@ -519,10 +519,11 @@ def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
                        ) -> tuple[str, list[dict]]:
   """An environment's messages (OpenAI's shape) in Anthropic's: (system text, messages).
   Tool calls become `tool_use` blocks, tool messages `tool_result` blocks of a user
-  message (the k-th answering `tool_use_ids[k]`, the ids of the reply they answer, when
-  given), consecutive messages of one role one message."""
+  message (the k-th answering `tool_use_ids[k]`, the ids of the reply they answer, or the
+  call of an assistant message among `messages` whose id it names; others text blocks),
+  consecutive messages of one role one message."""
   system, out = "", []
-  answers = iter(tool_use_ids)
+  answers, called = iter(tool_use_ids), set()
   for m in messages:
     role, content = m["role"], m.get("content") or ""
     if role == "system":
@@ -533,10 +534,16 @@ def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
       blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                   "input": json.loads(c["function"]["arguments"])}
                  for c in m.get("tool_calls") or []]
+      called = {c["id"] for c in m.get("tool_calls") or []}
     elif role == "tool":
-      role = "user"
-      blocks = [{"type": "tool_result", "content": content,
-                 "tool_use_id": next(answers, m.get("tool_call_id") or "")}]
+      role, use_id = "user", next(answers, None)
+      if use_id is None and m.get("tool_call_id") in called:  # (a call among `messages`)
+        use_id = m["tool_call_id"]
+      # One that answers no tool use (the error for a malformed call, which the reply's
+      # blocks do not hold) is text: a tool_result of an id the reply did not call is
+      # refused (400), and the episode ended as the server's failure, re-rolled.
+      blocks = ([{"type": "text", "text": content}] if use_id is None else
+                [{"type": "tool_result", "content": content, "tool_use_id": use_id}])
     else:
       blocks = [{"type": "text", "text": content}]
     if out and out[-1]["role"] == role:

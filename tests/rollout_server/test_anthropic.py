@@ -82,6 +82,21 @@ def test_an_environment_chat_renders_alike_through_either_gateway(tokenizer):
   assert tokenizer.apply_chat_template(back, tools) == tokenizer.apply_chat_template(chat, TOOLS)
 
 
+def test_a_tool_message_that_answers_no_tool_use_is_text():
+  """The environment's error for a malformed tool call (no tool use in the reply, no id)
+  went as a tool_result of id '', which the gateway refuses: a 400, and the episode of
+  a wrong answer ended as the server's failure, re-rolled (a red team's round)."""
+  error = [{"role": "tool", "content": "error: malformed tool call: bad JSON"}]
+  assert anthropic_messages(error)[1] == [
+      {"role": "user", "content": [{"type": "text", "text": error[0]["content"]}]}]
+  assert anthropic_messages(error, ("t1",))[1] == [{"role": "user", "content": [
+      {"type": "tool_result", "content": error[0]["content"], "tool_use_id": "t1"}]}]
+  body = MessagesBody(model="m", max_tokens=8, messages=[
+      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<tool_call>{"},
+      *anthropic_messages(error)[1]])
+  assert chat_messages(body)[0][-1] == {"role": "user", "content": error[0]["content"]}
+
+
 def accumulate(events: list[str]) -> list[dict]:
   """The content blocks a client builds from a stream's events."""
   blocks, json_parts = [], {}
