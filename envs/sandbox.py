@@ -359,6 +359,16 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
 _SETUP_DONE = "setup-done"
 
 
+def system_python() -> Optional[str]:
+  """A Python interpreter under the system directories a sandbox sees: Debian's, or the
+  official python image's (/usr/local: the mountns mode's seccomp loader needs one, and
+  the image has no /usr/bin/python3, so its sandboxes ran unfiltered)."""
+  for path in ("/usr/bin/python3", "/usr/local/bin/python3"):
+    if os.path.exists(path):
+      return path
+  return None
+
+
 def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
                     seccomp: Optional[str] = None) -> str:
   """Shell run as root inside fresh namespaces: builds a private root at `root` (only
@@ -395,10 +405,10 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
             f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nr_inodes={limits.max_inodes},"
             f"nosuid,nodev jaxagent-tmp {q(root + '/tmp')}",
             f"mount --bind {q(workspace)} {q(root + '/workspace')}"]
-  loader = ""
-  if seccomp is not None and os.path.exists("/usr/bin/python3"):
+  loader, python = "", system_python()
+  if seccomp is not None and python is not None:
     lines.append(f"cp {q(seccomp)} {q(root + '/.seccomp.bpf')}")
-    loader = f"/usr/bin/python3 -I -S -c {q(_SECCOMP_LOADER)} "
+    loader = f"{q(python)} -I -S -c {q(_SECCOMP_LOADER)} "
   lines += [f"mount -o remount,ro,bind {q(root)}",
             f"touch {q(os.path.join(os.path.dirname(root), _SETUP_DONE))}",
             # setpriv drops to the uid; no capabilities survive, nothing can regain them.
@@ -651,7 +661,7 @@ class Sandbox:
   @property
   def python(self) -> str:
     """The interpreter inside the sandbox (the system Python: it is visible there)."""
-    return "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+    return system_python() or "python3"
 
   def _resolve(self, rel: str, follow_last: bool = True) -> str:
     """`rel` on the host, refused outside the workspace. `follow_last=False`: the name
@@ -946,7 +956,7 @@ class Sandbox:
             "workdir": self.workdir,
             "seccomp": seccomp_program() is not None and (
                 self.isolation == "bwrap" or (self.isolation == "mountns"
-                                              and os.path.exists("/usr/bin/python3")))}
+                                              and system_python() is not None))}
 
 
 class SandboxPool:

@@ -472,6 +472,21 @@ def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
   assert sandbox.describe()["seccomp"]
 
 
+def test_the_python_images_interpreter_loads_the_mountns_filter(monkeypatch):
+  """The image (python:3.11-slim) has its Python in /usr/local and no /usr/bin/python3:
+  the mountns mode skipped its seccomp loader there (a red team's reading)."""
+  import envs.sandbox as sandbox_mod
+
+  real = os.path.exists
+  monkeypatch.setattr(sandbox_mod.os.path, "exists",
+                      lambda p: False if p == "/usr/bin/python3" else
+                      True if p == "/usr/local/bin/python3" else real(p))
+  assert sandbox_mod.system_python() == "/usr/local/bin/python3"
+  script = sandbox_mod._mountns_script("/r", "/w", 12345, sandbox_mod.Limits(),
+                                       seccomp="/s.bpf")
+  assert "/usr/local/bin/python3 -I -S -c " in script and ".seccomp.bpf" in script
+
+
 @pytest.mark.skipif("mountns" not in MODES, reason="needs the mountns mode (root)")
 def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monkeypatch):
   """The hand-built namespace's setup failing (a mount refused) exits non-zero before the
