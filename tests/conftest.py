@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -8,8 +10,10 @@ import textwrap
 # test starts (trainers, servers, launchers): they compile the same small models, and
 # after the first one they load the executables instead (a tiny training run starts in
 # ~8 s instead of ~19 s). JAX reads these when it is imported, just below.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      tempfile.mkdtemp(prefix="jaxagent-tests-xla-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # (xdist's workers inherit the session's)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxagent-tests-xla-cache-")
+  # Removed when the session's process exits (each run left one behind in /tmp).
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
