@@ -30,7 +30,7 @@ from urllib.parse import quote
 
 from envs.base import BAD_TASK, CannotStart, failure, trained_rewards
 from envs import waits
-from jaxagent.config import AgentConfig
+from jaxagent.config import AgentConfig, ConfigError
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
@@ -300,6 +300,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   status, reason = "completed", ""
   waiting = {"on": "env", "since": t_start}  # what the episode waits on now
+  limit = cfg.max_context_tokens  # lowered when the engine refuses a shorter prompt
   measured = _MeasuredEnv(env)  # its calls' waits on shared infrastructure and own time
   offered = []  # the tool schemas the environment offered
   compacted_at: list[int] = []  # turns before which the context was compacted
@@ -309,18 +310,31 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
 
+  def cannot_start(prompt) -> ConfigError:
+    """The task's first prompt, before the policy wrote a token, does not fit: the
+    settings', not the policy's (scored as a truncation, every episode of every group
+    ended so, and the run played new groups for ever without a word)."""
+    where = ("agent.max_context_tokens" if limit == cfg.max_context_tokens else
+             "what the engine takes (serving.engine.max_prefill_length)")
+    return ConfigError(
+        f"task {task.id!r} ({task.env}): its first prompt is {len(prompt)} tokens, which "
+        f"with agent.max_new_tokens ({cfg.max_new_tokens}) is over {where} ({limit}): raise "
+        "agent.max_context_tokens, serving.engine.max_prefill_length and max_seq_len, and "
+        "data.seq_len (the tools an environment offers add their schemas to every prompt)")
+
   async def play():
-    nonlocal status, reason
+    nonlocal status, reason, limit
     obs = await measured.reset(task)  # (a task that cannot start: TaskError)
     messages, tools = list(obs.messages), list(obs.tools) or None
     offered[:] = tools or []
     prompt = None
-    limit = cfg.max_context_tokens  # lowered when the engine refuses a shorter prompt
     for turn in range(cfg.max_turns):
       if prompt is None:
         prompt = tokenizer.apply_chat_template(messages, tools=tools)
       while True:  # twice at most: a compaction when the engine refuses the prompt
         if len(prompt) + cfg.max_new_tokens > limit:
+          if turn == 0:
+            raise cannot_start(prompt)
           if cfg.compaction == "none" or turn in compacted_at:
             status, reason = "truncated", "token_cap"
             return
@@ -853,6 +867,11 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   except _gateway_errors(api) as e:
     said = f"{e} {getattr(e, 'body', '')}"
     if getattr(e, "status_code", None) == 400 and PROMPT_TOO_LONG in said:
+      if not acting.actions:  # its first request, before the policy wrote a token
+        raise ConfigError(
+            f"task {task.id!r} ({task.env}): the agent's first request does not fit the "
+            f"server ({said.strip()[:200]}): raise serving.engine.max_prefill_length and "
+            "max_seq_len, and data.seq_len") from None
       await truncated("token_cap")  # the conversation outgrew the engine: its own length
     else:  # the gateway failed (down, overloaded, cut)
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = (

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxagent.agent import Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
-from jaxagent.config import AdvantageConfig, RolloutConfig
+from jaxagent.config import AdvantageConfig, ConfigError, RolloutConfig
 from jaxagent.errors import InfraOutage, RunWriteFailed, TaskError
 
 
@@ -379,8 +379,8 @@ class RolloutScheduler:
     return out
 
   def _raise_error(self) -> None:
-    if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed)):
-      raise self.error
+    if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed, ConfigError)):
+      raise self.error  # (ConfigError: settings a task's first prompt does not fit)
     if self.error is not None:
       raise RuntimeError(f"an episode raised {type(self.error).__name__} (a bug, not an "
                          f"infrastructure failure): {self.error}") from self.error

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -586,6 +587,8 @@ def cut_back(run_dir: str, cfg: config_lib.RunConfig, step: int, version: int) -
 
 
 CANARY_LOGP_ATOL = 1e-4
+# A run that plays groups but keeps none says so this often (seconds without a step).
+NO_STEP_NOTE_S = 60.0
 
 
 def dependency_versions() -> dict:
@@ -973,6 +976,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                      and not os.environ.get("JAXAGENT_PROGRESS")))
   t_rollout_mark = time.perf_counter()
   played: list = []  # every group consumed since the last step, trained on or not
+  no_step_note_at, dropped_at_step = NO_STEP_NOTE_S, collections.Counter(scheduler.dropped)
   finished = False  # the loop ended by itself (not by an exception)
   # SIGTERM (a pod's eviction) or Ctrl-C: stop after the step under way, then checkpoint
   # and export as at the end (a second one stops at once).
@@ -1032,8 +1036,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       # serving episodes' turns and environment steps meanwhile (asynchrony).
       state, m, batch, info = await loop.run_in_executor(None, learn, state, accepted)
       if m is None:
-        continue  # nothing to learn from (all filtered or too long): sample again; the
-        # next step's metrics count these episodes and their time too
+        # Nothing to learn from (all filtered or too long): sample again; the next step's
+        # metrics count these episodes and their time too. Said every NO_STEP_NOTE_S
+        # while it lasts (a run whose every group was dropped spun without a word).
+        waited = time.perf_counter() - t_rollout_mark
+        if primary and waited >= no_step_note_at:
+          no_step_note_at = waited + NO_STEP_NOTE_S
+          dropped = scheduler.dropped - dropped_at_step
+          print(f"warning: no step for {waited:.0f} s: {len(played)} groups played, none "
+                "kept (dropped: " + ", ".join(f"{k} {v}" for k, v in dropped.most_common())
+                + "); no_signal is a group whose episodes all scored alike "
+                "(rollout.filter_equal_rewards), too_few_valid one whose episodes failed",
+                file=sys.stderr, flush=True)
+        continue
+      no_step_note_at, dropped_at_step = NO_STEP_NOTE_S, collections.Counter(scheduler.dropped)
       row = {"step": step + 1, **episode_metrics(played, accepted, version),
              **token_staleness_metrics(batch.versions, batch.loss_mask, version), **scored}
       if wal is not None:

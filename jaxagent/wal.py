@@ -65,32 +65,34 @@ def _write_failed(path: str, e: OSError) -> RunWriteFailed:
 
 
 class _GroupFile:
-  """The append-only file a group's episodes share (one open a group, not an episode)."""
+  """The append-only file a group's episodes share. Opened for each record, not held: a
+  run holds a file for every group it played since its last checkpoint, and one that
+  kept none of them for a while (no step, no save) ran out of file descriptors."""
 
   def __init__(self, path: str, fsync: bool):
     self.path = path
     self.fsync = fsync
-    try:
-      self._file = open(path, "a")
-    except OSError as e:
-      raise _write_failed(path, e) from e
     self._lock = threading.Lock()  # fsync'd writes come from worker threads
+    self._write("")  # (created now: a directory that cannot be written fails here)
+
+  def _write(self, line: str) -> None:
+    try:
+      with open(self.path, "a") as f:
+        f.write(line)  # one line a write: records of episodes never interleave
+        f.flush()
+        if self.fsync and line:
+          os.fsync(f.fileno())
+    except OSError as e:  # (a line cut short is skipped by a replay, as after a kill)
+      raise _write_failed(self.path, e) from e
 
   def append(self, record: dict) -> int:
     line = json.dumps(record, separators=(",", ":")) + "\n"
     with self._lock:
-      try:
-        self._file.write(line)  # one line a write: records of episodes never interleave
-        self._file.flush()
-        if self.fsync:
-          os.fsync(self._file.fileno())
-      except OSError as e:  # (a line cut short is skipped by a replay, as after a kill)
-        raise _write_failed(self.path, e) from e
+      self._write(line)
     return len(line)
 
   def close(self) -> None:
-    with self._lock:
-      self._file.close()
+    pass  # (nothing held)
 
 
 class EpisodeLog:

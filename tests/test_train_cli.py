@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -535,3 +537,36 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   with pytest.raises(SystemExit):
     train.main(["--config", "configs/tiny.yaml", "steps=3", "--print-config", "--bogus"])
   assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_a_run_that_keeps_no_group_says_so(tmp_path):
+  """Every group dropped (a task the fresh policy always fails: its episodes score alike,
+  no_signal) and so no step: the run played new groups without a word for as long as it
+  ran (a new user's round). It says so, with the drops' reasons, every NO_STEP_NOTE_S."""
+  env = tmp_path / "never.py"  # reverse_word whose every answer scores 0
+  env.write_text("from envs.base import register\nimport reverse_word\n\n"
+                 "@register('never')\nclass Never(reverse_word.ReverseWord):\n"
+                 "  async def verify(self):\n    v = await super().verify()\n"
+                 "    v.reward = 0.0\n    return v\n")
+  tasks = tmp_path / "never.jsonl"
+  tasks.write_text('{"id": "never/cat", "env": "never", "params": {"word": "cat"}}\n')
+  code = ("import sys\nfrom jaxagent import train\ntrain.NO_STEP_NOTE_S = 2\n"
+          "sys.exit(train.main(sys.argv[1:]))\n")
+  proc = subprocess.Popen(
+      [sys.executable, "-c", code, "--config", "configs/tiny.yaml", "--run-dir",
+       str(tmp_path / "run"), f"env.imports=[{env}]", f"data.tasks={tasks}",
+       "rollout.filter_equal_rewards=true", "rollout.max_sample_rounds=1", "steps=2"],
+      env=dict(os.environ, PYTHONPATH=os.path.join(REPO, "examples")),
+      cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    lines, deadline = [], time.monotonic() + 120
+    for line in proc.stderr:
+      lines.append(line)
+      if line.startswith("warning: no step for") or time.monotonic() > deadline:
+        break
+    note = lines[-1]
+    assert note.startswith("warning: no step for") and "none kept (dropped: no_signal " in note, \
+        "".join(lines)[-2000:]
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
