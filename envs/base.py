@@ -18,6 +18,7 @@ import enum
 import hashlib
 import json
 import math
+import numbers
 import re
 from typing import Any, Callable, Optional, Sequence
 
@@ -150,6 +151,18 @@ def json_safe(obj: Any) -> Any:
   return obj
 
 
+class BadReward(ValueError):
+  """An environment gave a reward that is not a finite number (a NaN, a string): its
+  bug, or its task data's; never trained."""
+
+
+def _check_reward(value, what: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
+      value):
+    raise BadReward(f"{what} must be a finite number, got {value!r} "
+                    f"({type(value).__name__})")
+
+
 @dataclasses.dataclass
 class Verdict:
   status: VerdictStatus
@@ -160,8 +173,7 @@ class Verdict:
   attempts: int = 1
 
   def __post_init__(self):
-    if not math.isfinite(self.reward):
-      raise ValueError(f"a verdict's reward must be finite, got {self.reward}")
+    _check_reward(self.reward, "a verdict's reward")
     # (its reasons quote what a solution raised or printed: JSON and UTF-8 text,
     # whatever it was)
     self.details = json_safe(self.details)
@@ -206,12 +218,8 @@ class StepResult:
   info: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    try:
-      finite = math.isfinite(float(self.reward))
-    except (TypeError, ValueError):
-      finite = False
-    if not finite:  # an environment's bug (or its task data's): named, never trained
-      raise ValueError(f"a step's reward must be a finite number, got {self.reward!r}")
+    # An environment's bug (or its task data's): named, never trained.
+    _check_reward(self.reward, "a step's reward")
 
 
 class Env(abc.ABC):
@@ -494,7 +502,9 @@ def raised_at(e: BaseException) -> str:
   if isinstance(e, SyntaxError) and e.filename:
     return f"{e.filename}:{e.lineno}: "
   plumbing = {__file__, os.path.join(os.path.dirname(__file__), "server.py")}
-  frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename not in plumbing]
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if f.filename not in plumbing and not f.filename.startswith("<")]  # (generated
+  # code: a dataclass's __init__ checking what the environment's line passed it)
   if not frames:
     return ""
   path = frames[-1].filename

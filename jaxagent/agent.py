@@ -28,7 +28,7 @@ import zlib
 from typing import Any, Awaitable, Optional
 from urllib.parse import quote
 
-from envs.base import BAD_TASK, CannotStart, failure, trained_rewards
+from envs.base import BAD_TASK, BadReward, CannotStart, failure, trained_rewards
 from envs import waits
 from jaxagent.config import AgentConfig, ConfigError
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
@@ -764,6 +764,7 @@ class _MeasuredEnv:
       self._clock = None
 
   async def reset(self, task):
+    self.task = task
     try:
       return await self._measured(self.env.reset(task))
     except BAD_TASK as e:  # the task's parameters (as environments report them)
@@ -772,12 +773,23 @@ class _MeasuredEnv:
       why = e.why if isinstance(e, CannotStart) else failure(e)
       raise TaskError(f"task {task.id!r} ({task.env}): {why}") from e
 
+  def _bad_reward(self, e: BadReward) -> TaskError:
+    """A reward that is not a finite number stops the run in one line naming the task
+    and where (it was "an episode raised ValueError (a bug ...)" and a traceback)."""
+    return TaskError(f"task {self.task.id!r} ({self.task.env}): {failure(e)}")
+
   async def step(self, action: str):
     self.actions.append(action)
-    return await self._measured(self.env.step(action))
+    try:
+      return await self._measured(self.env.step(action))
+    except BadReward as e:
+      raise self._bad_reward(e) from e
 
   async def verify(self):
-    return await self._measured(self.env.verify())
+    try:
+      return await self._measured(self.env.verify())
+    except BadReward as e:
+      raise self._bad_reward(e) from e
 
   async def waited(self, ask_worker: bool = True) -> float:
     """Waits so far, a running call's included (a remote one's asked of its worker)."""

@@ -118,6 +118,7 @@ class RolloutScheduler:
     self._tasks: set[asyncio.Task] = set()
     self._stop = False
     self.error: Optional[BaseException] = None  # a bug an episode raised, or an outage
+    self.error_task = None  # the task of the episode that raised it
     # The last infra_window episodes' outcomes: the infrastructure failure's kind that
     # dropped one after its retries, None for one that ended.
     self.outcomes: collections.deque = collections.deque(maxlen=max(1, cfg.infra_window))
@@ -182,7 +183,7 @@ class RolloutScheduler:
       if isinstance(e, TaskError):  # the data's: not kept to be played on a resume
         self.groups.pop(group.index, None)
         self._finished.append(f"g{group.index}")
-      self.error = e
+      self.error, self.error_task = e, group.task
       self._changed.set()
       return
     group.episodes = [e for e in results if e is not None]
@@ -382,7 +383,10 @@ class RolloutScheduler:
     if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed, ConfigError)):
       raise self.error  # (ConfigError: settings a task's first prompt does not fit)
     if self.error is not None:
-      raise RuntimeError(f"an episode raised {type(self.error).__name__} (a bug, not an "
+      task = self.error_task
+      of = (f" of task {task.id!r} ({task.env})" if hasattr(task, "id") and hasattr(task, "env")
+            else "")
+      raise RuntimeError(f"an episode{of} raised {type(self.error).__name__} (a bug, not an "
                          f"infrastructure failure): {self.error}") from self.error
 
   def pending_tasks(self) -> list:

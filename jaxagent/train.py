@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -1338,8 +1339,10 @@ def main(argv=None) -> int:
             f"{disk_hint(e)} (then: {resume_command(run_dir)})", file=sys.stderr, flush=True)
       return 3
     except TaskError as e:
-      print(f"error: data.tasks: {e} (python -m envs.filter {cfg.data.tasks} checks a task "
-            "file)", file=sys.stderr)
+      check = shlex.join(["python", "-m", "envs.filter",
+                          *[a for m in cfg.env.imports for a in ("--import", m)],
+                          cfg.data.tasks])
+      print(f"error: data.tasks: {e} ({check} checks a task file)", file=sys.stderr)
       return 2
     except (InfraOutage, InfraError) as e:
       # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),

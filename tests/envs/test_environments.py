@@ -278,6 +278,37 @@ def test_a_reward_that_is_not_a_finite_number_never_reaches_the_learner(tmp_path
     trained_rewards([0.0, float(literal)], {"status": "pass", "reward": 1.0})
 
 
+def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
+  """A string reward ("0.5") trained as 0.5 and a verdict's as a TypeError; a NaN stopped
+  the run as "a bug" with a traceback, naming neither the task nor the line (a new
+  user's round). Both are BadReward, which the agent names with the task and the
+  environment's line, in one line."""
+  import numpy as np
+
+  from envs.base import BadReward, Observation, StepResult, Verdict, VerdictStatus
+  from jaxagent.agent import _MeasuredEnv
+  from jaxagent.errors import TaskError
+
+  for bad in ("0.5", None, True, float("inf")):
+    with pytest.raises(BadReward, match="a step's reward must be a finite number"):
+      StepResult(Observation([]), bad, False, False)
+    with pytest.raises(BadReward, match="a verdict's reward must be a finite number"):
+      Verdict(VerdictStatus.FAIL, bad, "1", "1")
+  StepResult(Observation([]), np.float32(0.5), False, False)  # numbers of any kind pass
+  Verdict(VerdictStatus.PASS, 1, "1", "1")
+
+  class Bad(type(make("guess_number"))):
+    async def step(self, action):
+      r = await super().step(action)
+      return StepResult(r.observation, "0.5", r.terminated, r.truncated, r.info)
+
+  env = _MeasuredEnv(Bad())
+  asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5})))
+  with pytest.raises(TaskError, match=r"task 'g' \(guess_number\): .*test_environments.py:\d+: "
+                     r"BadReward: a step's reward must be a finite number, got '0.5' \(str\)"):
+    asyncio.run(env.step("8"))
+
+
 def test_filter_cli_keeps_good_tasks_and_says_why_it_drops(tmp_path):
   tasks = [
       TaskSpec("ok", "guess_number", {"secret": 5}),
