@@ -213,7 +213,7 @@ def run_local(args) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir (the run to go on with)", file=sys.stderr)
     return 2
-  from jaxagent.train import holds_a_run
+  from jaxagent.train import holds_a_run, started_a_run
 
   try:  # the learner's checks, before any service starts (with the URLs it will get)
     check_with_services(cfg, args.servers, args.env_workers)
@@ -224,9 +224,10 @@ def run_local(args) -> int:
     print(f"error: {args.run_dir} already holds a run: --resume to go on with it, or "
           "another --run-dir", file=sys.stderr)
     return 2
-  if args.resume and not holds_a_run(args.run_dir):  # (before any service starts)
-    print(f"error: --resume: {args.run_dir} holds no run (no checkpoint, no step "
-          "recorded: nothing to resume; drop --resume to start the run)", file=sys.stderr)
+  if args.resume and not started_a_run(args.run_dir):  # (before any service starts)
+    print(f"error: --resume: {args.run_dir} holds no run (no config.json, no checkpoint, "
+          "no step recorded: nothing to resume; drop --resume to start the run)",
+          file=sys.stderr)
     return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   services, learners = plan(args, cfg, run_dir)

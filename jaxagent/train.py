@@ -572,6 +572,13 @@ def holds_a_run(run_dir: str) -> bool:
           or (os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))))
 
 
+def started_a_run(run_dir: str) -> bool:
+  """Whether `--resume` can go on in `run_dir`: it holds a run's records, or the config
+  of one stopped before its first step (which then starts again from step 0, as the
+  stop told it to)."""
+  return holds_a_run(run_dir) or os.path.exists(os.path.join(run_dir, "config.json"))
+
+
 def _deleted(state) -> bool:
   """Whether `state`'s arrays were given away (donated to a train step under way)."""
   return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
@@ -1180,14 +1187,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   if ckpt.failed is not None:  # (one that the run went on past, or the last one)
     raise ckpt.failed
   stopped = signals["got"] is not None and step < cfg.steps and early_stop is None
+  png = plot_learning_curve(run_dir, cfg.name) if primary else None  # (stopped too)
   if stopped and primary:  # (not finished: a scheduler that restarts the run resumes it)
     print(f"stopped at step {step} of {cfg.steps} ({signals['got']}); to go on: "
-          f"{resume_command(run_dir)}", file=sys.stderr, flush=True)
+          f"{resume_command(run_dir)}" + (f"; learning curve so far: {png}" if png else ""),
+          file=sys.stderr, flush=True)
   if stopped:
     return 128 + getattr(signal, signals["got"]).value
   if not primary:
     return 0
-  png = plot_learning_curve(run_dir, cfg.name)
   print(f"done: {step} steps in {time.time() - t_start:.0f}s; learning curve: {png}")
   return 0
 
@@ -1258,9 +1266,9 @@ def main(argv=None) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir", file=sys.stderr)
     return 2
-  if args.resume and not holds_a_run(args.run_dir):
-    print(f"error: --resume: {args.run_dir} holds no run (no checkpoint, no step recorded: "
-          "nothing to resume; drop --resume to start the run)", file=sys.stderr)
+  if args.resume and not started_a_run(args.run_dir):
+    print(f"error: --resume: {args.run_dir} holds no run (no config.json, no checkpoint, no "
+          "step recorded: nothing to resume; drop --resume to start the run)", file=sys.stderr)
     return 2
   try:
     if args.config is None and not args.resume:

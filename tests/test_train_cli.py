@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from jaxagent import config as config_lib
 from jaxagent.trajectory import read_jsonl
 from tests.conftest import REPO
 
@@ -194,6 +195,9 @@ def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
   assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
   assert "stopped at step " in err and f"--run-dir {run_dir} --resume" in err
+  # Its learning curve so far is drawn too (it was only at the end of a whole run).
+  assert "learning curve so far: " in err and os.path.exists(
+      os.path.join(run_dir, "learning_curve.png"))
   step = read_metrics(run_dir)[-1]["step"]
   assert 2 <= step < 500
   assert str(step) in os.listdir(os.path.join(run_dir, "checkpoints"))
@@ -421,7 +425,7 @@ def _bad_settings(tmp_path):
       (["--config", str(bad_yaml)], "cannot read config file"),
       (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
       (["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"), "--resume"],
-       "holds no run (no checkpoint, no step recorded"),
+       "holds no run (no config.json, no checkpoint, no step recorded"),
       (["--run-dir", str(resumable), "--resume", "model.preset=tiny"],
        "a run keeps its model (model.preset: nano -> tiny)"),
       (["--run-dir", str(tmp_path / "empty"), "--resume"], "no checkpoint, no step"),
@@ -443,6 +447,25 @@ def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tmp_path)
   assert not holds_a_run(str(tmp_path))
   (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
   assert holds_a_run(str(tmp_path))
+
+
+def test_resume_goes_on_with_a_run_stopped_before_its_first_step(tmp_path):
+  """Stopped before step 1 (a Ctrl-C while compiling), a run says "to go on: ... --resume",
+  which was refused: no checkpoint, no step (a new user's round). With its config.json
+  it starts again from step 0."""
+  from jaxagent.train import started_a_run
+
+  run = tmp_path / "run"
+  run.mkdir()
+  assert not started_a_run(str(run))
+  cfg = config_lib.load(config_lib.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
+                        ["steps=1", *SMALL])
+  (run / "config.json").write_text(json.dumps(config_lib.to_dict(cfg)))
+  assert started_a_run(str(run))
+  proc = run_train("--run-dir", str(run), "--resume")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "no checkpoint yet: the run starts again from step 0" in proc.stdout
+  assert [r["step"] for r in read_metrics(str(run))] == [1]
 
 
 def test_bad_settings_get_one_line_naming_the_key(tmp_path, capsys):
