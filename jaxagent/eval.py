@@ -295,12 +295,14 @@ def main(argv=None) -> int:
   # In the evaluated version's own directory: an eval of RUN_DIR/policy (the latest) after
   # more training does not overwrite the report of the version before.
   out = args.out or os.path.join(rep["policy"], f"eval-{name}.json")
+  replaced = os.path.exists(out)  # (an eval of other settings: said, not silent)
   with open(out, "w") as f:
     json.dump(rep, f, indent=1)
   if args.json:  # the report alone on stdout, for a pipe
     print(json.dumps(rep))
   print_table(rep, rep["k"], file=sys.stderr if args.json else sys.stdout)
-  print(f"report: {out}", file=sys.stderr if args.json else sys.stdout)
+  print(f"report: {out}" + (" (it replaces the report that was there; --out keeps both)"
+                             if replaced else ""), file=sys.stderr if args.json else sys.stdout)
   return 0
 
 

@@ -378,6 +378,9 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
   if c.export_dtype not in (None, "bfloat16", "float16", "float32"):  # (it was ignored)
     raise config_lib.ConfigError(f"checkpoint.export_dtype: null (the parameters' own), "
                                  f"bfloat16, float16 or float32, got {c.export_dtype!r}")
+  if not 0 <= cfg.stop_success_rate <= 1:  # (2 was taken: a stop that could never come)
+    raise config_lib.ConfigError(f"stop_success_rate must be in [0, 1] (0: no early stop), "
+                                 f"got {cfg.stop_success_rate}")
   if c.keep < 1:  # (0 kept none: a resume started again from step 0)
     raise config_lib.ConfigError(f"checkpoint.keep must be >= 1 (checkpoints kept), got "
                                  f"{c.keep}")
@@ -1287,6 +1290,7 @@ def main(argv=None) -> int:
       import yaml
 
       print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end="")
+      check_config(cfg)  # (printed, then checked: its values too, not only its keys)
       return 0
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -111,6 +111,12 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
                         "--tasks", HELD_OUT, "--greedy", "--limit", "2"]) == 0
   assert os.path.exists(os.path.join(rep["policy"],
                                      "eval-guess_number_heldout-greedy-first2.json"))
+  assert "replaces" not in capsys.readouterr().out
+  # Again with other settings: the report is replaced, and said so (a new user's round).
+  assert eval_lib.main(["--policy", os.path.relpath(os.path.join(run_dir, "policy")),
+                        "--tasks", HELD_OUT, "--greedy", "--limit", "2", "--k", "1"]) == 0
+  assert "(it replaces the report that was there; --out keeps both)" in \
+      capsys.readouterr().out
   # A launched run's config names its environment workers, gone with the launch: the
   # eval plays in process (it failed with an InfraError traceback; operator round).
   path = os.path.join(run_dir, "config.json")

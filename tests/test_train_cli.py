@@ -370,6 +370,7 @@ def _bad_settings(tmp_path):
       # Math that trained nothing (a reviewer's round): a clip to norm 0 zeroed every
       # update; k1 as a loss has a zero expected gradient.
       (tiny + ["learner.max_grad_norm=0"], "learner.max_grad_norm must be > 0"),
+      (tiny + ["stop_success_rate=2"], "stop_success_rate must be in [0, 1]"),
       (tiny + ["learner.kl_coef=0.1", "learner.kl_estimator=k1"],
        "learner.kl_estimator k1 with a kl_coef: as a loss its gradient is zero"),
       (tiny + ["learner.lr_end_factor=2"], "learner.lr_end_factor must be in [0, 1]"),
@@ -560,6 +561,10 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   with pytest.raises(SystemExit):
     train.main(["--config", "configs/tiny.yaml", "steps=3", "--print-config", "--bogus"])
   assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+  # Printed, then checked: values a run refuses are said (they printed without a word).
+  assert train.main(["--config", "configs/tiny.yaml", "--print-config", "steps=-5"]) == 2
+  out = capsys.readouterr()
+  assert "steps: -5" in out.out and out.err.strip() == "error: steps must be >= 1, got -5"
 
 
 def test_a_run_that_keeps_no_group_says_so(tmp_path):

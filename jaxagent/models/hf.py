@@ -198,7 +198,11 @@ def save_hf(path: str, cfg: ModelConfig, params: dict[str, np.ndarray],
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
-  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  weights = os.path.join(path, "model.safetensors")
+  save_file(tensors, weights, metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(weights, 0o666 & ~umask)  # (safetensors writes 0600: readable as config.json is)
   return [os.path.join(path, n) for n in ("config.json", "model.safetensors")]
 
 

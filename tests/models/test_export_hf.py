@@ -87,6 +87,9 @@ def test_qwen2_biases_and_llama3_rope_export_in_bfloat16(tmp_path):
                             rope_scaling=RopeScaling(original_max_position=32))
   params = _random(cfg, seed=2)
   save_hf(str(tmp_path), cfg, params, "bfloat16")
+  # The weights as readable as the config (safetensors wrote them 0600: a new user's round).
+  assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == \
+      (tmp_path / "config.json").stat().st_mode & 0o777
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["architectures"] == ["Qwen2ForCausalLM"] and config["torch_dtype"] == "bfloat16"
   with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
