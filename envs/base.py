@@ -18,7 +18,6 @@ import enum
 import hashlib
 import json
 import math
-import numbers
 import re
 from typing import Any, Callable, Optional, Sequence
 
@@ -157,8 +156,12 @@ class BadReward(ValueError):
 
 
 def _check_reward(value, what: str) -> None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
-      value):
+  """A number of any kind (NumPy's and JAX's scalars too), finite; not text or a bool."""
+  try:
+    finite = not isinstance(value, (str, bytes, bool)) and math.isfinite(float(value))
+  except (TypeError, ValueError):
+    finite = False
+  if not finite:
     raise BadReward(f"{what} must be a finite number, got {value!r} "
                     f"({type(value).__name__})")
 

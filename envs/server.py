@@ -49,9 +49,9 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from envs import waits
-from envs.base import (BAD_TASK, CannotStart, EnvResources, Observation, StepResult, TaskSpec,
-                       Verdict, VerdictStatus, add_import_flag, cannot_start, json_safe,
-                       load_modules, make)
+from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
+                       TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
+                       json_safe, load_modules, make)
 from jaxagent.errors import InfraError
 
 
@@ -417,14 +417,24 @@ class RemoteEnv:
     self.done = False
     return Observation(**out["observation"])
 
+  async def _env_call(self, path: str, **kw) -> dict:
+    """A step or verify: a reward the worker's environment gave that is not a number is
+    BadReward here too (the run names the task), not a refused call of ours."""
+    try:
+      return await self._call("POST", path, **kw)
+    except _Refused as e:
+      if e.status_code == 400 and "BadReward: " in str(e):
+        raise BadReward(str(e)) from None
+      raise
+
   async def step(self, action: str) -> StepResult:
-    out = await self._call("POST", f"/sessions/{self.session_id}/step", json={"action": action})
+    out = await self._env_call(f"/sessions/{self.session_id}/step", json={"action": action})
     self.done = out["terminated"] or out["truncated"]
     return StepResult(Observation(**out["observation"]), out["reward"], out["terminated"],
                       out["truncated"], out["info"])
 
   async def verify(self) -> Verdict:
-    out = await self._call("POST", f"/sessions/{self.session_id}/verify")
+    out = await self._env_call(f"/sessions/{self.session_id}/verify")
     out.pop("infra_wait_s", None)
     out["status"] = VerdictStatus(out["status"])
     return Verdict(**out)

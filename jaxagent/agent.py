@@ -30,7 +30,7 @@ from urllib.parse import quote
 
 from envs.base import BAD_TASK, BadReward, CannotStart, failure, trained_rewards
 from envs import waits
-from jaxagent.config import AgentConfig, ConfigError
+from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
@@ -60,6 +60,7 @@ class Episode:
   output_tokens: int = 0
   replayed_turns: int = 0  # turns taken from a dead run's write-ahead log
   compactions: int = 0  # times the context was compacted (agent.compaction)
+  unfit: str = ""  # why the task's first prompt did not fit (FIRST_PROMPT_TOO_LONG)
 
   @property
   def reward(self) -> float:
@@ -73,6 +74,10 @@ class Episode:
     vs = [s.min_version() for s in self.segments]
     vs = [v for v in vs if v is not None]
     return min(vs) if vs else None
+
+
+# The truncation of an episode whose task's first prompt did not fit the context.
+FIRST_PROMPT_TOO_LONG = "first_prompt_too_long"
 
 
 def _seed(session_id: str, turn: int) -> int:
@@ -310,17 +315,21 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
 
-  def cannot_start(prompt) -> ConfigError:
-    """The task's first prompt, before the policy wrote a token, does not fit: the
-    settings', not the policy's (scored as a truncation, every episode of every group
-    ended so, and the run played new groups for ever without a word)."""
+  def too_long(turn: int, prompt) -> tuple[str, str]:
+    """The truncation of a conversation that outgrew the context. Before the policy wrote
+    a token (the task's first prompt) it is `first_prompt_too_long`, with what to raise
+    (`ep.unfit`): a run whose every episode ends so stops saying it (it played new groups
+    for ever without a word)."""
+    if turn:
+      return "truncated", "token_cap"
     where = ("agent.max_context_tokens" if limit == cfg.max_context_tokens else
              "what the engine takes (serving.engine.max_prefill_length)")
-    return ConfigError(
+    ep.unfit = (
         f"task {task.id!r} ({task.env}): its first prompt is {len(prompt)} tokens, which "
         f"with agent.max_new_tokens ({cfg.max_new_tokens}) is over {where} ({limit}): raise "
         "agent.max_context_tokens, serving.engine.max_prefill_length and max_seq_len, and "
         "data.seq_len (the tools an environment offers add their schemas to every prompt)")
+    return "truncated", FIRST_PROMPT_TOO_LONG
 
   async def play():
     nonlocal status, reason, limit
@@ -333,10 +342,8 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
         prompt = tokenizer.apply_chat_template(messages, tools=tools)
       while True:  # twice at most: a compaction when the engine refuses the prompt
         if len(prompt) + cfg.max_new_tokens > limit:
-          if turn == 0:
-            raise cannot_start(prompt)
           if cfg.compaction == "none" or turn in compacted_at:
-            status, reason = "truncated", "token_cap"
+            status, reason = too_long(turn, prompt)
             return
           wait_on("server")
           try:
@@ -347,7 +354,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
           except InfraError as e:
             if e.kind != "prompt_too_long":
               raise
-            status, reason = "truncated", "token_cap"  # too long even to summarise
+            status, reason = too_long(turn, prompt)  # too long even to summarise
             return
           if log is not None and summary is not None:  # the next prompts are built on it
             await _commit(log, log.summary, turn, summary)
@@ -356,7 +363,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
           ep.compactions += 1
           prompt = tokenizer.apply_chat_template(messages, tools=tools)
           if len(prompt) + cfg.max_new_tokens > limit:
-            status, reason = "truncated", "token_cap"
+            status, reason = too_long(turn, prompt)
             return
         record = None
         if replay is not None:  # committed by the run that died: taken as it was sampled
@@ -550,12 +557,14 @@ def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
                  for c in m.get("tool_calls") or []]
       called = {c["id"] for c in m.get("tool_calls") or []}
     elif role == "tool":
-      role, use_id = "user", next(answers, None)
-      if use_id is None and m.get("tool_call_id") in called:  # (a call among `messages`)
-        use_id = m["tool_call_id"]
-      # One that answers no tool use (the error for a malformed call, which the reply's
-      # blocks do not hold) is text: a tool_result of an id the reply did not call is
-      # refused (400), and the episode ended as the server's failure, re-rolled.
+      # One without a call id (the error for a malformed call, which the reply's blocks
+      # do not hold) answers no tool use: text, taking no id (a tool_result of an id the
+      # reply did not call is refused, 400, and the episode ended as the server's
+      # failure, re-rolled; taking the next id, it answered a valid call with the error).
+      use_id = None
+      if m.get("tool_call_id"):
+        use_id = m["tool_call_id"] if m["tool_call_id"] in called else next(answers, None)
+      role = "user"
       blocks = ([{"type": "text", "text": content}] if use_id is None else
                 [{"type": "tool_result", "content": content, "tool_use_id": use_id}])
     else:
@@ -564,6 +573,9 @@ def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
       out[-1]["content"] += blocks
     else:
       out.append({"role": role, "content": blocks})
+  for m in out:  # a user message's tool results come before its text (Anthropic's rule)
+    if m["role"] == "user":
+      m["content"].sort(key=lambda b: b["type"] != "tool_result")
   return system, out
 
 
@@ -739,7 +751,7 @@ class _MeasuredEnv:
   agent acted on)."""
 
   def __init__(self, env):
-    self.env, self.actions = env, []
+    self.env, self.actions, self.task = env, [], None
     self.waited_s = self.env_s = 0.0
     self._clock: Optional[waits.WaitClock] = None
 
@@ -776,7 +788,8 @@ class _MeasuredEnv:
   def _bad_reward(self, e: BadReward) -> TaskError:
     """A reward that is not a finite number stops the run in one line naming the task
     and where (it was "an episode raised ValueError (a bug ...)" and a traceback)."""
-    return TaskError(f"task {self.task.id!r} ({self.task.env}): {failure(e)}")
+    task = self.task
+    return TaskError((f"task {task.id!r} ({task.env}): " if task else "") + failure(e))
 
   async def step(self, action: str):
     self.actions.append(action)
@@ -852,7 +865,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
                                          EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
                                          t_start, look_s=0.25)
-    ep.verdict = (await _graded(env.verify(), cfg)).to_dict()
+    ep.verdict = (await _graded(acting.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
     turns = await _take_session(gateway_url, wire_id)
@@ -880,11 +893,11 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     said = f"{e} {getattr(e, 'body', '')}"
     if getattr(e, "status_code", None) == 400 and PROMPT_TOO_LONG in said:
       if not acting.actions:  # its first request, before the policy wrote a token
-        raise ConfigError(
-            f"task {task.id!r} ({task.env}): the agent's first request does not fit the "
-            f"server ({said.strip()[:200]}): raise serving.engine.max_prefill_length and "
-            "max_seq_len, and data.seq_len") from None
-      await truncated("token_cap")  # the conversation outgrew the engine: its own length
+        ep.unfit = (f"task {task.id!r} ({task.env}): the agent's first request does not fit "
+                    f"the server ({said.strip()[:200]}): raise serving.engine."
+                    "max_prefill_length and max_seq_len, and data.seq_len")
+      # The conversation outgrew the engine: its own length (or the task's first prompt).
+      await truncated(FIRST_PROMPT_TOO_LONG if not acting.actions else "token_cap")
     else:  # the gateway failed (down, overloaded, cut)
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
           "failed", f"{type(e).__name__}: {e}"[:300], True, "server")

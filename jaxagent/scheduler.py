@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxagent.agent import Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
-from jaxagent.config import AdvantageConfig, ConfigError, RolloutConfig
+from jaxagent.config import AdvantageConfig, RolloutConfig
 from jaxagent.errors import InfraOutage, RunWriteFailed, TaskError
 
 
@@ -380,8 +380,8 @@ class RolloutScheduler:
     return out
 
   def _raise_error(self) -> None:
-    if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed, ConfigError)):
-      raise self.error  # (ConfigError: settings a task's first prompt does not fit)
+    if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed)):
+      raise self.error
     if self.error is not None:
       task = self.error_task
       of = (f" of task {task.id!r} ({task.env})" if hasattr(task, "id") and hasattr(task, "env")

@@ -36,7 +36,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxagent import config as config_lib, distributed
-from jaxagent.agent import BLACKBOX_AGENTS, Episode, run_blackbox, run_whitebox
+from jaxagent.agent import (BLACKBOX_AGENTS, FIRST_PROMPT_TOO_LONG, Episode, run_blackbox,
+                            run_whitebox)
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
                                  drop_version, drop_versions_after, export_policy,
@@ -1048,17 +1049,28 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       state, m, batch, info = await loop.run_in_executor(None, learn, state, accepted)
       if m is None:
         # Nothing to learn from (all filtered or too long): sample again; the next step's
-        # metrics count these episodes and their time too. Said every NO_STEP_NOTE_S
-        # while it lasts (a run whose every group was dropped spun without a word).
+        # metrics count these episodes and their time too. A run whose every episode so
+        # far began with a prompt too long for its settings stops saying so; else the
+        # wait is said every NO_STEP_NOTE_S while it lasts (such runs spun without a word).
+        episodes = [e for g in played for e in g.episodes]
+        unfit = [e for e in episodes if e.reason == FIRST_PROMPT_TOO_LONG]
+        if (step == first_step and unfit and len(unfit) == len(episodes)
+            and len(played) >= 2):
+          raise config_lib.ConfigError(f"{unfit[0].unfit} (every episode this run played "
+                                       "began so: nothing to train on)")
         waited = time.perf_counter() - t_rollout_mark
         if primary and waited >= no_step_note_at:
           no_step_note_at = waited + NO_STEP_NOTE_S
           dropped = scheduler.dropped - dropped_at_step
-          print(f"warning: no step for {waited:.0f} s: {len(played)} groups played, none "
-                "kept (dropped: " + ", ".join(f"{k} {v}" for k, v in dropped.most_common())
-                + "); no_signal is a group whose episodes all scored alike "
-                "(rollout.filter_equal_rewards), too_few_valid one whose episodes failed",
-                file=sys.stderr, flush=True)
+          why = [f"{k} {v}" for k, v in dropped.most_common()]
+          if unfit:
+            why.append(f"{len(unfit)} episodes whose first prompt did not fit")
+          if info.get("too_long"):
+            why.append(f"{info['too_long']} segments longer than data.seq_len")
+          print(f"warning: no step for {waited:.0f} s: {len(played)} groups played, nothing "
+                f"to train on ({', '.join(why) or 'no episode with a turn'}); no_signal is a "
+                "group whose episodes all scored alike (rollout.filter_equal_rewards), "
+                "too_few_valid one whose episodes failed", file=sys.stderr, flush=True)
         continue
       no_step_note_at, dropped_at_step = NO_STEP_NOTE_S, collections.Counter(scheduler.dropped)
       row = {"step": step + 1, **episode_metrics(played, accepted, version),
@@ -1265,7 +1277,7 @@ def main(argv=None) -> int:
     if not args.run_dir:
       print("error: --auto-resume needs --run-dir", file=sys.stderr)
       return 2
-    args.resume = holds_a_run(args.run_dir)
+    args.resume = started_a_run(args.run_dir)  # (one stopped before its first step too)
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir", file=sys.stderr)
     return 2

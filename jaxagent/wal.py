@@ -25,6 +25,7 @@ the same seed, which samples the same tokens (`fold_in(seed, position)` keys).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -64,35 +65,62 @@ def _write_failed(path: str, e: OSError) -> RunWriteFailed:
                         f"({e.strerror or e}){disk_hint(e)}")
 
 
-class _GroupFile:
-  """The append-only file a group's episodes share. Opened for each record, not held: a
-  run holds a file for every group it played since its last checkpoint, and one that
-  kept none of them for a while (no step, no save) ran out of file descriptors."""
+class _OpenFiles:
+  """The group files held open, the `limit` most recently written (a run that kept no
+  group for a while, no step and no save, held one for every group it played and ran out
+  of file descriptors; opening a file for every record instead costs an upload a record
+  on a bucket mount). One lock for every write: records are small."""
 
-  def __init__(self, path: str, fsync: bool):
+  def __init__(self, limit: int = 128):
+    self.limit = limit
+    self.lock = threading.Lock()  # fsync'd writes come from worker threads
+    self._held: "collections.OrderedDict[str, Any]" = collections.OrderedDict()
+
+  def get(self, path: str):
+    """The open file of `path` (under `lock`), the least recently used closed past the limit."""
+    f = self._held.pop(path, None)
+    if f is None:
+      f = open(path, "a")
+      while len(self._held) >= self.limit:
+        self._held.popitem(last=False)[1].close()
+    self._held[path] = f
+    return f
+
+  def close(self, path: str) -> None:
+    with self.lock:
+      f = self._held.pop(path, None)
+      if f is not None:
+        f.close()
+
+
+class _GroupFile:
+  """The append-only file a group's episodes share (held open among the most recently
+  written, `_OpenFiles`)."""
+
+  def __init__(self, path: str, fsync: bool, files: _OpenFiles):
     self.path = path
     self.fsync = fsync
-    self._lock = threading.Lock()  # fsync'd writes come from worker threads
+    self._files = files
     self._write("")  # (created now: a directory that cannot be written fails here)
 
   def _write(self, line: str) -> None:
-    try:
-      with open(self.path, "a") as f:
+    with self._files.lock:
+      try:
+        f = self._files.get(self.path)
         f.write(line)  # one line a write: records of episodes never interleave
         f.flush()
         if self.fsync and line:
           os.fsync(f.fileno())
-    except OSError as e:  # (a line cut short is skipped by a replay, as after a kill)
-      raise _write_failed(self.path, e) from e
+      except OSError as e:  # (a line cut short is skipped by a replay, as after a kill)
+        raise _write_failed(self.path, e) from e
 
   def append(self, record: dict) -> int:
     line = json.dumps(record, separators=(",", ":")) + "\n"
-    with self._lock:
-      self._write(line)
+    self._write(line)
     return len(line)
 
   def close(self) -> None:
-    pass  # (nothing held)
+    self._files.close(self.path)
 
 
 class EpisodeLog:
@@ -194,6 +222,7 @@ class TokenWAL:
     self.directory = directory
     self.fsync = fsync
     self._files: dict[str, _GroupFile] = {}
+    self._open = _OpenFiles()
     os.makedirs(directory, exist_ok=True)
 
   def _path(self, group_id: str) -> str:
@@ -201,7 +230,7 @@ class TokenWAL:
 
   def open(self, session_id: str, *, group_id: str, task: dict, episode: int) -> EpisodeLog:
     if group_id not in self._files:
-      self._files[group_id] = _GroupFile(self._path(group_id), self.fsync)
+      self._files[group_id] = _GroupFile(self._path(group_id), self.fsync, self._open)
     log = EpisodeLog(self._files[group_id], session_id)
     log.start(group_id=group_id, task=task, episode=episode)
     return log

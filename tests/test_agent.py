@@ -8,7 +8,7 @@ import pytest
 from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, make
 from envs.tools import Tool, ToolSet
 from jaxagent.agent import run_blackbox, run_whitebox
-from jaxagent.config import AgentConfig, ConfigError
+from jaxagent.config import AgentConfig
 from jaxagent.errors import TaskError
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
 from jaxagent.trajectory import CLEAN, FORK, TurnRecord
@@ -104,13 +104,15 @@ def test_truncations_have_their_reasons():
   ep, _ = play(["1", "2"], TaskSpec("t", "guess_number", {"secret": 11}),
                cfg=AgentConfig(max_context_tokens=40, max_new_tokens=4))  # (prompt 1: 30)
   assert (ep.status, ep.reason, ep.turns) == ("truncated", "token_cap", 1)
-  # A first prompt that does not fit, before the policy wrote a token, is the settings':
-  # as a truncation every episode ended so and the run spun without a step or a word.
-  with pytest.raises(ConfigError, match=r"task 't' \(guess_number\): its first prompt is 30 "
-                     r"tokens, which with agent.max_new_tokens \(4\) is over "
-                     r"agent.max_context_tokens \(20\): raise"):
-    play(["1"], TaskSpec("t", "guess_number", {"secret": 11}),
-         cfg=AgentConfig(max_context_tokens=20, max_new_tokens=4))
+  # A first prompt that does not fit, before the policy wrote a token: a truncation of its
+  # own, saying what to raise (a run whose every episode ends so stops with it: it spun
+  # without a step or a word).
+  ep, _ = play(["1"], TaskSpec("t", "guess_number", {"secret": 11}),
+               cfg=AgentConfig(max_context_tokens=20, max_new_tokens=4))
+  assert (ep.status, ep.reason, ep.turns) == ("truncated", "first_prompt_too_long", 0)
+  assert ep.unfit.startswith("task 't' (guess_number): its first prompt is 30 tokens, which "
+                             "with agent.max_new_tokens (4) is over agent.max_context_tokens "
+                             "(20): raise")
 
 
 def test_server_failure_is_infrastructure_not_a_score():

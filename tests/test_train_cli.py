@@ -371,6 +371,12 @@ def _bad_settings(tmp_path):
       # update; k1 as a loss has a zero expected gradient.
       (tiny + ["learner.max_grad_norm=0"], "learner.max_grad_norm must be > 0"),
       (tiny + ["stop_success_rate=2"], "stop_success_rate must be in [0, 1]"),
+      # Tasks whose first prompt does not fit (a new user's tools: 491 tokens against 160):
+      # every episode a truncation with no turn, ~20,000 groups in 3 minutes without a word.
+      (["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "unfit"),
+        "agent.max_context_tokens=16", "serving.engine.max_prefill_length=16"],
+       "(guess_number): its first prompt is 30 tokens, which with agent.max_new_tokens (1) "
+       "is over agent.max_context_tokens (16): raise"),
       (tiny + ["learner.kl_coef=0.1", "learner.kl_estimator=k1"],
        "learner.kl_estimator k1 with a kl_coef: as a loss its gradient is zero"),
       (tiny + ["learner.lr_end_factor=2"], "learner.lr_end_factor must be in [0, 1]"),

@@ -294,7 +294,8 @@ def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
       StepResult(Observation([]), bad, False, False)
     with pytest.raises(BadReward, match="a verdict's reward must be a finite number"):
       Verdict(VerdictStatus.FAIL, bad, "1", "1")
-  StepResult(Observation([]), np.float32(0.5), False, False)  # numbers of any kind pass
+  for good in (np.float32(0.5), np.array(0.5), 1):  # numbers of any kind pass
+    StepResult(Observation([]), good, False, False)
   Verdict(VerdictStatus.PASS, 1, "1", "1")
 
   class Bad(type(make("guess_number"))):

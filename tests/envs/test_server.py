@@ -41,6 +41,14 @@ class SlowEnv(base.Env):
     return base.Verdict(VerdictStatus.FAIL, 0.0, "slow@1", "slow@1")
 
 
+@base.register("nan_reward_test_env")
+class NanRewardEnv(SlowEnv):
+  """Its step's reward is a NaN (an environment's bug)."""
+
+  async def step(self, action):
+    return base.StepResult(base.Observation([]), float("nan"), True, False)
+
+
 @pytest.fixture(scope="module")
 def worker():
   resources = EnvResources(sandboxes=2)
@@ -65,6 +73,21 @@ def test_remote_episode_matches_in_process(worker):
   assert r1.observation.messages[0]["content"] == "Lower." and not r1.terminated
   assert r2.terminated and r2.reward == 0.0
   assert verdict.status == VerdictStatus.PASS and verdict.env_version == "guess_number@2" and verdict.reward == 1.0
+
+
+def test_a_reward_that_is_not_a_number_is_the_environments_bug_over_the_service(worker):
+  """The worker's environment gave a NaN: BadReward at the client as in process (the run
+  names the task), not a refused call of the client's ("a bug" of the learner)."""
+  async def go():
+    env = RemoteEnv(worker.url)
+    try:
+      await env.reset(TaskSpec("n", "nan_reward_test_env", {}))
+      with pytest.raises(base.BadReward, match="a step's reward must be a finite number"):
+        await env.step("x")
+    finally:
+      await env.aclose()
+
+  asyncio.run(go())
 
 
 def test_python_tests_over_the_service(worker):

@@ -89,8 +89,12 @@ def test_a_tool_message_that_answers_no_tool_use_is_text():
   error = [{"role": "tool", "content": "error: malformed tool call: bad JSON"}]
   assert anthropic_messages(error)[1] == [
       {"role": "user", "content": [{"type": "text", "text": error[0]["content"]}]}]
-  assert anthropic_messages(error, ("t1",))[1] == [{"role": "user", "content": [
-      {"type": "tool_result", "content": error[0]["content"], "tool_use_id": "t1"}]}]
+  # A valid call beside a malformed one: the error (first, as ToolSet answers) is text,
+  # the result answers the call (a reviewer's round: it took the call's id).
+  result = {"role": "tool", "tool_call_id": "call_1", "name": "f", "content": "125"}
+  assert anthropic_messages(error + [result], ("t1",))[1] == [{"role": "user", "content": [
+      {"type": "tool_result", "content": "125", "tool_use_id": "t1"},
+      {"type": "text", "text": error[0]["content"]}]}]  # (results first, as Anthropic's)
   body = MessagesBody(model="m", max_tokens=8, messages=[
       {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<tool_call>{"},
       *anthropic_messages(error)[1]])
