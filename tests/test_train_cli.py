@@ -599,7 +599,7 @@ def test_a_run_that_keeps_no_group_says_so(tmp_path):
       if line.startswith("warning: no step for") or time.monotonic() > deadline:
         break
     note = lines[-1]
-    assert note.startswith("warning: no step for") and "none kept (dropped: no_signal " in note, \
+    assert note.startswith("warning: no step for") and "nothing to train on (no_signal " in note, \
         "".join(lines)[-2000:]
   finally:
     proc.send_signal(signal.SIGTERM)
