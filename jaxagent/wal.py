@@ -104,15 +104,22 @@ class _GroupFile:
     self._write("")  # (created now: a directory that cannot be written fails here)
 
   def _write(self, line: str) -> None:
-    with self._files.lock:
-      try:
+    try:
+      with self._files.lock:
         f = self._files.get(self.path)
         f.write(line)  # one line a write: records of episodes never interleave
         f.flush()
-        if self.fsync and line:
-          os.fsync(f.fileno())
-      except OSError as e:  # (a line cut short is skipped by a replay, as after a kill)
-        raise _write_failed(self.path, e) from e
+        # The disk wait outside the lock every group shares (groups' fsyncs overlap, as
+        # with a lock a group), on a descriptor of its own (the file may be closed past
+        # the limit meanwhile).
+        fd = os.dup(f.fileno()) if self.fsync and line else None
+      if fd is not None:
+        try:
+          os.fsync(fd)
+        finally:
+          os.close(fd)
+    except OSError as e:  # (a line cut short is skipped by a replay, as after a kill)
+      raise _write_failed(self.path, e) from e
 
   def append(self, record: dict) -> int:
     line = json.dumps(record, separators=(",", ":")) + "\n"
