@@ -22,8 +22,9 @@ scrubbed environment, and the strongest isolation the host has:
 In both namespace modes a seccomp filter (compiled by libseccomp, through
 `pyseccomp`) makes the syscalls tool code never needs fail with EPERM
 (`SECCOMP_DENIED`: ptrace, io_uring, bpf, keyctl, perf_event_open, mount, module
-loading, ...; clone() into new namespaces; prlimit on another process); bubblewrap installs it itself, the
-mountns mode with a few lines of ctypes before it drops privileges.
+loading, ...; clone() into new namespaces; prlimit on another process); bubblewrap
+installs it itself, the mountns mode with a few lines of ctypes before it drops
+privileges.
 
 `detect_isolation()` says which one this host gets. Sandbox uids are unique on
 the host: each is held by an advisory lock on a file in `UID_LOCK_DIR` for the

@@ -153,8 +153,8 @@ def check_config(cfg: LearnerConfig) -> None:
     raise ValueError("learner.kl_estimator k1 with a kl_coef: as a loss its gradient is "
                      "zero in expectation (E_pi[grad log pi] = 0): it adds noise, not a "
                      "penalty; use k2 (the gradient of KL(pi || ref)) or k3 (GRPO's)")
-  for key in ("kl_coef", "entropy_coef", "weight_decay", "warmup_steps", "lr_decay_steps", "norm_len",
-              "logits_chunk", "logits_vocab_chunk"):
+  for key in ("kl_coef", "entropy_coef", "weight_decay", "warmup_steps", "lr_decay_steps",
+              "norm_len", "logits_chunk", "logits_vocab_chunk"):
     value = getattr(cfg, key)
     if not (math.isfinite(value) and value >= 0):
       raise ValueError(f"learner.{key} must be >= 0, got {value}")
