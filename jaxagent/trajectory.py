@@ -64,6 +64,15 @@ class SamplingParams:
       raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
+def reported_seconds(value) -> float:
+  """A duration a server reported (absent, or not a finite non-negative number: 0)."""
+  try:
+    value = float(value or 0.0)
+  except (TypeError, ValueError):
+    return 0.0
+  return value if 0.0 <= value < float("inf") else 0.0
+
+
 @dataclasses.dataclass
 class TurnRecord:
   """One sampled turn: token ids in and out, log-probs and versions of each output token."""
@@ -79,6 +88,9 @@ class TurnRecord:
   sampling: dict = dataclasses.field(default_factory=dict)
   raw_logprobs: Optional[list[float]] = None
   request_id: str = ""
+  # The server's seconds from the turn's first token to its end (its length's own time;
+  # 0 when the server does not say, or the turn came from a write-ahead log).
+  decode_s: float = 0.0
 
   def __post_init__(self):
     if not (len(self.output_ids) == len(self.output_logprobs) == len(self.versions)):
@@ -92,7 +104,8 @@ class TurnRecord:
                output_logprobs=list(r["output_logprobs"]), versions=list(r["versions"]),
                finish_reason=r["finish_reason"], messages=r.get("messages"),
                response=r.get("response"), sampling=r.get("sampling") or {},
-               raw_logprobs=r.get("raw_logprobs"), request_id=r.get("request_id", ""), **extra)
+               raw_logprobs=r.get("raw_logprobs"), request_id=r.get("request_id", ""),
+               decode_s=reported_seconds(r.get("decode_s")), **extra)
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import time
 from typing import Optional
+from urllib.parse import quote
 
 import httpx
 
@@ -65,9 +66,10 @@ class LocalClient:
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                      session_id: Optional[str] = None, model: Optional[str] = None,
-                     resumed_tokens: int = 0) -> TurnRecord:
+                     resumed_tokens: int = 0, request_id: Optional[str] = None) -> TurnRecord:
     """A turn of the policy, or of the served model `model`; `resumed_tokens` > 0 resumes
-    a cut turn whose sampled tokens end the prompt (`Orchestrator.submit`)."""
+    a cut turn whose sampled tokens end the prompt (`Orchestrator.submit`); `request_id`
+    names it for `progress`."""
     orch = self.orch if model is None else self._served(model).orch
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
@@ -77,7 +79,7 @@ class LocalClient:
         loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
     try:
-      req = orch.submit(prompt_ids, sampling, session_id=session_id,
+      req = orch.submit(prompt_ids, sampling, request_id=request_id, session_id=session_id,
                         resumed_tokens=resumed_tokens)
     except QueueFull as e:
       raise GenerateError(str(e), "server_overload") from e
@@ -97,6 +99,14 @@ class LocalClient:
     if req.finish_reason == "error":
       raise GenerateError(req.error or "engine error")
     return _record(req.result())
+
+  async def progress(self, request_id: str) -> Optional[dict]:
+    """Where a request in flight stands (`Orchestrator.progress`); None when none is."""
+    for orch in [self.orch, *(m.orch for m in self.models.values())]:
+      found = orch.progress(request_id)
+      if found is not None:
+        return found
+    return None
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
     """Loads a policy export and swaps it in."""
@@ -138,10 +148,12 @@ class HttpClient:
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                      session_id: Optional[str] = None, model: Optional[str] = None,
-                     resumed_tokens: int = 0) -> TurnRecord:
+                     resumed_tokens: int = 0, request_id: Optional[str] = None) -> TurnRecord:
     body = {"input_ids": list(prompt_ids), **dataclasses.asdict(sampling)}
     if resumed_tokens:
       body["resumed_tokens"] = int(resumed_tokens)
+    if request_id:
+      body["request_id"] = request_id
     body["stop_token_ids"] = list(sampling.stop_token_ids)
     if session_id:
       body["session_id"] = session_id
@@ -169,6 +181,22 @@ class HttpClient:
       raise GenerateError(f"{self.url} served version {min(record.versions)} after it took "
                           f"version {policy['version']} (restarted?): loaded it again")
     return record
+
+  async def progress(self, request_id: str) -> Optional[dict]:
+    """Where a request in flight stands (the server's `GET /requests/{id}`); None when
+    the server runs no such request. Raises GenerateError when the server does not
+    answer within 10 s."""
+    try:
+      r = await self._client.get(f"{self.url}/requests/{quote(request_id, safe='')}",
+                                 timeout=10.0)
+    except httpx.HTTPError as e:
+      raise GenerateError(f"{self.url}: asking how a turn stands: {type(e).__name__}: {e}"
+                          ) from e
+    if r.status_code == 404:
+      return None
+    if r.status_code != 200:
+      raise GenerateError(f"{self.url}/requests: {r.status_code}: {r.text[:300]}")
+    return r.json()
 
   async def _reload(self, updates: int) -> None:
     """Loads the policy into the server again, unless an update came since `updates`

@@ -93,6 +93,14 @@ class Request:
   def ttft_s(self) -> Optional[float]:
     return None if self.first_token_at is None else self.first_token_at - self.submitted_at
 
+  @property
+  def decode_s(self) -> float:
+    """Seconds from its first token to its end: the time its own tokens took (an
+    episode's deadline counts it on the policy's side, the wait before on the server's)."""
+    if self.first_token_at is None or self.finished_at is None:
+      return 0.0
+    return max(0.0, self.finished_at - self.first_token_at)
+
   def result(self) -> dict:
     return {
         "request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
@@ -100,7 +108,7 @@ class Request:
         "raw_logprobs": list(self.raw_logprobs), "versions": list(self.versions),
         "finish_reason": self.finish_reason, "error": self.error,
         "prefix_hit_tokens": self.prefix_hit_tokens,
-        "ttft_s": self.ttft_s, "sampling": dataclasses.asdict(self.sampling),
+        "ttft_s": self.ttft_s, "decode_s": self.decode_s, "sampling": dataclasses.asdict(self.sampling),
     }
 
 
@@ -269,6 +277,34 @@ class Orchestrator:
       self.abort(req.request_id)
       req.wait(10)
     return req
+
+  def progress(self, request_id: str) -> Optional[dict]:
+    """Where a request in flight stands (None: not in flight here): `state` "queued" or
+    "running" (it holds a slot), its prompt positions in the pool (`prefilled`), its
+    `output_tokens` and the seconds since its first (`decode_s`). A client tells a server that is slow (the request moves) from one
+    that is stuck or overloaded (it does not) by two looks."""
+    with self._cv:
+      req = self._requests.get(request_id)
+      if req is None or req.done:
+        return None
+      first = req.first_token_at
+      return {"request_id": request_id,
+              "state": "queued" if req.slot is None and req.prefilled == 0 else "running",
+              "prefilled": int(req.prefilled), "output_tokens": len(req.output_ids),
+              "decode_s": 0.0 if first is None else time.perf_counter() - first}
+
+  def session_progress(self, session_id: str) -> dict:
+    """The session's requests in flight: how many, their prompt positions in the pool
+    and output tokens (a client tells a slow turn, which moves, from a stuck one), and
+    the seconds they have decoded since their first tokens (an episode cut meanwhile
+    counts them on its policy's side)."""
+    now = time.perf_counter()
+    with self._cv:
+      mine = [r for r in self._requests.values() if r.session_id == session_id and not r.done]
+      return {"requests": len(mine), "prefilled": sum(int(r.prefilled) for r in mine),
+              "output_tokens": sum(len(r.output_ids) for r in mine),
+              "decode_s": sum(now - r.first_token_at for r in mine
+                              if r.first_token_at is not None)}
 
   def abort(self, request_id: str) -> bool:
     """Aborts a queued or running request; it finishes with what it generated so far."""

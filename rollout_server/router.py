@@ -287,6 +287,42 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "deleted": True}
 
+  @app.get("/requests")
+  async def in_flight(session_id: str = Query(...)):
+    """The session's turns in flight, summed over the live backends."""
+    keys = ("requests", "prefilled", "output_tokens", "decode_s")
+
+    async def ask(b: str) -> dict:
+      with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
+        r = await client().get(f"{b}/requests", params={"session_id": session_id},
+                               timeout=10.0)
+        if r.status_code == 200:
+          got = r.json()
+          return {k: float(got.get(k) or 0) for k in keys}
+      return {}
+
+    found = await asyncio.gather(*(ask(b) for b in ring.backends if healthy[b]))
+    total = {k: sum(f.get(k, 0) for f in found) for k in keys}
+    return {"session_id": session_id, **{k: (v if k == "decode_s" else int(v))
+                                         for k, v in total.items()}}
+
+  @app.get("/requests/{request_id:path}")
+  async def progress(request_id: str):
+    """Where a request in flight stands, from the live backend that runs it (a turn may
+    have failed over from its session's owner)."""
+    async def ask(b: str):
+      with contextlib.suppress(httpx.HTTPError, ValueError):
+        r = await client().get(f"{b}/requests/{quote(request_id, safe='')}", timeout=10.0)
+        if r.status_code == 200:
+          return r.json()
+      return None
+
+    found = [x for x in await asyncio.gather(*(ask(b) for b in ring.backends if healthy[b]))
+             if x is not None]
+    if not found:
+      return JSONResponse({"detail": f"no request {request_id!r} in flight"}, status_code=404)
+    return found[0]
+
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
     body = await request.body()

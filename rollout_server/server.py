@@ -354,6 +354,22 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       raise HTTPException(400, str(e))
     return {"model": body.model or model_name, "logprobs": [x.tolist() for x in out]}
 
+  @app.get("/requests")
+  async def in_flight(session_id: str = Query(...)):
+    """The session's turns in flight (`Orchestrator.session_progress`): whether they
+    move, and how long they have decoded (a black-box episode cut meanwhile counts that
+    as its own)."""
+    return {"session_id": session_id, **orch.session_progress(session_id)}
+
+  @app.get("/requests/{request_id:path}")
+  async def progress(request_id: str):
+    """Where a request in flight stands (`Orchestrator.progress`); 404 when none is."""
+    for o in [orch, *(m.orch for m in models.values())]:
+      found = o.progress(request_id)
+      if found is not None:
+        return found
+    return JSONResponse({"detail": f"no request {request_id!r} in flight"}, status_code=404)
+
   @app.post("/abort")
   async def abort(body: AbortBody):
     return {"request_id": body.request_id, "aborted": orch.abort(body.request_id)}
