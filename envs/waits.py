@@ -97,20 +97,26 @@ async def to_the_end(aw: Awaitable):
 
 
 async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], limit_s: float,
-                 wall_s: float, t0: float, *, look_s: float = 0.05):
+                 wall_s: float, t0: float, *, look_s: float = 0.05,
+                 on_cut: Optional[Callable[[], Awaitable[None]]] = None):
   """`task`'s result; `asyncio.TimeoutError` once its own time (wall time since `t0` less
   `waited()`, its waits on shared infrastructure) passes `limit_s`; `WallCut` once its
   wall time passes `wall_s`. Waits do not spend the budget: a crowded pool makes a task
   slower, not cut. It looks at least every `look_s` seconds (`waited()` may ask a remote
   worker). The task is cancelled, and its end awaited, when it is cut or when the caller
-  is (whose cancellation goes through)."""
+  is (whose cancellation goes through); `on_cut()` is awaited at a cut, before the
+  task is cancelled (to see how its work in flight stands)."""
   try:
     while True:
       elapsed = time.perf_counter() - t0
       if elapsed >= wall_s:
+        if on_cut is not None:
+          await on_cut()
         raise WallCut
       left = limit_s - (elapsed - await waited())
       if left <= 0:
+        if on_cut is not None:
+          await on_cut()
         raise asyncio.TimeoutError
       done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), look_s))
       if done:

@@ -20,10 +20,12 @@ and propagates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
 import time
+import uuid
 import zlib
 from typing import Any, Awaitable, Optional
 from urllib.parse import quote
@@ -33,7 +35,8 @@ from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
 from jaxagent.tokenizer import Tokenizer
-from jaxagent.trajectory import SamplingParams, Segment, TrajectoryManager, TurnRecord
+from jaxagent.trajectory import (SamplingParams, Segment, TrajectoryManager, TurnRecord,
+                                reported_seconds)
 from jaxagent.wal import EpisodeLog, Replay, observation_hash
 
 
@@ -55,6 +58,9 @@ class Episode:
   tool_latencies_s: list[float] = dataclasses.field(default_factory=list)
   latency_s: float = 0.0
   generate_s: float = 0.0
+  # Of generate_s, the server's time from each turn's first token to its end: the time
+  # its own tokens took, the policy's side at a deadline (the rest is the server's).
+  decode_s: float = 0.0
   env_s: float = 0.0  # in the environment, its waits on shared infrastructure left out
   infra_wait_s: float = 0.0  # waiting for sandbox slots and worker turns (others' load)
   output_tokens: int = 0
@@ -89,7 +95,8 @@ def _merge(first: TurnRecord, more: TurnRecord) -> TurnRecord:
   return dataclasses.replace(first, output_ids=first.output_ids + more.output_ids,
                              output_logprobs=first.output_logprobs + more.output_logprobs,
                              versions=first.versions + more.versions,
-                             finish_reason=more.finish_reason)
+                             finish_reason=more.finish_reason,
+                             decode_s=first.decode_s + more.decode_s)
 
 
 SUMMARY_INSTRUCTIONS = ("Summarise this transcript briefly: the task, what was tried, what "
@@ -197,22 +204,78 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
           + tokenizer.encode_pieces(pieces, start=len(closed)))
 
 
-async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: int = 0):
-  """One turn from the engine; resumes a turn aborted by a weight update. A turn that
-  outlasts its deadline is the server's (overloaded or slow), not the policy's: its
-  length is bounded by max_new_tokens. A turn whose server failed is asked again up to
-  `retries` times (of the next server, through a router): the same seed samples the same
-  tokens, so the episode goes on from its last committed token instead of restarting."""
+async def _while_it_moves(call: Awaitable, look, deadline_s: float, where: str):
+  """Awaits `call`. Each `deadline_s` without its answer, `await look()` says how it
+  stands: (a key that changes while it moves, or None when it cannot move: unknown,
+  still queued; and why). One that did not move since the last look is `where`'s
+  failure, InfraError("turn_deadline"); one that moves is waited on."""
+  task = asyncio.ensure_future(call)
+  seen = None
+  try:
+    while True:
+      done, _ = await asyncio.wait({task}, timeout=deadline_s)
+      if done:
+        return task.result()
+      moved, why = await look()
+      if moved is None or moved == seen:
+        raise InfraError("turn_deadline", f"no answer from {where} in {deadline_s} s"
+                         + (f" and the turn did not move since ({why})" if why else ""))
+      seen = moved
+  finally:
+    if not task.done():
+      task.cancel()
+      with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+async def _within_turn_deadline(engine, call, request_id: Optional[str], deadline_s: float,
+                                look: Optional[dict] = None):
+  """Awaits a turn's `call`. Each `deadline_s` without its answer, the server is asked
+  how the request stands (an engine with `progress`): a request that moved since the
+  last look (prefill, or tokens) is waited on; one that did not (still queued, or
+  stalled, or unknown) is the server's failure, InfraError("turn_deadline"). So a turn's
+  deadline bounds the server's stalls, not the policy's length: a policy that writes to
+  its token cap on a busy server would otherwise turn its long (failing) turns into
+  re-rolled infrastructure errors, never trained (red team). An engine without
+  `progress` gets `deadline_s` for the whole turn. `look` is given the last look's
+  `decode_s` (the turn's tokens' time so far) and when it was taken."""
+  async def progress():
+    if request_id is None:
+      return None, ""
+    now = await engine.progress(request_id)
+    if now is None or now.get("state") != "running":
+      return None, "not in flight" if now is None else "still queued"
+    if look is not None:
+      look.update(decode_s=reported_seconds(now.get("decode_s")), at=time.perf_counter())
+    return ((now.get("prefilled"), now.get("output_tokens")),
+            f"no new token ({now.get('output_tokens')} so far)")
+
+  return await _while_it_moves(call, progress, deadline_s, "the server")
+
+
+async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: int = 0,
+                    look: Optional[dict] = None):
+  """One turn from the engine; resumes a turn aborted by a weight update. A turn whose
+  server does not move for its deadline is the server's (overloaded or stuck), not the
+  policy's (`_within_turn_deadline`); its length is bounded by max_new_tokens. A turn
+  whose server failed is asked again up to `retries` times (of the next server, through
+  a router): the same seed samples the same tokens, so the episode goes on from its last
+  committed token instead of restarting. `look`: see `_within_turn_deadline`."""
+  tracked = callable(getattr(engine, "progress", None))
+
   async def call(prompt, sampling, resumed=0):
     # A resume names its sampled tokens: the prompt limit does not count them.
     more = {"resumed_tokens": resumed} if resumed else {}
     for attempt in range(retries + 1):
+      rid = f"{session_id}#{uuid.uuid4().hex[:12]}" if tracked else None
+      if rid is not None:
+        more["request_id"] = rid
+      if look is not None:
+        look.clear()
       try:
-        return await asyncio.wait_for(engine.generate(prompt, sampling, session_id, **more),
-                                      deadline_s)
-      except asyncio.TimeoutError:
-        raise InfraError("turn_deadline",
-                         f"no answer from the server in {deadline_s} s") from None
+        return await _within_turn_deadline(
+            engine, engine.generate(prompt, sampling, session_id, **more), rid, deadline_s,
+            look)
       except InfraError as e:
         if e.kind != "server" or attempt == retries:
           raise
@@ -305,6 +368,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   status, reason = "completed", ""
   waiting = {"on": "env", "since": t_start}  # what the episode waits on now
+  look: dict = {}  # how the turn in flight stood at the agent's last look
   limit = cfg.max_context_tokens  # lowered when the engine refuses a shorter prompt
   measured = _MeasuredEnv(env)  # its calls' waits on shared infrastructure and own time
   offered = []  # the tool schemas the environment offered
@@ -382,7 +446,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
           wait_on("server")
           try:
             record = await _generate(engine, prompt, sampling, session_id,
-                                     cfg.turn_deadline_s, cfg.turn_retries)
+                                     cfg.turn_deadline_s, cfg.turn_retries, look)
           except InfraError as e:
             if e.kind != "prompt_too_long":
               raise
@@ -393,7 +457,9 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
             limit = len(prompt) + cfg.max_new_tokens - 1
             continue
           wait_on("env")
-          ep.generate_s += time.perf_counter() - t0
+          took = time.perf_counter() - t0
+          ep.generate_s += took
+          ep.decode_s += min(record.decode_s, took)
         break
       if log is not None:  # the commit, before the environment sees the action
         await _commit(log, log.turn, turn, record)
@@ -453,9 +519,15 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     # environment (the policy's tool calls, each bounded by its sandbox limits, and the
     # crowd its own run makes), it is the policy's: a truncation, scored.
     # (a cut environment call's time is in `measured`, its worker's waits too)
-    in_flight = time.perf_counter() - waiting["since"]
-    server_s = ep.generate_s + (in_flight if waiting["on"] == "server" else 0.0)
-    kind, infra = _judge_cut(cut, server_s, "waiting on the server", measured)
+    # The turn in flight: its tokens' time so far is the policy's too (the last look's,
+    # and the time since, when it was decoding then).
+    now = time.perf_counter()
+    in_flight = now - waiting["since"] if waiting["on"] == "server" else 0.0
+    own = (min(in_flight, look["decode_s"] + now - look["at"])
+           if in_flight and look.get("decode_s") else 0.0)
+    server_s = ep.generate_s - ep.decode_s + in_flight - own
+    kind, infra = _judge_cut(cut, server_s, "waiting on the server", measured,
+                             ep.decode_s + own)
     if infra:
       status, reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
     else:
@@ -496,6 +568,37 @@ def _tool_call_text(name: str, arguments: str) -> str:
   return f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {arguments}}}</tool_call>'
 
 
+async def gateway_progress(base_url: str, session_id: str) -> Optional[dict]:
+  """How the session's turns in flight on a rollout server or router stand (`GET
+  /requests?session_id=`: requests, prefilled, output_tokens, decode_s); None when
+  the gateway does not say."""
+  import httpx
+
+  try:
+    async with httpx.AsyncClient(timeout=10) as client:
+      r = await client.get(f"{base_url}/requests", params={"session_id": session_id})
+    got = r.json() if r.status_code == 200 else None
+  except (httpx.HTTPError, ValueError):
+    return None
+  return got if isinstance(got, dict) else None
+
+
+async def gateway_turn(call: Awaitable, base_url: str, session_id: str, deadline_s: float):
+  """A black-box agent's call to the gateway, bounded as the built-in agent's turns are
+  (`_within_turn_deadline`): each `deadline_s` without its answer, the gateway is asked
+  how the session's turns in flight stand; one that did not move since the last look
+  (none in flight, still queued, stalled) raises InfraError("turn_deadline"), one whose
+  tokens keep coming is waited on (its length is the policy's). The built-in harnesses
+  use it; an agent of your own may too, or bound its calls as it likes."""
+  async def progress():
+    now = await gateway_progress(base_url, session_id)
+    if not now or not now.get("requests"):
+      return None, "none in flight"
+    return (now.get("prefilled"), now.get("output_tokens")), "stalled"
+
+  return await _while_it_moves(call, progress, deadline_s, "the gateway")
+
+
 async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
                            max_turns: int = 8, max_tokens: int = 32, temperature: float = 1.0,
                            top_p: float = 1.0, top_k: int = 0,
@@ -507,19 +610,19 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
   """
   import openai
 
+  # (no client timeout: `gateway_turn` bounds each turn by whether it moves)
   client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                              timeout=turn_timeout_s,
-                              default_headers={"X-Session-Id": session_id})
+                              timeout=None, default_headers={"X-Session-Id": session_id})
   rewards: list[float] = []
   try:
     obs = await env.reset(task)
     messages = list(obs.messages)
     for _ in range(max_turns):
       kwargs = {"tools": obs.tools} if obs.tools else {}
-      resp = await client.chat.completions.create(model=model, messages=messages,
-                                                  max_tokens=max_tokens, temperature=temperature,
-                                                  top_p=top_p, extra_body={"top_k": top_k},
-                                                  **kwargs)
+      resp = await gateway_turn(client.chat.completions.create(
+          model=model, messages=messages, max_tokens=max_tokens, temperature=temperature,
+          top_p=top_p, extra_body={"top_k": top_k}, **kwargs), base_url, session_id,
+          turn_timeout_s)
       msg = resp.choices[0].message
       text = msg.content or ""
       # hand the raw call text back in the template's format
@@ -594,8 +697,7 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
   import anthropic
 
   client = anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0,
-                                    timeout=turn_timeout_s,
-                                    default_headers={"X-Session-Id": session_id})
+                                    timeout=None, default_headers={"X-Session-Id": session_id})
   rewards: list[float] = []
   try:
     obs = await env.reset(task)
@@ -605,10 +707,10 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
       kwargs["tools"] = [{**{k: v for k, v in t["function"].items() if k != "parameters"},
                           "input_schema": t["function"]["parameters"]} for t in obs.tools]
     for _ in range(max_turns):
-      resp = await client.messages.create(model=model, messages=messages, max_tokens=max_tokens,
-                                          extra_body={"temperature": temperature,
-                                                      "top_p": top_p, "top_k": top_k},
-                                          **kwargs)
+      resp = await gateway_turn(client.messages.create(
+          model=model, messages=messages, max_tokens=max_tokens,
+          extra_body={"temperature": temperature, "top_p": top_p, "top_k": top_k},
+          **kwargs), base_url, session_id, turn_timeout_s)
       uses = [b for b in resp.content if b.type == "tool_use"]
       text = "".join(b.text for b in resp.content if b.type == "text")
       text += "".join(_tool_call_text(b.name, json.dumps(b.input)) for b in uses)
@@ -728,18 +830,24 @@ def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None
           "to the gateway")
 
 
-def _judge_cut(cut: BaseException, server_s: float, where: str, measured: "_MeasuredEnv"
-               ) -> tuple[str, Optional[str]]:
+def _judge_cut(cut: BaseException, server_s: float, where: str, measured: "_MeasuredEnv",
+               decode_s: float = 0.0) -> tuple[str, Optional[str]]:
   """An episode cut at its deadline or wall time: its kind, and why it is the
   infrastructure's (it spent at least as long on the server as on its own side), or None
-  (the policy's: a truncation, scored). At the wall, the waits of the crowd its own run
-  makes are on the policy's side."""
+  (the policy's: a truncation, scored). The policy's side is its time in the environment
+  and `decode_s`, the server's time from each turn's first token to its end: the time
+  its own tokens took (a policy that writes to its token cap on a busy server would
+  otherwise turn its long failures into re-rolled infrastructure errors, never trained).
+  The server's side (`server_s`) is the rest: waiting for a slot, prefill, transport. At
+  the wall, the waits of the crowd its own run makes are on the policy's side too."""
   kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
-  policy_s = measured.env_s + (measured.waited_s if kind == "episode_wall" else 0.0)
+  policy_s = (measured.env_s + decode_s
+              + (measured.waited_s if kind == "episode_wall" else 0.0))
   if server_s < policy_s:
     return kind, None
-  return kind, (f"{kind}: {server_s:.1f} s {where}, {measured.waited_s:.1f} s on sandbox "
-                f"slots and worker turns, {measured.env_s:.1f} s in the environment")
+  return kind, (f"{kind}: {server_s:.1f} s {where} (and {decode_s:.1f} s decoding its own "
+                f"tokens), {measured.waited_s:.1f} s on sandbox slots and worker turns, "
+                f"{measured.env_s:.1f} s in the environment")
 
 
 class _MeasuredEnv:
@@ -844,17 +952,31 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   wire_id = session_id if session_id.isascii() and session_id.isprintable() \
       else quote(session_id, safe="")
 
-  async def truncated(reason: str) -> None:
-    """The episode ended by its own doing before its answer: trained as a fail."""
+  decoding = {"s": 0.0}  # at a cut: how long its turn in flight had decoded
+
+  async def in_flight() -> None:
+    """At a cut, before the harness is cancelled (and its turn with it): the seconds the
+    session's turn in flight has decoded since its first token, the policy's time."""
+    now = await gateway_progress(gateway_url, wire_id)
+    # (a gateway that does not say: the turn in flight counts as the server's)
+    decoding["s"] = reported_seconds((now or {}).get("decode_s"))
+
+  def lost(e: Exception) -> None:
+    ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
+        "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
+
+  async def truncated(reason: str, turns: Optional[list[dict]] = None) -> None:
+    """The episode ended by its own doing before its answer: trained as a fail
+    (`turns`: its session's record, when taken already)."""
     ep.status, ep.reason = "truncated", reason
     ep.verdict = {"status": "fail", "reward": 0.0}
     try:  # the turns it played still carry the score: stalling must not hide them
-      turns = await _take_session(gateway_url, wire_id)
+      if turns is None:
+        turns = await _take_session(gateway_url, wire_id)
       ep.turn_rewards = [0.0] * len(turns)
       _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
     except (httpx.HTTPError, KeyError, ValueError) as e:
-      ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
-          "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
+      lost(e)
 
   try:
     await _clear_session(gateway_url, wire_id)
@@ -864,7 +986,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
         top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
     ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
                                          EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
-                                         t_start, look_s=0.25)
+                                         t_start, look_s=0.25, on_cut=in_flight)
     ep.verdict = (await _graded(acting.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
@@ -880,13 +1002,26 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     # As in run_whitebox: spent mostly on the gateway (everything the harness did outside
     # the environment: its calls to the server, sampling, queueing), it is the
     # infrastructure's; mostly in the environment, the policy's: truncated, scored.
+    # The time its turns' own tokens took (the server's record says, and for the turn
+    # in flight, the server said at the cut) is the policy's.
     elapsed = time.perf_counter() - t_start
-    server_s = max(0.0, elapsed - acting.env_s - acting.waited_s)
-    kind, infra = _judge_cut(cut, server_s, "on the gateway", acting)
-    if infra:
-      ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
+    try:
+      turns = await _take_session(gateway_url, wire_id)
+    except httpx.HTTPStatusError as e:  # no record: cut in its first turn, or lost
+      turns = [] if e.response.status_code == 404 and not acting.actions else e
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+      turns = e
+    if isinstance(turns, Exception):
+      lost(turns)
     else:
-      await truncated(kind)
+      ep.decode_s = min(elapsed, decoding["s"] + sum(
+          reported_seconds(t.get("decode_s")) for t in turns if isinstance(t, dict)))
+      server_s = max(0.0, elapsed - acting.env_s - acting.waited_s - ep.decode_s)
+      kind, infra = _judge_cut(cut, server_s, "on the gateway", acting, ep.decode_s)
+      if infra:
+        ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
+      else:
+        await truncated(kind, turns)
   except InfraError as e:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   except _gateway_errors(api) as e:

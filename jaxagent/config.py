@@ -180,6 +180,10 @@ class AgentConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  # Each this many seconds without a turn's answer, the server is asked how it stands:
+  # a turn that did not move since the last look (still queued, or stalled) is the
+  # server's failure; one whose tokens keep coming is waited on (its length is the
+  # policy's, bounded by max_new_tokens).
   turn_deadline_s: float = 60.0
   # A turn whose server failed (down, cut off) is asked again, of the next server, with
   # the same seed (the same tokens), up to this many times before the episode is dropped.

@@ -180,6 +180,89 @@ class CrowdedEnv(SlowEnv):
     return result
 
 
+class DecodingEngine(SlowEngine):
+  """Takes `delay_s` a turn, all of it after the turn's first token (the server says so
+  in `decode_s`): the time the policy's own tokens took."""
+
+  async def generate(self, prompt_ids, sampling, session_id=None):
+    record = await super().generate(prompt_ids, sampling, session_id)
+    return dataclasses.replace(record, decode_s=self.delay_s)
+
+
+def test_an_episode_cut_while_its_own_tokens_decoded_is_the_policys():
+  """The time a turn's tokens took after its first is the policy's (its length), the
+  rest of a turn's time the server's: the same 0.1 s turns against a 0.25 s deadline
+  are infrastructure when they went to waiting, a scored truncation when to decoding
+  (red team: a policy writing to its token cap on a busy server had its long failures
+  dropped as infrastructure, never trained)."""
+  import rollout_server.client  # noqa: F401  (imported before the episode's clock starts)
+
+  task = TaskSpec("t", "guess_number", {"secret": 11})
+  config = AgentConfig(max_turns=5, max_new_tokens=4, turn_deadline_s=5,
+                       episode_deadline_s=0.25)
+  ep = asyncio.run(run_whitebox(make("guess_number"), task,
+                                DecodingEngine(["8", "9", "10", "12", "13"], 0.1), TOK,
+                                config, session_id="s", group_id="g"))
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline") and not ep.infra_error
+  assert ep.reward == 0.0 and ep.segments and ep.decode_s >= 0.2
+
+
+class ProgressEngine(ScriptedEngine):
+  """Takes `delay_s` a turn; says how a turn in flight stands as `moving` says: tokens
+  that grow each look (True), a request still queued ("queued"), or one stuck at its
+  first token (False)."""
+
+  def __init__(self, replies, delay_s, moving=True):
+    super().__init__(replies)
+    self.delay_s, self.moving, self.looks, self.ids = delay_s, moving, 0, []
+
+  async def generate(self, prompt_ids, sampling, session_id=None, request_id=None):
+    import time
+
+    self.ids.append(request_id)
+    self.started = time.perf_counter()
+    await asyncio.sleep(self.delay_s)
+    return await super().generate(prompt_ids, sampling, session_id)
+
+  async def progress(self, request_id):
+    assert request_id == self.ids[-1]
+    self.looks += 1
+    if self.moving == "queued":
+      return {"state": "queued", "prefilled": 0, "output_tokens": 0}
+    import time
+
+    return {"state": "running", "prefilled": 8,
+            "output_tokens": self.looks if self.moving is True else 1,
+            "decode_s": time.perf_counter() - self.started}
+
+
+def test_a_turn_that_moves_past_its_deadline_is_waited_on_and_one_that_does_not_is_not():
+  """agent.turn_deadline_s bounds the server's stalls, not the policy's length: a turn
+  whose tokens keep coming is waited on past it (a policy writing to its token cap on a
+  busy server had its long turns dropped as infrastructure, never trained: red team);
+  a turn still queued, or stuck, at a look is the server's failure as before."""
+  import rollout_server.client  # noqa: F401  (imported before the episode's clock starts)
+
+  task = TaskSpec("t", "guess_number", {"secret": 11})
+  config = AgentConfig(max_turns=5, max_new_tokens=4, turn_deadline_s=0.1)
+  run = lambda engine: asyncio.run(run_whitebox(  # noqa: E731
+      make("guess_number"), task, engine, TOK, config, session_id="s", group_id="g"))
+  engine = ProgressEngine(["8", "11"], 0.35)
+  ep = run(engine)
+  assert ep.success and not ep.infra_error and engine.looks >= 4
+  assert len(set(engine.ids)) == 2 and all(i.startswith("s#") for i in engine.ids)
+  for moving, said in (("queued", "still queued"), (False, "no new token")):
+    ep = run(ProgressEngine(["8", "11"], 0.35, moving))
+    assert ep.infra_error and ep.infra_kind == "turn_deadline" and said in ep.reason
+  # One turn decoding past the episode's deadline: the time its tokens took so far (as
+  # the last look said) is the policy's, a scored truncation, not infrastructure.
+  ep = asyncio.run(run_whitebox(make("guess_number"), task, ProgressEngine(["8"], 2.0), TOK,
+                                dataclasses.replace(config, episode_deadline_s=0.6),
+                                session_id="s", group_id="g"))
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), ep.reason
+  assert not ep.infra_error
+
+
 @pytest.mark.parametrize("own_s", [0.3, 0.0])
 def test_an_episode_cut_at_its_wall_time_is_judged_as_at_its_deadline(own_s):
   """Waits do not spend an episode's 1 s budget, but its wall time is cut at three
@@ -590,15 +673,118 @@ def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(ran
     ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
                                   dataclasses.replace(config, episode_deadline_s=2.5),
                                   session_id="bb-slow-server", group_id="g"))
-    # A turn over agent.turn_deadline_s: the harness's client gives up, as the built-in
-    # agent does (its openai client waited 600 s).
-    slow_turn = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
-                                         dataclasses.replace(config, turn_deadline_s=0.5),
-                                         session_id="bb-slow-turn", group_id="g"))
     orch.submit = submit
+    # A turn that does not move for agent.turn_deadline_s (an engine stuck before its
+    # first token): the harness gives up, as the built-in agent does (its openai client
+    # waited 600 s).
+    emit = orch._emit
+    orch._emit = lambda *args: (time_mod.sleep(2.0), emit(*args))[1]
+    try:
+      slow_turn = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                           dataclasses.replace(config, turn_deadline_s=0.5),
+                                           session_id="bb-slow-turn", group_id="g"))
+    finally:
+      orch._emit = emit
   assert ep.infra_error and ep.infra_kind == "episode_deadline", (ep.status, ep.reason)
   assert "on the gateway" in ep.reason and not ep.segments
-  assert slow_turn.infra_error and slow_turn.infra_kind == "server", slow_turn.reason
+  assert slow_turn.infra_error and slow_turn.infra_kind == "turn_deadline", slow_turn.reason
+
+
+def test_a_blackbox_episode_cut_while_its_own_tokens_decoded_is_the_policys(random_params):
+  """The server's time from a turn's first token to its end is the policy's side of a
+  cut: a policy that writes to its token cap on a busy server must not turn its long
+  failures into re-rolled infrastructure errors (red team: the time was all the
+  server's). Decoding slowed to 0.4 s a token, 3 tokens a turn, a 2.5 s deadline; the
+  turn in flight at the cut counts too (the server says how long it has decoded)."""
+  import time as time_mod
+
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
+  with running_server(random_params, TOK, version=4) as (srv, orch):
+    asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,  # compiles
+                             session_id="bb-warm", group_id="g"))
+    emit = orch._emit
+
+    def slow_emit(req, *args):
+      if req.first_token_at is not None:  # the tokens after the first: its length's time
+        time_mod.sleep(0.4)
+      return emit(req, *args)
+
+    orch._emit = slow_emit
+    try:
+      ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                    dataclasses.replace(config, episode_deadline_s=2.5),
+                                    session_id="bb-long", group_id="g"))
+      # One turn of 12 tokens, cut in flight: no turn recorded yet, its time the policy's.
+      first = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                       dataclasses.replace(config, episode_deadline_s=2.5,
+                                                           max_new_tokens=12),
+                                       session_id="bb-first", group_id="g"))
+      # Turns of 0.8 s against a 0.5 s turn deadline: they move, so the harness waits.
+      moving = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                        dataclasses.replace(config, turn_deadline_s=0.5,
+                                                            max_turns=2),
+                                        session_id="bb-moving", group_id="g"))
+    finally:
+      orch._emit = emit
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), (ep.status, ep.reason)
+  assert not ep.infra_error and ep.reward == 0.0 and ep.segments and ep.decode_s > 1.0
+  assert (first.status, first.reason) == ("truncated", "episode_deadline"), first.reason
+  assert not first.infra_error and first.reward == 0.0 and first.decode_s > 1.0
+  assert not moving.infra_error and moving.turns == 2, (moving.status, moving.reason)
+
+
+def test_a_slow_servers_turns_that_keep_moving_finish_and_a_stuck_one_is_infrastructure(
+    random_params):
+  """Through a real server and router: a turn whose tokens come 0.3 s apart against a
+  0.25 s turn deadline is waited on (`GET /requests/{id}` says it moves) and the
+  episode plays on; a server stuck before its first token is a turn_deadline infra
+  error after two looks."""
+  import threading
+  import time as time_mod
+
+  from rollout_server.client import HttpClient
+  from rollout_server.router import create_router
+  from rollout_server.serving import ServerThread
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 2})
+  config = AgentConfig(max_turns=2, max_new_tokens=3, turn_deadline_s=0.25)
+  with running_server(random_params, TOK, version=4) as (srv, orch), \
+      ServerThread(create_router([srv.url])) as router:
+    async def episode(session_id, url, config=config):
+      client = HttpClient(url)
+      try:
+        return await run_whitebox(make("guess_number"), task, client, TOK, config,
+                                  session_id=session_id, group_id="g")
+      finally:
+        await client.aclose()
+
+    for warm in ("warm", "warm-cached"):  # compiles (a prefix cache hit's shapes too)
+      asyncio.run(episode(warm, srv.url, dataclasses.replace(config, turn_deadline_s=60)))
+    emit, stuck = orch._emit, threading.Event()
+
+    def slow_emit(req, *args):
+      if stuck.is_set():
+        time_mod.sleep(2.0)
+      elif req.first_token_at is not None:
+        time_mod.sleep(0.3)
+      return emit(req, *args)
+
+    orch._emit = slow_emit
+    try:
+      slow = asyncio.run(episode("slow", srv.url))
+      routed = asyncio.run(episode("routed", router.url))
+      stuck.set()
+      cut = asyncio.run(episode("stuck", srv.url))
+    finally:
+      orch._emit = emit
+  for ep in (slow, routed):
+    assert not ep.infra_error and ep.turns == 2, (ep.status, ep.reason)
+    assert ep.output_tokens > 2
+  assert cut.infra_error and cut.infra_kind == "turn_deadline", (cut.status, cut.reason)
 
 
 def test_a_task_that_cannot_start_is_a_task_error_for_every_agent(random_params):
