@@ -158,7 +158,8 @@ class ChatTurn:
     for field in ("output_ids", "output_logprobs", "raw_logprobs", "versions"):
       out[field] = self._joined(field)
     out.update(finish_reason=self.req.finish_reason, error=self.req.error,
-               resumed=len(self._parts) - 1)
+               resumed=len(self._parts) - 1,
+               decode_s=sum(part.decode_s for part in self._parts))
     return out
 
   def _resume(self) -> bool:
@@ -196,6 +197,8 @@ class ChatTurn:
     if self._message is not None:
       return self._message
     req = self.req
+    if not req.done:  # its client went away (the request is being aborted): no record
+      raise TurnCut(503, "the turn did not end: its client went away")
     if req.finish_reason == "error":
       raise TurnCut(500, f"the engine failed during this turn: {req.error}")
     if req.finish_reason == "abort":

@@ -284,11 +284,13 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     req.add_listener(observe)
     return req
 
-  async def run(req: Request, http: HttpRequest, on=None) -> None:
-    """Awaits `req`; aborts it (freeing its slot) if the client disconnects first."""
+  async def run(req: Request, http: HttpRequest, on=None) -> bool:
+    """Awaits `req`; aborts it (freeing its slot) if the client disconnects first. True
+    when it ended before that."""
     tasks = [asyncio.ensure_future(_wait(req)), asyncio.ensure_future(_disconnected(http))]
     try:
       await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+      return req.done
     finally:
       for t in tasks:
         t.cancel()
@@ -330,9 +332,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     on = m.orch if m is not None else None
     req = submit(body.input_ids, _sampling(body, body.max_new_tokens, body.stop_token_ids),
                  body.request_id, session_id, on, body.resumed_tokens)
-    await run(req, http, on)
+    ended = await run(req, http, on)
     out = req.result()
-    if session_id and m is None:  # a session records the policy's turns only
+    # A session records the policy's turns only, and only ended ones (a turn whose
+    # client went away is being aborted: its record would be a partial turn).
+    if session_id and m is None and ended:
       sessions.record(session_id, _turn_record(req, kind="generate"))
     return out
 

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from jaxagent.checkpoint import export_policy
+from rollout_server.sessions import SESSION_HEADER
 from tests.rollout_server.conftest import MEMORISED, TOOLS, make_engine, running_server
 
 
@@ -254,11 +255,15 @@ def test_a_client_that_disconnects_frees_its_slot(random_params, tokenizer):
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 4000, "temperature": 0.0})]:
       with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.url + path, json=body, timeout=0.5)
+        httpx.post(srv.url + path, json=body, timeout=0.5, headers={SESSION_HEADER: "gone"})
       deadline = time.time() + 30
       while orch.stats()["live_slots"] and time.time() < deadline:
         time.sleep(0.01)
       assert orch.stats()["live_slots"] == 0 and orch.stats()["tokens_generated"] < 4000
+      # ... and its session has no record of it (a partial turn, finish_reason None,
+      # was recorded and trained as a black-box episode's turn).
+      time.sleep(0.2)
+      assert httpx.get(f"{srv.url}/sessions/gone").status_code == 404
     # A stream whose client goes away is aborted and counted too (it was not counted).
     # Greedy, as above: this random model's answer to "hi" runs on (sampled, it once
     # ended before the client left).
