@@ -160,12 +160,15 @@ async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
                             stop_token_ids=tuple(tokenizer.stop_ids),
                             seed=_seed(session_id + "#summary", turn))
   extra = {"model": cfg.summarizer} if cfg.summarizer else {}
-  call = engine.generate(prompt, sampling, session_id + "#summary", **extra)
-  try:
-    record = await asyncio.wait_for(call, cfg.turn_deadline_s)
-  except asyncio.TimeoutError:
-    raise InfraError("turn_deadline", f"no summary from the server in {cfg.turn_deadline_s} s"
-                     ) from None
+  # Bounded as a turn is (it moves or it is the server's): the policy's context length
+  # asked for it, and by default the policy writes it.
+  rid = (f"{session_id}#summary#{uuid.uuid4().hex[:12]}"
+         if callable(getattr(engine, "progress", None)) else None)
+  if rid is not None:
+    extra["request_id"] = rid
+  record = await _within_turn_deadline(
+      engine, engine.generate(prompt, sampling, session_id + "#summary", **extra), rid,
+      cfg.turn_deadline_s)
   out = record.output_ids
   text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out).strip()
   text = text or "(empty)"
@@ -217,6 +220,11 @@ async def _while_it_moves(call: Awaitable, look, deadline_s: float, where: str):
       if done:
         return task.result()
       moved, why = await look()
+      if (moved is None or moved == seen) and not task.done():
+        # (a turn that ended as it was looked at: its answer may be on its way)
+        await asyncio.wait({task}, timeout=min(deadline_s, 2.0))
+      if task.done():
+        return task.result()
       if moved is None or moved == seen:
         raise InfraError("turn_deadline", f"no answer from {where} in {deadline_s} s"
                          + (f" and the turn did not move since ({why})" if why else ""))
@@ -238,7 +246,7 @@ async def _within_turn_deadline(engine, call, request_id: Optional[str], deadlin
   its token cap on a busy server would otherwise turn its long (failing) turns into
   re-rolled infrastructure errors, never trained (red team). An engine without
   `progress` gets `deadline_s` for the whole turn. `look` is given the last look's
-  `decode_s` (the turn's tokens' time so far) and when it was taken."""
+  `decode_s` (from the turn's first token to its latest)."""
   async def progress():
     if request_id is None:
       return None, ""
@@ -246,7 +254,7 @@ async def _within_turn_deadline(engine, call, request_id: Optional[str], deadlin
     if now is None or now.get("state") != "running":
       return None, "not in flight" if now is None else "still queued"
     if look is not None:
-      look.update(decode_s=reported_seconds(now.get("decode_s")), at=time.perf_counter())
+      look["decode_s"] = reported_seconds(now.get("decode_s"))
     return ((now.get("prefilled"), now.get("output_tokens")),
             f"no new token ({now.get('output_tokens')} so far)")
 
@@ -260,8 +268,12 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
   policy's (`_within_turn_deadline`); its length is bounded by max_new_tokens. A turn
   whose server failed is asked again up to `retries` times (of the next server, through
   a router): the same seed samples the same tokens, so the episode goes on from its last
-  committed token instead of restarting. `look`: see `_within_turn_deadline`."""
+  committed token instead of restarting. `look` holds the request in flight (`rid`),
+  the decode time of the turn's parts before it (`done_s`, a turn resumed after a weight
+  update) and its own as last seen (`decode_s`, `_within_turn_deadline`)."""
   tracked = callable(getattr(engine, "progress", None))
+  if look is not None:
+    look.clear()
 
   async def call(prompt, sampling, resumed=0):
     # A resume names its sampled tokens: the prompt limit does not count them.
@@ -271,7 +283,8 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
       if rid is not None:
         more["request_id"] = rid
       if look is not None:
-        look.clear()
+        look.pop("decode_s", None)
+        look["rid"] = rid
       try:
         return await _within_turn_deadline(
             engine, engine.generate(prompt, sampling, session_id, **more), rid, deadline_s,
@@ -287,6 +300,8 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
       return record
     rest = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(
         record.output_ids), seed=sampling.seed + len(record.output_ids))
+    if look is not None:  # (the parts so far: the policy's at a cut in the next)
+      look["done_s"] = record.decode_s
     try:
       part = await call(prompt + record.output_ids, rest, len(record.output_ids))
     except InfraError as e:
@@ -378,6 +393,17 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
+    look.clear()
+
+  async def at_cut() -> None:
+    """At a cut, before the turn in flight is cancelled: how long its tokens took."""
+    rid = look.get("rid") if waiting["on"] == "server" else None
+    if rid is None or not callable(getattr(engine, "progress", None)):
+      return
+    with contextlib.suppress(Exception):
+      now = await asyncio.wait_for(engine.progress(rid), 10.0)
+      if now is not None:
+        look["decode_s"] = reported_seconds(now.get("decode_s"))
 
   def too_long(turn: int, prompt) -> tuple[str, str]:
     """The truncation of a conversation that outgrew the context. Before the policy wrote
@@ -505,7 +531,8 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   try:
     # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
     await waits.within(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
-                       EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25)
+                       EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25,
+                       on_cut=at_cut)
     verdict = await _graded(measured.verify(), cfg)
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
@@ -519,12 +546,10 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     # environment (the policy's tool calls, each bounded by its sandbox limits, and the
     # crowd its own run makes), it is the policy's: a truncation, scored.
     # (a cut environment call's time is in `measured`, its worker's waits too)
-    # The turn in flight: its tokens' time so far is the policy's too (the last look's,
-    # and the time since, when it was decoding then).
-    now = time.perf_counter()
-    in_flight = now - waiting["since"] if waiting["on"] == "server" else 0.0
-    own = (min(in_flight, look["decode_s"] + now - look["at"])
-           if in_flight and look.get("decode_s") else 0.0)
+    # The turn in flight: its tokens' time so far is the policy's too (as the server
+    # said at the cut, or at the last look; and its parts' before a weight update).
+    in_flight = time.perf_counter() - waiting["since"] if waiting["on"] == "server" else 0.0
+    own = min(in_flight, look.get("done_s", 0.0) + look.get("decode_s", 0.0))
     server_s = ep.generate_s - ep.decode_s + in_flight - own
     kind, infra = _judge_cut(cut, server_s, "waiting on the server", measured,
                              ep.decode_s + own)
@@ -594,6 +619,8 @@ async def gateway_turn(call: Awaitable, base_url: str, session_id: str, deadline
     now = await gateway_progress(base_url, session_id)
     if not now or not now.get("requests"):
       return None, "none in flight"
+    if now.get("queued") == now.get("requests"):
+      return None, "still queued"
     return (now.get("prefilled"), now.get("output_tokens")), "stalled"
 
   return await _while_it_moves(call, progress, deadline_s, "the gateway")
@@ -952,14 +979,16 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   wire_id = session_id if session_id.isascii() and session_id.isprintable() \
       else quote(session_id, safe="")
 
-  decoding = {"s": 0.0}  # at a cut: how long its turn in flight had decoded
+  decoding: dict = {}  # at a cut: request id -> how long it had decoded, in flight
 
   async def in_flight() -> None:
     """At a cut, before the harness is cancelled (and its turn with it): the seconds the
-    session's turn in flight has decoded since its first token, the policy's time."""
+    session's turns in flight have decoded (first token to latest), the policy's time."""
     now = await gateway_progress(gateway_url, wire_id)
     # (a gateway that does not say: the turn in flight counts as the server's)
-    decoding["s"] = reported_seconds((now or {}).get("decode_s"))
+    by_request = (now or {}).get("by_request")
+    if isinstance(by_request, dict):
+      decoding.update({str(k): reported_seconds(v) for k, v in by_request.items()})
 
   def lost(e: Exception) -> None:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
@@ -1014,8 +1043,11 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     if isinstance(turns, Exception):
       lost(turns)
     else:
-      ep.decode_s = min(elapsed, decoding["s"] + sum(
-          reported_seconds(t.get("decode_s")) for t in turns if isinstance(t, dict)))
+      recorded = [t for t in turns if isinstance(t, dict)]
+      # (a turn that ended after the look at the cut is in the record: counted once)
+      done = {t.get("request_id") for t in recorded}
+      ep.decode_s = min(elapsed, sum(v for k, v in decoding.items() if k not in done)
+                        + sum(reported_seconds(t.get("decode_s")) for t in recorded))
       server_s = max(0.0, elapsed - acting.env_s - acting.waited_s - ep.decode_s)
       kind, infra = _judge_cut(cut, server_s, "on the gateway", acting, ep.decode_s)
       if infra:

@@ -56,7 +56,8 @@ _OUTAGE_HINTS = {
     "env_worker": "check the environment workers (env.urls)",
     "server": "check the rollout servers (serving.urls, or the in-process engine)",
     "server_overload": "the rollout servers turn turns away (their queue is full)",
-    "turn_deadline": "the rollout servers answer turns slower than agent.turn_deadline_s",
+    "turn_deadline": "turns on the rollout servers did not move for agent.turn_deadline_s "
+                     "(queued or stalled)",
     "episode_deadline": "episodes wait on the servers past agent.episode_deadline_s",
     "episode_wall": "episodes wait on the servers past agent.episode_deadline_s",
     "sandbox": "check the sandbox (env.sandboxes, the host's isolation)",

@@ -161,7 +161,10 @@ class HttpClient:
       body["model"] = model
     updates = self._updates
     try:
-      r = await self._client.post(f"{self.url}/generate", json=body)
+      # No read timeout: a turn is as long as its tokens; the agent asks how it stands
+      # (`progress`) and gives up on one that does not move.
+      r = await self._client.post(f"{self.url}/generate", json=body,
+                                  timeout=httpx.Timeout(None, connect=10.0))
     except httpx.HTTPError as e:
       raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
     if r.status_code != 200:

@@ -74,6 +74,7 @@ class Request:
   slot: Optional[int] = None
   submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
   first_token_at: Optional[float] = None
+  last_token_at: Optional[float] = None
   finished_at: Optional[float] = None
   _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
   _listeners: list = dataclasses.field(default_factory=list, repr=False)
@@ -101,6 +102,14 @@ class Request:
       return 0.0
     return max(0.0, self.finished_at - self.first_token_at)
 
+  @property
+  def decoded_s(self) -> float:
+    """In flight: seconds from its first token to its latest (a stalled request's do not
+    grow)."""
+    if self.first_token_at is None or self.last_token_at is None:
+      return 0.0
+    return self.last_token_at - self.first_token_at
+
   def result(self) -> dict:
     return {
         "request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
@@ -108,8 +117,14 @@ class Request:
         "raw_logprobs": list(self.raw_logprobs), "versions": list(self.versions),
         "finish_reason": self.finish_reason, "error": self.error,
         "prefix_hit_tokens": self.prefix_hit_tokens,
-        "ttft_s": self.ttft_s, "decode_s": self.decode_s, "sampling": dataclasses.asdict(self.sampling),
+        "ttft_s": self.ttft_s, "decode_s": self.decode_s,
+        "sampling": dataclasses.asdict(self.sampling),
     }
+
+
+def _queued(req: Request) -> bool:
+  """Not yet taken: no slot, no prompt position in the pool."""
+  return req.slot is None and req.prefilled == 0
 
 
 def continuation(req: Request) -> tuple[list[int], SamplingParams, int]:
@@ -281,30 +296,30 @@ class Orchestrator:
   def progress(self, request_id: str) -> Optional[dict]:
     """Where a request in flight stands (None: not in flight here): `state` "queued" or
     "running" (it holds a slot), its prompt positions in the pool (`prefilled`), its
-    `output_tokens` and the seconds since its first (`decode_s`). A client tells a server that is slow (the request moves) from one
-    that is stuck or overloaded (it does not) by two looks."""
+    `output_tokens`, and `decode_s`, the seconds from its first token to its latest. A
+    client tells a server that is slow (the request moves) from one that is stuck or
+    overloaded (it does not) by two looks."""
     with self._cv:
       req = self._requests.get(request_id)
       if req is None or req.done:
         return None
-      first = req.first_token_at
-      return {"request_id": request_id,
-              "state": "queued" if req.slot is None and req.prefilled == 0 else "running",
+      return {"request_id": request_id, "state": "queued" if _queued(req) else "running",
               "prefilled": int(req.prefilled), "output_tokens": len(req.output_ids),
-              "decode_s": 0.0 if first is None else time.perf_counter() - first}
+              "decode_s": req.decoded_s}
 
   def session_progress(self, session_id: str) -> dict:
-    """The session's requests in flight: how many, their prompt positions in the pool
-    and output tokens (a client tells a slow turn, which moves, from a stuck one), and
-    the seconds they have decoded since their first tokens (an episode cut meanwhile
-    counts them on its policy's side)."""
-    now = time.perf_counter()
+    """The session's requests in flight: how many, how many of them still `queued`,
+    their prompt positions in the pool and output tokens (a client tells a slow turn,
+    which moves, from a stuck one), and the seconds from their first tokens to their
+    latest (an episode cut meanwhile counts them on its policy's side), also by request
+    id (`by_request`)."""
     with self._cv:
       mine = [r for r in self._requests.values() if r.session_id == session_id and not r.done]
-      return {"requests": len(mine), "prefilled": sum(int(r.prefilled) for r in mine),
+      return {"requests": len(mine), "queued": sum(map(_queued, mine)),
+              "prefilled": sum(int(r.prefilled) for r in mine),
               "output_tokens": sum(len(r.output_ids) for r in mine),
-              "decode_s": sum(now - r.first_token_at for r in mine
-                              if r.first_token_at is not None)}
+              "decode_s": sum(r.decoded_s for r in mine),
+              "by_request": {r.request_id: r.decoded_s for r in mine}}
 
   def abort(self, request_id: str) -> bool:
     """Aborts a queued or running request; it finishes with what it generated so far."""
@@ -669,8 +684,9 @@ class Orchestrator:
 
   def _emit(self, req: Request, token: int, logp: float, raw: float, version: int,
             length: int) -> None:
+    req.last_token_at = time.perf_counter()
     if req.first_token_at is None:
-      req.first_token_at = time.perf_counter()
+      req.first_token_at = req.last_token_at
     req.output_ids.append(token)
     req.output_logprobs.append(logp)
     req.raw_logprobs.append(raw)

@@ -290,7 +290,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   @app.get("/requests")
   async def in_flight(session_id: str = Query(...)):
     """The session's turns in flight, summed over the live backends."""
-    keys = ("requests", "prefilled", "output_tokens", "decode_s")
+    keys = ("requests", "queued", "prefilled", "output_tokens", "decode_s")
 
     async def ask(b: str) -> dict:
       with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
@@ -298,13 +298,15 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                                timeout=10.0)
         if r.status_code == 200:
           got = r.json()
-          return {k: float(got.get(k) or 0) for k in keys}
+          return {**{k: float(got.get(k) or 0) for k in keys},
+                  "by_request": dict(got.get("by_request") or {})}
       return {}
 
     found = await asyncio.gather(*(ask(b) for b in ring.backends if healthy[b]))
     total = {k: sum(f.get(k, 0) for f in found) for k in keys}
-    return {"session_id": session_id, **{k: (v if k == "decode_s" else int(v))
-                                         for k, v in total.items()}}
+    return {"session_id": session_id,
+            **{k: (v if k == "decode_s" else int(v)) for k, v in total.items()},
+            "by_request": {k: v for f in found for k, v in f.get("by_request", {}).items()}}
 
   @app.get("/requests/{request_id:path}")
   async def progress(request_id: str):
@@ -335,12 +337,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-    records = session_id is not None and path in ("generate", "v1/chat/completions",
-                                                    "v1/messages")
+    turn = path in ("generate", "v1/chat/completions", "v1/messages")
+    records = session_id is not None and turn
     last_error: Optional[str] = None
     for backend in order:
+      # A turn is as long as its tokens: no read timeout (a client asks how it stands,
+      # `GET /requests`; a ReadTimeout here would also take a slow backend out of
+      # rotation as if it were dead).
+      timeout = httpx.Timeout(None, connect=5.0) if turn else httpx.USE_CLIENT_DEFAULT
       req = client().build_request(request.method, f"{backend}/{path}", content=body,
-                                   headers=headers, params=request.query_params)
+                                   headers=headers, params=request.query_params,
+                                   timeout=timeout)
       try:
         resp = await client().send(req, stream=True)
       except httpx.TransportError as e:  # connection refused, reset, ...: next on the ring

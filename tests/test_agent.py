@@ -209,16 +209,19 @@ def test_an_episode_cut_while_its_own_tokens_decoded_is_the_policys():
 
 class ProgressEngine(ScriptedEngine):
   """Takes `delay_s` a turn; says how a turn in flight stands as `moving` says: tokens
-  that grow each look (True), a request still queued ("queued"), or one stuck at its
-  first token (False)."""
+  that grow each look (True, decoding since the turn began), a request still queued
+  ("queued"), one stuck at its first token (False: no decode time), or one that ended
+  just before the look ("ended": not in flight; its answer comes 50 ms later)."""
 
   def __init__(self, replies, delay_s, moving=True):
     super().__init__(replies)
     self.delay_s, self.moving, self.looks, self.ids = delay_s, moving, 0, []
 
-  async def generate(self, prompt_ids, sampling, session_id=None, request_id=None):
+  async def generate(self, prompt_ids, sampling, session_id=None, request_id=None,
+                     model=None):
     import time
 
+    self.models.append(model)
     self.ids.append(request_id)
     self.started = time.perf_counter()
     await asyncio.sleep(self.delay_s)
@@ -229,11 +232,13 @@ class ProgressEngine(ScriptedEngine):
     self.looks += 1
     if self.moving == "queued":
       return {"state": "queued", "prefilled": 0, "output_tokens": 0}
+    if self.moving == "ended":
+      return None
     import time
 
     return {"state": "running", "prefilled": 8,
             "output_tokens": self.looks if self.moving is True else 1,
-            "decode_s": time.perf_counter() - self.started}
+            "decode_s": time.perf_counter() - self.started if self.moving is True else 0.0}
 
 
 def test_a_turn_that_moves_past_its_deadline_is_waited_on_and_one_that_does_not_is_not():
@@ -256,11 +261,43 @@ def test_a_turn_that_moves_past_its_deadline_is_waited_on_and_one_that_does_not_
     assert ep.infra_error and ep.infra_kind == "turn_deadline" and said in ep.reason
   # One turn decoding past the episode's deadline: the time its tokens took so far (as
   # the last look said) is the policy's, a scored truncation, not infrastructure.
-  ep = asyncio.run(run_whitebox(make("guess_number"), task, ProgressEngine(["8"], 2.0), TOK,
-                                dataclasses.replace(config, episode_deadline_s=0.6),
-                                session_id="s", group_id="g"))
+  # ... also when the cut comes before any look (the server is asked at the cut).
+  for turn_deadline_s in (0.1, 5.0):
+    ep = asyncio.run(run_whitebox(
+        make("guess_number"), task, ProgressEngine(["8"], 2.0), TOK,
+        dataclasses.replace(config, episode_deadline_s=0.6, turn_deadline_s=turn_deadline_s),
+        session_id="s", group_id="g"))
+    assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), ep.reason
+    assert not ep.infra_error
+  # A turn cut by a weight update after 0.5 s of decoding, resumed, and cut by the
+  # deadline in its second part: both parts' decoding is the policy's.
+  class Resumed(ProgressEngine):
+    async def generate(self, prompt_ids, sampling, session_id=None, request_id=None,
+                       model=None, resumed_tokens=0):
+      if not self.ids:
+        self.ids.append(request_id)
+        await asyncio.sleep(0.5)
+        return TurnRecord(list(prompt_ids), TOK.encode("1"), [-0.1], [4], "abort",
+                          decode_s=0.5)
+      return await super().generate(prompt_ids, sampling, session_id, request_id)
+
+  ep = asyncio.run(run_whitebox(
+      make("guess_number"), task, Resumed(["8"], 2.0), TOK,
+      dataclasses.replace(config, episode_deadline_s=0.8, turn_deadline_s=5.0),
+      session_id="s", group_id="g"))
   assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), ep.reason
-  assert not ep.infra_error
+  # A server stuck after a turn's first token: its time is the server's, not decoding.
+  ep = asyncio.run(run_whitebox(
+      make("guess_number"), task, ProgressEngine(["8"], 2.0, moving=False), TOK,
+      dataclasses.replace(config, episode_deadline_s=0.6, turn_deadline_s=5.0),
+      session_id="s", group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "episode_deadline", ep.reason
+  # A turn that ended as it was looked at (no longer in flight, its answer on the way).
+  engine = ProgressEngine(["8", "11"], 0.15, moving="ended")
+  ep = asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK,
+                                dataclasses.replace(config, turn_deadline_s=0.12),
+                                session_id="s", group_id="g"))
+  assert ep.success and not ep.infra_error and engine.looks == 2
 
 
 @pytest.mark.parametrize("own_s", [0.3, 0.0])
@@ -483,6 +520,20 @@ def test_a_served_summariser_writes_the_summary():
   assert ep.success and engine.models == [None] * 3 + ["judge"] + [None] * 2
 
 
+def test_a_summary_that_moves_past_the_turn_deadline_is_waited_on():
+  """A summary is bounded as a turn is (the policy's context length asked for it, and
+  by default the policy writes it): moving, it is waited on past agent.turn_deadline_s
+  (it was an infrastructure error at the deadline: a re-roll the policy could provoke)."""
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=300,
+                    compaction="summary", keep_last_messages=2, turn_deadline_s=0.1)
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6, "prompt": LONG})
+  engine = ProgressEngine(["1", "2", "3", "Tried 1 to 3.", "4", "11"], 0.25)
+  ep = asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
+                                session_id="s", group_id="g"))
+  assert ep.success and ep.compactions == 1 and not ep.infra_error, ep.reason
+  assert "s#summary#" in engine.ids[3] and engine.looks >= 12
+
+
 def test_long_episodes_go_on_past_the_context_cap_with_summaries(random_params):
   """A long guess_number (1..200, 14 guesses) with a 120-token context, against the real
   engine: the context is summarised again and again, the episode plays every turn, every
@@ -694,8 +745,9 @@ def test_a_blackbox_episode_cut_while_its_own_tokens_decoded_is_the_policys(rand
   """The server's time from a turn's first token to its end is the policy's side of a
   cut: a policy that writes to its token cap on a busy server must not turn its long
   failures into re-rolled infrastructure errors (red team: the time was all the
-  server's). Decoding slowed to 0.4 s a token, 3 tokens a turn, a 2.5 s deadline; the
-  turn in flight at the cut counts too (the server says how long it has decoded)."""
+  server's). Decoding slowed to 0.3 s a token, 6 tokens a turn, a 4 s deadline; the
+  turn in flight at the cut counts too (the server says how long it has decoded, to
+  its latest token)."""
   import time as time_mod
 
   from tests.rollout_server.conftest import running_server
@@ -703,26 +755,29 @@ def test_a_blackbox_episode_cut_while_its_own_tokens_decoded_is_the_policys(rand
   task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
   config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
   with running_server(random_params, TOK, version=4) as (srv, orch):
-    asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,  # compiles
-                             session_id="bb-warm", group_id="g"))
+    for n in (6, 20):  # compiles the shapes below (a cut turn's time is the margin)
+      asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                               dataclasses.replace(config, max_new_tokens=n),
+                               session_id=f"bb-warm-{n}", group_id="g"))
     emit = orch._emit
 
     def slow_emit(req, *args):
       if req.first_token_at is not None:  # the tokens after the first: its length's time
-        time_mod.sleep(0.4)
+        time_mod.sleep(0.3)
       return emit(req, *args)
 
     orch._emit = slow_emit
     try:
       ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
-                                    dataclasses.replace(config, episode_deadline_s=2.5),
+                                    dataclasses.replace(config, episode_deadline_s=4.0,
+                                                        max_new_tokens=6),
                                     session_id="bb-long", group_id="g"))
-      # One turn of 12 tokens, cut in flight: no turn recorded yet, its time the policy's.
+      # One turn of 20 tokens, cut in flight: no turn recorded yet, its time the policy's.
       first = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
-                                       dataclasses.replace(config, episode_deadline_s=2.5,
-                                                           max_new_tokens=12),
+                                       dataclasses.replace(config, episode_deadline_s=4.0,
+                                                           max_new_tokens=20),
                                        session_id="bb-first", group_id="g"))
-      # Turns of 0.8 s against a 0.5 s turn deadline: they move, so the harness waits.
+      # Turns of 0.6 s against a 0.5 s turn deadline: they move, so the harness waits.
       moving = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
                                         dataclasses.replace(config, turn_deadline_s=0.5,
                                                             max_turns=2),
@@ -730,9 +785,9 @@ def test_a_blackbox_episode_cut_while_its_own_tokens_decoded_is_the_policys(rand
     finally:
       orch._emit = emit
   assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), (ep.status, ep.reason)
-  assert not ep.infra_error and ep.reward == 0.0 and ep.segments and ep.decode_s > 1.0
+  assert not ep.infra_error and ep.reward == 0.0 and ep.segments and ep.decode_s > 2.0
   assert (first.status, first.reason) == ("truncated", "episode_deadline"), first.reason
-  assert not first.infra_error and first.reward == 0.0 and first.decode_s > 1.0
+  assert not first.infra_error and first.reward == 0.0 and first.decode_s > 2.0
   assert not moving.infra_error and moving.turns == 2, (moving.status, moving.reason)
 
 
@@ -777,11 +832,13 @@ def test_a_slow_servers_turns_that_keep_moving_finish_and_a_stuck_one_is_infrast
     try:
       slow = asyncio.run(episode("slow", srv.url))
       routed = asyncio.run(episode("routed", router.url))
+      blackbox = asyncio.run(run_blackbox(make("guess_number"), task, router.url, config,
+                                          session_id="routed-bb", group_id="g"))
       stuck.set()
       cut = asyncio.run(episode("stuck", srv.url))
     finally:
       orch._emit = emit
-  for ep in (slow, routed):
+  for ep in (slow, routed, blackbox):
     assert not ep.infra_error and ep.turns == 2, (ep.status, ep.reason)
     assert ep.output_tokens > 2
   assert cut.infra_error and cut.infra_kind == "turn_deadline", (cut.status, cut.reason)
