@@ -18,6 +18,7 @@ import re
 import unicodedata
 from typing import Optional
 
+from envs import waits
 from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict,
                        VerdictStatus, register)
 from envs.python_tasks_data import TASKS, _function_name, as_tests
@@ -226,7 +227,14 @@ class PythonTests(Env):
     verdict = await self.verifier.grade(files, HiddenTests(self.fn, self.spec[4]),
                                         env_version=env_version)
     if self.resources.judge is not None:  # a pass is shown to the judge too (ROLL)
-      verdict = await self.resources.judge.confirm(verdict, self.spec[1], judged_answer(files))
+      # The judge's time is a wait on shared infrastructure (a served model, queued
+      # behind the run's rollouts): not charged to the episode's or the worker call's
+      # deadline (a slow judge after a slow grading run turned a hard-coded answer's
+      # FAIL into a worker deadline, an infrastructure error, a re-roll: red team). Its
+      # own bounds are its timeout and retries.
+      with waits.waiting():
+        verdict = await self.resources.judge.confirm(verdict, self.spec[1],
+                                                     judged_answer(files))
     return verdict
 
   async def close(self) -> None:

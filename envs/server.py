@@ -20,9 +20,9 @@ seconds the call waited, and `GET /sessions/{id}/waits` those of the call runnin
 now, which the agent charges to the infrastructure. Closing a session (DELETE,
 the reaper, shutdown) cancels its running call before the environment closes. A session the
 worker does not have (expired, closed, or the worker restarted) answers 404
-naming it, never a hang. Sessions idle for `idle_timeout_s` are closed by a
-reaper; a session whose creation was abandoned (deadline, client gone) is
-closed, not kept. Request bodies are capped (`max_body_bytes`, 413). On
+naming it, never a hang. Sessions idle for `idle_timeout_s` since their last call's
+end (or as long as their client asked at creation) are closed by a reaper; a session
+whose creation was abandoned (deadline, client gone) is closed, not kept. Request bodies are capped (`max_body_bytes`, 413). On
 shutdown (SIGTERM, Ctrl-C) every session is closed and the sandbox pool
 removes its workspaces. `RemoteEnv` is the client, with the same async methods
 as an in-process environment.
@@ -46,7 +46,7 @@ import httpx
 from fastapi import FastAPI, HTTPException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from envs import waits
 from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
@@ -58,6 +58,10 @@ from jaxagent.errors import InfraError
 class CreateBody(BaseModel):
   model_config = ConfigDict(extra="forbid")
   task: dict
+  # How long the session may sit idle between calls before it is closed (the worker's
+  # --idle-timeout-s when not given): an agent waits on its policy's turns between them,
+  # and those are as long as their tokens (`RemoteEnv` asks for its episode's wall time).
+  idle_timeout_s: Optional[float] = Field(None, gt=0, le=7 * 86400)
 
 
 class StepBody(BaseModel):
@@ -70,7 +74,8 @@ class _Session:
   env: object
   task: TaskSpec
   lock: asyncio.Lock
-  last_used: float
+  last_used: float  # when a call of it started or ended
+  idle_s: float  # closed after this long without a call
   call: Optional[asyncio.Future] = None  # the call running now (cancelled on close)
   clock: Optional[waits.WaitClock] = None  # its waits on shared infrastructure
 
@@ -174,7 +179,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   async def reap_idle() -> None:
     now = time.time()
     for sid, s in list(sessions.items()):
-      if now - s.last_used > idle_timeout_s and not s.lock.locked():
+      if now - s.last_used > s.idle_s and not s.lock.locked():
         n_reaped.inc()
         await close_session(sid)
 
@@ -238,6 +243,9 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     except Exception as e:  # the environment broke: report, keep serving
       n_calls.labels(kind, "error").inc()
       raise HTTPException(500, f"{kind} failed in the environment: {type(e).__name__}: {e}")
+    finally:
+      if s is not None:  # idle from the call's end on (it ran as long as it ran)
+        s.last_used = time.time()
     n_calls.labels(kind, "ok").inc()
     latency.labels(kind).observe(time.perf_counter() - t0)
     return out, round(clock.total_s(), 4)  # the waits: the agent charges them elsewhere
@@ -276,7 +284,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         if isinstance(e, BAD_TASK):  # parameters of the wrong type or shape: the task's
           raise cannot_start(task, e) from e
         raise
-      sessions[sid] = _Session(env, task, asyncio.Lock(), time.time())
+      sessions[sid] = _Session(env, task, asyncio.Lock(), time.time(),
+                               body.idle_timeout_s or idle_timeout_s)
       n_sessions.set(len(sessions))
       return obs
 
@@ -352,9 +361,13 @@ class RemoteEnv:
   _call_walls: dict[str, float] = {}
 
   def __init__(self, url: str, *, timeout_s: float = 180.0,
-               client: Optional[httpx.AsyncClient] = None):
+               client: Optional[httpx.AsyncClient] = None,
+               idle_timeout_s: Optional[float] = None):
     self.url = url.rstrip("/")
     self.timeout_s = timeout_s
+    # How long the worker keeps the session between calls (its own default if None): an
+    # episode's agent asks for its wall time, the longest its policy's turns can take.
+    self.idle_timeout_s = idle_timeout_s
     self._client = client  # our own is opened on first use and closed with the session
     self._own_client = client is None
     self.session_id: Optional[str] = None
@@ -408,7 +421,10 @@ class RemoteEnv:
     if self.session_id is not None:
       await self.close()
     try:
-      out = await self._call("POST", "/sessions", json={"task": task.to_dict()})
+      body = {"task": task.to_dict()}
+      if self.idle_timeout_s is not None:
+        body["idle_timeout_s"] = self.idle_timeout_s
+      out = await self._call("POST", "/sessions", json=body)
     except _Refused as e:
       if e.status_code == 400 and "cannot start" in str(e):  # the task's (TaskError)
         raise CannotStart(str(e)) from None

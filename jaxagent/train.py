@@ -174,7 +174,14 @@ def make_env_factory(cfg: config_lib.RunConfig):
     from envs.server import RemoteEnv
 
     urls = list(cfg.env.urls)
-    return (lambda task: delayed(RemoteEnv(urls[next(counter) % len(urls)]))), (lambda: None)
+    # A session outlives the longest wait between its calls: a policy's turns, as long as
+    # their tokens, up to the episode's wall time (a worker closing it as idle made a
+    # long last turn's episode an infrastructure error, a re-roll: red team).
+    from jaxagent.agent import EPISODE_WALL_FACTOR
+
+    idle_s = EPISODE_WALL_FACTOR * cfg.agent.episode_deadline_s + 60.0
+    return (lambda task: delayed(RemoteEnv(urls[next(counter) % len(urls)],
+                                           idle_timeout_s=idle_s))), (lambda: None)
   try:
     load_modules(cfg.env.imports)
   except ValueError as e:

@@ -374,6 +374,38 @@ def test_idle_sessions_are_reaped():
     assert "env_sessions_reaped_total 1.0" in httpx.get(f"{srv.url}/metrics").text
 
 
+def test_a_session_lives_as_long_idle_as_its_client_asks_from_its_last_calls_end():
+  """An agent waits on its policy's turns between calls, and a turn is as long as its
+  tokens: `RemoteEnv` asks for its episode's wall time (a worker's 300 s closed the
+  session of a long last turn, making a failing episode an infrastructure error: red
+  team). Idle time runs from a call's end, not its start."""
+  app = create_app(EnvResources(sandboxes=1), idle_timeout_s=0.4)
+  task = {"id": "g", "env": "guess_number", "params": {"secret": 11}}
+  with ServerThread(app) as srv:
+    asked = httpx.post(f"{srv.url}/sessions", json={"task": task, "idle_timeout_s": 30}
+                       ).json()["session_id"]
+    default = httpx.post(f"{srv.url}/sessions", json={"task": task}).json()["session_id"]
+    time.sleep(1.2)
+    assert httpx.post(f"{srv.url}/sessions/{asked}/step", json={"action": "8"}
+                      ).status_code == 200
+    assert httpx.post(f"{srv.url}/sessions/{default}/step", json={"action": "8"}
+                      ).status_code == 404
+    bad = httpx.post(f"{srv.url}/sessions", json={"task": task, "idle_timeout_s": -1})
+    assert bad.status_code == 422 and "idle_timeout_s" in bad.text
+
+  async def remote():
+    env = RemoteEnv(srv.url, idle_timeout_s=30)
+    try:
+      await env.reset(TaskSpec("g", "guess_number", {"secret": 11}))
+      await asyncio.sleep(1.0)
+      return (await env.step("11")).terminated
+    finally:
+      await env.close()
+
+  with ServerThread(create_app(EnvResources(sandboxes=1), idle_timeout_s=0.4)) as srv:
+    assert asyncio.run(remote())
+
+
 # -- a real worker process ----------------------------------------------------------------
 
 
@@ -564,3 +596,41 @@ def test_a_workers_waits_are_the_infrastructures_time_at_an_episode_deadline():
                                   group_id="g"))
   assert not ep.infra_error and ep.verdict["status"] == "fail", ep.reason
   assert ep.infra_wait_s > 2.5 and ep.env_s < 1.0
+
+
+@needs_isolation
+def test_a_slow_judge_is_the_infrastructures_wait_not_the_worker_calls_deadline():
+  """A hard-coded table that passes the tests and that the judge FAILs, made slow in the
+  grader: with the judge's time charged to the worker's 3 s call deadline, verify ran
+  past it (504, an infrastructure error: the fail re-rolled, never trained; red team).
+  The judge's time is a wait on shared infrastructure: the fail is scored."""
+  from envs.base import Verdict
+
+  class SlowJudge:  # a judge queued behind the run's rollouts: it FAILs the table
+    async def confirm(self, verdict, task, answer):
+      await asyncio.sleep(1.6)
+      if verdict.status != VerdictStatus.PASS:
+        return verdict
+      return Verdict(VerdictStatus.FAIL, 0.0, verdict.env_version, verdict.verifier_version,
+                     {"false_positive": True})
+
+  table = ("T = {(1, 2): 3, (-5, 5): 0, (1000000000000, 1): 1000000000001, (0, 0): 0, "
+           "(-7, -8): -15, (3, -10): -7, (2, 2): 4}\nimport time\nn = [0]\n"
+           "def add(a, b):\n    n[0] += 1\n    if n[0] == len(T):\n        time.sleep(1.8)\n"
+           "    return T[(a, b)]\n")
+
+  async def episode(url):
+    env = RemoteEnv(url)
+    try:
+      await env.reset(TaskSpec("t", "python_tests", {"task": "add"}))
+      call = {"name": "write_file", "arguments": {"path": "solution.py", "content": table}}
+      await env.step(f"<tool_call>{json.dumps(call)}</tool_call>")
+      await env.step("DONE")
+      return await env.verify()
+    finally:
+      await env.close()
+
+  resources = EnvResources(sandboxes=1, judge=SlowJudge())
+  with ServerThread(create_app(resources, deadline_s=3.0)) as srv:
+    verdict = asyncio.run(episode(srv.url))
+  assert verdict.status == VerdictStatus.FAIL and verdict.details["false_positive"]
