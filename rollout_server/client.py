@@ -155,8 +155,9 @@ class HttpClient:
     if request_id:
       body["request_id"] = request_id
     body["stop_token_ids"] = list(sampling.stop_token_ids)
-    if session_id:
+    if session_id:  # (for routing and the prefix cache: this client keeps its own record)
       body["session_id"] = session_id
+      body["record"] = False
     if model:
       body["model"] = model
     updates = self._updates

@@ -69,6 +69,9 @@ class GenerateBody(SamplingBody):
   request_id: Optional[str] = None
   session_id: Optional[str] = None
   model: Optional[str] = None
+  # Record the turn in its session (`GET /sessions/{id}`); false: the session id only
+  # routes it (the built-in agent keeps its own record: its turns would fill the store).
+  record: bool = True
 
 
 class ScoreBody(BaseModel):
@@ -336,7 +339,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     out = req.result()
     # A session records the policy's turns only, and only ended ones (a turn whose
     # client went away is being aborted: its record would be a partial turn).
-    if session_id and m is None and ended:
+    if session_id and m is None and ended and body.record:
       sessions.record(session_id, _turn_record(req, kind="generate"))
     return out
 
