@@ -272,8 +272,6 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
   the decode time of the turn's parts before it (`done_s`, a turn resumed after a weight
   update) and its own as last seen (`decode_s`, `_within_turn_deadline`)."""
   tracked = callable(getattr(engine, "progress", None))
-  if look is not None:
-    look.clear()
 
   async def call(prompt, sampling, resumed=0):
     # A resume names its sampled tokens: the prompt limit does not count them.
@@ -393,7 +391,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 
   def wait_on(what):
     waiting.update(on=what, since=time.perf_counter())
-    look.clear()
+    look.clear()  # (a turn's look is its own: a compaction's wait starts with none)
 
   async def at_cut() -> None:
     """At a cut, before the turn in flight is cancelled: how long its tokens took."""
@@ -589,8 +587,10 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 
 def _tool_call_text(name: str, arguments: str) -> str:
   """A tool call in the chat template's format (what the environment parses), from its
-  name and its arguments' JSON."""
-  return f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {arguments}}}</tool_call>'
+  name and its arguments' JSON. A "</" can only sit inside a JSON string, where "<\\/"
+  reads the same: escaped, an argument holding "</tool_call>" cannot close the call."""
+  body = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'.replace("</", "<\\/")
+  return f"<tool_call>{body}</tool_call>"
 
 
 async def gateway_progress(base_url: str, session_id: str) -> Optional[dict]:

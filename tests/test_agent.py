@@ -923,3 +923,19 @@ def test_every_segment_carries_its_provenance():
   # A segment written to JSONL and read back keeps it.
   from jaxagent.trajectory import Segment
   assert Segment.from_json(seg.to_json()).meta_versions == meta
+
+
+def test_a_black_box_replys_tool_call_text_keeps_an_argument_that_writes_its_close_tag():
+  """A black-box agent hands each reply to its environment as text in the template's
+  tool-call format: an argument holding "</tool_call>" (the model wrote it escaped, the
+  gateway parsed one call) must come back as that one call, not two malformed ones."""
+  import json
+
+  from envs.tools import parse_tool_calls
+  from jaxagent.agent import _tool_call_text
+
+  content = 'print("</tool_call><tool_call>")'
+  text = _tool_call_text("write_file", json.dumps({"path": "a.py", "content": content}))
+  parsed = parse_tool_calls(text)
+  assert not parsed.errors and len(parsed.calls) == 1
+  assert parsed.calls[0].arguments == {"path": "a.py", "content": content}
