@@ -68,12 +68,30 @@ class HashRing:
     return out
 
 
+def _unrecorded(body: bytes) -> bool:
+  """A /generate body that asks not to be recorded (`record: false`)."""
+  try:
+    data = json.loads(body)
+  except (ValueError, RecursionError):
+    return False
+  return isinstance(data, dict) and data.get("record") is False
+
+
+async def _client_gone(request: Request) -> None:
+  """Returns when the client of a request whose body was read disconnects."""
+  while (await request.receive())["type"] != "http.disconnect":
+    await asyncio.sleep(0.05)
+
+
 def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
-                  timeout_s: float = 600.0, max_sessions: int = 10000,
-                  session_ttl_s: Optional[float] = 3600.0,
+                  timeout_s: float = 600.0, turn_timeout_s: float = 3600.0,
+                  max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
                   session_max_bytes: Optional[int] = 1 << 30) -> FastAPI:
   """The router app. It keeps a copy of every session's recorded turns (bounded as a
-  server's records are), so a session outlives the backend its turns ran on."""
+  server's records are), so a session outlives the backend its turns ran on. A turn
+  (generate, chat, messages) is as long as its tokens: its backend is given
+  `turn_timeout_s` (a backend that passes it answers 504 and stays in rotation), and a
+  turn whose client went away is cancelled at its backend (which aborts it)."""
   ring = HashRing([b.rstrip("/") for b in backends])
   # Healthy: answers /health and serves the current policy (a backend that comes back
   # loads it before it takes traffic again).
@@ -338,23 +356,44 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     turn = path in ("generate", "v1/chat/completions", "v1/messages")
-    records = session_id is not None and turn
+    records = (session_id is not None and turn
+               and not (path == "generate" and _unrecorded(body)))
     last_error: Optional[str] = None
     for backend in order:
-      # A turn is as long as its tokens: no read timeout (a client asks how it stands,
-      # `GET /requests`; a ReadTimeout here would also take a slow backend out of
-      # rotation as if it were dead).
-      timeout = httpx.Timeout(None, connect=5.0) if turn else httpx.USE_CLIENT_DEFAULT
+      # A turn is as long as its tokens (its client asks how it stands, `GET
+      # /requests`): a long bound of its own, and a slow backend is not a dead one.
+      timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
+                 else httpx.USE_CLIENT_DEFAULT)
       req = client().build_request(request.method, f"{backend}/{path}", content=body,
                                    headers=headers, params=request.query_params,
                                    timeout=timeout)
+      sending = asyncio.ensure_future(client().send(req, stream=True))
+      gone = asyncio.ensure_future(_client_gone(request))
       try:
-        resp = await client().send(req, stream=True)
+        # (a client that gave up must not hold a connection to its backend: a stuck
+        # backend's abandoned turns filled the router's pool)
+        await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not sending.done():
+          sending.cancel()
+          with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sending
+          return Response(status_code=499)
+        resp = sending.result()
       except httpx.TransportError as e:  # connection refused, reset, ...: next on the ring
+        if turn and isinstance(e, (httpx.ReadTimeout, httpx.PoolTimeout)):
+          # A turn past its bound, or a router whose connections are all busy: not a
+          # dead backend.
+          slow = isinstance(e, httpx.ReadTimeout)
+          return JSONResponse({"detail": f"{backend}: the turn took longer than "
+                                         f"{turn_timeout_s:.0f} s" if slow else
+                                         f"the router's connections are all busy ({e})"},
+                              status_code=504 if slow else 503)
         healthy[backend] = False
         failovers["n"] += 1
         last_error = f"{backend}: {type(e).__name__}: {e}"
         continue
+      finally:
+        gone.cancel()
       counts[backend] += 1
       out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
       out_headers["x-routed-to"] = backend

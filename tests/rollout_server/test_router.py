@@ -352,3 +352,76 @@ def test_a_client_waits_for_a_server_that_is_still_starting(random_params, token
   finally:
     backend.stop()
     orch.stop()
+
+
+def test_a_turn_whose_client_gave_up_is_cancelled_at_its_backend_and_the_backend_stays():
+  """A turn has no short read bound (it is as long as its tokens; its client asks how it
+  stands), so a client that gives up must not leave the router waiting on the backend:
+  the router cancels the backend request (the backend sees its client go and aborts),
+  and the backend stays in rotation (a stuck backend's abandoned turns held the router's
+  connections with no end: a reviewer's finding)."""
+  import asyncio
+
+  from fastapi import FastAPI, Request
+
+  seen = {"open": 0, "gone": 0}
+  backend = FastAPI()
+
+  @backend.get("/health")
+  async def health():
+    return {"status": "ok"}
+
+  @backend.post("/generate")
+  async def generate(request: Request):
+    seen["open"] += 1
+    try:
+      while not await request.is_disconnected():  # a stuck engine
+        await asyncio.sleep(0.05)
+      seen["gone"] += 1
+      return {}
+    finally:
+      seen["open"] -= 1
+
+  with ServerThread(backend) as b, ServerThread(create_router([b.url], timeout_s=1.0)) as r:
+    with pytest.raises(httpx.ReadTimeout):
+      httpx.post(f"{r.url}/generate", json={"input_ids": [1], "session_id": "s"}, timeout=0.5)
+    deadline = time.time() + 10
+    while seen["gone"] == 0 and time.time() < deadline:
+      time.sleep(0.05)
+    time.sleep(1.5)  # past the router's own (non-turn) read bound
+    assert seen == {"open": 0, "gone": 1}
+    assert httpx.get(f"{r.url}/router/health").json()["backends"][0]["healthy"]
+
+
+def test_generate_with_record_false_routes_by_session_without_a_record(random_params,
+                                                                        tokenizer):
+  """The built-in agent keeps its own record: its /generate turns carry their session
+  id (routing, the prefix cache) with `record: false`, and neither the server nor the
+  router keeps them (they filled the session store, whose byte bound then evicted
+  black-box episodes' records: red team). Without it, a turn is recorded as before."""
+  import asyncio
+
+  from rollout_server.client import HttpClient
+  from rollout_server.engine import SamplingParams
+
+  body = {"input_ids": [1, 2, 3], "max_new_tokens": 2}
+  with running_server(random_params, tokenizer) as (srv, _), \
+      ServerThread(create_router([srv.url])) as router:
+    for url in (srv.url, router.url):
+      assert httpx.post(f"{url}/generate", json={**body, "session_id": "rec"},
+                        timeout=120).status_code == 200
+      assert httpx.post(f"{url}/generate", json={**body, "session_id": "norec",
+                                                 "record": False}, timeout=120).status_code == 200
+
+      async def via_client():
+        c = HttpClient(url)
+        try:
+          await c.generate([1, 2, 3], SamplingParams(max_new_tokens=2), "wb")
+        finally:
+          await c.aclose()
+
+      asyncio.run(via_client())
+    assert len(httpx.get(f"{router.url}/sessions/rec").json()["turns"]) == 2
+    for sid in ("norec", "wb"):
+      assert httpx.get(f"{router.url}/sessions/{sid}").status_code == 404
+      assert httpx.get(f"{srv.url}/sessions/{sid}").status_code == 404
