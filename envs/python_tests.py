@@ -230,8 +230,9 @@ class PythonTests(Env):
       # The judge's time is a wait on shared infrastructure (a served model, queued
       # behind the run's rollouts): not charged to the episode's or the worker call's
       # deadline (a slow judge after a slow grading run turned a hard-coded answer's
-      # FAIL into a worker deadline, an infrastructure error, a re-roll: red team). Its
-      # own bounds are its timeout and retries.
+      # FAIL into a worker deadline, an infrastructure error, a re-roll: red team). It
+      # is bounded by the worker call's wall (WALL_FACTOR deadlines, waits and all) and
+      # by the judge's own timeout and retries.
       with waits.waiting():
         verdict = await self.resources.judge.confirm(verdict, self.spec[1],
                                                      judged_answer(files))

@@ -59,9 +59,10 @@ class CreateBody(BaseModel):
   model_config = ConfigDict(extra="forbid")
   task: dict
   # How long the session may sit idle between calls before it is closed (the worker's
-  # --idle-timeout-s when not given): an agent waits on its policy's turns between them,
-  # and those are as long as their tokens (`RemoteEnv` asks for its episode's wall time).
-  idle_timeout_s: Optional[float] = Field(None, gt=0, le=7 * 86400)
+  # --idle-timeout-s when not given, at most its --max-idle-timeout-s): an agent waits
+  # on its policy's turns between them, and those are as long as their tokens
+  # (`RemoteEnv` asks for its episode's wall time).
+  idle_timeout_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
 
 
 class StepBody(BaseModel):
@@ -131,7 +132,8 @@ class _NoTurn(Exception):
 
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
                max_concurrent_calls: int = 32, deadline_s: float = 60.0,
-               idle_timeout_s: float = 300.0, max_body_bytes: int = 8 << 20) -> FastAPI:
+               idle_timeout_s: float = 300.0, max_idle_timeout_s: float = 7200.0,
+               max_body_bytes: int = 8 << 20) -> FastAPI:
   resources = resources or EnvResources()
   sessions: dict[str, _Session] = {}
   calls = asyncio.Semaphore(max_concurrent_calls)
@@ -284,8 +286,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         if isinstance(e, BAD_TASK):  # parameters of the wrong type or shape: the task's
           raise cannot_start(task, e) from e
         raise
-      sessions[sid] = _Session(env, task, asyncio.Lock(), time.time(),
-                               body.idle_timeout_s or idle_timeout_s)
+      # (a client's ask is capped: a learner killed with its sessions open holds the
+      # worker's session slots that long)
+      idle_s = min(body.idle_timeout_s, max_idle_timeout_s) if body.idle_timeout_s \
+          else idle_timeout_s
+      sessions[sid] = _Session(env, task, asyncio.Lock(), time.time(), idle_s)
       n_sessions.set(len(sessions))
       return obs
 
@@ -482,7 +487,10 @@ def main(argv=None) -> int:
   p.add_argument("--max-concurrent-calls", type=int, default=32)
   p.add_argument("--deadline-s", type=float, default=60.0)
   p.add_argument("--idle-timeout-s", type=float, default=300.0,
-                 help="close sessions idle this long")
+                 help="close sessions idle this long (since their last call's end)")
+  p.add_argument("--max-idle-timeout-s", type=float, default=7200.0,
+                 help="the longest idle time a client may ask for its session (an agent "
+                      "asks for its episode's wall time, three agent.episode_deadline_s)")
   p.add_argument("--max-body-bytes", type=int, default=8 << 20)
   p.add_argument("--workspace-root", default=None,
                  help="directory for sandbox workspaces (default: a new temporary one)")
@@ -517,7 +525,9 @@ def main(argv=None) -> int:
         file=sys.stderr, flush=True)
   app = create_app(resources, max_sessions=args.max_sessions,
                    max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s,
-                   idle_timeout_s=args.idle_timeout_s, max_body_bytes=args.max_body_bytes)
+                   idle_timeout_s=args.idle_timeout_s,
+                   max_idle_timeout_s=args.max_idle_timeout_s,
+                   max_body_bytes=args.max_body_bytes)
   try:
     serve(app, sock, log_level=args.log_level)
   finally:

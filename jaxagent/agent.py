@@ -141,12 +141,15 @@ def summary_prompt(tokenizer: Tokenizer, dropped: list[dict], budget: int) -> li
 async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
                    tokenizer: Optional[Tokenizer] = None, session_id: str = "",
                    turn: int = 0, logged: Optional[str] = None,
-                   limit: Optional[int] = None) -> tuple[list[dict], Optional[str]]:
+                   limit: Optional[int] = None, look: Optional[dict] = None
+                   ) -> tuple[list[dict], Optional[str]]:
   """Keeps the system message and the last messages. The others go (`fork`), or (with
   `summary`) the policy, or the served model `agent.summarizer`, writes a summary of them
   that takes their place as a user message: context, never trained (the summariser's
   tokens are not the episode's actions). `logged`: a summary taken from the write-ahead
-  log instead of asked for. Returns the messages and the summary's text (None: none)."""
+  log instead of asked for. Returns the messages and the summary's text (None: none).
+  `look` (the policy writing its own summary): as a turn's (`_generate`), and its
+  `summary_s`, the time the summary's tokens took."""
   head, dropped, keep = _split_for_compaction(messages, cfg)
   if cfg.compaction != "summary" or not dropped:
     return head + keep, None
@@ -166,9 +169,14 @@ async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
          if callable(getattr(engine, "progress", None)) else None)
   if rid is not None:
     extra["request_id"] = rid
+  look = look if not cfg.summarizer else None  # (a served summariser's time: the server's)
+  if look is not None:
+    look["rid"] = rid
   record = await _within_turn_deadline(
       engine, engine.generate(prompt, sampling, session_id + "#summary", **extra), rid,
-      cfg.turn_deadline_s)
+      cfg.turn_deadline_s, look)
+  if look is not None:
+    look["summary_s"] = record.decode_s
   out = record.output_ids
   text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out).strip()
   text = text or "(empty)"
@@ -434,16 +442,21 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
             status, reason = too_long(turn, prompt)
             return
           wait_on("server")
+          t0 = time.perf_counter()
           try:
             messages, summary = await _compact(
                 messages, cfg, engine=engine, tokenizer=tokenizer, session_id=seed_session,
                 turn=turn, logged=replay.summaries.get(turn) if replay is not None else None,
-                limit=limit)
+                limit=limit, look=look)
           except InfraError as e:
             if e.kind != "prompt_too_long":
               raise
             status, reason = too_long(turn, prompt)  # too long even to summarise
             return
+          # (the policy's summary: its tokens' time is its own, as a turn's)
+          took = time.perf_counter() - t0
+          ep.generate_s += took
+          ep.decode_s += min(look.get("summary_s", 0.0), took)
           if log is not None and summary is not None:  # the next prompts are built on it
             await _commit(log, log.summary, turn, summary)
           wait_on("env")
@@ -1045,7 +1058,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     else:
       recorded = [t for t in turns if isinstance(t, dict)]
       # (a turn that ended after the look at the cut is in the record: counted once)
-      done = {t.get("request_id") for t in recorded}
+      done = {i for t in recorded for i in [t.get("request_id"), *(t.get("part_ids") or [])]}
       ep.decode_s = min(elapsed, sum(v for k, v in decoding.items() if k not in done)
                         + sum(reported_seconds(t.get("decode_s")) for t in recorded))
       server_s = max(0.0, elapsed - acting.env_s - acting.waited_s - ep.decode_s)

@@ -159,7 +159,8 @@ class ChatTurn:
       out[field] = self._joined(field)
     out.update(finish_reason=self.req.finish_reason, error=self.req.error,
                resumed=len(self._parts) - 1,
-               decode_s=sum(part.decode_s for part in self._parts))
+               decode_s=sum(part.decode_s for part in self._parts),
+               part_ids=[part.request_id for part in self._parts])
     return out
 
   def _resume(self) -> bool:

@@ -533,6 +533,21 @@ def test_a_summary_that_moves_past_the_turn_deadline_is_waited_on():
   assert ep.success and ep.compactions == 1 and not ep.infra_error, ep.reason
   assert "s#summary#" in engine.ids[3] and engine.looks >= 12
 
+  # Cut while the policy writes its summary: its tokens' time is its own, as a turn's.
+  class SlowSummary(ProgressEngine):
+    async def generate(self, prompt_ids, sampling, session_id=None, request_id=None,
+                       model=None):
+      self.delay_s = 3.0 if session_id.endswith("#summary") else 0.0
+      return await super().generate(prompt_ids, sampling, session_id, request_id, model)
+
+  import rollout_server.client  # noqa: F401  (imported before the episode's clock starts)
+
+  ep = asyncio.run(run_whitebox(
+      make("guess_number"), task, SlowSummary(["1", "2", "3", "Tried."], 0.0), TOK,
+      dataclasses.replace(cfg, turn_deadline_s=5.0, episode_deadline_s=1.0),
+      session_id="s", group_id="g"))
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), ep.reason
+
 
 def test_long_episodes_go_on_past_the_context_cap_with_summaries(random_params):
   """A long guess_number (1..200, 14 guesses) with a 120-token context, against the real
