@@ -392,6 +392,15 @@ def test_a_session_lives_as_long_idle_as_its_client_asks_from_its_last_calls_end
                       ).status_code == 404
     bad = httpx.post(f"{srv.url}/sessions", json={"task": task, "idle_timeout_s": -1})
     assert bad.status_code == 422 and "idle_timeout_s" in bad.text
+  # A client's ask is capped by the worker's --max-idle-timeout-s (a huge episode
+  # deadline asks for years: taken, capped, not refused).
+  capped = create_app(EnvResources(sandboxes=1), idle_timeout_s=0.4, max_idle_timeout_s=0.4)
+  with ServerThread(capped) as srv:
+    sid = httpx.post(f"{srv.url}/sessions", json={"task": task, "idle_timeout_s": 3e9}
+                     ).json()["session_id"]
+    time.sleep(1.2)
+    assert httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "8"}
+                      ).status_code == 404
 
   async def remote():
     env = RemoteEnv(srv.url, idle_timeout_s=30)
