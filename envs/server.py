@@ -22,10 +22,10 @@ the reaper, shutdown) cancels its running call before the environment closes. A 
 worker does not have (expired, closed, or the worker restarted) answers 404
 naming it, never a hang. Sessions idle for `idle_timeout_s` since their last call's
 end (or as long as their client asked at creation) are closed by a reaper; a session
-whose creation was abandoned (deadline, client gone) is closed, not kept. Request bodies are capped (`max_body_bytes`, 413). On
-shutdown (SIGTERM, Ctrl-C) every session is closed and the sandbox pool
-removes its workspaces. `RemoteEnv` is the client, with the same async methods
-as an in-process environment.
+whose creation was abandoned (deadline, client gone) is closed, not kept. Request
+bodies are capped (`max_body_bytes`, 413). On shutdown (SIGTERM, Ctrl-C) every
+session is closed and the sandbox pool removes its workspaces. `RemoteEnv` is the
+client, with the same async methods as an in-process environment.
 
 `python -m envs.server [--host 127.0.0.1] [--port 8100] [--sandboxes 8]`
 """

@@ -137,7 +137,9 @@ class HttpClient:
   """A rollout server (or router) over HTTP. After it took a policy from this client
   (`update_weights`), a turn it serves from older weights means it lost them (restarted):
   the client loads the policy into it again and raises, so that the turn is asked again
-  (on a single server, where no router catches up a server that comes back)."""
+  (on a single server, where no router catches up a server that comes back).
+  `timeout_s` bounds its calls but turns: a turn is as long as its tokens (its caller
+  asks how it stands, `progress`)."""
 
   def __init__(self, url: str, *, timeout_s: float = 600.0):
     self.url = url.rstrip("/")
