@@ -6,6 +6,7 @@ failure. Used by every service CLI (rollout server, router, environment worker, 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
 import sys
@@ -63,3 +64,10 @@ def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
   host, port = sock.getsockname()[:2]
   config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
   uvicorn.Server(config).run(sockets=[sock])
+
+
+async def client_gone(request) -> None:
+  """Returns when the client of an ASGI request whose body was read disconnects (a
+  server aborts the work it asked for, a router its backend request)."""
+  while (await request.receive())["type"] != "http.disconnect":
+    await asyncio.sleep(0.05)  # (a server that repeats empty body messages)

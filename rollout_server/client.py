@@ -20,7 +20,8 @@ import httpx
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
-from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request
+from rollout_server.orchestrator import (Orchestrator, PromptTooLong, QueueFull, Request,
+                                         progress_of)
 
 
 class GenerateError(InfraError):
@@ -102,11 +103,7 @@ class LocalClient:
 
   async def progress(self, request_id: str) -> Optional[dict]:
     """Where a request in flight stands (`Orchestrator.progress`); None when none is."""
-    for orch in [self.orch, *(m.orch for m in self.models.values())]:
-      found = orch.progress(request_id)
-      if found is not None:
-        return found
-    return None
+    return progress_of([self.orch, *(m.orch for m in self.models.values())], request_id)
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
     """Loads a policy export and swaps it in."""

@@ -122,6 +122,16 @@ class Request:
     }
 
 
+def progress_of(orchestrators: Sequence["Orchestrator"], request_id: str) -> Optional[dict]:
+  """Where a request in flight on any of a server's orchestrators (its policy's, its
+  other models') stands (`Orchestrator.progress`); None when none runs it."""
+  for orch in orchestrators:
+    found = orch.progress(request_id)
+    if found is not None:
+      return found
+  return None
+
+
 def _queued(req: Request) -> bool:
   """Not yet taken: no slot, no prompt position in the pool."""
   return req.slot is None and req.prefilled == 0

@@ -34,6 +34,7 @@ import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxagent.serve_http import client_gone
 from rollout_server import anthropic_api
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
 
@@ -75,12 +76,6 @@ def _unrecorded(body: bytes) -> bool:
   except (ValueError, RecursionError):
     return False
   return isinstance(data, dict) and data.get("record") is False
-
-
-async def _client_gone(request: Request) -> None:
-  """Returns when the client of a request whose body was read disconnects."""
-  while (await request.receive())["type"] != "http.disconnect":
-    await asyncio.sleep(0.05)
 
 
 def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
@@ -368,7 +363,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                                    headers=headers, params=request.query_params,
                                    timeout=timeout)
       sending = asyncio.ensure_future(client().send(req, stream=True))
-      gone = asyncio.ensure_future(_client_gone(request))
+      gone = asyncio.ensure_future(client_gone(request))
       try:
         # (a client that gave up must not hold a connection to its backend: a stuck
         # backend's abandoned turns filled the router's pool)

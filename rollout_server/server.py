@@ -39,12 +39,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxagent.config import ServerConfig
+from jaxagent.serve_http import client_gone
 from jaxagent.tokenizer import Tokenizer, renders_tools
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
                                  OpenAIRoute, TurnCut, normalise_messages)
 from rollout_server.engine import SamplingParams
-from rollout_server.orchestrator import Orchestrator, QueueFull, Request
+from rollout_server.orchestrator import Orchestrator, QueueFull, Request, progress_of
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
 
 
@@ -224,12 +225,6 @@ async def _wait(req: Request) -> None:
   await fut
 
 
-async def _disconnected(http: HttpRequest) -> None:
-  """Returns when the client of a request whose body was read disconnects."""
-  while (await http.receive())["type"] != "http.disconnect":
-    await asyncio.sleep(0.05)  # (a server that repeats empty body messages)
-
-
 def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                update_mode: str = "drain", max_sessions: int = ServerConfig.max_sessions,
                session_ttl_s: Optional[float] = ServerConfig.session_ttl_s,
@@ -290,7 +285,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   async def run(req: Request, http: HttpRequest, on=None) -> bool:
     """Awaits `req`; aborts it (freeing its slot) if the client disconnects first. True
     when it ended before that."""
-    tasks = [asyncio.ensure_future(_wait(req)), asyncio.ensure_future(_disconnected(http))]
+    tasks = [asyncio.ensure_future(_wait(req)), asyncio.ensure_future(client_gone(http))]
     try:
       await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
       return req.done
@@ -371,11 +366,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   @app.get("/requests/{request_id:path}")
   async def progress(request_id: str):
     """Where a request in flight stands (`Orchestrator.progress`); 404 when none is."""
-    for o in [orch, *(m.orch for m in models.values())]:
-      found = o.progress(request_id)
-      if found is not None:
-        return found
-    return JSONResponse({"detail": f"no request {request_id!r} in flight"}, status_code=404)
+    found = progress_of([orch, *(m.orch for m in models.values())], request_id)
+    if found is None:
+      return JSONResponse({"detail": f"no request {request_id!r} in flight"},
+                          status_code=404)
+    return found
 
   @app.post("/abort")
   async def abort(body: AbortBody):
