@@ -334,8 +334,8 @@ class ServerConfig:
   # What a weight update does to running requests: drain | abort.
   update_mode: str = "drain"
   # Recorded sessions (GET /sessions/{id}) are bounded by count, by the bytes of their
-  # records and by a time to live since their last turn (null: unbounded); the least
-  # recently used go first.
+  # records (stored compactly: a session's grow with its context) and by a time to live
+  # since their last turn (null: unbounded); the least recently used go first.
   max_sessions: int = 10000
   session_ttl_s: Optional[float] = 3600.0
   session_max_bytes: Optional[int] = 1 << 30

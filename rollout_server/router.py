@@ -276,10 +276,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     held = session_id in sessions  # (a copy evicted here: ask every backend again)
     holders = (list(cursors.get(session_id, {})) if held else []) or ring.backends
     await copy_turns(session_id, *(b for b in holders if healthy[b]))
-    turns = sessions.get(session_id)
-    if turns is None:
+    got = sessions.read(session_id, since)
+    if got is None:
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
-    return {"session_id": session_id, "turns": turns[since:], "count": len(turns)}
+    return {"session_id": session_id, "turns": got[0], "count": got[1]}
 
   @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):

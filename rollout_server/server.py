@@ -403,10 +403,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   @app.get("/sessions/{session_id:path}")
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
     """The session's recorded turns (from turn `since` on: a router copies new ones)."""
-    turns = sessions.get(session_id)
-    if turns is None:
+    got = sessions.read(session_id, since)
+    if got is None:
       raise HTTPException(404, f"no session {session_id!r}")
-    return {"session_id": session_id, "turns": turns[since:], "count": len(turns)}
+    return {"session_id": session_id, "turns": got[0], "count": got[1]}
 
   @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):

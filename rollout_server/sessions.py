@@ -1,18 +1,133 @@
 """Recorded session turns, bounded by count, bytes and time (a server's record of the
-calls of each agent session, and the router's copy of them)."""
+calls of each agent session, and the router's copy of them).
+
+Turns are stored so that a session's record grows with its context, not with its
+context times its turns (each turn sends the whole conversation again): a turn's prompt
+ids and messages are kept as the length they share with the turn before (its prompt and
+output ids; its messages) and what is new, and token ids, log-probs and versions as
+packed arrays (4 or 8 bytes a value, not a Python object each). `get` gives the turns
+back as they were recorded."""
 
 from __future__ import annotations
 
+import array
 import collections
+import dataclasses
 import json
+import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+
+log = logging.getLogger(__name__)
+
+# The fields a turn record keeps as packed arrays (when every value has that type).
+_PACKED = {"prompt_ids": int, "output_ids": int, "versions": int,
+           "output_logprobs": float, "raw_logprobs": float}
+
+
+def _pack(values: Any, kind: type) -> Any:
+  """A list of exactly `kind` (a bool is no int, an int no float) as an array: of
+  doubles, or of the narrowest integers that hold it; anything else as it is."""
+  if not isinstance(values, list) or not all(type(v) is kind for v in values):
+    return values
+  if kind is float:
+    return array.array("d", values)
+  for code in ("i", "q"):
+    try:
+      return array.array(code, values)
+    except OverflowError:
+      pass
+  return values  # an int past 64 bits
+
+
+def _common(base, new) -> int:
+  """The length of the longest common prefix of two sequences (arrays or lists); the
+  usual case, `base` a prefix of `new`, takes one comparison."""
+  n = min(len(base), len(new))
+  if base[:n] == new[:n]:
+    return n
+  lo, hi = 0, n  # base[:lo] == new[:lo] and base[:hi] != new[:hi]
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if base[:mid] == new[:mid] else (lo, mid)
+  return lo
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tail:
+  """A sequence stored as the first `shared` items of the one before it and `rest`."""
+  shared: int
+  rest: Any
+
+  def of(self, base):
+    return base[:self.shared] + self.rest
+
+
+def _size(value: Any) -> int:
+  """The bytes a stored value holds: an array its items, anything else its JSON."""
+  if isinstance(value, _Tail):
+    return _size(value.rest)
+  if isinstance(value, array.array):
+    return value.itemsize * len(value)
+  return len(json.dumps(value, default=str))
+
+
+class _Session:
+  """A session's stored turns, and the last turn's whole context (its prompt and output
+  ids, and its messages), which the next turn is stored against."""
+
+  def __init__(self):
+    self.turns: list[dict] = []
+    self.size, self.touched = 0, 0.0
+    self.ids = self.messages = None
+
+  def append(self, turn: dict) -> int:
+    stored = {k: _pack(v, _PACKED[k]) if k in _PACKED else v for k, v in turn.items()}
+    ids, messages = stored.get("prompt_ids"), stored.get("messages")
+    if isinstance(messages, list):  # its own list: the caller's may grow
+      messages = stored["messages"] = list(messages)
+    if _packed_alike(ids, self.ids):
+      if shared := _common(self.ids, ids):
+        stored["prompt_ids"] = _Tail(shared, ids[shared:])
+    if isinstance(messages, list) and isinstance(self.messages, list):
+      if shared := _common(self.messages, messages):
+        stored["messages"] = _Tail(shared, messages[shared:])
+    self.ids, self.messages = _context(ids, stored.get("output_ids")), messages
+    size = sum(_size(v) for v in stored.values())
+    self.turns.append(stored)
+    self.size += size
+    return size
+
+  def unpacked(self, since: int = 0) -> list[dict]:
+    """The turns from `since` on as they were recorded (lists, not arrays)."""
+    out, ids, messages = [], None, None
+    for i, stored in enumerate(self.turns):
+      turn = dict(stored)
+      if isinstance(p := turn.get("prompt_ids"), _Tail):
+        turn["prompt_ids"] = p.of(ids)
+      if isinstance(m := turn.get("messages"), _Tail):
+        turn["messages"] = m.of(messages)
+      ids, messages = _context(turn.get("prompt_ids"), turn.get("output_ids")), \
+          turn.get("messages")
+      if i >= since:
+        out.append({k: v.tolist() if isinstance(v, array.array) else v
+                    for k, v in turn.items()})
+    return out
+
+
+def _packed_alike(a, b) -> bool:
+  return isinstance(a, array.array) and isinstance(b, array.array) and a.typecode == b.typecode
+
+
+def _context(prompt, output):
+  """A turn's prompt and output ids, which the next turn's prompt usually starts with."""
+  return prompt + output if _packed_alike(prompt, output) else prompt
 
 
 class SessionStore:
-  """Recorded turns per session id, bounded by session count, by the bytes of their
-  records (JSON) and by a time to live since a session's last turn; the least recently
+  """Recorded turns per session id, bounded by session count, by the bytes their stored
+  records hold and by a time to live since a session's last turn; the least recently
   used go first. `evicted` counts the sessions dropped by each bound."""
 
   def __init__(self, max_sessions: int, ttl_s: Optional[float] = None,
@@ -21,8 +136,7 @@ class SessionStore:
     self.ttl_s = ttl_s
     self.max_bytes = max_bytes
     self._clock = clock
-    # session id -> [turns, bytes, last touched]
-    self._sessions: collections.OrderedDict[str, list] = collections.OrderedDict()
+    self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
     self.bytes = 0
     self.evicted = {"count": 0, "bytes": 0, "ttl": 0}
     self._lock = threading.Lock()
@@ -37,46 +151,57 @@ class SessionStore:
     """Appends turns recorded elsewhere (a router's copy of its backends' records)."""
     with self._lock:
       self._expire()
-      entry = self._sessions.setdefault(session_id, [[], 0, 0.0])
+      session = self._sessions.get(session_id)
+      if session is None:
+        session = self._sessions[session_id] = _Session()
       self._sessions.move_to_end(session_id)
       for turn in turns:
         if number:
-          turn["turn"] = len(entry[0])
-        size = len(json.dumps(turn, default=str))
-        entry[0].append(turn)
-        entry[1] += size
-        self.bytes += size
-      entry[2] = self._clock()
+          turn["turn"] = len(session.turns)
+        self.bytes += session.append(turn)
+      session.touched = self._clock()
       while len(self._sessions) > self.max_sessions:
         self._drop_oldest("count")
       while self.max_bytes is not None and self.bytes > self.max_bytes and self._sessions:
         self._drop_oldest("bytes")
 
   def _drop_oldest(self, reason: str) -> None:
-    _, (_, size, _) = self._sessions.popitem(last=False)
-    self.bytes -= size
+    session_id, session = self._sessions.popitem(last=False)
+    self.bytes -= session.size
     self.evicted[reason] += 1
+    if reason != "ttl":  # a bound a live session can hit: its episode is lost
+      log.warning("session %r evicted by the session store's %s bound (%d turns, %d "
+                  "bytes, last turn %.0f s ago; the store holds %d sessions in %d bytes)",
+                  session_id, reason, len(session.turns), session.size,
+                  self._clock() - session.touched, len(self._sessions), self.bytes)
 
   def _expire(self) -> None:
     if self.ttl_s is None:
       return
     now = self._clock()
-    while self._sessions and now - next(iter(self._sessions.values()))[2] > self.ttl_s:
+    while self._sessions and now - next(iter(self._sessions.values())).touched > self.ttl_s:
       self._drop_oldest("ttl")
 
   def get(self, session_id: str) -> Optional[list[dict]]:
+    """The session's turns; None when it is not held."""
+    got = self.read(session_id)
+    return None if got is None else got[0]
+
+  def read(self, session_id: str, since: int = 0) -> Optional[tuple[list[dict], int]]:
+    """The session's turns from turn `since` on, and how many it holds in all; None
+    when it is not held."""
     with self._lock:
       self._expire()
-      entry = self._sessions.get(session_id)
-      return None if entry is None else list(entry[0])
+      session = self._sessions.get(session_id)
+      return None if session is None else (session.unpacked(since), len(session.turns))
 
   def pop(self, session_id: str) -> Optional[list[dict]]:
     with self._lock:
-      entry = self._sessions.pop(session_id, None)
-      if entry is None:
+      session = self._sessions.pop(session_id, None)
+      if session is None:
         return None
-      self.bytes -= entry[1]
-      return entry[0]
+      self.bytes -= session.size
+      return session.unpacked()
 
   def __contains__(self, session_id: str) -> bool:
     with self._lock:

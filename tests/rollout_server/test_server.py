@@ -291,13 +291,13 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
 
   now = [0.0]
   store = SessionStore(max_sessions=3, ttl_s=10.0, max_bytes=1000, clock=lambda: now[0])
-  turn = lambda n: {"output_ids": list(range(n))}  # noqa: E731
+  turn = lambda n: {"output_ids": list(range(n)), "recorded_at": 0.0}  # noqa: E731
   for i in range(4):
     store.record(f"s{i}", turn(10))
   assert len(store) == 3 and store.get("s0") is None and store.evicted["count"] == 1
-  small = store.bytes // 3
+  small = store.bytes // 3  # ten ids packed (40 bytes) and the rest of the record
   # 1000 - 2 * small < its size <= 1000 - small: s1 goes by count, then s2 by bytes
-  store.record("big", turn(180))
+  store.record("big", turn((1000 - small - (small - 40)) // 4))
   assert [store.get(k) is None for k in ("s1", "s2", "s3", "big")] == [True, True, False, False]
   assert store.evicted == {"count": 2, "bytes": 1, "ttl": 0} and small < store.bytes <= 1000
   store.record("huge", turn(400))  # over the budget alone: nothing is kept
@@ -313,6 +313,53 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
   assert store.get("b") is not None and len(store.get("b")) == 2
   size = store.bytes
   assert store.pop("b") is not None and store.bytes == 0 and size > 0
+
+
+def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
+  """Each turn sends the whole conversation again; the store keeps what a turn shares
+  with the one before once, and gives every turn back exactly as it was recorded."""
+  import copy
+
+  import numpy as np
+  from rollout_server.sessions import SessionStore
+
+  def play(turns: int, store: SessionStore, session: str) -> list[dict]:
+    rng = np.random.default_rng(0)
+    prompt, messages, recorded = [1, 2, 3], [{"role": "user", "content": "go"}], []
+    for t in range(turns):
+      out = [int(i) for i in rng.integers(0, 50_000, 40)]
+      turn = {"prompt_ids": prompt, "output_ids": out, "versions": [t] * len(out),
+              "output_logprobs": [float(x) for x in -rng.random(len(out))],
+              "raw_logprobs": [-0.5] * len(out), "messages": messages,
+              "tools": [{"type": "function", "function": {"name": "run"}}],
+              "finish_reason": "stop", "ttft_s": None, "recorded_at": 1.0 * t}
+      if t == 5:  # a rewritten context (a summary) shares nothing with the turn before
+        turn.update(prompt_ids=[7] * 90, messages=[{"role": "system", "content": "sum"}])
+      if t == 6:  # values an array cannot hold as they are stay as they are
+        turn.update(versions=[True] * len(out), output_ids=out[:-1] + [1 << 70])
+      recorded.append(copy.deepcopy(turn))
+      store.record(session, turn)
+      prompt = turn["prompt_ids"] + out + [int(i) for i in rng.integers(0, 50_000, 300)]
+      messages = turn["messages"] + [{"role": "assistant", "content": "x" * 100},
+                                     {"role": "tool", "content": "y" * 1200}]
+    return recorded
+
+  store = SessionStore(max_sessions=10)
+  recorded = play(24, store, "a")
+  got = store.get("a")
+  assert store.read("a", since=20) == (got[20:], 24) and store.read("b") is None
+  assert [t.pop("turn") for t in got] == list(range(24))
+  assert json.dumps(got) == json.dumps(recorded)  # types too: no int became a float
+  assert got == recorded and store.pop("a") == [dict(t, turn=i) for i, t in enumerate(got)]
+  sizes = {}
+  for turns in (12, 24, 48):
+    store = SessionStore(max_sessions=10)
+    recorded = play(turns, store, "s")
+    sizes[turns] = store.bytes
+    whole = sum(len(json.dumps(t)) for t in recorded)  # what storing each turn whole took
+    assert store.bytes < whole / (turns / 4), (turns, store.bytes, whole)
+  # linear in the turns (whole turns: ~4x a doubling)
+  assert sizes[48] / sizes[24] < 2.2 and sizes[24] / sizes[12] < 2.2, sizes
 
 
 def test_metrics_and_health(server, tokenizer):
