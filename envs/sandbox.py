@@ -48,6 +48,7 @@ import errno
 import fcntl
 import functools
 import hashlib
+import logging
 import math
 import os
 import shlex
@@ -61,6 +62,8 @@ from typing import Callable, Optional, Sequence
 
 from envs import waits
 from jaxagent.errors import InfraError
+
+log = logging.getLogger(__name__)
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 _HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -144,7 +147,9 @@ class Limits:
   # busy loop meets the wall timeout first and is a timeout, not a crash.
   cpu_s: int = 10
   memory_bytes: int = 1 << 30  # address space
-  processes: int = 64  # per sandbox uid
+  # Per sandbox: its uid's (as root), its user namespace's (bwrap, not root; see
+  # `_bwrap_argv`)
+  processes: int = 64
   file_bytes: int = 16 << 20  # largest file a command may write (stdout/stderr included)
   open_files: int = 256
   output_budget: int = 16 << 10  # bytes of stdout/stderr kept in the record
@@ -181,7 +186,8 @@ class ExecResult:
   stderr_sha256: str
   isolation: str
   error: Optional[str] = None  # the sandbox could not run the command (infrastructure)
-  # Processes the kernel killed while it ran, its memory cgroup's limit reached.
+  # Processes the kernel killed while it ran, its memory cgroup's limit reached (and
+  # those the host's OOM killer took where the pool's limits may overcommit the host).
   oom_kills: int = 0
 
   @property
@@ -215,7 +221,8 @@ def available_isolations() -> tuple[str, ...]:
           shutil.which(t, path=_HOST_PATH) for t in ("unshare", "chroot", "setpriv", "mount"))):
         continue
       try:
-        r = subprocess.run(_confine(Limits(), uid if mode == "bwrap" else None)
+        r = subprocess.run(_confine(Limits(), uid if mode == "bwrap" else None,
+                                    nproc=uid is not None or mode != "bwrap")
                            + _wrap(mode, probe, ["/bin/true"], uid=uid, limits=Limits(),
                                    run_dir=probe),
                            env=_scrubbed_env("/workspace"), capture_output=True, timeout=20)
@@ -325,7 +332,14 @@ def _bwrap_can_disable_userns() -> bool:
 
 
 def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
-                seccomp_fd: Optional[int] = None) -> list[str]:
+                seccomp_fd: Optional[int] = None, uid: Optional[int] = None) -> list[str]:
+  if uid is None:
+    # No uid of its own (a worker that is not root): the process limit is set inside the
+    # sandbox's user namespace, where the kernel (5.14 on) counts only that sandbox's
+    # processes against it. Set outside, it would count every process and thread of the
+    # worker's user on the host (the worker's own, every other sandbox's): one sandbox
+    # holding its limit would stop every other from starting (graders: infra errors).
+    argv = [_PRLIMIT, f"--nproc={limits.processes}", "--", *argv]
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
   if seccomp_fd is not None:  # bwrap installs it (with no_new_privs) just before the exec
     out += ["--seccomp", str(seccomp_fd)]
@@ -427,7 +441,7 @@ def _wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
   """The host command that runs `argv` in `workspace` under isolation `mode` (the
   seccomp filter: bwrap's from `seccomp_fd`, mountns's written into `run_dir`)."""
   if mode == "bwrap":
-    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd)
+    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd, uid)
   if mode == "mountns":
     if uid is None:
       raise ValueError("mountns isolation needs a sandbox uid (root)")
@@ -484,6 +498,62 @@ def _memory_cgroup(uid: int, limit: int) -> Optional[str]:
   return _cgroup(uid, "memory", {"memory.limit_in_bytes": limit}, {"memory.max": limit})
 
 
+def _counter(path: str, key: Optional[str]) -> int:
+  """The number a cgroup file holds (`key`: on its line `key N`)."""
+  with open(path) as f:
+    if key is None:
+      return int(f.read())
+    for line in f:
+      name, _, n = line.partition(" ")
+      if name == key:
+        return int(n)
+  raise KeyError(key)
+
+
+def oom_attribution(before: tuple[int, int], after: tuple[int, int], *,
+                    host_kills_are_infra: bool) -> tuple[int, int]:
+  """(the command's own OOM kills, the host's) from `Sandbox.oom_counts` around it.
+
+  Kills while the sandbox's cgroup reached its limit are its own (the solution filled
+  it). Kills without that are the host's OOM killer's: the infrastructure's, where the
+  pool's limits fit the host's memory (`host_kills_are_infra`); where they may
+  overcommit it, a sandbox filling its own share could have caused them, and calling
+  them infrastructure would let a failing solution buy a re-roll, so they count as its
+  own."""
+  limit_hits, kills = after[0] - before[0], after[1] - before[1]
+  if kills <= 0:
+    return 0, 0
+  if limit_hits > 0 or not host_kills_are_infra:
+    return kills, 0
+  return 0, kills
+
+
+def available_memory_bytes() -> int:
+  """Memory this process's host has free for it: /proc/meminfo's MemAvailable, less
+  where the memory cgroup this process is in leaves less (0: cannot tell)."""
+  free = []
+  with contextlib.suppress(OSError, ValueError, KeyError):
+    with open("/proc/meminfo") as f:
+      info = {k: v.split() for k, _, v in (line.partition(":") for line in f)}
+    free.append(int(info["MemAvailable"][0]) << 10)
+  with contextlib.suppress(OSError):
+    with open("/proc/self/cgroup") as f:
+      for line in f:
+        _, controllers, path = line.rstrip("\n").split(":", 2)
+        if controllers == "":  # v2
+          base, limit, usage = os.path.join(_CGROUP_ROOT, path.lstrip("/")), "memory.max", \
+              "memory.current"
+        elif "memory" in controllers.split(","):
+          base, limit, usage = os.path.join(_CGROUP_ROOT, "memory", path.lstrip("/")), \
+              "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+          continue
+        with contextlib.suppress(OSError, ValueError):
+          free.append(_counter(os.path.join(base, limit), None)
+                      - _counter(os.path.join(base, usage), None))
+  return max(0, min(free)) if free else 0
+
+
 def _cpu_cgroup(uid: int, cpus: float) -> Optional[str]:
   """Holds the sandbox uid's processes to `cpus` CPUs' time together (None: cannot, or
   `cpus` 0)."""
@@ -504,15 +574,16 @@ def _join_cgroups(paths: Sequence[Optional[str]]) -> list[str]:
   return ["/bin/sh", "-c", f'{joins} && shift {len(paths)} && exec "$@"', "sh", *paths]
 
 
-def _confine(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None) -> list[str]:
-  """The command prefix that sets the resource limits, then drops to `uid` (util-linux
-  `prlimit` and `setpriv`). A prefix, not a `preexec_fn`: Python code between fork and
-  exec can deadlock in a process with other threads (JAX's), and without it the
-  subprocess starts with vfork."""
+def _confine(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None,
+             nproc: bool = True) -> list[str]:
+  """The command prefix that sets the resource limits (the process limit unless not
+  `nproc`), then drops to `uid` (util-linux `prlimit` and `setpriv`). A prefix, not a
+  `preexec_fn`: Python code between fork and exec can deadlock in a process with other
+  threads (JAX's), and without it the subprocess starts with vfork."""
   cpu = cpu_s or limits.cpu_s
   argv = [_PRLIMIT, "--core=0", f"--cpu={cpu}:{cpu + 1}",
           f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
-          f"--nofile={limits.open_files}", f"--nproc={limits.processes}", "--"]
+          f"--nofile={limits.open_files}", *[f"--nproc={limits.processes}"] * nproc, "--"]
   if uid is not None:
     argv += [_SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
   return argv
@@ -613,8 +684,10 @@ class Sandbox:
   def __init__(self, workspace: str, *, uid: Optional[int] = None,
                limits: Limits = Limits(), isolation: Optional[str] = None,
                slots=None, slot_timeout_s: float = 60.0,
-               progress: Optional[Callable[[], float]] = None):
+               progress: Optional[Callable[[], float]] = None,
+               memory_fits: Callable[[], bool] = lambda: False):
     self.host_path = os.path.abspath(workspace)
+    self._memory_fits = memory_fits  # its pool's limits fit the host (`oom_attribution`)
     self.isolation = isolation or detect_isolation()
     if self.isolation not in ISOLATIONS:
       raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")
@@ -862,7 +935,7 @@ class Sandbox:
                if self.isolation == "mountns" else self._logs)
     t0 = time.perf_counter()
     timed_out, error, code, sig = False, None, None, None
-    ooms = self.oom_kills()
+    ooms = self.oom_counts()
     program = seccomp_program() if self.isolation == "bwrap" else None
     seccomp_fd = None
     try:
@@ -874,7 +947,10 @@ class Sandbox:
         uid = self.uid if self.isolation == "bwrap" else None
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
         proc = await asyncio.create_subprocess_exec(
-            *_join_cgroups([self._cgroup, self._cpu_cgroup]), *_confine(self.limits, uid, cpu), *command,
+            *_join_cgroups([self._cgroup, self._cpu_cgroup]),
+            *_confine(self.limits, uid, cpu,  # (bwrap without a uid: inside, see there)
+                      nproc=not (self.isolation == "bwrap" and self.uid is None)),
+            *command,
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
             start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
@@ -901,6 +977,11 @@ class Sandbox:
       if run_dir != self._logs:
         shutil.rmtree(run_dir, ignore_errors=True)
     duration = time.perf_counter() - t0
+    own_kills, host_kills = oom_attribution(ooms, self.oom_counts(),
+                                            host_kills_are_infra=self._memory_fits())
+    if host_kills and error is None:
+      error = (f"the host ran out of memory: its OOM killer (not this sandbox's limit) killed "
+               f"{host_kills} of the command's processes")
     outs = [_digest(p, self.limits.output_budget) if os.path.exists(p) else ("", 0, "")
             for p in (out_path, err_path)]
     for p in (out_path, err_path):
@@ -908,25 +989,26 @@ class Sandbox:
         os.unlink(p)
     result = ExecResult(argv, code, sig, duration, timed_out, outs[0][0], outs[1][0], outs[0][1],
                         outs[1][1], outs[0][2], outs[1][2], self.isolation, error,
-                        self.oom_kills() - ooms)
+                        own_kills)
     self.history.append(result)
     return result
 
-  def oom_kills(self) -> int:
-    """Processes the kernel has killed in the sandbox's memory cgroup for its limit (0
-    without a cgroup)."""
+  def oom_counts(self) -> tuple[int, int]:
+    """(times the sandbox's memory cgroup reached its limit, processes of it any OOM
+    killer took), counted since the cgroup was made; (0, 0) without a cgroup."""
     if self._cgroup is None:
-      return 0
-    for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
+      return 0, 0
+    # cgroup v2: memory.events' `oom` (the limit reached, an allocation about to fail)
+    # and `oom_kill` (by any killer, the host's too); v1: memory.failcnt (the limit
+    # reached) and memory.oom_control's `oom_kill`.
+    for events, limit_key, kills in (("memory.events", "oom", "memory.events"),
+                                     ("memory.failcnt", None, "memory.oom_control")):
       try:
-        with open(os.path.join(self._cgroup, name)) as f:
-          for line in f:
-            key, _, n = line.partition(" ")
-            if key == "oom_kill":
-              return int(n)
-      except (OSError, ValueError):
+        limit = _counter(os.path.join(self._cgroup, events), limit_key)
+        return limit, _counter(os.path.join(self._cgroup, kills), "oom_kill")
+      except (OSError, ValueError, KeyError):
         continue
-    return 0
+    return 0, 0
 
   async def _terminate(self, proc) -> None:
     """Kills a timed-out command so that its own parent reaps it (no orphans, no zombies)."""
@@ -995,6 +1077,12 @@ class SandboxPool:
     if os.geteuid() == 0 and self.isolation != "rlimits":
       _check_traversable(self.root)  # at start, not at each episode
     self.live: set[Sandbox] = set()
+    # What the host had free at start; a kill by its OOM killer is the infrastructure's
+    # while the pool's limits fit in it (`oom_attribution`).
+    self.host_memory = available_memory_bytes()
+    self._overcommit_said = False
+    if self.memory_bound() > self.host_memory:
+      self._say_overcommitted()
     self._semaphores: dict = {}  # one per event loop (a test may run several in turn)
     self.running = 0
     self.peak_running = 0
@@ -1031,9 +1119,34 @@ class SandboxPool:
                        "workspaces")
     sb = Sandbox(os.path.join(self.root, uuid.uuid4().hex[:12]), limits=self.limits,
                  isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
-                 progress=lambda: self.last_freed)
+                 progress=lambda: self.last_freed, memory_fits=self.memory_fits)
     self.live.add(sb)
     return sb
+
+  def memory_bound(self) -> int:
+    """The most memory the pool's sandboxes can hold now: each command running at once
+    its memory cgroup's limit, each live workspace its files (its tmpfs quotas)."""
+    lim = self.limits
+    return self.size * lim.group_memory_bytes + len(self.live) * (lim.disk_bytes + lim.tmp_bytes)
+
+  def memory_fits(self) -> bool:
+    """Whether the sandboxes cannot run the host out of memory by themselves."""
+    fits = self.memory_bound() <= self.host_memory
+    if not fits and not self._overcommit_said:
+      self._say_overcommitted()
+    return fits
+
+  def _say_overcommitted(self) -> None:
+    self._overcommit_said = True
+    lim = self.limits
+    log.warning(
+        "the sandbox pool's limits may overcommit this host's memory: %d commands at once x "
+        "%d MiB (Limits.group_memory_bytes) + %d workspaces x %d MiB of files (disk_bytes + "
+        "tmp_bytes) > %d MiB free at start. A command the host's OOM killer takes is then "
+        "scored as its own failure (a solution could have caused it); lower the pool's "
+        "size (--sandboxes, env.sandboxes) or the limits to make such kills infrastructure "
+        "errors", self.size, lim.group_memory_bytes >> 20, len(self.live),
+        (lim.disk_bytes + lim.tmp_bytes) >> 20, self.host_memory >> 20)
 
   def release(self, sb: Sandbox) -> None:
     self.live.discard(sb)

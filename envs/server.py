@@ -519,8 +519,9 @@ def main(argv=None) -> int:
     sock.close()
     print(f"envs.server: {e}", file=sys.stderr)
     return 2
-  print(f"envs.server: sandbox isolation {pool.isolation}, {args.sandboxes} commands at once, "
-        f"workspaces under {pool.root}"
+  print(f"envs.server: sandbox isolation {pool.isolation}, {args.sandboxes} commands at once "
+        f"({pool.memory_bound() >> 20} MiB of memory at most, {pool.host_memory >> 20} MiB "
+        f"free), workspaces under {pool.root}"
         + (f"; environments imported: {', '.join(names)}" if names else ""),
         file=sys.stderr, flush=True)
   app = create_app(resources, max_sessions=args.max_sessions,

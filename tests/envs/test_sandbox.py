@@ -372,6 +372,44 @@ def test_a_non_root_worker_uses_bubblewrap(tmp_path):
   assert "'workspace'" in rest[0] and "'root'" not in rest[0] and rest[0].endswith("False")
 
 
+def test_a_non_root_workers_sandboxes_each_have_their_own_process_limit():
+  """Without root every sandbox runs as the worker's user, and RLIMIT_NPROC set outside
+  counted every process and thread of that user: one sandbox holding 60 processes (or a
+  worker of 70 threads) stopped every other from starting, and other episodes' correct
+  answers were graded as infra errors (red team). The limit is set inside each
+  sandbox's user namespace now: it still holds there, for that sandbox alone."""
+  if os.geteuid() != 0 or "bwrap" not in MODES or not os.path.exists("/usr/bin/python3"):
+    pytest.skip("needs root (to become another user), bubblewrap and the system Python")
+  forker = ("import os, time\nn = 0\nfor i in range(200):\n  try:\n"
+            "    if os.fork() == 0:\n      time.sleep(6); os._exit(0)\n    n += 1\n"
+            "  except OSError:\n    break\nprint(n, flush=True)\ntime.sleep(6)\n")
+  script = ("import asyncio, os, sys, tempfile, threading, time\n"
+            f"sys.path.insert(0, {REPO!r})\n"
+            "from envs.sandbox import Limits, SandboxPool\n"
+            "stop = threading.Event()\n"
+            "for _ in range(70):  # a worker's own threads (JAX's, an executor's)\n"
+            "  threading.Thread(target=stop.wait, daemon=True).start()\n"
+            "async def main():\n"
+            "  pool = SandboxPool(2, root=tempfile.mkdtemp(), limits=Limits(wall_s=10))\n"
+            "  async with pool.acquire() as a, pool.acquire() as b:\n"
+            f"    a.write_file('fork.py', {forker!r})\n"
+            "    held = asyncio.ensure_future(a.run_python(open(a.host_path + '/fork.py').read(),"
+            " timeout=9))\n"
+            "    await asyncio.sleep(2.5)\n"
+            "    beside = await b.run_python('print(\"beside\")')\n"
+            "    print(pool.isolation, (await held).stdout.split()[0], beside.stdout.strip(),"
+            " beside.error)\n"
+            "  pool.close()\n"
+            "asyncio.run(main())\n")
+  r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                      "/usr/bin/python3", "-c", script], capture_output=True, text=True,
+                     timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp")
+  assert r.returncode == 0, r.stderr[-2000:]
+  isolation, forked, beside, error = r.stdout.split()
+  assert isolation == "bwrap" and beside == "beside" and error == "None", r.stdout
+  assert 50 < int(forked) < Limits().processes, r.stdout  # the limit holds in the sandbox
+
+
 @pytest.mark.skipif("bwrap" not in MODES, reason="bubblewrap is not on this host")
 def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
   """`unshare -r` (a user namespace of its own, with capabilities inside it: more of the
@@ -411,10 +449,67 @@ def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
           "  if pid == 0:\n    b = bytearray(200 << 20)\n    for j in range(0, len(b), 4096):\n"
           "      b[j] = 1\n    time.sleep(1)\n    os._exit(0)\n  kids.append(pid)\n"
           "ok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint('completed', ok)\n")
+  sandbox._memory_fits = lambda: True  # host kills would be the infrastructure's
   r = run(sandbox, code, timeout=20)
   assert "completed" in r.stdout, r.stderr[-500:]
   assert int(r.stdout.split()[-1]) < 3, r.stdout  # the cgroup's OOM killer took one
+  # ... for the sandbox's own limit: the solution's doing, not the host's
+  assert r.oom_kills >= 1 and r.error is None, (r.oom_kills, r.error)
   assert run(sandbox, "print('alive')").stdout == "alive\n"
+
+
+def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_fit():
+  """The kernel counts a sandbox's OOM kills whoever made them; those made while its
+  cgroup never reached its limit are the host's OOM killer's. They are an
+  infrastructure error where the pool's limits fit the host's free memory, and the
+  command's own where they may overcommit it (a solution filling its own share could
+  have caused them: calling them infrastructure would buy it a re-roll)."""
+  from envs.sandbox import oom_attribution
+
+  for fits in (True, False):
+    assert oom_attribution((3, 1), (3, 1), host_kills_are_infra=fits) == (0, 0)
+    assert oom_attribution((3, 1), (5, 2), host_kills_are_infra=fits) == (1, 0)  # its limit
+  assert oom_attribution((3, 1), (3, 3), host_kills_are_infra=True) == (0, 2)
+  assert oom_attribution((3, 1), (3, 3), host_kills_are_infra=False) == (2, 0)
+
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  os.chmod(root, 0o711)
+  for fits in (True, False):
+    sb = Sandbox(os.path.join(root, f"ws{fits}"), limits=LIMITS, isolation=ISOLATION,
+                 memory_fits=lambda fits=fits: fits)
+    counts = iter([(0, 0), (0, 1)])  # the kernel's counters around the command
+    sb.oom_counts = lambda: next(counts)
+    try:
+      r = run(sb, "print('x')")
+    finally:
+      sb.destroy()
+    if fits:
+      assert r.error and "host ran out of memory" in r.error and r.oom_kills == 0, r
+    else:
+      assert r.error is None and r.oom_kills == 1, r
+  shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_pool_whose_limits_overcommit_the_host_says_so(caplog):
+  """The pool's bound (commands at once x their memory limit, live workspaces x their
+  file quotas) against the memory the host had free at start."""
+  huge = Limits(group_memory_bytes=1 << 50)
+  with caplog.at_level("WARNING", logger="envs.sandbox"):
+    pool = SandboxPool(2, limits=huge, isolation=ISOLATION, allow_unisolated=True)
+  try:
+    assert not pool.memory_fits() and "overcommit this host's memory" in caplog.text
+    assert pool.memory_bound() == 2 << 50
+  finally:
+    pool.close()
+  pool = SandboxPool(1, limits=Limits(group_memory_bytes=64 << 20), isolation=ISOLATION,
+                     allow_unisolated=True)
+  try:
+    assert pool.memory_fits() and 0 < pool.memory_bound() < pool.host_memory
+    bound, sb = pool.memory_bound(), pool.create()  # a live workspace holds its files
+    assert pool.memory_bound() == bound + pool.limits.disk_bytes + pool.limits.tmp_bytes
+    pool.release(sb)
+  finally:
+    pool.close()
 
 
 @needs_isolation
