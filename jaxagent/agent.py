@@ -896,10 +896,12 @@ class _MeasuredEnv:
   in `waited_s`, apart from the rest of their time (`env_s`): waits do not spend an
   episode's budget. A call the episode's deadline cuts is counted too, its worker asked
   how long it waited. Keeps the actions it is handed (which reply of several a black-box
-  agent acted on)."""
+  agent acted on), and the process reward of each step that ended (`rewards`: what a
+  black-box episode cut at its deadline is still trained with)."""
 
   def __init__(self, env):
     self.env, self.actions, self.task = env, [], None
+    self.rewards: list[float] = []
     self.waited_s = self.env_s = 0.0
     self._clock: Optional[waits.WaitClock] = None
 
@@ -942,9 +944,11 @@ class _MeasuredEnv:
   async def step(self, action: str):
     self.actions.append(action)
     try:
-      return await self._measured(self.env.step(action))
+      result = await self._measured(self.env.step(action))
     except BadReward as e:
       raise self._bad_reward(e) from e
+    self.rewards.append(float(result.reward))
+    return result
 
   async def verify(self):
     try:
@@ -1008,14 +1012,16 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
         "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
 
   async def truncated(reason: str, turns: Optional[list[dict]] = None) -> None:
-    """The episode ended by its own doing before its answer: trained as a fail
-    (`turns`: its session's record, when taken already)."""
+    """The episode ended by its own doing before its answer: trained as a fail, the
+    process rewards its steps earned kept (as the white-box agent's; `turns`: its
+    session's record, when taken already)."""
     ep.status, ep.reason = "truncated", reason
     ep.verdict = {"status": "fail", "reward": 0.0}
     try:  # the turns it played still carry the score: stalling must not hide them
       if turns is None:
         turns = await _take_session(gateway_url, wire_id)
-      ep.turn_rewards = [0.0] * len(turns)
+      earned = acting.rewards
+      ep.turn_rewards = earned + [0.0] * (len(turns) - len(earned))
       _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
     except (httpx.HTTPError, KeyError, ValueError) as e:
       lost(e)

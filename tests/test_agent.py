@@ -143,9 +143,10 @@ class SlowEngine(ScriptedEngine):
 class SlowEnv(Env):
   """guess_number whose steps take `delay_s` (the policy's own slow tool calls)."""
 
-  def __init__(self, delay_s, fail=False):
+  def __init__(self, delay_s, fail=False, process_reward=None):
     super().__init__()
     self.inner, self.delay_s, self.fail = make("guess_number"), delay_s, fail
+    self.process_reward = process_reward  # each step's, in place of the inner one's
 
   def state(self):
     return self.inner.state()
@@ -157,7 +158,10 @@ class SlowEnv(Env):
     await asyncio.sleep(self.delay_s)
     if self.fail:
       return 1 / 0  # a bug in the environment
-    return await self.inner.step(action)
+    result = await self.inner.step(action)
+    if self.process_reward is not None:
+      result = dataclasses.replace(result, reward=self.process_reward)
+    return result
 
   async def verify(self):
     return await self.inner.verify()
@@ -606,8 +610,9 @@ def test_blackbox_openai_agent_through_the_gateway(kind, random_params):
 
 def test_a_blackbox_agent_that_runs_out_the_clock_is_trained_as_a_fail(random_params):
   """The episode deadline passing in the environment (the policy's own slow tool calls):
-  a scored truncation whose played turns are trained with reward 0 (before, the
-  episode left no segments: stalling hid a failure from the loss)."""
+  a scored truncation whose played turns are trained with outcome 0 (before, the
+  episode left no segments: stalling hid a failure from the loss), and with the process
+  rewards its steps earned, as a white-box episode's are (they were zeroed)."""
   from tests.rollout_server.conftest import running_server
 
   with running_server(random_params, TOK, version=4) as (srv, _):
@@ -620,14 +625,16 @@ def test_a_blackbox_agent_that_runs_out_the_clock_is_trained_as_a_fail(random_pa
     # a second to start on a busy machine, and its turns as long: with 1 s steps against
     # 4 s, a full suite's load once put more of the time on the server's side, which is
     # the infrastructure's), then the deadline, in the environment.
-    ep = asyncio.run(run_blackbox(SlowEnv(2.0), task, srv.url,
+    ep = asyncio.run(run_blackbox(SlowEnv(2.0, process_reward=0.25), task, srv.url,
                                   dataclasses.replace(config, episode_deadline_s=8.0),
                                   session_id="bb-slow", group_id="g"))
   assert (ep.status, ep.reason) == ("truncated", "episode_deadline") and not ep.infra_error
-  assert ep.verdict["status"] == "fail" and ep.reward == 0.0
-  assert ep.turns >= 1 and ep.segments
+  assert ep.verdict["status"] == "fail" and ep.turns >= 1 and ep.segments
+  steps = ep.turn_rewards.count(0.25)  # those that ended before the cut
+  assert ep.turn_rewards == [0.25] * steps + [0.0] * (ep.turns - steps), ep.turn_rewards
+  assert steps >= 1 and ep.reward == 0.25 * steps
   assert sum(s.num_action_tokens for s in ep.segments) > 0
-  assert all(s.reward == 0.0 for s in ep.segments)
+  assert all(s.reward == ep.reward for s in ep.segments)
 
 
 def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(random_params):
