@@ -75,7 +75,8 @@ def _size(value: Any) -> int:
 
 class _Session:
   """A session's stored turns, and the last turn's whole context (its prompt and output
-  ids, and its messages), which the next turn is stored against."""
+  ids, and its messages as JSON: messages equal as values can differ as JSON, 1 and
+  1.0), which the next turn is stored against."""
 
   def __init__(self):
     self.turns: list[dict] = []
@@ -90,10 +91,12 @@ class _Session:
     if _packed_alike(ids, self.ids):
       if shared := _common(self.ids, ids):
         stored["prompt_ids"] = _Tail(shared, ids[shared:])
-    if isinstance(messages, list) and isinstance(self.messages, list):
-      if shared := _common(self.messages, messages):
+    as_json = ([json.dumps(m, default=str) for m in messages]
+               if isinstance(messages, list) else None)
+    if as_json is not None and self.messages is not None:
+      if shared := _common(self.messages, as_json):
         stored["messages"] = _Tail(shared, messages[shared:])
-    self.ids, self.messages = _context(ids, stored.get("output_ids")), messages
+    self.ids, self.messages = _context(ids, stored.get("output_ids")), as_json
     size = sum(_size(v) for v in stored.values())
     self.turns.append(stored)
     self.size += size
