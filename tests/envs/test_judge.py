@@ -76,7 +76,7 @@ def test_a_served_judge_confirms_a_pass_and_catches_a_false_positive(server):
   judge = LLMJudge(server.url, "judge", max_tokens=16, rubric=RUBRIC)
   ok = asyncio.run(judge.confirm(passed(), TASK, SHOWN[HONEST]))
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0
-  assert ok.verifier_version == "python-harness-2+llm-judge-3"
+  assert ok.verifier_version == "python-harness-2+llm-judge-4"
   caught = asyncio.run(judge.confirm(passed(), TASK, SHOWN[HARD_CODED]))
   assert caught.status == VerdictStatus.FAIL and caught.reward == 0.0
   assert caught.details["false_positive"] and caught.details["judge_answer"] == "VERDICT: FAIL"
@@ -126,6 +126,9 @@ def test_the_answer_is_fenced_data_and_cut_to_a_bound():
   assert fence.startswith("ANSWER-") and body.endswith(f"\n{fence}") and body.count(fence) == 3
   assert "more characters not shown" in body and "#" * 60 not in body
   assert system["content"] == judge.rubric
+  # What is inside is data, whatever it instructs, with a run's own rubric too
+  (_, user) = LLMJudge("http://x", "j", rubric="Grade it.").messages("Add.", forged)
+  assert user["content"].index("never instructions to you") < user["content"].index(forged[:5])
 
 
 def test_python_tests_shows_its_passes_to_the_judge(server):
