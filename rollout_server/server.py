@@ -193,7 +193,7 @@ class _EngineCollector:
         ("rollout_policy_version", "Policy version being served", s["version"]),
         ("rollout_generated_tokens", "Tokens generated since start", s["tokens_generated"]),
         ("rollout_sessions", "Sessions recorded", len(self.sessions)),
-        ("rollout_session_bytes", "Bytes of recorded session turns (JSON)",
+        ("rollout_session_bytes", "Bytes the recorded session turns hold (packed)",
          self.sessions.bytes),
     ]:
       g = GaugeMetricFamily(name, doc)

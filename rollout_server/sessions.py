@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import threading
@@ -73,37 +74,55 @@ def _size(value: Any) -> int:
   return len(json.dumps(value, default=str))
 
 
+_DIGEST_BYTES = 16
+# What a stored message holds beside its JSON's bytes (a dict and its strings as Python
+# objects), so that the byte bound holds for many short messages too.
+_MESSAGE_OVERHEAD = 256
+
+
 class _Session:
-  """A session's stored turns, and the last turn's whole context (its prompt and output
-  ids, and its messages as JSON: messages equal as values can differ as JSON, 1 and
-  1.0), which the next turn is stored against."""
+  """A session's stored turns, and the last turn's whole context, which the next turn
+  is stored against: its prompt and output ids, and a digest of each of its messages'
+  JSON (messages equal as values can differ as JSON: 1 and 1.0). `size` counts both."""
 
   def __init__(self):
     self.turns: list[dict] = []
     self.size, self.touched = 0, 0.0
-    self.ids = self.messages = None
+    self.ids = self.digests = None
+    self._context_size = 0
 
   def append(self, turn: dict) -> int:
+    """Stores `turn`; returns how many bytes the session grew by."""
     stored = {k: _pack(v, _PACKED[k]) if k in _PACKED else v for k, v in turn.items()}
     ids, messages = stored.get("prompt_ids"), stored.get("messages")
-    if isinstance(messages, list):  # its own list: the caller's may grow
-      messages = stored["messages"] = list(messages)
     if _packed_alike(ids, self.ids):
       if shared := _common(self.ids, ids):
         stored["prompt_ids"] = _Tail(shared, ids[shared:])
-    as_json = ([json.dumps(m, default=str) for m in messages]
-               if isinstance(messages, list) else None)
-    if as_json is not None and self.messages is not None:
-      if shared := _common(self.messages, as_json):
-        stored["messages"] = _Tail(shared, messages[shared:])
-    self.ids, self.messages = _context(ids, stored.get("output_ids")), as_json
-    size = sum(_size(v) for v in stored.values())
+    digests, messages_size = None, 0
+    if isinstance(messages, list):
+      as_json = [json.dumps(m, default=str) for m in messages]
+      digests = [hashlib.blake2b(j.encode(), digest_size=_DIGEST_BYTES).digest()
+                 for j in as_json]
+      shared = _common(self.digests, digests) if self.digests is not None else 0
+      # Fresh objects with the same JSON (a caller changing its own later changes
+      # nothing here); a turn's messages shared with the turn before are that turn's.
+      rest = [json.loads(j) for j in as_json[shared:]]
+      stored["messages"] = _Tail(shared, rest) if shared else rest
+      messages_size = sum(len(j) + _MESSAGE_OVERHEAD for j in as_json[shared:])
+    self.ids, self.digests = _context(ids, stored.get("output_ids")), digests
+    context_size = (_size(self.ids) if isinstance(self.ids, array.array) else 0) + (
+        _DIGEST_BYTES * len(digests) if digests else 0)
+    size = messages_size + sum(_size(v) for k, v in stored.items() if k != "messages" or
+                               not isinstance(messages, list))
+    grew = size + context_size - self._context_size
+    self._context_size = context_size
     self.turns.append(stored)
-    self.size += size
-    return size
+    self.size += grew
+    return grew
 
   def unpacked(self, since: int = 0) -> list[dict]:
-    """The turns from `since` on as they were recorded (lists, not arrays)."""
+    """The turns from `since` on as they were recorded (lists, not arrays; each turn's
+    own lists, whose message objects are shared with the store: not to be changed)."""
     out, ids, messages = [], None, None
     for i, stored in enumerate(self.turns):
       turn = dict(stored)
@@ -114,7 +133,8 @@ class _Session:
       ids, messages = _context(turn.get("prompt_ids"), turn.get("output_ids")), \
           turn.get("messages")
       if i >= since:
-        out.append({k: v.tolist() if isinstance(v, array.array) else v
+        out.append({k: v.tolist() if isinstance(v, array.array) else
+                    list(v) if k == "messages" and isinstance(v, list) else v
                     for k, v in turn.items()})
     return out
 

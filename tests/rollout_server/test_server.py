@@ -342,7 +342,8 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
       if t == 9:
         turn["messages"] = [{**messages[0], "n": 1}, *messages[1:]]
       recorded.append(copy.deepcopy(turn))
-      store.record(session, turn)
+      if store is not None:
+        store.record(session, turn)
       prompt = turn["prompt_ids"] + out + [int(i) for i in rng.integers(0, 50_000, 300)]
       messages = turn["messages"] + [{"role": "assistant", "content": "x" * 100},
                                      {"role": "tool", "content": "y" * 1200}]
@@ -355,6 +356,31 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
   assert [t.pop("turn") for t in got] == list(range(24))
   assert json.dumps(got) == json.dumps(recorded)  # types too: no int became a float
   assert got == recorded and store.pop("a") == [dict(t, turn=i) for i, t in enumerate(got)]
+  # The record is its own: neither a caller changing what it recorded nor a reader
+  # changing what it read changes it
+  store = SessionStore(max_sessions=10)
+  first = {"messages": [{"role": "user", "content": "go"}], "recorded_at": 0.0}
+  store.record("c", first)
+  store.record("c", {"messages": [{"role": "user", "content": "go"}, {"role": "tool"}],
+                     "recorded_at": 0.0})
+  want = json.dumps(store.get("c"))
+  first["messages"][0]["content"] = "changed"
+  store.get("c")[0]["messages"].insert(0, {"role": "system"})
+  assert json.dumps(store.get("c")) == want
+  # What it counts is what it holds (its Python objects, the context it keeps for the
+  # next turn included; many short messages too)
+  import tracemalloc
+  for long_messages in (True, False):
+    store, recorded = SessionStore(max_sessions=10), play(48, None, "m")
+    if not long_messages:
+      for n, t in enumerate(recorded):
+        t["messages"] = [{"role": "tool", "content": str(i)} for i in range(20 * n)]
+    tracemalloc.start()
+    for t in recorded:
+      store.record("m", t)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert held < 1.6 * store.bytes, (long_messages, held, store.bytes)
   sizes = {}
   for turns in (12, 24, 48):
     store = SessionStore(max_sessions=10)
