@@ -298,6 +298,10 @@ class EnvResources:
   # Run untrusted code with resource limits only where the host cannot isolate it
   # (no bubblewrap, not root): off unless asked for.
   allow_unisolated: bool = False
+  # A sandboxed command the host's OOM killer takes is an infrastructure error (not the
+  # command's failure) where this says the host's memory is the pool's and its limits
+  # fit it (`envs.sandbox.SandboxPool`): an env worker's --host-oom-is-infra.
+  host_oom_is_infra: bool = False
   sandbox_root: Optional[str] = None  # where workspaces go (default: a new temporary folder)
   # An `envs.judge.LLMJudge` that environments with tests show their passes to (ROLL's
   # false-positive check); None: tests alone decide.
@@ -309,7 +313,8 @@ class EnvResources:
       from envs.sandbox import Limits, SandboxPool
 
       self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits(),
-                               allow_unisolated=self.allow_unisolated, root=self.sandbox_root)
+                               allow_unisolated=self.allow_unisolated, root=self.sandbox_root,
+                               host_oom_is_infra=self.host_oom_is_infra)
     return self._pool
 
   def close(self) -> None:

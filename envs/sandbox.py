@@ -529,28 +529,34 @@ def oom_attribution(before: tuple[int, int], after: tuple[int, int], *,
 
 
 def available_memory_bytes() -> int:
-  """Memory this process's host has free for it: /proc/meminfo's MemAvailable, less
-  where the memory cgroup this process is in leaves less (0: cannot tell)."""
+  """Memory free for this process and its sandboxes: /proc/meminfo's MemAvailable, less
+  where a memory cgroup above them leaves less: the hierarchy's root as this process
+  sees it (a container's own, under a cgroup namespace or Docker's v1 mount) and every
+  cgroup on this process's path (0: cannot tell)."""
   free = []
   with contextlib.suppress(OSError, ValueError, KeyError):
     with open("/proc/meminfo") as f:
       info = {k: v.split() for k, _, v in (line.partition(":") for line in f)}
     free.append(int(info["MemAvailable"][0]) << 10)
+  paths = {"v2": [""], "v1": [""]}
   with contextlib.suppress(OSError):
     with open("/proc/self/cgroup") as f:
       for line in f:
         _, controllers, path = line.rstrip("\n").split(":", 2)
-        if controllers == "":  # v2
-          base, limit, usage = os.path.join(_CGROUP_ROOT, path.lstrip("/")), "memory.max", \
-              "memory.current"
-        elif "memory" in controllers.split(","):
-          base, limit, usage = os.path.join(_CGROUP_ROOT, "memory", path.lstrip("/")), \
-              "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-          continue
-        with contextlib.suppress(OSError, ValueError):
-          free.append(_counter(os.path.join(base, limit), None)
-                      - _counter(os.path.join(base, usage), None))
+        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(
+            ",") else None
+        parts = [p for p in path.split("/") if p]
+        if version:
+          paths[version] += ["/".join(parts[:i + 1]) for i in range(len(parts))]
+  for version, (base, limit, usage) in (
+      ("v2", (_CGROUP_ROOT, "memory.max", "memory.current")),
+      ("v1", (os.path.join(_CGROUP_ROOT, "memory"), "memory.limit_in_bytes",
+              "memory.usage_in_bytes"))):
+    for path in paths[version]:
+      with contextlib.suppress(OSError, ValueError):  # ("max": no limit; not there)
+        where = os.path.join(base, path)
+        free.append(_counter(os.path.join(where, limit), None)
+                    - _counter(os.path.join(where, usage), None))
   return max(0, min(free)) if free else 0
 
 
@@ -1055,7 +1061,8 @@ class SandboxPool:
 
   def __init__(self, size: int, *, root: Optional[str] = None, limits: Limits = Limits(),
                isolation: Optional[str] = None, max_workspaces: int = 1024,
-               allow_unisolated: bool = False, slot_timeout_s: float = 60.0):
+               allow_unisolated: bool = False, slot_timeout_s: float = 60.0,
+               host_oom_is_infra: bool = False):
     if size < 1:
       raise ValueError(f"pool size must be >= 1, got {size}")
     self.isolation = isolation or detect_isolation()
@@ -1077,11 +1084,13 @@ class SandboxPool:
     if os.geteuid() == 0 and self.isolation != "rlimits":
       _check_traversable(self.root)  # at start, not at each episode
     self.live: set[Sandbox] = set()
-    # What the host had free at start; a kill by its OOM killer is the infrastructure's
-    # while the pool's limits fit in it (`oom_attribution`).
+    # A kill by the host's OOM killer is the infrastructure's only where the operator says
+    # the host's memory is this pool's (`host_oom_is_infra`: one worker on it, nothing
+    # else large) and the pool's limits fit what was free at start (`oom_attribution`).
+    self.host_oom_is_infra = host_oom_is_infra
     self.host_memory = available_memory_bytes()
     self._overcommit_said = False
-    if self.memory_bound() > self.host_memory:
+    if host_oom_is_infra and self.memory_bound() > self.host_memory:
       self._say_overcommitted()
     self._semaphores: dict = {}  # one per event loop (a test may run several in turn)
     self.running = 0
@@ -1130,7 +1139,10 @@ class SandboxPool:
     return self.size * lim.group_memory_bytes + len(self.live) * (lim.disk_bytes + lim.tmp_bytes)
 
   def memory_fits(self) -> bool:
-    """Whether the sandboxes cannot run the host out of memory by themselves."""
+    """Whether a kill by the host's OOM killer is the infrastructure's: the operator said
+    the host's memory is this pool's, and its sandboxes cannot fill it by themselves."""
+    if not self.host_oom_is_infra:
+      return False
     fits = self.memory_bound() <= self.host_memory
     if not fits and not self._overcommit_said:
       self._say_overcommitted()
@@ -1144,8 +1156,8 @@ class SandboxPool:
         "%d MiB (Limits.group_memory_bytes) + %d workspaces x %d MiB of files (disk_bytes + "
         "tmp_bytes) > %d MiB free at start. A command the host's OOM killer takes is then "
         "scored as its own failure (a solution could have caused it); lower the pool's "
-        "size (--sandboxes, env.sandboxes) or the limits to make such kills infrastructure "
-        "errors", self.size, lim.group_memory_bytes >> 20, len(self.live),
+        "size (--sandboxes) or the limits to make such kills infrastructure errors",
+        self.size, lim.group_memory_bytes >> 20, len(self.live),
         (lim.disk_bytes + lim.tmp_bytes) >> 20, self.host_memory >> 20)
 
   def release(self, sb: Sandbox) -> None:

@@ -494,6 +494,12 @@ def main(argv=None) -> int:
   p.add_argument("--max-body-bytes", type=int, default=8 << 20)
   p.add_argument("--workspace-root", default=None,
                  help="directory for sandbox workspaces (default: a new temporary one)")
+  p.add_argument("--host-oom-is-infra", action="store_true",
+                 help="this host's memory is this worker's (no other worker or large "
+                      "process on it): a command the host's OOM killer takes, while its "
+                      "sandbox never reached its own memory limit, is an infrastructure "
+                      "error (re-rolled), where the sandboxes' limits fit the memory free "
+                      "at start; otherwise it is the command's own failure")
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code with resource limits only where the host cannot isolate "
                       "it (no bubblewrap, not root): it can then read and write this host")
@@ -512,6 +518,7 @@ def main(argv=None) -> int:
   if sock is None:
     return 2
   resources = EnvResources(sandboxes=args.sandboxes, allow_unisolated=args.allow_unisolated,
+                           host_oom_is_infra=args.host_oom_is_infra,
                            sandbox_root=args.workspace_root)
   try:
     pool = resources.pool()

@@ -490,26 +490,61 @@ def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_
   shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_pool_whose_limits_overcommit_the_host_says_so(caplog):
+def test_host_oom_kills_are_infrastructure_only_where_the_operator_says_and_limits_fit(
+    caplog):
   """The pool's bound (commands at once x their memory limit, live workspaces x their
-  file quotas) against the memory the host had free at start."""
-  huge = Limits(group_memory_bytes=1 << 50)
+  file quotas) against the memory free at start (the host's, a container's cgroup
+  above it): a host OOM kill is the infrastructure's only where the operator says the
+  host's memory is the pool's (`host_oom_is_infra`; free memory seen by two workers
+  started together, or a container's limit missed, would let a failing solution buy a
+  re-roll) and the bound fits; an overcommitted pool says so."""
+  small = Limits(group_memory_bytes=64 << 20)
+  for said in (False, True):
+    pool = SandboxPool(1, limits=small, isolation=ISOLATION, allow_unisolated=True,
+                       host_oom_is_infra=said)
+    try:
+      assert pool.memory_fits() is said and 0 < pool.memory_bound() < pool.host_memory
+      bound, sb = pool.memory_bound(), pool.create()  # a live workspace holds its files
+      assert pool.memory_bound() == bound + pool.limits.disk_bytes + pool.limits.tmp_bytes
+      pool.release(sb)
+    finally:
+      pool.close()
   with caplog.at_level("WARNING", logger="envs.sandbox"):
-    pool = SandboxPool(2, limits=huge, isolation=ISOLATION, allow_unisolated=True)
+    pool = SandboxPool(2, limits=Limits(group_memory_bytes=1 << 50), isolation=ISOLATION,
+                       allow_unisolated=True, host_oom_is_infra=True)
   try:
     assert not pool.memory_fits() and "overcommit this host's memory" in caplog.text
     assert pool.memory_bound() == 2 << 50
   finally:
     pool.close()
-  pool = SandboxPool(1, limits=Limits(group_memory_bytes=64 << 20), isolation=ISOLATION,
-                     allow_unisolated=True)
-  try:
-    assert pool.memory_fits() and 0 < pool.memory_bound() < pool.host_memory
-    bound, sb = pool.memory_bound(), pool.create()  # a live workspace holds its files
-    assert pool.memory_bound() == bound + pool.limits.disk_bytes + pool.limits.tmp_bytes
-    pool.release(sb)
-  finally:
-    pool.close()
+
+
+def test_free_memory_counts_a_memory_cgroup_above_the_worker(tmp_path, monkeypatch):
+  """A container's limit sits on its cgroup hierarchy's root as the worker sees it (v2
+  under a cgroup namespace, whose worker is in a child with no limit of its own; v1
+  under Docker, whose /proc/self/cgroup names a path the mount does not have) or on a
+  cgroup above the worker: the least any of them leaves is what is free."""
+  import envs.sandbox as S
+
+  root = tmp_path / "cgroup"
+  for path, limit, used in (("", 512 << 20, 100 << 20), ("box", "max", 99 << 20),
+                            ("box/worker", "max", 1 << 20)):
+    (root / path).mkdir(parents=True, exist_ok=True)
+    (root / path / "memory.max").write_text(f"{limit}\n")
+    (root / path / "memory.current").write_text(f"{used}\n")
+  fake_self = tmp_path / "self-cgroup"
+  fake_self.write_text("0::/box/worker\n")
+  real_open = open
+
+  def fake_open(path, *a, **kw):
+    return real_open(fake_self if path == "/proc/self/cgroup" else path, *a, **kw)
+
+  monkeypatch.setattr(S, "_CGROUP_ROOT", str(root))
+  monkeypatch.setattr("builtins.open", fake_open)
+  assert S.available_memory_bytes() == (512 - 100) << 20
+  (root / "box" / "memory.max").write_text(f"{150 << 20}\n")  # a tighter one on the path
+  assert S.available_memory_bytes() == (150 - 99) << 20
+
 
 
 @needs_isolation
