@@ -9,7 +9,8 @@ or a reward, and the one tests use.
   echo '"8"' | python -m envs.play --task-file envs/tasks/guess_number.jsonl \
       --task-id guess_number/0-0 --actions - --json
 
-Without `--actions` each line typed is one action (`\\n` for a newline). An
+Without `--actions` each line typed is one action (`\\n` for a newline, `\\\\` for a
+backslash: `\\\\n` is the two characters a JSON string writes a newline with). An
 actions file is JSONL: each line a JSON string (the model's whole reply for the
 turn) or `{"action": "..."}`. With `--json` every event is one JSON object per
 line; the last is `{"verdict": ..., "reward": ..., "turn_rewards": [...]}`
@@ -25,13 +26,14 @@ import asyncio
 import dataclasses
 import difflib
 import json
+import re
 import sys
 import time
 from typing import Callable, Iterable, Optional
 
-from envs.base import (BAD_TASK, CannotStart, EnvResources, TaskSpec, VerdictStatus,
-                       add_import_flag, cannot_start, load_modules, load_tasks, make,
-                       trained_rewards)
+from envs.base import (BAD_TASK, CannotStart, EnvResources, Observation, StepResult,
+                       TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
+                       failure, load_modules, load_tasks, make, trained_rewards)
 
 
 def read_actions(lines: Iterable[str]) -> list[str]:
@@ -65,6 +67,7 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
       raise
     except BAD_TASK as e:  # the task's parameters (or a bug of the environment's reset)
       raise cannot_start(task, e) from None
+    _returned(env, "reset", obs, Observation)
     emit({"event": "reset", "task": task.id, "observation": dataclasses.asdict(obs)})
     step_rewards = []
     done = False
@@ -73,7 +76,7 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
       action = next_action(turn)
       if action is None:
         break
-      step = await env.step(action)
+      step = _returned(env, "step", await env.step(action), StepResult)
       step_rewards.append(float(step.reward))
       done = step.terminated or step.truncated
       emit({"event": "step", "turn": turn, "action": action,
@@ -81,7 +84,7 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
             "terminated": step.terminated, "truncated": step.truncated, "info": step.info})
       turn += 1
     t0 = time.perf_counter()
-    verdict = await env.verify()
+    verdict = _returned(env, "verify", await env.verify(), Verdict)
     verify_s = time.perf_counter() - t0
   finally:
     await env.close()
@@ -91,6 +94,19 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
            "turn_rewards": rewards, "finished": done, "verify_s": verify_s}
   emit(final)
   return final
+
+
+def _returned(env, method: str, value, kind: type):
+  """`value` if it is what `env.method` must return; a TypeError naming both if not."""
+  if not isinstance(value, kind):
+    raise TypeError(f"{type(env).__name__}.{method}() returned {type(value).__name__}, "
+                    f"not a {kind.__name__}")
+  return value
+
+
+def _unescape(line: str) -> str:
+  """A typed action: `\\n` a newline, `\\\\` a backslash, anything else as typed."""
+  return re.sub(r"\\([\\n])", lambda m: "\n" if m.group(1) == "n" else "\\", line)
 
 
 def _print_event(event: dict) -> None:
@@ -164,7 +180,7 @@ def main(argv=None) -> int:
       line = input("action> ")
     except EOFError:
       return None
-    return line.replace("\\n", "\n")
+    return _unescape(line)
 
   emit = (lambda e: print(json.dumps(e), flush=True)) if args.json else _print_event
   resources = None
@@ -182,8 +198,11 @@ def main(argv=None) -> int:
       return 2
   try:
     asyncio.run(play_episode(env, task, next_action, emit))
-  except (ValueError, RuntimeError) as e:
+  except CannotStart as e:  # (its message says where already)
     print(f"envs.play: {e}", file=sys.stderr)
+    return 2
+  except Exception as e:  # an environment's bug: where it was raised, no traceback
+    print(f"envs.play: {failure(e)}", file=sys.stderr)
     return 2
   finally:
     if resources is not None:

@@ -41,6 +41,54 @@ def test_typed_actions_and_a_readable_report(tmp_path):
   assert code == 0 and "verdict fail" in out and "the learner trains on reward 0.0" in out
 
 
+def test_a_typed_tool_call_can_write_a_json_newline_escape(tmp_path):
+  """Typed, `\\n` is a newline and `\\\\` a backslash, so `\\\\n` is JSON's newline escape
+  inside a tool call's arguments (every `\\n` became a newline, which JSON refuses in a
+  string: a multi-line file could not be written by hand; a new user's round)."""
+  tasks = tmp_path / "t.jsonl"
+  tasks.write_text(json.dumps({"id": "c", "env": "calculator",
+                               "params": {"expression": "2 + 3"}}) + "\n")
+  call = ('<tool_call>{"name": "calculate", "arguments": {"expression": '
+          '"2 +\\\\n3"}}</tool_call>')
+  code, out, err = play("--task-file", str(tasks), "--json", stdin=call + "\nANSWER: 5\n")
+  assert code == 0, err
+  step = json.loads(out.splitlines()[1].split("action> ")[-1])  # (the prompt, typed)
+  assert step["action"] == call.replace("\\\\", "\\") and "malformed" not in out, step
+
+
+def test_an_environments_bug_is_one_line_naming_where(tmp_path):
+  """A bug in a user's environment (a ValueError in its step, a step that returns the
+  wrong type) is one line naming the file and line, not a bare message or play's own
+  traceback (a new user's round)."""
+  env = tmp_path / "buggy_env.py"
+  env.write_text(
+      "from envs.base import Env, Observation, StepResult, Verdict, VerdictStatus, register\n"
+      "@register('buggy_test_env')\n"
+      "class Buggy(Env):\n"
+      "  async def reset(self, task):\n"
+      "    self.kind = task.params['kind']\n"
+      "    return Observation([{'role': 'user', 'content': 'say a number'}])\n"
+      "  async def step(self, action):\n"
+      "    self.begin_turn()\n"
+      "    if self.kind == 'wrong_type':\n"
+      "      return Observation([])\n"
+      "    n = int(action)\n"
+      "    return StepResult(Observation([]), 0.0, True, False)\n"
+      "  async def verify(self):\n"
+      "    return Verdict(VerdictStatus.PASS, 1.0, '1', '1')\n")
+  tasks = tmp_path / "t.jsonl"
+  tasks.write_text("".join(json.dumps({"id": k, "env": "buggy_test_env", "params": {"kind": k}})
+                           + "\n" for k in ("value_error", "wrong_type")))
+  code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id",
+                      "value_error", stdin="x\n")
+  assert code == 2 and len(err.strip().splitlines()) == 1, err
+  assert "buggy_env.py:11: ValueError: invalid literal for int()" in err, err
+  code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id",
+                      "wrong_type", stdin="x\n")
+  assert code == 2 and len(err.strip().splitlines()) == 1, err
+  assert "Buggy.step() returned Observation, not a StepResult" in err, err
+
+
 @pytest.mark.skipif(available_isolations() == ("rlimits",), reason="needs sandbox isolation")
 def test_python_tests_reference_and_wrong_solutions(tmp_path):
   def actions(content):
