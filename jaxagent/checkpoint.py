@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 import time
+import uuid
 import warnings
 from typing import Any, Optional
 
@@ -256,6 +257,19 @@ def _tidy(root: str) -> None:
         os.rename(path, target)
 
 
+def export_id(path: str) -> Optional[str]:
+  """The id of the export at version directory `path` (its registry's entry beside
+  it); None where it has none (an export from before ids, no registry)."""
+  m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
+  if m is None:
+    return None
+  try:
+    entries = list_versions(os.path.dirname(os.path.abspath(path)))
+  except (OSError, ValueError, KeyError):
+    return None
+  return next((e.get("id") for e in entries if e.get("version") == int(m.group(1))), None)
+
+
 def latest_version(root: str) -> Optional[int]:
   versions = list_versions(root)
   return versions[-1]["version"] if versions else None
@@ -297,8 +311,11 @@ def export_policy(root: str, version: int, params: Params, dtype: Optional[str] 
     shutil.rmtree(aside)
   else:
     os.rename(staging, path)
+  # `id`: this export's own, which no other (another run's of the same version, this
+  # version exported again) has: what a server says it serves (`export_id`).
   entry = {"version": int(version), "path": path, "dtype": dtype or "as-trained",
-           "time": time.time(), "save_s": round(time.time() - t0, 4), **(extra or {})}
+           "time": time.time(), "save_s": round(time.time() - t0, 4),
+           "id": uuid.uuid4().hex, **(extra or {})}
   _write_registry(root, [v for v in list_versions(root) if v["version"] != int(version)]
                   + [entry])
   return path

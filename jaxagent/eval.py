@@ -163,21 +163,44 @@ def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
                                f"{policy}; give the run's config with --config")
 
 
-async def served_version(url: str) -> Optional[int]:
-  """The policy version a rollout server (or a router) at `url` serves; None if it
-  cannot be told (it is down: its episodes will say so)."""
+async def served_policy(url: str) -> tuple[Optional[int], Optional[str]]:
+  """The policy version a rollout server (or a router) at `url` serves, and the id of
+  the export it loaded it from (`jaxagent.checkpoint.export_id`); None for what cannot
+  be told (a router says no id; a server that is down: its episodes will say so)."""
   import httpx
 
   async with httpx.AsyncClient(timeout=10) as client:
     for path, key in (("/health", "version"), ("/router/health", "policy_version")):
       try:
         r = await client.get(url.rstrip("/") + path)
-        value = r.json().get(key) if r.status_code == 200 else None
+        got = r.json() if r.status_code == 200 else {}
+        value = got.get(key)
       except (httpx.HTTPError, ValueError, AttributeError):
-        value = None
+        got, value = {}, None
       if isinstance(value, int):
-        return value
-  return None
+        served_id = got.get("policy_id")
+        return value, served_id if isinstance(served_id, str) else None
+  return None, None
+
+
+async def check_served(url: str, path: str, version: int) -> None:
+  """A ConfigError unless the server at `url` serves the export at `path` (`version`):
+  another version, or another export of the same version (another run's, or this one
+  exported again), would be graded and filed under this export."""
+  served, served_id = await served_policy(url)
+  if served is not None and served != version:
+    raise config_lib.ConfigError(
+        f"--server {url} serves policy version {served}, not {path}'s {version}: "
+        "evaluate the export it serves, or load this one into it (POST /update_weights)")
+  from jaxagent.checkpoint import export_id
+
+  mine = export_id(path)
+  if served_id is not None and mine is not None and served_id != mine:
+    raise config_lib.ConfigError(
+        f"--server {url} serves another export of policy version {version} than {path} "
+        f"(export id {served_id}, not {mine}: another run's, or this version exported "
+        "again): load this one into it (POST /update_weights), or evaluate the one it "
+        "serves")
 
 
 async def run(args) -> dict:
@@ -211,11 +234,8 @@ async def run(args) -> dict:
   path, version = resolve_policy(args.policy, None)
   serving = None
   try:
-    served = await served_version(args.server) if args.server else None
-    if served is not None and served != version:
-      raise config_lib.ConfigError(
-          f"--server {args.server} serves policy version {served}, not {path}'s {version}: "
-          "evaluate the export it serves, or load this one into it (POST /update_weights)")
+    if args.server:
+      await check_served(args.server, path, version)
     try:
       tools = await task_tools(args.tasks, env_factory)
     except ValueError as e:  # an unknown environment, bad parameters

@@ -157,6 +157,17 @@ class ChatBody(BaseModel):
 # -- sessions ------------------------------------------------------------------------------
 
 
+def _export_id(path: str, version: Optional[int]) -> Optional[str]:
+  """The id of the export `path` (and `version`) names (None: it has none)."""
+  from jaxagent.checkpoint import export_id
+  from rollout_server.serving import resolve_policy
+
+  try:
+    return export_id(resolve_policy(path, version)[0])
+  except (OSError, ValueError):
+    return None
+
+
 def _turn_record(req: Request, **extra) -> dict:
   out = req.result()
   out.update(extra)
@@ -230,9 +241,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                session_ttl_s: Optional[float] = ServerConfig.session_ttl_s,
                session_max_bytes: Optional[int] = ServerConfig.session_max_bytes,
                model_name: str = "jaxagent", models: Optional[dict] = None,
-               max_score_tokens: int = 1 << 18) -> FastAPI:
+               max_score_tokens: int = 1 << 18, policy_id: Optional[str] = None) -> FastAPI:
   """The server app. `load_params(path, version) -> engine params` serves /update_weights.
-  `models`: more models served by name (`rollout_server.serving.ServedModel`s)."""
+  `models`: more models served by name (`rollout_server.serving.ServedModel`s).
+  `policy_id`: the id of the export the policy's weights were loaded from
+  (`jaxagent.checkpoint.export_id`), which /health says while they are served."""
   app = FastAPI(title="jaxagent rollout server")
   models = dict(models or {})
   if model_name in models:
@@ -247,6 +260,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                                f"{[model_name] + sorted(models)})")
     return None
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
+  # The export the policy's weights came from, as of which version (weights that came
+  # another way since, from a process's own learner, are of no export it knows).
+  served_from = {"id": policy_id, "version": orch.version}
   # (id(tokenizer), the tools' hash) -> its chat template writes each of those tools'
   # names into the prompt (an agent sends the same tools every turn: checked once).
   tool_rendering: collections.OrderedDict = collections.OrderedDict()
@@ -304,7 +320,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   async def health():
     s = orch.stats()
     out = {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
-           "queue": s["queue"]}
+           "queue": s["queue"], "policy_id": served_from["id"]
+           if served_from["version"] == s["version"] else None}
     if models:
       out["models"] = {name: {"version": m.orch.stats()["version"],
                               "update_weights": m.update_weights} for name, m in models.items()}
@@ -398,6 +415,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         raise HTTPException(400, f"cannot load {body.path}: {type(e).__name__}: {e}")
       load_s = time.perf_counter() - t0
       report = await loop.run_in_executor(None, target.update_weights, params, mode)
+      if m is None:
+        served_from.update(id=_export_id(body.path, body.version), version=report["version"])
     return {**report, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
   @app.get("/sessions/{session_id:path}")

@@ -16,7 +16,8 @@ from typing import Any, Optional
 import uvicorn
 
 from jaxagent.build import build_model
-from jaxagent.checkpoint import REGISTRY, latest_version, list_versions, version_dir
+from jaxagent.checkpoint import (REGISTRY, export_id, latest_version, list_versions,
+                                 version_dir)
 from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
@@ -149,7 +150,8 @@ def build_app(cfg: ServerConfig):
   app = create_app(orch, tokenizer, load_params=load, update_mode=cfg.update_mode,
                    max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
                    session_max_bytes=cfg.session_max_bytes, model_name=cfg.name,
-                   models=models)
+                   models=models, policy_id=export_id(resolve_policy(cfg.policy)[0])
+                   if cfg.policy is not None else None)
   if not renders_tools(tokenizer):  # said at the start, not only to each request
     print(f"note: the chat template of {tokenizer.name} drops tools: chat requests with "
           "tools are refused (400); model.chat_template=chatml_tools renders them", flush=True)

@@ -224,6 +224,25 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
                           HELD_OUT, "--greedy", "--limit", "1", "--server", url]) == 2
     err = capsys.readouterr().err.strip()
     assert "serves policy version 2, not" in err and len(err.splitlines()) == 1, err
+    # ... and so is another export of the same version (another run's: it was graded and
+    # filed under this run's name; a new user's round): the server says which it serves.
+    import shutil
+
+    from jaxagent.checkpoint import export_id
+
+    served_id = httpx.get(f"{url}/health").json()["policy_id"]
+    assert served_id == export_id(os.path.join(run_dir, "policy", "v00000002")) is not None
+    other = tmp_path / "other" / "policy"
+    shutil.copytree(os.path.join(run_dir, "policy"), other)
+    registry = json.loads((other / "versions.json").read_text())
+    for entry in registry["versions"]:  # (as its own export of each version would have)
+      entry["id"] = entry["id"][::-1]
+    (other / "versions.json").write_text(json.dumps(registry))
+    shutil.copy(os.path.join(run_dir, "config.json"), tmp_path / "other" / "config.json")
+    assert eval_lib.main(["--policy", str(other / "v00000002"), "--tasks", HELD_OUT,
+                          "--greedy", "--limit", "1", "--server", url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "serves another export of policy version 2" in err and len(err.splitlines()) == 1
   finally:
     server.kill()
     server.wait(timeout=30)

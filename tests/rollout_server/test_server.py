@@ -444,7 +444,7 @@ def test_a_server_that_lost_its_weights_gets_them_again(random_params, memorised
 def test_update_weights_over_http(random_params, memorised_params, tokenizer, tmp_path):
   root = str(tmp_path / "policy")
   export_policy(root, 8, jax.device_put(random_params), dtype=None)
-  with running_server(memorised_params, tokenizer, version=7) as (srv, _):
+  with running_server(memorised_params, tokenizer, version=7) as (srv, orch):
     c = client(srv)
     prompt = tokenizer.apply_chat_template(MEMORISED[1][0])
     body = {"input_ids": prompt, "temperature": 0, "max_new_tokens": 12}
@@ -464,7 +464,15 @@ def test_update_weights_over_http(random_params, memorised_params, tokenizer, tm
     bad = c.post("/update_weights", json={"path": os.path.join(root, "v00000008"),
                                           "version": 99})
     assert bad.status_code == 400 and "is policy version 8, not 99" in bad.text, bad.text
-    assert c.get("/health").json()["version"] == 8
+    # /health names the export it serves (an eval checks it serves the one it grades);
+    # weights that reached its orchestrator another way are of no export it knows
+    from jaxagent.checkpoint import export_id
+
+    health = c.get("/health").json()
+    assert health["version"] == 8 and health["policy_id"] == export_id(
+        os.path.join(root, "v00000008")) is not None
+    orch.update_weights(orch.engine.load_params(memorised_params, version=9), "drain")
+    assert c.get("/health").json()["policy_id"] is None
 
 
 def test_models_served_beside_the_policy(random_params, memorised_params, tokenizer, tmp_path):
