@@ -470,9 +470,31 @@ def _valid_keys(schema: Any, full_key: str) -> list[str]:
   return list(node.keys()) if OmegaConf.is_dict(node) else []
 
 
-def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str) -> ConfigError:
+def _not_a_section(schema: Any, given: Any, prefix: str = "") -> Optional[tuple[str, Any]]:
+  """The first key whose value in `given` is not a mapping where `schema` has a section
+  (a merge error names no key for it), and that value."""
+  if not (OmegaConf.is_dict(schema) and OmegaConf.is_dict(given)):
+    return None
+  for k in given.keys():
+    if k in schema and OmegaConf.is_dict(schema[k]):
+      v = given[k]
+      if not OmegaConf.is_dict(v) and v is not None:
+        return f"{prefix}{k}", v
+      found = _not_a_section(schema[k], given[k], f"{prefix}{k}.")
+      if found:
+        return found
+  return None
+
+
+def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str,
+           given: Any = None) -> ConfigError:
   key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
   first = str(e).splitlines()[0] if str(e) else type(e).__name__
+  if key == "?" and (found := _not_a_section(schema, given)) is not None:
+    return ConfigError(f"{source}: config key '{found[0]}' is a section (its settings as "
+                       f"key: value lines below it), not {found[1]!r}")
+  if "is not a ListConfig" in first:  # (OmegaConf's words for "wants a list")
+    first = f"a list, not {getattr(e, 'value', None)!r} (write {key}=[a,b])"
   if isinstance(e, oc_errors.ConfigKeyError):
     valid = _valid_keys(schema, str(key))
     close = difflib.get_close_matches(str(key).split(".")[-1], valid, n=1, cutoff=0.5)
@@ -509,7 +531,7 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
       layers.append(loaded)
     merged = OmegaConf.merge(*layers)
   except oc_errors.OmegaConfBaseException as e:
-    raise _error(e, schema, path or "config") from None
+    raise _error(e, schema, path or "config", layers[-1]) from None
   except OSError as e:
     raise ConfigError(f"cannot read config file {path}: {e}") from None
   except yaml.YAMLError as e:  # malformed YAML: where, in one line
@@ -520,10 +542,12 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"override {item!r} must look like key=value")
+    given = None
     try:
-      merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+      given = OmegaConf.from_dotlist([item])
+      merged = OmegaConf.merge(merged, given)
     except oc_errors.OmegaConfBaseException as e:
-      raise _error(e, schema, f"override {item!r}") from None
+      raise _error(e, schema, f"override {item!r}", given) from None
   try:
     return OmegaConf.to_object(merged)
   except oc_errors.OmegaConfBaseException as e:

@@ -51,6 +51,23 @@ def test_wrong_type_names_key(tmp_path):
     config.load(config.RunConfig, str(bad))
 
 
+def test_a_value_for_a_section_or_a_list_names_the_key_and_the_form(tmp_path):
+  """A merge error names no key: `learner: 3` said "config key '?'", and a list given as
+  one value said "AnyNode is not a ListConfig" (a new user's round)."""
+  bad = tmp_path / "bad.yaml"
+  for text, key, value in (("learner: 3\n", "learner", "3"),
+                           ("serving:\n  engine: 5\n", "serving.engine", "5")):
+    bad.write_text(text)
+    with pytest.raises(config.ConfigError, match=rf"config key '{key}' is a section .* not "
+                                                 rf"{value}$"):
+      config.load(config.RunConfig, str(bad))
+  with pytest.raises(config.ConfigError, match=r"'learner' is a section .* not 3$"):
+    config.load(config.RunConfig, None, ["learner=3"])
+  with pytest.raises(config.ConfigError, match=r"'env.imports': a list, not '/x/y.py' "
+                                               r"\(write env.imports=\[a,b\]\)"):
+    config.load(config.RunConfig, None, ["env.imports=/x/y.py"])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Needs:
   path: str = "???"  # OmegaConf's marker for a required value
