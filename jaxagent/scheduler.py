@@ -387,8 +387,12 @@ class RolloutScheduler:
       task = self.error_task
       of = (f" of task {task.id!r} ({task.env})" if hasattr(task, "id") and hasattr(task, "env")
             else "")
-      raise RuntimeError(f"an episode{of} raised {type(self.error).__name__} (a bug, not an "
-                         f"infrastructure failure): {self.error}") from self.error
+      from envs.base import raised_at
+
+      raise RuntimeError(f"an episode{of} raised {type(self.error).__name__} at "
+                         f"{raised_at(self.error).rstrip(': ') or 'a line its traceback shows'}"
+                         f" (a bug, not an infrastructure failure): {self.error}"
+                         ) from self.error
 
   def pending_tasks(self) -> list:
     """Tasks started but not yet consumed (saved with a checkpoint, replayed on resume)."""

@@ -189,6 +189,8 @@ def test_a_bug_in_an_episode_stops_the_run_instead_of_hiding(mode):
   with pytest.raises(RuntimeError, match="KeyError") as e:
     run(go())
   assert isinstance(e.value.__cause__, KeyError)
+  # where: the file and line that raised it (a new user's round: it said neither)
+  assert "test_scheduler.py:" in str(e.value), str(e.value)
 
 
 def test_equal_reward_groups_are_filtered():
