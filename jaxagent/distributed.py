@@ -193,6 +193,21 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+# What a collective says when a process it needs is gone (Gloo's and NCCL's transports,
+# gRPC's, the coordination service's).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Gloo", "NCCL",
+              "heartbeat", "UNAVAILABLE", "coordination service")
+
+
+def peer_gone(e: BaseException) -> bool:
+  """Whether `e`, raised in a multi-process run, is a collective's failure because
+  another process is gone."""
+  import jax
+
+  return (jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError)
+          and any(s in str(e) for s in _PEER_GONE))
+
+
 def gather_json(value: Any) -> list:
   """Every process's `value` (JSON-serialisable), in process order (all must call it;
   alone: `[value]`)."""

@@ -39,6 +39,14 @@ class RunWriteFailed(RuntimeError):
   going on with what it cannot keep; not a bug of the code, and no episode's fault."""
 
 
+class PeerLost(RuntimeError):
+  """Another process of a multi-process run is gone (killed, crashed, preempted): this
+  one cannot go on (every step's collectives need them all) nor save (a checkpoint is
+  written by all). It stops at once with one line (exit 3), leaving the run to be
+  resumed from its last checkpoint, instead of waiting out the coordination service's
+  heartbeat and aborting with its stack trace (85 s on CPU)."""
+
+
 def disk_hint(e: BaseException) -> str:
   """"; the disk is full: ..." for an error of a full disk or quota, else ""."""
   full = "No space left on device" in str(e) or "Disk quota exceeded" in str(e) or getattr(

@@ -43,7 +43,8 @@ from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunChec
                                  drop_version, drop_versions_after, export_policy,
                                  quiet_failed_save_noise)
 from jaxagent.data import task_dataset
-from jaxagent.errors import InfraError, InfraOutage, RunWriteFailed, TaskError, disk_hint
+from jaxagent.errors import (InfraError, InfraOutage, PeerLost, RunWriteFailed, TaskError,
+                             disk_hint)
 from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
                               token_staleness_metrics)
@@ -819,7 +820,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # Exported again on a resume: an export under this version may be a stopped run's.
     path = export_policy(policy_root, version, state.params, dtype=export_dtype)
     exported = version
-    if distributed.is_primary():  # the servers are shared: one update is enough
+    # Shared servers: one update is enough; each process's own engine (no servers):
+    # every process loads it (a multi-process resume met one process at the load's
+    # barrier and the others past it)
+    if distributed.is_primary() or not cfg.serving.urls:
       await serving.client.update_weights(path, version)
     if cfg.serving.urls and not scheduled(version):
       transient = version
@@ -1002,6 +1006,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   signals = {"got": None}
   stopping = asyncio.Event()
   abandoned = False  # a stop gave up a wait for rollouts
+  lost: Optional[PeerLost] = None  # another process of the run is gone
   device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
@@ -1028,8 +1033,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                          {"stop": signals["got"]})
         if not all(isinstance(g, dict) and "stop" in g for g in got):
           # (what another process gathers on its way out: it stopped with an error)
-          raise RuntimeError("another process of the run stopped with an error (its log "
-                             "says which)")
+          raise PeerLost("another process of the run stopped with an error (its log says "
+                         "which)")
         names = [g["stop"] for g in got if g["stop"]]
         if names:  # (its own signal's name if it had one: a process exits by its own)
           signals["got"] = signals["got"] or names[0]
@@ -1162,6 +1167,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             f"episodes reached {cfg.stop_success_rate}: stopping" + (
                 " (met when the run was resumed)" if step == first_step else ""), flush=True)
     finished = True
+  except Exception as e:
+    if multi and distributed.peer_gone(e):  # (not saved, nor exported: both need them all)
+      lost = PeerLost(f"another process of the run is gone ({str(e).splitlines()[0][:200]})")
+      raise lost from e
+    lost = e if isinstance(e, PeerLost) else None
+    raise
   finally:
     bar.close()
     if records is not None and recorded != records["step"]:  # stopped before its records
@@ -1175,7 +1186,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # Saved only with its records: a checkpoint of a step whose metrics row and
     # trajectories were not written would resume past them, losing them for good. Nor
     # when the step under way holds the state (stopped at once in the learner's step).
-    unsaved = (f"step {step}'s records were not written" if step != recorded else
+    unsaved = ("another process of the run is gone" if lost is not None else
+               f"step {step}'s records were not written" if step != recorded else
                "the step under way holds the state" if _deleted(state) else None)
     if unsaved and ckpt.latest_step() != step and step > 0:
       print(f"{unsaved}: not checkpointed (a resume goes on from step "
@@ -1191,9 +1203,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       except Exception as e:  # (the checkpoint has them; a resume exports them again)
         print(f"warning: policy version {version} could not be exported "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    with contextlib.suppress(CheckpointFailed):  # (ckpt.failed: raised below)
-      ckpt.close()  # (waits for the last save)
-    if wal is not None and ckpt.failed is None:  # (a failed save needs the logs)
+    if lost is None:  # (a save under way waits on every process: it cannot end now)
+      with contextlib.suppress(CheckpointFailed):  # (ckpt.failed: raised below)
+        ckpt.close()  # (waits for the last save)
+    # (a failed save needs the logs; and a run that lost a process resumes from them)
+    if wal is not None and ckpt.failed is None and lost is None:
       for group_id in wal_done_with:
         wal.discard_group(group_id)
       if saves_begun:
@@ -1375,6 +1389,13 @@ def main(argv=None) -> int:
                           cfg.data.tasks])
       print(f"error: data.tasks: {e} ({check} checks a task file)", file=sys.stderr)
       return 2
+    except PeerLost as e:
+      print(f"error: {e}: this process stops too (then, every process: "
+            f"{resume_command(run_dir)})", file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      # Not Python's exit: jax.distributed's shutdown waits for every process at a
+      # barrier, which a gone one never reaches (the heartbeat's timeout, then an abort)
+      os._exit(3)
     except (InfraOutage, InfraError) as e:
       # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),
       # or a server or worker that could not be reached (at the start, a weight update).

@@ -69,6 +69,60 @@ def test_partial_multi_process_settings_are_named():
   assert distributed.initialize(None, None, None) is False
 
 
+def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
+  """Both processes of a two-process run killed (SIGKILL: a node lost, the JobSet
+  restarts the job) after three steps, its checkpoint at step 2: resumed, both go on
+  from it, replay step 3's episodes from the token WAL, and every step is recorded once.
+  (A resume met one process at the load of its engine's weights and the other past it:
+  only process 0 loaded them, as for servers the processes share.)"""
+  import signal
+  import time
+
+  run_dir = tmp_path / "run"
+  common = ["--config", "configs/tiny.yaml", "--run-dir", str(run_dir),
+            "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
+            "serving.engine.slots=8", "checkpoint.every_steps=2", "checkpoint.export_every=0",
+            "--num-processes", "2"]
+
+  def start(tag, *extra):
+    port = free_port()
+    # (logs to files: a pipe one process fills while the test reads the other's stalls
+    # it, and the other with it in their collectives)
+    return [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *common, *extra,
+                              "--coordinator", f"127.0.0.1:{port}", "--process-id", str(i)],
+                             cwd=REPO, env=_env(2), stdout=open(tmp_path / f"{tag}{i}.log", "w"),
+                             stderr=subprocess.STDOUT) for i in (0, 1)]
+
+  procs = start("first", "steps=500")
+  metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+  try:  # (its step-2 checkpoint written whole: an async save ends after its step)
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+               and (run_dir / "checkpoints" / "2").is_dir()):
+      assert all(p.poll() is None for p in procs) and time.time() < deadline
+      time.sleep(0.05)
+  finally:
+    for p in procs:
+      p.send_signal(signal.SIGKILL)
+      p.wait()
+  before = [json.loads(line) for line in metrics.read_text().splitlines()]
+  done = before[-1]["step"]
+  procs = start("resumed", "--resume", f"steps={done + 1}")
+  try:
+    for p in procs:
+      p.wait(timeout=300)
+  finally:
+    for p in procs:
+      p.kill()
+  outs = [(tmp_path / f"resumed{i}.log").read_text() for i in (0, 1)]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+  assert "resumed from step 2" in outs[0], outs[0][-3000:]
+  assert "token WAL:" in outs[0] and "to replay" in outs[0], outs[0][-3000:]
+  rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(1, done + 2))  # each step once
+  # Step 3, played again from the WAL after the restore at step 2, is the same step
+  assert rows[2]["reward_mean"] == before[2]["reward_mean"]
+
+
 def test_train_cli_as_two_processes(tmp_path):
   """`python -m jaxagent.train` as 2 jax.distributed processes: one run directory,
   metrics and the policy registry from process 0 with every process's episodes,
