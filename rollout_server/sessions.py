@@ -75,9 +75,11 @@ def _size(value: Any) -> int:
 
 
 _DIGEST_BYTES = 16
-# What a stored message holds beside its JSON's bytes (a dict and its strings as Python
-# objects), so that the byte bound holds for many short messages too.
+# What a stored message, and a stored turn, hold beside their values' bytes (a dict and
+# its strings as Python objects; a turn's dict, arrays' and digests' headers), so that
+# the byte bound holds for many short messages and turns too.
 _MESSAGE_OVERHEAD = 256
+_TURN_OVERHEAD = 1024
 
 
 class _Session:
@@ -112,8 +114,8 @@ class _Session:
     self.ids, self.digests = _context(ids, stored.get("output_ids")), digests
     context_size = (_size(self.ids) if isinstance(self.ids, array.array) else 0) + (
         _DIGEST_BYTES * len(digests) if digests else 0)
-    size = messages_size + sum(_size(v) for k, v in stored.items() if k != "messages" or
-                               not isinstance(messages, list))
+    size = _TURN_OVERHEAD + messages_size + sum(
+        _size(v) for k, v in stored.items() if k != "messages" or not isinstance(messages, list))
     grew = size + context_size - self._context_size
     self._context_size = context_size
     self.turns.append(stored)

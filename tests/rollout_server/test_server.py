@@ -290,17 +290,18 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
   from rollout_server.sessions import SessionStore
 
   now = [0.0]
-  store = SessionStore(max_sessions=3, ttl_s=10.0, max_bytes=1000, clock=lambda: now[0])
+  budget = 4000
+  store = SessionStore(max_sessions=3, ttl_s=10.0, max_bytes=budget, clock=lambda: now[0])
   turn = lambda n: {"output_ids": list(range(n)), "recorded_at": 0.0}  # noqa: E731
   for i in range(4):
     store.record(f"s{i}", turn(10))
   assert len(store) == 3 and store.get("s0") is None and store.evicted["count"] == 1
   small = store.bytes // 3  # ten ids packed (40 bytes) and the rest of the record
-  # 1000 - 2 * small < its size <= 1000 - small: s1 goes by count, then s2 by bytes
-  store.record("big", turn((1000 - small - (small - 40)) // 4))
+  # budget - 2 * small < its size <= budget - small: s1 goes by count, then s2 by bytes
+  store.record("big", turn((budget - small - (small - 40)) // 4))
   assert [store.get(k) is None for k in ("s1", "s2", "s3", "big")] == [True, True, False, False]
-  assert store.evicted == {"count": 2, "bytes": 1, "ttl": 0} and small < store.bytes <= 1000
-  store.record("huge", turn(400))  # over the budget alone: nothing is kept
+  assert store.evicted == {"count": 2, "bytes": 1, "ttl": 0} and small < store.bytes <= budget
+  store.record("huge", turn(budget // 4))  # over the budget alone: nothing is kept
   assert len(store) == 0 and store.bytes == 0 and store.evicted["bytes"] == 4
   store = SessionStore(max_sessions=10, ttl_s=10.0, max_bytes=None, clock=lambda: now[0])
   store.record("a", turn(5))
@@ -387,7 +388,7 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
     recorded = play(turns, store, "s")
     sizes[turns] = store.bytes
     whole = sum(len(json.dumps(t)) for t in recorded)  # what storing each turn whole took
-    assert store.bytes < whole / (turns / 6), (turns, store.bytes, whole)
+    assert store.bytes < whole / (turns / 8), (turns, store.bytes, whole)
   # linear in the turns (whole turns: ~4x a doubling)
   assert sizes[48] / sizes[24] < 2.2 and sizes[24] / sizes[12] < 2.2, sizes
 
