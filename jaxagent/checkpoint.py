@@ -303,21 +303,23 @@ def export_policy(root: str, version: int, params: Params, dtype: Optional[str] 
     ckptr.save(staging, params)
     ckptr.wait_until_finished()
   distributed.barrier(f"export-policy-{version}-written")
-  if not primary:  # process 0 alone swaps the export in and keeps the registry
-    return path
-  if os.path.exists(path):
-    os.rename(path, aside)
-    os.rename(staging, path)
-    shutil.rmtree(aside)
-  else:
-    os.rename(staging, path)
-  # `id`: this export's own, which no other (another run's of the same version, this
-  # version exported again) has: what a server says it serves (`export_id`).
-  entry = {"version": int(version), "path": path, "dtype": dtype or "as-trained",
-           "time": time.time(), "save_s": round(time.time() - t0, 4),
-           "id": uuid.uuid4().hex, **(extra or {})}
-  _write_registry(root, [v for v in list_versions(root) if v["version"] != int(version)]
-                  + [entry])
+  if primary:  # process 0 alone swaps the export in and keeps the registry
+    if os.path.exists(path):
+      os.rename(path, aside)
+      os.rename(staging, path)
+      shutil.rmtree(aside)
+    else:
+      os.rename(staging, path)
+    # `id`: this export's own, which no other (another run's of the same version, this
+    # version exported again) has: what a server says it serves (`export_id`).
+    entry = {"version": int(version), "path": path, "dtype": dtype or "as-trained",
+             "time": time.time(), "save_s": round(time.time() - t0, 4),
+             "id": uuid.uuid4().hex, **(extra or {})}
+    _write_registry(root, [v for v in list_versions(root) if v["version"] != int(version)]
+                    + [entry])
+  # None returns before it is in place: every process may load it next (a resumed
+  # process loaded it while process 0 was still renaming it in)
+  distributed.barrier(f"export-policy-{version}-done")
   return path
 
 

@@ -409,6 +409,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     async with update_lock:
       loop = asyncio.get_running_loop()
       t0 = time.perf_counter()
+      # (the export's id as it was before its load and after: the same export, else one
+      # exported again meanwhile, and which of the two was read is not known)
+      before = _export_id(body.path, body.version) if m is None else None
       try:
         params = await loop.run_in_executor(None, load, body.path, body.version)
       except Exception as e:  # a bad checkpoint must not take the server down
@@ -416,7 +419,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       load_s = time.perf_counter() - t0
       report = await loop.run_in_executor(None, target.update_weights, params, mode)
       if m is None:
-        served_from.update(id=_export_id(body.path, body.version), version=report["version"])
+        same = before is not None and before == _export_id(body.path, body.version)
+        served_from.update(id=before if same else None, version=report["version"])
     return {**report, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
   @app.get("/sessions/{session_id:path}")

@@ -136,7 +136,13 @@ def build_orchestrator(cfg: ServerConfig, mesh=None):
 def build_app(cfg: ServerConfig):
   """The app of a server config, its policy's orchestrator and its other models."""
   mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  policy_id = None
+  if cfg.policy is not None:  # resolved once: the export loaded is the one named
+    path, _ = resolve_policy(cfg.policy)
+    cfg, policy_id = dataclasses.replace(cfg, policy=path), export_id(path)
   engine, orch, tokenizer = build_orchestrator(cfg, mesh)
+  if policy_id is not None and export_id(cfg.policy) != policy_id:
+    policy_id = None  # exported again while it loaded: which one it read is not known
   try:
     models = build_served_models(cfg.models, mesh)
   except Exception:
@@ -150,8 +156,7 @@ def build_app(cfg: ServerConfig):
   app = create_app(orch, tokenizer, load_params=load, update_mode=cfg.update_mode,
                    max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
                    session_max_bytes=cfg.session_max_bytes, model_name=cfg.name,
-                   models=models, policy_id=export_id(resolve_policy(cfg.policy)[0])
-                   if cfg.policy is not None else None)
+                   models=models, policy_id=policy_id)
   if not renders_tools(tokenizer):  # said at the start, not only to each request
     print(f"note: the chat template of {tokenizer.name} drops tools: chat requests with "
           "tools are refused (400); model.chat_template=chatml_tools renders them", flush=True)
