@@ -193,10 +193,11 @@ def barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-# What a collective says when a process it needs is gone (Gloo's and NCCL's transports,
-# gRPC's, the coordination service's).
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Gloo", "NCCL",
-              "heartbeat", "UNAVAILABLE", "coordination service")
+# What a collective says when a process it needs is gone (its transport's connection to
+# it, the coordination service's heartbeats); not any collective's failure (a CUDA error
+# in NCCL, a shape mismatch in Gloo are this process's own).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "heartbeat", "stopped sending heartbeats", "tasks are unhealthy")
 
 
 def peer_gone(e: BaseException) -> bool:

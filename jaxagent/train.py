@@ -28,6 +28,7 @@ import shlex
 import signal
 import sys
 import time
+import traceback
 from typing import Optional
 
 import jax
@@ -1390,6 +1391,8 @@ def main(argv=None) -> int:
       print(f"error: data.tasks: {e} ({check} checks a task file)", file=sys.stderr)
       return 2
     except PeerLost as e:
+      if e.__cause__ is not None:  # (what failed here, for the log; the line says what to do)
+        traceback.print_exception(e.__cause__, file=sys.stderr)
       print(f"error: {e}: this process stops too (then, every process: "
             f"{resume_command(run_dir)})", file=sys.stderr, flush=True)
       sys.stdout.flush()
