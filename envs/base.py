@@ -505,6 +505,7 @@ def raised_at(e: BaseException) -> str:
   tier's plumbing (this file, the worker's client): the `@register` line of a name taken
   twice, the line of an environment's own `reset` that failed; a syntax error's own."""
   import os
+  import sysconfig
   import traceback
 
   if isinstance(e, SyntaxError) and e.filename:
@@ -513,6 +514,10 @@ def raised_at(e: BaseException) -> str:
   frames = [f for f in traceback.extract_tb(e.__traceback__)
             if f.filename not in plumbing and not f.filename.startswith("<")]  # (generated
   # code: a dataclass's __init__ checking what the environment's line passed it)
+  # The standard library's lines are where a call of the environment's failed, not the
+  # environment's (json.loads of an action: the decoder's line, not the caller's)
+  stdlib = tuple(os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib"))
+  frames = [f for f in frames if not f.filename.startswith(stdlib)] or frames
   if not frames:
     return ""
   path = frames[-1].filename

@@ -9,8 +9,8 @@ or a reward, and the one tests use.
   echo '"8"' | python -m envs.play --task-file envs/tasks/guess_number.jsonl \
       --task-id guess_number/0-0 --actions - --json
 
-Without `--actions` each line typed is one action (`\\n` for a newline, `\\\\` for a
-backslash: `\\\\n` is the two characters a JSON string writes a newline with). An
+Without `--actions` each line typed is one action (`\\n` for a newline; with `--raw`
+as typed, as a tool call's JSON wants its `\\n` and `\\\\` escapes). An
 actions file is JSONL: each line a JSON string (the model's whole reply for the
 turn) or `{"action": "..."}`. With `--json` every event is one JSON object per
 line; the last is `{"verdict": ..., "reward": ..., "turn_rewards": [...]}`
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import difflib
+import inspect
 import json
-import re
 import sys
 import time
 from typing import Callable, Iterable, Optional
@@ -96,17 +97,21 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
   return final
 
 
+class WrongReturn(TypeError):
+  """An environment's method returned the wrong type (the message says where it is)."""
+
+
 def _returned(env, method: str, value, kind: type):
-  """`value` if it is what `env.method` must return; a TypeError naming both if not."""
+  """`value` if it is what `env.method` must return; a `WrongReturn` naming the method
+  (where it is defined) if not."""
   if not isinstance(value, kind):
-    raise TypeError(f"{type(env).__name__}.{method}() returned {type(value).__name__}, "
-                    f"not a {kind.__name__}")
+    where = ""
+    with contextlib.suppress(TypeError, OSError):
+      fn = getattr(type(env), method)
+      where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}: "
+    raise WrongReturn(f"{where}{type(env).__name__}.{method}() returned "
+                      f"{type(value).__name__}, not a {kind.__name__}")
   return value
-
-
-def _unescape(line: str) -> str:
-  """A typed action: `\\n` a newline, `\\\\` a backslash, anything else as typed."""
-  return re.sub(r"\\([\\n])", lambda m: "\n" if m.group(1) == "n" else "\\", line)
 
 
 def _print_event(event: dict) -> None:
@@ -143,6 +148,9 @@ def main(argv=None) -> int:
   p.add_argument("--task-id", help="which task (default: the file's first)")
   p.add_argument("--actions", help="JSONL file of actions, or - for stdin (default: type them)")
   p.add_argument("--json", action="store_true", help="one JSON object per event")
+  p.add_argument("--raw", action="store_true",
+                 help="take each typed line as it is (\\n stays two characters: a tool "
+                      "call's JSON escapes); without it \\n is a newline")
   p.add_argument("--server", help="an envs.server worker URL (default: in this process)")
   p.add_argument("--sandboxes", type=int, default=2)
   p.add_argument("--allow-unisolated", action="store_true",
@@ -180,7 +188,7 @@ def main(argv=None) -> int:
       line = input("action> ")
     except EOFError:
       return None
-    return _unescape(line)
+    return line if args.raw else line.replace("\\n", "\n")
 
   emit = (lambda e: print(json.dumps(e), flush=True)) if args.json else _print_event
   resources = None
@@ -198,7 +206,7 @@ def main(argv=None) -> int:
       return 2
   try:
     asyncio.run(play_episode(env, task, next_action, emit))
-  except CannotStart as e:  # (its message says where already)
+  except (CannotStart, WrongReturn) as e:  # (its message says where already)
     print(f"envs.play: {e}", file=sys.stderr)
     return 2
   except Exception as e:  # an environment's bug: where it was raised, no traceback

@@ -41,19 +41,22 @@ def test_typed_actions_and_a_readable_report(tmp_path):
   assert code == 0 and "verdict fail" in out and "the learner trains on reward 0.0" in out
 
 
-def test_a_typed_tool_call_can_write_a_json_newline_escape(tmp_path):
-  """Typed, `\\n` is a newline and `\\\\` a backslash, so `\\\\n` is JSON's newline escape
-  inside a tool call's arguments (every `\\n` became a newline, which JSON refuses in a
-  string: a multi-line file could not be written by hand; a new user's round)."""
+def test_a_typed_tool_call_can_write_json_escapes_with_raw(tmp_path):
+  """Typed, `\\n` is a newline, which JSON refuses inside a string: a tool call writing
+  a multi-line file could not be typed (a new user's round). With `--raw` a line is
+  taken as typed: its JSON escapes (a newline, a backslash) reach the parser."""
   tasks = tmp_path / "t.jsonl"
   tasks.write_text(json.dumps({"id": "c", "env": "calculator",
                                "params": {"expression": "2 + 3"}}) + "\n")
   call = ('<tool_call>{"name": "calculate", "arguments": {"expression": '
-          '"2 +\\\\n3"}}</tool_call>')
-  code, out, err = play("--task-file", str(tasks), "--json", stdin=call + "\nANSWER: 5\n")
+          '"2 +\\n3 \\\\"}}</tool_call>')
+  code, out, err = play("--task-file", str(tasks), "--json", "--raw",
+                        stdin=call + "\nANSWER: 5\n")
   assert code == 0, err
   step = json.loads(out.splitlines()[1].split("action> ")[-1])  # (the prompt, typed)
-  assert step["action"] == call.replace("\\\\", "\\") and "malformed" not in out, step
+  assert step["action"] == call and "malformed" not in out, step
+  code, out, err = play("--task-file", str(tasks), "--json", stdin=call + "\nANSWER: 5\n")
+  assert code == 0 and "malformed tool call" in out, out  # (without it: a newline)
 
 
 def test_an_environments_bug_is_one_line_naming_where(tmp_path):
@@ -62,6 +65,7 @@ def test_an_environments_bug_is_one_line_naming_where(tmp_path):
   traceback (a new user's round)."""
   env = tmp_path / "buggy_env.py"
   env.write_text(
+      "import json\n"
       "from envs.base import Env, Observation, StepResult, Verdict, VerdictStatus, register\n"
       "@register('buggy_test_env')\n"
       "class Buggy(Env):\n"
@@ -72,21 +76,25 @@ def test_an_environments_bug_is_one_line_naming_where(tmp_path):
       "    self.begin_turn()\n"
       "    if self.kind == 'wrong_type':\n"
       "      return Observation([])\n"
-      "    n = int(action)\n"
+      "    n = int(action) if self.kind == 'value_error' else json.loads(action)\n"
       "    return StepResult(Observation([]), 0.0, True, False)\n"
       "  async def verify(self):\n"
       "    return Verdict(VerdictStatus.PASS, 1.0, '1', '1')\n")
   tasks = tmp_path / "t.jsonl"
   tasks.write_text("".join(json.dumps({"id": k, "env": "buggy_test_env", "params": {"kind": k}})
-                           + "\n" for k in ("value_error", "wrong_type")))
+                           + "\n" for k in ("value_error", "wrong_type", "json")))
   code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id",
                       "value_error", stdin="x\n")
   assert code == 2 and len(err.strip().splitlines()) == 1, err
-  assert "buggy_env.py:11: ValueError: invalid literal for int()" in err, err
+  assert "buggy_env.py:12: ValueError: invalid literal for int()" in err, err
   code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id",
                       "wrong_type", stdin="x\n")
   assert code == 2 and len(err.strip().splitlines()) == 1, err
-  assert "Buggy.step() returned Observation, not a StepResult" in err, err
+  assert "buggy_env.py:8: Buggy.step() returned Observation, not a StepResult" in err, err
+  # A call of the standard library's that failed: the environment's line, not json's
+  code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id", "json",
+                      stdin="x\n")
+  assert code == 2 and "buggy_env.py:12: JSONDecodeError" in err, err
 
 
 @pytest.mark.skipif(available_isolations() == ("rlimits",), reason="needs sandbox isolation")
