@@ -476,14 +476,22 @@ def _not_a_section(schema: Any, given: Any, prefix: str = "") -> Optional[tuple[
   if not (OmegaConf.is_dict(schema) and OmegaConf.is_dict(given)):
     return None
   for k in given.keys():
-    if k in schema and OmegaConf.is_dict(schema[k]):
+    section = schema[k] if k in schema else _element_schema(schema)
+    if OmegaConf.is_dict(section):
       v = given[k]
       if not OmegaConf.is_dict(v) and v is not None:
         return f"{prefix}{k}", v
-      found = _not_a_section(schema[k], given[k], f"{prefix}{k}.")
+      found = _not_a_section(section, given[k], f"{prefix}{k}.")
       if found:
         return found
   return None
+
+
+def _element_schema(schema: Any) -> Any:
+  """The schema of each value of a `dict[str, SomeConfig]` field (`serving.models`), or
+  None."""
+  element = getattr(getattr(schema, "_metadata", None), "element_type", None)
+  return OmegaConf.structured(element) if dataclasses.is_dataclass(element) else None
 
 
 def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str,
@@ -494,7 +502,9 @@ def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str,
     return ConfigError(f"{source}: config key '{found[0]}' is a section (its settings as "
                        f"key: value lines below it), not {found[1]!r}")
   if "is not a ListConfig" in first:  # (OmegaConf's words for "wants a list")
-    first = f"a list, not {getattr(e, 'value', None)!r} (write {key}=[a,b])"
+    how = (f"{key}=[a,b]" if source.startswith("override")
+           else f"{str(key).rpartition('.')[2]}: [a, b] in YAML")
+    first = f"a list, not {getattr(e, 'value', None)!r} (write {how})"
   if isinstance(e, oc_errors.ConfigKeyError):
     valid = _valid_keys(schema, str(key))
     close = difflib.get_close_matches(str(key).split(".")[-1], valid, n=1, cutoff=0.5)

@@ -63,6 +63,13 @@ def test_a_value_for_a_section_or_a_list_names_the_key_and_the_form(tmp_path):
       config.load(config.RunConfig, str(bad))
   with pytest.raises(config.ConfigError, match=r"'learner' is a section .* not 3$"):
     config.load(config.RunConfig, None, ["learner=3"])
+  # inside a field of named sections (serving.models: name -> a model's settings)
+  with pytest.raises(config.ConfigError, match=r"'serving.models.j.engine' is a section"):
+    config.load(config.RunConfig, None, ["serving.models.j.engine=3"])
+  bad.write_text("env:\n  imports: /x/y.py\n")
+  with pytest.raises(config.ConfigError, match=r"a list, not '/x/y.py' \(write imports: "
+                                               r"\[a, b\] in YAML\)"):
+    config.load(config.RunConfig, str(bad))
   with pytest.raises(config.ConfigError, match=r"'env.imports': a list, not '/x/y.py' "
                                                r"\(write env.imports=\[a,b\]\)"):
     config.load(config.RunConfig, None, ["env.imports=/x/y.py"])
