@@ -187,7 +187,8 @@ class ExecResult:
   isolation: str
   error: Optional[str] = None  # the sandbox could not run the command (infrastructure)
   # Processes the kernel killed while it ran, its memory cgroup's limit reached (and
-  # those the host's OOM killer took where the pool's limits may overcommit the host).
+  # those the host's OOM killer took, unless they are the infrastructure's: an `error`;
+  # see `oom_attribution`).
   oom_kills: int = 0
 
   @property
@@ -222,7 +223,7 @@ def available_isolations() -> tuple[str, ...]:
         continue
       try:
         r = subprocess.run(_confine(Limits(), uid if mode == "bwrap" else None,
-                                    nproc=uid is not None or mode != "bwrap")
+                                    nproc=not _nproc_inside(mode, uid))
                            + _wrap(mode, probe, ["/bin/true"], uid=uid, limits=Limits(),
                                    run_dir=probe),
                            env=_scrubbed_env("/workspace"), capture_output=True, timeout=20)
@@ -331,14 +332,19 @@ def _bwrap_can_disable_userns() -> bool:
   return "--disable-userns" in r.stdout + r.stderr
 
 
+def _nproc_inside(mode: str, uid: Optional[int]) -> bool:
+  """Whether a sandbox's process limit is set inside it rather than by `_confine`: under
+  bubblewrap without a uid of its own (a worker that is not root), inside its user
+  namespace, where the kernel (5.14 on) counts only that sandbox's processes against it.
+  Set outside, it would count every process and thread of the worker's user on the host
+  (the worker's own, every other sandbox's): one sandbox holding its limit would stop
+  every other from starting (graders: infra errors)."""
+  return mode == "bwrap" and uid is None
+
+
 def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
                 seccomp_fd: Optional[int] = None, uid: Optional[int] = None) -> list[str]:
-  if uid is None:
-    # No uid of its own (a worker that is not root): the process limit is set inside the
-    # sandbox's user namespace, where the kernel (5.14 on) counts only that sandbox's
-    # processes against it. Set outside, it would count every process and thread of the
-    # worker's user on the host (the worker's own, every other sandbox's): one sandbox
-    # holding its limit would stop every other from starting (graders: infra errors).
+  if _nproc_inside("bwrap", uid):
     argv = [_PRLIMIT, f"--nproc={limits.processes}", "--", *argv]
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
   if seccomp_fd is not None:  # bwrap installs it (with no_new_privs) just before the exec
@@ -515,11 +521,11 @@ def oom_attribution(before: tuple[int, int], after: tuple[int, int], *,
   """(the command's own OOM kills, the host's) from `Sandbox.oom_counts` around it.
 
   Kills while the sandbox's cgroup reached its limit are its own (the solution filled
-  it). Kills without that are the host's OOM killer's: the infrastructure's, where the
-  pool's limits fit the host's memory (`host_kills_are_infra`); where they may
-  overcommit it, a sandbox filling its own share could have caused them, and calling
-  them infrastructure would let a failing solution buy a re-roll, so they count as its
-  own."""
+  it). Kills without that are the host's OOM killer's: the infrastructure's where
+  `host_kills_are_infra` (`SandboxPool.memory_fits`: the operator says the host's memory
+  is the pool's, and its limits fit it); elsewhere a sandbox filling its own share could
+  have caused them, and calling them infrastructure would let a failing solution buy a
+  re-roll, so they count as its own."""
   limit_hits, kills = after[0] - before[0], after[1] - before[1]
   if kills <= 0:
     return 0, 0
@@ -954,8 +960,7 @@ class Sandbox:
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
         proc = await asyncio.create_subprocess_exec(
             *_join_cgroups([self._cgroup, self._cpu_cgroup]),
-            *_confine(self.limits, uid, cpu,  # (bwrap without a uid: inside, see there)
-                      nproc=not (self.isolation == "bwrap" and self.uid is None)),
+            *_confine(self.limits, uid, cpu, nproc=not _nproc_inside(self.isolation, self.uid)),
             *command,
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
