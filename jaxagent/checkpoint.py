@@ -225,6 +225,13 @@ def version_dir(root: str, version: int) -> str:
   return os.path.join(os.path.abspath(root), f"v{int(version):08d}")
 
 
+def version_of_dir(path: str) -> Optional[int]:
+  """The version a version directory's name says (`.../v00000007`: 7); None for any
+  other name."""
+  m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
+  return None if m is None else int(m.group(1))
+
+
 def list_versions(root: str) -> list[dict]:
   """The registry's entries (version, path, dtype, time), oldest first."""
   path = os.path.join(root, REGISTRY)
@@ -260,14 +267,14 @@ def _tidy(root: str) -> None:
 def export_id(path: str) -> Optional[str]:
   """The id of the export at version directory `path` (its registry's entry beside
   it); None where it has none (an export from before ids, no registry)."""
-  m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
-  if m is None:
+  version = version_of_dir(path)
+  if version is None:
     return None
   try:
     entries = list_versions(os.path.dirname(os.path.abspath(path)))
   except (OSError, ValueError, KeyError):
     return None
-  return next((e.get("id") for e in entries if e.get("version") == int(m.group(1))), None)
+  return next((e.get("id") for e in entries if e.get("version") == version), None)
 
 
 def latest_version(root: str) -> Optional[int]:
@@ -317,7 +324,7 @@ def export_policy(root: str, version: int, params: Params, dtype: Optional[str] 
              "id": uuid.uuid4().hex, **(extra or {})}
     _write_registry(root, [v for v in list_versions(root) if v["version"] != int(version)]
                     + [entry])
-  # None returns before it is in place: every process may load it next (a resumed
+  # No process returns before it is in place: every one may load it next (a resumed
   # process loaded it while process 0 was still renaming it in)
   distributed.barrier(f"export-policy-{version}-done")
   return path
@@ -341,10 +348,10 @@ def drop_versions_after(root: str, version: int) -> list[int]:
     _write_registry(root, [v for v in versions if v["version"] <= version])
   dropped = []
   for name in sorted(os.listdir(root)):
-    m = re.fullmatch(r"v(\d+)", name)
-    if m and int(m.group(1)) > version:
+    v = version_of_dir(name)
+    if v is not None and v > version:
       shutil.rmtree(os.path.join(root, name))
-      dropped.append(int(m.group(1)))
+      dropped.append(v)
   return dropped
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import threading
 import time
 from typing import Any, Optional
@@ -17,7 +16,7 @@ import uvicorn
 
 from jaxagent.build import build_model
 from jaxagent.checkpoint import (REGISTRY, export_id, latest_version, list_versions,
-                                 version_dir)
+                                 version_dir, version_of_dir)
 from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
@@ -45,13 +44,13 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
     # The export beside the registry (a run directory copied or moved elsewhere reads its
     # own exports, not the paths the registry was written with).
     return version_dir(path, v), v
-  m = re.fullmatch(r"v(\d+)", os.path.basename(os.path.normpath(path)))
-  if version is None and m is None:
+  named = version_of_dir(path)
+  if version is None and named is None:
     raise ValueError(f"cannot tell the policy version of {path}: give a version")
-  if m is not None and version is not None and int(version) != int(m.group(1)):
+  if named is not None and version is not None and int(version) != named:
     # (a server took it, and stamped version 99 on the tokens of export v6)
-    raise ValueError(f"{path} is policy version {int(m.group(1))}, not {version}")
-  return path, int(version if version is not None else m.group(1))
+    raise ValueError(f"{path} is policy version {named}, not {version}")
+  return path, int(version if version is not None else named)
 
 
 def make_engine(model_cfg, e: EngineConfig, mesh) -> Engine:
