@@ -47,6 +47,18 @@ class PeerLost(RuntimeError):
   heartbeat and aborting with its stack trace (85 s on CPU)."""
 
 
+class PeerFailed(RuntimeError):
+  """Another process of a multi-process run stopped with an error of its own (an
+  environment's bug, an infrastructure outage it counted, a write that failed): its log
+  has the traceback. This one stops too, at the same point of the step, so that every
+  process can still save the run's checkpoint together. `infra`: the other's error was
+  the infrastructure's (the run exits 3, to be restarted), not a bug (exit 1)."""
+
+  def __init__(self, message: str, infra: bool = False):
+    super().__init__(message)
+    self.infra = infra
+
+
 def disk_hint(e: BaseException) -> str:
   """"; the disk is full: ..." for an error of a full disk or quota, else ""."""
   full = "No space left on device" in str(e) or "Disk quota exceeded" in str(e) or getattr(

@@ -44,8 +44,8 @@ from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunChec
                                  drop_version, drop_versions_after, export_policy,
                                  quiet_failed_save_noise)
 from jaxagent.data import task_dataset
-from jaxagent.errors import (InfraError, InfraOutage, PeerLost, RunWriteFailed, TaskError,
-                             disk_hint)
+from jaxagent.errors import (InfraError, InfraOutage, PeerFailed, PeerLost, RunWriteFailed,
+                             TaskError, disk_hint)
 from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
                               token_staleness_metrics)
@@ -898,6 +898,56 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
   wal_done_with: list[str] = []  # groups whose logs the save under way makes needless
   saves_begun: list[int] = []  # this run's checkpoint saves
+  loop = asyncio.get_running_loop()
+
+  # With several processes, every step's collectives pair up in one order on all of
+  # them. An error one process meets in its own work (an environment's bug while its
+  # episodes play, an outage, a record it cannot write) is held until the next
+  # agreement, where every process meets and learns of it: all stop there together and
+  # can still save the checkpoint together. (Raised at once, the process went to its
+  # final save while the others were in the step's collectives, which paired with its
+  # own: both hung for minutes, then the coordination service aborted them.)
+  held: list[BaseException] = []  # this process's own error, for the next agreement
+
+  def hold(e: BaseException) -> None:
+    """Alone: raises `e` now. With several processes: keeps it for the next agreement."""
+    if not multi:
+      raise e
+    if not held:
+      held.append(e)
+
+  async def gather_agreement(at: str, **mine) -> tuple[list, Optional[PeerFailed]]:
+    """(Every process's `mine` at the agreement `at`, what the others' errors say: None,
+    or the `PeerFailed` to stop with). Processes found at another agreement (one that
+    stopped with an error outside any) are out of step: `PeerLost` (no collective can
+    pair up again)."""
+    own = held[0] if held else None
+    got = await loop.run_in_executor(None, distributed.gather_json, {
+        "at": at, "error": None if own is None else f"{type(own).__name__}: {own}"[:500],
+        "infra": isinstance(own, (InfraError, InfraOutage, RunWriteFailed)), **mine})
+    apart = [i for i, g in enumerate(got) if not isinstance(g, dict) or g.get("at") != at]
+    if apart:
+      raise PeerLost(f"process {apart[0]} of the run is out of step (at this one's "
+                     f"agreement {at!r} it was elsewhere: it stopped with an error, its log "
+                     "says which)")
+    me = jax.process_index()
+    failed = [(i, g) for i, g in enumerate(got) if g["error"] and i != me]
+    peer = None
+    if failed:
+      i, g = failed[0]
+      peer = PeerFailed(f"process {i} of the run stopped with an error ({g['error']}; its "
+                        "log has the traceback)", infra=g["infra"])
+    return got, peer
+
+  async def agree(at: str, **mine) -> list:
+    """Every process's `mine` at the agreement `at` (all meet at each, in one order); this
+    process's held error is raised here, another's as `PeerFailed`."""
+    got, peer = await gather_agreement(at, **mine)
+    if held:
+      raise held.pop()
+    if peer is not None:
+      raise peer
+    return got
 
   async def save_checkpoint(step, state, pending, force=False, canary=True):
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
@@ -910,9 +960,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             file=sys.stderr)
     # Every process's tasks in flight (process 0 writes the metadata): each re-queues
     # its own on a resume.
-    by_process = distributed.gather_json(pending) if multi else [pending]
-    next_group = (max(distributed.gather_json(scheduler.next_index)) if multi
-                  else scheduler.next_index)
+    got = (await agree("save", pending=pending, next=scheduler.next_index) if multi
+           else [{"pending": pending, "next": scheduler.next_index}])
+    by_process, next_group = [g["pending"] for g in got], max(g["next"] for g in got)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending, "pending_tasks_by_process": by_process,
                             "next_group": next_group,
@@ -929,8 +979,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         wal.drop_aside()
       wal_done_with[:] = scheduler.drain_finished()
     saves_begun.append(step)
-
-  loop = asyncio.get_running_loop()
 
   n_proc = jax.process_count()
   # A step-wide advantage baseline spans every process's episodes.
@@ -1008,6 +1056,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   stopping = asyncio.Event()
   abandoned = False  # a stop gave up a wait for rollouts
   lost: Optional[PeerLost] = None  # another process of the run is gone
+  peer_failed: Optional[PeerFailed] = None  # another's error, told at the end
   device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
@@ -1030,12 +1079,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     while step < cfg.steps and early_stop is None:
       if multi:  # a signal to any process stops every one here, between two steps (one
         # stopping alone left the others waiting in the step's collectives)
-        got = await loop.run_in_executor(None, distributed.gather_json,
-                                         {"stop": signals["got"]})
-        if not all(isinstance(g, dict) and "stop" in g for g in got):
-          # (what another process gathers on its way out: it stopped with an error)
-          raise PeerLost("another process of the run stopped with an error (its log says "
-                         "which)")
+        got = await agree("step", stop=signals["got"])
         names = [g["stop"] for g in got if g["stop"]]
         if names:  # (its own signal's name if it had one: a process exits by its own)
           signals["got"] = signals["got"] or names[0]
@@ -1043,7 +1087,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       elif signals["got"] is not None:
         break
       if multi:  # (every process goes into the step's collectives)
-        accepted, taken = await scheduler.next_groups()
+        try:  # (the episodes' own errors: told to the others before the collectives)
+          accepted, taken = await scheduler.next_groups()
+          played += taken
+          scored = (await score_segments(serving.client, accepted, scorers,
+                                         learner_cfg.temperature) if scorers else {})
+        except Exception as e:
+          hold(e)
+        await agree("rollouts")
       else:  # a stop while the step's rollouts run: no step is under way, none waited for
         got = await unless_stopped(scheduler.next_groups(), stopping)
         if got is None:
@@ -1052,9 +1103,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                 "played again on a resume)", file=sys.stderr, flush=True)
           break
         accepted, taken = got
-      played += taken
-      scored = (await score_segments(serving.client, accepted, scorers, learner_cfg.temperature)
-                if scorers else {})
+        played += taken
+        scored = (await score_segments(serving.client, accepted, scorers,
+                                       learner_cfg.temperature) if scorers else {})
       rollout_s = time.perf_counter() - t_rollout_mark
       t0 = time.perf_counter()
       # Batching, the step and reading its metrics run off the event loop, which keeps
@@ -1068,9 +1119,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         episodes = [e for g in played for e in g.episodes]
         unfit = [e for e in episodes if e.reason == FIRST_PROMPT_TOO_LONG]
         if (step == first_step and unfit and len(unfit) == len(episodes)
-            and len(played) >= 2):
-          raise config_lib.ConfigError(f"{unfit[0].unfit} (every episode this run played "
-                                       "began so: nothing to train on)")
+            and len(played) >= 2):  # (this process's episodes: told at the next agreement)
+          hold(config_lib.ConfigError(f"{unfit[0].unfit} (every episode this run played "
+                                      "began so: nothing to train on)"))
         waited = time.perf_counter() - t_rollout_mark
         if primary and waited >= no_step_note_at:
           no_step_note_at = waited + NO_STEP_NOTE_S
@@ -1128,9 +1179,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           path = await loop.run_in_executor(None, export_policy, policy_root, version,
                                             state.params, export_dtype)
           if primary:  # the servers are shared by every process: one update is enough
-            await serving.client.update_weights(path, version, cfg.rollout.update_mode)
+            try:
+              await serving.client.update_weights(path, version, cfg.rollout.update_mode)
+            except Exception as e:
+              hold(e)
           if multi:  # no process samples on for the new version before the servers have it
-            await loop.run_in_executor(None, distributed.barrier, f"policy-{version}")
+            await agree(f"policy-{version}")
           if transient is not None and transient != version and primary:
             drop_version(policy_root, transient)  # (the servers have moved on)
           transient = None if export else version
@@ -1144,22 +1198,25 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       t_rollout_mark = time.perf_counter()
       row.update({"weight_sync_s": sync_s,
                   **({"weight_sync_path": sync_path} if sync_path else {})})
-      if cfg.eval.every and step % cfg.eval.every == 0 and primary:
-        row.update(await evaluate_policy())
-      await write_records(records)
       recent = (recent + [(row.get("success_rate", 0.0) * row["episodes"],
                            row["episodes"])])[-cfg.stop_window:]
-      bar.update(1)
-      bar.set_postfix(success=f"{row.get('success_rate', 0):.2f}",
-                      reward=f"{row.get('reward_mean', 0):.2f}",
-                      tok_s=f"{row['rollout_tokens_per_s']:.0f}",
-                      lag=f"{row.get('policy_lag_mean', 0):.1f}")
-      if bar.disable and primary:  # no terminal: one line per step instead of a bar
-        print(f"step {step}: success {row.get('success_rate', 0):.3f} reward "
-              f"{row.get('reward_mean', 0):.3f} loss {m['loss']:.4f} rollout {rollout_s:.1f}s "
-              f"learner {learner_s:.1f}s sync {sync_s:.2f}s wall {row['wall_time_s']:.0f}s",
-              flush=True)
-      ckpt.check()  # (a save under way that failed stops the run here, not at the next)
+      try:  # (this process's own work: an error is told at the next agreement)
+        if cfg.eval.every and step % cfg.eval.every == 0 and primary:
+          row.update(await evaluate_policy())
+        await write_records(records)
+        bar.update(1)
+        bar.set_postfix(success=f"{row.get('success_rate', 0):.2f}",
+                        reward=f"{row.get('reward_mean', 0):.2f}",
+                        tok_s=f"{row['rollout_tokens_per_s']:.0f}",
+                        lag=f"{row.get('policy_lag_mean', 0):.1f}")
+        if bar.disable and primary:  # no terminal: one line per step instead of a bar
+          print(f"step {step}: success {row.get('success_rate', 0):.3f} reward "
+                f"{row.get('reward_mean', 0):.3f} loss {m['loss']:.4f} rollout "
+                f"{rollout_s:.1f}s learner {learner_s:.1f}s sync {sync_s:.2f}s wall "
+                f"{row['wall_time_s']:.0f}s", flush=True)
+        ckpt.check()  # (a save under way that failed stops the run here, not at the next)
+      except Exception as e:
+        hold(e)
       if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
         await save_checkpoint(step, state, scheduler.pending_tasks())
       early_stop = stop_reached()
@@ -1190,10 +1247,26 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     unsaved = ("another process of the run is gone" if lost is not None else
                f"step {step}'s records were not written" if step != recorded else
                "the step under way holds the state" if _deleted(state) else None)
+    failed = ckpt.failed is not None
+    if multi and lost is None:  # the final save and export are collectives: all or none
+      if isinstance(sys.exc_info()[1], KeyboardInterrupt):  # (stopped at once: alone)
+        unsaved = "stopped at once, apart from the run's other processes"
+      else:
+        try:
+          got, peer_failed = await gather_agreement("end", unsaved=unsaved, failed=failed)
+        except Exception as e:
+          if not (isinstance(e, PeerLost) or distributed.peer_gone(e)):
+            raise
+          lost = e if isinstance(e, PeerLost) else PeerLost(str(e).splitlines()[0][:200])
+          unsaved = "another process of the run is gone"
+        else:
+          unsaved = unsaved or next((f"process {i}: {g['unsaved']}" for i, g in
+                                     enumerate(got) if g["unsaved"]), None)
+          failed = any(g["failed"] for g in got)
     if unsaved and ckpt.latest_step() != step and step > 0:
       print(f"{unsaved}: not checkpointed (a resume goes on from step "
             f"{ckpt.latest_step() or 0})", file=sys.stderr, flush=True)
-    elif ckpt.latest_step() != step and step > 0 and ckpt.failed is None:
+    elif ckpt.latest_step() != step and step > 0 and not failed:
       # (no canary when a stop gave up waiting for rollouts: its episodes may hang too)
       with contextlib.suppress(CheckpointFailed):  # (ckpt.failed: raised below)
         await save_checkpoint(step, state, pending, force=True,
@@ -1221,6 +1294,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # instead of the default action killing the process in the middle of it)
     for sig in handled:
       loop.remove_signal_handler(sig)
+  if lost is not None:  # (found at the end: out of step)
+    raise lost
+  if held:  # (met in the last step's own work, told to the others at the end)
+    raise held.pop()
+  if peer_failed is not None:
+    raise peer_failed
   if ckpt.failed is not None:  # (one that the run went on past, or the last one)
     raise ckpt.failed
   stopped = signals["got"] is not None and step < cfg.steps and early_stop is None
@@ -1399,6 +1478,10 @@ def main(argv=None) -> int:
       # Not Python's exit: jax.distributed's shutdown waits for every process at a
       # barrier, which a gone one never reaches (the heartbeat's timeout, then an abort)
       os._exit(3)
+    except PeerFailed as e:  # (all processes saved together; the other's log has why)
+      print(f"error: {e}: this process stopped with it (then, every process: "
+            f"{resume_command(run_dir)})", file=sys.stderr, flush=True)
+      return 3 if e.infra else 1
     except (InfraOutage, InfraError) as e:
       # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),
       # or a server or worker that could not be reached (at the start, a weight update).

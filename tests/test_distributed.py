@@ -123,6 +123,47 @@ def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   assert rows[2]["reward_mean"] == before[2]["reward_mean"]
 
 
+def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint(tmp_path):
+  """Process 1's environment raises a bug while its episodes play: it stops with the
+  traceback, process 0 stops at the same point saying which process failed and why, and
+  the two save the checkpoint of the last step together (process 1 alone went to its
+  final save while process 0 was in the step's collectives: the two paired up, hung
+  and were aborted by the coordination service after 5 minutes, nothing saved)."""
+  import time
+
+  run_dir = tmp_path / "run"
+  port = free_port()
+  common = ["--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=500",
+            "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
+            "serving.engine.slots=8", "checkpoint.every_steps=100",
+            "checkpoint.export_every=0", "env.imports=[tests.distributed.bug_on_one]",
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+  env = {**_env(2), "BUG_PROCESS": "1", "BUG_AFTER": "150"}
+  t0 = time.time()
+  procs = [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *common, "--process-id",
+                             str(i)], cwd=REPO, env=env, stdout=open(tmp_path / f"p{i}.log", "w"),
+                            stderr=subprocess.STDOUT) for i in (0, 1)]
+  try:
+    for p in procs:
+      p.wait(timeout=240)
+  finally:
+    for p in procs:
+      p.kill()
+  took = time.time() - t0
+  outs = [(tmp_path / f"p{i}.log").read_text() for i in (0, 1)]
+  assert [p.returncode for p in procs] == [1, 1], outs[0][-3000:] + outs[1][-3000:]
+  assert "ZeroDivisionError: an environment's bug on one process" in outs[1], outs[1][-3000:]
+  assert "Traceback" in outs[1] and "Traceback" not in outs[0], outs[0][-3000:]
+  assert ("error: process 1 of the run stopped with an error (RuntimeError: an episode "
+          "raised ZeroDivisionError at tests/distributed/bug_on_one.py" in outs[0]), outs[0][-3000:]
+  assert "--resume" in outs[0]
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  last = rows[-1]["step"]
+  assert last >= 1 and [r["step"] for r in rows] == list(range(1, last + 1))
+  assert os.listdir(run_dir / "checkpoints") == [str(last)]  # saved by both together
+  assert took < 200, took  # (not the coordination service's minutes)
+
+
 def test_train_cli_as_two_processes(tmp_path):
   """`python -m jaxagent.train` as 2 jax.distributed processes: one run directory,
   metrics and the policy registry from process 0 with every process's episodes,
