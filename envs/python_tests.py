@@ -10,6 +10,7 @@ are capped (`Limits.write_bytes`) and written off the event loop.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import hashlib
 import json
@@ -60,6 +61,31 @@ def _unnormalized_char(text: str) -> Optional[str]:
   return None
 
 
+# The fields of Python's syntax tree that hold names (a variable, function, class,
+# argument, attribute, import, keyword, handler, match capture); lists of names too.
+_NAME_FIELDS = ("id", "name", "attr", "arg", "asname", "rest", "names", "kwd_attrs")
+
+
+def _unreadable_name(text: str) -> Optional[str]:
+  """A name in `text` (as Python parses it, f-strings included) that is not ASCII, or
+  None (also for text that is not Python). Such a name can look like another while
+  Python keeps them apart: `is_prime` with an invisible Hangul filler after it (kept by
+  NFKC), or with a Cyrillic `і`, defines a second function that reads to a judge like a
+  general version of the first, hard-coded one that the tests call. Strings and
+  comments may hold any text."""
+  try:
+    tree = ast.parse(text)
+  except (SyntaxError, ValueError, RecursionError, MemoryError):
+    return None
+  for node in ast.walk(tree):
+    for field in _NAME_FIELDS:
+      value = getattr(node, field, None)
+      for name in (value if isinstance(value, list) else [value]):
+        if isinstance(name, str) and not name.isascii():
+          return name
+  return None
+
+
 # Compiled code Python would import in place of a source file: bytecode, extension
 # modules (every platform's suffixes, not only this host's).
 _COMPILED = (".pyc", ".pyo", ".so", ".pyd", ".dll", ".dylib")
@@ -76,7 +102,8 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   be what Python runs: every graded file must be UTF-8 text under a printable UTF-8
   name (a newline in a name could forge a file header in the judge's view), with no
   bidirectional controls, no file may hold characters a name would read as others
-  (NFKC; in strings and comments too, where an `exec` or a loader finds them), and no
+  (NFKC; in strings and comments too, where an `exec` or a loader finds them), no name
+  in a file that parses as Python may be other than ASCII (look-alikes), and no
   file may declare another source encoding (PEP 263: Python would run what a
   `# coding: utf-7` line decodes, and a loader can run any file as source, while the
   judge sees the raw text, so a hard-coded answer could hide in a comment). `module`
@@ -98,6 +125,10 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
     if odd is not None:
       return (f"{name}: {odd!r} (U+{ord(odd):04X}) reads in a Python name as "
               f"{unicodedata.normalize('NFKC', odd)!r}; write that")
+    odd = _unreadable_name(text)  # (in any file that parses: a loader can run it)
+    if odd is not None:
+      return (f"{name}: the name {ascii(odd)} is not ASCII (a name may look like another "
+              "that Python keeps apart); write names in ASCII")
     for line in data.splitlines()[:2]:
       m = _CODING.match(line)
       if m and m.group(1).lower().replace(b"_", b"-") not in (b"utf-8", b"utf8"):
@@ -123,8 +154,9 @@ class PythonTests(Env):
   # 2: hidden cases compared on the host; the verdict pays the reward. 3: files must be
   # UTF-8 text, fit the quota as read, and (with a judge) be shown whole.
   # 4: look-alike names refused; the judge's file headers are tagged. 5: stronger hidden
-  # cases (each task's hold its public example); max_of_list may use max().
-  version = "5"
+  # cases (each task's hold its public example); max_of_list may use max(). 6: names
+  # must be ASCII (invisible fillers and other scripts' look-alikes).
+  version = "6"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True
@@ -218,7 +250,9 @@ class PythonTests(Env):
     env_version = f"{self.name}@{self.version}"
     try:
       files = await asyncio.to_thread(self.final_files)
-      problem = source_problem(files)
+      # (off the event loop, as every read of the files: a workspace of megabytes of
+      # text held every other episode on this worker for a second)
+      problem = await asyncio.to_thread(source_problem, files)
     except WorkspaceTooLarge as e:  # the policy's doing: its files will not fit to grade
       problem = str(e)
     if problem is not None:
@@ -234,8 +268,8 @@ class PythonTests(Env):
       # is bounded by the worker call's wall (WALL_FACTOR deadlines, waits and all) and
       # by the judge's own timeout and retries.
       with waits.waiting():
-        verdict = await self.resources.judge.confirm(verdict, self.spec[1],
-                                                     judged_answer(files))
+        verdict = await self.resources.judge.confirm(
+            verdict, self.spec[1], await asyncio.to_thread(judged_answer, files))
     return verdict
 
   async def close(self) -> None:
