@@ -1057,6 +1057,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   abandoned = False  # a stop gave up a wait for rollouts
   lost: Optional[PeerLost] = None  # another process of the run is gone
   peer_failed: Optional[PeerFailed] = None  # another's error, told at the end
+  own_failure: Optional[BaseException] = None  # this one's, told at the end
   device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
@@ -1254,6 +1255,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       else:
         try:
           got, peer_failed = await gather_agreement("end", unsaved=unsaved, failed=failed)
+          if held:  # (told; raised past the final save, which all make together)
+            own_failure = held.pop()
         except Exception as e:
           if not (isinstance(e, PeerLost) or distributed.peer_gone(e)):
             raise
@@ -1296,8 +1299,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       loop.remove_signal_handler(sig)
   if lost is not None:  # (found at the end: out of step)
     raise lost
-  if held:  # (met in the last step's own work, told to the others at the end)
-    raise held.pop()
+  if own_failure is not None:  # (met in the last step's own work, told at the end)
+    raise own_failure
   if peer_failed is not None:
     raise peer_failed
   if ckpt.failed is not None:  # (one that the run went on past, or the last one)

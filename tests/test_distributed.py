@@ -123,43 +123,61 @@ def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   assert rows[2]["reward_mean"] == before[2]["reward_mean"]
 
 
-def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint(tmp_path):
-  """Process 1's environment raises a bug while its episodes play: it stops with the
-  traceback, process 0 stops at the same point saying which process failed and why, and
-  the two save the checkpoint of the last step together (process 1 alone went to its
-  final save while process 0 was in the step's collectives: the two paired up, hung
-  and were aborted by the coordination service after 5 minutes, nothing saved)."""
-  import time
-
-  run_dir = tmp_path / "run"
+def _two_process_run(tmp_path, *overrides, env=None, timeout=240):
+  """`python -m jaxagent.train` of the tiny config as two processes (logs to files:
+  a pipe one process fills while the test reads the other's stalls both in their
+  collectives): (return codes, logs)."""
   port = free_port()
-  common = ["--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=500",
-            "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
-            "serving.engine.slots=8", "checkpoint.every_steps=100",
-            "checkpoint.export_every=0", "env.imports=[tests.distributed.bug_on_one]",
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-  env = {**_env(2), "BUG_PROCESS": "1", "BUG_AFTER": "150"}
-  t0 = time.time()
-  procs = [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *common, "--process-id",
-                             str(i)], cwd=REPO, env=env, stdout=open(tmp_path / f"p{i}.log", "w"),
-                            stderr=subprocess.STDOUT) for i in (0, 1)]
+  args = ["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
+          "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
+          "serving.engine.slots=8", *overrides, "--coordinator", f"127.0.0.1:{port}",
+          "--num-processes", "2"]
+  procs = [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *args, "--process-id",
+                             str(i)], cwd=REPO, env={**_env(2), **(env or {})},
+                            stdout=open(tmp_path / f"p{i}.log", "w"), stderr=subprocess.STDOUT)
+           for i in (0, 1)]
   try:
     for p in procs:
-      p.wait(timeout=240)
+      p.wait(timeout=timeout)
   finally:
     for p in procs:
       p.kill()
+  return [p.returncode for p in procs], [(tmp_path / f"p{i}.log").read_text() for i in (0, 1)]
+
+
+@pytest.mark.parametrize("where", ["env", "eval"])
+def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint(
+    tmp_path, where):
+  """One process meets a bug of its own: an environment's while its episodes play
+  (process 1, some steps in), or the evaluation's after the last step's update (process
+  0, which alone runs it). It stops with the traceback, the other at the same point
+  saying which process failed and why, and the two save the checkpoint of the last step
+  together (alone, the failing process went to its final save while the other was in
+  the step's collectives: the two paired up, hung and were aborted by the coordination
+  service after 5 minutes, nothing saved)."""
+  import time
+
+  bad, good = (1, 0) if where == "env" else (0, 1)
+  t0 = time.time()
+  codes, outs = _two_process_run(
+      tmp_path, "steps=500" if where == "env" else "steps=2", "checkpoint.every_steps=100",
+      "checkpoint.export_every=0", "eval.every=2", "eval.tasks=envs/tasks/guess_number.jsonl",
+      "eval.limit=2", "env.imports=[tests.distributed.bug_on_one]",
+      env={"BUG_PROCESS": str(bad), "BUG_IN": where, "BUG_AFTER": "150"})
   took = time.time() - t0
-  outs = [(tmp_path / f"p{i}.log").read_text() for i in (0, 1)]
-  assert [p.returncode for p in procs] == [1, 1], outs[0][-3000:] + outs[1][-3000:]
-  assert "ZeroDivisionError: an environment's bug on one process" in outs[1], outs[1][-3000:]
-  assert "Traceback" in outs[1] and "Traceback" not in outs[0], outs[0][-3000:]
-  assert ("error: process 1 of the run stopped with an error (RuntimeError: an episode "
-          "raised ZeroDivisionError at tests/distributed/bug_on_one.py" in outs[0]), outs[0][-3000:]
-  assert "--resume" in outs[0]
+  assert codes == [1, 1], outs[0][-3000:] + outs[1][-3000:]
+  assert f"ZeroDivisionError: an {where}" in outs[bad], outs[bad][-3000:]
+  assert "Traceback" in outs[bad] and "Traceback" not in outs[good], outs[good][-3000:]
+  said = (f"error: process {bad} of the run stopped with an error (RuntimeError: an episode "
+          "raised ZeroDivisionError at tests/distributed/bug_on_one.py" if where == "env" else
+          f"error: process {bad} of the run stopped with an error (ZeroDivisionError: an "
+          "evaluation's bug on one process; its log has the traceback)")
+  assert said in outs[good] and "--resume" in outs[good], outs[good][-3000:]
+  run_dir = tmp_path / "run"
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   last = rows[-1]["step"]
-  assert last >= 1 and [r["step"] for r in rows] == list(range(1, last + 1))
+  assert last >= (1 if where == "env" else 2)
+  assert [r["step"] for r in rows] == list(range(1, last + 1))
   assert os.listdir(run_dir / "checkpoints") == [str(last)]  # saved by both together
   assert took < 200, took  # (not the coordination service's minutes)
 
