@@ -62,19 +62,24 @@ def _unnormalized_char(text: str) -> Optional[str]:
 
 
 # The fields of Python's syntax tree that hold names (a variable, function, class,
-# argument, attribute, import, keyword, handler, match capture); lists of names too.
-_NAME_FIELDS = ("id", "name", "attr", "arg", "asname", "rest", "names", "kwd_attrs")
+# argument, attribute, import and module imported from, keyword, handler, match
+# capture); lists of names too.
+_NAME_FIELDS = ("id", "name", "attr", "arg", "asname", "module", "rest", "names",
+                "kwd_attrs")
 
 
-def _unreadable_name(text: str) -> Optional[str]:
-  """A name in `text` (as Python parses it, f-strings included) that is not ASCII, or
-  None (also for text that is not Python). Such a name can look like another while
-  Python keeps them apart: `is_prime` with an invisible Hangul filler after it (kept by
-  NFKC), or with a Cyrillic `і`, defines a second function that reads to a judge like a
-  general version of the first, hard-coded one that the tests call. Strings and
-  comments may hold any text."""
+def _unreadable_name(text: str, depth: int = 0) -> Optional[str]:
+  """A name in `text` (as Python parses it: a leading BOM skipped, f-strings included)
+  that is not ASCII, or None (also for text that is not Python). Such a name can look
+  like another while Python keeps them apart: `is_prime` with an invisible Hangul
+  filler after it (kept by NFKC), or with a Cyrillic `і`, defines a second function
+  that reads to a judge like a general version of the first, hard-coded one that the
+  tests call. A string can name things too (`globals()[...]`, `setattr`,
+  `importlib.import_module`, `exec`): a string that is not ASCII is read as Python in
+  turn (two levels), so a name in it is refused while prose is not. Comments may hold
+  any text."""
   try:
-    tree = ast.parse(text)
+    tree = ast.parse(text[1:] if text.startswith("\ufeff") else text)
   except (SyntaxError, ValueError, RecursionError, MemoryError):
     return None
   for node in ast.walk(tree):
@@ -83,6 +88,11 @@ def _unreadable_name(text: str) -> Optional[str]:
       for name in (value if isinstance(value, list) else [value]):
         if isinstance(name, str) and not name.isascii():
           return name
+    if (depth < 2 and isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and not node.value.isascii()):
+      odd = _unreadable_name(node.value, depth + 1)
+      if odd is not None:
+        return odd
   return None
 
 
@@ -103,8 +113,8 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   name (a newline in a name could forge a file header in the judge's view), with no
   bidirectional controls, no file may hold characters a name would read as others
   (NFKC; in strings and comments too, where an `exec` or a loader finds them), no name
-  in a file that parses as Python may be other than ASCII (look-alikes), and no
-  file may declare another source encoding (PEP 263: Python would run what a
+  in a file that parses as Python (or in its strings) and no file name may be other
+  than ASCII (look-alikes), and no file may declare another source encoding (PEP 263: Python would run what a
   `# coding: utf-7` line decodes, and a loader can run any file as source, while the
   judge sees the raw text, so a hard-coded answer could hide in a comment). `module`
   must not be both a package and a module (the package is what Python imports)."""
@@ -115,6 +125,8 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
       return f"file name {name.encode('utf-8', 'backslashreplace')!r} is not UTF-8"
     if not name.isprintable():
       return f"file name {name!r} holds control characters"
+    if not name.isascii():  # (a module's file named like another: `import_module`)
+      return f"file name {ascii(name)} is not ASCII; name files in ASCII"
     try:
       text = data.decode("utf-8")
     except UnicodeDecodeError:

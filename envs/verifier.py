@@ -43,14 +43,16 @@ init and the solution could kill it: that ends as `infra_error`, never `pass`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import functools
 import inspect
 import json
+import threading
 from typing import Any, Optional, Sequence
 
-from envs import values
+from envs import values, waits
 from envs.base import Verdict, VerdictStatus
 from envs.sandbox import ExecResult, Sandbox, SandboxPool
 
@@ -301,12 +303,27 @@ class PythonTestVerifier:
   async def grade_in(self, sb: Sandbox, files: dict[str, bytes], tests: HiddenTests, *,
                      env_version: str) -> Verdict:
     """One grading run in the empty workspace `sb`."""
+    stop = threading.Event()
+
     def copy():
       for name, data in files.items():
+        if stop.is_set():
+          return
         sb.write_file(name, data)
 
-    try:  # (off the event loop: megabytes of files held the worker's other episodes)
-      await asyncio.to_thread(copy)
+    # Off the event loop (megabytes of files held the worker's other episodes). A
+    # grading cancelled meanwhile stops the copy and waits for the file being written:
+    # the sandbox is torn down next, and a copy going on would write the files again
+    # on the host's disk, outside the workspace's quota.
+    copying = asyncio.ensure_future(asyncio.to_thread(copy))
+    try:
+      try:
+        await asyncio.shield(copying)
+      except asyncio.CancelledError:
+        stop.set()
+        with contextlib.suppress(Exception):  # (cancelled: its outcome is not graded)
+          await waits.to_the_end(copying)
+        raise
     except OSError as e:
       if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.EFBIG):
         raise

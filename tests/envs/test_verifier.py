@@ -361,3 +361,34 @@ def test_a_file_larger_than_the_host_writes_is_not_graded_and_not_an_infra_error
     resources.close()
   assert wrong.status == VerdictStatus.FAIL, wrong.details
   assert right.status == VerdictStatus.PASS, right.details
+
+
+def test_a_cancelled_grading_stops_copying_its_files():
+  """The grading copy runs in a thread (off the worker's event loop): a grading
+  cancelled meanwhile (its deadline, the worker stopping) stops the copy and returns
+  only once the file being written is done, before the sandbox is torn down (the copy
+  went on writing the files on the host's disk, outside the workspace's quota)."""
+  import threading
+
+  writes, started = [], threading.Event()
+
+  class SlowSandbox:
+    def write_file(self, name, data):
+      started.set()
+      time.sleep(0.2)  # (a large file)
+      writes.append(name)
+
+  async def main():
+    files = {f"f{i}.py": b"x = 1\n" for i in range(6)}
+    task = asyncio.create_task(PythonTestVerifier(pool=None).grade_in(
+        SlowSandbox(), files, None, env_version="x"))
+    await asyncio.to_thread(started.wait)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+      await task
+    done = list(writes)
+    await asyncio.sleep(0.5)
+    return done
+
+  done = asyncio.run(main())
+  assert done == ["f0.py"] and writes == done, writes
