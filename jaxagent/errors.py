@@ -51,12 +51,13 @@ class PeerFailed(RuntimeError):
   """Another process of a multi-process run stopped with an error of its own (an
   environment's bug, an infrastructure outage it counted, a write that failed): its log
   has the traceback. This one stops too, at the same point of the step, so that every
-  process can still save the run's checkpoint together. `infra`: the other's error was
-  the infrastructure's (the run exits 3, to be restarted), not a bug (exit 1)."""
+  process can still save the run's checkpoint together. `code`: the exit code the other
+  stops with (this one stops with it too: 1 a bug, 2 the user's to change, 3 the
+  infrastructure's, to be restarted)."""
 
-  def __init__(self, message: str, infra: bool = False):
+  def __init__(self, message: str, code: int = 1):
     super().__init__(message)
-    self.infra = infra
+    self.code = code
 
 
 def disk_hint(e: BaseException) -> str:

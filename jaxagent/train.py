@@ -924,7 +924,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     own = held[0] if held else None
     got = await loop.run_in_executor(None, distributed.gather_json, {
         "at": at, "error": None if own is None else f"{type(own).__name__}: {own}"[:500],
-        "infra": isinstance(own, (InfraError, InfraOutage, RunWriteFailed)), **mine})
+        "code": None if own is None else exit_code(own), **mine})
     apart = [i for i, g in enumerate(got) if not isinstance(g, dict) or g.get("at") != at]
     if apart:
       raise PeerLost(f"process {apart[0]} of the run is out of step (at this one's "
@@ -936,7 +936,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     if failed:
       i, g = failed[0]
       peer = PeerFailed(f"process {i} of the run stopped with an error ({g['error']}; its "
-                        "log has the traceback)", infra=g["infra"])
+                        "log says more)", code=g["code"])
     return got, peer
 
   async def agree(at: str, **mine) -> list:
@@ -973,10 +973,13 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       # of the checkpoint before are let go now (a save waits for the one before it to
       # finish), this one's at the next save or at the end. Let go when the save began,
       # a crash before it was finalised resumed from the one before without their logs.
-      for group_id in wal_done_with:
-        wal.discard_group(group_id)
-      if saves_begun:  # a checkpoint of this run is whole: the set-aside logs are needless
-        wal.drop_aside()
+      try:  # (this process's own files: an error is told at the next agreement)
+        for group_id in wal_done_with:
+          wal.discard_group(group_id)
+        if saves_begun:  # a checkpoint of this run is whole: the set-aside logs are needless
+          wal.drop_aside()
+      except Exception as e:
+        hold(e)
       wal_done_with[:] = scheduler.drain_finished()
     saves_begun.append(step)
 
@@ -1062,6 +1065,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
   def request_stop(sig):
     if signals["got"] is not None:
+      signals["now"] = True  # (the run's task is cancelled: its `finally` cannot tell why)
       raise StopNow(sig)
     signals["got"] = sig.name
     stopping.set()
@@ -1175,7 +1179,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                 print(f"weight sync through the host: {e}", flush=True)
           if weights is None:
             weights = distributed.host_copy(state.params)
-          await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
+          try:  # (this process's own engine: an error is told at the next agreement)
+            await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
+          except Exception as e:
+            hold(e)
         else:  # servers load the export
           path = await loop.run_in_executor(None, export_policy, policy_root, version,
                                             state.params, export_dtype)
@@ -1193,6 +1200,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         scheduler.set_version(version)
         sync_s = time.perf_counter() - t0
       if export:
+        if multi:  # (its writes are collectives: an error held since is told first)
+          await agree(f"export-{version}")
         await loop.run_in_executor(None, export_policy, policy_root, version, state.params,
                                    export_dtype)
         exported = version
@@ -1250,7 +1259,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                "the step under way holds the state" if _deleted(state) else None)
     failed = ckpt.failed is not None
     if multi and lost is None:  # the final save and export are collectives: all or none
-      if isinstance(sys.exc_info()[1], KeyboardInterrupt):  # (stopped at once: alone)
+      if signals.get("now"):  # (stopped at once: alone, with no collective)
         unsaved = "stopped at once, apart from the run's other processes"
       else:
         try:
@@ -1317,6 +1326,20 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     return 0
   print(f"done: {step} steps in {time.time() - t_start:.0f}s; learning curve: {png}")
   return 0
+
+
+def exit_code(e: BaseException) -> int:
+  """The exit code of a run stopped by `e`: 2 for what its user must change (the config,
+  the task file, a checkpoint to resume that cannot be read), 3 for the infrastructure's
+  (a server, a worker, the disk, a lost process: restarted, it resumes), 1 for a bug."""
+  if isinstance(e, PeerFailed):
+    return e.code
+  if isinstance(e, (config_lib.ConfigError, TaskError, CheckpointUnreadable)):
+    return 2
+  if isinstance(e, (RunWriteFailed, PeerLost, InfraOutage, InfraError)) or (
+      isinstance(e, OSError) and disk_hint(e)):
+    return 3
+  return 1
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -1446,32 +1469,37 @@ def main(argv=None) -> int:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
     except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
       print(f"interrupted: stopped at once; to go on from the last checkpoint: "
-            f"{resume_command(run_dir)}", file=sys.stderr)
-      return 128 + getattr(e, "signum", int(signal.SIGINT))
+            f"{resume_command(run_dir)}" + (" (every process)" if multi else ""),
+            file=sys.stderr, flush=True)
+      code = 128 + getattr(e, "signum", int(signal.SIGINT))
+      if multi:  # (past jax.distributed's shutdown barrier, as for PeerLost: the others
+        sys.stdout.flush()  # may be in a collective that waits for this one)
+        os._exit(code)
+      return code
     except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
       print(f"error: {e}", file=sys.stderr)
-      return 2
+      return exit_code(e)
     except CheckpointUnreadable as e:
       print(f"error: --resume: {e}", file=sys.stderr)
-      return 2
+      return exit_code(e)
     except RunWriteFailed as e:  # a checkpoint, the WAL (the infrastructure's: the JobSet
       # restarts it)
       print(f"error: {e} (then: {resume_command(run_dir)})", file=sys.stderr, flush=True)
       sys.unraisablehook = lambda _: None  # Orbax's abandoned writes, as Python exits
-      return 3
+      return exit_code(e)
     except OSError as e:
       if not disk_hint(e):
         raise
       # The run's other records (metrics, trajectories, TensorBoard) on a full disk.
       print(f"error: {e.filename or run_dir} could not be written ({e.strerror or e})"
             f"{disk_hint(e)} (then: {resume_command(run_dir)})", file=sys.stderr, flush=True)
-      return 3
+      return exit_code(e)
     except TaskError as e:
       check = shlex.join(["python", "-m", "envs.filter",
                           *[a for m in cfg.env.imports for a in ("--import", m)],
                           cfg.data.tasks])
       print(f"error: data.tasks: {e} ({check} checks a task file)", file=sys.stderr)
-      return 2
+      return exit_code(e)
     except PeerLost as e:
       if e.__cause__ is not None:  # (what failed here, for the log; the line says what to do)
         traceback.print_exception(e.__cause__, file=sys.stderr)
@@ -1480,11 +1508,11 @@ def main(argv=None) -> int:
       sys.stdout.flush()
       # Not Python's exit: jax.distributed's shutdown waits for every process at a
       # barrier, which a gone one never reaches (the heartbeat's timeout, then an abort)
-      os._exit(3)
+      os._exit(exit_code(e))
     except PeerFailed as e:  # (all processes saved together; the other's log has why)
       print(f"error: {e}: this process stopped with it (then, every process: "
             f"{resume_command(run_dir)})", file=sys.stderr, flush=True)
-      return 3 if e.infra else 1
+      return exit_code(e)
     except (InfraOutage, InfraError) as e:
       # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),
       # or a server or worker that could not be reached (at the start, a weight update).
@@ -1499,7 +1527,7 @@ def main(argv=None) -> int:
                   "env.urls=[]")
       what = "" if isinstance(e, InfraOutage) else "the infrastructure failed: "
       print(f"error: {what}{e}" + (f" (then: {again})" if saved else ""), file=sys.stderr)
-      return 3
+      return exit_code(e)
   finally:
     # (a start that failed leaves no empty run directory behind)
     if made and not multi and os.path.isdir(run_dir) and not os.listdir(run_dir):

@@ -145,34 +145,41 @@ def _two_process_run(tmp_path, *overrides, env=None, timeout=240):
   return [p.returncode for p in procs], [(tmp_path / f"p{i}.log").read_text() for i in (0, 1)]
 
 
-@pytest.mark.parametrize("where", ["env", "eval"])
+@pytest.mark.parametrize("where", ["env", "records"])
 def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint(
     tmp_path, where):
-  """One process meets a bug of its own: an environment's while its episodes play
-  (process 1, some steps in), or the evaluation's after the last step's update (process
-  0, which alone runs it). It stops with the traceback, the other at the same point
-  saying which process failed and why, and the two save the checkpoint of the last step
-  together (alone, the failing process went to its final save while the other was in
-  the step's collectives: the two paired up, hung and were aborted by the coordination
-  service after 5 minutes, nothing saved)."""
+  """One process meets an error of its own: an environment's bug while its episodes
+  play (process 1, some steps in), or a full disk as it writes the last step's records
+  (process 0, after the step's update). It stops saying so, the other at the same point
+  saying which process failed and why, with the same exit code (1 a bug, 3 the
+  infrastructure's), and the two save the checkpoint of the last step together (alone,
+  the failing process went to its final save while the other was in the step's
+  collectives: the two paired up, hung and were aborted by the coordination service
+  after 5 minutes, nothing saved; an error after the last step's agreement was raised
+  inside the final save: no checkpoint)."""
   import time
 
   bad, good = (1, 0) if where == "env" else (0, 1)
   t0 = time.time()
   codes, outs = _two_process_run(
       tmp_path, "steps=500" if where == "env" else "steps=2", "checkpoint.every_steps=100",
-      "checkpoint.export_every=0", "eval.every=2", "eval.tasks=envs/tasks/guess_number.jsonl",
-      "eval.limit=2", "env.imports=[tests.distributed.bug_on_one]",
-      env={"BUG_PROCESS": str(bad), "BUG_IN": where, "BUG_AFTER": "150"})
+      "checkpoint.export_every=0", "env.imports=[tests.distributed.bug_on_one]",
+      env={"BUG_PROCESS": str(bad), "BUG_IN": where, "BUG_AFTER": "150", "BUG_STEP": "2"})
   took = time.time() - t0
-  assert codes == [1, 1], outs[0][-3000:] + outs[1][-3000:]
-  assert f"ZeroDivisionError: an {where}" in outs[bad], outs[bad][-3000:]
-  assert "Traceback" in outs[bad] and "Traceback" not in outs[good], outs[good][-3000:]
-  said = (f"error: process {bad} of the run stopped with an error (RuntimeError: an episode "
-          "raised ZeroDivisionError at tests/distributed/bug_on_one.py" if where == "env" else
-          f"error: process {bad} of the run stopped with an error (ZeroDivisionError: an "
-          "evaluation's bug on one process; its log has the traceback)")
-  assert said in outs[good] and "--resume" in outs[good], outs[good][-3000:]
+  log = outs[0][-3000:] + outs[1][-3000:]
+  if where == "env":
+    assert codes == [1, 1], log
+    assert "ZeroDivisionError: an environment's bug on one process" in outs[bad], log
+    assert "Traceback" in outs[bad], log
+    told = ("RuntimeError: an episode raised ZeroDivisionError at "
+            "tests/distributed/bug_on_one.py")
+  else:
+    assert codes == [3, 3], log
+    assert "(No space left on device); the disk is full" in outs[bad], log
+    told = "OSError: [Errno 28] No space left on device"
+  assert "Traceback" not in outs[good], log
+  assert f"error: process {bad} of the run stopped with an error ({told}" in outs[good], log
+  assert "--resume" in outs[good], log
   run_dir = tmp_path / "run"
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   last = rows[-1]["step"]

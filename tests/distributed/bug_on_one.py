@@ -1,15 +1,16 @@
-"""For `env.imports`: an ordinary bug on one process of a multi-process run
-(`BUG_PROCESS`, default 1). `BUG_IN=env` (the default): guess_number's step raises from
-its `BUG_AFTER`-th call on (default 150: a few steps in), as an environment's own bug
-would, while that process's episodes play. `BUG_IN=eval`: the evaluation during
-training raises (on the primary, which alone runs it, after its step's update)."""
+"""For `env.imports`: one process of a multi-process run (`BUG_PROCESS`, default 1)
+meets an error of its own. `BUG_IN=env` (the default): guess_number's step raises a
+bug from its `BUG_AFTER`-th call on (default 150: a few steps in), as an environment's
+own bug would, while that process's episodes play. `BUG_IN=records`: the write of step
+`BUG_STEP`'s trajectories fails once, the disk full (after the step's update)."""
 
+import errno
 import os
+import sys
 
 from envs import guess_number
-from jaxagent import eval as eval_lib
 
-_step, _evaluate = guess_number.GuessNumber.step, eval_lib.evaluate
+_step = guess_number.GuessNumber.step
 _calls = [0]
 
 
@@ -27,11 +28,16 @@ async def step(self, action):
   return await _step(self, action)
 
 
-async def evaluate(*args, **kwargs):
-  if os.environ.get("BUG_IN") == "eval" and _here():
-    raise ZeroDivisionError("an evaluation's bug on one process")
-  return await _evaluate(*args, **kwargs)
-
-
 guess_number.GuessNumber.step = step
-eval_lib.evaluate = evaluate
+
+_train = sys.modules["__main__"]  # (python -m jaxagent.train)
+if os.environ.get("BUG_IN") == "records" and hasattr(_train, "dump_segments"):
+  _dump, _failed = _train.dump_segments, []
+
+  def dump_segments(path, segments, step=None, *args):
+    if _here() and step == int(os.environ["BUG_STEP"]) and not _failed:
+      _failed.append(step)
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return _dump(path, segments, step, *args)
+
+  _train.dump_segments = dump_segments
