@@ -725,6 +725,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   saved_canary = None
   saved_recent = []  # the early stop's window of steps, as the checkpoint left it
   next_group = 0  # group numbers go on from the checkpoint's: session ids stay unique
+  consumed: set = set()  # groups the checkpoint trained on (their logs are not replayed)
   if resume and ckpt.latest_step() is None:
     # Stopped before its first checkpoint: it starts again from step 0, the records of
     # the steps it made cut back (its logged episodes are still replayed: same weights).
@@ -749,6 +750,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     mine = (mine[jax.process_index()] if mine and jax.process_index() < len(mine)
             else meta.get("pending_tasks", []) if distributed.is_primary() else [])
     requeue = [TaskSpec.from_dict(t) for t in mine]
+    consumed = meta.get("wal_consumed_by_process") or []
+    consumed = set(consumed[jax.process_index()] if jax.process_index() < len(consumed)
+                   else [])
     print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
           f"{len(requeue)} tasks re-queued)")
     if cfg.steps <= int(state.step):  # (a lower steps= does not undo steps trained)
@@ -770,7 +774,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   if wal is not None:
     if resume:
       replays = [r for r in (r.up_to_version(int(state.policy_version))
-                             for r in wal.pending()) if len(r)]  # (none left: nothing)
+                             for r in wal.pending(skip_groups=consumed))
+                 if len(r)]  # (none left: nothing)
       if replays:
         print(f"token WAL: {len(replays)} logged episodes "
               f"({sum(len(r) for r in replays)} turns) to replay")
@@ -959,13 +964,18 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       print(f"warning: canary episodes failed ({type(e).__name__}: {e}); saved without",
             file=sys.stderr)
     # Every process's tasks in flight (process 0 writes the metadata): each re-queues
-    # its own on a resume.
-    got = (await agree("save", pending=pending, next=scheduler.next_index) if multi
-           else [{"pending": pending, "next": scheduler.next_index}])
+    # its own on a resume. And the groups this checkpoint has trained on or dropped whose
+    # logs are still in the token WAL (let go at the next save): a resume from it must
+    # not replay them (their tasks came round again: replayed, they were trained twice).
+    done_now = scheduler.drain_finished()
+    mine = {"pending": pending, "next": scheduler.next_index,
+            "consumed": [*wal_done_with, *done_now]}
+    got = await agree("save", **mine) if multi else [mine]
     by_process, next_group = [g["pending"] for g in got], max(g["next"] for g in got)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending, "pending_tasks_by_process": by_process,
                             "next_group": next_group,
+                            "wal_consumed_by_process": [g["consumed"] for g in got],
                             "stop_window_recent": recent,
                             "canary": canary_now}, tasks, force=force)
     if wal is not None:
@@ -980,7 +990,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           wal.drop_aside()
       except Exception as e:
         hold(e)
-      wal_done_with[:] = scheduler.drain_finished()
+      wal_done_with[:] = done_now
     saves_begun.append(step)
 
   n_proc = jax.process_count()

@@ -279,10 +279,13 @@ class TokenWAL:
   def drop_aside(self) -> None:
     shutil.rmtree(self.aside, ignore_errors=True)
 
-  def pending(self) -> list[Replay]:
+  def pending(self, skip_groups: Iterable[str] = ()) -> list[Replay]:
     """Every logged episode not yet discarded (in flight, or finished but not trained),
-    set aside or not: what a restarted trainer replays instead of playing again (one a
-    task's episode index, as `take_replay` matches them)."""
+    set aside or not, but those of the groups `skip_groups` (what the checkpoint resumed
+    from has trained on: their logs outlive it until the next save): what a restarted
+    trainer replays instead of playing again (one a task's episode index, as
+    `take_replay` matches them)."""
+    skip = set(skip_groups)
     def read(directory: str) -> list[Replay]:
       out = []
       for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
@@ -292,7 +295,8 @@ class TokenWAL:
         for r in read_log(os.path.join(directory, name)):
           sessions.setdefault(r.get("session"), []).append(r)
         out += [Replay(records) for records in sessions.values()
-                if records and records[0]["kind"] == "start"]
+                if records and records[0]["kind"] == "start"
+                and records[0].get("group_id") not in skip]
       return out
 
     def key(replay: Replay) -> tuple:

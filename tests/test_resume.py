@@ -198,9 +198,18 @@ def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
 
 def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_path):
   """Killed right after a turn is committed (before its environment step): the resumed
-  run replays the logged turns of its episodes in flight instead of sampling them again."""
+  run replays the logged turns of its episodes in flight instead of sampling them again,
+  and never those of episodes its checkpoint has trained on (red team 13: their logs
+  outlive the save until the next one, and a new group of the same task replayed one:
+  trained twice, tokens, log-probs, versions and all)."""
   run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
-  sync_saves = ["checkpoint.async_save=false"]  # the kill comes after the save is whole
+  with open("envs/tasks/guess_number.jsonl") as f:
+    (tmp_path / "one.jsonl").write_text(f.readline())
+  # (the kill comes after the save is whole; one task: every group's episodes are that
+  # task's, so each trained log could be taken; rollouts run ahead, and a staleness
+  # bound past the run's length keeps an old episode from being dropped as stale)
+  sync_saves = ["checkpoint.async_save=false", f"data.tasks={tmp_path / 'one.jsonl'}",
+                "rollout.mode=async", f"rollout.max_staleness={STEPS}"]
   proc, log = start(run_dir, cache, kill_at="wal10", overrides=sync_saves)
   code, out = finish(proc, log)
   assert code == -signal.SIGKILL, out
@@ -208,6 +217,12 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
   assert logs
   rows = read_metrics(run_dir)
   assert rows and rows[-1]["step"] >= 2, out
+  # The groups the checkpoint trained on are listed with it; their logs outlive it.
+  with open(os.path.join(run_dir, "checkpoints", "2", "meta", "metadata")) as f:
+    (consumed,) = json.load(f)["wal_consumed_by_process"]
+  segs = list(read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz")))
+  assert {s["group_id"] for s in segs if s["step"] <= 2} <= set(consumed)
+  assert set(consumed) & {os.path.basename(p)[:-len(".jsonl")] for p in logs}
   proc, log = start(run_dir, cache, "--resume", overrides=sync_saves)
   code, out = finish(proc, log)
   assert code == 0, out
@@ -216,6 +231,18 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
   rows = read_metrics(run_dir)
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
   assert sum(r.get("wal_replayed_turns", 0) for r in rows) > 0
+  restored = int(re.search(r"resumed from step (\d+)", out).group(1))
+  segs = list(read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz")))
+
+  def sampled(s):  # what the policy sampled in a segment, and which weights sampled it
+    m = [i for i, x in enumerate(s["loss_mask"]) if x]
+    return (s["task_id"], tuple(s["tokens"]), tuple(s["rollout_logp"][i] for i in m),
+            tuple(s["versions"][i] for i in m))
+
+  trained = {sampled(s) for s in segs if s["step"] <= restored}
+  after = [s for s in segs if s["step"] > restored]
+  assert after and not [s for s in after if sampled(s) in trained]
+  assert {s["task_id"] for s in after} & {s["task_id"] for s in segs if s["step"] <= restored}
 
 
 def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):

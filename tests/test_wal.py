@@ -164,6 +164,23 @@ def test_a_resume_sets_the_logs_aside_until_its_first_checkpoint(tmp_path):
   assert wal.pending() == []
 
 
+def test_the_logs_of_groups_a_checkpoint_trained_on_are_not_replayed(tmp_path):
+  """A group trained on before a checkpoint keeps its log until the next save (a save
+  that never becomes whole resumes from the one before, which needs it). A resume from
+  that checkpoint skips those groups (red team 13: the longest log of a task's episode
+  index was taken, the trained group's often, and a new group of the task replayed it:
+  the episode trained twice)."""
+  wal = TokenWAL(str(tmp_path))
+  for group, turns in (("g0", ["8", "12"]), ("g5", ["8"])):  # g0 trained, g5 in flight
+    log = wal.open(f"{group}-0-r0", group_id=group, task=TASK.to_dict(), episode=0)
+    play(ScriptedEngine(turns + ["11"]), log=log)
+  assert [r.start["group_id"] for r in wal.pending()] == ["g0"]  # the longest, trained
+  (replay,) = wal.pending(skip_groups=["g0"])
+  assert replay.start["group_id"] == "g5" and len(replay) == 2
+  wal.set_aside()  # set aside by a resume: skipped all the same
+  assert [r.start["group_id"] for r in wal.pending(skip_groups={"g0"})] == ["g5"]
+
+
 def test_a_full_disk_is_the_runs_storage_failing_in_one_line(tmp_path):
   """A WAL write on a full disk (/dev/full here) raises RunWriteFailed naming the log and
   the full disk: the run stops with one line, exit 3 (it was an OSError an episode raised,
