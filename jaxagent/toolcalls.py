@@ -37,6 +37,10 @@ class ParsedOutput:
   content: str  # text outside tool-call blocks
   calls: list[ToolCall]
   errors: list[str]  # one message per malformed block
+  # The text with only the well-formed blocks taken out: what a gateway's client is
+  # given as the reply's content, so a malformed call reaches the environment as the
+  # policy wrote it (dropped, it was never seen, nor counted against the policy).
+  kept: str = ""
 
 
 def _no_constant(name: str):
@@ -89,19 +93,23 @@ def _parse_block(body: str) -> Any:
 
 def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedOutput:
   """Splits model text into content and tool calls; malformed blocks become errors."""
-  calls, errors, content = [], [], []
+  calls, errors, content, kept = [], [], [], []
   pos = 0
   for i, m in enumerate(_BLOCK.finditer(text)):
     content.append(text[pos:m.start()])
+    kept.append(text[pos:m.start()])
     pos = m.end()
     body = m.group(1)
     if not m.group(0).endswith(CLOSE):
       errors.append(f"tool call {i}: missing {CLOSE}")
+      kept.append(m.group(0))
       continue
     try:
       name, args = _parse_block(body)
       calls.append(ToolCall(name, args, f"{id_prefix}_{i}"))
     except (ValueError, json.JSONDecodeError) as e:
       errors.append(f"tool call {i}: {e}: {body.strip()[:200]!r}")
+      kept.append(m.group(0))
   content.append(text[pos:])
-  return ParsedOutput("".join(content).strip(), calls, errors)
+  kept.append(text[pos:])
+  return ParsedOutput("".join(content).strip(), calls, errors, "".join(kept).strip())

@@ -12,7 +12,8 @@ Refused, naming the field: `stop_sequences` (a turn ends at the chat template's 
 token; cutting at text would cut sampled tokens), a `tool_choice` other than `auto` (the
 engine samples freely: it can neither force nor forbid a tool call), a last message of the
 assistant's (Anthropic continues it; the chat template closes it), content blocks other
-than `text`, `tool_use` and `tool_result` (images, documents, thinking). `temperature`,
+than `text`, `tool_use` and `tool_result` (images, documents, thinking), and fields that
+would change what is sampled (`chat.UNSERVED`: extended `thinking`, ...). `temperature`,
 `top_p`, `top_k` and `seed` are read from the body (recent `anthropic` clients send the
 first three through `extra_body`).
 """
@@ -25,7 +26,7 @@ from typing import Annotated, AsyncIterator, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_server.chat import (SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn, ShapedErrorsRoute,
-                                 TurnCut)
+                                 TurnCut, unserved)
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -168,6 +169,9 @@ def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]
   if body.stop_sequences:
     raise ValueError("stop_sequences: not supported (a turn ends at the chat template's stop "
                      "token; stopping at text would cut sampled tokens)")
+  why = unserved(body.model_extra)  # (extended thinking, ...)
+  if why is not None:
+    raise ValueError(why)
   if body.tool_choice is not None and body.tool_choice.type != "auto":
     raise ValueError(f"tool_choice: only auto is supported, got {body.tool_choice.type!r} (the "
                      "engine samples freely: it can neither force nor forbid a tool call)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import HTTPException
@@ -34,6 +35,29 @@ SEED = Field(None, ge=-(2**63), lt=2**63)
 TEMPERATURE = Field(1.0, ge=0.0, le=100.0)  # (as /v1/score's: past it, sampling is uniform)
 TOP_P = Field(1.0, gt=0.0, le=1.0)
 TOKEN_ID = Field(ge=0, lt=2**31)
+
+
+# Fields of other servers' APIs (OpenAI's, vLLM's, Anthropic's) that would change what is
+# sampled, with the value that changes nothing: the engine samples the policy as it is
+# (its log-probs are what the learner trains with), so any other value is refused,
+# naming the field, not ignored (an agent would get what it did not ask for).
+UNSERVED = {"logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
+            "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+            "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "ignore_eos": (None, False),
+            "bad_words": (None, []), "allowed_token_ids": (None,),
+            "response_format": (None, {"type": "text"}), "guided_json": (None,),
+            "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+            "structured_outputs": (None,), "thinking": (None, {"type": "disabled"})}
+
+
+def unserved(extra: Optional[dict]) -> Optional[str]:
+  """Why a request's unknown fields (`extra`) cannot be served, or None."""
+  for name, value in (extra or {}).items():
+    if name in UNSERVED and not any(value == v and type(value) is type(v) or value is v
+                                    for v in UNSERVED[name]):
+      return (f"{name}: not served (the engine samples the policy as it is; the log-probs "
+              f"it returns are the policy's), got {json.dumps(value)[:100]}")
+  return None
 
 
 def message_text(content: Any, where: str = "content") -> str:
@@ -210,7 +234,9 @@ class ChatTurn:
       ids = ids[:-1]
     text = self.tokenizer.decode(ids)
     parsed = parse_tool_calls(text, id_prefix=f"{self.id_prefix}_{self.request_id}")
-    message = {"role": "assistant", "content": parsed.content if parsed.calls else text}
+    # (a malformed call stays in the content as written: the agent hands it to its
+    # environment, which tells the policy and counts it, as for a white-box agent)
+    message = {"role": "assistant", "content": parsed.kept if parsed.calls else text}
     if parsed.calls:
       message["tool_calls"] = [c.openai() for c in parsed.calls]
     if self.session_id:

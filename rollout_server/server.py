@@ -36,14 +36,14 @@ from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpReq
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import client_gone
 from jaxagent.tokenizer import Tokenizer, renders_tools
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
-                                 OpenAIRoute, TurnCut, normalise_messages)
+                                 OpenAIRoute, TurnCut, normalise_messages, unserved)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request, progress_of
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
@@ -110,8 +110,9 @@ class ToolDef(BaseModel):
 
 class ChatBody(BaseModel):
   # Unknown OpenAI fields (user, metadata, ...) are accepted and ignored; those that would
-  # change the answer and are not served (tool_choice other than auto, top_logprobs) are
-  # refused rather than ignored.
+  # change the answer and are not served (tool_choice other than auto, top_logprobs,
+  # chat.UNSERVED: logit_bias, penalties, response_format, ...) are refused rather than
+  # ignored.
   model_config = ConfigDict(extra="allow")
   messages: list[dict] = Field(min_length=1)
   model: Optional[str] = None
@@ -152,6 +153,13 @@ class ChatBody(BaseModel):
     if n:
       raise ValueError("not served: logprobs: true gives each sampled token's log-prob")
     return n
+
+  @model_validator(mode="after")
+  def _served(self):
+    why = unserved(self.model_extra)
+    if why is not None:
+      raise ValueError(why)
+    return self
 
 
 # -- sessions ------------------------------------------------------------------------------
@@ -577,11 +585,14 @@ async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
     except TurnCut as e:  # the status is sent: an error event (the client raises it)
       yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"
       return
+    # The rest of the content (a malformed tool call stays in it as written), then the
+    # calls.
+    content = message["content"] or ""
+    if content != sent and content.startswith(sent):
+      yield chunk({"content": content[len(sent):]})
     if message.get("tool_calls"):
       yield chunk({"tool_calls": [dict(c, index=i) for i, c in
                                   enumerate(message["tool_calls"])]})
-    elif message["content"] != sent and message["content"].startswith(sent):
-      yield chunk({"content": message["content"][len(sent):]})
     yield chunk({}, reason, usage=usage())
     yield "data: [DONE]\n\n"
   finally:

@@ -961,3 +961,40 @@ def test_a_black_box_replys_tool_call_text_keeps_an_argument_that_writes_its_clo
   parsed = parse_tool_calls(text)
   assert not parsed.errors and len(parsed.calls) == 1
   assert parsed.calls[0].arguments == {"path": "a.py", "content": content}
+
+
+def test_a_black_box_agent_hands_its_environment_a_malformed_tool_call_as_written():
+  """A reply with a well-formed call and a malformed one: the gateway's message keeps
+  the malformed one in its content, so the environment a black-box agent hands it to
+  answers and counts it as for a white-box agent (red team 13: the gateway dropped it,
+  and the environment scored a repaired action)."""
+  import types
+
+  from envs.base import TaskSpec
+  from envs.calculator import Calculator
+  from jaxagent.agent import _action_text
+  from rollout_server.chat import ChatTurn
+  from rollout_server.sessions import SessionStore
+
+  tok = Tokenizer.byte_level()
+  sampled = ('Let me add. <tool_call>{"name": "calculate", "arguments": {"expression": '
+             '"2+3"}}</tool_call><tool_call>{"name": "calculate", "arguments": '
+             '{"expression": </tool_call>')
+  req = types.SimpleNamespace(done=True, finish_reason="stop", error=None,
+                              output_ids=tok.encode(sampled) + [tok._id("<|im_end|>")],
+                              request_id="r1")
+  message = ChatTurn(req, tok, None, messages=[], tools=None, sessions=SessionStore(10),
+                     session_id=None, kind="chat", id_prefix="call").finish()
+  assert len(message["tool_calls"]) == 1
+  assert message["content"] == ('Let me add. <tool_call>{"name": "calculate", "arguments": '
+                                '{"expression": </tool_call>')
+
+  async def environment_answers(text):
+    env = Calculator()
+    await env.reset(TaskSpec("c/0", "calculator", {"expression": "2+3"}))
+    step = await env.step(text)
+    return sorted(m["content"][:24] for m in step.observation.messages), env.counters
+
+  white, black = (asyncio.run(environment_answers(t))
+                  for t in (sampled, _action_text(message)))
+  assert black == white and white[1]["invalid_tool_calls"] == 1, (white, black)

@@ -264,6 +264,7 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server):
       (dict(ok, temperature=-1), 422, "temperature"),
       (dict(ok, tools=[{"name": "f"}]), 422, "tools.0.input_schema"),
       (dict(ok, stop_sequences=["\n"]), 400, "stop_sequences"),
+      (dict(ok, thinking={"type": "enabled", "budget_tokens": 1024}), 400, "thinking: not"),
       (dict(ok, tool_choice={"type": "any"}), 400, "tool_choice"),
       (dict(ok, messages=user + [{"role": "assistant", "content": "Su"}]), 400, "messages.1"),
       (dict(ok, messages=user + [{"role": "assistant", "content": [

@@ -152,6 +152,13 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
        "tools"),
       ({"messages": user, "tools": [{"function": {"name": "f"}}]}, 422, "tools"),
       ({"messages": user, "temperature": 1e308}, 422, "temperature"),
+      # (red team 13: these came back 200, sampled as if not asked)
+      ({"messages": user, "logit_bias": {"0": 100}}, 422, "logit_bias: not served"),
+      ({"messages": user, "presence_penalty": 2.0}, 422, "presence_penalty: not served"),
+      ({"messages": user, "frequency_penalty": -1}, 422, "frequency_penalty: not served"),
+      ({"messages": user, "response_format": {"type": "json_object"}}, 422,
+       "response_format: not served"),
+      ({"messages": user, "ignore_eos": True}, 422, "ignore_eos: not served"),
       ({"messages": [{"role": "user"}]}, 400, "messages[0] (user) has no content"),
       ({"messages": [{"role": "user", "content": [
           {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
@@ -159,6 +166,11 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   ]:
     r = c.post("/v1/chat/completions", json=body)
     assert r.status_code == status and needle in r.text, (body, r.status_code, r.text)
+  # The values that change nothing, as some clients send them, are served.
+  r = c.post("/v1/chat/completions", json={
+      "messages": user, "max_tokens": 1, "logit_bias": {}, "presence_penalty": 0,
+      "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "u"})
+  assert r.status_code == 200, r.text
   r = c.post("/v1/chat/completions", json={"messages": user, "tools": [tool],
                                            "tool_choice": "auto", "max_tokens": 1,
                                            "messages": [{"role": "user", "content": [
