@@ -725,7 +725,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   saved_canary = None
   saved_recent = []  # the early stop's window of steps, as the checkpoint left it
   next_group = 0  # group numbers go on from the checkpoint's: session ids stay unique
-  consumed: set = set()  # groups the checkpoint trained on (their logs are not replayed)
+  consumed: set = set()  # the checkpoint's trained groups' log keys (deleted, not replayed)
   if resume and ckpt.latest_step() is None:
     # Stopped before its first checkpoint: it starts again from step 0, the records of
     # the steps it made cut back (its logged episodes are still replayed: same weights).
@@ -765,6 +765,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                          f"wal.process{jax.process_index()}")
   wal = TokenWAL(wal_dir, fsync=cfg.checkpoint.wal_fsync) if cfg.checkpoint.wal else None
   replays = []
+  replayed_from: dict[str, set] = {}  # a group's id: the keys of the logs it replayed
   if wal is None and os.path.isdir(wal_dir):
     # The logs of a run before this one: a later resume with the log on would replay
     # them from another point of the run's history.
@@ -773,9 +774,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     stale.drop_aside()
   if wal is not None:
     if resume:
+      # (the logs of groups the checkpoint trained on first: they outlive it until the
+      # next save, and a new group of the same task would replay them, trained twice)
+      wal.forget(consumed)
       replays = [r for r in (r.up_to_version(int(state.policy_version))
-                             for r in wal.pending(skip_groups=consumed))
-                 if len(r)]  # (none left: nothing)
+                             for r in wal.pending()) if len(r)]  # (none left: nothing)
       if replays:
         print(f"token WAL: {len(replays)} logged episodes "
               f"({sum(len(r) for r in replays)} turns) to replay")
@@ -883,6 +886,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     if wal is not None:
       i = episode_index(session_id)
       replay = take_replay(replays, task.id, i) if session_id.endswith("-r0") else None
+      if replay is not None:  # (its log is done with when this group is)
+        replayed_from.setdefault(group_id, set()).add(replay.key)
       log = wal.open(session_id, group_id=group_id, task=task.to_dict(), episode=i)
     return await run_whitebox(env, task, serving.client, tokenizer, cfg.agent,
                               session_id=session_id, group_id=group_id, log=log,
@@ -964,12 +969,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       print(f"warning: canary episodes failed ({type(e).__name__}: {e}); saved without",
             file=sys.stderr)
     # Every process's tasks in flight (process 0 writes the metadata): each re-queues
-    # its own on a resume. And the groups this checkpoint has trained on or dropped whose
-    # logs are still in the token WAL (let go at the next save): a resume from it must
-    # not replay them (their tasks came round again: replayed, they were trained twice).
+    # its own on a resume. And the keys of the logs this checkpoint has trained on or
+    # dropped that are still in the token WAL (let go at the next save), the logs their
+    # groups replayed with them: a resume from it deletes them first (their tasks came
+    # round again: replayed, they were trained twice).
     done_now = scheduler.drain_finished()
     mine = {"pending": pending, "next": scheduler.next_index,
-            "consumed": [*wal_done_with, *done_now]}
+            "consumed": [] if wal is None else [
+                k for g in [*wal_done_with, *done_now]
+                for k in [wal.key(g), *sorted(replayed_from.get(g, ()))]]}
     got = await agree("save", **mine) if multi else [mine]
     by_process, next_group = [g["pending"] for g in got], max(g["next"] for g in got)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
@@ -986,6 +994,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       try:  # (this process's own files: an error is told at the next agreement)
         for group_id in wal_done_with:
           wal.discard_group(group_id)
+          replayed_from.pop(group_id, None)
         if saves_begun:  # a checkpoint of this run is whole: the set-aside logs are needless
           wal.drop_aside()
       except Exception as e:

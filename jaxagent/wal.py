@@ -3,7 +3,10 @@
 The episodes of a group append to the group's JSONL file under the log's directory
 (every record tagged with its episode's session id):
 
-- a `start` record (session, group, task, episode index in its group);
+- a `start` record (session, group, task, episode index in its group, and the log's
+  `run`: a tag of the trainer's start, so that a group's log keeps one key, `run/group`,
+  over resumes, which number their groups on from a checkpoint's and may meet a stopped
+  run's numbers);
 - a `turn` record for every sampled turn (prompt and output token ids, log-probs,
   versions, finish reason), written and flushed (and fsync'd) *before* the
   environment sees the action: the commit boundary comes before any side effect;
@@ -14,8 +17,10 @@ The episodes of a group append to the group's JSONL file under the log's directo
   is not the policy's action, but the next prompts are built on it);
 - an `end` record when the episode is over.
 
-A log is deleted once its episode's group is trained (or dropped). When the trainer
-dies, `--resume` replays each log left (`jaxagent.agent.run_whitebox(..., replay=...)`): the environment is
+A log is deleted once its episode's group is trained (or dropped) and a checkpoint
+after that is under way. When the trainer dies, `--resume` first deletes the logs of the
+groups its checkpoint has trained on (the checkpoint lists their keys, and those of the
+logs they replayed), then replays each log left (`jaxagent.agent.run_whitebox(..., replay=...)`): the environment is
 reset and stepped through the logged actions (each observation checked against its
 hash), the logged turns are taken as they were sampled (token-exact, with their
 log-probs and versions) and the episode goes on from its last committed token. A dead
@@ -33,6 +38,7 @@ import os
 import re
 import shutil
 import threading
+import uuid
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -144,9 +150,9 @@ class EpisodeLog:
   def _append(self, record: dict) -> None:
     self.bytes += self._group.append({"session": self.session_id, **record})
 
-  def start(self, *, group_id: str, task: dict, episode: int) -> None:
+  def start(self, *, group_id: str, task: dict, episode: int, run: str = "") -> None:
     self._append({"kind": "start", "session_id": self.session_id, "group_id": group_id,
-                  "task": task, "episode": episode})
+                  "task": task, "episode": episode, "run": run})
 
   def turn(self, turn: int, record: TurnRecord) -> None:
     """Commits a sampled turn (call before the environment sees its action)."""
@@ -183,6 +189,8 @@ class Replay:
   def __init__(self, records: Iterable[dict]):
     records = list(records)
     self.start = next((r for r in records if r["kind"] == "start"), {})
+    # (the group's log's key: its run's tag and its group id)
+    self.key = f"{self.start.get('run', '')}/{self.start.get('group_id')}"
     self.turns = [r for r in records if r["kind"] == "turn"]
     self.hashes = {r["turn"]: (r["hash"], r.get("state")) for r in records
                    if r["kind"] == "obs"}
@@ -228,6 +236,7 @@ class TokenWAL:
   def __init__(self, directory: str, fsync: bool = True):
     self.directory = directory
     self.fsync = fsync
+    self.run = uuid.uuid4().hex[:12]  # this trainer start's tag, in every log's key
     self._files: dict[str, _GroupFile] = {}
     self._open = _OpenFiles()
     os.makedirs(directory, exist_ok=True)
@@ -239,8 +248,32 @@ class TokenWAL:
     if group_id not in self._files:
       self._files[group_id] = _GroupFile(self._path(group_id), self.fsync, self._open)
     log = EpisodeLog(self._files[group_id], session_id)
-    log.start(group_id=group_id, task=task, episode=episode)
+    log.start(group_id=group_id, task=task, episode=episode, run=self.run)
     return log
+
+  def key(self, group_id: str) -> str:
+    """The key of this trainer's log of `group_id` (`Replay.key` of what it holds)."""
+    return f"{self.run}/{group_id}"
+
+  def forget(self, keys: Iterable[str]) -> int:
+    """Deletes the logs (set aside or not) of the groups `keys` name (`run/group`; a
+    bare group id names any run's): those a checkpoint has trained on, which a resume
+    from it must never replay. Returns how many files went."""
+    keys = set(keys)
+    gone = 0
+    for directory in (self.directory, self.aside):
+      names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+      for name in names:
+        path = os.path.join(directory, name)
+        if not name.endswith(".jsonl"):
+          continue
+        start = next((r for r in read_log(path) if r.get("kind") == "start"), None)
+        if start is not None and ({f"{start.get('run', '')}/{start.get('group_id')}",
+                                   start.get("group_id")} & keys):
+          with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+          gone += 1
+    return gone
 
   def discard_group(self, group_id: str) -> None:
     """Deletes a group's log (every episode and attempt) once it is done with."""
@@ -279,13 +312,11 @@ class TokenWAL:
   def drop_aside(self) -> None:
     shutil.rmtree(self.aside, ignore_errors=True)
 
-  def pending(self, skip_groups: Iterable[str] = ()) -> list[Replay]:
+  def pending(self) -> list[Replay]:
     """Every logged episode not yet discarded (in flight, or finished but not trained),
-    set aside or not, but those of the groups `skip_groups` (what the checkpoint resumed
-    from has trained on: their logs outlive it until the next save): what a restarted
-    trainer replays instead of playing again (one a task's episode index, as
-    `take_replay` matches them)."""
-    skip = set(skip_groups)
+    set aside or not: what a restarted trainer replays instead of playing again (one a
+    task's episode index, as `take_replay` matches them), once it has `forget`ten the
+    groups its checkpoint trained on."""
     def read(directory: str) -> list[Replay]:
       out = []
       for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
@@ -295,8 +326,7 @@ class TokenWAL:
         for r in read_log(os.path.join(directory, name)):
           sessions.setdefault(r.get("session"), []).append(r)
         out += [Replay(records) for records in sessions.values()
-                if records and records[0]["kind"] == "start"
-                and records[0].get("group_id") not in skip]
+                if records and records[0]["kind"] == "start"]
       return out
 
     def key(replay: Replay) -> tuple:

@@ -164,21 +164,33 @@ def test_a_resume_sets_the_logs_aside_until_its_first_checkpoint(tmp_path):
   assert wal.pending() == []
 
 
-def test_the_logs_of_groups_a_checkpoint_trained_on_are_not_replayed(tmp_path):
+def test_the_logs_of_groups_a_checkpoint_trained_on_are_forgotten_by_their_keys(tmp_path):
   """A group trained on before a checkpoint keeps its log until the next save (a save
   that never becomes whole resumes from the one before, which needs it). A resume from
-  that checkpoint skips those groups (red team 13: the longest log of a task's episode
-  index was taken, the trained group's often, and a new group of the task replayed it:
-  the episode trained twice)."""
+  that checkpoint deletes those logs first, named by key (the run's tag and the group
+  id: a resumed run numbers its groups on from the checkpoint's, and meets the stopped
+  run's numbers), set aside or not (red team 13: the longest log of a task's episode
+  index was taken, the trained group's often, and the episode trained twice)."""
   wal = TokenWAL(str(tmp_path))
-  for group, turns in (("g0", ["8", "12"]), ("g5", ["8"])):  # g0 trained, g5 in flight
-    log = wal.open(f"{group}-0-r0", group_id=group, task=TASK.to_dict(), episode=0)
+  for group, episode, turns in (("g0", 0, ["8", "12"]), ("g5", 0, ["8"]), ("g6", 1, ["9"])):
+    log = wal.open(f"{group}-{episode}-r0", group_id=group, task=TASK.to_dict(),
+                   episode=episode)
     play(ScriptedEngine(turns + ["11"]), log=log)
-  assert [r.start["group_id"] for r in wal.pending()] == ["g0"]  # the longest, trained
-  (replay,) = wal.pending(skip_groups=["g0"])
-  assert replay.start["group_id"] == "g5" and len(replay) == 2
-  wal.set_aside()  # set aside by a resume: skipped all the same
-  assert [r.start["group_id"] for r in wal.pending(skip_groups={"g0"})] == ["g5"]
+  # (episode 0 of the task: the longest log, the trained group's)
+  assert sorted(r.start["group_id"] for r in wal.pending()) == ["g0", "g6"]
+  assert wal.key("g0") != TokenWAL(str(tmp_path)).key("g0")  # (another trainer start)
+  resumed = TokenWAL(str(tmp_path))
+  assert resumed.forget([wal.key("g0"), resumed.key("g5")]) == 1  # (g5: not this run's)
+  assert sorted(r.start["group_id"] for r in resumed.pending()) == ["g5", "g6"]
+  (replay,) = [r for r in resumed.pending() if r.start["group_id"] == "g5"]
+  assert replay.key == wal.key("g5")
+  resumed.set_aside()
+  # The resumed run's g0 replays g5 and is trained: its checkpoint lists both keys.
+  log = resumed.open("g0-0-r0", group_id="g0", task=TASK.to_dict(), episode=0)
+  play(ScriptedEngine(["8", "11"]), log=log)
+  again = TokenWAL(str(tmp_path))
+  assert again.forget([resumed.key("g0"), replay.key]) == 2  # the aside copy too
+  assert [r.start["group_id"] for r in again.pending()] == ["g6"]
 
 
 def test_a_full_disk_is_the_runs_storage_failing_in_one_line(tmp_path):
