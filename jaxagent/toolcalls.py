@@ -37,9 +37,10 @@ class ParsedOutput:
   content: str  # text outside tool-call blocks
   calls: list[ToolCall]
   errors: list[str]  # one message per malformed block
-  # The text with only the well-formed blocks taken out: what a gateway's client is
-  # given as the reply's content, so a malformed call reaches the environment as the
-  # policy wrote it (dropped, it was never seen, nor counted against the policy).
+  # The text with only the well-formed blocks taken out (white space as written: a
+  # stream has sent what came before the first block): what a gateway's client is
+  # given as the reply's content when a block is malformed, so the call reaches the
+  # environment as the policy wrote it (dropped, it was never seen, nor counted).
   kept: str = ""
 
 
@@ -112,4 +113,4 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedOutput:
       kept.append(m.group(0))
   content.append(text[pos:])
   kept.append(text[pos:])
-  return ParsedOutput("".join(content).strip(), calls, errors, "".join(kept).strip())
+  return ParsedOutput("".join(content).strip(), calls, errors, "".join(kept))

@@ -236,7 +236,8 @@ class ChatTurn:
     parsed = parse_tool_calls(text, id_prefix=f"{self.id_prefix}_{self.request_id}")
     # (a malformed call stays in the content as written: the agent hands it to its
     # environment, which tells the policy and counts it, as for a white-box agent)
-    message = {"role": "assistant", "content": parsed.kept if parsed.calls else text}
+    message = {"role": "assistant", "content": (text if not parsed.calls else parsed.kept
+                                                if parsed.errors else parsed.content)}
     if parsed.calls:
       message["tool_calls"] = [c.openai() for c in parsed.calls]
     if self.session_id:

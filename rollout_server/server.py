@@ -577,7 +577,8 @@ async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
     yield chunk({"role": "assistant", "content": ""})
     try:
       async for _ in turn.progress():
-        visible = turn.visible_text()
+        # Trailing white space is held back: before a tool call the content drops it.
+        visible = turn.visible_text().rstrip()
         if len(visible) > len(sent) and visible.startswith(sent):
           yield chunk({"content": visible[len(sent):]})
           sent = visible

@@ -707,3 +707,56 @@ def test_a_chat_turn_the_server_could_not_finish_is_an_error_not_an_answer(rando
     r = client(srv).post("/v1/chat/completions", headers={"x-session-id": "s2"}, json=body)
     assert r.status_code == 503 and "aborted" in r.text
     assert client(srv).get("/sessions/s2").status_code == 404  # nothing was recorded
+
+
+def test_a_streamed_reply_says_what_the_whole_reply_says():
+  """The content a stream sends (OpenAI's and Anthropic's) is the reply's content, a
+  malformed tool call kept in it as written, whatever white space comes before a call
+  (a stream sent the text before the first call and then nothing, where the reply's
+  content, stripped, no longer began with it: the call was lost to a streaming agent)."""
+  import asyncio
+  import types
+
+  from jaxagent.tokenizer import Tokenizer
+  from rollout_server import anthropic_api
+  from rollout_server.chat import ChatTurn
+  from rollout_server.server import _stream_chat
+  from rollout_server.sessions import SessionStore
+
+  tok = Tokenizer.byte_level()
+  good = '<tool_call>{"name": "calculate", "arguments": {"expression": "2+3"}}</tool_call>'
+  bad = '<tool_call>{"name": "calculate", "arguments": {"expression": </tool_call>'
+
+  def finished(text):  # a turn that has ended with `text`
+    req = types.SimpleNamespace(done=True, finish_reason="stop", error=None, request_id="r",
+                                output_ids=tok.encode(text) + [tok._id("<|im_end|>")],
+                                prompt_ids=[1])
+    turn = ChatTurn(req, tok, None, messages=[], tools=None, sessions=SessionStore(10),
+                    session_id=None, kind="chat", id_prefix="call")
+
+    async def progress():
+      yield None
+
+    turn.progress, turn.abort_unfinished = progress, lambda: None
+    return turn
+
+  async def streamed(text):
+    openai_turn, sent = finished(text), ""
+    async for event in _stream_chat(openai_turn, "c", 0, "m",
+                                    lambda: (openai_turn.finish(), "stop"), lambda: {}):
+      if event.startswith("data: {"):
+        sent += json.loads(event[6:])["choices"][0]["delta"].get("content") or ""
+    anthropic_turn, told = finished(text), ""
+    async for event in anthropic_api.stream_events(anthropic_turn, "m"):
+      data = json.loads(event.split("data: ", 1)[1])
+      if data["type"] == "content_block_delta" and data["delta"]["type"] == "text_delta":
+        told += data["delta"]["text"]
+    whole = anthropic_api.content_blocks(anthropic_turn.finish())
+    return ((sent, openai_turn.finish()["content"]),
+            (told, "".join(b["text"] for b in whole if b["type"] == "text")))
+
+  for text in [" Hi " + good + bad, "\n" + good + "\n" + bad, "Sum: \n" + good,
+               "Let me add. " + good + bad, "plain text, no call  "]:
+    (sent, content), (told, text_block) = asyncio.run(streamed(text))
+    assert sent == content and told == text_block, (text, sent, content, told, text_block)
+    assert (bad in content) == (bad in text)
