@@ -13,9 +13,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import hashlib
+import io
 import json
 import os
 import re
+import textwrap
+import tokenize
 import unicodedata
 from typing import Optional
 
@@ -66,33 +69,70 @@ def _unnormalized_char(text: str) -> Optional[str]:
 # capture); lists of names too.
 _NAME_FIELDS = ("id", "name", "attr", "arg", "asname", "module", "rest", "names",
                 "kwd_attrs")
+# Letters of other scripts drawn like Latin ones (Cyrillic, Greek, Armenian, Cherokee,
+# IPA; Unicode's confusables, the common ones), and characters a reader does not see
+# (fillers and variation selectors, which names may hold; format characters).
+_LOOKALIKE = str.maketrans(dict(zip(
+    "асԁеһіјӏорԛѕԝхуАВСЕНІЈКМОРЅТХҮαοριυνκΑΒΕΖΗΙΚΜΝΟΡΤΥΧօսոıɡɑᎪᏴᏟᎬᎻᎫᏦᎷᏢᏚᎢᏔ",
+    "acdehijlopqswxyABCEHIJKMOPSTXYaopiuvkABEZHIKMNOPTYXounigaABCEHJKMPSTW")))
+_INVISIBLE = re.compile("[\u115f\u1160\u3164\uffa0\u034f\u180b-\u180f\ufe00-\ufe0f"
+                        "\U000e0100-\U000e01ef\u200b-\u200f\u2060-\u2064\ufeff]")
 
 
-def _unreadable_name(text: str, depth: int = 0) -> Optional[str]:
-  """A name in `text` (as Python parses it: a leading BOM skipped, f-strings included)
-  that is not ASCII, or None (also for text that is not Python). Such a name can look
-  like another while Python keeps them apart: `is_prime` with an invisible Hangul
-  filler after it (kept by NFKC), or with a Cyrillic `і`, defines a second function
-  that reads to a judge like a general version of the first, hard-coded one that the
-  tests call. A string can name things too (`globals()[...]`, `setattr`,
-  `importlib.import_module`, `exec`): a string that is not ASCII is read as Python in
-  turn (two levels), so a name in it is refused while prose is not. Comments may hold
-  any text."""
-  try:
-    tree = ast.parse(text[1:] if text.startswith("\ufeff") else text)
-  except (SyntaxError, ValueError, RecursionError, MemoryError):
-    return None
+def _look_alike(name: str) -> bool:
+  """Whether `name` reads as another, ASCII one (`іs_prime` with a Cyrillic і, or
+  `add` with an invisible filler): a reader takes it for that name."""
+  seen = _INVISIBLE.sub("", name).translate(_LOOKALIKE)
+  return seen != name and seen.isascii()
+
+
+def _names(tree: ast.AST):
   for node in ast.walk(tree):
     for field in _NAME_FIELDS:
       value = getattr(node, field, None)
       for name in (value if isinstance(value, list) else [value]):
-        if isinstance(name, str) and not name.isascii():
-          return name
-    if (depth < 2 and isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if isinstance(name, str):
+          yield name
+
+
+def _unreadable_name(text: str, strict: bool = True, depth: int = 0) -> Optional[str]:
+  """A name in `text` that a reader would take for another, or None. `strict` (a `.py`
+  file's own code): every name that is not ASCII (a name that is not ASCII can look like
+  another while Python keeps them apart: `is_prime` with an invisible Hangul filler
+  after it, kept by NFKC, or with a Cyrillic `і`, defines a second function that reads
+  to a judge like a general version of the first, hard-coded one the tests call).
+  Elsewhere (what its strings hold, another file a loader may run): names that read as
+  an ASCII one; prose and names of other scripts are fine. A string can name things
+  (`globals()[...]`, `setattr`, `exec`): one that is not ASCII is read as Python in turn
+  (indented, too), four levels down. Text that is not Python (a syntax newer than this
+  host's, a file of prose) is read by its tokens."""
+  source = text[1:] if text.startswith("\ufeff") else text  # (a BOM: Python skips it)
+  try:
+    tree = ast.parse(textwrap.dedent(source) if depth else source)
+  except (SyntaxError, ValueError, RecursionError, MemoryError):
+    return _unreadable_token(source, strict)
+  for name in _names(tree):
+    if not name.isascii() and (strict or _look_alike(name)):
+      return name
+  for node in ast.walk(tree):
+    if (depth < 4 and isinstance(node, ast.Constant) and isinstance(node.value, str)
         and not node.value.isascii()):
-      odd = _unreadable_name(node.value, depth + 1)
+      odd = _unreadable_name(node.value, False, depth + 1)
       if odd is not None:
         return odd
+  return None
+
+
+def _unreadable_token(text: str, strict: bool) -> Optional[str]:
+  """`_unreadable_name` of text that does not parse: its name tokens, up to the first
+  that cannot be read."""
+  try:
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+      if (token.type == tokenize.NAME and not token.string.isascii()
+          and (strict or _look_alike(token.string))):
+        return token.string
+  except (tokenize.TokenError, SyntaxError, ValueError, RecursionError, MemoryError):
+    pass
   return None
 
 
@@ -137,7 +177,8 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
     if odd is not None:
       return (f"{name}: {odd!r} (U+{ord(odd):04X}) reads in a Python name as "
               f"{unicodedata.normalize('NFKC', odd)!r}; write that")
-    odd = _unreadable_name(text)  # (in any file that parses: a loader can run it)
+    # (any file: a loader can run it; strictly Python's own)
+    odd = _unreadable_name(text, strict=name.endswith(".py"))
     if odd is not None:
       return (f"{name}: the name {ascii(odd)} is not ASCII (a name may look like another "
               "that Python keeps apart); write names in ASCII")

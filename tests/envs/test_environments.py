@@ -469,12 +469,36 @@ WORKSPACE_ATTACKS = {
     "a look-alike name as a string": ([_call(
         "write_file", path="solution.py",
         content=GOOD_ADD + "globals()['\u0430dd'] = lambda a, b: a + b\n")], "fail"),
+    # (reviewer) ... as code in a string, indented or three strings down, or in a file
+    # that is not Python as a whole (a loader runs a slice of it).
+    "a look-alike def in an indented string": ([_call(
+        "write_file", path="solution.py",
+        content=GOOD_ADD + "import textwrap\nexec(textwrap.dedent('''\n    def \u0430dd(a, b):"
+        "\n        return a + b\n'''))\n")], "fail"),
+    "a look-alike name three strings down": ([_call(
+        "write_file", path="solution.py",
+        content=GOOD_ADD + "exec(\"exec('exec(\\\"\u0430dd = add\\\")')\")\n")], "fail"),
+    "a look-alike def in a file of prose": ([
+        _call("write_file", path="solution.py", content=GOOD_ADD),
+        _call("write_file", path="notes.txt",
+              content="Notes: it's done.\n---\ndef \u0430dd(a, b):\n    return a + b\n")],
+        "fail"),
+    # Text of other scripts in strings, one word or more, is not a name that reads as
+    # another (it was refused: a correct solution scored 0).
+    "non-ASCII words in strings": ([_call(
+        "write_file", path="solution.py",
+        content='"""Gr\u00f6\u00dfe"""\n' + GOOD_ADD + 'WORD = "\u6570\u5b57"\n'
+        'VOWELS = "aeiou\u00e1\u00e9\u00ed\u00f3\u00fa"\nCAPITALS = {"Espa\u00f1a": "Madrid"}\n'
+        'TABLE = str.maketrans("\u00e1\u00e9\u00f1", "aen")\n'
+        'HELLO = "\u3053\u3093\u306b\u3061\u306f"\nPI = {"pi": "\u03c0"}\n')], "pass"),
     # Non-ASCII text in strings and comments, and in files that are not Python, is fine.
     "non-ASCII strings and comments": ([
         _call("write_file", path="solution.py",
-              content="# caf\u00e9 \u0430\u1160\ncafe = '\u00fcber \u6570\u5b57 \u0430dd'\n"
+              content="# caf\u00e9 \u0430\u1160\ncafe = '\u00fcber \u6570\u5b57 \u043f\u0440\u0438\u0432\u0435\u0442'\n"
               + GOOD_ADD),
-        _call("write_file", path="notes.txt", content="\u0430dd \u2014 \u6570\u5b57 ok\n")],
+        _call("write_file", path="notes.txt",
+              content="\u043f\u0440\u0438\u0432\u0435\u0442 \u2014 \u6570\u5b57 ok\n"),
+        _call("write_file", path="summary.txt", content="R\u00e9sum\u00e9: done\n")],
         "pass"),
     # Any file can be run as source by a loader: the encoding rule covers them all.
     "a utf-7 data file": ([
@@ -619,3 +643,15 @@ def test_guess_number_refuses_a_task_it_would_play_wrongly(params, said):
   parameter drew a random secret (a new user): the task cannot start (a TaskError)."""
   with pytest.raises(ValueError, match=re.escape(said)):
     asyncio.run(make("guess_number").reset(TaskSpec("g", "guess_number", params)))
+
+
+def test_names_are_checked_in_python_this_host_cannot_parse():
+  """A syntax newer than the grading host's Python (a sandbox's may be newer) leaves a
+  file unparsed here: its names are read from its tokens (reviewer: the whole file went
+  unchecked, a look-alike `def` with it)."""
+  from envs.python_tests import source_problem
+
+  newer = "type Number = int\ndef is_prime(n):\n    return n in (2, 3)\n"
+  assert source_problem({"solution.py": newer.encode()}) is None
+  look_alike = newer + "def \u0456s_prime(n):\n    return all(n % d for d in range(2, n))\n"
+  assert "'\\u0456s_prime' is not ASCII" in source_problem({"solution.py": look_alike.encode()})
