@@ -333,11 +333,11 @@ class RolloutScheduler:
         self.replaced += len(batch) - len(ok)
         accepted += ok
     except BaseException:  # (a run stopping, an outage): the groups accepted are not lost
-      self._put_back(accepted)
+      self.put_back(accepted)
       raise
     return accepted, taken
 
-  def _put_back(self, groups: list[Group]) -> None:
+  def put_back(self, groups: list[Group]) -> None:
     """Groups taken by a step that was given up: in the scheduler again, in their order,
     as if never taken (saved with a checkpoint, their episodes' logs kept for a resume)."""
     if not groups:

@@ -1110,31 +1110,38 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           break
       elif signals["got"] is not None:
         break
-      if multi:  # (every process goes into the step's collectives)
-        try:  # (the episodes' own errors: told to the others before the collectives)
-          accepted, taken = await scheduler.next_groups()
+      accepted: list = []  # (the step's groups: given back if it fails before its update,
+      # saved with the checkpoint as tasks in flight; they were lost: neither trained
+      # nor played again)
+      try:
+        if multi:  # (every process goes into the step's collectives)
+          try:  # (the episodes' own errors: told to the others before the collectives)
+            accepted, taken = await scheduler.next_groups()
+            played += taken
+            scored = (await score_segments(serving.client, accepted, scorers,
+                                           learner_cfg.temperature) if scorers else {})
+          except Exception as e:
+            hold(e)
+          await agree("rollouts")
+        else:  # a stop while the step's rollouts run: no step is under way, none waited for
+          got = await unless_stopped(scheduler.next_groups(), stopping)
+          if got is None:
+            abandoned = True
+            print(f"{signals['got']}: no step was under way (the episodes in flight are "
+                  "played again on a resume)", file=sys.stderr, flush=True)
+            break
+          accepted, taken = got
           played += taken
           scored = (await score_segments(serving.client, accepted, scorers,
                                          learner_cfg.temperature) if scorers else {})
-        except Exception as e:
-          hold(e)
-        await agree("rollouts")
-      else:  # a stop while the step's rollouts run: no step is under way, none waited for
-        got = await unless_stopped(scheduler.next_groups(), stopping)
-        if got is None:
-          abandoned = True
-          print(f"{signals['got']}: no step was under way (the episodes in flight are "
-                "played again on a resume)", file=sys.stderr, flush=True)
-          break
-        accepted, taken = got
-        played += taken
-        scored = (await score_segments(serving.client, accepted, scorers,
-                                       learner_cfg.temperature) if scorers else {})
-      rollout_s = time.perf_counter() - t_rollout_mark
-      t0 = time.perf_counter()
-      # Batching, the step and reading its metrics run off the event loop, which keeps
-      # serving episodes' turns and environment steps meanwhile (asynchrony).
-      state, m, batch, info = await loop.run_in_executor(None, learn, state, accepted)
+        rollout_s = time.perf_counter() - t_rollout_mark
+        t0 = time.perf_counter()
+        # Batching, the step and reading its metrics run off the event loop, which keeps
+        # serving episodes' turns and environment steps meanwhile (asynchrony).
+        state, m, batch, info = await loop.run_in_executor(None, learn, state, accepted)
+      except BaseException:
+        scheduler.put_back(accepted)
+        raise
       if m is None:
         # Nothing to learn from (all filtered or too long): sample again; the next step's
         # metrics count these episodes and their time too. A run whose every episode so

@@ -64,6 +64,15 @@ elif os.environ.get("KILL_AT") == "exportfail":
       raise OSError(28, "No space left on device")
     return export(root, version, *args, **kwargs)
   train.export_policy = export_or_fail
+elif os.environ.get("KILL_AT") == "batchfail":
+  # Step 4's batch cannot be made (a bug): after its groups were taken for it.
+  make_batch, calls = train.make_batch, []
+  def make_batch_or_fail(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 4:
+      raise RuntimeError("a bug in making step 4's batch")
+    return make_batch(*args, **kwargs)
+  train.make_batch = make_batch_or_fail
 elif os.environ.get("KILL_AT") == "save":
   save, saves = checkpoint.RunCheckpointer.save, []
   def save_then_die(self, step, *args, **kwargs):
@@ -282,3 +291,16 @@ def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
   segs = list(read_jsonl(os.path.join(run_dir, "trajectories.jsonl.gz")))
   assert sorted({s["step"] for s in segs}) == list(range(1, STEPS + 1))
   assert len({s["segment_id"] for s in segs}) == len(segs)  # no id twice over the run
+
+
+def test_a_step_that_fails_before_its_update_gives_its_groups_back(tmp_path):
+  """A step that fails after taking its groups, before its update (a bug in making its
+  batch, a scorer's error): the checkpoint saved on the way out lists their tasks as in
+  flight, so a resume plays them (reviewer: they were neither trained nor played again)."""
+  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+  rc, out = finish(*start(run_dir, cache, kill_at="batchfail"))
+  assert rc == 1 and "a bug in making step 4's batch" in out, out[-3000:]
+  assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+  with open(os.path.join(run_dir, "checkpoints", "3", "meta", "metadata")) as f:
+    pending = json.load(f)["pending_tasks"]  # (saved on the way out)
+  assert len(pending) == 2, pending  # (sync: step 4's two groups, nothing else in flight)
