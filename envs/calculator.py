@@ -167,7 +167,7 @@ if __name__ == "__main__":  # writes the task file of the SmolLM2 run
 
   from envs.base import write_tasks
 
-  ap = argparse.ArgumentParser(description="Write calculator tasks as JSONL.")
+  ap = argparse.ArgumentParser(allow_abbrev=False, description="Write calculator tasks as JSONL.")
   ap.add_argument("--out", default="envs/tasks/calculator.jsonl")
   ap.add_argument("-n", type=int, default=256)
   ap.add_argument("--seed", type=int, default=0)

@@ -65,7 +65,7 @@ async def filter_tasks(tasks: list[TaskSpec], resources: EnvResources,
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m envs.filter", description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m envs.filter", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("tasks")
   p.add_argument("--out", default=None, help="write the kept tasks here (JSONL)")

@@ -145,7 +145,7 @@ if __name__ == "__main__":  # writes the task file of the default run
   import argparse
   import json
 
-  ap = argparse.ArgumentParser(description="Write guess_number tasks as JSONL.")
+  ap = argparse.ArgumentParser(allow_abbrev=False, description="Write guess_number tasks as JSONL.")
   ap.add_argument("--out", default="envs/tasks/guess_number.jsonl")
   ap.add_argument("-n", type=int, default=256)
   ap.add_argument("--seed", type=int, default=0)

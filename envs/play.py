@@ -142,7 +142,7 @@ def _print_event(event: dict) -> None:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m envs.play", description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m envs.play", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--task-file", required=True, help="JSONL task file")
   p.add_argument("--task-id", help="which task (default: the file's first)")
@@ -184,10 +184,16 @@ def main(argv=None) -> int:
   def next_action(turn: int) -> Optional[str]:
     if scripted is not None:
       return scripted[turn] if turn < len(scripted) else None
-    try:
-      line = input("action> ")
-    except EOFError:
-      return None
+    if sys.stdin.isatty():
+      try:
+        line = input("action> ")
+      except EOFError:
+        return None
+    else:  # (piped: no prompt in the output, which --json keeps to JSON lines)
+      line = sys.stdin.readline()
+      if not line:
+        return None
+      line = line.removesuffix("\n")
     return line if args.raw else line.replace("\\n", "\n")
 
   emit = (lambda e: print(json.dumps(e), flush=True)) if args.json else _print_event

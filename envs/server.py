@@ -478,7 +478,7 @@ class RemoteEnv:
 def main(argv=None) -> int:
   from jaxagent.serve_http import add_log_level, listen_or_say, serve
 
-  p = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m envs.server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8100)

@@ -306,10 +306,11 @@ def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxagent.deploy", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m jaxagent.deploy", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="where", required=True)
-  g = sub.add_parser("gke", help="manifests for GKE")
+  g = sub.add_parser("gke", allow_abbrev=False, help="manifests for GKE")
   g.add_argument("--config", required=True)
   g.add_argument("--tpu-type", required=True, help="the learner's slice, e.g. v5litepod-16")
   g.add_argument("--servers", type=int, default=4)

@@ -266,8 +266,9 @@ async def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxagent.eval", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m jaxagent.eval", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--policy", required=True,
                  help="a policy export: RUN_DIR/policy (latest) or RUN_DIR/policy/vN")
   p.add_argument("--tasks", required=True, help="held-out tasks (JSONL)")

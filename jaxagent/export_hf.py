@@ -69,8 +69,9 @@ def export(policy: str, out: str, dtype: str = "bfloat16", config: Optional[str]
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxagent.export_hf", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m jaxagent.export_hf", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--policy", required=True,
                  help="a run's policy exports (RUN_DIR/policy: the latest) or RUN_DIR/policy/vN")
   p.add_argument("--out", required=True, help="the directory to write")

@@ -319,10 +319,12 @@ def run_local(args) -> int:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxagent.launch", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m jaxagent.launch", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="where", required=True)
-  local = sub.add_parser("local", help="every part as a process on this machine")
+  local = sub.add_parser("local", help="every part as a process on this machine",
+                         allow_abbrev=False)
   local.add_argument("--config", required=True)
   local.add_argument("--learner-processes", type=int, default=1)
   local.add_argument("--servers", type=int, default=1)

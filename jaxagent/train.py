@@ -59,8 +59,9 @@ from jaxagent.wal import TokenWAL, take_replay
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m jaxagent.train", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m jaxagent.train", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML run config (see configs/); with --resume, the run's "
                                   "own config.json when not given")
   p.add_argument("--run-dir", default=None, help="run directory (default: runs/<name>-<time>)")

@@ -483,8 +483,9 @@ def create_app(run_dir: str):
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxagent.view", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m jaxagent.view", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("run_dir", help="a training run directory (or its trajectory file)")
   p.add_argument("--port", type=int, default=8765)
   p.add_argument("--host", default="127.0.0.1")

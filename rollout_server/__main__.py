@@ -16,7 +16,8 @@ from rollout_server.serving import build_app
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m rollout_server", description=__doc__)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m rollout_server", description=__doc__)
   p.add_argument("--config", help="YAML server config (see configs/)")
   p.add_argument("--policy", help="a trained run's policy export (RUN_DIR/policy: the latest "
                                   "version, or RUN_DIR/policy/vN)")

@@ -250,11 +250,16 @@ class ChatTurn:
 
   def visible_text(self) -> str:
     """The text sampled so far that a stream may show: up to the first tool-call marker,
-    less a trailing incomplete UTF-8 character (U+FFFD) and stop tokens."""
+    less a trailing incomplete UTF-8 character (U+FFFD), stop tokens and an end that may
+    yet become the marker (`<`, `<tool`, ...: sent, it could not be taken back, and a
+    call's tag came out as text beside the call, a new user's finding)."""
     ids = [t for t in self.output_ids if t not in self.tokenizer.stop_ids]
     text = self.tokenizer.decode(ids)
     cut = text.find(OPEN)
-    return (text if cut < 0 else text[:cut]).rstrip("\ufffd")
+    if cut < 0:
+      cut = next((len(text) - n for n in range(min(len(OPEN) - 1, len(text)), 0, -1)
+                  if text.endswith(OPEN[:n])), len(text))
+    return text[:cut].rstrip("\ufffd")
 
   async def progress(self) -> AsyncIterator[None]:
     """Yields after each batch of new tokens, until the turn ends (across resumes);

@@ -435,8 +435,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 def main(argv=None) -> int:
   from jaxagent.serve_http import add_log_level, listen_or_say, serve
 
-  p = argparse.ArgumentParser(prog="python -m rollout_server.router", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, prog="python -m rollout_server.router", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--backends", required=True, help="comma-separated server URLs")
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)

@@ -567,6 +567,9 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   with pytest.raises(SystemExit):
     train.main(["--config", "configs/tiny.yaml", "steps=3", "--print-config", "--bogus"])
   assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+  with pytest.raises(SystemExit):  # (argparse took it for --resume: a new user's typo)
+    train.main(["--config", "configs/tiny.yaml", "--print-config", "--resum"])
+  assert "unrecognized arguments: --resum" in capsys.readouterr().err
   # Printed, then checked: values a run refuses are said (they printed without a word).
   assert train.main(["--config", "configs/tiny.yaml", "--print-config", "steps=-5"]) == 2
   out = capsys.readouterr()

@@ -70,7 +70,7 @@ def run_mode(args, mode: str, run_dir: str) -> dict:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml")
   p.add_argument("--steps", type=int, default=30)

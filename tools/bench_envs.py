@@ -105,7 +105,7 @@ async def level(url: str, concurrency: int) -> dict:
 
 
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--concurrency", default="8,64,200")
   p.add_argument("--sandboxes", type=int, default=8)

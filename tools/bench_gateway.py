@@ -57,7 +57,7 @@ async def level(url: str, n: int, max_tokens: int, rounds: int) -> dict:
 
 
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", default="smollm2")
   p.add_argument("--preset", default=None, help="a preset with random weights instead")

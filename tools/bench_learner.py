@@ -99,7 +99,7 @@ def measure(args, seq_len: int) -> dict:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--preset", default="tiny")
   p.add_argument("--seq-lens", default="1024,8192")

@@ -179,7 +179,7 @@ def turn_rate(cfg, weights, rows, requests, prompt_len, seed) -> float:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--presets", default="tiny")
   p.add_argument("--vocab", type=int, default=1024, help="vocabulary override (0: the preset's)")

@@ -68,7 +68,7 @@ def measure(store, sessions: list[list[str]]) -> dict:
 def main(argv=None) -> int:
   from rollout_server.sessions import SessionStore
 
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--json", action="store_true", help="JSON lines only")
   p.add_argument("--sessions", type=int, default=20)

@@ -72,7 +72,7 @@ def run(engine, params, prompts, args, speculative):
 
 
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tasks", default="envs/tasks/calculator.jsonl")
   p.add_argument("--checkpoint", default="smollm2")

@@ -298,7 +298,7 @@ def drive(args) -> None:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--system", choices=["driver", "jaxagent", "tunix"], default="driver",
                  help="driver (default) runs the other two as interleaved subprocesses")

@@ -74,7 +74,7 @@ def decode_us_per_token(repeats: int = 5) -> float:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--turns", type=int, default=200)
   p.add_argument("--tokens-per-turn", type=int, default=32)

@@ -34,7 +34,7 @@ import time
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--presets", default="tiny,smollm2-135m")
   p.add_argument("--devices", type=int, default=8)

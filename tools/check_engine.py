@@ -49,7 +49,7 @@ def run(engine, params, prompts, seeds, steps, slots):
 
 
 def main() -> int:
-  p = argparse.ArgumentParser(description=__doc__)
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
   p.add_argument("--preset", default="tiny")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--kernels", default="auto", help="paged attention kernels to check, e.g. "

@@ -67,7 +67,8 @@ async def greedy_success(engine, params, tasks) -> float:
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--batch", type=int, default=32)

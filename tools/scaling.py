@@ -197,7 +197,7 @@ def check_against_jax(presets=("nano", "tiny")) -> list[dict]:
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--models", default="qwen2.5-7b,llama-3.1-70b")
   p.add_argument("--chip", default="v5p", choices=sorted(CHIPS))

@@ -33,6 +33,19 @@ def test_guess_number_from_actions_on_stdin_as_json(tmp_path):
   assert final["reward"] == pytest.approx(sum(final["turn_rewards"]))
 
 
+def test_piped_actions_keep_json_output_to_json_lines(tmp_path):
+  """Actions piped in without `--actions -` (read as if typed): no `action> ` prompt in
+  the output (a new user's finding: `--json` lines began with it)."""
+  tasks = tmp_path / "t.jsonl"
+  tasks.write_text(json.dumps({"id": "g", "env": "guess_number", "params": {"secret": 11}})
+                   + "\n")
+  code, out, err = play("--task-file", str(tasks), "--json", stdin="8\n12\n11\n")
+  assert code == 0, err
+  events = [json.loads(line) for line in out.splitlines()]
+  assert [e["action"] for e in events[1:4]] == ["8", "12", "11"]
+  assert events[-1]["verdict"]["status"] == "pass"
+
+
 def test_typed_actions_and_a_readable_report(tmp_path):
   tasks = tmp_path / "t.jsonl"
   tasks.write_text(json.dumps({"id": "c", "env": "calculator",
