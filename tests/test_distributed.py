@@ -69,6 +69,22 @@ def test_partial_multi_process_settings_are_named():
   assert distributed.initialize(None, None, None) is False
 
 
+def _start_two(tmp_path, tag, *args, env=None):
+  """`python -m jaxagent.train` of the tiny config (small steps) as two processes, run
+  directory `tmp_path/run`, each logging to `tmp_path/<tag><process>.log` (to files: a
+  pipe one process fills while the test reads the other's stalls it, and the other with
+  it in their collectives)."""
+  port = free_port()
+  common = ["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
+            "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
+            "serving.engine.slots=8", *args, "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2"]
+  return [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *common, "--process-id",
+                            str(i)], cwd=REPO, env={**_env(2), **(env or {})},
+                           stdout=open(tmp_path / f"{tag}{i}.log", "w"), stderr=subprocess.STDOUT)
+          for i in (0, 1)]
+
+
 def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   """Both processes of a two-process run killed (SIGKILL: a node lost, the JobSet
   restarts the job) after three steps, its checkpoint at step 2: resumed, both go on
@@ -79,21 +95,8 @@ def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   import time
 
   run_dir = tmp_path / "run"
-  common = ["--config", "configs/tiny.yaml", "--run-dir", str(run_dir),
-            "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
-            "serving.engine.slots=8", "checkpoint.every_steps=2", "checkpoint.export_every=0",
-            "--num-processes", "2"]
-
-  def start(tag, *extra):
-    port = free_port()
-    # (logs to files: a pipe one process fills while the test reads the other's stalls
-    # it, and the other with it in their collectives)
-    return [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *common, *extra,
-                              "--coordinator", f"127.0.0.1:{port}", "--process-id", str(i)],
-                             cwd=REPO, env=_env(2), stdout=open(tmp_path / f"{tag}{i}.log", "w"),
-                             stderr=subprocess.STDOUT) for i in (0, 1)]
-
-  procs = start("first", "steps=500")
+  common = ["checkpoint.every_steps=2", "checkpoint.export_every=0"]
+  procs = _start_two(tmp_path, "first", *common, "steps=500")
   metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
   try:  # (its step-2 checkpoint written whole: an async save ends after its step)
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3
@@ -106,7 +109,7 @@ def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
       p.wait()
   before = [json.loads(line) for line in metrics.read_text().splitlines()]
   done = before[-1]["step"]
-  procs = start("resumed", "--resume", f"steps={done + 1}")
+  procs = _start_two(tmp_path, "resumed", *common, "--resume", f"steps={done + 1}")
   try:
     for p in procs:
       p.wait(timeout=300)
@@ -123,19 +126,9 @@ def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   assert rows[2]["reward_mean"] == before[2]["reward_mean"]
 
 
-def _two_process_run(tmp_path, *overrides, env=None, timeout=240):
-  """`python -m jaxagent.train` of the tiny config as two processes (logs to files:
-  a pipe one process fills while the test reads the other's stalls both in their
-  collectives): (return codes, logs)."""
-  port = free_port()
-  args = ["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
-          "rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
-          "serving.engine.slots=8", *overrides, "--coordinator", f"127.0.0.1:{port}",
-          "--num-processes", "2"]
-  procs = [subprocess.Popen([sys.executable, "-m", "jaxagent.train", *args, "--process-id",
-                             str(i)], cwd=REPO, env={**_env(2), **(env or {})},
-                            stdout=open(tmp_path / f"p{i}.log", "w"), stderr=subprocess.STDOUT)
-           for i in (0, 1)]
+def _two_process_run(tmp_path, *args, env=None, timeout=240):
+  """`_start_two` to the end: (return codes, logs)."""
+  procs = _start_two(tmp_path, "p", *args, env=env)
   try:
     for p in procs:
       p.wait(timeout=timeout)
