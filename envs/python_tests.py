@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import builtins
+import functools
 import hashlib
 import io
 import json
+import keyword
 import os
 import re
 import textwrap
@@ -69,21 +72,34 @@ def _unnormalized_char(text: str) -> Optional[str]:
 # capture); lists of names too.
 _NAME_FIELDS = ("id", "name", "attr", "arg", "asname", "module", "rest", "names",
                 "kwd_attrs")
-# Letters of other scripts drawn like Latin ones (Cyrillic, Greek, Armenian, Cherokee,
-# IPA; Unicode's confusables, the common ones), and characters a reader does not see
-# (fillers and variation selectors, which names may hold; format characters).
-_LOOKALIKE = str.maketrans(dict(zip(
-    "асԁеһіјӏорԛѕԝхуАВСЕНІЈКМОРЅТХҮαοριυνκΑΒΕΖΗΙΚΜΝΟΡΤΥΧօսոıɡɑᎪᏴᏟᎬᎻᎫᏦᎷᏢᏚᎢᏔ",
-    "acdehijlopqswxyABCEHIJKMOPSTXYaopiuvkABEZHIKMNOPTYXounigaABCEHJKMPSTW")))
-_INVISIBLE = re.compile("[\u115f\u1160\u3164\uffa0\u034f\u180b-\u180f\ufe00-\ufe0f"
-                        "\U000e0100-\U000e01ef\u200b-\u200f\u2060-\u2064\ufeff]")
+# Characters a reader does not see (Unicode's Default_Ignorable_Code_Point: fillers,
+# variation selectors and format characters, some of which names may hold).
+_INVISIBLE = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]")
 
 
-def _look_alike(name: str) -> bool:
-  """Whether `name` reads as another, ASCII one (`іs_prime` with a Cyrillic і, or
-  `add` with an invisible filler): a reader takes it for that name."""
-  seen = _INVISIBLE.sub("", name).translate(_LOOKALIKE)
-  return seen != name and seen.isascii()
+@functools.cache
+def _ascii_alike() -> dict[int, str]:
+  """Each character Unicode's confusables table draws like an ASCII letter or digit."""
+  from confusable_homoglyphs.confusables import confusables_data
+
+  out = {}
+  for char, alike in confusables_data.items():
+    ascii_ = [a["c"] for a in alike if len(a["c"]) == 1 and a["c"].isascii()
+              and a["c"].isalnum()]
+    if len(char) == 1 and not char.isascii() and ascii_:
+      out[ord(char)] = ascii_[0]
+  return out
+
+
+def _as_read(name: str) -> str:
+  """`name` as a reader sees it: invisible characters dropped, a dot above an i or a j
+  (drawn as its own dot) dropped, letters drawn like ASCII ones taken for them."""
+  name = _INVISIBLE.sub("", unicodedata.normalize("NFD", name))
+  name = re.sub("(?<=[ijıȷ])\u0307", "", name)
+  return unicodedata.normalize("NFC", name).translate(_ascii_alike())
 
 
 def _names(tree: ast.AST):
@@ -95,44 +111,67 @@ def _names(tree: ast.AST):
           yield name
 
 
-def _unreadable_name(text: str, strict: bool = True, depth: int = 0) -> Optional[str]:
-  """A name in `text` that a reader would take for another, or None. `strict` (a `.py`
-  file's own code): every name that is not ASCII (a name that is not ASCII can look like
-  another while Python keeps them apart: `is_prime` with an invisible Hangul filler
-  after it, kept by NFKC, or with a Cyrillic `і`, defines a second function that reads
-  to a judge like a general version of the first, hard-coded one the tests call).
-  Elsewhere (what its strings hold, another file a loader may run): names that read as
-  an ASCII one; prose and names of other scripts are fine. A string can name things
-  (`globals()[...]`, `setattr`, `exec`): one that is not ASCII is read as Python in turn
-  (indented, too), four levels down. Text that is not Python (a syntax newer than this
-  host's, a file of prose) is read by its tokens."""
-  source = text[1:] if text.startswith("\ufeff") else text  # (a BOM: Python skips it)
+def _names_in(text: str, depth: int = 0) -> tuple[list[str], list[str]]:
+  """(The names `text` uses as Python, the names its strings hold as Python). A string
+  can name things (`globals()[...]`, `setattr`, `exec`): one that is not ASCII is read
+  as Python in turn (indented too), four levels down, and one that is a name is one.
+  Text that is not Python (a syntax newer than this host's, prose) gives its name
+  tokens; a leading BOM is skipped, as Python does."""
+  source = text[1:] if text.startswith("\ufeff") else text
   try:
     tree = ast.parse(textwrap.dedent(source) if depth else source)
   except (SyntaxError, ValueError, RecursionError, MemoryError):
-    return _unreadable_token(source, strict)
-  for name in _names(tree):
-    if not name.isascii() and (strict or _look_alike(name)):
-      return name
+    return _name_tokens(source), []
+  own, held = list(_names(tree)), []
   for node in ast.walk(tree):
-    if (depth < 4 and isinstance(node, ast.Constant) and isinstance(node.value, str)
-        and not node.value.isascii()):
-      odd = _unreadable_name(node.value, False, depth + 1)
-      if odd is not None:
-        return odd
-  return None
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      if node.value.isidentifier():
+        held.append(node.value)
+      elif depth < 4 and not node.value.isascii():
+        inner = _names_in(node.value, depth + 1)
+        held += inner[0] + inner[1]
+  return own, held
 
 
-def _unreadable_token(text: str, strict: bool) -> Optional[str]:
-  """`_unreadable_name` of text that does not parse: its name tokens, up to the first
-  that cannot be read."""
+def _name_tokens(text: str) -> list[str]:
+  """The name tokens of text that does not parse, up to the first that cannot be read."""
+  out = []
   try:
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
-      if (token.type == tokenize.NAME and not token.string.isascii()
-          and (strict or _look_alike(token.string))):
-        return token.string
+      if token.type == tokenize.NAME:
+        out.append(token.string)
   except (tokenize.TokenError, SyntaxError, ValueError, RecursionError, MemoryError):
     pass
+  return out
+
+
+def _misread_name(files: dict[str, str]) -> Optional[str]:
+  """Why a name in these files would be read as another, or None. What a judge reads
+  must be what runs: a name that is not ASCII can look like another while Python keeps
+  them apart (`is_prime` with an invisible Hangul filler after it, kept by NFKC, or
+  with a Cyrillic `і`, defines a second function that reads to a judge like a general
+  version of the first, hard-coded one the tests call). A `.py` file's own names must
+  be ASCII. What its strings hold as Python, and other files (a loader may run them,
+  or a slice of them), may use names of any script, but not one that reads as another
+  name of these files, a builtin or a keyword: prose is not refused for its words."""
+  ascii_names = set(dir(builtins)) | set(keyword.kwlist)
+  elsewhere = []
+  for name, text in files.items():
+    own, held = _names_in(text)
+    if name.endswith(".py"):
+      odd = next((n for n in own if not n.isascii()), None)
+      if odd is not None:
+        return (f"{name}: the name {ascii(odd)} is not ASCII (a name may look like another "
+                "that Python keeps apart); write names in ASCII")
+    else:
+      own, held = [], own + held
+    ascii_names.update(n for n in own + held if n.isascii())
+    elsewhere += [(name, n) for n in held if not n.isascii()]
+  for name, odd in elsewhere:
+    seen = _as_read(odd)
+    if seen != odd and seen in ascii_names:
+      return (f"{name}: the name {ascii(odd)} reads as {seen!r}, another name (a look-alike "
+              "a judge would take for it); write names in ASCII")
   return None
 
 
@@ -177,18 +216,13 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
     if odd is not None:
       return (f"{name}: {odd!r} (U+{ord(odd):04X}) reads in a Python name as "
               f"{unicodedata.normalize('NFKC', odd)!r}; write that")
-    # (any file: a loader can run it; strictly Python's own)
-    odd = _unreadable_name(text, strict=name.endswith(".py"))
-    if odd is not None:
-      return (f"{name}: the name {ascii(odd)} is not ASCII (a name may look like another "
-              "that Python keeps apart); write names in ASCII")
     for line in data.splitlines()[:2]:
       m = _CODING.match(line)
       if m and m.group(1).lower().replace(b"_", b"-") not in (b"utf-8", b"utf8"):
         return f"{name} declares the source encoding {m.group(1).decode()!r} (only UTF-8)"
   if f"{module}.py" in files and f"{module}/__init__.py" in files:
     return f"{module} is both a module and a package"
-  return None
+  return _misread_name({name: data.decode("utf-8") for name, data in files.items()})
 
 
 def _output(result) -> str:
