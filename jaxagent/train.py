@@ -887,9 +887,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     if wal is not None:
       i = episode_index(session_id)
       replay = take_replay(replays, task.id, i) if session_id.endswith("-r0") else None
-      if replay is not None:  # (its log is done with when this group is)
-        replayed_from.setdefault(group_id, set()).add(replay.key)
-      log = wal.open(session_id, group_id=group_id, task=task.to_dict(), episode=i)
+      if replay is not None:  # (its logs are done with when this group is)
+        replayed_from.setdefault(group_id, set()).update(replay.keys)
+      log = wal.open(session_id, group_id=group_id, task=task.to_dict(), episode=i,
+                     replays=replay.keys if replay is not None else ())
     return await run_whitebox(env, task, serving.client, tokenizer, cfg.agent,
                               session_id=session_id, group_id=group_id, log=log,
                               replay=replay)

@@ -44,7 +44,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from jaxagent.errors import RunWriteFailed, disk_hint
-from jaxagent.trajectory import TurnRecord, read_jsonl
+from jaxagent.trajectory import TurnRecord, open_jsonl, read_jsonl
 
 
 # Where a resumed run keeps the stopped run's logs until its own first checkpoint is whole.
@@ -150,9 +150,11 @@ class EpisodeLog:
   def _append(self, record: dict) -> None:
     self.bytes += self._group.append({"session": self.session_id, **record})
 
-  def start(self, *, group_id: str, task: dict, episode: int, run: str = "") -> None:
+  def start(self, *, group_id: str, task: dict, episode: int, run: str = "",
+            replays: Iterable[str] = ()) -> None:
     self._append({"kind": "start", "session_id": self.session_id, "group_id": group_id,
-                  "task": task, "episode": episode, "run": run})
+                  "task": task, "episode": episode, "run": run,
+                  **({"replays": sorted(replays)} if replays else {})})
 
   def turn(self, turn: int, record: TurnRecord) -> None:
     """Commits a sampled turn (call before the environment sees its action)."""
@@ -189,8 +191,11 @@ class Replay:
   def __init__(self, records: Iterable[dict]):
     records = list(records)
     self.start = next((r for r in records if r["kind"] == "start"), {})
-    # (the group's log's key: its run's tag and its group id)
+    # (the group's log's key: its run's tag and its group id; `keys` with those of the
+    # logs it replayed, and theirs: its episode's earlier copies, which a resume that
+    # sets logs aside may still hold)
     self.key = f"{self.start.get('run', '')}/{self.start.get('group_id')}"
+    self.keys = {self.key, *self.start.get("replays", ())}
     self.turns = [r for r in records if r["kind"] == "turn"]
     self.hashes = {r["turn"]: (r["hash"], r.get("state")) for r in records
                    if r["kind"] == "obs"}
@@ -223,6 +228,16 @@ class Replay:
     return TurnRecord.from_result(dict(r, prompt_ids=list(prompt)))
 
 
+def _first_record(path: str) -> Optional[dict]:
+  """The first record of a log (None: none whole)."""
+  with open_jsonl(path) as f:
+    line = f.readline()
+  try:
+    return json.loads(line) if line.endswith("\n") else None
+  except json.JSONDecodeError:
+    return None
+
+
 def read_log(path: str) -> list[dict]:
   """The records of a log; a last line cut short by a crash (a write the crash
   interrupted: not committed) is left out."""
@@ -244,11 +259,13 @@ class TokenWAL:
   def _path(self, group_id: str) -> str:
     return os.path.join(self.directory, re.sub(r"[^A-Za-z0-9_.-]", "_", group_id) + ".jsonl")
 
-  def open(self, session_id: str, *, group_id: str, task: dict, episode: int) -> EpisodeLog:
+  def open(self, session_id: str, *, group_id: str, task: dict, episode: int,
+           replays: Iterable[str] = ()) -> EpisodeLog:
+    """The log of an episode; `replays`: the keys of the logs it replays (`Replay.keys`)."""
     if group_id not in self._files:
       self._files[group_id] = _GroupFile(self._path(group_id), self.fsync, self._open)
     log = EpisodeLog(self._files[group_id], session_id)
-    log.start(group_id=group_id, task=task, episode=episode, run=self.run)
+    log.start(group_id=group_id, task=task, episode=episode, run=self.run, replays=replays)
     return log
 
   def key(self, group_id: str) -> str:
@@ -261,13 +278,13 @@ class TokenWAL:
     from it must never replay. Returns how many files went."""
     keys = set(keys)
     gone = 0
-    for directory in (self.directory, self.aside):
+    for directory in (self.directory, self.aside) if keys else ():
       names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
       for name in names:
         path = os.path.join(directory, name)
         if not name.endswith(".jsonl"):
           continue
-        start = next((r for r in read_log(path) if r.get("kind") == "start"), None)
+        start = _first_record(path)  # (a group's file begins with a start record)
         if start is not None and ({f"{start.get('run', '')}/{start.get('group_id')}",
                                    start.get("group_id")} & keys):
           with contextlib.suppress(FileNotFoundError):
