@@ -81,7 +81,11 @@ def safe_eval(expression: str) -> float | int:
     tree = ast.parse(expression, mode="eval")
   except SyntaxError as e:
     raise ValueError(f"not an arithmetic expression: {e.msg}") from None
-  return ev(tree)
+  try:
+    return ev(tree)
+  except ArithmeticError as e:  # (1/0, a float power past float's range: a task's, or a
+    # tool call's, expression that has no value)
+    raise ValueError(f"{expression}: {type(e).__name__}: {e}") from None
 
 
 def _fmt(x) -> str:
@@ -113,7 +117,10 @@ class Calculator(Env):
     self.max_turns = int(p.get("max_turns", 4))
     self.turns, self.done, self.final = 0, False, None
     self.reset_counters()
-    question = p.get("question", "What is {expression}?").format(expression=self.expression)
+    question = p.get("question", "What is {expression}?")
+    if not isinstance(question, str):
+      raise TypeError(f"task {task.id}: question must be a string, got {question!r}")
+    question = question.format(expression=self.expression)
     shots = int(p.get("examples", 2))
     if not 0 <= shots <= len(EXAMPLES) // 4:
       raise ValueError(f"task {task.id}: examples must be 0..{len(EXAMPLES) // 4}, got {shots}")

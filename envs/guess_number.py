@@ -62,6 +62,8 @@ class GuessNumber(Env):
       raise ValueError(f"task {task.id}: information must be 'realized' or 'expected', got "
                        f"{self.information!r}")
     prompt = p.get("prompt", "Guess my number, {low} to {high}.")
+    if not isinstance(prompt, str):
+      raise TypeError(f"task {task.id}: prompt must be a string, got {prompt!r}")
     return Observation([{"role": "user", "content": prompt.format(low=self.low,
                                                                   high=self.high)}])
 

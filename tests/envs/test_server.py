@@ -194,6 +194,13 @@ def test_bad_requests_and_limits(worker):
   r = c.post("/sessions", json={"task": {"id": "t", "env": "calculator",
                                          "params": {"expression": "1", "question": "{0}"}}})
   assert r.status_code == 400 and "IndexError" in r.text
+  # ... an expression without a value, a prompt that is not text (red team 14: a 500)
+  for env, params, err in (("calculator", {"expression": "1/0"}, "ZeroDivisionError"),
+                           ("calculator", {"expression": "999999.0**64"}, "OverflowError"),
+                           ("calculator", {"expression": "1", "question": 5}, "question must"),
+                           ("guess_number", {"prompt": 5}, "prompt must be a string")):
+    r = c.post("/sessions", json={"task": {"id": "t", "env": env, "params": params}})
+    assert r.status_code == 400 and "task 't' cannot start" in r.text and err in r.text, r.text
 
   async def remote_reset():
     env = RemoteEnv(worker.url)
