@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import heapq
 import json
+import logging
 import re
 import sys
 import uuid
@@ -37,6 +38,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxagent.serve_http import client_gone
 from rollout_server import anthropic_api
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
+
+log = logging.getLogger(__name__)
 
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
@@ -115,33 +118,48 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     try:
       r = await client().post(f"{backend}/update_weights", content=policy["body"],
                               headers={"content-type": "application/json"})
-      return r.status_code == 200 and r.json().get("version") == policy["version"]
-    except (httpx.HTTPError, ValueError):
+      got = r.json() if r.status_code == 200 else None
+      return isinstance(got, dict) and got.get("version") == policy["version"]
+    except Exception:  # (any reply it cannot read: not serving the policy)
       return False
 
   async def check(backend: str) -> None:
     try:
       r = await client().get(f"{backend}/health", timeout=5.0)
-      ok = r.status_code == 200
+      got = r.json() if r.status_code == 200 else None
+      ok = isinstance(got, dict)
       if ok and policy["version"] is not None and not updating.locked() and \
-          r.json().get("version") != policy["version"]:
+          got.get("version") != policy["version"]:
         ok = await push_policy(backend)  # restarted (or missed an update): catch up first
       healthy[backend] = ok
-    except (httpx.HTTPError, ValueError):
+    except Exception:  # (any reply it cannot read is a backend not well: red team 14,
+      # a JSON list killed the loop, and no backend was checked again)
       healthy[backend] = False
 
   async def health_loop() -> None:
     while True:
-      await asyncio.gather(*(check(b) for b in ring.backends))
+      await asyncio.gather(*(check(b) for b in ring.backends), return_exceptions=True)
       await asyncio.sleep(health_interval_s)
 
   async def fetch_turns(session_id: str, backend: str, since: int) -> Optional[dict]:
+    """The backend's record of the session from turn `since` on, None when it cannot be
+    read or is not a record (a dict with `turns`, records each, and an integer `count`:
+    a backend's garbage turned a served turn into a 500, red team 14)."""
     try:
       r = await client().get(f"{backend}/sessions/{quote(session_id, safe='')}",
                              params={"since": since}, timeout=10.0)
-      return r.json() if r.status_code == 200 else None
+      got = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
       return None  # the copy catches up at the next turn or read
+    turns = got.get("turns") if isinstance(got, dict) else None
+    if not (isinstance(turns, list) and isinstance(got.get("count", 0), int)
+            and all(isinstance(t, dict) and isinstance(t.get("recorded_at", 0.0), (int, float))
+                    for t in turns)):
+      if got is not None:
+        log.warning("router: %s's record of session %r is not a record: left", backend,
+                    session_id)
+      return None
+    return got
 
   async def new_turns(session_id: str, backend: str) -> Optional[tuple[int, list]]:
     """(where the copy of `backend`'s record goes on from, the turns it recorded for the
@@ -152,7 +170,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       # The backend holds fewer turns than were copied: it restarted and its record
       # began again (at the same address); its turns since then are all new.
       n, got = 0, await fetch_turns(session_id, backend, 0)
-    if got is None or not isinstance(got.get("turns"), list):
+    if got is None:
       return None
     return n, got["turns"]
 
@@ -174,17 +192,21 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       read = [(b, g) for b, g in zip(backends, got) if g is not None]
       if not read:
         return
-      for b, (n, turns) in read:
-        cursors.setdefault(session_id, {})[b] = n + len(turns)
+      # Each backend's turns in its own order, interleaved by when they were recorded
+      # (`recorded_at`, each server's clock; a server without it: its turns first).
+      turns = list(heapq.merge(*(ts for _, (_, ts) in read),
+                               key=lambda t: t.get("recorded_at", 0.0)))
+      if turns:
+        try:
+          sessions.extend(session_id, turns, number=True)
+        except Exception:  # (the served turn is the client's: its record is ours)
+          log.exception("router: session %r's turns could not be copied", session_id)
+          return
+      for b, (n, ts) in read:  # (copied: only now past them)
+        cursors.setdefault(session_id, {})[b] = n + len(ts)
       cursors.move_to_end(session_id)
       while len(cursors) > max_sessions:
         cursors.popitem(last=False)
-      # Each backend's turns in its own order, interleaved by when they were recorded
-      # (`recorded_at`, each server's clock; a server without it: its turns first).
-      turns = list(heapq.merge(*(ts for _, (_, ts) in read), key=lambda t: (
-          t.get("recorded_at", 0.0) if isinstance(t, dict) else 0.0)))
-      if turns:
-        sessions.extend(session_id, turns, number=True)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):

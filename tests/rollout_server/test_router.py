@@ -425,3 +425,48 @@ def test_generate_with_record_false_routes_by_session_without_a_record(random_pa
     for sid in ("norec", "wb"):
       assert httpx.get(f"{router.url}/sessions/{sid}").status_code == 404
       assert httpx.get(f"{srv.url}/sessions/{sid}").status_code == 404
+
+
+def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served_turn():
+  """Red team 14: a backend's /health answering a JSON list raised in the check and
+  ended the router's health loop for good (a backend that died later stayed healthy);
+  a session record that is not one (turns of numbers, a list, mixed clocks) turned the
+  served turn into a 500 and moved the copy's place past turns never copied."""
+  from fastapi import FastAPI
+  from fastapi.responses import JSONResponse
+
+  state = {"health": {"status": "ok"}, "health_status": 200, "record": None}
+  fake = FastAPI()
+
+  @fake.get("/health")
+  async def health():
+    return JSONResponse(state["health"], status_code=state["health_status"])
+
+  @fake.post("/generate")
+  async def generate():
+    return {"output_ids": [5], "finish_reason": "length"}
+
+  @fake.get("/sessions/{session_id}")
+  async def record(session_id: str):
+    return JSONResponse(state["record"])
+
+  def healthy(c):
+    return c.get("/router/health").json()["backends"][0]["healthy"]
+
+  with ServerThread(fake) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=0.1)) as router:
+    c = httpx.Client(base_url=router.url, timeout=60)
+    for junk in ({"turns": [1, 2], "count": 2}, [1, 2], {"turns": [], "count": "x"},
+                 {"turns": [{"recorded_at": "late"}], "count": 1}):
+      state["record"] = junk
+      r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"})
+      assert r.status_code == 200 and r.json()["output_ids"] == [5], (junk, r.text)
+    state["health"] = []  # a /health that answers a list: not healthy
+    time.sleep(0.5)
+    assert healthy(c) is False
+    state["health"] = {"status": "ok"}
+    time.sleep(0.5)
+    assert healthy(c) is True
+    state["health_status"] = 500  # (the loop still runs: a backend gone bad is seen)
+    time.sleep(0.5)
+    assert healthy(c) is False
