@@ -77,8 +77,10 @@ class _Session:
   lock: asyncio.Lock
   last_used: float  # when a call of it started or ended
   idle_s: float  # closed after this long without a call
-  call: Optional[asyncio.Future] = None  # the call running now (cancelled on close)
+  call: Optional[asyncio.Future] = None  # the call started last (cancelled on close)
   clock: Optional[waits.WaitClock] = None  # its waits on shared infrastructure
+  # Every call running (a second waits for the first's lock): all cancelled on close.
+  calls: set = dataclasses.field(default_factory=set)
 
 
 class _BodyLimit:
@@ -164,15 +166,18 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   app = FastAPI(title="jaxagent environment worker", lifespan=lifespan)
   app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
+  starting = {"n": 0}  # sessions being started (their resets under way)
+
   async def close_session(sid: str) -> None:
     s = sessions.pop(sid, None)
     n_sessions.set(len(sessions))
     if s is not None:
-      if s.call is not None and not s.call.done():  # its client gave up (DELETE): the
-        # running call ends before the environment closes under it
-        s.call.cancel()
+      running = [c for c in s.calls if not c.done()]
+      for call in running:  # its client gave up (DELETE): every call running ends
+        call.cancel()       # before the environment closes under it
+      for call in running:
         with contextlib.suppress(BaseException):
-          await s.call
+          await call
       try:
         await s.env.close()
       except Exception:
@@ -218,11 +223,19 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     s = sessions.get(sid) if sid is not None else None
     if s is not None:
       s.call, s.clock = task, clock
+      s.calls.add(task)
+      task.add_done_callback(s.calls.discard)
     async def waited() -> float:
       return clock.total_s()
 
     try:
       out = await waits.within(task, waited, deadline_s, WALL_FACTOR * deadline_s, t0)
+    except asyncio.CancelledError:
+      if asyncio.current_task().cancelling():  # (this request's own: its client went)
+        raise
+      # (the call's, by a DELETE of its session: a plain 500 before, red team 14)
+      n_calls.labels(kind, "closed").inc()
+      raise HTTPException(409, f"{kind}: the session was closed during this call")
     except (asyncio.TimeoutError, waits.WallCut):
       n_calls.labels(kind, "deadline").inc()
       if sid is not None:
@@ -265,7 +278,9 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   @app.post("/sessions")
   async def create(body: CreateBody):
     await reap_idle()
-    if len(sessions) >= max_sessions:
+    # (the sessions starting count: a limit checked before the resets' awaits let 12
+    # concurrent starts past a limit of 4, red team 14)
+    if len(sessions) + starting["n"] >= max_sessions:
       raise HTTPException(503, f"worker is at its session limit ({max_sessions})")
     try:
       task = TaskSpec.from_dict(body.task)
@@ -294,7 +309,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       n_sessions.set(len(sessions))
       return obs
 
-    obs, waited = await guarded("reset", None, start)
+    starting["n"] += 1
+    try:
+      obs, waited = await guarded("reset", None, start)
+    finally:
+      starting["n"] -= 1
     return {"session_id": sid, "observation": dataclasses.asdict(obs), "infra_wait_s": waited,
             "call_wall_s": call_wall_s}
 

@@ -650,3 +650,30 @@ def test_a_slow_judge_is_the_infrastructures_wait_not_the_worker_calls_deadline(
   with ServerThread(create_app(resources, deadline_s=3.0)) as srv:
     verdict = asyncio.run(episode(srv.url))
   assert verdict.status == VerdictStatus.FAIL and verdict.details["false_positive"]
+
+
+def test_a_rush_of_starts_keeps_the_session_limit_and_a_close_answers_its_calls_409():
+  """Red team 14: the limit was checked before the resets' awaits (12 concurrent starts
+  got past a limit of 4); a session closed while its calls ran answered the one running
+  a plain 500, and a second call waiting on the first's lock ran on the closed one."""
+  app = create_app(EnvResources(sandboxes=1), max_sessions=3, deadline_s=5.0)
+  task = {"task": {"id": "w", "env": "waiting_test_env"}}
+
+  async def go(url):
+    async with httpx.AsyncClient(timeout=30) as c:
+      rush = await asyncio.gather(*(c.post(f"{url}/sessions", json=task) for _ in range(8)))
+      assert sorted(r.status_code for r in rush) == [200] * 3 + [503] * 5
+      assert (await c.get(f"{url}/health")).json()["sessions"] == 3
+      sid = next(r for r in rush if r.status_code == 200).json()["session_id"]
+      EVENTS.clear()
+      calls = [asyncio.ensure_future(c.post(f"{url}/sessions/{sid}/step",
+                                            json={"action": wait})) for wait in ("2", "0")]
+      await asyncio.sleep(0.3)
+      assert (await c.delete(f"{url}/sessions/{sid}")).status_code == 200
+      return await asyncio.gather(*calls), list(EVENTS)
+
+  with ServerThread(app) as srv:
+    answers, events = asyncio.run(asyncio.wait_for(go(srv.url), timeout=30))
+  for r in answers:
+    assert r.status_code == 409 and "closed during this call" in r.text, r.text
+  assert events == ["cancelled", "closed"]  # (the second call never ran)
