@@ -52,6 +52,7 @@ from envs import waits
 from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        json_safe, load_modules, make)
+from jaxagent.serve_http import BodyLimit
 from jaxagent.errors import InfraError
 
 
@@ -81,44 +82,6 @@ class _Session:
   clock: Optional[waits.WaitClock] = None  # its waits on shared infrastructure
   # Every call running (a second waits for the first's lock): all cancelled on close.
   calls: set = dataclasses.field(default_factory=set)
-
-
-class _BodyLimit:
-  """ASGI middleware: a request body over `limit` bytes is refused with 413, by its
-  Content-Length or as it streams in, before the application parses any of it."""
-
-  def __init__(self, app, limit: int):
-    self.app, self.limit = app, limit
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] != "http":
-      return await self.app(scope, receive, send)
-    length = dict(scope.get("headers") or []).get(b"content-length")
-    if length is not None and length.isdigit() and int(length) > self.limit:
-      return await self._refuse(send)
-    messages, seen = [], 0
-    while True:  # at most `limit` bytes are held: the body is read here, then replayed
-      message = await receive()
-      messages.append(message)
-      if message["type"] != "http.request":
-        break
-      seen += len(message.get("body", b""))
-      if seen > self.limit:
-        return await self._refuse(send)
-      if not message.get("more_body", False):
-        break
-
-    async def replay():
-      return messages.pop(0) if messages else await receive()
-
-    await self.app(scope, replay, send)
-
-  async def _refuse(self, send):
-    body = f'{{"detail": "request body over {self.limit} bytes"}}'.encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 # A call answers within this many deadlines, waits and all (a client's timeout must be
@@ -164,7 +127,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       await asyncio.to_thread(resources.close)
 
   app = FastAPI(title="jaxagent environment worker", lifespan=lifespan)
-  app.add_middleware(_BodyLimit, limit=max_body_bytes)
+  app.add_middleware(BodyLimit, limit=max_body_bytes)
 
   starting = {"n": 0}  # sessions being started (their resets under way)
 

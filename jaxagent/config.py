@@ -339,6 +339,9 @@ class ServerConfig:
   max_sessions: int = 10000
   session_ttl_s: Optional[float] = 3600.0
   session_max_bytes: Optional[int] = 1 << 30
+  # A request body over this many bytes is refused (413) before it is parsed (parsed,
+  # a body took ~13x its size in memory: a few large ones could take the server down).
+  max_body_bytes: int = 32 << 20
   # More models served beside the policy, by name (see ServedModelConfig).
   models: dict[str, ServedModelConfig] = dataclasses.field(default_factory=dict)
 

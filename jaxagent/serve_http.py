@@ -71,3 +71,41 @@ async def client_gone(request) -> None:
   server aborts the work it asked for, a router its backend request)."""
   while (await request.receive())["type"] != "http.disconnect":
     await asyncio.sleep(0.05)  # (a server that repeats empty body messages)
+
+
+class BodyLimit:
+  """ASGI middleware: a request body over `limit` bytes is refused with 413, by its
+  Content-Length or as it streams in, before the application parses any of it."""
+
+  def __init__(self, app, limit: int):
+    self.app, self.limit = app, limit
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    length = dict(scope.get("headers") or []).get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > self.limit:
+      return await self._refuse(send)
+    messages, seen = [], 0
+    while True:  # at most `limit` bytes are held: the body is read here, then replayed
+      message = await receive()
+      messages.append(message)
+      if message["type"] != "http.request":
+        break
+      seen += len(message.get("body", b""))
+      if seen > self.limit:
+        return await self._refuse(send)
+      if not message.get("more_body", False):
+        break
+
+    async def replay():
+      return messages.pop(0) if messages else await receive()
+
+    await self.app(scope, replay, send)
+
+  async def _refuse(self, send):
+    body = f'{{"detail": "request body over {self.limit} bytes"}}'.encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -35,7 +35,7 @@ import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from jaxagent.serve_http import client_gone
+from jaxagent.serve_http import BodyLimit, client_gone
 from rollout_server import anthropic_api
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
 
@@ -84,7 +84,8 @@ def _unrecorded(body: bytes) -> bool:
 def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                   timeout_s: float = 600.0, turn_timeout_s: float = 3600.0,
                   max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
-                  session_max_bytes: Optional[int] = 1 << 30) -> FastAPI:
+                  session_max_bytes: Optional[int] = 1 << 30,
+                  max_body_bytes: int = 32 << 20) -> FastAPI:
   """The router app. It keeps a copy of every session's recorded turns (bounded as a
   server's records are), so a session outlives the backend its turns ran on. A turn
   (generate, chat, messages) is as long as its tokens: its backend is given
@@ -217,6 +218,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       await client_box["c"].aclose()
 
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
+  app.add_middleware(BodyLimit, limit=max_body_bytes)  # (before any is read whole)
 
   def session_from(request: Request, body: bytes) -> Optional[str]:
     """The request's session (`sessions.session_of`: its header, or its body's)."""

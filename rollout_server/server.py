@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxagent.config import ServerConfig
-from jaxagent.serve_http import client_gone
+from jaxagent.serve_http import BodyLimit, client_gone
 from jaxagent.tokenizer import Tokenizer, renders_tools
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
@@ -249,12 +249,14 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                session_ttl_s: Optional[float] = ServerConfig.session_ttl_s,
                session_max_bytes: Optional[int] = ServerConfig.session_max_bytes,
                model_name: str = "jaxagent", models: Optional[dict] = None,
-               max_score_tokens: int = 1 << 18, policy_id: Optional[str] = None) -> FastAPI:
+               max_score_tokens: int = 1 << 18, policy_id: Optional[str] = None,
+               max_body_bytes: int = ServerConfig.max_body_bytes) -> FastAPI:
   """The server app. `load_params(path, version) -> engine params` serves /update_weights.
   `models`: more models served by name (`rollout_server.serving.ServedModel`s).
   `policy_id`: the id of the export the policy's weights were loaded from
   (`jaxagent.checkpoint.export_id`), which /health says while they are served."""
   app = FastAPI(title="jaxagent rollout server")
+  app.add_middleware(BodyLimit, limit=max_body_bytes)
   models = dict(models or {})
   if model_name in models:
     raise ValueError(f"models: {model_name!r} is the policy's name")

@@ -155,7 +155,7 @@ def build_app(cfg: ServerConfig):
   app = create_app(orch, tokenizer, load_params=load, update_mode=cfg.update_mode,
                    max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
                    session_max_bytes=cfg.session_max_bytes, model_name=cfg.name,
-                   models=models, policy_id=policy_id)
+                   models=models, policy_id=policy_id, max_body_bytes=cfg.max_body_bytes)
   if not renders_tools(tokenizer):  # said at the start, not only to each request
     print(f"note: the chat template of {tokenizer.name} drops tools: chat requests with "
           "tools are refused (400); model.chat_template=chatml_tools renders them", flush=True)

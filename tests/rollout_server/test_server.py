@@ -125,6 +125,10 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
     assert r.status_code == status and needle in r.text, (body, r.status_code, r.text)
   r = c.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
   assert r.status_code == 422
+  # A body over the cap is refused before it is parsed (red team 14: 76 MB of input_ids
+  # took 1 GB of the server's memory to be told the prompt was too long).
+  r = c.post("/generate", content=b"[" * (33 << 20), headers={"content-type": "application/json"})
+  assert r.status_code == 413 and "request body over" in r.text
   r = c.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
   assert r.status_code == 400 and "role" in r.text
   r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
