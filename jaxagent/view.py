@@ -42,7 +42,7 @@ import os
 import sys
 import threading
 import zlib
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import tokenizers
 from fastapi import FastAPI, HTTPException, Query
@@ -208,10 +208,11 @@ class TrajectoryIndex:
         for offset, line in self._lines.scan(f):
           try:
             self._add(json.loads(line), offset, len(line))
-          except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+          except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             self.bad_lines += 1  # (not JSON, or not a segment object)
 
   def _add(self, row: dict, offset: int, length: int) -> None:
+    _check_segment(row)  # (before anything is kept: one bad line breaks nothing)
     key = (row.get("step"), row.get("rollout_id") or row["session_id"])
     tokens, versions = len(row["tokens"]), row["versions"]
     trained = int(sum(m > 0 for m in row["loss_mask"]))
@@ -284,6 +285,29 @@ class TrajectoryIndex:
               "versions": sorted({v for e in eps for v in e["versions"]}),
               "last_step": max((e["step"] for e in eps if e["step"] is not None), default=None),
               "complete": not self._lines.broken}
+
+
+def _check_segment(row: Any) -> None:
+  """TypeError unless `row` has a segment's fields with their types (a line of another
+  kind, a string step beside integer ones, broke the viewer's filters and its start:
+  red team 14)."""
+  def of(value, *kinds, list_of=None):
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if ok and list_of is not None:
+      ok = all(isinstance(v, list_of) and not isinstance(v, bool) for v in value)
+    return ok
+
+  if not (isinstance(row, dict) and of(row.get("step"), int, type(None))
+          and of(row.get("rollout_id") or row.get("session_id"), str)
+          and of(row.get("tokens"), list) and of(row.get("versions"), list, list_of=int)
+          and of(row.get("loss_mask"), list, list_of=(int, float))
+          and of(row.get("task_id", ""), str) and of(row.get("group_id", ""), str)
+          and of(row.get("status", ""), str) and of(row.get("reason", ""), str)
+          and of(row.get("reward"), int, float, type(None))
+          and of(row.get("verdict") or {}, dict)
+          and of((row.get("verdict") or {}).get("status", ""), str)
+          and of(row.get("decisions") or [], list)):
+    raise TypeError("not a segment")
 
 
 # -- tokens as text -------------------------------------------------------------------------

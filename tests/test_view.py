@@ -180,6 +180,26 @@ def test_index_follows_a_growing_file_and_stops_at_damage(tmp_path):
   assert index.episode(0)[1][0]["rollout_id"] == "g0-0-r0"
 
 
+def test_lines_that_are_not_segments_are_counted_not_fatal(tmp_path):
+  """Red team 14: a line nested 5,000 deep, a string step beside integer ones, a task id
+  that is a number, a reward that is text or an integer past 4,300 digits stopped the
+  viewer at its start or broke its filters (500s) for good: each is a bad line."""
+  path = str(tmp_path / "trajectories.jsonl")
+  dump_segments(path, with_advantages(STEP_1[0][0](), 0.5), 1, TOK.decode)
+  with open(path) as f:
+    good = json.loads(f.readline())
+  bad = ["[" * 5000 + "]" * 5000, json.dumps({**good, "step": "x"}),
+         json.dumps({**good, "task_id": 5}), json.dumps({**good, "reward": "high"}),
+         json.dumps({**good, "verdict": {"status": 3}}), json.dumps([1, 2]),
+         json.dumps(good).replace('"step": 1', '"step": ' + "9" * 5000)]
+  with open(path, "a") as f:
+    f.write("".join(line + "\n" for line in bad))
+  index = view.TrajectoryIndex(path)
+  assert len(index.select(task="t", min_reward=0.1)) + len(index.select()) >= 1
+  facets = index.facets()
+  assert facets["episodes"] == 1 and facets["bad_lines"] == len(bad) and facets["last_step"] == 1
+
+
 # -- the API in process ---------------------------------------------------------------------
 
 
