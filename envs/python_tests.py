@@ -191,12 +191,13 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   be what Python runs: every graded file must be UTF-8 text under a printable UTF-8
   name (a newline in a name could forge a file header in the judge's view), with no
   bidirectional controls, no file may hold characters a name would read as others
-  (NFKC; in strings and comments too, where an `exec` or a loader finds them), no name
-  in a file that parses as Python (or in its strings) and no file name may be other
-  than ASCII (look-alikes), and no file may declare another source encoding (PEP 263: Python would run what a
-  `# coding: utf-7` line decodes, and a loader can run any file as source, while the
-  judge sees the raw text, so a hard-coded answer could hide in a comment). `module`
-  must not be both a package and a module (the package is what Python imports)."""
+  (NFKC; in strings and comments too, where an `exec` or a loader finds them), file
+  names must be ASCII, no name may read as another (`_misread_name`), and no file may
+  declare another source encoding (PEP 263: Python would run what a `# coding: utf-7`
+  line decodes, and a loader can run any file as source, while the judge sees the raw
+  text, so a hard-coded answer could hide in a comment). `module` must not be both a
+  package and a module (the package is what Python imports)."""
+  texts = {}
   for name, data in files.items():
     try:
       name.encode("utf-8")
@@ -207,7 +208,7 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
     if not name.isascii():  # (a module's file named like another: `import_module`)
       return f"file name {ascii(name)} is not ASCII; name files in ASCII"
     try:
-      text = data.decode("utf-8")
+      text = texts[name] = data.decode("utf-8")
     except UnicodeDecodeError:
       return f"{name} is not UTF-8 text"
     if _BIDI.search(text):
@@ -222,7 +223,7 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
         return f"{name} declares the source encoding {m.group(1).decode()!r} (only UTF-8)"
   if f"{module}.py" in files and f"{module}/__init__.py" in files:
     return f"{module} is both a module and a package"
-  return _misread_name({name: data.decode("utf-8") for name, data in files.items()})
+  return _misread_name(texts)
 
 
 def _output(result) -> str:
@@ -241,8 +242,8 @@ class PythonTests(Env):
   # 2: hidden cases compared on the host; the verdict pays the reward. 3: files must be
   # UTF-8 text, fit the quota as read, and (with a judge) be shown whole.
   # 4: look-alike names refused; the judge's file headers are tagged. 5: stronger hidden
-  # cases (each task's hold its public example); max_of_list may use max(). 6: names
-  # must be ASCII (invisible fillers and other scripts' look-alikes).
+  # cases (each task's hold its public example); max_of_list may use max(). 6: no name
+  # reads as another (a .py file's own are ASCII; look-alikes in strings, other files).
   version = "6"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
