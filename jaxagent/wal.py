@@ -194,7 +194,7 @@ class Replay:
     # (the group's log's key: its run's tag and its group id; `keys` with those of the
     # logs it replayed, and theirs: its episode's earlier copies, which a resume that
     # sets logs aside may still hold)
-    self.key = f"{self.start.get('run', '')}/{self.start.get('group_id')}"
+    self.key = _key(self.start)
     self.keys = {self.key, *self.start.get("replays", ())}
     self.turns = [r for r in records if r["kind"] == "turn"]
     self.hashes = {r["turn"]: (r["hash"], r.get("state")) for r in records
@@ -226,6 +226,11 @@ class Replay:
     if len(prompt) != r["prompt_len"] or tokens_hash(prompt) != r["prompt_hash"]:
       raise ValueError(f"turn {r['turn']}: the rebuilt prompt differs from the logged one")
     return TurnRecord.from_result(dict(r, prompt_ids=list(prompt)))
+
+
+def _key(start: dict) -> str:
+  """The key of a group's log from its start record: `run/group`."""
+  return f"{start.get('run', '')}/{start.get('group_id')}"
 
 
 def _first_record(path: str) -> Optional[dict]:
@@ -270,7 +275,7 @@ class TokenWAL:
 
   def key(self, group_id: str) -> str:
     """The key of this trainer's log of `group_id` (`Replay.key` of what it holds)."""
-    return f"{self.run}/{group_id}"
+    return _key({"run": self.run, "group_id": group_id})
 
   def forget(self, keys: Iterable[str]) -> int:
     """Deletes the logs (set aside or not) of the groups `keys` name (`run/group`; a
@@ -285,8 +290,7 @@ class TokenWAL:
         if not name.endswith(".jsonl"):
           continue
         start = _first_record(path)  # (a group's file begins with a start record)
-        if start is not None and ({f"{start.get('run', '')}/{start.get('group_id')}",
-                                   start.get("group_id")} & keys):
+        if start is not None and {_key(start), start.get("group_id")} & keys:
           with contextlib.suppress(FileNotFoundError):
             os.remove(path)
           gone += 1
