@@ -81,11 +81,7 @@ def safe_eval(expression: str) -> float | int:
     tree = ast.parse(expression, mode="eval")
   except SyntaxError as e:
     raise ValueError(f"not an arithmetic expression: {e.msg}") from None
-  try:
-    return ev(tree)
-  except ArithmeticError as e:  # (1/0, a float power past float's range: a task's, or a
-    # tool call's, expression that has no value)
-    raise ValueError(f"{expression}: {type(e).__name__}: {e}") from None
+  return ev(tree)
 
 
 def _fmt(x) -> str:
@@ -113,7 +109,14 @@ class Calculator(Env):
     p = task.params
     self.task = task
     self.expression = str(p["expression"])
-    self.answer = safe_eval(self.expression)
+    try:
+      self.answer = safe_eval(self.expression)
+    except ArithmeticError as e:  # (1/0, a float power past range: the task's fault)
+      raise ValueError(f"task {task.id}: {self.expression}: {type(e).__name__}: {e}") \
+          from None
+    if isinstance(self.answer, complex) or not math.isfinite(self.answer):
+      raise ValueError(f"task {task.id}: {self.expression} has no finite real value "
+                       f"({self.answer}): no answer can match it")
     self.max_turns = int(p.get("max_turns", 4))
     self.turns, self.done, self.final = 0, False, None
     self.reset_counters()

@@ -150,7 +150,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       r = await client().get(f"{backend}/sessions/{quote(session_id, safe='')}",
                              params={"since": since}, timeout=10.0)
       got = r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError, RecursionError):  # (nested past reading)
       return None  # the copy catches up at the next turn or read
     turns = got.get("turns") if isinstance(got, dict) else None
     if not (isinstance(turns, list) and isinstance(got.get("count", 0), int)
@@ -463,6 +463,9 @@ def main(argv=None) -> int:
       allow_abbrev=False, prog="python -m rollout_server.router", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--backends", required=True, help="comma-separated server URLs")
+  p.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                 help="a request body over this is refused (413) before it is parsed; "
+                      "as large as the backends' max_body_bytes")
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)
   add_log_level(p)
@@ -480,7 +483,8 @@ def main(argv=None) -> int:
   if sock is None:
     return 2
   print(f"router on http://{args.host}:{args.port} over {len(backends)} backends", flush=True)
-  serve(create_router(backends), sock, log_level=args.log_level)
+  serve(create_router(backends, max_body_bytes=args.max_body_bytes), sock,
+        log_level=args.log_level)
   return 0
 
 

@@ -197,6 +197,8 @@ def test_bad_requests_and_limits(worker):
   # ... an expression without a value, a prompt that is not text (red team 14: a 500)
   for env, params, err in (("calculator", {"expression": "1/0"}, "ZeroDivisionError"),
                            ("calculator", {"expression": "999999.0**64"}, "OverflowError"),
+                           ("calculator", {"expression": "(-8)**0.5"}, "no finite real"),
+                           ("calculator", {"expression": "1e308*10"}, "no finite real"),
                            ("calculator", {"expression": "1", "question": 5}, "question must"),
                            ("guess_number", {"prompt": 5}, "prompt must be a string")):
     r = c.post("/sessions", json={"task": {"id": "t", "env": env, "params": params}})

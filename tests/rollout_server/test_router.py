@@ -433,7 +433,7 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
   a session record that is not one (turns of numbers, a list, mixed clocks) turned the
   served turn into a 500 and moved the copy's place past turns never copied."""
   from fastapi import FastAPI
-  from fastapi.responses import JSONResponse
+  from fastapi.responses import JSONResponse, Response
 
   state = {"health": {"status": "ok"}, "health_status": 200, "record": None}
   fake = FastAPI()
@@ -448,6 +448,8 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
 
   @fake.get("/sessions/{session_id}")
   async def record(session_id: str):
+    if state["record"] == "deep":  # (nested past what a JSON reader can read)
+      return Response("[" * 100000 + "]" * 100000, media_type="application/json")
     return JSONResponse(state["record"])
 
   def healthy(c):
@@ -457,7 +459,7 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
       ServerThread(create_router([backend.url], health_interval_s=0.1)) as router:
     c = httpx.Client(base_url=router.url, timeout=60)
     for junk in ({"turns": [1, 2], "count": 2}, [1, 2], {"turns": [], "count": "x"},
-                 {"turns": [{"recorded_at": "late"}], "count": 1}):
+                 {"turns": [{"recorded_at": "late"}], "count": 1}, "deep"):
       state["record"] = junk
       r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"})
       assert r.status_code == 200 and r.json()["output_ids"] == [5], (junk, r.text)
