@@ -35,6 +35,7 @@ import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone
 from rollout_server import anthropic_api
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
@@ -85,7 +86,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                   timeout_s: float = 600.0, turn_timeout_s: float = 3600.0,
                   max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
                   session_max_bytes: Optional[int] = 1 << 30,
-                  max_body_bytes: int = 32 << 20) -> FastAPI:
+                  max_body_bytes: int = ServerConfig.max_body_bytes) -> FastAPI:
   """The router app. It keeps a copy of every session's recorded turns (bounded as a
   server's records are), so a session outlives the backend its turns ran on. A turn
   (generate, chat, messages) is as long as its tokens: its backend is given
@@ -463,7 +464,7 @@ def main(argv=None) -> int:
       allow_abbrev=False, prog="python -m rollout_server.router", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--backends", required=True, help="comma-separated server URLs")
-  p.add_argument("--max-body-bytes", type=int, default=32 << 20,
+  p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                  help="a request body over this is refused (413) before it is parsed; "
                       "as large as the backends' max_body_bytes")
   p.add_argument("--host", default="127.0.0.1")
