@@ -52,7 +52,7 @@ from envs import waits
 from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        json_safe, load_modules, make)
-from jaxagent.serve_http import BodyLimit
+from jaxagent.serve_http import BodyLimit, name_deep_bodies
 from jaxagent.errors import InfraError
 
 
@@ -128,6 +128,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
 
   app = FastAPI(title="jaxagent environment worker", lifespan=lifespan)
   app.add_middleware(BodyLimit, limit=max_body_bytes)
+  name_deep_bodies(app)
 
   starting = {"n": 0}  # sessions being started (their resets under way)
 

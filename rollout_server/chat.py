@@ -15,12 +15,13 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional
 
-from fastapi import HTTPException
+from starlette.exceptions import HTTPException  # (FastAPI's own body errors raise Starlette's)
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import Field
 
+from jaxagent.serve_http import NESTED_TOO_DEEP
 from jaxagent.toolcalls import OPEN, parse_tool_calls
 
 if TYPE_CHECKING:  # (annotations only: the router imports this module without JAX)
@@ -313,7 +314,10 @@ class ShapedErrorsRoute(APIRoute):
         return JSONResponse(self.error(422, message, where[0][0] if where else None),
                             status_code=422)
       except HTTPException as e:
-        return JSONResponse(self.error(e.status_code, str(e.detail), None),
+        message, field = str(e.detail), None
+        if isinstance(e.__cause__, RecursionError):  # (FastAPI said "error parsing the body")
+          message, field = NESTED_TOO_DEEP, "body"
+        return JSONResponse(self.error(e.status_code, message, field),
                             status_code=e.status_code)
       except ValueError as e:
         return JSONResponse(self.error(400, str(e), None), status_code=400)

@@ -280,7 +280,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           refused.append(b)
       try:
         sent = json.loads(body)
-      except ValueError:
+      except (ValueError, RecursionError):
         sent = None
       # Only the policy's update is what a rejoining backend must catch up on (an update
       # of another served model, named in "model", is passed on, not pinned).

@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxagent.config import ServerConfig
-from jaxagent.serve_http import BodyLimit, client_gone
+from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
 from jaxagent.tokenizer import Tokenizer, renders_tools
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
@@ -257,6 +257,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   (`jaxagent.checkpoint.export_id`), which /health says while they are served."""
   app = FastAPI(title="jaxagent rollout server")
   app.add_middleware(BodyLimit, limit=max_body_bytes)
+  name_deep_bodies(app)
   models = dict(models or {})
   if model_name in models:
     raise ValueError(f"models: {model_name!r} is the policy's name")

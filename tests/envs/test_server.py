@@ -352,12 +352,12 @@ def test_waiting_for_a_sandbox_slot_is_not_charged_to_the_deadline():
 
 
 def test_request_bodies_are_capped():
-  app = create_app(EnvResources(sandboxes=1), max_body_bytes=1000)
+  app = create_app(EnvResources(sandboxes=1), max_body_bytes=4000)
   with ServerThread(app) as srv:
     sid = httpx.post(f"{srv.url}/sessions", json={"task": {"id": "g", "env": "guess_number"}}
                      ).json()["session_id"]
     r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "8" * 5000})
-    assert r.status_code == 413 and "1000 bytes" in r.text
+    assert r.status_code == 413 and "4000 bytes" in r.text
 
     def chunks():  # no Content-Length: counted as it streams
       yield b'{"action": "'
@@ -368,6 +368,10 @@ def test_request_bodies_are_capped():
     r = httpx.post(f"{srv.url}/sessions/{sid}/step", content=chunks(),
                    headers={"content-type": "application/json"})
     assert r.status_code == 413
+    deep = b'{"action": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", content=deep,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["detail"] == "body: JSON nested too deep to read"
     r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "8"})
     assert r.status_code == 200 and httpx.get(f"{srv.url}/health").json()["status"] == "ok"
 

@@ -85,6 +85,11 @@ def test_update_weights_goes_to_every_backend(random_params, tokenizer, tmp_path
     assert [x["body"]["version"] for x in r.json()["results"]] == [5, 5]
     for s in servers:
       assert httpx.get(f"{s.url}/health").json()["version"] == 5
+    # A body nested past reading: each backend's 400, passed on (it was the router's 500).
+    r = httpx.post(f"{router.url}/update_weights", content=b"[" * 5000 + b"]" * 5000,
+                   headers={"content-type": "application/json"}, timeout=120)
+    assert r.status_code == 502 and [x["status"] for x in r.json()["results"]] == [400, 400]
+    assert "nested too deep" in r.text and r.json()["version"] == 5
 
 
 def _start_server_process(port: int) -> subprocess.Popen:
