@@ -35,14 +35,26 @@ def _auto_detectable() -> bool:
           or "OMPI_COMM_WORLD_SIZE" in os.environ)
 
 
+HEARTBEAT_TIMEOUT_S = 100  # (jax.distributed's default)
+
+
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None) -> bool:
+               process_id: Optional[int] = None,
+               heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
   """Joins the run's processes if this is one of several; returns whether it did.
 
   Must run before anything touches a JAX device. Raises `ValueError` naming what
-  is missing when only some of the three settings are given.
+  is missing when only some of the three settings are given. `heartbeat_timeout_s`:
+  how long the coordination service waits for a silent process (one killed while the
+  others wait in a collective that does not fail on it, or stopped) before it stops
+  the run.
   """
   import jax
+
+  if isinstance(heartbeat_timeout_s, bool) or not (
+      isinstance(heartbeat_timeout_s, int) and heartbeat_timeout_s >= 1):
+    raise ValueError(f"heartbeat timeout {heartbeat_timeout_s!r}: a whole number of "
+                     "seconds, at least 1")
 
   coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
   if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
@@ -62,10 +74,11 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
       raise ValueError(f"process_id {process_id} is not in [0, {num_processes})")
     if num_processes == 1:
       return False
-    jax.distributed.initialize(coordinator, num_processes, process_id)
+    jax.distributed.initialize(coordinator, num_processes, process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
     return True
   if _auto_detectable():
-    jax.distributed.initialize()
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
     return True
   return False
 

@@ -432,6 +432,15 @@ def check_advantage_config(cfg: AdvantageConfig) -> None:
     raise ValueError("advantage.estimator opd needs advantage.teacher (a served model's name)")
 
 
+def baseline_share(groups: list[Group], cfg: AdvantageConfig) -> Optional[list]:
+  """What these episodes add to a step-wide baseline over several processes' episodes
+  (`baseline: batch`; what `compute_advantages` gathers), or None."""
+  if cfg.baseline != "batch":
+    return None
+  return [list(map(float, e.turn_rewards)) if cfg.estimator == "chunk" else float(e.reward)
+          for g in groups for e in g.episodes]
+
+
 def compute_advantages(groups: list[Group], cfg: AdvantageConfig,
                        gather: Optional[Callable[[Any], tuple[list, int]]] = None) -> None:
   """Sets `advantages` on every segment of the groups' episodes (host side).
@@ -451,8 +460,7 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig,
   before: list = []
   after: list = []
   if cfg.baseline == "batch" and gather is not None:
-    parts, me = gather([list(map(float, e.turn_rewards)) if cfg.estimator == "chunk"
-                        else float(e.reward) for e in episodes])
+    parts, me = gather(baseline_share(groups, cfg))
     before = [x for p in parts[:me] for x in p]
     after = [x for p in parts[me + 1:] for x in p]
   if not episodes:
@@ -520,19 +528,14 @@ def _first_tokens(training: dict, n: int) -> dict:
           for k, v in training.items()}
 
 
-def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
-               pad_id: int, row_multiple: int = 1,
-               agree_rows: Optional[Callable[[int], int]] = None, with_ref: bool = False,
-               gather: Optional[Callable[[Any], tuple[list, int]]] = None
-               ) -> tuple[TrajectoryBatch, dict]:
-  """Advantages, then packing (first-fit decreasing) into at most `rows` x `seq_len`,
-  trimmed to the smallest row count of the ladder that holds what was packed (a
-  multiple of `row_multiple`: the learner's batch shards x microbatches); reports what
-  did not fit (`overflow`), the segments cut to `seq_len` (`too_long`) and the fraction
-  of token slots filled. `agree_rows` maps this
-  packing's rows to the rows every process of a multi-process run uses (the max);
-  `with_ref`: the batch carries `ref_logp` (scored by a served reference); `gather`:
-  see `compute_advantages`."""
+def pack_groups(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
+                pad_id: int, row_multiple: int = 1, with_ref: bool = False,
+                gather: Optional[Callable[[Any], tuple[list, int]]] = None
+                ) -> tuple[TrajectoryBatch, dict]:
+  """This process's part of `make_batch`: advantages, then packing (first-fit decreasing)
+  into the ladder's largest row count; `info["rows"]` is how many rows its segments fill
+  (`trim_batch` cuts the batch to its shape). Nothing here meets the other processes but
+  `gather` (see `compute_advantages`)."""
   compute_advantages(groups, cfg, gather)
   segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
   # A segment longer than a row trains its first `seq_len` tokens (with its episode's
@@ -546,10 +549,34 @@ def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: in
   batch, placed = pack([_first_tokens(s.to_training(), seq_len) for s in segments], max_rows,
                        seq_len, pad_id, decreasing=True, with_ref=with_ref)
   used_rows = int(placed.max()) + 1 if len(placed) and placed.max() >= 0 else 1
-  if agree_rows is not None:
-    used_rows = agree_rows(used_rows)
-  batch = take_rows(batch, batch_rows(used_rows, rows, row_multiple))
   used = [s for s, p in zip(segments, placed) if p >= 0]
   return batch, {"segments": len(used), "too_long": len(too_long),
                  "overflow": int((placed < 0).sum()), "used_segments": used,
-                 "fill": float(np.mean(batch.segment_ids > 0))}
+                 "rows": used_rows}
+
+
+def trim_batch(batch: TrajectoryBatch, info: dict, used_rows: int, rows: int,
+               row_multiple: int = 1) -> tuple[TrajectoryBatch, dict]:
+  """A packed batch cut to the smallest row count of the ladder that holds `used_rows`
+  (its own `info["rows"]`, or every process's largest), with the fraction filled."""
+  batch = take_rows(batch, batch_rows(used_rows, rows, row_multiple))
+  return batch, {**info, "fill": float(np.mean(batch.segment_ids > 0))}
+
+
+def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: int,
+               pad_id: int, row_multiple: int = 1,
+               agree_rows: Optional[Callable[[int], int]] = None, with_ref: bool = False,
+               gather: Optional[Callable[[Any], tuple[list, int]]] = None
+               ) -> tuple[TrajectoryBatch, dict]:
+  """Advantages, then packing (first-fit decreasing) into at most `rows` x `seq_len`,
+  trimmed to the smallest row count of the ladder that holds what was packed (a
+  multiple of `row_multiple`: the learner's batch shards x microbatches); reports what
+  did not fit (`overflow`), the segments cut to `seq_len` (`too_long`) and the fraction
+  of token slots filled. `agree_rows` maps this
+  packing's rows to the rows every process of a multi-process run uses (the max);
+  `with_ref`: the batch carries `ref_logp` (scored by a served reference); `gather`:
+  see `compute_advantages`."""
+  batch, info = pack_groups(groups, cfg, rows, seq_len, pad_id, row_multiple, with_ref,
+                            gather)
+  used_rows = info["rows"] if agree_rows is None else agree_rows(info["rows"])
+  return trim_batch(batch, info, used_rows, rows, row_multiple)

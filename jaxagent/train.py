@@ -51,8 +51,8 @@ from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_le
                               token_staleness_metrics)
 from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.models.sharding import make_mesh, select_devices
-from jaxagent.scheduler import (RolloutScheduler, check_advantage_config, episode_index,
-                                make_batch)
+from jaxagent.scheduler import (RolloutScheduler, baseline_share, check_advantage_config,
+                                episode_index, pack_groups, trim_batch)
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE
 from jaxagent.trajectory import dump_segments
 from jaxagent.wal import TokenWAL, take_replay
@@ -78,6 +78,11 @@ def parse_args(argv=None):
   g.add_argument("--coordinator", help="HOST:PORT of process 0's coordinator")
   g.add_argument("--num-processes", type=int, help="processes in the run")
   g.add_argument("--process-id", type=int, help="this process's index")
+  g.add_argument("--heartbeat-timeout", type=int, default=distributed.HEARTBEAT_TIMEOUT_S,
+                 metavar="SECONDS",
+                 help="how long the run waits for a process gone silent (killed inside "
+                      "the learner's step, stopped, its host lost) before every process "
+                      "stops for a resume (default %(default)s)")
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=3e-4")
   return config_lib.parse_with_overrides(p, argv)
 
@@ -1005,23 +1010,22 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     saves_begun.append(step)
 
   n_proc = jax.process_count()
-  # A step-wide advantage baseline spans every process's episodes.
-  gather = (lambda value: (distributed.gather_json(value), jax.process_index())) if multi \
-      else None
+  rows_here, row_multiple = cfg.data.rows // n_proc, learner.row_multiple // n_proc
 
-  def learn(state, accepted):
-    """Packs the groups and runs one train step to completion (in a worker thread).
-    With several processes each packs its own groups into its share of the rows; they
-    agree on the row count (and on skipping a step nobody has data for)."""
-    batch, info = make_batch(accepted, cfg.advantage, cfg.data.rows // n_proc,
-                             cfg.data.seq_len, tokenizer.pad_id,
-                             learner.row_multiple // n_proc,
-                             agree_rows=distributed.agree_max if multi else None,
-                             with_ref="ref_logp" in scorers, gather=gather)
-    if distributed.agree_max(info["segments"]) == 0:
-      return state, None, batch, info
+  def pack(accepted, shares):
+    """This process's groups packed into its share of the rows (in a worker thread). A
+    step-wide advantage baseline spans every process's episodes: `shares`, what each
+    process's episodes add to it (`baseline_share`, told at the rollouts' agreement;
+    None alone)."""
+    gather = None if shares is None else (lambda value: (shares, jax.process_index()))
+    return pack_groups(accepted, cfg.advantage, rows_here, cfg.data.seq_len,
+                       tokenizer.pad_id, row_multiple, with_ref="ref_logp" in scorers,
+                       gather=gather)
+
+  def learn(state, batch):
+    """One train step to completion (in a worker thread)."""
     state, m = learner.step(state, batch, ref_params)
-    return state, {k: float(v) for k, v in jax.device_get(m).items()}, batch, info
+    return state, {k: float(v) for k, v in jax.device_get(m).items()}
 
   step = first_step = int(state.step)
   recorded = step  # the last step whose metrics row and trajectories are written
@@ -1117,14 +1121,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       # nor played again)
       try:
         if multi:  # (every process goes into the step's collectives)
+          share = None  # (this process's part of a step-wide baseline)
           try:  # (the episodes' own errors: told to the others before the collectives)
             accepted, taken = await scheduler.next_groups()
             played += taken
             scored = (await score_segments(serving.client, accepted, scorers,
                                            learner_cfg.temperature) if scorers else {})
+            share = baseline_share(accepted, cfg.advantage)
           except Exception as e:
             hold(e)
-          await agree("rollouts")
+          shares = [g["share"] for g in await agree("rollouts", share=share)]
         else:  # a stop while the step's rollouts run: no step is under way, none waited for
           got = await unless_stopped(scheduler.next_groups(), stopping)
           if got is None:
@@ -1140,7 +1146,25 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         t0 = time.perf_counter()
         # Batching, the step and reading its metrics run off the event loop, which keeps
         # serving episodes' turns and environment steps meanwhile (asynchrony).
-        state, m, batch, info = await loop.run_in_executor(None, learn, state, accepted)
+        if multi:  # the processes agree on the rows (and on skipping a step nobody has
+          # data for); this one's error packing its groups is told there, before the
+          # step's collectives (raised at once, it went to its final save while the
+          # others were in them: all hung until the coordination service's abort)
+          packed = None
+          try:
+            packed = await loop.run_in_executor(None, pack, accepted, shares)
+          except Exception as e:
+            hold(e)
+          got = await agree("batch", **({"rows": 0, "segments": 0} if packed is None else {
+              "rows": packed[1]["rows"], "segments": packed[1]["segments"]}))
+          used_rows, segments = max(g["rows"] for g in got), sum(g["segments"] for g in got)
+        else:
+          packed = await loop.run_in_executor(None, pack, accepted, None)
+          used_rows, segments = packed[1]["rows"], packed[1]["segments"]
+        batch, info = trim_batch(*packed, used_rows, rows_here, row_multiple)
+        m = None
+        if segments:
+          state, m = await loop.run_in_executor(None, learn, state, batch)
       except BaseException:
         scheduler.put_back(accepted)
         raise
@@ -1470,7 +1494,8 @@ def main(argv=None) -> int:
           "check", file=sys.stderr)
     return 2
   try:
-    multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   args.heartbeat_timeout)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -67,6 +67,8 @@ def test_partial_multi_process_settings_are_named():
   with pytest.raises(ValueError, match="not in"):
     distributed.initialize("127.0.0.1:1234", 2, 2)
   assert distributed.initialize(None, None, None) is False
+  with pytest.raises(ValueError, match="heartbeat timeout 0: a whole number of seconds"):
+    distributed.initialize("127.0.0.1:1234", 2, 0, heartbeat_timeout_s=0)
 
 
 def _start_two(tmp_path, tag, *args, env=None):
@@ -126,6 +128,35 @@ def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   assert rows[2]["reward_mean"] == before[2]["reward_mean"]
 
 
+def test_a_silent_process_stops_the_run_within_the_heartbeat_timeout(tmp_path):
+  """A process gone silent (stopped: its host frozen, or killed inside the learner's
+  step, whose collective waits on it) stops the others after `--heartbeat-timeout`
+  (JAX's 100 s was the only setting: a kill inside the step took 85 s)."""
+  import signal
+  import time
+
+  run_dir = tmp_path / "run"
+  procs = _start_two(tmp_path, "p", "steps=500", "checkpoint.every_steps=100",
+                     "checkpoint.export_every=0", "--heartbeat-timeout", "5")
+  metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
+  try:
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+      assert all(p.poll() is None for p in procs) and time.time() < deadline
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGSTOP)
+    t0 = time.time()
+    procs[0].wait(timeout=90)
+    took = time.time() - t0
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  out = (tmp_path / "p0.log").read_text()
+  assert procs[0].returncode != 0, out[-3000:]
+  assert "stopped sending heartbeats" in out, out[-3000:]
+  assert took < 45, took  # (5 s of silence, then the coordination service's poll)
+
+
 def _two_process_run(tmp_path, *args, env=None, timeout=240):
   """`_start_two` to the end: (return codes, logs)."""
   procs = _start_two(tmp_path, "p", *args, env=env)
@@ -138,11 +169,12 @@ def _two_process_run(tmp_path, *args, env=None, timeout=240):
   return [p.returncode for p in procs], [(tmp_path / f"p{i}.log").read_text() for i in (0, 1)]
 
 
-@pytest.mark.parametrize("where", ["env", "records"])
+@pytest.mark.parametrize("where", ["env", "batch", "records"])
 def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint(
     tmp_path, where):
   """One process meets an error of its own: an environment's bug while its episodes
-  play (process 1, some steps in), or a full disk as it writes the last step's records
+  play (process 1, some steps in), a bug packing its batch (process 1, step 3: before
+  the step's collectives), or a full disk as it writes the last step's records
   (process 0, after the step's update). It stops saying so, the other at the same point
   saying which process failed and why, with the same exit code (1 a bug, 3 the
   infrastructure's), and the two save the checkpoint of the last step together (alone,
@@ -152,12 +184,14 @@ def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint
   inside the final save: no checkpoint)."""
   import time
 
-  bad, good = (1, 0) if where == "env" else (0, 1)
+  bad, good = (0, 1) if where == "records" else (1, 0)
   t0 = time.time()
   codes, outs = _two_process_run(
-      tmp_path, "steps=500" if where == "env" else "steps=2", "checkpoint.every_steps=100",
-      "checkpoint.export_every=0", "env.imports=[tests.distributed.bug_on_one]",
-      env={"BUG_PROCESS": str(bad), "BUG_IN": where, "BUG_AFTER": "150", "BUG_STEP": "2"})
+      tmp_path, {"env": "steps=500", "batch": "steps=5", "records": "steps=2"}[where],
+      "checkpoint.every_steps=100", "checkpoint.export_every=0",
+      "env.imports=[tests.distributed.bug_on_one]",
+      env={"BUG_PROCESS": str(bad), "BUG_IN": where, "BUG_AFTER": "150",
+           "BUG_STEP": "3" if where == "batch" else "2"})
   took = time.time() - t0
   log = outs[0][-3000:] + outs[1][-3000:]
   if where == "env":
@@ -166,6 +200,10 @@ def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint
     assert "Traceback" in outs[bad], log
     told = ("RuntimeError: an episode raised ZeroDivisionError at "
             "tests/distributed/bug_on_one.py")
+  elif where == "batch":
+    assert codes == [1, 1], log
+    assert "IndexError: a bug packing one process's batch" in outs[bad], log
+    told = "IndexError: a bug packing one process's batch"
   else:
     assert codes == [3, 3], log
     assert "(No space left on device); the disk is full" in outs[bad], log
@@ -177,6 +215,8 @@ def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint
   rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   last = rows[-1]["step"]
   assert last >= (1 if where == "env" else 2)
+  if where == "batch":
+    assert last == 2
   assert [r["step"] for r in rows] == list(range(1, last + 1))
   assert os.listdir(run_dir / "checkpoints") == [str(last)]  # saved by both together
   assert took < 200, took  # (not the coordination service's minutes)

@@ -66,13 +66,13 @@ elif os.environ.get("KILL_AT") == "exportfail":
   train.export_policy = export_or_fail
 elif os.environ.get("KILL_AT") == "batchfail":
   # Step 4's batch cannot be made (a bug): after its groups were taken for it.
-  make_batch, calls = train.make_batch, []
-  def make_batch_or_fail(*args, **kwargs):
+  pack_groups, calls = train.pack_groups, []
+  def pack_or_fail(*args, **kwargs):
     calls.append(1)
     if len(calls) == 4:
       raise RuntimeError("a bug in making step 4's batch")
-    return make_batch(*args, **kwargs)
-  train.make_batch = make_batch_or_fail
+    return pack_groups(*args, **kwargs)
+  train.pack_groups = pack_or_fail
 elif os.environ.get("KILL_AT") == "save":
   save, saves = checkpoint.RunCheckpointer.save, []
   def save_then_die(self, step, *args, **kwargs):

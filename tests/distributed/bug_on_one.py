@@ -2,7 +2,9 @@
 meets an error of its own. `BUG_IN=env` (the default): guess_number's step raises a
 bug from its `BUG_AFTER`-th call on (default 150: a few steps in), as an environment's
 own bug would, while that process's episodes play. `BUG_IN=records`: the write of step
-`BUG_STEP`'s trajectories fails once, the disk full (after the step's update)."""
+`BUG_STEP`'s trajectories fails once, the disk full (after the step's update).
+`BUG_IN=batch`: packing step `BUG_STEP`'s batch raises a bug (before the step's
+collectives)."""
 
 import errno
 import os
@@ -41,3 +43,14 @@ if os.environ.get("BUG_IN") == "records" and hasattr(_train, "dump_segments"):
     return _dump(path, segments, step, *args)
 
   _train.dump_segments = dump_segments
+
+if os.environ.get("BUG_IN") == "batch" and hasattr(_train, "pack_groups"):
+  _pack, _packs = _train.pack_groups, [0]
+
+  def pack_groups(*args, **kwargs):
+    _packs[0] += 1
+    if _here() and _packs[0] == int(os.environ["BUG_STEP"]):
+      raise IndexError("a bug packing one process's batch")
+    return _pack(*args, **kwargs)
+
+  _train.pack_groups = pack_groups
