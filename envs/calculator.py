@@ -19,6 +19,7 @@ import operator
 import random
 import re
 
+from envs import pyparse
 from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register)
 from envs.tools import Tool, ToolSet
 
@@ -78,7 +79,7 @@ def safe_eval(expression: str) -> float | int:
     raise ValueError(f"unsupported syntax: {ast.dump(node)[:60]}")
 
   try:
-    tree = ast.parse(expression, mode="eval")
+    tree = pyparse.parse(expression, mode="eval")
   except SyntaxError as e:
     raise ValueError(f"not an arithmetic expression: {e.msg}") from None
   return ev(tree)

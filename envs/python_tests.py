@@ -25,7 +25,7 @@ import tokenize
 import unicodedata
 from typing import Optional
 
-from envs import waits
+from envs import pyparse, waits
 from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict,
                        VerdictStatus, register)
 from envs.python_tasks_data import TASKS, _function_name, as_tests
@@ -111,15 +111,35 @@ def _names(tree: ast.AST):
           yield name
 
 
-def _names_in(text: str, depth: int = 0) -> tuple[list[str], list[str]]:
+# The most text the source checks read, every file's and what its strings hold as
+# Python read again: a solution to these tasks is a few KiB. Unbounded, the checks'
+# own time (about 5 s a MiB of short lines here) let a policy push a wrong answer's
+# verify past the worker's deadline, an infrastructure error (a re-roll, never a
+# penalty), with one tool call writing padding (red team 16).
+MAX_CHECKED_CHARS = 1 << 18
+
+
+class _TooMuchToCheck(Exception):
+  pass
+
+
+def _spend(budget: list, n: int) -> None:
+  budget[0] -= n
+  if budget[0] < 0:
+    raise _TooMuchToCheck
+
+
+def _names_in(text: str, budget: list, depth: int = 0) -> tuple[list[str], list[str]]:
   """(The names `text` uses as Python, the names its strings hold as Python). A string
   can name things (`globals()[...]`, `setattr`, `exec`): one that is not ASCII is read
   as Python in turn (indented too), four levels down, and one that is a name is one.
   Text that is not Python (a syntax newer than this host's, prose) gives its name
-  tokens; a leading BOM is skipped, as Python does."""
+  tokens; a leading BOM is skipped, as Python does. Every text read is taken from
+  `budget` ([characters left]; `_TooMuchToCheck` past it)."""
   source = text[1:] if text.startswith("\ufeff") else text
+  _spend(budget, len(source))
   try:
-    tree = ast.parse(textwrap.dedent(source) if depth else source)
+    tree = pyparse.parse(textwrap.dedent(source) if depth else source)
   except (SyntaxError, ValueError, RecursionError, MemoryError):
     return _name_tokens(source), []
   own, held = list(_names(tree)), []
@@ -128,7 +148,7 @@ def _names_in(text: str, depth: int = 0) -> tuple[list[str], list[str]]:
       if node.value.isidentifier():
         held.append(node.value)
       elif depth < 4 and not node.value.isascii():
-        inner = _names_in(node.value, depth + 1)
+        inner = _names_in(node.value, budget, depth + 1)
         held += inner[0] + inner[1]
   return own, held
 
@@ -155,9 +175,9 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   or a slice of them), may use names of any script, but not one that reads as another
   name of these files, a builtin or a keyword: prose is not refused for its words."""
   ascii_names = set(dir(builtins)) | set(keyword.kwlist)
-  elsewhere = []
+  elsewhere, budget = [], [MAX_CHECKED_CHARS]
   for name, text in files.items():
-    own, held = _names_in(text)
+    own, held = _names_in(text, budget)
     if name.endswith(".py"):
       odd = next((n for n in own if not n.isascii()), None)
       if odd is not None:
@@ -196,8 +216,12 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   declare another source encoding (PEP 263: Python would run what a `# coding: utf-7`
   line decodes, and a loader can run any file as source, while the judge sees the raw
   text, so a hard-coded answer could hide in a comment). `module` must not be both a
-  package and a module (the package is what Python imports)."""
-  texts = {}
+  package and a module (the package is what Python imports). The files hold at most
+  `MAX_CHECKED_CHARS` of text to check, their strings read as Python counted again."""
+  texts, checked = {}, 0
+  too_much = (f"the files hold more than {MAX_CHECKED_CHARS} characters to check (what "
+              "their strings hold as Python counted again): a solution here is graded "
+              "from at most that")
   for name, data in files.items():
     try:
       name.encode("utf-8")
@@ -211,6 +235,9 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
       text = texts[name] = data.decode("utf-8")
     except UnicodeDecodeError:
       return f"{name} is not UTF-8 text"
+    checked += len(text)
+    if checked > MAX_CHECKED_CHARS:
+      return too_much
     if _BIDI.search(text):
       return f"{name} holds Unicode bidirectional controls"
     odd = _unnormalized_char(text)  # in any file: a loader can run any file as source
@@ -223,7 +250,10 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
         return f"{name} declares the source encoding {m.group(1).decode()!r} (only UTF-8)"
   if f"{module}.py" in files and f"{module}/__init__.py" in files:
     return f"{module} is both a module and a package"
-  return _misread_name(texts)
+  try:
+    return _misread_name(texts)
+  except _TooMuchToCheck:
+    return too_much
 
 
 def _output(result) -> str:
@@ -244,7 +274,8 @@ class PythonTests(Env):
   # 4: look-alike names refused; the judge's file headers are tagged. 5: stronger hidden
   # cases (each task's hold its public example); max_of_list may use max(). 6: no name
   # reads as another (a .py file's own are ASCII; look-alikes in strings, other files).
-  version = "6"
+  # 7: the files fail past MAX_CHECKED_CHARS of text to check.
+  version = "7"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

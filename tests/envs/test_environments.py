@@ -668,3 +668,69 @@ def test_names_are_checked_in_python_this_host_cannot_parse():
   assert source_problem({"solution.py": newer.encode()}) is None
   look_alike = newer + "def \u0456s_prime(n):\n    return all(n % d for d in range(2, n))\n"
   assert "'\\u0456s_prime' is not ASCII" in source_problem({"solution.py": look_alike.encode()})
+
+
+def test_the_source_checks_read_a_bounded_amount_of_text():
+  """What the checks read is bounded, strings read again as Python counted with their
+  files (red team 16: about 5 s a MiB, unbounded); a solution well under it passes."""
+  from envs.python_tests import MAX_CHECKED_CHARS, source_problem
+
+  fine = GOOD_ADD + "# " + "x" * (MAX_CHECKED_CHARS // 2) + "\n"
+  assert source_problem({"solution.py": fine.encode()}) is None
+  # Under the bound as written, over it with what its string holds read again.
+  held = "s = " + repr("\u00e9 = 1\n" * (MAX_CHECKED_CHARS // 12)) + "\n"
+  assert len(GOOD_ADD + held) < MAX_CHECKED_CHARS
+  said = source_problem({"solution.py": (GOOD_ADD + held).encode(),
+                         "more.py": held.encode()})
+  assert said is not None and "characters to check" in said, said
+  files = {f"pad{i}.txt": b"x" * (MAX_CHECKED_CHARS // 3) for i in range(4)}
+  assert "characters to check" in source_problem({"solution.py": GOOD_ADD.encode(), **files})
+
+
+def test_python_is_parsed_safely_from_several_threads():
+  """CPython 3.11 builds syntax trees with an interpreter-wide recursion counter: two
+  threads parsing while the garbage collector frees files in cycles (a busy worker's
+  garbage) raised `SystemError: AST constructor recursion depth mismatch` from a source
+  check, an infrastructure error for a wrong answer, or an agent's run stopped (red team
+  16: 17 in 5 s here). The checks and the calculator parse one at a time."""
+  import threading
+  import time
+
+  from envs.calculator import safe_eval
+  from envs.python_tests import source_problem
+
+  source = ("def f(a):\n  return [(x, {y: (z,)}) for x in a for y in x for z in y]\n" * 400
+            ).encode()
+
+  class Cycle:  # garbage whose collection closes a file (releasing the GIL)
+    def __init__(self):
+      self.me, self.file = self, open(os.devnull, "rb")
+
+  stop, errors = threading.Event(), []
+
+  def litter():
+    while not stop.is_set():
+      for _ in range(50):
+        Cycle()
+      time.sleep(0.0005)
+
+  def check(work):
+    end = time.time() + 3
+    while time.time() < end:
+      try:
+        work()
+      except Exception as e:  # noqa: BLE001 (every error is the finding)
+        errors.append(repr(e))
+
+  threads = [threading.Thread(target=litter)] + [
+      threading.Thread(target=check, args=(lambda: source_problem({"solution.py": source}),))
+      for _ in range(2)] + [threading.Thread(target=check, args=(
+          lambda: safe_eval("((1 + 2) * (3 - 4)) / 5 + " * 6 + "1"),))]
+  for t in threads[1:]:
+    t.start()
+  threads[0].start()
+  for t in threads[1:]:
+    t.join()
+  stop.set()
+  threads[0].join()
+  assert errors == [], errors[:3]

@@ -105,6 +105,35 @@ def test_python_tests_over_the_service(worker):
   assert asyncio.run(go()).status == VerdictStatus.PASS
 
 
+def test_a_wrong_answer_padded_past_what_the_checks_read_fails_over_the_service(worker):
+  """A wrong solution and a megabyte of short non-ASCII lines beside it (one tool call):
+  the source checks read every file, each string again, about 5 s a MiB, which took the
+  verify past the worker's deadline: a 504, an infrastructure error, a re-roll the
+  policy could buy on every answer it doubted (red team 16). Past what the checks read
+  (`MAX_CHECKED_CHARS`), the answer fails, at once."""
+  pad = ("body = (\"'\\u00e9;'\\n\" * (1 << 17)).encode()\n"
+         "for i in range(2):\n    open(f'pad{i}.py', 'wb').write(body)\n")
+
+  async def go():
+    env = RemoteEnv(worker.url)
+    await env.reset(TaskSpec("p", "python_tests", {"task": "is_even"}))
+    calls = [json.dumps({"name": "write_file", "arguments": {
+        "path": "solution.py", "content": "def is_even(n):\n    return True\n"}}),
+        json.dumps({"name": "run_python", "arguments": {"code": pad}})]
+    await env.step("".join(f"<tool_call>{c}</tool_call>" for c in calls))
+    await env.step("DONE")
+    t0 = time.perf_counter()
+    verdict = await env.verify()
+    took = time.perf_counter() - t0
+    await env.aclose()
+    return verdict, took
+
+  verdict, took = asyncio.run(go())
+  assert verdict.status == VerdictStatus.FAIL and verdict.reward == 0.0
+  assert "characters to check" in verdict.details.get("reason", ""), verdict.details
+  assert took < 1.5, took
+
+
 def test_a_solution_raising_a_lone_surrogate_fails_over_the_service(worker):
   """A wrong solution whose error holds a lone surrogate (`raise ValueError("\\ud800")`,
   or at import) made the worker's verdict unencodable as UTF-8: a 500, so an
