@@ -547,6 +547,9 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     raise _error(e, schema, path or "config", layers[-1]) from None
   except OSError as e:
     raise ConfigError(f"cannot read config file {path}: {e}") from None
+  except UnicodeDecodeError as e:  # (was a traceback)
+    raise ConfigError(f"cannot read config file {path}: not UTF-8 text (byte {e.start}: "
+                      f"{e.reason})") from None
   except yaml.YAMLError as e:  # malformed YAML: where, in one line
     mark = getattr(e, "problem_mark", None)
     where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -565,6 +568,32 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     return OmegaConf.to_object(merged)
   except oc_errors.OmegaConfBaseException as e:
     raise _error(e, schema, path or "config") from None
+
+
+def check_engine(e: EngineConfig, key: str) -> None:
+  """The engine's sizes, each named under `key` when out of range (a 0 or a negative one
+  was a ZeroDivisionError, a shape error from the device, or a run that hung while
+  every request failed: red team 15)."""
+  at_least_one = ("slots", "max_prefill_length", "max_seq_len", "min_prefill_bucket",
+                  "prefill_rows", "max_queue", "page_size", "pages_per_block", "decode_steps")
+  not_negative = ("prefix_cache_tokens", "kv_pages", "prefill_chunk", "speculative_tokens")
+  for name in at_least_one + not_negative:
+    least = 1 if name in at_least_one else 0
+    if getattr(e, name) < least:
+      zero = {"kv_pages": " (0: sized for every slot)", "prefill_chunk": " (0: whole prompts)",
+              "prefix_cache_tokens": " (0: no prefix cache)",
+              "speculative_tokens": " (0: off)"}.get(name, "")
+      raise ConfigError(f"{key}.{name} must be >= {least}{zero}, got {getattr(e, name)}")
+
+
+def check_mesh(m: MeshConfig, key: str = "mesh") -> None:
+  """The mesh's axes: each >= 1, `data` -1 for the devices fsdp x tensor leave."""
+  if not (m.data == -1 or m.data >= 1):
+    raise ConfigError(f"{key}.data must be >= 1, or -1 (every device fsdp x tensor leave), "
+                      f"got {m.data}")
+  for name in ("fsdp", "tensor"):
+    if getattr(m, name) < 1:
+      raise ConfigError(f"{key}.{name} must be >= 1, got {getattr(m, name)}")
 
 
 def parse_with_overrides(parser, argv: Optional[Sequence[str]] = None):

@@ -39,6 +39,12 @@ class RunWriteFailed(RuntimeError):
   going on with what it cannot keep; not a bug of the code, and no episode's fault."""
 
 
+class NonFiniteUpdate(RuntimeError):
+  """A train step's loss or gradient norm is not finite: its weights are not kept,
+  checkpointed nor served (a nan `advantage.gamma` trained every weight to nan and the
+  run saved them as a checkpoint, exit 0: red team 15)."""
+
+
 class PeerLost(RuntimeError):
   """Another process of a multi-process run is gone (killed, crashed, preempted): this
   one cannot go on (every step's collectives need them all) nor save (a checkpoint is

@@ -132,21 +132,70 @@ class MetricsWriter:
       self._tb.close()
 
 
+class RecordsDamaged(ValueError):
+  """A run's record file damaged before its end (a kill cuts only its last line)."""
+
+
+def _record_rows(path: str):
+  """The rows of a run's JSONL record file (gzipped if it ends in .gz). A last line or
+  gzip member a kill cut short ends them; anything else that does not read (a line
+  with rows after it, a row that is not an object or whose step is not a number, a
+  damaged gzip stream) raises `RecordsDamaged`: the rows after it are not dropped."""
+  import gzip
+  import zlib
+
+  from jaxagent.trajectory import open_jsonl
+
+  name = os.path.basename(path)
+  n, cut = 0, None
+
+  def damaged(why: str) -> RecordsDamaged:
+    return RecordsDamaged(f"{name}: {why}: the file is damaged (a kill cuts only its last "
+                          "line), and a resume would rewrite it without the rows after "
+                          f"that; repair it or move it aside ({path})")
+
+  with open_jsonl(path) as f:
+    try:
+      for line in f:
+        n += 1
+        if cut is not None:
+          raise damaged(f"line {cut[0]} is not JSON ({cut[1]}) and rows follow it")
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError as e:
+          cut = (n, e.msg)
+          continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(row, dict) or not (
+            step is None or (isinstance(step, int) and not isinstance(step, bool))):
+          raise damaged(f"line {n} is not a row of the run's ({line.strip()[:60]!r})")
+        yield row
+    except EOFError:  # a gzip member cut short by a kill: the end
+      return
+    except (gzip.BadGzipFile, zlib.error, UnicodeDecodeError) as e:
+      raise damaged(f"after line {n}: {type(e).__name__}: {e}") from None
+
+
 def cut_jsonl(path: str, last_step: int) -> int:
   """Rewrites the JSONL file at `path` (gzipped if it ends in .gz) without its rows
   whose `step` is past `last_step` and without what a kill cut short; rows without a
-  step stay. The new file replaces the old in one rename. Returns the rows kept."""
-  from jaxagent.trajectory import open_jsonl, read_jsonl
+  step stay. The new file replaces the old in one rename. Returns the rows kept.
+  A file damaged before its end raises `RecordsDamaged` and is left as it is."""
+  from jaxagent.trajectory import open_jsonl
 
   if not os.path.exists(path):
     return 0
   kept = 0
   tmp = path[:-3] + ".tmp.gz" if path.endswith(".gz") else path + ".tmp"  # same format
-  with open_jsonl(tmp, "w") as dst:
-    for row in read_jsonl(path):
-      if row.get("step") is None or row["step"] <= last_step:
-        dst.write(json.dumps(row) + "\n")
-        kept += 1
+  try:
+    with open_jsonl(tmp, "w") as dst:
+      for row in _record_rows(path):
+        if row.get("step") is None or row["step"] <= last_step:
+          dst.write(json.dumps(row) + "\n")
+          kept += 1
+  except RecordsDamaged:
+    os.remove(tmp)
+    raise
   os.replace(tmp, path)
   return kept
 

@@ -65,6 +65,10 @@ _OUTAGE_HINTS = {
 }
 
 
+class ProducerFailed(RuntimeError):
+  """The async scheduler could not start the next group (a bug)."""
+
+
 @dataclasses.dataclass
 class Group:
   index: int
@@ -217,14 +221,24 @@ class RolloutScheduler:
     return bound + extra + self.replaced
 
   async def _produce(self) -> None:
-    while not self._stop:
-      running = sum(not g.done for g in self.groups.values())
-      in_flight_cap = max(1, self.cfg.max_concurrent_episodes // self.cfg.group_size) * 2
-      if self.started < self._capacity() and running < in_flight_cap:
-        self._start_group()
-        continue
-      self._changed.clear()
-      await self._changed.wait()
+    try:
+      while not self._stop:
+        running = sum(not g.done for g in self.groups.values())
+        in_flight_cap = max(1, self.cfg.max_concurrent_episodes // self.cfg.group_size) * 2
+        if self.started < self._capacity() and running < in_flight_cap:
+          self._start_group()
+          continue
+        self._changed.clear()
+        await self._changed.wait()
+    except asyncio.CancelledError:
+      raise
+    except Exception as e:  # the run stops with it (the producer died in silence, and the
+      # run waited for groups for ever: red team 15's nan redundancy; a bad task line)
+      if self.error is None:
+        self.error = e if isinstance(e, TaskError) else ProducerFailed(
+            f"starting the next group failed: {type(e).__name__}: {e} (a bug)")
+        self.error.__cause__ = e if self.error is not e else None
+      self._changed.set()
 
   def go_on_from(self, version: int, next_group: int, process: int = 0,
                  processes: int = 1) -> None:
@@ -381,7 +395,7 @@ class RolloutScheduler:
     return out
 
   def _raise_error(self) -> None:
-    if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed)):
+    if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed, ProducerFailed)):
       raise self.error
     if self.error is not None:
       task = self.error_task

@@ -42,13 +42,13 @@ from jaxagent.agent import (BLACKBOX_AGENTS, FIRST_PROMPT_TOO_LONG, Episode, run
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
                                  drop_version, drop_versions_after, export_policy,
-                                 quiet_failed_save_noise)
+                                 list_versions, quiet_failed_save_noise)
 from jaxagent.data import task_dataset
-from jaxagent.errors import (InfraError, InfraOutage, PeerFailed, PeerLost, RunWriteFailed,
-                             TaskError, disk_hint)
+from jaxagent.errors import (InfraError, InfraOutage, NonFiniteUpdate, PeerFailed, PeerLost,
+                             RunWriteFailed, TaskError, disk_hint)
 from jaxagent.learner import Learner, loss_notes
-from jaxagent.metrics import (MetricsWriter, cut_jsonl, episode_metrics, plot_learning_curve,
-                              token_staleness_metrics)
+from jaxagent.metrics import (MetricsWriter, RecordsDamaged, cut_jsonl, episode_metrics,
+                              plot_learning_curve, token_staleness_metrics)
 from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.scheduler import (RolloutScheduler, baseline_share, check_advantage_config,
@@ -406,9 +406,29 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
                   "checkpoint.export_every": c.export_every,
                   "checkpoint.canary_tasks": c.canary_tasks,
                   "serving.startup_wait_s": cfg.serving.startup_wait_s}
+  not_negative["agent.keep_last_messages"] = a.keep_last_messages
   for key, value in not_negative.items():
-    if value < 0:
+    if not value >= 0:  # (nan too)
       raise config_lib.ConfigError(f"{key} must be >= 0, got {value}")
+  # (nan passed `< 0` checks: a redundancy of nan killed the async producer, and the run
+  # hung without a word; an infra_grace_s of nan would never let an outage stop it)
+  for key, value in {"rollout.redundancy": r.redundancy, "rollout.infra_grace_s":
+                     r.infra_grace_s, "rollout.retry_backoff_s": r.retry_backoff_s}.items():
+    if not (value >= 0 and math.isfinite(value)):
+      raise config_lib.ConfigError(f"{key} must be a number >= 0, got {value}")
+  if not 0 <= r.max_infra_fraction <= 1:
+    raise config_lib.ConfigError(f"rollout.max_infra_fraction must be in [0, 1] (1: never "
+                                 f"stop), got {r.max_infra_fraction}")
+  adv = cfg.advantage
+  if not 0 <= adv.gamma <= 1:  # (nan trained every weight to nan, saved as a checkpoint)
+    raise config_lib.ConfigError(f"advantage.gamma must be in [0, 1], got {adv.gamma}")
+  if not math.isfinite(adv.opd_coef):
+    raise config_lib.ConfigError(f"advantage.opd_coef must be a finite number, got "
+                                 f"{adv.opd_coef}")
+  config_lib.check_engine(cfg.serving.engine, "serving.engine")
+  config_lib.check_mesh(cfg.mesh)
+  if cfg.env.sandboxes < 1:
+    raise config_lib.ConfigError(f"env.sandboxes must be >= 1, got {cfg.env.sandboxes}")
   positive = {"learner.lr": cfg.learner.lr, "agent.turn_deadline_s": a.turn_deadline_s,
               "agent.episode_deadline_s": a.episode_deadline_s}
   for key, value in positive.items():
@@ -479,21 +499,11 @@ def check_config(cfg: config_lib.RunConfig) -> None:
         f"({a.max_context_tokens}): an episode must fit a row")
   if cfg.rollout.group_size < 2:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
-  if cfg.rollout.redundancy < 0:
-    raise config_lib.ConfigError("rollout.redundancy must be >= 0")
-  if not 0 <= cfg.rollout.max_infra_fraction <= 1:
-    raise config_lib.ConfigError("rollout.max_infra_fraction must be in [0, 1] (1: never "
-                                 f"stop), got {cfg.rollout.max_infra_fraction}")
-  if cfg.rollout.infra_grace_s < 0 or cfg.rollout.retry_backoff_s < 0:
-    raise config_lib.ConfigError("rollout.infra_grace_s and rollout.retry_backoff_s must be "
-                                 ">= 0")
   if cfg.rollout.infra_window < 1:
     raise config_lib.ConfigError(f"rollout.infra_window must be >= 1, got "
                                  f"{cfg.rollout.infra_window}")
   if cfg.rollout.max_sample_rounds < 1:
     raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
-  if cfg.serving.engine.prefill_rows < 1:
-    raise config_lib.ConfigError("serving.engine.prefill_rows must be >= 1")
   kernel = cfg.serving.engine.attention_kernel
   if kernel not in ("auto",) + PAGED_KERNELS:
     raise config_lib.ConfigError(f"serving.engine.attention_kernel: unknown {kernel!r}; one "
@@ -583,12 +593,19 @@ def trajectories_file(run_dir: str, cfg: config_lib.RunConfig) -> str:
 
 def holds_a_run(run_dir: str) -> bool:
   """Whether `run_dir` has a run's records (a new run there would mix into them): a
-  metrics row or a checkpoint. (A run that stopped before its first step left neither:
-  it is started again there.)"""
+  metrics row, a checkpoint, a trajectory segment or a policy export past the first.
+  (A run that stopped before its first step left none: it is started again there.)"""
   ckpts = os.path.join(run_dir, "checkpoints")
-  metrics = os.path.join(run_dir, "metrics.jsonl")
-  return ((os.path.exists(metrics) and os.path.getsize(metrics) > 0)
-          or (os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))))
+  if os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts)):
+    return True
+  names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+  if any((n == "metrics.jsonl" or n.startswith("trajectories."))
+         and os.path.getsize(os.path.join(run_dir, n)) > 0 for n in names):
+    return True
+  try:  # (what a run's learner exports at its start for its servers is version 0)
+    return any(v["version"] > 0 for v in list_versions(os.path.join(run_dir, "policy")))
+  except (OSError, ValueError, KeyError, TypeError):  # a registry that does not read
+    return True
 
 
 def started_a_run(run_dir: str) -> bool:
@@ -607,7 +624,9 @@ def cut_back(run_dir: str, cfg: config_lib.RunConfig, step: int, version: int) -
   """Rewinds what a stopped run wrote after the `step` (and policy `version`) a
   resumed run restores: each process its trajectory segments, process 0 the metrics
   rows and the newer policy exports."""
-  cut_jsonl(trajectories_file(run_dir, cfg), step)
+  path = trajectories_file(run_dir, cfg)
+  for name in (path, path[:-3] if path.endswith(".gz") else path + ".gz"):
+    cut_jsonl(name, step)  # (both: a resume may change trajectories.compress)
   if distributed.is_primary():
     cut_jsonl(os.path.join(run_dir, "metrics.jsonl"), step)
     drop_versions_after(os.path.join(run_dir, "policy"), version)
@@ -736,11 +755,17 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # Stopped before its first checkpoint: it starts again from step 0, the records of
     # the steps it made cut back (its logged episodes are still replayed: same weights).
     print("no checkpoint yet: the run starts again from step 0", flush=True)
-    cut_back(run_dir, cfg, 0, 0)
+    try:
+      cut_back(run_dir, cfg, 0, 0)
+    except RecordsDamaged:
+      ckpt.close()
+      close_envs()
+      raise
   elif resume:
     try:
       state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
-    except CheckpointUnreadable:
+      cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
+    except (CheckpointUnreadable, RecordsDamaged):
       ckpt.close()
       close_envs()
       raise
@@ -751,7 +776,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     saved_canary = meta.get("canary")
     saved_recent = meta.get("stop_window_recent", [])
     next_group = int(meta.get("next_group", 0))
-    cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
     mine = meta.get("pending_tasks_by_process")
     mine = (mine[jax.process_index()] if mine and jax.process_index() < len(mine)
             else meta.get("pending_tasks", []) if distributed.is_primary() else [])
@@ -1023,9 +1047,19 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                        gather=gather)
 
   def learn(state, batch):
-    """One train step to completion (in a worker thread)."""
-    state, m = learner.step(state, batch, ref_params)
-    return state, {k: float(v) for k, v in jax.device_get(m).items()}
+    """One train step to completion (in a worker thread). A step whose loss or gradient
+    norm is not finite raises `NonFiniteUpdate`: its state is never kept (the state it
+    started from was given to it: the run's last checkpoint is what a resume has)."""
+    new, m = learner.step(state, batch, ref_params)
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(m.get(k, 0.0))]
+    if bad:
+      raise NonFiniteUpdate(
+          f"step {int(new.step)}: the " + " and the ".join(
+              f"{k.replace('_', ' ')} is {m[k]}" for k in bad) + " (the update is not "
+          "kept nor checkpointed; learner.lr, learner.max_grad_norm and the advantage "
+          "settings shape it)")
+    return new, m
 
   step = first_step = int(state.step)
   recorded = step  # the last step whose metrics row and trajectories are written
@@ -1086,6 +1120,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   lost: Optional[PeerLost] = None  # another process of the run is gone
   peer_failed: Optional[PeerFailed] = None  # another's error, told at the end
   own_failure: Optional[BaseException] = None  # this one's, told at the end
+  nonfinite = False  # stopped by a step whose update was not finite
   device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
@@ -1292,6 +1327,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       lost = PeerLost(f"another process of the run is gone ({str(e).splitlines()[0][:200]})")
       raise lost from e
     lost = e if isinstance(e, PeerLost) else None
+    nonfinite = isinstance(e, NonFiniteUpdate)
     raise
   finally:
     bar.close()
@@ -1308,7 +1344,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # when the step under way holds the state (stopped at once in the learner's step).
     unsaved = ("another process of the run is gone" if lost is not None else
                f"step {step}'s records were not written" if step != recorded else
-               "the step under way holds the state" if _deleted(state) else None)
+               "the step's update was not finite" if nonfinite
+               else "the step under way holds the state" if _deleted(state) else None)
     failed = ckpt.failed is not None
     if multi and lost is None:  # the final save and export are collectives: all or none
       if signals.get("now"):  # (stopped at once: alone, with no collective)
@@ -1386,7 +1423,7 @@ def exit_code(e: BaseException) -> int:
   (a server, a worker, the disk, a lost process: restarted, it resumes), 1 for a bug."""
   if isinstance(e, PeerFailed):
     return e.code
-  if isinstance(e, (config_lib.ConfigError, TaskError, CheckpointUnreadable)):
+  if isinstance(e, (config_lib.ConfigError, TaskError, CheckpointUnreadable, RecordsDamaged)):
     return 2
   if isinstance(e, (RunWriteFailed, PeerLost, InfraOutage, InfraError)) or (
       isinstance(e, OSError) and disk_hint(e)):
@@ -1505,8 +1542,9 @@ def main(argv=None) -> int:
     return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   if not args.resume and holds_a_run(run_dir):
-    print(f"error: {run_dir} already holds a run (its metrics, checkpoints or policy "
-          "exports): --resume to go on with it, or another --run-dir", file=sys.stderr)
+    print(f"error: {run_dir} already holds a run (its metrics, checkpoints, trajectories "
+          "or policy exports): --resume to go on with it, or another --run-dir",
+          file=sys.stderr)
     return 2
   made = not os.path.isdir(run_dir)
   try:
@@ -1532,7 +1570,7 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:  # found while building (e.g. the chat template)
       print(f"error: {e}", file=sys.stderr)
       return exit_code(e)
-    except CheckpointUnreadable as e:
+    except (CheckpointUnreadable, RecordsDamaged) as e:
       print(f"error: --resume: {e}", file=sys.stderr)
       return exit_code(e)
     except RunWriteFailed as e:  # a checkpoint, the WAL (the infrastructure's: the JobSet
@@ -1562,6 +1600,10 @@ def main(argv=None) -> int:
       # Not Python's exit: jax.distributed's shutdown waits for every process at a
       # barrier, which a gone one never reaches (the heartbeat's timeout, then an abort)
       os._exit(exit_code(e))
+    except NonFiniteUpdate as e:
+      print(f"error: {e}; a resume goes on from the last checkpoint", file=sys.stderr,
+            flush=True)
+      return exit_code(e)
     except PeerFailed as e:  # (all processes saved together; the other's log has why)
       print(f"error: {e}: this process stopped with it (then, every process: "
             f"{resume_command(run_dir)})", file=sys.stderr, flush=True)

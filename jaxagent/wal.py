@@ -44,7 +44,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from jaxagent.errors import RunWriteFailed, disk_hint
-from jaxagent.trajectory import TurnRecord, open_jsonl, read_jsonl
+from jaxagent.trajectory import TurnRecord
 
 
 # Where a resumed run keeps the stopped run's logs until its own first checkpoint is whole.
@@ -233,20 +233,30 @@ def _key(start: dict) -> str:
   return f"{start.get('run', '')}/{start.get('group_id')}"
 
 
+def _record(line: bytes) -> Optional[dict]:
+  """A log's line as a record, or None: not one (cut short, damaged, a foreign file's)."""
+  try:
+    r = json.loads(line)
+  except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+    return None
+  return r if isinstance(r, dict) and isinstance(r.get("kind"), str) else None
+
+
 def _first_record(path: str) -> Optional[dict]:
   """The first record of a log (None: none whole)."""
-  with open_jsonl(path) as f:
+  with open(path, "rb") as f:
     line = f.readline()
-  try:
-    return json.loads(line) if line.endswith("\n") else None
-  except json.JSONDecodeError:
-    return None
+  return _record(line) if line.endswith(b"\n") else None
 
 
 def read_log(path: str) -> list[dict]:
-  """The records of a log; a last line cut short by a crash (a write the crash
-  interrupted: not committed) is left out."""
-  return list(read_jsonl(path))
+  """The records of a log. A line that is not one is left out, the records after it
+  kept: a last line cut short by a crash (a write the crash interrupted: not
+  committed), a damaged line, a foreign file's lines (they were a KeyError or a
+  UnicodeDecodeError at every resume: red team 15). A replay whose logged turns no
+  longer rebuild their prompts is an infrastructure error of its episode, played again."""
+  with open(path, "rb") as f:
+    return [r for r in map(_record, f) if r is not None]
 
 
 class TokenWAL:

@@ -56,8 +56,7 @@ def main(argv=None) -> int:
 
     check_model_and_learner(config_lib.RunConfig(model=cfg.model))  # as train names them
     check_served_models(cfg.models, "models")
-    if cfg.engine.slots < 1:
-      raise config_lib.ConfigError(f"engine.slots must be >= 1, got {cfg.engine.slots}")
+    config_lib.check_engine(cfg.engine, "engine")
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -1,7 +1,11 @@
 """Per-step episode metrics, hand-computed."""
 
+import os
+
+import pytest
+
 from jaxagent.agent import Episode
-from jaxagent.metrics import cut_jsonl, episode_metrics
+from jaxagent.metrics import RecordsDamaged, cut_jsonl, episode_metrics
 from jaxagent.scheduler import Group
 
 
@@ -44,3 +48,42 @@ def test_cut_jsonl_keeps_rows_up_to_the_step(tmp_path):
   assert path.read_text() == ('{"step": 1}\n{"note": "no step"}\n{"step": 2}\n'
                               '{"step": 2, "again": true}\n')
   assert cut_jsonl(str(tmp_path / "absent.jsonl"), 2) == 0
+
+
+@pytest.mark.parametrize("damage,said", [
+    ('{"step": 2, "lo\n', "line 2 is not JSON"),  # cut in the middle, rows after it
+    ("5\n", "line 2 is not a row"),
+    ('{"step": "2"}\n', "line 2 is not a row"),
+])
+@pytest.mark.parametrize("gz", [False, True])
+def test_cut_jsonl_refuses_a_file_damaged_before_its_end(tmp_path, damage, said, gz):
+  """Only a last line a kill cut short is dropped: a damaged line with rows after it made
+  a resume rewrite the file without all of them, at once and for good (red team 15: a
+  cut row 2 of metrics.jsonl lost rows 2-4; one flipped byte in trajectories.jsonl.gz
+  lost three quarters of its steps); a row that is not one was a traceback."""
+  import gzip
+
+  text = '{"step": 1}\n' + damage + '{"step": 3}\n{"step": 4}\n'
+  path = tmp_path / ("metrics.jsonl.gz" if gz else "metrics.jsonl")
+  path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+  before = path.read_bytes()
+  with pytest.raises(RecordsDamaged, match=said):
+    cut_jsonl(str(path), 3)
+  assert path.read_bytes() == before and os.listdir(tmp_path) == [path.name]
+
+
+def test_cut_jsonl_refuses_a_damaged_gzip_stream(tmp_path):
+  import gzip
+
+  rows = "".join(f'{{"step": {i // 8 + 1}, "x": {i * 7919 % 1000}}}\n' for i in range(400))
+  data = bytearray(gzip.compress(rows.encode()))
+  data[len(data) // 3] ^= 0x40  # one flipped byte
+  path = tmp_path / "trajectories.jsonl.gz"
+  path.write_bytes(bytes(data))
+  with pytest.raises(RecordsDamaged, match="the file is damaged"):
+    cut_jsonl(str(path), 40)
+  assert path.read_bytes() == bytes(data)
+  # A gzip member a kill cut short is the end (appends add members).
+  whole = gzip.compress(rows.encode())
+  path.write_bytes(whole + gzip.compress(b'{"step": 51}\n')[:14])
+  assert cut_jsonl(str(path), 60) == 400

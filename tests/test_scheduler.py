@@ -618,3 +618,33 @@ def test_a_run_that_cannot_write_its_records_stops_with_that_error():
     return s
 
   assert run(go()).pending_tasks() == [0]  # kept to be played on a resume
+
+
+@pytest.mark.parametrize("broken", ["tasks", "capacity"])
+def test_the_async_producer_s_error_stops_the_run_instead_of_a_wait_for_ever(broken):
+  """The async scheduler's producer (a task of its own) died in silence when starting a
+  group raised (red team 15: `rollout.redundancy=nan` raised in its capacity rule, and
+  the run waited for groups with no output): `next_groups` raises it."""
+  from jaxagent.scheduler import ProducerFailed
+
+  async def play(task, sid, gid):
+    return episode(task, sid, gid, reward=1.0)
+
+  def tasks():
+    yield 0
+    yield 1
+    raise KeyError("a broken task source")
+
+  async def go():
+    cfg = RolloutConfig(mode="async", groups_per_step=2, group_size=2,
+                        redundancy=float("nan") if broken == "capacity" else 0.0)
+    s = RolloutScheduler(cfg, tasks() if broken == "tasks" else itertools.count(), play)
+    s.start()
+    try:
+      with pytest.raises(ProducerFailed, match="starting the next group failed: "):
+        for _ in range(10):
+          await asyncio.wait_for(s.next_groups(), 10)
+    finally:
+      await s.stop()
+
+  run(go())

@@ -334,6 +334,8 @@ def _bad_settings(tmp_path):
       config_lib.RunConfig, "configs/tiny.yaml", ["checkpoint.canary_tasks=0"]))))
   a_list = tmp_path / "list.yaml"
   a_list.write_text("- steps\n")
+  latin1 = tmp_path / "latin1.yaml"
+  latin1.write_bytes(b"name: caf\xe9\n")
   tasks = {}
   for name, text in (("broken", '{"id": "a", "env": "guess_number"}\n{"id": "b",\n'),
                      ("unknown", '{"id": "a", "env": "guess_numbr"}\n'), ("empty", ""),
@@ -394,6 +396,21 @@ def _bad_settings(tmp_path):
       (["--config", "configs/tiny.yaml", "--run-dir", str(used)], "already holds a run"),
       (tiny + ["--canary"], "--canary checks a resumed run"),
       (["--config", str(a_list)], "must be a mapping"),
+      # (red team 15: tracebacks, a division by zero, runs that hung or saved nan weights)
+      (["--config", str(latin1)], "latin1.yaml: not UTF-8 text (byte 9"),
+      (tiny + ["advantage.gamma=nan"], "advantage.gamma must be in [0, 1], got nan"),
+      (tiny + ["advantage.opd_coef=inf"], "advantage.opd_coef must be a finite number"),
+      (tiny + ["rollout.redundancy=nan"], "rollout.redundancy must be a number >= 0, got nan"),
+      (tiny + ["rollout.infra_grace_s=nan"], "rollout.infra_grace_s must be a number >= 0"),
+      (tiny + ["serving.engine.page_size=0"], "serving.engine.page_size must be >= 1, got 0"),
+      (tiny + ["serving.engine.prefill_chunk=-1"],
+       "serving.engine.prefill_chunk must be >= 0 (0: whole prompts), got -1"),
+      (tiny + ["serving.engine.kv_pages=-1"], "serving.engine.kv_pages must be >= 0"),
+      (tiny + ["serving.engine.max_queue=0"], "serving.engine.max_queue must be >= 1"),
+      (tiny + ["mesh.data=0"], "mesh.data must be >= 1, or -1"),
+      (tiny + ["mesh.fsdp=-1"], "mesh.fsdp must be >= 1, got -1"),
+      (tiny + ["env.sandboxes=0"], "env.sandboxes must be >= 1, got 0"),
+      (tiny + ["agent.keep_last_messages=-1"], "agent.keep_last_messages must be >= 0"),
       # Task files: one line each (they were tracebacks).
       # (json's own "line 1 column 10" was the line's, not the file's)
       (tiny + [f"data.tasks={tasks['broken']}"], "broken.jsonl:2: not a JSON object (column"),
@@ -453,6 +470,16 @@ def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tmp_path)
   (tmp_path / "metrics.jsonl").write_text("")
   assert not holds_a_run(str(tmp_path))
   (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+  assert holds_a_run(str(tmp_path))
+  # Another run's trajectories or later exports (red team 15: a new run mixed its
+  # segments into them, and the old run's v4 stayed the "latest" export).
+  (tmp_path / "metrics.jsonl").unlink()
+  (tmp_path / "trajectories.jsonl.gz").write_bytes(b"x")
+  assert holds_a_run(str(tmp_path))
+  (tmp_path / "trajectories.jsonl.gz").unlink()
+  (tmp_path / "policy" / "versions.json").write_text('{"versions": [{"version": 0}]}')
+  assert not holds_a_run(str(tmp_path))
+  (tmp_path / "policy" / "versions.json").write_text('{"versions": [{"version": 4}]}')
   assert holds_a_run(str(tmp_path))
 
 
@@ -607,3 +634,23 @@ def test_a_run_that_keeps_no_group_says_so(tmp_path):
   finally:
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
+
+
+def test_a_step_whose_update_is_not_finite_stops_the_run_unsaved(tmp_path):
+  """A learning rate that blows the weights up: the first step whose loss or gradient
+  norm is not finite stops the run with one line, its state neither checkpointed nor
+  exported (red team 15: nan weights were saved as a good checkpoint, exit 0)."""
+  run_dir = tmp_path / "run"
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=6",
+                   *SMALL, "checkpoint.every_steps=1", "checkpoint.export_every=1",
+                   "learner.lr=1e30")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert re.search(r"error: step (\d+): the (loss|grad norm) is nan .*a resume goes on from "
+                   "the last checkpoint", proc.stderr), proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  bad = int(re.search(r"error: step (\d+)", proc.stderr).group(1))
+  assert sorted(map(int, os.listdir(run_dir / "checkpoints"))) == list(range(1, bad))
+  assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(1, bad))
+  from jaxagent.checkpoint import list_versions
+
+  assert max(v["version"] for v in list_versions(str(run_dir / "policy"))) == bad - 1

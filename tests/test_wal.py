@@ -210,3 +210,27 @@ def test_a_full_disk_is_the_runs_storage_failing_in_one_line(tmp_path):
   with pytest.raises(RunWriteFailed, match=r"the token WAL could not be written in .+ "
                      r"\(No space left on device\); the disk is full: free space there"):
     wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
+
+
+def test_damaged_and_foreign_lines_in_the_wal_are_left_out_not_a_crash(tmp_path):
+  """A damaged line, a foreign file's lines or bytes that are not UTF-8 in the WAL's
+  directory were a KeyError, an AttributeError or a UnicodeDecodeError at every resume
+  (red team 15; a scheduler restarting the job met it each time), and a damaged line in
+  the middle of a group's log dropped every record after it, other episodes' too."""
+  wal = TokenWAL(str(tmp_path))
+  for session, episode in (("s1", 0), ("s2", 1)):
+    log = wal.open(session, group_id="g", task=TASK.to_dict(), episode=episode)
+    play(ScriptedEngine(["8", "12", "11"]), log=log)
+  lines = open(log.path, "rb").read().splitlines(keepends=True)
+  # s1's end record damaged; s2's records follow it.
+  end1 = next(i for i, line in enumerate(lines)
+              if json.loads(line)["kind"] == "end" and json.loads(line)["session"] == "s1")
+  lines[end1] = b'{"session": "s1", "ki\xff\n'
+  with open(log.path, "wb") as f:
+    f.writelines(lines)
+  (tmp_path / "foreign.jsonl").write_bytes(b'{"a": 1}\n[1, 2]\n\xff\xfe\n5\n')
+  (tmp_path / "latin1.jsonl").write_bytes(b"caf\xe9\n")
+  replays = wal.pending()
+  assert sorted(r.start["episode"] for r in replays) == [0, 1]
+  assert all(len(r) == 3 for r in replays)
+  assert wal.forget(["nothing/here"]) == 0
