@@ -692,9 +692,11 @@ def test_python_is_parsed_safely_from_several_threads():
   threads parsing while the garbage collector frees files in cycles (a busy worker's
   garbage) raised `SystemError: AST constructor recursion depth mismatch` from a source
   check, an infrastructure error for a wrong answer, or an agent's run stopped (red team
-  16: 17 in 5 s here). The checks and the calculator parse one at a time."""
+  16: 17 in 5 s here). The checks and the calculator parse one at a time, and again
+  after a parse elsewhere (a traceback's) upset the count."""
   import threading
   import time
+  import traceback
 
   from envs.calculator import safe_eval
   from envs.python_tests import source_problem
@@ -720,12 +722,20 @@ def test_python_is_parsed_safely_from_several_threads():
       try:
         work()
       except Exception as e:  # noqa: BLE001 (every error is the finding)
-        errors.append(repr(e))
+        errors.append((getattr(work, "__name__", ""), repr(e)))
+
+  def a_traceback():  # (Python 3.11 parses the failing line to draw its carets: reviewer)
+    try:
+      a, b, c = 1, 2, 0
+      a + b / c
+    except ZeroDivisionError:
+      traceback.format_exc()
 
   threads = [threading.Thread(target=litter)] + [
       threading.Thread(target=check, args=(lambda: source_problem({"solution.py": source}),))
       for _ in range(2)] + [threading.Thread(target=check, args=(
-          lambda: safe_eval("((1 + 2) * (3 - 4)) / 5 + " * 6 + "1"),))]
+          lambda: safe_eval("((1 + 2) * (3 - 4)) / 5 + " * 6 + "1"),)),
+          threading.Thread(target=check, args=(a_traceback,))]
   for t in threads[1:]:
     t.start()
   threads[0].start()
