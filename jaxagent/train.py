@@ -608,6 +608,44 @@ def holds_a_run(run_dir: str) -> bool:
     return True
 
 
+class RunDirInUse(RuntimeError):
+  """Another trainer holds the run directory (its process of the same index)."""
+
+
+def lock_run_dir(run_dir: str):
+  """Takes this process's lock on `run_dir` for as long as it lives (an open file with an
+  exclusive `flock`; the system lets it go when the process ends, however it ends), and
+  returns the file. Two trainers in one run directory (a --resume while the run goes
+  on, two starts at once) trained into the same records: each step's segments twice,
+  metrics rows written to a file the other had replaced, checkpoints of both in one
+  place (red team 15). Raises `RunDirInUse` naming the holder; where the file system
+  has no locks, says so and goes on."""
+  import fcntl
+  import socket
+
+  name = ".lock" if distributed.is_primary() else f".lock.process{jax.process_index()}"
+  path = os.path.join(run_dir, name)
+  f = open(path, "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.seek(0)
+    holder = f.read().strip() or "a process that has not said which"
+    f.close()
+    raise RunDirInUse(f"--run-dir {run_dir} is in use by another trainer ({holder}): stop "
+                      "it first, or give another --run-dir") from None
+  except OSError as e:  # (a file system without locks: a network mount)
+    print(f"warning: --run-dir {run_dir} cannot be locked ({e.strerror or e}): nothing "
+          "stops a second trainer from writing into it", file=sys.stderr)
+    return f
+  f.seek(0)
+  f.truncate()
+  f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+  f.flush()
+  return f
+
+
 def started_a_run(run_dir: str) -> bool:
   """Whether `--resume` can go on in `run_dir`: it holds a run's records, or the config
   of one stopped before its first step (which then starts again from step 0, as the
@@ -1556,6 +1594,11 @@ def main(argv=None) -> int:
           f"({e.strerror or e})", file=sys.stderr)
     return 2
   try:
+    lock = lock_run_dir(run_dir)  # (held until this process ends)
+  except RunDirInUse as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  try:
     try:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
     except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
@@ -1625,7 +1668,9 @@ def main(argv=None) -> int:
       return exit_code(e)
   finally:
     # (a start that failed leaves no empty run directory behind)
-    if made and not multi and os.path.isdir(run_dir) and not os.listdir(run_dir):
+    if made and not multi and os.path.isdir(run_dir) and os.listdir(run_dir) == [".lock"]:
+      os.remove(os.path.join(run_dir, ".lock"))
+      lock.close()
       os.rmdir(run_dir)
 
 
