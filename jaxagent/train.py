@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -653,6 +654,42 @@ def started_a_run(run_dir: str) -> bool:
   return holds_a_run(run_dir) or os.path.exists(os.path.join(run_dir, "config.json"))
 
 
+def check_provenance(meta: dict, cfg: config_lib.RunConfig, tokenizer, step: int,
+                     run_dir: str) -> None:
+  """A restored checkpoint's own record of its run against this one: the fields that
+  decide the weights, and the vocabulary, must be the same (ConfigError: the restore
+  casts and reshapes silently; without the run's config.json, or with one that did not
+  read, nothing else compared them: red team 15). A checkpoint whose config is none this
+  run had (its config.json, or one a resume set aside) is said in a line: another run's
+  checkpoint copied in, most likely."""
+  saved = (meta.get("config") or {}).get("model") or {}
+  changes = [f"model.{k}: {saved[k]} -> {getattr(cfg.model, k)}"
+             for k in config_lib.ModelSpec.WEIGHT_FIELDS
+             if k in saved and saved[k] != getattr(cfg.model, k)]
+  vocab = (meta.get("tokenizer") or {}).get("vocab_sha256")
+  if vocab and vocab != tokenizer.identity()["vocab_sha256"]:
+    changes.append(f"the tokenizer's vocabulary (sha256 {vocab} -> "
+                   f"{tokenizer.identity()['vocab_sha256']})")
+  if changes:
+    raise config_lib.ConfigError(
+        f"--resume: checkpoint step {step} was saved with other weights than this run's "
+        f"({'; '.join(changes)}); a run keeps its model: start a new run with another "
+        "--run-dir")
+  ran = []  # the configs this run has had: its config.json, those a resume set aside
+  for name in sorted(os.listdir(run_dir)):
+    if name == "config.json" or re.fullmatch(r"config\.step\d+\.json", name):
+      with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(run_dir, name)) as f:
+          ran.append(json.load(f))
+  mine = meta.get("config")
+  if ran and isinstance(mine, dict) and distributed.is_primary() and all(
+      set(config_changes(c, mine)) - {"model.chat_template"} for c in ran):
+    differs = sorted(set(config_changes(ran[0], mine)) - {"model.chat_template"})
+    print(f"warning: --resume: checkpoint step {step} was saved with a config this run "
+          f"never had ({', '.join(differs[:6])}{', ...' if len(differs) > 6 else ''} "
+          "differ from its config.json): another run's checkpoint?", file=sys.stderr)
+
+
 def _deleted(state) -> bool:
   """Whether `state`'s arrays were given away (donated to a train step under way)."""
   return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
@@ -802,8 +839,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   elif resume:
     try:
       state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
+      check_provenance(meta, cfg, tokenizer, int(state.step), run_dir)
       cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
-    except (CheckpointUnreadable, RecordsDamaged):
+    except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError):
       ckpt.close()
       close_envs()
       raise
@@ -1515,6 +1553,12 @@ def resumed_config(cfg: config_lib.RunConfig, run_dir: str) -> config_lib.RunCon
     raise config_lib.ConfigError(
         "--resume: a run keeps its model (" + ", ".join(f"model.{w}" for w in weights)
         + "); start a new run with another --run-dir")
+  if saved.learner.optimizer != cfg.learner.optimizer:  # (its state is another shape: the
+    # restore said "tree structures do not match", read as a damaged checkpoint)
+    raise config_lib.ConfigError(
+        f"--resume: a run keeps its optimizer (learner.optimizer: {saved.learner.optimizer} "
+        f"-> {cfg.learner.optimizer}: the checkpoint holds its state); start a new run with "
+        "another --run-dir")
   changed = config_changes(config_lib.to_dict(saved), config_lib.to_dict(cfg))
   if cfg.model.chat_template is None:  # (auto: the saved one is what auto chose)
     changed.pop("model.chat_template", None)

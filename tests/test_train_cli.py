@@ -299,8 +299,13 @@ def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path,
                         ["model.remat=full", 'serving.urls=["http://127.0.0.1:1"]'])
   assert train.resumed_config(cfg, str(tmp_path)) == cfg
   assert capsys.readouterr().err == "warning: --resume changes model.remat: none -> full\n"
-  for override in ("model.param_dtype=bfloat16", "model.checkpoint=smollm2"):
-    with pytest.raises(config_lib.ConfigError, match="a run keeps its model"):
+  for override, said in (("model.param_dtype=bfloat16", "a run keeps its model"),
+                         ("model.checkpoint=smollm2", "a run keeps its model"),
+                         # (red team 15: "no readable checkpoint ... tree structures do
+                         # not match", read as damage)
+                         ("learner.optimizer=sgd", r"a run keeps its optimizer \("
+                          "learner.optimizer: adamw -> sgd")):
+    with pytest.raises(config_lib.ConfigError, match=said):
       train.resumed_config(config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
                                            [override]), str(tmp_path))
   (tmp_path / "config.json").write_text('{"learner": {"gone_field": 1}}')
@@ -684,3 +689,35 @@ def test_a_second_trainer_in_a_run_directory_is_refused(tmp_path):
   # Stopped, it lets the directory go: a resume is taken.
   again = run_train("--run-dir", str(run_dir), "--resume", "steps=4", *SMALL)
   assert again.returncode == 0, again.stderr[-3000:]
+
+
+def test_a_resume_checks_the_checkpoint_is_this_runs(tmp_path):
+  """A checkpoint keeps its run's config: a resume refuses one whose weights settings
+  differ from this run's even without the run's config.json (its restore cast float32
+  weights to bfloat16 without a word), and says when the checkpoint's config is none
+  this run had (another run's checkpoints copied in resumed silently: red team 15); a
+  resume that changes the run's settings is not taken for one."""
+  import shutil
+
+  a, b = tmp_path / "a", tmp_path / "b"
+  small = [*SMALL, "checkpoint.every_steps=2"]
+  for run, extra in ((a, []), (b, ["seed=3", "learner.lr=0.01"])):
+    proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(run), "steps=2",
+                     *small, *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  own = run_train("--run-dir", str(a), "--resume", "steps=3", *small)
+  assert own.returncode == 0, own.stderr[-3000:]
+  assert "--resume changes steps: 2 -> 3" in own.stderr and "never had" not in own.stderr
+  shutil.rmtree(b / "checkpoints")
+  shutil.copytree(a / "checkpoints", b / "checkpoints")
+  foreign = run_train("--run-dir", str(b), "--resume", "steps=4", *small)
+  assert foreign.returncode == 0, foreign.stderr[-3000:]
+  assert re.search(r"warning: --resume: checkpoint step \d+ was saved with a config this "
+                   r"run never had \(.*learner\.lr.*seed.*\): another run's checkpoint\?",
+                   foreign.stderr), foreign.stderr[-3000:]
+  (a / "config.json").unlink()
+  cast = run_train("--config", "configs/tiny.yaml", "--run-dir", str(a), "--resume",
+                   "steps=4", *small, "model.param_dtype=bfloat16")
+  assert cast.returncode == 2, cast.stderr[-3000:]
+  assert ("was saved with other weights than this run's (model.param_dtype: float32 -> "
+          "bfloat16)") in cast.stderr, cast.stderr[-3000:]
