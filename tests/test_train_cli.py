@@ -665,29 +665,34 @@ def test_a_second_trainer_in_a_run_directory_is_refused(tmp_path):
   """A --resume while the run goes on (or two starts at once) trained into the same
   records: every step's segments twice, metrics rows lost, both runs' checkpoints in one
   place (red team 15). The second is refused, naming the holder; the first goes on."""
+  import signal
   import time
 
   run_dir = tmp_path / "run"
   first = subprocess.Popen([sys.executable, "-m", "jaxagent.train", "--config",
-                            "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=3", *SMALL],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=500",
+                            *SMALL], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.time() + 120
     while not (run_dir / "config.json").exists():
       assert first.poll() is None and time.time() < deadline
       time.sleep(0.05)
     for extra in (["--resume"], ["--config", "configs/tiny.yaml"]):
-      second = run_train("--run-dir", str(run_dir), *extra, "steps=3", *SMALL, timeout=120)
+      second = run_train("--run-dir", str(run_dir), *extra, "steps=500", *SMALL, timeout=120)
       assert second.returncode == 2, second.stderr[-2000:]
       assert f"--run-dir {run_dir} is in use by another trainer (pid {first.pid} on " in (
           second.stderr), second.stderr[-2000:]
+    assert first.poll() is None  # the first goes on
+    first.send_signal(signal.SIGTERM)
     out = first.communicate(timeout=300)[0]
   finally:
     first.kill()
-  assert first.returncode == 0, out[-3000:]
-  assert [r["step"] for r in read_metrics(str(run_dir))] == [1, 2, 3]
+  assert first.returncode == 143, out[-3000:]
+  done = [r["step"] for r in read_metrics(str(run_dir))]
+  assert done == list(range(1, len(done) + 1))
   # Stopped, it lets the directory go: a resume is taken.
-  again = run_train("--run-dir", str(run_dir), "--resume", "steps=4", *SMALL)
+  again = run_train("--run-dir", str(run_dir), "--resume", f"steps={len(done) + 1}", *SMALL)
   assert again.returncode == 0, again.stderr[-3000:]
 
 
