@@ -153,24 +153,53 @@ def _names_in(text: str, budget: list, depth: int = 0) -> tuple[list[str], list[
 
 # Names in text that does not parse, in one pass (Python's own tokenize rescans a
 # line's white space at each character it cannot read: a 16,000-character line took it
-# a minute, a verify past the worker's deadline, an infrastructure error; reviewer):
-# comments and string literals (any prefix; an unterminated one to the end of its line,
-# or of the text for triple quotes; a match never fails once a quote opens, so nothing
-# is scanned twice) are passed over, possessively, and what is left gives its names.
-_SCAN = re.compile(r"""
-    \#[^\n]*+
-  | [rRbBuUfF]{0,2}(?: '''(?:[^'\\]++|\\(?:.|\Z)|'(?!''))*+(?:'''|\Z)
-                   | \"\"\"(?:[^"\\]++|\\(?:.|\Z)|"(?!""))*+(?:\"\"\"|\Z)
-                   | '(?:[^'\\\n]++|\\(?:.|\Z))*+(?:'|$)
-                   | "(?:[^"\\\n]++|\\(?:.|\Z))*+(?:"|$) )
+# a minute, a verify past the worker's deadline, an infrastructure error; reviewer).
+# Comments, numbers and string literals are passed over, names kept; a quote that
+# opens no string on its line (prose's apostrophe) is passed alone, as tokenize does,
+# and what follows it is read (a name after it was missed: reviewer). A string that
+# does not end from one quote ends from no later one of its kind before where that
+# scan stopped (a later quote there was escaped), so nothing is scanned twice.
+_TOKEN = re.compile(r"""
+    (?P<comment>\#[^\n]*+)
+  | (?P<number>\.?\d[\w.]*+)
+  | (?P<quote>[rRbBuUfF]{0,2}(?:'''|\"\"\"|'|"))
   | (?P<name>[^\W\d]\w*+)
-""", re.X | re.M | re.S)
+""", re.X)
+_STRING_END = {q: re.compile(body, re.S) for q, body in (
+    ("'''", r"(?:[^'\\]++|\\(?:.|\Z)|'(?!''))*+'''"),
+    ('"""', r'(?:[^"\\]++|\\(?:.|\Z)|"(?!""))*+"""'),
+    ("'", r"(?:[^'\\\n]++|\\(?:.|\Z))*+'"),
+    ('"', r'(?:[^"\\\n]++|\\(?:.|\Z))*+"'))}
+_STRING_STOP = {q: re.compile(body, re.S) for q, body in (
+    ("'''", r"(?:[^'\\]++|\\(?:.|\Z)|'(?!''))*+"),
+    ('"""', r'(?:[^"\\]++|\\(?:.|\Z)|"(?!""))*+'),
+    ("'", r"(?:[^'\\\n]++|\\(?:.|\Z))*+"),
+    ('"', r'(?:[^"\\\n]++|\\(?:.|\Z))*+'))}
 
 
 def _name_tokens(text: str) -> list[str]:
-  """The names of text that does not parse (its comments and strings passed over), in
-  time linear in its length."""
-  return [m.group("name") for m in _SCAN.finditer(text) if m.group("name")]
+  """The names of text that does not parse (its comments, numbers and strings passed
+  over), in time linear in its length."""
+  names, pos = [], 0
+  open_until = {}  # quote: where a string it opened stopped unended (none ends before)
+  while True:
+    m = _TOKEN.search(text, pos)
+    if m is None:
+      return names
+    pos = m.end()
+    if m.lastgroup == "name":
+      names.append(m.group())
+    elif m.lastgroup == "quote":
+      quote = m.group().lstrip("rRbBuUfF")
+      if m.start() < open_until.get(quote, -1):
+        pos = m.start() + len(m.group()) - len(quote) + 1  # (a stray quote)
+        continue
+      ended = _STRING_END[quote].match(text, pos)
+      if ended is not None:
+        pos = ended.end()
+      else:
+        open_until[quote] = _STRING_STOP[quote].match(text, pos).end()
+        pos = m.start() + len(m.group()) - len(quote) + 1
 
 
 def _misread_name(files: dict[str, str]) -> Optional[str]:

@@ -172,6 +172,10 @@ def _record_rows(path: str):
         yield row
     except EOFError:  # a gzip member cut short by a kill: the end
       return
+    except gzip.BadGzipFile as e:
+      if str(e) == "Not a gzipped file (b'\\x1f')":  # (one byte of a member's header at
+        return  # the end, the only read that short: a cut, not damage; reviewer)
+      raise damaged(f"after line {n}: {type(e).__name__}: {e}") from None
     except (gzip.BadGzipFile, zlib.error, UnicodeDecodeError) as e:
       raise damaged(f"after line {n}: {type(e).__name__}: {e}") from None
 

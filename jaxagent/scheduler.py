@@ -234,10 +234,13 @@ class RolloutScheduler:
       raise
     except Exception as e:  # the run stops with it (the producer died in silence, and the
       # run waited for groups for ever: red team 15's nan redundancy; a bad task line)
-      if self.error is None:
-        self.error = e if isinstance(e, TaskError) else ProducerFailed(
-            f"starting the next group failed: {type(e).__name__}: {e} (a bug)")
-        self.error.__cause__ = e if self.error is not e else None
+      if self.error is None:  # (the data's, the run's storage, an outage: as they are)
+        if isinstance(e, (TaskError, RunWriteFailed, InfraOutage)):
+          self.error = e
+        else:
+          self.error = ProducerFailed(
+              f"starting the next group failed: {type(e).__name__}: {e} (a bug)")
+          self.error.__cause__ = e
       self._changed.set()
 
   def go_on_from(self, version: int, next_group: int, process: int = 0,

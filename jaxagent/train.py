@@ -364,6 +364,7 @@ def check_served_models(models: dict, key: str = "serving.models") -> None:
 
   for name, m in models.items():
     check_model(m.model, f"{key}.{name}.model")
+    config_lib.check_engine(m.engine, f"{key}.{name}.engine")
     if m.policy:
       if not os.path.exists(m.policy):
         raise config_lib.ConfigError(f"{key}.{name}.policy: no such export {m.policy!r}")
@@ -435,6 +436,8 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
   for key, value in positive.items():
     if not (value > 0 and math.isfinite(value)):
       raise config_lib.ConfigError(f"{key} must be a number > 0, got {value}")
+  if cfg.learner.lr > float(np.finfo(np.float32).max):  # (inf in the step: 1e39)
+    raise config_lib.ConfigError(f"learner.lr must be a float32 number, got {cfg.learner.lr}")
   if not (a.temperature >= 0 and math.isfinite(a.temperature)):
     raise config_lib.ConfigError(f"agent.temperature must be >= 0 (0: greedy), got "
                                  f"{a.temperature}")
@@ -652,6 +655,15 @@ def started_a_run(run_dir: str) -> bool:
   of one stopped before its first step (which then starts again from step 0, as the
   stop told it to)."""
   return holds_a_run(run_dir) or os.path.exists(os.path.join(run_dir, "config.json"))
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point value of `tree` is finite (one reduction where the
+  arrays live)."""
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
 def check_provenance(meta: dict, cfg: config_lib.RunConfig, tokenizer, step: int,
@@ -1124,17 +1136,22 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
   def learn(state, batch):
     """One train step to completion (in a worker thread). A step whose loss or gradient
-    norm is not finite raises `NonFiniteUpdate`: its state is never kept (the state it
-    started from was given to it: the run's last checkpoint is what a resume has)."""
+    norm is not finite, or whose weights or optimiser state come out so, raises
+    `NonFiniteUpdate`: its state is never kept (the state it started from was given to
+    it: the run's last checkpoint is what a resume has)."""
     new, m = learner.step(state, batch, ref_params)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
-    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(m.get(k, 0.0))]
+    bad = [f"the {k.replace('_', ' ')} is {m[k]}" for k in ("loss", "grad_norm")
+           if not math.isfinite(m.get(k, 0.0))]
+    if not bad and not bool(all_finite((new.params, new.opt_state))):
+      # (the loss and its gradient are the weights' before the update: the update that
+      # made them inf passed them, and was served, exported and saved: reviewer)
+      bad = ["the weights after it are not finite"]
     if bad:
       raise NonFiniteUpdate(
-          f"step {int(new.step)}: the " + " and the ".join(
-              f"{k.replace('_', ' ')} is {m[k]}" for k in bad) + " (the update is not "
-          "kept nor checkpointed; learner.lr, learner.max_grad_norm and the advantage "
-          "settings shape it)")
+          f"step {int(new.step)}: " + " and ".join(bad) + " (the update is not kept nor "
+          "checkpointed; learner.lr, learner.max_grad_norm and the advantage settings "
+          "shape it)")
     return new, m
 
   step = first_step = int(state.step)

@@ -242,13 +242,6 @@ def _record(line: bytes) -> Optional[dict]:
   return r if isinstance(r, dict) and isinstance(r.get("kind"), str) else None
 
 
-def _first_record(path: str) -> Optional[dict]:
-  """The first record of a log (None: none whole)."""
-  with open(path, "rb") as f:
-    line = f.readline()
-  return _record(line) if line.endswith(b"\n") else None
-
-
 def read_log(path: str) -> list[dict]:
   """The records of a log. A line that is not one is left out, the records after it
   kept: a last line cut short by a crash (a write the crash interrupted: not
@@ -299,8 +292,10 @@ class TokenWAL:
         path = os.path.join(directory, name)
         if not name.endswith(".jsonl"):
           continue
-        start = _first_record(path)  # (a group's file begins with a start record)
-        if start is not None and {_key(start), start.get("group_id")} & keys:
+        # (by any start record in it: one damaged first line kept the file, and its
+        # other episodes replayed a group the checkpoint trained on: reviewer)
+        starts = [r for r in read_log(path) if r["kind"] == "start"]
+        if any({_key(r), r.get("group_id")} & keys for r in starts):
           with contextlib.suppress(FileNotFoundError):
             os.remove(path)
           gone += 1

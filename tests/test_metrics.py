@@ -87,3 +87,5 @@ def test_cut_jsonl_refuses_a_damaged_gzip_stream(tmp_path):
   whole = gzip.compress(rows.encode())
   path.write_bytes(whole + gzip.compress(b'{"step": 51}\n')[:14])
   assert cut_jsonl(str(path), 60) == 400
+  path.write_bytes(whole + b"\x1f")  # (one byte of the next member: BadGzipFile)
+  assert cut_jsonl(str(path), 60) == 400

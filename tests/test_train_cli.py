@@ -367,6 +367,7 @@ def _bad_settings(tmp_path):
       (tiny + ["agent.temperature=-1"], "agent.temperature must be >= 0"),
       (tiny + ["agent.top_p=0"], "agent.top_p must be in (0, 1]"),
       (tiny + ["learner.lr=-1"], "learner.lr must be a number > 0"),
+      (tiny + ["learner.lr=1e39"], "learner.lr must be a float32 number"),
       # Values that ran without a word, a window that waited for ever, a keep that kept
       # nothing (an advanced user's round).
       (tiny + ["learner.dual_clip=0.5"], "learner.dual_clip must be > 1"),
@@ -641,19 +642,45 @@ def test_a_run_that_keeps_no_group_says_so(tmp_path):
     proc.communicate(timeout=60)
 
 
-def test_a_step_whose_update_is_not_finite_stops_the_run_unsaved(tmp_path):
-  """A learning rate that blows the weights up: the first step whose loss or gradient
-  norm is not finite stops the run with one line, its state neither checkpointed nor
-  exported (red team 15: nan weights were saved as a good checkpoint, exit 0)."""
+# Runs the trainer with the learner's step making every weight inf at step 2 (a blow-up
+# that the step's own loss and gradient, the weights' before it, do not show).
+INF_AT_STEP_2 = """
+import sys
+import jax, jax.numpy as jnp
+from jaxagent import learner, train
+step = learner.Learner.step
+def inf_at_2(self, state, *args, **kwargs):
+  new, m = step(self, state, *args, **kwargs)
+  if int(new.step) == 2:
+    new = new.replace(params=jax.tree.map(lambda x: x * jnp.inf, new.params))
+  return new, m
+learner.Learner.step = inf_at_2
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["lr", "weights"])
+def test_a_step_whose_update_is_not_finite_stops_the_run_unsaved(tmp_path, how):
+  """A learning rate that blows the weights up, or an update that makes them inf: the
+  step stops the run with one line, its state neither checkpointed nor exported (red
+  team 15: nan weights were saved as a good checkpoint, exit 0; a reviewer: the step's
+  loss and gradient are the weights' before it, so the update that made them inf passed
+  and was served, exported and saved)."""
   run_dir = tmp_path / "run"
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=6",
-                   *SMALL, "checkpoint.every_steps=1", "checkpoint.export_every=1",
-                   "learner.lr=1e30")
+  args = ["--config", "configs/tiny.yaml", "--run-dir", str(run_dir), "steps=6", *SMALL,
+          "checkpoint.every_steps=1", "checkpoint.export_every=1"]
+  if how == "lr":
+    proc = run_train(*args, "learner.lr=3e38")
+  else:
+    proc = subprocess.run([sys.executable, "-c", INF_AT_STEP_2, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
   assert proc.returncode == 1, proc.stderr[-3000:]
-  assert re.search(r"error: step (\d+): the (loss|grad norm) is nan .*a resume goes on from "
-                   "the last checkpoint", proc.stderr), proc.stderr[-3000:]
+  said = {"lr": "the (loss|grad norm) is nan", "weights": "the weights after it are not finite"}
+  assert re.search(rf"error: step (\d+): {said[how]} .*a resume goes on from the last "
+                   "checkpoint", proc.stderr), proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
   bad = int(re.search(r"error: step (\d+)", proc.stderr).group(1))
+  assert bad == 2
   assert sorted(map(int, os.listdir(run_dir / "checkpoints"))) == list(range(1, bad))
   assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(1, bad))
   from jaxagent.checkpoint import list_versions

@@ -234,3 +234,17 @@ def test_damaged_and_foreign_lines_in_the_wal_are_left_out_not_a_crash(tmp_path)
   assert sorted(r.start["episode"] for r in replays) == [0, 1]
   assert all(len(r) == 3 for r in replays)
   assert wal.forget(["nothing/here"]) == 0
+
+
+def test_a_log_whose_first_line_is_damaged_is_still_forgotten_by_its_key(tmp_path):
+  """`forget` knew a group's log by its first record: with that line damaged the file
+  stayed, and its other episodes were replayed, trained twice (reviewer)."""
+  wal = TokenWAL(str(tmp_path))
+  for session, episode in (("s1", 0), ("s2", 1)):
+    log = wal.open(session, group_id="g", task=TASK.to_dict(), episode=episode)
+    play(ScriptedEngine(["8", "12", "11"]), log=log)
+  raw = bytearray(open(log.path, "rb").read())
+  raw[16] = ord("#")
+  open(log.path, "wb").write(bytes(raw))
+  assert wal.forget([wal.key("g")]) == 1
+  assert wal.pending() == []
