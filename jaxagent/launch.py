@@ -187,11 +187,15 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
                       str(args.env_workers), "--learner-processes", str(n),
                       *(["--restarts", str(args.restarts)]
                         if getattr(args, "restarts", RESTARTS) != RESTARTS else []),
+                      *(["--heartbeat-timeout", str(args.heartbeat_timeout)]
+                        if getattr(args, "heartbeat_timeout", None) else []),
                       "--resume", *args.overrides])
   env = {**os.environ, RESUME_COMMAND: again}
   for i in range(n):
     extra = ([] if n == 1 else
-             ["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i)])
+             ["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i),
+              *(["--heartbeat-timeout", str(args.heartbeat_timeout)]
+                if getattr(args, "heartbeat_timeout", None) else [])])
     learners.append(Child("learner" if n == 1 else f"learner{i}", base + extra + overrides,
                           env=env))
   return services, learners
@@ -335,6 +339,9 @@ def main(argv=None) -> int:
   local.add_argument("--start-timeout-s", type=float, default=180.0)
   local.add_argument("--restarts", type=int, default=RESTARTS,
                      help="times a service that dies during the run is started again")
+  local.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
+                     help="with --learner-processes: how long a silent learner process "
+                          "is waited for before the others stop (train's flag)")
   local.add_argument("overrides", nargs="*", help="dotted config overrides")
   args = config_lib.parse_with_overrides(p, argv)
   return run_local(args)

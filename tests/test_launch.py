@@ -205,3 +205,25 @@ def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeyp
   assert resume_command("D") == "python -m jaxagent.train --run-dir D --resume"
   monkeypatch.setenv(RESUME_COMMAND, again)  # as the learner's process has it
   assert resume_command("D") == again
+
+
+def test_launched_learner_processes_get_the_heartbeat_timeout(tmp_path):
+  """`launch local --learner-processes 2 --heartbeat-timeout 10`: each learner process,
+  and the command that goes on with the launch, carry it (a reviewer: launched runs
+  always waited JAX's 100 s for a silent process)."""
+  import argparse
+
+  from jaxagent import config as config_lib
+  from jaxagent.launch import plan
+  from jaxagent.train import RESUME_COMMAND
+
+  args = argparse.Namespace(config="configs/tiny.yaml", servers=1, env_workers=1,
+                            learner_processes=2, resume=False, overrides=[],
+                            heartbeat_timeout=10)
+  cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+  _, learners = plan(args, cfg, str(tmp_path / "run"))
+  for i, learner in enumerate(learners):
+    at = learner.cmd.index("--heartbeat-timeout")
+    assert learner.cmd[at + 1] == "10" and learner.cmd[learner.cmd.index("--process-id") + 1] \
+        == str(i)
+    assert "--heartbeat-timeout 10" in learner.env[RESUME_COMMAND]
