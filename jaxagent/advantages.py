@@ -118,7 +118,10 @@ def chunk_advantages(rewards_NxK: Array, valid_NxK: Array, gamma: float, *,
 
   With `group_ids_N`, the baseline of turn k is the mean return at turn k over
   the group's samples that reached turn k (and, with `scale_by_std`, divided by
-  their std). Returns `[N, K]`, 0 on padding.
+  their std); a turn only one sample reached takes the group's turn-0 baseline, which
+  every sample reached (its own was its return: advantage 0 whatever it was, so an
+  episode that outlasted its siblings and then failed was never pushed down: red team
+  17). Returns `[N, K]`, 0 on padding.
   """
   chex.assert_equal_shape([rewards_NxK, valid_NxK])
   boot = jnp.zeros(rewards_NxK.shape[:1]) if bootstrap_N is None else bootstrap_N
@@ -128,11 +131,13 @@ def chunk_advantages(rewards_NxK: Array, valid_NxK: Array, gamma: float, *,
   N, K = returns.shape
   # Baseline per (group, turn index): flatten to groups of size num_groups * K.
   keys = group_ids_N[:, None] * K + jnp.arange(K)[None, :]
-  mean, std, _ = _group_stats(returns.reshape(-1), valid_NxK.reshape(-1), keys.reshape(-1),
-                              num_groups * K)
-  adv = returns - mean.reshape(N, K)
+  mean, std, count = (x.reshape(N, K) for x in _group_stats(
+      returns.reshape(-1), valid_NxK.reshape(-1), keys.reshape(-1), num_groups * K))
+  lone = count <= 1
+  mean, std = jnp.where(lone, mean[:, :1], mean), jnp.where(lone, std[:, :1], std)
+  adv = returns - mean
   if scale_by_std:
-    adv = adv / (std.reshape(N, K) + eps)
+    adv = adv / (std + eps)
   return jnp.where(valid_NxK, adv, 0.0)
 
 

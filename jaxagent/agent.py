@@ -569,6 +569,11 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     else:
       status, reason = "truncated", kind
       ep.verdict = {"status": "fail", "reward": 0.0}
+      # The turn whose step the cut stopped is in the segments with no reward: it is
+      # scored 0 with the rest (left out, the chunk estimator gave the turn that ran out
+      # the clock advantage 0, and a cut in the first step hid the whole failure from
+      # the baseline and the loss: red team 17; the black-box agent pads so too).
+      ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (ep.turns - len(ep.turn_rewards))
   except InfraError as e:  # a server, worker, sandbox or network failure: not a score
     status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   finally:

@@ -95,6 +95,26 @@ def test_chunk_advantages_with_group_baseline_hand_computed():
   np.testing.assert_allclose(out, [[0.0, 0.5], [-1.0, -0.5], [1.0, 0.0]])
 
 
+
+def test_a_turn_only_one_sample_reached_takes_the_groups_first_baseline():
+  """The baseline of a turn one sample alone reached was its own return: advantage 0,
+  so an episode that stalled past its siblings and then answered wrong was never
+  pushed down for it (red team 17: [-0.5, 0, 0, 0]). It takes the group's turn-0
+  baseline."""
+  # Three answer at once (right, right, wrong); one stalls three turns, then is wrong.
+  rewards = jnp.asarray([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0.0, 0, 0, 0], [0.0, 0, 0, 0]])
+  valid = jnp.asarray([[1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], bool)
+  out = adv.chunk_advantages(rewards, valid, 1.0, group_ids_N=jnp.zeros(4, jnp.int32),
+                             num_groups=1)
+  np.testing.assert_allclose(out, [[0.5, 0, 0, 0], [0.5, 0, 0, 0], [-0.5, 0, 0, 0],
+                                   [-0.5, -0.5, -0.5, -0.5]])
+  # Two at a turn still compare with each other.
+  valid2 = valid.at[2].set(jnp.asarray([1, 1, 0, 0], bool))
+  out = adv.chunk_advantages(rewards.at[2, 1].set(1.0), valid2, 1.0,
+                             group_ids_N=jnp.zeros(4, jnp.int32), num_groups=1)
+  np.testing.assert_allclose(out[:, 1], [0, 0, 0.5, -0.5])
+
+
 def test_to_tokens_gathers_sample_turn_values():
   values = jnp.asarray([[1.0, 2.0], [3.0, 4.0]])
   sample = jnp.asarray([[0, 0, 0, 1, 1, 1]])

@@ -340,6 +340,14 @@ def test_deadlines_waiting_on_the_server_are_infrastructure_and_the_policys_are_
   ep = run(SlowEnv(0.1), ScriptedEngine(["8", "9", "10", "11"]), episode_deadline_s=0.25)
   assert not ep.infra_error and (ep.status, ep.reason) == ("truncated", "episode_deadline")
   assert ep.reward == 0.0 and ep.segments
+  # The turn whose step the cut stopped carries its 0 (red team 17: it had no reward,
+  # so the chunk estimator gave it advantage 0; cut in the first step, the failure had
+  # none at all).
+  assert len(ep.turn_rewards) == ep.turns >= 2, (ep.turn_rewards, ep.turns)
+  ep = run(SlowEnv(5.0), ScriptedEngine(["8"]), episode_deadline_s=0.3)
+  assert (ep.status, ep.reason, ep.turns, ep.turn_rewards) == (
+      "truncated", "episode_deadline", 1, [0.0])
+  assert ep.segments[0].turn_rewards == [0.0]
 
 
 def test_a_bug_in_an_environment_propagates():
