@@ -269,6 +269,11 @@ async def _within_turn_deadline(engine, call, request_id: Optional[str], deadlin
   return await _while_it_moves(call, progress, deadline_s, "the server")
 
 
+# Resumes in a row of a turn cut by weight updates that sampled nothing, after which the
+# turn is the server's failure (its updates come faster than it serves a token).
+IDLE_RESUMES = 4
+
+
 async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: int = 0,
                     look: Optional[dict] = None):
   """One turn from the engine; resumes a turn aborted by a weight update. A turn whose
@@ -301,9 +306,16 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
         await asyncio.sleep(0.2 * (attempt + 1))
 
   record = await call(prompt, sampling)
-  for _ in range(4):
-    if record.finish_reason != "abort" or len(record.output_ids) >= sampling.max_new_tokens:
-      return record
+  # A turn is resumed for as long as its parts sample tokens (bounded by max_new_tokens):
+  # a fixed number of resumes made a long turn, the policy's length, the server's failure
+  # in a run of frequent updates, dropped and never scored (red team 17). Only parts that
+  # sample nothing, IDLE_RESUMES in a row, are the server's.
+  idle = 0
+  while record.finish_reason == "abort" and len(record.output_ids) < sampling.max_new_tokens:
+    if idle >= IDLE_RESUMES:
+      # Never a partial turn as the policy's answer.
+      raise InfraError("server", f"a turn was cut by weight updates {idle} times in a row "
+                                 "before it sampled a token")
     rest = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(
         record.output_ids), seed=sampling.seed + len(record.output_ids))
     if look is not None:  # (the parts so far: the policy's at a cut in the next)
@@ -317,10 +329,8 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
       # without the update the turn would have gone on, so this is not the policy's length.
       raise InfraError("server", f"a turn cut by a weight update cannot be resumed: {e}"
                        ) from None
+    idle = 0 if part.output_ids else idle + 1
     record = _merge(record, part)
-  if record.finish_reason == "abort" and len(record.output_ids) < sampling.max_new_tokens:
-    # Never a partial turn as the policy's answer.
-    raise InfraError("server", "a turn was cut by weight updates more often than it resumes")
   return record
 
 

@@ -108,9 +108,11 @@ class TurnCut(Exception):
     self.status = status
 
 
-# A turn that weight updates (`update_mode: abort`) cut again and again is resumed at
-# most this many times, then ends as cut.
-MAX_RESUMES = 8
+# A turn that weight updates (`update_mode: abort`) cut is resumed for as long as its
+# parts sample tokens (bounded by its max_tokens: a fixed count made a long turn, the
+# policy's length, a cut turn, the infrastructure's; red team 17); after this many parts
+# in a row that sampled nothing it ends as cut.
+IDLE_RESUMES = 4
 
 
 @dataclasses.dataclass
@@ -192,8 +194,13 @@ class ChatTurn:
     """Submits the next part if a weight update cut the running one; False if it ended."""
     req, first = self.req, self._parts[0]
     done = len(self.output_ids)
+    idle = 0  # the parts at the end that sampled nothing
+    for part in reversed(self._parts[1:]):
+      if part.output_ids:
+        break
+      idle += 1
     if not (req.finish_reason == "abort" and req.abort_cause == "weight_update"
-            and self.resubmit is not None and len(self._parts) <= MAX_RESUMES
+            and self.resubmit is not None and idle < IDLE_RESUMES
             and done < first.sampling.max_new_tokens):
       return False
     seed = first.sampling.seed
@@ -229,7 +236,8 @@ class ChatTurn:
       raise TurnCut(500, f"the engine failed during this turn: {req.error}")
     if req.finish_reason == "abort":
       raise TurnCut(503, "the turn was aborted before it ended (the server stopping, an "
-                         "explicit abort, or more weight updates than it resumes across)")
+                         f"explicit abort, or weight updates that cut it {IDLE_RESUMES} times "
+                         "in a row before it sampled a token)")
     ids = self.output_ids
     if ids and ids[-1] in self.tokenizer.stop_ids:
       ids = ids[:-1]

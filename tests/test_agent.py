@@ -360,7 +360,8 @@ def test_a_bug_in_an_environment_propagates():
 
 def test_an_overloaded_server_is_infrastructure(random_params):
   from rollout_server.client import GenerateError, LocalClient
-  from rollout_server.engine import SamplingParams
+  from jaxagent.errors import InfraError
+  from jaxagent.trajectory import SamplingParams
   from rollout_server.orchestrator import Orchestrator
   from tests.rollout_server.conftest import make_engine
 
@@ -1006,3 +1007,38 @@ def test_a_black_box_agent_hands_its_environment_a_malformed_tool_call_as_writte
   white, black = (asyncio.run(environment_answers(t))
                   for t in (sampled, _action_text(message)))
   assert black == white and white[1]["invalid_tool_calls"] == 1, (white, black)
+
+
+def test_a_long_turn_cut_by_many_weight_updates_is_resumed_whole():
+  """A turn cut by a weight update after every token (abort mode, frequent updates) is
+  resumed for as long as it samples: a fixed four resumes made a long turn, the
+  policy's own length, an infrastructure error, dropped and never scored (red team 17).
+  Parts that sample nothing, four in a row, are the server's."""
+  from jaxagent.agent import IDLE_RESUMES, _generate
+  from jaxagent.errors import InfraError
+  from jaxagent.trajectory import SamplingParams
+
+  class EveryToken:  # one token a part, then an update cuts it
+    def __init__(self, idle=0):
+      self.calls, self.idle = 0, idle
+
+    async def generate(self, prompt_ids, sampling, session_id=None, resumed_tokens=0):
+      self.calls += 1
+      if self.calls > 1 and self.idle:
+        self.idle -= 1
+        return TurnRecord(list(prompt_ids), [], [], [], "abort")
+      last = sampling.max_new_tokens == 1
+      return TurnRecord(list(prompt_ids), [7 + self.calls], [-0.1], [self.calls],
+                        "length" if last else "abort")
+
+  sampling = SamplingParams(max_new_tokens=12, seed=3)
+  engine = EveryToken()
+  record = asyncio.run(_generate(engine, [1, 2], sampling, "s", 60.0))
+  assert len(record.output_ids) == 12 and engine.calls == 12
+  assert record.finish_reason == "length" and record.versions == list(range(1, 13))
+  with pytest.raises(InfraError, match=f"{IDLE_RESUMES} times in a row before it sampled"):
+    asyncio.run(_generate(EveryToken(idle=IDLE_RESUMES), [1, 2], sampling, "s", 60.0))
+  # Fewer idle parts in a row than that: resumed on.
+  record = asyncio.run(_generate(EveryToken(idle=IDLE_RESUMES - 1), [1, 2], sampling, "s",
+                                 60.0))
+  assert len(record.output_ids) == 12

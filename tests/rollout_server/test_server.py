@@ -686,6 +686,50 @@ def test_a_cut_turn_the_server_cannot_resume_is_cut_not_too_long(tokenizer):
   assert cut.value.status == 503 and "could not be resumed" in str(cut.value)
 
 
+def test_a_chat_turn_cut_after_every_token_is_resumed_for_as_long_as_it_samples(tokenizer):
+  """A gateway turn cut by a weight update after every token is resumed to its end (a
+  fixed 8 resumes made a long turn, the policy's length, a cut: an infrastructure error
+  for the agent, dropped and never scored; red team 17); parts that sample nothing,
+  IDLE_RESUMES in a row, end it as cut."""
+  import asyncio
+
+  from rollout_server.chat import IDLE_RESUMES, ChatTurn, TurnCut
+  from rollout_server.engine import SamplingParams
+  from rollout_server.orchestrator import Request
+
+  def part(prompt, sampling, n, sampled=True):
+    req = Request(list(prompt), sampling, f"r{n}")
+    req.output_ids = [65] if sampled else []
+    req.output_logprobs, req.versions = [-0.1] * len(req.output_ids), [n] * len(req.output_ids)
+    last = sampled and sampling.max_new_tokens == 1
+    req.finish_reason, req.abort_cause = ("length", None) if last else ("abort", "weight_update")
+    req._done.set()
+    return req
+
+  async def wait(req):
+    pass
+
+  for idle in (0, IDLE_RESUMES - 1, IDLE_RESUMES):
+    calls = {"n": 0, "idle": idle}
+
+    def resubmit(ids, sampling, resumed):
+      calls["n"] += 1
+      sampled = calls["n"] <= 1 or calls["idle"] == 0
+      if not sampled:
+        calls["idle"] -= 1
+      return part(ids, sampling, calls["n"], sampled)
+
+    first = part([1, 2, 3], SamplingParams(max_new_tokens=20, seed=1), 0)
+    turn = ChatTurn(first, tokenizer, None, messages=[], tools=None, sessions=None,
+                    session_id="s", kind="chat", id_prefix="call", resubmit=resubmit)
+    asyncio.run(turn.complete(wait))
+    if idle < IDLE_RESUMES:
+      assert len(turn.output_ids) == 20 and turn.req.finish_reason == "length", idle
+    else:
+      with pytest.raises(TurnCut, match=f"cut it {IDLE_RESUMES} times in a row before it"):
+        turn.finish()
+
+
 def test_a_chat_turn_the_server_could_not_finish_is_an_error_not_an_answer(random_params,
                                                                             tokenizer):
   """A turn the engine failed in (finish `error`) or that was aborted other than by a
