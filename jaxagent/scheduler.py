@@ -554,22 +554,50 @@ def pack_groups(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: i
   (`trim_batch` cuts the batch to its shape). Nothing here meets the other processes but
   `gather` (see `compute_advantages`)."""
   compute_advantages(groups, cfg, gather)
-  segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
+  by_group = [[s for e in g.episodes for s in e.segments if s.num_action_tokens]
+              for g in groups]
   # A segment longer than a row trains its first `seq_len` tokens (with its episode's
   # advantage). Dropped, a long failure would still lower its group's baseline while
   # never being pushed down itself: running long would hide a loss (red-team).
-  too_long = [s for s in segments if len(s) > seq_len]
+  too_long = [s for ss in by_group for s in ss if len(s) > seq_len]
   # (one whose first seq_len tokens hold no action trains nothing: it takes no row)
-  segments = [s for s in segments
-              if len(s) <= seq_len or s.loss_mask[:seq_len].any()]
+  by_group = [[s for s in ss if len(s) <= seq_len or s.loss_mask[:seq_len].any()]
+              for ss in by_group]
   max_rows = row_ladder(rows, row_multiple)[-1]
+  # What does not fit is left out by whole groups, the last ones: first-fit decreasing
+  # leaves out the shortest segments, often a group's successes, whose rewards still
+  # set their failures' baseline (red team 17: a step trained only the -1s).
+  kept = len(by_group)
+  if not _fits([len(s) for ss in by_group for s in ss], max_rows, seq_len):
+    lo, hi = 0, len(by_group) - 1  # the most groups that fit, in order
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      if _fits([min(len(s), seq_len) for ss in by_group[:mid] for s in ss], max_rows, seq_len):
+        lo = mid
+      else:
+        hi = mid - 1
+    kept = lo
+  segments = [s for ss in by_group[:kept] for s in ss]
   batch, placed = pack([_first_tokens(s.to_training(), seq_len) for s in segments], max_rows,
                        seq_len, pad_id, decreasing=True, with_ref=with_ref)
-  used_rows = int(placed.max()) + 1 if len(placed) and placed.max() >= 0 else 1
-  used = [s for s, p in zip(segments, placed) if p >= 0]
-  return batch, {"segments": len(used), "too_long": len(too_long),
-                 "overflow": int((placed < 0).sum()), "used_segments": used,
+  assert (placed >= 0).all()
+  used_rows = int(placed.max()) + 1 if len(placed) else 1
+  return batch, {"segments": len(segments), "too_long": len(too_long),
+                 "overflow": sum(len(ss) for ss in by_group[kept:]),
+                 "overflow_groups": len(by_group) - kept, "used_segments": segments,
                  "rows": used_rows}
+
+
+def _fits(lengths: list[int], rows: int, seq_len: int) -> bool:
+  """Whether segments of these lengths (each at most `seq_len`) all fit `rows` rows by
+  first-fit decreasing, as `batch.pack` places them."""
+  fill = np.zeros(rows, np.int64)
+  for n in sorted((min(n, seq_len) for n in lengths), reverse=True):
+    fits = np.nonzero(fill + n <= seq_len)[0]
+    if not len(fits):
+      return False
+    fill[fits[0]] += n
+  return True
 
 
 def trim_batch(batch: TrajectoryBatch, info: dict, used_rows: int, rows: int,

@@ -1179,7 +1179,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
             step_s, 1e-9),
         "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
-        "batch_overflow": info["overflow"], "batch_too_long": info["too_long"],
+        "batch_overflow": info["overflow"],
+        "batch_overflow_groups": info.get("overflow_groups", 0),
+        "batch_too_long": info["too_long"],
         "batch_rows": int(batch.tokens.shape[0]) * n_proc,
         "batch_fill": round(info["fill"], 4),
         "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
@@ -1214,6 +1216,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   peer_failed: Optional[PeerFailed] = None  # another's error, told at the end
   own_failure: Optional[BaseException] = None  # this one's, told at the end
   nonfinite = False  # stopped by a step whose update was not finite
+  overflow_said = False  # a batch that left groups out was said
   device_sync = True  # weights reach an in-process engine device to device while it works
 
   def request_stop(sig):
@@ -1321,6 +1324,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                 "group whose episodes all scored alike (rollout.filter_equal_rewards), "
                 "too_few_valid one whose episodes failed", file=sys.stderr, flush=True)
         continue
+      if info.get("overflow_groups") and not overflow_said:  # (once a run: the metric counts)
+        overflow_said = True
+        print(f"warning: step {step + 1}'s batch did not hold {info['overflow_groups']} of "
+              "its groups (left out whole, untrained): data.rows x data.seq_len is less "
+              "than the step's episodes take; raise data.rows (metrics batch_overflow*)",
+              file=sys.stderr, flush=True)
       no_step_note_at, dropped_at_step = NO_STEP_NOTE_S, collections.Counter(scheduler.dropped)
       row = {"step": step + 1, **episode_metrics(played, accepted, version),
              **token_staleness_metrics(batch.versions, batch.loss_mask, version), **scored}

@@ -648,3 +648,24 @@ def test_the_async_producer_s_error_stops_the_run_instead_of_a_wait_for_ever(bro
       await s.stop()
 
   run(go())
+
+
+def test_what_a_batch_cannot_hold_is_left_out_by_whole_groups():
+  """First-fit decreasing left out the shortest segments when a step's episodes did not
+  fit: here every success (short), so the step trained only its failures' negative
+  advantages, the successes' rewards still in their baseline (red team 17). Whole
+  groups are left out, the last ones, and said."""
+  from jaxagent.scheduler import Group
+
+  groups = [Group(g, None, [episode(g, f"s{g}-{i}", f"g{g}", reward=float(i < 2),
+                                    turns=5 if i < 2 else 9) for i in range(4)])
+            for g in range(2)]
+  lengths = sorted(len(e.segments[0]) for e in groups[0].episodes)
+  assert lengths[0] < lengths[-1]
+  seq_len = lengths[-1] * 2  # one group's four segments fill two rows, not two groups'
+  batch, info = make_batch(groups, AdvantageConfig(scale_by_std=False), rows=2,
+                           seq_len=seq_len, pad_id=0)
+  assert (info["segments"], info["overflow"], info["overflow_groups"]) == (4, 4, 1)
+  assert {s.group_id for s in info["used_segments"]} == {"g0"}
+  adv = batch.advantages[batch.loss_mask > 0]
+  assert adv.max() == 0.5 and adv.min() == -0.5  # its successes with its failures
