@@ -118,10 +118,12 @@ def chunk_advantages(rewards_NxK: Array, valid_NxK: Array, gamma: float, *,
 
   With `group_ids_N`, the baseline of turn k is the mean return at turn k over
   the group's samples that reached turn k (and, with `scale_by_std`, divided by
-  their std); a turn only one sample reached takes the group's turn-0 baseline, which
-  every sample reached (its own was its return: advantage 0 whatever it was, so an
-  episode that outlasted its siblings and then failed was never pushed down: red team
-  17). Returns `[N, K]`, 0 on padding.
+  their std); a turn only one sample reached has no baseline of its own (its return was
+  it: advantage 0 whatever it was, so an episode that outlasted its siblings and then
+  failed was never pushed down: red team 17) and takes its sample's advantage at the
+  last turn others reached too (turn 0 at least; a baseline taken from another turn's
+  returns mixed discounting and process rewards across turns, and with its std, 0 or
+  tiny, blew up: a reviewer). Returns `[N, K]`, 0 on padding.
   """
   chex.assert_equal_shape([rewards_NxK, valid_NxK])
   boot = jnp.zeros(rewards_NxK.shape[:1]) if bootstrap_N is None else bootstrap_N
@@ -133,11 +135,12 @@ def chunk_advantages(rewards_NxK: Array, valid_NxK: Array, gamma: float, *,
   keys = group_ids_N[:, None] * K + jnp.arange(K)[None, :]
   mean, std, count = (x.reshape(N, K) for x in _group_stats(
       returns.reshape(-1), valid_NxK.reshape(-1), keys.reshape(-1), num_groups * K))
-  lone = count <= 1
-  mean, std = jnp.where(lone, mean[:, :1], mean), jnp.where(lone, std[:, :1], std)
   adv = returns - mean
   if scale_by_std:
     adv = adv / (std + eps)
+  # A lone turn: the advantage of the sample's last turn that others reached too.
+  shared = jnp.where(count > 1, jnp.arange(K)[None, :], 0)
+  adv = jnp.take_along_axis(adv, jax.lax.cummax(shared, axis=1), axis=1)
   return jnp.where(valid_NxK, adv, 0.0)
 
 

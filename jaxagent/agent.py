@@ -519,6 +519,8 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
       ep.output_tokens += len(out)
       messages.append(response)
       step = await measured.step(text)
+      ep.turn_rewards.append(float(step.reward))  # (before the log's commit: a cut there
+      # kept the step's reward from the episode, a 0 in its place)
       state = (env.state_hash() if (log is not None or from_log)
                and callable(getattr(env, "state_hash", None)) else None)
       if from_log and turn in replay.hashes and (
@@ -527,7 +529,6 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
                                        "action differently (not deterministic)")
       if log is not None:
         await _commit(log, log.observation, turn, step, state)
-      ep.turn_rewards.append(float(step.reward))
       info = step.info or {}
       ep.tool_latencies_s += list(info.get("tool_latency_s", []))
       new_messages = list(step.observation.messages)
@@ -583,7 +584,9 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
       # scored 0 with the rest (left out, the chunk estimator gave the turn that ran out
       # the clock advantage 0, and a cut in the first step hid the whole failure from
       # the baseline and the loss: red team 17; the black-box agent pads so too).
-      ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (ep.turns - len(ep.turn_rewards))
+      # (one at least, as a verdict gives an episode cut in its first turn's decoding)
+      ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (
+          max(ep.turns, 1) - len(ep.turn_rewards))
   except InfraError as e:  # a server, worker, sandbox or network failure: not a score
     status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   finally:

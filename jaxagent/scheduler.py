@@ -567,25 +567,35 @@ def pack_groups(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: i
   # What does not fit is left out by whole groups, the last ones: first-fit decreasing
   # leaves out the shortest segments, often a group's successes, whose rewards still
   # set their failures' baseline (red team 17: a step trained only the -1s).
-  kept = len(by_group)
-  if not _fits([len(s) for ss in by_group for s in ss], max_rows, seq_len):
-    lo, hi = 0, len(by_group) - 1  # the most groups that fit, in order
-    while lo < hi:
-      mid = (lo + hi + 1) // 2
-      if _fits([min(len(s), seq_len) for ss in by_group[:mid] for s in ss], max_rows, seq_len):
-        lo = mid
-      else:
-        hi = mid - 1
-    kept = lo
+  kept = _most_that_fit(by_group, max_rows, seq_len)
   segments = [s for ss in by_group[:kept] for s in ss]
+  if kept == 0 and by_group:  # not even the first group: its first episodes (in their
+    # order, not by length), rather than no step at all (a reviewer)
+    trained = {id(s) for s in by_group[0]}
+    first = [[s for s in e.segments if id(s) in trained] for e in groups[0].episodes]
+    segments = [s for ss in first[:_most_that_fit(first, max_rows, seq_len)] for s in ss]
   batch, placed = pack([_first_tokens(s.to_training(), seq_len) for s in segments], max_rows,
                        seq_len, pad_id, decreasing=True, with_ref=with_ref)
   assert (placed >= 0).all()
   used_rows = int(placed.max()) + 1 if len(placed) else 1
   return batch, {"segments": len(segments), "too_long": len(too_long),
-                 "overflow": sum(len(ss) for ss in by_group[kept:]),
+                 "overflow": sum(map(len, by_group)) - len(segments),
                  "overflow_groups": len(by_group) - kept, "used_segments": segments,
                  "rows": used_rows}
+
+
+def _most_that_fit(units: list[list], rows: int, seq_len: int) -> int:
+  """How many of `units` (lists of segments), in order, fit `rows` rows together."""
+  if _fits([len(s) for u in units for s in u], rows, seq_len):
+    return len(units)
+  lo, hi = 0, len(units) - 1
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if _fits([len(s) for u in units[:mid] for s in u], rows, seq_len):
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo
 
 
 def _fits(lengths: list[int], rows: int, seq_len: int) -> bool:

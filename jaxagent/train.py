@@ -1319,6 +1319,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             why.append(f"{len(unfit)} episodes whose first prompt did not fit")
           if info.get("too_long"):
             why.append(f"{info['too_long']} segments longer than data.seq_len")
+          if info.get("overflow"):
+            why.append(f"{info['overflow']} segments data.rows could not hold")
           print(f"warning: no step for {waited:.0f} s: {len(played)} groups played, nothing "
                 f"to train on ({', '.join(why) or 'no episode with a turn'}); no_signal is a "
                 "group whose episodes all scored alike (rollout.filter_equal_rewards), "
@@ -1650,6 +1652,11 @@ def main(argv=None) -> int:
     return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   if not args.resume and holds_a_run(run_dir):
+    try:  # (a run going on there is said as such)
+      lock_run_dir(run_dir).close()
+    except RunDirInUse as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     print(f"error: {run_dir} already holds a run (its metrics, checkpoints, trajectories "
           "or policy exports): --resume to go on with it, or another --run-dir",
           file=sys.stderr)

@@ -96,11 +96,12 @@ def test_chunk_advantages_with_group_baseline_hand_computed():
 
 
 
-def test_a_turn_only_one_sample_reached_takes_the_groups_first_baseline():
+def test_a_turn_only_one_sample_reached_takes_its_last_shared_turns_advantage():
   """The baseline of a turn one sample alone reached was its own return: advantage 0,
   so an episode that stalled past its siblings and then answered wrong was never
-  pushed down for it (red team 17: [-0.5, 0, 0, 0]). It takes the group's turn-0
-  baseline."""
+  pushed down for it (red team 17: [-0.5, 0, 0, 0]). It takes the sample's advantage
+  at the last turn others reached too, bounded as theirs are (a turn-0 baseline with
+  its std blew up to 5e5 when the turn-0 returns were equal: a reviewer)."""
   # Three answer at once (right, right, wrong); one stalls three turns, then is wrong.
   rewards = jnp.asarray([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0.0, 0, 0, 0], [0.0, 0, 0, 0]])
   valid = jnp.asarray([[1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], bool)
@@ -113,6 +114,18 @@ def test_a_turn_only_one_sample_reached_takes_the_groups_first_baseline():
   out = adv.chunk_advantages(rewards.at[2, 1].set(1.0), valid2, 1.0,
                              group_ids_N=jnp.zeros(4, jnp.int32), num_groups=1)
   np.testing.assert_allclose(out[:, 1], [0, 0, 0.5, -0.5])
+  # Equal turn-0 returns (std 0), a lone later turn with another return (gamma 0.5):
+  # it takes its turn 0's advantage, 0, not (return - mean) / 1e-6.
+  out = adv.chunk_advantages(jnp.asarray([[0.0, 1.0], [0.5, 0.0]]),
+                             jnp.asarray([[1, 1], [1, 0]], bool), 0.5,
+                             group_ids_N=jnp.zeros(2, jnp.int32), num_groups=1,
+                             scale_by_std=True)
+  np.testing.assert_allclose(out, [[0.0, 0.0], [0.0, 0.0]], atol=1e-6)
+  # A success slower than its sibling (gamma 0.9): all its turns share one sign.
+  out = adv.chunk_advantages(jnp.asarray([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]),
+                             jnp.asarray([[1, 1, 1], [1, 0, 0]], bool), 0.9,
+                             group_ids_N=jnp.zeros(2, jnp.int32), num_groups=1)
+  np.testing.assert_allclose(out, [[-0.095] * 3, [0.095, 0, 0]], atol=1e-6)
 
 
 def test_to_tokens_gathers_sample_turn_values():

@@ -273,6 +273,8 @@ def test_a_turn_that_moves_past_its_deadline_is_waited_on_and_one_that_does_not_
         session_id="s", group_id="g"))
     assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), ep.reason
     assert not ep.infra_error
+    # (with its 0, as a verdict gives: none, it left the chunk baseline; a reviewer)
+    assert ep.turns == 0 and ep.turn_rewards == [0.0]
   # A turn cut by a weight update after 0.5 s of decoding, resumed, and cut by the
   # deadline in its second part: both parts' decoding is the policy's.
   class Resumed(ProgressEngine):

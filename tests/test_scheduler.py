@@ -669,3 +669,11 @@ def test_what_a_batch_cannot_hold_is_left_out_by_whole_groups():
   assert {s.group_id for s in info["used_segments"]} == {"g0"}
   adv = batch.advantages[batch.loss_mask > 0]
   assert adv.max() == 0.5 and adv.min() == -0.5  # its successes with its failures
+
+  # Not even the first group fits: its first episodes, in their order (a reviewer: the
+  # step trained nothing, and the run spun without saying why).
+  batch, info = make_batch(groups, AdvantageConfig(scale_by_std=False), rows=1,
+                           seq_len=seq_len, pad_id=0)
+  assert info["overflow_groups"] == 2 and 0 < info["segments"] < 4
+  assert [s.rollout_id for s in info["used_segments"]] == [
+      e.segments[0].rollout_id for e in groups[0].episodes[:info["segments"]]]
