@@ -38,7 +38,7 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from jaxagent.errors import RunWriteFailed, disk_hint
+from jaxagent.errors import NonFiniteUpdate, RunWriteFailed, disk_hint
 from jaxagent.models.params import Params, cast_params
 
 REGISTRY = "versions.json"
@@ -86,16 +86,27 @@ def _bits_sum(x: jax.Array) -> jax.Array:
   return jnp.sum(bits * weight, dtype=jnp.uint32)
 
 
-_fingerprints = jax.jit(lambda tree: jax.tree.map(_bits_sum, tree))
+def _finite(x: jax.Array) -> jax.Array:
+  import jax.numpy as jnp
+
+  return (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating)
+          else jnp.bool_(True))
 
 
-def fingerprint(tree: Any) -> dict[str, list]:
+_fingerprints = jax.jit(lambda tree: (jax.tree.map(_bits_sum, tree),
+                                      jax.tree.map(_finite, tree)))
+
+
+def fingerprint(tree: Any, finite: Optional[list] = None) -> dict[str, list]:
   """{array's path: [the sum of its bits (`_bits_sum`), its dtype]} for every array of
-  `tree` (every process of a run computes the same, together)."""
-  sums = jax.device_get(_fingerprints(tree))
-  return {jax.tree_util.keystr(path): [int(v), str(x.dtype)]
-          for (path, v), x in zip(jax.tree_util.tree_flatten_with_path(sums)[0],
-                                  jax.tree.leaves(tree))}
+  `tree` (every process of a run computes the same, together). `finite`: a list the
+  paths of arrays holding a value that is not finite are added to (the same pass)."""
+  sums, oks = jax.device_get(_fingerprints(tree))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  if finite is not None:
+    finite += [path for path, ok in zip(paths, jax.tree.leaves(oks)) if not ok]
+  return {path: [int(v), str(x.dtype)]
+          for path, v, x in zip(paths, jax.tree.leaves(sums), jax.tree.leaves(tree))}
 
 
 def fingerprint_mismatch(tree: Any, saved: dict) -> Optional[str]:
@@ -187,7 +198,12 @@ class RunCheckpointer:
     # (what its arrays hold, checked when they are read back: Orbax keeps no checksum,
     # and a flipped bit read back as another number, a damaged checkpoint taken for a
     # good one: red team 15)
-    meta = {**meta, "fingerprint": fingerprint(state)}
+    bad: list = []
+    meta = {**meta, "fingerprint": fingerprint(state, bad)}
+    if bad:  # (the weights are checked every step; the optimiser's state here, in the
+      # same pass: a state that cannot be resumed is never saved as one)
+      raise NonFiniteUpdate(f"the state of step {step} holds values that are not finite "
+                            f"(state{bad[0]}): not checkpointed")
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iter is not None:
       items["data_iter"] = grain.checkpoint.CheckpointSave(data_iter)

@@ -263,3 +263,24 @@ def test_a_checkpoint_whose_values_do_not_read_back_as_saved_is_unreadable(tmp_p
   assert "their fingerprint differs" in skipped[0][1], skipped
   assert int(restored.step) == 0
   ckpt.close()
+
+
+def test_a_state_with_values_that_are_not_finite_is_never_checkpointed(tmp_path):
+  """The weights are checked after every step; the optimiser's state with each save,
+  in the fingerprint's pass: a state a resume could not go on from is not saved."""
+  import jax.numpy as jnp
+
+  from jaxagent.errors import NonFiniteUpdate
+
+  learner = Learner(CFG, LearnerConfig(), make_mesh())
+  state = learner.init_state(0)
+  bad = state.replace(opt_state=jax.tree.map(
+      lambda x: x * jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim else x,
+      state.opt_state))
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=2, async_save=False)
+  with pytest.raises(NonFiniteUpdate, match="state of step 1 holds values that are not "
+                                            r"finite \(state\.opt_state"):
+    ckpt.save(1, bad, {"step": 1})
+  ckpt.save(2, state, {"step": 2})
+  ckpt.close()
+  assert ckpt.all_steps() == [2]

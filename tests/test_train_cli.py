@@ -642,19 +642,18 @@ def test_a_run_that_keeps_no_group_says_so(tmp_path):
     proc.communicate(timeout=60)
 
 
-# Runs the trainer with the learner's step making every weight inf at step 2 (a blow-up
-# that the step's own loss and gradient, the weights' before it, do not show).
+# Runs the trainer with the learner's update making every weight inf at step 2 (a
+# blow-up that the step's own loss and gradient, the weights' before it, do not show).
 INF_AT_STEP_2 = """
 import sys
 import jax, jax.numpy as jnp
 from jaxagent import learner, train
-step = learner.Learner.step
-def inf_at_2(self, state, *args, **kwargs):
-  new, m = step(self, state, *args, **kwargs)
-  if int(new.step) == 2:
-    new = new.replace(params=jax.tree.map(lambda x: x * jnp.inf, new.params))
-  return new, m
-learner.Learner.step = inf_at_2
+update = learner._update
+def inf_at_2(state, *args, **kwargs):
+  new, out = update(state, *args, **kwargs)
+  factor = jnp.where(state.step == 1, jnp.inf, 1.0)  # (the update of step 2, in the jit)
+  return new.replace(params=jax.tree.map(lambda x: x * factor, new.params)), out
+learner._update = inf_at_2
 sys.exit(train.main(sys.argv[1:]))
 """
 
