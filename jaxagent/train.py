@@ -660,7 +660,7 @@ def started_a_run(run_dir: str) -> bool:
 @jax.jit
 def all_finite(tree) -> jax.Array:
   """Whether every floating-point value of `tree` is finite (one reduction where the
-  arrays live: 70 ms for a 135M model's weights on this CPU, its step 2.4 s)."""
+  arrays live: 94 ms for a 135M model's weights on this CPU, its step 2.4 s)."""
   flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
            if jnp.issubdtype(x.dtype, jnp.floating)]
   return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
