@@ -139,7 +139,7 @@ def chunk_advantages(rewards_NxK: Array, valid_NxK: Array, gamma: float, *,
   if scale_by_std:
     adv = adv / (std + eps)
   # A lone turn: the advantage of the sample's last turn that others reached too.
-  shared = jnp.where(count > 1, jnp.arange(K)[None, :], 0)
+  shared = jnp.where((count > 1) & valid_NxK, jnp.arange(K)[None, :], 0)
   adv = jnp.take_along_axis(adv, jax.lax.cummax(shared, axis=1), axis=1)
   return jnp.where(valid_NxK, adv, 0.0)
 

@@ -109,6 +109,21 @@ def fingerprint(tree: Any, finite: Optional[list] = None) -> dict[str, list]:
           for path, v, x in zip(paths, jax.tree.leaves(sums), jax.tree.leaves(tree))}
 
 
+def state_prints(state: Any, step: int) -> dict[str, list]:
+  """The fingerprint a checkpoint of `state` at `step` keeps (what its arrays hold,
+  checked when they are read back: Orbax keeps no checksum, and a flipped bit read back
+  as another number, a damaged checkpoint taken for a good one: red team 15). Raises
+  `NonFiniteUpdate` for a state holding a value that is not finite (the weights are
+  checked every step; the optimiser's state here, in the same pass: a state that
+  cannot be resumed is never saved as one)."""
+  bad: list = []
+  prints = fingerprint(state, bad)
+  if bad:
+    raise NonFiniteUpdate(f"the state of step {step} holds values that are not finite "
+                          f"(state{bad[0]}): not checkpointed")
+  return prints
+
+
 def fingerprint_mismatch(tree: Any, saved: dict) -> Optional[str]:
   """The first array of `tree` whose values differ from those `saved` (`fingerprint`
   at the save) said, or None. Arrays read as another dtype are not compared (a run
@@ -189,21 +204,14 @@ class RunCheckpointer:
       raise self._failure(self._started, e) from None
 
   def save(self, step: int, state: Any, meta: dict, data_iter: Any = None,
-           force: bool = False) -> bool:
+           force: bool = False, prints: Optional[dict] = None) -> bool:
     """Starts saving `state` (asynchronously); returns whether a save was started.
-    CheckpointFailed when it, or the save before it, cannot be written."""
+    CheckpointFailed when it, or the save before it, cannot be written. `prints`:
+    `state_prints(state)`, when the caller took them already (off its event loop)."""
     import grain
 
     self.check()
-    # (what its arrays hold, checked when they are read back: Orbax keeps no checksum,
-    # and a flipped bit read back as another number, a damaged checkpoint taken for a
-    # good one: red team 15)
-    bad: list = []
-    meta = {**meta, "fingerprint": fingerprint(state, bad)}
-    if bad:  # (the weights are checked every step; the optimiser's state here, in the
-      # same pass: a state that cannot be resumed is never saved as one)
-      raise NonFiniteUpdate(f"the state of step {step} holds values that are not finite "
-                            f"(state{bad[0]}): not checkpointed")
+    meta = {**meta, "fingerprint": state_prints(state, step) if prints is None else prints}
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iter is not None:
       items["data_iter"] = grain.checkpoint.CheckpointSave(data_iter)

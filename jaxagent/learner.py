@@ -55,8 +55,12 @@ SCHEDULES = {"constant": lambda cfg: optax.constant_schedule(cfg.lr), "cosine": 
 
 # `learner.optimizer` names one of these, given the schedule and the config.
 OPTIMIZERS = {
+    # (mu in float32 from the start: the float32 gradients made it so after the first
+    # update of bfloat16 weights, so the state changed dtype, a checkpoint held what the
+    # restore cast back down, and the step compiled twice: a reviewer)
     "adamw": lambda sched, cfg: optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                                            weight_decay=cfg.weight_decay),
+                                            weight_decay=cfg.weight_decay,
+                                            mu_dtype=jnp.float32),
     # Plain gradient descent: an update proportional to the gradient (tests compare
     # runs to float rounding with it; Adam's first step is a sign step that is not).
     "sgd": lambda sched, cfg: optax.sgd(sched),

@@ -580,7 +580,8 @@ def pack_groups(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: i
   used_rows = int(placed.max()) + 1 if len(placed) else 1
   return batch, {"segments": len(segments), "too_long": len(too_long),
                  "overflow": sum(map(len, by_group)) - len(segments),
-                 "overflow_groups": len(by_group) - kept, "used_segments": segments,
+                 "overflow_groups": len(by_group) - max(kept, bool(segments)),
+                 "used_segments": segments,
                  "rows": used_rows}
 
 

@@ -43,7 +43,7 @@ from jaxagent.agent import (BLACKBOX_AGENTS, FIRST_PROMPT_TOO_LONG, Episode, run
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
                                  drop_version, drop_versions_after, export_policy,
-                                 list_versions, quiet_failed_save_noise)
+                                 list_versions, quiet_failed_save_noise, state_prints)
 from jaxagent.data import task_dataset
 from jaxagent.errors import (InfraError, InfraOutage, NonFiniteUpdate, PeerFailed, PeerLost,
                              RunWriteFailed, TaskError, disk_hint)
@@ -1099,12 +1099,15 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                 for k in [wal.key(g), *sorted(replayed_from.get(g, ()))]]}
     got = await agree("save", **mine) if multi else [mine]
     by_process, next_group = [g["pending"] for g in got], max(g["next"] for g in got)
+    # (off the event loop, which serves the rollouts: a second a save for a 135M model
+    # on this CPU; every process together, as the save)
+    prints = await loop.run_in_executor(None, state_prints, state, step)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending, "pending_tasks_by_process": by_process,
                             "next_group": next_group,
                             "wal_consumed_by_process": [g["consumed"] for g in got],
                             "stop_window_recent": recent,
-                            "canary": canary_now}, tasks, force=force)
+                            "canary": canary_now}, tasks, force=force, prints=prints)
     if wal is not None:
       # Groups this checkpoint no longer lists need no replay once it is written: those
       # of the checkpoint before are let go now (a save waits for the one before it to
@@ -1474,9 +1477,13 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             f"{ckpt.latest_step() or 0})", file=sys.stderr, flush=True)
     elif ckpt.latest_step() != step and step > 0 and not failed:
       # (no canary when a stop gave up waiting for rollouts: its episodes may hang too)
-      with contextlib.suppress(CheckpointFailed):  # (ckpt.failed: raised below)
+      try:
         await save_checkpoint(step, state, pending, force=True,
                               canary=finished and not abandoned)
+      except CheckpointFailed:  # (ckpt.failed: raised below)
+        pass
+      except NonFiniteUpdate as e:  # (raised below, once the rest is closed)
+        own_failure, unsaved, nonfinite = own_failure or e, "not finite", True
     if exported != version and step > 0 and not unsaved:  # the final weights, exported
       try:
         export_policy(policy_root, version, state.params, dtype=export_dtype)
@@ -1658,6 +1665,8 @@ def main(argv=None) -> int:
     except RunDirInUse as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
+    except OSError:  # (a directory it cannot write: its records say enough)
+      pass
     print(f"error: {run_dir} already holds a run (its metrics, checkpoints, trajectories "
           "or policy exports): --resume to go on with it, or another --run-dir",
           file=sys.stderr)
@@ -1722,8 +1731,11 @@ def main(argv=None) -> int:
       # barrier, which a gone one never reaches (the heartbeat's timeout, then an abort)
       os._exit(exit_code(e))
     except NonFiniteUpdate as e:
-      print(f"error: {e}; a resume goes on from the last checkpoint", file=sys.stderr,
-            flush=True)
+      ckpts = os.path.join(run_dir, "checkpoints")
+      saved = os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
+      print(f"error: {e}; " + ("a resume goes on from the last checkpoint" if saved else
+                               "no checkpoint was saved: the run starts again"),
+            file=sys.stderr, flush=True)
       return exit_code(e)
     except PeerFailed as e:  # (all processes saved together; the other's log has why)
       print(f"error: {e}: this process stopped with it (then, every process: "

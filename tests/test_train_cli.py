@@ -656,9 +656,15 @@ def inf_at_2(state, *args, **kwargs):
 learner._update = inf_at_2
 sys.exit(train.main(sys.argv[1:]))
 """
+# ... with Adam's second moment inf instead: the updates are 0, the weights stay finite,
+# the optimiser's state a resume would restore is not (checked with each save).
+NU_INF_AT_STEP_2 = INF_AT_STEP_2.replace(
+    "return new.replace(params=jax.tree.map(lambda x: x * factor, new.params)), out",
+    "return new.replace(opt_state=jax.tree.map(lambda x: x * factor if x.ndim else x, "
+    "new.opt_state)), out")
 
 
-@pytest.mark.parametrize("how", ["lr", "weights"])
+@pytest.mark.parametrize("how", ["lr", "weights", "optimiser"])
 def test_a_step_whose_update_is_not_finite_stops_the_run_unsaved(tmp_path, how):
   """A learning rate that blows the weights up, or an update that makes them inf: the
   step stops the run with one line, its state neither checkpointed nor exported (red
@@ -671,20 +677,25 @@ def test_a_step_whose_update_is_not_finite_stops_the_run_unsaved(tmp_path, how):
   if how == "lr":
     proc = run_train(*args, "learner.lr=3e38")
   else:
-    proc = subprocess.run([sys.executable, "-c", INF_AT_STEP_2, *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", {"weights": INF_AT_STEP_2, "optimiser":
+                                                  NU_INF_AT_STEP_2}[how], *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
   assert proc.returncode == 1, proc.stderr[-3000:]
-  said = {"lr": "the (loss|grad norm) is nan", "weights": "the weights after it are not finite"}
-  assert re.search(rf"error: step (\d+): {said[how]} .*a resume goes on from the last "
-                   "checkpoint", proc.stderr), proc.stderr[-3000:]
+  said = {"lr": "step (\\d+): the (loss|grad norm) is nan",
+          "weights": "step (\\d+): the weights after it are not finite",
+          "optimiser": r"the state of step (\d+) holds values that are not finite \(state"
+                       r"\.opt_state.*\): not checkpointed"}
+  assert re.search(rf"error: {said[how]}.*a resume goes on from the last checkpoint",
+                   proc.stderr), proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  bad = int(re.search(r"error: step (\d+)", proc.stderr).group(1))
+  bad = int(re.search(r"error: (step |the state of step )(\d+)", proc.stderr).group(2))
   assert bad == 2
   assert sorted(map(int, os.listdir(run_dir / "checkpoints"))) == list(range(1, bad))
-  assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(1, bad))
-  from jaxagent.checkpoint import list_versions
+  if how != "optimiser":  # (its step's weights are finite: recorded, exported)
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(1, bad))
+    from jaxagent.checkpoint import list_versions
 
-  assert max(v["version"] for v in list_versions(str(run_dir / "policy"))) == bad - 1
+    assert max(v["version"] for v in list_versions(str(run_dir / "policy"))) == bad - 1
 
 
 def test_a_second_trainer_in_a_run_directory_is_refused(tmp_path):
