@@ -165,12 +165,9 @@ _TOKEN = re.compile(r"""
   | (?P<quote>[rRbBuUfF]{0,2}(?:'''|\"\"\"|'|"))
   | (?P<name>[^\W\d]\w*+)
 """, re.X)
-_STRING_END = {q: re.compile(body, re.S) for q, body in (
-    ("'''", r"(?:[^'\\]++|\\(?:.|\Z)|'(?!''))*+'''"),
-    ('"""', r'(?:[^"\\]++|\\(?:.|\Z)|"(?!""))*+"""'),
-    ("'", r"(?:[^'\\\n]++|\\(?:.|\Z))*+'"),
-    ('"', r'(?:[^"\\\n]++|\\(?:.|\Z))*+"'))}
-_STRING_STOP = {q: re.compile(body, re.S) for q, body in (
+# A string's body from after its opening quote: up to its closing quote (unescaped), or
+# for a one-line string an unescaped line end, or the end of the text.
+_STRING_BODY = {q: re.compile(body, re.S) for q, body in (
     ("'''", r"(?:[^'\\]++|\\(?:.|\Z)|'(?!''))*+"),
     ('"""', r'(?:[^"\\]++|\\(?:.|\Z)|"(?!""))*+'),
     ("'", r"(?:[^'\\\n]++|\\(?:.|\Z))*+"),
@@ -194,11 +191,11 @@ def _name_tokens(text: str) -> list[str]:
       if m.start() < open_until.get(quote, -1):
         pos = m.start() + len(m.group()) - len(quote) + 1  # (a stray quote)
         continue
-      ended = _STRING_END[quote].match(text, pos)
-      if ended is not None:
-        pos = ended.end()
+      stop = _STRING_BODY[quote].match(text, pos).end()  # (one scan: ended or not)
+      if text.startswith(quote, stop):
+        pos = stop + len(quote)
       else:
-        open_until[quote] = _STRING_STOP[quote].match(text, pos).end()
+        open_until[quote] = stop
         pos = m.start() + len(m.group()) - len(quote) + 1
 
 
