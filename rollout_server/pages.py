@@ -159,7 +159,10 @@ class PagedPrefixCache:
     with self._lock:
       now = next(self._clock)
       node, i = self._root, 0
-      for child, n in self._walk(tokens):
+      # The path is read whole before the tree changes: a split shortens the node the
+      # walk stands on, and walking on from it read the children of its lower half at
+      # the upper half's position (another sequence's pages, matched at the wrong place).
+      for child, n in list(self._walk(tokens)):
         child.last_used = now
         if n < len(child.pages):
           child = self._split(child, n)

@@ -66,3 +66,68 @@ def test_capacity_bounds_the_tree():
     cache.insert([i] * 4, pages)
     a.unref(pages)
   assert cache.pages <= 4 and a.free == 63 - cache.pages
+
+
+def test_a_split_far_into_an_edge_keeps_each_sequence_on_its_own_pages():
+  # [1, 2, 3, 4] then [1, 2, 4, 9]: the second splits the first's edge after two pages,
+  # past its middle; its own pages must hang at position 2, and [1, 2, 3, 4, 9] must not
+  # find its 9's page (which holds token 9 at position 3 after [1, 2, 4]).
+  a = PageAllocator(64)
+  cache = PagedPrefixCache(a, page_size=1)
+  pa, pb, pc = a.alloc(3), a.alloc(4), a.alloc(4)
+  cache.insert([1, 2, 3], pa)
+  cache.insert([1, 2, 3, 4], pb)
+  cache.insert([1, 2, 4, 9], pc)
+  n, got = cache.match([1, 2, 3, 4, 9, 5])
+  assert n == 4 and got == pa + pb[3:]
+  n, got = cache.match([1, 2, 4, 9, 7])
+  assert n == 4 and got == pa[:2] + pc[2:]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matched_pages_hold_the_querys_own_prefix(seed):
+  """Random traffic of shared prefixes: each page notes the tokens its KV was computed
+  after; every match returns pages of exactly the query's prefix, and every page's
+  reference count is the tree's listings plus the running sequences'."""
+  import random
+  rnd = random.Random(seed)
+  P = rnd.choice([1, 2, 3])
+  a = PageAllocator(rnd.choice([40, 200]))
+  cache = PagedPrefixCache(a, P, capacity_pages=rnd.choice([None, 12]))
+  holds: dict[int, tuple] = {}  # page -> the prefix (through this page) its KV is of
+  running: list[tuple[tuple, list]] = []
+  for _ in range(300):
+    if rnd.random() < 0.6:
+      base = rnd.choice(running)[0] if running and rnd.random() < 0.7 else ()
+      seq = base[:rnd.randint(0, len(base))] + tuple(rnd.choice([1, 2, 3])
+                                                     for _ in range(rnd.randint(1, 10)))
+      n, got = cache.match(seq, max_length=len(seq) - 1)
+      assert [holds[p] for p in got] == [seq[:(j + 1) * P] for j in range(len(got))]
+      need = -(-len(seq) // P) - len(got)
+      cache.evict(max(0, need - a.free))
+      try:
+        new = a.alloc(need)
+      except OutOfPages:
+        a.unref(got)
+        continue
+      for j, p in enumerate(new, start=len(got)):
+        holds[p] = seq[:(j + 1) * P]
+      running.append((seq, got + new))
+      if rnd.random() < 0.5:
+        cache.insert(seq, got + new)
+    elif running:
+      seq, pages = running.pop(rnd.randrange(len(running)))
+      if rnd.random() < 0.7:
+        cache.insert(seq, pages)
+      a.unref(pages)
+    listed = [0] * a.num_pages
+    stack = [cache._root]
+    while stack:
+      node = stack.pop()
+      stack.extend(node.children.values())
+      for p in node.pages:
+        listed[p] += 1
+    for _, pages in running:
+      for p in pages:
+        listed[p] += 1
+    assert listed[1:] == list(a.refs[1:])

@@ -68,3 +68,25 @@ def test_pages_return_to_the_pool(random_params):
   s = orch.stats()
   orch.stop()
   assert s["kv_pages"]["used"] == 0 and s["kv_pages"]["free"] == engine.num_pages - 1
+
+
+def test_a_prompt_finds_only_its_own_prefix_after_edges_split(random_params):
+  """Whole pages S X, S X Y, then S Y W are cached (the third splits an edge after its
+  first page); S X Y W was never computed, so its request finds at most S X Y (12 tokens)
+  and its log-probs are those of the same request without the cache."""
+  engine = make_engine(page_size=4, extra_pages=200)
+  params = engine.load_params(random_params)
+  S, X, Y, W = [11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34], [41, 42, 43, 44]
+  prompt = S + X + Y + W + [5, 6]
+  results = {}
+  for label, tokens in (("off", 0), ("on", 4000)):
+    orch = Orchestrator(engine, params, prefix_cache_tokens=tokens).start()
+    for earlier in (S + X + [1], S + X + Y + [1], S + Y + W + [1]):
+      orch.generate(earlier, SamplingParams(seed=0, max_new_tokens=1), timeout=120)
+    results[label] = orch.generate(prompt, SamplingParams(seed=3, max_new_tokens=4),
+                                   timeout=120)
+    orch.stop()
+  assert results["on"].prefix_hit_tokens == 12
+  assert results["on"].output_ids == results["off"].output_ids
+  np.testing.assert_allclose(results["on"].raw_logprobs, results["off"].raw_logprobs,
+                             atol=1e-5)
