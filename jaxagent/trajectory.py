@@ -59,6 +59,8 @@ class SamplingParams:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if isinstance(self.seed, bool) or not hasattr(self.seed, "__index__"):
+      raise ValueError(f"seed must be an integer, got {self.seed!r}")
     bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
       raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")

@@ -139,8 +139,9 @@ def _sampling_logits(logits_V: jax.Array, temperature: jax.Array, top_p: jax.Arr
     k = jnp.where(top_k > 0, jnp.minimum(top_k, scaled.shape[0]), scaled.shape[0])
     kth = order[k - 1]
     probs = jax.nn.softmax(jnp.where(order >= kth, order, -jnp.inf))
-    # Keep a sorted token if the mass before it is below top_p (the first always is).
-    keep = (jnp.cumsum(probs) - probs) < top_p
+    # Keep a sorted token if the mass before it is below top_p; the first always is (a
+    # top_p below float32's smallest normal reads as 0 on the device: it kept nothing).
+    keep = ((jnp.cumsum(probs) - probs) < top_p) | (jnp.arange(order.shape[0]) == 0)
     threshold = jnp.min(jnp.where(keep & (order >= kth), order, jnp.inf))
     scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
   return logits, scaled, raw_logp, greedy
@@ -218,12 +219,17 @@ def _step_key(key, position):
 
 
 def _key(seed: int) -> np.ndarray:
-  """`jax.random.PRNGKey(seed)`, built on the host (no device call per request) where the
-  key layout is the default threefry one, [0, seed] for a 32-bit seed."""
-  seed = int(seed)
-  if 0 <= seed < 1 << 32 and _threefry_keys():
-    return np.array([0, seed], np.uint32)
-  return np.asarray(jax.random.PRNGKey(seed))
+  """The key of a 64-bit `seed` (any integer, read modulo 2**64): `jax.random.PRNGKey`'s
+  layout with 64-bit integers on, [high 32 bits, low 32 bits], built on the host (no
+  device call per request). Without 64-bit integers `PRNGKey` keeps only the low 32 bits
+  (seeds that differ above them sampled the same tokens) and a seed past int64 (a resumed
+  part's seed moved on past 2**63) raised, failing its whole prefill batch."""
+  seed = int(seed) % (1 << 64)
+  high, low = seed >> 32, seed & 0xFFFFFFFF
+  if _threefry_keys():
+    return np.array([high, low], np.uint32)
+  key = jax.random.PRNGKey(low)
+  return np.asarray(jax.random.fold_in(key, high) if high else key)
 
 
 @functools.cache

@@ -110,6 +110,9 @@ def test_tempered_and_truncated_logprobs(random_params):
   assert greedy[1] == [0.0] * 11
   topk1 = run_alone(engine, params, prompt, SamplingParams(top_k=1, seed=9), 10)
   assert topk1[0] == greedy[0] and np.allclose(topk1[1], 0.0, atol=1e-6)
+  # A top_p that float32 reads as 0 keeps the top token (it kept none: token 0, nan).
+  tiny_p = run_alone(engine, params, prompt, SamplingParams(top_p=1e-45, seed=9), 10)
+  assert tiny_p[0] == greedy[0] and np.allclose(tiny_p[1], 0.0, atol=1e-6)
 
 
 def test_top_k_top_p_restrict_the_distribution(random_params):
@@ -138,6 +141,13 @@ def test_same_seed_same_tokens_in_any_slot(random_params):
   b = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=5), 12, slot=3)
   c = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=6), 12, slot=0)
   assert a == b and a[0] != c[0]
+  # Seeds are 64-bit: the bits above 32 count (they were dropped), past 2**63 and below 0
+  # wrap around (they raised), and 2**64 + 5 is 5.
+  high = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=5 + (1 << 32)), 12)
+  wrapped = run_alone(engine, params, [1, 2, 3], SamplingParams(seed=5 + (1 << 64)), 12)
+  assert high[0] != a[0] and wrapped == a
+  assert run_alone(engine, params, [1, 2, 3], SamplingParams(seed=(1 << 63) + 7), 4)[0] == \
+      run_alone(engine, params, [1, 2, 3], SamplingParams(seed=-(1 << 63) + 7), 4)[0]
 
 
 def test_prefill_many_equals_one_request_at_a_time(random_params):
@@ -209,6 +219,8 @@ def test_bad_requests_are_named(random_params):
     engine.pad_tokens(list(range(40)))
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=0.0).validate(CFG.vocab_size)
+  with pytest.raises(ValueError, match="seed must be an integer"):
+    SamplingParams(seed=1.5).validate(CFG.vocab_size)
   with pytest.raises(ValueError, match="stop_token_ids"):
     SamplingParams(stop_token_ids=(10_000,)).validate(CFG.vocab_size)
 
