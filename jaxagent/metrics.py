@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 import time
 from typing import Iterable, Optional
 
@@ -84,6 +85,22 @@ def token_staleness_metrics(versions, loss_mask, learner_version: int) -> dict:
   return out
 
 
+def _tensorboard_events():
+  """tensorboardX's event file writer and its protos. Its package imports torch where
+  torch is installed (a second of every run's start, for an alias the events never use):
+  that import is made to fail here, unless torch is already in."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # (an import of it raises ImportError)
+  try:
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2, summary_pb2
+  finally:
+    if blocked and sys.modules.get("torch", False) is None:
+      del sys.modules["torch"]
+  return EventsWriter, event_pb2, summary_pb2
+
+
 class MetricsWriter:
   """One JSON object per learner step in metrics.jsonl, the same scalars in TensorBoard.
 
@@ -99,8 +116,7 @@ class MetricsWriter:
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self._file = open(self.path, "a")
     try:
-      from tensorboardX.event_file_writer import EventsWriter
-      from tensorboardX.proto import event_pb2, summary_pb2
+      EventsWriter, event_pb2, summary_pb2 = _tensorboard_events()
     except ImportError:  # TensorBoard events are optional
       self._tb = None
       return

@@ -89,3 +89,17 @@ def test_cut_jsonl_refuses_a_damaged_gzip_stream(tmp_path):
   assert cut_jsonl(str(path), 60) == 400
   path.write_bytes(whole + b"\x1f")  # (one byte of the next member: BadGzipFile)
   assert cut_jsonl(str(path), 60) == 400
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+  """tensorboardX's package imports torch where it is installed: a second of every run's
+  start for nothing the events use. The writer leaves it out."""
+  import subprocess
+  import sys
+  code = ("import sys; from jaxagent.metrics import MetricsWriter; "
+          f"w = MetricsWriter({str(tmp_path)!r}); w.write({{'step': 1, 'loss': 0.5}}); "
+          "w.close(); print('torch' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True).stdout.split()
+  assert out == ["False"]
+  assert os.listdir(tmp_path / "tensorboard")
