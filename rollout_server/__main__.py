@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     check_model_and_learner(config_lib.RunConfig(model=cfg.model))  # as train names them
     check_served_models(cfg.models, "models")
     config_lib.check_engine(cfg.engine, "engine")
+    config_lib.check_mesh(cfg.mesh)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
