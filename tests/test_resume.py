@@ -85,11 +85,10 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def start(run_dir, cache, *args, kill_at=None, overrides=()):
-  # A persistent compilation cache: runs after the first skip compiling (8 s, not 19).
-  env = dict(os.environ, KILL_AT=kill_at or "", JAX_COMPILATION_CACHE_DIR=cache,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+def start(run_dir, *args, kill_at=None, overrides=()):
+  # (the session's persistent compilation cache, conftest.py's: the tests' runs after the
+  # first load their executables; a cache of each test's own compiled each test anew)
+  env = dict(os.environ, KILL_AT=kill_at or "")
   log = open(os.path.join(os.path.dirname(run_dir), f"log{time.monotonic_ns()}.txt"), "w+")
   proc = subprocess.Popen([sys.executable, "-c", TRAIN, *SETTINGS, *overrides, "--run-dir",
                            run_dir, *args],
@@ -136,11 +135,11 @@ def tensorboard_points(logdir, tag):
 
 
 def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
-  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "jax-cache")
+  run_dir = str(tmp_path / "run")
   ckpts, policy = os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "policy")
 
   # 1. Killed at a random moment once a checkpoint is down and a step is past it.
-  proc, log = start(run_dir, cache)
+  proc, log = start(run_dir)
   deadline = time.time() + 180
   while not (os.path.isdir(os.path.join(ckpts, "2")) and len(complete_rows(run_dir)) >= 3):
     assert proc.poll() is None, finish(proc, log)[1][-3000:]
@@ -152,14 +151,14 @@ def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
 
   # 2. Killed while the resume's export replaces the version it restored: the old
   # export is set aside, the new one not yet in.
-  rc, out = finish(*start(run_dir, cache, "--resume", kill_at="replace"))
+  rc, out = finish(*start(run_dir, "--resume", kill_at="replace"))
   assert rc == -signal.SIGKILL, out[-3000:]
   restored = int(re.search(r"resumed from step (\d+)", out).group(1))
   assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, restored + 1))
   assert {f"v{restored:08d}.old", f"v{restored:08d}.new"} <= set(os.listdir(policy))
 
   # 3. Killed during a checkpoint save: Orbax's unfinished directory is left.
-  rc, out = finish(*start(run_dir, cache, "--resume", kill_at="save"))
+  rc, out = finish(*start(run_dir, "--resume", kill_at="save"))
   assert rc == -signal.SIGKILL, out[-3000:]
   assert f"resumed from step {restored} " in out
   assert any(".orbax-checkpoint-tmp" in d for d in os.listdir(ckpts)), os.listdir(ckpts)
@@ -172,7 +171,7 @@ def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
                        recursive=True), key=os.path.getsize)
   with open(data, "r+b") as f:
     f.truncate(os.path.getsize(data) // 2)
-  rc, out = finish(*start(run_dir, cache, "--resume"))
+  rc, out = finish(*start(run_dir, "--resume"))
   assert rc == 0, out[-3000:]
   warnings = [line for line in out.splitlines() if "unreadable" in line]
   assert len(warnings) == 1 and re.fullmatch(
@@ -212,7 +211,7 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
   again, those its own groups replayed and trained on (red team 13, then a reviewer:
   such logs outlive a save until the next one, or sit set aside, and a new group of the
   same task replayed one: trained twice, tokens, log-probs, versions and all)."""
-  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+  run_dir = str(tmp_path / "run")
   with open("envs/tasks/guess_number.jsonl") as f:
     (tmp_path / "one.jsonl").write_text(f.readline())
   # (the kill comes after the save is whole; one task: every group's episodes are that
@@ -220,7 +219,7 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
   # old episode from being dropped as stale)
   sync_saves = ["checkpoint.async_save=false", f"data.tasks={tmp_path / 'one.jsonl'}",
                 "rollout.sync_every=6"]
-  proc, log = start(run_dir, cache, kill_at="wal10", overrides=sync_saves)
+  proc, log = start(run_dir, kill_at="wal10", overrides=sync_saves)
   code, out = finish(proc, log)
   assert code == -signal.SIGKILL, out
   logs = glob.glob(os.path.join(run_dir, "wal", "*.jsonl"))
@@ -235,12 +234,12 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
   assert {s["group_id"] for s in segs if s["step"] <= 2} <= consumed
   assert consumed & {os.path.basename(p)[:-len(".jsonl")] for p in logs}
   # Resumed, and killed again just after its own first checkpoint (step 4).
-  proc, log = start(run_dir, cache, "--resume", kill_at="wal1", overrides=sync_saves)
+  proc, log = start(run_dir, "--resume", kill_at="wal1", overrides=sync_saves)
   code, out = finish(proc, log)
   assert code == -signal.SIGKILL and "resumed from step 2" in out, out[-3000:]
   m = re.search(r"token WAL: (\d+) logged episodes \((\d+) turns\) to replay", out)
   assert m and int(m.group(2)) > 0, out
-  proc, log = start(run_dir, cache, "--resume", overrides=sync_saves)
+  proc, log = start(run_dir, "--resume", overrides=sync_saves)
   code, out = finish(proc, log)
   assert code == 0 and "resumed from step 4" in out, out[-3000:]
   rows = read_metrics(run_dir)
@@ -266,8 +265,8 @@ def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
   save until it is finalised (they were let go when it began: a kill before it was whole
   resumed from the save before, without them); group numbers go on over a resume, so
   session ids stay unique."""
-  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
-  rc, out = finish(*start(run_dir, cache, kill_at="exportfail"))
+  run_dir = str(tmp_path / "run")
+  rc, out = finish(*start(run_dir, kill_at="exportfail"))
   assert rc == 3 and "No space left on device); the disk is full" in out, out[-3000:]
   assert "warning: policy version 3 could not be exported" in out, out[-3000:]
   ckpts = os.path.join(run_dir, "checkpoints")
@@ -277,10 +276,10 @@ def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
   assert sorted({s["step"] for s in segs}) == [1, 2, 3]
 
   # Killed right after its second save (step 6) began: the one before (4) is whole.
-  rc, out = finish(*start(run_dir, cache, "--resume", kill_at="save"))
+  rc, out = finish(*start(run_dir, "--resume", kill_at="save"))
   assert rc == -signal.SIGKILL and "resumed from step 3 " in out, out[-3000:]
 
-  rc, out = finish(*start(run_dir, cache, "--resume"))
+  rc, out = finish(*start(run_dir, "--resume"))
   assert rc == 0, out[-3000:]
   restored = int(re.search(r"resumed from step (\d+)", out).group(1))
   m = re.search(r"token WAL: (\d+) logged episodes \((\d+) turns\)", out)
@@ -297,8 +296,8 @@ def test_a_step_that_fails_before_its_update_gives_its_groups_back(tmp_path):
   """A step that fails after taking its groups, before its update (a bug in making its
   batch, a scorer's error): the checkpoint saved on the way out lists their tasks as in
   flight, so a resume plays them (reviewer: they were neither trained nor played again)."""
-  run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
-  rc, out = finish(*start(run_dir, cache, kill_at="batchfail"))
+  run_dir = str(tmp_path / "run")
+  rc, out = finish(*start(run_dir, kill_at="batchfail"))
   assert rc == 1 and "a bug in making step 4's batch" in out, out[-3000:]
   assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
   with open(os.path.join(run_dir, "checkpoints", "3", "meta", "metadata")) as f:
