@@ -133,7 +133,9 @@ def _sampling_logits(logits_V: jax.Array, temperature: jax.Array, top_p: jax.Arr
   logits = logits_V.astype(jnp.float32)
   raw_logp = jax.nn.log_softmax(logits)
   greedy = temperature <= 0.0
-  scaled = logits / jnp.where(greedy, 1.0, temperature)
+  # The top logit is 0 before the division: a tiny temperature (1e-10) sends the others to
+  # -inf, not every logit past float32's range (log-probs of +-inf under jit).
+  scaled = (logits - jnp.max(logits)) / jnp.where(greedy, 1.0, temperature)
   if filtered:
     order = jnp.sort(scaled)[::-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, scaled.shape[0]), scaled.shape[0])
@@ -631,6 +633,10 @@ class Engine:
     `rows` at a time, padded to a bucketed length, each alone in its row, so a
     sequence's log-probs do not depend on what is scored beside it. An extension of
     JetStream's API."""
+    if not np.finfo(np.float32).tiny <= temperature < float("inf"):  # (float32 reads
+      # a smaller one as 0: every log-prob nan)
+      raise ValueError(f"temperature must be a finite float32 number >= "
+                       f"{np.finfo(np.float32).tiny:.3g}, got {temperature}")
     out: list[np.ndarray] = []
     for i in range(0, len(sequences), rows):
       chunk = [np.asarray(s, np.int32) for s in sequences[i:i + rows]]

@@ -87,6 +87,8 @@ def test_score_gives_every_tokens_logprob_as_sampled(random_params):
                              teacher_forced(random_params, prompt + toks), atol=2e-5)
   with pytest.raises(ValueError, match="token ids"):
     engine.score(params, [[1, 10 ** 6]])
+  with pytest.raises(ValueError, match="temperature must be a finite float32"):
+    engine.score(params, [prompt], temperature=1e-45)  # (0 to float32: nan log-probs)
 
 
 def test_tempered_and_truncated_logprobs(random_params):
@@ -113,6 +115,11 @@ def test_tempered_and_truncated_logprobs(random_params):
   # A top_p that float32 reads as 0 keeps the top token (it kept none: token 0, nan).
   tiny_p = run_alone(engine, params, prompt, SamplingParams(top_p=1e-45, seed=9), 10)
   assert tiny_p[0] == greedy[0] and np.allclose(tiny_p[1], 0.0, atol=1e-6)
+  # A tiny temperature is all but greedy (its log-probs were +-inf under jit: a reply the
+  # server could not write, a session it could not read).
+  for t in (1e-10, 1e-30):
+    cold = run_alone(engine, params, prompt, SamplingParams(temperature=t, seed=9), 10)
+    assert cold[0] == greedy[0] and np.allclose(cold[1], 0.0, atol=1e-6)
 
 
 def test_top_k_top_p_restrict_the_distribution(random_params):
