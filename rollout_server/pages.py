@@ -199,19 +199,36 @@ class PagedPrefixCache:
       stack.extend(node.children.values())
 
   def evict(self, pages_wanted: int, protect: Optional[_Node] = None) -> int:
-    """Drops least recently used leaves whose pages no running sequence lists, until
-    `pages_wanted` pages are free again or no such leaf is left; returns pages freed."""
+    """Drops least recently used pages no running sequence lists, until `pages_wanted`
+    pages are free again or no such page is left; returns pages freed. A leaf goes from
+    its end: a sequence lists a prefix of a path's pages, so a leaf's unused pages are
+    its last ones (those after a running sequence's match go, its own stay)."""
     freed = 0
     with self._lock:
       while freed < pages_wanted:
-        unused = [n for n in self._leaves() if n is not protect
-                  and all(self.allocator.refs[p] == 1 for p in n.pages)]
+        unused = [(n, k) for n in self._leaves() if n is not protect
+                  for k in [self._unused_tail(n)] if k]
         if not unused:
           return freed
+        leaf, k = min(unused, key=lambda nk: nk[0].last_used)
         before = self.allocator.free
-        self._remove(min(unused, key=lambda n: n.last_used))
+        if k == len(leaf.pages):
+          self._remove(leaf)
+        else:
+          tail, keep = leaf.pages[-k:], len(leaf.pages) - k
+          leaf.edge, leaf.pages = leaf.edge[:keep * self.page_size], leaf.pages[:keep]
+          self.allocator.unref(tail)
+          self.pages -= k
+          self.evicted_pages += k
         freed += self.allocator.free - before
       return freed
+
+  def _unused_tail(self, leaf: _Node) -> int:
+    """How many of the leaf's last pages only the tree lists."""
+    k = 0
+    while k < len(leaf.pages) and self.allocator.refs[leaf.pages[-1 - k]] == 1:
+      k += 1
+    return k
 
   def _remove(self, leaf: _Node) -> None:
     parent = leaf.parent
@@ -219,15 +236,15 @@ class PagedPrefixCache:
     self.allocator.unref(leaf.pages)
     self.pages -= len(leaf.pages)
     self.evicted_pages += len(leaf.pages)
-    # A parent left with one child and no use of its own is merged with it.
+    # A parent left with one child is merged into it (the child keeps its identity: a
+    # leaf `evict` protects stays that leaf).
     if parent is not self._root and len(parent.children) == 1:
       (only,) = parent.children.values()
-      parent.edge = parent.edge + only.edge
-      parent.pages = parent.pages + only.pages
-      parent.children = only.children
-      for c in parent.children.values():
-        c.parent = parent
-      parent.last_used = max(parent.last_used, only.last_used)
+      only.edge = parent.edge + only.edge
+      only.pages = parent.pages + only.pages
+      only.parent = parent.parent
+      only.last_used = max(parent.last_used, only.last_used)
+      parent.parent.children[self._key(only.edge, 0)] = only
 
   def clear(self) -> None:
     """Drops every entry (after a weight update the KV is of old weights)."""

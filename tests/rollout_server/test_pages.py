@@ -131,3 +131,35 @@ def test_matched_pages_hold_the_querys_own_prefix(seed):
       for p in pages:
         listed[p] += 1
     assert listed[1:] == list(a.refs[1:])
+
+
+def test_eviction_frees_the_unused_end_of_a_leaf_a_sequence_uses_the_start_of():
+  a = PageAllocator(64)
+  cache = PagedPrefixCache(a, page_size=1)
+  # A running sequence holds [1, 2]; two finished continuations of it are not in use.
+  held = a.alloc(2)
+  cache.insert([1, 2], held)
+  for tail in ([3, 3], [4, 4]):
+    pages = a.alloc(2)
+    cache.insert([1, 2] + tail, held + pages)
+    a.unref(pages)
+  # The first continuation's removal merges [1, 2] with the second: its unused end goes
+  # too (a merged leaf whose start was in use kept its end for good).
+  assert cache.evict(100) == 4 and cache.match([1, 2, 4])[0] == 2
+  # A leaf whose first pages a sequence matched: the pages after them go, its stay.
+  b = PageAllocator(64)
+  cache = PagedPrefixCache(b, page_size=1)
+  long = b.alloc(6)
+  cache.insert([7] * 6, long)
+  b.unref(long)
+  n, got = cache.match([7, 7, 7, 9])
+  assert n == 3 and cache.evict(100) == 3 and cache.match([7] * 6)[0] == 3
+  # A protected leaf stays whole when the removal of its sibling merges its parent in.
+  c = PageAllocator(64)
+  cache = PagedPrefixCache(c, page_size=1)
+  long, other = c.alloc(6), c.alloc(2)
+  cache.insert([7] * 6, long)
+  cache.insert([7, 8], long[:1] + other[1:])
+  c.unref(long + other)
+  cache.evict(100, protect=cache._root.children[(7,)].children[(7,)])
+  assert cache.match([7] * 6)[0] == 6 and cache.match([7, 8])[0] == 1
