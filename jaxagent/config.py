@@ -228,6 +228,10 @@ class RolloutConfig:
   # An episode the infrastructure failed is played again after this many seconds,
   # doubled at each retry (a restarting server or worker is not asked again at once).
   retry_backoff_s: float = 1.0
+  # Drop (and replace) a group whose advantages can only be 0: its samples' rewards all
+  # alike (per turn, with advantage.estimator chunk). Never with a step-wide baseline or
+  # a teacher (advantage.baseline batch, advantage.teacher): those give such a group a
+  # signal.
   filter_equal_rewards: bool = True
   # Groups the filters drop are replaced until groups_per_step are accepted, consuming at
   # most this many times groups_per_step groups a step (1: no replacement).
@@ -248,7 +252,7 @@ class AdvantageConfig:
   # What a sample is compared with: `group` (the G samples of its task; GRPO) or `batch`
   # (every sample of the step, as REINFORCE++'s global normalisation). With `batch`, a
   # group whose samples all fail alike still learns that its actions are worse than the
-  # step's; turn off rollout.filter_equal_rewards with it.
+  # step's (rollout.filter_equal_rewards keeps it).
   baseline: str = "group"
   # On-policy distillation: a served teacher model (serving.models, or a remote server's
   # models) scores the student's sampled tokens; each action token's advantage gains

@@ -99,9 +99,11 @@ class RolloutScheduler:
   """Runs groups of episodes and hands finished, filtered groups to the learner."""
 
   def __init__(self, cfg: RolloutConfig, tasks: Iterator, play: Callable, *,
-               requeue: Optional[list] = None):
-    """`play(task, session_id, group_id) -> Episode` plays one episode (async)."""
+               requeue: Optional[list] = None, advantage: Optional[AdvantageConfig] = None):
+    """`play(task, session_id, group_id) -> Episode` plays one episode (async);
+    `advantage`: the run's estimator, which says what `filter_equal_rewards` drops."""
     self.cfg = cfg
+    self.advantage = advantage or AdvantageConfig()
     self.tasks = tasks
     self.play = play
     self.requeue = collections.deque(requeue or [])  # tasks to run before the iterator's
@@ -325,8 +327,7 @@ class RolloutScheduler:
       # versions would not say which weights sampled the tokens.
       self.dropped["future_version"] += 1
       return False
-    rewards = group.rewards
-    if self.cfg.filter_equal_rewards and max(rewards) - min(rewards) < 1e-9:
+    if self.cfg.filter_equal_rewards and not carries_signal(group, self.advantage):
       self.dropped["no_signal"] += 1
       return False
     return True
@@ -435,6 +436,21 @@ def _jit(fn, *static: str):
 
 ESTIMATORS = ("grpo", "rloo", "chunk", "opd")
 BASELINES = ("group", "batch")
+
+
+def carries_signal(group: Group, cfg: AdvantageConfig) -> bool:
+  """Whether the group's advantages can be other than 0: its samples' rewards differ
+  (each turn's, for the chunk estimator: equal totals of other turn rewards, or of other
+  turn counts under a discount, still rank its turns), or something outside the group
+  sets them (a step-wide baseline, a teacher's per-token term)."""
+  if cfg.baseline == "batch" or cfg.teacher:
+    return True
+  if cfg.estimator == "chunk":
+    turns = [list(e.turn_rewards) for e in group.episodes]
+    return any(len(t) != len(turns[0]) or any(abs(a - b) >= 1e-9 for a, b in zip(t, turns[0]))
+               for t in turns[1:])
+  rewards = group.rewards
+  return max(rewards) - min(rewards) >= 1e-9
 
 
 def check_advantage_config(cfg: AdvantageConfig) -> None:

@@ -532,9 +532,6 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError("advantage.teacher: sample the student from its whole "
                                  "distribution (agent.temperature > 0, agent.top_p 1, "
                                  "agent.top_k 0)")
-  if cfg.advantage.estimator == "opd" and cfg.rollout.filter_equal_rewards:
-    raise config_lib.ConfigError("advantage.estimator opd: set rollout.filter_equal_rewards="
-                                 "false (distillation needs no reward spread in a group)")
   if cfg.serving.models and cfg.serving.urls:
     raise config_lib.ConfigError("serving.models: only for in-process serving; with "
                                  "serving.urls declare the models in the servers' configs")
@@ -1012,7 +1009,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                               session_id=session_id, group_id=group_id, log=log,
                               replay=replay)
 
-  scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue)
+  scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue,
+                               advantage=cfg.advantage)
   scheduler.go_on_from(version, next_group, jax.process_index(), jax.process_count())
   scheduler.start()
   primary = distributed.is_primary()

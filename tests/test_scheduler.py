@@ -677,3 +677,46 @@ def test_what_a_batch_cannot_hold_is_left_out_by_whole_groups():
   assert info["overflow_groups"] == 1 and 0 < info["segments"] < 4  # (the first: part)
   assert [s.rollout_id for s in info["used_segments"]] == [
       e.segments[0].rollout_id for e in groups[0].episodes[:info["segments"]]]
+
+
+def test_the_equal_rewards_filter_keeps_what_the_estimator_learns_from():
+  """A group is dropped only where its advantages can only be 0 (red team 19: equal
+  totals of other turn rewards, or a faster success under a discount, were dropped
+  while the chunk estimator ranks their turns; a teacher's or a step-wide baseline's
+  signal too)."""
+  from jaxagent.scheduler import Group, carries_signal
+
+  def group(*turn_rewards):
+    g = Group(0, "t", [])
+    for i, per_turn in enumerate(turn_rewards):
+      e = episode(0, f"s{i}", "g", reward=sum(per_turn), turns=len(per_turn))
+      e.turn_rewards = list(per_turn)
+      g.episodes.append(e)
+    return g
+
+  grpo, chunk = AdvantageConfig(), AdvantageConfig(estimator="chunk", gamma=0.9)
+  same = group([0.5, 0.5], [0.5, 0.5])
+  assert not carries_signal(same, grpo) and not carries_signal(same, chunk)
+  other_turns = group([0.5, 0.5], [0.0, 1.0])
+  assert not carries_signal(other_turns, grpo) and carries_signal(other_turns, chunk)
+  faster = group([1.0], [0.0, 0.0, 1.0])
+  assert carries_signal(faster, chunk)
+  assert carries_signal(group([0.0], [1.0]), grpo)
+  for cfg in (AdvantageConfig(baseline="batch"), AdvantageConfig(teacher="t")):
+    assert carries_signal(same, cfg)
+  # The scheduler asks it with the run's estimator.
+  async def play(task, sid, gid):
+    e = episode(task, sid, gid, reward=1.0, turns=2)
+    e.turn_rewards = [0.0, 1.0] if sid.endswith("-0-r0") else [0.5, 0.5]
+    return e
+
+  async def go(advantage):
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=2,
+                                       max_sample_rounds=1), itertools.count(), play,
+                         advantage=advantage)
+    s.start()
+    accepted, _ = await s.next_groups()
+    await s.stop()
+    return len(accepted), s.dropped["no_signal"]
+
+  assert run(go(grpo)) == (0, 1) and run(go(chunk)) == (1, 0)

@@ -442,8 +442,6 @@ def _bad_settings(tmp_path):
       (tiny + ["env.judge=judge"], "env.judge: no served model 'judge'"),
       (tiny + ["learner.kl_coef=0.1", "learner.kl_reference=ref"],
        "learner.kl_reference: no served model 'ref'"),
-      (tiny + ["advantage.estimator=opd", "advantage.teacher=t",
-               "rollout.filter_equal_rewards=true"], "filter_equal_rewards"),
       (tiny + ["learner.staleness=some"], "learner.staleness"),
       (tiny + ["serving.engine.attention_kernel=cuda"], "attention_kernel: unknown 'cuda'"),
       (tiny + ["serving.engine.attention_kernel=triton", "serving.engine.page_size=8"],
