@@ -236,15 +236,16 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig,
   metrics.update(pl.metrics)
   metrics["pg_loss"] = (pl.sum, pl.denom)
   total = pl.sum
-  ent_sum, _ = reduce(entropy, mask)
-  metrics["entropy"] = (ent_sum, pl.denom)
+  # The metrics are means over the trained tokens whatever the loss's reduction (Dr.
+  # GRPO's sum / norm_len, per_rollout's dropped tokens made them other numbers).
+  metrics["entropy"] = losses.token_mean(entropy, mask)
   if cfg.entropy_coef:
-    total = total - cfg.entropy_coef * ent_sum
+    total = total - cfg.entropy_coef * reduce(entropy, mask)[0]
   if batch.ref_logp is not None:
-    kl_sum, _ = reduce(losses.kl_penalty(logp, batch.ref_logp, cfg.kl_estimator), mask)
-    metrics["kl_ref"] = (kl_sum, pl.denom)
+    kl = losses.kl_penalty(logp, batch.ref_logp, cfg.kl_estimator)
+    metrics["kl_ref"] = losses.token_mean(kl, mask)
     if cfg.kl_coef:
-      total = total + cfg.kl_coef * kl_sum
+      total = total + cfg.kl_coef * reduce(kl, mask)[0]
   return total, (pl.denom, metrics)
 
 
@@ -312,8 +313,16 @@ def _update(state: TrainState, batch: TrajectoryBatch, objective, tx, cfg: Learn
   scale = jnp.where(denom > 0, 1.0 / jnp.maximum(denom, 1e-12), 0.0)
   grads = jax.tree.map(lambda g: g * scale, grads)
   grad_norm = optax.tree.norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+
+  def apply(_):
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return optax.apply_updates(state.params, updates), opt_state
+
+  # A batch with no token to train on (every one dropped as stale or by the correction's
+  # mask) leaves the weights and the optimiser as they were: Adam's momentum and the
+  # weight decay moved the weights, and its step count went on.
+  params, opt_state = jax.lax.cond(denom > 0, apply,
+                                   lambda _: (state.params, state.opt_state), None)
   out = {k: jnp.where(d > 0, s / jnp.maximum(d, 1e-12), 0.0) for k, (s, d) in metrics.items()}
   out.update(loss=total * scale, grad_norm=grad_norm, denom=denom)
   return state.replace(params=params, opt_state=opt_state), out

@@ -27,9 +27,16 @@ Array = jax.Array
 SumDenom = tuple[Array, Array]
 Reduce = Callable[[Array, Array], SumDenom]
 
-# exp() of log-ratios is clamped to this range: a ratio past e^20 only ever
-# appears for tokens that are masked or clipped anyway, and must not overflow.
+# Past e^20 a ratio's exp() goes on as its tangent line (`_exp_capped`): no overflow, and
+# the gradient stays (a clamp's is 0: the token furthest off got no push back).
 _MAX_LOG_RATIO = 20.0
+
+
+def _exp_capped(x: Array) -> Array:
+  """exp(x) up to e^_MAX_LOG_RATIO, then e^_MAX_LOG_RATIO (1 + x - _MAX_LOG_RATIO):
+  continuous with its derivative, finite for any finite x."""
+  capped = jnp.minimum(x, _MAX_LOG_RATIO)
+  return jnp.exp(capped) * (1.0 + (x - capped))
 
 
 # -- log-probs and entropy --------------------------------------------------------
@@ -150,9 +157,12 @@ def _segment_sums(values_BxT: Array, segment_ids_BxT: Array) -> tuple[Array, Arr
   """Sums of `values` per (row, segment id), and each token's index into them."""
   chex.assert_equal_shape([values_BxT, segment_ids_BxT])
   B, T = values_BxT.shape
-  # A segment is (row, id); ids in a row are < T, so row * T + id is unique.
-  key = (jnp.arange(B, dtype=jnp.int32)[:, None] * T + segment_ids_BxT.astype(jnp.int32))
-  sums = jax.ops.segment_sum(values_BxT.reshape(-1), key.reshape(-1), num_segments=B * T)
+  # A segment is (row, id); ids in a row are <= T (0 is padding), so row * (T + 1) + id
+  # is unique.
+  key = (jnp.arange(B, dtype=jnp.int32)[:, None] * (T + 1)
+         + segment_ids_BxT.astype(jnp.int32))
+  sums = jax.ops.segment_sum(values_BxT.reshape(-1), key.reshape(-1),
+                             num_segments=B * (T + 1))
   return sums, key
 
 
@@ -172,11 +182,17 @@ def _count_and_sequences(mask_BxT: Array, segment_ids_BxT: Array) -> tuple[Array
 # -- reductions -----------------------------------------------------------------------
 
 
+def _masked(values_BxT: Array, weights_BxT: Array) -> Array:
+  """values x weights, 0 where the weight is 0 whatever the value (a non-finite value
+  of a token out of the loss, a prompt token's, made inf x 0 = nan of the whole sum)."""
+  return jnp.where(weights_BxT != 0, values_BxT * weights_BxT, 0.0)
+
+
 def token_mean(values_BxT: Array, mask_BxT: Array) -> SumDenom:
   """Mean over all action tokens: (sum of masked values, number of action tokens)."""
   chex.assert_equal_shape([values_BxT, mask_BxT])
   m = mask_BxT.astype(jnp.float32)
-  return jnp.sum(values_BxT * m), jnp.sum(m)
+  return jnp.sum(_masked(values_BxT, m)), jnp.sum(m)
 
 
 def seq_mean_token_mean(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Array) -> SumDenom:
@@ -187,7 +203,7 @@ def seq_mean_token_mean(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Arr
   """
   m = mask_BxT.astype(jnp.float32)
   count, n_seqs = _count_and_sequences(m, segment_ids_BxT)
-  return jnp.sum(values_BxT * m / jnp.maximum(count, 1.0)), n_seqs
+  return jnp.sum(_masked(values_BxT, m) / jnp.maximum(count, 1.0)), n_seqs
 
 
 def seq_mean_token_sum_norm(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Array,
@@ -198,7 +214,7 @@ def seq_mean_token_sum_norm(values_BxT: Array, mask_BxT: Array, segment_ids_BxT:
   """
   m = mask_BxT.astype(jnp.float32)
   _, n_seqs = _count_and_sequences(m, segment_ids_BxT)
-  return jnp.sum(values_BxT * m) / norm_len, n_seqs
+  return jnp.sum(_masked(values_BxT, m)) / norm_len, n_seqs
 
 
 def per_rollout(values_BxT: Array, mask_BxT: Array, rollout_weight_BxT: Array,
@@ -218,7 +234,7 @@ def per_rollout(values_BxT: Array, mask_BxT: Array, rollout_weight_BxT: Array,
   chex.assert_equal_shape([values_BxT, mask_BxT, rollout_weight_BxT])
   base = mask_BxT if loss_mask_BxT is None else loss_mask_BxT
   w = mask_BxT.astype(jnp.float32) * rollout_weight_BxT
-  return jnp.sum(values_BxT * w), jnp.sum(base.astype(jnp.float32) * rollout_weight_BxT)
+  return jnp.sum(_masked(values_BxT, w)), jnp.sum(base.astype(jnp.float32) * rollout_weight_BxT)
 
 
 # Each entry closes a reduction over the batch's structure, giving `reduce(values, mask)`.
@@ -273,8 +289,8 @@ def ppo_clip_loss(logp_BxT: Array, old_logp_BxT: Array, advantages_BxT: Array, m
   engine's distribution (see `rollout_correction`).
   """
   chex.assert_equal_shape([logp_BxT, old_logp_BxT, advantages_BxT, mask_BxT])
-  log_ratio = jnp.clip(logp_BxT - old_logp_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-  ratio = jnp.exp(log_ratio)
+  log_ratio = logp_BxT - old_logp_BxT
+  ratio = _exp_capped(log_ratio)
   unclipped = -advantages_BxT * ratio
   clipped = -advantages_BxT * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
   loss = jnp.maximum(unclipped, clipped)
@@ -309,7 +325,7 @@ def gspo_loss(logp_BxT: Array, old_logp_BxT: Array, advantages_BxT: Array, mask_
   """
   chex.assert_equal_shape([logp_BxT, old_logp_BxT, advantages_BxT, mask_BxT, segment_ids_BxT])
   m = mask_BxT.astype(jnp.float32)
-  seq_log_ratio = (segment_totals((logp_BxT - old_logp_BxT) * m, segment_ids_BxT)
+  seq_log_ratio = (segment_totals(_masked(logp_BxT - old_logp_BxT, m), segment_ids_BxT)
                    / jnp.maximum(segment_totals(m, segment_ids_BxT), 1.0))
   seq_ratio = jnp.exp(jnp.clip(seq_log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
   token_ratio = jax.lax.stop_gradient(seq_ratio) * jnp.exp(
@@ -386,7 +402,8 @@ def rollout_correction(old_logp_BxT: Array, rollout_logp_BxT: Array, mask_BxT: A
     raise ValueError(f"unknown correction level {level!r}; known: {sorted(CORRECTION_LEVELS)}")
   if mode not in CORRECTION_MODES:
     raise ValueError(f"unknown correction mode {mode!r}; known: {sorted(CORRECTION_MODES)}")
-  log_w = CORRECTION_LEVELS[level]((old_logp_BxT - rollout_logp_BxT) * m, m, segment_ids_BxT)
+  log_w = CORRECTION_LEVELS[level](_masked(old_logp_BxT - rollout_logp_BxT, m), m,
+                                   segment_ids_BxT)
   w = jax.lax.stop_gradient(jnp.exp(jnp.clip(log_w, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)))
   weights, new_mask, hit = CORRECTION_MODES[mode](w, m, low, high)
   return Correction(weights, new_mask, {
@@ -403,7 +420,7 @@ def rollout_correction(old_logp_BxT: Array, rollout_logp_BxT: Array, mask_BxT: A
 KL_ESTIMATORS: dict[str, Callable[[Array], Array]] = {
     "k1": lambda log_r: log_r,
     "k2": lambda log_r: 0.5 * jnp.square(log_r),
-    "k3": lambda log_r: jnp.exp(-log_r) - 1.0 + log_r,
+    "k3": lambda log_r: _exp_capped(-log_r) - 1.0 + log_r,
 }
 
 
@@ -419,8 +436,9 @@ def kl_penalty(logp_BxT: Array, ref_logp_BxT: Array, estimator: str = "k3") -> A
   chex.assert_equal_shape([logp_BxT, ref_logp_BxT])
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {sorted(KL_ESTIMATORS)}")
-  return KL_ESTIMATORS[estimator](
-      jnp.clip(logp_BxT - ref_logp_BxT, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  # (no clamp: reference log-probs below -20 are common in large vocabularies, and a
+  # clamp gave the tokens that drifted furthest from the reference no gradient)
+  return KL_ESTIMATORS[estimator](logp_BxT - ref_logp_BxT)
 
 
 # -- stale tokens ---------------------------------------------------------------------

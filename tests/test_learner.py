@@ -249,3 +249,33 @@ def test_one_device_equals_eight_devices(multidevice):
     print("OK", worst)
   """)
   assert out.startswith("OK")
+
+
+def test_a_batch_with_nothing_to_train_leaves_weights_and_optimiser_as_they_were():
+  """Every token dropped (here: no action token at all; in a run, all stale or masked by
+  the correction): Adam's momentum and the weight decay moved the weights anyway, and
+  its step count went on (red team 19). The policy version still advances."""
+  learner = Learner(CFG, LearnerConfig(lr=1e-2, weight_decay=0.1), make_mesh())
+  state = learner.init_state(0)
+  state, _ = learner.step(state, make_batch())  # (momentum to move the weights with)
+  before = jax.device_get((state.params, state.opt_state))
+  empty = make_batch()
+  empty = empty._replace(loss_mask=np.zeros_like(empty.loss_mask))
+  state, m = learner.step(state, empty)
+  assert float(m["denom"]) == 0 and int(state.policy_version) == 2
+  after = jax.device_get((state.params, state.opt_state))
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_entropy_and_kl_are_token_means_under_every_reduction():
+  """Dr. GRPO's reduction (sum / norm_len) made the logged entropy and KL other numbers
+  than their means over the trained tokens (red team 19)."""
+  batch = make_batch(ref=True)
+  got = {}
+  for reduction in ("token_mean", "seq_mean_token_sum_norm", "per_rollout"):
+    learner = Learner(CFG, LearnerConfig(reduction=reduction, kl_coef=0.01), make_mesh())
+    _, m = learner.step(learner.init_state(0), batch)
+    got[reduction] = (float(m["entropy"]), float(m["kl_ref"]))
+  for reduction, values in got.items():
+    np.testing.assert_allclose(values, got["token_mean"], rtol=1e-5, err_msg=reduction)

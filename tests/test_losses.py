@@ -332,3 +332,48 @@ def test_gspo_with_a_length_weighted_reduction_is_noted():
   assert "reduction seq_mean_token_mean" in note
   assert loss_notes(LearnerConfig(policy_loss="gspo", reduction="seq_mean_token_mean")) == []
   assert loss_notes(LearnerConfig()) == []
+
+
+def test_ratios_far_off_keep_their_gradient():
+  """Log-ratios past 20 (reference log-probs below -20 are common in large vocabularies)
+  were clamped, so the tokens furthest from the reference, or an unclipped ratio of a
+  negative advantage, got no gradient (red team 19). Past e^20 the exp goes on linearly."""
+  ref = jnp.asarray([[-24.5, -0.5]])
+  mask = jnp.ones((1, 2))
+  for est, want in (("k1", 1.0), ("k2", 24.0), ("k3", 1.0)):
+    g = jax.grad(lambda lp, est=est: jnp.sum(losses.kl_penalty(lp, ref, est)))(
+        jnp.asarray([[-0.5, -0.5]]))
+    assert float(g[0, 0]) == pytest.approx(want, rel=1e-4), est
+  # Far below the reference: finite, with the capped exp's slope.
+  lp_low = jnp.asarray([[-40.0, -0.5]])
+  k3 = losses.kl_penalty(lp_low, jnp.asarray([[-0.5, -0.5]]), "k3")
+  assert np.isfinite(np.asarray(k3)).all() and float(k3[0, 0]) > math.exp(20)
+  # PPO, advantage -1, ratio past e^20, no dual clip: the unclipped term's gradient.
+  def ppo(lp):
+    return losses.ppo_clip_loss(lp, jnp.asarray([[-30.0, -1.0]]), -mask, mask).sum
+  g = jax.grad(ppo)(jnp.asarray([[-5.0, -1.0]]))
+  assert float(g[0, 0]) == pytest.approx(math.exp(20), rel=1e-4)
+
+
+def test_a_value_out_of_the_loss_never_reaches_it():
+  """A non-finite value on a token out of the loss (a prompt token's log-prob of -inf)
+  made inf x 0 = nan of every sum (red team 19)."""
+  seg = jnp.asarray([[1, 1, 1, 2, 2]])
+  mask = jnp.asarray([[0.0, 1.0, 1.0, 0.0, 1.0]])
+  values = jnp.asarray([[-jnp.inf, 1.0, 3.0, jnp.nan, 2.0]])
+  assert float(losses.token_mean(values, mask)[0]) == 6.0
+  assert float(losses.seq_mean_token_mean(values, mask, seg)[0]) == 4.0
+  assert float(losses.seq_mean_token_sum_norm(values, mask, seg, 2.0)[0]) == 3.0
+  for level in ("token", "sequence", "geometric"):
+    corr = losses.rollout_correction(jnp.full((1, 5), -1.0), values, mask, seg, level=level)
+    assert np.isfinite(np.asarray(corr.weights)[np.asarray(mask) > 0]).all(), level
+
+
+def test_a_row_of_one_token_segments_counts_each():
+  # T segments in a row of T tokens: ids 1..T (the last row's last key was past the end:
+  # its segment went uncounted; a row before met the next row's padding key).
+  T = 4
+  seg = jnp.asarray([[1, 1, 1, 1], [1, 2, 3, 4]])
+  mask = jnp.ones((2, T))
+  total, n = losses.seq_mean_token_mean(jnp.ones((2, T)), mask, seg)
+  assert float(n) == 5.0 and float(total) == 5.0
