@@ -165,6 +165,9 @@ def check_config(cfg: LearnerConfig) -> None:
   if cfg.dual_clip is not None and not cfg.dual_clip > 1:
     raise ValueError(f"learner.dual_clip must be > 1 (a bound on the ratio of negative "
                      f"advantages; null: none), got {cfg.dual_clip}")
+  if cfg.dual_clip is not None and cfg.policy_loss != "ppo":
+    raise ValueError(f"learner.dual_clip is PPO's (learner.policy_loss {cfg.policy_loss!r} "
+                     "has none: it was ignored)")
   if not 0 <= cfg.correction_low <= 1 <= cfg.correction_high:
     raise ValueError(f"learner.correction_low and correction_high must bracket 1 "
                      f"(0 <= low <= 1 <= high), got {cfg.correction_low}, "

@@ -201,6 +201,8 @@ def test_bad_settings_name_their_key():
     Learner(CFG, LearnerConfig(staleness="drop"), make_mesh())
   with pytest.raises(ValueError, match="learner.epochs"):
     Learner(CFG, LearnerConfig(epochs=0), make_mesh())
+  with pytest.raises(ValueError, match="learner.dual_clip is PPO's"):
+    Learner(CFG, LearnerConfig(policy_loss="gspo", dual_clip=3.0), make_mesh())
   learner = Learner(CFG, LearnerConfig(microbatches=3), make_mesh())
   with pytest.raises(ValueError, match="microbatches"):
     learner.step(learner.init_state(0), make_batch(rows=4))
