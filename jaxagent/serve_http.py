@@ -67,7 +67,10 @@ def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
   """Runs uvicorn on the bound `sock` until it is stopped (SIGINT / SIGTERM)."""
   host, port = sock.getsockname()[:2]
   config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
-  uvicorn.Server(config).run(sockets=[sock])
+  try:
+    uvicorn.Server(config).run(sockets=[sock])
+  except KeyboardInterrupt:  # (uvicorn raises the Ctrl-C again once it has shut down,
+    raise SystemExit(130) from None  # as a traceback when it came mid-request or twice)
 
 
 async def client_gone(request) -> None:

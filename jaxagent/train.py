@@ -484,8 +484,15 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if cfg.agent.kind != "whitebox" and cfg.agent.kind not in BLACKBOX_AGENTS:
     raise config_lib.ConfigError(f"agent.kind: unknown {cfg.agent.kind!r}; known: whitebox, "
                                  f"{', '.join(BLACKBOX_AGENTS)}")
+  if cfg.agent.kind in BLACKBOX_AGENTS:
+    import importlib.util
+    if importlib.util.find_spec(cfg.agent.kind) is None:  # (the episode's ImportError)
+      raise config_lib.ConfigError(
+          f"agent.kind {cfg.agent.kind}: its client library is not installed (pip install "
+          f"'jaxagent[blackbox]', or pip install {cfg.agent.kind})")
   if cfg.agent.compaction not in ("none", "summary", "fork"):
-    raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}")
+    raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}; "
+                                 "known: none, summary, fork")
   a, e = cfg.agent, cfg.serving.engine
   takes = min(e.max_prefill_length + a.max_new_tokens, e.max_seq_len)
   if not cfg.serving.urls and a.max_context_tokens > takes:

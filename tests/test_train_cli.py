@@ -761,3 +761,22 @@ def test_a_resume_checks_the_checkpoint_is_this_runs(tmp_path):
   assert cast.returncode == 2, cast.stderr[-3000:]
   assert ("was saved with other weights than this run's (model.param_dtype: float32 -> "
           "bfloat16)") in cast.stderr, cast.stderr[-3000:]
+
+
+def test_a_blackbox_agent_without_its_client_library_is_one_line(tmp_path, capsys,
+                                                                   monkeypatch):
+  """(It built the model and the run, then stopped with the episode's ImportError as a
+  bug, three tracebacks long.)"""
+  import importlib.util
+
+  from jaxagent import train
+
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "openai" else real(name, *a))
+  assert train.main(["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"),
+                     "agent.kind=openai"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == ("error: agent.kind openai: its client library is not installed (pip "
+                 "install 'jaxagent[blackbox]', or pip install openai)")
+  assert not (tmp_path / "run").exists()
