@@ -25,6 +25,7 @@ checkpoints and the policy exports the servers load are plain paths.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -296,6 +297,12 @@ def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
   from omegaconf import OmegaConf
 
   os.makedirs(out_dir, exist_ok=True)
+  # The manifests a deploy can write that this one does not are removed: `kubectl apply
+  # -f OUT` deployed a first deploy's servers after a second without them. (Other files in
+  # the directory are left alone.)
+  for name in MANIFESTS - set(objects):
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(os.path.join(out_dir, name))
   paths = []
   for name, obj in objects.items():
     path = os.path.join(out_dir, name)
@@ -303,6 +310,13 @@ def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
       f.write(OmegaConf.to_yaml(OmegaConf.create(obj)))
     paths.append(path)
   return paths
+
+
+# Every manifest `gke` may write (with servers and env workers).
+MANIFESTS = {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
+             "rollout-service.yaml", "router-deployment.yaml", "router-service.yaml",
+             "env-statefulset.yaml", "env-service.yaml"}
+
 
 
 def main(argv=None) -> int:

@@ -198,3 +198,17 @@ def test_dockerfile_installs_the_project_with_an_accelerator_choice():
   assert "PATH=/opt/jaxagent/bin:$PATH" in text and venv < text.index("pip install")
   for part in ("jaxagent", "rollout_server", "envs", "configs"):
     assert f"COPY {part} {part}" in text
+
+
+def test_a_second_deploy_into_a_directory_removes_what_it_no_longer_deploys(tmp_path):
+  """(`kubectl apply -f OUT` deployed the first deploy's servers and workers after a
+  second one without them.) Files the deploy did not write are left alone."""
+  first, _ = generate(tmp_path, "v5litepod-8")
+  assert any("rollout" in name for name in first)
+  from jaxagent import deploy
+
+  (tmp_path / "v5litepod-8" / "mine.yaml").write_text("kind: Namespace\n")
+  second, _ = generate(tmp_path, "v5litepod-8", "--servers", "0", "--env-workers", "0")
+  assert set(second) - {"mine.yaml"} < set(first) and "mine.yaml" in second
+  assert set(first) <= deploy.MANIFESTS  # (the names it removes are the ones it writes)
+  assert not any("rollout" in name or "env" in name for name in second)
