@@ -466,11 +466,15 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(f"rollout.mode: unknown {cfg.rollout.mode!r}; known: sync, "
                                  "async, window")
   t = cfg.trajectories
-  if t.mode not in ("all", "sample", "none") or t.compress not in ("gzip", "none") or (
-      t.sample_every < 1):
-    raise config_lib.ConfigError(
-        f"trajectories: mode must be all, sample or none (got {t.mode!r}), compress gzip or "
-        f"none (got {t.compress!r}), sample_every >= 1 (got {t.sample_every})")
+  if t.mode not in ("all", "sample", "none"):
+    raise config_lib.ConfigError(f"trajectories.mode: unknown {t.mode!r}; known: all, sample, "
+                                 "none")
+  if t.compress not in ("gzip", "none"):
+    raise config_lib.ConfigError(f"trajectories.compress: unknown {t.compress!r}; known: "
+                                 "gzip, none")
+  if t.sample_every < 1:
+    raise config_lib.ConfigError(f"trajectories.sample_every must be >= 1, got "
+                                 f"{t.sample_every}")
   if cfg.eval.every:
     if not cfg.eval.tasks:
       raise config_lib.ConfigError("eval.every needs eval.tasks (a task file of held-out "
