@@ -125,11 +125,30 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     except Exception:  # (any reply it cannot read: not serving the policy)
       return False
 
+  serves: dict = {}  # backend -> (version, policy_id) from its last /health
+  said: dict = {"mixed": None}
+
+  def say_mixed() -> None:
+    """Before the first /update_weights the router has no policy of its own to hold the
+    backends to: backends serving different weights are said once per mix (a session's
+    turns may come from either)."""
+    mix = {b: v for b, v in serves.items() if healthy.get(b)}
+    if policy["version"] is not None or len(set(mix.values())) < 2:
+      return
+    if said["mixed"] != mix:
+      said["mixed"] = dict(mix)
+      log.warning("router: the backends serve different policies (%s); turns go to either "
+                  "until a POST /update_weights gives them one",
+                  ", ".join(f"{b}: version {v[0]}" + (f" of {v[1]}" if v[1] else "")
+                            for b, v in sorted(mix.items())))
+
   async def check(backend: str) -> None:
     try:
       r = await client().get(f"{backend}/health", timeout=5.0)
       got = r.json() if r.status_code == 200 else None
       ok = isinstance(got, dict)
+      if ok:
+        serves[backend] = (got.get("version"), got.get("policy_id"))
       if ok and policy["version"] is not None and not updating.locked() and \
           got.get("version") != policy["version"]:
         ok = await push_policy(backend)  # restarted (or missed an update): catch up first
@@ -141,6 +160,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def health_loop() -> None:
     while True:
       await asyncio.gather(*(check(b) for b in ring.backends), return_exceptions=True)
+      say_mixed()
       await asyncio.sleep(health_interval_s)
 
   async def fetch_turns(session_id: str, backend: str, since: int) -> Optional[dict]:

@@ -477,3 +477,26 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
     state["health_status"] = 500  # (the loop still runs: a backend gone bad is seen)
     time.sleep(0.5)
     assert healthy(c) is False
+
+
+def test_backends_serving_different_policies_before_any_update_are_said(caplog):
+  """(A new user's walkthrough: a router over a server of version 819 and one of version
+  0 answered a session's turns from both, without a word.) Said once per mix."""
+  import logging
+
+  from fastapi import FastAPI
+
+  def fake(version):
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+      return {"status": "ok", "version": version, "policy_id": None}
+    return app
+
+  caplog.set_level(logging.WARNING, logger="rollout_server.router")
+  with ServerThread(fake(819)) as a, ServerThread(fake(0)) as b, \
+      ServerThread(create_router([a.url, b.url], health_interval_s=0.1)):
+    time.sleep(0.8)
+  said = [r.getMessage() for r in caplog.records if "different policies" in r.getMessage()]
+  assert len(said) == 1 and "version 819" in said[0] and "version 0" in said[0], said
