@@ -213,7 +213,12 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig,
   pairs. `policy_version` is the version this update trains (for token staleness)."""
   logp, entropy = token_logps(model, batch, cfg)
   mask = batch.loss_mask
-  advantages = batch.advantages
+  # Tokens out of the loss get values that cannot reach it: an inf or nan there (a prompt
+  # token's log-prob of -inf) met the losses' zero cotangent with a nan derivative (0 x
+  # nan) and made every weight's gradient nan (a reviewer of red team 19).
+  keep = mask > 0
+  sure = jax.lax.stop_gradient(logp)
+  advantages = jnp.where(keep, batch.advantages, 0.0)
   metrics: dict[str, tuple] = {}
   if cfg.staleness != "none" and batch.versions is not None and policy_version is not None:
     stale = losses.staleness_weighting(batch.versions, policy_version, mask,
@@ -222,7 +227,7 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig,
     advantages, mask = advantages * stale.scale, stale.mask
     metrics.update(stale.metrics)
   # On-policy single update: the learner's "old" policy is the current one.
-  old_logp = jax.lax.stop_gradient(logp) if batch.old_logp is None else batch.old_logp
+  old_logp = sure if batch.old_logp is None else jnp.where(keep, batch.old_logp, sure)
   is_w = None
   if cfg.correction_mode != "none":
     corr = losses.rollout_correction(old_logp, batch.rollout_logp, mask, batch.segment_ids,
@@ -245,7 +250,7 @@ def microbatch_objective(model, batch: TrajectoryBatch, cfg: LearnerConfig,
   if cfg.entropy_coef:
     total = total - cfg.entropy_coef * reduce(entropy, mask)[0]
   if batch.ref_logp is not None:
-    kl = losses.kl_penalty(logp, batch.ref_logp, cfg.kl_estimator)
+    kl = losses.kl_penalty(logp, jnp.where(keep, batch.ref_logp, sure), cfg.kl_estimator)
     metrics["kl_ref"] = losses.token_mean(kl, mask)
     if cfg.kl_coef:
       total = total + cfg.kl_coef * reduce(kl, mask)[0]
@@ -355,9 +360,12 @@ def train_step(state: TrainState, batch: TrajectoryBatch, ref_params: Optional[P
     batch = batch._replace(old_logp=old_logps(
         state.params, batch, graphdef=graphdef, abstract_state=abstract_state, cfg=cfg,
         micro_sharding=micro_sharding))
-  # The rate of this step's first update: the optimiser counts updates, epochs a step
-  # (the step's count logged the rate of updates long past with epochs > 1).
-  lr = schedule(state.step * cfg.epochs)
+  # The rate of this step's first update: the schedule's own count of the updates made
+  # (the step's count logged the rate of updates long past with epochs > 1, and one an
+  # update skipped for an empty batch never made).
+  (made,) = [count for path, count in optax.tree_utils.tree_get_all_with_path(
+      state.opt_state, "count") if path[-1].tuple_name == "ScaleByScheduleState"]
+  lr = schedule(made)
   first = None
   for _ in range(cfg.epochs):  # unrolled: epochs is a small static number
     state, out = _update(state, batch, objective, tx, cfg, micro_sharding)

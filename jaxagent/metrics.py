@@ -20,8 +20,12 @@ def percentiles(xs: Iterable[float], name: str) -> dict:
   return {f"{name}_p50": float(p[0]), f"{name}_p95": float(p[1]), f"{name}_p99": float(p[2])}
 
 
-def episode_metrics(groups, accepted, learner_version: int) -> dict:
-  """What the step's finished episodes say (all of them, not only the accepted ones)."""
+def episode_metrics(groups, accepted, learner_version: int, signal=None) -> dict:
+  """What the step's finished episodes say (all of them, not only the accepted ones).
+  `signal(group)`: whether the group's advantages can be other than 0 (the run's
+  estimator's rule, `scheduler.carries_signal`; default: its rewards differ)."""
+  if signal is None:
+    signal = lambda g: max(g.rewards) - min(g.rewards) > 1e-9  # noqa: E731
   episodes = [e for g in groups for e in g.episodes]
   out: dict = {"groups": len(groups), "groups_accepted": len(accepted),
                "episodes": len(episodes),
@@ -44,9 +48,8 @@ def episode_metrics(groups, accepted, learner_version: int) -> dict:
       # Episodes with a valid tool call: more calls than invalid ones (malformed blocks,
       # unknown tools and bad arguments all count as invalid), so at least one was run.
       "tool_call_rate": float(np.mean([e.tool_calls > e.invalid_tool_calls for e in episodes])),
-      # Groups whose rewards differ: the ones with a nonzero group advantage.
-      "groups_with_signal": sum(
-          len(g.episodes) > 1 and max(g.rewards) - min(g.rewards) > 1e-9 for g in groups),
+      # Groups whose advantages can be other than 0 (rewards that differ, under GRPO).
+      "groups_with_signal": sum(len(g.episodes) > 1 and signal(g) for g in groups),
       "output_tokens": int(sum(e.output_tokens for e in episodes)),
       "generate_s_mean": float(np.mean([e.generate_s for e in episodes])),
       "env_s_mean": float(np.mean([e.env_s for e in episodes])),

@@ -439,16 +439,24 @@ BASELINES = ("group", "batch")
 
 
 def carries_signal(group: Group, cfg: AdvantageConfig) -> bool:
-  """Whether the group's advantages can be other than 0: its samples' rewards differ
-  (each turn's, for the chunk estimator: equal totals of other turn rewards, or of other
-  turn counts under a discount, still rank its turns), or something outside the group
-  sets them (a step-wide baseline, a teacher's per-token term)."""
+  """Whether the group's advantages can be other than 0: its samples' rewards differ,
+  or something outside the group sets them (a step-wide baseline, a teacher's per-token
+  term). For the chunk estimator, its samples' returns from some turn two or more of
+  them reached differ (equal totals of other turn rewards, or a faster success under a
+  discount, still rank turns; a turn one sample alone reached takes its advantage at
+  the last turn others reached, so other turn counts alone rank nothing)."""
   if cfg.baseline == "batch" or cfg.teacher:
     return True
   if cfg.estimator == "chunk":
-    turns = [list(e.turn_rewards) for e in group.episodes]
-    return any(len(t) != len(turns[0]) or any(abs(a - b) >= 1e-9 for a, b in zip(t, turns[0]))
-               for t in turns[1:])
+    turns = [list(map(float, e.turn_rewards)) for e in group.episodes]
+    for k in range(max(map(len, turns), default=0)):
+      returns = [sum(cfg.gamma ** (j - k) * r for j, r in enumerate(t) if j >= k)
+                 for t in turns if len(t) > k]
+      if len(returns) < 2:
+        break
+      if max(returns) - min(returns) >= 1e-9:
+        return True
+    return False
   rewards = group.rewards
   return max(rewards) - min(rewards) >= 1e-9
 

@@ -52,7 +52,8 @@ from jaxagent.metrics import (MetricsWriter, RecordsDamaged, cut_jsonl, episode_
                               plot_learning_curve, token_staleness_metrics)
 from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.models.sharding import make_mesh, select_devices
-from jaxagent.scheduler import (RolloutScheduler, baseline_share, check_advantage_config,
+from jaxagent.scheduler import (RolloutScheduler, baseline_share, carries_signal,
+                                check_advantage_config,
                                 episode_index, pack_groups, trim_batch)
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE
 from jaxagent.trajectory import dump_segments
@@ -1346,7 +1347,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
               "than the step's episodes take; raise data.rows (metrics batch_overflow*)",
               file=sys.stderr, flush=True)
       no_step_note_at, dropped_at_step = NO_STEP_NOTE_S, collections.Counter(scheduler.dropped)
-      row = {"step": step + 1, **episode_metrics(played, accepted, version),
+      row = {"step": step + 1, **episode_metrics(
+                 played, accepted, version, lambda g: carries_signal(g, cfg.advantage)),
              **token_staleness_metrics(batch.versions, batch.loss_mask, version), **scored}
       if wal is not None:
         row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)

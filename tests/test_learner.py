@@ -257,7 +257,8 @@ def test_a_batch_with_nothing_to_train_leaves_weights_and_optimiser_as_they_were
   """Every token dropped (here: no action token at all; in a run, all stale or masked by
   the correction): Adam's momentum and the weight decay moved the weights anyway, and
   its step count went on (red team 19). The policy version still advances."""
-  learner = Learner(CFG, LearnerConfig(lr=1e-2, weight_decay=0.1), make_mesh())
+  learner = Learner(CFG, LearnerConfig(lr=1e-2, weight_decay=0.1, warmup_steps=4),
+                    make_mesh())
   state = learner.init_state(0)
   state, _ = learner.step(state, make_batch())  # (momentum to move the weights with)
   before = jax.device_get((state.params, state.opt_state))
@@ -268,6 +269,9 @@ def test_a_batch_with_nothing_to_train_leaves_weights_and_optimiser_as_they_were
   after = jax.device_get((state.params, state.opt_state))
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a, b)
+  # The logged rate is the one the next update applies: the schedule counts updates made.
+  state, m_next = learner.step(state, make_batch())
+  assert float(m_next["lr"]) == float(m["lr"]) == pytest.approx(1e-2 / 4)
 
 
 def test_entropy_and_kl_are_token_means_under_every_reduction():
@@ -281,3 +285,27 @@ def test_entropy_and_kl_are_token_means_under_every_reduction():
     got[reduction] = (float(m["entropy"]), float(m["kl_ref"]))
   for reduction, values in got.items():
     np.testing.assert_allclose(values, got["token_mean"], rtol=1e-5, err_msg=reduction)
+
+
+def test_values_of_tokens_out_of_the_loss_never_reach_the_gradient():
+  """An inf or nan on a token out of the loss (a prompt token's reference or old
+  log-prob of -inf, a nan advantage) gives the same update as a finite one: masked by a
+  where, it still reached the gradient (0 x nan) and made every weight nan (a reviewer of
+  red team 19)."""
+  clean = make_batch(ref=True)
+  clean = clean._replace(old_logp=np.where(clean.loss_mask > 0, clean.rollout_logp,
+                                           0.0).astype(np.float32))
+  out = np.argwhere((clean.loss_mask == 0) & (clean.segment_ids > 0))
+  r, t = out[out[:, 1] > 0][0]
+  bad = {}
+  for name, value in (("ref_logp", -np.inf), ("old_logp", -np.inf), ("advantages", np.nan)):
+    arr = np.array(getattr(clean, name))
+    arr[r, t] = value
+    bad[name] = arr
+  cfg = LearnerConfig(kl_coef=0.01, correction_mode="truncate")
+  norms = []
+  for batch in (clean, clean._replace(**bad)):
+    learner = Learner(CFG, cfg, make_mesh())
+    _, m = learner.step(learner.init_state(0), batch)
+    norms.append(float(m["grad_norm"]))
+  assert np.isfinite(norms[1]) and norms[1] == pytest.approx(norms[0], rel=1e-6), norms

@@ -689,7 +689,7 @@ def test_the_equal_rewards_filter_keeps_what_the_estimator_learns_from():
   def group(*turn_rewards):
     g = Group(0, "t", [])
     for i, per_turn in enumerate(turn_rewards):
-      e = episode(0, f"s{i}", "g", reward=sum(per_turn), turns=len(per_turn))
+      e = episode(0, f"s{i}", "g", reward=sum(per_turn), turns=max(len(per_turn), 1))
       e.turn_rewards = list(per_turn)
       g.episodes.append(e)
     return g
@@ -701,9 +701,21 @@ def test_the_equal_rewards_filter_keeps_what_the_estimator_learns_from():
   assert not carries_signal(other_turns, grpo) and carries_signal(other_turns, chunk)
   faster = group([1.0], [0.0, 0.0, 1.0])
   assert carries_signal(faster, chunk)
+  # Other turn counts alone rank nothing (a lone turn takes the advantage of the last
+  # turn others reached: all 0 here; a reviewer).
+  chunk1 = AdvantageConfig(estimator="chunk")
+  for same_returns in (group([1.0], [0.0, 0.0, 1.0]), group([0.0], [0.0, 0.0]),
+                       group([0.0, 1.0], [0.0, 1.0, 0.0]), group([], [0.0])):
+    assert not carries_signal(same_returns, chunk1)
+  assert not carries_signal(group([0.0], [0.0, 0.0]), chunk)
   assert carries_signal(group([0.0], [1.0]), grpo)
   for cfg in (AdvantageConfig(baseline="batch"), AdvantageConfig(teacher="t")):
     assert carries_signal(same, cfg)
+  # The step's metric counts by the same rule.
+  from jaxagent.metrics import episode_metrics
+  assert episode_metrics([other_turns], [], 0)["groups_with_signal"] == 0
+  assert episode_metrics([other_turns], [], 0, lambda g: carries_signal(g, chunk))[
+      "groups_with_signal"] == 1
   # The scheduler asks it with the run's estimator.
   async def play(task, sid, gid):
     e = episode(task, sid, gid, reward=1.0, turns=2)
