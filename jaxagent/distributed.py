@@ -246,11 +246,15 @@ def sum_episode_counts(row: dict) -> dict:
   from jax.experimental import multihost_utils
 
   n = float(row.get("episodes", 0))
-  local = np.asarray([n, row.get("success_rate", 0.0) * n, row.get("reward_mean", 0.0) * n,
-                      row.get("episodes_trained", 0), row.get("groups", 0),
-                      row.get("groups_accepted", 0)], np.float64)
+  local = np.asarray([n, row.get("success_rate", 0.0) * n, row.get("reward_mean", 0.0) * n]
+                     + [row.get(k, 0) for k in SUMMED], np.float64)
   total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(local)).sum(0)
   episodes = max(total[0], 1.0)
   return {"episodes": int(total[0]), "success_rate": float(total[1] / episodes),
-          "reward_mean": float(total[2] / episodes), "episodes_trained": int(total[3]),
-          "groups": int(total[4]), "groups_accepted": int(total[5])}
+          "reward_mean": float(total[2] / episodes),
+          **{k: int(v) for k, v in zip(SUMMED, total[3:])}}
+
+
+# The counts of a step's row that are every process's sum (each packs its own groups).
+SUMMED = ("episodes_trained", "groups", "groups_accepted", "batch_segments",
+          "batch_overflow", "batch_overflow_groups", "batch_too_long")

@@ -603,6 +603,7 @@ def pack_groups(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: i
   assert (placed >= 0).all()
   used_rows = int(placed.max()) + 1 if len(placed) else 1
   return batch, {"segments": len(segments), "too_long": len(too_long),
+                 "episodes": len({s.session_id for s in segments}),
                  "overflow": sum(map(len, by_group)) - len(segments),
                  "overflow_groups": len(by_group) - max(kept, bool(segments)),
                  "used_segments": segments,

@@ -1192,10 +1192,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         "rollout_tokens_per_s": row.get("output_tokens", 0) / max(step_s, 1e-9),
         "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
             step_s, 1e-9),
-        "action_tokens": float(batch.loss_mask.sum()), "batch_segments": info["segments"],
-        "batch_overflow": info["overflow"],
-        "batch_overflow_groups": info.get("overflow_groups", 0),
-        "batch_too_long": info["too_long"],
+        "action_tokens": float(batch.loss_mask.sum()),
         "batch_rows": int(batch.tokens.shape[0]) * n_proc,
         "batch_fill": round(info["fill"], 4),
         "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
@@ -1352,6 +1349,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
              **token_staleness_metrics(batch.versions, batch.loss_mask, version), **scored}
       if wal is not None:
         row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)
+      # What the batch held: the episodes trained are those it packed (a group left out
+      # for want of rows was counted as trained).
+      row.update(episodes_trained=info.get("episodes", row["episodes_trained"]),
+                 batch_segments=info["segments"], batch_overflow=info["overflow"],
+                 batch_overflow_groups=info.get("overflow_groups", 0),
+                 batch_too_long=info["too_long"])
       if multi:  # the episode counts and success of every process, not only this one's
         row.update(distributed.sum_episode_counts(row))
       played = []

@@ -261,6 +261,8 @@ def test_train_cli_as_two_processes(tmp_path):
   last = rows[-1]["step"]
   assert [r["step"] for r in rows] == list(range(1, last + 1))  # once, not per process
   assert all(r["episodes"] == 16 for r in rows)  # 2 processes x 2 groups x 4
+  # The batch's counts are both processes' (they were process 0's alone).
+  assert all(r["batch_segments"] + r["batch_overflow"] >= 16 for r in rows), rows
   assert rows[1]["policy_version"] == 2 and rows[1]["batch_rows"] % 2 == 0
   # Each process's engine got the weights device to device (collectives), not via host.
   assert {r["weight_sync_path"] for r in rows} == {"reshard"}

@@ -667,6 +667,7 @@ def test_what_a_batch_cannot_hold_is_left_out_by_whole_groups():
                            seq_len=seq_len, pad_id=0)
   assert (info["segments"], info["overflow"], info["overflow_groups"]) == (4, 4, 1)
   assert {s.group_id for s in info["used_segments"]} == {"g0"}
+  assert info["episodes"] == 4  # (the step's episodes_trained: those packed)
   adv = batch.advantages[batch.loss_mask > 0]
   assert adv.max() == 0.5 and adv.min() == -0.5  # its successes with its failures
 
