@@ -95,6 +95,9 @@ def _merge(first: TurnRecord, more: TurnRecord) -> TurnRecord:
   return dataclasses.replace(first, output_ids=first.output_ids + more.output_ids,
                              output_logprobs=first.output_logprobs + more.output_logprobs,
                              versions=first.versions + more.versions,
+                             raw_logprobs=None if first.raw_logprobs is None
+                             or more.raw_logprobs is None
+                             else first.raw_logprobs + more.raw_logprobs,
                              finish_reason=more.finish_reason,
                              decode_s=first.decode_s + more.decode_s)
 

@@ -107,7 +107,10 @@ class RolloutScheduler:
     self.tasks = tasks
     self.play = play
     self.requeue = collections.deque(requeue or [])  # tasks to run before the iterator's
-    self.version = 0  # the learner's policy version
+    self.version = 0  # the learner's policy version (after its last step)
+    # The version the servers serve (the last weight sync): behind `version` by up to
+    # sync_every - 1 between syncs. Groups start on it; staleness is the learner's.
+    self.served = 0
     self.started = 0
     # The next group's number (in session ids `g<number>-...`); a resumed run goes on
     # from its checkpoint's, so ids stay unique over the run. Numbers go up by
@@ -198,7 +201,7 @@ class RolloutScheduler:
     self._changed.set()
 
   def _start_group(self) -> Group:
-    group = Group(self.next_index, self._next_task(), started_version=self.version)
+    group = Group(self.next_index, self._next_task(), started_version=self.served)
     self.started += 1
     self.next_index += self.index_stride
     self.groups[group.index] = group
@@ -217,7 +220,11 @@ class RolloutScheduler:
     # With redundancy r, (1 + r) times the groups the bound lets through may run: the
     # first to finish are trained on, the rest go stale and are dropped (ROLL's
     # redundant rollouts: throughput against heavy-tailed environments, paid in work).
-    bound = (self.version + self.cfg.max_staleness + 1) * self.cfg.groups_per_step
+    # A group started on the served weights is accepted until the learner is
+    # staleness_bound() versions past them, a step of groups_per_step groups a version
+    # (max_staleness here, not the bound, let no group start between syncs when
+    # sync_every - 1 is past it: the run waited for ever; red team 20).
+    bound = (self.served + self.staleness_bound() + 1) * self.cfg.groups_per_step
     extra = int(round(self.cfg.redundancy * (self.cfg.max_staleness + 1)
                       * self.cfg.groups_per_step))
     return bound + extra + self.replaced
@@ -256,6 +263,7 @@ class RolloutScheduler:
     self.index_stride = processes
     self.next_index = next_group + (process - next_group) % processes
     self.started = version * self.cfg.groups_per_step
+    self.served = version
     self.set_version(version)
 
   def start(self) -> None:
@@ -263,9 +271,26 @@ class RolloutScheduler:
       self._producer = asyncio.create_task(self._produce())
 
   def set_version(self, version: int) -> None:
+    """The learner's version, after each step: staleness is measured against it (against
+    the served weights' between syncs, groups staler than the bound were trained: red
+    team 20)."""
     self.version = version
     if self.cfg.mode != "sync":
       self._drop_doomed()
+    self._changed.set()
+
+  def trained_nothing(self, groups: list[Group]) -> None:
+    """A step's groups gave it nothing to train on (no version came of them): they are
+    replaced, as groups the filters drop are (the capacity rule counted them as a step's:
+    max_staleness + 1 such steps let no group start again in the async modes, and the
+    run waited for ever; red team 20)."""
+    self.replaced += len(groups)
+    self._changed.set()
+
+  def set_served(self, version: int) -> None:
+    """The version the servers now serve (a weight sync): the groups started from now
+    on start on it."""
+    self.served = version
     self._changed.set()
 
   def staleness_bound(self) -> int:

@@ -1311,6 +1311,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         scheduler.put_back(accepted)
         raise
       if m is None:
+        scheduler.trained_nothing(accepted)  # (replaced: else the async modes stalled)
         # Nothing to learn from (all filtered or too long): sample again; the next step's
         # metrics count these episodes and their time too. A run whose every episode so
         # far began with a prompt too long for its settings stops saying so; else the
@@ -1361,6 +1362,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       learner_s = time.perf_counter() - t0
       step = int(state.step)
       version = int(state.policy_version)
+      scheduler.set_version(version)
       # What the step's records need: written after the weight sync (with its figures),
       # or on the way out if the run stops before (a step is never checkpointed without
       # its records).
@@ -1406,7 +1408,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             drop_version(policy_root, transient)  # (the servers have moved on)
           transient = None if export else version
           export, sync_path, exported = False, "export", version
-        scheduler.set_version(version)
+        scheduler.set_served(version)
         sync_s = time.perf_counter() - t0
       if export:
         if multi:  # (its writes are collectives: an error held since is told first)

@@ -86,7 +86,8 @@ def test_an_infrastructure_failure_is_retried_then_dropped_and_counted(resources
     s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=3,
                                        max_retries=2, filter_equal_rewards=False),
                          itertools.repeat(TASK), play_one)
-    s.set_version(5)  # (the scripted engine's tokens are version 5)
+    s.set_version(5)
+    s.set_served(5)  # (the scripted engine's tokens are version 5)
     accepted, taken = await s.next_groups()
     return s, accepted, taken
 

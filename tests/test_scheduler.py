@@ -44,6 +44,7 @@ def test_sync_mode_plays_whole_groups_on_current_weights():
     s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=3, group_size=4),
                          itertools.count(), play)
     s.set_version(3)
+    s.set_served(3)
     accepted, taken = await s.next_groups()
     return s, accepted, taken
 
@@ -225,10 +226,10 @@ def test_async_staleness_bound_and_capacity():
     started_versions = []
 
     async def play(task, sid, gid):
-      started_versions.append(s.version)
+      started_versions.append(s.served)
       if task == 0:
         await release.wait()  # the first group is slow
-      return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")), version=s.version)
+      return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")), version=s.served)
 
     s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
                                        max_staleness=1, max_concurrent_episodes=64),
@@ -239,7 +240,8 @@ def test_async_staleness_bound_and_capacity():
     assert s.started == 4
     accepted, taken = await s.next_groups()  # groups 1, 2 (0 is still running)
     assert sorted(g.task for g in taken) == [1, 2]
-    s.set_version(2)  # the learner moved on twice
+    s.set_version(2)
+    s.set_served(2)  # the learner moved on twice
     release.set()
     await asyncio.sleep(0.05)
     accepted, taken = await s.next_groups()
@@ -290,7 +292,7 @@ def test_groups_the_bound_cannot_accept_are_dropped_at_once_and_replaced():
         except asyncio.CancelledError:
           cancelled.append(sid)
           raise
-      return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")), version=s.version)
+      return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")), version=s.served)
 
     s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
                                        max_staleness=1), itertools.count(), play)
@@ -299,9 +301,11 @@ def test_groups_the_bound_cannot_accept_are_dropped_at_once_and_replaced():
     assert s.started == 4  # (0 + 1 + 1) x 2
     await s.next_groups()  # groups 1 and 2
     s.set_version(1)
+    s.set_served(1)
     await asyncio.sleep(0.05)
     running_at_1 = 0 in s.groups  # started at version 0: still acceptable at version 1
     s.set_version(2)
+    s.set_served(2)
     await asyncio.sleep(0.05)
     out = (running_at_1, 0 in s.groups, sorted(cancelled), s.dropped["stale"], s.started)
     await s.stop()
@@ -567,6 +571,7 @@ def test_groups_of_weights_other_than_the_servers_current_are_dropped():
                                        max_sample_rounds=2, sync_every=sync_every),
                          itertools.count(), play_at(version))
     s.set_version(5)
+    s.set_served(5)
     s.start()
     try:
       accepted, taken = await asyncio.wait_for(s.next_groups(), 30)
@@ -733,3 +738,54 @@ def test_the_equal_rewards_filter_keeps_what_the_estimator_learns_from():
     return len(accepted), s.dropped["no_signal"]
 
   assert run(go(grpo)) == (0, 1) and run(go(chunk)) == (1, 0)
+
+
+def test_between_weight_syncs_staleness_is_the_learners_and_groups_still_start():
+  """async, sync_every 3, max_staleness 1: groups start on the served weights, which move
+  every third step. The capacity rule counted max_staleness (not the bound, sync_every - 1
+  = 2) from the served version, so no group could start between syncs: the run waited for
+  ever; and staleness was measured against the served version, so groups 3 versions
+  behind the learner were trained (red team 20)."""
+  box = {}
+
+  async def play(task, sid, gid):
+    return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")),
+                   version=box["s"].served)
+
+  async def go():
+    s = box["s"] = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=2,
+                                       max_staleness=1, sync_every=3), itertools.count(),
+                         play)
+    s.start()
+    lags = []
+    for step in range(1, 8):
+      accepted, _ = await asyncio.wait_for(s.next_groups(), 10)  # (it waited for ever)
+      lags += [s.version - g.min_version() for g in accepted]
+      s.set_version(step)  # the learner's step
+      if step % 3 == 0:
+        s.set_served(step)  # a weight sync
+    await s.stop()
+    return lags
+
+  lags = run(go())
+  assert len(lags) == 7 and max(lags) <= 2  # (staleness_bound: max(1, 3 - 1))
+
+
+def test_groups_that_gave_a_step_nothing_are_replaced():
+  """A step whose groups packed to nothing (every first prompt too long) makes no version:
+  counted as a step's by the capacity rule, max_staleness + 1 of them let no group start
+  again, and an async run waited for ever (red team 20)."""
+  async def play(task, sid, gid):
+    return episode(task, sid, gid, reward=float(sid.endswith("-0-r0")))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=2,
+                                       max_staleness=0), itertools.count(), play)
+    s.start()
+    for _ in range(3):  # three steps of nothing to train: the version stays 0
+      accepted, _ = await asyncio.wait_for(s.next_groups(), 10)
+      s.trained_nothing(accepted)
+    await s.stop()
+    return s.started
+
+  assert run(go()) >= 3  # (the run had stopped at the second step)

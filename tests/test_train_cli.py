@@ -624,7 +624,8 @@ def test_a_run_that_keeps_no_group_says_so(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, "-c", code, "--config", "configs/tiny.yaml", "--run-dir",
        str(tmp_path / "run"), f"env.imports=[{env}]", f"data.tasks={tasks}",
-       "rollout.filter_equal_rewards=true", "rollout.max_sample_rounds=1", "steps=2"],
+       "rollout.filter_equal_rewards=true", "rollout.max_sample_rounds=1", "steps=2",
+       "advantage.baseline=group"],  # (a step-wide baseline gives such groups a signal)
       env=dict(os.environ, PYTHONPATH=os.path.join(REPO, "examples")),
       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
