@@ -8,10 +8,12 @@ server's queue, on sandboxes and requests).
 Modes:
 - `sync`: on-policy: start a step's groups on the current weights, wait for all.
 - `async`: groups keep running while the learner trains; a group is accepted
-  only if the learner's version minus its oldest token's version is at most
-  `max_staleness`, and no more groups are started than that bound lets through
-  ((version + max_staleness + 1) x groups_per_step in all, as AReaL, plus the
-  groups the filters dropped and replaced). When the version moves, groups the
+  only if the learner's version minus its oldest token's version is at most the
+  staleness bound (`max_staleness`, or the sync_every - 1 versions the learner runs
+  ahead of the servers between weight syncs if more), and no more groups are started
+  than that bound lets through ((served version + bound + 1) x groups_per_step in all,
+  as AReaL, plus the groups the filters dropped and replaced, less what short steps
+  did not take). When the version moves, groups the
   bound can no longer accept are dropped at once (running ones cancelled) and
   replaced, so a straggler does not hold capacity until it finishes.
 - `window`: async, but a batch is taken only from the oldest `window` groups
@@ -111,6 +113,10 @@ class RolloutScheduler:
     # The version the servers serve (the last weight sync): behind `version` by up to
     # sync_every - 1 between syncs. Groups start on it; staleness is the learner's.
     self.served = 0
+    # Groups the steps that trained did not take (fewer than groups_per_step accepted
+    # when max_sample_rounds ran out): the capacity rule counts a whole step's a version,
+    # and each short step left that many extra for good (a reviewer of red team 20).
+    self.shortfall = 0
     self.started = 0
     # The next group's number (in session ids `g<number>-...`); a resumed run goes on
     # from its checkpoint's, so ids stay unique over the run. Numbers go up by
@@ -227,7 +233,7 @@ class RolloutScheduler:
     bound = (self.served + self.staleness_bound() + 1) * self.cfg.groups_per_step
     extra = int(round(self.cfg.redundancy * (self.cfg.max_staleness + 1)
                       * self.cfg.groups_per_step))
-    return bound + extra + self.replaced
+    return bound + extra + self.replaced - self.shortfall
 
   async def _produce(self) -> None:
     try:
@@ -278,6 +284,10 @@ class RolloutScheduler:
     if self.cfg.mode != "sync":
       self._drop_doomed()
     self._changed.set()
+
+  def trained(self, groups: list[Group]) -> None:
+    """A step trained on `groups` (one version)."""
+    self.shortfall += max(0, self.cfg.groups_per_step - len(groups))
 
   def trained_nothing(self, groups: list[Group]) -> None:
     """A step's groups gave it nothing to train on (no version came of them): they are

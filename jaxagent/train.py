@@ -969,7 +969,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   if canary:  # the restored run must sample what the saved one did
     if not saved_canary:
       print(f"warning: --canary: checkpoint step {int(state.step)} stored no canary "
-            "(the run was stopped while its rollouts ran, or canary_tasks was 0 then); "
+            "(the run was stopped while its rollouts ran, it was saved between weight syncs, "
+            "or canary_tasks was 0 then); "
             "going on unchecked", file=sys.stderr)
     else:
       problem = compare_canary(saved_canary, await play_canary(cfg, env_factory,
@@ -1092,7 +1093,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
     canary_now = None
     try:  # what the saved weights sample on fixed tasks (checked by --canary)
-      if canary:
+      # (the servers' weights: between weight syncs not the saved ones, which a resume
+      # loads: its --canary refused a sound checkpoint; a reviewer of red team 20)
+      if canary and scheduler.served == int(state.policy_version):
         canary_now = await play_canary(cfg, env_factory, serving.client, tokenizer)
     except Exception as e:  # the checkpoint matters more than its canary
       print(f"warning: canary episodes failed ({type(e).__name__}: {e}); saved without",
@@ -1362,7 +1365,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       learner_s = time.perf_counter() - t0
       step = int(state.step)
       version = int(state.policy_version)
-      scheduler.set_version(version)
+      scheduler.trained(accepted)
       # What the step's records need: written after the weight sync (with its figures),
       # or on the way out if the run stops before (a step is never checkpointed without
       # its records).
@@ -1410,6 +1413,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           export, sync_path, exported = False, "export", version
         scheduler.set_served(version)
         sync_s = time.perf_counter() - t0
+      # The learner's version, after the sync: groups it drops as stale are replaced on
+      # the new weights (before it, during the sync, on the old: a reviewer).
+      scheduler.set_version(version)
       if export:
         if multi:  # (its writes are collectives: an error held since is told first)
           await agree(f"export-{version}")

@@ -789,3 +789,35 @@ def test_groups_that_gave_a_step_nothing_are_replaced():
     return s.started
 
   assert run(go()) >= 3  # (the run had stopped at the second step)
+
+
+def test_short_steps_do_not_grow_the_capacity():
+  """max_sample_rounds 1, every other group without signal: each step trains 1 of its 2
+  groups. The capacity rule counted 2 a version, so each short step left one more group
+  to start for good: 14 in flight at version 10 against a bound of 4, stale drops
+  growing quadratically (a reviewer of red team 20)."""
+  box = {}
+
+  async def play(task, sid, gid):
+    await asyncio.sleep(0.001)
+    reward = 0.0 if task % 2 == 0 else float(sid.endswith("-0-r0"))
+    return episode(task, sid, gid, reward=reward, version=box["s"].served)
+
+  async def go():
+    s = box["s"] = RolloutScheduler(RolloutConfig(
+        mode="async", groups_per_step=2, group_size=2, max_staleness=1,
+        max_sample_rounds=1), itertools.count(), play)
+    s.start()
+    most = 0
+    for v in range(1, 21):
+      accepted, _ = await asyncio.wait_for(s.next_groups(), 10)
+      s.trained(accepted)
+      s.set_served(v)
+      s.set_version(v)
+      await asyncio.sleep(0.01)
+      most = max(most, len(s.groups))
+    await s.stop()
+    return most, s.dropped["stale"]
+
+  most, stale = run(go())
+  assert most <= 4 + 2 and stale <= 4, (most, stale)
