@@ -84,6 +84,17 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   (line,) = [line for line in lines if not line.startswith("warning: --resume changes")]
   assert "--canary: step 4 does not replay as saved" in line and "log-probs differ" in line
 
+  # A checkpoint between weight syncs stores no canary: the servers' weights were not the
+  # saved ones (a resume from it with --canary refused a sound checkpoint: a reviewer).
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
+                   "steps=6", *SMALL, "rollout.sync_every=2", "checkpoint.every_steps=1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  canaries = {}
+  for step in ("5", "6"):
+    with open(os.path.join(run_dir, "checkpoints", step, "meta", "metadata")) as f:
+      canaries[step] = json.load(f)["canary"]
+  assert not canaries["5"] and len(canaries["6"]) == 2  # (6: the last step's sync)
+
 
 def test_early_stop_exports_the_final_policy(tmp_path):
   """A run that stopped at its success rate exports its final policy; resumed, it stops
