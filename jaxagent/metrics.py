@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import sys
@@ -25,7 +26,9 @@ def episode_metrics(groups, accepted, learner_version: int, signal=None) -> dict
   `signal(group)`: whether the group's advantages can be other than 0 (the run's
   estimator's rule, `scheduler.carries_signal`; default: its rewards differ)."""
   if signal is None:
-    signal = lambda g: max(g.rewards) - min(g.rewards) > 1e-9  # noqa: E731
+    from jaxagent.config import AdvantageConfig
+    from jaxagent.scheduler import carries_signal
+    signal = functools.partial(carries_signal, cfg=AdvantageConfig())
   episodes = [e for g in groups for e in g.episodes]
   out: dict = {"groups": len(groups), "groups_accepted": len(accepted),
                "episodes": len(episodes),
