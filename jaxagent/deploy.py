@@ -318,7 +318,6 @@ MANIFESTS = {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml"
              "env-statefulset.yaml", "env-service.yaml"}
 
 
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(
       allow_abbrev=False, prog="python -m jaxagent.deploy", description=__doc__,

@@ -53,8 +53,8 @@ from jaxagent.metrics import (MetricsWriter, RecordsDamaged, cut_jsonl, episode_
 from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.scheduler import (RolloutScheduler, baseline_share, carries_signal,
-                                check_advantage_config,
-                                episode_index, pack_groups, trim_batch)
+                                check_advantage_config, episode_index, pack_groups,
+                                trim_batch)
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE
 from jaxagent.trajectory import dump_segments
 from jaxagent.wal import TokenWAL, take_replay
@@ -1355,7 +1355,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)
       # What the batch held: the episodes trained are those it packed (a group left out
       # for want of rows was counted as trained).
-      row.update(episodes_trained=info.get("episodes", row["episodes_trained"]),
+      row.update(episodes_trained=info["episodes"],
                  batch_segments=info["segments"], batch_overflow=info["overflow"],
                  batch_overflow_groups=info.get("overflow_groups", 0),
                  batch_too_long=info["too_long"])
