@@ -231,7 +231,7 @@ class RolloutScheduler:
     # (max_staleness here, not the bound, let no group start between syncs when
     # sync_every - 1 is past it: the run waited for ever; red team 20).
     bound = (self.served + self.staleness_bound() + 1) * self.cfg.groups_per_step
-    extra = int(round(self.cfg.redundancy * (self.cfg.max_staleness + 1)
+    extra = int(round(self.cfg.redundancy * (self.staleness_bound() + 1)
                       * self.cfg.groups_per_step))
     return bound + extra + self.replaced - self.shortfall
 
