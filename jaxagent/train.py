@@ -477,6 +477,13 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(f"trajectories.sample_every must be >= 1, got "
                                  f"{t.sample_every}")
   if cfg.eval.every:
+    if cfg.eval.every < 0:
+      raise config_lib.ConfigError(f"eval.every must be >= 0 (0: never), got {cfg.eval.every}")
+    if cfg.eval.every % cfg.rollout.sync_every:  # (it would play older weights than its step's)
+      raise config_lib.ConfigError(
+          f"eval.every ({cfg.eval.every}) must be a multiple of rollout.sync_every "
+          f"({cfg.rollout.sync_every}): an evaluation plays the served weights, which are "
+          "the learner's only every sync_every steps")
     if not cfg.eval.tasks:
       raise config_lib.ConfigError("eval.every needs eval.tasks (a task file of held-out "
                                    "tasks)")
@@ -1429,7 +1436,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                            row["episodes"])])[-cfg.stop_window:]
       try:  # (this process's own work: an error is told at the next agreement)
         if cfg.eval.every and step % cfg.eval.every == 0 and primary:
-          row.update(await evaluate_policy())
+          row.update(await evaluate_policy(), eval_policy_version=scheduler.served)
         await write_records(records)
         bar.update(1)
         bar.set_postfix(success=f"{row.get('success_rate', 0):.2f}",

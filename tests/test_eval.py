@@ -89,6 +89,7 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   rows = read_metrics(run_dir)
   assert "eval_success_rate" not in rows[0] and "eval_pass@1" in rows[1]
   assert rows[1]["eval_tasks"] == 4 and "eval_guess_number_success_rate" in rows[1]
+  assert rows[1]["eval_policy_version"] == 2  # (the weights it played)
 
   out = str(tmp_path / "report.json")
   assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
