@@ -1185,7 +1185,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   async def write_records(p: dict) -> None:
     """The step's trajectory segments and its metrics row (completed here)."""
     nonlocal recorded
-    row, info, batch, accepted = p["row"], p["info"], p["batch"], p["accepted"]
+    row, info, batch = p["row"], p["info"], p["batch"]
     traj = cfg.trajectories
     if traj.mode == "all" or (traj.mode == "sample" and p["step"] % traj.sample_every == 0):
       await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir, cfg),
@@ -1200,8 +1200,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         "wall_time_s": round(time.time() - t_start, 3), "policy_version": p["version"],
         "rollout_s": rollout_s, "learner_s": p["learner_s"],
         "rollout_tokens_per_s": row.get("output_tokens", 0) / max(step_s, 1e-9),
-        "valid_trajectories_per_s": sum(len(g.episodes) for g in accepted) / max(
-            step_s, 1e-9),
+        # (the episodes the batch held: a group left out for want of rows is not one)
+        "valid_trajectories_per_s": row["episodes_trained"] / max(step_s, 1e-9),
         "action_tokens": float(batch.loss_mask.sum()),
         "batch_rows": int(batch.tokens.shape[0]) * n_proc,
         "batch_fill": round(info["fill"], 4),
@@ -1376,7 +1376,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       # What the step's records need: written after the weight sync (with its figures),
       # or on the way out if the run stops before (a step is never checkpointed without
       # its records).
-      records = dict(row=row, info=info, batch=batch, m=m, accepted=accepted,
+      records = dict(row=row, info=info, batch=batch, m=m,
                      rollout_s=rollout_s, learner_s=learner_s, step=step, version=version)
       sync_s, sync_path = 0.0, None
       export = scheduled(step)

@@ -263,6 +263,10 @@ def test_train_cli_as_two_processes(tmp_path):
   assert all(r["episodes"] == 16 for r in rows)  # 2 processes x 2 groups x 4
   # The batch's counts are both processes' (they were process 0's alone).
   assert all(r["batch_segments"] + r["batch_overflow"] >= 16 for r in rows), rows
+  # The rate is of the episodes both processes' batches held (it was process 0's accepted).
+  for r in rows:
+    step_s = r["rollout_s"] + r["learner_s"] + r["weight_sync_s"]
+    assert abs(r["valid_trajectories_per_s"] * step_s - r["episodes_trained"]) < 1e-6, r
   assert rows[1]["policy_version"] == 2 and rows[1]["batch_rows"] % 2 == 0
   # Each process's engine got the weights device to device (collectives), not via host.
   assert {r["weight_sync_path"] for r in rows} == {"reshard"}
