@@ -1171,11 +1171,24 @@ class SandboxPool:
 
   @contextlib.asynccontextmanager
   async def acquire(self):
-    sb = await asyncio.to_thread(self.create)
+    # The thread goes on when its caller is cancelled meanwhile (an episode dropped as
+    # stale, a DELETE): its sandbox is awaited and released, not left live for good
+    # (red team 22: the pool filled with them).
+    made = asyncio.ensure_future(asyncio.to_thread(self.create))
+    try:
+      sb = await asyncio.shield(made)
+    except asyncio.CancelledError:
+      with contextlib.suppress(Exception):
+        await waits.to_the_end(self._release_made(made))
+      raise
     try:
       yield sb
     finally:
       await waits.to_the_end(asyncio.to_thread(self.release, sb))
+
+  async def _release_made(self, made: asyncio.Future) -> None:
+    sb = await made
+    await asyncio.to_thread(self.release, sb)
 
   @property
   def in_use(self) -> int:

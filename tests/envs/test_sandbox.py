@@ -325,6 +325,43 @@ def test_a_wait_for_a_slot_has_a_deadline():
     pool.close()
 
 
+def test_an_acquire_cancelled_while_its_workspace_is_made_releases_it():
+  """The workspace is made in a thread, which goes on when its caller is cancelled (an
+  episode dropped as stale): it is released when made (red team 22: left live for good,
+  the pool filled with them and every episode failed as infrastructure)."""
+  pool = SandboxPool(1, limits=LIMITS, isolation=(MODES or ["rlimits"])[0],
+                     allow_unisolated=True)
+  make = pool.create
+
+  def slow_create():
+    time.sleep(0.3)
+    return make()
+
+  pool.create = slow_create
+
+  async def main():
+    for _ in range(3):
+      entered = []
+
+      async def episode():
+        async with pool.acquire():
+          entered.append(1)
+
+      t = asyncio.ensure_future(episode())
+      await asyncio.sleep(0.1)  # (its workspace is being made)
+      t.cancel()
+      with pytest.raises(asyncio.CancelledError):
+        await t
+      assert not entered
+    await asyncio.sleep(0.6)
+
+  try:
+    asyncio.run(main())
+    assert pool.in_use == 0
+  finally:
+    pool.close()
+
+
 def test_unisolated_execution_is_refused_unless_allowed():
   with pytest.raises(IsolationUnavailable, match="allow"):
     SandboxPool(1, isolation="rlimits")
