@@ -43,7 +43,7 @@ import uuid
 from typing import Optional
 
 import httpx
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,7 +52,7 @@ from envs import waits
 from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        json_safe, load_modules, make)
-from jaxagent.serve_http import BodyLimit, name_deep_bodies
+from jaxagent.serve_http import BodyLimit, client_gone, name_deep_bodies
 from jaxagent.errors import InfraError
 
 
@@ -240,7 +240,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
                              media_type="text/plain; version=0.0.4")
 
   @app.post("/sessions")
-  async def create(body: CreateBody):
+  async def create(body: CreateBody, http: Request):
     await reap_idle()
     # (the sessions starting count: a limit checked before the resets' awaits let 12
     # concurrent starts past a limit of 4, red team 14)
@@ -273,10 +273,26 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       n_sessions.set(len(sessions))
       return obs
 
+    # Raced against the client's going (a client that gave up never learns the session:
+    # kept, it held a session slot and a workspace for its idle time; red team 22), and
+    # a session its reset registered is closed whenever the answer does not carry it
+    # (a reset that ended as the deadline cut it, a handler cancelled at shutdown).
     starting["n"] += 1
+    call = asyncio.ensure_future(guarded("reset", None, start))
+    gone = asyncio.ensure_future(client_gone(http))
     try:
-      obs, waited = await guarded("reset", None, start)
+      await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)
+      if not call.done():
+        n_calls.labels("reset", "abandoned").inc()
+        raise HTTPException(499, "reset: the client went away before the answer")
+      obs, waited = call.result()
+    except BaseException:
+      call.cancel()
+      await waits.to_the_end(asyncio.wait([call]))
+      await waits.to_the_end(close_session(sid))
+      raise
     finally:
+      gone.cancel()
       starting["n"] -= 1
     return {"session_id": sid, "observation": dataclasses.asdict(obs), "infra_wait_s": waited,
             "call_wall_s": call_wall_s}

@@ -41,6 +41,15 @@ class SlowEnv(base.Env):
     return base.Verdict(VerdictStatus.FAIL, 0.0, "slow@1", "slow@1")
 
 
+@base.register("slow_reset_test_env")
+class SlowResetEnv(SlowEnv):
+  """Its reset takes `params.reset_s` seconds."""
+
+  async def reset(self, task):
+    await asyncio.sleep(float(task.params["reset_s"]))
+    return base.Observation([{"role": "user", "content": "go"}])
+
+
 @base.register("nan_reward_test_env")
 class NanRewardEnv(SlowEnv):
   """Its step's reward is a NaN (an environment's bug)."""
@@ -201,6 +210,25 @@ def test_deadline_closes_the_session(worker):
   asyncio.run(asyncio.wait_for(go(), timeout=30))
   assert httpx.get(f"{worker.url}/health").json()["status"] == "ok"
   assert 'env_calls_total{kind="step",outcome="deadline"}' in \
+      httpx.get(f"{worker.url}/metrics").text
+
+
+def test_a_session_whose_client_gave_up_on_its_start_is_closed(worker):
+  """A client that gives up on a slow reset never learns its session: the worker closes
+  it (red team 22: it was kept for the client's idle time, holding a session slot and a
+  workspace; enough of them and every new episode got a 503)."""
+  task = {"task": {"id": "r", "env": "slow_reset_test_env", "params": {"reset_s": 0.6}}}
+  for _ in range(5):  # (more than the worker's 4 sessions)
+    with pytest.raises(httpx.ReadTimeout):
+      httpx.post(f"{worker.url}/sessions", json=task, timeout=0.2)
+  deadline = time.time() + 10
+  while httpx.get(f"{worker.url}/health").json()["sessions"] and time.time() < deadline:
+    time.sleep(0.1)
+  assert httpx.get(f"{worker.url}/health").json()["sessions"] == 0
+  r = httpx.post(f"{worker.url}/sessions", json=task, timeout=10)
+  assert r.status_code == 200, r.text
+  httpx.delete(f"{worker.url}/sessions/{r.json()['session_id']}")
+  assert 'env_calls_total{kind="reset",outcome="abandoned"}' in \
       httpx.get(f"{worker.url}/metrics").text
 
 
