@@ -750,3 +750,44 @@ def test_python_is_parsed_safely_from_several_threads():
   stop.set()
   threads[0].join()
   assert errors == [], errors[:3]
+
+
+def test_source_checks_run_one_at_a_time_and_their_queue_is_the_infrastructures():
+  """Verifies' source checks run on one thread in turn, and a check's wait behind
+  another's is marked as a wait on shared infrastructure (red team 22: side by side on
+  the default pool, under the parser's lock, each took as long as all of them, and a
+  crowd of padded wrong answers pushed a correct neighbour past the worker's deadline).
+  """
+  import threading
+  import time
+  from envs import waits
+  from envs.python_tests import checked
+
+  release, running, peak = threading.Event(), [0], [0]
+
+  def check(hold):
+    running[0] += 1
+    peak[0] = max(peak[0], running[0])
+    if hold:
+      release.wait(10)
+    running[0] -= 1
+    return hold
+
+  async def one(hold):
+    with waits.measured() as clock:
+      t0 = time.perf_counter()
+      out = await checked(check, hold)
+      return out, clock.total_s(), time.perf_counter() - t0
+
+  async def main():
+    first = asyncio.ensure_future(one(True))
+    await asyncio.sleep(0.05)
+    queued = [asyncio.ensure_future(one(False)) for _ in range(3)]
+    await asyncio.sleep(0.4)
+    release.set()
+    return await first, await asyncio.gather(*queued)
+
+  (held, held_wait, _), queued = asyncio.run(main())
+  assert held is True and held_wait < 0.2 and peak[0] == 1
+  for out, waited, took in queued:  # (behind the first for 0.4 s: the infrastructure's)
+    assert out is False and waited >= 0.3 and took - waited < 0.35
