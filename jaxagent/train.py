@@ -916,7 +916,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       if replays:
         print(f"token WAL: {len(replays)} logged episodes "
               f"({sum(len(r) for r in replays)} turns) to replay")
-      wal.set_aside()  # kept until this run's first checkpoint is whole
+      # (kept until this run's first checkpoint is whole; cut to the restored version)
+      wal.set_aside(int(state.policy_version))
     else:
       wal.clear()
       wal.drop_aside()

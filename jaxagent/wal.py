@@ -242,6 +242,28 @@ def _record(line: bytes) -> Optional[dict]:
   return r if isinstance(r, dict) and isinstance(r.get("kind"), str) else None
 
 
+def _cut_log(path: str, version: int) -> None:
+  """Rewrites a log without each episode's records from its first turn sampled by
+  weights newer than `version` on (atomically: a crash leaves the old log or the new)."""
+  records, out, cut = read_log(path), [], set()
+  for r in records:
+    if r.get("session") in cut:
+      continue
+    versions = r.get("versions") if r["kind"] == "turn" else None
+    if isinstance(versions, list) and versions and max(versions) > version:
+      cut.add(r.get("session"))
+      continue
+    out.append(r)
+  if len(out) == len(records):
+    return
+  tmp = path + ".cut"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in out)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
 def read_log(path: str) -> list[dict]:
   """The records of a log. A line that is not one is left out, the records after it
   kept: a last line cut short by a crash (a write the crash interrupted: not
@@ -322,11 +344,20 @@ class TokenWAL:
   def aside(self) -> str:
     return os.path.join(self.directory, ASIDE)
 
-  def set_aside(self) -> None:
+  def set_aside(self, version: Optional[int] = None) -> None:
     """Moves every log into `ASIDE/` (a resumed run, having read them, logs afresh; the
     old logs stay until a checkpoint of the resumed run is whole, `drop_aside`: a crash
-    before that, in its start-up too, still replays them)."""
+    before that, in its start-up too, still replays them). With `version` (the restored
+    checkpoint's), every log kept is first cut on disk as `Replay.up_to_version` cuts
+    it: the stopped run's later turns were sampled by weights this run gives those
+    versions' numbers to, and a later resume from this run's own checkpoint (at a
+    higher version) replayed them as its own (red team 21)."""
     os.makedirs(self.aside, exist_ok=True)
+    if version is not None:
+      for directory in (self.aside, self.directory):
+        for name in sorted(os.listdir(directory)):
+          if name.endswith(".jsonl"):
+            _cut_log(os.path.join(directory, name), version)
     for name in sorted(os.listdir(self.directory)):
       if name.endswith(".jsonl"):
         target, n = os.path.join(self.aside, name), 0

@@ -164,6 +164,32 @@ def test_a_resume_sets_the_logs_aside_until_its_first_checkpoint(tmp_path):
   assert wal.pending() == []
 
 
+def test_a_second_resume_never_replays_turns_of_weights_the_first_gave_up(tmp_path):
+  """Red team 21: a resume from version 2 cut the stopped run's later turns in memory
+  only; the logs it set aside kept them, and a second resume, from the first one's own
+  checkpoint at version 3, replayed the stopped run's version-3 turns (other weights,
+  other log-probs) as its own. Setting aside cuts the logs on disk."""
+  def write(name, session, task_id, versions):
+    with open(tmp_path / name, "a") as f:
+      f.write(json.dumps({"session": session, "kind": "start", "group_id": name[:-6],
+                          "task": {"id": task_id}, "episode": 0, "run": "r1"}) + "\n")
+      for t, v in enumerate(versions):
+        f.write(json.dumps({"session": session, "kind": "turn", "turn": t,
+                            "versions": [v]}) + "\n")
+        f.write(json.dumps({"session": session, "kind": "obs", "turn": t,
+                            "hash": "h"}) + "\n")
+
+  write("g6.jsonl", "g6-0-r0", "a", [2, 3, 3])
+  write("g6.jsonl", "g6-1-r0", "b", [1, 2])
+  TokenWAL(str(tmp_path)).set_aside(2)  # the first resume, from version 2
+  again = TokenWAL(str(tmp_path))  # the second, from the first's checkpoint at version 3
+  lengths = {r.start["task"]["id"]: len(r.up_to_version(3)) for r in again.pending()}
+  assert lengths == {"a": 1, "b": 2}
+  records = read_log(str(tmp_path / "replaying" / "g6.jsonl"))
+  assert [r["kind"] for r in records if r["session"] == "g6-0-r0"] == ["start", "turn", "obs"]
+  assert not [n for n in os.listdir(tmp_path / "replaying") if not n.endswith(".jsonl")]
+
+
 def test_the_logs_of_groups_a_checkpoint_trained_on_are_forgotten_by_their_keys(tmp_path):
   """A group trained on before a checkpoint keeps its log until the next save (a save
   that never becomes whole resumes from the one before, which needs it). A resume from
