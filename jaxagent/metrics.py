@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -120,7 +121,10 @@ class MetricsWriter:
 
   def __init__(self, run_dir: str, purge_step: Optional[int] = None):
     self.path = os.path.join(run_dir, "metrics.jsonl")
-    self._file = open(self.path, "a")
+    # (unbuffered: a row whose write failed is cut off the file, not left in a buffer
+    # that a later write flushes after a retry's copy)
+    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    self._written: dict[str, int] = {}  # the last step each sink holds
     try:
       EventsWriter, event_pb2, summary_pb2 = _tensorboard_events()
     except ImportError:  # TensorBoard events are optional
@@ -139,17 +143,31 @@ class MetricsWriter:
     self._tb.flush()
 
   def write(self, row: dict) -> None:
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
-    if self._tb is not None:
+    """Writes a step's row; written again after a failure (a full disk), each sink gets
+    it once (red team 21: a retried step's row was in metrics.jsonl twice)."""
+    step = row["step"]
+    if self._written.get("jsonl") != step:
+      data = (json.dumps(row) + "\n").encode()
+      at = os.lseek(self._fd, 0, os.SEEK_END)
+      try:
+        done = 0
+        while done < len(data):
+          done += os.write(self._fd, data[done:])
+      except BaseException:
+        with contextlib.suppress(OSError):
+          os.ftruncate(self._fd, at)
+        raise
+      self._written["jsonl"] = step
+    if self._tb is not None and self._written.get("tb") != step:
       values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in row.items()
                 if isinstance(v, (int, float)) and k != "step"]
-      self._tb.write_event(self._event(wall_time=time.time(), step=row["step"],
+      self._tb.write_event(self._event(wall_time=time.time(), step=step,
                                        summary=self._summary(value=values)))
       self._tb.flush()
+      self._written["tb"] = step
 
   def close(self) -> None:
-    self._file.close()
+    os.close(self._fd)
     if self._tb is not None:
       self._tb.close()
 

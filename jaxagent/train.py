@@ -1188,10 +1188,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     nonlocal recorded
     row, info, batch = p["row"], p["info"], p["batch"]
     traj = cfg.trajectories
-    if traj.mode == "all" or (traj.mode == "sample" and p["step"] % traj.sample_every == 0):
+    # (written again after a failure, from the part that failed: a retry appended the
+    # step's segments a second time; red team 21)
+    if "segments" not in p and (traj.mode == "all" or (
+        traj.mode == "sample" and p["step"] % traj.sample_every == 0)):
       await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir, cfg),
                                  info["used_segments"], p["step"],
                                  tokenizer.decode if traj.text else None)
+    p["segments"] = True
     rollout_s = p["rollout_s"]
     # Rates over the step's own time: waiting for rollouts, learning, syncing weights.
     # (Over the rollout wait alone, an async step whose groups were ready read 1,559

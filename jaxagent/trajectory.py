@@ -26,10 +26,12 @@ Contracts tier: NumPy and the standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
 import math
+import os
 import zlib
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -212,17 +214,25 @@ def dump_segments(path: str, segments: Iterable[Segment], step: Optional[int] = 
                   text: Optional[Callable[[list[int]], str]] = None) -> int:
   """Appends segments to a JSONL file (gzipped if `path` ends in .gz), each marked with
   the learner `step` that trained them when given and, with `text` (a tokenizer's
-  decode), its tokens as text; returns how many were written."""
+  decode), its tokens as text; returns how many were written. A write that fails (a
+  full disk) leaves the file as it was: a retry appends them whole, once (red team 21:
+  a retried step's segments were in the file twice)."""
   n = 0
-  with open_jsonl(path, "a") as f:
-    for s in segments:
-      d = s.to_json()
-      if step is not None:
-        d["step"] = step
-      if text is not None:
-        d["text"] = text(s.tokens.tolist())
-      f.write(json.dumps(d) + "\n")
-      n += 1
+  at = os.path.getsize(path) if os.path.exists(path) else 0
+  try:
+    with open_jsonl(path, "a") as f:
+      for s in segments:
+        d = s.to_json()
+        if step is not None:
+          d["step"] = step
+        if text is not None:
+          d["text"] = text(s.tokens.tolist())
+        f.write(json.dumps(d) + "\n")
+        n += 1
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.truncate(path, at)
+    raise
   return n
 
 

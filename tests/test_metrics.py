@@ -103,3 +103,31 @@ def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
                        check=True).stdout.split()
   assert out == ["False"]
   assert os.listdir(tmp_path / "tensorboard")
+
+
+def test_a_row_written_again_after_a_failure_is_in_each_file_once(tmp_path, monkeypatch):
+  """A full disk part-way through a row: the part written is cut off, and the retry
+  writes the row once (red team 21: the step's row was in metrics.jsonl twice, and the
+  checkpoint after it made that permanent)."""
+  import json
+  from jaxagent import metrics
+
+  w = metrics.MetricsWriter(str(tmp_path))
+  w.write({"step": 1, "loss": 0.5})
+  real = os.write
+
+  def half_then_full(fd, data):
+    if fd == w._fd and len(data) > 8:
+      real(fd, data[:8])
+      raise OSError(28, "No space left on device")
+    return real(fd, data)
+
+  monkeypatch.setattr(metrics.os, "write", half_then_full)
+  with pytest.raises(OSError):
+    w.write({"step": 2, "loss": 0.25})
+  monkeypatch.setattr(metrics.os, "write", real)
+  w.write({"step": 2, "loss": 0.25})
+  w.write({"step": 2, "loss": 0.25})  # (a retry after a later part failed: once)
+  w.close()
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2]

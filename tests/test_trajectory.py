@@ -228,6 +228,20 @@ def test_dump_and_replay_give_the_same_batch(tmp_path):
     f.truncate((before + os.path.getsize(gz)) // 2)
   assert [r["step"] for r in read_jsonl(gz)] == [1]
 
+  # A write that fails part-way (a full disk) leaves the file as it was: the step's
+  # retry appends its segments once (red team 21: twice, for good).
+  for path in (str(tmp_path / "retry.jsonl"), str(tmp_path / "retry.jsonl.gz")):
+    dump_segments(path, segs[:1], step=1)
+
+    def full(ids):
+      raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+      dump_segments(path, segs, step=2, text=lambda ids: full(ids) if ids[0] == 9 else "")
+    assert [r["step"] for r in read_jsonl(path)] == [1]
+    dump_segments(path, segs, step=2)
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 2]
+
 
 def test_mismatched_record_is_rejected():
   with pytest.raises(ValueError, match="differ in length"):
