@@ -282,7 +282,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     gone = asyncio.ensure_future(client_gone(http))
     try:
       await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)
-      if not call.done():
+      if not call.done() or gone.done():  # (both at once: the answer has no reader)
         n_calls.labels("reset", "abandoned").inc()
         raise HTTPException(499, "reset: the client went away before the answer")
       obs, waited = call.result()

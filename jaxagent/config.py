@@ -430,8 +430,9 @@ class TrajectoriesConfig:
 class EvalConfig:
   """Evaluation during training on held-out tasks (`python -m jaxagent.eval` alone)."""
 
-  # Every N learner steps (0: never), on this task file; `samples` a task (greedy: one
-  # sample at temperature 0), pass@k for each k <= samples; `limit` tasks (0: all).
+  # Every N learner steps (0: never; a multiple of rollout.sync_every: it plays the
+  # served weights), on this task file; `samples` a task (greedy: one sample at
+  # temperature 0), pass@k for each k <= samples; `limit` tasks (0: all).
   every: int = 0
   tasks: Optional[str] = None
   greedy: bool = True

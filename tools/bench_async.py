@@ -10,7 +10,7 @@ environment step sleeping a lognormal time (median `--median-s`, log-space sprea
 `--sigma`: 1.5 puts the 99th percentile at 33x the median; capped at `--max-s`),
 for `--steps` learner steps in a fresh process (`python -m jaxagent.train`; early
 stopping off). From its metrics.jsonl: `valid_trajectories_per_s` is the episodes
-trained on (accepted groups' episodes) from step `--skip` + 1 to the last, divided by
+trained on (those the steps' batches held) from step `--skip` + 1 to the last, divided by
 the wall time between the end of step `--skip` and the end of the last (the first
 steps compile); `policy_lag_mean` the learner's version minus the oldest token's
 version of the trained groups; success over the first and last thirds of the steps
