@@ -229,6 +229,16 @@ class RunCheckpointer:
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
+  def saved_processes(self) -> Optional[int]:
+    """How many processes saved the newest checkpoint (its metadata's mesh); None when
+    it does not say (unreadable: its restore says why)."""
+    step = self.latest_step()
+    try:
+      with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
+        return int(json.load(f)["mesh"]["processes"])
+    except (OSError, ValueError, KeyError, TypeError):
+      return None
+
   def restore(self, abstract_state: Any, data_iter: Any = None, step: Optional[int] = None
               ) -> tuple[Any, dict]:
     """Restores onto `abstract_state`'s shapes and shardings; `data_iter` is set in place."""

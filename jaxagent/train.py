@@ -866,6 +866,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       raise
   elif resume:
     try:
+      saved_by = ckpt.saved_processes()
+      if saved_by is not None and saved_by != jax.process_count():
+        # (each process's data position and tasks in flight are its own: the restore
+        # failed on a file of another process count, "no readable checkpoint")
+        raise config_lib.ConfigError(
+            f"--resume: this run's checkpoint was saved by {saved_by} processes, and "
+            f"{jax.process_count()} are resuming it: resume it with --num-processes "
+            f"{saved_by} (each process's data position and tasks in flight are its own)")
       state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
       check_provenance(meta, cfg, tokenizer, int(state.step), run_dir)
       cut_back(run_dir, cfg, int(state.step), int(state.policy_version))

@@ -777,6 +777,17 @@ def test_a_resume_checks_the_checkpoint_is_this_runs(tmp_path):
   assert cast.returncode == 2, cast.stderr[-3000:]
   assert ("was saved with other weights than this run's (model.param_dtype: float32 -> "
           "bfloat16)") in cast.stderr, cast.stderr[-3000:]
+  # Saved by two processes, resumed by one: the process count is named (red team 21:
+  # "no readable checkpoint", as if it were damaged).
+  latest = max(int(n) for n in os.listdir(b / "checkpoints") if n.isdigit())
+  meta_path = b / "checkpoints" / str(latest) / "meta" / "metadata"
+  meta = json.loads(meta_path.read_text())
+  meta["mesh"]["processes"] = 2
+  meta_path.write_text(json.dumps(meta))
+  other = run_train("--run-dir", str(b), "--resume", "steps=5", *small)
+  assert other.returncode == 2, other.stderr[-3000:]
+  assert ("saved by 2 processes, and 1 are resuming it: resume it with --num-processes 2"
+          in other.stderr), other.stderr[-3000:]
 
 
 def test_a_blackbox_agent_without_its_client_library_is_one_line(tmp_path, capsys,
