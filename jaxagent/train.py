@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -28,6 +29,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Optional
@@ -205,6 +207,55 @@ def make_env_factory(cfg: config_lib.RunConfig):
 
 # Set by `jaxagent.launch` for the learners it starts: the command that goes on with the run.
 RESUME_COMMAND = "JAXAGENT_RESUME_COMMAND"
+
+
+# The threads environments' calls run on (the loop's default executor in a run), and
+# the run's own work.
+ENV_THREADS, RUN_THREADS = "jaxagent-env", "jaxagent-run"
+
+
+class _EnvExecutor(concurrent.futures.ThreadPoolExecutor):
+  """The loop's default executor in a run: its close does not wait for calls that never
+  end (asyncio.run's close waited for them for ever after a run had stopped and saved)."""
+
+  def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+    super().shutdown(wait=False, cancel_futures=True)
+
+
+def leave_stuck_threads(code: int, grace_s: float = 5.0) -> None:
+  """At the end of the command: environments' calls still running after `grace_s`
+  (blocked for ever) are left behind, the process ending with `code` (Python's exit
+  joins every executor thread, and waited for them for ever)."""
+  mine = (ENV_THREADS, RUN_THREADS)
+  deadline = time.monotonic() + grace_s
+  for t in threading.enumerate():
+    if t.name.startswith(mine) and t.is_alive():
+      t.join(max(0.0, deadline - time.monotonic()))
+  stuck = [t.name for t in threading.enumerate() if t.name.startswith(mine) and t.is_alive()]
+  if stuck:
+    print(f"note: {len(stuck)} calls (environments', or a collective's) were still running "
+          "at the end; left behind", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+# A second signal ends the process within this long, whatever its threads wait on.
+STOP_NOW_S = 10.0
+
+
+def exit_soon(code: int, run_dir: str, multi: bool) -> None:
+  """After a second signal: ends the process in STOP_NOW_S if it has not ended by then.
+  A thread that waits for ever (a collective a hung peer never joins, an environment's
+  blocking call) kept it alive: asyncio.run's close and Python's exit wait for the
+  executor's threads (red team 21: a multi-process run outlived two SIGTERMs)."""
+  def end():
+    time.sleep(STOP_NOW_S)
+    print(f"stopped at once (a thread was still waiting: a collective or an environment "
+          f"call); to go on from the last checkpoint: {resume_command(run_dir)}"
+          + (" (every process)" if multi else ""), file=sys.stderr, flush=True)
+    os._exit(code)
+
+  threading.Thread(target=end, daemon=True, name="jaxagent-stop-now").start()
 
 
 class StopNow(KeyboardInterrupt):
@@ -794,6 +845,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   from envs.base import TaskSpec
 
   t_start = time.time()
+  # The run's own work (the learner step, packing, agreements, saves, exports, records)
+  # on threads of its own: environments' calls (asyncio.to_thread: sandboxes, files,
+  # plugins) take the loop's default executor, and eight episodes blocked in it held
+  # every thread, so a stop's checkpoint waited behind them for ever (a learner step
+  # queued behind slow sandbox calls). Those threads are not waited for at the end.
+  own = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=RUN_THREADS)
+  asyncio.get_running_loop().set_default_executor(_EnvExecutor(
+      min(32, (os.cpu_count() or 1) + 4), thread_name_prefix=ENV_THREADS))
   multi = jax.process_count() > 1
   if multi and cfg.mesh.devices:
     raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
@@ -1078,7 +1137,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     stopped with an error outside any) are out of step: `PeerLost` (no collective can
     pair up again)."""
     own = held[0] if held else None
-    got = await loop.run_in_executor(None, distributed.gather_json, {
+    got = await loop.run_in_executor(own, distributed.gather_json, {
         "at": at, "error": None if own is None else f"{type(own).__name__}: {own}"[:500],
         "code": None if own is None else exit_code(own), **mine})
     apart = [i for i, g in enumerate(got) if not isinstance(g, dict) or g.get("at") != at]
@@ -1130,7 +1189,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     by_process, next_group = [g["pending"] for g in got], max(g["next"] for g in got)
     # (off the event loop, which serves the rollouts: a second a save for a 135M model
     # on this CPU; every process together, as the save)
-    prints = await loop.run_in_executor(None, state_prints, state, step)
+    prints = await loop.run_in_executor(own, state_prints, state, step)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending, "pending_tasks_by_process": by_process,
                             "next_group": next_group,
@@ -1200,7 +1259,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # step's segments a second time; red team 21)
     if "segments" not in p and (traj.mode == "all" or (
         traj.mode == "sample" and p["step"] % traj.sample_every == 0)):
-      await loop.run_in_executor(None, dump_segments, trajectories_file(run_dir, cfg),
+      await loop.run_in_executor(own, dump_segments, trajectories_file(run_dir, cfg),
                                  info["used_segments"], p["step"],
                                  tokenizer.decode if traj.text else None)
     p["segments"] = True
@@ -1256,6 +1315,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   def request_stop(sig):
     if signals["got"] is not None:
       signals["now"] = True  # (the run's task is cancelled: its `finally` cannot tell why)
+      exit_soon(128 + sig, run_dir, multi)
       raise StopNow(sig)
     signals["got"] = sig.name
     stopping.set()
@@ -1317,19 +1377,19 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           # others were in them: all hung until the coordination service's abort)
           packed = None
           try:
-            packed = await loop.run_in_executor(None, pack, accepted, shares)
+            packed = await loop.run_in_executor(own, pack, accepted, shares)
           except Exception as e:
             hold(e)
           got = await agree("batch", **({"rows": 0, "segments": 0} if packed is None else {
               "rows": packed[1]["rows"], "segments": packed[1]["segments"]}))
           used_rows, segments = max(g["rows"] for g in got), sum(g["segments"] for g in got)
         else:
-          packed = await loop.run_in_executor(None, pack, accepted, None)
+          packed = await loop.run_in_executor(own, pack, accepted, None)
           used_rows, segments = packed[1]["rows"], packed[1]["segments"]
         batch, info = trim_batch(*packed, used_rows, rows_here, row_multiple)
         m = None
         if segments:
-          state, m = await loop.run_in_executor(None, learn, state, batch)
+          state, m = await loop.run_in_executor(own, learn, state, batch)
       except BaseException:
         scheduler.put_back(accepted)
         raise
@@ -1418,7 +1478,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           except Exception as e:
             hold(e)
         else:  # servers load the export
-          path = await loop.run_in_executor(None, export_policy, policy_root, version,
+          path = await loop.run_in_executor(own, export_policy, policy_root, version,
                                             state.params, export_dtype)
           if primary:  # the servers are shared by every process: one update is enough
             try:
@@ -1439,7 +1499,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       if export:
         if multi:  # (its writes are collectives: an error held since is told first)
           await agree(f"export-{version}")
-        await loop.run_in_executor(None, export_policy, policy_root, version, state.params,
+        await loop.run_in_executor(own, export_policy, policy_root, version, state.params,
                                    export_dtype)
         exported = version
       t_rollout_mark = time.perf_counter()
@@ -1807,4 +1867,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  exit_with = main()
+  leave_stuck_threads(exit_with if isinstance(exit_with, int) else 1)
+  sys.exit(exit_with)

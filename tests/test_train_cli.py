@@ -96,6 +96,7 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   assert not canaries["5"] and len(canaries["6"]) == 2  # (6: the last step's sync)
 
 
+@pytest.mark.slow
 def test_early_stop_exports_the_final_policy(tmp_path):
   """A run that stopped at its success rate exports its final policy; resumed, it stops
   again at once (its window of steps is in the checkpoint: it trained on from an empty
@@ -123,6 +124,7 @@ def test_early_stop_exports_the_final_policy(tmp_path):
   assert read_metrics(run_dir)[-1]["step"] == step
 
 
+@pytest.mark.slow
 def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
   """A worker that cannot be reached at the start is one line. One that dies during the
   run drops every episode as an infrastructure failure: the run stops after a window of
@@ -192,6 +194,7 @@ def train_until_rows(run_dir: str, *overrides, rows: int = 2) -> subprocess.Pope
   return proc
 
 
+@pytest.mark.slow
 def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
   """A pod's eviction (SIGTERM): the step under way finishes, then the final checkpoint
   and policy export are written and the run exits 143, not finished (a JobSet restarts
@@ -231,6 +234,7 @@ class HangsOnFlag(GuessNumber):  # guess_number, whose steps wait while FLAG exi
 """
 
 
+@pytest.mark.slow
 def test_sigterm_while_rollouts_hang_stops_at_once_and_keeps_their_tasks(tmp_path):
   """A SIGTERM while the step's rollouts run (here: never end) does not wait for them:
   no step is under way, so the run checkpoints its last step at once, with the tasks in
@@ -271,6 +275,72 @@ def test_sigterm_while_rollouts_hang_stops_at_once_and_keeps_their_tasks(tmp_pat
   assert read_metrics(run_dir)[-1]["step"] == step + 1
 
 
+STUCK_ENV = """
+import asyncio, os, time
+from envs.base import register
+from envs.guess_number import GuessNumber
+
+@register("stuck_on_flag")
+class StuckOnFlag(GuessNumber):  # guess_number, whose steps block a thread while FLAG exists
+  async def step(self, action):
+    if os.path.exists(FLAG):
+      open(FLAG + ".waiting", "w").close()
+      await asyncio.to_thread(time.sleep, 3600)
+    return await super().step(action)
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_stops_a_run_whose_environment_calls_never_return(tmp_path):
+  """Environments' calls blocked for ever (threads of asyncio.to_thread) held every
+  thread of the loop's default executor, which the run's own work shared: a SIGTERM's
+  checkpoint waited behind them for ever, and two SIGTERMs left the process alive
+  (red team 21's multi-process run: a collective a hung peer never joined). The run's
+  work has threads of its own, and the stuck calls are left behind at the end."""
+  import signal
+  import time
+
+  flag = tmp_path / "stuck"
+  module = tmp_path / "stuck_env.py"
+  module.write_text(f"FLAG = {str(flag)!r}\n" + STUCK_ENV)
+  tasks = tmp_path / "tasks.jsonl"
+  tasks.write_text("".join(json.dumps({"id": f"s{i}", "env": "stuck_on_flag",
+                                       "params": {"secret": 3 + i}}) + "\n" for i in range(4)))
+  run_dir = str(tmp_path / "run")
+  proc = train_until_rows(run_dir, *SMALL[:-1], "checkpoint.export_every=0",
+                          "checkpoint.every_steps=100", f"env.imports=[{module}]",
+                          f"data.tasks={tasks}")
+  flag.write_text("")
+  waiting, deadline = tmp_path / "stuck.waiting", time.time() + 120
+  while not waiting.exists():
+    assert proc.poll() is None and time.time() < deadline
+    time.sleep(0.1)
+  time.sleep(1)  # (every episode of the step blocked in its thread)
+  t0 = time.time()
+  proc.send_signal(signal.SIGTERM)
+  try:
+    out, err = proc.communicate(timeout=90)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert time.time() - t0 < 60 and "left behind" in err, err[-3000:]
+  step = read_metrics(run_dir)[-1]["step"]
+  assert str(step) in os.listdir(os.path.join(run_dir, "checkpoints")), err[-3000:]
+
+
+def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path):
+  """... and after a second signal the process ends within STOP_NOW_S even when a thread
+  waits for ever (a collective), saying how to go on."""
+  code = ("import threading; from jaxagent import train; train.STOP_NOW_S = 0.5; "
+          f"train.exit_soon(143, {str(tmp_path)!r}, True); "
+          "threading.Thread(target=threading.Event().wait).start()")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 143, proc.stderr[-3000:]
+  assert "stopped at once" in proc.stderr and "--resume (every process)" in proc.stderr
+
+
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
   """A run killed before its first checkpoint was stuck (--resume: no checkpoint; without:
   the directory holds a run): it starts again from step 0, its records cut back.
@@ -502,6 +572,7 @@ def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tmp_path)
   assert holds_a_run(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_resume_goes_on_with_a_run_stopped_before_its_first_step(tmp_path):
   """Stopped before step 1 (a Ctrl-C while compiling), a run says "to go on: ... --resume",
   which was refused: no checkpoint, no step (a new user's round). With its config.json
@@ -535,6 +606,7 @@ def test_bad_settings_get_one_line_naming_the_key(tmp_path, capsys):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_smollm2_calculator_config_runs(tmp_path):
   from jaxagent.models import hf
   try:
@@ -622,6 +694,7 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   assert "steps: -5" in out.out and out.err.strip() == "error: steps must be >= 1, got -5"
 
 
+@pytest.mark.slow
 def test_a_run_that_keeps_no_group_says_so(tmp_path):
   """Every group dropped (a task the fresh policy always fails: its episodes score alike,
   no_signal) and so no step: the run played new groups without a word for as long as it
@@ -678,6 +751,7 @@ NU_INF_AT_STEP_2 = INF_AT_STEP_2.replace(
     "new.opt_state)), out")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["lr", "weights", "optimiser"])
 def test_a_step_whose_update_is_not_finite_stops_the_run_unsaved(tmp_path, how):
   """A learning rate that blows the weights up, or an update that makes them inf: the
@@ -712,6 +786,7 @@ def test_a_step_whose_update_is_not_finite_stops_the_run_unsaved(tmp_path, how):
     assert max(v["version"] for v in list_versions(str(run_dir / "policy"))) == bad - 1
 
 
+@pytest.mark.slow
 def test_a_second_trainer_in_a_run_directory_is_refused(tmp_path):
   """A --resume while the run goes on (or two starts at once) trained into the same
   records: every step's segments twice, metrics rows lost, both runs' checkpoints in one
@@ -747,6 +822,7 @@ def test_a_second_trainer_in_a_run_directory_is_refused(tmp_path):
   assert again.returncode == 0, again.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_resume_checks_the_checkpoint_is_this_runs(tmp_path):
   """A checkpoint keeps its run's config: a resume refuses one whose weights settings
   differ from this run's even without the run's config.json (its restore cast float32
