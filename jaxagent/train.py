@@ -850,7 +850,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # plugins) take the loop's default executor, and eight episodes blocked in it held
   # every thread, so a stop's checkpoint waited behind them for ever (a learner step
   # queued behind slow sandbox calls). Those threads are not waited for at the end.
-  own = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=RUN_THREADS)
+  run_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=RUN_THREADS)
   asyncio.get_running_loop().set_default_executor(_EnvExecutor(
       min(32, (os.cpu_count() or 1) + 4), thread_name_prefix=ENV_THREADS))
   multi = jax.process_count() > 1
@@ -1137,7 +1137,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     stopped with an error outside any) are out of step: `PeerLost` (no collective can
     pair up again)."""
     own = held[0] if held else None
-    got = await loop.run_in_executor(own, distributed.gather_json, {
+    got = await loop.run_in_executor(run_pool, distributed.gather_json, {
         "at": at, "error": None if own is None else f"{type(own).__name__}: {own}"[:500],
         "code": None if own is None else exit_code(own), **mine})
     apart = [i for i, g in enumerate(got) if not isinstance(g, dict) or g.get("at") != at]
@@ -1189,7 +1189,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     by_process, next_group = [g["pending"] for g in got], max(g["next"] for g in got)
     # (off the event loop, which serves the rollouts: a second a save for a 135M model
     # on this CPU; every process together, as the save)
-    prints = await loop.run_in_executor(own, state_prints, state, step)
+    prints = await loop.run_in_executor(run_pool, state_prints, state, step)
     ckpt.save(step, state, {**meta, "wall_time_s": round(time.time() - t_start, 3),
                             "pending_tasks": pending, "pending_tasks_by_process": by_process,
                             "next_group": next_group,
@@ -1259,7 +1259,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # step's segments a second time; red team 21)
     if "segments" not in p and (traj.mode == "all" or (
         traj.mode == "sample" and p["step"] % traj.sample_every == 0)):
-      await loop.run_in_executor(own, dump_segments, trajectories_file(run_dir, cfg),
+      await loop.run_in_executor(run_pool, dump_segments, trajectories_file(run_dir, cfg),
                                  info["used_segments"], p["step"],
                                  tokenizer.decode if traj.text else None)
     p["segments"] = True
@@ -1377,19 +1377,19 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           # others were in them: all hung until the coordination service's abort)
           packed = None
           try:
-            packed = await loop.run_in_executor(own, pack, accepted, shares)
+            packed = await loop.run_in_executor(run_pool, pack, accepted, shares)
           except Exception as e:
             hold(e)
           got = await agree("batch", **({"rows": 0, "segments": 0} if packed is None else {
               "rows": packed[1]["rows"], "segments": packed[1]["segments"]}))
           used_rows, segments = max(g["rows"] for g in got), sum(g["segments"] for g in got)
         else:
-          packed = await loop.run_in_executor(own, pack, accepted, None)
+          packed = await loop.run_in_executor(run_pool, pack, accepted, None)
           used_rows, segments = packed[1]["rows"], packed[1]["segments"]
         batch, info = trim_batch(*packed, used_rows, rows_here, row_multiple)
         m = None
         if segments:
-          state, m = await loop.run_in_executor(own, learn, state, batch)
+          state, m = await loop.run_in_executor(run_pool, learn, state, batch)
       except BaseException:
         scheduler.put_back(accepted)
         raise
@@ -1478,7 +1478,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           except Exception as e:
             hold(e)
         else:  # servers load the export
-          path = await loop.run_in_executor(own, export_policy, policy_root, version,
+          path = await loop.run_in_executor(run_pool, export_policy, policy_root, version,
                                             state.params, export_dtype)
           if primary:  # the servers are shared by every process: one update is enough
             try:
@@ -1499,7 +1499,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       if export:
         if multi:  # (its writes are collectives: an error held since is told first)
           await agree(f"export-{version}")
-        await loop.run_in_executor(own, export_policy, policy_root, version, state.params,
+        await loop.run_in_executor(run_pool, export_policy, policy_root, version, state.params,
                                    export_dtype)
         exported = version
       t_rollout_mark = time.perf_counter()
@@ -1609,6 +1609,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # instead of the default action killing the process in the middle of it)
     for sig in handled:
       loop.remove_signal_handler(sig)
+    run_pool.shutdown(wait=False)  # (its idle threads end; one in a collective is left behind)
   if lost is not None:  # (found at the end: out of step)
     raise lost
   if own_failure is not None:  # (met in the last step's own work, told at the end)

@@ -10,6 +10,7 @@ router URL.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import time
 from typing import Optional
@@ -49,6 +50,11 @@ class LocalClient:
     self.engine = engine
     self._load = load_params
     self.models = models or {}  # name -> rollout_server.serving.ServedModel
+    # Weight loads on a thread of their own: the loop's default executor is shared with
+    # environments' calls, and a swap queued behind them (for ever, behind calls that
+    # never end). Named as a run's own threads (`jaxagent.train.leave_stuck_threads`).
+    self._swaps = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="jaxagent-run-weights")
 
   def _served(self, model: str):
     if model not in self.models:
@@ -118,16 +124,17 @@ class LocalClient:
     """Engine params from `load()`, then the orchestrator's swap; timings in seconds."""
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
-    engine_params = await loop.run_in_executor(None, load)
+    engine_params = await loop.run_in_executor(self._swaps, load)
     load_s = time.perf_counter() - t0
-    report = await loop.run_in_executor(None, self.orch.update_weights, engine_params, mode)
+    report = await loop.run_in_executor(self._swaps, self.orch.update_weights, engine_params,
+                                        mode)
     return {**report, "load_s": load_s}
 
   async def stats(self) -> dict:
     return self.orch.stats()
 
   async def aclose(self) -> None:
-    pass
+    self._swaps.shutdown(wait=False)
 
 
 class HttpClient:
