@@ -60,6 +60,7 @@ def test_no_chatml_tokens_fails_naming_the_option():
     choose_template(make, None, TOOLS)
 
 
+@pytest.mark.slow
 def test_smollm2_gets_chatml_tools_by_default(capsys):
   try:
     path = hf.smollm2_gguf_path()

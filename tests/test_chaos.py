@@ -8,6 +8,7 @@ import signal
 
 import httpx
 import numpy as np
+import pytest
 
 from envs.base import TaskSpec, make
 from jaxagent.agent import run_whitebox
@@ -53,6 +54,7 @@ async def play_all(url, session_ids, kill_at=None, kill=None):
     await engine.client.aclose()
 
 
+@pytest.mark.slow
 def test_killing_a_server_mid_run_loses_no_episode_and_changes_no_token():
   ports = [free_port(), free_port()]
   urls = [f"http://127.0.0.1:{p}" for p in ports]

@@ -73,6 +73,7 @@ def make_teacher(root):
   return export_policy(root, 0, params, dtype=None)
 
 
+@pytest.mark.slow
 def test_a_short_distillation_run_pulls_the_student_to_its_teacher(tmp_path):
   """The default job with a served teacher and no task reward: the student's sampled
   reverse KL to the teacher falls; the same served model is also the KL reference."""

@@ -27,6 +27,7 @@ def _worker(out, *extra, devices):
                           stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
   one = _worker(tmp_path / "one", devices=8)
   out_one = one.communicate(timeout=300)[0]
@@ -87,6 +88,7 @@ def _start_two(tmp_path, tag, *args, env=None):
           for i in (0, 1)]
 
 
+@pytest.mark.slow
 def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   """Both processes of a two-process run killed (SIGKILL: a node lost, the JobSet
   restarts the job) after three steps, its checkpoint at step 2: resumed, both go on
@@ -128,6 +130,7 @@ def test_a_killed_multi_process_run_resumes_with_every_step_once(tmp_path):
   assert rows[2]["reward_mean"] == before[2]["reward_mean"]
 
 
+@pytest.mark.slow
 def test_a_silent_process_stops_the_run_within_the_heartbeat_timeout(tmp_path):
   """A process gone silent (stopped: its host frozen, or killed inside the learner's
   step, whose collective waits on it) stops the others after the heartbeat timeout that
@@ -173,6 +176,7 @@ def _two_process_run(tmp_path, *args, env=None, timeout=240):
   return [p.returncode for p in procs], [(tmp_path / f"p{i}.log").read_text() for i in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["env", "batch", "records"])
 def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint(
     tmp_path, where):
@@ -226,6 +230,7 @@ def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint
   assert took < 200, took  # (not the coordination service's minutes)
 
 
+@pytest.mark.slow
 def test_train_cli_as_two_processes(tmp_path):
   """`python -m jaxagent.train` as 2 jax.distributed processes: one run directory,
   metrics and the policy registry from process 0 with every process's episodes,
@@ -291,6 +296,7 @@ def test_train_cli_as_two_processes(tmp_path):
   assert "Traceback" not in outs[0] + outs[1]
 
 
+@pytest.mark.slow
 def test_rollout_on_its_own_devices(tmp_path):
   """mesh.devices / serving.devices split one process's 8 devices: the learner on 4,
   the engine on the other 4, weights resharded between them (no export)."""

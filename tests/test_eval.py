@@ -78,6 +78,7 @@ def test_a_warmup_episode_is_played_first_and_in_no_figure():
   assert [len(eps) for _, eps in by_task.values()] == [2, 2]
 
 
+@pytest.mark.slow
 def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   run_dir = str(tmp_path / "run")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=2", *SMALL,

@@ -11,6 +11,7 @@ import textwrap
 import time
 import urllib.request
 
+import pytest
 from tests.conftest import REPO
 
 SMALL = ["rollout.groups_per_step=2", "rollout.group_size=4", "data.rows=8",
@@ -24,6 +25,7 @@ def launch(run_dir, *args):
                           start_new_session=True)
 
 
+@pytest.mark.slow
 def test_short_run_as_processes(tmp_path):
   proc = launch(tmp_path / "run", "--servers", "2", "--env-workers", "1", "steps=2", *SMALL)
   out = proc.communicate(timeout=400)[0]
@@ -71,6 +73,7 @@ def test_short_run_as_processes(tmp_path):
   assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
 
 
+@pytest.mark.slow
 def test_dead_services_start_again_then_stop_the_run_with_their_names(tmp_path):
   """A service that dies is started again on its address, --restarts times; past them one
   of two rollout servers is not fatal (the learner's router fails its sessions over),

@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import orbax.checkpoint as ocp
 
 from jaxagent.trajectory import read_jsonl
@@ -134,6 +135,7 @@ def tensorboard_points(logdir, tag):
   return steps
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
   run_dir = str(tmp_path / "run")
   ckpts, policy = os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "policy")
@@ -204,6 +206,7 @@ def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
     np.testing.assert_array_equal(np.asarray(v), np.asarray(final["params"][k]))
 
 
+@pytest.mark.slow
 def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_path):
   """Killed right after a turn is committed (before its environment step): the resumed
   run replays the logged turns of its episodes in flight instead of sampling them again,
@@ -257,6 +260,7 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
     assert first.setdefault(sampled(s), s["step"]) == s["step"], (s["group_id"], s["step"])
 
 
+@pytest.mark.slow
 def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
   """Nothing is lost (a chaos helper's findings): a step that failed after the learner
   step but before its metrics row and trajectories gets them written on the way out,
@@ -292,6 +296,7 @@ def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
   assert len({s["segment_id"] for s in segs}) == len(segs)  # no id twice over the run
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_before_its_update_gives_its_groups_back(tmp_path):
   """A step that fails after taking its groups, before its update (a bug in making its
   batch, a scorer's error): the checkpoint saved on the way out lists their tasks as in

@@ -96,6 +96,7 @@ def test_a_worker_serves_it_with_import_and_says_what_is_missing_without(tmp_pat
   assert bad.stderr.strip() == "envs.server: --import 'examples/nope.py': no such file"
 
 
+@pytest.mark.slow
 def test_a_run_trains_on_it_and_launch_and_deploy_pass_it_on(tmp_path):
   import argparse
 

@@ -550,6 +550,7 @@ def test_sigterm_removes_every_workspace(tmp_path):
   assert not os.path.exists(root) and not _mounts_under(root)
 
 
+@pytest.mark.slow
 @needs_isolation
 def test_200_concurrent_python_tests_episodes_all_end_with_a_verdict(tmp_path):
   """The acceptance load: 200 episodes at once against `--sandboxes 8`."""

@@ -384,6 +384,7 @@ def test_blackbox_anthropic_agent_uses_a_tool_through_the_gateway(server, tokeni
   assert "<|im_start|>tool\n5<|im_end|>" in tokenizer.decode(seg.tokens.tolist())
 
 
+@pytest.mark.slow
 def test_training_with_an_anthropic_agent(tmp_path):
   """Two training steps whose episodes an `anthropic`-client agent plays through the
   gateway; their trajectories are the server's session records."""

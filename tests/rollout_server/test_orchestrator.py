@@ -93,6 +93,7 @@ def test_weight_update_drain_and_abort(random_params):
     orch.stop()
 
 
+@pytest.mark.slow
 def test_a_cut_turn_resumes_past_max_prefill_length(random_params):
   """A turn whose prompt is near `max_prefill_length`, cut by a weight update in abort
   mode, resumes with its prompt plus the tokens it sampled: past `max_prefill_length`

@@ -129,6 +129,7 @@ def test_deleting_a_session_through_a_fresh_router_clears_its_backends(random_pa
       assert len(c.get("/sessions/g7-0-r0").json()["turns"]) == 1
 
 
+@pytest.mark.slow
 def test_a_killed_backend_loses_no_session_and_a_returning_one_catches_up(tokenizer, tmp_path):
   """kill -9 of a real server process: its stream in flight ends with an error event, its
   sessions' records are still served by the router and continue on the other backend,
