@@ -234,6 +234,27 @@ class HangsOnFlag(GuessNumber):  # guess_number, whose steps wait while FLAG exi
 """
 
 
+def _run_until_episodes_wait(tmp_path, run_dir, flag, source, env) -> subprocess.Popen:
+  """A tiny run on 4 tasks of `env` (defined by `source`, whose steps wait while `flag`
+  exists), left running once its episodes wait (the step under way, if any, ended)."""
+  import time
+
+  module = tmp_path / f"{env}.py"
+  module.write_text(f"FLAG = {str(flag)!r}\n" + source)
+  tasks = tmp_path / "tasks.jsonl"
+  tasks.write_text("".join(json.dumps({"id": f"t{i}", "env": env, "params": {"secret": 3 + i}})
+                           + "\n" for i in range(4)))
+  proc = train_until_rows(run_dir, *SMALL[:-1], "checkpoint.export_every=0",
+                          "checkpoint.every_steps=100", f"env.imports=[{module}]",
+                          f"data.tasks={tasks}")
+  flag.write_text("")  # the next steps' episodes wait
+  waiting, deadline = flag.parent / (flag.name + ".waiting"), time.time() + 120
+  while not waiting.exists():
+    assert proc.poll() is None and time.time() < deadline
+    time.sleep(0.1)
+  return proc
+
+
 @pytest.mark.slow
 def test_sigterm_while_rollouts_hang_stops_at_once_and_keeps_their_tasks(tmp_path):
   """A SIGTERM while the step's rollouts run (here: never end) does not wait for them:
@@ -244,20 +265,8 @@ def test_sigterm_while_rollouts_hang_stops_at_once_and_keeps_their_tasks(tmp_pat
   import time
 
   flag = tmp_path / "hang"
-  module = tmp_path / "hanging_env.py"
-  module.write_text(f"FLAG = {str(flag)!r}\n" + HANGING_ENV)
-  tasks = tmp_path / "tasks.jsonl"
-  tasks.write_text("".join(json.dumps({"id": f"h{i}", "env": "hangs_on_flag",
-                                       "params": {"secret": 3 + i}}) + "\n" for i in range(4)))
   run_dir = str(tmp_path / "run")
-  proc = train_until_rows(run_dir, *SMALL[:-1], "checkpoint.export_every=0",
-                          "checkpoint.every_steps=100", f"env.imports=[{module}]",
-                          f"data.tasks={tasks}")
-  flag.write_text("")  # the next steps' episodes hang
-  waiting, deadline = tmp_path / "hang.waiting", time.time() + 120
-  while not waiting.exists():  # (the step under way, if any, ends; then rollouts wait)
-    assert proc.poll() is None and time.time() < deadline
-    time.sleep(0.1)
+  proc = _run_until_episodes_wait(tmp_path, run_dir, flag, HANGING_ENV, "hangs_on_flag")
   t0 = time.time()
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
@@ -301,20 +310,8 @@ def test_a_sigterm_stops_a_run_whose_environment_calls_never_return(tmp_path):
   import time
 
   flag = tmp_path / "stuck"
-  module = tmp_path / "stuck_env.py"
-  module.write_text(f"FLAG = {str(flag)!r}\n" + STUCK_ENV)
-  tasks = tmp_path / "tasks.jsonl"
-  tasks.write_text("".join(json.dumps({"id": f"s{i}", "env": "stuck_on_flag",
-                                       "params": {"secret": 3 + i}}) + "\n" for i in range(4)))
   run_dir = str(tmp_path / "run")
-  proc = train_until_rows(run_dir, *SMALL[:-1], "checkpoint.export_every=0",
-                          "checkpoint.every_steps=100", f"env.imports=[{module}]",
-                          f"data.tasks={tasks}")
-  flag.write_text("")
-  waiting, deadline = tmp_path / "stuck.waiting", time.time() + 120
-  while not waiting.exists():
-    assert proc.poll() is None and time.time() < deadline
-    time.sleep(0.1)
+  proc = _run_until_episodes_wait(tmp_path, run_dir, flag, STUCK_ENV, "stuck_on_flag")
   time.sleep(1)  # (every episode of the step blocked in its thread)
   t0 = time.time()
   proc.send_signal(signal.SIGTERM)
