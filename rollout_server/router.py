@@ -186,15 +186,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def new_turns(session_id: str, backend: str) -> Optional[tuple[int, list]]:
     """(where the copy of `backend`'s record goes on from, the turns it recorded for the
     session since), or None when it cannot be read."""
-    n = cursors.get(session_id, {}).get(backend, 0)
+    n, seen = cursors.get(session_id, {}).get(backend, (0, None))
     got = await fetch_turns(session_id, backend, n)
-    if got is not None and got.get("count", n) < n:
-      # The backend holds fewer turns than were copied: it restarted and its record
-      # began again (at the same address); its turns since then are all new.
+    made = got.get("record_id") if got is not None else None
+    if got is not None and (got.get("count", n) < n or (
+        seen is not None and made is not None and made != seen)):
+      # The backend's record began again (it restarted at the same address, or the
+      # session was deleted there and made anew): its turns since then are all new (by
+      # the count alone, one turn after a restart that had copied one was taken for
+      # copied and lost: red team 23).
       n, got = 0, await fetch_turns(session_id, backend, 0)
     if got is None:
       return None
-    return n, got["turns"]
+    return n, got["turns"], got.get("record_id")
 
   async def copy_turns(session_id: str, *backends: str) -> None:
     """Appends the turns `backends` recorded for the session since the last copy, in the
@@ -208,7 +212,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if session_id not in sessions and session_id in cursors:  # the copy was evicted
         # Every backend that ran its turns is copied from the start again; one that
         # cannot be read now keeps its place (read whole when it can be).
-        ran = cursors[session_id] = dict.fromkeys(cursors[session_id], 0)
+        ran = cursors[session_id] = dict.fromkeys(cursors[session_id], (0, None))
         backends = (*(b for b in ran if b not in backends and healthy.get(b)), *backends)
       got = await asyncio.gather(*(new_turns(session_id, b) for b in backends))
       read = [(b, g) for b, g in zip(backends, got) if g is not None]
@@ -216,7 +220,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return
       # Each backend's turns in its own order, interleaved by when they were recorded
       # (`recorded_at`, each server's clock; a server without it: its turns first).
-      turns = list(heapq.merge(*(ts for _, (_, ts) in read),
+      turns = list(heapq.merge(*(ts for _, (_, ts, _) in read),
                                key=lambda t: t.get("recorded_at", 0.0)))
       if turns:
         try:
@@ -224,8 +228,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         except Exception:  # (the served turn is the client's: its record is ours)
           log.exception("router: session %r's turns could not be copied", session_id)
           return
-      for b, (n, ts) in read:  # (copied: only now past them)
-        cursors.setdefault(session_id, {})[b] = n + len(ts)
+      for b, (n, ts, made) in read:  # (copied: only now past them)
+        cursors.setdefault(session_id, {})[b] = (n + len(ts), made)
       cursors.move_to_end(session_id)
       while len(cursors) > max_sessions:
         cursors.popitem(last=False)
@@ -324,7 +328,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     got = sessions.read(session_id, since)
     if got is None:
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
-    return {"session_id": session_id, "turns": got[0], "count": got[1]}
+    return {"session_id": session_id, "turns": got[0], "count": got[1], "record_id": got[2]}
 
   @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):

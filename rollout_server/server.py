@@ -440,7 +440,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     got = sessions.read(session_id, since)
     if got is None:
       raise HTTPException(404, f"no session {session_id!r}")
-    return {"session_id": session_id, "turns": got[0], "count": got[1]}
+    return {"session_id": session_id, "turns": got[0], "count": got[1], "record_id": got[2]}
 
   @app.delete("/sessions/{session_id:path}")
   async def delete_session(session_id: str):

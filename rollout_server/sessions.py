@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class _Session:
 
   def __init__(self):
     self.turns: list[dict] = []
+    # (this record's own: one made anew, after a server's restart or a delete, has
+    # another, so a router's copy does not take its turns for ones it has: red team 23)
+    self.record_id = uuid.uuid4().hex[:12]
     self.size, self.touched = 0, 0.0
     self.ids = self.digests = None
     self._context_size = 0
@@ -212,13 +216,15 @@ class SessionStore:
     got = self.read(session_id)
     return None if got is None else got[0]
 
-  def read(self, session_id: str, since: int = 0) -> Optional[tuple[list[dict], int]]:
-    """The session's turns from turn `since` on, and how many it holds in all; None
-    when it is not held."""
+  def read(self, session_id: str, since: int = 0
+           ) -> Optional[tuple[list[dict], int, str]]:
+    """The session's turns from turn `since` on, how many it holds in all, and its
+    record's id; None when it is not held."""
     with self._lock:
       self._expire()
       session = self._sessions.get(session_id)
-      return None if session is None else (session.unpacked(since), len(session.turns))
+      return None if session is None else (session.unpacked(since), len(session.turns),
+                                           session.record_id)
 
   def pop(self, session_id: str) -> Optional[list[dict]]:
     with self._lock:

@@ -251,12 +251,18 @@ def test_the_routers_copy_of_a_session_is_exact_under_concurrency_restarts_and_j
       turn("par")
       assert len(turns("par")) == 5
 
+      turn("one")
+      assert len(turns("one")) == 1
       backend.stop()  # restarts at its address with no records
       backend = ServerThread(create_app(orch, tokenizer), port=backend.port).start()
       time.sleep(0.5)  # the router's health check sees it back
       turn("par")
       turn("par")
       assert len(turns("par")) == 7
+      # One turn after the restart, as many as the router had copied: by the count
+      # alone it was taken for copied, and lost (red team 23); the record's id tells.
+      turn("one")
+      assert [t["turn"] for t in turns("one")] == [0, 1]
 
       r = c.post("/generate", json={**body, "session_id": "B"}, headers={"X-Session-Id": "A"})
       assert r.status_code == 400 and "name different sessions" in r.text
