@@ -379,7 +379,7 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
   store = SessionStore(max_sessions=10)
   recorded = play(24, store, "a")
   got = store.get("a")
-  assert store.read("a", since=20) == (got[20:], 24) and store.read("b") is None
+  assert store.read("a", since=20)[:2] == (got[20:], 24) and store.read("b") is None
   assert [t.pop("turn") for t in got] == list(range(24))
   assert json.dumps(got) == json.dumps(recorded)  # types too: no int became a float
   assert got == recorded and store.pop("a") == [dict(t, turn=i) for i, t in enumerate(got)]
