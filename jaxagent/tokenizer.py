@@ -202,6 +202,20 @@ def _unicode(text: str) -> str:
     return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
+def clean_unicode(value):
+  """`value` (JSON: strings, lists, dicts) with every string's lone surrogates replaced
+  as `_unicode` does, keys too: what a request sent as text renders as, and what its
+  record can hold (a session whose messages held one could not be read back as JSON:
+  red team 23)."""
+  if isinstance(value, str):
+    return _unicode(value)
+  if isinstance(value, list):
+    return [clean_unicode(v) for v in value]
+  if isinstance(value, dict):
+    return {clean_unicode(k): clean_unicode(v) for k, v in value.items()}
+  return value
+
+
 class Tokenizer:
   """A `tokenizers.Tokenizer` plus a chat template and the ids of its control tokens."""
 

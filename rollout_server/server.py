@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
-from jaxagent.tokenizer import Tokenizer, renders_tools
+from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
                                  OpenAIRoute, TurnCut, normalise_messages, unserved)
@@ -454,6 +454,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     """Renders a chat (internal form) through the template of the model `model` names (the
     policy's unless it is another served model's name) and submits it: what both chat
     gateways do with a call."""
+    messages, tools = clean_unicode(messages), clean_unicode(tools)
     m = served(model, strict=False)
     tok, on = (m.tokenizer, m.orch) if m is not None else (tokenizer, orch)
     if m is not None:  # stop on that model's own end-of-turn tokens

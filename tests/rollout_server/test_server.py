@@ -103,6 +103,29 @@ def test_gateway_tool_results_are_plain_text(server, tokenizer):
   assert prompt.count(tokenizer.encode("<|im_start|>")[0]) == 4
 
 
+def test_a_lone_surrogate_in_a_message_leaves_the_session_readable(server):
+  """A JSON escape of a lone surrogate (json.dumps and JSON.stringify write them: a file
+  name read with surrogateescape, text cut mid-emoji) was served and recorded as sent,
+  and the session's record could no longer be read (400), its episode lost (red team
+  23). It is taken as the tokenizer reads it (U+FFFD), in the prompt and the record."""
+  import json
+
+  from jaxagent.tokenizer import clean_unicode
+
+  srv, _ = server
+  text = "report-\udcff.txt"
+  for route, extra in (("/v1/chat/completions", {}), ("/v1/messages", {"model": "policy"})):
+    body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 2,
+                       **extra})
+    r = client(srv).post(route, content=body, headers={"content-type": "application/json",
+                                                       "X-Session-Id": f"sur{route}"})
+    assert r.status_code == 200, r.text
+    got = client(srv).get(f"/sessions/sur{route}")
+    assert got.status_code == 200, got.text
+    content = got.json()["turns"][0]["messages"][0]["content"]
+    assert content == clean_unicode(text) and "\ufffd" in content
+
+
 def test_bad_requests_get_4xx_and_the_server_lives(server):
   srv, _ = server
   c = client(srv)
