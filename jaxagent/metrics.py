@@ -163,13 +163,18 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k != "step"]
       self._tb.write_event(self._event(wall_time=time.time(), step=step,
                                        summary=self._summary(value=values)))
-      self._tb.flush()
+      # (in its writer's buffer now: a flush that fails leaves it there, to land with the
+      # next flush; written again, it landed twice)
       self._written["tb"] = step
+      self._tb.flush()
 
   def close(self) -> None:
+    """Best effort (a full disk refusing TensorBoard's buffered row stopped the run's
+    own close after it)."""
     os.close(self._fd)
     if self._tb is not None:
-      self._tb.close()
+      with contextlib.suppress(OSError):
+        self._tb.close()
 
 
 class RecordsDamaged(ValueError):

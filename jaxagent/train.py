@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Optional
 
 import jax
@@ -209,34 +210,57 @@ def make_env_factory(cfg: config_lib.RunConfig):
 RESUME_COMMAND = "JAXAGENT_RESUME_COMMAND"
 
 
-# The threads environments' calls run on (the loop's default executor in a run), and
-# the run's own work.
-ENV_THREADS, RUN_THREADS = "jaxagent-env", "jaxagent-run"
+class _Pool(concurrent.futures.ThreadPoolExecutor):
+  """A run's executor that counts the calls it is running (`busy`: its idle threads are
+  not stuck ones); `wait_at_close=False` makes its close not wait for calls that never
+  end (the loop's default executor, environments' calls: asyncio.run's close waited for
+  them for ever after a run had stopped and saved)."""
 
+  live: "weakref.WeakSet[_Pool]" = weakref.WeakSet()
 
-class _EnvExecutor(concurrent.futures.ThreadPoolExecutor):
-  """The loop's default executor in a run: its close does not wait for calls that never
-  end (asyncio.run's close waited for them for ever after a run had stopped and saved)."""
+  def __init__(self, workers: int, name: str, wait_at_close: bool = True):
+    super().__init__(workers, thread_name_prefix=name)
+    self.wait_at_close, self.busy, self._count = wait_at_close, 0, threading.Lock()
+    _Pool.live.add(self)
+
+  def submit(self, fn, /, *args, **kwargs):
+    def counted():
+      with self._count:
+        self.busy += 1
+      try:
+        return fn(*args, **kwargs)
+      finally:
+        with self._count:
+          self.busy -= 1
+    return super().submit(counted)
 
   def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-    super().shutdown(wait=False, cancel_futures=True)
+    if self.wait_at_close:
+      super().shutdown(wait, cancel_futures=cancel_futures)
+    else:
+      super().shutdown(wait=False, cancel_futures=True)
 
 
 def leave_stuck_threads(code: int, grace_s: float = 5.0) -> None:
-  """At the end of the command: environments' calls still running after `grace_s`
-  (blocked for ever) are left behind, the process ending with `code` (Python's exit
-  joins every executor thread, and waited for them for ever)."""
-  mine = (ENV_THREADS, RUN_THREADS)
+  """At the end of the command: calls of the run's executors still running after
+  `grace_s` (an environment's blocked for ever, a collective a peer never joins) are
+  left behind, the process ending with `code` (Python's exit joins every executor
+  thread, and waited for them for ever). With several processes, jax.distributed is
+  shut down first (bounded): the others pass their shutdown barrier."""
   deadline = time.monotonic() + grace_s
-  for t in threading.enumerate():
-    if t.name.startswith(mine) and t.is_alive():
-      t.join(max(0.0, deadline - time.monotonic()))
-  stuck = [t.name for t in threading.enumerate() if t.name.startswith(mine) and t.is_alive()]
-  if stuck:
-    print(f"note: {len(stuck)} calls (environments', or a collective's) were still running "
-          "at the end; left behind", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
+  while any(p.busy for p in list(_Pool.live)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  stuck = sum(p.busy for p in list(_Pool.live))
+  if not stuck:
+    return
+  print(f"note: {stuck} calls (environments', or a collective's) were still running at "
+        "the end; left behind", file=sys.stderr, flush=True)
+  if jax.process_count() > 1:
+    down = threading.Thread(target=jax.distributed.shutdown, daemon=True)
+    down.start()
+    down.join(30.0)
+  sys.stdout.flush()
+  os._exit(code)
 
 
 # A second signal ends the process within this long, whatever its threads wait on.
@@ -850,9 +874,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # plugins) take the loop's default executor, and eight episodes blocked in it held
   # every thread, so a stop's checkpoint waited behind them for ever (a learner step
   # queued behind slow sandbox calls). Those threads are not waited for at the end.
-  run_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=RUN_THREADS)
-  asyncio.get_running_loop().set_default_executor(_EnvExecutor(
-      min(32, (os.cpu_count() or 1) + 4), thread_name_prefix=ENV_THREADS))
+  run_pool = _Pool(2, "jaxagent-run")
+  asyncio.get_running_loop().set_default_executor(_Pool(
+      min(32, (os.cpu_count() or 1) + 4), "jaxagent-env", wait_at_close=False))
   multi = jax.process_count() > 1
   if multi and cfg.mesh.devices:
     raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
@@ -1257,11 +1281,21 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     traj = cfg.trajectories
     # (written again after a failure, from the part that failed: a retry appended the
     # step's segments a second time; red team 21)
+    # The write in a thread goes on when the run's task is cancelled (a second signal):
+    # the retry awaits it rather than writing the segments again beside it.
     if "segments" not in p and (traj.mode == "all" or (
         traj.mode == "sample" and p["step"] % traj.sample_every == 0)):
-      await loop.run_in_executor(run_pool, dump_segments, trajectories_file(run_dir, cfg),
-                                 info["used_segments"], p["step"],
-                                 tokenizer.decode if traj.text else None)
+      job = p.get("segments_job") or loop.run_in_executor(
+          run_pool, dump_segments, trajectories_file(run_dir, cfg), info["used_segments"],
+          p["step"], tokenizer.decode if traj.text else None)
+      p["segments_job"] = job
+      try:
+        await asyncio.shield(job)
+      except asyncio.CancelledError:
+        raise
+      except BaseException:  # (failed, and cut off the file: a retry writes it whole)
+        p.pop("segments_job", None)
+        raise
     p["segments"] = True
     rollout_s = p["rollout_s"]
     # Rates over the step's own time: waiting for rollouts, learning, syncing weights.
@@ -1868,6 +1902,12 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  exit_with = main()
+  try:
+    exit_with = main()
+  except SystemExit as e:
+    exit_with = e.code if isinstance(e.code, int) else 1
+  except BaseException:  # (a bug's traceback, then the same end: a stuck call is left)
+    traceback.print_exc()
+    exit_with = 1
   leave_stuck_threads(exit_with if isinstance(exit_with, int) else 1)
   sys.exit(exit_with)

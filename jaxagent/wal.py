@@ -336,7 +336,7 @@ class TokenWAL:
     for group_id in list(self._files):
       self.discard_group(group_id)
     for name in os.listdir(self.directory):
-      if name.endswith(".jsonl"):
+      if name.endswith((".jsonl", ".jsonl.cut")):  # (a cut a crash left half made)
         with contextlib.suppress(FileNotFoundError):
           os.remove(os.path.join(self.directory, name))
 

@@ -50,9 +50,9 @@ class LocalClient:
     self.engine = engine
     self._load = load_params
     self.models = models or {}  # name -> rollout_server.serving.ServedModel
-    # Weight loads on a thread of their own: the loop's default executor is shared with
-    # environments' calls, and a swap queued behind them (for ever, behind calls that
-    # never end). Named as a run's own threads (`jaxagent.train.leave_stuck_threads`).
+    # Weight loads and scoring on a thread of their own: the loop's default executor is
+    # shared with environments' calls, and a swap or a step's scores queued behind them
+    # (for ever, behind calls that never end).
     self._swaps = concurrent.futures.ThreadPoolExecutor(
         1, thread_name_prefix="jaxagent-run-weights")
 
@@ -68,7 +68,7 @@ class LocalClient:
     first), at `temperature`."""
     served = self._served(model)
     loop = asyncio.get_running_loop()
-    out = await loop.run_in_executor(None, served.score, sequences, temperature)
+    out = await loop.run_in_executor(self._swaps, served.score, sequences, temperature)
     return _check_scores(model, sequences, [x.tolist() for x in out])
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,

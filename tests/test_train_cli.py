@@ -325,6 +325,25 @@ def test_a_sigterm_stops_a_run_whose_environment_calls_never_return(tmp_path):
   assert str(step) in os.listdir(os.path.join(run_dir, "checkpoints")), err[-3000:]
 
 
+def test_calls_left_running_at_the_end_are_left_behind_and_idle_threads_are_not():
+  """At the CLI's end a call of the run's executors that never returns is left behind
+  (the process ends with its code; Python's exit joined it for ever); an idle thread is
+  no stuck call (a reviewer: a run's idle executor threads were taken for stuck ones, a
+  note and os._exit at every end that skipped their shutdown)."""
+  start = ("import threading; from jaxagent.train import _Pool, leave_stuck_threads; "
+           "run = _Pool(2, 'jaxagent-run'); run.submit(lambda: 1).result(); ")
+  idle = subprocess.run([sys.executable, "-c", start + "leave_stuck_threads(7, 0.5); "
+                         "print('went on')"], cwd=REPO, capture_output=True, text=True,
+                        timeout=120)
+  assert idle.returncode == 0 and "went on" in idle.stdout, idle.stderr[-3000:]
+  stuck = subprocess.run(
+      [sys.executable, "-c", start + "env = _Pool(2, 'jaxagent-env', wait_at_close=False); "
+       "env.submit(threading.Event().wait); env.shutdown(); leave_stuck_threads(7, 0.5); "
+       "print('went on')"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert stuck.returncode == 7 and "went on" not in stuck.stdout, stuck.stderr[-3000:]
+  assert "1 calls (environments', or a collective's) were still running" in stuck.stderr
+
+
 def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path):
   """... and after a second signal the process ends within STOP_NOW_S even when a thread
   waits for ever (a collective), saying how to go on."""
