@@ -82,6 +82,10 @@ def _unrecorded(body: bytes) -> bool:
   return isinstance(data, dict) and data.get("record") is False
 
 
+class _Unreadable(Exception):
+  """A backend's record of a session could not be read (an error, not a record)."""
+
+
 def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                   timeout_s: float = 600.0, turn_timeout_s: float = 3600.0,
                   max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
@@ -108,6 +112,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   # same turns); a lock lives while someone holds or waits for it.
   copy_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
   client_box: dict = {}
+  # Deletes a backend missed (not healthy then): done before it takes traffic again, or
+  # its record came back into a session played again under the id (red team 23).
+  undeleted: dict[str, collections.OrderedDict] = {
+      b: collections.OrderedDict() for b in ring.backends}
 
   def client() -> httpx.AsyncClient:
     if "c" not in client_box:
@@ -152,10 +160,22 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if ok and policy["version"] is not None and not updating.locked() and \
           got.get("version") != policy["version"]:
         ok = await push_policy(backend)  # restarted (or missed an update): catch up first
+      if ok and undeleted[backend]:
+        ok = await delete_missed(backend)
       healthy[backend] = ok
     except Exception:  # (any reply it cannot read is a backend not well: red team 14,
       # a JSON list killed the loop, and no backend was checked again)
       healthy[backend] = False
+
+  async def delete_missed(backend: str) -> bool:
+    """The deletes `backend` missed, done; True when none is left."""
+    for session_id in list(undeleted[backend]):
+      r = await client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
+                                timeout=10.0)
+      if r.status_code not in (200, 404):
+        return False
+      undeleted[backend].pop(session_id, None)
+    return True
 
   async def health_loop() -> None:
     while True:
@@ -164,15 +184,18 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       await asyncio.sleep(health_interval_s)
 
   async def fetch_turns(session_id: str, backend: str, since: int) -> Optional[dict]:
-    """The backend's record of the session from turn `since` on, None when it cannot be
-    read or is not a record (a dict with `turns`, records each, and an integer `count`:
-    a backend's garbage turned a served turn into a 500, red team 14)."""
+    """The backend's record of the session from turn `since` on; None when it has none
+    (404). Raises `_Unreadable` when it cannot be read or is not a record (a dict with
+    `turns`, records each, and an integer `count`: a backend's garbage turned a served
+    turn into a 500, red team 14)."""
     try:
       r = await client().get(f"{backend}/sessions/{quote(session_id, safe='')}",
                              params={"since": since}, timeout=10.0)
+      if r.status_code == 404:
+        return None
       got = r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, RecursionError):  # (nested past reading)
-      return None  # the copy catches up at the next turn or read
+    except (httpx.HTTPError, ValueError, RecursionError) as e:  # (nested past reading)
+      raise _Unreadable(f"{backend}: {type(e).__name__}: {e}") from None
     turns = got.get("turns") if isinstance(got, dict) else None
     if not (isinstance(turns, list) and isinstance(got.get("count", 0), int)
             and all(isinstance(t, dict) and isinstance(t.get("recorded_at", 0.0), (int, float))
@@ -180,12 +203,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if got is not None:
         log.warning("router: %s's record of session %r is not a record: left", backend,
                     session_id)
-      return None
+      raise _Unreadable(f"{backend} answered {r.status_code} for its record" + (
+          "" if got is None else " (not a record)"))
     return got
 
   async def new_turns(session_id: str, backend: str) -> Optional[tuple[int, list]]:
     """(where the copy of `backend`'s record goes on from, the turns it recorded for the
-    session since), or None when it cannot be read."""
+    session since, its record's id), or None when it holds none; `_Unreadable` when it
+    cannot be read."""
     n, seen = cursors.get(session_id, {}).get(backend, (0, None))
     got = await fetch_turns(session_id, backend, n)
     made = got.get("record_id") if got is not None else None
@@ -200,7 +225,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return None
     return n, got["turns"], got.get("record_id")
 
-  async def copy_turns(session_id: str, *backends: str) -> None:
+  async def copy_turns(session_id: str, *backends: str, strict: bool = False) -> None:
     """Appends the turns `backends` recorded for the session since the last copy, in the
     order they were recorded (a session that failed over ran turns on several). When
     this router's copy was evicted (a bound, or its time to live), every live backend
@@ -214,8 +239,16 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         # cannot be read now keeps its place (read whole when it can be).
         ran = cursors[session_id] = dict.fromkeys(cursors[session_id], (0, None))
         backends = (*(b for b in ran if b not in backends and healthy.get(b)), *backends)
-      got = await asyncio.gather(*(new_turns(session_id, b) for b in backends))
-      read = [(b, g) for b, g in zip(backends, got) if g is not None]
+      # (a backend whose record cannot be read now: the copy catches up at the next turn
+      # or read; a read of the record, `strict`, fails instead: the router answered 200
+      # without the turns it could not read, and the episode trained without them)
+      got = await asyncio.gather(*(new_turns(session_id, b) for b in backends),
+                                 return_exceptions=True)
+      failed = [g for g in got if isinstance(g, BaseException)]
+      if failed and (strict or not all(isinstance(g, _Unreadable) for g in failed)):
+        raise failed[0]
+      read = [(b, g) for b, g in zip(backends, got)
+              if g is not None and not isinstance(g, BaseException)]
       if not read:
         return
       # Each backend's turns in its own order, interleaved by when they were recorded
@@ -324,7 +357,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     of them when this router has not seen it: it restarted, or its turns failed over)."""
     held = session_id in sessions  # (a copy evicted here: ask every backend again)
     holders = (list(cursors.get(session_id, {})) if held else []) or ring.backends
-    await copy_turns(session_id, *(b for b in holders if healthy[b]))
+    try:
+      await copy_turns(session_id, *(b for b in holders if healthy[b]), strict=True)
+    except _Unreadable as e:
+      return JSONResponse({"detail": f"session {session_id!r}: a backend's record of it "
+                                     f"could not be read ({e})"}, status_code=502)
     got = sessions.read(session_id, since)
     if got is None:
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
@@ -344,6 +381,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return r.status_code == 200
       return False
 
+    for b in ring.backends:
+      if not healthy[b]:  # (deleted there before it takes traffic again)
+        undeleted[b][session_id] = None
+        while len(undeleted[b]) > max_sessions:
+          undeleted[b].popitem(last=False)
     found = await asyncio.gather(*(delete_on(b) for b in ring.backends if healthy[b]))
     if not had and not any(found):
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)

@@ -458,6 +458,11 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
   async def generate():
     return {"output_ids": [5], "finish_reason": "length"}
 
+  @fake.delete("/sessions/{session_id}")
+  async def delete(session_id: str):
+    state.setdefault("deleted", []).append(session_id)
+    return {"session_id": session_id, "deleted": True}
+
   @fake.get("/sessions/{session_id}")
   async def record(session_id: str):
     if state["record"] == "deep":  # (nested past what a JSON reader can read)
@@ -475,6 +480,10 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
       state["record"] = junk
       r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"})
       assert r.status_code == 200 and r.json()["output_ids"] == [5], (junk, r.text)
+    # ... but a read of the session fails, naming why: it answered 200 without the turns
+    # it could not read, and the episode trained without them (red team 23).
+    r = c.get("/sessions/s")
+    assert r.status_code == 502 and "could not be read" in r.text, r.text
     state["health"] = []  # a /health that answers a list: not healthy
     time.sleep(0.5)
     assert healthy(c) is False
@@ -484,6 +493,13 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
     state["health_status"] = 500  # (the loop still runs: a backend gone bad is seen)
     time.sleep(0.5)
     assert healthy(c) is False
+    # A delete while it is out of rotation is done before it takes traffic again (its
+    # record came back into the session played again under the id: red team 23).
+    c.delete("/sessions/s")
+    assert "s" not in state.get("deleted", [])
+    state["health_status"] = 200
+    time.sleep(0.5)
+    assert healthy(c) is True and state["deleted"] == ["s"]
 
 
 def test_backends_serving_different_policies_before_any_update_are_said(caplog):
