@@ -245,8 +245,12 @@ class ChatTurn:
     parsed = parse_tool_calls(text, id_prefix=f"{self.id_prefix}_{self.request_id}")
     # (a malformed call stays in the content as written: the agent hands it to its
     # environment, which tells the policy and counts it, as for a white-box agent)
-    message = {"role": "assistant", "content": (text if not parsed.calls else parsed.kept
-                                                if parsed.errors else parsed.content)}
+    content = text if not parsed.calls else parsed.kept if parsed.errors else parsed.content
+    if parsed.calls and not parsed.errors and content:
+      # (the white space before it kept, as a stream sent it: stripped, the reply no
+      # longer began with what the stream had sent, a reviewer of red team 23)
+      content = text[:len(text) - len(text.lstrip())] + content
+    message = {"role": "assistant", "content": content}
     if parsed.calls:
       message["tool_calls"] = [c.openai() for c in parsed.calls]
     if self.session_id:

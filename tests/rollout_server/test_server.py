@@ -841,7 +841,8 @@ def test_a_streamed_reply_says_what_the_whole_reply_says():
   assert [finished(t).visible_text() for t in ("Hi <tool_c", "Hi <", "a < b", "x" + good)] \
       == ["Hi ", "Hi ", "a < b", "x"]
   for text in [" Hi " + good + bad, "\n" + good + "\n" + bad, "Sum: \n" + good,
-               "Let me add. " + good + bad, "plain text, no call  "]:
+               "Let me add. " + good + bad, "plain text, no call  ", " Hi " + good,
+               "\n\nLet me compute.\n" + good, "\n" + good]:
     (sent, content), (told, text_block) = asyncio.run(streamed(text))
     assert sent == content and told == text_block, (text, sent, content, told, text_block)
     assert (bad in content) == (bad in text)
