@@ -116,6 +116,20 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   # its record came back into a session played again under the id (red team 23).
   undeleted: dict[str, collections.OrderedDict] = {
       b: collections.OrderedDict() for b in ring.backends}
+  # session id -> backends whose record of it a copy could not read: a read of the
+  # session while one of them is out of rotation cannot be whole (a reviewer).
+  owed: collections.OrderedDict[str, set] = collections.OrderedDict()
+
+  def forget_later(table: collections.OrderedDict, key, value) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > max_sessions:
+      table.popitem(last=False)
+
+  def must_delete(backend: str, session_id: str) -> None:
+    """A delete `backend` missed: done before it takes traffic again."""
+    forget_later(undeleted[backend], session_id, None)
+    healthy[backend] = False
 
   def client() -> httpx.AsyncClient:
     if "c" not in client_box:
@@ -168,13 +182,33 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       healthy[backend] = False
 
   async def delete_missed(backend: str) -> bool:
-    """The deletes `backend` missed, done; True when none is left."""
-    for session_id in list(undeleted[backend]):
-      r = await client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
-                                timeout=10.0)
-      if r.status_code not in (200, 404):
+    """The deletes `backend` missed, done (16 at a time); True when none is left. One it
+    refuses for good (a 4xx) is dropped and said; one it fails is tried at the next check
+    (the backend stays out of rotation meanwhile)."""
+    gate = asyncio.Semaphore(16)
+
+    async def delete(session_id: str) -> bool:
+      async with gate:
+        try:
+          r = await client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
+                                    timeout=10.0)
+        except httpx.HTTPError:
+          return False
+      if r.status_code in (200, 404):
+        pass
+      elif 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+        log.warning("router: %s refused to delete session %r (%d): left there",
+                    backend, session_id, r.status_code)
+      else:
+        log.warning("router: %s failed to delete session %r (%d): out of rotation until "
+                    "it does", backend, session_id, r.status_code)
         return False
       undeleted[backend].pop(session_id, None)
+      return True
+
+    while undeleted[backend]:  # (deletes that came meanwhile too: none awaits after it)
+      if not all(await asyncio.gather(*(delete(sid) for sid in list(undeleted[backend])))):
+        return False
     return True
 
   async def health_loop() -> None:
@@ -207,7 +241,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           "" if got is None else " (not a record)"))
     return got
 
-  async def new_turns(session_id: str, backend: str) -> Optional[tuple[int, list]]:
+  async def new_turns(session_id: str, backend: str
+                      ) -> Optional[tuple[int, list, Optional[str]]]:
     """(where the copy of `backend`'s record goes on from, the turns it recorded for the
     session since, its record's id), or None when it holds none; `_Unreadable` when it
     cannot be read."""
@@ -247,6 +282,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       failed = [g for g in got if isinstance(g, BaseException)]
       if failed and (strict or not all(isinstance(g, _Unreadable) for g in failed)):
         raise failed[0]
+      for b, g in zip(backends, got):  # (which backends' records this copy lacks)
+        if isinstance(g, _Unreadable):
+          forget_later(owed, session_id, owed.get(session_id, set()) | {b})
+        elif session_id in owed:
+          owed[session_id].discard(b)
       read = [(b, g) for b, g in zip(backends, got)
               if g is not None and not isinstance(g, BaseException)]
       if not read:
@@ -359,6 +399,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     holders = (list(cursors.get(session_id, {})) if held else []) or ring.backends
     try:
       await copy_turns(session_id, *(b for b in holders if healthy[b]), strict=True)
+      away = sorted(b for b in owed.get(session_id, ()) if not healthy[b])
+      if away:  # (a copy could not read it, and it is out of rotation now)
+        raise _Unreadable(f"{', '.join(away)}: out of rotation, with turns not copied")
     except _Unreadable as e:
       return JSONResponse({"detail": f"session {session_id!r}: a backend's record of it "
                                      f"could not be read ({e})"}, status_code=502)
@@ -375,18 +418,23 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     cursors.pop(session_id, None)
     had = sessions.pop(session_id) is not None
 
-    async def delete_on(b: str) -> bool:
+    async def delete_on(b: str) -> Optional[bool]:
+      """Whether `b` held the session; None when it could not say (deleted later)."""
       with contextlib.suppress(httpx.HTTPError):
         r = await client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0)
-        return r.status_code == 200
-      return False
+        return True if r.status_code == 200 else False if r.status_code == 404 else None
+      return None
 
+    owed.pop(session_id, None)
     for b in ring.backends:
       if not healthy[b]:  # (deleted there before it takes traffic again)
-        undeleted[b][session_id] = None
-        while len(undeleted[b]) > max_sessions:
-          undeleted[b].popitem(last=False)
-    found = await asyncio.gather(*(delete_on(b) for b in ring.backends if healthy[b]))
+        must_delete(b, session_id)
+    asked = [b for b in ring.backends if healthy[b]]
+    found = await asyncio.gather(*(delete_on(b) for b in asked))
+    for b, done in zip(asked, found):
+      if done is None:  # (failed: a healthy backend kept the record; a reviewer)
+        must_delete(b, session_id)
+    found = [bool(f) for f in found]
     if not had and not any(found):
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "deleted": True}

@@ -266,6 +266,10 @@ def test_the_routers_copy_of_a_session_is_exact_under_concurrency_restarts_and_j
 
       r = c.post("/generate", json={**body, "session_id": "B"}, headers={"X-Session-Id": "A"})
       assert r.status_code == 400 and "name different sessions" in r.text
+      # (a lone surrogate, escaped: the router's hash of it was a 500; a reviewer)
+      r = c.post("/generate", content=json.dumps({**body, "session_id": "a\udcff"}),
+                 headers={"content-type": "application/json"})
+      assert r.status_code == 400 and "lone surrogate" in r.text, r.text
       r = httpx.post(f"{backend.url}/generate", json={**body, "session_id": "B"},
                      headers={"X-Session-Id": "A"}, timeout=120)
       assert r.status_code == 400 and "name different sessions" in r.text
@@ -460,6 +464,8 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
 
   @fake.delete("/sessions/{session_id}")
   async def delete(session_id: str):
+    if state.get("delete_status", 200) != 200:
+      return JSONResponse({"detail": "down"}, status_code=state["delete_status"])
     state.setdefault("deleted", []).append(session_id)
     return {"session_id": session_id, "deleted": True}
 
@@ -487,6 +493,9 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
     state["health"] = []  # a /health that answers a list: not healthy
     time.sleep(0.5)
     assert healthy(c) is False
+    # (out of rotation, with turns its copies could not read: still not a whole record)
+    r = c.get("/sessions/s")
+    assert r.status_code == 502 and "out of rotation" in r.text, r.text
     state["health"] = {"status": "ok"}
     time.sleep(0.5)
     assert healthy(c) is True
@@ -500,6 +509,14 @@ def test_a_backend_answering_junk_neither_stops_health_checks_nor_fails_a_served
     state["health_status"] = 200
     time.sleep(0.5)
     assert healthy(c) is True and state["deleted"] == ["s"]
+    # A delete a healthy backend failed is done again before it takes traffic (it kept
+    # the record, the router said deleted: a reviewer).
+    state["delete_status"] = 500
+    c.delete("/sessions/t")
+    assert healthy(c) is False and "t" not in state["deleted"]
+    state["delete_status"] = 200
+    time.sleep(0.5)
+    assert healthy(c) is True and state["deleted"] == ["s", "t"]
 
 
 def test_backends_serving_different_policies_before_any_update_are_said(caplog):
