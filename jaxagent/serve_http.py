@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import socket
 import sys
 from typing import Optional
@@ -101,6 +102,13 @@ def name_deep_bodies(app) -> None:
       return await request_validation_exception_handler(request, exc)
     except RecursionError:
       return await http_exception_handler(request, HTTPException(400, NESTED_TOO_DEEP))
+    except UnicodeEncodeError:  # (it echoes a lone surrogate of the body: a 500 writing it)
+      from fastapi.encoders import jsonable_encoder
+      from starlette.responses import Response
+
+      body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True,
+                        default=str)
+      return Response(body, status_code=422, media_type="application/json")
 
 
 class BodyLimit:

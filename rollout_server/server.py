@@ -70,6 +70,17 @@ class GenerateBody(SamplingBody):
   request_id: Optional[str] = None
   session_id: Optional[str] = None
   model: Optional[str] = None
+
+  @field_validator("request_id", "session_id")
+  @classmethod
+  def _unicode(cls, v: Optional[str]) -> Optional[str]:
+    if v is not None:
+      try:
+        v.encode("utf-8")
+      except UnicodeEncodeError:  # (a JSON escape: the session's record would not read)
+        raise ValueError("not valid Unicode (a lone surrogate)") from None
+    return v
+
   # Record the turn in its session (`GET /sessions/{id}`); false: the session id only
   # routes it (the built-in agent keeps its own record: its turns would fill the store).
   record: bool = True
