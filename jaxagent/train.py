@@ -1279,10 +1279,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     nonlocal recorded
     row, info, batch = p["row"], p["info"], p["batch"]
     traj = cfg.trajectories
-    # (written again after a failure, from the part that failed: a retry appended the
-    # step's segments a second time; red team 21)
-    # The write in a thread goes on when the run's task is cancelled (a second signal):
-    # the retry awaits it rather than writing the segments again beside it.
+    # Written again after a failure from the part that failed (a retry appended the
+    # step's segments a second time; red team 21); a write cut by a second signal goes
+    # on in its thread, and the retry awaits it rather than writing beside it.
     if "segments" not in p and (traj.mode == "all" or (
         traj.mode == "sample" and p["step"] % traj.sample_every == 0)):
       job = p.get("segments_job") or loop.run_in_executor(

@@ -212,7 +212,7 @@ class Replay:
     tokens would carry versions this run gives to other weights); the episode goes on
     sampling from there."""
     for i, r in enumerate(self.turns):
-      if r.get("versions") and max(r["versions"]) > version:
+      if _sampled_after(r, version):
         del self.turns[i:]
         break
     return self
@@ -242,6 +242,12 @@ def _record(line: bytes) -> Optional[dict]:
   return r if isinstance(r, dict) and isinstance(r.get("kind"), str) else None
 
 
+def _sampled_after(turn: dict, version: int) -> bool:
+  """Whether a logged turn holds tokens of weights newer than `version`."""
+  versions = turn.get("versions")
+  return isinstance(versions, list) and bool(versions) and max(versions) > version
+
+
 def _cut_log(path: str, version: int) -> None:
   """Rewrites a log without each episode's records from its first turn sampled by
   weights newer than `version` on (atomically: a crash leaves the old log or the new)."""
@@ -249,8 +255,7 @@ def _cut_log(path: str, version: int) -> None:
   for r in records:
     if r.get("session") in cut:
       continue
-    versions = r.get("versions") if r["kind"] == "turn" else None
-    if isinstance(versions, list) and versions and max(versions) > version:
+    if r["kind"] == "turn" and _sampled_after(r, version):
       cut.add(r.get("session"))
       continue
     out.append(r)
