@@ -193,13 +193,20 @@ def _unicode(text: str) -> str:
   """`text` with lone surrogates (which Python strings may hold, e.g. from a JSON
   escape in a tool call echoed back by a tool, and which no tokenizer can encode)
   replaced by U+FFFD; any other text unchanged."""
-  if text.isascii():
+  if valid_unicode(text):
     return text
+  return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def valid_unicode(text: str) -> bool:
+  """Whether `text` encodes as UTF-8 (holds no lone surrogate)."""
+  if text.isascii():
+    return True
   try:
     text.encode("utf-8")
-    return text
+    return True
   except UnicodeEncodeError:
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return False
 
 
 def clean_unicode(value):

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
-from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools
+from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, valid_unicode
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
                                  OpenAIRoute, TurnCut, normalise_messages, unserved)
@@ -74,11 +74,8 @@ class GenerateBody(SamplingBody):
   @field_validator("request_id", "session_id")
   @classmethod
   def _unicode(cls, v: Optional[str]) -> Optional[str]:
-    if v is not None:
-      try:
-        v.encode("utf-8")
-      except UnicodeEncodeError:  # (a JSON escape: the session's record would not read)
-        raise ValueError("not valid Unicode (a lone surrogate)") from None
+    if v is not None and not valid_unicode(v):  # (a JSON escape: its record would not read)
+      raise ValueError("not valid Unicode (a lone surrogate)")
     return v
 
   # Record the turn in its session (`GET /sessions/{id}`); false: the session id only

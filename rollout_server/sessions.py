@@ -21,6 +21,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from jaxagent.tokenizer import valid_unicode
+
 log = logging.getLogger(__name__)
 
 # The fields a turn record keeps as packed arrays (when every value has that type).
@@ -248,20 +250,12 @@ class SessionStore:
 SESSION_HEADER = "x-session-id"
 
 
-def _encodable(text: str) -> bool:
-  try:
-    text.encode("utf-8")
-    return True
-  except UnicodeEncodeError:
-    return False
-
-
 def session_of(header: Optional[str], named: Optional[str]) -> Optional[str]:
   """A request's session: its X-Session-Id header or its body's `session_id`. Both given
   and different is a ValueError: the router routes by the header, so a body naming
   another session would put the turn into that session's record."""
   header, named = header or None, (str(named) if named else None)
-  if named is not None and not _encodable(named):  # (a JSON escape: its record unreadable)
+  if named is not None and not valid_unicode(named):  # (a JSON escape: its record unreadable)
     raise ValueError("session_id: not valid Unicode (a lone surrogate)")
   if header and named and header != named:
     raise ValueError(f"the {SESSION_HEADER} header ({header!r}) and the body's session_id "
