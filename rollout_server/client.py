@@ -53,8 +53,8 @@ class LocalClient:
     # Weight loads and scoring on a thread of their own: the loop's default executor is
     # shared with environments' calls, and a swap or a step's scores queued behind them
     # (for ever, behind calls that never end).
-    self._swaps = concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="jaxagent-run-weights")
+    self._work = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="jaxagent-run-serving")
 
   def _served(self, model: str):
     if model not in self.models:
@@ -68,7 +68,7 @@ class LocalClient:
     first), at `temperature`."""
     served = self._served(model)
     loop = asyncio.get_running_loop()
-    out = await loop.run_in_executor(self._swaps, served.score, sequences, temperature)
+    out = await loop.run_in_executor(self._work, served.score, sequences, temperature)
     return _check_scores(model, sequences, [x.tolist() for x in out])
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
@@ -124,9 +124,9 @@ class LocalClient:
     """Engine params from `load()`, then the orchestrator's swap; timings in seconds."""
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
-    engine_params = await loop.run_in_executor(self._swaps, load)
+    engine_params = await loop.run_in_executor(self._work, load)
     load_s = time.perf_counter() - t0
-    report = await loop.run_in_executor(self._swaps, self.orch.update_weights, engine_params,
+    report = await loop.run_in_executor(self._work, self.orch.update_weights, engine_params,
                                         mode)
     return {**report, "load_s": load_s}
 
@@ -134,7 +134,7 @@ class LocalClient:
     return self.orch.stats()
 
   async def aclose(self) -> None:
-    self._swaps.shutdown(wait=False)
+    self._work.shutdown(wait=False)
 
 
 class HttpClient:
