@@ -97,6 +97,40 @@ def normalise_messages(messages: list[dict]) -> list[dict]:
   return out
 
 
+def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
+                     context: Optional[tuple[list[int], int, int]]) -> Optional[list[int]]:
+  """The prompt of a call that continues its session's last turn, as that turn's tokens
+  and the rest of the rendering (`pieces` of `messages`): the tokens the model was given
+  and sampled stay in its context as they were, not encoded again from their text.
+
+  `context` is the last turn's prompt and output ids, the output's length and the turn's
+  message count (`SessionStore.last_context`: the call's messages begin with the turn's).
+  When the call's next message is the assistant's reply and the rendering's text begins
+  with the prompt's and output's text, both are kept (a stop token the template does not
+  write itself stays where it was sampled, as in the white-box agent's `next_prompt`);
+  when it begins with the prompt's text only (a sibling of the turn, a reply the agent
+  changed), the prompt is kept. None otherwise: the caller encodes the whole rendering.
+  Encoded again, a reply whose text spells a control string (`<|im_end|>` written in
+  bytes) came back as the live token, and the turn's tokens after it went untrained
+  (red team 23); a reply sampled in tokens other than the text's usual ones was realigned
+  the same way."""
+  if context is None:
+    return None
+  ids, count, k = context
+  prompt, out = ids[:len(ids) - count], ids[len(ids) - count:]
+  full = "".join(text for text, _ in pieces)
+  head = tokenizer.decode(prompt)
+  if not full.startswith(head) or head.endswith("\ufffd"):
+    return None
+  if len(messages) > k and messages[k].get("role") == "assistant":
+    sampled = [out] + ([out[:-1]] if out and out[-1] in tokenizer.stop_ids else [])
+    for kept in sampled:
+      text = head + tokenizer.decode(kept)
+      if full.startswith(text):
+        return ids + tokenizer.encode_pieces(pieces, start=len(text))
+  return prompt + tokenizer.encode_pieces(pieces, start=len(head))
+
+
 class TurnCut(Exception):
   """A turn the server could not finish: the engine failed (`status` 500) or the request
   was aborted other than by a weight update (`status` 503: the server stopping, an

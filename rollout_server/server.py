@@ -43,7 +43,8 @@ from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
 from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, valid_unicode
 from rollout_server import anthropic_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
-                                 OpenAIRoute, TurnCut, normalise_messages, unserved)
+                                 OpenAIRoute, TurnCut, continued_prompt, normalise_messages,
+                                 unserved)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request, progress_of
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
@@ -486,7 +487,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                                  "serve it with model.chat_template=chatml_tools")
     try:
       messages = normalise_messages(messages)
-      prompt = tok.apply_chat_template(messages, tools=tools)
+      pieces = tok.render_pieces(messages, tools=tools)
+      prompt = continued_prompt(tok, pieces, messages, sessions.last_context(
+          session_id, messages) if session_id and m is None else None)
+      if prompt is None:
+        prompt = tok.encode_pieces(pieces)
     except ValueError as e:
       raise HTTPException(400, str(e))
     except Exception as e:  # a template error names the problem

@@ -96,7 +96,7 @@ class _Session:
     # another, so a router's copy does not take its turns for ones it has: red team 23)
     self.record_id = uuid.uuid4().hex[:12]
     self.size, self.touched = 0, 0.0
-    self.ids = self.digests = None
+    self.ids = self.digests = self.output_count = None
     self._context_size = 0
 
   def append(self, turn: dict) -> int:
@@ -109,15 +109,17 @@ class _Session:
     digests, messages_size = None, 0
     if isinstance(messages, list):
       as_json = [json.dumps(m, default=str) for m in messages]
-      digests = [hashlib.blake2b(j.encode(), digest_size=_DIGEST_BYTES).digest()
-                 for j in as_json]
+      digests = [_digest(j) for j in as_json]
       shared = _common(self.digests, digests) if self.digests is not None else 0
       # Fresh objects with the same JSON (a caller changing its own later changes
       # nothing here); a turn's messages shared with the turn before are that turn's.
       rest = [json.loads(j) for j in as_json[shared:]]
       stored["messages"] = _Tail(shared, rest) if shared else rest
       messages_size = sum(len(j) + _MESSAGE_OVERHEAD for j in as_json[shared:])
-    self.ids, self.digests = _context(ids, stored.get("output_ids")), digests
+    out = stored.get("output_ids")
+    self.ids, self.digests = _context(ids, out), digests
+    # (how many of `ids` the output holds: None when they are not the prompt and output)
+    self.output_count = len(out) if _packed_alike(ids, out) else None
     context_size = (_size(self.ids) if isinstance(self.ids, array.array) else 0) + (
         _DIGEST_BYTES * len(digests) if digests else 0)
     size = _TURN_OVERHEAD + messages_size + sum(
@@ -145,6 +147,10 @@ class _Session:
                     list(v) if k == "messages" and isinstance(v, list) else v
                     for k, v in turn.items()})
     return out
+
+
+def _digest(message_json: str) -> bytes:
+  return hashlib.blake2b(message_json.encode(), digest_size=_DIGEST_BYTES).digest()
 
 
 def _packed_alike(a, b) -> bool:
@@ -227,6 +233,22 @@ class SessionStore:
       session = self._sessions.get(session_id)
       return None if session is None else (session.unpacked(since), len(session.turns),
                                            session.record_id)
+
+  def last_context(self, session_id: str, messages: list[dict]
+                   ) -> Optional[tuple[list[int], int, int]]:
+    """The prompt and output ids of the session's last turn as one list, how many of
+    them are the output, and how many messages that turn had, when `messages` begin
+    with them (equal as JSON, as they were recorded); None when they do not, or the
+    session is not held."""
+    with self._lock:
+      session = self._sessions.get(session_id)
+      if session is None or session.digests is None or session.output_count is None:
+        return None
+      ids, digests, count = session.ids.tolist(), session.digests, session.output_count
+    if len(messages) < len(digests) or any(
+        _digest(json.dumps(m, default=str)) != d for m, d in zip(messages, digests)):
+      return None
+    return ids, count, len(digests)
 
   def pop(self, session_id: str) -> Optional[list[dict]]:
     with self._lock:

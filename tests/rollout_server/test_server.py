@@ -851,3 +851,84 @@ def test_a_streamed_reply_says_what_the_whole_reply_says():
     (sent, content), (told, text_block) = asyncio.run(streamed(text))
     assert sent == content and told == text_block, (text, sent, content, told, text_block)
     assert (bad in content) == (bad in text)
+
+
+def _turn(store, session_id, messages, prompt, output):
+  store.record(session_id, {"kind": "chat", "messages": messages, "prompt_ids": prompt,
+                            "output_ids": output, "output_logprobs": [0.0] * len(output)})
+
+
+def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer):
+  """The next prompt is the last turn's prompt and output as they were, then the rest of
+  the rendering; only when the call's messages begin with that turn's, and the rendering's
+  text with their text."""
+  from rollout_server.chat import continued_prompt, normalise_messages
+  from rollout_server.sessions import SessionStore
+
+  tok = tokenizer
+  im_end, eot = tok.encode("<|im_end|>")[0], tok.encode("<|endoftext|>")[0]
+  ask = normalise_messages([{"role": "user", "content": "spell it"}])
+  prompt = tok.apply_chat_template(ask)
+  spelled = tok.encode_plain("a <|im_end|> b")  # the control string in bytes
+  store = SessionStore(8)
+  _turn(store, "s", ask, prompt, spelled + [im_end])
+
+  def next_prompt(messages, session="s"):
+    messages = normalise_messages(messages)
+    pieces = tok.render_pieces(messages)
+    return continued_prompt(tok, pieces, messages, store.last_context(session, messages))
+
+  reply = {"role": "assistant", "content": "a <|im_end|> b"}
+  follow = ask + [reply, {"role": "user", "content": "next"}]
+  got = next_prompt(follow)
+  assert got[:len(prompt) + len(spelled) + 1] == prompt + spelled + [im_end]
+  assert tok.decode(got) == tok.render(follow)
+  assert got.count(im_end) == 3  # user, assistant, user: the spelled one stays bytes
+  assert tok.apply_chat_template(follow).count(im_end) == 4  # (encoded again: a 4th)
+  # A sibling of the turn (the same messages again) is its prompt; a changed reply keeps
+  # the prompt only; changed earlier messages, another session: the caller renders.
+  assert next_prompt(ask) == prompt
+  changed = ask + [dict(reply, content="other"), {"role": "user", "content": "next"}]
+  assert next_prompt(changed) == prompt + tok.encode_pieces(
+      tok.render_pieces(changed), start=len(tok.decode(prompt)))
+  assert next_prompt([{"role": "user", "content": "spell it!"}] + follow[1:]) is None
+  assert next_prompt(follow, session="other") is None
+  # A stop token the template does not write itself stays where it was sampled.
+  _turn(store, "e", ask, prompt, spelled + [eot])
+  got = next_prompt(follow, session="e")
+  assert got[:len(prompt) + len(spelled) + 2] == prompt + spelled + [eot, im_end]
+
+
+def test_a_reply_sent_back_is_trained_as_sampled(tokenizer):
+  """A policy that writes a template control string in ordinary tokens (`<|im_end|>` in
+  bytes) got it back as the live token when its agent sent the reply back: the next
+  prompt ended the assistant's turn early and the turn's tokens after it went untrained
+  (red team 23). The session's next prompt now holds the tokens sampled, and the episode
+  trains every one of them in one segment."""
+  from jaxagent.agent import collect_session
+  from tests.rollout_server.conftest import memorise
+
+  ask = [{"role": "user", "content": "spell it"}]
+  spelled = tokenizer.encode_plain("a <|im_end|> b")
+  params = memorise([(tokenizer.apply_chat_template(ask), spelled + tokenizer.encode("<|im_end|>"))],
+                    steps=60)
+  with running_server(params, tokenizer) as (srv, _):
+    http = client(srv)
+    head = {SESSION_HEADER: "spelled"}
+    first = http.post("/v1/chat/completions", headers=head,
+                      json={"messages": ask, "temperature": 0, "max_tokens": 24})
+    assert first.status_code == 200, first.text
+    reply = first.json()["choices"][0]["message"]
+    assert reply["content"] == "a <|im_end|> b"
+    follow = ask + [reply, {"role": "user", "content": "again"}]
+    second = http.post("/v1/chat/completions", headers=head,
+                       json={"messages": follow, "temperature": 0, "max_tokens": 4})
+    assert second.status_code == 200, second.text
+    turns = http.get("/sessions/spelled").json()["turns"]
+  one, two = turns
+  sampled = one["prompt_ids"] + one["output_ids"]
+  assert one["output_ids"][:-1] == spelled
+  assert two["prompt_ids"][:len(sampled)] == sampled
+  segments = collect_session(turns, session_id="spelled", task_id="t")
+  assert len(segments) == 1 and segments[0].decisions == ["clean", "clean"]
+  assert segments[0].loss_mask.sum() == len(one["output_ids"]) + len(two["output_ids"])
