@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -32,7 +31,6 @@ import sys
 import threading
 import time
 import traceback
-import weakref
 from typing import Optional
 
 import jax
@@ -55,6 +53,7 @@ from jaxagent.metrics import (MetricsWriter, RecordsDamaged, cut_jsonl, episode_
                               plot_learning_curve, token_staleness_metrics)
 from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.models.sharding import make_mesh, select_devices
+from jaxagent.pools import CountedPool, busy_calls
 from jaxagent.scheduler import (RolloutScheduler, baseline_share, carries_signal,
                                 check_advantage_config, episode_index, pack_groups,
                                 trim_batch)
@@ -210,37 +209,6 @@ def make_env_factory(cfg: config_lib.RunConfig):
 RESUME_COMMAND = "JAXAGENT_RESUME_COMMAND"
 
 
-class _Pool(concurrent.futures.ThreadPoolExecutor):
-  """A run's executor that counts the calls it is running (`busy`: its idle threads are
-  not stuck ones); `wait_at_close=False` makes its close not wait for calls that never
-  end (the loop's default executor, environments' calls: asyncio.run's close waited for
-  them for ever after a run had stopped and saved)."""
-
-  live: "weakref.WeakSet[_Pool]" = weakref.WeakSet()
-
-  def __init__(self, workers: int, name: str, wait_at_close: bool = True):
-    super().__init__(workers, thread_name_prefix=name)
-    self.wait_at_close, self.busy, self._count = wait_at_close, 0, threading.Lock()
-    _Pool.live.add(self)
-
-  def submit(self, fn, /, *args, **kwargs):
-    def counted():
-      with self._count:
-        self.busy += 1
-      try:
-        return fn(*args, **kwargs)
-      finally:
-        with self._count:
-          self.busy -= 1
-    return super().submit(counted)
-
-  def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-    if self.wait_at_close:
-      super().shutdown(wait, cancel_futures=cancel_futures)
-    else:
-      super().shutdown(wait=False, cancel_futures=True)
-
-
 def leave_stuck_threads(code: int, grace_s: float = 5.0) -> None:
   """At the end of the command: calls of the run's executors still running after
   `grace_s` (an environment's blocked for ever, a collective a peer never joins) are
@@ -248,9 +216,9 @@ def leave_stuck_threads(code: int, grace_s: float = 5.0) -> None:
   thread, and waited for them for ever). With several processes, jax.distributed is
   shut down first (bounded): the others pass their shutdown barrier."""
   deadline = time.monotonic() + grace_s
-  while any(p.busy for p in list(_Pool.live)) and time.monotonic() < deadline:
+  while busy_calls() and time.monotonic() < deadline:
     time.sleep(0.05)
-  stuck = sum(p.busy for p in list(_Pool.live))
+  stuck = busy_calls()
   if not stuck:
     return
   print(f"note: {stuck} calls (environments', or a collective's) were still running at "
@@ -874,8 +842,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # plugins) take the loop's default executor, and eight episodes blocked in it held
   # every thread, so a stop's checkpoint waited behind them for ever (a learner step
   # queued behind slow sandbox calls). Those threads are not waited for at the end.
-  run_pool = _Pool(2, "jaxagent-run")
-  asyncio.get_running_loop().set_default_executor(_Pool(
+  run_pool = CountedPool(2, "jaxagent-run")
+  asyncio.get_running_loop().set_default_executor(CountedPool(
       min(32, (os.cpu_count() or 1) + 4), "jaxagent-env", wait_at_close=False))
   multi = jax.process_count() > 1
   if multi and cfg.mesh.devices:

@@ -10,7 +10,6 @@ router URL.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import time
 from typing import Optional
@@ -19,6 +18,7 @@ from urllib.parse import quote
 import httpx
 
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
+from jaxagent.pools import CountedPool
 from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
 from rollout_server.orchestrator import (Orchestrator, PromptTooLong, QueueFull, Request,
@@ -53,8 +53,8 @@ class LocalClient:
     # Weight loads and scoring on a thread of their own: the loop's default executor is
     # shared with environments' calls, and a swap or a step's scores queued behind them
     # (for ever, behind calls that never end).
-    self._work = concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="jaxagent-run-serving")
+    # (counted: one stuck at the command's end is left behind, not joined for ever)
+    self._work = CountedPool(1, "jaxagent-run-serving")
 
   def _served(self, model: str):
     if model not in self.models:

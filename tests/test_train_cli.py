@@ -330,7 +330,8 @@ def test_calls_left_running_at_the_end_are_left_behind_and_idle_threads_are_not(
   (the process ends with its code; Python's exit joined it for ever); an idle thread is
   no stuck call (a reviewer: a run's idle executor threads were taken for stuck ones, a
   note and os._exit at every end that skipped their shutdown)."""
-  start = ("import threading; from jaxagent.train import _Pool, leave_stuck_threads; "
+  start = ("import threading; from jaxagent.pools import CountedPool as _Pool; "
+           "from jaxagent.train import leave_stuck_threads; "
            "run = _Pool(2, 'jaxagent-run'); run.submit(lambda: 1).result(); ")
   idle = subprocess.run([sys.executable, "-c", start + "leave_stuck_threads(7, 0.5); "
                          "print('went on')"], cwd=REPO, capture_output=True, text=True,
@@ -342,6 +343,17 @@ def test_calls_left_running_at_the_end_are_left_behind_and_idle_threads_are_not(
        "print('went on')"], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert stuck.returncode == 7 and "went on" not in stuck.stdout, stuck.stderr[-3000:]
   assert "1 calls (environments', or a collective's) were still running" in stuck.stderr
+  # The in-process client's weight swaps are counted too (they were joined for ever).
+  swap = subprocess.run(
+      [sys.executable, "-c", "import asyncio, threading; from types import SimpleNamespace; "
+       "from rollout_server.client import LocalClient; from jaxagent.train import "
+       "leave_stuck_threads; engine = SimpleNamespace(load_params=lambda **kw: "
+       "threading.Event().wait()); client = LocalClient(None, engine)\n"
+       "async def main():\n  asyncio.get_running_loop().create_task(client.update_weights("
+       "'p', 1)); await asyncio.sleep(0.5)\n"
+       "asyncio.run(main()); leave_stuck_threads(7, 0.5); print('went on')"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert swap.returncode == 7 and "went on" not in swap.stdout, swap.stderr[-3000:]
 
 
 def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path):
