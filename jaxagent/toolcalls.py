@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Optional
 
 from envs.values import json_depth  # (standard library only, as this module)
 
@@ -26,10 +26,17 @@ class ToolCall:
   name: str
   arguments: dict
   id: str = ""
+  # The arguments' JSON text as the model wrote it (None when it wrote them as a string):
+  # handed out as the call's `arguments`, so an agent that sends the call back sends the
+  # text sampled, which the template writes again as it was (json.dumps wrote "café" as
+  # "caf\u00e9" and 1e5 as 100000.0: the reply's tokens after it went untrained).
+  raw_arguments: Optional[str] = None
 
   def openai(self) -> dict:
+    arguments = self.raw_arguments if self.raw_arguments is not None else json.dumps(
+        self.arguments, ensure_ascii=False)
     return {"id": self.id, "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+            "function": {"name": self.name, "arguments": arguments}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +85,35 @@ def _loads(text: str) -> Any:
   return obj
 
 
-def _parse_block(body: str) -> Any:
+def _member_texts(text: str) -> dict[str, str]:
+  """The JSON text of each member of the object `text` (valid JSON, as `_loads` read it),
+  by key; the last of a repeated key, as `json.loads` keeps."""
+  decoder, ws = json.JSONDecoder(**FINITE_JSON), re.compile(r"[ \t\n\r]*")
+  out, i = {}, ws.match(text, 1).end()  # (after the "{")
+  while text[i] != "}":
+    key, i = decoder.raw_decode(text, i)
+    i = ws.match(text, ws.match(text, i).end() + 1).end()  # (past the ":")
+    _, end = decoder.raw_decode(text, i)
+    out[key], i = text[i:end], ws.match(text, end).end()
+    if text[i] == ",":
+      i = ws.match(text, i + 1).end()
+  return out
+
+
+def _parse_block(body: str) -> tuple[str, dict, Optional[str]]:
+  """A call's name, arguments, and the arguments' text as written (None for a string)."""
   obj = _loads(body.strip())
   if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
     raise ValueError('a tool call must be a JSON object with a string "name"')
   args = obj.get("arguments", {})
+  raw = _member_texts(body.strip()).get("arguments") if isinstance(args, dict) else None
   if isinstance(args, str):  # some models write the arguments as a JSON string
     args = _loads(args) if args.strip() else {}
     if json_depth(args) + 1 > MAX_NESTING:  # as deep as the same call written as an object
       raise ValueError(f"nested deeper than {MAX_NESTING} levels")
   if not isinstance(args, dict):
     raise ValueError('"arguments" must be a JSON object')
-  return obj["name"], args
+  return obj["name"], args, raw
 
 
 def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedOutput:
@@ -106,8 +130,8 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedOutput:
       kept.append(m.group(0))
       continue
     try:
-      name, args = _parse_block(body)
-      calls.append(ToolCall(name, args, f"{id_prefix}_{i}"))
+      name, args, raw = _parse_block(body)
+      calls.append(ToolCall(name, args, f"{id_prefix}_{i}", raw))
     except (ValueError, json.JSONDecodeError) as e:
       errors.append(f"tool call {i}: {e}: {body.strip()[:200]!r}")
       kept.append(m.group(0))

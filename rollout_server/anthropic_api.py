@@ -25,8 +25,8 @@ from typing import Annotated, AsyncIterator, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_server.chat import (SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn, ShapedErrorsRoute,
-                                 TurnCut, unserved)
+from rollout_server.chat import (SEED, TEMPERATURE, TOP_K, TOP_P, ChatTurn, Name,
+                                 ShapedErrorsRoute, TurnCut, unserved)
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -87,7 +87,7 @@ class Metadata(BaseModel):
 class MessagesBody(BaseModel):
   # Unknown fields are accepted and ignored, as on the OpenAI route.
   model_config = ConfigDict(extra="allow")
-  model: str
+  model: Name
   max_tokens: int = Field(ge=1)
   messages: list[MessageParam] = Field(min_length=1)
   system: Optional[Union[str, list[TextBlock]]] = None
@@ -148,7 +148,8 @@ def _assistant_message(content: Union[str, list], where: str) -> dict:
       text += b.text
     else:
       calls.append({"id": b.id, "type": "function",
-                    "function": {"name": b.name, "arguments": json.dumps(b.input)}})
+                    "function": {"name": b.name,
+                                 "arguments": json.dumps(b.input, ensure_ascii=False)}})
   message = {"role": "assistant", "content": text}
   if calls:
     message["tool_calls"] = calls
@@ -182,15 +183,33 @@ def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]
   system = _text(body.system) if body.system is not None else ""
   if system:
     messages.append({"role": "system", "content": system})
-  called: set = set()  # the tool uses of the last assistant message
+  # Consecutive messages of a role are one turn, as Anthropic's API takes them: their
+  # text and tool uses one assistant message, their results answering its tool uses.
+  called: set = set()  # the tool uses of the last assistant turn
+  role = None
   for i, m in enumerate(body.messages):
     where = f"messages.{i}"
+    if m.content == "" or (isinstance(m.content, list) and all(
+        isinstance(b, TextBlock) and not b.text for b in m.content)):
+      raise ValueError(f"{where}.content: empty (every message but a last assistant one "
+                       "needs content)")
     if m.role == "user":
-      messages += _user_messages(m.content, where, called)
-      called = set()
+      turn = _user_messages(m.content, where, called)
+      if role == "user" and messages[-1]["role"] == turn[0]["role"] == "user":
+        messages[-1]["content"] += turn.pop(0)["content"]
+      messages += turn
     else:
-      messages.append(_assistant_message(m.content, where))
-      called = {c["id"] for c in messages[-1].get("tool_calls", [])}
+      message = _assistant_message(m.content, where)
+      calls = message.get("tool_calls", [])
+      if role == "assistant":
+        messages[-1]["content"] += message["content"]
+        if calls:
+          messages[-1]["tool_calls"] = messages[-1].get("tool_calls", []) + calls
+      else:
+        messages.append(message)
+        called = set()
+      called |= {c["id"] for c in calls}
+    role = m.role
   tools = [_function_schema(t) for t in body.tools] if body.tools else None
   return messages, tools
 

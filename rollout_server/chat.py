@@ -13,21 +13,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Awaitable, Callable, Optional
 
 from starlette.exceptions import HTTPException  # (FastAPI's own body errors raise Starlette's)
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from jaxagent.serve_http import NESTED_TOO_DEEP
-from jaxagent.toolcalls import OPEN, parse_tool_calls
+from jaxagent.tokenizer import valid_unicode
+from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls
 
 if TYPE_CHECKING:  # (annotations only: the router imports this module without JAX)
   from jaxagent.tokenizer import Tokenizer
   from rollout_server.orchestrator import Orchestrator, Request
-  from rollout_server.sessions import SessionStore
+  from rollout_server.sessions import LastTurn, SessionStore
 
 # Ranges the engine can take: a request outside them is refused with a 422 naming the
 # field, instead of failing on the device (and taking its prefill batch with it).
@@ -36,6 +37,17 @@ SEED = Field(None, ge=-(2**63), lt=2**63)
 TEMPERATURE = Field(1.0, ge=0.0, le=100.0)  # (as /v1/score's: past it, sampling is uniform)
 TOP_P = Field(1.0, gt=0.0, le=1.0)
 TOKEN_ID = Field(ge=0, lt=2**31)
+
+
+def _unicode_text(v: str) -> str:
+  if not valid_unicode(v):  # (a JSON escape: recorded, a record that would not read;
+    # echoed, an answer that could not be written, red team 24)
+    raise ValueError("not valid Unicode (a lone surrogate)")
+  return v
+
+
+# A name a request gives (a model, a request or session id): Unicode text.
+Name = Annotated[str, AfterValidator(_unicode_text)]
 
 
 # Fields of other servers' APIs (OpenAI's, vLLM's, Anthropic's) that would change what is
@@ -97,38 +109,110 @@ def normalise_messages(messages: list[dict]) -> list[dict]:
   return out
 
 
-def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
-                     context: Optional[tuple[list[int], int, int]]) -> Optional[list[int]]:
-  """The prompt of a call that continues its session's last turn, as that turn's tokens
-  and the rest of the rendering (`pieces` of `messages`): the tokens the model was given
-  and sampled stay in its context as they were, not encoded again from their text.
+def _json_value(text: Any) -> Any:
+  try:
+    return json.dumps(json.loads(text), sort_keys=True)
+  except (TypeError, ValueError, RecursionError):
+    return None
 
-  `context` is the last turn's prompt and output ids, the output's length and the turn's
-  message count (`SessionStore.last_context`: the call's messages begin with the turn's).
-  When the call's next message is the assistant's reply and the rendering's text begins
-  with the prompt's and output's text, both are kept (a stop token the template does not
-  write itself stays where it was sampled, as in the white-box agent's `next_prompt`);
-  when it begins with the prompt's text only (a sibling of the turn, a reply the agent
-  changed), the prompt is kept. None otherwise: the caller encodes the whole rendering.
-  Encoded again, a reply whose text spells a control string (`<|im_end|>` written in
-  bytes) came back as the live token, and the turn's tokens after it went untrained
-  (red team 23); a reply sampled in tokens other than the text's usual ones was realigned
-  the same way."""
-  if context is None:
+
+def with_sampled_arguments(messages: list[dict], calls: dict[str, str]) -> list[dict]:
+  """The messages with each tool call of the session's record (`calls`: arguments' text
+  by call id) carrying its arguments as the model wrote them, where the agent sent back
+  the same values written otherwise (Anthropic's tool_use input is an object; some
+  harnesses dump parsed arguments again): rendered from its own text, the call is the
+  tokens sampled, and the turn continues them (`continued_prompt`)."""
+  if not calls:
+    return messages
+  out = []
+  for m in messages:
+    tool_calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+    if isinstance(tool_calls, list):
+      kept = []
+      for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        raw = calls.get(str(call.get("id"))) if isinstance(function, dict) else None
+        if (raw is not None and raw != function.get("arguments")
+                and _json_value(raw) == _json_value(function.get("arguments"))):
+          call = dict(call, function=dict(function, arguments=raw))
+        kept.append(call)
+      m = dict(m, tool_calls=kept)
+    out.append(m)
+  return out
+
+
+def _calls(message: dict) -> Optional[list]:
+  """A message's tool calls as (name, arguments' value); None if one cannot be read."""
+  out = []
+  for call in message.get("tool_calls") or []:
+    function = call.get("function") if isinstance(call, dict) else None
+    value = _json_value(function.get("arguments")) if isinstance(function, dict) else None
+    if value is None:
+      return None
+    out.append((function.get("name"), value))
+  return out
+
+
+def _same_reply(sent: dict, recorded: Optional[dict]) -> bool:
+  """The agent sent a turn's reply back as it got it: its text, and its calls' names and
+  argument values (however the agent wrote them again, whatever ids it gave them)."""
+  if not isinstance(recorded, dict) or (sent.get("content") or "") != (
+      recorded.get("content") or ""):
+    return False
+  calls = _calls(sent)
+  return calls is not None and calls == _calls(recorded)
+
+
+# Stands for an assistant's reply in a rendering, to find where the template closes it.
+_REPLY = "\ue001reply\ue001"
+
+
+def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
+                     tools: Optional[list[dict]], last: Optional[LastTurn]
+                     ) -> Optional[list[int]]:
+  """The prompt of a session's call that continues its last turn (`last`: the call's
+  messages begin with that turn's, its tools are the turn's) as that turn's tokens and
+  the rest of the rendering (`pieces` of `messages`): the tokens the model was given and
+  sampled stay in its context as they were, not encoded again from their text.
+
+  - The call's next message is the turn's reply, sent back unchanged: the turn's prompt
+    and output ids, the template's end of an assistant turn (less a stop token the model
+    sampled that it writes itself: one the template does not write stays where it was
+    sampled, as in the white-box agent's `next_prompt`), then the rest of the rendering.
+    Encoded again from its text, a reply that spelled a control string (`<|im_end|>` in
+    bytes) came back as the live token, and one sampled in other tokens than the text's
+    usual ones, or whose calls the template writes otherwise (spacing, text around them),
+    was realigned or forked (red teams 23 and 24).
+  - No more messages (a sibling of the turn: a retry, a best-of-n): the turn's prompt.
+  - Another reply (the agent changed it): the turn's prompt, then the rest.
+  None when the template does not render the history as a prefix of the call's rendering:
+  the caller encodes the whole rendering."""
+  if last is None:
     return None
-  ids, count, k = context
-  prompt, out = ids[:len(ids) - count], ids[len(ids) - count:]
+  k = last.message_count
+  if len(messages) == k:
+    return list(last.prompt_ids)
   full = "".join(text for text, _ in pieces)
-  head = tokenizer.decode(prompt)
-  if not full.startswith(head) or head.endswith("\ufffd"):
+  head = tokenizer.render(messages[:k], tools, add_generation_prompt=True)
+  if not full.startswith(head):
     return None
-  if len(messages) > k and messages[k].get("role") == "assistant":
-    sampled = [out] + ([out[:-1]] if out and out[-1] in tokenizer.stop_ids else [])
-    for kept in sampled:
-      text = head + tokenizer.decode(kept)
-      if full.startswith(text):
-        return ids + tokenizer.encode_pieces(pieces, start=len(text))
-  return prompt + tokenizer.encode_pieces(pieces, start=len(head))
+  reply = messages[k]
+  if reply.get("role") == "assistant" and _same_reply(reply, last.response):
+    closed = tokenizer.render(messages[:k + 1], tools, add_generation_prompt=False)
+    marked = tokenizer.render(messages[:k] + [{"role": "assistant", "content": _REPLY}],
+                              tools, add_generation_prompt=False)
+    closing = marked[len(head) + len(_REPLY):]
+    if (marked.startswith(head + _REPLY) and _REPLY not in closing and full.startswith(closed)
+            and closed.endswith(closing)
+            and closed[len(head):].startswith(reply.get("content") or "")):
+      out = last.output_ids
+      if out and out[-1] in tokenizer.stop_ids:
+        stop = tokenizer.decode([out[-1]])
+        if closing.startswith(stop):
+          closing = closing[len(stop):]
+      return (list(last.prompt_ids) + list(out) + tokenizer.encode(closing)
+              + tokenizer.encode_pieces(pieces, start=len(closed)))
+  return list(last.prompt_ids) + tokenizer.encode_pieces(pieces, start=len(head))
 
 
 class TurnCut(Exception):
@@ -336,6 +420,21 @@ def openai_error(status: int, message: str, param: Optional[str] = None) -> dict
   return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+def finite_json(body: bytes) -> None:
+  """ValueError naming a NaN, an Infinity or a number past a float's range in a JSON body
+  (Python's json reads them, FastAPI passed them on: recorded in a session, its record
+  could not be written out again, a 400 on every read, red team 24). A body that is not
+  JSON is left to the route to name."""
+  if not body:
+    return
+  try:
+    json.loads(body, **FINITE_JSON)
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    return
+  except ValueError as e:
+    raise ValueError(f"body: {e}") from None
+
+
 class ShapedErrorsRoute(APIRoute):
   """A route whose errors take its API's shape (`error(status, message, field)`): a body
   that breaks the schema gets a 422 naming the field, a request that cannot be served a
@@ -350,6 +449,7 @@ class ShapedErrorsRoute(APIRoute):
 
     async def shaped(request):
       try:
+        finite_json(await request.body())
         return await handler(request)
       except RequestValidationError as e:
         where = [(".".join(map(str, err["loc"][1:])) or "body", err["msg"])

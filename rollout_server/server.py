@@ -40,11 +40,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
-from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, valid_unicode
+from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools
 from rollout_server import anthropic_api
-from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn,
+from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn, Name,
                                  OpenAIRoute, TurnCut, continued_prompt, normalise_messages,
-                                 unserved)
+                                 unserved, with_sampled_arguments)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request, progress_of
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
@@ -68,16 +68,9 @@ class GenerateBody(SamplingBody):
   input_ids: list[Annotated[int, TOKEN_ID]] = Field(min_length=1)
   # The last n input ids are a cut turn's output, resumed (`Orchestrator.submit`).
   resumed_tokens: int = Field(0, ge=0)
-  request_id: Optional[str] = None
-  session_id: Optional[str] = None
-  model: Optional[str] = None
-
-  @field_validator("request_id", "session_id")
-  @classmethod
-  def _unicode(cls, v: Optional[str]) -> Optional[str]:
-    if v is not None and not valid_unicode(v):  # (a JSON escape: its record would not read)
-      raise ValueError("not valid Unicode (a lone surrogate)")
-    return v
+  request_id: Optional[Name] = None
+  session_id: Optional[Name] = None
+  model: Optional[Name] = None
 
   # Record the turn in its session (`GET /sessions/{id}`); false: the session id only
   # routes it (the built-in agent keeps its own record: its turns would fill the store).
@@ -88,7 +81,7 @@ class ScoreBody(BaseModel):
   model_config = ConfigDict(extra="forbid")
   input_ids: list[Annotated[list[Annotated[int, TOKEN_ID]], Field(min_length=1)]] = Field(
       min_length=1, max_length=1024)
-  model: Optional[str] = None
+  model: Optional[Name] = None
   temperature: float = Field(1.0, gt=0.0, le=100.0)
 
 
@@ -101,7 +94,7 @@ class UpdateWeightsBody(BaseModel):
   path: str
   version: Optional[int] = None
   mode: Optional[str] = None
-  model: Optional[str] = None
+  model: Optional[Name] = None
 
 
 class FunctionDef(BaseModel):
@@ -124,7 +117,7 @@ class ChatBody(BaseModel):
   # ignored.
   model_config = ConfigDict(extra="allow")
   messages: list[dict] = Field(min_length=1)
-  model: Optional[str] = None
+  model: Optional[Name] = None
   tools: Optional[list[dict]] = None
   tool_choice: Optional[Union[str, dict]] = None
   top_logprobs: Optional[int] = None
@@ -139,7 +132,7 @@ class ChatBody(BaseModel):
   stream: bool = False
   n: int = 1
   logprobs: bool = False
-  session_id: Optional[str] = None
+  session_id: Optional[Name] = None
 
   @field_validator("tools")
   @classmethod
@@ -487,9 +480,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                                  "serve it with model.chat_template=chatml_tools")
     try:
       messages = normalise_messages(messages)
+      if session_id and m is None:
+        messages = with_sampled_arguments(messages, sessions.sampled_calls(session_id))
       pieces = tok.render_pieces(messages, tools=tools)
-      prompt = continued_prompt(tok, pieces, messages, sessions.last_context(
-          session_id, messages) if session_id and m is None else None)
+      prompt = continued_prompt(tok, pieces, messages, tools, sessions.last_turn(
+          session_id, messages, tools) if session_id and m is None else None)
       if prompt is None:
         prompt = tok.encode_pieces(pieces)
     except ValueError as e:

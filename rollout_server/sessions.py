@@ -97,6 +97,7 @@ class _Session:
     self.record_id = uuid.uuid4().hex[:12]
     self.size, self.touched = 0, 0.0
     self.ids = self.digests = self.output_count = None
+    self.calls: dict[str, str] = {}  # tool call id -> its arguments' text, as sampled
     self._context_size = 0
 
   def append(self, turn: dict) -> int:
@@ -118,6 +119,11 @@ class _Session:
       messages_size = sum(len(j) + _MESSAGE_OVERHEAD for j in as_json[shared:])
     out = stored.get("output_ids")
     self.ids, self.digests = _context(ids, out), digests
+    response = stored.get("response")
+    for call in (response.get("tool_calls") or []) if isinstance(response, dict) else []:
+      function = call.get("function") if isinstance(call, dict) else None
+      if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        self.calls[str(call.get("id"))] = function["arguments"]
     # (how many of `ids` the output holds: None when they are not the prompt and output)
     self.output_count = len(out) if _packed_alike(ids, out) else None
     context_size = (_size(self.ids) if isinstance(self.ids, array.array) else 0) + (
@@ -147,6 +153,16 @@ class _Session:
                     list(v) if k == "messages" and isinstance(v, list) else v
                     for k, v in turn.items()})
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LastTurn:
+  """What a session's next call continues (`SessionStore.last_turn`): the last turn's
+  prompt and output ids, its message count and its reply (the assistant message)."""
+  prompt_ids: list[int]
+  output_ids: list[int]
+  message_count: int
+  response: Optional[dict]
 
 
 def _digest(message_json: str) -> bytes:
@@ -234,21 +250,31 @@ class SessionStore:
       return None if session is None else (session.unpacked(since), len(session.turns),
                                            session.record_id)
 
-  def last_context(self, session_id: str, messages: list[dict]
-                   ) -> Optional[tuple[list[int], int, int]]:
-    """The prompt and output ids of the session's last turn as one list, how many of
-    them are the output, and how many messages that turn had, when `messages` begin
-    with them (equal as JSON, as they were recorded); None when they do not, or the
-    session is not held."""
+  def last_turn(self, session_id: str, messages: list[dict], tools: Any
+                ) -> Optional["LastTurn"]:
+    """The session's last turn, when `messages` begin with its messages (equal as JSON,
+    as they were recorded) and `tools` are its tools; None when not, or the session is
+    not held."""
     with self._lock:
       session = self._sessions.get(session_id)
       if session is None or session.digests is None or session.output_count is None:
         return None
+      last = session.turns[-1]
       ids, digests, count = session.ids.tolist(), session.digests, session.output_count
     if len(messages) < len(digests) or any(
         _digest(json.dumps(m, default=str)) != d for m, d in zip(messages, digests)):
       return None
-    return ids, count, len(digests)
+    if json.dumps(last.get("tools"), default=str) != json.dumps(tools, default=str):
+      return None
+    response = last.get("response")
+    return LastTurn(ids[:len(ids) - count], ids[len(ids) - count:], len(digests),
+                    response if isinstance(response, dict) else None)
+
+  def sampled_calls(self, session_id: str) -> dict[str, str]:
+    """The arguments' text of each tool call the session's turns made, by call id."""
+    with self._lock:
+      session = self._sessions.get(session_id)
+      return {} if session is None else dict(session.calls)
 
   def pop(self, session_id: str) -> Optional[list[dict]]:
     with self._lock:

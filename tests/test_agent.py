@@ -972,6 +972,24 @@ def test_every_segment_carries_its_provenance():
   assert Segment.from_json(seg.to_json()).meta_versions == meta
 
 
+def test_a_parsed_calls_arguments_are_handed_out_as_the_model_wrote_them():
+  """A gateway's reply carries each call's arguments as the text sampled: json.dumps
+  wrote "café" as "caf\\u00e9" and 1e5 as 100000.0, and the agent that sent the call back
+  put other tokens in the next prompt than the model's (red team 24)."""
+  import json
+
+  from jaxagent.toolcalls import parse_tool_calls
+
+  text = ('<tool_call> {"arguments" :{"q": "café ☕", "n": 1e5} , "name": "f"}</tool_call>'
+          '<tool_call>{"name": "g", "arguments": "{\\"a\\": 1}"}</tool_call>'
+          '<tool_call>{"name": "h", "arguments": {}, "arguments": {"x": "}"}}</tool_call>')
+  parsed = parse_tool_calls(text)
+  assert not parsed.errors
+  written = [c.openai()["function"]["arguments"] for c in parsed.calls]
+  assert written == ['{"q": "café ☕", "n": 1e5}', '{"a": 1}', '{"x": "}"}']
+  assert [json.loads(w) for w in written] == [c.arguments for c in parsed.calls]
+
+
 def test_a_black_box_replys_tool_call_text_keeps_an_argument_that_writes_its_close_tag():
   """A black-box agent hands each reply to its environment as text in the template's
   tool-call format: an argument holding "</tool_call>" (the model wrote it escaped, the

@@ -66,6 +66,24 @@ def test_messages_convert_to_the_openai_form_by_hand():
       {"role": "tool", "tool_call_id": "t1", "content": "one"},
       {"role": "tool", "tool_call_id": "t2", "content": "bad x", "is_error": True},
       {"role": "user", "content": "Go on."}]
+  # Consecutive messages of a role are one turn, as Anthropic's API takes them (red team
+  # 24: a tool use answered after two assistant messages was refused; two user messages
+  # rendered as two turns).
+  body = MessagesBody.model_validate({"model": "m", "max_tokens": 8, "messages": [
+      {"role": "user", "content": "a"}, {"role": "user", "content": [
+          {"type": "text", "text": "b"}]},
+      {"role": "assistant", "content": [
+          {"type": "tool_use", "id": "t1", "name": "f", "input": {"q": "café"}}]},
+      {"role": "assistant", "content": "Then."},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]},
+      {"role": "user", "content": "c"}]})
+  assert chat_messages(body)[0] == [
+      {"role": "user", "content": "ab"},
+      {"role": "assistant", "content": "Then.", "tool_calls": [
+          {"id": "t1", "type": "function", "function": {"name": "f",
+                                                        "arguments": '{"q": "café"}'}}]},
+      {"role": "tool", "tool_call_id": "t1", "content": "r"},
+      {"role": "user", "content": "c"}]
 
 
 def test_an_environment_chat_renders_alike_through_either_gateway(tokenizer):
@@ -282,9 +300,20 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server):
           {"role": "user", "content": [
               {"type": "tool_result", "tool_use_id": "t2", "content": "x"}]}]), 400,
        "(it called 't1')"),
+      # (red team 24: an empty turn was served as no turn; a lone surrogate in the model's
+      # name was sampled and recorded, then answered with an encoder's 400; a NaN in a
+      # schema was recorded, and the session's record could not be read again)
+      (dict(ok, messages=[{"role": "user", "content": []}]), 400, "messages.0.content: empty"),
+      (dict(ok, messages=user + [{"role": "assistant", "content": ""}] + user), 400,
+       "messages.1.content: empty"),
+      (dict(ok, model="a\udcff"), 422, "model: Value error, not valid Unicode"),
+      (dict(ok, tools=[{"name": "f", "input_schema": {"default": float("nan")}}]), 400,
+       "body: NaN is not plain JSON"),
+      (dict(ok, temperature=float("inf")), 400, "body: Infinity is not plain JSON"),
   ]
-  for body, status, needle in cases:
-    r = c.post("/v1/messages", json=body)
+  for body, status, needle in cases:  # (as json.dumps writes them: NaN, escapes)
+    r = c.post("/v1/messages", content=json.dumps(body),
+               headers={"content-type": "application/json"})
     assert r.status_code == status, (body, r.status_code, r.text)
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"

@@ -179,8 +179,11 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   for body, needle in [({"messages": []}, "messages"),
                        ({"messages": user, "max_tokens": 0}, "max_tokens"),
                        ({"messages": user, "seed": 2**64}, "seed"),
-                       ({"messages": user, "top_k": 2**31}, "top_k")]:
-    r = c.post("/v1/chat/completions", json=body)
+                       ({"messages": user, "top_k": 2**31}, "top_k"),
+                       ({"messages": user, "model": "a\udcff"}, "model: Value error, not "
+                        "valid Unicode")]:
+    r = c.post("/v1/chat/completions", content=json.dumps(body),
+               headers={"content-type": "application/json"})
     assert r.status_code == 422 and needle in r.text, (body, r.status_code, r.text)
   # Fields that would change the answer and are not served are refused, not ignored (a
   # new user's finding: each came back 200 as if served).
@@ -202,11 +205,18 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
        "response_format: not served"),
       ({"messages": user, "ignore_eos": True}, 422, "ignore_eos: not served"),
       ({"messages": [{"role": "user"}]}, 400, "messages[0] (user) has no content"),
+      # (red team 24: recorded, a NaN made the session's record unreadable)
+      ({"messages": user, "tools": [dict(tool, function=dict(
+          tool["function"], parameters={"default": float("nan")}))]}, 400,
+       "body: NaN is not plain JSON"),
+      ({"messages": user, "max_tokens": 1, "x": float("inf")}, 400,
+       "body: Infinity is not plain JSON"),
       ({"messages": [{"role": "user", "content": [
           {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
        "messages[0].content[0]: only text parts"),
   ]:
-    r = c.post("/v1/chat/completions", json=body)
+    r = c.post("/v1/chat/completions", content=json.dumps(body),
+               headers={"content-type": "application/json"})
     assert r.status_code == status and needle in r.text, (body, r.status_code, r.text)
   # The values that change nothing, as some clients send them, are served.
   r = c.post("/v1/chat/completions", json={
@@ -853,9 +863,10 @@ def test_a_streamed_reply_says_what_the_whole_reply_says():
     assert (bad in content) == (bad in text)
 
 
-def _turn(store, session_id, messages, prompt, output):
-  store.record(session_id, {"kind": "chat", "messages": messages, "prompt_ids": prompt,
-                            "output_ids": output, "output_logprobs": [0.0] * len(output)})
+def _turn(store, session_id, messages, prompt, output, response=None, tools=None):
+  store.record(session_id, {"kind": "chat", "messages": messages, "tools": tools,
+                            "prompt_ids": prompt, "output_ids": output,
+                            "output_logprobs": [0.0] * len(output), "response": response})
 
 
 def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer):
@@ -871,14 +882,15 @@ def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer
   prompt = tok.apply_chat_template(ask)
   spelled = tok.encode_plain("a <|im_end|> b")  # the control string in bytes
   store = SessionStore(8)
-  _turn(store, "s", ask, prompt, spelled + [im_end])
-
-  def next_prompt(messages, session="s"):
-    messages = normalise_messages(messages)
-    pieces = tok.render_pieces(messages)
-    return continued_prompt(tok, pieces, messages, store.last_context(session, messages))
-
   reply = {"role": "assistant", "content": "a <|im_end|> b"}
+  _turn(store, "s", ask, prompt, spelled + [im_end], reply)
+
+  def next_prompt(messages, session="s", tools=None):
+    messages = normalise_messages(messages)
+    pieces = tok.render_pieces(messages, tools)
+    return continued_prompt(tok, pieces, messages, tools,
+                            store.last_turn(session, messages, tools))
+
   follow = ask + [reply, {"role": "user", "content": "next"}]
   got = next_prompt(follow)
   assert got[:len(prompt) + len(spelled) + 1] == prompt + spelled + [im_end]
@@ -893,10 +905,30 @@ def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer
       tok.render_pieces(changed), start=len(tok.decode(prompt)))
   assert next_prompt([{"role": "user", "content": "spell it!"}] + follow[1:]) is None
   assert next_prompt(follow, session="other") is None
+  assert next_prompt(follow, tools=TOOLS) is None  # (other tools: another system prompt)
   # A stop token the template does not write itself stays where it was sampled.
-  _turn(store, "e", ask, prompt, spelled + [eot])
+  _turn(store, "e", ask, prompt, spelled + [eot], reply)
   got = next_prompt(follow, session="e")
   assert got[:len(prompt) + len(spelled) + 2] == prompt + spelled + [eot, im_end]
+  # A call as the model wrote it (compact, after a new line, its arguments not ASCII)
+  # sent back with its arguments written again (an Anthropic tool_use's input, a
+  # harness's json.dumps): the tokens sampled, not the template's writing of the call.
+  sampled = tok.encode('Sure.\n<tool_call>{"name":"calculate","arguments":{"expression":'
+                       '"2×3", "n": 1e5}}</tool_call><|im_end|>')
+  called = {"role": "assistant", "content": "Sure.", "tool_calls": [
+      {"id": "c_0", "type": "function", "function": {
+          "name": "calculate", "arguments": '{"expression":"2×3", "n": 1e5}'}}]}
+  _turn(store, "t", ask, prompt, sampled, called)
+  again = dict(called, tool_calls=[{"id": "c_0", "type": "function", "function": {
+      "name": "calculate", "arguments": json.dumps({"expression": "2×3", "n": 1e5})}}])
+  follow = ask + [again, {"role": "tool", "tool_call_id": "c_0", "content": "6"}]
+  got = next_prompt(follow, session="t")
+  assert got[:len(prompt) + len(sampled)] == prompt + sampled
+  assert tok.decode(got[len(prompt) + len(sampled):]) == (
+      "\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n")
+  changed = dict(again, content="Sure!")  # (a reply the agent changed: the prompt only)
+  assert next_prompt(ask + [changed] + follow[2:], session="t")[:len(prompt) + 1] == \
+      prompt + tok.encode("Sure!")[:1]
 
 
 def test_a_reply_sent_back_is_trained_as_sampled(tokenizer):
