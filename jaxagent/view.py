@@ -38,15 +38,18 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import math
 import os
+import socket
 import sys
 import threading
 import zlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import tokenizers
 from fastapi import FastAPI, HTTPException, Query
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from jaxagent.serve_http import listen_or_say, serve
 from jaxagent.tokenizer import IM_END, IM_START, Tokenizer, smollm2_tokenizer
@@ -299,14 +302,25 @@ def _check_segment(row: Any) -> None:
 
   if not (isinstance(row, dict) and of(row.get("step"), int, type(None))
           and of(row.get("rollout_id") or row.get("session_id"), str)
-          and of(row.get("tokens"), list) and of(row.get("versions"), list, list_of=int)
+          and of(row.get("segment_id", ""), str)
+          and of(row.get("parent_segment_id"), str, type(None))
+          and of(row.get("tokens"), list, list_of=int)
+          and all(0 <= t < 2**31 for t in row["tokens"])
+          and of(row.get("versions"), list, list_of=int)
+          and of(row.get("turn_ids"), list, list_of=int)
           and of(row.get("loss_mask"), list, list_of=(int, float))
+          and of(row.get("rollout_logp"), list, list_of=(int, float))
+          and of(row.get("advantages") or [], list, list_of=(int, float))
+          and len({len(row[k]) for k in ("tokens", "versions", "turn_ids", "loss_mask",
+                                         "rollout_logp", "advantages")
+                   if row.get(k) is not None}) == 1
+          and of(row.get("turn_rewards") or [], list, list_of=(int, float))
+          and of(row.get("decisions") or [], list, list_of=str)
           and of(row.get("task_id", ""), str) and of(row.get("group_id", ""), str)
           and of(row.get("status", ""), str) and of(row.get("reason", ""), str)
           and of(row.get("reward"), int, float, type(None))
           and of(row.get("verdict") or {}, dict)
-          and of((row.get("verdict") or {}).get("status", ""), str)
-          and of(row.get("decisions") or [], list)):
+          and of((row.get("verdict") or {}).get("status", ""), str)):
     raise TypeError("not a segment")
 
 
@@ -464,8 +478,32 @@ def trajectory_file(path: str) -> Optional[str]:
   return None
 
 
-def create_app(run_dir: str):
-  """The viewer's FastAPI app over `run_dir` (which must hold a trajectory file)."""
+def _finite(value: Any) -> Any:
+  """`value` with every NaN and infinity as None (JSON has neither)."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, dict):
+    return {k: _finite(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite(v) for v in value]
+  return value
+
+
+class FiniteJSON(JSONResponse):
+  """JSON with a NaN or an infinity written as null: a run's file may hold one (a reward,
+  a log-prob of -inf), and every list it was in answered 500 (red team 24)."""
+
+  def render(self, content: Any) -> bytes:
+    try:
+      return super().render(content)
+    except ValueError:
+      return super().render(_finite(content))
+
+
+def create_app(run_dir: str, hosts: Sequence[str] = ()):
+  """The viewer's FastAPI app over `run_dir` (which must hold a trajectory file). It
+  answers requests that name this machine (or `hosts`) as their host only: a web page
+  elsewhere that rebinds its name to this machine's address cannot read the run."""
   path = trajectory_file(run_dir)
   if path is None:
     raise FileNotFoundError(f"no {' or '.join(FILES)} in {run_dir}")
@@ -473,7 +511,10 @@ def create_app(run_dir: str):
   index.refresh()
   config_dir = run_dir if os.path.isdir(run_dir) else os.path.dirname(path)
   text = run_token_text(config_dir, index.vocab_sha256)
-  app = FastAPI(title="jaxagent trajectories")
+  app = FastAPI(title="jaxagent trajectories", default_response_class=FiniteJSON,
+                docs_url=None, redoc_url=None, openapi_url=None)
+  app.add_middleware(TrustedHostMiddleware, allowed_hosts=[
+      "localhost", "127.0.0.1", "[::1]", "::1", *hosts])
   app.state.index = index
 
   @app.get("/")
@@ -523,7 +564,8 @@ def main(argv=None) -> int:
   sock = listen_or_say(args.host, args.port)
   if sock is None:
     return 2
-  app = create_app(args.run_dir)
+  app = create_app(args.run_dir, hosts=[args.host, socket.gethostname()]
+                   if args.host not in ("0.0.0.0", "::") else ["*"])
   facts = app.state.index.facets()
   print(f"{facts['episodes']} episodes ({facts['segments']} segments) in "
         f"{app.state.index.path}; serving http://{args.host}:{sock.getsockname()[1]}/", flush=True)

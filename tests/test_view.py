@@ -191,7 +191,13 @@ def test_lines_that_are_not_segments_are_counted_not_fatal(tmp_path):
   bad = ["[" * 5000 + "]" * 5000, json.dumps({**good, "step": "x"}),
          json.dumps({**good, "task_id": 5}), json.dumps({**good, "reward": "high"}),
          json.dumps({**good, "verdict": {"status": 3}}), json.dumps([1, 2]),
-         json.dumps(good).replace('"step": 1', '"step": ' + "9" * 5000)]
+         json.dumps(good).replace('"step": 1', '"step": ' + "9" * 5000),
+         # (red team 24: each of these answered its episode with a 500, or broke the page)
+         json.dumps({k: v for k, v in good.items() if k != "turn_ids"}),
+         json.dumps({**good, "segment_id": ["a"]}), json.dumps({**good, "tokens": ["a"]}),
+         json.dumps({**good, "tokens": [2**40] * len(good["tokens"])}),
+         json.dumps({**good, "turn_rewards": {"a": 1}}), json.dumps({**good, "decisions": [1]}),
+         json.dumps({**good, "rollout_logp": good["rollout_logp"][:-1]})]
   with open(path, "a") as f:
     f.write("".join(line + "\n" for line in bad))
   index = view.TrajectoryIndex(path)
@@ -204,7 +210,7 @@ def test_lines_that_are_not_segments_are_counted_not_fatal(tmp_path):
 
 
 def test_api_lists_filters_and_shows_an_episode(run_dir):
-  client = TestClient(view.create_app(run_dir))
+  client = TestClient(view.create_app(run_dir), base_url="http://localhost")
   run = client.get("/api/run").json()
   assert (run["episodes"], run["segments"], run["verdicts"], run["truncations"],
           run["versions"], run["last_step"]) == (6, 10, ["fail", "pass"],
@@ -253,6 +259,31 @@ def test_api_lists_filters_and_shows_an_episode(run_dir):
   unrecorded = client.get("/api/episodes/5").json()["segments"][0]
   assert not unrecorded["advantages_recorded"] and unrecorded["tokens"]["adv"] is None
   assert client.get("/").text.startswith("<!doctype html>")
+
+
+def test_a_value_json_has_not_is_null_and_other_hosts_are_refused(tmp_path):
+  """Red team 24: one NaN reward (or a -inf log-prob) in the file answered every list
+  holding it with a 500, a blank page; any Host header was served (a web page that
+  rebinds its name to this machine could read the run), and the API's docs were up."""
+  path = str(tmp_path / "trajectories.jsonl")
+  dump_segments(path, with_advantages(STEP_1[0][0](), 0.5), 1, TOK.decode)
+  with open(path) as f:
+    good = json.loads(f.readline())
+  logp = [float("-inf")] + good["rollout_logp"][1:]
+  with open(path, "a") as f:
+    f.write(json.dumps({**good, "rollout_id": "nan", "reward": float("nan"),
+                        "rollout_logp": logp, "loss_mask": [1.0] * len(logp)}) + "\n")
+  client = TestClient(view.create_app(str(tmp_path)), base_url="http://localhost")
+  listed = client.get("/api/episodes")
+  assert listed.status_code == 200, listed.text
+  (nan,) = [e for e in listed.json()["episodes"] if e["rollout_id"] == "nan"]
+  assert nan["reward"] is None
+  shown = client.get(f"/api/episodes/{nan['n']}")
+  assert shown.status_code == 200 and shown.json()["segments"][0]["tokens"]["logp"][0] is None
+  assert TestClient(client.app, base_url="http://attacker.example").get(
+      "/api/run").status_code == 400
+  assert client.get("/api/run").status_code == 200
+  assert client.get("/docs").status_code == 404 and client.get("/openapi.json").status_code == 404
 
 
 def test_without_trajectories_one_line_and_exit_2(tmp_path, capsys):
@@ -330,6 +361,12 @@ def test_page_in_headless_chromium(run_dir, tmp_path, record_property):
     assert "log-prob: -0.2500" in hover.text and "advantage: 0.5000" in hover.text
     assert "policy version: 0" in hover.text
     assert "calculator(" in driver.find_element(By.CSS_SELECTOR, ".call").text
+
+    # An episode that cannot be shown says why where it would be (the last one shown
+    # stayed, under the new one's number: red team 24).
+    driver.get(url + "#episode=99")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#right .fail"))
+    assert driver.find_element(By.CSS_SELECTOR, "#right .fail").text == "404: no episode 99"
 
     shot = str(tmp_path / "view.png")
     driver.save_screenshot(shot)
