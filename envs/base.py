@@ -84,10 +84,11 @@ def _float_sized_int(literal: str) -> int:
   return value
 
 
-def load_tasks(path: str) -> list[TaskSpec]:
+def load_tasks(path: str, unique: bool = False) -> list[TaskSpec]:
   """Reads a JSONL task file; errors name the line. NaN, Infinity and numbers (real or
-  whole) that overflow a float are refused (a `process_reward: NaN` reached the advantages)."""
-  tasks = []
+  whole) that overflow a float are refused (a `process_reward: NaN` reached the advantages).
+  `unique`: a task id on two lines is refused (an evaluation's figures are by task id)."""
+  tasks, lines = [], {}
   with open(path) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
@@ -100,6 +101,10 @@ def load_tasks(path: str) -> list[TaskSpec]:
             from None
       except ValueError as e:
         raise ValueError(f"{path}:{n}: {e}") from None
+      if unique and tasks[-1].id in lines:
+        raise ValueError(f"{path}:{n}: task id {tasks[-1].id!r} is line "
+                         f"{lines[tasks[-1].id]}'s too (each task needs its own id)")
+      lines[tasks[-1].id] = n
   return tasks
 
 

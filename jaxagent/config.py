@@ -575,6 +575,10 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     raise _error(e, schema, path or "config") from None
 
 
+# The dtypes a model computes, keeps its parameters, samples or exports in.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def check_engine(e: EngineConfig, key: str) -> None:
   """The engine's sizes, each named under `key` when out of range (a 0 or a negative one
   was a ZeroDivisionError, a shape error from the device, or a run that hung while
@@ -589,6 +593,9 @@ def check_engine(e: EngineConfig, key: str) -> None:
               "prefix_cache_tokens": " (0: no prefix cache)",
               "speculative_tokens": " (0: off)"}.get(name, "")
       raise ConfigError(f"{key}.{name} must be >= {least}{zero}, got {getattr(e, name)}")
+  if e.dtype is not None and e.dtype not in FLOAT_DTYPES:
+    raise ConfigError(f"{key}.dtype: null (the model's), {', '.join(FLOAT_DTYPES)}, got "
+                      f"{e.dtype!r}")
 
 
 def check_mesh(m: MeshConfig, key: str = "mesh") -> None:

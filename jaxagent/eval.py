@@ -227,7 +227,7 @@ async def run(args) -> dict:
   agent = dataclasses.replace(cfg.agent, temperature=0.0 if args.greedy else
                               (args.temperature if args.temperature is not None
                                else cfg.agent.temperature))
-  tasks = load_tasks(args.tasks)
+  tasks = load_tasks(args.tasks, unique=True)
   if args.limit:
     tasks = tasks[:args.limit]
   env_factory, close_envs = make_env_factory(cfg)
@@ -284,10 +284,21 @@ def main(argv=None) -> int:
   p.add_argument("--json", action="store_true", help="print the report as one JSON line")
   args = p.parse_args(argv)
   try:
-    if not os.path.exists(args.tasks):
-      raise config_lib.ConfigError(f"--tasks: no such file {args.tasks}")
+    if not os.path.isfile(args.tasks):
+      raise config_lib.ConfigError(f"--tasks: no such file {args.tasks}" + (
+          " (a directory)" if os.path.isdir(args.tasks) else ""))
     if not os.path.exists(args.policy):
       raise config_lib.ConfigError(f"--policy: no such export {args.policy}")
+    if args.greedy and (args.k != "1" or args.samples is not None
+                        or args.temperature is not None):
+      raise config_lib.ConfigError("--greedy plays one sample a task at temperature 0 "
+                                   "(pass@1): it takes no --k, --samples or --temperature")
+    if args.out is not None:  # (checked before the episodes, not after: red team 25)
+      where = os.path.dirname(os.path.abspath(args.out))
+      if os.path.isdir(args.out) or not os.path.isdir(where) or not os.access(where, os.W_OK):
+        raise config_lib.ConfigError(f"--out: cannot write a report at {args.out} ("
+                                     + ("a directory" if os.path.isdir(args.out) else
+                                        f"no writable directory {where}") + ")")
     try:
       ks = [int(k) for k in args.k.split(",")]
     except ValueError:
@@ -317,8 +328,14 @@ def main(argv=None) -> int:
   # more training does not overwrite the report of the version before.
   out = args.out or os.path.join(rep["policy"], f"eval-{name}.json")
   replaced = os.path.exists(out)  # (an eval of other settings: said, not silent)
-  with open(out, "w") as f:
-    json.dump(rep, f, indent=1)
+  try:
+    with open(out, "w") as f:
+      json.dump(rep, f, indent=1)
+  except OSError as e:  # (the figures, played for, are not lost: printed)
+    print(json.dumps(rep))
+    print(f"error: the report could not be written at {out} ({e.strerror}): printed "
+          "above as JSON; --out names another place", file=sys.stderr)
+    return 1
   if args.json:  # the report alone on stdout, for a pipe
     print(json.dumps(rep))
   print_table(rep, rep["k"], file=sys.stderr if args.json else sys.stdout)

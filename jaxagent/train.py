@@ -233,6 +233,49 @@ def leave_stuck_threads(code: int, grace_s: float = 5.0) -> None:
 
 # A second signal ends the process within this long, whatever its threads wait on.
 STOP_NOW_S = 10.0
+# A SIGTERM this soon after a first one is the same request: the kernel sends a launched
+# process its parent-death signal once for each of the launcher's threads as they die
+# (two 14 ms apart stopped a run at once, without its checkpoint: red team 25).
+REPEATED_TERM_S = 1.0
+
+
+class RepeatedTerm:
+  """Tells a signal that repeats a SIGTERM received less than REPEATED_TERM_S before from
+  a new request (`same_request`), and sends the process's output to `orphan_log` once its
+  parent is gone: a launched learner's stdout is a pipe to the launcher, and a write to
+  it, the launcher dead, ended the run before its checkpoint (red team 25)."""
+
+  def __init__(self, orphan_log: str):
+    self.parent, self.orphan_log = os.getppid(), orphan_log
+    self.term_at: Optional[float] = None
+
+  def same_request(self, sig: int) -> bool:
+    if self.orphan_log and os.getppid() != self.parent:
+      output_to_file(self.orphan_log)
+      self.orphan_log = ""
+    now = time.monotonic()
+    if sig != signal.SIGTERM:
+      return False
+    if self.term_at is not None and now - self.term_at < REPEATED_TERM_S:
+      return True
+    self.term_at = now
+    return False
+
+
+def output_to_file(path: str) -> None:
+  """Sends this process's stdout and stderr to `path` (appended) from now on."""
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  except OSError:
+    fd = os.open(os.devnull, os.O_WRONLY)
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):  # (the pipe's reader is gone)
+      pass
+  os.dup2(fd, 1)
+  os.dup2(fd, 2)
+  os.close(fd)
 
 
 def exit_soon(code: int, run_dir: str, multi: bool) -> None:
@@ -377,6 +420,10 @@ def check_model(m: config_lib.ModelSpec, key: str = "model") -> None:
   from jaxagent.build import TEMPLATES, hf_tokenizer_file, model_overrides
   from jaxagent.models.config import PRESETS, preset
 
+  for field in ("dtype", "param_dtype"):  # (another was a numpy or JAX traceback)
+    if getattr(m, field) not in config_lib.FLOAT_DTYPES:
+      raise config_lib.ConfigError(f"{key}.{field}: {', '.join(config_lib.FLOAT_DTYPES)}, got "
+                                   f"{getattr(m, field)!r}")
   if m.checkpoint is None:
     if m.preset not in PRESETS:
       import difflib
@@ -437,9 +484,9 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
         f"rollout.window ({r.window}) must be >= rollout.groups_per_step "
         f"({r.groups_per_step}): a step takes its groups from the oldest `window` in flight")
   c = cfg.checkpoint
-  if c.export_dtype not in (None, "bfloat16", "float16", "float32"):  # (it was ignored)
+  if c.export_dtype is not None and c.export_dtype not in config_lib.FLOAT_DTYPES:  # (it was ignored)
     raise config_lib.ConfigError(f"checkpoint.export_dtype: null (the parameters' own), "
-                                 f"bfloat16, float16 or float32, got {c.export_dtype!r}")
+                                 f"{', '.join(config_lib.FLOAT_DTYPES)}, got {c.export_dtype!r}")
   if not 0 <= cfg.stop_success_rate <= 1:  # (2 was taken: a stop that could never come)
     raise config_lib.ConfigError(f"stop_success_rate must be in [0, 1] (0: no early stop), "
                                  f"got {cfg.stop_success_rate}")
@@ -504,8 +551,9 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   check_served_models(cfg.serving.models)
   if not cfg.data.tasks:
     raise config_lib.ConfigError("data.tasks: a task file (JSONL) is required")
-  if not os.path.exists(cfg.data.tasks):
-    raise _no_such_file("data.tasks", cfg.data.tasks)
+  if not os.path.isfile(cfg.data.tasks):
+    raise _no_such_file("data.tasks", cfg.data.tasks,
+                        " (a directory)" if os.path.isdir(cfg.data.tasks) else "")
   if cfg.rollout.mode not in ("sync", "async", "window"):
     raise config_lib.ConfigError(f"rollout.mode: unknown {cfg.rollout.mode!r}; known: sync, "
                                  "async, window")
@@ -530,8 +578,14 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     if not cfg.eval.tasks:
       raise config_lib.ConfigError("eval.every needs eval.tasks (a task file of held-out "
                                    "tasks)")
-    if not os.path.exists(cfg.eval.tasks):
-      raise _no_such_file("eval.tasks", cfg.eval.tasks, " (needed with eval.every)")
+    if not os.path.isfile(cfg.eval.tasks):
+      raise _no_such_file("eval.tasks", cfg.eval.tasks, " (a directory)" if os.path.isdir(
+          cfg.eval.tasks) else " (needed with eval.every)")
+    from envs.base import load_tasks
+    try:  # (at the start, not at the first evaluation)
+      load_tasks(cfg.eval.tasks, unique=True)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"eval.tasks: {e}") from None
     samples = 1 if cfg.eval.greedy else cfg.eval.samples
     if not cfg.eval.k or min(cfg.eval.k) < 1 or max(cfg.eval.k) > samples:
       raise config_lib.ConfigError(f"eval.k: each k must be in 1..{samples} (eval.samples; "
@@ -1057,7 +1111,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
     e = cfg.eval
     agent = dataclasses.replace(cfg.agent, temperature=0.0) if e.greedy else cfg.agent
-    held_out = load_tasks(e.tasks)[:e.limit or None]
+    held_out = load_tasks(e.tasks, unique=True)[:e.limit or None]
 
     async def play_eval(task, session_id):
       return await eval_lib.play_as_configured(env_factory(task), task, serving, tokenizer,
@@ -1313,7 +1367,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   overflow_said = False  # a batch that left groups out was said
   device_sync = True  # weights reach an in-process engine device to device while it works
 
+  repeats = RepeatedTerm(os.path.join(run_dir, "output-after-launcher.log"))
+
   def request_stop(sig):
+    if repeats.same_request(sig):
+      return
     if signals["got"] is not None:
       signals["now"] = True  # (the run's task is cancelled: its `finally` cannot tell why)
       exit_soon(128 + sig, run_dir, multi)

@@ -248,3 +248,28 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   finally:
     server.kill()
     server.wait(timeout=30)
+
+
+def test_eval_cli_refuses_what_it_cannot_report_before_it_plays(tmp_path, capsys):
+  """Red team 25: a task id on two lines merged three tasks' samples into one pass@k; a
+  report that could not be written was a traceback after every episode had played; a
+  task path that is a directory was a traceback; --greedy dropped --k and --temperature
+  without a word."""
+  policy = tmp_path / "policy"
+  policy.mkdir()
+  with open(HELD_OUT) as f:
+    line = f.readline()
+  dup = tmp_path / "dup.jsonl"
+  dup.write_text(line + line)
+  args = ["--policy", str(policy), "--config", "configs/tiny.yaml", "--tasks"]
+  for argv, needle in (
+      (args + [str(dup)], f"{dup}:2: task id {json.loads(line)['id']!r} is line 1's too"),
+      (args + [str(tmp_path)], f"--tasks: no such file {tmp_path} (a directory)"),
+      (args + [HELD_OUT, "--greedy", "--k", "1,4"], "--greedy plays one sample"),
+      (args + [HELD_OUT, "--greedy", "--temperature", "0.7"], "--greedy plays one sample"),
+      (args + [HELD_OUT, "--out", str(tmp_path / "no" / "r.json")],
+       "--out: cannot write a report at"),
+      (args + [HELD_OUT, "--out", str(tmp_path)], "(a directory)")):
+    assert eval_lib.main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, (argv, err)

@@ -170,6 +170,48 @@ def test_children_get_sigterm_when_the_launcher_is_killed(tmp_path):
   raise AssertionError("the launcher's child outlived it")
 
 
+def test_a_killed_launchers_signals_are_one_stop_request_and_output_goes_to_a_file(tmp_path):
+  """The kernel sends a launched process its parent-death SIGTERM once for each of the
+  launcher's threads as they die: a learner took the second for "stop now" and saved no
+  checkpoint; then its write to the dead launcher's pipe ended it with a traceback (red
+  team 25). Repeats within a second are one request; output goes to a file."""
+  child = textwrap.dedent(f"""
+      import signal, sys, time
+      from jaxagent.train import RepeatedTerm
+      repeats, got = RepeatedTerm({str(tmp_path / "orphan.log")!r}), []
+      signal.signal(signal.SIGTERM, lambda s, f: got.append(repeats.same_request(s)))
+      print("ready", flush=True)
+      while not got:
+        time.sleep(0.05)
+      time.sleep(1.5)
+      for _ in range(2000):  # (past a pipe's buffer)
+        print("still here", flush=True)
+      with open({str(tmp_path / "got")!r}, "w") as f:
+        f.write(repr(got))
+      """)
+  parent = textwrap.dedent(f"""
+      import sys, threading, time
+      from jaxagent.launch import Child
+      lock = threading.Lock()
+      child = Child("learner", [sys.executable, "-c", {child!r}]).start(lock)
+      for _ in range(4):
+        threading.Thread(target=time.sleep, args=(300,), daemon=True).start()
+      time.sleep(300)
+      """)
+  proc = subprocess.Popen([sys.executable, "-c", parent], cwd=REPO, stdout=subprocess.PIPE,
+                          text=True)
+  assert proc.stdout.readline().endswith("ready\n")
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  deadline = time.monotonic() + 60
+  while not (tmp_path / "got").exists():
+    assert time.monotonic() < deadline, (tmp_path / "orphan.log").read_text()[-2000:]
+    time.sleep(0.1)
+  got = eval((tmp_path / "got").read_text())
+  assert got[0] is False and all(got[1:]) and len(got) >= 1  # one request, repeats ignored
+  assert "still here" in (tmp_path / "orphan.log").read_text()
+
+
 def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   from jaxagent import launch as launch_lib
 
@@ -184,7 +226,36 @@ def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
                           str(tmp_path / "empty"), "--resume"]) == 2
   assert "holds no run" in capsys.readouterr().err  # (services were started first)
+  # A resume the learner would refuse (another model) is refused before the services
+  # start (red team 25: the learner said so once they were up, the launch exited 1).
+  (run / "config.json").write_text(json.dumps({"model": {"preset": "nano"}}))
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir", str(run),
+                          "--resume", "model.preset=tiny"]) == 2
+  assert "--resume: a run keeps its model (model.preset: nano -> tiny)" in \
+      capsys.readouterr().err
   assert not (run / "launch").exists() and not (tmp_path / "empty").exists()
+
+
+def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
+  """A learner's refusal (2) or infrastructure failure (3) came out of the launch as 1
+  (red team 25): the launch exits with the learner's code; a service's death is 1."""
+  from jaxagent import launch as launch_lib
+
+  def fake_plan(learner_code):
+    def plan(args, cfg, run_dir):
+      service = launch_lib.Child("server0", [sys.executable, "-c", "import time; "
+                                             "time.sleep(60)"], url="http://127.0.0.1:1")
+      learner = launch_lib.Child("learner", [sys.executable, "-c", learner_code])
+      return [service], [learner]
+    return plan
+
+  monkeypatch.setattr(launch_lib, "wait_healthy", lambda child, timeout_s: None)
+  for code, want in (("import sys; sys.exit(3)", 3), ("import sys; sys.exit(2)", 2),
+                     ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)):
+    monkeypatch.setattr(launch_lib, "plan", fake_plan(code))
+    assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                            str(tmp_path / "run")]) == want, code
+    assert "launch: error: learner exited with code" in capsys.readouterr().err
 
 
 def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeypatch):

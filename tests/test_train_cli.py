@@ -454,7 +454,8 @@ def _bad_settings(tmp_path):
   for name, text in (("broken", '{"id": "a", "env": "guess_number"}\n{"id": "b",\n'),
                      ("unknown", '{"id": "a", "env": "guess_numbr"}\n'), ("empty", ""),
                      ("params", '{"id": "z", "env": "guess_number", '
-                                '"params": {"low": 10, "high": 2}}\n')):
+                                '"params": {"low": 10, "high": 2}}\n'),
+                     ("dup", '{"id": "a", "env": "guess_number"}\n' * 2)):
     tasks[name] = tmp_path / f"{name}.jsonl"
     tasks[name].write_text(text)
   a_file = tmp_path / "a_file"
@@ -536,6 +537,13 @@ def _bad_settings(tmp_path):
       (tiny + ["learner.lrr=1"], "learner.lrr"),
       (tiny + ["steps=many"], "steps"),
       (tiny + ["data.tasks=/nonexistent.jsonl"], "data.tasks"),
+      # (red team 25: tracebacks from IsADirectoryError, numpy and JAX)
+      (tiny + ["data.tasks=envs"], "data.tasks: no such file 'envs' (a directory)"),
+      (tiny + ["model.dtype=float33"], "model.dtype: float32, bfloat16, float16, got 'float33'"),
+      (tiny + ["model.param_dtype=int8"], "model.param_dtype: float32, bfloat16, float16"),
+      (tiny + ["serving.engine.dtype=int4"], "serving.engine.dtype: null (the model's), float32"),
+      (tiny + ["eval.every=2", f"eval.tasks={tasks['dup']}"],
+       f"eval.tasks: {tasks['dup']}:2: task id 'a' is line 1's too"),
       (tiny + ["rollout.mode=fast"], "rollout.mode"),
       (tiny + ["trajectories.mode=most"], "trajectories.mode: unknown 'most'; known: all,"),
       (tiny + ["trajectories.sample_every=0"], "trajectories.sample_every must be >= 1, got 0"),
