@@ -168,6 +168,19 @@ def quiet_failed_save_noise() -> None:
     absl_logger.addFilter(_OrbaxErrorsInOneLine())
 
 
+def end_command(code: int) -> None:
+  """Ends a command (`python -m ...`) with `code`. After a failed read, what Orbax left
+  running (TensorStore's callbacks into a closed event loop, abandoned array reads) printed
+  tracebacks and whole TensorStore specs at the interpreter's exit, after the command's one
+  line (red team 25): a failed command ends without that exit."""
+  if code:
+    for stream in (sys.stdout, sys.stderr):
+      with contextlib.suppress(Exception):
+        stream.flush()
+    os._exit(code)
+  sys.exit(code)
+
+
 class CheckpointFailed(RunWriteFailed):
   """A checkpoint could not be written (a full disk, a lost mount): the run must stop,
   since it would go on training what it cannot save."""
@@ -237,6 +250,17 @@ class RunCheckpointer:
       with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
         return int(json.load(f)["mesh"]["processes"])
     except (OSError, ValueError, KeyError, TypeError):
+      return None
+
+  def saved_meta(self, step: Optional[int] = None) -> Optional[dict]:
+    """The metadata a checkpoint (the newest by default) was saved with, read without its
+    arrays; None when it does not read (its restore says why)."""
+    step = self.latest_step() if step is None else step
+    try:
+      with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
+        meta = json.load(f)
+      return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
       return None
 
   def restore(self, abstract_state: Any, data_iter: Any = None, step: Optional[int] = None
@@ -327,8 +351,16 @@ def list_versions(root: str) -> list[dict]:
   path = os.path.join(root, REGISTRY)
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    return json.load(f)["versions"]
+  try:
+    with open(path) as f:
+      versions = json.load(f)["versions"]
+    if not (isinstance(versions, list) and all(
+        isinstance(v, dict) and isinstance(v.get("version"), int) for v in versions)):
+      raise ValueError("its versions are not a list of entries with a version number")
+  except (ValueError, KeyError, TypeError) as e:  # (the error named no file)
+    raise ValueError(f"the policy registry {path} cannot be read "
+                     f"({type(e).__name__}: {e})") from None
+  return versions
 
 
 def _write_registry(root: str, versions: list[dict]) -> None:
@@ -457,7 +489,37 @@ def load_policy(path: str, abstract_params: Any) -> Params:
   if not os.path.isdir(path):
     raise FileNotFoundError(f"no exported policy at {path}")
   with ocp.StandardCheckpointer() as ckptr:
-    return ckptr.restore(path, abstract_params)
+    try:
+      stored = ckptr.metadata(path).item_metadata
+    except Exception:  # (unreadable: the restore says why)
+      stored = None
+    differ = shape_differences(stored, abstract_params) if stored is not None else []
+    if differ:  # (Orbax said "set strict=False", advice that would load it wrongly)
+      raise ValueError(f"the policy export at {path} holds another model's weights than "
+                       f"the config's ({'; '.join(differ)}): give the run's own config "
+                       "(--config), or export the model it trained")
+    try:
+      return ckptr.restore(path, abstract_params)
+    except Exception as e:  # (a traceback of Orbax's, or TensorStore's spec dump)
+      reason = short_reason(e)
+  with _quiet_abandoned_reads():  # (the failed read's abandoned coroutines, collected)
+    pass
+  raise ValueError(f"the policy export at {path} cannot be read (damaged or partial: "
+                   f"{reason})")
+
+
+def shape_differences(stored: Any, wanted: Any, limit: int = 3) -> list[str]:
+  """`name: stored (a, b), wanted (c, d)` for arrays of two trees (a checkpoint's
+  metadata, abstract arrays) whose shapes differ or that one tree has alone; the first
+  `limit`."""
+  def shapes(tree):
+    return {jax.tree_util.keystr(k): tuple(getattr(x, "shape", ()) or ())
+            for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+  have, want = shapes(stored), shapes(wanted)
+  out = [f"{k}: stored {have.get(k, 'none')}, wanted {want.get(k, 'none')}"
+         for k in sorted(have.keys() | want.keys()) if have.get(k) != want.get(k)]
+  return out[:limit] + ([f"{len(out) - limit} more"] if len(out) > limit else [])
 
 
 def abstract_params_like(params_or_shapes: Any, shardings: Any, dtype=None) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from typing import Any, Optional, Sequence, TypeVar
 
 import yaml
@@ -161,9 +162,10 @@ class DataConfig:
   """Tasks (a JSONL task file read with grain) and the learner's batch shape."""
 
   tasks: Optional[str] = None
-  # Each learner batch is `rows` packed rows of `seq_len` tokens.
+  # Each learner batch is `rows` packed rows of `seq_len` tokens (at least an episode's
+  # longest: agent.max_context_tokens; the defaults agree with each other).
   rows: int = 8
-  seq_len: int = 128
+  seq_len: int = 512
   seed: int = 0
   shuffle: bool = True
 
@@ -194,7 +196,7 @@ class AgentConfig:
   # policy, or the served model `summarizer`, writes a summary of the dropped messages of
   # at most summary_max_tokens, which takes their place as untrained context). The
   # trajectory forks there; the cut segment's reason is context_compacted.
-  max_context_tokens: int = 1024
+  max_context_tokens: int = 512  # (what the default engine takes: its prompts of 512)
   compaction: str = "none"
   keep_last_messages: int = 4
   summary_max_tokens: int = 64
@@ -573,6 +575,19 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     return OmegaConf.to_object(merged)
   except oc_errors.OmegaConfBaseException as e:
     raise _error(e, schema, path or "config") from None
+
+
+def literal(value: Any) -> Any:
+  """`value` (a config as plain data) with each `${` in its strings escaped, so that a
+  YAML file written from it loads back as it was, not as an interpolation (a judge
+  rubric saying "${5}" failed to load: a reviewer)."""
+  if isinstance(value, str):  # (backslashes before one doubled: OmegaConf's escape rule)
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+  if isinstance(value, dict):
+    return {k: literal(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [literal(v) for v in value]
+  return value
 
 
 # The dtypes a model computes, keeps its parameters, samples or exports in.

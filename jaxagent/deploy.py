@@ -130,7 +130,7 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
   """File name -> Kubernetes object, for the run `cfg` with the CLI's `args`."""
   from omegaconf import OmegaConf
 
-  from jaxagent.launch import server_config
+  from jaxagent.launch import server_config, without_served_models
 
   sl = tpu_slice(args.tpu_type)
   run = run_name(cfg)
@@ -154,9 +154,10 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
 
   out["configmap.yaml"] = {
       "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{run}-config", "config"),
-      "data": {"run.yaml": OmegaConf.to_yaml(OmegaConf.create(config_lib.to_dict(cfg))),
-               "server.yaml": OmegaConf.to_yaml(OmegaConf.create(
-                   server_config(cfg, "rollout", server_port, host="0.0.0.0")))}}
+      "data": {"run.yaml": OmegaConf.to_yaml(OmegaConf.create(config_lib.literal(
+                   config_lib.to_dict(without_served_models(cfg) if servers else cfg)))),
+               "server.yaml": OmegaConf.to_yaml(OmegaConf.create(config_lib.literal(
+                   server_config(cfg, "rollout", server_port, host="0.0.0.0"))))}}
 
   # A restarted learner (JobSet failurePolicy: a failure or a preemption, which exits
   # non-zero) goes on from the run's last checkpoint.
@@ -328,7 +329,8 @@ def main(argv=None) -> int:
   g.add_argument("--tpu-type", required=True, help="the learner's slice, e.g. v5litepod-16")
   g.add_argument("--servers", type=int, default=4)
   g.add_argument("--env-workers", type=int, default=8)
-  g.add_argument("--sandboxes", type=int, default=8, help="sandboxes per environment worker")
+  g.add_argument("--sandboxes", type=int, default=None,
+                 help="sandboxes per environment worker (default: the config's env.sandboxes)")
   g.add_argument("--image", required=True)
   g.add_argument("--out", required=True)
   g.add_argument("--bucket", default="gs://BUCKET/runs", help="where run directories go")
@@ -343,6 +345,8 @@ def main(argv=None) -> int:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     if args.servers < 0 or args.env_workers < 0:
       raise ValueError("--servers and --env-workers must be >= 0")
+    if args.sandboxes is None:
+      args.sandboxes = cfg.env.sandboxes
     if args.sandboxes < 1:
       raise ValueError(f"--sandboxes must be >= 1, got {args.sandboxes}")
     if args.max_restarts < 0:

@@ -345,4 +345,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from jaxagent.checkpoint import end_command
+
+  end_command(main())

@@ -84,11 +84,21 @@ def main(argv=None) -> int:
     print(f"error: --out: {args.out} is not empty (no checkpoint is written over)",
           file=sys.stderr)
     return 2
+  above = os.path.abspath(args.out)  # (checked before the model loads: red team 25)
+  while not os.path.exists(above):
+    above = os.path.dirname(above)
+  if not os.path.isdir(above) or not os.access(above, os.W_OK):
+    print(f"error: --out: cannot make the directory {args.out} ({above} is "
+          f"{'a file' if not os.path.isdir(above) else 'not writable'})", file=sys.stderr)
+    return 2
   try:
     done = export(args.policy, args.out, args.dtype, args.config)
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except OSError as e:
+    print(f"error: writing {args.out}: {e}", file=sys.stderr)
+    return 1
   print(f"policy v{done['policy_version']} ({done['architecture']}, "
         f"{done['parameters']:,} parameters, {done['dtype']}) -> {done['out']}: "
         + ", ".join(done["files"]))
@@ -96,4 +106,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from jaxagent.checkpoint import end_command
+
+  end_command(main())

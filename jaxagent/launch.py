@@ -128,16 +128,33 @@ def server_config(cfg: config_lib.RunConfig, name: str, port: int,
   return {"name": name, "seed": cfg.seed, "host": host, "port": port,
           "model": dataclasses.asdict(cfg.model),
           "engine": dataclasses.asdict(cfg.serving.engine),
-          "update_mode": cfg.rollout.update_mode}
+          "update_mode": cfg.rollout.update_mode,
+          # (the run's judge, teacher or reference: served by its servers, named in its
+          # requests; a config with them could not be launched: red team 25)
+          "models": {name: dataclasses.asdict(m) for name, m in cfg.serving.models.items()}}
+
+
+def without_served_models(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
+  """The learner's config where its servers serve `serving.models` (their configs)."""
+  return dataclasses.replace(cfg, serving=dataclasses.replace(cfg.serving, models={}))
 
 
 def check_with_services(cfg: config_lib.RunConfig, servers: int, env_workers: int) -> None:
   """The learner's config checks (ConfigError) as it will run: with `servers` rollout
   servers and `env_workers` environment workers in its serving.urls / env.urls (the
   addresses stand in for theirs: none is reached)."""
-  from jaxagent.train import check_config
+  from jaxagent.train import check_config, check_served_models, served_scorers
 
   urls = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]  # noqa: E731
+  if servers:  # (the servers serve the run's models: each checked, each name found)
+    check_served_models(cfg.serving.models)
+    named = {**served_scorers(cfg), **({"judge": ("env.judge", cfg.env.judge)}
+                                       if cfg.env.judge and not cfg.env.judge_url else {})}
+    for key, name in named.values():
+      if name not in cfg.serving.models:
+        raise config_lib.ConfigError(f"{key}: no served model {name!r} in serving.models "
+                                     f"(have {sorted(cfg.serving.models)})")
+    cfg = without_served_models(cfg)
   check_config(dataclasses.replace(
       cfg, serving=dataclasses.replace(cfg.serving, urls=urls(servers)) if servers
       else cfg.serving, env=dataclasses.replace(cfg.env, urls=urls(env_workers))
@@ -157,26 +174,33 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
   for i in range(args.servers):
     port = free_port()
     path = os.path.join(launch_dir, f"server{i}.yaml")
-    OmegaConf.save(OmegaConf.create(server_config(cfg, f"server{i}", port)), path)
+    OmegaConf.save(OmegaConf.create(config_lib.literal(server_config(cfg, f"server{i}", port))),
+                   path)
     services.append(Child(f"server{i}", [py, "-m", "rollout_server", "--config", path,
                                          "--log-level", "warning"],
                           url=f"http://127.0.0.1:{port}"))
   for j in range(args.env_workers):
     port = free_port()
-    cmd = [py, "-m", "envs.server", "--port", str(port), "--log-level", "warning"]
+    cmd = [py, "-m", "envs.server", "--port", str(port), "--log-level", "warning",
+           "--sandboxes", str(cfg.env.sandboxes)]
     if cfg.env.allow_unisolated:
       cmd.append("--allow-unisolated")
     for module in cfg.env.imports:
       cmd += ["--import", module]
     services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}"))
-  overrides = list(args.overrides)
+  overrides, learner_config = list(args.overrides), args.config
   servers = [c.url for c in services if c.name.startswith("server")]
   envs = [c.url for c in services if c.name.startswith("env")]
+  if servers and cfg.serving.models:  # (an override cannot take keys out of a mapping)
+    learner_config = os.path.join(launch_dir, "learner.yaml")
+    OmegaConf.save(OmegaConf.create(config_lib.literal(config_lib.to_dict(
+        without_served_models(cfg)))), learner_config)
+    overrides = []  # (in the file)
   if servers:
     overrides.append("serving.urls=[" + ",".join(f'"{u}"' for u in servers) + "]")
   if envs:
     overrides.append("env.urls=[" + ",".join(f'"{u}"' for u in envs) + "]")
-  base = [py, "-m", "jaxagent.train", "--config", args.config, "--run-dir", run_dir,
+  base = [py, "-m", "jaxagent.train", "--config", learner_config, "--run-dir", run_dir,
           *(["--resume"] if getattr(args, "resume", False) else [])]
   learners = []
   n = args.learner_processes

@@ -250,14 +250,15 @@ class RepeatedTerm:
     self.term_at: Optional[float] = None
 
   def same_request(self, sig: int) -> bool:
-    if self.orphan_log and os.getppid() != self.parent:
+    orphaned = os.getppid() != self.parent
+    if self.orphan_log and orphaned:
       output_to_file(self.orphan_log)
       self.orphan_log = ""
     now = time.monotonic()
     if sig != signal.SIGTERM:
       return False
-    if self.term_at is not None and now - self.term_at < REPEATED_TERM_S:
-      return True
+    if self.term_at is not None and (now - self.term_at < REPEATED_TERM_S or orphaned):
+      return True  # (a parent's death during a stop is no call to stop at once: a reviewer)
     self.term_at = now
     return False
 
@@ -779,14 +780,9 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
-def check_provenance(meta: dict, cfg: config_lib.RunConfig, tokenizer, step: int,
-                     run_dir: str) -> None:
-  """A restored checkpoint's own record of its run against this one: the fields that
-  decide the weights, and the vocabulary, must be the same (ConfigError: the restore
-  casts and reshapes silently; without the run's config.json, or with one that did not
-  read, nothing else compared them: red team 15). A checkpoint whose config is none this
-  run had (its config.json, or one a resume set aside) is said in a line: another run's
-  checkpoint copied in, most likely."""
+def check_weights(meta: dict, cfg: config_lib.RunConfig, tokenizer, step: int) -> None:
+  """ConfigError when a checkpoint's metadata says it holds other weights than `cfg`'s
+  (the fields that decide them, the vocabulary)."""
   saved = (meta.get("config") or {}).get("model") or {}
   changes = [f"model.{k}: {saved[k]} -> {getattr(cfg.model, k)}"
              for k in config_lib.ModelSpec.WEIGHT_FIELDS
@@ -800,6 +796,17 @@ def check_provenance(meta: dict, cfg: config_lib.RunConfig, tokenizer, step: int
         f"--resume: checkpoint step {step} was saved with other weights than this run's "
         f"({'; '.join(changes)}); a run keeps its model: start a new run with another "
         "--run-dir")
+
+
+def check_provenance(meta: dict, cfg: config_lib.RunConfig, tokenizer, step: int,
+                     run_dir: str) -> None:
+  """A restored checkpoint's own record of its run against this one: the fields that
+  decide the weights, and the vocabulary, must be the same (ConfigError: the restore
+  casts and reshapes silently; without the run's config.json, or with one that did not
+  read, nothing else compared them: red team 15). A checkpoint whose config is none this
+  run had (its config.json, or one a resume set aside) is said in a line: another run's
+  checkpoint copied in, most likely."""
+  check_weights(meta, cfg, tokenizer, step)
   ran = []  # the configs this run has had: its config.json, those a resume set aside
   for name in sorted(os.listdir(run_dir)):
     if name == "config.json" or re.fullmatch(r"config\.step\d+\.json", name):
@@ -979,6 +986,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             f"--resume: this run's checkpoint was saved by {saved_by} processes, and "
             f"{jax.process_count()} are resuming it: resume it with --num-processes "
             f"{saved_by} (each process's data position and tasks in flight are its own)")
+      newest = ckpt.saved_meta()
+      if newest is not None:  # (before its arrays: a restore onto other shapes said "no
+        # readable checkpoint", read as damage, not as another model: red team 25)
+        check_weights(newest, cfg, tokenizer, ckpt.latest_step())
       state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
       check_provenance(meta, cfg, tokenizer, int(state.step), run_dir)
       cut_back(run_dir, cfg, int(state.step), int(state.policy_version))

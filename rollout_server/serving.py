@@ -38,6 +38,8 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
     path = os.path.join(path, "policy")  # a run directory: its exports
   if os.path.exists(os.path.join(path, REGISTRY)):
     entries = {e["version"] for e in list_versions(path)}
+    if not entries:
+      raise FileNotFoundError(f"{path} holds no policy export yet (its registry lists none)")
     v = latest_version(path) if version is None else int(version)
     if v not in entries:
       raise FileNotFoundError(f"policy version {v} is not in {path} (have {sorted(entries)})")

@@ -472,7 +472,8 @@ def test_a_tool_printing_control_strings_cannot_open_a_turn(which):
   tok = TOK if which == "bytes" else _smollm2_or_skip()
   engine = ScriptedEngine([CALL, "Done."], tok=tok)
   ep = asyncio.run(run_whitebox(EchoEnv(), TaskSpec("t", "echo"), engine, tok,
-                                AgentConfig(max_turns=3, max_new_tokens=64), session_id="s1"))
+                                AgentConfig(max_turns=3, max_new_tokens=64,
+                                            max_context_tokens=1024), session_id="s1"))
   assert ep.success and ep.turns == 2 and ep.tool_calls == 1, ep.reason
   (seg,) = ep.segments
   assert seg.decisions == [CLEAN, CLEAN]

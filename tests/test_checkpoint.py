@@ -1,5 +1,6 @@
 import glob
 import os
+import shutil
 
 import grain
 import jax
@@ -187,6 +188,36 @@ def test_policy_exports_are_registered_and_replaced_whole(tmp_path):
   assert drop_versions_after(root, 1) == [2, 3, 5]
   assert [v["version"] for v in list_versions(root)] == [1]
   assert sorted(os.listdir(root)) == ["v00000001", "versions.json"]
+
+
+def test_an_export_of_another_model_or_damaged_or_unregistered_is_named(tmp_path):
+  """Red team 25: an export read with another model's config said Orbax's "set
+  strict=False" (advice that would load it wrongly); a damaged one was a traceback or a
+  TensorStore spec; a broken registry's error named no file; an empty one said
+  "policy version None"."""
+  from rollout_server.serving import resolve_policy
+
+  learner = Learner(CFG, LearnerConfig(), make_mesh())
+  params = learner.init_state(0).params
+  root = str(tmp_path / "policy")
+  path = export_policy(root, 1, params, dtype=None)
+  target = abstract_params_like(params, learner.param_shardings)
+  other = dict(target, embed=jax.ShapeDtypeStruct((7, 3), jnp.float32,
+                                                  sharding=target["embed"].sharding))
+  with pytest.raises(ValueError, match=r"holds another model's weights than the config's "
+                     r"\(\['embed'\]: stored \(\d+, \d+\), wanted \(7, 3\)\)"):
+    load_policy(path, other)
+  shutil.rmtree(os.path.join(path, "ocdbt.process_0"))
+  with pytest.raises(ValueError, match="cannot be read \\(damaged or partial: "):
+    load_policy(path, target)
+  with open(os.path.join(root, "versions.json"), "w") as f:
+    f.write('{"versi')
+  with pytest.raises(ValueError, match="the policy registry .*versions.json cannot be read"):
+    resolve_policy(root)
+  with open(os.path.join(root, "versions.json"), "w") as f:
+    f.write('{"versions": []}')
+  with pytest.raises(FileNotFoundError, match="holds no policy export yet"):
+    resolve_policy(root)
 
 
 def test_policy_restores_onto_a_different_mesh(tmp_path, multidevice):

@@ -212,3 +212,17 @@ def test_a_second_deploy_into_a_directory_removes_what_it_no_longer_deploys(tmp_
   assert set(second) - {"mine.yaml"} < set(first) and "mine.yaml" in second
   assert set(first) <= deploy.MANIFESTS  # (the names it removes are the ones it writes)
   assert not any("rollout" in name or "env" in name for name in second)
+
+
+def test_a_runs_served_models_are_its_servers_and_sandboxes_its_workers(tmp_path):
+  """Red team 25: a config with serving.models could not be deployed with servers (the
+  learner refused them beside serving.urls; the servers' config had none); the env
+  workers ran --sandboxes 8 whatever env.sandboxes said."""
+  docs, _ = generate(tmp_path / "judge", "v5litepod-8", "--env-workers", "0",
+                     "env.judge=judge", "serving.models.judge.model.preset=nano")
+  data = docs["configmap.yaml"]["data"]
+  assert list(yaml.safe_load(data["server.yaml"])["models"]) == ["judge"]
+  assert yaml.safe_load(data["run.yaml"])["serving"]["models"] == {}
+  docs, _ = generate(tmp_path, "v5litepod-8", "env.sandboxes=3")
+  worker = docs["env-statefulset.yaml"]["spec"]["template"]["spec"]["containers"][0]
+  assert worker["command"][worker["command"].index("--sandboxes") + 1] == "3"

@@ -236,6 +236,60 @@ def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   assert not (run / "launch").exists() and not (tmp_path / "empty").exists()
 
 
+def test_a_runs_served_models_go_to_its_servers(tmp_path):
+  """A config with serving.models (a judge, a teacher, a KL reference) could not be
+  launched with servers (the learner refused them with serving.urls, and the servers'
+  configs had none), and env workers ignored env.sandboxes (red team 25)."""
+  import argparse
+
+  import yaml
+
+  from jaxagent import config as config_lib
+  from jaxagent.launch import check_with_services, plan
+
+  args = argparse.Namespace(config="configs/tiny.yaml", servers=1, env_workers=1,
+                            learner_processes=1, resume=False,
+                            overrides=["env.judge=judge", "serving.models.judge.model.preset=nano",
+                                       "env.sandboxes=3", "env.judge_rubric='pay \\${5}'"])
+  cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+  assert cfg.env.judge_rubric == "pay ${5}"
+  check_with_services(cfg, 1, 0)
+  # (the servers' models are checked, and the names that ask for them: a reviewer)
+  for bad, needle in ((["learner.kl_coef=0.1", "learner.kl_reference=refx"],
+                       "learner.kl_reference: no served model 'refx'"),
+                      (["serving.models.judge.engine.max_seq_len=0"],
+                       "serving.models.judge.engine.max_seq_len must be >= 1")):
+    with pytest.raises(config_lib.ConfigError, match=re.escape(needle)):
+      check_with_services(config_lib.load(config_lib.RunConfig, args.config,
+                                          args.overrides + bad), 1, 0)
+  (server, env), (learner,) = plan(args, cfg, str(tmp_path / "run"))
+  served = yaml.safe_load(open(server.cmd[server.cmd.index("--config") + 1]))
+  assert list(served["models"]) == ["judge"] and served["models"]["judge"]["model"]["preset"] \
+      == "nano"
+  config_lib.load(config_lib.ServerConfig, server.cmd[server.cmd.index("--config") + 1])
+  own = config_lib.load(config_lib.RunConfig, learner.cmd[learner.cmd.index("--config") + 1])
+  assert own.serving.models == {} and own.env.judge == "judge" and own.env.sandboxes == 3
+  assert own.env.judge_rubric == "pay ${5}"  # (a `${` in a value is written as text)
+  assert env.cmd[env.cmd.index("--sandboxes") + 1] == "3"
+
+
+def test_an_orphans_sigterm_never_stops_it_at_once(monkeypatch):
+  """A SIGTERM after the first is "stop now", unless the launcher is gone: its death
+  during a stop (more than a second after the first SIGTERM) stopped the learner at once,
+  without its checkpoint (a reviewer)."""
+  import signal as signals
+
+  from jaxagent import train
+
+  monkeypatch.setattr(train, "REPEATED_TERM_S", 0.0)
+  launched = train.RepeatedTerm("")
+  assert [launched.same_request(signals.SIGTERM) for _ in range(2)] == [False, False]
+  orphan = train.RepeatedTerm("")
+  orphan.parent = -1  # (its parent is gone)
+  assert [orphan.same_request(signals.SIGTERM) for _ in range(2)] == [False, True]
+  assert orphan.same_request(signals.SIGINT) is False  # (a person's Ctrl-C still is)
+
+
 def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
   """A learner's refusal (2) or infrastructure failure (3) came out of the launch as 1
   (red team 25): the launch exits with the learner's code; a service's death is 1."""

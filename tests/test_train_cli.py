@@ -698,6 +698,16 @@ def test_smollm2_calculator_config_runs(tmp_path):
         "input_ids"]) == ours.apply_chat_template(chat, with_tools)
 
 
+def test_a_config_of_tasks_alone_passes_its_checks(capsys, tmp_path):
+  """The defaults agree with each other (red team 25: a config naming only its tasks was
+  refused twice, for agent.max_context_tokens, then for data.seq_len)."""
+  from jaxagent import train
+
+  path = tmp_path / "minimal.yaml"
+  path.write_text("data: {tasks: envs/tasks/guess_number.jsonl}\n")
+  assert train.main(["--config", str(path), "--print-config"]) == 0, capsys.readouterr().err
+
+
 def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   import yaml
 
