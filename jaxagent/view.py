@@ -554,6 +554,9 @@ def main(argv=None) -> int:
   p.add_argument("run_dir", help="a training run directory (or its trajectory file)")
   p.add_argument("--port", type=int, default=8765)
   p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                 help="a host name the page may be opened by besides this machine's (a "
+                      "proxy's, a domain name); repeatable")
   args = p.parse_args(argv)
   if not os.path.exists(args.run_dir):
     print(f"error: no such run directory or file {args.run_dir}", file=sys.stderr)
@@ -564,7 +567,8 @@ def main(argv=None) -> int:
   sock = listen_or_say(args.host, args.port)
   if sock is None:
     return 2
-  app = create_app(args.run_dir, hosts=[args.host, socket.gethostname()]
+  app = create_app(args.run_dir, hosts=[args.host, socket.gethostname(), socket.getfqdn(),
+                                        *args.allow_host]
                    if args.host not in ("0.0.0.0", "::") else ["*"])
   facts = app.state.index.facets()
   print(f"{facts['episodes']} episodes ({facts['segments']} segments) in "

@@ -189,10 +189,11 @@ def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]
   role = None
   for i, m in enumerate(body.messages):
     where = f"messages.{i}"
-    if m.content == "" or (isinstance(m.content, list) and all(
-        isinstance(b, TextBlock) and not b.text for b in m.content)):
-      raise ValueError(f"{where}.content: empty (every message but a last assistant one "
-                       "needs content)")
+    if m.role == "user" and (m.content == "" or (isinstance(m.content, list) and all(
+        isinstance(b, TextBlock) and not b.text for b in m.content))):
+      # (an assistant's may be: a reply the policy left empty, sent back by its agent, is
+      # the policy's move, refused it was counted as the server's failure: a reviewer)
+      raise ValueError(f"{where}.content: empty (a user message needs content)")
     if m.role == "user":
       turn = _user_messages(m.content, where, called)
       if role == "user" and messages[-1]["role"] == turn[0]["role"] == "user":
@@ -231,10 +232,14 @@ def content_blocks(message: dict) -> list[dict]:
 
 
 def stop_reason(turn: ChatTurn) -> str:
-  """end_turn, tool_use (a stop after tool calls), max_tokens."""
+  """end_turn, tool_use (a stop after tool calls), max_tokens, or
+  model_context_window_exceeded (a turn cut by the context's end before max_tokens: it
+  said max_tokens, red team 24)."""
   finish = turn.finish_reason
   if finish == "stop" and turn.finish().get("tool_calls"):
     return "tool_use"
+  if finish == "length" and len(turn.output_ids) < turn.max_new_tokens:
+    return "model_context_window_exceeded"
   return {"stop": "end_turn", "length": "max_tokens"}.get(finish, finish)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Awaitable, Callable, Optional
 
 from starlette.exceptions import HTTPException  # (FastAPI's own body errors raise Starlette's)
@@ -175,8 +176,9 @@ def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
   the rest of the rendering (`pieces` of `messages`): the tokens the model was given and
   sampled stay in its context as they were, not encoded again from their text.
 
-  - The call's next message is the turn's reply, sent back unchanged: the turn's prompt
-    and output ids, the template's end of an assistant turn (less a stop token the model
+  - The call's next message is the turn's reply (or a sibling's: a reply sampled from
+    the same prompt, `LastTurn.replies`), sent back unchanged: the prompt and that
+    reply's output ids, the template's end of an assistant turn (less a stop token the model
     sampled that it writes itself: one the template does not write stays where it was
     sampled, as in the white-box agent's `next_prompt`), then the rest of the rendering.
     Encoded again from its text, a reply that spelled a control string (`<|im_end|>` in
@@ -197,7 +199,9 @@ def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
   if not full.startswith(head):
     return None
   reply = messages[k]
-  if reply.get("role") == "assistant" and _same_reply(reply, last.response):
+  kept = next((out for out, response in last.replies if _same_reply(reply, response)), None) \
+      if reply.get("role") == "assistant" else None
+  if kept is not None:
     closed = tokenizer.render(messages[:k + 1], tools, add_generation_prompt=False)
     marked = tokenizer.render(messages[:k] + [{"role": "assistant", "content": _REPLY}],
                               tools, add_generation_prompt=False)
@@ -205,12 +209,11 @@ def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
     if (marked.startswith(head + _REPLY) and _REPLY not in closing and full.startswith(closed)
             and closed.endswith(closing)
             and closed[len(head):].startswith(reply.get("content") or "")):
-      out = last.output_ids
-      if out and out[-1] in tokenizer.stop_ids:
-        stop = tokenizer.decode([out[-1]])
+      if kept and kept[-1] in tokenizer.stop_ids:
+        stop = tokenizer.decode([kept[-1]])
         if closing.startswith(stop):
           closing = closing[len(stop):]
-      return (list(last.prompt_ids) + list(out) + tokenizer.encode(closing)
+      return (list(last.prompt_ids) + kept + tokenizer.encode(closing)
               + tokenizer.encode_pieces(pieces, start=len(closed)))
   return list(last.prompt_ids) + tokenizer.encode_pieces(pieces, start=len(head))
 
@@ -296,6 +299,11 @@ class ChatTurn:
   @property
   def finish_reason(self) -> Optional[str]:
     return self.req.finish_reason
+
+  @property
+  def max_new_tokens(self) -> int:
+    """The turn's token budget, as asked for."""
+    return self._parts[0].sampling.max_new_tokens
 
   def result(self) -> dict:
     """The record of the whole turn (as `Request.result`, over every part)."""
@@ -420,12 +428,16 @@ def openai_error(status: int, message: str, param: Optional[str] = None) -> dict
   return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+# What a body holding a NaN, an Infinity or a number past a float's range must contain.
+_MAYBE_NOT_FINITE = re.compile(rb"NaN|Infinity|[eE][+]?0*\d{3}|\d{300}")
+
+
 def finite_json(body: bytes) -> None:
   """ValueError naming a NaN, an Infinity or a number past a float's range in a JSON body
   (Python's json reads them, FastAPI passed them on: recorded in a session, its record
   could not be written out again, a 400 on every read, red team 24). A body that is not
   JSON is left to the route to name."""
-  if not body:
+  if not body or not _MAYBE_NOT_FINITE.search(body):  # (the usual body: parsed once)
     return
   try:
     json.loads(body, **FINITE_JSON)

@@ -136,6 +136,24 @@ class _Session:
     self.size += grew
     return grew
 
+  def replies(self, prompt_length: int, message_count: int, most: int = 8
+              ) -> list[tuple[list[int], Optional[dict]]]:
+    """The last turn's output ids and reply, then those of the turns before it sampled
+    from the same prompt and messages (newest first, at most `most`)."""
+    out, i = [], len(self.turns) - 1
+    while i >= 0 and len(out) < most:
+      turn = self.turns[i]
+      response = turn.get("response")
+      out.append((list(turn.get("output_ids") or []),
+                  response if isinstance(response, dict) else None))
+      p, m = turn.get("prompt_ids"), turn.get("messages")
+      same = (isinstance(p, _Tail) and p.shared == prompt_length and not len(p.rest)
+              and isinstance(m, _Tail) and m.shared == message_count and not len(m.rest))
+      if not same:  # (the turn before it had another prompt)
+        break
+      i -= 1
+    return out
+
   def unpacked(self, since: int = 0) -> list[dict]:
     """The turns from `since` on as they were recorded (lists, not arrays; each turn's
     own lists, whose message objects are shared with the store: not to be changed)."""
@@ -158,11 +176,12 @@ class _Session:
 @dataclasses.dataclass(frozen=True)
 class LastTurn:
   """What a session's next call continues (`SessionStore.last_turn`): the last turn's
-  prompt and output ids, its message count and its reply (the assistant message)."""
+  prompt ids, its message count, and the replies sampled from that prompt
+  (output ids and assistant message), the last turn's first: a retry's or a best-of-n's
+  siblings, one of which the agent may keep."""
   prompt_ids: list[int]
-  output_ids: list[int]
   message_count: int
-  response: Optional[dict]
+  replies: list[tuple[list[int], Optional[dict]]]
 
 
 def _digest(message_json: str) -> bytes:
@@ -261,14 +280,13 @@ class SessionStore:
         return None
       last = session.turns[-1]
       ids, digests, count = session.ids.tolist(), session.digests, session.output_count
+      replies = session.replies(len(ids) - count, len(digests))
     if len(messages) < len(digests) or any(
         _digest(json.dumps(m, default=str)) != d for m, d in zip(messages, digests)):
       return None
     if json.dumps(last.get("tools"), default=str) != json.dumps(tools, default=str):
       return None
-    response = last.get("response")
-    return LastTurn(ids[:len(ids) - count], ids[len(ids) - count:], len(digests),
-                    response if isinstance(response, dict) else None)
+    return LastTurn(ids[:len(ids) - count], len(digests), replies)
 
   def sampled_calls(self, session_id: str) -> dict[str, str]:
     """The arguments' text of each tool call the session's turns made, by call id."""

@@ -282,6 +282,8 @@ def test_a_value_json_has_not_is_null_and_other_hosts_are_refused(tmp_path):
   assert shown.status_code == 200 and shown.json()["segments"][0]["tokens"]["logp"][0] is None
   assert TestClient(client.app, base_url="http://attacker.example").get(
       "/api/run").status_code == 400
+  allowed = view.create_app(str(tmp_path), hosts=["proxy.example"])  # (--allow-host)
+  assert TestClient(allowed, base_url="http://proxy.example").get("/api/run").status_code == 200
   assert client.get("/api/run").status_code == 200
   assert client.get("/docs").status_code == 404 and client.get("/openapi.json").status_code == 404
 

@@ -76,14 +76,16 @@ def test_messages_convert_to_the_openai_form_by_hand():
           {"type": "tool_use", "id": "t1", "name": "f", "input": {"q": "café"}}]},
       {"role": "assistant", "content": "Then."},
       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]},
-      {"role": "user", "content": "c"}]})
+      {"role": "user", "content": "c"}, {"role": "assistant", "content": ""},
+      {"role": "user", "content": "d"}]})
   assert chat_messages(body)[0] == [
       {"role": "user", "content": "ab"},
       {"role": "assistant", "content": "Then.", "tool_calls": [
           {"id": "t1", "type": "function", "function": {"name": "f",
                                                         "arguments": '{"q": "café"}'}}]},
       {"role": "tool", "tool_call_id": "t1", "content": "r"},
-      {"role": "user", "content": "c"}]
+      {"role": "user", "content": "c"}, {"role": "assistant", "content": ""},
+      {"role": "user", "content": "d"}]  # (a reply the policy left empty, sent back)
 
 
 def test_an_environment_chat_renders_alike_through_either_gateway(tokenizer):
@@ -160,6 +162,22 @@ def test_a_stream_builds_the_blocks_of_the_answer(output, tokenizer):
   assert accumulate(streamed) == answer["content"]
   assert json.loads(streamed[-2].split("\n")[1][6:])["delta"]["stop_reason"] == \
       answer["stop_reason"]
+
+
+def test_a_turn_cut_by_the_context_says_so_not_max_tokens(tokenizer):
+  """A turn that reached the context's end before max_tokens said max_tokens (red team
+  24); Anthropic's API says model_context_window_exceeded."""
+  from rollout_server.anthropic_api import stop_reason
+
+  def turn(n_out, budget):
+    req = Request(tokenizer.encode("x"), SamplingParams(max_new_tokens=budget), "r1",
+                  output_ids=tokenizer.encode("a" * n_out)[:n_out], finish_reason="length")
+    req._done.set()
+    return ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=SessionStore(1),
+                    session_id=None, kind="messages", id_prefix="toolu")
+
+  assert stop_reason(turn(4, 4)) == "max_tokens"
+  assert stop_reason(turn(4, 700)) == "model_context_window_exceeded"
 
 
 @pytest.fixture(scope="module")
@@ -304,8 +322,8 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server):
       # name was sampled and recorded, then answered with an encoder's 400; a NaN in a
       # schema was recorded, and the session's record could not be read again)
       (dict(ok, messages=[{"role": "user", "content": []}]), 400, "messages.0.content: empty"),
-      (dict(ok, messages=user + [{"role": "assistant", "content": ""}] + user), 400,
-       "messages.1.content: empty"),
+      (dict(ok, messages=user + [{"role": "user", "content": [{"type": "text", "text": ""}]}]),
+       400, "messages.1.content: empty"),
       (dict(ok, model="a\udcff"), 422, "model: Value error, not valid Unicode"),
       (dict(ok, tools=[{"name": "f", "input_schema": {"default": float("nan")}}]), 400,
        "body: NaN is not plain JSON"),

@@ -926,6 +926,12 @@ def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer
   assert got[:len(prompt) + len(sampled)] == prompt + sampled
   assert tok.decode(got[len(prompt) + len(sampled):]) == (
       "\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n")
+  # A sibling sampled from the same prompt after it (a retry, a best-of-n), the agent
+  # keeping the first reply: that reply's tokens (a reviewer: only the last one's were).
+  _turn(store, "t", ask, prompt, tok.encode("Other.<|im_end|>"),
+        {"role": "assistant", "content": "Other."})
+  got = next_prompt(follow, session="t")
+  assert got[:len(prompt) + len(sampled)] == prompt + sampled
   changed = dict(again, content="Sure!")  # (a reply the agent changed: the prompt only)
   assert next_prompt(ask + [changed] + follow[2:], session="t")[:len(prompt) + 1] == \
       prompt + tok.encode("Sure!")[:1]
