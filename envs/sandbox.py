@@ -42,6 +42,7 @@ duration, and stdout / stderr cut to a budget with their full size and sha256.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -120,6 +121,7 @@ def hidden_paths() -> list[tuple[str, bool]]:
 def _empty_file() -> str:
   """An empty read-only file of this process's own, mounted over hidden module files."""
   folder = tempfile.mkdtemp(prefix="jaxagent-sandbox-empty-")
+  atexit.register(shutil.rmtree, folder, True)  # (one a process: it was left in /tmp)
   os.chmod(folder, 0o755)
   path = os.path.join(folder, "empty")
   os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444))

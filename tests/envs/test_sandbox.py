@@ -1,6 +1,7 @@
 """The sandbox's limits, exercised for real on this machine."""
 
 import asyncio
+import atexit
 import hashlib
 import http.server
 import os
@@ -27,9 +28,17 @@ LIMITS = Limits(wall_s=3.0, cpu_s=10, memory_bytes=512 << 20, processes=32,
                 file_bytes=1 << 20, output_budget=1000, disk_bytes=8 << 20)
 
 
+def _scratch() -> str:
+  """A directory under /tmp (sandbox uids pass through it: pytest's own are private),
+  removed when the test process ends."""
+  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  atexit.register(shutil.rmtree, root, True)
+  return root
+
+
 @pytest.fixture(params=MODES or ["rlimits"])
 def sandbox(request):
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation=request.param)
   yield sb
@@ -370,7 +379,7 @@ def test_unisolated_execution_is_refused_unless_allowed():
 
 def test_isolation_is_reported():
   assert ISOLATION in ("bwrap", "mountns", "rlimits")
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   sb = Sandbox(root + "/ws", limits=LIMITS)
   try:
@@ -385,7 +394,7 @@ def test_a_non_root_worker_uses_bubblewrap(tmp_path):
   """A worker that is not root still gets namespaces from bubblewrap (user namespaces)."""
   if os.geteuid() != 0 or "bwrap" not in MODES or not os.path.exists("/usr/bin/python3"):
     pytest.skip("needs root (to become another user), bubblewrap and the system Python")
-  code_dir = tempfile.mkdtemp(prefix="jaxagent-test-")
+  code_dir = _scratch()
   os.chmod(code_dir, 0o755)  # the module alone, readable by the unprivileged user
   shutil.copy(os.path.join(REPO, "envs", "sandbox.py"), code_dir)
   script = ("import asyncio, os, sys, tempfile\n"
@@ -455,7 +464,7 @@ def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
 
   if not _bwrap_can_disable_userns():
     pytest.skip("this bubblewrap has no --disable-userns (before 0.8)")
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="bwrap")
   try:
@@ -509,7 +518,7 @@ def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_
   assert oom_attribution((3, 1), (3, 3), host_kills_are_infra=True) == (0, 2)
   assert oom_attribution((3, 1), (3, 3), host_kills_are_infra=False) == (2, 0)
 
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   for fits in (True, False):
     sb = Sandbox(os.path.join(root, f"ws{fits}"), limits=LIMITS, isolation=ISOLATION,
@@ -589,7 +598,7 @@ def test_cpu_time_is_limited_for_all_of_a_sandboxs_processes_together():
   """Four processes spinning for 1.5 s get half a CPU's time together (`Limits.cpus`, a
   CPU cgroup's quota where the host allows one): a sandbox cannot starve the host's other
   sandboxes and graders (red-team)."""
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   sb = Sandbox(os.path.join(root, "ws"), limits=Limits(cpus=0.5), isolation=MODES[0])
   try:
@@ -664,7 +673,7 @@ def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monk
   real = sandbox_mod._mountns_script
   monkeypatch.setattr(sandbox_mod, "_mountns_script",
                       lambda *a, **k: real(*a, **k).replace("set -e", "set -e\nfalse", 1))
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="mountns")
   try:
@@ -682,7 +691,7 @@ def test_a_command_cancelled_twice_is_killed_before_its_run_ends(monkeypatch):
   """A second cancellation while a cancelled command is being killed (an episode cut,
   then its worker session closed) must not end the run, and free its slot, before the
   command is dead (`asyncio.shield` alone let it)."""
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
   marker = f"jaxagent_twice_probe_{os.getpid()}"
@@ -743,7 +752,7 @@ def test_a_cancelled_command_is_killed_not_left_running():
   """A command whose caller gives up (an episode deadline, a closed worker session) is
   killed before its slot is freed; without a sandbox uid to sweep (bubblewrap as
   non-root, here the rlimits mode) it was left running past its wall limit (red-team)."""
-  root = tempfile.mkdtemp(prefix="jaxagent-test-")
+  root = _scratch()
   os.chmod(root, 0o711)
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
   marker = f"jaxagent_cancel_probe_{os.getpid()}"
