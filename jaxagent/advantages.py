@@ -18,13 +18,22 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+# Valid values of a group this many float32 ulps apart (of the larger) are equal: two
+# returns equal in exact arithmetic, summed from other rewards in another order, come out
+# an ulp or so apart.
+FLAT_ULPS = 16
+
+
 def _group_stats(values_N: Array, valid_N: Array, group_ids_N: Array, num_groups: int):
   """Per-sample mean, std and count of the valid values of its group.
 
-  A group whose valid values are all equal gets exactly that value as its mean and
-  a std of exactly 0: float32 rounding of the sum would otherwise leave r - mean at
-  ~1e-8, which the division by (std + eps) blows up into a sizeable advantage for a
-  group that carries no signal (0.056 for eight rewards of 0.7)."""
+  A group whose valid values are all equal (within FLAT_ULPS of rounding) gets each
+  sample's own value as its mean and a std of exactly 0: float32 rounding of the sum
+  would otherwise leave r - mean at ~1e-8, which the division by (std + eps) blows up
+  into a sizeable advantage for a group that carries no signal (0.056 for eight rewards
+  of 0.7; 0.057 for a chunk return of -0.1 + 1.0 beside 0.3 + 0.3 + 0.3: red team 26).
+  The std is taken of deviations scaled by their largest, so that rewards of 1e19 do
+  not square past float32 (it was inf: every advantage 0)."""
   v = valid_N.astype(jnp.float32)
   count = jax.ops.segment_sum(v, group_ids_N, num_segments=num_groups)
   total = jax.ops.segment_sum(values_N * v, group_ids_N, num_segments=num_groups)
@@ -33,12 +42,18 @@ def _group_stats(values_N: Array, valid_N: Array, group_ids_N: Array, num_groups
                            num_segments=num_groups)
   lo = jax.ops.segment_min(jnp.where(valid_N, values_N, jnp.inf), group_ids_N,
                            num_segments=num_groups)
-  mean = jnp.where(hi == lo, hi, mean)  # all equal (or one value): exactly it
-  sq = jax.ops.segment_sum(jnp.square(values_N - mean[group_ids_N]) * v, group_ids_N,
+  tol = FLAT_ULPS * jnp.finfo(jnp.float32).eps * jnp.maximum(jnp.abs(hi), jnp.abs(lo))
+  flat = (hi == lo) | (hi - lo <= tol)  # (a group with no valid value too)
+  flat_N = flat[group_ids_N]
+  dev = jnp.where(flat_N, 0.0, values_N - mean[group_ids_N]) * v
+  scale = jax.ops.segment_max(jnp.abs(dev), group_ids_N, num_segments=num_groups)
+  safe = jnp.where(scale > 0, scale, 1.0)
+  sq = jax.ops.segment_sum(jnp.square(dev / safe[group_ids_N]), group_ids_N,
                            num_segments=num_groups)
   # Population std (ddof=0), as DeepSeekMath's GRPO.
-  std = jnp.sqrt(sq / jnp.maximum(count, 1.0))
-  return mean[group_ids_N], std[group_ids_N], count[group_ids_N]
+  std = jnp.where(scale > 0, safe * jnp.sqrt(sq / jnp.maximum(count, 1.0)), 0.0)
+  return (jnp.where(flat_N, values_N, mean[group_ids_N]), std[group_ids_N],
+          count[group_ids_N])
 
 
 def group_normalized(rewards_N: Array, group_ids_N: Array, num_groups: int, *,

@@ -105,7 +105,8 @@ class LearnerConfig:
   clip_low: Optional[float] = None
   clip_high: Optional[float] = None
   dual_clip: Optional[float] = None
-  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm | per_rollout
+  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm | per_rollout (a "seq" is a
+  # packed segment: a forked episode is several; per_rollout weighs each episode once)
   reduction: str = "token_mean"
   # Dr. GRPO's constant length for seq_mean_token_sum_norm; 0 means the row length.
   norm_len: int = 0

@@ -196,8 +196,11 @@ def token_mean(values_BxT: Array, mask_BxT: Array) -> SumDenom:
 
 
 def seq_mean_token_mean(values_BxT: Array, mask_BxT: Array, segment_ids_BxT: Array) -> SumDenom:
-  """Mean over sequences of each sequence's token mean (GRPO's original reduction).
+  """Mean over sequences of each sequence's token mean (GRPO's original reduction, where
+  a sample is one sequence).
 
+  A sequence is a packed segment: an episode that forked (a compaction, a sub-agent's
+  branch) is several, and weighs as many; `per_rollout` weighs each episode once.
   Sum: each token weighted by 1 / (action tokens of its sequence); denominator:
   the number of sequences with at least one action token.
   """

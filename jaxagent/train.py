@@ -535,6 +535,19 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
                                  f"{a.temperature}")
   if not 0 < a.top_p <= 1:
     raise config_lib.ConfigError(f"agent.top_p must be in (0, 1], got {a.top_p}")
+  if a.temperature == 0:  # (red team 26: the gradient of a greedy token's log-prob is 0)
+    raise config_lib.ConfigError(
+        "agent.temperature: 0 (greedy) trains nothing (the learner's log-prob of a greedy "
+        "token has no gradient); sample at a temperature > 0, and evaluate greedily with "
+        "eval.greedy")
+  if (a.top_p < 1 or a.top_k) and cfg.learner.correction_mode != "none":
+    # (the engine's log-probs are of the truncated distribution, the learner's of the
+    # whole: every token's weight was the mass kept, 0.55 at top_k 5: red team 26)
+    raise config_lib.ConfigError(
+        f"learner.correction_mode {cfg.learner.correction_mode}: with agent.top_p < 1 or "
+        "agent.top_k > 0 the engine's log-probs are of the truncated distribution and the "
+        "learner's of the whole one, so the correction would weigh every token by the "
+        "mass kept; sample from the whole distribution or set learner.correction_mode: none")
 
 
 def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:

@@ -160,3 +160,19 @@ def test_equal_rewards_give_exactly_zero_advantage_with_std_scaling(reward):
   # A group with signal is unchanged: mean 0.5, std 0.5.
   mixed = adv.group_normalized(jnp.asarray([0.0, 1.0] * 4), gid, 1)
   np.testing.assert_allclose(mixed, [-1.0, 1.0] * 4, atol=1e-5)
+
+
+def test_returns_equal_but_for_rounding_give_no_advantage():
+  """Red team 26: two episodes' turn-0 returns, equal in exact arithmetic (-0.1 + 1.0 and
+  0.3 + 0.3 + 0.3 + 0.0), summed in float32 in another order come out an ulp apart: the
+  std, about an ulp, turned it into an advantage of 0.057 for a turn with no signal."""
+  from jaxagent import advantages as adv
+
+  rewards = jnp.asarray([[-0.1, 1.0, 0.0, 0.0], [0.3, 0.3, 0.3, 0.0]], jnp.float32)
+  valid = jnp.asarray([[True, True, False, False], [True] * 4])
+  out = adv.chunk_advantages(rewards, valid, 1.0, group_ids_N=jnp.zeros(2, jnp.int32),
+                             num_groups=1, scale_by_std=True)
+  assert float(out[0, 0]) == float(out[1, 0]) == 0.0
+  # Rewards whose squares pass float32 keep their advantages (they were all 0).
+  big = adv.group_normalized(jnp.asarray([1e19, -1e19, 3e19, 0.0]), jnp.zeros(4, jnp.int32), 1)
+  np.testing.assert_allclose(big, [0.169, -1.1832, 1.5213, -0.5071], atol=1e-3)

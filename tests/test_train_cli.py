@@ -539,6 +539,10 @@ def _bad_settings(tmp_path):
       (tiny + ["data.tasks=/nonexistent.jsonl"], "data.tasks"),
       # (red team 25: tracebacks from IsADirectoryError, numpy and JAX)
       (tiny + ["data.tasks=envs"], "data.tasks: no such file 'envs' (a directory)"),
+      # (red team 26: a greedy run trained nothing; a correction with top-k weighed every
+      # token by the mass kept)
+      (tiny + ["agent.temperature=0"], "agent.temperature: 0 (greedy) trains nothing"),
+      (tiny + ["agent.top_k=5"], "learner.correction_mode truncate: with agent.top_p < 1"),
       (tiny + ["model.dtype=float33"], "model.dtype: float32, bfloat16, float16, got 'float33'"),
       (tiny + ["model.param_dtype=int8"], "model.param_dtype: float32, bfloat16, float16"),
       (tiny + ["serving.engine.dtype=int4"], "serving.engine.dtype: null (the model's), float32"),
