@@ -26,6 +26,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -1073,10 +1074,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         except ValueError:
           before = {}
       if config_changes(before, config_lib.to_dict(written)):
-        # Changed on the resume: the config that ran up to here is kept.
-        os.replace(path, os.path.join(run_dir, f"config.step{int(state.step)}.json"))
-    with open(path, "w") as f:
+        # Changed on the resume: the config that ran up to here is kept (a copy: a kill
+        # between moving it and writing the new one left the run with none).
+        shutil.copyfile(path, os.path.join(run_dir, f"config.step{int(state.step)}.json"))
+    with open(path + ".tmp", "w") as f:
       json.dump(config_lib.to_dict(written), f, indent=1)
+    os.replace(path + ".tmp", path)
   policy_root = os.path.join(run_dir, "policy")
   export_dtype = cfg.checkpoint.export_dtype  # (None: the parameters' own)
   version = int(state.policy_version)
