@@ -64,10 +64,18 @@ def add_log_level(parser) -> None:
                       help="uvicorn's log level (warning: no line per request)")
 
 
+# Seconds an idle keep-alive connection is kept open: longer than clients keep theirs
+# (httpx, under the openai and anthropic clients, 5 s), so the client closes first. At
+# uvicorn's 5 s both closed at once, and a turn sent on a connection the server was
+# closing failed with a bare ReadError, its episode lost (red team 27).
+KEEP_ALIVE_S = 75
+
+
 def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
   """Runs uvicorn on the bound `sock` until it is stopped (SIGINT / SIGTERM)."""
   host, port = sock.getsockname()[:2]
-  config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+  config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_keep_alive=KEEP_ALIVE_S)
   try:
     uvicorn.Server(config).run(sockets=[sock])
   except KeyboardInterrupt:  # (uvicorn raises the Ctrl-C again once it has shut down,

@@ -126,10 +126,41 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     while len(table) > max_sessions:
       table.popitem(last=False)
 
+  # session ids whose turns on a backend were lost before this router copied them (the
+  # backend restarted, or its record was made anew): their reads answer 502, not a
+  # record without them (red team 27)
+  lost: collections.OrderedDict[str, set] = collections.OrderedDict()
+  # One delete of a session on a backend at a time, and none while a turn is being sent
+  # after it (a lock lives while someone holds or waits for it).
+  delete_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
   def must_delete(backend: str, session_id: str) -> None:
-    """A delete `backend` missed: done before it takes traffic again."""
+    """A delete `backend` missed: done before it takes traffic again, and before any
+    turn of the session is sent to it."""
     forget_later(undeleted[backend], session_id, None)
     healthy[backend] = False
+
+  def delete_lock(backend: str, session_id: str) -> asyncio.Lock:
+    lock = delete_locks.get((backend, session_id))
+    if lock is None:
+      lock = delete_locks[(backend, session_id)] = asyncio.Lock()
+    return lock
+
+  async def delete_owed(backend: str, session_id: str) -> Optional[int]:
+    """Does the delete of the session that `backend` missed, if one is owed: the status
+    it answered (None when it could not be asked); 200 when none was owed."""
+    async with delete_lock(backend, session_id):
+      if session_id not in undeleted[backend]:
+        return 200
+      try:
+        r = await client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
+                                  timeout=10.0)
+      except httpx.HTTPError:
+        return None
+      if r.status_code in (200, 404) or (400 <= r.status_code < 500
+                                         and r.status_code not in (408, 429)):
+        undeleted[backend].pop(session_id, None)
+      return r.status_code
 
   def client() -> httpx.AsyncClient:
     if "c" not in client_box:
@@ -189,21 +220,18 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
     async def delete(session_id: str) -> bool:
       async with gate:
-        try:
-          r = await client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
-                                    timeout=10.0)
-        except httpx.HTTPError:
-          return False
-      if r.status_code in (200, 404):
+        status = await delete_owed(backend, session_id)
+      if status is None:
+        return False
+      if status in (200, 404):
         pass
-      elif 400 <= r.status_code < 500 and r.status_code not in (408, 429):
+      elif 400 <= status < 500 and status not in (408, 429):
         log.warning("router: %s refused to delete session %r (%d): left there",
-                    backend, session_id, r.status_code)
+                    backend, session_id, status)
       else:
         log.warning("router: %s failed to delete session %r (%d): out of rotation until "
-                    "it does", backend, session_id, r.status_code)
+                    "it does", backend, session_id, status)
         return False
-      undeleted[backend].pop(session_id, None)
       return True
 
     while undeleted[backend]:  # (deletes that came meanwhile too: none awaits after it)
@@ -249,8 +277,13 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     n, seen = cursors.get(session_id, {}).get(backend, (0, None))
     got = await fetch_turns(session_id, backend, n)
     made = got.get("record_id") if got is not None else None
-    if got is not None and (got.get("count", n) < n or (
-        seen is not None and made is not None and made != seen)):
+    began_again = got is not None and (got.get("count", n) < n or (
+        seen is not None and made is not None and made != seen))
+    if backend in owed.get(session_id, ()) and (got is None or began_again):
+      # Turns it ran that no copy read are gone with its record (red team 27: a read
+      # answered 200 without them, and the episode trained without them).
+      forget_later(lost, session_id, lost.get(session_id, set()) | {backend})
+    if began_again:
       # The backend's record began again (it restarted at the same address, or the
       # session was deleted there and made anew): its turns since then are all new (by
       # the count alone, one turn after a restart that had copied one was taken for
@@ -395,13 +428,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
     """The router's copy of the session, brought up to date from its live backends (all
     of them when this router has not seen it: it restarted, or its turns failed over)."""
+    if copying.get(session_id):  # (a stream's copy under way: its turn first)
+      await asyncio.gather(*copying[session_id], return_exceptions=True)
     held = session_id in sessions  # (a copy evicted here: ask every backend again)
-    holders = (list(cursors.get(session_id, {})) if held else []) or ring.backends
+    holders = (list(cursors.get(session_id, {})) if held else []) or list(ring.backends)
+    holders += [b for b in owed.get(session_id, ()) if b not in holders]  # (never copied)
     try:
       await copy_turns(session_id, *(b for b in holders if healthy[b]), strict=True)
       away = sorted(b for b in owed.get(session_id, ()) if not healthy[b])
       if away:  # (a copy could not read it, and it is out of rotation now)
         raise _Unreadable(f"{', '.join(away)}: out of rotation, with turns not copied")
+      if lost.get(session_id):
+        raise _Unreadable(f"{', '.join(sorted(lost[session_id]))}: its record was lost "
+                          "(a restart) before its turns were copied: they are gone")
     except _Unreadable as e:
       return JSONResponse({"detail": f"session {session_id!r}: a backend's record of it "
                                      f"could not be read ({e})"}, status_code=502)
@@ -426,6 +465,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return None
 
     owed.pop(session_id, None)
+    lost.pop(session_id, None)
     for b in ring.backends:
       if not healthy[b]:  # (deleted there before it takes traffic again)
         must_delete(b, session_id)
@@ -494,6 +534,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                and not (path == "generate" and _unrecorded(body)))
     last_error: Optional[str] = None
     for backend in order:
+      if session_id is not None and session_id in undeleted[backend]:
+        # A delete it missed, done first: done after, at its return to rotation, it
+        # wiped the turns a new episode under the id had recorded there meanwhile (red
+        # team 27: turns missing from a record read as whole, prompts re-encoded).
+        status = await delete_owed(backend, session_id)
+        if status is None or status >= 500 or status in (408, 429):
+          last_error = f"{backend}: a delete of the session it owes failed ({status})"
+          continue
       # A turn is as long as its tokens (its client asks how it stands, `GET
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
@@ -565,8 +613,22 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return
     finally:
       await resp.aclose()
-    if session_id is not None:
-      await copy_turns(session_id, backend)
+      if session_id is not None:  # (in the background: also when the client has gone,
+        # which closes this generator at its last chunk; awaited there, the copy was cut
+        # with it, and a backend that died next took the turn with it: red team 27, a
+        # one-turn session read as none)
+        task = asyncio.ensure_future(copy_turns(session_id, backend))
+        copying.setdefault(session_id, set()).add(task)
+        task.add_done_callback(lambda t: copied(session_id, t))
+
+  # session id -> the copies after its streams, running (a read of it waits for them)
+  copying: dict[str, set] = {}
+
+  def copied(session_id: str, task: asyncio.Task) -> None:
+    running = copying.get(session_id, set())
+    running.discard(task)
+    if not running:
+      copying.pop(session_id, None)
 
   return app
 

@@ -20,6 +20,7 @@ from jaxagent.checkpoint import (REGISTRY, export_id, latest_version, list_versi
 from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
+from jaxagent.serve_http import KEEP_ALIVE_S
 from jaxagent.tokenizer import renders_tools
 from rollout_server.engine import Engine
 from rollout_server.orchestrator import Orchestrator
@@ -171,7 +172,8 @@ class ServerThread:
     # log_config None: uvicorn leaves the process's logging alone (its own config binds
     # handlers to the sys.stderr of the moment, which a caller may close: pytest's capture).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5, log_config=None)
+                            timeout_graceful_shutdown=5, log_config=None,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     self.server = uvicorn.Server(config)
     self.host = host
     self._thread = threading.Thread(target=self.server.run, daemon=True, name="uvicorn")

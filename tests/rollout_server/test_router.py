@@ -540,3 +540,99 @@ def test_backends_serving_different_policies_before_any_update_are_said(caplog):
     time.sleep(0.8)
   said = [r.getMessage() for r in caplog.records if "different policies" in r.getMessage()]
   assert len(said) == 1 and "version 819" in said[0] and "version 0" in said[0], said
+
+
+def _recording_backend():
+  """A backend that records each /generate as a turn of its session, with switches: its
+  deletes fail, its records cannot be read, it restarts (records gone, ids new)."""
+  import uuid
+
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse
+
+  state = {"records": {}, "fail_delete": False, "unreadable": False}
+  fake = FastAPI()
+
+  @fake.get("/health")
+  async def health():
+    return {"status": "ok", "version": 0}
+
+  @fake.post("/generate")
+  async def generate(request: Request):
+    sid = request.headers["x-session-id"]
+    record = state["records"].setdefault(sid, {"id": uuid.uuid4().hex, "turns": []})
+    record["turns"].append({"turn": len(record["turns"]), "recorded_at": time.time(),
+                            "output_ids": [len(record["turns"])]})
+    return {"output_ids": [5], "finish_reason": "length"}
+
+  @fake.get("/sessions/{session_id}")
+  async def read(session_id: str, since: int = 0):
+    if state["unreadable"]:
+      return JSONResponse({"detail": "busy"}, status_code=503)
+    record = state["records"].get(session_id)
+    if record is None:
+      return JSONResponse({"detail": "none"}, status_code=404)
+    return {"turns": record["turns"][since:], "count": len(record["turns"]),
+            "record_id": record["id"]}
+
+  @fake.delete("/sessions/{session_id}")
+  async def delete(session_id: str):
+    if state["fail_delete"]:
+      return JSONResponse({"detail": "down"}, status_code=503)
+    found = state["records"].pop(session_id, None) is not None
+    return JSONResponse({"deleted": found}, status_code=200 if found else 404)
+
+  return fake, state
+
+
+def test_a_missed_delete_never_wipes_a_later_episodes_turns_and_lost_turns_are_said():
+  """Red team 27, 200 sessions and a backend restart: a delete a backend missed (its
+  health failing under load) was done at its return to rotation, after the next episode
+  under the id had recorded turns there: they were wiped (a record read as whole without
+  them, the next prompts encoded again). And turns a backend recorded that the router
+  never copied, gone with its restart, were read as a whole record (200)."""
+  fake, state = _recording_backend()
+  with ServerThread(fake) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=0.2)) as router:
+    c = httpx.Client(base_url=router.url, timeout=60)
+
+    def turn(sid):
+      r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": sid})
+      assert r.status_code == 200, r.text
+
+    turn("s")
+    state["fail_delete"] = True
+    assert c.delete("/sessions/s").status_code == 200  # (here; the backend missed it)
+    state["fail_delete"] = False
+    turn("s")  # the next episode under the id: the missed delete is done first
+    time.sleep(0.6)  # health rounds
+    assert [t["output_ids"] for t in state["records"]["s"]["turns"]] == [[0]]
+    assert [t["turn"] for t in c.get("/sessions/s").json()["turns"]] == [0]
+
+    turn("lost")
+    state["unreadable"] = True  # (the router's copy after the turn fails)
+    turn("lost")
+    state["unreadable"] = False
+    state["records"].clear()  # the backend restarts before a copy reads its turn
+    r = c.get("/sessions/lost")
+    assert r.status_code == 502 and "its record was lost" in r.text, r.text
+    assert c.delete("/sessions/lost").status_code == 200
+    turn("lost")  # a new episode under the id reads whole again
+    assert [t["turn"] for t in c.get("/sessions/lost").json()["turns"]] == [0]
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive():
+  """Red team 27: at uvicorn's 5 s keep-alive a server closed an idle connection as the
+  client (httpx: 5 s) sent its next turn on it, a bare ReadError that lost the episode.
+  A server keeps it open longer than clients keep theirs."""
+  import socket
+
+  fake, _ = _recording_backend()
+  with ServerThread(fake) as backend:
+    with socket.create_connection(("127.0.0.1", backend.port), timeout=10) as conn:
+      ask = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{backend.port}\r\n\r\n".encode()
+      for i in range(2):
+        if i:
+          time.sleep(6.0)  # (past httpx's 5 s and uvicorn's default)
+        conn.sendall(ask)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200"), "closed"
