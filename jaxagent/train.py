@@ -486,7 +486,8 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
         f"rollout.window ({r.window}) must be >= rollout.groups_per_step "
         f"({r.groups_per_step}): a step takes its groups from the oldest `window` in flight")
   c = cfg.checkpoint
-  if c.export_dtype is not None and c.export_dtype not in config_lib.FLOAT_DTYPES:  # (it was ignored)
+  if c.export_dtype is not None and c.export_dtype not in config_lib.FLOAT_DTYPES:
+    # (it was ignored)
     raise config_lib.ConfigError(f"checkpoint.export_dtype: null (the parameters' own), "
                                  f"{', '.join(config_lib.FLOAT_DTYPES)}, got {c.export_dtype!r}")
   if not 0 <= cfg.stop_success_rate <= 1:  # (2 was taken: a stop that could never come)

@@ -130,8 +130,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   # backend restarted, or its record was made anew): their reads answer 502, not a
   # record without them (red team 27)
   lost: collections.OrderedDict[str, set] = collections.OrderedDict()
-  # One delete of a session on a backend at a time, and none while a turn is being sent
-  # after it (a lock lives while someone holds or waits for it).
+  # One delete of a session on a backend at a time (the health round's and the one done
+  # before a turn is sent there; a lock lives while someone holds or waits for it).
   delete_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
   def must_delete(backend: str, session_id: str) -> None:
@@ -293,15 +293,18 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return None
     return n, got["turns"], got.get("record_id")
 
+  def copy_lock(session_id: str) -> asyncio.Lock:
+    lock = copy_locks.get(session_id)
+    if lock is None:
+      lock = copy_locks[session_id] = asyncio.Lock()
+    return lock
+
   async def copy_turns(session_id: str, *backends: str, strict: bool = False) -> None:
     """Appends the turns `backends` recorded for the session since the last copy, in the
     order they were recorded (a session that failed over ran turns on several). When
     this router's copy was evicted (a bound, or its time to live), every live backend
     that ran its turns is copied whole again."""
-    lock = copy_locks.get(session_id)
-    if lock is None:
-      lock = copy_locks[session_id] = asyncio.Lock()
-    async with lock:
+    async with copy_lock(session_id):
       if session_id not in sessions and session_id in cursors:  # the copy was evicted
         # Every backend that ran its turns is copied from the start again; one that
         # cannot be read now keeps its place (read whole when it can be).
@@ -428,8 +431,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
     """The router's copy of the session, brought up to date from its live backends (all
     of them when this router has not seen it: it restarted, or its turns failed over)."""
-    if copying.get(session_id):  # (a stream's copy under way: its turn first)
-      await asyncio.gather(*copying[session_id], return_exceptions=True)
+    if copying.get(session_id):  # (a stream's copy under way: its turn first; waited
+      # on, not gathered: a read cancelled would cancel the copy)
+      await asyncio.wait(set(copying[session_id]))
     held = session_id in sessions  # (a copy evicted here: ask every backend again)
     holders = (list(cursors.get(session_id, {})) if held else []) or list(ring.backends)
     holders += [b for b in owed.get(session_id, ()) if b not in holders]  # (never copied)
@@ -454,6 +458,13 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     """Deletes the session here and on every live backend: one that ran its turns may
     hold them though this router does not know it (a restarted router, a copy evicted),
     and the next turn's copy would bring them back."""
+    if copying.get(session_id):  # (a stream's copy landing after the delete brought the
+      # deleted turns back, and the next episode's were appended to them: a reviewer)
+      await asyncio.wait(set(copying[session_id]))
+    async with copy_lock(session_id):  # (no copy of the session meanwhile)
+      return await delete_everywhere(session_id)
+
+  async def delete_everywhere(session_id: str):
     cursors.pop(session_id, None)
     had = sessions.pop(session_id) is not None
 
@@ -596,10 +607,13 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     """Relays a stream; if the backend dies mid-stream, ends it with an error event (in
     the shape of the API's own stream errors: OpenAI's or Anthropic's) instead of a
     silently cut connection."""
+    cut = False
     try:
       async for chunk in resp.aiter_raw():
         yield chunk
     except httpx.TransportError as e:
+      cut = True  # (no copy: the turn was not recorded whole, and a copy of a dead
+      # backend would hold the session's reads at 502 for a turn it never had: a reviewer)
       healthy[backend] = False
       failovers["streams_cut"] += 1
       message = (f"the rollout server {backend} went away mid-stream ({type(e).__name__}); "
@@ -613,8 +627,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return
     finally:
       await resp.aclose()
-      if session_id is not None:  # (in the background: also when the client has gone,
-        # which closes this generator at its last chunk; awaited there, the copy was cut
+      if session_id is not None and not cut:  # (in the background: also when the client
+        # has gone, which closes this generator at its last chunk; awaited, the copy was cut
         # with it, and a backend that died next took the turn with it: red team 27, a
         # one-turn session read as none)
         task = asyncio.ensure_future(copy_turns(session_id, backend))

@@ -547,22 +547,36 @@ def _recording_backend():
   deletes fail, its records cannot be read, it restarts (records gone, ids new)."""
   import uuid
 
-  from fastapi import FastAPI, Request
-  from fastapi.responses import JSONResponse
+  import asyncio
 
-  state = {"records": {}, "fail_delete": False, "unreadable": False}
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse, StreamingResponse
+
+  state = {"records": {}, "fail_delete": False, "unreadable": False, "cut": False}
   fake = FastAPI()
 
   @fake.get("/health")
   async def health():
     return {"status": "ok", "version": 0}
 
-  @fake.post("/generate")
-  async def generate(request: Request):
-    sid = request.headers["x-session-id"]
+  def record(sid):
     record = state["records"].setdefault(sid, {"id": uuid.uuid4().hex, "turns": []})
     record["turns"].append({"turn": len(record["turns"]), "recorded_at": time.time(),
                             "output_ids": [len(record["turns"])]})
+
+  @fake.post("/generate")
+  async def generate(request: Request):
+    sid = request.headers["x-session-id"]
+    if (await request.json()).get("stream"):
+      async def events():
+        yield b'data: {"t": 1}\n\n'
+        if state["cut"]:  # (it dies mid-stream: the turn is not recorded)
+          state["unreadable"] = True
+          raise RuntimeError("killed")
+        record(sid)
+        yield b"data: [DONE]\n\n"
+      return StreamingResponse(events(), media_type="text/event-stream")
+    record(sid)
     return {"output_ids": [5], "finish_reason": "length"}
 
   @fake.get("/sessions/{session_id}")
@@ -572,8 +586,10 @@ def _recording_backend():
     record = state["records"].get(session_id)
     if record is None:
       return JSONResponse({"detail": "none"}, status_code=404)
-    return {"turns": record["turns"][since:], "count": len(record["turns"]),
-            "record_id": record["id"]}
+    got = {"turns": record["turns"][since:], "count": len(record["turns"]),
+           "record_id": record["id"]}
+    await asyncio.sleep(state.get("read_s", 0.0))  # (a loaded server answers late)
+    return got
 
   @fake.delete("/sessions/{session_id}")
   async def delete(session_id: str):
@@ -636,3 +652,36 @@ def test_an_idle_connection_outlives_the_clients_keep_alive():
           time.sleep(6.0)  # (past httpx's 5 s and uvicorn's default)
         conn.sendall(ask)
         assert conn.recv(4096).startswith(b"HTTP/1.1 200"), "closed"
+
+
+def test_a_streamed_turns_copy_neither_outlives_a_delete_nor_holds_reads_after_a_cut():
+  """A reviewer of red team 27's fixes: a stream's background copy that landed after the
+  client's DELETE brought the deleted turn back, and the next episode's were appended to
+  it; a stream cut by a dying backend left a copy owed that made the session's reads
+  502 for good, though nothing recorded was lost."""
+  fake, state = _recording_backend()
+  state["read_s"] = 0.3
+  with ServerThread(fake) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=0.2)) as router:
+    c = httpx.Client(base_url=router.url, timeout=60)
+    head = {"X-Session-Id": "s"}
+    assert c.post("/generate", json={"input_ids": [1]}, headers=head).status_code == 200
+    with c.stream("POST", "/generate", json={"input_ids": [1], "stream": True},
+                  headers=head) as stream:
+      assert b"[DONE]" in b"".join(stream.iter_raw())
+    assert c.delete("/sessions/s").status_code == 200
+    assert c.get("/sessions/s").status_code == 404
+    assert c.post("/generate", json={"input_ids": [1]}, headers=head).status_code == 200
+    assert [t["turn"] for t in c.get("/sessions/s").json()["turns"]] == [0]
+
+    state["read_s"] = 0.0
+    head = {"X-Session-Id": "cut"}
+    assert c.post("/generate", json={"input_ids": [1]}, headers=head).status_code == 200
+    state["cut"] = True
+    with c.stream("POST", "/generate", json={"input_ids": [1], "stream": True},
+                  headers=head) as stream:
+      assert b"went away mid-stream" in b"".join(stream.iter_raw())
+    state["cut"] = state["unreadable"] = False  # (back, as it was)
+    time.sleep(0.5)  # (the health round takes it back)
+    got = c.get("/sessions/cut")
+    assert got.status_code == 200 and [t["turn"] for t in got.json()["turns"]] == [0], got.text
