@@ -120,6 +120,21 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   # session while one of them is out of rotation cannot be whole (a reviewer).
   owed: collections.OrderedDict[str, set] = collections.OrderedDict()
 
+  # session id -> the copies after its streams, running (a read of it waits for them)
+  copying: dict[str, set] = {}
+
+  async def copies_done(session_id: str) -> None:
+    """Returns when the session's stream copies under way are done (waited on, not
+    gathered: a caller cancelled would cancel them)."""
+    if copying.get(session_id):
+      await asyncio.wait(set(copying[session_id]))
+
+  def copied(session_id: str, task: asyncio.Task) -> None:
+    running = copying.get(session_id, set())
+    running.discard(task)
+    if not running:
+      copying.pop(session_id, None)
+
   def forget_later(table: collections.OrderedDict, key, value) -> None:
     table[key] = value
     table.move_to_end(key)
@@ -140,16 +155,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     forget_later(undeleted[backend], session_id, None)
     healthy[backend] = False
 
-  def delete_lock(backend: str, session_id: str) -> asyncio.Lock:
-    lock = delete_locks.get((backend, session_id))
+  def lock_of(locks: weakref.WeakValueDictionary, key) -> asyncio.Lock:
+    """The lock of `key` in `locks`, made when no one holds or waits for one."""
+    lock = locks.get(key)
     if lock is None:
-      lock = delete_locks[(backend, session_id)] = asyncio.Lock()
+      lock = locks[key] = asyncio.Lock()
     return lock
 
   async def delete_owed(backend: str, session_id: str) -> Optional[int]:
     """Does the delete of the session that `backend` missed, if one is owed: the status
     it answered (None when it could not be asked); 200 when none was owed."""
-    async with delete_lock(backend, session_id):
+    async with lock_of(delete_locks, (backend, session_id)):
       if session_id not in undeleted[backend]:
         return 200
       try:
@@ -293,18 +309,12 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return None
     return n, got["turns"], got.get("record_id")
 
-  def copy_lock(session_id: str) -> asyncio.Lock:
-    lock = copy_locks.get(session_id)
-    if lock is None:
-      lock = copy_locks[session_id] = asyncio.Lock()
-    return lock
-
   async def copy_turns(session_id: str, *backends: str, strict: bool = False) -> None:
     """Appends the turns `backends` recorded for the session since the last copy, in the
     order they were recorded (a session that failed over ran turns on several). When
     this router's copy was evicted (a bound, or its time to live), every live backend
     that ran its turns is copied whole again."""
-    async with copy_lock(session_id):
+    async with lock_of(copy_locks, session_id):
       if session_id not in sessions and session_id in cursors:  # the copy was evicted
         # Every backend that ran its turns is copied from the start again; one that
         # cannot be read now keeps its place (read whole when it can be).
@@ -431,9 +441,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
     """The router's copy of the session, brought up to date from its live backends (all
     of them when this router has not seen it: it restarted, or its turns failed over)."""
-    if copying.get(session_id):  # (a stream's copy under way: its turn first; waited
-      # on, not gathered: a read cancelled would cancel the copy)
-      await asyncio.wait(set(copying[session_id]))
+    await copies_done(session_id)  # (a stream's copy under way: its turn first)
     held = session_id in sessions  # (a copy evicted here: ask every backend again)
     holders = (list(cursors.get(session_id, {})) if held else []) or list(ring.backends)
     holders += [b for b in owed.get(session_id, ()) if b not in holders]  # (never copied)
@@ -458,10 +466,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     """Deletes the session here and on every live backend: one that ran its turns may
     hold them though this router does not know it (a restarted router, a copy evicted),
     and the next turn's copy would bring them back."""
-    if copying.get(session_id):  # (a stream's copy landing after the delete brought the
-      # deleted turns back, and the next episode's were appended to them: a reviewer)
-      await asyncio.wait(set(copying[session_id]))
-    async with copy_lock(session_id):  # (no copy of the session meanwhile)
+    # (a stream's copy landing after the delete brought the deleted turns back, and the
+    # next episode's were appended to them: a reviewer)
+    await copies_done(session_id)
+    async with lock_of(copy_locks, session_id):  # (no copy of the session meanwhile)
       return await delete_everywhere(session_id)
 
   async def delete_everywhere(session_id: str):
@@ -634,15 +642,6 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         task = asyncio.ensure_future(copy_turns(session_id, backend))
         copying.setdefault(session_id, set()).add(task)
         task.add_done_callback(lambda t: copied(session_id, t))
-
-  # session id -> the copies after its streams, running (a read of it waits for them)
-  copying: dict[str, set] = {}
-
-  def copied(session_id: str, task: asyncio.Task) -> None:
-    running = copying.get(session_id, set())
-    running.discard(task)
-    if not running:
-      copying.pop(session_id, None)
 
   return app
 
