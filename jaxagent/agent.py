@@ -205,17 +205,8 @@ def next_prompt(tokenizer: Tokenizer, messages: list[dict], record: TurnRecord,
   if not (closed.startswith(head + content) and full.startswith(closed)):
     return None
   closing = closed[len(head) + len(content):]  # the template's end of the assistant turn
-  out = record.output_ids
-  if out and out[-1] in tokenizer.stop_ids:
-    stop_text = tokenizer.decode([out[-1]])
-    # A stop token the template would write itself is not written twice. Any other (the
-    # model said <|endoftext|> where the template closes with <|im_end|>) stays where it
-    # was sampled: re-rendering would drop it, and with it the only trace, and the
-    # training signal, of that move.
-    if closing.startswith(stop_text):
-      closing = closing[len(stop_text):]
-  return (record.prompt_ids + list(out) + tokenizer.encode(closing)
-          + tokenizer.encode_pieces(pieces, start=len(closed)))
+  return tokenizer.continue_turn(record.prompt_ids, record.output_ids, closing, pieces,
+                                 start=len(closed))
 
 
 async def _while_it_moves(call: Awaitable, look, deadline_s: float, where: str):

@@ -280,6 +280,21 @@ class Tokenizer:
         ids += self.encode_plain(text) if is_data else self.encode(text)
     return ids
 
+  def continue_turn(self, prompt_ids: Sequence[int], output_ids: Sequence[int], closing: str,
+                    pieces: Sequence[Piece], start: int) -> list[int]:
+    """A prompt that continues a sampled turn: its prompt and output ids as they were,
+    the template's end of an assistant turn (`closing`), then the rendering's `pieces`
+    from character `start` on. A stop token the model sampled that the template writes
+    itself is not written twice; any other (the model said <|endoftext|> where the
+    template closes with <|im_end|>) stays where it was sampled: re-rendering would drop
+    it, and with it the only trace, and the training signal, of that move."""
+    out = list(output_ids)
+    if out and out[-1] in self.stop_ids:
+      stop = self.decode(out[-1:])
+      if closing.startswith(stop):
+        closing = closing[len(stop):]
+    return list(prompt_ids) + out + self.encode(closing) + self.encode_pieces(pieces, start)
+
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -178,9 +178,8 @@ def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
 
   - The call's next message is the turn's reply (or a sibling's: a reply sampled from
     the same prompt, `LastTurn.replies`), sent back unchanged: the prompt and that
-    reply's output ids, the template's end of an assistant turn (less a stop token the model
-    sampled that it writes itself: one the template does not write stays where it was
-    sampled, as in the white-box agent's `next_prompt`), then the rest of the rendering.
+    reply's output ids, the template's end of an assistant turn, then the rest of the
+    rendering (`Tokenizer.continue_turn`, as the white-box agent's `next_prompt`).
     Encoded again from its text, a reply that spelled a control string (`<|im_end|>` in
     bytes) came back as the live token, and one sampled in other tokens than the text's
     usual ones, or whose calls the template writes otherwise (spacing, text around them),
@@ -209,12 +208,8 @@ def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
     if (marked.startswith(head + _REPLY) and _REPLY not in closing and full.startswith(closed)
             and closed.endswith(closing)
             and closed[len(head):].startswith(reply.get("content") or "")):
-      if kept and kept[-1] in tokenizer.stop_ids:
-        stop = tokenizer.decode([kept[-1]])
-        if closing.startswith(stop):
-          closing = closing[len(stop):]
-      return (list(last.prompt_ids) + kept + tokenizer.encode(closing)
-              + tokenizer.encode_pieces(pieces, start=len(closed)))
+      return tokenizer.continue_turn(last.prompt_ids, kept, closing, pieces,
+                                     start=len(closed))
   return list(last.prompt_ids) + tokenizer.encode_pieces(pieces, start=len(head))
 
 
