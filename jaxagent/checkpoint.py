@@ -245,11 +245,9 @@ class RunCheckpointer:
   def saved_processes(self) -> Optional[int]:
     """How many processes saved the newest checkpoint (its metadata's mesh); None when
     it does not say (unreadable: its restore says why)."""
-    step = self.latest_step()
     try:
-      with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
-        return int(json.load(f)["mesh"]["processes"])
-    except (OSError, ValueError, KeyError, TypeError):
+      return int(self.saved_meta()["mesh"]["processes"])
+    except (ValueError, KeyError, TypeError):
       return None
 
   def saved_meta(self, step: Optional[int] = None) -> Optional[dict]:
