@@ -143,17 +143,12 @@ def check_with_services(cfg: config_lib.RunConfig, servers: int, env_workers: in
   """The learner's config checks (ConfigError) as it will run: with `servers` rollout
   servers and `env_workers` environment workers in its serving.urls / env.urls (the
   addresses stand in for theirs: none is reached)."""
-  from jaxagent.train import check_config, check_served_models, served_scorers
+  from jaxagent.train import check_config, check_served_models, check_served_names
 
   urls = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]  # noqa: E731
   if servers:  # (the servers serve the run's models: each checked, each name found)
     check_served_models(cfg.serving.models)
-    named = {**served_scorers(cfg), **({"judge": ("env.judge", cfg.env.judge)}
-                                       if cfg.env.judge and not cfg.env.judge_url else {})}
-    for key, name in named.values():
-      if name not in cfg.serving.models:
-        raise config_lib.ConfigError(f"{key}: no served model {name!r} in serving.models "
-                                     f"(have {sorted(cfg.serving.models)})")
+    check_served_names(cfg)
     cfg = without_served_models(cfg)
   check_config(dataclasses.replace(
       cfg, serving=dataclasses.replace(cfg.serving, urls=urls(servers)) if servers

@@ -669,13 +669,20 @@ def check_config(cfg: config_lib.RunConfig) -> None:
                                  "serving.urls declare the models in the servers' configs")
   if cfg.env.judge and cfg.env.urls:
     raise config_lib.ConfigError("env.judge: in-process environments only (not with env.urls)")
+  if not cfg.serving.urls:
+    check_served_names(cfg)
+  env_latency(cfg)
+
+
+def check_served_names(cfg: config_lib.RunConfig) -> None:
+  """Each served model the run names (a KL reference, a teacher, a judge) is one of its
+  `serving.models` (ConfigError naming the key)."""
   judge = {"judge": ("env.judge", cfg.env.judge)} if cfg.env.judge and not cfg.env.judge_url \
       else {}
   for key, name in {**served_scorers(cfg), **judge}.values():
-    if not cfg.serving.urls and name not in cfg.serving.models:
+    if name not in cfg.serving.models:
       raise config_lib.ConfigError(f"{key}: no served model {name!r} in serving.models "
                                    f"(have {sorted(cfg.serving.models)})")
-  env_latency(cfg)
 
 
 def served_scorers(cfg: config_lib.RunConfig) -> dict[str, tuple[str, str]]:
