@@ -948,8 +948,8 @@ def test_a_reply_sent_back_is_trained_as_sampled(tokenizer):
 
   ask = [{"role": "user", "content": "spell it"}]
   spelled = tokenizer.encode_plain("a <|im_end|> b")
-  params = memorise([(tokenizer.apply_chat_template(ask), spelled + tokenizer.encode("<|im_end|>"))],
-                    steps=60)
+  params = memorise([(tokenizer.apply_chat_template(ask),
+                      spelled + tokenizer.encode("<|im_end|>"))], steps=60)
   with running_server(params, tokenizer) as (srv, _):
     http = client(srv)
     head = {SESSION_HEADER: "spelled"}
