@@ -1,7 +1,6 @@
 """The sandbox's limits, exercised for real on this machine."""
 
 import asyncio
-import atexit
 import hashlib
 import http.server
 import os
@@ -28,12 +27,23 @@ LIMITS = Limits(wall_s=3.0, cpu_s=10, memory_bytes=512 << 20, processes=32,
                 file_bytes=1 << 20, output_budget=1000, disk_bytes=8 << 20)
 
 
+_SCRATCH: list[str] = []
+
+
 def _scratch() -> str:
   """A directory under /tmp (sandbox uids pass through it: pytest's own are private),
-  removed when the test process ends."""
+  removed after this module's tests (a test-distributing worker ends without running
+  atexit's handlers)."""
   root = tempfile.mkdtemp(prefix="jaxagent-test-")
-  atexit.register(shutil.rmtree, root, True)
+  _SCRATCH.append(root)
   return root
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_scratch():
+  yield
+  while _SCRATCH:
+    shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)
 
 
 @pytest.fixture(params=MODES or ["rlimits"])
