@@ -148,6 +148,25 @@ def test_index_reads_back_every_episode_as_written(tmp_path, monkeypatch, compre
     assert index.episode(e["n"])[1] == want[(e["step"], e["rollout_id"])]
 
 
+def test_decompressor_states_are_saved_every_checkpoint_of_output(tmp_path, monkeypatch):
+  """Red team 24: a state was saved at most once a read chunk of compressed input, so a
+  chunk of very compressible lines (64 KB into 16 MB) put them 16 MB apart, where 4 MB
+  was meant: each episode's read decompressed that much again."""
+  import gzip
+
+  monkeypatch.setattr(view, "CHECKPOINT_BYTES", 4 << 10)
+  path = str(tmp_path / "trajectories.jsonl.gz")
+  row = json.dumps({"step": 1, "rollout_id": "r", "text": "a" * 200_000}) + "\n"
+  with gzip.open(path, "wt") as f:
+    f.write(row * 8)
+  lines = view.GzipLines(path)
+  with open(path, "rb") as f:
+    assert sum(1 for _ in lines.scan(f)) == 8
+  gaps = [b - a for a, b in zip(lines.mark_offsets, lines.mark_offsets[1:])]
+  assert gaps and max(gaps) <= 2 * (4 << 10), max(gaps)
+  assert lines.read(len(row) * 5, len(row)) == row.encode()
+
+
 def test_index_follows_a_growing_file_and_stops_at_damage(tmp_path):
   path = str(tmp_path / "trajectories.jsonl")
   dump_segments(path, with_advantages(STEP_1[0][0](), 0.5), 1, TOK.decode)
