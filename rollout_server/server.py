@@ -478,13 +478,15 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         raise HTTPException(400, f"tools: the chat template of {tok.name} does not write "
                                  "them into the prompt, so the model would never see them; "
                                  "serve it with model.chat_template=chatml_tools")
+    # A session records the policy's turns only: another model's are not its actions.
+    recorded = session_id if m is None else None
     try:
       messages = normalise_messages(messages)
-      if session_id and m is None:
-        messages = with_sampled_arguments(messages, sessions.sampled_calls(session_id))
+      if recorded:
+        messages = with_sampled_arguments(messages, sessions.sampled_calls(recorded))
       pieces = tok.render_pieces(messages, tools=tools)
       prompt = continued_prompt(tok, pieces, messages, tools, sessions.last_turn(
-          session_id, messages, tools) if session_id and m is None else None)
+          recorded, messages, tools) if recorded else None)
       if prompt is None:
         prompt = tok.encode_pieces(pieces)
     except ValueError as e:
@@ -492,9 +494,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     except Exception as e:  # a template error names the problem
       raise HTTPException(400, f"cannot render the chat template: {type(e).__name__}: {e}")
     req = submit(prompt, sampling, None, session_id, on)
-    # A session records the policy's turns only: another model's are not its actions.
     return ChatTurn(req, tok, on, messages=messages, tools=tools, sessions=sessions,
-                    session_id=session_id if m is None else None, kind=kind,
+                    session_id=recorded, kind=kind,
                     id_prefix=id_prefix, on_abandoned=disconnects.inc,
                     resubmit=lambda ids, s, n: submit(ids, s, None, session_id, on, n))
 
