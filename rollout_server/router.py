@@ -101,7 +101,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   # loads it before it takes traffic again).
   healthy = {b: True for b in ring.backends}
   counts = {b: 0 for b in ring.backends}
-  failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0}
+  failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0, "handovers": 0,
+               "handovers_failed": 0}
   policy: dict = {"body": None, "version": None}  # the last update the backends took
   updating = asyncio.Lock()
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
@@ -122,6 +123,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   # session id -> the copies after its streams, running (a read of it waits for them)
   copying: dict[str, set] = {}
+  # session id -> the backend that ran its last turn in this router's copy
+  last_from: collections.OrderedDict[str, str] = collections.OrderedDict()
 
   async def copies_done(session_id: str) -> None:
     """Returns when the session's stream copies under way are done (waited on, not
@@ -347,11 +350,49 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         except Exception:  # (the served turn is the client's: its record is ours)
           log.exception("router: session %r's turns could not be copied", session_id)
           return
+      if turns:
+        newest = max(((ts[-1].get("recorded_at", 0.0), b) for b, (_, ts, _) in read if ts),
+                     key=lambda x: x[0])
+        forget_later(last_from, session_id, newest[1])
       for b, (n, ts, made) in read:  # (copied: only now past them)
         cursors.setdefault(session_id, {})[b] = (n + len(ts), made)
       cursors.move_to_end(session_id)
       while len(cursors) > max_sessions:
         cursors.popitem(last=False)
+
+  async def hand_over(session_id: str, backend: str) -> bool:
+    """Before a session's turn goes to a backend other than the one that ran its last
+    turn (a failover, or the return of its own): hands that turn to it (`POST
+    /handover`), so that the call continues the turn's tokens as sampled. Without it the
+    turn's reply was encoded again from its text there and the trajectory forked at
+    every failover (red team 27: 76 of ~2,500 turns). Not when this router's copy may
+    lack turns (a record it could not read, or lost): an older turn handed over would
+    hide the backend's own newer one. False when the backend cannot be reached (the
+    turn goes to the next one); a backend that answers but does not take the turn is
+    sent the turn all the same (its prompt encoded from the text there)."""
+    await copies_done(session_id)  # (a stream's copy says which backend ran the last turn)
+    if (last_from.get(session_id) in (None, backend) or owed.get(session_id)
+            or session_id in lost):
+      return True
+    carried = sessions.handover(session_id)
+    if carried is None:
+      return True
+    try:
+      # (the client's bound, as the turn's own requests: a busy server is not a dead one)
+      r = await client().post(f"{backend}/handover",
+                              json={"session_id": session_id, **carried})
+      why = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+    except httpx.TransportError as e:
+      if not isinstance(e, (httpx.ReadTimeout, httpx.PoolTimeout)):
+        return False  # (refused, reset: as a turn's own send, the next backend's)
+      why = f"{type(e).__name__}: {e}"
+    except httpx.HTTPError as e:
+      why = f"{type(e).__name__}: {e}"
+    failovers["handovers_failed" if why else "handovers"] += 1
+    if why:
+      log.warning("router: %s did not take session %r's last turn (%s); the session's "
+                  "turn there is encoded from its text", backend, session_id, why)
+    return True
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -378,7 +419,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     return {"backends": [{"url": b, "healthy": healthy[b], "requests": counts[b]}
                          for b in ring.backends], "failovers": failovers["n"],
             "streams_cut": failovers["streams_cut"],
-            "policy_pushes": failovers["policy_pushes"], "policy_version": policy["version"],
+            "policy_pushes": failovers["policy_pushes"], "handovers": failovers["handovers"],
+            "handovers_failed": failovers["handovers_failed"],
+            "policy_version": policy["version"],
             "sessions": len(sessions), "session_bytes": sessions.bytes}
 
   @app.get("/health")
@@ -474,6 +517,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   async def delete_everywhere(session_id: str):
     cursors.pop(session_id, None)
+    last_from.pop(session_id, None)
     had = sessions.pop(session_id) is not None
 
     async def delete_on(b: str) -> Optional[bool]:
@@ -561,6 +605,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         if status is None or status >= 500 or status in (408, 429):
           last_error = f"{backend}: a delete of the session it owes failed ({status})"
           continue
+      if records and path != "generate" and not await hand_over(session_id, backend):
+        healthy[backend] = False
+        failovers["n"] += 1
+        last_error = f"{backend}: unreachable (handing over the session's last turn)"
+        continue
       # A turn is as long as its tokens (its client asks how it stands, `GET
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn

@@ -11,6 +11,8 @@
 - `POST /v1/score`: token ids in; each token's log-prob under a model out (a frozen
   reference's or a teacher's view of sampled tokens).
 - `POST /abort`, `POST /update_weights`, `GET /health`, `GET /metrics` (Prometheus).
+- `POST /handover`: a session's last turn that ran on another server (a router's, at a
+  failover): the session's next call here continues its tokens.
 
 A server may host more models beside its policy (`models:` in its config: a frozen
 reference, a teacher, a judge): `model` in a request names one (`/generate`,
@@ -95,6 +97,22 @@ class UpdateWeightsBody(BaseModel):
   version: Optional[int] = None
   mode: Optional[str] = None
   model: Optional[Name] = None
+
+
+class HandedReply(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  output_ids: list[Annotated[int, TOKEN_ID]] = Field(min_length=1)
+  response: Optional[dict] = None
+
+
+class HandoverBody(BaseModel):
+  """A session's last turn, which ran on another server (`SessionStore.handover`)."""
+  model_config = ConfigDict(extra="forbid")
+  session_id: Name
+  prompt_ids: list[Annotated[int, TOKEN_ID]] = Field(min_length=1)
+  messages: list[dict] = Field(min_length=1)
+  tools: Optional[list[dict]] = None
+  replies: list[HandedReply] = Field(min_length=1, max_length=8)
 
 
 class FunctionDef(BaseModel):
@@ -449,6 +467,16 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     if sessions.pop(session_id) is None:
       raise HTTPException(404, f"no session {session_id!r}")
     return {"session_id": session_id, "deleted": True}
+
+  @app.post("/handover")
+  async def handover(body: HandoverBody):
+    """A router failing a session over hands its last turn here, so that the session's
+    next call continues that turn's tokens (as on the server that ran it) rather than
+    encoding its reply again from the text (the trajectory forked at every failover: red
+    team 27). The session's record is unchanged."""
+    sessions.carry(body.session_id, body.prompt_ids, body.messages, body.tools,
+                   [(r.output_ids, r.response) for r in body.replies])
+    return {"session_id": body.session_id, "carried": True}
 
   def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,
                  session_id: Optional[str], kind: str, id_prefix: str,

@@ -99,9 +99,21 @@ class _Session:
     self.ids = self.digests = self.output_count = None
     self.calls: dict[str, str] = {}  # tool call id -> its arguments' text, as sampled
     self._context_size = 0
+    # A last turn another server ran, handed over by a router (`SessionStore.carry`):
+    # (what the next call continues, its messages' digests, its tools' JSON, its bytes);
+    # the next turn recorded here replaces it.
+    self.carried: Optional[tuple[LastTurn, list[bytes], str, int]] = None
+
+  def drop_carried(self) -> int:
+    """Forgets a carried last turn; the bytes freed."""
+    freed = self.carried[3] if self.carried is not None else 0
+    self.carried = None
+    self.size -= freed
+    return freed
 
   def append(self, turn: dict) -> int:
     """Stores `turn`; returns how many bytes the session grew by."""
+    freed = self.drop_carried()
     stored = {k: _pack(v, _PACKED[k]) if k in _PACKED else v for k, v in turn.items()}
     ids, messages = stored.get("prompt_ids"), stored.get("messages")
     if _packed_alike(ids, self.ids):
@@ -119,11 +131,7 @@ class _Session:
       messages_size = sum(len(j) + _MESSAGE_OVERHEAD for j in as_json[shared:])
     out = stored.get("output_ids")
     self.ids, self.digests = _context(ids, out), digests
-    response = stored.get("response")
-    for call in (response.get("tool_calls") or []) if isinstance(response, dict) else []:
-      function = call.get("function") if isinstance(call, dict) else None
-      if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-        self.calls[str(call.get("id"))] = function["arguments"]
+    self.keep_calls(stored.get("response"))
     # (how many of `ids` the output holds: None when they are not the prompt and output)
     self.output_count = len(out) if _packed_alike(ids, out) else None
     context_size = (_size(self.ids) if isinstance(self.ids, array.array) else 0) + (
@@ -134,7 +142,14 @@ class _Session:
     self._context_size = context_size
     self.turns.append(stored)
     self.size += grew
-    return grew
+    return grew - freed
+
+  def keep_calls(self, response: Any) -> None:
+    """Keeps the arguments' text of a reply's tool calls, by call id."""
+    for call in (response.get("tool_calls") or []) if isinstance(response, dict) else []:
+      function = call.get("function") if isinstance(call, dict) else None
+      if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        self.calls[str(call.get("id"))] = function["arguments"]
 
   def replies(self, prompt_length: int, message_count: int, most: int = 8
               ) -> list[tuple[list[int], Optional[dict]]]:
@@ -222,20 +237,29 @@ class SessionStore:
   def extend(self, session_id: str, turns: list[dict], number: bool = False) -> None:
     """Appends turns recorded elsewhere (a router's copy of its backends' records)."""
     with self._lock:
-      self._expire()
-      session = self._sessions.get(session_id)
-      if session is None:
-        session = self._sessions[session_id] = _Session()
-      self._sessions.move_to_end(session_id)
+      session = self._held(session_id)
       for turn in turns:
         if number:
           turn["turn"] = len(session.turns)
         self.bytes += session.append(turn)
       session.touched = self._clock()
-      while len(self._sessions) > self.max_sessions:
-        self._drop_oldest("count")
-      while self.max_bytes is not None and self.bytes > self.max_bytes and self._sessions:
-        self._drop_oldest("bytes")
+      self._bound()
+
+  def _held(self, session_id: str) -> _Session:
+    """The session (made when not held), now the most recently used (under the lock)."""
+    self._expire()
+    session = self._sessions.get(session_id)
+    if session is None:
+      session = self._sessions[session_id] = _Session()
+    self._sessions.move_to_end(session_id)
+    return session
+
+  def _bound(self) -> None:
+    """Drops the least recently used sessions past the count and byte bounds."""
+    while len(self._sessions) > self.max_sessions:
+      self._drop_oldest("count")
+    while self.max_bytes is not None and self.bytes > self.max_bytes and self._sessions:
+      self._drop_oldest("bytes")
 
   def _drop_oldest(self, reason: str) -> None:
     session_id, session = self._sessions.popitem(last=False)
@@ -271,22 +295,63 @@ class SessionStore:
 
   def last_turn(self, session_id: str, messages: list[dict], tools: Any
                 ) -> Optional["LastTurn"]:
-    """The session's last turn, when `messages` begin with its messages (equal as JSON,
-    as they were recorded) and `tools` are its tools; None when not, or the session is
-    not held."""
+    """The session's last turn (or the one a router handed over, `carry`), when
+    `messages` begin with its messages (equal as JSON, as they were recorded) and `tools`
+    are its tools; None when not, or the session is not held."""
+    with self._lock:
+      session = self._sessions.get(session_id)
+      if session is not None and session.carried is not None:
+        last, digests, tools_json, _ = session.carried
+      elif session is None or session.digests is None or session.output_count is None:
+        return None
+      else:
+        ids, digests, count = session.ids.tolist(), session.digests, session.output_count
+        tools_json = json.dumps(session.turns[-1].get("tools"), default=str)
+        last = LastTurn(ids[:len(ids) - count], len(digests),
+                        session.replies(len(ids) - count, len(digests)))
+    if len(messages) < len(digests) or any(
+        _digest(json.dumps(m, default=str)) != d for m, d in zip(messages, digests)):
+      return None
+    if tools_json != json.dumps(tools, default=str):
+      return None
+    return last
+
+  def handover(self, session_id: str) -> Optional[dict]:
+    """What another server needs to continue the session's last turn (a router's copy,
+    when the session's next turn goes elsewhere: `carry` there): the turn's prompt ids,
+    messages and tools, and its replies (output ids and assistant message; a retry's or
+    a best-of-n's siblings after the last one); None when the session is not held or its
+    last turn was no chat turn."""
     with self._lock:
       session = self._sessions.get(session_id)
       if session is None or session.digests is None or session.output_count is None:
         return None
-      last = session.turns[-1]
-      ids, digests, count = session.ids.tolist(), session.digests, session.output_count
-      replies = session.replies(len(ids) - count, len(digests))
-    if len(messages) < len(digests) or any(
-        _digest(json.dumps(m, default=str)) != d for m, d in zip(messages, digests)):
-      return None
-    if json.dumps(last.get("tools"), default=str) != json.dumps(tools, default=str):
-      return None
-    return LastTurn(ids[:len(ids) - count], len(digests), replies)
+      last = session.unpacked(len(session.turns) - 1)[-1]
+      ids, count = session.ids, session.output_count
+      replies = session.replies(len(ids) - count, len(session.digests))
+    return {"prompt_ids": last.get("prompt_ids"), "messages": last.get("messages"),
+            "tools": last.get("tools"),
+            "replies": [{"output_ids": out, "response": response} for out, response in replies]}
+
+  def carry(self, session_id: str, prompt_ids: list[int], messages: list[dict], tools: Any,
+            replies: list[tuple[list[int], Optional[dict]]]) -> None:
+    """Takes a last turn the session ran on another server (`handover` there, sent by a
+    router that failed the session over): the session's next call continues its tokens
+    as if it had run here. The session's record is unchanged (the turn is that server's)."""
+    digests = [_digest(json.dumps(m, default=str)) for m in messages]
+    last = LastTurn(list(prompt_ids), len(messages), [(list(o), r) for o, r in replies])
+    size = _TURN_OVERHEAD + 4 * (len(prompt_ids) + sum(len(o) for o, _ in replies)) + sum(
+        _size(m) + _MESSAGE_OVERHEAD for m in messages) + sum(_size(r) for _, r in replies)
+    with self._lock:
+      session = self._held(session_id)
+      self.bytes -= session.drop_carried()
+      session.carried = (last, digests, json.dumps(tools, default=str), size)
+      session.size += size
+      self.bytes += size
+      for _, response in replies:  # (their calls' arguments as sampled)
+        session.keep_calls(response)
+      session.touched = self._clock()
+      self._bound()
 
   def sampled_calls(self, session_id: str) -> dict[str, str]:
     """The arguments' text of each tool call the session's turns made, by call id."""

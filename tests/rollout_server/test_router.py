@@ -336,6 +336,74 @@ def test_an_evicted_copy_of_a_failed_over_session_comes_back_whole_and_in_order(
     orch.stop()
 
 
+def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
+    random_params, tokenizer):
+  """A session's turn that fails over to another backend (and back) continues the last
+  turn's tokens as sampled: the router hands the turn over (`POST /handover`). Before,
+  the other backend encoded the reply again from its text (a sampled byte sequence that
+  is no valid UTF-8 came back as U+FFFD's bytes) and the trajectory forked at each
+  failover (red team 27: 76 of ~2,500 turns)."""
+  from jaxagent.agent import collect_session
+  from rollout_server.orchestrator import Orchestrator
+  from rollout_server.server import create_app
+  from tests.rollout_server.conftest import make_engine
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=0)).start()
+  apps = [create_app(orch, tokenizer), create_app(orch, tokenizer)]  # their own records
+  servers = [ServerThread(app).start() for app in apps]
+  ask = [{"role": "user", "content": "say something"}]
+  try:
+    with ServerThread(create_router([s.url for s in servers], health_interval_s=0.2)) \
+        as router:
+      c = httpx.Client(base_url=router.url, timeout=120)
+
+      def turn(sid, messages, seed):
+        r = c.post("/v1/chat/completions", headers={"X-Session-Id": sid}, json={
+            "messages": messages, "max_tokens": 12, "seed": seed})
+        assert r.status_code == 200, r.text
+        return r.headers["x-routed-to"], r.json()["choices"][0]["message"]
+
+      # A first turn whose reply, encoded from its text, is not the tokens sampled.
+      for seed in range(40):
+        sid = f"fo-{seed}"
+        home, reply = turn(sid, ask, seed)
+        one = c.get(f"/sessions/{sid}").json()["turns"][0]
+        sampled = one["output_ids"][:-1] if one["finish_reason"] == "stop" \
+            else one["output_ids"]
+        if tokenizer.encode_plain(reply["content"]) != sampled:
+          break
+      else:
+        raise AssertionError("no reply that its text does not encode back")
+      i = [s.url for s in servers].index(home)
+      servers[i].stop()
+      messages = ask + [{"role": "assistant", "content": reply["content"]},
+                        {"role": "user", "content": "more"}]
+      other, reply2 = turn(sid, messages, 1)  # failed over
+      assert other != home
+      servers[i] = ServerThread(apps[i], port=servers[i].port).start()
+      deadline = time.monotonic() + 30
+      while not c.get("/router/health").json()["backends"][i]["healthy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+      messages = messages + [{"role": "assistant", "content": reply2["content"]},
+                             {"role": "user", "content": "again"}]
+      back, _ = turn(sid, messages, 2)  # back home: handed the turn it did not run
+      assert back == home
+      turns = c.get(f"/sessions/{sid}").json()["turns"]
+      health = c.get("/router/health").json()
+  finally:
+    for s in servers:
+      s.stop()
+    orch.stop()
+  assert len(turns) == 3
+  for before, after in zip(turns, turns[1:]):
+    context = before["prompt_ids"] + before["output_ids"]
+    assert after["prompt_ids"][:len(context)] == context
+  segments = collect_session(turns, session_id=sid, task_id="t")
+  assert len(segments) == 1 and segments[0].decisions == ["clean"] * 3
+  assert health["handovers"] == 2 and health["handovers_failed"] == 0
+
 
 def test_a_client_waits_for_a_server_that_is_still_starting(random_params, tokenizer):
   """A cluster starts the learner with its servers, which load for minutes: the learner

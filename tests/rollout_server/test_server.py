@@ -937,6 +937,53 @@ def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer
       prompt + tok.encode("Sure!")[:1]
 
 
+def test_a_handed_over_turn_is_continued_until_a_turn_runs_here(tokenizer):
+  """`SessionStore.handover` on one store, `carry` on another (a router failing a session
+  over): the other store's next call continues the handed turn, its own record is
+  unchanged, its bytes count the carried turn until its next turn replaces it."""
+  from rollout_server.sessions import SessionStore
+
+  tok = tokenizer
+  ask = [{"role": "user", "content": "go"}]
+  prompt = tok.apply_chat_template(ask)
+  call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c_1", "type": "function",
+          "function": {"name": "calculate", "arguments": '{"expression":"1+1"}'}}]}
+  ran, other = SessionStore(8), SessionStore(8)
+  _turn(ran, "s", ask, prompt, [7, 8, 9], call)
+  _turn(other, "s", [{"role": "user", "content": "older"}], [1, 2], [3])  # its own turn
+  handed = ran.handover("s")
+  assert handed["prompt_ids"] == prompt and handed["messages"] == ask
+  assert handed["replies"] == [{"output_ids": [7, 8, 9], "response": call}]
+  before = other.bytes
+  other.carry("s", handed["prompt_ids"], handed["messages"], handed["tools"],
+              [(r["output_ids"], r["response"]) for r in handed["replies"]])
+  assert other.bytes > before and len(other.get("s")) == 1
+  assert other.sampled_calls("s") == {"c_1": '{"expression":"1+1"}'}
+  last = other.last_turn("s", ask + [call], None)
+  assert last.prompt_ids == prompt and last.replies == [([7, 8, 9], call)]
+  assert other.last_turn("s", [{"role": "user", "content": "older"}], None) is None
+  assert other.last_turn("s", ask, TOOLS) is None  # (other tools)
+  _turn(other, "s", ask + [call], prompt + [7, 8, 9, 5], [6])  # a turn here replaces it
+  assert other.last_turn("s", ask + [call], None).prompt_ids == prompt + [7, 8, 9, 5]
+  assert other.bytes == sum(s.size for s in other._sessions.values())
+  other.carry("new", [1], ask, None, [([2], None)])  # a session this store never had
+  assert other.get("new") == [] and other.last_turn("new", ask, None).prompt_ids == [1]
+  assert other.pop("new") == [] and other.bytes == other._sessions["s"].size
+  assert ran.handover("none") is None
+
+
+def test_a_handover_with_a_bad_body_is_refused_by_name(server):
+  http = client(server[0])
+  good = {"session_id": "h", "prompt_ids": [1, 2], "messages": [{"role": "user",
+          "content": "x"}], "replies": [{"output_ids": [3], "response": None}]}
+  assert http.post("/handover", json=good).json() == {"session_id": "h", "carried": True}
+  for bad, where in [({"prompt_ids": [-1]}, "prompt_ids"), ({"replies": []}, "replies"),
+                     ({"messages": "hi"}, "messages"), ({"extra": 1}, "extra")]:
+    r = http.post("/handover", json={**good, **bad})
+    assert r.status_code in (400, 422) and where in r.text, (bad, r.text)
+  assert http.delete("/sessions/h").status_code == 200
+
+
 def test_a_reply_sent_back_is_trained_as_sampled(tokenizer):
   """A policy that writes a template control string in ordinary tokens (`<|im_end|>` in
   bytes) got it back as the live token when its agent sent the reply back: the next
