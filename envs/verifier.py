@@ -11,8 +11,9 @@ the harness's stdin); the expected values stay on the host. In the sandbox:
   or signal it), ignores SIGINT, and is not dumpable (nothing can ptrace it or
   open its file descriptors through /proc);
 - it forks the solution's process, which closes the report channel, sends its
-  prints to stderr, appends the workspace to the *end* of `sys.path` (a
-  `json.py` there cannot shadow the standard library), imports the solution,
+  prints to stderr, puts the workspace first on `sys.path`, as the episode's tools
+  ran it (a helper `code.py` the solution imports is its own, not the standard
+  library's; the harness's own modules were imported before), imports the solution,
   calls the function on each case's arguments and sends back each return value
   encoded by exact type (`envs.values`: an object with a forged `__eq__` is not
   a value);
@@ -59,8 +60,8 @@ from envs.sandbox import ExecResult, Sandbox, SandboxPool
 # 3: the report is capped to what the host keeps; 4: values nested past what the host
 # reads are errors, the solution is the kernel's first pick when memory runs out; 5: the
 # solution's process lets go of the harness's report before it turns dumpable; dict keys
-# compare exactly.
-VERSION = "python-harness-5"
+# compare exactly; 6: the workspace first on the solution's `sys.path`.
+VERSION = "python-harness-6"
 
 _HARNESS_BODY = r'''
 import ctypes, os, select, signal, sys
@@ -95,7 +96,7 @@ if pid == 0:  # the solution's process
       ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     sys.stdin = open(os.devnull)
     channel = os.fdopen(w, "w")
-    sys.path.append(os.getcwd())
+    sys.path.insert(0, os.getcwd())  # (first, as a tool's `python` and pytest have it)
     import importlib
     try:
       fn = getattr(importlib.import_module(spec["module"]), spec["function"])
@@ -325,8 +326,11 @@ class PythonTestVerifier:
           await waits.to_the_end(copying)
         raise
     except OSError as e:
-      if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.EFBIG):
-        raise
+      if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.EFBIG) or (
+          e.errno in (errno.ENOSPC, errno.EDQUOT) and not sb.has_quota):
+        raise  # (a workspace without a quota of its own: a full disk is the host's, red
+        # team 28: a correct answer graded a fail, and one sample filling the disk failed
+        # every other being graded)
       # The files the policy left do not fit a workspace like its own: its doing.
       return Verdict(VerdictStatus.FAIL, 0.0, env_version, VERSION,
                      {"reason": f"the files cannot be copied to grade: {e.strerror}"})

@@ -67,6 +67,7 @@ def test_runs_and_records(sandbox):
   assert r.stdout_sha256 == hashlib.sha256(b"hello\n").hexdigest()
   assert sandbox.history[-1] is r and r.isolation == sandbox.isolation
   assert r.command[-1] == "_run.py"
+  assert sandbox.has_quota == (os.geteuid() == 0 and sandbox.isolation != "rlimits")
 
 
 def test_infinite_loop_is_killed_at_the_timeout(sandbox):
@@ -222,6 +223,28 @@ def test_the_workspace_and_tmp_hold_a_bounded_number_of_files(sandbox):
   if sandbox.isolation == "mountns":
     assert lines[1].startswith("/tmp full 28 "), r.stdout
   assert set(sandbox.files()) == {"_run.py"}  # and empty directories
+
+
+def test_a_snapshot_of_a_workspace_of_many_directories_is_the_policys_doing():
+  """A workspace without a quota of its own (a worker not run as root) held 527k empty
+  directories: each walk of it took 15 s, and a grading past its deadline is re-rolled
+  as the infrastructure's (red team 28). Past `max_inodes` entries walked, directories
+  counted, the snapshot raises `WorkspaceTooLarge` (graded a fail)."""
+  from envs.sandbox import WorkspaceTooLarge
+
+  root = _scratch()
+  sb = Sandbox(os.path.join(root, "ws"), limits=Limits(max_inodes=64), isolation="rlimits")
+  try:
+    sb.write_file("solution.py", "x = 1\n")
+    for i in range(20):
+      os.makedirs(os.path.join(sb.host_path, f"d{i}", "e"))
+    assert set(sb.files()) == {"solution.py"}  # 41 entries
+    for i in range(20, 40):
+      os.makedirs(os.path.join(sb.host_path, f"d{i}", "e"))
+    with pytest.raises(WorkspaceTooLarge, match="over 64 files and directories"):
+      sb.files()  # 81 entries
+  finally:
+    sb.destroy()
 
 
 def test_host_never_chowns_through_a_link(sandbox, tmp_path):

@@ -36,7 +36,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-5"
+  assert ok.verifier_version == "python-harness-6"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -176,6 +176,16 @@ def test_harness_names_and_noisy_output_do_not_cost_a_correct_solution(pool):
   files = {"solution.py": "print('x' * 20000)\ndef add(a, b):\n    print('y' * 30000)\n"
                           "    return a + b\n",
            "_hidden_tests.py/x": "", "_grader.py/x": "", "test_public.py": "assert False\n"}
+  v = grade(pool, files)
+  assert v.status == VerdictStatus.PASS, v.details
+
+
+def test_a_helper_named_as_a_standard_module_is_the_solutions_own(pool):
+  """The grader puts the workspace first on `sys.path`, as the tools ran the code: with
+  it last, a helper `code.py` was the standard library's `code` when graded, and a
+  solution whose public tests passed failed (red team 28)."""
+  files = {"code.py": "def plus(a, b):\n    return a + b\n",
+           "solution.py": "from code import plus\ndef add(a, b):\n    return plus(a, b)\n"}
   v = grade(pool, files)
   assert v.status == VerdictStatus.PASS, v.details
 
@@ -392,3 +402,27 @@ def test_a_cancelled_grading_stops_copying_its_files():
 
   done = asyncio.run(main())
   assert done == ["f0.py"] and writes == done, writes
+
+
+def test_a_full_disk_is_the_files_doing_only_in_a_workspace_with_its_own_quota():
+  """A grading copy that fills the workspace: the files' doing where the workspace is a
+  filesystem of their size (root's tmpfs), the host's where it is the host's disk (a
+  worker not run as root): there a correct answer was graded a fail, and one sample
+  that filled the disk failed every other being graded (red team 28)."""
+  import errno
+
+  class FullSandbox:
+    def __init__(self, has_quota):
+      self.has_quota = has_quota
+
+    def write_file(self, name, data):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+  async def grade_in(has_quota):
+    return await PythonTestVerifier(pool=None).grade_in(
+        FullSandbox(has_quota), {"solution.py": b"x = 1\n"}, None, env_version="x")
+
+  verdict = asyncio.run(grade_in(True))
+  assert verdict.status == VerdictStatus.FAIL and "No space" in verdict.details["reason"]
+  with pytest.raises(OSError):  # (`grade` makes it an infra error, retried)
+    asyncio.run(grade_in(False))
