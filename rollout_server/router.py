@@ -362,10 +362,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   async def hand_over(session_id: str, backend: str) -> bool:
     """Before a session's turn goes to a backend other than the one that ran its last
-    turn (a failover, or the return of its own): hands that turn to it (`POST
-    /handover`), so that the call continues the turn's tokens as sampled. Without it the
-    turn's reply was encoded again from its text there and the trajectory forked at
-    every failover (red team 27: 76 of ~2,500 turns). Not when this router's copy may
+    turn (a failover, or the return of its own): hands it the session's threads (`POST
+    /handover`: its last turn, side calls' before it), so that the call continues their
+    tokens as sampled. Without it the turn's reply was encoded again from its text there
+    and the trajectory forked at every failover (red team 27: 76 of ~2,500 turns). Not
+    when this router's copy may
     lack turns (a record it could not read, or lost): an older turn handed over would
     hide the backend's own newer one. False when the backend cannot be reached (the
     turn goes to the next one); a backend that answers but does not take the turn is
@@ -380,7 +381,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     try:
       # (the client's bound, as the turn's own requests: a busy server is not a dead one)
       r = await client().post(f"{backend}/handover",
-                              json={"session_id": session_id, **carried})
+                              json={"session_id": session_id, "turns": carried})
       why = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
     except httpx.TransportError as e:
       if not isinstance(e, (httpx.ReadTimeout, httpx.PoolTimeout)):

@@ -11,8 +11,8 @@
 - `POST /v1/score`: token ids in; each token's log-prob under a model out (a frozen
   reference's or a teacher's view of sampled tokens).
 - `POST /abort`, `POST /update_weights`, `GET /health`, `GET /metrics` (Prometheus).
-- `POST /handover`: a session's last turn that ran on another server (a router's, at a
-  failover): the session's next call here continues its tokens.
+- `POST /handover`: a session's turns that ran on another server (a router's, at a
+  failover): the session's next call here continues their tokens.
 
 A server may host more models beside its policy (`models:` in its config: a frozen
 reference, a teacher, a judge): `model` in a request names one (`/generate`,
@@ -49,7 +49,8 @@ from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, Chat
                                  unserved, with_sampled_arguments)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, QueueFull, Request, progress_of
-from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
+from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, SessionStore,
+                                     session_of)
 
 
 
@@ -105,14 +106,19 @@ class HandedReply(BaseModel):
   response: Optional[dict] = None
 
 
-class HandoverBody(BaseModel):
-  """A session's last turn, which ran on another server (`SessionStore.handover`)."""
+class HandedTurn(BaseModel):
   model_config = ConfigDict(extra="forbid")
-  session_id: Name
   prompt_ids: list[Annotated[int, TOKEN_ID]] = Field(min_length=1)
   messages: list[dict] = Field(min_length=1)
   tools: Optional[list[dict]] = None
-  replies: list[HandedReply] = Field(min_length=1, max_length=8)
+  replies: list[HandedReply] = Field(min_length=1, max_length=MAX_REPLIES)
+
+
+class HandoverBody(BaseModel):
+  """A session's threads that ran on another server (`SessionStore.handover`)."""
+  model_config = ConfigDict(extra="forbid")
+  session_id: Name
+  turns: list[HandedTurn] = Field(min_length=1, max_length=MAX_HEADS)
 
 
 class FunctionDef(BaseModel):
@@ -470,12 +476,12 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   @app.post("/handover")
   async def handover(body: HandoverBody):
-    """A router failing a session over hands its last turn here, so that the session's
-    next call continues that turn's tokens (as on the server that ran it) rather than
-    encoding its reply again from the text (the trajectory forked at every failover: red
-    team 27). The session's record is unchanged."""
-    sessions.carry(body.session_id, body.prompt_ids, body.messages, body.tools,
-                   [(r.output_ids, r.response) for r in body.replies])
+    """A router failing a session over hands its threads here (its last turn, a side
+    call's), so that the session's next call continues their tokens (as on the server
+    that ran them) rather than encoding the replies again from their text (the
+    trajectory forked at every failover: red team 27). The session's record is
+    unchanged."""
+    sessions.carry(body.session_id, [t.model_dump() for t in body.turns])
     return {"session_id": body.session_id, "carried": True}
 
   def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,

@@ -85,6 +85,42 @@ _MESSAGE_OVERHEAD = 256
 _TURN_OVERHEAD = 1024
 
 
+# How many of a session's threads (turns no later call continued) its next call may
+# continue, and how many replies sampled from one prompt (a retry's, a best-of-n's) each
+# keeps.
+MAX_HEADS = 4
+MAX_REPLIES = 8
+
+
+@dataclasses.dataclass
+class _Head:
+  """A turn of the session that no later call continued (the last turn of a thread: the
+  agent's main conversation, a side call such as a title or a summary): what a call
+  whose messages begin with its messages continues. `ids` are its prompt and output
+  ids; `replies` (output ids, assistant message) those sampled from its prompt, newest
+  first; `turn` its index in the record, or None when another server ran it (handed
+  over by a router, `messages` kept here); `extra` the bytes it holds beside `ids`."""
+  ids: Any
+  output_count: int
+  digests: list[bytes]
+  tools_json: str
+  replies: list[tuple[Any, Optional[dict]]]
+  turn: Optional[int] = None
+  messages: Optional[list[dict]] = None
+  extra: int = 0
+
+  @property
+  def prompt(self):
+    return self.ids[:len(self.ids) - self.output_count]
+
+  def size(self) -> int:
+    return _size(self.ids) + _DIGEST_BYTES * len(self.digests) + self.extra
+
+  def continued_by(self, digests: list[bytes]) -> bool:
+    """A call with these messages' digests follows this turn (or repeats its prompt)."""
+    return len(self.digests) <= len(digests) and digests[:len(self.digests)] == self.digests
+
+
 class _Session:
   """A session's stored turns, and the last turn's whole context, which the next turn
   is stored against: its prompt and output ids, and a digest of each of its messages'
@@ -98,22 +134,28 @@ class _Session:
     self.size, self.touched = 0, 0.0
     self.ids = self.digests = self.output_count = None
     self.calls: dict[str, str] = {}  # tool call id -> its arguments' text, as sampled
+    self.heads: list[_Head] = []  # oldest first
     self._context_size = 0
-    # A last turn another server ran, handed over by a router (`SessionStore.carry`):
-    # (what the next call continues, its messages' digests, its tools' JSON, its bytes);
-    # the next turn recorded here replaces it.
-    self.carried: Optional[tuple[LastTurn, list[bytes], str, int]] = None
 
-  def drop_carried(self) -> int:
-    """Forgets a carried last turn; the bytes freed."""
-    freed = self.carried[3] if self.carried is not None else 0
-    self.carried = None
-    self.size -= freed
-    return freed
+  def add_head(self, head: _Head) -> None:
+    """`head` replaces the threads it continues; the oldest past MAX_HEADS go."""
+    self.heads = [h for h in self.heads if not h.continued_by(head.digests)][
+        -(MAX_HEADS - 1):] + [head]
+
+  def _sized(self) -> int:
+    """The bytes the session's contexts hold (the last turn's, and each thread's);
+    updates its size; returns how many it grew by."""
+    own = self.ids if isinstance(self.ids, array.array) else None
+    size = (_size(own) if own is not None else 0) + (
+        _DIGEST_BYTES * len(self.digests) if self.digests else 0) + sum(
+        h.size() - (_size(own) + _DIGEST_BYTES * len(h.digests) if h.ids is own else 0)
+        for h in self.heads)
+    grew, self._context_size = size - self._context_size, size
+    self.size += grew
+    return grew
 
   def append(self, turn: dict) -> int:
     """Stores `turn`; returns how many bytes the session grew by."""
-    freed = self.drop_carried()
     stored = {k: _pack(v, _PACKED[k]) if k in _PACKED else v for k, v in turn.items()}
     ids, messages = stored.get("prompt_ids"), stored.get("messages")
     if _packed_alike(ids, self.ids):
@@ -134,15 +176,19 @@ class _Session:
     self.keep_calls(stored.get("response"))
     # (how many of `ids` the output holds: None when they are not the prompt and output)
     self.output_count = len(out) if _packed_alike(ids, out) else None
-    context_size = (_size(self.ids) if isinstance(self.ids, array.array) else 0) + (
-        _DIGEST_BYTES * len(digests) if digests else 0)
+    if digests is not None and self.output_count is not None:  # a chat turn
+      tools_json = json.dumps(stored.get("tools"), default=str)
+      response = stored.get("response")
+      sibling = next((h for h in reversed(self.heads) if h.digests == digests
+                      and h.tools_json == tools_json and h.prompt == ids), None)
+      self.add_head(_Head(self.ids, self.output_count, digests, tools_json, [
+          (out, response if isinstance(response, dict) else None),
+          *(sibling.replies[:MAX_REPLIES - 1] if sibling else [])], turn=len(self.turns)))
     size = _TURN_OVERHEAD + messages_size + sum(
         _size(v) for k, v in stored.items() if k != "messages" or not isinstance(messages, list))
-    grew = size + context_size - self._context_size
-    self._context_size = context_size
     self.turns.append(stored)
-    self.size += grew
-    return grew - freed
+    self.size += size
+    return size + self._sized()
 
   def keep_calls(self, response: Any) -> None:
     """Keeps the arguments' text of a reply's tool calls, by call id."""
@@ -150,24 +196,6 @@ class _Session:
       function = call.get("function") if isinstance(call, dict) else None
       if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         self.calls[str(call.get("id"))] = function["arguments"]
-
-  def replies(self, prompt_length: int, message_count: int, most: int = 8
-              ) -> list[tuple[list[int], Optional[dict]]]:
-    """The last turn's output ids and reply, then those of the turns before it sampled
-    from the same prompt and messages (newest first, at most `most`)."""
-    out, i = [], len(self.turns) - 1
-    while i >= 0 and len(out) < most:
-      turn = self.turns[i]
-      response = turn.get("response")
-      out.append((list(turn.get("output_ids") or []),
-                  response if isinstance(response, dict) else None))
-      p, m = turn.get("prompt_ids"), turn.get("messages")
-      same = (isinstance(p, _Tail) and p.shared == prompt_length and not len(p.rest)
-              and isinstance(m, _Tail) and m.shared == message_count and not len(m.rest))
-      if not same:  # (the turn before it had another prompt)
-        break
-      i -= 1
-    return out
 
   def unpacked(self, since: int = 0) -> list[dict]:
     """The turns from `since` on as they were recorded (lists, not arrays; each turn's
@@ -190,10 +218,10 @@ class _Session:
 
 @dataclasses.dataclass(frozen=True)
 class LastTurn:
-  """What a session's next call continues (`SessionStore.last_turn`): the last turn's
-  prompt ids, its message count, and the replies sampled from that prompt
-  (output ids and assistant message), the last turn's first: a retry's or a best-of-n's
-  siblings, one of which the agent may keep."""
+  """What a session's call continues (`SessionStore.last_turn`): a turn's prompt ids,
+  its message count, and the replies sampled from that prompt (output ids and assistant
+  message), newest first: a retry's or a best-of-n's siblings, one of which the agent
+  may keep."""
   prompt_ids: list[int]
   message_count: int
   replies: list[tuple[list[int], Optional[dict]]]
@@ -295,61 +323,69 @@ class SessionStore:
 
   def last_turn(self, session_id: str, messages: list[dict], tools: Any
                 ) -> Optional["LastTurn"]:
-    """The session's last turn (or the one a router handed over, `carry`), when
-    `messages` begin with its messages (equal as JSON, as they were recorded) and `tools`
-    are its tools; None when not, or the session is not held."""
+    """The turn a call of the session continues: of the session's threads (`_Head`: its
+    last turn, a side call's before it, one a router handed over), the one with the most
+    messages that `messages` begin with (equal as JSON, as they were recorded) and whose
+    tools are `tools`; None when none, or the session is not held."""
+    tools_json = json.dumps(tools, default=str)
     with self._lock:
       session = self._sessions.get(session_id)
-      if session is not None and session.carried is not None:
-        last, digests, tools_json, _ = session.carried
-      elif session is None or session.digests is None or session.output_count is None:
-        return None
-      else:
-        ids, digests, count = session.ids.tolist(), session.digests, session.output_count
-        tools_json = json.dumps(session.turns[-1].get("tools"), default=str)
-        last = LastTurn(ids[:len(ids) - count], len(digests),
-                        session.replies(len(ids) - count, len(digests)))
-    if len(messages) < len(digests) or any(
-        _digest(json.dumps(m, default=str)) != d for m, d in zip(messages, digests)):
+      heads = [h for h in session.heads if h.tools_json == tools_json] if session else []
+    if not heads:
       return None
-    if tools_json != json.dumps(tools, default=str):
+    digests = [_digest(json.dumps(m, default=str))
+               for m in messages[:max(len(h.digests) for h in heads)]]
+    best = max((h for h in reversed(heads) if h.continued_by(digests)),
+               key=lambda h: len(h.digests), default=None)
+    if best is None:
       return None
-    return last
+    return LastTurn(best.prompt.tolist(), len(best.digests),
+                    [(list(out), response) for out, response in best.replies])
 
-  def handover(self, session_id: str) -> Optional[dict]:
-    """What another server needs to continue the session's last turn (a router's copy,
-    when the session's next turn goes elsewhere: `carry` there): the turn's prompt ids,
-    messages and tools, and its replies (output ids and assistant message; a retry's or
-    a best-of-n's siblings after the last one); None when the session is not held or its
-    last turn was no chat turn."""
+  def handover(self, session_id: str) -> Optional[list[dict]]:
+    """What another server needs to continue the session's threads (a router's copy,
+    when a turn of the session goes to a server that did not run its last one: `carry`
+    there): for each, oldest first, its prompt ids, messages, tools and replies (output
+    ids and assistant message, newest first); None when the session is not held or has
+    no chat turn."""
     with self._lock:
       session = self._sessions.get(session_id)
-      if session is None or session.digests is None or session.output_count is None:
+      if session is None or not session.heads:
         return None
-      last = session.unpacked(len(session.turns) - 1)[-1]
-      ids, count = session.ids, session.output_count
-      replies = session.replies(len(ids) - count, len(session.digests))
-    return {"prompt_ids": last.get("prompt_ids"), "messages": last.get("messages"),
-            "tools": last.get("tools"),
-            "replies": [{"output_ids": out, "response": response} for out, response in replies]}
+      heads = list(session.heads)
+      own = [h.turn for h in heads if h.turn is not None]
+      recorded = session.unpacked(min(own)) if own else []
+      first = min(own) if own else 0
+    return [{"prompt_ids": h.prompt.tolist(),
+             "messages": h.messages if h.turn is None else recorded[h.turn - first]["messages"],
+             "tools": json.loads(h.tools_json),
+             "replies": [{"output_ids": list(out), "response": response}
+                         for out, response in h.replies]} for h in heads]
 
-  def carry(self, session_id: str, prompt_ids: list[int], messages: list[dict], tools: Any,
-            replies: list[tuple[list[int], Optional[dict]]]) -> None:
-    """Takes a last turn the session ran on another server (`handover` there, sent by a
-    router that failed the session over): the session's next call continues its tokens
-    as if it had run here. The session's record is unchanged (the turn is that server's)."""
-    digests = [_digest(json.dumps(m, default=str)) for m in messages]
-    last = LastTurn(list(prompt_ids), len(messages), [(list(o), r) for o, r in replies])
-    size = _TURN_OVERHEAD + 4 * (len(prompt_ids) + sum(len(o) for o, _ in replies)) + sum(
-        _size(m) + _MESSAGE_OVERHEAD for m in messages) + sum(_size(r) for _, r in replies)
+  def carry(self, session_id: str, turns: list[dict]) -> None:
+    """Takes the threads of a session that ran on another server (`handover` there, sent
+    by a router that failed the session over, or brought it back): the session's next
+    call continues their tokens as if they had run here. The session's record is
+    unchanged (the turns are that server's)."""
+    heads = []
+    for t in turns:
+      replies = [(_pack(list(r["output_ids"]), int), r.get("response")) for r in t["replies"]]
+      prompt = _pack(list(t["prompt_ids"]), int)
+      ids = prompt + replies[0][0] if _packed_alike(prompt, replies[0][0]) else None
+      if ids is None:  # (ids past 64 bits: nothing a model samples)
+        continue
+      heads.append(_Head(
+          ids, len(replies[0][0]), [_digest(json.dumps(m, default=str)) for m in t["messages"]],
+          json.dumps(t.get("tools"), default=str), replies, messages=t["messages"],
+          extra=_TURN_OVERHEAD + sum(_size(m) + _MESSAGE_OVERHEAD for m in t["messages"])
+          + sum(_size(o) + _size(r) for o, r in replies)))
     with self._lock:
       session = self._held(session_id)
-      self.bytes -= session.drop_carried()
-      session.carried = (last, digests, json.dumps(tools, default=str), size)
-      session.size += size
-      self.bytes += size
-      for _, response in replies:  # (their calls' arguments as sampled)
-        session.keep_calls(response)
+      for head in heads:
+        session.add_head(head)
+        for _, response in head.replies:  # (their calls' arguments as sampled)
+          session.keep_calls(response)
+      self.bytes += session._sized()
       session.touched = self._clock()
       self._bound()
 

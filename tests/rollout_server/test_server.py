@@ -937,36 +937,58 @@ def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer
       prompt + tok.encode("Sure!")[:1]
 
 
-def test_a_handed_over_turn_is_continued_until_a_turn_runs_here(tokenizer):
-  """`SessionStore.handover` on one store, `carry` on another (a router failing a session
-  over): the other store's next call continues the handed turn, its own record is
-  unchanged, its bytes count the carried turn until its next turn replaces it."""
-  from rollout_server.sessions import SessionStore
+def test_a_call_continues_its_thread_past_side_calls_and_on_another_server(tokenizer):
+  """A session's call continues the turn of its own thread, not only the session's last
+  turn: a harness's side call (a title, a summary: other messages) between two turns
+  made the next turn encoded again from its text (a fork). `SessionStore.handover` on
+  one store and `carry` on another (a router failing the session over) give the other
+  store the threads; its own record is unchanged, its bytes count what it holds."""
+  from rollout_server.sessions import MAX_HEADS, SessionStore
 
   tok = tokenizer
   ask = [{"role": "user", "content": "go"}]
   prompt = tok.apply_chat_template(ask)
   call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c_1", "type": "function",
           "function": {"name": "calculate", "arguments": '{"expression":"1+1"}'}}]}
+  title = [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "go"}]
   ran, other = SessionStore(8), SessionStore(8)
   _turn(ran, "s", ask, prompt, [7, 8, 9], call)
+  _turn(ran, "s", title, [4, 4], [5], {"role": "assistant", "content": "A title"})
+  follow = ask + [call, {"role": "tool", "tool_call_id": "c_1", "content": "2"}]
+  last = ran.last_turn("s", follow, None)  # (the side call was the last turn)
+  assert last.prompt_ids == prompt and last.replies == [([7, 8, 9], call)]
+  assert ran.last_turn("s", title, None).prompt_ids == [4, 4]
+  # A sibling (the same prompt again) is kept beside the reply before it.
+  _turn(ran, "s", ask, prompt, [6, 6], {"role": "assistant", "content": "retry"})
+  assert ran.last_turn("s", follow, None).replies == [
+      ([6, 6], {"role": "assistant", "content": "retry"}), ([7, 8, 9], call)]
+
   _turn(other, "s", [{"role": "user", "content": "older"}], [1, 2], [3])  # its own turn
   handed = ran.handover("s")
-  assert handed["prompt_ids"] == prompt and handed["messages"] == ask
-  assert handed["replies"] == [{"output_ids": [7, 8, 9], "response": call}]
+  assert handed == [
+      {"prompt_ids": [4, 4], "messages": title, "tools": None,
+       "replies": [{"output_ids": [5], "response": {"role": "assistant", "content": "A title"}}]},
+      {"prompt_ids": prompt, "messages": ask, "tools": None, "replies": [
+          {"output_ids": [6, 6], "response": {"role": "assistant", "content": "retry"}},
+          {"output_ids": [7, 8, 9], "response": call}]}]
   before = other.bytes
-  other.carry("s", handed["prompt_ids"], handed["messages"], handed["tools"],
-              [(r["output_ids"], r["response"]) for r in handed["replies"]])
+  other.carry("s", handed)
   assert other.bytes > before and len(other.get("s")) == 1
   assert other.sampled_calls("s") == {"c_1": '{"expression":"1+1"}'}
-  last = other.last_turn("s", ask + [call], None)
-  assert last.prompt_ids == prompt and last.replies == [([7, 8, 9], call)]
-  assert other.last_turn("s", [{"role": "user", "content": "older"}], None) is None
+  assert other.last_turn("s", follow, None) == ran.last_turn("s", follow, None)
+  assert other.last_turn("s", title, None).prompt_ids == [4, 4]
+  assert other.last_turn("s", [{"role": "user", "content": "older"}], None).prompt_ids == [1, 2]
   assert other.last_turn("s", ask, TOOLS) is None  # (other tools)
-  _turn(other, "s", ask + [call], prompt + [7, 8, 9, 5], [6])  # a turn here replaces it
-  assert other.last_turn("s", ask + [call], None).prompt_ids == prompt + [7, 8, 9, 5]
+  _turn(other, "s", follow, prompt + [7, 8, 9, 5], [6])  # a turn here goes on from it
+  assert other.last_turn("s", follow, None).prompt_ids == prompt + [7, 8, 9, 5]
   assert other.bytes == sum(s.size for s in other._sessions.values())
-  other.carry("new", [1], ask, None, [([2], None)])  # a session this store never had
+  for i in range(MAX_HEADS):  # (threads past the bound: the oldest go)
+    _turn(other, "s", [{"role": "user", "content": f"side {i}"}], [9, i], [3])
+  assert other.last_turn("s", follow, None) is None
+  assert other.last_turn("s", [{"role": "user", "content": "side 0"}], None) is not None
+  assert other.bytes == sum(s.size for s in other._sessions.values())
+  other.carry("new", [{"prompt_ids": [1], "messages": ask, "tools": None,
+                       "replies": [{"output_ids": [2], "response": None}]}])  # a new session
   assert other.get("new") == [] and other.last_turn("new", ask, None).prompt_ids == [1]
   assert other.pop("new") == [] and other.bytes == other._sessions["s"].size
   assert ran.handover("none") is None
@@ -974,13 +996,16 @@ def test_a_handed_over_turn_is_continued_until_a_turn_runs_here(tokenizer):
 
 def test_a_handover_with_a_bad_body_is_refused_by_name(server):
   http = client(server[0])
-  good = {"session_id": "h", "prompt_ids": [1, 2], "messages": [{"role": "user",
-          "content": "x"}], "replies": [{"output_ids": [3], "response": None}]}
+  turn = {"prompt_ids": [1, 2], "messages": [{"role": "user", "content": "x"}],
+          "replies": [{"output_ids": [3], "response": None}]}
+  good = {"session_id": "h", "turns": [turn]}
   assert http.post("/handover", json=good).json() == {"session_id": "h", "carried": True}
   for bad, where in [({"prompt_ids": [-1]}, "prompt_ids"), ({"replies": []}, "replies"),
                      ({"messages": "hi"}, "messages"), ({"extra": 1}, "extra")]:
-    r = http.post("/handover", json={**good, **bad})
+    r = http.post("/handover", json={**good, "turns": [{**turn, **bad}]})
     assert r.status_code in (400, 422) and where in r.text, (bad, r.text)
+  r = http.post("/handover", json={**good, "turns": [turn] * 5})
+  assert r.status_code in (400, 422) and "turns" in r.text, r.text
   assert http.delete("/sessions/h").status_code == 200
 
 
