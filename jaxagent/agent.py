@@ -791,26 +791,45 @@ def _action_text(response: Optional[dict]) -> Optional[str]:
       for c in response.get("tool_calls") or [])
 
 
+def _step_numbers(records: list[TurnRecord], left: set[int],
+                  actions: Optional[list[str]]) -> list[int]:
+  """Each recorded call's environment step (the server's own `turn` counts its gateway
+  calls). With the texts the agent handed the environment (`actions`), in order: a
+  call whose reply is the next one handed ends that step, and the calls between (a
+  harness's side calls: a title, a summary) are of the step under way: counted as
+  steps, they pushed every later step's process reward onto the call before it. When
+  the replies do not give the actions so (a harness that hands them otherwise), each
+  call the agent kept is a step."""
+  kept, step = [], 0
+  for i in range(len(records)):
+    kept.append(step)
+    step += i not in left
+  if not actions:
+    return kept
+  out, k = [], 0
+  for i, r in enumerate(records):
+    out.append(k)
+    if i not in left and k < len(actions) and _action_text(r.response) == actions[k]:
+      k += 1
+  return out if k == len(actions) else kept
+
+
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
                     actions: Optional[list[str]] = None, **outcome: Any) -> list[Segment]:
   """Segments from the turns a server recorded for a session (`GET /sessions/{id}`).
 
   A black-box agent may call the gateway more than once for one environment step (a
   retry, a best-of-n): the replies it left train nothing (`TrajectoryManager.abandoned`),
-  and turn ids count the steps the kept replies made (the calls, less those left), so
-  per-turn rewards land on the turns that earned them. `actions`, the texts the agent
-  handed the environment, tell which of a last step's replies it acted on."""
+  and turn ids count the steps the kept replies made (`_step_numbers`: a side call is
+  no step), so per-turn rewards land on the turns that earned them. `actions`, the texts
+  the agent handed the environment, tell which of a last step's replies it acted on."""
   handed = set(actions or ())
   acted_on = (lambda r: _action_text(r.response) in handed) if actions is not None else None
   records = [TurnRecord.from_result(t) for t in turns]
   probe = TrajectoryManager(session_id, acted_on=acted_on)
   for r in records:
     probe.add_turn(r)
-  left = probe.abandoned()
-  steps, step = [], 0
-  for i in range(len(turns)):  # (the server's own `turn` counts its gateway calls)
-    steps.append(step)
-    step += i not in left
+  steps = _step_numbers(records, probe.abandoned(), actions)
   manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id,
                               acted_on=acted_on)
   for r, turn in zip(records, steps):

@@ -191,6 +191,33 @@ def test_a_blackbox_retry_trains_nothing_and_turns_count_the_steps():
   assert seg.turn_ids[seg.loss_mask > 0].tolist() == [0, 1]
 
 
+def test_a_side_call_between_steps_is_no_step_of_its_own():
+  """A harness's side call (a title: other messages) between two steps was counted as an
+  environment step: the second step's process reward landed on the side call and the
+  second step got none. With the actions the agent handed the environment, the side
+  call belongs to the step under way; actions handed otherwise than the replies say
+  leave the count of calls kept."""
+  from jaxagent.agent import collect_session
+
+  def rec(messages, prompt, out, text):
+    return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-1.0] * len(out),
+            "versions": [1] * len(out), "finish_reason": "stop", "messages": messages,
+            "response": {"role": "assistant", "content": text}}
+
+  ask = [{"role": "user", "content": "guess"}]
+  title = [{"role": "system", "content": "Title?"}, {"role": "user", "content": "guess"}]
+  turns = [rec(ask, [1, 2], [10], "8"), rec(title, [7, 7], [40], "A title"),
+           rec(ask + [{"role": "assistant", "content": "8"},
+                      {"role": "user", "content": "higher"}], [1, 2, 10, 5], [30], "12")]
+  def trained(actions):  # sampled token -> its turn id, over every segment
+    segments = collect_session(turns, session_id="s", task_id="t", actions=actions)
+    return {int(t): int(i) for s in segments
+            for t, i in zip(s.tokens[s.loss_mask > 0], s.turn_ids[s.loss_mask > 0])}
+
+  assert trained(["8", "12"]) == {10: 0, 40: 1, 30: 1}
+  assert trained(["guess 8", "12"]) == {10: 0, 40: 1, 30: 2}  # (each call a step)
+
+
 def test_dump_and_replay_give_the_same_batch(tmp_path):
   m = TrajectoryManager("s1")
   m.add_turn(turn([1, 2, 3], [4, 5]))
