@@ -60,9 +60,12 @@ def _common(base, new) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Tail:
-  """A sequence stored as the first `shared` items of the one before it and `rest`."""
+  """A sequence stored as the first `shared` items of an earlier turn's and `rest`: of
+  the turn before it, or of turn `base` (the last turn of the thread it goes on, past a
+  harness's side calls)."""
   shared: int
   rest: Any
+  base: Optional[int] = None
 
   def of(self, base):
     return base[:self.shared] + self.rest
@@ -121,6 +124,16 @@ class _Head:
     return len(self.digests) <= len(digests) and digests[:len(self.digests)] == self.digests
 
 
+def _thread_of(heads: list[_Head], digests: list[bytes], tools_json: Optional[str] = None
+               ) -> Optional[_Head]:
+  """The thread a call with these messages' digests goes on: of `heads` (oldest first)
+  whose messages its messages begin with, and whose tools are `tools_json` if given, the
+  one with the most messages (the newest of equals); None when none."""
+  return max((h for h in reversed(heads) if h.continued_by(digests)
+              and (tools_json is None or h.tools_json == tools_json)),
+             key=lambda h: len(h.digests), default=None)
+
+
 class _Session:
   """A session's stored turns, and the last turn's whole context, which the next turn
   is stored against: its prompt and output ids, and a digest of each of its messages'
@@ -158,18 +171,28 @@ class _Session:
     """Stores `turn`; returns how many bytes the session grew by."""
     stored = {k: _pack(v, _PACKED[k]) if k in _PACKED else v for k, v in turn.items()}
     ids, messages = stored.get("prompt_ids"), stored.get("messages")
-    if _packed_alike(ids, self.ids):
-      if shared := _common(self.ids, ids):
-        stored["prompt_ids"] = _Tail(shared, ids[shared:])
-    digests, messages_size = None, 0
-    if isinstance(messages, list):
-      as_json = [json.dumps(m, default=str) for m in messages]
-      digests = [_digest(j) for j in as_json]
-      shared = _common(self.digests, digests) if self.digests is not None else 0
+    as_json = [json.dumps(m, default=str) for m in messages] \
+        if isinstance(messages, list) else None
+    digests = [_digest(j) for j in as_json] if as_json is not None else None
+    # Stored against the turn before it, or against the last turn of the thread it goes
+    # on, whichever shares more (past side calls: stored against a side call, each turn
+    # after one was kept whole)
+    bases = [(None, self.ids, self.digests)]
+    thread = _thread_of(self.heads, digests) if digests is not None else None
+    if thread is not None and thread.turn is not None and thread.turn != len(self.turns) - 1:
+      bases.append((thread.turn, thread.ids, thread.digests))
+    shared, base = max(((_common(b_ids, ids), b) for b, b_ids, _ in bases
+                        if _packed_alike(ids, b_ids)), key=lambda x: x[0], default=(0, None))
+    if shared:
+      stored["prompt_ids"] = _Tail(shared, ids[shared:], base)
+    messages_size = 0
+    if as_json is not None:
+      shared, base = max(((_common(b_digests, digests), b) for b, _, b_digests in bases
+                          if b_digests is not None), key=lambda x: x[0], default=(0, None))
       # Fresh objects with the same JSON (a caller changing its own later changes
-      # nothing here); a turn's messages shared with the turn before are that turn's.
+      # nothing here); a turn's messages shared with an earlier turn are that turn's.
       rest = [json.loads(j) for j in as_json[shared:]]
-      stored["messages"] = _Tail(shared, rest) if shared else rest
+      stored["messages"] = _Tail(shared, rest, base) if shared else rest
       messages_size = sum(len(j) + _MESSAGE_OVERHEAD for j in as_json[shared:])
     out = stored.get("output_ids")
     self.ids, self.digests = _context(ids, out), digests
@@ -200,15 +223,20 @@ class _Session:
   def unpacked(self, since: int = 0) -> list[dict]:
     """The turns from `since` on as they were recorded (lists, not arrays; each turn's
     own lists, whose message objects are shared with the store: not to be changed)."""
-    out, ids, messages = [], None, None
+    # (the contexts of the turns a later one is stored against, past the turn before)
+    bases = {v.base for t in self.turns for v in (t.get("prompt_ids"), t.get("messages"))
+             if isinstance(v, _Tail) and v.base is not None}
+    out, ids, messages, kept = [], None, None, {}
     for i, stored in enumerate(self.turns):
       turn = dict(stored)
       if isinstance(p := turn.get("prompt_ids"), _Tail):
-        turn["prompt_ids"] = p.of(ids)
+        turn["prompt_ids"] = p.of(ids if p.base is None else kept[p.base][0])
       if isinstance(m := turn.get("messages"), _Tail):
-        turn["messages"] = m.of(messages)
+        turn["messages"] = m.of(messages if m.base is None else kept[m.base][1])
       ids, messages = _context(turn.get("prompt_ids"), turn.get("output_ids")), \
           turn.get("messages")
+      if i in bases:
+        kept[i] = (ids, messages)
       if i >= since:
         out.append({k: v.tolist() if isinstance(v, array.array) else
                     list(v) if k == "messages" and isinstance(v, list) else v
@@ -335,8 +363,7 @@ class SessionStore:
       return None
     digests = [_digest(json.dumps(m, default=str))
                for m in messages[:max(len(h.digests) for h in heads)]]
-    best = max((h for h in reversed(heads) if h.continued_by(digests)),
-               key=lambda h: len(h.digests), default=None)
+    best = _thread_of(heads, digests, tools_json)
     if best is None:
       return None
     return LastTurn(best.prompt.tolist(), len(best.digests),

@@ -388,7 +388,8 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
   import numpy as np
   from rollout_server.sessions import SessionStore
 
-  def play(turns: int, store: SessionStore, session: str) -> list[dict]:
+  def play(turns: int, store: SessionStore, session: str, side_calls: bool = False
+           ) -> list[dict]:
     rng = np.random.default_rng(0)
     prompt, messages, recorded = [1, 2, 3], [{"role": "user", "content": "go"}], []
     for t in range(turns):
@@ -409,6 +410,14 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
       recorded.append(copy.deepcopy(turn))
       if store is not None:
         store.record(session, turn)
+      if side_calls and t not in (5, 6):  # a title of the conversation so far, each turn
+        side = dict(recorded[-1], prompt_ids=[9] + turn["prompt_ids"] + out,
+                    messages=[{"role": "system", "content": "Title?"}, *turn["messages"]],
+                    output_ids=[5, 5], output_logprobs=[-1.0, -1.0], versions=[t, t],
+                    raw_logprobs=[-1.0, -1.0])
+        recorded.append(copy.deepcopy(side))
+        if store is not None:
+          store.record(session, side)
       prompt = turn["prompt_ids"] + out + [int(i) for i in rng.integers(0, 50_000, 300)]
       messages = turn["messages"] + [{"role": "assistant", "content": "x" * 100},
                                      {"role": "tool", "content": "y" * 1200}]
@@ -454,6 +463,15 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
     whole = sum(len(json.dumps(t)) for t in recorded)  # what storing each turn whole took
     assert store.bytes < whole / (turns / 8), (turns, store.bytes, whole)
   # linear in the turns (whole turns: ~4x a doubling)
+  assert sizes[48] / sizes[24] < 2.2 and sizes[24] / sizes[12] < 2.2, sizes
+  # A harness's side call each turn (its own thread): each thread is stored against its
+  # own last turn (against the turn before, each turn after a side call was kept whole)
+  for turns in (12, 24, 48):
+    store = SessionStore(max_sessions=10)
+    recorded = play(turns, store, "s", side_calls=True)
+    got = store.get("s")
+    assert [t.pop("turn") for t in got] == list(range(len(recorded))) and got == recorded
+    sizes[turns] = store.bytes
   assert sizes[48] / sizes[24] < 2.2 and sizes[24] / sizes[12] < 2.2, sizes
 
 
