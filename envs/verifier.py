@@ -64,7 +64,7 @@ from envs.sandbox import ExecResult, Sandbox, SandboxPool
 VERSION = "python-harness-6"
 
 _HARNESS_BODY = r'''
-import ctypes, os, select, signal, sys
+import ctypes, importlib, os, select, signal, sys
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # as init, a default disposition is immune
 try:  # PR_SET_DUMPABLE = 4: no ptrace of this process, no /proc/<pid>/fd or mem for others
@@ -96,8 +96,8 @@ if pid == 0:  # the solution's process
       ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     sys.stdin = open(os.devnull)
     channel = os.fdopen(w, "w")
-    sys.path.insert(0, os.getcwd())  # (first, as a tool's `python` and pytest have it)
-    import importlib
+    sys.path.insert(0, os.getcwd())  # (first, as a tool's `python` and pytest have it;
+    # nothing is imported after it but the solution: a helper `importlib.py` is its own)
     try:
       fn = getattr(importlib.import_module(spec["module"]), spec["function"])
     except BaseException as e:

@@ -247,6 +247,56 @@ def test_a_snapshot_of_a_workspace_of_many_directories_is_the_policys_doing():
     sb.destroy()
 
 
+def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():
+  """Without a quota of its own (a worker not run as root), a sandbox wrote 184 MB into
+  a directory of mode 000: the snapshot skipped what it could not read, the workspace's
+  removal left it on the host's disk, and a full disk is an infra error there (a
+  reviewer of red team 28's fixes). What the workspace takes on disk counts, readable
+  or not, and the workspace is removed whole."""
+  from envs.sandbox import WorkspaceTooLarge
+
+  root = _scratch()
+  sb = Sandbox(os.path.join(root, "ws"), limits=Limits(disk_bytes=1 << 20),
+               isolation="rlimits")
+  hidden = os.path.join(sb.host_path, "d", "e")
+  try:
+    sb.write_file("solution.py", "x = 1\n")
+    os.makedirs(hidden)
+    with open(os.path.join(hidden, "big"), "wb") as f:
+      f.write(os.urandom(2 << 20))
+    os.chmod(os.path.dirname(hidden), 0)
+    with pytest.raises(WorkspaceTooLarge, match="on disk"):
+      sb.files()
+    os.chmod(os.path.dirname(hidden), 0)
+    sb.wipe()
+    assert os.listdir(sb.host_path) == []
+    os.makedirs(hidden)
+    os.chmod(hidden, 0)
+    os.chmod(os.path.dirname(hidden), 0)
+  finally:
+    sb.destroy()
+  assert not os.path.exists(sb.host_path)
+  # As a user that a mode of 000 does shut out (root reads through it)
+  if os.geteuid() != 0 or not shutil.which("setpriv"):
+    return
+  root = _scratch()
+  os.chown(root, 65534, 65534)
+  code = ("import os, sys\nsys.path.insert(0, sys.argv[2])\n"
+          "from envs.sandbox import Limits, Sandbox, WorkspaceTooLarge\n"
+          "sb = Sandbox(os.path.join(sys.argv[1], 'ws'), limits=Limits(disk_bytes=1 << 20), "
+          "isolation='rlimits')\n"
+          "d = os.path.join(sb.host_path, 'd')\nos.makedirs(d)\n"
+          "open(os.path.join(d, 'big'), 'wb').write(os.urandom(2 << 20))\nos.chmod(d, 0)\n"
+          "try:\n  sb.files()\n  print('read')\nexcept WorkspaceTooLarge as e:\n  print(e)\n"
+          "os.chmod(d, 0)\nsb.destroy()\nprint('left' if os.path.exists(sb.host_path) "
+          "else 'removed')\n")
+  r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                      sys.executable, "-c", code, root, REPO],
+                     capture_output=True, text=True, timeout=60)
+  assert r.stdout.splitlines() == [f"the workspace takes over {1 << 20} bytes on disk",
+                                   "removed"], r.stdout + r.stderr
+
+
 def test_host_never_chowns_through_a_link(sandbox, tmp_path):
   """A hard link (or symlink) the sandbox left in its workspace is replaced, not followed."""
   if os.geteuid() != 0 or sandbox.uid is None:

@@ -188,6 +188,11 @@ def test_a_helper_named_as_a_standard_module_is_the_solutions_own(pool):
            "solution.py": "from code import plus\ndef add(a, b):\n    return plus(a, b)\n"}
   v = grade(pool, files)
   assert v.status == VerdictStatus.PASS, v.details
+  # The harness's own modules are imported before: files named as them change nothing
+  # (an `importlib.py` failed a correct solution: "no attribute 'import_module'")
+  v = grade(pool, {"importlib.py": "x = 1\n", "warnings.py": "raise SystemExit(3)\n",
+                   "solution.py": GOOD})
+  assert v.status == VerdictStatus.PASS, v.details
 
 
 def test_strict_types():
