@@ -581,6 +581,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return JSONResponse({"detail": f"no request {request_id!r} in flight"}, status_code=404)
     return found[0]
 
+  @app.post("/handover")
+  async def no_handover():
+    # (the router hands sessions over itself: forwarded, any client could set the token
+    # ids another session's next turn continues; a reviewer)
+    return JSONResponse({"detail": "the router hands sessions over itself; POST "
+                                   "/handover to a server, not through the router"},
+                        status_code=403)
+
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
     body = await request.body()

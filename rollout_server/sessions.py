@@ -100,14 +100,15 @@ class _Head:
   """A turn of the session that no later call continued (the last turn of a thread: the
   agent's main conversation, a side call such as a title or a summary): what a call
   whose messages begin with its messages continues. `ids` are its prompt and output
-  ids; `replies` (output ids, assistant message) those sampled from its prompt, newest
-  first; `turn` its index in the record, or None when another server ran it (handed
-  over by a router, `messages` kept here); `extra` the bytes it holds beside `ids`."""
+  ids; `replies` (output ids, assistant message, the bytes they hold) those sampled from
+  its prompt, newest first; `turn` its index in the record, or None when another server
+  ran it (handed over by a router, `messages` kept here); `extra` the bytes its messages
+  hold then."""
   ids: Any
   output_count: int
   digests: list[bytes]
   tools_json: str
-  replies: list[tuple[Any, Optional[dict]]]
+  replies: list[tuple[Any, Optional[dict], int]]
   turn: Optional[int] = None
   messages: Optional[list[dict]] = None
   extra: int = 0
@@ -117,11 +118,31 @@ class _Head:
     return self.ids[:len(self.ids) - self.output_count]
 
   def size(self) -> int:
-    return _size(self.ids) + _DIGEST_BYTES * len(self.digests) + self.extra
+    return (_size(self.ids) + _DIGEST_BYTES * len(self.digests) + self.extra
+            + sum(n for _, _, n in self.replies))
 
   def continued_by(self, digests: list[bytes]) -> bool:
     """A call with these messages' digests follows this turn (or repeats its prompt)."""
     return len(self.digests) <= len(digests) and digests[:len(self.digests)] == self.digests
+
+  def sibling_of(self, other: "_Head") -> bool:
+    """Sampled from the same prompt, messages and tools as `other`."""
+    return (self.digests == other.digests and self.tools_json == other.tools_json
+            and self.prompt == other.prompt)
+
+  def rewinds(self, other: "_Head") -> bool:
+    """`other` went on from this head's prompt (its messages and prompt ids begin with
+    this head's, and are more): this head, sampled after it, went back to an earlier
+    turn (a retry of it), and `other`'s turns are left."""
+    return (len(other.digests) > len(self.digests) and self.continued_by(other.digests)
+            and len(other.prompt) >= len(self.prompt)
+            and other.prompt[:len(self.prompt)] == self.prompt)
+
+
+def _reply(out: Any, response: Any) -> tuple[Any, Optional[dict], int]:
+  """A head's reply: its output ids, its assistant message, the bytes they hold."""
+  response = response if isinstance(response, dict) else None
+  return out, response, _size(out) + (_size(response) if response else 0)
 
 
 def _thread_of(heads: list[_Head], digests: list[bytes], tools_json: Optional[str] = None
@@ -151,9 +172,11 @@ class _Session:
     self._context_size = 0
 
   def add_head(self, head: _Head) -> None:
-    """`head` replaces the threads it continues; the oldest past MAX_HEADS go."""
-    self.heads = [h for h in self.heads if not h.continued_by(head.digests)][
-        -(MAX_HEADS - 1):] + [head]
+    """`head` replaces the threads it continues and those it rewinds (a retry of an
+    earlier turn leaves the turns after it: continued, a call with their messages got
+    their tokens, not the retry's); the oldest past MAX_HEADS go."""
+    self.heads = [h for h in self.heads if not h.continued_by(head.digests)
+                  and not head.rewinds(h)][-(MAX_HEADS - 1):] + [head]
 
   def _sized(self) -> int:
     """The bytes the session's contexts hold (the last turn's, and each thread's);
@@ -200,13 +223,13 @@ class _Session:
     # (how many of `ids` the output holds: None when they are not the prompt and output)
     self.output_count = len(out) if _packed_alike(ids, out) else None
     if digests is not None and self.output_count is not None:  # a chat turn
-      tools_json = json.dumps(stored.get("tools"), default=str)
-      response = stored.get("response")
-      sibling = next((h for h in reversed(self.heads) if h.digests == digests
-                      and h.tools_json == tools_json and h.prompt == ids), None)
-      self.add_head(_Head(self.ids, self.output_count, digests, tools_json, [
-          (out, response if isinstance(response, dict) else None),
-          *(sibling.replies[:MAX_REPLIES - 1] if sibling else [])], turn=len(self.turns)))
+      head = _Head(self.ids, self.output_count, digests,
+                   json.dumps(stored.get("tools"), default=str),
+                   [_reply(out, stored.get("response"))], turn=len(self.turns))
+      sibling = next((h for h in reversed(self.heads) if h.sibling_of(head)), None)
+      if sibling is not None:
+        head.replies += sibling.replies[:MAX_REPLIES - 1]
+      self.add_head(head)
     size = _TURN_OVERHEAD + messages_size + sum(
         _size(v) for k, v in stored.items() if k != "messages" or not isinstance(messages, list))
     self.turns.append(stored)
@@ -367,7 +390,7 @@ class SessionStore:
     if best is None:
       return None
     return LastTurn(best.prompt.tolist(), len(best.digests),
-                    [(list(out), response) for out, response in best.replies])
+                    [(list(out), response) for out, response, _ in best.replies])
 
   def handover(self, session_id: str) -> Optional[list[dict]]:
     """What another server needs to continue the session's threads (a router's copy,
@@ -387,30 +410,40 @@ class SessionStore:
              "messages": h.messages if h.turn is None else recorded[h.turn - first]["messages"],
              "tools": json.loads(h.tools_json),
              "replies": [{"output_ids": list(out), "response": response}
-                         for out, response in h.replies]} for h in heads]
+                         for out, response, _ in h.replies]} for h in heads]
 
   def carry(self, session_id: str, turns: list[dict]) -> None:
     """Takes the threads of a session that ran on another server (`handover` there, sent
     by a router that failed the session over, or brought it back): the session's next
     call continues their tokens as if they had run here. The session's record is
-    unchanged (the turns are that server's)."""
-    heads = []
+    unchanged (the turns are that server's). A thread this server went on with itself
+    (a turn of its own record whose messages begin with the handed one's) stays as it
+    is: the router's copy may be behind; a sibling's replies are merged into it."""
+    handed = []
     for t in turns:
-      replies = [(_pack(list(r["output_ids"]), int), r.get("response")) for r in t["replies"]]
+      replies = [_reply(_pack(list(r["output_ids"]), int), r.get("response"))
+                 for r in t["replies"]]
       prompt = _pack(list(t["prompt_ids"]), int)
-      ids = prompt + replies[0][0] if _packed_alike(prompt, replies[0][0]) else None
-      if ids is None:  # (ids past 64 bits: nothing a model samples)
+      if not _packed_alike(prompt, replies[0][0]):  # (ids past 64 bits: none sampled)
         continue
-      heads.append(_Head(
-          ids, len(replies[0][0]), [_digest(json.dumps(m, default=str)) for m in t["messages"]],
+      handed.append(_Head(
+          prompt + replies[0][0], len(replies[0][0]),
+          [_digest(json.dumps(m, default=str)) for m in t["messages"]],
           json.dumps(t.get("tools"), default=str), replies, messages=t["messages"],
-          extra=_TURN_OVERHEAD + sum(_size(m) + _MESSAGE_OVERHEAD for m in t["messages"])
-          + sum(_size(o) + _size(r) for o, r in replies)))
+          extra=_TURN_OVERHEAD + sum(_size(m) + _MESSAGE_OVERHEAD for m in t["messages"])))
     with self._lock:
       session = self._held(session_id)
-      for head in heads:
-        session.add_head(head)
-        for _, response in head.replies:  # (their calls' arguments as sampled)
+      for head in handed:
+        # (its own threads whose messages begin with the handed one's: the same, or on)
+        own = [h for h in session.heads if h.turn is not None and head.continued_by(h.digests)]
+        sibling = next((h for h in own if h.sibling_of(head)), None)
+        if sibling is not None:
+          seen = {tuple(out) for out, _, _ in sibling.replies}
+          sibling.replies += [r for r in head.replies if tuple(r[0]) not in seen]
+          del sibling.replies[MAX_REPLIES:]
+        elif not own:
+          session.add_head(head)
+        for _, response, _ in head.replies:  # (their calls' arguments as sampled)
           session.keep_calls(response)
       self.bytes += session._sized()
       session.touched = self._clock()

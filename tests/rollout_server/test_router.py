@@ -392,6 +392,7 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
       assert back == home
       turns = c.get(f"/sessions/{sid}").json()["turns"]
       health = c.get("/router/health").json()
+      forged = c.post("/handover", json={"session_id": sid, "turns": []})
   finally:
     for s in servers:
       s.stop()
@@ -403,6 +404,7 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
   segments = collect_session(turns, session_id=sid, task_id="t")
   assert len(segments) == 1 and segments[0].decisions == ["clean"] * 3
   assert health["handovers"] == 2 and health["handovers_failed"] == 0
+  assert forged.status_code == 403  # (a client cannot set another session's tokens)
 
 
 def test_a_client_waits_for_a_server_that_is_still_starting(random_params, tokenizer):

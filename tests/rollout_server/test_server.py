@@ -1012,6 +1012,37 @@ def test_a_call_continues_its_thread_past_side_calls_and_on_another_server(token
   assert ran.handover("none") is None
 
 
+def test_a_retried_turn_leaves_the_turns_after_it_and_a_handover_keeps_newer_own_turns():
+  """A reviewer's cases. A retry of an earlier turn (its prompt sampled again) leaves
+  the turns that went on from it: a call with their messages continued their tokens,
+  not the retry's. A handover does not hide a turn this store ran itself: a newer
+  sibling's reply, a thread it went on with (the router's copy may be behind)."""
+  from rollout_server.sessions import SessionStore
+
+  u = [{"role": "user", "content": "go"}]
+  hi = {"role": "assistant", "content": "hi"}
+  obs = {"role": "user", "content": "obs"}
+  store = SessionStore(8)
+  _turn(store, "s", u, [1, 2], [10, 11], hi)  # "hi" sampled as 10, 11
+  _turn(store, "s", u + [hi, obs], [1, 2, 10, 11, 5, 6], [20], {"role": "assistant",
+                                                             "content": "x"})
+  _turn(store, "s", u, [1, 2], [12], hi)  # retried: "hi" as 12
+  last = store.last_turn("s", u + [hi, obs], None)
+  assert last.prompt_ids == [1, 2] and last.replies[0] == ([12], hi)
+
+  r1, r2 = {"role": "assistant", "content": "r1"}, {"role": "assistant", "content": "r2"}
+  copy, own = SessionStore(8), SessionStore(8)
+  _turn(copy, "s", u, [1, 2], [10], r1)  # the router's copy, behind
+  _turn(own, "s", u, [1, 2], [10], r1)
+  _turn(own, "s", u, [1, 2], [20], r2)  # a newer sibling here
+  own.carry("s", copy.handover("s"))
+  assert own.last_turn("s", u + [r2], None).replies == [([20], r2), ([10], r1)]
+  _turn(own, "s", u + [r2, obs], [1, 2, 20, 7], [30], r1)  # went on here
+  own.carry("s", copy.handover("s"))
+  assert own.last_turn("s", u + [r2, obs, r1], None).prompt_ids == [1, 2, 20, 7]
+  assert own.bytes == sum(s.size for s in own._sessions.values())
+
+
 def test_a_handover_with_a_bad_body_is_refused_by_name(server):
   http = client(server[0])
   turn = {"prompt_ids": [1, 2], "messages": [{"role": "user", "content": "x"}],
