@@ -112,6 +112,11 @@ class _Head:
   turn: Optional[int] = None
   messages: Optional[list[dict]] = None
   extra: int = 0
+  # The turn of the record this one went on from (a summary call that sends the whole
+  # conversation and asks for a summary goes on from the agent's last turn, and the
+  # agent's next call, whose messages are fewer, goes on from that turn: it is looked
+  # up in the record then)
+  parent: Optional[int] = None
 
   @property
   def prompt(self):
@@ -175,6 +180,15 @@ class _Session:
     """`head` replaces the threads it continues and those it rewinds (a retry of an
     earlier turn leaves the turns after it: continued, a call with their messages got
     their tokens, not the retry's); the oldest past MAX_HEADS go."""
+    went_on = sorted((h for h in self.heads if h.continued_by(head.digests)),
+                     key=lambda h: len(h.digests), reverse=True)
+    for h in went_on:  # (a sibling's parent is its own)
+      if len(h.digests) < len(head.digests) and h.turn is not None:
+        head.parent = h.turn
+        break
+      if len(h.digests) == len(head.digests) and h.parent is not None:
+        head.parent = h.parent
+        break
     self.heads = [h for h in self.heads if not h.continued_by(head.digests)
                   and not head.rewinds(h)][-(MAX_HEADS - 1):] + [head]
 
@@ -387,10 +401,26 @@ class SessionStore:
     digests = [_digest(json.dumps(m, default=str))
                for m in messages[:max(len(h.digests) for h in heads)]]
     best = _thread_of(heads, digests, tools_json)
-    if best is None:
+    if best is not None:
+      return LastTurn(best.prompt.tolist(), len(best.digests),
+                      [(list(out), response) for out, response, _ in best.replies])
+    parents = sorted({h.parent for h in heads if h.parent is not None})
+    if not parents:
       return None
-    return LastTurn(best.prompt.tolist(), len(best.digests),
-                    [(list(out), response) for out, response, _ in best.replies])
+    with self._lock:  # (rare: a call that goes on from a turn a side call went on from)
+      if self._sessions.get(session_id) is not session:
+        return None
+      recorded = session.unpacked(parents[0])
+    for i in sorted(parents, key=lambda i: -len(recorded[i - parents[0]]["messages"])):
+      turn = recorded[i - parents[0]]
+      had = turn["messages"]
+      if (len(had) <= len(messages) and json.dumps(turn.get("tools"), default=str) == tools_json
+              and all(json.dumps(m, default=str) == json.dumps(h, default=str)
+                      for m, h in zip(messages, had))):
+        response = turn.get("response")
+        return LastTurn(turn["prompt_ids"], len(had), [
+            (turn["output_ids"], response if isinstance(response, dict) else None)])
+    return None
 
   def handover(self, session_id: str) -> Optional[list[dict]]:
     """What another server needs to continue the session's threads (a router's copy,

@@ -1030,6 +1030,17 @@ def test_a_retried_turn_leaves_the_turns_after_it_and_a_handover_keeps_newer_own
   last = store.last_turn("s", u + [hi, obs], None)
   assert last.prompt_ids == [1, 2] and last.replies[0] == ([12], hi)
 
+  # A summary call (the whole conversation, and a request for a summary) goes on from
+  # the agent's last turn; the agent's next call, with fewer messages, still does
+  summary = {"role": "user", "content": "Summarize."}
+  store = SessionStore(8)
+  _turn(store, "m", u, [1, 2], [10, 11], hi)
+  _turn(store, "m", u + [hi, obs, summary], [1, 2, 10, 11, 5, 8], [40],
+        {"role": "assistant", "content": "sum"})
+  last = store.last_turn("m", u + [hi, obs], None)
+  assert last.prompt_ids == [1, 2] and last.replies == [([10, 11], hi)]
+  assert store.last_turn("m", u + [hi, obs], TOOLS) is None
+
   r1, r2 = {"role": "assistant", "content": "r1"}, {"role": "assistant", "content": "r2"}
   copy, own = SessionStore(8), SessionStore(8)
   _turn(copy, "s", u, [1, 2], [10], r1)  # the router's copy, behind
