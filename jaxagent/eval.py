@@ -153,6 +153,8 @@ def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
   """The run's config: --config, else the config.json of the run the export belongs to."""
   if config is not None:
     return config_lib.load(config_lib.RunConfig, config)
+  if not os.path.exists(policy):  # (not "no config.json above it": a new user's finding)
+    raise config_lib.ConfigError(f"--policy: no such export {policy}")
   d = os.path.abspath(policy)
   for _ in range(3):  # RUN_DIR/policy/vN, RUN_DIR/policy, RUN_DIR
     path = os.path.join(d, "config.json")

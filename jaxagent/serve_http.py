@@ -136,6 +136,9 @@ class BodyLimit:
     while True:  # at most `limit` bytes are held: the body is read here, then replayed
       message = await receive()
       messages.append(message)
+      if message["type"] == "http.disconnect":  # gone before its body came: no one to
+        return  # answer (the handler's body read raised, a traceback each: a new user's
+        # finding, at every Ctrl-C of `launch local`)
       if message["type"] != "http.request":
         break
       seen += len(message.get("body", b""))

@@ -28,6 +28,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -252,7 +253,7 @@ class RepeatedTerm:
 
   def same_request(self, sig: int) -> bool:
     orphaned = os.getppid() != self.parent
-    if self.orphan_log and orphaned:
+    if self.orphan_log and orphaned and _output_is_a_pipe():
       output_to_file(self.orphan_log)
       self.orphan_log = ""
     now = time.monotonic()
@@ -262,6 +263,20 @@ class RepeatedTerm:
       return True  # (a parent's death during a stop is no call to stop at once: a reviewer)
     self.term_at = now
     return False
+
+
+def _output_is_a_pipe() -> bool:
+  """Whether stdout or stderr is a pipe or socket (its reader may die with the parent);
+  a file or a terminal stays where it is (output to a file of a run started in the
+  background by a shell that then exited went to the orphan log: a new user's finding)."""
+  for fd in (1, 2):
+    try:
+      mode = os.fstat(fd).st_mode
+    except OSError:
+      continue
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+      return True
+  return False
 
 
 def output_to_file(path: str) -> None:
@@ -280,7 +295,7 @@ def output_to_file(path: str) -> None:
   os.close(fd)
 
 
-def exit_soon(code: int, run_dir: str, multi: bool) -> None:
+def exit_soon(code: int, run_dir: str) -> None:
   """After a second signal: ends the process in STOP_NOW_S if it has not ended by then.
   A thread that waits for ever (a collective a hung peer never joins, an environment's
   blocking call) kept it alive: asyncio.run's close and Python's exit wait for the
@@ -288,8 +303,8 @@ def exit_soon(code: int, run_dir: str, multi: bool) -> None:
   def end():
     time.sleep(STOP_NOW_S)
     print(f"stopped at once (a thread was still waiting: a collective or an environment "
-          f"call); to go on from the last checkpoint: {resume_command(run_dir)}"
-          + (" (every process)" if multi else ""), file=sys.stderr, flush=True)
+          f"call); to go on from the last checkpoint: {resume_command(run_dir)}",
+          file=sys.stderr, flush=True)
     os._exit(code)
 
   threading.Thread(target=end, daemon=True, name="jaxagent-stop-now").start()
@@ -555,9 +570,14 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
 def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:
   """`key: no such file PATH`, and for a relative path where it was looked for (a new
   user ran the bundled config from another directory)."""
-  where = "" if os.path.isabs(path) else (
-      f"; relative paths are read from the working directory ({os.getcwd()}), the bundled "
-      "configs' from the repository root")
+  where = ""
+  if not os.path.isabs(path):
+    where = f"; relative paths are read from the working directory ({os.getcwd()})"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.exists(os.path.join(root, path)) and os.path.realpath(root) != os.path.realpath(
+        os.getcwd()):  # (a new user ran a bundled config from another directory)
+      where += (f": run from the repository root ({root}), or give {key}="
+                f"{os.path.join(root, path)}")
   return config_lib.ConfigError(f"{key}: no such file {path!r}{why}{where}")
 
 
@@ -1409,7 +1429,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       return
     if signals["got"] is not None:
       signals["now"] = True  # (the run's task is cancelled: its `finally` cannot tell why)
-      exit_soon(128 + sig, run_dir, multi)
+      exit_soon(128 + sig, run_dir)
       raise StopNow(sig)
     signals["got"] = sig.name
     stopping.set()
@@ -1855,6 +1875,15 @@ def main(argv=None) -> int:
     print("error: a multi-process run needs --run-dir (the same for every process)",
           file=sys.stderr)
     return 2
+  if multi and RESUME_COMMAND not in os.environ:  # (the line said train's own command
+    # alone, which a 2-process checkpoint refuses: a new user's finding)
+    n = jax.process_count()
+    flags = (f" --coordinator {args.coordinator} --num-processes {n} --process-id I"
+             if args.coordinator else "")
+    os.environ[RESUME_COMMAND] = (
+        f"python -m jaxagent.train --run-dir {args.run_dir} --resume{flags}, on each of "
+        f"the {n} processes" + (f" (I: its own, 0..{n - 1}, as before)" if flags else
+                                 " (with the settings they were started with)"))
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   if not args.resume and holds_a_run(run_dir):
     try:  # (a run going on there is said as such)
@@ -1887,7 +1916,7 @@ def main(argv=None) -> int:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
     except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
       print(f"interrupted: stopped at once; to go on from the last checkpoint: "
-            f"{resume_command(run_dir)}" + (" (every process)" if multi else ""),
+            f"{resume_command(run_dir)}",
             file=sys.stderr, flush=True)
       code = 128 + getattr(e, "signum", int(signal.SIGINT))
       if multi:  # (past jax.distributed's shutdown barrier, as for PeerLost: the others

@@ -293,6 +293,9 @@ def test_train_cli_as_two_processes(tmp_path):
       and {g % 2 for g in groups[1]} == {1}, groups
   # (process 1 got the signal; process 0, which says how to go on, stopped with it)
   assert f"stopped at step {last} of 500 (SIGTERM)" in outs[0]
+  # How to go on: every process, with its flags (train's own line alone was refused)
+  assert f"--resume --coordinator 127.0.0.1:{port} --num-processes 2 --process-id I, on " \
+      "each of the 2 processes (I: its own, 0..1, as before)" in outs[0], outs[0][-2000:]
   assert "Traceback" not in outs[0] + outs[1]
 
 

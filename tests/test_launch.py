@@ -212,6 +212,28 @@ def test_a_killed_launchers_signals_are_one_stop_request_and_output_goes_to_a_fi
   assert "still here" in (tmp_path / "orphan.log").read_text()
 
 
+def test_an_orphans_output_to_a_file_stays_in_it(tmp_path):
+  """A run started in the background with its output to a file, by a shell that then
+  exited: at a signal its output went to RUN_DIR/output-after-launcher.log, and the
+  stop line never reached the user's log (a new user's finding). Only a pipe or socket
+  (whose reader may be gone) is given up."""
+  code = textwrap.dedent(f"""
+      import signal
+      from jaxagent.train import RepeatedTerm
+      repeats = RepeatedTerm({str(tmp_path / "orphan.log")!r})
+      repeats.parent = -1  # (its parent is gone)
+      repeats.same_request(signal.SIGINT)
+      print("after", flush=True)
+      """)
+  with open(tmp_path / "out.log", "w") as out:
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, stdout=out, stderr=out, check=True)
+  assert (tmp_path / "out.log").read_text() == "after\n"
+  assert not (tmp_path / "orphan.log").exists()
+  piped = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True)
+  assert piped.stdout == "" and (tmp_path / "orphan.log").read_text() == "after\n"
+
+
 def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   from jaxagent import launch as launch_lib
 

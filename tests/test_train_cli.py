@@ -360,12 +360,12 @@ def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path)
   """... and after a second signal the process ends within STOP_NOW_S even when a thread
   waits for ever (a collective), saying how to go on."""
   code = ("import threading; from jaxagent import train; train.STOP_NOW_S = 0.5; "
-          f"train.exit_soon(143, {str(tmp_path)!r}, True); "
+          f"train.exit_soon(143, {str(tmp_path)!r}); "
           "threading.Thread(target=threading.Event().wait).start()")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 143, proc.stderr[-3000:]
-  assert "stopped at once" in proc.stderr and "--resume (every process)" in proc.stderr
+  assert "stopped at once" in proc.stderr and f"--run-dir {tmp_path} --resume" in proc.stderr
 
 
 @pytest.mark.slow
@@ -949,3 +949,17 @@ def test_a_missing_smollm2_package_is_one_line(tmp_path, capsys, monkeypatch):
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and err.startswith(
       "error: model.checkpoint smollm2: SmolLM2 GGUF not found: install it with"), err
+
+
+def test_a_bundled_config_run_from_another_directory_says_how_to_run_it(tmp_path,
+                                                                         monkeypatch):
+  """A new user ran `--config /repo/configs/tiny.yaml` from another directory: the error
+  said relative paths were read from there, "the bundled configs' from the repository
+  root", which read as if it should have worked. It names the root and the override."""
+  from jaxagent.train import _no_such_file
+
+  monkeypatch.chdir(tmp_path)
+  message = str(_no_such_file("data.tasks", "envs/tasks/guess_number.jsonl"))
+  assert message.endswith(f"working directory ({tmp_path}): run from the repository root "
+                          f"({REPO}), or give data.tasks={REPO}/envs/tasks/guess_number.jsonl")
+  assert "repository root" not in str(_no_such_file("data.tasks", "nope.jsonl"))

@@ -77,6 +77,10 @@ def test_a_trained_runs_policy_loads_in_transformers(tmp_path, monkeypatch, caps
   assert main(["--policy", str(run / "policy"), "--out", str(out)]) == 2
   assert "is not empty" in capsys.readouterr().err
   assert main(["--policy", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+  assert "--policy: no such export" in capsys.readouterr().err  # (a new user: it said "no
+  # config.json in the run directory above" a path that does not exist)
+  (tmp_path / "bare").mkdir()
+  assert main(["--policy", str(tmp_path / "bare"), "--out", str(tmp_path / "x")]) == 2
   assert "no config.json in the run directory" in capsys.readouterr().err
 
 

@@ -755,3 +755,21 @@ def test_a_streamed_turns_copy_neither_outlives_a_delete_nor_holds_reads_after_a
     time.sleep(0.5)  # (the health round takes it back)
     got = c.get("/sessions/cut")
     assert got.status_code == 200 and [t["turn"] for t in got.json()["turns"]] == [0], got.text
+
+
+def test_a_client_gone_before_its_body_came_is_no_error(caplog):
+  """`launch local`'s Ctrl-C printed a 40-line traceback (ClientDisconnect in the
+  router's body read) before its clean stop (a new user's finding)."""
+  import logging
+  import socket
+  from urllib.parse import urlparse
+
+  with ServerThread(create_router(["http://127.0.0.1:9"], health_interval_s=600)) as router:
+    url = urlparse(router.url)
+    with caplog.at_level(logging.ERROR):
+      with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"input_ids\": [1")
+      time.sleep(1.0)
+    assert httpx.get(f"{router.url}/router/health").status_code == 200
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
