@@ -35,6 +35,7 @@ from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
 from jaxagent.tokenizer import Tokenizer
+from jaxagent.toolcalls import parse_tool_calls
 from jaxagent.trajectory import (SamplingParams, Segment, TrajectoryManager, TurnRecord,
                                 reported_seconds)
 from jaxagent.wal import EpisodeLog, Replay, observation_hash
@@ -809,9 +810,24 @@ def _step_numbers(records: list[TurnRecord], left: set[int],
   out, k = [], 0
   for i, r in enumerate(records):
     out.append(k)
-    if i not in left and k < len(actions) and _action_text(r.response) == actions[k]:
+    if i not in left and k < len(actions) and _same_action(actions[k], r.response):
       k += 1
   return out if k == len(actions) else kept
+
+
+def _action_key(text: str) -> tuple:
+  """An action as its text and its tool calls' names and argument values (however the
+  agent wrote the arguments again: the built-in Anthropic agent hands a tool_use's input
+  dumped anew)."""
+  parsed = parse_tool_calls(text)
+  return parsed.content, parsed.errors, [
+      (c.name, json.dumps(c.arguments, sort_keys=True)) for c in parsed.calls]
+
+
+def _same_action(handed: str, response: Optional[dict]) -> bool:
+  """Whether `handed`, what the agent gave the environment, is the reply `response`."""
+  made = _action_text(response)
+  return made is not None and (made == handed or _action_key(made) == _action_key(handed))
 
 
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",

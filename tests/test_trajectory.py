@@ -1,5 +1,6 @@
 """Trajectory manager: CLEAN / REALIGN / FORK on real tokenizers, branches, lineage, dumps."""
 
+import json
 import os
 
 import numpy as np
@@ -216,6 +217,14 @@ def test_a_side_call_between_steps_is_no_step_of_its_own():
 
   assert trained(["8", "12"]) == {10: 0, 40: 1, 30: 1}
   assert trained(["guess 8", "12"]) == {10: 0, 40: 1, 30: 2}  # (each call a step)
+  # A call whose arguments the agent handed written anew (the built-in Anthropic agent
+  # dumps a tool_use's input again: "2×3" escaped, 1e5 as 100000.0) is still its step
+  turns[2]["response"] = {"role": "assistant", "content": "", "tool_calls": [{
+      "id": "c", "type": "function", "function": {
+          "name": "calculate", "arguments": '{"expression":"2×3", "n": 1e5}'}}]}
+  handed = ('<tool_call>{"name": "calculate", "arguments": '
+            + json.dumps({"expression": "2×3", "n": 1e5}) + "}</tool_call>")
+  assert trained(["8", handed]) == {10: 0, 40: 1, 30: 1}
 
 
 def test_dump_and_replay_give_the_same_batch(tmp_path):
