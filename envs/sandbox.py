@@ -140,16 +140,13 @@ _PAGE = 4096  # tmpfs (the quota) allocates whole pages
 
 
 def _scandir_opened(path: str, open_up: bool) -> list:
-  """The entries of directory `path`; one whose mode shuts its owner out is opened to
-  it first when `open_up` (a workspace of the host's own user: a sandbox without a
-  uid of its own)."""
-  try:
-    return list(os.scandir(path))
-  except PermissionError:
-    if not open_up:
-      raise
+  """The entries of directory `path`; when `open_up` (a workspace of the host's own
+  user: a sandbox without a uid of its own), one whose mode shuts its owner out of
+  listing it or of its entries (000; 600 lists names whose sizes cannot be read: a
+  reviewer) is opened to it first."""
+  if open_up and stat.S_IMODE(os.lstat(path).st_mode) & 0o700 != 0o700:
     os.chmod(path, 0o700)
-    return list(os.scandir(path))
+  return list(os.scandir(path))
 
 
 def _open_up(root: str) -> None:

@@ -336,11 +336,17 @@ async def unless_stopped(work, stop: asyncio.Event):
     raise
 
 
+# A multi-process run's flags for its resume command, and on which processes it runs.
+_RESUMED_BY = {"flags": "", "where": ""}
+
+
 def resume_command(run_dir: str) -> str:
   """The command that goes on with this run: `launch local ... --resume` when a launch
-  started this learner (its services die with the launch), else train's own."""
-  return os.environ.get(RESUME_COMMAND) or f"python -m jaxagent.train --run-dir {run_dir} " \
-      "--resume"
+  started this learner (its services die with the launch), else train's own (on every
+  process of a multi-process run, with their flags)."""
+  return os.environ.get(RESUME_COMMAND) or (
+      f"python -m jaxagent.train --run-dir {run_dir} --resume{_RESUMED_BY['flags']}"
+      f"{_RESUMED_BY['where']}")
 
 
 def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving,
@@ -1875,15 +1881,17 @@ def main(argv=None) -> int:
     print("error: a multi-process run needs --run-dir (the same for every process)",
           file=sys.stderr)
     return 2
-  if multi and RESUME_COMMAND not in os.environ:  # (the line said train's own command
-    # alone, which a 2-process checkpoint refuses: a new user's finding)
+  if multi:  # (the line said train's own command alone, which a 2-process checkpoint
+    # refuses: a new user's finding)
     n = jax.process_count()
     flags = (f" --coordinator {args.coordinator} --num-processes {n} --process-id I"
-             if args.coordinator else "")
-    os.environ[RESUME_COMMAND] = (
-        f"python -m jaxagent.train --run-dir {args.run_dir} --resume{flags}, on each of "
-        f"the {n} processes" + (f" (I: its own, 0..{n - 1}, as before)" if flags else
-                                 " (with the settings they were started with)"))
+             if args.coordinator else "") + (
+        f" --heartbeat-timeout {args.heartbeat_timeout}"
+        if args.heartbeat_timeout != distributed.HEARTBEAT_TIMEOUT_S else "")
+    _RESUMED_BY["flags"] = flags
+    _RESUMED_BY["where"] = f", on each of the {n} processes" + (
+        f" (I: its own, 0..{n - 1}, as before)" if args.coordinator else
+        " (with the settings they were started with)")
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   if not args.resume and holds_a_run(run_dir):
     try:  # (a run going on there is said as such)
@@ -1950,8 +1958,8 @@ def main(argv=None) -> int:
     except PeerLost as e:
       if e.__cause__ is not None:  # (what failed here, for the log; the line says what to do)
         traceback.print_exception(e.__cause__, file=sys.stderr)
-      print(f"error: {e}: this process stops too (then, every process: "
-            f"{resume_command(run_dir)})", file=sys.stderr, flush=True)
+      print(f"error: {e}: this process stops too (then: {resume_command(run_dir)})",
+            file=sys.stderr, flush=True)
       sys.stdout.flush()
       # Not Python's exit: jax.distributed's shutdown waits for every process at a
       # barrier, which a gone one never reaches (the heartbeat's timeout, then an abort)
@@ -1964,8 +1972,8 @@ def main(argv=None) -> int:
             file=sys.stderr, flush=True)
       return exit_code(e)
     except PeerFailed as e:  # (all processes saved together; the other's log has why)
-      print(f"error: {e}: this process stopped with it (then, every process: "
-            f"{resume_command(run_dir)})", file=sys.stderr, flush=True)
+      print(f"error: {e}: this process stopped with it (then: {resume_command(run_dir)})",
+            file=sys.stderr, flush=True)
       return exit_code(e)
     except (InfraOutage, InfraError) as e:
       # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),

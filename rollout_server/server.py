@@ -118,7 +118,7 @@ class HandoverBody(BaseModel):
   """A session's threads that ran on another server (`SessionStore.handover`)."""
   model_config = ConfigDict(extra="forbid")
   session_id: Name
-  turns: list[HandedTurn] = Field(min_length=1, max_length=MAX_HEADS)
+  turns: list[HandedTurn] = Field(min_length=1, max_length=2 * MAX_HEADS)
 
 
 class FunctionDef(BaseModel):

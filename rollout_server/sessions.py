@@ -112,11 +112,11 @@ class _Head:
   turn: Optional[int] = None
   messages: Optional[list[dict]] = None
   extra: int = 0
-  # The turn of the record this one went on from (a summary call that sends the whole
-  # conversation and asks for a summary goes on from the agent's last turn, and the
-  # agent's next call, whose messages are fewer, goes on from that turn: it is looked
-  # up in the record then)
-  parent: Optional[int] = None
+  # The turn this one went on from, when its context is a prefix of this one's (a
+  # summary call that sends the whole conversation and asks for a summary goes on from
+  # the agent's last turn, and the agent's next call, whose messages are fewer, goes on
+  # from that turn)
+  parent: Optional["_Parent"] = None
 
   @property
   def prompt(self):
@@ -124,7 +124,17 @@ class _Head:
 
   def size(self) -> int:
     return (_size(self.ids) + _DIGEST_BYTES * len(self.digests) + self.extra
-            + sum(n for _, _, n in self.replies))
+            + sum(n for _, _, n in self.replies)
+            + (sum(n for _, _, n in self.parent.replies) if self.parent else 0))
+
+  def parent_turn(self) -> Optional["_Head"]:
+    """The turn this one went on from, as a head (its ids a prefix of this one's)."""
+    p = self.parent
+    if p is None:
+      return None
+    return _Head(self.ids[:p.context], p.output_count, self.digests[:p.messages],
+                 p.tools_json, p.replies, messages=(self.messages[:p.messages]
+                                                    if self.messages is not None else None))
 
   def continued_by(self, digests: list[bytes]) -> bool:
     """A call with these messages' digests follows this turn (or repeats its prompt)."""
@@ -135,13 +145,16 @@ class _Head:
     return (self.digests == other.digests and self.tools_json == other.tools_json
             and self.prompt == other.prompt)
 
-  def rewinds(self, other: "_Head") -> bool:
-    """`other` went on from this head's prompt (its messages and prompt ids begin with
-    this head's, and are more): this head, sampled after it, went back to an earlier
-    turn (a retry of it), and `other`'s turns are left."""
-    return (len(other.digests) > len(self.digests) and self.continued_by(other.digests)
-            and len(other.prompt) >= len(self.prompt)
-            and other.prompt[:len(self.prompt)] == self.prompt)
+
+@dataclasses.dataclass(frozen=True)
+class _Parent:
+  """The turn a head went on from: its context is the head's first `context` ids, its
+  messages the head's first `messages`."""
+  context: int
+  output_count: int
+  messages: int
+  tools_json: str
+  replies: list
 
 
 def _reply(out: Any, response: Any) -> tuple[Any, Optional[dict], int]:
@@ -177,20 +190,22 @@ class _Session:
     self._context_size = 0
 
   def add_head(self, head: _Head) -> None:
-    """`head` replaces the threads it continues and those it rewinds (a retry of an
-    earlier turn leaves the turns after it: continued, a call with their messages got
-    their tokens, not the retry's); the oldest past MAX_HEADS go."""
+    """`head` replaces the threads it continues (the one it went on from is kept as its
+    parent when its tokens are a prefix of `head`'s); the oldest past MAX_HEADS go."""
     went_on = sorted((h for h in self.heads if h.continued_by(head.digests)),
                      key=lambda h: len(h.digests), reverse=True)
-    for h in went_on:  # (a sibling's parent is its own)
-      if len(h.digests) < len(head.digests) and h.turn is not None:
-        head.parent = h.turn
+    for h in went_on:
+      if len(h.digests) == len(head.digests):  # (a sibling's parent is its own)
+        if h.parent is not None and h.parent.context <= len(head.ids) and (
+            head.ids[:h.parent.context] == h.ids[:h.parent.context]):
+          head.parent = h.parent
+          break
+      elif len(h.ids) <= len(head.ids) and head.ids[:len(h.ids)] == h.ids:
+        head.parent = _Parent(len(h.ids), h.output_count, len(h.digests), h.tools_json,
+                              h.replies)
         break
-      if len(h.digests) == len(head.digests) and h.parent is not None:
-        head.parent = h.parent
-        break
-    self.heads = [h for h in self.heads if not h.continued_by(head.digests)
-                  and not head.rewinds(h)][-(MAX_HEADS - 1):] + [head]
+    self.heads = [h for h in self.heads if not h.continued_by(head.digests)][
+        -(MAX_HEADS - 1):] + [head]
 
   def _sized(self) -> int:
     """The bytes the session's contexts hold (the last turn's, and each thread's);
@@ -395,39 +410,27 @@ class SessionStore:
     tools_json = json.dumps(tools, default=str)
     with self._lock:
       session = self._sessions.get(session_id)
-      heads = [h for h in session.heads if h.tools_json == tools_json] if session else []
+      heads = list(session.heads) if session else []
+    # (and the turns they went on from: a call with fewer messages than a summary's that
+    # went on from the agent's turn continues that turn)
+    parents = [h.parent_turn() for h in heads if h.parent is not None]
+    heads = [h for h in parents + heads if h.tools_json == tools_json]
     if not heads:
       return None
     digests = [_digest(json.dumps(m, default=str))
                for m in messages[:max(len(h.digests) for h in heads)]]
     best = _thread_of(heads, digests, tools_json)
-    if best is not None:
-      return LastTurn(best.prompt.tolist(), len(best.digests),
-                      [(list(out), response) for out, response, _ in best.replies])
-    parents = sorted({h.parent for h in heads if h.parent is not None})
-    if not parents:
+    if best is None:
       return None
-    with self._lock:  # (rare: a call that goes on from a turn a side call went on from)
-      if self._sessions.get(session_id) is not session:
-        return None
-      recorded = session.unpacked(parents[0])
-    for i in sorted(parents, key=lambda i: -len(recorded[i - parents[0]]["messages"])):
-      turn = recorded[i - parents[0]]
-      had = turn["messages"]
-      if (len(had) <= len(messages) and json.dumps(turn.get("tools"), default=str) == tools_json
-              and all(json.dumps(m, default=str) == json.dumps(h, default=str)
-                      for m, h in zip(messages, had))):
-        response = turn.get("response")
-        return LastTurn(turn["prompt_ids"], len(had), [
-            (turn["output_ids"], response if isinstance(response, dict) else None)])
-    return None
+    return LastTurn(best.prompt.tolist(), len(best.digests),
+                    [(list(out), response) for out, response, _ in best.replies])
 
   def handover(self, session_id: str) -> Optional[list[dict]]:
     """What another server needs to continue the session's threads (a router's copy,
     when a turn of the session goes to a server that did not run its last one: `carry`
-    there): for each, oldest first, its prompt ids, messages, tools and replies (output
-    ids and assistant message, newest first); None when the session is not held or has
-    no chat turn."""
+    there): for each, oldest first, the turn it went on from if any, then it: their
+    prompt ids, messages, tools and replies (output ids and assistant message, newest
+    first); None when the session is not held or has no chat turn."""
     with self._lock:
       session = self._sessions.get(session_id)
       if session is None or not session.heads:
@@ -436,11 +439,16 @@ class SessionStore:
       own = [h.turn for h in heads if h.turn is not None]
       recorded = session.unpacked(min(own)) if own else []
       first = min(own) if own else 0
-    return [{"prompt_ids": h.prompt.tolist(),
-             "messages": h.messages if h.turn is None else recorded[h.turn - first]["messages"],
-             "tools": json.loads(h.tools_json),
-             "replies": [{"output_ids": list(out), "response": response}
-                         for out, response, _ in h.replies]} for h in heads]
+    out = []
+    for h in heads:
+      messages = h.messages if h.turn is None else recorded[h.turn - first]["messages"]
+      # (the turn it went on from first, then it: carried so, it is its parent there)
+      for t in ([h.parent_turn()] if h.parent else []) + [h]:
+        out.append({"prompt_ids": t.prompt.tolist(), "messages": messages[:len(t.digests)],
+                    "tools": json.loads(t.tools_json),
+                    "replies": [{"output_ids": list(o), "response": response}
+                                for o, response, _ in t.replies]})
+    return out
 
   def carry(self, session_id: str, turns: list[dict]) -> None:
     """Takes the threads of a session that ran on another server (`handover` there, sent

@@ -283,18 +283,21 @@ def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed
   os.chown(root, 65534, 65534)
   code = ("import os, sys\nsys.path.insert(0, sys.argv[2])\n"
           "from envs.sandbox import Limits, Sandbox, WorkspaceTooLarge\n"
-          "sb = Sandbox(os.path.join(sys.argv[1], 'ws'), limits=Limits(disk_bytes=1 << 20), "
-          "isolation='rlimits')\n"
-          "d = os.path.join(sb.host_path, 'd')\nos.makedirs(d)\n"
-          "open(os.path.join(d, 'big'), 'wb').write(os.urandom(2 << 20))\nos.chmod(d, 0)\n"
-          "try:\n  sb.files()\n  print('read')\nexcept WorkspaceTooLarge as e:\n  print(e)\n"
-          "os.chmod(d, 0)\nsb.destroy()\nprint('left' if os.path.exists(sb.host_path) "
-          "else 'removed')\n")
+          "for mode in (0, 0o600, 0o400):\n"
+          "  sb = Sandbox(os.path.join(sys.argv[1], 'ws'), limits=Limits(disk_bytes=1 << 20),"
+          " isolation='rlimits')\n"
+          "  d = os.path.join(sb.host_path, 'd')\n  os.makedirs(d)\n"
+          "  open(os.path.join(d, 'big'), 'wb').write(os.urandom(2 << 20))\n"
+          "  os.chmod(d, mode)\n"
+          "  try:\n    sb.files()\n    print('read')\n"
+          "  except WorkspaceTooLarge as e:\n    print(e)\n"
+          "  os.chmod(d, mode)\n  sb.destroy()\n"
+          "  print('left' if os.path.exists(sb.host_path) else 'removed')\n")
   r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                       sys.executable, "-c", code, root, REPO],
                      capture_output=True, text=True, timeout=60)
   assert r.stdout.splitlines() == [f"the workspace takes over {1 << 20} bytes on disk",
-                                   "removed"], r.stdout + r.stderr
+                                   "removed"] * 3, r.stdout + r.stderr
 
 
 def test_host_never_chowns_through_a_link(sandbox, tmp_path):

@@ -1012,34 +1012,39 @@ def test_a_call_continues_its_thread_past_side_calls_and_on_another_server(token
   assert ran.handover("none") is None
 
 
-def test_a_retried_turn_leaves_the_turns_after_it_and_a_handover_keeps_newer_own_turns():
-  """A reviewer's cases. A retry of an earlier turn (its prompt sampled again) leaves
-  the turns that went on from it: a call with their messages continued their tokens,
-  not the retry's. A handover does not hide a turn this store ran itself: a newer
-  sibling's reply, a thread it went on with (the router's copy may be behind)."""
+def test_a_summary_or_a_side_call_keeps_the_agents_thread_and_a_handover_its_own_turns():
+  """Reviewers' cases. A summary call (the whole conversation, and a request for a
+  summary) goes on from the agent's last turn; the agent's next call, with fewer
+  messages, still continues that turn, here and on a server the session is handed to.
+  A side call whose prompt is the first turn's does not end the agent's thread. A
+  handover does not hide a turn this store ran itself: a newer sibling's reply, a
+  thread it went on with (the router's copy may be behind)."""
   from rollout_server.sessions import SessionStore
 
   u = [{"role": "user", "content": "go"}]
   hi = {"role": "assistant", "content": "hi"}
   obs = {"role": "user", "content": "obs"}
-  store = SessionStore(8)
-  _turn(store, "s", u, [1, 2], [10, 11], hi)  # "hi" sampled as 10, 11
-  _turn(store, "s", u + [hi, obs], [1, 2, 10, 11, 5, 6], [20], {"role": "assistant",
-                                                             "content": "x"})
-  _turn(store, "s", u, [1, 2], [12], hi)  # retried: "hi" as 12
-  last = store.last_turn("s", u + [hi, obs], None)
-  assert last.prompt_ids == [1, 2] and last.replies[0] == ([12], hi)
-
-  # A summary call (the whole conversation, and a request for a summary) goes on from
-  # the agent's last turn; the agent's next call, with fewer messages, still does
   summary = {"role": "user", "content": "Summarize."}
   store = SessionStore(8)
-  _turn(store, "m", u, [1, 2], [10, 11], hi)
+  _turn(store, "m", u, [1, 2], [10, 11], hi, tools=TOOLS)
   _turn(store, "m", u + [hi, obs, summary], [1, 2, 10, 11, 5, 8], [40],
-        {"role": "assistant", "content": "sum"})
-  last = store.last_turn("m", u + [hi, obs], None)
+        {"role": "assistant", "content": "sum"})  # (without the tools)
+  last = store.last_turn("m", u + [hi, obs], TOOLS)
   assert last.prompt_ids == [1, 2] and last.replies == [([10, 11], hi)]
-  assert store.last_turn("m", u + [hi, obs], TOOLS) is None
+  assert store.last_turn("m", u + [hi, obs], None) is None
+  other = SessionStore(8)
+  other.carry("m", store.handover("m"))
+  assert other.last_turn("m", u + [hi, obs], TOOLS) == last
+  assert other.last_turn("m", u + [hi, obs, summary], None).prompt_ids == [1, 2, 10, 11, 5, 8]
+
+  side = [{"role": "system", "content": "Title?"}] + u
+  store = SessionStore(8)
+  _turn(store, "s", u, [1, 2], [10, 11], hi)
+  _turn(store, "s", u + [hi, obs], [1, 2, 10, 11, 5, 6], [20], {"role": "assistant",
+                                                             "content": "x"})
+  _turn(store, "s", side, [1, 2], [30], {"role": "assistant", "content": "A title"})
+  last = store.last_turn("s", u + [hi, obs, {"role": "assistant", "content": "x"}], None)
+  assert last.prompt_ids == [1, 2, 10, 11, 5, 6]
 
   r1, r2 = {"role": "assistant", "content": "r1"}, {"role": "assistant", "content": "r2"}
   copy, own = SessionStore(8), SessionStore(8)
@@ -1064,7 +1069,7 @@ def test_a_handover_with_a_bad_body_is_refused_by_name(server):
                      ({"messages": "hi"}, "messages"), ({"extra": 1}, "extra")]:
     r = http.post("/handover", json={**good, "turns": [{**turn, **bad}]})
     assert r.status_code in (400, 422) and where in r.text, (bad, r.text)
-  r = http.post("/handover", json={**good, "turns": [turn] * 5})
+  r = http.post("/handover", json={**good, "turns": [turn] * 9})
   assert r.status_code in (400, 422) and "turns" in r.text, r.text
   assert http.delete("/sessions/h").status_code == 200
 
