@@ -139,13 +139,20 @@ MAX_PATH_CHARS = 1024
 _PAGE = 4096  # tmpfs (the quota) allocates whole pages
 
 
-def _scandir_opened(path: str, open_up: bool) -> list:
-  """The entries of directory `path`; when `open_up` (a workspace of the host's own
-  user: a sandbox without a uid of its own), one whose mode shuts its owner out of
-  listing it or of its entries (000; 600 lists names whose sizes cannot be read: a
-  reviewer) is opened to it first."""
-  if open_up and stat.S_IMODE(os.lstat(path).st_mode) & 0o700 != 0o700:
+def _opened(path: str) -> None:
+  """Opens directory `path` to its owner (to list, to read its entries' sizes, to empty)
+  when its mode shuts the owner out (000; 600 lists names whose sizes cannot be read: a
+  reviewer); a link is left as it is."""
+  st = os.lstat(path)
+  if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
     os.chmod(path, 0o700)
+
+
+def _scandir_opened(path: str, open_up: bool) -> list:
+  """The entries of directory `path`, opened to its owner first when `open_up` (a
+  workspace of the host's own user: a sandbox without a uid of its own)."""
+  if open_up:
+    _opened(path)
   return list(os.scandir(path))
 
 
@@ -157,9 +164,7 @@ def _open_up(root: str) -> None:
   while stack:
     path = stack.pop()
     try:
-      st = os.lstat(path)
-      if stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
-        os.chmod(path, 0o700)
+      _opened(path)
       stack.extend(e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
     except OSError:
       continue
@@ -843,9 +848,12 @@ class Sandbox:
     as read, so neither sparse files nor hard links (one inode, many names: each is
     copied) pass for small ones: past the workspace quota (which the files must fit
     in again to be graded), or past the quota's inodes (`Limits.max_inodes` entries
-    walked, directories included), it raises `WorkspaceTooLarge`. Entries the host cannot
-    read (a name too long for the host's longer path, a mode that shuts the host out) and
-    paths over `MAX_PATH_CHARS` are left out, never an error."""
+    walked, directories included), it raises `WorkspaceTooLarge`. Without a quota of its
+    own it also counts what the workspace takes on the disk, unreadable files and ones
+    too large to copy included, against `disk_bytes` (directories whose mode shuts their
+    owner out are opened first). Entries the host cannot read (a name too long for the
+    host's longer path, a mode that shuts the host out) and paths over `MAX_PATH_CHARS`
+    are left out, never an error."""
     budget = self.limits.disk_bytes
     max_bytes = self.limits.write_bytes if max_bytes is None else max_bytes
     out, total, seen, on_disk = {}, 0, 0, 0

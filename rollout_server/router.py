@@ -366,11 +366,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     /handover`: its last turn, side calls' before it), so that the call continues their
     tokens as sampled. Without it the turn's reply was encoded again from its text there
     and the trajectory forked at every failover (red team 27: 76 of ~2,500 turns). Not
-    when this router's copy may
-    lack turns (a record it could not read, or lost): an older turn handed over would
-    hide the backend's own newer one. False when the backend cannot be reached (the
-    turn goes to the next one); a backend that answers but does not take the turn is
-    sent the turn all the same (its prompt encoded from the text there)."""
+    when this router's copy may lack turns (a record it could not read, or lost): an
+    older turn handed over would hide the backend's own newer one. False when the
+    backend cannot be reached (the turn goes to the next one); a backend that answers
+    but does not take the threads is sent the turn all the same (its prompt encoded
+    from the text there)."""
     await copies_done(session_id)  # (a stream's copy says which backend ran the last turn)
     if (last_from.get(session_id) in (None, backend) or owed.get(session_id)
             or session_id in lost):
@@ -391,9 +391,15 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       why = f"{type(e).__name__}: {e}"
     failovers["handovers_failed" if why else "handovers"] += 1
     if why:
-      log.warning("router: %s did not take session %r's last turn (%s); the session's "
+      log.warning("router: %s did not take session %r's threads (%s); the session's "
                   "turn there is encoded from its text", backend, session_id, why)
     return True
+
+  def down(backend: str, why: str) -> str:
+    """`backend` out of rotation (a turn goes to the next on the ring); what to say."""
+    healthy[backend] = False
+    failovers["n"] += 1
+    return f"{backend}: {why}"
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -615,9 +621,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           last_error = f"{backend}: a delete of the session it owes failed ({status})"
           continue
       if records and path != "generate" and not await hand_over(session_id, backend):
-        healthy[backend] = False
-        failovers["n"] += 1
-        last_error = f"{backend}: unreachable (handing over the session's last turn)"
+        last_error = down(backend, "unreachable (handing over the session's threads)")
         continue
       # A turn is as long as its tokens (its client asks how it stands, `GET
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
@@ -647,9 +651,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                                          f"{turn_timeout_s:.0f} s" if slow else
                                          f"the router's connections are all busy ({e})"},
                               status_code=504 if slow else 503)
-        healthy[backend] = False
-        failovers["n"] += 1
-        last_error = f"{backend}: {type(e).__name__}: {e}"
+        last_error = down(backend, f"{type(e).__name__}: {e}")
         continue
       finally:
         gone.cancel()
