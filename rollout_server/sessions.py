@@ -174,9 +174,10 @@ def _thread_of(heads: list[_Head], digests: list[bytes], tools_json: Optional[st
 
 
 class _Session:
-  """A session's stored turns, and the last turn's whole context, which the next turn
-  is stored against: its prompt and output ids, and a digest of each of its messages'
-  JSON (messages equal as values can differ as JSON: 1 and 1.0). `size` counts both."""
+  """A session's stored turns; the last turn's whole context, which the next turn is
+  stored against: its prompt and output ids, and a digest of each of its messages' JSON
+  (messages equal as values can differ as JSON: 1 and 1.0); and its threads (`_Head`),
+  which its calls continue and a later turn may be stored against. `size` counts all."""
 
   def __init__(self):
     self.turns: list[dict] = []
