@@ -839,8 +839,8 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
   and turn ids count the steps the kept replies made (`_step_numbers`: a side call is
   no step), so per-turn rewards land on the turns that earned them. `actions`, the texts
   the agent handed the environment, tell which of a last step's replies it acted on."""
-  handed = set(actions or ())
-  acted_on = (lambda r: _action_text(r.response) in handed) if actions is not None else None
+  acted_on = (lambda r: any(_same_action(a, r.response) for a in actions)) \
+      if actions is not None else None
   records = [TurnRecord.from_result(t) for t in turns]
   probe = TrajectoryManager(session_id, acted_on=acted_on)
   for r in records:

@@ -225,6 +225,12 @@ def test_a_side_call_between_steps_is_no_step_of_its_own():
   handed = ('<tool_call>{"name": "calculate", "arguments": '
             + json.dumps({"expression": "2×3", "n": 1e5}) + "}</tool_call>")
   assert trained(["8", handed]) == {10: 0, 40: 1, 30: 1}
+  # ... and of a last step asked twice, the reply it acted on is the one trained (the
+  # other, with the same call's arguments other, trains nothing)
+  turns.append(dict(turns[2], output_ids=[31], response={
+      "role": "assistant", "content": "", "tool_calls": [{"id": "d", "type": "function",
+          "function": {"name": "calculate", "arguments": '{"expression": "2*3"}'}}]}))
+  assert trained(["8", handed]) == {10: 0, 40: 1, 30: 1}
 
 
 def test_dump_and_replay_give_the_same_batch(tmp_path):
