@@ -412,15 +412,18 @@ class SessionStore:
     with self._lock:
       session = self._sessions.get(session_id)
       heads = list(session.heads) if session else []
-    # (and the turns they went on from: a call with fewer messages than a summary's that
-    # went on from the agent's turn continues that turn)
-    parents = [h.parent_turn() for h in heads if h.parent is not None]
-    heads = [h for h in parents + heads if h.tools_json == tools_json]
     if not heads:
       return None
+    # (a parent's messages are a prefix of its head's: the heads' longest bounds both)
     digests = [_digest(json.dumps(m, default=str))
                for m in messages[:max(len(h.digests) for h in heads)]]
-    best = _thread_of(heads, digests, tools_json)
+    # And the turns they went on from (a call with fewer messages than a summary's that
+    # went on from the agent's turn continues that turn): made (their ids sliced) only
+    # for those the call's messages begin with, not at every call.
+    parents = [h.parent_turn() for h in heads if h.parent is not None
+               and h.parent.tools_json == tools_json
+               and digests[:h.parent.messages] == h.digests[:h.parent.messages]]
+    best = _thread_of(parents + heads, digests, tools_json)
     if best is None:
       return None
     return LastTurn(best.prompt.tolist(), len(best.digests),
