@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import time
 import uuid
@@ -652,6 +653,16 @@ async def gateway_turn(call: Awaitable, base_url: str, session_id: str, deadline
   return await _while_it_moves(call, progress, deadline_s, "the gateway")
 
 
+def _openai_client(base_url: str, session_id: str):
+  """The `openai` client a built-in black-box agent speaks with: the gateway's session
+  header, no retries (a failed turn is the episode's infrastructure error, re-rolled), no
+  timeout (`gateway_turn` bounds each turn by whether it moves)."""
+  import openai
+
+  return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                            timeout=None, default_headers={"X-Session-Id": session_id})
+
+
 async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
                            max_turns: int = 8, max_tokens: int = 32, temperature: float = 1.0,
                            top_p: float = 1.0, top_k: int = 0,
@@ -661,11 +672,7 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
 
   Returns the per-turn rewards; the trajectory is read back from the server.
   """
-  import openai
-
-  # (no client timeout: `gateway_turn` bounds each turn by whether it moves)
-  client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                              timeout=None, default_headers={"X-Session-Id": session_id})
+  client = _openai_client(base_url, session_id)
   rewards: list[float] = []
   try:
     obs = await env.reset(task)
@@ -778,8 +785,82 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
   return rewards
 
 
+def response_items(messages: list[dict], call_ids: tuple[str, ...] = ()
+                   ) -> tuple[str, list[dict]]:
+  """An environment's messages (OpenAI's chat shape) as the Responses API's input:
+  (instructions, items). An assistant message becomes a `message` item and a
+  `function_call` item a call; a tool message a `function_call_output` (the k-th
+  answering `call_ids[k]`, the calls of the reply they answer, or the call of an
+  assistant message among `messages` whose id it names), or, answering no call (the
+  error for a malformed call), a user message."""
+  instructions, items = "", []
+  answers, called = iter(call_ids), set()
+  for m in messages:
+    role, content = m["role"], m.get("content") or ""
+    if role == "system" and not items:
+      instructions += content
+    elif role == "assistant":
+      if content or not m.get("tool_calls"):
+        items.append({"role": "assistant", "content": content})
+      items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                 "arguments": c["function"]["arguments"]} for c in m.get("tool_calls") or []]
+      called = {c["id"] for c in m.get("tool_calls") or []}
+    elif role == "tool":
+      call_id = None
+      if m.get("tool_call_id"):
+        call_id = m["tool_call_id"] if m["tool_call_id"] in called else next(answers, None)
+      items.append({"role": "user", "content": content} if call_id is None else
+                   {"type": "function_call_output", "call_id": call_id, "output": content})
+    else:
+      items.append({"role": role, "content": content})
+  return instructions, items
+
+
+async def run_responses_agent(env, task, base_url: str, *, session_id: str,
+                              model: str = "policy", max_turns: int = 8, max_tokens: int = 32,
+                              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                              turn_timeout_s: float = 600.0) -> list[float]:
+  """An agent written only against the `openai` client's Responses API (as the
+  `openai-agents` SDK is): the input items it keeps itself (`store: false`), each
+  response's output items sent back as they came, a `function_call` answered by a
+  `function_call_output`. Each reply goes to the environment as text (its calls in the
+  template's tool-call format). `top_k` goes as an extra body field.
+
+  Returns the per-turn rewards; the trajectory is read back from the server.
+  """
+  client = _openai_client(base_url, session_id)
+  rewards: list[float] = []
+  try:
+    obs = await env.reset(task)
+    instructions, items = response_items(obs.messages)
+    kwargs: dict[str, Any] = {"instructions": instructions} if instructions else {}
+    if obs.tools:  # function schemas as the Responses API's tools (rendered back alike)
+      kwargs["tools"] = [{"type": "function", **t["function"]} for t in obs.tools]
+    for _ in range(max_turns):
+      resp = await gateway_turn(client.responses.create(
+          model=model, input=items, max_output_tokens=max_tokens, temperature=temperature,
+          top_p=top_p, store=False, extra_body={"top_k": top_k}, **kwargs),
+          base_url, session_id, turn_timeout_s)
+      calls = [o for o in resp.output if o.type == "function_call"]
+      text = "".join(p.text for o in resp.output if o.type == "message"
+                     for p in o.content if p.type == "output_text")
+      text += "".join(_tool_call_text(c.name, c.arguments) for c in calls)
+      items += [o.model_dump(exclude_none=True) for o in resp.output]
+      step = await env.step(text)
+      rewards.append(float(step.reward))
+      items += response_items(step.observation.messages, tuple(c.call_id for c in calls))[1]
+      if step.terminated or step.truncated:
+        break
+  finally:
+    await client.close()
+  return rewards
+
+
 # The black-box agents by the API they speak (`agent.kind`).
-BLACKBOX_AGENTS = {"openai": run_openai_agent, "anthropic": run_anthropic_agent}
+BLACKBOX_AGENTS = {"openai": run_openai_agent, "anthropic": run_anthropic_agent,
+                   "responses": run_responses_agent}
+# The client library each speaks with.
+BLACKBOX_CLIENTS = {"openai": "openai", "anthropic": "anthropic", "responses": "openai"}
 
 
 def _action_text(response: Optional[dict]) -> Optional[str]:
@@ -858,10 +939,7 @@ def _gateway_errors(api: str) -> tuple[type[Exception], ...]:
   could not finish: an error status, or an error event in a stream)."""
   import httpx
 
-  if api == "anthropic":
-    import anthropic as client
-  else:
-    import openai as client
+  client = importlib.import_module(BLACKBOX_CLIENTS.get(api, "openai"))
   return client.APIError, httpx.HTTPError
 
 

@@ -175,8 +175,9 @@ class DataConfig:
 class AgentConfig:
   """How an episode is played: sampling, budgets, deadlines, context compaction."""
 
-  # whitebox: the Python agent loop; openai, anthropic: an agent written against the
-  # `openai` or `anthropic` client, playing against the gateway.
+  # whitebox: the Python agent loop; openai, anthropic, responses: an agent written
+  # against the `openai` client's chat completions, the `anthropic` client, or the
+  # `openai` client's Responses API, playing against the gateway.
   kind: str = "whitebox"
   max_turns: int = 8
   max_new_tokens: int = 32

@@ -41,8 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxagent import config as config_lib, distributed
-from jaxagent.agent import (BLACKBOX_AGENTS, FIRST_PROMPT_TOO_LONG, Episode, run_blackbox,
-                            run_whitebox)
+from jaxagent.agent import (BLACKBOX_AGENTS, BLACKBOX_CLIENTS, FIRST_PROMPT_TOO_LONG, Episode,
+                            run_blackbox, run_whitebox)
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
                                  drop_version, drop_versions_after, export_policy,
@@ -637,10 +637,11 @@ def check_config(cfg: config_lib.RunConfig) -> None:
                                  f"{', '.join(BLACKBOX_AGENTS)}")
   if cfg.agent.kind in BLACKBOX_AGENTS:
     import importlib.util
-    if importlib.util.find_spec(cfg.agent.kind) is None:  # (the episode's ImportError)
+    library = BLACKBOX_CLIENTS[cfg.agent.kind]
+    if importlib.util.find_spec(library) is None:  # (the episode's ImportError)
       raise config_lib.ConfigError(
           f"agent.kind {cfg.agent.kind}: its client library is not installed (pip install "
-          f"'jaxagent[blackbox]', or pip install {cfg.agent.kind})")
+          f"'jaxagent[blackbox]', or pip install {library})")
   if cfg.agent.compaction not in ("none", "summary", "fork"):
     raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}; "
                                  "known: none, summary, fork")

@@ -272,19 +272,14 @@ async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
         "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(turn.prompt_ids), "output_tokens": 0}})
     try:
-      async for _ in turn.progress():
-        # Trailing white space is held back: before a tool call the answer's text drops it.
-        visible = turn.visible_text().rstrip()
-        if not visible or (sent is not None and not (len(visible) > len(sent)
-                                                     and visible.startswith(sent))):
-          continue
+      async for delta in turn.text_deltas():
         if sent is None:
           yield _event("content_block_start", index=0,
                        content_block={"type": "text", "text": ""})
           sent = ""
         yield _event("content_block_delta", index=0,
-                     delta={"type": "text_delta", "text": visible[len(sent):]})
-        sent = visible
+                     delta={"type": "text_delta", "text": delta})
+        sent += delta
       blocks = content_blocks(turn.finish())
     except TurnCut as e:  # the status is sent: an error event (the client raises it)
       yield _event("error", error={"type": _ERROR_TYPES.get(e.status, "api_error"),

@@ -395,6 +395,17 @@ class ChatTurn:
                   if text.endswith(OPEN[:n])), len(text))
     return text[:cut].rstrip("\ufffd")
 
+  async def text_deltas(self) -> AsyncIterator[str]:
+    """What a stream may show of the answer's text, piece by piece as tokens arrive
+    (`visible_text`; trailing white space is held back: before a tool call the answer's
+    text drops it); `TurnCut` when a resume is refused."""
+    sent = ""
+    async for _ in self.progress():
+      visible = self.visible_text().rstrip()
+      if len(visible) > len(sent) and visible.startswith(sent):
+        yield visible[len(sent):]
+        sent = visible
+
   async def progress(self) -> AsyncIterator[None]:
     """Yields after each batch of new tokens, until the turn ends (across resumes);
     `TurnCut` when a resume is refused."""

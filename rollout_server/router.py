@@ -607,7 +607,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-    turn = path in ("generate", "v1/chat/completions", "v1/messages")
+    turn = path in ("generate", "v1/chat/completions", "v1/messages", "v1/responses")
     records = (session_id is not None and turn
                and not (path == "generate" and _unrecorded(body)))
     last_error: Optional[str] = None
@@ -689,6 +689,12 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if path == "v1/messages":
         body = json.dumps(anthropic_api.error_body(502, message))
         yield f"event: error\ndata: {body}\n\n".encode()
+      elif path == "v1/responses":  # (the response failed; its `error` makes clients raise)
+        body = json.dumps({"type": "response.failed", "error": {
+            "message": message, "type": "backend_unavailable", "code": 502},
+            "response": {"status": "failed", "output": [],
+                         "error": {"code": "server_error", "message": message}}})
+        yield f"event: response.failed\ndata: {body}\n\n".encode()
       else:
         error = {"message": message, "type": "backend_unavailable", "code": 502}
         yield f"data: {json.dumps({'error': error})}\n\n".encode()

@@ -8,6 +8,9 @@
 - `POST /v1/messages`: Anthropic-compatible (`rollout_server.anthropic_api`), with
   `tool_use` / `tool_result` blocks and streaming events, rendered and recorded as
   the chat completions are (the same `X-Session-Id` header).
+- `POST /v1/responses`: OpenAI's Responses API (`rollout_server.responses_api`): input
+  items, function calls and their outputs, `previous_response_id`, streaming events,
+  rendered and recorded as the chat completions are.
 - `POST /v1/score`: token ids in; each token's log-prob under a model out (a frozen
   reference's or a teacher's view of sampled tokens).
 - `POST /abort`, `POST /update_weights`, `GET /health`, `GET /metrics` (Prometheus).
@@ -43,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
 from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools
-from rollout_server import anthropic_api
+from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn, Name,
                                  OpenAIRoute, TurnCut, continued_prompt, normalise_messages,
                                  unserved, with_sampled_arguments)
@@ -606,8 +609,53 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     except TurnCut as e:
       raise HTTPException(e.status, str(e))
 
+  # OpenAI's Responses API: errors in OpenAI's shape, items converted to the internal
+  # form and served as above; responses kept for previous_response_id.
+  responses_api_ = APIRouter(route_class=OpenAIRoute)
+  kept_responses = responses_api.ResponseStore()
+
+  @responses_api_.post("/v1/responses")
+  async def responses(body: responses_api.ResponsesBody, http: HttpRequest):
+    prior: list[dict] = []
+    if body.previous_response_id is not None:
+      try:
+        prior = kept_responses.conversation(body.previous_response_id)
+      except KeyError as e:
+        raise HTTPException(404, e.args[0])
+    chat_messages, conversation, tools = responses_api.chat_messages(body, prior)
+    session_id = session_of(http.headers.get(SESSION_HEADER),
+                            (body.model_extra or {}).get("session_id"))
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
+        max_new_tokens=body.max_output_tokens or 256,
+        stop_token_ids=tuple(tokenizer.stop_ids),
+        seed=body.seed if body.seed is not None else uuid.uuid4().int % (2**31))
+    turn = start_chat(chat_messages, tools, sampling, session_id, kind="responses",
+                      id_prefix="call", model=body.model)
+    settings = responses_api.echo(body, body.model or model_name)
+    created = int(time.time())
+
+    def keep() -> None:
+      if body.store is not False:
+        kept_responses.keep(f"resp_{turn.request_id}", body.previous_response_id,
+                            conversation[len(prior):] + [turn.finish()])
+
+    if body.stream:
+      return StreamingResponse(
+          responses_api.stream_events(turn, settings, created, body.logprobs, keep),
+          media_type="text/event-stream")
+    try:
+      await turn.complete(lambda r: run(r, http, turn.orch))
+      answer = responses_api.response_body(turn, settings, created, logprobs=body.logprobs)
+    except TurnCut as e:
+      raise HTTPException(e.status, str(e))
+    keep()
+    return answer
+
   app.include_router(chat_api)
   app.include_router(messages_api)
+  app.include_router(responses_api_)
   return app
 
 
@@ -623,12 +671,9 @@ async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
   try:
     yield chunk({"role": "assistant", "content": ""})
     try:
-      async for _ in turn.progress():
-        # Trailing white space is held back: before a tool call the content drops it.
-        visible = turn.visible_text().rstrip()
-        if len(visible) > len(sent) and visible.startswith(sent):
-          yield chunk({"content": visible[len(sent):]})
-          sent = visible
+      async for delta in turn.text_deltas():
+        yield chunk({"content": delta})
+        sent += delta
       message, reason = finish()
     except TurnCut as e:  # the status is sent: an error event (the client raises it)
       yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"

@@ -1,7 +1,8 @@
 """The Anthropic-compatible gateway (`POST /v1/messages`) against real servers on loopback
 ports, through the official `anthropic` client: messages, a tool-use round trip, streams,
 errors in Anthropic's shape, session records token-exact, the router, and a black-box
-agent written against the client that trains."""
+agent written against the client that trains (as one written against the `openai`
+client's Responses API does)."""
 
 import asyncio
 import json
@@ -413,17 +414,19 @@ class MemorisedToolEnv(Env):
                    f"{self.name}@1", f"{self.name}@1", {})
 
 
-def test_blackbox_anthropic_agent_uses_a_tool_through_the_gateway(server, tokenizer):
-  """The agent's tool_use goes to the environment, its result back as a tool_result; the
-  trajectory, read back from the server, holds both turns token for token."""
+@pytest.mark.parametrize("api", ["anthropic", "responses"])
+def test_blackbox_client_agent_uses_a_tool_through_the_gateway(api, server, tokenizer):
+  """The agent's tool_use (a function_call, through the Responses API) goes to the
+  environment, its result back as a tool_result (a function_call_output); the trajectory,
+  read back from the server, holds both turns token for token."""
   srv, _ = server
   ep = asyncio.run(run_blackbox(MemorisedToolEnv(), TaskSpec("t", "memorised_tool"), srv.url,
                                 AgentConfig(max_turns=2, max_new_tokens=100, temperature=0.0),
-                                session_id="claude-bb", group_id="g", api="anthropic"))
+                                session_id=f"{api}-bb", group_id="g", api=api))
   assert not ep.infra_error, ep.reason
   assert ep.success and ep.turns == 2
   (seg,) = ep.segments
-  assert seg.session_id == "claude-bb" and seg.decisions == [CLEAN, CLEAN]
+  assert seg.session_id == f"{api}-bb" and seg.decisions == [CLEAN, CLEAN]
   assert set(seg.versions[seg.loss_mask > 0].tolist()) == {3}
   first_turn = seg.tokens[(seg.loss_mask > 0) & (seg.turn_ids == 0)].tolist()
   assert tokenizer.decode(first_turn) == MEMORISED[0][2] + "<|im_end|>"
@@ -432,13 +435,15 @@ def test_blackbox_anthropic_agent_uses_a_tool_through_the_gateway(server, tokeni
 
 
 @pytest.mark.slow
-def test_training_with_an_anthropic_agent(tmp_path):
-  """Two training steps whose episodes an `anthropic`-client agent plays through the
-  gateway; their trajectories are the server's session records."""
+@pytest.mark.parametrize("kind", ["anthropic", "responses"])
+def test_training_with_a_client_agent(kind, tmp_path):
+  """Two training steps whose episodes an `anthropic`-client agent (or one written
+  against the `openai` client's Responses API) plays through the gateway; their
+  trajectories are the server's session records."""
   run_dir = str(tmp_path / "run")
   proc = subprocess.run(
       [sys.executable, "-m", "jaxagent.train", "--config", "configs/tiny.yaml", "--run-dir",
-       run_dir, "steps=2", "agent.kind=anthropic", "agent.max_turns=2",
+       run_dir, "steps=2", f"agent.kind={kind}", "agent.max_turns=2",
        "rollout.groups_per_step=2", "rollout.group_size=2", "data.rows=4",
        "serving.engine.slots=4", "checkpoint.every_steps=0", "checkpoint.export_every=0",
        "checkpoint.wal=false"],

@@ -38,10 +38,11 @@ def test_generated_requests_never_get_a_server_error(random_params, tokenizer):
       except Unsatisfiable:  # nothing in this operation can break its schema (no inputs)
         assert mode is GenerationMode.NEGATIVE
     assert {"POST /generate", "POST /v1/chat/completions", "POST /v1/messages",
-            "GET /v1/models"} <= set(seen)
+            "POST /v1/responses", "GET /v1/models"} <= set(seen)
     # Some generated requests were valid, some refused by the schema's ranges.
     assert 200 in seen["POST /generate"] and 422 in seen["POST /generate"], seen
     assert 422 in seen["POST /v1/chat/completions"], seen
     assert 422 in seen["POST /v1/messages"], seen
+    assert 422 in seen["POST /v1/responses"], seen
     assert httpx.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
     assert orch.loop_errors == 0

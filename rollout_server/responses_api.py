@@ -1,0 +1,483 @@
+"""OpenAI's Responses API on the rollout server (`POST /v1/responses`).
+
+What agent frameworks written against OpenAI's newer API send (the `openai-agents` SDK,
+`client.responses.create`): a list of input items (messages, `function_call` items as
+the model made them, `function_call_output` items answering them), `instructions`, and
+function tools; or `previous_response_id`, the conversation of a response this server
+made and kept, continued. The items are converted to the internal chat form
+(OpenAI's chat message dicts: a reply's message and function calls become one assistant
+message with `tool_calls`, each output a `tool` message), so the same chat renders to the
+same tokens through every gateway and is recorded in the same session; the answer goes
+back as output items (`message` with `output_text`, `function_call`), or as the API's
+server-sent events.
+
+Refused, naming the field: hosted tools (web search, file search, computer use, MCP,
+...: only `function` tools are served), a `tool_choice` other than `auto`, reasoning
+(`reasoning` with an effort or a summary, `reasoning` items in the input: the policy
+writes no hidden reasoning), `item_reference` items and `conversation` (nothing is kept
+but the responses themselves), `background`, `prompt` templates, `truncation: auto`
+(dropping items would change the prompt unseen), a text format other than plain text,
+content parts other than text (images, files, audio, refusals), and `chat.UNSERVED`'s
+fields. `temperature`, `top_p`, `top_k` and `seed` sample as on the chat route (the last
+two are not OpenAI's: send them as extra body fields).
+
+Responses are kept (unless `store: false`) for `previous_response_id`, in memory, the
+newest first within `ResponseStore`'s bound; through a router, send the session header
+so that a chain's calls reach the server that keeps it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollout_server.chat import SEED, TOP_K, ChatTurn, Name, TurnCut, unserved
+
+# -- request bodies -----------------------------------------------------------------------
+
+
+class ResponsesBody(BaseModel):
+  # Unknown fields (metadata, user, prompt_cache_key, service_tier, ...) are accepted and
+  # ignored, as on the other routes; those that would change the answer are refused.
+  model_config = ConfigDict(extra="allow")
+  model: Optional[Name] = None
+  input: Union[str, list[Any]]
+  instructions: Optional[str] = None
+  previous_response_id: Optional[Name] = None
+  tools: Optional[list[Any]] = None
+  tool_choice: Optional[Union[str, dict]] = None
+  parallel_tool_calls: Optional[bool] = None
+  max_output_tokens: Optional[int] = Field(None, ge=1)
+  # (OpenAI's clients may send null for "the default")
+  temperature: Optional[float] = Field(None, ge=0.0, le=100.0)
+  top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+  top_k: int = TOP_K
+  seed: Optional[int] = SEED
+  stream: bool = False
+  store: Optional[bool] = None
+  include: Optional[list[str]] = None
+  top_logprobs: Optional[int] = None
+  reasoning: Optional[dict] = None
+  text: Optional[dict] = None
+  truncation: Optional[str] = None
+  conversation: Optional[Any] = None
+  background: Optional[bool] = None
+  prompt: Optional[Any] = None
+  metadata: Optional[dict] = None
+
+  @property
+  def logprobs(self) -> bool:
+    """Each output token's log-prob asked for (`include`)."""
+    return "message.output_text.logprobs" in (self.include or ())
+
+
+class _Item(BaseModel):
+  # (an item's id and status, and what else it carries, change nothing here)
+  model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Item):
+  type: Literal["input_text", "output_text", "text"]
+  text: str
+
+
+class MessageItem(_Item):
+  type: Literal["message"] = "message"
+  role: Literal["user", "assistant", "system", "developer"]
+  content: Union[str, list[dict]]
+
+
+class FunctionCallItem(_Item):
+  type: Literal["function_call"]
+  call_id: Name = Field(min_length=1)
+  name: str = Field(min_length=1)
+  arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+  type: Literal["function_call_output"]
+  call_id: Name = Field(min_length=1)
+  output: Union[str, list[dict]]
+
+
+class FunctionTool(_Item):
+  type: Literal["function"]
+  name: str = Field(min_length=1)
+  description: Optional[str] = None
+  parameters: Optional[dict] = None
+  strict: Optional[bool] = None
+
+
+_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem,
+          "function_call_output": FunctionCallOutputItem}
+
+
+def _parsed(model: type[BaseModel], value: Any, where: str) -> Any:
+  try:
+    return model.model_validate(value)
+  except ValidationError as e:
+    err = e.errors()[0]
+    field = ".".join(map(str, err["loc"]))
+    raise ValueError(f"{where}{'.' + field if field else ''}: {err['msg']}") from None
+
+
+def _text(content: Union[str, list], where: str, parts: tuple[str, ...]) -> str:
+  """A content's text: a string, or its text parts (of the kinds in `parts`) joined."""
+  if isinstance(content, str):
+    return content
+  texts = []
+  for j, p in enumerate(content):
+    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+    if kind not in parts:
+      raise ValueError(f"{where}[{j}]: only text parts ({' or '.join(parts)}) are served, "
+                       f"got {kind!r}")
+    texts.append(_parsed(TextPart, p, f"{where}[{j}]").text)
+  return "".join(texts)
+
+
+def _function_schema(tool: Any, where: str) -> dict:
+  kind = tool.get("type") if isinstance(tool, dict) else None
+  if kind != "function":
+    raise ValueError(f"{where}: only function tools are served, got type {kind!r} (hosted "
+                     "tools, web or file search, computer use, MCP, are OpenAI's own)")
+  tool = _parsed(FunctionTool, tool, where)
+  function: dict = {"name": tool.name}
+  if tool.description is not None:
+    function["description"] = tool.description
+  if tool.parameters is not None:
+    function["parameters"] = tool.parameters
+  return {"type": "function", "function": function}
+
+
+def refused(body: ResponsesBody) -> Optional[str]:
+  """Why the request cannot be served as asked (a field that would change what is
+  sampled, or state this server does not keep), or None."""
+  why = unserved(body.model_extra)
+  if why is not None:
+    return why
+  if body.tool_choice not in (None, "auto"):
+    return (f"tool_choice: only auto is served, got {json.dumps(body.tool_choice)[:100]} "
+            "(sampling cannot be made to call, or not call, a tool)")
+  if body.reasoning and any(v is not None for v in body.reasoning.values()):
+    return ("reasoning: not served (the policy writes no hidden reasoning; its whole output "
+            "is the answer), got " + json.dumps(body.reasoning)[:100])
+  if body.top_logprobs:
+    return ("top_logprobs: not served (include message.output_text.logprobs gives each "
+            "sampled token's log-prob)")
+  text_format = (body.text or {}).get("format")
+  if text_format not in (None, {"type": "text"}):
+    return (f"text.format: only plain text is served, got {json.dumps(text_format)[:100]} "
+            "(a schema would constrain the sampling)")
+  if body.truncation not in (None, "disabled"):
+    return (f"truncation: only disabled is served, got {body.truncation!r} (items dropped "
+            "from the context would change the prompt unseen)")
+  if body.conversation is not None:
+    return ("conversation: not served (conversations are not kept here): send the items, "
+            "or previous_response_id")
+  if body.background:
+    return "background: not served (a response is answered in its request)"
+  if body.prompt is not None:
+    return "prompt: prompt templates are not served (send the input items)"
+  return None
+
+
+def chat_messages(body: ResponsesBody, prior: list[dict] = ()
+                  ) -> tuple[list[dict], list[dict], Optional[list[dict]]]:
+  """The request in the internal chat form: (messages, the conversation to keep for the
+  response: `prior` and the input's, without the instructions, tool schemas).
+
+  `prior`: the conversation of `previous_response_id` (internal form). Consecutive
+  assistant items (a reply's message and its function calls) are one assistant message;
+  a `function_call_output` must answer a call of the assistant message before. ValueError
+  names what cannot be served."""
+  why = refused(body)
+  if why is not None:
+    raise ValueError(why)
+  kept, start = [dict(m) for m in prior], len(prior)
+  items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
+      else body.input
+  if not items and not kept:
+    raise ValueError("input: empty (give at least one item, or previous_response_id)")
+
+  def called() -> set:  # the calls of the last assistant message
+    last = next((m for m in reversed(kept) if m["role"] == "assistant"), None)
+    return {c["id"] for c in (last or {}).get("tool_calls") or []}
+
+  for i, raw in enumerate(items):
+    where = f"input[{i}]"
+    kind = raw.get("type", "message") if isinstance(raw, dict) else None
+    if kind not in _ITEMS:
+      why = {"reasoning": " (the policy writes no hidden reasoning: send the items of "
+                          "this server's responses)",
+             "item_reference": " (items are not kept here: send the items themselves)"
+             }.get(kind, " (only message, function_call and function_call_output items "
+                         "are served)")
+      raise ValueError(f"{where}: an item of type {kind!r} is not served{why}"
+                       if kind is not None else f"{where}: not an item (an object)")
+    item = _parsed(_ITEMS[kind], raw, where)
+    last = kept[-1] if len(kept) > start else None  # (the answer continued stays as it was)
+    if isinstance(item, FunctionCallItem):
+      call = {"id": item.call_id, "type": "function",
+              "function": {"name": item.name, "arguments": item.arguments}}
+      if last is not None and last["role"] == "assistant":
+        last["tool_calls"] = last.get("tool_calls", []) + [call]
+      else:
+        kept.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif isinstance(item, FunctionCallOutputItem):
+      made = called()
+      if item.call_id not in made:
+        raise ValueError(
+            f"{where}: function_call_output for call_id {item.call_id!r}, which the "
+            "assistant message before did not make (" + (
+                f"it called {', '.join(sorted(map(repr, made)))}" if made
+                else "it called no function") + ")")
+      kept.append({"role": "tool", "tool_call_id": item.call_id,
+                   "content": _text(item.output, f"{where}.output", ("input_text",))})
+    elif item.role == "assistant":
+      text = _text(item.content, f"{where}.content", ("output_text", "input_text"))
+      if last is not None and last["role"] == "assistant":
+        last["content"] = (last.get("content") or "") + text
+      else:
+        kept.append({"role": "assistant", "content": text})
+    else:
+      role = "user" if item.role == "user" else "system"
+      kept.append({"role": role, "content": _text(item.content, f"{where}.content",
+                                                   ("input_text",))})
+  if kept[-1]["role"] == "assistant":
+    raise ValueError(f"input[{len(items) - 1}]: the last item must not be the assistant's "
+                     "(continuing an assistant's text is not supported)" if items else
+                     "input: empty (the conversation of previous_response_id ends with its "
+                     "answer: give the next items)")
+  tools = [_function_schema(t, f"tools[{j}]") for j, t in enumerate(body.tools or [])] or None
+  system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+  return system + kept, kept, tools
+
+
+# -- kept responses (previous_response_id) --------------------------------------------------
+
+
+class ResponseStore:
+  """Responses kept for `previous_response_id`: each the messages it added to its
+  conversation (its input's and its answer) and the response it continued, so a chain of
+  n calls keeps n steps, not n conversations. The least recently used go first past
+  `max_bytes` (a chain's call uses every response before it); a chain whose earlier
+  response has gone is said to be gone."""
+
+  def __init__(self, max_bytes: int = 64 << 20):
+    self.max_bytes = max_bytes
+    self.bytes = 0
+    self._kept: collections.OrderedDict = collections.OrderedDict()
+
+  def conversation(self, response_id: str) -> list[dict]:
+    """The conversation a response ended (its instructions left out); KeyError naming
+    why when it is not kept."""
+    steps, at = [], response_id
+    while at is not None:
+      if at not in self._kept:
+        raise KeyError(
+            f"previous_response_id: {response_id!r} is not kept on this server" + (
+                "" if at == response_id else f" (the response {at!r} it continued has gone)")
+            + ": responses are kept in memory by the server that made them, the newest "
+              "within its bound, unless made with store: false (through a router, send the "
+              "session header so a chain's calls reach one server); send the whole input")
+      self._kept.move_to_end(at)
+      parent, added, _ = self._kept[at]
+      steps.append(added)
+      at = parent
+    return [m for added in reversed(steps) for m in added]
+
+  def keep(self, response_id: str, parent: Optional[str], added: list[dict]) -> None:
+    nbytes = len(json.dumps(added, default=str)) + 200
+    if response_id in self._kept:
+      self.bytes -= self._kept.pop(response_id)[2]
+    self._kept[response_id] = (parent, added, nbytes)
+    self.bytes += nbytes
+    while self.bytes > self.max_bytes and len(self._kept) > 1:
+      self.bytes -= self._kept.popitem(last=False)[1][2]
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def echo(body: ResponsesBody, model: str) -> dict:
+  """The request's settings, as a response object repeats them."""
+  return {"model": model, "instructions": body.instructions,
+          "tools": list(body.tools or []), "tool_choice": "auto",
+          "parallel_tool_calls": True if body.parallel_tool_calls is None
+          else body.parallel_tool_calls,
+          "temperature": 1.0 if body.temperature is None else body.temperature,
+          "top_p": 1.0 if body.top_p is None else body.top_p,
+          "max_output_tokens": body.max_output_tokens,
+          "previous_response_id": body.previous_response_id,
+          "store": body.store is not False, "metadata": body.metadata or {},
+          "text": {"format": {"type": "text"}}, "truncation": "disabled",
+          "reasoning": {"effort": None, "summary": None}, "user": body.model_extra.get("user")
+          if body.model_extra else None}
+
+
+def _message_item(turn: ChatTurn, text: str, status: str, logprobs: list) -> dict:
+  return {"id": f"msg_{turn.request_id}", "type": "message", "status": status,
+          "role": "assistant",
+          "content": [{"type": "output_text", "text": text, "annotations": [],
+                       "logprobs": logprobs}]}
+
+
+def output_items(turn: ChatTurn, logprobs: bool = False) -> list[dict]:
+  """The finished turn's answer as output items: a `message` (when it has text, or no
+  calls), then a `function_call` a call."""
+  message = turn.finish()
+  calls = message.get("tool_calls") or []
+  items = []
+  if message["content"] or not calls:
+    items.append(_message_item(turn, message["content"], _status(turn),
+                               token_logprobs(turn) if logprobs else []))
+  for i, c in enumerate(calls):
+    items.append({"id": f"fc_{turn.request_id}_{i}", "type": "function_call",
+                  "status": "completed", "call_id": c["id"], "name": c["function"]["name"],
+                  "arguments": c["function"]["arguments"]})
+  return items
+
+
+def token_logprobs(turn: ChatTurn) -> list[dict]:
+  """Each sampled token's log-prob (the whole output's, tool calls' tokens too, as the
+  chat route's `logprobs`)."""
+  out = []
+  for t, lp in zip(turn.output_ids, turn.output_logprobs):
+    token = turn.tokenizer.decode([t])
+    out.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")),
+                "top_logprobs": []})
+  return out
+
+
+def _status(turn: ChatTurn) -> str:
+  return "incomplete" if turn.finish_reason == "length" else "completed"
+
+
+def incomplete_details(turn: ChatTurn) -> Optional[dict]:
+  """Why a response is incomplete: its max_output_tokens, or the context's end before
+  them (`context_window_exceeded`, not one of OpenAI's reasons: an agent must tell a
+  conversation that outgrew the model from its own budget, red team 24)."""
+  if turn.finish_reason != "length":
+    return None
+  budget = len(turn.output_ids) >= turn.max_new_tokens
+  return {"reason": "max_output_tokens" if budget else "context_window_exceeded"}
+
+
+def usage(turn: ChatTurn) -> dict:
+  prompt, out = len(turn.prompt_ids), len(turn.output_ids)
+  return {"input_tokens": prompt,
+          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+          "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+          "total_tokens": prompt + out}
+
+
+def response_body(turn: ChatTurn, settings: dict, created: int, *,
+                  output: Optional[list[dict]] = None, status: Optional[str] = None,
+                  error: Optional[dict] = None, logprobs: bool = False) -> dict:
+  """A response object: the finished turn's (its output items, usage and the token ids,
+  log-probs and versions the engine sampled, under `jaxagent`), or one in progress or
+  failed (`output`, `status`, `error` given)."""
+  done = output is None and status is None
+  body = {"id": f"resp_{turn.request_id}", "object": "response", "created_at": created,
+          "status": _status(turn) if done else status, "error": error,
+          "incomplete_details": incomplete_details(turn) if done else None,
+          **settings, "output": output_items(turn, logprobs) if done else output}
+  if done:
+    body["usage"] = usage(turn)
+    body["jaxagent"] = {"request_id": turn.request_id, "prompt_ids": turn.prompt_ids,
+                        "output_ids": turn.output_ids, "output_logprobs": turn.output_logprobs,
+                        "versions": turn.versions}
+  return body
+
+
+class _Events:
+  """Server-sent events numbered in order (`sequence_number`)."""
+
+  def __init__(self):
+    self.n = 0
+
+  def __call__(self, kind: str, **body) -> str:
+    data = {"type": kind, "sequence_number": self.n, **body}
+    self.n += 1
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+
+def failure(message: str, status: int) -> dict:
+  """A stream's failure: OpenAI's `response.failed` shape, with the top-level `error` that
+  makes OpenAI's clients raise it (an infrastructure failure is no answer to score)."""
+  return {"message": message, "type": "server_error" if status >= 500 else
+          "invalid_request_error", "code": status}
+
+
+async def stream_events(turn: ChatTurn, settings: dict, created: int, logprobs: bool = False,
+                        on_done: Optional[Callable[[], None]] = None) -> AsyncIterator[str]:
+  """The answer as the Responses API's events: the message's text deltas as tokens
+  arrive, each function call (whole, one arguments delta) once the turn ends, then
+  `response.completed` (or `response.incomplete`) with the whole response. `on_done` is
+  called once the turn has ended whole (to keep the response)."""
+  event = _Events()
+  item_id = f"msg_{turn.request_id}"
+  sent: Optional[str] = None  # the message's text so far; None while it is not open
+
+  def opened() -> list[str]:
+    return [event("response.output_item.added", output_index=0, item={
+                "id": item_id, "type": "message", "status": "in_progress",
+                "role": "assistant", "content": []}),
+            event("response.content_part.added", item_id=item_id, output_index=0,
+                  content_index=0, part={"type": "output_text", "text": "",
+                                         "annotations": [], "logprobs": []})]
+
+  try:
+    start = response_body(turn, settings, created, output=[], status="in_progress")
+    yield event("response.created", response=start)
+    yield event("response.in_progress", response=start)
+    try:
+      async for delta in turn.text_deltas():
+        if sent is None:
+          for e in opened():
+            yield e
+          sent = ""
+        yield event("response.output_text.delta", item_id=item_id, output_index=0,
+                    content_index=0, delta=delta, logprobs=[])
+        sent += delta
+      items = output_items(turn, logprobs)
+      if on_done is not None:
+        on_done()
+    except TurnCut as e:  # the status is sent: a failed response (the client raises it)
+      error = failure(str(e), e.status)
+      yield event("response.failed", error=error, response=response_body(
+          turn, settings, created, output=[], status="failed",
+          error={"code": "server_error", "message": str(e)}))
+      return
+    index = 0
+    if items[0]["type"] == "message":
+      part = items[0]["content"][0]
+      if sent is None:
+        for e in opened():
+          yield e
+        sent = ""
+      if len(part["text"]) > len(sent) and part["text"].startswith(sent):
+        yield event("response.output_text.delta", item_id=item_id, output_index=0,
+                    content_index=0, delta=part["text"][len(sent):], logprobs=[])
+      yield event("response.output_text.done", item_id=item_id, output_index=0,
+                  content_index=0, text=part["text"], logprobs=part["logprobs"])
+      yield event("response.content_part.done", item_id=item_id, output_index=0,
+                  content_index=0, part=part)
+      yield event("response.output_item.done", output_index=0, item=items[0])
+      index = 1
+    for i, item in enumerate(items[index:], index):
+      yield event("response.output_item.added", output_index=i,
+                  item=dict(item, arguments="", status="in_progress"))
+      yield event("response.function_call_arguments.delta", item_id=item["id"],
+                  output_index=i, delta=item["arguments"])
+      yield event("response.function_call_arguments.done", item_id=item["id"],
+                  output_index=i, name=item["name"], arguments=item["arguments"])
+      yield event("response.output_item.done", output_index=i, item=item)
+    final = response_body(turn, settings, created, logprobs=logprobs)
+    yield event("response.incomplete" if final["status"] == "incomplete"
+                else "response.completed", response=final)
+  finally:
+    turn.abort_unfinished()

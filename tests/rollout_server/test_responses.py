@@ -1,0 +1,423 @@
+"""OpenAI's Responses API (`POST /v1/responses`) against real servers on loopback ports,
+through the official `openai` client: input items, a function-call round trip recorded
+token-exactly, previous_response_id, streams (as the client's own accumulator builds
+them), errors naming the field, the router. (A black-box agent written against
+`client.responses` plays and trains in test_anthropic.py's client-agent tests.)"""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from envs.calculator import EXAMPLES, SYSTEM
+from jaxagent.agent import collect_session, response_items
+from jaxagent.trajectory import CLEAN
+from rollout_server.chat import ChatTurn
+from rollout_server.engine import SamplingParams
+from rollout_server.orchestrator import Request
+from rollout_server.responses_api import (ResponsesBody, ResponseStore, chat_messages, echo,
+                                          response_body, stream_events)
+from rollout_server.router import create_router
+from rollout_server.serving import ServerThread
+from rollout_server.sessions import SessionStore
+from tests.rollout_server.conftest import MEMORISED, TOOLS, running_server
+
+GREEDY = {"temperature": 0}
+# The conftest's tool as a Responses function tool: it renders to the same prompt.
+CALCULATE = [{"type": "function", "name": t["function"]["name"],
+              "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"], "strict": False} for t in TOOLS]
+
+
+def body(**kw) -> ResponsesBody:
+  return ResponsesBody.model_validate({"model": "m", **kw})
+
+
+def test_items_convert_to_the_chat_form_by_hand():
+  got, kept, tools = chat_messages(body(
+      instructions="Be brief.", tools=CALCULATE[:1] + [{"type": "function", "name": "g"}],
+      input=[
+          {"role": "developer", "content": "Rules."},
+          {"role": "user", "content": [{"type": "input_text", "text": "Hi "},
+                                       {"type": "input_text", "text": "there"}]},
+          # (a reply as the client hands it back: its message, then its two calls)
+          {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+           "content": [{"type": "output_text", "text": "Two calls.", "annotations": [],
+                        "logprobs": []}]},
+          {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "calculate",
+           "arguments": '{"expression": "1+1"}', "status": "completed"},
+          {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+          {"type": "function_call_output", "call_id": "c1", "output": "2"},
+          {"type": "function_call_output", "call_id": "c2",
+           "output": [{"type": "input_text", "text": "o"}, {"type": "input_text", "text": "k"}]},
+          {"type": "message", "role": "user", "content": "Go on."}]))
+  assert tools == TOOLS + [{"type": "function", "function": {"name": "g"}}]
+  assert got == [
+      {"role": "system", "content": "Be brief."},
+      {"role": "system", "content": "Rules."},
+      {"role": "user", "content": "Hi there"},
+      {"role": "assistant", "content": "Two calls.", "tool_calls": [
+          {"id": "c1", "type": "function",
+           "function": {"name": "calculate", "arguments": '{"expression": "1+1"}'}},
+          {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "2"},
+      {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+      {"role": "user", "content": "Go on."}]
+  assert kept == got[1:]  # (the instructions are the call's own, not the conversation's)
+  # A string input is one user message; calls alone make an assistant message.
+  assert chat_messages(body(input="Hi"))[0] == [{"role": "user", "content": "Hi"}]
+  assert chat_messages(body(input=[
+      {"role": "user", "content": "a"},
+      {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+      {"type": "function_call_output", "call_id": "c", "output": "r"}]))[0][1] == {
+          "role": "assistant", "content": "", "tool_calls": [
+              {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def test_an_environment_chat_renders_alike_through_every_gateway(tokenizer):
+  """The calculator's worked examples (OpenAI's chat shape), put in the Responses API's
+  items by the agent and back by the server, render to the same tokens."""
+  chat = [{"role": "system", "content": SYSTEM}] + list(EXAMPLES) + [
+      {"role": "user", "content": "What is 6 * 7?"}]
+  instructions, items = response_items(chat)
+  back, _, tools = chat_messages(body(instructions=instructions, input=items, tools=CALCULATE))
+  assert tools == TOOLS
+  assert tokenizer.apply_chat_template(back, tools) == tokenizer.apply_chat_template(chat, TOOLS)
+
+
+def test_a_tool_message_that_answers_no_call_is_text():
+  """The environment's error for a malformed call (no call in the reply, no id) goes as a
+  user message; a result answers the reply's call by its position."""
+  error = {"role": "tool", "content": "error: malformed tool call: bad JSON"}
+  result = {"role": "tool", "tool_call_id": "env_1", "name": "f", "content": "125"}
+  assert response_items([error, result], ("c1",))[1] == [
+      {"role": "user", "content": error["content"]},
+      {"type": "function_call_output", "call_id": "c1", "output": "125"}]
+
+
+def test_kept_responses_are_steps_of_their_chain():
+  store = ResponseStore(max_bytes=10_000)
+  store.keep("r1", None, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+  store.keep("r2", "r1", [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}])
+  assert [m["content"] for m in store.conversation("r2")] == ["a", "b", "c", "d"]
+  for i in range(60):  # the least recently used go first past the bound
+    store.keep(f"x{i}", None, [{"role": "user", "content": "y" * 100}])
+  assert store.bytes <= store.max_bytes
+  with pytest.raises(KeyError, match="'r2' is not kept"):
+    store.conversation("r2")
+  store.keep("s1", None, [{"role": "user", "content": "a"}])
+  store.keep("s2", "s1", [{"role": "user", "content": "b"}])
+  store._kept.pop("s1")
+  with pytest.raises(KeyError, match="the response 's1' it continued has gone"):
+    store.conversation("s2")
+
+
+def finished_turn(tokenizer, output: str, finish="stop", budget=256) -> ChatTurn:
+  req = Request(tokenizer.encode("x"), SamplingParams(max_new_tokens=budget), "r1",
+                output_ids=tokenizer.encode(output) + (
+                    list(tokenizer.stop_ids[:1]) if finish == "stop" else []),
+                finish_reason=finish)
+  req._done.set()
+  return ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=SessionStore(1),
+                  session_id=None, kind="responses", id_prefix="call")
+
+
+def accumulate(events: list[str]) -> tuple[list[dict], dict]:
+  """The output items a client builds from a stream's events, and the final response."""
+  items, final, seq = [], None, []
+  for event in events:
+    kind, data = event.split("\n")[:2]
+    data = json.loads(data[len("data: "):])
+    assert kind == f"event: {data['type']}"
+    seq.append(data["sequence_number"])
+    if data["type"] == "response.output_item.added":
+      assert data["output_index"] == len(items)
+      items.append(dict(data["item"]))
+    elif data["type"] == "response.content_part.added":
+      items[data["output_index"]]["content"].append(dict(data["part"]))
+    elif data["type"] == "response.output_text.delta":
+      items[data["output_index"]]["content"][data["content_index"]]["text"] += data["delta"]
+    elif data["type"] == "response.function_call_arguments.delta":
+      items[data["output_index"]]["arguments"] += data["delta"]
+    elif data["type"] == "response.output_item.done":
+      assert items[data["output_index"]]["type"] == data["item"]["type"]
+      built = items[data["output_index"]]
+      if built["type"] == "message":
+        assert built["content"][0]["text"] == data["item"]["content"][0]["text"]
+      else:
+        assert built["arguments"] == data["item"]["arguments"]
+      items[data["output_index"]] = data["item"]
+    elif data["type"] in ("response.completed", "response.incomplete"):
+      final = data["response"]
+  assert seq == list(range(len(events)))
+  return items, final
+
+
+@pytest.mark.parametrize("output", [
+    "Hi there!", "", "Let me see. " + MEMORISED[0][2], MEMORISED[0][2] * 2,
+    "A" + MEMORISED[0][2] + " and B", "<tool_call>{broken</tool_call>"])
+def test_a_stream_builds_the_items_of_the_answer(output, tokenizer):
+  """Whatever the model wrote, the items a stream's events build are the answer's."""
+  turn = finished_turn(tokenizer, output)
+  settings = echo(body(input="x"), "m")
+
+  async def events():
+    return [e async for e in stream_events(turn, settings, 0)]
+
+  items, final = accumulate(asyncio.run(events()))
+  answer = response_body(turn, settings, 0)
+  assert items == answer["output"] == final["output"]
+  assert final["status"] == answer["status"] == "completed"
+
+
+def test_a_cut_turn_says_which_budget_ran_out(tokenizer):
+  full = response_body(finished_turn(tokenizer, "aaaa", "length", budget=4), {}, 0)
+  assert full["status"] == "incomplete"
+  assert full["incomplete_details"] == {"reason": "max_output_tokens"}
+  context = response_body(finished_turn(tokenizer, "aaaa", "length", budget=700), {}, 0)
+  assert context["incomplete_details"] == {"reason": "context_window_exceeded"}
+
+
+@pytest.fixture(scope="module")
+def server(memorised_params, tokenizer):
+  with running_server(memorised_params, tokenizer, version=3) as (srv, orch):
+    yield srv, orch
+
+
+def client(url: str, session_id=None) -> openai.OpenAI:
+  headers = {"X-Session-Id": session_id} if session_id else None
+  return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                       default_headers=headers)
+
+
+def test_a_response_renders_as_the_chat_route_does(server, tokenizer):
+  srv, _ = server
+  messages, _, answer = MEMORISED[1]
+  raw = client(srv.url).responses.with_raw_response.create(
+      model="tiny", max_output_tokens=30, input=messages[0]["content"], **GREEDY)
+  resp = raw.parse()
+  assert resp.object == "response" and resp.status == "completed" and resp.model == "tiny"
+  assert resp.output_text == answer
+  (item,) = resp.output
+  assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+  ids = raw.http_response.json()["jaxagent"]
+  assert ids["prompt_ids"] == tokenizer.apply_chat_template(messages)
+  assert resp.usage.input_tokens == len(ids["prompt_ids"])
+  assert resp.usage.output_tokens == len(ids["output_ids"]) == len(ids["output_logprobs"])
+  assert set(ids["versions"]) == {3}
+  # Instructions are the system message; a length cut is incomplete.
+  raw = client(srv.url).responses.with_raw_response.create(
+      model="tiny", max_output_tokens=1, instructions="Be brief.", input=messages)
+  assert raw.http_response.json()["jaxagent"]["prompt_ids"] == tokenizer.apply_chat_template(
+      [{"role": "system", "content": "Be brief."}] + messages)
+  cut = client(srv.url).responses.create(model="tiny", max_output_tokens=2, input=messages,
+                                         **GREEDY)
+  assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+  # Each output token's log-prob, when asked for.
+  raw = client(srv.url).responses.with_raw_response.create(
+      model="tiny", max_output_tokens=30, input=messages,
+      include=["message.output_text.logprobs"], **GREEDY)
+  lps = raw.parse().output[0].content[0].logprobs
+  assert [lp.logprob for lp in lps] == raw.http_response.json()["jaxagent"]["output_logprobs"]
+
+
+def test_function_call_round_trip_is_recorded_token_exactly(server, tokenizer):
+  srv, _ = server
+  c = client(srv.url, session_id="resp-1")
+  messages = MEMORISED[0][0]
+  first = c.responses.with_raw_response.create(model="tiny", max_output_tokens=100,
+                                               tools=CALCULATE, input=messages, **GREEDY)
+  resp = first.parse()
+  (call,) = resp.output  # no text before the call
+  assert call.type == "function_call" and call.name == "calculate"
+  assert call.call_id.startswith("call_") and json.loads(call.arguments) == {"expression": "2+3"}
+  # The agent hands back the client's own output items and the function's output.
+  follow = messages + [o.model_dump(exclude_none=True) for o in resp.output] + [
+      {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+  second = c.responses.with_raw_response.create(model="tiny", max_output_tokens=5,
+                                                tools=CALCULATE, input=follow, **GREEDY)
+  answers = [first.http_response.json()["jaxagent"], second.http_response.json()["jaxagent"]]
+  # The same chat through the chat route's shapes renders to the same tokens.
+  chat_call = {"id": call.call_id, "type": "function",
+               "function": {"name": "calculate", "arguments": call.arguments}}
+  chat_follow = messages + [{"role": "assistant", "content": "", "tool_calls": [chat_call]},
+                            {"role": "tool", "tool_call_id": call.call_id, "content": "5"}]
+  assert answers[1]["prompt_ids"] == tokenizer.apply_chat_template(chat_follow, tools=TOOLS)
+  turns = httpx.get(f"{srv.url}/sessions/resp-1").json()["turns"]
+  assert [t["turn"] for t in turns] == [0, 1] and turns[0]["kind"] == "responses"
+  for turn, answer in zip(turns, answers):  # the record is what the engine sampled
+    for key in ("prompt_ids", "output_ids", "output_logprobs", "versions"):
+      assert turn[key] == answer[key], key
+  # The sampled call stays in the next prompt token for token: one clean segment.
+  assert answers[1]["prompt_ids"][:len(answers[0]["prompt_ids"]) + len(answers[0]["output_ids"])] \
+      == answers[0]["prompt_ids"] + answers[0]["output_ids"]
+  (seg,) = collect_session(turns, session_id="resp-1", task_id="t")
+  assert seg.decisions == [CLEAN, CLEAN]
+  mask = seg.loss_mask > 0
+  assert seg.tokens[mask].tolist() == answers[0]["output_ids"] + answers[1]["output_ids"]
+
+
+def test_previous_response_id_continues_the_kept_conversation(server, tokenizer):
+  srv, _ = server
+  c = client(srv.url, session_id="resp-chain")
+  messages = MEMORISED[0][0]
+  first = c.responses.create(model="tiny", max_output_tokens=100, tools=CALCULATE,
+                             input=messages, instructions="Use the tool.", **GREEDY)
+  (call,) = first.output
+  raw = c.responses.with_raw_response.create(
+      model="tiny", max_output_tokens=5, tools=CALCULATE, previous_response_id=first.id,
+      instructions="Use the tool.", **GREEDY,
+      input=[{"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
+  assert raw.parse().previous_response_id == first.id
+  whole = [{"role": "system", "content": "Use the tool."}] + messages + [
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"id": call.call_id, "type": "function",
+           "function": {"name": "calculate", "arguments": call.arguments}}]},
+      {"role": "tool", "tool_call_id": call.call_id, "content": "5"}]
+  second = raw.http_response.json()["jaxagent"]
+  assert second["prompt_ids"] == tokenizer.apply_chat_template(whole, tools=TOOLS)
+  turns = httpx.get(f"{srv.url}/sessions/resp-chain").json()["turns"]
+  assert turns[1]["prompt_ids"][:len(turns[0]["prompt_ids"]) + len(turns[0]["output_ids"])] \
+      == turns[0]["prompt_ids"] + turns[0]["output_ids"]
+  # One not kept (store: false, or unknown) is a 404 that says why.
+  unkept = c.responses.create(model="tiny", max_output_tokens=2, input="Hi", store=False)
+  for gone in (unkept.id, "resp_nope"):
+    with pytest.raises(openai.NotFoundError, match="is not kept on this server"):
+      c.responses.create(model="tiny", max_output_tokens=2, input="Hi",
+                         previous_response_id=gone)
+  # An answer continued must be answered by what follows it, not by itself.
+  with pytest.raises(openai.BadRequestError, match="input: empty"):
+    c.responses.create(model="tiny", max_output_tokens=2, input=[],
+                       previous_response_id=first.id)
+
+
+def test_streams(server):
+  srv, _ = server
+  c = client(srv.url)
+  messages, _, answer = MEMORISED[1]
+  with c.responses.stream(model="tiny", max_output_tokens=40, input=messages,
+                          **GREEDY) as stream:
+    deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    final = stream.get_final_response()
+  assert deltas == answer == final.output_text and final.status == "completed"
+  assert final.usage.output_tokens > 0
+  with c.responses.stream(model="tiny", max_output_tokens=100, tools=CALCULATE,
+                          input=MEMORISED[0][0], **GREEDY) as stream:
+    final = stream.get_final_response()
+  (call,) = final.output
+  assert call.type == "function_call" and json.loads(call.arguments) == {"expression": "2+3"}
+  # The raw events, in the API's order.
+  events = [e.type for e in c.responses.create(model="tiny", max_output_tokens=100,
+                                               tools=CALCULATE, input=MEMORISED[0][0],
+                                               stream=True, **GREEDY)]
+  assert events == ["response.created", "response.in_progress",
+                    "response.output_item.added", "response.function_call_arguments.delta",
+                    "response.function_call_arguments.done", "response.output_item.done",
+                    "response.completed"]
+
+
+def test_bad_requests_get_errors_naming_the_field(server):
+  srv, _ = server
+  c = httpx.Client(base_url=srv.url, timeout=60)
+  ok = {"model": "tiny", "max_output_tokens": 4, "input": "x"}
+  call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+  cases = [
+      ({"model": "tiny"}, 422, "input: Field required"),
+      (dict(ok, max_output_tokens=0), 422, "max_output_tokens"),
+      (dict(ok, temperature=-1), 422, "temperature"),
+      (dict(ok, input=[]), 400, "input: empty"),
+      (dict(ok, input=[{"role": "robot", "content": "x"}]), 400, "input[0].role"),
+      (dict(ok, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
+       400, "input[0].content[0]: only text parts (input_text) are served, got 'input_image'"),
+      (dict(ok, input=[{"type": "reasoning", "id": "rs_1", "summary": []}, "x"]), 400,
+       "input[0]: an item of type 'reasoning' is not served"),
+      (dict(ok, input=[{"type": "item_reference", "id": "msg_1"}]), 400, "item_reference"),
+      (dict(ok, input=["x"]), 400, "input[0]: not an item"),
+      (dict(ok, input=[{"role": "user", "content": "x"}, call]), 400,
+       "input[1]: the last item must not be the assistant's"),
+      (dict(ok, input=[{"type": "function_call_output", "call_id": "c9", "output": "x"}]),
+       400, "input[0]: function_call_output for call_id 'c9', which the assistant message "
+            "before did not make (it called no function)"),
+      (dict(ok, input=[{"role": "user", "content": "x"}, call,
+                       {"type": "function_call_output", "call_id": "c2", "output": "x"}]),
+       400, "(it called 'c1')"),
+      (dict(ok, input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), 400,
+       "input[0].call_id: Field required"),
+      (dict(ok, tools=[{"type": "web_search"}]), 400,
+       "tools[0]: only function tools are served, got type 'web_search'"),
+      (dict(ok, tools=[{"type": "function"}]), 400, "tools[0].name: Field required"),
+      (dict(ok, tool_choice="required"), 400, "tool_choice: only auto"),
+      (dict(ok, reasoning={"effort": "high"}), 400, "reasoning: not served"),
+      (dict(ok, text={"format": {"type": "json_object"}}), 400, "text.format"),
+      (dict(ok, truncation="auto"), 400, "truncation"),
+      (dict(ok, conversation="conv_1"), 400, "conversation"),
+      (dict(ok, background=True), 400, "background"),
+      (dict(ok, top_logprobs=3), 400, "top_logprobs"),
+      (dict(ok, logit_bias={"1": 5}), 400, "logit_bias: not served"),
+      (dict(ok, input="x" * 600), 400, "max_prefill_length"),
+      (dict(ok, model="a\udcff"), 422, "model: Value error, not valid Unicode"),
+      (dict(ok, tools=[{"type": "function", "name": "f",
+                        "parameters": {"default": float("nan")}}]), 400,
+       "body: NaN is not plain JSON"),
+  ]
+  for req, status, needle in cases:
+    r = c.post("/v1/responses", content=json.dumps(req),
+               headers={"content-type": "application/json"})
+    assert r.status_code == status, (req, r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and needle in error["message"], (needle, error)
+  # Settings that change nothing are taken (and a null is the default).
+  r = c.post("/v1/responses", json=dict(ok, store=False, metadata={"k": "v"}, user="u",
+                                        parallel_tool_calls=False, temperature=None,
+                                        reasoning={"effort": None}, truncation="disabled",
+                                        include=["reasoning.encrypted_content"],
+                                        text={"format": {"type": "text"}, "verbosity": "low"}))
+  assert r.status_code == 200, r.text
+  with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    client(srv.url).responses.create(model="tiny", input="x", tool_choice="required")
+  assert c.get("/health").json()["status"] == "ok"
+
+
+def test_through_the_router(server):
+  srv, _ = server
+  with ServerThread(create_router([srv.url], health_interval_s=600)) as router:
+    c = client(router.url, session_id="resp-routed")
+    raw = c.responses.with_raw_response.create(model="tiny", max_output_tokens=100,
+                                               tools=CALCULATE, input=MEMORISED[0][0], **GREEDY)
+    assert raw.http_response.headers["x-routed-to"] == srv.url
+    first = raw.parse()
+    assert first.output[0].type == "function_call"
+    with c.responses.stream(model="tiny", max_output_tokens=40, input=MEMORISED[1][0],
+                            **GREEDY) as stream:
+      assert stream.get_final_response().output_text == MEMORISED[1][2]
+    # A chain through the router reaches the server that keeps it (the session's).
+    c.responses.create(model="tiny", max_output_tokens=2, previous_response_id=first.id,
+                       input=[{"type": "function_call_output",
+                               "call_id": first.output[0].call_id, "output": "5"}])
+    turns = httpx.get(f"{router.url}/sessions/resp-routed").json()["turns"]
+    assert [t["turn"] for t in turns] == [0, 1, 2] and turns[0]["kind"] == "responses"
+    assert turns[0]["output_ids"] == raw.http_response.json()["jaxagent"]["output_ids"]
+
+
+def test_a_stream_cut_by_a_dying_backend_raises_in_the_client():
+  backend = FastAPI()
+
+  @backend.post("/v1/responses")
+  async def dies_mid_stream():
+    async def events():
+      yield ('event: response.created\ndata: {"type": "response.created", '
+             '"sequence_number": 0, "response": {}}\n\n')
+      raise RuntimeError("the backend dies")  # the connection is cut mid-body
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  with ServerThread(backend) as dying, \
+      ServerThread(create_router([dying.url], health_interval_s=600)) as router:
+    with pytest.raises(openai.APIError, match="went away mid-stream"):
+      for _ in client(router.url).responses.create(model="tiny", max_output_tokens=3,
+                                                   input="x", stream=True):
+        pass
