@@ -4,12 +4,14 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import httpx
 import pytest
@@ -508,6 +510,9 @@ def start_worker(tmp_path, *args):
                            "--workspace-root", root, *args], cwd=REPO,
                           stdout=log, stderr=subprocess.STDOUT, text=True)
   proc.log = log
+  # Removed with the process object (a test-distributing worker runs no atexit handlers:
+  # each start left its folder and log in /tmp).
+  weakref.finalize(proc, shutil.rmtree, parent, True)
   url = f"http://127.0.0.1:{port}"
   for _ in range(300):
     try:
