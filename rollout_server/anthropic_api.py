@@ -176,6 +176,9 @@ def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]
   if body.tool_choice is not None and body.tool_choice.type != "auto":
     raise ValueError(f"tool_choice: only auto is supported, got {body.tool_choice.type!r} (the "
                      "engine samples freely: it can neither force nor forbid a tool call)")
+  if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
+    raise ValueError("tool_choice.disable_parallel_tool_use: not supported (sampling cannot "
+                     "be held to one tool use; an answer may hold several)")
   if body.messages[-1].role == "assistant":
     raise ValueError(f"messages.{len(body.messages) - 1}: the last message must be the user's "
                      "(continuing an assistant's text is not supported)")

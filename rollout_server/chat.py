@@ -61,7 +61,8 @@ UNSERVED = {"logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
             "bad_words": (None, []), "allowed_token_ids": (None,),
             "response_format": (None, {"type": "text"}), "guided_json": (None,),
             "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-            "structured_outputs": (None,), "thinking": (None, {"type": "disabled"})}
+            "structured_outputs": (None,), "thinking": (None, {"type": "disabled"}),
+            "parallel_tool_calls": (None, True)}
 
 
 def unserved(extra: Optional[dict]) -> Optional[str]:

@@ -12,10 +12,11 @@ back as output items (`message` with `output_text`, `function_call`), or as the 
 server-sent events.
 
 Refused, naming the field: hosted tools (web search, file search, computer use, MCP,
-...: only `function` tools are served), a `tool_choice` other than `auto`, reasoning
-(`reasoning` with an effort or a summary, `reasoning` items in the input: the policy
-writes no hidden reasoning), `item_reference` items and `conversation` (nothing is kept
-but the responses themselves), `background`, `prompt` templates, `truncation: auto`
+...: only `function` tools are served), a `tool_choice` other than `auto`,
+`parallel_tool_calls: false`, reasoning (`reasoning` with an effort other than `none` or
+a summary, `reasoning` items in the input: the policy writes no hidden reasoning),
+`item_reference` items and `conversation` (nothing is kept but the responses
+themselves), `context_management`, `background`, `prompt` templates, `truncation: auto`
 (dropping items would change the prompt unseen), a text format other than plain text,
 content parts other than text (images, files, audio, refusals), and `chat.UNSERVED`'s
 fields. `temperature`, `top_p`, `top_k` and `seed` sample as on the chat route (the last
@@ -161,7 +162,11 @@ def refused(body: ResponsesBody) -> Optional[str]:
   if body.tool_choice not in (None, "auto"):
     return (f"tool_choice: only auto is served, got {json.dumps(body.tool_choice)[:100]} "
             "(sampling cannot be made to call, or not call, a tool)")
-  if body.reasoning and any(v is not None for v in body.reasoning.values()):
+  if body.parallel_tool_calls is False:
+    return ("parallel_tool_calls: false is not served (sampling cannot be held to one call; "
+            "an answer may hold several)")
+  if body.reasoning and any(v is not None and not (k == "effort" and v == "none")
+                            for k, v in body.reasoning.items()):
     return ("reasoning: not served (the policy writes no hidden reasoning; its whole output "
             "is the answer), got " + json.dumps(body.reasoning)[:100])
   if body.top_logprobs:
@@ -174,6 +179,9 @@ def refused(body: ResponsesBody) -> Optional[str]:
   if body.truncation not in (None, "disabled"):
     return (f"truncation: only disabled is served, got {body.truncation!r} (items dropped "
             "from the context would change the prompt unseen)")
+  if (body.model_extra or {}).get("context_management") is not None:
+    return ("context_management: not served (the context is not compacted here: an agent "
+            "compacts its own, or the conversation ends at the model's context)")
   if body.conversation is not None:
     return ("conversation: not served (conversations are not kept here): send the items, "
             "or previous_response_id")
@@ -306,8 +314,7 @@ def echo(body: ResponsesBody, model: str) -> dict:
   """The request's settings, as a response object repeats them."""
   return {"model": model, "instructions": body.instructions,
           "tools": list(body.tools or []), "tool_choice": "auto",
-          "parallel_tool_calls": True if body.parallel_tool_calls is None
-          else body.parallel_tool_calls,
+          "parallel_tool_calls": True,
           "temperature": 1.0 if body.temperature is None else body.temperature,
           "top_p": 1.0 if body.top_p is None else body.top_p,
           "max_output_tokens": body.max_output_tokens,

@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone
 from rollout_server import anthropic_api
+from rollout_server.chat import openai_error
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
 
 log = logging.getLogger(__name__)
@@ -601,9 +602,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     try:
       session_id = session_from(request, body)
     except ValueError as e:
-      if path == "v1/messages":
-        return JSONResponse(anthropic_api.error_body(400, str(e)), status_code=400)
-      return JSONResponse({"detail": str(e)}, status_code=400)
+      return refusal(path, 400, str(e))
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -647,10 +646,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           # A turn past its bound, or a router whose connections are all busy: not a
           # dead backend.
           slow = isinstance(e, httpx.ReadTimeout)
-          return JSONResponse({"detail": f"{backend}: the turn took longer than "
-                                         f"{turn_timeout_s:.0f} s" if slow else
-                                         f"the router's connections are all busy ({e})"},
-                              status_code=504 if slow else 503)
+          return refusal(path, 504 if slow else 503,
+                         f"{backend}: the turn took longer than {turn_timeout_s:.0f} s"
+                         if slow else f"the router's connections are all busy ({e})")
         last_error = down(backend, f"{type(e).__name__}: {e}")
         continue
       finally:
@@ -666,10 +664,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if records and resp.status_code == 200:
         await copy_turns(session_id, backend)
       return Response(content, status_code=resp.status_code, headers=out_headers)
-    detail = f"no backend could take the request; last error: {last_error}"
+    return refusal(path, 502, f"no backend could take the request; last error: {last_error}")
+
+  def refusal(path: str, status: int, message: str) -> JSONResponse:
+    """The router's own error for a request to `path`, in the shape of that API's errors
+    (Anthropic's, OpenAI's: in FastAPI's `detail` the `openai` client said only 'Error
+    code: 400', a red team's finding), FastAPI's elsewhere."""
     if path == "v1/messages":
-      return JSONResponse(anthropic_api.error_body(502, detail), status_code=502)
-    return JSONResponse({"detail": detail}, status_code=502)
+      body = anthropic_api.error_body(status, message)
+    elif path.startswith("v1/"):
+      body = openai_error(status, message)
+    else:
+      body = {"detail": message}
+    return JSONResponse(body, status_code=status)
 
   async def relay(resp: httpx.Response, backend: str, session_id: Optional[str], path: str):
     """Relays a stream; if the backend dies mid-stream, ends it with an error event (in

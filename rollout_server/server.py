@@ -633,7 +633,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         seed=body.seed if body.seed is not None else uuid.uuid4().int % (2**31))
     turn = start_chat(chat_messages, tools, sampling, session_id, kind="responses",
                       id_prefix="call", model=body.model)
-    settings = responses_api.echo(body, body.model or model_name)
+    # (cleaned as the prompt is: a lone surrogate echoed made the answer unwritable, a
+    # 400 for a turn recorded and kept, a red team's finding)
+    settings = clean_unicode(responses_api.echo(body, body.model or model_name))
     created = int(time.time())
 
     def keep() -> None:

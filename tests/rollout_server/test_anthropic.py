@@ -303,6 +303,8 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server):
       (dict(ok, stop_sequences=["\n"]), 400, "stop_sequences"),
       (dict(ok, thinking={"type": "enabled", "budget_tokens": 1024}), 400, "thinking: not"),
       (dict(ok, tool_choice={"type": "any"}), 400, "tool_choice"),
+      (dict(ok, tool_choice={"type": "auto", "disable_parallel_tool_use": True}), 400,
+       "tool_choice.disable_parallel_tool_use: not supported"),
       (dict(ok, messages=user + [{"role": "assistant", "content": "Su"}]), 400, "messages.1"),
       (dict(ok, messages=user + [{"role": "assistant", "content": [
           {"type": "tool_result", "tool_use_id": "a", "content": "x"}]}] + user), 400,

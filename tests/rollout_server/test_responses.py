@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from envs.calculator import EXAMPLES, SYSTEM
 from jaxagent.agent import collect_session, response_items
+from jaxagent.tokenizer import clean_unicode
 from jaxagent.trajectory import CLEAN
 from rollout_server.chat import ChatTurn
 from rollout_server.engine import SamplingParams
@@ -352,6 +353,11 @@ def test_bad_requests_get_errors_naming_the_field(server):
       (dict(ok, tools=[{"type": "function"}]), 400, "tools[0].name: Field required"),
       (dict(ok, tool_choice="required"), 400, "tool_choice: only auto"),
       (dict(ok, reasoning={"effort": "high"}), 400, "reasoning: not served"),
+      (dict(ok, reasoning={"effort": "none", "summary": "auto"}), 400, "reasoning: not served"),
+      # (a red team's: taken and ignored, they were answers the agent did not ask for)
+      (dict(ok, parallel_tool_calls=False), 400, "parallel_tool_calls: false is not served"),
+      (dict(ok, context_management=[{"type": "compaction", "compact_threshold": 1000}]), 400,
+       "context_management: not served"),
       (dict(ok, text={"format": {"type": "json_object"}}), 400, "text.format"),
       (dict(ok, truncation="auto"), 400, "truncation"),
       (dict(ok, conversation="conv_1"), 400, "conversation"),
@@ -372,11 +378,23 @@ def test_bad_requests_get_errors_naming_the_field(server):
     assert error["type"] == "invalid_request_error" and needle in error["message"], (needle, error)
   # Settings that change nothing are taken (and a null is the default).
   r = c.post("/v1/responses", json=dict(ok, store=False, metadata={"k": "v"}, user="u",
-                                        parallel_tool_calls=False, temperature=None,
-                                        reasoning={"effort": None}, truncation="disabled",
+                                        parallel_tool_calls=True, temperature=None,
+                                        reasoning={"effort": "none"}, truncation="disabled",
                                         include=["reasoning.encrypted_content"],
                                         text={"format": {"type": "text"}, "verbosity": "low"}))
   assert r.status_code == 200, r.text
+  # A lone surrogate in what the answer repeats (instructions, metadata, a tool's
+  # description) is written as the prompt reads it: its answer was unwritable, a 400 for
+  # a turn recorded and kept (a red team's finding).
+  r = c.post("/v1/responses", content=json.dumps(dict(
+      ok, instructions="a\udfff", metadata={"k": "\udfff"}, user="\udfff", tools=[dict(
+          CALCULATE[0], description="d\udfff")])), headers={
+              "content-type": "application/json", "x-session-id": "resp-surrogate"})
+  assert r.status_code == 200, r.text
+  assert r.json()["instructions"] == clean_unicode("a\udfff") != "a\udfff"
+  assert r.json()["metadata"] == {"k": clean_unicode("\udfff")}
+  (turn,) = httpx.get(f"{srv.url}/sessions/resp-surrogate").json()["turns"]
+  assert turn["output_ids"] == r.json()["jaxagent"]["output_ids"]
   with pytest.raises(openai.BadRequestError, match="tool_choice"):
     client(srv.url).responses.create(model="tiny", input="x", tool_choice="required")
   assert c.get("/health").json()["status"] == "ok"
@@ -401,6 +419,10 @@ def test_through_the_router(server):
     turns = httpx.get(f"{router.url}/sessions/resp-routed").json()["turns"]
     assert [t["turn"] for t in turns] == [0, 1, 2] and turns[0]["kind"] == "responses"
     assert turns[0]["output_ids"] == raw.http_response.json()["jaxagent"]["output_ids"]
+    # The router's own refusals are in OpenAI's shape: the client says why (a red team's
+    # finding: in FastAPI's shape it said only "Error code: 400").
+    with pytest.raises(openai.BadRequestError, match="name different sessions"):
+      c.responses.create(model="tiny", input="x", extra_body={"session_id": "another"})
 
 
 def test_a_stream_cut_by_a_dying_backend_raises_in_the_client():

@@ -204,6 +204,7 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
       ({"messages": user, "response_format": {"type": "json_object"}}, 422,
        "response_format: not served"),
       ({"messages": user, "ignore_eos": True}, 422, "ignore_eos: not served"),
+      ({"messages": user, "parallel_tool_calls": False}, 422, "parallel_tool_calls: not served"),
       ({"messages": [{"role": "user"}]}, 400, "messages[0] (user) has no content"),
       # (red team 24: recorded, a NaN made the session's record unreadable)
       ({"messages": user, "tools": [dict(tool, function=dict(
@@ -221,7 +222,8 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   # The values that change nothing, as some clients send them, are served.
   r = c.post("/v1/chat/completions", json={
       "messages": user, "max_tokens": 1, "logit_bias": {}, "presence_penalty": 0,
-      "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "u"})
+      "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "u",
+      "parallel_tool_calls": True})
   assert r.status_code == 200, r.text
   r = c.post("/v1/chat/completions", json={"messages": user, "tools": [tool],
                                            "tool_choice": "auto", "max_tokens": 1,
