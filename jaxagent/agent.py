@@ -785,10 +785,11 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
   return rewards
 
 
-def response_items(messages: list[dict], call_ids: tuple[str, ...] = ()
-                   ) -> tuple[str, list[dict]]:
+def response_items(messages: list[dict], call_ids: tuple[str, ...] = (), *,
+                   first: bool = True) -> tuple[str, list[dict]]:
   """An environment's messages (OpenAI's chat shape) as the Responses API's input:
-  (instructions, items). An assistant message becomes a `message` item and a
+  (instructions: the leading system messages of the `first` ones, items). An assistant
+  message becomes a `message` item and a
   `function_call` item a call; a tool message a `function_call_output` (the k-th
   answering `call_ids[k]`, the calls of the reply they answer, or the call of an
   assistant message among `messages` whose id it names), or, answering no call (the
@@ -797,7 +798,7 @@ def response_items(messages: list[dict], call_ids: tuple[str, ...] = ()
   answers, called = iter(call_ids), set()
   for m in messages:
     role, content = m["role"], m.get("content") or ""
-    if role == "system" and not items:
+    if role == "system" and first and not items:
       instructions += content
     elif role == "assistant":
       if content or not m.get("tool_calls"):
@@ -848,7 +849,8 @@ async def run_responses_agent(env, task, base_url: str, *, session_id: str,
       items += [o.model_dump(exclude_none=True) for o in resp.output]
       step = await env.step(text)
       rewards.append(float(step.reward))
-      items += response_items(step.observation.messages, tuple(c.call_id for c in calls))[1]
+      items += response_items(step.observation.messages, tuple(c.call_id for c in calls),
+                              first=False)[1]
       if step.terminated or step.truncated:
         break
   finally:

@@ -80,6 +80,8 @@ def byte_to_unicode() -> dict[int, str]:
   return table
 
 
+_UNBYTE = {c: b for b, c in byte_to_unicode().items()}
+
 # A piece of a rendered chat: (text, is_data). Data is encoded as plain text.
 Piece = tuple[str, bool]
 # Data spans are wrapped in a run of this private-use character (longer than any
@@ -244,6 +246,7 @@ class Tokenizer:
     # non-special added tokens live: `<tool_call>` and the role headers of the byte-level
     # vocabulary, Qwen2's `<tool_call>`.)
     spec = json.loads(tok.to_str())
+    self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
     spec["added_tokens"] = []
     self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
 
@@ -297,6 +300,14 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+  def token_bytes(self, token_id: int) -> bytes:
+    """A token's bytes: a byte-level vocabulary's piece mapped back (part of a character
+    included, which its decoded text shows as U+FFFD), else its text's UTF-8."""
+    piece = self.tok.id_to_token(token_id)
+    if self._byte_level and piece is not None and all(c in _UNBYTE for c in piece):
+      return bytes(_UNBYTE[c] for c in piece)
+    return self.decode([token_id]).encode("utf-8", "surrogatepass")
 
   def render(self, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None,
              add_generation_prompt: bool = True) -> str:

@@ -112,6 +112,12 @@ class FunctionTool(_Item):
   strict: Optional[bool] = None
 
 
+def _reply_of(call_id: str) -> Optional[str]:
+  """The reply a call id this server gave belongs to (`call_{request id}_{i}`), or None."""
+  head, _, index = call_id.rpartition("_")
+  return head if head.startswith("call_") and index.isdigit() else None
+
+
 _ITEMS = {"message": MessageItem, "function_call": FunctionCallItem,
           "function_call_output": FunctionCallOutputItem}
 
@@ -210,9 +216,19 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = ()
   if not items and not kept:
     raise ValueError("input: empty (give at least one item, or previous_response_id)")
 
-  def called() -> set:  # the calls of the last assistant message
-    last = next((m for m in reversed(kept) if m["role"] == "assistant"), None)
-    return {c["id"] for c in (last or {}).get("tool_calls") or []}
+  def open_reply() -> Optional[dict]:
+    """The last assistant message when only its calls' outputs follow it."""
+    for m in reversed(kept):
+      if m["role"] == "assistant":
+        return m
+      if m["role"] != "tool":
+        return None
+    return None
+
+  def unanswered(reply: Optional[dict]) -> set:
+    calls = {c["id"] for c in (reply or {}).get("tool_calls") or []}
+    return calls - {m.get("tool_call_id") for m in kept[kept.index(reply) + 1:]} \
+        if reply is not None else set()
 
   for i, raw in enumerate(items):
     where = f"input[{i}]"
@@ -230,26 +246,36 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = ()
     if isinstance(item, FunctionCallItem):
       call = {"id": item.call_id, "type": "function",
               "function": {"name": item.name, "arguments": item.arguments}}
+      reply = open_reply()
       if last is not None and last["role"] == "assistant":
         last["tool_calls"] = last.get("tool_calls", []) + [call]
+      elif (reply is not None and kept.index(reply) >= start
+            and _reply_of(item.call_id) is not None
+            and any(_reply_of(c["id"]) == _reply_of(item.call_id)
+                    for c in reply.get("tool_calls") or [])):
+        # A call of the reply whose outputs came between its calls ([call 1, output 1,
+        # call 2, output 2], as OpenAI's guide writes them): its reply's, told by the call
+        # ids this server gave (as separate turns, the reply was encoded anew: a fork)
+        reply["tool_calls"].append(call)
       else:
         kept.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif isinstance(item, FunctionCallOutputItem):
-      made = called()
-      if item.call_id not in made:
-        raise ValueError(
-            f"{where}: function_call_output for call_id {item.call_id!r}, which the "
-            "assistant message before did not make (" + (
-                f"it called {', '.join(sorted(map(repr, made)))}" if made
-                else "it called no function") + ")")
+      reply = open_reply()
+      made = {c["id"] for c in (reply or {}).get("tool_calls") or []}
+      if item.call_id not in unanswered(reply):
+        why = ("which has its output already" if item.call_id in made else
+               "which the assistant message before did not make (" + (
+                   f"it called {', '.join(sorted(map(repr, made)))}" if made else
+                   "a message came between them" if reply is None and any(
+                       m["role"] == "assistant" for m in kept) else
+                   "it called no function") + ")")
+        raise ValueError(f"{where}: function_call_output for call_id {item.call_id!r}, {why}")
       kept.append({"role": "tool", "tool_call_id": item.call_id,
                    "content": _text(item.output, f"{where}.output", ("input_text",))})
     elif item.role == "assistant":
-      text = _text(item.content, f"{where}.content", ("output_text", "input_text"))
-      if last is not None and last["role"] == "assistant":
-        last["content"] = (last.get("content") or "") + text
-      else:
-        kept.append({"role": "assistant", "content": text})
+      # (a message item starts a reply: one of ours has at most one, before its calls)
+      kept.append({"role": "assistant", "content": _text(
+          item.content, f"{where}.content", ("output_text", "input_text"))})
     else:
       role = "user" if item.role == "user" else "system"
       kept.append({"role": role, "content": _text(item.content, f"{where}.content",
@@ -291,11 +317,11 @@ class ResponseStore:
             + ": responses are kept in memory by the server that made them, the newest "
               "within its bound, unless made with store: false (through a router, send the "
               "session header so a chain's calls reach one server); send the whole input")
+      steps.append(at)
+      at = self._kept[at][0]
+    for at in reversed(steps):  # (the newest most recently used: evicted last)
       self._kept.move_to_end(at)
-      parent, added, _ = self._kept[at]
-      steps.append(added)
-      at = parent
-    return [m for added in reversed(steps) for m in added]
+    return [m for at in reversed(steps) for m in self._kept[at][1]]
 
   def keep(self, response_id: str, parent: Optional[str], added: list[dict]) -> None:
     nbytes = len(json.dumps(added, default=str)) + 200
@@ -353,9 +379,8 @@ def token_logprobs(turn: ChatTurn) -> list[dict]:
   chat route's `logprobs`)."""
   out = []
   for t, lp in zip(turn.output_ids, turn.output_logprobs):
-    token = turn.tokenizer.decode([t])
-    out.append({"token": token, "logprob": lp, "bytes": list(token.encode("utf-8")),
-                "top_logprobs": []})
+    out.append({"token": turn.tokenizer.decode([t]), "logprob": lp,
+                "bytes": list(turn.tokenizer.token_bytes(t)), "top_logprobs": []})
   return out
 
 

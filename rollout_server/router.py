@@ -672,7 +672,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     code: 400', a red team's finding), FastAPI's elsewhere."""
     if path == "v1/messages":
       body = anthropic_api.error_body(status, message)
-    elif path.startswith("v1/"):
+    elif path in ("v1/chat/completions", "v1/responses", "v1/models"):
       body = openai_error(status, message)
     else:
       body = {"detail": message}

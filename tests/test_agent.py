@@ -686,7 +686,7 @@ def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(rando
     assert sum(s.num_action_tokens for s in ep.segments) > 0
 
 
-@pytest.mark.parametrize("api", ["openai", "anthropic"])
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
 def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monkeypatch):
   """The built-in agents pass the run's temperature, top_p and top_k, and the record
   says so; a harness that samples its own way (greedy: log-prob 0 for every token, a

@@ -79,6 +79,37 @@ def test_items_convert_to_the_chat_form_by_hand():
               {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 
+def test_a_reply_whose_outputs_came_between_its_calls_is_one_turn():
+  """[call 1, output 1, call 2, output 2] (as OpenAI's guide writes them) of one reply is
+  that reply, told by the call ids this server gave: as two turns it was encoded anew,
+  a fork at every multi-call turn (a reviewer's finding). Other ids: as sent."""
+  def items(a, b):
+    return [{"role": "user", "content": "u"},
+            {"role": "assistant", "content": "Two."},
+            {"type": "function_call", "call_id": a, "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": a, "output": "1"},
+            {"type": "function_call", "call_id": b, "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": b, "output": "2"}]
+
+  ours = ["call_req-7-0a1b2c3d_0", "call_req-7-0a1b2c3d_1"]
+  interleaved = chat_messages(body(input=items(*ours)))[0]
+  grouped = chat_messages(body(input=[items(*ours)[i] for i in (0, 1, 2, 4, 3, 5)]))[0]
+  assert interleaved == grouped
+  assert [m["role"] for m in interleaved] == ["user", "assistant", "tool", "tool"]
+  assert [m["role"] for m in chat_messages(body(input=items("c1", "c2")))[0]] == [
+      "user", "assistant", "tool", "assistant", "tool"]
+  # (a later reply's call, its own ids, starts its own turn)
+  later = items(ours[0], "call_req-8-0a1b2c3d_0")
+  assert [m["role"] for m in chat_messages(body(input=later))[0]] == [
+      "user", "assistant", "tool", "assistant", "tool"]
+  # Two message items are two messages, as the chat route renders them.
+  assert chat_messages(body(input=[{"role": "assistant", "content": "x"},
+                                   {"role": "assistant", "content": "y"},
+                                   {"role": "user", "content": "z"}]))[0] == [
+      {"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"},
+      {"role": "user", "content": "z"}]
+
+
 def test_an_environment_chat_renders_alike_through_every_gateway(tokenizer):
   """The calculator's worked examples (OpenAI's chat shape), put in the Responses API's
   items by the agent and back by the server, render to the same tokens."""
@@ -98,6 +129,10 @@ def test_a_tool_message_that_answers_no_call_is_text():
   assert response_items([error, result], ("c1",))[1] == [
       {"role": "user", "content": error["content"]},
       {"type": "function_call_output", "call_id": "c1", "output": "125"}]
+  # A step's system message is an item (the first messages' lead the instructions).
+  system = {"role": "system", "content": "Hurry."}
+  assert response_items([system], first=False) == ("", [system])
+  assert response_items([system]) == ("Hurry.", [])
 
 
 def test_kept_responses_are_steps_of_their_chain():
@@ -105,6 +140,7 @@ def test_kept_responses_are_steps_of_their_chain():
   store.keep("r1", None, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
   store.keep("r2", "r1", [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}])
   assert [m["content"] for m in store.conversation("r2")] == ["a", "b", "c", "d"]
+  assert list(store._kept) == ["r1", "r2"]  # (a chain's newest is evicted last)
   for i in range(60):  # the least recently used go first past the bound
     store.keep(f"x{i}", None, [{"role": "user", "content": "y" * 100}])
   assert store.bytes <= store.max_bytes
@@ -224,6 +260,14 @@ def test_a_response_renders_as_the_chat_route_does(server, tokenizer):
       include=["message.output_text.logprobs"], **GREEDY)
   lps = raw.parse().output[0].content[0].logprobs
   assert [lp.logprob for lp in lps] == raw.http_response.json()["jaxagent"]["output_logprobs"]
+  assert b"".join(bytes(lp.bytes) for lp in lps).decode() == answer + "<|im_end|>"
+
+
+def test_a_tokens_bytes_are_its_own_not_its_texts(tokenizer):
+  """A token that is part of a character has its bytes, not U+FFFD's (a reviewer's)."""
+  ids = tokenizer.encode("é")
+  assert [tokenizer.token_bytes(t) for t in ids] == [b"\xc3", b"\xa9"]
+  assert tokenizer.token_bytes(tokenizer.stop_ids[0]) == b"<|im_end|>"
 
 
 def test_function_call_round_trip_is_recorded_token_exactly(server, tokenizer):
@@ -346,6 +390,14 @@ def test_bad_requests_get_errors_naming_the_field(server):
       (dict(ok, input=[{"role": "user", "content": "x"}, call,
                        {"type": "function_call_output", "call_id": "c2", "output": "x"}]),
        400, "(it called 'c1')"),
+      # (a reviewer's: an output twice, or after a message, was taken)
+      (dict(ok, input=[{"role": "user", "content": "x"}, call,
+                       {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                       {"type": "function_call_output", "call_id": "c1", "output": "x"}]),
+       400, "input[3]: function_call_output for call_id 'c1', which has its output already"),
+      (dict(ok, input=[{"role": "user", "content": "x"}, call, {"role": "user", "content": "y"},
+                       {"type": "function_call_output", "call_id": "c1", "output": "x"}]),
+       400, "(a message came between them)"),
       (dict(ok, input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), 400,
        "input[0].call_id: Field required"),
       (dict(ok, tools=[{"type": "web_search"}]), 400,
