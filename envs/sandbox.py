@@ -224,6 +224,10 @@ class ExecResult:
   # those the host's OOM killer took, unless they are the infrastructure's: an `error`;
   # see `oom_attribution`).
   oom_kills: int = 0
+  # Without a quota of its own (a worker not run as root): why the workspace went past
+  # its bounds on the host's disk while the command ran (it was stopped, and the
+  # workspace emptied), else None. The command's doing, never the infrastructure's.
+  disk_exceeded: Optional[str] = None
 
   @property
   def ok(self) -> bool:
@@ -907,6 +911,10 @@ class Sandbox:
   def wipe(self) -> None:
     """Empties the workspace (and kills anything left running as its uid)."""
     self._kill_uid()
+    self._empty()
+    self.history.clear()
+
+  def _empty(self) -> None:
     if not self._mounted:
       _open_up(self.host_path)
     for name in os.listdir(self.host_path):
@@ -914,8 +922,52 @@ class Sandbox:
       if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
       else:
-        os.unlink(path)
-    self.history.clear()
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(path)
+
+  def over_disk(self) -> Optional[str]:
+    """Why the workspace is past its quota's bounds on the host's disk (more than
+    `Limits.max_inodes` files and directories, or more than `disk_bytes` taken), or None.
+    The walk stops once past them (a directory of a million entries is not listed whole).
+    For a workspace without a quota of its own, where nothing else bounds it."""
+    budget, seen, on_disk = self.limits.disk_bytes, 0, 0
+    stack = [self.host_path]
+    while stack:
+      root = stack.pop()
+      try:
+        _opened(root)
+        with os.scandir(root) as entries:
+          for entry in entries:
+            seen += 1
+            if seen > self.limits.max_inodes:
+              return f"over {self.limits.max_inodes} files and directories"
+            try:
+              on_disk += entry.stat(follow_symlinks=False).st_blocks * 512
+              if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+            except OSError:
+              continue
+            if on_disk > budget:
+              return f"over {budget} bytes on disk"
+      except OSError:
+        continue
+    return None
+
+  async def _watch_disk(self, proc, over: list) -> None:
+    """Stops a running command whose workspace goes past its bounds on the host's disk
+    (`over_disk`; no quota of its own: without the watch a command filled the host's
+    disk until its time ran out, and every other sandbox's grading failed meanwhile).
+    Looks every 0.1 s, or ten times as long as a look takes."""
+    pause = 0.1
+    while True:
+      await asyncio.sleep(pause)
+      t = time.perf_counter()
+      why = await asyncio.to_thread(self.over_disk)
+      pause = max(0.1, 10 * (time.perf_counter() - t))
+      if why is not None:
+        over.append(why)
+        await self._terminate(proc)
+        return
 
   def destroy(self) -> None:
     self._kill_uid()
@@ -1010,6 +1062,7 @@ class Sandbox:
                if self.isolation == "mountns" else self._logs)
     t0 = time.perf_counter()
     timed_out, error, code, sig = False, None, None, None
+    over: list[str] = []  # (the disk watch's finding)
     ooms = self.oom_counts()
     program = seccomp_program() if self.isolation == "bwrap" else None
     seccomp_fd = None
@@ -1028,6 +1081,7 @@ class Sandbox:
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=_scrubbed_env(self.workdir),
             start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+        watch = None if self._mounted else asyncio.ensure_future(self._watch_disk(proc, over))
         try:
           await asyncio.wait_for(proc.communicate(stdin), timeout=wall)
         except asyncio.TimeoutError:
@@ -1036,6 +1090,10 @@ class Sandbox:
         except BaseException:  # cancelled (its caller gave up): nothing outlives the run
           await waits.to_the_end(self._terminate(proc))
           raise
+        finally:
+          if watch is not None:
+            watch.cancel()
+            await asyncio.wait({watch})
         rc = proc.returncode
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
         timed_out = timed_out or sig == signal.SIGXCPU
@@ -1050,6 +1108,11 @@ class Sandbox:
       await waits.to_the_end(asyncio.to_thread(self._kill_uid))
       if run_dir != self._logs:
         shutil.rmtree(run_dir, ignore_errors=True)
+    disk = None
+    if not self._mounted and error is None:  # (a last look: a command shorter than one)
+      disk = over[0] if over else await asyncio.to_thread(self.over_disk)
+      if disk is not None:
+        await asyncio.to_thread(self._empty)
     duration = time.perf_counter() - t0
     own_kills, host_kills = oom_attribution(ooms, self.oom_counts(),
                                             host_kills_are_infra=self._memory_fits())
@@ -1061,9 +1124,13 @@ class Sandbox:
     for p in (out_path, err_path):
       with contextlib.suppress(FileNotFoundError):
         os.unlink(p)
-    result = ExecResult(argv, code, sig, duration, timed_out, outs[0][0], outs[1][0], outs[0][1],
+    stderr = outs[1][0]
+    if disk is not None:
+      stderr += (f"\n[sandbox] the workspace went {disk} (its limit): the command was "
+                 "stopped and the workspace's files removed\n")
+    result = ExecResult(argv, code, sig, duration, timed_out, outs[0][0], stderr, outs[0][1],
                         outs[1][1], outs[0][2], outs[1][2], self.isolation, error,
-                        own_kills)
+                        own_kills, disk)
     self.history.append(result)
     return result
 

@@ -60,8 +60,9 @@ from envs.sandbox import ExecResult, Sandbox, SandboxPool
 # 3: the report is capped to what the host keeps; 4: values nested past what the host
 # reads are errors, the solution is the kernel's first pick when memory runs out; 5: the
 # solution's process lets go of the harness's report before it turns dumpable; dict keys
-# compare exactly; 6: the workspace first on the solution's `sys.path`.
-VERSION = "python-harness-6"
+# compare exactly; 6: the workspace first on the solution's `sys.path`; 7: a grading
+# workspace without a quota that the solution fills past its bounds is a fail.
+VERSION = "python-harness-7"
 
 _HARNESS_BODY = r'''
 import ctypes, importlib, os, select, signal, sys
@@ -210,6 +211,9 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
 
   if result.error is not None:
     return verdict(VerdictStatus.INFRA_ERROR, reason=f"sandbox could not run: {result.error}")
+  if result.disk_exceeded is not None:  # (the harness killed with it: not the host's doing)
+    return verdict(VerdictStatus.FAIL, reason="the solution filled the grading workspace: "
+                   f"it went {result.disk_exceeded}")
   lines = result.stdout.split("\n")
   if lines[0] != "START":
     why = "before the timeout" if result.timed_out else (

@@ -247,6 +247,37 @@ def test_a_snapshot_of_a_workspace_of_many_directories_is_the_policys_doing():
     sb.destroy()
 
 
+@pytest.mark.parametrize("fill", ["bytes", "entries", "at_once"])
+def test_a_command_that_fills_a_workspace_without_a_quota_is_stopped(fill):
+  """Without a quota of its own (a worker not run as root) the workspace is the host's
+  disk: a command wrote until its time ran out, and every other sandbox's grading
+  failed meanwhile (the disk full). Past `disk_bytes` on disk, or `max_inodes` entries,
+  the command is stopped and the workspace emptied; the result says why (the command's
+  doing, not the infrastructure's)."""
+  root = _scratch()
+  sb = Sandbox(os.path.join(root, "ws"), isolation="rlimits", limits=Limits(
+      wall_s=30, cpu_s=30, disk_bytes=1 << 20, max_inodes=100))
+  write = {"bytes": "open(f'f{i}', 'wb').write(b'x' * 65536)",
+           "entries": "os.mkdir(f'd{i}')",
+           "at_once": "open(f'f{i}', 'wb').write(b'x' * (2 << 20)); break"}[fill]
+  try:
+    sb.write_file("keep.txt", "mine")
+    t0 = time.perf_counter()
+    r = asyncio.run(sb.run([sys.executable, "-c", "import os, time\ni = 0\nwhile True:\n"
+                            f"  i += 1\n  {write}\n  time.sleep(0.001)\n"]))
+    took = time.perf_counter() - t0
+    assert r.error is None and not r.timed_out, r
+    assert r.disk_exceeded == ("over 100 files and directories" if fill == "entries"
+                               else "over 1048576 bytes on disk"), r
+    assert "the command was stopped and the workspace's files removed" in r.stderr
+    assert took < 10 and os.listdir(sb.host_path) == []
+    # The next command runs in the emptied workspace as usual.
+    r = asyncio.run(sb.run([sys.executable, "-c", "open('a', 'w').write('1')"]))
+    assert r.ok and r.disk_exceeded is None and os.listdir(sb.host_path) == ["a"]
+  finally:
+    sb.destroy()
+
+
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():
   """Without a quota of its own (a worker not run as root), a sandbox wrote 184 MB into
   a directory of mode 000: the snapshot skipped what it could not read, the workspace's

@@ -36,7 +36,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-6"
+  assert ok.verifier_version == "python-harness-7"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -326,6 +326,11 @@ def test_classification_rules():
   # The harness killed after it started: by the sandbox's OOM killer, the solution's
   # doing; otherwise from outside, infrastructure. A report too deep to read: the solution's.
   assert status("START\n", signal=9, exit_code=None, oom_kills=1) == VerdictStatus.FAIL
+  # Stopped by the disk watch (a workspace without a quota): the solution's doing, also
+  # before the harness said it started (killed, it was re-rolled as infrastructure).
+  for out in ("", "START\n"):
+    assert status(out, signal=9, exit_code=None,
+                  disk_exceeded="over 1 bytes on disk") == VerdictStatus.FAIL
   assert status("START\n" + "[" * 100000 + "]" * 100000 + "\n") == VerdictStatus.FAIL
 
 
@@ -431,3 +436,22 @@ def test_a_full_disk_is_the_files_doing_only_in_a_workspace_with_its_own_quota()
   assert verdict.status == VerdictStatus.FAIL and "No space" in verdict.details["reason"]
   with pytest.raises(OSError):  # (`grade` makes it an infra error, retried)
     asyncio.run(grade_in(False))
+
+
+def test_a_solution_that_fills_a_grading_workspace_without_a_quota_fails():
+  """A grading workspace without a quota of its own (a worker not run as root) is the
+  host's disk: a solution that writes past its bounds is stopped and graded a fail,
+  not killed from outside and re-rolled as the infrastructure's (a free retry)."""
+  pool = SandboxPool(1, limits=Limits(wall_s=20, cpu_s=20, disk_bytes=1 << 20),
+                     isolation="rlimits", allow_unisolated=True)
+  try:
+    fills = ("import os\ni = 0\nwhile True:\n  i += 1\n"
+             "  open(f'f{i}', 'wb').write(b'x' * 65536)\n")
+    t0 = time.perf_counter()
+    verdict = grade(pool, {"solution.py": fills}, timeout_s=20)
+    assert verdict.status == VerdictStatus.FAIL, verdict
+    assert "filled the grading workspace: it went over 1048576 bytes on disk" in \
+        verdict.details["reason"]
+    assert time.perf_counter() - t0 < 10  # stopped, not run to its time limit
+  finally:
+    pool.close()
