@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -156,18 +157,186 @@ def _scandir_opened(path: str, open_up: bool) -> list:
   return list(os.scandir(path))
 
 
-def _open_up(root: str) -> None:
-  """Makes every directory under `root` its owner's to list and empty (a sandbox that is
-  not its own uid can leave directories of mode 000: `rmtree` left them, and what they
-  held, on the host's disk for good). Links are never followed."""
-  stack = [root]
-  while stack:
-    path = stack.pop()
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A workspace deeper than this many directories is past its bounds (a walk holds a
+# descriptor a level).
+MAX_DEPTH = 256
+
+
+def _open_dir(name: str, dir_fd: Optional[int], open_up: bool = True) -> int:
+  """A descriptor of directory `name` (in directory `dir_fd`; a link is never followed),
+  opened to its owner first, when `open_up`, if its mode shuts the owner out (a sandbox
+  that is not its own uid can leave directories of mode 000, 600 or 400 on the host's
+  disk). By descriptors no path is longer than a name: a tree past PATH_MAX is reached
+  whole (by paths, what it held was skipped, and stayed), and a directory swapped for a
+  link meanwhile is not followed out of the workspace (red team 30)."""
+  try:
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+  except PermissionError:
+    if not open_up:
+      raise
+    handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-      _opened(path)
-      stack.extend(e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
+      if not stat.S_ISDIR(os.fstat(handle).st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", name)
+      os.chmod(f"/proc/self/fd/{handle}", 0o700)  # (the inode opened, whatever the name)
+    finally:
+      os.close(handle)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+  if open_up:
+    try:
+      if stat.S_IMODE(os.fstat(fd).st_mode) & 0o700 != 0o700:
+        os.fchmod(fd, 0o700)
+    except OSError:
+      os.close(fd)
+      raise
+  return fd
+
+
+class _TooDeep(Exception):
+  pass
+
+
+def _walk(root: str, open_up: bool = True, max_depth: int = MAX_DEPTH):
+  """Every entry under directory `root`, depth first, by descriptors (`_open_dir`; an
+  entry's `stat` reads it in its directory); what cannot be opened is skipped.
+  `_TooDeep` past `max_depth` levels. One descriptor is held a level."""
+  frames: list = []  # [descriptor, subdirectories still to walk, depth]
+  fd: Optional[int] = _open_dir(root, None, open_up)
+  depth = 1
+  try:
+    while True:
+      if fd is not None:
+        subdirs = []
+        with os.scandir(fd) as entries:
+          for entry in entries:
+            yield entry
+            with contextlib.suppress(OSError):
+              if entry.is_dir(follow_symlinks=False):
+                subdirs.append(entry.name)
+        frames.append([fd, subdirs, depth])
+        fd = None
+      while frames and not frames[-1][1]:
+        os.close(frames.pop()[0])
+      if not frames:
+        return
+      parent, subdirs, level = frames[-1]
+      name = subdirs.pop()
+      if level + 1 > max_depth:
+        raise _TooDeep
+      try:
+        fd, depth = _open_dir(name, parent, open_up), level + 1
+      except OSError:
+        fd = None
+  finally:
+    for frame in frames:
+      os.close(frame[0])
+    if fd is not None:
+      os.close(fd)
+
+
+def _remove_tree(path: str, keep_root: bool = False) -> None:
+  """Removes what is under directory `path`, and `path` unless `keep_root`, by
+  descriptors and without recursion: each subdirectory's entries are moved up into
+  `path` (renamed) until none is left, so any depth is removed holding two descriptors
+  (`shutil.rmtree` raised RecursionError past ~1000 levels, and skipped names past
+  PATH_MAX: what they held stayed on the host's disk, red team 30); directories whose
+  mode shuts their owner out are opened first. Never raises: what cannot be removed is
+  logged."""
+  tag, n, last = uuid.uuid4().hex[:8], 0, None
+  try:
+    root = _open_dir(path, None)
+  except FileNotFoundError:
+    return
+  except OSError as e:
+    log.warning("sandbox: could not remove %s: %s", path, e)
+    return
+  try:
+    while True:
+      with os.scandir(root) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+      if not entries:
+        break
+      moved = False
+      for name, is_dir in entries:
+        try:
+          if is_dir:
+            sub = _open_dir(name, root)
+            try:
+              with os.scandir(sub) as it:
+                inner = [e.name for e in it]
+              for child in inner:
+                n += 1
+                os.rename(child, f".jaxagent-rm-{tag}-{n}", src_dir_fd=sub, dst_dir_fd=root)
+            finally:
+              os.close(sub)
+            os.rmdir(name, dir_fd=root)
+          else:
+            os.unlink(name, dir_fd=root)
+          moved = True
+        except FileNotFoundError:
+          moved = True
+        except OSError as e:
+          last = e
+      if not moved:
+        log.warning("sandbox: could not empty %s: %s", path, last)
+        break
+  except OSError as e:
+    log.warning("sandbox: could not empty %s: %s", path, e)
+  finally:
+    os.close(root)
+  if not keep_root:
+    try:
+      os.rmdir(path)
+    except FileNotFoundError:
+      pass
+    except OSError as e:
+      log.warning("sandbox: could not remove %s: %s", path, e)
+
+
+def _process_tree(pid: int, most: int = 4096) -> list[int]:
+  """`pid` and its descendants (every thread's children), at most `most`."""
+  out, stack = [], [pid]
+  while stack and len(out) < most:
+    p = stack.pop()
+    out.append(p)
+    try:
+      tasks = os.listdir(f"/proc/{p}/task")
     except OSError:
       continue
+    for t in tasks:
+      try:
+        with open(f"/proc/{p}/task/{t}/children") as f:
+          stack += [int(x) for x in f.read().split()]
+      except (OSError, ValueError):
+        continue
+  return out
+
+
+def _unlinked_bytes(pids: Sequence[int], device: int) -> int:
+  """What the files of `device` that processes `pids` hold open, and that no name holds
+  any more, take on it (an unlinked file's blocks are freed only at its last close)."""
+  total, seen = 0, set()
+  for p in pids:
+    try:
+      fds = os.listdir(f"/proc/{p}/fd")
+    except OSError:
+      continue
+    for fd in fds:
+      try:
+        st = os.stat(f"/proc/{p}/fd/{fd}")
+      except OSError:
+        continue
+      if (stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_dev == device
+              and (st.st_dev, st.st_ino) not in seen):
+        seen.add((st.st_dev, st.st_ino))
+        total += st.st_blocks * 512
+  return total
+
+
+# The disk watches' looks (`Sandbox._watch_disk`): threads of their own, so that slow
+# looks (a policy's large tree) never hold up the event loop's other work.
+_WATCH_THREADS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxagent-disk")
 
 
 class WorkspaceTooLarge(ValueError):
@@ -406,6 +575,9 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
   out += ["--proc", "/proc", "--dev", "/dev",
           "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
           "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",
+          # (/dev is a tmpfs of half the host's memory: a command wrote 1 GiB there, red
+          # team 30; its devices work read-only, /dev/shm is a mount of its own)
+          "--remount-ro", "/dev",
           "--bind", workspace, "/workspace", "--remount-ro", "/", "--chdir", "/workspace"]
   for k, v in _scrubbed_env("/workspace").items():
     out += ["--setenv", k, v]
@@ -860,6 +1032,10 @@ class Sandbox:
     are left out, never an error."""
     budget = self.limits.disk_bytes
     max_bytes = self.limits.write_bytes if max_bytes is None else max_bytes
+    if not self._mounted:  # (by descriptors: below a path past PATH_MAX too, red team 30)
+      why = self.over_disk()
+      if why is not None:
+        raise WorkspaceTooLarge(f"the workspace takes {why}")
     out, total, seen, on_disk = {}, 0, 0, 0
     stack = [(self.host_path, 0)]
     while stack:
@@ -915,55 +1091,48 @@ class Sandbox:
     self.history.clear()
 
   def _empty(self) -> None:
-    if not self._mounted:
-      _open_up(self.host_path)
-    for name in os.listdir(self.host_path):
-      path = os.path.join(self.host_path, name)
-      if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-      else:
-        with contextlib.suppress(FileNotFoundError):
-          os.unlink(path)
+    _remove_tree(self.host_path, keep_root=True)
 
-  def over_disk(self) -> Optional[str]:
+  def over_disk(self, pid: Optional[int] = None) -> Optional[str]:
     """Why the workspace is past its quota's bounds on the host's disk (more than
-    `Limits.max_inodes` files and directories, or more than `disk_bytes` taken), or None.
-    The walk stops once past them (a directory of a million entries is not listed whole).
-    For a workspace without a quota of its own, where nothing else bounds it."""
-    budget, seen, on_disk = self.limits.disk_bytes, 0, 0
-    stack = [self.host_path]
-    while stack:
-      root = stack.pop()
-      try:
-        _opened(root)
-        with os.scandir(root) as entries:
-          for entry in entries:
-            seen += 1
-            if seen > self.limits.max_inodes:
-              return f"over {self.limits.max_inodes} files and directories"
-            try:
-              on_disk += entry.stat(follow_symlinks=False).st_blocks * 512
-              if entry.is_dir(follow_symlinks=False):
-                stack.append(entry.path)
-            except OSError:
-              continue
-            if on_disk > budget:
-              return f"over {budget} bytes on disk"
-      except OSError:
-        continue
-    return None
+    `Limits.max_inodes` files and directories, more than `disk_bytes` taken, files that
+    the processes of command `pid` hold open after unlinking them included, or more
+    than `MAX_DEPTH` directories deep), or None. The walk (by descriptors: `_walk`)
+    stops once past them. For a workspace without a quota of its own, where nothing
+    else bounds it."""
+    budget, seen = self.limits.disk_bytes, 0
+    try:
+      on_disk = 0 if pid is None else _unlinked_bytes(_process_tree(pid),
+                                                      os.stat(self.host_path).st_dev)
+      for entry in _walk(self.host_path):
+        seen += 1
+        if seen > self.limits.max_inodes:
+          return f"over {self.limits.max_inodes} files and directories"
+        with contextlib.suppress(OSError):
+          on_disk += entry.stat(follow_symlinks=False).st_blocks * 512
+        if on_disk > budget:
+          return f"over {budget} bytes on disk"
+    except _TooDeep:
+      return f"over {MAX_DEPTH} directories deep"
+    except OSError:
+      pass  # (the workspace itself gone: nothing of it on the disk)
+    return f"over {budget} bytes on disk" if on_disk > budget else None
 
   async def _watch_disk(self, proc, over: list) -> None:
     """Stops a running command whose workspace goes past its bounds on the host's disk
     (`over_disk`; no quota of its own: without the watch a command filled the host's
     disk until its time ran out, and every other sandbox's grading failed meanwhile).
-    Looks every 0.1 s, or ten times as long as a look takes."""
-    pause = 0.1
+    Looks every 0.1 s, or ten times as long as a look takes, at most 1 s apart."""
+    loop, pause = asyncio.get_running_loop(), 0.1
+
+    def look():
+      t = time.perf_counter()
+      return self.over_disk(proc.pid), time.perf_counter() - t
+
     while True:
       await asyncio.sleep(pause)
-      t = time.perf_counter()
-      why = await asyncio.to_thread(self.over_disk)
-      pause = max(0.1, 10 * (time.perf_counter() - t))
+      why, took = await loop.run_in_executor(_WATCH_THREADS, look)
+      pause = min(1.0, max(0.1, 10 * took))
       if why is not None:
         over.append(why)
         await self._terminate(proc)
@@ -971,11 +1140,8 @@ class Sandbox:
 
   def destroy(self) -> None:
     self._kill_uid()
-    mounted = self._mounted
-    self._release()  # unmounts the quota tmpfs first, so rmtree removes only the mountpoint
-    if not mounted:
-      _open_up(self.host_path)
-    shutil.rmtree(self.host_path, ignore_errors=True)
+    self._release()  # unmounts the quota tmpfs first, so only the mountpoint is removed
+    _remove_tree(self.host_path)
 
   def _release(self) -> None:
     if getattr(self, "_logs", None):
@@ -1327,4 +1493,4 @@ class SandboxPool:
   def close(self) -> None:
     for sb in list(self.live):
       self.release(sb)
-    shutil.rmtree(self.root, ignore_errors=True)
+    _remove_tree(self.root)

@@ -189,6 +189,11 @@ def test_the_host_is_out_of_view(sandbox):
     assert not os.path.exists("/tmp/left.txt") and not os.path.exists("/dev/shm/left")
     assert run(sandbox, "import os; print(os.listdir('/tmp'), os.listdir('/dev/shm'))"
                ).stdout == "[] []\n"
+    # /dev holds its devices, no files (bwrap's is a tmpfs of half the host's memory: a
+    # command wrote 1 GiB there, red team 30).
+    r = run(sandbox, "open('/dev/null', 'w').write('x')\ntry:\n  open('/dev/x', 'w')\n"
+                     "except OSError as e:\n  print(e.errno)")
+    assert r.ok and r.stdout.strip() in ("30", "13"), (r.stdout, r.stderr)
   finally:
     listener.close()
     os.unlink(path)
@@ -276,6 +281,38 @@ def test_a_command_that_fills_a_workspace_without_a_quota_is_stopped(fill):
     assert r.ok and r.disk_exceeded is None and os.listdir(sb.host_path) == ["a"]
   finally:
     sb.destroy()
+
+
+@pytest.mark.parametrize("hide", ["deep", "unlinked", "nested"])
+def test_what_a_walk_by_paths_missed_counts_and_goes(hide):
+  """Red team 30: below a path past PATH_MAX (18 directories of 250-character names)
+  the walk by paths saw nothing (192 MiB on a 32 MiB quota, left after `destroy()`);
+  a file held open after its unlink took the host's disk unseen; 1,200 nested
+  directories made `rmtree` raise RecursionError (a grading re-rolled as infra, the
+  workspace left). By descriptors each is counted, stopped and removed."""
+  root = _scratch()
+  sb = Sandbox(os.path.join(root, "ws"), isolation="rlimits", limits=Limits(
+      wall_s=30, cpu_s=30, disk_bytes=4 << 20))
+  code = {
+      "deep": "for i in range(18):\n  os.mkdir('d' * 250); os.chdir('d' * 250)\n"
+              "while True:\n  i += 1; open(f'f{i}', 'wb').write(b'x' * 65536); time.sleep(0.001)\n",
+      "unlinked": "fs = []\nwhile True:\n  i = len(fs); f = open(f'f{i}', 'wb'); os.unlink(f'f{i}')\n"
+                  "  f.write(b'x' * 65536); f.flush(); fs.append(f); time.sleep(0.001)\n",
+      "nested": "for i in range(1200):\n  os.mkdir('d'); os.chdir('d')\nos.chmod('..', 0)\n"
+                "time.sleep(30)\n"}[hide]
+  try:
+    r = asyncio.run(sb.run([sys.executable, "-c", "import os, time\ni = 0\n" + code]))
+    assert r.disk_exceeded == ("over 256 directories deep" if hide == "nested" else
+                               "over 4194304 bytes on disk"), r
+    assert os.listdir(sb.host_path) == [] and sb.over_disk() is None
+    # What a command leaves in a tree no path reaches is removed with the workspace.
+    sb.write_file("a.py", "import os\nfor i in range(200):\n  os.mkdir('d' * 250); "
+                  "os.chdir('d' * 250)\nopen('f', 'w').write('x')\nos.chmod('..', 0)\n")
+    r = asyncio.run(sb.run([sys.executable, "a.py"]))
+    assert r.disk_exceeded is None and r.ok, r
+  finally:
+    sb.destroy()
+  assert not os.path.exists(sb.host_path)
 
 
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():
