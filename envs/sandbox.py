@@ -222,7 +222,7 @@ def _walk(root: str, open_up: bool = True, max_depth: int = MAX_DEPTH):
         return
       parent, subdirs, level = frames[-1]
       name = subdirs.pop()
-      if level + 1 > max_depth:
+      if level > max_depth:  # (entering the directory nested max_depth + 1 deep)
         raise _TooDeep
       try:
         fd, depth = _open_dir(name, parent, open_up), level + 1
@@ -267,7 +267,14 @@ def _remove_tree(path: str, keep_root: bool = False) -> None:
                 inner = [e.name for e in it]
               for child in inner:
                 n += 1
-                os.rename(child, f".jaxagent-rm-{tag}-{n}", src_dir_fd=sub, dst_dir_fd=root)
+                try:
+                  os.rename(child, f".jaxagent-rm-{tag}-{n}", src_dir_fd=sub,
+                            dst_dir_fd=root)
+                except PermissionError:  # a directory moves only if its owner may write
+                  # it (its `..` is rewritten): a reviewer's 0500 one stayed, and its files
+                  os.close(_open_dir(child, sub))
+                  os.rename(child, f".jaxagent-rm-{tag}-{n}", src_dir_fd=sub,
+                            dst_dir_fd=root)
             finally:
               os.close(sub)
             os.rmdir(name, dir_fd=root)
@@ -1093,18 +1100,19 @@ class Sandbox:
   def _empty(self) -> None:
     _remove_tree(self.host_path, keep_root=True)
 
-  def over_disk(self, pid: Optional[int] = None) -> Optional[str]:
+  def over_disk(self, pid: Optional[int] = None, open_up: bool = True) -> Optional[str]:
     """Why the workspace is past its quota's bounds on the host's disk (more than
     `Limits.max_inodes` files and directories, more than `disk_bytes` taken, files that
     the processes of command `pid` hold open after unlinking them included, or more
     than `MAX_DEPTH` directories deep), or None. The walk (by descriptors: `_walk`)
     stops once past them. For a workspace without a quota of its own, where nothing
-    else bounds it."""
+    else bounds it. `open_up`: directories whose mode shuts their owner out are opened
+    (not while a command runs: its files are its own until it ends)."""
     budget, seen = self.limits.disk_bytes, 0
     try:
       on_disk = 0 if pid is None else _unlinked_bytes(_process_tree(pid),
                                                       os.stat(self.host_path).st_dev)
-      for entry in _walk(self.host_path):
+      for entry in _walk(self.host_path, open_up):
         seen += 1
         if seen > self.limits.max_inodes:
           return f"over {self.limits.max_inodes} files and directories"
@@ -1122,12 +1130,15 @@ class Sandbox:
     """Stops a running command whose workspace goes past its bounds on the host's disk
     (`over_disk`; no quota of its own: without the watch a command filled the host's
     disk until its time ran out, and every other sandbox's grading failed meanwhile).
-    Looks every 0.1 s, or ten times as long as a look takes, at most 1 s apart."""
+    A look is due 0.1 s after the last, or ten times as long as it took, at most 1 s
+    (two threads serve every sandbox's looks: under load they queue). A directory shut
+    to its owner is not opened while the command runs: the look after it ends counts
+    what it holds."""
     loop, pause = asyncio.get_running_loop(), 0.1
 
     def look():
       t = time.perf_counter()
-      return self.over_disk(proc.pid), time.perf_counter() - t
+      return self.over_disk(proc.pid, open_up=False), time.perf_counter() - t
 
     while True:
       await asyncio.sleep(pause)

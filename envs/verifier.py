@@ -4,7 +4,9 @@ The agent's final files are copied into a fresh sandbox workspace. The hidden
 cases, `(args, expected)`, are split: only the arguments enter the sandbox (on
 the harness's stdin); the expected values stay on the host. In the sandbox:
 
-- the harness starts as `python3 -I -c HARNESS`: no user site, no `.pth` or
+- the harness starts as `python3 -I -B -c HARNESS` (no bytecode written: `-I` drops
+  PYTHONDONTWRITEBYTECODE, and a data module's `.pyc`, 2.5x its source, put a correct
+  solution past a workspace's bounds without a quota): no user site, no `.pth` or
   `*customize.py` from the workspace, no `PYTHON*` variables, and nothing of the
   workspace on `sys.path` while it imports what it needs;
 - it is the init of the sandbox's PID namespace (so nothing it starts can kill
@@ -61,7 +63,8 @@ from envs.sandbox import ExecResult, Sandbox, SandboxPool
 # reads are errors, the solution is the kernel's first pick when memory runs out; 5: the
 # solution's process lets go of the harness's report before it turns dumpable; dict keys
 # compare exactly; 6: the workspace first on the solution's `sys.path`; 7: a grading
-# workspace without a quota that the solution fills past its bounds is a fail.
+# workspace without a quota that the solution fills past its bounds is a fail; no
+# bytecode is written.
 VERSION = "python-harness-7"
 
 _HARNESS_BODY = r'''
@@ -195,7 +198,7 @@ class HiddenTests:
 
 @functools.cache
 def harness_source() -> str:
-  """The harness run with `python3 -I -c`: the value codec, then the harness itself."""
+  """The harness run with `python3 -I -B -c`: the value codec, then the harness itself."""
   return inspect.getsource(values) + _HARNESS_BODY
 
 
@@ -340,7 +343,7 @@ class PythonTestVerifier:
                      {"reason": f"the files cannot be copied to grade: {e.strerror}"})
     # The report line must fit in what the sandbox keeps of stdout (after "START\n").
     report_line = sb.limits.output_budget - 64
-    result = await sb.run([sb.python, "-I", "-c", harness_source()], timeout=self.timeout_s,
+    result = await sb.run([sb.python, "-I", "-B", "-c", harness_source()], timeout=self.timeout_s,
                           stdin=tests.harness_input(self.max_report_bytes, report_line),
                           pid1=True)
     return classify(result, tests, env_version)

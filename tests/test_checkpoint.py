@@ -291,7 +291,10 @@ def test_a_checkpoint_whose_values_do_not_read_back_as_saved_is_unreadable(tmp_p
   ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3)
   restored, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state())
   assert meta == {"step": 1} and [s for s, _ in skipped] == [2], skipped
-  assert "their fingerprint differs" in skipped[0][1], skipped
+  # (flipped bits that land in a compressed chunk's frame fail its decoding instead: the
+  # file's layout varies from run to run; either way the step is unreadable)
+  assert ("their fingerprint differs" in skipped[0][1]
+          or "Error reading" in skipped[0][1]), skipped
   assert int(restored.step) == 0
   ckpt.close()
 

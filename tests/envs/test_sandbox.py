@@ -315,6 +315,40 @@ def test_what_a_walk_by_paths_missed_counts_and_goes(hide):
   assert not os.path.exists(sb.host_path)
 
 
+def test_directories_shut_to_their_owner_are_removed_and_left_alone_while_a_command_runs():
+  """As a user whom modes bind (a worker not run as root): a directory of mode 0500 two
+  levels down could not be moved up (its `..` is rewritten), and the workspace's removal
+  left it and its files on the disk (a reviewer: 13 MB after the pool closed); the watch
+  opened a running command's 0555 directory to 0700 (its files are its own until it
+  ends). The look at the end counts what such directories hold."""
+  if os.geteuid() != 0 or not shutil.which("setpriv"):
+    pytest.skip("needs root to act as another user")
+  root = _scratch()
+  os.chown(root, 65534, 65534)
+  readonly = ("import os, time\nos.makedirs('z/y')\nos.chmod('z', 0o555)\ntime.sleep(0.5)\n"
+              "print(oct(os.stat('z').st_mode & 0o777))\n")
+  fills = ("import os\nos.chmod('z', 0o755)\nopen('z/y/big', 'wb').write(b'x' * (3 << 20))\n"
+           "os.chmod('z/y', 0o500); os.chmod('z', 0o500)\n"
+           "open('top', 'wb').write(b'x' * (2 << 20))\n")
+  code = f"""import asyncio, os, sys
+sys.path.insert(0, sys.argv[2])
+from envs.sandbox import Limits, Sandbox
+sb = Sandbox(os.path.join(sys.argv[1], 'ws'), isolation='rlimits',
+             limits=Limits(wall_s=30, cpu_s=30, disk_bytes=4 << 20))
+r = asyncio.run(sb.run([sb.python, '-c', {readonly!r}]))
+print(r.stdout.strip(), r.disk_exceeded, r.stderr[-300:].replace(chr(10), ' '))
+r = asyncio.run(sb.run([sb.python, '-c', {fills!r}]))
+print(r.disk_exceeded, os.listdir(sb.host_path))
+sb.destroy()
+print(os.path.exists(sb.host_path))
+"""
+  out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", code, root, REPO],
+                       capture_output=True, text=True, timeout=120)
+  assert out.stdout.split("\n")[:3] == [
+      "0o555 None ", "over 4194304 bytes on disk []", "False"], (out.stdout, out.stderr)
+
+
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():
   """Without a quota of its own (a worker not run as root), a sandbox wrote 184 MB into
   a directory of mode 000: the snapshot skipped what it could not read, the workspace's

@@ -240,7 +240,7 @@ def _harness_pids(uids):
       continue
     nspid = [l.split()[1:] for l in status.splitlines() if l.startswith("NSpid:")]
     uid = [int(l.split()[1]) for l in status.splitlines() if l.startswith("Uid:")]
-    if nspid and nspid[0][-1] == "1" and uid and uid[0] in uids and b"-I\0-c" in cmd:
+    if nspid and nspid[0][-1] == "1" and uid and uid[0] in uids and b"-I\0-B\0-c" in cmd:
       pids.append(int(entry))
   return pids
 
@@ -453,5 +453,12 @@ def test_a_solution_that_fills_a_grading_workspace_without_a_quota_fails():
     assert "filled the grading workspace: it went over 1048576 bytes on disk" in \
         verdict.details["reason"]
     assert time.perf_counter() - t0 < 10  # stopped, not run to its time limit
+    # A correct solution with a data module: graded without bytecode (its `.pyc`, 2.5x
+    # the source, put it past the workspace's bounds: a fail, a reviewer's finding).
+    data = "TABLE = [" + ",".join(str(i % 10) for i in range(200_000)) + "]\n"
+    assert len(data) < 500_000  # (its bytecode: 1 MB)
+    verdict = grade(pool, {"solution.py": "from table import TABLE\n" + GOOD,
+                           "table.py": data}, timeout_s=20)
+    assert verdict.status == VerdictStatus.PASS, verdict
   finally:
     pool.close()
