@@ -1039,11 +1039,14 @@ class Sandbox:
     are left out, never an error."""
     budget = self.limits.disk_bytes
     max_bytes = self.limits.write_bytes if max_bytes is None else max_bytes
-    if not self._mounted:  # (by descriptors: below a path past PATH_MAX too, red team 30)
+    if not self._mounted:  # (what it takes on the host's disk, files too large to copy
+      # or the host cannot read included, red team 28's reviewer: 184 MB in a directory
+      # of mode 000 passed unseen, and stayed; walked by descriptors, below a path past
+      # PATH_MAX too, red team 30)
       why = self.over_disk()
       if why is not None:
         raise WorkspaceTooLarge(f"the workspace takes {why}")
-    out, total, seen, on_disk = {}, 0, 0, 0
+    out, total, seen = {}, 0, 0
     stack = [(self.host_path, 0)]
     while stack:
       root, depth = stack.pop()
@@ -1063,12 +1066,6 @@ class Sandbox:
       for entry in entries:
         rel = os.path.relpath(entry.path, self.host_path)
         try:
-          if not self._mounted:  # (no quota of its own: what it takes on the host's disk,
-            # files too large to copy or the host cannot read included; red team 28's
-            # reviewer: 184 MB in a directory of mode 000 passed unseen, and stayed)
-            on_disk += entry.stat(follow_symlinks=False).st_blocks * 512
-            if on_disk > budget:
-              raise WorkspaceTooLarge(f"the workspace takes over {budget} bytes on disk")
           if entry.is_symlink() or len(rel) > MAX_PATH_CHARS:
             continue
           if entry.is_dir(follow_symlinks=False):
