@@ -459,43 +459,51 @@ def load_modules(entries: Sequence[str]) -> list[str]:
   is imported once however often it is named. Returns the names of the environments they
   registered. An entry that cannot be imported (no such module or file, or its code
   raises, a name taken included) raises ValueError naming the entry and where it failed."""
+  _load_builtins()  # first, so that a module taking a built-in's name is the one refused
+  before = set(ENVS)
+  for entry in entries:
+    import_entry(entry)
+  return sorted(set(ENVS) - before)
+
+
+def import_entry(entry: str) -> Any:
+  """The module `entry` names: a module name found on `sys.path`, or a Python file
+  (relative to the working directory), imported once however often it is named.
+  ValueError naming the entry and where it failed (no such module or file, or its code
+  raises)."""
   import importlib
   import importlib.util
   import os
   import sys
 
-  _load_builtins()  # first, so that a module taking a built-in's name is the one refused
-  before = set(ENVS)
-  for entry in entries:
-    if not isinstance(entry, str) or not entry.strip():
-      raise ValueError(f"an import must be a module name or a .py file, got {entry!r}")
-    path = os.path.realpath(entry) if entry.endswith(".py") or os.sep in entry else None
-    if path is not None and not os.path.isfile(path):
-      raise ValueError(f"{entry!r}: no such file")
-    if path in _FILE_MODULES:
-      continue
+  if not isinstance(entry, str) or not entry.strip():
+    raise ValueError(f"an import must be a module name or a .py file, got {entry!r}")
+  path = os.path.realpath(entry) if entry.endswith(".py") or os.sep in entry else None
+  if path is not None and not os.path.isfile(path):
+    raise ValueError(f"{entry!r}: no such file")
+  if path in _FILE_MODULES:
+    return _FILE_MODULES[path]
+  try:
+    if path is None:
+      return importlib.import_module(entry)
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    name = f"jaxagent_envs_{stem}_{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses and pickling look their module up)
     try:
-      if path is None:
-        importlib.import_module(entry)
-        continue
-      stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
-      name = f"jaxagent_envs_{stem}_{hashlib.sha256(path.encode()).hexdigest()[:8]}"
-      spec = importlib.util.spec_from_file_location(name, path)
-      module = importlib.util.module_from_spec(spec)
-      sys.modules[name] = module  # (dataclasses and pickling look their module up)
-      try:
-        spec.loader.exec_module(module)
-      except BaseException:
-        del sys.modules[name]
-        raise
-      _FILE_MODULES[path] = module
-    except Exception as e:
-      missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
-      if missing and (entry == missing or entry.startswith(missing + ".")):
-        raise ValueError(f"{entry!r}: no module named {missing!r} on the path (name a "
-                         "module, or a .py file)") from None
-      raise ValueError(f"{entry!r}: {failure(e)}") from None
-  return sorted(set(ENVS) - before)
+      spec.loader.exec_module(module)
+    except BaseException:
+      del sys.modules[name]
+      raise
+    _FILE_MODULES[path] = module
+    return module
+  except Exception as e:
+    missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    if missing and (entry == missing or entry.startswith(missing + ".")):
+      raise ValueError(f"{entry!r}: no module named {missing!r} on the path (name a "
+                       "module, or a .py file)") from None
+    raise ValueError(f"{entry!r}: {failure(e)}") from None
 
 
 def add_import_flag(parser) -> None:

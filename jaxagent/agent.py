@@ -24,14 +24,16 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
 import time
 import uuid
 import zlib
-from typing import Any, Awaitable, Optional
+from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import quote
 
-from envs.base import BAD_TASK, BadReward, CannotStart, failure, trained_rewards
+from envs.base import (BAD_TASK, BadReward, CannotStart, failure, import_entry,
+                        trained_rewards)
 from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError, TaskError
@@ -865,6 +867,38 @@ BLACKBOX_AGENTS = {"openai": run_openai_agent, "anthropic": run_anthropic_agent,
 BLACKBOX_CLIENTS = {"openai": "openai", "anthropic": "anthropic", "responses": "openai"}
 
 
+def is_blackbox(kind: str) -> bool:
+  """Whether `agent.kind` names a black-box harness: a built-in one, or one of your own
+  (`module:function`)."""
+  return kind in BLACKBOX_AGENTS or ":" in kind
+
+
+def blackbox_agent(kind: str) -> Callable[..., Awaitable[list[float]]]:
+  """The black-box harness `agent.kind` names: a built-in one (`BLACKBOX_AGENTS`), or
+  one of your own as `module:function` (a module name on the path, or a .py file), an
+  async function called as the built-in ones
+  are (`run_openai_agent`'s signature: the environment, the task, the gateway's URL,
+  then `session_id` and the run's sampling and budgets as keywords) that plays the
+  episode against the gateway with `X-Session-Id: session_id` and returns the per-step
+  rewards (each `env.step` reward, in order; the trajectory is read back from the
+  server's record of the session). ValueError naming what is wrong."""
+  if kind in BLACKBOX_AGENTS:
+    return BLACKBOX_AGENTS[kind]
+  module, _, name = kind.rpartition(":")
+  if not module or not name:
+    raise ValueError(f"agent.kind: {kind!r} is neither whitebox, one of "
+                     f"{', '.join(BLACKBOX_AGENTS)}, nor module:function")
+  try:
+    found = import_entry(module)
+  except ValueError as e:
+    raise ValueError(f"agent.kind {kind}: {e}") from None
+  harness = getattr(found, name, None)
+  if not inspect.iscoroutinefunction(harness):
+    raise ValueError(f"agent.kind {kind}: {module} has no async function {name!r} "
+                     f"(found {type(harness).__name__})")
+  return harness
+
+
 def _action_text(response: Optional[dict]) -> Optional[str]:
   """The text an agent hands the environment for a gateway reply: its content, then its
   tool calls in the chat template's format (what the built-in agents send)."""
@@ -941,8 +975,12 @@ def _gateway_errors(api: str) -> tuple[type[Exception], ...]:
   could not finish: an error status, or an error event in a stream)."""
   import httpx
 
-  client = importlib.import_module(BLACKBOX_CLIENTS.get(api, "openai"))
-  return client.APIError, httpx.HTTPError
+  errors: list = [httpx.HTTPError]
+  for library in ([BLACKBOX_CLIENTS[api]] if api in BLACKBOX_CLIENTS else
+                  ["openai", "anthropic"]):  # (a harness of your own: either client's)
+    with contextlib.suppress(ImportError):
+      errors.append(importlib.import_module(library).APIError)
+  return tuple(errors)
 
 
 def _session_url(gateway_url: str, session_id: str) -> str:
@@ -1155,7 +1193,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   try:
     await _clear_session(gateway_url, wire_id)
-    harness = asyncio.ensure_future(BLACKBOX_AGENTS[api](
+    harness = asyncio.ensure_future(blackbox_agent(api)(
         acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
         max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from jaxagent import config as config_lib, distributed
 from jaxagent.agent import (BLACKBOX_AGENTS, BLACKBOX_CLIENTS, FIRST_PROMPT_TOO_LONG, Episode,
-                            run_blackbox, run_whitebox)
+                            blackbox_agent, is_blackbox, run_blackbox, run_whitebox)
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
                                  drop_version, drop_versions_after, export_policy,
@@ -139,7 +139,7 @@ class Serving:
     self.client = LocalClient(self.orch, engine, models=self.models)
     self.gateway_url = None
     # The gateway serves black-box agents, and the judge of in-process environments.
-    if s.gateway or cfg.agent.kind in BLACKBOX_AGENTS or (cfg.env.judge and not cfg.env.judge_url):
+    if s.gateway or is_blackbox(cfg.agent.kind) or (cfg.env.judge and not cfg.env.judge_url):
       app = create_app(self.orch, tokenizer,
                        load_params=lambda path, v: engine.load_params(path=path, version=v),
                        models=self.models)
@@ -632,9 +632,15 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     if not cfg.eval.k or min(cfg.eval.k) < 1 or max(cfg.eval.k) > samples:
       raise config_lib.ConfigError(f"eval.k: each k must be in 1..{samples} (eval.samples; "
                                    "1 when eval.greedy)")
-  if cfg.agent.kind != "whitebox" and cfg.agent.kind not in BLACKBOX_AGENTS:
+  if cfg.agent.kind != "whitebox" and not is_blackbox(cfg.agent.kind):
     raise config_lib.ConfigError(f"agent.kind: unknown {cfg.agent.kind!r}; known: whitebox, "
-                                 f"{', '.join(BLACKBOX_AGENTS)}")
+                                 f"{', '.join(BLACKBOX_AGENTS)}, or module:function (a "
+                                 "harness of your own)")
+  if is_blackbox(cfg.agent.kind) and cfg.agent.kind not in BLACKBOX_AGENTS:
+    try:
+      blackbox_agent(cfg.agent.kind)
+    except ValueError as e:
+      raise config_lib.ConfigError(str(e)) from None
   if cfg.agent.kind in BLACKBOX_AGENTS:
     import importlib.util
     library = BLACKBOX_CLIENTS[cfg.agent.kind]
@@ -1189,7 +1195,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   async def play(task_dict, session_id, group_id) -> Episode:
     task = task_dict if isinstance(task_dict, TaskSpec) else TaskSpec.from_dict(task_dict)
     env = env_factory(task)
-    if cfg.agent.kind in BLACKBOX_AGENTS:
+    if is_blackbox(cfg.agent.kind):
       return await run_blackbox(env, task, serving.gateway_url, cfg.agent,
                                 session_id=session_id, group_id=group_id,
                                 tokenizer=tokenizer, api=cfg.agent.kind)

@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import os
 
 import pytest
 
@@ -686,7 +687,8 @@ def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(rando
     assert sum(s.num_action_tokens for s in ep.segments) > 0
 
 
-@pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses",
+                                 "examples/own_agent.py:run_agent"])
 def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monkeypatch):
   """The built-in agents pass the run's temperature, top_p and top_k, and the record
   says so; a harness that samples its own way (greedy: log-prob 0 for every token, a
@@ -703,7 +705,7 @@ def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monk
                                   session_id="bb-ok", group_id="g", api=api))
     assert not ep.infra_error and ep.segments, ep.reason
     assert ep.segments[0].meta_versions["sampling"]["top_k"] == 50
-    own_way = agent_mod.BLACKBOX_AGENTS[api]
+    own_way = agent_mod.blackbox_agent(api)  # (a harness of your own too: the example)
 
     async def greedy(*args, **kw):
       return await own_way(*args, **{**kw, "temperature": 0.0})
@@ -1077,3 +1079,25 @@ def test_a_long_turn_cut_by_many_weight_updates_is_resumed_whole():
   record = asyncio.run(_generate(EveryToken(idle=IDLE_RESUMES - 1), [1, 2], sampling, "s",
                                  60.0))
   assert len(record.output_ids) == 12
+
+
+def test_a_harness_of_your_own_is_named_by_module_and_function():
+  """`agent.kind: module:function` (a module on the path or a .py file) plays episodes
+  with a harness of a user's own; a kind that names none is a config error naming why."""
+  from jaxagent import config as config_lib
+  from jaxagent.agent import blackbox_agent, is_blackbox
+  from tests.conftest import REPO
+  from jaxagent.train import check_config
+
+  harness = blackbox_agent("examples/own_agent.py:run_agent")
+  assert harness.__name__ == "run_agent" and is_blackbox("examples/own_agent.py:run_agent")
+  assert blackbox_agent("jaxagent.agent:run_openai_agent") is not None
+  base = config_lib.load(config_lib.RunConfig, os.path.join(REPO, "configs/tiny.yaml"), [])
+  for kind, why in [("nope.nothing:run", "no module named 'nope'"),
+                    ("examples/none.py:run", "no such file"),
+                    ("examples/own_agent.py:missing", "has no async function 'missing'"),
+                    ("jaxagent.agent:is_blackbox", "has no async function 'is_blackbox'"),
+                    (":run", "neither whitebox"), ("opnai", "agent.kind: unknown 'opnai'")]:
+    cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, kind=kind))
+    with pytest.raises(config_lib.ConfigError, match=why.replace("(", r"\(")):
+      check_config(cfg)
