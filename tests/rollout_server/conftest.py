@@ -95,3 +95,28 @@ def running_server(params, tokenizer, *, version=0, prefix_cache=True, engine=No
   finally:
     server.stop()
     orch.stop()
+
+
+@pytest.fixture(scope="module")
+def server(memorised_params, tokenizer):
+  """A real server of the memorised model (policy version 3), one a test module."""
+  with running_server(memorised_params, tokenizer, version=3) as (srv, orch):
+    yield srv, orch
+
+
+def finished_turn(tokenizer, output: str, finish: str = "stop", budget: int = 256, *,
+                  kind: str = "chat", id_prefix: str = "call"):
+  """A chat turn whose request has ended with `output` (and the stop token, when it
+  stopped), as a gateway answers it; no engine."""
+  from rollout_server.chat import ChatTurn
+  from rollout_server.engine import SamplingParams
+  from rollout_server.orchestrator import Request
+  from rollout_server.sessions import SessionStore
+
+  req = Request(tokenizer.encode("x"), SamplingParams(max_new_tokens=budget), "r1",
+                output_ids=tokenizer.encode(output) + (
+                    list(tokenizer.stop_ids[:1]) if finish == "stop" else []),
+                finish_reason=finish)
+  req._done.set()
+  return ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=SessionStore(1),
+                  session_id=None, kind=kind, id_prefix=id_prefix)

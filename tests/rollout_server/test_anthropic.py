@@ -23,14 +23,10 @@ from jaxagent.agent import anthropic_messages, collect_session, run_blackbox
 from jaxagent.config import AgentConfig
 from jaxagent.trajectory import CLEAN, read_jsonl
 from rollout_server.anthropic_api import MessagesBody, chat_messages, message_body, stream_events
-from rollout_server.chat import ChatTurn
-from rollout_server.engine import SamplingParams
-from rollout_server.orchestrator import Request
 from rollout_server.router import create_router
 from rollout_server.serving import ServerThread
-from rollout_server.sessions import SessionStore
 from tests.conftest import REPO
-from tests.rollout_server.conftest import MEMORISED, TOOLS, running_server
+from tests.rollout_server.conftest import MEMORISED, TOOLS, finished_turn
 
 # Recent clients send sampling settings only as extra body fields.
 GREEDY = {"temperature": 0}
@@ -148,12 +144,7 @@ def accumulate(events: list[str]) -> list[dict]:
     "A" + MEMORISED[0][2] + " and B", "<tool_call>{broken</tool_call>"])
 def test_a_stream_builds_the_blocks_of_the_answer(output, tokenizer):
   """Whatever the model wrote, the blocks a stream's events build are the answer's."""
-  req = Request(tokenizer.encode("x"), SamplingParams(), "r1",
-                output_ids=tokenizer.encode(output) + list(tokenizer.stop_ids[:1]),
-                finish_reason="stop")
-  req._done.set()
-  turn = ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=SessionStore(1),
-                  session_id=None, kind="messages", id_prefix="toolu")
+  turn = finished_turn(tokenizer, output, kind="messages", id_prefix="toolu")
 
   async def events():
     return [e async for e in stream_events(turn, "m")]
@@ -171,20 +162,11 @@ def test_a_turn_cut_by_the_context_says_so_not_max_tokens(tokenizer):
   from rollout_server.anthropic_api import stop_reason
 
   def turn(n_out, budget):
-    req = Request(tokenizer.encode("x"), SamplingParams(max_new_tokens=budget), "r1",
-                  output_ids=tokenizer.encode("a" * n_out)[:n_out], finish_reason="length")
-    req._done.set()
-    return ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=SessionStore(1),
-                    session_id=None, kind="messages", id_prefix="toolu")
+    return finished_turn(tokenizer, "a" * n_out, "length", budget, kind="messages",
+                         id_prefix="toolu")
 
   assert stop_reason(turn(4, 4)) == "max_tokens"
   assert stop_reason(turn(4, 700)) == "model_context_window_exceeded"
-
-
-@pytest.fixture(scope="module")
-def server(memorised_params, tokenizer):
-  with running_server(memorised_params, tokenizer, version=3) as (srv, orch):
-    yield srv, orch
 
 
 def claude(url: str, session_id=None) -> anthropic.Anthropic:

@@ -17,15 +17,11 @@ from envs.calculator import EXAMPLES, SYSTEM
 from jaxagent.agent import collect_session, response_items
 from jaxagent.tokenizer import clean_unicode
 from jaxagent.trajectory import CLEAN
-from rollout_server.chat import ChatTurn
-from rollout_server.engine import SamplingParams
-from rollout_server.orchestrator import Request
 from rollout_server.responses_api import (ResponsesBody, ResponseStore, chat_messages, echo,
                                           response_body, stream_events)
 from rollout_server.router import create_router
 from rollout_server.serving import ServerThread
-from rollout_server.sessions import SessionStore
-from tests.rollout_server.conftest import MEMORISED, TOOLS, running_server
+from tests.rollout_server.conftest import MEMORISED, TOOLS, finished_turn
 
 GREEDY = {"temperature": 0}
 # The conftest's tool as a Responses function tool: it renders to the same prompt.
@@ -153,16 +149,6 @@ def test_kept_responses_are_steps_of_their_chain():
     store.conversation("s2")
 
 
-def finished_turn(tokenizer, output: str, finish="stop", budget=256) -> ChatTurn:
-  req = Request(tokenizer.encode("x"), SamplingParams(max_new_tokens=budget), "r1",
-                output_ids=tokenizer.encode(output) + (
-                    list(tokenizer.stop_ids[:1]) if finish == "stop" else []),
-                finish_reason=finish)
-  req._done.set()
-  return ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=SessionStore(1),
-                  session_id=None, kind="responses", id_prefix="call")
-
-
 def accumulate(events: list[str]) -> tuple[list[dict], dict]:
   """The output items a client builds from a stream's events, and the final response."""
   items, final, seq = [], None, []
@@ -199,7 +185,7 @@ def accumulate(events: list[str]) -> tuple[list[dict], dict]:
     "A" + MEMORISED[0][2] + " and B", "<tool_call>{broken</tool_call>"])
 def test_a_stream_builds_the_items_of_the_answer(output, tokenizer):
   """Whatever the model wrote, the items a stream's events build are the answer's."""
-  turn = finished_turn(tokenizer, output)
+  turn = finished_turn(tokenizer, output, kind="responses")
   settings = echo(body(input="x"), "m")
 
   async def events():
@@ -217,12 +203,6 @@ def test_a_cut_turn_says_which_budget_ran_out(tokenizer):
   assert full["incomplete_details"] == {"reason": "max_output_tokens"}
   context = response_body(finished_turn(tokenizer, "aaaa", "length", budget=700), {}, 0)
   assert context["incomplete_details"] == {"reason": "context_window_exceeded"}
-
-
-@pytest.fixture(scope="module")
-def server(memorised_params, tokenizer):
-  with running_server(memorised_params, tokenizer, version=3) as (srv, orch):
-    yield srv, orch
 
 
 def client(url: str, session_id=None) -> openai.OpenAI:

@@ -15,12 +15,6 @@ from rollout_server.sessions import SESSION_HEADER
 from tests.rollout_server.conftest import MEMORISED, TOOLS, make_engine, running_server
 
 
-@pytest.fixture(scope="module")
-def server(memorised_params, tokenizer):
-  with running_server(memorised_params, tokenizer, version=3) as (srv, orch):
-    yield srv, orch
-
-
 def client(srv):
   return httpx.Client(base_url=srv.url, timeout=120)
 
