@@ -23,8 +23,9 @@ fields. `temperature`, `top_p`, `top_k` and `seed` sample as on the chat route (
 two are not OpenAI's: send them as extra body fields).
 
 Responses are kept (unless `store: false`) for `previous_response_id`, in memory, the
-newest first within `ResponseStore`'s bound; through a router, send the session header
-so that a chain's calls reach the server that keeps it.
+newest first within `ResponseStore`'s bound. A router keeps its own record of those it
+relayed (`RelayedResponses`): a chain's calls reach the server that keeps it, or, that
+server down, another with the chain's items as their input.
 """
 
 from __future__ import annotations
@@ -315,8 +316,8 @@ class ResponseStore:
             f"previous_response_id: {response_id!r} is not kept on this server" + (
                 "" if at == response_id else f" (the response {at!r} it continued has gone)")
             + ": responses are kept in memory by the server that made them, the newest "
-              "within its bound, unless made with store: false (through a router, send the "
-              "session header so a chain's calls reach one server); send the whole input")
+              "within its bound, unless made with store: false (a router sends a chain's "
+              "calls to the server that keeps it); send the whole input")
       steps.append(at)
       at = self._kept[at][0]
     for at in reversed(steps):  # (the newest most recently used: evicted last)
@@ -331,6 +332,100 @@ class ResponseStore:
     self.bytes += nbytes
     while self.bytes > self.max_bytes and len(self._kept) > 1:
       self.bytes -= self._kept.popitem(last=False)[1][2]
+
+
+class RelayedResponses:
+  """A router's record of the responses it relayed (`store` not false): the backend that
+  made and keeps each, the response it continued, and what it added to its conversation
+  in the API's own items (its input's, then its output's). A call continuing a response
+  goes to that backend; when it is down, the call goes to another with the chain's items
+  as its input (the response is not kept there). The least recently used go first past
+  `max_bytes`, as a server's `ResponseStore`."""
+
+  def __init__(self, max_bytes: int = 64 << 20):
+    self.max_bytes = max_bytes
+    self.bytes = 0
+    self._kept: collections.OrderedDict = collections.OrderedDict()
+
+  def __len__(self) -> int:
+    return len(self._kept)
+
+  def home(self, response_id: str) -> Optional[str]:
+    """The backend that made the response, or None when this router did not relay it."""
+    kept = self._kept.get(response_id)
+    return None if kept is None else kept[0]
+
+  def learn(self, backend: str, request: Any, response: Any) -> None:
+    """Keeps a relayed response (`request` and `response`: their JSON bodies); nothing
+    when it was not kept there, or either is not what a served response is."""
+    if not (isinstance(request, dict) and isinstance(response, dict)
+            and request.get("store") is not False and isinstance(response.get("id"), str)
+            and isinstance(response.get("output"), list)):
+      return
+    given = request.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    parent = request.get("previous_response_id")
+    if not isinstance(items, list) or not (parent is None or isinstance(parent, str)):
+      return
+    added = list(items)
+    for item in response["output"]:  # (as input items: their ids, status, log-probs left)
+      if not isinstance(item, dict):
+        return
+      if item.get("type") == "message":
+        added.append({"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": p.get("text", "")}
+            for p in item.get("content") or [] if isinstance(p, dict)]})
+      elif item.get("type") == "function_call":
+        added.append({k: item.get(k) for k in ("type", "call_id", "name", "arguments")})
+    nbytes = len(json.dumps(added, default=str)) + 200
+    if response["id"] in self._kept:
+      self.bytes -= self._kept.pop(response["id"])[3]
+    self._kept[response["id"]] = (backend, parent, added, nbytes)
+    self.bytes += nbytes
+    while self.bytes > self.max_bytes and len(self._kept) > 1:
+      self.bytes -= self._kept.popitem(last=False)[1][3]
+
+  def whole(self, request: dict) -> Optional[dict]:
+    """The request continuing a response, made whole for a backend that does not keep it:
+    the chain's items, then its own, as the input (no `previous_response_id`); None when
+    a response of the chain is not here (evicted, or relayed by another router)."""
+    steps, at = [], request.get("previous_response_id")
+    while at is not None:
+      if at not in self._kept:
+        return None
+      steps.append(at)
+      at = self._kept[at][1]
+    for at in reversed(steps):
+      self._kept.move_to_end(at)
+    given = request.get("input")
+    own = [{"role": "user", "content": given}] if isinstance(given, str) else list(given or [])
+    items = [item for at in reversed(steps) for item in self._kept[at][2]]
+    return {**{k: v for k, v in request.items() if k != "previous_response_id"},
+            "input": items + own}
+
+
+class StreamEnd:
+  """Reads a relayed stream of Responses events for its last one's response (`response`:
+  that of `response.completed` or `response.incomplete`, else None), holding only the
+  event in progress."""
+
+  _LAST = (b"event: response.completed", b"event: response.incomplete")
+
+  def __init__(self):
+    self.response: Optional[dict] = None
+    self._pending = b""
+
+  def feed(self, chunk: bytes) -> None:
+    self._pending += chunk
+    *events, self._pending = self._pending.replace(b"\r\n", b"\n").split(b"\n\n")
+    for e in events:
+      if e.startswith(self._LAST):
+        data = b"".join(line[len(b"data:"):] for line in e.split(b"\n")
+                        if line.startswith(b"data:"))
+        try:
+          self.response = json.loads(data).get("response")
+        except (ValueError, AttributeError, RecursionError):
+          self.response = None
 
 
 # -- answers --------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ it takes traffic. `POST /update_weights` goes to every healthy backend and repor
 each one's result. The router keeps a copy of every session's recorded turns, so
 `GET /sessions/{id}` still answers after the backend that ran them died. A stream
 cut by a dying backend ends with an error event (Anthropic's shape on `/v1/messages`).
+A Responses call continuing a response the router relayed goes to the backend that
+keeps it, or, that one down, to another with the chain's items as its input.
 
 `python -m rollout_server.router --backends http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8000`
 """
@@ -37,7 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone
-from rollout_server import anthropic_api
+from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import openai_error
 from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
 
@@ -103,7 +105,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   healthy = {b: True for b in ring.backends}
   counts = {b: 0 for b in ring.backends}
   failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0, "handovers": 0,
-               "handovers_failed": 0}
+               "handovers_failed": 0, "responses_made_whole": 0}
   policy: dict = {"body": None, "version": None}  # the last update the backends took
   updating = asyncio.Lock()
   sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
@@ -122,6 +124,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   # session while one of them is out of rotation cannot be whole (a reviewer).
   owed: collections.OrderedDict[str, set] = collections.OrderedDict()
 
+  # Responses relayed (`/v1/responses`): which backend keeps each, and its items, so that
+  # a call continuing one reaches it, or another with the chain's items when it is down.
+  relayed = responses_api.RelayedResponses()
   # session id -> the copies after its streams, running (a read of it waits for them)
   copying: dict[str, set] = {}
   # session id -> the backend that ran its last turn in this router's copy
@@ -413,14 +418,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
   app.add_middleware(BodyLimit, limit=max_body_bytes)  # (before any is read whole)
 
-  def session_from(request: Request, body: bytes) -> Optional[str]:
-    """The request's session (`sessions.session_of`: its header, or its body's)."""
+  def parsed(body: bytes) -> dict:
+    """The request's JSON object; {} when it is none (its backend says what is wrong)."""
     try:
       data = json.loads(body) if body else {}
     except (ValueError, RecursionError):
       data = {}
-    named = data.get("session_id") if isinstance(data, dict) else None
-    return session_of(request.headers.get(SESSION_HEADER), named)
+    return data if isinstance(data, dict) else {}
+
+  def session_from(request: Request, data: dict) -> Optional[str]:
+    """The request's session (`sessions.session_of`: its header, or its body's)."""
+    return session_of(request.headers.get(SESSION_HEADER), data.get("session_id"))
 
   @app.get("/router/health")
   async def router_health():
@@ -429,6 +437,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
             "streams_cut": failovers["streams_cut"],
             "policy_pushes": failovers["policy_pushes"], "handovers": failovers["handovers"],
             "handovers_failed": failovers["handovers_failed"],
+            "responses_relayed": len(relayed),
+            "responses_made_whole": failovers["responses_made_whole"],
             "policy_version": policy["version"],
             "sessions": len(sessions), "session_bytes": sessions.bytes}
 
@@ -599,11 +609,21 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
     body = await request.body()
+    data = parsed(body)
     try:
-      session_id = session_from(request, body)
+      session_id = session_from(request, data)
     except ValueError as e:
       return refusal(path, 400, str(e))
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
+    # A call continuing a response this router relayed: to the backend that keeps it
+    # first (without a session header, to any backend the chain's calls went one to a
+    # server that did not keep it: 404), to another with the chain's items when it is
+    # down (its kept responses died with it).
+    continued = (data.get("previous_response_id")
+                 if path == "v1/responses" and request.method == "POST" else None)
+    home = relayed.home(continued) if isinstance(continued, str) else None
+    if home is not None and session_id is None:
+      order = [home] + [b for b in order if b != home]
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     turn = path in ("generate", "v1/chat/completions", "v1/messages", "v1/responses")
@@ -626,7 +646,13 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
                  else httpx.USE_CLIENT_DEFAULT)
-      req = client().build_request(request.method, f"{backend}/{path}", content=body,
+      content = body
+      if home not in (None, backend):
+        whole = relayed.whole(data)
+        if whole is not None:  # (else its backend says the response is not kept there)
+          content = json.dumps(whole).encode()
+          failovers["responses_made_whole"] += 1
+      req = client().build_request(request.method, f"{backend}/{path}", content=content,
                                    headers=headers, params=request.query_params,
                                    timeout=timeout)
       sending = asyncio.ensure_future(client().send(req, stream=True))
@@ -656,13 +682,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       counts[backend] += 1
       out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
       out_headers["x-routed-to"] = backend
+      # (a response made here is learnt: the request as the client sent it)
+      learns = path == "v1/responses" and request.method == "POST" and resp.status_code == 200
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamingResponse(relay(resp, backend, session_id if records else None, path),
-                                 status_code=resp.status_code, headers=out_headers)
+        return StreamingResponse(
+            relay(resp, backend, session_id if records else None, path,
+                  data if learns else None),
+            status_code=resp.status_code, headers=out_headers)
       content = await resp.aread()
       await resp.aclose()
       if records and resp.status_code == 200:
         await copy_turns(session_id, backend)
+      if learns:
+        relayed.learn(backend, data, parsed(content))
       return Response(content, status_code=resp.status_code, headers=out_headers)
     return refusal(path, 502, f"no backend could take the request; last error: {last_error}")
 
@@ -678,13 +710,21 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       body = {"detail": message}
     return JSONResponse(body, status_code=status)
 
-  async def relay(resp: httpx.Response, backend: str, session_id: Optional[str], path: str):
+  async def relay(resp: httpx.Response, backend: str, session_id: Optional[str], path: str,
+                  response_of: Optional[dict] = None):
     """Relays a stream; if the backend dies mid-stream, ends it with an error event (in
     the shape of the API's own stream errors: OpenAI's or Anthropic's) instead of a
-    silently cut connection."""
+    silently cut connection. `response_of`: the Responses request whose streamed response
+    is learnt (`relayed`)."""
     cut = False
+    end = responses_api.StreamEnd() if response_of is not None else None
     try:
       async for chunk in resp.aiter_raw():
+        if end is not None:
+          end.feed(chunk)
+          if end.response is not None:  # (before the client has it: one that hangs up
+            relayed.learn(backend, response_of, end.response)  # at it ends this here)
+            end = None
         yield chunk
     except httpx.TransportError as e:
       cut = True  # (no copy: the turn was not recorded whole, and a copy of a dead

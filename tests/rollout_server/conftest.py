@@ -105,7 +105,7 @@ def server(memorised_params, tokenizer):
 
 
 def finished_turn(tokenizer, output: str, finish: str = "stop", budget: int = 256, *,
-                  kind: str = "chat", id_prefix: str = "call"):
+                  kind: str = "chat", id_prefix: str = "call", request_id: str = "r1"):
   """A chat turn whose request has ended with `output` (and the stop token, when it
   stopped), as a gateway answers it; no engine."""
   from rollout_server.chat import ChatTurn
@@ -113,7 +113,7 @@ def finished_turn(tokenizer, output: str, finish: str = "stop", budget: int = 25
   from rollout_server.orchestrator import Request
   from rollout_server.sessions import SessionStore
 
-  req = Request(tokenizer.encode("x"), SamplingParams(max_new_tokens=budget), "r1",
+  req = Request(tokenizer.encode("x"), SamplingParams(max_new_tokens=budget), request_id,
                 output_ids=tokenizer.encode(output) + (
                     list(tokenizer.stop_ids[:1]) if finish == "stop" else []),
                 finish_reason=finish)

@@ -17,8 +17,9 @@ from envs.calculator import EXAMPLES, SYSTEM
 from jaxagent.agent import collect_session, response_items
 from jaxagent.tokenizer import clean_unicode
 from jaxagent.trajectory import CLEAN
-from rollout_server.responses_api import (ResponsesBody, ResponseStore, chat_messages, echo,
-                                          response_body, stream_events)
+from rollout_server.responses_api import (RelayedResponses, ResponsesBody, ResponseStore,
+                                          StreamEnd, chat_messages, echo, response_body,
+                                          stream_events)
 from rollout_server.router import create_router
 from rollout_server.serving import ServerThread
 from tests.rollout_server.conftest import MEMORISED, TOOLS, finished_turn
@@ -147,6 +148,57 @@ def test_kept_responses_are_steps_of_their_chain():
   store._kept.pop("s1")
   with pytest.raises(KeyError, match="the response 's1' it continued has gone"):
     store.conversation("s2")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_chain_made_whole_is_the_conversation_its_server_kept(tokenizer, streamed):
+  """A router's record of a chain (its calls and their responses, learnt from bodies or
+  from the streams' last events) made whole is, converted, the conversation the server
+  that made it kept: replies with text, with calls, with both, and their outputs."""
+  store, relayed = ResponseStore(), RelayedResponses()
+  replies = ["Let me see. " + MEMORISED[0][2], MEMORISED[0][2] * 2, "It is 5. Bye."]
+  inputs = [[{"role": "user", "content": "What is 2+3?"}], None, "And 4?"]
+  parent, answer = None, None
+  for i, (given, output) in enumerate(zip(inputs, replies)):
+    turn = finished_turn(tokenizer, output, kind="responses", request_id=f"r{i}")
+    if given is None:  # the outputs of the calls before
+      given = [{"type": "function_call_output", "call_id": c["call_id"], "output": "5"}
+               for c in answer["output"] if c["type"] == "function_call"]
+    request = {"model": "m", "input": given, "instructions": "Be brief.",
+               "previous_response_id": parent}
+    prior = store.conversation(parent) if parent else []
+    _, conversation, _ = chat_messages(ResponsesBody.model_validate(request), prior)
+    store.keep(f"resp_{turn.request_id}", parent, conversation[len(prior):] + [turn.finish()])
+    settings = echo(body(**request), "m")
+    answer = response_body(turn, settings, 0, logprobs=True)
+    if streamed:
+      end = StreamEnd()
+
+      async def events():
+        return [e async for e in stream_events(turn, settings, 0)]
+
+      for event in asyncio.run(events()):  # (in pieces that cut events and lines)
+        for j in range(0, len(event), 7):
+          end.feed(event[j:j + 7].encode())
+      assert end.response["output"] == response_body(turn, settings, 0)["output"]
+      relayed.learn("http://a", request, end.response)
+    else:
+      relayed.learn("http://a", request, answer)
+    parent = answer["id"]
+  assert relayed.home(parent) == "http://a" and len(relayed) == 3
+  nxt = {"model": "m", "input": "Thanks", "instructions": "Be brief.",
+         "previous_response_id": parent, "store": True}
+  whole = relayed.whole(nxt)
+  assert "previous_response_id" not in whole and whole["store"] is True
+  made, _, _ = chat_messages(ResponsesBody.model_validate(whole))
+  kept, _, _ = chat_messages(ResponsesBody.model_validate(nxt), store.conversation(parent))
+  assert made == kept and len(made) == 8
+  assert relayed.whole(dict(nxt, previous_response_id="resp_unknown")) is None
+  # Not learnt: a response not kept where it was made, or what is no response.
+  relayed.learn("http://a", dict(nxt, store=False), dict(answer, id="resp_x"))
+  relayed.learn("http://a", nxt, {"id": "resp_y", "output": "junk"})
+  relayed.learn("http://a", nxt, ["junk"])
+  assert len(relayed) == 3
 
 
 def accumulate(events: list[str]) -> tuple[list[dict], dict]:
@@ -475,3 +527,69 @@ def test_a_stream_cut_by_a_dying_backend_raises_in_the_client():
       for _ in client(router.url).responses.create(model="tiny", max_output_tokens=3,
                                                    input="x", stream=True):
         pass
+
+
+@pytest.mark.parametrize("session_id", [None, "resp-failover"])
+def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokenizer,
+                                                                  session_id):
+  """Through a router, a call continuing a response goes to the server that keeps it
+  (without a session header too: before, it went to any backend, which had not kept the
+  response: 404); when that server is down, to another with the chain's items as its
+  input: the same conversation, and with a session header the tokens as sampled."""
+  from rollout_server.server import create_app
+
+  _, orch = server
+  servers = [ServerThread(create_app(orch, tokenizer)).start() for _ in range(2)]
+  try:
+    with ServerThread(create_router([s.url for s in servers], health_interval_s=600)) \
+        as router:
+      c = client(router.url, session_id=session_id)
+      ask = {"model": "tiny", "instructions": "Be brief.", "max_output_tokens": 6}
+      raw = c.responses.with_raw_response.create(input="Say hi", **ask)
+      home = raw.http_response.headers["x-routed-to"]
+      links = [raw.parse()]
+      # Streamed, then not: each continues the one before at its home.
+      raw = c.responses.with_raw_response.create(
+          previous_response_id=links[-1].id, input="Again?", stream=True, **ask)
+      assert raw.http_response.headers["x-routed-to"] == home
+      links += [e.response for e in raw.parse()
+                if e.type in ("response.completed", "response.incomplete")]
+      raw = c.responses.with_raw_response.create(
+          previous_response_id=links[-1].id, input="Once more?", **ask)
+      assert raw.http_response.headers["x-routed-to"] == home
+      links.append(raw.parse())
+      health = httpx.get(f"{router.url}/router/health").json()
+      assert health["responses_relayed"] == 3 and health["responses_made_whole"] == 0
+
+      servers[[s.url for s in servers].index(home)].stop()  # its kept responses gone
+      raw = c.responses.with_raw_response.create(
+          previous_response_id=links[-1].id, input="And now?", **ask)
+      other = raw.http_response.headers["x-routed-to"]
+      assert other != home
+      fourth = raw.http_response.json()
+      # ... and the chain goes on there, at its new home, as sent.
+      raw = c.responses.with_raw_response.create(
+          previous_response_id=fourth["id"], input="Last?", **ask)
+      assert raw.http_response.headers["x-routed-to"] == other
+      health = httpx.get(f"{router.url}/router/health").json()
+      turns = (httpx.get(f"{router.url}/sessions/{session_id}").json()["turns"]
+               if session_id else None)
+  finally:
+    for s in servers:
+      s.stop()
+  assert health["responses_made_whole"] == 1 and health["responses_relayed"] == 5
+  whole = [{"role": "system", "content": "Be brief."}]
+  for link, text in zip(links, ("Say hi", "Again?", "Once more?")):
+    whole += [{"role": "user", "content": text},
+              {"role": "assistant", "content": link.output_text}]
+  whole.append({"role": "user", "content": "And now?"})
+  if session_id is None:  # (each reply's text encoded again)
+    assert fourth["jaxagent"]["prompt_ids"] == tokenizer.apply_chat_template(whole)
+  else:  # handed over: each turn continues the one before as sampled
+    assert len(turns) == 5
+    for before, after in zip(turns, turns[1:]):
+      context = before["prompt_ids"] + before["output_ids"]
+      assert after["prompt_ids"][:len(context)] == context
+    assert health["handovers"] == 1
+    (seg,) = collect_session(turns, session_id=session_id, task_id="t")
+    assert seg.decisions == [CLEAN] * 5
