@@ -31,6 +31,7 @@ server down, another with the chain's items as their input.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
@@ -199,21 +200,26 @@ def refused(body: ResponsesBody) -> Optional[str]:
   return None
 
 
-def chat_messages(body: ResponsesBody, prior: list[dict] = ()
+def chat_messages(body: ResponsesBody, prior: list[dict] = (),
+                  parts: Optional[list[int]] = None
                   ) -> tuple[list[dict], list[dict], Optional[list[dict]]]:
   """The request in the internal chat form: (messages, the conversation to keep for the
   response: `prior` and the input's, without the instructions, tool schemas).
 
   `prior`: the conversation of `previous_response_id` (internal form). Consecutive
   assistant items (a reply's message and its function calls) are one assistant message;
-  a `function_call_output` must answer a call of the assistant message before. ValueError
-  names what cannot be served."""
+  a `function_call_output` must answer a call of the assistant message before. `parts`:
+  the input's items in parts (their counts), each read as a call's input after the
+  conversation before it (the chain of a router's made-whole call: each response's input,
+  then its output), so that no item joins the part before. ValueError names what cannot
+  be served."""
   why = refused(body)
   if why is not None:
     raise ValueError(why)
   kept, start = [dict(m) for m in prior], len(prior)
   items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
       else body.input
+  begins = set(itertools.accumulate((parts or [])[:-1]))  # (where a part after the first does)
   if not items and not kept:
     raise ValueError("input: empty (give at least one item, or previous_response_id)")
 
@@ -233,6 +239,8 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = ()
 
   for i, raw in enumerate(items):
     where = f"input[{i}]"
+    if i in begins:
+      start = len(kept)
     kind = raw.get("type", "message") if isinstance(raw, dict) else None
     if kind not in _ITEMS:
       why = {"reasoning": " (the policy writes no hidden reasoning: send the items of "
@@ -334,17 +342,43 @@ class ResponseStore:
       self.bytes -= self._kept.popitem(last=False)[1][2]
 
 
+def _compact(items: list) -> bytes:
+  """Items as compact JSON, with only the fields a conversation is made of (their ids,
+  status, log-probs and whatever else a client added left out: a router's record is
+  bounded by these bytes)."""
+  def part(p: Any) -> Any:
+    return {k: p[k] for k in ("type", "text") if k in p} if isinstance(p, dict) else p
+
+  def item(x: Any) -> Any:
+    if not isinstance(x, dict):
+      return x
+    kind = x.get("type", "message")
+    keep = {"message": ("type", "role", "content"),
+            "function_call": ("type", "call_id", "name", "arguments"),
+            "function_call_output": ("type", "call_id", "output")}.get(kind)
+    if keep is None:
+      return x
+    out = {k: x[k] for k in keep if k in x}
+    for k in ("content", "output"):
+      if isinstance(out.get(k), list):
+        out[k] = [part(p) for p in out[k]]
+    return out
+
+  return json.dumps([item(x) for x in items], separators=(",", ":")).encode()
+
+
 class RelayedResponses:
-  """A router's record of the responses it relayed (`store` not false): the backend that
-  made and keeps each, the response it continued, and what it added to its conversation
-  in the API's own items (its input's, then its output's). A call continuing a response
-  goes to that backend; when it is down, the call goes to another with the chain's items
-  as its input (the response is not kept there). The least recently used go first past
-  `max_bytes`, as a server's `ResponseStore`."""
+  """A router's record of the responses it relayed (kept where they were made): the
+  backend that made and keeps each, the response it continued, and what it added to its
+  conversation in the API's own items (its input's, then its output's; compact JSON). A
+  call continuing a response goes to that backend; when it is down, or has lost it, the
+  call goes with the chain's items as its input (`whole`). The least recently used go
+  first past `max_bytes`, as a server's `ResponseStore`."""
 
   def __init__(self, max_bytes: int = 64 << 20):
     self.max_bytes = max_bytes
     self.bytes = 0
+    # response id -> (backend, the response it continued, input items, output items, size)
     self._kept: collections.OrderedDict = collections.OrderedDict()
 
   def __len__(self) -> int:
@@ -355,53 +389,76 @@ class RelayedResponses:
     kept = self._kept.get(response_id)
     return None if kept is None else kept[0]
 
-  def learn(self, backend: str, request: Any, response: Any) -> None:
-    """Keeps a relayed response (`request` and `response`: their JSON bodies); nothing
-    when it was not kept there, or either is not what a served response is."""
-    if not (isinstance(request, dict) and isinstance(response, dict)
-            and request.get("store") is not False and isinstance(response.get("id"), str)
+  @staticmethod
+  def step(request: Any) -> Optional[tuple[Optional[str], bytes]]:
+    """What a call adds to its chain, taken from its body when it is sent (its body's
+    parse need not live as long as the call): (the response it continues, its input items
+    compact); None when the response will not be kept where it is made (`store` other
+    than absent or true) or the body is no call."""
+    if not isinstance(request, dict) or request.get("store") not in (None, True):
+      return None
+    given, parent = request.get("input"), request.get("previous_response_id")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    if not isinstance(items, list) or not (parent is None or isinstance(parent, str)):
+      return None
+    return parent, _compact(items)
+
+  def learn(self, backend: str, step: Optional[tuple], response: Any) -> None:
+    """Keeps a relayed response (`step`: its call's, `response`: its body); nothing when
+    it was not kept where it was made, or is not what a served response is."""
+    if not (step is not None and isinstance(response, dict)
+            and isinstance(response.get("id"), str) and response.get("store") is not False
             and isinstance(response.get("output"), list)):
       return
-    given = request.get("input")
-    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
-    parent = request.get("previous_response_id")
-    if not isinstance(items, list) or not (parent is None or isinstance(parent, str)):
-      return
-    added = list(items)
-    for item in response["output"]:  # (as input items: their ids, status, log-probs left)
+    out = []
+    for item in response["output"]:  # (as input items)
       if not isinstance(item, dict):
         return
       if item.get("type") == "message":
-        added.append({"type": "message", "role": "assistant", "content": [
+        out.append({"type": "message", "role": "assistant", "content": [
             {"type": "output_text", "text": p.get("text", "")}
             for p in item.get("content") or [] if isinstance(p, dict)]})
       elif item.get("type") == "function_call":
-        added.append({k: item.get(k) for k in ("type", "call_id", "name", "arguments")})
-    nbytes = len(json.dumps(added, default=str)) + 200
+        out.append(item)
+    parent, given = step
+    made = _compact(out)
+    nbytes = len(given) + len(made) + 300
     if response["id"] in self._kept:
-      self.bytes -= self._kept.pop(response["id"])[3]
-    self._kept[response["id"]] = (backend, parent, added, nbytes)
+      self.bytes -= self._kept.pop(response["id"])[4]
+    self._kept[response["id"]] = (backend, parent, given, made, nbytes)
     self.bytes += nbytes
     while self.bytes > self.max_bytes and len(self._kept) > 1:
-      self.bytes -= self._kept.popitem(last=False)[1][3]
+      self.bytes -= self._kept.popitem(last=False)[1][4]
 
-  def whole(self, request: dict) -> Optional[dict]:
-    """The request continuing a response, made whole for a backend that does not keep it:
-    the chain's items, then its own, as the input (no `previous_response_id`); None when
-    a response of the chain is not here (evicted, or relayed by another router)."""
+  def whole(self, request: Any) -> Optional[dict]:
+    """The call continuing a response, made whole for a backend that does not keep it:
+    the chain's items, then its own, as its input, and `jaxagent_made_whole` saying where
+    each response's input and output items begin (the server reads them as it reads a
+    kept conversation: `chat_messages`' `parts`) and the response it continues (echoed);
+    None when the body is no such call or a response of the chain is not here (evicted,
+    or relayed by another router)."""
+    if not isinstance(request, dict) or not isinstance(request.get("input"), (str, list)):
+      return None
     steps, at = [], request.get("previous_response_id")
     while at is not None:
-      if at not in self._kept:
+      if not isinstance(at, str) or at not in self._kept:
         return None
       steps.append(at)
       at = self._kept[at][1]
     for at in reversed(steps):
       self._kept.move_to_end(at)
-    given = request.get("input")
-    own = [{"role": "user", "content": given}] if isinstance(given, str) else list(given or [])
-    items = [item for at in reversed(steps) for item in self._kept[at][2]]
-    return {**{k: v for k, v in request.items() if k != "previous_response_id"},
-            "input": items + own}
+    given = request["input"]
+    own = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    items, parts = [], []
+    for at in reversed(steps):
+      for kept in self._kept[at][2:4]:
+        kept = json.loads(kept)
+        items += kept
+        parts.append(len(kept))
+    body = {k: v for k, v in request.items() if k != "previous_response_id"}
+    body["jaxagent_made_whole"] = {"previous_response_id": request["previous_response_id"],
+                                   "parts": parts + [len(own)]}
+    return {**body, "input": items + own}
 
 
 class StreamEnd:
@@ -431,15 +488,36 @@ class StreamEnd:
 # -- answers --------------------------------------------------------------------------------
 
 
-def echo(body: ResponsesBody, model: str) -> dict:
-  """The request's settings, as a response object repeats them."""
+def made_whole(body: ResponsesBody) -> tuple[Optional[str], Optional[list[int]]]:
+  """A router's call made whole (`RelayedResponses.whole`): (the response it continues,
+  which the answer echoes; its input's parts, `chat_messages`'); (None, None) for any
+  other call. ValueError when its field is not one."""
+  given = (body.model_extra or {}).get("jaxagent_made_whole")
+  if given is None:
+    return None, None
+  parts = given.get("parts") if isinstance(given, dict) else None
+  count = len(body.input) if isinstance(body.input, list) else 1
+  if body.previous_response_id is not None or not (
+      isinstance(given, dict) and isinstance(given.get("previous_response_id"), str)
+      and isinstance(parts, list)
+      and all(type(p) is int and p >= 0 for p in parts) and sum(parts) == count):
+    raise ValueError(
+        "jaxagent_made_whole: not a router's call made whole (an object with "
+        "previous_response_id, the response continued, and parts, the counts of the input's "
+        "items of each response and of the call, without a previous_response_id of its own)")
+  return given["previous_response_id"], parts
+
+
+def echo(body: ResponsesBody, model: str, continued: Optional[str] = None) -> dict:
+  """The request's settings, as a response object repeats them (`continued`: the response
+  a call made whole continued)."""
   return {"model": model, "instructions": body.instructions,
           "tools": list(body.tools or []), "tool_choice": "auto",
           "parallel_tool_calls": True,
           "temperature": 1.0 if body.temperature is None else body.temperature,
           "top_p": 1.0 if body.top_p is None else body.top_p,
           "max_output_tokens": body.max_output_tokens,
-          "previous_response_id": body.previous_response_id,
+          "previous_response_id": body.previous_response_id or continued,
           "store": body.store is not False, "metadata": body.metadata or {},
           "text": {"format": {"type": "text"}}, "truncation": "disabled",
           "reasoning": {"effort": None, "summary": None}, "user": body.model_extra.get("user")

@@ -204,6 +204,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return False
 
   serves: dict = {}  # backend -> (version, policy_id) from its last /health
+  instances: dict = {}  # backend -> the instance its last /health named
+
+  def restarted(backend: str, instance) -> None:
+    """A backend answers as another instance (restarted at its address): the threads of
+    the sessions whose last turn it ran are gone with the old one, so their next turn is
+    handed over wherever it goes (there too: before, it went on there encoded from its
+    text)."""
+    seen = instances.get(backend)
+    instances[backend] = instance
+    if seen is not None and instance != seen:
+      for session_id, ran in last_from.items():
+        if ran == backend:
+          last_from[session_id] = ""  # (a backend that is none: every one is handed it)
   said: dict = {"mixed": None}
 
   def say_mixed() -> None:
@@ -227,6 +240,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       ok = isinstance(got, dict)
       if ok:
         serves[backend] = (got.get("version"), got.get("policy_id"))
+        restarted(backend, got.get("instance"))
       if ok and policy["version"] is not None and not updating.locked() and \
           got.get("version") != policy["version"]:
         ok = await push_policy(backend)  # restarted (or missed an update): catch up first
@@ -396,6 +410,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     except httpx.HTTPError as e:
       why = f"{type(e).__name__}: {e}"
     failovers["handovers_failed" if why else "handovers"] += 1
+    if why is None:  # (it holds them now: a call sent there again is not handed them again)
+      forget_later(last_from, session_id, backend)
     if why:
       log.warning("router: %s did not take session %r's threads (%s); the session's "
                   "turn there is encoded from its text", backend, session_id, why)
@@ -437,7 +453,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
             "streams_cut": failovers["streams_cut"],
             "policy_pushes": failovers["policy_pushes"], "handovers": failovers["handovers"],
             "handovers_failed": failovers["handovers_failed"],
-            "responses_relayed": len(relayed),
+            "responses_kept": len(relayed), "responses_kept_bytes": relayed.bytes,
             "responses_made_whole": failovers["responses_made_whole"],
             "policy_version": policy["version"],
             "sessions": len(sessions), "session_bytes": sessions.bytes}
@@ -615,22 +631,27 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     except ValueError as e:
       return refusal(path, 400, str(e))
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
-    # A call continuing a response this router relayed: to the backend that keeps it
-    # first (without a session header, to any backend the chain's calls went one to a
-    # server that did not keep it: 404), to another with the chain's items when it is
-    # down (its kept responses died with it).
-    continued = (data.get("previous_response_id")
-                 if path == "v1/responses" and request.method == "POST" else None)
+    # A Responses call continuing a response this router relayed goes to the backend
+    # that keeps it (before, a call without a session header went to any backend, most
+    # often one that did not keep it: a 404); with a session header, to the session's.
+    # Where the response is not kept (its backend down, or restarted and answering 404,
+    # or the session's), it goes with the chain's items as its input (`whole`).
+    responses = path == "v1/responses" and request.method == "POST"
+    continued = data.get("previous_response_id") if responses else None
     home = relayed.home(continued) if isinstance(continued, str) else None
     if home is not None and session_id is None:
       order = [home] + [b for b in order if b != home]
+    step = relayed.step(data) if responses else None  # (what a response made keeps)
+    del data  # (its parse of a body of up to max_body_bytes: not for the call's length)
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
+    made_whole = home_lost = False
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     turn = path in ("generate", "v1/chat/completions", "v1/messages", "v1/responses")
     records = (session_id is not None and turn
                and not (path == "generate" and _unrecorded(body)))
     last_error: Optional[str] = None
-    for backend in order:
+    while order:
+      backend = order.pop(0)
       if session_id is not None and session_id in undeleted[backend]:
         # A delete it missed, done first: done after, at its return to rotation, it
         # wiped the turns a new episode under the id had recorded there meanwhile (red
@@ -647,11 +668,12 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
                  else httpx.USE_CLIENT_DEFAULT)
       content = body
-      if home not in (None, backend):
-        whole = relayed.whole(data)
+      if home is not None and (home_lost or home != backend):
+        whole = relayed.whole(parsed(body))
         if whole is not None:  # (else its backend says the response is not kept there)
           content = json.dumps(whole).encode()
-          failovers["responses_made_whole"] += 1
+          failovers["responses_made_whole"] += not made_whole  # (calls, not sends)
+          made_whole = True
       req = client().build_request(request.method, f"{backend}/{path}", content=content,
                                    headers=headers, params=request.query_params,
                                    timeout=timeout)
@@ -680,21 +702,28 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       finally:
         gone.cancel()
       counts[backend] += 1
+      if resp.status_code == 404 and backend == home and not home_lost:
+        # Its kept responses are gone (it restarted at its address; its own bound): the
+        # call goes to it again made whole.
+        await resp.aclose()
+        home_lost = True
+        order.insert(0, backend)
+        continue
       out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
       out_headers["x-routed-to"] = backend
-      # (a response made here is learnt: the request as the client sent it)
-      learns = path == "v1/responses" and request.method == "POST" and resp.status_code == 200
+      # (a response made here is learnt: what its call, as the client sent it, added)
+      learns = step is not None and resp.status_code == 200
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
             relay(resp, backend, session_id if records else None, path,
-                  data if learns else None),
+                  step if learns else None),
             status_code=resp.status_code, headers=out_headers)
       content = await resp.aread()
       await resp.aclose()
       if records and resp.status_code == 200:
         await copy_turns(session_id, backend)
       if learns:
-        relayed.learn(backend, data, parsed(content))
+        relayed.learn(backend, step, parsed(content))
       return Response(content, status_code=resp.status_code, headers=out_headers)
     return refusal(path, 502, f"no backend could take the request; last error: {last_error}")
 
@@ -711,19 +740,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     return JSONResponse(body, status_code=status)
 
   async def relay(resp: httpx.Response, backend: str, session_id: Optional[str], path: str,
-                  response_of: Optional[dict] = None):
+                  step: Optional[tuple] = None):
     """Relays a stream; if the backend dies mid-stream, ends it with an error event (in
     the shape of the API's own stream errors: OpenAI's or Anthropic's) instead of a
-    silently cut connection. `response_of`: the Responses request whose streamed response
-    is learnt (`relayed`)."""
+    silently cut connection. `step`: the Responses call's (`RelayedResponses.step`) whose
+    streamed response is learnt."""
     cut = False
-    end = responses_api.StreamEnd() if response_of is not None else None
+    end = responses_api.StreamEnd() if step is not None else None
     try:
       async for chunk in resp.aiter_raw():
         if end is not None:
           end.feed(chunk)
-          if end.response is not None:  # (before the client has it: one that hangs up
-            relayed.learn(backend, response_of, end.response)  # at it ends this here)
+          if end.response is not None:  # (learnt before the chunk is sent: a client that
+            relayed.learn(backend, step, end.response)  # hangs up at it ends this loop)
             end = None
         yield chunk
     except httpx.TransportError as e:

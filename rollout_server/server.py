@@ -303,6 +303,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   # The export the policy's weights came from, as of which version (weights that came
   # another way since, from a process's own learner, are of no export it knows).
   served_from = {"id": policy_id, "version": orch.version}
+  # This app's own id: a router tells a server restarted at its address by it (what the
+  # server held, session threads and kept responses, is gone).
+  instance = uuid.uuid4().hex
   # (id(tokenizer), the tools' hash) -> its chat template writes each of those tools'
   # names into the prompt (an agent sends the same tools every turn: checked once).
   tool_rendering: collections.OrderedDict = collections.OrderedDict()
@@ -361,7 +364,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     s = orch.stats()
     out = {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
            "queue": s["queue"], "policy_id": served_from["id"]
-           if served_from["version"] == s["version"] else None}
+           if served_from["version"] == s["version"] else None, "instance": instance}
     if models:
       out["models"] = {name: {"version": m.orch.stats()["version"],
                               "update_weights": m.update_weights} for name, m in models.items()}
@@ -622,7 +625,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         prior = kept_responses.conversation(body.previous_response_id)
       except KeyError as e:
         raise HTTPException(404, e.args[0])
-    chat_messages, conversation, tools = responses_api.chat_messages(body, prior)
+    continued, parts = responses_api.made_whole(body)
+    chat_messages, conversation, tools = responses_api.chat_messages(body, prior, parts)
     session_id = session_of(http.headers.get(SESSION_HEADER),
                             (body.model_extra or {}).get("session_id"))
     sampling = SamplingParams(
@@ -635,7 +639,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                       id_prefix="call", model=body.model)
     # (cleaned as the prompt is: a lone surrogate echoed made the answer unwritable, a
     # 400 for a turn recorded and kept, a red team's finding)
-    settings = clean_unicode(responses_api.echo(body, body.model or model_name))
+    settings = clean_unicode(responses_api.echo(body, body.model or model_name, continued))
     created = int(time.time())
 
     def keep() -> None:

@@ -6,6 +6,7 @@ them), errors naming the field, the router. (A black-box agent written against
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -18,8 +19,8 @@ from jaxagent.agent import collect_session, response_items
 from jaxagent.tokenizer import clean_unicode
 from jaxagent.trajectory import CLEAN
 from rollout_server.responses_api import (RelayedResponses, ResponsesBody, ResponseStore,
-                                          StreamEnd, chat_messages, echo, response_body,
-                                          stream_events)
+                                          StreamEnd, chat_messages, echo, made_whole,
+                                          response_body, stream_events)
 from rollout_server.router import create_router
 from rollout_server.serving import ServerThread
 from tests.rollout_server.conftest import MEMORISED, TOOLS, finished_turn
@@ -150,15 +151,39 @@ def test_kept_responses_are_steps_of_their_chain():
     store.conversation("s2")
 
 
+def made_whole_alike(chain: list[tuple[dict, dict]], nxt: dict, stream_end: bool = False):
+  """For a chain of calls (request, the server's answer) and a next call: the messages of
+  the next call served where the chain is kept, and of it made whole by a router."""
+  store, relayed = ResponseStore(), RelayedResponses()
+  for request, answer in chain:
+    parent = request.get("previous_response_id")
+    prior = store.conversation(parent) if parent else []
+    _, conversation, _ = chat_messages(ResponsesBody.model_validate(request), prior)
+    reply = answer.pop("finish")
+    store.keep(answer["id"], parent, conversation[len(prior):] + [reply])
+    relayed.learn("http://a", RelayedResponses.step(request), answer)
+  assert relayed.home(chain[-1][1]["id"]) == "http://a" and len(relayed) == len(chain)
+  whole = relayed.whole(nxt)
+  assert "previous_response_id" not in whole
+  assert whole["jaxagent_made_whole"]["previous_response_id"] == nxt["previous_response_id"]
+  body_ = ResponsesBody.model_validate(whole)
+  continued, parts = made_whole(body_)
+  assert continued == nxt["previous_response_id"] and echo(body_, "m", continued)[
+      "previous_response_id"] == continued
+  made, _, _ = chat_messages(body_, parts=parts)
+  kept, _, _ = chat_messages(ResponsesBody.model_validate(nxt),
+                             store.conversation(nxt["previous_response_id"]))
+  return made, kept
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_chain_made_whole_is_the_conversation_its_server_kept(tokenizer, streamed):
   """A router's record of a chain (its calls and their responses, learnt from bodies or
   from the streams' last events) made whole is, converted, the conversation the server
   that made it kept: replies with text, with calls, with both, and their outputs."""
-  store, relayed = ResponseStore(), RelayedResponses()
   replies = ["Let me see. " + MEMORISED[0][2], MEMORISED[0][2] * 2, "It is 5. Bye."]
   inputs = [[{"role": "user", "content": "What is 2+3?"}], None, "And 4?"]
-  parent, answer = None, None
+  chain, parent, answer = [], None, None
   for i, (given, output) in enumerate(zip(inputs, replies)):
     turn = finished_turn(tokenizer, output, kind="responses", request_id=f"r{i}")
     if given is None:  # the outputs of the calls before
@@ -166,9 +191,6 @@ def test_a_chain_made_whole_is_the_conversation_its_server_kept(tokenizer, strea
                for c in answer["output"] if c["type"] == "function_call"]
     request = {"model": "m", "input": given, "instructions": "Be brief.",
                "previous_response_id": parent}
-    prior = store.conversation(parent) if parent else []
-    _, conversation, _ = chat_messages(ResponsesBody.model_validate(request), prior)
-    store.keep(f"resp_{turn.request_id}", parent, conversation[len(prior):] + [turn.finish()])
     settings = echo(body(**request), "m")
     answer = response_body(turn, settings, 0, logprobs=True)
     if streamed:
@@ -181,24 +203,71 @@ def test_a_chain_made_whole_is_the_conversation_its_server_kept(tokenizer, strea
         for j in range(0, len(event), 7):
           end.feed(event[j:j + 7].encode())
       assert end.response["output"] == response_body(turn, settings, 0)["output"]
-      relayed.learn("http://a", request, end.response)
-    else:
-      relayed.learn("http://a", request, answer)
+      answer = end.response
+    chain.append((request, dict(answer, finish=turn.finish())))
     parent = answer["id"]
-  assert relayed.home(parent) == "http://a" and len(relayed) == 3
   nxt = {"model": "m", "input": "Thanks", "instructions": "Be brief.",
          "previous_response_id": parent, "store": True}
-  whole = relayed.whole(nxt)
-  assert "previous_response_id" not in whole and whole["store"] is True
-  made, _, _ = chat_messages(ResponsesBody.model_validate(whole))
-  kept, _, _ = chat_messages(ResponsesBody.model_validate(nxt), store.conversation(parent))
+  made, kept = made_whole_alike(chain, nxt)
   assert made == kept and len(made) == 8
-  assert relayed.whole(dict(nxt, previous_response_id="resp_unknown")) is None
-  # Not learnt: a response not kept where it was made, or what is no response.
-  relayed.learn("http://a", dict(nxt, store=False), dict(answer, id="resp_x"))
-  relayed.learn("http://a", nxt, {"id": "resp_y", "output": "junk"})
-  relayed.learn("http://a", nxt, ["junk"])
-  assert len(relayed) == 3
+
+
+def test_a_chain_made_whole_keeps_its_calls_boundaries():
+  """Items that would join the response before them when read as one input (a client's
+  own call after a reply's text; a call with an id of this server's form after the outputs
+  of the reply's calls) stay where the kept conversation has them: the router sends where
+  each response's items begin (red team 40: the rendered prompt lost a reply's end)."""
+  text = {"type": "message", "role": "assistant",
+          "content": [{"type": "output_text", "text": "Hi there!"}]}
+  said = [({"input": "Say hi"}, {"id": "resp_1", "output": [text], "store": True,
+                                 "finish": {"role": "assistant", "content": "Hi there!"}})]
+  own_call = {"previous_response_id": "resp_1", "input": [
+      {"type": "function_call", "call_id": "call_mine", "name": "calc", "arguments": "{}"},
+      {"type": "function_call_output", "call_id": "call_mine", "output": "7"},
+      {"role": "user", "content": "and?"}]}
+  made, kept = made_whole_alike(said, own_call)
+  assert made == kept and [m["role"] for m in made] == ["user", "assistant", "assistant",
+                                                         "tool", "user"]
+  call = {"type": "function_call", "call_id": "call_req-1-ab_0", "name": "calc",
+          "arguments": "{}"}
+  called = [({"input": "What is 2+3?"}, {"id": "resp_1", "output": [call], "finish": {
+      "role": "assistant", "content": "", "tool_calls": [{"id": "call_req-1-ab_0",
+      "type": "function", "function": {"name": "calc", "arguments": "{}"}}]}})]
+  interleaved = {"previous_response_id": "resp_1", "input": [
+      {"type": "function_call_output", "call_id": "call_req-1-ab_0", "output": "5"},
+      dict(call, call_id="call_req-1-ab_1"),
+      {"type": "function_call_output", "call_id": "call_req-1-ab_1", "output": "6"}]}
+  made, kept = made_whole_alike(called, interleaved)
+  assert made == kept and [m["role"] for m in made] == ["user", "assistant", "tool",
+                                                         "assistant", "tool"]
+
+
+def test_what_a_router_keeps_of_responses_is_bounded_and_only_what_was_kept():
+  relayed = RelayedResponses(max_bytes=20_000)
+  answer = {"id": "resp_1", "output": [], "store": True}
+  # Not kept where it was made (the server reads these as false), or no response: none.
+  for store in (False, 0, "false", "no"):
+    relayed.learn("a", RelayedResponses.step({"input": "x", "store": store}), answer)
+  relayed.learn("a", RelayedResponses.step({"input": "x"}), dict(answer, store=False))
+  relayed.learn("a", RelayedResponses.step({"input": 5}), answer)
+  relayed.learn("a", RelayedResponses.step({"input": "x"}), {"id": "resp_y", "output": "junk"})
+  relayed.learn("a", RelayedResponses.step({"input": "x"}), ["junk"])
+  assert len(relayed) == 0
+  # What a client adds to its items beyond a conversation's fields is not kept: the bound
+  # is of what is (red team 40: 4 MiB calls of nested junk held 1 GiB).
+  junk = {"role": "user", "content": "hi", "x": [{}] * 100_000}
+  relayed.learn("a", RelayedResponses.step({"input": [junk]}), answer)
+  assert relayed.bytes < 1_000 and relayed.whole(
+      {"previous_response_id": "resp_1", "input": "y"})["input"][0] == {
+          "role": "user", "content": "hi"}
+  for i in range(100):  # the least recently used go first past the bound
+    relayed.learn("a", RelayedResponses.step({"input": "z" * 1000}), dict(answer, id=f"r{i}"))
+  assert relayed.bytes <= relayed.max_bytes and relayed.home("resp_1") is None
+  # A call that is none to make whole (its input no items; its chain not here): none.
+  for call in ({"previous_response_id": "r99", "input": 5},
+               {"previous_response_id": "r99", "input": {"a": 1}},
+               {"previous_response_id": "resp_1", "input": "y"}):
+    assert relayed.whole(call) is None
 
 
 def accumulate(events: list[str]) -> tuple[list[dict], dict]:
@@ -534,14 +603,15 @@ def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokeni
                                                                   session_id):
   """Through a router, a call continuing a response goes to the server that keeps it
   (without a session header too: before, it went to any backend, which had not kept the
-  response: 404); when that server is down, to another with the chain's items as its
-  input: the same conversation, and with a session header the tokens as sampled."""
+  response: 404); when that server is down, or restarted and has lost it, to a server
+  with the chain's items as its input: the same conversation, and with a session header
+  the tokens as sampled."""
   from rollout_server.server import create_app
 
   _, orch = server
   servers = [ServerThread(create_app(orch, tokenizer)).start() for _ in range(2)]
   try:
-    with ServerThread(create_router([s.url for s in servers], health_interval_s=600)) \
+    with ServerThread(create_router([s.url for s in servers], health_interval_s=0.2)) \
         as router:
       c = client(router.url, session_id=session_id)
       ask = {"model": "tiny", "instructions": "Be brief.", "max_output_tokens": 6}
@@ -559,7 +629,7 @@ def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokeni
       assert raw.http_response.headers["x-routed-to"] == home
       links.append(raw.parse())
       health = httpx.get(f"{router.url}/router/health").json()
-      assert health["responses_relayed"] == 3 and health["responses_made_whole"] == 0
+      assert health["responses_kept"] == 3 and health["responses_made_whole"] == 0
 
       servers[[s.url for s in servers].index(home)].stop()  # its kept responses gone
       raw = c.responses.with_raw_response.create(
@@ -571,13 +641,27 @@ def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokeni
       raw = c.responses.with_raw_response.create(
           previous_response_id=fourth["id"], input="Last?", **ask)
       assert raw.http_response.headers["x-routed-to"] == other
+      links += [fourth, raw.parse()]
+      # Its server restarted at its address (its kept responses and threads gone): the
+      # router, told by its /health, sends the chain's items (and hands the session over).
+      j = [s.url for s in servers].index(other)
+      before = httpx.get(f"{other}/health").json()["instance"]
+      servers[j].stop()
+      servers[j] = ServerThread(create_app(orch, tokenizer), port=servers[j].port).start()
+      assert httpx.get(f"{other}/health").json()["instance"] != before
+      time.sleep(1.0)  # (health checks every 0.2 s)
+      raw = c.responses.with_raw_response.create(
+          previous_response_id=links[-1].id, input="After?", **ask)
+      assert raw.http_response.headers["x-routed-to"] == other
+      assert raw.parse().previous_response_id == links[-1].id  # (as sent)
       health = httpx.get(f"{router.url}/router/health").json()
       turns = (httpx.get(f"{router.url}/sessions/{session_id}").json()["turns"]
                if session_id else None)
   finally:
     for s in servers:
       s.stop()
-  assert health["responses_made_whole"] == 1 and health["responses_relayed"] == 5
+  assert health["responses_made_whole"] == 2 and health["responses_kept"] == 6
+  assert fourth["previous_response_id"] == links[2].id  # (as sent, though made whole)
   whole = [{"role": "system", "content": "Be brief."}]
   for link, text in zip(links, ("Say hi", "Again?", "Once more?")):
     whole += [{"role": "user", "content": text},
@@ -586,10 +670,10 @@ def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokeni
   if session_id is None:  # (each reply's text encoded again)
     assert fourth["jaxagent"]["prompt_ids"] == tokenizer.apply_chat_template(whole)
   else:  # handed over: each turn continues the one before as sampled
-    assert len(turns) == 5
+    assert len(turns) == 6
     for before, after in zip(turns, turns[1:]):
       context = before["prompt_ids"] + before["output_ids"]
       assert after["prompt_ids"][:len(context)] == context
-    assert health["handovers"] == 1
+    assert health["handovers"] == 2
     (seg,) = collect_session(turns, session_id=session_id, task_id="t")
-    assert seg.decisions == [CLEAN] * 5
+    assert seg.decisions == [CLEAN] * 6
