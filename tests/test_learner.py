@@ -34,7 +34,9 @@ def make_batch(seed=0, rows=4, seq_len=64, n=10, ref=False):
   return batch
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "per_rollout"])
+@pytest.mark.parametrize("reduction", [  # (the other reductions' in the end-to-end tier)
+    "token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow),
+    pytest.param("per_rollout", marks=pytest.mark.slow)])
 def test_microbatched_gradient_equals_full_batch_gradient(reduction):
   cfg = LearnerConfig(reduction=reduction, correction_mode="mask", policy_loss="ppo")
   learner = Learner(CFG, cfg, make_mesh())

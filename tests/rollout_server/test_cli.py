@@ -5,6 +5,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import REPO
 
@@ -15,6 +16,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # (a server process started and stopped: the end-to-end tier)
 def test_server_cli_serves_and_stops():
   port = free_port()
   proc = subprocess.Popen([sys.executable, "-m", "rollout_server", "--config",
