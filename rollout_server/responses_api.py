@@ -114,6 +114,11 @@ class FunctionTool(_Item):
   strict: Optional[bool] = None
 
 
+def _items_of(given: Any) -> Any:
+  """A call's input as items (a string is one user message)."""
+  return [{"role": "user", "content": given}] if isinstance(given, str) else given
+
+
 def _reply_of(call_id: str) -> Optional[str]:
   """The reply a call id this server gave belongs to (`call_{request id}_{i}`), or None."""
   head, _, index = call_id.rpartition("_")
@@ -217,8 +222,7 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = (),
   if why is not None:
     raise ValueError(why)
   kept, start = [dict(m) for m in prior], len(prior)
-  items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
-      else body.input
+  items = _items_of(body.input)
   begins = set(itertools.accumulate((parts or [])[:-1]))  # (where a part after the first does)
   if not items and not kept:
     raise ValueError("input: empty (give at least one item, or previous_response_id)")
@@ -302,44 +306,67 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = (),
 # -- kept responses (previous_response_id) --------------------------------------------------
 
 
-class ResponseStore:
-  """Responses kept for `previous_response_id`: each the messages it added to its
-  conversation (its input's and its answer) and the response it continued, so a chain of
-  n calls keeps n steps, not n conversations. The least recently used go first past
-  `max_bytes` (a chain's call uses every response before it); a chain whose earlier
-  response has gone is said to be gone."""
+class _Chains:
+  """Responses by id, each with the response it continued (a chain of n calls keeps n
+  steps, not n conversations), its size and what is kept of it; the least recently used
+  go first past `max_bytes` (a chain's call uses every response before it)."""
 
-  def __init__(self, max_bytes: int = 64 << 20):
+  def __init__(self, max_bytes: int):
     self.max_bytes = max_bytes
     self.bytes = 0
+    # response id -> (the response it continued, its size, what is kept of it)
     self._kept: collections.OrderedDict = collections.OrderedDict()
 
-  def conversation(self, response_id: str) -> list[dict]:
-    """The conversation a response ended (its instructions left out); KeyError naming
-    why when it is not kept."""
+  def __len__(self) -> int:
+    return len(self._kept)
+
+  def _put(self, response_id: str, parent: Optional[str], value: Any, nbytes: int) -> None:
+    if response_id in self._kept:
+      self.bytes -= self._kept.pop(response_id)[1]
+    self._kept[response_id] = (parent, nbytes, value)
+    self.bytes += nbytes
+    while self.bytes > self.max_bytes and len(self._kept) > 1:
+      self.bytes -= self._kept.popitem(last=False)[1][1]
+
+  def _chain(self, response_id: str) -> list:
+    """What is kept of the response's chain, oldest first; KeyError(the response of it
+    not kept) when one has gone."""
     steps, at = [], response_id
     while at is not None:
       if at not in self._kept:
-        raise KeyError(
-            f"previous_response_id: {response_id!r} is not kept on this server" + (
-                "" if at == response_id else f" (the response {at!r} it continued has gone)")
-            + ": responses are kept in memory by the server that made them, the newest "
-              "within its bound, unless made with store: false (a router sends a chain's "
-              "calls to the server that keeps it); send the whole input")
+        raise KeyError(at)
       steps.append(at)
       at = self._kept[at][0]
     for at in reversed(steps):  # (the newest most recently used: evicted last)
       self._kept.move_to_end(at)
-    return [m for at in reversed(steps) for m in self._kept[at][1]]
+    return [self._kept[at][2] for at in reversed(steps)]
+
+
+class ResponseStore(_Chains):
+  """Responses kept for `previous_response_id`: each the messages it added to its
+  conversation (its input's and its answer); a chain whose earlier response has gone is
+  said to be gone."""
+
+  def __init__(self, max_bytes: int = 64 << 20):
+    super().__init__(max_bytes)
+
+  def conversation(self, response_id: str) -> list[dict]:
+    """The conversation a response ended (its instructions left out); KeyError naming
+    why when it is not kept."""
+    try:
+      steps = self._chain(response_id)
+    except KeyError as e:
+      at = e.args[0]
+      raise KeyError(
+          f"previous_response_id: {response_id!r} is not kept on this server" + (
+              "" if at == response_id else f" (the response {at!r} it continued has gone)")
+          + ": responses are kept in memory by the server that made them, the newest "
+            "within its bound, unless made with store: false (a router sends a chain's "
+            "calls to the server that keeps it); send the whole input") from None
+    return [m for added in steps for m in added]
 
   def keep(self, response_id: str, parent: Optional[str], added: list[dict]) -> None:
-    nbytes = len(json.dumps(added, default=str)) + 200
-    if response_id in self._kept:
-      self.bytes -= self._kept.pop(response_id)[2]
-    self._kept[response_id] = (parent, added, nbytes)
-    self.bytes += nbytes
-    while self.bytes > self.max_bytes and len(self._kept) > 1:
-      self.bytes -= self._kept.popitem(last=False)[1][2]
+    self._put(response_id, parent, added, len(json.dumps(added, default=str)) + 200)
 
 
 def _compact(items: list) -> bytes:
@@ -367,27 +394,20 @@ def _compact(items: list) -> bytes:
   return json.dumps([item(x) for x in items], separators=(",", ":")).encode()
 
 
-class RelayedResponses:
+class RelayedResponses(_Chains):
   """A router's record of the responses it relayed (kept where they were made): the
   backend that made and keeps each, the response it continued, and what it added to its
   conversation in the API's own items (its input's, then its output's; compact JSON). A
   call continuing a response goes to that backend; when it is down, or has lost it, the
-  call goes with the chain's items as its input (`whole`). The least recently used go
-  first past `max_bytes`, as a server's `ResponseStore`."""
+  call goes with the chain's items as its input (`whole`)."""
 
   def __init__(self, max_bytes: int = 64 << 20):
-    self.max_bytes = max_bytes
-    self.bytes = 0
-    # response id -> (backend, the response it continued, input items, output items, size)
-    self._kept: collections.OrderedDict = collections.OrderedDict()
-
-  def __len__(self) -> int:
-    return len(self._kept)
+    super().__init__(max_bytes)
 
   def home(self, response_id: str) -> Optional[str]:
     """The backend that made the response, or None when this router did not relay it."""
     kept = self._kept.get(response_id)
-    return None if kept is None else kept[0]
+    return None if kept is None else kept[2][0]
 
   @staticmethod
   def step(request: Any) -> Optional[tuple[Optional[str], bytes]]:
@@ -397,8 +417,7 @@ class RelayedResponses:
     than absent or true) or the body is no call."""
     if not isinstance(request, dict) or request.get("store") not in (None, True):
       return None
-    given, parent = request.get("input"), request.get("previous_response_id")
-    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    items, parent = _items_of(request.get("input")), request.get("previous_response_id")
     if not isinstance(items, list) or not (parent is None or isinstance(parent, str)):
       return None
     return parent, _compact(items)
@@ -422,13 +441,7 @@ class RelayedResponses:
         out.append(item)
     parent, given = step
     made = _compact(out)
-    nbytes = len(given) + len(made) + 300
-    if response["id"] in self._kept:
-      self.bytes -= self._kept.pop(response["id"])[4]
-    self._kept[response["id"]] = (backend, parent, given, made, nbytes)
-    self.bytes += nbytes
-    while self.bytes > self.max_bytes and len(self._kept) > 1:
-      self.bytes -= self._kept.popitem(last=False)[1][4]
+    self._put(response["id"], parent, (backend, given, made), len(given) + len(made) + 300)
 
   def whole(self, request: Any) -> Optional[dict]:
     """The call continuing a response, made whole for a backend that does not keep it:
@@ -437,26 +450,21 @@ class RelayedResponses:
     kept conversation: `chat_messages`' `parts`) and the response it continues (echoed);
     None when the body is no such call or a response of the chain is not here (evicted,
     or relayed by another router)."""
-    if not isinstance(request, dict) or not isinstance(request.get("input"), (str, list)):
+    continued = request.get("previous_response_id") if isinstance(request, dict) else None
+    if not (isinstance(continued, str) and isinstance(request.get("input"), (str, list))):
       return None
-    steps, at = [], request.get("previous_response_id")
-    while at is not None:
-      if not isinstance(at, str) or at not in self._kept:
-        return None
-      steps.append(at)
-      at = self._kept[at][1]
-    for at in reversed(steps):
-      self._kept.move_to_end(at)
-    given = request["input"]
-    own = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    try:
+      steps = self._chain(continued)
+    except KeyError:
+      return None
+    own = _items_of(request["input"])
     items, parts = [], []
-    for at in reversed(steps):
-      for kept in self._kept[at][2:4]:
-        kept = json.loads(kept)
-        items += kept
-        parts.append(len(kept))
+    for _, *kept in steps:  # (each response's input items, then its output items)
+      for part in map(json.loads, kept):
+        items += part
+        parts.append(len(part))
     body = {k: v for k, v in request.items() if k != "previous_response_id"}
-    body["jaxagent_made_whole"] = {"previous_response_id": request["previous_response_id"],
+    body["jaxagent_made_whole"] = {"previous_response_id": continued,
                                    "parts": parts + [len(own)]}
     return {**body, "input": items + own}
 
