@@ -253,7 +253,7 @@ class RepeatedTerm:
 
   def same_request(self, sig: int) -> bool:
     orphaned = os.getppid() != self.parent
-    if self.orphan_log and orphaned and _output_is_a_pipe():
+    if self.orphan_log and orphaned and _output_may_be_gone():
       output_to_file(self.orphan_log)
       self.orphan_log = ""
     now = time.monotonic()
@@ -265,10 +265,11 @@ class RepeatedTerm:
     return False
 
 
-def _output_is_a_pipe() -> bool:
-  """Whether stdout or stderr is a pipe or socket (its reader may die with the parent);
-  a file or a terminal stays where it is (output to a file of a run started in the
-  background by a shell that then exited went to the orphan log: a new user's finding)."""
+def _output_may_be_gone() -> bool:
+  """Whether stdout or stderr is a pipe or socket (its reader may die with the parent) or
+  a terminal that hung up (its window closed: every write fails with EIO); a file or a
+  live terminal stays where it is (output to a file of a run started in the background by
+  a shell that then exited went to the orphan log: a new user's finding)."""
   for fd in (1, 2):
     try:
       mode = os.fstat(fd).st_mode
@@ -276,6 +277,11 @@ def _output_is_a_pipe() -> bool:
       continue
     if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
       return True
+    if stat.S_ISCHR(mode):
+      try:
+        os.write(fd, b"")  # (a hung-up terminal refuses even nothing: no longer a tty)
+      except OSError:
+        return True
   return False
 
 

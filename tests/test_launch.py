@@ -234,6 +234,43 @@ def test_an_orphans_output_to_a_file_stays_in_it(tmp_path):
   assert piped.stdout == "" and (tmp_path / "orphan.log").read_text() == "after\n"
 
 
+def test_an_orphans_output_to_a_hung_up_terminal_goes_to_a_file(tmp_path):
+  """A run in a terminal window that was then closed: every write to the terminal fails
+  (EIO), and its stop line and checkpoint messages were lost with a traceback (only a
+  pipe or socket was given up). A live terminal stays where it is."""
+  import pty
+
+  code = textwrap.dedent(f"""
+      import os, signal, sys
+      from jaxagent.train import RepeatedTerm
+      repeats = RepeatedTerm({str(tmp_path / "orphan.log")!r})
+      repeats.parent = -1  # (its parent is gone)
+      print("before", flush=True)
+      sys.stdin.readline()  # (the test closes the terminal, or not, meanwhile)
+      repeats.same_request(signal.SIGINT)
+      print("after", flush=True)
+      """)
+  for hang_up in (False, True):
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=slave,
+                            stderr=slave, stdin=subprocess.PIPE)
+    os.close(slave)
+    seen = b""
+    while b"before" not in seen:
+      seen += os.read(master, 1024)
+    if hang_up:
+      os.close(master)  # (the window closed: the terminal hangs up)
+    proc.stdin.write(b"\n")
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    if not hang_up:
+      while b"after" not in seen:
+        seen += os.read(master, 1024)
+      os.close(master)
+      assert not (tmp_path / "orphan.log").exists()
+  assert (tmp_path / "orphan.log").read_text() == "after\n"
+
+
 def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   from jaxagent import launch as launch_lib
 
