@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Literal, NamedTuple, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -306,27 +306,33 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = (),
 # -- kept responses (previous_response_id) --------------------------------------------------
 
 
+class _Kept(NamedTuple):
+  parent: Optional[str]  # the response it continued
+  nbytes: int
+  value: Any  # what is kept of it
+
+
 class _Chains:
   """Responses by id, each with the response it continued (a chain of n calls keeps n
   steps, not n conversations), its size and what is kept of it; the least recently used
-  go first past `max_bytes` (a chain's call uses every response before it)."""
+  go first past `max_bytes` (a chain's call uses every response before it: `_chain` and
+  `_used` make them all the most recently used)."""
 
   def __init__(self, max_bytes: int):
     self.max_bytes = max_bytes
     self.bytes = 0
-    # response id -> (the response it continued, its size, what is kept of it)
-    self._kept: collections.OrderedDict = collections.OrderedDict()
+    self._kept: collections.OrderedDict[str, _Kept] = collections.OrderedDict()
 
   def __len__(self) -> int:
     return len(self._kept)
 
   def _put(self, response_id: str, parent: Optional[str], value: Any, nbytes: int) -> None:
     if response_id in self._kept:
-      self.bytes -= self._kept.pop(response_id)[1]
-    self._kept[response_id] = (parent, nbytes, value)
+      self.bytes -= self._kept.pop(response_id).nbytes
+    self._kept[response_id] = _Kept(parent, nbytes, value)
     self.bytes += nbytes
     while self.bytes > self.max_bytes and len(self._kept) > 1:
-      self.bytes -= self._kept.popitem(last=False)[1][1]
+      self.bytes -= self._kept.popitem(last=False)[1].nbytes
 
   def _chain(self, response_id: str) -> list:
     """What is kept of the response's chain, oldest first; KeyError(the response of it
@@ -336,10 +342,17 @@ class _Chains:
       if at not in self._kept:
         raise KeyError(at)
       steps.append(at)
-      at = self._kept[at][0]
+      at = self._kept[at].parent
     for at in reversed(steps):  # (the newest most recently used: evicted last)
       self._kept.move_to_end(at)
-    return [self._kept[at][2] for at in reversed(steps)]
+    return [self._kept[at].value for at in reversed(steps)]
+
+  def _used(self, response_id: Optional[str]) -> bool:
+    """Makes the response's chain the most recently used; whether all of it is kept."""
+    try:
+      return response_id is not None and bool(self._chain(response_id))
+    except KeyError:
+      return False
 
 
 class ResponseStore(_Chains):
@@ -399,23 +412,27 @@ class RelayedResponses(_Chains):
   backend that made and keeps each, the response it continued, and what it added to its
   conversation in the API's own items (its input's, then its output's; compact JSON). A
   call continuing a response goes to that backend; when it is down, or has lost it, the
-  call goes with the chain's items as its input (`whole`)."""
+  call goes with the chain's items as its input (`whole`). A chain in use is the most
+  recently used, all of it (the router's record dropped a live chain's first responses
+  before idle ones, so the chain could not be made whole when its home died: a
+  reviewer)."""
 
   def __init__(self, max_bytes: int = 64 << 20):
     super().__init__(max_bytes)
 
-  def home(self, response_id: str) -> Optional[str]:
-    """The backend that made the response, or None when this router did not relay it."""
+  def home(self, response_id: str) -> tuple[Optional[str], bool]:
+    """(The backend that made the response, or None when this router did not relay it;
+    whether its whole chain is here to be made whole). The chain is used."""
     kept = self._kept.get(response_id)
-    return None if kept is None else kept[2][0]
+    return (None, False) if kept is None else (kept.value[0], self._used(response_id))
 
   @staticmethod
   def step(request: Any) -> Optional[tuple[Optional[str], bytes]]:
     """What a call adds to its chain, taken from its body when it is sent (its body's
     parse need not live as long as the call): (the response it continues, its input items
-    compact); None when the response will not be kept where it is made (`store` other
-    than absent or true) or the body is no call."""
-    if not isinstance(request, dict) or request.get("store") not in (None, True):
+    compact); None when the body is no call. (Whether the response is kept where it was
+    made is the response's own `store`, as the server read the call's: `learn`.)"""
+    if not isinstance(request, dict):
       return None
     items, parent = _items_of(request.get("input")), request.get("previous_response_id")
     if not isinstance(items, list) or not (parent is None or isinstance(parent, str)):
@@ -441,6 +458,7 @@ class RelayedResponses(_Chains):
         out.append(item)
     parent, given = step
     made = _compact(out)
+    self._used(parent)  # (its chain is in use: all of it the most recently used)
     self._put(response["id"], parent, (backend, given, made), len(given) + len(made) + 300)
 
   def whole(self, request: Any) -> Optional[dict]:
@@ -464,7 +482,7 @@ class RelayedResponses(_Chains):
         items += part
         parts.append(len(part))
     body = {k: v for k, v in request.items() if k != "previous_response_id"}
-    body["jaxagent_made_whole"] = {"previous_response_id": continued,
+    body[MADE_WHOLE] = {"previous_response_id": continued,
                                    "parts": parts + [len(own)]}
     return {**body, "input": items + own}
 
@@ -496,11 +514,16 @@ class StreamEnd:
 # -- answers --------------------------------------------------------------------------------
 
 
+MADE_WHOLE = "jaxagent_made_whole"
+
+
 def made_whole(body: ResponsesBody) -> tuple[Optional[str], Optional[list[int]]]:
   """A router's call made whole (`RelayedResponses.whole`): (the response it continues,
   which the answer echoes; its input's parts, `chat_messages`'); (None, None) for any
-  other call. ValueError when its field is not one."""
-  given = (body.model_extra or {}).get("jaxagent_made_whole")
+  other call. ValueError when its field is not one. (A router refuses the field from
+  its clients; a client calling a server itself can set no more with it than what items
+  join which response's and the id echoed.)"""
+  given = (body.model_extra or {}).get(MADE_WHOLE)
   if given is None:
     return None, None
   parts = given.get("parts") if isinstance(given, dict) else None

@@ -126,7 +126,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   # Responses relayed (`/v1/responses`): which backend keeps each, and its items, so that
   # a call continuing one reaches it, or another with the chain's items when it is down.
-  relayed = responses_api.RelayedResponses()
+  # (as much as its backends keep together: one server's bound filled n times sooner)
+  relayed = responses_api.RelayedResponses((64 << 20) * len(ring.backends))
   # session id -> the copies after its streams, running (a read of it waits for them)
   copying: dict[str, set] = {}
   # session id -> the backend that ran its last turn in this router's copy
@@ -637,9 +638,15 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     # Where the response is not kept (its backend down, or restarted and answering 404,
     # or the session's), it goes with the chain's items as its input (`whole`).
     responses = path == "v1/responses" and request.method == "POST"
+    if responses and responses_api.MADE_WHOLE in data:
+      return refusal(path, 400, f"{responses_api.MADE_WHOLE}: set by a router only (send "
+                                "previous_response_id, or the whole input)")
     continued = data.get("previous_response_id") if responses else None
-    home = relayed.home(continued) if isinstance(continued, str) else None
-    if home is not None and session_id is None:
+    home, whole_here = (relayed.home(continued) if isinstance(continued, str)
+                        else (None, False))
+    if home is not None and (session_id is None or not whole_here):
+      # (a chain that cannot be made whole here goes to the server that keeps it, the
+      # session's or not: elsewhere it could only be a 404; a reviewer)
       order = [home] + [b for b in order if b != home]
     step = relayed.step(data) if responses else None  # (what a response made keeps)
     del data  # (its parse of a body of up to max_body_bytes: not for the call's length)
@@ -660,9 +667,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         if status is None or status >= 500 or status in (408, 429):
           last_error = f"{backend}: a delete of the session it owes failed ({status})"
           continue
+      ran = last_from.get(session_id) if records else None
       if records and path != "generate" and not await hand_over(session_id, backend):
         last_error = down(backend, "unreachable (handing over the session's threads)")
         continue
+      handed = ran != backend and records and last_from.get(session_id) == backend
       # A turn is as long as its tokens (its client asks how it stands, `GET
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
@@ -703,12 +712,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         gone.cancel()
       counts[backend] += 1
       if resp.status_code == 404 and backend == home and not home_lost:
-        # Its kept responses are gone (it restarted at its address; its own bound): the
-        # call goes to it again made whole.
-        await resp.aclose()
+        # Its kept responses are gone (it restarted at its address; its own bound): so
+        # may be the session's threads (before its next /health names its new instance,
+        # the turn went on there encoded from its text: a reviewer), and the call goes
+        # to it again made whole where this router can make it so.
         home_lost = True
-        order.insert(0, backend)
-        continue
+        if records and not handed:
+          forget_later(last_from, session_id, "")  # (handed over wherever it goes next)
+        if whole_here:
+          await resp.aclose()
+          order.insert(0, backend)
+          continue
       out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
       out_headers["x-routed-to"] = backend
       # (a response made here is learnt: what its call, as the client sent it, added)

@@ -162,7 +162,7 @@ def made_whole_alike(chain: list[tuple[dict, dict]], nxt: dict, stream_end: bool
     reply = answer.pop("finish")
     store.keep(answer["id"], parent, conversation[len(prior):] + [reply])
     relayed.learn("http://a", RelayedResponses.step(request), answer)
-  assert relayed.home(chain[-1][1]["id"]) == "http://a" and len(relayed) == len(chain)
+  assert relayed.home(chain[-1][1]["id"]) == ("http://a", True) and len(relayed) == len(chain)
   whole = relayed.whole(nxt)
   assert "previous_response_id" not in whole
   assert whole["jaxagent_made_whole"]["previous_response_id"] == nxt["previous_response_id"]
@@ -245,10 +245,11 @@ def test_a_chain_made_whole_keeps_its_calls_boundaries():
 def test_what_a_router_keeps_of_responses_is_bounded_and_only_what_was_kept():
   relayed = RelayedResponses(max_bytes=20_000)
   answer = {"id": "resp_1", "output": [], "store": True}
-  # Not kept where it was made (the server reads these as false), or no response: none.
-  for store in (False, 0, "false", "no"):
-    relayed.learn("a", RelayedResponses.step({"input": "x", "store": store}), answer)
-  relayed.learn("a", RelayedResponses.step({"input": "x"}), dict(answer, store=False))
+  # Not kept where it was made (the response's store, as its server read the call's), or
+  # no response: none.
+  for store in (False, 0, "false", "no", True):
+    relayed.learn("a", RelayedResponses.step({"input": "x", "store": store}),
+                  dict(answer, store=False))
   relayed.learn("a", RelayedResponses.step({"input": 5}), answer)
   relayed.learn("a", RelayedResponses.step({"input": "x"}), {"id": "resp_y", "output": "junk"})
   relayed.learn("a", RelayedResponses.step({"input": "x"}), ["junk"])
@@ -262,12 +263,37 @@ def test_what_a_router_keeps_of_responses_is_bounded_and_only_what_was_kept():
           "role": "user", "content": "hi"}
   for i in range(100):  # the least recently used go first past the bound
     relayed.learn("a", RelayedResponses.step({"input": "z" * 1000}), dict(answer, id=f"r{i}"))
-  assert relayed.bytes <= relayed.max_bytes and relayed.home("resp_1") is None
+  assert relayed.bytes <= relayed.max_bytes and relayed.home("resp_1") == (None, False)
   # A call that is none to make whole (its input no items; its chain not here): none.
   for call in ({"previous_response_id": "r99", "input": 5},
                {"previous_response_id": "r99", "input": {"a": 1}},
                {"previous_response_id": "resp_1", "input": "y"}):
     assert relayed.whole(call) is None
+
+
+def test_a_chain_in_use_outlives_idle_responses_in_a_routers_record():
+  """A live chain's first responses were the first a router's record dropped (only a
+  failure walked the chain), so at its home's death it could not be made whole while
+  idle one-call responses stayed (a reviewer). A chain used is the most recently used."""
+  relayed = RelayedResponses(max_bytes=12_000)
+  answer = {"store": True, "output": [{"type": "message", "content": [
+      {"type": "output_text", "text": "ok"}]}]}
+  parent = None
+  for t in range(12):
+    relayed.learn("http://a", RelayedResponses.step(
+        {"input": "x" * 200, "previous_response_id": parent}), dict(answer, id=f"c{t}"))
+    for k in range(2):  # (others' one-call responses between the chain's calls)
+      relayed.learn("http://b", RelayedResponses.step({"input": "y" * 200}),
+                    dict(answer, id=f"o{t}_{k}"))
+    assert relayed.home(f"c{t}") == ("http://a", True)
+    parent = f"c{t}"
+  assert relayed.bytes <= relayed.max_bytes and relayed.home("o0_0") == (None, False)
+  whole = relayed.whole({"previous_response_id": "c11", "input": "next"})
+  assert whole["jaxagent_made_whole"]["parts"] == [1, 1] * 12 + [1]
+  # A chain whose first response has gone is none to make whole, though its home is known.
+  relayed.bytes -= relayed._kept.pop("c0").nbytes
+  assert relayed.home("c11") == ("http://a", False) and relayed.whole(
+      {"previous_response_id": "c11", "input": "next"}) is None
 
 
 def accumulate(events: list[str]) -> tuple[list[dict], dict]:
@@ -576,6 +602,11 @@ def test_through_the_router(server):
     # finding: in FastAPI's shape it said only "Error code: 400").
     with pytest.raises(openai.BadRequestError, match="name different sessions"):
       c.responses.create(model="tiny", input="x", extra_body={"session_id": "another"})
+    # A call made whole is the router's to make (a client's claimed any response as the
+    # one it continued, echoed as such: a reviewer).
+    with pytest.raises(openai.BadRequestError, match="jaxagent_made_whole: set by a router"):
+      c.responses.create(model="tiny", input=["x"], extra_body={"jaxagent_made_whole": {
+          "previous_response_id": first.id, "parts": [1]}})
 
 
 def test_a_stream_cut_by_a_dying_backend_raises_in_the_client():
@@ -677,3 +708,73 @@ def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokeni
     assert health["handovers"] == 2
     (seg,) = collect_session(turns, session_id=session_id, task_id="t")
     assert seg.decisions == [CLEAN] * 6
+
+
+def test_a_chain_goes_on_where_it_is_kept_when_the_router_cannot_see_or_make_it_whole(
+    server, tokenizer, monkeypatch):
+  """Two reviewer's cases. (1) The session's server restarted and the router has not yet
+  seen its new instance (between health checks): the chain's next call, answered 404
+  there, went again made whole but without the session's threads: encoded from its text,
+  a fork. The 404 is the news: the session is handed over. (2) A session's chain that
+  the router can no longer make whole (its first response dropped from its record) went
+  to the session's server, a certain 404, though the chain's own server kept it."""
+  from rollout_server import router as router_lib
+  from rollout_server.server import create_app
+
+  _, orch = server
+  records = []
+
+  def small(max_bytes=0):  # (the router's record, bounded to see it drop a response)
+    records.append(RelayedResponses(6_000))
+    return records[-1]
+
+  monkeypatch.setattr(router_lib.responses_api, "RelayedResponses", small)
+  servers = [ServerThread(create_app(orch, tokenizer)).start() for _ in range(2)]
+  ask = {"model": "tiny", "max_output_tokens": 4}
+  try:
+    # (1) no health check after the first: the restart is seen only by its 404
+    with ServerThread(create_router([s.url for s in servers], health_interval_s=3600)) \
+        as router:
+      c = client(router.url, session_id="resp-unseen")
+      links = []
+      for text in ("Say hi", "Again?"):
+        raw = c.responses.with_raw_response.create(
+            input=text, previous_response_id=links[-1].id if links else None, **ask)
+        links.append(raw.parse())
+      j = [s.url for s in servers].index(raw.http_response.headers["x-routed-to"])
+      servers[j].stop()
+      servers[j] = ServerThread(create_app(orch, tokenizer), port=servers[j].port).start()
+      raw = c.responses.with_raw_response.create(input="After?",
+                                                 previous_response_id=links[-1].id, **ask)
+      assert raw.http_response.headers["x-routed-to"] == servers[j].url
+      assert raw.parse().previous_response_id == links[-1].id
+      health = httpx.get(f"{router.url}/router/health").json()
+      assert health["handovers"] == 1 and health["responses_made_whole"] == 1
+      turns = httpx.get(f"{router.url}/sessions/resp-unseen").json()["turns"]
+      (seg,) = collect_session(turns, session_id="resp-unseen", task_id="t")
+      assert seg.decisions == [CLEAN] * 3
+    # (2)
+    with ServerThread(create_router([s.url for s in servers], health_interval_s=0.2)) \
+        as router:
+      c = client(router.url, session_id="resp-away")
+      raw = c.responses.with_raw_response.create(input="Say hi", **ask)
+      own = raw.http_response.headers["x-routed-to"]
+      first = raw.parse()
+      j = [s.url for s in servers].index(own)
+      servers[j].stop()
+      raw = c.responses.with_raw_response.create(input="Again?", previous_response_id=first.id,
+                                                 **ask)
+      away, second = raw.http_response.headers["x-routed-to"], raw.parse()
+      assert away != own
+      servers[j] = ServerThread(create_app(orch, tokenizer), port=servers[j].port).start()
+      time.sleep(1.0)  # (back in rotation: the session's turns go to it again)
+      others = client(router.url)
+      while first.id in records[-1]._kept:  # others' calls drop it (home() would use it)
+        others.responses.create(input="z", **ask)
+      raw = c.responses.with_raw_response.create(input="Next?",
+                                                 previous_response_id=second.id, **ask)
+      assert raw.http_response.headers["x-routed-to"] == away
+      assert raw.parse().previous_response_id == second.id
+  finally:
+    for s in servers:
+      s.stop()
