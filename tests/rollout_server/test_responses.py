@@ -682,9 +682,11 @@ def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokeni
       assert httpx.get(f"{other}/health").json()["instance"] != before
       time.sleep(1.0)  # (health checks every 0.2 s)
       raw = c.responses.with_raw_response.create(
-          previous_response_id=links[-1].id, input="After?", **ask)
+          previous_response_id=links[-1].id, input="After?", stream=True, **ask)
       assert raw.http_response.headers["x-routed-to"] == other
-      assert raw.parse().previous_response_id == links[-1].id  # (as sent)
+      (after,) = [e.response for e in raw.parse()  # (streamed: made whole all the same)
+                  if e.type in ("response.completed", "response.incomplete")]
+      assert after.previous_response_id == links[-1].id  # (as sent)
       health = httpx.get(f"{router.url}/router/health").json()
       turns = (httpx.get(f"{router.url}/sessions/{session_id}").json()["turns"]
                if session_id else None)
