@@ -625,6 +625,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
+    # (a trailing slash: the backend's redirect to its own address went back to the
+    # client, who then called it past the router: red team 41)
+    path = path.strip("/")
     body = await request.body()
     data = parsed(body)
     try:
@@ -652,6 +655,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     del data  # (its parse of a body of up to max_body_bytes: not for the call's length)
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     made_whole = home_lost = False
+    whole: Optional[bytes] = None  # (the call made whole, once made)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     turn = path in ("generate", "v1/chat/completions", "v1/messages", "v1/responses")
     records = (session_id is not None and turn
@@ -678,9 +682,16 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                  else httpx.USE_CLIENT_DEFAULT)
       content = body
       if home is not None and (home_lost or home != backend):
-        whole = relayed.whole(parsed(body))
-        if whole is not None:  # (else its backend says the response is not kept there)
-          content = json.dumps(whole).encode()
+        if whole is None:
+          made = relayed.whole(parsed(body))
+          whole = b"" if made is None else json.dumps(made).encode()
+          del made
+          if len(whole) > max_body_bytes:
+            return refusal(path, 413, "previous_response_id: the chain, made whole for a "
+                           f"server that does not keep it, is {len(whole)} bytes, over "
+                           f"{max_body_bytes}: send the whole input")
+        if whole:  # (else its backend says the response is not kept there)
+          content = whole
           failovers["responses_made_whole"] += not made_whole  # (calls, not sends)
           made_whole = True
       req = client().build_request(request.method, f"{backend}/{path}", content=content,

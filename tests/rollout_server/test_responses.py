@@ -604,6 +604,9 @@ def test_through_the_router(server):
       c.responses.create(model="tiny", input="x", extra_body={"session_id": "another"})
     # A call made whole is the router's to make (a client's claimed any response as the
     # one it continued, echoed as such: a reviewer).
+    with pytest.raises(openai.BadRequestError, match="call_id.*at most 256"):
+      c.responses.create(model="tiny", input=[
+          {"type": "function_call_output", "call_id": "c" * 257, "output": "5"}])
     with pytest.raises(openai.BadRequestError, match="jaxagent_made_whole: set by a router"):
       c.responses.create(model="tiny", input=["x"], extra_body={"jaxagent_made_whole": {
           "previous_response_id": first.id, "parts": [1]}})
@@ -777,6 +780,24 @@ def test_a_chain_goes_on_where_it_is_kept_when_the_router_cannot_see_or_make_it_
                                                  previous_response_id=second.id, **ask)
       assert raw.http_response.headers["x-routed-to"] == away
       assert raw.parse().previous_response_id == second.id
+    # (3) A chain that made whole would pass the servers' body bound: said (red team 41:
+    # 37 MB made-whole bodies held by the router, a 413 in no API's shape)
+    with ServerThread(create_router([s.url for s in servers], health_interval_s=600,
+                                    max_body_bytes=500)) as router:
+      raw = client(router.url).responses.with_raw_response.create(input="a" * 100, **ask)
+      home, first = raw.http_response.headers["x-routed-to"], raw.parse()
+      second = client(router.url).responses.create(input="b" * 100,
+                                                   previous_response_id=first.id, **ask)
+      ring = router_lib.HashRing([s.url for s in servers])
+      elsewhere = next(f"s{i}" for i in range(100) if ring.candidates(f"s{i}")[0] != home)
+      with pytest.raises(openai.APIStatusError, match="made whole for a server that does "
+                         "not keep it, is [0-9]+ bytes, over 500") as e:
+        client(router.url, session_id=elsewhere).responses.create(
+            input="c", previous_response_id=second.id, **ask)
+      assert e.value.status_code == 413
+      # A trailing slash is the same call (it was redirected to the backend itself).
+      r = httpx.post(f"{router.url}/v1/responses/", json={"input": "d", **ask})
+      assert r.status_code == 200 and r.headers["x-routed-to"] in [s.url for s in servers]
   finally:
     for s in servers:
       s.stop()
