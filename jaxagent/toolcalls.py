@@ -105,6 +105,10 @@ def _parse_block(body: str) -> tuple[str, dict, Optional[str]]:
   obj = _loads(body.strip())
   if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
     raise ValueError('a tool call must be a JSON object with a string "name"')
+  other = sorted(k for k in obj if k not in ("name", "arguments"))
+  if other:  # ("argumesss" read as no arguments: a call the model did not write, red team 41)
+    raise ValueError('a tool call has only "name" and "arguments" (it has '
+                     f"{', '.join(map(json.dumps, other))[:100]})")
   args = obj.get("arguments", {})
   raw = _member_texts(body.strip()).get("arguments") if isinstance(args, dict) else None
   if isinstance(args, str):  # some models write the arguments as a JSON string

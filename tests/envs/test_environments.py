@@ -567,6 +567,20 @@ def test_tool_calls_are_capped_per_turn_and_lone_surrogates_are_malformed():
     resources.close()
 
 
+def test_a_tool_call_with_other_keys_is_malformed():
+  """A call written {"name": ..., "argumesss": {...}} was taken as the call with no
+  arguments: the environment ran, and a router's re-encoding rendered, a call the model
+  did not write, not counted as malformed (red team 41)."""
+  from envs.tools import parse_tool_calls
+
+  bad = parse_tool_calls('<tool_call>{"name": "calculate", "argumesss": {"expression": '
+                         '"9+8"}}</tool_call>')
+  assert not bad.calls and 'has only "name" and "arguments" (it has "argumesss")' in \
+      bad.errors[0]
+  ok = parse_tool_calls('<tool_call>{"name": "list_files"}</tool_call>')  # (no arguments)
+  assert not ok.errors and ok.calls[0].arguments == {}
+
+
 def test_tool_call_arguments_nested_past_the_bound_are_malformed():
   """An `anthropic`-client agent sends a reply's tool_use input back on its next turn;
   pydantic refused to serialise ~300 levels and the episode raised, which stopped the
