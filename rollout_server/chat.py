@@ -262,6 +262,8 @@ class ChatTurn:
   # Called when the turn is abandoned unfinished (its stream's client went away).
   on_abandoned: Optional[Callable[[], None]] = None
   _message: Optional[dict] = dataclasses.field(default=None, init=False, repr=False)
+  # Where the turn was recorded (its session record's id, its index), once it was.
+  recorded: Optional[tuple[str, int]] = dataclasses.field(default=None, init=False)
   _parts: list = dataclasses.field(default_factory=list, init=False, repr=False)
 
   def __post_init__(self):
@@ -379,7 +381,7 @@ class ChatTurn:
       record = self.result()
       record.update(kind=self.kind, messages=self.messages, tools=self.tools, response=message,
                     tool_call_errors=parsed.errors)
-      self.sessions.record(self.session_id, record)
+      self.recorded = self.sessions.record(self.session_id, record)
     self._message = message
     return message
 

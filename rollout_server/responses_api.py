@@ -362,8 +362,8 @@ class _Chains:
 
 class ResponseStore(_Chains):
   """Responses kept for `previous_response_id`: each the messages it added to its
-  conversation (its input's and its answer); a chain whose earlier response has gone is
-  said to be gone."""
+  conversation (its input's and its answer) and the session turn it was recorded as; a
+  chain whose earlier response has gone is said to be gone."""
 
   def __init__(self, max_bytes: int = 64 << 20):
     super().__init__(max_bytes)
@@ -381,10 +381,17 @@ class ResponseStore(_Chains):
           + ": responses are kept in memory by the server that made them, the newest "
             "within its bound, unless made with store: false (a router sends a chain's "
             "calls to the server that keeps it); send the whole input") from None
-    return [m for added in steps for m in added]
+    return [m for added, _ in steps for m in added]
 
-  def keep(self, response_id: str, parent: Optional[str], added: list[dict]) -> None:
-    self._put(response_id, parent, added, len(json.dumps(added, default=str)) + 200)
+  def keep(self, response_id: str, parent: Optional[str], added: list[dict],
+           turn: Optional[tuple[str, str, int]] = None) -> None:
+    """`turn`: the session turn it was recorded as (session id, record id, index)."""
+    self._put(response_id, parent, (added, turn), len(json.dumps(added, default=str)) + 300)
+
+  def turn_of(self, response_id: str) -> Optional[tuple[str, str, int]]:
+    """The session turn the response was recorded as, when it was and is kept."""
+    kept = self._kept.get(response_id)
+    return None if kept is None else kept.value[1]
 
 
 def _compact(items: list) -> bytes:

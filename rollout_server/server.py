@@ -635,6 +635,12 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         max_new_tokens=body.max_output_tokens or 256,
         stop_token_ids=tuple(tokenizer.stop_ids),
         seed=body.seed if body.seed is not None else uuid.uuid4().int % (2**31))
+    made_in = (kept_responses.turn_of(body.previous_response_id)
+               if body.previous_response_id is not None and session_id else None)
+    if made_in is not None and made_in[0] == session_id:
+      # (a call going on from a turn that is not the session's last one: an SDK's retry
+      # from its last good response, a branch; it continues that turn's tokens)
+      sessions.revive(*made_in)
     turn = start_chat(chat_messages, tools, sampling, session_id, kind="responses",
                       id_prefix="call", model=body.model)
     # (cleaned as the prompt is: a lone surrogate echoed made the answer unwritable, a
@@ -644,8 +650,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
     def keep() -> None:
       if body.store is not False:
+        message = turn.finish()
         kept_responses.keep(f"resp_{turn.request_id}", body.previous_response_id,
-                            conversation[len(prior):] + [turn.finish()])
+                            conversation[len(prior):] + [message],
+                            (session_id, *turn.recorded) if turn.recorded else None)
 
     if body.stream:
       return StreamingResponse(

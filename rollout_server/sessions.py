@@ -155,6 +155,7 @@ class _Parent:
   messages: int
   tools_json: str
   replies: list
+  turn: Optional[int] = None  # (its index in the record, when it ran here)
 
 
 def _reply(out: Any, response: Any) -> tuple[Any, Optional[dict], int]:
@@ -203,7 +204,7 @@ class _Session:
           break
       elif len(h.ids) <= len(head.ids) and head.ids[:len(h.ids)] == h.ids:
         head.parent = _Parent(len(h.ids), h.output_count, len(h.digests), h.tools_json,
-                              h.replies)
+                              h.replies, h.turn)
         break
     self.heads = [h for h in self.heads if not h.continued_by(head.digests)][
         -(MAX_HEADS - 1):] + [head]
@@ -273,9 +274,10 @@ class _Session:
       if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         self.calls[str(call.get("id"))] = function["arguments"]
 
-  def unpacked(self, since: int = 0) -> list[dict]:
-    """The turns from `since` on as they were recorded (lists, not arrays; each turn's
-    own lists, whose message objects are shared with the store: not to be changed)."""
+  def unpacked(self, since: int = 0, until: Optional[int] = None) -> list[dict]:
+    """The turns from `since` on (to `until`) as they were recorded (lists, not arrays;
+    each turn's own lists, whose message objects are shared with the store: not to be
+    changed)."""
     # (the contexts of the turns a later one is stored against, past the turn before)
     bases = {v.base for t in self.turns for v in (t.get("prompt_ids"), t.get("messages"))
              if isinstance(v, _Tail) and v.base is not None}
@@ -294,7 +296,26 @@ class _Session:
         out.append({k: v.tolist() if isinstance(v, array.array) else
                     list(v) if k == "messages" and isinstance(v, list) else v
                     for k, v in turn.items()})
+      if until is not None and i + 1 >= until:
+        break
     return out
+
+  def revive(self, turn: int) -> bool:
+    """Makes recorded turn `turn` (a chat turn) one of the session's threads again, when
+    it is neither a thread nor the turn one went on from; whether it did."""
+    if any(h.turn == turn or (h.parent is not None and h.parent.turn == turn)
+           for h in self.heads):
+      return False
+    (t,) = self.unpacked(turn, turn + 1)
+    prompt, out = _pack(t.get("prompt_ids"), int), _pack(t.get("output_ids"), int)
+    messages = t.get("messages")
+    if not (isinstance(messages, list) and _packed_alike(prompt, out)):
+      return False
+    head = _Head(prompt + out, len(out), [_digest(json.dumps(m, default=str)) for m in messages],
+                 json.dumps(t.get("tools"), default=str), [_reply(out, t.get("response"))],
+                 turn=turn)
+    self.add_head(head)
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,14 +358,16 @@ class SessionStore:
     self.evicted = {"count": 0, "bytes": 0, "ttl": 0}
     self._lock = threading.Lock()
 
-  def record(self, session_id: str, turn: dict) -> None:
+  def record(self, session_id: str, turn: dict) -> tuple[str, int]:
     """Appends `turn` (numbered: its `turn` field is set to its index; `recorded_at` is
-    the wall time, by which a router orders the turns a session ran on several servers)."""
+    the wall time, by which a router orders the turns a session ran on several servers);
+    (its record's id, its index): where it is, for `revive`."""
     turn.setdefault("recorded_at", time.time())
-    self.extend(session_id, [turn], number=True)
+    return self.extend(session_id, [turn], number=True), turn["turn"]
 
-  def extend(self, session_id: str, turns: list[dict], number: bool = False) -> None:
-    """Appends turns recorded elsewhere (a router's copy of its backends' records)."""
+  def extend(self, session_id: str, turns: list[dict], number: bool = False) -> str:
+    """Appends turns recorded elsewhere (a router's copy of its backends' records);
+    the record's id."""
     with self._lock:
       session = self._held(session_id)
       for turn in turns:
@@ -353,6 +376,24 @@ class SessionStore:
         self.bytes += session.append(turn)
       session.touched = self._clock()
       self._bound()
+      return session.record_id
+
+  def revive(self, session_id: str, record_id: str, turn: int) -> bool:
+    """A call that says which turn it continues (a Responses call's previous_response_id,
+    an SDK's retry from its last good response): that turn of the session's record
+    `record_id` is made one of its threads again (the session's threads are its last
+    turns only, so a call going on from an earlier one was encoded from its text: a fork,
+    red team 41). Whether it was."""
+    with self._lock:
+      session = self._sessions.get(session_id)
+      if session is None or session.record_id != record_id or not (
+          0 <= turn < len(session.turns)):
+        return False
+      if not session.revive(turn):
+        return False
+      self.bytes += session._sized()
+      self._bound()
+      return True
 
   def _held(self, session_id: str) -> _Session:
     """The session (made when not held), now the most recently used (under the lock)."""

@@ -467,6 +467,39 @@ def test_previous_response_id_continues_the_kept_conversation(server, tokenizer)
                        previous_response_id=first.id)
 
 
+def test_a_call_going_on_from_an_earlier_response_continues_its_tokens(server):
+  """An SDK's retry from its last good response, or a branch: a call continuing a
+  response that is not the session's last turn (nor the one it went on from) was encoded
+  from its text: a fork where the reply's text does not encode back to its tokens (red
+  team 41). It continues the tokens of the turn that response was recorded as."""
+  srv, _ = server
+  http = httpx.Client(base_url=srv.url, headers={"X-Session-Id": "resp-branch"}, timeout=60)
+  store = srv.server.config.app.state.sessions
+
+  def ask(text, previous=None):
+    r = http.post("/v1/responses", json={"model": "tiny", "input": text, "temperature": 1.0,
+                                         "max_output_tokens": 12,
+                                         "previous_response_id": previous})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+  def continues(a, b):
+    context = a["jaxagent"]["prompt_ids"] + a["jaxagent"]["output_ids"]
+    return b["jaxagent"]["prompt_ids"][:len(context)] == context
+
+  r1 = ask("one")
+  r2 = ask("two", r1["id"])
+  r3 = ask("three", r2["id"])
+  r4 = ask("two again", r1["id"])  # (r1: no thread, nor the turn one went on from)
+  # It went on from turn 0's tokens (before, from none: its prompt encoded from the text).
+  (went_on,) = [h.parent.turn for h in store._sessions["resp-branch"].heads if h.turn == 3]
+  assert went_on == 0
+  r5 = ask("three again", r2["id"])
+  r6 = ask("four", r3["id"])
+  assert all(continues(a, b) for a, b in ((r1, r2), (r2, r3), (r1, r4), (r2, r5), (r3, r6)))
+  http.close()
+
+
 def test_streams(server):
   srv, _ = server
   c = client(srv.url)

@@ -376,6 +376,33 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
   assert store.pop("b") is not None and store.bytes == 0 and size > 0
 
 
+def test_a_recorded_turn_revived_is_continued_with_its_own_tokens():
+  """A call that says which turn it goes on from (a Responses call's previous_response_id)
+  makes that turn a thread again, so the call continues its tokens as sampled (here not
+  its text's encoding), though later turns went on from it another way."""
+  from rollout_server.sessions import SessionStore
+
+  store = SessionStore(10)
+
+  def turn(texts, prompt, out):
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                for i, t in enumerate(texts)]
+    return {"prompt_ids": prompt, "output_ids": out, "messages": messages, "tools": None,
+            "response": {"role": "assistant", "content": "x"}}
+
+  where = store.record("s", turn(["one"], [1, 2], [7, 7, 7]))
+  store.record("s", turn(["one", "A", "two"], [1, 2, 7, 7, 7, 3], [8]))
+  store.record("s", turn(["one", "A", "two", "B", "three"], [1, 2, 7, 7, 7, 3, 8, 4], [9]))
+  later = turn(["one", "A", "two again"], [], [])["messages"]
+  assert store.last_turn("s", later, None) is None  # (turn 0 is no thread now)
+  assert not store.revive("s", "another-record", where[1])  # (a session made anew)
+  assert not store.revive("s", where[0], 5) and not store.revive("t", *where)
+  assert store.revive("s", *where) and not store.revive("s", *where)
+  got = store.last_turn("s", later, None)
+  assert got.prompt_ids == [1, 2] and got.replies[0][0] == [7, 7, 7]
+  assert store.bytes == store._sessions["s"].size
+
+
 def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
   """Each turn sends the whole conversation again; the store keeps what a turn shares
   with the one before once, and gives every turn back exactly as it was recorded."""
