@@ -285,7 +285,9 @@ class Orchestrator:
         raise RuntimeError("the orchestrator is stopped")
       if len(self._queue) >= self.max_queue:
         raise QueueFull(f"queue is full ({self.max_queue} requests)")
-      rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+      # (96 random bits: a Responses id, resp_{request id}, is what lets a call go on
+      # from its conversation; with 32 and the count, another's could be guessed)
+      rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:24]}"
       if rid in self._requests:
         raise ValueError(f"request id {rid!r} is already in flight")
       req = Request(prompt, sampling, rid, session_id)
