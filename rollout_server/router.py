@@ -48,6 +48,12 @@ log = logging.getLogger(__name__)
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
+# The router's own paths: a backend's, reached through the router, would be another
+# client's way to set a session's tokens (handover), a policy (update_weights), or a
+# backend's health read as the router's.
+_ROUTERS_OWN = frozenset({"handover", "update_weights", "health", "router/health"})
+
+
 def _hash(key: str) -> int:
   return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big")
 
@@ -83,6 +89,31 @@ def _unrecorded(body: bytes) -> bool:
   except (ValueError, RecursionError):
     return False
   return isinstance(data, dict) and data.get("record") is False
+
+
+class _CleanPath:
+  """ASGI middleware: the path is routed as a server would read it, its repeated slashes
+  collapsed, its trailing one dropped and its `.`/`..` segments resolved, before any
+  route is matched. Routed as sent, `POST //handover`, `/handover/` or `/v1/../handover`
+  missed the router's own `/handover` and was forwarded, to reach a backend's as the
+  same call (a client setting another session's tokens; a reviewer)."""
+
+  def __init__(self, app):
+    self.app = app
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http":
+      parts: list = []
+      for part in scope["path"].split("/"):
+        if part == "..":
+          if parts:
+            parts.pop()
+        elif part not in ("", "."):
+          parts.append(part)
+      clean = "/" + "/".join(parts)
+      if clean != scope["path"]:
+        scope = {**scope, "path": clean, "raw_path": quote(clean).encode()}
+    await self.app(scope, receive, send)
 
 
 class _Unreadable(Exception):
@@ -434,6 +465,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
   app.add_middleware(BodyLimit, limit=max_body_bytes)  # (before any is read whole)
+  app.add_middleware(_CleanPath)  # (added last: the outermost, before any routing)
 
   def parsed(body: bytes) -> dict:
     """The request's JSON object; {} when it is none (its backend says what is wrong)."""
@@ -625,9 +657,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
-    # (a trailing slash: the backend's redirect to its own address went back to the
-    # client, who then called it past the router: red team 41)
-    path = path.strip("/")
+    # (`_CleanPath` dropped a trailing slash: the backend's redirect to its own address
+    # went back to the client, who then called it past the router: red team 41)
+    if path in _ROUTERS_OWN:  # (its own routes, by another method: never forwarded)
+      return refusal(path, 405, f"/{path}: {request.method} is not allowed")
     body = await request.body()
     data = parsed(body)
     try:
@@ -671,6 +704,26 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         if status is None or status >= 500 or status in (408, 429):
           last_error = f"{backend}: a delete of the session it owes failed ({status})"
           continue
+      content = body
+      if home is not None and (home_lost or home != backend):
+        if whole is None:
+          made = relayed.whole(parsed(body))
+          whole = b"" if made is None else json.dumps(made).encode()
+          del made
+          if len(whole) > max_body_bytes and not home_lost and healthy[home]:
+            # (too long to send made whole: the call as sent, to the server that keeps
+            # its chain, rather than a 413 while it serves; a reviewer)
+            order = [home, backend] + [b for b in order if b != home]
+            whole = None
+            continue
+          if len(whole) > max_body_bytes:
+            return refusal(path, 413, "previous_response_id: the chain, made whole for a "
+                           f"server that does not keep it, is {len(whole)} bytes, over "
+                           f"{max_body_bytes}: send the whole input")
+        if whole:  # (else its backend says the response is not kept there)
+          content = whole
+          failovers["responses_made_whole"] += not made_whole  # (calls, not sends)
+          made_whole = True
       ran = last_from.get(session_id) if records else None
       if records and path != "generate" and not await hand_over(session_id, backend):
         last_error = down(backend, "unreachable (handing over the session's threads)")
@@ -680,20 +733,6 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
                  else httpx.USE_CLIENT_DEFAULT)
-      content = body
-      if home is not None and (home_lost or home != backend):
-        if whole is None:
-          made = relayed.whole(parsed(body))
-          whole = b"" if made is None else json.dumps(made).encode()
-          del made
-          if len(whole) > max_body_bytes:
-            return refusal(path, 413, "previous_response_id: the chain, made whole for a "
-                           f"server that does not keep it, is {len(whole)} bytes, over "
-                           f"{max_body_bytes}: send the whole input")
-        if whole:  # (else its backend says the response is not kept there)
-          content = whole
-          failovers["responses_made_whole"] += not made_whole  # (calls, not sends)
-          made_whole = True
       req = client().build_request(request.method, f"{backend}/{path}", content=content,
                                    headers=headers, params=request.query_params,
                                    timeout=timeout)
@@ -726,7 +765,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         # Its kept responses are gone (it restarted at its address; its own bound): so
         # may be the session's threads (before its next /health names its new instance,
         # the turn went on there encoded from its text: a reviewer), and the call goes
-        # to it again made whole where this router can make it so.
+        # to it again made whole where this router can make it so. (A 404 from its own
+        # bound alone, the server up all along, costs a handover more: harmless.)
         home_lost = True
         if records and not handed:
           forget_later(last_from, session_id, "")  # (handed over wherever it goes next)

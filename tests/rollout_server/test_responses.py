@@ -813,8 +813,9 @@ def test_a_chain_goes_on_where_it_is_kept_when_the_router_cannot_see_or_make_it_
                                                  previous_response_id=second.id, **ask)
       assert raw.http_response.headers["x-routed-to"] == away
       assert raw.parse().previous_response_id == second.id
-    # (3) A chain that made whole would pass the servers' body bound: said (red team 41:
-    # 37 MB made-whole bodies held by the router, a 413 in no API's shape)
+    # (3) A chain that made whole would pass the servers' body bound: sent as it is to
+    # the server that keeps it; where that is down, said (red team 41: 37 MB made-whole
+    # bodies held by the router, a 413 in no API's shape)
     with ServerThread(create_router([s.url for s in servers], health_interval_s=600,
                                     max_body_bytes=500)) as router:
       raw = client(router.url).responses.with_raw_response.create(input="a" * 100, **ask)
@@ -823,10 +824,15 @@ def test_a_chain_goes_on_where_it_is_kept_when_the_router_cannot_see_or_make_it_
                                                    previous_response_id=first.id, **ask)
       ring = router_lib.HashRing([s.url for s in servers])
       elsewhere = next(f"s{i}" for i in range(100) if ring.candidates(f"s{i}")[0] != home)
+      raw = client(router.url, session_id=elsewhere).responses.with_raw_response.create(
+          input="c", previous_response_id=second.id, **ask)
+      assert raw.http_response.headers["x-routed-to"] == home
+      third = raw.parse()
+      servers[[s.url for s in servers].index(home)].stop()  # (unseen: 600 s checks)
       with pytest.raises(openai.APIStatusError, match="made whole for a server that does "
                          "not keep it, is [0-9]+ bytes, over 500") as e:
         client(router.url, session_id=elsewhere).responses.create(
-            input="c", previous_response_id=second.id, **ask)
+            input="d", previous_response_id=third.id, **ask)
       assert e.value.status_code == 413
       # A trailing slash is the same call (it was redirected to the backend itself).
       r = httpx.post(f"{router.url}/v1/responses/", json={"input": "d", **ask})

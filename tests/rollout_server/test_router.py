@@ -1,6 +1,7 @@
 """Router: consistent hashing on the session id, health checks, failover; real servers."""
 
 import contextlib
+import http.client
 import json
 import signal
 import subprocess
@@ -393,6 +394,17 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
       turns = c.get(f"/sessions/{sid}").json()["turns"]
       health = c.get("/router/health").json()
       forged = c.post("/handover", json={"session_id": sid, "turns": []})
+      # The same path spelt otherwise is the router's too (forwarded, each reached a
+      # backend's /handover: a reviewer).
+      sneaked = {}
+      for target in ("/handover/", "//handover", "/v1/../handover", "/./handover",
+                     "/%2Fhandover", "/update_weights/"):
+        conn = http.client.HTTPConnection(*router.url.split("//")[1].split(":"), timeout=60)
+        conn.request("POST", target, body=b"{}", headers={"Content-Type": "application/json"})
+        sneaked[target] = conn.getresponse().status
+        conn.close()
+      slashed_health = c.get("/health/").json()
+      got_handover = c.get("/handover").status_code
   finally:
     for s in servers:
       s.stop()
@@ -405,6 +417,9 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
   assert len(segments) == 1 and segments[0].decisions == ["clean"] * 3
   assert health["handovers"] == 2 and health["handovers_failed"] == 0
   assert forged.status_code == 403  # (a client cannot set another session's tokens)
+  assert [sneaked[t] for t in sneaked if "handover" in t] == [403] * 5
+  assert sneaked["/update_weights/"] != 200 and got_handover == 405
+  assert slashed_health["backends"] == 2  # (the router's health, not a backend's)
 
 
 def test_a_client_waits_for_a_server_that_is_still_starting(random_params, tokenizer):
