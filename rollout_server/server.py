@@ -492,10 +492,12 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,
                  session_id: Optional[str], kind: str, id_prefix: str,
-                 model: Optional[str] = None) -> ChatTurn:
+                 model: Optional[str] = None,
+                 goes_on_from: Optional[tuple[str, int]] = None) -> ChatTurn:
     """Renders a chat (internal form) through the template of the model `model` names (the
     policy's unless it is another served model's name) and submits it: what both chat
-    gateways do with a call."""
+    gateways do with a call. `goes_on_from`: the session's record id and turn the call
+    says it continues (a Responses call's previous_response_id)."""
     messages, tools = clean_unicode(messages), clean_unicode(tools)
     m = served(model, strict=False)
     tok, on = (m.tokenizer, m.orch) if m is not None else (tokenizer, orch)
@@ -524,6 +526,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       messages = normalise_messages(messages)
       if recorded:
         messages = with_sampled_arguments(messages, sessions.sampled_calls(recorded))
+        if goes_on_from is not None:
+          # (a turn that need not be the session's last one: an SDK's retry from its
+          # last good response, a branch; the call continues that turn's tokens)
+          sessions.revive(recorded, *goes_on_from)
       pieces = tok.render_pieces(messages, tools=tools)
       prompt = continued_prompt(tok, pieces, messages, tools, sessions.last_turn(
           recorded, messages, tools) if recorded else None)
@@ -637,12 +643,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         seed=body.seed if body.seed is not None else uuid.uuid4().int % (2**31))
     made_in = (kept_responses.turn_of(body.previous_response_id)
                if body.previous_response_id is not None and session_id else None)
-    if made_in is not None and made_in[0] == session_id:
-      # (a call going on from a turn that is not the session's last one: an SDK's retry
-      # from its last good response, a branch; it continues that turn's tokens)
-      sessions.revive(*made_in)
     turn = start_chat(chat_messages, tools, sampling, session_id, kind="responses",
-                      id_prefix="call", model=body.model)
+                      id_prefix="call", model=body.model,
+                      goes_on_from=made_in[1:] if made_in is not None
+                      and made_in[0] == session_id else None)
     # (cleaned as the prompt is: a lone surrogate echoed made the answer unwritable, a
     # 400 for a turn recorded and kept, a red team's finding)
     settings = clean_unicode(responses_api.echo(body, body.model or model_name, continued))

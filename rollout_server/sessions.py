@@ -303,17 +303,26 @@ class _Session:
   def revive(self, turn: int) -> bool:
     """Makes recorded turn `turn` (a chat turn) one of the session's threads again, when
     it is neither a thread nor the turn one went on from; whether it did."""
-    if any(h.turn == turn or (h.parent is not None and h.parent.turn == turn)
-           for h in self.heads):
-      return False
     (t,) = self.unpacked(turn, turn + 1)
     prompt, out = _pack(t.get("prompt_ids"), int), _pack(t.get("output_ids"), int)
     messages = t.get("messages")
     if not (isinstance(messages, list) and _packed_alike(prompt, out)):
       return False
-    head = _Head(prompt + out, len(out), [_digest(json.dumps(m, default=str)) for m in messages],
-                 json.dumps(t.get("tools"), default=str), [_reply(out, t.get("response"))],
-                 turn=turn)
+    digests = [_digest(json.dumps(m, default=str)) for m in messages]
+    tools_json = json.dumps(t.get("tools"), default=str)
+    for h in self.heads:
+      kept = [(h.turn, h.digests, h.tools_json, h.prompt, h.replies)]
+      if h.parent is not None:
+        p = h.parent
+        kept.append((p.turn, h.digests[:p.messages], p.tools_json,
+                     h.ids[:p.context - p.output_count], p.replies))
+      for at, d, tools, ids, replies in kept:
+        # (its own, or a sibling's: a retry's, a best-of-n's, whose replies it is among)
+        if at == turn or (d == digests and tools == tools_json and list(ids) == list(prompt)
+                          and any(list(r[0]) == list(out) for r in replies)):
+          return False
+    head = _Head(prompt + out, len(out), digests, tools_json,
+                 [_reply(out, t.get("response"))], turn=turn)
     self.add_head(head)
     return True
 
@@ -389,6 +398,8 @@ class SessionStore:
       if session is None or session.record_id != record_id or not (
           0 <= turn < len(session.turns)):
         return False
+      self._sessions.move_to_end(session_id)  # (most recently used: not the one
+      session.touched = self._clock()          # its own growth evicts)
       if not session.revive(turn):
         return False
       self.bytes += session._sized()

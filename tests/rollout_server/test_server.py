@@ -401,6 +401,21 @@ def test_a_recorded_turn_revived_is_continued_with_its_own_tokens():
   got = store.last_turn("s", later, None)
   assert got.prompt_ids == [1, 2] and got.replies[0][0] == [7, 7, 7]
   assert store.bytes == store._sessions["s"].size
+  # A retry's sibling (the same prompt, another reply) is already among its thread's
+  # replies: not made a thread of its own (which would drop the replies it is among).
+  first = store.record("r", turn(["one"], [1, 2], [5]))
+  store.record("r", turn(["one"], [1, 2], [6]))
+  assert not store.revive("r", *first)
+  assert [r[0] for r in store.last_turn("r", later, None).replies] == [[6], [5]]
+  # The session revived is the most recently used: its own growth does not evict it.
+  store = SessionStore(10, max_bytes=None)
+  where = store.record("s", turn(["one"], [1, 2], [7, 7, 7]))
+  store.record("s", turn(["one", "A", "two"], [1, 2, 7, 7, 7, 3], [8]))
+  store.record("s", turn(["one", "A", "two", "B", "three"], [1, 2, 7, 7, 7, 3, 8, 4], [9]))
+  store.record("other", turn(["hi"], [5], [6]))
+  store.max_bytes = store.bytes + 1
+  assert store.revive("s", *where) and store.get("s") is not None
+  assert store.get("other") is None and store.evicted["bytes"] == 1
 
 
 def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
