@@ -163,6 +163,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   copying: dict[str, set] = {}
   # session id -> the backend that ran its last turn in this router's copy
   last_from: collections.OrderedDict[str, str] = collections.OrderedDict()
+  # session id -> the id of the last response relayed in it (a call going on from
+  # another, earlier one is a retry or a branch)
+  latest: collections.OrderedDict[str, str] = collections.OrderedDict()
 
   async def copies_done(session_id: str) -> None:
     """Returns when the session's stream copies under way are done (waited on, not
@@ -585,6 +588,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def delete_everywhere(session_id: str):
     cursors.pop(session_id, None)
     last_from.pop(session_id, None)
+    latest.pop(session_id, None)
     had = sessions.pop(session_id) is not None
 
     async def delete_on(b: str) -> Optional[bool]:
@@ -680,7 +684,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     continued = data.get("previous_response_id") if responses else None
     home, whole_here = (relayed.home(continued) if isinstance(continued, str)
                         else (None, False))
-    if home is not None and (session_id is None or not whole_here):
+    # A session's call going on from a response before its last one (an SDK's retry
+    # from its last good response, a branch) goes to the server that keeps that
+    # response while it serves: there the turn it was recorded as is continued (the
+    # session handed over), where the session's own server, handed the last turn only,
+    # encoded it from its text (a reviewer).
+    earlier = latest.get(session_id) not in (None, continued)
+    if home is not None and (session_id is None or not whole_here
+                             or (earlier and healthy[home])):
       # (a chain that cannot be made whole here goes to the server that keeps it, the
       # session's or not: elsewhere it could only be a 404; a reviewer)
       order = [home] + [b for b in order if b != home]
@@ -788,7 +799,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if records and resp.status_code == 200:
         await copy_turns(session_id, backend)
       if learns:
-        relayed.learn(backend, step, parsed(content))
+        made = parsed(content)
+        relayed.learn(backend, step, made)
+        if records and isinstance(made.get("id"), str):
+          forget_later(latest, session_id, made["id"])
       return Response(content, status_code=resp.status_code, headers=out_headers)
     return refusal(path, 502, f"no backend could take the request; last error: {last_error}")
 
@@ -818,6 +832,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           end.feed(chunk)
           if end.response is not None:  # (learnt before the chunk is sent: a client that
             relayed.learn(backend, step, end.response)  # hangs up at it ends this loop)
+            if session_id is not None and isinstance(end.response, dict) and isinstance(
+                end.response.get("id"), str):
+              forget_later(latest, session_id, end.response["id"])
             end = None
         yield chunk
     except httpx.TransportError as e:

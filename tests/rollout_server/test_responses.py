@@ -665,6 +665,82 @@ def test_a_stream_cut_by_a_dying_backend_raises_in_the_client():
         pass
 
 
+def test_a_retry_from_an_earlier_response_goes_where_that_response_was_made(random_params,
+                                                                             tokenizer):
+  """A session's call going on from a response before its last one, made on a server
+  that is not the session's (it served while the session's own was down), went to the
+  session's server made whole: handed the last turn (and the one it went on from) only,
+  it encoded the earlier reply from its text (a reviewer). It goes to the server that made that response, which
+  continues its tokens; the next call, going on from the last response, goes home."""
+  from rollout_server import router as router_lib
+  from rollout_server.orchestrator import Orchestrator
+  from rollout_server.server import create_app
+  from tests.rollout_server.conftest import make_engine
+
+  engine = make_engine()  # (random weights: replies whose text encodes to other tokens)
+  orch = Orchestrator(engine, engine.load_params(random_params, version=0)).start()
+  apps = [create_app(orch, tokenizer) for _ in range(2)]
+  servers = [ServerThread(app).start() for app in apps]
+  urls = [s.url for s in servers]
+  ring = router_lib.HashRing(urls)
+  sid = next(f"retry-{i}" for i in range(100) if ring.candidates(f"retry-{i}")[0] == urls[0])
+  try:
+    with ServerThread(create_router(urls, health_interval_s=0.2)) as router:
+      http = httpx.Client(base_url=router.url, headers={"X-Session-Id": sid}, timeout=60)
+
+      def ask(text, previous=None, seed=0):
+        r = http.post("/v1/responses", json={
+            "model": "tiny", "input": text, "temperature": 1.0, "max_output_tokens": 12,
+            "previous_response_id": previous, "seed": seed})
+        assert r.status_code == 200, r.text
+        return r.headers["x-routed-to"], r.json()
+
+      def encodes_back(r):  # (its text's encoding is its tokens: no fork to see)
+        text = "".join(p["text"] for item in r["output"] if item["type"] == "message"
+                       for p in item["content"])
+        out = r["jaxagent"]["output_ids"]
+        return tokenizer.encode_plain(text) in (out, out[:-1])
+
+      def healthy(i, up):
+        deadline = time.monotonic() + 30
+        while http.get("/router/health").json()["backends"][i]["healthy"] != up:
+          assert time.monotonic() < deadline
+          time.sleep(0.1)
+
+      at1, r1 = ask("one")
+      servers[0].stop()
+      healthy(0, False)
+      for seed in range(40):  # (a reply whose text encodes to other tokens: the fork)
+        at2, r2 = ask("two", r1["id"], seed)
+        if not encodes_back(r2):
+          break
+      else:
+        raise AssertionError("no reply that its text does not encode back")
+      at3, r3 = ask("three", r2["id"])
+      at4, r4 = ask("four", r3["id"])
+      servers[0] = ServerThread(apps[0], port=servers[0].port).start()
+      healthy(0, True)
+      # A branch from r2, made on the other server, and not the turn the last one went
+      # on from (a handover carries the last turn and that one)
+      at5, r5 = ask("two again", r2["id"])
+      at6, r6 = ask("five", r5["id"])  # (the last response: home again)
+      turns = http.get(f"/sessions/{sid}").json()["turns"]
+      http.close()
+  finally:
+    for s in servers:
+      s.stop()
+    orch.stop()
+  assert [at1, at2, at3, at4, at5, at6] == [urls[0]] + [urls[1]] * 4 + [urls[0]]
+
+  def continues(a, b):
+    context = a["jaxagent"]["prompt_ids"] + a["jaxagent"]["output_ids"]
+    return b["jaxagent"]["prompt_ids"][:len(context)] == context
+
+  went_on = ((r1, r2), (r2, r3), (r3, r4), (r2, r5), (r5, r6))
+  assert [continues(a, b) for a, b in went_on] == [True] * 5
+  assert len(turns) == 5 + seed + 1
+
+
 @pytest.mark.parametrize("session_id", [None, "resp-failover"])
 def test_a_chain_reaches_the_server_that_keeps_it_and_outlives_it(server, tokenizer,
                                                                   session_id):
