@@ -31,7 +31,7 @@ import sys
 import uuid
 import weakref
 from typing import Optional, Sequence
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import httpx
 from fastapi import FastAPI, Query, Request
@@ -91,29 +91,21 @@ def _unrecorded(body: bytes) -> bool:
   return isinstance(data, dict) and data.get("record") is False
 
 
-class _CleanPath:
-  """ASGI middleware: the path is routed as a server would read it, its repeated slashes
-  collapsed, its trailing one dropped and its `.`/`..` segments resolved, before any
-  route is matched. Routed as sent, `POST //handover`, `/handover/` or `/v1/../handover`
-  missed the router's own `/handover` and was forwarded, to reach a backend's as the
-  same call (a client setting another session's tokens; a reviewer)."""
-
-  def __init__(self, app):
-    self.app = app
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] == "http":
-      parts: list = []
-      for part in scope["path"].split("/"):
-        if part == "..":
-          if parts:
-            parts.pop()
-        elif part not in ("", "."):
-          parts.append(part)
-      clean = "/" + "/".join(parts)
-      if clean != scope["path"]:
-        scope = {**scope, "path": clean, "raw_path": quote(clean).encode()}
-    await self.app(scope, receive, send)
+def _forwarded_path(raw_path: str) -> tuple[Optional[str], str]:
+  """The path a request to the catch-all route is forwarded as (None: it is not) and its
+  plain form, from the path as sent (percent-encoded). The path is judged as a backend
+  could read it: decoded, its dot segments resolved (by this router's HTTP client) and
+  its trailing slash redirected, so `POST //handover`, `/handover/`, `/v1/../handover`
+  or `/handover%3F` reached a backend's /handover (a client setting another session's
+  tokens: reviewers). A path with empty, `.` or `..` segments, or an encoded `?`, `#`
+  or control character, is not forwarded; its plain form is its segments joined."""
+  decoded = unquote(raw_path)
+  segments = decoded.strip("/").split("/")
+  plain = "/".join(segments)
+  if any(s in ("", ".", "..") for s in segments) or any(
+      c in "?#" or ord(c) < 32 or ord(c) == 127 for c in decoded):
+    return None, plain
+  return quote(plain), plain
 
 
 class _Unreadable(Exception):
@@ -468,7 +460,6 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
   app.add_middleware(BodyLimit, limit=max_body_bytes)  # (before any is read whole)
-  app.add_middleware(_CleanPath)  # (added last: the outermost, before any routing)
 
   def parsed(body: bytes) -> dict:
     """The request's JSON object; {} when it is none (its backend says what is wrong)."""
@@ -661,10 +652,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
   async def proxy(path: str, request: Request):
-    # (`_CleanPath` dropped a trailing slash: the backend's redirect to its own address
-    # went back to the client, who then called it past the router: red team 41)
-    if path in _ROUTERS_OWN:  # (its own routes, by another method: never forwarded)
-      return refusal(path, 405, f"/{path}: {request.method} is not allowed")
+    # (forwarded as sent, a trailing slash's redirect from the backend to its own
+    # address went back to the client, who then called it past the router: red team 41)
+    raw = request.scope.get("raw_path") or quote(request.scope["path"]).encode()
+    sent = raw.decode("utf-8", "replace")
+    forwarded, path = _forwarded_path(sent)
+    if path == "handover":
+      return await no_handover()
+    if forwarded is None or path in _ROUTERS_OWN:
+      return refusal(path, 404, f"no such path: {sent!r}" + (
+          f" (the router's own is /{path}: {request.method} it as that)"
+          if path in _ROUTERS_OWN else ""))
     body = await request.body()
     data = parsed(body)
     try:
@@ -744,7 +742,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
                  else httpx.USE_CLIENT_DEFAULT)
-      req = client().build_request(request.method, f"{backend}/{path}", content=content,
+      req = client().build_request(request.method, f"{backend}/{forwarded}", content=content,
                                    headers=headers, params=request.query_params,
                                    timeout=timeout)
       sending = asyncio.ensure_future(client().send(req, stream=True))
