@@ -302,7 +302,11 @@ class _Session:
 
   def revive(self, turn: int) -> bool:
     """Makes recorded turn `turn` (a chat turn) one of the session's threads again, when
-    it is neither a thread nor the turn one went on from; whether it did."""
+    it is neither a thread nor the turn one went on from, nor among one's replies;
+    whether it did."""
+    if any(h.turn == turn or (h.parent is not None and h.parent.turn == turn)
+           for h in self.heads):  # (the common case, told before the record is read)
+      return False
     (t,) = self.unpacked(turn, turn + 1)
     prompt, out = _pack(t.get("prompt_ids"), int), _pack(t.get("output_ids"), int)
     messages = t.get("messages")
@@ -311,15 +315,15 @@ class _Session:
     digests = [_digest(json.dumps(m, default=str)) for m in messages]
     tools_json = json.dumps(t.get("tools"), default=str)
     for h in self.heads:
-      kept = [(h.turn, h.digests, h.tools_json, h.prompt, h.replies)]
+      kept = [(h.digests, h.tools_json, h.prompt, h.replies)]
       if h.parent is not None:
         p = h.parent
-        kept.append((p.turn, h.digests[:p.messages], p.tools_json,
+        kept.append((h.digests[:p.messages], p.tools_json,
                      h.ids[:p.context - p.output_count], p.replies))
-      for at, d, tools, ids, replies in kept:
-        # (its own, or a sibling's: a retry's, a best-of-n's, whose replies it is among)
-        if at == turn or (d == digests and tools == tools_json and list(ids) == list(prompt)
-                          and any(list(r[0]) == list(out) for r in replies)):
+      for d, tools, ids, replies in kept:
+        # (a sibling's: a retry's, a best-of-n's, whose replies it is among)
+        if (d == digests and tools == tools_json and list(ids) == list(prompt)
+                and any(list(r[0]) == list(out) for r in replies)):
           return False
     head = _Head(prompt + out, len(out), digests, tools_json,
                  [_reply(out, t.get("response"))], turn=turn)
