@@ -252,17 +252,21 @@ def test_an_orphans_output_to_a_hung_up_terminal_goes_to_a_file(tmp_path):
       """)
   for hang_up in (False, True):
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=slave,
-                            stderr=slave, stdin=subprocess.PIPE)
+    errors = tmp_path / f"stderr-{hang_up}"  # (what failed, should it: not in the tty)
+    with open(errors, "wb") as err:
+      proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=slave,
+                              stderr=err, stdin=subprocess.PIPE)
     os.close(slave)
     seen = b""
-    while b"before" not in seen:
+    # (the whole line: print writes its end apart, and a terminal closed between the
+    # two, on a loaded machine, failed the child's first print)
+    while b"before\r\n" not in seen:
       seen += os.read(master, 1024)
     if hang_up:
       os.close(master)  # (the window closed: the terminal hangs up)
     proc.stdin.write(b"\n")
     proc.stdin.close()
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=60) == 0, errors.read_text()
     if not hang_up:
       while b"after" not in seen:
         seen += os.read(master, 1024)
