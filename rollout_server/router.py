@@ -685,8 +685,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     # A session's call going on from a response before its last one (an SDK's retry
     # from its last good response, a branch) goes to the server that keeps that
     # response while it serves: there the turn it was recorded as is continued (the
-    # session handed over), where the session's own server, handed the last turn only,
-    # encoded it from its text (a reviewer).
+    # session handed over), where the session's own server, handed the last turn and
+    # the one it went on from only, encoded it from its text (a reviewer).
     earlier = latest.get(session_id) not in (None, continued)
     if home is not None and (session_id is None or not whole_here
                              or (earlier and healthy[home])):
