@@ -32,6 +32,12 @@ CALCULATE = [{"type": "function", "name": t["function"]["name"],
               "parameters": t["function"]["parameters"], "strict": False} for t in TOOLS]
 
 
+def continues(a: dict, b: dict) -> bool:
+  """Whether response `b`'s prompt starts with response `a`'s prompt and output tokens."""
+  context = a["jaxagent"]["prompt_ids"] + a["jaxagent"]["output_ids"]
+  return b["jaxagent"]["prompt_ids"][:len(context)] == context
+
+
 def body(**kw) -> ResponsesBody:
   return ResponsesBody.model_validate({"model": "m", **kw})
 
@@ -483,10 +489,6 @@ def test_a_call_going_on_from_an_earlier_response_continues_its_tokens(server):
     assert r.status_code == 200, r.text
     return r.json()
 
-  def continues(a, b):
-    context = a["jaxagent"]["prompt_ids"] + a["jaxagent"]["output_ids"]
-    return b["jaxagent"]["prompt_ids"][:len(context)] == context
-
   r1 = ask("one")
   r2 = ask("two", r1["id"])
   r3 = ask("three", r2["id"])
@@ -670,8 +672,9 @@ def test_a_retry_from_an_earlier_response_goes_where_that_response_was_made(rand
   """A session's call going on from a response before its last one, made on a server
   that is not the session's (it served while the session's own was down), went to the
   session's server made whole: handed the last turn (and the one it went on from) only,
-  it encoded the earlier reply from its text (a reviewer). It goes to the server that made that response, which
-  continues its tokens; the next call, going on from the last response, goes home."""
+  it encoded the earlier reply from its text (a reviewer). It goes to the server that
+  made that response, which continues its tokens; the next call, going on from the last
+  response, goes home."""
   from rollout_server import router as router_lib
   from rollout_server.orchestrator import Orchestrator
   from rollout_server.server import create_app
@@ -731,10 +734,6 @@ def test_a_retry_from_an_earlier_response_goes_where_that_response_was_made(rand
       s.stop()
     orch.stop()
   assert [at1, at2, at3, at4, at5, at6] == [urls[0]] + [urls[1]] * 4 + [urls[0]]
-
-  def continues(a, b):
-    context = a["jaxagent"]["prompt_ids"] + a["jaxagent"]["output_ids"]
-    return b["jaxagent"]["prompt_ids"][:len(context)] == context
 
   went_on = ((r1, r2), (r2, r3), (r3, r4), (r2, r5), (r5, r6))
   assert [continues(a, b) for a, b in went_on] == [True] * 5
