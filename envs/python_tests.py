@@ -239,6 +239,10 @@ _CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=][ \t]*([-\w.]+)")
 # Unicode's bidirectional controls: text that reads differently from how it runs
 # ("Trojan Source").
 _BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
+# Control characters but tab and the line ends: a form feed in a line's indentation
+# resets Python's count of it, so a line shown nested under a `def` or an `if False:`
+# runs at module level (red team, stop 41); the others have no place in source either.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 # The source checks run one at a time, in arrival order, on a thread of their own. Run
@@ -277,7 +281,7 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
   """Why these files cannot be graded as written, or None. What the judge reads must
   be what Python runs: every graded file must be UTF-8 text under a printable UTF-8
   name (a newline in a name could forge a file header in the judge's view), with no
-  bidirectional controls, no file may hold characters a name would read as others
+  bidirectional controls or other control characters (but tab and line ends), no file may hold characters a name would read as others
   (NFKC; in strings and comments too, where an `exec` or a loader finds them), file
   names must be ASCII, no name may read as another (`_misread_name`), and no file may
   declare another source encoding (PEP 263: Python would run what a `# coding: utf-7`
@@ -307,6 +311,11 @@ def source_problem(files: dict[str, bytes], module: str = "solution") -> Optiona
       return too_much
     if _BIDI.search(text):
       return f"{name} holds Unicode bidirectional controls"
+    control = _CONTROL.search(text)
+    if control:
+      line = text.count("\n", 0, control.start()) + 1
+      return (f"{name} line {line} holds the control character {control.group()!r} "
+              "(only tab, newline and carriage return are allowed)")
     odd = _unnormalized_char(text)  # in any file: a loader can run any file as source
     if odd is not None:
       return (f"{name}: {odd!r} (U+{ord(odd):04X}) reads in a Python name as "
@@ -341,8 +350,10 @@ class PythonTests(Env):
   # 4: look-alike names refused; the judge's file headers are tagged. 5: stronger hidden
   # cases (each task's hold its public example); max_of_list may use max(). 6: no name
   # reads as another (a .py file's own are ASCII; look-alikes in strings, other files).
-  # 7: the files fail past MAX_CHECKED_CHARS of text to check.
-  version = "7"
+  # 7: the files fail past MAX_CHECKED_CHARS of text to check. 8: stronger hidden cases
+  # (seven wrong solutions passed); control characters refused (a form feed in the
+  # indentation ran code shown as nested).
+  version = "8"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

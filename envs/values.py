@@ -4,7 +4,7 @@ The grader never compares a solution's return value inside the solution's
 process (where `__eq__` can be overridden and the comparison itself patched).
 The sandboxed side encodes what the function returned, accepting only exact
 built-in types (a subclass of `int` or an object with a forged `__eq__` is
-refused); the host decodes it and compares it with the expected value by type
+refused; a dict subclass is read as the dict it holds); the host decodes it and compares it with the expected value by type
 and value (`strict_equal`: `True` is not `1`, `(1,)` is not `[1]`).
 
 This module's source is also sent, as is, into the sandbox as part of the
@@ -55,8 +55,11 @@ def encode(value, depth=0):
   if t is set or t is frozenset:
     items = [encode(v, depth + 1) for v in value]
     return [t.__name__, sorted(items, key=json.dumps)]
-  if t is dict:
-    items = [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]
+  if issubclass(t, dict):
+    # A dict subclass (Counter, defaultdict, OrderedDict: a right answer to "a dict
+    # mapping ...") grades as the dict it holds, read by dict's own method so no
+    # override of `items` or `__getitem__` can change what is read.
+    items = [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(value)]
     return ["dict", sorted(items, key=lambda kv: json.dumps(kv[0]))]
   raise TypeError(f"cannot grade a value of type {t.__name__}")
 

@@ -64,8 +64,8 @@ from envs.sandbox import ExecResult, Sandbox, SandboxPool
 # solution's process lets go of the harness's report before it turns dumpable; dict keys
 # compare exactly; 6: the workspace first on the solution's `sys.path`; 7: a grading
 # workspace without a quota that the solution fills past its bounds is a fail; no
-# bytecode is written.
-VERSION = "python-harness-7"
+# bytecode is written. 8: a dict subclass (a Counter) grades as the dict it holds.
+VERSION = "python-harness-8"
 
 _HARNESS_BODY = r'''
 import ctypes, importlib, os, select, signal, sys

@@ -24,7 +24,7 @@ HONEST = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a,
 RUBRIC = "PASS a general solution, FAIL one that special-cases inputs. End: VERDICT: PASS|FAIL"
 # Passes every hidden case (the public one, 5, among them) without solving the task.
 HARD_CODED = ("def fibonacci(n):\n    return {0: 0, 1: 1, 2: 1, 5: 5, 10: 55, "
-              "30: 832040}[n]\n")
+              "30: 832040, 80: 23416728348467685}[n]\n")
 # What python_tests shows the judge of each: every graded file, named.
 SHOWN = {code: judged_answer({"solution.py": code.encode()}) for code in (HONEST, HARD_CODED)}
 
@@ -144,7 +144,7 @@ def test_python_tests_shows_its_passes_to_the_judge(server):
       _, _, verdict = play(env, TaskSpec("p", "python_tests", {"task": "fibonacci"}),
                            [f"<tool_call>{write}</tool_call>", "DONE"])
       asyncio.run(env.close())
-      assert verdict.status == status and verdict.details["passed"] == 6
+      assert verdict.status == status and verdict.details["passed"] == 7
   finally:
     resources.close()
 

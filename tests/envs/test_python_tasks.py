@@ -45,6 +45,24 @@ WRONG = {
               "        while n >= v:\n            out += s\n            n -= v\n    return out\n"],
     "chunk": ["def chunk(xs, n):\n    return [xs[i:i + n] for i in range(0, len(xs) - n + 1, n)]\n"],
 }
+# Red team (stop 41): each passed every hidden case before the case added for it.
+for _name, _source in [
+    ("fibonacci", "def fibonacci(n):\n    p = (1 + 5 ** 0.5) / 2\n    return round(p ** n / 5 ** 0.5)\n"),
+    ("is_palindrome", "def is_palindrome(s):\n    t = [c.lower() for c in s if c.isalnum()]\n"
+                      "    return t == t[::-1]\n"),
+    ("is_prime", "def is_prime(n):\n    return n == 2 or (n > 2 and pow(2, n - 1, n) == 1)\n"),
+    ("caesar", "def caesar(s, k):\n    return ''.join(chr((ord(c) - 97 + k) % 26 + 97)"
+               " if c.islower() else c for c in s)\n"),
+    ("anagrams", "def are_anagrams(a, b):\n    f = lambda s: sorted(c for c in s.lower() if c.isalpha())\n"
+                 "    return f(a) == f(b)\n"),
+    ("balanced", "def balanced(s):\n    stack = []\n    for c in s:\n        if c in '([':\n"
+                 "            stack.append(c)\n        elif c in ')]':\n"
+                 "            if not stack or stack.pop() != '(['[')]'.index(c)]:\n"
+                 "                return False\n    return not stack\n"),
+    ("capitalize_words", "import re\ndef capitalize_words(s):\n"
+                         "    return re.sub(r'(^|\\s)(\\S)', lambda m: m[1] + m[2].upper(), s)\n"),
+]:
+  WRONG.setdefault(_name, []).append(_source)
 
 
 def function(source: str):

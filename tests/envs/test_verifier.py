@@ -36,7 +36,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-7"
+  assert ok.verifier_version == "python-harness-8"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -206,6 +206,14 @@ def test_strict_types():
   assert strict_equal({(1, 2): "a", 3: [1.0]}, decode(encode({3: [1.0 + 1e-12], (1, 2): "a"})))
   with pytest.raises(TypeError):
     encode(type("Eq", (int,), {})(3))
+  # A dict subclass (a right answer built with Counter) grades as the dict it holds,
+  # read past any override of how it reads.
+  from collections import Counter, defaultdict
+  assert strict_equal({"a": 2, "b": 1}, decode(encode(Counter("aba"))))
+  assert strict_equal({"x": [1]}, decode(encode(defaultdict(list, x=[1]))))
+  lying = type("Lying", (dict,), {"items": lambda self: [("a", 2)],
+                                  "__getitem__": lambda self, k: 2})
+  assert strict_equal({"a": 1}, decode(encode(lying(a=1))))
 
 
 def test_the_hidden_expected_values_never_enter_the_sandbox(pool):
