@@ -352,8 +352,10 @@ class PythonTests(Env):
   # reads as another (a .py file's own are ASCII; look-alikes in strings, other files).
   # 7: the files fail past MAX_CHECKED_CHARS of text to check. 8: stronger hidden cases
   # (seven wrong solutions passed); control characters refused (a form feed in the
-  # indentation ran code shown as nested).
-  version = "8"
+  # indentation ran code shown as nested). 9: stronger hidden cases (a red team's 32 wrong
+  # solutions passed: float arithmetic on big integers, ASCII-only text, Julian leap
+  # years); five descriptions say what the cases already held (ASCII letters, spaces).
+  version = "9"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

@@ -63,6 +63,89 @@ for _name, _source in [
                          "    return re.sub(r'(^|\\s)(\\S)', lambda m: m[1] + m[2].upper(), s)\n"),
 ]:
   WRONG.setdefault(_name, []).append(_source)
+# Red team (stop 42): each passed every hidden case before the case added for it.
+for _name, _source in [
+    ('add', 'def add(a, b):\n'
+            '    return int(float(a) + float(b))\n'),
+    ('is_even', 'def is_even(n):\n'
+                '    return (n / 2).is_integer()\n'),
+    ('is_even', 'def is_even(n):\n'
+                '    return int(n / 2) * 2 == n\n'),
+    ('reverse_string', 'def reverse_string(s):\n'
+                       '    return s.strip()[::-1]\n'),
+    ('factorial', 'import math\n'
+                  'def factorial(n):\n'
+                  '    return int(math.gamma(n + 1))\n'),
+    ('is_palindrome', 'import re\n'
+                      'def is_palindrome(s):\n'
+                      "    t = re.sub('[^a-z]', '', s.lower())\n"
+                      '    return t == t[::-1]\n'),
+    ('is_palindrome', 'def is_palindrome(s):\n'
+                      "    t = [c.lower() for c in s if c not in ' ,.:;!?\\'-0123456789']\n"
+                      '    return t == t[::-1]\n'),
+    ('sum_digits', 'def sum_digits(n):\n'
+                   '    out = 0\n'
+                   '    while n:\n'
+                   '        out += n % 10\n'
+                   '        n = int(n / 10)\n'
+                   '    return out\n'),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    return n > 1 and all(n == p or n % p for p in (2, 3, 5, 7, 11, 13))\n'),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    return n in (2, 3, 5, 7) or (n > 1 and all(pow(a, n - 1, n) == 1 for a in (2, 3, 5, 7)))\n'),
+    ('word_count', 'import re\n'
+                   'def word_count(s):\n'
+                   '    out = {}\n'
+                   "    for w in re.findall(r'\\w+', s):\n"
+                   '        out[w] = out.get(w, 0) + 1\n'
+                   '    return out\n'),
+    ('word_count', 'import re\n'
+                   'def word_count(s):\n'
+                   '    out = {}\n'
+                   "    for w in re.split('[ \\n]+', s):\n"
+                   '        if w:\n'
+                   '            out[w] = out.get(w, 0) + 1\n'
+                   '    return out\n'),
+    ('capitalize_words', 'def capitalize_words(s):\n'
+                         "    return ' '.join(chr(ord(w[0]) - 32) + w[1:] if w[:1].islower() and w[0].isascii() else w for w in s.split(' '))\n"),
+    ('capitalize_words', 'import re\n'
+                         'def capitalize_words(s):\n'
+                         "    return re.sub(r'(^|[ \\n])(\\S)', lambda m: m[1] + m[2].upper(), s)\n"),
+    ('roman', 'def to_roman(n):\n'
+              "    out = ''\n"
+              "    for v, s in [(1000, 'M'), (900, 'CM'), (400, 'CD'), (100, 'C'), (90, 'XC'), (40, 'XL'), (10, 'X'), (9, 'IX'), (4, 'IV'), (1, 'I')]:\n"
+              '        while n >= v:\n'
+              '            out += s\n'
+              '            n -= v\n'
+              '    return out\n'),
+    ('celsius', 'def to_fahrenheit(c):\n'
+                '    return round(c * 9 / 5 + 32, 2)\n'),
+    ('balanced', 'def balanced(s):\n'
+                 "    pairs = {')': '(', ']': '[', '}': '{'}\n"
+                 '    stack = []\n'
+                 '    for c in s:\n'
+                 "        if c in '([{':\n"
+                 '            stack.append(c)\n'
+                 '        elif c in pairs and stack:\n'
+                 '            if stack.pop() != pairs[c]:\n'
+                 '                return False\n'
+                 '    return not stack\n'),
+    ('rle', 'import itertools\n'
+            'def rle(s):\n'
+            "    return ''.join(k + str(len(list(g))) for k, g in itertools.groupby(s.lower()))\n"),
+    ('mode', 'def mode(xs):\n'
+             '    return min(xs, key=lambda x: (-xs.count(x), abs(x)))\n'),
+    ('pascal_row', 'import math\n'
+                   'def pascal_row(n):\n'
+                   '    return [int(math.factorial(n) / (math.factorial(k) * math.factorial(n - k))) for k in range(n + 1)]\n'),
+    ('leap_year', 'def is_leap(y):\n'
+                  '    return y % 4 == 0 and (y % 100 != 0 or y % 400 == 0 or y < 1582)\n'),
+    ('vowel_strip', 'def strip_vowels(s):\n'
+                    "    return ' '.join(''.join(c for c in w if c.lower() not in 'aeiou') for w in s.split())\n"),
+    ('max_of_list', 'def max_of_list(xs):\n'
+                    '    return max(int(x) for x in xs)\n'),
+]:
+  WRONG.setdefault(_name, []).append(_source)
 
 
 def function(source: str):
