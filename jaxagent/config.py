@@ -508,6 +508,18 @@ def _element_schema(schema: Any) -> Any:
   return OmegaConf.structured(element) if dataclasses.is_dataclass(element) else None
 
 
+def _close_keys(given: str, valid: list[str]) -> list[str]:
+  """The keys (two at most) a misspelt `given` may have meant, likeliest first: a
+  near-exact spelling, a key that `given` begins with as whole words (`lr` for
+  `lr_rate`), then the closest by spelling. (A YAML file and the command line named
+  different guesses for one slip, neither of them `lr`: a new user.)"""
+  words = given.lower().split("_")
+  whole = [k for k in valid if k.split("_") == words[:len(k.split("_"))]]
+  spelt = difflib.get_close_matches(given, valid, n=2, cutoff=0.5)
+  near = [k for k in spelt[:1] if difflib.SequenceMatcher(None, given, k).ratio() >= 0.8]
+  return list(dict.fromkeys(near + whole + spelt))[:2]
+
+
 def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str,
            given: Any = None) -> ConfigError:
   key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
@@ -521,11 +533,10 @@ def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str,
     first = f"a list, not {getattr(e, 'value', None)!r} (write {how})"
   if isinstance(e, oc_errors.ConfigKeyError):
     valid = _valid_keys(schema, str(key))
-    close = difflib.get_close_matches(str(key).split(".")[-1], valid, n=1, cutoff=0.5)
-    if "Did you mean" in first:
-      hint = ""
-    elif close:
-      hint = f"; did you mean '{close[0]}'?"
+    close = _close_keys(str(key).split(".")[-1], valid)
+    first = first.split(". Did you mean")[0]  # (OmegaConf's own guess, on some routes only)
+    if close:
+      hint = f"; did you mean {' or '.join(repr(k) for k in close)}?"
     elif valid:  # nothing close: say what there is
       section = str(key).rpartition(".")[0]
       hint = f"; the keys of {section or 'the top level'} are {', '.join(sorted(valid))}"

@@ -33,6 +33,15 @@ def test_unknown_key_names_key_and_closest(tmp_path):
     config.load(config.RunConfig, str(bad))
   with pytest.raises(config.ConfigError, match=r"learner\.lrate.*did you mean 'lr'"):
     config.load(config.RunConfig, None, ["learner.lrate=1"])
+  # One slip, one guess by either route, the key it begins with among them (the file
+  # said 'lr_decay_steps', the command line 'lr': a new user).
+  bad.write_text("learner:\n  lr_rate: 1.0\n")
+  for source, overrides in ((str(bad), []), (None, ["learner.lr_rate=1"])):
+    with pytest.raises(config.ConfigError) as raised:
+      config.load(config.RunConfig, source, overrides)
+    assert str(raised.value).endswith("did you mean 'lr' or 'lr_decay_steps'?"), raised.value
+  with pytest.raises(config.ConfigError, match=r"did you mean 'lr_schedule' or 'lr'\?$"):
+    config.load(config.RunConfig, None, ["learner.lr_schedulee=1"])
   # Nothing close: the section's keys are listed.
   with pytest.raises(config.ConfigError, match=r"the keys of learner are b1, b2, .*warmup_steps"):
     config.load(config.RunConfig, None, ["learner.xyzzy=1"])
