@@ -1864,15 +1864,14 @@ def main(argv=None) -> int:
       if not os.path.exists(args.config):
         raise config_lib.ConfigError(f"--resume: no {args.config}: give --config")
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
-    if not args.print_config:
-      check_config(cfg)
+    check_config(cfg)  # (before --print-config prints: a config the run refuses printed
+    # whole to stdout before its error, ready to be saved as a file: a new user)
     if args.resume:
       cfg = resumed_config(cfg, args.run_dir)
     if args.print_config:
       import yaml
 
       print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end="")
-      check_config(cfg)  # (printed, then checked: its values too, not only its keys)
       return 0
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

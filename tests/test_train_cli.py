@@ -738,10 +738,13 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   with pytest.raises(SystemExit):  # (argparse took it for --resume: a new user's typo)
     train.main(["--config", "configs/tiny.yaml", "--print-config", "--resum"])
   assert "unrecognized arguments: --resum" in capsys.readouterr().err
-  # Printed, then checked: values a run refuses are said (they printed without a word).
-  assert train.main(["--config", "configs/tiny.yaml", "--print-config", "steps=-5"]) == 2
-  out = capsys.readouterr()
-  assert "steps: -5" in out.out and out.err.strip() == "error: steps must be >= 1, got -5"
+  # Checked before it is printed: values a run refuses are said (they printed without a
+  # word), and no config the run refuses reaches stdout (it was printed, then refused).
+  for override, error in (("steps=-5", "steps must be >= 1, got -5"),
+                          ("learner.policy_loss=ppoo", "learner.policy_loss")):
+    assert train.main(["--config", "configs/tiny.yaml", "--print-config", override]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("error: ") and error in out.err, out
 
 
 @pytest.mark.slow
