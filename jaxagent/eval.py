@@ -306,8 +306,11 @@ def main(argv=None) -> int:
     except ValueError:
       raise config_lib.ConfigError(f"--k: whole numbers separated by commas, got {args.k!r}"
                                    ) from None
-    if min(ks) < 1 or (args.samples is not None and args.samples < max(ks)):
-      raise config_lib.ConfigError("--k: each k must be >= 1 and <= --samples")
+    if min(ks) < 1:
+      raise config_lib.ConfigError(f"--k: each k must be >= 1, got {args.k}")
+    if args.samples is not None and args.samples < max(ks):
+      raise config_lib.ConfigError(f"--k: each k must be <= --samples ({args.samples}), got "
+                                   f"{max(ks)}")
     if args.temperature is not None and not args.temperature >= 0:
       raise config_lib.ConfigError(f"--temperature must be >= 0 (0: greedy), got "
                                    f"{args.temperature}")

@@ -269,7 +269,9 @@ def test_eval_cli_refuses_what_it_cannot_report_before_it_plays(tmp_path, capsys
       (args + [HELD_OUT, "--greedy", "--temperature", "0.7"], "--greedy plays one sample"),
       (args + [HELD_OUT, "--out", str(tmp_path / "no" / "r.json")],
        "--out: cannot write a report at"),
-      (args + [HELD_OUT, "--out", str(tmp_path)], "(a directory)")):
+      (args + [HELD_OUT, "--out", str(tmp_path)], "(a directory)"),
+      (args + [HELD_OUT, "--k", "0"], "--k: each k must be >= 1, got 0"),  # (named --samples)
+      (args + [HELD_OUT, "--k", "1,4", "--samples", "2"], "<= --samples (2), got 4")):
     assert eval_lib.main(argv) == 2, argv
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err, (argv, err)

@@ -120,6 +120,24 @@ def test_a_lone_surrogate_in_a_message_leaves_the_session_readable(server):
     assert content == clean_unicode(text) and "\ufffd" in content
 
 
+def test_a_budget_past_the_context_stops_at_the_context(server):
+  """A token budget has no upper bound (agents ask for more than a small server holds):
+  the reply stops at the engine's max_seq_len (640 here), finish `length`, and the
+  server goes on (a new user asked whether 100000 was refused or cut: cut, as the README
+  says)."""
+  srv, _ = server
+  r = client(srv).post("/generate", json={"input_ids": [1] * 500, "temperature": 0,
+                                          "max_new_tokens": 2**62, "stop_token_ids": []})
+  assert r.status_code == 200, r.text
+  out = r.json()
+  assert out["finish_reason"] == "length" and len(out["output_ids"]) == 640 - 500, out
+  r = client(srv).post("/v1/messages", json={
+      "model": "policy", "max_tokens": 10**6, "temperature": 0,
+      "messages": [{"role": "user", "content": "x " * 240}]})
+  assert r.status_code == 200, r.text
+  assert r.json()["stop_reason"] in ("end_turn", "model_context_window_exceeded"), r.text
+
+
 def test_bad_requests_get_4xx_and_the_server_lives(server):
   srv, _ = server
   c = client(srv)
