@@ -209,7 +209,8 @@ async def run(args) -> dict:
   from envs.base import load_tasks
   from jaxagent.build import build_model
   from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
-  from jaxagent.train import Serving, attach_judge, check_config, make_env_factory, task_tools
+  from jaxagent.run_checks import check_config
+  from jaxagent.run_services import Serving, attach_judge, make_env_factory, task_tools
   from rollout_server.serving import resolve_policy
 
   cfg = run_config_of(args.policy, args.config)

@@ -143,7 +143,7 @@ def check_with_services(cfg: config_lib.RunConfig, servers: int, env_workers: in
   """The learner's config checks (ConfigError) as it will run: with `servers` rollout
   servers and `env_workers` environment workers in its serving.urls / env.urls (the
   addresses stand in for theirs: none is reached)."""
-  from jaxagent.train import check_config, check_served_models, check_served_names
+  from jaxagent.run_checks import check_config, check_served_models, check_served_names
 
   urls = lambda n: [f"http://127.0.0.1:{i + 1}" for i in range(n)]  # noqa: E731
   if servers:  # (the servers serve the run's models: each checked, each name found)
@@ -160,7 +160,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
   """The services and the learner processes to start (nothing is started here)."""
   from omegaconf import OmegaConf
 
-  from jaxagent.train import RESUME_COMMAND
+  from jaxagent.stopping import RESUME_COMMAND
 
   py = sys.executable
   services: list[Child] = []
@@ -251,7 +251,7 @@ def run_local(args) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir (the run to go on with)", file=sys.stderr)
     return 2
-  from jaxagent.train import holds_a_run, started_a_run
+  from jaxagent.run_dir import holds_a_run, started_a_run
 
   try:  # the learner's checks, before any service starts (with the URLs it will get)
     check_with_services(cfg, args.servers, args.env_workers)
@@ -269,7 +269,7 @@ def run_local(args) -> int:
     return 2
   if args.resume:  # (the learner's refusal, "a run keeps its model", came after the
     # services had started: red team 25; its notes of changes are the learner's to say)
-    from jaxagent.train import resumed_config
+    from jaxagent.run_dir import resumed_config
     try:
       with contextlib.redirect_stderr(io.StringIO()):
         resumed_config(cfg, args.run_dir)

@@ -1,7 +1,7 @@
 """Thread pools whose running calls are counted, so that a process at its end can tell
 calls that are stuck (an environment's blocked for ever, a collective a peer never
 joins, a weight swap that never finishes) from idle threads, and leave them behind
-(`jaxagent.train.leave_stuck_threads`) instead of Python's exit joining them for ever."""
+(`jaxagent.stopping.leave_stuck_threads`) instead of Python's exit joining them for ever."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
       cfg = dataclasses.replace(cfg, policy=args.policy)
     if not 0 < cfg.port < 65536:
       raise config_lib.ConfigError(f"port must be in 1..65535, got {cfg.port}")
-    from jaxagent.train import check_model_and_learner, check_served_models
+    from jaxagent.run_checks import check_model_and_learner, check_served_models
 
     check_model_and_learner(config_lib.RunConfig(model=cfg.model))  # as train names them
     check_served_models(cfg.models, "models")

@@ -1087,7 +1087,7 @@ def test_a_harness_of_your_own_is_named_by_module_and_function():
   from jaxagent import config as config_lib
   from jaxagent.agent import blackbox_agent, is_blackbox
   from tests.conftest import REPO
-  from jaxagent.train import check_config
+  from jaxagent.run_checks import check_config
 
   harness = blackbox_agent("examples/own_agent.py:run_agent")
   assert harness.__name__ == "run_agent" and is_blackbox("examples/own_agent.py:run_agent")

@@ -177,7 +177,7 @@ def test_a_killed_launchers_signals_are_one_stop_request_and_output_goes_to_a_fi
   team 25). Repeats within a second are one request; output goes to a file."""
   child = textwrap.dedent(f"""
       import signal, sys, time
-      from jaxagent.train import RepeatedTerm
+      from jaxagent.stopping import RepeatedTerm
       repeats, got = RepeatedTerm({str(tmp_path / "orphan.log")!r}), []
       signal.signal(signal.SIGTERM, lambda s, f: got.append(repeats.same_request(s)))
       print("ready", flush=True)
@@ -219,7 +219,7 @@ def test_an_orphans_output_to_a_file_stays_in_it(tmp_path):
   (whose reader may be gone) is given up."""
   code = textwrap.dedent(f"""
       import signal
-      from jaxagent.train import RepeatedTerm
+      from jaxagent.stopping import RepeatedTerm
       repeats = RepeatedTerm({str(tmp_path / "orphan.log")!r})
       repeats.parent = -1  # (its parent is gone)
       repeats.same_request(signal.SIGINT)
@@ -242,7 +242,7 @@ def test_an_orphans_output_to_a_hung_up_terminal_goes_to_a_file(tmp_path):
 
   code = textwrap.dedent(f"""
       import os, signal, sys
-      from jaxagent.train import RepeatedTerm
+      from jaxagent.stopping import RepeatedTerm
       repeats = RepeatedTerm({str(tmp_path / "orphan.log")!r})
       repeats.parent = -1  # (its parent is gone)
       print("before", flush=True)
@@ -342,12 +342,12 @@ def test_an_orphans_sigterm_never_stops_it_at_once(monkeypatch):
   without its checkpoint (a reviewer)."""
   import signal as signals
 
-  from jaxagent import train
+  from jaxagent import stopping
 
-  monkeypatch.setattr(train, "REPEATED_TERM_S", 0.0)
-  launched = train.RepeatedTerm("")
+  monkeypatch.setattr(stopping, "REPEATED_TERM_S", 0.0)
+  launched = stopping.RepeatedTerm("")
   assert [launched.same_request(signals.SIGTERM) for _ in range(2)] == [False, False]
-  orphan = train.RepeatedTerm("")
+  orphan = stopping.RepeatedTerm("")
   orphan.parent = -1  # (its parent is gone)
   assert [orphan.same_request(signals.SIGTERM) for _ in range(2)] == [False, True]
   assert orphan.same_request(signals.SIGINT) is False  # (a person's Ctrl-C still is)
@@ -383,7 +383,7 @@ def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeyp
 
   from jaxagent import config as config_lib
   from jaxagent.launch import plan
-  from jaxagent.train import RESUME_COMMAND, resume_command
+  from jaxagent.stopping import RESUME_COMMAND, resume_command
 
   args = argparse.Namespace(config="configs/tiny.yaml", servers=2, env_workers=1,
                             learner_processes=1, resume=False, overrides=["steps=7"])
@@ -406,7 +406,7 @@ def test_launched_learner_processes_get_the_heartbeat_timeout(tmp_path):
 
   from jaxagent import config as config_lib
   from jaxagent.launch import plan
-  from jaxagent.train import RESUME_COMMAND
+  from jaxagent.stopping import RESUME_COMMAND
 
   args = argparse.Namespace(config="configs/tiny.yaml", servers=1, env_workers=1,
                             learner_processes=2, resume=False, overrides=[],

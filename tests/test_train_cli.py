@@ -331,7 +331,7 @@ def test_calls_left_running_at_the_end_are_left_behind_and_idle_threads_are_not(
   no stuck call (a reviewer: a run's idle executor threads were taken for stuck ones, a
   note and os._exit at every end that skipped their shutdown)."""
   start = ("import threading; from jaxagent.pools import CountedPool as _Pool; "
-           "from jaxagent.train import leave_stuck_threads; "
+           "from jaxagent.stopping import leave_stuck_threads; "
            "run = _Pool(2, 'jaxagent-run'); run.submit(lambda: 1).result(); ")
   idle = subprocess.run([sys.executable, "-c", start + "leave_stuck_threads(7, 0.5); "
                          "print('went on')"], cwd=REPO, capture_output=True, text=True,
@@ -346,7 +346,7 @@ def test_calls_left_running_at_the_end_are_left_behind_and_idle_threads_are_not(
   # The in-process client's weight swaps are counted too (they were joined for ever).
   swap = subprocess.run(
       [sys.executable, "-c", "import asyncio, threading; from types import SimpleNamespace; "
-       "from rollout_server.client import LocalClient; from jaxagent.train import "
+       "from rollout_server.client import LocalClient; from jaxagent.stopping import "
        "leave_stuck_threads; engine = SimpleNamespace(load_params=lambda **kw: "
        "threading.Event().wait()); client = LocalClient(None, engine)\n"
        "async def main():\n  asyncio.get_running_loop().create_task(client.update_weights("
@@ -359,8 +359,8 @@ def test_calls_left_running_at_the_end_are_left_behind_and_idle_threads_are_not(
 def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path):
   """... and after a second signal the process ends within STOP_NOW_S even when a thread
   waits for ever (a collective), saying how to go on."""
-  code = ("import threading; from jaxagent import train; train.STOP_NOW_S = 0.5; "
-          f"train.exit_soon(143, {str(tmp_path)!r}); "
+  code = ("import threading; from jaxagent import stopping; stopping.STOP_NOW_S = 0.5; "
+          f"stopping.exit_soon(143, {str(tmp_path)!r}); "
           "threading.Thread(target=threading.Event().wait).start()")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                         text=True, timeout=120)
@@ -400,13 +400,13 @@ def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path,
   """How a run computes may change on a resume (remat after running out of memory), its
   weights may not; the service addresses of `launch local` (fresh ports) are no change,
   nor is a config.json the code cannot read a reason to refuse."""
-  from jaxagent import config as config_lib, train
+  from jaxagent import config as config_lib, run_dir
 
   tiny = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml")
   (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(tiny)))
   cfg = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
                         ["model.remat=full", 'serving.urls=["http://127.0.0.1:1"]'])
-  assert train.resumed_config(cfg, str(tmp_path)) == cfg
+  assert run_dir.resumed_config(cfg, str(tmp_path)) == cfg
   assert capsys.readouterr().err == "warning: --resume changes model.remat: none -> full\n"
   for override, said in (("model.param_dtype=bfloat16", "a run keeps its model"),
                          ("model.checkpoint=smollm2", "a run keeps its model"),
@@ -415,10 +415,10 @@ def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path,
                          ("learner.optimizer=sgd", r"a run keeps its optimizer \("
                           "learner.optimizer: adamw -> sgd")):
     with pytest.raises(config_lib.ConfigError, match=said):
-      train.resumed_config(config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
+      run_dir.resumed_config(config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
                                            [override]), str(tmp_path))
   (tmp_path / "config.json").write_text('{"learner": {"gone_field": 1}}')
-  assert train.resumed_config(cfg, str(tmp_path)) == cfg
+  assert run_dir.resumed_config(cfg, str(tmp_path)) == cfg
   assert "not compared with the run's config.json" in capsys.readouterr().err
 
 
@@ -592,7 +592,7 @@ def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tmp_path)
   """What a run writes before its first step (an empty metrics file, the initial export
   for remote servers) is not a run: starting it again there is not refused (a review
   finding: refused, and --resume refused for want of a checkpoint)."""
-  from jaxagent.train import holds_a_run
+  from jaxagent.run_dir import holds_a_run
 
   (tmp_path / "policy").mkdir()
   (tmp_path / "policy" / "versions.json").write_text('{"versions": []}')
@@ -617,7 +617,7 @@ def test_resume_goes_on_with_a_run_stopped_before_its_first_step(tmp_path):
   """Stopped before step 1 (a Ctrl-C while compiling), a run says "to go on: ... --resume",
   which was refused: no checkpoint, no step (a new user's round). With its config.json
   it starts again from step 0."""
-  from jaxagent.train import started_a_run
+  from jaxagent.run_dir import started_a_run
 
   run = tmp_path / "run"
   run.mkdir()
@@ -959,7 +959,7 @@ def test_a_bundled_config_run_from_another_directory_says_how_to_run_it(tmp_path
   """A new user ran `--config /repo/configs/tiny.yaml` from another directory: the error
   said relative paths were read from there, "the bundled configs' from the repository
   root", which read as if it should have worked. It names the root and the override."""
-  from jaxagent.train import _no_such_file
+  from jaxagent.run_checks import _no_such_file
 
   monkeypatch.chdir(tmp_path)
   message = str(_no_such_file("data.tasks", "envs/tasks/guess_number.jsonl"))

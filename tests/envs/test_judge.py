@@ -192,7 +192,7 @@ def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys
   import types
 
   from jaxagent import config as config_lib
-  from jaxagent.train import attach_judge
+  from jaxagent.run_services import attach_judge
 
   cfg = config_lib.load(config_lib.RunConfig, None,
                         ["env.judge=judge", "env.judge_max_answer_chars=4000"])

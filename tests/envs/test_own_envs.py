@@ -136,7 +136,7 @@ def test_a_run_trains_on_it_and_launch_and_deploy_pass_it_on(tmp_path):
 def test_an_environment_whose_tools_are_malformed_is_named_at_the_start(tmp_path):
   """A tool without OpenAI's shape reached the template as it was (white-box) and had
   every black-box turn refused by the gateway: the run's start names the environment."""
-  from jaxagent.train import task_tools
+  from jaxagent.run_services import task_tools
 
   @base.register("bad_tools_env")
   class BadTools(base.Env):

@@ -1,0 +1,225 @@
+"""What a run plays its episodes with: the rollout side (`Serving`: an in-process engine,
+or servers by URL behind a local router, and the gateway black-box agents and the judge
+call), the environments (`make_env_factory`), the judge, the tools the tasks offer, and
+the served models that score segments (a KL reference, a teacher)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jaxagent import config as config_lib
+from jaxagent.agent import is_blackbox
+from jaxagent.errors import InfraError
+from jaxagent.run_checks import env_latency, served_scorers
+
+
+class Serving:
+  """The rollout side of a run: an engine client, and a gateway URL for black-box agents
+  (and the judge). The in-process engine starts from `params`, or from the policy
+  export `policy` = (path, version)."""
+
+  def __init__(self, cfg: config_lib.RunConfig, model_cfg, params, tokenizer, mesh, *,
+               policy: Optional[tuple[str, int]] = None):
+    from rollout_server.client import HttpClient, LocalClient
+    from rollout_server.serving import ServerThread
+
+    self._threads = []
+    self.orch = None
+    self.models = {}
+    s = cfg.serving
+    if s.urls:
+      url = s.urls[0]
+      if len(s.urls) > 1:  # several servers: route by session through a local router
+        from rollout_server.router import create_router
+
+        router = ServerThread(create_router(s.urls)).start()
+        self._threads.append(router)
+        url = router.url
+      self.client = HttpClient(url)
+      self.gateway_url = url
+      return
+    from rollout_server.serving import build_served_models, make_engine, start_orchestrator
+    from rollout_server.server import create_app
+
+    engine = make_engine(model_cfg, s.engine, mesh)
+    first = (engine.load_params(path=policy[0], version=policy[1]) if policy is not None
+             else engine.load_params(jax.device_put(params, engine.weight_shardings), version=0))
+    try:
+      self.models = build_served_models(s.models, mesh)
+    except ValueError as e:  # (an export of another shape than its model: named)
+      raise config_lib.ConfigError(f"serving.{e}") from None
+    scorers = {name for _, name in served_scorers(cfg).values()}
+    for name, m in self.models.items():  # tokens a model scores must mean the same to both
+      if name in scorers and m.engine.vocab_size != model_cfg.vocab_size:
+        self.close_models()
+        raise config_lib.ConfigError(
+            f"serving.models.{name}: vocabulary of {m.engine.vocab_size} tokens, the "
+            f"policy's has {model_cfg.vocab_size}")
+    self.orch = start_orchestrator(engine, first, s.engine)
+    self.client = LocalClient(self.orch, engine, models=self.models)
+    self.gateway_url = None
+    # The gateway serves black-box agents, and the judge of in-process environments.
+    if s.gateway or is_blackbox(cfg.agent.kind) or (cfg.env.judge and not cfg.env.judge_url):
+      app = create_app(self.orch, tokenizer,
+                       load_params=lambda path, v: engine.load_params(path=path, version=v),
+                       models=self.models)
+      gateway = ServerThread(app).start()
+      self._threads.append(gateway)
+      self.gateway_url = gateway.url
+
+  async def close(self) -> None:
+    await self.client.aclose()
+    for t in self._threads:
+      t.stop()
+    if self.orch is not None:
+      self.orch.stop()
+    self.close_models()
+
+  def close_models(self) -> None:
+    for m in self.models.values():
+      m.orch.stop()
+
+
+def make_env_factory(cfg: config_lib.RunConfig):
+  """`factory(task) -> Env` (in-process or a remote worker's), and a closer. With
+  `env.latency` set, every environment waits that made-up time at each step. The
+  modules of `env.imports` are imported here (their workers import them for `env.urls`)."""
+  from envs.base import EnvResources, WithLatency, load_modules, make
+
+  latency = env_latency(cfg)
+  counter = iter(range(1 << 62))
+
+  def delayed(env):
+    if latency.distribution == "none":
+      return env
+    return WithLatency(env, latency, key=str(next(counter)))
+
+  if cfg.env.urls:
+    from envs.server import RemoteEnv
+
+    urls = list(cfg.env.urls)
+    # A session outlives the longest wait between its calls: a policy's turns, as long as
+    # their tokens, up to the episode's wall time (a worker closing it as idle made a
+    # long last turn's episode an infrastructure error, a re-roll: red team).
+    from jaxagent.agent import EPISODE_WALL_FACTOR
+
+    idle_s = EPISODE_WALL_FACTOR * cfg.agent.episode_deadline_s + 60.0
+    return (lambda task: delayed(RemoteEnv(urls[next(counter) % len(urls)],
+                                           idle_timeout_s=idle_s))), (lambda: None)
+  try:
+    load_modules(cfg.env.imports)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"env.imports: {e}") from None
+  resources = EnvResources(sandboxes=cfg.env.sandboxes,
+                           allow_unisolated=cfg.env.allow_unisolated)
+  factory = lambda task: delayed(make(task.env, resources))  # noqa: E731
+  factory.resources = resources
+  return factory, resources.close
+
+
+def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving,
+                 environments=()) -> None:
+  """With `env.judge`, in-process environments show their passes to the served judge.
+  Says so once when none of `environments` (the names the tasks play) asks a judge, and
+  when the judge served here takes shorter prompts (in tokens) than the answers it is
+  shown (in characters): a pass it cannot read whole is failed."""
+  e = cfg.env
+  if not e.judge:
+    return
+  from envs.base import ENVS
+  from envs.judge import DEFAULT_RUBRIC, LLMJudge
+
+  env_factory.resources.judge = LLMJudge(e.judge_url or serving.gateway_url, e.judge,
+                                         rubric=e.judge_rubric or DEFAULT_RUBRIC,
+                                         max_answer_chars=e.judge_max_answer_chars)
+  names = sorted(set(environments))
+  if names and not any(getattr(ENVS.get(n), "asks_judge", False) for n in names):
+    askers = sorted(n for n, c in ENVS.items() if getattr(c, "asks_judge", False))
+    print(f"note: env.judge {e.judge!r} goes unused: none of the tasks' environments "
+          f"({', '.join(names)}) asks a judge ("
+          + (f"{', '.join(askers)} {'does' if len(askers) == 1 else 'do'}; " if askers else "")
+          + "an environment of your own says it does with asks_judge = True)",
+          file=sys.stderr)
+  served = serving.models.get(e.judge) if not e.judge_url else None
+  if served is not None and served.engine.max_prefill_length < e.judge_max_answer_chars:
+    print(f"note: the judge {e.judge!r} takes prompts of at most "
+          f"{served.engine.max_prefill_length} tokens (its engine's max_prefill_length) and "
+          f"is shown answers of up to {e.judge_max_answer_chars} characters "
+          "(env.judge_max_answer_chars): a pass too long for it is failed (judge_too_long "
+          "in the metrics)", file=sys.stderr)
+
+
+def first_tasks(path: str) -> dict:
+  """{environment name: its first task} over a task file, in the file's order; a file
+  that cannot be used (a bad line, no tasks) raises ValueError."""
+  from envs.base import load_tasks
+
+  first = {}
+  for task in load_tasks(path):
+    first.setdefault(task.env, task)
+  if not first:
+    raise ValueError(f"task file {path} has no tasks")
+  return first
+
+
+async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> list[dict]:
+  """The tools (OpenAI `tools` entries) the environments of a task file offer: the first
+  observation of the first task of each environment the file names (`first`, when the
+  caller read them already). A task file that cannot be used (a bad line, no tasks, an
+  unknown environment) raises ValueError."""
+  import pydantic
+
+  from rollout_server.server import ToolDef
+
+  first = first_tasks(path) if first is None else first
+  tools = {}
+  for task in first.values():
+    try:
+      env = env_factory(task)
+      try:
+        obs = await env.reset(task)
+      finally:
+        await env.close()
+    except KeyError as e:  # an environment nobody registered: its message, unquoted
+      raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
+    for t in obs.tools:
+      try:  # (as the chat gateway takes them: a black-box agent's turns would be refused)
+        ToolDef.model_validate(t)
+      except pydantic.ValidationError:
+        raise ValueError(f"environment {task.env!r} offers a tool that is not an OpenAI "
+                         "tools entry ({'type': 'function', 'function': {'name': ...}}): "
+                         f"{t!r:.200}") from None
+      tools.setdefault(t["function"]["name"], t)
+  return list(tools.values())
+
+
+async def score_segments(client, groups, scorers: dict, temperature: float,
+                         attempts: int = 3) -> dict:
+  """Fills in each field of `scorers` on every segment of `groups` with the named served
+  model's log-probs of its tokens (a failed call is retried; the last failure is
+  raised). Returns metrics: with a teacher, the mean over action tokens of
+  log pi_student - log pi_teacher (a sampled estimate of the per-token reverse KL)."""
+  segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
+  if not segments:
+    return {}
+  for field, (_, model) in scorers.items():
+    for attempt in range(attempts):
+      try:
+        scores = await client.score(model, [s.tokens.tolist() for s in segments], temperature)
+        break
+      except InfraError:
+        if attempt == attempts - 1:
+          raise
+        await asyncio.sleep(0.5 * 2 ** attempt)
+    for s, x in zip(segments, scores):
+      setattr(s, field, np.asarray(x, np.float32))
+  if "teacher_logp" not in scorers:
+    return {}
+  mask = np.concatenate([s.loss_mask for s in segments])
+  gap = np.concatenate([s.rollout_logp - s.teacher_logp for s in segments])
+  return {"opd_reverse_kl": float(np.sum(gap * mask) / max(np.sum(mask), 1.0))}
