@@ -52,7 +52,7 @@ TASKS = [
     ('is_prime', 'def is_prime(n): True if n is a prime number.',
      'def is_prime(n):\n    if n < 2:\n        return False\n    i = 2\n    while i * i <= n:\n        if n % i == 0:\n            return False\n        i += 1\n    return True\n',
      'assert is_prime(7)',
-     [((7,), True), ((2,), True), ((3,), True), ((4,), False), ((7919,), True), ((1,), False), ((0,), False), ((91,), False), ((25,), False), ((97,), True), ((341,), False), ((561,), False), ((289,), False), ((29341,), False)]),
+     [((7,), True), ((2,), True), ((3,), True), ((4,), False), ((7919,), True), ((1,), False), ((0,), False), ((91,), False), ((25,), False), ((97,), True), ((341,), False), ((561,), False), ((289,), False), ((29341,), False), ((10403,), False)]),
     ('flatten', 'def flatten(xss): flatten a list of lists one level.',
      'def flatten(xss):\n    return [x for xs in xss for x in xs]\n',
      'assert flatten([[1], [2, 3]]) == [1, 2, 3]',
@@ -64,11 +64,11 @@ TASKS = [
     ('word_count', 'def word_count(s): dict mapping each whitespace-separated word to its count.',
      'def word_count(s):\n    out = {}\n    for w in s.split():\n        out[w] = out.get(w, 0) + 1\n    return out\n',
      "assert word_count('a b a') == {'a': 2, 'b': 1}",
-     [(('a b a',), {'a': 2, 'b': 1}), (('',), {}), (('x  x\nx',), {'x': 3}), (('A a',), {'A': 1, 'a': 1}), (('the cat the hat the',), {'the': 3, 'cat': 1, 'hat': 1}), (('hi, hi.',), {'hi,': 1, 'hi.': 1}), (('a\tb a',), {'a': 2, 'b': 1})]),
+     [(('a b a',), {'a': 2, 'b': 1}), (('',), {}), (('x  x\nx',), {'x': 3}), (('A a',), {'A': 1, 'a': 1}), (('the cat the hat the',), {'the': 3, 'cat': 1, 'hat': 1}), (('hi, hi.',), {'hi,': 1, 'hi.': 1}), (('a\tb a',), {'a': 2, 'b': 1}), (('a\r\nb a',), {'a': 2, 'b': 1})]),
     ('capitalize_words', 'def capitalize_words(s): upper-case the first character of each word, words being separated by single spaces (a tab or newline is part of a word).',
      "def capitalize_words(s):\n    return ' '.join(w[:1].upper() + w[1:] for w in s.split(' '))\n",
      "assert capitalize_words('hello world') == 'Hello World'",
-     [(('hello world',), 'Hello World'), (('',), ''), (('a',), 'A'), (('x  y',), 'X  Y'), (('python is fun',), 'Python Is Fun'), (('ALREADY Up',), 'ALREADY Up'), (('a\tb c',), 'A\tb C'), (('élan vital',), 'Élan Vital'), (('a\nb c',), 'A\nb C')]),
+     [(('hello world',), 'Hello World'), (('',), ''), (('a',), 'A'), (('x  y',), 'X  Y'), (('python is fun',), 'Python Is Fun'), (('ALREADY Up',), 'ALREADY Up'), (('a\tb c',), 'A\tb C'), (('élan vital',), 'Élan Vital'), (('a\nb c',), 'A\nb C'), (('x 1st (ok)',), 'X 1st (ok)')]),
     ('binary_search', 'def binary_search(xs, target): index of target in the sorted list xs, or -1.',
      'def binary_search(xs, target):\n    lo, hi = 0, len(xs) - 1\n    while lo <= hi:\n        mid = (lo + hi) // 2\n        if xs[mid] == target:\n            return mid\n        if xs[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n    return -1\n',
      'assert binary_search([1, 3, 5], 3) == 1',
@@ -140,7 +140,7 @@ TASKS = [
     ('dedupe_keep_order', "def dedupe(xs): remove duplicates, keeping each element's first occurrence in order.",
      'def dedupe(xs):\n    seen, out = set(), []\n    for x in xs:\n        if x not in seen:\n            seen.add(x)\n            out.append(x)\n    return out\n',
      'assert dedupe([1, 2, 1]) == [1, 2]',
-     [(([1, 2, 1],), [1, 2]), (([],), []), (([3, 3, 3],), [3]), ((['b', 'a', 'b', 'c'],), ['b', 'a', 'c']), (([3, 1, 3, 2, 1],), [3, 1, 2]), (([1, 2, 3, 1],), [1, 2, 3])]),
+     [(([1, 2, 1],), [1, 2]), (([],), []), (([3, 3, 3],), [3]), ((['b', 'a', 'b', 'c'],), ['b', 'a', 'c']), (([3, 1, 3, 2, 1],), [3, 1, 2]), (([1, 2, 3, 1],), [1, 2, 3]), (([1, 2, 3, 4, 1],), [1, 2, 3, 4])]),
 ]
 
 

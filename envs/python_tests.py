@@ -355,7 +355,10 @@ class PythonTests(Env):
   # indentation ran code shown as nested). 9: stronger hidden cases (a red team's 32 wrong
   # solutions passed: float arithmetic on big integers, ASCII-only text, Julian leap
   # years); five descriptions say what the cases already held (ASCII letters, spaces).
-  version = "9"
+  # 10: stronger hidden cases (seven more: a dedupe that looks back three elements, trial
+  # division by small primes only, whitespace of three kinds, the first letter for the
+  # first character).
+  version = "10"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

@@ -148,6 +148,46 @@ for _name, _source in [
   WRONG.setdefault(_name, []).append(_source)
 
 
+# Red team (stop 43): each passed every hidden case before the case added for it.
+for _name, _source in [
+    ('dedupe_keep_order', 'def dedupe(xs):\n'
+                          '    out = []\n'
+                          '    for x in xs:\n'
+                          '        if x not in out[-3:]:\n'
+                          '            out.append(x)\n'
+                          '    return out\n'),
+    ('dedupe_keep_order', 'def dedupe(xs):\n'
+                          '    return [x for i, x in enumerate(xs) if x not in xs[max(0, i - 3):i]]\n'),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    ps = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31]\n'
+                 '    return n in ps or (n > 1 and all(n % p for p in ps))\n'),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    if n < 2:\n'
+                 '        return False\n'
+                 '    for i in range(2, min(n, 100)):\n'
+                 '        if n % i == 0:\n'
+                 '            return False\n'
+                 '    return True\n'),
+    ('word_count', 'import re\n'
+                   'def word_count(s):\n'
+                   '    out = {}\n'
+                   "    for w in re.split('[ \\t\\n]+', s):\n"
+                   '        if w:\n'
+                   '            out[w] = out.get(w, 0) + 1\n'
+                   '    return out\n'),
+    ('word_count', 'def word_count(s):\n'
+                   '    out = {}\n'
+                   "    for w in s.replace('\\t', ' ').replace('\\n', ' ').split(' '):\n"
+                   '        if w:\n'
+                   '            out[w] = out.get(w, 0) + 1\n'
+                   '    return out\n'),
+    ('capitalize_words', 'import re\n'
+                         'def capitalize_words(s):\n'
+                         "    return ' '.join(re.sub(r'[^\\W\\d_]', lambda m: m[0].upper(), w, count=1) for w in s.split(' '))\n"),
+]:
+  WRONG.setdefault(_name, []).append(_source)
+
+
 def function(source: str):
   ns = {}
   exec(source, ns)
