@@ -15,7 +15,7 @@ import pytest
 
 from envs.base import EnvResources, TaskSpec, make
 from envs.python_tasks_data import TASKS
-from envs.sandbox import available_isolations
+from envs.isolation import available_isolations
 from jaxagent.agent import run_whitebox
 from jaxagent.config import AdvantageConfig, AgentConfig, RolloutConfig
 from jaxagent.scheduler import RolloutScheduler, make_batch

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from envs.sandbox import available_isolations
+from envs.isolation import available_isolations
 from tests.conftest import REPO
 
 

@@ -16,8 +16,9 @@ import pytest
 
 from tests.conftest import REPO
 
-from envs.sandbox import (IsolationUnavailable, Limits, Sandbox, SandboxPool, UidLease,
-                          available_isolations, detect_isolation)
+from envs.isolation import (IsolationUnavailable, Limits, UidLease, available_isolations,
+                            detect_isolation)
+from envs.sandbox import Sandbox, SandboxPool
 
 ISOLATION = detect_isolation()
 # Every namespace mode this host has: CI (root, bubblewrap installed) runs both.
@@ -648,7 +649,7 @@ def test_a_non_root_workers_sandboxes_each_have_their_own_process_limit():
 def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
   """`unshare -r` (a user namespace of its own, with capabilities inside it: more of the
   kernel in reach) fails inside the sandbox."""
-  from envs.sandbox import _bwrap_can_disable_userns
+  from envs.isolation import _bwrap_can_disable_userns
 
   if not _bwrap_can_disable_userns():
     pytest.skip("this bubblewrap has no --disable-userns (before 0.8)")
@@ -670,10 +671,10 @@ def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
   """Three processes of 200 MB each stay under the per-process address-space limit
   (512 MiB) but not under a 256 MiB limit for the sandbox as a whole, which a memory
   cgroup enforces where the host allows one (root with a writable controller)."""
-  from envs.sandbox import _memory_cgroup
+  from envs.isolation import memory_cgroup
 
   if sandbox._cgroup is None:
-    assert _memory_cgroup(sandbox.uid or 0, 1 << 30) is None or sandbox.uid is None
+    assert memory_cgroup(sandbox.uid or 0, 1 << 30) is None or sandbox.uid is None
     pytest.skip("no writable memory cgroup on this host")
   with open(os.path.join(sandbox._cgroup, "memory.limit_in_bytes")
             if os.path.exists(os.path.join(sandbox._cgroup, "memory.limit_in_bytes"))
@@ -698,7 +699,7 @@ def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_
   infrastructure error where the pool's limits fit the host's free memory, and the
   command's own where they may overcommit it (a solution filling its own share could
   have caused them: calling them infrastructure would buy it a re-roll)."""
-  from envs.sandbox import oom_attribution
+  from envs.isolation import oom_attribution
 
   for fits in (True, False):
     assert oom_attribution((3, 1), (3, 1), host_kills_are_infra=fits) == (0, 0)
@@ -758,7 +759,7 @@ def test_free_memory_counts_a_memory_cgroup_above_the_worker(tmp_path, monkeypat
   under a cgroup namespace, whose worker is in a child with no limit of its own; v1
   under Docker, whose /proc/self/cgroup names a path the mount does not have) or on a
   cgroup above the worker: the least any of them leaves is what is free."""
-  import envs.sandbox as S
+  import envs.isolation as S
 
   root = tmp_path / "cgroup"
   for path, limit, used in (("", 512 << 20, 100 << 20), ("box", "max", 99 << 20),
@@ -826,7 +827,7 @@ with multiprocessing.Pool(2) as pool:
 def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
   """ptrace, io_uring, bpf, keyctl and perf_event_open (the kernel surface that tool code
   never needs and exploits often do) fail with EPERM; processes, threads and pools run."""
-  from envs.sandbox import seccomp_program
+  from envs.isolation import seccomp_program
 
   if seccomp_program() is None:
     pytest.skip("no libseccomp on this host")
@@ -839,14 +840,14 @@ def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
 def test_the_python_images_interpreter_loads_the_mountns_filter(monkeypatch):
   """The image (python:3.11-slim) has its Python in /usr/local and no /usr/bin/python3:
   the mountns mode skipped its seccomp loader there (a red team's reading)."""
-  import envs.sandbox as sandbox_mod
+  import envs.isolation as isolation_mod
 
   real = os.path.exists
-  monkeypatch.setattr(sandbox_mod.os.path, "exists",
+  monkeypatch.setattr(isolation_mod.os.path, "exists",
                       lambda p: False if p == "/usr/bin/python3" else
                       True if p == "/usr/local/bin/python3" else real(p))
-  assert sandbox_mod.system_python() == "/usr/local/bin/python3"
-  script = sandbox_mod._mountns_script("/r", "/w", 12345, sandbox_mod.Limits(),
+  assert isolation_mod.system_python() == "/usr/local/bin/python3"
+  script = isolation_mod._mountns_script("/r", "/w", 12345, isolation_mod.Limits(),
                                        seccomp="/s.bpf")
   assert "/usr/local/bin/python3 -I -S -c " in script and ".seccomp.bpf" in script
 
@@ -856,10 +857,10 @@ def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monk
   """The hand-built namespace's setup failing (a mount refused) exits non-zero before the
   command runs: that is the sandbox's failure (`error`), not the command's exit code,
   which a grader would score as the solution's (a review finding)."""
-  import envs.sandbox as sandbox_mod
+  import envs.isolation as isolation_mod
 
-  real = sandbox_mod._mountns_script
-  monkeypatch.setattr(sandbox_mod, "_mountns_script",
+  real = isolation_mod._mountns_script
+  monkeypatch.setattr(isolation_mod, "_mountns_script",
                       lambda *a, **k: real(*a, **k).replace("set -e", "set -e\nfalse", 1))
   root = _scratch()
   os.chmod(root, 0o711)
@@ -867,7 +868,7 @@ def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monk
   try:
     r = run(sb, "print('ran')")
     assert r.error and "setup failed" in r.error and r.stdout == ""
-    monkeypatch.setattr(sandbox_mod, "_mountns_script", real)
+    monkeypatch.setattr(isolation_mod, "_mountns_script", real)
     r = run(sb, "raise SystemExit(3)")  # the command's own exit stays the command's
     assert r.error is None and r.exit_code == 3
   finally:
@@ -976,7 +977,7 @@ def test_the_environments_own_code_is_out_of_view_where_system_dirs_hold_it(sand
   import py_compile
   import sys
 
-  from envs import base, sandbox as sandbox_mod
+  from envs import base, isolation as isolation_mod
 
   system = tempfile.mkdtemp(prefix="jaxagent-test-sys-", dir="/var/tmp")
   site = os.path.join(system, "site")
@@ -997,7 +998,7 @@ def test_the_environments_own_code_is_out_of_view_where_system_dirs_hold_it(sand
         os.chmod(n, 0o755)
     monkeypatch.setitem(base.ENVS, "hidden_a", type("A", (), {"__module__": "secretpkg.tasks"}))
     monkeypatch.setitem(base.ENVS, "hidden_b", type("B", (), {"__module__": "lone_env"}))
-    monkeypatch.setattr(sandbox_mod, "_SYSTEM_DIRS", (*sandbox_mod._SYSTEM_DIRS, system))
+    monkeypatch.setattr(isolation_mod, "_SYSTEM_DIRS", (*isolation_mod._SYSTEM_DIRS, system))
     pyc = [f for f in os.listdir(os.path.join(site, "__pycache__")) if f.startswith("lone_env")]
     assert pyc
     code = ("import os\n"

@@ -19,7 +19,7 @@ import pytest
 from envs import base, waits
 from envs.base import EnvResources, TaskSpec, VerdictStatus
 from envs.server import RemoteEnv, SessionLost, create_app
-from envs.sandbox import available_isolations
+from envs.isolation import available_isolations
 from jaxagent.errors import InfraError
 from rollout_server.serving import ServerThread
 from tests.conftest import REPO

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from envs.base import EnvResources, TaskSpec, VerdictStatus, make
-from envs.sandbox import ExecResult, Limits, SandboxPool, available_isolations
+from envs.isolation import available_isolations
+from envs.sandbox import ExecResult, Limits, SandboxPool
 from envs.verifier import HiddenTests, PythonTestVerifier, classify
 
 ADD = HiddenTests("add", [((2, 3), 5), ((-1, 1), 0), ((10**12, 1), 10**12 + 1)])

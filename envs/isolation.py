@@ -1,0 +1,599 @@
+"""How a sandbox's commands are isolated on this host (`envs.sandbox` runs them).
+
+- The modes, strongest first (`available_isolations`): `bwrap` (bubblewrap's
+  namespaces), `mountns` (the same view built by hand with util-linux as root) and
+  `rlimits` (limits only); `wrap` puts a command inside the one chosen.
+- What a sandbox sees of the host: /usr and /etc read-only, the environments' own code
+  under them hidden (`hidden_paths`), a scrubbed environment.
+- The seccomp filter both namespace modes install (`SECCOMP_DENIED`).
+- Resource limits (`Limits`; `confine`: prlimit, and memory and CPU cgroups where the
+  host allows them) and the kernel's OOM kills told apart (`oom_attribution`).
+- Host-unique sandbox uids (`UidLease`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import functools
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from typing import Optional, Sequence
+
+from jaxagent.errors import InfraError
+
+log = logging.getLogger(__name__)
+
+
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+_HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+_PRLIMIT = shutil.which("prlimit", path=_HOST_PATH) or "prlimit"
+
+
+SETPRIV = shutil.which("setpriv", path=_HOST_PATH) or "setpriv"
+
+
+UID_BASE = 100_000
+
+
+UID_COUNT = 50_000
+
+
+ISOLATIONS = ("bwrap", "mountns", "rlimits")
+
+
+UID_LOCK_DIR = "/run/jaxagent-sandbox-uids" if os.path.isdir("/run") else os.path.join(
+    tempfile.gettempdir(), "jaxagent-sandbox-uids")
+
+
+_SYSTEM_DIRS = ("/usr", "/etc")
+
+
+_ROOT_LINKS = ("/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32")
+
+
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def hidden_paths() -> list[tuple[str, bool]]:
+  """(path, is a directory) of the environments' own code and data that lie under the
+  system directories a sandbox shows: the `envs` package and the package (or module
+  file and its compiled copies) of every registered environment. A pip install (the
+  image's) puts them under /usr, where tool code could read a task's hidden cases and
+  reference solution; the sandbox mounts an empty directory or file over each."""
+  import importlib.util
+  import sys
+
+  from envs.base import ENVS
+
+  names = {"envs", *(getattr(c, "__module__", "") for c in ENVS.values())}
+  found: dict[str, bool] = {}
+  for name in sorted(n for n in names if n):
+    top = sys.modules.get(name.split(".")[0])
+    path = getattr(top, "__file__", None)
+    if path is None:
+      continue
+    if os.path.basename(path) == "__init__.py":
+      found[os.path.realpath(os.path.dirname(path))] = True
+    else:
+      found[os.path.realpath(path)] = False
+      try:
+        cached = importlib.util.cache_from_source(path)
+      except (NotImplementedError, ValueError):
+        cached = None
+      if cached is not None:
+        stem = os.path.basename(cached).split(".")[0]
+        folder = os.path.dirname(cached)
+        for f in (os.listdir(folder) if os.path.isdir(folder) else ()):
+          if f.split(".")[0] == stem and f.endswith(".pyc"):
+            found[os.path.realpath(os.path.join(folder, f))] = False
+  shown = [os.path.realpath(d) for d in _SYSTEM_DIRS]
+  return sorted((p, is_dir) for p, is_dir in found.items()
+                if any(p.startswith(d + os.sep) for d in shown))
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_file() -> str:
+  """An empty read-only file of this process's own, mounted over hidden module files."""
+  folder = tempfile.mkdtemp(prefix="jaxagent-sandbox-empty-")
+  atexit.register(shutil.rmtree, folder, True)  # (one a process: it was left in /tmp)
+  os.chmod(folder, 0o755)
+  path = os.path.join(folder, "empty")
+  os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444))
+  return path
+
+
+class IsolationUnavailable(RuntimeError):
+  """The host cannot isolate untrusted code and unisolated execution was not allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  wall_s: float = 10.0
+  # CPU seconds per process. A run's CPU limit is never below its wall timeout + 1 s, so a
+  # busy loop meets the wall timeout first and is a timeout, not a crash.
+  cpu_s: int = 10
+  memory_bytes: int = 1 << 30  # address space
+  # Per sandbox: its uid's (as root), its user namespace's (bwrap, not root; see
+  # `_bwrap_argv`)
+  processes: int = 64
+  file_bytes: int = 16 << 20  # largest file a command may write (stdout/stderr included)
+  open_files: int = 256
+  output_budget: int = 16 << 10  # bytes of stdout/stderr kept in the record
+  # The workspace's quota, as root: a tmpfs, so it counts against memory (at most
+  # sessions x disk_bytes).
+  disk_bytes: int = 32 << 20
+  tmp_bytes: int = 16 << 20  # the private /tmp and /dev/shm
+  # Files and directories in the workspace, /tmp and /dev/shm each (as root): each costs
+  # kernel memory that the tmpfs size does not count.
+  max_inodes: int = 16384
+  write_bytes: int = 1 << 20  # largest file the host writes for a tool call
+  # Memory of all a sandbox's processes together (its tmpfs pages included): a memory
+  # cgroup, where the host allows one (root, a writable memory controller). Without it
+  # only `memory_bytes` per process holds, `processes` times over.
+  group_memory_bytes: int = 1 << 30
+  # CPU time all a sandbox's processes get together, in CPUs (a CPU cgroup's quota, where
+  # the host allows one; 0: unbounded): 64 busy processes of one sandbox must not starve
+  # the host's other sandboxes and graders (their start-up would time out: infra errors).
+  cpus: float = 1.0
+
+
+# -- isolation modes ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def available_isolations() -> tuple[str, ...]:
+  """Every isolation mode that works on this host, strongest first ("rlimits" always)."""
+  modes = []
+  probe = tempfile.mkdtemp(prefix="jaxagent-probe-")
+  try:
+    os.chmod(probe, 0o755)
+    uid = UID_BASE if os.geteuid() == 0 else None
+    for mode in ("bwrap", "mountns"):
+      if mode == "bwrap" and not shutil.which("bwrap"):
+        continue
+      if mode == "mountns" and not (os.geteuid() == 0 and all(
+          shutil.which(t, path=_HOST_PATH) for t in ("unshare", "chroot", "setpriv", "mount"))):
+        continue
+      try:
+        r = subprocess.run(confine(Limits(), uid if mode == "bwrap" else None,
+                                    nproc=not nproc_inside(mode, uid))
+                           + wrap(mode, probe, ["/bin/true"], uid=uid, limits=Limits(),
+                                   run_dir=probe),
+                           env=scrubbed_env("/workspace"), capture_output=True, timeout=20)
+        if r.returncode == 0:
+          modes.append(mode)
+      except (OSError, subprocess.SubprocessError):
+        pass
+  finally:
+    shutil.rmtree(probe, ignore_errors=True)
+  return tuple(modes) + ("rlimits",)
+
+
+def detect_isolation() -> str:
+  """The strongest isolation that works on this host: bwrap, mountns or rlimits."""
+  return available_isolations()[0]
+
+
+def scrubbed_env(home: str) -> dict:
+  return {"PATH": SANDBOX_PATH, "HOME": home, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+          "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+
+
+# Syscalls tool code never needs and that open the kernel's rarely used, often attacked
+# surface (Docker's default profile refuses much the same): they fail with EPERM.
+SECCOMP_DENIED = (
+    "acct", "add_key", "bpf", "clock_adjtime", "clock_settime", "delete_module",
+    "finit_module", "fsconfig", "fsmount", "fsopen", "fspick", "init_module",
+    "io_uring_enter", "io_uring_register", "io_uring_setup", "ioperm", "iopl", "kcmp",
+    "kexec_file_load", "kexec_load", "keyctl", "lookup_dcookie", "mount", "mount_setattr",
+    "move_mount", "name_to_handle_at", "open_by_handle_at", "open_tree", "perf_event_open",
+    "pivot_root", "process_vm_readv", "process_vm_writev", "ptrace", "quotactl",
+    "quotactl_fd", "reboot", "request_key", "setns", "settimeofday", "swapoff", "swapon",
+    "syslog", "umount2", "unshare", "uselib", "userfaultfd", "vhangup")
+
+
+# clone() asking for a new namespace of any kind fails too; clone3 (whose flags sit in
+# memory a filter cannot read) answers ENOSYS, so that libc falls back to clone().
+_CLONE_NEW_NAMESPACES = 0x7E02_0080  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
+
+
+@functools.cache
+def seccomp_program() -> Optional[bytes]:
+  """The compiled filter (BPF, for this host's architecture; other ABIs' syscalls kill
+  the process), or None where libseccomp is missing. Kept in memory: each command gets
+  its own copy (nothing on disk that a cleaner could remove from under a worker)."""
+  try:
+    import pyseccomp as sc  # ctypes over the system's libseccomp.so.2
+    flt = sc.SyscallFilter(defaction=sc.ALLOW)
+  except (ImportError, OSError, RuntimeError):
+    return None
+  eperm = sc.ERRNO(errno.EPERM)
+  for name in SECCOMP_DENIED:
+    try:
+      flt.add_rule(eperm, name)
+    except (ValueError, RuntimeError, OSError):  # not a syscall on this architecture
+      pass
+  for bit in range(32):  # any one of them set
+    flag = 1 << bit
+    if flag & _CLONE_NEW_NAMESPACES:
+      flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+  with contextlib.suppress(ValueError, RuntimeError, OSError):
+    flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+  # Resource limits of another process: a solution lowered its grader's (the init of
+  # its namespace, same uid) RLIMIT_FSIZE, and the grader died writing its report, an
+  # infrastructure error instead of its fail. A process's own (pid 0, as setrlimit and
+  # util-linux prlimit pass it) stay its own to set.
+  with contextlib.suppress(ValueError, RuntimeError, OSError):
+    flt.add_rule(eperm, "prlimit64", sc.Arg(0, sc.NE, 0))
+  with tempfile.TemporaryFile() as f:
+    flt.export_bpf(f)
+    f.seek(0)
+    return f.read()
+
+
+def seccomp_program_fd(program: bytes) -> int:
+  """A fresh in-memory file holding `program`, at offset 0 (bwrap reads it to the end)."""
+  fd = os.memfd_create("jaxagent-seccomp")
+  os.write(fd, program)
+  os.lseek(fd, 0, os.SEEK_SET)
+  return fd
+
+
+# Installs the filter at /.seccomp.bpf (inside the mountns root), then execs the rest:
+# what bubblewrap's --seccomp does, for the mode built by hand.
+_SECCOMP_LOADER = """\
+import ctypes, os, sys
+data = open("/.seccomp.bpf", "rb").read()
+class Prog(ctypes.Structure):
+  _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+buf = ctypes.create_string_buffer(data, len(data))
+prog = Prog(len(data) // 8, ctypes.cast(buf, ctypes.c_void_p))
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(prog), 0, 0):
+  sys.exit("seccomp: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+@functools.cache
+def _bwrap_can_disable_userns() -> bool:
+  """bubblewrap >= 0.8 can stop the sandbox from creating user namespaces of its own."""
+  try:
+    r = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return False
+  return "--disable-userns" in r.stdout + r.stderr
+
+
+def nproc_inside(mode: str, uid: Optional[int]) -> bool:
+  """Whether a sandbox's process limit is set inside it rather than by `confine`: under
+  bubblewrap without a uid of its own (a worker that is not root), inside its user
+  namespace, where the kernel (5.14 on) counts only that sandbox's processes against it.
+  Set outside, it would count every process and thread of the worker's user on the host
+  (the worker's own, every other sandbox's): one sandbox holding its limit would stop
+  every other from starting (graders: infra errors)."""
+  return mode == "bwrap" and uid is None
+
+
+def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
+                seccomp_fd: Optional[int] = None, uid: Optional[int] = None) -> list[str]:
+  if nproc_inside("bwrap", uid):
+    argv = [_PRLIMIT, f"--nproc={limits.processes}", "--", *argv]
+  out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  if seccomp_fd is not None:  # bwrap installs it (with no_new_privs) just before the exec
+    out += ["--seccomp", str(seccomp_fd)]
+  if _bwrap_can_disable_userns():
+    # No nested user namespaces: the kernel surface they open (mounts, capabilities
+    # within them) is closed to tool code.
+    out += ["--unshare-user", "--disable-userns"]
+  if pid1:
+    out.append("--as-pid-1")
+  for path in _SYSTEM_DIRS:
+    out += ["--ro-bind", path, path]
+  for path, is_dir in hidden_paths():  # (the environments' own code: an empty view)
+    out += (["--perms", "0555", "--tmpfs", path, "--remount-ro", path] if is_dir
+            else ["--ro-bind", _empty_file(), path])
+  for path in _ROOT_LINKS:
+    if os.path.islink(path):
+      out += ["--symlink", os.readlink(path), path]
+    elif os.path.isdir(path):
+      out += ["--ro-bind", path, path]
+  out += ["--proc", "/proc", "--dev", "/dev",
+          "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+          "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",
+          # (/dev is a tmpfs of half the host's memory: a command wrote 1 GiB there, red
+          # team 30; its devices work read-only, /dev/shm is a mount of its own)
+          "--remount-ro", "/dev",
+          "--bind", workspace, "/workspace", "--remount-ro", "/", "--chdir", "/workspace"]
+  for k, v in scrubbed_env("/workspace").items():
+    out += ["--setenv", k, v]
+  return out + ["--", *argv]
+
+
+# Written by the mountns setup script beside the private root just before it enters
+# it: a run that exits without it failed in the setup (the infrastructure), not in the
+# command (which cannot reach the file: it is outside its root).
+SETUP_DONE = "setup-done"
+
+
+def system_python() -> Optional[str]:
+  """A Python interpreter under the system directories a sandbox sees: Debian's, or the
+  official python image's (/usr/local: the mountns mode's seccomp loader needs one, and
+  the image has no /usr/bin/python3, so its sandboxes ran unfiltered)."""
+  for path in ("/usr/bin/python3", "/usr/local/bin/python3"):
+    if os.path.exists(path):
+      return path
+  return None
+
+
+def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
+                    seccomp: Optional[str] = None) -> str:
+  """Shell run as root inside fresh namespaces: builds a private root at `root` (only
+  read-only system directories, private /proc, /dev, /tmp, /dev/shm and the workspace),
+  then enters it as `uid` with no capabilities and execs the command ("$@")."""
+  q = shlex.quote
+  # The host's tools by absolute path (the scrubbed PATH has no sbin).
+  lines = ["set -e", f"export PATH={q(_HOST_PATH)}", f"mount -t tmpfs -o mode=0755,size=1m jaxagent-root {q(root)}"]
+  for path in _SYSTEM_DIRS:
+    lines += [f"mkdir -p {q(root + path)}", f"mount --rbind {q(path)} {q(root + path)}",
+              f"mount -o remount,bind,ro {q(root + path)}"]
+  for path, is_dir in hidden_paths():  # (the environments' own code: an empty view)
+    lines.append(f"mount -t tmpfs -o ro,mode=0555,size=4k jaxagent-hidden {q(root + path)}"
+                 if is_dir else f"mount --bind {q(_empty_file())} {q(root + path)}")
+  for path in _ROOT_LINKS:
+    if os.path.islink(path):
+      lines.append(f"ln -s {q(os.readlink(path))} {q(root + path)}")
+    elif os.path.isdir(path):
+      lines += [f"mkdir {q(root + path)}", f"mount --rbind {q(path)} {q(root + path)}",
+                f"mount -o remount,bind,ro {q(root + path)}"]
+  dev = root + "/dev"
+  lines += [f"mkdir {q(root + '/proc')} {q(dev)} {q(root + '/tmp')} {q(root + '/workspace')}",
+            f"mount -t proc -o nosuid,nodev,noexec proc {q(root + '/proc')}",
+            f"mount -t tmpfs -o mode=0755,size=64k,nosuid jaxagent-dev {q(dev)}"]
+  for name in _DEVICES:
+    lines += [f"touch {q(dev + '/' + name)}", f"mount --bind /dev/{name} {q(dev + '/' + name)}"]
+  lines += [f"ln -s /proc/self/fd {q(dev + '/fd')}",
+            f"ln -s /proc/self/fd/0 {q(dev + '/stdin')}",
+            f"ln -s /proc/self/fd/1 {q(dev + '/stdout')}",
+            f"ln -s /proc/self/fd/2 {q(dev + '/stderr')}",
+            f"mkdir {q(dev + '/shm')}",
+            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nr_inodes={limits.max_inodes},"
+            f"nosuid,nodev jaxagent-shm {q(dev + '/shm')}",
+            f"mount -t tmpfs -o mode=1777,size={limits.tmp_bytes},nr_inodes={limits.max_inodes},"
+            f"nosuid,nodev jaxagent-tmp {q(root + '/tmp')}",
+            f"mount --bind {q(workspace)} {q(root + '/workspace')}"]
+  loader, python = "", system_python()
+  if seccomp is not None and python is not None:
+    lines.append(f"cp {q(seccomp)} {q(root + '/.seccomp.bpf')}")
+    loader = f"{q(python)} -I -S -c {q(_SECCOMP_LOADER)} "
+  lines += [f"mount -o remount,ro,bind {q(root)}",
+            f"touch {q(os.path.join(os.path.dirname(root), SETUP_DONE))}",
+            # setpriv drops to the uid; no capabilities survive, nothing can regain them.
+            f"export PATH={SANDBOX_PATH}",
+            f"exec {q(shutil.which('chroot', path=_HOST_PATH))} {q(root)} {loader}"
+            f"/usr/bin/setpriv --reuid={uid} --regid={uid} "
+            "--clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs -- "
+            "/bin/sh -c 'cd /workspace && exec \"$@\"' sandbox \"$@\""]
+  return "\n".join(lines)
+
+
+def wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
+          limits: Limits, run_dir: str, pid1: bool = False,
+          seccomp_fd: Optional[int] = None) -> list[str]:
+  """The host command that runs `argv` in `workspace` under isolation `mode` (the
+  seccomp filter: bwrap's from `seccomp_fd`, mountns's written into `run_dir`)."""
+  if mode == "bwrap":
+    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd, uid)
+  if mode == "mountns":
+    if uid is None:
+      raise ValueError("mountns isolation needs a sandbox uid (root)")
+    root = os.path.join(run_dir, "root")
+    os.makedirs(root, exist_ok=True)
+    program, bpf = seccomp_program(), None
+    if program is not None:
+      bpf = os.path.join(run_dir, "seccomp.bpf")
+      with open(bpf, "wb") as f:
+        f.write(program)
+    # --fork: the script is the new PID namespace's init, and so is the command it execs.
+    return [shutil.which("unshare", path=_HOST_PATH), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+            "--propagation", "private", "--", "/bin/sh", "-c",
+            _mountns_script(root, workspace, uid, limits, bpf), "sandbox", *argv]
+  return list(argv)
+
+
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+_CPU_PERIOD_US = 100_000
+
+
+def _cgroup(uid: int, controller: str, v1_knobs: dict, v2_knobs: dict) -> Optional[str]:
+  """A cgroup of `controller` for the sandbox uid's processes with `knobs` written (cgroup
+  v1's hierarchy of that controller, or v2's with it enabled below the root); None where
+  the host cannot make one (not root, no writable controller)."""
+  if os.geteuid() != 0:
+    return None
+  candidates = []
+  if os.path.isdir(os.path.join(_CGROUP_ROOT, controller)):
+    candidates.append((os.path.join(_CGROUP_ROOT, controller, f"jaxagent-{uid}"), v1_knobs))
+  try:
+    with open(os.path.join(_CGROUP_ROOT, "cgroup.subtree_control")) as f:
+      if controller in f.read().split():
+        candidates.append((os.path.join(_CGROUP_ROOT, f"jaxagent-{uid}"), v2_knobs))
+  except OSError:
+    pass
+  for path, knobs in candidates:
+    existed = os.path.isdir(path)  # (v2: the memory cgroup's, which must stay)
+    try:
+      os.makedirs(path, exist_ok=True)
+      for knob, value in knobs.items():
+        with open(os.path.join(path, knob), "w") as f:
+          f.write(str(value))
+      return path
+    except OSError:
+      if not existed:
+        with contextlib.suppress(OSError):
+          os.rmdir(path)
+  return None
+
+
+def memory_cgroup(uid: int, limit: int) -> Optional[str]:
+  """Holds the sandbox uid's processes to `limit` bytes together (None: cannot)."""
+  return _cgroup(uid, "memory", {"memory.limit_in_bytes": limit}, {"memory.max": limit})
+
+
+def cgroup_counter(path: str, key: Optional[str]) -> int:
+  """The number a cgroup file holds (`key`: on its line `key N`)."""
+  with open(path) as f:
+    if key is None:
+      return int(f.read())
+    for line in f:
+      name, _, n = line.partition(" ")
+      if name == key:
+        return int(n)
+  raise KeyError(key)
+
+
+def oom_attribution(before: tuple[int, int], after: tuple[int, int], *,
+                    host_kills_are_infra: bool) -> tuple[int, int]:
+  """(the command's own OOM kills, the host's) from `Sandbox.oom_counts` around it.
+
+  Kills while the sandbox's cgroup reached its limit are its own (the solution filled
+  it). Kills without that are the host's OOM killer's: the infrastructure's where
+  `host_kills_are_infra` (`SandboxPool.memory_fits`: the operator says the host's memory
+  is the pool's, and its limits fit it); elsewhere a sandbox filling its own share could
+  have caused them, and calling them infrastructure would let a failing solution buy a
+  re-roll, so they count as its own."""
+  limit_hits, kills = after[0] - before[0], after[1] - before[1]
+  if kills <= 0:
+    return 0, 0
+  if limit_hits > 0 or not host_kills_are_infra:
+    return kills, 0
+  return 0, kills
+
+
+def available_memory_bytes() -> int:
+  """Memory free for this process and its sandboxes: /proc/meminfo's MemAvailable, less
+  where a memory cgroup above them leaves less: the hierarchy's root as this process
+  sees it (a container's own, under a cgroup namespace or Docker's v1 mount) and every
+  cgroup on this process's path (0: cannot tell)."""
+  free = []
+  with contextlib.suppress(OSError, ValueError, KeyError):
+    with open("/proc/meminfo") as f:
+      info = {k: v.split() for k, _, v in (line.partition(":") for line in f)}
+    free.append(int(info["MemAvailable"][0]) << 10)
+  paths = {"v2": [""], "v1": [""]}
+  with contextlib.suppress(OSError):
+    with open("/proc/self/cgroup") as f:
+      for line in f:
+        _, controllers, path = line.rstrip("\n").split(":", 2)
+        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(
+            ",") else None
+        parts = [p for p in path.split("/") if p]
+        if version:
+          paths[version] += ["/".join(parts[:i + 1]) for i in range(len(parts))]
+  for version, (base, limit, usage) in (
+      ("v2", (_CGROUP_ROOT, "memory.max", "memory.current")),
+      ("v1", (os.path.join(_CGROUP_ROOT, "memory"), "memory.limit_in_bytes",
+              "memory.usage_in_bytes"))):
+    for path in paths[version]:
+      with contextlib.suppress(OSError, ValueError):  # ("max": no limit; not there)
+        where = os.path.join(base, path)
+        free.append(cgroup_counter(os.path.join(where, limit), None)
+                    - cgroup_counter(os.path.join(where, usage), None))
+  return max(0, min(free)) if free else 0
+
+
+def cpu_cgroup(uid: int, cpus: float) -> Optional[str]:
+  """Holds the sandbox uid's processes to `cpus` CPUs' time together (None: cannot, or
+  `cpus` 0)."""
+  if cpus <= 0:
+    return None
+  quota = max(1000, int(cpus * _CPU_PERIOD_US))
+  return _cgroup(uid, "cpu", {"cpu.cfs_period_us": _CPU_PERIOD_US, "cpu.cfs_quota_us": quota},
+                 {"cpu.max": f"{quota} {_CPU_PERIOD_US}"})
+
+
+def join_cgroups(paths: Sequence[Optional[str]]) -> list[str]:
+  """A command prefix that moves itself into the cgroups at `paths` (None: none), then
+  execs the rest (its descendants stay there); nothing without one."""
+  paths = list(dict.fromkeys(p for p in paths if p is not None))  # (v2: one for both)
+  if not paths:
+    return []
+  joins = " && ".join(f'echo $$ > "${i + 1}/cgroup.procs"' for i in range(len(paths)))
+  return ["/bin/sh", "-c", f'{joins} && shift {len(paths)} && exec "$@"', "sh", *paths]
+
+
+def confine(limits: Limits, uid: Optional[int], cpu_s: Optional[int] = None,
+             nproc: bool = True) -> list[str]:
+  """The command prefix that sets the resource limits (the process limit unless not
+  `nproc`), then drops to `uid` (util-linux `prlimit` and `setpriv`). A prefix, not a
+  `preexec_fn`: Python code between fork and exec can deadlock in a process with other
+  threads (JAX's), and without it the subprocess starts with vfork."""
+  cpu = cpu_s or limits.cpu_s
+  argv = [_PRLIMIT, "--core=0", f"--cpu={cpu}:{cpu + 1}",
+          f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
+          f"--nofile={limits.open_files}", *[f"--nproc={limits.processes}"] * nproc, "--"]
+  if uid is not None:
+    argv += [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+  return argv
+
+
+# -- host-unique uids -----------------------------------------------------------------------
+
+
+class UidLease:
+  """A sandbox uid no other pool or worker on this host holds: an exclusive `flock` on
+  `UID_LOCK_DIR/<uid>.lock`, kept until `release()` (or the holder's death)."""
+
+  _next = 0  # where this process starts looking
+
+  def __init__(self, first: int = UID_BASE + 1, count: int = UID_COUNT):
+    os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
+    for i in range(count):
+      uid = first + (UidLease._next + i) % count
+      fd = os.open(os.path.join(UID_LOCK_DIR, f"{uid}.lock"),
+                   os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        os.close(fd)
+        continue
+      UidLease._next = (UidLease._next + i + 1) % count
+      self.uid, self._fd = uid, fd
+      return
+    raise InfraError("sandbox", f"no free sandbox uid in {first}..{first + count - 1}")
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+
+def processes_of(uid: int) -> list[int]:
+  """Live (not zombie) processes owned by `uid`."""
+  pids = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        if os.stat(f"/proc/{entry}").st_uid != uid:
+          continue
+        with open(f"/proc/{entry}/stat") as f:
+          state = f.read().rsplit(")", 1)[1].split()[0]
+        if state != "Z":
+          pids.append(int(entry))
+      except (FileNotFoundError, ProcessLookupError, IndexError):
+        pass
+  return pids
