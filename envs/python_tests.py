@@ -355,9 +355,11 @@ class PythonTests(Env):
   # indentation ran code shown as nested). 9: stronger hidden cases (a red team's 32 wrong
   # solutions passed: float arithmetic on big integers, ASCII-only text, Julian leap
   # years); five descriptions say what the cases already held (ASCII letters, spaces).
-  # 10: stronger hidden cases (seven more: a dedupe that looks back three elements, trial
-  # division by small primes only, whitespace of three kinds, the first letter for the
-  # first character).
+  # 10: stronger hidden cases (26 more wrong solutions: a dedupe that looks back a few
+  # elements, trial division by small primes only or too few Fermat / Miller-Rabin bases,
+  # whitespace of three kinds, the first letter for the first character, regular
+  # expressions' case folding and `.`, a shift wrapped once); count_vowels' reference
+  # counts ASCII vowels only ('İ'.lower() holds an 'i'); are_anagrams says tabs count.
   version = "10"
   verifier_version = PythonTestVerifier.version
   needs_resources = True

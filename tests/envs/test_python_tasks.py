@@ -187,6 +187,144 @@ for _name, _source in [
 ]:
   WRONG.setdefault(_name, []).append(_source)
 
+# Red team (stop 43, a second round): each passed every hidden case before the case added
+# for it.
+for _name, _source in [
+    ('count_vowels', 'import re\n'
+                     'def count_vowels(s):\n'
+                     "    return len(re.findall('[aeiou]', s, re.IGNORECASE))\n"),
+    ('count_vowels', 'import unicodedata\n'
+                     'def count_vowels(s):\n'
+                     "    s = unicodedata.normalize('NFKD', s)\n"
+                     "    return sum(c in 'aeiou' for c in s.lower())\n"),
+    ('vowel_strip', 'import re\n'
+                    'def strip_vowels(s):\n'
+                    "    return re.sub('[aeiou]', '', s, flags=re.I)\n"),
+    ('vowel_strip', 'import unicodedata\n'
+                    'def strip_vowels(s):\n'
+                    "    return ''.join(c for c in s if unicodedata.normalize('NFKD', c)[0].lower() not in 'aeiou')\n"),
+    ('capitalize_words', 'def capitalize_words(s):\n'
+                         "    return ' '.join(w.replace(w[:1], w[:1].upper()) for w in s.split(' '))\n"),
+    ('rle', 'import re\n'
+            'def rle(s):\n'
+            "    return re.sub(r'(.)\\1*', lambda m: m[1] + str(len(m[0])), s)\n"),
+    ('rle', 'import re\n'
+            'def rle(s):\n'
+            "    return ''.join(m.group(0)[0] + str(len(m.group(0))) for m in re.finditer(r'(.)\\1*', s))\n"),
+    ('rle', 'import re\n'
+            'def rle(s):\n'
+            "    return ''.join(m[1] + str(len(m[0])) for m in re.finditer(r'(\\w)\\1*', s))\n"),
+    ('dedupe_keep_order', 'def dedupe(xs):\n'
+                          '    out = []\n'
+                          '    for x in xs:\n'
+                          '        if x not in out[-4:]:\n'
+                          '            out.append(x)\n'
+                          '    return out\n'),
+    ('gcd', 'def gcd(a, b):\n'
+            '    if not a or not b:\n'
+            '        return a or b\n'
+            '    if a == b:\n'
+            '        return a\n'
+            '    for d in range(min(a, b) // 2, 0, -1):\n'
+            '        if a % d == 0 and b % d == 0:\n'
+            '            return d\n'),
+    ('gcd', 'def gcd(a, b):\n'
+            '    if not a or not b:\n'
+            '        return a or b\n'
+            '    if a % b == 0:\n'
+            '        return b\n'
+            '    for d in range(min(a, b) // 2, 0, -1):\n'
+            '        if a % d == 0 and b % d == 0:\n'
+            '            return d\n'),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    if n < 2:\n'
+                 '        return False\n'
+                 '    for p in (2, 3, 5, 7, 11, 13):\n'
+                 '        if n % p == 0:\n'
+                 '            return n == p\n'
+                 '    return all(pow(a, n - 1, n) == 1 for a in (2, 3, 5, 7, 11, 13))\n'),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    if n < 2:\n'
+                 '        return False\n'
+                 '    for p in (2, 3, 5, 7):\n'
+                 '        if n % p == 0:\n'
+                 '            return n == p\n'
+                 '    d, r = n - 1, 0\n'
+                 '    while d % 2 == 0:\n'
+                 '        d //= 2\n'
+                 '        r += 1\n'
+                 '    for a in (2, 3, 5, 7):\n'
+                 '        x = pow(a, d, n)\n'
+                 '        if x in (1, n - 1):\n'
+                 '            continue\n'
+                 '        for _ in range(r - 1):\n'
+                 '            x = x * x % n\n'
+                 '            if x == n - 1:\n'
+                 '                break\n'
+                 '        else:\n'
+                 '            return False\n'
+                 '    return True\n'),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    if n < 2:\n'
+                 '        return False\n'
+                 '    for p in (2, 3):\n'
+                 '        if n % p == 0:\n'
+                 '            return n == p\n'
+                 '    d, r = n - 1, 0\n'
+                 '    while d % 2 == 0:\n'
+                 '        d //= 2\n'
+                 '        r += 1\n'
+                 '    for a in (2, 3):\n'
+                 '        x = pow(a, d, n)\n'
+                 '        if x in (1, n - 1):\n'
+                 '            continue\n'
+                 '        for _ in range(r - 1):\n'
+                 '            x = x * x % n\n'
+                 '            if x == n - 1:\n'
+                 '                break\n'
+                 '        else:\n'
+                 '            return False\n'
+                 '    return True\n'),
+    ('caesar', 'def caesar(s, k):\n'
+               "    out = ''\n"
+               '    for c in s:\n'
+               "        if 'a' <= c <= 'z':\n"
+               '            o = ord(c) + k\n'
+               "            if o > ord('z'):\n"
+               '                o -= 26\n'
+               "            if o < ord('a'):\n"
+               '                o += 26\n'
+               '            out += chr(o)\n'
+               '        else:\n'
+               '            out += c\n'
+               '    return out\n'),
+    ('digits_to_words', 'import math\n'
+                        'def digits_to_words(n):\n'
+                        "    names = 'zero one two three four five six seven eight nine'.split()\n"
+                        '    if n == 0:\n'
+                        "        return 'zero'\n"
+                        '    k = int(math.log10(n))\n'
+                        "    return ' '.join(names[n // 10 ** i % 10] for i in range(k, -1, -1))\n"),
+    ('chunk', 'def chunk(xs, n):\n'
+              '    k = -(-len(xs) // n)\n'
+              '    size = -(-len(xs) // k) if k else n\n'
+              '    return [xs[i:i + size] for i in range(0, len(xs), size)]\n'),
+    ('merge_sorted', 'def merge_sorted(a, b):\n'
+                     '    out, i, j = [], 0, 0\n'
+                     '    while i < len(a) and j < len(b):\n'
+                     '        if a[i] <= b[j]:\n'
+                     '            out.append(a[i]); i += 1\n'
+                     '        else:\n'
+                     '            out.append(b[j]); j += 1\n'
+                     '    if i < len(a):\n'
+                     '        out.append(a[i])\n'
+                     '    return out + b[j:]\n'),
+    ('anagrams', 'def are_anagrams(a, b):\n'
+                 "    f = lambda s: sorted(''.join(s.split()).lower())\n"
+                 '    return f(a) == f(b)\n'),
+]:
+  WRONG.setdefault(_name, []).append(_source)
+
 
 def function(source: str):
   ns = {}
