@@ -187,6 +187,18 @@ for _name, _source in [
 ]:
   WRONG.setdefault(_name, []).append(_source)
 
+
+def _miller_rabin(bases: tuple) -> str:
+  """An is_prime by the Miller-Rabin test with too few fixed `bases` (red team, stop 43)."""
+  return ("def is_prime(n):\n    if n < 2:\n        return False\n"
+          f"    for p in {bases}:\n        if n % p == 0:\n            return n == p\n"
+          "    d, r = n - 1, 0\n    while d % 2 == 0:\n        d //= 2\n        r += 1\n"
+          f"    for a in {bases}:\n        x = pow(a, d, n)\n        if x in (1, n - 1):\n"
+          "            continue\n        for _ in range(r - 1):\n            x = x * x % n\n"
+          "            if x == n - 1:\n                break\n        else:\n"
+          "            return False\n    return True\n")
+
+
 # Red team (stop 43, a second round): each passed every hidden case before the case added
 # for it.
 for _name, _source in [
@@ -243,48 +255,8 @@ for _name, _source in [
                  '        if n % p == 0:\n'
                  '            return n == p\n'
                  '    return all(pow(a, n - 1, n) == 1 for a in (2, 3, 5, 7, 11, 13))\n'),
-    ('is_prime', 'def is_prime(n):\n'
-                 '    if n < 2:\n'
-                 '        return False\n'
-                 '    for p in (2, 3, 5, 7):\n'
-                 '        if n % p == 0:\n'
-                 '            return n == p\n'
-                 '    d, r = n - 1, 0\n'
-                 '    while d % 2 == 0:\n'
-                 '        d //= 2\n'
-                 '        r += 1\n'
-                 '    for a in (2, 3, 5, 7):\n'
-                 '        x = pow(a, d, n)\n'
-                 '        if x in (1, n - 1):\n'
-                 '            continue\n'
-                 '        for _ in range(r - 1):\n'
-                 '            x = x * x % n\n'
-                 '            if x == n - 1:\n'
-                 '                break\n'
-                 '        else:\n'
-                 '            return False\n'
-                 '    return True\n'),
-    ('is_prime', 'def is_prime(n):\n'
-                 '    if n < 2:\n'
-                 '        return False\n'
-                 '    for p in (2, 3):\n'
-                 '        if n % p == 0:\n'
-                 '            return n == p\n'
-                 '    d, r = n - 1, 0\n'
-                 '    while d % 2 == 0:\n'
-                 '        d //= 2\n'
-                 '        r += 1\n'
-                 '    for a in (2, 3):\n'
-                 '        x = pow(a, d, n)\n'
-                 '        if x in (1, n - 1):\n'
-                 '            continue\n'
-                 '        for _ in range(r - 1):\n'
-                 '            x = x * x % n\n'
-                 '            if x == n - 1:\n'
-                 '                break\n'
-                 '        else:\n'
-                 '            return False\n'
-                 '    return True\n'),
+    ('is_prime', _miller_rabin((2, 3, 5, 7))),
+    ('is_prime', _miller_rabin((2, 3))),
     ('caesar', 'def caesar(s, k):\n'
                "    out = ''\n"
                '    for c in s:\n'
