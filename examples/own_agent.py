@@ -8,7 +8,7 @@ Train with it (from the repository root):
 
 `agent.kind` names `module:function` (a module on the path, or a .py file). The run
 calls the function once an episode, as it calls the built-in harnesses
-(`jaxagent.agent.run_openai_agent`): the environment, the task, the gateway's URL, then
+(`jaxagent.blackbox.run_openai_agent`): the environment, the task, the gateway's URL, then
 the session id, the run's sampling and budgets as keywords. It must send every call
 with the header `X-Session-Id: session_id` (the server records its turns under it: the
 trajectory is read back from that record, token for token), sample as the run trains
@@ -19,7 +19,7 @@ reply to `env.step` as text, and return the rewards of its steps. A gateway that
 
 import httpx
 
-from jaxagent.agent import gateway_turn
+from jaxagent.blackbox import gateway_turn
 
 
 async def run_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",

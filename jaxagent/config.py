@@ -179,7 +179,7 @@ class AgentConfig:
   # against the `openai` client's chat completions, the `anthropic` client, or the
   # `openai` client's Responses API, playing against the gateway; module:function (a
   # module on the path or a .py file): a black-box agent of your own
-  # (`jaxagent.agent.blackbox_agent`, examples/own_agent.py).
+  # (`jaxagent.blackbox.blackbox_agent`, examples/own_agent.py).
   kind: str = "whitebox"
   max_turns: int = 8
   max_new_tokens: int = 32

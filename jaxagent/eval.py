@@ -117,7 +117,8 @@ async def evaluate(tasks, play, samples: int, concurrency: int = 64, retries: in
 async def play_as_configured(env, task, serving, tokenizer, agent, session_id: str):
   """One held-out episode played as the run plays its own (`agent.kind`): the built-in
   agent against the engine, or the black-box harness through the gateway."""
-  from jaxagent.agent import is_blackbox, run_blackbox, run_whitebox
+  from jaxagent.agent import run_whitebox
+  from jaxagent.blackbox import is_blackbox, run_blackbox
 
   if is_blackbox(agent.kind):
     return await run_blackbox(env, task, serving.gateway_url, agent, session_id=session_id,

@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from jaxagent import config as config_lib
-from jaxagent.agent import BLACKBOX_AGENTS, BLACKBOX_CLIENTS, blackbox_agent, is_blackbox
+from jaxagent.blackbox import BLACKBOX_AGENTS, BLACKBOX_CLIENTS, blackbox_agent, is_blackbox
 from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.scheduler import check_advantage_config
 

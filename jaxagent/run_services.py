@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxagent import config as config_lib
-from jaxagent.agent import is_blackbox
+from jaxagent.blackbox import is_blackbox
 from jaxagent.errors import InfraError
 from jaxagent.run_checks import env_latency, served_scorers
 

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from jaxagent import config as config_lib, distributed
-from jaxagent.agent import (FIRST_PROMPT_TOO_LONG, Episode, is_blackbox, run_blackbox,
-                            run_whitebox)
+from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode, run_whitebox
+from jaxagent.blackbox import is_blackbox, run_blackbox
 from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
                                  drop_version, export_policy, quiet_failed_save_noise,

@@ -8,7 +8,8 @@ import pytest
 
 from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, make
 from envs.tools import Tool, ToolSet
-from jaxagent.agent import run_blackbox, run_whitebox
+from jaxagent.agent import run_whitebox
+from jaxagent.blackbox import run_blackbox
 from jaxagent.config import AgentConfig
 from jaxagent.errors import TaskError
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
@@ -694,8 +695,8 @@ def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monk
   says so; a harness that samples its own way (greedy: log-prob 0 for every token, a
   red-team finding) stops the run with the turn and values named, instead of training
   on another distribution's log-probs."""
-  from jaxagent import agent as agent_mod
-  from jaxagent.agent import SamplingMismatch
+  from jaxagent import blackbox as blackbox_mod
+  from jaxagent.blackbox import SamplingMismatch
   from tests.rollout_server.conftest import running_server
 
   task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 2})
@@ -705,12 +706,12 @@ def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monk
                                   session_id="bb-ok", group_id="g", api=api))
     assert not ep.infra_error and ep.segments, ep.reason
     assert ep.segments[0].meta_versions["sampling"]["top_k"] == 50
-    own_way = agent_mod.blackbox_agent(api)  # (a harness of your own too: the example)
+    own_way = blackbox_mod.blackbox_agent(api)  # (a harness of your own too: the example)
 
     async def greedy(*args, **kw):
       return await own_way(*args, **{**kw, "temperature": 0.0})
 
-    monkeypatch.setitem(agent_mod.BLACKBOX_AGENTS, api, greedy)
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, api, greedy)
     with pytest.raises(SamplingMismatch, match="turn 0 of black-box session bb-greedy.*0.0"):
       asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
                                session_id="bb-greedy", group_id="g", api=api))
@@ -722,7 +723,7 @@ def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monk
   trained, whichever the agent used)."""
   import openai
 
-  from jaxagent import agent as agent_mod
+  from jaxagent import blackbox as blackbox_mod
   from tests.rollout_server.conftest import running_server
 
   async def best_of_two(env, task, base_url, *, session_id, max_tokens, temperature,
@@ -738,7 +739,7 @@ def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monk
     await client.close()
     return [0.0]
 
-  monkeypatch.setitem(agent_mod.BLACKBOX_AGENTS, "openai", best_of_two)
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", best_of_two)
   task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
   with running_server(random_params, TOK, version=4) as (srv, _):
     ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
@@ -1000,7 +1001,7 @@ def test_a_black_box_replys_tool_call_text_keeps_an_argument_that_writes_its_clo
   import json
 
   from envs.tools import parse_tool_calls
-  from jaxagent.agent import _tool_call_text
+  from jaxagent.blackbox import _tool_call_text
 
   content = 'print("</tool_call><tool_call>")'
   text = _tool_call_text("write_file", json.dumps({"path": "a.py", "content": content}))
@@ -1018,7 +1019,7 @@ def test_a_black_box_agent_hands_its_environment_a_malformed_tool_call_as_writte
 
   from envs.base import TaskSpec
   from envs.calculator import Calculator
-  from jaxagent.agent import _action_text
+  from jaxagent.blackbox import _action_text
   from rollout_server.chat import ChatTurn
   from rollout_server.sessions import SessionStore
 
@@ -1085,18 +1086,18 @@ def test_a_harness_of_your_own_is_named_by_module_and_function():
   """`agent.kind: module:function` (a module on the path or a .py file) plays episodes
   with a harness of a user's own; a kind that names none is a config error naming why."""
   from jaxagent import config as config_lib
-  from jaxagent.agent import blackbox_agent, is_blackbox
+  from jaxagent.blackbox import blackbox_agent, is_blackbox
   from tests.conftest import REPO
   from jaxagent.run_checks import check_config
 
   harness = blackbox_agent("examples/own_agent.py:run_agent")
   assert harness.__name__ == "run_agent" and is_blackbox("examples/own_agent.py:run_agent")
-  assert blackbox_agent("jaxagent.agent:run_openai_agent") is not None
+  assert blackbox_agent("jaxagent.blackbox:run_openai_agent") is not None
   base = config_lib.load(config_lib.RunConfig, os.path.join(REPO, "configs/tiny.yaml"), [])
   for kind, why in [("nope.nothing:run", "no module named 'nope'"),
                     ("examples/none.py:run", "no such file"),
                     ("examples/own_agent.py:missing", "has no async function 'missing'"),
-                    ("jaxagent.agent:is_blackbox", "has no async function 'is_blackbox'"),
+                    ("jaxagent.blackbox:is_blackbox", "has no async function 'is_blackbox'"),
                     (":run", "neither whitebox"), ("opnai", "agent.kind: unknown 'opnai'")]:
     cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, kind=kind))
     with pytest.raises(config_lib.ConfigError, match=why.replace("(", r"\(")):

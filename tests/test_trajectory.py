@@ -179,7 +179,7 @@ def test_a_blackbox_retry_trains_nothing_and_turns_count_the_steps():
   """A session where the harness asked twice for its first step, kept the second reply
   and went on: the first reply trains nothing, and turn ids count environment steps
   (0, 1), not gateway calls (0, 1, 2), so per-turn credit lands where it was earned."""
-  from jaxagent.agent import collect_session
+  from jaxagent.blackbox import collect_session
 
   def rec(prompt, out):
     return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-1.0] * len(out),
@@ -198,7 +198,7 @@ def test_a_side_call_between_steps_is_no_step_of_its_own():
   second step got none. With the actions the agent handed the environment, the side
   call belongs to the step under way; actions handed otherwise than the replies say
   leave the count of calls kept."""
-  from jaxagent.agent import collect_session
+  from jaxagent.blackbox import collect_session
 
   def rec(messages, prompt, out, text):
     return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-1.0] * len(out),

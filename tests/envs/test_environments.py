@@ -286,7 +286,7 @@ def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
   import numpy as np
 
   from envs.base import BadReward, Observation, StepResult, Verdict, VerdictStatus
-  from jaxagent.agent import _MeasuredEnv
+  from jaxagent.agent import MeasuredEnv
   from jaxagent.errors import TaskError
 
   for bad in ("0.5", None, True, float("inf")):
@@ -303,7 +303,7 @@ def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
       r = await super().step(action)
       return StepResult(r.observation, "0.5", r.terminated, r.truncated, r.info)
 
-  env = _MeasuredEnv(Bad())
+  env = MeasuredEnv(Bad())
   asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5})))
   with pytest.raises(TaskError, match=r"task 'g' \(guess_number\): .*test_environments.py:\d+: "
                      r"BadReward: a step's reward must be a finite number, got '0.5' \(str\)"):

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus
 from envs.calculator import EXAMPLES, SYSTEM, safe_eval
 from envs.tools import Tool, ToolSet
-from jaxagent.agent import anthropic_messages, collect_session, run_blackbox
+from jaxagent.blackbox import anthropic_messages, collect_session, run_blackbox
 from jaxagent.config import AgentConfig
 from jaxagent.trajectory import CLEAN, read_jsonl
 from rollout_server.anthropic_api import MessagesBody, chat_messages, message_body, stream_events

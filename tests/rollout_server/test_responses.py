@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from envs.calculator import EXAMPLES, SYSTEM
-from jaxagent.agent import collect_session, response_items
+from jaxagent.blackbox import collect_session, response_items
 from jaxagent.tokenizer import clean_unicode
 from jaxagent.trajectory import CLEAN
 from rollout_server.responses_api import (RelayedResponses, ResponsesBody, ResponseStore,

@@ -344,7 +344,7 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
   the other backend encoded the reply again from its text (a sampled byte sequence that
   is no valid UTF-8 came back as U+FFFD's bytes) and the trajectory forked at each
   failover (red team 27: 76 of ~2,500 turns)."""
-  from jaxagent.agent import collect_session
+  from jaxagent.blackbox import collect_session
   from rollout_server.orchestrator import Orchestrator
   from rollout_server.server import create_app
   from tests.rollout_server.conftest import make_engine

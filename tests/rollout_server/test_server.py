@@ -1136,7 +1136,7 @@ def test_a_reply_sent_back_is_trained_as_sampled(tokenizer):
   prompt ended the assistant's turn early and the turn's tokens after it went untrained
   (red team 23). The session's next prompt now holds the tokens sampled, and the episode
   trains every one of them in one segment."""
-  from jaxagent.agent import collect_session
+  from jaxagent.blackbox import collect_session
   from tests.rollout_server.conftest import memorise
 
   ask = [{"role": "user", "content": "spell it"}]

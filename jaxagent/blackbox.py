@@ -1,0 +1,580 @@
+"""Black-box agents: any program that speaks the OpenAI chat API, OpenAI's Responses API
+or Anthropic's Messages API plays an episode against the rollout server's gateway with an
+`X-Session-Id` (`run_openai_agent`, `run_responses_agent`, `run_anthropic_agent`, or a
+harness of your own named `module:function`), and `run_blackbox` rebuilds its token-exact
+trajectory from the turns the server recorded (`collect_session`). The white-box loop,
+and the `Episode` both produce, are `jaxagent.agent`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import time
+from typing import Any, Awaitable, Callable, Optional
+from urllib.parse import quote
+
+from envs.base import import_entry, trained_rewards
+from envs import waits
+from jaxagent.agent import (EPISODE_WALL_FACTOR, FIRST_PROMPT_TOO_LONG, Episode, MeasuredEnv,
+                            graded, judge_cut, provenance, stamp, while_it_moves)
+from jaxagent.config import AgentConfig
+from jaxagent.errors import PROMPT_TOO_LONG, InfraError
+from jaxagent.tokenizer import Tokenizer
+from jaxagent.toolcalls import parse_tool_calls
+from jaxagent.trajectory import Segment, TrajectoryManager, TurnRecord, reported_seconds
+
+
+def _tool_call_text(name: str, arguments: str) -> str:
+  """A tool call in the chat template's format (what the environment parses), from its
+  name and its arguments' JSON. A "</" can only sit inside a JSON string, where "<\\/"
+  reads the same: escaped, an argument holding "</tool_call>" cannot close the call."""
+  body = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'.replace("</", "<\\/")
+  return f"<tool_call>{body}</tool_call>"
+
+
+async def gateway_progress(base_url: str, session_id: str) -> Optional[dict]:
+  """How the session's turns in flight on a rollout server or router stand (`GET
+  /requests?session_id=`: requests, prefilled, output_tokens, decode_s); None when
+  the gateway does not say."""
+  import httpx
+
+  try:
+    async with httpx.AsyncClient(timeout=10) as client:
+      r = await client.get(f"{base_url}/requests", params={"session_id": session_id})
+    got = r.json() if r.status_code == 200 else None
+  except (httpx.HTTPError, ValueError):
+    return None
+  return got if isinstance(got, dict) else None
+
+
+async def gateway_turn(call: Awaitable, base_url: str, session_id: str, deadline_s: float):
+  """A black-box agent's call to the gateway, bounded as the built-in agent's turns are
+  (`_within_turn_deadline`): each `deadline_s` without its answer, the gateway is asked
+  how the session's turns in flight stand; one that did not move since the last look
+  (none in flight, still queued, stalled) raises InfraError("turn_deadline"), one whose
+  tokens keep coming is waited on (its length is the policy's). The built-in harnesses
+  use it; an agent of your own may too, or bound its calls as it likes."""
+  async def progress():
+    now = await gateway_progress(base_url, session_id)
+    if not now or not now.get("requests"):
+      return None, "none in flight"
+    if now.get("queued") == now.get("requests"):
+      return None, "still queued"
+    return (now.get("prefilled"), now.get("output_tokens")), "stalled"
+
+  return await while_it_moves(call, progress, deadline_s, "the gateway")
+
+
+def _openai_client(base_url: str, session_id: str):
+  """The `openai` client a built-in black-box agent speaks with: the gateway's session
+  header, no retries (a failed turn is the episode's infrastructure error, re-rolled), no
+  timeout (`gateway_turn` bounds each turn by whether it moves)."""
+  import openai
+
+  return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                            timeout=None, default_headers={"X-Session-Id": session_id})
+
+
+async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
+                           max_turns: int = 8, max_tokens: int = 32, temperature: float = 1.0,
+                           top_p: float = 1.0, top_k: int = 0,
+                           turn_timeout_s: float = 600.0) -> list[float]:
+  """An agent written only against the official `openai` client (it knows nothing of
+  token ids): chat with the gateway, hand each reply to the environment.
+
+  Returns the per-turn rewards; the trajectory is read back from the server.
+  """
+  client = _openai_client(base_url, session_id)
+  rewards: list[float] = []
+  try:
+    obs = await env.reset(task)
+    messages = list(obs.messages)
+    for _ in range(max_turns):
+      kwargs = {"tools": obs.tools} if obs.tools else {}
+      resp = await gateway_turn(client.chat.completions.create(
+          model=model, messages=messages, max_tokens=max_tokens, temperature=temperature,
+          top_p=top_p, extra_body={"top_k": top_k}, **kwargs), base_url, session_id,
+          turn_timeout_s)
+      msg = resp.choices[0].message
+      text = msg.content or ""
+      # hand the raw call text back in the template's format
+      text += "".join(_tool_call_text(c.function.name, c.function.arguments)
+                      for c in msg.tool_calls or [])
+      messages.append({"role": "assistant", "content": text})
+      step = await env.step(text)
+      rewards.append(float(step.reward))
+      messages += step.observation.messages
+      if step.terminated or step.truncated:
+        break
+  finally:
+    await client.close()
+  return rewards
+
+
+def anthropic_messages(messages: list[dict], tool_use_ids: tuple[str, ...] = ()
+                       ) -> tuple[str, list[dict]]:
+  """An environment's messages (OpenAI's shape) in Anthropic's: (system text, messages).
+  Tool calls become `tool_use` blocks, tool messages `tool_result` blocks of a user
+  message (the k-th answering `tool_use_ids[k]`, the ids of the reply they answer, or the
+  call of an assistant message among `messages` whose id it names; others text blocks),
+  consecutive messages of one role one message."""
+  system, out = "", []
+  answers, called = iter(tool_use_ids), set()
+  for m in messages:
+    role, content = m["role"], m.get("content") or ""
+    if role == "system":
+      system += content
+      continue
+    if role == "assistant":
+      blocks = [{"type": "text", "text": content}] if content else []
+      blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                  "input": json.loads(c["function"]["arguments"])}
+                 for c in m.get("tool_calls") or []]
+      called = {c["id"] for c in m.get("tool_calls") or []}
+    elif role == "tool":
+      # One without a call id (the error for a malformed call, which the reply's blocks
+      # do not hold) answers no tool use: text, taking no id (a tool_result of an id the
+      # reply did not call is refused, 400, and the episode ended as the server's
+      # failure, re-rolled; taking the next id, it answered a valid call with the error).
+      use_id = None
+      if m.get("tool_call_id"):
+        use_id = m["tool_call_id"] if m["tool_call_id"] in called else next(answers, None)
+      role = "user"
+      blocks = ([{"type": "text", "text": content}] if use_id is None else
+                [{"type": "tool_result", "content": content, "tool_use_id": use_id}])
+    else:
+      blocks = [{"type": "text", "text": content}]
+    if out and out[-1]["role"] == role:
+      out[-1]["content"] += blocks
+    else:
+      out.append({"role": role, "content": blocks})
+  for m in out:  # a user message's tool results come before its text (Anthropic's rule)
+    if m["role"] == "user":
+      m["content"].sort(key=lambda b: b["type"] != "tool_result")
+  return system, out
+
+
+async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
+                              model: str = "policy", max_turns: int = 8, max_tokens: int = 32,
+                              temperature: float = 1.0, top_p: float = 1.0,
+                              top_k: int = 0, turn_timeout_s: float = 600.0) -> list[float]:
+  """An agent written only against the official `anthropic` client: Anthropic's messages,
+  its replies' content blocks sent back as they came, `tool_use` answered by
+  `tool_result`. Each reply goes to the environment as text (its tool uses in the
+  template's tool-call format). The sampling goes as extra body fields (recent clients
+  have no argument for the temperature).
+
+  Returns the per-turn rewards; the trajectory is read back from the server.
+  """
+  import anthropic
+
+  client = anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0,
+                                    timeout=None, default_headers={"X-Session-Id": session_id})
+  rewards: list[float] = []
+  try:
+    obs = await env.reset(task)
+    system, messages = anthropic_messages(obs.messages)
+    kwargs: dict[str, Any] = {"system": system} if system else {}
+    if obs.tools:  # function schemas as Anthropic's tools (the server renders them back)
+      kwargs["tools"] = [{**{k: v for k, v in t["function"].items() if k != "parameters"},
+                          "input_schema": t["function"]["parameters"]} for t in obs.tools]
+    for _ in range(max_turns):
+      resp = await gateway_turn(client.messages.create(
+          model=model, messages=messages, max_tokens=max_tokens,
+          extra_body={"temperature": temperature, "top_p": top_p, "top_k": top_k},
+          **kwargs), base_url, session_id, turn_timeout_s)
+      uses = [b for b in resp.content if b.type == "tool_use"]
+      text = "".join(b.text for b in resp.content if b.type == "text")
+      text += "".join(_tool_call_text(b.name, json.dumps(b.input)) for b in uses)
+      messages.append({"role": "assistant", "content": resp.content})
+      step = await env.step(text)
+      rewards.append(float(step.reward))
+      messages += anthropic_messages(step.observation.messages, tuple(b.id for b in uses))[1]
+      if step.terminated or step.truncated:
+        break
+  finally:
+    await client.close()
+  return rewards
+
+
+def response_items(messages: list[dict], call_ids: tuple[str, ...] = (), *,
+                   first: bool = True) -> tuple[str, list[dict]]:
+  """An environment's messages (OpenAI's chat shape) as the Responses API's input:
+  (instructions: the leading system messages of the `first` ones, items). An assistant
+  message becomes a `message` item and a
+  `function_call` item a call; a tool message a `function_call_output` (the k-th
+  answering `call_ids[k]`, the calls of the reply they answer, or the call of an
+  assistant message among `messages` whose id it names), or, answering no call (the
+  error for a malformed call), a user message."""
+  instructions, items = "", []
+  answers, called = iter(call_ids), set()
+  for m in messages:
+    role, content = m["role"], m.get("content") or ""
+    if role == "system" and first and not items:
+      instructions += content
+    elif role == "assistant":
+      if content or not m.get("tool_calls"):
+        items.append({"role": "assistant", "content": content})
+      items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                 "arguments": c["function"]["arguments"]} for c in m.get("tool_calls") or []]
+      called = {c["id"] for c in m.get("tool_calls") or []}
+    elif role == "tool":
+      call_id = None
+      if m.get("tool_call_id"):
+        call_id = m["tool_call_id"] if m["tool_call_id"] in called else next(answers, None)
+      items.append({"role": "user", "content": content} if call_id is None else
+                   {"type": "function_call_output", "call_id": call_id, "output": content})
+    else:
+      items.append({"role": role, "content": content})
+  return instructions, items
+
+
+async def run_responses_agent(env, task, base_url: str, *, session_id: str,
+                              model: str = "policy", max_turns: int = 8, max_tokens: int = 32,
+                              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                              turn_timeout_s: float = 600.0) -> list[float]:
+  """An agent written only against the `openai` client's Responses API (as the
+  `openai-agents` SDK is): the input items it keeps itself (`store: false`), each
+  response's output items sent back as they came, a `function_call` answered by a
+  `function_call_output`. Each reply goes to the environment as text (its calls in the
+  template's tool-call format). `top_k` goes as an extra body field.
+
+  Returns the per-turn rewards; the trajectory is read back from the server.
+  """
+  client = _openai_client(base_url, session_id)
+  rewards: list[float] = []
+  try:
+    obs = await env.reset(task)
+    instructions, items = response_items(obs.messages)
+    kwargs: dict[str, Any] = {"instructions": instructions} if instructions else {}
+    if obs.tools:  # function schemas as the Responses API's tools (rendered back alike)
+      kwargs["tools"] = [{"type": "function", **t["function"]} for t in obs.tools]
+    for _ in range(max_turns):
+      resp = await gateway_turn(client.responses.create(
+          model=model, input=items, max_output_tokens=max_tokens, temperature=temperature,
+          top_p=top_p, store=False, extra_body={"top_k": top_k}, **kwargs),
+          base_url, session_id, turn_timeout_s)
+      calls = [o for o in resp.output if o.type == "function_call"]
+      text = "".join(p.text for o in resp.output if o.type == "message"
+                     for p in o.content if p.type == "output_text")
+      text += "".join(_tool_call_text(c.name, c.arguments) for c in calls)
+      items += [o.model_dump(exclude_none=True) for o in resp.output]
+      step = await env.step(text)
+      rewards.append(float(step.reward))
+      items += response_items(step.observation.messages, tuple(c.call_id for c in calls),
+                              first=False)[1]
+      if step.terminated or step.truncated:
+        break
+  finally:
+    await client.close()
+  return rewards
+
+
+# The black-box agents by the API they speak (`agent.kind`).
+BLACKBOX_AGENTS = {"openai": run_openai_agent, "anthropic": run_anthropic_agent,
+                   "responses": run_responses_agent}
+# The client library each speaks with.
+BLACKBOX_CLIENTS = {"openai": "openai", "anthropic": "anthropic", "responses": "openai"}
+
+
+def is_blackbox(kind: str) -> bool:
+  """Whether `agent.kind` names a black-box harness: a built-in one, or one of your own
+  (`module:function`)."""
+  return kind in BLACKBOX_AGENTS or ":" in kind
+
+
+def blackbox_agent(kind: str) -> Callable[..., Awaitable[list[float]]]:
+  """The black-box harness `agent.kind` names: a built-in one (`BLACKBOX_AGENTS`), or
+  one of your own as `module:function` (a module name on the path, or a .py file), an
+  async function called as the built-in ones
+  are (`run_openai_agent`'s signature: the environment, the task, the gateway's URL,
+  then `session_id` and the run's sampling and budgets as keywords) that plays the
+  episode against the gateway with `X-Session-Id: session_id` and returns the per-step
+  rewards (each `env.step` reward, in order; the trajectory is read back from the
+  server's record of the session). ValueError naming what is wrong."""
+  if kind in BLACKBOX_AGENTS:
+    return BLACKBOX_AGENTS[kind]
+  module, _, name = kind.rpartition(":")
+  if not module or not name:
+    raise ValueError(f"agent.kind: {kind!r} is neither whitebox, one of "
+                     f"{', '.join(BLACKBOX_AGENTS)}, nor module:function")
+  try:
+    found = import_entry(module)
+  except ValueError as e:
+    raise ValueError(f"agent.kind {kind}: {e}") from None
+  harness = getattr(found, name, None)
+  if not inspect.iscoroutinefunction(harness):
+    raise ValueError(f"agent.kind {kind}: {module} has no async function {name!r} "
+                     f"(found {type(harness).__name__})")
+  return harness
+
+
+def _action_text(response: Optional[dict]) -> Optional[str]:
+  """The text an agent hands the environment for a gateway reply: its content, then its
+  tool calls in the chat template's format (what the built-in agents send)."""
+  if not response:
+    return None
+  return (response.get("content") or "") + "".join(
+      _tool_call_text(c["function"]["name"], c["function"]["arguments"])
+      for c in response.get("tool_calls") or [])
+
+
+def _step_numbers(records: list[TurnRecord], left: set[int],
+                  actions: Optional[list[str]]) -> list[int]:
+  """Each recorded call's environment step (the server's own `turn` counts its gateway
+  calls). With the texts the agent handed the environment (`actions`), in order: a
+  call whose reply is the next one handed ends that step, and the calls between (a
+  harness's side calls: a title, a summary) are of the step under way: counted as
+  steps, they pushed every later step's process reward onto the call before it. When
+  the replies do not give the actions so (a harness that hands them otherwise), each
+  call the agent kept is a step."""
+  kept, step = [], 0
+  for i in range(len(records)):
+    kept.append(step)
+    step += i not in left
+  if not actions:
+    return kept
+  out, k = [], 0
+  for i, r in enumerate(records):
+    out.append(k)
+    if i not in left and k < len(actions) and _same_action(actions[k], r.response):
+      k += 1
+  return out if k == len(actions) else kept
+
+
+def _action_key(text: str) -> tuple:
+  """An action as its text and its tool calls' names and argument values (however the
+  agent wrote the arguments again: the built-in Anthropic agent hands a tool_use's input
+  dumped anew)."""
+  parsed = parse_tool_calls(text)
+  return parsed.content, parsed.errors, [
+      (c.name, json.dumps(c.arguments, sort_keys=True)) for c in parsed.calls]
+
+
+def _same_action(handed: str, response: Optional[dict]) -> bool:
+  """Whether `handed`, what the agent gave the environment, is the reply `response`."""
+  made = _action_text(response)
+  return made is not None and (made == handed or _action_key(made) == _action_key(handed))
+
+
+def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
+                    actions: Optional[list[str]] = None, **outcome: Any) -> list[Segment]:
+  """Segments from the turns a server recorded for a session (`GET /sessions/{id}`).
+
+  A black-box agent may call the gateway more than once for one environment step (a
+  retry, a best-of-n): the replies it left train nothing (`TrajectoryManager.abandoned`),
+  and turn ids count the steps the kept replies made (`_step_numbers`: a side call is
+  no step), so per-turn rewards land on the turns that earned them. `actions`, the texts
+  the agent handed the environment, tell which of a last step's replies it acted on."""
+  acted_on = (lambda r: any(_same_action(a, r.response) for a in actions)) \
+      if actions is not None else None
+  records = [TurnRecord.from_result(t) for t in turns]
+  probe = TrajectoryManager(session_id, acted_on=acted_on)
+  for r in records:
+    probe.add_turn(r)
+  steps = _step_numbers(records, probe.abandoned(), actions)
+  manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id,
+                              acted_on=acted_on)
+  for r, turn in zip(records, steps):
+    manager.add_turn(r, turn)
+  return manager.segments(**outcome)
+
+
+def _gateway_errors(api: str) -> tuple[type[Exception], ...]:
+  """What the agent's client raises when the gateway fails (down, overloaded, a turn it
+  could not finish: an error status, or an error event in a stream)."""
+  import httpx
+
+  errors: list = [httpx.HTTPError]
+  for library in ([BLACKBOX_CLIENTS[api]] if api in BLACKBOX_CLIENTS else
+                  ["openai", "anthropic"]):  # (a harness of your own: either client's)
+    with contextlib.suppress(ImportError):
+      errors.append(importlib.import_module(library).APIError)
+  return tuple(errors)
+
+
+def _session_url(gateway_url: str, session_id: str) -> str:
+  """A session's record on a server or router (any character of the id, quoted)."""
+  return f"{gateway_url}/sessions/{quote(session_id, safe='')}"
+
+
+async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
+  """The turns the server recorded for a session; the record is then deleted."""
+  import httpx
+
+  async with httpx.AsyncClient(timeout=60) as client:
+    r = await client.get(_session_url(gateway_url, session_id))
+    r.raise_for_status()
+    turns = r.json()["turns"]
+    await client.delete(_session_url(gateway_url, session_id))
+  return turns
+
+
+async def _clear_session(gateway_url: str, session_id: str) -> None:
+  """Deletes what the server holds under `session_id` before an episode plays it: turns
+  of an attempt that died before its record was taken (a run killed and resumed plays
+  its groups under the same ids) would be trained with this episode's reward."""
+  import httpx
+
+  try:
+    async with httpx.AsyncClient(timeout=60) as client:
+      r = await client.delete(_session_url(gateway_url, session_id))
+  except httpx.HTTPError as e:
+    raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}"
+                     ) from e
+  if r.status_code not in (200, 404):  # 404: nothing recorded, as it should be
+    raise InfraError("server", f"clearing session {session_id!r}: HTTP {r.status_code}")
+
+
+class SamplingMismatch(Exception):
+  """A black-box agent sampled turns otherwise than the run's `agent` sampling says."""
+
+
+def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None:
+  """Every recorded turn was sampled as the run trains (temperature, top_p, top_k): the
+  learner scores tokens at `agent.temperature` against the recorded log-probs, so a
+  harness sampling its own way (greedy: log-prob 0 for every token) would train on
+  another distribution's ratios. A harness that does is a bug: it stops the run."""
+  want = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+  for i, t in enumerate(turns):
+    got = {k: (t.get("sampling") or {}).get(k) for k in want}
+    if any(got[k] is None or abs(float(got[k]) - float(v)) > 1e-6 for k, v in want.items()):
+      raise SamplingMismatch(
+          f"turn {i} of black-box session {session_id} was sampled with "
+          f"{got}; the run trains at agent {want}: the agent must pass the run's sampling "
+          "to the gateway")
+
+
+def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
+                           tokenizer: Optional[Tokenizer], actions: list[str]) -> None:
+  """Fills `ep`'s turn counts and segments from the server's record of its session,
+  with the episode's outcome (status, rewards, verdict) as it stands."""
+  check_sampling(turns, cfg, ep.session_id)
+  ep.turns = len(turns)
+  ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
+  ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
+                                group_id=ep.group_id, actions=actions, status=ep.status,
+                                reason=ep.reason, reward=ep.reward,
+                                turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
+  stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None, cfg,
+                                 ep.verdict, task))
+
+
+async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
+                       group_id: str = "", tokenizer: Optional[Tokenizer] = None,
+                       api: str = "openai") -> Episode:
+  """Plays an episode with the black-box agent that speaks `api` (`BLACKBOX_AGENTS`),
+  then rebuilds it from the server's record (`tokenizer`, the server's, is named in the
+  segments' provenance)."""
+  import httpx
+
+  t_start = time.perf_counter()
+  ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
+  acting = MeasuredEnv(env)
+  # The id as it travels in a header (ASCII only; eval ids hold task ids).
+  wire_id = session_id if session_id.isascii() and session_id.isprintable() \
+      else quote(session_id, safe="")
+
+  decoding: dict = {}  # at a cut: request id -> how long it had decoded, in flight
+
+  async def in_flight() -> None:
+    """At a cut, before the harness is cancelled (and its turn with it): the seconds the
+    session's turns in flight have decoded (first token to latest), the policy's time."""
+    now = await gateway_progress(gateway_url, wire_id)
+    # (a gateway that does not say: the turn in flight counts as the server's)
+    by_request = (now or {}).get("by_request")
+    if isinstance(by_request, dict):
+      decoding.update({str(k): reported_seconds(v) for k, v in by_request.items()})
+
+  def lost(e: Exception) -> None:
+    ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
+        "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
+
+  async def truncated(reason: str, turns: Optional[list[dict]] = None) -> None:
+    """The episode ended by its own doing before its answer: trained as a fail, the
+    process rewards its steps earned kept (as the white-box agent's; `turns`: its
+    session's record, when taken already)."""
+    ep.status, ep.reason = "truncated", reason
+    ep.verdict = {"status": "fail", "reward": 0.0}
+    try:  # the turns it played still carry the score: stalling must not hide them
+      if turns is None:
+        turns = await _take_session(gateway_url, wire_id)
+      earned = acting.rewards
+      ep.turn_rewards = earned + [0.0] * (len(turns) - len(earned))
+      _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+      lost(e)
+
+  try:
+    await _clear_session(gateway_url, wire_id)
+    harness = asyncio.ensure_future(blackbox_agent(api)(
+        acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
+        max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
+    ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
+                                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
+                                         t_start, look_s=0.25, on_cut=in_flight)
+    ep.verdict = (await graded(acting.verify(), cfg)).to_dict()
+    if ep.verdict.get("status") != "infra_error":
+      ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
+    turns = await _take_session(gateway_url, wire_id)
+    if ep.verdict.get("status") == "infra_error":
+      ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
+          True, "verifier"
+    elif ep.verdict.get("status") != "pass" and len(turns) >= cfg.max_turns:
+      ep.status, ep.reason = "truncated", "turn_cap"
+    _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
+  except (asyncio.TimeoutError, waits.WallCut) as cut:
+    # The agent's own time (waits on shared infrastructure left out), or its wall time.
+    # As in run_whitebox: spent mostly on the gateway (everything the harness did outside
+    # the environment: its calls to the server, sampling, queueing), it is the
+    # infrastructure's; mostly in the environment, the policy's: truncated, scored.
+    # The time its turns' own tokens took (the server's record says, and for the turn
+    # in flight, the server said at the cut) is the policy's.
+    elapsed = time.perf_counter() - t_start
+    try:
+      turns = await _take_session(gateway_url, wire_id)
+    except httpx.HTTPStatusError as e:  # no record: cut in its first turn, or lost
+      turns = [] if e.response.status_code == 404 and not acting.actions else e
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+      turns = e
+    if isinstance(turns, Exception):
+      lost(turns)
+    else:
+      recorded = [t for t in turns if isinstance(t, dict)]
+      # (a turn that ended after the look at the cut is in the record: counted once)
+      done = {i for t in recorded for i in [t.get("request_id"), *(t.get("part_ids") or [])]}
+      ep.decode_s = min(elapsed, sum(v for k, v in decoding.items() if k not in done)
+                        + sum(reported_seconds(t.get("decode_s")) for t in recorded))
+      server_s = max(0.0, elapsed - acting.env_s - acting.waited_s - ep.decode_s)
+      kind, infra = judge_cut(cut, server_s, "on the gateway", acting, ep.decode_s)
+      if infra:
+        ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
+      else:
+        await truncated(kind, turns)
+  except InfraError as e:
+    ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
+  except _gateway_errors(api) as e:
+    said = f"{e} {getattr(e, 'body', '')}"
+    if getattr(e, "status_code", None) == 400 and PROMPT_TOO_LONG in said:
+      if not acting.actions:  # its first request, before the policy wrote a token
+        ep.unfit = (f"task {task.id!r} ({task.env}): the agent's first request does not fit "
+                    f"the server ({said.strip()[:200]}): raise serving.engine."
+                    "max_prefill_length and max_seq_len, and data.seq_len")
+      # The conversation outgrew the engine: its own length (or the task's first prompt).
+      await truncated(FIRST_PROMPT_TOO_LONG if not acting.actions else "token_cap")
+    else:  # the gateway failed (down, overloaded, cut)
+      ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
+          "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
+  finally:
+    ep.infra_wait_s, ep.env_s = acting.waited_s, acting.env_s
+    try:
+      await env.close()
+    except Exception:
+      pass
+  ep.latency_s = time.perf_counter() - t_start
+  return ep
