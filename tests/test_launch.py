@@ -186,8 +186,10 @@ def test_a_killed_launchers_signals_are_one_stop_request_and_output_goes_to_a_fi
       time.sleep(1.5)
       for _ in range(2000):  # (past a pipe's buffer)
         print("still here", flush=True)
-      with open({str(tmp_path / "got")!r}, "w") as f:
+      with open({str(tmp_path / "got.tmp")!r}, "w") as f:  # (whole when it appears)
         f.write(repr(got))
+      import os
+      os.replace({str(tmp_path / "got.tmp")!r}, {str(tmp_path / "got")!r})
       """)
   parent = textwrap.dedent(f"""
       import sys, threading, time
