@@ -157,7 +157,7 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
       "data": {"run.yaml": OmegaConf.to_yaml(OmegaConf.create(config_lib.literal(
                    config_lib.to_dict(without_served_models(cfg) if servers else cfg)))),
                "server.yaml": OmegaConf.to_yaml(OmegaConf.create(config_lib.literal(
-                   server_config(cfg, "rollout", server_port, host="0.0.0.0"))))}}
+                   server_config(cfg, server_port, host="0.0.0.0"))))}}
 
   # A restarted learner (JobSet failurePolicy: a failure or a preemption, which exits
   # non-zero) goes on from the run's last checkpoint.

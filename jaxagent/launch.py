@@ -122,10 +122,12 @@ def wait_healthy(child: Child, timeout_s: float) -> None:
   raise RuntimeError(f"{child.name} did not answer {child.url}/health within {timeout_s:.0f} s")
 
 
-def server_config(cfg: config_lib.RunConfig, name: str, port: int,
-                  host: str = "127.0.0.1") -> dict:
-  """A rollout server's config: the run's model and engine, this address."""
-  return {"name": name, "seed": cfg.seed, "host": host, "port": port,
+def server_config(cfg: config_lib.RunConfig, port: int, host: str = "127.0.0.1") -> dict:
+  """A rollout server's config: the run's model and engine, this address. Every server
+  serves the policy under the run's `name`, as an in-process server does (they were
+  named server0, server1, ... and `rollout`: requests naming the run's model were refused,
+  and two replicas of one policy answered to two names: a new user)."""
+  return {"name": cfg.name, "seed": cfg.seed, "host": host, "port": port,
           "model": dataclasses.asdict(cfg.model),
           "engine": dataclasses.asdict(cfg.serving.engine),
           "update_mode": cfg.rollout.update_mode,
@@ -169,7 +171,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
   for i in range(args.servers):
     port = free_port()
     path = os.path.join(launch_dir, f"server{i}.yaml")
-    OmegaConf.save(OmegaConf.create(config_lib.literal(server_config(cfg, f"server{i}", port))),
+    OmegaConf.save(OmegaConf.create(config_lib.literal(server_config(cfg, port))),
                    path)
     services.append(Child(f"server{i}", [py, "-m", "rollout_server", "--config", path,
                                          "--log-level", "warning"],

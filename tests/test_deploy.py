@@ -222,6 +222,8 @@ def test_a_runs_served_models_are_its_servers_and_sandboxes_its_workers(tmp_path
                      "env.judge=judge", "serving.models.judge.model.preset=nano")
   data = docs["configmap.yaml"]["data"]
   assert list(yaml.safe_load(data["server.yaml"])["models"]) == ["judge"]
+  # (every server serves the policy as the run's name, as an in-process server: a new user)
+  assert yaml.safe_load(data["server.yaml"])["name"] == yaml.safe_load(data["run.yaml"])["name"]
   assert yaml.safe_load(data["run.yaml"])["serving"]["models"] == {}
   docs, _ = generate(tmp_path, "v5litepod-8", "env.sandboxes=3")
   worker = docs["env-statefulset.yaml"]["spec"]["template"]["spec"]["containers"][0]

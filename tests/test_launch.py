@@ -329,6 +329,7 @@ def test_a_runs_served_models_go_to_its_servers(tmp_path):
                                           args.overrides + bad), 1, 0)
   (server, env), (learner,) = plan(args, cfg, str(tmp_path / "run"))
   served = yaml.safe_load(open(server.cmd[server.cmd.index("--config") + 1]))
+  assert served["name"] == cfg.name  # (the policy's served name, as in-process: a new user)
   assert list(served["models"]) == ["judge"] and served["models"]["judge"]["model"]["preset"] \
       == "nano"
   config_lib.load(config_lib.ServerConfig, server.cmd[server.cmd.index("--config") + 1])
