@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxagent.cli_args import positive_int, positive_ints  # noqa: E402
 
 from envs.base import TaskSpec  # noqa: E402
 from envs.play import play_episode  # noqa: E402
@@ -107,11 +108,11 @@ async def level(url: str, concurrency: int) -> dict:
 def main() -> int:
   p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--concurrency", default="8,64,200")
-  p.add_argument("--sandboxes", type=int, default=8)
+  p.add_argument("--concurrency", default="8,64,200", type=positive_ints)
+  p.add_argument("--sandboxes", type=positive_int, default=8)
   p.add_argument("--server", help="use this running worker instead of starting one")
   args, extra = p.parse_known_args()
-  levels = [int(x) for x in args.concurrency.split(",")]
+  levels = args.concurrency
   proc = None
   url = args.server
   if url is None:

@@ -27,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxagent import config as config_lib  # noqa: E402
+from jaxagent.cli_args import positive_int, positive_ints  # noqa: E402
 from rollout_server.serving import ServerThread, build_app  # noqa: E402
 
 
@@ -84,15 +85,15 @@ def main() -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--checkpoint", default="smollm2")
   p.add_argument("--preset", default=None, help="a preset with random weights instead")
-  p.add_argument("--concurrency", default="1,16")
-  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--concurrency", default="1,16", type=positive_ints)
+  p.add_argument("--max-tokens", type=positive_int, default=64)
   p.add_argument("--rounds", type=int, default=1, help="timed rounds per level (best kept)")
-  p.add_argument("--max-seq-len", type=int, default=1024)
+  p.add_argument("--max-seq-len", type=positive_int, default=1024)
   p.add_argument("--apis", default="chat",
                  help="comma-separated, of chat (OpenAI chat completions), responses "
                       "(OpenAI's Responses API), messages (Anthropic's)")
   args = p.parse_args()
-  levels = [int(x) for x in args.concurrency.split(",")]
+  levels = args.concurrency
   apis = [a for a in args.apis.split(",") if a]
   bad = [a for a in apis if a not in ("chat", "responses", "messages")]
   if not apis or bad:

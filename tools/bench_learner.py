@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent.batch import pack
+from jaxagent.cli_args import positive_int, positive_ints
 from jaxagent.config import LearnerConfig
 from jaxagent.data import synthetic_segment
 from jaxagent.learner import Learner
-from jaxagent.models.config import preset
+from jaxagent.models.config import PRESETS, preset
 from jaxagent.models.sharding import make_mesh
 
 
@@ -101,23 +102,23 @@ def measure(args, seq_len: int) -> dict:
 def main() -> None:
   p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--preset", default="tiny")
-  p.add_argument("--seq-lens", default="1024,8192")
-  p.add_argument("--tokens", type=int, default=8192, help="tokens per train step")
-  p.add_argument("--steps", type=int, default=5)
-  p.add_argument("--microbatches", type=int, default=1)
+  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+  p.add_argument("--seq-lens", default="1024,8192", type=positive_ints)
+  p.add_argument("--tokens", type=positive_int, default=8192, help="tokens per train step")
+  p.add_argument("--steps", type=positive_int, default=5)
+  p.add_argument("--microbatches", type=positive_int, default=1)
   p.add_argument("--attention", default="auto")
   p.add_argument("--attention-block", type=int, default=0)
   p.add_argument("--remat", default="none")
   p.add_argument("--scan-unroll", type=int, default=0, help="0: the preset's")
   p.add_argument("--logits-chunk", type=int, default=256)
-  p.add_argument("--matmul-n", type=int, default=2048)
+  p.add_argument("--matmul-n", type=positive_int, default=2048)
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
 
   baseline = matmul_flops_per_s(args.matmul_n, 5)
   results = []
-  for seq_len in [int(s) for s in args.seq_lens.split(",")]:
+  for seq_len in args.seq_lens:
     r = measure(args, seq_len)
     r["matmul_flops_per_s"] = round(baseline)
     r["fraction_of_matmul"] = round(r["flops_per_s"] / baseline, 3)

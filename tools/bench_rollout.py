@@ -37,7 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxagent.models.config import preset  # noqa: E402
+from jaxagent.cli_args import names_of, positive_int, positive_ints  # noqa: E402
+from jaxagent.models.config import PRESETS, preset  # noqa: E402
 from jaxagent.models.params import init_params  # noqa: E402
 from jaxagent.models.sharding import SAMPLE_RULES  # noqa: E402
 from rollout_server.engine import Engine, PrefillRequest, SamplingParams  # noqa: E402
@@ -181,16 +182,16 @@ def turn_rate(cfg, weights, rows, requests, prompt_len, seed) -> float:
 def main() -> None:
   p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--presets", default="tiny")
+  p.add_argument("--presets", default="tiny", type=names_of(PRESETS, "model preset"))
   p.add_argument("--vocab", type=int, default=1024, help="vocabulary override (0: the preset's)")
-  p.add_argument("--batches", default="1,16,64")
-  p.add_argument("--seq-lens", default="128,1024,8192")
-  p.add_argument("--prompt-len", type=int, default=32)
-  p.add_argument("--new-tokens", type=int, default=64)
-  p.add_argument("--repeats", type=int, default=5,
+  p.add_argument("--batches", default="1,16,64", type=positive_ints)
+  p.add_argument("--seq-lens", default="128,1024,8192", type=positive_ints)
+  p.add_argument("--prompt-len", type=positive_int, default=32)
+  p.add_argument("--new-tokens", type=positive_int, default=64)
+  p.add_argument("--repeats", type=positive_int, default=5,
                  help="timed runs per case (median), in rounds over all cases")
-  p.add_argument("--turns", type=int, default=8)
-  p.add_argument("--prefill-rows", type=int, default=8)
+  p.add_argument("--turns", type=positive_int, default=8)
+  p.add_argument("--prefill-rows", type=positive_int, default=8)
   p.add_argument("--skip", default="",
                  help="sections to skip: capacity,sessions,grpo,turns,scheduling")
   p.add_argument("--dtype", default=None, help="sampling dtype, e.g. bfloat16 (default: the model's)")
@@ -200,11 +201,10 @@ def main() -> None:
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
   DTYPE[0] = args.dtype
-  batches = [int(b) for b in args.batches.split(",")]
-  seq_lens = [int(s) for s in args.seq_lens.split(",")]
+  batches, seq_lens = args.batches, args.seq_lens
   skip = set(filter(None, args.skip.split(",")))
   print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}")
-  for name in args.presets.split(","):
+  for name in args.presets:
     cfg = preset(name, **({"vocab_size": args.vocab} if args.vocab else {}))
     weights = init_params(cfg, 0, None, SAMPLE_RULES)
     mparams = cfg.num_params() / 1e6

@@ -21,6 +21,7 @@ import sys
 import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxagent.cli_args import positive_int, positive_ints  # noqa: E402
 
 
 class WholeTurns:
@@ -71,12 +72,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--json", action="store_true", help="JSON lines only")
-  p.add_argument("--sessions", type=int, default=20)
-  p.add_argument("--turns", default="30,60")
-  p.add_argument("--new-tokens", type=int, default=300)
+  p.add_argument("--sessions", type=positive_int, default=20)
+  p.add_argument("--turns", default="30,60", type=positive_ints)
+  p.add_argument("--new-tokens", type=positive_int, default=300)
   args = p.parse_args(argv)
   rows = []
-  for n in (int(t) for t in args.turns.split(",")):
+  for n in args.turns:
     sessions = [[json.dumps(t) for t in turns_of(n, args.new_tokens, seed)]
                 for seed in range(args.sessions)]
     context = len(json.loads(sessions[0][-1])["prompt_ids"]) + 40

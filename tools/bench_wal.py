@@ -20,6 +20,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxagent.cli_args import positive_int  # noqa: E402
 
 
 def wal_cost(directory: str, turns: int, tokens: int, fsync: bool) -> dict:
@@ -76,8 +77,8 @@ def decode_us_per_token(repeats: int = 5) -> float:
 def main() -> None:
   p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--turns", type=int, default=200)
-  p.add_argument("--tokens-per-turn", type=int, default=32)
+  p.add_argument("--turns", type=positive_int, default=200)
+  p.add_argument("--tokens-per-turn", type=positive_int, default=32)
   p.add_argument("--dir", default=None, help="where the logs go (default: a temp dir)")
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
