@@ -542,7 +542,8 @@ def create_app(run_dir: str, hosts: Sequence[str] = ()):
             **index.facets()}
 
   @app.get("/api/episodes")
-  def episodes(task: str = "", min_reward: Optional[float] = None, verdict: str = "",
+  def episodes(task: str = "",  # (min_reward=nan matched every episode: a new user)
+               min_reward: Optional[float] = Query(None, allow_inf_nan=False), verdict: str = "",
                version: Optional[int] = None, truncation: str = "",
                offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)):
     found = index.select(task, min_reward, verdict, version, truncation)

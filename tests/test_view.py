@@ -249,6 +249,8 @@ def test_api_lists_filters_and_shows_an_episode(run_dir):
   assert tasks(offset=4, limit=1) == ["guess_number/0-8"]
   assert client.get("/api/episodes/6").status_code == 404
   assert client.get("/api/episodes", params={"limit": 0}).status_code == 422
+  for bad in ("nan", "inf", "-inf", "x"):  # (nan matched every episode: a new user)
+    assert client.get("/api/episodes", params={"min_reward": bad}).status_code == 422, bad
 
   # The calculator episode: a tool call, its observation, the answer.
   ep = client.get("/api/episodes/0").json()
