@@ -47,13 +47,31 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
     # The export beside the registry (a run directory copied or moved elsewhere reads its
     # own exports, not the paths the registry was written with).
     return version_dir(path, v), v
+  run = _run_of_checkpoint(path)
+  if run is not None:  # (it read as an export of no version, or failed deep in Orbax)
+    raise ValueError(f"{path} is a run's checkpoint (its training state), not a policy "
+                     f"export: give the run's exports, {os.path.join(run, 'policy')} (the "
+                     "latest) or one version of them (policy/v00000007)")
   named = version_of_dir(path)
   if version is None and named is None:
-    raise ValueError(f"cannot tell the policy version of {path}: give a version")
+    raise ValueError(f"cannot tell the policy version of {path}: a policy export is a "
+                     "version directory (RUN_DIR/policy/v00000007), an export root or a run "
+                     "directory; or give the version with the path")
   if named is not None and version is not None and int(version) != named:
     # (a server took it, and stamped version 99 on the tokens of export v6)
     raise ValueError(f"{path} is policy version {named}, not {version}")
   return path, int(version if version is not None else named)
+
+
+def _run_of_checkpoint(path: str) -> Optional[str]:
+  """The run directory when `path` is one of its checkpoints (`RUN_DIR/checkpoints/STEP`,
+  which holds the train state and its metadata) or their directory, else None."""
+  if os.path.isdir(os.path.join(path, "state")) and os.path.isdir(os.path.join(path, "meta")):
+    return os.path.dirname(os.path.dirname(path))
+  if os.path.basename(path) == "checkpoints" and os.path.isdir(path) and any(
+      d.isdigit() for d in os.listdir(path)):
+    return os.path.dirname(path)
+  return None
 
 
 def make_engine(model_cfg, e: EngineConfig, mesh) -> Engine:

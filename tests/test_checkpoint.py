@@ -1,5 +1,6 @@
 import glob
 import os
+import re
 import shutil
 
 import grain
@@ -218,6 +219,19 @@ def test_an_export_of_another_model_or_damaged_or_unregistered_is_named(tmp_path
     f.write('{"versions": []}')
   with pytest.raises(FileNotFoundError, match="holds no policy export yet"):
     resolve_policy(root)
+  # A run's checkpoint given for a policy export (a new user: "give a version", which the
+  # server's command line has no way to; through /update_weights, Orbax's internals).
+  step = tmp_path / "run" / "checkpoints" / "470"
+  for item in ("state", "meta"):
+    (step / item).mkdir(parents=True)
+  for given in (step, step.parent):
+    for version in (None, 471):
+      with pytest.raises(ValueError, match=re.escape(
+          f"is a run's checkpoint (its training state), not a policy export: give the "
+          f"run's exports, {tmp_path / 'run' / 'policy'} (the latest)")):
+        resolve_policy(str(given), version)
+  with pytest.raises(ValueError, match="a policy export is a version directory "):
+    resolve_policy(str(tmp_path / "run"))
 
 
 def test_policy_restores_onto_a_different_mesh(tmp_path, multidevice):
