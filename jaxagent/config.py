@@ -484,6 +484,18 @@ def _valid_keys(schema: Any, full_key: str) -> list[str]:
   return list(node.keys()) if OmegaConf.is_dict(node) else []
 
 
+def _paths_named(node: Any, name: str, prefix: str = "") -> list[str]:
+  """The dotted paths of every key called `name` in the sections below `node` (`lr` at
+  the top level meant `learner.lr`: a new user got the top level's keys listed)."""
+  out = []
+  for k in (node.keys() if OmegaConf.is_dict(node) else ()):
+    child = node._get_node(k)
+    if OmegaConf.is_dict(child):
+      out += [f"{prefix}{k}.{name}"] * (name in child) + _paths_named(child, name,
+                                                                      f"{prefix}{k}.")
+  return list(dict.fromkeys(out))
+
+
 def _not_a_section(schema: Any, given: Any, prefix: str = "") -> Optional[tuple[str, Any]]:
   """The first key whose value in `given` is not a mapping where `schema` has a section
   (a merge error names no key for it), and that value."""
@@ -533,7 +545,15 @@ def _error(e: oc_errors.OmegaConfBaseException, schema: Any, source: str,
     first = f"a list, not {getattr(e, 'value', None)!r} (write {how})"
   if isinstance(e, oc_errors.ConfigKeyError):
     valid = _valid_keys(schema, str(key))
-    close = _close_keys(str(key).split(".")[-1], valid)
+    leaf, section = str(key).split(".")[-1], str(key).rpartition(".")[0]
+    close = _close_keys(leaf, valid)
+    # The key of a section given at another level (`lr` for `learner.lr`): that name
+    # exactly, before a loose spelling here (`temperature` is not `stop_success_rate`).
+    node = OmegaConf.select(schema, section) if section else schema
+    elsewhere = _paths_named(node, leaf, f"{section}." if section else "")
+    if elsewhere and not (close and difflib.SequenceMatcher(None, leaf, close[0]).ratio()
+                          >= 0.8):
+      close = elsewhere[:2]
     first = first.split(". Did you mean")[0]  # (OmegaConf's own guess, on some routes only)
     if close:
       hint = f"; did you mean {' or '.join(repr(k) for k in close)}?"

@@ -42,6 +42,17 @@ def test_unknown_key_names_key_and_closest(tmp_path):
     assert str(raised.value).endswith("did you mean 'lr' or 'lr_decay_steps'?"), raised.value
   with pytest.raises(config.ConfigError, match=r"did you mean 'lr_schedule' or 'lr'\?$"):
     config.load(config.RunConfig, None, ["learner.lr_schedulee=1"])
+  # A section's key at the top level: the section's key by that name, before a loose
+  # spelling of a top-level one (`lr` listed the top level's keys: a new user).
+  bad.write_text("lr: 1.0\n")
+  for source, overrides in ((str(bad), []), (None, ["lr=1"])):
+    with pytest.raises(config.ConfigError, match=r"did you mean 'learner\.lr'\?$"):
+      config.load(config.RunConfig, source, overrides)
+  with pytest.raises(config.ConfigError, match=r"did you mean 'learner\.temperature' or "
+                     r"'agent\.temperature'\?$"):
+    config.load(config.RunConfig, None, ["temperature=1"])
+  with pytest.raises(config.ConfigError, match=r"did you mean 'steps'\?$"):  # (here, closer)
+    config.load(config.RunConfig, None, ["stepz=1"])
   # Nothing close: the section's keys are listed.
   with pytest.raises(config.ConfigError, match=r"the keys of learner are b1, b2, .*warmup_steps"):
     config.load(config.RunConfig, None, ["learner.xyzzy=1"])
