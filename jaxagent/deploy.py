@@ -3,7 +3,7 @@ their router and environment workers.
 
   python -m jaxagent.deploy gke --config configs/tiny.yaml --tpu-type v5litepod-16
       --servers 4 --env-workers 8 --image IMAGE --out DIR [--bucket gs://B/runs]
-      [--server-accelerator nvidia-l4] [--namespace default] [overrides ...]
+      [--server-image GPU_IMAGE] [--server-accelerator nvidia-l4] [--namespace default] [overrides ...]
 
 Writes one YAML file per resource into DIR (`kubectl apply -f DIR`):
 - `configmap.yaml`: the resolved run config, mounted at /config/run.yaml;
@@ -196,7 +196,7 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
 
   gpu = ({"nvidia.com/gpu": "1"} if args.server_accelerator.startswith("nvidia") else {})
   server_pod = {
-      "containers": [_container("rollout", args.image,
+      "containers": [_container("rollout", args.server_image or args.image,
                                 ["python", "-m", "rollout_server", "--config",
                                  "/config/server.yaml"], port=server_port,
                                 resources={"requests": {"cpu": "4", "memory": "16Gi", **gpu},
@@ -331,7 +331,12 @@ def main(argv=None) -> int:
   g.add_argument("--env-workers", type=int, default=8)
   g.add_argument("--sandboxes", type=int, default=None,
                  help="sandboxes per environment worker (default: the config's env.sandboxes)")
-  g.add_argument("--image", required=True)
+  g.add_argument("--image", required=True,
+                 help="the learner's image (JAX for its chips: --build-arg JAX_EXTRA=tpu), also the "
+                      "router's and the environment workers'")
+  g.add_argument("--server-image", default=None,
+                 help="the rollout servers' image (JAX for their accelerator: JAX_EXTRA=cuda12 "
+                      "on an nvidia pool); default --image (a TPU image has no CUDA: a new user)")
   g.add_argument("--out", required=True)
   g.add_argument("--bucket", default="gs://BUCKET/runs", help="where run directories go")
   g.add_argument("--namespace", default="default")

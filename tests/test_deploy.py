@@ -228,3 +228,20 @@ def test_a_runs_served_models_are_its_servers_and_sandboxes_its_workers(tmp_path
   docs, _ = generate(tmp_path, "v5litepod-8", "env.sandboxes=3")
   worker = docs["env-statefulset.yaml"]["spec"]["template"]["spec"]["containers"][0]
   assert worker["command"][worker["command"].index("--sandboxes") + 1] == "3"
+
+
+def test_the_servers_get_an_image_of_their_own(tmp_path):
+  """The learner's TPU image ran on the GPU pool's servers too (no CUDA there: a new
+  user); --server-image gives theirs, the rest keep --image."""
+  def images(docs):
+    return {name: doc["spec"]["template"]["spec"]["containers"][0]["image"]
+            for name, doc in docs.items() if name.endswith(("statefulset.yaml",
+                                                            "deployment.yaml"))}
+
+  docs, _ = generate(tmp_path / "one", "v5litepod-8")
+  assert set(images(docs).values()) == {"example.com/jaxagent:tpu"}
+  docs, _ = generate(tmp_path / "two", "v5litepod-8", "--server-image",
+                     "example.com/jaxagent:gpu")
+  assert images(docs) == {"env-statefulset.yaml": "example.com/jaxagent:tpu",
+                          "rollout-statefulset.yaml": "example.com/jaxagent:gpu",
+                          "router-deployment.yaml": "example.com/jaxagent:tpu"}
