@@ -86,7 +86,7 @@ class Metadata(BaseModel):
 
 class MessagesBody(BaseModel):
   # Unknown fields are accepted and ignored, as on the OpenAI route.
-  model_config = ConfigDict(extra="allow")
+  model_config = ConfigDict(extra="allow", strict=True)
   model: Name
   max_tokens: int = Field(ge=1)
   messages: list[MessageParam] = Field(min_length=1)

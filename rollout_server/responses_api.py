@@ -45,7 +45,7 @@ from rollout_server.chat import SEED, TOP_K, ChatTurn, Name, TurnCut, unserved
 class ResponsesBody(BaseModel):
   # Unknown fields (metadata, user, prompt_cache_key, service_tier, ...) are accepted and
   # ignored, as on the other routes; those that would change the answer are refused.
-  model_config = ConfigDict(extra="allow")
+  model_config = ConfigDict(extra="allow", strict=True)
   model: Optional[Name] = None
   input: Union[str, list[Any]]
   instructions: Optional[str] = None

@@ -61,7 +61,7 @@ from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, Ses
 
 
 class SamplingBody(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
   temperature: float = TEMPERATURE
   top_p: float = TOP_P
   top_k: int = TOP_K
@@ -84,7 +84,7 @@ class GenerateBody(SamplingBody):
 
 
 class ScoreBody(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
   input_ids: list[Annotated[list[Annotated[int, TOKEN_ID]], Field(min_length=1)]] = Field(
       min_length=1, max_length=1024)
   model: Optional[Name] = None
@@ -96,7 +96,7 @@ class AbortBody(BaseModel):
 
 
 class UpdateWeightsBody(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="forbid", strict=True)
   path: str
   version: Optional[int] = None
   mode: Optional[str] = None
@@ -142,7 +142,7 @@ class ChatBody(BaseModel):
   # change the answer and are not served (tool_choice other than auto, top_logprobs,
   # chat.UNSERVED: logit_bias, penalties, response_format, ...) are refused rather than
   # ignored.
-  model_config = ConfigDict(extra="allow")
+  model_config = ConfigDict(extra="allow", strict=True)
   messages: list[dict] = Field(min_length=1)
   model: Optional[Name] = None
   tools: Optional[list[dict]] = None

@@ -152,6 +152,10 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
       ({"input_ids": [1], "seed": 2**63}, 422, "seed"),
       ({"input_ids": [1], "top_k": 2**31}, 422, "top_k"),
       ({"input_ids": [1], "max_new_tokens": 0}, 422, "max_new_tokens"),
+      # Types as given, not coerced (true generated 1 token: a new user)
+      ({"input_ids": [1], "max_new_tokens": True}, 422, "max_new_tokens"),
+      ({"input_ids": [1], "max_new_tokens": "5"}, 422, "max_new_tokens"),
+      ({"input_ids": [1], "record": "no"}, 422, "record"),
       ({"input_ids": []}, 422, "input_ids"),
       ({"input_ids": [1], "stop_token_ids": [2**40]}, 422, "stop_token_ids"),
       # (a JSON escape of a lone surrogate: recorded, the session's record would not read;
@@ -192,6 +196,9 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
                        ({"messages": user, "max_tokens": 0}, "max_tokens"),
                        ({"messages": user, "seed": 2**64}, "seed"),
                        ({"messages": user, "top_k": 2**31}, "top_k"),
+                       # (types as given: "yes" streamed, true was 1 token: a new user)
+                       ({"messages": user, "stream": "yes"}, "stream"),
+                       ({"messages": user, "max_tokens": True}, "max_tokens"),
                        ({"messages": user, "model": "a\udcff"}, "model: Value error, not "
                         "valid Unicode")]:
     r = c.post("/v1/chat/completions", content=json.dumps(body),
