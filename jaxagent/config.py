@@ -489,7 +489,7 @@ def _paths_named(node: Any, name: str, prefix: str = "") -> list[str]:
   the top level meant `learner.lr`: a new user got the top level's keys listed)."""
   out = []
   for k in (node.keys() if OmegaConf.is_dict(node) else ()):
-    child = node._get_node(k)
+    child = node.get(k)
     if OmegaConf.is_dict(child):
       out += [f"{prefix}{k}.{name}"] * (name in child) + _paths_named(child, name,
                                                                       f"{prefix}{k}.")
