@@ -70,16 +70,19 @@ def run_mode(args, mode: str, run_dir: str) -> dict:
 
 
 def main() -> None:
+  from jaxagent.cli_args import names_of, positive_float, positive_int
+
   p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default="configs/tiny.yaml")
-  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--steps", type=positive_int, default=30)
   p.add_argument("--skip", type=int, default=3, help="first steps left out (compiles)")
-  p.add_argument("--median-s", type=float, default=0.05)
+  p.add_argument("--median-s", type=positive_float, default=0.05)
   p.add_argument("--sigma", type=float, default=1.5)
-  p.add_argument("--max-s", type=float, default=2.0)
+  p.add_argument("--max-s", type=positive_float, default=2.0)
   p.add_argument("--staleness", type=int, default=1)
-  p.add_argument("--modes", default="sync,async,window")
+  p.add_argument("--modes", default="sync,async,window",
+                 type=names_of(("sync", "async", "window"), "rollout mode"))
   p.add_argument("--json", action="store_true")
   p.add_argument("overrides", nargs="*", help="config overrides for every mode (key=value)")
   from jaxagent.config import parse_with_overrides
@@ -90,7 +93,7 @@ def main() -> None:
 
   results = {}
   with tempfile.TemporaryDirectory(prefix="jaxagent-bench-async-") as tmp:
-    for mode in args.modes.split(","):
+    for mode in args.modes:
       r = run_mode(args, mode, os.path.join(tmp, mode))
       results[mode] = r
       if args.json:
