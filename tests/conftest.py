@@ -41,3 +41,11 @@ def run_multidevice(code: str, devices: int = 8, timeout: int = 600) -> str:
 @pytest.fixture
 def multidevice():
   return run_multidevice
+
+
+@pytest.fixture(scope="session")
+def random_params():
+  """The tiny test model's random weights (tests/rollout_server/conftest.py's CFG)."""
+  from jaxagent.models.params import init_params
+  from tests.rollout_server.conftest import CFG
+  return jax.device_get(init_params(CFG, 0))

@@ -14,7 +14,7 @@ from envs.python_tests import judged_answer
 from rollout_server.orchestrator import Orchestrator
 from rollout_server.serving import ServedModel
 from tests.envs.test_environments import play
-from tests.rollout_server.conftest import (make_engine, memorise, random_params,  # noqa: F401
+from tests.rollout_server.conftest import (make_engine, memorise,  # noqa: F401
                                            running_server, tokenizer)
 
 TASK = next(t for t in TASKS if t[0] == "fibonacci")[1]

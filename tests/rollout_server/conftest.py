@@ -10,7 +10,6 @@ from jaxagent.batch import pack
 from jaxagent.config import LearnerConfig
 from jaxagent.learner import Learner
 from jaxagent.models import preset
-from jaxagent.models.params import init_params
 from jaxagent.models.sharding import make_mesh
 from jaxagent.tokenizer import Tokenizer
 from rollout_server.engine import Engine
@@ -34,11 +33,6 @@ MEMORISED = [
 @pytest.fixture(scope="session")
 def tokenizer():
   return Tokenizer.byte_level()
-
-
-@pytest.fixture(scope="session")
-def random_params():
-  return jax.device_get(init_params(CFG, 0))
 
 
 def memorise(pairs, *, steps: int = 150, seed: int = 0, row_len: int = 512, lr: float = 3e-3):

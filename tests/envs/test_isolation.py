@@ -1,0 +1,314 @@
+"""The isolation under a sandbox: bubblewrap for a non-root worker, uids and process
+limits per sandbox, user namespaces refused, memory and CPU time limited for all of a
+sandbox's processes together (cgroups), the host's OOM kills, the seccomp filter and
+a mount namespace's failed setup. The shared fixtures are test_sandbox.py's."""
+
+import asyncio
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from envs.isolation import Limits
+from envs.sandbox import Sandbox, SandboxPool
+from tests.conftest import REPO
+from tests.envs.test_sandbox import (  # noqa: F401 (remove_scratch and sandbox: fixtures)
+  ISOLATION, LIMITS, MODES, needs_isolation, remove_scratch, run, sandbox, scratch_dir)
+
+
+def test_a_non_root_worker_uses_bubblewrap(tmp_path):
+  """A worker that is not root still gets namespaces from bubblewrap (user namespaces)."""
+  if os.geteuid() != 0 or "bwrap" not in MODES or not os.path.exists("/usr/bin/python3"):
+    pytest.skip("needs root (to become another user), bubblewrap and the system Python")
+  code_dir = scratch_dir()
+  os.chmod(code_dir, 0o755)  # the module alone, readable by the unprivileged user
+  shutil.copy(os.path.join(REPO, "envs", "sandbox.py"), code_dir)
+  script = ("import asyncio, os, sys, tempfile\n"
+            f"sys.path.insert(0, {code_dir!r})\n"
+            "import sandbox as S\n"
+            "root = tempfile.mkdtemp(); os.chmod(root, 0o711)\n"
+            "sb = S.Sandbox(root + '/ws')\n"
+            "r = asyncio.run(sb.run([sb.python, '-c', 'import os; print(os.getuid(), "
+            "sorted(os.listdir(\"/\")), os.path.exists(\"/root\"))']))\n"
+            "print(sb.isolation, r.stdout.strip())\n"
+            "sb.destroy()\n")
+  try:
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        "/usr/bin/python3", "-c", script], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+  finally:
+    shutil.rmtree(code_dir, ignore_errors=True)
+  assert r.returncode == 0, r.stderr
+  isolation, uid, *rest = r.stdout.strip().split(" ", 2)
+  assert isolation == "bwrap" and uid == "65534"
+  assert "'workspace'" in rest[0] and "'root'" not in rest[0] and rest[0].endswith("False")
+
+
+def test_a_non_root_workers_sandboxes_each_have_their_own_process_limit():
+  """Without root every sandbox runs as the worker's user, and RLIMIT_NPROC set outside
+  counted every process and thread of that user: one sandbox holding 60 processes (or a
+  worker of 70 threads) stopped every other from starting, and other episodes' correct
+  answers were graded as infra errors (red team). The limit is set inside each
+  sandbox's user namespace now: it still holds there, for that sandbox alone."""
+  if os.geteuid() != 0 or "bwrap" not in MODES or not os.path.exists("/usr/bin/python3"):
+    pytest.skip("needs root (to become another user), bubblewrap and the system Python")
+  forker = ("import os, time\nn = 0\nfor i in range(200):\n  try:\n"
+            "    if os.fork() == 0:\n      time.sleep(6); os._exit(0)\n    n += 1\n"
+            "  except OSError:\n    break\nprint(n, flush=True)\ntime.sleep(6)\n")
+  script = ("import asyncio, os, sys, tempfile, threading, time\n"
+            f"sys.path.insert(0, {REPO!r})\n"
+            "from envs.sandbox import Limits, SandboxPool\n"
+            "stop = threading.Event()\n"
+            "for _ in range(70):  # a worker's own threads (JAX's, an executor's)\n"
+            "  threading.Thread(target=stop.wait, daemon=True).start()\n"
+            "async def main():\n"
+            "  pool = SandboxPool(2, root=tempfile.mkdtemp(), limits=Limits(wall_s=10))\n"
+            "  async with pool.acquire() as a, pool.acquire() as b:\n"
+            f"    a.write_file('fork.py', {forker!r})\n"
+            "    held = asyncio.ensure_future(a.run_python(open(a.host_path + '/fork.py').read(),"
+            " timeout=9))\n"
+            "    await asyncio.sleep(2.5)\n"
+            "    beside = await b.run_python('print(\"beside\")')\n"
+            "    print(pool.isolation, (await held).stdout.split()[0], beside.stdout.strip(),"
+            " beside.error)\n"
+            "  pool.close()\n"
+            "asyncio.run(main())\n")
+  r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                      "/usr/bin/python3", "-c", script], capture_output=True, text=True,
+                     timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, cwd="/tmp")
+  assert r.returncode == 0, r.stderr[-2000:]
+  isolation, forked, beside, error = r.stdout.split()
+  assert isolation == "bwrap" and beside == "beside" and error == "None", r.stdout
+  assert 50 < int(forked) < Limits().processes, r.stdout  # the limit holds in the sandbox
+
+
+@pytest.mark.skipif("bwrap" not in MODES, reason="bubblewrap is not on this host")
+def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
+  """`unshare -r` (a user namespace of its own, with capabilities inside it: more of the
+  kernel in reach) fails inside the sandbox."""
+  from envs.isolation import _bwrap_can_disable_userns
+
+  if not _bwrap_can_disable_userns():
+    pytest.skip("this bubblewrap has no --disable-userns (before 0.8)")
+  root = scratch_dir()
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="bwrap")
+  try:
+    r = asyncio.run(sb.run(["unshare", "-r", "true"]))
+    assert r.exit_code not in (0, None), (r.stdout, r.stderr)
+    ok = run(sb, "print('still runs')")
+    assert ok.ok and ok.stdout == "still runs\n"
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@needs_isolation
+def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
+  """Three processes of 200 MB each stay under the per-process address-space limit
+  (512 MiB) but not under a 256 MiB limit for the sandbox as a whole, which a memory
+  cgroup enforces where the host allows one (root with a writable controller)."""
+  from envs.isolation import memory_cgroup
+
+  if sandbox._cgroup is None:
+    assert memory_cgroup(sandbox.uid or 0, 1 << 30) is None or sandbox.uid is None
+    pytest.skip("no writable memory cgroup on this host")
+  with open(os.path.join(sandbox._cgroup, "memory.limit_in_bytes")
+            if os.path.exists(os.path.join(sandbox._cgroup, "memory.limit_in_bytes"))
+            else os.path.join(sandbox._cgroup, "memory.max"), "w") as f:
+    f.write(str(256 << 20))
+  code = ("import os, sys, time\nkids = []\nfor i in range(3):\n  pid = os.fork()\n"
+          "  if pid == 0:\n    b = bytearray(200 << 20)\n    for j in range(0, len(b), 4096):\n"
+          "      b[j] = 1\n    time.sleep(1)\n    os._exit(0)\n  kids.append(pid)\n"
+          "ok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint('completed', ok)\n")
+  sandbox._memory_fits = lambda: True  # host kills would be the infrastructure's
+  r = run(sandbox, code, timeout=20)
+  assert "completed" in r.stdout, r.stderr[-500:]
+  assert int(r.stdout.split()[-1]) < 3, r.stdout  # the cgroup's OOM killer took one
+  # ... for the sandbox's own limit: the solution's doing, not the host's
+  assert r.oom_kills >= 1 and r.error is None, (r.oom_kills, r.error)
+  assert run(sandbox, "print('alive')").stdout == "alive\n"
+
+
+def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_fit():
+  """The kernel counts a sandbox's OOM kills whoever made them; those made while its
+  cgroup never reached its limit are the host's OOM killer's. They are an
+  infrastructure error where the pool's limits fit the host's free memory, and the
+  command's own where they may overcommit it (a solution filling its own share could
+  have caused them: calling them infrastructure would buy it a re-roll)."""
+  from envs.isolation import oom_attribution
+
+  for fits in (True, False):
+    assert oom_attribution((3, 1), (3, 1), host_kills_are_infra=fits) == (0, 0)
+    assert oom_attribution((3, 1), (5, 2), host_kills_are_infra=fits) == (1, 0)  # its limit
+  assert oom_attribution((3, 1), (3, 3), host_kills_are_infra=True) == (0, 2)
+  assert oom_attribution((3, 1), (3, 3), host_kills_are_infra=False) == (2, 0)
+
+  root = scratch_dir()
+  os.chmod(root, 0o711)
+  for fits in (True, False):
+    sb = Sandbox(os.path.join(root, f"ws{fits}"), limits=LIMITS, isolation=ISOLATION,
+                 memory_fits=lambda fits=fits: fits)
+    counts = iter([(0, 0), (0, 1)])  # the kernel's counters around the command
+    sb.oom_counts = lambda: next(counts)
+    try:
+      r = run(sb, "print('x')")
+    finally:
+      sb.destroy()
+    if fits:
+      assert r.error and "host ran out of memory" in r.error and r.oom_kills == 0, r
+    else:
+      assert r.error is None and r.oom_kills == 1, r
+  shutil.rmtree(root, ignore_errors=True)
+
+
+def test_host_oom_kills_are_infrastructure_only_where_the_operator_says_and_limits_fit(
+    caplog):
+  """The pool's bound (commands at once x their memory limit, live workspaces x their
+  file quotas) against the memory free at start (the host's, a container's cgroup
+  above it): a host OOM kill is the infrastructure's only where the operator says the
+  host's memory is the pool's (`host_oom_is_infra`; free memory seen by two workers
+  started together, or a container's limit missed, would let a failing solution buy a
+  re-roll) and the bound fits; an overcommitted pool says so."""
+  small = Limits(group_memory_bytes=64 << 20)
+  for said in (False, True):
+    pool = SandboxPool(1, limits=small, isolation=ISOLATION, allow_unisolated=True,
+                       host_oom_is_infra=said)
+    try:
+      assert pool.memory_fits() is said and 0 < pool.memory_bound() < pool.host_memory
+      bound, sb = pool.memory_bound(), pool.create()  # a live workspace holds its files
+      assert pool.memory_bound() == bound + pool.limits.disk_bytes + pool.limits.tmp_bytes
+      pool.release(sb)
+    finally:
+      pool.close()
+  with caplog.at_level("WARNING", logger="envs.sandbox"):
+    pool = SandboxPool(2, limits=Limits(group_memory_bytes=1 << 50), isolation=ISOLATION,
+                       allow_unisolated=True, host_oom_is_infra=True)
+  try:
+    assert not pool.memory_fits() and "overcommit this host's memory" in caplog.text
+    assert pool.memory_bound() == 2 << 50
+  finally:
+    pool.close()
+
+
+def test_free_memory_counts_a_memory_cgroup_above_the_worker(tmp_path, monkeypatch):
+  """A container's limit sits on its cgroup hierarchy's root as the worker sees it (v2
+  under a cgroup namespace, whose worker is in a child with no limit of its own; v1
+  under Docker, whose /proc/self/cgroup names a path the mount does not have) or on a
+  cgroup above the worker: the least any of them leaves is what is free."""
+  import envs.isolation as S
+
+  root = tmp_path / "cgroup"
+  for path, limit, used in (("", 512 << 20, 100 << 20), ("box", "max", 99 << 20),
+                            ("box/worker", "max", 1 << 20)):
+    (root / path).mkdir(parents=True, exist_ok=True)
+    (root / path / "memory.max").write_text(f"{limit}\n")
+    (root / path / "memory.current").write_text(f"{used}\n")
+  fake_self = tmp_path / "self-cgroup"
+  fake_self.write_text("0::/box/worker\n")
+  real_open = open
+
+  def fake_open(path, *a, **kw):
+    return real_open(fake_self if path == "/proc/self/cgroup" else path, *a, **kw)
+
+  monkeypatch.setattr(S, "_CGROUP_ROOT", str(root))
+  monkeypatch.setattr("builtins.open", fake_open)
+  assert S.available_memory_bytes() == (512 - 100) << 20
+  (root / "box" / "memory.max").write_text(f"{150 << 20}\n")  # a tighter one on the path
+  assert S.available_memory_bytes() == (150 - 99) << 20
+
+
+
+@needs_isolation
+def test_cpu_time_is_limited_for_all_of_a_sandboxs_processes_together():
+  """Four processes spinning for 1.5 s get half a CPU's time together (`Limits.cpus`, a
+  CPU cgroup's quota where the host allows one): a sandbox cannot starve the host's other
+  sandboxes and graders (red-team)."""
+  root = scratch_dir()
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=Limits(cpus=0.5), isolation=MODES[0])
+  try:
+    if sb._cpu_cgroup is None:
+      pytest.skip("no writable CPU cgroup on this host")
+    code = ("import os, time\nkids = []\nfor i in range(4):\n  pid = os.fork()\n"
+            "  if pid == 0:\n    t = time.time()\n    while time.time() - t < 1.5:\n"
+            "      pass\n    os._exit(0)\n  kids.append(pid)\n"
+            "for p in kids:\n  os.waitpid(p, 0)\nt = os.times()\n"
+            "print(t.children_user + t.children_system)\n")
+    r = run(sb, code, timeout=20)
+    assert r.ok, r.stderr[-500:]
+    assert float(r.stdout) < 0.5 * 1.5 + 0.45, r.stdout  # 6 s of spinning, unbounded
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+SECCOMP_PROBE = r'''
+import ctypes, errno, multiprocessing, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+  r = libc.syscall(nr, *args)
+  return errno.errorcode.get(ctypes.get_errno(), "?") if r == -1 else str(r)
+# x86_64 numbers; without the filter these answer 0, EFAULT, EINVAL, EINVAL, EFAULT.
+print(call(101, 0, 0, 0, 0), call(425, 1, 0), call(321, 0, 0, 0), call(250, 0, 0),
+      call(298, 0, 0, 0, 0, 0))
+print(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.strip())
+t = threading.Thread(target=print, args=("thread",)); t.start(); t.join()
+with multiprocessing.Pool(2) as pool:
+  print(sum(pool.map(abs, [-1, -2])))
+'''
+
+
+@needs_isolation
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 numbers")
+def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
+  """ptrace, io_uring, bpf, keyctl and perf_event_open (the kernel surface that tool code
+  never needs and exploits often do) fail with EPERM; processes, threads and pools run."""
+  from envs.isolation import seccomp_program
+
+  if seccomp_program() is None:
+    pytest.skip("no libseccomp on this host")
+  r = run(sandbox, SECCOMP_PROBE, timeout=10)
+  assert r.ok, r.stderr
+  assert r.stdout.split("\n")[:4] == ["EPERM EPERM EPERM EPERM EPERM", "child", "thread", "3"]
+  assert sandbox.describe()["seccomp"]
+
+
+def test_the_python_images_interpreter_loads_the_mountns_filter(monkeypatch):
+  """The image (python:3.11-slim) has its Python in /usr/local and no /usr/bin/python3:
+  the mountns mode skipped its seccomp loader there (a red team's reading)."""
+  import envs.isolation as isolation_mod
+
+  real = os.path.exists
+  monkeypatch.setattr(isolation_mod.os.path, "exists",
+                      lambda p: False if p == "/usr/bin/python3" else
+                      True if p == "/usr/local/bin/python3" else real(p))
+  assert isolation_mod.system_python() == "/usr/local/bin/python3"
+  script = isolation_mod._mountns_script("/r", "/w", 12345, isolation_mod.Limits(),
+                                       seccomp="/s.bpf")
+  assert "/usr/local/bin/python3 -I -S -c " in script and ".seccomp.bpf" in script
+
+
+@pytest.mark.skipif("mountns" not in MODES, reason="needs the mountns mode (root)")
+def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monkeypatch):
+  """The hand-built namespace's setup failing (a mount refused) exits non-zero before the
+  command runs: that is the sandbox's failure (`error`), not the command's exit code,
+  which a grader would score as the solution's (a review finding)."""
+  import envs.isolation as isolation_mod
+
+  real = isolation_mod._mountns_script
+  monkeypatch.setattr(isolation_mod, "_mountns_script",
+                      lambda *a, **k: real(*a, **k).replace("set -e", "set -e\nfalse", 1))
+  root = scratch_dir()
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="mountns")
+  try:
+    r = run(sb, "print('ran')")
+    assert r.error and "setup failed" in r.error and r.stdout == ""
+    monkeypatch.setattr(isolation_mod, "_mountns_script", real)
+    r = run(sb, "raise SystemExit(3)")  # the command's own exit stays the command's
+    assert r.error is None and r.exit_code == 3
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)

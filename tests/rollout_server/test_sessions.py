@@ -1,0 +1,409 @@
+"""Session records against real servers and on their own: the store's bounds, a call
+that continues its session's thread with the tokens it was sampled as (past side calls,
+summaries and another server's handover), and a reply sent back trained as sampled."""
+
+import json
+
+import httpx
+
+from rollout_server.sessions import SESSION_HEADER
+from tests.rollout_server.conftest import TOOLS, running_server
+
+
+def client(srv):
+  return httpx.Client(base_url=srv.url, timeout=120)
+
+
+def test_sessions_are_bounded_by_count_bytes_and_time():
+  from rollout_server.sessions import SessionStore
+
+  now = [0.0]
+  budget = 4000
+  store = SessionStore(max_sessions=3, ttl_s=10.0, max_bytes=budget, clock=lambda: now[0])
+  turn = lambda n: {"output_ids": list(range(n)), "recorded_at": 0.0}  # noqa: E731
+  for i in range(4):
+    store.record(f"s{i}", turn(10))
+  assert len(store) == 3 and store.get("s0") is None and store.evicted["count"] == 1
+  small = store.bytes // 3  # ten ids packed (40 bytes) and the rest of the record
+  # budget - 2 * small < its size <= budget - small: s1 goes by count, then s2 by bytes
+  store.record("big", turn((budget - small - (small - 40)) // 4))
+  assert [store.get(k) is None for k in ("s1", "s2", "s3", "big")] == [True, True, False, False]
+  assert store.evicted == {"count": 2, "bytes": 1, "ttl": 0} and small < store.bytes <= budget
+  store.record("huge", turn(budget // 4))  # over the budget alone: nothing is kept
+  assert len(store) == 0 and store.bytes == 0 and store.evicted["bytes"] == 4
+  store = SessionStore(max_sessions=10, ttl_s=10.0, max_bytes=None, clock=lambda: now[0])
+  store.record("a", turn(5))
+  now[0] = 5.0
+  store.record("b", turn(5))
+  now[0] = 12.0  # a's last turn was 12 s ago, b's 7 s ago
+  assert store.get("a") is None and store.get("b") is not None and store.evicted["ttl"] == 1
+  store.record("b", turn(5))  # a new turn renews b
+  now[0] = 20.0
+  assert store.get("b") is not None and len(store.get("b")) == 2
+  size = store.bytes
+  assert store.pop("b") is not None and store.bytes == 0 and size > 0
+
+
+def test_a_recorded_turn_revived_is_continued_with_its_own_tokens():
+  """A call that says which turn it goes on from (a Responses call's previous_response_id)
+  makes that turn a thread again, so the call continues its tokens as sampled (here not
+  its text's encoding), though later turns went on from it another way."""
+  from rollout_server.sessions import SessionStore
+
+  store = SessionStore(10)
+
+  def turn(texts, prompt, out):
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                for i, t in enumerate(texts)]
+    return {"prompt_ids": prompt, "output_ids": out, "messages": messages, "tools": None,
+            "response": {"role": "assistant", "content": "x"}}
+
+  where = store.record("s", turn(["one"], [1, 2], [7, 7, 7]))
+  store.record("s", turn(["one", "A", "two"], [1, 2, 7, 7, 7, 3], [8]))
+  store.record("s", turn(["one", "A", "two", "B", "three"], [1, 2, 7, 7, 7, 3, 8, 4], [9]))
+  later = turn(["one", "A", "two again"], [], [])["messages"]
+  assert store.last_turn("s", later, None) is None  # (turn 0 is no thread now)
+  assert not store.revive("s", "another-record", where[1])  # (a session made anew)
+  assert not store.revive("s", where[0], 5) and not store.revive("t", *where)
+  assert store.revive("s", *where) and not store.revive("s", *where)
+  got = store.last_turn("s", later, None)
+  assert got.prompt_ids == [1, 2] and got.replies[0][0] == [7, 7, 7]
+  assert store.bytes == store._sessions["s"].size
+  # A retry's sibling (the same prompt, another reply) is already among its thread's
+  # replies: not made a thread of its own (which would drop the replies it is among).
+  first = store.record("r", turn(["one"], [1, 2], [5]))
+  store.record("r", turn(["one"], [1, 2], [6]))
+  assert not store.revive("r", *first)
+  assert [r[0] for r in store.last_turn("r", later, None).replies] == [[6], [5]]
+  # The session revived is the most recently used: its own growth does not evict it.
+  store = SessionStore(10, max_bytes=None)
+  where = store.record("s", turn(["one"], [1, 2], [7, 7, 7]))
+  store.record("s", turn(["one", "A", "two"], [1, 2, 7, 7, 7, 3], [8]))
+  store.record("s", turn(["one", "A", "two", "B", "three"], [1, 2, 7, 7, 7, 3, 8, 4], [9]))
+  store.record("other", turn(["hi"], [5], [6]))
+  store.max_bytes = store.bytes + 1
+  assert store.revive("s", *where) and store.get("s") is not None
+  assert store.get("other") is None and store.evicted["bytes"] == 1
+
+
+def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
+  """Each turn sends the whole conversation again; the store keeps what a turn shares
+  with the one before once, and gives every turn back exactly as it was recorded."""
+  import copy
+
+  import numpy as np
+  from rollout_server.sessions import SessionStore
+
+  def play(turns: int, store: SessionStore, session: str, side_calls: bool = False
+           ) -> list[dict]:
+    rng = np.random.default_rng(0)
+    prompt, messages, recorded = [1, 2, 3], [{"role": "user", "content": "go"}], []
+    for t in range(turns):
+      out = [int(i) for i in rng.integers(0, 50_000, 40)]
+      turn = {"prompt_ids": prompt, "output_ids": out, "versions": [t] * len(out),
+              "output_logprobs": [float(x) for x in -rng.random(len(out))],
+              "raw_logprobs": [-0.5] * len(out), "messages": messages,
+              "tools": [{"type": "function", "function": {"name": "run"}}],
+              "finish_reason": "stop", "ttft_s": None, "recorded_at": 1.0 * t}
+      if t == 5:  # a rewritten context (a summary) shares nothing with the turn before
+        turn.update(prompt_ids=[7] * 90, messages=[{"role": "system", "content": "sum"}])
+      if t == 6:  # values an array cannot hold as they are stay as they are
+        turn.update(versions=[True] * len(out), output_ids=out[:-1] + [1 << 70])
+      if t == 8:  # a message equal to the one before as a value, not as JSON
+        turn["messages"] = [{**messages[0], "n": 1.0}, *messages[1:]]
+      if t == 9:
+        turn["messages"] = [{**messages[0], "n": 1}, *messages[1:]]
+      recorded.append(copy.deepcopy(turn))
+      if store is not None:
+        store.record(session, turn)
+      if side_calls and t not in (5, 6):  # a title of the conversation so far, each turn
+        side = dict(recorded[-1], prompt_ids=[9] + turn["prompt_ids"] + out,
+                    messages=[{"role": "system", "content": "Title?"}, *turn["messages"]],
+                    output_ids=[5, 5], output_logprobs=[-1.0, -1.0], versions=[t, t],
+                    raw_logprobs=[-1.0, -1.0])
+        recorded.append(copy.deepcopy(side))
+        if store is not None:
+          store.record(session, side)
+      prompt = turn["prompt_ids"] + out + [int(i) for i in rng.integers(0, 50_000, 300)]
+      messages = turn["messages"] + [{"role": "assistant", "content": "x" * 100},
+                                     {"role": "tool", "content": "y" * 1200}]
+    return recorded
+
+  store = SessionStore(max_sessions=10)
+  recorded = play(24, store, "a")
+  got = store.get("a")
+  assert store.read("a", since=20)[:2] == (got[20:], 24) and store.read("b") is None
+  assert [t.pop("turn") for t in got] == list(range(24))
+  assert json.dumps(got) == json.dumps(recorded)  # types too: no int became a float
+  assert got == recorded and store.pop("a") == [dict(t, turn=i) for i, t in enumerate(got)]
+  # The record is its own: neither a caller changing what it recorded nor a reader
+  # changing what it read changes it
+  store = SessionStore(max_sessions=10)
+  first = {"messages": [{"role": "user", "content": "go"}], "recorded_at": 0.0}
+  store.record("c", first)
+  store.record("c", {"messages": [{"role": "user", "content": "go"}, {"role": "tool"}],
+                     "recorded_at": 0.0})
+  want = json.dumps(store.get("c"))
+  first["messages"][0]["content"] = "changed"
+  store.get("c")[0]["messages"].insert(0, {"role": "system"})
+  assert json.dumps(store.get("c")) == want
+  # What it counts is what it holds (its Python objects, the context it keeps for the
+  # next turn included; many short messages too)
+  import tracemalloc
+  for long_messages in (True, False):
+    store, recorded = SessionStore(max_sessions=10), play(48, None, "m")
+    if not long_messages:
+      for n, t in enumerate(recorded):
+        t["messages"] = [{"role": "tool", "content": str(i)} for i in range(20 * n)]
+    tracemalloc.start()
+    for t in recorded:
+      store.record("m", t)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert held < 1.6 * store.bytes, (long_messages, held, store.bytes)
+  sizes = {}
+  for turns in (12, 24, 48):
+    store = SessionStore(max_sessions=10)
+    recorded = play(turns, store, "s")
+    sizes[turns] = store.bytes
+    whole = sum(len(json.dumps(t)) for t in recorded)  # what storing each turn whole took
+    assert store.bytes < whole / (turns / 8), (turns, store.bytes, whole)
+  # linear in the turns (whole turns: ~4x a doubling)
+  assert sizes[48] / sizes[24] < 2.2 and sizes[24] / sizes[12] < 2.2, sizes
+  # A harness's side call each turn (its own thread): each thread is stored against its
+  # own last turn (against the turn before, each turn after a side call was kept whole)
+  for turns in (12, 24, 48):
+    store = SessionStore(max_sessions=10)
+    recorded = play(turns, store, "s", side_calls=True)
+    got = store.get("s")
+    assert [t.pop("turn") for t in got] == list(range(len(recorded))) and got == recorded
+    sizes[turns] = store.bytes
+  assert sizes[48] / sizes[24] < 2.2 and sizes[24] / sizes[12] < 2.2, sizes
+
+
+def _turn(store, session_id, messages, prompt, output, response=None, tools=None):
+  store.record(session_id, {"kind": "chat", "messages": messages, "tools": tools,
+                            "prompt_ids": prompt, "output_ids": output,
+                            "output_logprobs": [0.0] * len(output), "response": response})
+
+
+def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer):
+  """The next prompt is the last turn's prompt and output as they were, then the rest of
+  the rendering; only when the call's messages begin with that turn's, and the rendering's
+  text with their text."""
+  from rollout_server.chat import continued_prompt, normalise_messages
+  from rollout_server.sessions import SessionStore
+
+  tok = tokenizer
+  im_end, eot = tok.encode("<|im_end|>")[0], tok.encode("<|endoftext|>")[0]
+  ask = normalise_messages([{"role": "user", "content": "spell it"}])
+  prompt = tok.apply_chat_template(ask)
+  spelled = tok.encode_plain("a <|im_end|> b")  # the control string in bytes
+  store = SessionStore(8)
+  reply = {"role": "assistant", "content": "a <|im_end|> b"}
+  _turn(store, "s", ask, prompt, spelled + [im_end], reply)
+
+  def next_prompt(messages, session="s", tools=None):
+    messages = normalise_messages(messages)
+    pieces = tok.render_pieces(messages, tools)
+    return continued_prompt(tok, pieces, messages, tools,
+                            store.last_turn(session, messages, tools))
+
+  follow = ask + [reply, {"role": "user", "content": "next"}]
+  got = next_prompt(follow)
+  assert got[:len(prompt) + len(spelled) + 1] == prompt + spelled + [im_end]
+  assert tok.decode(got) == tok.render(follow)
+  assert got.count(im_end) == 3  # user, assistant, user: the spelled one stays bytes
+  assert tok.apply_chat_template(follow).count(im_end) == 4  # (encoded again: a 4th)
+  # A sibling of the turn (the same messages again) is its prompt; a changed reply keeps
+  # the prompt only; changed earlier messages, another session: the caller renders.
+  assert next_prompt(ask) == prompt
+  changed = ask + [dict(reply, content="other"), {"role": "user", "content": "next"}]
+  assert next_prompt(changed) == prompt + tok.encode_pieces(
+      tok.render_pieces(changed), start=len(tok.decode(prompt)))
+  assert next_prompt([{"role": "user", "content": "spell it!"}] + follow[1:]) is None
+  assert next_prompt(follow, session="other") is None
+  assert next_prompt(follow, tools=TOOLS) is None  # (other tools: another system prompt)
+  # A stop token the template does not write itself stays where it was sampled.
+  _turn(store, "e", ask, prompt, spelled + [eot], reply)
+  got = next_prompt(follow, session="e")
+  assert got[:len(prompt) + len(spelled) + 2] == prompt + spelled + [eot, im_end]
+  # A call as the model wrote it (compact, after a new line, its arguments not ASCII)
+  # sent back with its arguments written again (an Anthropic tool_use's input, a
+  # harness's json.dumps): the tokens sampled, not the template's writing of the call.
+  sampled = tok.encode('Sure.\n<tool_call>{"name":"calculate","arguments":{"expression":'
+                       '"2×3", "n": 1e5}}</tool_call><|im_end|>')
+  called = {"role": "assistant", "content": "Sure.", "tool_calls": [
+      {"id": "c_0", "type": "function", "function": {
+          "name": "calculate", "arguments": '{"expression":"2×3", "n": 1e5}'}}]}
+  _turn(store, "t", ask, prompt, sampled, called)
+  again = dict(called, tool_calls=[{"id": "c_0", "type": "function", "function": {
+      "name": "calculate", "arguments": json.dumps({"expression": "2×3", "n": 1e5})}}])
+  follow = ask + [again, {"role": "tool", "tool_call_id": "c_0", "content": "6"}]
+  got = next_prompt(follow, session="t")
+  assert got[:len(prompt) + len(sampled)] == prompt + sampled
+  assert tok.decode(got[len(prompt) + len(sampled):]) == (
+      "\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n")
+  # A sibling sampled from the same prompt after it (a retry, a best-of-n), the agent
+  # keeping the first reply: that reply's tokens (a reviewer: only the last one's were).
+  _turn(store, "t", ask, prompt, tok.encode("Other.<|im_end|>"),
+        {"role": "assistant", "content": "Other."})
+  got = next_prompt(follow, session="t")
+  assert got[:len(prompt) + len(sampled)] == prompt + sampled
+  changed = dict(again, content="Sure!")  # (a reply the agent changed: the prompt only)
+  assert next_prompt(ask + [changed] + follow[2:], session="t")[:len(prompt) + 1] == \
+      prompt + tok.encode("Sure!")[:1]
+
+
+def test_a_call_continues_its_thread_past_side_calls_and_on_another_server(tokenizer):
+  """A session's call continues the turn of its own thread, not only the session's last
+  turn: a harness's side call (a title, a summary: other messages) between two turns
+  made the next turn encoded again from its text (a fork). `SessionStore.handover` on
+  one store and `carry` on another (a router failing the session over) give the other
+  store the threads; its own record is unchanged, its bytes count what it holds."""
+  from rollout_server.sessions import MAX_HEADS, SessionStore
+
+  tok = tokenizer
+  ask = [{"role": "user", "content": "go"}]
+  prompt = tok.apply_chat_template(ask)
+  call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c_1", "type": "function",
+          "function": {"name": "calculate", "arguments": '{"expression":"1+1"}'}}]}
+  title = [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "go"}]
+  ran, other = SessionStore(8), SessionStore(8)
+  _turn(ran, "s", ask, prompt, [7, 8, 9], call)
+  _turn(ran, "s", title, [4, 4], [5], {"role": "assistant", "content": "A title"})
+  follow = ask + [call, {"role": "tool", "tool_call_id": "c_1", "content": "2"}]
+  last = ran.last_turn("s", follow, None)  # (the side call was the last turn)
+  assert last.prompt_ids == prompt and last.replies == [([7, 8, 9], call)]
+  assert ran.last_turn("s", title, None).prompt_ids == [4, 4]
+  # A sibling (the same prompt again) is kept beside the reply before it.
+  _turn(ran, "s", ask, prompt, [6, 6], {"role": "assistant", "content": "retry"})
+  assert ran.last_turn("s", follow, None).replies == [
+      ([6, 6], {"role": "assistant", "content": "retry"}), ([7, 8, 9], call)]
+
+  _turn(other, "s", [{"role": "user", "content": "older"}], [1, 2], [3])  # its own turn
+  handed = ran.handover("s")
+  assert handed == [
+      {"prompt_ids": [4, 4], "messages": title, "tools": None,
+       "replies": [{"output_ids": [5], "response": {"role": "assistant", "content": "A title"}}]},
+      {"prompt_ids": prompt, "messages": ask, "tools": None, "replies": [
+          {"output_ids": [6, 6], "response": {"role": "assistant", "content": "retry"}},
+          {"output_ids": [7, 8, 9], "response": call}]}]
+  before = other.bytes
+  other.carry("s", handed)
+  assert other.bytes > before and len(other.get("s")) == 1
+  assert other.sampled_calls("s") == {"c_1": '{"expression":"1+1"}'}
+  assert other.last_turn("s", follow, None) == ran.last_turn("s", follow, None)
+  assert other.last_turn("s", title, None).prompt_ids == [4, 4]
+  assert other.last_turn("s", [{"role": "user", "content": "older"}], None).prompt_ids == [1, 2]
+  assert other.last_turn("s", ask, TOOLS) is None  # (other tools)
+  _turn(other, "s", follow, prompt + [7, 8, 9, 5], [6])  # a turn here goes on from it
+  assert other.last_turn("s", follow, None).prompt_ids == prompt + [7, 8, 9, 5]
+  assert other.bytes == sum(s.size for s in other._sessions.values())
+  for i in range(MAX_HEADS):  # (threads past the bound: the oldest go)
+    _turn(other, "s", [{"role": "user", "content": f"side {i}"}], [9, i], [3])
+  assert other.last_turn("s", follow, None) is None
+  assert other.last_turn("s", [{"role": "user", "content": "side 0"}], None) is not None
+  assert other.bytes == sum(s.size for s in other._sessions.values())
+  other.carry("new", [{"prompt_ids": [1], "messages": ask, "tools": None,
+                       "replies": [{"output_ids": [2], "response": None}]}])  # a new session
+  assert other.get("new") == [] and other.last_turn("new", ask, None).prompt_ids == [1]
+  assert other.pop("new") == [] and other.bytes == other._sessions["s"].size
+  assert ran.handover("none") is None
+
+
+def test_a_summary_or_a_side_call_keeps_the_agents_thread_and_a_handover_its_own_turns():
+  """Reviewers' cases. A summary call (the whole conversation, and a request for a
+  summary) goes on from the agent's last turn; the agent's next call, with fewer
+  messages, still continues that turn, here and on a server the session is handed to.
+  A side call whose prompt is the first turn's does not end the agent's thread. A
+  handover does not hide a turn this store ran itself: a newer sibling's reply, a
+  thread it went on with (the router's copy may be behind)."""
+  from rollout_server.sessions import SessionStore
+
+  u = [{"role": "user", "content": "go"}]
+  hi = {"role": "assistant", "content": "hi"}
+  obs = {"role": "user", "content": "obs"}
+  summary = {"role": "user", "content": "Summarize."}
+  store = SessionStore(8)
+  _turn(store, "m", u, [1, 2], [10, 11], hi, tools=TOOLS)
+  _turn(store, "m", u + [hi, obs, summary], [1, 2, 10, 11, 5, 8], [40],
+        {"role": "assistant", "content": "sum"})  # (without the tools)
+  last = store.last_turn("m", u + [hi, obs], TOOLS)
+  assert last.prompt_ids == [1, 2] and last.replies == [([10, 11], hi)]
+  assert store.last_turn("m", u + [hi, obs], None) is None
+  other = SessionStore(8)
+  other.carry("m", store.handover("m"))
+  assert other.last_turn("m", u + [hi, obs], TOOLS) == last
+  assert other.last_turn("m", u + [hi, obs, summary], None).prompt_ids == [1, 2, 10, 11, 5, 8]
+
+  side = [{"role": "system", "content": "Title?"}] + u
+  store = SessionStore(8)
+  _turn(store, "s", u, [1, 2], [10, 11], hi)
+  _turn(store, "s", u + [hi, obs], [1, 2, 10, 11, 5, 6], [20], {"role": "assistant",
+                                                             "content": "x"})
+  _turn(store, "s", side, [1, 2], [30], {"role": "assistant", "content": "A title"})
+  last = store.last_turn("s", u + [hi, obs, {"role": "assistant", "content": "x"}], None)
+  assert last.prompt_ids == [1, 2, 10, 11, 5, 6]
+
+  r1, r2 = {"role": "assistant", "content": "r1"}, {"role": "assistant", "content": "r2"}
+  copy, own = SessionStore(8), SessionStore(8)
+  _turn(copy, "s", u, [1, 2], [10], r1)  # the router's copy, behind
+  _turn(own, "s", u, [1, 2], [10], r1)
+  _turn(own, "s", u, [1, 2], [20], r2)  # a newer sibling here
+  own.carry("s", copy.handover("s"))
+  assert own.last_turn("s", u + [r2], None).replies == [([20], r2), ([10], r1)]
+  _turn(own, "s", u + [r2, obs], [1, 2, 20, 7], [30], r1)  # went on here
+  own.carry("s", copy.handover("s"))
+  assert own.last_turn("s", u + [r2, obs, r1], None).prompt_ids == [1, 2, 20, 7]
+  assert own.bytes == sum(s.size for s in own._sessions.values())
+
+
+def test_a_handover_with_a_bad_body_is_refused_by_name(server):
+  http = client(server[0])
+  turn = {"prompt_ids": [1, 2], "messages": [{"role": "user", "content": "x"}],
+          "replies": [{"output_ids": [3], "response": None}]}
+  good = {"session_id": "h", "turns": [turn]}
+  assert http.post("/handover", json=good).json() == {"session_id": "h", "carried": True}
+  for bad, where in [({"prompt_ids": [-1]}, "prompt_ids"), ({"replies": []}, "replies"),
+                     ({"messages": "hi"}, "messages"), ({"extra": 1}, "extra")]:
+    r = http.post("/handover", json={**good, "turns": [{**turn, **bad}]})
+    assert r.status_code in (400, 422) and where in r.text, (bad, r.text)
+  r = http.post("/handover", json={**good, "turns": [turn] * 9})
+  assert r.status_code in (400, 422) and "turns" in r.text, r.text
+  assert http.delete("/sessions/h").status_code == 200
+
+
+def test_a_reply_sent_back_is_trained_as_sampled(tokenizer):
+  """A policy that writes a template control string in ordinary tokens (`<|im_end|>` in
+  bytes) got it back as the live token when its agent sent the reply back: the next
+  prompt ended the assistant's turn early and the turn's tokens after it went untrained
+  (red team 23). The session's next prompt now holds the tokens sampled, and the episode
+  trains every one of them in one segment."""
+  from jaxagent.blackbox import collect_session
+  from tests.rollout_server.conftest import memorise
+
+  ask = [{"role": "user", "content": "spell it"}]
+  spelled = tokenizer.encode_plain("a <|im_end|> b")
+  params = memorise([(tokenizer.apply_chat_template(ask),
+                      spelled + tokenizer.encode("<|im_end|>"))], steps=60)
+  with running_server(params, tokenizer) as (srv, _):
+    http = client(srv)
+    head = {SESSION_HEADER: "spelled"}
+    first = http.post("/v1/chat/completions", headers=head,
+                      json={"messages": ask, "temperature": 0, "max_tokens": 24})
+    assert first.status_code == 200, first.text
+    reply = first.json()["choices"][0]["message"]
+    assert reply["content"] == "a <|im_end|> b"
+    follow = ask + [reply, {"role": "user", "content": "again"}]
+    second = http.post("/v1/chat/completions", headers=head,
+                       json={"messages": follow, "temperature": 0, "max_tokens": 4})
+    assert second.status_code == 200, second.text
+    turns = http.get("/sessions/spelled").json()["turns"]
+  one, two = turns
+  sampled = one["prompt_ids"] + one["output_ids"]
+  assert one["output_ids"][:-1] == spelled
+  assert two["prompt_ids"][:len(sampled)] == sampled
+  segments = collect_session(turns, session_id="spelled", task_id="t")
+  assert len(segments) == 1 and segments[0].decisions == ["clean", "clean"]
+  assert segments[0].loss_mask.sum() == len(one["output_ids"]) + len(two["output_ids"])

@@ -1,0 +1,442 @@
+"""Black-box agents (OpenAI, Anthropic and Responses harnesses, a harness of your own)
+through the real gateway: how their episodes are cut, judged and trained."""
+
+import asyncio
+import dataclasses
+import os
+
+import pytest
+
+from envs.base import TaskSpec, make
+from jaxagent.agent import run_whitebox
+from jaxagent.blackbox import run_blackbox
+from jaxagent.config import AgentConfig
+from jaxagent.errors import TaskError
+from jaxagent.tokenizer import Tokenizer
+from tests.test_agent import TOK, UNGUESSABLE, SlowEnv
+
+
+@pytest.mark.parametrize("kind", ["blackbox"])
+def test_blackbox_openai_agent_through_the_gateway(kind, random_params):
+  from tests.rollout_server.conftest import running_server
+
+  with running_server(random_params, TOK, version=9) as (srv, _):
+    task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 3})
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  AgentConfig(max_turns=3, max_new_tokens=3),
+                                  session_id="bb-1", group_id="g"))
+  assert not ep.infra_error, ep.reason
+  assert ep.turns == len(ep.turn_rewards) >= 1
+  seg = ep.segments[0]
+  assert seg.session_id == "bb-1" and seg.num_action_tokens > 0
+  assert set(seg.versions[seg.loss_mask > 0].tolist()) == {9}
+  # The trajectory is the server's record: outputs are exactly what was sampled.
+  assert seg.rollout_logp[seg.loss_mask > 0].max() <= 0.0
+
+
+def test_a_blackbox_agent_that_runs_out_the_clock_is_trained_as_a_fail(random_params):
+  """The episode deadline passing in the environment (the policy's own slow tool calls):
+  a scored truncation whose played turns are trained with outcome 0 (before, the
+  episode left no segments: stalling hid a failure from the loss), and with the process
+  rewards its steps earned, as a white-box episode's are (they were zeroed)."""
+  from tests.rollout_server.conftest import running_server
+
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
+    config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
+    # A first episode compiles the server's shapes, so turns then take milliseconds.
+    asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                             session_id="bb-warm", group_id="g"))
+    # Steps of 2 s against an 8 s deadline: a few turns (the agent's client takes up to
+    # a second to start on a busy machine, and its turns as long: with 1 s steps against
+    # 4 s, a full suite's load once put more of the time on the server's side, which is
+    # the infrastructure's), then the deadline, in the environment.
+    ep = asyncio.run(run_blackbox(SlowEnv(2.0, process_reward=0.25), task, srv.url,
+                                  dataclasses.replace(config, episode_deadline_s=8.0),
+                                  session_id="bb-slow", group_id="g"))
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline") and not ep.infra_error, ep
+  assert ep.verdict["status"] == "fail" and ep.turns >= 1 and ep.segments
+  steps = ep.turn_rewards.count(0.25)  # those that ended before the cut
+  assert ep.turn_rewards == [0.25] * steps + [0.0] * (ep.turns - steps), ep.turn_rewards
+  assert steps >= 1 and ep.reward == 0.25 * steps
+  assert sum(s.num_action_tokens for s in ep.segments) > 0
+  assert all(s.reward == ep.reward for s in ep.segments)
+
+
+def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(random_params):
+  """An engine that takes shorter prompts than agent.max_context_tokens refuses a turn
+  once the conversation outgrows it: that is the policy's length, a scored truncation
+  (before: an infrastructure error, so every episode that ran long was re-rolled; a
+  red-team finding), through the in-process client and through the gateway alike."""
+  from rollout_server.client import LocalClient
+  from tests.rollout_server.conftest import make_engine, running_server
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3)  # max_context_tokens 1024
+  with running_server(random_params, TOK, version=4,
+                      engine=make_engine(max_prefill_length=64)) as (srv, orch):
+    white = asyncio.run(run_whitebox(make("guess_number"), task,
+                                     LocalClient(orch, orch.engine), TOK, config,
+                                     session_id="wb", group_id="g"))
+    black = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                     session_id="bb", group_id="g"))
+  for ep in (white, black):
+    assert (ep.status, ep.reason) == ("truncated", "token_cap") and not ep.infra_error
+    assert ep.reward == 0.0 and 1 <= ep.turns < 8
+    assert sum(s.num_action_tokens for s in ep.segments) > 0
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses",
+                                 "examples/own_agent.py:run_agent"])
+def test_a_blackbox_agent_must_sample_as_the_run_trains(random_params, api, monkeypatch):
+  """The built-in agents pass the run's temperature, top_p and top_k, and the record
+  says so; a harness that samples its own way (greedy: log-prob 0 for every token, a
+  red-team finding) stops the run with the turn and values named, instead of training
+  on another distribution's log-probs."""
+  from jaxagent import blackbox as blackbox_mod
+  from jaxagent.blackbox import SamplingMismatch
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 2})
+  config = AgentConfig(max_turns=2, max_new_tokens=3, temperature=0.8, top_p=0.9, top_k=50)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="bb-ok", group_id="g", api=api))
+    assert not ep.infra_error and ep.segments, ep.reason
+    assert ep.segments[0].meta_versions["sampling"]["top_k"] == 50
+    own_way = blackbox_mod.blackbox_agent(api)  # (a harness of your own too: the example)
+
+    async def greedy(*args, **kw):
+      return await own_way(*args, **{**kw, "temperature": 0.0})
+
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, api, greedy)
+    with pytest.raises(SamplingMismatch, match="turn 0 of black-box session bb-greedy.*0.0"):
+      asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                               session_id="bb-greedy", group_id="g", api=api))
+
+
+def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monkeypatch):
+  """A harness that samples its last step twice and hands the environment the first
+  reply: that reply trains, the other does not (a review finding: the last recorded one
+  trained, whichever the agent used)."""
+  import openai
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  async def best_of_two(env, task, base_url, *, session_id, max_tokens, temperature,
+                        top_p, top_k, **_):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
+                                default_headers={"X-Session-Id": session_id})
+    obs = await env.reset(task)
+    replies = [(await client.chat.completions.create(
+        model="policy", messages=obs.messages, max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, seed=seed, extra_body={"top_k": top_k})).choices[0].message.content
+        for seed in (1, 2)]
+    await env.step(replies[0])
+    await client.close()
+    return [0.0]
+
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", best_of_two)
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  AgentConfig(max_turns=1, max_new_tokens=8),
+                                  session_id="bb-best", group_id="g", tokenizer=TOK))
+  assert not ep.infra_error, ep.reason
+  trained = [s for s in ep.segments if s.num_action_tokens]
+  (seg,) = trained
+  first, second = [s for s in ep.segments]
+  assert seg is first and second.num_action_tokens == 0
+
+
+def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(random_params):
+  """A server that takes 1.5 s a turn against a 2.5 s deadline: the time went to the
+  gateway, not the environment, so the episode is dropped as infrastructure, as
+  run_whitebox does (before, it was a truncation trained with reward 0; red team)."""
+  import time as time_mod
+
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
+  with running_server(random_params, TOK, version=4) as (srv, orch):
+    asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,  # compiles
+                             session_id="bb-warm", group_id="g"))
+    submit = orch.submit
+
+    def slow_submit(*args, **kw):
+      time_mod.sleep(1.5)
+      return submit(*args, **kw)
+
+    orch.submit = slow_submit
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  dataclasses.replace(config, episode_deadline_s=2.5),
+                                  session_id="bb-slow-server", group_id="g"))
+    orch.submit = submit
+    # A turn that does not move for agent.turn_deadline_s (an engine stuck before its
+    # first token): the harness gives up, as the built-in agent does (its openai client
+    # waited 600 s).
+    emit = orch._emit
+    orch._emit = lambda *args: (time_mod.sleep(2.0), emit(*args))[1]
+    try:
+      slow_turn = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                           dataclasses.replace(config, turn_deadline_s=0.5),
+                                           session_id="bb-slow-turn", group_id="g"))
+    finally:
+      orch._emit = emit
+  assert ep.infra_error and ep.infra_kind == "episode_deadline", (ep.status, ep.reason)
+  assert "on the gateway" in ep.reason and not ep.segments
+  assert slow_turn.infra_error and slow_turn.infra_kind == "turn_deadline", slow_turn.reason
+
+
+def test_a_blackbox_episode_cut_while_its_own_tokens_decoded_is_the_policys(random_params):
+  """The server's time from a turn's first token to its end is the policy's side of a
+  cut: a policy that writes to its token cap on a busy server must not turn its long
+  failures into re-rolled infrastructure errors (red team: the time was all the
+  server's). Decoding slowed to 0.3 s a token, 6 tokens a turn, a 4 s deadline; the
+  turn in flight at the cut counts too (the server says how long it has decoded, to
+  its latest token)."""
+  import time as time_mod
+
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
+  with running_server(random_params, TOK, version=4) as (srv, orch):
+    for n in (6, 20):  # compiles the shapes below (a cut turn's time is the margin)
+      asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                               dataclasses.replace(config, max_new_tokens=n),
+                               session_id=f"bb-warm-{n}", group_id="g"))
+    emit = orch._emit
+
+    def slow_emit(req, *args):
+      if req.first_token_at is not None:  # the tokens after the first: its length's time
+        time_mod.sleep(0.3)
+      return emit(req, *args)
+
+    orch._emit = slow_emit
+    try:
+      ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                    dataclasses.replace(config, episode_deadline_s=4.0,
+                                                        max_new_tokens=6),
+                                    session_id="bb-long", group_id="g"))
+      # One turn of 20 tokens, cut in flight: no turn recorded yet, its time the policy's.
+      first = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                       dataclasses.replace(config, episode_deadline_s=4.0,
+                                                           max_new_tokens=20),
+                                       session_id="bb-first", group_id="g"))
+      # Turns of 0.6 s against a 0.5 s turn deadline: they move, so the harness waits.
+      moving = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                        dataclasses.replace(config, turn_deadline_s=0.5,
+                                                            max_turns=2),
+                                        session_id="bb-moving", group_id="g"))
+    finally:
+      orch._emit = emit
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline"), (ep.status, ep.reason)
+  assert not ep.infra_error and ep.reward == 0.0 and ep.segments and ep.decode_s > 2.0
+  assert (first.status, first.reason) == ("truncated", "episode_deadline"), first.reason
+  assert not first.infra_error and first.reward == 0.0 and first.decode_s > 2.0
+  assert not moving.infra_error and moving.turns == 2, (moving.status, moving.reason)
+
+
+def test_a_slow_servers_turns_that_keep_moving_finish_and_a_stuck_one_is_infrastructure(
+    random_params):
+  """Through a real server and router: a turn whose tokens come 0.3 s apart against a
+  0.25 s turn deadline is waited on (`GET /requests/{id}` says it moves) and the
+  episode plays on; a server stuck before its first token is a turn_deadline infra
+  error after two looks."""
+  import threading
+  import time as time_mod
+
+  from rollout_server.client import HttpClient
+  from rollout_server.router import create_router
+  from rollout_server.serving import ServerThread
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 2})
+  config = AgentConfig(max_turns=2, max_new_tokens=3, turn_deadline_s=0.25)
+  with running_server(random_params, TOK, version=4) as (srv, orch), \
+      ServerThread(create_router([srv.url])) as router:
+    async def episode(session_id, url, config=config):
+      client = HttpClient(url)
+      try:
+        return await run_whitebox(make("guess_number"), task, client, TOK, config,
+                                  session_id=session_id, group_id="g")
+      finally:
+        await client.aclose()
+
+    for warm in ("warm", "warm-cached"):  # compiles (a prefix cache hit's shapes too)
+      asyncio.run(episode(warm, srv.url, dataclasses.replace(config, turn_deadline_s=60)))
+    emit, stuck = orch._emit, threading.Event()
+
+    def slow_emit(req, *args):
+      if stuck.is_set():
+        time_mod.sleep(2.0)
+      elif req.first_token_at is not None:
+        time_mod.sleep(0.3)
+      return emit(req, *args)
+
+    orch._emit = slow_emit
+    try:
+      slow = asyncio.run(episode("slow", srv.url))
+      routed = asyncio.run(episode("routed", router.url))
+      blackbox = asyncio.run(run_blackbox(make("guess_number"), task, router.url, config,
+                                          session_id="routed-bb", group_id="g"))
+      stuck.set()
+      cut = asyncio.run(episode("stuck", srv.url))
+    finally:
+      orch._emit = emit
+  for ep in (slow, routed, blackbox):
+    assert not ep.infra_error and ep.turns == 2, (ep.status, ep.reason)
+    assert ep.output_tokens > 2
+  assert cut.infra_error and cut.infra_kind == "turn_deadline", (cut.status, cut.reason)
+
+
+def test_a_task_that_cannot_start_is_a_task_error_for_every_agent(random_params):
+  """Parameters of the wrong type are the task's fault for the black-box harness too
+  (it raised the TypeError itself, read as a bug; review)."""
+  from rollout_server.client import LocalClient
+  from tests.rollout_server.conftest import running_server
+
+  bad = TaskSpec("t", "guess_number", {"low": [1]})
+  config = AgentConfig(max_turns=1, max_new_tokens=4)
+  with running_server(random_params, TOK, version=4) as (srv, orch):
+    # (with where it was raised: an environment's own bug in reset reads the same)
+    with pytest.raises(TaskError, match="task 't' \\(guess_number\\): "
+                                        "envs/guess_number.py:\\d+: TypeError"):
+      asyncio.run(run_blackbox(make("guess_number"), bad, srv.url, config,
+                               session_id="bad-bb", group_id="g"))
+    with pytest.raises(TaskError, match="TypeError"):
+      asyncio.run(run_whitebox(make("guess_number"), bad, LocalClient(orch, orch.engine), TOK,
+                               config, session_id="bad-wb", group_id="g"))
+
+
+def test_a_blackbox_episode_starts_its_session_afresh(random_params):
+  """Turns an attempt recorded under a session id before it died (a run killed and
+  resumed plays its groups under the same ids, on a server that outlived it) are not
+  this episode's: the red team had the dead attempt's tool call trained with the new
+  attempt's reward, and the new reply left out as an abandoned sibling."""
+  import httpx
+
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  config = AgentConfig(max_turns=1, max_new_tokens=4)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    for _ in range(2):  # the dead attempt's turns, left on the server
+      r = httpx.post(f"{srv.url}/v1/chat/completions", headers={"X-Session-Id": "g7-0-r0"},
+                     json={"model": "policy", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "stale"}]})
+      assert r.status_code == 200
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="g7-0-r0", group_id="g", tokenizer=TOK))
+  assert not ep.infra_error, ep.reason
+  assert ep.turns == 1 and len(ep.segments) == 1
+  assert "stale" not in TOK.decode(ep.segments[0].tokens.tolist())
+
+  # Session ids hold task ids (eval's `eval-<task id>-<j>`): any character reaches the
+  # record, and a `..` in one never reaches another session's (red team).
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    other = httpx.post(f"{srv.url}/generate", json={"input_ids": [1, 2], "max_new_tokens": 2},
+                       headers={"X-Session-Id": "eval-b-0"})
+    assert other.status_code == 200
+    for sid in ("eval-caf\u00e9-0", "eval-a/../eval-b-0", "eval-dir/./x-0"):
+      ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                    session_id=sid, group_id="g", tokenizer=TOK))
+      assert not ep.infra_error and ep.turns == 1 and ep.segments[0].session_id == sid, \
+          (sid, ep.reason)
+    assert httpx.get(f"{srv.url}/sessions/eval-b-0").status_code == 200
+
+
+def test_a_parsed_calls_arguments_are_handed_out_as_the_model_wrote_them():
+  """A gateway's reply carries each call's arguments as the text sampled: json.dumps
+  wrote "café" as "caf\\u00e9" and 1e5 as 100000.0, and the agent that sent the call back
+  put other tokens in the next prompt than the model's (red team 24)."""
+  import json
+
+  from jaxagent.toolcalls import parse_tool_calls
+
+  text = ('<tool_call> {"arguments" :{"q": "café ☕", "n": 1e5} , "name": "f"}</tool_call>'
+          '<tool_call>{"name": "g", "arguments": "{\\"a\\": 1}"}</tool_call>'
+          '<tool_call>{"name": "h", "arguments": {}, "arguments": {"x": "}"}}</tool_call>')
+  parsed = parse_tool_calls(text)
+  assert not parsed.errors
+  written = [c.openai()["function"]["arguments"] for c in parsed.calls]
+  assert written == ['{"q": "café ☕", "n": 1e5}', '{"a": 1}', '{"x": "}"}']
+  assert [json.loads(w) for w in written] == [c.arguments for c in parsed.calls]
+
+
+def test_a_black_box_replys_tool_call_text_keeps_an_argument_that_writes_its_close_tag():
+  """A black-box agent hands each reply to its environment as text in the template's
+  tool-call format: an argument holding "</tool_call>" (the model wrote it escaped, the
+  gateway parsed one call) must come back as that one call, not two malformed ones."""
+  import json
+
+  from envs.tools import parse_tool_calls
+  from jaxagent.blackbox import _tool_call_text
+
+  content = 'print("</tool_call><tool_call>")'
+  text = _tool_call_text("write_file", json.dumps({"path": "a.py", "content": content}))
+  parsed = parse_tool_calls(text)
+  assert not parsed.errors and len(parsed.calls) == 1
+  assert parsed.calls[0].arguments == {"path": "a.py", "content": content}
+
+
+def test_a_black_box_agent_hands_its_environment_a_malformed_tool_call_as_written():
+  """A reply with a well-formed call and a malformed one: the gateway's message keeps
+  the malformed one in its content, so the environment a black-box agent hands it to
+  answers and counts it as for a white-box agent (red team 13: the gateway dropped it,
+  and the environment scored a repaired action)."""
+  import types
+
+  from envs.base import TaskSpec
+  from envs.calculator import Calculator
+  from jaxagent.blackbox import _action_text
+  from rollout_server.chat import ChatTurn
+  from rollout_server.sessions import SessionStore
+
+  tok = Tokenizer.byte_level()
+  sampled = ('Let me add. <tool_call>{"name": "calculate", "arguments": {"expression": '
+             '"2+3"}}</tool_call><tool_call>{"name": "calculate", "arguments": '
+             '{"expression": </tool_call>')
+  req = types.SimpleNamespace(done=True, finish_reason="stop", error=None,
+                              output_ids=tok.encode(sampled) + [tok._id("<|im_end|>")],
+                              request_id="r1")
+  message = ChatTurn(req, tok, None, messages=[], tools=None, sessions=SessionStore(10),
+                     session_id=None, kind="chat", id_prefix="call").finish()
+  assert len(message["tool_calls"]) == 1
+  assert message["content"] == ('Let me add. <tool_call>{"name": "calculate", "arguments": '
+                                '{"expression": </tool_call>')
+
+  async def environment_answers(text):
+    env = Calculator()
+    await env.reset(TaskSpec("c/0", "calculator", {"expression": "2+3"}))
+    step = await env.step(text)
+    return sorted(m["content"][:24] for m in step.observation.messages), env.counters
+
+  white, black = (asyncio.run(environment_answers(t))
+                  for t in (sampled, _action_text(message)))
+  assert black == white and white[1]["invalid_tool_calls"] == 1, (white, black)
+
+
+def test_a_harness_of_your_own_is_named_by_module_and_function():
+  """`agent.kind: module:function` (a module on the path or a .py file) plays episodes
+  with a harness of a user's own; a kind that names none is a config error naming why."""
+  from jaxagent import config as config_lib
+  from jaxagent.blackbox import blackbox_agent, is_blackbox
+  from tests.conftest import REPO
+  from jaxagent.run_checks import check_config
+
+  harness = blackbox_agent("examples/own_agent.py:run_agent")
+  assert harness.__name__ == "run_agent" and is_blackbox("examples/own_agent.py:run_agent")
+  assert blackbox_agent("jaxagent.blackbox:run_openai_agent") is not None
+  base = config_lib.load(config_lib.RunConfig, os.path.join(REPO, "configs/tiny.yaml"), [])
+  for kind, why in [("nope.nothing:run", "no module named 'nope'"),
+                    ("examples/none.py:run", "no such file"),
+                    ("examples/own_agent.py:missing", "has no async function 'missing'"),
+                    ("jaxagent.blackbox:is_blackbox", "has no async function 'is_blackbox'"),
+                    (":run", "neither whitebox"), ("opnai", "agent.kind: unknown 'opnai'")]:
+    cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, kind=kind))
+    with pytest.raises(config_lib.ConfigError, match=why.replace("(", r"\(")):
+      check_config(cfg)
