@@ -25,7 +25,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import signal
 import sys
 import time
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from jaxagent import config as config_lib, distributed
+from jaxagent.agreements import Agreements, exit_code
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode, run_whitebox
 from jaxagent.blackbox import is_blackbox, run_blackbox
 from jaxagent.build import build_model, describe
@@ -51,9 +51,9 @@ from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
                               plot_learning_curve, token_staleness_metrics)
 from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.pools import CountedPool
+from jaxagent.resume import open_wal, restore, write_run_config
 from jaxagent.run_checks import check_config, served_scorers
-from jaxagent.run_dir import (RunDirInUse, check_provenance, check_weights, compare_canary,
-                              config_changes, cut_back, dependency_versions, holds_a_run,
+from jaxagent.run_dir import (RunDirInUse, compare_canary, dependency_versions, holds_a_run,
                               lock_run_dir, play_canary, resumed_config, started_a_run,
                               trajectories_file)
 from jaxagent.run_services import (Serving, attach_judge, first_tasks, make_env_factory,
@@ -62,9 +62,8 @@ from jaxagent.scheduler import (RolloutScheduler, baseline_share, carries_signal
                                 episode_index, pack_groups, trim_batch)
 from jaxagent.stopping import (RESUME_COMMAND, RepeatedTerm, StopNow, exit_soon, leave_stuck_threads,
                                resume_command, resume_on, unless_stopped)
-from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE
 from jaxagent.trajectory import dump_segments
-from jaxagent.wal import TokenWAL, take_replay
+from jaxagent.wal import take_replay
 
 
 def parse_args(argv=None):
@@ -182,111 +181,21 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   quiet_failed_save_noise()  # a failed save is said in one line (CheckpointFailed)
   ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                          async_save=cfg.checkpoint.async_save)
-  requeue = []
-  saved_canary = None
-  saved_recent = []  # the early stop's window of steps, as the checkpoint left it
-  next_group = 0  # group numbers go on from the checkpoint's: session ids stay unique
-  consumed: set = set()  # the checkpoint's trained groups' log keys (deleted, not replayed)
-  if resume and ckpt.latest_step() is None:
-    # Stopped before its first checkpoint: it starts again from step 0, the records of
-    # the steps it made cut back (its logged episodes are still replayed: same weights).
-    print("no checkpoint yet: the run starts again from step 0", flush=True)
-    try:
-      cut_back(run_dir, cfg, 0, 0)
-    except RecordsDamaged:
-      ckpt.close()
-      close_envs()
-      raise
-  elif resume:
-    try:
-      saved_by = ckpt.saved_processes()
-      if saved_by is not None and saved_by != jax.process_count():
-        # (each process's data position and tasks in flight are its own: the restore
-        # failed on a file of another process count, "no readable checkpoint")
-        raise config_lib.ConfigError(
-            f"--resume: this run's checkpoint was saved by {saved_by} processes, and "
-            f"{jax.process_count()} are resuming it: resume it with --num-processes "
-            f"{saved_by} (each process's data position and tasks in flight are its own)")
-      newest = ckpt.saved_meta()
-      if newest is not None:  # (before its arrays: a restore onto other shapes said "no
-        # readable checkpoint", read as damage, not as another model: red team 25)
-        check_weights(newest, cfg, tokenizer, ckpt.latest_step())
-      state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
-      check_provenance(meta, cfg, tokenizer, int(state.step), run_dir)
-      cut_back(run_dir, cfg, int(state.step), int(state.policy_version))
-    except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError):
-      ckpt.close()
-      close_envs()
-      raise
-    for bad, reason in skipped:
-      print(f"warning: checkpoint step {bad} unreadable ({reason}); using step "
-            f"{int(state.step)}", file=sys.stderr)
-    t_start -= meta.get("wall_time_s", 0.0)  # the run's wall time goes on from there
-    saved_canary = meta.get("canary")
-    saved_recent = meta.get("stop_window_recent", [])
-    next_group = int(meta.get("next_group", 0))
-    mine = meta.get("pending_tasks_by_process")
-    mine = (mine[jax.process_index()] if mine and jax.process_index() < len(mine)
-            else meta.get("pending_tasks", []) if distributed.is_primary() else [])
-    requeue = [TaskSpec.from_dict(t) for t in mine]
-    consumed = meta.get("wal_consumed_by_process") or []
-    consumed = set(consumed[jax.process_index()] if jax.process_index() < len(consumed)
-                   else [])
-    print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
-          f"{len(requeue)} tasks re-queued)")
-    if cfg.steps <= int(state.step):  # (a lower steps= does not undo steps trained)
-      print(f"note: the run is at step {int(state.step)} already, and steps is {cfg.steps}: "
-            f"nothing to train; give steps=N above {int(state.step)} to go on",
-            file=sys.stderr)
+  try:
+    restored = restore(ckpt, learner, state, tasks, cfg, tokenizer, run_dir, resume)
+  except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError):
+    ckpt.close()
+    close_envs()
+    raise
+  state, requeue, consumed = restored.state, restored.requeue, restored.consumed
+  t_start -= restored.wall_time_s  # the run's wall time goes on from the stopped run's
+  saved_canary, saved_recent = restored.canary, restored.stop_window_recent
+  next_group = restored.next_group
   # The episodes a stopped run left in its write-ahead log are replayed by the groups of
-  # the re-queued tasks (in memory: the log starts afresh, and re-logs what is replayed).
-  wal_dir = os.path.join(run_dir, "wal" if distributed.is_primary() else
-                         f"wal.process{jax.process_index()}")
-  wal = TokenWAL(wal_dir, fsync=cfg.checkpoint.wal_fsync) if cfg.checkpoint.wal else None
-  replays = []
+  # the re-queued tasks.
+  wal, replays = open_wal(cfg, run_dir, resume, consumed, int(state.policy_version))
   replayed_from: dict[str, set] = {}  # a group's id: the keys of the logs it replayed
-  if wal is None and os.path.isdir(wal_dir):
-    # The logs of a run before this one: a later resume with the log on would replay
-    # them from another point of the run's history.
-    stale = TokenWAL(wal_dir, fsync=False)
-    stale.clear()
-    stale.drop_aside()
-  if wal is not None:
-    if resume:
-      # (the logs of groups the checkpoint trained on first: they outlive it until the
-      # next save, and a new group of the same task would replay them, trained twice)
-      wal.forget(consumed)
-      replays = [r for r in (r.up_to_version(int(state.policy_version))
-                             for r in wal.pending()) if len(r)]  # (none left: nothing)
-      if replays:
-        print(f"token WAL: {len(replays)} logged episodes "
-              f"({sum(len(r) for r in replays)} turns) to replay")
-      # (kept until this run's first checkpoint is whole; cut to the restored version)
-      wal.set_aside(int(state.policy_version))
-    else:
-      wal.clear()
-      wal.drop_aside()
-  if distributed.is_primary():  # after a resume has restored: a failed one changes nothing
-    written = cfg
-    if cfg.model.chat_template is None and tokenizer.chat_template == CHATML_TOOLS_TEMPLATE:
-      # The template the run uses (chosen because the checkpoint's own drops the tools):
-      # what serves or evaluates this run's policy must render its prompts the same way.
-      written = dataclasses.replace(cfg, model=dataclasses.replace(
-          cfg.model, chat_template="chatml_tools"))
-    path = os.path.join(run_dir, "config.json")
-    if resume and os.path.exists(path):
-      with open(path) as f:
-        try:
-          before = json.load(f)
-        except ValueError:
-          before = {}
-      if config_changes(before, config_lib.to_dict(written)):
-        # Changed on the resume: the config that ran up to here is kept (a copy: a kill
-        # between moving it and writing the new one left the run with none).
-        shutil.copyfile(path, os.path.join(run_dir, f"config.step{int(state.step)}.json"))
-    with open(path + ".tmp", "w") as f:
-      json.dump(config_lib.to_dict(written), f, indent=1)
-    os.replace(path + ".tmp", path)
+  write_run_config(cfg, tokenizer, run_dir, resume, int(state.step))
   policy_root = os.path.join(run_dir, "policy")
   export_dtype = cfg.checkpoint.export_dtype  # (None: the parameters' own)
   version = int(state.policy_version)
@@ -395,54 +304,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   saves_begun: list[int] = []  # this run's checkpoint saves
   loop = asyncio.get_running_loop()
 
-  # With several processes, every step's collectives pair up in one order on all of
-  # them. An error one process meets in its own work (an environment's bug while its
-  # episodes play, an outage, a record it cannot write) is held until the next
-  # agreement, where every process meets and learns of it: all stop there together and
-  # can still save the checkpoint together. (Raised at once, the process went to its
-  # final save while the others were in the step's collectives, which paired with its
-  # own: both hung for minutes, then the coordination service aborted them.)
-  held: list[BaseException] = []  # this process's own error, for the next agreement
-
-  def hold(e: BaseException) -> None:
-    """Alone: raises `e` now. With several processes: keeps it for the next agreement."""
-    if not multi:
-      raise e
-    if not held:
-      held.append(e)
-
-  async def gather_agreement(at: str, **mine) -> tuple[list, Optional[PeerFailed]]:
-    """(Every process's `mine` at the agreement `at`, what the others' errors say: None,
-    or the `PeerFailed` to stop with). Processes found at another agreement (one that
-    stopped with an error outside any) are out of step: `PeerLost` (no collective can
-    pair up again)."""
-    own = held[0] if held else None
-    got = await loop.run_in_executor(run_pool, distributed.gather_json, {
-        "at": at, "error": None if own is None else f"{type(own).__name__}: {own}"[:500],
-        "code": None if own is None else exit_code(own), **mine})
-    apart = [i for i, g in enumerate(got) if not isinstance(g, dict) or g.get("at") != at]
-    if apart:
-      raise PeerLost(f"process {apart[0]} of the run is out of step (at this one's "
-                     f"agreement {at!r} it was elsewhere: it stopped with an error, its log "
-                     "says which)")
-    me = jax.process_index()
-    failed = [(i, g) for i, g in enumerate(got) if g["error"] and i != me]
-    peer = None
-    if failed:
-      i, g = failed[0]
-      peer = PeerFailed(f"process {i} of the run stopped with an error ({g['error']}; its "
-                        "log says more)", code=g["code"])
-    return got, peer
-
-  async def agree(at: str, **mine) -> list:
-    """Every process's `mine` at the agreement `at` (all meet at each, in one order); this
-    process's held error is raised here, another's as `PeerFailed`."""
-    got, peer = await gather_agreement(at, **mine)
-    if held:
-      raise held.pop()
-    if peer is not None:
-      raise peer
-    return got
+  # With several processes an error of this one's own work is held (`agreements.hold`)
+  # until the next agreement, where every process learns of it (jaxagent/agreements.py).
+  agreements = Agreements(run_pool)
+  hold, agree, held = agreements.hold, agreements.agree, agreements.held
 
   async def save_checkpoint(step, state, pending, force=False, canary=True):
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
@@ -855,7 +720,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         unsaved = "stopped at once, apart from the run's other processes"
       else:
         try:
-          got, peer_failed = await gather_agreement("end", unsaved=unsaved, failed=failed)
+          got, peer_failed = await agreements.gather("end", unsaved=unsaved, failed=failed)
           if held:  # (told; raised past the final save, which all make together)
             own_failure = held.pop()
         except Exception as e:
@@ -923,20 +788,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     return 0
   print(f"done: {step} steps in {time.time() - t_start:.0f}s; learning curve: {png}")
   return 0
-
-
-def exit_code(e: BaseException) -> int:
-  """The exit code of a run stopped by `e`: 2 for what its user must change (the config,
-  the task file, a checkpoint to resume that cannot be read), 3 for the infrastructure's
-  (a server, a worker, the disk, a lost process: restarted, it resumes), 1 for a bug."""
-  if isinstance(e, PeerFailed):
-    return e.code
-  if isinstance(e, (config_lib.ConfigError, TaskError, CheckpointUnreadable, RecordsDamaged)):
-    return 2
-  if isinstance(e, (RunWriteFailed, PeerLost, InfraOutage, InfraError)) or (
-      isinstance(e, OSError) and disk_hint(e)):
-    return 3
-  return 1
 
 
 def main(argv=None) -> int:
