@@ -5,13 +5,17 @@ Tool calls are parsed from the model's text in the chat template's format
 `jaxagent.toolcalls`). A malformed call, an unknown tool or arguments that do
 not match the schema become an error message for the model and a counted
 `invalid_tool_call`; a tool that raises becomes an error message and a
-counted `tool_error`. Nothing here ends an episode by raising.
+counted `tool_error`. Nothing the policy writes ends an episode by raising; a tool
+that returns what is not text (None, a set) is the environment's bug, and raises. A
+tool's plain (not async) function runs in a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+import functools
 import inspect
 import json
 import time
@@ -50,6 +54,35 @@ class ToolRun:
   latencies_s: list[float] = dataclasses.field(default_factory=list)
 
 
+_THREADS: list = []
+
+
+def _threads():
+  """The threads tools' plain functions run on: counted (`jaxagent.pools`), so that a
+  process at its end leaves one that blocks for ever behind instead of joining it."""
+  if not _THREADS:
+    from jaxagent.pools import CountedPool
+
+    _THREADS.append(CountedPool(32, "jaxagent-tool", wait_at_close=False))
+  return _THREADS[0]
+
+
+def _reply(name: str, out: Any) -> str:
+  """A tool's return value as the text the model is shown: a string as it is, a JSON
+  value (a dict, list, number or bool) as JSON. Anything else (None, a set, an object)
+  is the environment's bug, not the policy's: it raises, naming the tool (None was
+  shown to the model as `null`, a set as the policy's failed call)."""
+  if isinstance(out, str):
+    return out
+  if out is not None:
+    try:
+      return json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError):
+      pass
+  raise TypeError(f"tool {name!r} returned {type(out).__name__} {out!r:.80}: a tool returns "
+                  "a string (or a JSON value: a dict, list, finite number or bool)")
+
+
 class ToolSet:
   """Tools by name. At most `max_calls_per_turn` calls of a turn are run (the rest are
   answered as invalid, unrun): a turn's work stays bounded whatever the model writes,
@@ -77,14 +110,21 @@ class ToolSet:
       where = "/".join(map(str, e.absolute_path)) or "arguments"
       return "invalid", f"error: bad arguments for {name} at {where}: {e.message}"
     try:
-      out = tool.fn(**arguments)
-      if inspect.isawaitable(out):
-        out = await out
-      return "ok", out if isinstance(out, str) else json.dumps(out)
+      if inspect.iscoroutinefunction(tool.fn) or inspect.iscoroutinefunction(
+          getattr(tool.fn, "__call__", None)):
+        out = await tool.fn(**arguments)
+      else:  # (in a thread: a plain function that blocks must not stop the event loop,
+        # whose every other episode, deadline and signal then waited with it: a new user)
+        context = contextvars.copy_context()  # (its waits count on the call's clock)
+        out = await asyncio.get_running_loop().run_in_executor(
+            _threads(), functools.partial(context.run, tool.fn, **arguments))
+        if inspect.isawaitable(out):
+          out = await out
     except (asyncio.CancelledError, InfraError):  # the infrastructure's, not the policy's
       raise
     except Exception as e:  # the tool failed: tell the model, keep the episode
       return "error", f"error: {name} failed: {type(e).__name__}: {e}"
+    return "ok", _reply(name, out)
 
   async def run_turn(self, env, text: str) -> ToolRun:
     """One environment turn of tool use: counts the turn, runs the calls, and adds the

@@ -70,3 +70,52 @@ def test_schemas_are_openai_tools_and_checked():
   assert TOOLS.schemas()[0]["function"]["name"] == "add"
   with pytest.raises(Exception):
     ToolSet([Tool("bad", "x", {"type": "nonsense"}, boom)])
+
+
+def test_a_plain_tool_function_runs_off_the_event_loop():
+  """A tool written as a plain function that blocks (time.sleep, a lock, a socket) ran
+  on the event loop and froze every other episode, the deadlines and the signals with it
+  (a new user's hung tool: only kill -9 ended the run). It runs in a thread now."""
+  import time
+
+  def sleepy(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+  tools = ToolSet([Tool("sleepy", "sleeps", {"type": "object", "properties": {
+      "seconds": {"type": "number"}}}, sleepy)])
+
+  async def main():
+    ticks = 0
+
+    async def tick():
+      nonlocal ticks
+      while True:
+        await asyncio.sleep(0.01)
+        ticks += 1
+
+    ticker = asyncio.ensure_future(tick())
+    run = await tools.run('<tool_call>{"name": "sleepy", "arguments": {"seconds": 0.5}}'
+                          '</tool_call>')
+    ticker.cancel()
+    return run, ticks
+
+  run, ticks = asyncio.run(main())
+  assert run.messages[0]["content"] == "slept" and ticks >= 10, ticks
+
+
+@pytest.mark.parametrize("value,shown", [({"a": 1}, '{"a": 1}'), ([1, 2], "[1, 2]"),
+                                         (3, "3"), (True, "true"), ("x", "x")])
+def test_a_tools_json_value_is_shown_as_json(value, shown):
+  tools = ToolSet([Tool("t", "t", {"type": "object"}, lambda: value)])
+  r = asyncio.run(tools.run('<tool_call>{"name": "t", "arguments": {}}</tool_call>'))
+  assert r.messages[0]["content"] == shown and r.errors == 0
+
+
+@pytest.mark.parametrize("value", [None, {1, 2}, object(), float("nan")])
+def test_a_tool_that_returns_no_text_is_the_environments_bug(value):
+  """None was shown to the model as `null`, a set as the policy's failed call (a
+  tool_error): both are the environment's bug, which stops the run naming the tool."""
+  tools = ToolSet([Tool("convert", "t", {"type": "object"}, lambda: value)])
+  with pytest.raises(TypeError, match="tool 'convert' returned"):
+    asyncio.run(tools.run('<tool_call>{"name": "convert", "arguments": {}}</tool_call>'))
