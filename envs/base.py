@@ -156,8 +156,9 @@ def json_safe(obj: Any) -> Any:
 
 
 class BadReward(ValueError):
-  """An environment gave a reward that is not a finite number (a NaN, a string): its
-  bug, or its task data's; never trained."""
+  """An environment gave a reward that is not a finite number (a NaN, a string), or a
+  verdict whose status is no `VerdictStatus`: its bug, or its task data's; never
+  trained."""
 
 
 def _check_reward(value, what: str) -> None:
@@ -181,6 +182,12 @@ class Verdict:
   attempts: int = 1
 
   def __post_init__(self):
+    try:  # (a status written as its value, "pass", is that status)
+      self.status = VerdictStatus(self.status)
+    except ValueError:  # (it failed later, as AttributeError: 'str' has no 'value')
+      raise BadReward(f"a verdict's status must be a VerdictStatus (one of "
+                      f"{', '.join(v.value for v in VerdictStatus)}), got {self.status!r}") \
+          from None
     _check_reward(self.reward, "a verdict's reward")
     # (its reasons quote what a solution raised or printed: JSON and UTF-8 text,
     # whatever it was)

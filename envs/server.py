@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 import uuid
@@ -51,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envs import waits
 from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
-                       json_safe, load_modules, make)
+                       failure, json_safe, load_modules, make)
 from jaxagent.serve_http import BodyLimit, client_gone, name_deep_bodies
 from jaxagent.errors import InfraError
 
@@ -216,12 +217,16 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     except InfraError as e:  # a sandbox the worker could not run: the worker's failure
       n_calls.labels(kind, "infra").inc()
       raise HTTPException(503, f"{kind} failed in the infrastructure: {e}")
-    except (ValueError, KeyError, RuntimeError) as e:
-      n_calls.labels(kind, "bad_request").inc()
-      raise HTTPException(400, f"{kind} failed: {type(e).__name__}: {e}")
-    except Exception as e:  # the environment broke: report, keep serving
-      n_calls.labels(kind, "error").inc()
-      raise HTTPException(500, f"{kind} failed in the environment: {type(e).__name__}: {e}")
+    except MemoryError as e:  # this worker's host, not the environment's code
+      n_calls.labels(kind, "infra").inc()
+      raise HTTPException(503, f"{kind} failed in the infrastructure: MemoryError: {e}")
+    except Exception as e:  # the environment's bug (or its task's): named where it was
+      # raised, and kept serving. (A 500 was read as the infrastructure's: a verdict whose
+      # status was misspelt was re-rolled 365 times until the run stopped blaming the
+      # workers; a new user.)
+      n_calls.labels(kind, "bad_request" if isinstance(e, (ValueError, KeyError))
+                     else "error").inc()
+      raise HTTPException(400, f"{kind} failed: {failure(e)}")
     finally:
       if s is not None:  # idle from the call's end on (it ran as long as it ran)
         s.last_used = time.time()
@@ -339,7 +344,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
 
 
 class _Refused(RuntimeError):
-  """The worker refused a call (4xx): a bad call of ours, or a task that cannot start."""
+  """The worker refused a call (4xx): a bad call of ours, a task that cannot start, or
+  the environment's bug there (its message names the line that raised, on the worker:
+  `on_worker`, for the run's message)."""
+
+  on_worker = True
 
   def __init__(self, status_code: int, message: str):
     super().__init__(message)
@@ -377,6 +386,9 @@ class RemoteEnv:
     self.session_id: Optional[str] = None
     self.done = False
     self.infra_wait_s = 0.0  # what the worker reported its calls waited on its load
+    # The session's tool counters (`Env.counters`), from its steps' info where the
+    # environment reports them there (`Env._info`).
+    self.counters = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0}
 
   async def _call(self, method: str, path: str, **kw) -> dict:
     """One call to the worker. A worker that is unreachable, too slow, or fails (5xx) is
@@ -435,6 +447,7 @@ class RemoteEnv:
       raise
     self.session_id = out["session_id"]
     self.done = False
+    self.counters = dict.fromkeys(self.counters, 0)
     return Observation(**out["observation"])
 
   async def _env_call(self, path: str, **kw) -> dict:
@@ -450,6 +463,10 @@ class RemoteEnv:
   async def step(self, action: str) -> StepResult:
     out = await self._env_call(f"/sessions/{self.session_id}/step", json={"action": action})
     self.done = out["terminated"] or out["truncated"]
+    info = out.get("info")
+    if isinstance(info, dict):  # (the environment's tool counters, as its steps tell them)
+      self.counters.update({k: info[k] for k in self.counters
+                            if isinstance(info.get(k), int) and not isinstance(info[k], bool)})
     return StepResult(Observation(**out["observation"]), out["reward"], out["terminated"],
                       out["truncated"], out["info"])
 
@@ -539,6 +556,13 @@ def main(argv=None) -> int:
     serve(app, sock, log_level=args.log_level)
   finally:
     resources.close()
+  from jaxagent.pools import busy_calls
+
+  if busy_calls():  # (a tool's plain function blocked for ever: Python's exit joins it)
+    print(f"envs.server: {busy_calls()} tool calls still running at the end; left behind",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)
   return 0
 
 

@@ -42,6 +42,7 @@ import collections
 import dataclasses
 import functools
 import time
+import types
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -438,10 +439,15 @@ class RolloutScheduler:
       raise self.error
     if self.error is not None:
       task = self.error_task
+      if isinstance(task, dict):  # (a task re-queued from a checkpoint, as saved)
+        task = types.SimpleNamespace(id=task.get("id"), env=task.get("env"))
       of = (f" of task {task.id!r} ({task.env})" if hasattr(task, "id") and hasattr(task, "env")
             else "")
       from envs.base import raised_at
 
+      if getattr(self.error, "on_worker", False):  # (its line is in the worker's answer)
+        raise RuntimeError(f"an episode{of} failed on its environment worker (a bug, not an "
+                           f"infrastructure failure): {self.error}") from self.error
       raise RuntimeError(f"an episode{of} raised {type(self.error).__name__} at "
                          f"{raised_at(self.error).rstrip(': ') or 'a line its traceback shows'}"
                          f" (a bug, not an infrastructure failure): {self.error}"

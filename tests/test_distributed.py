@@ -2,6 +2,7 @@
 1 process x 8 devices on the same fixed batch, and checkpoint together."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -206,8 +207,9 @@ def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint
     assert codes == [1, 1], log
     assert "ZeroDivisionError: an environment's bug on one process" in outs[bad], log
     assert "Traceback" in outs[bad], log
-    told = ("RuntimeError: an episode raised ZeroDivisionError at "
-            "tests/distributed/bug_on_one.py")
+    told = "RuntimeError: an episode of task "
+    assert re.search(r"an episode of task '[^']+' \(\w+\) raised ZeroDivisionError at "
+                     r"tests/distributed/bug_on_one.py", outs[good]), log
   elif where == "batch":
     assert codes == [1, 1], log
     assert "IndexError: a bug packing one process's batch" in outs[bad], log

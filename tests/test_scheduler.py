@@ -194,6 +194,27 @@ def test_a_bug_in_an_episode_stops_the_run_instead_of_hiding(mode):
   assert "test_scheduler.py:" in str(e.value), str(e.value)
 
 
+def test_a_bug_names_its_episodes_task_as_the_task_file_gave_it():
+  """Tasks reach the scheduler as the task file's dicts: the run's message named no task
+  (a new user)."""
+  async def play(task, sid, gid):
+    raise AttributeError("a bug")
+
+  async def go():
+    tasks = iter({"id": f"unit/{i}", "env": "unit_convert", "params": {}} for i in range(9))
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=2),
+                         tasks, play)
+    s.start()
+    try:
+      await asyncio.wait_for(s.next_groups(), 30)
+    finally:
+      await s.stop()
+
+  with pytest.raises(RuntimeError, match=r"an episode of task 'unit/0' \(unit_convert\) "
+                     r"raised AttributeError at tests/test_scheduler.py:\d+"):
+    run(go())
+
+
 def test_equal_reward_groups_are_filtered():
   async def play(task, sid, gid):
     return episode(task, sid, gid, reward=1.0 if task % 2 else float(sid[-4] == "0"))

@@ -60,6 +60,26 @@ class NanRewardEnv(SlowEnv):
     return base.StepResult(base.Observation([]), float("nan"), True, False)
 
 
+@base.register("buggy_test_env")
+class BuggyEnv(SlowEnv):
+  """Its step raises (`params.raise`: an AttributeError, say) or counts a tool call; its
+  verdict's status is `params.status`."""
+
+  async def reset(self, task):
+    self.task = task
+    return await super().reset(task)
+
+  async def step(self, action):
+    if self.task.params.get("raise"):
+      raise AttributeError("grader database down")
+    self.counters["tool_calls"] += 2
+    self.counters["tool_errors"] += 1
+    return base.StepResult(base.Observation([]), 0.0, False, False, self._info())
+
+  async def verify(self):
+    return base.Verdict(self.task.params["status"], 0.0, "buggy@1", "buggy@1")
+
+
 @pytest.fixture(scope="module")
 def worker():
   resources = EnvResources(sandboxes=2)
@@ -99,6 +119,36 @@ def test_a_reward_that_is_not_a_number_is_the_environments_bug_over_the_service(
       await env.aclose()
 
   asyncio.run(go())
+
+
+def test_an_environments_bug_on_a_worker_is_named_not_the_infrastructures(worker):
+  """An exception of the environment's own (not ValueError, KeyError or RuntimeError) was
+  a 500, read as the infrastructure's: a misspelt verdict status was re-rolled 365 times
+  until the run stopped blaming the workers (a new user). Now a 400 naming the line that
+  raised; a bad status is BadReward at the client, as in process."""
+  async def go(params, call):
+    env = RemoteEnv(worker.url)
+    try:
+      await env.reset(TaskSpec("b", "buggy_test_env", params))
+      return await call(env)
+    finally:
+      await env.aclose()
+
+  with pytest.raises(RuntimeError, match=r"400: step failed: tests/envs/test_server.py:\d+: "
+                     r"AttributeError: grader database down") as got:
+    asyncio.run(go({"raise": True, "status": "fail"}, lambda env: env.step("x")))
+  assert got.value.on_worker and not isinstance(got.value, InfraError)
+  with pytest.raises(base.BadReward, match="status must be a VerdictStatus.*'passs'"):
+    asyncio.run(go({"status": "passs"}, lambda env: env.verify()))
+
+  async def counted(env):  # (the environment's tool counters reach the episode too)
+    await env.step("x")
+    await env.step("x")
+    return env.counters
+
+  assert asyncio.run(go({"status": "fail"}, counted)) == {
+      "tool_calls": 4, "invalid_tool_calls": 0, "tool_errors": 2}
+  assert httpx.get(f"{worker.url}/health").json()["status"] == "ok"
 
 
 def test_python_tests_over_the_service(worker):
