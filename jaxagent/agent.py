@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import time
 import uuid
 import zlib
@@ -55,6 +56,7 @@ class Episode:
   turns: int = 0
   tool_calls: int = 0
   invalid_tool_calls: int = 0
+  tool_errors: int = 0  # calls whose tool raised (told to the model as an error)
   tool_latencies_s: list[float] = dataclasses.field(default_factory=list)
   latency_s: float = 0.0
   generate_s: float = 0.0
@@ -396,6 +398,13 @@ def judge_cut(cut: BaseException, server_s: float, where: str, measured: "Measur
                 f"{measured.env_s:.1f} s in the environment")
 
 
+def count_tool_calls(ep: Episode, env) -> None:
+  """The episode's tool counters, as its environment counted them (`Env.counters`)."""
+  counters = getattr(env, "counters", {}) or {}
+  for name in ("tool_calls", "invalid_tool_calls", "tool_errors"):
+    setattr(ep, name, int(counters.get(name, 0)))
+
+
 class MeasuredEnv:
   """An environment whose calls' waits on shared infrastructure (sandbox slots, a
   worker's turn; in process from `envs.waits`, or as a worker reports them) are counted
@@ -403,10 +412,15 @@ class MeasuredEnv:
   episode's budget. A call the episode's deadline cuts is counted too, its worker asked
   how long it waited. Keeps the actions it is handed (which reply of several a black-box
   agent acted on), and the process reward of each step that ended (`rewards`: what a
-  black-box episode cut at its deadline is still trained with)."""
+  black-box episode cut at its deadline is still trained with).
 
-  def __init__(self, env):
+  An in-process environment's call past `deadline_s` of its own time (its waits not
+  counted) is cut: `InfraError("env_call_deadline")`, as an env worker's call past its
+  --deadline-s is a 504 (a worker's calls are bounded there)."""
+
+  def __init__(self, env, deadline_s: Optional[float] = None):
     self.env, self.actions, self.task = env, [], None
+    self.deadline_s = None if hasattr(env, "in_flight_wait_s") else deadline_s
     self.rewards: list[float] = []
     self.waited_s = self.env_s = 0.0
     self._clock: Optional[waits.WaitClock] = None
@@ -414,12 +428,30 @@ class MeasuredEnv:
   def __getattr__(self, name):
     return getattr(self.env, name)
 
-  async def _measured(self, call):
+  async def _within_deadline(self, call, what: str, t0: float):
+    clock = self._clock
+    task = asyncio.ensure_future(call)  # (made inside measured(): its waits are clock's)
+
+    async def waited() -> float:
+      return clock.total_s()
+
+    try:
+      return await waits.within(task, waited, self.deadline_s, math.inf, t0)
+    except asyncio.TimeoutError:
+      raise InfraError(
+          "env_call_deadline", f"the environment's {what} ran past agent.env_call_deadline_s "
+          f"({self.deadline_s:g} s of its own time; {clock.total_s():.1f} s waiting on sandbox "
+          "slots and the judge not counted): a tool or grader that hangs is the "
+          "infrastructure's failure, not the policy's") from None
+
+  async def _measured(self, call, what: str):
     t0, reported = time.perf_counter(), getattr(self.env, "infra_wait_s", 0.0)
     remote = 0.0
     try:
       with waits.measured() as self._clock:
-        return await call
+        if self.deadline_s is None:
+          return await call
+        return await self._within_deadline(call, what, t0)
     except asyncio.CancelledError:
       if hasattr(self.env, "in_flight_wait_s"):  # a worker's call, cut client-side
         remote = await self.env.in_flight_wait_s()
@@ -434,7 +466,7 @@ class MeasuredEnv:
   async def reset(self, task):
     self.task = task
     try:
-      return await self._measured(self.env.reset(task))
+      return await self._measured(self.env.reset(task), "reset")
     except BAD_TASK as e:  # the task's parameters (as environments report them)
       # (where it was raised: a bug of an environment's own reset reads the same; a
       # worker's refusal says it itself)
@@ -450,7 +482,7 @@ class MeasuredEnv:
   async def step(self, action: str):
     self.actions.append(action)
     try:
-      result = await self._measured(self.env.step(action))
+      result = await self._measured(self.env.step(action), "step")
     except BadReward as e:
       raise self._bad_reward(e) from e
     self.rewards.append(float(result.reward))
@@ -458,7 +490,7 @@ class MeasuredEnv:
 
   async def verify(self):
     try:
-      return await self._measured(self.env.verify())
+      return await self._measured(self.env.verify(), "verify")
     except BadReward as e:
       raise self._bad_reward(e) from e
 
@@ -491,7 +523,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   waiting = {"on": "env", "since": t_start}  # what the episode waits on now
   look: dict = {}  # how the turn in flight stood at the agent's last look
   limit = cfg.max_context_tokens  # lowered when the engine refuses a shorter prompt
-  measured = MeasuredEnv(env)  # its calls' waits on shared infrastructure and own time
+  measured = MeasuredEnv(env, cfg.env_call_deadline_s)  # its calls' waits on shared infrastructure and own time
   offered = []  # the tool schemas the environment offered
   compacted_at: list[int] = []  # turns before which the context was compacted
   seed_session = replay.start.get("session_id", session_id) if replay is not None \
@@ -681,9 +713,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
     status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   finally:
     ep.infra_wait_s, ep.env_s = measured.waited_s, measured.env_s
-    counters = getattr(env, "counters", {}) or {}
-    ep.tool_calls = int(counters.get("tool_calls", 0))
-    ep.invalid_tool_calls = int(counters.get("invalid_tool_calls", 0))
+    count_tool_calls(ep, env)
     try:
       await env.close()
     except Exception:

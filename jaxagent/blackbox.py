@@ -20,7 +20,8 @@ from urllib.parse import quote
 from envs.base import import_entry, trained_rewards
 from envs import waits
 from jaxagent.agent import (EPISODE_WALL_FACTOR, FIRST_PROMPT_TOO_LONG, Episode, MeasuredEnv,
-                            graded, judge_cut, provenance, stamp, while_it_moves)
+                            count_tool_calls, graded, judge_cut, provenance, stamp,
+                            while_it_moves)
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.tokenizer import Tokenizer
@@ -474,7 +475,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
-  acting = MeasuredEnv(env)
+  acting = MeasuredEnv(env, cfg.env_call_deadline_s)
   # The id as it travels in a header (ASCII only; eval ids hold task ids).
   wire_id = session_id if session_id.isascii() and session_id.isprintable() \
       else quote(session_id, safe="")
@@ -572,6 +573,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
           "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
   finally:
     ep.infra_wait_s, ep.env_s = acting.waited_s, acting.env_s
+    count_tool_calls(ep, env)
     try:
       await env.close()
     except Exception:

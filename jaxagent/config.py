@@ -195,6 +195,12 @@ class AgentConfig:
   # the same seed (the same tokens), up to this many times before the episode is dropped.
   turn_retries: int = 2
   episode_deadline_s: float = 600.0
+  # An in-process environment's call (reset, a step with its tool calls, verify) past this
+  # many seconds of its own time (waits for sandbox slots and the judge not counted) is
+  # the infrastructure's failure (InfraError env_call_deadline: a tool or grader that
+  # hangs), as an env worker's --deadline-s is; before it, an episode whose tool hung
+  # was cut at its deadline and scored as the policy's fail.
+  env_call_deadline_s: float = 60.0
   # Longest prompt + response; past it: none (truncate the episode), fork (drop all but
   # the system message and the last keep_last_messages) or summary (as fork, and the
   # policy, or the served model `summarizer`, writes a summary of the dropped messages of

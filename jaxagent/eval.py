@@ -67,6 +67,7 @@ def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
       "turns_mean": float(np.mean([e.turns for e in episodes])),
       "tool_calls_mean": float(np.mean([e.tool_calls for e in episodes])),
       "invalid_tool_calls_mean": float(np.mean([e.invalid_tool_calls for e in episodes])),
+      "tool_errors_mean": float(np.mean([getattr(e, "tool_errors", 0) for e in episodes])),
       "truncated": int(sum(e.status == "truncated" for e in episodes)),
       "infra_errors": infra,
   }

@@ -48,6 +48,9 @@ def episode_metrics(groups, accepted, learner_version: int, signal=None) -> dict
       "turns_mean": float(np.mean([e.turns for e in episodes])),
       "tool_calls": int(sum(e.tool_calls for e in episodes)),
       "invalid_tool_calls": int(sum(e.invalid_tool_calls for e in episodes)),
+      # Calls whose tool raised: an environment whose tool fails on every call trains a
+      # policy on error messages (with invalid_tool_calls 0 and tool_call_rate 1).
+      "tool_errors": int(sum(getattr(e, "tool_errors", 0) for e in episodes)),
       "compactions": int(sum(getattr(e, "compactions", 0) for e in episodes)),
       # Episodes with a valid tool call: more calls than invalid ones (malformed blocks,
       # unknown tools and bad arguments all count as invalid), so at least one was run.

@@ -148,7 +148,8 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
   if cfg.env.sandboxes < 1:
     raise config_lib.ConfigError(f"env.sandboxes must be >= 1, got {cfg.env.sandboxes}")
   positive = {"learner.lr": cfg.learner.lr, "agent.turn_deadline_s": a.turn_deadline_s,
-              "agent.episode_deadline_s": a.episode_deadline_s}
+              "agent.episode_deadline_s": a.episode_deadline_s,
+              "agent.env_call_deadline_s": a.env_call_deadline_s}
   for key, value in positive.items():
     if not (value > 0 and math.isfinite(value)):
       raise config_lib.ConfigError(f"{key} must be a number > 0, got {value}")

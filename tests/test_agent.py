@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -9,6 +10,7 @@ from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictSt
 from envs.tools import Tool, ToolSet
 from jaxagent.agent import run_whitebox
 from jaxagent.config import AgentConfig
+from jaxagent.errors import TaskError
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
 from jaxagent.trajectory import CLEAN, FORK, TurnRecord
 
@@ -451,6 +453,61 @@ class EchoEnv(Env):
 
   async def verify(self):
     return Verdict(VerdictStatus.PASS, 1.0, "echo@1", "echo@1")
+
+
+class HangingToolEnv(EchoEnv):
+  """EchoEnv whose `echo` is a plain function that blocks (a new user's tool that hung),
+  and whose verdict is `status` as given."""
+
+  def __init__(self, block_s=0.0, status=VerdictStatus.PASS):
+    super().__init__()
+    self.block_s, self.status = block_s, status
+
+  async def reset(self, task):
+    obs = await super().reset(task)
+    self.tools = ToolSet([Tool("echo", "Prints a message.", {"type": "object"},
+                               lambda: time.sleep(self.block_s) or "echoed")])
+    return obs
+
+  async def verify(self):
+    return Verdict(self.status, 1.0, "echo@1", "echo@1")
+
+
+def test_an_environment_call_that_hangs_is_the_infrastructures_not_the_policys_fail():
+  """A hung tool (or step, or grader) was cut by the episode's deadline and scored as the
+  policy's fail (in process; on an env worker the same hang was its deadline's 504, an
+  infrastructure error), and a plain function's hang froze the event loop for good. Past
+  agent.env_call_deadline_s of its own time a call is InfraError env_call_deadline."""
+  task = TaskSpec("t", "echo", {})
+  cfg = AgentConfig(max_turns=3, max_new_tokens=64, env_call_deadline_s=0.5)
+  for env in (HangingToolEnv(block_s=3.0), SlowEnv(30.0)):
+    t0 = time.perf_counter()
+    ep = asyncio.run(run_whitebox(env, task, ScriptedEngine([CALL, "8"]), TOK, cfg,
+                                  session_id="s", group_id="g"))
+    assert ep.infra_error and ep.infra_kind == "env_call_deadline", (ep.status, ep.reason)
+    assert "agent.env_call_deadline_s" in ep.reason
+    assert time.perf_counter() - t0 < 2.5  # (cut at the deadline, not at the tool's end)
+  # A call within it is the policy's as before.
+  ep = asyncio.run(run_whitebox(HangingToolEnv(block_s=0.1), task,
+                                ScriptedEngine([CALL, "done"]), TOK, cfg,
+                                session_id="s", group_id="g"))
+  assert not ep.infra_error and ep.success and ep.tool_calls == 1 and ep.tool_errors == 0
+
+
+@pytest.mark.parametrize("status", ["passs", None])
+def test_a_verdict_status_that_is_none_stops_the_run_naming_the_task_and_line(status):
+  """A misspelt status failed as AttributeError ('str' object has no attribute 'value')
+  deep in the agent, naming neither the status, the task nor the environment's line."""
+  task = TaskSpec("t9", "echo", {})
+  with pytest.raises(TaskError, match=r"task 't9' \(echo\): .*test_agent.py:\d+: BadReward: "
+                     r"a verdict's status must be a VerdictStatus"):
+    asyncio.run(run_whitebox(HangingToolEnv(status=status), task, ScriptedEngine(["done"]),
+                             TOK, AgentConfig(max_new_tokens=8), session_id="s",
+                             group_id="g"))
+  ep = asyncio.run(run_whitebox(HangingToolEnv(status="pass"), task, ScriptedEngine(["done"]),
+                                TOK, AgentConfig(max_new_tokens=8), session_id="s",
+                                group_id="g"))
+  assert ep.success  # (a status written as its value is that status)
 
 
 def _smollm2_or_skip():

@@ -9,10 +9,10 @@ from jaxagent.metrics import RecordsDamaged, cut_jsonl, episode_metrics
 from jaxagent.scheduler import Group
 
 
-def episode(reward, calls=0, invalid=0):
+def episode(reward, calls=0, invalid=0, errors=0):
   return Episode("t", "s", "g", [], [reward], {"status": "pass" if reward else "fail",
                                                "reward": reward}, "completed",
-                 tool_calls=calls, invalid_tool_calls=invalid)
+                 tool_calls=calls, invalid_tool_calls=invalid, tool_errors=errors)
 
 
 def test_tool_call_rate_and_groups_with_signal():
@@ -22,6 +22,15 @@ def test_tool_call_rate_and_groups_with_signal():
   # Valid calls in episodes 0 and 3 (2 calls, 1 invalid); episode 1's call was invalid.
   assert m["tool_call_rate"] == 0.5
   assert m["groups_with_signal"] == 1 and m["success_rate"] == 0.25
+  assert m["tool_errors"] == 0
+
+
+def test_tool_errors_are_counted():
+  """A tool that raised on every call looked perfect in metrics.jsonl (tool_call_rate 1,
+  invalid_tool_calls 0): its errors are counted now (a new user)."""
+  g = Group(0, None, [episode(0.0, calls=2, errors=2), episode(0.0, calls=1, errors=1)])
+  m = episode_metrics([g], [g], learner_version=0)
+  assert (m["tool_errors"], m["tool_calls"], m["tool_call_rate"]) == (3, 3, 1.0)
 
 
 def test_what_the_judge_made_of_the_passes_is_counted():

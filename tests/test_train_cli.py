@@ -37,7 +37,7 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   assert [r["step"] for r in rows] == [1, 2, 3]
   for key in ("step", "wall_time_s", "success_rate", "reward_mean", "reward_terminal_mean",
               "reward_process_mean", "turns_mean", "tool_calls", "invalid_tool_calls",
-              "action_tokens", "episode_latency_s_p50", "episode_latency_s_p99",
+              "tool_errors", "action_tokens", "episode_latency_s_p50", "episode_latency_s_p99",
               "rollout_tokens_per_s", "valid_trajectories_per_s", "policy_lag_mean",
               "rollout_s", "learner_s", "weight_sync_s", "loss", "entropy", "grad_norm",
               "token_staleness_mean", "token_staleness_frac_0"):
