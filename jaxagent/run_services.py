@@ -156,11 +156,13 @@ def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving,
 
 def first_tasks(path: str) -> dict:
   """{environment name: its first task} over a task file, in the file's order; a file
-  that cannot be used (a bad line, no tasks) raises ValueError."""
+  that cannot be used (a bad line, a task id on two lines, no tasks) raises ValueError.
+  (A stopped run's logged episodes are replayed by the next group of their task's id:
+  a task sharing another's id would be handed that task's logs.)"""
   from envs.base import load_tasks
 
   first = {}
-  for task in load_tasks(path):
+  for task in load_tasks(path, unique=True):
     first.setdefault(task.env, task)
   if not first:
     raise ValueError(f"task file {path} has no tasks")
@@ -174,6 +176,7 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
   unknown environment) raises ValueError."""
   import pydantic
 
+  from envs.isolation import IsolationUnavailable
   from rollout_server.server import ToolDef
 
   first = first_tasks(path) if first is None else first
@@ -187,6 +190,13 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
         await env.close()
     except KeyError as e:  # an environment nobody registered: its message, unquoted
       raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
+    except (ValueError, InfraError, IsolationUnavailable, asyncio.CancelledError):
+      raise  # (the task's; the infrastructure's; this host's)
+    except Exception as e:  # the environment's bug: named with its task and its line
+      from envs.base import failure
+
+      raise RuntimeError(f"task {task.id!r} ({task.env}): the environment's reset raised "
+                         f"{failure(e)} (a bug, not the task's)") from e
     for t in obs.tools:
       try:  # (as the chat gateway takes them: a black-box agent's turns would be refused)
         ToolDef.model_validate(t)

@@ -574,10 +574,16 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             why.append(f"{info['too_long']} segments longer than data.seq_len")
           if info.get("overflow"):
             why.append(f"{info['overflow']} segments data.rows could not hold")
+          scores = {round(e.reward, 6) for e in episodes if not e.infra_error}
+          alike = ""
+          if dropped.get("no_signal") and len(scores) == 1:  # (a new user's 15 minutes)
+            alike = (f"; every episode played scored {scores.pop():g}, so no group ranks "
+                     "its samples: the tasks are out of the policy's reach (easier tasks, "
+                     "a stronger starting policy, or process rewards give it a signal)")
           print(f"warning: no step for {waited:.0f} s: {len(played)} groups played, nothing "
                 f"to train on ({', '.join(why) or 'no episode with a turn'}); no_signal is a "
                 "group whose episodes all scored alike (rollout.filter_equal_rewards), "
-                "too_few_valid one whose episodes failed", file=sys.stderr, flush=True)
+                f"too_few_valid one whose episodes failed{alike}", file=sys.stderr, flush=True)
         continue
       if info.get("overflow_groups") and not overflow_said:  # (once a run: the metric counts)
         overflow_said = True

@@ -155,3 +155,33 @@ def test_an_environment_whose_tools_are_malformed_is_named_at_the_start(tmp_path
   with pytest.raises(ValueError, match="environment 'bad_tools_env' offers a tool that is "
                                        "not an OpenAI tools entry"):
     asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
+
+
+def test_a_reset_that_raises_at_the_start_names_its_task_and_a_task_id_twice_is_refused(
+    tmp_path):
+  """A reset's own bug at the start (the first task of its environment) was a bare
+  traceback from the run's plumbing; two tasks of one id trained without a word (a stopped
+  run's logged episodes are replayed by task id). A new user's round."""
+  from jaxagent.run_services import task_tools
+
+  @base.register("reset_bug_env")
+  class ResetBug(base.Env):
+    async def reset(self, task):
+      raise RuntimeError("grader database down")
+
+    async def step(self, action):
+      raise AssertionError("not stepped")
+
+    async def verify(self):
+      raise AssertionError("not verified")
+
+  tasks = tmp_path / "tasks.jsonl"
+  tasks.write_text('{"id": "r/0", "env": "reset_bug_env"}\n')
+  with pytest.raises(RuntimeError, match=r"task 'r/0' \(reset_bug_env\): the environment's "
+                     r"reset raised tests/envs/test_own_envs.py:\d+: RuntimeError: grader "
+                     r"database down"):
+    asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
+  tasks.write_text('{"id": "g", "env": "guess_number", "params": {"secret": 3}}\n'
+                   '{"id": "g", "env": "guess_number", "params": {"secret": 5}}\n')
+  with pytest.raises(ValueError, match=r"tasks.jsonl:2: task id 'g' is line 1's too"):
+    asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
