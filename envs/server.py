@@ -552,17 +552,22 @@ def main(argv=None) -> int:
                    idle_timeout_s=args.idle_timeout_s,
                    max_idle_timeout_s=args.max_idle_timeout_s,
                    max_body_bytes=args.max_body_bytes)
-  try:
-    serve(app, sock, log_level=args.log_level)
-  finally:
-    resources.close()
   from jaxagent.pools import busy_calls
 
-  if busy_calls():  # (a tool's plain function blocked for ever: Python's exit joins it)
-    print(f"envs.server: {busy_calls()} tool calls still running at the end; left behind",
-          file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(0)
+  code = 0
+  try:
+    serve(app, sock, log_level=args.log_level)
+  except SystemExit as e:  # (Ctrl-C: 130)
+    code = e.code if isinstance(e.code, int) else 1
+    raise
+  finally:
+    resources.close()
+    if busy_calls():  # (a tool's plain function blocked for ever: Python's exit joined it,
+      # and the worker outlived its Ctrl-C; a SIGTERM uvicorn raises again, which ends it)
+      print(f"envs.server: {busy_calls()} tool calls still running at the end; left "
+            "behind", file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(code)
   return 0
 
 

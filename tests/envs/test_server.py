@@ -80,6 +80,20 @@ class BuggyEnv(SlowEnv):
     return base.Verdict(self.task.params["status"], 0.0, "buggy@1", "buggy@1")
 
 
+@base.register("blocking_tool_test_env")
+class BlockingToolEnv(SlowEnv):
+  """Its one tool is a plain function that blocks for as long as its argument says."""
+
+  async def step(self, action):
+    from envs.tools import Tool, ToolSet
+
+    tools = ToolSet([Tool("block", "blocks", {"type": "object"},
+                          lambda seconds: time.sleep(seconds) or "done")])
+    run = await tools.run_turn(self, '<tool_call>{"name": "block", "arguments": '
+                                     f'{{"seconds": {float(action)}}}}}</tool_call>')
+    return base.StepResult(base.Observation(run.messages), 0.0, False, False, self._info())
+
+
 @pytest.fixture(scope="module")
 def worker():
   resources = EnvResources(sandboxes=2)
@@ -263,6 +277,27 @@ def test_deadline_closes_the_session(worker):
   assert httpx.get(f"{worker.url}/health").json()["status"] == "ok"
   assert 'env_calls_total{kind="step",outcome="deadline"}' in \
       httpx.get(f"{worker.url}/metrics").text
+
+
+def test_a_blocking_tool_meets_the_workers_deadline_and_the_worker_serves_on(worker):
+  """A tool written as a plain function that blocked held the worker's event loop: no 504
+  at its deadline, /health unanswered, SIGTERM ignored (a new user). It runs in a
+  thread: the call is cut at the deadline and the worker answers meanwhile."""
+  async def go():
+    env = RemoteEnv(worker.url)
+    await env.reset(TaskSpec("b", "blocking_tool_test_env"))
+    assert (await env.step("0.05")).observation.messages[0]["content"] == "done"
+    t0 = time.perf_counter()
+    step = asyncio.ensure_future(env.step("6"))
+    await asyncio.sleep(0.3)
+    async with httpx.AsyncClient() as client:  # (the worker answers while it blocks)
+      assert (await client.get(f"{worker.url}/health", timeout=2)).status_code == 200
+    with pytest.raises(RuntimeError, match="504.*deadline"):
+      await step
+    assert time.perf_counter() - t0 < 5.0
+    await env.aclose()
+
+  asyncio.run(asyncio.wait_for(go(), timeout=30))
 
 
 def test_a_session_whose_client_gave_up_on_its_start_is_closed(worker):
@@ -603,6 +638,42 @@ def test_sigterm_removes_every_workspace(tmp_path):
   assert proc.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal
   assert "sandbox isolation" in out
   assert not os.path.exists(root) and not _mounts_under(root)
+
+
+def test_a_worker_stopped_while_a_tool_blocks_for_ever_ends(tmp_path):
+  """A tool thread that never returns was joined by Python's exit for ever: the worker
+  outlived its Ctrl-C. It is left behind, said, and the worker ends (a SIGTERM ends it
+  too: uvicorn raises that signal again once it has shut down)."""
+  module = tmp_path / "blocking_env.py"
+  module.write_text(
+      "import time\n"
+      "from envs import base\n"
+      "from envs.tools import Tool, ToolSet\n\n"
+      "@base.register('blocks_for_ever')\n"
+      "class BlocksForEver(base.Env):\n"
+      "  async def reset(self, task):\n"
+      "    self.tools = ToolSet([Tool('wait', 'waits', {'type': 'object'},\n"
+      "                               lambda: time.sleep(3600))])\n"
+      "    return base.Observation([{'role': 'user', 'content': 'go'}])\n\n"
+      "  async def step(self, action):\n"
+      "    run = await self.tools.run_turn(self, action)\n"
+      "    return base.StepResult(base.Observation(run.messages), 0.0, False, False)\n\n"
+      "  async def verify(self):\n"
+      "    return base.Verdict('fail', 0.0, 'b@1', 'b@1')\n")
+  proc, url, _ = start_worker(tmp_path, "--sandboxes", "1", "--deadline-s", "1",
+                              "--allow-unisolated", "--import", str(module))
+  try:
+    sid = httpx.post(f"{url}/sessions", json={"task": {"id": "b", "env": "blocks_for_ever"}},
+                     timeout=30).json()["session_id"]
+    r = httpx.post(f"{url}/sessions/{sid}/step", timeout=30, json={
+        "action": '<tool_call>{"name": "wait", "arguments": {}}</tool_call>'})
+    assert r.status_code == 504, r.text
+  finally:
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+  out = worker_log(proc)
+  assert "1 tool calls still running at the end; left behind" in out, out
+  assert proc.returncode == 130, out
 
 
 @pytest.mark.slow
