@@ -686,7 +686,8 @@ class Sandbox:
       self.history.append(result)
       return result
     try:
-      return await self._run(argv, timeout, stdin, pid1)
+      with waits.commanding():  # (the policy's time, its teardown included)
+        return await self._run(argv, timeout, stdin, pid1)
     finally:
       await slot.__aexit__(None, None, None)
 

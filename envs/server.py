@@ -10,7 +10,9 @@ A cap on sessions and on calls running at once, and a deadline per call on its
 own work: a call past it answers 504 and its session is closed (its state is
 unknown). Waits on shared infrastructure (a turn under the call cap, a sandbox
 slot) are not charged to a call's deadline (other episodes' load must not turn
-the policy's bounded work into a 504) and have bounds of their own: a call that
+the policy's bounded work into a 504) and have bounds of their own, nor is the time of
+the policy's sandboxed commands, which their wall limits bound (one that stalled its
+own kill for a minute made a wrong answer a 504, re-rolled): a call that
 gets no turn within the deadline answers 503, unrun; a command that gets no
 sandbox slot within the pool's `slot_timeout_s` fails its episode as
 infrastructure (503); a call ends within `WALL_FACTOR` deadlines, waits and all
@@ -190,11 +192,12 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       s.call, s.clock = task, clock
       s.calls.add(task)
       task.add_done_callback(s.calls.discard)
-    async def waited() -> float:
-      return clock.total_s()
+    async def not_its_own() -> float:  # (waits, and the policy's sandboxed commands:
+      # their own wall limits bound them, and a kill they stall is theirs; red team 44)
+      return clock.total_s() + clock.commands_total_s()
 
     try:
-      out = await waits.within(task, waited, deadline_s, WALL_FACTOR * deadline_s, t0)
+      out = await waits.within(task, not_its_own, deadline_s, WALL_FACTOR * deadline_s, t0)
     except asyncio.CancelledError:
       if asyncio.current_task().cancelling():  # (this request's own: its client went)
         raise
@@ -207,6 +210,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         await close_session(sid)
       raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline "
                                f"({clock.total_s():.1f}s waiting on sandbox slots and turns "
+                               f"and {clock.commands_total_s():.1f}s of sandboxed commands "
                                f"not counted; {WALL_FACTOR * deadline_s:.0f}s in all at "
                                "most); the session was closed")
     except _NoTurn as e:

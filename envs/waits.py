@@ -28,11 +28,14 @@ from typing import Awaitable, Callable, Iterator, Optional
 
 
 class WaitClock:
-  """Seconds waited on shared infrastructure inside one `measured()` block."""
+  """Seconds waited on shared infrastructure inside one `measured()` block, and seconds
+  the policy's sandboxed commands ran (`commanding()`)."""
 
   def __init__(self):
     self.waited_s = 0.0  # waits that ended
     self._open: list[float] = []  # start times of waits in progress
+    self.commands_s = 0.0  # commands that ended
+    self._commands: list[float] = []  # start times of commands running
 
   @property
   def waiting(self) -> bool:
@@ -42,6 +45,12 @@ class WaitClock:
     """Waits so far, those in progress included."""
     now = time.perf_counter()
     return self.waited_s + sum(now - t for t in self._open)
+
+  def commands_total_s(self) -> float:
+    """The policy's sandboxed commands' time so far (running, and being killed: a
+    command's teardown can take a minute), those in progress included."""
+    now = time.perf_counter()
+    return self.commands_s + sum(now - t for t in self._commands)
 
 
 _CLOCK: contextvars.ContextVar[Optional[WaitClock]] = contextvars.ContextVar(
@@ -57,6 +66,25 @@ def measured() -> Iterator[WaitClock]:
     yield clock
   finally:
     _CLOCK.reset(token)
+
+
+@contextlib.contextmanager
+def commanding() -> Iterator[None]:
+  """Marks the block as a sandboxed command of the policy's (on the current clock, if
+  any): the policy's own time, which an environment call's deadline does not bound (a
+  command that stalled its own kill made a wrong answer's call pass the deadline, an
+  infrastructure error, re-rolled: red team 44). Its wall limit bounds the command."""
+  clock = _CLOCK.get()
+  if clock is None:
+    yield
+    return
+  t0 = time.perf_counter()
+  clock._commands.append(t0)
+  try:
+    yield
+  finally:
+    clock._commands.remove(t0)
+    clock.commands_s += time.perf_counter() - t0
 
 
 @contextlib.contextmanager

@@ -414,9 +414,12 @@ class MeasuredEnv:
   agent acted on), and the process reward of each step that ended (`rewards`: what a
   black-box episode cut at its deadline is still trained with).
 
-  An in-process environment's call past `deadline_s` of its own time (its waits not
-  counted) is cut: `InfraError("env_call_deadline")`, as an env worker's call past its
-  --deadline-s is a 504 (a worker's calls are bounded there)."""
+  An in-process environment's call past `deadline_s` of its own time is cut:
+  `InfraError("env_call_deadline")`, as an env worker's call past its --deadline-s is a
+  504. Its waits do not count, nor the policy's sandboxed commands (`waits.commanding`:
+  their wall limits bound them, and a command can stall its own kill for a minute, which
+  made a wrong answer's call an infrastructure error: red team 44); the episode's
+  deadline bounds those."""
 
   def __init__(self, env, deadline_s: Optional[float] = None):
     self.env, self.actions, self.task = env, [], None
@@ -432,17 +435,18 @@ class MeasuredEnv:
     clock = self._clock
     task = asyncio.ensure_future(call)  # (made inside measured(): its waits are clock's)
 
-    async def waited() -> float:
-      return clock.total_s()
+    async def not_its_own() -> float:  # (waits, and the policy's sandboxed commands)
+      return clock.total_s() + clock.commands_total_s()
 
     try:
-      return await waits.within(task, waited, self.deadline_s, math.inf, t0)
+      return await waits.within(task, not_its_own, self.deadline_s, math.inf, t0)
     except asyncio.TimeoutError:
       raise InfraError(
           "env_call_deadline", f"the environment's {what} ran past agent.env_call_deadline_s "
           f"({self.deadline_s:g} s of its own time; {clock.total_s():.1f} s waiting on sandbox "
-          "slots and the judge not counted): a tool or grader that hangs is the "
-          "infrastructure's failure, not the policy's") from None
+          f"slots and the judge and {clock.commands_total_s():.1f} s of the policy's sandboxed "
+          "commands not counted): a tool or grader that hangs is the infrastructure's "
+          "failure, not the policy's") from None
 
   async def _measured(self, call, what: str):
     t0, reported = time.perf_counter(), getattr(self.env, "infra_wait_s", 0.0)

@@ -487,6 +487,21 @@ def test_an_environment_call_that_hangs_is_the_infrastructures_not_the_policys_f
     assert ep.infra_error and ep.infra_kind == "env_call_deadline", (ep.status, ep.reason)
     assert "agent.env_call_deadline_s" in ep.reason
     assert time.perf_counter() - t0 < 2.5  # (cut at the deadline, not at the tool's end)
+  # Time in the policy's sandboxed commands is the policy's, however long (a command that
+  # stalled its own kill for a minute made a wrong answer an infra error; red team 44).
+  class LongCommandEnv(SlowEnv):
+    async def step(self, action):
+      from envs import waits
+
+      with waits.commanding():
+        await asyncio.sleep(1.0)
+      return await self.inner.step(action)
+
+  ep = asyncio.run(run_whitebox(LongCommandEnv(0.0), TaskSpec("t", "guess_number",
+                                                              {"secret": 11}),
+                                ScriptedEngine(["8", "11"]), TOK, cfg, session_id="s",
+                                group_id="g"))
+  assert not ep.infra_error and ep.success, (ep.status, ep.reason)
   # A call within it is the policy's as before.
   ep = asyncio.run(run_whitebox(HangingToolEnv(block_s=0.1), task,
                                 ScriptedEngine([CALL, "done"]), TOK, cfg,

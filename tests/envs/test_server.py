@@ -94,6 +94,16 @@ class BlockingToolEnv(SlowEnv):
     return base.StepResult(base.Observation(run.messages), 0.0, False, False, self._info())
 
 
+@base.register("long_command_test_env")
+class LongCommandEnv(SlowEnv):
+  """Its step is a sandboxed command of the policy's that takes as long as the action."""
+
+  async def step(self, action):
+    with waits.commanding():
+      await asyncio.sleep(float(action))
+    return base.StepResult(base.Observation([]), 0.0, True, False)
+
+
 @pytest.fixture(scope="module")
 def worker():
   resources = EnvResources(sandboxes=2)
@@ -298,6 +308,20 @@ def test_a_blocking_tool_meets_the_workers_deadline_and_the_worker_serves_on(wor
     await env.aclose()
 
   asyncio.run(asyncio.wait_for(go(), timeout=30))
+
+
+def test_the_policys_sandboxed_commands_are_not_charged_to_the_deadline(worker):
+  """A command that stalled its own kill for a minute made a wrong answer's call pass
+  the deadline: a 504, an infrastructure error, re-rolled (red team 44). The commands'
+  time is the policy's; their wall limits bound them."""
+  async def go():
+    env = RemoteEnv(worker.url)
+    await env.reset(TaskSpec("c", "long_command_test_env"))
+    result = await env.step("2.0")  # (past the worker's 1.5 s deadline)
+    await env.aclose()
+    return result
+
+  assert asyncio.run(asyncio.wait_for(go(), timeout=30)).terminated
 
 
 def test_a_session_whose_client_gave_up_on_its_start_is_closed(worker):
