@@ -69,38 +69,33 @@ def measured() -> Iterator[WaitClock]:
 
 
 @contextlib.contextmanager
-def commanding() -> Iterator[None]:
+def _marked(running: str, ended: str) -> Iterator[None]:
+  """Times the block on the current clock (if any): its start in the list `running`
+  while it runs, then its length added to `ended`."""
+  clock = _CLOCK.get()
+  if clock is None:
+    yield
+    return
+  t0 = time.perf_counter()
+  getattr(clock, running).append(t0)
+  try:
+    yield
+  finally:
+    getattr(clock, running).remove(t0)
+    setattr(clock, ended, getattr(clock, ended) + time.perf_counter() - t0)
+
+
+def commanding() -> contextlib.AbstractContextManager:
   """Marks the block as a sandboxed command of the policy's (on the current clock, if
   any): the policy's own time, which an environment call's deadline does not bound (a
   command that stalled its own kill made a wrong answer's call pass the deadline, an
   infrastructure error, re-rolled: red team 44). Its wall limit bounds the command."""
-  clock = _CLOCK.get()
-  if clock is None:
-    yield
-    return
-  t0 = time.perf_counter()
-  clock._commands.append(t0)
-  try:
-    yield
-  finally:
-    clock._commands.remove(t0)
-    clock.commands_s += time.perf_counter() - t0
+  return _marked("_commands", "commands_s")
 
 
-@contextlib.contextmanager
-def waiting() -> Iterator[None]:
+def waiting() -> contextlib.AbstractContextManager:
   """Marks the block as a wait on shared infrastructure (on the current clock, if any)."""
-  clock = _CLOCK.get()
-  if clock is None:
-    yield
-    return
-  t0 = time.perf_counter()
-  clock._open.append(t0)
-  try:
-    yield
-  finally:
-    clock._open.remove(t0)
-    clock.waited_s += time.perf_counter() - t0
+  return _marked("_open", "waited_s")
 
 
 class WallCut(Exception):
