@@ -225,4 +225,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from jaxagent.pools import end_process
+
+  end_process(main(), "envs.play")

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -204,7 +205,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       # (the call's, by a DELETE of its session: a plain 500 before, red team 14)
       n_calls.labels(kind, "closed").inc()
       raise HTTPException(409, f"{kind}: the session was closed during this call")
-    except (asyncio.TimeoutError, waits.WallCut):
+    except (waits.DeadlineCut, waits.WallCut):  # (the environment's own TimeoutError: below)
       n_calls.labels(kind, "deadline").inc()
       if sid is not None:
         await close_session(sid)
@@ -221,9 +222,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     except InfraError as e:  # a sandbox the worker could not run: the worker's failure
       n_calls.labels(kind, "infra").inc()
       raise HTTPException(503, f"{kind} failed in the infrastructure: {e}")
-    except MemoryError as e:  # this worker's host, not the environment's code
+    except (MemoryError, OSError, subprocess.SubprocessError) as e:  # this worker's host
+      # (a full disk, a mount or a command that failed, a network timeout), not the
+      # environment's code
       n_calls.labels(kind, "infra").inc()
-      raise HTTPException(503, f"{kind} failed in the infrastructure: MemoryError: {e}")
+      raise HTTPException(503, f"{kind} failed in the infrastructure: {failure(e)}")
     except Exception as e:  # the environment's bug (or its task's): named where it was
       # raised, and kept serving. (A 500 was read as the infrastructure's: a verdict whose
       # status was misspelt was re-rolled 365 times until the run stopped blaming the
@@ -562,7 +565,10 @@ def main(argv=None) -> int:
   try:
     serve(app, sock, log_level=args.log_level)
   except SystemExit as e:  # (Ctrl-C: 130)
-    code = e.code if isinstance(e.code, int) else 1
+    code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    raise
+  except BaseException:
+    code = 1
     raise
   finally:
     resources.close()

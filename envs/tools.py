@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
-import functools
 import inspect
 import json
 import time
@@ -23,6 +22,7 @@ from typing import Any, Awaitable, Callable, Union
 
 import jsonschema
 
+from envs import waits
 from jaxagent.errors import InfraError
 from jaxagent.toolcalls import ParsedOutput, parse_tool_calls
 
@@ -35,6 +35,10 @@ class Tool:
   description: str
   parameters: dict  # JSON schema of the arguments object
   fn: ToolFn
+  # A plain (not async) `fn` runs in a worker thread, so that one that blocks does not
+  # stop the event loop; False runs it on the loop (a function that needs the loop's
+  # thread: an sqlite3 connection made in reset, asyncio calls).
+  in_thread: bool = True
 
   def schema(self) -> dict:
     """The OpenAI `tools` entry."""
@@ -67,20 +71,48 @@ def _threads():
   return _THREADS[0]
 
 
-def _reply(name: str, out: Any) -> str:
-  """A tool's return value as the text the model is shown: a string as it is, a JSON
-  value (a dict, list, number or bool) as JSON. Anything else (None, a set, an object)
-  is the environment's bug, not the policy's: it raises, naming the tool (None was
-  shown to the model as `null`, a set as the policy's failed call)."""
+def _reply(name: str, out: Any) -> tuple[str, str]:
+  """A tool's return value as (status, the text the model is shown): a string as it is,
+  a JSON value (a dict, list, number or bool) as JSON; a number JSON cannot hold (inf,
+  NaN: the policy's arguments can make one) is the call's error. Anything else (None, a
+  set, an object) is the environment's bug, not the policy's: it raises, naming the tool
+  (None was shown to the model as `null`, a set as the policy's failed call)."""
   if isinstance(out, str):
-    return out
+    return "ok", out
   if out is not None:
     try:
-      return json.dumps(out, allow_nan=False)
+      json.dumps(out)  # (the types: a non-finite number passes here)
     except (TypeError, ValueError):
       pass
+    else:
+      try:
+        return "ok", json.dumps(out, allow_nan=False)
+      except ValueError:
+        return "error", f"error: {name} returned a number JSON cannot hold: {out!r:.80}"
   raise TypeError(f"tool {name!r} returned {type(out).__name__} {out!r:.80}: a tool returns "
-                  "a string (or a JSON value: a dict, list, finite number or bool)")
+                  "a string (or a JSON value: a dict, list, number or bool)")
+
+
+async def _in_thread(fn, arguments: dict):
+  """`fn(**arguments)` on a tool thread, with the caller's context (its waits count on the
+  call's clock); the wait for a free thread is marked as the infrastructure's (a crowded
+  pool makes a call slower, not the policy's)."""
+  loop = asyncio.get_running_loop()
+  started = asyncio.Event()
+  context = contextvars.copy_context()
+
+  def run():
+    loop.call_soon_threadsafe(started.set)
+    return context.run(fn, **arguments)
+
+  call = loop.run_in_executor(_threads(), run)
+  began = asyncio.ensure_future(started.wait())
+  try:
+    with waits.waiting():
+      await asyncio.wait([call, began], return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    began.cancel()
+  return await call
 
 
 class ToolSet:
@@ -110,21 +142,19 @@ class ToolSet:
       where = "/".join(map(str, e.absolute_path)) or "arguments"
       return "invalid", f"error: bad arguments for {name} at {where}: {e.message}"
     try:
-      if inspect.iscoroutinefunction(tool.fn) or inspect.iscoroutinefunction(
-          getattr(tool.fn, "__call__", None)):
-        out = await tool.fn(**arguments)
-      else:  # (in a thread: a plain function that blocks must not stop the event loop,
-        # whose every other episode, deadline and signal then waited with it: a new user)
-        context = contextvars.copy_context()  # (its waits count on the call's clock)
-        out = await asyncio.get_running_loop().run_in_executor(
-            _threads(), functools.partial(context.run, tool.fn, **arguments))
-        if inspect.isawaitable(out):
-          out = await out
+      if not tool.in_thread or inspect.iscoroutinefunction(tool.fn) or \
+          inspect.iscoroutinefunction(getattr(tool.fn, "__call__", None)):
+        out = tool.fn(**arguments)
+      else:  # (a plain function that blocked stopped the event loop, and every other
+        # episode, deadline and signal with it: a new user)
+        out = await _in_thread(tool.fn, arguments)
+      if inspect.isawaitable(out):
+        out = await out
     except (asyncio.CancelledError, InfraError):  # the infrastructure's, not the policy's
       raise
     except Exception as e:  # the tool failed: tell the model, keep the episode
       return "error", f"error: {name} failed: {type(e).__name__}: {e}"
-    return "ok", _reply(name, out)
+    return _reply(name, out)
 
   async def run_turn(self, env, text: str) -> ToolRun:
     """One environment turn of tool use: counts the turn, runs the calls, and adds the

@@ -102,6 +102,11 @@ class WallCut(Exception):
   """A task ran past its wall-time bound, waits and all."""
 
 
+class DeadlineCut(asyncio.TimeoutError):
+  """`within` cut a task at its deadline (not a TimeoutError of the task's own, which
+  `within` raises as it is)."""
+
+
 async def to_the_end(aw: Awaitable):
   """Awaits `aw` to its end even when cancelled meanwhile, again and again (cleanup that
   must finish: a command killed before its slot is freed); a cancellation that came
@@ -122,7 +127,7 @@ async def to_the_end(aw: Awaitable):
 async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], limit_s: float,
                  wall_s: float, t0: float, *, look_s: float = 0.05,
                  on_cut: Optional[Callable[[], Awaitable[None]]] = None):
-  """`task`'s result; `asyncio.TimeoutError` once its own time (wall time since `t0` less
+  """`task`'s result; `DeadlineCut` (an asyncio.TimeoutError) once its own time (wall time since `t0` less
   `waited()`, its waits on shared infrastructure) passes `limit_s`; `WallCut` once its
   wall time passes `wall_s`. Waits do not spend the budget: a crowded pool makes a task
   slower, not cut. It looks at least every `look_s` seconds (`waited()` may ask a remote
@@ -140,7 +145,7 @@ async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], l
       if left <= 0:
         if on_cut is not None:
           await on_cut()
-        raise asyncio.TimeoutError
+        raise DeadlineCut
       done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), look_s))
       if done:
         return task.result()

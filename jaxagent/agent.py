@@ -440,7 +440,7 @@ class MeasuredEnv:
 
     try:
       return await waits.within(task, not_its_own, self.deadline_s, math.inf, t0)
-    except asyncio.TimeoutError:
+    except waits.DeadlineCut:  # (not a TimeoutError the environment raised itself)
       raise InfraError(
           "env_call_deadline", f"the environment's {what} ran past agent.env_call_deadline_s "
           f"({self.deadline_s:g} s of its own time; {clock.total_s():.1f} s waiting on sandbox "

@@ -172,7 +172,12 @@ def end_command(code: int) -> None:
   """Ends a command (`python -m ...`) with `code`. After a failed read, what Orbax left
   running (TensorStore's callbacks into a closed event loop, abandoned array reads) printed
   tracebacks and whole TensorStore specs at the interpreter's exit, after the command's one
-  line (red team 25): a failed command ends without that exit."""
+  line (red team 25): a failed command ends without that exit, and so does one that
+  leaves calls running (`jaxagent.pools.end_process`)."""
+  from jaxagent.pools import busy_calls, end_process
+
+  if busy_calls():
+    end_process(code, os.path.basename(sys.argv[0]) or "the command")
   if code:
     for stream in (sys.stdout, sys.stderr):
       with contextlib.suppress(Exception):

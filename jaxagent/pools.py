@@ -44,3 +44,23 @@ class CountedPool(concurrent.futures.ThreadPoolExecutor):
 def busy_calls() -> int:
   """The calls every live counted pool is running."""
   return sum(p.busy for p in list(CountedPool.live))
+
+
+def end_process(code: int, what: str) -> None:
+  """Ends a command with `code`. Calls a counted pool still runs (a tool's plain function
+  that never returned, its episode cut at a deadline) are said and left behind: Python's
+  exit joined them for ever, after the command's work was done."""
+  import os
+  import sys
+
+  stuck = busy_calls()
+  if stuck:
+    print(f"{what}: {stuck} calls (a tool's, an environment's) still running at the end; "
+          "left behind", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:
+        pass
+    os._exit(code)
+  sys.exit(code)

@@ -176,6 +176,7 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
   unknown environment) raises ValueError."""
   import pydantic
 
+  from envs.base import BAD_TASK, cannot_start, failure
   from envs.isolation import IsolationUnavailable
   from rollout_server.server import ToolDef
 
@@ -190,11 +191,12 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
         await env.close()
     except KeyError as e:  # an environment nobody registered: its message, unquoted
       raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
-    except (ValueError, InfraError, IsolationUnavailable, asyncio.CancelledError):
+    except (ValueError, InfraError, IsolationUnavailable, OSError, MemoryError,
+            asyncio.CancelledError):
       raise  # (the task's; the infrastructure's; this host's)
+    except BAD_TASK as e:  # (the task's parameters of the wrong type or shape)
+      raise cannot_start(task, e) from e
     except Exception as e:  # the environment's bug: named with its task and its line
-      from envs.base import failure
-
       raise RuntimeError(f"task {task.id!r} ({task.env}): the environment's reset raised "
                          f"{failure(e)} (a bug, not the task's)") from e
     for t in obs.tools:

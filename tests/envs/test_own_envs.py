@@ -181,6 +181,15 @@ def test_a_reset_that_raises_at_the_start_names_its_task_and_a_task_id_twice_is_
                      r"reset raised tests/envs/test_own_envs.py:\d+: RuntimeError: grader "
                      r"database down"):
     asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
+  # A parameter of the wrong type is the task's (a ValueError the run names as data.tasks).
+  @base.register("reset_type_env")
+  class ResetType(ResetBug):
+    async def reset(self, task):
+      return int(task.params["n"]) + []
+
+  tasks.write_text('{"id": "t/0", "env": "reset_type_env", "params": {"n": 1}}\n')
+  with pytest.raises(ValueError, match=r"task 't/0' cannot start: .*TypeError"):
+    asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
   tasks.write_text('{"id": "g", "env": "guess_number", "params": {"secret": 3}}\n'
                    '{"id": "g", "env": "guess_number", "params": {"secret": 5}}\n')
   with pytest.raises(ValueError, match=r"tasks.jsonl:2: task id 'g' is line 1's too"):

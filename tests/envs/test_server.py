@@ -70,6 +70,8 @@ class BuggyEnv(SlowEnv):
     return await super().reset(task)
 
   async def step(self, action):
+    if self.task.params.get("raise") == "host":
+      raise OSError(28, "No space left on device")
     if self.task.params.get("raise"):
       raise AttributeError("grader database down")
     self.counters["tool_calls"] += 2
@@ -162,6 +164,8 @@ def test_an_environments_bug_on_a_worker_is_named_not_the_infrastructures(worker
                      r"AttributeError: grader database down") as got:
     asyncio.run(go({"raise": True, "status": "fail"}, lambda env: env.step("x")))
   assert got.value.on_worker and not isinstance(got.value, InfraError)
+  with pytest.raises(InfraError, match="503: step failed in the infrastructure: .*No space"):
+    asyncio.run(go({"raise": "host", "status": "fail"}, lambda env: env.step("x")))
   with pytest.raises(base.BadReward, match="status must be a VerdictStatus.*'passs'"):
     asyncio.run(go({"status": "passs"}, lambda env: env.verify()))
 

@@ -112,7 +112,53 @@ def test_a_tools_json_value_is_shown_as_json(value, shown):
   assert r.messages[0]["content"] == shown and r.errors == 0
 
 
-@pytest.mark.parametrize("value", [None, {1, 2}, object(), float("nan")])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), [1.0, float("-inf")]])
+def test_a_number_json_cannot_hold_is_the_calls_error_not_a_bug(value):
+  """The policy's arguments can make a tool's number infinite (multiply 1e308 by 10):
+  the call's error, told to the model, never the run's stop (a reviewer)."""
+  tools = ToolSet([Tool("multiply", "t", {"type": "object"}, lambda: value)])
+  r = asyncio.run(tools.run('<tool_call>{"name": "multiply", "arguments": {}}</tool_call>'))
+  assert r.errors == 1 and "returned a number JSON cannot hold" in r.messages[0]["content"]
+
+
+def test_a_tool_may_keep_to_the_event_loops_thread():
+  """in_thread=False: a function that needs the loop's thread (an sqlite3 connection
+  made in reset) runs there; in a thread it failed, shown to the policy as its error."""
+  import sqlite3
+
+  db = sqlite3.connect(":memory:")
+  query = lambda: str(db.execute("select 41 + 1").fetchone()[0])  # noqa: E731
+  for in_thread, errors in ((False, 0), (True, 1)):
+    tools = ToolSet([Tool("q", "t", {"type": "object"}, query, in_thread=in_thread)])
+    r = asyncio.run(tools.run('<tool_call>{"name": "q", "arguments": {}}</tool_call>'))
+    assert r.errors == errors, r.messages
+  assert r.messages[0]["content"].startswith("error: q failed: ProgrammingError")
+
+
+def test_a_wait_for_a_tool_thread_is_the_infrastructures():
+  """Every tool thread busy: the call's wait for one is marked a wait (the deadline of an
+  environment's call does not count it), its run is not."""
+  import time
+
+  from envs import waits
+
+  tools = ToolSet([Tool("nap", "t", {"type": "object"}, lambda: time.sleep(0.3) or "ok")])
+  from envs.tools import _threads
+
+  blockers = [_threads().submit(time.sleep, 0.5) for _ in range(32)]
+
+  async def main():
+    with waits.measured() as clock:
+      r = await tools.run('<tool_call>{"name": "nap", "arguments": {}}</tool_call>')
+    return r, clock.total_s()
+
+  r, waited = asyncio.run(main())
+  for b in blockers:
+    b.result()
+  assert r.messages[0]["content"] == "ok" and 0.3 < waited < 0.75, waited
+
+
+@pytest.mark.parametrize("value", [None, {1, 2}, object()])
 def test_a_tool_that_returns_no_text_is_the_environments_bug(value):
   """None was shown to the model as `null`, a set as the policy's failed call (a
   tool_error): both are the environment's bug, which stops the run naming the tool."""
