@@ -398,13 +398,6 @@ def judge_cut(cut: BaseException, server_s: float, where: str, measured: "Measur
                 f"{measured.env_s:.1f} s in the environment")
 
 
-def count_tool_calls(ep: Episode, env) -> None:
-  """The episode's tool counters, as its environment counted them (`Env.counters`)."""
-  counters = getattr(env, "counters", {}) or {}
-  for name in ("tool_calls", "invalid_tool_calls", "tool_errors"):
-    setattr(ep, name, int(counters.get(name, 0)))
-
-
 class MeasuredEnv:
   """An environment whose calls' waits on shared infrastructure (sandbox slots, a
   worker's turn; in process from `envs.waits`, or as a worker reports them) are counted
@@ -497,6 +490,18 @@ class MeasuredEnv:
       return await self._measured(self.env.verify(), "verify")
     except BadReward as e:
       raise self._bad_reward(e) from e
+
+  async def end(self, ep: Episode) -> None:
+    """Closes the environment (its error ignored) once `ep` has what was measured of it:
+    its waits, its own time and its tool counters (`Env.counters`)."""
+    ep.infra_wait_s, ep.env_s = self.waited_s, self.env_s
+    counters = getattr(self.env, "counters", {}) or {}
+    for name in ("tool_calls", "invalid_tool_calls", "tool_errors"):
+      setattr(ep, name, int(counters.get(name, 0)))
+    try:
+      await self.env.close()
+    except Exception:
+      pass
 
   async def waited(self, ask_worker: bool = True) -> float:
     """Waits so far, a running call's included (a remote one's asked of its worker)."""
@@ -716,12 +721,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   except InfraError as e:  # a server, worker, sandbox or network failure: not a score
     status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
   finally:
-    ep.infra_wait_s, ep.env_s = measured.waited_s, measured.env_s
-    count_tool_calls(ep, env)
-    try:
-      await env.close()
-    except Exception:
-      pass
+    await measured.end(ep)
   ep.status, ep.reason = status, reason
   ep.latency_s = time.perf_counter() - t_start
   ep.segments = manager.segments(status=status, reason=reason, reward=ep.reward,

@@ -20,8 +20,7 @@ from urllib.parse import quote
 from envs.base import import_entry, trained_rewards
 from envs import waits
 from jaxagent.agent import (EPISODE_WALL_FACTOR, FIRST_PROMPT_TOO_LONG, Episode, MeasuredEnv,
-                            count_tool_calls, graded, judge_cut, provenance, stamp,
-                            while_it_moves)
+                            graded, judge_cut, provenance, stamp, while_it_moves)
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.tokenizer import Tokenizer
@@ -572,11 +571,6 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
           "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
   finally:
-    ep.infra_wait_s, ep.env_s = acting.waited_s, acting.env_s
-    count_tool_calls(ep, env)
-    try:
-      await env.close()
-    except Exception:
-      pass
+    await acting.end(ep)
   ep.latency_s = time.perf_counter() - t_start
   return ep
