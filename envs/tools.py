@@ -81,14 +81,15 @@ def _reply(name: str, out: Any) -> tuple[str, str]:
     return "ok", out
   if out is not None:
     try:
-      json.dumps(out)  # (the types: a non-finite number passes here)
-    except (TypeError, ValueError):
+      return "ok", json.dumps(out, allow_nan=False)
+    except TypeError:
       pass
-    else:
+    except ValueError:  # (a non-finite number, when the rest is JSON; or a cycle)
       try:
-        return "ok", json.dumps(out, allow_nan=False)
-      except ValueError:
+        json.dumps(out)
         return "error", f"error: {name} returned a number JSON cannot hold: {out!r:.80}"
+      except (TypeError, ValueError):
+        pass
   raise TypeError(f"tool {name!r} returned {type(out).__name__} {out!r:.80}: a tool returns "
                   "a string (or a JSON value: a dict, list, number or bool)")
 
