@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-import os
 import subprocess
 import sys
 import time
@@ -193,9 +192,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       s.call, s.clock = task, clock
       s.calls.add(task)
       task.add_done_callback(s.calls.discard)
-    async def not_its_own() -> float:  # (waits, and the policy's sandboxed commands:
-      # their own wall limits bound them, and a kill they stall is theirs; red team 44)
-      return clock.total_s() + clock.commands_total_s()
+    async def not_its_own() -> float:  # (a kill a command stalls is the policy's; red
+      return clock.not_own_s()           # team 44)
 
     try:
       out = await waits.within(task, not_its_own, deadline_s, WALL_FACTOR * deadline_s, t0)
@@ -559,7 +557,7 @@ def main(argv=None) -> int:
                    idle_timeout_s=args.idle_timeout_s,
                    max_idle_timeout_s=args.max_idle_timeout_s,
                    max_body_bytes=args.max_body_bytes)
-  from jaxagent.pools import busy_calls
+  from jaxagent.pools import busy_calls, end_process
 
   code = 0
   try:
@@ -574,10 +572,7 @@ def main(argv=None) -> int:
     resources.close()
     if busy_calls():  # (a tool's plain function blocked for ever: Python's exit joined it,
       # and the worker outlived its Ctrl-C; a SIGTERM uvicorn raises again, which ends it)
-      print(f"envs.server: {busy_calls()} tool calls still running at the end; left "
-            "behind", file=sys.stderr, flush=True)
-      sys.stdout.flush()
-      os._exit(code)
+      end_process(code, "envs.server")
   return 0
 
 

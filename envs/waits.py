@@ -46,6 +46,11 @@ class WaitClock:
     now = time.perf_counter()
     return self.waited_s + sum(now - t for t in self._open)
 
+  def not_own_s(self) -> float:
+    """What a call's deadline does not count: its waits and the policy's sandboxed
+    commands (whose wall limits bound them)."""
+    return self.total_s() + self.commands_total_s()
+
   def commands_total_s(self) -> float:
     """The policy's sandboxed commands' time so far (running, and being killed: a
     command's teardown can take a minute), those in progress included."""

@@ -428,8 +428,8 @@ class MeasuredEnv:
     clock = self._clock
     task = asyncio.ensure_future(call)  # (made inside measured(): its waits are clock's)
 
-    async def not_its_own() -> float:  # (waits, and the policy's sandboxed commands)
-      return clock.total_s() + clock.commands_total_s()
+    async def not_its_own() -> float:
+      return clock.not_own_s()
 
     try:
       return await waits.within(task, not_its_own, self.deadline_s, math.inf, t0)

@@ -700,7 +700,8 @@ def test_a_worker_stopped_while_a_tool_blocks_for_ever_ends(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
   out = worker_log(proc)
-  assert "1 tool calls still running at the end; left behind" in out, out
+  assert "envs.server: 1 calls (a tool's, an environment's) still running at the end; " \
+      "left behind" in out, out
   assert proc.returncode == 130, out
 
 
