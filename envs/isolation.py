@@ -526,6 +526,18 @@ def cpu_cgroup(uid: int, cpus: float) -> Optional[str]:
                  {"cpu.max": f"{quota} {_CPU_PERIOD_US}"})
 
 
+def set_cpu_quota(path: str, cpus: float) -> None:
+  """Sets the quota of the CPU cgroup at `path` (from `cpu_cgroup`) to `cpus` CPUs; 0
+  lifts it. Raises OSError where the cgroup is gone."""
+  quota = max(1000, int(cpus * _CPU_PERIOD_US)) if cpus > 0 else None
+  if os.path.exists(os.path.join(path, "cpu.max")):  # v2
+    knob, value = "cpu.max", f"{quota or 'max'} {_CPU_PERIOD_US}"
+  else:
+    knob, value = "cpu.cfs_quota_us", quota or -1
+  with open(os.path.join(path, knob), "w") as f:
+    f.write(str(value))
+
+
 def join_cgroups(paths: Sequence[Optional[str]]) -> list[str]:
   """A command prefix that moves itself into the cgroups at `paths` (None: none), then
   execs the rest (its descendants stay there); nothing without one."""
