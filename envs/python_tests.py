@@ -471,9 +471,9 @@ class PythonTests(Env):
       # FAIL into a worker deadline, an infrastructure error, a re-roll: red team). It
       # is bounded by the worker call's wall (WALL_FACTOR deadlines, waits and all) and
       # by the judge's own timeout and retries.
+      answer = await asyncio.to_thread(judged_answer, files)  # (the episode's own time)
       with waits.waiting():
-        verdict = await self.resources.judge.confirm(
-            verdict, self.spec[1], await asyncio.to_thread(judged_answer, files))
+        verdict = await self.resources.judge.confirm(verdict, self.spec[1], answer)
     return verdict
 
   async def close(self) -> None:
