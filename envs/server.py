@@ -55,6 +55,7 @@ from envs import waits
 from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        failure, json_safe, load_modules, make)
+from envs.loopwatch import LoopWatch
 from jaxagent.serve_http import BodyLimit, client_gone, name_deep_bodies
 from jaxagent.errors import InfraError
 
@@ -112,6 +113,9 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
                     registry=registry)
   n_reaped = Counter("env_sessions_reaped", "Sessions closed for being idle", registry=registry)
   latency = Histogram("env_call_seconds", "Call latency", ["kind"], registry=registry)
+  watch = LoopWatch(what="session")  # (names an environment's code that holds the loop)
+  Gauge("env_loop_held_seconds", "Seconds the event loop was held by code that did not "
+        "await (envs.loopwatch)", registry=registry).set_function(lambda: watch.held_s)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -121,9 +125,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         await reap_idle()
 
     task = asyncio.create_task(reaper())
+    watch.start()
     try:
       yield
     finally:
+      watch.stop()
       task.cancel()
       for sid in list(sessions):  # shutdown: every session's workspace goes
         await close_session(sid)

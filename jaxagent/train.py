@@ -116,6 +116,7 @@ NO_STEP_NOTE_S = 60.0
 async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                 canary: bool = False) -> int:
   from envs.base import TaskSpec
+  from envs.loopwatch import LoopWatch
 
   t_start = time.time()
   # The run's own work (the learner step, packing, agreements, saves, exports, records)
@@ -290,6 +291,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                advantage=cfg.advantage)
   scheduler.go_on_from(version, next_group, jax.process_index(), jax.process_count())
   scheduler.start()
+  # Names an environment's async code that holds the loop every episode moves on.
+  loop_watch = LoopWatch().start()
   primary = distributed.is_primary()
   writer = (MetricsWriter(run_dir, purge_step=int(state.step) + 1 if resume else None)
             if primary else None)
@@ -432,6 +435,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         "batch_rows": int(batch.tokens.shape[0]) * n_proc,
         "batch_fill": round(info["fill"], 4),
         "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
+        "loop_held_s": round(loop_watch.held_s, 3),
         **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
         **{k: v for k, v in p["m"].items() if k != "denom"}})
     if writer is not None:
@@ -712,6 +716,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         print(f"warning: step {records['step']}'s records could not be written "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     pending = scheduler.pending_tasks()
+    loop_watch.stop()
     await scheduler.stop()
     # Saved only with its records: a checkpoint of a step whose metrics row and
     # trajectories were not written would resume past them, losing them for good. Nor

@@ -1,0 +1,131 @@
+"""Names the code that holds an event loop.
+
+Every episode of a run (and every session of an env worker) moves on one event loop. An
+environment's `async def` code that computes or blocks without awaiting (a regex over
+the policy's output, a parse, `time.sleep`, a blocking client) holds that loop: no other
+episode moves meanwhile, and their clocks still run, so their deadlines pass on
+another's account. `LoopWatch` is a thread that looks at the loop's heartbeat; when the
+loop has not come round for `hold_s`, it logs once, for that hold, where the loop's
+thread is (the innermost frame of code that is not a library's, the innermost frame,
+and the task running),
+and when the hold ends, how long it was. Plain tool functions already run on threads
+(`envs.tools`); blocking work of an environment's own belongs in `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+LOUD_HOLDS = 10  # holds logged as warnings; later ones at DEBUG (all are counted)
+
+# The standard library and installed packages (a virtual environment's platstdlib holds
+# its site-packages): the frame named first is the innermost of the project's, or a
+# user's, code.
+_LIBRARIES = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep
+                    for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _where(frame, task: Optional[asyncio.Task]) -> str:
+  """`file:line in function` of the innermost frame outside the standard library and
+  installed packages (and the innermost frame, where that is another), and the task's
+  name."""
+  stack = traceback.extract_stack(frame) if frame is not None else []
+  own = [f for f in stack if not os.path.realpath(f.filename).startswith(_LIBRARIES)]
+  said = []
+  for f in ([own[-1]] if own else []) + ([stack[-1]] if stack else []):
+    text = f"{f.filename}:{f.lineno} in {f.name}" + (f" ({f.line.strip()})" if f.line else "")
+    if text not in said:
+      said.append(text)
+  if task is not None:
+    coro = task.get_coro()
+    said.append(f"task {task.get_name()} ({getattr(coro, '__qualname__', coro)})")
+  return "; ".join(said) or "an unknown place"
+
+
+class LoopWatch:
+  """Watches the running loop from a thread of its own (start inside the loop, `stop()`
+  at its end; an async context manager too). `holds` and `held_s` count the holds seen
+  and their seconds in all."""
+
+  def __init__(self, hold_s: float = 1.0, what: str = "episode"):
+    if hold_s <= 0:
+      raise ValueError(f"hold_s must be > 0, got {hold_s}")
+    self.hold_s = hold_s
+    self.what = what  # (what waits: "episode", "session")
+    self.holds = 0
+    self.held_s = 0.0
+    self._beat_s = min(0.25, hold_s / 4)
+    self._beat = time.monotonic()
+    self._stop = threading.Event()
+    self._loop: Optional[asyncio.AbstractEventLoop] = None
+    self._thread: Optional[threading.Thread] = None
+    self._beater: Optional[asyncio.Task] = None
+
+  def start(self) -> "LoopWatch":
+    self._loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+    self._beat = time.monotonic()
+    self._beater = self._loop.create_task(self._beats(), name="loopwatch-heartbeat")
+    self._thread = threading.Thread(target=self._watch, args=(loop_thread,),
+                                    name="loopwatch", daemon=True)
+    self._thread.start()
+    return self
+
+  async def _beats(self) -> None:
+    while True:
+      self._beat = time.monotonic()
+      await asyncio.sleep(self._beat_s)
+
+  def _watch(self, loop_thread: int) -> None:
+    since = None  # (the hold under way: when the loop last came round)
+    while not self._stop.wait(self._beat_s):
+      beat = self._beat
+      late = time.monotonic() - beat - self._beat_s
+      if since is not None and beat != since:  # the loop came round again: it ended
+        held = max(0.0, beat - since - self._beat_s)
+        self.held_s += held
+        log.log(self._level(), "the event loop was held %.1f s in all; every %s waited "
+                "for it", held, self.what)
+        since = None
+      if since is None and late >= self.hold_s:
+        since = beat
+        self.holds += 1
+        frame = sys._current_frames().get(loop_thread)
+        try:
+          task = asyncio.current_task(self._loop)
+        except RuntimeError:
+          task = None
+        log.log(self._level(),
+                "the event loop has been held %.1f s so far, by %s: no other %s moves "
+                "meanwhile and their time runs. Blocking work in async code belongs in "
+                "asyncio.to_thread (a plain tool function runs on a thread of its own)%s",
+                late, _where(frame, task), self.what,
+                "; later holds are logged at DEBUG, and counted" if self.holds == LOUD_HOLDS
+                else "")
+        del frame
+
+  def _level(self) -> int:
+    return logging.WARNING if self.holds <= LOUD_HOLDS else logging.DEBUG
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._beater is not None:
+      self._beater.cancel()
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout=1.0)
+
+  async def __aenter__(self) -> "LoopWatch":
+    return self.start()
+
+  async def __aexit__(self, *exc) -> None:
+    self.stop()
