@@ -209,6 +209,7 @@ async def check_served(url: str, path: str, version: int) -> None:
 
 async def run(args) -> dict:
   from envs.base import load_tasks
+  from envs.loopwatch import LoopWatch
   from jaxagent.build import build_model
   from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
   from jaxagent.run_checks import check_config
@@ -258,7 +259,8 @@ async def run(args) -> dict:
 
     t0 = time.time()
     # (an engine started here compiles on its first requests: not the policy's latency)
-    by_task = await evaluate(tasks, play, samples, warmup=not args.server)
+    async with LoopWatch() as watch:  # (names an environment's code holding the loop)
+      by_task = await evaluate(tasks, play, samples, warmup=not args.server)
     rep = report(by_task, ks)
   finally:
     if serving is not None:
@@ -266,7 +268,7 @@ async def run(args) -> dict:
     close_envs()
   rep.update(policy=path, policy_version=version, tasks_file=args.tasks, samples=samples,
              temperature=agent.temperature, agent=agent.kind, k=ks,
-             wall_s=round(time.time() - t0, 2))
+             wall_s=round(time.time() - t0, 2), loop_held_s=round(watch.held_s, 3))
   return rep
 
 

@@ -100,6 +100,7 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   with open(out) as f:
     rep = json.load(f)
   assert rep["policy_version"] == 2 and rep["samples"] == 2 and rep["k"] == [1, 2]
+  assert 0 <= rep["loop_held_s"] < 3.0  # (nothing of eval's own holds the loop)
   overall = rep["overall"]
   assert overall["tasks"] == 3 and overall["episodes"] == 6
   assert 0.0 <= overall["pass@1"] <= overall["pass@2"] <= 1.0
