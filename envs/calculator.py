@@ -29,7 +29,11 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 # The final answer is a line of its own, `ANSWER: <number>` (any case; an optional
 # trailing period); the last such line counts. Nothing else is read as an answer: not a
 # number at the end of other text, not the digits of an identifier (`calculate_82_66`).
-_ANSWER = re.compile(r"^[ \t]*ANSWER:[ \t]*(-?\d+(?:\.\d+)?)[ \t]*\.?[ \t]*$",
+# Possessive quantifiers: the blanks' runs never give back, so a line of 120k blanks
+# after an answer and a last character that is not one is rejected at once (the
+# backtracking took 26 s on the event loop, on a worker past its clients' timeout: a
+# wrong answer re-rolled; red team). A line may end in \r (a CRLF text's answer).
+_ANSWER = re.compile(r"^[ \t]*+ANSWER:[ \t]*+(-?\d++(?:\.\d++)?)[ \t]*+\.?[ \t\r]*+$",
                      re.IGNORECASE | re.MULTILINE)
 SYSTEM = ("Solve the arithmetic. You may call the calculate tool. "
           "Finish with 'ANSWER: <number>'.")

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,9 +99,20 @@ def test_calculator_with_tool_calls():
     ("ANSWER: 87", 87.0), ("answer: -11.", -11.0), ("It is 87.\nANSWER: 87\nThanks!", 87.0),
     ("ANSWER: 1\nANSWER: 2.5", 2.5), ("calculate_82_66", None), ("82 + 66 = 148", None),
     ("The result is 87", None), ("ANSWER: 87abc", None), ("ANSWER: 12 * 7 = 84", None),
-    ("ANSWER:", None), ("MY ANSWER: 3", None), ("ANSWER: " + "9" * 400, None)])
+    ("ANSWER:", None), ("MY ANSWER: 3", None), ("ANSWER: " + "9" * 400, None),
+    ("ANSWER: 3580\r\n", 3580.0), ("x\r\nANSWER: 12.\r\n", 12.0), ("ANSWER: 1\r2", None)])
 def test_calculator_reads_only_an_answer_line(text, want):
   assert final_answer(text) == want
+
+
+def test_a_long_run_of_blanks_after_an_answer_is_read_at_once():
+  """`ANSWER: 3580` and 120k blanks and `!` took 26 s to reject (the blanks' runs
+  backtracked against each other), on the event loop; on an env worker past its
+  clients' timeout, a wrong answer re-rolled as an infrastructure error (red team)."""
+  t = time.perf_counter()
+  assert final_answer("ANSWER: 3580" + " " * 300_000 + "!") is None
+  assert final_answer("ANSWER: 3580" + " \t" * 150_000 + ".\r") == 3580.0
+  assert time.perf_counter() - t < 1.0  # (0.003 s; quadratic: ~160 s)
 
 
 def test_calculator_identifier_is_not_an_answer():
