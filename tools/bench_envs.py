@@ -7,7 +7,11 @@ crashing at import), each reset -> write_file -> DONE -> verify -> close over
 HTTP. Prints one JSON line per level:
 
   {"concurrency", "episodes", "verdicts": {status: count}, "errors", "episodes_per_s",
-   "verify_p50_s", "verify_p99_s", "episode_p50_s", "episode_p99_s", "wall_s"}
+   "verify_p50_s", "verify_p99_s", "episode_p50_s", "episode_p99_s", "wall_s",
+   "loop_held_s"}
+
+(`loop_held_s`: the seconds the worker's event loop was held meanwhile by code that did
+not await, from its /metrics `env_loop_held_seconds`; every session waited for them.)
 
 then a table. Every episode must end with a verdict (pass, fail, timeout; infra_error
 only for injected faults): `errors` counts episodes that ended without one.
@@ -87,10 +91,21 @@ async def one(url: str, i: int) -> dict:
           "episode_s": time.perf_counter() - t0}
 
 
+def loop_held_s(url: str) -> float | None:
+  """The worker's `env_loop_held_seconds` (None: a worker without it)."""
+  for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    if line.startswith("env_loop_held_seconds "):
+      return float(line.split()[1])
+  return None
+
+
 async def level(url: str, concurrency: int) -> dict:
+  held = loop_held_s(url)
   t0 = time.perf_counter()
   results = await asyncio.gather(*(one(url, i) for i in range(concurrency)))
   wall = time.perf_counter() - t0
+  await asyncio.sleep(0.5)  # (a hold under way at the end is counted once it ends)
+  held_after = loop_held_s(url)
   verify = [r["verify_s"] for r in results if "verify_s" in r]
   episode = [r["episode_s"] for r in results]
   errors = [r["error"] for r in results if "error" in r]
@@ -102,7 +117,8 @@ async def level(url: str, concurrency: int) -> dict:
           "verify_p99_s": round(float(np.percentile(verify, 99)), 3) if verify else None,
           "episode_p50_s": round(float(np.percentile(episode, 50)), 3),
           "episode_p99_s": round(float(np.percentile(episode, 99)), 3),
-          "wall_s": round(wall, 2)}
+          "wall_s": round(wall, 2),
+          "loop_held_s": None if held is None else round(held_after - held, 2)}
 
 
 def main() -> int:
@@ -128,10 +144,11 @@ def main() -> int:
       proc.send_signal(signal.SIGTERM)
       proc.wait(timeout=60)
   print(f"\n{'concurrency':>11} {'episodes/s':>10} {'verify p50':>10} {'verify p99':>10} "
-        f"{'errors':>6}  verdicts")
+        f"{'loop held s':>11} {'errors':>6}  verdicts")
   for r in rows:
     print(f"{r['concurrency']:>11} {r['episodes_per_s']:>10} {r['verify_p50_s']!s:>10} "
-          f"{r['verify_p99_s']!s:>10} {r['errors']:>6}  {r['verdicts']}")
+          f"{r['verify_p99_s']!s:>10} {r['loop_held_s']!s:>11} {r['errors']:>6}  "
+          f"{r['verdicts']}")
   return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 
