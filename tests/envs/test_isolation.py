@@ -273,10 +273,16 @@ def test_a_killed_commands_exit_is_not_held_to_the_cpu_quota_and_the_next_comman
     r = run(sb, "import os, time\nos.fork()\ntime.sleep(30)\n")
     assert r.timed_out and lifted and lifted[0] in ("max", "-1"), (r, lifted)
     assert held == "50000" and _cpu_quota(sb) == held and not sb._unthrottled
-    # and the next command is held to it again
-    r = run(sb, "import time\nt = time.time()\nwhile time.time() - t < 0.6:\n  pass\n"
-                "import os\nprint(os.times().user)\n", timeout=10)
+    # A quota left lifted (a cleanup cancelled twice, a wipe) is set again as the next
+    # command starts: it spins for 0.6 s of wall time on half a CPU.
+    sb.wipe()
+    sb._unthrottle()
+    assert _cpu_quota(sb) in ("max", "-1")
+    spin = ("import os, time\nt = time.time()\nwhile time.time() - t < 0.6:\n  pass\n"
+            "print(os.times().user)\n")
+    r = run(sb, spin, timeout=10)
     assert r.ok and _cpu_quota(sb) == held, r.stderr[-300:]
+    assert float(r.stdout) < 0.6 * 0.5 + 0.15, r.stdout  # (unbounded: 0.6)
   finally:
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
@@ -297,7 +303,8 @@ def test_a_command_cannot_stall_its_own_kill_past_the_wall_limit():
     if sb._cpu_cgroup is None:
       pytest.skip("no writable CPU cgroup on this host")
     r = run(sb, SLOW_TEARDOWN)
-    # (the quota held: 35-46 s past the wall limit here, with 12-19 OOM kills)
+    # (the quota held: 35-56 s past the wall limit here, with 12-25 OOM kills. Whether
+    # every process prints "forked" before the OOM kills varies, so it is not asserted.)
     assert r.timed_out and r.duration_s < 10 + 20, r
   finally:
     sb.destroy()
