@@ -4,12 +4,12 @@ Every episode of a run (and every session of an env worker) moves on one event l
 environment's `async def` code that computes or blocks without awaiting (a regex over
 the policy's output, a parse, `time.sleep`, a blocking client) holds that loop: no other
 episode moves meanwhile, and their clocks still run, so their deadlines pass on
-another's account. `LoopWatch` is a thread that looks at the loop's heartbeat; when the
-loop has not come round for `hold_s`, it logs once, for that hold, where the loop's
-thread is (the innermost frame of code that is not a library's, the innermost frame,
-and the task running),
-and when the hold ends, how long it was. Plain tool functions already run on threads
-(`envs.tools`); blocking work of an environment's own belongs in `asyncio.to_thread`.
+another's account. `LoopWatch` is a heartbeat on the loop, which measures each hold,
+and a thread that looks at it; when the loop has not come round for `hold_s`, it logs
+once, for that hold, where the loop's thread is (the innermost frame of code that is
+not a library's, the innermost frame, and the task running), and when the hold ends,
+how long it was. Plain tool functions already run on threads (`envs.tools`); blocking
+work of an environment's own belongs in `asyncio.to_thread`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,23 @@ def _where(frame, task: Optional[asyncio.Task]) -> str:
 
 
 class LoopWatch:
-  """Watches the running loop from a thread of its own (start inside the loop, `stop()`
-  at its end; an async context manager too). `holds` and `held_s` count the holds seen
-  and their seconds in all."""
+  """Watches the running loop (start inside the loop, `stop()` at its end; an async
+  context manager too). The loop's own heartbeat measures each hold exactly (`holds`,
+  `held_s`: those of `hold_s` or more, and their seconds in all, to a beat's 50 ms); a
+  thread of its own looks as often and names a hold while it lasts."""
 
-  def __init__(self, hold_s: float = 1.0, what: str = "episode"):
+  def __init__(self, hold_s: float = 1.0, what: str = "episode",
+               on_hold: Optional[Callable[[float], None]] = None):
     if hold_s <= 0:
       raise ValueError(f"hold_s must be > 0, got {hold_s}")
     self.hold_s = hold_s
     self.what = what  # (what waits: "episode", "session")
+    self._on_hold = on_hold  # (each hold's seconds as it ends: a metrics counter)
     self.holds = 0
     self.held_s = 0.0
-    self._beat_s = min(0.25, hold_s / 4)
+    self._named = 0  # holds named while they lasted
+    # (a hold is measured from the beat before it: at most a beat's length short)
+    self._beat_s = self._look_s = min(0.05, hold_s / 20)
     self._beat = time.monotonic()
     self._stop = threading.Event()
     self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -83,39 +88,47 @@ class LoopWatch:
 
   async def _beats(self) -> None:
     while True:
-      self._beat = time.monotonic()
       await asyncio.sleep(self._beat_s)
+      now = time.monotonic()
+      late, self._beat = now - self._beat - self._beat_s, now
+      if late >= self.hold_s:
+        self.holds += 1
+        self.held_s += late
+        if self._on_hold is not None:
+          self._on_hold(late)
+        log.log(self._level(self.holds), "the event loop was held %.1f s in all; every %s "
+                "waited for it", late, self.what)
 
   def _watch(self, loop_thread: int) -> None:
-    since = None  # (the hold under way: when the loop last came round)
-    while not self._stop.wait(self._beat_s):
+    named = None  # (the beat before the hold last named)
+    while not self._stop.wait(self._look_s):
       beat = self._beat
       late = time.monotonic() - beat - self._beat_s
-      if since is not None and beat != since:  # the loop came round again: it ended
-        held = max(0.0, beat - since - self._beat_s)
-        self.held_s += held
-        log.log(self._level(), "the event loop was held %.1f s in all; every %s waited "
-                "for it", held, self.what)
-        since = None
-      if since is None and late >= self.hold_s:
-        since = beat
-        self.holds += 1
+      if late < self.hold_s or beat == named:
+        continue
+      named = beat
+      self._named += 1
+      try:
         frame = sys._current_frames().get(loop_thread)
         try:
           task = asyncio.current_task(self._loop)
         except RuntimeError:
           task = None
-        log.log(self._level(),
-                "the event loop has been held %.1f s so far, by %s: no other %s moves "
-                "meanwhile and their time runs. Blocking work in async code belongs in "
-                "asyncio.to_thread (a plain tool function runs on a thread of its own)%s",
-                late, _where(frame, task), self.what,
-                "; later holds are logged at DEBUG, and counted" if self.holds == LOUD_HOLDS
-                else "")
+        where = _where(frame, task)
         del frame
+      except Exception as e:  # (the count goes on: the heartbeat keeps it)
+        where = f"code the watch could not name ({type(e).__name__}: {e})"
+      log.log(self._level(self._named),
+              "the event loop has been held %.1f s so far, by %s: no other %s moves "
+              "meanwhile and their time runs. Blocking work in async code belongs in "
+              "asyncio.to_thread (a plain tool function runs on a thread of its own)%s",
+              late, where, self.what,
+              "; later holds are logged at DEBUG, and counted" if self._named == LOUD_HOLDS
+              else "")
 
-  def _level(self) -> int:
-    return logging.WARNING if self.holds <= LOUD_HOLDS else logging.DEBUG
+  @staticmethod
+  def _level(n: int) -> int:
+    return logging.WARNING if n <= LOUD_HOLDS else logging.DEBUG
 
   def stop(self) -> None:
     self._stop.set()

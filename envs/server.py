@@ -113,9 +113,10 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
                     registry=registry)
   n_reaped = Counter("env_sessions_reaped", "Sessions closed for being idle", registry=registry)
   latency = Histogram("env_call_seconds", "Call latency", ["kind"], registry=registry)
-  watch = LoopWatch(what="session")  # (names an environment's code that holds the loop)
-  Gauge("env_loop_held_seconds", "Seconds the event loop was held by code that did not "
-        "await (envs.loopwatch)", registry=registry).set_function(lambda: watch.held_s)
+  held = Counter("env_loop_held_seconds", "Seconds the event loop was held (a second or "
+                 "more at a time) by code that did not await (envs.loopwatch)",
+                 registry=registry)
+  watch = LoopWatch(what="session", on_hold=held.inc)  # (names an env's code holding it)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):

@@ -291,8 +291,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                                advantage=cfg.advantage)
   scheduler.go_on_from(version, next_group, jax.process_index(), jax.process_count())
   scheduler.start()
-  # Names an environment's async code that holds the loop every episode moves on.
-  loop_watch = LoopWatch().start()
   primary = distributed.is_primary()
   writer = (MetricsWriter(run_dir, purge_step=int(state.step) + 1 if resume else None)
             if primary else None)
@@ -492,6 +490,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
       pass
   early_stop = stop_reached()
+  # Names an environment's async code that holds the loop every episode moves on.
+  loop_watch = LoopWatch().start()
   try:
     while step < cfg.steps and early_stop is None:
       if multi:  # a signal to any process stops every one here, between two steps (one
@@ -708,6 +708,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     nonfinite = isinstance(e, NonFiniteUpdate)
     raise
   finally:
+    loop_watch.stop()
     bar.close()
     if records is not None and recorded != records["step"]:  # stopped before its records
       try:
@@ -716,7 +717,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         print(f"warning: step {records['step']}'s records could not be written "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     pending = scheduler.pending_tasks()
-    loop_watch.stop()
     await scheduler.stop()
     # Saved only with its records: a checkpoint of a step whose metrics row and
     # trajectories were not written would resume past them, losing them for good. Nor

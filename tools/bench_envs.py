@@ -11,7 +11,7 @@ HTTP. Prints one JSON line per level:
    "loop_held_s"}
 
 (`loop_held_s`: the seconds the worker's event loop was held meanwhile by code that did
-not await, from its /metrics `env_loop_held_seconds`; every session waited for them.)
+not await, from its /metrics `env_loop_held_seconds_total`; every session waited for them.)
 
 then a table. Every episode must end with a verdict (pass, fail, timeout; infra_error
 only for injected faults): `errors` counts episodes that ended without one.
@@ -92,9 +92,9 @@ async def one(url: str, i: int) -> dict:
 
 
 def loop_held_s(url: str) -> float | None:
-  """The worker's `env_loop_held_seconds` (None: a worker without it)."""
+  """The worker's `env_loop_held_seconds_total` (None: a worker without it)."""
   for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-    if line.startswith("env_loop_held_seconds "):
+    if line.startswith("env_loop_held_seconds_total "):
       return float(line.split()[1])
   return None
 

@@ -36,8 +36,8 @@ def test_a_hold_is_named_where_it_is_and_counted(caplog):
     return watch
 
   watch = asyncio.run(main())
-  assert watch.holds == 1 and 0.9 < watch.held_s < 2.0, (watch.holds, watch.held_s)
-  start, end = [r.getMessage() for r in caplog.records]
+  assert watch.holds == 1 and 1.15 < watch.held_s < 2.0, (watch.holds, watch.held_s)
+  start, end = [r.getMessage() for r in caplog.records if r.name == "envs.loopwatch"]
   assert f"{__file__}:{spin.__code__.co_firstlineno + 2} in spin" in start, start
   assert "task episode-3 (blocking_step)" in start and "asyncio.to_thread" in start, start
   assert "held 1." in end and "in all" in end, end
@@ -54,25 +54,30 @@ def test_a_loop_that_awaits_is_not_held(caplog):
     return watch
 
   watch = asyncio.run(main())
-  assert watch.holds == 0 and watch.held_s == 0 and not caplog.records
+  assert watch.holds == 0 and watch.held_s == 0
+  assert not [r for r in caplog.records if r.name == "envs.loopwatch"]
 
 
 def test_after_ten_holds_they_are_counted_and_not_warned_of(caplog):
   caplog.set_level(logging.DEBUG, "envs.loopwatch")
 
   async def main():
-    async with LoopWatch(hold_s=0.1) as watch:
+    async with LoopWatch(hold_s=0.2) as watch:
       for _ in range(LOUD_HOLDS + 2):
-        spin(0.25)
-        await asyncio.sleep(0.15)
+        spin(0.4)
+        await asyncio.sleep(0.1)
     return watch
 
   watch = asyncio.run(main())
-  assert watch.holds == LOUD_HOLDS + 2
-  levels = [r.levelno for r in caplog.records if "so far" in r.getMessage()]
-  assert levels == [logging.WARNING] * LOUD_HOLDS + [logging.DEBUG] * 2
-  assert "later holds are logged at DEBUG" in [
-      r.getMessage() for r in caplog.records if "so far" in r.getMessage()][LOUD_HOLDS - 1]
+  # (a loaded machine may add a hold of its own: at least these, each measured by the
+  # heartbeat to its beat, 0.01 s)
+  assert watch.holds >= LOUD_HOLDS + 2
+  assert watch.held_s >= 0.39 * (LOUD_HOLDS + 2), watch.held_s
+  named = [r for r in caplog.records if "so far" in r.getMessage()]
+  assert len(named) >= LOUD_HOLDS + 2
+  assert [r.levelno for r in named[:LOUD_HOLDS]] == [logging.WARNING] * LOUD_HOLDS
+  assert {r.levelno for r in named[LOUD_HOLDS:]} == {logging.DEBUG}
+  assert "later holds are logged at DEBUG" in named[LOUD_HOLDS - 1].getMessage()
   with pytest.raises(ValueError, match="hold_s"):
     LoopWatch(hold_s=0)
 
@@ -98,7 +103,7 @@ ENV = textwrap.dedent("""\
 
 def test_an_env_worker_names_an_environment_that_holds_its_loop(tmp_path):
   """A worker's sessions all move on its loop: the log names the environment's line, and
-  /metrics counts the seconds (`env_loop_held_seconds`)."""
+  /metrics counts the seconds (`env_loop_held_seconds_total`)."""
   from tests.envs.test_server import start_worker, worker_log
 
   module = tmp_path / "sleepy_env.py"
@@ -113,7 +118,7 @@ def test_an_env_worker_names_an_environment_that_holds_its_loop(tmp_path):
     assert r.status_code == 200, r.text
     time.sleep(0.6)
     held = [line for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-            if line.startswith("env_loop_held_seconds ")]
+            if line.startswith("env_loop_held_seconds_total ")]
     assert held and float(held[0].split()[1]) > 1.0, held
   finally:
     proc.send_signal(signal.SIGTERM)
