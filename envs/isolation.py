@@ -521,15 +521,20 @@ def cpu_cgroup(uid: int, cpus: float) -> Optional[str]:
   `cpus` 0)."""
   if cpus <= 0:
     return None
-  quota = max(1000, int(cpus * _CPU_PERIOD_US))
+  quota = _quota_us(cpus)
   return _cgroup(uid, "cpu", {"cpu.cfs_period_us": _CPU_PERIOD_US, "cpu.cfs_quota_us": quota},
                  {"cpu.max": f"{quota} {_CPU_PERIOD_US}"})
+
+
+def _quota_us(cpus: float) -> int:
+  """A period's CPU time for `cpus` CPUs (at least the kernel's 1 ms)."""
+  return max(1000, int(cpus * _CPU_PERIOD_US))
 
 
 def set_cpu_quota(path: str, cpus: float) -> None:
   """Sets the quota of the CPU cgroup at `path` (from `cpu_cgroup`) to `cpus` CPUs; 0
   lifts it. Raises OSError where the cgroup is gone."""
-  quota = max(1000, int(cpus * _CPU_PERIOD_US)) if cpus > 0 else None
+  quota = _quota_us(cpus) if cpus > 0 else None
   if os.path.exists(os.path.join(path, "cpu.max")):  # v2
     knob, value = "cpu.max", f"{quota or 'max'} {_CPU_PERIOD_US}"
   else:

@@ -838,12 +838,11 @@ class Sandbox:
     """Kills a timed-out command so that its own parent reaps it (no orphans, no zombies)."""
     if self.isolation in ("bwrap", "mountns"):
       # Killing the PID namespace's init takes down everything inside; bwrap (or
-      # unshare) reaps it and exits.
+      # unshare) reaps it and exits. (A sandbox uid is had only in these modes:
+      # `_fast_exit` kills its every process at once.)
       for child in _children(proc.pid):
         with contextlib.suppress(ProcessLookupError):
           os.kill(child, signal.SIGKILL)
-    elif self.uid is not None:
-      await asyncio.to_thread(self._kill_uid)
     with contextlib.suppress(ProcessLookupError):
       os.killpg(proc.pid, signal.SIGKILL)
     await self._fast_exit()
