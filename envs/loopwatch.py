@@ -54,9 +54,9 @@ def _where(frame, task: Optional[asyncio.Task]) -> str:
 
 class LoopWatch:
   """Watches the running loop (start inside the loop, `stop()` at its end; an async
-  context manager too). The loop's own heartbeat measures each hold exactly (`holds`,
-  `held_s`: those of `hold_s` or more, and their seconds in all, to a beat's 50 ms); a
-  thread of its own looks as often and names a hold while it lasts."""
+  context manager too). The loop's own heartbeat measures each hold (`holds`, `held_s`:
+  those of `hold_s` or more, and their seconds in all, to a beat's 50 ms); a thread of
+  its own looks as often and names a hold while it lasts."""
 
   def __init__(self, hold_s: float = 1.0, what: str = "episode",
                on_hold: Optional[Callable[[float], None]] = None):
@@ -69,7 +69,7 @@ class LoopWatch:
     self.held_s = 0.0
     self._named = 0  # holds named while they lasted
     # (a hold is measured from the beat before it: at most a beat's length short)
-    self._beat_s = self._look_s = min(0.05, hold_s / 20)
+    self._beat_s = min(0.05, hold_s / 20)
     self._beat = time.monotonic()
     self._stop = threading.Event()
     self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -101,7 +101,7 @@ class LoopWatch:
 
   def _watch(self, loop_thread: int) -> None:
     named = None  # (the beat before the hold last named)
-    while not self._stop.wait(self._look_s):
+    while not self._stop.wait(self._beat_s):
       beat = self._beat
       late = time.monotonic() - beat - self._beat_s
       if late < self.hold_s or beat == named:
