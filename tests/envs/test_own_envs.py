@@ -19,6 +19,16 @@ EXAMPLE = "examples/reverse_word.py"
 TASKS = "examples/reverse_word.jsonl"
 
 
+class _StartsOnly(base.Env):
+  """A test environment whose episodes never get past the start (its reset's)."""
+
+  async def step(self, action):
+    raise AssertionError("not stepped")
+
+  async def verify(self):
+    raise AssertionError("not verified")
+
+
 def test_played_and_filtered_with_import(tmp_path, capsys, monkeypatch):
   from envs import filter as filter_cli
   from envs import play
@@ -139,16 +149,10 @@ def test_an_environment_whose_tools_are_malformed_is_named_at_the_start(tmp_path
   from jaxagent.run_services import task_tools
 
   @base.register("bad_tools_env")
-  class BadTools(base.Env):
+  class BadTools(_StartsOnly):
     async def reset(self, task):
       return base.Observation([{"role": "user", "content": "go"}],
                               [{"name": "f", "parameters": {}}])  # no type/function
-
-    async def step(self, action):
-      raise AssertionError("not stepped")
-
-    async def verify(self):
-      raise AssertionError("not verified")
 
   tasks = tmp_path / "tasks.jsonl"
   tasks.write_text('{"id": "b", "env": "bad_tools_env"}\n')
@@ -165,15 +169,9 @@ def test_a_reset_that_raises_at_the_start_names_its_task_and_a_task_id_twice_is_
   from jaxagent.run_services import task_tools
 
   @base.register("reset_bug_env")
-  class ResetBug(base.Env):
+  class ResetBug(_StartsOnly):
     async def reset(self, task):
       raise RuntimeError("grader database down")
-
-    async def step(self, action):
-      raise AssertionError("not stepped")
-
-    async def verify(self):
-      raise AssertionError("not verified")
 
   tasks = tmp_path / "tasks.jsonl"
   tasks.write_text('{"id": "r/0", "env": "reset_bug_env"}\n')
