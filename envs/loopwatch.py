@@ -10,11 +10,20 @@ once, for that hold, where the loop's thread is (the innermost frame of code tha
 not a library's, the innermost frame, and the task running), and when the hold ends,
 how long it was. Plain tool functions already run on threads (`envs.tools`); blocking
 work of an environment's own belongs in `asyncio.to_thread`.
+
+A hold is not charged to those who only waited for it. The watch keeps each task's
+context (a task factory of its own, on the loop, while it runs), and its thread looks,
+every beat of a hold, at which environment call's clock (`envs.waits.measured`) the
+running task is in; when the hold ends, every other call measured on the loop is
+credited its part as a wait (`envs.waits.credit_hold`). The holder's own deadline pays
+for it: a policy cannot make its environment hold the loop to push its siblings past
+their deadlines (a truncation, scored 0: their loss, its advantage).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import sys
@@ -22,7 +31,10 @@ import sysconfig
 import threading
 import time
 import traceback
+import weakref
 from typing import Callable, Optional
+
+from envs import waits
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +68,8 @@ class LoopWatch:
   """Watches the running loop (start inside the loop, `stop()` at its end; an async
   context manager too). The loop's own heartbeat measures each hold (`holds`, `held_s`:
   those of `hold_s` or more, and their seconds in all, to a beat's 50 ms); a thread of
-  its own looks as often and names a hold while it lasts."""
+  its own looks as often, names a hold while it lasts, and sees whose call holds it:
+  the hold is credited to the other calls (`settle`)."""
 
   def __init__(self, hold_s: float = 1.0, what: str = "episode",
                on_hold: Optional[Callable[[float], None]] = None):
@@ -70,16 +83,40 @@ class LoopWatch:
     self._named = 0  # holds named while they lasted
     # (a hold is measured from the beat before it: at most a beat's length short)
     self._beat_s = min(0.05, hold_s / 20)
-    self._beat = time.monotonic()
+    # A late beat of this much or more is a hold whose time is credited to the calls
+    # that did not hold it (shorter ones are the loop's ordinary crowd).
+    self._credit_s = 2 * self._beat_s
+    self._beat = time.perf_counter()
     self._stop = threading.Event()
     self._loop: Optional[asyncio.AbstractEventLoop] = None
     self._thread: Optional[threading.Thread] = None
     self._beater: Optional[asyncio.Task] = None
+    # Each task's context (where its code's `waits.measured()` clock is set), and what
+    # the looks at each hold (by the beat before it) saw running.
+    self._contexts: "weakref.WeakKeyDictionary[asyncio.Task, contextvars.Context]" = \
+        weakref.WeakKeyDictionary()
+    self._seen: dict[float, list] = {}
+    self._seen_lock = threading.Lock()
+    self._factory = self._prior_factory = self._prior_settle = None
 
   def start(self) -> "LoopWatch":
     self._loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
-    self._beat = time.monotonic()
+    self._prior_factory = prior = self._loop.get_task_factory()
+    contexts = self._contexts
+
+    def factory(loop, coro, context=None, **kwargs):  # (3.12 on: name, eager_start)
+      context = contextvars.copy_context() if context is None else context
+      task = (asyncio.Task(coro, loop=loop, context=context, **kwargs) if prior is None
+              else prior(loop, coro, context=context, **kwargs))
+      contexts[task] = context
+      return task
+
+    self._factory = factory
+    self._loop.set_task_factory(factory)
+    self._prior_settle = waits._SETTLE.get(self._loop)  # (a watch started before this)
+    waits._SETTLE[self._loop] = self.settle
+    self._beat = time.perf_counter()
     self._beater = self._loop.create_task(self._beats(), name="loopwatch-heartbeat")
     self._thread = threading.Thread(target=self._watch, args=(loop_thread,),
                                     name="loopwatch", daemon=True)
@@ -89,21 +126,62 @@ class LoopWatch:
   async def _beats(self) -> None:
     while True:
       await asyncio.sleep(self._beat_s)
-      now = time.monotonic()
-      late, self._beat = now - self._beat - self._beat_s, now
+      self.settle(beat=True)
+
+  def settle(self, beat: bool = False) -> None:
+    """Measures (and credits, and counts) the hold that has just ended, if there was
+    one. On the loop: by its heartbeat each beat, and by `waits.within` before it judges
+    a deadline (which may come due during a hold and be judged before the heartbeat
+    runs)."""
+    now = time.perf_counter()
+    late = now - self._beat - self._beat_s
+    if late >= self._credit_s or beat:
+      self._beat, last = now, self._beat
+    if late >= self._credit_s:
+      with self._seen_lock:
+        seen = self._seen.pop(last, [])
+        self._seen.clear()  # (older beats' looks, seen after their hold ended)
+      try:
+        credited, charged = waits.credit_hold(self._loop, last + self._beat_s, now, seen)
+      except Exception:  # (a bug here must not stop the heartbeat, nor `within`)
+        log.exception("could not credit a hold of the event loop to the calls it held up")
+        credited, charged = 0, 0.0
       if late >= self.hold_s:
         self.holds += 1
         self.held_s += late
         if self._on_hold is not None:
           self._on_hold(late)
         log.log(self._level(self.holds), "the event loop was held %.1f s in all; every %s "
-                "waited for it", late, self.what)
+                "waited for it (%d environment calls credited it as a wait; %.1f s of it "
+                "charged to the calls that held it)", late, self.what, credited, charged)
+    elif beat:
+      with self._seen_lock:
+        self._seen.clear()
+
+  def _running(self):
+    """What runs on the loop now, for `waits.credit_hold`: the running task's call
+    clock (waits.NO_CALL outside a call, or outside a task), or waits.UNSEEN."""
+    task = asyncio.current_task(self._loop)
+    if task is None:
+      return waits.NO_CALL
+    context = self._contexts.get(task)
+    if context is None:
+      return waits.UNSEEN
+    return context.get(waits._CLOCK) or waits.NO_CALL
 
   def _watch(self, loop_thread: int) -> None:
     named = None  # (the beat before the hold last named)
     while not self._stop.wait(self._beat_s):
       beat = self._beat
-      late = time.monotonic() - beat - self._beat_s
+      late = time.perf_counter() - beat - self._beat_s
+      if late < self._beat_s:
+        continue
+      try:
+        running = self._running()
+      except Exception:  # (the loop's task table changed under the look)
+        running = waits.UNSEEN
+      with self._seen_lock:
+        self._seen.setdefault(beat, []).append(running)
       if late < self.hold_s or beat == named:
         continue
       named = beat
@@ -134,6 +212,14 @@ class LoopWatch:
     self._stop.set()
     if self._beater is not None:
       self._beater.cancel()
+    if self._loop is not None and waits._SETTLE.get(self._loop) == self.settle:
+      if self._prior_settle is None:
+        waits._SETTLE.pop(self._loop, None)
+      else:
+        waits._SETTLE[self._loop] = self._prior_settle
+    if (self._loop is not None and not self._loop.is_closed()
+        and self._loop.get_task_factory() is self._factory):
+      self._loop.set_task_factory(self._prior_factory)
     if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join(timeout=1.0)
 

@@ -192,56 +192,58 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       finally:
         calls.release()
 
-    with waits.measured() as clock:
-      task = asyncio.ensure_future(capped())
+    # (the call is measured to its end: a hold of the loop by another call is credited
+    # to its clock meanwhile, envs.loopwatch)
     s = sessions.get(sid) if sid is not None else None
-    if s is not None:
-      s.call, s.clock = task, clock
-      s.calls.add(task)
-      task.add_done_callback(s.calls.discard)
-    async def not_its_own() -> float:  # (a kill a command stalls is the policy's; red
-      return clock.not_own_s()           # team 44)
+    with waits.measured(owner=s) as clock:
+      task = asyncio.ensure_future(capped())
+      if s is not None:
+        s.call, s.clock = task, clock
+        s.calls.add(task)
+        task.add_done_callback(s.calls.discard)
+      async def not_its_own() -> float:  # (a kill a command stalls is the policy's; red
+        return clock.not_own_s()           # team 44)
 
-    try:
-      out = await waits.within(task, not_its_own, deadline_s, WALL_FACTOR * deadline_s, t0)
-    except asyncio.CancelledError:
-      if asyncio.current_task().cancelling():  # (this request's own: its client went)
+      try:
+        out = await waits.within(task, not_its_own, deadline_s, WALL_FACTOR * deadline_s, t0)
+      except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # (this request's own: its client went)
+          raise
+        # (the call's, by a DELETE of its session: a plain 500 before, red team 14)
+        n_calls.labels(kind, "closed").inc()
+        raise HTTPException(409, f"{kind}: the session was closed during this call")
+      except (waits.DeadlineCut, waits.WallCut):  # (the environment's own TimeoutError: below)
+        n_calls.labels(kind, "deadline").inc()
+        if sid is not None:
+          await close_session(sid)
+        raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline "
+                                 f"({clock.total_s():.1f}s waiting on sandbox slots and turns "
+                                 f"and {clock.commands_total_s():.1f}s of sandboxed commands "
+                                 f"not counted; {WALL_FACTOR * deadline_s:.0f}s in all at "
+                                 "most); the session was closed")
+      except _NoTurn as e:
+        n_calls.labels(kind, "busy").inc()
+        raise HTTPException(503, str(e))
+      except HTTPException:
         raise
-      # (the call's, by a DELETE of its session: a plain 500 before, red team 14)
-      n_calls.labels(kind, "closed").inc()
-      raise HTTPException(409, f"{kind}: the session was closed during this call")
-    except (waits.DeadlineCut, waits.WallCut):  # (the environment's own TimeoutError: below)
-      n_calls.labels(kind, "deadline").inc()
-      if sid is not None:
-        await close_session(sid)
-      raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline "
-                               f"({clock.total_s():.1f}s waiting on sandbox slots and turns "
-                               f"and {clock.commands_total_s():.1f}s of sandboxed commands "
-                               f"not counted; {WALL_FACTOR * deadline_s:.0f}s in all at "
-                               "most); the session was closed")
-    except _NoTurn as e:
-      n_calls.labels(kind, "busy").inc()
-      raise HTTPException(503, str(e))
-    except HTTPException:
-      raise
-    except InfraError as e:  # a sandbox the worker could not run: the worker's failure
-      n_calls.labels(kind, "infra").inc()
-      raise HTTPException(503, f"{kind} failed in the infrastructure: {e}")
-    except (MemoryError, OSError, subprocess.SubprocessError) as e:  # this worker's host
-      # (a full disk, a mount or a command that failed, a network timeout), not the
-      # environment's code
-      n_calls.labels(kind, "infra").inc()
-      raise HTTPException(503, f"{kind} failed in the infrastructure: {failure(e)}")
-    except Exception as e:  # the environment's bug (or its task's): named where it was
-      # raised, and kept serving. (A 500 was read as the infrastructure's: a verdict whose
-      # status was misspelt was re-rolled 365 times until the run stopped blaming the
-      # workers; a new user.)
-      n_calls.labels(kind, "bad_request" if isinstance(e, (ValueError, KeyError))
-                     else "error").inc()
-      raise HTTPException(400, f"{kind} failed: {failure(e)}")
-    finally:
-      if s is not None:  # idle from the call's end on (it ran as long as it ran)
-        s.last_used = time.time()
+      except InfraError as e:  # a sandbox the worker could not run: the worker's failure
+        n_calls.labels(kind, "infra").inc()
+        raise HTTPException(503, f"{kind} failed in the infrastructure: {e}")
+      except (MemoryError, OSError, subprocess.SubprocessError) as e:  # this worker's host
+        # (a full disk, a mount or a command that failed, a network timeout), not the
+        # environment's code
+        n_calls.labels(kind, "infra").inc()
+        raise HTTPException(503, f"{kind} failed in the infrastructure: {failure(e)}")
+      except Exception as e:  # the environment's bug (or its task's): named where it was
+        # raised, and kept serving. (A 500 was read as the infrastructure's: a verdict whose
+        # status was misspelt was re-rolled 365 times until the run stopped blaming the
+        # workers; a new user.)
+        n_calls.labels(kind, "bad_request" if isinstance(e, (ValueError, KeyError))
+                       else "error").inc()
+        raise HTTPException(400, f"{kind} failed: {failure(e)}")
+      finally:
+        if s is not None:  # idle from the call's end on (it ran as long as it ran)
+          s.last_used = time.time()
     n_calls.labels(kind, "ok").inc()
     latency.labels(kind).observe(time.perf_counter() - t0)
     return out, round(clock.total_s(), 4)  # the waits: the agent charges them elsewhere

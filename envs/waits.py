@@ -16,26 +16,37 @@ runs out charges them to the infrastructure, not to the policy.
 
 The clock travels in a context variable, so tasks and threads started inside
 `measured()` report to it too.
+
+Every episode of a run moves on one event loop: while one environment's code holds it
+(computes or blocks without awaiting), no other call moves, and their time runs.
+`envs.loopwatch.LoopWatch` sees who held it and credits the hold to every other call in
+a `measured()` block as a wait (`credit_hold`): a policy that makes its own environment
+hold the loop spends its own budget, not its siblings'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import time
-from typing import Awaitable, Callable, Iterator, Optional
+from typing import Awaitable, Callable, Iterator, Optional, Sequence
 
 
 class WaitClock:
   """Seconds waited on shared infrastructure inside one `measured()` block, and seconds
   the policy's sandboxed commands ran (`commanding()`)."""
 
-  def __init__(self):
+  def __init__(self, owner: object = None):
+    self.owner = self if owner is None else owner  # (whose calls' clocks are one's)
     self.waited_s = 0.0  # waits that ended
     self._open: list[float] = []  # start times of waits in progress
     self.commands_s = 0.0  # commands that ended
     self._commands: list[float] = []  # start times of commands running
+    self.held_s = 0.0  # other code's holds of the event loop, credited (in waited_s too)
+    self._ended: collections.deque = collections.deque(maxlen=64)  # (start, end) of marks
+    self._loop: Optional[asyncio.AbstractEventLoop] = None  # (the loop it is measured on)
 
   @property
   def waiting(self) -> bool:
@@ -57,20 +68,87 @@ class WaitClock:
     now = time.perf_counter()
     return self.commands_s + sum(now - t for t in self._commands)
 
+  def _counted_s(self, t0: float, t1: float) -> float:
+    """Seconds of [t0, t1] that its waits and commands (running, or ended lately)
+    already leave out of its own time."""
+    spans = list(self._ended) + [(t, t1) for t in self._open + self._commands]
+    return min(t1 - t0, sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans))
+
 
 _CLOCK: contextvars.ContextVar[Optional[WaitClock]] = contextvars.ContextVar(
     "jaxagent_env_wait_clock", default=None)
 
 
 @contextlib.contextmanager
-def measured() -> Iterator[WaitClock]:
-  """Runs the block with a fresh clock (yielded) that its infrastructure waits add to."""
-  clock = WaitClock()
+def measured(owner: object = None) -> Iterator[WaitClock]:
+  """Runs the block with a fresh clock (yielded) that its infrastructure waits add to.
+  `owner`: the episode or session whose call it is: a hold of the loop by code on
+  another of its clocks (a task its environment started in an earlier call) is not
+  credited to it."""
+  clock = WaitClock(owner)
+  try:
+    clock._loop = asyncio.get_running_loop()
+  except RuntimeError:  # (no loop: no hold to credit)
+    pass
   token = _CLOCK.set(clock)
+  _LIVE.add(clock)
   try:
     yield clock
   finally:
+    _LIVE.discard(clock)
     _CLOCK.reset(token)
+
+
+_LIVE: set[WaitClock] = set()  # the clocks of the `measured()` blocks open now
+
+# What a look at a held loop saw running (`LoopWatch`), besides a call's clock: code
+# outside any measured() call (the run's own, or a callback), or a task whose context
+# the watch does not know (made before it started).
+NO_CALL, UNSEEN = "no_call", "unseen"
+
+
+# Each watched loop's `LoopWatch.settle` (from its start to its stop; a plain dict: not
+# every loop can be referred to weakly).
+_SETTLE: dict[asyncio.AbstractEventLoop, Callable[[], None]] = {}
+
+
+def settle_holds() -> None:
+  """Credits a hold of the running loop that has just ended, if its watch has not yet
+  (its heartbeat may run after a deadline that came due during the hold is judged)."""
+  try:
+    settle = _SETTLE.get(asyncio.get_running_loop())
+  except RuntimeError:
+    return
+  if settle is not None:
+    settle()
+
+
+def credit_hold(loop: asyncio.AbstractEventLoop, t0: float, t1: float,
+                seen: Sequence) -> tuple[int, float]:
+  """Credits the hold of `loop` over [t0, t1] (perf_counter) as a wait to each call
+  measured on it that did not hold it. `seen`: what each look during the hold saw
+  running (a call's WaitClock, NO_CALL or UNSEEN); a call is credited the part of the
+  hold that looks saw others hold (other owners' calls, or code in no call; UNSEEN is
+  nobody's: a hold never looked at is credited to no one, as before the watch), less
+  what its own waits and commands already leave out. Returns (the calls credited, the
+  seconds charged to the calls that held it)."""
+  if not seen or t1 <= t0:
+    return 0, 0.0
+  n = len(seen)
+  # (by the owner's identity: a session or an episode need not be hashable)
+  by = collections.Counter(id(c.owner) if isinstance(c, WaitClock) else c for c in seen)
+  known = n - by.get(UNSEEN, 0)
+  credited = 0
+  for clock in list(_LIVE):
+    if clock._loop is not loop:
+      continue
+    share = (known - by.get(id(clock.owner), 0)) / n * (t1 - t0 - clock._counted_s(t0, t1))
+    if share > 0:
+      clock.waited_s += share
+      clock.held_s += share
+      credited += 1
+  held = sum(k for c, k in by.items() if c not in (NO_CALL, UNSEEN)) / n * (t1 - t0)
+  return credited, held
 
 
 @contextlib.contextmanager
@@ -86,8 +164,10 @@ def _marked(running: str, ended: str) -> Iterator[None]:
   try:
     yield
   finally:
+    t1 = time.perf_counter()
     getattr(clock, running).remove(t0)
-    setattr(clock, ended, getattr(clock, ended) + time.perf_counter() - t0)
+    setattr(clock, ended, getattr(clock, ended) + t1 - t0)
+    clock._ended.append((t0, t1))
 
 
 def commanding() -> contextlib.AbstractContextManager:
@@ -141,6 +221,7 @@ async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], l
   task is cancelled (to see how its work in flight stands)."""
   try:
     while True:
+      settle_holds()  # (a hold of the loop that just ended: credited before it is judged)
       elapsed = time.perf_counter() - t0
       if elapsed >= wall_s:
         if on_cut is not None:

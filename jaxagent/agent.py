@@ -445,7 +445,7 @@ class MeasuredEnv:
     t0, reported = time.perf_counter(), getattr(self.env, "infra_wait_s", 0.0)
     remote = 0.0
     try:
-      with waits.measured() as self._clock:
+      with waits.measured(owner=self) as self._clock:
         if self.deadline_s is None:
           return await call
         return await self._within_deadline(call, what, t0)
