@@ -336,7 +336,8 @@ def main(argv=None) -> int:
                       "router's and the environment workers'")
   g.add_argument("--server-image", default=None,
                  help="the rollout servers' image (JAX for their accelerator: JAX_EXTRA=cuda12 "
-                      "on an nvidia pool); default --image (a TPU image has no CUDA: a new user)")
+                      "on an nvidia pool); default --image, whose JAX may not be for the "
+                      "servers' accelerator (a TPU image has no CUDA)")
   g.add_argument("--out", required=True)
   g.add_argument("--bucket", default="gs://BUCKET/runs", help="where run directories go")
   g.add_argument("--namespace", default="default")

@@ -176,7 +176,7 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
   unknown environment) raises ValueError."""
   import pydantic
 
-  from envs.base import BAD_TASK, cannot_start, failure
+  from envs.base import BAD_TASK, CannotStart, cannot_start, failure
   from envs.isolation import IsolationUnavailable
   from rollout_server.server import ToolDef
 
@@ -185,16 +185,19 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
   for task in first.values():
     try:
       env = env_factory(task)
+    except KeyError as e:  # an environment nobody registered: its message, unquoted
+      raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
+    try:
       try:
         obs = await env.reset(task)
       finally:
         await env.close()
-    except KeyError as e:  # an environment nobody registered: its message, unquoted
-      raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
-    except (ValueError, InfraError, IsolationUnavailable, OSError, MemoryError,
+    except (CannotStart, InfraError, IsolationUnavailable, OSError, MemoryError,
             asyncio.CancelledError):
-      raise  # (the task's; the infrastructure's; this host's)
-    except BAD_TASK as e:  # (the task's parameters of the wrong type or shape)
+      raise  # (the task's, said already; the infrastructure's; this host's)
+    except BAD_TASK as e:  # (the task's parameters of the wrong type or shape: named with
+      # its task and the line that raised, as a later task's are; a bad value in the
+      # file's first task was a bare "invalid literal for int()": a new user)
       raise cannot_start(task, e) from e
     except Exception as e:  # the environment's bug: named with its task and its line
       raise RuntimeError(f"task {task.id!r} ({task.env}): the environment's reset raised "

@@ -53,6 +53,10 @@ from jaxagent.config import AdvantageConfig, RolloutConfig
 from jaxagent.errors import InfraOutage, RunWriteFailed, TaskError
 
 
+# Why a scheduler drops an episode or a group (`RolloutScheduler.dropped`; also counted
+# by infrastructure failure's kind, `infra_<kind>`).
+DROP_REASONS = ("infra_error", "stale", "too_few_valid", "future_version", "no_signal")
+
 # What to look at when most drops are of one kind (InfraOutage's message).
 _OUTAGE_HINT = "check the rollout servers, environment workers and sandbox"
 _OUTAGE_HINTS = {

@@ -58,8 +58,8 @@ from jaxagent.run_dir import (RunDirInUse, compare_canary, dependency_versions, 
                               trajectories_file)
 from jaxagent.run_services import (Serving, attach_judge, first_tasks, make_env_factory,
                                    score_segments, task_tools)
-from jaxagent.scheduler import (RolloutScheduler, baseline_share, carries_signal,
-                                episode_index, pack_groups, trim_batch)
+from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share,
+                                carries_signal, episode_index, pack_groups, trim_batch)
 from jaxagent.stopping import (RESUME_COMMAND, RepeatedTerm, StopNow, exit_soon, leave_stuck_threads,
                                resume_command, resume_on, unless_stopped)
 from jaxagent.trajectory import dump_segments
@@ -434,6 +434,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         "batch_fill": round(info["fill"], 4),
         "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
         "loop_held_s": round(loop_watch.held_s, 3),
+        # (every reason in every row, 0 until one is dropped: a column read over the
+        # rows has no gaps; infra_<kind> from the first of its kind)
+        **{f"dropped_{k}": scheduler.dropped[k] for k in DROP_REASONS},
         **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
         **{k: v for k, v in p["m"].items() if k != "denom"}})
     if writer is not None:

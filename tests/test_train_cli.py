@@ -40,8 +40,11 @@ def test_tiny_default_runs_and_resumes(tmp_path):
               "tool_errors", "action_tokens", "episode_latency_s_p50", "episode_latency_s_p99",
               "rollout_tokens_per_s", "valid_trajectories_per_s", "policy_lag_mean",
               "rollout_s", "learner_s", "weight_sync_s", "loss", "entropy", "grad_norm",
-              "token_staleness_mean", "token_staleness_frac_0", "loop_held_s"):
-    assert key in rows[-1], key
+              "token_staleness_mean", "token_staleness_frac_0", "loop_held_s",
+              # (every row, 0 until one is dropped: a new user's column had gaps)
+              "dropped_infra_error", "dropped_stale", "dropped_too_few_valid",
+              "dropped_future_version", "dropped_no_signal"):
+    assert all(key in row for row in rows), key
   assert rows[-1]["loop_held_s"] < 3.0  # (nothing of the run's own holds the loop)
   assert rows[-1]["policy_version"] == 3
   for name in ("metrics.jsonl", "learning_curve.png", "trajectories.jsonl.gz", "config.json"):
