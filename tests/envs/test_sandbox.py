@@ -79,6 +79,29 @@ def test_infinite_loop_is_killed_at_the_timeout(sandbox):
   assert run(sandbox, "print(1)").ok  # the sandbox still works
 
 
+def test_a_command_that_ended_in_time_is_not_timed_out_by_a_held_loop(sandbox):
+  """Another call's code holds the event loop across a command's wall limit: the
+  command, which ended well inside it, is not read as timed out (it was: its grading a
+  TIMEOUT verdict, reward 0, for a sibling's hold; red team). One that runs on is."""
+
+  async def main(code):
+    async def sibling():
+      await asyncio.sleep(1.0)  # (the command has started by then, and runs on)
+      t = time.perf_counter()
+      while time.perf_counter() - t < 3.5:  # holds the loop (past the 3 s limit)
+        pass
+
+    held = asyncio.ensure_future(sibling())
+    r = await sandbox.run_python(code, timeout=3.0)
+    await held
+    return r
+
+  r = asyncio.run(main("import time; time.sleep(1.5); print('done')"))
+  assert r.ok and not r.timed_out and r.stdout == "done\n", r
+  r = asyncio.run(main("while True: pass"))
+  assert r.timed_out and not r.ok
+
+
 def test_memory_hog_is_contained(sandbox):
   r = run(sandbox, "x = bytearray(2 << 30)\nprint('allocated')")
   assert r.exit_code != 0 and "MemoryError" in r.stderr and "allocated" not in r.stdout
