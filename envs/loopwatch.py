@@ -91,31 +91,41 @@ class LoopWatch:
     self._loop: Optional[asyncio.AbstractEventLoop] = None
     self._thread: Optional[threading.Thread] = None
     self._beater: Optional[asyncio.Task] = None
-    # Each task's context (where its code's `waits.measured()` clock is set), and what
-    # the looks at each hold (by the beat before it) saw running.
-    self._contexts: "weakref.WeakKeyDictionary[asyncio.Task, contextvars.Context]" = \
+    # Each task's context (where its code's `waits.measured()` clock is set; weakly: a
+    # context can refer to its own task, through a clock's owner), on Pythons whose
+    # tasks do not say (3.11); the tasks there before the watch (the run's own); and
+    # what the looks at each hold (by the beat before it) saw running.
+    self._contexts: "weakref.WeakKeyDictionary[asyncio.Task, weakref.ref]" = \
         weakref.WeakKeyDictionary()
+    self._before: "weakref.WeakSet[asyncio.Task]" = weakref.WeakSet()
     self._seen: dict[float, list] = {}
     self._seen_lock = threading.Lock()
-    self._factory = self._prior_factory = self._prior_settle = None
+    self._factory = self._prior_factory = None
+    self._credits = False  # (the loop's first watch credits holds; one within it only
+    # names and counts them)
 
   def start(self) -> "LoopWatch":
+    if self._loop is not None:
+      raise RuntimeError("this LoopWatch was started already")
     self._loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
-    self._prior_factory = prior = self._loop.get_task_factory()
-    contexts = self._contexts
+    self._credits = self._loop not in waits._SETTLE
+    if self._credits:
+      self._before = weakref.WeakSet(asyncio.all_tasks(self._loop))
+      if not hasattr(asyncio.Task, "get_context"):  # (3.11; 3.12 on, a task says)
+        self._prior_factory = prior = self._loop.get_task_factory()
+        contexts = self._contexts
 
-    def factory(loop, coro, context=None, **kwargs):  # (3.12 on: name, eager_start)
-      context = contextvars.copy_context() if context is None else context
-      task = (asyncio.Task(coro, loop=loop, context=context, **kwargs) if prior is None
-              else prior(loop, coro, context=context, **kwargs))
-      contexts[task] = context
-      return task
+        def factory(loop, coro, context=None, **kwargs):
+          context = contextvars.copy_context() if context is None else context
+          task = (asyncio.Task(coro, loop=loop, context=context, **kwargs) if prior is None
+                  else prior(loop, coro, context=context, **kwargs))
+          contexts[task] = weakref.ref(context)
+          return task
 
-    self._factory = factory
-    self._loop.set_task_factory(factory)
-    self._prior_settle = waits._SETTLE.get(self._loop)  # (a watch started before this)
-    waits._SETTLE[self._loop] = self.settle
+        self._factory = factory
+        self._loop.set_task_factory(factory)
+      waits._SETTLE[self._loop] = self.settle
     self._beat = time.perf_counter()
     self._beater = self._loop.create_task(self._beats(), name="loopwatch-heartbeat")
     self._thread = threading.Thread(target=self._watch, args=(loop_thread,),
@@ -141,16 +151,21 @@ class LoopWatch:
       with self._seen_lock:
         seen = self._seen.pop(last, [])
         self._seen.clear()  # (older beats' looks, seen after their hold ended)
-      try:
-        credited, charged = waits.credit_hold(self._loop, last + self._beat_s, now, seen)
-      except Exception:  # (a bug here must not stop the heartbeat, nor `within`)
-        log.exception("could not credit a hold of the event loop to the calls it held up")
-        credited, charged = 0, 0.0
+      # (a bug here, or in `on_hold`, must not stop the heartbeat, nor fail a `within`)
+      credited, charged = 0, 0.0
+      if self._credits:
+        try:
+          credited, charged = waits.credit_hold(self._loop, last + self._beat_s, now, seen)
+        except Exception:
+          log.exception("could not credit a hold of the event loop to the calls it held up")
       if late >= self.hold_s:
         self.holds += 1
         self.held_s += late
-        if self._on_hold is not None:
-          self._on_hold(late)
+        try:
+          if self._on_hold is not None:
+            self._on_hold(late)
+        except Exception:
+          log.exception("the event loop watch's on_hold failed")
         log.log(self._level(self.holds), "the event loop was held %.1f s in all; every %s "
                 "waited for it (%d environment calls credited it as a wait; %.1f s of it "
                 "charged to the calls that held it)", late, self.what, credited, charged)
@@ -160,11 +175,17 @@ class LoopWatch:
 
   def _running(self):
     """What runs on the loop now, for `waits.credit_hold`: the running task's call
-    clock (waits.NO_CALL outside a call, or outside a task), or waits.UNSEEN."""
+    clock (waits.NO_CALL outside a call, or outside a task: a callback), or
+    waits.UNSEEN."""
     task = asyncio.current_task(self._loop)
-    if task is None:
+    if task is None or task in self._before:
       return waits.NO_CALL
-    context = self._contexts.get(task)
+    get_context = getattr(task, "get_context", None)
+    if get_context is not None:
+      context = get_context()
+    else:
+      ref = self._contexts.get(task)
+      context = ref() if ref is not None else None
     if context is None:
       return waits.UNSEEN
     return context.get(waits._CLOCK) or waits.NO_CALL
@@ -213,10 +234,7 @@ class LoopWatch:
     if self._beater is not None:
       self._beater.cancel()
     if self._loop is not None and waits._SETTLE.get(self._loop) == self.settle:
-      if self._prior_settle is None:
-        waits._SETTLE.pop(self._loop, None)
-      else:
-        waits._SETTLE[self._loop] = self._prior_settle
+      waits._SETTLE.pop(self._loop, None)
     if (self._loop is not None and not self._loop.is_closed()
         and self._loop.get_task_factory() is self._factory):
       self._loop.set_task_factory(self._prior_factory)

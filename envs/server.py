@@ -86,6 +86,9 @@ class _Session:
   clock: Optional[waits.WaitClock] = None  # its waits on shared infrastructure
   # Every call running (a second waits for the first's lock): all cancelled on close.
   calls: set = dataclasses.field(default_factory=set)
+  # Whose calls' clocks are one's (`waits.measured`), from its reset on: a task its
+  # environment started in one call holds the loop on the session's account in another.
+  owner: object = dataclasses.field(default_factory=object)
 
 
 # A call answers within this many deadlines, waits and all (a client's timeout must be
@@ -125,8 +128,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         await asyncio.sleep(max(0.05, min(30.0, idle_timeout_s / 4)))
         await reap_idle()
 
+    watch.start()  # (first: the tasks made after it are told apart, the reaper's too)
     task = asyncio.create_task(reaper())
-    watch.start()
     try:
       yield
     finally:
@@ -153,7 +156,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         with contextlib.suppress(BaseException):
           await call
       try:
-        await s.env.close()
+        with waits.measured(owner=s.owner):  # (a close that holds the loop: the session's)
+          await s.env.close()
       except Exception:
         pass
 
@@ -172,7 +176,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     s.last_used = time.time()
     return s
 
-  async def guarded(kind: str, sid: Optional[str], coro_fn):
+  async def guarded(kind: str, sid: Optional[str], coro_fn, owner: object = None):
     """Runs one call under the concurrency cap; returns (its result, seconds it waited).
     The deadline bounds the call's own work; its waits on shared infrastructure (a turn
     under the cap, a sandbox slot) are not charged to it (other episodes' load must not
@@ -195,7 +199,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     # (the call is measured to its end: a hold of the loop by another call is credited
     # to its clock meanwhile, envs.loopwatch)
     s = sessions.get(sid) if sid is not None else None
-    with waits.measured(owner=s) as clock:
+    with waits.measured(owner=s.owner if s is not None else owner) as clock:
       task = asyncio.ensure_future(capped())
       if s is not None:
         s.call, s.clock = task, clock
@@ -288,7 +292,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       # worker's session slots that long)
       idle_s = min(body.idle_timeout_s, max_idle_timeout_s) if body.idle_timeout_s \
           else idle_timeout_s
-      sessions[sid] = _Session(env, task, asyncio.Lock(), time.time(), idle_s)
+      sessions[sid] = _Session(env, task, asyncio.Lock(), time.time(), idle_s, owner=owner)
       n_sessions.set(len(sessions))
       return obs
 
@@ -297,7 +301,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     # a session its reset registered is closed whenever the answer does not carry it
     # (a reset that ended as the deadline cut it, a handler cancelled at shutdown).
     starting["n"] += 1
-    call = asyncio.ensure_future(guarded("reset", None, start))
+    owner = object()  # (the session's, its reset's call included)
+    call = asyncio.ensure_future(guarded("reset", None, start, owner))
     gone = asyncio.ensure_future(client_gone(http))
     try:
       await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)

@@ -38,8 +38,11 @@ class WaitClock:
   """Seconds waited on shared infrastructure inside one `measured()` block, and seconds
   the policy's sandboxed commands ran (`commanding()`)."""
 
-  def __init__(self, owner: object = None):
+  def __init__(self, owner: object = None, between_calls: bool = False):
     self.owner = self if owner is None else owner  # (whose calls' clocks are one's)
+    # (its owner's time between its calls: credited a hold only while no call of its
+    # owner's is measured)
+    self.between_calls = between_calls
     self.waited_s = 0.0  # waits that ended
     self._open: list[float] = []  # start times of waits in progress
     self.commands_s = 0.0  # commands that ended
@@ -80,12 +83,17 @@ _CLOCK: contextvars.ContextVar[Optional[WaitClock]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def measured(owner: object = None) -> Iterator[WaitClock]:
+def measured(owner: object = None, *, between_calls: bool = False) -> Iterator[WaitClock]:
   """Runs the block with a fresh clock (yielded) that its infrastructure waits add to.
-  `owner`: the episode or session whose call it is: a hold of the loop by code on
-  another of its clocks (a task its environment started in an earlier call) is not
-  credited to it."""
-  clock = WaitClock(owner)
+  `owner`: the episode or session whose call it is (by default the clock's it runs in,
+  if any): a hold of the loop by code on another of its clocks (a task its environment
+  started in an earlier call) is not credited to it. `between_calls`: the clock of an
+  episode's time outside its environment calls (waiting on the server): credited a hold
+  only while no call of its owner's is measured."""
+  outer = _CLOCK.get()
+  if owner is None and outer is not None:
+    owner = outer.owner
+  clock = WaitClock(owner, between_calls)
   try:
     clock._loop = asyncio.get_running_loop()
   except RuntimeError:  # (no loop: no hold to credit)
@@ -138,10 +146,12 @@ def credit_hold(loop: asyncio.AbstractEventLoop, t0: float, t1: float,
   # (by the owner's identity: a session or an episode need not be hashable)
   by = collections.Counter(id(c.owner) if isinstance(c, WaitClock) else c for c in seen)
   known = n - by.get(UNSEEN, 0)
+  live = [c for c in _LIVE if c._loop is loop]
+  calling = {id(c.owner) for c in live if not c.between_calls}
   credited = 0
-  for clock in list(_LIVE):
-    if clock._loop is not loop:
-      continue
+  for clock in live:
+    if clock.between_calls and id(clock.owner) in calling:
+      continue  # (the call's clock is credited)
     share = (known - by.get(id(clock.owner), 0)) / n * (t1 - t0 - clock._counted_s(t0, t1))
     if share > 0:
       clock.waited_s += share
@@ -234,6 +244,7 @@ async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], l
         raise DeadlineCut
       done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), look_s))
       if done:
+        settle_holds()  # (a hold it ended in is its waits' too, whoever asks them next)
         return task.result()
   except BaseException:
     task.cancel()

@@ -387,10 +387,11 @@ def judge_cut(cut: BaseException, server_s: float, where: str, measured: "Measur
   its own tokens took (a policy that writes to its token cap on a busy server would
   otherwise turn its long failures into re-rolled infrastructure errors, never trained).
   The server's side (`server_s`) is the rest: waiting for a slot, prefill, transport. At
-  the wall, the waits of the crowd its own run makes are on the policy's side too."""
+  the wall, the waits of the crowd its own run makes are on the policy's side too (not
+  other episodes' holds of the event loop: those are no load of its own)."""
   kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
   policy_s = (measured.env_s + decode_s
-              + (measured.waited_s if kind == "episode_wall" else 0.0))
+              + (measured.waited_s - measured.held_s if kind == "episode_wall" else 0.0))
   if server_s < policy_s:
     return kind, None
   return kind, (f"{kind}: {server_s:.1f} s {where} (and {decode_s:.1f} s decoding its own "
@@ -419,7 +420,21 @@ class MeasuredEnv:
     self.deadline_s = None if hasattr(env, "in_flight_wait_s") else deadline_s
     self.rewards: list[float] = []
     self.waited_s = self.env_s = 0.0
+    self.held_s = 0.0  # of waited_s, other code's holds of the event loop (envs.loopwatch)
     self._clock: Optional[waits.WaitClock] = None
+    self._between: Optional[waits.WaitClock] = None  # (`episode()`)
+
+  @contextlib.contextmanager
+  def episode(self):
+    """Measures the episode's time between its calls too (waiting on the server, its
+    agent's own code): another episode's hold of the event loop meanwhile is a wait
+    (`envs.loopwatch`), not its time; a hold by its own agent's code is its own. The
+    block's tasks are this episode's."""
+    with waits.measured(owner=self, between_calls=True) as self._between:
+      yield
+
+  def _between_s(self) -> float:
+    return self._between.total_s() if self._between is not None else 0.0
 
   def __getattr__(self, name):
     return getattr(self.env, name)
@@ -457,6 +472,7 @@ class MeasuredEnv:
       waited = (self._clock.total_s() + getattr(self.env, "infra_wait_s", 0.0) - reported
                 + remote)
       self.waited_s += waited
+      self.held_s += self._clock.held_s
       self.env_s += max(0.0, time.perf_counter() - t0 - waited)
       self._clock = None
 
@@ -494,7 +510,7 @@ class MeasuredEnv:
   async def end(self, ep: Episode) -> None:
     """Closes the environment (its error ignored) once `ep` has what was measured of it:
     its waits, its own time and its tool counters (`Env.counters`)."""
-    ep.infra_wait_s, ep.env_s = self.waited_s, self.env_s
+    ep.infra_wait_s, ep.env_s = self.waited_s + self._between_s(), self.env_s
     counters = getattr(self.env, "counters", {}) or {}
     for name in ("tool_calls", "invalid_tool_calls", "tool_errors"):
       setattr(ep, name, int(counters.get(name, 0)))
@@ -506,11 +522,11 @@ class MeasuredEnv:
   async def waited(self, ask_worker: bool = True) -> float:
     """Waits so far, a running call's included (a remote one's asked of its worker)."""
     if self._clock is None:
-      return self.waited_s
+      return self.waited_s + self._between_s()
     running = self._clock.total_s()
     if ask_worker and hasattr(self.env, "in_flight_wait_s"):
       running += await self.env.in_flight_wait_s()
-    return self.waited_s + running
+    return self.waited_s + self._between_s() + running
 
 
 async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig, *,
@@ -683,9 +699,10 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
 
   try:
     # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
-    await waits.within(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
-                       EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25,
-                       on_cut=at_cut)
+    with measured.episode():
+      await waits.within(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
+                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25,
+                         on_cut=at_cut)
     verdict = await graded(measured.verify(), cfg)
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:

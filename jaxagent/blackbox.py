@@ -511,13 +511,14 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   try:
     await _clear_session(gateway_url, wire_id)
-    harness = asyncio.ensure_future(blackbox_agent(api)(
-        acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
-        max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
-    ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
-                                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
-                                         t_start, look_s=0.25, on_cut=in_flight)
+    with acting.episode():  # (the harness's own code's holds of the loop are its own)
+      harness = asyncio.ensure_future(blackbox_agent(api)(
+          acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
+          max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+          top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
+      ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
+                                           EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
+                                           t_start, look_s=0.25, on_cut=in_flight)
     ep.verdict = (await graded(acting.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)

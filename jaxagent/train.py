@@ -290,7 +290,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue,
                                advantage=cfg.advantage)
   scheduler.go_on_from(version, next_group, jax.process_index(), jax.process_count())
-  scheduler.start()
   primary = distributed.is_primary()
   writer = (MetricsWriter(run_dir, purge_step=int(state.step) + 1 if resume else None)
             if primary else None)
@@ -493,8 +492,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
       pass
   early_stop = stop_reached()
-  # Names an environment's async code that holds the loop every episode moves on.
+  # Names an environment's async code that holds the loop every episode moves on, and
+  # charges a hold to the episode that held it (started before the episodes: their
+  # tasks are told apart from the run's own).
   loop_watch = LoopWatch().start()
+  scheduler.start()
   try:
     while step < cfg.steps and early_stop is None:
       if multi:  # a signal to any process stops every one here, between two steps (one
