@@ -11,11 +11,11 @@ not a library's, the innermost frame, and the task running), and when the hold e
 how long it was. Plain tool functions already run on threads (`envs.tools`); blocking
 work of an environment's own belongs in `asyncio.to_thread`.
 
-A hold is not charged to those who only waited for it. The watch keeps each task's
-context (a task factory of its own, on the loop, while it runs), and its thread looks,
-every beat of a hold, at which environment call's clock (`envs.waits.measured`) the
-running task is in; when the hold ends, every other call measured on the loop is
-credited its part as a wait (`envs.waits.credit_hold`). The holder's own deadline pays
+A hold is not charged to those who only waited for it. The watch's thread looks, every
+beat of a hold, at which environment call's clock (`envs.waits.measured`) the running
+task's context holds (a task says its context from Python 3.12; on 3.11 a task factory
+of the watch's own keeps them, while it runs); when the hold ends, every other call
+measured on the loop is credited its part as a wait (`envs.waits.credit_hold`). The holder's own deadline pays
 for it: a policy cannot make its environment hold the loop to push its siblings past
 their deadlines (a truncation, scored 0: their loss, its advantage).
 """
