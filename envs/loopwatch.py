@@ -178,7 +178,7 @@ class LoopWatch:
     clock (waits.NO_CALL outside a call, or outside a task: a callback), or
     waits.UNSEEN."""
     task = asyncio.current_task(self._loop)
-    if task is None or task in self._before:
+    if task is None:
       return waits.NO_CALL
     get_context = getattr(task, "get_context", None)
     if get_context is not None:
@@ -186,8 +186,8 @@ class LoopWatch:
     else:
       ref = self._contexts.get(task)
       context = ref() if ref is not None else None
-    if context is None:
-      return waits.UNSEEN
+    if context is None:  # (a task before the watch is the run's own, on 3.11 unseen)
+      return waits.NO_CALL if task in self._before else waits.UNSEEN
     return context.get(waits._CLOCK) or waits.NO_CALL
 
   def _watch(self, loop_thread: int) -> None:

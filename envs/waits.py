@@ -50,6 +50,7 @@ class WaitClock:
     self.held_s = 0.0  # other code's holds of the event loop, credited (in waited_s too)
     self._ended: collections.deque = collections.deque(maxlen=64)  # (start, end) of marks
     self._loop: Optional[asyncio.AbstractEventLoop] = None  # (the loop it is measured on)
+    self._t0 = time.perf_counter()  # (a hold before it is none of its waits)
 
   @property
   def waiting(self) -> bool:
@@ -146,13 +147,17 @@ def credit_hold(loop: asyncio.AbstractEventLoop, t0: float, t1: float,
   # (by the owner's identity: a session or an episode need not be hashable)
   by = collections.Counter(id(c.owner) if isinstance(c, WaitClock) else c for c in seen)
   known = n - by.get(UNSEEN, 0)
-  live = [c for c in _LIVE if c._loop is loop]
+  # (the clocks measured during the hold: one begun after it, before it was settled,
+  # waited none of it)
+  live = [c for c in _LIVE if c._loop is loop and c._t0 < t1]
   calling = {id(c.owner) for c in live if not c.between_calls}
   credited = 0
   for clock in live:
     if clock.between_calls and id(clock.owner) in calling:
       continue  # (the call's clock is credited)
-    share = (known - by.get(id(clock.owner), 0)) / n * (t1 - t0 - clock._counted_s(t0, t1))
+    since = max(t0, clock._t0)
+    share = (known - by.get(id(clock.owner), 0)) / n * (t1 - since
+                                                        - clock._counted_s(since, t1))
     if share > 0:
       clock.waited_s += share
       clock.held_s += share

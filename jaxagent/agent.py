@@ -64,7 +64,9 @@ class Episode:
   # its own tokens took, the policy's side at a deadline (the rest is the server's).
   decode_s: float = 0.0
   env_s: float = 0.0  # in the environment, its waits on shared infrastructure left out
-  infra_wait_s: float = 0.0  # waiting for sandbox slots and worker turns (others' load)
+  # waiting for sandbox slots and worker turns (others' load), and for other episodes'
+  # (or the run's own code's) holds of the event loop (envs.loopwatch)
+  infra_wait_s: float = 0.0
   output_tokens: int = 0
   replayed_turns: int = 0  # turns taken from a dead run's write-ahead log
   compactions: int = 0  # times the context was compacted (agent.compaction)

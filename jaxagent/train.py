@@ -496,8 +496,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # charges a hold to the episode that held it (started before the episodes: their
   # tasks are told apart from the run's own).
   loop_watch = LoopWatch().start()
-  scheduler.start()
   try:
+    scheduler.start()
     while step < cfg.steps and early_stop is None:
       if multi:  # a signal to any process stops every one here, between two steps (one
         # stopping alone left the others waiting in the step's collectives)
