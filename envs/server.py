@@ -18,8 +18,9 @@ sandbox slot within the pool's `slot_timeout_s` fails its episode as
 infrastructure (503); a call ends within `WALL_FACTOR` deadlines, waits and all
 (504); every answer says how long that is (`call_wall_s`), and `RemoteEnv` waits
 that long and a margin for an answer. Every answer carries `infra_wait_s`, the
-seconds the call waited, and `GET /sessions/{id}/waits` those of the call running
-now, which the agent charges to the infrastructure. Closing a session (DELETE,
+seconds the call waited (`infra_held_s` of them: other sessions' holds of the
+worker's event loop, `envs.loopwatch`), and `GET /sessions/{id}/waits` those of the
+call running now, which the agent charges to the infrastructure. Closing a session (DELETE,
 the reaper, shutdown) cancels its running call before the environment closes. A session the
 worker does not have (expired, closed, or the worker restarted) answers 404
 naming it, never a hang. Sessions idle for `idle_timeout_s` since their last call's
@@ -96,6 +97,11 @@ class _Session:
 WALL_FACTOR = 2
 # A client waits this much past a worker's longest call for the answer (`RemoteEnv`).
 CALL_MARGIN_S = 15.0
+
+
+def waits_of(clock: waits.WaitClock) -> dict:
+  """A call's waits as its answer reports them."""
+  return {"infra_wait_s": round(clock.total_s(), 4), "infra_held_s": round(clock.held_s, 4)}
 
 
 class _NoTurn(Exception):
@@ -177,7 +183,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return s
 
   async def guarded(kind: str, sid: Optional[str], coro_fn, owner: object = None):
-    """Runs one call under the concurrency cap; returns (its result, seconds it waited).
+    """Runs one call under the concurrency cap; returns its result and its waits (the
+    answer's `infra_wait_s`, and `infra_held_s`: other calls' holds of the loop, of them).
     The deadline bounds the call's own work; its waits on shared infrastructure (a turn
     under the cap, a sandbox slot) are not charged to it (other episodes' load must not
     turn the policy's bounded work into a 504, dropped instead of scored) and have bounds
@@ -250,7 +257,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
           s.last_used = time.time()
     n_calls.labels(kind, "ok").inc()
     latency.labels(kind).observe(time.perf_counter() - t0)
-    return out, round(clock.total_s(), 4)  # the waits: the agent charges them elsewhere
+    return out, waits_of(clock)  # (the agent charges them elsewhere)
 
   @app.get("/health")
   async def health():
@@ -318,7 +325,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     finally:
       gone.cancel()
       starting["n"] -= 1
-    return {"session_id": sid, "observation": dataclasses.asdict(obs), "infra_wait_s": waited,
+    return {"session_id": sid, "observation": dataclasses.asdict(obs), **waited,
             "call_wall_s": call_wall_s}
 
   @app.post("/sessions/{sid}/step")
@@ -330,8 +337,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return await s.env.step(body.action)
 
     result, waited = await guarded("step", sid, run)
-    return {**json_safe(dataclasses.asdict(result)), "infra_wait_s": waited,
-            "call_wall_s": call_wall_s}
+    return {**json_safe(dataclasses.asdict(result)), **waited, "call_wall_s": call_wall_s}
 
   @app.post("/sessions/{sid}/verify")
   async def verify(sid: str):
@@ -342,14 +348,15 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return await s.env.verify()
 
     verdict, waited = await guarded("verify", sid, run)
-    return {**verdict.to_dict(), "infra_wait_s": waited, "call_wall_s": call_wall_s}
+    return {**verdict.to_dict(), **waited, "call_wall_s": call_wall_s}
 
   @app.get("/sessions/{sid}/waits")
   async def session_waits(sid: str):
     """The waits on shared infrastructure of the session's latest call, running or not
     (an agent whose deadline passed during a call asks how much of it was waiting)."""
     s = get(sid)
-    return {"session_id": sid, "infra_wait_s": s.clock.total_s() if s.clock else 0.0,
+    return {"session_id": sid, **(waits_of(s.clock) if s.clock else
+                                  {"infra_wait_s": 0.0, "infra_held_s": 0.0}),
             "running": s.call is not None and not s.call.done()}
 
   @app.delete("/sessions/{sid}")
@@ -405,6 +412,7 @@ class RemoteEnv:
     self.session_id: Optional[str] = None
     self.done = False
     self.infra_wait_s = 0.0  # what the worker reported its calls waited on its load
+    self.infra_held_s = 0.0  # of it, other sessions' holds of the worker's event loop
     # The session's tool counters (`Env.counters`), from its steps' info where the
     # environment reports them there (`Env._info`).
     self.counters = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0}
@@ -434,6 +442,7 @@ class RemoteEnv:
     out = r.json()
     if isinstance(out, dict):
       self.infra_wait_s += float(out.get("infra_wait_s", 0.0))
+      self.infra_held_s += float(out.get("infra_held_s", 0.0))
       wall = out.pop("call_wall_s", None)
       if isinstance(wall, (int, float)) and math.isfinite(wall) and wall > 0:
         self._call_walls[self.url] = float(wall)
@@ -442,15 +451,22 @@ class RemoteEnv:
   async def in_flight_wait_s(self) -> float:
     """How long the call now running on the worker for this session (one whose client
     gave up: an episode deadline) has waited on shared infrastructure; 0 if unknown."""
+    return (await self.in_flight_waits())[0]
+
+  async def in_flight_waits(self) -> tuple[float, float]:
+    """`in_flight_wait_s`, and how much of it was other sessions' holds of the worker's
+    event loop."""
     if self.session_id is None or self._client is None:
-      return 0.0
+      return 0.0, 0.0
     try:
       r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits", timeout=5)
       out = r.json() if r.status_code == 200 else {}
       # (a call that ended has reported its waits in its answer already)
-      return float(out["infra_wait_s"]) if out.get("running") else 0.0
+      if not out.get("running"):
+        return 0.0, 0.0
+      return float(out["infra_wait_s"]), float(out.get("infra_held_s", 0.0))
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
-      return 0.0
+      return 0.0, 0.0
 
   async def reset(self, task: TaskSpec) -> Observation:
     if self.session_id is not None:
@@ -492,6 +508,7 @@ class RemoteEnv:
   async def verify(self) -> Verdict:
     out = await self._env_call(f"/sessions/{self.session_id}/verify")
     out.pop("infra_wait_s", None)
+    out.pop("infra_held_s", None)
     out["status"] = VerdictStatus(out["status"])
     return Verdict(**out)
 

@@ -388,10 +388,12 @@ def judge_cut(cut: BaseException, server_s: float, where: str, measured: "Measur
   and `decode_s`, the server's time from each turn's first token to its end: the time
   its own tokens took (a policy that writes to its token cap on a busy server would
   otherwise turn its long failures into re-rolled infrastructure errors, never trained).
-  The server's side (`server_s`) is the rest: waiting for a slot, prefill, transport. At
-  the wall, the waits of the crowd its own run makes are on the policy's side too (not
-  other episodes' holds of the event loop: those are no load of its own)."""
+  The server's side (`server_s`) is the rest: waiting for a slot, prefill, transport.
+  Other episodes' holds of the event loop meanwhile are on neither side: no load of its
+  own, and not the server's (they were counted in it). At the wall, the waits of the
+  crowd its own run makes are on the policy's side too."""
   kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
+  server_s = max(0.0, server_s - measured.between_held_s())
   policy_s = (measured.env_s + decode_s
               + (measured.waited_s - measured.held_s if kind == "episode_wall" else 0.0))
   if server_s < policy_s:
@@ -438,8 +440,17 @@ class MeasuredEnv:
   def _between_s(self) -> float:
     return self._between.total_s() if self._between is not None else 0.0
 
+  def between_held_s(self) -> float:
+    """Other episodes' holds of the event loop credited between its calls."""
+    return self._between.held_s if self._between is not None else 0.0
+
   def __getattr__(self, name):
     return getattr(self.env, name)
+
+  def _reported(self) -> tuple[float, float]:
+    """What a worker's answers reported so far: its calls' waits, and of them other
+    sessions' holds of its loop (0 in process: those are on the call's own clock)."""
+    return (getattr(self.env, "infra_wait_s", 0.0), getattr(self.env, "infra_held_s", 0.0))
 
   async def _within_deadline(self, call, what: str, t0: float):
     clock = self._clock
@@ -459,22 +470,24 @@ class MeasuredEnv:
           "failure, not the policy's") from None
 
   async def _measured(self, call, what: str):
-    t0, reported = time.perf_counter(), getattr(self.env, "infra_wait_s", 0.0)
-    remote = 0.0
+    t0 = time.perf_counter()
+    reported, reported_held = self._reported()
+    remote = remote_held = 0.0
     try:
       with waits.measured(owner=self) as self._clock:
         if self.deadline_s is None:
           return await call
         return await self._within_deadline(call, what, t0)
     except asyncio.CancelledError:
-      if hasattr(self.env, "in_flight_wait_s"):  # a worker's call, cut client-side
-        remote = await self.env.in_flight_wait_s()
+      if hasattr(self.env, "in_flight_waits"):  # a worker's call, cut client-side
+        remote, remote_held = await self.env.in_flight_waits()
       raise
     finally:
-      waited = (self._clock.total_s() + getattr(self.env, "infra_wait_s", 0.0) - reported
-                + remote)
+      now, now_held = self._reported()
+      waited = self._clock.total_s() + now - reported + remote
       self.waited_s += waited
-      self.held_s += self._clock.held_s
+      # (a worker's: other sessions' holds of its loop, which it credited as waits)
+      self.held_s += self._clock.held_s + now_held - reported_held + remote_held
       self.env_s += max(0.0, time.perf_counter() - t0 - waited)
       self._clock = None
 

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from envs import waits
 from envs.loopwatch import LOUD_HOLDS, LoopWatch
 
 
@@ -151,31 +152,75 @@ def test_a_hold_by_a_task_an_environment_started_earlier_is_still_its_own():
   assert own.waited_s < 0.1 and 0.8 < other.waited_s < 1.6, (own.waited_s, other.waited_s)
 
 
+async def beside_a_holder_between_calls():
+  """Two episodes between their environment calls (waiting on the server); the second's
+  agent code holds the loop 1 s: the two MeasuredEnvs."""
+  from jaxagent.agent import MeasuredEnv
+
+  async with LoopWatch():
+    waiting, holding = MeasuredEnv(object()), MeasuredEnv(object())
+
+    async def episode(measured, hold):
+      async def play():
+        await asyncio.sleep(0.2)
+        if hold:
+          spin(1.0)  # its agent's own code
+        await asyncio.sleep(1.0)  # (as on the server)
+
+      with measured.episode():
+        await asyncio.ensure_future(play())
+
+    await asyncio.gather(episode(waiting, False), episode(holding, True))
+  return waiting, holding
+
+
 def test_an_episode_between_its_calls_is_credited_another_s_hold_and_not_its_own():
   """An episode waiting on the server (no environment call of its own running) when
   another episode's agent code holds the loop: the hold is a wait of the first (its
   deadline must not pay for it: red team), the holder's own time."""
-  from jaxagent.agent import MeasuredEnv
-
-  async def main():
-    async with LoopWatch():
-      waiting, holding = MeasuredEnv(object()), MeasuredEnv(object())
-
-      async def episode(measured, hold):
-        async def play():
-          await asyncio.sleep(0.2)
-          if hold:
-            spin(1.0)  # its agent's own code
-          await asyncio.sleep(1.0)  # (as on the server)
-
-        with measured.episode():
-          await asyncio.ensure_future(play())
-        return await measured.waited()
-
-      return await asyncio.gather(episode(waiting, False), episode(holding, True))
-
-  waited, held = asyncio.run(main())
+  waiting, holding = asyncio.run(beside_a_holder_between_calls())
+  waited, held = asyncio.run(waiting.waited()), asyncio.run(holding.waited())
   assert 0.8 < waited < 1.6 and held < 0.1, (waited, held)
+
+
+def test_holds_credited_on_a_worker_or_between_calls_are_no_side_s_time_at_a_cut():
+  """At an episode's cut, other episodes' holds of the loop are neither the policy's time
+  nor the server's. A worker's answers report them (`infra_held_s`), and the episode's
+  `held_s` sums them, as it does its own calls' credits (they counted as the policy's
+  time at the wall). Holds credited between its calls (waiting on the server) are left
+  out of the server's time (they leaned a cut towards the infrastructure)."""
+  from envs.base import Observation, StepResult
+  from jaxagent.agent import MeasuredEnv, judge_cut
+
+  class Remote:  # as RemoteEnv: a worker reports each call's waits
+    infra_wait_s = infra_held_s = 0.0
+
+    async def in_flight_waits(self):
+      return 0.0, 0.0
+
+    async def in_flight_wait_s(self):
+      return 0.0
+
+    async def step(self, action):
+      await asyncio.sleep(0.05)
+      self.infra_wait_s += 1.5
+      self.infra_held_s += 1.2  # of them, other sessions' holds of the worker's loop
+      return StepResult(Observation([]), 0.0, False, False, {})
+
+  remote = MeasuredEnv(Remote())
+  asyncio.run(remote.step("a"))
+  assert remote.waited_s == 1.5 and remote.held_s == 1.2, (remote.waited_s, remote.held_s)
+  # 0.5 s on the server against 0.3 s of the crowd's waits and its own time: the server's
+  kind, why = judge_cut(waits.WallCut(), 0.5, "waiting on the server", remote)
+  assert kind == "episode_wall" and why and "0.5 s waiting on the server" in why, why
+
+  waiting, _ = asyncio.run(beside_a_holder_between_calls())
+  assert 0.8 < waiting.between_held_s() < 1.6, waiting.between_held_s()
+  waiting.env_s = 0.5  # its own time in the environment
+  # its time "on the server" as the agent timed it, the other's hold among it: 0.2 s is
+  # the server's, less than its own
+  assert judge_cut(waits.DeadlineCut(), 0.2 + waiting.between_held_s(),
+                   "waiting on the server", waiting) == ("episode_deadline", None)
 
 
 def test_the_watch_keeps_no_finished_task_or_environment_alive():
@@ -354,6 +399,7 @@ def test_an_env_worker_names_an_environment_that_holds_its_loop(tmp_path):
       waited, held = waits_step.result(), holds_step.result()
     assert waited.status_code == 200, waited.text
     assert waited.json()["infra_wait_s"] > 1.5, waited.json()
+    assert 1.0 < waited.json()["infra_held_s"] <= waited.json()["infra_wait_s"], waited.json()
     assert held.status_code == 504, held.text
     r = step(sids[2], "background")
     assert r.status_code == 504, r.text
