@@ -339,14 +339,25 @@ def test_what_a_walk_by_paths_missed_counts_and_goes(hide):
   assert not os.path.exists(sb.host_path)
 
 
+def skip_unless_nobody_runs_python() -> None:
+  """Skips a test that runs this interpreter as user 65534 where it cannot: not root, or
+  an interpreter that user cannot load (pyenv's under /root, whose libpython it cannot
+  read)."""
+  if os.geteuid() != 0 or not shutil.which("setpriv"):
+    pytest.skip("needs root to act as another user")
+  r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                      sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+  if r.returncode != 0:
+    pytest.skip(f"user 65534 cannot run {sys.executable}: {r.stderr.strip()[-200:]}")
+
+
 def test_directories_shut_to_their_owner_are_removed_and_left_alone_while_a_command_runs():
   """As a user whom modes bind (a worker not run as root): a directory of mode 0500 two
   levels down could not be moved up (its `..` is rewritten), and the workspace's removal
   left it and its files on the disk (a reviewer: 13 MB after the pool closed); the watch
   opened a running command's 0555 directory to 0700 (its files are its own until it
   ends). The look at the end counts what such directories hold."""
-  if os.geteuid() != 0 or not shutil.which("setpriv"):
-    pytest.skip("needs root to act as another user")
+  skip_unless_nobody_runs_python()
   root = scratch_dir()
   os.chown(root, 65534, 65534)
   readonly = ("import os, time\nos.makedirs('z/y')\nos.chmod('z', 0o555)\ntime.sleep(0.5)\n"
@@ -403,8 +414,7 @@ def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed
     sb.destroy()
   assert not os.path.exists(sb.host_path)
   # As a user that a mode of 000 does shut out (root reads through it)
-  if os.geteuid() != 0 or not shutil.which("setpriv"):
-    return
+  skip_unless_nobody_runs_python()  # (what is above ran)
   root = scratch_dir()
   os.chown(root, 65534, 65534)
   code = ("import os, sys\nsys.path.insert(0, sys.argv[2])\n"
