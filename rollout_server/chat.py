@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Awaitable, Call
 from starlette.exceptions import HTTPException  # (FastAPI's own body errors raise Starlette's)
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from pydantic import AfterValidator, Field
 
-from jaxagent.serve_http import NESTED_TOO_DEEP
+from jaxagent.serve_http import NESTED_TOO_DEEP, DepthBoundRoute
 from jaxagent.tokenizer import valid_unicode
 from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls
 
@@ -456,10 +455,10 @@ def finite_json(body: bytes) -> None:
     raise ValueError(f"body: {e}") from None
 
 
-class ShapedErrorsRoute(APIRoute):
+class ShapedErrorsRoute(DepthBoundRoute):
   """A route whose errors take its API's shape (`error(status, message, field)`): a body
-  that breaks the schema gets a 422 naming the field, a request that cannot be served a
-  400, a full queue a 503."""
+  that breaks the schema gets a 422 naming the field, a request that cannot be served
+  (a body nested too deep among them) a 400, a full queue a 503."""
 
   @staticmethod
   def error(status: int, message: str, field: Optional[str]) -> dict:

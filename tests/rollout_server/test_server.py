@@ -171,14 +171,25 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   assert r.status_code == 422
   # A body nested past reading is named in each API's shape (red team 14: FastAPI's plain
   # "There was an error parsing the body", in neither OpenAI's nor Anthropic's shape).
-  deep = ('{"messages": [{"role": "user", "content": "x", "n": ' + "[" * 5000 + "]" * 5000
-          + '}], "max_tokens": 1}').encode()
-  for path, read in [("/generate", lambda j: j["detail"]),
-                     ("/v1/chat/completions", lambda j: j["error"]["message"]),
-                     ("/v1/messages", lambda j: j["error"]["message"])]:
-    r = c.post(path, content=deep, headers={"content-type": "application/json"})
-    assert r.status_code == 400 and read(r.json()) == "body: JSON nested too deep to read", (
-        path, r.text)
+  # Past MAX_BODY_DEPTH alike on every Python version (3.12's parser read 5,000 levels,
+  # and the chat route's walk of them overflowed: a 500).
+  from jaxagent.serve_http import MAX_BODY_DEPTH
+
+  def nested(levels: int) -> bytes:  # (levels of the body in all)
+    inner = levels - 3
+    return ('{"messages": [{"role": "user", "content": "x", "n": ' + "[" * inner
+            + "]" * inner + '}], "max_tokens": 1}').encode()
+
+  for levels in (5000, MAX_BODY_DEPTH + 1):
+    for path, read in [("/generate", lambda j: j["detail"]),
+                       ("/v1/chat/completions", lambda j: j["error"]["message"]),
+                       ("/v1/messages", lambda j: j["error"]["message"])]:
+      r = c.post(path, content=nested(levels), headers={"content-type": "application/json"})
+      assert r.status_code == 400 and read(r.json()) == "body: JSON nested too deep to read", (
+          levels, path, r.text)
+  r = c.post("/v1/chat/completions", content=nested(MAX_BODY_DEPTH),
+             headers={"content-type": "application/json"})
+  assert r.status_code == 200, r.text
   # A body over the cap is refused before it is parsed (red team 14: 76 MB of input_ids
   # took 1 GB of the server's memory to be told the prompt was too long).
   r = c.post("/generate", content=b"[" * (33 << 20), headers={"content-type": "application/json"})
