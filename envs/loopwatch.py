@@ -14,7 +14,8 @@ work of an environment's own belongs in `asyncio.to_thread`.
 A hold is not charged to those who only waited for it. The watch's thread looks, every
 beat of a hold, at which environment call's clock (`envs.waits.measured`) the running
 task's context holds (a task says its context from Python 3.12; on 3.11 a task factory
-of the watch's own keeps them, while it runs); when the hold ends, every other call
+of the watch's own keeps them, while it runs), or a callback's (asyncio's handle keeps
+the context it was scheduled in); when the hold ends, every other call
 measured on the loop is credited its part as a wait (`envs.waits.credit_hold`). The holder's own deadline pays
 for it: a policy cannot make its environment hold the loop to push its siblings past
 their deadlines (a truncation, scored 0: their loss, its advantage).
@@ -62,6 +63,22 @@ def _where(frame, task: Optional[asyncio.Task]) -> str:
     coro = task.get_coro()
     said.append(f"task {task.get_name()} ({getattr(coro, '__qualname__', coro)})")
   return "; ".join(said) or "an unknown place"
+
+
+_HANDLE_RUN = asyncio.events.Handle._run.__code__  # (a callback runs in its context)
+
+
+def _callback_clock(loop_thread: int):
+  """The call clock of the callback running on `loop_thread` (asyncio's handle keeps
+  the context it was scheduled in), or waits.NO_CALL: none, or one outside a call."""
+  frame = sys._current_frames().get(loop_thread)
+  while frame is not None and frame.f_code is not _HANDLE_RUN:
+    frame = frame.f_back
+  if frame is None:
+    return waits.NO_CALL
+  context = getattr(frame.f_locals.get("self"), "_context", None)
+  clock = context.get(waits._CLOCK) if isinstance(context, contextvars.Context) else None
+  return clock or waits.NO_CALL
 
 
 class LoopWatch:
@@ -173,13 +190,14 @@ class LoopWatch:
       with self._seen_lock:
         self._seen.clear()
 
-  def _running(self):
+  def _running(self, loop_thread: int):
     """What runs on the loop now, for `waits.credit_hold`: the running task's call
-    clock (waits.NO_CALL outside a call, or outside a task: a callback), or
-    waits.UNSEEN."""
+    clock, or a callback's (the clock of the context it was scheduled in: an
+    environment's `call_soon` holds on its own account, red team); waits.NO_CALL outside
+    a call; or waits.UNSEEN."""
     task = asyncio.current_task(self._loop)
     if task is None:
-      return waits.NO_CALL
+      return _callback_clock(loop_thread)
     get_context = getattr(task, "get_context", None)
     if get_context is not None:
       context = get_context()
@@ -198,7 +216,7 @@ class LoopWatch:
       if late < self._beat_s:
         continue
       try:
-        running = self._running()
+        running = self._running(loop_thread)
       except Exception:  # (the loop's task table changed under the look)
         running = waits.UNSEEN
       with self._seen_lock:

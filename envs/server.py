@@ -448,14 +448,10 @@ class RemoteEnv:
         self._call_walls[self.url] = float(wall)
     return out
 
-  async def in_flight_wait_s(self) -> float:
-    """How long the call now running on the worker for this session (one whose client
-    gave up: an episode deadline) has waited on shared infrastructure; 0 if unknown."""
-    return (await self.in_flight_waits())[0]
-
   async def in_flight_waits(self) -> tuple[float, float]:
-    """`in_flight_wait_s`, and how much of it was other sessions' holds of the worker's
-    event loop."""
+    """How long the call now running on the worker for this session (one whose client
+    gave up: an episode deadline) has waited on shared infrastructure, and how much of
+    that was other sessions' holds of the worker's event loop; 0 if unknown."""
     if self.session_id is None or self._client is None:
       return 0.0, 0.0
     try:

@@ -112,8 +112,8 @@ _LIVE: set[WaitClock] = set()  # the clocks of the `measured()` blocks open now
 
 # What a look at a held loop saw running (`LoopWatch`), besides a call's clock: code
 # outside any measured() call (the run's own, a task from before the watch, or a
-# callback), or a task whose context the watch does not know (on 3.11, one made around
-# its task factory).
+# callback scheduled outside a call), or a task whose context the watch does not know
+# (on 3.11, one made around its task factory).
 NO_CALL, UNSEEN = "no_call", "unseen"
 
 

@@ -389,11 +389,19 @@ def judge_cut(cut: BaseException, server_s: float, where: str, measured: "Measur
   its own tokens took (a policy that writes to its token cap on a busy server would
   otherwise turn its long failures into re-rolled infrastructure errors, never trained).
   The server's side (`server_s`) is the rest: waiting for a slot, prefill, transport.
-  Other episodes' holds of the event loop meanwhile are on neither side: no load of its
-  own, and not the server's (they were counted in it). At the wall, the waits of the
+  Other episodes' holds of the event loop between its calls are on neither side: no
+  load of its own, and not the server's (they were counted in one or the other). At
+  the wall, the waits of the
   crowd its own run makes are on the policy's side too."""
   kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
-  server_s = max(0.0, server_s - measured.between_held_s())
+  # (the holds credited between its calls fell while it waited on the server or while
+  # the server decoded its tokens, which go on running during a hold: taken out of the
+  # two in proportion, a reviewer; out of the server's alone, they scored the policy 0
+  # for the server's time)
+  both = server_s + decode_s
+  if both > 0:
+    kept = 1.0 - min(measured.between_held_s(), both) / both
+    server_s, decode_s = server_s * kept, decode_s * kept
   policy_s = (measured.env_s + decode_s
               + (measured.waited_s - measured.held_s if kind == "episode_wall" else 0.0))
   if server_s < policy_s:
@@ -421,7 +429,7 @@ class MeasuredEnv:
 
   def __init__(self, env, deadline_s: Optional[float] = None):
     self.env, self.actions, self.task = env, [], None
-    self.deadline_s = None if hasattr(env, "in_flight_wait_s") else deadline_s
+    self.deadline_s = None if hasattr(env, "in_flight_waits") else deadline_s
     self.rewards: list[float] = []
     self.waited_s = self.env_s = 0.0
     self.held_s = 0.0  # of waited_s, other code's holds of the event loop (envs.loopwatch)
@@ -539,8 +547,8 @@ class MeasuredEnv:
     if self._clock is None:
       return self.waited_s + self._between_s()
     running = self._clock.total_s()
-    if ask_worker and hasattr(self.env, "in_flight_wait_s"):
-      running += await self.env.in_flight_wait_s()
+    if ask_worker and hasattr(self.env, "in_flight_waits"):
+      running += (await self.env.in_flight_waits())[0]
     return self.waited_s + self._between_s() + running
 
 

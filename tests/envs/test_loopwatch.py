@@ -152,6 +152,34 @@ def test_a_hold_by_a_task_an_environment_started_earlier_is_still_its_own():
   assert own.waited_s < 0.1 and 0.8 < other.waited_s < 1.6, (own.waited_s, other.waited_s)
 
 
+def test_a_hold_by_a_callback_an_environment_scheduled_is_its_own():
+  """A callback (`loop.call_soon`) runs in no task, in the context it was scheduled
+  in: an environment's callback that holds the loop holds it on that call's account
+  (it was credited to every call, its own too, and so counted as no one's time at the
+  episode's wall: a reviewer)."""
+  from envs.base import Observation, StepResult
+  from jaxagent.agent import MeasuredEnv
+
+  class Env:
+    def __init__(self, hold: bool):
+      self.hold = hold
+
+    async def step(self, action):
+      if self.hold:
+        asyncio.get_running_loop().call_soon(spin, 1.0)
+      await asyncio.sleep(1.5)
+      return StepResult(Observation([]), 0.0, False, False, {})
+
+  async def main():
+    async with LoopWatch():
+      own, other = MeasuredEnv(Env(True)), MeasuredEnv(Env(False))
+      await asyncio.gather(other.step("a"), own.step("a"))
+    return own, other
+
+  own, other = asyncio.run(main())
+  assert own.held_s < 0.1 and 0.7 < other.held_s < 1.4, (own.held_s, other.held_s)
+
+
 async def beside_a_holder_between_calls():
   """Two episodes between their environment calls (waiting on the server); the second's
   agent code holds the loop 1 s: the two MeasuredEnvs."""
@@ -198,9 +226,6 @@ def test_holds_credited_on_a_worker_or_between_calls_are_no_side_s_time_at_a_cut
     async def in_flight_waits(self):
       return 0.0, 0.0
 
-    async def in_flight_wait_s(self):
-      return 0.0
-
     async def step(self, action):
       await asyncio.sleep(0.05)
       self.infra_wait_s += 1.5
@@ -221,6 +246,12 @@ def test_holds_credited_on_a_worker_or_between_calls_are_no_side_s_time_at_a_cut
   # the server's, less than its own
   assert judge_cut(waits.DeadlineCut(), 0.2 + waiting.between_held_s(),
                    "waiting on the server", waiting) == ("episode_deadline", None)
+  # A hold may fall while the server decodes its tokens (the policy's side) too: taken
+  # out of the two in proportion. 6 s queued and 5 s decoding with a 2 s hold: still the
+  # server's (out of the server's time alone, the policy's: 4 s < 5.5 s)
+  waiting.between_held_s = lambda: 2.0
+  kind, why = judge_cut(waits.DeadlineCut(), 6.0, "waiting on the server", waiting, 5.0)
+  assert why and "4.9 s waiting on the server (and 4.1 s decoding" in why, why
 
 
 def test_the_watch_keeps_no_finished_task_or_environment_alive():
