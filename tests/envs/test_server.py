@@ -545,7 +545,7 @@ def test_request_bodies_are_capped():
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["detail"] == "body: JSON nested too deep to read"
     # ... and just under the parser's limit, where its 422 echoing the input could not be
-    # written (a 500: reviewer), and just past MAX_BODY_DEPTH (Python 3.12's parser reads
+    # written (a 500: reviewer), and just past MAX_BODY_DEPTH (Python 3.13's parser reads
     # 5,000 levels): named alike on every Python version.
     from jaxagent.serve_http import MAX_BODY_DEPTH
     for depth in [MAX_BODY_DEPTH, *range(900, 1060, 3)]:

@@ -171,7 +171,7 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   assert r.status_code == 422
   # A body nested past reading is named in each API's shape (red team 14: FastAPI's plain
   # "There was an error parsing the body", in neither OpenAI's nor Anthropic's shape).
-  # Past MAX_BODY_DEPTH alike on every Python version (3.12's parser read 5,000 levels,
+  # Past MAX_BODY_DEPTH alike on every Python version (3.13's parser read 5,000 levels,
   # and the chat route's walk of them overflowed: a 500).
   from jaxagent.serve_http import MAX_BODY_DEPTH
 

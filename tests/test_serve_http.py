@@ -1,0 +1,56 @@
+"""`jaxagent.serve_http`'s bound on how deep a request's JSON body nests."""
+
+import json
+import random
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from envs.values import json_depth
+from jaxagent.serve_http import MAX_BODY_DEPTH, NESTED_TOO_DEEP, body_depth, name_deep_bodies
+
+
+def test_a_bodys_depth_is_measured_past_brackets_in_its_strings_in_any_encoding():
+  """Measured on the text (strings cut out), as deep as the parsed value walked: brackets,
+  quotes and backslashes inside strings do not count, in UTF-8, UTF-16 and UTF-32."""
+  rng = random.Random(0)
+  odd = ["[x", "]", '\\"]', "\\", '"', "{", "\u2200]", "\U0001f600[", 1, 2.5, None]
+
+  def value(depth: int):
+    if depth > 6 or rng.random() < 0.3:
+      return rng.choice(odd)
+    if rng.random() < 0.5:
+      return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+    return {str(rng.choice(odd)): value(depth + 1) for _ in range(rng.randint(0, 3))}
+
+  values = [value(0) for _ in range(500)] + [[], {}, [[[]]], "[[[", 7]
+  for v in values:
+    for ascii_only in (True, False):
+      text = json.dumps(v, ensure_ascii=ascii_only)
+      for encoding in ("utf-8", "utf-16", "utf-32"):
+        body = text.encode(encoding)
+        assert body_depth(body, json.loads(body)) == json_depth(v), (text, encoding)
+
+
+def test_a_body_nested_past_the_bound_is_refused_and_one_within_it_parsed_once(monkeypatch):
+  app = FastAPI()
+  name_deep_bodies(app)
+
+  @app.post("/x")
+  async def x(body: dict):
+    return {"n": len(body["a"])}
+
+  client = TestClient(app)
+  wide = json.dumps({"a": [[] for _ in range(3 * MAX_BODY_DEPTH)]}).encode()
+  parses = []
+  loads = json.loads
+  monkeypatch.setattr(json, "loads", lambda s, *a, **k: parses.append(s) or loads(s, *a, **k))
+  r = client.post("/x", content=wide, headers={"content-type": "application/json"})
+  assert r.json() == {"n": 3 * MAX_BODY_DEPTH} and parses.count(wide) == 1, parses.count(wide)
+  for levels, status in [(MAX_BODY_DEPTH, 200), (MAX_BODY_DEPTH + 1, 400), (5000, 400)]:
+    inner = levels - 1  # (the object around "a")
+    body = b'{"a": ' + b"[" * inner + b"]" * inner + b"}"
+    r = client.post("/x", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, (levels, r.text)
+    if status == 400:
+      assert r.json()["detail"] == NESTED_TOO_DEEP
