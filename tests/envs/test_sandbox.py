@@ -341,14 +341,16 @@ def test_what_a_walk_by_paths_missed_counts_and_goes(hide):
 
 def skip_unless_nobody_runs_python() -> None:
   """Skips a test that runs this interpreter as user 65534 where it cannot: not root, or
-  an interpreter that user cannot load (pyenv's under /root, whose libpython it cannot
-  read)."""
+  an interpreter or a checkout that user cannot load (pyenv's Python under /root, whose
+  libpython it cannot read; a repository in a directory shut to others)."""
   if os.geteuid() != 0 or not shutil.which("setpriv"):
     pytest.skip("needs root to act as another user")
   r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                      sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+                      sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                      "import envs.sandbox", REPO], capture_output=True, text=True, timeout=60)
   if r.returncode != 0:
-    pytest.skip(f"user 65534 cannot run {sys.executable}: {r.stderr.strip()[-200:]}")
+    pytest.skip(f"user 65534 cannot run {sys.executable} and import {REPO}'s envs: "
+                f"{r.stderr.strip()[-200:]}")
 
 
 def test_directories_shut_to_their_owner_are_removed_and_left_alone_while_a_command_runs():
