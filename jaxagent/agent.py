@@ -391,8 +391,7 @@ def judge_cut(cut: BaseException, server_s: float, where: str, measured: "Measur
   The server's side (`server_s`) is the rest: waiting for a slot, prefill, transport.
   Other episodes' holds of the event loop between its calls are on neither side: no
   load of its own, and not the server's (they were counted in one or the other). At
-  the wall, the waits of the
-  crowd its own run makes are on the policy's side too."""
+  the wall, the waits of the crowd its own run makes are on the policy's side too."""
   kind = "episode_wall" if isinstance(cut, waits.WallCut) else "episode_deadline"
   # (the holds credited between its calls fell while it waited on the server or while
   # the server decoded its tokens, which go on running during a hold: taken out of the

@@ -22,6 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from envs.values import json_depth  # (standard library only)
+
 
 class ListenError(OSError):
   """A service could not listen where it was told to (the message names host and port)."""
@@ -108,18 +110,13 @@ _STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 def body_depth(body: bytes, value) -> int:
   """How deep lists and objects nest in `value`, the JSON text `body` parsed. Measured
   on the text where it is UTF-8 (strings cut out, then a running sum over the brackets:
-  in C and numpy, as fast as the parse); else walked, without recursion."""
+  in C and numpy, as fast as the parse); else the value is walked (`json_depth`)."""
   if not isinstance(value, (list, dict)):
     return 0
-  if b"\x00" not in body:  # (UTF-16 and UTF-32 JSON hold NULs; valid UTF-8 JSON none)
-    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    return int(np.cumsum(_STEP[np.frombuffer(brackets, np.uint8)], dtype=np.int32).max())
-  deepest, level = 0, [value]
-  while level:
-    deepest += 1
-    level = [y for x in level for y in (x.values() if isinstance(x, dict) else x)
-             if isinstance(y, (list, dict))]
-  return deepest
+  if b"\x00" in body:  # (UTF-16 and UTF-32 JSON hold NULs; valid UTF-8 JSON none)
+    return json_depth(value)
+  brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+  return int(np.cumsum(_STEP[np.frombuffer(brackets, np.uint8)], dtype=np.int32).max())
 
 
 def _read_as_json(request) -> bool:
