@@ -380,7 +380,7 @@ ENV = textwrap.dedent("""\
         elif action == "background":
           self.go.set()
           await asyncio.sleep(0.05)  # (its task holds the loop meanwhile)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(6.0 if action == "long" else 1.0)
         return StepResult(Observation([]), 0.0, True, False, {})
 
       async def reset(self, task):
@@ -444,3 +444,47 @@ def test_an_env_worker_names_an_environment_that_holds_its_loop(tmp_path):
   log = worker_log(proc)
   assert f"{os.path.realpath(module)}:9 in step" in log or f"{module}:9 in step" in log, log
   assert "no other session moves" in log, log
+
+
+def test_a_remote_call_cut_client_side_counts_the_worker_s_credited_holds(tmp_path):
+  """An episode that cuts its call to a worker (its deadline) asks the worker what the
+  call waited so far: the part that was another session's hold of the worker's loop is
+  the episode's `held_s` too (no one's time at its wall), as an answered call's is."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  from envs.base import TaskSpec
+  from envs.server import RemoteEnv
+  from jaxagent.agent import MeasuredEnv
+  from tests.envs.test_server import start_worker
+
+  module = tmp_path / "sleepy_env.py"
+  module.write_text(ENV)
+  proc, url, _ = start_worker(tmp_path, "--import", str(module), "--deadline-s", "4")
+  try:
+    holder = httpx.post(f"{url}/sessions", json={"task": {"id": "h", "env": "sleepy_step",
+                                                          "params": {}}}, timeout=30)
+    assert holder.status_code == 200, holder.text
+
+    async def main():
+      measured = MeasuredEnv(RemoteEnv(url))
+      await measured.reset(TaskSpec(id="w", env="sleepy_step", params={}))
+      call = asyncio.ensure_future(measured.step("long"))
+      await asyncio.sleep(0.4)
+      with ThreadPoolExecutor(1) as pool:  # another session holds the worker's loop 2.5 s
+        held = await asyncio.get_running_loop().run_in_executor(pool, lambda: httpx.post(
+            f"{url}/sessions/{holder.json()['session_id']}/step", json={"action": "hold"},
+            timeout=30))
+      await asyncio.sleep(0.3)
+      call.cancel()  # (cut client-side while the worker's call still runs)
+      with pytest.raises(asyncio.CancelledError):
+        await call
+      await measured.env.close()
+      return measured, held
+
+    measured, held = asyncio.run(main())
+    # (the holder, within its deadline of 4 s: its own hold is not credited to it)
+    assert held.status_code == 200 and held.json()["infra_held_s"] < 0.1, held.text
+    assert 2.0 < measured.held_s <= measured.waited_s, (measured.held_s, measured.waited_s)
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
