@@ -99,8 +99,10 @@ WALL_FACTOR = 2
 CALL_MARGIN_S = 15.0
 
 
-def waits_of(clock: waits.WaitClock) -> dict:
-  """A call's waits as its answer reports them."""
+def waits_of(clock: Optional[waits.WaitClock]) -> dict:
+  """A call's waits as its answer reports them (none for no call)."""
+  if clock is None:
+    return {"infra_wait_s": 0.0, "infra_held_s": 0.0}
   return {"infra_wait_s": round(clock.total_s(), 4), "infra_held_s": round(clock.held_s, 4)}
 
 
@@ -355,8 +357,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     """The waits on shared infrastructure of the session's latest call, running or not
     (an agent whose deadline passed during a call asks how much of it was waiting)."""
     s = get(sid)
-    return {"session_id": sid, **(waits_of(s.clock) if s.clock else
-                                  {"infra_wait_s": 0.0, "infra_held_s": 0.0}),
+    return {"session_id": sid, **waits_of(s.clock),
             "running": s.call is not None and not s.call.done()}
 
   @app.delete("/sessions/{sid}")
