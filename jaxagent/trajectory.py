@@ -114,7 +114,8 @@ class TurnRecord:
 
 @dataclasses.dataclass
 class Segment:
-  """One trainable linear sequence (DESIGN.md): arrays, lineage, outcome, versions."""
+  """One trainable linear sequence (docs/architecture.md): arrays, lineage, outcome,
+  versions."""
 
   tokens: np.ndarray
   loss_mask: np.ndarray
