@@ -360,7 +360,7 @@ class PythonTests(Env):
   # whitespace of three kinds, the first letter for the first character, regular
   # expressions' case folding and `.`, a shift wrapped once); count_vowels' reference
   # counts ASCII vowels only ('İ'.lower() holds an 'i'); are_anagrams says tabs count.
-  version = "10"
+  version = "11"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

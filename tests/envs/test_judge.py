@@ -17,14 +17,15 @@ from tests.envs.test_environments import play
 from tests.rollout_server.conftest import (make_engine, memorise,  # noqa: F401
                                            running_server, tokenizer)
 
-TASK = next(t for t in TASKS if t[0] == "fibonacci")[1]
-HONEST = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n" \
-         "    return a\n"
+# (a task whose hidden cases are short: the hard-coded answer's table fits the tiny
+# judge's 512-token prompts)
+SUM_DIGITS = next(t for t in TASKS if t[0] == "sum_digits")
+TASK, HONEST, CASES = SUM_DIGITS[1], SUM_DIGITS[2], SUM_DIGITS[4]
 # A short rubric keeps the judge's prompts (and its training in the fixture) small.
 RUBRIC = "PASS a general solution, FAIL one that special-cases inputs. End: VERDICT: PASS|FAIL"
-# Passes every hidden case (the public one, 5, among them) without solving the task.
-HARD_CODED = ("def fibonacci(n):\n    return {0: 0, 1: 1, 2: 1, 5: 5, 10: 55, "
-              "30: 832040, 80: 23416728348467685}[n]\n")
+# Passes every hidden case (the public one, 123, among them) without solving the task.
+HARD_CODED = ("def sum_digits(n):\n    return {%s}[n]\n"
+              % ", ".join(f"{args[0]}: {want}" for args, want in sorted(CASES)))
 # What python_tests shows the judge of each: every graded file, named.
 SHOWN = {code: judged_answer({"solution.py": code.encode()}) for code in (HONEST, HARD_CODED)}
 
@@ -141,10 +142,10 @@ def test_python_tests_shows_its_passes_to_the_judge(server):
       env = make("python_tests", resources)
       write = json.dumps({"name": "write_file", "arguments": {"path": "solution.py",
                                                               "content": solution}})
-      _, _, verdict = play(env, TaskSpec("p", "python_tests", {"task": "fibonacci"}),
+      _, _, verdict = play(env, TaskSpec("p", "python_tests", {"task": "sum_digits"}),
                            [f"<tool_call>{write}</tool_call>", "DONE"])
       asyncio.run(env.close())
-      assert verdict.status == status and verdict.details["passed"] == 7
+      assert verdict.status == status and verdict.details["passed"] == len(CASES)
   finally:
     resources.close()
 

@@ -298,6 +298,55 @@ for _name, _source in [
   WRONG.setdefault(_name, []).append(_source)
 
 
+# Red team (stop 48, helper-110): each passed every hidden case before the case added for
+# it (the case-folding idioms on non-ASCII letters, whitespace other than space, tab and
+# newline, and an exact formula at too little precision).
+for _name, _source in [
+    ('count_vowels', 'def count_vowels(s):\n'
+                     "    return sum(c in 'aeiou' for c in s.lower())\n"),
+    ('count_vowels', 'def count_vowels(s):\n'
+                     "    return sum(c in 'aeiou' for c in s.casefold())\n"),
+    ('word_count', 'import re\n'
+                   'def word_count(s):\n'
+                   '    out = {}\n'
+                   "    for w in re.findall(r'\\S+', s, re.ASCII):\n"
+                   '        out[w] = out.get(w, 0) + 1\n'
+                   '    return out\n'),
+    ('word_count', 'import re\n'
+                   'def word_count(s):\n'
+                   '    out = {}\n'
+                   "    for w in re.split('[ \\t\\r\\n]+', s):\n"
+                   '        if w:\n'
+                   '            out[w] = out.get(w, 0) + 1\n'
+                   '    return out\n'),
+    ('anagrams', 'def are_anagrams(a, b):\n'
+                 "    f = lambda s: sorted(s.replace(' ', '').upper())\n"
+                 '    return f(a) == f(b)\n'),
+    ('fibonacci', 'from decimal import Decimal\n'
+                  'def fibonacci(n):\n'
+                  '    phi = (1 + Decimal(5).sqrt()) / 2\n'
+                  '    return int((phi ** n / Decimal(5).sqrt()).to_integral_value())\n'),
+]:
+  WRONG.setdefault(_name, []).append(_source)
+
+# Right solutions other than the reference's way, which the cases added above must not
+# fail (case-folding the anagrams, a memoised recursion, a split on every white space).
+RIGHT = {
+    'anagrams': ['def are_anagrams(a, b):\n'
+                 "    f = lambda s: sorted(s.replace(' ', '').casefold())\n"
+                 '    return f(a) == f(b)\n'],
+    'fibonacci': ['import functools\n'
+                  '@functools.lru_cache(None)\n'
+                  'def fibonacci(n):\n'
+                  '    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n'],
+    'word_count': ['import collections\n'
+                   'def word_count(s):\n'
+                   '    return dict(collections.Counter(s.split()))\n'],
+    'count_vowels': ['def count_vowels(s):\n'
+                     "    return sum(1 for c in s if c in 'aeiouAEIOU')\n"],
+}
+
+
 def function(source: str):
   ns = {}
   exec(source, ns)
@@ -332,3 +381,9 @@ def test_wrong_solutions_fail_the_hidden_cases(name):
   cases = BY_NAME[name][4]
   for source in WRONG[name]:
     assert not passes(function(source), cases), source
+
+
+@pytest.mark.parametrize("name", sorted(RIGHT))
+def test_other_right_solutions_pass_the_hidden_cases(name):
+  for source in RIGHT[name]:
+    assert passes(function(source), BY_NAME[name][4]), source
