@@ -329,6 +329,99 @@ for _name, _source in [
 ]:
   WRONG.setdefault(_name, []).append(_source)
 
+# Red team (stop 48, helper-111, a second round): each passed every hidden case before
+# the case added for it (a whole string lower-cased makes a final sigma, 'İ' two
+# characters; negative numbers; Miller-Rabin with the usual fixed bases; substring
+# counts; an unmatched closer skipped; a sentinel eating a last run of spaces; Roman
+# digits 5 and 49; leap-year rules past the Gregorian; precision of 110 digits).
+for _name, _source in [
+    ('is_palindrome', 'def is_palindrome(s):\n'
+                     "    t = ''.join(c for c in s if c.isalpha()).lower()\n"
+                     '    return t == t[::-1]\n'),
+    ('is_palindrome', 'def is_palindrome(s):\n'
+                     '    t = [c for c in s.lower() if c.isalpha()]\n'
+                     '    return t == t[::-1]\n'),
+    ('is_palindrome', 'import re\n'
+                     'def is_palindrome(s):\n'
+                     "    t = re.sub(r'[\\W\\d_]', '', s).lower()\n"
+                     '    return t == t[::-1]\n'),
+    ('is_palindrome', 'def is_palindrome(s):\n'
+                     "    t = ''.join(c.lower() for c in s if c.isalpha())\n"
+                     '    return t == t[::-1]\n'),
+    ('is_palindrome', 'import string\n'
+                     'def is_palindrome(s):\n'
+                     '    t = [c.lower() for c in s if c not in string.punctuation + string.whitespace + string.digits]\n'
+                     '    return t == t[::-1]\n'),
+    # (the reference's trial division under a guard that lets negative numbers through)
+    ('is_prime', BY_NAME['is_prime'][2].replace('if n < 2:', 'if n in (0, 1):')),
+    ('is_prime', BY_NAME['is_prime'][2].replace('    if n < 2:', '    n = abs(n)\n    if n < 2:')),
+    ('is_prime', _miller_rabin((2, 7, 61))),
+    ('is_prime', _miller_rabin((2, 3, 5, 7, 11))),
+    ('is_prime', _miller_rabin((2, 3, 5, 7, 11, 13, 17, 19, 23))),
+    ('word_count', 'def word_count(s):\n'
+                  '    return {w: s.count(w) for w in s.split()}\n'),
+    # (the reference, skipping a closer that does not match instead of failing)
+    ('balanced', BY_NAME['balanced'][2].replace(
+        'if not stack or stack.pop() != pairs[c]:\n                return False\n',
+        'if not stack:\n                return False\n'
+        '            if stack[-1] == pairs[c]:\n                stack.pop()\n')),
+    ('rle', 'def rle(s):\n'
+           "    out, cnt, prev = '', 0, ''\n"
+           "    for c in s + ' ':\n"
+           '        if c == prev:\n'
+           '            cnt += 1\n'
+           '        else:\n'
+           '            if cnt: out += prev + str(cnt)\n'
+           '            prev, cnt = c, 1\n'
+           '    return out\n'),
+    ('roman', 'def to_roman(n):\n'
+             '    digits = []\n'
+             "    for one, five, ten in (('I', 'V', 'X'), ('X', 'L', 'C'), ('C', 'D', 'M'), ('M', '', '')):\n"
+             '        d = n % 10; n //= 10\n'
+             '        if d == 9: s = one + ten\n'
+             '        elif d > 5: s = five + one * (d - 5)\n'
+             '        elif d == 4: s = one + five\n'
+             '        else: s = one * d\n'
+             '        digits.append(s)\n'
+             "    return ''.join(reversed(digits))\n"),
+    ('roman', 'def to_roman(n):\n'
+             "    out = ''\n"
+             "    for v, s in [(1000, 'M'), (900, 'CM'), (500, 'D'), (400, 'CD'), (100, 'C'), (90, 'XC'), (50, 'L'), (49, 'IL'), (40, 'XL'), (10, 'X'), (9, 'IX'), (5, 'V'), (4, 'IV'), (1, 'I')]:\n"
+             '        while n >= v:\n'
+             '            out += s\n'
+             '            n -= v\n'
+             '    return out\n'),
+    ('leap_year', 'import datetime\n'
+                 'def is_leap(y):\n'
+                 '    try:\n'
+                 '        datetime.date(y, 2, 29)\n'
+                 '        return True\n'
+                 '    except ValueError:\n'
+                 '        return False\n'),
+    ('leap_year', 'def is_leap(y):\n'
+                 '    return y % 4 == 0 and (y % 100 != 0 or y % 400 == 0) and y % 4000 != 0\n'),
+    ('leap_year', 'def is_leap(y):\n'
+                 '    return y % 4 == 0 and (y % 100 != 0 or (y // 100) % 2 == 0)\n'),
+    ('anagrams', 'def are_anagrams(a, b):\n'
+                "    f = lambda s: sorted(s.strip().replace(' ', '').lower())\n"
+                '    return f(a) == f(b)\n'),
+    ('fibonacci', 'from decimal import Decimal, localcontext\n'
+                 'def fibonacci(n):\n'
+                 '    with localcontext() as ctx:\n'
+                 '        ctx.prec = 110\n'
+                 '        phi = (1 + Decimal(5).sqrt()) / 2\n'
+                 '        return int((phi ** n / Decimal(5).sqrt()).to_integral_value())\n'),
+    ('dedupe_keep_order', 'def dedupe(xs):\n'
+                         '    out = []\n'
+                         '    for x in xs:\n'
+                         '        if x not in out[-8:]:\n'
+                         '            out.append(x)\n'
+                         '    return out\n'),
+    ('celsius', 'def to_fahrenheit(c):\n'
+               '    return round(c * 9 / 5 + 32, 3)\n'),
+]:
+  WRONG.setdefault(_name, []).append(_source)
+
 # Right solutions other than the reference's way, which the cases added above must not
 # fail (case-folding the anagrams, a memoised recursion, a split on every white space).
 RIGHT = {
@@ -344,6 +437,15 @@ RIGHT = {
                    '    return dict(collections.Counter(s.split()))\n'],
     'count_vowels': ['def count_vowels(s):\n'
                      "    return sum(1 for c in s if c in 'aeiouAEIOU')\n"],
+    'is_palindrome': ['def is_palindrome(s):\n'
+                      "    t = [c.casefold() for c in s if c.isalpha()]\n"
+                      '    return t == t[::-1]\n'],
+    'is_prime': ['import math\n'
+                 'def is_prime(n):\n'
+                 '    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))\n'],
+    'leap_year': ['import calendar\n'
+                  'def is_leap(y):\n'
+                  '    return calendar.isleap(y)\n'],
 }
 
 
