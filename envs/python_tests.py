@@ -360,6 +360,11 @@ class PythonTests(Env):
   # whitespace of three kinds, the first letter for the first character, regular
   # expressions' case folding and `.`, a shift wrapped once); count_vowels' reference
   # counts ASCII vowels only ('İ'.lower() holds an 'i'); are_anagrams says tabs count.
+  # 11: stronger hidden cases (28 more wrong solutions: whole strings lower-cased or
+  # case-folded, white space of ASCII or four kinds only, negative and Miller-Rabin
+  # primes, Roman digits by digit, leap years past the Gregorian, exact formulas at too
+  # little precision); are_anagrams' reference lower-cases a character at a time (ΑΣ and
+  # ΣΑ are anagrams); word_count and are_anagrams say which white space and folding.
   version = "11"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
