@@ -365,7 +365,11 @@ class PythonTests(Env):
   # primes, Roman digits by digit, leap years past the Gregorian, exact formulas at too
   # little precision); are_anagrams' reference lower-cases a character at a time (ΑΣ and
   # ΣΑ are anagrams); word_count and are_anagrams say which white space and folding.
-  version = "11"
+  # 12: stronger hidden cases (21 more wrong solutions: precomputed sieves and capped
+  # trial division, sentinel starts, sentinels the text may hold, negative shifts past a
+  # wrap, title case for upper case, palindromes keeping '_' or symbols, a rounded exact
+  # conversion, a dropped newline, floats through range(), a look-back of 9).
+  version = "12"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

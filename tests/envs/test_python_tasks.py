@@ -422,6 +422,119 @@ for _name, _source in [
 ]:
   WRONG.setdefault(_name, []).append(_source)
 
+def _sieve_to(limit: str) -> str:
+  """is_prime by a sieve precomputed to `limit`, False past it."""
+  return ('def _sieve(n):\n'
+          '    is_p = [True] * (n + 1)\n'
+          '    is_p[0] = is_p[1] = False\n'
+          '    for i in range(2, int(n ** 0.5) + 1):\n'
+          '        if is_p[i]:\n'
+          '            for j in range(i * i, n + 1, i):\n'
+          '                is_p[j] = False\n'
+          '    return is_p\n'
+          f'_P = _sieve({limit})\n'
+          'def is_prime(n):\n'
+          f'    return 0 <= n <= {limit} and _P[n]\n')
+
+# Red team (stop 49, helper-112, a third round): each passed every hidden case before
+# the case added for it (primes past a precomputed sieve or a capped trial division; a
+# sentinel start or 'not best'; a negative shift past one wrap; an end marker the text
+# may hold; '_', Hebrew letters and symbols in palindromes; rounding an exact
+# conversion; title case for upper case; a dropped newline; a 3200-year rule; counting
+# through range() on floats; Binet at 200 digits; fixed rounds of bracket deletion; a
+# look-back of 9).
+for _name, _source in [
+    ('is_prime', _sieve_to('10000')),
+    ('is_prime', _sieve_to('10**6')),
+    ('is_prime', 'def is_prime(n):\n'
+                 '    if n < 2: return False\n'
+                 '    i = 2\n'
+                 '    while i * i <= n and i < 10**6:\n'
+                 '        if n % i == 0: return False\n'
+                 '        i += 1\n'
+                 '    return True\n'),
+    ('max_of_list', 'def max_of_list(xs):\n'
+                    '    best = None\n'
+                    '    for x in xs:\n'
+                    '        if not best or x > best:\n'
+                    '            best = x\n'
+                    '    return best\n'),
+    ('max_of_list', 'def max_of_list(xs):\n'
+                    '    best = -10**9\n'
+                    '    for x in xs:\n'
+                    '        if x > best:\n'
+                    '            best = x\n'
+                    '    return best\n'),
+    ('second_largest', 'def second_largest(xs):\n'
+                       '    first = second = -10**9\n'
+                       '    for x in xs:\n'
+                       '        if x > first:\n'
+                       '            first, second = x, first\n'
+                       '        elif first > x > second:\n'
+                       '            second = x\n'
+                       '    return None if second == -10**9 else second\n'),
+    ('caesar', 'import string\n'
+               'def caesar(s, k):\n'
+               '    a = string.ascii_lowercase\n'
+               '    k = k % 26 if k > 0 else k\n'
+               '    return s.translate(str.maketrans(a, a[k:] + a[:k]))\n'),
+    ('caesar', 'def caesar(s, k):\n'
+               "    out = ''\n"
+               '    for c in s:\n'
+               "        if 'a' <= c <= 'z':\n"
+               '            o = ord(c) + k\n'
+               "            while o > ord('z'): o -= 26\n"
+               "            if o < ord('a'): o += 26\n"
+               '            out += chr(o)\n'
+               '        else:\n'
+               '            out += c\n'
+               '    return out\n'),
+    # (the second round's sentinel, one the text may hold)
+    ('rle', next(s for s in WRONG['rle'] if "s + ' '" in s).replace("s + ' '", "s + '#'")),
+    ('is_palindrome', 'import re\n'
+                      'def is_palindrome(s):\n'
+                      "    t = re.sub(r'[\\W\\d]', '', s).upper()\n"
+                      '    return t == t[::-1]\n'),
+    ('is_palindrome', 'def is_palindrome(s):\n'
+                      '    t = [c.lower() for c in s if c.lower() != c.upper()]\n'
+                      '    return t == t[::-1]\n'),
+    ('is_palindrome', 'import unicodedata\n'
+                      'def is_palindrome(s):\n'
+                      "    t = [c.lower() for c in s if unicodedata.category(c)[0] not in 'PZNC']\n"
+                      '    return t == t[::-1]\n'),
+    ('celsius', 'def to_fahrenheit(c):\n'
+                '    return round(c * 9 / 5 + 32, 4)\n'),
+    ('celsius', 'def to_fahrenheit(c):\n'
+                "    return float(f'{c * 9 / 5 + 32:.6g}')\n"),
+    ('capitalize_words', 'def capitalize_words(s):\n'
+                         "    return ' '.join(w[:1].capitalize() + w[1:] for w in s.split(' '))\n"),
+    ('reverse_string', 'def reverse_string(s):\n'
+                       "    return s.rstrip('\\n')[::-1]\n"),
+    ('leap_year', 'def is_leap(y):\n'
+                  '    return y % 4 == 0 and (y % 100 != 0 or y % 400 == 0) and y % 3200 != 0\n'),
+    ('unique_sorted', 'def unique_sorted(xs):\n'
+                      '    if not xs: return []\n'
+                      '    s = set(xs)\n'
+                      '    return [v for v in range(min(xs), max(xs) + 1) if v in s]\n'),
+    ('fibonacci', 'from decimal import Decimal, getcontext\n'
+                  'getcontext().prec = 200\n'
+                  'def fibonacci(n):\n'
+                  '    phi = (1 + Decimal(5).sqrt()) / 2\n'
+                  '    return int((phi ** n / Decimal(5).sqrt()).to_integral_value())\n'),
+    ('balanced', 'def balanced(s):\n'
+                 "    t = ''.join(c for c in s if c in '()[]{}')\n"
+                 '    for _ in range(2):\n'
+                 "        t = t.replace('()', '').replace('[]', '').replace('{}', '')\n"
+                 '    return not t\n'),
+    ('dedupe_keep_order', 'def dedupe(xs):\n'
+                          '    out = []\n'
+                          '    for x in xs:\n'
+                          '        if x not in out[-9:]:\n'
+                          '            out.append(x)\n'
+                          '    return out\n'),
+]:
+  WRONG.setdefault(_name, []).append(_source)
+
 # Right solutions other than the reference's way, which the cases added above must not
 # fail (case-folding the anagrams, a memoised recursion, a split on every white space).
 RIGHT = {
@@ -445,7 +558,30 @@ RIGHT = {
                  '    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))\n'],
     'leap_year': ['import calendar\n'
                   'def is_leap(y):\n'
-                  '    return calendar.isleap(y)\n'],
+                  '    return calendar.isleap(y)\n',
+                  'def is_leap(y):\n'
+                  '    return y % 400 == 0 or (y % 4 == 0 and y % 100 != 0)\n'],
+    # (the third round's cases: end markers, negative shifts, exact floats, any values)
+    'rle': ['import itertools\n'
+            'def rle(s):\n'
+            "    return ''.join(k + str(len(list(g))) for k, g in itertools.groupby(s))\n"],
+    'caesar': ['def caesar(s, k):\n'
+               "    return ''.join(chr((ord(c) - 97 + k) % 26 + 97) if 'a' <= c <= 'z' else c\n"
+               '                   for c in s)\n'],
+    'celsius': ['def to_fahrenheit(c):\n'
+                '    return c * 1.8 + 32\n'],
+    'second_largest': ['def second_largest(xs):\n'
+                       '    s = sorted(set(xs))\n'
+                       '    return s[-2] if len(s) > 1 else None\n'],
+    'unique_sorted': ['def unique_sorted(xs):\n'
+                      '    return sorted(set(xs))\n'],
+    'dedupe_keep_order': ['def dedupe(xs):\n'
+                          '    return list(dict.fromkeys(xs))\n'],
+    'balanced': ['def balanced(s):\n'
+                 "    s = ''.join(c for c in s if c in '()[]{}')\n"
+                 "    while '()' in s or '[]' in s or '{}' in s:\n"
+                 "        s = s.replace('()', '').replace('[]', '').replace('{}', '')\n"
+                 '    return not s\n'],
 }
 
 
