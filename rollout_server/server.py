@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxagent.config import ServerConfig
+from jaxagent.errors import PROMPT_TOO_LONG
 from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
 from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools
 from rollout_server import anthropic_api, responses_api
@@ -51,7 +52,7 @@ from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, Chat
                                  OpenAIRoute, TurnCut, continued_prompt, normalise_messages,
                                  unserved, with_sampled_arguments)
 from rollout_server.engine import SamplingParams
-from rollout_server.orchestrator import Orchestrator, QueueFull, Request, progress_of
+from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request, progress_of
 from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, SessionStore,
                                      session_of)
 
@@ -490,6 +491,18 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     sessions.carry(body.session_id, [t.model_dump() for t in body.turns])
     return {"session_id": body.session_id, "carried": True}
 
+  def too_long(pieces, tok, limit: int) -> None:
+    """PromptTooLong for a rendering whose text is surely longer than `limit` tokens (by
+    the most characters a token stands for, twice over for what encoding may fold), before
+    it is encoded: that took a second a megabyte on the event loop, every other request
+    held (red team 113)."""
+    chars = sum(len(text) for text, _ in pieces)
+    most = 2 * limit * tok.max_token_chars
+    if chars > most:
+      raise PromptTooLong(f"{PROMPT_TOO_LONG}: {chars} characters of text, more than "
+                          f"{limit} tokens (max_prefill_length) can hold ({most} at most "
+                          f"in {tok.name}'s longest tokens); nothing was encoded")
+
   def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,
                  session_id: Optional[str], kind: str, id_prefix: str,
                  model: Optional[str] = None,
@@ -531,6 +544,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
           # last good response, a branch; the call continues that turn's tokens)
           sessions.revive(recorded, *goes_on_from)
       pieces = tok.render_pieces(messages, tools=tools)
+      too_long(pieces, tok, on.engine.max_prefill_length)
       prompt = continued_prompt(tok, pieces, messages, tools, sessions.last_turn(
           recorded, messages, tools) if recorded else None)
       if prompt is None:

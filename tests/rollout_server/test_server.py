@@ -786,3 +786,29 @@ def test_a_streamed_reply_says_what_the_whole_reply_says():
     (sent, content), (told, text_block) = asyncio.run(streamed(text))
     assert sent == content and told == text_block, (text, sent, content, told, text_block)
     assert (bad in content) == (bad in text)
+
+
+def test_a_chat_far_too_long_is_refused_before_it_is_encoded(random_params, tokenizer):
+  """A chat whose text cannot fit the prompt limit by any tokenization is refused as too
+  long without encoding it (3 MB of text held the event loop for seconds, every other
+  request waiting: red team 113); one just over the limit is counted as before."""
+  bound = tokenizer.max_token_chars
+  assert all(len(tokenizer.token_bytes(i)) <= bound for i in range(tokenizer.vocab_size))
+  engine = make_engine(max_prefill_length=64, max_seq_len=160)
+  huge = "ab " * 1_000_000
+  bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": huge}]},
+            "/v1/messages": {"model": "m", "max_tokens": 4,
+                             "messages": [{"role": "user", "content": huge}]},
+            "/v1/responses": {"input": huge}}
+  with running_server(random_params, tokenizer, engine=engine) as (srv, orch):
+    for route, body in bodies.items():
+      r = httpx.post(srv.url + route, json=body, timeout=120)
+      assert r.status_code == 400, (route, r.text)
+      assert "prompt is too long" in r.text and "nothing was encoded" in r.text, r.text
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "ab " * 40}]})
+    assert r.status_code == 400 and "prompt is too long" in r.text
+    assert "tokens; the limit (max_prefill_length) is 64" in r.text, r.text
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
