@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, Field
 
-from jaxagent.serve_http import NESTED_TOO_DEEP, DepthBoundRoute
+from jaxagent.serve_http import NESTED_TOO_DEEP, DepthBoundRoute, unreadable_body
 from jaxagent.tokenizer import valid_unicode
 from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls
 
@@ -483,6 +483,8 @@ class ShapedErrorsRoute(DepthBoundRoute):
         message, field = str(e.detail), None
         if isinstance(e.__cause__, RecursionError):  # (FastAPI said "error parsing the body")
           message, field = NESTED_TOO_DEEP, "body"
+        elif unreadable_body(e) is not None:
+          message, field = unreadable_body(e), "body"
         return JSONResponse(self.error(e.status_code, message, field),
                             status_code=e.status_code)
       except ValueError as e:

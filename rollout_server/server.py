@@ -487,8 +487,24 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     call's), so that the session's next call continues their tokens (as on the server
     that ran them) rather than encoding the replies again from their text (the
     trajectory forked at every failover: red team 27). The session's record is
-    unchanged."""
-    sessions.carry(body.session_id, [t.model_dump() for t in body.turns])
+    unchanged. Its ids must be in the vocabulary and its JSON finite: a session's next call
+    goes on from them (handed unchecked, they made that call's 400, or its record
+    unreadable: red team 113)."""
+    turns = [t.model_dump() for t in body.turns]
+    vocab = orch.engine.vocab_size
+    for i, t in enumerate(turns):
+      for field, ids in [("prompt_ids", t["prompt_ids"]),
+                         *((f"replies[{j}].output_ids", r["output_ids"])
+                           for j, r in enumerate(t["replies"]))]:
+        bad = [x for x in ids if not 0 <= x < vocab]
+        if bad:
+          raise HTTPException(400, f"turns[{i}].{field}: token ids {bad[:5]} are outside the "
+                                   f"vocabulary [0, {vocab})")
+    try:
+      json.dumps(turns, allow_nan=False)
+    except ValueError as e:
+      raise HTTPException(400, f"turns: {e} (NaN and Infinity are not JSON)") from None
+    sessions.carry(body.session_id, turns)
     return {"session_id": body.session_id, "carried": True}
 
   def too_long(pieces, tok, limit: int) -> None:

@@ -812,3 +812,46 @@ def test_a_chat_far_too_long_is_refused_before_it_is_encoded(random_params, toke
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_bodies_not_in_utf8_and_bad_handovers_are_named(random_params, tokenizer):
+  """UTF-16 and UTF-32 JSON (which Python reads) are refused: a NaN in one passed the
+  chat routes' check on the bytes and made its session's record unreadable (red team
+  113). Bytes that are not UTF-8 and integers too long to read are named, not "an error
+  parsing the body". A handover's ids must be in the vocabulary and its JSON finite."""
+  nan_chat = ('{"messages": [{"role": "user", "content": "hi", "x": NaN}], '
+              '"max_tokens": 2}')
+  with running_server(random_params, tokenizer) as (srv, orch):
+    headers = {"content-type": "application/json", SESSION_HEADER: "utf16"}
+    for route, text in [("/v1/chat/completions", nan_chat),
+                        ("/generate", '{"input_ids": [1, 2], "max_new_tokens": 2}')]:
+      for encoding in ("utf-16", "utf-16-le", "utf-32"):
+        r = httpx.post(srv.url + route, content=text.encode(encoding), headers=headers)
+        assert r.status_code == 400 and "must be UTF-8" in r.text, (route, encoding, r.text)
+    assert httpx.get(f"{srv.url}/sessions/utf16").status_code == 404  # (nothing recorded)
+    r = httpx.post(srv.url + "/generate", content=b'{"input_ids": [1, 2], "seed": "\xff"}',
+                   headers=headers)
+    assert r.status_code == 400 and "cannot be read as JSON" in r.text and "utf-8" in r.text
+    r = httpx.post(srv.url + "/v1/chat/completions", content=b'{"messages": "\xff"}',
+                   headers=headers)
+    assert r.status_code == 400 and "cannot be read as JSON" in r.text, r.text
+    r = httpx.post(srv.url + "/generate", headers=headers,
+                   content=b'{"input_ids": [1], "seed": ' + b"9" * 5000 + b"}")
+    assert r.status_code == 400 and "digits" in r.text, r.text
+
+    turn = {"prompt_ids": [1, 2, 3], "messages": [{"role": "user", "content": "hi"}],
+            "replies": [{"output_ids": [5]}]}
+    for bad, named in [({"prompt_ids": [1, 10**6]}, "turns[1].prompt_ids"),
+                       ({"replies": [{"output_ids": [5]},
+                                     {"output_ids": [orch.engine.vocab_size]}]},
+                        "turns[1].replies[1].output_ids")]:
+      r = httpx.post(srv.url + "/handover", json={"session_id": "h", "turns": [
+          turn, {**turn, **bad}]})
+      assert r.status_code == 400 and named in r.text, r.text
+      assert "outside the vocabulary" in r.text
+    r = httpx.post(srv.url + "/handover", headers={"content-type": "application/json"},
+                   content=json.dumps({"session_id": "h", "turns": [turn]}).replace(
+                       '"hi"', '"hi", "x": NaN'))
+    assert r.status_code == 400 and "NaN" in r.text, r.text
+    r = httpx.post(srv.url + "/handover", json={"session_id": "h", "turns": [turn]})
+    assert r.status_code == 200 and r.json()["carried"]
