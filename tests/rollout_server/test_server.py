@@ -255,8 +255,8 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
       "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "u",
       "parallel_tool_calls": True})
   assert r.status_code == 200, r.text
-  r = c.post("/v1/chat/completions", json={"messages": user, "tools": [tool],
-                                           "tool_choice": "auto", "max_tokens": 1,
+  r = c.post("/v1/chat/completions", json={"tools": [tool], "tool_choice": "auto",
+                                           "max_tokens": 1,
                                            "messages": [{"role": "user", "content": [
                                                {"type": "text", "text": "x"}]}]})
   assert r.status_code == 200, r.text
