@@ -314,8 +314,10 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
       # Never a partial turn as the policy's answer.
       raise InfraError("server", f"a turn was cut by weight updates {idle} times in a row "
                                  "before it sampled a token")
+    # (the same seed: the engine keys each token by its position, so a resumed part
+    # samples as the uncut turn would have under the same weights)
     rest = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(
-        record.output_ids), seed=sampling.seed + len(record.output_ids))
+        record.output_ids))
     if look is not None:  # (the parts so far: the policy's at a cut in the next)
       look["done_s"] = record.decode_s
     try:

@@ -95,18 +95,36 @@ def message_text(content: Any, where: str = "content") -> str:
   raise ValueError(f"{where} must be a string or a list of parts, got {type(content).__name__}")
 
 
+# A message's fields that chat templates read or OpenAI's clients send back (the rest
+# are neither rendered nor read, but a session's record keeps them), and the most bytes
+# the others may hold in one call: 20 MB of them in a message that rendered 8 tokens,
+# four times, evicted another client's session from a 64 MiB store (red team 113).
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
+                            "reasoning_content", "reasoning", "thinking", "refusal", "audio",
+                            "function_call", "annotations"})
+MAX_OTHER_FIELD_BYTES = 64 * 1024
+
+
 def normalise_messages(messages: list[dict]) -> list[dict]:
   """The messages with a known role each and their content as one string (only an
-  assistant message that calls tools may leave it out)."""
-  out = []
+  assistant message that calls tools may leave it out). Fields outside MESSAGE_FIELDS
+  may hold MAX_OTHER_FIELD_BYTES in all (ValueError naming the largest)."""
+  out, other = [], []
   for i, m in enumerate(messages):
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
       raise ValueError(f"messages[{i}] needs a role of system, user, assistant or tool")
+    other += [(len(json.dumps(v, default=str)), f"messages[{i}].{k}")
+              for k, v in m.items() if k not in MESSAGE_FIELDS]
     if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
       raise ValueError(f"messages[{i}] ({m['role']}) has no content")
     m = dict(m)
     m["content"] = message_text(m.get("content"), f"messages[{i}].content")
     out.append(m)
+  if sum(n for n, _ in other) > MAX_OTHER_FIELD_BYTES:
+    n, where = max(other)
+    raise ValueError(f"{where}: {n} bytes in a field that chat templates do not read; the "
+                     f"fields other than {sorted(MESSAGE_FIELDS)} may hold "
+                     f"{MAX_OTHER_FIELD_BYTES} bytes in all (a session's record keeps them)")
   return out
 
 
@@ -239,8 +257,8 @@ class ChatTurn:
 
   A weight update in abort mode cuts running requests; a chat turn so cut is resumed
   where it stopped, as a new request (`resubmit`) of its prompt and the tokens sampled so
-  far, with the rest of its token budget and its seed moved on by them (as the white-box
-  agent resumes its turns): the agent gets one whole turn, each token stamped with the
+  far, with the rest of its token budget and the same seed (as the white-box agent
+  resumes its turns): the agent gets one whole turn, each token stamped with the
   version that sampled it. The parts are one turn everywhere (`output_ids`, the record).
 
   `messages` and `tools` are what was rendered into the prompt (internal form); `kind`
@@ -326,10 +344,11 @@ class ChatTurn:
             and self.resubmit is not None and idle < IDLE_RESUMES
             and done < first.sampling.max_new_tokens):
       return False
-    seed = first.sampling.seed
+    # (the seed as it was: the engine keys a token by its position in the sequence, so a
+    # part goes on as the uncut turn would have; moved on by `done`, it took another
+    # request's keys, a sibling's of consecutive seeds: red team 113)
     sampling = dataclasses.replace(first.sampling,
-                                   max_new_tokens=first.sampling.max_new_tokens - done,
-                                   seed=None if seed is None else seed + done)
+                                   max_new_tokens=first.sampling.max_new_tokens - done)
     try:
       self.req = self.resubmit(list(first.prompt_ids) + self.output_ids, sampling, done)
     except Exception as e:  # refused (the prompt with the cut turn is too long, a full

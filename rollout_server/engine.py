@@ -224,8 +224,8 @@ def _key(seed: int) -> np.ndarray:
   """The key of a 64-bit `seed` (any integer, read modulo 2**64): `jax.random.PRNGKey`'s
   layout with 64-bit integers on, [high 32 bits, low 32 bits], built on the host (no
   device call per request). Without 64-bit integers `PRNGKey` keeps only the low 32 bits
-  (seeds that differ above them sampled the same tokens) and a seed past int64 (a resumed
-  part's seed moved on past 2**63) raised, failing its whole prefill batch."""
+  (seeds that differ above them sampled the same tokens) and a seed past int64 (a client's,
+  past 2**63) raised, failing its whole prefill batch."""
   seed = int(seed) % (1 << 64)
   high, low = seed >> 32, seed & 0xFFFFFFFF
   if _threefry_keys():

@@ -636,7 +636,8 @@ def test_a_cut_turn_the_server_cannot_resume_is_cut_not_too_long(tokenizer):
   first._done.set()
 
   def refuse(ids, sampling, resumed):
-    assert len(ids) == 540 and resumed == 40 and sampling.max_new_tokens == 216 and sampling.seed == 41
+    assert len(ids) == 540 and resumed == 40 and sampling.max_new_tokens == 216
+    assert sampling.seed == 1  # (the engine keys tokens by position: the seed stays)
     raise HTTPException(400, "prompt is too long: 540 tokens; the limit is 512")
 
   async def wait(req):
@@ -855,3 +856,43 @@ def test_bodies_not_in_utf8_and_bad_handovers_are_named(random_params, tokenizer
     assert r.status_code == 400 and "NaN" in r.text, r.text
     r = httpx.post(srv.url + "/handover", json={"session_id": "h", "turns": [turn]})
     assert r.status_code == 200 and r.json()["carried"]
+
+
+def test_a_resumed_part_with_the_same_seed_goes_on_as_the_uncut_turn(random_params, tokenizer):
+  """The engine keys a token by its position, so a turn cut after k tokens and resumed
+  (`resumed_tokens`) with the same seed samples what the uncut turn did under the same
+  weights; the resume moved the seed on by k before, and seeded turns cut by an update
+  differed (red team 113)."""
+  with running_server(random_params, tokenizer) as (srv, orch):
+    body = {"input_ids": [7, 8, 9, 10], "max_new_tokens": 16, "temperature": 1.0,
+            "seed": 123, "record": False}
+    whole = httpx.post(f"{srv.url}/generate", json=body, timeout=120).json()
+    assert len(whole["output_ids"]) == 16
+    for k in (1, 5, 11):
+      part = httpx.post(f"{srv.url}/generate", timeout=120, json={
+          **body, "input_ids": body["input_ids"] + whole["output_ids"][:k],
+          "resumed_tokens": k, "max_new_tokens": 16 - k}).json()
+      assert part["output_ids"] == whole["output_ids"][k:], k
+      assert part["output_logprobs"] == pytest.approx(whole["output_logprobs"][k:], abs=1e-5)
+
+
+def test_message_fields_no_template_reads_are_bounded(random_params, tokenizer):
+  """Fields of a message that chat templates do not read hold 64 KiB in all: 20 MB of
+  them rendered 8 tokens, and the session's record kept them, evicting other clients'
+  sessions (red team 113). The fields clients send back are served."""
+  from rollout_server.chat import MAX_OTHER_FIELD_BYTES
+
+  with running_server(random_params, tokenizer) as (srv, orch):
+    headers = {SESSION_HEADER: "junk"}
+    r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=120, json={
+        "messages": [{"role": "user", "content": "hi", "id": "m1",
+                      "junk": "x" * (MAX_OTHER_FIELD_BYTES + 1)}], "max_tokens": 1})
+    assert r.status_code == 400 and "messages[0].junk" in r.text, r.text
+    assert httpx.get(f"{srv.url}/sessions/junk").status_code == 404
+    r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=120, json={
+        "messages": [{"role": "user", "content": "hi", "id": "m1"},
+                     {"role": "assistant", "content": "ok", "refusal": None,
+                      "annotations": [], "audio": None, "function_call": None},
+                     {"role": "user", "content": "go on", "cache_control": {"type": "x"}}],
+        "max_tokens": 1})
+    assert r.status_code == 200, r.text
