@@ -19,6 +19,7 @@ import uvicorn
 from fastapi.exception_handlers import (http_exception_handler,
                                          request_validation_exception_handler)
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
@@ -140,6 +141,15 @@ def unreadable_body(exc: HTTPException) -> Optional[str]:
   return f"body: cannot be read as JSON: {cause}"
 
 
+def not_json(request) -> Optional[str]:
+  """What to say of a body FastAPI did not read as JSON (its content type is another:
+  `curl -d`'s form encoding), else None; its 422 said only "a valid dictionary"."""
+  if _read_as_json(request):
+    return None
+  kind = request.headers.get("content-type", "").split(";")[0].strip()
+  return f"body: must be JSON (content-type: application/json), not {kind}"
+
+
 class DepthBoundRoute(APIRoute):
   """A route whose JSON body nests deeper than MAX_BODY_DEPTH is refused before it is
   read: 400 NESTED_TOO_DEEP, alike on every Python version. The body is parsed once: the
@@ -191,6 +201,9 @@ def name_deep_bodies(app) -> None:
 
   @app.exception_handler(RequestValidationError)
   async def invalid(request, exc: RequestValidationError):
+    if not_json(request) is not None and any(
+        tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
+      return JSONResponse({"detail": not_json(request)}, status_code=422)
     try:  # (a body just under the parser's limit read, but its 422 could not be written:
       # it echoes the input, a 500; reviewer)
       return await request_validation_exception_handler(request, exc)

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, Field
 
-from jaxagent.serve_http import NESTED_TOO_DEEP, DepthBoundRoute, unreadable_body
+from jaxagent.serve_http import NESTED_TOO_DEEP, DepthBoundRoute, not_json, unreadable_body
 from jaxagent.tokenizer import valid_unicode
 from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls
 
@@ -496,6 +496,9 @@ class ShapedErrorsRoute(DepthBoundRoute):
                  ("body", f"not valid JSON ({(err.get('ctx') or {}).get('error', err['msg'])})")
                  for err in e.errors()]
         message = "; ".join(f"{field}: {msg}" for field, msg in where)
+        if not_json(request) is not None and any(
+            tuple(err.get("loc", ()))[:1] == ("body",) for err in e.errors()):
+          message, where = not_json(request), [("body", "")]
         return JSONResponse(self.error(422, message, where[0][0] if where else None),
                             status_code=422)
       except HTTPException as e:

@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
 from typing import Annotated, Literal, Optional, Union
@@ -46,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from jaxagent.config import ServerConfig
 from jaxagent.errors import PROMPT_TOO_LONG
 from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
-from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools
+from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, tool_names
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn, Name,
                                  OpenAIRoute, TurnCut, continued_prompt, normalise_messages,
@@ -57,6 +58,12 @@ from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, Ses
                                      session_of)
 
 
+
+# A tool's name: OpenAI's rule (letters, digits, '_' and '-', at most 64) with '.' and ':'
+# (namespaced tools) and up to 128. A quote, a backslash or a newline in one was written
+# escaped, and the call was refused as a template that does not render tools (red team
+# 113).
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -98,7 +105,7 @@ class AbortBody(BaseModel):
 
 class UpdateWeightsBody(BaseModel):
   model_config = ConfigDict(extra="forbid", strict=True)
-  path: str
+  path: Name  # (a lone surrogate was a 400 of a codec's words)
   version: Optional[int] = None
   mode: Optional[str] = None
   model: Optional[Name] = None
@@ -535,6 +542,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
           [*tok.stop_ids, *(t for t in sampling.stop_token_ids
                             if t not in tokenizer.stop_ids)])))
     if tools:
+      for i, name in enumerate(tool_names(tools)):
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+          raise HTTPException(400, f"tools[{i}]: the name {name!r} must be 1 to 128 letters, "
+                                   "digits, '_', '-', '.' or ':' (a template writes it "
+                                   "escaped or not at all, and a call could not name it)")
       key = (id(tok), hashlib.sha256(json.dumps(tools, sort_keys=True, default=str)
                                      .encode()).hexdigest())
       if key not in tool_rendering:
@@ -663,8 +675,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         raise HTTPException(404, e.args[0])
     continued, parts = responses_api.made_whole(body)
     chat_messages, conversation, tools = responses_api.chat_messages(body, prior, parts)
-    session_id = session_of(http.headers.get(SESSION_HEADER),
-                            (body.model_extra or {}).get("session_id"))
+    named = (body.model_extra or {}).get("session_id")
+    if named is not None and not isinstance(named, str):  # (5, true, {} became sessions)
+      raise HTTPException(422, f"session_id: must be a string, got {type(named).__name__}")
+    session_id = session_of(http.headers.get(SESSION_HEADER), named)
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
