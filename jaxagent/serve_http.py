@@ -127,8 +127,8 @@ def _read_as_json(request) -> bool:
                                                     and kind.endswith("+json"))
 
 
-NOT_UTF8 = ("body: JSON must be UTF-8 (RFC 8259); this body holds NUL bytes, as UTF-16 and "
-            "UTF-32 text does")
+NOT_UTF8 = ("body: JSON must be UTF-8 (RFC 8259); this body holds a NUL byte (UTF-16 or "
+            "UTF-32 text, or a NUL that JSON writes as \\u0000)")
 _UNREADABLE = "There was an error parsing the body"  # (FastAPI's words for any other error)
 
 
@@ -138,16 +138,27 @@ def unreadable_body(exc: HTTPException) -> Optional[str]:
   cause = exc.__cause__
   if exc.detail != _UNREADABLE or not isinstance(cause, ValueError):
     return None
-  return f"body: cannot be read as JSON: {cause}"
+  # (Python's advice on long integers is the server's, not the client's)
+  said = str(cause).split("; use sys.set_int_max_str_digits()")[0]
+  return f"body: cannot be read as JSON: {said}"
 
 
-def not_json(request) -> Optional[str]:
-  """What to say of a body FastAPI did not read as JSON (its content type is another:
-  `curl -d`'s form encoding), else None; its 422 said only "a valid dictionary"."""
-  if _read_as_json(request):
+def not_json(request, errors: list) -> Optional[str]:
+  """What to say of a body FastAPI did not read as JSON, given its validation `errors`
+  (one on the whole body): its content type is another (`curl -d`'s form encoding), or
+  none where the route wants one (FastAPI's `strict_content_type`, the default since
+  0.13x: `requests.post(url, data=text)`). None otherwise. Its 422 said only "a valid
+  dictionary"."""
+  if not any(tuple(e.get("loc", ()))[:2] == ("body",) for e in errors):
     return None
   kind = request.headers.get("content-type", "").split(";")[0].strip()
-  return f"body: must be JSON (content-type: application/json), not {kind}"
+  if kind:
+    return None if _read_as_json(request) else (
+        f"body: must be JSON (content-type: application/json), not {kind}")
+  strict = getattr(request.scope.get("route"), "strict_content_type", False)
+  if getattr(strict, "value", strict) is True:
+    return "body: must be JSON, sent with content-type: application/json (none was sent)"
+  return None
 
 
 class DepthBoundRoute(APIRoute):
@@ -201,9 +212,9 @@ def name_deep_bodies(app) -> None:
 
   @app.exception_handler(RequestValidationError)
   async def invalid(request, exc: RequestValidationError):
-    if not_json(request) is not None and any(
-        tuple(e.get("loc", ()))[:1] == ("body",) for e in exc.errors()):
-      return JSONResponse({"detail": not_json(request)}, status_code=422)
+    unread = not_json(request, exc.errors())
+    if unread is not None:
+      return JSONResponse({"detail": unread}, status_code=422)
     try:  # (a body just under the parser's limit read, but its 422 could not be written:
       # it echoes the input, a 500; reviewer)
       return await request_validation_exception_handler(request, exc)

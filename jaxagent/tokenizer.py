@@ -303,11 +303,12 @@ class Tokenizer:
 
   @functools.cached_property
   def max_token_chars(self) -> int:
-    """The most characters of text one token can stand for, or more: the longest piece
-    in the vocabulary, in bytes (a byte-level piece spells one byte a character; other
-    pieces are counted in UTF-8). Text of n characters is at least n / max_token_chars
-    tokens, so that text far too long for a prompt is told so without encoding it (a
-    30 MB chat took 65 s to encode, the event loop held: red team 113)."""
+    """The longest piece in the vocabulary, in bytes (a byte-level piece spells one byte
+    a character; other pieces are counted in UTF-8): about the most characters of text
+    one token stands for, unless a normalizer deletes text or unknown text is fused into
+    one token. A server encodes a chat's first 2 * max_prefill_length * max_token_chars
+    characters only, to tell a prompt far too long (a 30 MB chat took 65 s to encode,
+    the event loop held: red team 113)."""
     def length(piece: str) -> int:
       if self._byte_level and all(c in _UNBYTE for c in piece):
         return len(piece)

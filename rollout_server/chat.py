@@ -95,37 +95,61 @@ def message_text(content: Any, where: str = "content") -> str:
   raise ValueError(f"{where} must be a string or a list of parts, got {type(content).__name__}")
 
 
-# A message's fields that chat templates read or OpenAI's clients send back (the rest
-# are neither rendered nor read, but a session's record keeps them), and the most bytes
-# the others may hold in one call: 20 MB of them in a message that rendered 8 tokens,
-# four times, evicted another client's session from a 64 MiB store (red team 113).
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
-                            "reasoning_content", "reasoning", "thinking", "refusal", "audio",
-                            "function_call", "annotations"})
-MAX_OTHER_FIELD_BYTES = 64 * 1024
-
-
 def normalise_messages(messages: list[dict]) -> list[dict]:
   """The messages with a known role each and their content as one string (only an
-  assistant message that calls tools may leave it out). Fields outside MESSAGE_FIELDS
-  may hold MAX_OTHER_FIELD_BYTES in all (ValueError naming the largest)."""
-  out, other = [], []
+  assistant message that calls tools may leave it out)."""
+  out = []
   for i, m in enumerate(messages):
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
       raise ValueError(f"messages[{i}] needs a role of system, user, assistant or tool")
-    other += [(len(json.dumps(v, default=str)), f"messages[{i}].{k}")
-              for k, v in m.items() if k not in MESSAGE_FIELDS]
     if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
       raise ValueError(f"messages[{i}] ({m['role']}) has no content")
     m = dict(m)
     m["content"] = message_text(m.get("content"), f"messages[{i}].content")
     out.append(m)
-  if sum(n for n, _ in other) > MAX_OTHER_FIELD_BYTES:
-    n, where = max(other)
-    raise ValueError(f"{where}: {n} bytes in a field that chat templates do not read; the "
-                     f"fields other than {sorted(MESSAGE_FIELDS)} may hold "
-                     f"{MAX_OTHER_FIELD_BYTES} bytes in all (a session's record keeps them)")
   return out
+
+
+# Characters a call's messages may hold beyond their rendering (fields a chat template
+# may not write: names, ids, a refusal, a harness's own), in all and per message: 20 MB
+# of them in a message that rendered 8 tokens, four times, evicted another client's
+# session from a 64 MiB store, since a session's record keeps them (red team 113).
+MAX_UNRENDERED_CHARS, UNRENDERED_CHARS_A_MESSAGE = 64 * 1024, 1024
+
+
+def _chars(value: Any) -> int:
+  return len(value) if isinstance(value, str) else len(json.dumps(
+      value, ensure_ascii=False, default=str))
+
+
+def bound_unrendered(messages: list[dict], rendered_chars: int) -> None:
+  """ValueError naming the largest field when the fields of `messages` besides role,
+  content and each tool call's name and arguments (what a template surely writes) hold
+  more characters than the rendering (`rendered_chars`: what a template wrote of them
+  is in it) plus MAX_UNRENDERED_CHARS and UNRENDERED_CHARS_A_MESSAGE a message."""
+  sizes = []
+  for i, m in enumerate(messages):
+    for key, value in m.items():
+      if key in ("role", "content"):
+        continue
+      if key != "tool_calls" or not isinstance(value, list):
+        sizes.append((_chars(value), f"messages[{i}].{key}"))
+        continue
+      for j, call in enumerate(value):
+        for k, v in (call.items() if isinstance(call, dict) else ()):
+          where = f"messages[{i}].tool_calls[{j}].{k}"
+          if k == "function" and isinstance(v, dict):
+            sizes += [(_chars(fv), f"{where}.{fk}") for fk, fv in v.items()
+                      if fk not in ("name", "arguments")]
+          else:
+            sizes.append((_chars(v), where))
+  allowed = rendered_chars + MAX_UNRENDERED_CHARS + UNRENDERED_CHARS_A_MESSAGE * len(messages)
+  if sum(n for n, _ in sizes) > allowed:
+    n, where = max(sizes)
+    raise ValueError(f"{where}: {n} characters; the messages' fields besides role, content "
+                     f"and tool calls hold {sum(n for n, _ in sizes)}, more than their "
+                     f"rendering ({rendered_chars} characters) and {allowed - rendered_chars} "
+                     "besides (a session's record keeps them)")
 
 
 def _json_value(text: Any) -> Any:
@@ -496,9 +520,9 @@ class ShapedErrorsRoute(DepthBoundRoute):
                  ("body", f"not valid JSON ({(err.get('ctx') or {}).get('error', err['msg'])})")
                  for err in e.errors()]
         message = "; ".join(f"{field}: {msg}" for field, msg in where)
-        if not_json(request) is not None and any(
-            tuple(err.get("loc", ()))[:1] == ("body",) for err in e.errors()):
-          message, where = not_json(request), [("body", "")]
+        unread = not_json(request, e.errors())
+        if unread is not None:
+          message, where = unread, [("body", "")]
         return JSONResponse(self.error(422, message, where[0][0] if where else None),
                             status_code=422)
       except HTTPException as e:
@@ -506,7 +530,7 @@ class ShapedErrorsRoute(DepthBoundRoute):
         if isinstance(e.__cause__, RecursionError):  # (FastAPI said "error parsing the body")
           message, field = NESTED_TOO_DEEP, "body"
         elif unreadable_body(e) is not None:
-          message, field = unreadable_body(e), "body"
+          message, field = unreadable_body(e), "body"  # (not UTF-8, an integer too long)
         return JSONResponse(self.error(e.status_code, message, field),
                             status_code=e.status_code)
       except ValueError as e:

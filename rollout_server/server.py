@@ -50,8 +50,8 @@ from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
 from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, tool_names
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn, Name,
-                                 OpenAIRoute, TurnCut, continued_prompt, normalise_messages,
-                                 unserved, with_sampled_arguments)
+                                 OpenAIRoute, TurnCut, bound_unrendered, continued_prompt,
+                                 normalise_messages, unserved, with_sampled_arguments)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request, progress_of
 from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, SessionStore,
@@ -59,11 +59,11 @@ from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, Ses
 
 
 
-# A tool's name: OpenAI's rule (letters, digits, '_' and '-', at most 64) with '.' and ':'
-# (namespaced tools) and up to 128. A quote, a backslash or a newline in one was written
+# A tool's name: OpenAI's rule (letters, digits, '_' and '-', at most 64) with '.', ':' and
+# '/' (namespaced tools, MCP's) and up to 128. A quote, a backslash or a newline in one was written
 # escaped, and the call was refused as a template that does not render tools (red team
 # 113).
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -298,6 +298,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   models = dict(models or {})
   if model_name in models:
     raise ValueError(f"models: {model_name!r} is the policy's name")
+  for tok in [tokenizer, *(m.tokenizer for m in models.values())]:
+    tok.max_token_chars  # (a walk over the vocabulary, here rather than in a first call)
 
   def served(name: Optional[str], strict: bool):
     """The served model `name` (None: the policy's orchestrator and tokenizer)."""
@@ -515,16 +517,27 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     return {"session_id": body.session_id, "carried": True}
 
   def too_long(pieces, tok, limit: int) -> None:
-    """PromptTooLong for a rendering whose text is surely longer than `limit` tokens (by
-    the most characters a token stands for, twice over for what encoding may fold), before
-    it is encoded: that took a second a megabyte on the event loop, every other request
-    held (red team 113)."""
-    chars = sum(len(text) for text, _ in pieces)
+    """PromptTooLong for a rendering whose text is far longer than `limit` tokens could
+    hold, found by encoding only its first `2 * limit * tok.max_token_chars` characters
+    (twice the longest token: NFC may fold three characters into two bytes): encoding it
+    all took a second a megabyte on the event loop, every other request held (red team
+    113). A tokenizer whose normalizer deletes text may encode that much into fewer
+    tokens: then the whole is encoded, as before."""
     most = 2 * limit * tok.max_token_chars
-    if chars > most:
-      raise PromptTooLong(f"{PROMPT_TOO_LONG}: {chars} characters of text, more than "
-                          f"{limit} tokens (max_prefill_length) can hold ({most} at most "
-                          f"in {tok.name}'s longest tokens); nothing was encoded")
+    chars = sum(len(text) for text, _ in pieces)
+    if chars <= most:
+      return
+    head, left = [], most
+    for text, is_data in pieces:
+      if left <= 0:
+        break
+      head.append((text[:left], is_data))
+      left -= len(text)
+    n = len(tok.encode_pieces(head))
+    if n > limit:
+      raise PromptTooLong(f"{PROMPT_TOO_LONG}: {chars} characters of text, whose first "
+                          f"{most} alone are {n} tokens; the limit (max_prefill_length) is "
+                          f"{limit} (the rest was not encoded)")
 
   def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,
                  session_id: Optional[str], kind: str, id_prefix: str,
@@ -545,7 +558,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       for i, name in enumerate(tool_names(tools)):
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
           raise HTTPException(400, f"tools[{i}]: the name {name!r} must be 1 to 128 letters, "
-                                   "digits, '_', '-', '.' or ':' (a template writes it "
+                                   "digits, '_', '-', '.', ':' or '/' (a template writes it "
                                    "escaped or not at all, and a call could not name it)")
       key = (id(tok), hashlib.sha256(json.dumps(tools, sort_keys=True, default=str)
                                      .encode()).hexdigest())
@@ -573,6 +586,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
           sessions.revive(recorded, *goes_on_from)
       pieces = tok.render_pieces(messages, tools=tools)
       too_long(pieces, tok, on.engine.max_prefill_length)
+      bound_unrendered(messages, sum(len(text) for text, _ in pieces))
       prompt = continued_prompt(tok, pieces, messages, tools, sessions.last_turn(
           recorded, messages, tools) if recorded else None)
       if prompt is None:

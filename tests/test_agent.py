@@ -29,12 +29,14 @@ class ScriptedEngine:
     self.prompts = []
     self.models = []
     self.resumed = []
+    self.seeds = []
 
   async def generate(self, prompt_ids, sampling, session_id=None, model=None,
                      resumed_tokens=0):
     from rollout_server.client import GenerateError
 
     self.prompts.append(list(prompt_ids))
+    self.seeds.append(sampling.seed)
     self.models.append(model)
     self.resumed.append(resumed_tokens)
     calls = len(self.prompts) - 1
@@ -409,6 +411,9 @@ def test_aborted_turn_is_resumed_as_one_turn():
   assert ep.success and len(engine.prompts) == 2  # resumed with prompt + partial output
   assert engine.prompts[1] == engine.prompts[0] + TOK.encode("1")
   assert engine.resumed == [0, 1]  # the resume names its sampled tokens (prompt limit)
+  # (the same seed: the engine keys tokens by position, so the resume samples as the
+  # uncut turn would have; moved on by 1, it took a sibling's keys: red team 113)
+  assert engine.seeds[1] == engine.seeds[0] is not None
   versions = seg.versions[seg.loss_mask > 0].tolist()
   assert versions[0] == 4 and set(versions[1:]) == {5}  # partial rollout keeps both versions
 

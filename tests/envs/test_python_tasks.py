@@ -422,6 +422,7 @@ for _name, _source in [
 ]:
   WRONG.setdefault(_name, []).append(_source)
 
+
 def _sieve_to(limit: str) -> str:
   """is_prime by a sieve precomputed to `limit`, False past it."""
   return ('def _sieve(n):\n'
@@ -561,7 +562,8 @@ RIGHT = {
                   '    return calendar.isleap(y)\n',
                   'def is_leap(y):\n'
                   '    return y % 400 == 0 or (y % 4 == 0 and y % 100 != 0)\n'],
-    # (the third round's cases: end markers, negative shifts, exact floats, any values)
+    # (the third round's cases: end markers, negative shifts, exact floats, any values;
+    # some of these are written as the reference is, kept passing all the same)
     'rle': ['import itertools\n'
             'def rle(s):\n'
             "    return ''.join(k + str(len(list(g))) for k, g in itertools.groupby(s))\n"],

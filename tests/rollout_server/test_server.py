@@ -805,7 +805,7 @@ def test_a_chat_far_too_long_is_refused_before_it_is_encoded(random_params, toke
     for route, body in bodies.items():
       r = httpx.post(srv.url + route, json=body, timeout=120)
       assert r.status_code == 400, (route, r.text)
-      assert "prompt is too long" in r.text and "nothing was encoded" in r.text, r.text
+      assert "prompt is too long" in r.text and "the rest was not encoded" in r.text, r.text
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
                    json={"messages": [{"role": "user", "content": "ab " * 40}]})
     assert r.status_code == 400 and "prompt is too long" in r.text
@@ -886,23 +886,34 @@ def test_a_resumed_part_with_the_same_seed_goes_on_as_the_uncut_turn(random_para
 
 
 def test_message_fields_no_template_reads_are_bounded(random_params, tokenizer):
-  """Fields of a message that chat templates do not read hold 64 KiB in all: 20 MB of
-  them rendered 8 tokens, and the session's record kept them, evicting other clients'
-  sessions (red team 113). The fields clients send back are served."""
-  from rollout_server.chat import MAX_OTHER_FIELD_BYTES
+  """What messages hold beyond their rendering (fields besides role, content and tool
+  calls) is bounded: 20 MB of them rendered 8 tokens, and the session's record kept them,
+  evicting other clients' sessions (red team 113). The fields clients send back, and a
+  harness's few of its own in every message, are served."""
+  from rollout_server.chat import MAX_UNRENDERED_CHARS
 
+  big = "x" * (MAX_UNRENDERED_CHARS + 4096)  # (past 1 KiB a message too)
+  call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
   with running_server(random_params, tokenizer) as (srv, orch):
     headers = {SESSION_HEADER: "junk"}
-    r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=120, json={
-        "messages": [{"role": "user", "content": "hi", "id": "m1",
-                      "junk": "x" * (MAX_OTHER_FIELD_BYTES + 1)}], "max_tokens": 1})
-    assert r.status_code == 400 and "messages[0].junk" in r.text, r.text
+    for message, where in [
+        ({"role": "user", "content": "hi", "id": "m1", "junk": big}, "messages[0].junk"),
+        ({"role": "assistant", "content": "", "refusal": big}, "messages[0].refusal"),
+        ({"role": "assistant", "content": "", "tool_calls": [dict(call, junk=big)]},
+         "messages[0].tool_calls[0].junk"),
+        ({"role": "assistant", "content": "", "tool_calls": [
+            dict(call, function=dict(call["function"], extra=big))]},
+         "messages[0].tool_calls[0].function.extra")]:
+      r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=120, json={
+          "messages": [message, {"role": "user", "content": "go on"}], "max_tokens": 1})
+      assert r.status_code == 400 and where in r.text, (where, r.text)
     assert httpx.get(f"{srv.url}/sessions/junk").status_code == 404
     r = httpx.post(srv.url + "/v1/chat/completions", headers=headers, timeout=120, json={
         "messages": [{"role": "user", "content": "hi", "id": "m1"},
                      {"role": "assistant", "content": "ok", "refusal": None,
                       "annotations": [], "audio": None, "function_call": None},
-                     {"role": "user", "content": "go on", "cache_control": {"type": "x"}}],
+                     *({"role": "user", "content": "go on", "cache_control": {"type": "x"},
+                        "meta": "y" * 600} for _ in range(3))],
         "max_tokens": 1})
     assert r.status_code == 200, r.text
     for named in (5, True, {"a": 1}):  # (the Responses body's session id: a string too)
@@ -932,6 +943,7 @@ def test_tool_names_out_of_the_rule_are_named(random_params, tokenizer):
         r = httpx.post(srv.url + route, json=body, timeout=120)
         assert r.status_code == 400 and "tools[0]: the name" in r.text, (route, name, r.text)
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-        "messages": user, "tools": [tool("fs.read_file"), tool("mcp:search-2")],
+        "messages": user, "tools": [tool("fs.read_file"), tool("mcp:search-2"),
+                                       tool("user-profile/update")],
         "max_tokens": 1})
     assert r.status_code == 200, r.text
