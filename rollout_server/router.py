@@ -52,6 +52,7 @@ _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "ke
 # client's way to set a session's tokens (handover), a policy (update_weights), or a
 # backend's health read as the router's.
 _ROUTERS_OWN = frozenset({"handover", "update_weights", "health", "router/health"})
+MAX_SESSION_ID = 1024  # characters (quoted into a backend's URL: httpx takes 65,536)
 
 
 def _hash(key: str) -> int:
@@ -469,9 +470,27 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       data = {}
     return data if isinstance(data, dict) else {}
 
+  def long_id(name: str, value: str) -> Optional[JSONResponse]:
+    """A 400 for an id longer than MAX_SESSION_ID (quoted into a backend's URL past
+    httpx's limit, it was a 500; red team 115), else None."""
+    if len(value) <= MAX_SESSION_ID:
+      return None
+    return JSONResponse({"detail": f"{name}: {len(value)} characters; at most "
+                                   f"{MAX_SESSION_ID}"}, status_code=400)
+
   def session_from(request: Request, data: dict) -> Optional[str]:
-    """The request's session (`sessions.session_of`: its header, or its body's)."""
-    return session_of(request.headers.get(SESSION_HEADER), data.get("session_id"))
+    """The request's session (`sessions.session_of`: its header, or its body's).
+    ValueError for two headers (the router read the first, the backend the last: a
+    turn recorded in another client's session, unseen by the router; red team 115) or
+    an id longer than MAX_SESSION_ID (its URL past httpx's limit: a 500 for a turn
+    the backend had served)."""
+    sent = request.headers.getlist(SESSION_HEADER)
+    if len(sent) > 1:
+      raise ValueError(f"the {SESSION_HEADER} header is sent {len(sent)} times; send one")
+    session_id = session_of(sent[0] if sent else None, data.get("session_id"))
+    if session_id is not None and len(session_id) > MAX_SESSION_ID:
+      raise ValueError(f"session_id: {len(session_id)} characters; at most {MAX_SESSION_ID}")
+    return session_id
 
   @app.get("/router/health")
   async def router_health():
@@ -545,6 +564,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
     """The router's copy of the session, brought up to date from its live backends (all
     of them when this router has not seen it: it restarted, or its turns failed over)."""
+    if (too_long := long_id("session_id", session_id)) is not None:
+      return too_long
     await copies_done(session_id)  # (a stream's copy under way: its turn first)
     held = session_id in sessions  # (a copy evicted here: ask every backend again)
     holders = (list(cursors.get(session_id, {})) if held else []) or list(ring.backends)
@@ -570,6 +591,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     """Deletes the session here and on every live backend: one that ran its turns may
     hold them though this router does not know it (a restarted router, a copy evicted),
     and the next turn's copy would bring them back."""
+    if (too_long := long_id("session_id", session_id)) is not None:
+      return too_long
     # (a stream's copy landing after the delete brought the deleted turns back, and the
     # next episode's were appended to them: a reviewer)
     await copies_done(session_id)
@@ -607,6 +630,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   @app.get("/requests")
   async def in_flight(session_id: str = Query(...)):
     """The session's turns in flight, summed over the live backends."""
+    if (too_long := long_id("session_id", session_id)) is not None:
+      return too_long
     keys = ("requests", "queued", "prefilled", "output_tokens", "decode_s")
 
     async def ask(b: str) -> dict:
@@ -629,6 +654,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def progress(request_id: str):
     """Where a request in flight stands, from the live backend that runs it (a turn may
     have failed over from its session's owner)."""
+    if (too_long := long_id("request_id", request_id)) is not None:
+      return too_long
     async def ask(b: str):
       with contextlib.suppress(httpx.HTTPError, ValueError):
         r = await client().get(f"{b}/requests/{quote(request_id, safe='')}", timeout=10.0)
@@ -659,6 +686,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     forwarded, path = _forwarded_path(sent)
     if path == "handover":
       return await no_handover()
+    if path == "abort":  # (forwarded, any client aborted another's turn by its id, which
+      # `GET /requests?session_id=` names: the turn lost, read as the server's; red team 115)
+      return refusal(path, 403, "the router does not pass /abort on: a client ends its own "
+                                "turn by disconnecting; abort at a server, not through the "
+                                "router")
     if forwarded is None or path in _ROUTERS_OWN:
       return refusal(path, 404, f"no such path: {sent!r}" + (
           f" (the router's own is /{path}: {request.method} it as that)"

@@ -516,6 +516,15 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     sessions.carry(body.session_id, turns)
     return {"session_id": body.session_id, "carried": True}
 
+  def extra_session(body: BaseModel, http: HttpRequest) -> Optional[str]:
+    """The session of a call whose body schema is another API's (Anthropic's, Responses'):
+    its header, or the `session_id` its body carries beside the schema (a string: 5,
+    true, {} had become sessions)."""
+    named = (body.model_extra or {}).get("session_id")
+    if named is not None and not isinstance(named, str):
+      raise HTTPException(422, f"session_id: must be a string, got {type(named).__name__}")
+    return session_of(http.headers.get(SESSION_HEADER), named)
+
   def too_long(pieces, tok, limit: int) -> None:
     """PromptTooLong for a rendering whose text is far longer than `limit` tokens could
     hold, found by encoding only its first `2 * limit * tok.max_token_chars` characters
@@ -661,7 +670,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   @messages_api.post("/v1/messages")
   async def messages(body: anthropic_api.MessagesBody, http: HttpRequest):
     chat_messages, tools = anthropic_api.chat_messages(body)
-    session_id = http.headers.get(SESSION_HEADER)
+    session_id = extra_session(body, http)  # (the body's was ignored; a router's routed by
+    # it: a turn recorded nowhere, red team 115)
     turn = start_chat(chat_messages, tools,
                       _sampling(body, body.max_tokens, list(tokenizer.stop_ids)), session_id,
                       kind="messages", id_prefix="toolu", model=body.model)
@@ -689,10 +699,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         raise HTTPException(404, e.args[0])
     continued, parts = responses_api.made_whole(body)
     chat_messages, conversation, tools = responses_api.chat_messages(body, prior, parts)
-    named = (body.model_extra or {}).get("session_id")
-    if named is not None and not isinstance(named, str):  # (5, true, {} became sessions)
-      raise HTTPException(422, f"session_id: must be a string, got {type(named).__name__}")
-    session_id = session_of(http.headers.get(SESSION_HEADER), named)
+    session_id = extra_session(body, http)
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,

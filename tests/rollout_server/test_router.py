@@ -407,6 +407,18 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
       slashed_health = c.get("/health/")
       hashed_health = c.get("/health%23")
       got_handover = c.get("/handover").status_code
+      # (red team 115: /abort passed on let any client abort another's turn; two session
+      # headers, the router's first and the backend's last, recorded a turn in another
+      # session; an id past httpx's URL limit was a 500 for a turn a backend had served)
+      aborted = c.post("/abort", json={"request_id": "r"})
+      ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+      two = c.post("/v1/chat/completions", json=ask,
+                   headers=[("X-Session-Id", sid), ("X-Session-Id", "victim")])
+      long_ids = [c.post("/v1/chat/completions", json={**ask, "session_id": "@" * 5000}),
+                  c.get("/sessions/" + "@" * 5000), c.delete("/sessions/" + "@" * 5000),
+                  c.get("/requests/" + "@" * 5000),
+                  c.get("/requests", params={"session_id": "@" * 5000})]
+      victim = c.get("/sessions/victim").status_code
   finally:
     for s in servers:
       s.stop()
@@ -426,6 +438,10 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
                      "/update_weights%3F": 404, "/handover%09": 404,
                      "/v1/%2e%2e/handover": 404}
   assert got_handover == 403
+  assert aborted.status_code == 403 and "does not pass /abort on" in aborted.text
+  assert two.status_code == 400 and "sent 2 times" in two.text and victim == 404
+  assert [r.status_code for r in long_ids] == [400] * 5, [r.text[:80] for r in long_ids]
+  assert all("at most 1024" in r.text for r in long_ids)
   assert slashed_health.status_code == hashed_health.status_code == 404  # (no backend's)
   assert "the router's own is /health" in slashed_health.json()["detail"]
 

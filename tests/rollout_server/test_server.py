@@ -920,6 +920,15 @@ def test_message_fields_no_template_reads_are_bounded(random_params, tokenizer):
       r = httpx.post(srv.url + "/v1/responses", timeout=120,
                      json={"input": "hi", "max_output_tokens": 1, "session_id": named})
       assert r.status_code == 422 and "session_id: must be a string" in r.text, r.text
+    # (an Anthropic call's body session_id was ignored, where a router routed by it: the
+    # turn recorded nowhere; red team 115)
+    ask = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(srv.url + "/v1/messages", json={**ask, "session_id": "anth"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{srv.url}/sessions/anth").json()["count"] == 1
+    r = httpx.post(srv.url + "/v1/messages", json={**ask, "session_id": "anth"},
+                   headers={SESSION_HEADER: "other"}, timeout=120)
+    assert r.status_code == 400 and "name different sessions" in r.text, r.text
 
 
 def test_tool_names_out_of_the_rule_are_named(random_params, tokenizer):
