@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import re
+import string
 from typing import Any, Callable, Optional, Sequence
 
 from jaxagent.toolcalls import FINITE_JSON
@@ -73,6 +74,32 @@ def failure(e: BaseException) -> str:
 def cannot_start(task: "TaskSpec", e: BaseException) -> CannotStart:
   """The CannotStart for `task`, whose environment's `reset` raised `e` (one of BAD_TASK)."""
   return CannotStart(f"task {task.id!r} cannot start: {failure(e)}", failure(e))
+
+
+def task_text(template: Any, field: str, task_id: str, **values: Any) -> str:
+  """A task's text parameter `template` (its `field`) with each `{name}` of `values` filled
+  in. Plain fields only: a format spec, a conversion, an attribute or an index is a
+  ValueError naming it (`{low:>99999999999}` took gigabytes on a worker, its failure
+  read as the worker's; `{low.__class__}` read attributes: red team 115)."""
+  if not isinstance(template, str):
+    raise TypeError(f"task {task_id}: {field} must be a string, got {template!r}")
+  try:
+    parts = list(string.Formatter().parse(template))
+  except ValueError as e:
+    raise ValueError(f"task {task_id}: {field}: {e}") from None
+  out = []
+  for literal, name, spec, conversion in parts:
+    out.append(literal)
+    if name is None:
+      continue
+    if name not in values or spec or conversion:
+      written = "{" + name + (f"!{conversion}" if conversion else "") + (
+          f":{spec}" if spec else "") + "}"
+      raise ValueError(f"task {task_id}: {field}: {written} is not one of "
+                       f"{', '.join('{' + k + '}' for k in values)} (plain fields only; "
+                       "{{ and }} write braces)")
+    out.append(str(values[name]))
+  return "".join(out)
 
 
 def _float_sized_int(literal: str) -> int:

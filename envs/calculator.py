@@ -20,7 +20,8 @@ import random
 import re
 
 from envs import pyparse
-from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register)
+from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
+                       task_text)
 from envs.tools import Tool, ToolSet
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -125,10 +126,8 @@ class Calculator(Env):
     self.max_turns = int(p.get("max_turns", 4))
     self.turns, self.done, self.final = 0, False, None
     self.reset_counters()
-    question = p.get("question", "What is {expression}?")
-    if not isinstance(question, str):
-      raise TypeError(f"task {task.id}: question must be a string, got {question!r}")
-    question = question.format(expression=self.expression)
+    question = task_text(p.get("question", "What is {expression}?"), "question", task.id,
+                         expression=self.expression)
     shots = int(p.get("examples", 2))
     if not 0 <= shots <= len(EXAMPLES) // 4:
       raise ValueError(f"task {task.id}: examples must be 0..{len(EXAMPLES) // 4}, got {shots}")

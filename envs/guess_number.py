@@ -18,7 +18,8 @@ from __future__ import annotations
 import random
 import re
 
-from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register)
+from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
+                       task_text)
 
 _INT = re.compile(r"-?\d+")
 
@@ -61,11 +62,9 @@ class GuessNumber(Env):
     if self.information not in ("realized", "expected"):
       raise ValueError(f"task {task.id}: information must be 'realized' or 'expected', got "
                        f"{self.information!r}")
-    prompt = p.get("prompt", "Guess my number, {low} to {high}.")
-    if not isinstance(prompt, str):
-      raise TypeError(f"task {task.id}: prompt must be a string, got {prompt!r}")
-    return Observation([{"role": "user", "content": prompt.format(low=self.low,
-                                                                  high=self.high)}])
+    prompt = task_text(p.get("prompt", "Guess my number, {low} to {high}."), "prompt",
+                       task.id, low=self.low, high=self.high)
+    return Observation([{"role": "user", "content": prompt}])
 
   async def step(self, action: str) -> StepResult:
     self.begin_turn()

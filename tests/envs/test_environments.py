@@ -825,3 +825,23 @@ def test_source_checks_run_one_at_a_time_and_their_queue_is_the_infrastructures(
   assert held is True and held_wait < 0.2 and peak[0] == 1
   for out, waited, took in queued:  # (behind the first for 0.4 s: the infrastructure's)
     assert out is False and waited >= 0.3 and took - waited < 0.35
+
+
+def test_task_text_takes_plain_fields_only():
+  """A task's text parameter fills plain fields only: a format width took gigabytes on
+  the worker (its MemoryError read as the worker's failure), and attribute access read
+  the values' attributes (red team 115). Each is the task's error, naming the field."""
+  def reset(env_name, params):
+    return asyncio.run(make(env_name).reset(TaskSpec("t", env_name, params)))
+
+  obs = reset("guess_number", {"prompt": "{{x}} {low}-{high}", "low": 2, "high": 9})
+  assert obs.messages[0]["content"] == "{x} 2-9"
+  for prompt, named in [("{low:>99999999999}", "{low:>99999999999}"),
+                        ("{low.__class__}", "{low.__class__}"), ("{low!r}", "{low!r}"),
+                        ("{secret}", "{secret}"), ("{0}", "{0}"), ("{low", "prompt:")]:
+    with pytest.raises(ValueError, match=re.escape(named)):
+      reset("guess_number", {"prompt": prompt})
+  with pytest.raises(ValueError, match=re.escape("question: {expression:>999999999}")):
+    reset("calculator", {"expression": "1 + 2", "question": "{expression:>999999999}"})
+  with pytest.raises(TypeError, match="prompt must be a string"):
+    reset("guess_number", {"prompt": 5})
