@@ -206,8 +206,8 @@ def name_deep_bodies(app) -> None:
   async def named(request, exc: HTTPException):
     if isinstance(exc.__cause__, RecursionError):
       exc = HTTPException(exc.status_code, NESTED_TOO_DEEP)
-    elif unreadable_body(exc) is not None:
-      exc = HTTPException(exc.status_code, unreadable_body(exc))
+    elif (said := unreadable_body(exc)) is not None:
+      exc = HTTPException(exc.status_code, said)
     return await http_exception_handler(request, exc)
 
   @app.exception_handler(RequestValidationError)

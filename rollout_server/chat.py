@@ -529,8 +529,8 @@ class ShapedErrorsRoute(DepthBoundRoute):
         message, field = str(e.detail), None
         if isinstance(e.__cause__, RecursionError):  # (FastAPI said "error parsing the body")
           message, field = NESTED_TOO_DEEP, "body"
-        elif unreadable_body(e) is not None:
-          message, field = unreadable_body(e), "body"  # (not UTF-8, an integer too long)
+        elif (said := unreadable_body(e)) is not None:  # (not UTF-8, an integer too long)
+          message, field = said, "body"
         return JSONResponse(self.error(e.status_code, message, field),
                             status_code=e.status_code)
       except ValueError as e:

@@ -60,9 +60,9 @@ from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, Ses
 
 
 # A tool's name: OpenAI's rule (letters, digits, '_' and '-', at most 64) with '.', ':' and
-# '/' (namespaced tools, MCP's) and up to 128. A quote, a backslash or a newline in one was written
-# escaped, and the call was refused as a template that does not render tools (red team
-# 113).
+# '/' (namespaced tools, MCP's) and up to 128. A quote, a backslash or a newline in one
+# was written escaped, and the call was refused as a template that does not render tools
+# (red team 113).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 
 # -- request bodies -----------------------------------------------------------------------
@@ -525,15 +525,15 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       raise HTTPException(422, f"session_id: must be a string, got {type(named).__name__}")
     return session_of(http.headers.get(SESSION_HEADER), named)
 
-  def too_long(pieces, tok, limit: int) -> None:
-    """PromptTooLong for a rendering whose text is far longer than `limit` tokens could
-    hold, found by encoding only its first `2 * limit * tok.max_token_chars` characters
-    (twice the longest token: NFC may fold three characters into two bytes): encoding it
-    all took a second a megabyte on the event loop, every other request held (red team
-    113). A tokenizer whose normalizer deletes text may encode that much into fewer
-    tokens: then the whole is encoded, as before."""
+  def too_long(pieces, chars: int, tok, limit: int) -> None:
+    """PromptTooLong for a rendering (`pieces`, of `chars` characters) whose text is far
+    longer than `limit` tokens could hold, found by encoding only its first
+    `2 * limit * tok.max_token_chars` characters (twice the longest token: NFC may fold
+    three characters into two bytes): encoding it all took a second a megabyte on the
+    event loop, every other request held (red team 113). A tokenizer whose normalizer
+    deletes text may encode that much into fewer tokens: then the whole is encoded, as
+    before."""
     most = 2 * limit * tok.max_token_chars
-    chars = sum(len(text) for text, _ in pieces)
     if chars <= most:
       return
     head, left = [], most
@@ -594,8 +594,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
           # last good response, a branch; the call continues that turn's tokens)
           sessions.revive(recorded, *goes_on_from)
       pieces = tok.render_pieces(messages, tools=tools)
-      too_long(pieces, tok, on.engine.max_prefill_length)
-      bound_unrendered(messages, sum(len(text) for text, _ in pieces))
+      chars = sum(len(text) for text, _ in pieces)
+      too_long(pieces, chars, tok, on.engine.max_prefill_length)
+      bound_unrendered(messages, chars)
       prompt = continued_prompt(tok, pieces, messages, tools, sessions.last_turn(
           recorded, messages, tools) if recorded else None)
       if prompt is None:
