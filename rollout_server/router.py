@@ -470,13 +470,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       data = {}
     return data if isinstance(data, dict) else {}
 
-  def long_id(name: str, value: str) -> Optional[JSONResponse]:
-    """A 400 for an id longer than MAX_SESSION_ID (quoted into a backend's URL past
+  def id_too_long(name: str, value: str) -> Optional[str]:
+    """What to say of an id longer than MAX_SESSION_ID (quoted into a backend's URL past
     httpx's limit, it was a 500; red team 115), else None."""
     if len(value) <= MAX_SESSION_ID:
       return None
-    return JSONResponse({"detail": f"{name}: {len(value)} characters; at most "
-                                   f"{MAX_SESSION_ID}"}, status_code=400)
+    return f"{name}: {len(value)} characters; at most {MAX_SESSION_ID}"
+
+  def long_id(name: str, value: str) -> Optional[JSONResponse]:
+    """A 400 for an id longer than MAX_SESSION_ID (`id_too_long`), else None."""
+    said = id_too_long(name, value)
+    return None if said is None else JSONResponse({"detail": said}, status_code=400)
 
   def session_from(request: Request, data: dict) -> Optional[str]:
     """The request's session (`sessions.session_of`: its header, or its body's).
@@ -488,8 +492,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     if len(sent) > 1:
       raise ValueError(f"the {SESSION_HEADER} header is sent {len(sent)} times; send one")
     session_id = session_of(sent[0] if sent else None, data.get("session_id"))
-    if session_id is not None and len(session_id) > MAX_SESSION_ID:
-      raise ValueError(f"session_id: {len(session_id)} characters; at most {MAX_SESSION_ID}")
+    if session_id is not None and (said := id_too_long("session_id", session_id)):
+      raise ValueError(said)
     return session_id
 
   @app.get("/router/health")
