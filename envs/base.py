@@ -13,6 +13,7 @@ Standard library only: this tier runs on CPU hosts without JAX.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import enum
 import hashlib
@@ -44,17 +45,22 @@ class TaskSpec:
         raise ValueError(f"task spec needs a non-empty string {key!r}: {d!r}")
     if not isinstance(d.get("params", {}), dict):
       raise ValueError(f"task {d['id']}: params must be an object")
-    return cls(d["id"], d["env"], dict(d.get("params", {})), str(d.get("version", "1")))
+    version = d.get("version", "1")
+    if isinstance(version, bool) or not isinstance(version, (str, int)):
+      # (`{"a": 1}` was taken as its text; red team 115)
+      raise ValueError(f"task {d['id']}: version must be a string or an integer, got "
+                       f"{version!r:.80}")
+    return cls(d["id"], d["env"], dict(d.get("params", {})), str(version))
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
 
 
 # What an environment's `reset` raises for a task whose parameters have the wrong type or
-# shape (`low: [1]`, a question with a stray `{0}`): taken for the task data's fault
+# shape (`low: [1]`, a question with a stray `{0}`, a number past a float's range): taken for the task data's fault
 # (`jaxagent.errors.TaskError`, the run stops naming the task), though a bug of an
 # environment's own code that raises one of these reads the same.
-BAD_TASK = (ValueError, TypeError, KeyError, IndexError)
+BAD_TASK = (ValueError, TypeError, KeyError, IndexError, OverflowError)
 
 
 class CannotStart(ValueError):
@@ -100,6 +106,38 @@ def task_text(template: Any, field: str, task_id: str, **values: Any) -> str:
                        "{{ and }} write braces)")
     out.append(str(values[name]))
   return "".join(out)
+
+
+def task_int(params: dict, key: str, default: int, task_id: str) -> int:
+  """A task's integer parameter `key` (`default` when it has none): an integer, or a
+  float or string that is one exactly. Anything else is a ValueError naming it
+  (`low: 1e400` was an OverflowError read as the worker's failure, `max_turns: 2.5`
+  was played as 2, `true` as 1; red team 115)."""
+  value = params.get(key, default)
+  if isinstance(value, int) and not isinstance(value, bool):
+    return value
+  if isinstance(value, float) and value.is_integer():  # (never inf or nan)
+    return int(value)
+  if isinstance(value, str):
+    with contextlib.suppress(ValueError):
+      return int(value)
+  raise ValueError(f"task {task_id}: {key} must be an integer, got {value!r:.80}")
+
+
+def task_number(params: dict, key: str, default: float, task_id: str) -> float:
+  """A task's real parameter `key` (`default` when it has none): a finite number, or a
+  string of one; anything else (nan, inf, a bool) is a ValueError naming it."""
+  value = params.get(key, default)
+  number = None
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    with contextlib.suppress(OverflowError):
+      number = float(value)
+  elif isinstance(value, str):
+    with contextlib.suppress(ValueError):
+      number = float(value)
+  if number is None or not math.isfinite(number):
+    raise ValueError(f"task {task_id}: {key} must be a finite number, got {value!r:.80}")
+  return number
 
 
 def _float_sized_int(literal: str) -> int:

@@ -21,7 +21,7 @@ import re
 
 from envs import pyparse
 from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
-                       task_text)
+                       task_int, task_text)
 from envs.tools import Tool, ToolSet
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -123,12 +123,12 @@ class Calculator(Env):
     if isinstance(self.answer, complex) or not math.isfinite(self.answer):
       raise ValueError(f"task {task.id}: {self.expression} has no finite real value "
                        f"({self.answer}): no answer can match it")
-    self.max_turns = int(p.get("max_turns", 4))
+    self.max_turns = task_int(p, "max_turns", 4, task.id)
     self.turns, self.done, self.final = 0, False, None
     self.reset_counters()
     question = task_text(p.get("question", "What is {expression}?"), "question", task.id,
                          expression=self.expression)
-    shots = int(p.get("examples", 2))
+    shots = task_int(p, "examples", 2, task.id)
     if not 0 <= shots <= len(EXAMPLES) // 4:
       raise ValueError(f"task {task.id}: examples must be 0..{len(EXAMPLES) // 4}, got {shots}")
     examples = [dict(m) for m in EXAMPLES[:4 * shots]]

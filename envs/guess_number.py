@@ -19,7 +19,7 @@ import random
 import re
 
 from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
-                       task_text)
+                       task_int, task_number, task_text)
 
 _INT = re.compile(r"-?\d+")
 
@@ -36,13 +36,13 @@ class GuessNumber(Env):
   async def reset(self, task: TaskSpec) -> Observation:
     p = task.params
     self.task = task
-    self.low, self.high = int(p.get("low", 1)), int(p.get("high", 16))
+    self.low, self.high = task_int(p, "low", 1, task.id), task_int(p, "high", 16, task.id)
     if self.low > self.high:
       raise ValueError(f"task {task.id}: low ({self.low}) > high ({self.high})")
-    self.max_turns = int(p.get("max_turns", 5))
-    self.process_reward = float(p.get("process_reward", 0.0))
+    self.max_turns = task_int(p, "max_turns", 5, task.id)
+    self.process_reward = task_number(p, "process_reward", 0.0, task.id)
     seed = p.get("seed", task.id)
-    self.secret = int(p["secret"]) if "secret" in p else random.Random(str(seed)).randint(
+    self.secret = task_int(p, "secret", 0, task.id) if "secret" in p else random.Random(str(seed)).randint(
         self.low, self.high)
     if not self.low <= self.secret <= self.high:  # (it would be played as a plain failure)
       raise ValueError(f"task {task.id}: secret {self.secret} is outside {self.low}..{self.high}")

@@ -26,7 +26,7 @@ from typing import Optional
 
 from envs import pyparse, waits
 from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict,
-                       VerdictStatus, register)
+                       VerdictStatus, register, task_int)
 from envs.python_tasks_data import TASKS, _function_name, as_tests
 from envs.tools import Tool, ToolSet
 from envs.sandbox import WorkspaceTooLarge
@@ -426,7 +426,7 @@ class PythonTests(Env):
     self.task = task
     self.spec = BY_NAME[name]
     self.fn = _function_name(self.spec[2])
-    self.max_turns = int(task.params.get("max_turns", 8))
+    self.max_turns = task_int(task.params, "max_turns", 8, task.id)
     self.turns, self.done, self._ref_step = 0, False, 0
     self.reset_counters()
     self._lease = self.resources.pool().acquire()

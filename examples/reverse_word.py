@@ -16,7 +16,8 @@ examples/reverse_word.jsonl` plays it by hand, and `envs.server` / `envs.filter`
 same `--import`. docs/environments.md says what each method must do.
 """
 
-from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register
+from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
+                       task_int)
 
 
 @register("reverse_word")  # the name task files give in their "env" field
@@ -32,7 +33,7 @@ class ReverseWord(Env):
     if not isinstance(word, str) or not word:
       raise ValueError(f"task {task.id}: word must be a non-empty string")
     self.task, self.word, self.replies = task, word, []
-    self.max_turns = int(task.params.get("max_turns", 2))
+    self.max_turns = task_int(task.params, "max_turns", 2, task.id)  # (a clear error for 2.5)
     self.turns, self.done = 0, False
     self.reset_counters()
     return Observation([{"role": "user", "content": f"Write '{word}' backwards."}])

@@ -304,10 +304,11 @@ def test_a_task_that_cannot_start_is_a_task_error_for_every_agent(random_params)
   with running_server(random_params, TOK, version=4) as (srv, orch):
     # (with where it was raised: an environment's own bug in reset reads the same)
     with pytest.raises(TaskError, match="task 't' \\(guess_number\\): "
-                                        "envs/guess_number.py:\\d+: TypeError"):
+                                        "envs/guess_number.py:\\d+: ValueError: task t: "
+                                        "low must be an integer"):
       asyncio.run(run_blackbox(make("guess_number"), bad, srv.url, config,
                                session_id="bad-bb", group_id="g"))
-    with pytest.raises(TaskError, match="TypeError"):
+    with pytest.raises(TaskError, match="low must be an integer"):
       asyncio.run(run_whitebox(make("guess_number"), bad, LocalClient(orch, orch.engine), TOK,
                                config, session_id="bad-wb", group_id="g"))
 

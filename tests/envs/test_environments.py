@@ -282,8 +282,11 @@ def test_a_reward_that_is_not_a_finite_number_never_reaches_the_learner(tmp_path
   if literal.isdigit():  # a whole number: refused above, and not a float to play with
     return
   env = make("guess_number")
-  asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5,
-                                                        "process_reward": float(literal)})))
+  with pytest.raises(ValueError, match="process_reward must be a finite number"):
+    asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5,
+                                                          "process_reward": float(literal)})))
+  asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5})))
+  env.process_reward = float(literal)  # (an environment's bug: its step's reward not finite)
   with pytest.raises(ValueError, match="a step's reward must be a finite number"):
     asyncio.run(env.step("8"))
   with pytest.raises(ValueError, match="finite"):
@@ -690,12 +693,42 @@ def test_python_tests_grades_the_source_not_a_compiled_extension():
 
 @pytest.mark.parametrize("params,said", [
     ({"secret": 99}, "secret 99 is outside 1..16"),
-    ({"secrt": 3}, "unknown parameters ['secrt']")])
+    ({"secrt": 3}, "unknown parameters ['secrt']"),
+    # (`1e400` in a task file: an OverflowError, read on a worker as its own failure;
+    # 2.5 turns were played as 2, `true` as 1; red team 115)
+    ({"low": float("inf")}, "low must be an integer, got inf"),
+    ({"max_turns": 2.5}, "max_turns must be an integer, got 2.5"),
+    ({"secret": True}, "secret must be an integer, got True"),
+    ({"high": [16]}, "high must be an integer, got [16]"),
+    ({"process_reward": float("nan")}, "process_reward must be a finite number, got nan"),
+    ({"process_reward": "1e999"}, "process_reward must be a finite number, got '1e999'")])
 def test_guess_number_refuses_a_task_it_would_play_wrongly(params, said):
   """A secret outside the range was played as an ordinary failure, and a misspelt
   parameter drew a random secret (a new user): the task cannot start (a TaskError)."""
   with pytest.raises(ValueError, match=re.escape(said)):
     asyncio.run(make("guess_number").reset(TaskSpec("g", "guess_number", params)))
+
+
+def test_task_numbers_as_a_task_file_may_write_them():
+  """Integers written as YAML or JSON may write them (16, 16.0, "16") are read so."""
+  from envs.base import task_int, task_number
+
+  assert [task_int({"n": v}, "n", 0, "t") for v in (16, 16.0, "16", 10**30)] == [
+      16, 16, 16, 10**30]
+  assert task_int({}, "n", 7, "t") == 7
+  assert [task_number({"x": v}, "x", 0.0, "t") for v in (1, 0.5, "0.25")] == [1, 0.5, 0.25]
+  with pytest.raises(ValueError, match=r"x must be a finite number, got 1000"):
+    task_number({"x": 10**400}, "x", 0.0, "t")
+
+
+@pytest.mark.parametrize("version,said", [({"a": 1}, "got {'a': 1}"), (True, "got True"),
+                                          (1.5, "got 1.5"), (None, "got None")])
+def test_a_task_version_is_a_string_or_an_integer(version, said):
+  """A version of `{"a": 1}` was taken as its text (red team 115)."""
+  assert TaskSpec.from_dict({"id": "t", "env": "e", "version": 3}).version == "3"
+  with pytest.raises(ValueError, match=re.escape(f"task t: version must be a string or "
+                                                 f"an integer, {said}")):
+    TaskSpec.from_dict({"id": "t", "env": "e", "version": version})
 
 
 def test_names_are_checked_in_python_this_host_cannot_parse():

@@ -191,7 +191,7 @@ def test_a_reset_that_raises_at_the_start_names_its_task_and_a_task_id_twice_is_
   # (a value's too: the first task's was a bare "invalid literal for int()")
   tasks.write_text('{"id": "v/0", "env": "guess_number", "params": {"low": "x"}}\n')
   with pytest.raises(ValueError, match=r"task 'v/0' cannot start: envs/guess_number.py:\d+: "
-                                       r"ValueError: invalid literal for int\(\)"):
+                                       r"ValueError: task v/0: low must be an integer, got 'x'"):
     asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
   tasks.write_text('{"id": "g", "env": "guess_number", "params": {"secret": 3}}\n'
                    '{"id": "g", "env": "guess_number", "params": {"secret": 5}}\n')

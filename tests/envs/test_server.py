@@ -360,9 +360,14 @@ def test_bad_requests_and_limits(worker):
   assert r.status_code == 422
   # Parameters of the wrong type or shape are the task's fault (400), not the worker's
   # (a 500 read as an infrastructure failure: retried and dropped; red team).
-  for params, err in (({"low": [1]}, "TypeError"), ({"prompt": "{x}"}, "{x} is not one of")):
+  for params, err in (({"low": [1]}, "low must be an integer"),
+                      ({"prompt": "{x}"}, "{x} is not one of")):
     r = c.post("/sessions", json={"task": {"id": "t", "env": "guess_number", "params": params}})
     assert r.status_code == 400 and "task 't' cannot start" in r.text and err in r.text, r.text
+  # (1e400 was an OverflowError, "reset failed" as the worker's own; red team 115)
+  r = c.post("/sessions", headers={"content-type": "application/json"},
+             content='{"task": {"id": "t", "env": "guess_number", "params": {"low": 1e400}}}')
+  assert r.status_code == 400 and "cannot start" in r.text and "got inf" in r.text, r.text
   r = c.post("/sessions", json={"task": {"id": "t", "env": "calculator",
                                          "params": {"expression": "1", "question": "{0}"}}})
   assert r.status_code == 400 and "{0} is not one of {expression}" in r.text
@@ -383,7 +388,8 @@ def test_bad_requests_and_limits(worker):
     finally:
       await env.aclose()
   # (a TaskError to the agent; where it was raised, on the worker)
-  with pytest.raises(ValueError, match="cannot start: envs/guess_number.py:\\d+: TypeError"):
+  with pytest.raises(ValueError, match="cannot start: envs/guess_number.py:\\d+: ValueError: "
+                                       "task t: low must be an integer"):
     asyncio.run(remote_reset())
   ids = [c.post("/sessions", json={"task": {"id": f"g{i}", "env": "guess_number"}}).json()
          for i in range(4)]
