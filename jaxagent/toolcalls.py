@@ -49,6 +49,8 @@ class ParsedOutput:
   # given as the reply's content when a block is malformed, so the call reaches the
   # environment as the policy wrote it (dropped, it was never seen, nor counted).
   kept: str = ""
+  # Blocks past `parse_tool_calls`' limit: counted, neither parsed nor taken out of the text.
+  unread: int = 0
 
 
 def _no_constant(name: str):
@@ -120,11 +122,16 @@ def _parse_block(body: str) -> tuple[str, dict, Optional[str]]:
   return obj["name"], args, raw
 
 
-def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedOutput:
-  """Splits model text into content and tool calls; malformed blocks become errors."""
+def parse_tool_calls(text: str, id_prefix: str = "call",
+                     limit: Optional[int] = None) -> ParsedOutput:
+  """Splits model text into content and tool calls; malformed blocks become errors. Only
+  the first `limit` blocks (all when None) are parsed; the rest are counted (`unread`)."""
   calls, errors, content, kept = [], [], [], []
-  pos = 0
+  pos, unread = 0, 0
   for i, m in enumerate(_BLOCK.finditer(text)):
+    if limit is not None and i >= limit:
+      unread = sum(1 for _ in _BLOCK.finditer(text, m.start()))
+      break
     content.append(text[pos:m.start()])
     kept.append(text[pos:m.start()])
     pos = m.end()
@@ -141,4 +148,4 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> ParsedOutput:
       kept.append(m.group(0))
   content.append(text[pos:])
   kept.append(text[pos:])
-  return ParsedOutput("".join(content).strip(), calls, errors, "".join(kept))
+  return ParsedOutput("".join(content).strip(), calls, errors, "".join(kept), unread)

@@ -55,6 +55,25 @@ def test_bad_calls_become_error_observations(text, needle):
   assert r.messages[0]["content"].startswith("error") and needle in r.messages[0]["content"]
 
 
+def test_a_turns_blocks_past_the_read_limit_are_counted_and_answered_together():
+  """300,000 malformed blocks in one action held a worker's loop 2.4 s and answered
+  36 MB (red team 115): blocks past `max_blocks_per_turn` are counted, not read."""
+  good = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+  bad = '<tool_call>{"name": add}</tool_call>'
+  r = run(bad + good * 2 + bad * 300_000)
+  assert TOOLS.max_blocks_per_turn == 32
+  assert (r.calls, r.invalid) == (2, 300_001)  # (30 read malformed, 299,971 unread)
+  assert len(r.messages) == 33
+  assert [m["content"] for m in r.messages[30:32]] == ["3", "3"]
+  assert r.messages[-1]["content"] == (
+      "error: 299971 more tool calls were not read: at most 32 are read a turn")
+  assert sum(len(m["content"]) for m in r.messages) < 4000
+  fewer = asyncio.run(ToolSet(list(TOOLS.tools.values()), max_calls_per_turn=1).run(
+      good * 3 + bad * 10))
+  assert (fewer.calls, fewer.invalid) == (3, 2 + 10)  # (8 read: 1 run, 2 unrun, 5 bad)
+  assert fewer.messages[-1]["content"].startswith("error: 5 more tool calls")
+
+
 def test_failing_tool_is_an_error_not_an_exception():
   r = run('<tool_call>{"name": "boom", "arguments": {}}</tool_call>')
   assert (r.calls, r.invalid, r.errors) == (1, 0, 1)
