@@ -41,7 +41,7 @@ from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import openai_error
-from rollout_server.sessions import SESSION_HEADER, SessionStore, session_of
+from rollout_server.sessions import SessionStore, session_header, session_of
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,9 @@ _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "ke
 
 # The router's own paths: a backend's, reached through the router, would be another
 # client's way to set a session's tokens (handover), a policy (update_weights), or a
-# backend's health read as the router's.
-_ROUTERS_OWN = frozenset({"handover", "update_weights", "health", "router/health"})
+# backend's health read as the router's. Each with the method the router takes it by.
+_ROUTERS_OWN = {"handover": "POST", "update_weights": "POST", "health": "GET",
+                "router/health": "GET"}
 MAX_SESSION_ID = 1024  # characters (quoted into a backend's URL: httpx takes 65,536)
 
 
@@ -81,15 +82,6 @@ class HashRing:
         if len(out) == len(self.backends):
           break
     return out
-
-
-def _unrecorded(body: bytes) -> bool:
-  """A /generate body that asks not to be recorded (`record: false`)."""
-  try:
-    data = json.loads(body)
-  except (ValueError, RecursionError):
-    return False
-  return isinstance(data, dict) and data.get("record") is False
 
 
 def _forwarded_path(raw_path: str) -> tuple[Optional[str], str]:
@@ -488,10 +480,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     turn recorded in another client's session, unseen by the router; red team 115) or
     an id longer than MAX_SESSION_ID (its URL past httpx's limit: a 500 for a turn
     the backend had served)."""
-    sent = request.headers.getlist(SESSION_HEADER)
-    if len(sent) > 1:
-      raise ValueError(f"the {SESSION_HEADER} header is sent {len(sent)} times; send one")
-    session_id = session_of(sent[0] if sent else None, data.get("session_id"))
+    session_id = session_of(session_header(request.headers), data.get("session_id"))
     if session_id is not None and (said := id_too_long("session_id", session_id)):
       raise ValueError(said)
     return session_id
@@ -695,9 +684,16 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return refusal(path, 403, "the router does not pass /abort on: a client ends its own "
                                 "turn by disconnecting; abort at a server, not through the "
                                 "router")
+    if path in _ROUTERS_OWN and request.scope["path"] == f"/{path}":
+      # (its route took another method: "GET /update_weights" was a 404 telling the
+      # client to GET it; red team 115)
+      allowed = _ROUTERS_OWN[path]
+      return JSONResponse({"detail": f"{request.method} /{path}: the router takes "
+                                     f"{allowed} there"},
+                          status_code=405, headers={"allow": allowed})
     if forwarded is None or path in _ROUTERS_OWN:
       return refusal(path, 404, f"no such path: {sent!r}" + (
-          f" (the router's own is /{path}: {request.method} it as that)"
+          f" (the router's own is /{path}: {_ROUTERS_OWN[path]} it as that)"
           if path in _ROUTERS_OWN else ""))
     body = await request.body()
     data = parsed(body)
@@ -729,15 +725,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       # (a chain that cannot be made whole here goes to the server that keeps it, the
       # session's or not: elsewhere it could only be a 404; a reviewer)
       order = [home] + [b for b in order if b != home]
-    step = relayed.step(data) if responses else None  # (what a response made keeps)
+    unrecorded = data.get("record") is False  # (a /generate that asks not to be)
     del data  # (its parse of a body of up to max_body_bytes: not for the call's length)
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     made_whole = home_lost = False
     whole: Optional[bytes] = None  # (the call made whole, once made)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     turn = path in ("generate", "v1/chat/completions", "v1/messages", "v1/responses")
-    records = (session_id is not None and turn
-               and not (path == "generate" and _unrecorded(body)))
+    records = session_id is not None and turn and not (path == "generate" and unrecorded)
     last_error: Optional[str] = None
     while order:
       backend = order.pop(0)
@@ -821,18 +816,21 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           continue
       out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
       out_headers["x-routed-to"] = backend
-      # (a response made here is learnt: what its call, as the client sent it, added)
-      learns = step is not None and resp.status_code == 200
+      # (a response made here is learnt: what its call, as the client sent it, added;
+      # taken from its body only now: a served call's input fitted the model's context,
+      # where a refused one's was compacted on this loop first, 5 s for 32 MB of items
+      # while every other client waited; red team 115)
+      step = (relayed.step(parsed(body)) if responses and resp.status_code == 200
+              else None)
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
-            relay(resp, backend, session_id if records else None, path,
-                  step if learns else None),
+            relay(resp, backend, session_id if records else None, path, step),
             status_code=resp.status_code, headers=out_headers)
       content = await resp.aread()
       await resp.aclose()
       if records and resp.status_code == 200:
         await copy_turns(session_id, backend)
-      if learns:
+      if step is not None:
         made = parsed(content)
         relayed.learn(backend, step, made)
         if records and isinstance(made.get("id"), str):

@@ -406,6 +406,8 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
         conn.close()
       slashed_health = c.get("/health/")
       hashed_health = c.get("/health%23")
+      # (its own paths by another method: named, not "GET it as that")
+      wrong_method = [c.get("/update_weights"), c.post("/health"), c.delete("/router/health")]
       got_handover = c.get("/handover").status_code
       # (red team 115: /abort passed on let any client abort another's turn; two session
       # headers, the router's first and the backend's last, recorded a turn in another
@@ -443,7 +445,10 @@ def test_a_failed_over_chat_session_continues_its_tokens_on_the_other_backend(
   assert [r.status_code for r in long_ids] == [400] * 5, [r.text[:80] for r in long_ids]
   assert all("at most 1024" in r.text for r in long_ids)
   assert slashed_health.status_code == hashed_health.status_code == 404  # (no backend's)
-  assert "the router's own is /health" in slashed_health.json()["detail"]
+  assert "the router's own is /health: GET it" in slashed_health.json()["detail"]
+  assert [(r.status_code, r.headers["allow"]) for r in wrong_method] == [
+      (405, "POST"), (405, "GET"), (405, "GET")]
+  assert "GET /update_weights: the router takes POST" in wrong_method[0].text
 
 
 def test_a_client_waits_for_a_server_that_is_still_starting(random_params, tokenizer):
