@@ -130,9 +130,12 @@ def _user_messages(content: Union[str, list], where: str, called: set) -> list[d
         tool["is_error"] = True
       out.append(tool)
     elif out and out[-1]["role"] == "user":
-      out[-1]["content"] += b.text
+      out[-1]["content"].append(b.text)
     else:
-      out.append({"role": "user", "content": b.text})
+      out.append({"role": "user", "content": [b.text]})
+  for m in out:  # (joined once: added to one by one, 200,000 blocks took 40 s; red team 116)
+    if m["role"] == "user":
+      m["content"] = "".join(m["content"])
   return out
 
 
@@ -140,17 +143,17 @@ def _assistant_message(content: Union[str, list], where: str) -> dict:
   """An assistant message: its text, and its tool uses as OpenAI-shaped tool calls."""
   if isinstance(content, str):
     return {"role": "assistant", "content": content}
-  text, calls = "", []
+  texts, calls = [], []
   for j, b in enumerate(content):
     if isinstance(b, ToolResultBlock):
       raise ValueError(f"{where}.content.{j}: a tool_result block belongs in a user message")
     if isinstance(b, TextBlock):
-      text += b.text
+      texts.append(b.text)
     else:
       calls.append({"id": b.id, "type": "function",
                     "function": {"name": b.name,
                                  "arguments": json.dumps(b.input, ensure_ascii=False)}})
-  message = {"role": "assistant", "content": text}
+  message = {"role": "assistant", "content": "".join(texts)}
   if calls:
     message["tool_calls"] = calls
   return message

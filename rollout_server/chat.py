@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Awaitable, Callable, Optional
 
+import numpy as np
 from starlette.exceptions import HTTPException  # (FastAPI's own body errors raise Starlette's)
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -479,8 +479,27 @@ def openai_error(status: int, message: str, param: Optional[str] = None) -> dict
   return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-# What a body holding a NaN, an Infinity or a number past a float's range must contain.
-_MAYBE_NOT_FINITE = re.compile(rb"NaN|Infinity|[eE][+]?0*\d{3}|\d{300}")
+def _maybe_not_finite(body: bytes) -> bool:
+  """Whether a JSON body may hold a NaN, an Infinity or a number past a float's range: it
+  holds NaN or Infinity, an exponent of three digits or more after a digit, or 300 digits
+  in a row. In numpy: a regular expression took 1.9 s over 46 MB of short items, the
+  event loop held (red team 116)."""
+  if b"NaN" in body or b"Infinity" in body:
+    return True
+  text = np.frombuffer(body, np.uint8)
+  digit = np.zeros(text.size + 5, bool)  # (padded: a run of digits ends before the end)
+  digit[:text.size] = (text >= ord("0")) & (text <= ord("9"))
+  e = np.flatnonzero((text[1:] | 32) == ord("e")) + 1  # (e or E)
+  e = e[digit[e - 1]]
+  if e.size:
+    first = e + 1 + (text[np.minimum(e + 1, text.size - 1)] == ord("+"))
+    if (digit[first] & digit[first + 1] & digit[first + 2]).any():
+      return True
+  starts = np.flatnonzero(digit[1:] & ~digit[:-1]) + 1  # (where a run of digits begins)
+  if digit[0]:
+    starts = np.insert(starts, 0, 0)
+  ends = np.flatnonzero(digit[:-1] & ~digit[1:]) + 1
+  return bool((ends - starts >= 300).any())
 
 
 def finite_json(body: bytes) -> None:
@@ -488,7 +507,7 @@ def finite_json(body: bytes) -> None:
   (Python's json reads them, FastAPI passed them on: recorded in a session, its record
   could not be written out again, a 400 on every read, red team 24). A body that is not
   JSON is left to the route to name."""
-  if not body or not _MAYBE_NOT_FINITE.search(body):  # (the usual body: parsed once)
+  if not body or not _maybe_not_finite(body):  # (the usual body: parsed once)
     return
   try:
     json.loads(body, **FINITE_JSON)

@@ -54,7 +54,7 @@ from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, Chat
                                  normalise_messages, unserved, with_sampled_arguments)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request, progress_of
-from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SESSION_HEADER, SessionStore,
+from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SessionStore, session_header,
                                      session_of)
 
 
@@ -395,7 +395,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   @app.post("/generate")
   async def generate(body: GenerateBody, http: HttpRequest):
-    session_id = session_of(http.headers.get(SESSION_HEADER), body.session_id)
+    session_id = session_of(session_header(http.headers), body.session_id)
     m = served(body.model, strict=True)
     on = m.orch if m is not None else None
     req = submit(body.input_ids, _sampling(body, body.max_new_tokens, body.stop_token_ids),
@@ -523,7 +523,19 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     named = (body.model_extra or {}).get("session_id")
     if named is not None and not isinstance(named, str):
       raise HTTPException(422, f"session_id: must be a string, got {type(named).__name__}")
-    return session_of(http.headers.get(SESSION_HEADER), named)
+    return session_of(session_header(http.headers), named)
+
+  def too_many(n: int, what: str, model: Optional[str]) -> None:
+    """A 400 (the client's prompt_too_long) for a chat of `n` messages, items or tools
+    (`what`) where the prompt of the model `model` names holds fewer tokens (a template
+    writes each as one token at least): 100,000 short items were converted and rendered,
+    their length known only then, the event loop held 8 s (red team 116)."""
+    m = served(model, strict=False)
+    limit = (m.orch if m is not None else orch).engine.max_prefill_length
+    if n > limit:
+      raise HTTPException(400, f"{PROMPT_TOO_LONG}: {n} {what}, more than a prompt of at "
+                               f"most {limit} tokens (max_prefill_length) holds (a chat "
+                               "template writes each as one token at least)")
 
   def too_long(pieces, chars: int, tok, limit: int) -> None:
     """PromptTooLong for a rendering (`pieces`, of `chars` characters) whose text is far
@@ -556,6 +568,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     policy's unless it is another served model's name) and submits it: what both chat
     gateways do with a call. `goes_on_from`: the session's record id and turn the call
     says it continues (a Responses call's previous_response_id)."""
+    too_many(len(messages) + len(tools or ()), "messages and tools", model)
     messages, tools = clean_unicode(messages), clean_unicode(tools)
     m = served(model, strict=False)
     tok, on = (m.tokenizer, m.orch) if m is not None else (tokenizer, orch)
@@ -623,7 +636,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     max_new = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
                    256)
     stops = list(tokenizer.stop_ids) + list(body.stop_token_ids or [])
-    session_id = session_of(http.headers.get(SESSION_HEADER), body.session_id)
+    session_id = session_of(session_header(http.headers), body.session_id)
     turn = start_chat(body.messages, body.tools, _sampling(body, max_new, stops), session_id,
                       kind="chat", id_prefix="call", model=body.model)
     created = int(time.time())
@@ -670,6 +683,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   @messages_api.post("/v1/messages")
   async def messages(body: anthropic_api.MessagesBody, http: HttpRequest):
+    too_many(len(body.messages) + len(body.tools or ()), "messages and tools", body.model)
     chat_messages, tools = anthropic_api.chat_messages(body)
     session_id = extra_session(body, http)  # (the body's was ignored; a router's routed by
     # it: a turn recorded nowhere, red team 115)
@@ -692,6 +706,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
 
   @responses_api_.post("/v1/responses")
   async def responses(body: responses_api.ResponsesBody, http: HttpRequest):
+    if isinstance(body.input, list):
+      too_many(len(body.input) + len(body.tools or ()), "input items and tools", body.model)
     prior: list[dict] = []
     if body.previous_response_id is not None:
       try:

@@ -575,6 +575,16 @@ class SessionStore:
 SESSION_HEADER = "x-session-id"
 
 
+def session_header(headers) -> Optional[str]:
+  """A request's X-Session-Id header (`headers`: Starlette's), None when it has none.
+  ValueError when it is sent twice: a router read the first, a server the last, so a
+  turn was recorded in another client's session unseen by the router (red team 115)."""
+  sent = headers.getlist(SESSION_HEADER)
+  if len(sent) > 1:
+    raise ValueError(f"the {SESSION_HEADER} header is sent {len(sent)} times; send one")
+  return sent[0] if sent else None
+
+
 def session_of(header: Optional[str], named: Optional[str]) -> Optional[str]:
   """A request's session: its X-Session-Id header or its body's `session_id`. Both given
   and different is a ValueError: the router routes by the header, so a body naming

@@ -815,6 +815,56 @@ def test_a_chat_far_too_long_is_refused_before_it_is_encoded(random_params, toke
     assert r.status_code == 200, r.text
 
 
+def test_a_chat_of_more_messages_than_the_prompt_holds_is_refused_before_it_is_rendered(
+    random_params, tokenizer):
+  """A chat of more messages, input items or tools than its prompt's tokens is too long
+  (a template writes each as a token at least): 300,000 short Responses items were
+  converted and rendered first, the event loop held 13.7 s for 46 MB (red team 116). An
+  Anthropic message of many text blocks is joined once (200,000 took 40 s)."""
+  engine = make_engine(max_prefill_length=64, max_seq_len=160)
+  user = {"role": "user", "content": "a"}
+  tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+  said = "65 {}, more than a prompt of at most 64 tokens (max_prefill_length) holds"
+  bodies = [
+      ("/v1/chat/completions", {"messages": [user] * 65}, "messages and tools"),
+      ("/v1/chat/completions", {"messages": [user] * 5, "tools": [tool] * 60},
+       "messages and tools"),
+      ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [
+          user, {"role": "assistant", "content": "b"}] * 32 + [user]}, "messages and tools"),
+      ("/v1/responses", {"input": [{"type": "message", "role": "user", "content": "a"}] * 65},
+       "input items and tools")]
+  blocks = [{"type": "text", "text": f"{i % 10}"} for i in range(20_000)]
+  with running_server(random_params, tokenizer, engine=engine) as (srv, orch):
+    for route, body, what in bodies:
+      r = httpx.post(srv.url + route, json=body, timeout=120)
+      assert r.status_code == 400, (route, r.text)
+      assert "prompt is too long: " + said.format(what) in r.text, r.text
+    r = httpx.post(srv.url + "/v1/messages", timeout=120, json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": blocks}]})
+    assert r.status_code == 400 and "prompt is too long: 200" in r.text, r.text  # (+ template)
+    assert "characters of text" in r.text, r.text
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [user] * 3, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_numbers_past_a_floats_range_are_found_in_the_bytes():
+  """The check that a body may hold NaN, Infinity or a number past a float's range before
+  it is parsed for them (in numpy: a regular expression took 1.9 s over 46 MB of short
+  items; red team 116)."""
+  from rollout_server.chat import _maybe_not_finite, finite_json
+
+  for text in [b'{"a": 1e999}', b'{"a": 1E+400}', b'{"a": -2.5e0309}', b"[NaN]",
+               b'{"a": ' + b"9" * 400 + b"}", b'{"a": 0.' + b"0" * 300 + b"1}", b"[-Infinity]"]:
+    assert _maybe_not_finite(text), text
+  for text in [b'{"a": 1e999}', b'{"a": 1E+400}', b"[NaN]", b'{"a": ' + b"9" * 400 + b".5}"]:
+    with pytest.raises(ValueError, match="body: "):
+      finite_json(text)
+  for text in [b'{"a": 1e99, "b": 1e-400}', b'{"type": "e123", "n": 12345}', b"[]",
+               b'"' + b"7" * 299 + b'"', b"1e12"]:
+    assert not _maybe_not_finite(text), text
+
+
 def test_bodies_not_in_utf8_and_bad_handovers_are_named(random_params, tokenizer):
   """UTF-16 and UTF-32 JSON (which Python reads) are refused: a NaN in one passed the
   chat routes' check on the bytes and made its session's record unreadable (red team
@@ -929,6 +979,14 @@ def test_message_fields_no_template_reads_are_bounded(random_params, tokenizer):
     r = httpx.post(srv.url + "/v1/messages", json={**ask, "session_id": "anth"},
                    headers={SESSION_HEADER: "other"}, timeout=120)
     assert r.status_code == 400 and "name different sessions" in r.text, r.text
+    # (two headers: a router read the first, this server the last; refused on each route)
+    two = [(SESSION_HEADER, "anth"), (SESSION_HEADER, "other")]
+    for route, body in [("/v1/messages", ask), ("/generate", {"input_ids": [1, 2]}),
+                        ("/v1/chat/completions", {"messages": ask["messages"]}),
+                        ("/v1/responses", {"input": "hi"})]:
+      r = httpx.post(srv.url + route, json=body, headers=two, timeout=120)
+      assert r.status_code == 400 and "header is sent 2 times" in r.text, (route, r.text)
+    assert httpx.get(f"{srv.url}/sessions/other").status_code == 404
 
 
 def test_tool_names_out_of_the_rule_are_named(random_params, tokenizer):
