@@ -39,6 +39,9 @@ class GuessNumber(Env):
     self.low, self.high = task_int(p, "low", 1, task.id), task_int(p, "high", 16, task.id)
     if self.low > self.high:
       raise ValueError(f"task {task.id}: low ({self.low}) > high ({self.high})")
+    if max(abs(self.low), abs(self.high)) >= 10**18:  # (a guess of 19 digits is not read)
+      raise ValueError(f"task {task.id}: low and high must be within +-10^18 (a guess that "
+                       "long is answered as too long)")
     self.max_turns = task_int(p, "max_turns", 5, task.id)
     self.process_reward = task_number(p, "process_reward", 0.0, task.id)
     seed = p.get("seed", task.id)
@@ -72,7 +75,8 @@ class GuessNumber(Env):
     reward = 0.0
     if m is None:
       feedback, valid = "Say a number.", False
-    elif len(m.group()) > 18:  # int() refuses 4,300+ digits; no range here is this wide
+    elif len(m.group().lstrip("-")) > 18:  # (int() refuses 4,300+ digits; reset keeps ranges
+      # within 18)
       feedback, valid = "That number is too long.", False
     else:
       guess = int(m.group())

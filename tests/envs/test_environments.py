@@ -700,6 +700,7 @@ def test_python_tests_grades_the_source_not_a_compiled_extension():
     ({"max_turns": 2.5}, "max_turns must be an integer, got 2.5"),
     ({"secret": True}, "secret must be an integer, got True"),
     ({"high": [16]}, "high must be an integer, got [16]"),
+    ({"high": 10**18}, "low and high must be within +-10^18"),
     ({"process_reward": float("nan")}, "process_reward must be a finite number, got nan"),
     ({"process_reward": "1e999"}, "process_reward must be a finite number, got '1e999'")])
 def test_guess_number_refuses_a_task_it_would_play_wrongly(params, said):
