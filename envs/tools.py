@@ -196,7 +196,8 @@ class ToolSet:
       result.errors += status == "error"
       result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name,
                               "content": out})
-    if parsed.unread:
+    if parsed.unread:  # (counted as calls, as those past max_calls_per_turn are)
+      result.calls += parsed.unread
       result.invalid += parsed.unread
       result.messages.append({"role": "tool", "content": (
           f"error: {parsed.unread} more tool calls were not read: at most "

@@ -120,13 +120,15 @@ def body_depth(body: bytes, value) -> int:
   if slashes.size:  # (in valid JSON only a string holds them)
     starts = np.flatnonzero(np.diff(slashes, prepend=-2) != 1)  # (runs of backslashes)
     ends = np.append(starts[1:], slashes.size) - 1
-    run_end, run_odd = slashes[ends], (ends - starts) % 2 == 0
-    at = np.minimum(np.searchsorted(run_end, quotes - 1), run_end.size - 1)
-    quotes = quotes[~((run_end[at] == quotes - 1) & run_odd[at])]  # (escaped ones out)
+    odd_end = np.zeros(text.size, bool)  # (where a run of an odd number of them ends)
+    odd_end[slashes[ends[(ends - starts) % 2 == 0]]] = True
+    quotes = quotes[~odd_end[np.maximum(quotes - 1, 0)]]  # (escaped ones out)
+  toggle = np.zeros(text.size, np.uint8)
+  toggle[quotes] = 1
   steps = _STEP[text]
-  brackets = np.flatnonzero(steps)
-  brackets = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # (outside strings)
-  return int(np.cumsum(steps[brackets], dtype=np.int32).max()) if brackets.size else 0
+  steps[np.bitwise_xor.accumulate(toggle).view(bool)] = 0  # (inside strings)
+  steps = steps[steps != 0]
+  return int(np.cumsum(steps, dtype=np.int32).max()) if steps.size else 0
 
 
 def _read_as_json(request) -> bool:

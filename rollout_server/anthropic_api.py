@@ -193,6 +193,12 @@ def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]
   # text and tool uses one assistant message, their results answering its tool uses.
   called: set = set()  # the tool uses of the last assistant turn
   role = None
+  merged: dict[int, list[str]] = {}  # (a message's text added to: joined once, at the end;
+  # added to one by one, 4,000 messages of 8 KB took 24 s; red team 116)
+
+  def add_text(text: str) -> None:
+    merged.setdefault(len(messages) - 1, [messages[-1]["content"]]).append(text)
+
   for i, m in enumerate(body.messages):
     where = f"messages.{i}"
     if m.role == "user" and (m.content == "" or (isinstance(m.content, list) and all(
@@ -203,20 +209,22 @@ def chat_messages(body: MessagesBody) -> tuple[list[dict], Optional[list[dict]]]
     if m.role == "user":
       turn = _user_messages(m.content, where, called)
       if role == "user" and messages[-1]["role"] == turn[0]["role"] == "user":
-        messages[-1]["content"] += turn.pop(0)["content"]
+        add_text(turn.pop(0)["content"])
       messages += turn
     else:
       message = _assistant_message(m.content, where)
       calls = message.get("tool_calls", [])
       if role == "assistant":
-        messages[-1]["content"] += message["content"]
-        if calls:
-          messages[-1]["tool_calls"] = messages[-1].get("tool_calls", []) + calls
+        add_text(message["content"])
+        if calls:  # (the message and its list are this call's own)
+          messages[-1].setdefault("tool_calls", []).extend(calls)
       else:
         messages.append(message)
         called = set()
       called |= {c["id"] for c in calls}
     role = m.role
+  for at, texts in merged.items():
+    messages[at]["content"] = "".join(texts)
   tools = [_function_schema(t) for t in body.tools] if body.tools else None
   return messages, tools
 

@@ -232,19 +232,35 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = (),
   if not items and not kept:
     raise ValueError("input: empty (give at least one item, or previous_response_id)")
 
-  def open_reply() -> Optional[dict]:
-    """The last assistant message when only its calls' outputs follow it."""
-    for m in reversed(kept):
-      if m["role"] == "assistant":
-        return m
-      if m["role"] != "tool":
-        return None
-    return None
+  # The open reply (the last assistant message when only its calls' outputs follow it),
+  # its calls' ids and threads and the ids answered since, kept as items are read (worked
+  # out anew for each item, N calls and their N outputs took seconds: red team 116).
+  reply_at: Optional[int] = None
+  made: set = set()
+  threads: set = set()
+  answered: set = set()
+  own_calls: set = set()  # (the messages whose tool_calls list is this call's to extend)
 
-  def unanswered(reply: Optional[dict]) -> set:
-    calls = {c["id"] for c in (reply or {}).get("tool_calls") or []}
-    return calls - {m.get("tool_call_id") for m in kept[kept.index(reply) + 1:]} \
-        if reply is not None else set()
+  def opened(at: Optional[int]) -> None:
+    nonlocal reply_at, made, threads, answered
+    reply_at = at
+    calls = kept[at].get("tool_calls") or [] if at is not None else []
+    made = {c["id"] for c in calls}
+    threads = {_reply_of(c["id"]) for c in calls} - {None}
+    answered = ({m.get("tool_call_id") for m in kept[at + 1:]} if at is not None else set())
+
+  def add_call(at: int, call: dict) -> None:
+    if at not in own_calls:  # (a prior message's list is the kept conversation's)
+      kept[at]["tool_calls"] = list(kept[at].get("tool_calls") or [])
+      own_calls.add(at)
+    kept[at]["tool_calls"].append(call)
+    made.add(call["id"])
+    threads.add(_reply_of(call["id"]))
+
+  for j in range(len(kept) - 1, -1, -1):
+    if kept[j]["role"] != "tool":
+      opened(j if kept[j]["role"] == "assistant" else None)
+      break
 
   for i, raw in enumerate(items):
     where = f"input[{i}]"
@@ -264,40 +280,40 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = (),
     if isinstance(item, FunctionCallItem):
       call = {"id": item.call_id, "type": "function",
               "function": {"name": item.name, "arguments": item.arguments}}
-      reply = open_reply()
       if last is not None and last["role"] == "assistant":
-        last["tool_calls"] = last.get("tool_calls", []) + [call]
-      elif (reply is not None and kept.index(reply) >= start
-            and _reply_of(item.call_id) is not None
-            and any(_reply_of(c["id"]) == _reply_of(item.call_id)
-                    for c in reply.get("tool_calls") or [])):
+        add_call(len(kept) - 1, call)  # (the open reply: nothing follows it)
+      elif (reply_at is not None and reply_at >= start
+            and _reply_of(item.call_id) is not None and _reply_of(item.call_id) in threads):
         # A call of the reply whose outputs came between its calls ([call 1, output 1,
         # call 2, output 2], as OpenAI's guide writes them): its reply's, told by the call
         # ids this server gave (as separate turns, the reply was encoded anew: a fork)
-        reply["tool_calls"].append(call)
+        add_call(reply_at, call)
       else:
         kept.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        own_calls.add(len(kept) - 1)
+        opened(len(kept) - 1)
     elif isinstance(item, FunctionCallOutputItem):
-      reply = open_reply()
-      made = {c["id"] for c in (reply or {}).get("tool_calls") or []}
-      if item.call_id not in unanswered(reply):
+      if item.call_id not in made or item.call_id in answered:
         why = ("which has its output already" if item.call_id in made else
                "which the assistant message before did not make (" + (
                    f"it called {', '.join(sorted(map(repr, made)))}" if made else
-                   "a message came between them" if reply is None and any(
+                   "a message came between them" if reply_at is None and any(
                        m["role"] == "assistant" for m in kept) else
                    "it called no function") + ")")
         raise ValueError(f"{where}: function_call_output for call_id {item.call_id!r}, {why}")
       kept.append({"role": "tool", "tool_call_id": item.call_id,
                    "content": _text(item.output, f"{where}.output", ("input_text",))})
+      answered.add(item.call_id)
     elif item.role == "assistant":
       # (a message item starts a reply: one of ours has at most one, before its calls)
       kept.append({"role": "assistant", "content": _text(
           item.content, f"{where}.content", ("output_text", "input_text"))})
+      opened(len(kept) - 1)
     else:
       role = "user" if item.role == "user" else "system"
       kept.append({"role": role, "content": _text(item.content, f"{where}.content",
                                                    ("input_text",))})
+      opened(None)
   if kept[-1]["role"] == "assistant":
     raise ValueError(f"input[{len(items) - 1}]: the last item must not be the assistant's "
                      "(continuing an assistant's text is not supported)" if items else

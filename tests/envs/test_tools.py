@@ -62,7 +62,7 @@ def test_a_turns_blocks_past_the_read_limit_are_counted_and_answered_together():
   bad = '<tool_call>{"name": add}</tool_call>'
   r = run(bad + good * 2 + bad * 300_000)
   assert TOOLS.max_blocks_per_turn == 32
-  assert (r.calls, r.invalid) == (2, 300_001)  # (30 read malformed, 299,971 unread)
+  assert (r.calls, r.invalid) == (2 + 299_971, 300_001)  # (30 read malformed, 299,971 unread)
   assert len(r.messages) == 33
   assert [m["content"] for m in r.messages[30:32]] == ["3", "3"]
   assert r.messages[-1]["content"] == (
@@ -70,7 +70,7 @@ def test_a_turns_blocks_past_the_read_limit_are_counted_and_answered_together():
   assert sum(len(m["content"]) for m in r.messages) < 4000
   fewer = asyncio.run(ToolSet(list(TOOLS.tools.values()), max_calls_per_turn=1).run(
       good * 3 + bad * 10))
-  assert (fewer.calls, fewer.invalid) == (3, 2 + 10)  # (8 read: 1 run, 2 unrun, 5 bad)
+  assert (fewer.calls, fewer.invalid) == (3 + 5, 2 + 10)  # (8 read: 1 run, 2 unrun, 5 bad)
   assert fewer.messages[-1]["content"].startswith("error: 5 more tool calls")
 
 
