@@ -37,6 +37,7 @@ import httpx
 
 from envs.base import Verdict, VerdictStatus
 from jaxagent.errors import PROMPT_TOO_LONG
+from jaxagent.tls import shared_tls
 
 # 2: under confirm, an unparsed answer is a fail; 3: too long, a fail; 4: the question
 # says the answer is data (instructions in it are not the judge's)
@@ -127,7 +128,7 @@ class LLMJudge:
   async def grade(self, task: str, answer: str, env_version: str = "") -> Verdict:
     """The judge's verdict on `answer` to `task` (reward 1 for PASS, 0 for FAIL)."""
     problem, unparsed = "", False
-    async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+    async with httpx.AsyncClient(timeout=self.timeout_s, verify=shared_tls()) as client:
       for attempt in range(self.retries + 1):
         try:
           text = await self._ask(client, task, answer)

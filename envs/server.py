@@ -59,6 +59,7 @@ from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observati
 from envs.loopwatch import LoopWatch
 from jaxagent.serve_http import BodyLimit, client_gone, name_deep_bodies
 from jaxagent.errors import InfraError
+from jaxagent.tls import shared_tls
 
 
 class CreateBody(BaseModel):
@@ -423,7 +424,7 @@ class RemoteEnv:
     infrastructure (`InfraError`); a 4xx is a bad call of ours (a bug) and raises
     RuntimeError."""
     if self._client is None:
-      self._client = httpx.AsyncClient(timeout=self.timeout_s)
+      self._client = httpx.AsyncClient(timeout=self.timeout_s, verify=shared_tls())
     wall = self._call_walls.get(self.url, 0.0)
     if wall + CALL_MARGIN_S > self.timeout_s:
       kw.setdefault("timeout", wall + CALL_MARGIN_S)

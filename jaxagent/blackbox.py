@@ -23,6 +23,7 @@ from jaxagent.agent import (EPISODE_WALL_FACTOR, FIRST_PROMPT_TOO_LONG, Episode,
                             graded, judge_cut, provenance, stamp, while_it_moves)
 from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
+from jaxagent.tls import shared_tls
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.toolcalls import parse_tool_calls
 from jaxagent.trajectory import Segment, TrajectoryManager, TurnRecord, reported_seconds
@@ -43,7 +44,7 @@ async def gateway_progress(base_url: str, session_id: str) -> Optional[dict]:
   import httpx
 
   try:
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with httpx.AsyncClient(timeout=10, verify=shared_tls()) as client:
       r = await client.get(f"{base_url}/requests", params={"session_id": session_id})
     got = r.json() if r.status_code == 200 else None
   except (httpx.HTTPError, ValueError):
@@ -406,7 +407,7 @@ async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
   """The turns the server recorded for a session; the record is then deleted."""
   import httpx
 
-  async with httpx.AsyncClient(timeout=60) as client:
+  async with httpx.AsyncClient(timeout=60, verify=shared_tls()) as client:
     r = await client.get(_session_url(gateway_url, session_id))
     r.raise_for_status()
     turns = r.json()["turns"]
@@ -421,7 +422,7 @@ async def _clear_session(gateway_url: str, session_id: str) -> None:
   import httpx
 
   try:
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, verify=shared_tls()) as client:
       r = await client.delete(_session_url(gateway_url, session_id))
   except httpx.HTTPError as e:
     raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}"

@@ -173,7 +173,9 @@ async def served_policy(url: str) -> tuple[Optional[int], Optional[str]]:
   be told (a router says no id; a server that is down: its episodes will say so)."""
   import httpx
 
-  async with httpx.AsyncClient(timeout=10) as client:
+  from jaxagent.tls import shared_tls
+
+  async with httpx.AsyncClient(timeout=10, verify=shared_tls()) as client:
     for path, key in (("/health", "version"), ("/router/health", "policy_version")):
       try:
         r = await client.get(url.rstrip("/") + path)

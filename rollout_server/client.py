@@ -19,6 +19,7 @@ import httpx
 
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.pools import CountedPool
+from jaxagent.tls import shared_tls
 from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
 from rollout_server.orchestrator import (Orchestrator, PromptTooLong, QueueFull, Request,
@@ -147,7 +148,8 @@ class HttpClient:
 
   def __init__(self, url: str, *, timeout_s: float = 600.0):
     self.url = url.rstrip("/")
-    self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+    self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                     verify=shared_tls())
     self._policy: Optional[dict] = None  # the last update the server took
     self._updates = 0  # how many it took (a turn asked before the latest is not checked)
     self._reloading = asyncio.Lock()

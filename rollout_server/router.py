@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone
+from jaxagent.tls import shared_tls
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import openai_error
 from rollout_server.sessions import SessionStore, session_header, session_of
@@ -209,7 +210,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   def client() -> httpx.AsyncClient:
     if "c" not in client_box:
-      client_box["c"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+      client_box["c"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
+                                          verify=shared_tls())
     return client_box["c"]
 
   async def push_policy(backend: str) -> bool:

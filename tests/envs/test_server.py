@@ -918,3 +918,37 @@ def test_a_rush_of_starts_keeps_the_session_limit_and_a_close_answers_its_calls_
   for r in answers:
     assert r.status_code == 409 and "closed during this call" in r.text, r.text
   assert events == ["cancelled", "closed"]  # (the second call never ran)
+
+
+def test_http_clients_share_one_tls_context(monkeypatch):
+  """Each httpx client loaded the CA certificates on the event loop (47 ms): an episode's
+  environment client, a black-box episode's two, a judge call's; 32 remote episodes held a
+  run's loop 1.2 s a step and `envs.loopwatch` blamed envs/server.py (a new user's round).
+  They share `jaxagent.tls.shared_tls`, loaded once."""
+  import ssl
+
+  from jaxagent.tls import shared_tls
+  from rollout_server.client import HttpClient
+
+  context = shared_tls()
+  loads = []
+  load = ssl.SSLContext.load_verify_locations
+  monkeypatch.setattr(ssl.SSLContext, "load_verify_locations",
+                      lambda self, *a, **k: loads.append(a or k) or load(self, *a, **k))
+  with socket.socket() as s:  # (a port nothing listens on)
+    s.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+  async def calls():
+    for _ in range(3):
+      env = RemoteEnv(url, timeout_s=2)
+      with pytest.raises(InfraError):
+        await env.reset(TaskSpec("t", "guess_number", {}))
+      await env.aclose()
+    client = HttpClient(url)
+    await client._client.aclose()
+
+  asyncio.run(calls())
+  assert loads == [] and shared_tls() is context
+  httpx.AsyncClient()  # (without it, httpx loads them for the client: the patch sees it)
+  assert len(loads) == 1
