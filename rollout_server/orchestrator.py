@@ -264,7 +264,7 @@ class Orchestrator:
                        f"length), got {resumed_tokens}")
     if len(prompt) - resumed_tokens > self.engine.max_prefill_length:
       raise PromptTooLong(f"{PROMPT_TOO_LONG}: {len(prompt) - resumed_tokens} tokens; the "
-                          f"limit (max_prefill_length) is {self.engine.max_prefill_length}")
+                          f"limit (engine.max_prefill_length) is {self.engine.max_prefill_length}")
     if len(prompt) >= self.engine.max_seq_len:
       raise PromptTooLong(f"{PROMPT_TOO_LONG}: {len(prompt)} tokens with the resumed turn's "
                           f"leave no room in max_seq_len {self.engine.max_seq_len}")

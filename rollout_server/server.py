@@ -534,7 +534,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     limit = (m.orch if m is not None else orch).engine.max_prefill_length
     if n > limit:
       raise HTTPException(400, f"{PROMPT_TOO_LONG}: {n} {what}, more than a prompt of at "
-                               f"most {limit} tokens (max_prefill_length) holds (a chat "
+                               f"most {limit} tokens (engine.max_prefill_length) holds (a chat "
                                "template writes each as one token at least)")
 
   def too_long(pieces, chars: int, tok, limit: int) -> None:
@@ -557,7 +557,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     n = len(tok.encode_pieces(head))
     if n > limit:
       raise PromptTooLong(f"{PROMPT_TOO_LONG}: {chars} characters of text, whose first "
-                          f"{most} alone are {n} tokens; the limit (max_prefill_length) is "
+                          f"{most} alone are {n} tokens; the limit (engine.max_prefill_length) is "
                           f"{limit} (the rest was not encoded)")
 
   def start_chat(messages: list[dict], tools: Optional[list[dict]], sampling: SamplingParams,

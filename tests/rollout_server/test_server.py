@@ -809,7 +809,7 @@ def test_a_chat_far_too_long_is_refused_before_it_is_encoded(random_params, toke
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
                    json={"messages": [{"role": "user", "content": "ab " * 40}]})
     assert r.status_code == 400 and "prompt is too long" in r.text
-    assert "tokens; the limit (max_prefill_length) is 64" in r.text, r.text
+    assert "tokens; the limit (engine.max_prefill_length) is 64" in r.text, r.text
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
@@ -824,7 +824,7 @@ def test_a_chat_of_more_messages_than_the_prompt_holds_is_refused_before_it_is_r
   engine = make_engine(max_prefill_length=64, max_seq_len=160)
   user = {"role": "user", "content": "a"}
   tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-  said = "65 {}, more than a prompt of at most 64 tokens (max_prefill_length) holds"
+  said = "65 {}, more than a prompt of at most 64 tokens (engine.max_prefill_length) holds"
   bodies = [
       ("/v1/chat/completions", {"messages": [user] * 65}, "messages and tools"),
       ("/v1/chat/completions", {"messages": [user] * 5, "tools": [tool] * 60},
