@@ -211,13 +211,17 @@ def _record_rows(path: str):
         try:
           row = json.loads(line)
         except json.JSONDecodeError as e:
-          cut = (n, e.msg)
+          cut = (n, e.msg, line.endswith("\n"))
           continue
         step = row.get("step") if isinstance(row, dict) else None
         if not isinstance(row, dict) or not (
             step is None or (isinstance(step, int) and not isinstance(step, bool))):
           raise damaged(f"line {n} is not a row of the run's ({line.strip()[:60]!r})")
         yield row
+      if cut is not None and cut[2]:  # (a kill leaves a line without its end; this one is
+        # whole, damaged otherwise: dropped, said, not silently: a new user's round)
+        print(f"warning: {name}: its last line ({cut[0]}) is not JSON ({cut[1]}) and is "
+              f"dropped ({path})", file=sys.stderr)
     except EOFError:  # a gzip member cut short by a kill: the end
       return
     except gzip.BadGzipFile as e:

@@ -59,6 +59,18 @@ def test_cut_jsonl_keeps_rows_up_to_the_step(tmp_path):
   assert cut_jsonl(str(tmp_path / "absent.jsonl"), 2) == 0
 
 
+def test_a_whole_last_line_that_is_not_json_is_dropped_and_said(tmp_path, capsys):
+  """A kill leaves a last line without its end (dropped quietly, above); a whole last line
+  that does not read is damage (a disk fault, an edit): dropped, with a warning naming it
+  (it went silently, a checkpointed step left without its row: a new user's round)."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2, "los')
+  assert cut_jsonl(str(path), 2) == 1 and capsys.readouterr().err == ""
+  path.write_text('{"step": 1}\n{"step": 2, trunc\n')
+  assert cut_jsonl(str(path), 2) == 1
+  assert "warning: metrics.jsonl: its last line (2) is not JSON" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("damage,said", [
     ('{"step": 2, "lo\n', "line 2 is not JSON"),  # cut in the middle, rows after it
     ("5\n", "line 2 is not a row"),
