@@ -831,15 +831,6 @@ def main(argv=None) -> int:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     check_config(cfg)  # (before --print-config prints: a config the run refuses printed
     # whole to stdout before its error, ready to be saved as a file: a new user)
-    if args.resume and not args.print_config:
-      try:  # (a run going on there is said first: its config's changes, warned of before
-        # the refusal, read as applied; a new user's round)
-        lock_run_dir(args.run_dir).close()
-      except RunDirInUse as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-      except OSError:  # (said where the run takes its lock)
-        pass
     if args.resume:
       cfg = resumed_config(cfg, args.run_dir)
     if args.print_config:

@@ -861,13 +861,11 @@ def test_a_second_trainer_in_a_run_directory_is_refused(tmp_path):
     while not (run_dir / "config.json").exists():
       assert first.poll() is None and time.time() < deadline
       time.sleep(0.05)
-    for extra in (["--resume", "steps=499"], ["--config", "configs/tiny.yaml", "steps=500"]):
-      second = run_train("--run-dir", str(run_dir), *extra, *SMALL, timeout=120)
+    for extra in (["--resume"], ["--config", "configs/tiny.yaml"]):
+      second = run_train("--run-dir", str(run_dir), *extra, "steps=500", *SMALL, timeout=120)
       assert second.returncode == 2, second.stderr[-2000:]
       assert f"--run-dir {run_dir} is in use by another trainer (pid {first.pid} on " in (
           second.stderr), second.stderr[-2000:]
-      # (said first: the resume's changes, warned of before it, read as applied)
-      assert "warning: --resume changes" not in second.stderr, second.stderr[-2000:]
     assert first.poll() is None  # the first goes on
     first.send_signal(signal.SIGTERM)
     out = first.communicate(timeout=300)[0]
