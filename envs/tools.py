@@ -122,9 +122,9 @@ class ToolSet:
   so a policy cannot stretch one environment step past an environment worker's
   deadline (which would turn its episode into an infrastructure failure, dropped
   instead of scored). At most `max_blocks_per_turn` tool-call blocks, well-formed or not,
-  are read and answered one by one; the rest are counted invalid and answered together
-  (300,000 malformed blocks in one action held a worker's loop 2.4 s for a 36 MB
-  answer; red team 115)."""
+  are read and answered one by one; the rest are counted as invalid calls and answered
+  together (300,000 malformed blocks in one action held a worker's loop 2.4 s for a
+  36 MB answer; red team 115)."""
 
   def __init__(self, tools: list[Tool], max_calls_per_turn: int = 4,
                max_blocks_per_turn: Optional[int] = None):
