@@ -306,7 +306,13 @@ def test_a_command_cannot_stall_its_own_kill_past_the_wall_limit():
     r = run(sb, SLOW_TEARDOWN)
     # (as before: 35-56 s past the wall limit here, with 12-25 OOM kills. Whether
     # every process prints "forked" before the OOM kills varies, so it is not asserted.)
-    assert r.timed_out and r.duration_s < 10 + 20, r
+    assert r.duration_s < 10 + 20, r
+    # Mostly a timeout. On a loaded machine the event loop wakes past the wall limit and
+    # gives the command HELD_LOOP_S more to be seen ending; if the OOM kills of its own
+    # memory limit ended it by then, it is read as that exit (137): a failed command
+    # either way, never an infrastructure error (fresh-clone CI, beside another test).
+    assert r.timed_out or (r.exit_code == 137 and r.oom_kills > 0), r
+    assert not r.ok and r.error is None, r
   finally:
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
