@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
-import io
 import os
 import shlex
 import signal
@@ -273,8 +272,7 @@ def run_local(args) -> int:
     # services had started: red team 25; its notes of changes are the learner's to say)
     from jaxagent.run_dir import resumed_config
     try:
-      with contextlib.redirect_stderr(io.StringIO()):
-        resumed_config(cfg, args.run_dir)
+      resumed_config(cfg, args.run_dir, notes=[])
     except config_lib.ConfigError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2

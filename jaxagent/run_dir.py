@@ -33,8 +33,7 @@ def holds_a_run(run_dir: str) -> bool:
   """Whether `run_dir` has a run's records (a new run there would mix into them): a
   metrics row, a checkpoint, a trajectory segment or a policy export past the first.
   (A run that stopped before its first step left none: it is started again there.)"""
-  ckpts = os.path.join(run_dir, "checkpoints")
-  if os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts)):
+  if has_checkpoint(run_dir):
     return True
   names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
   if any((n == "metrics.jsonl" or n.startswith("trajectories."))
@@ -218,23 +217,34 @@ def config_changes(before: dict, now: dict) -> dict:
           if before.get(k) != now.get(k) and k not in _SERVICE_ADDRESSES}
 
 
-def resumed_config(cfg: config_lib.RunConfig, run_dir: str) -> config_lib.RunConfig:
+def has_checkpoint(run_dir: str) -> bool:
+  """Whether `run_dir` holds a checkpoint (a step's directory; Orbax's unfinished ones
+  are named otherwise)."""
+  ckpts = os.path.join(run_dir, "checkpoints")
+  return os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
+
+
+def resumed_config(cfg: config_lib.RunConfig, run_dir: str,
+                   notes: list[str] | None = None) -> config_lib.RunConfig:
   """The config a resumed run goes on with: `cfg`, checked against the run's own
   `config.json`. The fields that decide its weights cannot change (ConfigError); every
-  other change is said, one line each; a run given more (or fewer) `steps` keeps its
-  cosine schedule's horizon (the learning rate would jump)."""
+  other change is said, one line each (printed, or appended to `notes` for the caller
+  to print once the run is its own: a held directory's refusal must not follow lines
+  that read as applied); a run given more (or fewer) `steps` keeps its cosine
+  schedule's horizon (the learning rate would jump), unless no checkpoint was saved (the
+  run starts again at step 0, on the schedule of the steps it is given now)."""
+  say = (lambda line: print(line, file=sys.stderr)) if notes is None else notes.append
   path = os.path.join(run_dir, "config.json")
   if not os.path.exists(path):
     return cfg
   try:
     saved = config_lib.load(config_lib.RunConfig, path)
   except config_lib.ConfigError as e:  # (written by another version of the code)
-    print(f"warning: --resume: not compared with the run's config.json ({e})",
-          file=sys.stderr)
+    say(f"warning: --resume: not compared with the run's config.json ({e})")
     return cfg
   horizon = saved.learner.lr_decay_steps or saved.steps  # the cosine schedule's, as it ran
   kept = (cfg.learner.lr_schedule == "cosine" and cfg.learner.lr_decay_steps == 0
-          and horizon != cfg.steps)
+          and horizon != cfg.steps and has_checkpoint(run_dir))
   if kept:  # (with the run's steps changed: the learning rate would jump)
     cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner,
                                                                lr_decay_steps=horizon))
@@ -255,5 +265,5 @@ def resumed_config(cfg: config_lib.RunConfig, run_dir: str) -> config_lib.RunCon
   for k, (a, b) in changed.items():
     why = (" (the cosine schedule keeps the run's horizon)"
            if kept and k == "learner.lr_decay_steps" else "")
-    print(f"warning: --resume changes {k}: {a} -> {b}{why}", file=sys.stderr)
+    say(f"warning: --resume changes {k}: {a} -> {b}{why}")
   return cfg

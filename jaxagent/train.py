@@ -831,11 +831,14 @@ def main(argv=None) -> int:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     check_config(cfg)  # (before --print-config prints: a config the run refuses printed
     # whole to stdout before its error, ready to be saved as a file: a new user)
+    notes: list[str] = []  # (a resume's changes: said once the run directory is this run's)
     if args.resume:
-      cfg = resumed_config(cfg, args.run_dir)
+      cfg = resumed_config(cfg, args.run_dir, notes)
     if args.print_config:
       import yaml
 
+      for line in notes:
+        print(line, file=sys.stderr)
       print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end="")
       return 0
   except config_lib.ConfigError as e:
@@ -892,9 +895,11 @@ def main(argv=None) -> int:
     return 2
   try:
     lock = lock_run_dir(run_dir)  # (held until this process ends)
-  except RunDirInUse as e:
+  except RunDirInUse as e:  # (a resume's changes unsaid: none is applied)
     print(f"error: {e}", file=sys.stderr)
     return 2
+  for line in notes:
+    print(line, file=sys.stderr)
   try:
     try:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary))

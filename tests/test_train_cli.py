@@ -376,8 +376,9 @@ def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path)
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
   """A run killed before its first checkpoint was stuck (--resume: no checkpoint; without:
   the directory holds a run): it starts again from step 0, its records cut back.
-  --resume needs no --config (the run's config.json); a change of steps keeps the
-  learning-rate schedule's horizon, and the config that ran before is kept."""
+  --resume needs no --config (the run's config.json); a change of steps is said (no
+  weights were kept: the schedule is the new steps'), and the config that ran before
+  is kept."""
   import signal
 
   killed = str(tmp_path / "killed")
@@ -391,11 +392,12 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "no checkpoint yet: the run starts again from step 0" in proc.stdout
   assert "warning: --resume changes steps: 500 -> 3" in proc.stderr
-  assert "learner.lr_decay_steps: 0 -> 500 (the cosine schedule keeps" in proc.stderr
+  # (no weights were kept, so no schedule to keep: it runs on the 3 steps' horizon)
+  assert "lr_decay_steps" not in proc.stderr, proc.stderr[-3000:]
   rows = read_metrics(killed)
   assert [r["step"] for r in rows] == [1, 2, 3]
   with open(os.path.join(killed, "config.json")) as f:
-    assert json.load(f)["learner"]["lr_decay_steps"] == 500
+    assert json.load(f)["learner"]["lr_decay_steps"] == 0
   with open(os.path.join(killed, "config.step0.json")) as f:  # what ran before, kept
     assert json.load(f)["steps"] == 500
 
@@ -412,6 +414,18 @@ def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path,
                         ["model.remat=full", 'serving.urls=["http://127.0.0.1:1"]'])
   assert run_dir.resumed_config(cfg, str(tmp_path)) == cfg
   assert capsys.readouterr().err == "warning: --resume changes model.remat: none -> full\n"
+  notes = []  # (or kept for the caller to say once the directory is the run's)
+  assert run_dir.resumed_config(cfg, str(tmp_path), notes) == cfg
+  assert notes == ["warning: --resume changes model.remat: none -> full"]
+  assert capsys.readouterr().err == ""
+  # More steps keep a trained run's cosine horizon; before any checkpoint nothing to keep.
+  longer = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml", ["steps=999"])
+  assert run_dir.resumed_config(longer, str(tmp_path), []) == longer
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  kept = run_dir.resumed_config(longer, str(tmp_path), notes := [])
+  assert kept.learner.lr_decay_steps == tiny.steps, kept.learner
+  assert any(f"learner.lr_decay_steps: 0 -> {tiny.steps} (the cosine schedule keeps" in n
+             for n in notes), notes
   for override, said in (("model.param_dtype=bfloat16", "a run keeps its model"),
                          ("model.checkpoint=smollm2", "a run keeps its model"),
                          # (red team 15: "no readable checkpoint ... tree structures do
@@ -862,10 +876,12 @@ def test_a_second_trainer_in_a_run_directory_is_refused(tmp_path):
       assert first.poll() is None and time.time() < deadline
       time.sleep(0.05)
     for extra in (["--resume"], ["--config", "configs/tiny.yaml"]):
-      second = run_train("--run-dir", str(run_dir), *extra, "steps=500", *SMALL, timeout=120)
+      second = run_train("--run-dir", str(run_dir), *extra, "steps=600", *SMALL, timeout=120)
       assert second.returncode == 2, second.stderr[-2000:]
       assert f"--run-dir {run_dir} is in use by another trainer (pid {first.pid} on " in (
           second.stderr), second.stderr[-2000:]
+      # (a resume's changes, none applied, are not said before the refusal: helper-116)
+      assert "--resume changes" not in second.stderr, second.stderr[-2000:]
     assert first.poll() is None  # the first goes on
     first.send_signal(signal.SIGTERM)
     out = first.communicate(timeout=300)[0]
