@@ -2,6 +2,8 @@
 Kubernetes schemas (kubernetes-validate) and the JobSet's structure; the learner's
 command, replica counts, TPU topology and resource requests for two slice shapes."""
 
+import contextlib
+import io
 import os
 import shlex
 import subprocess
@@ -72,24 +74,42 @@ SHAPES = {"v5litepod-16": ("tpu-v5-lite-podslice", "4x4", 4, 4),
           "v5litepod-8": ("tpu-v5-lite-podslice", "2x4", 1, 8)}
 
 
-def generate(tmp_path, tpu, *extra):
+def deploy_cli(*args, cli=False):
+  """`python -m jaxagent.deploy ARGS` as (exit code, stdout, stderr): in a process of
+  its own when `cli`, else its `main` in this one (the same code, without a Python and
+  JAX to start: ~5 s a call here)."""
+  if cli:
+    proc = subprocess.run([sys.executable, "-m", "jaxagent.deploy", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+  from jaxagent import deploy
+
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      code = deploy.main(list(args))
+    except SystemExit as e:  # (argparse's refusals)
+      code = e.code
+  return code, out.getvalue(), err.getvalue()
+
+
+def generate(tmp_path, tpu, *extra, cli=False):
   out = tmp_path / tpu
-  proc = subprocess.run([sys.executable, "-m", "jaxagent.deploy", "gke", "--config",
-                         "configs/tiny.yaml", "--tpu-type", tpu, "--servers", "4",
-                         "--env-workers", "8", "--image", "example.com/jaxagent:tpu",
-                         "--bucket", "gs://my-bucket/runs", "--out", str(out), *extra],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr
+  code, stdout, stderr = deploy_cli(
+      "gke", "--config", "configs/tiny.yaml", "--tpu-type", tpu, "--servers", "4",
+      "--env-workers", "8", "--image", "example.com/jaxagent:tpu", "--bucket",
+      "gs://my-bucket/runs", "--out", str(out), *extra, cli=cli)
+  assert code == 0, stderr
   docs = {}
   for name in sorted(os.listdir(out)):
     with open(out / name) as f:
       docs[name] = yaml.safe_load(f)
-  return docs, proc.stdout
+  return docs, stdout
 
 
 @pytest.mark.parametrize("tpu", sorted(SHAPES))
 def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
-  docs, stdout = generate(tmp_path, tpu)
+  docs, stdout = generate(tmp_path, tpu, cli=tpu == "v5p-32")  # (one as a user runs it)
   assert set(docs) == {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
                        "rollout-service.yaml", "router-deployment.yaml",
                        "router-service.yaml", "env-statefulset.yaml", "env-service.yaml"}
@@ -182,10 +202,9 @@ def test_bad_slice_and_bucket_are_named(tmp_path):
   for args, msg in [(["--tpu-type", "v5litepod-12"], "12 chips is not a v5litepod slice"),
                     (["--tpu-type", "h100-8"], "expected one of"),
                     (["--tpu-type", "v5p-32", "--bucket", "s3://x"], "expected gs://")]:
-    proc = subprocess.run([sys.executable, "-m", "jaxagent.deploy", "gke", "--config",
-                           "configs/tiny.yaml", "--image", "i", "--out", str(tmp_path),
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+    code, _, stderr = deploy_cli("gke", "--config", "configs/tiny.yaml", "--image", "i",
+                                 "--out", str(tmp_path), *args)
+    assert code == 2 and msg in stderr, stderr
 
 
 def test_dockerfile_installs_the_project_with_an_accelerator_choice():
