@@ -26,10 +26,29 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The default tier compiles many small programs, each once or twice: at XLA's default
+# optimisation, the CPU code generator (LLVM at -O2) took most of its time (828 s for the
+# tier here; 646 s at -O0, tests/test_attention.py 49 s -> 26 s). It compiles at -O0:
+# the programs run slower, which a tiny model's few steps do not feel. The end-to-end
+# tier (`-m slow`: whole training runs, which run more than they compile) keeps the
+# default, and so does a session given its own level in XLA_FLAGS. What these tests
+# check is the code, not the CPU's code generator; an accelerator's numerics are
+# tools/gpu_check.sh's.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def pytest_configure(config):
+  # (before any test module is collected: XLA reads XLA_FLAGS when its backend starts)
+  if (config.option.markexpr or "").strip() == "not slow" and (
+      "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+
+
 def run_multidevice(code: str, devices: int = 8, timeout: int = 600) -> str:
   """Runs `code` in a fresh Python with `devices` forced CPU devices; returns its stdout."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
+                      f"--xla_force_host_platform_device_count={devices}").strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
