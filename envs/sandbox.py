@@ -53,11 +53,13 @@ import hashlib
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from typing import Callable, Optional, Sequence
@@ -288,6 +290,42 @@ _WATCH_THREADS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ja
 # call's code): the command gets this long again to be seen ending before it is read as
 # timed out (its exit may have come in time, unseen).
 HELD_LOOP_S = 0.1
+
+
+class ExitClock:
+  """When a process ended, as a thread of its own saw it (waiting on the process's
+  pidfd): the event loop that runs the command may see the exit late, held by another
+  call's code or by the host's load. A command seen ending in the held loop's grace
+  (`HELD_LOOP_S`) that ended past its wall limit is timed out, as it is when the loop is
+  not held (it was read as its own exit: a command that stalled the host, or a slow
+  solution on a loaded machine, could pass past its limit: a reviewer)."""
+
+  def __init__(self, pid: int):
+    self.at: Optional[float] = None  # (time.perf_counter's)
+    self.done = threading.Event()
+    try:
+      fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):  # (reaped already, or no pidfds here: unknown)
+      self.done.set()
+      return
+    threading.Thread(target=self._wait, args=(fd,), daemon=True,
+                     name="jaxagent-exit-clock").start()
+
+  def _wait(self, fd: int) -> None:
+    try:
+      select.select([fd], [], [])  # (readable once the process has ended)
+      self.at = time.perf_counter()
+    except OSError:
+      pass
+    finally:
+      os.close(fd)
+      self.done.set()
+
+  def ended_by(self, t: float, wait_s: float = 1.0) -> bool:
+    """Whether the process ended by `t` (a perf_counter time); True when not known.
+    Called once its end has been seen, so the thread's own look is due."""
+    self.done.wait(wait_s)
+    return self.at is None or self.at <= t
 
 
 class WorkspaceTooLarge(ValueError):
@@ -765,6 +803,7 @@ class Sandbox:
             stdout=out, stderr=err, cwd=self.host_path, env=scrubbed_env(self.workdir),
             start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
         watch = None if self._mounted else asyncio.ensure_future(self._watch_disk(proc, over))
+        clock = ExitClock(proc.pid)
         talk = asyncio.ensure_future(proc.communicate(stdin))
         try:
           t_wall = time.perf_counter()
@@ -774,6 +813,8 @@ class Sandbox:
             # came in time is seen on its next turns, not read as a timeout (a sibling's
             # hold made a 0.1 s command under a 1 s limit a TIMEOUT verdict: red team).
             done, _ = await asyncio.wait({talk}, timeout=HELD_LOOP_S)
+            if done and not await asyncio.to_thread(clock.ended_by, t_wall + wall):
+              timed_out = True  # (it ended, but past its limit)
           if done:
             talk.result()
           else:

@@ -309,7 +309,7 @@ def test_a_command_cannot_stall_its_own_kill_past_the_wall_limit():
     assert r.duration_s < 10 + 20, r
     # Mostly a timeout. On a loaded machine the event loop wakes past the wall limit and
     # gives the command HELD_LOOP_S more to be seen ending; if the OOM kills of its own
-    # memory limit ended it by then, it is read as that exit (137): a failed command
+    # memory limit had ended it within the limit, it is that exit (137): a failed command
     # either way, never an infrastructure error (fresh-clone CI, beside another test).
     assert r.timed_out or (r.exit_code == 137 and r.oom_kills > 0), r
     assert not r.ok and r.error is None, r

@@ -82,13 +82,15 @@ def test_infinite_loop_is_killed_at_the_timeout(sandbox):
 def test_a_command_that_ended_in_time_is_not_timed_out_by_a_held_loop(sandbox):
   """Another call's code holds the event loop across a command's wall limit: the
   command, which ended well inside it, is not read as timed out (it was: its grading a
-  TIMEOUT verdict, reward 0, for a sibling's hold; red team). One that runs on is."""
+  TIMEOUT verdict, reward 0, for a sibling's hold; red team). One that runs on is, and
+  so is one that ended past the limit while the loop was held (it was read as its own
+  exit, `ok`: a reviewer)."""
 
   async def main(code):
     async def sibling():
       await asyncio.sleep(1.0)  # (the command has started by then, and runs on)
       t = time.perf_counter()
-      while time.perf_counter() - t < 3.5:  # holds the loop (past the 3 s limit)
+      while time.perf_counter() - t < 4.5:  # holds the loop (past the 3 s limit)
         pass
 
     held = asyncio.ensure_future(sibling())
@@ -100,6 +102,9 @@ def test_a_command_that_ended_in_time_is_not_timed_out_by_a_held_loop(sandbox):
   assert r.ok and not r.timed_out and r.stdout == "done\n", r
   r = asyncio.run(main("while True: pass"))
   assert r.timed_out and not r.ok
+  # (ends ~3.5 s in, past the limit, seen ~5.5 s in)
+  r = asyncio.run(main("import time; time.sleep(3.4); print('late')"))
+  assert r.timed_out and not r.ok and r.stdout == "late\n", r
 
 
 def test_memory_hog_is_contained(sandbox):
