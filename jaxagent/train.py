@@ -53,9 +53,9 @@ from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, restore, write_run_config
 from jaxagent.run_checks import check_config, served_scorers
-from jaxagent.run_dir import (RunDirInUse, compare_canary, dependency_versions, holds_a_run,
-                              lock_run_dir, play_canary, resumed_config, started_a_run,
-                              trajectories_file)
+from jaxagent.run_dir import (RunDirInUse, compare_canary, dependency_versions,
+                              has_checkpoint, holds_a_run, lock_run_dir, play_canary,
+                              resumed_config, started_a_run, trajectories_file)
 from jaxagent.run_services import (Serving, attach_judge, first_tasks, make_env_factory,
                                    score_segments, task_tools)
 from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share,
@@ -832,6 +832,7 @@ def main(argv=None) -> int:
     check_config(cfg)  # (before --print-config prints: a config the run refuses printed
     # whole to stdout before its error, ready to be saved as a file: a new user)
     notes: list[str] = []  # (a resume's changes: said once the run directory is this run's)
+    given = cfg
     if args.resume:
       cfg = resumed_config(cfg, args.run_dir, notes)
     if args.print_config:
@@ -898,7 +899,15 @@ def main(argv=None) -> int:
   except RunDirInUse as e:  # (a resume's changes unsaid: none is applied)
     print(f"error: {e}", file=sys.stderr)
     return 2
-  for line in notes:
+  if args.resume:  # (again, the directory now this run's: the trainer before may have
+    # saved its first checkpoint, whose schedule is kept, since it was read above)
+    notes.clear()
+    try:
+      cfg = resumed_config(given, run_dir, notes)
+    except config_lib.ConfigError as e:  # (its config.json replaced meanwhile)
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+  for line in notes if distributed.is_primary() else ():
     print(line, file=sys.stderr)
   try:
     try:
@@ -946,8 +955,7 @@ def main(argv=None) -> int:
       # barrier, which a gone one never reaches (the heartbeat's timeout, then an abort)
       os._exit(exit_code(e))
     except NonFiniteUpdate as e:
-      ckpts = os.path.join(run_dir, "checkpoints")
-      saved = os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
+      saved = has_checkpoint(run_dir)
       print(f"error: {e}; " + ("a resume goes on from the last checkpoint" if saved else
                                "no checkpoint was saved: the run starts again"),
             file=sys.stderr, flush=True)
@@ -959,8 +967,7 @@ def main(argv=None) -> int:
     except (InfraOutage, InfraError) as e:
       # Episodes mostly dropped (the checkpoint, with the tasks not trained on, was saved),
       # or a server or worker that could not be reached (at the start, a weight update).
-      saved = os.path.isdir(os.path.join(run_dir, "checkpoints")) and any(
-          d.isdigit() for d in os.listdir(os.path.join(run_dir, "checkpoints")))
+      saved = has_checkpoint(run_dir)
       # (the run's config.json holds its file and overrides: a resumed run's own command
       # had no --config, and this said "--config None")
       again = resume_command(run_dir)

@@ -85,7 +85,7 @@ def deploy_cli(*args, cli=False):
   from jaxagent import deploy
 
   out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+  with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
       code = deploy.main(list(args))
     except SystemExit as e:  # (argparse's refusals)

@@ -16,7 +16,8 @@ from tests.conftest import REPO
 
 def _env(devices: int) -> dict:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
+                      f"--xla_force_host_platform_device_count={devices}").strip()
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   return env
