@@ -313,7 +313,9 @@ class ExitClock:
 
   def _wait(self, fd: int) -> None:
     try:
-      select.select([fd], [], [])  # (readable once the process has ended)
+      look = select.poll()  # (not select(): a busy worker's descriptors pass 1024)
+      look.register(fd, select.POLLIN)
+      look.poll()  # (readable once the process has ended)
       self.at = time.perf_counter()
     except OSError:
       pass

@@ -107,6 +107,33 @@ def test_a_command_that_ended_in_time_is_not_timed_out_by_a_held_loop(sandbox):
   assert r.timed_out and not r.ok and r.stdout == "late\n", r
 
 
+def test_the_exit_clock_notes_when_a_process_ended():
+  """(the held loop's grace reads a command's end by it; a worker's descriptors past
+  1024, which select() refuses, must not blind it)"""
+  import resource
+
+  from envs.sandbox import ExitClock
+
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if hard != resource.RLIM_INFINITY and hard < 2048:
+    pytest.skip("descriptors limited below 2048 here")
+  resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+  held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+  try:
+    t = time.perf_counter()
+    proc = subprocess.Popen(["sleep", "0.3"])
+    clock = ExitClock(proc.pid)
+    proc.wait()
+    assert clock.ended_by(t + 5) and not clock.ended_by(t + 0.2), clock.at - t
+  finally:
+    for fd in held:
+      os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  assert ExitClock(gone.pid).ended_by(0.0)  # (reaped before it looked: not known, in time)
+
+
 def test_memory_hog_is_contained(sandbox):
   r = run(sandbox, "x = bytearray(2 << 30)\nprint('allocated')")
   assert r.exit_code != 0 and "MemoryError" in r.stderr and "allocated" not in r.stdout
