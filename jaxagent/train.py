@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +114,10 @@ NO_STEP_NOTE_S = 60.0
 
 
 async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
-                canary: bool = False) -> int:
+                canary: bool = False, notes: Sequence[str] = ()) -> int:
+  """The run (`main` checks its command line first). `notes`: a resume's changes to the
+  run's config, said once its checkpoint is restored (a refusal before that, an
+  unreadable checkpoint or a config it cannot build, applies none of them)."""
   from envs.base import TaskSpec
   from envs.loopwatch import LoopWatch
 
@@ -188,6 +191,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     ckpt.close()
     close_envs()
     raise
+  for line in notes:
+    print(line, file=sys.stderr)
   state, requeue, consumed = restored.state, restored.requeue, restored.consumed
   t_start -= restored.wall_time_s  # the run's wall time goes on from the stopped run's
   saved_canary, saved_recent = restored.canary, restored.stop_window_recent
@@ -831,7 +836,7 @@ def main(argv=None) -> int:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     check_config(cfg)  # (before --print-config prints: a config the run refuses printed
     # whole to stdout before its error, ready to be saved as a file: a new user)
-    notes: list[str] = []  # (a resume's changes: said once the run directory is this run's)
+    notes: list[str] = []  # (a resume's changes: said once its checkpoint is restored)
     given = cfg
     if args.resume:
       cfg = resumed_config(cfg, args.run_dir, notes)
@@ -907,11 +912,10 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:  # (its config.json replaced meanwhile)
       print(f"error: {e}", file=sys.stderr)
       return 2
-  for line in notes if distributed.is_primary() else ():
-    print(line, file=sys.stderr)
   try:
     try:
-      return asyncio.run(train(cfg, run_dir, args.resume, args.canary))
+      return asyncio.run(train(cfg, run_dir, args.resume, args.canary,
+                               notes if distributed.is_primary() else ()))
     except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
       print(f"interrupted: stopped at once; to go on from the last checkpoint: "
             f"{resume_command(run_dir)}",

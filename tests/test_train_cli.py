@@ -913,6 +913,16 @@ def test_a_resume_checks_the_checkpoint_is_this_runs(tmp_path):
   own = run_train("--run-dir", str(a), "--resume", "steps=3", *small)
   assert own.returncode == 0, own.stderr[-3000:]
   assert "--resume changes steps: 2 -> 3" in own.stderr and "never had" not in own.stderr
+  # A resume refused at its restore (damaged records) does not say its changes first, as
+  # if applied (they were said before the restore).
+  metrics = a / "metrics.jsonl"
+  kept = metrics.read_text()
+  metrics.write_text("{damaged\n" + kept)
+  refused = run_train("--run-dir", str(a), "--resume", "steps=4", *small)
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert "metrics.jsonl: line 1 is not JSON" in refused.stderr, refused.stderr[-3000:]
+  assert "--resume changes" not in refused.stderr, refused.stderr[-3000:]
+  metrics.write_text(kept)
   shutil.rmtree(b / "checkpoints")
   shutil.copytree(a / "checkpoints", b / "checkpoints")
   foreign = run_train("--run-dir", str(b), "--resume", "steps=4", *small)
