@@ -3,7 +3,11 @@
 import asyncio
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -471,3 +475,75 @@ def test_a_solution_that_fills_a_grading_workspace_without_a_quota_fails():
     assert verdict.status == VerdictStatus.PASS, verdict
   finally:
     pool.close()
+
+
+# Fills the disk that holds both the workspace and the sandbox's output logs with files
+# that no name and no /proc/<pid>/fd the host can read shows (unlinked, mapped, in
+# processes that are not dumpable), held past the solution's end; then answers wrong.
+_FILL_UNSEEN = r'''
+import mmap, os, time
+r, w = os.pipe()
+for k in range(2):
+  if os.fork() == 0:
+    maps, n = [], 0
+    try:
+      while True:
+        p = "f%d_%d" % (k, n); n += 1
+        fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o600)
+        os.unlink(p)
+        for _ in range(4):
+          os.write(fd, b"x" * (1 << 20))
+        maps.append(mmap.mmap(fd, 4 << 20, mmap.MAP_SHARED))
+        os.close(fd)
+    except (OSError, ValueError):  # (a file cut short by the full disk maps shorter)
+      pass
+    os.write(w, b"x")
+    time.sleep(60)
+for k in range(2):
+  os.read(r, 1)
+def add(a, b):  # (a report past one page of the log: a new block to write it)
+    raise ValueError("wrong" * 60)
+'''
+
+
+def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
+  """A worker not run as root cannot read the solution's /proc/<pid>/fd (the harness
+  makes it non-dumpable): the disk watch does not see unlinked files that it holds.
+  Such files filled the host's disk, the harness's report could not be written (exit
+  120), and the wrong answer was an infra error, re-rolled for free (red team). The
+  report's bytes are the sandbox's before the command starts: the verdict is `fail`.
+  As user 65534 with its temporary directory on a 48 MiB tmpfs (a disk nearly full)."""
+  from tests.envs.test_sandbox import skip_unless_nobody_runs_python
+  from tests.conftest import REPO
+
+  skip_unless_nobody_runs_python()
+  top = tempfile.mkdtemp(prefix="jaxagent-test-")  # (pytest's own are shut to others)
+  os.chmod(top, 0o755)
+  disk = os.path.join(top, "disk")
+  os.mkdir(disk)
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=1777", "jaxagent-test",
+                     str(disk)], capture_output=True).returncode != 0:
+    shutil.rmtree(top)
+    pytest.skip("cannot mount a tmpfs here")
+  code = (
+      "import asyncio, sys\nsys.path.insert(0, sys.argv[1])\n"
+      "from envs.sandbox import Limits, SandboxPool\n"
+      "from envs.verifier import HiddenTests, PythonTestVerifier\n"
+      "import tempfile\nprint(tempfile.gettempdir())\n"
+      "pool = SandboxPool(1, limits=Limits(wall_s=10), allow_unisolated=True)\n"
+      "for src in (sys.argv[2], sys.argv[3]):\n"
+      "  v = asyncio.run(PythonTestVerifier(pool, timeout_s=15, retries=0).grade(\n"
+      "      {'solution.py': src.encode()}, HiddenTests('add', [((i, 1), i + 1) for i in range(30)]),\n"
+      "      env_version='t@1'))\n"
+      "  print(v.status.value, v.details.get('reason'))\n"
+      "pool.close()\n")
+  try:
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", code, REPO, _FILL_UNSEEN, GOOD],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TMPDIR": disk,
+                            "PYTHONDONTWRITEBYTECODE": "1"})
+  finally:
+    subprocess.run(["umount", "-l", disk], check=False)
+    shutil.rmtree(top, ignore_errors=True)
+  assert r.stdout.splitlines() == [disk, "fail None", "pass None"], r.stdout + r.stderr
