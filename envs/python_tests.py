@@ -242,7 +242,10 @@ _BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
 # Control characters but tab and the line ends: a form feed in a line's indentation
 # resets Python's count of it, so a line shown nested under a `def` or an `if False:`
 # runs at module level (red team, stop 41); the others have no place in source either.
-_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# The line and paragraph separators (U+2028, U+2029) end a line for a reader (a judge,
+# `str.splitlines`), not for Python: code after one in a comment reads as a live line
+# that never runs (red team, stop 52).
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 # The source checks run one at a time, in arrival order, on a thread of their own. Run
