@@ -89,6 +89,8 @@ if pid == 0:  # the solution's process
     os.closerange(3, w)
     os.closerange(w + 1, 1 << 16)
     try:  # the kernel's first pick when the sandbox's memory runs out, not the harness
+      # (asked, not enforced: the solution may write 0 back; the harness's OOM death in
+      # the sandbox is the solution's failure either way)
       # (a process that is not dumpable cannot write its own /proc files: for a moment,
       # holding no descriptor of the harness's but its result pipe)
       ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
