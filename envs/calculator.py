@@ -54,12 +54,27 @@ EXAMPLES = (_example("What is 3 * 41 + 2?", "3 * 41 + 2", "125", "example_0")
             + _example("What is 88 - 17 * 3?", "88 - 17 * 3", "37", "example_1"))
 
 
-def final_answer(text: str) -> float | None:
+def final_answer(text: str) -> int | float | None:
   """The number on the last `ANSWER: <number>` line of `text`, or None (as for a number
-  past a float's range: no task's answer, and not a value JSON can carry)."""
+  past a float's range: no task's answer, and not a value JSON can carry). A whole
+  number (`87`, `87.0`) is an int, exactly as written: past 2**53 a float rounds, and
+  an answer off by one matched (red team)."""
   found = _ANSWER.findall(text)
-  value = float(found[-1]) if found else None
-  return value if value is not None and math.isfinite(value) else None
+  if not found:
+    return None
+  value = float(found[-1])
+  if not math.isfinite(value):
+    return None
+  whole, _, fraction = found[-1].partition(".")
+  return int(whole) if not fraction.strip("0") else value
+
+
+def _within_float(value: int | float) -> bool:
+  """Finite, and (an int) within a float's range: `final_answer` reads no larger number."""
+  try:
+    return math.isfinite(value)
+  except OverflowError:  # (an int past 1.8e308)
+    return False
 
 
 def safe_eval(expression: str) -> float | int:
@@ -120,9 +135,10 @@ class Calculator(Env):
     except ArithmeticError as e:  # (1/0, a float power past range: the task's fault)
       raise ValueError(f"task {task.id}: {self.expression}: {type(e).__name__}: {e}") \
           from None
-    if isinstance(self.answer, complex) or not math.isfinite(self.answer):
+    if isinstance(self.answer, complex) or not _within_float(self.answer):
       raise ValueError(f"task {task.id}: {self.expression} has no finite real value "
-                       f"({self.answer}): no answer can match it")
+                       f"within a float's range ({str(self.answer)[:40]}): no answer can "
+                       "match it")
     self.max_turns = task_int(p, "max_turns", 4, task.id)
     self.turns, self.done, self.final = 0, False, None
     self.reset_counters()
@@ -151,7 +167,11 @@ class Calculator(Env):
     return StepResult(Observation(messages), 0.0, terminated, truncated, info)
 
   def _correct(self) -> bool:
-    return self.final is not None and abs(self.final - float(self.answer)) < 1e-6
+    if self.final is None:
+      return False
+    if isinstance(self.answer, int) and isinstance(self.final, int):
+      return self.final == self.answer  # (exactly: floats past 2**53 round)
+    return abs(float(self.final) - float(self.answer)) < 1e-6
 
   async def verify(self) -> Verdict:
     ok = self._correct()

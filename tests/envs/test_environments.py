@@ -101,9 +101,27 @@ def test_calculator_with_tool_calls():
     ("ANSWER: 1\nANSWER: 2.5", 2.5), ("calculate_82_66", None), ("82 + 66 = 148", None),
     ("The result is 87", None), ("ANSWER: 87abc", None), ("ANSWER: 12 * 7 = 84", None),
     ("ANSWER:", None), ("MY ANSWER: 3", None), ("ANSWER: " + "9" * 400, None),
-    ("ANSWER: 3580\r\n", 3580.0), ("x\r\nANSWER: 12.\r\n", 12.0), ("ANSWER: 1\r2", None)])
+    ("ANSWER: 3580\r\n", 3580.0), ("x\r\nANSWER: 12.\r\n", 12.0), ("ANSWER: 1\r2", None),
+    ("ANSWER: 9007199515875293", 9007199515875293), ("ANSWER: 7.000", 7)])
 def test_calculator_reads_only_an_answer_line(text, want):
   assert final_answer(text) == want
+
+
+def test_calculator_compares_whole_numbers_exactly():
+  """Compared as floats within 1e-6, an answer off by one past 2**53 passed (red team);
+  whole numbers compare exactly, whatever their size, and a task whose answer is past a
+  float's range (no answer can be read that large) is refused, not a crash."""
+  task = TaskSpec("c", "calculator", {"expression": "94906267 * 94906267 + 4"})
+  for said, want in (("9007199515875292", "fail"), ("9007199515875294", "fail"),
+                     ("9007199515875293", "pass"), ("9007199515875293.0", "pass")):
+    _, _, verdict = play(make("calculator"), task, [f"ANSWER: {said}"])
+    assert verdict.status.value == want, said
+  _, _, verdict = play(make("calculator"), TaskSpec("c", "calculator", {"expression": "7 / 2"}),
+                       ["ANSWER: 3.5"])
+  assert verdict.status == VerdictStatus.PASS
+  with pytest.raises(ValueError, match="within a float's range"):
+    asyncio.run(make("calculator").reset(
+        TaskSpec("c", "calculator", {"expression": "999999**64 * 999999**64"})))
 
 
 def test_a_long_run_of_blanks_after_an_answer_is_read_at_once():
