@@ -38,6 +38,30 @@ def _auto_detectable() -> bool:
 HEARTBEAT_TIMEOUT_S = 100  # (jax.distributed's default)
 
 
+def _env_int(name: str) -> Optional[int]:
+  """The whole number in environment variable `name`, or None where it is unset or empty."""
+  text = os.environ.get(name)
+  if not text:
+    return None
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"${name}={text!r}: not a whole number") from None
+
+
+def check_coordinator(address: str) -> None:
+  """Raises `ValueError` unless `address` reads as HOST:PORT with a port in 1..65535 (an
+  IPv6 host in brackets). JAX's coordination client took `localhost` with a traceback,
+  `nope:abc` with a segmentation fault, and `localhost:99999` by waiting forever."""
+  host, sep, port = address.rpartition(":")
+  if host.startswith("[") and host.endswith("]"):
+    host = host[1:-1]
+  if not sep or not host or any(c.isspace() for c in host):
+    raise ValueError(f"coordinator {address!r}: expected HOST:PORT (e.g. 10.0.0.2:8476)")
+  if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+    raise ValueError(f"coordinator {address!r}: the port must be a number in 1..65535")
+
+
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None,
                heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
@@ -57,10 +81,10 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
                      "seconds, at least 1")
 
   coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
-  if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
-    num_processes = int(os.environ[ENV_NUM_PROCESSES])
-  if process_id is None and os.environ.get(ENV_PROCESS_ID):
-    process_id = int(os.environ[ENV_PROCESS_ID])
+  if num_processes is None:
+    num_processes = _env_int(ENV_NUM_PROCESSES)
+  if process_id is None:
+    process_id = _env_int(ENV_PROCESS_ID)
   given = {"coordinator": coordinator, "num_processes": num_processes,
            "process_id": process_id}
   if any(v is not None for v in given.values()):
@@ -70,8 +94,11 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
                        f"process_id; missing: {', '.join(missing)} (flags --coordinator, "
                        f"--num-processes, --process-id or ${ENV_COORDINATOR}, "
                        f"${ENV_NUM_PROCESSES}, ${ENV_PROCESS_ID})")
+    if num_processes < 1:
+      raise ValueError(f"num_processes {num_processes}: a run has at least 1 process")
     if not 0 <= process_id < num_processes:
       raise ValueError(f"process_id {process_id} is not in [0, {num_processes})")
+    check_coordinator(coordinator)
     if num_processes == 1:
       return False
     jax.distributed.initialize(coordinator, num_processes, process_id,

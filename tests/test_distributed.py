@@ -72,6 +72,25 @@ def test_partial_multi_process_settings_are_named():
   assert distributed.initialize(None, None, None) is False
   with pytest.raises(ValueError, match="heartbeat timeout 0: a whole number of seconds"):
     distributed.initialize("127.0.0.1:1234", 2, 0, heartbeat_timeout_s=0)
+  # Bad addresses are named before JAX sees them (it answered a traceback, a
+  # segmentation fault, or a wait without end: a new user's walkthrough).
+  for bad in ("localhost", "nope:abc", "localhost:99999", "localhost:0", ":1234", "h:-1",
+              "a b:12"):
+    with pytest.raises(ValueError, match=f"coordinator {bad!r}"):
+      distributed.initialize(bad, 2, 0)
+  for good in ("localhost:1", "10.0.0.2:8476", "[::1]:65535", "job-0.svc:1234"):
+    distributed.check_coordinator(good)
+  with pytest.raises(ValueError, match="num_processes 0: a run has at least 1 process"):
+    distributed.initialize("127.0.0.1:1234", 0, 0)
+
+
+def test_bad_process_settings_from_the_environment_are_named(monkeypatch):
+  from jaxagent import distributed
+
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
+  with pytest.raises(ValueError, match=f"\\${distributed.ENV_NUM_PROCESSES}='two': not a "
+                     "whole number"):
+    distributed.initialize("127.0.0.1:1234", None, 0)
 
 
 def _start_two(tmp_path, tag, *args, env=None):
