@@ -237,6 +237,15 @@ def _code(returncode: int) -> int:
 
 
 def run_local(args) -> int:
+  if args.config is None:
+    print("error: --config is required" + (
+        " with --resume too (the services are built from it: the run directory keeps the "
+        "learner's side of the config only)" if args.resume else ""), file=sys.stderr)
+    return 2
+  if not args.start_timeout_s > 0:  # (NaN included)
+    print(f"error: --start-timeout-s {args.start_timeout_s}: must be > 0 seconds",
+          file=sys.stderr)
+    return 2
   try:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
   except config_lib.ConfigError as e:
@@ -376,7 +385,8 @@ def main(argv=None) -> int:
   sub = p.add_subparsers(dest="where", required=True)
   local = sub.add_parser("local", help="every part as a process on this machine",
                          allow_abbrev=False)
-  local.add_argument("--config", required=True)
+  local.add_argument("--config", help="the run's config (also with --resume: the services "
+                     "are built from it; the run directory keeps the learner's side only)")
   local.add_argument("--learner-processes", type=int, default=1)
   local.add_argument("--servers", type=int, default=1)
   local.add_argument("--env-workers", type=int, default=1)

@@ -299,6 +299,13 @@ def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   assert "--resume: a run keeps its model (model.preset: nano -> tiny)" in \
       capsys.readouterr().err
   assert not (run / "launch").exists() and not (tmp_path / "empty").exists()
+  # (a new user's walkthrough: a timeout of 0 was taken; --resume alone, argparse's line)
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--start-timeout-s",
+                          "0"]) == 2
+  assert "--start-timeout-s 0.0: must be > 0 seconds" in capsys.readouterr().err
+  assert launch_lib.main(["local", "--run-dir", str(run), "--resume"]) == 2
+  assert "--config is required with --resume too (the services are built from it" in \
+      capsys.readouterr().err
 
 
 def test_a_runs_served_models_go_to_its_servers(tmp_path):
