@@ -96,6 +96,9 @@ def main(argv=None) -> int:
   except KeyError as e:  # a task of an environment nobody registered
     print(f"error: {args.tasks}: {e.args[0] if e.args else e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:  # (Ctrl-C: its checks cancelled, nothing written)
+    print("interrupted: nothing written", file=sys.stderr)
+    return 130
   finally:
     resources.close()
   for r in reports:

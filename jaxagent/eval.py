@@ -329,6 +329,9 @@ def main(argv=None) -> int:
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:  # (Ctrl-C: its episodes cancelled, no partial report)
+    print("interrupted: no report written", file=sys.stderr)
+    return 130
   if not rep["overall"].get("episodes"):  # nothing to report: no report overwritten
     print(f"error: all {rep['overall'].get('infra_errors', 0)} episodes failed in the "
           f"infrastructure{' (is --server ' + args.server + ' up?)' if args.server else ''}: "

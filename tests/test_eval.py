@@ -1,6 +1,7 @@
 """Evaluation: the pass@k estimator, the report, `python -m jaxagent.eval` on a trained
 run's policy, and evaluation every N steps during training."""
 
+import asyncio
 import json
 import math
 import os
@@ -276,3 +277,28 @@ def test_eval_cli_refuses_what_it_cannot_report_before_it_plays(tmp_path, capsys
     assert eval_lib.main(argv) == 2, argv
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err, (argv, err)
+
+
+def _interrupted(*args):
+  """What runs in place of the work: Ctrl-C (a real SIGINT to this process) in its midst."""
+  async def work():
+    import signal
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.sleep(30)
+  return work()
+
+
+def test_ctrl_c_ends_eval_and_filter_in_one_line(tmp_path, monkeypatch, capsys):
+  """Ctrl-C during `python -m jaxagent.eval` or `python -m envs.filter` printed a chained
+  CancelledError / KeyboardInterrupt traceback (a new user's walkthrough): one line, and
+  the shell's code for it (130)."""
+  from envs import filter as filter_lib
+
+  monkeypatch.setattr(eval_lib, "run", _interrupted)
+  policy = tmp_path / "policy"
+  policy.mkdir()
+  assert eval_lib.main(["--policy", str(policy), "--tasks", HELD_OUT]) == 130
+  assert capsys.readouterr().err == "interrupted: no report written\n"
+  monkeypatch.setattr(filter_lib, "filter_tasks", _interrupted)
+  assert filter_lib.main([HELD_OUT]) == 130
+  assert capsys.readouterr().err == "interrupted: nothing written\n"
