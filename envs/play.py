@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import signal
 import sys
 import time
 from typing import Callable, Iterable, Optional
@@ -210,8 +211,16 @@ def main(argv=None) -> int:
       print(f"envs.play: {said}", file=sys.stderr)
       resources.close()
       return 2
+  # Ctrl-C raises where the episode waits, in `input()` too (asyncio.run's own handler
+  # only cancels the episode's task, which the blocked read did not see: the first
+  # Ctrl-C was lost, the second a traceback). The episode's task is cancelled on the way
+  # out, and its environment closed.
+  previous = signal.signal(signal.SIGINT, _interrupt)
   try:
     asyncio.run(play_episode(env, task, next_action, emit))
+  except KeyboardInterrupt:
+    print("\ninterrupted: the episode was not verified", file=sys.stderr)
+    return 130
   except (CannotStart, WrongReturn) as e:  # (its message says where already)
     print(f"envs.play: {e}", file=sys.stderr)
     return 2
@@ -219,9 +228,14 @@ def main(argv=None) -> int:
     print(f"envs.play: {failure(e)}", file=sys.stderr)
     return 2
   finally:
+    signal.signal(signal.SIGINT, previous)
     if resources is not None:
       resources.close()
   return 0
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

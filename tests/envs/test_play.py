@@ -160,3 +160,48 @@ def test_a_task_that_cannot_start_is_one_line_in_play_and_a_drop_in_filter(tmp_p
       '{"id": "ok", "env": "guess_number", "params": {"secret": 3}, "version": "1"}']
   assert env_filter.main([str(tasks), "--out", str(tmp_path / "no" / "kept.jsonl")]) == 2
   assert "--out: cannot write in" in capsys.readouterr().err
+
+
+def test_ctrl_c_at_the_prompt_ends_the_episode_at_once(tmp_path):
+  """Typed at a terminal, the first Ctrl-C at `action>` was lost (the blocking read held
+  the event loop, whose handler only cancelled the episode) and the second printed
+  tracebacks (a new user's walkthrough): the first ends it, in one line, code 130."""
+  import os
+  import pty
+  import select
+  import time
+
+  tasks = tmp_path / "t.jsonl"
+  tasks.write_text(json.dumps({"id": "c", "env": "calculator",
+                               "params": {"expression": "2 + 3"}}) + "\n")
+  pid, fd = pty.fork()
+  if pid == 0:  # (the child: the terminal's session leader, as a shell's job is)
+    os.chdir(REPO)
+    os.execv(sys.executable, [sys.executable, "-m", "envs.play", "--task-file", str(tasks)])
+  seen, deadline, sent = b"", time.monotonic() + 60, False
+  try:
+    while time.monotonic() < deadline and b"interrupted" not in seen:
+      if not sent and b"action> " in seen:
+        os.write(fd, b"\x03")  # (the terminal makes it SIGINT to its foreground job)
+        sent = True
+      if select.select([fd], [], [], 0.5)[0]:
+        try:
+          chunk = os.read(fd, 4096)
+        except OSError:  # (EIO: the child closed the terminal)
+          break
+        if not chunk:
+          break
+        seen += chunk
+    for _ in range(100):
+      done, status = os.waitpid(pid, os.WNOHANG)
+      if done:
+        break
+      time.sleep(0.1)
+    else:  # (still waiting at its prompt: the Ctrl-C was lost)
+      os.kill(pid, 9)
+      _, status = os.waitpid(pid, 0)
+  finally:
+    os.close(fd)
+  text = seen.decode(errors="replace")
+  assert sent and os.waitstatus_to_exitcode(status) == 130, text
+  assert "interrupted: the episode was not verified" in text and "Traceback" not in text
