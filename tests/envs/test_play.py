@@ -178,12 +178,16 @@ def test_ctrl_c_at_the_prompt_ends_the_episode_at_once(tmp_path):
   if pid == 0:  # (the child: the terminal's session leader, as a shell's job is)
     os.chdir(REPO)
     os.execv(sys.executable, [sys.executable, "-m", "envs.play", "--task-file", str(tasks)])
-  seen, deadline, sent = b"", time.monotonic() + 60, False
+  seen, deadline, sent, prompted = b"", time.monotonic() + 60, 0, None
   try:
     while time.monotonic() < deadline and b"interrupted" not in seen:
-      if not sent and b"action> " in seen:
+      if prompted is None and b"action> " in seen:
+        prompted = time.monotonic()
+      # A second after the prompt (shown just before the read begins: a signal between
+      # the two waits for the next key), and once more ten seconds on, under load.
+      if prompted is not None and time.monotonic() - prompted > (1, 11, 1e9)[sent]:
         os.write(fd, b"\x03")  # (the terminal makes it SIGINT to its foreground job)
-        sent = True
+        sent += 1
       if select.select([fd], [], [], 0.5)[0]:
         try:
           chunk = os.read(fd, 4096)
