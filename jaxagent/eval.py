@@ -69,6 +69,7 @@ def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
       "invalid_tool_calls_mean": float(np.mean([e.invalid_tool_calls for e in episodes])),
       "tool_errors_mean": float(np.mean([getattr(e, "tool_errors", 0) for e in episodes])),
       "truncated": int(sum(e.status == "truncated" for e in episodes)),
+      "first_prompt_too_long": len(_unfit(episodes)),
       "infra_errors": infra,
   }
   scored = [[e for e in eps if not e.infra_error] for _, eps in episodes_by_task.values()]
@@ -81,10 +82,20 @@ def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
   return out
 
 
+def _unfit(episodes) -> list:
+  """The episodes whose first prompt did not fit the context (scored 0 unplayed)."""
+  from jaxagent.agent import FIRST_PROMPT_TOO_LONG
+
+  return [e for e in episodes if getattr(e, "reason", "") == FIRST_PROMPT_TOO_LONG]
+
+
 def report(episodes_by_task: dict, ks: Sequence[int]) -> dict:
-  """Overall figures and the same per environment."""
+  """Overall figures and the same per environment; `unfit`: why a first prompt did not
+  fit, where one did not (what to raise)."""
   envs = sorted({env for env, _ in episodes_by_task.values()})
+  unfit = _unfit([e for _, eps in episodes_by_task.values() for e in eps])
   return {"overall": summarize(episodes_by_task, ks),
+          **({"unfit": unfit[0].unfit} if unfit else {}),
           "by_env": {env: summarize({t: v for t, v in episodes_by_task.items() if v[0] == env},
                                     ks) for env in envs}}
 
@@ -149,6 +160,10 @@ def print_table(rep: dict, ks: Sequence[int], file=None) -> None:
   if rep["overall"].get("infra_errors"):
     say(f"({rep['overall']['infra_errors']} episodes failed in the infrastructure after "
           "retries: left out of every figure)")
+  if rep["overall"].get("first_prompt_too_long"):  # (scored 0 unplayed: a new user's
+    # walkthrough saw a success of 0 and no reason)
+    say(f"({rep['overall']['first_prompt_too_long']} episodes scored 0 without a turn: "
+        f"their first prompt did not fit. For example: {rep.get('unfit', '')})")
 
 
 def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:

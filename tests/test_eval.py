@@ -47,6 +47,22 @@ def test_report_per_environment_and_overall():
   assert overall["latency_s_p50"] == 1.0 and overall["tool_calls_mean"] == 1.0
 
 
+def test_first_prompts_that_did_not_fit_are_counted_and_said(capsys):
+  """Every first prompt over agent.max_context_tokens: the table said success 0 and no
+  reason (a new user's walkthrough). The report counts them and says what to raise."""
+  from jaxagent.agent import FIRST_PROMPT_TOO_LONG
+
+  cut = _episode("a", False, 0.0, turns=0)
+  cut.status, cut.reason = "truncated", FIRST_PROMPT_TOO_LONG
+  cut.unfit = "task 'a' (env1): its first prompt is 900 tokens ... raise agent.max_context_tokens"
+  rep = eval_lib.report({"a": ("env1", [cut]), "b": ("env1", [_episode("b", True, 1.0)])}, [1])
+  assert rep["overall"]["first_prompt_too_long"] == 1 and rep["unfit"] == cut.unfit
+  eval_lib.print_table(rep, [1])
+  assert ("1 episodes scored 0 without a turn: their first prompt did not fit. For example: "
+          "task 'a' (env1)") in capsys.readouterr().out
+  assert "unfit" not in eval_lib.report({"b": ("env1", [_episode("b", True, 1.0)])}, [1])
+
+
 def test_infrastructure_failures_are_left_out_of_the_figures():
   broken = _episode("a", False, 0.0)
   broken.infra_error = True
