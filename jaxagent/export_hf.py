@@ -18,9 +18,11 @@ message content as plain text, so ids differ where a message holds a control str
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from typing import Optional
 
 
@@ -84,21 +86,27 @@ def main(argv=None) -> int:
     print(f"error: --out: {args.out} is not empty (no checkpoint is written over)",
           file=sys.stderr)
     return 2
-  above = os.path.abspath(args.out)  # (checked before the model loads: red team 25)
-  while not os.path.exists(above):
-    above = os.path.dirname(above)
-  if not os.path.isdir(above) or not os.access(above, os.W_OK):
-    print(f"error: --out: cannot make the directory {args.out} ({above} is "
-          f"{'a file' if not os.path.isdir(above) else 'not writable'})", file=sys.stderr)
+  made = not os.path.exists(args.out)
+  try:  # (made before the model loads: red team 25; made, not judged by its modes: root
+    # may write anywhere by them, and /proc still refused it, unnamed: a walkthrough)
+    os.makedirs(args.out, exist_ok=True)
+    probe = tempfile.NamedTemporaryFile(dir=args.out)
+    probe.close()
+  except OSError as e:
+    print(f"error: --out: cannot write the directory {args.out} ({e.strerror})",
+          file=sys.stderr)
     return 2
   try:
     done = export(args.policy, args.out, args.dtype, args.config)
-  except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
+  except (config_lib.ConfigError, ValueError, FileNotFoundError, OSError) as e:
+    if made:  # (nothing exported: the directory this made goes, if nothing is in it)
+      with contextlib.suppress(OSError):
+        os.rmdir(args.out)
+    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+      print(f"error: writing {args.out}: {e}", file=sys.stderr)
+      return 1
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except OSError as e:
-    print(f"error: writing {args.out}: {e}", file=sys.stderr)
-    return 1
   print(f"policy v{done['policy_version']} ({done['architecture']}, "
         f"{done['parameters']:,} parameters, {done['dtype']}) -> {done['out']}: "
         + ", ".join(done["files"]))

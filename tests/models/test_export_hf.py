@@ -82,6 +82,14 @@ def test_a_trained_runs_policy_loads_in_transformers(tmp_path, monkeypatch, caps
   (tmp_path / "bare").mkdir()
   assert main(["--policy", str(tmp_path / "bare"), "--out", str(tmp_path / "x")]) == 2
   assert "no config.json in the run directory" in capsys.readouterr().err
+  assert not (tmp_path / "x").exists()  # (made for the export, removed when none came)
+  # A directory that cannot be made is named as --out's (/proc: root's modes allow it).
+  for bad, said in (("/proc/nope", "--out: cannot write the directory /proc/nope ("),
+                    (str(tmp_path / "bare" / "config.json" / "d"), "--out: cannot write")):
+    if bad.startswith(str(tmp_path)):
+      (tmp_path / "bare" / "config.json").write_text("{}")
+    assert main(["--policy", str(run / "policy"), "--out", bad]) == 2
+    assert said in capsys.readouterr().err
 
 
 def test_qwen2_biases_and_llama3_rope_export_in_bfloat16(tmp_path):
