@@ -122,6 +122,12 @@ def test_calculator_compares_whole_numbers_exactly():
   with pytest.raises(ValueError, match="within a float's range"):
     asyncio.run(make("calculator").reset(
         TaskSpec("c", "calculator", {"expression": "999999**64 * 999999**64"})))
+  # Past what Python prints (6,900 digits): named, not Python's advice to raise its limit
+  huge = "*".join(["999999**64"] * 18)
+  with pytest.raises(ValueError, match="the value has over 1200 digits: too large"):
+    safe_eval(huge)
+  with pytest.raises(ValueError, match="too large$"):
+    asyncio.run(make("calculator").reset(TaskSpec("c", "calculator", {"expression": huge})))
 
 
 def test_a_long_run_of_blanks_after_an_answer_is_read_at_once():
