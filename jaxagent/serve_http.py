@@ -226,6 +226,10 @@ def name_deep_bodies(app) -> None:
     unread = not_json(request, exc.errors())
     if unread is not None:
       return JSONResponse({"detail": unread}, status_code=422)
+    bad = [err for err in exc.errors() if err.get("type") == "json_invalid"]
+    if bad:  # (text that is not JSON: a bad request, as other unreadable bodies are)
+      said = (bad[0].get("ctx") or {}).get("error", bad[0].get("msg", ""))
+      return JSONResponse({"detail": f"body: not valid JSON ({said})"}, status_code=400)
     try:  # (a body just under the parser's limit read, but its 422 could not be written:
       # it echoes the input, a 500; reviewer)
       return await request_validation_exception_handler(request, exc)

@@ -544,8 +544,11 @@ class ShapedErrorsRoute(DepthBoundRoute):
         unread = not_json(request, e.errors())
         if unread is not None:
           message, where = unread, [("body", "")]
-        return JSONResponse(self.error(422, message, where[0][0] if where else None),
-                            status_code=422)
+        # Text that is not JSON is a bad request (400, as every other body that cannot be
+        # read is, and as OpenAI answers it), not a body against the schema (422).
+        status = 400 if any(err.get("type") == "json_invalid" for err in e.errors()) else 422
+        return JSONResponse(self.error(status, message, where[0][0] if where else None),
+                            status_code=status)
       except HTTPException as e:
         message, field = str(e.detail), None
         if isinstance(e.__cause__, RecursionError):  # (FastAPI said "error parsing the body")

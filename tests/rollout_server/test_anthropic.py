@@ -322,7 +322,7 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server):
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert needle in error["error"]["message"], (needle, error)
   r = c.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
-  assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request_error"
+  assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
   # The client raises its own typed errors with the message.
   with pytest.raises(anthropic.BadRequestError, match="stop_sequences"):
     claude(srv.url).messages.create(model="tiny", max_tokens=4, messages=user,
