@@ -191,8 +191,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     ckpt.close()
     close_envs()
     raise
-  for line in notes:
-    print(line, file=sys.stderr)
   state, requeue, consumed = restored.state, restored.requeue, restored.consumed
   t_start -= restored.wall_time_s  # the run's wall time goes on from the stopped run's
   saved_canary, saved_recent = restored.canary, restored.stop_window_recent
@@ -201,7 +199,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # the re-queued tasks.
   wal, replays = open_wal(cfg, run_dir, resume, consumed, int(state.policy_version))
   replayed_from: dict[str, set] = {}  # a group's id: the keys of the logs it replayed
-  write_run_config(cfg, tokenizer, run_dir, resume, int(state.step))
   policy_root = os.path.join(run_dir, "policy")
   export_dtype = cfg.checkpoint.export_dtype  # (None: the parameters' own)
   version = int(state.policy_version)
@@ -252,6 +249,11 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         raise config_lib.ConfigError(f"--canary: step {int(state.step)} does not replay as "
                                      f"saved: {problem}; not going on")
       print(f"canary: {len(saved_canary)} episodes replayed as saved")
+  # The resume's changes are said and recorded once it goes on: its restore and its
+  # canary both passed (a refused one said them, and wrote them to config.json, first).
+  for line in notes:
+    print(line, file=sys.stderr)
+  write_run_config(cfg, tokenizer, run_dir, resume, int(state.step))
 
   async def evaluate_policy() -> dict:
     """The held-out tasks (`eval.*`) played with the current weights: eval_* figures."""
