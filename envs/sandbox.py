@@ -290,7 +290,11 @@ _FALLOC_FL_KEEP_SIZE = 1
 
 @functools.cache
 def _libc_fallocate():
-  fn = ctypes.CDLL(None, use_errno=True).fallocate
+  """libc's fallocate(2), or None where the C library has none."""
+  try:
+    fn = ctypes.CDLL(None, use_errno=True).fallocate
+  except (AttributeError, OSError):
+    return None
   fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
   fn.restype = ctypes.c_int
   return fn
@@ -305,7 +309,10 @@ def reserve(fd: int, size: int) -> bool:
   read as the harness's death (an infrastructure error, re-rolled: red team). False
   where the filesystem does not preallocate; OSError (ENOSPC) where the disk is full
   already, before the command (the host's failure)."""
-  if _libc_fallocate()(fd, _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+  fallocate = _libc_fallocate()
+  if fallocate is None:
+    return False
+  if fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
     return True
   err = ctypes.get_errno()
   if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):

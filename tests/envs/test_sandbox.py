@@ -787,3 +787,20 @@ def test_the_environments_own_code_is_out_of_view_where_system_dirs_hold_it(sand
     for name in ("secretpkg.tasks", "secretpkg", "lone_env"):
       sys.modules.pop(name, None)
     shutil.rmtree(system, ignore_errors=True)
+
+
+def test_reserve_takes_the_disk_and_keeps_the_length():
+  """A command's stdout log takes its bytes before the command starts (what is written
+  within them never meets a full disk), and its length stays 0 (what is read is what
+  was written)."""
+  from envs.sandbox import reserve
+
+  with tempfile.TemporaryFile(dir=scratch_dir()) as f:
+    if not reserve(f.fileno(), 1 << 16):
+      pytest.skip("this filesystem does not preallocate")
+    st = os.fstat(f.fileno())
+    assert st.st_size == 0 and st.st_blocks * 512 >= 1 << 16
+    f.write(b"report\n")
+    f.flush()
+    f.seek(0)
+    assert f.read() == b"report\n"
