@@ -91,6 +91,7 @@ class _Session:
   # Whose calls' clocks are one's (`waits.measured`), from its reset on: a task its
   # environment started in one call holds the loop on the session's account in another.
   owner: object = dataclasses.field(default_factory=object)
+  n_calls: int = 0  # calls started since its reset: the last one's number
 
 
 # A call answers within this many deadlines, waits and all (a client's timeout must be
@@ -211,7 +212,10 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     s = sessions.get(sid) if sid is not None else None
     with waits.measured(owner=s.owner if s is not None else owner) as clock:
       task = asyncio.ensure_future(capped())
+      number = None
       if s is not None:
+        s.n_calls += 1
+        number = s.n_calls
         s.call, s.clock = task, clock
         s.calls.add(task)
         task.add_done_callback(s.calls.discard)
@@ -260,7 +264,9 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
           s.last_used = time.time()
     n_calls.labels(kind, "ok").inc()
     latency.labels(kind).observe(time.perf_counter() - t0)
-    return out, waits_of(clock)  # (the agent charges them elsewhere)
+    # (the agent charges them elsewhere; the call's number tells it which calls' waits
+    # it has counted: `RemoteEnv.in_flight_waits`)
+    return out, {**waits_of(clock), **({"call": number} if number is not None else {})}
 
   @app.get("/health")
   async def health():
@@ -359,7 +365,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     (an agent whose deadline passed during a call asks how much of it was waiting)."""
     s = get(sid)
     return {"session_id": sid, **waits_of(s.clock),
-            "running": s.call is not None and not s.call.done()}
+            "running": s.call is not None and not s.call.done(), "call": s.n_calls}
 
   @app.delete("/sessions/{sid}")
   async def delete(sid: str):
@@ -414,6 +420,7 @@ class RemoteEnv:
     self.session_id: Optional[str] = None
     self.done = False
     self.infra_wait_s = 0.0  # what the worker reported its calls waited on its load
+    self._answered = 0  # the session's last call whose answer was counted (its number)
     self.infra_held_s = 0.0  # of it, other sessions' holds of the worker's event loop
     # The session's tool counters (`Env.counters`), from its steps' info where the
     # environment reports them there (`Env._info`).
@@ -445,6 +452,9 @@ class RemoteEnv:
     if isinstance(out, dict):
       self.infra_wait_s += float(out.get("infra_wait_s", 0.0))
       self.infra_held_s += float(out.get("infra_held_s", 0.0))
+      number = out.pop("call", None)
+      if type(number) is int:  # (a call of this session's whose waits are counted now)
+        self._answered = max(self._answered, number)
       wall = out.pop("call_wall_s", None)
       if isinstance(wall, (int, float)) and math.isfinite(wall) and wall > 0:
         self._call_walls[self.url] = float(wall)
@@ -459,9 +469,14 @@ class RemoteEnv:
     try:
       r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits", timeout=5)
       out = r.json() if r.status_code == 200 else {}
-      # (a call that ended has reported its waits in its answer already)
+      # A call that ended reported its waits in its answer, unless that answer has not
+      # been counted here: cut client-side as the call ended (its answer discarded), or
+      # still on its way. Its waits were lost, and an episode's 3 s wait was read as its
+      # own time (a deadline judged in that moment; CI, under load).
       if not out.get("running"):
-        return 0.0, 0.0
+        ended = out.get("call")
+        if type(ended) is not int or ended <= self._answered:
+          return 0.0, 0.0
       return float(out["infra_wait_s"]), float(out.get("infra_held_s", 0.0))
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
       return 0.0, 0.0
@@ -479,6 +494,7 @@ class RemoteEnv:
         raise CannotStart(str(e)) from None
       raise
     self.session_id = out["session_id"]
+    self._answered = 0  # (a new session's calls are numbered from 1)
     self.done = False
     self.counters = dict.fromkeys(self.counters, 0)
     return Observation(**out["observation"])

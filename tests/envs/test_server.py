@@ -854,6 +854,46 @@ def test_a_workers_waits_are_the_infrastructures_time_at_an_episode_deadline():
   assert ep.infra_wait_s > 2.5 and ep.env_s < 1.0
 
 
+def test_the_waits_of_a_call_whose_answer_was_not_counted_are_reported():
+  """An episode's deadline judged in the moment between the worker's call ending and its
+  answer being counted (the answer then discarded with the cut call) asked the worker,
+  which said the call was not running: its 3 s wait was lost and read as the policy's
+  time (CI, under load). The worker numbers a session's calls; a call that ended whose
+  answer the client has not counted still has its waits reported."""
+  app = create_app(EnvResources(sandboxes=1), deadline_s=10.0)
+
+  async def episode(url):
+    env = RemoteEnv(url)
+    try:
+      await env.reset(TaskSpec("w", "waiting_test_env"))
+      request = env._client.request
+
+      async def slow_answer(*args, **kw):  # (the answer arrives, then is held here)
+        r = await request(*args, **kw)
+        if "/step" in args[1]:
+          await asyncio.sleep(1.0)
+        return r
+
+      env._client.request = slow_answer
+      call = asyncio.ensure_future(env.step("0.4"))
+      await asyncio.sleep(0.8)  # (the worker's call ended; its answer not yet counted)
+      in_flight = (await env.in_flight_waits())[0]
+      call.cancel()  # (as an episode's deadline cuts it: that answer is never counted)
+      with pytest.raises(asyncio.CancelledError):
+        await call
+      env._client.request = request
+      await env.step("0.1")  # (answered and counted: not reported again)
+      after = (await env.in_flight_waits())[0]
+      return in_flight, after, env.infra_wait_s
+    finally:
+      await env.aclose()
+
+  with ServerThread(app) as srv:
+    in_flight, after, counted = asyncio.run(episode(srv.url))
+  assert 0.35 < in_flight < 0.8 and after == 0.0 and 0.05 < counted < 0.4, \
+      (in_flight, after, counted)
+
+
 @needs_isolation
 def test_a_slow_judge_is_the_infrastructures_wait_not_the_worker_calls_deadline():
   """A hard-coded table that passes the tests and that the judge FAILs, made slow in the
