@@ -18,6 +18,7 @@ import math
 import operator
 import random
 import re
+from fractions import Fraction
 
 from envs import pyparse
 from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
@@ -66,7 +67,12 @@ def final_answer(text: str) -> int | float | None:
   if not math.isfinite(value):
     return None
   whole, _, fraction = found[-1].partition(".")
-  return int(whole) if not fraction.strip("0") else value
+  if fraction.strip("0"):
+    return value
+  # (leading zeros dropped: 4,300 of them before a 1 made int() raise out of the step,
+  # and the run stop, as an environment's bug: red team)
+  digits = whole.lstrip("-").lstrip("0") or "0"
+  return -int(digits) if whole.startswith("-") else int(digits)
 
 
 MAX_INT_BITS = 4000  # (1,204 digits: far past any answer, well within what prints)
@@ -80,7 +86,7 @@ def _within_float(value: int | float) -> bool:
     return False
 
 
-def safe_eval(expression: str) -> float | int:
+def safe_eval(expression: str, *, exact: bool = False) -> float | int | Fraction:
   """Evaluates arithmetic without `eval`; rejects names, calls and huge powers."""
   if len(expression) > 200:
     raise ValueError("expression is longer than 200 characters")
@@ -98,7 +104,16 @@ def safe_eval(expression: str) -> float | int:
       a, b = ev(node.left), ev(node.right)
       if isinstance(node.op, ast.Pow) and (abs(b) > 64 or abs(a) > 10**6):
         raise ValueError("power too large")
-      value = _OPS[type(node.op)](a, b)
+      if exact and isinstance(node.op, ast.Div) and isinstance(a, (int, Fraction)) \
+          and isinstance(b, (int, Fraction)) and b != 0:
+        value = Fraction(a) / b  # (exactly: a float rounds past 2**53)
+      else:
+        value = _OPS[type(node.op)](a, b)
+      if isinstance(value, Fraction) and value.denominator == 1:
+        value = int(value)
+      if isinstance(value, Fraction) and max(abs(value.numerator),
+                                             value.denominator).bit_length() > MAX_INT_BITS:
+        raise ValueError(f"the value has over {MAX_INT_BITS * 3 // 10} digits: too large")
       if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
         # (products of allowed powers reached 6,900 digits: Python would not print them,
         # and said to raise its limit, a server's setting: a walkthrough)
@@ -113,7 +128,13 @@ def safe_eval(expression: str) -> float | int:
   return ev(tree)
 
 
+def _plain(x):
+  """`x` as JSON carries it (an exact quotient as its float)."""
+  return float(x) if isinstance(x, Fraction) else x
+
+
 def _fmt(x) -> str:
+  x = _plain(x)
   if isinstance(x, float) and x.is_integer():
     x = int(x)
   return str(x)
@@ -139,13 +160,13 @@ class Calculator(Env):
     self.task = task
     self.expression = str(p["expression"])
     try:
-      self.answer = safe_eval(self.expression)
+      self.answer = safe_eval(self.expression, exact=True)
     except ArithmeticError as e:  # (1/0, a float power past range: the task's fault)
       raise ValueError(f"task {task.id}: {self.expression}: {type(e).__name__}: {e}") \
           from None
     if isinstance(self.answer, complex) or not _within_float(self.answer):
       raise ValueError(f"task {task.id}: {self.expression} has no finite real value "
-                       f"within a float's range ({str(self.answer)[:40]}): no answer can "
+                       f"within a float's range ({_fmt(self.answer)[:40]}): no answer can "
                        "match it")
     self.max_turns = task_int(p, "max_turns", 4, task.id)
     self.turns, self.done, self.final = 0, False, None
@@ -177,15 +198,17 @@ class Calculator(Env):
   def _correct(self) -> bool:
     if self.final is None:
       return False
-    if isinstance(self.answer, int) and isinstance(self.final, int):
-      return self.final == self.answer  # (exactly: floats past 2**53 round)
-    return abs(float(self.final) - float(self.answer)) < 1e-6
+    if isinstance(self.answer, int):  # (exactly: floats past 2**53 round; a reply with
+      # a fraction is not a whole number, however close: red team)
+      return isinstance(self.final, int) and self.final == self.answer
+    # (a quotient, exact: its float rounds past 2**53; a float answer's own error stays)
+    return abs(Fraction(self.final) - Fraction(self.answer)) < Fraction(1, 10**6)
 
   async def verify(self) -> Verdict:
     ok = self._correct()
     return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, 1.0 if ok else 0.0,
                    f"{self.name}@{self.version}", f"{self.name}@{self.verifier_version}",
-                   {"answer": self.answer, "final": self.final})
+                   {"answer": _plain(self.answer), "final": self.final})
 
   def reference_action(self) -> str:
     return f"ANSWER: {_fmt(self.answer)}"

@@ -119,6 +119,25 @@ def test_calculator_compares_whole_numbers_exactly():
   _, _, verdict = play(make("calculator"), TaskSpec("c", "calculator", {"expression": "7 / 2"}),
                        ["ANSWER: 3.5"])
   assert verdict.status == VerdictStatus.PASS
+  # (red team) a reply with a fraction for a whole answer; a quotient whose float rounds
+  # (its exact value a whole number); a third to 7 places; zeros before a number
+  for expression, said, want in (
+      ("123456789 * 987654321 * 3", "365797893337905810.5", "fail"),
+      ("2 ** 60 + 1", "1152921504606846957.1", "fail"),
+      ("123456789 * 987654321 / 3", "40644210370878426", "fail"),
+      ("123456789 * 987654321 / 3", "40644210370878423", "pass"),
+      ("10 / 3", "3.3333333", "pass"), ("10 / 3", "3.33333", "fail"),
+      ("84 / 2", "42.0", "pass"), ("2 + 3", "0" * 5000 + "5", "pass"),
+      ("2 + 3", "-" + "0" * 5000 + "5", "fail")):
+    task = TaskSpec("c", "calculator", {"expression": expression})
+    _, _, verdict = play(make("calculator"), task, [f"ANSWER: {said}"])
+    assert verdict.status.value == want, (expression, said[:30], verdict.details)
+    json.dumps(verdict.to_dict())  # (an exact quotient's answer is carried as its float)
+  env = make("calculator")
+  asyncio.run(env.reset(TaskSpec("c", "calculator", {"expression": "10 / 3"})))
+  _, _, verdict = play(make("calculator"), TaskSpec("c", "calculator", {"expression": "10 / 3"}),
+                       [env.reference_action()])
+  assert verdict.status == VerdictStatus.PASS and safe_eval("10 / 3") == 10 / 3
   with pytest.raises(ValueError, match="within a float's range"):
     asyncio.run(make("calculator").reset(
         TaskSpec("c", "calculator", {"expression": "999999**64 * 999999**64"})))
