@@ -111,10 +111,8 @@ def safe_eval(expression: str, *, exact: bool = False) -> float | int | Fraction
         value = _OPS[type(node.op)](a, b)
       if isinstance(value, Fraction) and value.denominator == 1:
         value = int(value)
-      if isinstance(value, Fraction) and max(abs(value.numerator),
-                                             value.denominator).bit_length() > MAX_INT_BITS:
-        raise ValueError(f"the value has over {MAX_INT_BITS * 3 // 10} digits: too large")
-      if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+      if isinstance(value, (int, Fraction)) and max(  # (an int: itself over 1)
+          abs(value.numerator), value.denominator).bit_length() > MAX_INT_BITS:
         # (products of allowed powers reached 6,900 digits: Python would not print them,
         # and said to raise its limit, a server's setting: a walkthrough)
         raise ValueError(f"the value has over {MAX_INT_BITS * 3 // 10} digits: too large")

@@ -154,6 +154,17 @@ def unreadable_body(exc: HTTPException) -> Optional[str]:
   return f"body: cannot be read as JSON: {said}"
 
 
+def invalid_json(errors: list) -> Optional[str]:
+  """What to say of a body that is not JSON at all, given FastAPI's validation `errors`
+  (it said "1: JSON decode error"): a bad request (400), as other unreadable bodies are,
+  not a body against the schema (422). None where the body read as JSON."""
+  for err in errors:
+    if err.get("type") == "json_invalid":
+      said = (err.get("ctx") or {}).get("error", err.get("msg", ""))
+      return f"body: not valid JSON ({said})"
+  return None
+
+
 def not_json(request, errors: list) -> Optional[str]:
   """What to say of a body FastAPI did not read as JSON, given its validation `errors`
   (one on the whole body): its content type is another (`curl -d`'s form encoding), or
@@ -226,10 +237,9 @@ def name_deep_bodies(app) -> None:
     unread = not_json(request, exc.errors())
     if unread is not None:
       return JSONResponse({"detail": unread}, status_code=422)
-    bad = [err for err in exc.errors() if err.get("type") == "json_invalid"]
-    if bad:  # (text that is not JSON: a bad request, as other unreadable bodies are)
-      said = (bad[0].get("ctx") or {}).get("error", bad[0].get("msg", ""))
-      return JSONResponse({"detail": f"body: not valid JSON ({said})"}, status_code=400)
+    bad = invalid_json(exc.errors())
+    if bad is not None:
+      return JSONResponse({"detail": bad}, status_code=400)
     try:  # (a body just under the parser's limit read, but its 422 could not be written:
       # it echoes the input, a 500; reviewer)
       return await request_validation_exception_handler(request, exc)

@@ -21,7 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, Field
 
-from jaxagent.serve_http import NESTED_TOO_DEEP, DepthBoundRoute, not_json, unreadable_body
+from jaxagent.serve_http import (NESTED_TOO_DEEP, DepthBoundRoute, invalid_json, not_json,
+                                 unreadable_body)
 from jaxagent.tokenizer import valid_unicode
 from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls
 
@@ -536,19 +537,17 @@ class ShapedErrorsRoute(DepthBoundRoute):
         finite_json(await request.body())
         return await handler(request)
       except RequestValidationError as e:
+        bad = invalid_json(e.errors())  # (a 400, as OpenAI answers it)
+        if bad is not None:
+          return JSONResponse(self.error(400, bad, "body"), status_code=400)
         where = [(".".join(map(str, err["loc"][1:])) or "body", err["msg"])
-                 if err.get("type") != "json_invalid" else  # (it said "1: JSON decode error")
-                 ("body", f"not valid JSON ({(err.get('ctx') or {}).get('error', err['msg'])})")
                  for err in e.errors()]
         message = "; ".join(f"{field}: {msg}" for field, msg in where)
         unread = not_json(request, e.errors())
         if unread is not None:
           message, where = unread, [("body", "")]
-        # Text that is not JSON is a bad request (400, as every other body that cannot be
-        # read is, and as OpenAI answers it), not a body against the schema (422).
-        status = 400 if any(err.get("type") == "json_invalid" for err in e.errors()) else 422
-        return JSONResponse(self.error(status, message, where[0][0] if where else None),
-                            status_code=status)
+        return JSONResponse(self.error(422, message, where[0][0] if where else None),
+                            status_code=422)
       except HTTPException as e:
         message, field = str(e.detail), None
         if isinstance(e.__cause__, RecursionError):  # (FastAPI said "error parsing the body")
