@@ -201,7 +201,15 @@ SECCOMP_DENIED = (
     "move_mount", "name_to_handle_at", "open_by_handle_at", "open_tree", "perf_event_open",
     "pivot_root", "process_vm_readv", "process_vm_writev", "ptrace", "quotactl",
     "quotactl_fd", "reboot", "request_key", "setns", "settimeofday", "swapoff", "swapon",
-    "syslog", "umount2", "unshare", "uselib", "userfaultfd", "vhangup")
+    "syslog", "umount2", "unshare", "uselib", "userfaultfd", "vhangup",
+    # Memory that no process's address space holds, so that RLIMIT_AS does not bound it
+    # where no memory cgroup does (a worker that is not root): a memfd written and never
+    # mapped, a SysV shared memory segment or message queue that outlives its attachments.
+    # A red team's solution held 2 GiB so with 9 MB resident; having lowered its
+    # oom_score_adj, it brought the host's OOM killer onto the worker (an infrastructure
+    # error: its wrong answer re-rolled). POSIX shared memory (/dev/shm: a tmpfs of
+    # `Limits.tmp_bytes`) and semaphores, which multiprocessing uses, stay.
+    "memfd_create", "memfd_secret", "msgget", "shmat", "shmget")
 
 
 # clone() asking for a new namespace of any kind fails too; clone3 (whose flags sit in

@@ -22,7 +22,8 @@ scrubbed environment, and the strongest isolation the host has:
 In both namespace modes a seccomp filter (compiled by libseccomp, through
 `pyseccomp`) makes the syscalls tool code never needs fail with EPERM
 (`SECCOMP_DENIED`: ptrace, io_uring, bpf, keyctl, perf_event_open, mount, module
-loading, ...; clone() into new namespaces; prlimit on another process); bubblewrap
+loading, memfds and SysV shared memory, ...; clone() into new namespaces; prlimit on
+another process); bubblewrap
 installs it itself, the mountns mode with a few lines of ctypes before it drops
 privileges.
 

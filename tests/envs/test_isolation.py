@@ -319,7 +319,7 @@ def test_a_command_cannot_stall_its_own_kill_past_the_wall_limit():
 
 
 SECCOMP_PROBE = r'''
-import ctypes, errno, multiprocessing, subprocess, threading
+import ctypes, errno, multiprocessing, os, subprocess, threading
 libc = ctypes.CDLL(None, use_errno=True)
 def call(nr, *args):
   r = libc.syscall(nr, *args)
@@ -331,6 +331,21 @@ print(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.s
 t = threading.Thread(target=print, args=("thread",)); t.start(); t.join()
 with multiprocessing.Pool(2) as pool:
   print(sum(pool.map(abs, [-1, -2])))
+# memory outside every address space: a memfd, SysV shm (at, get), a message queue
+# (shmget and msgget with IPC_PRIVATE, IPC_CREAT | 0600: an id without the filter)
+try:
+  os.memfd_create("m")
+  memfd = "made"
+except OSError as e:
+  memfd = errno.errorcode[e.errno]
+print(memfd, call(29, 0, 1 << 20, 0o1600), call(30, 0, 0, 0), call(68, 0, 0o1600))
+# what stays: POSIX shared memory (in /dev/shm) and a ctypes callback (libffi's closures)
+from multiprocessing import shared_memory
+shm = shared_memory.SharedMemory(create=True, size=4096)
+shm.buf[0] = 7
+other = shared_memory.SharedMemory(shm.name)
+print(other.buf[0], ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 5)())
+other.close(); shm.close(); shm.unlink()
 '''
 
 
@@ -338,14 +353,18 @@ with multiprocessing.Pool(2) as pool:
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 numbers")
 def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
   """ptrace, io_uring, bpf, keyctl and perf_event_open (the kernel surface that tool code
-  never needs and exploits often do) fail with EPERM; processes, threads and pools run."""
+  never needs and exploits often do) fail with EPERM, and so do memfds, SysV shared memory
+  and message queues (memory that RLIMIT_AS does not bound: a red team held 2 GiB with
+  9 MB resident); processes, threads, pools, POSIX shared memory and ctypes callbacks
+  run."""
   from envs.isolation import seccomp_program
 
   if seccomp_program() is None:
     pytest.skip("no libseccomp on this host")
   r = run(sandbox, SECCOMP_PROBE, timeout=10)
   assert r.ok, r.stderr
-  assert r.stdout.split("\n")[:4] == ["EPERM EPERM EPERM EPERM EPERM", "child", "thread", "3"]
+  assert r.stdout.split("\n")[:6] == ["EPERM EPERM EPERM EPERM EPERM", "child", "thread", "3",
+                                      "EPERM EPERM EPERM EPERM", "7 5"], r.stdout
   assert sandbox.describe()["seccomp"]
 
 
