@@ -379,6 +379,11 @@ class EnvResources:
   # command's failure) where this says the host's memory is the pool's and its limits
   # fit it (`envs.sandbox.SandboxPool`): an env worker's --host-oom-is-infra.
   host_oom_is_infra: bool = False
+  # Cgroups delegated to this process (v1 memory or cpu hierarchy directories, or v2
+  # directories with the controllers in their subtree): each sandbox's processes are held
+  # to their limits together below them, even where this process is not root
+  # (`envs.sandbox.SandboxPool`'s `cgroup_parents`; an env worker's --cgroup).
+  cgroups: tuple = ()
   sandbox_root: Optional[str] = None  # where workspaces go (default: a new temporary folder)
   # An `envs.judge.LLMJudge` that environments with tests show their passes to (ROLL's
   # false-positive check); None: tests alone decide.
@@ -391,7 +396,8 @@ class EnvResources:
 
       self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits(),
                                allow_unisolated=self.allow_unisolated, root=self.sandbox_root,
-                               host_oom_is_infra=self.host_oom_is_infra)
+                               host_oom_is_infra=self.host_oom_is_infra,
+                               cgroup_parents=tuple(self.cgroups))
     return self._pool
 
   def close(self) -> None:

@@ -140,8 +140,10 @@ class Limits:
   max_inodes: int = 16384
   write_bytes: int = 1 << 20  # largest file the host writes for a tool call
   # Memory of all a sandbox's processes together (its tmpfs pages included): a memory
-  # cgroup, where the host allows one (root, a writable memory controller). Without it
-  # only `memory_bytes` per process holds, `processes` times over.
+  # cgroup, where the host allows one (root, a writable memory controller; not root, a
+  # cgroup delegated to the worker: `SandboxPool`'s `cgroup_parents`). Without it only
+  # `memory_bytes` per process holds, `processes` times over, and the kernel's buffers
+  # of their pipes and sockets are not bounded (docs/environments.md).
   group_memory_bytes: int = 1 << 30
   # CPU time all a sandbox's processes get together, in CPUs (a CPU cgroup's quota, where
   # the host allows one; 0: unbounded): 64 busy processes of one sandbox must not starve
@@ -427,21 +429,27 @@ _CGROUP_ROOT = "/sys/fs/cgroup"
 _CPU_PERIOD_US = 100_000
 
 
-def _cgroup(uid: int, controller: str, v1_knobs: dict, v2_knobs: dict) -> Optional[str]:
-  """A cgroup of `controller` for the sandbox uid's processes with `knobs` written (cgroup
-  v1's hierarchy of that controller, or v2's with it enabled below the root); None where
-  the host cannot make one (not root, no writable controller)."""
-  if os.geteuid() != 0:
-    return None
-  candidates = []
-  if os.path.isdir(os.path.join(_CGROUP_ROOT, controller)):
-    candidates.append((os.path.join(_CGROUP_ROOT, controller, f"jaxagent-{uid}"), v1_knobs))
-  try:
-    with open(os.path.join(_CGROUP_ROOT, "cgroup.subtree_control")) as f:
-      if controller in f.read().split():
-        candidates.append((os.path.join(_CGROUP_ROOT, f"jaxagent-{uid}"), v2_knobs))
-  except OSError:
-    pass
+def _cgroup(name: str, controller: str, v1_knobs: dict, v2_knobs: dict,
+            parents: Sequence[str] = ()) -> Optional[str]:
+  """A cgroup `name` of `controller` for a sandbox's processes with `knobs` written, or
+  None where the host cannot make one. Under a cgroup delegated to this worker (`parents`,
+  the operator's: a v1 hierarchy of the controller, or v2 with it in the subtree) even
+  when it is not root; else, as root, below the hierarchy's root (v1's of that
+  controller, or v2's with it enabled). A delegated one that fails raises OSError: its
+  bound was asked for."""
+  delegated = [(os.path.join(parent, name), knobs) for parent in parents
+               for knobs in (_delegates(parent, controller, v1_knobs, v2_knobs),) if knobs]
+  candidates = list(delegated)
+  if not parents and os.geteuid() == 0:
+    if os.path.isdir(os.path.join(_CGROUP_ROOT, controller)):
+      candidates.append((os.path.join(_CGROUP_ROOT, controller, name), v1_knobs))
+    try:
+      with open(os.path.join(_CGROUP_ROOT, "cgroup.subtree_control")) as f:
+        if controller in f.read().split():
+          candidates.append((os.path.join(_CGROUP_ROOT, name), v2_knobs))
+    except OSError:
+      pass
+  failed = None
   for path, knobs in candidates:
     existed = os.path.isdir(path)  # (v2: the memory cgroup's, which must stay)
     try:
@@ -450,16 +458,61 @@ def _cgroup(uid: int, controller: str, v1_knobs: dict, v2_knobs: dict) -> Option
         with open(os.path.join(path, knob), "w") as f:
           f.write(str(value))
       return path
-    except OSError:
+    except OSError as e:
+      failed = failed or OSError(e.errno, f"cannot make the sandbox's {controller} cgroup "
+                                          f"{path}: {e.strerror}")
       if not existed:
         with contextlib.suppress(OSError):
           os.rmdir(path)
+  if delegated and failed is not None:
+    raise failed
   return None
 
 
-def memory_cgroup(uid: int, limit: int) -> Optional[str]:
-  """Holds the sandbox uid's processes to `limit` bytes together (None: cannot)."""
-  return _cgroup(uid, "memory", {"memory.limit_in_bytes": limit}, {"memory.max": limit})
+def _delegates(parent: str, controller: str, v1_knobs: dict, v2_knobs: dict) -> dict:
+  """The knobs to write below `parent` for `controller` (v1's where `parent` is in that
+  controller's hierarchy, v2's where the controller is enabled in its subtree); {}:
+  neither."""
+  if os.path.exists(os.path.join(parent, next(iter(v1_knobs)))):
+    return v1_knobs
+  try:
+    with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+      return v2_knobs if controller in f.read().split() else {}
+  except OSError:
+    return {}
+
+
+def check_delegated_cgroups(parents: Sequence[str]) -> list[str]:
+  """The controllers (memory, cpu) the cgroups at `parents` give sandboxes; raises
+  ValueError naming what is wrong: not a cgroup this worker may write, or neither
+  controller. A probe cgroup is made and removed below each."""
+  found = []
+  for parent in parents:
+    if not os.path.isdir(parent):
+      raise ValueError(f"cgroup {parent}: not a directory (a cgroup delegated to this "
+                       "worker, as /sys/fs/cgroup/memory/<dir> or a v2 <dir> with memory "
+                       "in its cgroup.subtree_control)")
+    controllers = [c for c in ("memory", "cpu") if _delegates(parent, c, *_knobs(c, 1))]
+    if not controllers:
+      raise ValueError(f"cgroup {parent}: neither the memory nor the cpu controller is "
+                       "there (v1: the controller's hierarchy; v2: enabled in its "
+                       "cgroup.subtree_control)")
+    probe = os.path.join(parent, f"jaxagent-probe-{os.getpid()}")
+    try:
+      os.mkdir(probe)
+      os.rmdir(probe)
+    except OSError as e:
+      raise ValueError(f"cgroup {parent}: this worker (uid {os.geteuid()}) cannot make "
+                       f"cgroups in it: {e.strerror} (delegate it: chown it, and on v2 its "
+                       "cgroup.procs and cgroup.subtree_control, to the worker's user)") \
+          from None
+    found += controllers
+  return sorted(set(found))
+
+
+def memory_cgroup(name: str, limit: int, parents: Sequence[str] = ()) -> Optional[str]:
+  """Holds a sandbox's processes to `limit` bytes together (None: cannot)."""
+  return _cgroup(name, "memory", *_knobs("memory", limit), parents=parents)
 
 
 def cgroup_counter(path: str, key: Optional[str]) -> int:
@@ -524,14 +577,21 @@ def available_memory_bytes() -> int:
   return max(0, min(free)) if free else 0
 
 
-def cpu_cgroup(uid: int, cpus: float) -> Optional[str]:
-  """Holds the sandbox uid's processes to `cpus` CPUs' time together (None: cannot, or
-  `cpus` 0)."""
+def cpu_cgroup(name: str, cpus: float, parents: Sequence[str] = ()) -> Optional[str]:
+  """Holds a sandbox's processes to `cpus` CPUs' time together (None: cannot, or `cpus`
+  0)."""
   if cpus <= 0:
     return None
-  quota = _quota_us(cpus)
-  return _cgroup(uid, "cpu", {"cpu.cfs_period_us": _CPU_PERIOD_US, "cpu.cfs_quota_us": quota},
-                 {"cpu.max": f"{quota} {_CPU_PERIOD_US}"})
+  return _cgroup(name, "cpu", *_knobs("cpu", cpus), parents=parents)
+
+
+def _knobs(controller: str, value) -> tuple[dict, dict]:
+  """(v1's, v2's) files and values that set `controller`'s bound to `value`."""
+  if controller == "memory":
+    return {"memory.limit_in_bytes": value}, {"memory.max": value}
+  quota = _quota_us(value)
+  return ({"cpu.cfs_period_us": _CPU_PERIOD_US, "cpu.cfs_quota_us": quota},
+          {"cpu.max": f"{quota} {_CPU_PERIOD_US}"})
 
 
 def _quota_us(cpus: float) -> int:

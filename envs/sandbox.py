@@ -70,7 +70,8 @@ from typing import Callable, Optional, Sequence
 from envs import waits
 from envs.isolation import (ISOLATIONS, SETPRIV, SETUP_DONE, IsolationUnavailable, Limits,
                             UidLease, available_memory_bytes,
-                            cgroup_counter, confine, cpu_cgroup, detect_isolation, join_cgroups,
+                            cgroup_counter, check_delegated_cgroups, confine, cpu_cgroup,
+                            detect_isolation, join_cgroups,
                             memory_cgroup, nproc_inside, oom_attribution, processes_of,
                             scrubbed_env, seccomp_program, seccomp_program_fd, set_cpu_quota,
                             system_python, wrap)
@@ -460,7 +461,8 @@ class Sandbox:
                limits: Limits = Limits(), isolation: Optional[str] = None,
                slots=None, slot_timeout_s: float = 60.0,
                progress: Optional[Callable[[], float]] = None,
-               memory_fits: Callable[[], bool] = lambda: False):
+               memory_fits: Callable[[], bool] = lambda: False,
+               cgroup_parents: Sequence[str] = ()):
     self.host_path = os.path.abspath(workspace)
     self._memory_fits = memory_fits  # its pool's limits fit the host (`oom_attribution`)
     self.isolation = isolation or detect_isolation()
@@ -493,8 +495,13 @@ class Sandbox:
                         self.host_path],
                        check=True, capture_output=True)
         self._mounted = True
-        self._cgroup = memory_cgroup(self.uid, limits.group_memory_bytes)
-        self._cpu_cgroup = cpu_cgroup(self.uid, limits.cpus)
+      if self.uid is not None or cgroup_parents:
+        # (as root, below each hierarchy's root or the delegated cgroups; not root, only
+        # below cgroups delegated to the worker: `SandboxPool`'s `cgroup_parents`)
+        name = f"jaxagent-{self.uid}" if self.uid is not None else \
+            f"jaxagent-{os.getpid()}-{os.path.basename(self.host_path)}"
+        self._cgroup = memory_cgroup(name, limits.group_memory_bytes, cgroup_parents)
+        self._cpu_cgroup = cpu_cgroup(name, limits.cpus, cgroup_parents)
       self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
     except BaseException:
       self._release()
@@ -959,6 +966,7 @@ class Sandbox:
   def describe(self) -> dict:
     return {"isolation": self.isolation, "uid": self.uid, "limits": dataclasses.asdict(self.limits),
             "workdir": self.workdir,
+            "cgroups": [c for c in (self._cgroup, self._cpu_cgroup) if c is not None],
             "seccomp": seccomp_program() is not None and (
                 self.isolation == "bwrap" or (self.isolation == "mountns"
                                               and system_python() is not None))}
@@ -978,9 +986,14 @@ class SandboxPool:
   def __init__(self, size: int, *, root: Optional[str] = None, limits: Limits = Limits(),
                isolation: Optional[str] = None, max_workspaces: int = 1024,
                allow_unisolated: bool = False, slot_timeout_s: float = 60.0,
-               host_oom_is_infra: bool = False):
+               host_oom_is_infra: bool = False, cgroup_parents: Sequence[str] = ()):
     if size < 1:
       raise ValueError(f"pool size must be >= 1, got {size}")
+    # Cgroups delegated to this worker, each sandbox's memory and CPU cgroups made below
+    # them: a worker that is not root has no other way to bound all of a sandbox's
+    # processes together (and the kernel's memory they hold: pipes, sockets).
+    self.cgroup_parents = tuple(os.path.abspath(p) for p in cgroup_parents)
+    self.cgroup_controllers = check_delegated_cgroups(self.cgroup_parents)
     self.isolation = isolation or detect_isolation()
     if self.isolation not in ISOLATIONS:
       raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")
@@ -1044,7 +1057,8 @@ class SandboxPool:
                        "workspaces")
     sb = Sandbox(os.path.join(self.root, uuid.uuid4().hex[:12]), limits=self.limits,
                  isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
-                 progress=lambda: self.last_freed, memory_fits=self.memory_fits)
+                 progress=lambda: self.last_freed, memory_fits=self.memory_fits,
+                 cgroup_parents=self.cgroup_parents)
     self.live.add(sb)
     return sb
 

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 import time
@@ -569,6 +570,13 @@ def main(argv=None) -> int:
                       "sandbox never reached its own memory limit, is an infrastructure "
                       "error (re-rolled), where the sandboxes' limits fit the memory free "
                       "at start; otherwise it is the command's own failure")
+  p.add_argument("--cgroup", action="append", default=[], metavar="DIR",
+                 help="a cgroup delegated to this worker (a v1 memory or cpu hierarchy "
+                      "directory it owns, or a v2 directory with memory and cpu in its "
+                      "cgroup.subtree_control; repeat for v1's two): each sandbox's "
+                      "processes are held to their memory and CPU limits together in a "
+                      "cgroup made below it. Needed for that bound where the worker is "
+                      "not root (docs/environments.md)")
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code with resource limits only where the host cannot isolate "
                       "it (no bubblewrap, not root): it can then read and write this host")
@@ -588,7 +596,7 @@ def main(argv=None) -> int:
     return 2
   resources = EnvResources(sandboxes=args.sandboxes, allow_unisolated=args.allow_unisolated,
                            host_oom_is_infra=args.host_oom_is_infra,
-                           sandbox_root=args.workspace_root)
+                           sandbox_root=args.workspace_root, cgroups=tuple(args.cgroup))
   try:
     pool = resources.pool()
   except (IsolationUnavailable, ValueError, OSError) as e:
@@ -598,8 +606,16 @@ def main(argv=None) -> int:
   print(f"envs.server: sandbox isolation {pool.isolation}, {args.sandboxes} commands at once "
         f"({pool.memory_bound() >> 20} MiB of memory at most, {pool.host_memory >> 20} MiB "
         f"free), workspaces under {pool.root}"
+        + (f"; each sandbox's {' and '.join(pool.cgroup_controllers)} held together in "
+           f"cgroups below {', '.join(pool.cgroup_parents)}" if pool.cgroup_parents else "")
         + (f"; environments imported: {', '.join(names)}" if names else ""),
         file=sys.stderr, flush=True)
+  if os.geteuid() != 0 and not pool.cgroup_parents:
+    print("envs.server: not root and no --cgroup: a sandbox's memory is bounded process by "
+          "process (RLIMIT_AS), not for all its processes together, and not the kernel's "
+          "buffers they hold; give the worker a delegated cgroup (--cgroup) or run it "
+          "where a memory limit of its own contains it (docs/environments.md)",
+          file=sys.stderr, flush=True)
   app = create_app(resources, max_sessions=args.max_sessions,
                    max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s,
                    idle_timeout_s=args.idle_timeout_s,

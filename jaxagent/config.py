@@ -408,6 +408,10 @@ class EnvConfig:
   # bubblewrap, not root): it can then read and write this host. Off: such a host
   # refuses to start environments that run code.
   allow_unisolated: bool = False
+  # Cgroups delegated to the run (in-process environments; `envs.server --cgroup` for
+  # env workers): each sandbox's processes are held to their memory and CPU limits
+  # together below them, where the run is not root too (docs/environments.md).
+  cgroups: list[str] = dataclasses.field(default_factory=list)
   # Made-up time every environment step takes, for benchmarks of asynchrony
   # (envs.base.Latency): distribution none | constant | lognormal, median_s, sigma,
   # max_s (the tail's cap), seed.

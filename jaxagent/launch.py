@@ -181,6 +181,8 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
            "--sandboxes", str(cfg.env.sandboxes)]
     if cfg.env.allow_unisolated:
       cmd.append("--allow-unisolated")
+    for cgroup in cfg.env.cgroups:  # (each worker's sandboxes' cgroups are named apart)
+      cmd += ["--cgroup", cgroup]
     for module in cfg.env.imports:
       cmd += ["--import", module]
     services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}"))

@@ -115,8 +115,15 @@ def make_env_factory(cfg: config_lib.RunConfig):
     load_modules(cfg.env.imports)
   except ValueError as e:
     raise config_lib.ConfigError(f"env.imports: {e}") from None
+  from envs.isolation import check_delegated_cgroups
+
+  try:
+    check_delegated_cgroups(cfg.env.cgroups)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"env.cgroups: {e}") from None
   resources = EnvResources(sandboxes=cfg.env.sandboxes,
-                           allow_unisolated=cfg.env.allow_unisolated)
+                           allow_unisolated=cfg.env.allow_unisolated,
+                           cgroups=tuple(cfg.env.cgroups))
   factory = lambda task: delayed(make(task.env, resources))  # noqa: E731
   factory.resources = resources
   return factory, resources.close

@@ -110,3 +110,15 @@ def test_missing_required_value_names_key():
 def test_malformed_override():
   with pytest.raises(config.ConfigError, match="key=value"):
     config.load(config.RunConfig, None, ["steps"])
+
+
+def test_a_cgroup_the_run_cannot_use_is_named_with_its_key():
+  """env.cgroups (cgroups delegated to the run, for its sandboxes) is checked before the
+  run starts its environments: a directory that is no cgroup is named."""
+  from jaxagent.run_services import make_env_factory
+
+  cfg = config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
+                    ["env.cgroups=[/proc]"])
+  with pytest.raises(config.ConfigError, match=r"^env\.cgroups: cgroup /proc: neither the "
+                                               r"memory nor the cpu controller"):
+    make_env_factory(cfg)

@@ -4,9 +4,11 @@ sandbox's processes together (cgroups), the host's OOM kills, the seccomp filter
 a mount namespace's failed setup. The shared fixtures are test_sandbox.py's."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -112,7 +114,8 @@ def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
   from envs.isolation import memory_cgroup
 
   if sandbox._cgroup is None:
-    assert memory_cgroup(sandbox.uid or 0, 1 << 30) is None or sandbox.uid is None
+    assert memory_cgroup(f"jaxagent-{sandbox.uid or 0}", 1 << 30) is None \
+        or sandbox.uid is None
     pytest.skip("no writable memory cgroup on this host")
   with open(os.path.join(sandbox._cgroup, "memory.limit_in_bytes")
             if os.path.exists(os.path.join(sandbox._cgroup, "memory.limit_in_bytes"))
@@ -129,6 +132,80 @@ def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
   # ... for the sandbox's own limit: the solution's doing, not the host's
   assert r.oom_kills >= 1 and r.error is None, (r.oom_kills, r.error)
   assert run(sandbox, "print('alive')").stdout == "alive\n"
+
+
+THREE_OF_200_MB = (
+    "import os, sys, time\nkids = []\nfor i in range(3):\n  pid = os.fork()\n"
+    "  if pid == 0:\n    b = bytearray(200 << 20)\n    for j in range(0, len(b), 4096):\n"
+    "      b[j] = 1\n    time.sleep(1)\n    os._exit(0)\n  kids.append(pid)\n"
+    "ok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint('completed', ok)\n")
+
+
+def test_a_worker_that_is_not_root_bounds_a_sandbox_in_a_delegated_cgroup():
+  """A worker that is not root had no memory cgroup: a sandbox's processes were bounded
+  one by one (RLIMIT_AS), 64 times over, and the kernel's buffers they held not at all
+  (a red team's High finding: the host's OOM killer took the worker). Given a cgroup
+  delegated to it (`--cgroup`, `cgroup_parents`), it holds each sandbox below it: as
+  user 65534, three processes of 200 MB under a 256 MiB bound for the sandbox, one is
+  the cgroup's OOM kill, the command's own failure. A cgroup it cannot write is named."""
+  from tests.envs.test_sandbox import skip_unless_nobody_runs_python
+
+  skip_unless_nobody_runs_python()
+  hierarchy = "/sys/fs/cgroup/memory"
+  if not os.path.exists(os.path.join(hierarchy, "memory.limit_in_bytes")):
+    mine = open("/proc/self/cgroup").read().splitlines()
+    hierarchy = "/sys/fs/cgroup" + next((l.split(":", 2)[2] for l in mine if l.startswith("0::")), "")
+  parent = os.path.join(hierarchy, f"jaxagent-test-{os.getpid()}")
+  try:
+    os.mkdir(parent)
+  except OSError as e:
+    pytest.skip(f"cannot make a cgroup here: {e}")
+  root = scratch_dir()
+  try:
+    if not os.path.exists(os.path.join(parent, "memory.limit_in_bytes")):
+      with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+        f.write("+memory")  # (v2: may fail where the worker's cgroup holds processes)
+    for name in [""] + (["cgroup.procs", "cgroup.subtree_control"]
+                        if not os.path.exists(os.path.join(parent, "tasks")) else []):
+      os.chown(os.path.join(parent, name), 65534, 65534)
+    os.chown(root, 65534, 65534)
+    code = f"""import asyncio, os, sys
+sys.path.insert(0, sys.argv[2])
+from envs.sandbox import Limits, SandboxPool
+try:
+  SandboxPool(1, cgroup_parents=['/proc'])
+except ValueError as e:
+  print(e)
+pool = SandboxPool(1, root=sys.argv[1], cgroup_parents=[sys.argv[3]],
+                   limits=Limits(wall_s=20, cpu_s=20, group_memory_bytes=256 << 20,
+                                 memory_bytes=512 << 20))
+async def main():
+  async with pool.acquire() as sb:
+    print(os.geteuid(), sb.uid, [os.path.dirname(c) for c in sb.describe()['cgroups']])
+    r = await sb.run_python({THREE_OF_200_MB!r}, timeout=20)
+    print(r.stdout.strip(), r.oom_kills >= 1, r.error)
+asyncio.run(main())
+pool.close()
+print([n for n in os.listdir(sys.argv[3]) if n.startswith('jaxagent-')])
+"""
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code, root, REPO, parent],
+                         capture_output=True, text=True, timeout=120)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+    for child in os.listdir(parent):
+      if os.path.isdir(os.path.join(parent, child)):
+        with contextlib.suppress(OSError):
+          os.rmdir(os.path.join(parent, child))
+    with contextlib.suppress(OSError):
+      os.rmdir(parent)
+  lines = out.stdout.splitlines()
+  assert len(lines) == 4, (out.stdout, out.stderr[-2000:])
+  assert lines[0].startswith("cgroup /proc: neither the memory nor the cpu controller")
+  assert lines[1] == f"65534 None ['{parent}']", lines
+  completed, killed, error = lines[2].rsplit(" ", 2)
+  assert int(completed.split()[-1]) < 3 and killed == "True" and error == "None", lines
+  assert lines[3] == "[]", lines  # (its cgroups removed with it)
 
 
 def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_fit():
