@@ -25,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from typing import Optional, Sequence
 
 from jaxagent.errors import InfraError
@@ -497,15 +498,40 @@ def check_delegated_cgroups(parents: Sequence[str]) -> list[str]:
       raise ValueError(f"cgroup {parent}: neither the memory nor the cpu controller is "
                        "there (v1: the controller's hierarchy; v2: enabled in its "
                        "cgroup.subtree_control)")
+    # A probe does what a sandbox's cgroup needs: made, its bounds written (the
+    # defaults'), a process moved into it, removed.
     probe = os.path.join(parent, f"jaxagent-probe-{os.getpid()}")
+    doing = "make cgroups in it"
     try:
       os.mkdir(probe)
-      os.rmdir(probe)
-    except OSError as e:
-      raise ValueError(f"cgroup {parent}: this worker (uid {os.geteuid()}) cannot make "
-                       f"cgroups in it: {e.strerror} (delegate it: chown it, and on v2 its "
-                       "cgroup.procs and cgroup.subtree_control, to the worker's user)") \
-          from None
+      try:
+        doing = "write a cgroup's bounds in it"
+        for controller in controllers:
+          for knob, value in _delegates(parent, controller, *_knobs(
+              controller, 1 << 30 if controller == "memory" else 1.0)).items():
+            with open(os.path.join(probe, knob), "w") as f:
+              f.write(str(value))
+        doing = "move a process into a cgroup in it"
+        moved = subprocess.run([*join_cgroups([probe]), "true"], capture_output=True,
+                               text=True, timeout=30)
+        if moved.returncode != 0:
+          raise OSError(errno.EACCES, moved.stderr.strip().rpartition(": ")[2] or
+                        f"exit {moved.returncode}")
+      finally:
+        for _ in range(50):  # (the moved process is reaped; its cgroup frees at once, or
+          try:               # nearly)
+            os.rmdir(probe)
+            break
+          except OSError as e:
+            if e.errno != errno.EBUSY:
+              raise
+            time.sleep(0.01)
+    except (OSError, subprocess.SubprocessError) as e:
+      raise ValueError(f"cgroup {parent}: this worker (uid {os.geteuid()}) cannot {doing}: "
+                       f"{getattr(e, 'strerror', None) or e} (delegate it to the worker's "
+                       "user: chown it; on v2 its cgroup.procs and cgroup.subtree_control "
+                       "too, and the worker's own cgroup and this one need a common "
+                       "ancestor whose cgroup.procs the worker may write)") from None
     found += controllers
   return sorted(set(found))
 
