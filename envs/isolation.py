@@ -498,36 +498,32 @@ def check_delegated_cgroups(parents: Sequence[str]) -> list[str]:
       raise ValueError(f"cgroup {parent}: neither the memory nor the cpu controller is "
                        "there (v1: the controller's hierarchy; v2: enabled in its "
                        "cgroup.subtree_control)")
-    # A probe does what a sandbox's cgroup needs: made, its bounds written (the
-    # defaults'), a process moved into it, removed.
-    probe = os.path.join(parent, f"jaxagent-probe-{os.getpid()}")
-    doing = "make cgroups in it"
+    # A probe does what a sandbox's cgroups need: made with their bounds (the defaults'),
+    # a process moved into them, removed.
+    name = f"jaxagent-probe-{os.getpid()}"
+    made: list[str] = []
     try:
-      os.mkdir(probe)
       try:
-        doing = "write a cgroup's bounds in it"
-        for controller in controllers:
-          for knob, value in _delegates(parent, controller, *_knobs(
-              controller, 1 << 30 if controller == "memory" else 1.0)).items():
-            with open(os.path.join(probe, knob), "w") as f:
-              f.write(str(value))
-        doing = "move a process into a cgroup in it"
-        moved = subprocess.run([*join_cgroups([probe]), "true"], capture_output=True,
+        for path in (memory_cgroup(name, 1 << 30, [parent]), cpu_cgroup(name, 1.0, [parent])):
+          if path is not None and path not in made:  # (v2: one for both)
+            made.append(path)
+        moved = subprocess.run([*join_cgroups(made), "true"], capture_output=True,
                                text=True, timeout=30)
         if moved.returncode != 0:
-          raise OSError(errno.EACCES, moved.stderr.strip().rpartition(": ")[2] or
-                        f"exit {moved.returncode}")
+          raise OSError(errno.EACCES, "cannot move a process into a cgroup in it: " + (
+              moved.stderr.strip().rpartition(": ")[2] or f"exit {moved.returncode}"))
       finally:
-        for _ in range(50):  # (the moved process is reaped; its cgroup frees at once, or
-          try:               # nearly)
-            os.rmdir(probe)
-            break
-          except OSError as e:
-            if e.errno != errno.EBUSY:
-              raise
-            time.sleep(0.01)
+        for path in made:
+          for _ in range(50):  # (the moved process is reaped: its cgroup frees at once, or
+            try:               # nearly)
+              os.rmdir(path)
+              break
+            except OSError as e:
+              if e.errno != errno.EBUSY:
+                raise
+              time.sleep(0.01)
     except (OSError, subprocess.SubprocessError) as e:
-      raise ValueError(f"cgroup {parent}: this worker (uid {os.geteuid()}) cannot {doing}: "
+      raise ValueError(f"cgroup {parent}: this worker (uid {os.geteuid()}) "
                        f"{getattr(e, 'strerror', None) or e} (delegate it to the worker's "
                        "user: chown it; on v2 its cgroup.procs and cgroup.subtree_control "
                        "too, and the worker's own cgroup and this one need a common "

@@ -172,10 +172,11 @@ def test_a_worker_that_is_not_root_bounds_a_sandbox_in_a_delegated_cgroup():
     code = f"""import asyncio, os, sys
 sys.path.insert(0, sys.argv[2])
 from envs.sandbox import Limits, SandboxPool
-try:
-  SandboxPool(1, cgroup_parents=['/proc'])
-except ValueError as e:
-  print(e)
+for parent in ('/proc', os.path.dirname(sys.argv[3])):  # (no cgroup; root's)
+  try:
+    SandboxPool(1, cgroup_parents=[parent])
+  except ValueError as e:
+    print(e)
 pool = SandboxPool(1, root=sys.argv[1], cgroup_parents=[sys.argv[3]],
                    limits=Limits(wall_s=20, cpu_s=20, group_memory_bytes=256 << 20,
                                  memory_bytes=512 << 20))
@@ -200,12 +201,15 @@ print([n for n in os.listdir(sys.argv[3]) if n.startswith('jaxagent-')])
     with contextlib.suppress(OSError):
       os.rmdir(parent)
   lines = out.stdout.splitlines()
-  assert len(lines) == 4, (out.stdout, out.stderr[-2000:])
+  assert len(lines) == 5, (out.stdout, out.stderr[-2000:])
   assert lines[0].startswith("cgroup /proc: neither the memory nor the cpu controller")
-  assert lines[1] == f"65534 None ['{parent}']", lines
-  completed, killed, error = lines[2].rsplit(" ", 2)
+  assert lines[1].startswith(f"cgroup {os.path.dirname(parent)}: this worker (uid 65534) "
+                             "cannot make the sandbox's memory cgroup"), lines[1]
+  assert "Permission denied" in lines[1], lines[1]
+  assert lines[2] == f"65534 None ['{parent}']", lines
+  completed, killed, error = lines[3].rsplit(" ", 2)
   assert int(completed.split()[-1]) < 3 and killed == "True" and error == "None", lines
-  assert lines[3] == "[]", lines  # (its cgroups removed with it)
+  assert lines[4] == "[]", lines  # (its cgroups removed with it)
 
 
 def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_fit():
