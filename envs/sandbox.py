@@ -73,6 +73,7 @@ from envs.isolation import (ISOLATIONS, SETPRIV, SETUP_DONE, IsolationUnavailabl
                             cgroup_counter, check_delegated_cgroups, confine, cpu_cgroup,
                             detect_isolation, join_cgroups,
                             memory_cgroup, nproc_inside, oom_attribution, processes_of,
+                            remove_cgroup,
                             scrubbed_env, seccomp_program, seccomp_program_fd, set_cpu_quota,
                             system_python, wrap)
 from jaxagent.errors import InfraError
@@ -712,9 +713,8 @@ class Sandbox:
     if self._mounted:
       subprocess.run(["umount", "-l", self.host_path], capture_output=True)
       self._mounted = False
-    for cgroup in {self._cgroup, self._cpu_cgroup} - {None}:  # empty: its processes gone
-      with contextlib.suppress(OSError):
-        os.rmdir(cgroup)
+    for cgroup in {self._cgroup, self._cpu_cgroup} - {None}:
+      remove_cgroup(cgroup)
     self._cgroup = self._cpu_cgroup = None
     if self._lease is not None:
       self._lease.release()

@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -210,6 +212,35 @@ print([n for n in os.listdir(sys.argv[3]) if n.startswith('jaxagent-')])
   completed, killed, error = lines[3].rsplit(" ", 2)
   assert int(completed.split()[-1]) < 3 and killed == "True" and error == "None", lines
   assert lines[4] == "[]", lines  # (its cgroups removed with it)
+
+
+def test_a_sandboxs_cgroup_is_removed_once_the_processes_left_in_it_are_killed():
+  """A timed-out command's processes, still exiting when a worker that is not root
+  released its sandbox, kept the rmdir of its cgroups from working: they were left
+  behind, every time (red team). They are killed, and the cgroup removed."""
+  from envs.isolation import join_cgroups, remove_cgroup
+
+  hierarchy = "/sys/fs/cgroup/memory"
+  path = os.path.join(hierarchy, f"jaxagent-test-rm-{os.getpid()}")
+  try:
+    os.mkdir(path)
+  except OSError as e:
+    pytest.skip(f"cannot make a v1 memory cgroup here: {e}")
+  proc = subprocess.Popen([*join_cgroups([path]), "sleep", "60"])
+  try:
+    for _ in range(100):
+      if open(os.path.join(path, "cgroup.procs")).read().split():
+        break
+      time.sleep(0.02)
+    reaper = threading.Thread(target=proc.wait)
+    reaper.start()
+    assert remove_cgroup(path, wait_s=5.0)
+    reaper.join(timeout=5)
+    assert not os.path.exists(path) and proc.returncode == -9
+  finally:
+    proc.kill()
+    with contextlib.suppress(OSError):
+      os.rmdir(path)
 
 
 def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_fit():
