@@ -513,15 +513,9 @@ def check_delegated_cgroups(parents: Sequence[str]) -> list[str]:
           raise OSError(errno.EACCES, "cannot move a process into a cgroup in it: " + (
               moved.stderr.strip().rpartition(": ")[2] or f"exit {moved.returncode}"))
       finally:
-        for path in made:
-          for _ in range(50):  # (the moved process is reaped: its cgroup frees at once, or
-            try:               # nearly)
-              os.rmdir(path)
-              break
-            except OSError as e:
-              if e.errno != errno.EBUSY:
-                raise
-              time.sleep(0.01)
+        for path in made:  # (the moved process is reaped: its cgroup frees at once, or nearly)
+          if not remove_cgroup(path, wait_s=0.5):
+            raise OSError(errno.EBUSY, f"cannot remove the probe cgroup {path}")
     except (OSError, subprocess.SubprocessError) as e:
       raise ValueError(f"cgroup {parent}: this worker (uid {os.geteuid()}) "
                        f"{getattr(e, 'strerror', None) or e} (delegate it to the worker's "
