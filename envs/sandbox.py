@@ -23,7 +23,7 @@ In both namespace modes a seccomp filter (compiled by libseccomp, through
 `pyseccomp`) makes the syscalls tool code never needs fail with EPERM
 (`SECCOMP_DENIED`: ptrace, io_uring, bpf, keyctl, perf_event_open, mount, module
 loading, memfds and SysV shared memory, ...; clone() into new namespaces; prlimit on
-another process); bubblewrap
+another process; fallocate past a file's length); bubblewrap
 installs it itself, the mountns mode with a few lines of ctypes before it drops
 privileges.
 
@@ -56,6 +56,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -68,7 +69,8 @@ import uuid
 from typing import Callable, Optional, Sequence
 
 from envs import waits
-from envs.isolation import (ISOLATIONS, SETPRIV, SETUP_DONE, IsolationUnavailable, Limits,
+from envs.isolation import (FALLOC_FL_KEEP_SIZE, ISOLATIONS, SETPRIV, SETUP_DONE,
+                            IsolationUnavailable, Limits,
                             UidLease, available_memory_bytes,
                             cgroup_counter, check_delegated_cgroups, confine, cpu_cgroup,
                             detect_isolation, join_cgroups,
@@ -267,15 +269,50 @@ def _process_tree(pid: int, most: int = 4096) -> list[int]:
   return out
 
 
-def _unlinked_bytes(pids: Sequence[int], device: int) -> int:
-  """What the files of `device` that processes `pids` hold open, and that no name holds
-  any more, take on it (an unlinked file's blocks are freed only at its last close)."""
+class _Hidden(Exception):
+  """A process of a command whose open files the host may not read."""
+
+
+def _not_dumpable(pid: int, spare_init: bool) -> Optional[str]:
+  """What to call process `pid`, whose /proc files the host was refused, if it hides them
+  (it is not dumpable), or None where it is leaving (a process without memory, exiting or
+  a zombie, has its /proc files owned by root too, and its descriptors about to go) or,
+  with `spare_init`, where it is its PID namespace's init (the grader's harness, not
+  dumpable so that the solution cannot reach it)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:  # (readable by all)
+      status = f.read()
+  except OSError:
+    return None  # (gone)
+  if "\nVmSize:" not in status:
+    return None
+  if spare_init and re.search(r"\nNSpid:.*\s1\n", status):
+    return None
+  name = status.partition("\n")[0].partition(":")[2].strip()
+  return f"{name!r} (host pid {pid})"
+
+
+def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
+                    spare_init: bool = False) -> int:
+  """What the files of `device` that processes `pids` hold, open or mapped, and that no
+  name holds any more, take on it (an unlinked file's blocks are freed only when the last
+  descriptor and mapping of it go). A mapped one whose size the host may not read
+  (`/proc/<pid>/map_files`: only root follows its links) counts as `unsized` bytes, the
+  most a command may write to one file (`Limits.file_bytes`, RLIMIT_FSIZE; fallocate's
+  FALLOC_FL_KEEP_SIZE, which takes blocks past a file's length, is refused by the
+  seccomp filter). Raises `_Hidden` for a process whose descriptors the host may not
+  read (not dumpable: it said so, or runs a program its user may not read), but a trusted
+  init (`spare_init`: `_not_dumpable`)."""
   total, seen = 0, set()
   for p in pids:
     try:
       fds = os.listdir(f"/proc/{p}/fd")
-    except OSError:
+    except PermissionError:
+      if (hiding := _not_dumpable(p, spare_init)) is not None:
+        raise _Hidden(hiding) from None
       continue
+    except OSError:
+      continue  # (gone)
     for fd in fds:
       try:
         st = os.stat(f"/proc/{p}/fd/{fd}")
@@ -285,10 +322,36 @@ def _unlinked_bytes(pids: Sequence[int], device: int) -> int:
               and (st.st_dev, st.st_ino) not in seen):
         seen.add((st.st_dev, st.st_ino))
         total += st.st_blocks * 512
+  # Mapped, the descriptor closed: /proc/<pid>/maps names them "(deleted)" (a red team
+  # held 3.2 GiB of the host's disk so against a 32 MiB quota, unseen by the look above).
+  want = f"{os.major(device):02x}:{os.minor(device):02x}"
+  for p in pids:
+    try:
+      with open(f"/proc/{p}/maps") as f:
+        maps = f.read()
+    except PermissionError:
+      if (hiding := _not_dumpable(p, spare_init)) is not None:
+        raise _Hidden(hiding) from None
+      continue
+    except OSError:
+      continue
+    if " (deleted)" not in maps:
+      continue
+    for line in maps.splitlines():
+      fields = line.split(maxsplit=5)
+      if (len(fields) < 6 or fields[3] != want or not fields[5].endswith(" (deleted)")
+              or (device, int(fields[4])) in seen):
+        continue
+      try:
+        st = os.stat(f"/proc/{p}/map_files/{fields[0]}")
+        if st.st_nlink == 0 and st.st_dev == device:
+          total += st.st_blocks * 512
+      except PermissionError:
+        total += unsized
+      except OSError:
+        continue
+      seen.add((device, int(fields[4])))
   return total
-
-
-_FALLOC_FL_KEEP_SIZE = 1
 
 
 @functools.cache
@@ -315,7 +378,7 @@ def reserve(fd: int, size: int) -> bool:
   fallocate = _libc_fallocate()
   if fallocate is None:
     return False
-  if fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+  if fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0:
     return True
   err = ctypes.get_errno()
   if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
@@ -652,7 +715,8 @@ class Sandbox:
   def _empty(self) -> None:
     _remove_tree(self.host_path, keep_root=True)
 
-  def over_disk(self, pid: Optional[int] = None, open_up: bool = True) -> Optional[str]:
+  def over_disk(self, pid: Optional[int] = None, open_up: bool = True,
+                spare_init: bool = False) -> Optional[str]:
     """Why the workspace is past its quota's bounds on the host's disk (more than
     `Limits.max_inodes` files and directories, more than `disk_bytes` taken, files that
     the processes of command `pid` hold open after unlinking them included, or more
@@ -662,8 +726,9 @@ class Sandbox:
     (not while a command runs: its files are its own until it ends)."""
     budget, seen = self.limits.disk_bytes, 0
     try:
-      on_disk = 0 if pid is None else _unlinked_bytes(_process_tree(pid),
-                                                      os.stat(self.host_path).st_dev)
+      on_disk = 0 if pid is None else _unlinked_bytes(
+          _process_tree(pid), os.stat(self.host_path).st_dev, self.limits.file_bytes,
+          spare_init)
       for entry in _walk(self.host_path, open_up):
         seen += 1
         if seen > self.limits.max_inodes:
@@ -674,11 +739,13 @@ class Sandbox:
           return f"over {budget} bytes on disk"
     except _TooDeep:
       return f"over {MAX_DEPTH} directories deep"
+    except _Hidden as e:
+      return f"process {e} hides its open files from the disk watch (not dumpable)"
     except OSError:
       pass  # (the workspace itself gone: nothing of it on the disk)
     return f"over {budget} bytes on disk" if on_disk > budget else None
 
-  async def _watch_disk(self, proc, over: list) -> None:
+  async def _watch_disk(self, proc, over: list, spare_init: bool) -> None:
     """Stops a running command whose workspace goes past its bounds on the host's disk
     (`over_disk`; no quota of its own: without the watch a command filled the host's
     disk until its time ran out, and every other sandbox's grading failed meanwhile).
@@ -690,7 +757,7 @@ class Sandbox:
 
     def look():
       t = time.perf_counter()
-      return self.over_disk(proc.pid, open_up=False), time.perf_counter() - t
+      return self.over_disk(proc.pid, False, spare_init), time.perf_counter() - t
 
     while True:
       await asyncio.sleep(pause)
@@ -775,13 +842,20 @@ class Sandbox:
   # -- execution ------------------------------------------------------------------------
 
   async def run(self, argv: Sequence[str], *, timeout: Optional[float] = None,
-                stdin: Optional[bytes] = None, pid1: bool = False) -> ExecResult:
+                stdin: Optional[bytes] = None, pid1: bool = False,
+                trusted_init: bool = False) -> ExecResult:
     """Runs `argv` in the workspace; never raises for the command's own failures.
 
     Waits for an execution slot first (at most `slot_timeout_s`; past it the result is an
     infrastructure error). `pid1`: the command itself is its PID namespace's init (in the
-    namespace modes), which processes it starts cannot kill or signal.
+    namespace modes), which processes it starts cannot kill or signal. `trusted_init`
+    (with `pid1`): that init is the caller's own code, which may make itself not dumpable
+    (the grader's harness); any other process of the command that does, or that runs a
+    program its user may not read, hides its files from a non-root worker's disk watch
+    and is stopped for it (`over_disk`).
     """
+    if trusted_init and not pid1:
+      raise ValueError("trusted_init is the init of pid1=True")
     argv = [str(a) for a in argv]
     t_wait = time.perf_counter()
     slot = self._slots() if self._slots is not None else contextlib.nullcontext()
@@ -815,11 +889,11 @@ class Sandbox:
       return result
     try:
       with waits.commanding():  # (the policy's time, its teardown included)
-        return await self._run(argv, timeout, stdin, pid1)
+        return await self._run(argv, timeout, stdin, pid1, trusted_init)
     finally:
       await slot.__aexit__(None, None, None)
 
-  async def _run(self, argv, timeout, stdin, pid1) -> ExecResult:
+  async def _run(self, argv, timeout, stdin, pid1, trusted_init) -> ExecResult:
     wall = self.limits.wall_s if timeout is None else timeout
     tag = uuid.uuid4().hex[:8]
     out_path = os.path.join(self._logs, f"{tag}.out")
@@ -850,7 +924,8 @@ class Sandbox:
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=scrubbed_env(self.workdir),
             start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
-        watch = None if self._mounted else asyncio.ensure_future(self._watch_disk(proc, over))
+        watch = None if self._mounted else asyncio.ensure_future(self._watch_disk(proc, over,
+                                                                               trusted_init))
         clock = ExitClock(proc.pid)
         talk = asyncio.ensure_future(proc.communicate(stdin))
         try:

@@ -64,8 +64,9 @@ from envs.sandbox import ExecResult, Sandbox, SandboxPool
 # solution's process lets go of the harness's report before it turns dumpable; dict keys
 # compare exactly; 6: the workspace first on the solution's `sys.path`; 7: a grading
 # workspace without a quota that the solution fills past its bounds is a fail; no
-# bytecode is written. 8: a dict subclass (a Counter) grades as the dict it holds.
-VERSION = "python-harness-8"
+# bytecode is written. 8: a dict subclass (a Counter) grades as the dict it holds. 9: the
+# solution's process stays dumpable (a non-root worker's disk watch sees its files).
+VERSION = "python-harness-9"
 
 _HARNESS_BODY = r'''
 import ctypes, importlib, os, select, signal, sys
@@ -91,15 +92,16 @@ if pid == 0:  # the solution's process
     try:  # the kernel's first pick when the sandbox's memory runs out, not the harness
       # (asked, not enforced: the solution may write 0 back; the harness's OOM death in
       # the sandbox is the solution's failure either way)
-      # (a process that is not dumpable cannot write its own /proc files: for a moment,
-      # holding no descriptor of the harness's but its result pipe)
+      # (a process that is not dumpable cannot write its own /proc files. It stays
+      # dumpable, holding no descriptor of the harness's but its result pipe: a worker
+      # that is not root then reads the files it holds open or mapped, which filled the
+      # host's disk unseen, and one of its processes that is not dumpable stops the
+      # grading: `Sandbox.run`'s trusted_init)
       ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
       with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
     except Exception:
       pass
-    finally:
-      ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     sys.stdin = open(os.devnull)
     channel = os.fdopen(w, "w")
     sys.path.insert(0, os.getcwd())  # (first, as a tool's `python` and pytest have it;
@@ -217,8 +219,8 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
   if result.error is not None:
     return verdict(VerdictStatus.INFRA_ERROR, reason=f"sandbox could not run: {result.error}")
   if result.disk_exceeded is not None:  # (the harness killed with it: not the host's doing)
-    return verdict(VerdictStatus.FAIL, reason="the solution filled the grading workspace: "
-                   f"it went {result.disk_exceeded}")
+    return verdict(VerdictStatus.FAIL, reason="the solution went past the grading "
+                   f"workspace's bounds: {result.disk_exceeded}")
   lines = result.stdout.split("\n")
   if lines[0] != "START":
     why = "before the timeout" if result.timed_out else (
@@ -347,5 +349,5 @@ class PythonTestVerifier:
     report_line = sb.limits.output_budget - 64
     result = await sb.run([sb.python, "-I", "-B", "-c", harness_source()], timeout=self.timeout_s,
                           stdin=tests.harness_input(self.max_report_bytes, report_line),
-                          pid1=True)
+                          pid1=True, trusted_init=True)
     return classify(result, tests, env_version)

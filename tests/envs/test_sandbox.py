@@ -4,6 +4,7 @@ import asyncio
 import hashlib
 import http.server
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -416,6 +417,78 @@ print(os.path.exists(sb.host_path))
                        capture_output=True, text=True, timeout=120)
   assert out.stdout.split("\n")[:3] == [
       "0o555 None ", "over 4194304 bytes on disk []", "False"], (out.stdout, out.stderr)
+
+
+# Files held by a mapping alone (16 MiB each, one page mapped, the descriptor closed and
+# the name gone), then a program its user may not read (so not dumpable: the host may not
+# read its descriptors), then prctl asked for the same.
+HIDDEN_FROM_THE_WATCH = r'''
+import ctypes, os, shutil, subprocess, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long)
+def fallocate(fd, mode, size):
+  r = libc.fallocate(fd, mode, ctypes.c_int64(0), ctypes.c_int64(size))
+  return "ok" if r == 0 else os.strerror(ctypes.get_errno())
+if sys.argv[1] == "mapped":
+  for i in range(40):
+    fd = os.open(".", os.O_TMPFILE | os.O_RDWR, 0o600)
+    assert fallocate(fd, 0, 16 << 20) == "ok"
+    if i == 0:  # blocks past the length, which RLIMIT_FSIZE does not bound
+      print(fallocate(fd, 1, 1 << 30), flush=True)
+    libc.mmap(None, 4096, 1, 1, fd, 0)
+    os.close(fd)
+  time.sleep(20)
+elif sys.argv[1] == "unreadable":
+  shutil.copy("/usr/bin/sleep", "s")
+  os.chmod("s", 0o111)
+  subprocess.run(["./s", "20"])
+else:
+  print(libc.prctl(4, 0, 0, 0, 0), flush=True)
+  time.sleep(20)
+'''
+
+
+@needs_isolation
+def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
+  """A worker that is not root may not read `/proc/<pid>/map_files`: 200 unlinked files
+  held by a one-page mapping each, their descriptors closed, took 3.2 GiB of the host's
+  disk against a 32 MiB quota for the command's whole time, unseen by the look at
+  `/proc/<pid>/fd` (helper-122's red team). They are found in `/proc/<pid>/maps` and
+  counted at the most a file may take (`Limits.file_bytes`: fallocate's KEEP_SIZE, which
+  takes blocks past it, answers EOPNOTSUPP). A process whose descriptors the host may not
+  read (not dumpable) stops the command too, but the init of a `trusted_init` command."""
+  skip_unless_nobody_runs_python()
+  root = scratch_dir()
+  os.chown(root, 65534, 65534)
+  code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
+          "from envs.sandbox import Limits, SandboxPool\n"
+          "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=30, cpu_s=30))\n"
+          "async def main():\n"
+          "  async with pool.acquire() as sb:\n"
+          "    for how in ('mapped', 'unreadable', 'prctl'):\n"
+          "      sb.write_file('hide.py', sys.argv[3])  # (a stopped command's went)\n"
+          "      r = await sb.run([sb.python, 'hide.py', how], timeout=30)\n"
+          "      print(how, r.disk_exceeded, r.stdout.strip(), r.duration_s < 15)\n"
+          "    r = await sb.run([sb.python, '-c', 'import ctypes, time; '\n"
+          "                      'ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); time.sleep(0.5)'],\n"
+          "                     pid1=True, trusted_init=True)\n"
+          "    print('init', r.ok, r.disk_exceeded)\n"
+          "asyncio.run(main())\npool.close()\n")
+  try:
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", code, root, REPO, HIDDEN_FROM_THE_WATCH],
+                       capture_output=True, text=True, timeout=120)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  lines = r.stdout.splitlines()
+  assert len(lines) == 4, r.stdout + r.stderr[-2000:]
+  assert lines[0] == f"mapped over {32 << 20} bytes on disk Operation not supported True"
+  hides = re.escape(" hides its open files from the disk watch (not dumpable)")
+  assert re.fullmatch(f"unreadable process 's' \\(host pid \\d+\\){hides}  True", lines[1])
+  assert re.fullmatch(f"prctl process 'python3' \\(host pid \\d+\\){hides} 0 True", lines[2])
+  assert lines[3] == "init True None"
 
 
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():

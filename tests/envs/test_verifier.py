@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-8"
+  assert ok.verifier_version == "python-harness-9"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -463,7 +464,7 @@ def test_a_solution_that_fills_a_grading_workspace_without_a_quota_fails():
     t0 = time.perf_counter()
     verdict = grade(pool, {"solution.py": fills}, timeout_s=20)
     assert verdict.status == VerdictStatus.FAIL, verdict
-    assert "filled the grading workspace: it went over 1048576 bytes on disk" in \
+    assert "past the grading workspace's bounds: over 1048576 bytes on disk" in \
         verdict.details["reason"]
     assert time.perf_counter() - t0 < 10  # stopped, not run to its time limit
     # A correct solution with a data module: graded without bytecode (its `.pyc`, 2.5x
@@ -478,8 +479,8 @@ def test_a_solution_that_fills_a_grading_workspace_without_a_quota_fails():
 
 
 # Fills the disk that holds both the workspace and the sandbox's output logs with files
-# that no name and no /proc/<pid>/fd the host can read shows (unlinked, mapped, in
-# processes that are not dumpable), held past the solution's end; then answers wrong.
+# that no name shows (unlinked, mapped), held past the solution's end (before the disk
+# watch's first look); then answers wrong.
 _FILL_UNSEEN = r'''
 import mmap, os, time
 r, w = os.pipe()
@@ -506,13 +507,29 @@ def add(a, b):  # (a report past one page of the log: a new block to write it)
 '''
 
 
+# A right answer, from a solution that runs a program its user may not read (a copy of
+# the interpreter, mode 0111: not dumpable, so a non-root worker may not read what files
+# it holds) while it is graded.
+_HIDES = r'''
+import os, shutil, subprocess, sys, time
+shutil.copy(sys.executable, "py")
+os.chmod("py", 0o111)
+subprocess.Popen(["./py", "-c", "import time; time.sleep(30)"])
+time.sleep(3)
+def add(a, b):
+    return a + b
+'''
+
+
 def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
-  """A worker not run as root cannot read the solution's /proc/<pid>/fd (the harness
-  makes it non-dumpable): the disk watch does not see unlinked files that it holds.
-  Such files filled the host's disk, the harness's report could not be written (exit
-  120), and the wrong answer was an infra error, re-rolled for free (red team). The
-  report's bytes are the sandbox's before the command starts: the verdict is `fail`.
-  As user 65534 with its temporary directory on a 48 MiB tmpfs (a disk nearly full)."""
+  """What a solution writes before the disk watch's first look (or, before harness 9,
+  held in a process that is not dumpable, whose /proc/<pid>/fd a worker not run as root
+  may not read) lands on the host's disk. Unlinked files so filled it, the harness's
+  report could not be written (exit 120), and the wrong answer was an infra error,
+  re-rolled for free (red team). The report's bytes are the sandbox's before the command
+  starts: the verdict is `fail`. A solution that hides what it holds from the watch (a
+  program it may not read: not dumpable) fails too, though it answers right. As user
+  65534 with its temporary directory on a 48 MiB tmpfs (a disk nearly full)."""
   from tests.envs.test_sandbox import skip_unless_nobody_runs_python
   from tests.conftest import REPO
 
@@ -531,7 +548,7 @@ def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
       "from envs.verifier import HiddenTests, PythonTestVerifier\n"
       "import tempfile\nprint(tempfile.gettempdir())\n"
       "pool = SandboxPool(1, limits=Limits(wall_s=10), allow_unisolated=True)\n"
-      "for src in (sys.argv[2], sys.argv[3]):\n"
+      "for src in sys.argv[2:]:\n"
       "  v = asyncio.run(PythonTestVerifier(pool, timeout_s=15, retries=0).grade(\n"
       "      {'solution.py': src.encode()}, HiddenTests('add', [((i, 1), i + 1) for i in range(30)]),\n"
       "      env_version='t@1'))\n"
@@ -539,11 +556,16 @@ def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
       "pool.close()\n")
   try:
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                        sys.executable, "-c", code, REPO, _FILL_UNSEEN, GOOD],
+                        sys.executable, "-c", code, REPO, _FILL_UNSEEN, GOOD, _HIDES],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "TMPDIR": disk,
                             "PYTHONDONTWRITEBYTECODE": "1"})
   finally:
     subprocess.run(["umount", "-l", disk], check=False)
     shutil.rmtree(top, ignore_errors=True)
-  assert r.stdout.splitlines() == [disk, "fail None", "pass None"], r.stdout + r.stderr
+  lines = r.stdout.splitlines()
+  assert lines[:3] == [disk, "fail None", "pass None"], r.stdout + r.stderr
+  # The grading's other processes are seen (the harness, not dumpable, is spared).
+  assert re.fullmatch(r"fail the solution went past the grading workspace's bounds: "
+                      r"process 'py' \(host pid \d+\) hides its open files from the disk "
+                      r"watch \(not dumpable\)", lines[3]), lines
