@@ -55,6 +55,7 @@ import functools
 import hashlib
 import logging
 import math
+import mmap
 import os
 import re
 import select
@@ -303,7 +304,7 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
   seccomp filter). Raises `_Hidden` for a process whose descriptors the host may not
   read (not dumpable: it said so, or runs a program its user may not read), but a trusted
   init (`spare_init`: `_not_dumpable`)."""
-  total, seen = 0, set()
+  total, seen = 0, set()  # (inode numbers)
   for p in pids:
     try:
       fds = os.listdir(f"/proc/{p}/fd")
@@ -319,12 +320,12 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
       except OSError:
         continue
       if (stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_dev == device
-              and (st.st_dev, st.st_ino) not in seen):
-        seen.add((st.st_dev, st.st_ino))
+              and st.st_ino not in seen):
+        seen.add(st.st_ino)
         total += st.st_blocks * 512
   # Mapped, the descriptor closed: /proc/<pid>/maps names them "(deleted)" (a red team
   # held 3.2 GiB of the host's disk so against a 32 MiB quota, unseen by the look above).
-  want = f"{os.major(device):02x}:{os.minor(device):02x}"
+  want = _MAPS_DEVICES.get(device) or f"{os.major(device):02x}:{os.minor(device):02x}"
   for p in pids:
     try:
       with open(f"/proc/{p}/maps") as f:
@@ -340,18 +341,47 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
     for line in maps.splitlines():
       fields = line.split(maxsplit=5)
       if (len(fields) < 6 or fields[3] != want or not fields[5].endswith(" (deleted)")
-              or (device, int(fields[4])) in seen):
+              or int(fields[4]) in seen):
         continue
       try:
         st = os.stat(f"/proc/{p}/map_files/{fields[0]}")
-        if st.st_nlink == 0 and st.st_dev == device:
+        if st.st_nlink == 0:
           total += st.st_blocks * 512
       except PermissionError:
         total += unsized
       except OSError:
         continue
-      seen.add((device, int(fields[4])))
+      seen.add(int(fields[4]))
   return total
+
+
+# How /proc/<pid>/maps names a device (by the st_dev of a directory on it): as stat does,
+# but where a stacked filesystem maps the file of the one below (overlayfs, on kernels
+# whose maps show the upper layer's device). Learned by `_learn_maps_device`.
+_MAPS_DEVICES: dict[int, str] = {}
+
+
+def _learn_maps_device(directory: str) -> None:
+  """Maps a probe file in `directory` (in this process) to see how /proc/self/maps names
+  its device; where that fails, the device is named as stat names it."""
+  device = os.stat(directory).st_dev
+  if device in _MAPS_DEVICES:
+    return
+  said = f"{os.major(device):02x}:{os.minor(device):02x}"
+  with contextlib.suppress(OSError, ValueError):
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".jaxagent-maps-")
+    try:
+      os.write(fd, b"\0")
+      with mmap.mmap(fd, 1):
+        with open("/proc/self/maps") as f:
+          for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == os.path.realpath(path):
+              said = fields[3]
+    finally:
+      os.close(fd)
+      os.unlink(path)
+  _MAPS_DEVICES[device] = said
 
 
 @functools.cache
@@ -567,6 +597,8 @@ class Sandbox:
         self._cgroup = memory_cgroup(name, limits.group_memory_bytes, cgroup_parents)
         self._cpu_cgroup = cpu_cgroup(name, limits.cpus, cgroup_parents)
       self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
+      if not self._mounted:  # (for the disk watch)
+        _learn_maps_device(os.path.dirname(self.host_path))
     except BaseException:
       self._release()
       raise
