@@ -274,64 +274,74 @@ class _Hidden(Exception):
   """A process of a command whose open files the host may not read."""
 
 
-def _not_dumpable(pid: int, spare_init: bool) -> Optional[str]:
-  """What to call process `pid`, whose /proc files the host was refused, if it hides them
-  (it is not dumpable), or None where it is leaving (a process without memory, exiting or
-  a zombie, has its /proc files owned by root too, and its descriptors about to go) or,
-  with `spare_init`, where it is its PID namespace's init (the grader's harness, not
-  dumpable so that the solution cannot reach it)."""
+def _not_dumpable(task: str, spare_init: bool) -> Optional[str]:
+  """What to call the task at `task` (/proc/<pid>/task/<tid>), whose /proc files the host
+  was refused, if it hides them (it is not dumpable), or None where it is leaving (a task
+  without memory, exiting or a zombie, has its /proc files owned by root too, and its
+  descriptors about to go) or, with `spare_init`, where it is of its PID namespace's init
+  (the grader's harness, not dumpable so that the solution cannot reach it)."""
   try:
-    with open(f"/proc/{pid}/status") as f:  # (readable by all)
+    with open(f"{task}/status") as f:  # (readable by all)
       status = f.read()
   except OSError:
     return None  # (gone)
   if "\nVmSize:" not in status:
     return None
-  if spare_init and re.search(r"\nNSpid:.*\s1\n", status):
+  if spare_init and re.search(r"\nNStgid:.*\s1\n", status):
     return None
   name = status.partition("\n")[0].partition(":")[2].strip()
-  return f"{name!r} (host pid {pid})"
+  return f"{name!r} (host pid {os.path.basename(task)})"
 
 
 def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
                     spare_init: bool = False) -> int:
   """What the files of `device` that processes `pids` hold, open or mapped, and that no
   name holds any more, take on it (an unlinked file's blocks are freed only when the last
-  descriptor and mapping of it go). A mapped one whose size the host may not read
+  descriptor and mapping of it go). Read thread by thread: a process whose first thread
+  has ended shows no descriptors of its own, while its other threads hold them (a
+  `pthread_exit` from the main thread hid 64 MiB so), and a thread may have a descriptor
+  table of its own. A mapped file whose size the host may not read
   (`/proc/<pid>/map_files`: only root follows its links) counts as `unsized` bytes, the
   most a command may write to one file (`Limits.file_bytes`, RLIMIT_FSIZE; fallocate's
   FALLOC_FL_KEEP_SIZE, which takes blocks past a file's length, is refused by the
-  seccomp filter). Raises `_Hidden` for a process whose descriptors the host may not
-  read (not dumpable: it said so, or runs a program its user may not read), but a trusted
-  init (`spare_init`: `_not_dumpable`)."""
-  total, seen = 0, set()  # (inode numbers)
+  seccomp filter). Raises `_Hidden` for a thread whose descriptors the host may not read
+  (not dumpable: its process said so, or runs a program its user may not read), but a
+  trusted init's (`spare_init`: `_not_dumpable`)."""
+  total, seen, mapped = 0, set(), {}  # (inode numbers; a readable task of each process)
   for p in pids:
     try:
-      fds = os.listdir(f"/proc/{p}/fd")
-    except PermissionError:
-      if (hiding := _not_dumpable(p, spare_init)) is not None:
-        raise _Hidden(hiding) from None
-      continue
+      tasks = os.listdir(f"/proc/{p}/task")
     except OSError:
       continue  # (gone)
-    for fd in fds:
+    for t in tasks:
+      task = f"/proc/{p}/task/{t}"
       try:
-        st = os.stat(f"/proc/{p}/fd/{fd}")
+        fds = os.listdir(f"{task}/fd")
+      except PermissionError:
+        if (hiding := _not_dumpable(task, spare_init)) is not None:
+          raise _Hidden(hiding) from None
+        continue
       except OSError:
         continue
-      if (stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_dev == device
-              and st.st_ino not in seen):
-        seen.add(st.st_ino)
-        total += st.st_blocks * 512
+      mapped.setdefault(p, task)  # (a process's threads share one memory)
+      for fd in fds:
+        try:
+          st = os.stat(f"{task}/fd/{fd}")
+        except OSError:
+          continue
+        if (stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_dev == device
+                and st.st_ino not in seen):
+          seen.add(st.st_ino)
+          total += st.st_blocks * 512
   # Mapped, the descriptor closed: /proc/<pid>/maps names them "(deleted)" (a red team
   # held 3.2 GiB of the host's disk so against a 32 MiB quota, unseen by the look above).
   want = _MAPS_DEVICES.get(device) or f"{os.major(device):02x}:{os.minor(device):02x}"
-  for p in pids:
+  for p, task in mapped.items():
     try:
-      with open(f"/proc/{p}/maps") as f:
+      with open(f"{task}/maps") as f:
         maps = f.read()
     except PermissionError:
-      if (hiding := _not_dumpable(p, spare_init)) is not None:
+      if (hiding := _not_dumpable(task, spare_init)) is not None:
         raise _Hidden(hiding) from None
       continue
     except OSError:

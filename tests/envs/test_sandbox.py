@@ -420,8 +420,9 @@ print(os.path.exists(sb.host_path))
 
 
 # Files held by a mapping alone (16 MiB each, one page mapped, the descriptor closed and
-# the name gone), then a program its user may not read (so not dumpable: the host may not
-# read its descriptors), then prctl asked for the same.
+# the name gone); unlinked files held by a thread whose process's main thread has ended;
+# a program its user may not read (so not dumpable: the host may not read its
+# descriptors); prctl asked for the same.
 HIDDEN_FROM_THE_WATCH = r'''
 import ctypes, os, shutil, subprocess, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
@@ -440,6 +441,19 @@ if sys.argv[1] == "mapped":
     libc.mmap(None, 4096, 1, 1, fd, 0)
     os.close(fd)
   time.sleep(20)
+elif sys.argv[1] == "leader":  # held by a thread, the main thread ended
+  import threading
+  def hold():
+    for i in range(6):
+      f = open(f"f{i}", "wb")
+      os.unlink(f"f{i}")
+      f.write(b"x" * (8 << 20))
+      f.flush()
+      fs.append(f)
+    time.sleep(20)
+  fs = []
+  threading.Thread(target=hold).start()
+  libc.pthread_exit(None)
 elif sys.argv[1] == "unreadable":
   shutil.copy("/usr/bin/sleep", "s")
   os.chmod("s", 0o111)
@@ -457,7 +471,8 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
   disk against a 32 MiB quota for the command's whole time, unseen by the look at
   `/proc/<pid>/fd` (helper-122's red team). They are found in `/proc/<pid>/maps` and
   counted at the most a file may take (`Limits.file_bytes`: fallocate's KEEP_SIZE, which
-  takes blocks past it, answers EOPNOTSUPP). A process whose descriptors the host may not
+  takes blocks past it, answers EOPNOTSUPP). Descriptors are read thread by thread (a
+  process whose main thread ended showed none). A process whose descriptors the host may not
   read (not dumpable) stops the command too, but the init of a `trusted_init` command."""
   skip_unless_nobody_runs_python()
   root = scratch_dir()
@@ -467,7 +482,7 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
           "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=30, cpu_s=30))\n"
           "async def main():\n"
           "  async with pool.acquire() as sb:\n"
-          "    for how in ('mapped', 'unreadable', 'prctl'):\n"
+          "    for how in ('mapped', 'leader', 'unreadable', 'prctl'):\n"
           "      sb.write_file('hide.py', sys.argv[3])  # (a stopped command's went)\n"
           "      r = await sb.run([sb.python, 'hide.py', how], timeout=30)\n"
           "      print(how, r.disk_exceeded, r.stdout.strip(), r.duration_s < 15)\n"
@@ -483,12 +498,13 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
   finally:
     shutil.rmtree(root, ignore_errors=True)
   lines = r.stdout.splitlines()
-  assert len(lines) == 4, r.stdout + r.stderr[-2000:]
+  assert len(lines) == 5, r.stdout + r.stderr[-2000:]
   assert lines[0] == f"mapped over {32 << 20} bytes on disk Operation not supported True"
+  assert lines[1] == f"leader over {32 << 20} bytes on disk  True"
   hides = re.escape(" hides its open files from the disk watch (not dumpable)")
-  assert re.fullmatch(f"unreadable process 's' \\(host pid \\d+\\){hides}  True", lines[1])
-  assert re.fullmatch(f"prctl process 'python3' \\(host pid \\d+\\){hides} 0 True", lines[2])
-  assert lines[3] == "init True None"
+  assert re.fullmatch(f"unreadable process 's' \\(host pid \\d+\\){hides}  True", lines[2])
+  assert re.fullmatch(f"prctl process 'python3' \\(host pid \\d+\\){hides} 0 True", lines[3])
+  assert lines[4] == "init True None"
 
 
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():
