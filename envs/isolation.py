@@ -146,6 +146,12 @@ class Limits:
   # `memory_bytes` per process holds, `processes` times over, and the kernel's buffers
   # of their pipes and sockets are not bounded (docs/environments.md).
   group_memory_bytes: int = 1 << 30
+  # TCP and UDP buffers of all a sandbox's processes together, within group_memory_bytes:
+  # cgroup v1 counts them only where a memory cgroup's memory.kmem.tcp.limit_in_bytes is
+  # set, and else only against the host-wide net.ipv4.tcp_mem / udp_mem, which one
+  # sandbox took to its hard limit (the host's loopback round trips went 2 ms -> 2 s; red
+  # team). cgroup v2 counts them in memory.max. 0: not set.
+  socket_bytes: int = 64 << 20
   # CPU time all a sandbox's processes get together, in CPUs (a CPU cgroup's quota, where
   # the host allows one; 0: unbounded): 64 busy processes of one sandbox must not starve
   # the host's other sandboxes and graders (their start-up would time out: infra errors).
@@ -534,9 +540,28 @@ def check_delegated_cgroups(parents: Sequence[str]) -> list[str]:
   return sorted(set(found))
 
 
-def memory_cgroup(name: str, limit: int, parents: Sequence[str] = ()) -> Optional[str]:
-  """Holds a sandbox's processes to `limit` bytes together (None: cannot)."""
-  return _cgroup(name, "memory", *_knobs("memory", limit), parents=parents)
+def memory_cgroup(name: str, limit: int, parents: Sequence[str] = (),
+                  socket_bytes: int = 0) -> Optional[str]:
+  """Holds a sandbox's processes to `limit` bytes together (None: cannot), and on cgroup
+  v1 their TCP and UDP buffers to `socket_bytes` (`Limits.socket_bytes`; 0: not set). That
+  bound is a hardening the cgroup works without: where the kernel refuses it (built
+  without it, or a v1 file it no longer has) it is logged once, not raised."""
+  path = _cgroup(name, "memory", *_knobs("memory", limit), parents=parents)
+  tcp = path and os.path.join(path, "memory.kmem.tcp.limit_in_bytes")
+  if socket_bytes > 0 and tcp and os.path.exists(tcp):
+    try:
+      with open(tcp, "w") as f:
+        f.write(str(socket_bytes))
+    except OSError as e:
+      _warn_once("cannot bound a sandbox's socket buffers (memory.kmem.tcp.limit_in_bytes: "
+                 f"{e.strerror}): its TCP and UDP buffers count against the host's tcp_mem "
+                 "/ udp_mem only")
+  return path
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+  log.warning(message)
 
 
 def cgroup_counter(path: str, key: Optional[str]) -> int:

@@ -604,7 +604,8 @@ class Sandbox:
         # below cgroups delegated to the worker: `SandboxPool`'s `cgroup_parents`)
         name = f"jaxagent-{self.uid}" if self.uid is not None else \
             f"jaxagent-{os.getpid()}-{os.path.basename(self.host_path)}"
-        self._cgroup = memory_cgroup(name, limits.group_memory_bytes, cgroup_parents)
+        self._cgroup = memory_cgroup(name, limits.group_memory_bytes, cgroup_parents,
+                                     limits.socket_bytes)
         self._cpu_cgroup = cpu_cgroup(name, limits.cpus, cgroup_parents)
       self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
       if not self._mounted:  # (for the disk watch)
