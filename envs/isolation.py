@@ -21,6 +21,7 @@ import fcntl
 import functools
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -739,6 +740,39 @@ def remove_cgroup(path: str, wait_s: float = 10.0) -> bool:
           with contextlib.suppress(OSError):
             os.kill(int(pid), 9)
     time.sleep(0.05)
+
+
+_SANDBOX_CGROUP = re.compile(r"jaxagent-(?:probe-)?(\d+)(?:-.*)?")
+
+
+def remove_stale_cgroups(parents: Sequence[str]) -> list[str]:
+  """Removes the cgroups that a worker no longer running left below the delegated cgroups
+  `parents` (`jaxagent-<its pid>-<workspace>`, or its probe's: it was killed before it
+  released its sandboxes), killing what still runs in them; returns those removed. The
+  pid is looked for in this process's PID namespace: workers that share a delegated
+  cgroup must share one too (`launch local`'s do), or one would take another's live
+  sandboxes for stale."""
+  removed = []
+  for parent in parents:
+    with contextlib.suppress(OSError):
+      for name in sorted(os.listdir(parent)):
+        match = _SANDBOX_CGROUP.fullmatch(name)
+        path = os.path.join(parent, name)
+        if match is None or int(match[1]) == os.getpid() or not os.path.isdir(path):
+          continue
+        try:
+          os.kill(int(match[1]), 0)
+          continue  # (alive: its own, or another user's)
+        except PermissionError:
+          continue
+        except ProcessLookupError:
+          pass
+        if remove_cgroup(path):
+          removed.append(path)
+  if removed:
+    log.info("removed %d cgroups that workers no longer running left: %s", len(removed),
+             ", ".join(removed[:4]) + (" ..." if len(removed) > 4 else ""))
+  return removed
 
 
 def processes_of(uid: int) -> list[int]:

@@ -76,7 +76,7 @@ from envs.isolation import (FALLOC_FL_KEEP_SIZE, ISOLATIONS, SETPRIV, SETUP_DONE
                             cgroup_counter, check_delegated_cgroups, confine, cpu_cgroup,
                             detect_isolation, join_cgroups,
                             memory_cgroup, nproc_inside, oom_attribution, processes_of,
-                            remove_cgroup,
+                            remove_cgroup, remove_stale_cgroups,
                             scrubbed_env, seccomp_program, seccomp_program_fd, set_cpu_quota,
                             system_python, wrap)
 from jaxagent.errors import InfraError
@@ -1112,6 +1112,7 @@ class SandboxPool:
     # processes together (and the kernel's memory they hold: pipes, sockets).
     self.cgroup_parents = tuple(os.path.abspath(p) for p in cgroup_parents)
     self.cgroup_controllers = check_delegated_cgroups(self.cgroup_parents)
+    remove_stale_cgroups(self.cgroup_parents)
     self.isolation = isolation or detect_isolation()
     if self.isolation not in ISOLATIONS:
       raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")

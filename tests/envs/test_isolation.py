@@ -321,6 +321,41 @@ def test_a_sandboxs_cgroup_is_removed_once_the_processes_left_in_it_are_killed()
       os.rmdir(path)
 
 
+def test_cgroups_a_worker_no_longer_running_left_are_removed_when_a_pool_starts():
+  """A worker killed before it released its sandboxes left their cgroups (and what ran in
+  them) below its delegated cgroup, and v1 allows 65,535 memory cgroups. A pool given
+  that cgroup removes those whose worker is gone; a live worker's stay."""
+  from envs.isolation import join_cgroups
+
+  parent = os.path.join("/sys/fs/cgroup/memory", f"jaxagent-test-stale-{os.getpid()}")
+  try:
+    os.mkdir(parent)
+  except OSError as e:
+    pytest.skip(f"cannot make a v1 memory cgroup here: {e}")
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  stale, live, probe, other = (os.path.join(parent, n) for n in (
+      f"jaxagent-{gone.pid}-ws1", f"jaxagent-{os.getppid()}-ws2",
+      f"jaxagent-probe-{gone.pid}", "not-ours"))
+  for path in (stale, live, probe, other):
+    os.mkdir(path)
+  left = subprocess.Popen([*join_cgroups([stale]), "sleep", "60"])
+  try:
+    for _ in range(100):
+      if open(os.path.join(stale, "cgroup.procs")).read().split():
+        break
+      time.sleep(0.02)
+    SandboxPool(1, cgroup_parents=[parent], allow_unisolated=True).close()
+    assert not os.path.exists(stale) and not os.path.exists(probe)
+    assert os.path.isdir(live) and os.path.isdir(other)
+    assert left.wait(timeout=5) == -9
+  finally:
+    left.kill()
+    for path in (stale, live, probe, other, parent):
+      with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_fit():
   """The kernel counts a sandbox's OOM kills whoever made them; those made while its
   cgroup never reached its limit are the host's OOM killer's. They are an
