@@ -292,6 +292,14 @@ print([n for n in os.listdir(sys.argv[3]) if n.startswith('jaxagent-')])
   assert lines[5] == "[]", lines  # (its cgroups removed with it)
 
 
+def _joined(cgroup: str) -> None:
+  """Waits (at most 2 s) until a process is in `cgroup`."""
+  for _ in range(100):
+    if open(os.path.join(cgroup, "cgroup.procs")).read().split():
+      return
+    time.sleep(0.02)
+
+
 def test_a_sandboxs_cgroup_is_removed_once_the_processes_left_in_it_are_killed():
   """A timed-out command's processes, still exiting when a worker that is not root
   released its sandbox, kept the rmdir of its cgroups from working: they were left
@@ -306,10 +314,7 @@ def test_a_sandboxs_cgroup_is_removed_once_the_processes_left_in_it_are_killed()
     pytest.skip(f"cannot make a v1 memory cgroup here: {e}")
   proc = subprocess.Popen([*join_cgroups([path]), "sleep", "60"])
   try:
-    for _ in range(100):
-      if open(os.path.join(path, "cgroup.procs")).read().split():
-        break
-      time.sleep(0.02)
+    _joined(path)
     reaper = threading.Thread(target=proc.wait)
     reaper.start()
     assert remove_cgroup(path, wait_s=5.0)
@@ -341,10 +346,7 @@ def test_cgroups_a_worker_no_longer_running_left_are_removed_when_a_pool_starts(
     os.mkdir(path)
   left = subprocess.Popen([*join_cgroups([stale]), "sleep", "60"])
   try:
-    for _ in range(100):
-      if open(os.path.join(stale, "cgroup.procs")).read().split():
-        break
-      time.sleep(0.02)
+    _joined(stale)
     SandboxPool(1, cgroup_parents=[parent], allow_unisolated=True).close()
     assert not os.path.exists(stale) and not os.path.exists(probe)
     assert os.path.isdir(live) and os.path.isdir(other)
