@@ -274,12 +274,13 @@ class _Hidden(Exception):
   """A process of a command whose open files the host may not read."""
 
 
-def _not_dumpable(task: str, spare_init: bool) -> Optional[str]:
+def _not_dumpable(task: str, spare: Optional[int]) -> Optional[str]:
   """What to call the task at `task` (/proc/<pid>/task/<tid>), whose /proc files the host
   was refused, if it hides them (it is not dumpable), or None where it is leaving (a task
   without memory, exiting or a zombie, has its /proc files owned by root too, and its
-  descriptors about to go) or, with `spare_init`, where it is of its PID namespace's init
-  (the grader's harness, not dumpable so that the solution cannot reach it)."""
+  descriptors about to go) or is of the trusted init `spare` (a host pid: the grader's
+  harness, not dumpable so that the solution cannot reach it; its PID namespace's init
+  where the command has one, else the command's own first process)."""
   try:
     with open(f"{task}/status") as f:  # (readable by all)
       status = f.read()
@@ -287,14 +288,15 @@ def _not_dumpable(task: str, spare_init: bool) -> Optional[str]:
     return None  # (gone)
   if "\nVmSize:" not in status:
     return None
-  if spare_init and re.search(r"\nNStgid:.*\s1\n", status):
+  if spare is not None and (re.search(r"\nNStgid:.*\s1\n", status)
+                            or re.search(rf"\nTgid:\s{spare}\n", status)):
     return None
   name = status.partition("\n")[0].partition(":")[2].strip()
   return f"{name!r} (host pid {os.path.basename(task)})"
 
 
 def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
-                    spare_init: bool = False) -> int:
+                    spare: Optional[int] = None) -> int:
   """What the files of `device` that processes `pids` hold, open or mapped, and that no
   name holds any more, take on it (an unlinked file's blocks are freed only when the last
   descriptor and mapping of it go). Read thread by thread: a process whose first thread
@@ -306,7 +308,7 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
   FALLOC_FL_KEEP_SIZE, which takes blocks past a file's length, is refused by the
   seccomp filter). Raises `_Hidden` for a thread whose descriptors the host may not read
   (not dumpable: its process said so, or runs a program its user may not read), but a
-  trusted init's (`spare_init`: `_not_dumpable`)."""
+  trusted init's (`spare`: `_not_dumpable`)."""
   total, seen, mapped = 0, set(), {}  # (inode numbers; a readable task of each process)
   for p in pids:
     try:
@@ -318,7 +320,7 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
       try:
         fds = os.listdir(f"{task}/fd")
       except PermissionError:
-        if (hiding := _not_dumpable(task, spare_init)) is not None:
+        if (hiding := _not_dumpable(task, spare)) is not None:
           raise _Hidden(hiding) from None
         continue
       except OSError:
@@ -341,7 +343,7 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
       with open(f"{task}/maps") as f:
         maps = f.read()
     except PermissionError:
-      if (hiding := _not_dumpable(task, spare_init)) is not None:
+      if (hiding := _not_dumpable(task, spare)) is not None:
         raise _Hidden(hiding) from None
       continue
     except OSError:
@@ -762,8 +764,9 @@ class Sandbox:
                 spare_init: bool = False) -> Optional[str]:
     """Why the workspace is past its quota's bounds on the host's disk (more than
     `Limits.max_inodes` files and directories, more than `disk_bytes` taken, files that
-    the processes of command `pid` hold open after unlinking them included, or more
-    than `MAX_DEPTH` directories deep), or None. The walk (by descriptors: `_walk`)
+    the processes of command `pid` hold open or mapped after unlinking them included,
+    or more than `MAX_DEPTH` directories deep; a process of it whose files the host may
+    not read, but its trusted init with `spare_init`: `_unlinked_bytes`), or None. The walk (by descriptors: `_walk`)
     stops once past them. For a workspace without a quota of its own, where nothing
     else bounds it. `open_up`: directories whose mode shuts their owner out are opened
     (not while a command runs: its files are its own until it ends)."""
@@ -771,7 +774,7 @@ class Sandbox:
     try:
       on_disk = 0 if pid is None else _unlinked_bytes(
           _process_tree(pid), os.stat(self.host_path).st_dev, self.limits.file_bytes,
-          spare_init)
+          pid if spare_init else None)
       for entry in _walk(self.host_path, open_up):
         seen += 1
         if seen > self.limits.max_inodes:

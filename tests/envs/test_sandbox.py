@@ -490,7 +490,15 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
           "                      'ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); time.sleep(0.5)'],\n"
           "                     pid1=True, trusted_init=True)\n"
           "    print('init', r.ok, r.disk_exceeded)\n"
-          "asyncio.run(main())\npool.close()\n")
+          "asyncio.run(main())\npool.close()\n"
+          "pool = SandboxPool(1, root=sys.argv[1], isolation='rlimits', allow_unisolated=True)\n"
+          "async def unisolated():  # (no PID namespace: the init is the command's first)\n"
+          "  async with pool.acquire() as sb:\n"
+          "    r = await sb.run([sb.python, '-c', 'import ctypes, time; '\n"
+          "                      'ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); time.sleep(0.5)'],\n"
+          "                     pid1=True, trusted_init=True)\n"
+          "    print('init', r.ok, r.disk_exceeded)\n"
+          "asyncio.run(unisolated())\npool.close()\n")
   try:
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                         sys.executable, "-c", code, root, REPO, HIDDEN_FROM_THE_WATCH],
@@ -498,13 +506,13 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
   finally:
     shutil.rmtree(root, ignore_errors=True)
   lines = r.stdout.splitlines()
-  assert len(lines) == 5, r.stdout + r.stderr[-2000:]
+  assert len(lines) == 6, r.stdout + r.stderr[-2000:]
   assert lines[0] == f"mapped over {32 << 20} bytes on disk Operation not supported True"
   assert lines[1] == f"leader over {32 << 20} bytes on disk  True"
   hides = re.escape(" hides its open files from the disk watch (not dumpable)")
   assert re.fullmatch(f"unreadable process 's' \\(host pid \\d+\\){hides}  True", lines[2])
   assert re.fullmatch(f"prctl process 'python3' \\(host pid \\d+\\){hides} 0 True", lines[3])
-  assert lines[4] == "init True None"
+  assert lines[4:] == ["init True None"] * 2
 
 
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():
