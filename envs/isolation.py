@@ -226,13 +226,18 @@ SECCOMP_DENIED = (
 # memory a filter cannot read) answers ENOSYS, so that libc falls back to clone().
 _CLONE_NEW_NAMESPACES = 0x7E02_0080  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
 FALLOC_FL_KEEP_SIZE = 1
+_PR_SET_DUMPABLE = 4
 
 
 @functools.cache
-def seccomp_program() -> Optional[bytes]:
+def seccomp_program(dumpable: bool = True) -> Optional[bytes]:
   """The compiled filter (BPF, for this host's architecture; other ABIs' syscalls kill
   the process), or None where libseccomp is missing. Kept in memory: each command gets
-  its own copy (nothing on disk that a cleaner could remove from under a worker)."""
+  its own copy (nothing on disk that a cleaner could remove from under a worker).
+  `dumpable`: prctl(PR_SET_DUMPABLE, 0) answers success and does nothing (ssh-agent and
+  gpg-agent call it, and a process that is not dumpable hides its files from a non-root
+  worker's disk watch, which stops it); False for a command whose trusted init must not
+  be dumpable (the grader's harness: `Sandbox.run`'s trusted_init)."""
   try:
     import pyseccomp as sc  # ctypes over the system's libseccomp.so.2
     flt = sc.SyscallFilter(defaction=sc.ALLOW)
@@ -256,13 +261,21 @@ def seccomp_program() -> Optional[bytes]:
   # util-linux prlimit pass it) stay its own to set.
   with contextlib.suppress(ValueError, RuntimeError, OSError):
     flt.add_rule(eperm, "prlimit64", sc.Arg(0, sc.NE, 0))
-  # Blocks taken past a file's length, where RLIMIT_FSIZE does not reach: a file that the
-  # sandbox then maps, closes and unlinks is counted by a non-root worker's disk watch at
-  # the most a file may take (`envs.sandbox._unlinked_bytes`). EOPNOTSUPP: callers take it
-  # for a filesystem without it.
+  # fallocate only as posix_fallocate calls it (mode 0, bounded by RLIMIT_FSIZE) or to
+  # punch a hole (FALLOC_FL_PUNCH_HOLE | KEEP_SIZE: frees blocks): KEEP_SIZE alone takes
+  # blocks past a file's length and INSERT_RANGE grows a file past RLIMIT_FSIZE (8 GiB in
+  # one file, red team), where a non-root worker's disk watch counts a file it may not
+  # size (mapped, its descriptor closed) at the most a file may take
+  # (`envs.sandbox._unlinked_bytes`). EOPNOTSUPP: callers take it for a filesystem
+  # without the mode.
   with contextlib.suppress(ValueError, RuntimeError, OSError):
-    flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), "fallocate",
-                 sc.Arg(1, sc.MASKED_EQ, FALLOC_FL_KEEP_SIZE, FALLOC_FL_KEEP_SIZE))
+    flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), "fallocate", sc.Arg(1, sc.EQ, FALLOC_FL_KEEP_SIZE))
+    for bit in range(2, 32):
+      flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), "fallocate",
+                   sc.Arg(1, sc.MASKED_EQ, 1 << bit, 1 << bit))
+  if dumpable:
+    with contextlib.suppress(ValueError, RuntimeError, OSError):
+      flt.add_rule(sc.ERRNO(0), "prctl", sc.Arg(0, sc.EQ, _PR_SET_DUMPABLE), sc.Arg(1, sc.EQ, 0))
   with tempfile.TemporaryFile() as f:
     flt.export_bpf(f)
     f.seek(0)
@@ -417,9 +430,10 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
 
 def wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
           limits: Limits, run_dir: str, pid1: bool = False,
-          seccomp_fd: Optional[int] = None) -> list[str]:
+          seccomp_fd: Optional[int] = None, dumpable: bool = True) -> list[str]:
   """The host command that runs `argv` in `workspace` under isolation `mode` (the
-  seccomp filter: bwrap's from `seccomp_fd`, mountns's written into `run_dir`)."""
+  seccomp filter: bwrap's from `seccomp_fd`, mountns's `seccomp_program(dumpable)`
+  written into `run_dir`)."""
   if mode == "bwrap":
     return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd, uid)
   if mode == "mountns":
@@ -427,7 +441,7 @@ def wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
       raise ValueError("mountns isolation needs a sandbox uid (root)")
     root = os.path.join(run_dir, "root")
     os.makedirs(root, exist_ok=True)
-    program, bpf = seccomp_program(), None
+    program, bpf = seccomp_program(dumpable), None
     if program is not None:
       bpf = os.path.join(run_dir, "seccomp.bpf")
       with open(bpf, "wb") as f:
