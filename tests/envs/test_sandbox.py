@@ -552,6 +552,25 @@ def test_a_removed_directory_still_held_counts_on_the_disk():
     shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_disk_look_reads_a_bounded_number_of_mappings(monkeypatch):
+  """16 processes mapping a removed file 60,000 times each made every look of the disk
+  watch take 3 s (and every sandbox's looks wait on two threads: another sandbox's 1 GiB
+  was stopped 8.7 s late; red team). A look reads so many lines of /proc/<pid>/maps at
+  most; a command past them is stopped for it."""
+  import envs.sandbox as sandbox_mod
+
+  root = scratch_dir()
+  sb = Sandbox(os.path.join(root, "ws"), isolation="rlimits", limits=Limits(disk_bytes=1 << 20))
+  try:
+    assert sb.over_disk(os.getpid(), open_up=False) is None
+    monkeypatch.setattr(sandbox_mod, "_MAPPINGS_READ", 50)  # (this process maps more)
+    assert sb.over_disk(os.getpid(), open_up=False) == \
+        "its processes map over 50 regions, more than the disk watch reads"
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 # Files sent over a unix socket into its own queue, the socket closed: a cycle no process
 # holds, which keeps the files until the kernel's collector runs.
 IN_FLIGHT_CYCLE = r'''
