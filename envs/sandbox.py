@@ -148,12 +148,20 @@ class _TooDeep(Exception):
   pass
 
 
-def _walk(root: str, open_up: bool = True, max_depth: int = MAX_DEPTH):
+def _walk(root: str, open_up: bool = True, max_depth: int = MAX_DEPTH,
+          shut: Optional[list] = None):
   """Every entry under directory `root`, depth first, by descriptors (`_open_dir`; an
-  entry's `stat` reads it in its directory); what cannot be opened is skipped.
+  entry's `stat` reads it in its directory); what cannot be opened is skipped (and, with
+  `shut`, what its mode shuts to this process is named there, `root` itself included).
   `_TooDeep` past `max_depth` levels. One descriptor is held a level."""
   frames: list = []  # [descriptor, subdirectories still to walk, depth]
-  fd: Optional[int] = _open_dir(root, None, open_up)
+  try:
+    fd: Optional[int] = _open_dir(root, None, open_up)
+  except PermissionError:
+    if shut is None:
+      raise
+    shut.append(root)
+    return
   depth = 1
   try:
     while True:
@@ -177,8 +185,10 @@ def _walk(root: str, open_up: bool = True, max_depth: int = MAX_DEPTH):
         raise _TooDeep
       try:
         fd, depth = _open_dir(name, parent, open_up), level + 1
-      except OSError:
+      except OSError as e:
         fd = None
+        if shut is not None and isinstance(e, PermissionError):
+          shut.append(name)
   finally:
     for frame in frames:
       os.close(frame[0])
@@ -404,6 +414,17 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
   for i, bound in enumerate(sorted(reach.values())):
     total += min(bound, unsized) if i < _UNSIZED_SPARED else unsized
   return total
+
+
+# Workspaces without a quota of their own that live in this process (ids): while a
+# command shuts a directory to the disk watch, the disk may lose what they may all take.
+_UNQUOTED: set = set()
+
+
+def _shut_allowance(budget: int) -> int:
+  """What the disk may lose while a command shuts a directory to the watch: what every
+  workspace of this process without a quota may take (others' commands write too)."""
+  return budget * max(1, len(_UNQUOTED))
 
 
 # How /proc/<pid>/maps names a device (by the st_dev of a directory on it): as stat does,
@@ -651,6 +672,7 @@ class Sandbox:
       self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
       if not self._mounted:  # (for the disk watch)
         _learn_maps_device(os.path.dirname(self.host_path))
+        _UNQUOTED.add(id(self))
     except BaseException:
       self._release()
       raise
@@ -800,7 +822,8 @@ class Sandbox:
     _remove_tree(self.host_path, keep_root=True)
 
   def over_disk(self, pid: Optional[int] = None, open_up: bool = True,
-                spare_init: bool = False) -> Optional[str]:
+                spare_init: bool = False, free_at_start: Optional[int] = None
+                ) -> Optional[str]:
     """Why the workspace is past its quota's bounds on the host's disk (more than
     `Limits.max_inodes` files and directories, more than `disk_bytes` taken, files that
     the processes of command `pid` hold open or mapped after unlinking them included,
@@ -808,13 +831,16 @@ class Sandbox:
     not read, but its trusted init with `spare_init`: `_unlinked_bytes`), or None. The walk (by descriptors: `_walk`)
     stops once past them. For a workspace without a quota of its own, where nothing
     else bounds it. `open_up`: directories whose mode shuts their owner out are opened
-    (not while a command runs: its files are its own until it ends)."""
-    budget, seen = self.limits.disk_bytes, 0
+    (not while a command runs: its files are its own until it ends). `free_at_start`
+    (the disk's free bytes when the command started): a directory shut to the look while
+    the disk lost more than every workspace of this process may take
+    (`_shut_allowance`) is past the bounds too."""
+    budget, seen, shut = self.limits.disk_bytes, 0, []
     try:
       on_disk = 0 if pid is None else _unlinked_bytes(
           _process_tree(pid), os.stat(self.host_path).st_dev, self.limits.file_bytes,
           pid if spare_init else None, budget)
-      for entry in _walk(self.host_path, open_up):
+      for entry in _walk(self.host_path, open_up, shut=shut):
         seen += 1
         if seen > self.limits.max_inodes:
           return f"over {self.limits.max_inodes} files and directories"
@@ -828,7 +854,17 @@ class Sandbox:
       return str(e)
     except OSError:
       pass  # (the workspace itself gone: nothing of it on the disk)
-    return f"over {budget} bytes on disk" if on_disk > budget else None
+    if on_disk > budget:
+      return f"over {budget} bytes on disk"
+    if shut and free_at_start is not None:
+      with contextlib.suppress(OSError):
+        st = os.statvfs(self.host_path)
+        lost, allowance = free_at_start - st.f_bavail * st.f_frsize, _shut_allowance(budget)
+        if lost > allowance:
+          name = "the workspace" if shut[0] == self.host_path else f"directory {shut[0]!r}"
+          return (f"{name} shut to the disk watch while the disk lost {lost} bytes "
+                  f"(over {allowance})")
+    return None
 
   async def _watch_disk(self, proc, over: list, spare_init: bool) -> None:
     """Stops a running command whose workspace goes past its bounds on the host's disk
@@ -836,13 +872,16 @@ class Sandbox:
     disk until its time ran out, and every other sandbox's grading failed meanwhile).
     A look is due 0.1 s after the last, or ten times as long as it took, at most 1 s
     (two threads serve every sandbox's looks: under load they queue). A directory shut
-    to its owner is not opened while the command runs: the look after it ends counts
-    what it holds."""
+    to its owner is not opened while the command runs (the look after it ends counts
+    what it holds), but the disk's free space is watched meanwhile (`over_disk`'s
+    `free_at_start`: a red team's command held 1 GiB so for its whole time)."""
     loop, pause = asyncio.get_running_loop(), 0.1
+    st = os.statvfs(self.host_path)
+    free = st.f_bavail * st.f_frsize
 
     def look():
       t = time.perf_counter()
-      return self.over_disk(proc.pid, False, spare_init), time.perf_counter() - t
+      return self.over_disk(proc.pid, False, spare_init, free), time.perf_counter() - t
 
     while True:
       await asyncio.sleep(pause)
@@ -859,6 +898,7 @@ class Sandbox:
     _remove_tree(self.host_path)
 
   def _release(self) -> None:
+    _UNQUOTED.discard(id(self))
     if getattr(self, "_logs", None):
       shutil.rmtree(self._logs, ignore_errors=True)
       self._logs = None

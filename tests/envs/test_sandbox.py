@@ -595,6 +595,40 @@ def test_files_left_in_flight_by_a_command_are_freed_when_it_ends():
   after it ended (until the next close of a unix socket on the host; red team). The
   worker closes one after each command: its workspace's disk (a tmpfs of 256 MiB here,
   so that nothing else writes to it) is back where it was."""
+  r = _run_as_nobody_on_a_tmpfs(IN_FLIGHT_CYCLE)
+  assert r.stdout.split() == ["True", "None", "0"], r.stdout + r.stderr[-2000:]
+
+
+# Writes 64 MiB below a directory it shuts to its owner (and so to a non-root worker's disk
+# watch), then waits.
+SHUT_AND_FILL = r'''
+import os, time
+os.mkdir("d")
+os.chmod("d", 0o300)
+for i in range(4):  # (a file may take 16 MiB)
+  with open(f"d/f{i}", "wb") as f:
+    f.write(b"x" * ((16 << 20) - 4096))
+time.sleep(20)
+'''
+
+
+@needs_isolation
+def test_a_directory_shut_to_the_disk_watch_while_the_disk_fills_stops_the_command():
+  """A command that shut a directory to its owner (mode 0300) while it ran kept the disk
+  watch from counting what it wrote there: 1 GiB held for the command's whole time,
+  counted only by the look at its end (red team). While a directory is shut, the disk's
+  free space is watched: losing more than every workspace may take stops it."""
+  r = _run_as_nobody_on_a_tmpfs(SHUT_AND_FILL)
+  words = r.stdout.split()
+  assert words[:2] == ["False", "directory"] and "shut to the disk watch" in r.stdout, \
+      r.stdout + r.stderr[-2000:]
+  assert words[-1] == "0", r.stdout  # (the workspace emptied)
+
+
+def _run_as_nobody_on_a_tmpfs(script: str) -> subprocess.CompletedProcess:
+  """Runs `script` in a sandbox of a worker that is user 65534, its workspaces on a tmpfs
+  of 256 MiB (nothing else writes there), and prints whether it ran clean, its
+  `disk_exceeded`, and the MiB its disk holds more than before, half a second after."""
   skip_unless_nobody_runs_python()
   top = tempfile.mkdtemp(prefix="jaxagent-test-")
   os.chmod(top, 0o755)
@@ -611,20 +645,19 @@ def test_files_left_in_flight_by_a_command_are_freed_when_it_ends():
           "  return (s.f_blocks - s.f_bfree) * s.f_frsize >> 20\n"
           "async def main():\n"
           "  async with pool.acquire() as sb:\n"
-          "    sb.write_file('cycle.py', sys.argv[3])\n"
+          "    sb.write_file('script.py', sys.argv[3])\n"
           "    before = used()\n"
-          "    r = await sb.run([sb.python, 'cycle.py'], timeout=20)\n"
+          "    r = await sb.run([sb.python, 'script.py'], timeout=20)\n"
           "    await asyncio.sleep(0.5)\n"
-          "    print(r.ok, r.stderr.strip()[-300:], used() - before)\n"
+          "    print(r.ok, r.disk_exceeded, used() - before)\n"
           "asyncio.run(main())\npool.close()\n")
   try:
-    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                        sys.executable, "-c", code, os.path.join(disk, "ws"), REPO,
-                        IN_FLIGHT_CYCLE], capture_output=True, text=True, timeout=120)
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-c", code, os.path.join(disk, "ws"), REPO, script],
+                          capture_output=True, text=True, timeout=120)
   finally:
     subprocess.run(["umount", "-l", disk], check=False)
     shutil.rmtree(top, ignore_errors=True)
-  assert r.stdout.split() == ["True", "0"], r.stdout + r.stderr[-2000:]
 
 
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():
