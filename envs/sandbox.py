@@ -828,13 +828,13 @@ class Sandbox:
     `Limits.max_inodes` files and directories, more than `disk_bytes` taken, files that
     the processes of command `pid` hold open or mapped after unlinking them included,
     or more than `MAX_DEPTH` directories deep; a process of it whose files the host may
-    not read, but its trusted init with `spare_init`: `_unlinked_bytes`), or None. The walk (by descriptors: `_walk`)
-    stops once past them. For a workspace without a quota of its own, where nothing
-    else bounds it. `open_up`: directories whose mode shuts their owner out are opened
-    (not while a command runs: its files are its own until it ends). `free_at_start`
-    (the disk's free bytes when the command started): a directory shut to the look while
-    the disk lost more than every workspace of this process may take
-    (`_shut_allowance`) is past the bounds too."""
+    not read, but its trusted init with `spare_init`: `_unlinked_bytes`), or None. The
+    walk (by descriptors: `_walk`) stops once past them. For a workspace without a quota
+    of its own, where nothing else bounds it. `open_up`: directories whose mode shuts
+    their owner out are opened (not while a command runs: its files are its own until it
+    ends). `free_at_start` (the disk's free bytes when the command started): a directory
+    shut to the look while the disk lost more than every workspace of this process may
+    take (`_shut_allowance`) is past the bounds too."""
     budget, seen, shut = self.limits.disk_bytes, 0, []
     try:
       on_disk = 0 if pid is None else _unlinked_bytes(
@@ -875,9 +875,10 @@ class Sandbox:
     to its owner is not opened while the command runs (the look after it ends counts
     what it holds), but the disk's free space is watched meanwhile (`over_disk`'s
     `free_at_start`: a red team's command held 1 GiB so for its whole time)."""
-    loop, pause = asyncio.get_running_loop(), 0.1
-    st = os.statvfs(self.host_path)
-    free = st.f_bavail * st.f_frsize
+    loop, pause, free = asyncio.get_running_loop(), 0.1, None
+    with contextlib.suppress(OSError):
+      st = os.statvfs(self.host_path)
+      free = st.f_bavail * st.f_frsize
 
     def look():
       t = time.perf_counter()

@@ -582,7 +582,8 @@ for i in range(8):
   a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
   os.close(fd)
   os.unlink(f"f{i}")
-a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno(), b.fileno()]))])
+pair = array.array("i", [a.fileno(), b.fileno()])
+a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, pair)])
 a.close()
 b.close()
 '''
