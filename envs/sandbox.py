@@ -307,9 +307,10 @@ def _not_dumpable(task: str, spare: Optional[int]) -> Optional[str]:
 
 
 # Files a non-root worker may not size (mapped, the descriptor closed, the name gone) that
-# count only as much as their mappings reach, a command's first few: a library that a
-# process loaded is rebuilt (the linker unlinks the old file while it stays mapped).
-_UNSIZED_SPARED = 4
+# count only as far as one of their mappings reaches, a command's first few: libraries
+# that a process loaded are rebuilt (the linker unlinks the old file while it stays
+# mapped; 8 rebuilt ones stopped a command that held under 1 MiB).
+_UNSIZED_SPARED = 16
 # Lines of /proc/<pid>/maps a look reads for a command, all its processes together (a
 # Python process maps a few hundred regions; a look reads 60,000 in about 35 ms).
 _MAPPINGS_READ = 200_000
@@ -319,7 +320,8 @@ _DELETED_MAPPING = re.compile(
 
 
 def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
-                    spare: Optional[int] = None, stop_past: float = math.inf) -> int:
+                    spare: Optional[int] = None, stop_past: float = math.inf
+                    ) -> tuple[int, int]:
   """What the files and directories of `device` that processes `pids` hold (open, mapped,
   or as a task's working directory or root) and that no name holds any more take on it
   (an unlinked file's blocks are freed only when the last descriptor and mapping of it
@@ -330,7 +332,9 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
   (`/proc/<pid>/map_files`: only root follows its links) counts as `unsized` bytes, the
   most a command may write to one file (`Limits.file_bytes`, RLIMIT_FSIZE; the seccomp
   filter refuses the fallocate modes that take blocks past a file's length or grow it
-  past the limit), but `_UNSIZED_SPARED` of them, as far as their mappings reach. Raises
+  past the limit), but `_UNSIZED_SPARED` of them, as far as one of their mappings reaches
+  (how many: the second number returned; what they hide is left to `over_disk`'s watch
+  of the disk's free space). Raises
   `_Hidden` for a thread whose descriptors the host may not read (not dumpable: it runs
   a program its user may not read), but a trusted init's (`spare`: `_not_dumpable`).
   Returns early once what it counts of such files is past `stop_past`."""
@@ -375,7 +379,7 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
   # look take 3 s, and every sandbox's looks wait on two threads.
   want = _MAPS_DEVICES.get(device) or f"{os.major(device):02x}:{os.minor(device):02x}"
   reach: dict[int, int] = {}  # (of each file not sized: as far as one mapping reaches)
-  lines = 0
+  lines, sizable = 0, os.geteuid() == 0  # (only root may stat /proc/<pid>/map_files)
   for p, task in mapped.items():
     try:
       with open(f"{task}/maps") as f:
@@ -399,21 +403,22 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
       ino = int(inode)
       if dev != want or ino in seen or ino in reach:
         continue
-      try:
-        st = os.stat(f"/proc/{p}/map_files/{start}-{stop}")
-        if st.st_nlink == 0:
-          seen.add(ino)
-          total += st.st_blocks * 512
-      except PermissionError:
-        reach[ino] = int(offset, 16) + int(stop, 16) - int(start, 16)
-        if len(reach) > _UNSIZED_SPARED and total + (len(reach) - _UNSIZED_SPARED) * unsized \
-            > stop_past:
-          return total + (len(reach) - _UNSIZED_SPARED) * unsized  # (past it: enough)
-      except OSError:
-        continue
+      if sizable:
+        try:
+          st = os.stat(f"/proc/{p}/map_files/{start}-{stop}")
+          if st.st_nlink == 0:
+            seen.add(ino)
+            total += st.st_blocks * 512
+          continue
+        except OSError:
+          pass  # (remapped meanwhile: a red team resized its mappings to miss the stat)
+      reach[ino] = int(offset, 16) + int(stop, 16) - int(start, 16)
+      if len(reach) > _UNSIZED_SPARED and total + (len(reach) - _UNSIZED_SPARED) * unsized \
+          > stop_past:  # (past it: enough)
+        return total + (len(reach) - _UNSIZED_SPARED) * unsized, _UNSIZED_SPARED
   for i, bound in enumerate(sorted(reach.values())):
     total += min(bound, unsized) if i < _UNSIZED_SPARED else unsized
-  return total
+  return total, min(len(reach), _UNSIZED_SPARED)
 
 
 # Workspaces without a quota of their own that live in this process (ids): while a
@@ -822,7 +827,7 @@ class Sandbox:
     _remove_tree(self.host_path, keep_root=True)
 
   def over_disk(self, pid: Optional[int] = None, open_up: bool = True,
-                spare_init: bool = False, free_at_start: Optional[int] = None
+                spare_init: bool = False, start: Optional[tuple[int, int]] = None
                 ) -> Optional[str]:
     """Why the workspace is past its quota's bounds on the host's disk (more than
     `Limits.max_inodes` files and directories, more than `disk_bytes` taken, files that
@@ -832,20 +837,27 @@ class Sandbox:
     walk (by descriptors: `_walk`) stops once past them. For a workspace without a quota
     of its own, where nothing else bounds it. `open_up`: directories whose mode shuts
     their owner out are opened (not while a command runs: its files are its own until it
-    ends). `free_at_start` (the disk's free bytes when the command started): a directory
-    shut to the look while the disk lost more than every workspace of this process may
-    take (`_shut_allowance`) is past the bounds too."""
-    budget, seen, shut = self.limits.disk_bytes, 0, []
+    ends). `start` (what the workspace took and the disk had free when the command
+    started, `_taken` and statvfs): where a directory is shut to the look, or mapped
+    files it cannot size are spared, a disk that lost more than the workspace shows,
+    past what every workspace of this process may take (`_shut_allowance`), is past the
+    bounds too."""
+    budget, seen, shut, spared, on_disk = self.limits.disk_bytes, 0, [], 0, 0
     try:
-      on_disk = 0 if pid is None else _unlinked_bytes(
-          _process_tree(pid), os.stat(self.host_path).st_dev, self.limits.file_bytes,
-          pid if spare_init else None, budget)
+      if pid is not None:
+        on_disk, spared = _unlinked_bytes(
+            _process_tree(pid), os.stat(self.host_path).st_dev, self.limits.file_bytes,
+            pid if spare_init else None, budget)
       for entry in _walk(self.host_path, open_up, shut=shut):
         seen += 1
         if seen > self.limits.max_inodes:
           return f"over {self.limits.max_inodes} files and directories"
-        with contextlib.suppress(OSError):
+        try:
           on_disk += entry.stat(follow_symlinks=False).st_blocks * 512
+        except PermissionError:  # (its directory opens, but shuts its entries: 0600)
+          shut.append(entry.name)
+        except OSError:
+          pass
         if on_disk > budget:
           return f"over {budget} bytes on disk"
     except _TooDeep:
@@ -856,15 +868,30 @@ class Sandbox:
       pass  # (the workspace itself gone: nothing of it on the disk)
     if on_disk > budget:
       return f"over {budget} bytes on disk"
-    if shut and free_at_start is not None:
+    if (shut or spared) and start is not None:
       with contextlib.suppress(OSError):
         st = os.statvfs(self.host_path)
-        lost, allowance = free_at_start - st.f_bavail * st.f_frsize, _shut_allowance(budget)
-        if lost > allowance:
-          name = "the workspace" if shut[0] == self.host_path else f"directory {shut[0]!r}"
-          return (f"{name} shut to the disk watch while the disk lost {lost} bytes "
-                  f"(over {allowance})")
+        # (what the disk lost that the workspace does not show: its files freed at the
+        # start count back, so that they cannot make room for what it hides)
+        lost = start[1] - st.f_bavail * st.f_frsize - (on_disk - start[0])
+        if lost > (allowance := _shut_allowance(budget)):
+          what = (f"{spared} removed files mapped whose size it cannot read" if not shut else
+                  "the workspace" if shut[0] == self.host_path else f"directory {shut[0]!r}")
+          return (f"{what} hidden from the disk watch while the disk lost {lost} bytes more "
+                  f"than the workspace shows (over {allowance})")
     return None
+
+  def _taken(self) -> int:
+    """What the workspace's files take on the disk as a running command's look sees them
+    (no directory opened up)."""
+    total = 0
+    with contextlib.suppress(OSError, _TooDeep):
+      for n, entry in enumerate(_walk(self.host_path, False, shut=[])):
+        if n > self.limits.max_inodes:
+          break
+        with contextlib.suppress(OSError):
+          total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
 
   async def _watch_disk(self, proc, over: list, spare_init: bool) -> None:
     """Stops a running command whose workspace goes past its bounds on the host's disk
@@ -874,15 +901,21 @@ class Sandbox:
     (two threads serve every sandbox's looks: under load they queue). A directory shut
     to its owner is not opened while the command runs (the look after it ends counts
     what it holds), but the disk's free space is watched meanwhile (`over_disk`'s
-    `free_at_start`: a red team's command held 1 GiB so for its whole time)."""
-    loop, pause, free = asyncio.get_running_loop(), 0.1, None
-    with contextlib.suppress(OSError):
-      st = os.statvfs(self.host_path)
-      free = st.f_bavail * st.f_frsize
+    `start`: a red team's command held 1 GiB so for its whole time)."""
+    loop, pause = asyncio.get_running_loop(), 0.1
+
+    def baseline() -> Optional[tuple[int, int]]:
+      taken = self._taken()  # (first: files freed in between then count as hidden)
+      with contextlib.suppress(OSError):
+        st = os.statvfs(self.host_path)
+        return taken, st.f_bavail * st.f_frsize
+      return None
+
+    start = await loop.run_in_executor(_WATCH_THREADS, baseline)
 
     def look():
       t = time.perf_counter()
-      return self.over_disk(proc.pid, False, spare_init, free), time.perf_counter() - t
+      return self.over_disk(proc.pid, False, spare_init, start), time.perf_counter() - t
 
     while True:
       await asyncio.sleep(pause)

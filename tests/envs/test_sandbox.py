@@ -545,7 +545,7 @@ def test_a_removed_directory_still_held_counts_on_the_disk():
   try:
     assert os.read(r, 1) == b"x" and not os.path.exists(held)
     device = os.stat(root).st_dev
-    assert blocks > 100_000 and _unlinked_bytes([pid], device, 16 << 20) == blocks
+    assert blocks > 100_000 and _unlinked_bytes([pid], device, 16 << 20) == (blocks, 0)
   finally:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
@@ -600,35 +600,52 @@ def test_files_left_in_flight_by_a_command_are_freed_when_it_ends():
   assert r.stdout.split() == ["True", "None", "0"], r.stdout + r.stderr[-2000:]
 
 
-# Writes 64 MiB below a directory it shuts to its owner (and so to a non-root worker's disk
-# watch), then waits.
-SHUT_AND_FILL = r'''
-import os, time
-os.mkdir("d")
-os.chmod("d", 0o300)
-for i in range(4):  # (a file may take 16 MiB)
-  with open(f"d/f{i}", "wb") as f:
-    f.write(b"x" * ((16 << 20) - 4096))
+# Writes 64 MiB below a directory it shuts to its owner (no search bit, so a non-root
+# worker's disk watch cannot open it; then, with 0600, opens it with its entries still
+# shut), or keeps four files of 15 MiB by a page mapped of each (a non-root worker
+# cannot size them), and waits.
+HIDDEN_BY_MODES_OR_MAPPINGS = r'''
+import ctypes, os, sys, time
+if sys.argv[1] == "mapped":
+  libc = ctypes.CDLL(None)
+  libc.mmap.restype = ctypes.c_void_p
+  libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_int, ctypes.c_long)
+  for i in range(4):
+    fd = os.open(f"m{i}", os.O_CREAT | os.O_RDWR, 0o600)
+    os.write(fd, b"x" * (15 << 20))
+    libc.mmap(None, 4096, 1, 1, fd, 0)
+    os.close(fd)
+    os.unlink(f"m{i}")
+else:
+  os.mkdir("d")
+  os.chmod("d", 0o300)
+  for i in range(4):  # (a file may take 16 MiB)
+    with open(f"d/f{i}", "wb") as f:
+      f.write(b"x" * ((16 << 20) - 4096))
+  os.chmod("d", int(sys.argv[1], 8))
 time.sleep(20)
 '''
 
 
 @needs_isolation
-def test_a_directory_shut_to_the_disk_watch_while_the_disk_fills_stops_the_command():
-  """A command that shut a directory to its owner (mode 0300) while it ran kept the disk
-  watch from counting what it wrote there: 1 GiB held for the command's whole time,
-  counted only by the look at its end (red team). While a directory is shut, the disk's
-  free space is watched: losing more than every workspace may take stops it."""
-  r = _run_as_nobody_on_a_tmpfs(SHUT_AND_FILL)
-  words = r.stdout.split()
-  assert words[:2] == ["False", "directory"] and "shut to the disk watch" in r.stdout, \
-      r.stdout + r.stderr[-2000:]
-  assert words[-1] == "0", r.stdout  # (the workspace emptied)
+@pytest.mark.parametrize("how", ["300", "600", "mapped"])
+def test_disk_hidden_from_the_watch_is_seen_in_the_disks_free_space(how):
+  """A command that shut a directory to its owner while it ran (0300: the watch cannot
+  open it; 0600: it opens, its entries do not) kept the disk watch from counting what it
+  wrote there: 1 GiB, 256 MiB held for the command's whole time, counted only by the
+  look at its end; four files a non-root worker cannot size (mapped, closed, removed)
+  hid 60 MiB (red teams). Meanwhile the disk's free space is watched: losing more than
+  the workspace shows, past what every workspace may take, stops the command."""
+  r = _run_as_nobody_on_a_tmpfs(HIDDEN_BY_MODES_OR_MAPPINGS, how)
+  assert r.stdout.split()[0] == "False" and "hidden from the disk watch while the disk " \
+      "lost" in r.stdout, r.stdout + r.stderr[-2000:]
+  assert r.stdout.split()[-1] == "0", r.stdout  # (the workspace emptied)
 
 
-def _run_as_nobody_on_a_tmpfs(script: str) -> subprocess.CompletedProcess:
-  """Runs `script` in a sandbox of a worker that is user 65534, its workspaces on a tmpfs
-  of 256 MiB (nothing else writes there), and prints whether it ran clean, its
+def _run_as_nobody_on_a_tmpfs(script: str, *args: str) -> subprocess.CompletedProcess:
+  """Runs `script` with `args` in a sandbox of a worker that is user 65534, its workspaces
+  on a tmpfs of 256 MiB (nothing else writes there), and prints whether it ran clean, its
   `disk_exceeded`, and the MiB its disk holds more than before, half a second after."""
   skip_unless_nobody_runs_python()
   top = tempfile.mkdtemp(prefix="jaxagent-test-")
@@ -648,13 +665,14 @@ def _run_as_nobody_on_a_tmpfs(script: str) -> subprocess.CompletedProcess:
           "  async with pool.acquire() as sb:\n"
           "    sb.write_file('script.py', sys.argv[3])\n"
           "    before = used()\n"
-          "    r = await sb.run([sb.python, 'script.py'], timeout=20)\n"
+          "    r = await sb.run([sb.python, 'script.py', *sys.argv[4:]], timeout=20)\n"
           "    await asyncio.sleep(0.5)\n"
           "    print(r.ok, r.disk_exceeded, used() - before)\n"
           "asyncio.run(main())\npool.close()\n")
   try:
     return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                           sys.executable, "-c", code, os.path.join(disk, "ws"), REPO, script],
+                           sys.executable, "-c", code, os.path.join(disk, "ws"), REPO, script,
+                           *args],
                           capture_output=True, text=True, timeout=120)
   finally:
     subprocess.run(["umount", "-l", disk], check=False)
