@@ -274,8 +274,31 @@ def seccomp_program(dumpable: bool = True) -> Optional[bytes]:
       flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), "fallocate",
                    sc.Arg(1, sc.MASKED_EQ, 1 << bit, 1 << bit))
   if dumpable:
-    with contextlib.suppress(ValueError, RuntimeError, OSError):
-      flt.add_rule(sc.ERRNO(0), "prctl", sc.Arg(0, sc.EQ, _PR_SET_DUMPABLE), sc.Arg(1, sc.EQ, 0))
+    _keep_dumpable(flt, sc)
+  return _compiled(flt)
+
+
+@functools.cache
+def seccomp_keep_dumpable() -> Optional[bytes]:
+  """A filter of its own, stacked on a command's, under which prctl(PR_SET_DUMPABLE, 0)
+  answers success and does nothing: a trusted init that made itself not dumpable loads it
+  for the processes it starts (the grader's harness: a solution's tests that started
+  ssh-agent stopped its grading). None where libseccomp is missing."""
+  try:
+    import pyseccomp as sc
+    flt = sc.SyscallFilter(defaction=sc.ALLOW)
+  except (ImportError, OSError, RuntimeError):
+    return None
+  _keep_dumpable(flt, sc)
+  return _compiled(flt)
+
+
+def _keep_dumpable(flt, sc) -> None:
+  with contextlib.suppress(ValueError, RuntimeError, OSError):
+    flt.add_rule(sc.ERRNO(0), "prctl", sc.Arg(0, sc.EQ, _PR_SET_DUMPABLE), sc.Arg(1, sc.EQ, 0))
+
+
+def _compiled(flt) -> bytes:
   with tempfile.TemporaryFile() as f:
     flt.export_bpf(f)
     f.seek(0)

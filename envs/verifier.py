@@ -57,6 +57,7 @@ from typing import Any, Optional, Sequence
 
 from envs import values, waits
 from envs.base import Verdict, VerdictStatus
+from envs.isolation import seccomp_keep_dumpable
 from envs.sandbox import ExecResult, Sandbox, SandboxPool
 
 # 3: the report is capped to what the host keeps; 4: values nested past what the host
@@ -65,8 +66,9 @@ from envs.sandbox import ExecResult, Sandbox, SandboxPool
 # compare exactly; 6: the workspace first on the solution's `sys.path`; 7: a grading
 # workspace without a quota that the solution fills past its bounds is a fail; no
 # bytecode is written. 8: a dict subclass (a Counter) grades as the dict it holds. 9: the
-# solution's process stays dumpable (a non-root worker's disk watch sees its files).
-VERSION = "python-harness-9"
+# solution's process stays dumpable (a non-root worker's disk watch sees its files). 10:
+# the solution's prctl(PR_SET_DUMPABLE, 0) does nothing (ssh-agent in its tests).
+VERSION = "python-harness-10"
 
 _HARNESS_BODY = r'''
 import ctypes, importlib, os, select, signal, sys
@@ -79,6 +81,14 @@ except Exception:
 report = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 spec = json.loads(sys.stdin.read())
+if spec.get("seccomp"):  # for the solution: prctl(PR_SET_DUMPABLE, 0) does nothing
+  class _Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+  _bpf = bytes.fromhex(spec["seccomp"])
+  _buf = ctypes.create_string_buffer(_bpf, len(_bpf))
+  _program = _Program(len(_bpf) // 8, ctypes.cast(_buf, ctypes.c_void_p))
+  ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # (no_new_privs: bwrap set it already)
+  ctypes.CDLL(None).prctl(22, 2, ctypes.byref(_program), 0, 0)  # (best effort)
 report.write("START\n")
 report.flush()
 r, w = os.pipe()
@@ -192,12 +202,15 @@ class HiddenTests:
   cases: Sequence[tuple[tuple, Any]]
   module: str = "solution"
 
-  def harness_input(self, max_report_bytes: int, max_report_line: int) -> bytes:
-    """What the sandbox gets: the arguments only, never the expected values."""
+  def harness_input(self, max_report_bytes: int, max_report_line: int,
+                    seccomp: Optional[bytes] = None) -> bytes:
+    """What the sandbox gets: the arguments only, never the expected values (and the
+    filter the harness loads for the solution: `seccomp_keep_dumpable`)."""
     return json.dumps({"module": self.module, "function": self.function,
                        "args": [values.encode(tuple(a)) for a, _ in self.cases],
                        "max_report_bytes": max_report_bytes,
-                       "max_report_line": max_report_line}).encode()
+                       "max_report_line": max_report_line,
+                       "seccomp": seccomp.hex() if seccomp else None}).encode()
 
 
 @functools.cache
@@ -348,6 +361,7 @@ class PythonTestVerifier:
     # The report line must fit in what the sandbox keeps of stdout (after "START\n").
     report_line = sb.limits.output_budget - 64
     result = await sb.run([sb.python, "-I", "-B", "-c", harness_source()], timeout=self.timeout_s,
-                          stdin=tests.harness_input(self.max_report_bytes, report_line),
+                          stdin=tests.harness_input(self.max_report_bytes, report_line,
+                                                    seccomp_keep_dumpable()),
                           pid1=True, trusted_init=True)
     return classify(result, tests, env_version)
