@@ -319,6 +319,14 @@ _DELETED_MAPPING = re.compile(
     re.M)
 
 
+def _refused(task: str, spare: Optional[int]) -> None:
+  """Raises `_Hidden` where the host was refused the /proc files of `task` because it
+  hides them (`_not_dumpable`); returns where it is leaving or spared."""
+  if (hiding := _not_dumpable(task, spare)) is not None:
+    raise _Hidden(f"process {hiding} hides its open files from the disk watch "
+                  "(not dumpable)")
+
+
 def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
                     spare: Optional[int] = None, stop_past: float = math.inf
                     ) -> tuple[int, int]:
@@ -361,9 +369,7 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
       try:
         fds = os.listdir(f"{task}/fd")
       except PermissionError:
-        if (hiding := _not_dumpable(task, spare)) is not None:
-          raise _Hidden(f"process {hiding} hides its open files from the disk watch "
-                      "(not dumpable)") from None
+        _refused(task, spare)
         continue
       except OSError:
         continue
@@ -385,9 +391,7 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
       with open(f"{task}/maps") as f:
         maps = f.read()
     except PermissionError:
-      if (hiding := _not_dumpable(task, spare)) is not None:
-        raise _Hidden(f"process {hiding} hides its open files from the disk watch "
-                      "(not dumpable)") from None
+      _refused(task, spare)
       continue
     except OSError:
       continue

@@ -532,23 +532,17 @@ def test_a_removed_directory_still_held_counts_on_the_disk():
   for i in range(3000):
     open(os.path.join(held, f"{i:08d}" + "n" * 200), "w").close()
   blocks = os.stat(held).st_blocks * 512
-  r, w = os.pipe()
-  pid = os.fork()
-  if pid == 0:  # holds it as its working directory once it is empty and removed
-    os.chdir(held)
-    for name in os.listdir("."):
-      os.unlink(name)
-    os.rmdir(held)
-    os.write(w, b"x")
-    time.sleep(30)
-    os._exit(0)
+  holder = subprocess.Popen(  # holds it as its working directory, emptied and removed
+      [sys.executable, "-c", "import os, sys, time\nos.chdir(sys.argv[1])\n"
+       "for name in os.listdir('.'):\n  os.unlink(name)\nos.rmdir(sys.argv[1])\n"
+       "print('held', flush=True)\ntime.sleep(30)\n", held], stdout=subprocess.PIPE, text=True)
   try:
-    assert os.read(r, 1) == b"x" and not os.path.exists(held)
+    assert holder.stdout.readline() == "held\n" and not os.path.exists(held)
     device = os.stat(root).st_dev
-    assert blocks > 100_000 and _unlinked_bytes([pid], device, 16 << 20) == (blocks, 0)
+    assert blocks > 100_000 and _unlinked_bytes([holder.pid], device, 16 << 20) == (blocks, 0)
   finally:
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
+    holder.kill()
+    holder.wait()
     shutil.rmtree(root, ignore_errors=True)
 
 
