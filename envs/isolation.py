@@ -238,11 +238,9 @@ def seccomp_program(dumpable: bool = True) -> Optional[bytes]:
   gpg-agent call it, and a process that is not dumpable hides its files from a non-root
   worker's disk watch, which stops it); False for a command whose trusted init must not
   be dumpable (the grader's harness: `Sandbox.run`'s trusted_init)."""
-  try:
-    import pyseccomp as sc  # ctypes over the system's libseccomp.so.2
-    flt = sc.SyscallFilter(defaction=sc.ALLOW)
-  except (ImportError, OSError, RuntimeError):
+  if (made := _new_filter()) is None:
     return None
+  flt, sc = made
   eperm = sc.ERRNO(errno.EPERM)
   for name in SECCOMP_DENIED:
     try:
@@ -284,13 +282,21 @@ def seccomp_keep_dumpable() -> Optional[bytes]:
   answers success and does nothing: a trusted init that made itself not dumpable loads it
   for the processes it starts (the grader's harness: a solution's tests that started
   ssh-agent stopped its grading). None where libseccomp is missing."""
-  try:
-    import pyseccomp as sc
-    flt = sc.SyscallFilter(defaction=sc.ALLOW)
-  except (ImportError, OSError, RuntimeError):
+  if (made := _new_filter()) is None:
     return None
+  flt, sc = made
   _keep_dumpable(flt, sc)
   return _compiled(flt)
+
+
+def _new_filter():
+  """(an empty filter that allows every syscall, the pyseccomp module), or None where
+  libseccomp is missing."""
+  try:
+    import pyseccomp as sc  # ctypes over the system's libseccomp.so.2
+    return sc.SyscallFilter(defaction=sc.ALLOW), sc
+  except (ImportError, OSError, RuntimeError):
+    return None
 
 
 def _keep_dumpable(flt, sc) -> None:

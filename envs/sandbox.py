@@ -430,6 +430,12 @@ def _unlinked_bytes(pids: Sequence[int], device: int, unsized: int,
 _UNQUOTED: set = set()
 
 
+def _free_bytes(path: str) -> int:
+  """What the disk holding `path` has free for a process that is not root."""
+  st = os.statvfs(path)
+  return st.f_bavail * st.f_frsize
+
+
 def _shut_allowance(budget: int) -> int:
   """What the disk may lose while a command shuts a directory to the watch: what every
   workspace of this process without a quota may take (others' commands write too)."""
@@ -846,26 +852,18 @@ class Sandbox:
     files it cannot size are spared, a disk that lost more than the workspace shows,
     past what every workspace of this process may take (`_shut_allowance`), is past the
     bounds too."""
-    budget, seen, shut, spared, on_disk = self.limits.disk_bytes, 0, [], 0, 0
+    budget, shut, spared, on_disk = self.limits.disk_bytes, [], 0, 0
     try:
       if pid is not None:
         on_disk, spared = _unlinked_bytes(
             _process_tree(pid), os.stat(self.host_path).st_dev, self.limits.file_bytes,
             pid if spare_init else None, budget)
-      for entry in _walk(self.host_path, open_up, shut=shut):
-        seen += 1
-        if seen > self.limits.max_inodes:
-          return f"over {self.limits.max_inodes} files and directories"
-        try:
-          on_disk += entry.stat(follow_symlinks=False).st_blocks * 512
-        except PermissionError:  # (its directory opens, but shuts its entries: 0600)
-          shut.append(entry.name)
-        except OSError:
-          pass
-        if on_disk > budget:
-          return f"over {budget} bytes on disk"
-    except _TooDeep:
-      return f"over {MAX_DEPTH} directories deep"
+      taken, seen, deep = self._tally(open_up, shut, budget - on_disk)
+      on_disk += taken
+      if seen > self.limits.max_inodes:
+        return f"over {self.limits.max_inodes} files and directories"
+      if deep:
+        return f"over {MAX_DEPTH} directories deep"
     except _Hidden as e:
       return str(e)
     except OSError:
@@ -874,10 +872,9 @@ class Sandbox:
       return f"over {budget} bytes on disk"
     if (shut or spared) and start is not None:
       with contextlib.suppress(OSError):
-        st = os.statvfs(self.host_path)
         # (what the disk lost that the workspace does not show: its files freed at the
         # start count back, so that they cannot make room for what it hides)
-        lost = start[1] - st.f_bavail * st.f_frsize - (on_disk - start[0])
+        lost = start[1] - _free_bytes(self.host_path) - (on_disk - start[0])
         if lost > (allowance := _shut_allowance(budget)):
           what = (f"{spared} removed files mapped whose size it cannot read" if not shut else
                   "the workspace" if shut[0] == self.host_path else f"directory {shut[0]!r}")
@@ -885,17 +882,36 @@ class Sandbox:
                   f"than the workspace shows (over {allowance})")
     return None
 
+  def _tally(self, open_up: bool, shut: list, limit: float) -> tuple[int, int, bool]:
+    """(bytes on disk, entries, too deep) of the workspace's files by a walk (`_walk`)
+    that stops once past `limit` bytes, past `Limits.max_inodes` entries or `MAX_DEPTH`
+    directories deep; entries its mode shuts to this process are named in `shut` (a
+    directory that opens while its entries cannot be read: 0600). A workspace gone
+    midway counts what was seen."""
+    taken = seen = 0
+    try:
+      for entry in _walk(self.host_path, open_up, shut=shut):
+        seen += 1
+        if seen > self.limits.max_inodes:
+          break
+        try:
+          taken += entry.stat(follow_symlinks=False).st_blocks * 512
+        except PermissionError:
+          shut.append(entry.name)
+        except OSError:
+          pass
+        if taken > limit:
+          break
+    except _TooDeep:
+      return taken, seen, True
+    except OSError:
+      pass  # (the workspace itself gone: nothing more of it on the disk)
+    return taken, seen, False
+
   def _taken(self) -> int:
     """What the workspace's files take on the disk as a running command's look sees them
     (no directory opened up)."""
-    total = 0
-    with contextlib.suppress(OSError, _TooDeep):
-      for n, entry in enumerate(_walk(self.host_path, False, shut=[])):
-        if n > self.limits.max_inodes:
-          break
-        with contextlib.suppress(OSError):
-          total += entry.stat(follow_symlinks=False).st_blocks * 512
-    return total
+    return self._tally(False, [], math.inf)[0]
 
   async def _watch_disk(self, proc, over: list, spare_init: bool) -> None:
     """Stops a running command whose workspace goes past its bounds on the host's disk
@@ -911,8 +927,7 @@ class Sandbox:
     def baseline() -> Optional[tuple[int, int]]:
       taken = self._taken()  # (first: files freed in between then count as hidden)
       with contextlib.suppress(OSError):
-        st = os.statvfs(self.host_path)
-        return taken, st.f_bavail * st.f_frsize
+        return taken, _free_bytes(self.host_path)
       return None
 
     start = await loop.run_in_executor(_WATCH_THREADS, baseline)
