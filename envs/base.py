@@ -385,6 +385,10 @@ class EnvResources:
   # (`envs.sandbox.SandboxPool`'s `cgroup_parents`; an env worker's --cgroup).
   cgroups: tuple = ()
   sandbox_root: Optional[str] = None  # where workspaces go (default: a new temporary folder)
+  # A worker that is not root: each workspace a tmpfs held in a user namespace of its
+  # own (True), or a folder on the host's disk that a watch bounds (False); None: the
+  # first where the host allows it (`envs.sandbox.SandboxPool`'s `own_filesystem`).
+  own_filesystem: Optional[bool] = None
   # An `envs.judge.LLMJudge` that environments with tests show their passes to (ROLL's
   # false-positive check); None: tests alone decide.
   judge: Any = None
@@ -397,7 +401,8 @@ class EnvResources:
       self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits(),
                                allow_unisolated=self.allow_unisolated, root=self.sandbox_root,
                                host_oom_is_infra=self.host_oom_is_infra,
-                               cgroup_parents=tuple(self.cgroups))
+                               cgroup_parents=tuple(self.cgroups),
+                               own_filesystem=self.own_filesystem)
     return self._pool
 
   def close(self) -> None:

@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import re
+import select
 import shlex
 import shutil
 import subprocess
@@ -356,10 +357,16 @@ def nproc_inside(mode: str, uid: Optional[int]) -> bool:
 
 
 def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
-                seccomp_fd: Optional[int] = None, uid: Optional[int] = None) -> list[str]:
+                seccomp_fd: Optional[int] = None, uid: Optional[int] = None,
+                held: Optional[HeldTmpfs] = None) -> list[str]:
   if nproc_inside("bwrap", uid):
     argv = [_PRLIMIT, f"--nproc={limits.processes}", "--", *argv]
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  if held is not None:
+    # Inside the holder's user namespace the worker is its root: the command runs as the
+    # worker's own ids, as it would without one, with every capability dropped.
+    out = held.enter() + out + ["--uid", str(os.getuid()), "--gid", str(os.getgid()),
+                                "--cap-drop", "ALL"]
   if seccomp_fd is not None:  # bwrap installs it (with no_new_privs) just before the exec
     out += ["--seccomp", str(seccomp_fd)]
   if _bwrap_can_disable_userns():
@@ -388,6 +395,126 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
   for k, v in scrubbed_env("/workspace").items():
     out += ["--setenv", k, v]
   return out + ["--", *argv]
+
+
+_NSENTER = shutil.which("nsenter", path=_HOST_PATH) or "nsenter"
+_UNSHARE = shutil.which("unshare", path=_HOST_PATH) or "unshare"
+
+
+class HeldTmpfs:
+  """A tmpfs of `size` bytes and at most `inodes` files at `path`, for a worker that is
+  not root: mounted in a mount namespace of a user namespace the worker owns (what
+  bubblewrap itself needs of the kernel), which one process holds (`unshare`, then a
+  `cat` that reads a pipe only the worker writes: it ends when `close` closes that pipe,
+  or when the worker dies, and the filesystem with it).
+
+  The host reaches it at `self.root + path` (the holder's `/proc/<pid>/root`: the
+  worker may, the holder being its own, dumpable process), never at `path` itself,
+  where the host sees the empty directory under it. A command joins the holder's
+  namespaces first (`enter`), then bubblewrap binds `path` as the workspace. Its files
+  take the worker's memory, as a root worker's tmpfs does, not the host's disk: no
+  command can write more than `size` there, hide what it wrote from a look, or leave
+  it in flight once the holder is gone."""
+
+  def __init__(self, path: str, size: int, inodes: int, timeout: float = 10.0):
+    self.path = path
+    options = f"size={size},nr_inodes={inodes},mode=0700,nosuid,nodev"
+    self._proc = subprocess.Popen(
+        [_UNSHARE, "--user", "--map-root-user", "--mount", "--propagation", "private",
+         "--", "/bin/sh", "-c",
+         'mount -t tmpfs -o "$1" jaxagent-ws "$2" || exit 1; echo up; exec cat >/dev/null',
+         "holder", options, path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    ready = select.select([self._proc.stdout], [], [], timeout)[0]
+    said = self._proc.stdout.readline() if ready else b""
+    if said != b"up\n":
+      rest = self._proc.stdout.read() if ready else b"(no answer in time)"
+      self.close()
+      raise IsolationUnavailable(
+          f"could not mount a tmpfs for {path} in a user namespace of this user: "
+          f"{(said + rest).decode(errors='replace').strip()}")
+    self._proc.stdout.close()
+    self.root = f"/proc/{self.pid}/root"  # (the pid stays ours until `close` reaps it)
+
+  def enter(self) -> list[str]:
+    """The command prefix that joins the holder's user and mount namespaces."""
+    return [_NSENTER, "-t", str(self.pid), "--user", "--mount",
+            "--preserve-credentials", "--"]
+
+  @property
+  def pid(self) -> int:
+    return self._proc.pid
+
+  def _ended(self):
+    """How the holder ended (a `waitid` result), or None. It is left unreaped: its pid
+    stays this process's, so `root` never names another process's root."""
+    if self._proc.returncode is not None:
+      return self._proc.returncode
+    try:
+      return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+      return -1
+
+  @property
+  def alive(self) -> bool:
+    return self._ended() is None
+
+  @property
+  def exit_code(self) -> Optional[int]:
+    ended = self._ended()
+    return ended if ended is None or isinstance(ended, int) else (
+        ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status)
+
+  def close(self, timeout: float = 5.0) -> None:
+    """Ends the holder: the tmpfs goes with its namespace (once nothing still in it
+    holds it)."""
+    with contextlib.suppress(OSError):
+      self._proc.stdin.close()
+    try:
+      self._proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+      self._proc.kill()
+      self._proc.wait()
+
+
+def held_tmpfs_works() -> bool:
+  """Whether this user (not root) can hold a workspace's tmpfs (`HeldTmpfs`) and run
+  bubblewrap inside it (`held_tmpfs_refused` says why not)."""
+  return held_tmpfs_refused() is None
+
+
+@functools.cache
+def held_tmpfs_refused() -> Optional[str]:
+  """Why this user cannot hold a workspace's tmpfs and run bubblewrap inside it (the
+  kernel lets it create no user namespace, or `unshare`, `nsenter` or bwrap is not
+  there), or None where it can. Tried once a process; where it cannot, the reason is
+  logged and workspaces fall back to the disk watch (`envs.sandbox`)."""
+  if os.geteuid() == 0:
+    return "as root a workspace is a tmpfs mounted on the host"
+  folder = tempfile.mkdtemp(prefix="jaxagent-held-probe-")
+  held = None
+  try:
+    os.mkdir(os.path.join(folder, "ws"), 0o700)
+    held = HeldTmpfs(os.path.join(folder, "ws"), 1 << 20, 64)
+    with open(held.root + held.path + "/probe", "w") as f:
+      f.write("held")
+    r = subprocess.run(held.enter() + ["bwrap", "--unshare-all", "--ro-bind", "/", "/",
+                                       "--uid", str(os.getuid()), "--cap-drop", "ALL",
+                                       "--", "/bin/cat", held.path + "/probe"],
+                       capture_output=True, timeout=30)
+    if r.returncode != 0 or r.stdout != b"held":
+      raise IsolationUnavailable(f"bwrap inside it: exit {r.returncode}, "
+                                 f"{r.stderr.decode(errors='replace').strip()}")
+    return None
+  except (OSError, subprocess.SubprocessError, IsolationUnavailable) as e:
+    log.warning("sandbox: workspaces get no filesystem of their own (%s); the disk watch "
+                "bounds them instead", e)
+    return str(e)
+  finally:
+    if held is not None:
+      held.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # Written by the mountns setup script beside the private root just before it enters
@@ -459,12 +586,16 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
 
 def wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
           limits: Limits, run_dir: str, pid1: bool = False,
-          seccomp_fd: Optional[int] = None, dumpable: bool = True) -> list[str]:
+          seccomp_fd: Optional[int] = None, dumpable: bool = True,
+          held: Optional[HeldTmpfs] = None) -> list[str]:
   """The host command that runs `argv` in `workspace` under isolation `mode` (the
   seccomp filter: bwrap's from `seccomp_fd`, mountns's `seccomp_program(dumpable)`
-  written into `run_dir`)."""
+  written into `run_dir`). `held`: the workspace is that tmpfs, mounted at `workspace`
+  in its holder's namespaces, which bwrap joins first (bwrap only)."""
   if mode == "bwrap":
-    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd, uid)
+    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd, uid, held)
+  if held is not None:
+    raise ValueError(f"a held workspace filesystem needs bwrap isolation, not {mode}")
   if mode == "mountns":
     if uid is None:
       raise ValueError("mountns isolation needs a sandbox uid (root)")
@@ -476,7 +607,7 @@ def wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
       with open(bpf, "wb") as f:
         f.write(program)
     # --fork: the script is the new PID namespace's init, and so is the command it execs.
-    return [shutil.which("unshare", path=_HOST_PATH), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+    return [_UNSHARE, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
             "--propagation", "private", "--", "/bin/sh", "-c",
             _mountns_script(root, workspace, uid, limits, bpf), "sandbox", *argv]
   return list(argv)

@@ -30,7 +30,10 @@ privileges.
 `detect_isolation()` says which one this host gets. Sandbox uids are unique on
 the host: each is held by an advisory lock on a file in `UID_LOCK_DIR` for the
 sandbox's lifetime, so two pools or two workers never share one. As root a
-workspace is a tmpfs of `Limits.disk_bytes` (its disk quota); the host never
+workspace is a tmpfs of `Limits.disk_bytes` (its disk quota); a worker that is not
+root holds one in a user namespace of its own where the kernel allows it
+(`HeldTmpfs`), and otherwise watches each command's use of the host's disk
+(`Sandbox.over_disk`). The host never
 `chown`s what the sandbox left in its workspace (it writes its own files
 through a fresh inode it owns, then renames). In the namespace modes a command
 is the init of its PID namespace (with `pid1=True`, exactly the given command),
@@ -72,10 +75,11 @@ from typing import Callable, Optional, Sequence
 
 from envs import waits
 from envs.isolation import (FALLOC_FL_KEEP_SIZE, ISOLATIONS, SETPRIV, SETUP_DONE,
-                            IsolationUnavailable, Limits,
+                            HeldTmpfs, IsolationUnavailable, Limits,
                             UidLease, available_memory_bytes,
                             cgroup_counter, check_delegated_cgroups, confine, cpu_cgroup,
-                            detect_isolation, join_cgroups,
+                            detect_isolation, held_tmpfs_refused, held_tmpfs_works,
+                            join_cgroups,
                             memory_cgroup, nproc_inside, oom_attribution, processes_of,
                             remove_cgroup, remove_stale_cgroups,
                             scrubbed_env, seccomp_program, seccomp_program_fd, set_cpu_quota,
@@ -260,6 +264,34 @@ def _remove_tree(path: str, keep_root: bool = False) -> None:
       pass
     except OSError as e:
       log.warning("sandbox: could not remove %s: %s", path, e)
+
+
+def _realpath_in(root: str, path: str, most_links: int = 40) -> str:
+  """`os.path.realpath(path)` for a process whose root is `root` ("" for this one's, or a
+  `/proc/<pid>/root`): links are read through `root`, and an absolute one's target
+  starts from it too, as the kernel resolves it for that process (`realpath` of a path
+  under `/proc/<pid>/root` reads that link as "/", and so ends on the host's own
+  path). Missing names are kept as they are, as `realpath` keeps them."""
+  done, todo, links = "", [p for p in path.split("/") if p], 0
+  while todo:
+    name = todo.pop(0)
+    if name in ("", "."):
+      continue
+    if name == "..":
+      done = done.rsplit("/", 1)[0]
+      continue
+    try:
+      target = os.readlink(root + done + "/" + name)
+    except OSError:  # not a link, or not there
+      done += "/" + name
+      continue
+    links += 1
+    if links > most_links:
+      raise OSError(errno.ELOOP, "too many levels of symbolic links", path)
+    todo[:0] = [p for p in target.split("/") if p]
+    if target.startswith("/"):
+      done = ""
+  return done or "/"
 
 
 def _process_tree(pid: int, most: int = 4096) -> list[int]:
@@ -633,7 +665,11 @@ class Sandbox:
   """A workspace directory and a way to run commands in it, isolated and limited.
 
   `uid`: as root in a namespace mode, the uid commands run as; None takes a host-unique
-  one (`UidLease`). `slots`: an async context manager factory that bounds how many
+  one (`UidLease`). `own_filesystem`, for a worker that is not root under bubblewrap:
+  the workspace is a tmpfs of `Limits.disk_bytes` held in a user namespace of the
+  worker's (`HeldTmpfs`; True: or fail), or a directory on the host's disk that the disk
+  watch bounds (False); None, the first where this host allows it (`held_tmpfs_works`).
+  `slots`: an async context manager factory that bounds how many
   commands run at once (a pool's); a command waits for one as long as the pool frees
   slots (`progress`: when it last did), and fails after `slot_timeout_s` without one.
   """
@@ -643,8 +679,12 @@ class Sandbox:
                slots=None, slot_timeout_s: float = 60.0,
                progress: Optional[Callable[[], float]] = None,
                memory_fits: Callable[[], bool] = lambda: False,
-               cgroup_parents: Sequence[str] = ()):
-    self.host_path = os.path.abspath(workspace)
+               cgroup_parents: Sequence[str] = (),
+               own_filesystem: Optional[bool] = None):
+    # Where the workspace is: `mountpoint` in the namespaces commands run in, and the
+    # path the host reaches it by (the same, but through a held tmpfs's holder).
+    self.mountpoint = self.host_path = os.path.abspath(workspace)
+    self._root = ""  # (what `host_path` adds in front of `mountpoint`)
     self._memory_fits = memory_fits  # its pool's limits fit the host (`oom_attribution`)
     self.isolation = isolation or detect_isolation()
     if self.isolation not in ISOLATIONS:
@@ -654,7 +694,8 @@ class Sandbox:
     self.slot_timeout_s = slot_timeout_s
     self._progress = progress  # when a slot was last freed (time.monotonic)
     self._lease = None
-    self._mounted = False
+    self._mounted = False  # (a root worker's tmpfs)
+    self._held: Optional[HeldTmpfs] = None
     self._cgroup: Optional[str] = None  # memory
     self._cpu_cgroup: Optional[str] = None
     self._unthrottled = False  # the CPU quota lifted for a teardown (`_unthrottle`)
@@ -676,16 +717,24 @@ class Sandbox:
                         self.host_path],
                        check=True, capture_output=True)
         self._mounted = True
+      elif self.isolation == "bwrap" and os.geteuid() != 0 and (
+          own_filesystem or (own_filesystem is None and held_tmpfs_works())):
+        self._held = HeldTmpfs(self.mountpoint, limits.disk_bytes, limits.max_inodes)
+        self._root = self._held.root
+        self.host_path = self._root + self.mountpoint
+      elif own_filesystem:
+        raise IsolationUnavailable("a workspace filesystem of its own needs bwrap isolation "
+                                   "and a worker that is not root (as root it always has one)")
       if self.uid is not None or cgroup_parents:
         # (as root, below each hierarchy's root or the delegated cgroups; not root, only
         # below cgroups delegated to the worker: `SandboxPool`'s `cgroup_parents`)
         name = f"jaxagent-{self.uid}" if self.uid is not None else \
-            f"jaxagent-{os.getpid()}-{os.path.basename(self.host_path)}"
+            f"jaxagent-{os.getpid()}-{os.path.basename(self.mountpoint)}"
         self._cgroup = memory_cgroup(name, limits.group_memory_bytes, cgroup_parents,
                                      limits.socket_bytes)
         self._cpu_cgroup = cpu_cgroup(name, limits.cpus, cgroup_parents)
       self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
-      if not self._mounted:  # (for the disk watch)
+      if not self.has_quota:  # (for the disk watch)
         _learn_maps_device(os.path.dirname(self.host_path))
         _UNQUOTED.add(id(self))
     except BaseException:
@@ -696,8 +745,9 @@ class Sandbox:
   @property
   def has_quota(self) -> bool:
     """The workspace is a filesystem of its own, of `Limits.disk_bytes` (a tmpfs, mounted
-    as root): a full one is its files' doing; without one it is the host's disk."""
-    return self._mounted
+    as root or held in a user namespace): a full one is its files' doing; without one
+    it is the host's disk."""
+    return self._mounted or self._held is not None
 
   # -- files (host side) -------------------------------------------------------------------
 
@@ -714,12 +764,12 @@ class Sandbox:
   def _resolve(self, rel: str, follow_last: bool = True) -> str:
     """`rel` on the host, refused outside the workspace. `follow_last=False`: the name
     itself, even where the sandbox left a link there (the link is what gets replaced)."""
-    joined = os.path.join(self.host_path, rel)
-    path = (os.path.realpath(joined) if follow_last else
-            os.path.join(os.path.realpath(os.path.dirname(joined)), os.path.basename(joined)))
-    if not path.startswith(self.host_path + os.sep) or not os.path.basename(path):
+    joined = os.path.normpath(os.path.join(self.mountpoint, rel))
+    path = (_realpath_in(self._root, joined) if follow_last else os.path.join(
+        _realpath_in(self._root, os.path.dirname(joined)), os.path.basename(joined)))
+    if not path.startswith(self.mountpoint + os.sep) or not os.path.basename(path):
       raise ValueError(f"path {rel!r} is outside the workspace")
-    return path
+    return self._root + path
 
   def write_file(self, rel: str, content: str | bytes) -> None:
     """Writes a file as the host. Commands are not running (they never outlive a run), so
@@ -778,7 +828,7 @@ class Sandbox:
     are left out, never an error."""
     budget = self.limits.disk_bytes
     max_bytes = self.limits.write_bytes if max_bytes is None else max_bytes
-    if not self._mounted:  # (what it takes on the host's disk, files too large to copy
+    if not self.has_quota:  # (what it takes on the host's disk, files too large to copy
       # or the host cannot read included, red team 28's reviewer: 184 MB in a directory
       # of mode 000 passed unseen, and stayed; walked by descriptors, below a path past
       # PATH_MAX too, red team 30)
@@ -790,7 +840,7 @@ class Sandbox:
     while stack:
       root, depth = stack.pop()
       try:
-        entries = sorted(_scandir_opened(root, not self._mounted), key=lambda e: e.name)
+        entries = sorted(_scandir_opened(root, self.uid is None), key=lambda e: e.name)
       except OSError:
         continue
       # Every entry walked counts, directories too: past the quota's inodes (a workspace
@@ -948,7 +998,7 @@ class Sandbox:
   def destroy(self) -> None:
     self._kill_uid()
     self._release()  # unmounts the quota tmpfs first, so only the mountpoint is removed
-    _remove_tree(self.host_path)
+    _remove_tree(self.mountpoint)
 
   def _release(self) -> None:
     _UNQUOTED.discard(id(self))
@@ -958,6 +1008,10 @@ class Sandbox:
     if self._mounted:
       subprocess.run(["umount", "-l", self.host_path], capture_output=True)
       self._mounted = False
+    if self._held is not None:
+      self._held.close()
+      self._held = None
+      self.host_path, self._root = self.mountpoint, ""
     for cgroup in {self._cgroup, self._cpu_cgroup} - {None}:
       remove_cgroup(cgroup)
     self._cgroup = self._cpu_cgroup = None
@@ -1090,9 +1144,9 @@ class Sandbox:
         reserve(out.fileno(), self.limits.output_budget)
         self._throttle()  # (lifted for an earlier command's teardown, or a wipe's)
         seccomp_fd = seccomp_program_fd(program) if program is not None else None
-        command = wrap(self.isolation, self.host_path, argv, uid=self.uid, limits=self.limits,
+        command = wrap(self.isolation, self.mountpoint, argv, uid=self.uid, limits=self.limits,
                         run_dir=run_dir, pid1=pid1, seccomp_fd=seccomp_fd,
-                        dumpable=not trusted_init)
+                        dumpable=not trusted_init, held=self._held)
         # mountns: `unshare` and the mounts need root; setpriv drops to the uid inside.
         uid = self.uid if self.isolation == "bwrap" else None
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
@@ -1103,7 +1157,7 @@ class Sandbox:
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=scrubbed_env(self.workdir),
             start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
-        watch = None if self._mounted else asyncio.ensure_future(self._watch_disk(proc, over,
+        watch = None if self.has_quota else asyncio.ensure_future(self._watch_disk(proc, over,
                                                                                trusted_init))
         clock = ExitClock(proc.pid)
         talk = asyncio.ensure_future(proc.communicate(stdin))
@@ -1150,6 +1204,9 @@ class Sandbox:
           self._throttle()
         if run_dir != self._logs:
           shutil.rmtree(run_dir, ignore_errors=True)
+    if self._held is not None and not self._held.alive:  # (its files went with it)
+      error = (f"the workspace's filesystem is gone: its holder (host pid "
+               f"{self._held.pid}) ended, exit {self._held.exit_code}")
     # Files sent over a unix socket that the command's processes left in its own queue (a
     # cycle none of them holds) are in no process's descriptors or mappings: they keep
     # their blocks until the kernel's collector runs, at the next close of a unix socket
@@ -1158,7 +1215,7 @@ class Sandbox:
       for end in socket.socketpair():
         end.close()
     disk = None
-    if not self._mounted and error is None:  # (a last look: a command shorter than one)
+    if not self.has_quota and error is None:  # (a last look: a command shorter than one)
       disk = over[0] if over else await asyncio.to_thread(self.over_disk)
       if disk is not None:
         await asyncio.to_thread(self._empty)
@@ -1227,6 +1284,8 @@ class Sandbox:
   def describe(self) -> dict:
     return {"isolation": self.isolation, "uid": self.uid, "limits": dataclasses.asdict(self.limits),
             "workdir": self.workdir,
+            "filesystem": ("tmpfs" if self._mounted else "tmpfs in a user namespace"
+                           if self._held is not None else "the host's disk, watched"),
             "cgroups": [c for c in (self._cgroup, self._cpu_cgroup) if c is not None],
             "seccomp": seccomp_program() is not None and (
                 self.isolation == "bwrap" or (self.isolation == "mountns"
@@ -1241,13 +1300,15 @@ class SandboxPool:
   for another caller's workspace. `size` bounds how many commands run at once, over
   all workspaces: a command waits for a slot only while others run, as long as the pool
   frees slots, and fails after `slot_timeout_s` in which none was freed (stuck). Unisolated execution (`rlimits`) is refused unless
-  `allow_unisolated`.
+  `allow_unisolated`. `own_filesystem`: as `Sandbox`'s, decided once for the pool
+  (`filesystem` says which).
   """
 
   def __init__(self, size: int, *, root: Optional[str] = None, limits: Limits = Limits(),
                isolation: Optional[str] = None, max_workspaces: int = 1024,
                allow_unisolated: bool = False, slot_timeout_s: float = 60.0,
-               host_oom_is_infra: bool = False, cgroup_parents: Sequence[str] = ()):
+               host_oom_is_infra: bool = False, cgroup_parents: Sequence[str] = (),
+               own_filesystem: Optional[bool] = None):
     if size < 1:
       raise ValueError(f"pool size must be >= 1, got {size}")
     # Cgroups delegated to this worker, each sandbox's memory and CPU cgroups made below
@@ -1267,6 +1328,18 @@ class SandboxPool:
           "--allow-unisolated), which lets tool code read and write this host")
     self.size = size
     self.limits = limits
+    if own_filesystem is None and os.geteuid() != 0 and self.isolation == "bwrap":
+      own_filesystem = held_tmpfs_works()
+    elif own_filesystem and os.geteuid() != 0:
+      why = ("needs bwrap isolation, not " + self.isolation if self.isolation != "bwrap"
+             else held_tmpfs_refused())
+      if why is not None:
+        raise IsolationUnavailable(f"workspaces cannot have a filesystem of their own: {why}")
+    self.own_filesystem = own_filesystem
+    self.filesystem = (
+        "the host's disk, watched" if self.isolation == "rlimits" or not (
+            own_filesystem or os.geteuid() == 0) else
+        "a tmpfs" if os.geteuid() == 0 else "a tmpfs held in a user namespace")
     self.max_workspaces = max_workspaces
     self.slot_timeout_s = slot_timeout_s
     self.root = os.path.abspath(root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-"))
@@ -1320,7 +1393,7 @@ class SandboxPool:
     sb = Sandbox(os.path.join(self.root, uuid.uuid4().hex[:12]), limits=self.limits,
                  isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
                  progress=lambda: self.last_freed, memory_fits=self.memory_fits,
-                 cgroup_parents=self.cgroup_parents)
+                 cgroup_parents=self.cgroup_parents, own_filesystem=self.own_filesystem)
     self.live.add(sb)
     return sb
 

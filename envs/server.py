@@ -577,6 +577,12 @@ def main(argv=None) -> int:
                       "processes are held to their memory and CPU limits together in a "
                       "cgroup made below it. Needed for that bound where the worker is "
                       "not root (docs/environments.md)")
+  p.add_argument("--workspace-filesystem", choices=("auto", "own", "disk"), default="auto",
+                 help="a worker that is not root: each workspace a tmpfs of the sandbox "
+                      "limits' disk_bytes, held in a user namespace of the worker's (own), "
+                      "or a folder on the host's disk that a watch of each command bounds "
+                      "(disk); auto: own where the kernel allows it (a root worker's "
+                      "workspaces are always a tmpfs)")
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code with resource limits only where the host cannot isolate "
                       "it (no bubblewrap, not root): it can then read and write this host")
@@ -596,7 +602,9 @@ def main(argv=None) -> int:
     return 2
   resources = EnvResources(sandboxes=args.sandboxes, allow_unisolated=args.allow_unisolated,
                            host_oom_is_infra=args.host_oom_is_infra,
-                           sandbox_root=args.workspace_root, cgroups=tuple(args.cgroup))
+                           sandbox_root=args.workspace_root, cgroups=tuple(args.cgroup),
+                           own_filesystem={"auto": None, "own": True, "disk": False}[
+                               args.workspace_filesystem])
   try:
     pool = resources.pool()
   except (IsolationUnavailable, ValueError, OSError) as e:
@@ -605,7 +613,8 @@ def main(argv=None) -> int:
     return 2
   print(f"envs.server: sandbox isolation {pool.isolation}, {args.sandboxes} commands at once "
         f"({pool.memory_bound() >> 20} MiB of memory at most, {pool.host_memory >> 20} MiB "
-        f"free), workspaces under {pool.root}"
+        f"free), workspaces under {pool.root}, each on {pool.filesystem} of "
+        f"{pool.limits.disk_bytes >> 20} MiB"
         + (f"; each sandbox's {' and '.join(pool.cgroup_controllers)} held together in "
            f"cgroups below {', '.join(pool.cgroup_parents)}" if pool.cgroup_parents else "")
         + (f"; environments imported: {', '.join(names)}" if names else ""),

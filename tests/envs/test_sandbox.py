@@ -1,5 +1,6 @@
 """The sandbox's limits, exercised for real on this machine."""
 
+import ast
 import asyncio
 import hashlib
 import http.server
@@ -483,7 +484,8 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
   os.chown(root, 65534, 65534)
   code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
           "from envs.sandbox import Limits, SandboxPool\n"
-          "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=30, cpu_s=30))\n"
+          "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=30, cpu_s=30),\n"
+          "                   own_filesystem=False)\n"
           "async def main():\n"
           "  async with pool.acquire() as sb:\n"
           "    for how in ('mapped', 'leader', 'unreadable', 'prctl'):\n"
@@ -637,10 +639,9 @@ def test_disk_hidden_from_the_watch_is_seen_in_the_disks_free_space(how):
   assert r.stdout.split()[-1] == "0", r.stdout  # (the workspace emptied)
 
 
-def _run_as_nobody_on_a_tmpfs(script: str, *args: str) -> subprocess.CompletedProcess:
-  """Runs `script` with `args` in a sandbox of a worker that is user 65534, its workspaces
-  on a tmpfs of 256 MiB (nothing else writes there), and prints whether it ran clean, its
-  `disk_exceeded`, and the MiB its disk holds more than before, half a second after."""
+def _nobodys_disk() -> str:
+  """A tmpfs of 256 MiB that user 65534 may write (nothing else writes there); skips the
+  test where that user cannot run this interpreter, or no tmpfs can be mounted."""
   skip_unless_nobody_runs_python()
   top = tempfile.mkdtemp(prefix="jaxagent-test-")
   os.chmod(top, 0o755)
@@ -650,9 +651,25 @@ def _run_as_nobody_on_a_tmpfs(script: str, *args: str) -> subprocess.CompletedPr
                      disk], capture_output=True).returncode != 0:
     shutil.rmtree(top)
     pytest.skip("cannot mount a tmpfs here")
+  return disk
+
+
+def _remove_disk(disk: str) -> None:
+  subprocess.run(["umount", "-l", disk], check=False)
+  shutil.rmtree(os.path.dirname(disk), ignore_errors=True)
+
+
+def _run_as_nobody_on_a_tmpfs(script: str, *args: str, own_filesystem: bool = False
+                              ) -> subprocess.CompletedProcess:
+  """Runs `script` with `args` in a sandbox of a worker that is user 65534, its workspaces
+  on a tmpfs of 256 MiB (nothing else writes there), and prints whether it ran clean, its
+  `disk_exceeded`, and the MiB its disk holds more than before, half a second after.
+  `own_filesystem`: the pool's (False: the disk watch bounds the workspace)."""
+  disk = _nobodys_disk()
   code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
           "from envs.sandbox import Limits, SandboxPool\n"
-          "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=20, cpu_s=20))\n"
+          "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=20, cpu_s=20),\n"
+          f"                   own_filesystem={own_filesystem})\n"
           "def used():\n  s = os.statvfs(sys.argv[1])\n"
           "  return (s.f_blocks - s.f_bfree) * s.f_frsize >> 20\n"
           "async def main():\n"
@@ -669,8 +686,122 @@ def _run_as_nobody_on_a_tmpfs(script: str, *args: str) -> subprocess.CompletedPr
                            *args],
                           capture_output=True, text=True, timeout=120)
   finally:
-    subprocess.run(["umount", "-l", disk], check=False)
-    shutil.rmtree(top, ignore_errors=True)
+    _remove_disk(disk)
+
+
+# Fills what it can of its workspace in each way the disk watch missed: below a
+# directory shut to its owner, in removed files held by a mapping only, in files in
+# flight over a unix socket; then says what it wrote, how large its filesystem is, who it
+# runs as and with what capabilities, and waits (the host looks at its disk meanwhile).
+FILLS_ITS_WORKSPACE = r'''
+import array, ctypes, errno, os, socket, sys, time
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long)
+os.mkdir("d")
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+written, failed = 0, None
+try:
+  for i in range(64):
+    fd = os.open(f"d/f{i}", os.O_RDWR | os.O_CREAT, 0o600)
+    for _ in range(4):
+      written += os.write(fd, b"x" * (1 << 20))
+    if i % 3 == 1:
+      libc.mmap(None, 4096, 1, 1, fd, 0)
+      os.unlink(f"d/f{i}")
+    elif i % 3 == 2:
+      a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+      os.unlink(f"d/f{i}")
+    os.close(fd)
+    os.chmod("d", 0o300)
+    os.chmod("d", 0o700)
+except OSError as e:
+  failed = errno.errorcode[e.errno]
+os.chmod("d", 0o300)
+st = os.statvfs(".")
+caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")]
+print(written >> 20, failed, st.f_blocks * st.f_frsize >> 20, os.getuid(), caps[0], flush=True)
+time.sleep(3)
+'''
+
+
+@needs_isolation
+def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
+  """A worker that is not root has no quota of a filesystem, and its disk watch was a
+  heuristic each red team found a way past (a shut directory, files a mapping holds,
+  files in flight: up to 4 GiB held for a command's time). Where the kernel lets it
+  make user namespaces (bubblewrap needs as much), each workspace is a tmpfs of
+  `disk_bytes` held in one of its own (`envs.isolation.HeldTmpfs`): the command writes
+  ENOSPC at its size in every one of those ways, nothing of it reaches the host's disk,
+  it runs as the worker's user with no capabilities, and the tmpfs is gone with the
+  workspace, or with the worker; a holder that ended is the infrastructure's failure."""
+  disk = _nobodys_disk()
+  code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
+          "from envs.isolation import held_tmpfs_works\n"
+          "from envs.sandbox import Limits, SandboxPool\n"
+          "if not held_tmpfs_works():\n  print('unavailable'); sys.exit()\n"
+          "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=20, cpu_s=20))\n"
+          "def used():\n  s = os.statvfs(sys.argv[1])\n"
+          "  return (s.f_blocks - s.f_bfree) * s.f_frsize >> 20\n"
+          "async def main():\n"
+          "  async with pool.acquire() as sb:\n"
+          "    print(pool.filesystem, sb.describe()['filesystem'], sb.has_quota)\n"
+          "    sb.write_file('fill.py', sys.argv[3])\n"
+          "    before = used()\n"
+          "    run = asyncio.ensure_future(sb.run([sb.python, 'fill.py'], timeout=20))\n"
+          "    await asyncio.sleep(2)\n"
+          "    during = used() - before\n"
+          "    r = await run\n"
+          "    print(r.ok, r.disk_exceeded, during, r.stdout.strip())\n"
+          "    print(sorted(sb.files(max_bytes=8 << 20)))\n"
+          "    holder = sb._held._proc.pid\n"
+          "  print(os.path.exists(f'/proc/{holder}'), os.listdir(sys.argv[1]))\n"
+          "  sb = pool.create()\n"
+          "  os.kill(sb._held.pid, 9)\n"
+          "  r = await sb.run(['true'])\n"
+          "  print(r.error)\n"
+          "  pool.release(sb)\n"
+          "  sb = pool.create()\n"
+          "  print(sb._held._proc.pid, flush=True)\n"
+          "  os._exit(0)  # (a worker's death)\n"
+          "asyncio.run(main())\n")
+  try:
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", code, os.path.join(disk, "ws"), REPO,
+                        FILLS_ITS_WORKSPACE], capture_output=True, text=True, timeout=120)
+    if r.stdout.strip() == "unavailable":
+      pytest.skip("this kernel lets no user namespace of user 65534 mount a tmpfs")
+    lines = r.stdout.splitlines()
+    assert len(lines) == 6, r.stdout + r.stderr[-2000:]
+    assert lines[0] == "a tmpfs held in a user namespace tmpfs in a user namespace True"
+    ok, exceeded, during, wrote, failed, size, uid, caps = lines[1].split()
+    # (a page or two of the 32 MiB go to directories; each way of hiding filled it)
+    assert (exceeded, during, failed, size, uid, caps) == (
+        "None", "0", "ENOSPC", "32", "65534", "0000000000000000"), lines[1]
+    assert 28 <= int(wrote) <= 32, lines[1]
+    kept = ast.literal_eval(lines[2])  # (every third file stays in the workspace)
+    assert {"fill.py", "d/f0", "d/f3"} <= set(kept) and not {"d/f1", "d/f2"} & set(kept), kept
+    assert lines[3] == "False []", lines[3]  # (the holder and the mountpoint gone)
+    # A holder that ended took the workspace with it: the infrastructure's failure.
+    assert re.fullmatch(r"the workspace's filesystem is gone: its holder \(host pid \d+\) "
+                        r"ended, exit -9", lines[4]), lines[4]
+    holder = int(lines[5])
+    deadline = time.time() + 10
+    while time.time() < deadline and _running(holder):
+      time.sleep(0.05)
+    assert not _running(holder)
+  finally:
+    _remove_disk(disk)
+
+
+def _running(pid: int) -> bool:
+  """Whether process `pid` exists and has not ended (a zombie has)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
 
 
 def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed_whole():

@@ -624,17 +624,22 @@ def test_a_session_lives_as_long_idle_as_its_client_asks_from_its_last_calls_end
 # -- a real worker process ----------------------------------------------------------------
 
 
-def start_worker(tmp_path, *args):
-  """`python -m envs.server` on a free loopback port; returns (process, url, workspace root)."""
+def start_worker(tmp_path, *args, user=None):
+  """`python -m envs.server` on a free loopback port (as `user`, a uid, where given);
+  returns (process, url, workspace root)."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   parent = tempfile.mkdtemp(prefix="jaxagent-test-")
   os.chmod(parent, 0o711)  # sandbox uids pass through to their workspaces
+  as_user = []
+  if user is not None:
+    os.chown(parent, user, user)
+    as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
   root = os.path.join(parent, "workspaces")
   # The log goes to a file: a pipe nobody reads would fill and stall the worker.
   log = open(os.path.join(parent, "worker.log"), "w+")
-  proc = subprocess.Popen([sys.executable, "-m", "envs.server", "--port", str(port),
+  proc = subprocess.Popen([*as_user, sys.executable, "-m", "envs.server", "--port", str(port),
                            "--workspace-root", root, *args], cwd=REPO,
                           stdout=log, stderr=subprocess.STDOUT, text=True)
   proc.log = log
@@ -681,6 +686,37 @@ def test_sigterm_removes_every_workspace(tmp_path):
   assert proc.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal
   assert "sandbox isolation" in out
   assert not os.path.exists(root) and not _mounts_under(root)
+
+
+@needs_isolation
+@pytest.mark.parametrize("choice, says", [("own", "a tmpfs held in a user namespace"),
+                                          ("disk", "the host's disk, watched")])
+def test_a_worker_not_run_as_root_says_what_its_workspaces_are_on(tmp_path, choice, says):
+  """`--workspace-filesystem`: a worker that is not root holds each workspace's tmpfs in
+  a user namespace of its own (own; auto where the kernel allows it) or bounds a folder
+  on the host's disk by watching each command (disk), and its first line says which."""
+  from tests.envs.test_sandbox import skip_unless_nobody_runs_python
+
+  skip_unless_nobody_runs_python()
+  proc, url, root = start_worker(tmp_path, "--sandboxes", "1", "--workspace-filesystem",
+                                 choice, user=65534)
+  try:
+    r = httpx.post(f"{url}/sessions", json={"task": {
+        "id": "p", "env": "python_tests", "params": {"task": "add"}}}, timeout=30)
+    assert r.status_code == 200, r.text + worker_log(proc)
+    sid = r.json()["session_id"]
+    r = httpx.post(f"{url}/sessions/{sid}/step", timeout=60, json={
+        "action": '<tool_call>{"name": "run_python", "arguments": {"code": "import '
+                  'subprocess; subprocess.run([\'df\', \'.\'])"}}</tool_call>'})
+    assert r.status_code == 200, r.text
+    shown = json.dumps(r.json())
+    assert ("jaxagent-ws" in shown) == (choice == "own"), shown
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+  out = worker_log(proc)
+  assert f"each on {says} of 32 MiB" in out, out
+  assert not os.path.exists(root)
 
 
 def test_a_worker_stopped_while_a_tool_blocks_for_ever_ends(tmp_path):

@@ -533,7 +533,8 @@ def add(a, b):
 '''
 
 
-def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
+@pytest.mark.parametrize("own_filesystem", [False, True])
+def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error(own_filesystem):
   """What a solution writes before the disk watch's first look (or, before harness 9,
   held in a process that is not dumpable, whose /proc/<pid>/fd a worker not run as root
   may not read) lands on the host's disk. Unlinked files so filled it, the harness's
@@ -543,11 +544,15 @@ def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
   program it may not read: not dumpable) fails too, though it answers right; one whose
   tests start ssh-agent (which asks not to be dumpable: the harness's filter makes that a
   no-op for the solution) passes. As user 65534 with its temporary directory on a 48 MiB
-  tmpfs (a disk nearly full)."""
+  tmpfs (a disk nearly full). Where the grading workspace is a filesystem of its own
+  (`own_filesystem`: a tmpfs held in a user namespace), there is nothing to hide from:
+  the wrong answer fails on a full workspace, and each right answer passes."""
   from tests.envs.test_sandbox import skip_unless_nobody_runs_python
   from tests.conftest import REPO
 
   skip_unless_nobody_runs_python()
+  if own_filesystem and not shutil.which("bwrap"):
+    pytest.skip("a workspace filesystem of its own needs bubblewrap")
   top = tempfile.mkdtemp(prefix="jaxagent-test-")  # (pytest's own are shut to others)
   os.chmod(top, 0o755)
   disk = os.path.join(top, "disk")
@@ -561,7 +566,8 @@ def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
       "from envs.sandbox import Limits, SandboxPool\n"
       "from envs.verifier import HiddenTests, PythonTestVerifier\n"
       "import tempfile\nprint(tempfile.gettempdir())\n"
-      "pool = SandboxPool(1, limits=Limits(wall_s=10), allow_unisolated=True)\n"
+      "pool = SandboxPool(1, limits=Limits(wall_s=10), allow_unisolated=True,\n"
+      f"                   own_filesystem={own_filesystem})\n"
       "for src in sys.argv[2:]:\n"
       "  v = asyncio.run(PythonTestVerifier(pool, timeout_s=15, retries=0).grade(\n"
       "      {'solution.py': src.encode()}, HiddenTests('add', [((i, 1), i + 1) for i in range(30)]),\n"
@@ -578,6 +584,12 @@ def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error():
     subprocess.run(["umount", "-l", disk], check=False)
     shutil.rmtree(top, ignore_errors=True)
   lines = r.stdout.splitlines()
+  if own_filesystem and "could not mount a tmpfs" in r.stderr:
+    pytest.skip("this kernel lets no user namespace of user 65534 mount a tmpfs")
+  if own_filesystem:
+    assert lines == [disk, "fail None", "pass None", "pass None", "pass None"], \
+        r.stdout + r.stderr[-2000:]
+    return
   # (seen by a look before the grading ended, under load, it is stopped: a fail either way)
   assert lines[0] == disk and lines[2] == "pass None", r.stdout + r.stderr
   assert lines[1] in ("fail None", "fail the solution went past the grading workspace's "
