@@ -16,7 +16,13 @@ not await, from its /metrics `env_loop_held_seconds_total`; every session waited
 then a table. Every episode must end with a verdict (pass, fail, timeout; infra_error
 only for injected faults): `errors` counts episodes that ended without one.
 
+`--worker-user UID` runs the worker as that user (from root), and `--filesystems
+own,disk` runs the levels once per `--workspace-filesystem` of a worker that is not
+root (each row then names its `filesystem`), then prints one line
+`{"own_over_disk": {concurrency: ratio of episodes_per_s}}`.
+
   python tools/bench_envs.py --concurrency 8,64,200 --sandboxes 8
+  python tools/bench_envs.py --concurrency 8,200 --worker-user 65534 --filesystems own,disk
 """
 
 from __future__ import annotations
@@ -45,13 +51,18 @@ from envs.python_tasks_data import TASKS  # noqa: E402
 from envs.server import RemoteEnv  # noqa: E402
 
 
-def start_worker(sandboxes: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_worker(sandboxes: int, extra: list[str], user: int | None = None
+                 ) -> tuple[subprocess.Popen, str]:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   parent = tempfile.mkdtemp(prefix="jaxagent-bench-")
   os.chmod(parent, 0o711)
-  proc = subprocess.Popen([sys.executable, "-m", "envs.server", "--port", str(port),
+  as_user = []
+  if user is not None:
+    os.chown(parent, user, user)
+    as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
+  proc = subprocess.Popen([*as_user, sys.executable, "-m", "envs.server", "--port", str(port),
                            "--sandboxes", str(sandboxes), "--workspace-root",
                            os.path.join(parent, "ws"), *extra],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -127,28 +138,44 @@ def main() -> int:
   p.add_argument("--concurrency", default="8,64,200", type=positive_ints)
   p.add_argument("--sandboxes", type=positive_int, default=8)
   p.add_argument("--server", help="use this running worker instead of starting one")
+  p.add_argument("--worker-user", type=int, default=None,
+                 help="start the worker as this uid (the benchmark runs as root)")
+  p.add_argument("--filesystems", default=None,
+                 help="comma-separated --workspace-filesystem choices (own, disk, auto) to "
+                      "run the levels under in turn, each with a worker of its own")
   args, extra = p.parse_known_args()
   levels = args.concurrency
-  proc = None
-  url = args.server
-  if url is None:
-    proc, url = start_worker(args.sandboxes, extra)
+  filesystems = args.filesystems.split(",") if args.filesystems else [None]
+  if args.server is not None and args.filesystems:
+    p.error("--filesystems starts its own workers: not with --server")
   rows = []
-  try:
-    for c in levels:
-      row = asyncio.run(level(url, c))
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-  finally:
-    if proc is not None:
-      proc.send_signal(signal.SIGTERM)
-      proc.wait(timeout=60)
-  print(f"\n{'concurrency':>11} {'episodes/s':>10} {'verify p50':>10} {'verify p99':>10} "
-        f"{'loop held s':>11} {'errors':>6}  verdicts")
+  for fs in filesystems:
+    proc = None
+    url = args.server
+    if url is None:
+      proc, url = start_worker(args.sandboxes, extra + (
+          ["--workspace-filesystem", fs] if fs else []), args.worker_user)
+    try:
+      for c in levels:
+        row = asyncio.run(level(url, c))
+        if fs:
+          row = {"filesystem": fs, **row}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    finally:
+      if proc is not None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+  if {"own", "disk"} <= set(filesystems):
+    rate = {(r["filesystem"], r["concurrency"]): r["episodes_per_s"] for r in rows}
+    print(json.dumps({"own_over_disk": {c: round(rate["own", c] / rate["disk", c], 3)
+                                        for c in levels}}), flush=True)
+  print(f"\n{'filesystem':>10} {'concurrency':>11} {'episodes/s':>10} {'verify p50':>10} "
+        f"{'verify p99':>10} {'loop held s':>11} {'errors':>6}  verdicts")
   for r in rows:
-    print(f"{r['concurrency']:>11} {r['episodes_per_s']:>10} {r['verify_p50_s']!s:>10} "
-          f"{r['verify_p99_s']!s:>10} {r['loop_held_s']!s:>11} {r['errors']:>6}  "
-          f"{r['verdicts']}")
+    print(f"{r.get('filesystem') or '-':>10} {r['concurrency']:>11} {r['episodes_per_s']:>10} "
+          f"{r['verify_p50_s']!s:>10} {r['verify_p99_s']!s:>10} {r['loop_held_s']!s:>11} "
+          f"{r['errors']:>6}  {r['verdicts']}")
   return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 
