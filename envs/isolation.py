@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import re
+import resource
 import select
 import shlex
 import shutil
@@ -228,6 +229,7 @@ SECCOMP_DENIED = (
 _CLONE_NEW_NAMESPACES = 0x7E02_0080  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}
 FALLOC_FL_KEEP_SIZE = 1
 _PR_SET_DUMPABLE = 4
+_XATTR_SETTERS = ("setxattr", "lsetxattr", "fsetxattr", "setxattrat")
 
 
 @functools.cache
@@ -272,6 +274,13 @@ def seccomp_program(dumpable: bool = True) -> Optional[bytes]:
     for bit in range(2, 32):
       flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), "fallocate",
                    sc.Arg(1, sc.MASKED_EQ, 1 << bit, 1 << bit))
+  # Extended attributes are kernel memory that a tmpfs's size does not count: a red
+  # team's one process stored 3 GiB of them on each of /tmp and /dev/shm in 7 s (a
+  # non-root worker has no memory cgroup to charge them to). EOPNOTSUPP, as a filesystem
+  # without them answers: copies that keep attributes (shutil.copy2, cp -a) go on.
+  for name in _XATTR_SETTERS:
+    with contextlib.suppress(ValueError, RuntimeError, OSError):  # (setxattrat: new)
+      flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), name)
   if dumpable:
     _keep_dumpable(flt, sc)
   return _compiled(flt)
@@ -352,8 +361,28 @@ def nproc_inside(mode: str, uid: Optional[int]) -> bool:
   namespace, where the kernel (5.14 on) counts only that sandbox's processes against it.
   Set outside, it would count every process and thread of the worker's user on the host
   (the worker's own, every other sandbox's): one sandbox holding its limit would stop
-  every other from starting (graders: infra errors)."""
+  every other from starting (graders: infra errors). The kernel still counts each user
+  namespace above a sandbox's against the limit its maker had: the worker's user on the
+  host, all of its processes (threads, held tmpfs holders, every sandbox's), against the
+  worker's own limit (`nproc_room`)."""
   return mode == "bwrap" and uid is None
+
+
+def nproc_room(need: int) -> None:
+  """Raises this process's RLIMIT_NPROC (`ulimit -u`) to its hard limit, which the user
+  namespaces its sandboxes are made in take as theirs: under a finite one (100), two
+  sandboxes of 60 processes got 54 and 31, and the worker's next thread failed (red team
+  6). Says so where even the hard limit is below `need`, what the worker's sandboxes
+  may run together."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+  if soft != hard:
+    with contextlib.suppress(ValueError, OSError):
+      resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+  if hard != resource.RLIM_INFINITY and hard < need:
+    _warn_once(f"sandbox: this user's process limit (RLIMIT_NPROC, ulimit -u) is {hard}, "
+               f"below the {need} processes the worker and its sandboxes may run: a "
+               "sandbox's fork fails (its command's failure) once the user's processes on "
+               "the host reach it; raise the hard limit, or run fewer sandboxes at once")
 
 
 def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
@@ -364,9 +393,10 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
   if held is not None:
     # Inside the holder's user namespace the worker is its root: the command runs as the
-    # worker's own ids, as it would without one, with every capability dropped.
-    out = held.enter() + out + ["--uid", str(os.getuid()), "--gid", str(os.getgid()),
-                                "--cap-drop", "ALL"]
+    # worker's own ids, as it would without one, with every capability dropped; its /tmp
+    # and /dev/shm are tmpfs mounts of its own there, bounded in inodes too (`mounts`).
+    out = held.enter() + held.mounts(limits) + out + [
+        "--uid", str(os.getuid()), "--gid", str(os.getgid()), "--cap-drop", "ALL"]
   if seccomp_fd is not None:  # bwrap installs it (with no_new_privs) just before the exec
     out += ["--seccomp", str(seccomp_fd)]
   if _bwrap_can_disable_userns():
@@ -385,10 +415,11 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
       out += ["--symlink", os.readlink(path), path]
     elif os.path.isdir(path):
       out += ["--ro-bind", path, path]
-  out += ["--proc", "/proc", "--dev", "/dev",
-          "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
-          "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",
-          # (/dev is a tmpfs of half the host's memory: a command wrote 1 GiB there, red
+  out += ["--proc", "/proc", "--dev", "/dev"]
+  for path, held_at in (("/tmp", held and held.tmp), ("/dev/shm", held and held.shm)):
+    out += (["--bind", held_at, path] if held_at else
+            ["--size", str(limits.tmp_bytes), "--tmpfs", path])
+  out += [# (/dev is a tmpfs of half the host's memory: a command wrote 1 GiB there, red
           # team 30; its devices work read-only, /dev/shm is a mount of its own)
           "--remount-ro", "/dev",
           "--bind", workspace, "/workspace", "--remount-ro", "/", "--chdir", "/workspace"]
@@ -416,8 +447,16 @@ class HeldTmpfs:
   command can write more than `size` there, hide what it wrote from a look, or leave
   it in flight once the holder is gone."""
 
-  def __init__(self, path: str, size: int, inodes: int, timeout: float = 10.0):
+  def __init__(self, path: str, size: int, inodes: int, timeout: float = 10.0,
+               scratch: Optional[str] = None):
     self.path = path
+    # Where each command's /tmp and /dev/shm are mounted (`mounts`): empty directories
+    # of the worker's in `scratch`, each covered only in that command's mount namespace.
+    self.tmp = self.shm = None
+    if scratch is not None:
+      self.tmp, self.shm = os.path.join(scratch, "tmp"), os.path.join(scratch, "shm")
+      for d in (self.tmp, self.shm):
+        os.makedirs(d, mode=0o700, exist_ok=True)
     options = f"size={size},nr_inodes={inodes},mode=0700,nosuid,nodev"
     self._proc = subprocess.Popen(
         [_UNSHARE, "--user", "--map-root-user", "--mount", "--propagation", "private",
@@ -441,6 +480,21 @@ class HeldTmpfs:
     """The command prefix that joins the holder's user and mount namespaces."""
     return [_NSENTER, "-t", str(self.pid), "--user", "--mount",
             "--preserve-credentials", "--"]
+
+  def mounts(self, limits: Limits) -> list[str]:
+    """The command prefix (after `enter`) that gives the command a mount namespace of its
+    own, in which its /tmp and /dev/shm are fresh tmpfs mounts of `Limits.tmp_bytes` and
+    at most `Limits.max_inodes` entries: bubblewrap's own `--tmpfs` bounds no inodes,
+    and a red team's 1.5M empty files there took 6.85 GB of the host's kernel memory in
+    13 s. Nothing without `scratch`."""
+    if self.tmp is None:
+      return []
+    options = (f"mode=1777,size={limits.tmp_bytes},nr_inodes={limits.max_inodes},"
+               "nosuid,nodev")
+    return [_UNSHARE, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+            'mount -t tmpfs -o "$1" jaxagent-tmp "$2" && '
+            'mount -t tmpfs -o "$1" jaxagent-shm "$3" && shift 3 && exec "$@"',
+            "sandbox-mounts", options, self.tmp, self.shm]
 
   @property
   def pid(self) -> int:

@@ -80,7 +80,8 @@ from envs.isolation import (FALLOC_FL_KEEP_SIZE, ISOLATIONS, SETPRIV, SETUP_DONE
                             cgroup_counter, check_delegated_cgroups, confine, cpu_cgroup,
                             detect_isolation, held_tmpfs_refused, held_tmpfs_works,
                             join_cgroups,
-                            memory_cgroup, nproc_inside, oom_attribution, processes_of,
+                            memory_cgroup, nproc_inside, nproc_room, oom_attribution,
+                            processes_of,
                             remove_cgroup, remove_stale_cgroups,
                             scrubbed_env, seccomp_program, seccomp_program_fd, set_cpu_quota,
                             system_python, wrap)
@@ -264,6 +265,19 @@ def _remove_tree(path: str, keep_root: bool = False) -> None:
       pass
     except OSError as e:
       log.warning("sandbox: could not remove %s: %s", path, e)
+
+
+@contextlib.contextmanager
+def _named(rel: str):
+  """A host-side file operation's OSError names the workspace's path `rel`, not the
+  host's: tool errors reach the policy, and the host's path told it the host's layout
+  (with a held tmpfs, its holder's pid: red team 6)."""
+  try:
+    yield
+  except OSError as e:
+    if e.errno is None:
+      raise
+    raise OSError(e.errno, e.strerror, rel) from None
 
 
 def _realpath_in(root: str, path: str, most_links: int = 40) -> str:
@@ -694,6 +708,7 @@ class Sandbox:
     self.slot_timeout_s = slot_timeout_s
     self._progress = progress  # when a slot was last freed (time.monotonic)
     self._lease = None
+    self._logs: Optional[str] = None  # (commands' output; held: their /tmp mountpoints)
     self._mounted = False  # (a root worker's tmpfs)
     self._held: Optional[HeldTmpfs] = None
     self._cgroup: Optional[str] = None  # memory
@@ -719,7 +734,9 @@ class Sandbox:
         self._mounted = True
       elif self.isolation == "bwrap" and os.geteuid() != 0 and (
           own_filesystem or (own_filesystem is None and held_tmpfs_works())):
-        self._held = HeldTmpfs(self.mountpoint, limits.disk_bytes, limits.max_inodes)
+        self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # (its commands' /tmp too)
+        self._held = HeldTmpfs(self.mountpoint, limits.disk_bytes, limits.max_inodes,
+                               scratch=self._logs)
         self._root = self._held.root
         self.host_path = self._root + self.mountpoint
       elif own_filesystem:
@@ -733,7 +750,8 @@ class Sandbox:
         self._cgroup = memory_cgroup(name, limits.group_memory_bytes, cgroup_parents,
                                      limits.socket_bytes)
         self._cpu_cgroup = cpu_cgroup(name, limits.cpus, cgroup_parents)
-      self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
+      if self._logs is None:
+        self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
       if not self.has_quota:  # (for the disk watch)
         _learn_maps_device(os.path.dirname(self.host_path))
         _UNQUOTED.add(id(self))
@@ -779,7 +797,10 @@ class Sandbox:
     if len(data) > self.limits.write_bytes:
       raise ValueError(f"{rel!r} is {len(data)} bytes; files are capped at "
                        f"{self.limits.write_bytes} bytes")
-    path = self._resolve(rel, follow_last=False)
+    with _named(rel):
+      self._write(self._resolve(rel, follow_last=False), data)
+
+  def _write(self, path: str, data: bytes) -> None:
     parent = os.path.dirname(path)
     missing = []
     d = parent
@@ -804,8 +825,15 @@ class Sandbox:
       raise
 
   def read_file(self, rel: str) -> bytes:
-    with open(self._resolve(rel), "rb") as f:
-      return f.read()
+    """A regular file's bytes (anything else the command left there, a FIFO that would
+    block the host for ever included, is refused: red team 6)."""
+    with _named(rel):
+      fd = os.open(self._resolve(rel), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW |
+                   os.O_CLOEXEC)
+      with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+          raise ValueError(f"{rel!r} is not a regular file")
+        return f.read()
 
   def files(self, max_bytes: Optional[int] = None, max_files: int = 256,
             max_depth: int = 32) -> dict[str, bytes]:
@@ -1002,7 +1030,7 @@ class Sandbox:
 
   def _release(self) -> None:
     _UNQUOTED.discard(id(self))
-    if getattr(self, "_logs", None):
+    if self._logs:
       shutil.rmtree(self._logs, ignore_errors=True)
       self._logs = None
     if self._mounted:
@@ -1328,6 +1356,9 @@ class SandboxPool:
           "--allow-unisolated), which lets tool code read and write this host")
     self.size = size
     self.limits = limits
+    if os.geteuid() != 0 and self.isolation == "bwrap":
+      # (the worker's threads, each workspace's holder, each command's processes)
+      nproc_room(256 + max_workspaces + size * (limits.processes + 4))
     if own_filesystem is None and os.geteuid() != 0 and self.isolation == "bwrap":
       own_filesystem = held_tmpfs_works()
     elif own_filesystem and os.geteuid() != 0:
@@ -1342,6 +1373,9 @@ class SandboxPool:
         "a tmpfs" if os.geteuid() == 0 else "a tmpfs held in a user namespace")
     self.max_workspaces = max_workspaces
     self.slot_timeout_s = slot_timeout_s
+    # (removed at close where the pool made it; a folder that was there keeps what else
+    # it holds: an operator's files there were removed with it, red team 6)
+    self._made_root = root is None or not os.path.exists(root)
     self.root = os.path.abspath(root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-"))
     os.makedirs(self.root, exist_ok=True)
     os.chmod(self.root, 0o711)  # sandbox uids may pass through to their workspace, not list it
@@ -1457,4 +1491,5 @@ class SandboxPool:
   def close(self) -> None:
     for sb in list(self.live):
       self.release(sb)
-    _remove_tree(self.root)
+    if self._made_root:
+      _remove_tree(self.root)

@@ -726,6 +726,23 @@ time.sleep(3)
 '''
 
 
+# Makes empty files in /tmp and /dev/shm until refused (bubblewrap's own tmpfs mounts
+# bound no inodes: a red team's 1.5M took 6.85 GB of kernel memory), then says what
+# stopped each and how many it made.
+FILLS_TMP_WITH_INODES = r'''
+import errno, os
+said = []
+for d in ("/tmp", "/dev/shm"):
+  n = 0
+  try:
+    for n in range(1, 1 << 20):
+      os.close(os.open(f"{d}/f{n}", os.O_CREAT | os.O_WRONLY, 0o600))
+  except OSError as e:
+    said.append((errno.errorcode[e.errno], n - 1))
+print(said[0][0], said[1][0], said[0][1], said[1][1])
+'''
+
+
 @needs_isolation
 def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
   """A worker that is not root has no quota of a filesystem, and its disk watch was a
@@ -756,6 +773,9 @@ def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
           "    print(r.ok, r.disk_exceeded, during, r.stdout.strip())\n"
           "    print(sorted(sb.files(max_bytes=8 << 20)))\n"
           "    holder = sb._held._proc.pid\n"
+          "    said = [(await sb.run([sb.python, '-c', sys.argv[4]], timeout=20)).stdout.strip()\n"
+          "            for _ in range(2)]  # (the second finds them empty again)\n"
+          "    print(*said, said[0] == said[1])\n"
           "  print(os.path.exists(f'/proc/{holder}'), os.listdir(sys.argv[1]))\n"
           "  sb = pool.create()\n"
           "  os.kill(sb._held.pid, 9)\n"
@@ -769,11 +789,12 @@ def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
   try:
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                         sys.executable, "-c", code, os.path.join(disk, "ws"), REPO,
-                        FILLS_ITS_WORKSPACE], capture_output=True, text=True, timeout=120)
+                        FILLS_ITS_WORKSPACE, FILLS_TMP_WITH_INODES],
+                       capture_output=True, text=True, timeout=120)
     if r.stdout.strip() == "unavailable":
       pytest.skip("this kernel lets no user namespace of user 65534 mount a tmpfs")
     lines = r.stdout.splitlines()
-    assert len(lines) == 6, r.stdout + r.stderr[-2000:]
+    assert len(lines) == 7, r.stdout + r.stderr[-2000:]
     assert lines[0] == "a tmpfs held in a user namespace tmpfs in a user namespace True"
     ok, exceeded, during, wrote, failed, size, uid, caps = lines[1].split()
     # (a page or two of the 32 MiB go to directories; each way of hiding filled it)
@@ -782,11 +803,13 @@ def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
     assert 28 <= int(wrote) <= 32, lines[1]
     kept = ast.literal_eval(lines[2])  # (every third file stays in the workspace)
     assert {"fill.py", "d/f0", "d/f3"} <= set(kept) and not {"d/f1", "d/f2"} & set(kept), kept
-    assert lines[3] == "False []", lines[3]  # (the holder and the mountpoint gone)
+    # /tmp and /dev/shm: fresh for each command, bounded in inodes too
+    assert lines[3] == f"ENOSPC ENOSPC {16384 - 1} {16384 - 1} " * 2 + "True", lines[3]
+    assert lines[4] == "False []", lines[4]  # (the holder and the mountpoint gone)
     # A holder that ended took the workspace with it: the infrastructure's failure.
     assert re.fullmatch(r"the workspace's filesystem is gone: its holder \(host pid \d+\) "
-                        r"ended, exit -9", lines[4]), lines[4]
-    holder = int(lines[5])
+                        r"ended, exit -9", lines[5]), lines[5]
+    holder = int(lines[6])
     deadline = time.time() + 10
     while time.time() < deadline and _running(holder):
       time.sleep(0.05)
@@ -874,6 +897,54 @@ def test_host_never_chowns_through_a_link(sandbox, tmp_path):
   assert (st.st_uid, victim.read_text()) == (0, "host data")
   assert sandbox.read_file("solution.py") == b"def f(): pass\n"
   assert os.stat(os.path.join(sandbox.host_path, "sub/dir")).st_uid == sandbox.uid
+
+
+def test_host_reads_regular_files_only_and_names_the_workspaces_paths(sandbox):
+  """A FIFO the command left where the host reads a file blocked the host's thread for
+  ever; a host-side error told the policy the host's path (held: its holder's pid). Only
+  regular files are read, and an error names the workspace's path (red team 6)."""
+  r = run(sandbox, "import os; os.mkfifo('pipe'); os.symlink('pipe', 'link'); "
+                   "open('plain', 'w').write('x')")
+  assert r.ok, r.stderr
+  for name in ("pipe", "link"):
+    with pytest.raises(ValueError, match="is not a regular file"):
+      sandbox.read_file(name)
+  with pytest.raises(OSError) as e:  # (its folder is a file)
+    sandbox.write_file("plain/below.txt", "y")
+  assert e.value.filename == "plain/below.txt" and sandbox.mountpoint not in str(e.value)
+  with pytest.raises(FileNotFoundError) as e:
+    sandbox.read_file("missing")
+  assert str(e.value) == "[Errno 2] No such file or directory: 'missing'"
+
+
+def test_a_pool_over_a_folder_that_was_there_leaves_its_other_files():
+  """A pool removed its whole root at close: an operator's `--workspace-root` of an
+  existing folder lost what else it held (red team 6). Only what the pool made goes."""
+  root = scratch_dir()  # (traversable by sandbox uids)
+  with open(os.path.join(root, "keep.txt"), "w") as f:
+    f.write("mine")
+  pool = SandboxPool(1, root=root, isolation=(MODES or ["rlimits"])[0], allow_unisolated=True)
+  sb = pool.create()
+  sb.write_file("a.txt", "x")
+  pool.close()
+  assert os.listdir(root) == ["keep.txt"]
+
+
+def test_a_non_root_worker_raises_its_process_limit_to_the_hard_one():
+  """The user namespaces a non-root worker's sandboxes are made in take its RLIMIT_NPROC
+  as theirs: under a finite one every sandbox, holder and worker thread shared it (two
+  sandboxes of 60 processes under 100 got 54 and 31; red team 6). The worker raises it
+  to the hard limit, and says so where that is below what its sandboxes may run."""
+  code = ("import logging, resource, sys\nsys.path.insert(0, sys.argv[1])\n"
+          "logging.basicConfig(format='%(message)s')\n"
+          "from envs.isolation import nproc_room\n"
+          "nproc_room(10)\nprint(resource.getrlimit(resource.RLIMIT_NPROC))\n"
+          "nproc_room(5000)\n")
+  r = subprocess.run(["prlimit", "--nproc=50:4000", sys.executable, "-c", code, REPO],
+                     capture_output=True, text=True, timeout=60)
+  assert r.stdout.strip() == "(4000, 4000)", r.stdout + r.stderr
+  assert "this user's process limit (RLIMIT_NPROC, ulimit -u) is 4000, below the 5000" \
+      in r.stderr, r.stderr
 
 
 def test_uids_are_unique_across_pools_and_processes():
