@@ -394,8 +394,8 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
   if held is not None:
     # Inside the holder's user namespace the worker is its root: the command runs as the
     # worker's own ids, as it would without one, with every capability dropped; its /tmp
-    # and /dev/shm are tmpfs mounts of its own there, bounded in inodes too (`mounts`).
-    out = held.enter() + held.mounts(limits) + out + [
+    # and /dev/shm are the holder's tmpfs mounts, bounded in inodes too (`HeldTmpfs`).
+    out = held.enter() + out + [
         "--uid", str(os.getuid()), "--gid", str(os.getgid()), "--cap-drop", "ALL"]
   if seccomp_fd is not None:  # bwrap installs it (with no_new_privs) just before the exec
     out += ["--seccomp", str(seccomp_fd)]
@@ -448,21 +448,27 @@ class HeldTmpfs:
   it in flight once the holder is gone."""
 
   def __init__(self, path: str, size: int, inodes: int, timeout: float = 10.0,
-               scratch: Optional[str] = None):
+               scratch: Optional[str] = None, tmp_size: int = 0):
     self.path = path
-    # Where each command's /tmp and /dev/shm are mounted (`mounts`): empty directories
-    # of the worker's in `scratch`, each covered only in that command's mount namespace.
+    # With `scratch` (a directory of the worker's), the commands' /tmp and /dev/shm too:
+    # tmpfs mounts of `tmp_size` and `inodes` over two empty directories there, seen in
+    # the holder's namespace only, emptied after each command (`Sandbox.run`).
+    # Bubblewrap's own `--tmpfs` bounds no inodes: a red team's 1.5M empty files there
+    # took 6.85 GB of the host's kernel memory in 13 s.
     self.tmp = self.shm = None
+    mounts = [("jaxagent-ws", f"size={size},nr_inodes={inodes},mode=0700,nosuid,nodev", path)]
     if scratch is not None:
       self.tmp, self.shm = os.path.join(scratch, "tmp"), os.path.join(scratch, "shm")
       for d in (self.tmp, self.shm):
         os.makedirs(d, mode=0o700, exist_ok=True)
-    options = f"size={size},nr_inodes={inodes},mode=0700,nosuid,nodev"
+        mounts.append(("jaxagent-tmp", f"size={tmp_size},nr_inodes={inodes},mode=1777,"
+                       "nosuid,nodev", d))
     self._proc = subprocess.Popen(
         [_UNSHARE, "--user", "--map-root-user", "--mount", "--propagation", "private",
          "--", "/bin/sh", "-c",
-         'mount -t tmpfs -o "$1" jaxagent-ws "$2" || exit 1; echo up; exec cat >/dev/null',
-         "holder", options, path],
+         'while [ $# -gt 0 ]; do mount -t tmpfs -o "$2" "$1" "$3" || exit 1; shift 3; done; '
+         'echo up; exec cat >/dev/null',
+         "holder", *[part for mount in mounts for part in mount]],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
     ready = select.select([self._proc.stdout], [], [], timeout)[0]
@@ -480,21 +486,6 @@ class HeldTmpfs:
     """The command prefix that joins the holder's user and mount namespaces."""
     return [_NSENTER, "-t", str(self.pid), "--user", "--mount",
             "--preserve-credentials", "--"]
-
-  def mounts(self, limits: Limits) -> list[str]:
-    """The command prefix (after `enter`) that gives the command a mount namespace of its
-    own, in which its /tmp and /dev/shm are fresh tmpfs mounts of `Limits.tmp_bytes` and
-    at most `Limits.max_inodes` entries: bubblewrap's own `--tmpfs` bounds no inodes,
-    and a red team's 1.5M empty files there took 6.85 GB of the host's kernel memory in
-    13 s. Nothing without `scratch`."""
-    if self.tmp is None:
-      return []
-    options = (f"mode=1777,size={limits.tmp_bytes},nr_inodes={limits.max_inodes},"
-               "nosuid,nodev")
-    return [_UNSHARE, "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
-            'mount -t tmpfs -o "$1" jaxagent-tmp "$2" && '
-            'mount -t tmpfs -o "$1" jaxagent-shm "$3" && shift 3 && exec "$@"',
-            "sandbox-mounts", options, self.tmp, self.shm]
 
   @property
   def pid(self) -> int:

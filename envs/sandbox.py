@@ -736,7 +736,7 @@ class Sandbox:
           own_filesystem or (own_filesystem is None and held_tmpfs_works())):
         self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # (its commands' /tmp too)
         self._held = HeldTmpfs(self.mountpoint, limits.disk_bytes, limits.max_inodes,
-                               scratch=self._logs)
+                               scratch=self._logs, tmp_size=limits.tmp_bytes)
         self._root = self._held.root
         self.host_path = self._root + self.mountpoint
       elif own_filesystem:
@@ -1227,6 +1227,8 @@ class Sandbox:
         os.close(seccomp_fd)
       try:
         await waits.to_the_end(asyncio.to_thread(self._kill_uid))
+        if self._held is not None and self._held.alive:  # (fresh for the next command)
+          await asyncio.to_thread(self._held_scratch_emptied)
       finally:
         with contextlib.suppress(OSError):  # (else the next command's start sets it)
           self._throttle()
@@ -1303,6 +1305,11 @@ class Sandbox:
       with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGKILL)
       await proc.wait()
+
+  def _held_scratch_emptied(self) -> None:
+    """Empties the /tmp and /dev/shm of a held workspace's commands."""
+    for scratch in (self._held.tmp, self._held.shm):
+      _remove_tree(self._root + scratch, keep_root=True)
 
   async def run_python(self, code: str, *, timeout: Optional[float] = None,
                        filename: str = "_run.py") -> ExecResult:
