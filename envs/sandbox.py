@@ -653,6 +653,20 @@ def _check_traversable(path: str) -> None:
     path = parent
 
 
+def _all_ended(pidfds: Sequence[int], timeout: float) -> None:
+  """Waits (at most `timeout` seconds) until the processes of `pidfds` have ended, and
+  closes the descriptors."""
+  deadline = time.monotonic() + timeout
+  try:
+    for fd in pidfds:
+      look = select.poll()
+      look.register(fd, select.POLLIN)  # (readable once it has ended)
+      look.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+  finally:
+    for fd in pidfds:
+      os.close(fd)
+
+
 def _children(pid: int) -> list[int]:
   try:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -720,8 +734,8 @@ class Sandbox:
         self._lease = UidLease()
         uid = self._lease.uid
       self.uid = uid
+    os.makedirs(self.host_path, mode=0o700, exist_ok=False)
     try:
-      os.makedirs(self.host_path, mode=0o700, exist_ok=False)
       if self.uid is not None:
         _check_traversable(os.path.dirname(self.host_path))
         self._kill_uid()  # nothing of an earlier holder of this uid survives
@@ -757,6 +771,7 @@ class Sandbox:
         _UNQUOTED.add(id(self))
     except BaseException:
       self._release()
+      _remove_tree(self.mountpoint)  # (a pool's root kept no empty folder per failure)
       raise
     self.history: list[ExecResult] = []
 
@@ -1288,12 +1303,16 @@ class Sandbox:
     return 0, 0
 
   async def _terminate(self, proc) -> None:
-    """Kills a timed-out command so that its own parent reaps it (no orphans, no zombies)."""
+    """Kills a timed-out command so that its own parent reaps it (no orphans, no zombies),
+    and waits until nothing of it runs."""
+    inits = []
     if self.isolation in ("bwrap", "mountns"):
       # Killing the PID namespace's init takes down everything inside; bwrap (or
       # unshare) reaps it and exits. (A sandbox uid is had only in these modes:
       # `_fast_exit` kills its every process at once.)
       for child in _children(proc.pid):
+        with contextlib.suppress(OSError):
+          inits.append(os.pidfd_open(child))
         with contextlib.suppress(ProcessLookupError):
           os.kill(child, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
@@ -1305,11 +1324,19 @@ class Sandbox:
       with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGKILL)
       await proc.wait()
+    if inits:
+      # bwrap, killed too, may end first: the init ends only once the kernel has ended
+      # everything else in its namespace, and until then they still write (the next
+      # command found up to 101 files its timed-out predecessor's processes made in
+      # /tmp after it was emptied: red team 7).
+      await asyncio.to_thread(_all_ended, inits, 5.0)
 
   def _held_scratch_emptied(self) -> None:
     """Empties the /tmp and /dev/shm of a held workspace's commands."""
     for scratch in (self._held.tmp, self._held.shm):
       _remove_tree(self._root + scratch, keep_root=True)
+      with contextlib.suppress(OSError):  # (a command that shut it: opened to empty it)
+        os.chmod(self._root + scratch, 0o1777)
 
   async def run_python(self, code: str, *, timeout: Optional[float] = None,
                        filename: str = "_run.py") -> ExecResult:
@@ -1325,6 +1352,37 @@ class Sandbox:
             "seccomp": seccomp_program() is not None and (
                 self.isolation == "bwrap" or (self.isolation == "mountns"
                                               and system_python() is not None))}
+
+
+# A pool's workspace: `<the worker's pid>-<12 hex digits>` (`SandboxPool.create`).
+_WORKSPACE_NAME = re.compile(r"(\d+)-[0-9a-f]{12}")
+
+
+def _remove_stale_workspaces(root: str) -> list[str]:
+  """Removes the workspaces in `root` of workers no longer running (killed before they
+  released them: on a `--workspace-root` that was there, kept at close, they piled up
+  with each crash until its volume was full; red team 7), with their tmpfs as root; the
+  other entries are left. Workers that share a root must share a PID namespace."""
+  gone = []
+  for entry in os.scandir(root):
+    match = _WORKSPACE_NAME.fullmatch(entry.name)
+    if match is None or int(match.group(1)) == os.getpid():
+      continue
+    try:
+      os.kill(int(match.group(1)), 0)
+      continue  # (running: another worker's)
+    except ProcessLookupError:
+      pass
+    except PermissionError:
+      continue  # (running, as another user)
+    if os.path.ismount(entry.path):  # (a root worker's quota tmpfs)
+      subprocess.run(["umount", "-l", entry.path], capture_output=True)
+    _remove_tree(entry.path)
+    gone.append(entry.name)
+  if gone:
+    log.warning("sandbox: removed %d workspaces that workers no longer running left in %s",
+                len(gone), root)
+  return gone
 
 
 class SandboxPool:
@@ -1385,6 +1443,8 @@ class SandboxPool:
     self._made_root = root is None or not os.path.exists(root)
     self.root = os.path.abspath(root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-"))
     os.makedirs(self.root, exist_ok=True)
+    if not self._made_root:
+      _remove_stale_workspaces(self.root)
     os.chmod(self.root, 0o711)  # sandbox uids may pass through to their workspace, not list it
     if os.geteuid() == 0 and self.isolation != "rlimits":
       _check_traversable(self.root)  # at start, not at each episode
@@ -1431,7 +1491,8 @@ class SandboxPool:
     if len(self.live) >= self.max_workspaces:
       raise InfraError("sandbox", f"sandbox pool is at its limit of {self.max_workspaces} "
                        "workspaces")
-    sb = Sandbox(os.path.join(self.root, uuid.uuid4().hex[:12]), limits=self.limits,
+    sb = Sandbox(os.path.join(self.root, f"{os.getpid()}-{uuid.uuid4().hex[:12]}"),
+                 limits=self.limits,
                  isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
                  progress=lambda: self.last_freed, memory_fits=self.memory_fits,
                  cgroup_parents=self.cgroup_parents, own_filesystem=self.own_filesystem)

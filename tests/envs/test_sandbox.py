@@ -393,9 +393,7 @@ def test_directories_shut_to_their_owner_are_removed_and_left_alone_while_a_comm
   left it and its files on the disk (a reviewer: 13 MB after the pool closed); the watch
   opened a running command's 0555 directory to 0700 (its files are its own until it
   ends). The look at the end counts what such directories hold."""
-  skip_unless_nobody_runs_python()
-  root = scratch_dir()
-  os.chown(root, 65534, 65534)
+  root = nobodys_scratch_dir()
   readonly = ("import os, time\nos.makedirs('z/y')\nos.chmod('z', 0o555)\ntime.sleep(0.5)\n"
               "print(oct(os.stat('z').st_mode & 0o777))\n")
   fills = ("import os\nos.chmod('z', 0o755)\nopen('z/y/big', 'wb').write(b'x' * (3 << 20))\n"
@@ -479,9 +477,7 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
   command (the grader's harness, which must not be dumpable); for other commands
   prctl(PR_SET_DUMPABLE, 0) succeeds and changes nothing (ssh-agent and gpg-agent were
   stopped so)."""
-  skip_unless_nobody_runs_python()
-  root = scratch_dir()
-  os.chown(root, 65534, 65534)
+  root = nobodys_scratch_dir()
   code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
           "from envs.sandbox import Limits, SandboxPool\n"
           "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=30, cpu_s=30),\n"
@@ -637,6 +633,22 @@ def test_disk_hidden_from_the_watch_is_seen_in_the_disks_free_space(how):
   assert r.stdout.split()[0] == "False" and "hidden from the disk watch while the disk " \
       "lost" in r.stdout, r.stdout + r.stderr[-2000:]
   assert r.stdout.split()[-1] == "0", r.stdout  # (the workspace emptied)
+
+
+def nobodys_scratch_dir() -> str:
+  """A `scratch_dir` of user 65534's (skips where that user cannot run this Python)."""
+  skip_unless_nobody_runs_python()
+  root = scratch_dir()
+  os.chown(root, 65534, 65534)
+  return root
+
+
+def python_as_nobody(code: str, *args: str, timeout: float = 60
+                     ) -> subprocess.CompletedProcess:
+  """Runs `code` with `args` in this interpreter as user 65534 (output as text)."""
+  return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                         sys.executable, "-c", code, *args],
+                        capture_output=True, text=True, timeout=timeout)
 
 
 def _nobodys_disk() -> str:
@@ -818,6 +830,51 @@ def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
     _remove_disk(disk)
 
 
+def test_a_holder_that_says_more_or_never_comes_up_neither_hangs_nor_leaves_a_folder(
+    tmp_path):
+  """A holder that printed anything before its "up" (an LD_PRELOAD's complaint at each
+  exec) hung the worker reading to an end that never came, and a workspace whose holder
+  failed left its empty folder in the pool's root each time (red team 7). What comes
+  before "up" is passed over; a holder that never says it is given up on in time; a
+  failed workspace leaves nothing."""
+  from envs import isolation
+
+  talker, mute = tmp_path / "talker", tmp_path / "mute"
+  talker.write_text("#!/bin/sh\necho noise\necho up\nexec cat >/dev/null\n")
+  mute.write_text("#!/bin/sh\necho noise\nexec cat >/dev/null\n")
+  for f in (talker, mute):
+    f.chmod(0o755)
+  os.mkdir(tmp_path / "ws")
+  real = isolation._UNSHARE
+  try:
+    isolation._UNSHARE = str(talker)
+    held = isolation.HeldTmpfs(str(tmp_path / "ws"), 1 << 20, 64)
+    assert held.alive
+    held.close()
+    assert not held.alive
+    isolation._UNSHARE = str(mute)
+    t = time.monotonic()
+    with pytest.raises(isolation.IsolationUnavailable, match=r"noise\n\(no answer in time\)"):
+      isolation.HeldTmpfs(str(tmp_path / "ws"), 1 << 20, 64, timeout=1.0)
+    assert time.monotonic() - t < 10
+  finally:
+    isolation._UNSHARE = real
+  if "bwrap" not in MODES:
+    return
+  root = nobodys_scratch_dir()
+  code = ("import sys\nsys.path.insert(0, sys.argv[2])\n"
+          "from envs import isolation\nfrom envs.sandbox import SandboxPool\n"
+          "if not isolation.held_tmpfs_works():\n  print('unavailable'); sys.exit()\n"
+          "pool = SandboxPool(1, root=sys.argv[1], own_filesystem=True)\n"
+          "isolation._UNSHARE = '/bin/false'\n"
+          "for _ in range(3):\n  try:\n    pool.create()\n"
+          "  except isolation.IsolationUnavailable as e:\n    print('refused')\n"
+          "import os\nprint(os.listdir(sys.argv[1]))\npool.close()\n")
+  r = python_as_nobody(code, root, REPO)
+  if r.stdout.strip() != "unavailable":
+    assert r.stdout.split("\n")[:4] == ["refused"] * 3 + ["[]"], r.stdout + r.stderr
+
+
 def _running(pid: int) -> bool:
   """Whether process `pid` exists and has not ended (a zombie has)."""
   try:
@@ -872,9 +929,7 @@ def test_a_workspace_without_a_quota_counts_what_it_takes_on_disk_and_is_removed
           "  except WorkspaceTooLarge as e:\n    print(e)\n"
           "  os.chmod(d, mode)\n  sb.destroy()\n"
           "  print('left' if os.path.exists(sb.host_path) else 'removed')\n")
-  r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                      sys.executable, "-c", code, root, REPO],
-                     capture_output=True, text=True, timeout=60)
+  r = python_as_nobody(code, root, REPO)
   assert r.stdout.splitlines() == [f"the workspace takes over {1 << 20} bytes on disk",
                                    "removed"] * 3, r.stdout + r.stderr
 
@@ -919,15 +974,24 @@ def test_host_reads_regular_files_only_and_names_the_workspaces_paths(sandbox):
 
 def test_a_pool_over_a_folder_that_was_there_leaves_its_other_files():
   """A pool removed its whole root at close: an operator's `--workspace-root` of an
-  existing folder lost what else it held (red team 6). Only what the pool made goes."""
+  existing folder lost what else it held (red team 6). Only what the pool made goes, and
+  what workers no longer running left there (a crash's workspaces piled up, red team 7);
+  a running worker's stay."""
   root = scratch_dir()  # (traversable by sandbox uids)
   with open(os.path.join(root, "keep.txt"), "w") as f:
     f.write("mine")
+  ended = subprocess.Popen(["true"])
+  ended.wait()
+  for pid in (ended.pid, 1):
+    os.makedirs(os.path.join(root, f"{pid}-0123456789ab", "d"))
+    with open(os.path.join(root, f"{pid}-0123456789ab", "d", "f"), "wb") as f:
+      f.write(b"x" * 4096)
   pool = SandboxPool(1, root=root, isolation=(MODES or ["rlimits"])[0], allow_unisolated=True)
+  assert sorted(os.listdir(root)) == ["1-0123456789ab", "keep.txt"]
   sb = pool.create()
   sb.write_file("a.txt", "x")
   pool.close()
-  assert os.listdir(root) == ["keep.txt"]
+  assert sorted(os.listdir(root)) == ["1-0123456789ab", "keep.txt"]
 
 
 def test_a_non_root_worker_raises_its_process_limit_to_the_hard_one():
