@@ -1501,9 +1501,11 @@ class SandboxPool:
 
   def memory_bound(self) -> int:
     """The most memory the pool's sandboxes can hold now: each command running at once
-    its memory cgroup's limit, each live workspace its files (its tmpfs quotas)."""
+    its memory cgroup's limit and its /tmp and /dev/shm (two tmpfs of `tmp_bytes`, filled
+    only while it runs), each live workspace its files (its tmpfs quota)."""
     lim = self.limits
-    return self.size * lim.group_memory_bytes + len(self.live) * (lim.disk_bytes + lim.tmp_bytes)
+    return (self.size * (lim.group_memory_bytes + 2 * lim.tmp_bytes)
+            + len(self.live) * lim.disk_bytes)
 
   def memory_fits(self) -> bool:
     """Whether a kill by the host's OOM killer is the infrastructure's: the operator said
@@ -1520,12 +1522,12 @@ class SandboxPool:
     lim = self.limits
     log.warning(
         "the sandbox pool's limits may overcommit this host's memory: %d commands at once x "
-        "%d MiB (Limits.group_memory_bytes) + %d workspaces x %d MiB of files (disk_bytes + "
-        "tmp_bytes) > %d MiB free at start. A command the host's OOM killer takes is then "
+        "%d MiB (Limits.group_memory_bytes + 2 x tmp_bytes) + %d workspaces x %d MiB of "
+        "files (disk_bytes) > %d MiB free at start. A command the host's OOM killer takes is then "
         "scored as its own failure (a solution could have caused it); lower the pool's "
         "size (--sandboxes) or the limits to make such kills infrastructure errors",
-        self.size, lim.group_memory_bytes >> 20, len(self.live),
-        (lim.disk_bytes + lim.tmp_bytes) >> 20, self.host_memory >> 20)
+        self.size, (lim.group_memory_bytes + 2 * lim.tmp_bytes) >> 20, len(self.live),
+        lim.disk_bytes >> 20, self.host_memory >> 20)
 
   def release(self, sb: Sandbox) -> None:
     self.live.discard(sb)

@@ -406,7 +406,7 @@ def test_host_oom_kills_are_infrastructure_only_where_the_operator_says_and_limi
     try:
       assert pool.memory_fits() is said and 0 < pool.memory_bound() < pool.host_memory
       bound, sb = pool.memory_bound(), pool.create()  # a live workspace holds its files
-      assert pool.memory_bound() == bound + pool.limits.disk_bytes + pool.limits.tmp_bytes
+      assert pool.memory_bound() == bound + pool.limits.disk_bytes
       pool.release(sb)
     finally:
       pool.close()
