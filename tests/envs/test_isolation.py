@@ -393,8 +393,8 @@ def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_
 
 def test_host_oom_kills_are_infrastructure_only_where_the_operator_says_and_limits_fit(
     caplog):
-  """The pool's bound (commands at once x their memory limit, live workspaces x their
-  file quotas) against the memory free at start (the host's, a container's cgroup
+  """The pool's bound (commands at once x their memory limit and /tmp and /dev/shm, live
+  workspaces x their file quotas) against the memory free at start (the host's, a container's cgroup
   above it): a host OOM kill is the infrastructure's only where the operator says the
   host's memory is the pool's (`host_oom_is_infra`; free memory seen by two workers
   started together, or a container's limit missed, would let a failing solution buy a
@@ -415,7 +415,7 @@ def test_host_oom_kills_are_infrastructure_only_where_the_operator_says_and_limi
                        allow_unisolated=True, host_oom_is_infra=True)
   try:
     assert not pool.memory_fits() and "overcommit this host's memory" in caplog.text
-    assert pool.memory_bound() == 2 << 50
+    assert pool.memory_bound() == 2 * ((1 << 50) + 2 * pool.limits.tmp_bytes)
   finally:
     pool.close()
 
