@@ -78,8 +78,7 @@ from envs.isolation import (FALLOC_FL_KEEP_SIZE, ISOLATIONS, SETPRIV, SETUP_DONE
                             HeldTmpfs, IsolationUnavailable, Limits,
                             UidLease, available_memory_bytes,
                             cgroup_counter, check_delegated_cgroups, confine, cpu_cgroup,
-                            detect_isolation, held_tmpfs_refused, held_tmpfs_works,
-                            join_cgroups,
+                            detect_isolation, held_tmpfs_refused, join_cgroups,
                             memory_cgroup, nproc_inside, nproc_room, oom_attribution,
                             processes_of,
                             remove_cgroup, remove_stale_cgroups,
@@ -734,6 +733,7 @@ class Sandbox:
         self._lease = UidLease()
         uid = self._lease.uid
       self.uid = uid
+    held = _workspace_filesystem(self.isolation, own_filesystem) == "held"
     os.makedirs(self.host_path, mode=0o700, exist_ok=False)
     try:
       if self.uid is not None:
@@ -746,16 +746,12 @@ class Sandbox:
                         self.host_path],
                        check=True, capture_output=True)
         self._mounted = True
-      elif self.isolation == "bwrap" and os.geteuid() != 0 and (
-          own_filesystem or (own_filesystem is None and held_tmpfs_works())):
+      elif held:
         self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # (its commands' /tmp too)
         self._held = HeldTmpfs(self.mountpoint, limits.disk_bytes, limits.max_inodes,
                                scratch=self._logs, tmp_size=limits.tmp_bytes)
         self._root = self._held.root
         self.host_path = self._root + self.mountpoint
-      elif own_filesystem:
-        raise IsolationUnavailable("a workspace filesystem of its own needs bwrap isolation "
-                                   "and a worker that is not root (as root it always has one)")
       if self.uid is not None or cgroup_parents:
         # (as root, below each hierarchy's root or the delegated cgroups; not root, only
         # below cgroups delegated to the worker: `SandboxPool`'s `cgroup_parents`)
@@ -1354,6 +1350,23 @@ class Sandbox:
                                               and system_python() is not None))}
 
 
+def _workspace_filesystem(isolation: str, own_filesystem: Optional[bool]) -> str:
+  """What a workspace of this worker is on: "tmpfs" (a root worker's, mounted on the
+  host), "held" (a non-root worker's `HeldTmpfs`) or "disk" (the host's, watched).
+  `own_filesystem` as `Sandbox`'s; asked for where it cannot be had, IsolationUnavailable."""
+  if os.geteuid() == 0 and isolation != "rlimits":
+    return "tmpfs"
+  if own_filesystem is False:
+    return "disk"
+  why = ("needs bwrap isolation, not " + isolation if isolation != "bwrap" else
+         held_tmpfs_refused())
+  if why is None:
+    return "held"
+  if own_filesystem:
+    raise IsolationUnavailable(f"workspaces cannot have a filesystem of their own: {why}")
+  return "disk"
+
+
 # A pool's workspace: `<the worker's pid>-<12 hex digits>` (`SandboxPool.create`).
 _WORKSPACE_NAME = re.compile(r"(\d+)-[0-9a-f]{12}")
 
@@ -1424,18 +1437,10 @@ class SandboxPool:
     if os.geteuid() != 0 and self.isolation == "bwrap":
       # (the worker's threads, each workspace's holder, each command's processes)
       nproc_room(256 + max_workspaces + size * (limits.processes + 4))
-    if own_filesystem is None and os.geteuid() != 0 and self.isolation == "bwrap":
-      own_filesystem = held_tmpfs_works()
-    elif own_filesystem and os.geteuid() != 0:
-      why = ("needs bwrap isolation, not " + self.isolation if self.isolation != "bwrap"
-             else held_tmpfs_refused())
-      if why is not None:
-        raise IsolationUnavailable(f"workspaces cannot have a filesystem of their own: {why}")
-    self.own_filesystem = own_filesystem
-    self.filesystem = (
-        "the host's disk, watched" if self.isolation == "rlimits" or not (
-            own_filesystem or os.geteuid() == 0) else
-        "a tmpfs" if os.geteuid() == 0 else "a tmpfs held in a user namespace")
+    kind = _workspace_filesystem(self.isolation, own_filesystem)
+    self.own_filesystem = {"tmpfs": None, "held": True, "disk": False}[kind]
+    self.filesystem = {"tmpfs": "a tmpfs", "held": "a tmpfs held in a user namespace",
+                       "disk": "the host's disk, watched"}[kind]
     self.max_workspaces = max_workspaces
     self.slot_timeout_s = slot_timeout_s
     # (removed at close where the pool made it; a folder that was there keeps what else
