@@ -396,7 +396,8 @@ class EnvResources:
 
   def pool(self):
     if self._pool is None:
-      from envs.sandbox import Limits, SandboxPool
+      from envs.pool import SandboxPool
+      from envs.sandbox import Limits
 
       self._pool = SandboxPool(self.sandboxes, limits=self.sandbox_limits or Limits(),
                                allow_unisolated=self.allow_unisolated, root=self.sandbox_root,

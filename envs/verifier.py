@@ -58,7 +58,8 @@ from typing import Any, Optional, Sequence
 from envs import values, waits
 from envs.base import Verdict, VerdictStatus
 from envs.isolation import seccomp_keep_dumpable
-from envs.sandbox import ExecResult, Sandbox, SandboxPool
+from envs.pool import SandboxPool
+from envs.sandbox import ExecResult, Sandbox
 
 # 3: the report is capped to what the host keeps; 4: values nested past what the host
 # reads are errors, the solution is the kernel's first pick when memory runs out; 5: the

@@ -115,7 +115,7 @@ def make_env_factory(cfg: config_lib.RunConfig):
     load_modules(cfg.env.imports)
   except ValueError as e:
     raise config_lib.ConfigError(f"env.imports: {e}") from None
-  from envs.isolation import check_delegated_cgroups
+  from envs.cgroups import check_delegated_cgroups
 
   try:
     check_delegated_cgroups(cfg.env.cgroups)

@@ -58,7 +58,8 @@ MODES = ("now", "killed_held", "before")
 
 async def one(mode: str, wall_s: float, cpus: float) -> dict:
   from envs.isolation import Limits
-  from envs.sandbox import Sandbox, SandboxPool
+  from envs.pool import SandboxPool
+  from envs.sandbox import Sandbox
 
   async def nothing(self):
     return None

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from envs.isolation import Limits
-from envs.sandbox import Sandbox, SandboxPool
+from envs.pool import SandboxPool
+from envs.sandbox import Sandbox
 from tests.conftest import REPO
 from tests.envs.test_sandbox import (  # noqa: F401 (remove_scratch and sandbox: fixtures)
   ISOLATION, LIMITS, MODES, needs_isolation, remove_scratch, run, sandbox, scratch_dir)
@@ -63,7 +64,7 @@ def test_a_non_root_workers_sandboxes_each_have_their_own_process_limit():
             "  except OSError:\n    break\nprint(n, flush=True)\ntime.sleep(6)\n")
   script = ("import asyncio, os, sys, tempfile, threading, time\n"
             f"sys.path.insert(0, {REPO!r})\n"
-            "from envs.sandbox import Limits, SandboxPool\n"
+            "from envs.pool import SandboxPool\nfrom envs.sandbox import Limits\n"
             "stop = threading.Event()\n"
             "for _ in range(70):  # a worker's own threads (JAX's, an executor's)\n"
             "  threading.Thread(target=stop.wait, daemon=True).start()\n"
@@ -114,7 +115,7 @@ def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
   """Three processes of 200 MB each stay under the per-process address-space limit
   (512 MiB) but not under a 256 MiB limit for the sandbox as a whole, which a memory
   cgroup enforces where the host allows one (root with a writable controller)."""
-  from envs.isolation import memory_cgroup
+  from envs.cgroups import memory_cgroup
 
   if sandbox._cgroup is None:
     assert memory_cgroup(f"jaxagent-{sandbox.uid or 0}", 1 << 30) is None \
@@ -249,7 +250,8 @@ def test_a_worker_that_is_not_root_bounds_a_sandbox_in_a_delegated_cgroup():
     os.chown(root, 65534, 65534)
     code = f"""import asyncio, os, sys
 sys.path.insert(0, sys.argv[2])
-from envs.sandbox import Limits, SandboxPool
+from envs.pool import SandboxPool
+from envs.sandbox import Limits
 for parent in ('/proc', os.path.dirname(sys.argv[3])):  # (no cgroup; root's)
   try:
     SandboxPool(1, cgroup_parents=[parent])
@@ -305,7 +307,7 @@ def test_a_sandboxs_cgroup_is_removed_once_the_processes_left_in_it_are_killed()
   """A timed-out command's processes, still exiting when a worker that is not root
   released its sandbox, kept the rmdir of its cgroups from working: they were left
   behind, every time (red team). They are killed, and the cgroup removed."""
-  from envs.isolation import join_cgroups, remove_cgroup
+  from envs.cgroups import join_cgroups, remove_cgroup
 
   hierarchy = "/sys/fs/cgroup/memory"
   path = os.path.join(hierarchy, f"jaxagent-test-rm-{os.getpid()}")
@@ -331,7 +333,7 @@ def test_cgroups_a_worker_no_longer_running_left_are_removed_when_a_pool_starts(
   """A worker killed before it released its sandboxes left their cgroups (and what ran in
   them) below its delegated cgroup, and v1 allows 65,535 memory cgroups. A pool given
   that cgroup removes those whose worker is gone; a live worker's stay."""
-  from envs.isolation import join_cgroups
+  from envs.cgroups import join_cgroups
 
   parent = os.path.join("/sys/fs/cgroup/memory", f"jaxagent-test-stale-{os.getpid()}")
   try:
@@ -365,7 +367,7 @@ def test_a_kill_by_the_hosts_oom_killer_is_infrastructure_only_where_the_limits_
   infrastructure error where the pool's limits fit the host's free memory, and the
   command's own where they may overcommit it (a solution filling its own share could
   have caused them: calling them infrastructure would buy it a re-roll)."""
-  from envs.isolation import oom_attribution
+  from envs.cgroups import oom_attribution
 
   for fits in (True, False):
     assert oom_attribution((3, 1), (3, 1), host_kills_are_infra=fits) == (0, 0)
@@ -425,7 +427,7 @@ def test_free_memory_counts_a_memory_cgroup_above_the_worker(tmp_path, monkeypat
   under a cgroup namespace, whose worker is in a child with no limit of its own; v1
   under Docker, whose /proc/self/cgroup names a path the mount does not have) or on a
   cgroup above the worker: the least any of them leaves is what is free."""
-  import envs.isolation as S
+  import envs.cgroups as S
 
   root = tmp_path / "cgroup"
   for path, limit, used in (("", 512 << 20, 100 << 20), ("box", "max", 99 << 20),

@@ -20,7 +20,8 @@ from tests.conftest import REPO
 
 from envs.isolation import (IsolationUnavailable, Limits, UidLease, available_isolations,
                             detect_isolation)
-from envs.sandbox import Sandbox, SandboxPool
+from envs.pool import SandboxPool
+from envs.sandbox import Sandbox
 
 ISOLATION = detect_isolation()
 # Every namespace mode this host has: CI (root, bubblewrap installed) runs both.
@@ -477,7 +478,7 @@ def test_files_a_command_hides_from_a_non_root_workers_disk_watch_stop_it():
   stopped so)."""
   root = nobodys_scratch_dir()
   code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
-          "from envs.sandbox import Limits, SandboxPool\n"
+          "from envs.pool import SandboxPool\nfrom envs.sandbox import Limits\n"
           "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=30, cpu_s=30),\n"
           "                   own_filesystem=False)\n"
           "async def main():\n"
@@ -520,7 +521,7 @@ def test_a_removed_directory_still_held_counts_on_the_disk():
   """A directory's blocks (its entries' names) stay taken while a process holds it after
   its removal, as its working directory or by a descriptor: a red team held 214 MiB so,
   unseen (the watch counted regular files only)."""
-  from envs.sandbox import _unlinked_bytes
+  from envs.diskwatch import unlinked_bytes
 
   root = scratch_dir()
   held = os.path.join(root, "d")
@@ -535,7 +536,7 @@ def test_a_removed_directory_still_held_counts_on_the_disk():
   try:
     assert holder.stdout.readline() == "held\n" and not os.path.exists(held)
     device = os.stat(root).st_dev
-    assert blocks > 100_000 and _unlinked_bytes([holder.pid], device, 16 << 20) == (blocks, 0)
+    assert blocks > 100_000 and unlinked_bytes([holder.pid], device, 16 << 20) == (blocks, 0)
   finally:
     holder.kill()
     holder.wait()
@@ -547,13 +548,13 @@ def test_a_disk_look_reads_a_bounded_number_of_mappings(monkeypatch):
   watch take 3 s (and every sandbox's looks wait on two threads: another sandbox's 1 GiB
   was stopped 8.7 s late; red team). A look reads so many lines of /proc/<pid>/maps at
   most; a command past them is stopped for it."""
-  import envs.sandbox as sandbox_mod
+  import envs.diskwatch as diskwatch
 
   root = scratch_dir()
   sb = Sandbox(os.path.join(root, "ws"), isolation="rlimits", limits=Limits(disk_bytes=1 << 20))
   try:
     assert sb.over_disk(os.getpid(), open_up=False) is None
-    monkeypatch.setattr(sandbox_mod, "_MAPPINGS_READ", 50)  # (this process maps more)
+    monkeypatch.setattr(diskwatch, "MAPPINGS_READ", 50)  # (this process maps more)
     assert sb.over_disk(os.getpid(), open_up=False) == \
         "its processes map over 50 regions, more than the disk watch reads"
   finally:
@@ -677,7 +678,7 @@ def _run_as_nobody_on_a_tmpfs(script: str, *args: str, own_filesystem: bool = Fa
   `own_filesystem`: the pool's (False: the disk watch bounds the workspace)."""
   disk = _nobodys_disk()
   code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
-          "from envs.sandbox import Limits, SandboxPool\n"
+          "from envs.pool import SandboxPool\nfrom envs.sandbox import Limits\n"
           "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=20, cpu_s=20),\n"
           f"                   own_filesystem={own_filesystem})\n"
           "def used():\n  s = os.statvfs(sys.argv[1])\n"
@@ -766,7 +767,7 @@ def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
   disk = _nobodys_disk()
   code = ("import asyncio, os, sys\nsys.path.insert(0, sys.argv[2])\n"
           "from envs.isolation import held_tmpfs_works\n"
-          "from envs.sandbox import Limits, SandboxPool\n"
+          "from envs.pool import SandboxPool\nfrom envs.sandbox import Limits\n"
           "if not held_tmpfs_works():\n  print('unavailable'); sys.exit()\n"
           "pool = SandboxPool(1, root=sys.argv[1], limits=Limits(wall_s=20, cpu_s=20))\n"
           "def used():\n  s = os.statvfs(sys.argv[1])\n"
@@ -861,7 +862,7 @@ def test_a_holder_that_says_more_or_never_comes_up_neither_hangs_nor_leaves_a_fo
     return
   root = nobodys_scratch_dir()
   code = ("import sys\nsys.path.insert(0, sys.argv[2])\n"
-          "from envs import isolation\nfrom envs.sandbox import SandboxPool\n"
+          "from envs import isolation\nfrom envs.pool import SandboxPool\n"
           "if not isolation.held_tmpfs_works():\n  print('unavailable'); sys.exit()\n"
           "pool = SandboxPool(1, root=sys.argv[1], own_filesystem=True)\n"
           "isolation._UNSHARE = '/bin/false'\n"
@@ -1312,7 +1313,7 @@ def test_reserve_takes_the_disk_and_keeps_the_length():
   """A command's stdout log takes its bytes before the command starts (what is written
   within them never meets a full disk), and its length stays 0 (what is read is what
   was written)."""
-  from envs.sandbox import reserve
+  from envs.diskwatch import reserve
 
   with tempfile.TemporaryFile(dir=scratch_dir()) as f:
     if not reserve(f.fileno(), 1 << 16):

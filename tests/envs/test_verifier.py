@@ -15,7 +15,8 @@ import pytest
 
 from envs.base import EnvResources, TaskSpec, VerdictStatus, make
 from envs.isolation import available_isolations
-from envs.sandbox import ExecResult, Limits, SandboxPool
+from envs.pool import SandboxPool
+from envs.sandbox import ExecResult, Limits
 from envs.verifier import HiddenTests, PythonTestVerifier, classify
 
 ADD = HiddenTests("add", [((2, 3), 5), ((-1, 1), 0), ((10**12, 1), 10**12 + 1)])
@@ -563,7 +564,7 @@ def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error(own_
     pytest.skip("cannot mount a tmpfs here")
   code = (
       "import asyncio, sys\nsys.path.insert(0, sys.argv[1])\n"
-      "from envs.sandbox import Limits, SandboxPool\n"
+      "from envs.pool import SandboxPool\nfrom envs.sandbox import Limits\n"
       "from envs.verifier import HiddenTests, PythonTestVerifier\n"
       "import tempfile\nprint(tempfile.gettempdir())\n"
       "pool = SandboxPool(1, limits=Limits(wall_s=10), allow_unisolated=True,\n"

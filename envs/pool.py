@@ -1,0 +1,234 @@
+"""A worker's workspaces and the cap on its commands running at once (`SandboxPool`).
+
+Each episode acquires a fresh `envs.sandbox.Sandbox` (a workspace of its own, with a uid
+of its own as root) and grading takes another; `size` commands run at once over all of
+them. The pool decides once what its workspaces are on (`envs.sandbox.Sandbox`'s
+`own_filesystem`), prepares the host for them (delegated cgroups, the process limit of a
+non-root worker, a root directory that sandbox uids may pass through but not list),
+removes what crashed workers left behind, and says whether its limits fit the host's
+memory (`memory_bound`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import tempfile
+import time
+import uuid
+from typing import Optional, Sequence
+
+from envs import hostfs, waits
+from envs.cgroups import available_memory_bytes, check_delegated_cgroups, remove_stale_cgroups
+from envs.isolation import ISOLATIONS, IsolationUnavailable, Limits, detect_isolation, nproc_room
+from envs.sandbox import Sandbox, workspace_filesystem
+from jaxagent.errors import InfraError
+
+log = logging.getLogger(__name__)
+
+
+# A pool's workspace: `<the worker's pid>-<12 hex digits>` (`SandboxPool.create`).
+_WORKSPACE_NAME = re.compile(r"(\d+)-[0-9a-f]{12}")
+
+
+def _remove_stale_workspaces(root: str) -> list[str]:
+  """Removes the workspaces in `root` of workers no longer running (killed before they
+  released them: on a `--workspace-root` that was there, kept at close, they piled up
+  with each crash until its volume was full; red team 7), with their tmpfs as root; the
+  other entries are left. Workers that share a root must share a PID namespace."""
+  gone = []
+  for entry in os.scandir(root):
+    match = _WORKSPACE_NAME.fullmatch(entry.name)
+    if match is None or int(match.group(1)) == os.getpid():
+      continue
+    try:
+      os.kill(int(match.group(1)), 0)
+      continue  # (running: another worker's)
+    except ProcessLookupError:
+      pass
+    except PermissionError:
+      continue  # (running, as another user)
+    if os.path.ismount(entry.path):  # (a root worker's quota tmpfs)
+      subprocess.run(["umount", "-l", entry.path], capture_output=True)
+    hostfs.remove_tree(entry.path)
+    gone.append(entry.name)
+  if gone:
+    log.warning("sandbox: removed %d workspaces that workers no longer running left in %s",
+                len(gone), root)
+  return gone
+
+
+class SandboxPool:
+  """Workspaces on demand, and a cap on the commands running at once.
+
+  `acquire()` gives every caller a fresh workspace of its own (an episode keeps one for
+  its whole session; grading takes another), up to `max_workspaces`, and never waits
+  for another caller's workspace. `size` bounds how many commands run at once, over
+  all workspaces: a command waits for a slot only while others run, as long as the pool
+  frees slots, and fails after `slot_timeout_s` in which none was freed (stuck). Unisolated execution (`rlimits`) is refused unless
+  `allow_unisolated`. `own_filesystem`: as `Sandbox`'s, decided once for the pool
+  (`filesystem` says which).
+  """
+
+  def __init__(self, size: int, *, root: Optional[str] = None, limits: Limits = Limits(),
+               isolation: Optional[str] = None, max_workspaces: int = 1024,
+               allow_unisolated: bool = False, slot_timeout_s: float = 60.0,
+               host_oom_is_infra: bool = False, cgroup_parents: Sequence[str] = (),
+               own_filesystem: Optional[bool] = None):
+    if size < 1:
+      raise ValueError(f"pool size must be >= 1, got {size}")
+    # Cgroups delegated to this worker, each sandbox's memory and CPU cgroups made below
+    # them: a worker that is not root has no other way to bound all of a sandbox's
+    # processes together (and the kernel's memory they hold: pipes, sockets).
+    self.cgroup_parents = tuple(os.path.abspath(p) for p in cgroup_parents)
+    self.cgroup_controllers = check_delegated_cgroups(self.cgroup_parents)
+    remove_stale_cgroups(self.cgroup_parents)
+    self.isolation = isolation or detect_isolation()
+    if self.isolation not in ISOLATIONS:
+      raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")
+    if self.isolation == "rlimits" and not allow_unisolated:
+      raise IsolationUnavailable(
+          "this host cannot isolate untrusted code (no bubblewrap, and not root for mount "
+          "namespaces): install bubblewrap (apt-get install bubblewrap), or allow "
+          "unisolated execution explicitly (env.allow_unisolated=true, "
+          "--allow-unisolated), which lets tool code read and write this host")
+    self.size = size
+    self.limits = limits
+    if os.geteuid() != 0 and self.isolation == "bwrap":
+      # (the worker's threads, each workspace's holder, each command's processes)
+      nproc_room(256 + max_workspaces + size * (limits.processes + 4))
+    kind = workspace_filesystem(self.isolation, own_filesystem)
+    self.own_filesystem = {"tmpfs": None, "held": True, "disk": False}[kind]
+    self.filesystem = {"tmpfs": "a tmpfs", "held": "a tmpfs held in a user namespace",
+                       "disk": "the host's disk, watched"}[kind]
+    self.max_workspaces = max_workspaces
+    self.slot_timeout_s = slot_timeout_s
+    # (removed at close where the pool made it; a folder that was there keeps what else
+    # it holds: an operator's files there were removed with it, red team 6)
+    self._made_root = root is None or not os.path.exists(root)
+    self.root = os.path.abspath(root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-"))
+    os.makedirs(self.root, exist_ok=True)
+    if not self._made_root:
+      _remove_stale_workspaces(self.root)
+    os.chmod(self.root, 0o711)  # sandbox uids may pass through to their workspace, not list it
+    if os.geteuid() == 0 and self.isolation != "rlimits":
+      hostfs.check_traversable(self.root)  # at start, not at each episode
+    self.live: set[Sandbox] = set()
+    # A kill by the host's OOM killer is the infrastructure's only where the operator says
+    # the host's memory is this pool's (`host_oom_is_infra`: one worker on it, nothing
+    # else large) and the pool's limits fit what was free at start (`oom_attribution`).
+    self.host_oom_is_infra = host_oom_is_infra
+    self.host_memory = available_memory_bytes()
+    self._overcommit_said = False
+    if host_oom_is_infra and self.memory_bound() > self.host_memory:
+      self._say_overcommitted()
+    self._semaphores: dict = {}  # one per event loop (a test may run several in turn)
+    self.running = 0
+    self.peak_running = 0
+    self.waits = 0
+    self.last_freed = time.monotonic()  # when a command last gave its slot back
+
+  def _semaphore(self) -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    sem = self._semaphores.get(loop)
+    if sem is None:
+      self._semaphores = {loop: asyncio.Semaphore(self.size)}
+      sem = self._semaphores[loop]
+    return sem
+
+  @contextlib.asynccontextmanager
+  async def slot(self):
+    """One of the `size` execution slots."""
+    sem = self._semaphore()
+    if sem.locked():
+      self.waits += 1
+    async with sem:
+      self.running += 1
+      self.peak_running = max(self.peak_running, self.running)
+      try:
+        yield
+      finally:
+        self.running -= 1
+        self.last_freed = time.monotonic()
+
+  def create(self) -> Sandbox:
+    """A new workspace (blocking: a mount and a uid lease)."""
+    if len(self.live) >= self.max_workspaces:
+      raise InfraError("sandbox", f"sandbox pool is at its limit of {self.max_workspaces} "
+                       "workspaces")
+    sb = Sandbox(os.path.join(self.root, f"{os.getpid()}-{uuid.uuid4().hex[:12]}"),
+                 limits=self.limits,
+                 isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
+                 progress=lambda: self.last_freed, memory_fits=self.memory_fits,
+                 cgroup_parents=self.cgroup_parents, own_filesystem=self.own_filesystem)
+    self.live.add(sb)
+    return sb
+
+  def memory_bound(self) -> int:
+    """The most memory the pool's sandboxes can hold now: each command running at once
+    its memory cgroup's limit and its /tmp and /dev/shm (two tmpfs of `tmp_bytes`, filled
+    only while it runs), each live workspace its files (its tmpfs quota)."""
+    lim = self.limits
+    return (self.size * (lim.group_memory_bytes + 2 * lim.tmp_bytes)
+            + len(self.live) * lim.disk_bytes)
+
+  def memory_fits(self) -> bool:
+    """Whether a kill by the host's OOM killer is the infrastructure's: the operator said
+    the host's memory is this pool's, and its sandboxes cannot fill it by themselves."""
+    if not self.host_oom_is_infra:
+      return False
+    fits = self.memory_bound() <= self.host_memory
+    if not fits and not self._overcommit_said:
+      self._say_overcommitted()
+    return fits
+
+  def _say_overcommitted(self) -> None:
+    self._overcommit_said = True
+    lim = self.limits
+    log.warning(
+        "the sandbox pool's limits may overcommit this host's memory: %d commands at once x "
+        "%d MiB (Limits.group_memory_bytes + 2 x tmp_bytes) + %d workspaces x %d MiB of "
+        "files (disk_bytes) > %d MiB free at start. A command the host's OOM killer takes is then "
+        "scored as its own failure (a solution could have caused it); lower the pool's "
+        "size (--sandboxes) or the limits to make such kills infrastructure errors",
+        self.size, (lim.group_memory_bytes + 2 * lim.tmp_bytes) >> 20, len(self.live),
+        lim.disk_bytes >> 20, self.host_memory >> 20)
+
+  def release(self, sb: Sandbox) -> None:
+    self.live.discard(sb)
+    sb.destroy()
+
+  @contextlib.asynccontextmanager
+  async def acquire(self):
+    # The thread goes on when its caller is cancelled meanwhile (an episode dropped as
+    # stale, a DELETE): its sandbox is awaited and released, not left live for good
+    # (red team 22: the pool filled with them).
+    made = asyncio.ensure_future(asyncio.to_thread(self.create))
+    try:
+      sb = await asyncio.shield(made)
+    except asyncio.CancelledError:
+      with contextlib.suppress(Exception):
+        await waits.to_the_end(self._release_made(made))
+      raise
+    try:
+      yield sb
+    finally:
+      await waits.to_the_end(asyncio.to_thread(self.release, sb))
+
+  async def _release_made(self, made: asyncio.Future) -> None:
+    sb = await made
+    await asyncio.to_thread(self.release, sb)
+
+  @property
+  def in_use(self) -> int:
+    return len(self.live)
+
+  def close(self) -> None:
+    for sb in list(self.live):
+      self.release(sb)
+    if self._made_root:
+      hostfs.remove_tree(self.root)
