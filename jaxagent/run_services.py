@@ -1,4 +1,4 @@
-"""What a run plays its episodes with: the rollout side (`Serving`: an in-process engine,
+"""What a run plays its episodes with: the devices (`run_meshes`), the rollout side (`Serving`: an in-process engine,
 or servers by URL behind a local router, and the gateway black-box agents and the judge
 call), the environments (`make_env_factory`), the judge, the tools the tasks offer, and
 the served models that score segments (a KL reference, a teacher)."""
@@ -12,10 +12,37 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxagent import config as config_lib
+from jaxagent import config as config_lib, distributed
 from jaxagent.blackbox import is_blackbox
 from jaxagent.errors import InfraError
 from jaxagent.run_checks import env_latency, served_scorers
+
+
+def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
+  """(the learner's mesh, the in-process engine's) for a run: the learner over
+  `mesh_cfg`'s axes on its devices (every process's when the learner spans several), the
+  engine on `serving_devices` (`serving.devices`), on this process's devices when the
+  learner spans several processes, or else on the learner's mesh (colocated,
+  time-shared). A mesh the devices cannot make is a ConfigError naming the keys."""
+  from jaxagent.models.sharding import make_mesh, select_devices
+
+  multi = jax.process_count() > 1
+  if multi and mesh_cfg.devices:
+    raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
+                                 "process's devices; choose devices per process only for "
+                                 "the engine (serving.devices)")
+  try:
+    learner_devices = jax.devices() if multi else select_devices(mesh_cfg.devices)
+    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=learner_devices)
+    serving_mesh = (make_mesh(devices=select_devices(serving_devices))
+                    if serving_devices or multi else mesh)
+  except ValueError as e:
+    hint = ""
+    if jax.device_count() == 1 and jax.devices()[0].platform == "cpu":
+      hint = ("; this CPU is one device: simulate more with "
+              "XLA_FLAGS=--xla_force_host_platform_device_count=8 before the command")
+    raise config_lib.ConfigError(f"mesh / serving.devices: {e}{hint}") from None
+  return mesh, serving_mesh
 
 
 class Serving:
@@ -30,6 +57,7 @@ class Serving:
 
     self._threads = []
     self.orch = None
+    self._device_sync = True  # (`engine_copy`)
     self.models = {}
     s = cfg.serving
     if s.urls:
@@ -71,6 +99,23 @@ class Serving:
       gateway = ServerThread(app).start()
       self._threads.append(gateway)
       self.gateway_url = gateway.url
+
+  def engine_copy(self, params) -> tuple:
+    """(the learner's `params` as the in-process engine takes them, how: "reshard" or
+    "host"). A device-to-device reshard onto the engine's mesh (its own devices or the
+    learner's; with several processes, each process's engine gets the whole model by
+    collectives); through the host once the processes' engines do not cover the
+    learner's devices (serving.devices a subset), which is said once."""
+    if self._device_sync:
+      engine = self.client.engine
+      try:
+        return distributed.copy_to_local(params, engine.weight_shardings,
+                                         engine.model_cfg.param_dtype), "reshard"
+      except distributed.MeshCoverageError as e:
+        self._device_sync = False
+        if distributed.is_primary():
+          print(f"weight sync through the host: {e}", flush=True)
+    return distributed.host_copy(params), "host"
 
   async def close(self) -> None:
     await self.client.aclose()

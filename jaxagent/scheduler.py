@@ -43,11 +43,11 @@ import dataclasses
 import functools
 import time
 import types
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from jaxagent.agent import Episode
+from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
 from jaxagent.config import AdvantageConfig, RolloutConfig
 from jaxagent.errors import InfraOutage, RunWriteFailed, TaskError
@@ -706,3 +706,31 @@ def make_batch(groups: list[Group], cfg: AdvantageConfig, rows: int, seq_len: in
                             gather)
   used_rows = info["rows"] if agree_rows is None else agree_rows(info["rows"])
   return trim_batch(batch, info, used_rows, rows, row_multiple)
+
+
+def no_step_warning(waited: float, played: Sequence, dropped: collections.Counter,
+                    info: dict) -> str:
+  """The line a run prints while it plays groups but trains none: for how long, how many
+  groups (`played`, with their episodes), and why each was kept out (`dropped`: the
+  scheduler's drop counts since the last step; `info`: the last packing's, its segments
+  too long or past the rows). Where every episode scored alike it says the tasks are out
+  of the policy's reach (a new user waited 15 minutes on such a run without a word)."""
+  episodes = [e for g in played for e in g.episodes]
+  unfit = [e for e in episodes if e.reason == FIRST_PROMPT_TOO_LONG]
+  why = [f"{k} {v}" for k, v in dropped.most_common()]
+  if unfit:
+    why.append(f"{len(unfit)} episodes whose first prompt did not fit")
+  if info.get("too_long"):
+    why.append(f"{info['too_long']} segments longer than data.seq_len")
+  if info.get("overflow"):
+    why.append(f"{info['overflow']} segments data.rows could not hold")
+  scores = {round(e.reward, 6) for e in episodes if not e.infra_error}
+  alike = ""
+  if dropped.get("no_signal") and len(scores) == 1:
+    alike = (f"; every episode played scored {scores.pop():g}, so no group ranks "
+             "its samples: the tasks are out of the policy's reach (easier tasks, "
+             "a stronger starting policy, or process rewards give it a signal)")
+  return (f"warning: no step for {waited:.0f} s: {len(played)} groups played, nothing "
+          f"to train on ({', '.join(why) or 'no episode with a turn'}); no_signal is a "
+          "group whose episodes all scored alike (rollout.filter_equal_rewards), "
+          f"too_few_valid one whose episodes failed{alike}")

@@ -49,7 +49,6 @@ from jaxagent.errors import (InfraError, InfraOutage, NonFiniteUpdate, PeerFaile
 from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
                               plot_learning_curve, token_staleness_metrics)
-from jaxagent.models.sharding import make_mesh, select_devices
 from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, restore, write_run_config
 from jaxagent.run_checks import check_config, served_scorers
@@ -57,9 +56,10 @@ from jaxagent.run_dir import (RunDirInUse, compare_canary, dependency_versions,
                               has_checkpoint, holds_a_run, lock_run_dir, play_canary,
                               resumed_config, started_a_run, trajectories_file)
 from jaxagent.run_services import (Serving, attach_judge, first_tasks, make_env_factory,
-                                   score_segments, task_tools)
+                                   run_meshes, score_segments, task_tools)
 from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share,
-                                carries_signal, episode_index, pack_groups, trim_batch)
+                                carries_signal, episode_index, no_step_warning, pack_groups,
+                                trim_batch)
 from jaxagent.stopping import (RESUME_COMMAND, RepeatedTerm, StopNow, exit_soon, leave_stuck_threads,
                                resume_command, resume_on, unless_stopped)
 from jaxagent.trajectory import dump_segments
@@ -131,23 +131,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   asyncio.get_running_loop().set_default_executor(CountedPool(
       min(32, (os.cpu_count() or 1) + 4), "jaxagent-env", wait_at_close=False))
   multi = jax.process_count() > 1
-  if multi and cfg.mesh.devices:
-    raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
-                                 "process's devices; choose devices per process only for "
-                                 "the engine (serving.devices)")
-  try:
-    learner_devices = jax.devices() if multi else select_devices(cfg.mesh.devices)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=learner_devices)
-    # The engine's devices: its own (serving.devices), this process's when the learner
-    # spans several processes, or the learner's mesh (colocated, time-shared).
-    serving_mesh = (make_mesh(devices=select_devices(cfg.serving.devices))
-                    if cfg.serving.devices or multi else mesh)
-  except ValueError as e:
-    hint = ""
-    if jax.device_count() == 1 and jax.devices()[0].platform == "cpu":
-      hint = ("; this CPU is one device: simulate more with "
-              "XLA_FLAGS=--xla_force_host_platform_device_count=8 before the command")
-    raise config_lib.ConfigError(f"mesh / serving.devices: {e}{hint}") from None
+  mesh, serving_mesh = run_meshes(cfg.mesh, cfg.serving.devices)
   env_factory, close_envs = make_env_factory(cfg)
   from envs.sandbox import IsolationUnavailable
 
@@ -475,7 +459,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   own_failure: Optional[BaseException] = None  # this one's, told at the end
   nonfinite = False  # stopped by a step whose update was not finite
   overflow_said = False  # a batch that left groups out was said
-  device_sync = True  # weights reach an in-process engine device to device while it works
 
   repeats = RepeatedTerm(os.path.join(run_dir, "output-after-launcher.log"))
 
@@ -582,24 +565,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         waited = time.perf_counter() - t_rollout_mark
         if primary and waited >= no_step_note_at:
           no_step_note_at = waited + NO_STEP_NOTE_S
-          dropped = scheduler.dropped - dropped_at_step
-          why = [f"{k} {v}" for k, v in dropped.most_common()]
-          if unfit:
-            why.append(f"{len(unfit)} episodes whose first prompt did not fit")
-          if info.get("too_long"):
-            why.append(f"{info['too_long']} segments longer than data.seq_len")
-          if info.get("overflow"):
-            why.append(f"{info['overflow']} segments data.rows could not hold")
-          scores = {round(e.reward, 6) for e in episodes if not e.infra_error}
-          alike = ""
-          if dropped.get("no_signal") and len(scores) == 1:  # (a new user's 15 minutes)
-            alike = (f"; every episode played scored {scores.pop():g}, so no group ranks "
-                     "its samples: the tasks are out of the policy's reach (easier tasks, "
-                     "a stronger starting policy, or process rewards give it a signal)")
-          print(f"warning: no step for {waited:.0f} s: {len(played)} groups played, nothing "
-                f"to train on ({', '.join(why) or 'no episode with a turn'}); no_signal is a "
-                "group whose episodes all scored alike (rollout.filter_equal_rewards), "
-                f"too_few_valid one whose episodes failed{alike}", file=sys.stderr, flush=True)
+          print(no_step_warning(waited, played, scheduler.dropped - dropped_at_step, info),
+                file=sys.stderr, flush=True)
         continue
       if info.get("overflow_groups") and not overflow_said:  # (once a run: the metric counts)
         overflow_said = True
@@ -636,23 +603,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
         if serving.orch is not None:  # in-process: hand the weights over in memory
-          # A device-to-device reshard onto the engine's mesh (its own devices or the
-          # learner's; with several processes, each process's engine gets the whole
-          # model by collectives). Through the host only when the processes' engines
-          # do not cover the learner's devices (serving.devices a subset).
-          weights, sync_path = None, "host"
-          if device_sync:
-            engine = serving.client.engine
-            try:
-              weights = distributed.copy_to_local(state.params, engine.weight_shardings,
-                                                  engine.model_cfg.param_dtype)
-              sync_path = "reshard"
-            except distributed.MeshCoverageError as e:
-              device_sync = False
-              if primary:
-                print(f"weight sync through the host: {e}", flush=True)
-          if weights is None:
-            weights = distributed.host_copy(state.params)
+          weights, sync_path = serving.engine_copy(state.params)
           try:  # (this process's own engine: an error is told at the next agreement)
             await serving.client.load_weights(weights, version, cfg.rollout.update_mode)
           except Exception as e:
