@@ -139,7 +139,7 @@ def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
   import socket
   import time
 
-  from tests.envs.test_server import start_worker
+  from tests.envs.worker_process import start_worker
 
   with socket.socket() as sock:  # a port nothing listens on
     sock.bind(("127.0.0.1", 0))

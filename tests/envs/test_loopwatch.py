@@ -407,7 +407,7 @@ def test_an_env_worker_names_an_environment_that_holds_its_loop(tmp_path):
   session's reset started holds on the session's account (a 504 too)."""
   from concurrent.futures import ThreadPoolExecutor
 
-  from tests.envs.test_server import start_worker, worker_log
+  from tests.envs.worker_process import start_worker, worker_log
 
   module = tmp_path / "sleepy_env.py"
   module.write_text(ENV)
@@ -455,7 +455,7 @@ def test_a_remote_call_cut_client_side_counts_the_worker_s_credited_holds(tmp_pa
   from envs.base import TaskSpec
   from envs.server import RemoteEnv
   from jaxagent.agent import MeasuredEnv
-  from tests.envs.test_server import start_worker
+  from tests.envs.worker_process import start_worker
 
   module = tmp_path / "sleepy_env.py"
   module.write_text(ENV)

@@ -83,7 +83,7 @@ def test_an_import_that_fails_is_named_with_where(tmp_path):
 def test_a_worker_serves_it_with_import_and_says_what_is_missing_without(tmp_path):
   from envs.play import play_episode
   from envs.server import RemoteEnv
-  from tests.envs.test_server import start_worker, worker_log
+  from tests.envs.worker_process import start_worker, worker_log
 
   task = TaskSpec("reverse_word/owl", "reverse_word", {"word": "owl"})
   proc, url, _ = start_worker(tmp_path, "--import", EXAMPLE)

@@ -2,16 +2,9 @@
 
 import asyncio
 import json
-import os
 import re
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
-import weakref
 
 import httpx
 import pytest
@@ -22,7 +15,6 @@ from envs.server import RemoteEnv, SessionLost, create_app
 from envs.isolation import available_isolations
 from jaxagent.errors import InfraError
 from rollout_server.serving import ServerThread
-from tests.conftest import REPO
 
 needs_isolation = pytest.mark.skipif(available_isolations() == ("rlimits",),
                                      reason="python_tests needs sandbox isolation")
@@ -619,185 +611,6 @@ def test_a_session_lives_as_long_idle_as_its_client_asks_from_its_last_calls_end
 
   with ServerThread(create_app(EnvResources(sandboxes=1), idle_timeout_s=0.4)) as srv:
     assert asyncio.run(remote())
-
-
-# -- a real worker process ----------------------------------------------------------------
-
-
-def start_worker(tmp_path, *args, user=None):
-  """`python -m envs.server` on a free loopback port (as `user`, a uid, where given);
-  returns (process, url, workspace root)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  parent = tempfile.mkdtemp(prefix="jaxagent-test-")
-  os.chmod(parent, 0o711)  # sandbox uids pass through to their workspaces
-  as_user = []
-  if user is not None:
-    os.chown(parent, user, user)
-    as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
-  root = os.path.join(parent, "workspaces")
-  # The log goes to a file: a pipe nobody reads would fill and stall the worker.
-  log = open(os.path.join(parent, "worker.log"), "w+")
-  proc = subprocess.Popen([*as_user, sys.executable, "-m", "envs.server", "--port", str(port),
-                           "--workspace-root", root, *args], cwd=REPO,
-                          stdout=log, stderr=subprocess.STDOUT, text=True)
-  proc.log = log
-  # Removed with the process object (a test-distributing worker runs no atexit handlers:
-  # each start left its folder and log in /tmp).
-  weakref.finalize(proc, shutil.rmtree, parent, True)
-  url = f"http://127.0.0.1:{port}"
-  for _ in range(300):
-    try:
-      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-        return proc, url, root
-    except httpx.HTTPError:
-      pass
-    if proc.poll() is not None:
-      raise AssertionError(f"worker exited: {worker_log(proc)}")
-    time.sleep(0.1)
-  proc.kill()
-  raise AssertionError("worker did not start")
-
-
-def worker_log(proc) -> str:
-  proc.log.seek(0)
-  return proc.log.read()
-
-
-def _mounts_under(root):
-  with open("/proc/self/mounts") as f:
-    return [l.split()[1] for l in f if l.split()[1].startswith(root)]
-
-
-@needs_isolation
-def test_sigterm_removes_every_workspace(tmp_path):
-  proc, url, root = start_worker(tmp_path, "--sandboxes", "2")
-  try:
-    for i in range(3):
-      r = httpx.post(f"{url}/sessions", json={"task": {
-          "id": f"p{i}", "env": "python_tests", "params": {"task": "add"}}}, timeout=30)
-      assert r.status_code == 200, r.text
-    assert len(os.listdir(root)) >= 3
-  finally:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-  out = worker_log(proc)
-  assert proc.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal
-  assert "sandbox isolation" in out
-  assert not os.path.exists(root) and not _mounts_under(root)
-
-
-@needs_isolation
-@pytest.mark.parametrize("choice, says", [("own", "a tmpfs held in a user namespace"),
-                                          ("disk", "the host's disk, watched")])
-def test_a_worker_not_run_as_root_says_what_its_workspaces_are_on(tmp_path, choice, says):
-  """`--workspace-filesystem`: a worker that is not root holds each workspace's tmpfs in
-  a user namespace of its own (own; auto where the kernel allows it) or bounds a folder
-  on the host's disk by watching each command (disk), and its first line says which."""
-  from tests.envs.test_sandbox import skip_unless_nobody_runs_python
-
-  skip_unless_nobody_runs_python()
-  proc, url, root = start_worker(tmp_path, "--sandboxes", "1", "--workspace-filesystem",
-                                 choice, user=65534)
-  try:
-    r = httpx.post(f"{url}/sessions", json={"task": {
-        "id": "p", "env": "python_tests", "params": {"task": "add"}}}, timeout=30)
-    assert r.status_code == 200, r.text + worker_log(proc)
-    sid = r.json()["session_id"]
-    r = httpx.post(f"{url}/sessions/{sid}/step", timeout=60, json={
-        "action": '<tool_call>{"name": "run_python", "arguments": {"code": "import '
-                  'subprocess; subprocess.run([\'df\', \'.\'])"}}</tool_call>'})
-    assert r.status_code == 200, r.text
-    shown = json.dumps(r.json())
-    assert ("jaxagent-ws" in shown) == (choice == "own"), shown
-  finally:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-  out = worker_log(proc)
-  assert f"each on {says} of 32 MiB" in out, out
-  assert not os.path.exists(root)
-
-
-def test_a_worker_stopped_while_a_tool_blocks_for_ever_ends(tmp_path):
-  """A tool thread that never returns was joined by Python's exit for ever: the worker
-  outlived its Ctrl-C. It is left behind, said, and the worker ends (a SIGTERM ends it
-  too: uvicorn raises that signal again once it has shut down)."""
-  module = tmp_path / "blocking_env.py"
-  module.write_text(
-      "import time\n"
-      "from envs import base\n"
-      "from envs.tools import Tool, ToolSet\n\n"
-      "@base.register('blocks_for_ever')\n"
-      "class BlocksForEver(base.Env):\n"
-      "  async def reset(self, task):\n"
-      "    self.tools = ToolSet([Tool('wait', 'waits', {'type': 'object'},\n"
-      "                               lambda: time.sleep(3600))])\n"
-      "    return base.Observation([{'role': 'user', 'content': 'go'}])\n\n"
-      "  async def step(self, action):\n"
-      "    run = await self.tools.run_turn(self, action)\n"
-      "    return base.StepResult(base.Observation(run.messages), 0.0, False, False)\n\n"
-      "  async def verify(self):\n"
-      "    return base.Verdict('fail', 0.0, 'b@1', 'b@1')\n")
-  proc, url, _ = start_worker(tmp_path, "--sandboxes", "1", "--deadline-s", "1",
-                              "--allow-unisolated", "--import", str(module))
-  try:
-    sid = httpx.post(f"{url}/sessions", json={"task": {"id": "b", "env": "blocks_for_ever"}},
-                     timeout=30).json()["session_id"]
-    r = httpx.post(f"{url}/sessions/{sid}/step", timeout=30, json={
-        "action": '<tool_call>{"name": "wait", "arguments": {}}</tool_call>'})
-    assert r.status_code == 504, r.text
-  finally:
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=30)
-  out = worker_log(proc)
-  assert "envs.server: 1 calls (a tool's, an environment's) still running at the end; " \
-      "left behind" in out, out
-  assert proc.returncode == 130, out
-
-
-@pytest.mark.slow
-@needs_isolation
-def test_200_concurrent_python_tests_episodes_all_end_with_a_verdict(tmp_path):
-  """The acceptance load: 200 episodes at once against `--sandboxes 8`."""
-  from envs.play import play_episode
-  from envs.python_tasks_data import TASKS, _function_name
-
-  proc, url, root = start_worker(tmp_path, "--sandboxes", "8")
-  solutions = {t[0]: t[2] for t in TASKS}
-
-  def actions(i, name):
-    fn = solutions[name]
-    wrong = f"\n\ndef {_function_name(fn)}(*a):\n    return 'wrong'\n" + (
-        "raise SystemExit(3)\n" if i % 2 else "")
-    content = fn if i % 3 else fn + wrong
-    call = json.dumps({"name": "write_file",
-                       "arguments": {"path": "solution.py", "content": content}})
-    return [f"<tool_call>{call}</tool_call>", "DONE"]
-
-  async def one(i):
-    name = TASKS[i % len(TASKS)][0]
-    script = actions(i, name)
-    return await play_episode(RemoteEnv(url, timeout_s=300),
-                              TaskSpec(f"python_tests/{name}", "python_tests", {"task": name}),
-                              lambda turn: script[turn] if turn < len(script) else None)
-
-  async def go():
-    return await asyncio.gather(*(one(i) for i in range(200)), return_exceptions=True)
-
-  try:
-    t0 = time.perf_counter()
-    results = asyncio.run(go())
-    wall = time.perf_counter() - t0
-  finally:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-  errors = [r for r in results if isinstance(r, BaseException)]
-  assert not errors, errors[:3]
-  statuses = [r["verdict"]["status"] for r in results]
-  assert set(statuses) <= {"pass", "fail", "timeout"}, statuses
-  assert statuses.count("pass") == 133 and statuses.count("fail") == 67, (statuses, wall)
-  assert not os.path.exists(root)
 
 
 def test_an_unreachable_worker_is_infrastructure():
