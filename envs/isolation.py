@@ -480,10 +480,10 @@ class HeldTmpfs:
     mounts = [("jaxagent-ws", f"size={size},nr_inodes={inodes},mode=0700,nosuid,nodev", path)]
     if scratch is not None:
       self.tmp, self.shm = os.path.join(scratch, "tmp"), os.path.join(scratch, "shm")
-      for d in (self.tmp, self.shm):
+      for label, d in (("jaxagent-tmp", self.tmp), ("jaxagent-shm", self.shm)):
         os.makedirs(d, mode=0o700, exist_ok=True)
-        mounts.append(("jaxagent-tmp", f"size={tmp_size},nr_inodes={inodes},mode=1777,"
-                       "nosuid,nodev", d))
+        mounts.append((label, f"size={tmp_size},nr_inodes={inodes},mode=1777,nosuid,nodev",
+                       d))
     self._proc = subprocess.Popen(
         [_UNSHARE, "--user", "--map-root-user", "--mount", "--propagation", "private",
          "--", "/bin/sh", "-c",

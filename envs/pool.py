@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 from envs import hostfs, waits
 from envs.cgroups import available_memory_bytes, check_delegated_cgroups, remove_stale_cgroups
 from envs.isolation import ISOLATIONS, IsolationUnavailable, Limits, detect_isolation, nproc_room
-from envs.sandbox import Sandbox, workspace_filesystem
+from envs.sandbox import FILESYSTEMS, Sandbox, workspace_filesystem
 from jaxagent.errors import InfraError
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ class SandboxPool:
       nproc_room(256 + max_workspaces + size * (limits.processes + 4))
     kind = workspace_filesystem(self.isolation, own_filesystem)
     self.own_filesystem = {"tmpfs": None, "held": True, "disk": False}[kind]
-    self.filesystem = {"tmpfs": "a tmpfs", "held": "a tmpfs held in a user namespace",
-                       "disk": "the host's disk, watched"}[kind]
+    self.filesystem = FILESYSTEMS[kind]
     self.max_workspaces = max_workspaces
     self.slot_timeout_s = slot_timeout_s
     # (removed at close where the pool made it; a folder that was there keeps what else

@@ -846,12 +846,18 @@ class Sandbox:
   def describe(self) -> dict:
     return {"isolation": self.isolation, "uid": self.uid, "limits": dataclasses.asdict(self.limits),
             "workdir": self.workdir,
-            "filesystem": ("tmpfs" if self._mounted else "tmpfs in a user namespace"
-                           if self._held is not None else "the host's disk, watched"),
+            "filesystem": FILESYSTEMS["tmpfs" if self._mounted else "held"
+                                      if self._held is not None else "disk"],
             "cgroups": [c for c in (self._cgroup, self._cpu_cgroup) if c is not None],
             "seccomp": seccomp_program() is not None and (
                 self.isolation == "bwrap" or (self.isolation == "mountns"
                                               and system_python() is not None))}
+
+
+# What each kind of workspace filesystem (`workspace_filesystem`) is called where a worker
+# or a sandbox says it (`SandboxPool.filesystem`, `Sandbox.describe`).
+FILESYSTEMS = {"tmpfs": "a tmpfs", "held": "a tmpfs held in a user namespace",
+               "disk": "the host's disk, watched"}
 
 
 def workspace_filesystem(isolation: str, own_filesystem: Optional[bool]) -> str:

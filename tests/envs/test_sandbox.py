@@ -495,7 +495,7 @@ def test_a_non_root_workers_workspace_is_a_tmpfs_of_its_own():
       pytest.skip("this kernel lets no user namespace of user 65534 mount a tmpfs")
     lines = r.stdout.splitlines()
     assert len(lines) == 7, r.stdout + r.stderr[-2000:]
-    assert lines[0] == "a tmpfs held in a user namespace tmpfs in a user namespace True"
+    assert lines[0] == "a tmpfs held in a user namespace a tmpfs held in a user namespace True"
     ok, exceeded, during, wrote, failed, size, uid, caps = lines[1].split()
     # (a page or two of the 32 MiB go to directories; each way of hiding filled it)
     assert (exceeded, during, failed, size, uid, caps) == (
