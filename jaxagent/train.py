@@ -337,12 +337,18 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       # of the checkpoint before are let go now (a save waits for the one before it to
       # finish), this one's at the next save or at the end. Let go when the save began,
       # a crash before it was finalised resumed from the one before without their logs.
-      try:  # (this process's own files: an error is told at the next agreement)
-        for group_id in wal_done_with:
+      def let_go(groups: list, whole: bool) -> None:
+        for group_id in groups:
           wal.discard_group(group_id)
-          replayed_from.pop(group_id, None)
-        if saves_begun:  # a checkpoint of this run is whole: the set-aside logs are needless
+        if whole:  # a checkpoint of this run is whole: the set-aside logs are needless
           wal.drop_aside()
+
+      try:  # (this process's own files: an error is told at the next agreement)
+        # (off the event loop: removing files took 1.0 s on a loaded machine, and the
+        # loop watch named the run's own code to a new user)
+        await loop.run_in_executor(run_pool, let_go, list(wal_done_with), bool(saves_begun))
+        for group_id in wal_done_with:
+          replayed_from.pop(group_id, None)
       except Exception as e:
         hold(e)
       wal_done_with[:] = done_now
