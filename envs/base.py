@@ -179,6 +179,38 @@ def write_tasks(path: str, tasks: list[TaskSpec]) -> None:
       f.write(json.dumps(t.to_dict()) + "\n")
 
 
+def task_file_parser(prog: str, what: str):
+  """A task generator's command line (`python -m envs.guess_number`, ...): `--out FILE`,
+  required (its default was the bundled file a run trains on, overwritten unasked: a new
+  user), `-n` tasks (>= 1) and `--seed`; each generator adds its own options."""
+  import argparse
+
+  from jaxagent.cli_args import positive_int
+
+  ap = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                               description=f"Write {what} tasks as JSONL.",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  ap.add_argument("--out", required=True, default=argparse.SUPPRESS,
+                  help="the JSONL file to write (replaced if there)")
+  ap.add_argument("-n", type=positive_int, default=256, help="how many tasks")
+  ap.add_argument("--seed", type=int, default=0, help="the tasks' random seed")
+  return ap
+
+
+def write_task_file(prog: str, path: str, tasks: list[TaskSpec]) -> int:
+  """Writes `tasks` to `path` for a generator's command line: its exit status, a file
+  that cannot be written said in one line (it was a traceback)."""
+  import sys
+
+  try:
+    write_tasks(path, tasks)
+  except OSError as e:
+    print(f"{prog}: --out: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+    return 2
+  print(f"wrote {len(tasks)} tasks to {path}")
+  return 0
+
+
 @dataclasses.dataclass
 class Observation:
   """What the agent sees: new messages (OpenAI shape) and the tools it may call."""

@@ -225,15 +225,11 @@ def make_tasks(n: int, *, seed: int = 0) -> list[TaskSpec]:
   return tasks
 
 
-if __name__ == "__main__":  # writes the task file of the SmolLM2 run
-  import argparse
+if __name__ == "__main__":  # writes a task file (the SmolLM2 run's: --out envs/tasks/calculator.jsonl)
+  import sys
 
-  from envs.base import write_tasks
+  from envs.base import task_file_parser, write_task_file
 
-  ap = argparse.ArgumentParser(allow_abbrev=False, description="Write calculator tasks as JSONL.")
-  ap.add_argument("--out", default="envs/tasks/calculator.jsonl")
-  ap.add_argument("-n", type=int, default=256)
-  ap.add_argument("--seed", type=int, default=0)
+  ap = task_file_parser("python -m envs.calculator", "calculator")
   a = ap.parse_args()
-  write_tasks(a.out, make_tasks(a.n, seed=a.seed))
-  print(f"wrote {a.n} tasks to {a.out}")
+  sys.exit(write_task_file(ap.prog, a.out, make_tasks(a.n, seed=a.seed)))

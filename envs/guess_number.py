@@ -146,20 +146,16 @@ def make_tasks(n: int, *, low: int = 1, high: int = 16, max_turns: int = 5, seed
           for i in range(n)]
 
 
-if __name__ == "__main__":  # writes the task file of the default run
-  import argparse
-  import json
+if __name__ == "__main__":  # writes a task file (configs/tiny.yaml's: --out envs/tasks/guess_number.jsonl)
+  import sys
 
-  ap = argparse.ArgumentParser(allow_abbrev=False, description="Write guess_number tasks as JSONL.")
-  ap.add_argument("--out", default="envs/tasks/guess_number.jsonl")
-  ap.add_argument("-n", type=int, default=256)
-  ap.add_argument("--seed", type=int, default=0)
+  from envs.base import task_file_parser, write_task_file
+
+  ap = task_file_parser("python -m envs.guess_number", "guess_number")
   ap.add_argument("--process-reward", type=float, default=1.0)
   ap.add_argument("--information", default="expected", choices=["realized", "expected"])
   ap.add_argument("--feedback", default="range", choices=["plain", "range"])
   a = ap.parse_args()
-  with open(a.out, "w") as f:
-    for t in make_tasks(a.n, seed=a.seed, process_reward=a.process_reward,
-                        information=a.information, feedback=a.feedback):
-      f.write(json.dumps(t.to_dict()) + "\n")
-  print(f"wrote {a.n} tasks to {a.out}")
+  sys.exit(write_task_file(ap.prog, a.out, make_tasks(
+      a.n, seed=a.seed, process_reward=a.process_reward, information=a.information,
+      feedback=a.feedback)))

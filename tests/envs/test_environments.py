@@ -931,3 +931,32 @@ def test_task_text_takes_plain_fields_only():
     reset("calculator", {"expression": "1 + 2", "question": "{expression:>999999999}"})
   with pytest.raises(TypeError, match="prompt must be a string"):
     reset("guess_number", {"prompt": 5})
+
+
+def test_task_generators_write_only_where_told_and_reproduce_the_bundled_files(tmp_path):
+  """`python -m envs.guess_number` (and calculator) wrote the bundled task file a run
+  trains on when no --out was given, and a bad --out or -n was a traceback or a file of
+  "-3 tasks" (a new user). Their defaults give the bundled files, byte for byte."""
+  import subprocess
+  import sys
+
+  from tests.conftest import REPO
+
+  def gen(name, *args):
+    return subprocess.run([sys.executable, "-m", f"envs.{name}", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+  r = gen("guess_number")
+  assert r.returncode == 2 and "the following arguments are required: --out" in r.stderr
+  r = gen("guess_number", "--out", str(tmp_path / "none" / "t.jsonl"))
+  assert r.returncode == 2 and r.stderr.strip() == (
+      f"python -m envs.guess_number: --out: cannot write {tmp_path / 'none' / 't.jsonl'}: "
+      "No such file or directory"), r.stderr
+  r = gen("calculator", "-n", "-3", "--out", str(tmp_path / "c.jsonl"))
+  assert r.returncode == 2 and "argument -n: must be >= 1, got -3" in r.stderr
+  for name in ("guess_number", "calculator"):
+    out = tmp_path / f"{name}.jsonl"
+    r = gen(name, "--out", str(out))
+    assert r.returncode == 0 and r.stdout == f"wrote 256 tasks to {out}\n", r.stderr
+    with open(os.path.join(REPO, "envs", "tasks", f"{name}.jsonl"), "rb") as f:
+      assert out.read_bytes() == f.read(), name
