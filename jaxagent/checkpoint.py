@@ -349,6 +349,23 @@ def version_of_dir(path: str) -> Optional[int]:
   return None if m is None else int(m.group(1))
 
 
+def existing_export(path: str) -> str:
+  """`path` where it exists; else the version directory it names with its version
+  unpadded (`RUN_DIR/policy/v973` for `v00000973`: `--policy .../v973` was "no such
+  export", a new user); else FileNotFoundError, naming the versions its folder holds."""
+  if os.path.exists(path):
+    return path
+  parent, version = os.path.dirname(os.path.normpath(path)) or ".", version_of_dir(path)
+  if version is not None and os.path.isdir(version_dir(parent, version)):
+    return version_dir(parent, version)
+  have = sorted(v for v in map(version_of_dir, os.listdir(parent)) if v is not None) \
+      if os.path.isdir(parent) else []
+  said = ", ".join(map(str, have)) if len(have) <= 6 else (
+      f"{', '.join(map(str, have[:3]))}, ..., {', '.join(map(str, have[-3:]))}")
+  raise FileNotFoundError(f"no such export {path}" + (
+      f" ({parent} holds versions {said}: v{have[-1]} is the latest)" if have else ""))
+
+
 def list_versions(root: str) -> list[dict]:
   """The registry's entries (version, path, dtype, time), oldest first."""
   path = os.path.join(root, REGISTRY)

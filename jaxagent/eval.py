@@ -311,8 +311,12 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.tasks):
       raise config_lib.ConfigError(f"--tasks: no such file {args.tasks}" + (
           " (a directory)" if os.path.isdir(args.tasks) else ""))
-    if not os.path.exists(args.policy):
-      raise config_lib.ConfigError(f"--policy: no such export {args.policy}")
+    from jaxagent.checkpoint import existing_export
+
+    try:
+      args.policy = existing_export(args.policy)
+    except FileNotFoundError as e:
+      raise config_lib.ConfigError(f"--policy: {e}") from None
     if args.greedy and (args.k != "1" or args.samples is not None
                         or args.temperature is not None):
       raise config_lib.ConfigError("--greedy plays one sample a task at temperature 0 "

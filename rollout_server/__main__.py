@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
 from jaxagent import config as config_lib
@@ -36,8 +35,12 @@ def main(argv=None) -> int:
     if args.policy is not None:
       from jaxagent.eval import run_config_of
 
-      if not os.path.exists(args.policy):
-        raise config_lib.ConfigError(f"--policy: no such export {args.policy}")
+      from jaxagent.checkpoint import existing_export
+
+      try:
+        args.policy = existing_export(args.policy)
+      except FileNotFoundError as e:
+        raise config_lib.ConfigError(f"--policy: {e}") from None
       run = run_config_of(args.policy, None)
       base = config_lib.ServerConfig(name=run.name, model=run.model,
                                      engine=run.serving.engine, policy=args.policy)

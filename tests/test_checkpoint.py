@@ -332,3 +332,22 @@ def test_a_state_with_values_that_are_not_finite_is_never_checkpointed(tmp_path)
   ckpt.save(2, state, {"step": 2})
   ckpt.close()
   assert ckpt.all_steps() == [2]
+
+
+def test_an_export_is_found_by_its_version_as_a_user_writes_it(tmp_path):
+  """`--policy RUN_DIR/policy/v973` names `v00000973` (it was "no such export": a new
+  user); a version not there is refused naming those that are."""
+  from jaxagent.checkpoint import existing_export
+
+  root = tmp_path / "policy"
+  for v in (3, 250, 500, 750, 973, 1000, 1250):
+    (root / f"v{v:08d}").mkdir(parents=True)
+  assert existing_export(str(root / "v973")) == str(root / "v00000973")
+  assert existing_export(str(root / "v00000973")) == str(root / "v00000973")
+  assert existing_export(str(root)) == str(root)
+  with pytest.raises(FileNotFoundError) as e:
+    existing_export(str(root / "v974"))
+  assert str(e.value) == (f"no such export {root / 'v974'} ({root} holds versions 3, 250, "
+                          "500, ..., 973, 1000, 1250: v1250 is the latest)")
+  with pytest.raises(FileNotFoundError, match=r"^no such export \S+$"):
+    existing_export(str(tmp_path / "nothing" / "v1"))
