@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import sys
 from typing import Any, Optional, Sequence, TypeVar
 
 import yaml
@@ -675,6 +676,27 @@ def parse_with_overrides(parser, argv: Optional[Sequence[str]] = None):
   args, extra = parser.parse_known_args(argv)
   stray = [a for a in extra if a.startswith("-") or "=" not in a]
   if stray:
+    # `--steps 5` for `steps=5` (a new user got the whole usage and "unrecognized
+    # arguments: --steps 5"): one line that shows the setting as it is written.
+    words = list(sys.argv[1:] if argv is None else argv)
+    options = [o for action in parser._actions for o in action.option_strings]
+    meant = []
+    for a in stray:
+      if not a.startswith("--") or len(a) < 3:
+        continue
+      name, eq, value = a.partition("=")
+      if close := difflib.get_close_matches(name, options, n=1, cutoff=0.75):
+        meant.append(f"did you mean {close[0]}?")
+        continue
+      at = words.index(a) if a in words else -1
+      if not eq and 0 <= at < len(words) - 1 and not words[at + 1].startswith("-"):
+        value = words[at + 1]
+      meant.append(f"settings are key=value words, not options: "
+                   f"{name[2:].replace('-', '_')}={value or 'VALUE'}")
+    if meant:
+      print(f"{parser.prog}: error: unrecognized arguments: {' '.join(stray)} "
+            f"({'; '.join(meant)})", file=sys.stderr)
+      sys.exit(2)
     parser.error(f"unrecognized arguments: {' '.join(stray)}")
   args.overrides = list(args.overrides) + extra
   return args
