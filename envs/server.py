@@ -546,22 +546,23 @@ class RemoteEnv:
 
 
 def main(argv=None) -> int:
+  from jaxagent.cli_args import positive_float, positive_int
   from jaxagent.serve_http import add_log_level, listen_or_say, serve
 
   p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m envs.server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8100)
-  p.add_argument("--sandboxes", type=int, default=8)
-  p.add_argument("--max-sessions", type=int, default=256)
-  p.add_argument("--max-concurrent-calls", type=int, default=32)
-  p.add_argument("--deadline-s", type=float, default=60.0)
-  p.add_argument("--idle-timeout-s", type=float, default=300.0,
+  p.add_argument("--sandboxes", type=positive_int, default=8)
+  p.add_argument("--max-sessions", type=positive_int, default=256)
+  p.add_argument("--max-concurrent-calls", type=positive_int, default=32)
+  p.add_argument("--deadline-s", type=positive_float, default=60.0)
+  p.add_argument("--idle-timeout-s", type=positive_float, default=300.0,
                  help="close sessions idle this long (since their last call's end)")
-  p.add_argument("--max-idle-timeout-s", type=float, default=7200.0,
+  p.add_argument("--max-idle-timeout-s", type=positive_float, default=7200.0,
                  help="the longest idle time a client may ask for its session (an agent "
                       "asks for its episode's wall time, three agent.episode_deadline_s)")
-  p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+  p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
   p.add_argument("--workspace-root", default=None,
                  help="directory for sandbox workspaces (default: a new temporary one)")
   p.add_argument("--host-oom-is-infra", action="store_true",

@@ -153,3 +153,17 @@ def test_200_concurrent_python_tests_episodes_all_end_with_a_verdict(tmp_path):
   assert set(statuses) <= {"pass", "fail", "timeout"}, statuses
   assert statuses.count("pass") == 133 and statuses.count("fail") == 67, (statuses, wall)
   assert not os.path.exists(root)
+
+
+def test_a_bad_number_on_the_command_line_names_its_flag():
+  """(`--sandboxes 0` said "pool size must be >= 1, got 0", naming no flag: a new user)"""
+  import subprocess
+  import sys
+
+  from tests.conftest import REPO
+
+  for args, said in ((["--sandboxes", "0"], "argument --sandboxes: must be >= 1, got 0"),
+                     (["--deadline-s", "-1"], "argument --deadline-s: must be a number > 0")):
+    r = subprocess.run([sys.executable, "-m", "envs.server", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and said in r.stderr.splitlines()[-1], r.stderr
