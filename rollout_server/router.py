@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import sys
+import threading
 import uuid
 import weakref
 from typing import Optional, Sequence
@@ -931,6 +932,17 @@ def main(argv=None) -> int:
   if sock is None:
     return 2
   print(f"router on http://{args.host}:{args.port} over {len(backends)} backends", flush=True)
+
+  def probe(backend: str) -> None:  # (one only, unreachable, said nothing: a new user)
+    try:
+      httpx.get(f"{backend.rstrip('/')}/health", timeout=2.0).raise_for_status()
+    except httpx.HTTPError as e:
+      print(f"warning: backend {backend} does not answer /health yet "
+            f"({type(e).__name__}: {e}); while it is down its requests go to the others "
+            "(502 where none is up)", file=sys.stderr, flush=True)
+
+  for backend in backends:  # (beside the serving: a backend down delays nothing)
+    threading.Thread(target=probe, args=(backend,), daemon=True).start()
   serve(create_router(backends, max_body_bytes=args.max_body_bytes), sock,
         log_level=args.log_level)
   return 0

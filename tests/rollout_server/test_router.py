@@ -817,3 +817,21 @@ def test_a_client_gone_before_its_body_came_is_no_error(caplog):
       time.sleep(1.0)
     assert httpx.get(f"{router.url}/router/health").status_code == 200
   assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_router_says_which_backends_do_not_answer_at_its_start():
+  """(started over one unreachable backend, it said only "router on ... over 1 backends":
+  a new user)"""
+  down = f"http://127.0.0.1:{free_port()}"
+  proc = subprocess.Popen([sys.executable, "-m", "rollout_server.router", "--backends", down,
+                           "--port", str(free_port())], cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline, said = time.monotonic() + 60, ""
+    while "warning:" not in said and time.monotonic() < deadline:
+      said = proc.stderr.readline()
+    assert said.startswith(f"warning: backend {down} does not answer /health yet "
+                           "(ConnectError:"), said
+  finally:
+    proc.kill()
+    proc.wait()
