@@ -124,8 +124,7 @@ def exit_soon(code: int, run_dir: str) -> None:
   def end():
     time.sleep(STOP_NOW_S)
     print(f"stopped at once (a thread was still waiting: a collective or an environment "
-          f"call); to go on from the last checkpoint: {resume_command(run_dir)}",
-          file=sys.stderr, flush=True)
+          f"call); {go_on_hint(run_dir)}", file=sys.stderr, flush=True)
     os._exit(code)
 
   threading.Thread(target=end, daemon=True, name="jaxagent-stop-now").start()
@@ -167,6 +166,17 @@ def resume_on(flags: str, where: str) -> None:
   resumes with (` --num-processes N ...`) and where it runs (`, on each of the N
   processes ...`)."""
   _RESUMED_BY["flags"], _RESUMED_BY["where"] = flags, where
+
+
+def go_on_hint(run_dir: str) -> str:
+  """How a run stopped at once goes on: from its last checkpoint, or from step 0 where it
+  has none yet (a Ctrl-C in its start-up was told "from the last checkpoint": a new
+  user)."""
+  from jaxagent.run_dir import has_checkpoint
+
+  if has_checkpoint(run_dir):
+    return f"to go on from the last checkpoint: {resume_command(run_dir)}"
+  return f"no checkpoint yet: {resume_command(run_dir)} starts it again from step 0"
 
 
 def resume_command(run_dir: str) -> str:

@@ -60,8 +60,8 @@ from jaxagent.run_services import (Serving, attach_judge, first_tasks, make_env_
 from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share,
                                 carries_signal, episode_index, no_step_warning, pack_groups,
                                 trim_batch)
-from jaxagent.stopping import (RESUME_COMMAND, RepeatedTerm, StopNow, exit_soon, leave_stuck_threads,
-                               resume_command, resume_on, unless_stopped)
+from jaxagent.stopping import (RESUME_COMMAND, RepeatedTerm, StopNow, exit_soon, go_on_hint,
+                               leave_stuck_threads, resume_command, resume_on, unless_stopped)
 from jaxagent.trajectory import dump_segments
 from jaxagent.wal import take_replay
 
@@ -477,8 +477,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       raise StopNow(sig)
     signals["got"] = sig.name
     stopping.set()
-    print(f"{sig.name}: stopping after this step (again to stop now)", file=sys.stderr,
-          flush=True)
+    print(f"{sig.name}: stopping once the step under way, if any, is done (again to stop "
+          "now)", file=sys.stderr, flush=True)
 
   handled = []
   for sig in (signal.SIGTERM, signal.SIGINT):
@@ -876,9 +876,8 @@ def main(argv=None) -> int:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary,
                                notes if distributed.is_primary() else ()))
     except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or a Ctrl-C before the handlers
-      print(f"interrupted: stopped at once; to go on from the last checkpoint: "
-            f"{resume_command(run_dir)}",
-            file=sys.stderr, flush=True)
+      print(f"interrupted: stopped at once; {go_on_hint(run_dir)}", file=sys.stderr,
+            flush=True)
       code = 128 + getattr(e, "signum", int(signal.SIGINT))
       if multi:  # (past jax.distributed's shutdown barrier, as for PeerLost: the others
         sys.stdout.flush()  # may be in a collective that waits for this one)

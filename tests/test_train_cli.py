@@ -213,7 +213,8 @@ def test_sigterm_stops_after_the_step_and_exports_the_final_policy(tmp_path):
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=240)
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-  assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
+  assert "SIGTERM: stopping once the step under way, if any, is done" in err
+  assert "Traceback" not in err
   assert "stopped at step " in err and f"--run-dir {run_dir} --resume" in err
   # Its learning curve so far is drawn too (it was only at the end of a whole run).
   assert "learning curve so far: " in err and os.path.exists(
@@ -372,6 +373,13 @@ def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path)
                         text=True, timeout=120)
   assert proc.returncode == 143, proc.stderr[-3000:]
   assert "stopped at once" in proc.stderr and f"--run-dir {tmp_path} --resume" in proc.stderr
+  # (with no checkpoint yet it says the resume starts from step 0: it said "from the last
+  # checkpoint" to a new user who had stopped a run in its start-up)
+  assert "no checkpoint yet:" in proc.stderr and "from step 0" in proc.stderr
+  from jaxagent.stopping import go_on_hint
+
+  os.makedirs(tmp_path / "checkpoints" / "2")
+  assert go_on_hint(str(tmp_path)).startswith("to go on from the last checkpoint: ")
 
 
 @pytest.mark.slow
