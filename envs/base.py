@@ -73,7 +73,12 @@ class CannotStart(ValueError):
 
 
 def failure(e: BaseException) -> str:
-  """`file:line: Type: message` of what an environment raised (`raised_at`)."""
+  """`file:line: Type: message` of what an environment raised (`raised_at`); a task that
+  cannot start, its message alone, which says where already (it was prefixed with the
+  plumbing's own line: "envs/waits.py:254: CannotStart: task 'x' cannot start: ...", a
+  new user)."""
+  if isinstance(e, CannotStart):
+    return str(e)
   return f"{raised_at(e)}{type(e).__name__}: {e}"
 
 

@@ -356,6 +356,7 @@ def test_bad_requests_and_limits(worker):
                       ({"prompt": "{x}"}, "{x} is not one of")):
     r = c.post("/sessions", json={"task": {"id": "t", "env": "guess_number", "params": params}})
     assert r.status_code == 400 and "task 't' cannot start" in r.text and err in r.text, r.text
+    assert "envs/waits.py" not in r.text and "CannotStart" not in r.text, r.text  # (a new user)
   # (1e400 was an OverflowError, "reset failed" as the worker's own; red team 115)
   r = c.post("/sessions", headers={"content-type": "application/json"},
              content='{"task": {"id": "t", "env": "guess_number", "params": {"low": 1e400}}}')
