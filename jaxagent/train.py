@@ -784,10 +784,20 @@ def main(argv=None) -> int:
     print(f"error: --resume: {args.run_dir} holds no run (no config.json, no checkpoint, no "
           "step recorded: nothing to resume; drop --resume to start the run)", file=sys.stderr)
     return 2
+  if args.print_config and args.config is None and not args.resume:
+    # Every key at its default: what a config may set, before one is written (it said
+    # only that --config is required, or data.tasks for a file of one key: a new user).
+    import yaml
+
+    print("# every key of a run config at its default (python -m jaxagent.train "
+          "--print-config);\n# data.tasks, a JSONL task file, has none: a run needs it")
+    print(yaml.safe_dump(config_lib.to_dict(config_lib.RunConfig()), sort_keys=False), end="")
+    return 0
   try:
     if args.config is None and not args.resume:
       raise config_lib.ConfigError("--config is required (a YAML run config, see configs/; "
-                                   "with --resume --run-dir, the run's own config.json)")
+                                   "with --resume --run-dir, the run's own config.json; "
+                                   "--print-config alone prints every key's default)")
     if args.resume and args.config is None:
       args.config = os.path.join(args.run_dir, "config.json")
       if not os.path.exists(args.config):

@@ -210,6 +210,13 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   assert resolved["learner"]["lr"] == 0.25 and resolved["eval"]["k"] == [1, 4]
   path = tmp_path / "resolved.yaml"
   path.write_text(printed)  # it loads back as the same run config
+  # Alone, every key's default, which loads back once data.tasks is given (a new user
+  # could not see what a config may set before writing one)
+  assert train.main(["--print-config"]) == 0
+  defaults = tmp_path / "defaults.yaml"
+  defaults.write_text(capsys.readouterr().out)
+  assert config_lib.load(config_lib.RunConfig, str(defaults), ["data.tasks=t.jsonl"]) == \
+      config_lib.load(config_lib.RunConfig, None, ["data.tasks=t.jsonl"])
   assert config_lib.load(config_lib.RunConfig, str(path)) == config_lib.load(
       config_lib.RunConfig, "configs/tiny.yaml", ["learner.lr=0.25", "eval.k=[1,4]"])
   # Overrides on either side of an option, in order (argparse took the first run of
