@@ -591,9 +591,9 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
   try:
     if path is not None:
       loaded = OmegaConf.load(path)
-      if not isinstance(loaded, DictConfig):
+      if not isinstance(loaded, DictConfig):  # (a YAML list: not OmegaConf's class name)
         raise ConfigError(f"config file {path}: its top level must be a mapping of keys "
-                          f"(section: settings), not a {type(loaded).__name__}")
+                          "(section: settings), not a list")
       layers.append(loaded)
     merged = OmegaConf.merge(*layers)
   except oc_errors.OmegaConfBaseException as e:
@@ -611,6 +611,12 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"override {item!r} must look like key=value")
+    if item.partition("=")[2] == "":
+      # (`learner.lr=` read as None: "Incompatible value 'None'", a value the user never
+      # typed; a new user)
+      key = item[:-1]
+      raise ConfigError(f"override {item!r}: no value after '=' (give {key}=VALUE, or "
+                        f"{key}=null where the key may be unset)")
     given = None
     try:
       given = OmegaConf.from_dotlist([item])

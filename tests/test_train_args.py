@@ -97,7 +97,9 @@ def _bad_settings(tmp_path):
       # A new run where one is (they mixed: metrics steps 1..80, then 1..5).
       (["--config", "configs/tiny.yaml", "--run-dir", str(used)], "already holds a run"),
       (tiny + ["--canary"], "--canary checks a resumed run"),
-      (["--config", str(a_list)], "must be a mapping"),
+      (["--config", str(a_list)], "must be a mapping of keys (section: settings), not a list"),
+      ([*tiny, "learner.lr="], "override 'learner.lr=': no value after '=' (give "
+                               "learner.lr=VALUE"),
       # (red team 15: tracebacks, a division by zero, runs that hung or saved nan weights)
       (["--config", str(latin1)], "latin1.yaml: not UTF-8 text (byte 9"),
       (tiny + ["advantage.gamma=nan"], "advantage.gamma must be in [0, 1], got nan"),
