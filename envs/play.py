@@ -47,8 +47,10 @@ def read_actions(lines: Iterable[str]) -> list[str]:
     try:
       item = json.loads(line)
     except json.JSONDecodeError as e:
-      raise ValueError(f"actions line {n}: not JSON ({e.msg}); write each action as a JSON "
-                       "string") from None
+      # (`e.msg` alone read "Invalid control character at", cut before its column)
+      at = e.msg if e.msg.endswith(" at") else f"{e.msg} at"
+      raise ValueError(f"actions line {n}: not JSON ({at} column {e.colno}); write each "
+                       "action as a JSON string") from None
     if isinstance(item, dict):
       item = item.get("action")
     if not isinstance(item, str):

@@ -209,3 +209,17 @@ def test_ctrl_c_at_the_prompt_ends_the_episode_at_once(tmp_path):
   text = seen.decode(errors="replace")
   assert sent and os.waitstatus_to_exitcode(status) == 130, text
   assert "interrupted: the episode was not verified" in text and "Traceback" not in text
+
+
+def test_an_actions_line_that_is_not_json_is_named_with_its_column():
+  """(it read "not JSON (Invalid control character at)", the position cut off: a new user)"""
+  from envs.play import read_actions
+
+  assert read_actions(['"a"\n', "\n", '{"action": "b"}\n']) == ["a", "b"]
+  with pytest.raises(ValueError) as e:
+    read_actions(['"a"\n', '{"bad json\n'])
+  assert str(e.value) == ("actions line 2: not JSON (Invalid control character at column "
+                          "11); write each action as a JSON string")
+  with pytest.raises(ValueError, match=r"^actions line 1: not JSON \(Expecting value at "
+                                       r"column 1\)"):
+    read_actions(["nope\n"])
