@@ -6,7 +6,8 @@ measured in the same run.
 Each turn of `--tokens-per-turn` sampled tokens is one `EpisodeLog.turn` commit (a JSON
 line written, flushed and, with fsync, forced to the disk) plus one observation record,
 as `run_whitebox` writes them; the baseline is the in-process engine's time per generated
-token (the tiny shape with a 1024-token vocabulary, 0.92M parameters, 16 requests of 64 tokens, 128-token cache).
+token (the tiny shape with a 1024-token vocabulary, 0.92M parameters, 16 requests of 64
+tokens, 128-token cache).
 """
 
 from __future__ import annotations
