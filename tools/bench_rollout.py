@@ -20,7 +20,8 @@ Decoding is timed as the orchestrator runs it: each step's result is copied to
 the host asynchronously and read one step later. Models are randomly
 initialised with the preset's shape (speed does not depend on the weights);
 `tiny` with `--vocab 1024` is the Qwen3-like shape of 0.92M parameters (tied
-embeddings) that the Tunix tools call `1.1m`. With `--json` every figure is one JSON object per line; a readable table follows.
+embeddings) that the Tunix tools call `1.1m`. With `--json` every figure is one JSON
+object per line; a readable table follows.
 """
 
 from __future__ import annotations
