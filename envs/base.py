@@ -414,17 +414,17 @@ class EnvResources:
   allow_unisolated: bool = False
   # A sandboxed command the host's OOM killer takes is an infrastructure error (not the
   # command's failure) where this says the host's memory is the pool's and its limits
-  # fit it (`envs.sandbox.SandboxPool`): an env worker's --host-oom-is-infra.
+  # fit it (`envs.pool.SandboxPool`): an env worker's --host-oom-is-infra.
   host_oom_is_infra: bool = False
   # Cgroups delegated to this process (v1 memory or cpu hierarchy directories, or v2
   # directories with the controllers in their subtree): each sandbox's processes are held
   # to their limits together below them, even where this process is not root
-  # (`envs.sandbox.SandboxPool`'s `cgroup_parents`; an env worker's --cgroup).
+  # (`envs.pool.SandboxPool`'s `cgroup_parents`; an env worker's --cgroup).
   cgroups: tuple = ()
   sandbox_root: Optional[str] = None  # where workspaces go (default: a new temporary folder)
   # A worker that is not root: each workspace a tmpfs held in a user namespace of its
   # own (True), or a folder on the host's disk that a watch bounds (False); None: the
-  # first where the host allows it (`envs.sandbox.SandboxPool`'s `own_filesystem`).
+  # first where the host allows it (`envs.pool.SandboxPool`'s `own_filesystem`).
   own_filesystem: Optional[bool] = None
   # An `envs.judge.LLMJudge` that environments with tests show their passes to (ROLL's
   # false-positive check); None: tests alone decide.

@@ -152,9 +152,12 @@ if __name__ == "__main__":  # writes a task file (configs/tiny.yaml's: --out env
   from envs.base import task_file_parser, write_task_file
 
   ap = task_file_parser("python -m envs.guess_number", "guess_number")
-  ap.add_argument("--process-reward", type=float, default=1.0)
-  ap.add_argument("--information", default="expected", choices=["realized", "expected"])
-  ap.add_argument("--feedback", default="range", choices=["plain", "range"])
+  ap.add_argument("--process-reward", type=float, default=1.0,
+                  help="the scale of each turn's process reward (0: none)")
+  ap.add_argument("--information", default="expected", choices=["realized", "expected"],
+                  help="a guess paid for the fraction it was expected to rule out, or did")
+  ap.add_argument("--feedback", default="range", choices=["plain", "range"],
+                  help="higher/lower alone, or with the range still possible")
   a = ap.parse_args()
   sys.exit(write_task_file(ap.prog, a.out, make_tasks(
       a.n, seed=a.seed, process_reward=a.process_reward, information=a.information,

@@ -8,7 +8,7 @@ mode shuts their owner out are opened to it first where the host owns them. Link
 a held filesystem (`/proc/<holder>/root`) are resolved as its own processes see them
 (`realpath_in`). Errors name the workspace's path, never the host's (`named`).
 
-Used by `envs.sandbox` (its `Sandbox` and `SandboxPool`) and the disk watch
+Used by `envs.sandbox.Sandbox`, `envs.pool.SandboxPool` and the disk watch
 (`envs.diskwatch`).
 """
 

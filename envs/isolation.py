@@ -563,7 +563,7 @@ def held_tmpfs_refused() -> Optional[str]:
   """Why this user cannot hold a workspace's tmpfs and run bubblewrap inside it (the
   kernel lets it create no user namespace, or `unshare`, `nsenter` or bwrap is not
   there), or None where it can. Tried once a process; where it cannot, the reason is
-  logged and workspaces fall back to the disk watch (`envs.sandbox`)."""
+  logged and workspaces fall back to the disk watch (`envs.diskwatch`)."""
   if os.geteuid() == 0:
     return "as root a workspace is a tmpfs mounted on the host"
   folder = tempfile.mkdtemp(prefix="jaxagent-held-probe-")

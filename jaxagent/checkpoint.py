@@ -358,8 +358,10 @@ def existing_export(path: str) -> str:
   parent, version = os.path.dirname(os.path.normpath(path)) or ".", version_of_dir(path)
   if version is not None and os.path.isdir(version_dir(parent, version)):
     return version_dir(parent, version)
-  have = sorted(v for v in map(version_of_dir, os.listdir(parent)) if v is not None) \
-      if os.path.isdir(parent) else []
+  try:
+    have = sorted(v for v in map(version_of_dir, os.listdir(parent)) if v is not None)
+  except OSError:  # (not there, or not to be listed)
+    have = []
   said = ", ".join(map(str, have)) if len(have) <= 6 else (
       f"{', '.join(map(str, have[:3]))}, ..., {', '.join(map(str, have[-3:]))}")
   raise FileNotFoundError(f"no such export {path}" + (

@@ -8,6 +8,7 @@ with `ConfigError`, which names the key (and the closest valid key for a typo).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import re
@@ -675,31 +676,57 @@ def check_mesh(m: MeshConfig, key: str = "mesh") -> None:
       raise ConfigError(f"{key}.{name} must be >= 1, got {getattr(m, name)}")
 
 
-def parse_with_overrides(parser, argv: Optional[Sequence[str]] = None):
+def _options(parser) -> list[str]:
+  """The option strings of `parser` and of its subcommands' parsers."""
+  out = []
+  for action in parser._actions:
+    out += action.option_strings
+    for sub in (getattr(action, "choices", None) or {}).values() if isinstance(
+        action, argparse._SubParsersAction) else ():
+      out += _options(sub)
+  return list(dict.fromkeys(out))
+
+
+def _is_key(cls: type, dotted: str) -> bool:
+  """Whether `dotted` (`learner.lr`) names a setting of the config dataclass `cls`."""
+  import typing
+
+  for part in dotted.split("."):
+    if not (dataclasses.is_dataclass(cls) and part in {f.name for f in dataclasses.fields(cls)}):
+      return False
+    hint = typing.get_type_hints(cls).get(part)
+    inner = [t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)]
+    cls = inner[0] if inner else None
+  return True
+
+
+def parse_with_overrides(parser, argv: Optional[Sequence[str]] = None,
+                         config: type = None):
   """`parser.parse_args(argv)` for a command whose positional `overrides` (key=value) may
   sit anywhere among its options: `--config c.yaml steps=5 --run-dir D lr=1` (argparse
-  takes one run of positionals, and called the second one unrecognized)."""
+  takes one run of positionals, and called the second one unrecognized). An unknown
+  option near one of the parser's (its subcommands' too) is named as that one; one whose
+  name is a key of `config` (a config dataclass) is shown as the override meant."""
   args, extra = parser.parse_known_args(argv)
   stray = [a for a in extra if a.startswith("-") or "=" not in a]
   if stray:
     # `--steps 5` for `steps=5` (a new user got the whole usage and "unrecognized
     # arguments: --steps 5"): one line that shows the setting as it is written.
     words = list(sys.argv[1:] if argv is None else argv)
-    options = [o for action in parser._actions for o in action.option_strings]
     meant = []
     for a in stray:
       if not a.startswith("--") or len(a) < 3:
         continue
       name, eq, value = a.partition("=")
-      if close := difflib.get_close_matches(name, options, n=1, cutoff=0.75):
+      key = name[2:].replace("-", "_")
+      if close := difflib.get_close_matches(name, _options(parser), n=1, cutoff=0.75):
         meant.append(f"did you mean {close[0]}?")
-        continue
-      at = words.index(a) if a in words else -1
-      if not eq and 0 <= at < len(words) - 1 and not words[at + 1].startswith("-"):
-        value = words[at + 1]
-      meant.append(f"settings are key=value words, not options: "
-                   f"{name[2:].replace('-', '_')}={value or 'VALUE'}")
-    if meant:
+      elif config is not None and _is_key(config, key):
+        at = words.index(a) if a in words else -1
+        if not eq and 0 <= at < len(words) - 1 and not words[at + 1].startswith("-"):
+          value = words[at + 1]
+        meant.append(f"settings are key=value words, not options: {key}={value or 'VALUE'}")
+    if meant and len(meant) == len([a for a in stray if a.startswith("--")]):
       print(f"{parser.prog}: error: unrecognized arguments: {' '.join(stray)} "
             f"({'; '.join(meant)})", file=sys.stderr)
       sys.exit(2)

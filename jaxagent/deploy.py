@@ -346,7 +346,7 @@ def main(argv=None) -> int:
   g.add_argument("--cpu-pool", default="cpu-pool", help="node pool of environment workers")
   g.add_argument("--max-restarts", type=int, default=3)
   g.add_argument("overrides", nargs="*")
-  args = config_lib.parse_with_overrides(p, argv)
+  args = config_lib.parse_with_overrides(p, argv, config_lib.RunConfig)
   try:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     if args.servers < 0 or args.env_workers < 0:

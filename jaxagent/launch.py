@@ -402,7 +402,7 @@ def main(argv=None) -> int:
                      help="with --learner-processes: how long a silent learner process "
                           "is waited for before the others stop (train's flag)")
   local.add_argument("overrides", nargs="*", help="dotted config overrides")
-  args = config_lib.parse_with_overrides(p, argv)
+  args = config_lib.parse_with_overrides(p, argv, config_lib.RunConfig)
   return run_local(args)
 
 

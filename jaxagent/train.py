@@ -92,7 +92,7 @@ def parse_args(argv=None):
                       "the learner's step, stopped, its host lost) before every process "
                       "stops for a resume (default %(default)s)")
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=3e-4")
-  return config_lib.parse_with_overrides(p, argv)
+  return config_lib.parse_with_overrides(p, argv, config_lib.RunConfig)
 
 
 @jax.jit
@@ -785,13 +785,19 @@ def main(argv=None) -> int:
           "step recorded: nothing to resume; drop --resume to start the run)", file=sys.stderr)
     return 2
   if args.print_config and args.config is None and not args.resume:
-    # Every key at its default: what a config may set, before one is written (it said
-    # only that --config is required, or data.tasks for a file of one key: a new user).
+    # Every key at its default (with the overrides given): what a config may set, before
+    # one is written (it said only that --config is required, or data.tasks for a file
+    # of one key: a new user).
     import yaml
 
+    try:
+      defaults = config_lib.load(config_lib.RunConfig, None, args.overrides)
+    except config_lib.ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
     print("# every key of a run config at its default (python -m jaxagent.train "
           "--print-config);\n# data.tasks, a JSONL task file, has none: a run needs it")
-    print(yaml.safe_dump(config_lib.to_dict(config_lib.RunConfig()), sort_keys=False), end="")
+    print(yaml.safe_dump(config_lib.to_dict(defaults), sort_keys=False), end="")
     return 0
   try:
     if args.config is None and not args.resume:

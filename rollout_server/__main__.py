@@ -24,7 +24,7 @@ def main(argv=None) -> int:
   p.add_argument("--port", type=int, help="the port (the config's port; as the override port=)")
   add_log_level(p)
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
-  args = config_lib.parse_with_overrides(p, argv)
+  args = config_lib.parse_with_overrides(p, argv, config_lib.ServerConfig)
   args.overrides += [f"{k}={v}" for k, v in (("host", args.host), ("port", args.port))
                      if v is not None]
   try:

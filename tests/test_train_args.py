@@ -219,6 +219,10 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   defaults.write_text(capsys.readouterr().out)
   assert config_lib.load(config_lib.RunConfig, str(defaults), ["data.tasks=t.jsonl"]) == \
       config_lib.load(config_lib.RunConfig, None, ["data.tasks=t.jsonl"])
+  assert train.main(["--print-config", "steps=7"]) == 0  # (with the overrides given)
+  assert yaml.safe_load(capsys.readouterr().out)["steps"] == 7
+  assert train.main(["--print-config", "nonexistent.key=1"]) == 2  # (checked, as always)
+  assert "unknown config key 'nonexistent'" in capsys.readouterr().err
   assert config_lib.load(config_lib.RunConfig, str(path)) == config_lib.load(
       config_lib.RunConfig, "configs/tiny.yaml", ["learner.lr=0.25", "eval.k=[1,4]"])
   # Overrides on either side of an option, in order (argparse took the first run of
@@ -238,6 +242,16 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
   assert capsys.readouterr().err == (
       "python -m jaxagent.train: error: unrecognized arguments: --steps (settings are "
       "key=value words, not options: steps=5)\n")
+  # (a name that is no setting is not shown as one; a subcommand's options are known)
+  with pytest.raises(SystemExit):
+    train.main(["--config", "configs/tiny.yaml", "--print-config", "--bogus", "5"])
+  assert "(settings are" not in capsys.readouterr().err
+  from jaxagent import launch
+
+  with pytest.raises(SystemExit):
+    launch.main(["local", "--config", "configs/tiny.yaml", "--server", "2"])
+  assert "unrecognized arguments: --server (did you mean --servers?)" in \
+      capsys.readouterr().err
   # Checked before it is printed: values a run refuses are said (they printed without a
   # word), and no config the run refuses reaches stdout (it was printed, then refused).
   for override, error in (("steps=-5", "steps must be >= 1, got -5"),

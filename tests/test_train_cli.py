@@ -372,12 +372,15 @@ def test_a_second_signal_ends_the_process_whatever_its_threads_wait_on(tmp_path)
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 143, proc.stderr[-3000:]
-  assert "stopped at once" in proc.stderr and f"--run-dir {tmp_path} --resume" in proc.stderr
-  # (with no checkpoint yet it says the resume starts from step 0: it said "from the last
-  # checkpoint" to a new user who had stopped a run in its start-up)
-  assert "no checkpoint yet:" in proc.stderr and "from step 0" in proc.stderr
+  assert "stopped at once" in proc.stderr
+  # (it said "to go on from the last checkpoint" to a new user who had stopped a run in
+  # its start-up, with no checkpoint, nor a config that --resume would take)
+  assert f"nothing of the run was saved yet in {tmp_path}: start it again" in proc.stderr
   from jaxagent.stopping import go_on_hint
 
+  (tmp_path / "config.json").write_text("{}")  # (--resume takes it, from step 0)
+  assert go_on_hint(str(tmp_path)).startswith("no checkpoint yet: python -m jaxagent.train "
+                                              f"--run-dir {tmp_path} --resume starts it")
   os.makedirs(tmp_path / "checkpoints" / "2")
   assert go_on_hint(str(tmp_path)).startswith("to go on from the last checkpoint: ")
 

@@ -412,7 +412,7 @@ def test_host_oom_kills_are_infrastructure_only_where_the_operator_says_and_limi
       pool.release(sb)
     finally:
       pool.close()
-  with caplog.at_level("WARNING", logger="envs.sandbox"):
+  with caplog.at_level("WARNING", logger="envs.pool"):
     pool = SandboxPool(2, limits=Limits(group_memory_bytes=1 << 50), isolation=ISOLATION,
                        allow_unisolated=True, host_oom_is_infra=True)
   try:
