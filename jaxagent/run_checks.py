@@ -81,8 +81,13 @@ def check_served_models(models: dict, key: str = "serving.models") -> None:
     check_model(m.model, f"{key}.{name}.model")
     config_lib.check_engine(m.engine, f"{key}.{name}.engine")
     if m.policy:
-      if not os.path.exists(m.policy):
-        raise config_lib.ConfigError(f"{key}.{name}.policy: no such export {m.policy!r}")
+      from jaxagent.checkpoint import existing_export
+
+      try:  # (`.../v7` names `.../v00000007`, as `--policy` does)
+        existing_export(m.policy)
+      except FileNotFoundError:
+        raise config_lib.ConfigError(f"{key}.{name}.policy: no such export {m.policy!r}") \
+            from None
       try:
         resolve_policy(m.policy, None)
       except (ValueError, FileNotFoundError, OSError) as e:

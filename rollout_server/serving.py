@@ -15,8 +15,8 @@ from typing import Any, Optional
 import uvicorn
 
 from jaxagent.build import build_model
-from jaxagent.checkpoint import (REGISTRY, export_id, latest_version, list_versions,
-                                 version_dir, version_of_dir)
+from jaxagent.checkpoint import (REGISTRY, existing_export, export_id, latest_version,
+                                 list_versions, version_dir, version_of_dir)
 from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
@@ -33,6 +33,10 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
   `path` is a version directory (`.../v00000007`) or an export root with a
   registry (then `version`, or the latest).
   """
+  try:  # (`.../v7` for `.../v00000007`, as a user writes the version)
+    path = existing_export(path)
+  except FileNotFoundError:
+    pass  # (said below, as for any path that is not an export)
   path = os.path.abspath(path)  # (relative to where the command runs; Orbax needs it whole)
   if (not os.path.exists(os.path.join(path, REGISTRY))
       and os.path.exists(os.path.join(path, "policy", REGISTRY))):

@@ -351,3 +351,7 @@ def test_an_export_is_found_by_its_version_as_a_user_writes_it(tmp_path):
                           "500, ..., 973, 1000, 1250: v1250 is the latest)")
   with pytest.raises(FileNotFoundError, match=r"^no such export \S+$"):
     existing_export(str(tmp_path / "nothing" / "v1"))
+  # What servers load by (a config's served models, /update_weights) takes it too
+  from rollout_server.serving import resolve_policy
+
+  assert resolve_policy(str(root / "v973")) == (str(root / "v00000973"), 973)
