@@ -166,6 +166,18 @@ def print_table(rep: dict, ks: Sequence[int], file=None) -> None:
         f"their first prompt did not fit. For example: {rep.get('unfit', '')})")
 
 
+def policy_option(policy: str) -> str:
+  """A `--policy` export as given, or as `checkpoint.existing_export` finds it
+  (`RUN_DIR/policy/v7` for `.../v00000007`); a ConfigError naming the option where
+  there is none (one wording for eval, rollout_server and export_hf)."""
+  from jaxagent.checkpoint import existing_export
+
+  try:
+    return existing_export(policy)
+  except FileNotFoundError as e:
+    raise config_lib.ConfigError(f"--policy: {e}") from None
+
+
 def run_config_of(policy: str, config: Optional[str]) -> config_lib.RunConfig:
   """The run's config: --config, else the config.json of the run the export belongs to."""
   if config is not None:
@@ -311,12 +323,7 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.tasks):
       raise config_lib.ConfigError(f"--tasks: no such file {args.tasks}" + (
           " (a directory)" if os.path.isdir(args.tasks) else ""))
-    from jaxagent.checkpoint import existing_export
-
-    try:
-      args.policy = existing_export(args.policy)
-    except FileNotFoundError as e:
-      raise config_lib.ConfigError(f"--policy: {e}") from None
+    args.policy = policy_option(args.policy)
     if args.greedy and (args.k != "1" or args.samples is not None
                         or args.temperature is not None):
       raise config_lib.ConfigError("--greedy plays one sample a task at temperature 0 "

@@ -33,17 +33,14 @@ def export(policy: str, out: str, dtype: str = "bfloat16", config: Optional[str]
   from flax import nnx
 
   from jaxagent.build import build_model
-  from jaxagent.checkpoint import abstract_params_like, existing_export, load_policy
-  from jaxagent.eval import run_config_of
+  from jaxagent.checkpoint import abstract_params_like, load_policy
+  from jaxagent.eval import policy_option, run_config_of
   from jaxagent.models.hf import hf_config, save_hf
   from jaxagent.models.params import abstract_model
   from jaxagent.models.sharding import make_mesh
   from rollout_server.serving import resolve_policy
 
-  try:
-    policy = existing_export(policy)  # (RUN_DIR/policy/v7 as well as .../v00000007)
-  except FileNotFoundError as e:
-    raise FileNotFoundError(f"--policy: {e}") from None
+  policy = policy_option(policy)  # (RUN_DIR/policy/v7 as well as .../v00000007)
   cfg = run_config_of(policy, config)
   path, version = resolve_policy(policy, None)
   # (a run's config.json names the template it trained with, chatml_tools where it

@@ -784,43 +784,37 @@ def main(argv=None) -> int:
     print(f"error: --resume: {args.run_dir} holds no run (no config.json, no checkpoint, no "
           "step recorded: nothing to resume; drop --resume to start the run)", file=sys.stderr)
     return 2
-  if args.print_config and args.config is None and not args.resume:
-    # Every key at its default (with the overrides given): what a config may set, before
-    # one is written (it said only that --config is required, or data.tasks for a file
-    # of one key: a new user).
-    import yaml
-
-    try:
-      defaults = config_lib.load(config_lib.RunConfig, None, args.overrides)
-    except config_lib.ConfigError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
-    print("# every key of a run config at its default (python -m jaxagent.train "
-          "--print-config);\n# data.tasks, a JSONL task file, has none: a run needs it")
-    print(yaml.safe_dump(config_lib.to_dict(defaults), sort_keys=False), end="")
-    return 0
   try:
-    if args.config is None and not args.resume:
-      raise config_lib.ConfigError("--config is required (a YAML run config, see configs/; "
-                                   "with --resume --run-dir, the run's own config.json; "
-                                   "--print-config alone prints every key's default)")
-    if args.resume and args.config is None:
-      args.config = os.path.join(args.run_dir, "config.json")
-      if not os.path.exists(args.config):
-        raise config_lib.ConfigError(f"--resume: no {args.config}: give --config")
-    cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
-    check_config(cfg)  # (before --print-config prints: a config the run refuses printed
-    # whole to stdout before its error, ready to be saved as a file: a new user)
     notes: list[str] = []  # (a resume's changes: said once its checkpoint is restored)
-    given = cfg
-    if args.resume:
-      cfg = resumed_config(cfg, args.run_dir, notes)
+    header = ""
+    if args.print_config and args.config is None and not args.resume:
+      # Every key at its default (with the overrides given): what a config may set, before
+      # one is written (it said only that --config is required, or data.tasks for a file
+      # of one key: a new user).
+      cfg = config_lib.load(config_lib.RunConfig, None, args.overrides)
+      header = ("# every key of a run config at its default (python -m jaxagent.train "
+                "--print-config);\n# data.tasks, a JSONL task file, has none: a run needs it\n")
+    else:
+      if args.config is None and not args.resume:
+        raise config_lib.ConfigError("--config is required (a YAML run config, see configs/; "
+                                     "with --resume --run-dir, the run's own config.json; "
+                                     "--print-config alone prints every key's default)")
+      if args.resume and args.config is None:
+        args.config = os.path.join(args.run_dir, "config.json")
+        if not os.path.exists(args.config):
+          raise config_lib.ConfigError(f"--resume: no {args.config}: give --config")
+      cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+      check_config(cfg)  # (before --print-config prints: a config the run refuses printed
+      # whole to stdout before its error, ready to be saved as a file: a new user)
+      given = cfg
+      if args.resume:
+        cfg = resumed_config(cfg, args.run_dir, notes)
     if args.print_config:
       import yaml
 
       for line in notes:
         print(line, file=sys.stderr)
-      print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end="")
+      print(header + yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False), end="")
       return 0
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -33,14 +33,9 @@ def main(argv=None) -> int:
                                    "policy export)")
     base = None
     if args.policy is not None:
-      from jaxagent.eval import run_config_of
+      from jaxagent.eval import policy_option, run_config_of
 
-      from jaxagent.checkpoint import existing_export
-
-      try:
-        args.policy = existing_export(args.policy)
-      except FileNotFoundError as e:
-        raise config_lib.ConfigError(f"--policy: {e}") from None
+      args.policy = policy_option(args.policy)
       run = run_config_of(args.policy, None)
       base = config_lib.ServerConfig(name=run.name, model=run.model,
                                      engine=run.serving.engine, policy=args.policy)
