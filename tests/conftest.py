@@ -63,6 +63,15 @@ def multidevice():
 
 
 @pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+  """A folder the test session's xdist workers share (None outside xdist), for what one
+  worker makes and the others load (`tests.rollout_server.conftest.memorise`)."""
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    return None
+  return tmp_path_factory.getbasetemp().parent
+
+
+@pytest.fixture(scope="session")
 def random_params():
   """The tiny test model's random weights (tests/rollout_server/conftest.py's CFG)."""
   from jaxagent.models.params import init_params

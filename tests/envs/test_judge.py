@@ -41,14 +41,14 @@ def test_judge_answers_are_parsed_strictly(text, want):
 
 
 @pytest.fixture(scope="module")
-def judge_params(tokenizer):
+def judge_params(tokenizer, shared_dir):
   """A tiny judge trained to answer greedily: PASS for the honest solution, FAIL for the
   hard-coded one (the rubric and task are the same; only the answer differs)."""
   judge = LLMJudge("http://unused", "judge", rubric=RUBRIC)
   return memorise([(tokenizer.apply_chat_template(judge.messages(TASK, SHOWN[answer])),
                     tokenizer.encode(f"VERDICT: {verdict}<|im_end|>"))
                    for answer, verdict in ((HONEST, "PASS"), (HARD_CODED, "FAIL"))],
-                  steps=125, seed=1, row_len=512, lr=5e-3)
+                  steps=125, seed=1, row_len=512, lr=5e-3, shared=shared_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,12 @@
 """Fixtures: a small model that has memorised two chat answers, and servers on loopback."""
 
 import contextlib
+import fcntl
+import hashlib
+import os
+import pathlib
+import pickle
+from typing import Optional
 
 import jax
 import numpy as np
@@ -35,9 +41,30 @@ def tokenizer():
   return Tokenizer.byte_level()
 
 
-def memorise(pairs, *, steps: int = 150, seed: int = 0, row_len: int = 512, lr: float = 3e-3):
+def memorise(pairs, *, steps: int = 150, seed: int = 0, row_len: int = 512, lr: float = 3e-3,
+             shared: Optional[pathlib.Path] = None):
   """Tiny-model weights trained (REINFORCE with advantage 1) to answer each prompt of
-  `pairs` ((prompt ids, answer ids)) with its answer greedily."""
+  `pairs` ((prompt ids, answer ids)) with its answer greedily. With `shared` (a folder
+  the session's xdist workers share), one worker trains them and the others load what
+  it saved (each trained its own copy: ~30 s of a core apiece)."""
+  if shared is None:
+    return _memorise(pairs, steps=steps, seed=seed, row_len=row_len, lr=lr)
+  key = hashlib.sha256(repr(([list(map(int, a)) + [-1] + list(map(int, b)) for a, b in pairs],
+                             steps, seed, row_len, lr, CFG)).encode()).hexdigest()[:16]
+  path = shared / f"memorised-{key}.pkl"
+  with open(shared / f"memorised-{key}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+    if not path.exists():
+      params = _memorise(pairs, steps=steps, seed=seed, row_len=row_len, lr=lr)
+      with open(path.with_suffix(".part"), "wb") as f:
+        pickle.dump(params, f)
+      os.replace(path.with_suffix(".part"), path)
+      return params
+  with open(path, "rb") as f:
+    return pickle.load(f)
+
+
+def _memorise(pairs, *, steps, seed, row_len, lr):
   segs = []
   for i, (prompt, target) in enumerate(pairs):
     seq = np.asarray(list(prompt) + list(target), np.int32)
@@ -56,11 +83,11 @@ def memorise(pairs, *, steps: int = 150, seed: int = 0, row_len: int = 512, lr: 
 
 
 @pytest.fixture(scope="session")
-def memorised_params(tokenizer):
+def memorised_params(tokenizer, shared_dir):
   """Tiny-model weights trained to answer MEMORISED greedily."""
   return memorise([(tokenizer.apply_chat_template(messages, tools=tools),
                     tokenizer.encode(answer + "<|im_end|>"))
-                   for messages, tools, answer in MEMORISED])
+                   for messages, tools, answer in MEMORISED], shared=shared_dir)
 
 
 def make_engine(**kw):
