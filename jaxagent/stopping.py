@@ -138,6 +138,47 @@ class StopNow(KeyboardInterrupt):
     self.signum = int(sig)
 
 
+class StopSignals:
+  """SIGTERM (a pod's eviction) and Ctrl-C to a run: the first asks it to stop after the
+  step under way (`got`, the signal's name; `stopping`, set), then to checkpoint and
+  export as at the end; a second stops it at once (`now`: StopNow is raised, and the
+  process ends in STOP_NOW_S if a thread holds it). A SIGTERM that repeats one (a
+  launcher's and its pod's, `RepeatedTerm`) is not a second request."""
+
+  def __init__(self, run_dir: str):
+    self.run_dir = run_dir
+    self.got: Optional[str] = None
+    self.now = False  # (the run's task is cancelled: its `finally` cannot tell why)
+    self.stopping = asyncio.Event()
+    self.repeats = RepeatedTerm(os.path.join(run_dir, "output-after-launcher.log"))
+    self.handled: list = []
+
+  def install(self, loop: asyncio.AbstractEventLoop) -> "StopSignals":
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        loop.add_signal_handler(sig, self.request, sig)
+        self.handled.append(sig)
+      except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+        pass
+    return self
+
+  def remove(self, loop: asyncio.AbstractEventLoop) -> None:
+    for sig in self.handled:
+      loop.remove_signal_handler(sig)
+
+  def request(self, sig: signal.Signals) -> None:
+    if self.repeats.same_request(sig):
+      return
+    if self.got is not None:
+      self.now = True
+      exit_soon(128 + sig, self.run_dir)
+      raise StopNow(sig)
+    self.got = sig.name
+    self.stopping.set()
+    print(f"{sig.name}: stopping once the step under way, if any, is done (again to stop "
+          "now)", file=sys.stderr, flush=True)
+
+
 async def unless_stopped(work, stop: asyncio.Event):
   """`work`'s result, or None when `stop` is set before it ends (it is cancelled)."""
   task = asyncio.ensure_future(work)

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from envs.base import TaskSpec
 from jaxagent import config as config_lib, distributed
 from jaxagent.agreements import Agreements, exit_code
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode, run_whitebox
@@ -60,10 +62,10 @@ from jaxagent.run_services import (Serving, attach_judge, first_tasks, make_env_
 from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share,
                                 carries_signal, episode_index, no_step_warning, pack_groups,
                                 trim_batch)
-from jaxagent.stopping import (RESUME_COMMAND, RepeatedTerm, StopNow, exit_soon, go_on_hint,
-                               leave_stuck_threads, resume_command, resume_on, unless_stopped)
+from jaxagent.stopping import (RESUME_COMMAND, StopSignals, go_on_hint, leave_stuck_threads,
+                               resume_command, resume_on, unless_stopped)
 from jaxagent.trajectory import dump_segments
-from jaxagent.wal import take_replay
+from jaxagent.wal import TokenWAL, take_replay
 
 
 def parse_args(argv=None):
@@ -104,6 +106,94 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
+def learn(learner: Learner, state, batch, ref_params) -> tuple:
+  """One train step to completion (in a worker thread): the new state and the step's
+  metrics as floats. A step whose loss or gradient norm is not finite, or whose weights
+  come out so, raises `NonFiniteUpdate`: its state is never kept (the state it started
+  from was given to it: the run's last checkpoint is what a resume has)."""
+  new, m = learner.step(state, batch, ref_params)
+  m = {k: float(v) for k, v in jax.device_get(m).items()}
+  bad = [f"the {k.replace('_', ' ')} is {m[k]}" for k in ("loss", "grad_norm")
+         if not math.isfinite(m.get(k, 0.0))]
+  if not bad and not bool(all_finite(new.params)):
+    # (the loss and its gradient are the weights' before the update: the update that
+    # made them inf passed them, and was served, exported and saved: reviewer; the
+    # optimiser's state is checked with every checkpoint, `RunCheckpointer.save`)
+    bad = ["the weights after it are not finite"]
+  if bad:
+    raise NonFiniteUpdate(
+        f"step {int(new.step)}: " + " and ".join(bad) + " (the update is not kept nor "
+        "checkpointed; learner.lr, learner.max_grad_norm and the advantage settings "
+        "shape it)")
+  return new, m
+
+
+async def play_episode(task: dict | TaskSpec, session_id: str, group_id: str, *,
+                       cfg: config_lib.RunConfig, env_factory, serving: Serving, tokenizer,
+                       wal: Optional[TokenWAL], replays: list,
+                       replayed_from: dict[str, set]) -> Episode:
+  """One episode of the run's agent on `task` (the scheduler's `play`). With the token
+  WAL on, a whitebox episode logs every turn, and a group's first episode replays what a
+  stopped run logged for its task (`replayed_from`: a group's id, the keys of the logs
+  it replayed)."""
+  task = task if isinstance(task, TaskSpec) else TaskSpec.from_dict(task)
+  env = env_factory(task)
+  if is_blackbox(cfg.agent.kind):
+    return await run_blackbox(env, task, serving.gateway_url, cfg.agent,
+                              session_id=session_id, group_id=group_id,
+                              tokenizer=tokenizer, api=cfg.agent.kind)
+  replay = log = None
+  if wal is not None:
+    i = episode_index(session_id)
+    replay = take_replay(replays, task.id, i) if session_id.endswith("-r0") else None
+    if replay is not None:  # (its logs are done with when this group is)
+      replayed_from.setdefault(group_id, set()).update(replay.keys)
+    log = wal.open(session_id, group_id=group_id, task=task.to_dict(), episode=i,
+                   replays=replay.keys if replay is not None else ())
+  return await run_whitebox(env, task, serving.client, tokenizer, cfg.agent,
+                            session_id=session_id, group_id=group_id, log=log,
+                            replay=replay)
+
+
+async def evaluate_policy(cfg: config_lib.RunConfig, env_factory, serving: Serving,
+                          tokenizer) -> dict:
+  """The held-out tasks (`eval.*`) played with the served weights: eval_* figures."""
+  from envs.base import load_tasks
+  from jaxagent import eval as eval_lib
+
+  e = cfg.eval
+  agent = dataclasses.replace(cfg.agent, temperature=0.0) if e.greedy else cfg.agent
+  held_out = load_tasks(e.tasks, unique=True)[:e.limit or None]
+
+  async def play_eval(task, session_id):
+    return await eval_lib.play_as_configured(env_factory(task), task, serving, tokenizer,
+                                             agent, session_id)
+
+  by_task = await eval_lib.evaluate(held_out, play_eval, 1 if e.greedy else e.samples)
+  rep = eval_lib.report(by_task, e.k)
+  out = {f"eval_{k}": v for k, v in rep["overall"].items() if isinstance(v, (int, float))}
+  for env, r in rep["by_env"].items():
+    out[f"eval_{env}_success_rate"] = r.get("success_rate")
+  return out
+
+
+async def replay_canary(saved: Optional[list], step: int, cfg: config_lib.RunConfig,
+                        env_factory, serving: Serving, tokenizer) -> Optional[str]:
+  """`--canary`: the canary episodes of checkpoint `step` (`saved`) played again on the
+  restored weights; what differs, or None where they replay as saved (or where the
+  checkpoint stored none: said, and the run goes on unchecked)."""
+  if not saved:
+    print(f"warning: --canary: checkpoint step {step} stored no canary (the run was "
+          "stopped while its rollouts ran, it was saved between weight syncs, or "
+          "canary_tasks was 0 then); going on unchecked", file=sys.stderr)
+    return None
+  problem = compare_canary(saved, await play_canary(cfg, env_factory, serving.client,
+                                                    tokenizer))
+  if problem is None:
+    print(f"canary: {len(saved)} episodes replayed as saved")
+  return problem
+
+
 def _deleted(state) -> bool:
   """Whether `state`'s arrays were given away (donated to a train step under way)."""
   return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
@@ -118,7 +208,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   """The run (`main` checks its command line first). `notes`: a resume's changes to the
   run's config, said once its checkpoint is restored (a refusal before that, an
   unreadable checkpoint or a config it cannot build, applies none of them)."""
-  from envs.base import TaskSpec
   from envs.loopwatch import LoopWatch
 
   t_start = time.time()
@@ -218,66 +307,23 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     # of the current weights only).
     distributed.barrier(f"policy-{version}")
   if canary:  # the restored run must sample what the saved one did
-    if not saved_canary:
-      print(f"warning: --canary: checkpoint step {int(state.step)} stored no canary "
-            "(the run was stopped while its rollouts ran, it was saved between weight syncs, "
-            "or canary_tasks was 0 then); "
-            "going on unchecked", file=sys.stderr)
-    else:
-      problem = compare_canary(saved_canary, await play_canary(cfg, env_factory,
-                                                               serving.client, tokenizer))
-      if problem:
-        await serving.close()
-        ckpt.close()
-        close_envs()
-        raise config_lib.ConfigError(f"--canary: step {int(state.step)} does not replay as "
-                                     f"saved: {problem}; not going on")
-      print(f"canary: {len(saved_canary)} episodes replayed as saved")
+    problem = await replay_canary(saved_canary, int(state.step), cfg, env_factory, serving,
+                                  tokenizer)
+    if problem:
+      await serving.close()
+      ckpt.close()
+      close_envs()
+      raise config_lib.ConfigError(f"--canary: step {int(state.step)} does not replay as "
+                                   f"saved: {problem}; not going on")
   # The resume's changes are said and recorded once it goes on: its restore and its
   # canary both passed (a refused one said them, and wrote them to config.json, first).
   for line in notes:
     print(line, file=sys.stderr)
   write_run_config(cfg, tokenizer, run_dir, resume, int(state.step))
 
-  async def evaluate_policy() -> dict:
-    """The held-out tasks (`eval.*`) played with the current weights: eval_* figures."""
-    from envs.base import load_tasks
-    from jaxagent import eval as eval_lib
-
-    e = cfg.eval
-    agent = dataclasses.replace(cfg.agent, temperature=0.0) if e.greedy else cfg.agent
-    held_out = load_tasks(e.tasks, unique=True)[:e.limit or None]
-
-    async def play_eval(task, session_id):
-      return await eval_lib.play_as_configured(env_factory(task), task, serving, tokenizer,
-                                               agent, session_id)
-
-    by_task = await eval_lib.evaluate(held_out, play_eval, 1 if e.greedy else e.samples)
-    rep = eval_lib.report(by_task, e.k)
-    out = {f"eval_{k}": v for k, v in rep["overall"].items() if isinstance(v, (int, float))}
-    for env, r in rep["by_env"].items():
-      out[f"eval_{env}_success_rate"] = r.get("success_rate")
-    return out
-
-  async def play(task_dict, session_id, group_id) -> Episode:
-    task = task_dict if isinstance(task_dict, TaskSpec) else TaskSpec.from_dict(task_dict)
-    env = env_factory(task)
-    if is_blackbox(cfg.agent.kind):
-      return await run_blackbox(env, task, serving.gateway_url, cfg.agent,
-                                session_id=session_id, group_id=group_id,
-                                tokenizer=tokenizer, api=cfg.agent.kind)
-    replay = log = None
-    if wal is not None:
-      i = episode_index(session_id)
-      replay = take_replay(replays, task.id, i) if session_id.endswith("-r0") else None
-      if replay is not None:  # (its logs are done with when this group is)
-        replayed_from.setdefault(group_id, set()).update(replay.keys)
-      log = wal.open(session_id, group_id=group_id, task=task.to_dict(), episode=i,
-                     replays=replay.keys if replay is not None else ())
-    return await run_whitebox(env, task, serving.client, tokenizer, cfg.agent,
-                              session_id=session_id, group_id=group_id, log=log,
-                              replay=replay)
-
+  play = functools.partial(play_episode, cfg=cfg, env_factory=env_factory, serving=serving,
+                           tokenizer=tokenizer, wal=wal, replays=replays,
+                           replayed_from=replayed_from)
   scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=requeue,
                                advantage=cfg.advantage)
   scheduler.go_on_from(version, next_group, jax.process_index(), jax.process_count())
@@ -367,27 +413,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                        tokenizer.pad_id, row_multiple, with_ref="ref_logp" in scorers,
                        gather=gather)
 
-  def learn(state, batch):
-    """One train step to completion (in a worker thread). A step whose loss or gradient
-    norm is not finite, or whose weights or optimiser state come out so, raises
-    `NonFiniteUpdate`: its state is never kept (the state it started from was given to
-    it: the run's last checkpoint is what a resume has)."""
-    new, m = learner.step(state, batch, ref_params)
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
-    bad = [f"the {k.replace('_', ' ')} is {m[k]}" for k in ("loss", "grad_norm")
-           if not math.isfinite(m.get(k, 0.0))]
-    if not bad and not bool(all_finite(new.params)):
-      # (the loss and its gradient are the weights' before the update: the update that
-      # made them inf passed them, and was served, exported and saved: reviewer; the
-      # optimiser's state is checked with every checkpoint, `RunCheckpointer.save`)
-      bad = ["the weights after it are not finite"]
-    if bad:
-      raise NonFiniteUpdate(
-          f"step {int(new.step)}: " + " and ".join(bad) + " (the update is not kept nor "
-          "checkpointed; learner.lr, learner.max_grad_norm and the advantage settings "
-          "shape it)")
-    return new, m
-
   step = first_step = int(state.step)
   recorded = step  # the last step whose metrics row and trajectories are written
   records = None  # what the latest step's records need (`write_records`)
@@ -455,10 +480,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   played: list = []  # every group consumed since the last step, trained on or not
   no_step_note_at, dropped_at_step = NO_STEP_NOTE_S, collections.Counter(scheduler.dropped)
   finished = False  # the loop ended by itself (not by an exception)
-  # SIGTERM (a pod's eviction) or Ctrl-C: stop after the step under way, then checkpoint
-  # and export as at the end (a second one stops at once).
-  signals = {"got": None}
-  stopping = asyncio.Event()
+  signals = StopSignals(run_dir).install(loop)  # (SIGTERM, Ctrl-C)
   abandoned = False  # a stop gave up a wait for rollouts
   lost: Optional[PeerLost] = None  # another process of the run is gone
   peer_failed: Optional[PeerFailed] = None  # another's error, told at the end
@@ -466,27 +488,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   nonfinite = False  # stopped by a step whose update was not finite
   overflow_said = False  # a batch that left groups out was said
 
-  repeats = RepeatedTerm(os.path.join(run_dir, "output-after-launcher.log"))
-
-  def request_stop(sig):
-    if repeats.same_request(sig):
-      return
-    if signals["got"] is not None:
-      signals["now"] = True  # (the run's task is cancelled: its `finally` cannot tell why)
-      exit_soon(128 + sig, run_dir)
-      raise StopNow(sig)
-    signals["got"] = sig.name
-    stopping.set()
-    print(f"{sig.name}: stopping once the step under way, if any, is done (again to stop "
-          "now)", file=sys.stderr, flush=True)
-
-  handled = []
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    try:
-      loop.add_signal_handler(sig, request_stop, sig)
-      handled.append(sig)
-    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-      pass
   early_stop = stop_reached()
   # Names an environment's async code that holds the loop every episode moves on, and
   # charges a hold to the episode that held it (started before the episodes: their
@@ -497,12 +498,12 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     while step < cfg.steps and early_stop is None:
       if multi:  # a signal to any process stops every one here, between two steps (one
         # stopping alone left the others waiting in the step's collectives)
-        got = await agree("step", stop=signals["got"])
+        got = await agree("step", stop=signals.got)
         names = [g["stop"] for g in got if g["stop"]]
         if names:  # (its own signal's name if it had one: a process exits by its own)
-          signals["got"] = signals["got"] or names[0]
+          signals.got = signals.got or names[0]
           break
-      elif signals["got"] is not None:
+      elif signals.got is not None:
         break
       accepted: list = []  # (the step's groups: given back if it fails before its update,
       # saved with the checkpoint as tasks in flight; they were lost: neither trained
@@ -520,10 +521,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
             hold(e)
           shares = [g["share"] for g in await agree("rollouts", share=share)]
         else:  # a stop while the step's rollouts run: no step is under way, none waited for
-          got = await unless_stopped(scheduler.next_groups(), stopping)
+          got = await unless_stopped(scheduler.next_groups(), signals.stopping)
           if got is None:
             abandoned = True
-            print(f"{signals['got']}: no step was under way (the episodes in flight are "
+            print(f"{signals.got}: no step was under way (the episodes in flight are "
                   "played again on a resume)", file=sys.stderr, flush=True)
             break
           accepted, taken = got
@@ -552,7 +553,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         batch, info = trim_batch(*packed, used_rows, rows_here, row_multiple)
         m = None
         if segments:
-          state, m = await loop.run_in_executor(run_pool, learn, state, batch)
+          state, m = await loop.run_in_executor(run_pool, learn, learner, state, batch,
+                                                ref_params)
       except BaseException:
         scheduler.put_back(accepted)
         raise
@@ -646,7 +648,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                            row["episodes"])])[-cfg.stop_window:]
       try:  # (this process's own work: an error is told at the next agreement)
         if cfg.eval.every and step % cfg.eval.every == 0 and primary:
-          row.update(await evaluate_policy(), eval_policy_version=scheduler.served)
+          row.update(await evaluate_policy(cfg, env_factory, serving, tokenizer),
+                     eval_policy_version=scheduler.served)
         await write_records(records)
         bar.update(1)
         bar.set_postfix(success=f"{row.get('success_rate', 0):.2f}",
@@ -696,7 +699,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
                else "the step under way holds the state" if _deleted(state) else None)
     failed = ckpt.failed is not None
     if multi and lost is None:  # the final save and export are collectives: all or none
-      if signals.get("now"):  # (stopped at once: alone, with no collective)
+      if signals.now:  # (stopped at once: alone, with no collective)
         unsaved = "stopped at once, apart from the run's other processes"
       else:
         try:
@@ -745,8 +748,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     close_envs()
     # (held until here: a second signal during the final save stops at once, saying so,
     # instead of the default action killing the process in the middle of it)
-    for sig in handled:
-      loop.remove_signal_handler(sig)
+    signals.remove(loop)
     run_pool.shutdown(wait=False)  # (its idle threads end; one in a collective is left behind)
   if lost is not None:  # (found at the end: out of step)
     raise lost
@@ -756,14 +758,14 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
     raise peer_failed
   if ckpt.failed is not None:  # (one that the run went on past, or the last one)
     raise ckpt.failed
-  stopped = signals["got"] is not None and step < cfg.steps and early_stop is None
+  stopped = signals.got is not None and step < cfg.steps and early_stop is None
   png = plot_learning_curve(run_dir, cfg.name) if primary else None  # (stopped too)
   if stopped and primary:  # (not finished: a scheduler that restarts the run resumes it)
-    print(f"stopped at step {step} of {cfg.steps} ({signals['got']}); to go on: "
+    print(f"stopped at step {step} of {cfg.steps} ({signals.got}); to go on: "
           f"{resume_command(run_dir)}" + (f"; learning curve so far: {png}" if png else ""),
           file=sys.stderr, flush=True)
   if stopped:
-    return 128 + getattr(signal, signals["got"]).value
+    return 128 + getattr(signal, signals.got).value
   if not primary:
     return 0
   print(f"done: {step} steps in {time.time() - t_start:.0f}s; learning curve: {png}")
