@@ -15,7 +15,8 @@ the harness's stdin); the expected values stay on the host. In the sandbox:
 - it forks the solution's process, which closes the report channel, sends its
   prints to stderr, puts the workspace first on `sys.path`, as the episode's tools
   ran it (a helper `code.py` the solution imports is its own, not the standard
-  library's; the harness's own modules were imported before), imports the solution,
+  library's; of the modules the harness imported, those the workspace holds one of the
+  same name of are forgotten first), imports the solution,
   calls the function on each case's arguments and sends back each return value
   encoded by exact type (`envs.values`: an object with a forged `__eq__` is not
   a value);
@@ -68,11 +69,13 @@ from envs.sandbox import ExecResult, Sandbox
 # workspace without a quota that the solution fills past its bounds is a fail; no
 # bytecode is written. 8: a dict subclass (a Counter) grades as the dict it holds. 9: the
 # solution's process stays dumpable (a non-root worker's disk watch sees its files). 10:
-# the solution's prctl(PR_SET_DUMPABLE, 0) does nothing (ssh-agent in its tests).
-VERSION = "python-harness-10"
+# the solution's prctl(PR_SET_DUMPABLE, 0) does nothing (ssh-agent in its tests). 11: the
+# modules the harness imported that the workspace holds one of the same name of are the
+# workspace's for the solution.
+VERSION = "python-harness-11"
 
 _HARNESS_BODY = r'''
-import ctypes, importlib, os, select, signal, sys
+import ctypes, importlib, importlib.machinery, os, select, signal, sys
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # as init, a default disposition is immune
 try:  # PR_SET_DUMPABLE = 4: no ptrace of this process, no /proc/<pid>/fd or mem for others
@@ -117,6 +120,20 @@ if pid == 0:  # the solution's process
     channel = os.fdopen(w, "w")
     sys.path.insert(0, os.getcwd())  # (first, as a tool's `python` and pytest have it;
     # nothing is imported after it but the solution: a helper `importlib.py` is its own)
+    # What the harness imported that a fresh interpreter had not (json, signal, ctypes,
+    # ...) is forgotten where the workspace holds a module of that name: the solution
+    # imports its own, as the episode's `python` did (a helper `signal.py` passed the
+    # public tests and failed the grading: red team 29). The harness keeps the modules
+    # it holds.
+    for top in {m.partition(".")[0] for m in sys.modules if m not in _STARTUP}:
+      try:
+        found = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
+      except Exception:
+        found = None
+      if found is not None and found.loader is not None:  # (not a namespace portion)
+        for m in [m for m in sys.modules
+                  if (m == top or m.startswith(top + ".")) and m not in _STARTUP]:
+          del sys.modules[m]
     try:
       fn = getattr(importlib.import_module(spec["module"]), spec["function"])
     except BaseException as e:
@@ -216,8 +233,10 @@ class HiddenTests:
 
 @functools.cache
 def harness_source() -> str:
-  """The harness run with `python3 -I -B -c`: the value codec, then the harness itself."""
-  return inspect.getsource(values) + _HARNESS_BODY
+  """The harness run with `python3 -I -B -c`: the modules the interpreter started with,
+  the value codec, then the harness itself."""
+  return ("import sys\n_STARTUP = frozenset(sys.modules)\n" + inspect.getsource(values)
+          + _HARNESS_BODY)
 
 
 def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdict:

@@ -74,6 +74,22 @@ def test_a_turns_blocks_past_the_read_limit_are_counted_and_answered_together():
   assert fewer.messages[-1]["content"].startswith("error: 5 more tool calls")
 
 
+def test_an_error_reply_quotes_a_call_cut_short():
+  """An argument's value and a tool's name are said back in at most a few hundred
+  characters: jsonschema's message holds the value's repr (a raw \\x7f is 4 characters of
+  it), and 4 MB actions became observations of 17M characters (red team 29)."""
+  import json
+
+  big = "\x7f" * 1_000_000
+  for call in ({"name": "add", "arguments": {"a": [big], "b": 1}},
+               {"name": "add", "arguments": {big: 1, "a": 1, "b": 2}},
+               {"name": big, "arguments": {}}):
+    r = run(f"<tool_call>{json.dumps(call, ensure_ascii=False)}</tool_call>")
+    said = r.messages[0]["content"]
+    assert r.invalid == 1 and said.startswith("error") and len(said) < 700, len(said)
+    assert "characters)" in said
+
+
 def test_failing_tool_is_an_error_not_an_exception():
   r = run('<tool_call>{"name": "boom", "arguments": {}}</tool_call>')
   assert (r.calls, r.invalid, r.errors) == (1, 0, 1)

@@ -43,7 +43,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-10"
+  assert ok.verifier_version == "python-harness-11"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -200,6 +200,15 @@ def test_a_helper_named_as_a_standard_module_is_the_solutions_own(pool):
   v = grade(pool, {"importlib.py": "x = 1\n", "warnings.py": "raise SystemExit(3)\n",
                    "solution.py": GOOD})
   assert v.status == VerdictStatus.PASS, v.details
+  # ...and a helper named as one of them is the solution's own: `signal.py`, `json/`
+  # passed the public tests and failed the grading, the harness's module in their place
+  # (red team 29)
+  for helper in ("signal.py", "json/__init__.py", "ctypes.py"):
+    name = helper.partition(".")[0].partition("/")[0]
+    v = grade(pool, {helper: "def plus(a, b):\n    return a + b\n",
+                     "solution.py": f"from {name} import plus\ndef add(a, b):\n"
+                                    "    return plus(a, b)\n"})
+    assert v.status == VerdictStatus.PASS, (helper, v.details)
 
 
 def test_strict_types():
