@@ -18,7 +18,8 @@ The episodes of a group append to the group's JSONL file under the log's directo
 - an `end` record when the episode is over.
 
 A log is deleted once its episode's group is trained (or dropped) and a checkpoint
-after that is under way. When the trainer dies, `--resume` first deletes the logs of the
+that no longer lists it is finalised (at the save after it, or the run's end; not when
+an asynchronous save begins). When the trainer dies, `--resume` first deletes the logs of the
 groups its checkpoint has trained on (the checkpoint lists their keys, and those of the
 logs they replayed), then replays each log left (`jaxagent.agent.run_whitebox(..., replay=...)`): the environment is
 reset and stepped through the logged actions (each observation checked against its
