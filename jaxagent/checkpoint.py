@@ -481,6 +481,36 @@ def drop_version(root: str, version: int) -> None:
   shutil.rmtree(version_dir(root, version), ignore_errors=True)
 
 
+class PolicyExports:
+  """A run's policy exports (`RUN_DIR/policy/vN`). The versions kept: every
+  `export_every`-th and the last (`steps`). With remote servers every version is
+  exported for them to load; one not kept (`transient`) is removed once the servers
+  have the next (a run kept every one: ~0.5 GB a step for a 135M model, until the disk
+  filled)."""
+
+  def __init__(self, root: str, dtype: Optional[str], export_every: int, steps: int):
+    self.root, self.dtype = root, dtype  # (dtype None: the parameters' own)
+    self.every, self.steps = export_every, steps
+    self.exported: Optional[int] = None  # the policy version last exported
+    self.transient: Optional[int] = None  # an export not kept, the servers' until the next
+
+  def kept(self, version: int) -> bool:
+    return bool(self.every and version % self.every == 0) or version >= self.steps
+
+  def write(self, version: int, params: Params) -> str:
+    """Exports `params` as `version`; returns its directory."""
+    path = export_policy(self.root, version, params, dtype=self.dtype)
+    self.exported = version
+    return path
+
+  def served(self, version: int, primary: bool) -> None:
+    """The servers now serve `version`, exported for them: the transient export before
+    it goes (process 0 removes it), and this one is transient unless it is kept."""
+    if self.transient is not None and self.transient != version and primary:
+      drop_version(self.root, self.transient)
+    self.transient = None if self.kept(version) else version
+
+
 def drop_versions_after(root: str, version: int) -> list[int]:
   """Unregisters and removes the exports newer than `version` (what a resumed run
   abandons), registered or not; returns their versions. Process 0 alone calls it."""

@@ -42,9 +42,8 @@ from jaxagent.agreements import Agreements, exit_code
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode, run_whitebox
 from jaxagent.blackbox import is_blackbox, run_blackbox
 from jaxagent.build import build_model, describe
-from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, RunCheckpointer,
-                                 drop_version, export_policy, quiet_failed_save_noise,
-                                 state_prints)
+from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, PolicyExports,
+                                 RunCheckpointer, quiet_failed_save_noise, state_prints)
 from jaxagent.data import task_dataset
 from jaxagent.errors import (InfraError, InfraOutage, NonFiniteUpdate, PeerFailed, PeerLost,
                              RunWriteFailed, TaskError, disk_hint)
@@ -272,37 +271,28 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   # the re-queued tasks.
   wal, replays = open_wal(cfg, run_dir, resume, consumed, int(state.policy_version))
   replayed_from: dict[str, set] = {}  # a group's id: the keys of the logs it replayed
-  policy_root = os.path.join(run_dir, "policy")
-  export_dtype = cfg.checkpoint.export_dtype  # (None: the parameters' own)
   version = int(state.policy_version)
   # With several processes each serves its own rollouts on its own devices; the weights
   # it starts from (and is updated with) are the whole values, gathered from every one.
   serving = Serving(cfg, model_cfg, distributed.host_copy(state.params), tokenizer,
                     serving_mesh)
   attach_judge(cfg, env_factory, serving, first if distributed.is_primary() else ())
-  exported = None  # the policy version last exported
-  # The versions exported to keep: every checkpoint.export_every-th, and the last. With
-  # remote servers every version is exported for them to load; the others are removed
-  # once the servers have the next (a run kept every one: ~0.5 GB a step for a 135M
-  # model, until the disk filled).
-  every = cfg.checkpoint.export_every
-  scheduled = lambda v: bool(every and v % every == 0) or v >= cfg.steps  # noqa: E731
-  transient = None  # such an export, still the servers' until the next
+  exports = PolicyExports(os.path.join(run_dir, "policy"), cfg.checkpoint.export_dtype,
+                          cfg.checkpoint.export_every, cfg.steps)
   if cfg.serving.urls:  # (a cluster starts them with the learner: they may be loading)
     await serving.client.wait_ready(
         cfg.serving.startup_wait_s,
         lambda m: print(m, flush=True) if distributed.is_primary() else None)
   if resume or cfg.serving.urls:  # servers must start from the learner's weights
     # Exported again on a resume: an export under this version may be a stopped run's.
-    path = export_policy(policy_root, version, state.params, dtype=export_dtype)
-    exported = version
+    path = exports.write(version, state.params)
     # Shared servers: one update is enough; each process's own engine (no servers):
     # every process loads it (a multi-process resume met one process at the load's
     # barrier and the others past it)
     if distributed.is_primary() or not cfg.serving.urls:
       await serving.client.update_weights(path, version)
-    if cfg.serving.urls and not scheduled(version):
-      transient = version
+    if cfg.serving.urls:
+      exports.served(version, distributed.is_primary())
     # Every process's episodes start once the servers serve it (sync mode trains tokens
     # of the current weights only).
     distributed.barrier(f"policy-{version}")
@@ -607,7 +597,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       records = dict(row=row, info=info, batch=batch, m=m,
                      rollout_s=rollout_s, learner_s=learner_s, step=step, version=version)
       sync_s, sync_path = 0.0, None
-      export = scheduled(step)
+      export = exports.kept(step)
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
         if serving.orch is not None:  # in-process: hand the weights over in memory
@@ -617,8 +607,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           except Exception as e:
             hold(e)
         else:  # servers load the export
-          path = await loop.run_in_executor(run_pool, export_policy, policy_root, version,
-                                            state.params, export_dtype)
+          path = await loop.run_in_executor(run_pool, exports.write, version, state.params)
           if primary:  # the servers are shared by every process: one update is enough
             try:
               await serving.client.update_weights(path, version, cfg.rollout.update_mode)
@@ -626,10 +615,8 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
               hold(e)
           if multi:  # no process samples on for the new version before the servers have it
             await agree(f"policy-{version}")
-          if transient is not None and transient != version and primary:
-            drop_version(policy_root, transient)  # (the servers have moved on)
-          transient = None if export else version
-          export, sync_path, exported = False, "export", version
+          exports.served(version, primary)  # (the servers have moved on)
+          export, sync_path = False, "export"
         scheduler.set_served(version)
         sync_s = time.perf_counter() - t0
       # The learner's version, after the sync: groups it drops as stale are replaced on
@@ -638,9 +625,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       if export:
         if multi:  # (its writes are collectives: an error held since is told first)
           await agree(f"export-{version}")
-        await loop.run_in_executor(run_pool, export_policy, policy_root, version, state.params,
-                                   export_dtype)
-        exported = version
+        await loop.run_in_executor(run_pool, exports.write, version, state.params)
       t_rollout_mark = time.perf_counter()
       row.update({"weight_sync_s": sync_s,
                   **({"weight_sync_path": sync_path} if sync_path else {})})
@@ -727,9 +712,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         pass
       except NonFiniteUpdate as e:  # (raised below, once the rest is closed)
         own_failure, unsaved, nonfinite = own_failure or e, "not finite", True
-    if exported != version and step > 0 and not unsaved:  # the final weights, exported
+    if exports.exported != version and step > 0 and not unsaved:  # the final weights
       try:
-        export_policy(policy_root, version, state.params, dtype=export_dtype)
+        exports.write(version, state.params)
       except Exception as e:  # (the checkpoint has them; a resume exports them again)
         print(f"warning: policy version {version} could not be exported "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)

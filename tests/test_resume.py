@@ -59,12 +59,12 @@ elif os.environ.get("KILL_AT", "").startswith("wal"):
 elif os.environ.get("KILL_AT") == "exportfail":
   # The disk is full when step 3's policy is exported: after the step, before its
   # metrics row and trajectories are written.
-  export = train.export_policy
+  export = checkpoint.export_policy
   def export_or_fail(root, version, *args, **kwargs):
     if version == 3:
       raise OSError(28, "No space left on device")
     return export(root, version, *args, **kwargs)
-  train.export_policy = export_or_fail
+  checkpoint.export_policy = export_or_fail
 elif os.environ.get("KILL_AT") == "batchfail":
   # Step 4's batch cannot be made (a bug): after its groups were taken for it.
   pack_groups, calls = train.pack_groups, []
