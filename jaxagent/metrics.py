@@ -70,7 +70,9 @@ def episode_metrics(groups, accepted, learner_version: int, signal=None) -> dict
     out.update({"judge_asked": len(judged),
                 "judge_false_positives": sum(bool(d.get("false_positive")) for d in judged),
                 "judge_unparsed": sum(bool(d.get("judge_unparsed")) for d in judged),
-                "judge_too_long": sum(bool(d.get("judge_too_long")) for d in judged)})
+                "judge_too_long": sum(bool(d.get("judge_too_long")) for d in judged),
+                "judge_answer_says_verdict": sum(bool(d.get("answer_says_verdict"))
+                                                 for d in judged)})
   out.update(percentiles([e.latency_s for e in episodes], "episode_latency_s"))
   out.update(percentiles([t for e in episodes for t in e.tool_latencies_s], "tool_latency_s"))
   return out
