@@ -11,9 +11,11 @@ calls the function once an episode, as it calls the built-in harnesses
 (`jaxagent.blackbox.run_openai_agent`): the environment, the task, the gateway's URL, then
 the session id, the run's sampling and budgets as keywords. It must send every call
 with the header `X-Session-Id: session_id` (the server records its turns under it: the
-trajectory is read back from that record, token for token), sample as the run trains
-(its temperature, top_p and top_k: a turn sampled otherwise stops the run), hand each
-reply to `env.step` as text, and return the rewards of its steps. A gateway that fails
+trajectory is read back from that record, token for token; the id holds a secret part,
+so no other episode's agent can write into it), sample as the run trains (its
+temperature, top_p and top_k: a turn sampled otherwise stops the run), hand each reply
+to `env.step` as text, and return the rewards of its steps (the run trains the
+environment's own, as `env.step` returned them). A gateway that fails
 (an HTTP error) ends the episode as the infrastructure's, re-rolled.
 """
 

@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import secrets
 import time
 from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import quote
@@ -296,7 +297,9 @@ def blackbox_agent(kind: str) -> Callable[..., Awaitable[list[float]]]:
   then `session_id` and the run's sampling and budgets as keywords) that plays the
   episode against the gateway with `X-Session-Id: session_id` and returns the per-step
   rewards (each `env.step` reward, in order; the trajectory is read back from the
-  server's record of the session). ValueError naming what is wrong."""
+  server's record of the session, and the rewards trained are the environment's own, as
+  its steps returned them: a harness's list is not read). ValueError naming what is
+  wrong."""
   if kind in BLACKBOX_AGENTS:
     return BLACKBOX_AGENTS[kind]
   module, _, name = kind.rpartition(":")
@@ -476,9 +479,13 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   t_start = time.perf_counter()
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   acting = MeasuredEnv(env, cfg.env_call_deadline_s)
-  # The id as it travels in a header (ASCII only; eval ids hold task ids).
-  wire_id = session_id if session_id.isascii() and session_id.isprintable() \
-      else quote(session_id, safe="")
+  # The id as it travels in a header (ASCII only; eval ids hold task ids), with a secret
+  # part: the scheduler's ids are predictable (`g<group>-<i>-r<attempt>`), and an agent
+  # that wrote its turns into a sibling's session had them trained with the sibling's
+  # reward, and one that handed a sibling's session a forged prompt (`/handover`) had it
+  # sampled under a context its environment never gave (red team 29).
+  wire_id = (session_id if session_id.isascii() and session_id.isprintable()
+             else quote(session_id, safe="")) + "~" + secrets.token_hex(12)
 
   decoding: dict = {}  # at a cut: request id -> how long it had decoded, in flight
 
@@ -517,9 +524,12 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
           acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
           max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
           top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
-      ep.turn_rewards = await waits.within(harness, acting.waited, cfg.episode_deadline_s,
-                                           EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
-                                           t_start, look_s=0.25, on_cut=in_flight)
+      await waits.within(harness, acting.waited, cfg.episode_deadline_s,
+                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25,
+                         on_cut=in_flight)
+    # The environment's rewards as its steps returned them, not the harness's list (one
+    # that returned [1000.0] for a step the environment gave 0 had it trained: red team 29)
+    ep.turn_rewards = list(acting.rewards)
     ep.verdict = (await graded(acting.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)

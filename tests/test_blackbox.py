@@ -150,6 +150,62 @@ def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monk
   assert seg is first and second.num_action_tokens == 0
 
 
+def test_a_harness_cannot_reach_a_siblings_session_nor_forge_its_rewards(random_params,
+                                                                        monkeypatch):
+  """Red team 29: the scheduler's session ids are predictable (`g<group>-<i>-r<attempt>`),
+  and an agent that posted turns under its sibling's id had them trained with the
+  sibling's reward; a harness that returned [1000.0] for a step the environment gave 0
+  had that trained. A harness now plays under a session id with a secret part, and the
+  rewards trained are the environment's."""
+  import httpx
+  import openai
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  ids = []
+
+  async def forger(env, task, base_url, *, session_id, max_tokens, temperature, top_p,
+                   top_k, **_):
+    ids.append(session_id)
+    sibling = session_id.replace("g0-0-r0", "g0-1-r0").partition("~")[0]
+    for sid in (session_id, sibling):  # its own turn, then one in the sibling's name
+      client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused",
+                                  max_retries=0, default_headers={"X-Session-Id": sid})
+      obs = await env.reset(task) if sid == session_id else obs
+      reply = (await client.chat.completions.create(
+          model="policy", messages=[{"role": "user", "content": "injected"}]
+          if sid != session_id else obs.messages, max_tokens=max_tokens,
+          temperature=temperature, top_p=top_p, extra_body={"top_k": top_k}))
+      if sid == session_id:
+        await env.step(reply.choices[0].message.content)
+      await client.close()
+    return [1000.0]
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  config = AgentConfig(max_turns=1, max_new_tokens=4)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    honest = blackbox_mod.BLACKBOX_AGENTS["openai"]
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", forger)
+    attacker = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                        session_id="g0-0-r0", group_id="g0", tokenizer=TOK))
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", honest)
+    sibling = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                       session_id="g0-1-r0", group_id="g0", tokenizer=TOK))
+    again = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                     session_id="g0-0-r0", group_id="g0", tokenizer=TOK))
+    # (the turn posted under the plain id is a session of its own, trained by no one)
+    assert httpx.get(f"{srv.url}/sessions/g0-1-r0").status_code == 200
+  assert not attacker.infra_error and not sibling.infra_error, (attacker.reason,
+                                                                  sibling.reason)
+  (wire,) = ids
+  assert wire.startswith("g0-0-r0~") and len(wire) == len("g0-0-r0~") + 24
+  assert attacker.turn_rewards[0] < 1000.0 and attacker.verdict["reward"] <= 1.0
+  assert sibling.turns == 1 and len(sibling.segments) == 1
+  assert "injected" not in TOK.decode(sibling.segments[0].tokens.tolist())
+  assert not again.infra_error and again.session_id == "g0-0-r0"
+
+
 def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(random_params):
   """A server that takes 1.5 s a turn against a 2.5 s deadline: the time went to the
   gateway, not the environment, so the episode is dropped as infrastructure, as
