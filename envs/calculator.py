@@ -55,11 +55,13 @@ EXAMPLES = (_example("What is 3 * 41 + 2?", "3 * 41 + 2", "125", "example_0")
             + _example("What is 88 - 17 * 3?", "88 - 17 * 3", "37", "example_1"))
 
 
-def final_answer(text: str) -> int | float | None:
+def final_answer(text: str) -> int | Fraction | None:
   """The number on the last `ANSWER: <number>` line of `text`, or None (as for a number
-  past a float's range: no task's answer, and not a value JSON can carry). A whole
-  number (`87`, `87.0`) is an int, exactly as written: past 2**53 a float rounds, and
-  an answer off by one matched (red team)."""
+  past a float's range: no task's answer, and not a value JSON can carry). Exactly as
+  written: a whole number (`87`, `87.0`) is an int (past 2**53 a float rounds, and an
+  answer off by one matched: red team), any other a Fraction of its decimal digits (as
+  a float, a right `33333333333.3333333` was off by more than the tolerance: red team
+  29)."""
   found = _ANSWER.findall(text)
   if not found:
     return None
@@ -68,7 +70,7 @@ def final_answer(text: str) -> int | float | None:
     return None
   whole, _, fraction = found[-1].partition(".")
   if fraction.strip("0"):
-    return value
+    return Fraction(found[-1])
   # (leading zeros dropped: 4,300 of them before a 1 made int() raise out of the step,
   # and the run stop, as an environment's bug: red team)
   digits = whole.lstrip("-").lstrip("0") or "0"
@@ -143,7 +145,9 @@ class Calculator(Env):
   # 2: the terminal reward moved from the last step into the verdict. 3: two worked
   # examples in the first observation; only an `ANSWER: <number>` line is an answer.
   version = "3"
-  verifier_version = "2"  # 2: no trailing-number fallback
+  # 2: no trailing-number fallback. 3: a quotient's answer within a relative 1e-6, read
+  # exactly (an absolute 1e-6 passed `ANSWER: 0` for 1 / 3000000: red team 29)
+  verifier_version = "3"
 
   def __init__(self):
     super().__init__()
@@ -200,13 +204,17 @@ class Calculator(Env):
       # a fraction is not a whole number, however close: red team)
       return isinstance(self.final, int) and self.final == self.answer
     # (a quotient, exact: its float rounds past 2**53; a float answer's own error stays)
-    return abs(Fraction(self.final) - Fraction(self.answer)) < Fraction(1, 10**6)
+    # Within a millionth of its size: six significant digits and a bit more, as the
+    # tool's float repr has (an absolute 1e-6 passed 0 for 1 / 3000000, and failed the
+    # float repr of 100000000000 / 3: red team 29).
+    diff = abs(Fraction(self.final) - Fraction(self.answer))
+    return diff == 0 or diff < abs(Fraction(self.answer)) / 10**6
 
   async def verify(self) -> Verdict:
     ok = self._correct()
     return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, 1.0 if ok else 0.0,
                    f"{self.name}@{self.version}", f"{self.name}@{self.verifier_version}",
-                   {"answer": _plain(self.answer), "final": self.final})
+                   {"answer": _plain(self.answer), "final": _plain(self.final)})
 
   def reference_action(self) -> str:
     return f"ANSWER: {_fmt(self.answer)}"

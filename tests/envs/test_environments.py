@@ -127,6 +127,12 @@ def test_calculator_compares_whole_numbers_exactly():
       ("123456789 * 987654321 / 3", "40644210370878426", "fail"),
       ("123456789 * 987654321 / 3", "40644210370878423", "pass"),
       ("10 / 3", "3.3333333", "pass"), ("10 / 3", "3.33333", "fail"),
+      # (red team 29) within a millionth of the answer's size, read exactly: the tool's
+      # float repr of a large quotient passes, a 0 for a small one does not
+      ("100000000000 / 3", "33333333333.333332", "pass"),
+      ("100000000000 / 3", "33333333333.3333333333", "pass"),
+      ("1 / 3000000", "0", "fail"), ("1 / 3000000", "0.0000003", "fail"),
+      ("1 / 3000000", "0.0000003333333", "pass"),
       ("84 / 2", "42.0", "pass"), ("2 + 3", "0" * 5000 + "5", "pass"),
       ("2 + 3", "-" + "0" * 5000 + "5", "fail")):
     task = TaskSpec("c", "calculator", {"expression": expression})
