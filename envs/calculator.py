@@ -69,15 +69,22 @@ def final_answer(text: str) -> int | Fraction | None:
   if not math.isfinite(value):
     return None
   whole, _, fraction = found[-1].partition(".")
-  if fraction.strip("0"):
-    return Fraction(found[-1])
   # (leading zeros dropped: 4,300 of them before a 1 made int() raise out of the step,
-  # and the run stop, as an environment's bug: red team)
+  # and the run stop, as an environment's bug: red team; the whole part is within a
+  # float's range, so 309 digits at most)
   digits = whole.lstrip("-").lstrip("0") or "0"
-  return -int(digits) if whole.startswith("-") else int(digits)
+  # (decimals past ANSWER_DECIMALS change no answer within a float's range by a
+  # millionth of its size; read whole, 4,300 of them raised as the zeros did)
+  fraction = fraction[:ANSWER_DECIMALS].rstrip("0")
+  value = Fraction(int(digits) * 10 ** len(fraction) + int(fraction or "0"),
+                   10 ** len(fraction))
+  if value.denominator == 1:
+    value = int(value)
+  return -value if whole.startswith("-") else value
 
 
 MAX_INT_BITS = 4000  # (1,204 digits: far past any answer, well within what prints)
+ANSWER_DECIMALS = 400  # the decimals of an answer read (a float's smallest is 1e-308)
 
 
 def _within_float(value: int | float) -> bool:
@@ -98,6 +105,11 @@ def safe_eval(expression: str, *, exact: bool = False) -> float | int | Fraction
       return ev(node.body)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(
         node.value, bool):
+      if exact and isinstance(node.value, float) and math.isfinite(node.value):
+        # (the decimal as written: 0.1 + 0.2 - 0.3 is 0, not the floats' 5.6e-17, which
+        # a right `ANSWER: 0` missed by more than a millionth of it: a reviewer)
+        value = Fraction(repr(node.value))
+        return int(value) if value.denominator == 1 else value
       return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
       v = ev(node.operand)
@@ -207,8 +219,11 @@ class Calculator(Env):
     # Within a millionth of its size: six significant digits and a bit more, as the
     # tool's float repr has (an absolute 1e-6 passed 0 for 1 / 3000000, and failed the
     # float repr of 100000000000 / 3: red team 29).
-    diff = abs(Fraction(self.final) - Fraction(self.answer))
-    return diff == 0 or diff < abs(Fraction(self.answer)) / 10**6
+    diff, tolerance = abs(Fraction(self.final) - Fraction(self.answer)), \
+        abs(Fraction(self.answer)) / 10**6
+    if isinstance(self.answer, float):  # (a fractional power: its rounding near 0)
+      tolerance = max(tolerance, Fraction(1, 10**12))
+    return diff == 0 or diff < tolerance
 
   async def verify(self) -> Verdict:
     ok = self._correct()

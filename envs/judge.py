@@ -56,25 +56,48 @@ DEFAULT_RUBRIC = (
     "first. End with one line that is exactly VERDICT: PASS or VERDICT: FAIL.")
 
 _VERDICT = re.compile(r"VERDICT: (PASS|FAIL)")
-# A line that says a verdict in another case, spacing or width (`Verdict: FAIL`,
-# `VERDICT：FAIL` with a full-width colon: read NFKC): one beside the verdict line made
-# `Verdict: FAIL\nVERDICT: PASS` a pass (red team 29).
-_SAYS_VERDICT = re.compile(r"VERDICT\s*:\s*\W*(PASS|FAIL)\b", re.IGNORECASE)
+# A verdict said in another case, spacing, width or emphasis (`Verdict: FAIL`,
+# `VERDICT：FAIL` with a full-width colon, `**Verdict:** fail`), read NFKC without
+# invisible characters (a zero-width space, a soft hyphen) or stray combining marks.
+_SAYS_VERDICT = re.compile(r"VERDICT\s*:\s*[*_`'\"]*\s*(PASS|FAIL)\b", re.IGNORECASE)
 
 
-def says_verdict(line: str) -> bool:
-  """Whether `line` says `VERDICT:`, or a verdict in any case, spacing or width."""
-  line = unicodedata.normalize("NFKC", line)
-  return "VERDICT:" in line or _SAYS_VERDICT.search(line) is not None
+def _legible(text: str) -> str:
+  return "".join(c for c in unicodedata.normalize("NFKC", text)
+                 if unicodedata.category(c) not in ("Cf", "Mn"))
+
+
+def _verdict_said(line: str) -> Optional[str]:
+  """PASS or FAIL where `line` says a verdict in any case, spacing, width or emphasis."""
+  m = _SAYS_VERDICT.search(_legible(line))
+  return None if m is None else m.group(1).upper()
 
 
 def parse_verdict(text: str) -> Optional[bool]:
-  """True (PASS) or False (FAIL) for a well-formed judge answer, None otherwise."""
+  """True (PASS) or False (FAIL) for a well-formed judge answer, None otherwise: its last
+  non-empty line is exactly `VERDICT: PASS` or `VERDICT: FAIL`, no other line says
+  `VERDICT:`, and none says the other verdict in another form (`Verdict: FAIL` before
+  `VERDICT: PASS` was a pass: red team 29; one that agrees, `**Verdict:** PASS`, is a
+  judge's own emphasis)."""
   lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
-  if not lines or sum(map(says_verdict, lines)) != 1:
+  if not lines or sum("VERDICT:" in _legible(line) for line in lines) != 1:
     return None
   m = _VERDICT.fullmatch(lines[-1])
-  return None if m is None else m.group(1) == "PASS"
+  if m is None or any(_verdict_said(line) not in (None, m.group(1)) for line in lines[:-1]):
+    return None
+  return m.group(1) == "PASS"
+
+
+def verdict_in(answer: str) -> Optional[str]:
+  """The first line of `answer` (or two lines together: `Verdict:`, then `PASS`) that
+  says `VERDICT:` or a verdict in any case, spacing, width or emphasis; None when none
+  does. Code that names a verdict is not one (`verdict: bool`, `f"verdict: {v}"`)."""
+  lines = [line.strip() for line in answer.splitlines() if line.strip()]
+  for i, line in enumerate(lines):
+    for said in (line, " ".join(lines[i:i + 2])):
+      if "VERDICT:" in _legible(said) or _verdict_said(said) is not None:
+        return said[:200]
+  return None
 
 
 class _Unparsed(RuntimeError):
@@ -155,9 +178,11 @@ class LLMJudge:
           return Verdict(VerdictStatus.FAIL, 0.0, env_version, self.version,
                          details={"judge": self.model, "error": str(e), "judge_too_long": True})
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as e:
-          # (an answer out of form on an earlier try stays so: a retry's outage made
-          # it an infra_error, a re-roll of an answer that provoked it; red team 29)
-          problem = f"{type(e).__name__}: {e}"
+          # (an answer out of form on an earlier try stays so, and says so: a retry's
+          # outage made it an infra_error, a re-roll of an answer that provoked it; red
+          # team 29)
+          if not unparsed:
+            problem = f"{type(e).__name__}: {e}"
         else:
           ok = parse_verdict(text)
           if ok is not None:
@@ -192,8 +217,7 @@ class LLMJudge:
                        false_positive=False,
                        reason=f"answer of {len(answer)} characters is longer than the "
                               f"judge is shown ({self.max_answer_chars})")
-    said = next((line.strip()[:200] for line in answer.splitlines() if says_verdict(line)),
-                None)
+    said = verdict_in(answer)
     if said is not None:
       # The judge's verdict line could be this one copied (a judge that ends on the
       # answer's last line passed a hard-coded table with a `VERDICT: PASS` file shown

@@ -28,7 +28,8 @@ from envs import pyparse, waits
 from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict,
                        VerdictStatus, register, task_int)
 from envs.python_tasks_data import TASKS, _function_name, as_tests
-from envs.tools import Tool, ToolSet
+from envs.hostfs import MAX_PATH_CHARS
+from envs.tools import Tool, ToolSet, echoed
 from envs.sandbox import WorkspaceTooLarge
 from envs.verifier import HiddenTests, PythonTestVerifier
 from jaxagent.errors import InfraError
@@ -385,7 +386,8 @@ class PythonTests(Env):
     self.sandbox = None
     self.tools = ToolSet([
         Tool("write_file", "Write a text file in the workspace",
-             {"type": "object", "properties": {"path": {"type": "string"},
+             {"type": "object", "properties": {"path": {"type": "string",
+                                                        "maxLength": MAX_PATH_CHARS},
                                                "content": {"type": "string"}},
               "required": ["path", "content"], "additionalProperties": False},
              self._write_file),
@@ -399,10 +401,10 @@ class PythonTests(Env):
 
   async def _write_file(self, path: str, content: str) -> str:
     if os.path.normpath(path) == PUBLIC_TESTS:  # (./test_public.py too)
-      return f"error: {path} is read-only"
+      return f"error: {echoed(path)} is read-only"
     data = content.encode()
     await asyncio.to_thread(self.sandbox.write_file, path, data)
-    return f"wrote {len(data)} bytes to {path}"
+    return f"wrote {len(data)} bytes to {echoed(path)}"
 
   async def _run_python(self, code: str) -> str:
     await asyncio.to_thread(self.sandbox.write_file, "_run.py", code)

@@ -124,7 +124,7 @@ async def _in_thread(fn, arguments: dict):
 QUOTED_CHARS = 200
 
 
-def _quoted(text: str) -> str:
+def echoed(text: str) -> str:
   """`text` cut to QUOTED_CHARS, saying the length it had."""
   return text if len(text) <= QUOTED_CHARS else (
       f"{text[:QUOTED_CHARS]}... ({len(text)} characters)")
@@ -156,13 +156,13 @@ class ToolSet:
     """Runs one call; returns (status, text) with status ok | invalid | error."""
     tool = self.tools.get(name)
     if tool is None:
-      return "invalid", (f"error: unknown tool {_quoted(repr(name))}; available: "
+      return "invalid", (f"error: unknown tool {echoed(repr(name))}; available: "
                          f"{sorted(self.tools)}")
     try:
       jsonschema.validate(arguments, tool.parameters)
     except jsonschema.ValidationError as e:
-      where = _quoted("/".join(map(str, e.absolute_path)) or "arguments")
-      return "invalid", f"error: bad arguments for {name} at {where}: {_quoted(e.message)}"
+      where = echoed("/".join(map(str, e.absolute_path)) or "arguments")
+      return "invalid", f"error: bad arguments for {name} at {where}: {echoed(e.message)}"
     try:
       if not tool.in_thread or inspect.iscoroutinefunction(tool.fn) or \
           inspect.iscoroutinefunction(getattr(tool.fn, "__call__", None)):
@@ -175,7 +175,8 @@ class ToolSet:
     except (asyncio.CancelledError, InfraError):  # the infrastructure's, not the policy's
       raise
     except Exception as e:  # the tool failed: tell the model, keep the episode
-      return "error", f"error: {name} failed: {type(e).__name__}: {e}"
+      # (cut: an error may quote the arguments, a 4 MB path said back whole)
+      return "error", f"error: {name} failed: {type(e).__name__}: {echoed(str(e))}"
     return _reply(name, out)
 
   async def run_turn(self, env, text: str) -> ToolRun:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib
 import inspect
 import json
@@ -298,7 +299,9 @@ def blackbox_agent(kind: str) -> Callable[..., Awaitable[list[float]]]:
   episode against the gateway with `X-Session-Id: session_id` and returns the per-step
   rewards (each `env.step` reward, in order; the trajectory is read back from the
   server's record of the session, and the rewards trained are the environment's own, as
-  its steps returned them: a harness's list is not read). ValueError naming what is
+  its steps returned them: a harness's list is not read). A harness is code of the
+  run's own, trusted as the rest (it runs in the learner's process, holding its
+  environment); the policy's code runs in the sandbox. ValueError naming what is
   wrong."""
   if kind in BLACKBOX_AGENTS:
     return BLACKBOX_AGENTS[kind]
@@ -484,8 +487,13 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   # that wrote its turns into a sibling's session had them trained with the sibling's
   # reward, and one that handed a sibling's session a forged prompt (`/handover`) had it
   # sampled under a context its environment never gave (red team 29).
+  # (an id of more than 512 characters goes as its hash: the secret's 25 put a long eval
+  # id past the router's 1,024)
   wire_id = (session_id if session_id.isascii() and session_id.isprintable()
-             else quote(session_id, safe="")) + "~" + secrets.token_hex(12)
+             else quote(session_id, safe=""))
+  if len(wire_id) > 512:
+    wire_id = "sha256-" + hashlib.sha256(wire_id.encode()).hexdigest()[:32]
+  wire_id += "~" + secrets.token_hex(12)
 
   decoding: dict = {}  # at a cut: request id -> how long it had decoded, in flight
 

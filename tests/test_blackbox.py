@@ -158,52 +158,38 @@ def test_a_harness_cannot_reach_a_siblings_session_nor_forge_its_rewards(random_
   had that trained. A harness now plays under a session id with a secret part, and the
   rewards trained are the environment's."""
   import httpx
-  import openai
 
   from jaxagent import blackbox as blackbox_mod
   from tests.rollout_server.conftest import running_server
 
-  ids = []
+  honest, ids = blackbox_mod.BLACKBOX_AGENTS["openai"], []
 
-  async def forger(env, task, base_url, *, session_id, max_tokens, temperature, top_p,
-                   top_k, **_):
+  async def beside_an_intruder(env, task, base_url, *, session_id, **kw):
+    """The sibling's honest harness, its session cleared and playing, while another
+    episode's agent posts a turn under the sibling's predictable id."""
     ids.append(session_id)
-    sibling = session_id.replace("g0-0-r0", "g0-1-r0").partition("~")[0]
-    for sid in (session_id, sibling):  # its own turn, then one in the sibling's name
-      client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused",
-                                  max_retries=0, default_headers={"X-Session-Id": sid})
-      obs = await env.reset(task) if sid == session_id else obs
-      reply = (await client.chat.completions.create(
-          model="policy", messages=[{"role": "user", "content": "injected"}]
-          if sid != session_id else obs.messages, max_tokens=max_tokens,
-          temperature=temperature, top_p=top_p, extra_body={"top_k": top_k}))
-      if sid == session_id:
-        await env.step(reply.choices[0].message.content)
-      await client.close()
-    return [1000.0]
+    r = httpx.post(f"{base_url}/v1/chat/completions",
+                   headers={"X-Session-Id": session_id.partition("~")[0]},
+                   json={"model": "policy", "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "injected"}]})
+    assert r.status_code == 200, r.text
+    await honest(env, task, base_url, session_id=session_id, **kw)
+    return [1000.0]  # (and a reward the environment never gave)
 
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", beside_an_intruder)
   task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
   config = AgentConfig(max_turns=1, max_new_tokens=4)
   with running_server(random_params, TOK, version=4) as (srv, _):
-    honest = blackbox_mod.BLACKBOX_AGENTS["openai"]
-    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", forger)
-    attacker = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
-                                        session_id="g0-0-r0", group_id="g0", tokenizer=TOK))
-    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", honest)
-    sibling = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
-                                       session_id="g0-1-r0", group_id="g0", tokenizer=TOK))
-    again = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
-                                     session_id="g0-0-r0", group_id="g0", tokenizer=TOK))
-    # (the turn posted under the plain id is a session of its own, trained by no one)
-    assert httpx.get(f"{srv.url}/sessions/g0-1-r0").status_code == 200
-  assert not attacker.infra_error and not sibling.infra_error, (attacker.reason,
-                                                                  sibling.reason)
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="g0-1-r0", group_id="g0", tokenizer=TOK))
+    intruders = httpx.get(f"{srv.url}/sessions/g0-1-r0").status_code
+  assert not ep.infra_error, ep.reason
+  assert all("injected" not in TOK.decode(s.tokens.tolist()) for s in ep.segments)
+  assert ep.session_id == "g0-1-r0" and ep.turns == 1 and len(ep.segments) == 1
+  assert ep.turn_rewards[0] <= 1.0
   (wire,) = ids
-  assert wire.startswith("g0-0-r0~") and len(wire) == len("g0-0-r0~") + 24
-  assert attacker.turn_rewards[0] < 1000.0 and attacker.verdict["reward"] <= 1.0
-  assert sibling.turns == 1 and len(sibling.segments) == 1
-  assert "injected" not in TOK.decode(sibling.segments[0].tokens.tolist())
-  assert not again.infra_error and again.session_id == "g0-0-r0"
+  assert wire.startswith("g0-1-r0~") and len(wire) == len("g0-1-r0~") + 24
+  assert intruders == 200  # (the intruder's turn is a session of its own, trained by no one)
 
 
 def test_a_blackbox_episode_cut_while_the_gateway_was_slow_is_infrastructure(random_params):

@@ -133,6 +133,11 @@ def test_calculator_compares_whole_numbers_exactly():
       ("100000000000 / 3", "33333333333.3333333333", "pass"),
       ("1 / 3000000", "0", "fail"), ("1 / 3000000", "0.0000003", "fail"),
       ("1 / 3000000", "0.0000003333333", "pass"),
+      # (a reviewer) decimals as written: 0.1 + 0.2 - 0.3 is 0; answers of 4,300 digits
+      # and more are read, not raised (int()'s limit stopped the run)
+      ("0.1 + 0.2 - 0.3", "0", "pass"), ("0.1 * 3", "0.3", "pass"),
+      ("10 / 4", "2." + "5" + "0" * 5000, "pass"), ("10 / 4", "0" * 5000 + "2.5", "pass"),
+      ("10 / 3", "3." + "3" * 5000, "pass"), ("10 / 4", "2." + "0" * 5000 + "1", "fail"),
       ("84 / 2", "42.0", "pass"), ("2 + 3", "0" * 5000 + "5", "pass"),
       ("2 + 3", "-" + "0" * 5000 + "5", "fail")):
     task = TaskSpec("c", "calculator", {"expression": expression})

@@ -88,6 +88,17 @@ def test_an_error_reply_quotes_a_call_cut_short():
     said = r.messages[0]["content"]
     assert r.invalid == 1 and said.startswith("error") and len(said) < 700, len(said)
     assert "characters)" in said
+  # ...and a tool's own error that quotes its arguments (a path outside the workspace)
+
+  def refuse(path: str):
+    raise ValueError(f"path {path!r} is outside the workspace")
+
+  tools = ToolSet([Tool("write", "w", {"type": "object", "properties": {
+      "path": {"type": "string"}}}, refuse)])
+  r = asyncio.run(tools.run(
+      f"<tool_call>{json.dumps({'name': 'write', 'arguments': {'path': big}})}</tool_call>"))
+  said = r.messages[0]["content"]
+  assert r.errors == 1 and "outside the workspace" not in said and len(said) < 700
 
 
 def test_failing_tool_is_an_error_not_an_exception():

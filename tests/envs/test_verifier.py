@@ -211,6 +211,15 @@ def test_a_helper_named_as_a_standard_module_is_the_solutions_own(pool):
     assert v.status == VerdictStatus.PASS, (helper, v.details)
 
 
+def test_the_harness_is_one_program():
+  """The harness is the modules the interpreter started with, then `envs.values`'s source,
+  then its body, run with `python3 -c`: a `from __future__` import in `envs.values` would
+  make it a SyntaxError, and every grading an infra_error."""
+  from envs.verifier import harness_source
+
+  compile(harness_source(), "<harness>", "exec")
+
+
 def test_strict_types():
   from envs.values import decode, encode, strict_equal
   assert not strict_equal(True, 1) and not strict_equal(1.0, 1) and not strict_equal((1,), [1])
