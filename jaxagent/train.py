@@ -193,6 +193,36 @@ async def replay_canary(saved: Optional[list], step: int, cfg: config_lib.RunCon
   return problem
 
 
+def complete_row(p: dict, wall_time_s: float, n_proc: int, scheduler: RolloutScheduler,
+                 loop_held_s: float) -> dict:
+  """A step's metrics row (`p["row"]`, completed in place and returned) from what its
+  records hold (`p`: the step's batch, its packing's `info`, its metrics `m`, its
+  rollout and learner seconds, the policy version it made) and the run's totals so far
+  (the scheduler's retries, replaced groups and drops; the loop's held seconds)."""
+  row, info, batch = p["row"], p["info"], p["batch"]
+  # Rates over the step's own time: waiting for rollouts, learning, syncing weights.
+  # (Over the rollout wait alone, an async step whose groups were ready read 1,559
+  # trajectories a second.)
+  step_s = p["rollout_s"] + p["learner_s"] + row.get("weight_sync_s", 0.0)
+  row.update({
+      "wall_time_s": round(wall_time_s, 3), "policy_version": p["version"],
+      "rollout_s": p["rollout_s"], "learner_s": p["learner_s"],
+      "rollout_tokens_per_s": row.get("output_tokens", 0) / max(step_s, 1e-9),
+      # (the episodes the batch held: a group left out for want of rows is not one)
+      "valid_trajectories_per_s": row["episodes_trained"] / max(step_s, 1e-9),
+      "action_tokens": float(batch.loss_mask.sum()),
+      "batch_rows": int(batch.tokens.shape[0]) * n_proc,
+      "batch_fill": round(info["fill"], 4),
+      "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
+      "loop_held_s": round(loop_held_s, 3),
+      # (every reason in every row, 0 until one is dropped: a column read over the
+      # rows has no gaps; infra_<kind> from the first of its kind)
+      **{f"dropped_{k}": scheduler.dropped[k] for k in DROP_REASONS},
+      **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
+      **{k: v for k, v in p["m"].items() if k != "denom"}})
+  return row
+
+
 def _deleted(state) -> bool:
   """Whether `state`'s arrays were given away (donated to a train step under way)."""
   return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
@@ -410,8 +440,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
   async def write_records(p: dict) -> None:
     """The step's trajectory segments and its metrics row (completed here)."""
     nonlocal recorded
-    row, info, batch = p["row"], p["info"], p["batch"]
-    traj = cfg.trajectories
+    info, traj = p["info"], cfg.trajectories
     # Written again after a failure from the part that failed (a retry appended the
     # step's segments a second time; red team 21); a write cut by a second signal goes
     # on in its thread, and the retry awaits it rather than writing beside it.
@@ -429,29 +458,9 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
         p.pop("segments_job", None)
         raise
     p["segments"] = True
-    rollout_s = p["rollout_s"]
-    # Rates over the step's own time: waiting for rollouts, learning, syncing weights.
-    # (Over the rollout wait alone, an async step whose groups were ready read 1,559
-    # trajectories a second.)
-    step_s = rollout_s + p["learner_s"] + row.get("weight_sync_s", 0.0)
-    row.update({
-        "wall_time_s": round(time.time() - t_start, 3), "policy_version": p["version"],
-        "rollout_s": rollout_s, "learner_s": p["learner_s"],
-        "rollout_tokens_per_s": row.get("output_tokens", 0) / max(step_s, 1e-9),
-        # (the episodes the batch held: a group left out for want of rows is not one)
-        "valid_trajectories_per_s": row["episodes_trained"] / max(step_s, 1e-9),
-        "action_tokens": float(batch.loss_mask.sum()),
-        "batch_rows": int(batch.tokens.shape[0]) * n_proc,
-        "batch_fill": round(info["fill"], 4),
-        "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
-        "loop_held_s": round(loop_watch.held_s, 3),
-        # (every reason in every row, 0 until one is dropped: a column read over the
-        # rows has no gaps; infra_<kind> from the first of its kind)
-        **{f"dropped_{k}": scheduler.dropped[k] for k in DROP_REASONS},
-        **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
-        **{k: v for k, v in p["m"].items() if k != "denom"}})
+    complete_row(p, time.time() - t_start, n_proc, scheduler, loop_watch.held_s)
     if writer is not None:
-      writer.write(row)
+      writer.write(p["row"])
     recorded = p["step"]
   # The last stop_window steps' (successes, episodes), for the early stop; a resumed run
   # goes on with its checkpoint's (a run that had stopped there stops again at once).
