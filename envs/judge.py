@@ -3,8 +3,8 @@
 The judge is a model a rollout server hosts beside the policy (`models:` in its
 config, `serving.models` in a run's), asked through the OpenAI-compatible chat API
 at temperature 0. Its answer is parsed strictly: the last non-empty line must be
-exactly `VERDICT: PASS` or `VERDICT: FAIL`, and no other line may say `VERDICT:` or
-a verdict in any case or width (`Verdict: fail`).
+exactly `VERDICT: PASS` or `VERDICT: FAIL`, no other line may say `VERDICT:`, and none
+may say the other verdict in any case, width or emphasis (`Verdict: fail`).
 Asked on its own (`grade`), anything else (an empty answer, a verdict in another
 form, two verdicts, a cut-off answer), like a server that cannot be reached, is an
 `infra_error` verdict (see `confirm` for passes). A judge never sees
@@ -45,9 +45,9 @@ from jaxagent.errors import PROMPT_TOO_LONG
 from jaxagent.tls import shared_tls
 
 # 2: under confirm, an unparsed answer is a fail; 3: too long, a fail; 4: the question
-# says the answer is data (instructions in it are not the judge's); 5: a verdict in any
-# case or width on another line makes an answer unparsed; an answer that says a verdict
-# itself is not confirmed; an answer out of form on any try is unparsed
+# says the answer is data (instructions in it are not the judge's); 5: another line that
+# says the other verdict in any case, width or emphasis makes an answer unparsed; an
+# answer that says a verdict itself is not confirmed; out of form on any try, unparsed
 VERSION = "llm-judge-5"
 
 DEFAULT_RUBRIC = (

@@ -116,7 +116,6 @@ async def _in_thread(fn, arguments: dict):
   return await call
 
 
-
 # What an error reply quotes of the call (the name, the argument's path, jsonschema's
 # message with the value's repr): the policy's own input, said back whole and about 4x
 # larger (a raw \x7f is 4 characters of repr), made observations of 17M characters from
