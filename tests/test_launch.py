@@ -163,9 +163,12 @@ def test_children_get_sigterm_when_the_launcher_is_killed(tmp_path):
       os.kill(pid, 0)
     except ProcessLookupError:
       return
-    with open(f"/proc/{pid}/stat") as f:  # reaped by init once it is a zombie
-      if f.read().split()[2] == "Z":
-        return
+    try:
+      with open(f"/proc/{pid}/stat") as f:  # reaped by init once it is a zombie
+        if f.read().split()[2] == "Z":
+          return
+    except FileNotFoundError:  # (reaped between the two looks)
+      return
     time.sleep(0.1)
   raise AssertionError("the launcher's child outlived it")
 
