@@ -606,7 +606,6 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
       records = dict(row=row, info=info, batch=batch, m=m,
                      rollout_s=rollout_s, learner_s=learner_s, step=step, version=version)
       sync_s, sync_path = 0.0, None
-      export = exports.kept(step)
       if step % cfg.rollout.sync_every == 0 or step == cfg.steps:
         t0 = time.perf_counter()
         if serving.orch is not None:  # in-process: hand the weights over in memory
@@ -625,13 +624,13 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
           if multi:  # no process samples on for the new version before the servers have it
             await agree(f"policy-{version}")
           exports.served(version, primary)  # (the servers have moved on)
-          export, sync_path = False, "export"
+          sync_path = "export"
         scheduler.set_served(version)
         sync_s = time.perf_counter() - t0
       # The learner's version, after the sync: groups it drops as stale are replaced on
       # the new weights (before it, during the sync, on the old: a reviewer).
       scheduler.set_version(version)
-      if export:
+      if exports.kept(version) and exports.exported != version:  # (not written for the sync)
         if multi:  # (its writes are collectives: an error held since is told first)
           await agree(f"export-{version}")
         await loop.run_in_executor(run_pool, exports.write, version, state.params)
