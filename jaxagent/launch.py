@@ -39,7 +39,7 @@ import time
 import urllib.request
 from typing import Optional
 
-from jaxagent import config as config_lib
+from jaxagent import config as config_lib, control
 
 
 RESTARTS = 3  # times a service that dies during the run is started again, by default
@@ -165,6 +165,11 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
 
   py = sys.executable
   services: list[Child] = []
+  # The servers and the learners share a control token (`jaxagent.control`): the shell's,
+  # or one made for this launch. Environment workers, which run the policy's code, are
+  # not given it.
+  ruled = {**os.environ, control.ENV: control.from_env() or control.new_token()}
+  unruled = {k: v for k, v in os.environ.items() if k != control.ENV}
   launch_dir = os.path.join(run_dir, "launch")
   os.makedirs(launch_dir, exist_ok=True)
   for i in range(args.servers):
@@ -174,7 +179,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
                    path)
     services.append(Child(f"server{i}", [py, "-m", "rollout_server", "--config", path,
                                          "--log-level", "warning"],
-                          url=f"http://127.0.0.1:{port}"))
+                          url=f"http://127.0.0.1:{port}", env=ruled))
   for j in range(args.env_workers):
     port = free_port()
     cmd = [py, "-m", "envs.server", "--port", str(port), "--log-level", "warning",
@@ -185,7 +190,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
       cmd += ["--cgroup", cgroup]
     for module in cfg.env.imports:
       cmd += ["--import", module]
-    services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}"))
+    services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}", env=unruled))
   overrides, learner_config = list(args.overrides), args.config
   servers = [c.url for c in services if c.name.startswith("server")]
   envs = [c.url for c in services if c.name.startswith("env")]
@@ -213,7 +218,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
                       *(["--heartbeat-timeout", str(args.heartbeat_timeout)]
                         if getattr(args, "heartbeat_timeout", None) else []),
                       "--resume", *args.overrides])
-  env = {**os.environ, RESUME_COMMAND: again}
+  env = {**ruled, RESUME_COMMAND: again}
   for i in range(n):
     extra = ([] if n == 1 else
              ["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i),
@@ -316,8 +321,7 @@ def run_local(args) -> int:
       return
     raise KeyboardInterrupt
 
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, interrupted)
+  previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
   try:
     for c in services:
       started.append(c.start(lock))
@@ -375,9 +379,14 @@ def run_local(args) -> int:
     print("launch: interrupted; stopping every process", file=sys.stderr, flush=True)
     return 128 + (got["signal"] or signal.SIGINT)
   finally:
-    for sig in (signal.SIGTERM, signal.SIGINT):  # (stopping is not cut short: no orphans)
+    for sig in previous:  # (stopping is not cut short: no orphans)
       signal.signal(sig, signal.SIG_IGN)
-    stop_all()
+    try:
+      stop_all()
+    finally:  # (a caller in this process gets its own handlers back: a test after an
+      # in-process launch found Ctrl-C ignored)
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def main(argv=None) -> int:

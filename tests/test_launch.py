@@ -380,12 +380,15 @@ def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
     return plan
 
   monkeypatch.setattr(launch_lib, "wait_healthy", lambda child, timeout_s: None)
+  own = signal.getsignal(signal.SIGINT)
   for code, want in (("import sys; sys.exit(3)", 3), ("import sys; sys.exit(2)", 2),
                      ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)):
     monkeypatch.setattr(launch_lib, "plan", fake_plan(code))
     assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
                             str(tmp_path / "run")]) == want, code
     assert "launch: error: learner exited with code" in capsys.readouterr().err
+  # (its caller's signal handlers are its own again: Ctrl-C was ignored after it)
+  assert signal.getsignal(signal.SIGINT) is own
 
 
 def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeypatch):
