@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 from envs.base import import_entry, trained_rewards
 from envs import waits
+from jaxagent import control
 from jaxagent.agent import (EPISODE_WALL_FACTOR, FIRST_PROMPT_TOO_LONG, Episode, MeasuredEnv,
                             graded, judge_cut, provenance, stamp, while_it_moves)
 from jaxagent.config import AgentConfig
@@ -409,19 +410,23 @@ def _session_url(gateway_url: str, session_id: str) -> str:
   return f"{gateway_url}/sessions/{quote(session_id, safe='')}"
 
 
-async def _take_session(gateway_url: str, session_id: str) -> list[dict]:
-  """The turns the server recorded for a session; the record is then deleted."""
+async def _take_session(gateway_url: str, session_id: str,
+                        control_token: Optional[str] = None) -> list[dict]:
+  """The turns the server recorded for a session; the record is then deleted (a control
+  call: it carries `control_token`)."""
   import httpx
 
   async with httpx.AsyncClient(timeout=60, verify=shared_tls()) as client:
     r = await client.get(_session_url(gateway_url, session_id))
     r.raise_for_status()
     turns = r.json()["turns"]
-    await client.delete(_session_url(gateway_url, session_id))
+    await client.delete(_session_url(gateway_url, session_id),
+                        headers=control.headers(control_token))
   return turns
 
 
-async def _clear_session(gateway_url: str, session_id: str) -> None:
+async def _clear_session(gateway_url: str, session_id: str,
+                         control_token: Optional[str] = None) -> None:
   """Deletes what the server holds under `session_id` before an episode plays it: turns
   of an attempt that died before its record was taken (a run killed and resumed plays
   its groups under the same ids) would be trained with this episode's reward."""
@@ -429,12 +434,14 @@ async def _clear_session(gateway_url: str, session_id: str) -> None:
 
   try:
     async with httpx.AsyncClient(timeout=60, verify=shared_tls()) as client:
-      r = await client.delete(_session_url(gateway_url, session_id))
+      r = await client.delete(_session_url(gateway_url, session_id),
+                              headers=control.headers(control_token))
   except httpx.HTTPError as e:
     raise InfraError("server", f"clearing session {session_id!r}: {type(e).__name__}: {e}"
                      ) from e
   if r.status_code not in (200, 404):  # 404: nothing recorded, as it should be
-    raise InfraError("server", f"clearing session {session_id!r}: HTTP {r.status_code}")
+    raise InfraError("server", f"clearing session {session_id!r}: HTTP {r.status_code}"
+                     + (f": {r.text[:300]}" if r.status_code == 401 else ""))
 
 
 class SamplingMismatch(Exception):
@@ -473,10 +480,11 @@ def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfi
 
 async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session_id: str,
                        group_id: str = "", tokenizer: Optional[Tokenizer] = None,
-                       api: str = "openai") -> Episode:
+                       api: str = "openai", control_token: Optional[str] = None) -> Episode:
   """Plays an episode with the black-box agent that speaks `api` (`BLACKBOX_AGENTS`),
   then rebuilds it from the server's record (`tokenizer`, the server's, is named in the
-  segments' provenance)."""
+  segments' provenance). Its clearing and taking of the session's record are control
+  calls: they carry `control_token` (the harness is not given it)."""
   import httpx
 
   t_start = time.perf_counter()
@@ -518,7 +526,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.verdict = {"status": "fail", "reward": 0.0}
     try:  # the turns it played still carry the score: stalling must not hide them
       if turns is None:
-        turns = await _take_session(gateway_url, wire_id)
+        turns = await _take_session(gateway_url, wire_id, control_token)
       earned = acting.rewards
       ep.turn_rewards = earned + [0.0] * (len(turns) - len(earned))
       _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
@@ -526,7 +534,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       lost(e)
 
   try:
-    await _clear_session(gateway_url, wire_id)
+    await _clear_session(gateway_url, wire_id, control_token)
     with acting.episode():  # (the harness's own code's holds of the loop are its own)
       harness = asyncio.ensure_future(blackbox_agent(api)(
           acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
@@ -541,7 +549,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.verdict = (await graded(acting.verify(), cfg)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
-    turns = await _take_session(gateway_url, wire_id)
+    turns = await _take_session(gateway_url, wire_id, control_token)
     if ep.verdict.get("status") == "infra_error":
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
           True, "verifier"
@@ -557,7 +565,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     # in flight, the server said at the cut) is the policy's.
     elapsed = time.perf_counter() - t_start
     try:
-      turns = await _take_session(gateway_url, wire_id)
+      turns = await _take_session(gateway_url, wire_id, control_token)
     except httpx.HTTPStatusError as e:  # no record: cut in its first turn, or lost
       turns = [] if e.response.status_code == 404 and not acting.actions else e
     except (httpx.HTTPError, KeyError, ValueError) as e:

@@ -14,6 +14,9 @@ Writes one YAML file per resource into DIR (`kubectl apply -f DIR`):
 - `rollout-statefulset.yaml` + `rollout-service.yaml`: N rollout servers with
   stable names (a headless Service) on an accelerator node pool;
 - `router-deployment.yaml` + `router-service.yaml`: the session router over them;
+- `control-secret.yaml`: the run's control token (`jaxagent.control`), which the
+  learner, the servers and the router take as JAXAGENT_CONTROL_TOKEN; made once, and
+  kept by a later deploy into the same directory (the file is the owner's alone);
 - `env-statefulset.yaml` + `env-service.yaml`: M environment workers on the CPU
   pool (stateful sessions, so each has a stable name the learner lists), with the
   capability bubblewrap needs to build its sandboxes.
@@ -33,7 +36,7 @@ import shlex
 import sys
 from typing import Any
 
-from jaxagent import config as config_lib
+from jaxagent import config as config_lib, control
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +129,31 @@ def _mount_bucket(pod: dict, container: dict, bucket: str) -> None:
   container.setdefault("volumeMounts", []).append({"name": "runs", "mountPath": "/runs"})
 
 
-def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
-  """File name -> Kubernetes object, for the run `cfg` with the CLI's `args`."""
+def _control_env(run: str) -> list[dict]:
+  """A container's JAXAGENT_CONTROL_TOKEN, from the run's Secret."""
+  return [{"name": control.ENV, "valueFrom": {"secretKeyRef": {
+      "name": f"{run}-control", "key": "token"}}}]
+
+
+def kept_token(out_dir: str, run: str) -> str | None:
+  """The control token an earlier deploy of `run` wrote into `out_dir` (a token made
+  anew would differ from the one the running pods took)."""
+  import yaml
+
+  try:
+    with open(os.path.join(out_dir, "control-secret.yaml")) as f:
+      secret = yaml.safe_load(f)
+    if secret["metadata"]["name"] == f"{run}-control":
+      return str(secret["stringData"]["token"]) or None
+  except (OSError, yaml.YAMLError, KeyError, TypeError):
+    pass
+  return None
+
+
+def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
+              ) -> dict[str, dict]:
+  """File name -> Kubernetes object, for the run `cfg` with the CLI's `args`; with
+  servers, the run's control token (`control_token`, or a new one) in a Secret."""
   from omegaconf import OmegaConf
 
   from jaxagent.launch import server_config, without_served_models
@@ -168,12 +194,18 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
   if envs:
     learner_cmd.append("env.urls=[" + ",".join(f'"{u}"' for u in envs) + "]")
   tpu = {"google.com/tpu": str(sl.chips_per_host)}
+  learner = _container("learner", args.image, learner_cmd,
+                       resources={"requests": tpu, "limits": tpu})
+  if servers:  # (without, its in-process gateway makes its own token)
+    learner["env"] = _control_env(run)
+    out["control-secret.yaml"] = {
+        "apiVersion": "v1", "kind": "Secret", "metadata": meta(f"{run}-control", "control"),
+        "type": "Opaque", "stringData": {"token": control_token or control.new_token()}}
   pod = {
       "restartPolicy": "Never",
       "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": sl.accelerator,
                        "cloud.google.com/gke-tpu-topology": sl.topology},
-      "containers": [_container("learner", args.image, learner_cmd,
-                                resources={"requests": tpu, "limits": tpu})],
+      "containers": [learner],
       "volumes": [_config_volume(run)],
   }
   _mount_bucket(pod, pod["containers"][0], bucket)
@@ -203,6 +235,7 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
                                            "limits": gpu} if gpu else
                                 {"requests": {"cpu": "4", "memory": "16Gi"}})],
       "volumes": [_config_volume(run)]}
+  server_pod["containers"][0]["env"] = _control_env(run)
   if gpu:
     server_pod["nodeSelector"] = {"cloud.google.com/gke-accelerator": args.server_accelerator}
   _mount_bucket(server_pod, server_pod["containers"][0], bucket)
@@ -219,6 +252,7 @@ def manifests(cfg: config_lib.RunConfig, args) -> dict[str, dict]:
       ["python", "-m", "rollout_server.router", "--backends", ",".join(servers),
        "--host", "0.0.0.0", "--port", str(router_port)], port=router_port,
       resources={"requests": {"cpu": "1", "memory": "1Gi"}}, mount_config=False)]}
+  router_pod["containers"][0]["env"] = _control_env(run)
   out["router-deployment.yaml"] = {
       "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{run}-router", "router"),
       "spec": {"replicas": 1, "selector": {"matchLabels": _labels("router", run)},
@@ -289,6 +323,9 @@ def xpk_command(cfg: config_lib.RunConfig, args, objects: dict) -> str:
   learner = pod["containers"][0]["command"]
   at = learner.index("--config")
   cmd = shlex.join([*learner[:at + 1], args.config, *learner[at + 2:], *args.overrides])
+  if "control-secret.yaml" in objects:  # (xpk's pod does not mount the Secret)
+    token = objects["control-secret.yaml"]["stringData"]["token"]
+    cmd = f"{control.ENV}={shlex.quote(token)} {cmd}"
   return (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
           f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} "
           f"--command {shlex.quote(cmd)}")
@@ -307,7 +344,13 @@ def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
   paths = []
   for name, obj in objects.items():
     path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
+    if obj.get("kind") == "Secret":  # (the owner's alone, from its first byte)
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+      f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w")
+    else:
+      f = open(path, "w")
+    with f:
       f.write(OmegaConf.to_yaml(OmegaConf.create(obj)))
     paths.append(path)
   return paths
@@ -316,6 +359,7 @@ def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
 # Every manifest `gke` may write (with servers and env workers).
 MANIFESTS = {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
              "rollout-service.yaml", "router-deployment.yaml", "router-service.yaml",
+             "control-secret.yaml",
              "env-statefulset.yaml", "env-service.yaml"}
 
 
@@ -365,7 +409,7 @@ def main(argv=None) -> int:
     # The learner's checks, with the services it will be given (the router, the workers):
     # a config the learner refuses would fail in the cluster, restarts and all.
     check_with_services(cfg, 1 if args.servers else 0, args.env_workers)
-    objects = manifests(cfg, args)
+    objects = manifests(cfg, args, kept_token(args.out, run_name(cfg)))
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -134,7 +134,8 @@ async def play_as_configured(env, task, serving, tokenizer, agent, session_id: s
 
   if is_blackbox(agent.kind):
     return await run_blackbox(env, task, serving.gateway_url, agent, session_id=session_id,
-                              group_id="eval", tokenizer=tokenizer, api=agent.kind)
+                              group_id="eval", tokenizer=tokenizer, api=agent.kind,
+                              control_token=serving.control_token)
   return await run_whitebox(env, task, serving.client, tokenizer, agent,
                             session_id=session_id, group_id="eval")
 

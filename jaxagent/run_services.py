@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jaxagent import config as config_lib, distributed
+from jaxagent import config as config_lib, control, distributed
 from jaxagent.blackbox import is_blackbox
 from jaxagent.errors import InfraError
 from jaxagent.run_checks import env_latency, served_scorers
@@ -48,7 +48,9 @@ def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
 class Serving:
   """The rollout side of a run: an engine client, and a gateway URL for black-box agents
   (and the judge). The in-process engine starts from `params`, or from the policy
-  export `policy` = (path, version)."""
+  export `policy` = (path, version). `control_token` is what its control calls carry
+  (`jaxagent.control`): the environment's with servers by URL; with the in-process
+  engine, its gateway's own (the environment's, or one made for it)."""
 
   def __init__(self, cfg: config_lib.RunConfig, model_cfg, params, tokenizer, mesh, *,
                policy: Optional[tuple[str, int]] = None):
@@ -60,15 +62,16 @@ class Serving:
     self._device_sync = True  # (`engine_copy`)
     self.models = {}
     s = cfg.serving
+    self.control_token = control.from_env()
     if s.urls:
       url = s.urls[0]
       if len(s.urls) > 1:  # several servers: route by session through a local router
         from rollout_server.router import create_router
 
-        router = ServerThread(create_router(s.urls)).start()
+        router = ServerThread(create_router(s.urls, control_token=self.control_token)).start()
         self._threads.append(router)
         url = router.url
-      self.client = HttpClient(url)
+      self.client = HttpClient(url, control_token=self.control_token)
       self.gateway_url = url
       return
     from rollout_server.serving import build_served_models, make_engine, start_orchestrator
@@ -93,9 +96,11 @@ class Serving:
     self.gateway_url = None
     # The gateway serves black-box agents, and the judge of in-process environments.
     if s.gateway or is_blackbox(cfg.agent.kind) or (cfg.env.judge and not cfg.env.judge_url):
+      # (on loopback, but any local user reaches it: its control routes are the run's)
+      self.control_token = self.control_token or control.new_token()
       app = create_app(self.orch, tokenizer,
                        load_params=lambda path, v: engine.load_params(path=path, version=v),
-                       models=self.models)
+                       models=self.models, control_token=self.control_token)
       gateway = ServerThread(app).start()
       self._threads.append(gateway)
       self.gateway_url = gateway.url

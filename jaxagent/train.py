@@ -140,7 +140,8 @@ async def play_episode(task: dict | TaskSpec, session_id: str, group_id: str, *,
   if is_blackbox(cfg.agent.kind):
     return await run_blackbox(env, task, serving.gateway_url, cfg.agent,
                               session_id=session_id, group_id=group_id,
-                              tokenizer=tokenizer, api=cfg.agent.kind)
+                              tokenizer=tokenizer, api=cfg.agent.kind,
+                              control_token=serving.control_token)
   replay = log = None
   if wal is not None:
     i = episode_index(session_id)

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import sys
 
-from jaxagent import config as config_lib
+from jaxagent import config as config_lib, control
 from jaxagent.serve_http import add_log_level, listen_or_say, serve
 from rollout_server.serving import build_app
 
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     return 2
   print(f"rollout server {cfg.name} on http://{cfg.host}:{cfg.port} "
         f"(policy version {orch.version}"
-        + (f"; also serving {', '.join(sorted(models))})" if models else ")"), flush=True)
+        + (f"; also serving {', '.join(sorted(models))})" if models else ")")
+        + f"; {control.describe(control.from_env())}", flush=True)
   try:
     serve(app, sock, log_level=args.log_level)
   finally:

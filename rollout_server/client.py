@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 import httpx
 
+from jaxagent import control
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.pools import CountedPool
 from jaxagent.tls import shared_tls
@@ -31,6 +32,14 @@ class GenerateError(InfraError):
 
   def __init__(self, message: str, kind: str = "server"):
     super().__init__(kind, message)
+
+
+def _guarded(health: httpx.Response) -> bool:
+  """Whether a server's (or router's) /health says its control routes take a token."""
+  try:
+    return bool(health.json().get("control_token"))
+  except (ValueError, AttributeError):
+    return False
 
 
 def _record(r: dict) -> TurnRecord:
@@ -144,10 +153,13 @@ class HttpClient:
   the client loads the policy into it again and raises, so that the turn is asked again
   (on a single server, where no router catches up a server that comes back).
   `timeout_s` bounds its calls but turns: a turn is as long as its tokens (its caller
-  asks how it stands, `progress`)."""
+  asks how it stands, `progress`). Its control calls (update_weights) carry
+  `control_token` (None: the environment's, `jaxagent.control`)."""
 
-  def __init__(self, url: str, *, timeout_s: float = 600.0):
+  def __init__(self, url: str, *, timeout_s: float = 600.0,
+               control_token: Optional[str] = None):
     self.url = url.rstrip("/")
+    self.control_token = control_token or control.from_env()
     self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                      verify=shared_tls())
     self._policy: Optional[dict] = None  # the last update the server took
@@ -250,7 +262,8 @@ class HttpClient:
   async def _push(self, path: str, version: int, mode: str = "drain") -> dict:
     try:
       r = await self._client.post(f"{self.url}/update_weights",
-                                  json={"path": path, "version": version, "mode": mode})
+                                  json={"path": path, "version": version, "mode": mode},
+                                  headers=control.headers(self.control_token))
     except httpx.HTTPError as e:
       raise GenerateError(f"{self.url}/update_weights: {type(e).__name__}: {e}") from e
     if r.status_code != 200:
@@ -265,7 +278,9 @@ class HttpClient:
 
   async def wait_ready(self, timeout_s: float, say=print) -> None:
     """Returns once the server (or a router with a healthy backend) answers /health with
-    200; says once that it waits; GenerateError after `timeout_s`."""
+    200; says once that it waits; GenerateError after `timeout_s`, or at once when its
+    control routes take a token and this client has none (its first update would be
+    refused)."""
     deadline, said, last = time.monotonic() + timeout_s, False, ""
     while True:
       try:
@@ -273,6 +288,10 @@ class HttpClient:
         if r.status_code == 200:
           if said:
             say(f"{self.url} is ready")
+          if _guarded(r) and not self.control_token:
+            raise GenerateError(f"{self.url} takes a control token ({control.HEADER}) on "
+                                f"its control routes and this process has none: give it "
+                                f"the servers' {control.ENV}", "request_refused")
           return
         last = f"HTTP {r.status_code}: {r.text[:200]}"
       except httpx.HTTPError as e:

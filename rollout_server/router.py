@@ -35,9 +35,10 @@ from typing import Optional, Sequence
 from urllib.parse import quote, unquote
 
 import httpx
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxagent import control
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone
 from jaxagent.tls import shared_tls
@@ -111,12 +112,16 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                   timeout_s: float = 600.0, turn_timeout_s: float = 3600.0,
                   max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
                   session_max_bytes: Optional[int] = 1 << 30,
-                  max_body_bytes: int = ServerConfig.max_body_bytes) -> FastAPI:
+                  max_body_bytes: int = ServerConfig.max_body_bytes,
+                  control_token: Optional[str] = None) -> FastAPI:
   """The router app. It keeps a copy of every session's recorded turns (bounded as a
   server's records are), so a session outlives the backend its turns ran on. A turn
   (generate, chat, messages) is as long as its tokens: its backend is given
   `turn_timeout_s` (a backend that passes it answers 504 and stays in rotation), and a
-  turn whose client went away is cancelled at its backend (which aborts it)."""
+  turn whose client went away is cancelled at its backend (which aborts it).
+  `control_token` guards its control routes (/update_weights, DELETE /sessions), and its
+  own control calls to the backends carry it (`jaxagent.control`)."""
+  ruling = control.headers(control_token)  # (on the router's own control calls only)
   ring = HashRing([b.rstrip("/") for b in backends])
   # Healthy: answers /health and serves the current policy (a backend that comes back
   # loads it before it takes traffic again).
@@ -201,7 +206,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return 200
       try:
         r = await client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
-                                  timeout=10.0)
+                                  timeout=10.0, headers=ruling)
       except httpx.HTTPError:
         return None
       if r.status_code in (200, 404) or (400 <= r.status_code < 500
@@ -220,7 +225,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     failovers["policy_pushes"] += 1
     try:
       r = await client().post(f"{backend}/update_weights", content=policy["body"],
-                              headers={"content-type": "application/json"})
+                              headers={"content-type": "application/json", **ruling})
       got = r.json() if r.status_code == 200 else None
       return isinstance(got, dict) and got.get("version") == policy["version"]
     except Exception:  # (any reply it cannot read: not serving the policy)
@@ -423,7 +428,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return True
     try:
       # (the client's bound, as the turn's own requests: a busy server is not a dead one)
-      r = await client().post(f"{backend}/handover",
+      r = await client().post(f"{backend}/handover", headers=ruling,
                               json={"session_id": session_id, "turns": carried})
       why = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
     except httpx.TransportError as e:
@@ -504,10 +509,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   async def health():
     ok = any(healthy.values())
     return JSONResponse({"status": "ok" if ok else "no healthy backend",
-                         "healthy": sum(healthy.values()), "backends": len(ring.backends)},
+                         "healthy": sum(healthy.values()), "backends": len(ring.backends),
+                         "control_token": control_token is not None},
                         status_code=200 if ok else 503)
 
-  @app.post("/update_weights")
+  async def controlled(request: Request) -> None:
+    """A control route's guard (before its body's fields are checked)."""
+    given = request.headers.get(control.HEADER)
+    if not control.allows(control_token, given):
+      raise HTTPException(401, control.refusal(given))
+
+  @app.post("/update_weights", dependencies=[Depends(controlled)])
   async def update_all(request: Request):
     """Sends the update to every healthy backend. 200 when all of them took it (one that
     died meanwhile is left out of rotation and catches up when it returns); a backend
@@ -519,7 +531,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return JSONResponse({"detail": "no healthy backend to update"}, status_code=503)
       results = await asyncio.gather(*(
           client().post(f"{b}/update_weights", content=body,
-                        headers={"content-type": "application/json"})
+                        headers={"content-type": "application/json", **ruling})
           for b in targets), return_exceptions=True)
       out, took, refused = [], {}, []
       for b in ring.backends:
@@ -582,7 +594,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "turns": got[0], "count": got[1], "record_id": got[2]}
 
-  @app.delete("/sessions/{session_id:path}")
+  @app.delete("/sessions/{session_id:path}", dependencies=[Depends(controlled)])
   async def delete_session(session_id: str):
     """Deletes the session here and on every live backend: one that ran its turns may
     hold them though this router does not know it (a restarted router, a copy evicted),
@@ -604,7 +616,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     async def delete_on(b: str) -> Optional[bool]:
       """Whether `b` held the session; None when it could not say (deleted later)."""
       with contextlib.suppress(httpx.HTTPError):
-        r = await client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0)
+        r = await client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0,
+                                  headers=ruling)
         return True if r.status_code == 200 else False if r.status_code == 404 else None
       return None
 
@@ -733,7 +746,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
     made_whole = home_lost = False
     whole: Optional[bytes] = None  # (the call made whole, once made)
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    # (a client's control token is not passed on: the router's own calls carry the run's)
+    headers = {k: v for k, v in request.headers.items()
+               if k.lower() not in _HOP_HEADERS and k.lower() != control.HEADER.lower()}
     turn = path in ("generate", "v1/chat/completions", "v1/messages", "v1/responses")
     records = session_id is not None and turn and not (path == "generate" and unrecorded)
     last_error: Optional[str] = None
@@ -931,7 +946,9 @@ def main(argv=None) -> int:
   sock = listen_or_say(args.host, args.port)
   if sock is None:
     return 2
-  print(f"router on http://{args.host}:{args.port} over {len(backends)} backends", flush=True)
+  token = control.from_env()
+  print(f"router on http://{args.host}:{args.port} over {len(backends)} backends; "
+        f"{control.describe(token)}", flush=True)
 
   def probe(backend: str) -> None:  # (one only, unreachable, said nothing: a new user)
     try:
@@ -943,7 +960,7 @@ def main(argv=None) -> int:
 
   for backend in backends:  # (beside the serving: a backend down delays nothing)
     threading.Thread(target=probe, args=(backend,), daemon=True).start()
-  serve(create_router(backends, max_body_bytes=args.max_body_bytes), sock,
+  serve(create_router(backends, max_body_bytes=args.max_body_bytes, control_token=token), sock,
         log_level=args.log_level)
   return 0
 

@@ -38,12 +38,13 @@ import time
 import uuid
 from typing import Annotated, Literal, Optional, Union
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpRequest
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from jaxagent import control
 from jaxagent.config import ServerConfig
 from jaxagent.errors import PROMPT_TOO_LONG
 from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
@@ -287,11 +288,14 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                session_max_bytes: Optional[int] = ServerConfig.session_max_bytes,
                model_name: str = "jaxagent", models: Optional[dict] = None,
                max_score_tokens: int = 1 << 18, policy_id: Optional[str] = None,
-               max_body_bytes: int = ServerConfig.max_body_bytes) -> FastAPI:
+               max_body_bytes: int = ServerConfig.max_body_bytes,
+               control_token: Optional[str] = None) -> FastAPI:
   """The server app. `load_params(path, version) -> engine params` serves /update_weights.
   `models`: more models served by name (`rollout_server.serving.ServedModel`s).
   `policy_id`: the id of the export the policy's weights were loaded from
-  (`jaxagent.checkpoint.export_id`), which /health says while they are served."""
+  (`jaxagent.checkpoint.export_id`), which /health says while they are served.
+  `control_token`: what a call to a control route must carry (`jaxagent.control`;
+  None: they are open)."""
   app = FastAPI(title="jaxagent rollout server")
   app.add_middleware(BodyLimit, limit=max_body_bytes)
   name_deep_bodies(app)
@@ -365,6 +369,14 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         (on or orch).abort(req.request_id)
         disconnects.inc()
 
+  async def controlled(request: HttpRequest) -> None:
+    """A control route's guard (before its body's fields are checked)."""
+    given = request.headers.get(control.HEADER)
+    if not control.allows(control_token, given):
+      raise HTTPException(401, control.refusal(given))
+
+  guarded = [Depends(controlled)]
+
   @app.exception_handler(ValueError)
   async def value_error(_request, exc: ValueError):
     return JSONResponse(status_code=400, content={"detail": str(exc)})
@@ -374,7 +386,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     s = orch.stats()
     out = {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
            "queue": s["queue"], "policy_id": served_from["id"]
-           if served_from["version"] == s["version"] else None, "instance": instance}
+           if served_from["version"] == s["version"] else None, "instance": instance,
+           "control_token": control_token is not None}
     if models:
       out["models"] = {name: {"version": m.orch.stats()["version"],
                               "update_weights": m.update_weights} for name, m in models.items()}
@@ -442,11 +455,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                           status_code=404)
     return found
 
-  @app.post("/abort")
+  @app.post("/abort", dependencies=guarded)
   async def abort(body: AbortBody):
     return {"request_id": body.request_id, "aborted": orch.abort(body.request_id)}
 
-  @app.post("/update_weights")
+  @app.post("/update_weights", dependencies=guarded)
   async def update_weights(body: UpdateWeightsBody):
     m = served(body.model, strict=True)
     if m is not None and not m.update_weights:
@@ -484,13 +497,13 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       raise HTTPException(404, f"no session {session_id!r}")
     return {"session_id": session_id, "turns": got[0], "count": got[1], "record_id": got[2]}
 
-  @app.delete("/sessions/{session_id:path}")
+  @app.delete("/sessions/{session_id:path}", dependencies=guarded)
   async def delete_session(session_id: str):
     if sessions.pop(session_id) is None:
       raise HTTPException(404, f"no session {session_id!r}")
     return {"session_id": session_id, "deleted": True}
 
-  @app.post("/handover")
+  @app.post("/handover", dependencies=guarded)
   async def handover(body: HandoverBody):
     """A router failing a session over hands its threads here (its last turn, a side
     call's), so that the session's next call continues their tokens (as on the server

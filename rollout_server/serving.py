@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import uvicorn
 
+from jaxagent import control
 from jaxagent.build import build_model
 from jaxagent.checkpoint import (REGISTRY, existing_export, export_id, latest_version,
                                  list_versions, version_dir, version_of_dir)
@@ -180,7 +181,8 @@ def build_app(cfg: ServerConfig):
   app = create_app(orch, tokenizer, load_params=load, update_mode=cfg.update_mode,
                    max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
                    session_max_bytes=cfg.session_max_bytes, model_name=cfg.name,
-                   models=models, policy_id=policy_id, max_body_bytes=cfg.max_body_bytes)
+                   models=models, policy_id=policy_id, max_body_bytes=cfg.max_body_bytes,
+                   control_token=control.from_env())
   if not renders_tools(tokenizer):  # said at the start, not only to each request
     print(f"note: the chat template of {tokenizer.name} drops tools: chat requests with "
           "tools are refused (400); model.chat_template=chatml_tools renders them", flush=True)

@@ -112,7 +112,8 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   docs, stdout = generate(tmp_path, tpu, cli=tpu == "v5p-32")  # (one as a user runs it)
   assert set(docs) == {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
                        "rollout-service.yaml", "router-deployment.yaml",
-                       "router-service.yaml", "env-statefulset.yaml", "env-service.yaml"}
+                       "router-service.yaml", "env-statefulset.yaml", "env-service.yaml",
+                       "control-secret.yaml"}
   for name, doc in docs.items():
     if doc["kind"] == "JobSet":
       jsonschema.validate(doc, JOBSET)
@@ -157,9 +158,43 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   assert "xpk workload create" in stdout and f"--tpu-type {tpu}" in stdout
   # The JobSet's learner (its run directory and services; the config from the image):
   # it trained in another directory against an in-process engine.
+  # (with the run's control token: xpk's pod does not mount the Secret)
   xpk = shlex.split(stdout.split("--command ", 1)[1])[0]
-  assert shlex.split(xpk) == ["python", "-m", "jaxagent.train", "--config",
-                              "configs/tiny.yaml", *cmd[5:]]
+  token = docs["control-secret.yaml"]["stringData"]["token"]
+  assert shlex.split(xpk) == [f"JAXAGENT_CONTROL_TOKEN={token}", "python", "-m",
+                              "jaxagent.train", "--config", "configs/tiny.yaml", *cmd[5:]]
+
+
+def test_the_runs_control_token_is_a_secret_its_services_share_and_a_redeploy_keeps(tmp_path):
+  """The learner, the servers and the router take JAXAGENT_CONTROL_TOKEN from the run's
+  Secret (`jaxagent.control`); the environment workers, which run the policy's code, do
+  not. A second deploy into the directory keeps the token the running pods took."""
+  docs, _ = generate(tmp_path, "v5litepod-8")
+  secret = docs["control-secret.yaml"]
+  token = secret["stringData"]["token"]
+  assert secret["kind"] == "Secret" and len(token) >= 40
+  assert (tmp_path / "v5litepod-8" / "control-secret.yaml").stat().st_mode & 0o777 == 0o600
+
+  def env_of(name):
+    spec = docs[name]["spec"]
+    pod = (spec["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+           if name.startswith("learner") else spec["template"]["spec"])
+    return pod["containers"][0].get("env")
+
+  ref = [{"name": "JAXAGENT_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {
+      "name": secret["metadata"]["name"], "key": "token"}}}]
+  for name in ("learner-jobset.yaml", "rollout-statefulset.yaml", "router-deployment.yaml"):
+    assert env_of(name) == ref, name
+  assert env_of("env-statefulset.yaml") is None
+  again, _ = generate(tmp_path, "v5litepod-8")
+  assert again["control-secret.yaml"]["stringData"]["token"] == token
+  other, _ = generate(tmp_path / "other", "v5litepod-8")
+  assert other["control-secret.yaml"]["stringData"]["token"] != token
+  # Without servers the learner serves itself: its gateway makes its own token.
+  alone, _ = generate(tmp_path, "v5litepod-8", "--servers", "0")
+  assert "control-secret.yaml" not in alone
+  assert "env" not in alone["learner-jobset.yaml"]["spec"]["replicatedJobs"][0]["template"][
+      "spec"]["template"]["spec"]["containers"][0]
 
 
 def test_what_the_cluster_would_refuse_is_refused_here(tmp_path, capsys):

@@ -1,0 +1,190 @@
+"""The run's control token (`jaxagent.control`): a server's and a router's control
+routes answer only the run's processes; the gateway's routes stay open to agents."""
+
+import asyncio
+import contextlib
+import os
+
+import httpx
+import pytest
+
+from jaxagent import control
+from rollout_server.router import create_router
+from rollout_server.serving import ServerThread
+from tests.rollout_server.conftest import running_server
+
+TOKEN = "run-token-" + "x" * 30
+RULED = {control.HEADER: TOKEN}
+BODY = {"input_ids": [1, 2, 3], "max_new_tokens": 3}
+
+
+def _export(params, tmp_path, version: int) -> str:
+  import jax
+  from jaxagent.checkpoint import export_policy
+
+  root = str(tmp_path / "policy")
+  export_policy(root, version, jax.device_put(params), dtype=None)
+  return root
+
+
+def _control_calls(c: httpx.Client) -> dict:
+  """Each control route, called with what it would take (a body past its guard)."""
+  return {
+      "update_weights": lambda h: c.post("/update_weights", json={"path": "/no/such"},
+                                         headers=h),
+      "abort": lambda h: c.post("/abort", json={"request_id": "nobody"}, headers=h),
+      "handover": lambda h: c.post("/handover", headers=h, json={
+          "session_id": "s", "turns": [{"prompt_ids": [1], "output_ids": [2]}]}),
+      "delete": lambda h: c.delete("/sessions/nobody", headers=h),
+  }
+
+
+def test_a_servers_control_routes_take_the_run_token_and_its_gateway_none(
+    random_params, tokenizer, tmp_path):
+  root = _export(random_params, tmp_path, 5)
+  with running_server(random_params, tokenizer, control_token=TOKEN) as (srv, _):
+    c = httpx.Client(base_url=srv.url, timeout=120)
+    for name, call in _control_calls(c).items():
+      for headers, why in (({}, "has no"), ({control.HEADER: TOKEN[:-1] + "y"}, "wrong"),
+                           ({control.HEADER: ""}, "wrong")):
+        r = call(headers)
+        assert r.status_code == 401, (name, r.text)
+        assert why in r.text and control.ENV in r.text and TOKEN not in r.text, r.text
+      # (refused before its body's fields are checked: a 401, not a 422 naming them)
+      if name != "delete":
+        assert c.post(f"/{name}", json={"junk": 1}).status_code == 401
+    ruled = {name: call(RULED).status_code for name, call in _control_calls(c).items()}
+    # past the guard: each route's own answer (no export there; nothing to abort; a
+    # handover it checks; no such session)
+    assert ruled == {"update_weights": 400, "abort": 200, "handover": 422, "delete": 404}, ruled
+
+    # The gateway's routes take no token: an agent plays, reads its record, asks how a
+    # turn stands, and lists the models.
+    assert c.post("/generate", json=BODY, headers={"X-Session-Id": "a"}).status_code == 200
+    assert c.get("/sessions/a").status_code == 200
+    assert c.get("/requests", params={"session_id": "a"}).status_code == 200
+    assert c.get("/v1/models").status_code == 200
+    assert c.get("/health").json()["control_token"] is True
+    # ... but not its record's delete, nor a new policy.
+    assert c.delete("/sessions/a").status_code == 401
+    assert c.delete("/sessions/a", headers=RULED).status_code == 200
+    r = c.post("/update_weights", json={"path": root}, headers=RULED)
+    assert r.status_code == 200 and r.json()["version"] == 5, r.text
+  with running_server(random_params, tokenizer) as (srv, _):  # no token: open, and said
+    assert httpx.get(f"{srv.url}/health").json()["control_token"] is False
+    assert httpx.post(f"{srv.url}/abort", json={"request_id": "x"}).status_code == 200
+
+
+def test_a_router_guards_its_control_routes_and_rules_its_backends_with_the_token(
+    random_params, tokenizer, tmp_path):
+  """The router's own control calls (a policy's push, a session's delete, a failed-over
+  session's handover) carry the token to guarded backends; a client's token is not
+  passed on; a router without the token is refused by them."""
+  root = _export(random_params, tmp_path, 5)
+  with contextlib.ExitStack() as stack:
+    servers = [stack.enter_context(running_server(random_params, tokenizer,
+                                                  control_token=TOKEN))[0] for _ in range(2)]
+    urls = [s.url for s in servers]
+    router = stack.enter_context(ServerThread(create_router(urls, control_token=TOKEN,
+                                                            health_interval_s=0.2)))
+    c = httpx.Client(base_url=router.url, timeout=120)
+    assert c.post("/update_weights", json={"path": root}).status_code == 401
+    r = c.post("/update_weights", json={"path": root}, headers=RULED)
+    assert r.status_code == 200 and [x["body"]["version"] for x in r.json()["results"]] \
+        == [5, 5], r.text
+    assert c.get("/health").json()["control_token"] is True
+
+    r = c.post("/generate", json=BODY, headers={"X-Session-Id": "s1"})
+    home = r.headers["x-routed-to"]
+    assert c.delete("/sessions/s1").status_code == 401
+    assert c.delete("/sessions/s1", headers=RULED).status_code == 200
+    assert httpx.get(f"{home}/sessions/s1").status_code == 404  # gone from its backend
+    # A client's token is not forwarded: through the router, the backend's guarded
+    # route is not reached with it (the router's own answers: /abort is refused there).
+    assert c.post("/abort", json={"request_id": "x"}, headers=RULED).status_code == 403
+
+    # A session failed over: the other backend takes its threads (a handover, ruled).
+    ask = [{"role": "user", "content": "say something"}]
+    r = c.post("/v1/chat/completions", headers={"X-Session-Id": "s2"},
+               json={"messages": ask, "max_tokens": 4})
+    s2_home, reply = r.headers["x-routed-to"], r.json()["choices"][0]["message"]
+    servers[urls.index(s2_home)].stop()
+    r = c.post("/v1/chat/completions", headers={"X-Session-Id": "s2"}, json={
+        "messages": ask + [reply, {"role": "user", "content": "more"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-routed-to"] != s2_home
+    health = c.get("/router/health").json()
+    assert health["handovers"] == 1 and health["handovers_failed"] == 0, health
+
+  with contextlib.ExitStack() as stack:  # a router without the run's token
+    servers = [stack.enter_context(running_server(random_params, tokenizer,
+                                                  control_token=TOKEN))[0] for _ in range(2)]
+    router = stack.enter_context(ServerThread(create_router([s.url for s in servers])))
+    r = httpx.post(f"{router.url}/update_weights", json={"path": root}, timeout=120)
+    assert r.status_code == 502 and [x["status"] for x in r.json()["results"]] == [401, 401]
+    assert control.HEADER in r.text
+
+
+def test_a_client_carries_the_token_and_says_at_once_when_it_has_none(
+    random_params, tokenizer, tmp_path, monkeypatch):
+  from rollout_server.client import GenerateError, HttpClient
+
+  root = _export(random_params, tmp_path, 5)
+  monkeypatch.delenv(control.ENV, raising=False)
+
+  async def go(url):
+    bare = HttpClient(url)
+    with pytest.raises(GenerateError, match=control.ENV):
+      await bare.wait_ready(10)
+    with pytest.raises(GenerateError, match="401"):
+      await bare.update_weights(root, 5)
+    await bare.aclose()
+    monkeypatch.setenv(control.ENV, TOKEN)  # (as launch gives it to its processes)
+    ruled = HttpClient(url)
+    await ruled.wait_ready(10)
+    assert (await ruled.update_weights(root, 5))["version"] == 5
+    await ruled.aclose()
+
+  with running_server(random_params, tokenizer, control_token=TOKEN) as (srv, _):
+    asyncio.run(go(srv.url))
+
+
+def test_a_blackbox_episode_clears_and_takes_its_record_with_the_token(random_params):
+  from envs.base import TaskSpec, make
+  from jaxagent.blackbox import run_blackbox
+  from jaxagent.config import AgentConfig
+  from tests.test_agent import TOK
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 2})
+  config = AgentConfig(max_turns=2, max_new_tokens=3)
+  with running_server(random_params, TOK, control_token=TOKEN) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="bb-1", control_token=TOKEN))
+    assert not ep.infra_error and ep.segments, ep.reason
+    assert httpx.get(f"{srv.url}/sessions/{ep.segments[0].session_id}").status_code == 404
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="bb-2"))
+    assert ep.infra_error and "401" in ep.reason and control.ENV in ep.reason, ep.reason
+
+
+def test_launch_gives_its_servers_and_learners_one_token_and_its_workers_none(
+    tmp_path, monkeypatch):
+  import argparse
+
+  from jaxagent import config as config_lib
+  from jaxagent.launch import plan
+
+  args = argparse.Namespace(config="configs/tiny.yaml", servers=2, env_workers=1,
+                            learner_processes=2, resume=False, overrides=[])
+  cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+  for shell in (None, "from-the-shell"):
+    if shell:
+      monkeypatch.setenv(control.ENV, shell)
+    else:
+      monkeypatch.delenv(control.ENV, raising=False)
+    services, learners = plan(args, cfg, str(tmp_path / "run"))
+    servers = [c for c in services if c.name.startswith("server")]
+    workers = [c for c in services if c.name.startswith("env")]
+    tokens = {c.env[control.ENV] for c in servers + learners}
+    assert len(tokens) == 1 and len(tokens.pop()) >= 40 if not shell else tokens == {shell}
+    assert all(control.ENV not in c.env for c in workers)
+    assert control.ENV not in os.environ or shell
