@@ -66,8 +66,11 @@ def episode_metrics(groups, accepted, learner_version: int, signal=None) -> dict
   })
   out.update({f"truncated_{k}": v for k, v in truncations.items()})
   judged = [d for e in episodes for d in [e.verdict.get("details") or {}] if "judge" in d]
-  if judged:  # what a judge (env.judge) made of the passes it was shown
-    out.update({"judge_asked": len(judged),
+  if judged:  # what a judge (env.judge) made of the passes it was given
+    # (asked: shown to it; a pass too long to show, or whose answer says a verdict
+    # itself, is failed without asking and counted on its own)
+    unasked = [bool(d.get("judge_too_long") or d.get("answer_says_verdict")) for d in judged]
+    out.update({"judge_asked": len(judged) - sum(unasked),
                 "judge_false_positives": sum(bool(d.get("false_positive")) for d in judged),
                 "judge_unparsed": sum(bool(d.get("judge_unparsed")) for d in judged),
                 "judge_too_long": sum(bool(d.get("judge_too_long")) for d in judged),

@@ -42,10 +42,12 @@ def test_what_the_judge_made_of_the_passes_is_counted():
 
   g = Group(0, None, [judged("pass"), judged("fail", false_positive=True),
                       judged("fail", judge_unparsed=True), judged("fail", judge_too_long=True),
+                      judged("fail", answer_says_verdict=True),
                       episode(0.0)])  # a fail of the tests: never shown to the judge
   m = episode_metrics([g], [g], learner_version=0)
+  # (asked: the passes shown to it; the too long one and the one saying a verdict were not)
   assert (m["judge_asked"], m["judge_false_positives"], m["judge_unparsed"],
-          m["judge_too_long"]) == (4, 1, 1, 1)
+          m["judge_too_long"], m["judge_answer_says_verdict"]) == (3, 1, 1, 1, 1)
   assert "judge_asked" not in episode_metrics([Group(1, None, [episode(1.0)])], [], 0)
 
 
