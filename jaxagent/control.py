@@ -45,7 +45,7 @@ def headers(token: Optional[str]) -> dict:
 def allows(token: Optional[str], given: Optional[str]) -> bool:
   """Whether a call carrying `given` may use a control route of a process holding
   `token` (any call, where it holds none). Compared in constant time."""
-  if token is None:
+  if not token:
     return True
   return given is not None and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                                    token.encode("utf-8", "surrogateescape"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import os
 import re
 import shlex
@@ -196,11 +197,17 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
   tpu = {"google.com/tpu": str(sl.chips_per_host)}
   learner = _container("learner", args.image, learner_cmd,
                        resources={"requests": tpu, "limits": tpu})
+  # The token's hash on every pod that takes it: a new token (a deploy from another
+  # directory) changes their templates, so they restart with it together (a server kept
+  # the old one and refused the new learner's updates).
+  ruled: dict = {}
   if servers:  # (without, its in-process gateway makes its own token)
+    token = control_token or control.new_token()
     learner["env"] = _control_env(run)
     out["control-secret.yaml"] = {
         "apiVersion": "v1", "kind": "Secret", "metadata": meta(f"{run}-control", "control"),
-        "type": "Opaque", "stringData": {"token": control_token or control.new_token()}}
+        "type": "Opaque", "stringData": {"token": token}}
+    ruled = {"jaxagent/control-token-sha256": hashlib.sha256(token.encode()).hexdigest()[:16]}
   pod = {
       "restartPolicy": "Never",
       "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": sl.accelerator,
@@ -223,7 +230,7 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
                   "parallelism": sl.hosts, "completions": sl.hosts,
                   "completionMode": "Indexed", "backoffLimit": 0,
                   "template": {"metadata": {"labels": _labels("learner", run),
-                                            "annotations": _FUSE},
+                                            "annotations": {**_FUSE, **ruled}},
                                "spec": pod}}}}]}}
 
   gpu = ({"nvidia.com/gpu": "1"} if args.server_accelerator.startswith("nvidia") else {})
@@ -243,7 +250,7 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
     return _env_workers(out, cfg, args, run, meta, envs, env_svc, env_port)
   out["rollout-statefulset.yaml"] = _statefulset(
       meta(f"{run}-rollout", "rollout"), rollout_svc, args.servers, server_pod,
-      _labels("rollout", run), annotations=_FUSE)
+      _labels("rollout", run), annotations={**_FUSE, **ruled})
   out["rollout-service.yaml"] = _headless(meta(rollout_svc, "rollout"),
                                           _labels("rollout", run), server_port)
 
@@ -256,7 +263,8 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
   out["router-deployment.yaml"] = {
       "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{run}-router", "router"),
       "spec": {"replicas": 1, "selector": {"matchLabels": _labels("router", run)},
-               "template": {"metadata": {"labels": _labels("router", run)},
+               "template": {"metadata": {"labels": _labels("router", run),
+                                         "annotations": ruled},
                             "spec": router_pod}}}
   out["router-service.yaml"] = {
       "apiVersion": "v1", "kind": "Service", "metadata": meta(f"{run}-router", "router"),
@@ -323,12 +331,15 @@ def xpk_command(cfg: config_lib.RunConfig, args, objects: dict) -> str:
   learner = pod["containers"][0]["command"]
   at = learner.index("--config")
   cmd = shlex.join([*learner[:at + 1], args.config, *learner[at + 2:], *args.overrides])
-  if "control-secret.yaml" in objects:  # (xpk's pod does not mount the Secret)
-    token = objects["control-secret.yaml"]["stringData"]["token"]
-    cmd = f"{control.ENV}={shlex.quote(token)} {cmd}"
+  ruled = ""
+  if "control-secret.yaml" in objects:  # (xpk's pod does not mount the Secret: the
+    # command takes the token from it where it is typed, never printed here)
+    secret = objects["control-secret.yaml"]["metadata"]
+    ruled = (f'"{control.ENV}=$(kubectl get secret {secret["name"]} -n {secret["namespace"]} '
+             "-o jsonpath='{.data.token}' | base64 -d) \"")
   return (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
           f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} "
-          f"--command {shlex.quote(cmd)}")
+          f"--command {ruled}{shlex.quote(cmd)}")
 
 
 def write(out_dir: str, objects: dict[str, dict]) -> list[str]:

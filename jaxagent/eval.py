@@ -237,6 +237,27 @@ async def check_served(url: str, path: str, version: int) -> None:
         "serves")
 
 
+async def check_control(url: str) -> None:
+  """A ConfigError when this process cannot use the control routes of the server at
+  `url` (`jaxagent.control`): a black-box episode clears and takes its session's record
+  there, and each would fail in the infrastructure."""
+  import httpx
+
+  from jaxagent import control
+  from jaxagent.tls import shared_tls
+  from rollout_server.client import control_problem
+
+  try:
+    async with httpx.AsyncClient(timeout=10, verify=shared_tls()) as client:
+      health = (await client.get(url.rstrip("/") + "/health")).json()
+  except (httpx.HTTPError, ValueError):
+    return  # (a server that is down: its episodes will say so)
+  problem = control_problem(health, url, control.from_env())
+  if problem:
+    raise config_lib.ConfigError(f"--server: {problem} (a black-box agent's episodes "
+                                 "clear and take their session's record there)")
+
+
 async def run(args) -> dict:
   from envs.base import load_tasks
   from envs.loopwatch import LoopWatch
@@ -272,6 +293,10 @@ async def run(args) -> dict:
   try:
     if args.server:
       await check_served(args.server, path, version)
+      from jaxagent.blackbox import is_blackbox
+
+      if is_blackbox(agent.kind):
+        await check_control(args.server)
     try:
       tools = await task_tools(args.tasks, env_factory)
     except ValueError as e:  # an unknown environment, bad parameters

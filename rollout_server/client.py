@@ -34,12 +34,19 @@ class GenerateError(InfraError):
     super().__init__(kind, message)
 
 
-def _guarded(health: httpx.Response) -> bool:
-  """Whether a server's (or router's) /health says its control routes take a token."""
-  try:
-    return bool(health.json().get("control_token"))
-  except (ValueError, AttributeError):
-    return False
+def control_problem(health, url: str, token: Optional[str]) -> Optional[str]:
+  """What stops a process holding `token` from using the control routes of the server
+  or router at `url`, by its /health (`health`, parsed); None: nothing."""
+  if not isinstance(health, dict):
+    return None
+  if health.get("control_token") and not token:
+    return (f"{url} takes a control token ({control.HEADER}) on its control routes and "
+            f"this process has none: give it the servers' {control.ENV}")
+  if health.get("backends_need_token"):
+    return (f"the router at {url} has no control token and its servers "
+            f"{', '.join(map(str, health['backends_need_token']))} take one: start it with "
+            f"their {control.ENV}")
+  return None
 
 
 def _record(r: dict) -> TurnRecord:
@@ -288,10 +295,9 @@ class HttpClient:
         if r.status_code == 200:
           if said:
             say(f"{self.url} is ready")
-          if _guarded(r) and not self.control_token:
-            raise GenerateError(f"{self.url} takes a control token ({control.HEADER}) on "
-                                f"its control routes and this process has none: give it "
-                                f"the servers' {control.ENV}", "request_refused")
+          problem = control_problem(r.json(), self.url, self.control_token)
+          if problem:
+            raise GenerateError(problem, "request_refused")
           return
         last = f"HTTP {r.status_code}: {r.text[:200]}"
       except httpx.HTTPError as e:

@@ -121,6 +121,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   turn whose client went away is cancelled at its backend (which aborts it).
   `control_token` guards its control routes (/update_weights, DELETE /sessions), and its
   own control calls to the backends carry it (`jaxagent.control`)."""
+  control_token = control_token or None  # (a blank one is none)
   ruling = control.headers(control_token)  # (on the router's own control calls only)
   ring = HashRing([b.rstrip("/") for b in backends])
   # Healthy: answers /health and serves the current policy (a backend that comes back
@@ -210,8 +211,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       except httpx.HTTPError:
         return None
       if r.status_code in (200, 404) or (400 <= r.status_code < 500
-                                         and r.status_code not in (408, 429)):
-        undeleted[backend].pop(session_id, None)
+                                         and r.status_code not in (401, 403, 408, 429)):
+        undeleted[backend].pop(session_id, None)  # (401, 403: owed until it is allowed)
       return r.status_code
 
   def client() -> httpx.AsyncClient:
@@ -232,6 +233,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return False
 
   serves: dict = {}  # backend -> (version, policy_id) from its last /health
+  unruled: set = set()  # backends whose control routes take a token this router lacks
   instances: dict = {}  # backend -> the instance its last /health named
 
   def restarted(backend: str, instance) -> None:
@@ -269,6 +271,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if ok:
         serves[backend] = (got.get("version"), got.get("policy_id"))
         restarted(backend, got.get("instance"))
+        if got.get("control_token") and control_token is None:
+          if backend not in unruled:
+            log.warning("router: %s takes a control token and this router has none (%s): "
+                        "the policy updates and deletes it passes on will be refused",
+                        backend, control.ENV)
+          unruled.add(backend)
+        else:
+          unruled.discard(backend)
       if ok and policy["version"] is not None and not updating.locked() and \
           got.get("version") != policy["version"]:
         ok = await push_policy(backend)  # restarted (or missed an update): catch up first
@@ -292,6 +302,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return False
       if status in (200, 404):
         pass
+      elif status in (401, 403):
+        log.warning("router: %s refused to delete session %r (%d: the router lacks its "
+                    "control token, %s): out of rotation until it takes the delete",
+                    backend, session_id, status, control.ENV)
+        return False
       elif 400 <= status < 500 and status not in (408, 429):
         log.warning("router: %s refused to delete session %r (%d): left there",
                     backend, session_id, status)
@@ -510,7 +525,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     ok = any(healthy.values())
     return JSONResponse({"status": "ok" if ok else "no healthy backend",
                          "healthy": sum(healthy.values()), "backends": len(ring.backends),
-                         "control_token": control_token is not None},
+                         "control_token": control_token is not None,
+                         # (a learner's start check: the router cannot rule these)
+                         "backends_need_token": sorted(unruled)},
                         status_code=200 if ok else 503)
 
   async def controlled(request: Request) -> None:
@@ -613,11 +630,16 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     latest.pop(session_id, None)
     had = sessions.pop(session_id) is not None
 
+    refused: dict = {}  # backend -> its 401/403 (this router lacks the run's token)
+
     async def delete_on(b: str) -> Optional[bool]:
       """Whether `b` held the session; None when it could not say (deleted later)."""
       with contextlib.suppress(httpx.HTTPError):
         r = await client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0,
                                   headers=ruling)
+        if r.status_code in (401, 403):
+          refused[b] = r.status_code
+          return False
         return True if r.status_code == 200 else False if r.status_code == 404 else None
       return None
 
@@ -631,6 +653,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     for b, done in zip(asked, found):
       if done is None:  # (failed: a healthy backend kept the record; a reviewer)
         must_delete(b, session_id)
+    if refused:  # (said, not done: a record left there would be read as deleted)
+      return JSONResponse({"detail": "the session's delete was refused by "
+                                     + ", ".join(f"{b} ({c})" for b, c in refused.items())
+                                     + f": the router and its servers share {control.ENV}"},
+                          status_code=502)
     found = [bool(f) for f in found]
     if not had and not any(found):
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
@@ -686,7 +713,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                                    "/handover to a server, not through the router"},
                         status_code=403)
 
-  @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+  # (no DELETE: a server's one is a session's, the router's own route; `//sessions/x`
+  # passed on reached a backend's without the router's guard: red team 30)
+  @app.api_route("/{path:path}", methods=["GET", "POST"])
   async def proxy(path: str, request: Request):
     # (forwarded as sent, a trailing slash's redirect from the backend to its own
     # address went back to the client, who then called it past the router: red team 41)

@@ -297,6 +297,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   `control_token`: what a call to a control route must carry (`jaxagent.control`;
   None: they are open)."""
   app = FastAPI(title="jaxagent rollout server")
+  control_token = control_token or None  # (a blank one is none: it said guarded, took "")
   app.add_middleware(BodyLimit, limit=max_body_bytes)
   name_deep_bodies(app)
   models = dict(models or {})

@@ -158,11 +158,33 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   assert "xpk workload create" in stdout and f"--tpu-type {tpu}" in stdout
   # The JobSet's learner (its run directory and services; the config from the image):
   # it trained in another directory against an in-process engine.
-  # (with the run's control token: xpk's pod does not mount the Secret)
-  xpk = shlex.split(stdout.split("--command ", 1)[1])[0]
+  # (with the run's control token, read from its Secret where the command is typed:
+  # xpk's pod does not mount the Secret, and the token is never printed)
   token = docs["control-secret.yaml"]["stringData"]["token"]
+  assert token not in stdout
+  xpk = typed(stdout, tmp_path, token)
   assert shlex.split(xpk) == [f"JAXAGENT_CONTROL_TOKEN={token}", "python", "-m",
                               "jaxagent.train", "--config", "configs/tiny.yaml", *cmd[5:]]
+
+
+def typed(stdout: str, tmp_path, token: str) -> str:
+  """The `--command` xpk would be given, the printed xpk line run by bash with a
+  `kubectl` that answers the Secret's token as the API does (base64)."""
+  import base64
+
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir(exist_ok=True)
+  kubectl = bin_dir / "kubectl"
+  kubectl.write_text("#!/bin/sh\nprintf %s " + base64.b64encode(token.encode()).decode() + "\n")
+  kubectl.chmod(0o755)
+  line = next(l for l in stdout.splitlines() if "xpk workload create" in l)
+  line = line[line.index("xpk workload create"):]
+  script = ('xpk() { while [ $# -gt 0 ]; do [ "$1" = --command ] && { printf %s "$2"; '
+            'return; }; shift; done; }\n' + line + "\n")
+  out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+  assert out.returncode == 0, out.stderr
+  return out.stdout
 
 
 def test_the_runs_control_token_is_a_secret_its_services_share_and_a_redeploy_keeps(tmp_path):
@@ -186,10 +208,22 @@ def test_the_runs_control_token_is_a_secret_its_services_share_and_a_redeploy_ke
   for name in ("learner-jobset.yaml", "rollout-statefulset.yaml", "router-deployment.yaml"):
     assert env_of(name) == ref, name
   assert env_of("env-statefulset.yaml") is None
+
+  def hashes(docs):  # the token's hash on each pod that takes it
+    metas = [docs["learner-jobset.yaml"]["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"]["metadata"], docs["rollout-statefulset.yaml"]["spec"]["template"][
+        "metadata"], docs["router-deployment.yaml"]["spec"]["template"]["metadata"]]
+    return {m["annotations"]["jaxagent/control-token-sha256"] for m in metas}
+
+  assert len(hashes(docs)) == 1
   again, _ = generate(tmp_path, "v5litepod-8")
   assert again["control-secret.yaml"]["stringData"]["token"] == token
+  assert hashes(again) == hashes(docs)  # (the pods are left as they are)
+  # Another directory: another token, and pods whose templates change with it (all of
+  # them restart with the new one; a server keeping the old refused the new learner).
   other, _ = generate(tmp_path / "other", "v5litepod-8")
   assert other["control-secret.yaml"]["stringData"]["token"] != token
+  assert len(hashes(other)) == 1 and hashes(other) != hashes(docs)
   # Without servers the learner serves itself: its gateway makes its own token.
   alone, _ = generate(tmp_path, "v5litepod-8", "--servers", "0")
   assert "control-secret.yaml" not in alone

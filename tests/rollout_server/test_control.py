@@ -4,6 +4,7 @@ routes answer only the run's processes; the gateway's routes stay open to agents
 import asyncio
 import contextlib
 import os
+import time
 
 import httpx
 import pytest
@@ -118,10 +119,63 @@ def test_a_router_guards_its_control_routes_and_rules_its_backends_with_the_toke
   with contextlib.ExitStack() as stack:  # a router without the run's token
     servers = [stack.enter_context(running_server(random_params, tokenizer,
                                                   control_token=TOKEN))[0] for _ in range(2)]
-    router = stack.enter_context(ServerThread(create_router([s.url for s in servers])))
-    r = httpx.post(f"{router.url}/update_weights", json={"path": root}, timeout=120)
+    router = stack.enter_context(ServerThread(create_router([s.url for s in servers],
+                                                            health_interval_s=0.2)))
+    c = httpx.Client(base_url=router.url, timeout=120)
+    r = c.post("/update_weights", json={"path": root})
     assert r.status_code == 502 and [x["status"] for x in r.json()["results"]] == [401, 401]
     assert control.HEADER in r.text
+    # A delete its servers refuse is said, not reported done (it was a 200, the record
+    # left there: red team 30) ...
+    home = c.post("/generate", json=BODY, headers={"X-Session-Id": "kept"}
+                  ).headers["x-routed-to"]
+    r = c.delete("/sessions/kept")
+    assert r.status_code == 502 and control.ENV in r.text and home in r.text, r.text
+    assert httpx.get(f"{home}/sessions/kept").status_code == 200
+    # ... and its /health names the servers it cannot rule, which a learner reads at its
+    # start (with a token of its own or none).
+    from rollout_server.client import GenerateError, HttpClient
+
+    deadline = time.monotonic() + 30
+    while sorted(c.get("/health").json().get("backends_need_token", [])) != sorted(
+        s.url for s in servers):
+      assert time.monotonic() < deadline, c.get("/health").json()
+      time.sleep(0.1)
+
+    async def start():
+      client = HttpClient(router.url, control_token=TOKEN)
+      try:
+        await client.wait_ready(10)
+      finally:
+        await client.aclose()
+
+    with pytest.raises(GenerateError, match="the router at .* has no control token"):
+      asyncio.run(start())
+
+
+def test_the_routers_guard_holds_alone(random_params, tokenizer):
+  """A router holding the token in front of a server that holds none (started by hand):
+  `DELETE //sessions/x` fell to the router's pass-through, which forwarded it as the
+  backend's `DELETE /sessions/x`, past the router's guard (red team 30)."""
+  with running_server(random_params, tokenizer) as (srv, _):
+    with ServerThread(create_router([srv.url], control_token=TOKEN)) as router:
+      c = httpx.Client(base_url=router.url, timeout=120)
+      assert c.post("/generate", json=BODY, headers={"X-Session-Id": "v"}).status_code == 200
+      for path in ("//sessions/v", "///sessions/v", "/./sessions/v", "/sessions/v/",
+                   "/%2Fsessions/v", "/v1/../sessions/v"):
+        r = c.request("DELETE", router.url + path)
+        assert r.status_code in (401, 404, 405), (path, r.status_code, r.text)
+        assert httpx.get(f"{srv.url}/sessions/v").status_code == 200, path
+      assert c.delete("/sessions/v", headers=RULED).status_code == 200
+      assert httpx.get(f"{srv.url}/sessions/v").status_code == 404
+
+
+def test_a_blank_token_is_none(random_params, tokenizer):
+  """`control_token=""` said guarded and let a blank header in: blank is none."""
+  with running_server(random_params, tokenizer, control_token="") as (srv, _):
+    assert httpx.get(f"{srv.url}/health").json()["control_token"] is False
+  assert control.allows("", None) and control.allows(None, None)
+  assert not control.allows("t", "") and not control.allows("t", None)
 
 
 def test_a_client_carries_the_token_and_says_at_once_when_it_has_none(
@@ -132,6 +186,13 @@ def test_a_client_carries_the_token_and_says_at_once_when_it_has_none(
   monkeypatch.delenv(control.ENV, raising=False)
 
   async def go(url):
+    from jaxagent import config as config_lib
+    from jaxagent.eval import check_control
+
+    # (`eval --server` with a black-box agent: said before its episodes, each of which
+    # would fail to clear its record)
+    with pytest.raises(config_lib.ConfigError, match=f"--server: .*{control.ENV}"):
+      await check_control(url)
     bare = HttpClient(url)
     with pytest.raises(GenerateError, match=control.ENV):
       await bare.wait_ready(10)
@@ -141,6 +202,7 @@ def test_a_client_carries_the_token_and_says_at_once_when_it_has_none(
     monkeypatch.setenv(control.ENV, TOKEN)  # (as launch gives it to its processes)
     ruled = HttpClient(url)
     await ruled.wait_ready(10)
+    await check_control(url)
     assert (await ruled.update_weights(root, 5))["version"] == 5
     await ruled.aclose()
 
