@@ -24,7 +24,8 @@ from typing import Optional
 ENV = "JAXAGENT_CONTROL_TOKEN"
 HEADER = "X-Control-Token"
 # The control routes, as "METHOD /path" (a session's path: its prefix).
-ROUTES = ("POST /update_weights", "POST /abort", "POST /handover", "DELETE /sessions/{id}")
+ROUTES = ("POST /update_weights", "POST /abort", "POST /handover", "DELETE /sessions/{id}",
+          "GET /control")  # (the last changes nothing: it checks a caller's token)
 
 
 def from_env() -> Optional[str]:
@@ -62,5 +63,5 @@ def describe(token: Optional[str]) -> str:
   """One line for a server's start: whether its control routes are guarded."""
   if token:
     return f"control routes take the {HEADER} header ({ENV})"
-  return (f"control routes are open ({ENV} unset): serve only where the run's own "
-          "processes reach")
+  return (f"control routes are open ({ENV} unset or blank): serve only where the run's "
+          "own processes reach")

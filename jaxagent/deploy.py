@@ -331,15 +331,16 @@ def xpk_command(cfg: config_lib.RunConfig, args, objects: dict) -> str:
   learner = pod["containers"][0]["command"]
   at = learner.index("--config")
   cmd = shlex.join([*learner[:at + 1], args.config, *learner[at + 2:], *args.overrides])
-  ruled = ""
-  if "control-secret.yaml" in objects:  # (xpk's pod does not mount the Secret: the
-    # command takes the token from it where it is typed, never printed here)
-    secret = objects["control-secret.yaml"]["metadata"]
-    ruled = (f'"{control.ENV}=$(kubectl get secret {secret["name"]} -n {secret["namespace"]} '
-             "-o jsonpath='{.data.token}' | base64 -d) \"")
-  return (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
-          f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} "
-          f"--command {ruled}{shlex.quote(cmd)}")
+  xpk = (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
+         f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} --command ")
+  if "control-secret.yaml" not in objects:
+    return xpk + shlex.quote(cmd)
+  # xpk's pod does not mount the Secret: the command takes the token from it where it is
+  # typed (never printed here), and stops there when the Secret is not applied yet.
+  secret = objects["control-secret.yaml"]["metadata"]
+  return (f"T=$(kubectl get secret {secret['name']} -n {secret['namespace']} "
+          "-o jsonpath='{.data.token}' | base64 -d) && test -n \"$T\" && "
+          + xpk + f'"{control.ENV}=$T "' + shlex.quote(cmd))
 
 
 def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
@@ -426,8 +427,18 @@ def main(argv=None) -> int:
     return 2
   for path in write(args.out, objects):
     print(path)
-  print(f"apply: kubectl apply -f {args.out}\nor, with xpk (the bucket mounted at /runs): "
-        f"{xpk_command(cfg, args, objects)}")
+  print(f"apply: kubectl apply -f {args.out}")
+  if "control-secret.yaml" not in objects:
+    print(f"or, with xpk (the bucket mounted at /runs): {xpk_command(cfg, args, objects)}")
+    return 0
+  secret = os.path.join(args.out, "control-secret.yaml")
+  print(f"{secret} holds the run's control token (readable by you alone): keep it out of "
+        "version control")
+  others = [os.path.join(args.out, n) for n in objects if n != "learner-jobset.yaml"]
+  print("or, with xpk (the bucket mounted at /runs): first\n  kubectl apply "
+        + " ".join(f"-f {shlex.quote(p)}" for p in others) + "\nthen\n  "
+        + xpk_command(cfg, args, objects) + "\n(the learner's workload then holds the token "
+        "in its command: whoever can read its pods can read it)")
   return 0
 
 

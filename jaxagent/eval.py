@@ -247,12 +247,13 @@ async def check_control(url: str) -> None:
   from jaxagent.tls import shared_tls
   from rollout_server.client import control_problem
 
-  try:
-    async with httpx.AsyncClient(timeout=10, verify=shared_tls()) as client:
-      health = (await client.get(url.rstrip("/") + "/health")).json()
-  except (httpx.HTTPError, ValueError):
-    return  # (a server that is down: its episodes will say so)
-  problem = control_problem(health, url, control.from_env())
+  url = url.rstrip("/")
+  async with httpx.AsyncClient(timeout=10, verify=shared_tls()) as client:
+    try:
+      health = (await client.get(url + "/health")).json()
+    except (httpx.HTTPError, ValueError):
+      return  # (a server that is down: its episodes will say so)
+    problem = await control_problem(client, url, health, control.from_env())
   if problem:
     raise config_lib.ConfigError(f"--server: {problem} (a black-box agent's episodes "
                                  "clear and take their session's record there)")

@@ -19,7 +19,9 @@ stops the run. Ctrl-C or SIGTERM goes to the learners, which stop after their st
 checkpoint; then the services stop (a second one stops everything at once). Every
 child is sent SIGTERM if the launcher itself dies (even by SIGKILL). With
 `--servers 0` the learner keeps its in-process engine, with `--env-workers 0` its
-in-process environments.
+in-process environments. The servers and the learners share one control token
+(JAXAGENT_CONTROL_TOKEN: the shell's, or a fresh one), which the environment workers
+are not given.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 def add_log_level(parser) -> None:
   """A service CLI's `--log-level` (uvicorn's; `warning` drops its line per request)."""
   parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                      help="uvicorn's log level (warning: no line per request)")
+                      help="uvicorn's log level (default info: a line per request; "
+                           "warning: none)")
 
 
 # Seconds an idle keep-alive connection is kept open: longer than clients keep theirs

@@ -1,7 +1,9 @@
 """`python -m rollout_server --config configs/server_tiny.yaml [key=value ...]`, or
 `python -m rollout_server --policy RUN_DIR/policy [key=value ...]` to serve a trained
 run's policy (its latest export, or `.../vN`) with the run's model and engine settings
-(from its `config.json`)."""
+(from its `config.json`). With JAXAGENT_CONTROL_TOKEN set, its control routes
+(update_weights, abort, handover, a session's delete) take the X-Control-Token header
+(docs/serving.md); unset, they are open."""
 
 from __future__ import annotations
 

@@ -34,18 +34,28 @@ class GenerateError(InfraError):
     super().__init__(kind, message)
 
 
-def control_problem(health, url: str, token: Optional[str]) -> Optional[str]:
+async def control_problem(client: httpx.AsyncClient, url: str, health,
+                          token: Optional[str]) -> Optional[str]:
   """What stops a process holding `token` from using the control routes of the server
-  or router at `url`, by its /health (`health`, parsed); None: nothing."""
+  or router at `url` whose /health answered `health` (parsed), asking its `GET /control`
+  with the token where it takes one; None: nothing (or nothing it can tell)."""
   if not isinstance(health, dict):
     return None
-  if health.get("control_token") and not token:
-    return (f"{url} takes a control token ({control.HEADER}) on its control routes and "
-            f"this process has none: give it the servers' {control.ENV}")
+  if health.get("control_token"):
+    if not token:
+      return (f"{url} takes a control token ({control.HEADER}) on its control routes and "
+              f"this process has none: give it the servers' {control.ENV}")
+    try:
+      r = await client.get(f"{url}/control", headers=control.headers(token), timeout=10.0)
+    except httpx.HTTPError:
+      return None  # (its first control call will say)
+    if r.status_code in (401, 403):
+      return (f"{url} refuses this process's control token: its {control.ENV} differs "
+              "from the servers'")
   if health.get("backends_need_token"):
-    return (f"the router at {url} has no control token and its servers "
-            f"{', '.join(map(str, health['backends_need_token']))} take one: start it with "
-            f"their {control.ENV}")
+    return (f"the router at {url} cannot use its servers' control routes ("
+            f"{', '.join(map(str, health['backends_need_token']))} refuse its token): start "
+            f"it with their {control.ENV}")
   return None
 
 
@@ -273,6 +283,11 @@ class HttpClient:
                                   headers=control.headers(self.control_token))
     except httpx.HTTPError as e:
       raise GenerateError(f"{self.url}/update_weights: {type(e).__name__}: {e}") from e
+    if r.status_code in (401, 403):  # (its text says of the call, not of the cause)
+      why = ("it has none" if not self.control_token else
+             f"its {control.ENV} differs from the servers'")
+      raise GenerateError(f"{self.url}/update_weights refused this process's control token "
+                          f"({why}): {r.status_code}: {r.text[:300]}")
     if r.status_code != 200:
       raise GenerateError(f"{self.url}/update_weights: {r.status_code}: {r.text[:500]}")
     out = r.json()
@@ -295,7 +310,8 @@ class HttpClient:
         if r.status_code == 200:
           if said:
             say(f"{self.url} is ready")
-          problem = control_problem(r.json(), self.url, self.control_token)
+          problem = await control_problem(self._client, self.url, r.json(),
+                                          self.control_token)
           if problem:
             raise GenerateError(problem, "request_refused")
           return

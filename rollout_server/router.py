@@ -11,6 +11,9 @@ each one's result. The router keeps a copy of every session's recorded turns, so
 cut by a dying backend ends with an error event (Anthropic's shape on `/v1/messages`).
 A Responses call continuing a response the router relayed goes to the backend that
 keeps it, or, that one down, to another with the chain's items as its input.
+With JAXAGENT_CONTROL_TOKEN set (the servers' own), its control routes take the
+X-Control-Token header and its own control calls to the servers carry it
+(docs/serving.md); its /health names the servers that refuse its token.
 
 `python -m rollout_server.router --backends http://127.0.0.1:8001,http://127.0.0.1:8002 --port 8000`
 """
@@ -55,7 +58,7 @@ _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "ke
 # client's way to set a session's tokens (handover), a policy (update_weights), or a
 # backend's health read as the router's. Each with the method the router takes it by.
 _ROUTERS_OWN = {"handover": "POST", "update_weights": "POST", "health": "GET",
-                "router/health": "GET"}
+                "router/health": "GET", "control": "GET"}
 MAX_SESSION_ID = 1024  # characters (quoted into a backend's URL: httpx takes 65,536)
 
 
@@ -233,7 +236,34 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return False
 
   serves: dict = {}  # backend -> (version, policy_id) from its last /health
-  unruled: set = set()  # backends whose control routes take a token this router lacks
+  # backends whose control routes refuse this router's token -> why ("has none", "holds
+  # another"); and the instance whose token was checked, with what it answered
+  unruled: dict = {}
+  token_checked: dict = {}
+
+  async def rule_check(backend: str, health: dict) -> None:
+    """Whether this router can use `backend`'s control routes, by its /health and (once
+    an instance, with a token) its `GET /control`: said once when that changes."""
+    why = None
+    if health.get("control_token"):
+      if control_token is None:
+        why = "this router has none"
+      else:
+        instance = health.get("instance")
+        if token_checked.get(backend, (None,))[0] != instance or instance is None:
+          with contextlib.suppress(httpx.HTTPError):
+            r = await client().get(f"{backend}/control", headers=ruling, timeout=5.0)
+            token_checked[backend] = (instance, r.status_code not in (401, 403))
+        if not token_checked.get(backend, (None, True))[1]:
+          why = "this router holds another"
+    if why is not None and unruled.get(backend) != why:
+      log.warning("router: %s refuses this router's control token (%s; %s): the policy "
+                  "updates and deletes it passes on there are refused", backend, why,
+                  control.ENV)
+    if why is None:
+      unruled.pop(backend, None)
+    else:
+      unruled[backend] = why
   instances: dict = {}  # backend -> the instance its last /health named
 
   def restarted(backend: str, instance) -> None:
@@ -271,14 +301,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if ok:
         serves[backend] = (got.get("version"), got.get("policy_id"))
         restarted(backend, got.get("instance"))
-        if got.get("control_token") and control_token is None:
-          if backend not in unruled:
-            log.warning("router: %s takes a control token and this router has none (%s): "
-                        "the policy updates and deletes it passes on will be refused",
-                        backend, control.ENV)
-          unruled.add(backend)
-        else:
-          unruled.discard(backend)
+        await rule_check(backend, got)
       if ok and policy["version"] is not None and not updating.locked() and \
           got.get("version") != policy["version"]:
         ok = await push_policy(backend)  # restarted (or missed an update): catch up first
@@ -303,9 +326,11 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       if status in (200, 404):
         pass
       elif status in (401, 403):
-        log.warning("router: %s refused to delete session %r (%d: the router lacks its "
-                    "control token, %s): out of rotation until it takes the delete",
-                    backend, session_id, status, control.ENV)
+        if backend not in unruled:  # (said once a backend, by rule_check's warning)
+          log.warning("router: %s refused to delete session %r (%d: it refuses this "
+                      "router's control token, %s): out of rotation until it takes the "
+                      "delete", backend, session_id, status, control.ENV)
+          unruled[backend] = f"HTTP {status}"
         return False
       elif 400 <= status < 500 and status not in (408, 429):
         log.warning("router: %s refused to delete session %r (%d): left there",
@@ -536,6 +561,13 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     if not control.allows(control_token, given):
       raise HTTPException(401, control.refusal(given))
 
+  @app.get("/control", dependencies=[Depends(controlled)])
+  async def control_check():
+    """A control call that changes nothing: whether the caller's token is this router's
+    (200, else 401), and the backends that refuse the router's own."""
+    return {"control": "ok", "control_token": control_token is not None,
+            "backends_need_token": sorted(unruled)}
+
   @app.post("/update_weights", dependencies=[Depends(controlled)])
   async def update_all(request: Request):
     """Sends the update to every healthy backend. 200 when all of them took it (one that
@@ -582,8 +614,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         for b in refused:  # live but stale: out of rotation until it catches up
           healthy[b] = False
       ok = bool(took) and not refused
-      return JSONResponse({"results": out, "version": policy["version"], "ok": ok},
-                          status_code=200 if ok else 502)
+      answer = {"results": out, "version": policy["version"], "ok": ok}
+      ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
+      if ruled_out:  # (their own 401 says the call had no token: the router's had none)
+        answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
+                            + ("it has none" if control_token is None else "it holds "
+                               "another") + f"): start the router with the servers' "
+                            f"{control.ENV}")
+      return JSONResponse(answer, status_code=200 if ok else 502)
 
   @app.get("/sessions/{session_id:path}")
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
@@ -653,6 +691,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     for b, done in zip(asked, found):
       if done is None:  # (failed: a healthy backend kept the record; a reviewer)
         must_delete(b, session_id)
+    # (a backend out of rotation that refuses this router's token will never take the
+    # delete it is owed: said, as a refusal)
+    refused.update({b: unruled[b] for b in ring.backends if not healthy[b] and b in unruled})
     if refused:  # (said, not done: a record left there would be read as deleted)
       return JSONResponse({"detail": "the session's delete was refused by "
                                      + ", ".join(f"{b} ({c})" for b, c in refused.items())

@@ -456,6 +456,12 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                           status_code=404)
     return found
 
+  @app.get("/control", dependencies=guarded)
+  async def control_check():
+    """A control call that changes nothing: whether the caller's token is this server's
+    (200, else 401), asked at a learner's or a router's start."""
+    return {"control": "ok", "control_token": control_token is not None}
+
   @app.post("/abort", dependencies=guarded)
   async def abort(body: AbortBody):
     return {"request_id": body.request_id, "aborted": orch.abort(body.request_id)}

@@ -177,13 +177,17 @@ def typed(stdout: str, tmp_path, token: str) -> str:
   kubectl = bin_dir / "kubectl"
   kubectl.write_text("#!/bin/sh\nprintf %s " + base64.b64encode(token.encode()).decode() + "\n")
   kubectl.chmod(0o755)
-  line = next(l for l in stdout.splitlines() if "xpk workload create" in l)
-  line = line[line.index("xpk workload create"):]
+  line = next(l for l in stdout.splitlines() if "xpk workload create" in l).strip()
+  assert line.startswith("T=$(kubectl get secret ")  # (stops there without the Secret)
   script = ('xpk() { while [ $# -gt 0 ]; do [ "$1" = --command ] && { printf %s "$2"; '
             'return; }; shift; done; }\n' + line + "\n")
   out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
                        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
   assert out.returncode == 0, out.stderr
+  kubectl.write_text("#!/bin/sh\nexit 1\n")  # (the Secret not applied: xpk not run)
+  missed = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+  assert missed.returncode != 0 and missed.stdout == ""
   return out.stdout
 
 

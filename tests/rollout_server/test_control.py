@@ -66,6 +66,8 @@ def test_a_servers_control_routes_take_the_run_token_and_its_gateway_none(
     assert c.get("/requests", params={"session_id": "a"}).status_code == 200
     assert c.get("/v1/models").status_code == 200
     assert c.get("/health").json()["control_token"] is True
+    assert c.get("/control").status_code == 401  # (the check: 200 for the run's token)
+    assert c.get("/control", headers=RULED).json()["control"] == "ok"
     # ... but not its record's delete, nor a new policy.
     assert c.delete("/sessions/a").status_code == 401
     assert c.delete("/sessions/a", headers=RULED).status_code == 200
@@ -116,20 +118,35 @@ def test_a_router_guards_its_control_routes_and_rules_its_backends_with_the_toke
     health = c.get("/router/health").json()
     assert health["handovers"] == 1 and health["handovers_failed"] == 0, health
 
-  with contextlib.ExitStack() as stack:  # a router without the run's token
+
+@pytest.mark.parametrize("router_token", [None, "another-token"])
+def test_a_router_its_servers_refuse_says_so(random_params, tokenizer, tmp_path, caplog,
+                                             router_token):
+  """A router without the servers' token, or with another: its /health names them, it
+  warns once of each (it warned at each health check for each session owed a delete: 81
+  lines in 35 s, a new user's round), its updates' 502 says the router's token is the
+  cause (the servers' own 401 said the call had none), its deletes are a 502, and a
+  learner stops at its start."""
+  import logging
+
+  root = _export(random_params, tmp_path, 5)
+  caplog.set_level(logging.WARNING, logger="rollout_server.router")
+  with contextlib.ExitStack() as stack:
     servers = [stack.enter_context(running_server(random_params, tokenizer,
                                                   control_token=TOKEN))[0] for _ in range(2)]
-    router = stack.enter_context(ServerThread(create_router([s.url for s in servers],
-                                                            health_interval_s=0.2)))
+    router = stack.enter_context(ServerThread(create_router(
+        [s.url for s in servers], health_interval_s=0.2, control_token=router_token)))
     c = httpx.Client(base_url=router.url, timeout=120)
-    r = c.post("/update_weights", json={"path": root})
+    r = c.post("/update_weights", json={"path": root},
+               headers=control.headers(router_token))
     assert r.status_code == 502 and [x["status"] for x in r.json()["results"]] == [401, 401]
-    assert control.HEADER in r.text
+    why = "it has none" if router_token is None else "it holds another"
+    assert f"refused this router's control token ({why})" in r.json()["detail"], r.text
     # A delete its servers refuse is said, not reported done (it was a 200, the record
     # left there: red team 30) ...
     home = c.post("/generate", json=BODY, headers={"X-Session-Id": "kept"}
                   ).headers["x-routed-to"]
-    r = c.delete("/sessions/kept")
+    r = c.delete("/sessions/kept", headers=control.headers(router_token))
     assert r.status_code == 502 and control.ENV in r.text and home in r.text, r.text
     assert httpx.get(f"{home}/sessions/kept").status_code == 200
     # ... and its /health names the servers it cannot rule, which a learner reads at its
@@ -143,14 +160,18 @@ def test_a_router_guards_its_control_routes_and_rules_its_backends_with_the_toke
       time.sleep(0.1)
 
     async def start():
-      client = HttpClient(router.url, control_token=TOKEN)
+      client = HttpClient(router.url, control_token=router_token or TOKEN)
       try:
         await client.wait_ready(10)
       finally:
         await client.aclose()
 
-    with pytest.raises(GenerateError, match="the router at .* has no control token"):
+    with pytest.raises(GenerateError, match="the router at .* cannot use its servers'"):
       asyncio.run(start())
+    time.sleep(1.0)  # (five health rounds more: nothing said again)
+    said = [r.getMessage() for r in caplog.records if "refuses this router's" in
+            r.getMessage() or "refused to delete" in r.getMessage()]
+    assert len(said) == 2 and all(any(s.url in m for m in said) for s in servers), said
 
 
 def test_the_routers_guard_holds_alone(random_params, tokenizer):
@@ -199,6 +220,16 @@ def test_a_client_carries_the_token_and_says_at_once_when_it_has_none(
     with pytest.raises(GenerateError, match="401"):
       await bare.update_weights(root, 5)
     await bare.aclose()
+    monkeypatch.setenv(control.ENV, "not-the-servers")  # another: said at the start too
+    wrong = HttpClient(url)
+    with pytest.raises(GenerateError, match=f"refuses this process's control token: its "
+                                            f"{control.ENV} differs"):
+      await wrong.wait_ready(10)
+    with pytest.raises(GenerateError, match="differs from the servers'"):
+      await wrong.update_weights(root, 5)
+    await wrong.aclose()
+    with pytest.raises(config_lib.ConfigError, match="differs"):
+      await check_control(url)
     monkeypatch.setenv(control.ENV, TOKEN)  # (as launch gives it to its processes)
     ruled = HttpClient(url)
     await ruled.wait_ready(10)
