@@ -149,23 +149,62 @@ def short_reason(e: BaseException, limit: int = 120) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+# TensorStore's whole spec, which its errors quote (a kilobyte of escaped JSON each)
+_TENSORSTORE_SPEC = re.compile(r"\s*\[tensorstore_spec=.*?\}\\?'\]", re.S)
+ORBAX_MESSAGE_CHARS = 300  # an Orbax error record's message, at most, once its spec is cut
+
+
 class _OrbaxErrorsInOneLine(logging.Filter):
   """Orbax's background save threads log a failed save from each thread with its
   traceback (hundreds of lines for one full disk, above the one line the run says,
-  `CheckpointFailed`): its error records keep their message, without the traceback."""
+  `CheckpointFailed`): its error records keep their message, without the traceback,
+  TensorStore's spec or more than ORBAX_MESSAGE_CHARS characters. So do asyncio's
+  records of Orbax's own tasks whose failure nobody awaited ("Task exception was never
+  retrieved", a traceback and the spec again: a full disk in a new user's round)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+    if record.levelno < logging.ERROR:
+      return True
+    orbax = f"{os.sep}orbax{os.sep}"
+    if orbax in record.pathname or (record.name == "asyncio" and orbax in str(record.msg)):
+      message = _TENSORSTORE_SPEC.sub("", record.getMessage())
+      if len(message) > ORBAX_MESSAGE_CHARS:  # (its start, and its end: the cause)
+        message = (f"{message[:ORBAX_MESSAGE_CHARS // 3]} ... {message[-ORBAX_MESSAGE_CHARS // 2:]}"
+                   f" ({len(message)} characters)")
+      record.msg, record.args = message, None
       record.exc_info = record.exc_text = record.stack_info = None
     return True
 
 
 def quiet_failed_save_noise() -> None:
-  """Orbax's failed saves are said by the run in one line: its error records are kept
-  to their messages (the process's absl log filter; once)."""
-  absl_logger = logging.getLogger("absl")
-  if not any(isinstance(f, _OrbaxErrorsInOneLine) for f in absl_logger.filters):
-    absl_logger.addFilter(_OrbaxErrorsInOneLine())
+  """Orbax's failed saves are said by the run in one line: its error records (and
+  asyncio's of its tasks) are kept to their messages, cut short (the process's absl and
+  asyncio log filters; once)."""
+  for name in ("absl", "asyncio"):
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _OrbaxErrorsInOneLine) for f in logger.filters):
+      logger.addFilter(_OrbaxErrorsInOneLine())
+  if not getattr(sys.unraisablehook, "jaxagent_quiet", False):
+    sys.unraisablehook = _quiet_closed_loop_callbacks(sys.unraisablehook)
+
+
+def _quiet_closed_loop_callbacks(previous):
+  """An unraisable hook that drops TensorStore's completions of a failed save's writes
+  handed to Orbax's event loop after it closed (`call_soon_threadsafe`: "Event loop is
+  closed", a traceback each, dozens for one full disk above the run's one line); any
+  other goes to `previous`."""
+  def hook(unraisable) -> None:
+    tb, exc = unraisable.exc_traceback, unraisable.exc_value
+    while tb is not None and tb.tb_next is not None:
+      tb = tb.tb_next
+    if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+        and unraisable.object is None and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"):
+      return
+    previous(unraisable)
+
+  hook.jaxagent_quiet = True
+  return hook
 
 
 def end_command(code: int) -> None:

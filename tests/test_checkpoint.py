@@ -281,6 +281,58 @@ def test_orbax_errors_keep_their_message_without_the_traceback():
   assert f.filter(orbax) and f.filter(ours)
   assert orbax.exc_info is None and orbax.getMessage() == "save failed"
   assert ours.exc_info is exc
+  # TensorStore's spec is cut from the message, and a long one cut short; an Orbax
+  # task's failure that asyncio logs (nobody awaited it) too, and its traceback dropped.
+  spec = " [tensorstore_spec='{\\\"context\\\":{\\\"cache_pool\\\":{}}," + "x" * 900 + "}']"
+  full = logging.LogRecord("absl", logging.ERROR, os.path.join("x", "orbax", "a.py"), 1,
+                           "RESOURCE_EXHAUSTED: No space left on device [os_error_code='28']%s",
+                           (spec,), exc)
+  assert f.filter(full)
+  assert full.getMessage() == "RESOURCE_EXHAUSTED: No space left on device [os_error_code='28']"
+  (g,) = [g for g in logging.getLogger("asyncio").filters if type(g).__name__.endswith("OneLine")]
+  task = logging.LogRecord(
+      "asyncio", logging.ERROR, os.path.join("x", "asyncio", "base_events.py"), 1,
+      "Task exception was never retrieved\nfuture: <Task coro=<async_serialize_from_host() "
+      f"defined at {os.path.join('x', 'orbax', 's.py')}> exception=ValueError('{'y' * 999}')>",
+      None, exc)
+  assert g.filter(task) and task.exc_info is None
+  assert len(task.getMessage()) < 400 and re.search(r"\(\d{4} characters\)$", task.msg)
+  assert task.msg.startswith("Task exception") and "y')>" in task.msg  # (and its end)
+  other = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, "mine", None, exc)
+  assert g.filter(other) and other.exc_info is exc
+
+
+def test_a_failed_saves_late_completions_into_a_closed_loop_are_not_printed():
+  """On a full disk TensorStore handed its failed writes' completions to Orbax's event
+  loop after it closed: a traceback each ("Event loop is closed"), dozens above the run's
+  one line (a full tmpfs run here). The hook drops exactly those."""
+  import asyncio
+  import types
+
+  from jaxagent.checkpoint import _quiet_closed_loop_callbacks
+
+  passed = []
+  hook = _quiet_closed_loop_callbacks(passed.append)
+
+  def unraisable(exc, obj=None):
+    return types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
+                                 exc_traceback=exc.__traceback__, err_msg=None, object=obj)
+
+  loop = asyncio.new_event_loop()
+  loop.close()
+  try:
+    loop.call_soon_threadsafe(lambda: None)
+  except RuntimeError as e:
+    closed = e
+  hook(unraisable(closed))
+  assert passed == []
+  try:
+    raise RuntimeError("Event loop is closed")  # (the words, from elsewhere: passed on)
+  except RuntimeError as e:
+    elsewhere = unraisable(e)
+  hook(elsewhere)
+  hook(unraisable(closed, obj="a finaliser"))
+  assert len(passed) == 2
 
 
 def test_a_checkpoint_whose_values_do_not_read_back_as_saved_is_unreadable(tmp_path):
