@@ -15,6 +15,7 @@ import importlib
 import inspect
 import json
 import secrets
+import sys
 import time
 from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import quote
@@ -420,8 +421,12 @@ async def _take_session(gateway_url: str, session_id: str,
     r = await client.get(_session_url(gateway_url, session_id))
     r.raise_for_status()
     turns = r.json()["turns"]
-    await client.delete(_session_url(gateway_url, session_id),
-                        headers=control.headers(control_token))
+    gone = await client.delete(_session_url(gateway_url, session_id),
+                               headers=control.headers(control_token))
+  if gone.status_code not in (200, 404):  # (the turns are taken: the episode stands)
+    print(f"warning: session {session_id!r}'s record was taken but not deleted (HTTP "
+          f"{gone.status_code}: {gone.text[:200]}); it stays until the server lets it go",
+          file=sys.stderr, flush=True)
   return turns
 
 
@@ -488,6 +493,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   import httpx
 
   t_start = time.perf_counter()
+  control_token = control_token or control.from_env()  # (as HttpClient: launch's)
   ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
   acting = MeasuredEnv(env, cfg.env_call_deadline_s)
   # The id as it travels in a header (ASCII only; eval ids hold task ids), with a secret

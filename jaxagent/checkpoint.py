@@ -150,7 +150,8 @@ def short_reason(e: BaseException, limit: int = 120) -> str:
 
 
 # TensorStore's whole spec, which its errors quote (a kilobyte of escaped JSON each)
-_TENSORSTORE_SPEC = re.compile(r"\s*\[tensorstore_spec=.*?\}\\?'\]", re.S)
+# (its quoted string, in a message or a repr's escaped quotes, and no further)
+_TENSORSTORE_SPEC = re.compile(r"\s*\[tensorstore_spec=(\\?)'.*?\1'\]", re.S)
 ORBAX_MESSAGE_CHARS = 300  # an Orbax error record's message, at most, once its spec is cut
 
 

@@ -3,7 +3,8 @@
 A server's and a router's control routes (`POST /update_weights`, `POST /abort`,
 `POST /handover`, `DELETE /sessions/{id}`) change what every client gets: the policy,
 a turn in flight, the tokens a session goes on from, a session's record. With a token
-set, they answer only a call whose `X-Control-Token` header holds it (401 otherwise).
+set, they answer only a call whose `X-Control-Token` header holds it (401 otherwise);
+`GET /control` is one that changes nothing, to check a token with.
 The gateway's routes (chat, messages, responses, generate, score, and the reads) take
 none: an agent given the gateway's address reaches the model, not its controls.
 
@@ -23,9 +24,6 @@ from typing import Optional
 
 ENV = "JAXAGENT_CONTROL_TOKEN"
 HEADER = "X-Control-Token"
-# The control routes, as "METHOD /path" (a session's path: its prefix).
-ROUTES = ("POST /update_weights", "POST /abort", "POST /handover", "DELETE /sessions/{id}",
-          "GET /control")  # (the last changes nothing: it checks a caller's token)
 
 
 def from_env() -> Optional[str]:

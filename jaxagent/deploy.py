@@ -198,8 +198,9 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
   learner = _container("learner", args.image, learner_cmd,
                        resources={"requests": tpu, "limits": tpu})
   # The token's hash on every pod that takes it: a new token (a deploy from another
-  # directory) changes their templates, so they restart with it together (a server kept
-  # the old one and refused the new learner's updates).
+  # directory) changes their templates, so the servers and the router restart with it
+  # (a server kept the old one and refused the new learner's updates); a JobSet's
+  # template cannot change: its learner is deleted and applied again.
   ruled: dict = {}
   if servers:  # (without, its in-process gateway makes its own token)
     token = control_token or control.new_token()

@@ -225,7 +225,8 @@ async def check_served(url: str, path: str, version: int) -> None:
   if served is not None and served != version:
     raise config_lib.ConfigError(
         f"--server {url} serves policy version {served}, not {path}'s {version}: "
-        "evaluate the export it serves, or load this one into it (POST /update_weights)")
+        "evaluate the export it serves, or load this one into it (POST /update_weights, "
+        "with the X-Control-Token header where it takes one)")
   from jaxagent.checkpoint import export_id
 
   mine = export_id(path)
@@ -233,8 +234,8 @@ async def check_served(url: str, path: str, version: int) -> None:
     raise config_lib.ConfigError(
         f"--server {url} serves another export of policy version {version} than {path} "
         f"(export id {served_id}, not {mine}: another run's, or this version exported "
-        "again): load this one into it (POST /update_weights), or evaluate the one it "
-        "serves")
+        "again): load this one into it (POST /update_weights, with the X-Control-Token "
+        "header where it takes one), or evaluate the one it serves")
 
 
 async def check_control(url: str) -> None:

@@ -388,7 +388,8 @@ def run_local(args) -> int:
     finally:  # (a caller in this process gets its own handlers back: a test after an
       # in-process launch found Ctrl-C ignored)
       for sig, handler in previous.items():
-        signal.signal(sig, handler)
+        if handler is not None:  # (None: one not set from Python, which it cannot restore)
+          signal.signal(sig, handler)
 
 
 def main(argv=None) -> int:

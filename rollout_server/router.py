@@ -51,6 +51,7 @@ from rollout_server.sessions import SessionStore, session_header, session_of
 
 log = logging.getLogger(__name__)
 
+FIRST_ROUND_WAIT_S = 15.0  # the longest a /health waits for the first round of checks
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
@@ -253,7 +254,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         if token_checked.get(backend, (None,))[0] != instance or instance is None:
           with contextlib.suppress(httpx.HTTPError):
             r = await client().get(f"{backend}/control", headers=ruling, timeout=5.0)
-            token_checked[backend] = (instance, r.status_code not in (401, 403))
+            # (only an answer about the token is kept: a 503 now is asked again, or a
+            # server restarted busy was never checked; 404: one without the route)
+            if r.status_code in (200, 401, 403, 404):
+              token_checked[backend] = (instance, r.status_code not in (401, 403))
         if not token_checked.get(backend, (None, True))[1]:
           why = "this router holds another"
     if why is not None and unruled.get(backend) != why:
@@ -294,6 +298,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                             for b, v in sorted(mix.items())))
 
   async def check(backend: str) -> None:
+    got = None
     try:
       r = await client().get(f"{backend}/health", timeout=5.0)
       got = r.json() if r.status_code == 200 else None
@@ -311,6 +316,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     except Exception:  # (any reply it cannot read is a backend not well: red team 14,
       # a JSON list killed the loop, and no backend was checked again)
       healthy[backend] = False
+    if not isinstance(got, dict):  # (down: whether it takes the token is not known now)
+      unruled.pop(backend, None)
 
   async def delete_missed(backend: str) -> bool:
     """The deletes `backend` missed, done (16 at a time); True when none is left. One it
@@ -325,12 +332,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return False
       if status in (200, 404):
         pass
-      elif status in (401, 403):
-        if backend not in unruled:  # (said once a backend, by rule_check's warning)
-          log.warning("router: %s refused to delete session %r (%d: it refuses this "
-                      "router's control token, %s): out of rotation until it takes the "
-                      "delete", backend, session_id, status, control.ENV)
-          unruled[backend] = f"HTTP {status}"
+      elif status in (401, 403):  # (its token is asked again at the next check, which
+        # says it once; the delete stays owed: out of rotation until it takes it)
+        token_checked.pop(backend, None)
         return False
       elif 400 <= status < 500 and status not in (408, 429):
         log.warning("router: %s refused to delete session %r (%d): left there",
@@ -346,9 +350,12 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return False
     return True
 
+  first_round = asyncio.Event()  # (set once every backend was checked)
+
   async def health_loop() -> None:
     while True:
       await asyncio.gather(*(check(b) for b in ring.backends), return_exceptions=True)
+      first_round.set()
       say_mixed()
       await asyncio.sleep(health_interval_s)
 
@@ -547,6 +554,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   @app.get("/health")
   async def health():
+    # (after the first round of checks: before it, every backend read healthy and none
+    # refusing the token, and a learner's start check passed a router it would fail at)
+    with contextlib.suppress(asyncio.TimeoutError):
+      await asyncio.wait_for(first_round.wait(), FIRST_ROUND_WAIT_S)
     ok = any(healthy.values())
     return JSONResponse({"status": "ok" if ok else "no healthy backend",
                          "healthy": sum(healthy.values()), "backends": len(ring.backends),
@@ -614,13 +625,15 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         for b in refused:  # live but stale: out of rotation until it catches up
           healthy[b] = False
       ok = bool(took) and not refused
-      answer = {"results": out, "version": policy["version"], "ok": ok}
+      answer: dict = {}
       ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
-      if ruled_out:  # (their own 401 says the call had no token: the router's had none)
+      if ruled_out:  # (their own 401 says the call had no token, or another: the router's;
+        # first, so that a client's cut of the body keeps it)
         answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
                             + ("it has none" if control_token is None else "it holds "
-                               "another") + f"): start the router with the servers' "
-                            f"{control.ENV}")
+                               "another") + f"): give the router (a learner's own: the "
+                            f"learner) the servers' {control.ENV}")
+      answer.update(results=out, version=policy["version"], ok=ok)
       return JSONResponse(answer, status_code=200 if ok else 502)
 
   @app.get("/sessions/{session_id:path}")
@@ -691,9 +704,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     for b, done in zip(asked, found):
       if done is None:  # (failed: a healthy backend kept the record; a reviewer)
         must_delete(b, session_id)
-    # (a backend out of rotation that refuses this router's token will never take the
-    # delete it is owed: said, as a refusal)
-    refused.update({b: unruled[b] for b in ring.backends if not healthy[b] and b in unruled})
+    # (one out of rotation takes the delete it is owed before it serves again; one that
+    # refuses the token stays out meanwhile)
     if refused:  # (said, not done: a record left there would be read as deleted)
       return JSONResponse({"detail": "the session's delete was refused by "
                                      + ", ".join(f"{b} ({c})" for b, c in refused.items())

@@ -289,6 +289,14 @@ def test_orbax_errors_keep_their_message_without_the_traceback():
                            (spec,), exc)
   assert f.filter(full)
   assert full.getMessage() == "RESOURCE_EXHAUSTED: No space left on device [os_error_code='28']"
+  from jaxagent.checkpoint import _TENSORSTORE_SPEC
+
+  # (the spec's quoted string and no further: a spec not ending in "}" took the cause
+  # with it up to another bracket's "}']", a reviewer; a repr's escaped quotes too)
+  assert _TENSORSTORE_SPEC.sub("", "A [tensorstore_spec='\"x\"'] CAUSE [other='{1}']") \
+      == "A CAUSE [other='{1}']"
+  assert _TENSORSTORE_SPEC.sub("", "B [tensorstore_spec=\\'{\\\\\"a\\\\\":1}\\'] CAUSE')>") \
+      == "B CAUSE')>"
   (g,) = [g for g in logging.getLogger("asyncio").filters if type(g).__name__.endswith("OneLine")]
   task = logging.LogRecord(
       "asyncio", logging.ERROR, os.path.join("x", "asyncio", "base_events.py"), 1,

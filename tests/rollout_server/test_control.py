@@ -281,3 +281,145 @@ def test_launch_gives_its_servers_and_learners_one_token_and_its_workers_none(
     assert len(tokens) == 1 and len(tokens.pop()) >= 40 if not shell else tokens == {shell}
     assert all(control.ENV not in c.env for c in workers)
     assert control.ENV not in os.environ or shell
+
+
+def _guarded_backend():
+  """A backend whose control routes take `state["token"]`, answering as `state["instance"]`
+  (a restart: a new one), with switches: `down` (its /health fails), `control_503` (its
+  GET /control answers 503); it keeps the headers each /generate came with."""
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse
+
+  state = {"token": TOKEN, "instance": "i1", "down": False, "control_503": False,
+           "headers": [], "records": {}}
+  app = FastAPI()
+
+  def allowed(request: Request) -> bool:
+    return request.headers.get(control.HEADER) == state["token"]
+
+  @app.get("/health")
+  async def health():
+    await asyncio.sleep(state.get("health_s", 0.0))  # (a loaded server answers late)
+    if state["down"]:
+      return JSONResponse({"status": "down"}, status_code=503)
+    return {"status": "ok", "version": 0, "instance": state["instance"], "control_token": True}
+
+  @app.get("/control")
+  async def check(request: Request):
+    if state["control_503"]:
+      return JSONResponse({"detail": "busy"}, status_code=503)
+    return JSONResponse({"control": "ok"}, status_code=200 if allowed(request) else 401)
+
+  @app.post("/generate")
+  async def generate(request: Request):
+    state["headers"].append({k.lower(): v for k, v in request.headers.items()})
+    sid = request.headers.get("x-session-id")
+    state["records"].setdefault(sid, []).append({"turn": len(state["records"].get(sid, [])),
+                                                 "recorded_at": time.time()})
+    return {"output_ids": [5], "finish_reason": "length"}
+
+  @app.get("/sessions/{sid}")
+  async def read(sid: str, since: int = 0):
+    if sid not in state["records"]:
+      return JSONResponse({"detail": "none"}, status_code=404)
+    turns = state["records"][sid]
+    return {"turns": turns[since:], "count": len(turns), "record_id": "r-" + sid}
+
+  @app.delete("/sessions/{sid}")
+  async def delete(sid: str, request: Request):
+    if not allowed(request):
+      return JSONResponse({"detail": "no"}, status_code=401)
+    found = state["records"].pop(sid, None) is not None
+    return JSONResponse({"deleted": found}, status_code=200 if found else 404)
+
+  return app, state
+
+
+def test_a_router_asks_again_a_server_restarted_with_another_token_and_owes_it_its_deletes():
+  """(A reviewer's mutations passed the tests above: a client's token passed on, a
+  restarted server's token never asked again, a delete it refused dropped.) A client's
+  token reaches no backend; a server restarted with another token (its first GET
+  /control a 503) is found out; a delete it refused while out of rotation stays owed,
+  and it stays out, until it takes the delete."""
+  app, state = _guarded_backend()
+
+  def until(test, what):
+    deadline = time.monotonic() + 20
+    while not test():
+      assert time.monotonic() < deadline, what
+      time.sleep(0.05)
+
+  with ServerThread(app) as backend, ServerThread(create_router(
+      [backend.url], control_token=TOKEN, health_interval_s=0.1)) as router:
+    c = httpx.Client(base_url=router.url, timeout=30)
+    health = lambda: c.get("/router/health").json()["backends"][0]["healthy"]  # noqa: E731
+    refusing = lambda: c.get("/health").json()["backends_need_token"]  # noqa: E731
+    assert c.post("/generate", json=BODY, headers={"X-Session-Id": "s",
+                                                   control.HEADER: "a-client's"}).status_code == 200
+    assert control.HEADER.lower() not in state["headers"][-1]  # (its own, not passed on)
+    assert refusing() == []
+
+    # Down, the session deleted through the router (owed there), back with another
+    # token: the delete is refused, and stays owed; the server stays out of rotation.
+    state["down"] = True
+    until(lambda: not health(), "the router never saw it down")
+    assert c.delete("/sessions/s", headers=RULED).status_code == 200
+    state.update(down=False, instance="i2", token="another", control_503=True)
+    time.sleep(0.5)
+    state["control_503"] = False  # (a 503 said nothing of the token: asked again)
+    until(lambda: refusing() == [backend.url], "a restarted server's token never asked")
+    time.sleep(0.5)
+    assert not health() and "s" in state["records"]
+    # Restarted with the run's token: it takes the delete and serves again.
+    state.update(instance="i3", token=TOKEN)
+    until(health, "the server never came back")
+    assert "s" not in state["records"] and refusing() == []
+    # Restarted again with another token and busy at first, no delete owed: its token is
+    # asked again once it answers about it.
+    state.update(instance="i4", token="another", control_503=True)
+    time.sleep(0.5)
+    state["control_503"] = False
+    until(lambda: refusing() == [backend.url], "a 503 was taken for the token's answer")
+
+
+def test_a_learner_meets_a_fresh_router_after_its_first_checks():
+  """A router's /health answered before its first round of checks: every backend healthy,
+  none refusing its token, so a learner's start check passed a router whose servers
+  refuse it (a reviewer). Its /health waits for that round."""
+  from rollout_server.client import GenerateError, HttpClient
+
+  app, state = _guarded_backend()
+  state["health_s"] = 0.5  # (the router's first round outlasts the learner's first look)
+
+  async def start(url):
+    client = HttpClient(url, control_token=TOKEN)
+    try:
+      await client.wait_ready(10)
+    finally:
+      await client.aclose()
+
+  with ServerThread(app) as backend:
+    for _ in range(3):  # (the in-process router of a learner: made just before its check)
+      with ServerThread(create_router([backend.url], health_interval_s=600)) as router:
+        with pytest.raises(GenerateError, match="cannot use its servers' control routes"):
+          asyncio.run(start(router.url))
+
+
+def test_the_guarded_routes_are_the_control_routes(random_params, tokenizer):
+  """Which routes take the token, on a server and a router: a route added without it, or
+  given it, shows here."""
+  from rollout_server.router import create_router
+
+  def guarded(app):
+    return {(method, r.path) for r in app.routes if getattr(r, "dependant", None)
+            and any(d.call.__name__ == "controlled" for d in r.dependant.dependencies)
+            for method in r.methods}
+
+  with running_server(random_params, tokenizer, control_token=TOKEN) as (srv, _):
+    server_app = srv.server.config.app
+    assert guarded(server_app) == {
+        ("POST", "/update_weights"), ("POST", "/abort"), ("POST", "/handover"),
+        ("DELETE", "/sessions/{session_id:path}"), ("GET", "/control")}
+  assert guarded(create_router(["http://127.0.0.1:9"], control_token=TOKEN)) == {
+      ("POST", "/update_weights"), ("DELETE", "/sessions/{session_id:path}"),
+      ("GET", "/control")}
