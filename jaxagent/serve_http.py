@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 import uvicorn
+from fastapi import Depends, Request
 from fastapi.exception_handlers import (http_exception_handler,
                                          request_validation_exception_handler)
 from fastapi.exceptions import RequestValidationError
@@ -75,6 +76,20 @@ def add_log_level(parser) -> None:
 # uvicorn's 5 s both closed at once, and a turn sent on a connection the server was
 # closing failed with a bare ReadError, its episode lost (red team 27).
 KEEP_ALIVE_S = 75
+
+
+def control_guard(token: Optional[str]) -> list:
+  """The `dependencies` of a control route of a server or router holding `token`
+  (`jaxagent.control`): a call without it is a 401, before its body's fields are
+  checked."""
+  from jaxagent import control
+
+  async def controlled(request: Request) -> None:
+    given = request.headers.get(control.HEADER)
+    if not control.allows(token, given):
+      raise HTTPException(401, control.refusal(given))
+
+  return [Depends(controlled)]
 
 
 def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:

@@ -301,8 +301,8 @@ class HttpClient:
   async def wait_ready(self, timeout_s: float, say=print) -> None:
     """Returns once the server (or a router with a healthy backend) answers /health with
     200; says once that it waits; GenerateError after `timeout_s`, or at once when its
-    control routes take a token and this client has none (its first update would be
-    refused)."""
+    control routes refuse this client's token, none or another, or (a router) its
+    servers refuse the router's (its first update would be refused)."""
     deadline, said, last = time.monotonic() + timeout_s, False, ""
     while True:
       try:
@@ -310,7 +310,11 @@ class HttpClient:
         if r.status_code == 200:
           if said:
             say(f"{self.url} is ready")
-          problem = await control_problem(self._client, self.url, r.json(),
+          try:
+            health = r.json()
+          except ValueError:  # (not a server of ours: its first call will say)
+            health = None
+          problem = await control_problem(self._client, self.url, health,
                                           self.control_token)
           if problem:
             raise GenerateError(problem, "request_refused")

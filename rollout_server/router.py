@@ -38,12 +38,12 @@ from typing import Optional, Sequence
 from urllib.parse import quote, unquote
 
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxagent import control
 from jaxagent.config import ServerConfig
-from jaxagent.serve_http import BodyLimit, client_gone
+from jaxagent.serve_http import BodyLimit, client_gone, control_guard
 from jaxagent.tls import shared_tls
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import openai_error
@@ -566,20 +566,16 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                          "backends_need_token": sorted(unruled)},
                         status_code=200 if ok else 503)
 
-  async def controlled(request: Request) -> None:
-    """A control route's guard (before its body's fields are checked)."""
-    given = request.headers.get(control.HEADER)
-    if not control.allows(control_token, given):
-      raise HTTPException(401, control.refusal(given))
+  guarded = control_guard(control_token)
 
-  @app.get("/control", dependencies=[Depends(controlled)])
+  @app.get("/control", dependencies=guarded)
   async def control_check():
     """A control call that changes nothing: whether the caller's token is this router's
     (200, else 401), and the backends that refuse the router's own."""
     return {"control": "ok", "control_token": control_token is not None,
             "backends_need_token": sorted(unruled)}
 
-  @app.post("/update_weights", dependencies=[Depends(controlled)])
+  @app.post("/update_weights", dependencies=guarded)
   async def update_all(request: Request):
     """Sends the update to every healthy backend. 200 when all of them took it (one that
     died meanwhile is left out of rotation and catches up when it returns); a backend
@@ -662,7 +658,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "turns": got[0], "count": got[1], "record_id": got[2]}
 
-  @app.delete("/sessions/{session_id:path}", dependencies=[Depends(controlled)])
+  @app.delete("/sessions/{session_id:path}", dependencies=guarded)
   async def delete_session(session_id: str):
     """Deletes the session here and on every live backend: one that ran its turns may
     hold them though this router does not know it (a restarted router, a copy evicted),

@@ -38,16 +38,15 @@ import time
 import uuid
 from typing import Annotated, Literal, Optional, Union
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request as HttpRequest
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxagent import control
 from jaxagent.config import ServerConfig
 from jaxagent.errors import PROMPT_TOO_LONG
-from jaxagent.serve_http import BodyLimit, name_deep_bodies, client_gone
+from jaxagent.serve_http import BodyLimit, client_gone, control_guard, name_deep_bodies
 from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, tool_names
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn, Name,
@@ -370,13 +369,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         (on or orch).abort(req.request_id)
         disconnects.inc()
 
-  async def controlled(request: HttpRequest) -> None:
-    """A control route's guard (before its body's fields are checked)."""
-    given = request.headers.get(control.HEADER)
-    if not control.allows(control_token, given):
-      raise HTTPException(401, control.refusal(given))
-
-  guarded = [Depends(controlled)]
+  guarded = control_guard(control_token)
 
   @app.exception_handler(ValueError)
   async def value_error(_request, exc: ValueError):
