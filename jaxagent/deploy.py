@@ -130,10 +130,15 @@ def _mount_bucket(pod: dict, container: dict, bucket: str) -> None:
   container.setdefault("volumeMounts", []).append({"name": "runs", "mountPath": "/runs"})
 
 
+def _control_secret(run: str) -> str:
+  """The name of the Secret that holds the run's control token."""
+  return f"{run}-control"
+
+
 def _control_env(run: str) -> list[dict]:
   """A container's JAXAGENT_CONTROL_TOKEN, from the run's Secret."""
   return [{"name": control.ENV, "valueFrom": {"secretKeyRef": {
-      "name": f"{run}-control", "key": "token"}}}]
+      "name": _control_secret(run), "key": "token"}}}]
 
 
 def kept_token(out_dir: str, run: str) -> str | None:
@@ -144,7 +149,7 @@ def kept_token(out_dir: str, run: str) -> str | None:
   try:
     with open(os.path.join(out_dir, "control-secret.yaml")) as f:
       secret = yaml.safe_load(f)
-    if secret["metadata"]["name"] == f"{run}-control":
+    if secret["metadata"]["name"] == _control_secret(run):
       return str(secret["stringData"]["token"]) or None
   except (OSError, yaml.YAMLError, KeyError, TypeError):
     pass
@@ -206,7 +211,7 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
     token = control_token or control.new_token()
     learner["env"] = _control_env(run)
     out["control-secret.yaml"] = {
-        "apiVersion": "v1", "kind": "Secret", "metadata": meta(f"{run}-control", "control"),
+        "apiVersion": "v1", "kind": "Secret", "metadata": meta(_control_secret(run), "control"),
         "type": "Opaque", "stringData": {"token": token}}
     ruled = {"jaxagent/control-token-sha256": hashlib.sha256(token.encode()).hexdigest()[:16]}
   pod = {
