@@ -96,9 +96,14 @@ def _ascii_alike() -> dict[int, str]:
 
 def _as_read(name: str) -> str:
   """`name` as a reader sees it: invisible characters dropped, a dot above an i or a j
-  (drawn as its own dot) dropped, letters drawn like ASCII ones taken for them."""
+  (drawn as its own dot) dropped, marks other than the Latin accents (U+0300-U+036F,
+  which prose's words hold and a reader sees) dropped (a Khitan filler, a joiner: drawn
+  as nothing or a speck, and not all Default_Ignorable; red team 31), letters drawn like
+  ASCII ones taken for them."""
   name = _INVISIBLE.sub("", unicodedata.normalize("NFD", name))
   name = re.sub("(?<=[ijıȷ])\u0307", "", name)
+  name = "".join(c for c in name if not (unicodedata.category(c) in ("Mn", "Me", "Cf")
+                                         and not "\u0300" <= c <= "\u036f"))
   return unicodedata.normalize("NFC", name).translate(_ascii_alike())
 
 
@@ -209,7 +214,10 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   version of the first, hard-coded one the tests call). A `.py` file's own names must
   be ASCII. What its strings hold as Python, and other files (a loader may run them,
   or a slice of them), may use names of any script, but not one that reads as another
-  name of these files, a builtin or a keyword: prose is not refused for its words."""
+  name of these files, a builtin or a keyword, nor two spellings that read as one ASCII
+  name of two characters or more (`сheck` with a Cyrillic с and `chеck` with a Cyrillic
+  е, where no plain `check` is written: red team 31): prose is not refused for its words
+  (a Cyrillic о and a Greek ο, one letter each, are prose's)."""
   ascii_names = set(dir(builtins)) | set(keyword.kwlist)
   elsewhere, budget = [], [MAX_CHECKED_CHARS]
   for name, text in files.items():
@@ -223,11 +231,17 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
       own, held = [], own + held
     ascii_names.update(n for n in own + held if n.isascii())
     elsewhere += [(name, n) for n in held if not n.isascii()]
+  twins: dict[str, str] = {}  # an ASCII reading -> the first spelling read so
   for name, odd in elsewhere:
     seen = _as_read(odd)
     if seen != odd and seen in ascii_names:
       return (f"{name}: the name {ascii(odd)} reads as {seen!r}, another name (a look-alike "
               "a judge would take for it); write names in ASCII")
+    if len(seen) > 1 and seen.isascii():
+      twin = twins.setdefault(seen, odd)
+      if twin != odd:
+        return (f"{name}: the names {ascii(twin)} and {ascii(odd)} both read as {seen!r} "
+                "(look-alikes a judge would take for one name); write names in ASCII")
   return None
 
 
@@ -373,7 +387,7 @@ class PythonTests(Env):
   # trial division, sentinel starts, sentinels the text may hold, negative shifts past a
   # wrap, title case for upper case, palindromes keeping '_' or symbols, a rounded exact
   # conversion, a dropped newline, floats through range(), a look-back of 9).
-  version = "12"
+  version = "13"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True
