@@ -4,7 +4,12 @@
   POST   /sessions/{id}/step        {"action": "..."}  -> StepResult
   POST   /sessions/{id}/verify                         -> Verdict
   DELETE /sessions/{id}
+  GET    /access                                       -> {"ok": true} (checks a token)
   GET    /health, GET /metrics (Prometheus)
+
+With JAXAGENT_ENV_TOKEN set (the run's environment token, `jaxagent.control`: another
+than the servers' control token), the session routes and /access answer only a call
+whose X-Env-Token header holds it (401 otherwise); /health and /metrics are open.
 
 A cap on sessions and on calls running at once, and a deadline per call on its
 own work: a call past it answers 504 and its session is closed (its state is
@@ -58,7 +63,7 @@ from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observati
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        failure, json_safe, load_modules, make)
 from envs.loopwatch import LoopWatch
-from jaxagent.serve_http import BodyLimit, client_gone, name_deep_bodies
+from jaxagent.serve_http import BodyLimit, client_gone, control_guard, name_deep_bodies
 from jaxagent.errors import InfraError
 from jaxagent.tls import shared_tls
 
@@ -116,8 +121,14 @@ class _NoTurn(Exception):
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
                max_concurrent_calls: int = 32, deadline_s: float = 60.0,
                idle_timeout_s: float = 300.0, max_idle_timeout_s: float = 7200.0,
-               max_body_bytes: int = 8 << 20) -> FastAPI:
+               max_body_bytes: int = 8 << 20, token: Optional[str] = None) -> FastAPI:
+  """The worker's app. With `token` (the run's JAXAGENT_ENV_TOKEN, `jaxagent.control`),
+  its session routes answer only a call whose X-Env-Token header holds it."""
+  from jaxagent import control
+
   resources = resources or EnvResources()
+  token = token or None  # (blank is none)
+  access = control_guard(token, control.ENVS)
   sessions: dict[str, _Session] = {}
   calls = asyncio.Semaphore(max_concurrent_calls)
   call_wall_s = WALL_FACTOR * deadline_s  # told to clients in every answer
@@ -272,14 +283,19 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   @app.get("/health")
   async def health():
     return {"status": "ok", "sessions": len(sessions), "max_sessions": max_sessions,
-            "call_wall_s": call_wall_s}
+            "call_wall_s": call_wall_s, "env_token": token is not None}
+
+  @app.get("/access", dependencies=access)
+  async def check_access():
+    """A guarded call that changes nothing: a client checks its token with it."""
+    return {"ok": True}
 
   @app.get("/metrics")
   async def metrics():
     return PlainTextResponse(generate_latest(registry).decode(),
                              media_type="text/plain; version=0.0.4")
 
-  @app.post("/sessions")
+  @app.post("/sessions", dependencies=access)
   async def create(body: CreateBody, http: Request):
     await reap_idle()
     # (the sessions starting count: a limit checked before the resets' awaits let 12
@@ -341,7 +357,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return {"session_id": sid, "observation": dataclasses.asdict(obs), **waited,
             "call_wall_s": call_wall_s}
 
-  @app.post("/sessions/{sid}/step")
+  @app.post("/sessions/{sid}/step", dependencies=access)
   async def step(sid: str, body: StepBody):
     s = get(sid)
 
@@ -352,7 +368,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     result, waited = await guarded("step", sid, run)
     return {**json_safe(dataclasses.asdict(result)), **waited, "call_wall_s": call_wall_s}
 
-  @app.post("/sessions/{sid}/verify")
+  @app.post("/sessions/{sid}/verify", dependencies=access)
   async def verify(sid: str):
     s = get(sid)
 
@@ -363,7 +379,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     verdict, waited = await guarded("verify", sid, run)
     return {**verdict.to_dict(), **waited, "call_wall_s": call_wall_s}
 
-  @app.get("/sessions/{sid}/waits")
+  @app.get("/sessions/{sid}/waits", dependencies=access)
   async def session_waits(sid: str):
     """The waits on shared infrastructure of the session's latest call, running or not
     (an agent whose deadline passed during a call asks how much of it was waiting)."""
@@ -371,7 +387,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return {"session_id": sid, **waits_of(s.clock),
             "running": s.call is not None and not s.call.done(), "call": s.n_calls}
 
-  @app.delete("/sessions/{sid}")
+  @app.delete("/sessions/{sid}", dependencies=access)
   async def delete(sid: str):
     get(sid)
     await close_session(sid)
@@ -406,15 +422,19 @@ class RemoteEnv:
   A call waits `timeout_s` for its answer, or longer for a worker whose calls may take
   longer (its `call_wall_s`, in every answer, learnt per worker URL): a worker started
   with a long `--deadline-s` answers a slow call itself instead of the client giving up
-  on a call that was within its deadline."""
+  on a call that was within its deadline. Its calls carry `token` (None: this
+  process's JAXAGENT_ENV_TOKEN, `jaxagent.control`)."""
 
   # Per worker URL, the longest a call may take there (WALL_FACTOR deadlines).
   _call_walls: dict[str, float] = {}
 
   def __init__(self, url: str, *, timeout_s: float = 180.0,
                client: Optional[httpx.AsyncClient] = None,
-               idle_timeout_s: Optional[float] = None):
+               idle_timeout_s: Optional[float] = None, token: Optional[str] = None):
+    from jaxagent import control
+
     self.url = url.rstrip("/")
+    self._headers = control.ENVS.headers(token or control.ENVS.from_env())
     self.timeout_s = timeout_s
     # How long the worker keeps the session between calls (its own default if None): an
     # episode's agent asks for its wall time, the longest its policy's turns can take.
@@ -439,6 +459,7 @@ class RemoteEnv:
     wall = self._call_walls.get(self.url, 0.0)
     if wall + CALL_MARGIN_S > self.timeout_s:
       kw.setdefault("timeout", wall + CALL_MARGIN_S)
+    kw.setdefault("headers", self._headers)
     try:
       r = await self._client.request(method, self.url + path, **kw)
     except httpx.HTTPError as e:
@@ -545,6 +566,38 @@ class RemoteEnv:
   aclose = close
 
 
+def access_problem(urls, token: Optional[str], timeout_s: float = 5.0) -> Optional[str]:
+  """What stops a process holding the environment token `token` from opening sessions on
+  the workers at `urls` (their `GET /access`): one whose token it lacks or holds another
+  of. None: nothing it can tell (a worker not up yet is left to its episodes' calls)."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  from jaxagent import control
+
+  key = control.ENVS
+
+  def ask(url: str) -> Optional[str]:
+    url = url.rstrip("/")
+    try:
+      with httpx.Client(timeout=timeout_s, verify=shared_tls()) as client:
+        r = client.get(f"{url}/access", headers=key.headers(token))
+    except httpx.HTTPError:
+      return None
+    if r.status_code not in (401, 403):
+      return None
+    if not token:
+      return (f"environment worker {url} takes a token ({key.header}) on its session "
+              f"routes and this process has none: give it the workers' {key.env}")
+    return (f"environment worker {url} refuses this process's token: its {key.env} "
+            "differs from the workers'")
+
+  urls = list(dict.fromkeys(urls))
+  if not urls:
+    return None
+  with ThreadPoolExecutor(min(16, len(urls))) as pool:
+    return next((p for p in pool.map(ask, urls) if p), None)
+
+
 def main(argv=None) -> int:
   from jaxagent.cli_args import positive_float, positive_int
   from jaxagent.serve_http import add_log_level, listen_or_say, serve
@@ -591,6 +644,7 @@ def main(argv=None) -> int:
   add_log_level(p)
   args = p.parse_args(argv)
   from envs.sandbox import IsolationUnavailable
+  from jaxagent import control
 
   try:
     names = load_modules(args.imports)
@@ -626,11 +680,13 @@ def main(argv=None) -> int:
           "buffers they hold; give the worker a delegated cgroup (--cgroup) or run it "
           "where a memory limit of its own contains it (docs/environments.md)",
           file=sys.stderr, flush=True)
+  token = control.ENVS.from_env()
+  print(f"envs.server: {control.ENVS.describe(token)}", file=sys.stderr, flush=True)
   app = create_app(resources, max_sessions=args.max_sessions,
                    max_concurrent_calls=args.max_concurrent_calls, deadline_s=args.deadline_s,
                    idle_timeout_s=args.idle_timeout_s,
                    max_idle_timeout_s=args.max_idle_timeout_s,
-                   max_body_bytes=args.max_body_bytes)
+                   max_body_bytes=args.max_body_bytes, token=token)
   from jaxagent.pools import busy_calls, end_process
 
   code = 0

@@ -1,4 +1,5 @@
-"""The run's control token: who may change what a rollout server serves.
+"""The run's tokens: who may change what a rollout server serves, and who may open
+sessions on an environment worker.
 
 A server's and a router's control routes (`POST /update_weights`, `POST /abort`,
 `POST /handover`, `DELETE /sessions/{id}`) change what every client gets: the policy,
@@ -8,27 +9,68 @@ set, they answer only a call whose `X-Control-Token` header holds it (401 otherw
 The gateway's routes (chat, messages, responses, generate, score, and the reads) take
 none: an agent given the gateway's address reaches the model, not its controls.
 
-The token is the environment variable JAXAGENT_CONTROL_TOKEN of the servers, the
-router and the learner: `python -m jaxagent.launch local` makes a fresh one for the
-processes it starts, a GKE deploy keeps one in a Secret, and a training run's
-in-process gateway makes its own. Unset, a server's control routes are open, and it
-says so when it starts. Standard library only (a client imports it).
+An environment worker's session routes (`/sessions...`) run the policy's code in its
+sandboxes: with a token of its own set (`JAXAGENT_ENV_TOKEN`, header `X-Env-Token`),
+they answer only the run's learners; `GET /access` checks it. It is another token than
+the servers': a worker holds the environments' token, never the policy's controls.
+
+Each token is an environment variable of the processes that share it: `python -m
+jaxagent.launch local` makes fresh ones for the processes it starts, a GKE deploy keeps
+them in Secrets, and a training run's in-process gateway makes its own control token.
+Unset, the routes are open, and a server or worker says so when it starts. Standard
+library only (a client imports it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 import secrets
 from typing import Optional
 
-ENV = "JAXAGENT_CONTROL_TOKEN"
-HEADER = "X-Control-Token"
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+  """One of the run's tokens: the variable that gives it, the header a call carries it
+  in, the routes it guards and who shares it (for the messages)."""
+
+  env: str
+  header: str
+  routes: str
+  holders: str
+
+  def from_env(self) -> Optional[str]:
+    """The token the environment gives this process (None: unset or blank)."""
+    return os.environ.get(self.env, "").strip() or None
+
+  def headers(self, token: Optional[str]) -> dict:
+    """The headers a guarded call carries (none without a token)."""
+    return {self.header: token} if token else {}
+
+  def refusal(self, given: Optional[str]) -> str:
+    """What a refused call is told (never the token)."""
+    why = "has no" if given is None else "holds the wrong"
+    return (f"{self.routes}: the call {why} {self.header} header; {self.holders} share "
+            f"the token in {self.env}")
+
+  def describe(self, token: Optional[str]) -> str:
+    """One line for a process's start: whether its guarded routes are."""
+    if token:
+      return f"{self.routes}s take the {self.header} header ({self.env})"
+    return (f"{self.routes}s are open ({self.env} unset or blank): serve only where the "
+            "run's own processes reach")
 
 
-def from_env() -> Optional[str]:
-  """The token the environment gives this process (None: unset or blank)."""
-  return os.environ.get(ENV, "").strip() or None
+CONTROL = Key("JAXAGENT_CONTROL_TOKEN", "X-Control-Token", "control route",
+              "the run's processes")
+ENVS = Key("JAXAGENT_ENV_TOKEN", "X-Env-Token", "environment session route",
+           "the run's learners and environment workers")
+
+# The control token's, as its callers name them.
+ENV, HEADER = CONTROL.env, CONTROL.header
+from_env, headers, refusal, describe = (CONTROL.from_env, CONTROL.headers, CONTROL.refusal,
+                                        CONTROL.describe)
 
 
 def new_token() -> str:
@@ -36,30 +78,10 @@ def new_token() -> str:
   return secrets.token_urlsafe(32)
 
 
-def headers(token: Optional[str]) -> dict:
-  """The headers a control call carries (none without a token)."""
-  return {HEADER: token} if token else {}
-
-
 def allows(token: Optional[str], given: Optional[str]) -> bool:
-  """Whether a call carrying `given` may use a control route of a process holding
+  """Whether a call carrying `given` may use a guarded route of a process holding
   `token` (any call, where it holds none). Compared in constant time."""
   if not token:
     return True
   return given is not None and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                                    token.encode("utf-8", "surrogateescape"))
-
-
-def refusal(given: Optional[str]) -> str:
-  """What a refused control call is told (never the token)."""
-  why = "has no" if given is None else "holds the wrong"
-  return (f"control route: the call {why} {HEADER} header; the run's processes share "
-          f"the token in {ENV}")
-
-
-def describe(token: Optional[str]) -> str:
-  """One line for a server's start: whether its control routes are guarded."""
-  if token:
-    return f"control routes take the {HEADER} header ({ENV})"
-  return (f"control routes are open ({ENV} unset or blank): serve only where the run's "
-          "own processes reach")

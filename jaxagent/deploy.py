@@ -15,8 +15,10 @@ Writes one YAML file per resource into DIR (`kubectl apply -f DIR`):
   stable names (a headless Service) on an accelerator node pool;
 - `router-deployment.yaml` + `router-service.yaml`: the session router over them;
 - `control-secret.yaml`: the run's control token (`jaxagent.control`), which the
-  learner, the servers and the router take as JAXAGENT_CONTROL_TOKEN; made once, and
-  kept by a later deploy into the same directory (the file is the owner's alone);
+  learner, the servers and the router take as JAXAGENT_CONTROL_TOKEN, and
+  `env-secret.yaml`: its environment token, which the learner and the environment
+  workers take as JAXAGENT_ENV_TOKEN; each made once, and kept by a later deploy into
+  the same directory (the files are the owner's alone);
 - `env-statefulset.yaml` + `env-service.yaml`: M environment workers on the CPU
   pool (stateful sessions, so each has a stable name the learner lists), with the
   capability bubblewrap needs to build its sandboxes.
@@ -130,36 +132,51 @@ def _mount_bucket(pod: dict, container: dict, bucket: str) -> None:
   container.setdefault("volumeMounts", []).append({"name": "runs", "mountPath": "/runs"})
 
 
-def _control_secret(run: str) -> str:
-  """The name of the Secret that holds the run's control token."""
-  return f"{run}-control"
+# The run's tokens (`jaxagent.control`): each one's Secret's file, the end of its name
+# (`{run}-{end}`), and the annotation of its hash on the pods that take it.
+SECRETS = {control.CONTROL: ("control-secret.yaml", "control", "jaxagent/control-token-sha256"),
+           control.ENVS: ("env-secret.yaml", "env-token", "jaxagent/env-token-sha256")}
 
 
-def _control_env(run: str) -> list[dict]:
-  """A container's JAXAGENT_CONTROL_TOKEN, from the run's Secret."""
-  return [{"name": control.ENV, "valueFrom": {"secretKeyRef": {
-      "name": _control_secret(run), "key": "token"}}}]
+def _secret(run: str, key: control.Key) -> str:
+  """The name of the Secret that holds the run's token `key`."""
+  return f"{run}-{SECRETS[key][1]}"
 
 
-def kept_token(out_dir: str, run: str) -> str | None:
-  """The control token an earlier deploy of `run` wrote into `out_dir` (a token made
-  anew would differ from the one the running pods took)."""
+def _token_env(run: str, *keys: control.Key) -> list[dict]:
+  """A container's token variables, each from the run's Secret."""
+  return [{"name": key.env, "valueFrom": {"secretKeyRef": {
+      "name": _secret(run, key), "key": "token"}}} for key in keys]
+
+
+def _token_hash(key: control.Key, token: str) -> dict:
+  """The pod annotation that changes with the token a pod takes (so a new one restarts
+  the pods that take it)."""
+  return {SECRETS[key][2]: hashlib.sha256(token.encode()).hexdigest()[:16]}
+
+
+def kept_tokens(out_dir: str, run: str) -> dict:
+  """The tokens (`control.Key` -> token) an earlier deploy of `run` wrote into `out_dir`
+  (a token made anew would differ from the one the running pods took)."""
   import yaml
 
-  try:
-    with open(os.path.join(out_dir, "control-secret.yaml")) as f:
-      secret = yaml.safe_load(f)
-    if secret["metadata"]["name"] == _control_secret(run):
-      return str(secret["stringData"]["token"]) or None
-  except (OSError, yaml.YAMLError, KeyError, TypeError):
-    pass
-  return None
+  kept = {}
+  for key, (name, _, _) in SECRETS.items():
+    try:
+      with open(os.path.join(out_dir, name)) as f:
+        secret = yaml.safe_load(f)
+      if secret["metadata"]["name"] == _secret(run, key) and secret["stringData"]["token"]:
+        kept[key] = str(secret["stringData"]["token"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+      pass
+  return kept
 
 
-def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
+def manifests(cfg: config_lib.RunConfig, args, tokens: dict | None = None
               ) -> dict[str, dict]:
   """File name -> Kubernetes object, for the run `cfg` with the CLI's `args`; with
-  servers, the run's control token (`control_token`, or a new one) in a Secret."""
+  servers, the run's control token, with environment workers its environment token, each
+  in a Secret (`tokens`' where it holds one, `control.Key` -> token, or a new one)."""
   from omegaconf import OmegaConf
 
   from jaxagent.launch import server_config, without_served_models
@@ -202,18 +219,25 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
   tpu = {"google.com/tpu": str(sl.chips_per_host)}
   learner = _container("learner", args.image, learner_cmd,
                        resources={"requests": tpu, "limits": tpu})
-  # The token's hash on every pod that takes it: a new token (a deploy from another
-  # directory) changes their templates, so the servers and the router restart with it
-  # (a server kept the old one and refused the new learner's updates); a JobSet's
-  # template cannot change: its learner is deleted and applied again.
-  ruled: dict = {}
-  if servers:  # (without, its in-process gateway makes its own token)
-    token = control_token or control.new_token()
-    learner["env"] = _control_env(run)
-    out["control-secret.yaml"] = {
-        "apiVersion": "v1", "kind": "Secret", "metadata": meta(_control_secret(run), "control"),
-        "type": "Opaque", "stringData": {"token": token}}
-    ruled = {"jaxagent/control-token-sha256": hashlib.sha256(token.encode()).hexdigest()[:16]}
+  # The tokens: the control token where there are servers (without, the learner's
+  # in-process gateway makes its own), the environment token where there are workers.
+  # Each token's hash on every pod that takes it: a new token (a deploy from another
+  # directory) changes their templates, so the servers, the router and the workers
+  # restart with it (a server kept the old one and refused the new learner's updates); a
+  # JobSet's template cannot change: its learner is deleted and applied again.
+  hashes: dict = {}
+  for key, wanted in ((control.CONTROL, servers), (control.ENVS, envs)):
+    if not wanted:
+      continue
+    token = (tokens or {}).get(key) or control.new_token()
+    out[SECRETS[key][0]] = {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": {"token": token},
+        "metadata": meta(_secret(run, key), SECRETS[key][1])}
+    hashes[key] = _token_hash(key, token)
+  if hashes:
+    learner["env"] = _token_env(run, *hashes)
+  ruled = hashes.get(control.CONTROL, {})
+  learner_hashes = {k: v for h in hashes.values() for k, v in h.items()}
   pod = {
       "restartPolicy": "Never",
       "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": sl.accelerator,
@@ -236,7 +260,7 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
                   "parallelism": sl.hosts, "completions": sl.hosts,
                   "completionMode": "Indexed", "backoffLimit": 0,
                   "template": {"metadata": {"labels": _labels("learner", run),
-                                            "annotations": {**_FUSE, **ruled}},
+                                            "annotations": {**_FUSE, **learner_hashes}},
                                "spec": pod}}}}]}}
 
   gpu = ({"nvidia.com/gpu": "1"} if args.server_accelerator.startswith("nvidia") else {})
@@ -248,12 +272,13 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
                                            "limits": gpu} if gpu else
                                 {"requests": {"cpu": "4", "memory": "16Gi"}})],
       "volumes": [_config_volume(run)]}
-  server_pod["containers"][0]["env"] = _control_env(run)
+  server_pod["containers"][0]["env"] = _token_env(run, control.CONTROL)
   if gpu:
     server_pod["nodeSelector"] = {"cloud.google.com/gke-accelerator": args.server_accelerator}
   _mount_bucket(server_pod, server_pod["containers"][0], bucket)
   if not servers:  # (the learner serves its rollouts itself)
-    return _env_workers(out, cfg, args, run, meta, envs, env_svc, env_port)
+    return _env_workers(out, cfg, args, run, meta, envs, env_svc, env_port,
+                        hashes.get(control.ENVS))
   out["rollout-statefulset.yaml"] = _statefulset(
       meta(f"{run}-rollout", "rollout"), rollout_svc, args.servers, server_pod,
       _labels("rollout", run), annotations={**_FUSE, **ruled})
@@ -265,7 +290,7 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
       ["python", "-m", "rollout_server.router", "--backends", ",".join(servers),
        "--host", "0.0.0.0", "--port", str(router_port)], port=router_port,
       resources={"requests": {"cpu": "1", "memory": "1Gi"}}, mount_config=False)]}
-  router_pod["containers"][0]["env"] = _control_env(run)
+  router_pod["containers"][0]["env"] = _token_env(run, control.CONTROL)
   out["router-deployment.yaml"] = {
       "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"{run}-router", "router"),
       "spec": {"replicas": 1, "selector": {"matchLabels": _labels("router", run)},
@@ -277,12 +302,15 @@ def manifests(cfg: config_lib.RunConfig, args, control_token: str | None = None
       "spec": {"selector": _labels("router", run),
                "ports": [{"name": "http", "port": router_port, "targetPort": router_port}]}}
 
-  return _env_workers(out, cfg, args, run, meta, envs, env_svc, env_port)
+  return _env_workers(out, cfg, args, run, meta, envs, env_svc, env_port,
+                      hashes.get(control.ENVS))
 
 
 def _env_workers(out: dict, cfg: config_lib.RunConfig, args, run: str, meta, envs: list,
-                 env_svc: str, env_port: int) -> dict:
-  """Adds the environment workers' StatefulSet and Service to `out` (none for none)."""
+                 env_svc: str, env_port: int, token_hash: dict | None) -> dict:
+  """Adds the environment workers' StatefulSet and Service to `out` (none for none):
+  they take the environment token (never the control token: they run the policy's
+  code), `token_hash` its annotation."""
   if not envs:  # (the learner runs its environments itself)
     return out
   env_cmd = ["python", "-m", "envs.server", "--host", "0.0.0.0", "--port", str(env_port),
@@ -297,10 +325,12 @@ def _env_workers(out: dict, cfg: config_lib.RunConfig, args, run: str, meta, env
   # bubblewrap builds user, mount and PID namespaces for each sandbox.
   env_container["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]},
                                       "seccompProfile": {"type": "Unconfined"}}
+  env_container["env"] = _token_env(run, control.ENVS)
   env_pod = {"containers": [env_container],
              "nodeSelector": {"cloud.google.com/gke-nodepool": args.cpu_pool}}
   out["env-statefulset.yaml"] = _statefulset(meta(f"{run}-env", "env"), env_svc,
-                                             args.env_workers, env_pod, _labels("env", run))
+                                             args.env_workers, env_pod, _labels("env", run),
+                                             annotations=token_hash)
   out["env-service.yaml"] = _headless(meta(env_svc, "env"), _labels("env", run), env_port)
   return out
 
@@ -339,14 +369,18 @@ def xpk_command(cfg: config_lib.RunConfig, args, objects: dict) -> str:
   cmd = shlex.join([*learner[:at + 1], args.config, *learner[at + 2:], *args.overrides])
   xpk = (f"xpk workload create --cluster CLUSTER --workload {run}-learner "
          f"--tpu-type {sl.name} --num-slices 1 --docker-image {args.image} --command ")
-  if "control-secret.yaml" not in objects:
+  held = [(key, objects[name]["metadata"]) for key, (name, _, _) in SECRETS.items()
+          if name in objects]
+  if not held:
     return xpk + shlex.quote(cmd)
-  # xpk's pod does not mount the Secret: the command takes the token from it where it is
-  # typed (never printed here), and stops there when the Secret is not applied yet.
-  secret = objects["control-secret.yaml"]["metadata"]
-  return (f"T=$(kubectl get secret {secret['name']} -n {secret['namespace']} "
-          "-o jsonpath='{.data.token}' | base64 -d) && test -n \"$T\" && "
-          + xpk + f'"{control.ENV}=$T "' + shlex.quote(cmd))
+  # xpk's pod does not mount the Secrets: the command takes each token from its Secret
+  # where it is typed (never printed here), and stops there when one is not applied yet.
+  reads = " && ".join(
+      f"T{i}=$(kubectl get secret {secret['name']} -n {secret['namespace']} "
+      f"-o jsonpath='{{.data.token}}' | base64 -d) && test -n \"$T{i}\""
+      for i, (_, secret) in enumerate(held))
+  given = " ".join(f"{key.env}=$T{i}" for i, (key, _) in enumerate(held))
+  return f'{reads} && {xpk}"{given} "' + shlex.quote(cmd)
 
 
 def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
@@ -377,7 +411,7 @@ def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
 # Every manifest `gke` may write (with servers and env workers).
 MANIFESTS = {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
              "rollout-service.yaml", "router-deployment.yaml", "router-service.yaml",
-             "control-secret.yaml",
+             "control-secret.yaml", "env-secret.yaml",
              "env-statefulset.yaml", "env-service.yaml"}
 
 
@@ -427,24 +461,25 @@ def main(argv=None) -> int:
     # The learner's checks, with the services it will be given (the router, the workers):
     # a config the learner refuses would fail in the cluster, restarts and all.
     check_with_services(cfg, 1 if args.servers else 0, args.env_workers)
-    objects = manifests(cfg, args, kept_token(args.out, run_name(cfg)))
+    objects = manifests(cfg, args, kept_tokens(args.out, run_name(cfg)))
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for path in write(args.out, objects):
     print(path)
   print(f"apply: kubectl apply -f {args.out}")
-  if "control-secret.yaml" not in objects:
+  secrets = [os.path.join(args.out, s[0]) for s in SECRETS.values() if s[0] in objects]
+  if not secrets:
     print(f"or, with xpk (the bucket mounted at /runs): {xpk_command(cfg, args, objects)}")
     return 0
-  secret = os.path.join(args.out, "control-secret.yaml")
-  print(f"{secret} holds the run's control token (readable by you alone): keep it out of "
-        "version control")
+  print(f"{' and '.join(secrets)} hold{'s' if len(secrets) == 1 else ''} the run's "
+        f"token{'s' if len(secrets) > 1 else ''} (readable by you alone): keep "
+        f"{'it' if len(secrets) == 1 else 'them'} out of version control")
   others = [os.path.join(args.out, n) for n in objects if n != "learner-jobset.yaml"]
   print("or, with xpk (the bucket mounted at /runs): first\n  kubectl apply "
         + " ".join(f"-f {shlex.quote(p)}" for p in others) + "\nthen\n  "
-        + xpk_command(cfg, args, objects) + "\n(the learner's workload then holds the token "
-        "in its command: whoever can read its pods can read it)")
+        + xpk_command(cfg, args, objects) + "\n(the learner's workload then holds the "
+        "tokens in its command: whoever can read its pods can read them)")
   return 0
 
 

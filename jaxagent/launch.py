@@ -20,8 +20,8 @@ checkpoint; then the services stop (a second one stops everything at once). Ever
 child is sent SIGTERM if the launcher itself dies (even by SIGKILL). With
 `--servers 0` the learner keeps its in-process engine, with `--env-workers 0` its
 in-process environments. The servers and the learners share one control token
-(JAXAGENT_CONTROL_TOKEN: the shell's, or a fresh one), which the environment workers
-are not given.
+(JAXAGENT_CONTROL_TOKEN), the environment workers and the learners an environment token
+(JAXAGENT_ENV_TOKEN): the shell's, or fresh ones. Neither goes where the other's does.
 """
 
 from __future__ import annotations
@@ -167,11 +167,15 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
 
   py = sys.executable
   services: list[Child] = []
-  # The servers and the learners share a control token (`jaxagent.control`): the shell's,
-  # or one made for this launch. Environment workers, which run the policy's code, are
-  # not given it.
-  ruled = {**os.environ, control.ENV: control.from_env() or control.new_token()}
-  unruled = {k: v for k, v in os.environ.items() if k != control.ENV}
+  # The servers and the learners share a control token (`jaxagent.control`), the
+  # environment workers and the learners an environment token: the shell's, or ones made
+  # for this launch. Environment workers, which run the policy's code, are not given the
+  # control token, nor the servers the environments'.
+  tokens = {control.CONTROL.env: control.CONTROL.from_env() or control.new_token(),
+            control.ENVS.env: control.ENVS.from_env() or control.new_token()}
+  bare = {k: v for k, v in os.environ.items() if k not in tokens}
+  ruled = {**bare, control.CONTROL.env: tokens[control.CONTROL.env]}
+  unruled = {**bare, control.ENVS.env: tokens[control.ENVS.env]}
   launch_dir = os.path.join(run_dir, "launch")
   os.makedirs(launch_dir, exist_ok=True)
   for i in range(args.servers):
@@ -220,7 +224,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
                       *(["--heartbeat-timeout", str(args.heartbeat_timeout)]
                         if getattr(args, "heartbeat_timeout", None) else []),
                       "--resume", *args.overrides])
-  env = {**ruled, RESUME_COMMAND: again}
+  env = {**bare, **tokens, RESUME_COMMAND: again}
   for i in range(n):
     extra = ([] if n == 1 else
              ["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i),

@@ -150,9 +150,14 @@ def make_env_factory(cfg: config_lib.RunConfig):
     return WithLatency(env, latency, key=str(next(counter)))
 
   if cfg.env.urls:
-    from envs.server import RemoteEnv
+    from envs.server import RemoteEnv, access_problem
+    from jaxagent import control
 
     urls = list(cfg.env.urls)
+    token = control.ENVS.from_env()
+    problem = access_problem(urls, token)  # (at the start, not at every episode's reset)
+    if problem:
+      raise config_lib.ConfigError(f"env.urls: {problem}")
     # A session outlives the longest wait between its calls: a policy's turns, as long as
     # their tokens, up to the episode's wall time (a worker closing it as idle made a
     # long last turn's episode an infrastructure error, a re-roll: red team).
@@ -160,7 +165,8 @@ def make_env_factory(cfg: config_lib.RunConfig):
 
     idle_s = EPISODE_WALL_FACTOR * cfg.agent.episode_deadline_s + 60.0
     return (lambda task: delayed(RemoteEnv(urls[next(counter) % len(urls)],
-                                           idle_timeout_s=idle_s))), (lambda: None)
+                                           idle_timeout_s=idle_s, token=token))), \
+        (lambda: None)
   try:
     load_modules(cfg.env.imports)
   except ValueError as e:

@@ -78,16 +78,19 @@ def add_log_level(parser) -> None:
 KEEP_ALIVE_S = 75
 
 
-def control_guard(token: Optional[str]) -> list:
-  """The `dependencies` of a control route of a server or router holding `token`
-  (`jaxagent.control`): a call without it is a 401, before its body's fields are
-  checked."""
+def control_guard(token: Optional[str], key=None) -> list:
+  """The `dependencies` of a guarded route of a process holding `token`: a server's or
+  router's control route (`key` None: `jaxagent.control.CONTROL`), an environment
+  worker's session route (`control.ENVS`). A call without it is a 401, before its
+  body's fields are checked."""
   from jaxagent import control
 
+  key = key or control.CONTROL
+
   async def controlled(request: Request) -> None:
-    given = request.headers.get(control.HEADER)
+    given = request.headers.get(key.header)
     if not control.allows(token, given):
-      raise HTTPException(401, control.refusal(given))
+      raise HTTPException(401, key.refusal(given))
 
   return [Depends(controlled)]
 

@@ -113,7 +113,7 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   assert set(docs) == {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
                        "rollout-service.yaml", "router-deployment.yaml",
                        "router-service.yaml", "env-statefulset.yaml", "env-service.yaml",
-                       "control-secret.yaml"}
+                       "control-secret.yaml", "env-secret.yaml"}
   for name, doc in docs.items():
     if doc["kind"] == "JobSet":
       jsonschema.validate(doc, JOBSET)
@@ -158,27 +158,34 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   assert "xpk workload create" in stdout and f"--tpu-type {tpu}" in stdout
   # The JobSet's learner (its run directory and services; the config from the image):
   # it trained in another directory against an in-process engine.
-  # (with the run's control token, read from its Secret where the command is typed:
-  # xpk's pod does not mount the Secret, and the token is never printed)
-  token = docs["control-secret.yaml"]["stringData"]["token"]
-  assert token not in stdout
-  xpk = typed(stdout, tmp_path, token)
-  assert shlex.split(xpk) == [f"JAXAGENT_CONTROL_TOKEN={token}", "python", "-m",
+  # (with the run's tokens, each read from its Secret where the command is typed: xpk's
+  # pod does not mount the Secrets, and the tokens are never printed)
+  tokens = {docs[name]["metadata"]["name"]: docs[name]["stringData"]["token"]
+            for name in ("control-secret.yaml", "env-secret.yaml")}
+  assert len(set(tokens.values())) == 2 and not any(t in stdout for t in tokens.values())
+  xpk = typed(stdout, tmp_path, tokens)
+  control_token, env_token = (docs[n]["stringData"]["token"]
+                              for n in ("control-secret.yaml", "env-secret.yaml"))
+  assert shlex.split(xpk) == [f"JAXAGENT_CONTROL_TOKEN={control_token}",
+                              f"JAXAGENT_ENV_TOKEN={env_token}", "python", "-m",
                               "jaxagent.train", "--config", "configs/tiny.yaml", *cmd[5:]]
 
 
-def typed(stdout: str, tmp_path, token: str) -> str:
+def typed(stdout: str, tmp_path, tokens: dict) -> str:
   """The `--command` xpk would be given, the printed xpk line run by bash with a
-  `kubectl` that answers the Secret's token as the API does (base64)."""
+  `kubectl` that answers each Secret's token (`tokens`: Secret name -> token) as the API
+  does (base64)."""
   import base64
 
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(exist_ok=True)
   kubectl = bin_dir / "kubectl"
-  kubectl.write_text("#!/bin/sh\nprintf %s " + base64.b64encode(token.encode()).decode() + "\n")
+  kubectl.write_text("#!/bin/sh\ncase \"$3\" in\n" + "".join(
+      f"{name}) printf %s {base64.b64encode(token.encode()).decode()};;\n"
+      for name, token in tokens.items()) + "*) exit 1;;\nesac\n")
   kubectl.chmod(0o755)
   line = next(l for l in stdout.splitlines() if "xpk workload create" in l).strip()
-  assert line.startswith("T=$(kubectl get secret ")  # (stops there without the Secret)
+  assert line.startswith("T0=$(kubectl get secret ")  # (stops there without a Secret)
   script = ('xpk() { while [ $# -gt 0 ]; do [ "$1" = --command ] && { printf %s "$2"; '
             'return; }; shift; done; }\n' + line + "\n")
   out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
@@ -188,51 +195,82 @@ def typed(stdout: str, tmp_path, token: str) -> str:
   missed = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
                           env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
   assert missed.returncode != 0 and missed.stdout == ""
+  if len(tokens) > 1:  # (one Secret applied and not the other: xpk not run either)
+    first = next(iter(tokens))
+    kubectl.write_text(f"#!/bin/sh\n[ \"$3\" = {first} ] && printf %s dG9rZW4= || exit 1\n")
+    missed = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                            timeout=30,
+                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert missed.returncode != 0 and missed.stdout == ""
   return out.stdout
 
 
-def test_the_runs_control_token_is_a_secret_its_services_share_and_a_redeploy_keeps(tmp_path):
+def test_the_runs_tokens_are_secrets_their_holders_share_and_a_redeploy_keeps(tmp_path):
   """The learner, the servers and the router take JAXAGENT_CONTROL_TOKEN from the run's
-  Secret (`jaxagent.control`); the environment workers, which run the policy's code, do
-  not. A second deploy into the directory keeps the token the running pods took."""
+  control Secret; the learner and the environment workers JAXAGENT_ENV_TOKEN from its
+  environment Secret (`jaxagent.control`). The workers, which run the policy's code, never
+  get the control token. A second deploy into the directory keeps the tokens the running
+  pods took."""
   docs, _ = generate(tmp_path, "v5litepod-8")
-  secret = docs["control-secret.yaml"]
-  token = secret["stringData"]["token"]
-  assert secret["kind"] == "Secret" and len(token) >= 40
-  assert (tmp_path / "v5litepod-8" / "control-secret.yaml").stat().st_mode & 0o777 == 0o600
+  files = {"JAXAGENT_CONTROL_TOKEN": "control-secret.yaml",
+           "JAXAGENT_ENV_TOKEN": "env-secret.yaml"}
+  tokens = {var: docs[f]["stringData"]["token"] for var, f in files.items()}
+  for var, f in files.items():
+    assert docs[f]["kind"] == "Secret" and len(tokens[var]) >= 40
+    assert (tmp_path / "v5litepod-8" / f).stat().st_mode & 0o777 == 0o600
+  assert len(set(tokens.values())) == 2
 
-  def env_of(name):
+  def pod_of(docs, name):
     spec = docs[name]["spec"]
-    pod = (spec["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-           if name.startswith("learner") else spec["template"]["spec"])
-    return pod["containers"][0].get("env")
+    return (spec["replicatedJobs"][0]["template"]["spec"]["template"]
+            if name.startswith("learner") else spec["template"])
 
-  ref = [{"name": "JAXAGENT_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {
-      "name": secret["metadata"]["name"], "key": "token"}}}]
-  for name in ("learner-jobset.yaml", "rollout-statefulset.yaml", "router-deployment.yaml"):
-    assert env_of(name) == ref, name
-  assert env_of("env-statefulset.yaml") is None
+  def ref(var):
+    return {"name": var, "valueFrom": {"secretKeyRef": {
+        "name": docs[files[var]]["metadata"]["name"], "key": "token"}}}
 
-  def hashes(docs):  # the token's hash on each pod that takes it
-    metas = [docs["learner-jobset.yaml"]["spec"]["replicatedJobs"][0]["template"]["spec"][
-        "template"]["metadata"], docs["rollout-statefulset.yaml"]["spec"]["template"][
-        "metadata"], docs["router-deployment.yaml"]["spec"]["template"]["metadata"]]
-    return {m["annotations"]["jaxagent/control-token-sha256"] for m in metas}
+  takers = {"learner-jobset.yaml": ["JAXAGENT_CONTROL_TOKEN", "JAXAGENT_ENV_TOKEN"],
+            "rollout-statefulset.yaml": ["JAXAGENT_CONTROL_TOKEN"],
+            "router-deployment.yaml": ["JAXAGENT_CONTROL_TOKEN"],
+            "env-statefulset.yaml": ["JAXAGENT_ENV_TOKEN"]}
+  for name, vars_ in takers.items():
+    assert pod_of(docs, name)["spec"]["containers"][0]["env"] == [ref(v) for v in vars_], name
 
-  assert len(hashes(docs)) == 1
+  def hashes(docs):  # each token's hash on each pod that takes it
+    out = {}
+    for name, vars_ in takers.items():
+      notes = pod_of(docs, name)["metadata"]["annotations"]
+      for var in vars_:
+        what = "control" if var == "JAXAGENT_CONTROL_TOKEN" else "env"
+        out.setdefault(var, set()).add(notes[f"jaxagent/{what}-token-sha256"])
+      assert len([k for k in notes if k.endswith("-sha256")]) == len(vars_), name
+    return out
+
+  assert all(len(h) == 1 for h in hashes(docs).values())
   again, _ = generate(tmp_path, "v5litepod-8")
-  assert again["control-secret.yaml"]["stringData"]["token"] == token
+  assert {var: again[f]["stringData"]["token"] for var, f in files.items()} == tokens
   assert hashes(again) == hashes(docs)  # (the pods are left as they are)
-  # Another directory: another token, and pods whose templates change with it (all of
-  # them restart with the new one; a server keeping the old refused the new learner).
+  # Another directory: other tokens, and pods whose templates change with them (all of
+  # them restart with the new ones; a server keeping the old refused the new learner).
   other, _ = generate(tmp_path / "other", "v5litepod-8")
-  assert other["control-secret.yaml"]["stringData"]["token"] != token
-  assert len(hashes(other)) == 1 and hashes(other) != hashes(docs)
-  # Without servers the learner serves itself: its gateway makes its own token.
+  for var, f in files.items():
+    assert other[f]["stringData"]["token"] != tokens[var]
+    assert len(hashes(other)[var]) == 1 and hashes(other)[var] != hashes(docs)[var]
+  # Without servers the learner serves itself: its gateway makes its own control token;
+  # without workers it runs its environments itself. Neither Secret is left behind.
   alone, _ = generate(tmp_path, "v5litepod-8", "--servers", "0")
   assert "control-secret.yaml" not in alone
-  assert "env" not in alone["learner-jobset.yaml"]["spec"]["replicatedJobs"][0]["template"][
-      "spec"]["template"]["spec"]["containers"][0]
+  assert pod_of(alone, "learner-jobset.yaml")["spec"]["containers"][0]["env"] == [
+      ref("JAXAGENT_ENV_TOKEN")]
+  assert alone["env-secret.yaml"]["stringData"]["token"] == tokens["JAXAGENT_ENV_TOKEN"]
+  bare, _ = generate(tmp_path, "v5litepod-8", "--servers", "0", "--env-workers", "0")
+  assert not {"control-secret.yaml", "env-secret.yaml"} & set(bare)
+  assert "env" not in pod_of(bare, "learner-jobset.yaml")["spec"]["containers"][0]
+  workerless, _ = generate(tmp_path / "workerless", "v5litepod-8", "--env-workers", "0")
+  assert "env-secret.yaml" not in workerless and "control-secret.yaml" in workerless
+  assert pod_of(workerless, "learner-jobset.yaml")["spec"]["containers"][0]["env"] == [{
+      "name": "JAXAGENT_CONTROL_TOKEN", "valueFrom": {"secretKeyRef": {
+          "name": workerless["control-secret.yaml"]["metadata"]["name"], "key": "token"}}}]
 
 
 def test_what_the_cluster_would_refuse_is_refused_here(tmp_path, capsys):

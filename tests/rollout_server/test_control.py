@@ -259,28 +259,37 @@ def test_a_blackbox_episode_clears_and_takes_its_record_with_the_token(random_pa
     assert ep.infra_error and "401" in ep.reason and control.ENV in ep.reason, ep.reason
 
 
-def test_launch_gives_its_servers_and_learners_one_token_and_its_workers_none(
-    tmp_path, monkeypatch):
+def test_launch_gives_each_token_to_its_holders_alone(tmp_path, monkeypatch):
+  """The servers and the learners share the control token, the environment workers and
+  the learners the environment token; a worker never gets the control token (it runs the
+  policy's code), nor a server the environments'."""
   import argparse
 
   from jaxagent import config as config_lib
   from jaxagent.launch import plan
 
-  args = argparse.Namespace(config="configs/tiny.yaml", servers=2, env_workers=1,
+  args = argparse.Namespace(config="configs/tiny.yaml", servers=2, env_workers=2,
                             learner_processes=2, resume=False, overrides=[])
   cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
+  ctl, envs = control.CONTROL.env, control.ENVS.env
   for shell in (None, "from-the-shell"):
-    if shell:
-      monkeypatch.setenv(control.ENV, shell)
-    else:
-      monkeypatch.delenv(control.ENV, raising=False)
+    for var in (ctl, envs):
+      if shell:
+        monkeypatch.setenv(var, f"{shell}-{var}")
+      else:
+        monkeypatch.delenv(var, raising=False)
     services, learners = plan(args, cfg, str(tmp_path / "run"))
     servers = [c for c in services if c.name.startswith("server")]
     workers = [c for c in services if c.name.startswith("env")]
-    tokens = {c.env[control.ENV] for c in servers + learners}
-    assert len(tokens) == 1 and len(tokens.pop()) >= 40 if not shell else tokens == {shell}
-    assert all(control.ENV not in c.env for c in workers)
-    assert control.ENV not in os.environ or shell
+    assert len(servers) == 2 and len(workers) == 2 and len(learners) == 2
+    given = {var: {c.env[var] for c in holders + learners}
+             for var, holders in ((ctl, servers), (envs, workers))}
+    for var, tokens in given.items():
+      assert tokens == {f"{shell}-{var}"} if shell else (
+          len(tokens) == 1 and len(next(iter(tokens))) >= 40), (var, tokens)
+    assert given[ctl] != given[envs]
+    assert all(ctl not in c.env for c in workers) and all(envs not in c.env for c in servers)
+    assert shell or (ctl not in os.environ and envs not in os.environ)
 
 
 def _guarded_backend():
