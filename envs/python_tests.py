@@ -56,12 +56,18 @@ def judged_answer(files: dict[str, bytes]) -> str:
           + "\n\n".join(f"{tag} {n}\n{t}" for n, t in zip(names, texts)))
 
 
+# Characters whose NFKC form draws as they do: Thai's and Lao's SARA AM (in most words
+# that count or hold a vowel "am": Thai prose was refused). A name holding one is the
+# name a reader sees either way.
+_DRAWN_AS_FOLDED = frozenset("\u0e33\u0eb3")
+
+
 def _unnormalized_char(text: str) -> Optional[str]:
   """A character that Python, in a name, reads as another (it folds identifiers to NFKC:
   a `def` in mathematical bold letters rebinds the plain name), or None. Looked for
   anywhere in the text, not by tokens: an f-string or a character the tokenizer does
   not know would hide it from them."""
-  for ch in sorted({c for c in text if ord(c) > 127}):
+  for ch in sorted({c for c in text if ord(c) > 127} - _DRAWN_AS_FOLDED):
     if ("a" + ch).isidentifier() and unicodedata.normalize("NFKC", ch) != ch:
       return ch
   return None
@@ -94,17 +100,30 @@ def _ascii_alike() -> dict[int, str]:
   return out
 
 
-def _as_read(name: str) -> str:
+def _as_read(name: str, marks: bool = False) -> str:
   """`name` as a reader sees it: invisible characters dropped, a dot above an i or a j
-  (drawn as its own dot) dropped, marks other than the Latin accents (U+0300-U+036F,
-  which prose's words hold and a reader sees) dropped (a Khitan filler, a joiner: drawn
-  as nothing or a speck, and not all Default_Ignorable; red team 31), letters drawn like
-  ASCII ones taken for them."""
+  (drawn as its own dot) dropped, letters drawn like ASCII ones taken for them, and
+  (unless `marks`) the combining marks other than the Latin accents (U+0300-U+036F,
+  which prose's words hold and a reader sees) dropped: a Khitan filler or a joiner
+  draws as nothing or a speck, and is not Default_Ignorable (red team 31)."""
   name = _INVISIBLE.sub("", unicodedata.normalize("NFD", name))
   name = re.sub("(?<=[ijıȷ])\u0307", "", name)
-  name = "".join(c for c in name if not (unicodedata.category(c) in ("Mn", "Me", "Cf")
-                                         and not "\u0300" <= c <= "\u036f"))
+  if not marks:
+    name = "".join(c for c in name if unicodedata.category(c) != "Mn"
+                   or "\u0300" <= c <= "\u036f")
   return unicodedata.normalize("NFC", name).translate(_ascii_alike())
+
+
+# Letters many fonts draw alike, folded before readings are compared (UTS #39 takes I,
+# 1 and | for l; the confusables table takes a Cyrillic palochka for i and a Cyrillic
+# І for l, so `heӏper` and `heІper` read as two names: a reviewer of red team 31).
+_ALIKE = str.maketrans("I1|i", "llll")
+
+
+class _Word(str):
+  """A name found by the token scan of text that did not parse (prose's words, or a
+  syntax newer than this host's): one that reads as one letter is not taken for a
+  name's twin (a Cyrillic о beside a Greek ο is prose's, and Burmese ဝိ beside ဝဲ)."""
 
 
 def _names(tree: ast.AST):
@@ -191,8 +210,10 @@ def _name_tokens(text: str) -> list[str]:
     if m is None:
       return names
     pos = m.end()
-    if m.lastgroup == "name":
-      names.append(m.group())
+    if m.lastgroup == "name":  # (and the marks a name holds, which \w does not take)
+      while pos < len(text) and ("a" + text[pos]).isidentifier():
+        pos += 1
+      names.append(_Word(text[m.start():pos]))
     elif m.lastgroup == "quote":
       quote = m.group().lstrip("rRbBuUfF")
       if m.start() < open_until.get(quote, -1):
@@ -214,10 +235,12 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   version of the first, hard-coded one the tests call). A `.py` file's own names must
   be ASCII. What its strings hold as Python, and other files (a loader may run them,
   or a slice of them), may use names of any script, but not one that reads as another
-  name of these files, a builtin or a keyword, nor two spellings that read as one ASCII
-  name of two characters or more (`сheck` with a Cyrillic с and `chеck` with a Cyrillic
-  е, where no plain `check` is written: red team 31): prose is not refused for its words
-  (a Cyrillic о and a Greek ο, one letter each, are prose's)."""
+  name of these files, a builtin or a keyword, nor two spellings that read as one name
+  (`сheck` with a Cyrillic с and `chеck` with a Cyrillic е, where no plain `check` is
+  written: red team 31): read with their marks, or without where that reads as ASCII
+  (an invisible mark on a look-alike). Prose is not refused for its words (a Cyrillic
+  о and a Greek ο, one letter each of text that is not Python, are prose's; an Arabic
+  word with and without its vowel marks reads as two)."""
   ascii_names = set(dir(builtins)) | set(keyword.kwlist)
   elsewhere, budget = [], [MAX_CHECKED_CHARS]
   for name, text in files.items():
@@ -231,17 +254,22 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
       own, held = [], own + held
     ascii_names.update(n for n in own + held if n.isascii())
     elsewhere += [(name, n) for n in held if not n.isascii()]
-  twins: dict[str, str] = {}  # an ASCII reading -> the first spelling read so
+  by_reading = {n.translate(_ALIKE): n for n in ascii_names}
+  twins: dict[str, str] = {}  # a reading (folded) -> the first spelling read so
   for name, odd in elsewhere:
     seen = _as_read(odd)
-    if seen != odd and seen in ascii_names:
-      return (f"{name}: the name {ascii(odd)} reads as {seen!r}, another name (a look-alike "
+    plain = by_reading.get(seen.translate(_ALIKE))
+    if plain is not None:
+      return (f"{name}: the name {ascii(odd)} reads as {plain!r}, another name (a look-alike "
               "a judge would take for it); write names in ASCII")
-    if len(seen) > 1 and seen.isascii():
-      twin = twins.setdefault(seen, odd)
+    for reading in {_as_read(odd, marks=True), *([seen] if seen.isascii() else [])}:
+      if len(reading) == 1 and isinstance(odd, _Word):
+        continue
+      twin = twins.setdefault(reading.translate(_ALIKE), odd)
       if twin != odd:
-        return (f"{name}: the names {ascii(twin)} and {ascii(odd)} both read as {seen!r} "
-                "(look-alikes a judge would take for one name); write names in ASCII")
+        return (f"{name}: the names {ascii(twin)} and {ascii(odd)} both read as "
+                f"{reading!r} (look-alikes a judge would take for one name); write names "
+                "in ASCII")
   return None
 
 
