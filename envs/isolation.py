@@ -533,6 +533,16 @@ class HeldTmpfs:
   def alive(self) -> bool:
     return self._ended() is None
 
+  def ends_within(self, timeout_s: float) -> bool:
+    """Whether the holder is seen ended within `timeout_s` (a holder being killed has
+    lost its root before its exit can be waited for)."""
+    deadline = time.monotonic() + timeout_s
+    while self.alive:
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(0.01)
+    return True
+
   @property
   def exit_code(self) -> Optional[int]:
     ended = self._ended()

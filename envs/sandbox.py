@@ -749,7 +749,10 @@ class Sandbox:
           self._throttle()
         if run_dir != self._logs:
           shutil.rmtree(run_dir, ignore_errors=True)
-    if self._held is not None and not self._held.alive:  # (its files went with it)
+    # (its files went with it; a command that could not start may have met it dying: its
+    # root gone before its exit is seen, a FileNotFoundError under /proc/PID/root)
+    if self._held is not None and (not self._held.alive or (
+        error is not None and await asyncio.to_thread(self._held.ends_within, 1.0))):
       error = (f"the workspace's filesystem is gone: its holder (host pid "
                f"{self._held.pid}) ended, exit {self._held.exit_code}")
     # Files sent over a unix socket that the command's processes left in its own queue (a
