@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Optional
 from envs.base import (BAD_TASK, CannotStart, EnvResources, Observation, StepResult,
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        failure, load_modules, load_tasks, make, trained_rewards)
+from jaxagent import control
 
 
 def read_actions(lines: Iterable[str]) -> list[str]:
@@ -154,12 +155,17 @@ def main(argv=None) -> int:
   p.add_argument("--raw", action="store_true",
                  help="take each typed line as it is (\\n stays two characters: a tool "
                       "call's JSON escapes); without it \\n is a newline")
-  p.add_argument("--server", help="an envs.server worker URL (default: in this process)")
+  p.add_argument("--server", help="an envs.server worker URL (default: in this process); "
+                                  "its calls carry JAXAGENT_ENV_TOKEN where it is set")
   p.add_argument("--sandboxes", type=int, default=2)
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code without isolation where the host has none")
   add_import_flag(p)
   args = p.parse_args(argv)
+  problem = control.env_problem()
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   try:
     try:
       load_modules(args.imports)

@@ -63,6 +63,7 @@ from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observati
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        failure, json_safe, load_modules, make)
 from envs.loopwatch import LoopWatch
+from jaxagent import control
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard, name_deep_bodies
 from jaxagent.errors import InfraError
 from jaxagent.tls import shared_tls
@@ -124,8 +125,6 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
                max_body_bytes: int = 8 << 20, token: Optional[str] = None) -> FastAPI:
   """The worker's app. With `token` (the run's JAXAGENT_ENV_TOKEN, `jaxagent.control`),
   its session routes answer only a call whose X-Env-Token header holds it."""
-  from jaxagent import control
-
   resources = resources or EnvResources()
   token = token or None  # (blank is none)
   access = control_guard(token, control.ENVS)
@@ -431,8 +430,6 @@ class RemoteEnv:
   def __init__(self, url: str, *, timeout_s: float = 180.0,
                client: Optional[httpx.AsyncClient] = None,
                idle_timeout_s: Optional[float] = None, token: Optional[str] = None):
-    from jaxagent import control
-
     self.url = url.rstrip("/")
     self._headers = control.ENVS.headers(token or control.ENVS.from_env())
     self.timeout_s = timeout_s
@@ -492,7 +489,8 @@ class RemoteEnv:
     if self.session_id is None or self._client is None:
       return 0.0, 0.0
     try:
-      r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits", timeout=5)
+      r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits", timeout=5,
+                                 headers=self._headers)
       out = r.json() if r.status_code == 200 else {}
       # A call that ended reported its waits in its answer, unless that answer has not
       # been counted here: cut client-side as the call ended (its answer discarded), or
@@ -572,8 +570,6 @@ def access_problem(urls, token: Optional[str], timeout_s: float = 5.0) -> Option
   of. None: nothing it can tell (a worker not up yet is left to its episodes' calls)."""
   from concurrent.futures import ThreadPoolExecutor
 
-  from jaxagent import control
-
   key = control.ENVS
 
   def ask(url: str) -> Optional[str]:
@@ -643,8 +639,11 @@ def main(argv=None) -> int:
   add_import_flag(p)
   add_log_level(p)
   args = p.parse_args(argv)
+  problem = control.env_problem()
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   from envs.sandbox import IsolationUnavailable
-  from jaxagent import control
 
   try:
     names = load_modules(args.imports)

@@ -73,6 +73,18 @@ from_env, headers, refusal, describe = (CONTROL.from_env, CONTROL.headers, CONTR
                                         CONTROL.describe)
 
 
+def env_problem() -> Optional[str]:
+  """Why a token this process's environment gives cannot go in a header (None: each is
+  unset or fine). A process's `main` says it and stops (a token with a space or a
+  non-ASCII character failed each call, or passed a start check as a worker not up)."""
+  for key in (CONTROL, ENVS):
+    token = key.from_env()
+    if token and not all("!" <= c <= "~" for c in token):
+      return (f"{key.env}: a token is visible ASCII without spaces (it goes in the "
+              f"{key.header} header); the one set holds other characters")
+  return None
+
+
 def new_token() -> str:
   """A fresh token: 256 random bits, URL-safe."""
   return secrets.token_urlsafe(32)

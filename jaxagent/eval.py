@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxagent import config as config_lib
+from jaxagent import config as config_lib, control
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -244,7 +244,6 @@ async def check_control(url: str) -> None:
   there, and each would fail in the infrastructure."""
   import httpx
 
-  from jaxagent import control
   from jaxagent.tls import shared_tls
   from rollout_server.client import control_problem
 
@@ -347,6 +346,10 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=None, help="JSON report path")
   p.add_argument("--json", action="store_true", help="print the report as one JSON line")
   args = p.parse_args(argv)
+  problem = control.env_problem()
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   try:
     if not os.path.isfile(args.tasks):
       raise config_lib.ConfigError(f"--tasks: no such file {args.tasks}" + (

@@ -174,8 +174,8 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
   tokens = {control.CONTROL.env: control.CONTROL.from_env() or control.new_token(),
             control.ENVS.env: control.ENVS.from_env() or control.new_token()}
   bare = {k: v for k, v in os.environ.items() if k not in tokens}
-  ruled = {**bare, control.CONTROL.env: tokens[control.CONTROL.env]}
-  unruled = {**bare, control.ENVS.env: tokens[control.ENVS.env]}
+  servers_env = {**bare, control.CONTROL.env: tokens[control.CONTROL.env]}
+  workers_env = {**bare, control.ENVS.env: tokens[control.ENVS.env]}
   launch_dir = os.path.join(run_dir, "launch")
   os.makedirs(launch_dir, exist_ok=True)
   for i in range(args.servers):
@@ -185,7 +185,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
                    path)
     services.append(Child(f"server{i}", [py, "-m", "rollout_server", "--config", path,
                                          "--log-level", "warning"],
-                          url=f"http://127.0.0.1:{port}", env=ruled))
+                          url=f"http://127.0.0.1:{port}", env=servers_env))
   for j in range(args.env_workers):
     port = free_port()
     cmd = [py, "-m", "envs.server", "--port", str(port), "--log-level", "warning",
@@ -196,7 +196,7 @@ def plan(args, cfg: config_lib.RunConfig, run_dir: str) -> tuple[list[Child], li
       cmd += ["--cgroup", cgroup]
     for module in cfg.env.imports:
       cmd += ["--import", module]
-    services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}", env=unruled))
+    services.append(Child(f"env{j}", cmd, url=f"http://127.0.0.1:{port}", env=workers_env))
   overrides, learner_config = list(args.overrides), args.config
   servers = [c.url for c in services if c.name.startswith("server")]
   envs = [c.url for c in services if c.name.startswith("env")]
@@ -250,6 +250,10 @@ def _code(returncode: int) -> int:
 
 
 def run_local(args) -> int:
+  problem = control.env_problem()
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   if args.config is None:
     print("error: --config is required" + (
         " with --resume too (the services are built from it: the run directory keeps the "

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from envs.base import TaskSpec
-from jaxagent import config as config_lib, distributed
+from jaxagent import config as config_lib, control, distributed
 from jaxagent.agreements import Agreements, exit_code
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode, run_whitebox
 from jaxagent.blackbox import is_blackbox, run_blackbox
@@ -768,6 +768,10 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  problem = control.env_problem()
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   if args.auto_resume:
     if not args.run_dir:
       print("error: --auto-resume needs --run-dir", file=sys.stderr)

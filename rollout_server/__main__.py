@@ -27,6 +27,10 @@ def main(argv=None) -> int:
   add_log_level(p)
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
   args = config_lib.parse_with_overrides(p, argv, config_lib.ServerConfig)
+  problem = control.env_problem()
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   args.overrides += [f"{k}={v}" for k, v in (("host", args.host), ("port", args.port))
                      if v is not None]
   try:

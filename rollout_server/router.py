@@ -1012,6 +1012,10 @@ def main(argv=None) -> int:
   p.add_argument("--port", type=int, default=8000)
   add_log_level(p)
   args = p.parse_args(argv)
+  problem = control.env_problem()
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   backends = [b for b in args.backends.split(",") if b]
   bad = [b for b in backends if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", b)]
   if not backends or bad:

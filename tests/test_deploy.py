@@ -266,6 +266,11 @@ def test_the_runs_tokens_are_secrets_their_holders_share_and_a_redeploy_keeps(tm
   bare, _ = generate(tmp_path, "v5litepod-8", "--servers", "0", "--env-workers", "0")
   assert not {"control-secret.yaml", "env-secret.yaml"} & set(bare)
   assert "env" not in pod_of(bare, "learner-jobset.yaml")["spec"]["containers"][0]
+  # Another run deployed into the directory makes its own (a Secret of another name).
+  renamed, _ = generate(tmp_path / "other", "v5litepod-8", "name=another-run")
+  assert renamed["env-secret.yaml"]["metadata"]["name"] == "another-run-env-token"
+  assert not ({renamed[f]["stringData"]["token"] for f in files.values()}
+              & {other[f]["stringData"]["token"] for f in files.values()})
   workerless, _ = generate(tmp_path / "workerless", "v5litepod-8", "--env-workers", "0")
   assert "env-secret.yaml" not in workerless and "control-secret.yaml" in workerless
   assert pod_of(workerless, "learner-jobset.yaml")["spec"]["containers"][0]["env"] == [{

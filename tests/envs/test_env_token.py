@@ -112,3 +112,51 @@ def test_a_learner_whose_token_a_worker_refuses_stops_at_its_start(guarded, monk
   monkeypatch.delenv(KEY.env)  # (the factory's environments hold the token it read)
   assert asyncio.run(_episode(factory(TaskSpec.from_dict(TASK)))) == VerdictStatus.PASS
   close()
+
+
+def test_what_a_worker_answers_at_its_access_route_is_read_as_it_means(guarded):
+  """A refusal is a 401 or a 403 (a proxy's); a 404 or a 5xx (an older worker, a proxy,
+  one restarting) is nothing a start check can tell: the episodes' calls will say. An
+  address given with a trailing slash is the same worker."""
+  from fastapi import FastAPI, Response
+
+  answers = {"code": 403}
+  app = FastAPI()
+
+  @app.get("/access")
+  async def access():
+    return Response(status_code=answers["code"])
+
+  with ServerThread(app) as srv:
+    assert "refuses" in access_problem([srv.url], "t")
+    for code in (404, 500, 503, 200):
+      answers["code"] = code
+      assert access_problem([srv.url + "/"], "t") is None, code
+  assert access_problem([guarded.url + "/"], TOKEN) is None
+  assert "differs" in access_problem([guarded.url + "/"], "another")
+
+
+@pytest.mark.parametrize("entry", ["train", "launch", "eval", "rollout_server", "router",
+                                   "envs.server", "envs.play"])
+def test_a_token_a_header_cannot_carry_stops_each_entry_point_at_once(entry, monkeypatch,
+                                                                        capsys):
+  """A token with a space, a line end or a non-ASCII character failed each call (or
+  passed a start check as a worker not up yet): each command says which variable."""
+  import importlib
+
+  mains = {"train": ("jaxagent.train", ["--config", "configs/tiny.yaml"]),
+           "launch": ("jaxagent.launch", ["local", "--config", "configs/tiny.yaml"]),
+           "eval": ("jaxagent.eval", ["--policy", "nowhere", "--tasks", "none.jsonl"]),
+           "rollout_server": ("rollout_server.__main__", ["--config", "configs/server_tiny.yaml"]),
+           "router": ("rollout_server.router", ["--backends", "http://127.0.0.1:9"]),
+           "envs.server": ("envs.server", []), "envs.play": ("envs.play", ["--task-file", "x"])}
+  module, argv = mains[entry]
+  main = importlib.import_module(module).main
+  for var, bad in ((KEY.env, "two words"), (control.CONTROL.env, "caf\u00e9-token"),
+                   (KEY.env, "line\nend")):
+    monkeypatch.delenv(KEY.env, raising=False)
+    monkeypatch.delenv(control.CONTROL.env, raising=False)
+    monkeypatch.setenv(var, bad)
+    assert main(argv) == 2, (entry, var)
+    err = capsys.readouterr().err
+    assert f"error: {var}: a token is visible ASCII" in err and bad not in err, err

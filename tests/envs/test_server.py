@@ -711,11 +711,12 @@ def test_the_waits_of_a_call_whose_answer_was_not_counted_are_reported():
   answer being counted (the answer then discarded with the cut call) asked the worker,
   which said the call was not running: its 3 s wait was lost and read as the policy's
   time (CI, under load). The worker numbers a session's calls; a call that ended whose
-  answer the client has not counted still has its waits reported."""
-  app = create_app(EnvResources(sandboxes=1), deadline_s=10.0)
+  answer the client has not counted still has its waits reported. (A worker that takes
+  the run's environment token: the ask carries it, else its 401 read as no wait.)"""
+  app = create_app(EnvResources(sandboxes=1), deadline_s=10.0, token="the-env-token")
 
   async def episode(url):
-    env = RemoteEnv(url)
+    env = RemoteEnv(url, token="the-env-token")
     try:
       await env.reset(TaskSpec("w", "waiting_test_env"))
       request = env._client.request
