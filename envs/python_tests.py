@@ -86,11 +86,6 @@ _INVISIBLE = re.compile(
     "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]")
 
 
-# Blanks other than ASCII's (no-break, ideographic, Braille): padding a name in a string
-# (`"sum_digits\u00a0"`) that a reader does not see (red team 32).
-_BLANK = re.compile("[\u00a0\u1680\u2000-\u200a\u202f\u205f\u2800\u3000]")
-
-
 @functools.cache
 def _ascii_alike() -> dict[int, str]:
   """Each character Unicode's confusables table draws like ASCII letters or digits (one,
@@ -100,7 +95,10 @@ def _ascii_alike() -> dict[int, str]:
 
   out = {}
   for char, alike in confusables_data.items():
-    ascii_ = sorted((a["c"] for a in alike if a["c"].isascii() and a["c"].isalnum()),
+    # (a letter of Western Europe's own alphabets is not its two ASCII letters: a French
+    # `nœud` beside a name `noeud`, a Danish `værdi` beside `vaerdi`, are words apart)
+    ascii_ = sorted((a["c"] for a in alike if a["c"].isascii() and a["c"].isalnum()
+                     and (len(a["c"]) == 1 or len(char) == 1 and ord(char) > 0x17F)),
                     key=len)
     if len(char) == 1 and not char.isascii() and ascii_:
       out[ord(char)] = ascii_[0]
@@ -131,6 +129,24 @@ def _as_read(name: str, marks: bool = False) -> str:
 # 1 and | for l; the confusables table takes a Cyrillic palochka for i and a Cyrillic
 # І for l, so `heӏper` and `heІper` read as two names: a reviewer of red team 31).
 _ALIKE = str.maketrans("I1|i", "llll")
+
+
+def _ascii_twins(bound: list, strings: list) -> Optional[tuple[str, str]]:
+  """Two ASCII names of three letters or more, one of them bound by code, that read
+  alike (`_ascii_folded`), or None: `def is_Ieap` beside `def is_leap`, or a string
+  `"is_prirne"` code makes a name of beside `def is_prime`. (A name only used, as the
+  builtin `all` beside a matrix entry `a11`, is not compared.)"""
+  folded = {}
+  for n in dict.fromkeys(bound):
+    if len(n) > 2 and n.isascii():
+      twin = folded.setdefault(_ascii_folded(n), n)
+      if twin != n:
+        return twin, n
+  for n in dict.fromkeys(strings):
+    twin = folded.get(_ascii_folded(n), n) if len(n) > 2 else n
+    if twin != n:
+      return twin, n
+  return None
 
 
 def _ascii_folded(name: str) -> str:
@@ -175,34 +191,28 @@ def _spend(budget: list, n: int) -> None:
     raise _TooMuchToCheck
 
 
-def _pieces(tree: ast.AST):
-  """The string constants that code joins to others (`+`, `%`, an f-string's text,
-  `"".join([...])`, `.format`): pieces of a name a string may become."""
+def _bound(tree: ast.AST):
+  """The names code binds: functions, classes, assignments' and loops' targets,
+  arguments, imports."""
   for node in ast.walk(tree):
-    parts = []
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
-      parts = [node.left, node.right]
-    elif isinstance(node, ast.JoinedStr):
-      parts = node.values
-    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-          and node.func.attr in ("join", "format")):
-      parts = [node.func.value, *node.args]
-      for arg in node.args:
-        if isinstance(arg, (ast.List, ast.Tuple, ast.Set)):
-          parts += arg.elts
-    for part in parts:
-      if isinstance(part, ast.Constant) and isinstance(part.value, str):
-        yield part.value
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      yield node.name
+    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+      yield node.id
+    elif isinstance(node, ast.arg):
+      yield node.arg
+    elif isinstance(node, ast.alias):
+      yield (node.asname or node.name).split(".")[0]
 
 
 def _names_in(text: str, budget: list, depth: int = 0,
-              pieces: Optional[list] = None) -> tuple[list[str], list[str]]:
+              bound: Optional[list] = None) -> tuple[list[str], list[str]]:
   """(The names `text` uses as Python, the names its strings hold as Python). A string
   can name things (`globals()[...]`, `setattr`, `exec`): one that is not ASCII is read
   as Python in turn (indented too), four levels down, and one that is a name is one.
   Text that is not Python (a syntax newer than this host's, prose) gives its name
-  tokens; a leading BOM is skipped, as Python does. The strings code joins to others
-  that are not ASCII go to `pieces`. Every text read is taken from `budget`
+  tokens; a leading BOM is skipped, as Python does. The names code binds go to `bound`.
+  Every text read is taken from `budget`
   ([characters left]; `_TooMuchToCheck` past it)."""
   source = text[1:] if text.startswith("\ufeff") else text
   _spend(budget, len(source))
@@ -211,53 +221,16 @@ def _names_in(text: str, budget: list, depth: int = 0,
   except (SyntaxError, ValueError, RecursionError, MemoryError):
     return _name_tokens(source), []
   own, held = list(_names(tree)), []
-  if pieces is not None:
-    pieces += [p for p in _pieces(tree) if not p.isascii()]
+  if bound is not None:
+    bound += _bound(tree)
   for node in ast.walk(tree):
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
       if node.value.isidentifier():
         held.append(node.value)
       elif depth < 4 and not node.value.isascii():
-        inner = _names_in(node.value, budget, depth + 1, pieces)
+        inner = _names_in(node.value, budget, depth + 1, bound)
         held += inner[0] + inner[1]
   return own, held
-
-
-# A run of characters a word may hold: a name's, invisible ones, blanks.
-_RAW_WORD = re.compile("(?:\\w|" + _INVISIBLE.pattern + "|" + _BLANK.pattern + ")+")
-
-
-def _raw_words(text: str) -> list[tuple[int, int]]:
-  """Where each word of `text` that is not ASCII stands (code, strings, comments, prose,
-  quotes in prose), with its marks and the invisible characters and blanks in or around
-  it: (start, end), in time linear in the text's length."""
-  words, pos = [], 0
-  while True:
-    m = _RAW_WORD.search(text, pos)
-    if m is None:
-      return words
-    end = m.end()
-    while end < len(text) and ("a" + text[end]).isidentifier():  # (a mark: not \w)
-      more = _RAW_WORD.match(text, end + 1)
-      end = more.end() if more else end + 1
-    if not text[m.start():end].isascii():
-      words.append((m.start(), end))
-    pos = end
-
-
-def _reads_ascii(word: str) -> Optional[str]:
-  """What a word that is not ASCII reads as where that is ASCII (invisible characters
-  and blanks dropped), else None."""
-  seen = _BLANK.sub("", _as_read(word))
-  return seen if seen and seen.isascii() else None
-
-
-def _lookalike_piece(piece: str) -> bool:
-  """Whether a string code joins to others begins or ends with a word that reads as
-  ASCII while it is not (`"sum_digit" + "ѕ"`, a Cyrillic ѕ; `"add\u200b"`): a piece of
-  a look-alike name. (Greek or Russian words that read partly as Latin are not.)"""
-  return any((start == 0 or end == len(piece)) and _reads_ascii(piece[start:end])
-             for start, end in _raw_words(piece))
 
 
 # Names in text that does not parse, in one pass (Python's own tokenize rescans a
@@ -323,27 +296,18 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   written: red team 31): read with their marks, or without where that reads as ASCII
   (an invisible mark on a look-alike). Prose is not refused for its words (a Cyrillic
   о and a Greek ο, one letter each of text that is not Python, are prose's; an Arabic
-  word with and without its vowel marks reads as two). Code can make a name of any text
-  (red team 32): a word anywhere (a comment, a quote in prose, a string padded with an
-  invisible character or a blank) that is not ASCII and reads as a name of the files is
-  refused, as is a string joined to others that begins or ends with a word reading as
-  ASCII while it is not (`"sum_digit" + "ѕ"`), and two names of a `.py` file that read
-  alike in ASCII (`is_Ieap`, `is_leap`)."""
+  word with and without its vowel marks reads as two). Two ASCII names, one bound by
+  code, that read alike (`is_Ieap`, `is_leap`) are refused. A name code makes at run
+  time from any text (a comment read back, a string padded with an invisible character,
+  `"sum_digit" + "ѕ"`) is no reading of the text's: the harness reads the workspace's
+  modules' names once the solution is imported (`envs.verifier`, red team 32)."""
   ascii_names = set(dir(builtins)) | set(keyword.kwlist)
-  elsewhere, budget, pieces = [], [MAX_CHECKED_CHARS], []
-  code_twins: dict[str, str] = {}  # a .py file's name of 3 or more, folded -> as written
+  elsewhere, budget = [], [MAX_CHECKED_CHARS]
+  bound: list[str] = []  # the names code binds (def, class, assignment, import, argument)
+  strings: list[str] = []  # the ASCII names strings hold (`globals()["is_Ieap"]`)
   for name, text in files.items():
-    own, held = _names_in(text, budget, pieces=pieces)
-    for n in dict.fromkeys(own) if name.endswith(".py") else ():
-      twin = code_twins.setdefault(_ascii_folded(n), n) if len(n) > 2 else n
-      if twin != n:
-        return (f"{name}: the names {twin!r} and {n!r} read alike (I, 1 and l; 0 and O; "
-                "rn and m: a look-alike a judge would take for the other); name them apart")
-    piece = next((p for p in pieces if _lookalike_piece(p)), None)
-    if piece is not None:
-      return (f"{name}: the string {ascii(piece)}, joined to others, begins or ends with "
-              "a word that reads as ASCII (a piece of a look-alike name); write it in "
-              "ASCII")
+    own, held = _names_in(text, budget, bound=bound)
+    strings += [n for n in held if n.isascii() and not isinstance(n, _Word)]
     if name.endswith(".py"):
       odd = next((n for n in own if not n.isascii()), None)
       if odd is not None:
@@ -353,18 +317,12 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
       own, held = [], own + held
     ascii_names.update(n for n in own + held if n.isascii())
     elsewhere += [(name, n) for n in dict.fromkeys(held) if not n.isascii()]
+  ascii_twins = _ascii_twins(bound, strings)
+  if ascii_twins:
+    return (f"the names {ascii_twins[0]!r} and {ascii_twins[1]!r} read alike (I, 1 and l; "
+            "0 and O; rn and m: a look-alike a judge would take for the other); name "
+            "them apart")
   by_reading = {n.translate(_ALIKE): n for n in ascii_names}
-  # Any word anywhere (a comment, a quote in prose, a string that is not a name for
-  # the blanks or invisible characters around it) that reads as a name of the files:
-  # code can read it and make it a name (red team 32). One letter is prose's.
-  for name, text in files.items():  # (one regular scan: source_problem bounds the text)
-    for word in dict.fromkeys(text[start:end] for start, end in _raw_words(text)):
-      seen = _BLANK.sub("", _as_read(word))
-      plain = by_reading.get(seen.translate(_ALIKE)) if len(seen) > 1 else None
-      if plain is not None:
-        return (f"{name}: {ascii(word)} reads as {plain!r}, a name of these files (a "
-                "look-alike a judge would take for it: a string or a comment can become "
-                "a name); write it in ASCII")
   twins: dict[str, str] = {}  # a reading (folded) -> the first spelling read so
   for name, odd in elsewhere:
     seen = _as_read(odd)

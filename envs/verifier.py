@@ -16,7 +16,9 @@ the harness's stdin); the expected values stay on the host. In the sandbox:
   prints to stderr, puts the workspace first on `sys.path`, as the episode's tools
   ran it (a helper `code.py` the solution imports is its own, not the standard
   library's; of the modules the harness imported, those the workspace holds one of the
-  same name of are forgotten first), imports the solution,
+  same name of are forgotten first), imports the solution, sends back the names the
+  workspace's modules then hold that are not ASCII identifiers (a name made at run
+  time from a string reads to a judge as the name it looks like: a fail),
   calls the function on each case's arguments and sends back each return value
   encoded by exact type (`envs.values`: an object with a forged `__eq__` is not
   a value);
@@ -71,8 +73,9 @@ from envs.sandbox import ExecResult, Sandbox
 # solution's process stays dumpable (a non-root worker's disk watch sees its files). 10:
 # the solution's prctl(PR_SET_DUMPABLE, 0) does nothing (ssh-agent in its tests). 11: the
 # modules the harness imported that the workspace holds one of the same name of are the
-# workspace's for the solution.
-VERSION = "python-harness-11"
+# workspace's for the solution. 12: the workspace's modules' names are read once the
+# solution is imported: one that is not an ASCII identifier is a fail.
+VERSION = "python-harness-12"
 
 _HARNESS_BODY = r'''
 import ctypes, importlib, importlib.machinery, os, select, signal, sys
@@ -95,6 +98,29 @@ if spec.get("seccomp"):  # for the solution: prctl(PR_SET_DUMPABLE, 0) does noth
   ctypes.CDLL(None).prctl(22, 2, ctypes.byref(_program), 0, 0)  # (best effort)
 report.write("START\n")
 report.flush()
+
+
+def odd_names(cwd=os.getcwd() + os.sep, modules=sys.modules, module_type=type(sys),
+              type=type, vars=vars, list=list, ascii=ascii, dumps=json.dumps):
+  """The names the workspace's modules hold that are not ASCII identifiers (made from
+  strings at run time: `globals()["sum_digit" + "\u0455"]`, a Cyrillic letter, reads
+  to a judge as the name it looks like), as one report line. What it calls is bound
+  here, before the solution can rebind a builtin or `json.dumps`."""
+  odd = []
+  try:
+    for m in list(modules.values()):
+      if type(m) is not module_type:  # (a stand-in the solution put there is not read)
+        continue
+      names = vars(m)
+      where = names.get("__file__")
+      if type(where) is str and where.startswith(cwd):
+        odd += [ascii(k)[:80] for k in list(names)
+                if type(k) is not str or not (k.isascii() and k.isidentifier())]
+  except Exception as e:  # (the solution's doing: its names cannot be read)
+    odd.append("unreadable: " + type(e).__name__)
+  return dumps({"odd_names": odd[:20]})
+
+
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:  # the solution's process
@@ -140,6 +166,8 @@ if pid == 0:  # the solution's process
       channel.write(json.dumps({"import_error": (type(e).__name__ + ": " + str(e))[:300]}) + "\n")
       channel.flush()
       os._exit(0)
+    channel.write(odd_names() + "\n")
+    channel.flush()
     for i, args in enumerate(spec["args"]):
       try:
         line = json.dumps({"i": i, "value": encode(fn(*decode(args)))})
@@ -176,7 +204,7 @@ try:  # what the solution's process wrote before it ended; nothing after
     data += chunk
 except BlockingIOError:
   pass
-results, import_error = {}, None
+results, import_error, odd, read_names = {}, None, [], False
 for line in data[:limit].split(b"\n"):
   try:
     item = json.loads(line)
@@ -184,6 +212,9 @@ for line in data[:limit].split(b"\n"):
     continue
   if not isinstance(item, dict):
     continue
+  if isinstance(item.get("odd_names"), list):  # (any line's: one forged empty hides none)
+    read_names = True
+    odd += [str(x)[:100] for x in item["odd_names"][:20]]
   if import_error is None and isinstance(item.get("import_error"), str):
     import_error = item["import_error"][:300]
   i = item.get("i")
@@ -199,7 +230,7 @@ child = ({"exit": os.waitstatus_to_exitcode(status)} if os.WIFEXITED(status)
          else {"signal": os.WTERMSIG(status)})
 try:
   line = json.dumps({"results": results, "import_error": import_error, "child": child,
-                     "overflow": overflow})
+                     "overflow": overflow, "odd_names": odd[:20], "read_names": read_names})
 except Exception:  # a value nested too deep to encode again
   line = None
 if line is None or len(line) > spec["max_report_line"]:
@@ -289,6 +320,16 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
   if report.get("import_error"):
     return verdict(VerdictStatus.FAIL, reason=f"solution did not load: {report['import_error']}",
                    child=child)
+  odd = report.get("odd_names")
+  if odd:
+    return verdict(VerdictStatus.FAIL, child=child, reason=(
+        "the solution's modules hold names that are not ASCII identifiers once it is "
+        f"imported ({', '.join(map(str, odd[:5]))}): names made from strings at run time "
+        "read to a judge as the names they look like; write names in ASCII"))
+  if not report.get("read_names") and results:
+    return verdict(VerdictStatus.FAIL, child=child, reason=(
+        "the solution's process gave results without its names read (the harness reads "
+        "them once it is imported)"))
   if not tests.cases:
     return verdict(VerdictStatus.INFRA_ERROR, reason="the task has no hidden cases")
   outcomes = {}

@@ -43,7 +43,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-11"
+  assert ok.verifier_version == "python-harness-12"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
@@ -340,9 +340,10 @@ def test_classification_rules():
   def status(stdout, **kw):
     return classify(_result(stdout, **kw), t, "e").status
 
-  def report(results, **child):
+  def report(results, odd=(), read=True, **child):
     return "START\n" + json.dumps({"results": results, "import_error": None,
-                                   "child": child or {"exit": 0}, "overflow": False}) + "\n"
+                                   "child": child or {"exit": 0}, "overflow": False,
+                                   "odd_names": list(odd), "read_names": read}) + "\n"
 
   assert status("", error="OSError: no bwrap") == VerdictStatus.INFRA_ERROR
   assert status("", exit_code=127) == VerdictStatus.INFRA_ERROR  # never started
@@ -350,6 +351,10 @@ def test_classification_rules():
   assert status("START\n", timed_out=True) == VerdictStatus.TIMEOUT
   assert status("START\n", signal=9, exit_code=None) == VerdictStatus.INFRA_ERROR  # killed
   assert status(report({"0": {"value": ["int", "3"]}})) == VerdictStatus.PASS
+  # Names made at run time that are not ASCII identifiers; results without the names read.
+  said = classify(_result(report({"0": {"value": ["int", "3"]}}, odd=["'add\\u0455'"])), t, "e")
+  assert said.status == VerdictStatus.FAIL and "not ASCII identifiers" in said.details["reason"]
+  assert status(report({"0": {"value": ["int", "3"]}}, read=False)) == VerdictStatus.FAIL
   assert status(report({"0": {"value": ["float", "3.0"]}})) == VerdictStatus.FAIL
   assert status(report({"0": {"value": ["bool", True]}})) == VerdictStatus.FAIL
   assert status(report({"0": {"value": "3"}})) == VerdictStatus.FAIL  # malformed
