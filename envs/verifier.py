@@ -17,11 +17,11 @@ the harness's stdin); the expected values stay on the host. In the sandbox:
   ran it (a helper `code.py` the solution imports is its own, not the standard
   library's; of the modules the harness imported, those the workspace holds one of the
   same name of are forgotten first), imports the solution, sends back the names the
-  workspace's modules then hold that are not ASCII identifiers (a name made at run
+  modules it imported then hold that are not ASCII identifiers (a name made at run
   time from a string reads to a judge as the name it looks like: a fail),
   calls the function on each case's arguments and sends back each return value
   encoded by exact type (`envs.values`: an object with a forged `__eq__` is not
-  a value);
+  a value), then those names again (a module imported in a call, a thread's binding);
 - the harness reads at most `max_report_bytes` of results, waits for the
   solution's process, and writes one report on its stdout, the channel only it
   holds.
@@ -73,8 +73,9 @@ from envs.sandbox import ExecResult, Sandbox
 # solution's process stays dumpable (a non-root worker's disk watch sees its files). 10:
 # the solution's prctl(PR_SET_DUMPABLE, 0) does nothing (ssh-agent in its tests). 11: the
 # modules the harness imported that the workspace holds one of the same name of are the
-# workspace's for the solution. 12: the workspace's modules' names are read once the
-# solution is imported: one that is not an ASCII identifier is a fail.
+# workspace's for the solution. 12: the names of the modules the solution imports are
+# read once it is imported and after its last case: one that is not an ASCII identifier
+# is a fail.
 VERSION = "python-harness-12"
 
 _HARNESS_BODY = r'''
@@ -100,25 +101,32 @@ report.write("START\n")
 report.flush()
 
 
-def odd_names(cwd=os.getcwd() + os.sep, modules=sys.modules, module_type=type(sys),
-              type=type, vars=vars, list=list, ascii=ascii, dumps=json.dumps):
-  """The names the workspace's modules hold that are not ASCII identifiers (made from
-  strings at run time: `globals()["sum_digit" + "\u0455"]`, a Cyrillic letter, reads
-  to a judge as the name it looks like), as one report line. What it calls is bound
-  here, before the solution can rebind a builtin or `json.dumps`."""
+def odd_names(before, at_end, solution, modules=sys.modules, module_type=type(sys),
+              module_dict=type(sys).__dict__["__dict__"].__get__, type=type, id=id,
+              isinstance=isinstance, list=list, ascii=ascii, dumps=json.dumps):
+  """The names that the modules imported since `before` (ids of the modules there were)
+  hold that are not ASCII identifiers, or the `solution` module put out of its place
+  (made from strings at run time:
+  `globals()["sum_digit" + "\u0455"]`, a Cyrillic letter, reads to a judge as the name
+  it looks like), as one report line. Read once the solution is imported and again
+  after its last case (a module it imports in a call, a thread's binding). Every
+  module, whatever its `__file__` or its class; its own dict, whatever its `__dict__`
+  says. What it calls is bound here, before the solution can rebind a builtin or
+  `json.dumps`."""
   odd = []
   try:
-    for m in list(modules.values()):
-      if type(m) is not module_type:  # (a stand-in the solution put there is not read)
+    for name, m in list(modules.items()):
+      if id(m) in before:
         continue
-      names = vars(m)
-      where = names.get("__file__")
-      if type(where) is str and where.startswith(cwd):
-        odd += [ascii(k)[:80] for k in list(names)
-                if type(k) is not str or not (k.isascii() and k.isidentifier())]
+      if not isinstance(m, module_type):  # (the solution's: a stand-in put in its place;
+        if name == solution:               # typing puts classes there of its own)
+          odd.append(ascii(name)[:80] + " is no module")
+        continue
+      odd += [ascii(k)[:80] for k in list(module_dict(m))
+              if type(k) is not str or not (k.isascii() and k.isidentifier())]
   except Exception as e:  # (the solution's doing: its names cannot be read)
     odd.append("unreadable: " + type(e).__name__)
-  return dumps({"odd_names": odd[:20]})
+  return dumps({"odd_names": odd[:20], "at_end": at_end})
 
 
 r, w = os.pipe()
@@ -160,13 +168,14 @@ if pid == 0:  # the solution's process
         for m in [m for m in sys.modules
                   if (m == top or m.startswith(top + ".")) and m not in _STARTUP]:
           del sys.modules[m]
+    before = {id(m) for m in sys.modules.values()}
     try:
       fn = getattr(importlib.import_module(spec["module"]), spec["function"])
     except BaseException as e:
       channel.write(json.dumps({"import_error": (type(e).__name__ + ": " + str(e))[:300]}) + "\n")
       channel.flush()
       os._exit(0)
-    channel.write(odd_names() + "\n")
+    channel.write(odd_names(before, False, spec["module"]) + "\n")
     channel.flush()
     for i, args in enumerate(spec["args"]):
       try:
@@ -178,6 +187,8 @@ if pid == 0:  # the solution's process
           line = json.dumps({"i": i, "error": "unprintable exception"})
       channel.write(line + "\n")
       channel.flush()
+    channel.write(odd_names(before, True, spec["module"]) + "\n")
+    channel.flush()
   finally:
     os._exit(0)
 os.close(w)
@@ -204,7 +215,7 @@ try:  # what the solution's process wrote before it ended; nothing after
     data += chunk
 except BlockingIOError:
   pass
-results, import_error, odd, read_names = {}, None, [], False
+results, import_error, odd, read_names = {}, None, [], set()
 for line in data[:limit].split(b"\n"):
   try:
     item = json.loads(line)
@@ -213,7 +224,7 @@ for line in data[:limit].split(b"\n"):
   if not isinstance(item, dict):
     continue
   if isinstance(item.get("odd_names"), list):  # (any line's: one forged empty hides none)
-    read_names = True
+    read_names.add("at_end" if item.get("at_end") is True else "imported")
     odd += [str(x)[:100] for x in item["odd_names"][:20]]
   if import_error is None and isinstance(item.get("import_error"), str):
     import_error = item["import_error"][:300]
@@ -230,7 +241,8 @@ child = ({"exit": os.waitstatus_to_exitcode(status)} if os.WIFEXITED(status)
          else {"signal": os.WTERMSIG(status)})
 try:
   line = json.dumps({"results": results, "import_error": import_error, "child": child,
-                     "overflow": overflow, "odd_names": odd[:20], "read_names": read_names})
+                     "overflow": overflow, "odd_names": odd[:20],
+                     "read_names": sorted(read_names)})
 except Exception:  # a value nested too deep to encode again
   line = None
 if line is None or len(line) > spec["max_report_line"]:
@@ -323,13 +335,13 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
   odd = report.get("odd_names")
   if odd:
     return verdict(VerdictStatus.FAIL, child=child, reason=(
-        "the solution's modules hold names that are not ASCII identifiers once it is "
-        f"imported ({', '.join(map(str, odd[:5]))}): names made from strings at run time "
-        "read to a judge as the names they look like; write names in ASCII"))
-  if not report.get("read_names") and results:
+        "the modules the solution imported hold names that are not ASCII identifiers "
+        f"({', '.join(map(str, odd[:5]))}): names made from strings at run time read to "
+        "a judge as the names they look like; write names in ASCII"))
+  if results and report.get("read_names") != ["at_end", "imported"]:
     return verdict(VerdictStatus.FAIL, child=child, reason=(
         "the solution's process gave results without its names read (the harness reads "
-        "them once it is imported)"))
+        "them once it is imported and after its last case)"))
   if not tests.cases:
     return verdict(VerdictStatus.INFRA_ERROR, reason="the task has no hidden cases")
   outcomes = {}

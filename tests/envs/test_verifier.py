@@ -340,10 +340,10 @@ def test_classification_rules():
   def status(stdout, **kw):
     return classify(_result(stdout, **kw), t, "e").status
 
-  def report(results, odd=(), read=True, **child):
+  def report(results, odd=(), read=("at_end", "imported"), **child):
     return "START\n" + json.dumps({"results": results, "import_error": None,
                                    "child": child or {"exit": 0}, "overflow": False,
-                                   "odd_names": list(odd), "read_names": read}) + "\n"
+                                   "odd_names": list(odd), "read_names": list(read)}) + "\n"
 
   assert status("", error="OSError: no bwrap") == VerdictStatus.INFRA_ERROR
   assert status("", exit_code=127) == VerdictStatus.INFRA_ERROR  # never started
@@ -354,7 +354,8 @@ def test_classification_rules():
   # Names made at run time that are not ASCII identifiers; results without the names read.
   said = classify(_result(report({"0": {"value": ["int", "3"]}}, odd=["'add\\u0455'"])), t, "e")
   assert said.status == VerdictStatus.FAIL and "not ASCII identifiers" in said.details["reason"]
-  assert status(report({"0": {"value": ["int", "3"]}}, read=False)) == VerdictStatus.FAIL
+  for read in ((), ("imported",), ("at_end",)):
+    assert status(report({"0": {"value": ["int", "3"]}}, read=read)) == VerdictStatus.FAIL
   assert status(report({"0": {"value": ["float", "3.0"]}})) == VerdictStatus.FAIL
   assert status(report({"0": {"value": ["bool", True]}})) == VerdictStatus.FAIL
   assert status(report({"0": {"value": "3"}})) == VerdictStatus.FAIL  # malformed
