@@ -149,13 +149,15 @@ def _ascii_twins(bound: list, strings: list) -> Optional[tuple[str, str]]:
   return None
 
 
+# ASCII's own letters many fonts draw alike (beside rn and m), folded when ASCII names
+# are compared (not i and l: code holds both as loop names).
+_CODE_ALIKE = str.maketrans("I10", "llO")
+
+
 def _ascii_folded(name: str) -> str:
   """An ASCII name with the letters many fonts draw alike folded (`is_Ieap` as
   `is_leap`, `is_prirne` as `is_prime`: red team 32)."""
   return name.translate(_CODE_ALIKE).replace("rn", "m")
-
-
-_CODE_ALIKE = str.maketrans("I10", "llO")
 
 
 class _Word(str):
@@ -212,8 +214,8 @@ def _names_in(text: str, budget: list, depth: int = 0,
   as Python in turn (indented too), four levels down, and one that is a name is one.
   Text that is not Python (a syntax newer than this host's, prose) gives its name
   tokens; a leading BOM is skipped, as Python does. The names code binds go to `bound`.
-  Every text read is taken from `budget`
-  ([characters left]; `_TooMuchToCheck` past it)."""
+  Every text read is taken from `budget` ([characters left]; `_TooMuchToCheck` past
+  it)."""
   source = text[1:] if text.startswith("\ufeff") else text
   _spend(budget, len(source))
   try:
@@ -299,8 +301,9 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   word with and without its vowel marks reads as two). Two ASCII names, one bound by
   code, that read alike (`is_Ieap`, `is_leap`) are refused. A name code makes at run
   time from any text (a comment read back, a string padded with an invisible character,
-  `"sum_digit" + "ѕ"`) is no reading of the text's: the harness reads the workspace's
-  modules' names once the solution is imported (`envs.verifier`, red team 32)."""
+  `"sum_digit" + "ѕ"`) is no reading of the text's: the harness reads the names of the
+  modules the solution imports, once it is imported and after its last case
+  (`envs.verifier`, red team 32)."""
   ascii_names = set(dir(builtins)) | set(keyword.kwlist)
   elsewhere, budget = [], [MAX_CHECKED_CHARS]
   bound: list[str] = []  # the names code binds (def, class, assignment, import, argument)

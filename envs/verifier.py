@@ -21,7 +21,7 @@ the harness's stdin); the expected values stay on the host. In the sandbox:
   time from a string reads to a judge as the name it looks like: a fail),
   calls the function on each case's arguments and sends back each return value
   encoded by exact type (`envs.values`: an object with a forged `__eq__` is not
-  a value), then those names again (a module imported in a call, a thread's binding);
+  a value), then those names again (a module imported in a call);
 - the harness reads at most `max_report_bytes` of results, waits for the
   solution's process, and writes one report on its stdout, the channel only it
   holds.
@@ -105,14 +105,13 @@ def odd_names(before, at_end, solution, modules=sys.modules, module_type=type(sy
               module_dict=type(sys).__dict__["__dict__"].__get__, type=type, id=id,
               isinstance=isinstance, list=list, ascii=ascii, dumps=json.dumps):
   """The names that the modules imported since `before` (ids of the modules there were)
-  hold that are not ASCII identifiers, or the `solution` module put out of its place
-  (made from strings at run time:
-  `globals()["sum_digit" + "\u0455"]`, a Cyrillic letter, reads to a judge as the name
-  it looks like), as one report line. Read once the solution is imported and again
-  after its last case (a module it imports in a call, a thread's binding). Every
-  module, whatever its `__file__` or its class; its own dict, whatever its `__dict__`
-  says. What it calls is bound here, before the solution can rebind a builtin or
-  `json.dumps`."""
+  hold that are not ASCII identifiers, or the `solution` module put out of its place,
+  as one report line: a name made from strings at run time (`globals()["sum_digit" +
+  "\u0455"]`, a Cyrillic letter) reads to a judge as the name it looks like. Read once
+  the solution is imported and again after its last case (a module it imports in a
+  call). Every module, whatever its `__file__` or its class; its own dict, whatever its
+  `__dict__` says. What it calls is bound here, before the solution can rebind a
+  builtin or `json.dumps`."""
   odd = []
   try:
     for name, m in list(modules.items()):
@@ -338,7 +337,9 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
         "the modules the solution imported hold names that are not ASCII identifiers "
         f"({', '.join(map(str, odd[:5]))}): names made from strings at run time read to "
         "a judge as the names they look like; write names in ASCII"))
-  if results and report.get("read_names") != ["at_end", "imported"]:
+  read = report.get("read_names") or []
+  if results and ("imported" not in read or (
+      len(results) >= len(tests.cases) and "at_end" not in read)):
     return verdict(VerdictStatus.FAIL, child=child, reason=(
         "the solution's process gave results without its names read (the harness reads "
         "them once it is imported and after its last case)"))

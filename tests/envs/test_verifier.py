@@ -355,7 +355,12 @@ def test_classification_rules():
   said = classify(_result(report({"0": {"value": ["int", "3"]}}, odd=["'add\\u0455'"])), t, "e")
   assert said.status == VerdictStatus.FAIL and "not ASCII identifiers" in said.details["reason"]
   for read in ((), ("imported",), ("at_end",)):
-    assert status(report({"0": {"value": ["int", "3"]}}, read=read)) == VerdictStatus.FAIL
+    said = classify(_result(report({"0": {"value": ["int", "3"]}}, read=read)), t, "e")
+    assert said.status == VerdictStatus.FAIL and "names read" in said.details["reason"]
+  # (a process that ended before its last case is told by its cases, not its names)
+  two = HiddenTests("add", [((1, 2), 3), ((2, 2), 4)])
+  said = classify(_result(report({"0": {"value": ["int", "3"]}}, read=("imported",))), two, "e")
+  assert said.status == VerdictStatus.FAIL and "ended first" in said.details["cases"]["1"]
   assert status(report({"0": {"value": ["float", "3.0"]}})) == VerdictStatus.FAIL
   assert status(report({"0": {"value": ["bool", True]}})) == VerdictStatus.FAIL
   assert status(report({"0": {"value": "3"}})) == VerdictStatus.FAIL  # malformed
