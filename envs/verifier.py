@@ -73,13 +73,13 @@ from envs.sandbox import ExecResult, Sandbox
 # solution's process stays dumpable (a non-root worker's disk watch sees its files). 10:
 # the solution's prctl(PR_SET_DUMPABLE, 0) does nothing (ssh-agent in its tests). 11: the
 # modules the harness imported that the workspace holds one of the same name of are the
-# workspace's for the solution. 12: the names of the modules the solution imports are
-# read once it is imported and after its last case: one that is not an ASCII identifier
-# is a fail.
+# workspace's for the solution. 12: the names of the modules the solution makes are
+# read once it is imported and after its last case: one that is not an ASCII identifier,
+# or two that read alike, are a fail.
 VERSION = "python-harness-12"
 
 _HARNESS_BODY = r'''
-import ctypes, importlib, importlib.machinery, os, select, signal, sys
+import ctypes, gc, importlib, importlib.machinery, os, select, signal, sys
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # as init, a default disposition is immune
 try:  # PR_SET_DUMPABLE = 4: no ptrace of this process, no /proc/<pid>/fd or mem for others
@@ -102,27 +102,42 @@ report.flush()
 
 
 def odd_names(before, at_end, solution, modules=sys.modules, module_type=type(sys),
-              module_dict=type(sys).__dict__["__dict__"].__get__, type=type, id=id,
-              isinstance=isinstance, list=list, ascii=ascii, dumps=json.dumps):
-  """The names that the modules imported since `before` (ids of the modules there were)
-  hold that are not ASCII identifiers, or the `solution` module put out of its place,
-  as one report line: a name made from strings at run time (`globals()["sum_digit" +
-  "\u0455"]`, a Cyrillic letter) reads to a judge as the name it looks like. Read once
+              module_dict=type(sys).__dict__["__dict__"].__get__,
+              function_type=type(lambda: 0), objects=gc.get_objects, type=type, id=id,
+              isinstance=isinstance, list=list, len=len, set=set, ascii=ascii,
+              dumps=json.dumps, fold=str.maketrans("I10", "llO")):
+  """The names that the modules made since `before` (the dicts there were, by id)
+  hold that are not ASCII identifiers, or that read alike in ASCII (I, 1 and l; 0 and
+  O; rn and m), and the `solution` module put out of its place, as one report line: a
+  name made from strings at run time (`globals()["sum_digit" + "\u0455"]`, a Cyrillic
+  letter; `"su" + "rn_digits"`) reads to a judge as the name it looks like. Read once
   the solution is imported and again after its last case (a module it imports in a
-  call). Every module, whatever its `__file__` or its class; its own dict, whatever its
-  `__dict__` says. What it calls is bound here, before the solution can rebind a
-  builtin or `json.dumps`."""
-  odd = []
+  call). Every module object there is, in `sys.modules` or not, and every dict a
+  function's globals are (a module taken out of `sys.modules` lives on in its
+  functions), whatever their class or `__file__`. What it calls is bound here, before
+  the solution can rebind a builtin, `json.dumps` or `gc`."""
+  odd, seen = [], set()
   try:
-    for name, m in list(modules.items()):
-      if id(m) in before:
+    if solution in modules and not isinstance(modules[solution], module_type):
+      odd.append(ascii(solution)[:80] + " is no module")
+    for obj in objects():
+      if isinstance(obj, module_type):
+        names = module_dict(obj)
+      elif type(obj) is function_type:
+        names = obj.__globals__
+      else:
         continue
-      if not isinstance(m, module_type):  # (the solution's: a stand-in put in its place;
-        if name == solution:               # typing puts classes there of its own)
-          odd.append(ascii(name)[:80] + " is no module")
+      if id(names) in before or id(names) in seen:
         continue
-      odd += [ascii(k)[:80] for k in list(module_dict(m))
-              if type(k) is not str or not (k.isascii() and k.isidentifier())]
+      seen.add(id(names))
+      folded = {}
+      for k in list(names):
+        if type(k) is not str or not (k.isascii() and k.isidentifier()):
+          odd.append(ascii(k)[:80])
+        elif len(k) > 2:
+          twin = folded.setdefault(k.translate(fold).replace("rn", "m"), k)
+          if twin != k:
+            odd.append(twin + " ~ " + k)
   except Exception as e:  # (the solution's doing: its names cannot be read)
     odd.append("unreadable: " + type(e).__name__)
   return dumps({"odd_names": odd[:20], "at_end": at_end})
@@ -167,14 +182,16 @@ if pid == 0:  # the solution's process
         for m in [m for m in sys.modules
                   if (m == top or m.startswith(top + ".")) and m not in _STARTUP]:
           del sys.modules[m]
-    before = {id(m) for m in sys.modules.values()}
+    before_modules = list(sys.modules.values())  # (held: their ids stay theirs)
+    before = {id(vars(m)) for m in before_modules if hasattr(m, "__dict__")}
     try:
       fn = getattr(importlib.import_module(spec["module"]), spec["function"])
     except BaseException as e:
       channel.write(json.dumps({"import_error": (type(e).__name__ + ": " + str(e))[:300]}) + "\n")
       channel.flush()
       os._exit(0)
-    channel.write(odd_names(before, False, spec["module"]) + "\n")
+    channel.write("\n" + odd_names(before, False, spec["module"]) + "\n")  # (a line of
+    # its own whatever the solution wrote before it)
     channel.flush()
     for i, args in enumerate(spec["args"]):
       try:
@@ -186,7 +203,7 @@ if pid == 0:  # the solution's process
           line = json.dumps({"i": i, "error": "unprintable exception"})
       channel.write(line + "\n")
       channel.flush()
-    channel.write(odd_names(before, True, spec["module"]) + "\n")
+    channel.write("\n" + odd_names(before, True, spec["module"]) + "\n")
     channel.flush()
   finally:
     os._exit(0)
@@ -222,7 +239,7 @@ for line in data[:limit].split(b"\n"):
     continue
   if not isinstance(item, dict):
     continue
-  if isinstance(item.get("odd_names"), list):  # (any line's: one forged empty hides none)
+  if isinstance(item.get("odd_names"), list):  # (every line's: a forged empty one adds none)
     read_names.add("at_end" if item.get("at_end") is True else "imported")
     odd += [str(x)[:100] for x in item["odd_names"][:20]]
   if import_error is None and isinstance(item.get("import_error"), str):
@@ -334,15 +351,16 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
   odd = report.get("odd_names")
   if odd:
     return verdict(VerdictStatus.FAIL, child=child, reason=(
-        "the modules the solution imported hold names that are not ASCII identifiers "
-        f"({', '.join(map(str, odd[:5]))}): names made from strings at run time read to "
-        "a judge as the names they look like; write names in ASCII"))
+        "the modules the solution made hold names that are not ASCII identifiers, or "
+        f"that read alike, or could not be read ({', '.join(map(str, odd[:5]))}): names "
+        "made from strings at run time read to a judge as the names they look like; "
+        "write names in ASCII, apart"))
   read = report.get("read_names") or []
   if results and ("imported" not in read or (
       len(results) >= len(tests.cases) and "at_end" not in read)):
     return verdict(VerdictStatus.FAIL, child=child, reason=(
         "the solution's process gave results without its names read (the harness reads "
-        "them once it is imported and after its last case)"))
+        f"them once it is imported and after its last case; the process ended {child})"))
   if not tests.cases:
     return verdict(VerdictStatus.INFRA_ERROR, reason="the task has no hidden cases")
   outcomes = {}

@@ -739,6 +739,30 @@ RUNTIME_NAMES = {
     "a look-alike name in a module without its file": (
         {"solution.py": HARD_ADD + 'globals()["ad" + chr(0x501)] = _general\n__file__ = None\n'},
         "fail"),
+    # (a reviewer) ... a helper module taken out of `sys.modules` (its dict lives on in
+    # its functions), an ASCII look-alike made at run time (`"he" + "Iper"`), a key of a
+    # str subclass that says it is an identifier, the solution's module put out of its
+    # place.
+    "a look-alike name in a module taken out of sys.modules": (
+        {"helpers.py": HARD_ADD + 'globals()["ad" + chr(0x501)] = _general\n',
+         "solution.py": "import sys\nfrom helpers import add\ndel sys.modules['helpers']\n"},
+        "fail"),
+    "a look-alike name in a module whose entry is None": (
+        {"helpers.py": HARD_ADD + 'globals()["ad" + chr(0x501)] = _general\n',
+         "solution.py": "import sys\nfrom helpers import add\nsys.modules['helpers'] = None\n"},
+        "fail"),
+    "an ASCII look-alike name made at run time": (
+        {"solution.py": "def add(a, b):\n    return helper(a, b)\n\n\ndef helper(a, b):\n"
+         "    return {(2, 3): 5}.get((a, b), a + b)\n\n\ndef _general(a, b):\n"
+         "    return a + b\n\n\nglobals()['he' + 'Iper'] = _general\n"}, "fail"),
+    "a key of a str subclass that says it is a name": (
+        {"solution.py": HARD_ADD + "class _Name(str):\n    def isidentifier(self):\n"
+         "        return True\n\n    def isascii(self):\n        return True\n\n\n"
+         "globals()[_Name('ad' + chr(0x501))] = _general\n"}, "fail"),
+    "the solution's module put out of its place": (
+        {"solution.py": "import sys\n\n\nclass _Stand:\n"
+         "    add = staticmethod(lambda a, b: a + b)\n\n\nsys.modules[__name__] = _Stand()\n"},
+        "fail"),
     "typing, enum, dataclasses and caches": (
         {"solution.py": "from __future__ import annotations\nimport dataclasses, enum, "
          "functools, typing, collections\n\n\n@dataclasses.dataclass(frozen=True)\n"
