@@ -677,7 +677,7 @@ class Sandbox:
     run_dir = (tempfile.mkdtemp(prefix=f"run-{tag}-", dir=self._logs)
                if self.isolation == "mountns" else self._logs)
     t0 = time.perf_counter()
-    timed_out, error, code, sig = False, None, None, None
+    timed_out, error, code, sig, unstarted = False, None, None, None, False
     over: list[str] = []  # (the disk watch's finding)
     ooms = self.oom_counts()
     program = seccomp_program(not trusted_init) if self.isolation == "bwrap" else None
@@ -736,7 +736,7 @@ class Sandbox:
             and not os.path.exists(os.path.join(run_dir, SETUP_DONE))):
           error = f"the sandbox's setup failed (exit {rc})"
     except (OSError, ValueError) as e:  # could not start: an infrastructure failure
-      error = f"{type(e).__name__}: {e}"
+      error, unstarted = f"{type(e).__name__}: {e}", True
     finally:
       if seccomp_fd is not None:
         os.close(seccomp_fd)
@@ -752,7 +752,7 @@ class Sandbox:
     # (its files went with it; a command that could not start may have met it dying: its
     # root gone before its exit is seen, a FileNotFoundError under /proc/PID/root)
     if self._held is not None and (not self._held.alive or (
-        error is not None and await asyncio.to_thread(self._held.ends_within, 1.0))):
+        unstarted and await asyncio.to_thread(self._held.ends_within, 1.0))):
       error = (f"the workspace's filesystem is gone: its holder (host pid "
                f"{self._held.pid}) ended, exit {self._held.exit_code}")
     # Files sent over a unix socket that the command's processes left in its own queue (a
