@@ -461,13 +461,20 @@ def main(argv=None) -> int:
     # The learner's checks, with the services it will be given (the router, the workers):
     # a config the learner refuses would fail in the cluster, restarts and all.
     check_with_services(cfg, 1 if args.servers else 0, args.env_workers)
-    objects = manifests(cfg, args, kept_tokens(args.out, run_name(cfg)))
+    kept = kept_tokens(args.out, run_name(cfg))
+    objects = manifests(cfg, args, kept)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for path in write(args.out, objects):
     print(path)
   print(f"apply: kubectl apply -f {args.out}")
+  fresh = [s[0] for key, s in SECRETS.items() if s[0] in objects and key not in kept]
+  if kept and fresh:  # (a JobSet's template cannot change: apply would refuse it)
+    jobset = objects["learner-jobset.yaml"]["metadata"]
+    print(f"{' and '.join(fresh)} hold{'s' if len(fresh) == 1 else ''} a new token the "
+          "learner takes: delete its JobSet first (kubectl delete jobset "
+          f"{jobset['name']} -n {jobset['namespace']}; it resumes from its checkpoint)")
   secrets = [os.path.join(args.out, s[0]) for s in SECRETS.values() if s[0] in objects]
   if not secrets:
     print(f"or, with xpk (the bucket mounted at /runs): {xpk_command(cfg, args, objects)}")

@@ -380,3 +380,16 @@ def test_the_servers_get_an_image_of_their_own(tmp_path):
   assert images(docs) == {"env-statefulset.yaml": "example.com/jaxagent:tpu",
                           "rollout-statefulset.yaml": "example.com/jaxagent:gpu",
                           "router-deployment.yaml": "example.com/jaxagent:tpu"}
+
+
+def test_a_redeploy_that_adds_a_token_says_to_replace_the_learners_jobset(tmp_path):
+  """A JobSet's template cannot change: a redeploy that keeps one token and makes
+  another (workers added to a run without them) says to delete the learner's JobSet
+  before applying; a plain redeploy says nothing of it."""
+  _, first = generate(tmp_path, "v5litepod-8", "--env-workers", "0")
+  assert "delete its JobSet" not in first
+  _, again = generate(tmp_path, "v5litepod-8")
+  assert "env-secret.yaml holds a new token the learner takes: delete its JobSet first " \
+         "(kubectl delete jobset tiny-guess-number-learner -n default" in again
+  _, third = generate(tmp_path, "v5litepod-8")
+  assert "delete its JobSet" not in third
