@@ -162,8 +162,7 @@ def _ascii_folded(name: str) -> str:
 
 class _Word(str):
   """A name found by the token scan of text that did not parse (prose's words, or a
-  syntax newer than this host's): one that reads as one letter is not taken for a
-  name's twin (a Cyrillic о beside a Greek ο is prose's, and Burmese ဝိ beside ဝဲ)."""
+  syntax newer than this host's): no name a string holds for code to bind."""
 
 
 def _names(tree: ast.AST):
@@ -329,13 +328,14 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   twins: dict[str, str] = {}  # a reading (folded) -> the first spelling read so
   for name, odd in elsewhere:
     seen = _as_read(odd)
-    plain = (None if len(seen) == 1 and isinstance(odd, _Word)  # (one letter of prose)
-             else by_reading.get(seen.translate(_ALIKE)))
+    # (one letter is prose's, or a Greek label's: `"ν"` beside a name `v`; a one-letter
+    # name code binds is read at run time, `envs.verifier`)
+    plain = None if len(seen) == 1 else by_reading.get(seen.translate(_ALIKE))
     if plain is not None:
       return (f"{name}: the name {ascii(odd)} reads as {plain!r}, another name (a look-alike "
               "a judge would take for it); write names in ASCII")
     for reading in {_as_read(odd, marks=True), *([seen] if seen.isascii() else [])}:
-      if len(reading) == 1 and isinstance(odd, _Word):
+      if len(reading) == 1:
         continue
       twin = twins.setdefault(reading.translate(_ALIKE), odd)
       if twin != odd:

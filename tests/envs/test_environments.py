@@ -1163,6 +1163,9 @@ LOOK_ALIKE_TEXT = {
          '\u0437\u0430\u043f\u0438\u0441\u0430\u043d\u043d\u044b\u0445 \u0441 \u043e\u0441\u043d'
          '\u043e\u0432\u0430\u043d\u0438\u0435\u043c 10 (\u0456 l)."""\n    c = a + b\n'
          '    for i in range(1):\n        l = i\n    return c\n'}, None),
+    "one-letter Greek labels beside one-letter names": (
+        {"solution.py": GOOD_ADD + 'LABELS = ["\u03bc", "\u03bd", "\u03b9"]\nv, i, l = 1, 2, 3\n'},
+        None),
     "signs and Greek letters in formatted text": (
         {"solution.py": GOOD_ADD + 'def show(x, y):\n    return f"{x}\u00d7{y} \u2264 {x}\u00b0, '
          '\u03c0 = %f" % 3.14 + " \u2713 " + "\u03b1\u03b2\u03b3 \u03bb"\n'
