@@ -13,7 +13,7 @@ from envs.python_tasks_data import TASKS
 from envs.python_tests import judged_answer
 from rollout_server.orchestrator import Orchestrator
 from rollout_server.serving import ServedModel
-from tests.envs.test_environments import play
+from tests.envs.playing import play
 from tests.rollout_server.conftest import (make_engine, memorise,  # noqa: F401
                                            running_server, tokenizer)
 
