@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import collections
 import contextlib
-import hashlib
 import heapq
 import json
 import logging
@@ -35,7 +33,7 @@ import threading
 import uuid
 import weakref
 from typing import Optional, Sequence
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Query, Request
@@ -45,8 +43,8 @@ from jaxagent import control
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard
 from jaxagent.tls import shared_tls
-from rollout_server import anthropic_api, responses_api
-from rollout_server.chat import openai_error
+from rollout_server import responses_api
+from rollout_server.routing import HashRing, api_error, forwarded_path, stream_cut_event
 from rollout_server.sessions import SessionStore, session_header, session_of
 
 log = logging.getLogger(__name__)
@@ -61,51 +59,6 @@ _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "ke
 _ROUTERS_OWN = {"handover": "POST", "update_weights": "POST", "health": "GET",
                 "router/health": "GET", "control": "GET"}
 MAX_SESSION_ID = 1024  # characters (quoted into a backend's URL: httpx takes 65,536)
-
-
-def _hash(key: str) -> int:
-  return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big")
-
-
-class HashRing:
-  """Consistent hashing of keys onto backends with virtual nodes."""
-
-  def __init__(self, backends: Sequence[str], replicas: int = 64):
-    if not backends:
-      raise ValueError("a router needs at least one backend")
-    self.backends = list(backends)
-    points = sorted((_hash(f"{b}#{i}"), b) for b in self.backends for i in range(replicas))
-    self._keys = [p for p, _ in points]
-    self._owners = [b for _, b in points]
-
-  def candidates(self, key: str) -> list[str]:
-    """Backends in ring order starting at `key`'s owner, each once."""
-    start = bisect.bisect(self._keys, _hash(key)) % len(self._keys)
-    out: list[str] = []
-    for i in range(len(self._owners)):
-      b = self._owners[(start + i) % len(self._owners)]
-      if b not in out:
-        out.append(b)
-        if len(out) == len(self.backends):
-          break
-    return out
-
-
-def _forwarded_path(raw_path: str) -> tuple[Optional[str], str]:
-  """The path a request to the catch-all route is forwarded as (None: it is not) and its
-  plain form, from the path as sent (percent-encoded). The path is judged as a backend
-  could read it: decoded, its dot segments resolved (by this router's HTTP client) and
-  its trailing slash redirected, so `POST //handover`, `/handover/`, `/v1/../handover`
-  or `/handover%3F` reached a backend's /handover (a client setting another session's
-  tokens: reviewers). A path with empty, `.` or `..` segments, or an encoded `?`, `#`
-  or control character, is not forwarded; its plain form is its segments joined."""
-  decoded = unquote(raw_path)
-  segments = decoded.strip("/").split("/")
-  plain = "/".join(segments)
-  if any(s in ("", ".", "..") for s in segments) or any(
-      c in "?#" or ord(c) < 32 or ord(c) == 127 for c in decoded):
-    return None, plain
-  return quote(plain), plain
 
 
 class _Unreadable(Exception):
@@ -770,12 +723,12 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     # address went back to the client, who then called it past the router: red team 41)
     raw = request.scope.get("raw_path") or quote(request.scope["path"]).encode()
     sent = raw.decode("utf-8", "replace")
-    forwarded, path = _forwarded_path(sent)
+    forwarded, path = forwarded_path(sent)
     if path == "handover":
       return await no_handover()
     if path == "abort":  # (forwarded, any client aborted another's turn by its id, which
       # `GET /requests?session_id=` names: the turn lost, read as the server's; red team 115)
-      return refusal(path, 403, "the router does not pass /abort on: a client ends its own "
+      return api_error(path, 403, "the router does not pass /abort on: a client ends its own "
                                 "turn by disconnecting; abort at a server, not through the "
                                 "router")
     if path in _ROUTERS_OWN and request.scope["path"] == f"/{path}":
@@ -786,7 +739,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                                      f"{allowed} there"},
                           status_code=405, headers={"allow": allowed})
     if forwarded is None or path in _ROUTERS_OWN:
-      return refusal(path, 404, f"no such path: {sent!r}" + (
+      return api_error(path, 404, f"no such path: {sent!r}" + (
           f" (the router's own is /{path}: {_ROUTERS_OWN[path]} it as that)"
           if path in _ROUTERS_OWN else ""))
     body = await request.body()
@@ -794,7 +747,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     try:
       session_id = session_from(request, data)
     except ValueError as e:
-      return refusal(path, 400, str(e))
+      return api_error(path, 400, str(e))
     order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     # A Responses call continuing a response this router relayed goes to the backend
     # that keeps it (before, a call without a session header went to any backend, most
@@ -803,7 +756,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     # or the session's), it goes with the chain's items as its input (`whole`).
     responses = path == "v1/responses" and request.method == "POST"
     if responses and responses_api.MADE_WHOLE in data:
-      return refusal(path, 400, f"{responses_api.MADE_WHOLE}: set by a router only (send "
+      return api_error(path, 400, f"{responses_api.MADE_WHOLE}: set by a router only (send "
                                 "previous_response_id, or the whole input)")
     continued = data.get("previous_response_id") if responses else None
     home, whole_here = (relayed.home(continued) if isinstance(continued, str)
@@ -853,7 +806,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
             whole = None
             continue
           if len(whole) > max_body_bytes:
-            return refusal(path, 413, "previous_response_id: the chain, made whole for a "
+            return api_error(path, 413, "previous_response_id: the chain, made whole for a "
                            f"server that does not keep it, is {len(whole)} bytes, over "
                            f"{max_body_bytes}: send the whole input")
         if whole:  # (else its backend says the response is not kept there)
@@ -889,7 +842,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           # A turn past its bound, or a router whose connections are all busy: not a
           # dead backend.
           slow = isinstance(e, httpx.ReadTimeout)
-          return refusal(path, 504 if slow else 503,
+          return api_error(path, 504 if slow else 503,
                          f"{backend}: the turn took longer than {turn_timeout_s:.0f} s"
                          if slow else f"the router's connections are all busy ({e})")
         last_error = down(backend, f"{type(e).__name__}: {e}")
@@ -932,19 +885,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         if records and isinstance(made.get("id"), str):
           forget_later(latest, session_id, made["id"])
       return Response(content, status_code=resp.status_code, headers=out_headers)
-    return refusal(path, 502, f"no backend could take the request; last error: {last_error}")
-
-  def refusal(path: str, status: int, message: str) -> JSONResponse:
-    """The router's own error for a request to `path`, in the shape of that API's errors
-    (Anthropic's, OpenAI's: in FastAPI's `detail` the `openai` client said only 'Error
-    code: 400', a red team's finding), FastAPI's elsewhere."""
-    if path == "v1/messages":
-      body = anthropic_api.error_body(status, message)
-    elif path in ("v1/chat/completions", "v1/responses", "v1/models"):
-      body = openai_error(status, message)
-    else:
-      body = {"detail": message}
-    return JSONResponse(body, status_code=status)
+    return api_error(path, 502, f"no backend could take the request; last error: {last_error}")
 
   async def relay(resp: httpx.Response, backend: str, session_id: Optional[str], path: str,
                   step: Optional[tuple] = None):
@@ -970,20 +911,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       # backend would hold the session's reads at 502 for a turn it never had: a reviewer)
       healthy[backend] = False
       failovers["streams_cut"] += 1
-      message = (f"the rollout server {backend} went away mid-stream ({type(e).__name__}); "
-                 "the answer is incomplete: retry the request")
-      if path == "v1/messages":
-        body = json.dumps(anthropic_api.error_body(502, message))
-        yield f"event: error\ndata: {body}\n\n".encode()
-      elif path == "v1/responses":  # (the response failed; its `error` makes clients raise)
-        body = json.dumps({"type": "response.failed", "error": {
-            "message": message, "type": "backend_unavailable", "code": 502},
-            "response": {"status": "failed", "output": [],
-                         "error": {"code": "server_error", "message": message}}})
-        yield f"event: response.failed\ndata: {body}\n\n".encode()
-      else:
-        error = {"message": message, "type": "backend_unavailable", "code": 502}
-        yield f"data: {json.dumps({'error': error})}\n\n".encode()
+      yield stream_cut_event(path, f"the rollout server {backend} went away mid-stream "
+                             f"({type(e).__name__}); the answer is incomplete: retry the request")
       return
     finally:
       await resp.aclose()

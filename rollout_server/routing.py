@@ -1,0 +1,93 @@
+"""Where a router sends a request, and what it answers when it cannot: the consistent
+hash ring of backends, the path a request is forwarded as, and the router's own errors
+in the shape of each API's (`rollout_server.router`)."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from typing import Optional, Sequence
+from urllib.parse import quote, unquote
+
+from fastapi.responses import JSONResponse
+
+from rollout_server import anthropic_api
+from rollout_server.chat import openai_error
+
+
+def key_hash(key: str) -> int:
+  """A key's point on the ring: the first 8 bytes of its SHA-1 (stable across processes,
+  as Python's own `hash` of a string is not)."""
+  return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big")
+
+
+class HashRing:
+  """Consistent hashing of keys onto backends with virtual nodes."""
+
+  def __init__(self, backends: Sequence[str], replicas: int = 64):
+    if not backends:
+      raise ValueError("a router needs at least one backend")
+    self.backends = list(backends)
+    points = sorted((key_hash(f"{b}#{i}"), b) for b in self.backends for i in range(replicas))
+    self._keys = [p for p, _ in points]
+    self._owners = [b for _, b in points]
+
+  def candidates(self, key: str) -> list[str]:
+    """Backends in ring order starting at `key`'s owner, each once."""
+    start = bisect.bisect(self._keys, key_hash(key)) % len(self._keys)
+    out: list[str] = []
+    for i in range(len(self._owners)):
+      b = self._owners[(start + i) % len(self._owners)]
+      if b not in out:
+        out.append(b)
+        if len(out) == len(self.backends):
+          break
+    return out
+
+
+def forwarded_path(raw_path: str) -> tuple[Optional[str], str]:
+  """The path a request to the catch-all route is forwarded as (None: it is not) and its
+  plain form, from the path as sent (percent-encoded). The path is judged as a backend
+  could read it: decoded, its dot segments resolved (by this router's HTTP client) and
+  its trailing slash redirected, so `POST //handover`, `/handover/`, `/v1/../handover`
+  or `/handover%3F` reached a backend's /handover (a client setting another session's
+  tokens: reviewers). A path with empty, `.` or `..` segments, or an encoded `?`, `#`
+  or control character, is not forwarded; its plain form is its segments joined."""
+  decoded = unquote(raw_path)
+  segments = decoded.strip("/").split("/")
+  plain = "/".join(segments)
+  if any(s in ("", ".", "..") for s in segments) or any(
+      c in "?#" or ord(c) < 32 or ord(c) == 127 for c in decoded):
+    return None, plain
+  return quote(plain), plain
+
+
+def api_error(path: str, status: int, message: str) -> JSONResponse:
+  """The router's own error for a request to `path`, in the shape of that API's errors
+  (Anthropic's, OpenAI's: in FastAPI's `detail` the `openai` client said only 'Error
+  code: 400', a red team's finding), FastAPI's elsewhere."""
+  if path == "v1/messages":
+    body = anthropic_api.error_body(status, message)
+  elif path in ("v1/chat/completions", "v1/responses", "v1/models"):
+    body = openai_error(status, message)
+  else:
+    body = {"detail": message}
+  return JSONResponse(body, status_code=status)
+
+
+def stream_cut_event(path: str, message: str) -> bytes:
+  """The event that ends a stream its backend cut, in the shape of the API's own stream
+  errors (`path`'s: Anthropic's `error` event, OpenAI's Responses `response.failed`
+  with the top-level `error` that makes its clients raise, a chat stream's `error`
+  chunk) instead of a silently cut connection: the answer is incomplete, an
+  infrastructure failure and no answer to score."""
+  error = {"message": message, "type": "backend_unavailable", "code": 502}
+  if path == "v1/messages":
+    body = json.dumps(anthropic_api.error_body(502, message))
+    return f"event: error\ndata: {body}\n\n".encode()
+  if path == "v1/responses":
+    body = json.dumps({"type": "response.failed", "error": error, "response": {
+        "status": "failed", "output": [], "error": {"code": "server_error", "message": message}}})
+    return f"event: response.failed\ndata: {body}\n\n".encode()
+  return f"data: {json.dumps({'error': error})}\n\n".encode()
