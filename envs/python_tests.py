@@ -597,7 +597,7 @@ class PythonTests(Env):
       # behind the run's rollouts): not charged to the episode's or the worker call's
       # deadline (a slow judge after a slow grading run turned a hard-coded answer's
       # FAIL into a worker deadline, an infrastructure error, a re-roll: red team). It
-      # is bounded by the worker call's wall (WALL_FACTOR deadlines, waits and all) and
+      # is bounded by the worker call's wall (WALL_FACTOR deadlines, this wait counted) and
       # by the judge's own timeout and retries.
       answer = await asyncio.to_thread(judged_answer, files)  # (the episode's own time)
       with waits.waiting():

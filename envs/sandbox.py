@@ -637,7 +637,7 @@ class Sandbox:
     # One place in the queue, kept however long the wait (first come, first served).
     acquire = asyncio.ensure_future(slot.__aenter__())
     try:
-      with waits.waiting():  # others' load: not the command's own time
+      with waits.waiting(), waits.queued():  # others' load: not the command's own time
         while True:
           t_look = time.monotonic()
           done, _ = await asyncio.wait({acquire}, timeout=self.slot_timeout_s)

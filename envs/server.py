@@ -19,10 +19,15 @@ the policy's bounded work into a 504) and have bounds of their own, nor is the t
 the policy's sandboxed commands, which their wall limits bound (one that stalled its
 own kill for a minute made a wrong answer a 504, re-rolled): a call that
 gets no turn within the deadline answers 503, unrun; a command that gets no
-sandbox slot within the pool's `slot_timeout_s` fails its episode as
-infrastructure (503); a call ends within `WALL_FACTOR` deadlines, waits and all
-(504); every answer says how long that is (`call_wall_s`), and `RemoteEnv` waits
-that long and a margin for an answer. Every answer carries `infra_wait_s`, the
+sandbox slot within the pool's `slot_timeout_s` (none freed meanwhile) fails its
+episode as infrastructure (503); a call ends within `WALL_FACTOR` deadlines of
+its own time and other waits (504; every answer says how long that is,
+`call_wall_s`), its commands and its waits in the queue of a pool that keeps freeing
+slots left out: those are the run's own load, which makes a call slower, not cut (cut,
+a turn of four long commands on a crowded pool was a 504, re-rolled instead of scored:
+red team 34; an episode's wall time counts them, on the policy's side). `RemoteEnv`
+waits `call_wall_s` and a margin for an answer, and on while the worker says the call
+still runs. Every answer carries `infra_wait_s`, the
 seconds the call waited (`infra_held_s` of them: other sessions' holds of the
 worker's event loop, `envs.loopwatch`), and `GET /sessions/{id}/waits` those of the
 call running now, which the agent charges to the infrastructure. Closing a session (DELETE,
@@ -50,7 +55,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Optional
+from typing import Awaitable, Optional
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
@@ -101,8 +106,9 @@ class _Session:
   n_calls: int = 0  # calls started since its reset: the last one's number
 
 
-# A call answers within this many deadlines, waits and all (a client's timeout must be
-# longer: `RemoteEnv`'s default is).
+# A call answers within this many deadlines of its own time and its waits, less its
+# commands and its waits in a crowded sandbox pool's queue (a client waits longer, and on
+# while the worker says the call runs: `RemoteEnv`).
 WALL_FACTOR = 2
 # A client waits this much past a worker's longest call for the answer (`RemoteEnv`).
 CALL_MARGIN_S = 15.0
@@ -203,7 +209,10 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     The deadline bounds the call's own work; its waits on shared infrastructure (a turn
     under the cap, a sandbox slot) are not charged to it (other episodes' load must not
     turn the policy's bounded work into a 504, dropped instead of scored) and have bounds
-    of their own; the whole call, waits and all, ends within WALL_FACTOR deadlines."""
+    of their own; the whole call ends within WALL_FACTOR deadlines, less the policy's
+    commands (their wall limits bound them) and its waits in the queue of a sandbox pool
+    that keeps freeing slots (the run's own load, which a turn of four 10 s commands on
+    a crowded worker passed: a 504, re-rolled instead of scored; red team 34)."""
     t0 = time.perf_counter()
 
     async def capped():
@@ -234,7 +243,9 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return clock.not_own_s()           # team 44)
 
       try:
-        out = await waits.within(task, not_its_own, deadline_s, WALL_FACTOR * deadline_s, t0)
+        out = await waits.within(
+            task, not_its_own, deadline_s, WALL_FACTOR * deadline_s, t0,
+            unwalled=lambda: clock.queued_total_s() + clock.commands_total_s())
       except asyncio.CancelledError:
         if asyncio.current_task().cancelling():  # (this request's own: its client went)
           raise
@@ -249,7 +260,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
                                  f"({clock.total_s():.1f}s waiting on sandbox slots and turns "
                                  f"and {clock.commands_total_s():.1f}s of sandboxed commands "
                                  f"not counted; {WALL_FACTOR * deadline_s:.0f}s in all at "
-                                 "most); the session was closed")
+                                 "most, less the commands and the queue for sandbox slots); "
+                                 "the session was closed")
       except _NoTurn as e:
         n_calls.labels(kind, "busy").inc()
         raise HTTPException(503, str(e))
@@ -421,8 +433,10 @@ class RemoteEnv:
   A call waits `timeout_s` for its answer, or longer for a worker whose calls may take
   longer (its `call_wall_s`, in every answer, learnt per worker URL): a worker started
   with a long `--deadline-s` answers a slow call itself instead of the client giving up
-  on a call that was within its deadline. Its calls carry `token` (None: this
-  process's JAXAGENT_ENV_TOKEN, `jaxagent.control`)."""
+  on a call that was within its deadline. A step or verify is waited on past that while
+  the worker says it still runs (its commands and its queue for sandbox slots are not
+  bounded by the worker's wall); a worker that does not say so is infrastructure. Its
+  calls carry `token` (None: this process's JAXAGENT_ENV_TOKEN, `jaxagent.control`)."""
 
   # Per worker URL, the longest a call may take there (WALL_FACTOR deadlines).
   _call_walls: dict[str, float] = {}
@@ -453,12 +467,14 @@ class RemoteEnv:
     RuntimeError."""
     if self._client is None:
       self._client = httpx.AsyncClient(timeout=self.timeout_s, verify=shared_tls())
-    wall = self._call_walls.get(self.url, 0.0)
-    if wall + CALL_MARGIN_S > self.timeout_s:
-      kw.setdefault("timeout", wall + CALL_MARGIN_S)
+    patience = max(self.timeout_s, self._call_walls.get(self.url, 0.0) + CALL_MARGIN_S)
     kw.setdefault("headers", self._headers)
+    # (a step's or verify's answer is waited on as long as the worker says it runs)
+    runs_on = self.session_id is not None and path.startswith(f"/sessions/{self.session_id}/")
+    kw.setdefault("timeout", httpx.Timeout(None, connect=10.0) if runs_on else patience)
     try:
-      r = await self._client.request(method, self.url + path, **kw)
+      sent = self._client.request(method, self.url + path, **kw)
+      r = await (self._answer(sent, patience, path) if runs_on else sent)
     except httpx.HTTPError as e:
       raise InfraError("env_worker", f"{self.url}{path}: {type(e).__name__}: {e}") from e
     if r.status_code == 404 and self.session_id and self.session_id in path:
@@ -481,6 +497,38 @@ class RemoteEnv:
       if isinstance(wall, (int, float)) and math.isfinite(wall) and wall > 0:
         self._call_walls[self.url] = float(wall)
     return out
+
+  async def _answer(self, request: Awaitable[httpx.Response], patience_s: float,
+                    path: str) -> httpx.Response:
+    """The answer to the session's call `request`, waited on `patience_s` at a time for
+    as long as the worker says the session's call still runs (`GET
+    /sessions/{id}/waits`); InfraError when it does not say so (a worker that lost the
+    call, or one too stuck to answer that)."""
+    sent = asyncio.ensure_future(request)
+    try:
+      while True:
+        done, _ = await asyncio.wait({sent}, timeout=patience_s)
+        if done:
+          return sent.result()
+        if not await self._runs():  # (ended meanwhile: its answer may be on its way)
+          done, _ = await asyncio.wait({sent}, timeout=CALL_MARGIN_S)
+          if done:
+            return sent.result()
+          raise InfraError("env_worker", f"{self.url}{path}: no answer in {patience_s:.0f} s, "
+                           "and the worker does not say that the call still runs")
+    finally:
+      if not sent.done():
+        sent.cancel()
+        await asyncio.wait({sent})
+
+  async def _runs(self) -> bool:
+    """Whether the worker says the session's call is running (False when it cannot)."""
+    try:
+      r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits",
+                                 timeout=CALL_MARGIN_S, headers=self._headers)
+      return r.status_code == 200 and r.json().get("running") is True
+    except (httpx.HTTPError, ValueError, AttributeError):
+      return False
 
   async def in_flight_waits(self) -> tuple[float, float]:
     """How long the call now running on the worker for this session (one whose client

@@ -47,6 +47,9 @@ class WaitClock:
     self._open: list[float] = []  # start times of waits in progress
     self.commands_s = 0.0  # commands that ended
     self._commands: list[float] = []  # start times of commands running
+    # Of its waits, those for a slot of a sandbox pool that kept freeing slots (`queued`)
+    self.queued_s = 0.0
+    self._queued: list[float] = []
     self.held_s = 0.0  # other code's holds of the event loop, credited (in waited_s too)
     self._ended: collections.deque = collections.deque(maxlen=64)  # (start, end) of marks
     self._loop: Optional[asyncio.AbstractEventLoop] = None  # (the loop it is measured on)
@@ -71,6 +74,12 @@ class WaitClock:
     command's teardown can take a minute), those in progress included."""
     now = time.perf_counter()
     return self.commands_s + sum(now - t for t in self._commands)
+
+  def queued_total_s(self) -> float:
+    """Of its waits, those in a sandbox pool's queue so far (`queued()`), the one in
+    progress included."""
+    now = time.perf_counter()
+    return self.queued_s + sum(now - t for t in self._queued)
 
   def _counted_s(self, t0: float, t1: float) -> float:
     """Seconds of [t0, t1] that its waits and commands (running, or ended lately)
@@ -168,9 +177,10 @@ def credit_hold(loop: asyncio.AbstractEventLoop, t0: float, t1: float,
 
 
 @contextlib.contextmanager
-def _marked(running: str, ended: str) -> Iterator[None]:
+def _marked(running: str, ended: str, span: bool = True) -> Iterator[None]:
   """Times the block on the current clock (if any): its start in the list `running`
-  while it runs, then its length added to `ended`."""
+  while it runs, then its length added to `ended` (and, with `span`, its span to those
+  a hold of the loop is not credited over again)."""
   clock = _CLOCK.get()
   if clock is None:
     yield
@@ -183,7 +193,8 @@ def _marked(running: str, ended: str) -> Iterator[None]:
     t1 = time.perf_counter()
     getattr(clock, running).remove(t0)
     setattr(clock, ended, getattr(clock, ended) + t1 - t0)
-    clock._ended.append((t0, t1))
+    if span:
+      clock._ended.append((t0, t1))
 
 
 def commanding() -> contextlib.AbstractContextManager:
@@ -197,6 +208,15 @@ def commanding() -> contextlib.AbstractContextManager:
 def waiting() -> contextlib.AbstractContextManager:
   """Marks the block as a wait on shared infrastructure (on the current clock, if any)."""
   return _marked("_open", "waited_s")
+
+
+def queued() -> contextlib.AbstractContextManager:
+  """Marks the block (inside a `waiting()` one) as a wait in a sandbox pool's queue: a
+  wait that a pool freeing slots ends in its turn, however long the queue (the run's own
+  load; a pool that frees none fails the command as stuck). An environment worker's
+  call wall does not count it (`envs.server`): a crowded pool makes a call slower, not
+  cut; an episode's wall time counts it, on the policy's side (`jaxagent.agent`)."""
+  return _marked("_queued", "queued_s", span=False)
 
 
 class WallCut(Exception):
@@ -227,19 +247,21 @@ async def to_the_end(aw: Awaitable):
 
 async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], limit_s: float,
                  wall_s: float, t0: float, *, look_s: float = 0.05,
-                 on_cut: Optional[Callable[[], Awaitable[None]]] = None):
+                 on_cut: Optional[Callable[[], Awaitable[None]]] = None,
+                 unwalled: Optional[Callable[[], float]] = None):
   """`task`'s result; `DeadlineCut` (an asyncio.TimeoutError) once its own time (wall time since `t0` less
   `waited()`, its waits on shared infrastructure) passes `limit_s`; `WallCut` once its
   wall time passes `wall_s`. Waits do not spend the budget: a crowded pool makes a task
   slower, not cut. It looks at least every `look_s` seconds (`waited()` may ask a remote
   worker). The task is cancelled, and its end awaited, when it is cut or when the caller
   is (whose cancellation goes through); `on_cut()` is awaited at a cut, before the
-  task is cancelled (to see how its work in flight stands)."""
+  task is cancelled (to see how its work in flight stands). `unwalled()`: seconds of its
+  wall time that the wall does not count (bounded otherwise)."""
   try:
     while True:
       settle_holds()  # (a hold of the loop that just ended: credited before it is judged)
       elapsed = time.perf_counter() - t0
-      if elapsed >= wall_s:
+      if elapsed - (unwalled() if unwalled is not None else 0.0) >= wall_s:
         if on_cut is not None:
           await on_cut()
         raise WallCut
@@ -248,7 +270,8 @@ async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], l
         if on_cut is not None:
           await on_cut()
         raise DeadlineCut
-      done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - elapsed), look_s))
+      walled = elapsed - (unwalled() if unwalled is not None else 0.0)
+      done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - walled), look_s))
       if done:
         settle_holds()  # (a hold it ended in is its waits' too, whoever asks them next)
         return task.result()

@@ -686,6 +686,117 @@ def test_a_call_ends_within_two_deadlines_and_closing_cancels_it_first():
   assert EVENTS == ["cancelled", "closed"]
 
 
+@base.register("crowded_test_env")
+class CrowdedEnv(SlowEnv):
+  """A step that waits in a sandbox pool's queue, then runs a command of the policy's,
+  for the two times its action says (`"queue command"`)."""
+
+  async def step(self, action):
+    queue, command = map(float, action.split())
+    with waits.waiting(), waits.queued():
+      await asyncio.sleep(queue)
+    with waits.commanding():
+      await asyncio.sleep(command)
+    return base.StepResult(base.Observation([]), 0.0, True, False)
+
+
+def test_a_crowded_pools_queue_and_the_policys_commands_do_not_spend_the_wall(monkeypatch):
+  """Red team 34: a step's commands and its wait in a sandbox pool's queue (the run's
+  own load: the pool frees slots) counted toward the worker's wall, so a turn of long
+  commands on a crowded worker was a 504, an infrastructure error, its episode re-rolled
+  instead of scored. They make a call slower now, not cut, and the client waits past
+  the worker's wall while the worker says the call runs. A plain wait still counts."""
+  monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.3)
+  app = create_app(EnvResources(sandboxes=1), deadline_s=1.0)  # a 2 s wall
+
+  async def go(url):
+    RemoteEnv._call_walls.pop(url, None)
+    env = RemoteEnv(url, timeout_s=0.3)
+    try:
+      await env.reset(TaskSpec("w", "crowded_test_env"))
+      t0 = time.perf_counter()
+      result = await env.step("1.6 1.6")  # 3.2 s, past the wall and the client's 2.3 s
+      took = time.perf_counter() - t0
+      await env.reset(TaskSpec("w", "waiting_test_env"))
+      with pytest.raises(InfraError, match="504"):
+        await env.step("3")  # (a wait of another kind: cut at the wall)
+      return result, took, env.infra_wait_s
+    finally:
+      await env.aclose()
+
+  with ServerThread(app) as srv:
+    result, took, waited = asyncio.run(asyncio.wait_for(go(srv.url), timeout=30))
+  assert result.terminated and 3.1 < took < 6.0 and 1.5 < waited < 3.0, (took, waited)
+
+
+def test_a_client_gives_up_on_a_call_its_worker_does_not_say_runs(monkeypatch):
+  """Past its patience (the worker's wall and a margin), a client asks the worker
+  whether the session's call still runs: a worker that lost it, or cannot say, is the
+  infrastructure's failure (the client waited on it for ever otherwise)."""
+  monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.2)
+  asks = []
+
+  async def worker(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/sessions":
+      return httpx.Response(200, json={"session_id": "s1", "observation": {"messages": []},
+                                       "call_wall_s": 0.2})
+    if request.url.path.endswith("/waits"):
+      asks.append(time.perf_counter())
+      return httpx.Response(200, json={"running": len(asks) < 3, "call": 1})
+    await asyncio.sleep(30)  # (a step whose answer never comes)
+    return httpx.Response(500)
+
+  async def go():
+    RemoteEnv._call_walls.pop("http://w", None)
+    env = RemoteEnv("http://w", timeout_s=0.1,
+                    client=httpx.AsyncClient(transport=httpx.MockTransport(worker)))
+    await env.reset(TaskSpec("s", "slow_test_env"))
+    t0 = time.perf_counter()
+    with pytest.raises(InfraError, match="does not say that the call still runs"):
+      await env.step("1")
+    return time.perf_counter() - t0
+
+  took = asyncio.run(asyncio.wait_for(go(), timeout=10))
+  RemoteEnv._call_walls.pop("http://w", None)
+  # (asked at each 0.4 s of patience; on its third "not running", 0.2 s more for the answer)
+  assert len(asks) == 3 and 1.2 < took < 3.0, (asks, took)
+
+
+@needs_isolation
+def test_a_turn_of_long_commands_on_a_crowded_worker_is_answered(monkeypatch):
+  """Red team 34 with real sandboxes: one turn of three 1.2 s commands (3.6 s, past a
+  3 s wall) and another session's command queued behind them on the one slot were both
+  504s, re-rolled instead of scored. Both are answered."""
+  from envs.isolation import Limits
+
+  monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.5)
+  resources = EnvResources(sandboxes=1, sandbox_limits=Limits(wall_s=2.0))
+  app = create_app(resources, deadline_s=1.5)
+
+  def call(code):
+    return "<tool_call>" + json.dumps({"name": "run_python", "arguments": {"code": code}}) \
+        + "</tool_call>"
+
+  async def one(url, turn, after):
+    await asyncio.sleep(after)
+    env = RemoteEnv(url, timeout_s=0.5)
+    await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
+    try:
+      result = await env.step(turn)
+      return [json.loads(m["content"]).get("exit_code") for m in result.observation.messages]
+    finally:
+      await env.aclose()
+
+  sleep = call("import time; time.sleep(1.2)")
+  with ServerThread(app) as srv:
+    async def go():
+      return await asyncio.gather(one(srv.url, sleep * 3, 0.0), one(srv.url, sleep, 0.3))
+
+    long_turn, queued = asyncio.run(asyncio.wait_for(go(), timeout=60))
+  resources.close()
+  assert long_turn == [0, 0, 0] and queued == [0], (long_turn, queued)
+
+
 def test_a_workers_waits_are_the_infrastructures_time_at_an_episode_deadline():
   """A step that waits on the worker's load (here a marked wait; in a worker, a sandbox
   slot) past the episode's deadline: the agent asks the worker how long the running
