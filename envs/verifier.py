@@ -241,7 +241,10 @@ for line in data[:limit].split(b"\n"):
     continue
   if isinstance(item.get("odd_names"), list):  # (every line's: a forged empty one adds none)
     read_names.add("at_end" if item.get("at_end") is True else "imported")
-    odd += [str(x)[:100] for x in item["odd_names"][:20]]
+    try:
+      odd += [str(x)[:100] for x in item["odd_names"][:20]]
+    except Exception:  # (a forged entry str() cannot print: nested deep; a fail, as any)
+      odd.append("unreadable")
   if import_error is None and isinstance(item.get("import_error"), str):
     import_error = item["import_error"][:300]
   i = item.get("i")
