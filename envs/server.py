@@ -18,14 +18,15 @@ slot) are not charged to a call's deadline (other episodes' load must not turn
 the policy's bounded work into a 504) and have bounds of their own, nor is the time of
 the policy's sandboxed commands, which their wall limits bound (one that stalled its
 own kill for a minute made a wrong answer a 504, re-rolled): a call that
-gets no turn within the deadline answers 503, unrun; a command that gets no
-sandbox slot within the pool's `slot_timeout_s` (none freed meanwhile) fails its
-episode as infrastructure (503); a call ends within `WALL_FACTOR` deadlines of
-its own time and other waits (504; every answer says how long that is,
-`call_wall_s`), its commands and its waits in the queue of a pool that keeps freeing
-slots left out: those are the run's own load, which makes a call slower, not cut (cut,
-a turn of four long commands on a crowded pool was a 504, re-rolled instead of scored:
-red team 34; an episode's wall time counts them, on the policy's side). `RemoteEnv`
+gets no turn under the cap within a deadline in which no call ended answers 503,
+unrun; a command that gets no sandbox slot within the pool's `slot_timeout_s` (none
+freed meanwhile) fails its episode as infrastructure (503); a call ends within
+`WALL_FACTOR` deadlines of its own time and other waits (504; every answer says how
+long that is, `call_wall_s`), its commands and its waits in the queues of a cap or a
+pool that keep freeing turns or slots left out: those are the run's own load, which
+makes a call slower, not cut (cut, a turn of four long commands on a crowded pool was
+a 504, re-rolled instead of scored: red team 34; an episode's wall time counts them,
+on the policy's side). `RemoteEnv`
 waits `call_wall_s` and a margin for an answer, and on while the worker says the call
 still runs. Every answer carries `infra_wait_s`, the
 seconds the call waited (`infra_held_s` of them: other sessions' holds of the
@@ -122,7 +123,8 @@ def waits_of(clock: Optional[waits.WaitClock]) -> dict:
 
 
 class _NoTurn(Exception):
-  """A call waited its whole deadline for a turn under the worker's call cap."""
+  """A call waited a whole deadline for a turn under the worker's call cap, and no call
+  of the worker's ended meanwhile (stuck)."""
 
 
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
@@ -136,6 +138,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   access = control_guard(token, control.ENVS)
   sessions: dict[str, _Session] = {}
   calls = asyncio.Semaphore(max_concurrent_calls)
+  turns = {"ended": time.monotonic()}  # when a call last gave its turn back
   call_wall_s = WALL_FACTOR * deadline_s  # told to clients in every answer
   registry = CollectorRegistry()
   n_sessions = Gauge("env_sessions", "Open sessions", registry=registry)
@@ -210,21 +213,40 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     under the cap, a sandbox slot) are not charged to it (other episodes' load must not
     turn the policy's bounded work into a 504, dropped instead of scored) and have bounds
     of their own; the whole call ends within WALL_FACTOR deadlines, less the policy's
-    commands (their wall limits bound them) and its waits in the queue of a sandbox pool
-    that keeps freeing slots (the run's own load, which a turn of four 10 s commands on
-    a crowded worker passed: a 504, re-rolled instead of scored; red team 34)."""
+    commands (their wall limits bound them) and its waits in the queues of the call cap
+    and of a sandbox pool while they keep moving (the run's own load, which a turn of
+    four 10 s commands on a crowded worker passed: a 504, re-rolled instead of scored;
+    red team 34)."""
     t0 = time.perf_counter()
 
     async def capped():
+      # One place in the queue, kept however long the wait (first come, first served).
+      # A cap whose calls keep ending is waited on as long as it takes, as a sandbox
+      # pool's queue is: the run's own load, which makes a call slower, not refused (a
+      # 503 after one deadline's wait re-rolled the episodes of a crowded worker instead
+      # of scoring them). One where no call ended for a deadline is stuck: a 503.
+      turn = asyncio.ensure_future(calls.acquire())
       try:
-        with waits.waiting():
-          await asyncio.wait_for(calls.acquire(), timeout=deadline_s)
-      except asyncio.TimeoutError:
-        raise _NoTurn(f"{kind} waited {deadline_s:.0f}s for a turn (the worker runs "
-                      f"{max_concurrent_calls} calls at once)") from None
+        with waits.waiting(), waits.queued():
+          while True:
+            t_look = time.monotonic()
+            done, _ = await asyncio.wait({turn}, timeout=deadline_s)
+            if done:
+              break
+            if turns["ended"] <= t_look:
+              raise _NoTurn(f"{kind} waited {deadline_s:.0f}s for a turn, and no call of "
+                            f"the worker's ended meanwhile (it runs {max_concurrent_calls} "
+                            "calls at once)")
+      except BaseException:
+        turn.cancel()
+        await asyncio.wait({turn})
+        if not turn.cancelled() and turn.exception() is None:  # (got it meanwhile)
+          calls.release()
+        raise
       try:
         return await coro_fn()
       finally:
+        turns["ended"] = time.monotonic()
         calls.release()
 
     # (the call is measured to its end: a hold of the loop by another call is credited

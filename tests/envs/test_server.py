@@ -424,14 +424,16 @@ def _status(e: Exception) -> str:
 def test_the_deadline_bounds_the_work_and_not_the_wait_for_a_turn():
   """Other calls' load must not turn a call's bounded work into a 504 (its episode
   dropped instead of scored): the deadline counts a call's own time; the wait for a
-  turn has a bound of its own (503, the call unrun)."""
+  turn under the call cap is waited on while calls keep ending (the run's own load; a
+  503 after one deadline re-rolled a crowded worker's episodes: red team 34), and is a
+  503, the call unrun, only when no call ended for a deadline (stuck)."""
   app = create_app(EnvResources(sandboxes=1), max_sessions=8, max_concurrent_calls=1,
                    deadline_s=1.5)
 
-  async def step(env, seconds, after=0.0):
+  async def step(env, action, after=0.0):
     await asyncio.sleep(after)
     try:
-      result = await env.step(str(seconds))
+      result = await env.step(action)
       assert result.terminated
       return "ok", env.infra_wait_s
     except RuntimeError as e:
@@ -439,23 +441,29 @@ def test_the_deadline_bounds_the_work_and_not_the_wait_for_a_turn():
 
   with ServerThread(app) as srv:
     async def go():
-      envs = [RemoteEnv(srv.url) for _ in range(4)]
-      for env in envs:
+      envs = [RemoteEnv(srv.url) for _ in range(6)]
+      for env in envs[:4] + envs[5:]:
         await env.reset(TaskSpec("s", "slow_test_env"))
+      await envs[4].reset(TaskSpec("c", "long_command_test_env"))
       # One call at a time: the second waits ~1 s for its turn and then works 1 s (2 s
-      # in all, past the 1.5 s deadline, but its own time is inside it); the third gets
-      # no turn within 1.5 s; alone, a call that works 2 s is cut.
-      out = await asyncio.gather(step(envs[0], 1.0), step(envs[1], 1.0, 0.1),
-                                 step(envs[2], 0.1, 0.2))
-      out.append(await step(envs[3], 2.0))
+      # in all, past the 1.5 s deadline, but its own time is inside it); the third
+      # waits ~1.8 s, past a deadline, while calls end; alone, a call that works 2 s
+      # is cut.
+      out = await asyncio.gather(step(envs[0], "1.0"), step(envs[1], "1.0", 0.1),
+                                 step(envs[2], "0.1", 0.2))
+      out.append(await step(envs[3], "2.0"))
+      # A command of 3 s holds the only turn (its time is the policy's, not cut): no
+      # call ends for a deadline, and the call waiting for a turn is refused.
+      out += await asyncio.gather(step(envs[4], "3.0"), step(envs[5], "0.1", 0.2))
       for env in envs:
         await env.aclose()
       return out
 
-    first, second, third, alone = asyncio.run(asyncio.wait_for(go(), timeout=30))
+    first, second, third, alone, held, stuck = asyncio.run(asyncio.wait_for(go(), timeout=30))
   assert first[0] == "ok" and first[1] < 0.3
   assert second[0] == "ok" and 0.6 < second[1] < 1.4
-  assert third == ("503", None) and alone == ("504", None)
+  assert third[0] == "ok" and 1.5 < third[1] < 2.6, third
+  assert alone == ("504", None) and held[0] == "ok" and stuck == ("503", None), (held, stuck)
 
 
 def test_a_client_waits_as_long_as_its_worker_may_take():
