@@ -38,6 +38,7 @@ import time
 import uuid
 from typing import Annotated, Literal, Optional, Union
 
+import jsonschema
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -64,6 +65,26 @@ from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SessionStore, sessi
 # was written escaped, and the call was refused as a template that does not render tools
 # (red team 113).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+
+
+def schema_problem(tools: list[dict]) -> Optional[str]:
+  """What is wrong with the first tool whose `parameters` is not a valid JSON Schema (by
+  its `$schema`'s draft, 2020-12 where it names none), or None. A schema with a typo
+  (`"type": "objekt"`) was written into the prompt as sent: the model sampled, and was
+  trained, on a tool it could not call rightly (a new user)."""
+  for i, tool in enumerate(tools):
+    spec = tool.get("function", tool) if isinstance(tool, dict) else None
+    params = spec.get("parameters") if isinstance(spec, dict) else None
+    if params is None:
+      continue
+    try:
+      jsonschema.validators.validator_for(
+          params, default=jsonschema.Draft202012Validator).check_schema(params)
+    except jsonschema.SchemaError as e:
+      where = "".join(f"[{p!r}]" for p in e.absolute_path) or " itself"
+      return (f"tools[{i}] ({spec.get('name')!r}): its parameters are not a JSON Schema: "
+              f"{e.message[:300]} (at parameters{where})")
+  return None
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -598,6 +619,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       key = (id(tok), hashlib.sha256(json.dumps(tools, sort_keys=True, default=str)
                                      .encode()).hexdigest())
       if key not in tool_rendering:
+        problem = schema_problem(tools)
+        if problem:
+          raise HTTPException(400, problem)
         try:
           tool_rendering[key] = renders_tools(tok, tools, strict=True)
         except Exception as e:  # these tools break the template: said, not kept

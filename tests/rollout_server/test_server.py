@@ -818,3 +818,29 @@ def test_tool_names_out_of_the_rule_are_named(random_params, tokenizer):
                                        tool("user-profile/update")],
         "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+def test_tool_schemas_that_are_not_json_schemas_are_named(random_params, tokenizer):
+  """A tool whose parameters are not a JSON Schema (`"type": "objekt"`, properties that
+  are not an object) was written into the prompt as sent (a new user): it is refused on
+  every gateway, naming the tool and where its schema is wrong; a draft-07 schema that
+  says so is read as one."""
+  bad = {"type": "object", "properties": {"x": {"type": "integr"}}}
+  user = [{"role": "user", "content": "hi"}]
+  with running_server(random_params, tokenizer) as (srv, orch):
+    for route, body in [
+        ("/v1/chat/completions", {"messages": user, "max_tokens": 1, "tools": [
+            {"type": "function", "function": {"name": "calc", "parameters": bad}}]}),
+        ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": user, "tools": [
+            {"name": "calc", "input_schema": bad}]}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [
+            {"type": "function", "name": "calc", "parameters": bad}]})]:
+      r = httpx.post(srv.url + route, json=body, timeout=120)
+      assert r.status_code == 400 and "tools[0] ('calc'): its parameters are not a JSON " \
+          "Schema" in r.text and "['properties']['x']['type']" in r.text, (route, r.text)
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+        "messages": user, "max_tokens": 1, "tools": [
+            {"type": "function", "function": {"name": "calc", "parameters": draft7}}]})
+    assert r.status_code == 200, r.text
