@@ -263,7 +263,10 @@ def resumed_config(cfg: config_lib.RunConfig, run_dir: str,
   if cfg.model.chat_template is None:  # (auto: the saved one is what auto chose)
     changed.pop("model.chat_template", None)
   for k, (a, b) in changed.items():
-    why = (" (the cosine schedule keeps the run's horizon)"
-           if kept and k == "learner.lr_decay_steps" else "")
-    say(f"warning: --resume changes {k}: {a} -> {b}{why}")
+    if not (kept and k == "learner.lr_decay_steps"):
+      say(f"warning: --resume changes {k}: {a} -> {b}")
+  if kept:  # (set here, not by the user: said so, after the steps it follows from)
+    say(f"note: --resume keeps the cosine schedule's horizon at the {horizon} steps the "
+        f"run began with (learner.lr_decay_steps={horizon}, set for you: the learning rate "
+        "would jump); give learner.lr_decay_steps=N to decay over another")
   return cfg

@@ -437,8 +437,9 @@ def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path,
   (tmp_path / "checkpoints" / "4").mkdir(parents=True)
   kept = run_dir.resumed_config(longer, str(tmp_path), notes := [])
   assert kept.learner.lr_decay_steps == tiny.steps, kept.learner
-  assert any(f"learner.lr_decay_steps: 0 -> {tiny.steps} (the cosine schedule keeps" in n
-             for n in notes), notes
+  assert f"note: --resume keeps the cosine schedule's horizon at the {tiny.steps} steps " \
+      f"the run began with (learner.lr_decay_steps={tiny.steps}, set for you" in notes[-1], notes
+  assert not any("changes learner.lr_decay_steps" in n for n in notes), notes
   for override, said in (("model.param_dtype=bfloat16", "a run keeps its model"),
                          ("model.checkpoint=smollm2", "a run keeps its model"),
                          # (red team 15: "no readable checkpoint ... tree structures do
