@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
 import signal
 import sys
 import time
@@ -176,9 +177,14 @@ def main(argv=None) -> int:
     if not tasks:
       raise ValueError(f"{args.task_file} has no tasks")
     if args.task_id is not None and args.task_id not in by_id:
-      near = difflib.get_close_matches(args.task_id, list(by_id), n=5)
+      # (compared past the ids' common prefix: every python_tests id was near any other)
+      cut = len(os.path.commonprefix([args.task_id, *by_id]))
+      close = set(difflib.get_close_matches(args.task_id[cut:], [i[cut:] for i in by_id], n=3))
+      near = [i for i in by_id if i[cut:] in close][:3]
       raise ValueError(f"no task {args.task_id!r} in {args.task_file}"
-                       + (f"; did you mean {near}?" if near else ""))
+                       + (f"; did you mean {' or '.join(map(repr, near))}?" if near else
+                          f" (its {len(tasks)} tasks' ids: {', '.join(list(by_id)[:5])}"
+                          + (", ...)" if len(by_id) > 5 else ")")))
     task = by_id[args.task_id] if args.task_id else tasks[0]
     scripted = None
     if args.actions == "-":

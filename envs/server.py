@@ -345,8 +345,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       try:
         env = make(task.env, resources)
       except KeyError as e:  # an environment this worker has not imported: the task's
-        raise ValueError(f"task {task.id!r} cannot start: {e.args[0] if e.args else e}") \
-            from None
+        why = e.args[0] if e.args else str(e)  # (said alone: not where the plumbing raised it)
+        raise CannotStart(f"task {task.id!r} cannot start: {why}", why) from None
       try:
         obs = await env.reset(task)
       except BaseException as e:  # failed or abandoned (deadline): nothing is kept

@@ -129,7 +129,11 @@ def test_python_tests_reference_and_wrong_solutions(tmp_path):
 def test_bad_input_is_a_clear_error(tmp_path):
   code, _, err = play("--task-file", f"{REPO}/envs/tasks/guess_number.jsonl", "--task-id",
                       "guess_number/0-x")
-  assert code == 2 and "no task 'guess_number/0-x'" in err and "did you mean" in err
+  assert code == 2 and "no task 'guess_number/0-x'" in err and "did you mean" not in err \
+      and "(its 256 tasks' ids: guess_number/0-0, " in err, err
+  code, _, err = play("--task-file", f"{REPO}/envs/tasks/python_tests.jsonl", "--task-id",
+                      "python_tests/ad")
+  assert code == 2 and "; did you mean 'python_tests/add'?" in err, err  # (not a list)
   code, _, err = play("--task-file", f"{REPO}/envs/tasks/guess_number.jsonl", "--actions", "-",
                       stdin="8\n")
   assert code == 2 and "actions line 1" in err

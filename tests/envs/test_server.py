@@ -343,6 +343,7 @@ def test_bad_requests_and_limits(worker):
   c = httpx.Client(base_url=worker.url, timeout=30)
   r = c.post("/sessions", json={"task": {"id": "x", "env": "chess"}})
   assert r.status_code == 400 and "unknown environment 'chess'" in r.text
+  assert r.json()["detail"].startswith("reset failed: task 'x' cannot start: unknown "), r.text
   r = c.post("/sessions", json={"task": {"id": "x"}})
   assert r.status_code == 400 and "env" in r.text
   r = c.post("/sessions", json={"task": {"id": "x", "env": "python_tests",
