@@ -597,10 +597,11 @@ class PythonTests(Env):
       # behind the run's rollouts): not charged to the episode's or the worker call's
       # deadline (a slow judge after a slow grading run turned a hard-coded answer's
       # FAIL into a worker deadline, an infrastructure error, a re-roll: red team). It
-      # is bounded by the worker call's wall (WALL_FACTOR deadlines, this wait counted) and
-      # by the judge's own timeout and retries.
+      # is bounded by the judge's own timeout and retries, not by the worker call's wall
+      # (counted there, a judge's first try timing out and its second failing a
+      # hard-coded table passed a 120 s wall: a 504, re-rolled; a reviewer).
       answer = await asyncio.to_thread(judged_answer, files)  # (the episode's own time)
-      with waits.waiting():
+      with waits.waiting(), waits.queued():
         verdict = await self.resources.judge.confirm(verdict, self.spec[1], answer)
     return verdict
 

@@ -28,7 +28,8 @@ makes a call slower, not cut (cut, a turn of four long commands on a crowded poo
 a 504, re-rolled instead of scored: red team 34; an episode's wall time counts them,
 on the policy's side). `RemoteEnv`
 waits `call_wall_s` and a margin for an answer, and on while the worker says the call
-still runs. Every answer carries `infra_wait_s`, the
+still runs; a client that goes away has its call cancelled and its session closed.
+Every answer carries `infra_wait_s`, the
 seconds the call waited (`infra_held_s` of them: other sessions' holds of the
 worker's event loop, `envs.loopwatch`), and `GET /sessions/{id}/waits` those of the
 call running now, which the agent charges to the infrastructure. Closing a session (DELETE,
@@ -278,11 +279,12 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         n_calls.labels(kind, "deadline").inc()
         if sid is not None:
           await close_session(sid)
-        raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline "
-                                 f"({clock.total_s():.1f}s waiting on sandbox slots and turns "
-                                 f"and {clock.commands_total_s():.1f}s of sandboxed commands "
-                                 f"not counted; {WALL_FACTOR * deadline_s:.0f}s in all at "
-                                 "most, less the commands and the queue for sandbox slots); "
+        raise HTTPException(504, f"{kind} exceeded the {deadline_s:.0f}s deadline of its "
+                                 f"own time ({clock.total_s():.1f}s waiting on sandbox slots, "
+                                 f"turns and the like and {clock.commands_total_s():.1f}s of "
+                                 "sandboxed commands not counted) or its "
+                                 f"{WALL_FACTOR * deadline_s:.0f}s wall (all but the commands "
+                                 f"and {clock.queued_total_s():.1f}s in queues that moved); "
                                  "the session was closed")
       except _NoTurn as e:
         n_calls.labels(kind, "busy").inc()
@@ -390,26 +392,50 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return {"session_id": sid, "observation": dataclasses.asdict(obs), **waited,
             "call_wall_s": call_wall_s}
 
+  async def heard(kind: str, sid: str, coro_fn, http: Request):
+    """`guarded(kind, sid, coro_fn)` while its client waits for the answer: a client that
+    goes away has the call cancelled and the session closed (its state is unknown in
+    the middle of a call). The wall no longer bounds a call's commands and sandbox
+    queue, and a call whose client had given up held its turn and slots until a DELETE
+    (a reviewer)."""
+    call = asyncio.ensure_future(guarded(kind, sid, coro_fn))
+    gone = asyncio.ensure_future(client_gone(http))
+    try:
+      await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)
+      if not call.done():
+        n_calls.labels(kind, "abandoned").inc()
+        raise HTTPException(499, f"{kind}: the client went away before the answer; the "
+                                 "session was closed")
+      return call.result()
+    except BaseException:
+      if not call.done():
+        call.cancel()
+        await waits.to_the_end(asyncio.wait([call]))
+        await waits.to_the_end(close_session(sid))
+      raise
+    finally:
+      gone.cancel()
+
   @app.post("/sessions/{sid}/step", dependencies=access)
-  async def step(sid: str, body: StepBody):
+  async def step(sid: str, body: StepBody, http: Request):
     s = get(sid)
 
     async def run():
       async with s.lock:
         return await s.env.step(body.action)
 
-    result, waited = await guarded("step", sid, run)
+    result, waited = await heard("step", sid, run, http)
     return {**json_safe(dataclasses.asdict(result)), **waited, "call_wall_s": call_wall_s}
 
   @app.post("/sessions/{sid}/verify", dependencies=access)
-  async def verify(sid: str):
+  async def verify(sid: str, http: Request):
     s = get(sid)
 
     async def run():
       async with s.lock:
         return await s.env.verify()
 
-    verdict, waited = await guarded("verify", sid, run)
+    verdict, waited = await heard("verify", sid, run, http)
     return {**verdict.to_dict(), **waited, "call_wall_s": call_wall_s}
 
   @app.get("/sessions/{sid}/waits", dependencies=access)
@@ -460,7 +486,8 @@ class RemoteEnv:
   bounded by the worker's wall); a worker that does not say so is infrastructure. Its
   calls carry `token` (None: this process's JAXAGENT_ENV_TOKEN, `jaxagent.control`)."""
 
-  # Per worker URL, the longest a call may take there (WALL_FACTOR deadlines).
+  # Per worker URL, its wall (WALL_FACTOR deadlines): past it and a margin, the client
+  # asks whether the call still runs.
   _call_walls: dict[str, float] = {}
 
   def __init__(self, url: str, *, timeout_s: float = 180.0,

@@ -211,16 +211,19 @@ def waiting() -> contextlib.AbstractContextManager:
 
 
 def queued() -> contextlib.AbstractContextManager:
-  """Marks the block (inside a `waiting()` one) as a wait in a sandbox pool's queue: a
-  wait that a pool freeing slots ends in its turn, however long the queue (the run's own
-  load; a pool that frees none fails the command as stuck). An environment worker's
-  call wall does not count it (`envs.server`): a crowded pool makes a call slower, not
-  cut; an episode's wall time counts it, on the policy's side (`jaxagent.agent`)."""
+  """Marks the block (inside a `waiting()` one) as a wait in a queue that moves, with a
+  bound of its own: a sandbox pool's (ended in its turn while the pool frees slots,
+  however long the queue: the run's own load; a pool that frees none fails the command
+  as stuck), a worker's call cap's (likewise), a served judge's (its timeout and
+  retries). An environment worker's call wall does not count it (`envs.server`): a
+  crowd makes a call slower, not cut; an episode's wall time counts it, on the policy's
+  side (`jaxagent.agent`)."""
   return _marked("_queued", "queued_s", span=False)
 
 
 class WallCut(Exception):
-  """A task ran past its wall-time bound, waits and all."""
+  """A task ran past its wall-time bound (waits and all, but what `within`'s `unwalled`
+  leaves out)."""
 
 
 class DeadlineCut(asyncio.TimeoutError):

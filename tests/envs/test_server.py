@@ -721,21 +721,46 @@ def test_a_crowded_pools_queue_and_the_policys_commands_do_not_spend_the_wall(mo
   async def go(url):
     RemoteEnv._call_walls.pop(url, None)
     env = RemoteEnv(url, timeout_s=0.3)
+    out = []
     try:
-      await env.reset(TaskSpec("w", "crowded_test_env"))
-      t0 = time.perf_counter()
-      result = await env.step("1.6 1.6")  # 3.2 s, past the wall and the client's 2.3 s
-      took = time.perf_counter() - t0
+      # Each past the wall and the client's 2.3 s by one of the two alone.
+      for action in ("2.5 0.1", "0.1 2.5"):
+        await env.reset(TaskSpec("w", "crowded_test_env"))
+        t0, waited = time.perf_counter(), env.infra_wait_s
+        result = await env.step(action)
+        out.append((result.terminated, time.perf_counter() - t0, env.infra_wait_s - waited))
       await env.reset(TaskSpec("w", "waiting_test_env"))
       with pytest.raises(InfraError, match="504"):
         await env.step("3")  # (a wait of another kind: cut at the wall)
-      return result, took, env.infra_wait_s
+      return out
     finally:
       await env.aclose()
 
   with ServerThread(app) as srv:
-    result, took, waited = asyncio.run(asyncio.wait_for(go(srv.url), timeout=30))
-  assert result.terminated and 3.1 < took < 6.0 and 1.5 < waited < 3.0, (took, waited)
+    queue, command = asyncio.run(asyncio.wait_for(go(srv.url), timeout=30))
+  assert queue[0] and 2.5 < queue[1] < 5.0 and 2.3 < queue[2] < 3.0, queue
+  assert command[0] and 2.5 < command[1] < 5.0 and command[2] < 0.5, command
+
+
+def test_a_call_whose_client_went_away_is_cancelled_and_its_session_closed():
+  """The wall no longer bounds a call's queue and commands: a call whose client gave up
+  (an agent's episode cut, a learner gone) held its turn under the cap and its sandbox
+  slot until a DELETE that may never come (a reviewer). It is cancelled, and its
+  session closed, when its client goes away."""
+  app = create_app(EnvResources(sandboxes=1), deadline_s=1.0)
+  with ServerThread(app) as srv:
+    sid = httpx.post(f"{srv.url}/sessions", json={"task": {
+        "id": "w", "env": "crowded_test_env"}}).json()["session_id"]
+    t0 = time.perf_counter()
+    with pytest.raises(httpx.ReadTimeout):
+      httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "30 0"}, timeout=0.5)
+    while (httpx.get(f"{srv.url}/sessions/{sid}/waits").status_code != 404
+           and time.perf_counter() - t0 < 10):
+      time.sleep(0.1)
+    closed_after = time.perf_counter() - t0
+    metrics = httpx.get(f"{srv.url}/metrics").text
+  assert closed_after < 3.0, closed_after
+  assert 'env_calls_total{kind="step",outcome="abandoned"} 1.0' in metrics
 
 
 def test_a_client_gives_up_on_a_call_its_worker_does_not_say_runs(monkeypatch):
@@ -769,6 +794,85 @@ def test_a_client_gives_up_on_a_call_its_worker_does_not_say_runs(monkeypatch):
   RemoteEnv._call_walls.pop("http://w", None)
   # (asked at each 0.4 s of patience; on its third "not running", 0.2 s more for the answer)
   assert len(asks) == 3 and 1.2 < took < 3.0, (asks, took)
+
+
+@pytest.mark.parametrize("status", [404, 401, 500])
+def test_a_worker_that_cannot_say_a_call_runs_is_not_waited_on(monkeypatch, status):
+  """A worker that restarted (404: no such session), refuses the token (401) or fails
+  (500) when asked whether the call runs is not waited on for ever; and a client whose
+  caller gives up (an episode's deadline) cancels its request."""
+  monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.2)
+  steps = {"started": 0, "cancelled": 0}
+
+  async def worker(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/sessions":
+      return httpx.Response(200, json={"session_id": "s1", "observation": {"messages": []},
+                                       "call_wall_s": 0.2})
+    if request.url.path.endswith("/waits"):
+      return httpx.Response(status, json={"detail": "no"})
+    steps["started"] += 1
+    try:
+      await asyncio.sleep(30)
+    except asyncio.CancelledError:
+      steps["cancelled"] += 1
+      raise
+    return httpx.Response(500)
+
+  async def go():
+    RemoteEnv._call_walls.pop("http://w", None)
+    env = RemoteEnv("http://w", timeout_s=0.1,
+                    client=httpx.AsyncClient(transport=httpx.MockTransport(worker)))
+    await env.reset(TaskSpec("s", "slow_test_env"))
+    with pytest.raises(InfraError, match="does not say that the call still runs"):
+      await env.step("1")
+    await asyncio.sleep(0.05)
+    given_up = dict(steps)
+    with pytest.raises(asyncio.TimeoutError):  # (the caller's own deadline)
+      await asyncio.wait_for(env.step("1"), 0.2)
+    await asyncio.sleep(0.05)
+    return given_up, dict(steps)
+
+  given_up, cut = asyncio.run(asyncio.wait_for(go(), timeout=10))
+  RemoteEnv._call_walls.pop("http://w", None)
+  assert given_up == {"started": 1, "cancelled": 1} and cut == {"started": 2, "cancelled": 2}, \
+      (given_up, cut)
+
+
+@needs_isolation
+def test_a_queue_for_the_one_sandbox_slot_past_the_wall_is_answered(monkeypatch):
+  """Four sessions' 1.6 s commands on one slot, started 0.3 s apart: the last waits
+  past the worker's 3 s wall in the pool's queue alone (a reviewer: the other tests
+  passed with the queue counted), and every step is answered."""
+  from envs.isolation import Limits
+
+  monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.5)
+  resources = EnvResources(sandboxes=1, sandbox_limits=Limits(wall_s=2.0))
+  app = create_app(resources, deadline_s=1.5)
+  turn = "<tool_call>" + json.dumps({"name": "run_python", "arguments": {
+      "code": "import time; time.sleep(1.6)"}}) + "</tool_call>"
+
+  async def one(url, after, envs):
+    env = RemoteEnv(url, timeout_s=0.5)
+    await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
+    envs.append(env)
+    while len(envs) < 4:  # (all started before the first command)
+      await asyncio.sleep(0.01)
+    await asyncio.sleep(after)
+    try:
+      result = await env.step(turn)
+      return json.loads(result.observation.messages[0]["content"]).get("exit_code"), \
+          env.infra_wait_s
+    finally:
+      await env.aclose()
+
+  with ServerThread(app) as srv:
+    async def go():
+      envs = []
+      return await asyncio.gather(*(one(srv.url, 0.3 * i, envs) for i in range(4)))
+
+    out = asyncio.run(asyncio.wait_for(go(), timeout=60))
+  resources.close()
+  assert [code for code, _ in out] == [0] * 4 and max(w for _, w in out) > 3.0, out
 
 
 @needs_isolation
