@@ -330,6 +330,32 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     return PlainTextResponse(generate_latest(registry).decode(),
                              media_type="text/plain; version=0.0.4")
 
+  async def heard(kind: str, sid: str, coro_fn, http: Request, owner: object = None):
+    """`guarded(kind, sid, coro_fn)` raced against its client's going: a client that goes
+    away (or whose answer has no reader) has the call cancelled and the session closed
+    (its state is unknown in the middle of a call), as is a session a reset registered
+    whenever the answer does not carry it. A reset's client that gave up never learns
+    the session (kept, it held a slot and a workspace for its idle time: red team 22); a
+    step's or verify's held its turn and sandbox slot until a DELETE (the wall no longer
+    bounds a call's commands and queue: a reviewer)."""
+    call = asyncio.ensure_future(guarded(kind, None if kind == "reset" else sid, coro_fn,
+                                         owner))
+    gone = asyncio.ensure_future(client_gone(http))
+    try:
+      await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)
+      if not call.done() or gone.done():  # (both at once: the answer has no reader)
+        n_calls.labels(kind, "abandoned").inc()
+        raise HTTPException(499, f"{kind}: the client went away before the answer")
+      return call.result()
+    except BaseException as e:
+      if kind == "reset" or not call.done() or getattr(e, "status_code", None) == 499:
+        call.cancel()
+        await waits.to_the_end(asyncio.wait([call]))
+        await waits.to_the_end(close_session(sid))
+      raise
+    finally:
+      gone.cancel()
+
   @app.post("/sessions", dependencies=access)
   async def create(body: CreateBody, http: Request):
     await reap_idle()
@@ -367,54 +393,17 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       n_sessions.set(len(sessions))
       return obs
 
-    # Raced against the client's going (a client that gave up never learns the session:
-    # kept, it held a session slot and a workspace for its idle time; red team 22), and
-    # a session its reset registered is closed whenever the answer does not carry it
-    # (a reset that ended as the deadline cut it, a handler cancelled at shutdown).
+    # (raced against the client's going, `heard`: a session its reset registered is
+    # closed whenever the answer does not carry it, as when a reset ended as the deadline
+    # cut it, or its handler was cancelled at shutdown)
     owner = object()  # (the session's, its reset's call included)
     starting.add(owner)
-    call = asyncio.ensure_future(guarded("reset", None, start, owner))
-    gone = asyncio.ensure_future(client_gone(http))
     try:
-      await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)
-      if not call.done() or gone.done():  # (both at once: the answer has no reader)
-        n_calls.labels("reset", "abandoned").inc()
-        raise HTTPException(499, "reset: the client went away before the answer")
-      obs, waited = call.result()
-    except BaseException:
-      call.cancel()
-      await waits.to_the_end(asyncio.wait([call]))
-      await waits.to_the_end(close_session(sid))
-      raise
+      obs, waited = await heard("reset", sid, start, http, owner=owner)
     finally:
-      gone.cancel()
       starting.discard(owner)
     return {"session_id": sid, "observation": dataclasses.asdict(obs), **waited,
             "call_wall_s": call_wall_s}
-
-  async def heard(kind: str, sid: str, coro_fn, http: Request):
-    """`guarded(kind, sid, coro_fn)` while its client waits for the answer: a client that
-    goes away has the call cancelled and the session closed (its state is unknown in
-    the middle of a call). The wall no longer bounds a call's commands and sandbox
-    queue, and a call whose client had given up held its turn and slots until a DELETE
-    (a reviewer)."""
-    call = asyncio.ensure_future(guarded(kind, sid, coro_fn))
-    gone = asyncio.ensure_future(client_gone(http))
-    try:
-      await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)
-      if not call.done():
-        n_calls.labels(kind, "abandoned").inc()
-        raise HTTPException(499, f"{kind}: the client went away before the answer; the "
-                                 "session was closed")
-      return call.result()
-    except BaseException:
-      if not call.done():
-        call.cancel()
-        await waits.to_the_end(asyncio.wait([call]))
-        await waits.to_the_end(close_session(sid))
-      raise
-    finally:
-      gone.cancel()
 
   @app.post("/sessions/{sid}/step", dependencies=access)
   async def step(sid: str, body: StepBody, http: Request):
