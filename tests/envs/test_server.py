@@ -763,6 +763,29 @@ def test_a_call_whose_client_went_away_is_cancelled_and_its_session_closed():
   assert 'env_calls_total{kind="step",outcome="abandoned"} 1.0' in metrics
 
 
+def _hung_worker(waits_answer, steps: dict) -> RemoteEnv:
+  """A client of a fake worker (at http://w, its wall 0.2 s) whose steps never answer:
+  `waits_answer()` answers each GET /sessions/{id}/waits; `steps` counts the steps
+  started and cancelled."""
+  async def worker(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/sessions":
+      return httpx.Response(200, json={"session_id": "s1", "observation": {"messages": []},
+                                       "call_wall_s": 0.2})
+    if request.url.path.endswith("/waits"):
+      return waits_answer()
+    steps["started"] = steps.get("started", 0) + 1
+    try:
+      await asyncio.sleep(30)
+    except asyncio.CancelledError:
+      steps["cancelled"] = steps.get("cancelled", 0) + 1
+      raise
+    return httpx.Response(500)
+
+  RemoteEnv._call_walls.pop("http://w", None)
+  return RemoteEnv("http://w", timeout_s=0.1,
+                   client=httpx.AsyncClient(transport=httpx.MockTransport(worker)))
+
+
 def test_a_client_gives_up_on_a_call_its_worker_does_not_say_runs(monkeypatch):
   """Past its patience (the worker's wall and a margin), a client asks the worker
   whether the session's call still runs: a worker that lost it, or cannot say, is the
@@ -770,20 +793,12 @@ def test_a_client_gives_up_on_a_call_its_worker_does_not_say_runs(monkeypatch):
   monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.2)
   asks = []
 
-  async def worker(request: httpx.Request) -> httpx.Response:
-    if request.url.path == "/sessions":
-      return httpx.Response(200, json={"session_id": "s1", "observation": {"messages": []},
-                                       "call_wall_s": 0.2})
-    if request.url.path.endswith("/waits"):
-      asks.append(time.perf_counter())
-      return httpx.Response(200, json={"running": len(asks) < 3, "call": 1})
-    await asyncio.sleep(30)  # (a step whose answer never comes)
-    return httpx.Response(500)
+  def waits_answer():
+    asks.append(time.perf_counter())
+    return httpx.Response(200, json={"running": len(asks) < 3, "call": 1})
 
   async def go():
-    RemoteEnv._call_walls.pop("http://w", None)
-    env = RemoteEnv("http://w", timeout_s=0.1,
-                    client=httpx.AsyncClient(transport=httpx.MockTransport(worker)))
+    env = _hung_worker(waits_answer, {})
     await env.reset(TaskSpec("s", "slow_test_env"))
     t0 = time.perf_counter()
     with pytest.raises(InfraError, match="does not say that the call still runs"):
@@ -802,26 +817,10 @@ def test_a_worker_that_cannot_say_a_call_runs_is_not_waited_on(monkeypatch, stat
   (500) when asked whether the call runs is not waited on for ever; and a client whose
   caller gives up (an episode's deadline) cancels its request."""
   monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.2)
-  steps = {"started": 0, "cancelled": 0}
-
-  async def worker(request: httpx.Request) -> httpx.Response:
-    if request.url.path == "/sessions":
-      return httpx.Response(200, json={"session_id": "s1", "observation": {"messages": []},
-                                       "call_wall_s": 0.2})
-    if request.url.path.endswith("/waits"):
-      return httpx.Response(status, json={"detail": "no"})
-    steps["started"] += 1
-    try:
-      await asyncio.sleep(30)
-    except asyncio.CancelledError:
-      steps["cancelled"] += 1
-      raise
-    return httpx.Response(500)
+  steps: dict = {}
 
   async def go():
-    RemoteEnv._call_walls.pop("http://w", None)
-    env = RemoteEnv("http://w", timeout_s=0.1,
-                    client=httpx.AsyncClient(transport=httpx.MockTransport(worker)))
+    env = _hung_worker(lambda: httpx.Response(status, json={"detail": "no"}), steps)
     await env.reset(TaskSpec("s", "slow_test_env"))
     with pytest.raises(InfraError, match="does not say that the call still runs"):
       await env.step("1")
