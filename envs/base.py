@@ -443,6 +443,11 @@ class EnvResources:
                                own_filesystem=self.own_filesystem)
     return self._pool
 
+  def slot_freed_at(self) -> float:
+    """When its sandbox pool last freed a slot (`time.monotonic`; -inf before it has a
+    pool)."""
+    return self._pool.last_freed if self._pool is not None else -math.inf
+
   def close(self) -> None:
     if self._pool is not None:
       self._pool.close()

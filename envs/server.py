@@ -18,8 +18,8 @@ slot) are not charged to a call's deadline (other episodes' load must not turn
 the policy's bounded work into a 504) and have bounds of their own, nor is the time of
 the policy's sandboxed commands, which their wall limits bound (one that stalled its
 own kill for a minute made a wrong answer a 504, re-rolled): a call that
-gets no turn under the cap within a deadline in which no call ended answers 503,
-unrun; a command that gets no sandbox slot within the pool's `slot_timeout_s` (none
+gets no turn under the cap within a deadline in which no call ended, nor a sandbox
+command, answers 503, unrun; a command that gets no sandbox slot within the pool's `slot_timeout_s` (none
 freed meanwhile) fails its episode as infrastructure (503); a call ends within
 `WALL_FACTOR` deadlines of its own time and other waits (504; every answer says how
 long that is, `call_wall_s`), its commands and its waits in the queues of a cap or a
@@ -222,10 +222,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
 
     async def capped():
       # One place in the queue, kept however long the wait (first come, first served).
-      # A cap whose calls keep ending is waited on as long as it takes, as a sandbox
-      # pool's queue is: the run's own load, which makes a call slower, not refused (a
-      # 503 after one deadline's wait re-rolled the episodes of a crowded worker instead
-      # of scoring them). One where no call ended for a deadline is stuck: a 503.
+      # A cap whose calls keep moving (ending, or their commands ending) is waited on as
+      # long as it takes, as a sandbox pool's queue is: the run's own load, which makes
+      # a call slower, not refused (a 503 after one deadline's wait re-rolled the
+      # episodes of a crowded worker instead of scoring them). One where nothing moved
+      # for a deadline is stuck: a 503.
       turn = asyncio.ensure_future(calls.acquire())
       try:
         with waits.waiting(), waits.queued():
@@ -234,10 +235,12 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
             done, _ = await asyncio.wait({turn}, timeout=deadline_s)
             if done:
               break
-            if turns["ended"] <= t_look:
+            # (a call moves while its commands do: round-robin on a crowded pool, every
+            # call of the worker's ended together after minutes, 100 s past a deadline)
+            if turns["ended"] <= t_look and resources.slot_freed_at() <= t_look:
               raise _NoTurn(f"{kind} waited {deadline_s:.0f}s for a turn, and no call of "
-                            f"the worker's ended meanwhile (it runs {max_concurrent_calls} "
-                            "calls at once)")
+                            "the worker's ended, nor a sandbox command, meanwhile (it runs "
+                            f"{max_concurrent_calls} calls at once)")
       except BaseException:
         turn.cancel()
         await asyncio.wait({turn})

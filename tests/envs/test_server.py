@@ -1104,3 +1104,37 @@ def test_http_clients_share_one_tls_context(monkeypatch):
   assert loads == [] and shared_tls() is context
   httpx.AsyncClient()  # (without it, httpx loads them for the client: the patch sees it)
   assert len(loads) == 1
+
+
+@needs_isolation
+def test_a_turn_waits_while_the_calls_ahead_run_commands(monkeypatch):
+  """One call at a time: a turn of three 0.8 s commands holds the only turn past the
+  1.5 s deadline while another session's call waits for it. Its commands end meanwhile
+  (the worker moves): the waiting call is answered, not refused as stuck (at the
+  defaults, 40 sessions' turns of four 9.5 s commands: every call of the worker's ended
+  together after 2 minutes, and the 8 waiting for a turn were 503s, re-rolled)."""
+  monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.5)
+  resources = EnvResources(sandboxes=1)
+  app = create_app(resources, max_concurrent_calls=1, deadline_s=1.5)
+  sleep = "<tool_call>" + json.dumps({"name": "run_python", "arguments": {
+      "code": "import time; time.sleep(0.8)"}}) + "</tool_call>"
+
+  async def one(url, turn, after):
+    env = RemoteEnv(url)
+    await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
+    await asyncio.sleep(after)
+    try:
+      result = await env.step(turn)
+      return [json.loads(m["content"]).get("exit_code") for m in result.observation.messages]
+    except InfraError as e:
+      return str(e)
+    finally:
+      await env.aclose()
+
+  with ServerThread(app) as srv:
+    async def go():
+      return await asyncio.gather(one(srv.url, sleep * 3, 0.0), one(srv.url, sleep, 0.3))
+
+    ahead, waiting = asyncio.run(asyncio.wait_for(go(), timeout=60))
+  resources.close()
+  assert ahead == [0, 0, 0] and waiting == [0], (ahead, waiting)
