@@ -16,6 +16,11 @@ not await, from its /metrics `env_loop_held_seconds_total`; every session waited
 then a table. Every episode must end with a verdict (pass, fail, timeout; infra_error
 only for injected faults): `errors` counts episodes that ended without one.
 
+`--commands K --command-s S` starts each episode with a turn of K `run_python` calls
+that each sleep S seconds (the policy's own load, each within its sandbox wall limit:
+at the worker's defaults, `--concurrency 40 --commands 4 --command-s 9.5` crowds its 8
+slots for minutes; a call the crowd makes slower must still end in a verdict).
+
 `--worker-user UID` runs the worker as that user (from root), and `--filesystems
 own,disk` runs the levels once per `--workspace-filesystem` of a worker that is not
 root (each row then names its `filesystem`), then prints one line
@@ -23,6 +28,7 @@ root (each row then names its `filesystem`), then prints one line
 
   python tools/bench_envs.py --concurrency 8,64,200 --sandboxes 8
   python tools/bench_envs.py --concurrency 8,200 --worker-user 65534 --filesystems own,disk
+  python tools/bench_envs.py --concurrency 40 --commands 4 --command-s 9.5
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def start_worker(sandboxes: int, extra: list[str], user: int | None = None
   raise SystemExit("the worker did not start")
 
 
-def script(i: int) -> tuple[TaskSpec, list[str]]:
+def script(i: int, commands: int = 0, command_s: float = 0.0) -> tuple[TaskSpec, list[str]]:
   name, _, reference, _, _ = TASKS[i % len(TASKS)]
   content = reference
   if i % 3 == 0:  # a wrong answer; every other one also crashes at import
@@ -86,12 +92,15 @@ def script(i: int) -> tuple[TaskSpec, list[str]]:
         "raise SystemExit(3)\n" if i % 2 else "")
   call = json.dumps({"name": "write_file", "arguments": {"path": "solution.py",
                                                          "content": content}})
+  sleep = json.dumps({"name": "run_python", "arguments": {
+      "code": f"import time; time.sleep({command_s})"}})
   return (TaskSpec(f"python_tests/{name}", "python_tests", {"task": name}),
-          [f"<tool_call>{call}</tool_call>", "DONE"])
+          [f"<tool_call>{sleep}</tool_call>" * commands] * (commands > 0)
+          + [f"<tool_call>{call}</tool_call>", "DONE"])
 
 
-async def one(url: str, i: int) -> dict:
-  task, actions = script(i)
+async def one(url: str, i: int, commands: int = 0, command_s: float = 0.0) -> dict:
+  task, actions = script(i, commands, command_s)
   t0 = time.perf_counter()
   try:
     final = await play_episode(RemoteEnv(url, timeout_s=600), task,
@@ -110,17 +119,19 @@ def loop_held_s(url: str) -> float | None:
   return None
 
 
-async def level(url: str, concurrency: int) -> dict:
+async def level(url: str, concurrency: int, commands: int = 0, command_s: float = 0.0) -> dict:
   held = loop_held_s(url)
   t0 = time.perf_counter()
-  results = await asyncio.gather(*(one(url, i) for i in range(concurrency)))
+  results = await asyncio.gather(*(one(url, i, commands, command_s)
+                                   for i in range(concurrency)))
   wall = time.perf_counter() - t0
   await asyncio.sleep(0.5)  # (a hold under way at the end is counted once it ends)
   held_after = loop_held_s(url)
   verify = [r["verify_s"] for r in results if "verify_s" in r]
   episode = [r["episode_s"] for r in results]
   errors = [r["error"] for r in results if "error" in r]
-  return {"concurrency": concurrency, "episodes": len(results),
+  return {"concurrency": concurrency, "commands": commands, "command_s": command_s,
+          "episodes": len(results),
           "verdicts": dict(collections.Counter(r["status"] for r in results if "status" in r)),
           "errors": len(errors), "first_error": errors[0] if errors else None,
           "episodes_per_s": round(len(results) / wall, 2),
@@ -138,6 +149,10 @@ def main() -> int:
   p.add_argument("--concurrency", default="8,64,200", type=positive_ints)
   p.add_argument("--sandboxes", type=positive_int, default=8)
   p.add_argument("--server", help="use this running worker instead of starting one")
+  p.add_argument("--commands", type=int, choices=range(0, 5), default=0, metavar="K",
+                 help="a first turn of K run_python calls (0 to 4, a turn's cap)")
+  p.add_argument("--command-s", type=float, default=1.0, metavar="S",
+                 help="how long each of those sleeps (within the sandbox's 10 s wall limit)")
   p.add_argument("--worker-user", type=int, default=None,
                  help="start the worker as this uid (the benchmark runs as root)")
   p.add_argument("--filesystems", default=None,
@@ -157,7 +172,7 @@ def main() -> int:
           ["--workspace-filesystem", fs] if fs else []), args.worker_user)
     try:
       for c in levels:
-        row = asyncio.run(level(url, c))
+        row = asyncio.run(level(url, c, args.commands, args.command_s))
         if fs:
           row = {"filesystem": fs, **row}
         rows.append(row)
