@@ -236,10 +236,19 @@ class DepthBoundRoute(APIRoute):
     return bounded
 
 
+def no_route(request) -> str:
+  """A request no route of its app takes, named with the routes there are (a bare "Not
+  Found" left a client of `/v1/completions` guessing: a new user)."""
+  routes = sorted({r.path for r in request.app.routes if isinstance(r, APIRoute)})
+  return (f"no route {request.method} {request.url.path[:200]!r}; this server's routes: "
+          + ", ".join(routes))
+
+
 def name_deep_bodies(app) -> None:
   """A JSON body nested too deep (MAX_BODY_DEPTH, or past Python's recursion limit) is
   answered 400 naming that (FastAPI said "There was an error parsing the body", or a
-  500 writing its 422); other errors as before. Routes added to `app` from now on are
+  500 writing its 422), and a path no route takes 404 naming the routes (`no_route`);
+  other errors as before. Routes added to `app` from now on are
   `DepthBoundRoute`s."""
   app.router.route_class = DepthBoundRoute
 
@@ -249,6 +258,8 @@ def name_deep_bodies(app) -> None:
       exc = HTTPException(exc.status_code, NESTED_TOO_DEEP)
     elif (said := unreadable_body(exc)) is not None:
       exc = HTTPException(exc.status_code, said)
+    elif exc.status_code == 404 and exc.detail == "Not Found":  # (no route matched)
+      exc = HTTPException(404, no_route(request))
     return await http_exception_handler(request, exc)
 
   @app.exception_handler(RequestValidationError)

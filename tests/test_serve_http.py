@@ -3,7 +3,7 @@
 import json
 import random
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi.testclient import TestClient
 
 from envs.values import json_depth
@@ -57,3 +57,25 @@ def test_a_body_nested_past_the_bound_is_refused_and_one_within_it_parsed_once(m
   # Text that is not JSON: a 400 naming it, as other unreadable bodies (it was a 422).
   r = client.post("/x", content=b"{bad", headers={"content-type": "application/json"})
   assert r.status_code == 400 and r.json()["detail"].startswith("body: not valid JSON ("), r.text
+
+
+def test_a_path_no_route_takes_is_named_with_the_routes():
+  """A bare "Not Found" left a client of `/v1/completions` guessing (a new user): the 404
+  names the request and the app's routes; a route's own 404 is kept."""
+  app = FastAPI()
+  name_deep_bodies(app)
+
+  @app.post("/v1/chat/completions")
+  async def chat():
+    return {}
+
+  @app.get("/sessions/{sid}")
+  async def session(sid: str):
+    raise HTTPException(404, f"no session {sid!r}")
+
+  client = TestClient(app)
+  r = client.post("/v1/completions", json={})
+  assert r.status_code == 404 and r.json()["detail"] == (
+      "no route POST '/v1/completions'; this server's routes: /sessions/{sid}, "
+      "/v1/chat/completions"), r.text
+  assert client.get("/sessions/x").json()["detail"] == "no session 'x'"
