@@ -18,8 +18,8 @@ slot) are not charged to a call's deadline (other episodes' load must not turn
 the policy's bounded work into a 504) and have bounds of their own, nor is the time of
 the policy's sandboxed commands, which their wall limits bound (one that stalled its
 own kill for a minute made a wrong answer a 504, re-rolled): a call that
-gets no turn under the cap within a deadline in which no call ended, nor a sandbox
-command, answers 503, unrun; a command that gets no sandbox slot within the pool's `slot_timeout_s` (none
+gets no turn under the cap within a deadline (at least `STUCK_FLOOR_S`) in which no
+call ended, nor a sandbox command, answers 503, unrun (a reset: within one deadline); a command that gets no sandbox slot within the pool's `slot_timeout_s` (none
 freed meanwhile) fails its episode as infrastructure (503); a call ends within
 `WALL_FACTOR` deadlines of its own time and other waits (504; every answer says how
 long that is, `call_wall_s`), its commands and its waits in the queues of a cap or a
@@ -112,6 +112,11 @@ class _Session:
 # commands and its waits in a crowded sandbox pool's queue (a client waits longer, and on
 # while the worker says the call runs: `RemoteEnv`).
 WALL_FACTOR = 2
+# The shortest time a wait for a turn sees nothing move before it is refused as stuck:
+# one sandboxed command may run that long (a grading run is 20 s, and its kill up to 10 s
+# more; with a deadline of 8 s, a looping solution's grading made a sibling's call a 503:
+# red team 35).
+STUCK_FLOOR_S = 60.0
 # A client waits this much past a worker's longest call for the answer (`RemoteEnv`).
 CALL_MARGIN_S = 15.0
 
@@ -131,15 +136,19 @@ class _NoTurn(Exception):
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
                max_concurrent_calls: int = 32, deadline_s: float = 60.0,
                idle_timeout_s: float = 300.0, max_idle_timeout_s: float = 7200.0,
-               max_body_bytes: int = 8 << 20, token: Optional[str] = None) -> FastAPI:
+               max_body_bytes: int = 8 << 20, token: Optional[str] = None,
+               stuck_s: Optional[float] = None) -> FastAPI:
   """The worker's app. With `token` (the run's JAXAGENT_ENV_TOKEN, `jaxagent.control`),
-  its session routes answer only a call whose X-Env-Token header holds it."""
+  its session routes answer only a call whose X-Env-Token header holds it. A step or
+  verify waiting for a turn under the call cap is refused as stuck (503) once nothing
+  moved for `stuck_s` (default: the deadline, at least STUCK_FLOOR_S)."""
   resources = resources or EnvResources()
   token = token or None  # (blank is none)
   access = control_guard(token, control.ENVS)
   sessions: dict[str, _Session] = {}
   calls = asyncio.Semaphore(max_concurrent_calls)
   turns = {"ended": time.monotonic()}  # when a call last gave its turn back
+  stuck_s = stuck_s if stuck_s is not None else max(deadline_s, STUCK_FLOOR_S)
   call_wall_s = WALL_FACTOR * deadline_s  # told to clients in every answer
   registry = CollectorRegistry()
   n_sessions = Gauge("env_sessions", "Open sessions", registry=registry)
@@ -227,20 +236,25 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       # a call slower, not refused (a 503 after one deadline's wait re-rolled the
       # episodes of a crowded worker instead of scoring them). One where nothing moved
       # for a deadline is stuck: a 503.
+      # A reset waits one deadline at most, as before (its client's patience is fixed,
+      # and a start that fails is no answer of the policy's: re-rolled, unbiased).
       turn = asyncio.ensure_future(calls.acquire())
+      window = deadline_s if kind == "reset" else stuck_s
       try:
         with waits.waiting(), waits.queued():
           while True:
             t_look = time.monotonic()
-            done, _ = await asyncio.wait({turn}, timeout=deadline_s)
+            done, _ = await asyncio.wait({turn}, timeout=window)
             if done:
               break
             # (a call moves while its commands do: round-robin on a crowded pool, every
             # call of the worker's ended together after minutes, 100 s past a deadline)
-            if turns["ended"] <= t_look and resources.slot_freed_at() <= t_look:
-              raise _NoTurn(f"{kind} waited {deadline_s:.0f}s for a turn, and no call of "
-                            "the worker's ended, nor a sandbox command, meanwhile (it runs "
-                            f"{max_concurrent_calls} calls at once)")
+            if kind == "reset" or (turns["ended"] <= t_look
+                                   and resources.slot_freed_at() <= t_look):
+              raise _NoTurn(f"{kind} waited {window:.0f}s for a turn" + (
+                  "" if kind == "reset" else ", and no call of the worker's ended, nor a "
+                  "sandbox command, meanwhile") + f" (it runs {max_concurrent_calls} calls "
+                  "at once)")
       except BaseException:
         turn.cancel()
         await asyncio.wait({turn})
@@ -498,6 +512,8 @@ class RemoteEnv:
     self.infra_wait_s = 0.0  # what the worker reported its calls waited on its load
     self._answered = 0  # the session's last call whose answer was counted (its number)
     self.infra_held_s = 0.0  # of it, other sessions' holds of the worker's event loop
+    # The waits of the call this client last gave up, as its worker said them then.
+    self._cut_waits: Optional[tuple[float, float]] = None
     # The session's tool counters (`Env.counters`), from its steps' info where the
     # environment reports them there (`Env._info`).
     self.counters = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0}
@@ -509,6 +525,7 @@ class RemoteEnv:
     if self._client is None:
       self._client = httpx.AsyncClient(timeout=self.timeout_s, verify=shared_tls())
     patience = max(self.timeout_s, self._call_walls.get(self.url, 0.0) + CALL_MARGIN_S)
+    self._cut_waits = None  # (an earlier call's, never asked for)
     kw.setdefault("headers", self._headers)
     # (a step's or verify's answer is waited on as long as the worker says it runs)
     runs_on = self.session_id is not None and path.startswith(f"/sessions/{self.session_id}/")
@@ -559,6 +576,10 @@ class RemoteEnv:
                            "and the worker does not say that the call still runs")
     finally:
       if not sent.done():
+        # (asked before the request goes: a worker cancels a call whose client went away
+        # and closes its session, and an episode cut at its deadline then asks what the
+        # call waited: 0, and the crowd's waits were read as the policy's own time)
+        self._cut_waits = await self._ask_waits()
         sent.cancel()
         await asyncio.wait({sent})
 
@@ -574,7 +595,15 @@ class RemoteEnv:
   async def in_flight_waits(self) -> tuple[float, float]:
     """How long the call now running on the worker for this session (one whose client
     gave up: an episode deadline) has waited on shared infrastructure, and how much of
-    that was other sessions' holds of the worker's event loop; 0 if unknown."""
+    that was other sessions' holds of the worker's event loop; 0 if unknown. For a call
+    this client gave up, what the worker said as it did (`_answer`)."""
+    if self._cut_waits is not None:
+      cut, self._cut_waits = self._cut_waits, None
+      return cut
+    return await self._ask_waits()
+
+  async def _ask_waits(self) -> tuple[float, float]:
+    """What the worker says the session's latest call has waited (`in_flight_waits`)."""
     if self.session_id is None or self._client is None:
       return 0.0, 0.0
     try:

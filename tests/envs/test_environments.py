@@ -712,7 +712,7 @@ def test_source_checks_run_one_at_a_time_and_their_queue_is_the_infrastructures(
     with waits.measured() as clock:
       t0 = time.perf_counter()
       out = await checked(check, hold)
-      return out, clock.total_s(), time.perf_counter() - t0
+      return out, clock.queued_total_s(), time.perf_counter() - t0
 
   async def main():
     first = asyncio.ensure_future(one(True))
@@ -724,7 +724,10 @@ def test_source_checks_run_one_at_a_time_and_their_queue_is_the_infrastructures(
 
   (held, held_wait, _), queued = asyncio.run(main())
   assert held is True and held_wait < 0.2 and peak[0] == 1
-  for out, waited, took in queued:  # (behind the first for 0.4 s: the infrastructure's)
+  # (behind the first for 0.4 s: the infrastructure's, in a queue that moves, which an
+  # environment worker's wall does not count: verifies padded to slow checks queued past
+  # it, 504s re-rolled: red team 35)
+  for out, waited, took in queued:
     assert out is False and waited >= 0.3 and took - waited < 0.35
 
 

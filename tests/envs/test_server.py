@@ -429,7 +429,7 @@ def test_the_deadline_bounds_the_work_and_not_the_wait_for_a_turn():
   503 after one deadline re-rolled a crowded worker's episodes: red team 34), and is a
   503, the call unrun, only when no call ended for a deadline (stuck)."""
   app = create_app(EnvResources(sandboxes=1), max_sessions=8, max_concurrent_calls=1,
-                   deadline_s=1.5)
+                   deadline_s=1.5, stuck_s=1.5)
 
   async def step(env, action, after=0.0):
     await asyncio.sleep(after)
@@ -465,6 +465,38 @@ def test_the_deadline_bounds_the_work_and_not_the_wait_for_a_turn():
   assert second[0] == "ok" and 0.6 < second[1] < 1.4
   assert third[0] == "ok" and 1.5 < third[1] < 2.6, third
   assert alone == ("504", None) and held[0] == "ok" and stuck == ("503", None), (held, stuck)
+
+
+def test_a_reset_waits_one_deadline_for_a_turn_and_the_stuck_window_has_a_floor():
+  """A reset waits at most one deadline for a turn, as before, whatever moves (its
+  client's patience is fixed: queued past it, a start read as the worker's timeout; red
+  team 35), and a step's stuck window is at least STUCK_FLOOR_S (a grading run and its
+  kill outlast a short deadline: a looping solution's grading made a sibling a 503)."""
+  from envs.server import STUCK_FLOOR_S
+
+  app = create_app(EnvResources(sandboxes=1), max_concurrent_calls=1, deadline_s=1.0)
+
+  async def go(url):
+    busy, late, behind = RemoteEnv(url), RemoteEnv(url), RemoteEnv(url)
+    await busy.reset(TaskSpec("c", "long_command_test_env"))
+    await behind.reset(TaskSpec("s", "slow_test_env"))
+    held = asyncio.ensure_future(busy.step("2.5"))  # (nothing else moves meanwhile)
+    await asyncio.sleep(0.2)
+    waiting = asyncio.ensure_future(behind.step("0.1"))  # (2.3 s for its turn)
+    t0 = time.perf_counter()
+    with pytest.raises(InfraError, match="503.*reset waited 1s for a turn"):
+      await late.reset(TaskSpec("s", "slow_test_env"))
+    refused_after = time.perf_counter() - t0
+    await held
+    answered = (await waiting).terminated
+    for env in (busy, behind):
+      await env.aclose()
+    return refused_after, answered
+
+  with ServerThread(app) as srv:
+    refused_after, answered = asyncio.run(asyncio.wait_for(go(srv.url), timeout=30))
+  assert 0.9 < refused_after < 2.0 and answered, refused_after
+  assert STUCK_FLOOR_S >= 30.0  # (a grading run's 20 s and its kill)
 
 
 def test_a_client_waits_as_long_as_its_worker_may_take():
@@ -807,8 +839,9 @@ def test_a_client_gives_up_on_a_call_its_worker_does_not_say_runs(monkeypatch):
 
   took = asyncio.run(asyncio.wait_for(go(), timeout=10))
   RemoteEnv._call_walls.pop("http://w", None)
-  # (asked at each 0.4 s of patience; on its third "not running", 0.2 s more for the answer)
-  assert len(asks) == 3 and 1.2 < took < 3.0, (asks, took)
+  # (asked at each 0.4 s of patience; on its third "not running", 0.2 s more for the
+  # answer; then once more as it gives up, for what the call waited)
+  assert len(asks) == 4 and 1.2 < took < 3.0, (asks, took)
 
 
 @pytest.mark.parametrize("status", [404, 401, 500])
@@ -1115,7 +1148,7 @@ def test_a_turn_waits_while_the_calls_ahead_run_commands(monkeypatch):
   together after 2 minutes, and the 8 waiting for a turn were 503s, re-rolled)."""
   monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.5)
   resources = EnvResources(sandboxes=1)
-  app = create_app(resources, max_concurrent_calls=1, deadline_s=1.5)
+  app = create_app(resources, max_concurrent_calls=1, deadline_s=1.5, stuck_s=1.5)
   sleep = "<tool_call>" + json.dumps({"name": "run_python", "arguments": {
       "code": "import time; time.sleep(0.8)"}}) + "</tool_call>"
 
@@ -1138,3 +1171,30 @@ def test_a_turn_waits_while_the_calls_ahead_run_commands(monkeypatch):
     ahead, waiting = asyncio.run(asyncio.wait_for(go(), timeout=60))
   resources.close()
   assert ahead == [0, 0, 0] and waiting == [0], (ahead, waiting)
+
+
+def test_a_call_given_up_keeps_what_its_worker_said_it_waited(monkeypatch):
+  """A worker closes the session of a call whose client went away, so an episode cut at
+  its deadline that asked afterwards what the call waited read 0 (a CI failure): the
+  client asks as it gives the call up, and answers that."""
+  monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.2)
+  steps: dict = {}
+  state = {"gone": False}
+
+  def waits_answer():
+    if state["gone"]:
+      return httpx.Response(404, json={"detail": "no session 's1'"})
+    return httpx.Response(200, json={"running": True, "call": 1, "infra_wait_s": 2.5,
+                                     "infra_held_s": 0.5})
+
+  async def go():
+    env = _hung_worker(waits_answer, steps)
+    await env.reset(TaskSpec("s", "slow_test_env"))
+    with pytest.raises(asyncio.TimeoutError):  # (the episode's deadline)
+      await asyncio.wait_for(env.step("1"), 0.3)
+    state["gone"] = True
+    return await env.in_flight_waits(), await env.in_flight_waits()
+
+  given_up, after = asyncio.run(asyncio.wait_for(go(), timeout=10))
+  RemoteEnv._call_walls.pop("http://w", None)
+  assert given_up == (2.5, 0.5) and after == (0.0, 0.0) and steps["cancelled"] == 1

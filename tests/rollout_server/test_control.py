@@ -381,8 +381,10 @@ def test_a_router_asks_again_a_server_restarted_with_another_token_and_owes_it_i
     assert not health() and "s" in state["records"]
     # Restarted with the run's token: it takes the delete and serves again.
     state.update(instance="i3", token=TOKEN)
-    until(health, "the server never came back")
-    assert "s" not in state["records"] and refusing() == []
+    # (both waited on: its GET /control asked in a round that timed out under load keeps
+    # the last answer until the next; a CI run beside a benchmark)
+    until(lambda: health() and refusing() == [], "the server never came back")
+    assert "s" not in state["records"]
     # Restarted again with another token and busy at first, no delete owed: its token is
     # asked again once it answers about it.
     state.update(instance="i4", token="another", control_503=True)
