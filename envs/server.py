@@ -19,11 +19,12 @@ the policy's bounded work into a 504) and have bounds of their own, nor is the t
 the policy's sandboxed commands, which their wall limits bound (one that stalled its
 own kill for a minute made a wrong answer a 504, re-rolled): a call that
 gets no turn under the cap within a deadline (at least `STUCK_FLOOR_S`) in which no
-call ended, nor a sandbox command, answers 503, unrun (a reset: within one deadline); a command that gets no sandbox slot within the pool's `slot_timeout_s` (none
-freed meanwhile) fails its episode as infrastructure (503); a call ends within
+call ended, nor a sandbox command, answers 503, unrun (a reset: within one deadline);
+a command that gets no sandbox slot within the pool's `slot_timeout_s` (none freed
+meanwhile) fails its episode as infrastructure (503); a call ends within
 `WALL_FACTOR` deadlines of its own time and other waits (504; every answer says how
-long that is, `call_wall_s`), its commands and its waits in the queues of a cap or a
-pool that keep freeing turns or slots left out: those are the run's own load, which
+long that is, `call_wall_s`), its commands and its waits in queues that move (the
+call cap's, a sandbox pool's, the source checks', a judge's) left out: the run's own load, which
 makes a call slower, not cut (cut, a turn of four long commands on a crowded pool was
 a 504, re-rolled instead of scored: red team 34; an episode's wall time counts them,
 on the policy's side). `RemoteEnv`
@@ -109,8 +110,8 @@ class _Session:
 
 
 # A call answers within this many deadlines of its own time and its waits, less its
-# commands and its waits in a crowded sandbox pool's queue (a client waits longer, and on
-# while the worker says the call runs: `RemoteEnv`).
+# commands and its waits in queues that move (`waits.queued`; a client waits longer, and
+# on while the worker says the call runs: `RemoteEnv`).
 WALL_FACTOR = 2
 # The shortest time a wait for a turn sees nothing move before it is refused as stuck:
 # one sandboxed command may run that long (a grading run is 20 s, and its kill up to 10 s
@@ -129,8 +130,8 @@ def waits_of(clock: Optional[waits.WaitClock]) -> dict:
 
 
 class _NoTurn(Exception):
-  """A call waited a whole deadline for a turn under the worker's call cap, and no call
-  of the worker's ended meanwhile (stuck)."""
+  """A call waited for a turn under the worker's call cap while nothing moved (no call
+  ended, no sandbox command) for its stuck window; a reset, for a deadline."""
 
 
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
@@ -223,10 +224,9 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     under the cap, a sandbox slot) are not charged to it (other episodes' load must not
     turn the policy's bounded work into a 504, dropped instead of scored) and have bounds
     of their own; the whole call ends within WALL_FACTOR deadlines, less the policy's
-    commands (their wall limits bound them) and its waits in the queues of the call cap
-    and of a sandbox pool while they keep moving (the run's own load, which a turn of
-    four 10 s commands on a crowded worker passed: a 504, re-rolled instead of scored;
-    red team 34)."""
+    commands (their wall limits bound them) and its waits in queues that move
+    (`waits.queued`: the run's own load, which a turn of four 10 s commands on a crowded
+    worker passed: a 504, re-rolled instead of scored; red team 34)."""
     t0 = time.perf_counter()
 
     async def capped():
@@ -583,14 +583,22 @@ class RemoteEnv:
         sent.cancel()
         await asyncio.wait({sent})
 
-  async def _runs(self) -> bool:
-    """Whether the worker says the session's call is running (False when it cannot)."""
+  async def _waits_now(self, timeout_s: float) -> dict:
+    """The worker's `GET /sessions/{id}/waits` answer for this session ({} when it gives
+    none: no session, unreachable, an error, not an object)."""
+    if self.session_id is None or self._client is None:
+      return {}
     try:
       r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits",
-                                 timeout=CALL_MARGIN_S, headers=self._headers)
-      return r.status_code == 200 and r.json().get("running") is True
-    except (httpx.HTTPError, ValueError, AttributeError):
-      return False
+                                 timeout=timeout_s, headers=self._headers)
+      out = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+      return {}
+    return out if isinstance(out, dict) else {}
+
+  async def _runs(self) -> bool:
+    """Whether the worker says the session's call is running (False when it cannot)."""
+    return (await self._waits_now(CALL_MARGIN_S)).get("running") is True
 
   async def in_flight_waits(self) -> tuple[float, float]:
     """How long the call now running on the worker for this session (one whose client
@@ -604,22 +612,18 @@ class RemoteEnv:
 
   async def _ask_waits(self) -> tuple[float, float]:
     """What the worker says the session's latest call has waited (`in_flight_waits`)."""
-    if self.session_id is None or self._client is None:
-      return 0.0, 0.0
+    out = await self._waits_now(5.0)
+    # A call that ended reported its waits in its answer, unless that answer has not been
+    # counted here: cut client-side as the call ended (its answer discarded), or still on
+    # its way. Its waits were lost, and an episode's 3 s wait was read as its own time (a
+    # deadline judged in that moment; CI, under load).
+    if not out.get("running"):
+      ended = out.get("call")
+      if type(ended) is not int or ended <= self._answered:
+        return 0.0, 0.0
     try:
-      r = await self._client.get(f"{self.url}/sessions/{self.session_id}/waits", timeout=5,
-                                 headers=self._headers)
-      out = r.json() if r.status_code == 200 else {}
-      # A call that ended reported its waits in its answer, unless that answer has not
-      # been counted here: cut client-side as the call ended (its answer discarded), or
-      # still on its way. Its waits were lost, and an episode's 3 s wait was read as its
-      # own time (a deadline judged in that moment; CI, under load).
-      if not out.get("running"):
-        ended = out.get("call")
-        if type(ended) is not int or ended <= self._answered:
-          return 0.0, 0.0
       return float(out["infra_wait_s"]), float(out.get("infra_held_s", 0.0))
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (KeyError, ValueError, TypeError):
       return 0.0, 0.0
 
   async def reset(self, task: TaskSpec) -> Observation:
