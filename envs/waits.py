@@ -47,7 +47,7 @@ class WaitClock:
     self._open: list[float] = []  # start times of waits in progress
     self.commands_s = 0.0  # commands that ended
     self._commands: list[float] = []  # start times of commands running
-    # Of its waits, those for a slot of a sandbox pool that kept freeing slots (`queued`)
+    # Of its waits, those in queues that move (`queued()`)
     self.queued_s = 0.0
     self._queued: list[float] = []
     self.held_s = 0.0  # other code's holds of the event loop, credited (in waited_s too)
@@ -76,8 +76,8 @@ class WaitClock:
     return self.commands_s + sum(now - t for t in self._commands)
 
   def queued_total_s(self) -> float:
-    """Of its waits, those in a sandbox pool's queue so far (`queued()`), the one in
-    progress included."""
+    """Of its waits, those in queues that move so far (`queued()`), the one in progress
+    included."""
     now = time.perf_counter()
     return self.queued_s + sum(now - t for t in self._queued)
 
@@ -214,8 +214,8 @@ def queued() -> contextlib.AbstractContextManager:
   """Marks the block (inside a `waiting()` one) as a wait in a queue that moves, with a
   bound of its own: a sandbox pool's (ended in its turn while the pool frees slots,
   however long the queue: the run's own load; a pool that frees none fails the command
-  as stuck), a worker's call cap's (likewise), a served judge's (its timeout and
-  retries). An environment worker's call wall does not count it (`envs.server`): a
+  as stuck), a worker's call cap's (likewise), the source checks' (each bounded by its
+  text's), a served judge's (its timeout and retries). An environment worker's call wall does not count it (`envs.server`): a
   crowd makes a call slower, not cut; an episode's wall time counts it, on the policy's
   side (`jaxagent.agent`)."""
   return _marked("_queued", "queued_s", span=False)
@@ -264,7 +264,8 @@ async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], l
     while True:
       settle_holds()  # (a hold of the loop that just ended: credited before it is judged)
       elapsed = time.perf_counter() - t0
-      if elapsed - (unwalled() if unwalled is not None else 0.0) >= wall_s:
+      walled = elapsed - (unwalled() if unwalled is not None else 0.0)
+      if walled >= wall_s:
         if on_cut is not None:
           await on_cut()
         raise WallCut
@@ -273,7 +274,6 @@ async def within(task: asyncio.Future, waited: Callable[[], Awaitable[float]], l
         if on_cut is not None:
           await on_cut()
         raise DeadlineCut
-      walled = elapsed - (unwalled() if unwalled is not None else 0.0)
       done, _ = await asyncio.wait({task}, timeout=max(min(left, wall_s - walled), look_s))
       if done:
         settle_holds()  # (a hold it ended in is its waits' too, whoever asks them next)
