@@ -870,6 +870,27 @@ def test_a_worker_that_cannot_say_a_call_runs_is_not_waited_on(monkeypatch, stat
       (given_up, cut)
 
 
+def _sleeps(seconds: float) -> str:
+  """A run_python tool call that sleeps `seconds` (a command of the policy's)."""
+  return "<tool_call>" + json.dumps({"name": "run_python", "arguments": {
+      "code": f"import time; time.sleep({seconds})"}}) + "</tool_call>"
+
+
+async def _exit_codes(url: str, turn: str, after: float, timeout_s: float = 180.0):
+  """A python_tests session on the worker at `url` that plays `turn` `after` seconds past
+  its start: its commands' exit codes, or the text of the InfraError it ended in."""
+  env = RemoteEnv(url, timeout_s=timeout_s)
+  await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
+  await asyncio.sleep(after)
+  try:
+    result = await env.step(turn)
+    return [json.loads(m["content"]).get("exit_code") for m in result.observation.messages]
+  except InfraError as e:
+    return str(e)
+  finally:
+    await env.aclose()
+
+
 @needs_isolation
 def test_a_queue_for_the_one_sandbox_slot_past_the_wall_is_answered(monkeypatch):
   """Four sessions' 1.6 s commands on one slot, started 0.3 s apart: the last waits
@@ -880,8 +901,7 @@ def test_a_queue_for_the_one_sandbox_slot_past_the_wall_is_answered(monkeypatch)
   monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.5)
   resources = EnvResources(sandboxes=1, sandbox_limits=Limits(wall_s=2.0))
   app = create_app(resources, deadline_s=1.5)
-  turn = "<tool_call>" + json.dumps({"name": "run_python", "arguments": {
-      "code": "import time; time.sleep(1.6)"}}) + "</tool_call>"
+  turn = _sleeps(1.6)
 
   async def one(url, after, envs):
     env = RemoteEnv(url, timeout_s=0.5)
@@ -918,24 +938,11 @@ def test_a_turn_of_long_commands_on_a_crowded_worker_is_answered(monkeypatch):
   resources = EnvResources(sandboxes=1, sandbox_limits=Limits(wall_s=2.0))
   app = create_app(resources, deadline_s=1.5)
 
-  def call(code):
-    return "<tool_call>" + json.dumps({"name": "run_python", "arguments": {"code": code}}) \
-        + "</tool_call>"
-
-  async def one(url, turn, after):
-    await asyncio.sleep(after)
-    env = RemoteEnv(url, timeout_s=0.5)
-    await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
-    try:
-      result = await env.step(turn)
-      return [json.loads(m["content"]).get("exit_code") for m in result.observation.messages]
-    finally:
-      await env.aclose()
-
-  sleep = call("import time; time.sleep(1.2)")
+  sleep = _sleeps(1.2)
   with ServerThread(app) as srv:
     async def go():
-      return await asyncio.gather(one(srv.url, sleep * 3, 0.0), one(srv.url, sleep, 0.3))
+      return await asyncio.gather(_exit_codes(srv.url, sleep * 3, 0.0, timeout_s=0.5),
+                                  _exit_codes(srv.url, sleep, 0.3, timeout_s=0.5))
 
     long_turn, queued = asyncio.run(asyncio.wait_for(go(), timeout=60))
   resources.close()
@@ -1149,24 +1156,11 @@ def test_a_turn_waits_while_the_calls_ahead_run_commands(monkeypatch):
   monkeypatch.setattr("envs.server.CALL_MARGIN_S", 0.5)
   resources = EnvResources(sandboxes=1)
   app = create_app(resources, max_concurrent_calls=1, deadline_s=1.5, stuck_s=1.5)
-  sleep = "<tool_call>" + json.dumps({"name": "run_python", "arguments": {
-      "code": "import time; time.sleep(0.8)"}}) + "</tool_call>"
-
-  async def one(url, turn, after):
-    env = RemoteEnv(url)
-    await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
-    await asyncio.sleep(after)
-    try:
-      result = await env.step(turn)
-      return [json.loads(m["content"]).get("exit_code") for m in result.observation.messages]
-    except InfraError as e:
-      return str(e)
-    finally:
-      await env.aclose()
-
+  sleep = _sleeps(0.8)
   with ServerThread(app) as srv:
     async def go():
-      return await asyncio.gather(one(srv.url, sleep * 3, 0.0), one(srv.url, sleep, 0.3))
+      return await asyncio.gather(_exit_codes(srv.url, sleep * 3, 0.0),
+                                  _exit_codes(srv.url, sleep, 0.3))
 
     ahead, waiting = asyncio.run(asyncio.wait_for(go(), timeout=60))
   resources.close()
