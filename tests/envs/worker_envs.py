@@ -1,0 +1,91 @@
+"""The environments the worker tests register (each plays a worker's call of a known
+shape: a slow step, a slow reset, a bug, a blocking tool, a long sandboxed command)."""
+import asyncio
+import time
+
+import pytest
+
+from envs import base, waits
+from envs.base import VerdictStatus
+from envs.isolation import available_isolations
+
+needs_isolation = pytest.mark.skipif(available_isolations() == ("rlimits",),
+                                     reason="python_tests needs sandbox isolation")
+
+
+@base.register("slow_test_env")
+class SlowEnv(base.Env):
+  """Sleeps in step for as long as the action says."""
+
+  async def reset(self, task):
+    return base.Observation([{"role": "user", "content": "go"}])
+
+  async def step(self, action):
+    await asyncio.sleep(float(action))
+    return base.StepResult(base.Observation([]), 0.0, True, False)
+
+  async def verify(self):
+    return base.Verdict(VerdictStatus.FAIL, 0.0, "slow@1", "slow@1")
+
+
+@base.register("slow_reset_test_env")
+class SlowResetEnv(SlowEnv):
+  """Its reset takes `params.reset_s` seconds."""
+
+  async def reset(self, task):
+    await asyncio.sleep(float(task.params["reset_s"]))
+    return base.Observation([{"role": "user", "content": "go"}])
+
+
+@base.register("nan_reward_test_env")
+class NanRewardEnv(SlowEnv):
+  """Its step's reward is a NaN (an environment's bug)."""
+
+  async def step(self, action):
+    return base.StepResult(base.Observation([]), float("nan"), True, False)
+
+
+@base.register("buggy_test_env")
+class BuggyEnv(SlowEnv):
+  """Its step raises (`params.raise`: an AttributeError, say) or counts a tool call; its
+  verdict's status is `params.status`."""
+
+  async def reset(self, task):
+    self.task = task
+    return await super().reset(task)
+
+  async def step(self, action):
+    if self.task.params.get("raise") == "host":
+      raise OSError(28, "No space left on device")
+    if self.task.params.get("raise"):
+      raise AttributeError("grader database down")
+    self.counters["tool_calls"] += 2
+    self.counters["tool_errors"] += 1
+    return base.StepResult(base.Observation([]), 0.0, False, False, self._info())
+
+  async def verify(self):
+    return base.Verdict(self.task.params["status"], 0.0, "buggy@1", "buggy@1")
+
+
+@base.register("blocking_tool_test_env")
+class BlockingToolEnv(SlowEnv):
+  """Its one tool is a plain function that blocks for as long as its argument says."""
+
+  async def step(self, action):
+    from envs.tools import Tool, ToolSet
+
+    tools = ToolSet([Tool("block", "blocks", {"type": "object"},
+                          lambda seconds: time.sleep(seconds) or "done")])
+    run = await tools.run_turn(self, '<tool_call>{"name": "block", "arguments": '
+                                     f'{{"seconds": {float(action)}}}}}</tool_call>')
+    return base.StepResult(base.Observation(run.messages), 0.0, False, False, self._info())
+
+
+@base.register("long_command_test_env")
+class LongCommandEnv(SlowEnv):
+  """Its step is a sandboxed command of the policy's that takes as long as the action."""
+
+  async def step(self, action):
+    with waits.commanding():
+      await asyncio.sleep(float(action))
+    return base.StepResult(base.Observation([]), 0.0, True, False)
