@@ -7,12 +7,12 @@ import time
 import httpx
 import pytest
 
-from envs import base, waits
+from envs import base
 from envs.base import EnvResources, TaskSpec, VerdictStatus
 from envs.server import RemoteEnv, SessionLost, create_app
 from jaxagent.errors import InfraError
 from rollout_server.serving import ServerThread
-import tests.envs.worker_envs  # noqa: F401  (registers the environments the tests name)
+from tests.envs.worker_envs import EVENTS
 
 
 @pytest.fixture(scope="module")
@@ -437,33 +437,6 @@ def test_an_unreachable_worker_is_infrastructure():
     asyncio.run(env.reset(TaskSpec("t", "guess_number", {"secret": 3})))
   assert e.value.kind == "env_worker" and "ConnectError" in str(e.value)
   assert issubclass(SessionLost, InfraError)
-
-
-EVENTS: list[str] = []
-
-
-@base.register("waiting_test_env")
-class WaitingEnv(base.Env):
-  """A step that waits on shared infrastructure (as a sandbox slot wait is marked) for
-  as long as its action says; it records being cancelled and being closed."""
-
-  async def reset(self, task):
-    return base.Observation([{"role": "user", "content": "go"}])
-
-  async def step(self, action):
-    try:
-      with waits.waiting():
-        await asyncio.sleep(float(action))
-    except asyncio.CancelledError:
-      EVENTS.append("cancelled")
-      raise
-    return base.StepResult(base.Observation([]), 0.0, True, False)
-
-  async def verify(self):
-    return base.Verdict(VerdictStatus.FAIL, 0.0, "w@1", "w@1")
-
-  async def close(self):
-    EVENTS.append("closed")
 
 
 def test_a_call_ends_within_two_deadlines_and_closing_cancels_it_first():

@@ -1,5 +1,6 @@
 """The environments the worker tests register (each plays a worker's call of a known
-shape: a slow step, a slow reset, a bug, a blocking tool, a long sandboxed command)."""
+shape: a slow step, a slow reset, a bug, a blocking tool, a long sandboxed command, a
+marked wait)."""
 import asyncio
 import time
 
@@ -89,3 +90,30 @@ class LongCommandEnv(SlowEnv):
     with waits.commanding():
       await asyncio.sleep(float(action))
     return base.StepResult(base.Observation([]), 0.0, True, False)
+
+
+EVENTS: list[str] = []
+
+
+@base.register("waiting_test_env")
+class WaitingEnv(base.Env):
+  """A step that waits on shared infrastructure (as a sandbox slot wait is marked) for
+  as long as its action says; it records being cancelled and being closed."""
+
+  async def reset(self, task):
+    return base.Observation([{"role": "user", "content": "go"}])
+
+  async def step(self, action):
+    try:
+      with waits.waiting():
+        await asyncio.sleep(float(action))
+    except asyncio.CancelledError:
+      EVENTS.append("cancelled")
+      raise
+    return base.StepResult(base.Observation([]), 0.0, True, False)
+
+  async def verify(self):
+    return base.Verdict(VerdictStatus.FAIL, 0.0, "w@1", "w@1")
+
+  async def close(self):
+    EVENTS.append("closed")
