@@ -29,7 +29,7 @@ SETTINGS = ["--config", "configs/tiny.yaml", f"steps={STEPS}", "checkpoint.keep=
 # save is under way.
 TRAIN = """
 import os, signal, sys
-from jaxagent import checkpoint, train
+from jaxagent import checkpoint, train, training_run
 
 def die():
   os.kill(os.getpid(), signal.SIGKILL)
@@ -67,13 +67,13 @@ elif os.environ.get("KILL_AT") == "exportfail":
   checkpoint.export_policy = export_or_fail
 elif os.environ.get("KILL_AT") == "batchfail":
   # Step 4's batch cannot be made (a bug): after its groups were taken for it.
-  pack_groups, calls = train.pack_groups, []
+  pack_groups, calls = training_run.pack_groups, []
   def pack_or_fail(*args, **kwargs):
     calls.append(1)
     if len(calls) == 4:
       raise RuntimeError("a bug in making step 4's batch")
     return pack_groups(*args, **kwargs)
-  train.pack_groups = pack_or_fail
+  training_run.pack_groups = pack_or_fail
 elif os.environ.get("KILL_AT") == "save":
   save, saves = checkpoint.RunCheckpointer.save, []
   def save_then_die(self, step, *args, **kwargs):

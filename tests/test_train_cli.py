@@ -566,8 +566,8 @@ def test_a_run_that_keeps_no_group_says_so(tmp_path):
                  "    v.reward = 0.0\n    return v\n")
   tasks = tmp_path / "never.jsonl"
   tasks.write_text('{"id": "never/cat", "env": "never", "params": {"word": "cat"}}\n')
-  code = ("import sys\nfrom jaxagent import train\ntrain.NO_STEP_NOTE_S = 2\n"
-          "sys.exit(train.main(sys.argv[1:]))\n")
+  code = ("import sys\nfrom jaxagent import train, training_run\n"
+          "training_run.NO_STEP_NOTE_S = 2\nsys.exit(train.main(sys.argv[1:]))\n")
   proc = subprocess.Popen(
       [sys.executable, "-c", code, "--config", "configs/tiny.yaml", "--run-dir",
        str(tmp_path / "run"), f"env.imports=[{env}]", f"data.tasks={tasks}",
