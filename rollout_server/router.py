@@ -44,8 +44,9 @@ from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard
 from jaxagent.tls import shared_tls
 from rollout_server import responses_api
-from rollout_server.routing import HashRing, api_error, forwarded_path, stream_cut_event
-from rollout_server.sessions import SessionStore, session_header, session_of
+from rollout_server.routing import (HashRing, api_error, forwarded_path, long_id, no_handover,
+                                    parsed, session_from, stream_cut_event)
+from rollout_server.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -58,221 +59,225 @@ _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "ke
 # backend's health read as the router's. Each with the method the router takes it by.
 _ROUTERS_OWN = {"handover": "POST", "update_weights": "POST", "health": "GET",
                 "router/health": "GET", "control": "GET"}
-MAX_SESSION_ID = 1024  # characters (quoted into a backend's URL: httpx takes 65,536)
 
 
 class _Unreadable(Exception):
   """A backend's record of a session could not be read (an error, not a record)."""
 
 
-def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
-                  timeout_s: float = 600.0, turn_timeout_s: float = 3600.0,
-                  max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
-                  session_max_bytes: Optional[int] = 1 << 30,
-                  max_body_bytes: int = ServerConfig.max_body_bytes,
-                  control_token: Optional[str] = None) -> FastAPI:
-  """The router app. It keeps a copy of every session's recorded turns (bounded as a
-  server's records are), so a session outlives the backend its turns ran on. A turn
-  (generate, chat, messages) is as long as its tokens: its backend is given
-  `turn_timeout_s` (a backend that passes it answers 504 and stays in rotation), and a
-  turn whose client went away is cancelled at its backend (which aborts it).
-  `control_token` guards its control routes (/update_weights, DELETE /sessions), and its
-  own control calls to the backends carry it (`jaxagent.control`)."""
-  control_token = control_token or None  # (a blank one is none)
-  ruling = control.headers(control_token)  # (on the router's own control calls only)
-  ring = HashRing([b.rstrip("/") for b in backends])
-  # Healthy: answers /health and serves the current policy (a backend that comes back
-  # loads it before it takes traffic again).
-  healthy = {b: True for b in ring.backends}
-  counts = {b: 0 for b in ring.backends}
-  failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0, "handovers": 0,
-               "handovers_failed": 0, "responses_made_whole": 0}
-  policy: dict = {"body": None, "version": None}  # the last update the backends took
-  updating = asyncio.Lock()
-  sessions = SessionStore(max_sessions, session_ttl_s, session_max_bytes)
-  # session id -> {backend: turns of its record already copied}; only sessions a backend
-  # had (a read of an unknown id must not push live ones out)
-  cursors: collections.OrderedDict[str, dict] = collections.OrderedDict()
-  # One copy of a session at a time (concurrent turns of one session each copied the
-  # same turns); a lock lives while someone holds or waits for it.
-  copy_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-  client_box: dict = {}
-  # Deletes a backend missed (not healthy then): done before it takes traffic again, or
-  # its record came back into a session played again under the id (red team 23).
-  undeleted: dict[str, collections.OrderedDict] = {
-      b: collections.OrderedDict() for b in ring.backends}
-  # session id -> backends whose record of it a copy could not read: a read of the
-  # session while one of them is out of rotation cannot be whole (a reviewer).
-  owed: collections.OrderedDict[str, set] = collections.OrderedDict()
 
-  # Responses relayed (`/v1/responses`): which backend keeps each, and its items, so that
-  # a call continuing one reaches it, or another with the chain's items when it is down.
-  # (as much as its backends keep together: one server's bound filled n times sooner)
-  relayed = responses_api.RelayedResponses((64 << 20) * len(ring.backends))
-  # session id -> the copies after its streams, running (a read of it waits for them)
-  copying: dict[str, set] = {}
-  # session id -> the backend that ran its last turn in this router's copy
-  last_from: collections.OrderedDict[str, str] = collections.OrderedDict()
-  # session id -> the id of the last response relayed in it (a call going on from
-  # another, earlier one is a retry or a branch)
-  latest: collections.OrderedDict[str, str] = collections.OrderedDict()
 
-  async def copies_done(session_id: str) -> None:
+class _Router:
+  """What a router holds and does apart from its routes: its backends' health (checked
+  every `health_interval_s`), the policy they must serve, whether they take its control
+  token, the deletes they missed, its copy of every session's turns, the responses it
+  relayed, and the forwarding of a call to the backend its session hashes to
+  (`proxy`)."""
+
+  def __init__(self, backends: Sequence[str], *, health_interval_s: float, timeout_s: float,
+               turn_timeout_s: float, max_sessions: int, session_ttl_s: Optional[float],
+               session_max_bytes: Optional[int], max_body_bytes: int,
+               control_token: Optional[str]):
+    self.health_interval_s, self.timeout_s = health_interval_s, timeout_s
+    self.turn_timeout_s, self.max_sessions = turn_timeout_s, max_sessions
+    self.max_body_bytes = max_body_bytes
+    self.control_token = control_token or None  # (a blank one is none)
+    self.ruling = control.headers(self.control_token)  # (on the router's own control calls only)
+    self.ring = HashRing([b.rstrip("/") for b in backends])
+    # Healthy: answers /health and serves the current policy (a backend that comes back
+    # loads it before it takes traffic again).
+    self.healthy = {b: True for b in self.ring.backends}
+    self.counts = {b: 0 for b in self.ring.backends}
+    self.failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0, "handovers": 0,
+                      "handovers_failed": 0, "responses_made_whole": 0}
+    self.policy: dict = {"body": None, "version": None}  # the last update the backends took
+    self.updating = asyncio.Lock()
+    self.sessions = SessionStore(self.max_sessions, session_ttl_s, session_max_bytes)
+    # session id -> {backend: turns of its record already copied}; only sessions a backend
+    # had (a read of an unknown id must not push live ones out)
+    self.cursors: collections.OrderedDict[str, dict] = collections.OrderedDict()
+    # One copy of a session at a time (concurrent turns of one session each copied the
+    # same turns); a lock lives while someone holds or waits for it.
+    self.copy_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    self.client_box: dict = {}
+    # Deletes a backend missed (not healthy then): done before it takes traffic again, or
+    # its record came back into a session played again under the id (red team 23).
+    self.undeleted: dict[str, collections.OrderedDict] = {
+        b: collections.OrderedDict() for b in self.ring.backends}
+    # session id -> backends whose record of it a copy could not read: a read of the
+    # session while one of them is out of rotation cannot be whole (a reviewer).
+    self.owed: collections.OrderedDict[str, set] = collections.OrderedDict()
+
+    # Responses relayed (`/v1/responses`): which backend keeps each, and its items, so that
+    # a call continuing one reaches it, or another with the chain's items when it is down.
+    # (as much as its backends keep together: one server's bound filled n times sooner)
+    self.relayed = responses_api.RelayedResponses((64 << 20) * len(self.ring.backends))
+    # session id -> the copies after its streams, running (a read of it waits for them)
+    self.copying: dict[str, set] = {}
+    # session id -> the backend that ran its last turn in this router's copy
+    self.last_from: collections.OrderedDict[str, str] = collections.OrderedDict()
+    # session id -> the id of the last response relayed in it (a call going on from
+    # another, earlier one is a retry or a branch)
+    self.latest: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    # session ids whose turns on a backend were lost before this router copied them (the
+    # backend restarted, or its record was made anew): their reads answer 502, not a
+    # record without them (red team 27)
+    self.lost: collections.OrderedDict[str, set] = collections.OrderedDict()
+    # One delete of a session on a backend at a time (the health round's and the one done
+    # before a turn is sent there; a lock lives while someone holds or waits for it).
+    self.delete_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    self.serves: dict = {}  # backend -> (version, policy_id) from its last /health
+    # backends whose control routes refuse this router's token -> why ("has none", "holds
+    # another"); and the instance whose token was checked, with what it answered
+    self.unruled: dict = {}
+    self.token_checked: dict = {}
+    self.instances: dict = {}  # backend -> the instance its last /health named
+    self.said: dict = {"mixed": None}
+
+    self.first_round = asyncio.Event()  # (set once every backend was checked)
+
+  async def copies_done(self, session_id: str) -> None:
     """Returns when the session's stream copies under way are done (waited on, not
     gathered: a caller cancelled would cancel them)."""
-    if copying.get(session_id):
-      await asyncio.wait(set(copying[session_id]))
+    if self.copying.get(session_id):
+      await asyncio.wait(set(self.copying[session_id]))
 
-  def copied(session_id: str, task: asyncio.Task) -> None:
-    running = copying.get(session_id, set())
+  def copied(self, session_id: str, task: asyncio.Task) -> None:
+    running = self.copying.get(session_id, set())
     running.discard(task)
     if not running:
-      copying.pop(session_id, None)
+      self.copying.pop(session_id, None)
 
-  def forget_later(table: collections.OrderedDict, key, value) -> None:
+  def forget_later(self, table: collections.OrderedDict, key, value) -> None:
     table[key] = value
     table.move_to_end(key)
-    while len(table) > max_sessions:
+    while len(table) > self.max_sessions:
       table.popitem(last=False)
 
-  # session ids whose turns on a backend were lost before this router copied them (the
-  # backend restarted, or its record was made anew): their reads answer 502, not a
-  # record without them (red team 27)
-  lost: collections.OrderedDict[str, set] = collections.OrderedDict()
-  # One delete of a session on a backend at a time (the health round's and the one done
-  # before a turn is sent there; a lock lives while someone holds or waits for it).
-  delete_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-  def must_delete(backend: str, session_id: str) -> None:
+  def must_delete(self, backend: str, session_id: str) -> None:
     """A delete `backend` missed: done before it takes traffic again, and before any
     turn of the session is sent to it."""
-    forget_later(undeleted[backend], session_id, None)
-    healthy[backend] = False
+    self.forget_later(self.undeleted[backend], session_id, None)
+    self.healthy[backend] = False
 
-  def lock_of(locks: weakref.WeakValueDictionary, key) -> asyncio.Lock:
+  def lock_of(self, locks: weakref.WeakValueDictionary, key) -> asyncio.Lock:
     """The lock of `key` in `locks`, made when no one holds or waits for one."""
     lock = locks.get(key)
     if lock is None:
       lock = locks[key] = asyncio.Lock()
     return lock
 
-  async def delete_owed(backend: str, session_id: str) -> Optional[int]:
+  async def delete_owed(self, backend: str, session_id: str) -> Optional[int]:
     """Does the delete of the session that `backend` missed, if one is owed: the status
     it answered (None when it could not be asked); 200 when none was owed."""
-    async with lock_of(delete_locks, (backend, session_id)):
-      if session_id not in undeleted[backend]:
+    async with self.lock_of(self.delete_locks, (backend, session_id)):
+      if session_id not in self.undeleted[backend]:
         return 200
       try:
-        r = await client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
-                                  timeout=10.0, headers=ruling)
+        r = await self.client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
+                                       timeout=10.0, headers=self.ruling)
       except httpx.HTTPError:
         return None
       if r.status_code in (200, 404) or (400 <= r.status_code < 500
                                          and r.status_code not in (401, 403, 408, 429)):
-        undeleted[backend].pop(session_id, None)  # (401, 403: owed until it is allowed)
+        self.undeleted[backend].pop(session_id, None)  # (401, 403: owed until it is allowed)
       return r.status_code
 
-  def client() -> httpx.AsyncClient:
-    if "c" not in client_box:
-      client_box["c"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0),
-                                          verify=shared_tls())
-    return client_box["c"]
+  def client(self) -> httpx.AsyncClient:
+    if "c" not in self.client_box:
+      self.client_box["c"] = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+                                               verify=shared_tls())
+    return self.client_box["c"]
 
-  async def push_policy(backend: str) -> bool:
+  async def push_policy(self, backend: str) -> bool:
     """Loads the current policy into `backend`; True if it now serves it."""
-    failovers["policy_pushes"] += 1
+    self.failovers["policy_pushes"] += 1
     try:
-      r = await client().post(f"{backend}/update_weights", content=policy["body"],
-                              headers={"content-type": "application/json", **ruling})
+      r = await self.client().post(f"{backend}/update_weights", content=self.policy["body"],
+                                   headers={"content-type": "application/json", **self.ruling})
       got = r.json() if r.status_code == 200 else None
-      return isinstance(got, dict) and got.get("version") == policy["version"]
+      return isinstance(got, dict) and got.get("version") == self.policy["version"]
     except Exception:  # (any reply it cannot read: not serving the policy)
       return False
 
-  serves: dict = {}  # backend -> (version, policy_id) from its last /health
-  # backends whose control routes refuse this router's token -> why ("has none", "holds
-  # another"); and the instance whose token was checked, with what it answered
-  unruled: dict = {}
-  token_checked: dict = {}
-
-  async def rule_check(backend: str, health: dict) -> None:
+  async def rule_check(self, backend: str, health: dict) -> None:
     """Whether this router can use `backend`'s control routes, by its /health and (once
     an instance, with a token) its `GET /control`: said once when that changes."""
     why = None
     if health.get("control_token"):
-      if control_token is None:
+      if self.control_token is None:
         why = "this router has none"
       else:
         instance = health.get("instance")
-        if token_checked.get(backend, (None,))[0] != instance or instance is None:
+        if self.token_checked.get(backend, (None,))[0] != instance or instance is None:
           with contextlib.suppress(httpx.HTTPError):
-            r = await client().get(f"{backend}/control", headers=ruling, timeout=5.0)
+            r = await self.client().get(f"{backend}/control", headers=self.ruling, timeout=5.0)
             # (only an answer about the token is kept: a 503 now is asked again, or a
             # server restarted busy was never checked; 404: one without the route)
             if r.status_code in (200, 401, 403, 404):
-              token_checked[backend] = (instance, r.status_code not in (401, 403))
-        if not token_checked.get(backend, (None, True))[1]:
+              self.token_checked[backend] = (instance, r.status_code not in (401, 403))
+        if not self.token_checked.get(backend, (None, True))[1]:
           why = "this router holds another"
-    if why is not None and unruled.get(backend) != why:
+    if why is not None and self.unruled.get(backend) != why:
       log.warning("router: %s refuses this router's control token (%s; %s): the policy "
                   "updates and deletes it passes on there are refused", backend, why,
                   control.ENV)
     if why is None:
-      unruled.pop(backend, None)
+      self.unruled.pop(backend, None)
     else:
-      unruled[backend] = why
-  instances: dict = {}  # backend -> the instance its last /health named
+      self.unruled[backend] = why
 
-  def restarted(backend: str, instance) -> None:
+  def restarted(self, backend: str, instance) -> None:
     """A backend answers as another instance (restarted at its address): the threads of
     the sessions whose last turn it ran are gone with the old one, so their next turn is
     handed over wherever it goes (there too: before, it went on there encoded from its
     text)."""
-    seen = instances.get(backend)
-    instances[backend] = instance
+    seen = self.instances.get(backend)
+    self.instances[backend] = instance
     if seen is not None and instance != seen:
-      for session_id, ran in last_from.items():
+      for session_id, ran in self.last_from.items():
         if ran == backend:
-          last_from[session_id] = ""  # (a backend that is none: every one is handed it)
-  said: dict = {"mixed": None}
+          self.last_from[session_id] = ""  # (a backend that is none: every one is handed it)
 
-  def say_mixed() -> None:
+  def say_mixed(self) -> None:
     """Before the first /update_weights the router has no policy of its own to hold the
     backends to: backends serving different weights are said once per mix (a session's
     turns may come from either)."""
-    mix = {b: v for b, v in serves.items() if healthy.get(b)}
-    if policy["version"] is not None or len(set(mix.values())) < 2:
+    mix = {b: v for b, v in self.serves.items() if self.healthy.get(b)}
+    if self.policy["version"] is not None or len(set(mix.values())) < 2:
       return
-    if said["mixed"] != mix:
-      said["mixed"] = dict(mix)
+    if self.said["mixed"] != mix:
+      self.said["mixed"] = dict(mix)
       log.warning("router: the backends serve different policies (%s); turns go to either "
                   "until a POST /update_weights gives them one",
                   ", ".join(f"{b}: version {v[0]}" + (f" of {v[1]}" if v[1] else "")
                             for b, v in sorted(mix.items())))
 
-  async def check(backend: str) -> None:
+  async def check(self, backend: str) -> None:
     got = None
     try:
-      r = await client().get(f"{backend}/health", timeout=5.0)
+      r = await self.client().get(f"{backend}/health", timeout=5.0)
       got = r.json() if r.status_code == 200 else None
       ok = isinstance(got, dict)
       if ok:
-        serves[backend] = (got.get("version"), got.get("policy_id"))
-        restarted(backend, got.get("instance"))
-        await rule_check(backend, got)
-      if ok and policy["version"] is not None and not updating.locked() and \
-          got.get("version") != policy["version"]:
-        ok = await push_policy(backend)  # restarted (or missed an update): catch up first
-      if ok and undeleted[backend]:
-        ok = await delete_missed(backend)
-      healthy[backend] = ok
+        self.serves[backend] = (got.get("version"), got.get("policy_id"))
+        self.restarted(backend, got.get("instance"))
+        await self.rule_check(backend, got)
+      if ok and self.policy["version"] is not None and not self.updating.locked() and \
+          got.get("version") != self.policy["version"]:
+        ok = await self.push_policy(backend)  # restarted (or missed an update): catch up first
+      if ok and self.undeleted[backend]:
+        ok = await self.delete_missed(backend)
+      self.healthy[backend] = ok
     except Exception:  # (any reply it cannot read is a backend not well: red team 14,
       # a JSON list killed the loop, and no backend was checked again)
-      healthy[backend] = False
+      self.healthy[backend] = False
     if not isinstance(got, dict):  # (down: whether it takes the token is not known now)
-      unruled.pop(backend, None)
+      self.unruled.pop(backend, None)
 
-  async def delete_missed(backend: str) -> bool:
+  async def delete_missed(self, backend: str) -> bool:
     """The deletes `backend` missed, done (16 at a time); True when none is left. One it
     refuses for good (a 4xx) is dropped and said; one it fails is tried at the next check
     (the backend stays out of rotation meanwhile)."""
@@ -280,14 +285,14 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
     async def delete(session_id: str) -> bool:
       async with gate:
-        status = await delete_owed(backend, session_id)
+        status = await self.delete_owed(backend, session_id)
       if status is None:
         return False
       if status in (200, 404):
         pass
       elif status in (401, 403):  # (its token is asked again at the next check, which
         # says it once; the delete stays owed: out of rotation until it takes it)
-        token_checked.pop(backend, None)
+        self.token_checked.pop(backend, None)
         return False
       elif 400 <= status < 500 and status not in (408, 429):
         log.warning("router: %s refused to delete session %r (%d): left there",
@@ -298,28 +303,26 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         return False
       return True
 
-    while undeleted[backend]:  # (deletes that came meanwhile too: none awaits after it)
-      if not all(await asyncio.gather(*(delete(sid) for sid in list(undeleted[backend])))):
+    while self.undeleted[backend]:  # (deletes that came meanwhile too: none awaits after it)
+      if not all(await asyncio.gather(*(delete(sid) for sid in list(self.undeleted[backend])))):
         return False
     return True
 
-  first_round = asyncio.Event()  # (set once every backend was checked)
-
-  async def health_loop() -> None:
+  async def health_loop(self) -> None:
     while True:
-      await asyncio.gather(*(check(b) for b in ring.backends), return_exceptions=True)
-      first_round.set()
-      say_mixed()
-      await asyncio.sleep(health_interval_s)
+      await asyncio.gather(*(self.check(b) for b in self.ring.backends), return_exceptions=True)
+      self.first_round.set()
+      self.say_mixed()
+      await asyncio.sleep(self.health_interval_s)
 
-  async def fetch_turns(session_id: str, backend: str, since: int) -> Optional[dict]:
+  async def fetch_turns(self, session_id: str, backend: str, since: int) -> Optional[dict]:
     """The backend's record of the session from turn `since` on; None when it has none
     (404). Raises `_Unreadable` when it cannot be read or is not a record (a dict with
     `turns`, records each, and an integer `count`: a backend's garbage turned a served
     turn into a 500, red team 14)."""
     try:
-      r = await client().get(f"{backend}/sessions/{quote(session_id, safe='')}",
-                             params={"since": since}, timeout=10.0)
+      r = await self.client().get(f"{backend}/sessions/{quote(session_id, safe='')}",
+                                  params={"since": since}, timeout=10.0)
       if r.status_code == 404:
         return None
       got = r.json() if r.status_code == 200 else None
@@ -336,54 +339,54 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           "" if got is None else " (not a record)"))
     return got
 
-  async def new_turns(session_id: str, backend: str
+  async def new_turns(self, session_id: str, backend: str
                       ) -> Optional[tuple[int, list, Optional[str]]]:
     """(where the copy of `backend`'s record goes on from, the turns it recorded for the
     session since, its record's id), or None when it holds none; `_Unreadable` when it
     cannot be read."""
-    n, seen = cursors.get(session_id, {}).get(backend, (0, None))
-    got = await fetch_turns(session_id, backend, n)
+    n, seen = self.cursors.get(session_id, {}).get(backend, (0, None))
+    got = await self.fetch_turns(session_id, backend, n)
     made = got.get("record_id") if got is not None else None
     began_again = got is not None and (got.get("count", n) < n or (
         seen is not None and made is not None and made != seen))
-    if backend in owed.get(session_id, ()) and (got is None or began_again):
+    if backend in self.owed.get(session_id, ()) and (got is None or began_again):
       # Turns it ran that no copy read are gone with its record (red team 27: a read
       # answered 200 without them, and the episode trained without them).
-      forget_later(lost, session_id, lost.get(session_id, set()) | {backend})
+      self.forget_later(self.lost, session_id, self.lost.get(session_id, set()) | {backend})
     if began_again:
       # The backend's record began again (it restarted at the same address, or the
       # session was deleted there and made anew): its turns since then are all new (by
       # the count alone, one turn after a restart that had copied one was taken for
       # copied and lost: red team 23).
-      n, got = 0, await fetch_turns(session_id, backend, 0)
+      n, got = 0, await self.fetch_turns(session_id, backend, 0)
     if got is None:
       return None
     return n, got["turns"], got.get("record_id")
 
-  async def copy_turns(session_id: str, *backends: str, strict: bool = False) -> None:
+  async def copy_turns(self, session_id: str, *backends: str, strict: bool = False) -> None:
     """Appends the turns `backends` recorded for the session since the last copy, in the
     order they were recorded (a session that failed over ran turns on several). When
     this router's copy was evicted (a bound, or its time to live), every live backend
     that ran its turns is copied whole again."""
-    async with lock_of(copy_locks, session_id):
-      if session_id not in sessions and session_id in cursors:  # the copy was evicted
+    async with self.lock_of(self.copy_locks, session_id):
+      if session_id not in self.sessions and session_id in self.cursors:  # the copy was evicted
         # Every backend that ran its turns is copied from the start again; one that
         # cannot be read now keeps its place (read whole when it can be).
-        ran = cursors[session_id] = dict.fromkeys(cursors[session_id], (0, None))
-        backends = (*(b for b in ran if b not in backends and healthy.get(b)), *backends)
+        ran = self.cursors[session_id] = dict.fromkeys(self.cursors[session_id], (0, None))
+        backends = (*(b for b in ran if b not in backends and self.healthy.get(b)), *backends)
       # (a backend whose record cannot be read now: the copy catches up at the next turn
       # or read; a read of the record, `strict`, fails instead: the router answered 200
       # without the turns it could not read, and the episode trained without them)
-      got = await asyncio.gather(*(new_turns(session_id, b) for b in backends),
+      got = await asyncio.gather(*(self.new_turns(session_id, b) for b in backends),
                                  return_exceptions=True)
       failed = [g for g in got if isinstance(g, BaseException)]
       if failed and (strict or not all(isinstance(g, _Unreadable) for g in failed)):
         raise failed[0]
       for b, g in zip(backends, got):  # (which backends' records this copy lacks)
         if isinstance(g, _Unreadable):
-          forget_later(owed, session_id, owed.get(session_id, set()) | {b})
-        elif session_id in owed:
-          owed[session_id].discard(b)
+          self.forget_later(self.owed, session_id, self.owed.get(session_id, set()) | {b})
+        elif session_id in self.owed:
+          self.owed[session_id].discard(b)
       read = [(b, g) for b, g in zip(backends, got)
               if g is not None and not isinstance(g, BaseException)]
       if not read:
@@ -394,21 +397,21 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                                key=lambda t: t.get("recorded_at", 0.0)))
       if turns:
         try:
-          sessions.extend(session_id, turns, number=True)
+          self.sessions.extend(session_id, turns, number=True)
         except Exception:  # (the served turn is the client's: its record is ours)
           log.exception("router: session %r's turns could not be copied", session_id)
           return
       if turns:
         newest = max(((ts[-1].get("recorded_at", 0.0), b) for b, (_, ts, _) in read if ts),
                      key=lambda x: x[0])
-        forget_later(last_from, session_id, newest[1])
+        self.forget_later(self.last_from, session_id, newest[1])
       for b, (n, ts, made) in read:  # (copied: only now past them)
-        cursors.setdefault(session_id, {})[b] = (n + len(ts), made)
-      cursors.move_to_end(session_id)
-      while len(cursors) > max_sessions:
-        cursors.popitem(last=False)
+        self.cursors.setdefault(session_id, {})[b] = (n + len(ts), made)
+      self.cursors.move_to_end(session_id)
+      while len(self.cursors) > self.max_sessions:
+        self.cursors.popitem(last=False)
 
-  async def hand_over(session_id: str, backend: str) -> bool:
+  async def hand_over(self, session_id: str, backend: str) -> bool:
     """Before a session's turn goes to a backend other than the one that ran its last
     turn (a failover, or the return of its own): hands it the session's threads (`POST
     /handover`: its last turn, side calls' before it), so that the call continues their
@@ -419,17 +422,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     backend cannot be reached (the turn goes to the next one); a backend that answers
     but does not take the threads is sent the turn all the same (its prompt encoded
     from the text there)."""
-    await copies_done(session_id)  # (a stream's copy says which backend ran the last turn)
-    if (last_from.get(session_id) in (None, backend) or owed.get(session_id)
-            or session_id in lost):
+    await self.copies_done(session_id)  # (a stream's copy says which backend ran the last turn)
+    if (self.last_from.get(session_id) in (None, backend) or self.owed.get(session_id)
+            or session_id in self.lost):
       return True
-    carried = sessions.handover(session_id)
+    carried = self.sessions.handover(session_id)
     if carried is None:
       return True
     try:
       # (the client's bound, as the turn's own requests: a busy server is not a dead one)
-      r = await client().post(f"{backend}/handover", headers=ruling,
-                              json={"session_id": session_id, "turns": carried})
+      r = await self.client().post(f"{backend}/handover", headers=self.ruling,
+                                   json={"session_id": session_id, "turns": carried})
       why = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
     except httpx.TransportError as e:
       if not isinstance(e, (httpx.ReadTimeout, httpx.PoolTimeout)):
@@ -437,222 +440,51 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       why = f"{type(e).__name__}: {e}"
     except httpx.HTTPError as e:
       why = f"{type(e).__name__}: {e}"
-    failovers["handovers_failed" if why else "handovers"] += 1
+    self.failovers["handovers_failed" if why else "handovers"] += 1
     if why is None:  # (it holds them now: a call sent there again is not handed them again)
-      forget_later(last_from, session_id, backend)
+      self.forget_later(self.last_from, session_id, backend)
     if why:
       log.warning("router: %s did not take session %r's threads (%s); the session's "
                   "turn there is encoded from its text", backend, session_id, why)
     return True
 
-  def down(backend: str, why: str) -> str:
+  def down(self, backend: str, why: str) -> str:
     """`backend` out of rotation (a turn goes to the next on the ring); what to say."""
-    healthy[backend] = False
-    failovers["n"] += 1
+    self.healthy[backend] = False
+    self.failovers["n"] += 1
     return f"{backend}: {why}"
 
-  @contextlib.asynccontextmanager
-  async def lifespan(_app):
-    task = asyncio.create_task(health_loop())
-    yield
-    task.cancel()
-    if "c" in client_box:
-      await client_box["c"].aclose()
-
-  app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
-  app.add_middleware(BodyLimit, limit=max_body_bytes)  # (before any is read whole)
-
-  def parsed(body: bytes) -> dict:
-    """The request's JSON object; {} when it is none (its backend says what is wrong)."""
-    try:
-      data = json.loads(body) if body else {}
-    except (ValueError, RecursionError):
-      data = {}
-    return data if isinstance(data, dict) else {}
-
-  def id_too_long(name: str, value: str) -> Optional[str]:
-    """What to say of an id longer than MAX_SESSION_ID (quoted into a backend's URL past
-    httpx's limit, it was a 500; red team 115), else None."""
-    if len(value) <= MAX_SESSION_ID:
-      return None
-    return f"{name}: {len(value)} characters; at most {MAX_SESSION_ID}"
-
-  def long_id(name: str, value: str) -> Optional[JSONResponse]:
-    """A 400 for an id longer than MAX_SESSION_ID (`id_too_long`), else None."""
-    said = id_too_long(name, value)
-    return None if said is None else JSONResponse({"detail": said}, status_code=400)
-
-  def session_from(request: Request, data: dict) -> Optional[str]:
-    """The request's session (`sessions.session_of`: its header, or its body's).
-    ValueError for two headers (the router read the first, the backend the last: a
-    turn recorded in another client's session, unseen by the router; red team 115) or
-    an id longer than MAX_SESSION_ID (its URL past httpx's limit: a 500 for a turn
-    the backend had served)."""
-    session_id = session_of(session_header(request.headers), data.get("session_id"))
-    if session_id is not None and (said := id_too_long("session_id", session_id)):
-      raise ValueError(said)
-    return session_id
-
-  @app.get("/router/health")
-  async def router_health():
-    return {"backends": [{"url": b, "healthy": healthy[b], "requests": counts[b]}
-                         for b in ring.backends], "failovers": failovers["n"],
-            "streams_cut": failovers["streams_cut"],
-            "policy_pushes": failovers["policy_pushes"], "handovers": failovers["handovers"],
-            "handovers_failed": failovers["handovers_failed"],
-            "responses_kept": len(relayed), "responses_kept_bytes": relayed.bytes,
-            "responses_made_whole": failovers["responses_made_whole"],
-            "policy_version": policy["version"],
-            "sessions": len(sessions), "session_bytes": sessions.bytes}
-
-  @app.get("/health")
-  async def health():
-    # (after the first round of checks: before it, every backend read healthy and none
-    # refusing the token, and a learner's start check passed a router it would fail at)
-    with contextlib.suppress(asyncio.TimeoutError):
-      await asyncio.wait_for(first_round.wait(), FIRST_ROUND_WAIT_S)
-    ok = any(healthy.values())
-    return JSONResponse({"status": "ok" if ok else "no healthy backend",
-                         "healthy": sum(healthy.values()), "backends": len(ring.backends),
-                         "control_token": control_token is not None,
-                         # (a learner's start check: the router cannot rule these)
-                         "backends_need_token": sorted(unruled)},
-                        status_code=200 if ok else 503)
-
-  guarded = control_guard(control_token)
-
-  @app.get("/control", dependencies=guarded)
-  async def control_check():
-    """A control call that changes nothing: whether the caller's token is this router's
-    (200, else 401), and the backends that refuse the router's own."""
-    return {"control": "ok", "control_token": control_token is not None,
-            "backends_need_token": sorted(unruled)}
-
-  @app.post("/update_weights", dependencies=guarded)
-  async def update_all(request: Request):
-    """Sends the update to every healthy backend. 200 when all of them took it (one that
-    died meanwhile is left out of rotation and catches up when it returns); a backend
-    that is down now loads this policy before it serves again."""
-    body = await request.body()
-    async with updating:
-      targets = [b for b in ring.backends if healthy[b]]
-      if not targets:
-        return JSONResponse({"detail": "no healthy backend to update"}, status_code=503)
-      results = await asyncio.gather(*(
-          client().post(f"{b}/update_weights", content=body,
-                        headers={"content-type": "application/json", **ruling})
-          for b in targets), return_exceptions=True)
-      out, took, refused = [], {}, []
-      for b in ring.backends:
-        if b not in targets:
-          out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
-          continue
-        r = results[targets.index(b)]
-        if isinstance(r, Exception):
-          healthy[b] = False
-          out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
-          continue
-        try:
-          answer = r.json()
-        except ValueError:
-          answer = {"detail": r.text[:500]}
-        out.append({"backend": b, "status": r.status_code, "body": answer})
-        if r.status_code == 200:
-          took[b] = answer.get("version")
-        else:
-          refused.append(b)
-      try:
-        sent = json.loads(body)
-      except (ValueError, RecursionError):
-        sent = None
-      # Only the policy's update is what a rejoining backend must catch up on (an update
-      # of another served model, named in "model", is passed on, not pinned).
-      if took and not (isinstance(sent, dict) and sent.get("model")):
-        version = next(iter(took.values()))
-        pinned = dict(sent, version=version) if isinstance(sent, dict) else None
-        policy.update(body=json.dumps(pinned) if pinned else body, version=version)
-        for b in refused:  # live but stale: out of rotation until it catches up
-          healthy[b] = False
-      ok = bool(took) and not refused
-      answer: dict = {}
-      ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
-      if ruled_out:  # (their own 401 says the call had no token, or another: the router's;
-        # first, so that a client's cut of the body keeps it)
-        answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
-                            + ("it has none" if control_token is None else "it holds "
-                               "another") + f"): give the router (a learner's own: the "
-                            f"learner) the servers' {control.ENV}")
-      answer.update(results=out, version=policy["version"], ok=ok)
-      return JSONResponse(answer, status_code=200 if ok else 502)
-
-  @app.get("/sessions/{session_id:path}")
-  async def get_session(session_id: str, since: int = Query(0, ge=0)):
-    """The router's copy of the session, brought up to date from its live backends (all
-    of them when this router has not seen it: it restarted, or its turns failed over)."""
-    if (too_long := long_id("session_id", session_id)) is not None:
-      return too_long
-    await copies_done(session_id)  # (a stream's copy under way: its turn first)
-    held = session_id in sessions  # (a copy evicted here: ask every backend again)
-    holders = (list(cursors.get(session_id, {})) if held else []) or list(ring.backends)
-    holders += [b for b in owed.get(session_id, ()) if b not in holders]  # (never copied)
-    try:
-      await copy_turns(session_id, *(b for b in holders if healthy[b]), strict=True)
-      away = sorted(b for b in owed.get(session_id, ()) if not healthy[b])
-      if away:  # (a copy could not read it, and it is out of rotation now)
-        raise _Unreadable(f"{', '.join(away)}: out of rotation, with turns not copied")
-      if lost.get(session_id):
-        raise _Unreadable(f"{', '.join(sorted(lost[session_id]))}: its record was lost "
-                          "(a restart) before its turns were copied: they are gone")
-    except _Unreadable as e:
-      return JSONResponse({"detail": f"session {session_id!r}: a backend's record of it "
-                                     f"could not be read ({e})"}, status_code=502)
-    got = sessions.read(session_id, since)
-    if got is None:
-      return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
-    return {"session_id": session_id, "turns": got[0], "count": got[1], "record_id": got[2]}
-
-  @app.delete("/sessions/{session_id:path}", dependencies=guarded)
-  async def delete_session(session_id: str):
-    """Deletes the session here and on every live backend: one that ran its turns may
-    hold them though this router does not know it (a restarted router, a copy evicted),
-    and the next turn's copy would bring them back."""
-    if (too_long := long_id("session_id", session_id)) is not None:
-      return too_long
-    # (a stream's copy landing after the delete brought the deleted turns back, and the
-    # next episode's were appended to them: a reviewer)
-    await copies_done(session_id)
-    async with lock_of(copy_locks, session_id):  # (no copy of the session meanwhile)
-      return await delete_everywhere(session_id)
-
-  async def delete_everywhere(session_id: str):
-    cursors.pop(session_id, None)
-    last_from.pop(session_id, None)
-    latest.pop(session_id, None)
-    had = sessions.pop(session_id) is not None
+  async def delete_everywhere(self, session_id: str):
+    """Deletes the session in this router's copy and on every healthy backend (one out
+    of rotation is owed it: `must_delete`); the route's answer."""
+    self.cursors.pop(session_id, None)
+    self.last_from.pop(session_id, None)
+    self.latest.pop(session_id, None)
+    had = self.sessions.pop(session_id) is not None
 
     refused: dict = {}  # backend -> its 401/403 (this router lacks the run's token)
 
     async def delete_on(b: str) -> Optional[bool]:
       """Whether `b` held the session; None when it could not say (deleted later)."""
       with contextlib.suppress(httpx.HTTPError):
-        r = await client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0,
-                                  headers=ruling)
+        r = await self.client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0,
+                                       headers=self.ruling)
         if r.status_code in (401, 403):
           refused[b] = r.status_code
           return False
         return True if r.status_code == 200 else False if r.status_code == 404 else None
       return None
 
-    owed.pop(session_id, None)
-    lost.pop(session_id, None)
-    for b in ring.backends:
-      if not healthy[b]:  # (deleted there before it takes traffic again)
-        must_delete(b, session_id)
-    asked = [b for b in ring.backends if healthy[b]]
+    self.owed.pop(session_id, None)
+    self.lost.pop(session_id, None)
+    for b in self.ring.backends:
+      if not self.healthy[b]:  # (deleted there before it takes traffic again)
+        self.must_delete(b, session_id)
+    asked = [b for b in self.ring.backends if self.healthy[b]]
     found = await asyncio.gather(*(delete_on(b) for b in asked))
     for b, done in zip(asked, found):
       if done is None:  # (failed: a healthy backend kept the record; a reviewer)
-        must_delete(b, session_id)
+        self.must_delete(b, session_id)
     # (one out of rotation takes the delete it is owed before it serves again; one that
     # refuses the token stays out meanwhile)
     if refused:  # (said, not done: a record left there would be read as deleted)
@@ -665,67 +497,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "deleted": True}
 
-  @app.get("/requests")
-  async def in_flight(session_id: str = Query(...)):
-    """The session's turns in flight, summed over the live backends."""
-    if (too_long := long_id("session_id", session_id)) is not None:
-      return too_long
-    keys = ("requests", "queued", "prefilled", "output_tokens", "decode_s")
-
-    async def ask(b: str) -> dict:
-      with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
-        r = await client().get(f"{b}/requests", params={"session_id": session_id},
-                               timeout=10.0)
-        if r.status_code == 200:
-          got = r.json()
-          return {**{k: float(got.get(k) or 0) for k in keys},
-                  "by_request": dict(got.get("by_request") or {})}
-      return {}
-
-    found = await asyncio.gather(*(ask(b) for b in ring.backends if healthy[b]))
-    total = {k: sum(f.get(k, 0) for f in found) for k in keys}
-    return {"session_id": session_id,
-            **{k: (v if k == "decode_s" else int(v)) for k, v in total.items()},
-            "by_request": {k: v for f in found for k, v in f.get("by_request", {}).items()}}
-
-  @app.get("/requests/{request_id:path}")
-  async def progress(request_id: str):
-    """Where a request in flight stands, from the live backend that runs it (a turn may
-    have failed over from its session's owner)."""
-    if (too_long := long_id("request_id", request_id)) is not None:
-      return too_long
-    async def ask(b: str):
-      with contextlib.suppress(httpx.HTTPError, ValueError):
-        r = await client().get(f"{b}/requests/{quote(request_id, safe='')}", timeout=10.0)
-        if r.status_code == 200:
-          return r.json()
-      return None
-
-    found = [x for x in await asyncio.gather(*(ask(b) for b in ring.backends if healthy[b]))
-             if x is not None]
-    if not found:
-      return JSONResponse({"detail": f"no request {request_id!r} in flight"}, status_code=404)
-    return found[0]
-
-  @app.post("/handover")
-  async def no_handover():
-    # (the router hands sessions over itself: forwarded, any client could set the token
-    # ids another session's next turn continues; a reviewer)
-    return JSONResponse({"detail": "the router hands sessions over itself; POST "
-                                   "/handover to a server, not through the router"},
-                        status_code=403)
-
   # (no DELETE: a server's one is a session's, the router's own route; `//sessions/x`
   # passed on reached a backend's without the router's guard: red team 30)
-  @app.api_route("/{path:path}", methods=["GET", "POST"])
-  async def proxy(path: str, request: Request):
+  async def proxy(self, path: str, request: Request):
+    """A call the router does not answer itself, forwarded to the backend its session
+    hashes to (the next healthy one on the ring when that one fails), its turns copied
+    and its session handed over where it moved."""
     # (forwarded as sent, a trailing slash's redirect from the backend to its own
     # address went back to the client, who then called it past the router: red team 41)
     raw = request.scope.get("raw_path") or quote(request.scope["path"]).encode()
     sent = raw.decode("utf-8", "replace")
     forwarded, path = forwarded_path(sent)
     if path == "handover":
-      return await no_handover()
+      return no_handover()
     if path == "abort":  # (forwarded, any client aborted another's turn by its id, which
       # `GET /requests?session_id=` names: the turn lost, read as the server's; red team 115)
       return api_error(path, 403, "the router does not pass /abort on: a client ends its own "
@@ -748,7 +532,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       session_id = session_from(request, data)
     except ValueError as e:
       return api_error(path, 400, str(e))
-    order = ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
+    order = self.ring.candidates(session_id or uuid.uuid4().hex)  # no session: any backend
     # A Responses call continuing a response this router relayed goes to the backend
     # that keeps it (before, a call without a session header went to any backend, most
     # often one that did not keep it: a 404); with a session header, to the session's.
@@ -759,22 +543,22 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return api_error(path, 400, f"{responses_api.MADE_WHOLE}: set by a router only (send "
                                 "previous_response_id, or the whole input)")
     continued = data.get("previous_response_id") if responses else None
-    home, whole_here = (relayed.home(continued) if isinstance(continued, str)
+    home, whole_here = (self.relayed.home(continued) if isinstance(continued, str)
                         else (None, False))
     # A session's call going on from a response before its last one (an SDK's retry
     # from its last good response, a branch) goes to the server that keeps that
     # response while it serves: there the turn it was recorded as is continued (the
     # session handed over), where the session's own server, handed the last turn and
     # the one it went on from only, encoded it from its text (a reviewer).
-    earlier = latest.get(session_id) not in (None, continued)
+    earlier = self.latest.get(session_id) not in (None, continued)
     if home is not None and (session_id is None or not whole_here
-                             or (earlier and healthy[home])):
+                             or (earlier and self.healthy[home])):
       # (a chain that cannot be made whole here goes to the server that keeps it, the
       # session's or not: elsewhere it could only be a 404; a reviewer)
       order = [home] + [b for b in order if b != home]
     unrecorded = data.get("record") is False  # (a /generate that asks not to be)
     del data  # (its parse of a body of up to max_body_bytes: not for the call's length)
-    order = [b for b in order if healthy[b]] + [b for b in order if not healthy[b]]
+    order = [b for b in order if self.healthy[b]] + [b for b in order if not self.healthy[b]]
     made_whole = home_lost = False
     whole: Optional[bytes] = None  # (the call made whole, once made)
     # (a client's control token is not passed on: the router's own calls carry the run's)
@@ -785,47 +569,47 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     last_error: Optional[str] = None
     while order:
       backend = order.pop(0)
-      if session_id is not None and session_id in undeleted[backend]:
+      if session_id is not None and session_id in self.undeleted[backend]:
         # A delete it missed, done first: done after, at its return to rotation, it
         # wiped the turns a new episode under the id had recorded there meanwhile (red
         # team 27: turns missing from a record read as whole, prompts re-encoded).
-        status = await delete_owed(backend, session_id)
+        status = await self.delete_owed(backend, session_id)
         if status is None or status >= 500 or status in (408, 429):
           last_error = f"{backend}: a delete of the session it owes failed ({status})"
           continue
       content = body
       if home is not None and (home_lost or home != backend):
         if whole is None:
-          made = relayed.whole(parsed(body))
+          made = self.relayed.whole(parsed(body))
           whole = b"" if made is None else json.dumps(made).encode()
           del made
-          if len(whole) > max_body_bytes and not home_lost and healthy[home]:
+          if len(whole) > self.max_body_bytes and not home_lost and self.healthy[home]:
             # (too long to send made whole: the call as sent, to the server that keeps
             # its chain, rather than a 413 while it serves; a reviewer)
             order = [home, backend] + [b for b in order if b != home]
             whole = None
             continue
-          if len(whole) > max_body_bytes:
+          if len(whole) > self.max_body_bytes:
             return api_error(path, 413, "previous_response_id: the chain, made whole for a "
                            f"server that does not keep it, is {len(whole)} bytes, over "
-                           f"{max_body_bytes}: send the whole input")
+                           f"{self.max_body_bytes}: send the whole input")
         if whole:  # (else its backend says the response is not kept there)
           content = whole
-          failovers["responses_made_whole"] += not made_whole  # (calls, not sends)
+          self.failovers["responses_made_whole"] += not made_whole  # (calls, not sends)
           made_whole = True
-      ran = last_from.get(session_id) if records else None
-      if records and path != "generate" and not await hand_over(session_id, backend):
-        last_error = down(backend, "unreachable (handing over the session's threads)")
+      ran = self.last_from.get(session_id) if records else None
+      if records and path != "generate" and not await self.hand_over(session_id, backend):
+        last_error = self.down(backend, "unreachable (handing over the session's threads)")
         continue
-      handed = ran != backend and records and last_from.get(session_id) == backend
+      handed = ran != backend and records and self.last_from.get(session_id) == backend
       # A turn is as long as its tokens (its client asks how it stands, `GET
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
-      timeout = (httpx.Timeout(turn_timeout_s, connect=5.0, pool=30.0) if turn
+      timeout = (httpx.Timeout(self.turn_timeout_s, connect=5.0, pool=30.0) if turn
                  else httpx.USE_CLIENT_DEFAULT)
-      req = client().build_request(request.method, f"{backend}/{forwarded}", content=content,
-                                   headers=headers, params=request.query_params,
-                                   timeout=timeout)
-      sending = asyncio.ensure_future(client().send(req, stream=True))
+      req = self.client().build_request(request.method, f"{backend}/{forwarded}", content=content,
+                                        headers=headers, params=request.query_params,
+                                        timeout=timeout)
+      sending = asyncio.ensure_future(self.client().send(req, stream=True))
       gone = asyncio.ensure_future(client_gone(request))
       try:
         # (a client that gave up must not hold a connection to its backend: a stuck
@@ -843,13 +627,13 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
           # dead backend.
           slow = isinstance(e, httpx.ReadTimeout)
           return api_error(path, 504 if slow else 503,
-                         f"{backend}: the turn took longer than {turn_timeout_s:.0f} s"
+                         f"{backend}: the turn took longer than {self.turn_timeout_s:.0f} s"
                          if slow else f"the router's connections are all busy ({e})")
-        last_error = down(backend, f"{type(e).__name__}: {e}")
+        last_error = self.down(backend, f"{type(e).__name__}: {e}")
         continue
       finally:
         gone.cancel()
-      counts[backend] += 1
+      self.counts[backend] += 1
       if resp.status_code == 404 and backend == home and not home_lost:
         # Its kept responses are gone (it restarted at its address; its own bound): so
         # may be the session's threads (before its next /health names its new instance,
@@ -858,7 +642,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         # bound alone, the server up all along, costs a handover more: harmless.)
         home_lost = True
         if records and not handed:
-          forget_later(last_from, session_id, "")  # (handed over wherever it goes next)
+          self.forget_later(self.last_from, session_id, "")  # (handed over wherever it goes next)
         if whole_here:
           await resp.aclose()
           order.insert(0, backend)
@@ -869,25 +653,25 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       # taken from its body only now: a served call's input fitted the model's context,
       # where a refused one's was compacted on this loop first, 5 s for 32 MB of items
       # while every other client waited; red team 115)
-      step = (relayed.step(parsed(body)) if responses and resp.status_code == 200
+      step = (self.relayed.step(parsed(body)) if responses and resp.status_code == 200
               else None)
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
-            relay(resp, backend, session_id if records else None, path, step),
+            self.relay(resp, backend, session_id if records else None, path, step),
             status_code=resp.status_code, headers=out_headers)
       content = await resp.aread()
       await resp.aclose()
       if records and resp.status_code == 200:
-        await copy_turns(session_id, backend)
+        await self.copy_turns(session_id, backend)
       if step is not None:
         made = parsed(content)
-        relayed.learn(backend, step, made)
+        self.relayed.learn(backend, step, made)
         if records and isinstance(made.get("id"), str):
-          forget_later(latest, session_id, made["id"])
+          self.forget_later(self.latest, session_id, made["id"])
       return Response(content, status_code=resp.status_code, headers=out_headers)
     return api_error(path, 502, f"no backend could take the request; last error: {last_error}")
 
-  async def relay(resp: httpx.Response, backend: str, session_id: Optional[str], path: str,
+  async def relay(self, resp: httpx.Response, backend: str, session_id: Optional[str], path: str,
                   step: Optional[tuple] = None):
     """Relays a stream; if the backend dies mid-stream, ends it with an error event (in
     the shape of the API's own stream errors: OpenAI's or Anthropic's) instead of a
@@ -900,17 +684,17 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         if end is not None:
           end.feed(chunk)
           if end.response is not None:  # (learnt before the chunk is sent: a client that
-            relayed.learn(backend, step, end.response)  # hangs up at it ends this loop)
+            self.relayed.learn(backend, step, end.response)  # hangs up at it ends this loop)
             if session_id is not None and isinstance(end.response, dict) and isinstance(
                 end.response.get("id"), str):
-              forget_later(latest, session_id, end.response["id"])
+              self.forget_later(self.latest, session_id, end.response["id"])
             end = None
         yield chunk
     except httpx.TransportError as e:
       cut = True  # (no copy: the turn was not recorded whole, and a copy of a dead
       # backend would hold the session's reads at 502 for a turn it never had: a reviewer)
-      healthy[backend] = False
-      failovers["streams_cut"] += 1
+      self.healthy[backend] = False
+      self.failovers["streams_cut"] += 1
       yield stream_cut_event(path, f"the rollout server {backend} went away mid-stream "
                              f"({type(e).__name__}); the answer is incomplete: retry the request")
       return
@@ -920,9 +704,225 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
         # has gone, which closes this generator at its last chunk; awaited, the copy was cut
         # with it, and a backend that died next took the turn with it: red team 27, a
         # one-turn session read as none)
-        task = asyncio.ensure_future(copy_turns(session_id, backend))
-        copying.setdefault(session_id, set()).add(task)
-        task.add_done_callback(lambda t: copied(session_id, t))
+        task = asyncio.ensure_future(self.copy_turns(session_id, backend))
+        self.copying.setdefault(session_id, set()).add(task)
+        task.add_done_callback(lambda t: self.copied(session_id, t))
+
+
+def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
+                  timeout_s: float = 600.0, turn_timeout_s: float = 3600.0,
+                  max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
+                  session_max_bytes: Optional[int] = 1 << 30,
+                  max_body_bytes: int = ServerConfig.max_body_bytes,
+                  control_token: Optional[str] = None) -> FastAPI:
+  """The router app. It keeps a copy of every session's recorded turns (bounded as a
+  server's records are), so a session outlives the backend its turns ran on. A turn
+  (generate, chat, messages) is as long as its tokens: its backend is given
+  `turn_timeout_s` (a backend that passes it answers 504 and stays in rotation), and a
+  turn whose client went away is cancelled at its backend (which aborts it).
+  `control_token` guards its control routes (/update_weights, DELETE /sessions), and its
+  own control calls to the backends carry it (`jaxagent.control`)."""
+  router = _Router(backends, health_interval_s=health_interval_s, timeout_s=timeout_s,
+                   turn_timeout_s=turn_timeout_s, max_sessions=max_sessions,
+                   session_ttl_s=session_ttl_s, session_max_bytes=session_max_bytes,
+                   max_body_bytes=max_body_bytes, control_token=control_token)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(_app):
+    task = asyncio.create_task(router.health_loop())
+    yield
+    task.cancel()
+    if "c" in router.client_box:
+      await router.client_box["c"].aclose()
+
+  app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
+  app.add_middleware(BodyLimit, limit=router.max_body_bytes)  # (before any is read whole)
+
+  @app.get("/router/health")
+  async def router_health():
+    return {"backends": [{"url": b, "healthy": router.healthy[b], "requests": router.counts[b]}
+                         for b in router.ring.backends], "failovers": router.failovers["n"],
+            "streams_cut": router.failovers["streams_cut"],
+            "policy_pushes": router.failovers["policy_pushes"],
+            "handovers": router.failovers["handovers"],
+            "handovers_failed": router.failovers["handovers_failed"],
+            "responses_kept": len(router.relayed), "responses_kept_bytes": router.relayed.bytes,
+            "responses_made_whole": router.failovers["responses_made_whole"],
+            "policy_version": router.policy["version"],
+            "sessions": len(router.sessions), "session_bytes": router.sessions.bytes}
+
+  @app.get("/health")
+  async def health():
+    # (after the first round of checks: before it, every backend read healthy and none
+    # refusing the token, and a learner's start check passed a router it would fail at)
+    with contextlib.suppress(asyncio.TimeoutError):
+      await asyncio.wait_for(router.first_round.wait(), FIRST_ROUND_WAIT_S)
+    ok = any(router.healthy.values())
+    return JSONResponse({"status": "ok" if ok else "no healthy backend",
+                         "healthy": sum(router.healthy.values()),
+                         "backends": len(router.ring.backends),
+                         "control_token": router.control_token is not None,
+                         # (a learner's start check: the router cannot rule these)
+                         "backends_need_token": sorted(router.unruled)},
+                        status_code=200 if ok else 503)
+
+  guarded = control_guard(router.control_token)
+
+  @app.get("/control", dependencies=guarded)
+  async def control_check():
+    """A control call that changes nothing: whether the caller's token is this router's
+    (200, else 401), and the backends that refuse the router's own."""
+    return {"control": "ok", "control_token": router.control_token is not None,
+            "backends_need_token": sorted(router.unruled)}
+
+  @app.post("/update_weights", dependencies=guarded)
+  async def update_all(request: Request):
+    """Sends the update to every healthy backend. 200 when all of them took it (one that
+    died meanwhile is left out of rotation and catches up when it returns); a backend
+    that is down now loads this policy before it serves again."""
+    body = await request.body()
+    async with router.updating:
+      targets = [b for b in router.ring.backends if router.healthy[b]]
+      if not targets:
+        return JSONResponse({"detail": "no healthy backend to update"}, status_code=503)
+      results = await asyncio.gather(*(
+          router.client().post(f"{b}/update_weights", content=body,
+                               headers={"content-type": "application/json", **router.ruling})
+          for b in targets), return_exceptions=True)
+      out, took, refused = [], {}, []
+      for b in router.ring.backends:
+        if b not in targets:
+          out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
+          continue
+        r = results[targets.index(b)]
+        if isinstance(r, Exception):
+          router.healthy[b] = False
+          out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
+          continue
+        try:
+          answer = r.json()
+        except ValueError:
+          answer = {"detail": r.text[:500]}
+        out.append({"backend": b, "status": r.status_code, "body": answer})
+        if r.status_code == 200:
+          took[b] = answer.get("version")
+        else:
+          refused.append(b)
+      try:
+        sent = json.loads(body)
+      except (ValueError, RecursionError):
+        sent = None
+      # Only the policy's update is what a rejoining backend must catch up on (an update
+      # of another served model, named in "model", is passed on, not pinned).
+      if took and not (isinstance(sent, dict) and sent.get("model")):
+        version = next(iter(took.values()))
+        pinned = dict(sent, version=version) if isinstance(sent, dict) else None
+        router.policy.update(body=json.dumps(pinned) if pinned else body, version=version)
+        for b in refused:  # live but stale: out of rotation until it catches up
+          router.healthy[b] = False
+      ok = bool(took) and not refused
+      answer: dict = {}
+      ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
+      if ruled_out:  # (their own 401 says the call had no token, or another: the router's;
+        # first, so that a client's cut of the body keeps it)
+        answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
+                            + ("it has none" if router.control_token is None else "it holds "
+                               "another") + f"): give the router (a learner's own: the "
+                            f"learner) the servers' {control.ENV}")
+      answer.update(results=out, version=router.policy["version"], ok=ok)
+      return JSONResponse(answer, status_code=200 if ok else 502)
+
+  @app.get("/sessions/{session_id:path}")
+  async def get_session(session_id: str, since: int = Query(0, ge=0)):
+    """The router's copy of the session, brought up to date from its live backends (all
+    of them when this router has not seen it: it restarted, or its turns failed over)."""
+    if (too_long := long_id("session_id", session_id)) is not None:
+      return too_long
+    await router.copies_done(session_id)  # (a stream's copy under way: its turn first)
+    held = session_id in router.sessions  # (a copy evicted here: ask every backend again)
+    holders = ((list(router.cursors.get(session_id, {})) if held else [])
+               or list(router.ring.backends))
+    holders += [b for b in router.owed.get(session_id, ()) if b not in holders]  # (never copied)
+    try:
+      await router.copy_turns(session_id, *(b for b in holders if router.healthy[b]), strict=True)
+      away = sorted(b for b in router.owed.get(session_id, ()) if not router.healthy[b])
+      if away:  # (a copy could not read it, and it is out of rotation now)
+        raise _Unreadable(f"{', '.join(away)}: out of rotation, with turns not copied")
+      if router.lost.get(session_id):
+        raise _Unreadable(f"{', '.join(sorted(router.lost[session_id]))}: its record was lost "
+                          "(a restart) before its turns were copied: they are gone")
+    except _Unreadable as e:
+      return JSONResponse({"detail": f"session {session_id!r}: a backend's record of it "
+                                     f"could not be read ({e})"}, status_code=502)
+    got = router.sessions.read(session_id, since)
+    if got is None:
+      return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
+    return {"session_id": session_id, "turns": got[0], "count": got[1], "record_id": got[2]}
+
+  @app.delete("/sessions/{session_id:path}", dependencies=guarded)
+  async def delete_session(session_id: str):
+    """Deletes the session here and on every live backend: one that ran its turns may
+    hold them though this router does not know it (a restarted router, a copy evicted),
+    and the next turn's copy would bring them back."""
+    if (too_long := long_id("session_id", session_id)) is not None:
+      return too_long
+    # (a stream's copy landing after the delete brought the deleted turns back, and the
+    # next episode's were appended to them: a reviewer)
+    await router.copies_done(session_id)
+    async with router.lock_of(router.copy_locks, session_id):  # (no copy of the session meanwhile)
+      return await router.delete_everywhere(session_id)
+
+  @app.get("/requests")
+  async def in_flight(session_id: str = Query(...)):
+    """The session's turns in flight, summed over the live backends."""
+    if (too_long := long_id("session_id", session_id)) is not None:
+      return too_long
+    keys = ("requests", "queued", "prefilled", "output_tokens", "decode_s")
+
+    async def ask(b: str) -> dict:
+      with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
+        r = await router.client().get(f"{b}/requests", params={"session_id": session_id},
+                                      timeout=10.0)
+        if r.status_code == 200:
+          got = r.json()
+          return {**{k: float(got.get(k) or 0) for k in keys},
+                  "by_request": dict(got.get("by_request") or {})}
+      return {}
+
+    found = await asyncio.gather(*(ask(b) for b in router.ring.backends if router.healthy[b]))
+    total = {k: sum(f.get(k, 0) for f in found) for k in keys}
+    return {"session_id": session_id,
+            **{k: (v if k == "decode_s" else int(v)) for k, v in total.items()},
+            "by_request": {k: v for f in found for k, v in f.get("by_request", {}).items()}}
+
+  @app.get("/requests/{request_id:path}")
+  async def progress(request_id: str):
+    """Where a request in flight stands, from the live backend that runs it (a turn may
+    have failed over from its session's owner)."""
+    if (too_long := long_id("request_id", request_id)) is not None:
+      return too_long
+    async def ask(b: str):
+      with contextlib.suppress(httpx.HTTPError, ValueError):
+        r = await router.client().get(f"{b}/requests/{quote(request_id, safe='')}", timeout=10.0)
+        if r.status_code == 200:
+          return r.json()
+      return None
+
+    found = [x for x in await asyncio.gather(*(ask(b) for b in router.ring.backends
+                                               if router.healthy[b])) if x is not None]
+    if not found:
+      return JSONResponse({"detail": f"no request {request_id!r} in flight"}, status_code=404)
+    return found[0]
+
+  @app.post("/handover")
+  async def refuse_handover():
+    return no_handover()
+
+  # (no DELETE: a server's one is a session's, the router's own route; `//sessions/x`
+  # passed on reached a backend's without the router's guard: red team 30)
+  @app.api_route("/{path:path}", methods=["GET", "POST"])
+  async def proxy(path: str, request: Request):
+    return await router.proxy(path, request)
 
   return app
 

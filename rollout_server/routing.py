@@ -1,6 +1,7 @@
 """Where a router sends a request, and what it answers when it cannot: the consistent
 hash ring of backends, the path a request is forwarded as, and the router's own errors
-in the shape of each API's (`rollout_server.router`)."""
+in the shape of each API's, and how it reads a request's body and session
+(`rollout_server.router`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import json
 from typing import Optional, Sequence
 from urllib.parse import quote, unquote
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from rollout_server import anthropic_api
 from rollout_server.chat import openai_error
+from rollout_server.sessions import session_header, session_of
+
+MAX_SESSION_ID = 1024  # characters (quoted into a backend's URL: httpx takes 65,536)
 
 
 def key_hash(key: str) -> int:
@@ -91,3 +96,45 @@ def stream_cut_event(path: str, message: str) -> bytes:
         "status": "failed", "output": [], "error": {"code": "server_error", "message": message}}})
     return f"event: response.failed\ndata: {body}\n\n".encode()
   return f"data: {json.dumps({'error': error})}\n\n".encode()
+
+
+def parsed(body: bytes) -> dict:
+  """The request's JSON object; {} when it is none (its backend says what is wrong)."""
+  try:
+    data = json.loads(body) if body else {}
+  except (ValueError, RecursionError):
+    data = {}
+  return data if isinstance(data, dict) else {}
+
+
+def id_too_long(name: str, value: str) -> Optional[str]:
+  """What to say of an id longer than MAX_SESSION_ID (quoted into a backend's URL past
+  httpx's limit, it was a 500; red team 115), else None."""
+  if len(value) <= MAX_SESSION_ID:
+    return None
+  return f"{name}: {len(value)} characters; at most {MAX_SESSION_ID}"
+
+
+def long_id(name: str, value: str) -> Optional[JSONResponse]:
+  """A 400 for an id longer than MAX_SESSION_ID (`id_too_long`), else None."""
+  said = id_too_long(name, value)
+  return None if said is None else JSONResponse({"detail": said}, status_code=400)
+
+
+def session_from(request: Request, data: dict) -> Optional[str]:
+  """The request's session (`sessions.session_of`: its header, or its body's).
+  ValueError for two headers (the router read the first, the backend the last: a
+  turn recorded in another client's session, unseen by the router; red team 115) or
+  an id longer than MAX_SESSION_ID (its URL past httpx's limit: a 500 for a turn
+  the backend had served)."""
+  session_id = session_of(session_header(request.headers), data.get("session_id"))
+  if session_id is not None and (said := id_too_long("session_id", session_id)):
+    raise ValueError(said)
+  return session_id
+
+
+def no_handover() -> JSONResponse:
+  """A router's answer to `POST /handover`: it hands sessions over itself (forwarded, any
+  client could set the token ids another session's next turn continues; a reviewer)."""
+  return JSONResponse({"detail": "the router hands sessions over itself; POST /handover "
+                                 "to a server, not through the router"}, status_code=403)
