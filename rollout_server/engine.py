@@ -142,8 +142,12 @@ def _sampling_logits(logits_V: jax.Array, temperature: jax.Array, top_p: jax.Arr
     kth = order[k - 1]
     probs = jax.nn.softmax(jnp.where(order >= kth, order, -jnp.inf))
     # Keep a sorted token if the mass before it is below top_p; the first always is (a
-    # top_p below float32's smallest normal reads as 0 on the device: it kept nothing).
-    keep = ((jnp.cumsum(probs) - probs) < top_p) | (jnp.arange(order.shape[0]) == 0)
+    # top_p below float32's smallest normal reads as 0 on the device: it kept nothing),
+    # and every one at top_p 1 (float32's sum reaches 1.0 before the tail: a row asking
+    # for no cut, batched beside one that filters, lost up to half its vocabulary's tail,
+    # ~1e-7 of its mass: red team 36).
+    keep = (((jnp.cumsum(probs) - probs) < top_p) | (top_p >= 1.0)
+            | (jnp.arange(order.shape[0]) == 0))
     threshold = jnp.min(jnp.where(keep & (order >= kth), order, jnp.inf))
     scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
   return logits, scaled, raw_logp, greedy
