@@ -93,6 +93,33 @@ def test_weight_update_drain_and_abort(random_params):
     orch.stop()
 
 
+@pytest.mark.parametrize("mode", ["drain", "abort"])
+def test_a_weight_update_drops_the_prefix_cache(random_params, mode):
+  """KV cached under the old weights is never reused under the new: a turn continuing a
+  prompt cached before the update is prefilled anew, and its log-probs are the new
+  weights' (with the cache kept, they were off by up to 0.85: red team 36's mutation,
+  which every rollout-server test passed)."""
+  engine = make_engine(max_concurrent_decodes=4, max_prefill_length=64, max_seq_len=96,
+                       page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1),
+                      prefix_cache_tokens=256).start()
+  try:
+    prompt = list(range(3, 40))
+    first = orch.generate(prompt, SamplingParams(seed=1, max_new_tokens=20), timeout=60)
+    again = orch.generate(prompt + [7], SamplingParams(seed=2, max_new_tokens=4), timeout=60)
+    assert again.prefix_hit_tokens > 0  # (cached under version 1)
+    new = engine.load_params({k: v * 1.5 for k, v in random_params.items()}, version=2)
+    orch.update_weights(new, mode=mode)
+    # (the second shares the first's prompt, cached again now: under version 2)
+    for i, cont in enumerate((prompt + [7], first.prompt_ids + first.output_ids + [9, 9])):
+      r = orch.generate(cont, SamplingParams(seed=3, max_new_tokens=10), timeout=60)
+      assert (r.prefix_hit_tokens == 0) == (i == 0) and set(r.versions) == {2}
+      fresh = engine.score(new, [r.prompt_ids + r.output_ids])[0][len(r.prompt_ids):]
+      np.testing.assert_allclose(r.raw_logprobs, fresh, atol=1e-4)
+  finally:
+    orch.stop()
+
+
 @pytest.mark.slow
 def test_a_cut_turn_resumes_past_max_prefill_length(random_params):
   """A turn whose prompt is near `max_prefill_length`, cut by a weight update in abort
