@@ -93,6 +93,30 @@ def test_weight_update_drain_and_abort(random_params):
     orch.stop()
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_requests_run_to_the_caches_end_with_exact_log_probs(random_params, decode_steps):
+  """Requests whose budget passes the cache (no stop token) end as `length` with the cache
+  full, every token's log-prob the full forward pass's (a clamp of the decode position
+  two short of the end passed every engine test: red team 36's mutation, whose requests
+  never finished)."""
+  engine = make_engine(max_concurrent_decodes=4, max_prefill_length=64, max_seq_len=64,
+                       page_size=8)
+  params = engine.load_params(random_params, version=0)
+  orch = Orchestrator(engine, params, prefix_cache_tokens=128,
+                      decode_steps=decode_steps).start()
+  try:
+    reqs = [orch.submit(list(range(5, 5 + n)), SamplingParams(seed=n, max_new_tokens=100))
+            for n in (40, 57, 63, 1, 30)]
+    for r in reqs:
+      assert r.wait(60), f"a {len(r.prompt_ids)}-token prompt's request did not finish"
+      seq = r.prompt_ids + r.output_ids
+      assert r.finish_reason == "length" and len(seq) == 64, (r.finish_reason, len(seq))
+      fresh = engine.score(params, [seq])[0][len(r.prompt_ids):]
+      np.testing.assert_allclose(r.raw_logprobs, fresh, atol=1e-4)
+  finally:
+    orch.stop()
+
+
 @pytest.mark.parametrize("mode", ["drain", "abort"])
 def test_a_weight_update_drops_the_prefix_cache(random_params, mode):
   """KV cached under the old weights is never reused under the new: a turn continuing a
