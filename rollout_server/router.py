@@ -44,8 +44,8 @@ from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard
 from jaxagent.tls import shared_tls
 from rollout_server import responses_api
-from rollout_server.routing import (HashRing, api_error, forwarded_path, long_id, no_handover,
-                                    parsed, session_from, stream_cut_event)
+from rollout_server.routing import (HashRing, api_error, forwarded_path, handover_refused,
+                                    long_id, parsed, session_from, stream_cut_event)
 from rollout_server.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -497,8 +497,6 @@ class _Router:
       return JSONResponse({"detail": f"no session {session_id!r}"}, status_code=404)
     return {"session_id": session_id, "deleted": True}
 
-  # (no DELETE: a server's one is a session's, the router's own route; `//sessions/x`
-  # passed on reached a backend's without the router's guard: red team 30)
   async def proxy(self, path: str, request: Request):
     """A call the router does not answer itself, forwarded to the backend its session
     hashes to (the next healthy one on the ring when that one fails), its turns copied
@@ -509,7 +507,7 @@ class _Router:
     sent = raw.decode("utf-8", "replace")
     forwarded, path = forwarded_path(sent)
     if path == "handover":
-      return no_handover()
+      return handover_refused()
     if path == "abort":  # (forwarded, any client aborted another's turn by its id, which
       # `GET /requests?session_id=` names: the turn lost, read as the server's; red team 115)
       return api_error(path, 403, "the router does not pass /abort on: a client ends its own "
@@ -915,8 +913,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     return found[0]
 
   @app.post("/handover")
-  async def refuse_handover():
-    return no_handover()
+  async def no_handover():
+    return handover_refused()
 
   # (no DELETE: a server's one is a session's, the router's own route; `//sessions/x`
   # passed on reached a backend's without the router's guard: red team 30)

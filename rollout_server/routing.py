@@ -133,7 +133,7 @@ def session_from(request: Request, data: dict) -> Optional[str]:
   return session_id
 
 
-def no_handover() -> JSONResponse:
+def handover_refused() -> JSONResponse:
   """A router's answer to `POST /handover`: it hands sessions over itself (forwarded, any
   client could set the token ids another session's next turn continues; a reviewer)."""
   return JSONResponse({"detail": "the router hands sessions over itself; POST /handover "
