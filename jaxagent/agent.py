@@ -29,7 +29,7 @@ import math
 import time
 import uuid
 import zlib
-from typing import Awaitable, Optional
+from typing import Awaitable, Callable, Optional
 
 from envs.base import BAD_TASK, BadReward, CannotStart, failure, trained_rewards
 from envs import waits
@@ -341,14 +341,38 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
 EPISODE_WALL_FACTOR = 3
 
 
-async def graded(verify: Awaitable, cfg: AgentConfig):
-  """The verdict, within EPISODE_WALL_FACTOR episode deadlines (its own runs are bounded
-  by the grader's timeouts: past that, the grader's waits for sandbox slots)."""
+async def graded(verify: Awaitable, cfg: AgentConfig,
+                 waited: Optional[Callable[..., Awaitable[float]]] = None):
+  """The verdict, within EPISODE_WALL_FACTOR episode deadlines of its own time (its own
+  runs are bounded by the grader's timeouts). `waited(ask_worker=...)`: the episode's
+  waits on shared infrastructure so far (`MeasuredEnv.waited`), which the bound leaves
+  out: a grading queued behind a crowd (sandbox slots, a worker's turns) is slower, not
+  cut (cut, it was an infrastructure error re-rolled, and failing answers, whose tests
+  run to their limits, were cut more often than passing ones: a survivors' bias).
+  Without `waited`, or past EPISODE_WALL_FACTOR times that bound in wall time, it is
+  cut all the same."""
   limit = EPISODE_WALL_FACTOR * cfg.episode_deadline_s
+  task = asyncio.ensure_future(verify)
+  t0 = time.perf_counter()
+  if waited is None:
+    wall, w0 = limit, 0.0
+
+    async def since() -> float:
+      return 0.0
+  else:
+    wall, w0 = EPISODE_WALL_FACTOR * limit, await waited(ask_worker=False)
+
+    async def since() -> float:  # (a worker asked only when the bound seems reached)
+      w = await waited(ask_worker=False) - w0
+      if time.perf_counter() - t0 - w >= limit:
+        w = await waited() - w0
+      return w
   try:
-    return await asyncio.wait_for(verify, limit)
-  except asyncio.TimeoutError:
-    raise InfraError("verifier", f"grading took longer than {limit:.0f} s") from None
+    return await waits.within(task, since, limit, wall, t0, look_s=0.25)
+  except (asyncio.TimeoutError, waits.WallCut) as e:
+    raise InfraError("verifier", f"grading took longer than {limit:g} s" + (
+        "" if waited is None else " of its own" if isinstance(e, asyncio.TimeoutError)
+        else f" of its own or {wall:g} s in all")) from None
 
 
 async def _commit(log: EpisodeLog, write, *args) -> None:
@@ -727,7 +751,7 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
       await waits.within(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
                          EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25,
                          on_cut=at_cut)
-    verdict = await graded(measured.verify(), cfg)
+    verdict = await graded(measured.verify(), cfg, measured.waited)
     ep.verdict = verdict.to_dict()
     if verdict.is_infra_error:
       status, reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", True, \

@@ -552,7 +552,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     # The environment's rewards as its steps returned them, not the harness's list (one
     # that returned [1000.0] for a step the environment gave 0 had it trained: red team 29)
     ep.turn_rewards = list(acting.rewards)
-    ep.verdict = (await graded(acting.verify(), cfg)).to_dict()
+    ep.verdict = (await graded(acting.verify(), cfg, acting.waited)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
     turns = await _take_session(gateway_url, wire_id, control_token)

@@ -144,3 +144,44 @@ def test_waiting_for_a_sandbox_slot_is_the_infrastructures_time(resources):
   ep = asyncio.run(with_slots_taken(1.0))  # waits ~1 s, then runs and is graded
   assert not ep.infra_error and ep.verdict["status"] == "fail"
   assert 0.7 < ep.infra_wait_s < 5.0 and ep.env_s < ep.latency_s - 0.7
+
+
+def test_a_grading_queued_behind_the_crowd_is_graded_and_its_own_time_is_bounded():
+  """A verify waits on the run's own load too (the grader's sandbox slots, a worker's
+  turns): the bound of EPISODE_WALL_FACTOR episode deadlines counts its own time, not
+  its waits. Counted in wall time, a crowded grading was an infrastructure error,
+  re-rolled, and failing answers (their tests run to their limits) met it more often
+  than passing ones. A grading whose own time passes the bound is still cut."""
+  from envs import base, waits
+  from envs.base import Observation, StepResult, Verdict, VerdictStatus
+
+  class Grading(base.Env):
+    """Its verify waits on shared infrastructure (`wait_s`) and works (`work_s`)."""
+
+    def __init__(self, wait_s, work_s):
+      self.wait_s, self.work_s = wait_s, work_s
+
+    async def reset(self, task):
+      return Observation([{"role": "user", "content": "go"}])
+
+    async def step(self, action):
+      return StepResult(Observation([]), 0.0, True, False)
+
+    async def verify(self):
+      with waits.waiting():
+        await asyncio.sleep(self.wait_s)
+      await asyncio.sleep(self.work_s)
+      return Verdict(VerdictStatus.FAIL, 0.0, "g@1", "g@1")
+
+  def play(wait_s, work_s, deadline_s=0.5):
+    return asyncio.run(run_whitebox(
+        Grading(wait_s, work_s), TaskSpec("g", "grading"), ScriptedEngine(["DONE"]), TOK,
+        dataclasses.replace(CFG, episode_deadline_s=deadline_s), session_id="s",
+        group_id="g"))
+
+  assert not play(0.0, 0.0, 60.0).infra_error  # (the first episode's compiles)
+  ep = play(2.0, 0.1)  # queued past 3 deadlines (1.5 s): graded
+  assert not ep.infra_error and ep.verdict["status"] == "fail", ep.reason
+  ep = play(0.0, 2.0)  # its own time past them: the verifier's infrastructure error
+  assert ep.infra_error and ep.infra_kind == "verifier" and "of its own" in ep.reason, (
+      ep.reason)

@@ -408,6 +408,22 @@ def test_a_workers_waits_are_the_infrastructures_time_at_an_episode_deadline():
   assert ep.infra_wait_s > 2.5 and ep.env_s < 1.0
 
 
+def test_a_grading_queued_on_a_worker_is_graded():
+  """A remote verify queued behind the worker's crowd past EPISODE_WALL_FACTOR episode
+  deadlines: the agent asks the worker what it waited and grades the episode (bounded in
+  wall time, it was the verifier's infrastructure error, re-rolled)."""
+  from jaxagent.agent import run_whitebox
+  from jaxagent.config import AgentConfig
+  from tests.test_agent import TOK, ScriptedEngine
+
+  config = AgentConfig(max_turns=2, max_new_tokens=4, episode_deadline_s=0.6)
+  task = TaskSpec("q", "queued_grading_test_env", {"wait_s": 2.5})
+  with ServerThread(create_app(EnvResources(sandboxes=1), deadline_s=10.0)) as srv:
+    ep = asyncio.run(run_whitebox(RemoteEnv(srv.url), task, ScriptedEngine(["0"]), TOK,
+                                  config, session_id="q", group_id="g"))
+  assert not ep.infra_error and ep.verdict["status"] == "fail", ep.reason
+
+
 def test_the_waits_of_a_call_whose_answer_was_not_counted_are_reported():
   """An episode's deadline judged in the moment between the worker's call ending and its
   answer being counted (the answer then discarded with the cut call) asked the worker,

@@ -117,3 +117,18 @@ class WaitingEnv(base.Env):
 
   async def close(self):
     EVENTS.append("closed")
+
+
+@base.register("queued_grading_test_env")
+class QueuedGradingEnv(SlowEnv):
+  """Its verify waits on shared infrastructure (as a grader's sandbox slot wait is
+  marked) for `params.wait_s` seconds."""
+
+  async def reset(self, task):
+    self.wait_s = float(task.params["wait_s"])
+    return await super().reset(task)
+
+  async def verify(self):
+    with waits.waiting(), waits.queued():
+      await asyncio.sleep(self.wait_s)
+    return await super().verify()
