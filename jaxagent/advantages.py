@@ -14,6 +14,7 @@ from typing import Optional
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -22,6 +23,17 @@ Array = jax.Array
 # returns equal in exact arithmetic, summed from other rewards in another order, come out
 # an ulp or so apart.
 FLAT_ULPS = 16
+
+
+def flat(values) -> bool:
+  """Whether a group's values are one value to its advantages (`_group_stats`' rule, in
+  float32: equal within FLAT_ULPS of the larger's rounding); no value is flat too."""
+  v = [float(x) for x in np.asarray(values, np.float32).ravel()]
+  if not v:
+    return True
+  hi, lo = max(v), min(v)
+  return hi == lo or hi - lo <= FLAT_ULPS * float(np.finfo(np.float32).eps) * max(abs(hi),
+                                                                                 abs(lo))
 
 
 def _group_stats(values_N: Array, valid_N: Array, group_ids_N: Array, num_groups: int):
@@ -36,13 +48,19 @@ def _group_stats(values_N: Array, valid_N: Array, group_ids_N: Array, num_groups
   not square past float32 (it was inf: every advantage 0)."""
   v = valid_N.astype(jnp.float32)
   count = jax.ops.segment_sum(v, group_ids_N, num_segments=num_groups)
-  total = jax.ops.segment_sum(values_N * v, group_ids_N, num_segments=num_groups)
-  mean = total / jnp.maximum(count, 1.0)
   hi = jax.ops.segment_max(jnp.where(valid_N, values_N, -jnp.inf), group_ids_N,
                            num_segments=num_groups)
   lo = jax.ops.segment_min(jnp.where(valid_N, values_N, jnp.inf), group_ids_N,
                            num_segments=num_groups)
-  tol = FLAT_ULPS * jnp.finfo(jnp.float32).eps * jnp.maximum(jnp.abs(hi), jnp.abs(lo))
+  big = jnp.maximum(jnp.abs(hi), jnp.abs(lo))
+  # The mean of values scaled by the group's largest (summed as they are, [3e38, 3e38, 0]
+  # passed float32's range: every advantage nan, a run stopped blaming its learning rate;
+  # red team 37); a group of zeros (or no valid value) sums zeros.
+  size = jnp.where(jnp.isfinite(big) & (big > 0), big, 1.0)
+  total = jax.ops.segment_sum(values_N / size[group_ids_N] * v, group_ids_N,
+                              num_segments=num_groups)
+  mean = total / jnp.maximum(count, 1.0) * size
+  tol = FLAT_ULPS * jnp.finfo(jnp.float32).eps * big
   flat = (hi == lo) | (hi - lo <= tol)  # (a group with no valid value too)
   flat_N = flat[group_ids_N]
   dev = jnp.where(flat_N, 0.0, values_N - mean[group_ids_N]) * v
@@ -85,7 +103,9 @@ def rloo(rewards_N: Array, group_ids_N: Array, num_groups: int, *,
   valid = jnp.ones_like(rewards_N, bool) if valid_N is None else valid_N
   r = rewards_N.astype(jnp.float32)
   mean, _, count = _group_stats(r, valid, group_ids_N, num_groups)
-  others = (mean * count - r) / jnp.maximum(count - 1.0, 1.0)
+  # (the others' mean, mean + (mean - r) / (n - 1): mean x n passed float32's range for
+  # rewards near its top)
+  others = mean + (mean - r) / jnp.maximum(count - 1.0, 1.0)
   return jnp.where(valid & (count > 1), r - others, 0.0)
 
 

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from jaxagent import advantages
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
 from jaxagent.config import AdvantageConfig, RolloutConfig
@@ -499,11 +500,12 @@ def carries_signal(group: Group, cfg: AdvantageConfig) -> bool:
                  for t in turns if len(t) > k]
       if len(returns) < 2:
         break
-      if max(returns) - min(returns) >= 1e-9:
+      if not advantages.flat(returns):
         return True
     return False
-  rewards = group.rewards
-  return max(rewards) - min(rewards) >= 1e-9
+  # (by the advantages' own rule: an absolute 1e-9 kept [1000, 1000.0009], whose
+  # advantages are 0, and dropped [0, 1e-10], whose are +-1; red team 37)
+  return not advantages.flat(group.rewards)
 
 
 def check_advantage_config(cfg: AdvantageConfig) -> None:
@@ -584,6 +586,11 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig,
     values, per_turn = np.zeros((len(episodes), 1), np.float32), False
   else:  # unreachable: checked above
     raise AssertionError(cfg.estimator)
+  if not np.isfinite(values).all():  # (rewards near float32's top, summed or spread)
+    e = episodes[int(np.argwhere(~np.isfinite(values))[0, 0])]
+    raise ValueError(f"the advantages of task {e.task_id!r}'s episode are not finite: its "
+                     f"group's rewards or returns (its own: {e.reward!r}) pass float32's "
+                     "range (the learner's, +-3.4e38) summed or spread; scale them down")
   for i, e in enumerate(episodes):
     for s in e.segments:
       turns = np.clip(s.turn_ids, 0, values.shape[1] - 1) if per_turn else np.zeros_like(

@@ -176,3 +176,56 @@ def test_returns_equal_but_for_rounding_give_no_advantage():
   # Rewards whose squares pass float32 keep their advantages (they were all 0).
   big = adv.group_normalized(jnp.asarray([1e19, -1e19, 3e19, 0.0]), jnp.zeros(4, jnp.int32), 1)
   np.testing.assert_allclose(big, [0.169, -1.1832, 1.5213, -0.5071], atol=1e-3)
+
+
+def test_rewards_near_float32s_top_keep_finite_advantages_and_small_differences_count():
+  """Red team 37: a group's sum of [3e38, 3e38, 0] passed float32's range (every GRPO
+  advantage nan, Dr. GRPO's and RLOO's -inf: the run stopped blaming its learning rate);
+  and rewards a real difference apart (840 ulps) keep their advantage, as rounding's
+  (FLAT_ULPS) does not."""
+  from jaxagent import advantages as adv
+
+  gid = jnp.zeros(3, jnp.int32)
+  for r in ([3e38, 3e38, 0.0], [2e38, 2e38, -1.0]):
+    r = jnp.asarray(r, jnp.float32)
+    for out in (adv.group_normalized(r, gid, 1), adv.rloo(r, gid, 1),
+                adv.group_normalized(r, gid, 1, scale_by_std=False)):
+      assert bool(jnp.all(jnp.isfinite(out))), out
+    np.testing.assert_allclose(adv.group_normalized(r, gid, 1), [0.7071, 0.7071, -1.4142],
+                               atol=1e-4)
+  np.testing.assert_allclose(adv.rloo(jnp.asarray([3e38, 3e38, 0.0]), gid, 1),
+                             [1.5e38, 1.5e38, -3e38], rtol=1e-5)
+  close = adv.group_normalized(jnp.asarray([1.0, 1.0001]), jnp.zeros(2, jnp.int32), 1)
+  assert float(close[0]) < -0.9 and float(close[1]) > 0.9, close  # (std + eps: not +-1)
+
+
+def test_a_group_carries_signal_exactly_when_its_advantages_can_differ_from_zero():
+  """`carries_signal` (which groups dynamic sampling keeps) by the advantages' own rule:
+  an absolute 1e-9 kept [1000, 1000.0009] (advantages 0: trained on nothing) and dropped
+  [0, 1e-10] (advantages +-1: red team 37)."""
+  from jaxagent import advantages as adv
+  from jaxagent.config import AdvantageConfig
+  from jaxagent.scheduler import Group, carries_signal
+  from tests.test_scheduler import episode
+
+  for rewards in ([1000.0, 1000.0009], [0.0, 1e-10], [0.1 + 0.2, 0.3], [0.0, 1.0],
+                  [7.0, 7.0]):
+    g = Group(0, 0)
+    g.episodes = [episode(0, f"s{i}", "g", reward=r) for i, r in enumerate(rewards)]
+    a = adv.group_normalized(jnp.asarray(rewards, jnp.float32), jnp.zeros(2, jnp.int32), 1)
+    assert carries_signal(g, AdvantageConfig()) == bool(jnp.any(a != 0)), (rewards, a)
+
+
+def test_advantages_past_float32s_range_are_said_with_the_task():
+  """Rewards each within float32's range whose leave-one-out differences are not (a
+  reward of 1e39 is refused as it is reported: `envs.base`) stop the run naming the task,
+  not as a non-finite update blaming the learning rate."""
+  from jaxagent.config import AdvantageConfig
+  from jaxagent.scheduler import Group, compute_advantages
+  from tests.test_scheduler import episode
+
+  g = Group(0, 0)
+  g.episodes = [episode("huge", f"s{i}", "g", reward=r)
+                for i, r in enumerate([3e38, -3e38, 3e38])]
+  with pytest.raises(ValueError, match="task 'huge'.*float32's range"):
+    compute_advantages([g], AdvantageConfig(estimator="rloo"))
