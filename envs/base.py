@@ -263,8 +263,14 @@ class BadReward(ValueError):
   trained."""
 
 
+# The largest reward the learner holds: it computes in float32, where 1e39 is inf (a
+# reward finite in Python stopped a run with a non-finite update: red team 37).
+REWARD_MAX = 3.4028234663852886e38  # (float32's largest)
+
+
 def _check_reward(value, what: str) -> None:
-  """A number of any kind (NumPy's and JAX's scalars too), finite; not text or a bool."""
+  """A number of any kind (NumPy's and JAX's scalars too), finite in float32 (the
+  learner's); not text or a bool."""
   try:
     finite = not isinstance(value, (str, bytes, bool)) and math.isfinite(float(value))
   except (TypeError, ValueError):
@@ -272,6 +278,9 @@ def _check_reward(value, what: str) -> None:
   if not finite:
     raise BadReward(f"{what} must be a finite number, got {value!r} "
                     f"({type(value).__name__})")
+  if abs(float(value)) > REWARD_MAX:
+    raise BadReward(f"{what} must be within float32's range (the learner's, "
+                    f"+-{REWARD_MAX:.4g}), got {float(value)!r}")
 
 
 @dataclasses.dataclass
@@ -320,9 +329,10 @@ def trained_rewards(step_rewards: list[float], verdict: "Verdict | dict") -> lis
   terminal = float(verdict.reward if isinstance(verdict, Verdict) else verdict.get("reward", 0.0))
   rewards = [float(r) for r in step_rewards] or [0.0]
   rewards[-1] += terminal
-  if not all(math.isfinite(r) for r in rewards):  # an environment's bug: the run stops
-    raise ValueError(f"rewards must be finite numbers: steps {list(step_rewards)}, "
-                     f"verdict {terminal}")
+  if not all(math.isfinite(r) and abs(r) <= REWARD_MAX for r in rewards):
+    # (an environment's bug: the run stops)
+    raise ValueError(f"rewards must be finite numbers within float32's range (the "
+                     f"learner's): steps {list(step_rewards)}, verdict {terminal}")
   return rewards
 
 

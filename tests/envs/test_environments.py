@@ -338,6 +338,21 @@ def test_a_reward_that_is_not_a_finite_number_never_reaches_the_learner(tmp_path
     trained_rewards([0.0, float(literal)], {"status": "pass", "reward": 1.0})
 
 
+def test_a_reward_past_float32s_range_is_refused_as_it_is_reported():
+  """1e39 is finite in Python and inf in the learner's float32: it passed every reward
+  check, then stopped the run with a non-finite update blaming the learning rate (red
+  team 37)."""
+  from envs.base import REWARD_MAX, Observation, StepResult, Verdict
+
+  with pytest.raises(ValueError, match="a step's reward must be within float32's range"):
+    StepResult(Observation([]), 1e39, False, False)
+  with pytest.raises(ValueError, match="a verdict's reward must be within float32's range"):
+    Verdict(VerdictStatus.PASS, -1e39, "e@1", "e@1")
+  with pytest.raises(ValueError, match="within float32's range"):  # a sum of two
+    trained_rewards([REWARD_MAX], {"status": "pass", "reward": REWARD_MAX})
+  StepResult(Observation([]), REWARD_MAX, False, False)  # (its top is a reward)
+
+
 def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
   """A string reward ("0.5") trained as 0.5 and a verdict's as a TypeError; a NaN stopped
   the run as "a bug" with a traceback, naming neither the task nor the line (a new
