@@ -110,6 +110,15 @@ def pack(segments: Sequence[dict], rows: int, seq_len: int, pad_id: int = 0, *,
     n = len(seg["tokens"])
     if n > seq_len:
       raise ValueError(f"segment {i} has {n} tokens, more than the row length {seq_len}")
+    trained = np.asarray(seg["loss_mask"]) > 0
+    if n and trained[0]:
+      # (packed, its log-prob came from the row's previous segment, and its gradient went
+      # there; alone in a row it was 0: red team 37)
+      raise ValueError(f"segment {i}'s first token is in the loss: no position of the "
+                       "segment predicts it (a segment begins with its prompt)")
+    if np.isnan(np.asarray(seg["rollout_logp"], np.float32)[trained]).any():
+      raise ValueError(f"segment {i} has a behaviour log-prob that is NaN on a token in "
+                       "the loss (its sampler's record is broken)")
     fits = np.nonzero(fill + n <= seq_len)[0]
     if not len(fits):
       continue

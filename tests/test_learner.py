@@ -347,3 +347,23 @@ def test_the_objective_adds_each_term_with_its_sign_over_the_tokens_it_trains():
   assert (row, denom_row) == pytest.approx((set64, denom_64), rel=1e-6)
   set1, denom_1, _ = objective(reduction="seq_mean_token_sum_norm", norm_len=1)
   assert set1 / denom_1 == pytest.approx(64 * row / denom_row, rel=1e-5)
+
+
+def test_pack_refuses_a_segment_it_cannot_train_as_given():
+  """A segment whose first token is in the loss (no position of it predicts that token:
+  packed, its log-prob came from the row's previous segment and its gradient went there)
+  and a NaN behaviour log-prob on a trained token (a nan update, blamed on the learning
+  rate) are named at packing (red team 37)."""
+  seg = dict(tokens=np.arange(6), loss_mask=np.array([0, 0, 1, 1, 0, 1], np.float32),
+             rollout_logp=np.full(6, -1.0, np.float32), advantages=np.ones(6, np.float32),
+             rollout_id=0)
+  pack([seg], 1, 8)
+  with pytest.raises(ValueError, match="segment 1's first token is in the loss"):
+    pack([seg, dict(seg, loss_mask=np.ones(6, np.float32))], 1, 16)
+  nan = np.array(seg["rollout_logp"])
+  nan[3] = np.nan
+  with pytest.raises(ValueError, match="segment 0 has a behaviour log-prob that is NaN"):
+    pack([dict(seg, rollout_logp=nan)], 1, 8)
+  nan[:] = -1.0
+  nan[0] = np.nan  # (on a prompt token: never read)
+  pack([dict(seg, rollout_logp=nan)], 1, 8)

@@ -377,3 +377,14 @@ def test_a_row_of_one_token_segments_counts_each():
   mask = jnp.ones((2, T))
   total, n = losses.seq_mean_token_mean(jnp.ones((2, T)), mask, seg)
   assert float(n) == 5.0 and float(total) == 5.0
+
+
+def test_the_geometric_correction_is_a_mean_over_the_action_tokens():
+  """The geometric level's log-weight is the mean over a segment's action tokens, not
+  over all of its tokens: the hand-computed case above has log-weights summing to 0, so a
+  mean over every token passed it (red team 37)."""
+  old = row(0.0, -2.0, -1.0, -5.0)
+  rollout = row(-1.0, -1.5, -1.0, 0.0)  # log w = [1, -0.5, 0, (not an action)]
+  c = losses.rollout_correction(old, rollout, row(1, 1, 1, 0), jnp.asarray([[1, 1, 1, 1]]),
+                                mode="truncate", level="geometric")
+  np.testing.assert_allclose(c.weights[0, :3], [math.exp(0.5 / 3)] * 3, rtol=1e-5)
