@@ -135,6 +135,11 @@ def fingerprint_mismatch(tree: Any, saved: dict) -> Optional[str]:
   return None
 
 
+class OtherModel(ValueError):
+  """A policy export holds another model's weights than the config's (a server started
+  with another model than the run's: 409 at its /update_weights)."""
+
+
 class CheckpointUnreadable(RuntimeError):
   """No run checkpoint reads back."""
 
@@ -587,7 +592,7 @@ def load_policy(path: str, abstract_params: Any) -> Params:
       stored = None
     differ = shape_differences(stored, abstract_params) if stored is not None else []
     if differ:  # (Orbax said "set strict=False", advice that would load it wrongly)
-      raise ValueError(f"the policy export at {path} holds another model's weights than "
+      raise OtherModel(f"the policy export at {path} holds another model's weights than "
                        f"the config's ({'; '.join(differ)}): give the run's own config "
                        "(--config), or export the model it trained")
     try:

@@ -32,7 +32,7 @@ from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, PolicyExports,
                                  RunCheckpointer, quiet_failed_save_noise, state_prints)
 from jaxagent.data import task_dataset
-from jaxagent.errors import NonFiniteUpdate, PeerFailed, PeerLost
+from jaxagent.errors import InfraError, NonFiniteUpdate, PeerFailed, PeerLost
 from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
                               plot_learning_curve, token_staleness_metrics)
@@ -297,18 +297,29 @@ class TrainingRun:
     attach_judge(cfg, env_factory, serving, first if self.primary else ())
     self.exports = PolicyExports(os.path.join(run_dir, "policy"), cfg.checkpoint.export_dtype,
                                  cfg.checkpoint.export_every, cfg.steps)
-    if cfg.serving.urls:  # (a cluster starts them with the learner: they may be loading)
-      await serving.client.wait_ready(
-          cfg.serving.startup_wait_s,
-          lambda m: print(m, flush=True) if self.primary else None)
-    if resume or cfg.serving.urls:  # servers must start from the learner's weights
-      # Exported again on a resume: an export under this version may be a stopped run's.
-      path = self.exports.write(version, self.state.params)
-      # Shared servers: one update is enough; each process's own engine (no servers):
-      # every process loads it (a multi-process resume met one process at the load's
-      # barrier and the others past it)
-      if self.primary or not cfg.serving.urls:
-        await serving.client.update_weights(path, version)
+    try:
+      if cfg.serving.urls:  # (a cluster starts them with the learner: they may be loading)
+        await serving.client.wait_ready(
+            cfg.serving.startup_wait_s,
+            lambda m: print(m, flush=True) if self.primary else None)
+      if resume or cfg.serving.urls:  # servers must start from the learner's weights
+        # Exported again on a resume: an export under this version may be a stopped run's.
+        path = self.exports.write(version, self.state.params)
+        # Shared servers: one update is enough; each process's own engine (no servers):
+        # every process loads it (a multi-process resume met one process at the load's
+        # barrier and the others past it)
+        if self.primary or not cfg.serving.urls:
+          await serving.client.update_weights(path, version)
+    except InfraError as e:
+      # The servers' own settings, not an outage a resume waits out (exit 3 said so: a
+      # new user): a token they refuse, or another model than the run's (409).
+      if cfg.serving.urls and (e.kind == "request_refused" or ": 409: " in str(e)
+                               or "serves another model" in str(e)):
+        await serving.close()
+        self.ckpt.close()
+        close_envs()
+        raise config_lib.ConfigError(f"serving.urls: {str(e).split(': ', 1)[-1]}") from None
+      raise
       if cfg.serving.urls:
         self.exports.served(version, self.primary)
       # Every process's episodes start once the servers serve it (sync mode trains tokens

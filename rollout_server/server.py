@@ -493,6 +493,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       raise HTTPException(400, f"mode must be 'drain' or 'abort', got {mode!r}")
     if not os.path.exists(body.path):
       raise HTTPException(400, f"no policy export at {body.path}")
+    from jaxagent.checkpoint import OtherModel
+
     async with update_lock:
       loop = asyncio.get_running_loop()
       t0 = time.perf_counter()
@@ -501,6 +503,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       before = _export_id(body.path, body.version) if m is None else None
       try:
         params = await loop.run_in_executor(None, load, body.path, body.version)
+      except OtherModel as e:  # (this server's model is not the export's: its config's)
+        raise HTTPException(409, f"cannot load {body.path}: this server serves another "
+                                 f"model: {e}")
       except Exception as e:  # a bad checkpoint must not take the server down
         raise HTTPException(400, f"cannot load {body.path}: {type(e).__name__}: {e}")
       load_s = time.perf_counter() - t0

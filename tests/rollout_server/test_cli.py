@@ -118,3 +118,47 @@ def test_a_port_in_use_is_one_line_before_anything_loads(capsys, tmp_path):
       err = out.err.strip()
       assert len(err.splitlines()) == 1 and f"cannot listen on 127.0.0.1:{port}: the port " \
           "is in use" in err, (args, err)
+
+
+def _serving(*overrides):
+  """A server of configs/server_tiny.yaml on a free port, answering /health."""
+  port = free_port()
+  proc = subprocess.Popen([sys.executable, "-m", "rollout_server", "--config",
+                           "configs/server_tiny.yaml", f"port={port}", "engine.slots=2",
+                           *overrides], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 120
+  while True:
+    try:
+      if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+        return proc, f"http://127.0.0.1:{port}"
+    except httpx.HTTPError:
+      pass
+    if proc.poll() is not None or time.time() > deadline:
+      proc.kill()
+      raise AssertionError(proc.stdout.read())
+    time.sleep(0.3)
+
+
+@pytest.mark.slow  # (server processes and training runs: the end-to-end tier)
+def test_the_readmes_server_serves_the_default_run_and_another_model_is_a_config_error(
+    tmp_path):
+  """configs/server_tiny.yaml, as the README starts it, served the tiny preset while the
+  default run trains the nano one: the run stopped with exit 3, "the infrastructure
+  failed", as for an outage a resume waits out (a new user). It serves the run's model,
+  and a server of another model is refused at the start naming serving.urls (exit 2)."""
+  from tests.test_train_cli import run_train
+
+  for preset, code in (("nano", 0), ("tiny", 2)):
+    proc, url = _serving(f"model.preset={preset}")
+    try:
+      run = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / preset),
+                      "steps=1", "rollout.groups_per_step=1", "rollout.group_size=2",
+                      f"serving.urls=[{url}]")
+    finally:
+      proc.send_signal(signal.SIGINT)
+      proc.wait(timeout=30)
+    assert run.returncode == code, run.stderr[-2000:]
+    if code:
+      assert "error: serving.urls:" in run.stderr and "serves another model" in run.stderr, (
+          run.stderr[-2000:])
