@@ -123,6 +123,9 @@ def _config_volume(run: str) -> dict:
   return {"name": "config", "configMap": {"name": f"{run}-config"}}
 
 
+PLACEHOLDER_BUCKET = "gs://BUCKET/runs"  # (--bucket's default: said as such)
+
+
 def _mount_bucket(pod: dict, container: dict, bucket: str) -> None:
   """Mounts `bucket` at /runs with the GKE GCS FUSE CSI driver."""
   pod.setdefault("volumes", []).append({
@@ -435,7 +438,9 @@ def main(argv=None) -> int:
                       "on an nvidia pool); default --image, whose JAX may not be for the "
                       "servers' accelerator (a TPU image has no CUDA)")
   g.add_argument("--out", required=True)
-  g.add_argument("--bucket", default="gs://BUCKET/runs", help="where run directories go")
+  g.add_argument("--bucket", default=None,
+                 help=f"where run directories go (default: a placeholder, {PLACEHOLDER_BUCKET}, "
+                      "to replace before the manifests are applied)")
   g.add_argument("--namespace", default="default")
   g.add_argument("--server-accelerator", default="nvidia-l4",
                  help="GKE accelerator of the rollout servers' pool (cpu: none)")
@@ -443,6 +448,7 @@ def main(argv=None) -> int:
   g.add_argument("--max-restarts", type=int, default=3)
   g.add_argument("overrides", nargs="*")
   args = config_lib.parse_with_overrides(p, argv, config_lib.RunConfig)
+  args.bucket = args.bucket or PLACEHOLDER_BUCKET
   try:
     cfg = config_lib.load(config_lib.RunConfig, args.config, args.overrides)
     if args.servers < 0 or args.env_workers < 0:
@@ -468,6 +474,16 @@ def main(argv=None) -> int:
     return 2
   for path in write(args.out, objects):
     print(path)
+  # (a bucket or an image left at its default wrote manifests that cannot run, and said
+  # nothing: a new user)
+  if args.bucket == PLACEHOLDER_BUCKET:
+    print(f"warning: no --bucket: the manifests mount {PLACEHOLDER_BUCKET}, a placeholder; "
+          "give --bucket gs://YOUR_BUCKET/runs (the run directories) before applying them",
+          file=sys.stderr)
+  if args.servers and args.server_image is None and args.server_accelerator != "cpu":
+    print(f"warning: no --server-image: the rollout servers run --image ({args.image}) on "
+          f"{args.server_accelerator}; a TPU image has no CUDA (build one with "
+          "JAX_EXTRA=cuda12, docs/training.md)", file=sys.stderr)
   print(f"apply: kubectl apply -f {args.out}")
   fresh = [s[0] for key, s in SECRETS.items() if s[0] in objects and key not in kept]
   if kept and fresh:  # (a JobSet's template cannot change: apply would refuse it)

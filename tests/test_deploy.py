@@ -393,3 +393,18 @@ def test_a_redeploy_that_adds_a_token_says_to_replace_the_learners_jobset(tmp_pa
          "(kubectl delete jobset tiny-guess-number-learner -n default" in again
   _, third = generate(tmp_path, "v5litepod-8")
   assert "delete its JobSet" not in third
+
+
+def test_a_placeholder_bucket_and_the_learners_image_on_gpu_servers_are_said(tmp_path):
+  """Without --bucket the manifests mounted the placeholder gs://BUCKET/runs, and without
+  --server-image the GPU servers ran the learner's (TPU) image, both without a word (a
+  new user)."""
+  base = ("gke", "--config", "configs/tiny.yaml", "--tpu-type", "v5litepod-8", "--servers",
+          "1", "--env-workers", "1", "--image", "example.com/jaxagent:tpu")
+  code, _, stderr = deploy_cli(*base, "--out", str(tmp_path / "a"))
+  assert code == 0
+  assert "warning: no --bucket: the manifests mount gs://BUCKET/runs, a placeholder" in stderr
+  assert "warning: no --server-image: the rollout servers run --image" in stderr
+  code, _, stderr = deploy_cli(*base, "--bucket", "gs://mine/runs", "--server-image",
+                               "example.com/jaxagent:gpu", "--out", str(tmp_path / "b"))
+  assert code == 0 and "warning" not in stderr, stderr
