@@ -256,7 +256,11 @@ class _Router:
                             for b, v in sorted(mix.items())))
 
   async def check(self, backend: str) -> None:
-    got = None
+    """Asks `backend`'s /health; healthy when it answers and serves the policy (loaded
+    first where it missed one, its missed deletes done). A change is said once (a dead
+    backend was seen only in /router/health: a new user)."""
+    got, was = None, self.healthy[backend]
+    why = "its /health did not answer 200"
     try:
       r = await self.client().get(f"{backend}/health", timeout=5.0)
       got = r.json() if r.status_code == 200 else None
@@ -268,14 +272,22 @@ class _Router:
       if ok and self.policy["version"] is not None and not self.updating.locked() and \
           got.get("version") != self.policy["version"]:
         ok = await self.push_policy(backend)  # restarted (or missed an update): catch up first
+        why = "it could not load the current policy"
       if ok and self.undeleted[backend]:
         ok = await self.delete_missed(backend)
+        why = "deletes it missed failed"
       self.healthy[backend] = ok
-    except Exception:  # (any reply it cannot read is a backend not well: red team 14,
+    except Exception as e:  # (any reply it cannot read is a backend not well: red team 14,
       # a JSON list killed the loop, and no backend was checked again)
       self.healthy[backend] = False
+      why = f"{type(e).__name__}: {e}"
     if not isinstance(got, dict):  # (down: whether it takes the token is not known now)
       self.unruled.pop(backend, None)
+    if was and not self.healthy[backend]:
+      log.warning("router: %s out of rotation (%s); its sessions' turns go to the next "
+                  "backend on the ring until it is well", backend, why)
+    elif not was and self.healthy[backend]:
+      log.warning("router: %s back in rotation", backend)
 
   async def delete_missed(self, backend: str) -> bool:
     """The deletes `backend` missed, done (16 at a time); True when none is left. One it
@@ -450,6 +462,9 @@ class _Router:
 
   def down(self, backend: str, why: str) -> str:
     """`backend` out of rotation (a turn goes to the next on the ring); what to say."""
+    if self.healthy[backend]:
+      log.warning("router: %s out of rotation (%s); its sessions' turns go to the next "
+                  "backend on the ring until it is well", backend, why)
     self.healthy[backend] = False
     self.failovers["n"] += 1
     return f"{backend}: {why}"

@@ -656,6 +656,35 @@ def test_backends_serving_different_policies_before_any_update_are_said(caplog):
   assert len(said) == 1 and "version 819" in said[0] and "version 0" in said[0], said
 
 
+def test_a_backend_that_goes_and_comes_back_is_said_once_each_way(caplog):
+  """A backend that died was seen only in /router/health (a new user's walkthrough): its
+  leaving and its return are each said once."""
+  import logging
+
+  from fastapi import FastAPI
+  from fastapi.responses import JSONResponse
+
+  up = {"ok": True}
+  app = FastAPI()
+
+  @app.get("/health")
+  async def health():
+    return ({"status": "ok", "version": 0} if up["ok"]
+            else JSONResponse({"status": "down"}, status_code=503))
+
+  caplog.set_level(logging.WARNING, logger="rollout_server.router")
+  with ServerThread(app) as a, ServerThread(create_router([a.url], health_interval_s=0.1)):
+    time.sleep(0.5)
+    up["ok"] = False
+    time.sleep(0.6)
+    up["ok"] = True
+    time.sleep(0.6)
+  said = [r.getMessage() for r in caplog.records if "rotation" in r.getMessage()]
+  assert len(said) == 2, said
+  assert "out of rotation (its /health did not answer 200)" in said[0], said
+  assert "back in rotation" in said[1], said
+
+
 def _recording_backend():
   """A backend that records each /generate as a turn of its session, with switches: its
   deletes fail, its records cannot be read, it restarts (records gone, ids new)."""
