@@ -313,8 +313,7 @@ class TrainingRun:
     except InfraError as e:
       # The servers' own settings, not an outage a resume waits out (exit 3 said so: a
       # new user): a token they refuse, or another model than the run's (409).
-      if cfg.serving.urls and (e.kind == "request_refused" or ": 409: " in str(e)
-                               or "serves another model" in str(e)):
+      if cfg.serving.urls and e.kind in ("request_refused", "other_model"):
         await serving.close()
         self.ckpt.close()
         close_envs()

@@ -34,6 +34,19 @@ class GenerateError(InfraError):
     super().__init__(kind, message)
 
 
+def _other_model(r: httpx.Response) -> bool:
+  """Whether an /update_weights answer says a server serves another model than the
+  export's (its 409, or a router's result of one)."""
+  if r.status_code == 409:
+    return True
+  try:
+    results = r.json().get("results")
+  except (ValueError, AttributeError):
+    return False
+  return isinstance(results, list) and any(
+      isinstance(x, dict) and x.get("status") == 409 for x in results)
+
+
 async def control_problem(client: httpx.AsyncClient, url: str, health,
                           token: Optional[str]) -> Optional[str]:
   """What stops a process holding `token` from using the control routes of the server
@@ -289,7 +302,9 @@ class HttpClient:
       raise GenerateError(f"{self.url}/update_weights refused this process's control token "
                           f"({why}): {r.status_code}: {r.text[:300]}")
     if r.status_code != 200:
-      raise GenerateError(f"{self.url}/update_weights: {r.status_code}: {r.text[:500]}")
+      # (409: a server of another model than the export's; a router says its backends')
+      raise GenerateError(f"{self.url}/update_weights: {r.status_code}: {r.text[:500]}",
+                          "other_model" if _other_model(r) else "server")
     out = r.json()
     self._policy = {"path": path, "version": version, "mode": mode}
     self._updates += 1

@@ -162,3 +162,16 @@ def test_the_readmes_server_serves_the_default_run_and_another_model_is_a_config
     if code:
       assert "error: serving.urls:" in run.stderr and "serves another model" in run.stderr, (
           run.stderr[-2000:])
+
+
+def test_another_model_is_read_from_a_server_or_a_routers_answer():
+  """A server's 409 at /update_weights, or a router's 502 whose results hold one, is a
+  server of another model (`other_model`: the learner's start names serving.urls)."""
+  from rollout_server.client import _other_model
+
+  assert _other_model(httpx.Response(409, json={"detail": "another model"}))
+  assert _other_model(httpx.Response(502, json={"results": [
+      {"backend": "a", "status": 200}, {"backend": "b", "status": 409}], "ok": False}))
+  assert not _other_model(httpx.Response(502, json={"results": [{"status": 500}]}))
+  assert not _other_model(httpx.Response(400, text="not json"))
+  assert not _other_model(httpx.Response(502, json=[1, 2]))
