@@ -319,6 +319,7 @@ class TrainingRun:
         close_envs()
         raise config_lib.ConfigError(f"serving.urls: {str(e).split(': ', 1)[-1]}") from None
       raise
+    if resume or cfg.serving.urls:
       if cfg.serving.urls:
         self.exports.served(version, self.primary)
       # Every process's episodes start once the servers serve it (sync mode trains tokens
