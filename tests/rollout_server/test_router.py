@@ -96,7 +96,7 @@ def test_update_weights_goes_to_every_backend(random_params, tokenizer, tmp_path
 def _start_server_process(port: int) -> subprocess.Popen:
   return subprocess.Popen([sys.executable, "-m", "rollout_server", "--config",
                            "configs/server_tiny.yaml", f"port={port}", "engine.slots=2",
-                           "engine.max_seq_len=768"],
+                           "engine.max_seq_len=768", "model.preset=tiny"],
                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -142,7 +142,7 @@ def test_a_killed_backend_loses_no_session_and_a_returning_one_catches_up(tokeni
   from jaxagent.models.params import init_params
   from rollout_server.engine import Engine
 
-  cfg = preset("tiny")  # configs/server_tiny.yaml's model, with its seed
+  cfg = preset("tiny")  # the model `_start_server_process` serves, with its seed
   params = jax.device_get(init_params(cfg, 0))
   root = str(tmp_path / "policy")
   export_policy(root, 7, jax.device_put(params), dtype=None)
