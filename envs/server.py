@@ -686,6 +686,45 @@ class RemoteEnv:
   aclose = close
 
 
+async def wait_workers(urls, timeout_s: float, say=print) -> None:
+  """Returns once every worker at `urls` answers /health with 200; says once which it
+  waits for (and why); InfraError after `timeout_s`; ValueError at once for a URL that
+  answers /health as something else than an environment worker (a rollout server)."""
+  urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
+  deadline, said = time.monotonic() + timeout_s, set()
+  async with httpx.AsyncClient(timeout=5.0, verify=shared_tls()) as client:
+    while urls:
+      waiting = []
+      for url in urls:
+        try:
+          r = await client.get(f"{url}/health")
+          last = f"HTTP {r.status_code}: {r.text[:200]}"
+          if r.status_code == 200:
+            try:
+              health = r.json()
+            except ValueError:
+              health = None
+            if not (isinstance(health, dict) and "call_wall_s" in health):
+              raise ValueError(f"{url} answers /health but is not an environment worker "
+                               f"(python -m envs.server): {r.text[:200]}")
+            if url in said:
+              say(f"{url} is ready")
+            continue
+        except httpx.HTTPError as e:
+          last = f"{type(e).__name__}: {e}"
+        if time.monotonic() >= deadline:
+          raise InfraError("env_worker", f"{url}/health did not answer 200 within "
+                           f"{timeout_s:.0f} s (env.startup_wait_s; last: {last})")
+        if url not in said:
+          say(f"waiting up to {timeout_s:.0f} s for the environment worker {url} to be "
+              f"ready ({last})")
+          said.add(url)
+        waiting.append(url)
+      urls = waiting
+      if urls:
+        await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+
+
 def access_problem(urls, token: Optional[str], timeout_s: float = 5.0) -> Optional[str]:
   """What stops a process holding the environment token `token` from opening sessions on
   the workers at `urls` (their `GET /access`): one whose token it lacks or holds another

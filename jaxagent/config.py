@@ -401,6 +401,9 @@ class EnvConfig:
   """Environments: in-process (no urls) or `envs.server` workers."""
 
   urls: list[str] = dataclasses.field(default_factory=list)
+  # With urls: how long a run waits at its start for its workers to answer /health (a
+  # cluster starts the learner and the workers together).
+  startup_wait_s: float = 600.0
   # Modules that register environments of your own (`@envs.base.register`): module names
   # on the path or .py files (relative to the working directory). Imported by the run
   # (in-process environments), and by the env workers `launch` starts or deploys.

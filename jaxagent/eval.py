@@ -265,7 +265,8 @@ async def run(args) -> dict:
   from jaxagent.build import build_model
   from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
   from jaxagent.run_checks import check_config
-  from jaxagent.run_services import Serving, attach_judge, make_env_factory, task_tools
+  from jaxagent.run_services import (Serving, attach_judge, env_workers_ready,
+                                     make_env_factory, task_tools)
   from rollout_server.serving import resolve_policy
 
   cfg = run_config_of(args.policy, args.config)
@@ -288,6 +289,7 @@ async def run(args) -> dict:
   tasks = load_tasks(args.tasks, unique=True)
   if args.limit:
     tasks = tasks[:args.limit]
+  await env_workers_ready(cfg)
   env_factory, close_envs = make_env_factory(cfg)
   path, version = resolve_policy(args.policy, None)
   serving = None

@@ -128,7 +128,8 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
                   "checkpoint.every_steps": c.every_steps,
                   "checkpoint.export_every": c.export_every,
                   "checkpoint.canary_tasks": c.canary_tasks,
-                  "serving.startup_wait_s": cfg.serving.startup_wait_s}
+                  "serving.startup_wait_s": cfg.serving.startup_wait_s,
+                  "env.startup_wait_s": cfg.env.startup_wait_s}
   not_negative["agent.keep_last_messages"] = a.keep_last_messages
   for key, value in not_negative.items():
     if not value >= 0:  # (nan too)

@@ -135,6 +135,20 @@ class Serving:
       m.orch.stop()
 
 
+async def env_workers_ready(cfg: config_lib.RunConfig, say=print) -> None:
+  """With `env.urls`, returns once every worker answers /health (a cluster starts them
+  with the learner), waiting up to `env.startup_wait_s`; a URL that answers as something
+  else than a worker is a ConfigError."""
+  if not cfg.env.urls:
+    return
+  from envs.server import wait_workers
+
+  try:
+    await wait_workers(cfg.env.urls, cfg.env.startup_wait_s, say)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"env.urls: {e}") from None
+
+
 def make_env_factory(cfg: config_lib.RunConfig):
   """`factory(task) -> Env` (in-process or a remote worker's), and a closer. With
   `env.latency` set, every environment waits that made-up time at each step. The

@@ -40,8 +40,8 @@ from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, restore, write_run_config
 from jaxagent.run_checks import served_scorers
 from jaxagent.run_dir import compare_canary, dependency_versions, play_canary, trajectories_file
-from jaxagent.run_services import (Serving, attach_judge, first_tasks, make_env_factory,
-                                   run_meshes, score_segments, task_tools)
+from jaxagent.run_services import (Serving, attach_judge, env_workers_ready, first_tasks,
+                                   make_env_factory, run_meshes, score_segments, task_tools)
 from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share,
                                 carries_signal, episode_index, no_step_warning, pack_groups,
                                 trim_batch)
@@ -233,6 +233,7 @@ class TrainingRun:
 
     cfg, run_dir = self.cfg, self.run_dir
     self.mesh, serving_mesh = run_meshes(cfg.mesh, cfg.serving.devices)
+    await env_workers_ready(cfg, lambda m: print(m, flush=True) if self.primary else None)
     env_factory, close_envs = make_env_factory(cfg)
     self.env_factory, self.close_envs = env_factory, close_envs
     try:  # the chat template must render the tools the tasks offer

@@ -147,11 +147,13 @@ def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
   run_dir = str(tmp_path / "run")
   args = ["--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=50", *SMALL,
           "rollout.infra_window=16", "rollout.infra_grace_s=2"]
-  proc = run_train(*args, f"env.urls=[http://127.0.0.1:{port}]", timeout=300)
+  proc = run_train(*args, f"env.urls=[http://127.0.0.1:{port}]", "env.startup_wait_s=1",
+                   timeout=300)
   assert proc.returncode == 3, proc.stderr[-3000:]
   line = proc.stderr.strip().splitlines()[-1]
   assert line.startswith("error: the infrastructure failed: env_worker: ") and \
-      "Traceback" not in proc.stderr and "--resume" not in line, line
+      "env.startup_wait_s" in line and "Traceback" not in proc.stderr and \
+      "--resume" not in line, line
 
   worker, url, _ = start_worker(tmp_path)
   train = subprocess.Popen([sys.executable, "-m", "jaxagent.train", *args, f"env.urls=[{url}]"],
@@ -178,7 +180,7 @@ def test_environment_workers_that_are_down_stop_the_run_with_one_line(tmp_path):
   assert os.listdir(os.path.join(run_dir, "checkpoints"))  # saved on the way out
   assert len(read_metrics(run_dir)) < 50
   # Resumed while its worker is still gone: the hint is not the command that just failed.
-  proc = run_train("--run-dir", run_dir, "--resume", timeout=300)
+  proc = run_train("--run-dir", run_dir, "--resume", "env.startup_wait_s=1", timeout=300)
   assert proc.returncode == 3, proc.stderr[-3000:]
   assert proc.stderr.strip().endswith(
       f"(then: python -m jaxagent.train --run-dir {run_dir} --resume with those services "

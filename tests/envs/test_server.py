@@ -569,3 +569,58 @@ def test_http_clients_share_one_tls_context(monkeypatch):
   httpx.AsyncClient()  # (without it, httpx loads them for the client: the patch sees it)
   assert len(loads) == 1
 
+
+
+def test_a_run_waits_at_its_start_for_workers_starting_beside_it(monkeypatch):
+  """A cluster starts the learner and its workers together: a run's start waits for each
+  worker's /health (saying so, once), a URL that never answers stops it after
+  env.startup_wait_s naming that, and one that answers as something else than a worker
+  (a rollout server) is the config's error at once (a wrong URL was an infrastructure
+  failure at the first reset, exit 3, without a word of waiting)."""
+  from fastapi import FastAPI
+
+  from envs.server import wait_workers
+  from jaxagent import config as config_lib
+  from jaxagent.launch import free_port
+  from jaxagent.run_services import env_workers_ready
+
+  resources = EnvResources(sandboxes=1)
+  port = free_port()
+  late = f"http://127.0.0.1:{port}"
+  said = []
+
+  async def start_late():
+    await asyncio.sleep(1.5)
+    return ServerThread(create_app(resources), port=port).start()
+
+  async def both():
+    return await asyncio.gather(wait_workers([late, late + "/"], 60, said.append),
+                                start_late())
+
+  t0 = time.monotonic()
+  _, server = asyncio.run(both())
+  try:
+    assert 1.5 <= time.monotonic() - t0 < 20
+    assert said == [f"waiting up to 60 s for the environment worker {late} to be ready "
+                    "(ConnectError: All connection attempts failed)", f"{late} is ready"]
+    said.clear()
+    asyncio.run(wait_workers([server.url], 60, said.append))  # (up: nothing said)
+    assert said == []
+    gone = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(InfraError, match=f"{gone}/health did not answer 200 within 1 s "
+                       r"\(env.startup_wait_s; last: ConnectError"):
+      asyncio.run(wait_workers([server.url, gone], 1, said.append))
+    assert time.monotonic() - t0 < 10
+    other = FastAPI()
+    other.get("/health")(lambda: {"status": "ok"})
+    with ServerThread(other) as not_a_worker:
+      cfg = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
+                            [f'env.urls=["{server.url}", "{not_a_worker.url}"]'])
+      with pytest.raises(config_lib.ConfigError,
+                         match=f"env.urls: {not_a_worker.url} answers /health but is not "
+                         r"an environment worker \(python -m envs.server\)"):
+        asyncio.run(env_workers_ready(cfg, said.append))
+  finally:
+    server.stop()
+    resources.close()
