@@ -589,214 +589,278 @@ async def run_whitebox(env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig
   its turns are taken as logged (token-exact) while the environment is stepped through
   their actions and checked against the logged observations; then the episode goes on,
   sampling with the seeds of the logged session."""
-  t_start = time.perf_counter()
-  manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)
-  ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
-  status, reason = "completed", ""
-  waiting = {"on": "env", "since": t_start}  # what the episode waits on now
-  look: dict = {}  # how the turn in flight stood at the agent's last look
-  limit = cfg.max_context_tokens  # lowered when the engine refuses a shorter prompt
-  measured = MeasuredEnv(env, cfg.env_call_deadline_s)  # its calls' waits on shared infrastructure and own time
-  offered = []  # the tool schemas the environment offered
-  compacted_at: list[int] = []  # turns before which the context was compacted
-  seed_session = replay.start.get("session_id", session_id) if replay is not None \
-      else session_id
+  return await _Whitebox(env, task, engine, tokenizer, cfg, session_id, group_id, log,
+                         replay).run()
 
-  def wait_on(what):
-    waiting.update(on=what, since=time.perf_counter())
-    look.clear()  # (a turn's look is its own: a compaction's wait starts with none)
 
-  async def at_cut() -> None:
+class _Whitebox:
+  """One episode of `run_whitebox`: what it has played so far, and its parts (a turn's
+  context fitted, its tokens replayed or sampled, its action stepped; the cut judged)."""
+
+  def __init__(self, env, task, engine, tokenizer: Tokenizer, cfg: AgentConfig,
+               session_id: str, group_id: str, log: Optional[EpisodeLog],
+               replay: Optional[Replay]):
+    self.env, self.task, self.engine, self.tokenizer, self.cfg = env, task, engine, tokenizer, cfg
+    self.session_id, self.log, self.replay = session_id, log, replay
+    self.t_start = time.perf_counter()
+    self.manager = TrajectoryManager(session_id, task_id=task.id, group_id=group_id)
+    self.ep = Episode(task.id, session_id, group_id, [], [], {}, "completed")
+    self.status, self.reason = "completed", ""
+    self.waiting = {"on": "env", "since": self.t_start}  # what the episode waits on now
+    self.look: dict = {}  # how the turn in flight stood at the agent's last look
+    self.limit = cfg.max_context_tokens  # lowered when the engine refuses a shorter prompt
+    # its calls' waits on shared infrastructure and own time
+    self.measured = MeasuredEnv(env, cfg.env_call_deadline_s)
+    self.offered: list = []  # the tool schemas the environment offered
+    self.compacted_at: list[int] = []  # turns before which the context was compacted
+    self.seed_session = replay.start.get("session_id", session_id) if replay is not None \
+        else session_id
+    self.messages: list = []  # the conversation so far
+    self.tools: Optional[list] = None
+    self.prompt = None  # its tokens, rendered (None: not yet)
+
+  def wait_on(self, what: str) -> None:
+    self.waiting.update(on=what, since=time.perf_counter())
+    self.look.clear()  # (a turn's look is its own: a compaction's wait starts with none)
+
+  async def at_cut(self) -> None:
     """At a cut, before the turn in flight is cancelled: how long its tokens took."""
-    rid = look.get("rid") if waiting["on"] == "server" else None
-    if rid is None or not callable(getattr(engine, "progress", None)):
+    rid = self.look.get("rid") if self.waiting["on"] == "server" else None
+    if rid is None or not callable(getattr(self.engine, "progress", None)):
       return
     with contextlib.suppress(Exception):
-      now = await asyncio.wait_for(engine.progress(rid), 10.0)
+      now = await asyncio.wait_for(self.engine.progress(rid), 10.0)
       if now is not None:
-        look["decode_s"] = reported_seconds(now.get("decode_s"))
+        self.look["decode_s"] = reported_seconds(now.get("decode_s"))
 
-  def too_long(turn: int, prompt) -> tuple[str, str]:
-    """The truncation of a conversation that outgrew the context. Before the policy wrote
-    a token (the task's first prompt) it is `first_prompt_too_long`, with what to raise
-    (`ep.unfit`): a run whose every episode ends so stops saying it (it played new groups
-    for ever without a word)."""
+  def too_long(self, turn: int) -> None:
+    """Ends a conversation that outgrew the context in a truncation. Before the policy
+    wrote a token (the task's first prompt) it is `first_prompt_too_long`, with what to
+    raise (`ep.unfit`): a run whose every episode ends so stops saying it (it played new
+    groups for ever without a word)."""
     if turn:
-      return "truncated", "token_cap"
-    where = ("agent.max_context_tokens" if limit == cfg.max_context_tokens else
+      self.status, self.reason = "truncated", "token_cap"
+      return
+    cfg, task = self.cfg, self.task
+    where = ("agent.max_context_tokens" if self.limit == cfg.max_context_tokens else
              "what the engine takes (serving.engine.max_prefill_length)")
-    ep.unfit = (
-        f"task {task.id!r} ({task.env}): its first prompt is {len(prompt)} tokens, which "
-        f"with agent.max_new_tokens ({cfg.max_new_tokens}) is over {where} ({limit}): raise "
-        "agent.max_context_tokens, serving.engine.max_prefill_length and max_seq_len, and "
-        "data.seq_len (the tools an environment offers add their schemas to every prompt)")
-    return "truncated", FIRST_PROMPT_TOO_LONG
+    self.ep.unfit = (
+        f"task {task.id!r} ({task.env}): its first prompt is {len(self.prompt)} tokens, "
+        f"which with agent.max_new_tokens ({cfg.max_new_tokens}) is over {where} "
+        f"({self.limit}): raise agent.max_context_tokens, serving.engine.max_prefill_length "
+        "and max_seq_len, and data.seq_len (the tools an environment offers add their "
+        "schemas to every prompt)")
+    self.status, self.reason = "truncated", FIRST_PROMPT_TOO_LONG
 
-  async def play():
-    nonlocal status, reason, limit
-    obs = await measured.reset(task)  # (a task that cannot start: TaskError)
-    messages, tools = list(obs.messages), list(obs.tools) or None
-    offered[:] = tools or []
-    prompt = None
+  async def play(self) -> None:
+    """The episode's turns, from the environment's reset to its end or a cap."""
+    cfg = self.cfg
+    obs = await self.measured.reset(self.task)  # (a task that cannot start: TaskError)
+    self.messages, self.tools = list(obs.messages), list(obs.tools) or None
+    self.offered[:] = self.tools or []
     for turn in range(cfg.max_turns):
-      if prompt is None:
-        prompt = tokenizer.apply_chat_template(messages, tools=tools)
-      while True:  # twice at most: a compaction when the engine refuses the prompt
-        if len(prompt) + cfg.max_new_tokens > limit:
-          if cfg.compaction == "none" or turn in compacted_at:
-            status, reason = too_long(turn, prompt)
-            return
-          wait_on("server")
-          t0 = time.perf_counter()
-          try:
-            messages, summary = await _compact(
-                messages, cfg, engine=engine, tokenizer=tokenizer, session_id=seed_session,
-                turn=turn, logged=replay.summaries.get(turn) if replay is not None else None,
-                limit=limit, look=look)
-          except InfraError as e:
-            if e.kind != "prompt_too_long":
-              raise
-            status, reason = too_long(turn, prompt)  # too long even to summarise
-            return
-          # (the policy's summary: its tokens' time is its own, as a turn's)
-          took = time.perf_counter() - t0
-          ep.generate_s += took
-          ep.decode_s += min(look.get("summary_s", 0.0), took)
-          if log is not None and summary is not None:  # the next prompts are built on it
-            await _commit(log, log.summary, turn, summary)
-          wait_on("env")
-          compacted_at.append(turn)
-          ep.compactions += 1
-          prompt = tokenizer.apply_chat_template(messages, tools=tools)
-          if len(prompt) + cfg.max_new_tokens > limit:
-            status, reason = too_long(turn, prompt)
-            return
-        record = None
-        if replay is not None:  # committed by the run that died: taken as it was sampled
-          try:
-            record = replay.next_turn(prompt)
-          except ValueError as e:
-            raise InfraError("wal_replay", str(e)) from None
-        from_log = record is not None
-        ep.replayed_turns += from_log
-        if not from_log:
-          sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                    top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                                    stop_token_ids=tuple(tokenizer.stop_ids),
-                                    seed=_seed(seed_session, turn))
-          t0 = time.perf_counter()
-          wait_on("server")
-          try:
-            record = await _generate(engine, prompt, sampling, session_id,
-                                     cfg.turn_deadline_s, cfg.turn_retries, look)
-          except InfraError as e:
-            if e.kind != "prompt_too_long":
-              raise
-            # The conversation outgrew what the engine takes (its max_prefill_length
-            # below max_context_tokens): the policy's length, so compacted (when on) or
-            # a truncation, scored; a drop would re-roll every episode that ran long.
-            wait_on("env")
-            limit = len(prompt) + cfg.max_new_tokens - 1
-            continue
-          wait_on("env")
-          took = time.perf_counter() - t0
-          ep.generate_s += took
-          ep.decode_s += min(record.decode_s, took)
-        break
-      if log is not None:  # the commit, before the environment sees the action
-        await _commit(log, log.turn, turn, record)
-      out = record.output_ids
-      text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out)
-      response = {"role": "assistant", "content": text}
-      record.messages, record.response = list(messages), response
-      manager.add_turn(record, turn)
-      ep.turns += 1
-      ep.output_tokens += len(out)
-      messages.append(response)
-      step = await measured.step(text)
-      ep.turn_rewards.append(float(step.reward))  # (before the log's commit: a cut there
-      # kept the step's reward from the episode, a 0 in its place)
-      state = (env.state_hash() if (log is not None or from_log)
-               and callable(getattr(env, "state_hash", None)) else None)
-      if from_log and turn in replay.hashes and (
-          (observation_hash(step), state) != replay.hashes[turn]):
-        raise InfraError("wal_replay", f"turn {turn}: the environment answered the logged "
-                                       "action differently (not deterministic)")
-      if log is not None:
-        await _commit(log, log.observation, turn, step, state)
-      info = step.info or {}
-      ep.tool_latencies_s += list(info.get("tool_latency_s", []))
-      new_messages = list(step.observation.messages)
-      if not (step.terminated or step.truncated):
-        prompt = next_prompt(tokenizer, messages, record, new_messages, tools)
-      messages += new_messages
-      if step.terminated:
+      if self.prompt is None:
+        self.prompt = self.tokenizer.apply_chat_template(self.messages, tools=self.tools)
+      turn_record = await self._next_turn(turn)
+      if turn_record is None or await self._act(turn, *turn_record):
         return
-      if step.truncated:
-        status, reason = "truncated", info.get("truncation", "env")
-        return
-    status, reason = "truncated", "turn_cap"
+    self.status, self.reason = "truncated", "turn_cap"
 
-  async def waited() -> float:
+  async def _next_turn(self, turn: int):
+    """The turn's record and whether it came from the replayed log, the context compacted
+    first where it outgrew the limit; None where it is too long (the episode truncated)."""
+    while True:  # twice at most: a compaction when the engine refuses the prompt
+      if len(self.prompt) + self.cfg.max_new_tokens > self.limit and \
+          not await self._compacted(turn):
+        return None
+      if self.replay is not None:  # committed by the run that died: taken as it was sampled
+        try:
+          record = self.replay.next_turn(self.prompt)
+        except ValueError as e:
+          raise InfraError("wal_replay", str(e)) from None
+        if record is not None:
+          self.ep.replayed_turns += 1
+          return record, True
+      record = await self._sampled(turn)
+      if record is not None:
+        return record, False
+
+  async def _compacted(self, turn: int) -> bool:
+    """Summarises the conversation to fit the limit (`agent.compaction`); False where it
+    cannot (off, done before this turn already, or too long even so): truncated."""
+    cfg, ep, look = self.cfg, self.ep, self.look
+    if cfg.compaction == "none" or turn in self.compacted_at:
+      self.too_long(turn)
+      return False
+    self.wait_on("server")
+    t0 = time.perf_counter()
+    try:
+      self.messages, summary = await _compact(
+          self.messages, cfg, engine=self.engine, tokenizer=self.tokenizer,
+          session_id=self.seed_session, turn=turn,
+          logged=self.replay.summaries.get(turn) if self.replay is not None else None,
+          limit=self.limit, look=look)
+    except InfraError as e:
+      if e.kind != "prompt_too_long":
+        raise
+      self.too_long(turn)  # too long even to summarise
+      return False
+    # (the policy's summary: its tokens' time is its own, as a turn's)
+    took = time.perf_counter() - t0
+    ep.generate_s += took
+    ep.decode_s += min(look.get("summary_s", 0.0), took)
+    if self.log is not None and summary is not None:  # the next prompts are built on it
+      await _commit(self.log, self.log.summary, turn, summary)
+    self.wait_on("env")
+    self.compacted_at.append(turn)
+    ep.compactions += 1
+    self.prompt = self.tokenizer.apply_chat_template(self.messages, tools=self.tools)
+    if len(self.prompt) + cfg.max_new_tokens > self.limit:
+      self.too_long(turn)
+      return False
+    return True
+
+  async def _sampled(self, turn: int):
+    """The turn's tokens sampled by the engine; None where the engine refused the prompt
+    as too long (the limit lowered to what it takes, for the next fit)."""
+    cfg, tokenizer = self.cfg, self.tokenizer
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              max_new_tokens=cfg.max_new_tokens,
+                              stop_token_ids=tuple(tokenizer.stop_ids),
+                              seed=_seed(self.seed_session, turn))
+    t0 = time.perf_counter()
+    self.wait_on("server")
+    try:
+      record = await _generate(self.engine, self.prompt, sampling, self.session_id,
+                               cfg.turn_deadline_s, cfg.turn_retries, self.look)
+    except InfraError as e:
+      if e.kind != "prompt_too_long":
+        raise
+      # The conversation outgrew what the engine takes (its max_prefill_length below
+      # max_context_tokens): the policy's length, so compacted (when on) or a
+      # truncation, scored; a drop would re-roll every episode that ran long.
+      self.wait_on("env")
+      self.limit = len(self.prompt) + cfg.max_new_tokens - 1
+      return None
+    self.wait_on("env")
+    took = time.perf_counter() - t0
+    self.ep.generate_s += took
+    self.ep.decode_s += min(record.decode_s, took)
+    return record
+
+  async def _act(self, turn: int, record, from_log: bool) -> bool:
+    """Commits the turn, steps the environment with its text and takes the observation
+    into the conversation; True where that ended the episode."""
+    ep, log, replay, tokenizer = self.ep, self.log, self.replay, self.tokenizer
+    if log is not None:  # the commit, before the environment sees the action
+      await _commit(log, log.turn, turn, record)
+    out = record.output_ids
+    text = tokenizer.decode(out[:-1] if out and out[-1] in tokenizer.stop_ids else out)
+    response = {"role": "assistant", "content": text}
+    record.messages, record.response = list(self.messages), response
+    self.manager.add_turn(record, turn)
+    ep.turns += 1
+    ep.output_tokens += len(out)
+    self.messages.append(response)
+    step = await self.measured.step(text)
+    ep.turn_rewards.append(float(step.reward))  # (before the log's commit: a cut there
+    # kept the step's reward from the episode, a 0 in its place)
+    env = self.env
+    state = (env.state_hash() if (log is not None or from_log)
+             and callable(getattr(env, "state_hash", None)) else None)
+    if from_log and turn in replay.hashes and (
+        (observation_hash(step), state) != replay.hashes[turn]):
+      raise InfraError("wal_replay", f"turn {turn}: the environment answered the logged "
+                                     "action differently (not deterministic)")
+    if log is not None:
+      await _commit(log, log.observation, turn, step, state)
+    info = step.info or {}
+    ep.tool_latencies_s += list(info.get("tool_latency_s", []))
+    new_messages = list(step.observation.messages)
+    if not (step.terminated or step.truncated):
+      self.prompt = next_prompt(tokenizer, self.messages, record, new_messages, self.tools)
+    self.messages += new_messages
+    if step.truncated and not step.terminated:
+      self.status, self.reason = "truncated", info.get("truncation", "env")
+    return step.terminated or step.truncated
+
+  async def waited(self) -> float:
     """The episode's waits on shared infrastructure so far, a running call's included
     (a remote one's asked of its worker only when the budget seems spent)."""
-    total = await measured.waited(ask_worker=False)
-    if time.perf_counter() - t_start - total >= cfg.episode_deadline_s:
-      total = await measured.waited()
+    total = await self.measured.waited(ask_worker=False)
+    if time.perf_counter() - self.t_start - total >= self.cfg.episode_deadline_s:
+      total = await self.measured.waited()
     return total
 
-  try:
-    # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
-    with measured.episode():
-      await waits.within(asyncio.ensure_future(play()), waited, cfg.episode_deadline_s,
-                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25,
-                         on_cut=at_cut)
-    verdict = await graded(measured.verify(), cfg, measured.waited)
-    ep.verdict = verdict.to_dict()
-    if verdict.is_infra_error:
-      status, reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", True, \
-          "verifier"
-    else:
-      ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
-  except (asyncio.TimeoutError, waits.WallCut) as cut:
-    # The episode's own time (waits on shared infrastructure left out) ran out, or its
-    # wall time. Spent mostly waiting on the server, it is infrastructure; mostly in the
-    # environment (the policy's tool calls, each bounded by its sandbox limits, and the
-    # crowd its own run makes), it is the policy's: a truncation, scored.
+  async def run(self) -> Episode:
+    """Plays the episode within its deadlines and grades it: the episode, its segments."""
+    cfg, ep, measured = self.cfg, self.ep, self.measured
+    try:
+      # (at least 0.25 s a look: while a remote call waits, `waited()` asks its worker)
+      with measured.episode():
+        await waits.within(asyncio.ensure_future(self.play()), self.waited,
+                           cfg.episode_deadline_s, EPISODE_WALL_FACTOR * cfg.episode_deadline_s,
+                           self.t_start, look_s=0.25, on_cut=self.at_cut)
+      verdict = await graded(measured.verify(), cfg, measured.waited)
+      ep.verdict = verdict.to_dict()
+      if verdict.is_infra_error:
+        self.status, self.reason = "failed", "verifier_infra_error"
+        ep.infra_error, ep.infra_kind = True, "verifier"
+      else:
+        ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
+    except (asyncio.TimeoutError, waits.WallCut) as cut:
+      self._cut(cut)
+    except InfraError as e:  # a server, worker, sandbox or network failure: not a score
+      self.status, self.reason = "failed", str(e)[:300]
+      ep.infra_error, ep.infra_kind = True, e.kind
+    finally:
+      await measured.end(ep)
+    return self._finished()
+
+  def _cut(self, cut: BaseException) -> None:
+    """The episode's own time (waits on shared infrastructure left out) ran out, or its
+    wall time. Spent mostly waiting on the server, it is infrastructure; mostly in the
+    environment (the policy's tool calls, each bounded by its sandbox limits, and the
+    crowd its own run makes), it is the policy's: a truncation, scored."""
+    ep, look = self.ep, self.look
     # (a cut environment call's time is in `measured`, its worker's waits too)
     # The turn in flight: its tokens' time so far is the policy's too (as the server
     # said at the cut, or at the last look; and its parts' before a weight update).
-    in_flight = time.perf_counter() - waiting["since"] if waiting["on"] == "server" else 0.0
+    in_flight = time.perf_counter() - self.waiting["since"] \
+        if self.waiting["on"] == "server" else 0.0
     own = min(in_flight, look.get("done_s", 0.0) + look.get("decode_s", 0.0))
     server_s = ep.generate_s - ep.decode_s + in_flight - own
-    kind, infra = judge_cut(cut, server_s, "waiting on the server", measured,
-                             ep.decode_s + own)
+    kind, infra = judge_cut(cut, server_s, "waiting on the server", self.measured,
+                            ep.decode_s + own)
     if infra:
-      status, reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
-    else:
-      status, reason = "truncated", kind
-      ep.verdict = {"status": "fail", "reward": 0.0}
-      # The turn whose step the cut stopped is in the segments with no reward: it is
-      # scored 0 with the rest (left out, the chunk estimator gave the turn that ran out
-      # the clock advantage 0, and a cut in the first step hid the whole failure from
-      # the baseline and the loss: red team 17; the black-box agent pads so too).
-      # (one at least, as a verdict gives an episode cut in its first turn's decoding)
-      ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (
-          max(ep.turns, 1) - len(ep.turn_rewards))
-  except InfraError as e:  # a server, worker, sandbox or network failure: not a score
-    status, reason, ep.infra_error, ep.infra_kind = "failed", str(e)[:300], True, e.kind
-  finally:
-    await measured.end(ep)
-  ep.status, ep.reason = status, reason
-  ep.latency_s = time.perf_counter() - t_start
-  ep.segments = manager.segments(status=status, reason=reason, reward=ep.reward,
-                                 turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
-  for seg in ep.segments:  # a segment that a compaction cut says so
-    last_turn = int(seg.turn_ids.max()) if len(seg.turn_ids) else -1
-    if any(t > last_turn for t in compacted_at):
-      seg.reason = "context_compacted"
-  stamp(ep.segments, provenance(tokenizer, offered, cfg, ep.verdict, task))
-  if log is not None:
-    log.end(status, reason)
-    log.close()
-  return ep
+      self.status, self.reason = "failed", infra
+      ep.infra_error, ep.infra_kind = True, kind
+      return
+    self.status, self.reason = "truncated", kind
+    ep.verdict = {"status": "fail", "reward": 0.0}
+    # The turn whose step the cut stopped is in the segments with no reward: it is
+    # scored 0 with the rest (left out, the chunk estimator gave the turn that ran out
+    # the clock advantage 0, and a cut in the first step hid the whole failure from
+    # the baseline and the loss: red team 17; the black-box agent pads so too).
+    # (one at least, as a verdict gives an episode cut in its first turn's decoding)
+    ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (
+        max(ep.turns, 1) - len(ep.turn_rewards))
+
+  def _finished(self) -> Episode:
+    """The episode with its outcome and its segments, stamped; its log ended."""
+    ep = self.ep
+    ep.status, ep.reason = self.status, self.reason
+    ep.latency_s = time.perf_counter() - self.t_start
+    ep.segments = self.manager.segments(status=self.status, reason=self.reason,
+                                        reward=ep.reward, turn_rewards=list(ep.turn_rewards),
+                                        verdict=ep.verdict)
+    for seg in ep.segments:  # a segment that a compaction cut says so
+      last_turn = int(seg.turn_ids.max()) if len(seg.turn_ids) else -1
+      if any(t > last_turn for t in self.compacted_at):
+        seg.reason = "context_compacted"
+    stamp(ep.segments, provenance(self.tokenizer, self.offered, self.cfg, ep.verdict,
+                                  self.task))
+    if self.log is not None:
+      self.log.end(self.status, self.reason)
+      self.log.close()
+    return ep
