@@ -689,34 +689,45 @@ class RemoteEnv:
 async def wait_workers(urls, timeout_s: float, say=print) -> None:
   """Returns once every worker at `urls` answers /health with 200; says once which it
   waits for (and why); InfraError after `timeout_s`; ValueError at once for a URL that
-  answers /health as something else than an environment worker (a rollout server)."""
+  answers /health as something else than an environment worker (a rollout server, or
+  a 404: a wrong path)."""
   urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
   deadline, said = time.monotonic() + timeout_s, set()
+
+  async def up(client: httpx.AsyncClient, url: str) -> Optional[str]:
+    """None once `url` answers as a worker; else what it answered."""
+    try:
+      r = await client.get(f"{url}/health")
+    except httpx.HTTPError as e:
+      return f"{type(e).__name__}: {e}"
+    if r.status_code == 404:
+      raise ValueError(f"{url}/health is not found there (404): not an environment "
+                       "worker's URL (python -m envs.server)")
+    if r.status_code != 200:
+      return f"HTTP {r.status_code}: {r.text[:200]}"
+    try:
+      health = r.json()
+    except ValueError:
+      health = None
+    if not (isinstance(health, dict) and "call_wall_s" in health):
+      raise ValueError(f"{url} answers /health but is not an environment worker "
+                       f"(python -m envs.server): {r.text[:200]}")
+    return None
+
   async with httpx.AsyncClient(timeout=5.0, verify=shared_tls()) as client:
-    while urls:
+    while urls:  # (all at once: a round costs one timeout, not one a worker)
+      answers = await asyncio.gather(*(up(client, url) for url in urls))
       waiting = []
-      for url in urls:
-        try:
-          r = await client.get(f"{url}/health")
-          last = f"HTTP {r.status_code}: {r.text[:200]}"
-          if r.status_code == 200:
-            try:
-              health = r.json()
-            except ValueError:
-              health = None
-            if not (isinstance(health, dict) and "call_wall_s" in health):
-              raise ValueError(f"{url} answers /health but is not an environment worker "
-                               f"(python -m envs.server): {r.text[:200]}")
-            if url in said:
-              say(f"{url} is ready")
-            continue
-        except httpx.HTTPError as e:
-          last = f"{type(e).__name__}: {e}"
+      for url, last in zip(urls, answers):
+        if last is None:
+          if url in said:
+            say(f"{url} is ready")
+          continue
         if time.monotonic() >= deadline:
           raise InfraError("env_worker", f"{url}/health did not answer 200 within "
-                           f"{timeout_s:.0f} s (env.startup_wait_s; last: {last})")
+                           f"{timeout_s:g} s (env.startup_wait_s; last: {last})")
         if url not in said:
-          say(f"waiting up to {timeout_s:.0f} s for the environment worker {url} to be "
+          say(f"waiting up to {timeout_s:g} s for the environment worker {url} to be "
               f"ready ({last})")
           said.add(url)
         waiting.append(url)

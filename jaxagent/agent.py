@@ -661,17 +661,20 @@ class _Whitebox:
     for turn in range(cfg.max_turns):
       if self.prompt is None:
         self.prompt = self.tokenizer.apply_chat_template(self.messages, tools=self.tools)
-      turn_record = await self._next_turn(turn)
-      if turn_record is None or await self._act(turn, *turn_record):
+      taken = await self._turn(turn)
+      if taken is None:  # (too long: truncated)
+        return
+      record, from_log = taken
+      if await self._act(turn, record, from_log):
         return
     self.status, self.reason = "truncated", "turn_cap"
 
-  async def _next_turn(self, turn: int):
+  async def _turn(self, turn: int) -> Optional[tuple[TurnRecord, bool]]:
     """The turn's record and whether it came from the replayed log, the context compacted
     first where it outgrew the limit; None where it is too long (the episode truncated)."""
     while True:  # twice at most: a compaction when the engine refuses the prompt
       if len(self.prompt) + self.cfg.max_new_tokens > self.limit and \
-          not await self._compacted(turn):
+          not await self._compact_to_fit(turn):
         return None
       if self.replay is not None:  # committed by the run that died: taken as it was sampled
         try:
@@ -685,7 +688,7 @@ class _Whitebox:
       if record is not None:
         return record, False
 
-  async def _compacted(self, turn: int) -> bool:
+  async def _compact_to_fit(self, turn: int) -> bool:
     """Summarises the conversation to fit the limit (`agent.compaction`); False where it
     cannot (off, done before this turn already, or too long even so): truncated."""
     cfg, ep, look = self.cfg, self.ep, self.look
@@ -720,7 +723,7 @@ class _Whitebox:
       return False
     return True
 
-  async def _sampled(self, turn: int):
+  async def _sampled(self, turn: int) -> Optional[TurnRecord]:
     """The turn's tokens sampled by the engine; None where the engine refused the prompt
     as too long (the limit lowered to what it takes, for the next fit)."""
     cfg, tokenizer = self.cfg, self.tokenizer
@@ -748,7 +751,7 @@ class _Whitebox:
     self.ep.decode_s += min(record.decode_s, took)
     return record
 
-  async def _act(self, turn: int, record, from_log: bool) -> bool:
+  async def _act(self, turn: int, record: TurnRecord, from_log: bool) -> bool:
     """Commits the turn, steps the environment with its text and takes the observation
     into the conversation; True where that ended the episode."""
     ep, log, replay, tokenizer = self.ep, self.log, self.replay, self.tokenizer
@@ -780,7 +783,7 @@ class _Whitebox:
     if not (step.terminated or step.truncated):
       self.prompt = next_prompt(tokenizer, self.messages, record, new_messages, self.tools)
     self.messages += new_messages
-    if step.truncated and not step.terminated:
+    if step.truncated and not step.terminated:  # (terminated: completed, truncated or not)
       self.status, self.reason = "truncated", info.get("truncation", "env")
     return step.terminated or step.truncated
 

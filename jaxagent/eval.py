@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxagent import config as config_lib, control
+from jaxagent.errors import InfraError
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -289,7 +290,7 @@ async def run(args) -> dict:
   tasks = load_tasks(args.tasks, unique=True)
   if args.limit:
     tasks = tasks[:args.limit]
-  await env_workers_ready(cfg)
+  await env_workers_ready(cfg, lambda m: print(m, file=sys.stderr, flush=True))
   env_factory, close_envs = make_env_factory(cfg)
   path, version = resolve_policy(args.policy, None)
   serving = None
@@ -388,6 +389,9 @@ def main(argv=None) -> int:
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except InfraError as e:  # (env.urls' workers not up within env.startup_wait_s)
+    print(f"error: the infrastructure failed: {e}: no report written", file=sys.stderr)
+    return 3
   except KeyboardInterrupt:  # (Ctrl-C: its episodes cancelled, no partial report)
     print("interrupted: no report written", file=sys.stderr)
     return 130

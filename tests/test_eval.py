@@ -296,6 +296,30 @@ def test_eval_cli_refuses_what_it_cannot_report_before_it_plays(tmp_path, capsys
     assert len(err.strip().splitlines()) == 1 and needle in err, (argv, err)
 
 
+def test_eval_waits_for_its_environment_workers_and_says_when_they_never_came(tmp_path,
+                                                                             capsys):
+  """A config naming env.urls: eval waits for the workers at its start, saying so on
+  stderr (its --json report is stdout's alone), and one that never answers is one line,
+  exit 3 (it was a traceback after the wait)."""
+  from jaxagent.launch import free_port
+
+  policy = tmp_path / "policy"
+  policy.mkdir()
+  gone = f"http://127.0.0.1:{free_port()}"
+  config = tmp_path / "run.yaml"
+  config.write_text(f'env:\n  urls: ["{gone}"]\n  startup_wait_s: 1\n')
+  argv = ["--policy", str(policy), "--config", str(config), "--tasks", HELD_OUT, "--json"]
+  assert eval_lib.main(argv) == 3
+  out, err = capsys.readouterr()
+  assert out == "" and "Traceback" not in err, err
+  assert err.splitlines() == [
+      f"waiting up to 1 s for the environment worker {gone} to be ready (ConnectError: "
+      "All connection attempts failed)",
+      f"error: the infrastructure failed: env_worker: {gone}/health did not answer 200 within "
+      "1 s (env.startup_wait_s; last: ConnectError: All connection attempts failed): no "
+      "report written"], err
+
+
 def _interrupted(*args):
   """What runs in place of the work: Ctrl-C (a real SIGINT to this process) in its midst."""
   async def work():

@@ -571,7 +571,7 @@ def test_http_clients_share_one_tls_context(monkeypatch):
 
 
 
-def test_a_run_waits_at_its_start_for_workers_starting_beside_it(monkeypatch):
+def test_a_run_waits_at_its_start_for_workers_starting_beside_it():
   """A cluster starts the learner and its workers together: a run's start waits for each
   worker's /health (saying so, once), a URL that never answers stops it after
   env.startup_wait_s naming that, and one that answers as something else than a worker
@@ -598,7 +598,11 @@ def test_a_run_waits_at_its_start_for_workers_starting_beside_it(monkeypatch):
                                 start_late())
 
   t0 = time.monotonic()
-  _, server = asyncio.run(both())
+  try:
+    _, server = asyncio.run(both())
+  except BaseException:
+    resources.close()
+    raise
   try:
     assert 1.5 <= time.monotonic() - t0 < 20
     assert said == [f"waiting up to 60 s for the environment worker {late} to be ready "
@@ -612,6 +616,9 @@ def test_a_run_waits_at_its_start_for_workers_starting_beside_it(monkeypatch):
                        r"\(env.startup_wait_s; last: ConnectError"):
       asyncio.run(wait_workers([server.url, gone], 1, said.append))
     assert time.monotonic() - t0 < 10
+    assert said == [f"waiting up to 1 s for the environment worker {gone} to be ready "
+                    "(ConnectError: All connection attempts failed)"]
+    said.clear()
     other = FastAPI()
     other.get("/health")(lambda: {"status": "ok"})
     with ServerThread(other) as not_a_worker:
@@ -621,6 +628,10 @@ def test_a_run_waits_at_its_start_for_workers_starting_beside_it(monkeypatch):
                          match=f"env.urls: {not_a_worker.url} answers /health but is not "
                          r"an environment worker \(python -m envs.server\)"):
         asyncio.run(env_workers_ready(cfg, said.append))
+      with pytest.raises(ValueError, match=f"{not_a_worker.url}/v1/health is not found "
+                         r"there \(404\)"):  # (a URL with a path of another service)
+        asyncio.run(wait_workers([f"{not_a_worker.url}/v1"], 60, said.append))
+    assert said == []
   finally:
     server.stop()
     resources.close()
