@@ -4,12 +4,14 @@ An `InfraError` is the infrastructure's fault, not the policy's: a rollout serve
 is down, overloaded or too slow (a turn deadline), an environment worker or sandbox
 that failed, the network. An episode that meets one is retried within its budget, then
 dropped and counted by `kind`; it is never trained as a score. Anything else an episode
-raises is a bug: it stops the run with its traceback instead of hiding as a failure.
+raises is a bug (`EpisodeBug`): it stops the run, naming its task and line, instead of
+hiding as a failure.
 """
 
 from __future__ import annotations
 
 import errno
+from typing import Optional
 
 
 class InfraError(RuntimeError):
@@ -24,6 +26,77 @@ class InfraError(RuntimeError):
 class TaskError(ValueError):
   """A task its environment cannot start (bad parameters in the task file): the data's
   fault, not a bug of the code and not the infrastructure's; the run stops naming it."""
+
+
+class EpisodeBug(RuntimeError):
+  """An episode raised what is neither the policy's outcome nor the infrastructure's
+  failure: a bug, mostly its environment's. The run stops naming the task and the line
+  that raised; `frames()` are the lines of the code outside this package that the error
+  passed through (an environment's own), for the message instead of the whole stack
+  through the run's loop (78 lines for a verify's ZeroDivisionError: a new user)."""
+
+  def __init__(self, task, error: BaseException, message: Optional[str] = None):
+    """`message`: None for the episode's (the task, where it raised, what)."""
+    from envs.base import raised_at
+
+    if message is None:
+      of = (f" of task {task.id!r} ({task.env})"
+            if hasattr(task, "id") and hasattr(task, "env") else "")
+      if getattr(error, "on_worker", False):  # (its line is in the worker's answer)
+        message = (f"an episode{of} failed on its environment worker (a bug, not an "
+                   f"infrastructure failure): {error}")
+      else:
+        message = (f"an episode{of} raised {type(error).__name__} at "
+                   f"{raised_at(error).rstrip(': ') or 'a line its traceback shows'} (a "
+                   f"bug, not an infrastructure failure): {error}")
+    super().__init__(message)
+    self.error = error
+
+  def frames(self) -> list[str]:
+    """`path:line in function: code` for each frame of `error`'s traceback outside this
+    package and the Python installation (an environment's), innermost last; [] for a
+    worker's (its answer names its line) or a bug of this package's own."""
+    import os
+    import sysconfig
+    import traceback
+
+    if getattr(self.error, "on_worker", False):
+      return []
+    import envs.base
+    import envs.waits
+
+    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+    # (the environment tier's plumbing: how an environment is called and timed)
+    plumbing = {os.path.abspath(m.__file__) for m in (envs.base, envs.waits)}
+    plumbing.add(os.path.join(os.path.dirname(os.path.abspath(envs.base.__file__)),
+                              "server.py"))
+    python = tuple(os.path.join(sysconfig.get_paths()[k], "")
+                   for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    out = []
+    for f in traceback.extract_tb(self.error.__traceback__):
+      path = os.path.abspath(f.filename)
+      if f.filename.startswith("<") or path.startswith((ours, *python)) or path in plumbing:
+        continue
+      if path.startswith(os.getcwd() + os.sep):
+        path = os.path.relpath(path)
+      out.append(f"{path}:{f.lineno} in {f.name}: {(f.line or '').strip()}")
+    return out
+
+  def say(self, then: str = "") -> None:
+    """Says the bug on stderr: the environment's lines it passed through, then one line
+    naming the task and the line that raised, and `then` (the whole traceback where none
+    of its lines is an environment's: a bug of this package's own)."""
+    import sys
+    import traceback
+
+    frames = self.frames()
+    if frames:
+      print("the environment's lines it passed through, innermost last:", file=sys.stderr)
+      for line in frames:
+        print(f"  {line}", file=sys.stderr)
+    elif not getattr(self.error, "on_worker", False):
+      traceback.print_exception(self.error, file=sys.stderr)
+    print(f"error: {self}{then}", file=sys.stderr, flush=True)
 
 
 class InfraOutage(RuntimeError):

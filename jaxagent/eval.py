@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxagent import config as config_lib, control
-from jaxagent.errors import InfraError
+from jaxagent.errors import EpisodeBug, InfraError, TaskError
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -313,8 +313,13 @@ async def run(args) -> dict:
     attach_judge(cfg, env_factory, serving, {t.env for t in tasks})
 
     async def play(task, session_id):
-      return await play_as_configured(env_factory(task), task, serving, tokenizer, agent,
-                                      session_id)
+      try:
+        return await play_as_configured(env_factory(task), task, serving, tokenizer, agent,
+                                        session_id)
+      except (TaskError, InfraError):  # (the task's: exit 2; the infrastructure's)
+        raise
+      except Exception as e:  # a bug: named with its task and line, as a run names it
+        raise EpisodeBug(task, e) from e
 
     t0 = time.time()
     # (an engine started here compiles on its first requests: not the policy's latency)
@@ -389,6 +394,9 @@ def main(argv=None) -> int:
   except (config_lib.ConfigError, ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except EpisodeBug as e:
+    e.say(": no report written")
+    return 1
   except InfraError as e:  # (env.urls' workers not up within env.startup_wait_s)
     print(f"error: the infrastructure failed: {e}: no report written", file=sys.stderr)
     return 3

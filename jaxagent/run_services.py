@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxagent import config as config_lib, control, distributed
 from jaxagent.blackbox import is_blackbox
-from jaxagent.errors import InfraError
+from jaxagent.errors import EpisodeBug, InfraError
 from jaxagent.run_checks import env_latency, served_scorers
 
 
@@ -277,8 +277,8 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
       # file's first task was a bare "invalid literal for int()": a new user)
       raise cannot_start(task, e) from e
     except Exception as e:  # the environment's bug: named with its task and its line
-      raise RuntimeError(f"task {task.id!r} ({task.env}): the environment's reset raised "
-                         f"{failure(e)} (a bug, not the task's)") from e
+      raise EpisodeBug(task, e, f"task {task.id!r} ({task.env}): the environment's reset "
+                       f"raised {failure(e)} (a bug, not the task's)") from e
     for t in obs.tools:
       try:  # (as the chat gateway takes them: a black-box agent's turns would be refused)
         ToolDef.model_validate(t)

@@ -51,7 +51,7 @@ from jaxagent import advantages
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
 from jaxagent.config import AdvantageConfig, RolloutConfig
-from jaxagent.errors import InfraOutage, RunWriteFailed, TaskError
+from jaxagent.errors import EpisodeBug, InfraOutage, RunWriteFailed, TaskError
 
 
 # Why a scheduler drops an episode or a group (`RolloutScheduler.dropped`; also counted
@@ -446,17 +446,7 @@ class RolloutScheduler:
       task = self.error_task
       if isinstance(task, dict):  # (a task re-queued from a checkpoint, as saved)
         task = types.SimpleNamespace(id=task.get("id"), env=task.get("env"))
-      of = (f" of task {task.id!r} ({task.env})" if hasattr(task, "id") and hasattr(task, "env")
-            else "")
-      from envs.base import raised_at
-
-      if getattr(self.error, "on_worker", False):  # (its line is in the worker's answer)
-        raise RuntimeError(f"an episode{of} failed on its environment worker (a bug, not an "
-                           f"infrastructure failure): {self.error}") from self.error
-      raise RuntimeError(f"an episode{of} raised {type(self.error).__name__} at "
-                         f"{raised_at(self.error).rstrip(': ') or 'a line its traceback shows'}"
-                         f" (a bug, not an infrastructure failure): {self.error}"
-                         ) from self.error
+      raise EpisodeBug(task, self.error) from self.error
 
   def pending_tasks(self) -> list:
     """Tasks started but not yet consumed (saved with a checkpoint, replayed on resume)."""

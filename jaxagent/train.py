@@ -30,8 +30,8 @@ import jax
 from jaxagent import config as config_lib, control, distributed
 from jaxagent.agreements import exit_code
 from jaxagent.checkpoint import CheckpointUnreadable
-from jaxagent.errors import (InfraError, InfraOutage, NonFiniteUpdate, PeerFailed, PeerLost,
-                             RunWriteFailed, TaskError, disk_hint)
+from jaxagent.errors import (EpisodeBug, InfraError, InfraOutage, NonFiniteUpdate, PeerFailed,
+                             PeerLost, RunWriteFailed, TaskError, disk_hint)
 from jaxagent.metrics import RecordsDamaged
 from jaxagent.run_checks import check_config
 from jaxagent.run_dir import (RunDirInUse, has_checkpoint, holds_a_run, lock_run_dir,
@@ -230,6 +230,10 @@ def main(argv=None) -> int:
                           *[a for m in cfg.env.imports for a in ("--import", m)],
                           cfg.data.tasks])
       print(f"error: data.tasks: {e} ({check} checks a task file)", file=sys.stderr)
+      return exit_code(e)
+    except EpisodeBug as e:  # (one line and the environment's own frames, not the stack
+      # through the run's loop; the whole of it for a bug of the run's own code)
+      e.say(f" (fixed, then: {resume_command(run_dir)})" if has_checkpoint(run_dir) else "")
       return exit_code(e)
     except PeerLost as e:
       if e.__cause__ is not None:  # (what failed here, for the log; the line says what to do)

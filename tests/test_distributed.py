@@ -225,9 +225,12 @@ def test_an_error_in_one_process_stops_every_process_at_once_with_its_checkpoint
   log = outs[0][-3000:] + outs[1][-3000:]
   if where == "env":
     assert codes == [1, 1], log
-    assert "ZeroDivisionError: an environment's bug on one process" in outs[bad], log
-    assert "Traceback" in outs[bad], log
-    told = "RuntimeError: an episode of task "
+    assert re.search(r"error: an episode of task '[^']+' \(\w+\) raised ZeroDivisionError "
+                     r"at tests/distributed/bug_on_one.py:\d+ \(a bug, not an infrastructure "
+                     r"failure\): an environment's bug on one process", outs[bad]), log
+    assert "  tests/distributed/bug_on_one.py:" in outs[bad], log  # (its frames, not all)
+    assert "Traceback" not in outs[bad], log
+    told = "EpisodeBug: an episode of task "
     assert re.search(r"an episode of task '[^']+' \(\w+\) raised ZeroDivisionError at "
                      r"tests/distributed/bug_on_one.py", outs[good]), log
   elif where == "batch":

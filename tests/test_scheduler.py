@@ -3,14 +3,17 @@ retries, filters, advantages and packing."""
 
 import asyncio
 import itertools
+import re
+import types
 
 import numpy as np
 import pytest
 
 from jaxagent.agent import Episode
 from jaxagent.config import AdvantageConfig, RolloutConfig
+from jaxagent.errors import EpisodeBug
 from jaxagent.batch import row_ladder
-from jaxagent.scheduler import RolloutScheduler, batch_rows, make_batch
+from jaxagent.scheduler import RolloutScheduler, batch_rows, episode_index, make_batch
 from jaxagent.trajectory import TrajectoryManager, TurnRecord
 
 
@@ -210,9 +213,49 @@ def test_a_bug_names_its_episodes_task_as_the_task_file_gave_it():
     finally:
       await s.stop()
 
-  with pytest.raises(RuntimeError, match=r"an episode of task 'unit/0' \(unit_convert\) "
-                     r"raised AttributeError at tests/test_scheduler.py:\d+"):
+  with pytest.raises(EpisodeBug, match=r"an episode of task 'unit/0' \(unit_convert\) "
+                     r"raised AttributeError at tests/test_scheduler.py:\d+") as bug:
     run(go())
+  (frame,) = bug.value.frames()  # (the environment's line alone, not the run's loop)
+  assert re.fullmatch(r'tests/test_scheduler.py:\d+ in play: raise AttributeError\("a bug"\)',
+                      frame), frame
+
+
+def test_an_episodes_bug_is_said_in_its_environments_lines_and_one_line(capsys):
+  """A verify's ZeroDivisionError was 78 lines of the run's loop around the user's one
+  (a new user): the environment's own frames are said, then one line; a bug whose lines
+  are all this package's own is said with its whole traceback."""
+  def helper():
+    return 1 / 0
+
+  def verify():
+    return helper()
+
+  task = types.SimpleNamespace(id="t/1", env="mine")
+  try:
+    verify()
+  except ZeroDivisionError as e:
+    bug = EpisodeBug(task, e)
+  at = helper.__code__.co_firstlineno
+  name = "test_an_episodes_bug_is_said_in_its_environments_lines_and_one_line"
+  assert bug.frames() == [f"tests/test_scheduler.py:{at + 8} in {name}: verify()",
+                          f"tests/test_scheduler.py:{at + 4} in verify: return helper()",
+                          f"tests/test_scheduler.py:{at + 1} in helper: return 1 / 0"]
+  bug.say(" (then: resume)")
+  err = capsys.readouterr().err.splitlines()
+  assert err[0] == "the environment's lines it passed through, innermost last:"
+  assert err[-1] == ("error: an episode of task 't/1' (mine) raised ZeroDivisionError at "
+                     f"tests/test_scheduler.py:{at + 1} (a bug, not an infrastructure "
+                     "failure): division by zero (then: resume)"), err
+  assert "Traceback" not in "\n".join(err)
+  try:
+    episode_index("g1")  # (this package's own line raises: its whole traceback)
+  except IndexError as e:  # (as the run's loop catches it: from the call down)
+    ours = EpisodeBug(task, e.with_traceback(e.__traceback__.tb_next))
+  assert ours.frames() == []
+  ours.say()
+  err = capsys.readouterr().err
+  assert err.startswith("Traceback") and "jaxagent/scheduler.py" in err, err
 
 
 def test_equal_reward_groups_are_filtered():
