@@ -46,6 +46,7 @@ REGISTRY = "versions.json"
 STAGING, ASIDE = ".new", ".old"
 ORBAX_TMP = ".orbax-checkpoint-tmp"  # Orbax's name for a save not yet finalised
 UNREADABLE = ".unreadable"  # a run checkpoint that did not read back, kept for a look
+UNRECORDED = ".unrecorded"  # one past the steps the run's records hold (resume.restore)
 
 
 @contextlib.contextmanager
@@ -357,14 +358,22 @@ class RunCheckpointer:
       detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "none saved"
       raise CheckpointUnreadable(f"no readable checkpoint in {self.directory} ({detail})")
     if skipped:
-      if distributed.is_primary():
-        for s, _ in skipped:
-          aside = os.path.join(self.directory, f"{s}{UNREADABLE}")
-          shutil.rmtree(aside, ignore_errors=True)  # an older copy of the same step
-          os.rename(os.path.join(self.directory, str(s)), aside)
-      distributed.barrier("checkpoint-set-aside")
-      self.manager.reload()
+      self.set_aside([s for s, _ in skipped], UNREADABLE)
     return state, meta, skipped
+
+  def set_aside(self, steps: list[int], suffix: str) -> None:
+    """Moves the checkpoints of `steps` aside (`<step><suffix>`, an older copy of the
+    same step replaced), so that the run can save those steps again. Every process
+    must call it."""
+    from jaxagent import distributed
+
+    if distributed.is_primary():
+      for s in steps:
+        aside = os.path.join(self.directory, f"{s}{suffix}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(os.path.join(self.directory, str(s)), aside)
+    distributed.barrier("checkpoint-set-aside")
+    self.manager.reload()
 
   def wait(self) -> None:
     try:

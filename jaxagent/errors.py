@@ -11,16 +11,25 @@ hiding as a failure.
 from __future__ import annotations
 
 import errno
+import re
 from typing import Optional
 
 
 class InfraError(RuntimeError):
   """An infrastructure failure; `kind` names it for the drop counters (`server`,
-  `server_overload`, `turn_deadline`, `episode_deadline`, `env_worker`, `sandbox`, ...)."""
+  `server_overload`, `turn_deadline`, `episode_deadline`, `env_worker`, `sandbox`, ...):
+  a short name (letters, digits, `_`, at most 40). Anything else given there is a message
+  (`InfraError("grader service down")`: each wording was a metric of its own, named with
+  spaces), counted under `other`."""
 
   def __init__(self, kind: str, message: str = ""):
+    if not _KIND.fullmatch(str(kind)):
+      kind, message = "other", f"{kind}: {message}" if message else str(kind)
     super().__init__(f"{kind}: {message}" if message else kind)
     self.kind = kind
+
+
+_KIND = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,39}")
 
 
 class TaskError(ValueError):

@@ -176,6 +176,11 @@ class MetricsWriter:
       self._written["tb"] = step
       self._tb.flush()
 
+  def sync(self) -> None:
+    """Forces the rows written so far to the disk (before a checkpoint, which is: a
+    host's crash kept a checkpoint past rows it lost, red team 38)."""
+    os.fsync(self._fd)
+
   def close(self) -> None:
     """Best effort (a full disk refusing TensorBoard's buffered row stopped the run's
     own close after it)."""
@@ -235,6 +240,28 @@ def _record_rows(path: str):
       raise damaged(f"after line {n}: {type(e).__name__}: {e}") from None
     except (gzip.BadGzipFile, zlib.error, UnicodeDecodeError) as e:
       raise damaged(f"after line {n}: {type(e).__name__}: {e}") from None
+
+
+def last_step(path: str) -> Optional[int]:
+  """The largest `step` of the rows of a run's JSONL record file that read (a last line
+  a kill cut short left out); None when there is no file or no row with a step. A file
+  damaged before its end raises `RecordsDamaged`."""
+  if not os.path.exists(path):
+    return None
+  steps = [row["step"] for row in _record_rows(path) if row.get("step") is not None]
+  return max(steps, default=None)
+
+
+def sync_file(path: str) -> None:
+  """Forces what was written to the file at `path` (if there is one) to the disk."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
 
 
 def cut_jsonl(path: str, last_step: int) -> int:

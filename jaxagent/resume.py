@@ -14,7 +14,8 @@ from typing import Any, Optional
 import jax
 
 from jaxagent import config as config_lib, distributed
-from jaxagent.checkpoint import RunCheckpointer
+from jaxagent.checkpoint import UNRECORDED, RunCheckpointer
+from jaxagent.metrics import RecordsDamaged, last_step
 from jaxagent.run_dir import check_provenance, check_weights, config_changes, cut_back
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE
 from jaxagent.wal import TokenWAL
@@ -57,6 +58,7 @@ def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunCon
         f"--resume: this run's checkpoint was saved by {saved_by} processes, and "
         f"{jax.process_count()} are resuming it: resume it with --num-processes "
         f"{saved_by} (each process's data position and tasks in flight are its own)")
+  set_aside_unrecorded(ckpt, run_dir)
   newest = ckpt.saved_meta()
   if newest is not None:  # (before its arrays: a restore onto other shapes said "no
     # readable checkpoint", read as damage, not as another model: red team 25)
@@ -85,6 +87,39 @@ def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunCon
           f"nothing to train; give steps=N above {int(state.step)} to go on",
           file=sys.stderr)
   return restored
+
+
+def set_aside_unrecorded(ckpt: RunCheckpointer, run_dir: str) -> None:
+  """Sets aside the checkpoints past the last step metrics.jsonl records (a checkpoint
+  is saved after its step's row: one past it means rows were lost, to a write cut short,
+  a host's crash before they reached the disk, a file removed). Resumed from one, the
+  lost steps were never recorded, without a word (red team 38); the resume goes on from
+  the newest checkpoint the rows reach (the steps after it are trained again), saying
+  so. None within them: RecordsDamaged."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  recorded = (last_step(path) or 0) if distributed.is_primary() else -1
+  recorded = distributed.agree_max(recorded)  # (process 0's: the others write none)
+  steps = sorted(ckpt.all_steps())
+  past = [s for s in steps if s > recorded]
+  if not past:
+    return
+  within = [s for s in steps if s <= recorded]
+  what = (f"{path} records the steps up to {recorded}" if recorded else
+          f"{path} records no step")
+  lost = (f"rows of steps {recorded + 1}-{past[-1]} were lost" if past[-1] > recorded + 1
+          else f"row of step {past[-1]} was lost")
+  if not within:
+    raise RecordsDamaged(
+        f"{what} and every checkpoint is past it ({', '.join(map(str, past))}): the "
+        f"{lost} (a write cut short, a host's crash, the file removed); "
+        f"resumed, they would be missing for good. To train them again from step 0, move "
+        f"{ckpt.directory} aside")
+  ckpt.set_aside(past, UNRECORDED)
+  them = (f"checkpoint {past[0]} is" if len(past) == 1 else
+          f"checkpoints {', '.join(map(str, past))} are")
+  print(f"warning: {what}, and {them} past it (the {lost}: a write cut short, a host's "
+        f"crash, the file removed): set aside as <step>{UNRECORDED}; resuming from step "
+        f"{within[-1]}, the steps after it trained again", file=sys.stderr)
 
 
 def open_wal(cfg: config_lib.RunConfig, run_dir: str, resume: bool, consumed: set,

@@ -32,10 +32,11 @@ from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, PolicyExports,
                                  RunCheckpointer, quiet_failed_save_noise, state_prints)
 from jaxagent.data import task_dataset
-from jaxagent.errors import InfraError, NonFiniteUpdate, PeerFailed, PeerLost
+from jaxagent.errors import (InfraError, NonFiniteUpdate, PeerFailed, PeerLost, RunWriteFailed,
+                             disk_hint)
 from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
-                              plot_learning_curve, token_staleness_metrics)
+                              plot_learning_curve, sync_file, token_staleness_metrics)
 from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, restore, write_run_config
 from jaxagent.run_checks import served_scorers
@@ -362,6 +363,13 @@ class TrainingRun:
     self.step = self.first_step = int(self.state.step)
     self.recorded = self.step  # the last step whose metrics row and trajectories are written
 
+  def _sync_records(self) -> None:
+    """Forces the run's records written so far (metrics rows, this process's trajectory
+    segments) to the disk."""
+    if self.writer is not None:
+      self.writer.sync()
+    sync_file(trajectories_file(self.run_dir, self.cfg))
+
   async def save_checkpoint(self, pending, force=False, canary=True) -> None:
     """Saves the run's state at its step, with `pending` (the tasks in flight) and, with
     `canary`, the canary episodes its weights play."""
@@ -393,6 +401,15 @@ class TrainingRun:
     # (off the event loop, which serves the rollouts: a second a save for a 135M model
     # on this CPU; every process together, as the save)
     prints = await self.loop.run_in_executor(self.run_pool, state_prints, state, step)
+    # The checkpoint is made durable (Orbax syncs it), so its steps' records are first:
+    # a host's crash kept a checkpoint past rows it lost, and a resume from it left
+    # them out for good (red team 38).
+    try:
+      await self.loop.run_in_executor(self.run_pool, self._sync_records)
+    except OSError as e:
+      raise RunWriteFailed(f"the run's records in {self.run_dir} could not be forced to the "
+                           f"disk before checkpoint {step} ({e.strerror or e})"
+                           f"{disk_hint(e)}") from e
     self.ckpt.save(step, state, {
         **self.meta, "wall_time_s": round(time.time() - self.t_start, 3),
         "pending_tasks": pending, "pending_tasks_by_process": by_process,

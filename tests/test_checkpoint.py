@@ -151,6 +151,49 @@ def test_unreadable_latest_checkpoint_falls_back(tmp_path, capfd):
   ckpt.close()
 
 
+def test_checkpoints_past_the_steps_the_records_hold_are_set_aside_on_a_resume(tmp_path,
+                                                                             capfd):
+  """A checkpoint is saved after its step's metrics row: one past the rows means rows
+  were lost (a torn last line, a host's crash before they reached the disk, the file
+  removed), and a resume from it left those steps out of metrics.jsonl for good, without
+  a word (red team 38). It goes on from the newest checkpoint the rows reach, saying so;
+  with none, it refuses naming the file."""
+  from jaxagent.metrics import RecordsDamaged, last_step
+  from jaxagent.resume import set_aside_unrecorded
+
+  learner = Learner(CFG, LearnerConfig(), make_mesh())
+  state = learner.init_state(0)
+  run = tmp_path / "run"
+  ckpt = RunCheckpointer(str(run / "checkpoints"), keep=3, async_save=False)
+  for step in (2, 4, 6):
+    ckpt.save(step, state, {"step": step})
+  metrics = run / "metrics.jsonl"
+  rows = "".join(f'{{"step": {i}, "loss": 0.5}}\n' for i in range(1, 7))
+  metrics.write_text(rows)
+  set_aside_unrecorded(ckpt, str(run))  # every step recorded: nothing moves
+  assert ckpt.all_steps() == [2, 4, 6] and capfd.readouterr().err == ""
+
+  metrics.write_text(rows[:rows.index('{"step": 4')] + '{"step": 4, "lo')  # 4 torn, 5-6 lost
+  assert last_step(str(metrics)) == 3
+  set_aside_unrecorded(ckpt, str(run))
+  assert ckpt.all_steps() == [2]
+  assert sorted(os.listdir(run / "checkpoints")) == ["2", "4.unrecorded", "6.unrecorded"]
+  err = capfd.readouterr().err
+  assert err.startswith(f"warning: {metrics} records the steps up to 3, and checkpoints 4, "
+                        "6 are past it (the rows of steps 4-6 were lost") and \
+      "resuming from step 2, the steps after it trained again" in err, err
+  ckpt.save(4, state, {"step": 4})  # (the resumed run saves the step again)
+  assert ckpt.all_steps() == [2, 4]
+
+  metrics.unlink()  # every row gone: no checkpoint within them
+  with pytest.raises(RecordsDamaged, match=f"{metrics} records no step and every checkpoint "
+                     r"is past it \(2, 4\): the rows of steps 1-4 were lost .* move "
+                     f"{run / 'checkpoints'} aside"):
+    set_aside_unrecorded(ckpt, str(run))
+  assert ckpt.all_steps() == [2, 4]  # (nothing moved)
+  ckpt.close()
+
+
 def test_policy_exports_are_registered_and_replaced_whole(tmp_path):
   learner = Learner(CFG, LearnerConfig(), make_mesh())
   state = learner.init_state(0)

@@ -295,6 +295,20 @@ def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
   assert sorted({s["step"] for s in segs}) == list(range(1, STEPS + 1))
   assert len({s["segment_id"] for s in segs}) == len(segs)  # no id twice over the run
 
+  # The last step's row torn after its checkpoint was saved (a host's crash): the resume
+  # goes on from the checkpoint before, and trains the step again (it went on from the
+  # last one, the step never recorded: red team 38).
+  path = os.path.join(run_dir, "metrics.jsonl")
+  with open(path) as f:
+    lines = f.readlines()
+  with open(path, "w") as f:
+    f.write("".join(lines[:-1]) + lines[-1][:40])
+  rc, out = finish(*start(run_dir, "--resume", overrides=[f"steps={STEPS + 1}"]))
+  assert rc == 0, out[-3000:]
+  assert f"and checkpoint {STEPS} is past it (the row of step {STEPS} was lost" in out \
+      and f"resumed from step {STEPS - 2} " in out, out[-3000:]
+  assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 2))
+
 
 @pytest.mark.slow
 def test_a_step_that_fails_before_its_update_gives_its_groups_back(tmp_path):

@@ -197,3 +197,17 @@ def test_a_reset_that_raises_at_the_start_names_its_task_and_a_task_id_twice_is_
                    '{"id": "g", "env": "guess_number", "params": {"secret": 5}}\n')
   with pytest.raises(ValueError, match=r"tasks.jsonl:2: task id 'g' is line 1's too"):
     asyncio.run(task_tools(str(tasks), lambda task: base.make(task.env)))
+
+
+def test_an_infra_error_raised_with_a_message_alone_is_counted_under_other():
+  """`InfraError("grader service down")` (the docs gave no signature: a new user) made
+  each wording a drop counter of its own, named with spaces."""
+  from jaxagent.errors import InfraError
+
+  e = InfraError("grader service down")
+  assert (e.kind, str(e)) == ("other", "other: grader service down")
+  e = InfraError("grader down for task 7", "try later")
+  assert (e.kind, str(e)) == ("other", "other: grader down for task 7: try later")
+  e = InfraError("grader_db", "connection refused")
+  assert (e.kind, str(e)) == ("grader_db", "grader_db: connection refused")
+  assert InfraError("x" * 41).kind == "other" and InfraError("env_worker").kind == "env_worker"
