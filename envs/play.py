@@ -38,6 +38,7 @@ from envs.base import (BAD_TASK, CannotStart, EnvResources, Observation, StepRes
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
                        failure, load_modules, load_tasks, make, trained_rewards)
 from jaxagent import control
+from jaxagent.errors import InfraError
 
 
 def read_actions(lines: Iterable[str]) -> list[str]:
@@ -61,14 +62,29 @@ def read_actions(lines: Iterable[str]) -> list[str]:
   return actions
 
 
+async def _within(call, deadline_s: Optional[float], what: str):
+  """`call`'s result; InfraError `env_call_deadline` past `deadline_s` seconds (None:
+  no bound), as a run's agent bounds each call (`agent.env_call_deadline_s`)."""
+  if deadline_s is None:
+    return await call
+  try:
+    return await asyncio.wait_for(call, deadline_s)
+  except asyncio.TimeoutError:
+    raise InfraError("env_call_deadline", f"the environment's {what} ran past {deadline_s:g} s "
+                     "(--deadline-s; a run's agent.env_call_deadline_s): a tool or grader "
+                     "that hangs") from None
+
+
 async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optional[str]],
-                       emit: Callable[[dict], None] = lambda event: None) -> dict:
+                       emit: Callable[[dict], None] = lambda event: None,
+                       deadline_s: Optional[float] = None) -> dict:
   """Plays `task` on `env`, taking each turn's action from `next_action(turn)` (None: no
   more actions), and reports every event to `emit`. Returns the final event: the verdict
-  and the rewards the learner would train on. The environment is closed at the end."""
+  and the rewards the learner would train on. The environment is closed at the end.
+  Each call of the environment past `deadline_s` raises InfraError."""
   try:
     try:
-      obs = await env.reset(task)
+      obs = await _within(env.reset(task), deadline_s, "reset")
     except CannotStart:  # a worker's refusal says so already
       raise
     except BAD_TASK as e:  # the task's parameters (or a bug of the environment's reset)
@@ -82,7 +98,8 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
       action = next_action(turn)
       if action is None:
         break
-      step = _returned(env, "step", await env.step(action), StepResult)
+      step = _returned(env, "step", await _within(env.step(action), deadline_s, "step"),
+                       StepResult)
       step_rewards.append(float(step.reward))
       done = step.terminated or step.truncated
       emit({"event": "step", "turn": turn, "action": action,
@@ -90,7 +107,8 @@ async def play_episode(env, task: TaskSpec, next_action: Callable[[int], Optiona
             "terminated": step.terminated, "truncated": step.truncated, "info": step.info})
       turn += 1
     t0 = time.perf_counter()
-    verdict = _returned(env, "verify", await env.verify(), Verdict)
+    verdict = _returned(env, "verify", await _within(env.verify(), deadline_s, "verify"),
+                        Verdict)
     verify_s = time.perf_counter() - t0
   finally:
     await env.close()
@@ -159,6 +177,9 @@ def main(argv=None) -> int:
   p.add_argument("--server", help="an envs.server worker URL (default: in this process); "
                                   "its calls carry JAXAGENT_ENV_TOKEN where it is set")
   p.add_argument("--sandboxes", type=int, default=2)
+  p.add_argument("--deadline-s", type=float, default=60.0,
+                 help="each reset, step and verify ends past it, as a run's "
+                      "agent.env_call_deadline_s (default 60; 0: no bound)")
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code without isolation where the host has none")
   add_import_flag(p)
@@ -231,15 +252,22 @@ def main(argv=None) -> int:
   # out, and its environment closed.
   previous = signal.signal(signal.SIGINT, _interrupt)
   try:
-    asyncio.run(play_episode(env, task, next_action, emit))
+    asyncio.run(play_episode(env, task, next_action, emit, args.deadline_s or None))
   except KeyboardInterrupt:
     print("\ninterrupted: the episode was not verified", file=sys.stderr)
     return 130
   except (CannotStart, WrongReturn) as e:  # (its message says where already)
     print(f"envs.play: {e}", file=sys.stderr)
     return 2
-  except Exception as e:  # an environment's bug: where it was raised, no traceback
-    print(f"envs.play: {failure(e)}", file=sys.stderr)
+  except InfraError as e:  # raised, as a returned infra_error verdict is said
+    said = e if e.kind == "env_call_deadline" else failure(e)  # (play's own, or where)
+    print(f"envs.play: the infrastructure failed: {said}: a run retries or drops this "
+          "episode; it is never scored", file=sys.stderr)
+    return 3
+  except Exception as e:  # an environment's bug: where it was raised, no traceback (a
+    # worker's refusal names its own line: not play's, nor its client class's)
+    print(f"envs.play: {e if getattr(e, 'on_worker', False) else failure(e)}",
+          file=sys.stderr)
     return 2
   finally:
     signal.signal(signal.SIGINT, previous)

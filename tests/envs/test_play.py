@@ -92,10 +92,15 @@ def test_an_environments_bug_is_one_line_naming_where(tmp_path):
       "    n = int(action) if self.kind == 'value_error' else json.loads(action)\n"
       "    return StepResult(Observation([]), 0.0, True, False)\n"
       "  async def verify(self):\n"
+      "    if self.kind == 'hangs':\n"
+      "      import asyncio; await asyncio.sleep(600)\n"
+      "    if self.kind == 'infra':\n"
+      "      from jaxagent.errors import InfraError; raise InfraError('grader', 'down')\n"
       "    return Verdict(VerdictStatus.PASS, 1.0, '1', '1')\n")
   tasks = tmp_path / "t.jsonl"
   tasks.write_text("".join(json.dumps({"id": k, "env": "buggy_test_env", "params": {"kind": k}})
-                           + "\n" for k in ("value_error", "wrong_type", "json")))
+                           + "\n" for k in ("value_error", "wrong_type", "json", "hangs",
+                                            "infra")))
   code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id",
                       "value_error", stdin="x\n")
   assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -108,6 +113,19 @@ def test_an_environments_bug_is_one_line_naming_where(tmp_path):
   code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id", "json",
                       stdin="x\n")
   assert code == 2 and "buggy_env.py:12: JSONDecodeError" in err, err
+  # A verify that hangs ends past --deadline-s, as a run's call does (it hung for ever),
+  # and an InfraError raised is said as a returned infra_error verdict is (a new user).
+  code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id", "hangs",
+                      "--deadline-s", "1", stdin="1\n")
+  assert code == 3 and err.strip() == (
+      "envs.play: the infrastructure failed: env_call_deadline: the environment's verify ran "
+      "past 1 s (--deadline-s; a run's agent.env_call_deadline_s): a tool or grader that "
+      "hangs: a run retries or drops this episode; it is never scored"), err
+  code, _, err = play("--import", str(env), "--task-file", str(tasks), "--task-id", "infra",
+                      stdin="1\n")
+  assert code == 3 and err.strip() == (
+      f"envs.play: the infrastructure failed: {env}:18: InfraError: grader: down: a run "
+      "retries or drops this episode; it is never scored"), err
 
 
 @pytest.mark.skipif(available_isolations() == ("rlimits",), reason="needs sandbox isolation")
