@@ -498,6 +498,17 @@ def carries_signal(group: Group, cfg: AdvantageConfig) -> bool:
   return not advantages.flat(group.rewards)
 
 
+def step_signal(groups: list[Group], cfg: AdvantageConfig):
+  """`signal(group)` for a step's `groups` metrics (`groups_with_signal`): whether the
+  group's advantages in this step can be other than 0. As `carries_signal`, but with a
+  step-wide baseline, only where the step's rewards differ (every group counted on every
+  step whose rewards were all 0: a new user)."""
+  if cfg.baseline == "batch" and not cfg.teacher:
+    differ = not advantages.flat([r for g in groups for r in g.rewards])
+    return lambda group: differ
+  return functools.partial(carries_signal, cfg=cfg)
+
+
 def check_advantage_config(cfg: AdvantageConfig) -> None:
   """Fails naming the key on an unknown estimator or baseline."""
   if cfg.estimator not in ESTIMATORS:

@@ -43,9 +43,8 @@ from jaxagent.run_checks import served_scorers
 from jaxagent.run_dir import compare_canary, dependency_versions, play_canary, trajectories_file
 from jaxagent.run_services import (Serving, attach_judge, env_workers_ready, first_tasks,
                                    make_env_factory, run_meshes, score_segments, task_tools)
-from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share,
-                                carries_signal, episode_index, no_step_warning, pack_groups,
-                                trim_batch)
+from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share, episode_index,
+                                no_step_warning, pack_groups, step_signal, trim_batch)
 from jaxagent.stopping import StopSignals, resume_command, unless_stopped
 from jaxagent.trajectory import dump_segments
 from jaxagent.wal import TokenWAL, take_replay
@@ -691,7 +690,7 @@ class TrainingRun:
     step), the batch's staleness and what it held; the groups played are let go."""
     cfg, played = self.cfg, self.played
     row = {"step": self.step + 1, **episode_metrics(
-               played, accepted, self.version, lambda g: carries_signal(g, cfg.advantage)),
+               played, accepted, self.version, step_signal(played, cfg.advantage)),
            **token_staleness_metrics(batch.versions, batch.loss_mask, self.version), **scored}
     if self.wal is not None:
       row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)

@@ -216,6 +216,34 @@ def test_a_group_carries_signal_exactly_when_its_advantages_can_differ_from_zero
     assert carries_signal(g, AdvantageConfig()) == bool(jnp.any(a != 0)), (rewards, a)
 
 
+def test_groups_with_signal_under_a_step_wide_baseline_count_only_steps_whose_rewards_differ():
+  """With `baseline: batch` (the default run's) every group is kept by dynamic sampling,
+  and `groups_with_signal` counted every group on every step, all rewards 0 too (a new
+  user read signal where the advantages were all 0)."""
+  from jaxagent.config import AdvantageConfig
+  from jaxagent.metrics import episode_metrics
+  from jaxagent.scheduler import Group, step_signal
+  from tests.test_scheduler import episode
+
+  def groups(*rewards):
+    out = []
+    for k, rs in enumerate(rewards):
+      g = Group(k, k)
+      g.episodes = [episode(k, f"g{k}-{i}", f"g{k}", reward=r) for i, r in enumerate(rs)]
+      out.append(g)
+    return out
+
+  batch = AdvantageConfig(baseline="batch")
+  for rewards, expected in ((([0.0, 0.0], [0.0, 0.0]), 0), (([0.0, 0.0], [1.0, 1.0]), 2),
+                            (([0.0, 1.0], [0.0, 0.0]), 2)):
+    played = groups(*rewards)
+    row = episode_metrics(played, played, 0, step_signal(played, batch))
+    assert row["groups_with_signal"] == expected, rewards
+  played = groups([0.0, 0.0], [0.0, 1.0])  # a group's own baseline: its own rewards
+  row = episode_metrics(played, played, 0, step_signal(played, AdvantageConfig()))
+  assert row["groups_with_signal"] == 1
+
+
 def test_advantages_past_float32s_range_are_said_with_the_task():
   """Rewards each within float32's range whose leave-one-out differences are not (a
   reward of 1e39 is refused as it is reported: `envs.base`) stop the run naming the task,
