@@ -490,6 +490,14 @@ class RunConfig:
 T = TypeVar("T")
 
 
+def unknown_value(key: str, value: Any, known: Sequence[str], more: str = "") -> str:
+  """`key: unknown 'value' (did you mean 'x'?); known: a, b, c` and `more`: the message
+  for a setting that names none of its `known` choices (`rollout.mode=asynch`)."""
+  close = difflib.get_close_matches(str(value), [str(k) for k in known], n=1)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  return f"{key}: unknown {value!r}{hint}; known: {', '.join(map(str, known))}{more}"
+
+
 def _valid_keys(schema: Any, full_key: str) -> list[str]:
   node = schema
   for part in full_key.split(".")[:-1]:

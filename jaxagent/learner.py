@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import losses
 from jaxagent.batch import TrajectoryBatch
-from jaxagent.config import LearnerConfig
+from jaxagent.config import LearnerConfig, unknown_value
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.params import Params, abstract_model, bind, init_params
 from jaxagent.models.sharding import (ActivationSharding, Rules, TRAIN_RULES, logical_to_spec,
@@ -114,29 +114,27 @@ POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo, "reinforce": _reinforce}
 def check_config(cfg: LearnerConfig) -> None:
   """Fails early, naming the config key, on settings the step cannot run with."""
   if cfg.policy_loss not in POLICY_LOSSES:
-    raise ValueError(f"learner.policy_loss: unknown {cfg.policy_loss!r}; "
-                     f"known: {sorted(POLICY_LOSSES)}")
+    raise ValueError(unknown_value("learner.policy_loss", cfg.policy_loss,
+                                   sorted(POLICY_LOSSES)))
   if cfg.reduction not in losses.REDUCTIONS:
-    raise ValueError(f"learner.reduction: unknown {cfg.reduction!r}; "
-                     f"known: {sorted(losses.REDUCTIONS)}")
+    raise ValueError(unknown_value("learner.reduction", cfg.reduction,
+                                   sorted(losses.REDUCTIONS)))
   if cfg.kl_estimator not in losses.KL_ESTIMATORS:
-    raise ValueError(f"learner.kl_estimator: unknown {cfg.kl_estimator!r}; "
-                     f"known: {sorted(losses.KL_ESTIMATORS)}")
+    raise ValueError(unknown_value("learner.kl_estimator", cfg.kl_estimator,
+                                   sorted(losses.KL_ESTIMATORS)))
   if cfg.correction_mode != "none" and cfg.correction_mode not in losses.CORRECTION_MODES:
-    raise ValueError(f"learner.correction_mode: unknown {cfg.correction_mode!r}; "
-                     f"known: none, {', '.join(sorted(losses.CORRECTION_MODES))}")
+    raise ValueError(unknown_value("learner.correction_mode", cfg.correction_mode,
+                                   ["none", *sorted(losses.CORRECTION_MODES)]))
   if cfg.correction_level not in losses.CORRECTION_LEVELS:
-    raise ValueError(f"learner.correction_level: unknown {cfg.correction_level!r}; "
-                     f"known: {sorted(losses.CORRECTION_LEVELS)}")
+    raise ValueError(unknown_value("learner.correction_level", cfg.correction_level,
+                                   sorted(losses.CORRECTION_LEVELS)))
   if cfg.optimizer not in OPTIMIZERS:
-    raise ValueError(f"learner.optimizer: unknown {cfg.optimizer!r}; "
-                     f"known: {sorted(OPTIMIZERS)}")
+    raise ValueError(unknown_value("learner.optimizer", cfg.optimizer, sorted(OPTIMIZERS)))
   if cfg.lr_schedule not in SCHEDULES:
-    raise ValueError(f"learner.lr_schedule: unknown {cfg.lr_schedule!r}; "
-                     f"known: {sorted(SCHEDULES)}")
+    raise ValueError(unknown_value("learner.lr_schedule", cfg.lr_schedule, sorted(SCHEDULES)))
   if cfg.staleness not in losses.STALENESS_MODES:
-    raise ValueError(f"learner.staleness: unknown {cfg.staleness!r}; "
-                     f"known: {', '.join(losses.STALENESS_MODES)}")
+    raise ValueError(unknown_value("learner.staleness", cfg.staleness,
+                                   losses.STALENESS_MODES))
   if cfg.max_token_staleness < 0:
     raise ValueError(f"learner.max_token_staleness must be >= 0, got {cfg.max_token_staleness}")
   if not 0.0 < cfg.staleness_decay <= 1.0:

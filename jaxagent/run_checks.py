@@ -205,15 +205,15 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise _no_such_file("data.tasks", cfg.data.tasks,
                         " (a directory)" if os.path.isdir(cfg.data.tasks) else "")
   if cfg.rollout.mode not in ("sync", "async", "window"):
-    raise config_lib.ConfigError(f"rollout.mode: unknown {cfg.rollout.mode!r}; known: sync, "
-                                 "async, window")
+    raise config_lib.ConfigError(config_lib.unknown_value(
+        "rollout.mode", cfg.rollout.mode, ("sync", "async", "window")))
   t = cfg.trajectories
   if t.mode not in ("all", "sample", "none"):
-    raise config_lib.ConfigError(f"trajectories.mode: unknown {t.mode!r}; known: all, sample, "
-                                 "none")
+    raise config_lib.ConfigError(config_lib.unknown_value("trajectories.mode", t.mode,
+                                                          ("all", "sample", "none")))
   if t.compress not in ("gzip", "none"):
-    raise config_lib.ConfigError(f"trajectories.compress: unknown {t.compress!r}; known: "
-                                 "gzip, none")
+    raise config_lib.ConfigError(config_lib.unknown_value("trajectories.compress", t.compress,
+                                                          ("gzip", "none")))
   if t.sample_every < 1:
     raise config_lib.ConfigError(f"trajectories.sample_every must be >= 1, got "
                                  f"{t.sample_every}")
@@ -241,9 +241,9 @@ def check_config(cfg: config_lib.RunConfig) -> None:
       raise config_lib.ConfigError(f"eval.k: each k must be in 1..{samples} (eval.samples; "
                                    "1 when eval.greedy)")
   if cfg.agent.kind != "whitebox" and not is_blackbox(cfg.agent.kind):
-    raise config_lib.ConfigError(f"agent.kind: unknown {cfg.agent.kind!r}; known: whitebox, "
-                                 f"{', '.join(BLACKBOX_AGENTS)}, or module:function (a "
-                                 "harness of your own)")
+    raise config_lib.ConfigError(config_lib.unknown_value(
+        "agent.kind", cfg.agent.kind, ("whitebox", *BLACKBOX_AGENTS),
+        ", or module:function (a harness of your own)"))
   if is_blackbox(cfg.agent.kind) and cfg.agent.kind not in BLACKBOX_AGENTS:
     try:
       blackbox_agent(cfg.agent.kind)
@@ -257,8 +257,8 @@ def check_config(cfg: config_lib.RunConfig) -> None:
           f"agent.kind {cfg.agent.kind}: its client library is not installed (pip install "
           f"'jaxagent[blackbox]', or pip install {library})")
   if cfg.agent.compaction not in ("none", "summary", "fork"):
-    raise config_lib.ConfigError(f"agent.compaction: unknown {cfg.agent.compaction!r}; "
-                                 "known: none, summary, fork")
+    raise config_lib.ConfigError(config_lib.unknown_value(
+        "agent.compaction", cfg.agent.compaction, ("none", "summary", "fork")))
   a, e = cfg.agent, cfg.serving.engine
   takes = min(e.max_prefill_length + a.max_new_tokens, e.max_seq_len)
   if not cfg.serving.urls and a.max_context_tokens > takes:
@@ -283,8 +283,8 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError("rollout.max_sample_rounds must be >= 1")
   kernel = cfg.serving.engine.attention_kernel
   if kernel not in ("auto",) + PAGED_KERNELS:
-    raise config_lib.ConfigError(f"serving.engine.attention_kernel: unknown {kernel!r}; one "
-                                 f"of auto, {', '.join(PAGED_KERNELS)}")
+    raise config_lib.ConfigError(config_lib.unknown_value(
+        "serving.engine.attention_kernel", kernel, ("auto", *PAGED_KERNELS)))
   page_size = cfg.serving.engine.page_size
   if kernel == "triton" and not (page_size >= 16 and page_size & (page_size - 1) == 0):
     # head_dim, known once the model is built, is checked by the engine.

@@ -50,7 +50,7 @@ import numpy as np
 from jaxagent import advantages
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode
 from jaxagent.batch import TrajectoryBatch, pack, row_ladder, take_rows
-from jaxagent.config import AdvantageConfig, RolloutConfig
+from jaxagent.config import AdvantageConfig, RolloutConfig, unknown_value
 from jaxagent.errors import EpisodeBug, InfraOutage, RunWriteFailed, TaskError
 
 
@@ -512,11 +512,9 @@ def step_signal(groups: list[Group], cfg: AdvantageConfig):
 def check_advantage_config(cfg: AdvantageConfig) -> None:
   """Fails naming the key on an unknown estimator or baseline."""
   if cfg.estimator not in ESTIMATORS:
-    raise ValueError(f"advantage.estimator: unknown {cfg.estimator!r}; known: "
-                     f"{', '.join(ESTIMATORS)}")
+    raise ValueError(unknown_value("advantage.estimator", cfg.estimator, ESTIMATORS))
   if cfg.baseline not in BASELINES:
-    raise ValueError(f"advantage.baseline: unknown {cfg.baseline!r}; known: "
-                     f"{', '.join(BASELINES)}")
+    raise ValueError(unknown_value("advantage.baseline", cfg.baseline, BASELINES))
   if cfg.estimator == "opd" and not cfg.teacher:
     raise ValueError("advantage.estimator opd needs advantage.teacher (a served model's name)")
 

@@ -137,6 +137,10 @@ def _bad_settings(tmp_path):
       (tiny + ["eval.every=2", f"eval.tasks={tasks['dup']}"],
        f"eval.tasks: {tasks['dup']}:2: task id 'a' is line 1's too"),
       (tiny + ["rollout.mode=fast"], "rollout.mode"),
+      # (a value a letter off: its name, as a key's is named; a new user)
+      (tiny + ["rollout.mode=asynch"],
+       "rollout.mode: unknown 'asynch' (did you mean 'async'?); known: sync, async, window"),
+      (tiny + ["learner.optimizer=adamm"], "unknown 'adamm' (did you mean 'adamw'?)"),
       (tiny + ["trajectories.mode=most"], "trajectories.mode: unknown 'most'; known: all,"),
       (tiny + ["trajectories.sample_every=0"], "trajectories.sample_every must be >= 1, got 0"),
       (tiny + ["eval.every=5"], "eval.every needs eval.tasks"),
