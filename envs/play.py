@@ -178,12 +178,16 @@ def main(argv=None) -> int:
                                   "its calls carry JAXAGENT_ENV_TOKEN where it is set")
   p.add_argument("--sandboxes", type=int, default=2)
   p.add_argument("--deadline-s", type=float, default=60.0,
-                 help="each reset, step and verify ends past it, as a run's "
-                      "agent.env_call_deadline_s (default 60; 0: no bound)")
+                 help="each reset, step and verify ends past it in wall time (a run's "
+                      "agent.env_call_deadline_s bounds the call's own time, its waits "
+                      "for sandbox slots and the policy's commands left out); default "
+                      "60, 0: no bound")
   p.add_argument("--allow-unisolated", action="store_true",
                  help="run tool code without isolation where the host has none")
   add_import_flag(p)
   args = p.parse_args(argv)
+  if not args.deadline_s >= 0:
+    p.error(f"--deadline-s must be >= 0 (0: no bound), got {args.deadline_s}")
   problem = control.env_problem()
   if problem:
     print(f"error: {problem}", file=sys.stderr)

@@ -48,6 +48,10 @@ class EpisodeBug(RuntimeError):
     """`message`: None for the episode's (the task, where it raised, what)."""
     from envs.base import raised_at
 
+    # (an asyncio.TaskGroup's group of one: the error in it, not "1 sub-exception")
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+      error = error.exceptions[0]
+
     if message is None:
       of = (f" of task {task.id!r} ({task.env})"
             if hasattr(task, "id") and hasattr(task, "env") else "")
@@ -74,7 +78,11 @@ class EpisodeBug(RuntimeError):
     import envs.base
     import envs.waits
 
-    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+    import rollout_server
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    ours = (os.path.join(package, ""),
+            os.path.join(os.path.dirname(os.path.abspath(rollout_server.__file__)), ""))
     # (the environment tier's plumbing: how an environment is called and timed)
     plumbing = {os.path.abspath(m.__file__) for m in (envs.base, envs.waits)}
     plumbing.add(os.path.join(os.path.dirname(os.path.abspath(envs.base.__file__)),
@@ -84,7 +92,7 @@ class EpisodeBug(RuntimeError):
     out = []
     for f in traceback.extract_tb(self.error.__traceback__):
       path = os.path.abspath(f.filename)
-      if f.filename.startswith("<") or path.startswith((ours, *python)) or path in plumbing:
+      if f.filename.startswith("<") or path.startswith((*ours, *python)) or path in plumbing:
         continue
       if path.startswith(os.getcwd() + os.sep):
         path = os.path.relpath(path)
@@ -103,9 +111,28 @@ class EpisodeBug(RuntimeError):
       print("the environment's lines it passed through, innermost last:", file=sys.stderr)
       for line in frames:
         print(f"  {line}", file=sys.stderr)
+      for line in self.chain():
+        print(f"  {line}", file=sys.stderr)
     elif not getattr(self.error, "on_worker", False):
       traceback.print_exception(self.error, file=sys.stderr)
     print(f"error: {self}{then}", file=sys.stderr, flush=True)
+
+  def chain(self) -> list[str]:
+    """The errors `error` was raised from or while handling, each `(raised from | while
+    handling) Name at path:line: message` (a KeyError an environment turned into a
+    ValueError: its own line is where the bug is)."""
+    from envs.base import raised_at
+
+    out, e, seen = [], self.error, set()
+    while True:
+      cause = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+      if cause is None or id(cause) in seen:
+        return out
+      seen.add(id(cause))
+      how = "raised from" if e.__cause__ is not None else "while handling"
+      at = raised_at(cause).rstrip(": ")
+      out.append(f"({how} {type(cause).__name__}{' at ' + at if at else ''}: {cause})")
+      e = cause
 
 
 class InfraOutage(RuntimeError):
@@ -138,7 +165,7 @@ class PeerLost(RuntimeError):
 class PeerFailed(RuntimeError):
   """Another process of a multi-process run stopped with an error of its own (an
   environment's bug, an infrastructure outage it counted, a write that failed): its log
-  has the traceback. This one stops too, at the same point of the step, so that every
+  says what and where. This one stops too, at the same point of the step, so that every
   process can still save the run's checkpoint together. `code`: the exit code the other
   stops with (this one stops with it too: 1 a bug, 2 the user's to change, 3 the
   infrastructure's, to be restarted)."""

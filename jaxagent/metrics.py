@@ -284,6 +284,8 @@ def cut_jsonl(path: str, last_step: int) -> int:
   except RecordsDamaged:
     os.remove(tmp)
     raise
+  sync_file(tmp)  # (on the disk before it replaces the file: a crash after the rename
+  # could leave an empty file on some file systems, every row lost)
   os.replace(tmp, path)
   return kept
 

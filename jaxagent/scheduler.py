@@ -498,13 +498,15 @@ def carries_signal(group: Group, cfg: AdvantageConfig) -> bool:
   return not advantages.flat(group.rewards)
 
 
-def step_signal(groups: list[Group], cfg: AdvantageConfig):
-  """`signal(group)` for a step's `groups` metrics (`groups_with_signal`): whether the
-  group's advantages in this step can be other than 0. As `carries_signal`, but with a
-  step-wide baseline, only where the step's rewards differ (every group counted on every
-  step whose rewards were all 0: a new user)."""
+def step_signal(trained: list[Group], cfg: AdvantageConfig):
+  """`signal(group)` for a step's metrics (`groups_with_signal`): whether the group's
+  advantages in this step can be other than 0. As `carries_signal`, but with a
+  step-wide baseline, only where the step's `trained` groups (this process's) differ as
+  one group would (every group counted on every step whose rewards were all 0: a new
+  user)."""
   if cfg.baseline == "batch" and not cfg.teacher:
-    differ = not advantages.flat([r for g in groups for r in g.rewards])
+    whole = Group(-1, None, episodes=[e for g in trained for e in g.episodes])
+    differ = carries_signal(whole, dataclasses.replace(cfg, baseline="group"))
     return lambda group: differ
   return functools.partial(carries_signal, cfg=cfg)
 

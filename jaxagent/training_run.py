@@ -390,6 +390,16 @@ class TrainingRun:
     # dropped that are still in the token WAL (let go at the next save), the logs their
     # groups replayed with them: a resume from it deletes them first (their tasks came
     # round again: replayed, they were trained twice).
+    # The checkpoint is made durable (Orbax syncs it), so its steps' records are first:
+    # a host's crash kept a checkpoint past rows it lost, and a resume from it left
+    # them out for good (red team 38). A failure is told at the save's agreement (every
+    # process stops there together, none saving).
+    try:
+      await self.loop.run_in_executor(self.run_pool, self._sync_records)
+    except OSError as e:
+      self.hold(RunWriteFailed(f"the run's records in {self.run_dir} could not be forced to "
+                               f"the disk before checkpoint {step} ({e.strerror or e})"
+                               f"{disk_hint(e)}"))
     done_now = scheduler.drain_finished()
     mine = {"pending": pending, "next": scheduler.next_index,
             "consumed": [] if wal is None else [
@@ -400,15 +410,6 @@ class TrainingRun:
     # (off the event loop, which serves the rollouts: a second a save for a 135M model
     # on this CPU; every process together, as the save)
     prints = await self.loop.run_in_executor(self.run_pool, state_prints, state, step)
-    # The checkpoint is made durable (Orbax syncs it), so its steps' records are first:
-    # a host's crash kept a checkpoint past rows it lost, and a resume from it left
-    # them out for good (red team 38).
-    try:
-      await self.loop.run_in_executor(self.run_pool, self._sync_records)
-    except OSError as e:
-      raise RunWriteFailed(f"the run's records in {self.run_dir} could not be forced to the "
-                           f"disk before checkpoint {step} ({e.strerror or e})"
-                           f"{disk_hint(e)}") from e
     self.ckpt.save(step, state, {
         **self.meta, "wall_time_s": round(time.time() - self.t_start, 3),
         "pending_tasks": pending, "pending_tasks_by_process": by_process,
@@ -690,7 +691,7 @@ class TrainingRun:
     step), the batch's staleness and what it held; the groups played are let go."""
     cfg, played = self.cfg, self.played
     row = {"step": self.step + 1, **episode_metrics(
-               played, accepted, self.version, step_signal(played, cfg.advantage)),
+               played, accepted, self.version, step_signal(accepted, cfg.advantage)),
            **token_staleness_metrics(batch.versions, batch.loss_mask, self.version), **scored}
     if self.wal is not None:
       row["wal_replayed_turns"] = sum(e.replayed_turns for g in played for e in g.episodes)
@@ -772,6 +773,9 @@ class TrainingRun:
                                    canary=self.finished and not self.abandoned)
       except CheckpointFailed:  # (ckpt.failed: raised below)
         pass
+      except (RunWriteFailed, PeerFailed) as e:  # records not synced, here or on another
+        # process: not saved (raised below, once the rest is closed)
+        self.own_failure = self.own_failure or e
       except NonFiniteUpdate as e:  # (raised below, once the rest is closed)
         self.own_failure, unsaved, self.nonfinite = self.own_failure or e, "not finite", True
     exports, version = self.exports, self.version

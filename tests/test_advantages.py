@@ -239,6 +239,13 @@ def test_groups_with_signal_under_a_step_wide_baseline_count_only_steps_whose_re
     played = groups(*rewards)
     row = episode_metrics(played, played, 0, step_signal(played, batch))
     assert row["groups_with_signal"] == expected, rewards
+  # The chunk estimator: equal totals whose turns differ have advantages (+-1 at turn 0)
+  played = groups([1.0, 1.0])
+  played[0].episodes[0].turn_rewards, played[0].episodes[1].turn_rewards = [1.0, 0.0], \
+      [0.0, 1.0]
+  row = episode_metrics(played, played, 0, step_signal(
+      played, AdvantageConfig(baseline="batch", estimator="chunk")))
+  assert row["groups_with_signal"] == 1
   played = groups([0.0, 0.0], [0.0, 1.0])  # a group's own baseline: its own rewards
   row = episode_metrics(played, played, 0, step_signal(played, AdvantageConfig()))
   assert row["groups_with_signal"] == 1

@@ -65,6 +65,11 @@ elif os.environ.get("KILL_AT") == "exportfail":
       raise OSError(28, "No space left on device")
     return export(root, version, *args, **kwargs)
   checkpoint.export_policy = export_or_fail
+elif os.environ.get("KILL_AT") == "syncfail":
+  # The disk fails as the run's records are forced to it before a checkpoint.
+  def sync_fails(path):
+    raise OSError(5, "Input/output error", path)
+  training_run.sync_file = sync_fails
 elif os.environ.get("KILL_AT") == "batchfail":
   # Step 4's batch cannot be made (a bug): after its groups were taken for it.
   pack_groups, calls = training_run.pack_groups, []
@@ -308,6 +313,19 @@ def test_a_step_is_saved_with_its_records_and_logs_outlive_saves(tmp_path):
   assert f"and checkpoint {STEPS} is past it (the row of step {STEPS} was lost" in out \
       and f"resumed from step {STEPS - 2} " in out, out[-3000:]
   assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 2))
+
+  # The records cannot be forced to the disk before step 14's checkpoint: not saved, the
+  # run closed as at any stop (its final export made), one line, exit 3 (the error left
+  # the run's close half done: its servers, environments and last save not closed).
+  rc, out = finish(*start(run_dir, "--resume", kill_at="syncfail",
+                          overrides=[f"steps={STEPS + 3}"]))
+  assert rc == 3 and "Traceback" not in out, out[-3000:]
+  assert out.strip().splitlines()[-1].startswith(
+      f"error: the run's records in {run_dir} could not be forced to the disk before "
+      f"checkpoint {STEPS + 2} (Input/output error)"), out[-3000:]
+  assert max(int(d) for d in os.listdir(ckpts) if d.isdigit()) == STEPS + 1
+  assert os.path.isdir(os.path.join(run_dir, "policy", f"v{STEPS + 2:08d}")), \
+      os.listdir(os.path.join(run_dir, "policy"))
 
 
 @pytest.mark.slow

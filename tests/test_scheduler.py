@@ -248,6 +248,31 @@ def test_an_episodes_bug_is_said_in_its_environments_lines_and_one_line(capsys):
                      f"tests/test_scheduler.py:{at + 1} (a bug, not an infrastructure "
                      "failure): division by zero (then: resume)"), err
   assert "Traceback" not in "\n".join(err)
+  # An error raised while handling another, in a TaskGroup: the one it came from is said
+  # with its line, and the group's one error is the error (not "1 sub-exception").
+  async def lookup():
+    table = {}
+    try:
+      return table["x"]
+    except KeyError:
+      raise ValueError("no x in the table")
+
+  async def grouped():
+    async with asyncio.TaskGroup() as tg:
+      tg.create_task(lookup())
+
+  try:
+    asyncio.run(grouped())
+  except BaseException as e:
+    chained = EpisodeBug(task, e)
+  at = lookup.__code__.co_firstlineno
+  assert str(chained).startswith("an episode of task 't/1' (mine) raised ValueError at "
+                                 f"tests/test_scheduler.py:{at + 5} ")
+  assert chained.chain() == [f"(while handling KeyError at tests/test_scheduler.py:{at + 3}: "
+                             "'x')"]
+  chained.say()
+  err = capsys.readouterr().err.splitlines()
+  assert err[-2] == f"  (while handling KeyError at tests/test_scheduler.py:{at + 3}: 'x')", err
   try:
     episode_index("g1")  # (this package's own line raises: its whole traceback)
   except IndexError as e:  # (as the run's loop catches it: from the call down)
