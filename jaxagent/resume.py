@@ -32,6 +32,9 @@ class Restored:
   next_group: int = 0  # group numbers go on from here: session ids stay unique
   requeue: list = dataclasses.field(default_factory=list)  # this process's tasks in flight
   consumed: set = dataclasses.field(default_factory=set)  # trained groups' WAL log keys
+  # The run's totals at the checkpoint (retries, groups replaced, drops by reason: what
+  # process 0 counted, as its rows say), which its rows go on from.
+  counted: dict = dataclasses.field(default_factory=dict)
 
 
 def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunConfig,
@@ -79,7 +82,8 @@ def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunCon
       stop_window_recent=meta.get("stop_window_recent", []),
       next_group=int(meta.get("next_group", 0)),
       requeue=[TaskSpec.from_dict(t) for t in mine],
-      consumed=set(consumed[me] if me < len(consumed) else []))
+      consumed=set(consumed[me] if me < len(consumed) else []),
+      counted=meta.get("counted") or {})
   print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
         f"{len(restored.requeue)} tasks re-queued)")
   if cfg.steps <= int(state.step):  # (a lower steps= does not undo steps trained)

@@ -511,6 +511,16 @@ def step_signal(trained: list[Group], cfg: AdvantageConfig):
   return functools.partial(carries_signal, cfg=cfg)
 
 
+def rollout_notes(cfg: RolloutConfig) -> list[str]:
+  """What a run is told of its rollout settings that are allowed but easy to mistake."""
+  behind = cfg.sync_every - 1
+  if cfg.mode != "sync" and behind > cfg.max_staleness:
+    return [f"rollout.sync_every {cfg.sync_every}: the servers' weights are up to {behind} "
+            f"versions behind the learner's, so tokens that old are trained, past "
+            f"rollout.max_staleness ({cfg.max_staleness})"]
+  return []
+
+
 def check_advantage_config(cfg: AdvantageConfig) -> None:
   """Fails naming the key on an unknown estimator or baseline."""
   if cfg.estimator not in ESTIMATORS:

@@ -44,7 +44,8 @@ from jaxagent.run_dir import compare_canary, dependency_versions, play_canary, t
 from jaxagent.run_services import (Serving, attach_judge, env_workers_ready, first_tasks,
                                    make_env_factory, run_meshes, score_segments, task_tools)
 from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share, episode_index,
-                                no_step_warning, pack_groups, step_signal, trim_batch)
+                                no_step_warning, pack_groups, rollout_notes, step_signal,
+                                trim_batch)
 from jaxagent.stopping import StopSignals, resume_command, unless_stopped
 from jaxagent.trajectory import dump_segments
 from jaxagent.wal import TokenWAL, take_replay
@@ -148,12 +149,12 @@ async def replay_canary(saved: Optional[list], step: int, cfg: config_lib.RunCon
   return problem
 
 
-def complete_row(p: dict, wall_time_s: float, n_proc: int, scheduler: RolloutScheduler,
+def complete_row(p: dict, wall_time_s: float, n_proc: int, totals: dict,
                  loop_held_s: float) -> dict:
   """A step's metrics row (`p["row"]`, completed in place and returned) from what its
   records hold (`p`: the step's batch, its packing's `info`, its metrics `m`, its
   rollout and learner seconds, the policy version it made) and the run's totals so far
-  (the scheduler's retries, replaced groups and drops; the loop's held seconds)."""
+  (`TrainingRun.totals`: retries, replaced groups and drops; the loop's held seconds)."""
   row, info, batch = p["row"], p["info"], p["batch"]
   # Rates over the step's own time: waiting for rollouts, learning, syncing weights.
   # (Over the rollout wait alone, an async step whose groups were ready read 1,559
@@ -168,12 +169,12 @@ def complete_row(p: dict, wall_time_s: float, n_proc: int, scheduler: RolloutSch
       "action_tokens": float(batch.loss_mask.sum()),
       "batch_rows": int(batch.tokens.shape[0]) * n_proc,
       "batch_fill": round(info["fill"], 4),
-      "retries": scheduler.retries, "groups_replaced": scheduler.replaced,
+      "retries": totals["retries"], "groups_replaced": totals["groups_replaced"],
       "loop_held_s": round(loop_held_s, 3),
       # (every reason in every row, 0 until one is dropped: a column read over the
       # rows has no gaps; infra_<kind> from the first of its kind)
-      **{f"dropped_{k}": scheduler.dropped[k] for k in DROP_REASONS},
-      **{f"dropped_{k}": v for k, v in scheduler.dropped.items()},
+      **{f"dropped_{k}": totals["dropped"].get(k, 0) for k in DROP_REASONS},
+      **{f"dropped_{k}": v for k, v in totals["dropped"].items()},
       **{k: v for k, v in p["m"].items() if k != "denom"}})
   return row
 
@@ -223,6 +224,7 @@ class TrainingRun:
     self.peer_failed: Optional[PeerFailed] = None  # another's error, told at the end
     self.own_failure: Optional[BaseException] = None  # this one's, told at the end
     self.nonfinite = False  # stopped by a step whose update was not finite
+    self.counted_before: dict = {}  # the resumed checkpoint's totals (`totals`)
     self.overflow_said = False  # a batch that left groups out was said
 
   async def open(self, resume: bool, canary: bool, notes: Sequence[str]) -> None:
@@ -260,7 +262,8 @@ class TrainingRun:
         cfg.learner, temperature=max(cfg.agent.temperature, 1e-6),
         lr_decay_steps=cfg.learner.lr_decay_steps or cfg.steps)
     self.learner = Learner(model_cfg, self.learner_cfg, self.mesh)
-    for note in loss_notes(self.learner_cfg) if self.primary else ():
+    for note in [*loss_notes(self.learner_cfg), *rollout_notes(cfg.rollout)] \
+        if self.primary else ():
       print(f"note: {note}", file=sys.stderr)
     state = self.learner.init_state(cfg.seed, params)
     # The KL penalty's reference when the learner scores it: the run's initial weights,
@@ -283,6 +286,7 @@ class TrainingRun:
       raise
     self.state, consumed = restored.state, restored.consumed
     self.t_start -= restored.wall_time_s  # the run's wall time goes on from the stopped run's
+    self.counted_before = restored.counted  # (its totals go on from the checkpoint's too)
     # The last stop_window steps' (successes, episodes), for the early stop; a resumed run
     # goes on with its checkpoint's (a run that had stopped there stops again at once).
     self.recent = [tuple(x) for x in restored.stop_window_recent][-cfg.stop_window:]
@@ -415,7 +419,7 @@ class TrainingRun:
         "pending_tasks": pending, "pending_tasks_by_process": by_process,
         "next_group": next_group,
         "wal_consumed_by_process": [g["consumed"] for g in got],
-        "stop_window_recent": self.recent,
+        "stop_window_recent": self.recent, "counted": self.totals(),
         "canary": canary_now}, self.tasks, force=force, prints=prints)
     if wal is not None:
       # Groups this checkpoint no longer lists need no replay once it is written: those
@@ -470,11 +474,22 @@ class TrainingRun:
         p.pop("segments_job", None)
         raise
     p["segments"] = True
-    complete_row(p, time.time() - self.t_start, self.n_proc, self.scheduler,
+    complete_row(p, time.time() - self.t_start, self.n_proc, self.totals(),
                  self.loop_watch.held_s)
     if self.writer is not None:
       self.writer.write(p["row"])
     self.recorded = p["step"]
+
+  def totals(self) -> dict:
+    """The run's totals so far, its checkpoint's (a resumed run's) and this process's
+    scheduler's since: retries, groups replaced, drops by reason (a resume started
+    them again at 0: per-step differences went negative; red team 39)."""
+    before, scheduler = self.counted_before, self.scheduler
+    dropped = collections.Counter(before.get("dropped") or {})
+    dropped.update(scheduler.dropped)
+    return {"retries": int(before.get("retries", 0)) + scheduler.retries,
+            "groups_replaced": int(before.get("groups_replaced", 0)) + scheduler.replaced,
+            "dropped": dict(dropped)}
 
   def stop_reached(self) -> Optional[float]:
     """The window's success rate when it reached `stop_success_rate` (else None)."""

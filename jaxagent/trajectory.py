@@ -152,11 +152,14 @@ class Segment:
     return int(self.loss_mask.sum())
 
   def min_version(self) -> Optional[int]:
-    v = self.versions[self.loss_mask > 0]
+    """The oldest known version of the trained tokens (None: none known). An unknown
+    one (< 0) counts as fresh, as the loss's staleness weighting takes it (it made the
+    group the oldest there is to acceptance and `policy_lag`: red team 39)."""
+    v = self.versions[(self.loss_mask > 0) & (self.versions >= 0)]
     return int(v.min()) if len(v) else None
 
   def max_version(self) -> Optional[int]:
-    v = self.versions[self.loss_mask > 0]
+    v = self.versions[(self.loss_mask > 0) & (self.versions >= 0)]
     return int(v.max()) if len(v) else None
 
   def to_training(self) -> dict:

@@ -154,3 +154,29 @@ def test_a_row_written_again_after_a_failure_is_in_each_file_once(tmp_path, monk
   w.close()
   with open(tmp_path / "metrics.jsonl") as f:
     assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
+def test_a_resumed_runs_totals_go_on_from_its_checkpoints():
+  """`retries`, `groups_replaced` and `dropped_*` are the run's totals: a resume started
+  them again at 0 (its scheduler's own counters), and a step's difference went negative
+  (red team 39). The checkpoint carries them; the rows go on from them."""
+  import asyncio
+  import collections
+  import types
+
+  from jaxagent.config import RunConfig
+  from jaxagent.training_run import TrainingRun
+
+  async def made():  # (it holds the loop it runs on)
+    return TrainingRun(RunConfig(), "/nonexistent")
+
+  run = asyncio.run(made())
+  run.run_pool.shutdown()
+  run.scheduler = types.SimpleNamespace(retries=2, replaced=1, dropped=collections.Counter(
+      {"stale": 3, "infra_server": 1}))
+  assert run.totals() == {"retries": 2, "groups_replaced": 1,
+                          "dropped": {"stale": 3, "infra_server": 1}}
+  run.counted_before = {"retries": 5, "groups_replaced": 4,
+                        "dropped": {"stale": 5, "no_signal": 7}}  # (as a checkpoint holds)
+  assert run.totals() == {"retries": 7, "groups_replaced": 5,
+                          "dropped": {"stale": 8, "no_signal": 7, "infra_server": 1}}

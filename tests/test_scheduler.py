@@ -922,3 +922,43 @@ def test_short_steps_do_not_grow_the_capacity():
 
   most, stale = run(go())
   assert most <= 4 + 2 and stale <= 4, (most, stale)
+
+
+def test_tokens_of_unknown_version_count_as_fresh_to_acceptance_and_lag():
+  """A trained token of unknown version (-1) is fresh to the loss and the token
+  staleness metrics, and was the oldest there is to acceptance (a group dropped as
+  stale) and `policy_lag` (version + 1): red team 39."""
+  from jaxagent.metrics import episode_metrics, token_staleness_metrics
+  from jaxagent.scheduler import Group
+  from jaxagent.trajectory import Segment
+
+  def ep(versions, reward):
+    v = np.asarray(versions, np.int32)
+    n = len(v)
+    seg = Segment(tokens=np.arange(n), loss_mask=np.ones(n, np.float32),
+                  rollout_logp=np.zeros(n, np.float32), versions=v,
+                  turn_ids=np.zeros(n, np.int32), session_id="s", rollout_id="s",
+                  segment_id="s/0")
+    return Episode("t", "s", "g", [seg], [reward], {"status": "pass"}, "completed")
+
+  s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=2,
+                                     filter_equal_rewards=False, max_staleness=1),
+                       iter(range(100)), None)
+  s.set_version(5)
+  g = Group(0, None, episodes=[ep([5, 5, -1], 1.0), ep([5, 5], 0.0)], done=True)
+  assert s._accept(g), dict(s.dropped)
+  assert episode_metrics([g], [g], 5)["policy_lag_max"] == 0
+  assert token_staleness_metrics(np.array([[5, 5, -1, 5, 5]]), np.ones((1, 5)),
+                                 5)["token_staleness_max"] == 0
+  assert ep([-1, -1], 0.0).segments[0].min_version() is None
+
+
+def test_async_updates_sparser_than_the_staleness_bound_are_said():
+  """Async with `sync_every - 1 > max_staleness` trains tokens older than max_staleness
+  (the bound is the larger, as docs/architecture.md says) without a word: red team 39."""
+  from jaxagent.scheduler import rollout_notes
+
+  (note,) = rollout_notes(RolloutConfig(mode="async", max_staleness=1, sync_every=3))
+  assert "up to 2 versions behind" in note and "rollout.max_staleness (1)" in note
+  assert rollout_notes(RolloutConfig(mode="async", max_staleness=2, sync_every=3)) == []
+  assert rollout_notes(RolloutConfig(mode="sync", sync_every=3)) == []
