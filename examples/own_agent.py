@@ -14,14 +14,15 @@ with the header `X-Session-Id: session_id` (the server records its turns under i
 trajectory is read back from that record, token for token; the id holds a secret part,
 so no other episode's agent can write into it), sample as the run trains (its
 temperature, top_p and top_k: a turn sampled otherwise stops the run), hand each reply
-to `env.step` as text, and return the rewards of its steps (the run trains the
+to `env.step` as text (`jaxagent.blackbox.reply_text`: its content and its tool calls,
+which the gateway returns apart), and return the rewards of its steps (the run trains the
 environment's own, as `env.step` returned them). A gateway that fails
 (an HTTP error) ends the episode as the infrastructure's, re-rolled.
 """
 
 import httpx
 
-from jaxagent.blackbox import gateway_turn
+from jaxagent.blackbox import gateway_turn, reply_text
 
 
 async def run_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
@@ -43,7 +44,9 @@ async def run_agent(env, task, base_url: str, *, session_id: str, model: str = "
       r = await gateway_turn(client.post("/v1/chat/completions", json=body), base_url,
                              session_id, turn_timeout_s)
       r.raise_for_status()
-      reply = r.json()["choices"][0]["message"]["content"] or ""
+      # (a tool call the gateway parsed is in tool_calls, not in the content: the text
+      # handed on holds both, as the chat template writes them)
+      reply = reply_text(r.json()["choices"][0]["message"])
       messages.append({"role": "assistant", "content": reply})
       step = await env.step(reply)
       rewards.append(float(step.reward))

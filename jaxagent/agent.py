@@ -480,6 +480,11 @@ class MeasuredEnv:
   def __getattr__(self, name):
     return getattr(self.env, name)
 
+  @property
+  def in_call(self) -> bool:
+    """Whether a call of the environment's is under way."""
+    return self._clock is not None
+
   def _reported(self) -> tuple[float, float]:
     """What a worker's answers reported so far: its calls' waits, and of them other
     sessions' holds of its loop (0 in process: those are on the call's own clock)."""

@@ -332,6 +332,34 @@ def _action_text(response: Optional[dict]) -> Optional[str]:
       for c in response.get("tool_calls") or [])
 
 
+def reply_text(message: dict) -> str:
+  """What an agent of your own hands `env.step` for a chat completions reply (`message`:
+  `choices[0].message` as a dict): its content, then each of its `tool_calls` in the
+  chat template's format, which the environment parses (the gateway moves a call it
+  parsed out of the content: handed the content alone, the environment never saw it)."""
+  return _action_text(message) or ""
+
+
+_TOOL_CALLS_DROPPED_SAID = []  # (once a process)
+
+
+def _say_tool_calls_dropped(records: list[TurnRecord], actions: list[str]) -> None:
+  """Says, once, that an agent handed its environment a reply's content without the
+  tool calls the gateway parsed out of it (every tool call lost, and trained as a
+  failure: the repository's own example did so; a new user)."""
+  handed = set(actions)
+  for r in records:
+    response = r.response or {}
+    if response.get("tool_calls") and (response.get("content") or "") in handed \
+        and _action_text(response) not in handed and not _TOOL_CALLS_DROPPED_SAID:
+      _TOOL_CALLS_DROPPED_SAID.append(True)
+      print("warning: the black-box agent handed its environment a reply's content without "
+            "its tool calls (the gateway returns a call it parsed in tool_calls, not in the "
+            "content): the environment never saw them, and the episode is trained as it "
+            "went. Hand env.step jaxagent.blackbox.reply_text(message) (said once)",
+            file=sys.stderr, flush=True)
+
+
 def _step_numbers(records: list[TurnRecord], left: set[int],
                   actions: Optional[list[str]]) -> list[int]:
   """Each recorded call's environment step (the server's own `turn` counts its gateway
@@ -352,6 +380,8 @@ def _step_numbers(records: list[TurnRecord], left: set[int],
     out.append(k)
     if i not in left and k < len(actions) and _same_action(actions[k], r.response):
       k += 1
+  if k != len(actions):
+    _say_tool_calls_dropped(records, actions)
   return out if k == len(actions) else kept
 
 
@@ -510,11 +540,14 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
   wire_id += "~" + secrets.token_hex(12)
 
   decoding: dict = {}  # at a cut: request id -> how long it had decoded, in flight
+  at_cut: dict = {}  # and whether nothing was under way but the harness's own code
 
   async def in_flight() -> None:
     """At a cut, before the harness is cancelled (and its turn with it): the seconds the
     session's turns in flight have decoded (first token to latest), the policy's time."""
     now = await gateway_progress(gateway_url, wire_id)
+    # (nothing in flight, nor an environment call: the harness's own code held it)
+    at_cut["idle"] = now is not None and not now.get("requests") and not acting.in_call
     # (a gateway that does not say: the turn in flight counts as the server's)
     by_request = (now or {}).get("by_request")
     if isinstance(by_request, dict):
@@ -555,7 +588,14 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.verdict = (await graded(acting.verify(), cfg, acting.waited)).to_dict()
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
-    turns = await _take_session(gateway_url, wire_id, control_token)
+    try:
+      turns = await _take_session(gateway_url, wire_id, control_token)
+    except httpx.HTTPStatusError as e:  # (a harness whose calls lack the session header)
+      if e.response.status_code != 404:
+        raise
+      raise InfraError("no_turns_recorded", f"the agent stepped its environment "
+                       f"{len(acting.actions)} times and no turn of it was recorded under "
+                       "its session: its calls must carry the header X-Session-Id") from None
     if ep.verdict.get("status") == "infra_error":
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
           True, "verifier"
@@ -586,6 +626,10 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
                         + sum(reported_seconds(t.get("decode_s")) for t in recorded))
       server_s = max(0.0, elapsed - acting.env_s - acting.waited_s - ep.decode_s)
       kind, infra = judge_cut(cut, server_s, "on the gateway", acting, ep.decode_s)
+      if infra and at_cut.get("idle"):
+        kind, infra = "agent_stuck", (
+            f"cut at {elapsed:.0f} s with no request on the gateway and no environment call "
+            "under way: the agent's own code held the episode")
       if infra:
         ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", infra, True, kind
       else:
@@ -601,9 +645,15 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
                     "max_prefill_length and max_seq_len, and data.seq_len")
       # The conversation outgrew the engine: its own length (or the task's first prompt).
       await truncated(FIRST_PROMPT_TOO_LONG if not acting.actions else "token_cap")
-    else:  # the gateway failed (down, overloaded, cut)
+    else:  # the gateway failed (down, overloaded, cut), or refused what the agent sent
+      response = getattr(e, "response", None)
+      status = getattr(e, "status_code", None) or getattr(response, "status_code", None)
+      body = getattr(e, "body", None) or (
+          response.text[:300] if isinstance(e, httpx.HTTPStatusError) else "")
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
-          "failed", f"{type(e).__name__}: {e}"[:300], True, "server")
+          "failed", (f"the gateway answered the agent's request {status}: {body}"
+                     if status else f"{type(e).__name__}: {e}")[:300], True,
+          "gateway_refused" if status in (400, 404, 405, 422) else "server")
   finally:
     await acting.end(ep)
   ep.latency_s = time.perf_counter() - t_start

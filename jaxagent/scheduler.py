@@ -70,6 +70,14 @@ _OUTAGE_HINTS = {
     "episode_wall": "episodes wait on the servers past agent.episode_deadline_s",
     "sandbox": "check the sandbox (env.sandboxes, the host's isolation)",
     "verifier": "the grader fails (its sandbox, or env.judge)",
+    # (a black-box agent's harness: `agent.kind`)
+    "gateway_refused": "the gateway refused the black-box agent's requests (a bug of the "
+                       "agent.kind harness's: its last answer below)",
+    "no_turns_recorded": "no turn of the black-box agent was recorded under its session: "
+                         "its calls must carry the header X-Session-Id with the session_id "
+                         "it is given (agent.kind)",
+    "agent_stuck": "episodes were cut while the black-box agent's own code held them (no "
+                   "request on the gateway, no environment call under way: agent.kind)",
 }
 
 
@@ -144,6 +152,7 @@ class RolloutScheduler:
     # The last infra_window episodes' outcomes: the infrastructure failure's kind that
     # dropped one after its retries, None for one that ended.
     self.outcomes: collections.deque = collections.deque(maxlen=max(1, cfg.infra_window))
+    self.last_reason: dict[str, str] = {}  # each infrastructure kind's last episode's why
     self._over_since: Optional[float] = None  # when the drops went past the bound
     self._replaying: dict[int, object] = {}  # tasks being played again after infra drops
     self._finished: list[str] = []  # ids of groups consumed or dropped (drain_finished)
@@ -164,19 +173,21 @@ class RolloutScheduler:
       self.retries += attempt < self.cfg.max_retries
       if attempt < self.cfg.max_retries and self.cfg.retry_backoff_s > 0:
         await asyncio.sleep(min(self.cfg.retry_backoff_s * 2 ** attempt, 30.0))
-    self._ended(ep.infra_kind or "unknown")
+    self._ended(ep.infra_kind or "unknown", ep.reason)
     self.dropped["infra_error"] += 1
     self.dropped[f"infra_{ep.infra_kind or 'unknown'}"] += 1  # by the last attempt's kind
     group.dropped_episodes += 1
     return None
 
-  def _ended(self, infra_kind: Optional[str]) -> None:
+  def _ended(self, infra_kind: Optional[str], reason: str = "") -> None:
     """Counts an episode's outcome, its retries done (one per episode: a policy that
     could make some of its episodes fail so does not weigh max_retries + 1 times);
     past `max_infra_fraction` of drops in a full window, spanning `infra_grace_s`, sets
     the outage that stops the run."""
     now = time.monotonic()
     self.outcomes.append(infra_kind)
+    if infra_kind is not None:  # (the outage's message says the last of its main kind's)
+      self.last_reason[infra_kind] = reason
     failed = [k for k in self.outcomes if k is not None]
     over = (len(self.outcomes) == self.outcomes.maxlen
             and len(failed) > self.cfg.max_infra_fraction * len(self.outcomes))
@@ -192,7 +203,9 @@ class RolloutScheduler:
           f"{len(failed)} of the last {len(self.outcomes)} episodes failed in the "
           f"infrastructure, retries and all ({kinds}), more than rollout.max_infra_fraction "
           f"{self.cfg.max_infra_fraction}: {_OUTAGE_HINTS.get(counts[0][0], _OUTAGE_HINT)} "
-          "(their logs; metrics dropped_infra_*), then resume the run")
+          "(their logs; metrics dropped_infra_*), then resume the run"
+          + (f"; the last {counts[0][0]}: {self.last_reason[counts[0][0]][:300]}"
+             if self.last_reason.get(counts[0][0]) else ""))
       self._changed.set()
 
   async def _run_group(self, group: Group) -> None:

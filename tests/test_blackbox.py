@@ -483,3 +483,90 @@ def test_a_harness_of_your_own_is_named_by_module_and_function():
     cfg = dataclasses.replace(base, agent=dataclasses.replace(base.agent, kind=kind))
     with pytest.raises(config_lib.ConfigError, match=why.replace("(", r"\(")):
       check_config(cfg)
+
+
+def test_a_harness_that_misuses_the_gateway_is_named_not_blamed_on_the_servers(
+    random_params, monkeypatch, capsys):
+  """A new user's harness mistakes were drops of kind `server`, and a run stopped by them
+  said "check the rollout servers": a request the gateway refuses (n=2) is
+  `gateway_refused` with the gateway's answer, calls without the session header
+  `no_turns_recorded`, a harness stuck in its own code `agent_stuck`."""
+  import httpx
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  async def two_at_once(env, task, base_url, *, session_id, **kw):
+    await env.reset(task)
+    async with httpx.AsyncClient(headers={"X-Session-Id": session_id}) as c:
+      r = await c.post(f"{base_url}/v1/chat/completions", json={
+          "model": "policy", "n": 2, "max_tokens": 2,
+          "messages": [{"role": "user", "content": "hi"}]})
+      r.raise_for_status()
+    return []
+
+  async def no_header(env, task, base_url, *, session_id, **kw):
+    obs = await env.reset(task)
+    async with httpx.AsyncClient() as c:
+      r = await c.post(f"{base_url}/v1/chat/completions", json={
+          "model": "policy", "max_tokens": 2, "messages": obs.messages})
+      r.raise_for_status()
+    await env.step(r.json()["choices"][0]["message"]["content"] or "")
+    return []
+
+  async def stuck(env, task, base_url, *, session_id, **kw):
+    await env.reset(task)
+    await asyncio.sleep(600)
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  config = AgentConfig(max_turns=1, max_new_tokens=2, episode_deadline_s=120)
+  got = {}
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    for name, harness, deadline_s in (("n2", two_at_once, 120), ("header", no_header, 120),
+                                      ("stuck", stuck, 1.5)):
+      monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", harness)
+      got[name] = asyncio.run(run_blackbox(
+          make("guess_number"), task, srv.url,
+          dataclasses.replace(config, episode_deadline_s=deadline_s),
+          session_id=f"s-{name}", group_id="g"))
+  ep = got["n2"]
+  assert ep.infra_error and ep.infra_kind == "gateway_refused", (ep.infra_kind, ep.reason)
+  assert "400" in ep.reason and "n must be 1" in ep.reason, ep.reason
+  ep = got["header"]
+  assert ep.infra_error and ep.infra_kind == "no_turns_recorded", (ep.infra_kind, ep.reason)
+  assert "stepped its environment 1 times" in ep.reason and "X-Session-Id" in ep.reason
+  ep = got["stuck"]
+  assert ep.infra_error and ep.infra_kind == "agent_stuck", (ep.infra_kind, ep.reason)
+  assert "no request on the gateway and no environment call" in ep.reason
+
+
+def test_a_reply_s_tool_calls_reach_the_environment_and_one_handed_without_them_is_said(
+    capsys):
+  """The repository's own example harness handed `env.step` a reply's content alone: the
+  gateway returns a call it parsed in `tool_calls`, so the environment never saw one
+  (every call trained as a failure, without a word; a new user). `reply_text` hands on
+  both; a harness that drops them is warned once."""
+  from jaxagent import blackbox as blackbox_mod
+  from jaxagent.blackbox import reply_text
+  from jaxagent.trajectory import TurnRecord
+
+  call = {"id": "c0", "type": "function",
+          "function": {"name": "calculate", "arguments": '{"expression": "1+2"}'}}
+  message = {"role": "assistant", "content": "", "tool_calls": [call]}
+  assert reply_text(message) == ('<tool_call>{"name": "calculate", "arguments": '
+                                 '{"expression": "1+2"}}</tool_call>')
+  assert reply_text({"role": "assistant", "content": "3"}) == "3"
+  with open(os.path.join(os.path.dirname(__file__), "..", "examples", "own_agent.py")) as f:
+    assert "reply_text(r.json()" in f.read()  # (the example hands both)
+
+  record = TurnRecord([1], [2], [-0.1], [0], "stop")
+  record.response = message
+  blackbox_mod._TOOL_CALLS_DROPPED_SAID.clear()
+  blackbox_mod._step_numbers([record], set(), [reply_text(message)])  # handed whole
+  assert capsys.readouterr().err == ""
+  for _ in range(2):
+    blackbox_mod._step_numbers([record], set(), [""])  # its content alone
+  err = capsys.readouterr().err
+  assert err.count("warning: the black-box agent handed its environment a reply's "
+                   "content without its tool calls") == 1, err
+  assert "jaxagent.blackbox.reply_text(message)" in err

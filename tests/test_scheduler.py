@@ -93,7 +93,7 @@ def test_an_infrastructure_outage_stops_the_run_instead_of_consuming_the_tasks(m
   async def play(task, sid, gid):
     await asyncio.sleep(0.001)
     ep = episode(task, sid, gid, reward=0.0, infra=True)
-    ep.infra_kind = "env_worker"
+    ep.infra_kind, ep.reason = "env_worker", f"env_worker: {sid} refused"
     return ep
 
   async def go():
@@ -101,9 +101,10 @@ def test_an_infrastructure_outage_stops_the_run_instead_of_consuming_the_tasks(m
                                        max_retries=1, infra_window=16, infra_grace_s=0.5,
                                        retry_backoff_s=0.0), itertools.count(), play)
     s.start()
-    try:
+    try:  # (the last episode's why said: a harness's mistakes read "check the servers")
       with pytest.raises(InfraOutage, match=r"16 of the last 16 .*env_worker 16.*"
-                                            r"max_infra_fraction 0.5"):
+                                            r"max_infra_fraction 0.5.*; the last env_worker: "
+                                            r"env_worker: g\d+-\d-r1 refused$"):
         for _ in range(10000):  # (as the training loop asks again after an empty step)
           await asyncio.wait_for(s.next_groups(), 30)
       return s
