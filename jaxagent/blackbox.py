@@ -482,6 +482,8 @@ async def _clear_session(gateway_url: str, session_id: str,
 class SamplingMismatch(Exception):
   """A black-box agent sampled turns otherwise than the run's `agent` sampling says."""
 
+  said_whole = True  # (its message is all there is to say: no traceback, EpisodeBug.say)
+
 
 def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None:
   """Every recorded turn was sampled as the run trains (temperature, top_p, top_k): the
@@ -498,11 +500,27 @@ def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None
           "to the gateway")
 
 
+_LONG_TURNS_SAID = []  # (once a process)
+
+
+def _say_long_turns(turns: list[dict], cfg: AgentConfig) -> None:
+  """Says, once, that a harness let its turns run past `agent.max_new_tokens` (the
+  budget it is given: a new user's harness asked for a million, and trained replies of
+  160 tokens in a run set to 1)."""
+  longest = max((len(t.get("output_ids") or ()) for t in turns), default=0)
+  if longest > cfg.max_new_tokens and not _LONG_TURNS_SAID:
+    _LONG_TURNS_SAID.append(True)
+    print(f"warning: the black-box agent's turns run past agent.max_new_tokens "
+          f"({cfg.max_new_tokens}; one of {longest} tokens): it is given the budget as "
+          "max_tokens and trains what it asks for (said once)", file=sys.stderr, flush=True)
+
+
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
                            tokenizer: Optional[Tokenizer], actions: list[str]) -> None:
   """Fills `ep`'s turn counts and segments from the server's record of its session,
   with the episode's outcome (status, rewards, verdict) as it stands."""
   check_sampling(turns, cfg, ep.session_id)
+  _say_long_turns(turns, cfg)
   ep.turns = len(turns)
   ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
   ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,

@@ -113,7 +113,8 @@ class EpisodeBug(RuntimeError):
         print(f"  {line}", file=sys.stderr)
       for line in self.chain():
         print(f"  {line}", file=sys.stderr)
-    elif not getattr(self.error, "on_worker", False):
+    elif not (getattr(self.error, "on_worker", False) or
+              getattr(self.error, "said_whole", False)):
       traceback.print_exception(self.error, file=sys.stderr)
     print(f"error: {self}{then}", file=sys.stderr, flush=True)
 

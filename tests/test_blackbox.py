@@ -570,3 +570,19 @@ def test_a_reply_s_tool_calls_reach_the_environment_and_one_handed_without_them_
   assert err.count("warning: the black-box agent handed its environment a reply's "
                    "content without its tool calls") == 1, err
   assert "jaxagent.blackbox.reply_text(message)" in err
+
+
+def test_turns_past_the_budget_a_harness_is_given_are_said_once(capsys):
+  """A harness asking for more than `max_tokens=agent.max_new_tokens` trained replies of
+  160 tokens in a run set to 1, without a word (a new user)."""
+  from jaxagent import blackbox as blackbox_mod
+
+  blackbox_mod._LONG_TURNS_SAID.clear()
+  cfg = AgentConfig(max_new_tokens=4)
+  blackbox_mod._say_long_turns([{"output_ids": [1, 2, 3, 4]}], cfg)
+  assert capsys.readouterr().err == ""
+  for _ in range(2):
+    blackbox_mod._say_long_turns([{"output_ids": [1] * 9}], cfg)
+  err = capsys.readouterr().err
+  assert err.count("warning: the black-box agent's turns run past agent.max_new_tokens "
+                   "(4; one of 9 tokens)") == 1, err

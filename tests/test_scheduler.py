@@ -282,6 +282,18 @@ def test_an_episodes_bug_is_said_in_its_environments_lines_and_one_line(capsys):
   ours.say()
   err = capsys.readouterr().err
   assert err.startswith("Traceback") and "jaxagent/scheduler.py" in err, err
+  # A harness's sampling refused: its message is all there is (it came after a traceback
+  # of the run's own lines: a new user)
+  from jaxagent.blackbox import SamplingMismatch
+
+  try:
+    raise SamplingMismatch("turn 0 was sampled with temperature 0.7")
+  except SamplingMismatch as e:
+    EpisodeBug(task, e.with_traceback(None)).say()
+  assert capsys.readouterr().err.splitlines() == [
+      "error: an episode of task 't/1' (mine) raised SamplingMismatch at a line its "
+      "traceback shows (a bug, not an infrastructure failure): turn 0 was sampled with "
+      "temperature 0.7"]
 
 
 def test_equal_reward_groups_are_filtered():
