@@ -340,7 +340,13 @@ def reply_text(message: dict) -> str:
   return _action_text(message) or ""
 
 
-_TOOL_CALLS_DROPPED_SAID = []  # (once a process)
+_SAID: set[str] = set()  # the warnings said (each once a process)
+
+
+def _say_once(kind: str, message: str) -> None:
+  if kind not in _SAID:
+    _SAID.add(kind)
+    print(f"warning: {message} (said once)", file=sys.stderr, flush=True)
 
 
 def _say_tool_calls_dropped(records: list[TurnRecord], actions: list[str]) -> None:
@@ -351,13 +357,12 @@ def _say_tool_calls_dropped(records: list[TurnRecord], actions: list[str]) -> No
   for r in records:
     response = r.response or {}
     if response.get("tool_calls") and (response.get("content") or "") in handed \
-        and _action_text(response) not in handed and not _TOOL_CALLS_DROPPED_SAID:
-      _TOOL_CALLS_DROPPED_SAID.append(True)
-      print("warning: the black-box agent handed its environment a reply's content without "
-            "its tool calls (the gateway returns a call it parsed in tool_calls, not in the "
-            "content): the environment never saw them, and the episode is trained as it "
-            "went. Hand env.step jaxagent.blackbox.reply_text(message) (said once)",
-            file=sys.stderr, flush=True)
+        and _action_text(response) not in handed:
+      _say_once("tool_calls_dropped", "the black-box agent handed its environment a reply's "
+                "content without its tool calls (the gateway returns a call it parsed in "
+                "tool_calls, not in the content): the environment never saw them, and the "
+                "episode is trained as it went. Hand env.step "
+                "jaxagent.blackbox.reply_text(message)")
 
 
 def _step_numbers(records: list[TurnRecord], left: set[int],
@@ -500,19 +505,15 @@ def check_sampling(turns: list[dict], cfg: AgentConfig, session_id: str) -> None
           "to the gateway")
 
 
-_LONG_TURNS_SAID = []  # (once a process)
-
-
 def _say_long_turns(turns: list[dict], cfg: AgentConfig) -> None:
   """Says, once, that a harness let its turns run past `agent.max_new_tokens` (the
   budget it is given: a new user's harness asked for a million, and trained replies of
   160 tokens in a run set to 1)."""
   longest = max((len(t.get("output_ids") or ()) for t in turns), default=0)
-  if longest > cfg.max_new_tokens and not _LONG_TURNS_SAID:
-    _LONG_TURNS_SAID.append(True)
-    print(f"warning: the black-box agent's turns run past agent.max_new_tokens "
-          f"({cfg.max_new_tokens}; one of {longest} tokens): it is given the budget as "
-          "max_tokens and trains what it asks for (said once)", file=sys.stderr, flush=True)
+  if longest > cfg.max_new_tokens:
+    _say_once("long_turns", f"the black-box agent's turns run past agent.max_new_tokens "
+              f"({cfg.max_new_tokens}; one of {longest} tokens): it is given the budget as "
+              "max_tokens and trains what it asks for")
 
 
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,

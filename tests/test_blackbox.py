@@ -561,7 +561,7 @@ def test_a_reply_s_tool_calls_reach_the_environment_and_one_handed_without_them_
 
   record = TurnRecord([1], [2], [-0.1], [0], "stop")
   record.response = message
-  blackbox_mod._TOOL_CALLS_DROPPED_SAID.clear()
+  blackbox_mod._SAID.discard("tool_calls_dropped")
   blackbox_mod._step_numbers([record], set(), [reply_text(message)])  # handed whole
   assert capsys.readouterr().err == ""
   for _ in range(2):
@@ -577,7 +577,7 @@ def test_turns_past_the_budget_a_harness_is_given_are_said_once(capsys):
   160 tokens in a run set to 1, without a word (a new user)."""
   from jaxagent import blackbox as blackbox_mod
 
-  blackbox_mod._LONG_TURNS_SAID.clear()
+  blackbox_mod._SAID.discard("long_turns")
   cfg = AgentConfig(max_new_tokens=4)
   blackbox_mod._say_long_turns([{"output_ids": [1, 2, 3, 4]}], cfg)
   assert capsys.readouterr().err == ""
