@@ -420,8 +420,14 @@ class _Router:
       for b, (n, ts, made) in read:  # (copied: only now past them)
         self.cursors.setdefault(session_id, {})[b] = (n + len(ts), made)
       self.cursors.move_to_end(session_id)
+      # (the oldest cursor of a session whose copy is gone: a read moves its cursor and
+      # not its copy, and a cursor evicted under a copy held had the whole record copied
+      # again on top of it, every turn twice; a reviewer)
       while len(self.cursors) > self.max_sessions:
-        self.cursors.popitem(last=False)
+        gone = next((s for s in self.cursors if s not in self.sessions), None)
+        if gone is None:
+          break
+        del self.cursors[gone]
 
   async def hand_over(self, session_id: str, backend: str) -> bool:
     """Before a session's turn goes to a backend other than the one that ran its last

@@ -276,6 +276,25 @@ def test_the_routers_copy_of_a_session_is_exact_under_concurrency_restarts_and_j
       assert r.status_code == 400 and "name different sessions" in r.text
       assert c.get("/sessions/par", params={"since": "x"}).status_code == 422
       assert c.get("/sessions/par", params={"since": -1}).status_code == 422
+    # A read moved its session's cursor to the newest and not its copy: a later session
+    # evicted the copy of one and the cursor of another, whose whole record was then
+    # copied again on top of the copy it held (every turn twice; a reviewer).
+    with ServerThread(create_router([backend.url], max_sessions=2)) as small:
+      def small_turn(sid):
+        assert httpx.post(f"{small.url}/generate", json=body, timeout=120,
+                          headers={"X-Session-Id": sid}).status_code == 200
+
+      def small_turns(sid):
+        return [t["turn"] for t in
+                httpx.get(f"{small.url}/sessions/{sid}", timeout=60).json()["turns"]]
+
+      small_turn("R")
+      small_turn("A")
+      assert small_turns("R") == [0]
+      small_turn("C")
+      assert small_turns("A") == [0]
+      small_turn("A")
+      assert small_turns("A") == [0, 1]
     # The router's copy of a session evicted (here its time to live), its cursor was kept:
     # the next turn's copy began after the turns it no longer held (1 turn of 3).
     with ServerThread(create_router([backend.url], session_ttl_s=1.0)) as short:
