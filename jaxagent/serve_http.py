@@ -286,17 +286,20 @@ def name_deep_bodies(app) -> None:
 
 class BodyLimit:
   """ASGI middleware: a request body over `limit` bytes is refused with 413, by its
-  Content-Length or as it streams in, before the application parses any of it."""
+  Content-Length or as it streams in, before the application parses any of it; in the
+  shape `shape(path, status, message)` gives (the path without its leading slash: an
+  API's own error shape), FastAPI's `detail` without one."""
 
-  def __init__(self, app, limit: int):
+  def __init__(self, app, limit: int, shape=None):
     self.app, self.limit = app, limit
+    self.shape = shape or (lambda path, status, message: {"detail": message})
 
   async def __call__(self, scope, receive, send):
     if scope["type"] != "http":
       return await self.app(scope, receive, send)
     length = dict(scope.get("headers") or []).get(b"content-length")
     if length is not None and length.isdigit() and int(length) > self.limit:
-      return await self._refuse(send)
+      return await self._refuse(scope, send)
     messages, seen = [], 0
     while True:  # at most `limit` bytes are held: the body is read here, then replayed
       message = await receive()
@@ -308,7 +311,7 @@ class BodyLimit:
         break
       seen += len(message.get("body", b""))
       if seen > self.limit:
-        return await self._refuse(send)
+        return await self._refuse(scope, send)
       if not message.get("more_body", False):
         break
 
@@ -317,8 +320,9 @@ class BodyLimit:
 
     await self.app(scope, replay, send)
 
-  async def _refuse(self, send):
-    body = f'{{"detail": "request body over {self.limit} bytes"}}'.encode()
+  async def _refuse(self, scope, send):
+    body = json.dumps(self.shape(scope.get("path", "/").lstrip("/"), 413,
+                                 f"request body over {self.limit} bytes")).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})

@@ -42,15 +42,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxagent import control
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard
-from jaxagent.tls import shared_tls
 from rollout_server import responses_api
-from rollout_server.routing import (HashRing, api_error, forwarded_path, handover_refused,
+from rollout_server.router_backends import Rotation
+from rollout_server.routing import (api_error, error_body, forwarded_path, handover_refused,
                                     long_id, parsed, session_from, stream_cut_event)
 from rollout_server.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
 FIRST_ROUND_WAIT_S = 15.0  # the longest a /health waits for the first round of checks
+MAX_CONNECTIONS = 1000  # turns the router holds open to its backends at once (each a connection)
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
@@ -65,33 +66,20 @@ class _Unreadable(Exception):
   """A backend's record of a session could not be read (an error, not a record)."""
 
 
-
-
-class _Router:
-  """What a router holds and does apart from its routes: its backends' health (checked
-  every `health_interval_s`), the policy they must serve, whether they take its control
-  token, the deletes they missed, its copy of every session's turns, the responses it
-  relayed, and the forwarding of a call to the backend its session hashes to
-  (`proxy`)."""
+class _Router(Rotation):
+  """What a router holds and does apart from its routes: its backends (`Rotation`: their
+  health, the policy they must serve, their control token, the deletes they missed),
+  its copy of every session's turns, the responses it relayed, and the forwarding of a
+  call to the backend its session hashes to (`proxy`)."""
 
   def __init__(self, backends: Sequence[str], *, health_interval_s: float, timeout_s: float,
                turn_timeout_s: float, max_sessions: int, session_ttl_s: Optional[float],
                session_max_bytes: Optional[int], max_body_bytes: int,
-               control_token: Optional[str]):
-    self.health_interval_s, self.timeout_s = health_interval_s, timeout_s
-    self.turn_timeout_s, self.max_sessions = turn_timeout_s, max_sessions
+               control_token: Optional[str], max_connections: int):
+    super().__init__(backends, health_interval_s=health_interval_s, timeout_s=timeout_s,
+                     turn_timeout_s=turn_timeout_s, max_sessions=max_sessions,
+                     control_token=control_token, max_connections=max_connections)
     self.max_body_bytes = max_body_bytes
-    self.control_token = control_token or None  # (a blank one is none)
-    self.ruling = control.headers(self.control_token)  # (on the router's own control calls only)
-    self.ring = HashRing([b.rstrip("/") for b in backends])
-    # Healthy: answers /health and serves the current policy (a backend that comes back
-    # loads it before it takes traffic again).
-    self.healthy = {b: True for b in self.ring.backends}
-    self.counts = {b: 0 for b in self.ring.backends}
-    self.failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0, "handovers": 0,
-                      "handovers_failed": 0, "responses_made_whole": 0}
-    self.policy: dict = {"body": None, "version": None}  # the last update the backends took
-    self.updating = asyncio.Lock()
     self.sessions = SessionStore(self.max_sessions, session_ttl_s, session_max_bytes)
     # session id -> {backend: turns of its record already copied}; only sessions a backend
     # had (a read of an unknown id must not push live ones out)
@@ -99,15 +87,9 @@ class _Router:
     # One copy of a session at a time (concurrent turns of one session each copied the
     # same turns); a lock lives while someone holds or waits for it.
     self.copy_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-    self.client_box: dict = {}
-    # Deletes a backend missed (not healthy then): done before it takes traffic again, or
-    # its record came back into a session played again under the id (red team 23).
-    self.undeleted: dict[str, collections.OrderedDict] = {
-        b: collections.OrderedDict() for b in self.ring.backends}
     # session id -> backends whose record of it a copy could not read: a read of the
     # session while one of them is out of rotation cannot be whole (a reviewer).
     self.owed: collections.OrderedDict[str, set] = collections.OrderedDict()
-
     # Responses relayed (`/v1/responses`): which backend keeps each, and its items, so that
     # a call continuing one reaches it, or another with the chain's items when it is down.
     # (as much as its backends keep together: one server's bound filled n times sooner)
@@ -119,24 +101,18 @@ class _Router:
     # session id -> the id of the last response relayed in it (a call going on from
     # another, earlier one is a retry or a branch)
     self.latest: collections.OrderedDict[str, str] = collections.OrderedDict()
-
     # session ids whose turns on a backend were lost before this router copied them (the
     # backend restarted, or its record was made anew): their reads answer 502, not a
     # record without them (red team 27)
     self.lost: collections.OrderedDict[str, set] = collections.OrderedDict()
-    # One delete of a session on a backend at a time (the health round's and the one done
-    # before a turn is sent there; a lock lives while someone holds or waits for it).
-    self.delete_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-    self.serves: dict = {}  # backend -> (version, policy_id) from its last /health
-    # backends whose control routes refuse this router's token -> why ("has none", "holds
-    # another"); and the instance whose token was checked, with what it answered
-    self.unruled: dict = {}
-    self.token_checked: dict = {}
-    self.instances: dict = {}  # backend -> the instance its last /health named
-    self.said: dict = {"mixed": None}
-
-    self.first_round = asyncio.Event()  # (set once every backend was checked)
+  def lost_threads(self, backend: str) -> None:
+    """`backend` restarted: the threads of the sessions whose last turn it ran are gone
+    with the old instance, so their next turn is handed over wherever it goes (there
+    too: before, it went on there encoded from its text)."""
+    for session_id, ran in self.last_from.items():
+      if ran == backend:
+        self.last_from[session_id] = ""  # (a backend that is none: every one is handed it)
 
   async def copies_done(self, session_id: str) -> None:
     """Returns when the session's stream copies under way are done (waited on, not
@@ -150,182 +126,6 @@ class _Router:
     if not running:
       self.copying.pop(session_id, None)
 
-  def forget_later(self, table: collections.OrderedDict, key, value) -> None:
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > self.max_sessions:
-      table.popitem(last=False)
-
-  def must_delete(self, backend: str, session_id: str) -> None:
-    """A delete `backend` missed: done before it takes traffic again, and before any
-    turn of the session is sent to it."""
-    self.forget_later(self.undeleted[backend], session_id, None)
-    self.healthy[backend] = False
-
-  def lock_of(self, locks: weakref.WeakValueDictionary, key) -> asyncio.Lock:
-    """The lock of `key` in `locks`, made when no one holds or waits for one."""
-    lock = locks.get(key)
-    if lock is None:
-      lock = locks[key] = asyncio.Lock()
-    return lock
-
-  async def delete_owed(self, backend: str, session_id: str) -> Optional[int]:
-    """Does the delete of the session that `backend` missed, if one is owed: the status
-    it answered (None when it could not be asked); 200 when none was owed."""
-    async with self.lock_of(self.delete_locks, (backend, session_id)):
-      if session_id not in self.undeleted[backend]:
-        return 200
-      try:
-        r = await self.client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
-                                       timeout=10.0, headers=self.ruling)
-      except httpx.HTTPError:
-        return None
-      if r.status_code in (200, 404) or (400 <= r.status_code < 500
-                                         and r.status_code not in (401, 403, 408, 429)):
-        self.undeleted[backend].pop(session_id, None)  # (401, 403: owed until it is allowed)
-      return r.status_code
-
-  def client(self) -> httpx.AsyncClient:
-    if "c" not in self.client_box:
-      self.client_box["c"] = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
-                                               verify=shared_tls())
-    return self.client_box["c"]
-
-  async def push_policy(self, backend: str) -> bool:
-    """Loads the current policy into `backend`; True if it now serves it."""
-    self.failovers["policy_pushes"] += 1
-    try:
-      r = await self.client().post(f"{backend}/update_weights", content=self.policy["body"],
-                                   headers={"content-type": "application/json", **self.ruling})
-      got = r.json() if r.status_code == 200 else None
-      return isinstance(got, dict) and got.get("version") == self.policy["version"]
-    except Exception:  # (any reply it cannot read: not serving the policy)
-      return False
-
-  async def rule_check(self, backend: str, health: dict) -> None:
-    """Whether this router can use `backend`'s control routes, by its /health and (once
-    an instance, with a token) its `GET /control`: said once when that changes."""
-    why = None
-    if health.get("control_token"):
-      if self.control_token is None:
-        why = "this router has none"
-      else:
-        instance = health.get("instance")
-        if self.token_checked.get(backend, (None,))[0] != instance or instance is None:
-          with contextlib.suppress(httpx.HTTPError):
-            r = await self.client().get(f"{backend}/control", headers=self.ruling, timeout=5.0)
-            # (only an answer about the token is kept: a 503 now is asked again, or a
-            # server restarted busy was never checked; 404: one without the route)
-            if r.status_code in (200, 401, 403, 404):
-              self.token_checked[backend] = (instance, r.status_code not in (401, 403))
-        if not self.token_checked.get(backend, (None, True))[1]:
-          why = "this router holds another"
-    if why is not None and self.unruled.get(backend) != why:
-      log.warning("router: %s refuses this router's control token (%s; %s): the policy "
-                  "updates and deletes it passes on there are refused", backend, why,
-                  control.ENV)
-    if why is None:
-      self.unruled.pop(backend, None)
-    else:
-      self.unruled[backend] = why
-
-  def restarted(self, backend: str, instance) -> None:
-    """A backend answers as another instance (restarted at its address): the threads of
-    the sessions whose last turn it ran are gone with the old one, so their next turn is
-    handed over wherever it goes (there too: before, it went on there encoded from its
-    text)."""
-    seen = self.instances.get(backend)
-    self.instances[backend] = instance
-    if seen is not None and instance != seen:
-      for session_id, ran in self.last_from.items():
-        if ran == backend:
-          self.last_from[session_id] = ""  # (a backend that is none: every one is handed it)
-
-  def say_mixed(self) -> None:
-    """Before the first /update_weights the router has no policy of its own to hold the
-    backends to: backends serving different weights are said once per mix (a session's
-    turns may come from either)."""
-    mix = {b: v for b, v in self.serves.items() if self.healthy.get(b)}
-    if self.policy["version"] is not None or len(set(mix.values())) < 2:
-      return
-    if self.said["mixed"] != mix:
-      self.said["mixed"] = dict(mix)
-      log.warning("router: the backends serve different policies (%s); turns go to either "
-                  "until a POST /update_weights gives them one",
-                  ", ".join(f"{b}: version {v[0]}" + (f" of {v[1]}" if v[1] else "")
-                            for b, v in sorted(mix.items())))
-
-  async def check(self, backend: str) -> None:
-    """Asks `backend`'s /health; healthy when it answers and serves the policy (loaded
-    first where it missed one, its missed deletes done). A change is said once (a dead
-    backend was seen only in /router/health: a new user)."""
-    got, was = None, self.healthy[backend]
-    why = "its /health did not answer 200"
-    try:
-      r = await self.client().get(f"{backend}/health", timeout=5.0)
-      got = r.json() if r.status_code == 200 else None
-      ok = isinstance(got, dict)
-      if ok:
-        self.serves[backend] = (got.get("version"), got.get("policy_id"))
-        self.restarted(backend, got.get("instance"))
-        await self.rule_check(backend, got)
-      if ok and self.policy["version"] is not None and not self.updating.locked() and \
-          got.get("version") != self.policy["version"]:
-        ok = await self.push_policy(backend)  # restarted (or missed an update): catch up first
-        why = "it could not load the current policy"
-      if ok and self.undeleted[backend]:
-        ok = await self.delete_missed(backend)
-        why = "deletes it missed failed"
-      self.healthy[backend] = ok
-    except Exception as e:  # (any reply it cannot read is a backend not well: red team 14,
-      # a JSON list killed the loop, and no backend was checked again)
-      self.healthy[backend] = False
-      why = f"{type(e).__name__}: {e}"
-    if not isinstance(got, dict):  # (down: whether it takes the token is not known now)
-      self.unruled.pop(backend, None)
-    if was and not self.healthy[backend]:
-      log.warning("router: %s out of rotation (%s); its sessions' turns go to the next "
-                  "backend on the ring until it is well", backend, why)
-    elif not was and self.healthy[backend]:
-      log.warning("router: %s back in rotation", backend)
-
-  async def delete_missed(self, backend: str) -> bool:
-    """The deletes `backend` missed, done (16 at a time); True when none is left. One it
-    refuses for good (a 4xx) is dropped and said; one it fails is tried at the next check
-    (the backend stays out of rotation meanwhile)."""
-    gate = asyncio.Semaphore(16)
-
-    async def delete(session_id: str) -> bool:
-      async with gate:
-        status = await self.delete_owed(backend, session_id)
-      if status is None:
-        return False
-      if status in (200, 404):
-        pass
-      elif status in (401, 403):  # (its token is asked again at the next check, which
-        # says it once; the delete stays owed: out of rotation until it takes it)
-        self.token_checked.pop(backend, None)
-        return False
-      elif 400 <= status < 500 and status not in (408, 429):
-        log.warning("router: %s refused to delete session %r (%d): left there",
-                    backend, session_id, status)
-      else:
-        log.warning("router: %s failed to delete session %r (%d): out of rotation until "
-                    "it does", backend, session_id, status)
-        return False
-      return True
-
-    while self.undeleted[backend]:  # (deletes that came meanwhile too: none awaits after it)
-      if not all(await asyncio.gather(*(delete(sid) for sid in list(self.undeleted[backend])))):
-        return False
-    return True
-
-  async def health_loop(self) -> None:
-    while True:
-      await asyncio.gather(*(self.check(b) for b in self.ring.backends), return_exceptions=True)
-      self.first_round.set()
-      self.say_mixed()
-      await asyncio.sleep(self.health_interval_s)
 
   async def fetch_turns(self, session_id: str, backend: str, since: int) -> Optional[dict]:
     """The backend's record of the session from turn `since` on; None when it has none
@@ -410,8 +210,13 @@ class _Router:
       if turns:
         try:
           self.sessions.extend(session_id, turns, number=True)
-        except Exception:  # (the served turn is the client's: its record is ours)
+        except Exception as e:  # (the served turn is the client's: its record is ours)
+          # Some of them may be in: the copy is dropped, copied whole again at its next
+          # read or turn (kept, the next copy appended them a second time; a reviewer).
+          self.sessions.pop(session_id)
           log.exception("router: session %r's turns could not be copied", session_id)
+          if strict:
+            raise _Unreadable(f"its turns could not be copied ({type(e).__name__})") from None
           return
       if turns:
         newest = max(((ts[-1].get("recorded_at", 0.0), b) for b, (_, ts, _) in read if ts),
@@ -465,15 +270,6 @@ class _Router:
       log.warning("router: %s did not take session %r's threads (%s); the session's "
                   "turn there is encoded from its text", backend, session_id, why)
     return True
-
-  def down(self, backend: str, why: str) -> str:
-    """`backend` out of rotation (a turn goes to the next on the ring); what to say."""
-    if self.healthy[backend]:
-      log.warning("router: %s out of rotation (%s); its sessions' turns go to the next "
-                  "backend on the ring until it is well", backend, why)
-    self.healthy[backend] = False
-    self.failovers["n"] += 1
-    return f"{backend}: {why}"
 
   async def delete_everywhere(self, session_id: str):
     """Deletes the session in this router's copy and on every healthy backend (one out
@@ -577,7 +373,7 @@ class _Router:
       order = [home] + [b for b in order if b != home]
     unrecorded = data.get("record") is False  # (a /generate that asks not to be)
     del data  # (its parse of a body of up to max_body_bytes: not for the call's length)
-    order = [b for b in order if self.healthy[b]] + [b for b in order if not self.healthy[b]]
+    order = self.in_order(order)
     made_whole = home_lost = False
     whole: Optional[bytes] = None  # (the call made whole, once made)
     # (a client's control token is not passed on: the router's own calls carry the run's)
@@ -625,10 +421,10 @@ class _Router:
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(self.turn_timeout_s, connect=5.0, pool=30.0) if turn
                  else httpx.USE_CLIENT_DEFAULT)
-      req = self.client().build_request(request.method, f"{backend}/{forwarded}", content=content,
+      req = self.client("turns").build_request(request.method, f"{backend}/{forwarded}", content=content,
                                         headers=headers, params=request.query_params,
                                         timeout=timeout)
-      sending = asyncio.ensure_future(self.client().send(req, stream=True))
+      sending = asyncio.ensure_future(self.client("turns").send(req, stream=True))
       gone = asyncio.ensure_future(client_gone(request))
       try:
         # (a client that gave up must not hold a connection to its backend: a stuck
@@ -678,8 +474,15 @@ class _Router:
         return StreamingResponse(
             self.relay(resp, backend, session_id if records else None, path, step),
             status_code=resp.status_code, headers=out_headers)
-      content = await resp.aread()
-      await resp.aclose()
+      try:
+        content = await resp.aread()
+      except httpx.TransportError as e:  # (it died mid-answer: a 500 of the router's own)
+        self.failovers["streams_cut"] += 1
+        return api_error(path, 502, self.down(backend, f"went away mid-answer ("
+                                                        f"{type(e).__name__}); the answer is "
+                                                        "incomplete: retry the request"))
+      finally:
+        await resp.aclose()
       if records and resp.status_code == 200:
         await self.copy_turns(session_id, backend)
       if step is not None:
@@ -733,7 +536,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                   max_sessions: int = 10000, session_ttl_s: Optional[float] = 3600.0,
                   session_max_bytes: Optional[int] = 1 << 30,
                   max_body_bytes: int = ServerConfig.max_body_bytes,
-                  control_token: Optional[str] = None) -> FastAPI:
+                  control_token: Optional[str] = None,
+                  max_connections: int = MAX_CONNECTIONS) -> FastAPI:
   """The router app. It keeps a copy of every session's recorded turns (bounded as a
   server's records are), so a session outlives the backend its turns ran on. A turn
   (generate, chat, messages) is as long as its tokens: its backend is given
@@ -744,18 +548,19 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
   router = _Router(backends, health_interval_s=health_interval_s, timeout_s=timeout_s,
                    turn_timeout_s=turn_timeout_s, max_sessions=max_sessions,
                    session_ttl_s=session_ttl_s, session_max_bytes=session_max_bytes,
-                   max_body_bytes=max_body_bytes, control_token=control_token)
+                   max_body_bytes=max_body_bytes, control_token=control_token,
+                   max_connections=max_connections)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
     task = asyncio.create_task(router.health_loop())
     yield
     task.cancel()
-    if "c" in router.client_box:
-      await router.client_box["c"].aclose()
+    await router.aclose()
 
   app = FastAPI(title="jaxagent rollout router", lifespan=lifespan)
-  app.add_middleware(BodyLimit, limit=router.max_body_bytes)  # (before any is read whole)
+  # (before any is read whole; in the shape of the API's errors, as the servers')
+  app.add_middleware(BodyLimit, limit=router.max_body_bytes, shape=error_body)
 
   @app.get("/router/health")
   async def router_health():
@@ -796,60 +601,9 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
   @app.post("/update_weights", dependencies=guarded)
   async def update_all(request: Request):
-    """Sends the update to every healthy backend. 200 when all of them took it (one that
-    died meanwhile is left out of rotation and catches up when it returns); a backend
-    that is down now loads this policy before it serves again."""
-    body = await request.body()
-    async with router.updating:
-      targets = [b for b in router.ring.backends if router.healthy[b]]
-      if not targets:
-        return JSONResponse({"detail": "no healthy backend to update"}, status_code=503)
-      results = await asyncio.gather(*(
-          router.client().post(f"{b}/update_weights", content=body,
-                               headers={"content-type": "application/json", **router.ruling})
-          for b in targets), return_exceptions=True)
-      out, took, refused = [], {}, []
-      for b in router.ring.backends:
-        if b not in targets:
-          out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
-          continue
-        r = results[targets.index(b)]
-        if isinstance(r, Exception):
-          router.healthy[b] = False
-          out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
-          continue
-        try:
-          answer = r.json()
-        except ValueError:
-          answer = {"detail": r.text[:500]}
-        out.append({"backend": b, "status": r.status_code, "body": answer})
-        if r.status_code == 200:
-          took[b] = answer.get("version")
-        else:
-          refused.append(b)
-      try:
-        sent = json.loads(body)
-      except (ValueError, RecursionError):
-        sent = None
-      # Only the policy's update is what a rejoining backend must catch up on (an update
-      # of another served model, named in "model", is passed on, not pinned).
-      if took and not (isinstance(sent, dict) and sent.get("model")):
-        version = next(iter(took.values()))
-        pinned = dict(sent, version=version) if isinstance(sent, dict) else None
-        router.policy.update(body=json.dumps(pinned) if pinned else body, version=version)
-        for b in refused:  # live but stale: out of rotation until it catches up
-          router.healthy[b] = False
-      ok = bool(took) and not refused
-      answer: dict = {}
-      ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
-      if ruled_out:  # (their own 401 says the call had no token, or another: the router's;
-        # first, so that a client's cut of the body keeps it)
-        answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
-                            + ("it has none" if router.control_token is None else "it holds "
-                               "another") + f"): give the router (a learner's own: the "
-                            f"learner) the servers' {control.ENV}")
-      answer.update(results=out, version=router.policy["version"], ok=ok)
-      return JSONResponse(answer, status_code=200 if ok else 502)
+    """Sends the update to every healthy backend (`Rotation.update`)."""
+    answer, status = await router.update(await request.body())
+    return JSONResponse(answer, status_code=status)
 
   @app.get("/sessions/{session_id:path}")
   async def get_session(session_id: str, since: int = Query(0, ge=0)):
@@ -956,6 +710,9 @@ def main(argv=None) -> int:
   p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                  help="a request body over this is refused (413) before it is parsed; "
                       "as large as the backends' max_body_bytes")
+  p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                 help="turns held open to the backends at once (one connection each; a "
+                      "turn past them waits up to 30 s for one, then 503)")
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)
   add_log_level(p)
@@ -968,6 +725,10 @@ def main(argv=None) -> int:
   bad = [b for b in backends if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", b)]
   if not backends or bad:
     print(f"error: --backends: give server URLs (http://host:port), got {bad or 'none'}",
+          file=sys.stderr)
+    return 2
+  if args.max_connections < 1:
+    print(f"error: --max-connections must be at least 1, got {args.max_connections}",
           file=sys.stderr)
     return 2
   if not 0 < args.port < 65536:
@@ -990,7 +751,8 @@ def main(argv=None) -> int:
 
   for backend in backends:  # (beside the serving: a backend down delays nothing)
     threading.Thread(target=probe, args=(backend,), daemon=True).start()
-  serve(create_router(backends, max_body_bytes=args.max_body_bytes, control_token=token), sock,
+  serve(create_router(backends, max_body_bytes=args.max_body_bytes, control_token=token,
+                      max_connections=args.max_connections), sock,
         log_level=args.log_level)
   return 0
 

@@ -68,17 +68,21 @@ def forwarded_path(raw_path: str) -> tuple[Optional[str], str]:
   return quote(plain), plain
 
 
-def api_error(path: str, status: int, message: str) -> JSONResponse:
-  """The router's own error for a request to `path`, in the shape of that API's errors
-  (Anthropic's, OpenAI's: in FastAPI's `detail` the `openai` client said only 'Error
-  code: 400', a red team's finding), FastAPI's elsewhere."""
+def error_body(path: str, status: int, message: str) -> dict:
+  """An error of a request to `path` (without its leading slash) in the shape of that
+  API's errors (Anthropic's, OpenAI's: in FastAPI's `detail` the `openai` client said
+  only 'Error code: 400', a red team's finding), FastAPI's elsewhere."""
   if path == "v1/messages":
-    body = anthropic_api.error_body(status, message)
-  elif path in ("v1/chat/completions", "v1/responses", "v1/models"):
-    body = openai_error(status, message)
-  else:
-    body = {"detail": message}
-  return JSONResponse(body, status_code=status)
+    return anthropic_api.error_body(status, message)
+  if path in ("v1/chat/completions", "v1/responses", "v1/models"):
+    return openai_error(status, message)
+  return {"detail": message}
+
+
+def api_error(path: str, status: int, message: str, headers: Optional[dict] = None
+              ) -> JSONResponse:
+  """The router's own error for a request to `path` (`error_body`)."""
+  return JSONResponse(error_body(path, status, message), status_code=status, headers=headers)
 
 
 def stream_cut_event(path: str, message: str) -> bytes:

@@ -55,6 +55,7 @@ from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, Chat
                                  normalise_messages, unserved, with_sampled_arguments)
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request, progress_of
+from rollout_server.routing import error_body
 from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SessionStore, session_header,
                                      session_of)
 
@@ -318,7 +319,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   None: they are open)."""
   app = FastAPI(title="jaxagent rollout server")
   control_token = control_token or None  # (a blank one is none: it said guarded, took "")
-  app.add_middleware(BodyLimit, limit=max_body_bytes)
+  app.add_middleware(BodyLimit, limit=max_body_bytes, shape=error_body)  # (an API's own shape)
   name_deep_bodies(app)
   models = dict(models or {})
   if model_name in models:

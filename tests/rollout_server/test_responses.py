@@ -675,7 +675,7 @@ def test_a_retry_from_an_earlier_response_goes_where_that_response_was_made(rand
   it encoded the earlier reply from its text (a reviewer). It goes to the server that
   made that response, which continues its tokens; the next call, going on from the last
   response, goes home."""
-  from rollout_server import router as router_lib
+  from rollout_server import routing
   from rollout_server.orchestrator import Orchestrator
   from rollout_server.server import create_app
   from tests.rollout_server.conftest import make_engine
@@ -685,7 +685,7 @@ def test_a_retry_from_an_earlier_response_goes_where_that_response_was_made(rand
   apps = [create_app(orch, tokenizer) for _ in range(2)]
   servers = [ServerThread(app).start() for app in apps]
   urls = [s.url for s in servers]
-  ring = router_lib.HashRing(urls)
+  ring = routing.HashRing(urls)
   sid = next(f"retry-{i}" for i in range(100) if ring.candidates(f"retry-{i}")[0] == urls[0])
   try:
     with ServerThread(create_router(urls, health_interval_s=0.2)) as router:
@@ -831,7 +831,7 @@ def test_a_chain_goes_on_where_it_is_kept_when_the_router_cannot_see_or_make_it_
   a fork. The 404 is the news: the session is handed over. (2) A session's chain that
   the router can no longer make whole (its first response dropped from its record) went
   to the session's server, a certain 404, though the chain's own server kept it."""
-  from rollout_server import router as router_lib
+  from rollout_server import router as router_lib, routing
   from rollout_server.server import create_app
 
   _, orch = server
@@ -897,7 +897,7 @@ def test_a_chain_goes_on_where_it_is_kept_when_the_router_cannot_see_or_make_it_
       home, first = raw.http_response.headers["x-routed-to"], raw.parse()
       second = client(router.url).responses.create(input="b" * 100,
                                                    previous_response_id=first.id, **ask)
-      ring = router_lib.HashRing([s.url for s in servers])
+      ring = routing.HashRing([s.url for s in servers])
       elsewhere = next(f"s{i}" for i in range(100) if ring.candidates(f"s{i}")[0] != home)
       raw = client(router.url, session_id=elsewhere).responses.with_raw_response.create(
           input="c", previous_response_id=second.id, **ask)

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from rollout_server.router import HashRing, create_router
+from rollout_server.router import create_router
+from rollout_server.routing import HashRing
 from rollout_server.serving import ServerThread
 from tests.conftest import REPO
 from tests.rollout_server.conftest import running_server

@@ -1,0 +1,375 @@
+"""The router's backends: which of them take traffic (each one's `/health`, checked every
+`health_interval_s`), the policy they must serve (a backend that comes back, or serves
+another version, loads it before it takes traffic again), whether they take the router's
+control token, the session deletes they missed, and the policy updates sent to them all.
+
+Turns go through a connection pool of their own (`max_connections`, as many as the turns
+the router holds at once); its checks and control calls through another, and its health
+checks through a third: on one pool of 100, past 100 turns in flight the health checks
+waited for a connection past their 5 s, every backend went out of rotation and
+`/update_weights` answered 503 (a reviewer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import weakref
+from typing import Optional, Sequence
+from urllib.parse import quote
+
+import httpx
+
+from jaxagent import control
+from jaxagent.tls import shared_tls
+from rollout_server.routing import HashRing
+
+log = logging.getLogger("rollout_server.router")
+
+
+def _version(got) -> bool:
+  """Whether `got` can be a served policy version (a /health's: an integer, a string, or
+  none; a list there made the mix of versions unhashable and killed the health loop)."""
+  return got is None or (isinstance(got, (int, str)) and not isinstance(got, bool))
+
+
+class Rotation:
+  """The backends a router sends turns to, and what it keeps of each (`check`)."""
+
+  def __init__(self, backends: Sequence[str], *, health_interval_s: float, timeout_s: float,
+               turn_timeout_s: float, max_sessions: int, control_token: Optional[str],
+               max_connections: int):
+    self.health_interval_s, self.timeout_s = health_interval_s, timeout_s
+    self.turn_timeout_s, self.max_sessions = turn_timeout_s, max_sessions
+    self.max_connections = max_connections
+    self.control_token = control_token or None  # (a blank one is none)
+    self.ruling = control.headers(self.control_token)  # (on the router's own control calls only)
+    self.ring = HashRing([b.rstrip("/") for b in backends])
+    # Healthy: answers /health and serves the current policy (a backend that comes back
+    # loads it before it takes traffic again).
+    self.healthy = {b: True for b in self.ring.backends}
+    self.counts = {b: 0 for b in self.ring.backends}
+    self.failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0, "handovers": 0,
+                      "handovers_failed": 0, "responses_made_whole": 0}
+    self.policy: dict = {"body": None, "version": None}  # the last update the backends took
+    self.updating = asyncio.Lock()
+    self.clients: dict = {}  # "turns", "calls", "health" -> its httpx.AsyncClient, once made
+    # Deletes a backend missed (not healthy then): done before it takes traffic again, or
+    # its record came back into a session played again under the id (red team 23).
+    self.undeleted: dict[str, collections.OrderedDict] = {
+        b: collections.OrderedDict() for b in self.ring.backends}
+    # One delete of a session on a backend at a time (the health round's and the one done
+    # before a turn is sent there; a lock lives while someone holds or waits for it).
+    self.delete_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    self.serves: dict = {}  # backend -> (version, policy_id) from its last /health
+    # backends whose control routes refuse this router's token -> why ("has none", "holds
+    # another"); and the instance whose token was checked, with what it answered
+    self.unruled: dict = {}
+    self.token_checked: dict = {}
+    self.instances: dict = {}  # backend -> the instance its last /health named
+    self.said: dict = {"mixed": None, "forgot_deletes": False}
+    self.first_round = asyncio.Event()  # (set once every backend was checked)
+
+  def forget_later(self, table: collections.OrderedDict, key, value) -> int:
+    """Sets `table[key]` as its newest, the oldest forgotten past `max_sessions`; how many
+    were."""
+    table[key] = value
+    table.move_to_end(key)
+    forgot = 0
+    while len(table) > self.max_sessions:
+      table.popitem(last=False)
+      forgot += 1
+    return forgot
+
+  def must_delete(self, backend: str, session_id: str) -> None:
+    """A delete `backend` missed: done before it takes traffic again, and before any
+    turn of the session is sent to it. Past `max_sessions` owed to one backend the oldest
+    is forgotten, said once (its record stays there, and comes back into a session played
+    again under its id)."""
+    if self.forget_later(self.undeleted[backend], session_id, None) and \
+        not self.said["forgot_deletes"]:
+      self.said["forgot_deletes"] = True
+      log.warning("router: %s owes more than %d session deletes (out of rotation all that "
+                  "while): the oldest are forgotten, their records left there", backend,
+                  self.max_sessions)
+    self.healthy[backend] = False
+
+  def lock_of(self, locks: weakref.WeakValueDictionary, key) -> asyncio.Lock:
+    """The lock of `key` in `locks`, made when no one holds or waits for one."""
+    lock = locks.get(key)
+    if lock is None:
+      lock = locks[key] = asyncio.Lock()
+    return lock
+
+  async def delete_owed(self, backend: str, session_id: str) -> Optional[int]:
+    """Does the delete of the session that `backend` missed, if one is owed: the status
+    it answered (None when it could not be asked); 200 when none was owed."""
+    async with self.lock_of(self.delete_locks, (backend, session_id)):
+      if session_id not in self.undeleted[backend]:
+        return 200
+      try:
+        r = await self.client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
+                                       timeout=10.0, headers=self.ruling)
+      except httpx.HTTPError:
+        return None
+      if r.status_code in (200, 404) or (400 <= r.status_code < 500
+                                         and r.status_code not in (401, 403, 408, 429)):
+        self.undeleted[backend].pop(session_id, None)  # (401, 403: owed until it is allowed)
+      return r.status_code
+
+  def client(self, pool: str = "calls") -> httpx.AsyncClient:
+    """The connection pool of `pool`: "turns" (`max_connections`), "calls" (copies,
+    deletes, handovers, policy updates: httpx's 100) or "health" (the checks, a few per
+    backend); made at its first use, in the serving loop."""
+    if pool not in self.clients:
+      size = {"turns": self.max_connections, "calls": 100,
+              "health": 4 * len(self.ring.backends) + 4}[pool]
+      self.clients[pool] = httpx.AsyncClient(
+          timeout=httpx.Timeout(self.timeout_s, connect=5.0), verify=shared_tls(),
+          limits=httpx.Limits(max_connections=size, max_keepalive_connections=min(size, 64)))
+    return self.clients[pool]
+
+  async def aclose(self) -> None:
+    for c in self.clients.values():
+      await c.aclose()
+    self.clients.clear()
+
+  async def push_policy(self, backend: str) -> bool:
+    """Loads the current policy into `backend`; True if it now serves it."""
+    self.failovers["policy_pushes"] += 1
+    try:
+      r = await self.client().post(f"{backend}/update_weights", content=self.policy["body"],
+                                   headers={"content-type": "application/json", **self.ruling},
+                                   timeout=self.update_timeout())
+      got = r.json() if r.status_code == 200 else None
+      return isinstance(got, dict) and got.get("version") == self.policy["version"]
+    except Exception:  # (any reply it cannot read: not serving the policy)
+      return False
+
+  async def rule_check(self, backend: str, health: dict) -> None:
+    """Whether this router can use `backend`'s control routes, by its /health and (once
+    an instance, with a token) its `GET /control`: said once when that changes."""
+    why = None
+    if health.get("control_token"):
+      if self.control_token is None:
+        why = "this router has none"
+      else:
+        instance = health.get("instance")
+        if self.token_checked.get(backend, (None,))[0] != instance or instance is None:
+          with contextlib.suppress(httpx.HTTPError):
+            r = await self.client("health").get(f"{backend}/control", headers=self.ruling,
+                                                timeout=5.0)
+            # (only an answer about the token is kept: a 503 now is asked again, or a
+            # server restarted busy was never checked; 404: one without the route)
+            if r.status_code in (200, 401, 403, 404):
+              self.token_checked[backend] = (instance, r.status_code not in (401, 403))
+        if not self.token_checked.get(backend, (None, True))[1]:
+          why = "this router holds another"
+    if why is not None and self.unruled.get(backend) != why:
+      log.warning("router: %s refuses this router's control token (%s; %s): the policy "
+                  "updates and deletes it passes on there are refused", backend, why,
+                  control.ENV)
+    if why is None:
+      self.unruled.pop(backend, None)
+    else:
+      self.unruled[backend] = why
+
+  def restarted(self, backend: str, instance) -> None:
+    """Notes the instance `backend`'s /health names; another than the last one (it
+    restarted at its address) is told to `lost_threads`."""
+    seen = self.instances.get(backend)
+    self.instances[backend] = instance
+    if seen is not None and instance != seen:
+      self.lost_threads(backend)
+
+  def lost_threads(self, backend: str) -> None:
+    """`backend` restarted: what it held of the sessions is gone (the router's session
+    copies override this)."""
+
+  def update_timeout(self) -> httpx.Timeout:
+    """A policy update's bound: a drain waits for the turns in flight (each bounded by
+    `turn_timeout_s`), then loads. Under it (600 s), a backend that took the update after
+    the router gave up was caught up to the old policy at its next check: rolled back."""
+    return httpx.Timeout(self.turn_timeout_s + self.timeout_s, connect=5.0)
+
+  def say_mixed(self) -> None:
+    """Before the first /update_weights the router has no policy of its own to hold the
+    backends to: backends serving different weights are said once per mix (a session's
+    turns may come from either)."""
+    mix = {b: v for b, v in self.serves.items() if self.healthy.get(b)}
+    if self.policy["version"] is not None or len(set(mix.values())) < 2:
+      return
+    if self.said["mixed"] != mix:
+      self.said["mixed"] = dict(mix)
+      log.warning("router: the backends serve different policies (%s); turns go to either "
+                  "until a POST /update_weights gives them one",
+                  ", ".join(f"{b}: version {v[0]}" + (f" of {v[1]}" if v[1] else "")
+                            for b, v in sorted(mix.items())))
+
+  async def check(self, backend: str) -> None:
+    """Asks `backend`'s /health; healthy when it answers and serves the policy (loaded
+    first where it missed one, its missed deletes done). A change is said once (a dead
+    backend was seen only in /router/health: a new user)."""
+    got, was = None, self.healthy[backend]
+    why = "its /health did not answer 200"
+    wanted, rejoins = self.policy["version"], not was
+    try:
+      r = await self.client("health").get(f"{backend}/health", timeout=5.0)
+      got = r.json() if r.status_code == 200 else None
+      ok = isinstance(got, dict)
+      if ok:
+        serves = (got.get("version"), got.get("policy_id"))
+        if not (_version(serves[0]) and isinstance(serves[1], (str, type(None)))):
+          raise ValueError(f"its /health names version {serves[0]!r:.80} of policy "
+                           f"{serves[1]!r:.80} (an integer or a string each)")
+        self.serves[backend] = serves
+        self.restarted(backend, got.get("instance"))
+        await self.rule_check(backend, got)
+      if ok and wanted is not None and not self.updating.locked() and \
+          got.get("version") != wanted:
+        # restarted (or missed an update): out of rotation while it catches up (its turns
+        # meanwhile were another policy's; a reviewer)
+        self.healthy[backend], rejoins = False, True
+        ok = await self.push_policy(backend)
+        why = "it could not load the current policy"
+      if ok and self.undeleted[backend]:
+        ok = await self.delete_missed(backend)
+        why = "deletes it missed failed"
+      if ok and rejoins and (self.updating.locked() or self.policy["version"] != wanted):
+        # An update under way or done meanwhile skipped it (out of rotation): let in now,
+        # it served the old policy on (a reviewer). It loads the new one at its next check.
+        ok, why = False, "a policy update went on meanwhile"
+      self.healthy[backend] = ok
+    except Exception as e:  # (any reply it cannot read is a backend not well: red team 14,
+      # a JSON list killed the loop, and no backend was checked again)
+      self.healthy[backend] = False
+      why = f"{type(e).__name__}: {e}"
+    if not isinstance(got, dict):  # (down: whether it takes the token is not known now)
+      self.unruled.pop(backend, None)
+    if was and not self.healthy[backend]:
+      log.warning("router: %s out of rotation (%s); its sessions' turns go to the next "
+                  "backend on the ring until it is well", backend, why)
+    elif not was and self.healthy[backend]:
+      log.warning("router: %s back in rotation", backend)
+
+  async def delete_missed(self, backend: str) -> bool:
+    """The deletes `backend` missed, done (16 at a time); True when none is left. One it
+    refuses for good (a 4xx) is dropped and said; one it fails is tried at the next check
+    (the backend stays out of rotation meanwhile)."""
+    gate = asyncio.Semaphore(16)
+
+    async def delete(session_id: str) -> bool:
+      async with gate:
+        status = await self.delete_owed(backend, session_id)
+      if status is None:
+        return False
+      if status in (200, 404):
+        pass
+      elif status in (401, 403):  # (its token is asked again at the next check, which
+        # says it once; the delete stays owed: out of rotation until it takes it)
+        self.token_checked.pop(backend, None)
+        return False
+      elif 400 <= status < 500 and status not in (408, 429):
+        log.warning("router: %s refused to delete session %r (%d): left there",
+                    backend, session_id, status)
+      else:
+        log.warning("router: %s failed to delete session %r (%d): out of rotation until "
+                    "it does", backend, session_id, status)
+        return False
+      return True
+
+    while self.undeleted[backend]:  # (deletes that came meanwhile too: none awaits after it)
+      if not all(await asyncio.gather(*(delete(sid) for sid in list(self.undeleted[backend])))):
+        return False
+    return True
+
+  async def health_loop(self) -> None:
+    while True:
+      await asyncio.gather(*(self.check(b) for b in self.ring.backends), return_exceptions=True)
+      self.first_round.set()
+      try:
+        self.say_mixed()
+      except Exception:  # (the loop must outlive anything a backend said: red team 14)
+        log.exception("router: the backends' policies could not be compared")
+      await asyncio.sleep(self.health_interval_s)
+
+
+  def down(self, backend: str, why: str) -> str:
+    """`backend` out of rotation (a turn goes to the next on the ring); what to say."""
+    if self.healthy[backend]:
+      log.warning("router: %s out of rotation (%s); its sessions' turns go to the next "
+                  "backend on the ring until it is well", backend, why)
+    self.healthy[backend] = False
+    self.failovers["n"] += 1
+    return f"{backend}: {why}"
+
+  def in_order(self, candidates: Sequence[str]) -> list:
+    """`candidates` (a session's backends, its own first) in the order a turn tries them:
+    those in rotation, then those out of it that serve the current policy (a check may
+    not have seen one come back yet). One out of rotation on another policy is not
+    tried: its turns were a policy the router no longer holds the backends to (a
+    reviewer)."""
+    wanted = self.policy["version"]
+    return ([b for b in candidates if self.healthy[b]]
+            + [b for b in candidates if not self.healthy[b]
+               and (wanted is None or self.serves.get(b, (None,))[0] == wanted)])
+
+  async def update(self, body: bytes) -> tuple[dict, int]:
+    """Sends a policy update (`POST /update_weights`'s body) to every healthy backend:
+    the answer and its status. 200 when all of them took it (one that died meanwhile is
+    left out of rotation and catches up when it returns); a backend that is down now
+    loads this policy before it serves again."""
+    async with self.updating:
+      targets = [b for b in self.ring.backends if self.healthy[b]]
+      if not targets:
+        return {"detail": "no healthy backend to update"}, 503
+      results = await asyncio.gather(*(
+          self.client().post(f"{b}/update_weights", content=body,
+                             headers={"content-type": "application/json", **self.ruling},
+                             timeout=self.update_timeout())
+          for b in targets), return_exceptions=True)
+      out, took, refused = [], {}, []
+      for b in self.ring.backends:
+        if b not in targets:
+          out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
+          continue
+        r = results[targets.index(b)]
+        if isinstance(r, Exception):
+          self.healthy[b] = False
+          out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
+          continue
+        try:
+          answer = r.json()
+        except ValueError:
+          answer = {"detail": r.text[:500]}
+        out.append({"backend": b, "status": r.status_code, "body": answer})
+        if r.status_code == 200 and isinstance(answer, dict) and _version(answer.get("version")):
+          took[b] = answer.get("version")
+        else:
+          refused.append(b)
+      try:
+        sent = json.loads(body)
+      except (ValueError, RecursionError):
+        sent = None
+      # Only the policy's update is what a rejoining backend must catch up on (an update
+      # of another served model, named in "model", is passed on, not pinned).
+      if took and not (isinstance(sent, dict) and sent.get("model")):
+        version = next(iter(took.values()))
+        pinned = dict(sent, version=version) if isinstance(sent, dict) else None
+        self.policy.update(body=json.dumps(pinned) if pinned else body, version=version)
+        for b in refused:  # live but stale: out of rotation until it catches up
+          self.healthy[b] = False
+      ok = bool(took) and not refused
+      answer: dict = {}
+      ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
+      if ruled_out:  # (their own 401 says the call had no token, or another: the router's;
+        # first, so that a client's cut of the body keeps it)
+        answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
+                            + ("it has none" if self.control_token is None else "it holds "
+                               "another") + f"): give the router (a learner's own: the "
+                            f"learner) the servers' {control.ENV}")
+      answer.update(results=out, version=self.policy["version"], ok=ok)
+      return answer, 200 if ok else 502

@@ -1,0 +1,255 @@
+"""The router's backends in rotation: their connection pools, the policy they are held to
+while it is pushed or updated, and what their /health may say (`router_backends`)."""
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+
+import httpx
+
+from rollout_server.router import create_router
+from rollout_server.router_backends import Rotation
+from rollout_server.serving import ServerThread
+
+
+def _backend(state: dict):
+  """A fake rollout server: /health names `state["version"]` (and `state["instance"]`),
+  /update_weights takes `state["update_s"]` and then serves the version it was sent,
+  /generate waits while `state["hold"]` is set."""
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse
+
+  app = FastAPI()
+
+  @app.get("/health")
+  async def health():
+    if not state.get("up", True):
+      return JSONResponse({"status": "down"}, status_code=503)
+    return {"status": "ok", "version": state["version"], "policy_id": None,
+            "instance": state.get("instance", "one")}
+
+  @app.post("/update_weights")
+  async def update(request: Request):
+    body = await request.json()
+    state["updating"] = True
+    await asyncio.sleep(state.get("update_s", 0.0))
+    state["version"], state["updating"] = body["version"], False
+    return {"version": body["version"]}
+
+  @app.post("/generate")
+  async def generate():
+    state["in_flight"] = state.get("in_flight", 0) + 1
+    try:
+      while state.get("hold") is not None and state["hold"].is_set():
+        await asyncio.sleep(0.05)
+      return {"output_ids": [5], "finish_reason": "length", "version": state["version"]}
+    finally:
+      state["in_flight"] -= 1
+
+  return app
+
+
+def _healthy(router_url: str) -> dict:
+  got = httpx.get(f"{router_url}/router/health", timeout=10).json()
+  return {b["url"]: b["healthy"] for b in got["backends"]}
+
+
+def test_turns_past_a_hundred_in_flight_leave_health_checks_and_updates_alone():
+  """On one pool of 100 connections, 101 turns in flight made the health checks wait for a
+  connection past their 5 s: every backend went out of rotation and /update_weights
+  answered 503 (a reviewer). Turns have a pool of their own (`max_connections`)."""
+  hold = threading.Event()
+  hold.set()
+  state = {"version": 0, "hold": hold}
+  with ServerThread(_backend(state)) as b, \
+      ServerThread(create_router([b.url], health_interval_s=0.2)) as r:
+
+    async def turns(n):
+      async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as c:
+        return await asyncio.gather(*(
+            c.post(f"{r.url}/generate", json={"input_ids": [1]},
+                   headers={"X-Session-Id": f"s{i}"}) for i in range(n)))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      sent = pool.submit(asyncio.run, turns(130))
+      deadline = time.time() + 60
+      while state.get("in_flight", 0) < 130 and time.time() < deadline:
+        time.sleep(0.1)
+      assert state["in_flight"] == 130  # (all of them held at the backend at once)
+      time.sleep(6.0)  # (past a health check's 5 s bound)
+      assert _healthy(r.url) == {b.url: True}
+      up = httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1}, timeout=60)
+      assert up.status_code == 200, up.text
+      hold.clear()
+      answers = sent.result(timeout=60)
+    assert [a.status_code for a in answers] == [200] * 130
+
+
+def test_a_backend_is_out_of_rotation_while_it_catches_up_and_while_an_update_goes_on():
+  """A backend that restarted (on its first weights) took turns while the router pushed
+  the policy to it; and one that came back during an update (skipped by it) was let in
+  on the old policy, and served it on (a reviewer). Neither is in rotation until it
+  serves the router's policy."""
+  a, b = {"version": 0}, {"version": 0}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.1)) as r:
+    assert httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1},
+                      timeout=60).status_code == 200
+    # A restarts on its first weights; the push of the policy to it takes 1.5 s.
+    a.update(version=0, instance="two", update_s=1.5)
+    deadline = time.time() + 10
+    while not a.get("updating") and time.time() < deadline:
+      time.sleep(0.02)
+    assert a.get("updating") and _healthy(r.url)[sa.url] is False  # (out while it loads)
+    while a["version"] != 1 and time.time() < deadline:
+      time.sleep(0.05)
+    time.sleep(0.4)
+    assert _healthy(r.url) == {sa.url: True, sb.url: True}
+
+    # A goes down; an update (B slow to take it) goes on while A comes back on version 1.
+    a.update(up=False, update_s=0.0)
+    while _healthy(r.url)[sa.url] and time.time() < deadline:
+      time.sleep(0.05)
+    b["update_s"] = 1.5
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      update = pool.submit(httpx.post, f"{r.url}/update_weights",
+                           json={"path": "/p", "version": 2}, timeout=60)
+      while not b.get("updating") and time.time() < deadline:
+        time.sleep(0.02)
+      a["up"] = True
+      seen = []
+      while not update.done():
+        seen.append(_healthy(r.url)[sa.url])
+        time.sleep(0.05)
+      assert update.result().status_code == 200
+    assert seen and not any(seen), seen  # (out while the update went on without it)
+    deadline = time.time() + 10
+    while not _healthy(r.url)[sa.url] and time.time() < deadline:
+      time.sleep(0.05)
+    assert _healthy(r.url)[sa.url] and a["version"] == 2  # (back in on the new policy)
+
+
+def test_an_update_is_given_as_long_as_the_turns_it_drains():
+  """The router's update call had its 600 s client bound, under a drain's (the turns in
+  flight, each up to `turn_timeout_s`): a backend that took the update after the router
+  gave up was caught up to the old policy at its next check, rolled back."""
+  state = {"version": 0, "update_s": 2.0}
+  with ServerThread(_backend(state)) as b, \
+      ServerThread(create_router([b.url], timeout_s=0.5, turn_timeout_s=5.0)) as r:
+    up = httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1}, timeout=60)
+    assert up.status_code == 200 and up.json()["version"] == 1, up.text
+
+
+def test_a_health_version_that_is_no_version_is_a_backend_not_well(caplog):
+  """A /health naming a list as its version made the mix of versions unhashable, and the
+  health loop died: no backend was checked again (a reviewer)."""
+  caplog.set_level(logging.WARNING, logger="rollout_server.router")
+  a, b = {"version": [1]}, {"version": 0}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.1)) as r:
+    time.sleep(0.6)
+    assert _healthy(r.url) == {sa.url: False, sb.url: True}
+    a["version"] = 0
+    time.sleep(0.6)
+    assert _healthy(r.url) == {sa.url: True, sb.url: True}  # (the loop went on)
+  said = [x.getMessage() for x in caplog.records if "out of rotation" in x.getMessage()]
+  assert any("names version [1]" in s for s in said), said
+
+
+def test_a_failover_tries_a_backend_out_of_rotation_only_on_the_routers_policy():
+  rot = Rotation(["a", "b", "c", "d"], health_interval_s=1, timeout_s=1, turn_timeout_s=1,
+                 max_sessions=10, control_token=None, max_connections=10)
+  rot.healthy.update(a=False, b=True, c=False, d=False)
+  rot.serves.update(a=(2, None), c=(1, None))
+  assert rot.in_order(["a", "b", "c", "d"]) == ["b", "a", "c", "d"]  # (no policy pinned yet)
+  rot.policy["version"] = 2
+  assert rot.in_order(["a", "b", "c", "d"]) == ["b", "a"]
+
+
+def test_deletes_owed_past_the_bound_are_said_once(caplog):
+  caplog.set_level(logging.WARNING, logger="rollout_server.router")
+  rot = Rotation(["a"], health_interval_s=1, timeout_s=1, turn_timeout_s=1, max_sessions=2,
+                 control_token=None, max_connections=10)
+  for sid in ("s1", "s2", "s3", "s4"):
+    rot.must_delete("a", sid)
+  assert list(rot.undeleted["a"]) == ["s3", "s4"]
+  said = [x.getMessage() for x in caplog.records if "session deletes" in x.getMessage()]
+  assert len(said) == 1 and "the oldest are forgotten" in said[0], said
+
+
+def test_a_backend_that_dies_mid_answer_is_a_502_in_the_apis_shape_not_the_routers_500():
+  """A turn's whole answer read after its headers: a backend that closed the connection
+  in its body raised out of the router (a 500 without a word; a reviewer)."""
+  import socket
+
+  listener = socket.socket()
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(16)
+  url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+  def serve():  # (headers promising 1000 bytes, then a cut)
+    while True:
+      try:
+        conn, _ = listener.accept()
+      except OSError:
+        return
+      with conn:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\n\r\n{\"id\": ")
+
+  threading.Thread(target=serve, daemon=True).start()
+  try:
+    with ServerThread(create_router([url], health_interval_s=600)) as r:
+      got = httpx.post(f"{r.url}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+      assert got.status_code == 502, got.text
+      assert "mid-answer" in got.json()["error"]["message"]
+      assert httpx.get(f"{r.url}/router/health").json()["streams_cut"] == 1
+  finally:
+    listener.close()
+
+
+def test_a_body_over_the_bound_is_refused_in_the_apis_own_error_shape(random_params, tokenizer):
+  """A 413 of the body bound was FastAPI's `detail` on every path, at a server and at a
+  router: the `openai` client read 'Error code: 413' and no more."""
+  from tests.rollout_server.conftest import running_server
+
+  with running_server(random_params, tokenizer, max_body_bytes=4096) as (srv, _), \
+      ServerThread(create_router([srv.url], max_body_bytes=4096)) as r:
+    for url in (srv.url, r.url):
+      big = {"messages": [{"role": "user", "content": "x" * 8000}]}
+      got = httpx.post(f"{url}/v1/chat/completions", json=big, timeout=30)
+      assert got.status_code == 413
+      assert "request body over 4096 bytes" in got.json()["error"]["message"], got.text
+      got = httpx.post(f"{url}/v1/messages", json=big, timeout=30)
+      assert got.status_code == 413 and got.json()["type"] == "error", got.text
+      got = httpx.post(f"{url}/generate", json={"input_ids": [1] * 3000}, timeout=30)
+      assert got.status_code == 413 and "request body over" in got.json()["detail"]
+
+
+def test_a_copy_that_fails_part_way_is_copied_whole_again_not_twice(monkeypatch):
+  """A copy that raised after some of its turns were appended kept them, and the next
+  copy (its place not moved) appended them again: a turn twice in the record."""
+  from rollout_server.sessions import SessionStore
+  from tests.rollout_server.test_router import _recording_backend
+
+  real = SessionStore.extend
+  fail = {"once": True}
+
+  def extend(self, session_id, turns, number=False):
+    if fail.pop("once", False):
+      real(self, session_id, turns[:1], number=number)
+      raise RuntimeError("disk on fire")
+    return real(self, session_id, turns, number=number)
+
+  monkeypatch.setattr(SessionStore, "extend", extend)
+  fake, _state = _recording_backend()
+  with ServerThread(fake) as b, ServerThread(create_router([b.url], health_interval_s=600)) as r:
+    c = httpx.Client(base_url=r.url, timeout=30)
+    for _ in range(2):
+      assert c.post("/generate", json={"input_ids": [1]},
+                    headers={"X-Session-Id": "s"}).status_code == 200
+    assert [t["output_ids"] for t in c.get("/sessions/s").json()["turns"]] == [[0], [1]]
