@@ -18,6 +18,7 @@ import math
 import operator
 import random
 import re
+import unicodedata
 from fractions import Fraction
 
 from envs import pyparse
@@ -65,10 +66,13 @@ def final_answer(text: str) -> int | Fraction | None:
   found = _ANSWER.findall(text)
   if not found:
     return None
-  value = float(found[-1])
+  # (digits of any script, as `\d` and float() read them, in ASCII: zeros of another
+  # script were not dropped below, and 4,400 of them raised out of the step; red team 42)
+  written = "".join(c if c in "-." else str(unicodedata.decimal(c)) for c in found[-1])
+  value = float(written)
   if not math.isfinite(value):
     return None
-  whole, _, fraction = found[-1].partition(".")
+  whole, _, fraction = written.partition(".")
   # (leading zeros dropped: 4,300 of them before a 1 made int() raise out of the step,
   # and the run stop, as an environment's bug: red team; the whole part is within a
   # float's range, so 309 digits at most)

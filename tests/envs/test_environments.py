@@ -128,7 +128,10 @@ def test_calculator_compares_whole_numbers_exactly():
       ("10 / 4", "2." + "5" + "0" * 5000, "pass"), ("10 / 4", "0" * 5000 + "2.5", "pass"),
       ("10 / 3", "3." + "3" * 5000, "pass"), ("10 / 4", "2." + "0" * 5000 + "1", "fail"),
       ("84 / 2", "42.0", "pass"), ("2 + 3", "0" * 5000 + "5", "pass"),
-      ("2 + 3", "-" + "0" * 5000 + "5", "fail")):
+      ("2 + 3", "-" + "0" * 5000 + "5", "fail"),
+      # (red team 42) zeros of other scripts (Arabic-Indic, full-width) dropped as ASCII's
+      ("2 + 3", "\u0660" * 4400 + "5", "pass"), ("2 + 3", "\uff10" * 4400 + "\uff15", "pass"),
+      ("2 + 3", "\u0660" * 4400 + "1", "fail"), ("10 / 4", "\u0662.\u0665", "pass")):
     task = TaskSpec("c", "calculator", {"expression": expression})
     _, _, verdict = play(make("calculator"), task, [f"ANSWER: {said}"])
     assert verdict.status.value == want, (expression, said[:30], verdict.details)
