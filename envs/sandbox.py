@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -75,6 +76,7 @@ from envs.isolation import (ISOLATIONS, SETPRIV, SETUP_DONE, HeldTmpfs, Isolatio
                             Limits, UidLease, confine, detect_isolation, held_tmpfs_refused,
                             nproc_inside, processes_of, scrubbed_env, seccomp_program,
                             seccomp_program_fd, system_python, wrap)
+from jaxagent.errors import InfraError
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +314,19 @@ class Sandbox:
     if len(data) > self.limits.write_bytes:
       raise ValueError(f"{rel!r} is {len(data)} bytes; files are capped at "
                        f"{self.limits.write_bytes} bytes")
-    with hostfs.named(rel):
-      self._write(self._resolve(rel, follow_last=False), data)
+    try:
+      with hostfs.named(rel):
+        self._write(self._resolve(rel, follow_last=False), data)
+    except OSError as e:
+      if e.errno in (errno.EIO, errno.EROFS) or (
+          e.errno in (errno.ENOSPC, errno.EDQUOT) and not self.has_quota):
+        # The host's failure, not the policy's (a workspace without a quota of its own
+        # sits on the host's disk): told to the model as a tool's error, a correct answer
+        # written to a full disk was graded a fail (red team 42; grading's copy already
+        # said it so, red team 28).
+        raise InfraError("sandbox", f"writing {rel!r} in the workspace: {e.strerror} "
+                                    "(the host's disk)") from e
+      raise
 
   def _write(self, path: str, data: bytes) -> None:
     parent = os.path.dirname(path)

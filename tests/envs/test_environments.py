@@ -256,6 +256,49 @@ def test_the_public_test_tool_runs_the_tasks_own_test():
     resources.close()
 
 
+def test_a_full_host_disk_under_a_tool_write_is_the_infrastructures_not_a_tool_error(
+    monkeypatch):
+  """A workspace without a quota of its own is the host's disk: a `write_file`,
+  `run_python`'s script or the public tests written to it when full was a tool error
+  told to the model, and the episode graded (a correct answer a fail; red team 42).
+  It is the infrastructure's (the episode dropped, never scored); a full workspace
+  with its own quota stays the policy's doing, and a failing disk (EIO) is the host's."""
+  import errno
+
+  from envs.sandbox import Sandbox
+  from jaxagent.errors import InfraError
+
+  resources = EnvResources(sandboxes=1)
+  try:
+    env = make("python_tests", resources)
+    task = TaskSpec("p", "python_tests", {"task": "add"})
+
+    def failing(code):
+      def write(path, data):
+        raise OSError(code, os.strerror(code))
+      return write
+
+    async def go(code, quota, call):
+      await env.reset(task)
+      monkeypatch.setattr(env.sandbox, "_write", failing(code))
+      monkeypatch.setattr(Sandbox, "has_quota", property(lambda self: quota))
+      try:
+        return (await env.step(call)).observation.messages[0]["content"]
+      finally:
+        await env.close()
+
+    write = _call("write_file", path="solution.py", content=GOOD_ADD)
+    for call in (write, _call("run_python", code="print(1)"), _call("run_public_tests")):
+      with pytest.raises(InfraError, match="No space left on device"):
+        asyncio.run(go(errno.ENOSPC, False, call))
+    with pytest.raises(InfraError, match="Input/output error"):
+      asyncio.run(go(errno.EIO, True, write))
+    said = asyncio.run(go(errno.ENOSPC, True, write))
+    assert said.startswith("error: write_file failed: OSError") and "No space" in said, said
+  finally:
+    resources.close()
+
+
 def test_python_tests_grades_the_source_not_planted_bytecode():
   """An attack: solution.py looks wrong-but-innocent, and run_python plants an
   unchecked-hash .pyc of a correct one in __pycache__ (Python would import it without
