@@ -157,25 +157,38 @@ def _float_sized_int(literal: str) -> int:
 def load_tasks(path: str, unique: bool = False) -> list[TaskSpec]:
   """Reads a JSONL task file; errors name the line. NaN, Infinity and numbers (real or
   whole) that overflow a float are refused (a `process_reward: NaN` reached the advantages).
-  `unique`: a task id on two lines is refused (an evaluation's figures are by task id)."""
-  tasks, lines = [], {}
+  `unique`: a task id on two lines is refused (an evaluation's figures are by task id).
+  Every bad line is said (the first `BAD_LINES_SAID`, one per line, and how many more):
+  the first alone made a file of several mistakes one run each (a new user)."""
+  tasks, lines, bad = [], {}, []
   with open(path) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
-        tasks.append(TaskSpec.from_dict(json.loads(line, **FINITE_JSON,
-                                                   parse_int=_float_sized_int)))
+        task = TaskSpec.from_dict(json.loads(line, **FINITE_JSON, parse_int=_float_sized_int))
       except json.JSONDecodeError as e:  # (its own "line 1" is this line's)
-        raise ValueError(f"{path}:{n}: not a JSON object (column {e.colno}: {e.msg})") \
-            from None
+        bad.append(f"{path}:{n}: not a JSON object (column {e.colno}: {e.msg})")
+        continue
       except ValueError as e:
-        raise ValueError(f"{path}:{n}: {e}") from None
-      if unique and tasks[-1].id in lines:
-        raise ValueError(f"{path}:{n}: task id {tasks[-1].id!r} is line "
-                         f"{lines[tasks[-1].id]}'s too (each task needs its own id)")
-      lines[tasks[-1].id] = n
+        bad.append(f"{path}:{n}: {e}")
+        continue
+      if unique and task.id in lines:
+        bad.append(f"{path}:{n}: task id {task.id!r} is line {lines[task.id]}'s too (each "
+                   "task needs its own id)")
+        continue
+      tasks.append(task)
+      lines[task.id] = n
+  if len(bad) == 1:
+    raise ValueError(bad[0])
+  if bad:
+    more = len(bad) - BAD_LINES_SAID
+    raise ValueError(f"{len(bad)} bad lines in {path}:\n  " + "\n  ".join(bad[:BAD_LINES_SAID])
+                     + (f"\n  (and {more} more)" if more > 0 else ""))
   return tasks
+
+
+BAD_LINES_SAID = 10  # the bad lines of a task file said at once
 
 
 def write_tasks(path: str, tasks: list[TaskSpec]) -> None:

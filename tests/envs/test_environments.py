@@ -349,6 +349,18 @@ def test_task_files_and_registry(tmp_path):
   (tmp_path / "bad.jsonl").write_text('{"id": "x", "env": "guess_number"}\n{"id": 3}\n')
   with pytest.raises(ValueError, match="bad.jsonl:2"):
     load_tasks(str(tmp_path / "bad.jsonl"))
+  # Every bad line is said at once, up to ten and how many more (the first alone made a
+  # file of several mistakes one run each: a new user).
+  lines = ['{"id": "ok", "env": "calculator"}', "{not json", '{"id": 3}', "",
+           '{"id": "ok", "env": "calculator"}'] + ["[1]"] * 11
+  (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+  with pytest.raises(ValueError) as said:
+    load_tasks(str(tmp_path / "bad.jsonl"), unique=True)
+  said = str(said.value).splitlines()
+  assert said[0] == f"14 bad lines in {tmp_path}/bad.jsonl:", said
+  assert [s.split(": ")[0] for s in said[1:11]] == [
+      f"  {tmp_path}/bad.jsonl:{n}" for n in (2, 3, 5, 6, 7, 8, 9, 10, 11, 12)], said
+  assert "line 1's too" in said[3] and said[11] == "  (and 4 more)", said
   with pytest.raises(KeyError, match="unknown environment 'chess'"):
     make("chess")
   with pytest.raises(ValueError, match="needs EnvResources"):
