@@ -250,9 +250,12 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     except ValueError as e:
       raise config_lib.ConfigError(str(e)) from None
   if cfg.agent.kind in BLACKBOX_AGENTS:
-    import importlib.util
+    import importlib
     library = BLACKBOX_CLIENTS[cfg.agent.kind]
-    if importlib.util.find_spec(library) is None:  # (the episode's ImportError)
+    try:  # (imported here, before any episode: at an episode's first turn, anthropic's
+      # 1.1 s held the loop every episode moves on, and the loop watch said so)
+      importlib.import_module(library)
+    except ImportError:  # (the episode's ImportError)
       raise config_lib.ConfigError(
           f"agent.kind {cfg.agent.kind}: its client library is not installed (pip install "
           f"'jaxagent[blackbox]', or pip install {library})")
