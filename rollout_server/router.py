@@ -66,6 +66,59 @@ class _Unreadable(Exception):
   """A backend's record of a session could not be read (an error, not a record)."""
 
 
+class _Unreachable(Exception):
+  """A stream's backend is gone (`Rotation.gone`)."""
+
+
+class _Chunks:
+  """A relayed response's chunks, as they come, until its backend is gone
+  (`_Unreachable`): read by a task of their own (one per stream), a few ahead."""
+
+  def __init__(self, resp: httpx.Response, gone: asyncio.Event):
+    self.resp, self.queue = resp, asyncio.Queue(maxsize=16)
+    self.reader = asyncio.ensure_future(self._read())
+    self.watch = asyncio.ensure_future(gone.wait())
+    self.watch.add_done_callback(self._gone)
+    self.lost = False
+
+  async def _read(self) -> None:
+    try:
+      async for chunk in self.resp.aiter_raw():
+        await self.queue.put(chunk)
+      await self.queue.put(None)
+    except Exception as e:  # (a transport error: the stream is cut; any other raised on)
+      await self.queue.put(e)
+
+  def _gone(self, watch: asyncio.Future) -> None:
+    if watch.cancelled() or self.reader.done():
+      return
+    self.lost = True
+    self.reader.cancel()
+    # (the loop below waits on an empty queue, or sees `lost` once it is empty)
+    with contextlib.suppress(asyncio.QueueFull):
+      self.queue.put_nowait(_Unreachable())
+
+  def __aiter__(self):
+    return self
+
+  async def __anext__(self) -> bytes:
+    if self.lost and self.queue.empty():
+      raise _Unreachable()
+    item = await self.queue.get()
+    if item is None:
+      raise StopAsyncIteration
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  async def aclose(self) -> None:
+    self.watch.cancel()
+    self.reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+      await self.reader
+    await self.resp.aclose()
+
+
 class _Router(Rotation):
   """What a router holds and does apart from its routes: its backends (`Rotation`: their
   health, the policy they must serve, their control token, the deletes they missed),
@@ -75,10 +128,11 @@ class _Router(Rotation):
   def __init__(self, backends: Sequence[str], *, health_interval_s: float, timeout_s: float,
                turn_timeout_s: float, max_sessions: int, session_ttl_s: Optional[float],
                session_max_bytes: Optional[int], max_body_bytes: int,
-               control_token: Optional[str], max_connections: int):
+               control_token: Optional[str], max_connections: int, health_timeout_s: float):
     super().__init__(backends, health_interval_s=health_interval_s, timeout_s=timeout_s,
                      turn_timeout_s=turn_timeout_s, max_sessions=max_sessions,
-                     control_token=control_token, max_connections=max_connections)
+                     control_token=control_token, max_connections=max_connections,
+                     health_timeout_s=health_timeout_s)
     self.max_body_bytes = max_body_bytes
     self.sessions = SessionStore(self.max_sessions, session_ttl_s, session_max_bytes)
     # session id -> {backend: turns of its record already copied}; only sessions a backend
@@ -426,14 +480,21 @@ class _Router(Rotation):
                                         timeout=timeout)
       sending = asyncio.ensure_future(self.client("turns").send(req, stream=True))
       gone = asyncio.ensure_future(client_gone(request))
+      lost = asyncio.ensure_future(self.gone(backend).wait())
       try:
         # (a client that gave up must not hold a connection to its backend: a stuck
-        # backend's abandoned turns filled the router's pool)
-        await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        # backend's abandoned turns filled the router's pool; nor a backend gone without
+        # a word, its turn: it was held up to turn_timeout_s)
+        await asyncio.wait({sending, gone, lost}, return_when=asyncio.FIRST_COMPLETED)
         if not sending.done():
           sending.cancel()
           with contextlib.suppress(asyncio.CancelledError, Exception):
             await sending
+          if not gone.done():
+            self.failovers["streams_cut"] += 1
+            return api_error(path, 502, self.down(backend, "unreachable mid-turn (its "
+                                                           "health checks unanswered); the "
+                                                           "turn is lost: retry the request"))
           return Response(status_code=499)
         resp = sending.result()
       except httpx.TransportError as e:  # connection refused, reset, ...: next on the ring
@@ -448,6 +509,7 @@ class _Router(Rotation):
         continue
       finally:
         gone.cancel()
+        lost.cancel()
       self.counts[backend] += 1
       if resp.status_code == 404 and backend == home and not home_lost:
         # Its kept responses are gone (it restarted at its address; its own bound): so
@@ -501,8 +563,9 @@ class _Router(Rotation):
     streamed response is learnt."""
     cut = False
     end = responses_api.StreamEnd() if step is not None else None
+    chunks = _Chunks(resp, self.gone(backend))
     try:
-      async for chunk in resp.aiter_raw():
+      async for chunk in chunks:
         if end is not None:
           end.feed(chunk)
           if end.response is not None:  # (learnt before the chunk is sent: a client that
@@ -512,16 +575,18 @@ class _Router(Rotation):
               self.forget_later(self.latest, session_id, end.response["id"])
             end = None
         yield chunk
-    except httpx.TransportError as e:
+    except (httpx.TransportError, _Unreachable) as e:
       cut = True  # (no copy: the turn was not recorded whole, and a copy of a dead
       # backend would hold the session's reads at 502 for a turn it never had: a reviewer)
       self.healthy[backend] = False
       self.failovers["streams_cut"] += 1
+      why = ("unreachable: its health checks unanswered" if isinstance(e, _Unreachable)
+             else type(e).__name__)
       yield stream_cut_event(path, f"the rollout server {backend} went away mid-stream "
-                             f"({type(e).__name__}); the answer is incomplete: retry the request")
+                             f"({why}); the answer is incomplete: retry the request")
       return
     finally:
-      await resp.aclose()
+      await chunks.aclose()
       if session_id is not None and not cut:  # (in the background: also when the client
         # has gone, which closes this generator at its last chunk; awaited, the copy was cut
         # with it, and a backend that died next took the turn with it: red team 27, a
@@ -537,7 +602,8 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                   session_max_bytes: Optional[int] = 1 << 30,
                   max_body_bytes: int = ServerConfig.max_body_bytes,
                   control_token: Optional[str] = None,
-                  max_connections: int = MAX_CONNECTIONS) -> FastAPI:
+                  max_connections: int = MAX_CONNECTIONS,
+                  health_timeout_s: float = 5.0) -> FastAPI:
   """The router app. It keeps a copy of every session's recorded turns (bounded as a
   server's records are), so a session outlives the backend its turns ran on. A turn
   (generate, chat, messages) is as long as its tokens: its backend is given
@@ -549,7 +615,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                    turn_timeout_s=turn_timeout_s, max_sessions=max_sessions,
                    session_ttl_s=session_ttl_s, session_max_bytes=session_max_bytes,
                    max_body_bytes=max_body_bytes, control_token=control_token,
-                   max_connections=max_connections)
+                   max_connections=max_connections, health_timeout_s=health_timeout_s)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):

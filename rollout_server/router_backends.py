@@ -29,6 +29,11 @@ from rollout_server.routing import HashRing
 
 log = logging.getLogger("rollout_server.router")
 
+# A backend whose /health went unanswered (no connection, or no answer in its bound) this
+# many checks in a row is gone: its turns in flight are cut, not held (a host gone
+# without a reset held each stream up to `turn_timeout_s`, an hour; a reviewer).
+UNREACHABLE_CHECKS = 3
+
 
 def _version(got) -> bool:
   """Whether `got` can be a served policy version (a /health's: an integer, a string, or
@@ -41,8 +46,9 @@ class Rotation:
 
   def __init__(self, backends: Sequence[str], *, health_interval_s: float, timeout_s: float,
                turn_timeout_s: float, max_sessions: int, control_token: Optional[str],
-               max_connections: int):
+               max_connections: int, health_timeout_s: float = 5.0):
     self.health_interval_s, self.timeout_s = health_interval_s, timeout_s
+    self.health_timeout_s = health_timeout_s
     self.turn_timeout_s, self.max_sessions = turn_timeout_s, max_sessions
     self.max_connections = max_connections
     self.control_token = control_token or None  # (a blank one is none)
@@ -72,6 +78,30 @@ class Rotation:
     self.instances: dict = {}  # backend -> the instance its last /health named
     self.said: dict = {"mixed": None, "forgot_deletes": False}
     self.first_round = asyncio.Event()  # (set once every backend was checked)
+    # backend -> its /health checks unanswered in a row, and the event set when they reach
+    # UNREACHABLE_CHECKS (a new one when it answers again)
+    self.unanswered = {b: 0 for b in self.ring.backends}
+    self.gone_events: dict[str, asyncio.Event] = {}
+
+  def gone(self, backend: str) -> asyncio.Event:
+    """Set when `backend` is unreachable (`UNREACHABLE_CHECKS`): its turns in flight
+    are cut."""
+    if backend not in self.gone_events:
+      self.gone_events[backend] = asyncio.Event()
+    return self.gone_events[backend]
+
+  def answered(self, backend: str, unreachable: bool) -> None:
+    """Counts `backend`'s /health unanswered in a row (`unreachable`) or not."""
+    if not unreachable:
+      self.unanswered[backend] = 0
+      if self.gone(backend).is_set():
+        self.gone_events[backend] = asyncio.Event()
+      return
+    self.unanswered[backend] += 1
+    if self.unanswered[backend] == UNREACHABLE_CHECKS:
+      log.warning("router: %s has not answered %d health checks in a row: its turns in "
+                  "flight are cut", backend, UNREACHABLE_CHECKS)
+      self.gone(backend).set()
 
   def forget_later(self, table: collections.OrderedDict, key, value) -> int:
     """Sets `table[key]` as its newest, the oldest forgotten past `max_sessions`; how many
@@ -217,7 +247,12 @@ class Rotation:
     why = "its /health did not answer 200"
     wanted, rejoins = self.policy["version"], not was
     try:
-      r = await self.client("health").get(f"{backend}/health", timeout=5.0)
+      try:
+        r = await self.client("health").get(f"{backend}/health", timeout=self.health_timeout_s)
+      except httpx.TransportError as e:  # (a pool of its own busy: not the backend's)
+        self.answered(backend, unreachable=not isinstance(e, httpx.PoolTimeout))
+        raise
+      self.answered(backend, unreachable=False)
       got = r.json() if r.status_code == 200 else None
       ok = isinstance(got, dict)
       if ok:
@@ -311,10 +346,10 @@ class Rotation:
     those in rotation, then those out of it that serve the current policy (a check may
     not have seen one come back yet). One out of rotation on another policy is not
     tried: its turns were a policy the router no longer holds the backends to (a
-    reviewer)."""
+    reviewer); nor one gone (`gone`: its turn would be cut at once)."""
     wanted = self.policy["version"]
     return ([b for b in candidates if self.healthy[b]]
-            + [b for b in candidates if not self.healthy[b]
+            + [b for b in candidates if not self.healthy[b] and not self.gone(b).is_set()
                and (wanted is None or self.serves.get(b, (None,))[0] == wanted)])
 
   async def update(self, body: bytes) -> tuple[dict, int]:

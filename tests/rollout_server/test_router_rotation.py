@@ -253,3 +253,76 @@ def test_a_copy_that_fails_part_way_is_copied_whole_again_not_twice(monkeypatch)
       assert c.post("/generate", json={"input_ids": [1]},
                     headers={"X-Session-Id": "s"}).status_code == 200
     assert [t["output_ids"] for t in c.get("/sessions/s").json()["turns"]] == [[0], [1]]
+
+
+def test_turns_on_a_backend_gone_without_a_word_are_cut_not_held(caplog):
+  """A backend whose host went away without resetting its connections (a node gone, a
+  partition) held each of its streams and turns up to `turn_timeout_s` (an hour; a
+  reviewer). Once its /health goes unanswered `UNREACHABLE_CHECKS` times in a row, its
+  streams end with the API's error event and its turns answer 502; answering again, it
+  takes turns again."""
+  from fastapi import FastAPI, Request
+  from fastapi.responses import StreamingResponse
+
+  from rollout_server.router_backends import UNREACHABLE_CHECKS
+
+  caplog.set_level(logging.WARNING, logger="rollout_server.router")
+  state = {"hang": False}
+  app = FastAPI()
+
+  @app.get("/health")
+  async def health():
+    while state["hang"]:
+      await asyncio.sleep(0.05)
+    return {"status": "ok", "version": 0}
+
+  @app.post("/v1/chat/completions")
+  async def chat(request: Request):
+    body = await request.json()
+
+    async def events():
+      yield b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+      while True:  # (silent from here on: its host is gone)
+        await asyncio.sleep(0.05)
+    if body.get("stream"):
+      return StreamingResponse(events(), media_type="text/event-stream")
+    while state["hang"] or not body.get("quick"):
+      await asyncio.sleep(0.05)
+    return {"choices": [{"message": {"role": "assistant", "content": "a"}}]}
+
+  chat_body = {"messages": [{"role": "user", "content": "hi"}]}
+  with ServerThread(app) as b, \
+      ServerThread(create_router([b.url], health_interval_s=0.1, health_timeout_s=0.3)) as r:
+    got = {}
+
+    def stream():
+      with httpx.stream("POST", f"{r.url}/v1/chat/completions", json={**chat_body, "stream": True},
+                        timeout=60) as s:
+        got["stream"] = b"".join(s.iter_raw())
+
+    def turn():
+      got["turn"] = httpx.post(f"{r.url}/v1/chat/completions", json=chat_body, timeout=60)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=turn)]
+    for t in threads:
+      t.start()
+    time.sleep(0.5)
+    state["hang"] = True
+    t0 = time.time()
+    for t in threads:
+      t.join(timeout=30)
+    assert time.time() - t0 < 30 and not any(t.is_alive() for t in threads)
+    assert got["stream"].startswith(b'data: {"choices"'), got["stream"]
+    assert b"went away mid-stream (unreachable" in got["stream"], got["stream"]
+    assert got["turn"].status_code == 502, got["turn"].text
+    assert "unreachable mid-turn" in got["turn"].json()["error"]["message"]
+    state["hang"] = False
+    deadline = time.time() + 10
+    while not _healthy(r.url)[b.url] and time.time() < deadline:
+      time.sleep(0.05)
+    again = httpx.post(f"{r.url}/v1/chat/completions", json={**chat_body, "quick": True},
+                       timeout=30)
+    assert again.status_code == 200, again.text
+  said = [x.getMessage() for x in caplog.records if "health checks in a row" in x.getMessage()]
+  assert said == [f"router: {b.url} has not answered {UNREACHABLE_CHECKS} health checks in a "
+                  "row: its turns in flight are cut"], said
