@@ -518,25 +518,47 @@ class RelayedResponses(_Chains):
 class StreamEnd:
   """Reads a relayed stream of Responses events for its last one's response (`response`:
   that of `response.completed` or `response.incomplete`, else None), holding only the
-  event in progress."""
+  event in progress, up to `limit` bytes (one past it is not read). Each chunk is
+  searched once: the whole event in progress, searched again at every chunk, took 4 s
+  of the router's loop for an 8 MB response in 16 KB chunks."""
 
   _LAST = (b"event: response.completed", b"event: response.incomplete")
 
-  def __init__(self):
+  def __init__(self, limit: int = 256 << 20):
     self.response: Optional[dict] = None
-    self._pending = b""
+    self.limit = limit
+    self._pending = bytearray()
+    self._seen = 0  # (how much of `_pending` holds no event's end)
+    self._over = False  # (the event in progress is past `limit`: dropped, not read)
 
   def feed(self, chunk: bytes) -> None:
     self._pending += chunk
-    *events, self._pending = self._pending.replace(b"\r\n", b"\n").split(b"\n\n")
-    for e in events:
-      if e.startswith(self._LAST):
-        data = b"".join(line[len(b"data:"):] for line in e.split(b"\n")
-                        if line.startswith(b"data:"))
-        try:
-          self.response = json.loads(data).get("response")
-        except (ValueError, AttributeError, RecursionError):
-          self.response = None
+    while True:
+      start = max(self._seen - 3, 0)  # (an end cut between chunks)
+      ends = [(i, len(sep)) for sep in (b"\n\n", b"\r\n\r\n")
+              if (i := self._pending.find(sep, start)) >= 0]
+      if not ends:
+        self._seen = len(self._pending)
+        if len(self._pending) > self.limit:
+          self._over = True
+          del self._pending[:-3]
+          self._seen = len(self._pending)
+        return
+      i, n = min(ends)
+      event, over = bytes(self._pending[:i]), self._over
+      del self._pending[:i + n]
+      self._seen, self._over = 0, False
+      if not over:
+        self._read(event.replace(b"\r\n", b"\n"))
+
+  def _read(self, event: bytes) -> None:
+    if event.startswith(self._LAST):
+      data = b"".join(line[len(b"data:"):] for line in event.split(b"\n")
+                      if line.startswith(b"data:"))
+      try:
+        self.response = json.loads(data).get("response")
+      except (ValueError, AttributeError, RecursionError):
+        self.response = None
 
 
 # -- answers --------------------------------------------------------------------------------

@@ -218,6 +218,26 @@ def test_a_chain_made_whole_is_the_conversation_its_server_kept(tokenizer, strea
   assert made == kept and len(made) == 8
 
 
+
+def test_a_streams_end_is_read_across_any_cut_and_an_event_past_the_bound_is_dropped():
+  """`StreamEnd` searches each chunk once (the event in progress searched again at every
+  chunk took 4 s of the router's loop for an 8 MB response), with CRLF or LF ends cut
+  anywhere, and drops an event past its bound, reading the next."""
+  done = (b'event: response.completed\r\ndata: {"response": {"id": "r", "output": "'
+          + b"x" * 5000 + b'"}}\r\n\r\n')
+  stream = b"event: response.created\ndata: {}\n\n" + done + b": ping\n\n"
+  for size in (1, 2, 3, 5, 4096):
+    end = StreamEnd()
+    for j in range(0, len(stream), size):
+      end.feed(stream[j:j + size])
+    assert end.response is not None and end.response["id"] == "r", size
+  end = StreamEnd(limit=1000)
+  for j in range(0, len(done), 100):
+    end.feed(done[j:j + 100])
+  assert end.response is None  # (past the bound: not read)
+  end.feed(b'event: response.incomplete\ndata: {"response": {"id": "s"}}\n\n')
+  assert end.response == {"id": "s"}
+
 def test_a_chain_made_whole_keeps_its_calls_boundaries():
   """Items that would join the response before them when read as one input (a client's
   own call after a reply's text; a call with an id of this server's form after the outputs
