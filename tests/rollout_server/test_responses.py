@@ -218,7 +218,6 @@ def test_a_chain_made_whole_is_the_conversation_its_server_kept(tokenizer, strea
   assert made == kept and len(made) == 8
 
 
-
 def test_a_streams_end_is_read_across_any_cut_and_an_event_past_the_bound_is_dropped():
   """`StreamEnd` searches each chunk once (the event in progress searched again at every
   chunk took 4 s of the router's loop for an 8 MB response), with CRLF or LF ends cut
