@@ -66,59 +66,6 @@ class _Unreadable(Exception):
   """A backend's record of a session could not be read (an error, not a record)."""
 
 
-class _Unreachable(Exception):
-  """A stream's backend is gone (`Rotation.gone`)."""
-
-
-class _Chunks:
-  """A relayed response's chunks, as they come, until its backend is gone
-  (`_Unreachable`): read by a task of their own (one per stream), a few ahead."""
-
-  def __init__(self, resp: httpx.Response, gone: asyncio.Event):
-    self.resp, self.queue = resp, asyncio.Queue(maxsize=16)
-    self.reader = asyncio.ensure_future(self._read())
-    self.watch = asyncio.ensure_future(gone.wait())
-    self.watch.add_done_callback(self._gone)
-    self.lost = False
-
-  async def _read(self) -> None:
-    try:
-      async for chunk in self.resp.aiter_raw():
-        await self.queue.put(chunk)
-      await self.queue.put(None)
-    except Exception as e:  # (a transport error: the stream is cut; any other raised on)
-      await self.queue.put(e)
-
-  def _gone(self, watch: asyncio.Future) -> None:
-    if watch.cancelled() or self.reader.done():
-      return
-    self.lost = True
-    self.reader.cancel()
-    # (the loop below waits on an empty queue, or sees `lost` once it is empty)
-    with contextlib.suppress(asyncio.QueueFull):
-      self.queue.put_nowait(_Unreachable())
-
-  def __aiter__(self):
-    return self
-
-  async def __anext__(self) -> bytes:
-    if self.lost and self.queue.empty():
-      raise _Unreachable()
-    item = await self.queue.get()
-    if item is None:
-      raise StopAsyncIteration
-    if isinstance(item, BaseException):
-      raise item
-    return item
-
-  async def aclose(self) -> None:
-    self.watch.cancel()
-    self.reader.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-      await self.reader
-    await self.resp.aclose()
-
-
 class _Router(Rotation):
   """What a router holds and does apart from its routes: its backends (`Rotation`: their
   health, the policy they must serve, their control token, the deletes they missed),
@@ -266,8 +213,12 @@ class _Router(Rotation):
           self.sessions.extend(session_id, turns, number=True)
         except Exception as e:  # (the served turn is the client's: its record is ours)
           # Some of them may be in: the copy is dropped, copied whole again at its next
-          # read or turn (kept, the next copy appended them a second time; a reviewer).
+          # read or turn (kept, the next copy appended them a second time; a reviewer);
+          # the turns of a backend out of rotation now are owed until it is back.
           self.sessions.pop(session_id)
+          away = {b for b in self.cursors.get(session_id, {}) if not self.healthy[b]}
+          if away:
+            self.forget_later(self.owed, session_id, self.owed.get(session_id, set()) | away)
           log.exception("router: session %r's turns could not be copied", session_id)
           if strict:
             raise _Unreadable(f"its turns could not be copied ({type(e).__name__})") from None
@@ -538,7 +489,9 @@ class _Router(Rotation):
             status_code=resp.status_code, headers=out_headers)
       try:
         content = await resp.aread()
-      except httpx.TransportError as e:  # (it died mid-answer: a 500 of the router's own)
+      except httpx.ReadTimeout:  # (slow, as at its send: not a dead backend)
+        return api_error(path, 504, f"{backend}: its answer was not read in time")
+      except httpx.TransportError as e:  # (it died mid-answer: it was the router's 500)
         self.failovers["streams_cut"] += 1
         return api_error(path, 502, self.down(backend, f"went away mid-answer ("
                                                         f"{type(e).__name__}); the answer is "
@@ -553,7 +506,9 @@ class _Router(Rotation):
         if records and isinstance(made.get("id"), str):
           self.forget_later(self.latest, session_id, made["id"])
       return Response(content, status_code=resp.status_code, headers=out_headers)
-    return api_error(path, 502, f"no backend could take the request; last error: {last_error}")
+    return api_error(path, 502, "no backend could take the request; " + (
+        f"last error: {last_error}" if last_error else "every one is unreachable (its health "
+        "checks unanswered)"))
 
   async def relay(self, resp: httpx.Response, backend: str, session_id: Optional[str], path: str,
                   step: Optional[tuple] = None):
@@ -563,9 +518,16 @@ class _Router(Rotation):
     streamed response is learnt."""
     cut = False
     end = responses_api.StreamEnd() if step is not None else None
-    chunks = _Chunks(resp, self.gone(backend))
+    lost = asyncio.Event()
+
+    async def watch(gone: asyncio.Event) -> None:  # (its backend gone: its read cut)
+      await gone.wait()
+      lost.set()
+      await resp.aclose()  # (the read under way raises httpx.ReadError)
+
+    watching = asyncio.ensure_future(watch(self.gone(backend)))
     try:
-      async for chunk in chunks:
+      async for chunk in resp.aiter_raw():
         if end is not None:
           end.feed(chunk)
           if end.response is not None:  # (learnt before the chunk is sent: a client that
@@ -575,18 +537,21 @@ class _Router(Rotation):
               self.forget_later(self.latest, session_id, end.response["id"])
             end = None
         yield chunk
-    except (httpx.TransportError, _Unreachable) as e:
+    except (httpx.TransportError, httpx.StreamError) as e:
+      if not (isinstance(e, httpx.TransportError) or lost.is_set()):
+        raise  # (closed by the watch while this loop was at its yield: StreamClosed)
       cut = True  # (no copy: the turn was not recorded whole, and a copy of a dead
       # backend would hold the session's reads at 502 for a turn it never had: a reviewer)
       self.healthy[backend] = False
       self.failovers["streams_cut"] += 1
-      why = ("unreachable: its health checks unanswered" if isinstance(e, _Unreachable)
+      why = ("unreachable: its health checks unanswered" if lost.is_set()
              else type(e).__name__)
       yield stream_cut_event(path, f"the rollout server {backend} went away mid-stream "
                              f"({why}); the answer is incomplete: retry the request")
       return
     finally:
-      await chunks.aclose()
+      watching.cancel()
+      await resp.aclose()
       if session_id is not None and not cut:  # (in the background: also when the client
         # has gone, which closes this generator at its last chunk; awaited, the copy was cut
         # with it, and a backend that died next took the turn with it: red team 27, a

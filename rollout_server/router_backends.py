@@ -167,17 +167,27 @@ class Rotation:
       await c.aclose()
     self.clients.clear()
 
-  async def push_policy(self, backend: str) -> bool:
-    """Loads the current policy into `backend`; True if it now serves it."""
+  async def push_policy(self, backend: str):
+    """Loads the current policy into `backend`: the version it now serves, None when it
+    did not take it."""
     self.failovers["policy_pushes"] += 1
+    body, version = self.policy["body"], self.policy["version"]  # (as it is now)
     try:
-      r = await self.client().post(f"{backend}/update_weights", content=self.policy["body"],
+      r = await self.client().post(f"{backend}/update_weights", content=body,
                                    headers={"content-type": "application/json", **self.ruling},
                                    timeout=self.update_timeout())
       got = r.json() if r.status_code == 200 else None
-      return isinstance(got, dict) and got.get("version") == self.policy["version"]
     except Exception:  # (any reply it cannot read: not serving the policy)
-      return False
+      return None
+    if not (isinstance(got, dict) and got.get("version") == version):
+      return None
+    self.took(backend, version)
+    return version
+
+  def took(self, backend: str, version) -> None:
+    """`backend` serves `version` now (it answered its update): known before its next
+    /health (a failover held to the policy found none serving it; a reviewer)."""
+    self.serves[backend] = (version, self.serves.get(backend, (None, None))[1])
 
   async def rule_check(self, backend: str, health: dict) -> None:
     """Whether this router can use `backend`'s control routes, by its /health and (once
@@ -207,13 +217,15 @@ class Rotation:
     else:
       self.unruled[backend] = why
 
-  def restarted(self, backend: str, instance) -> None:
+  def restarted(self, backend: str, instance) -> bool:
     """Notes the instance `backend`'s /health names; another than the last one (it
-    restarted at its address) is told to `lost_threads`."""
+    restarted at its address) is told to `lost_threads`. Whether it was."""
     seen = self.instances.get(backend)
     self.instances[backend] = instance
     if seen is not None and instance != seen:
       self.lost_threads(backend)
+      return True
+    return False
 
   def lost_threads(self, backend: str) -> None:
     """`backend` restarted: what it held of the sessions is gone (the router's session
@@ -245,7 +257,7 @@ class Rotation:
     backend was seen only in /router/health: a new user)."""
     got, was = None, self.healthy[backend]
     why = "its /health did not answer 200"
-    wanted, rejoins = self.policy["version"], not was
+    rejoins = not was
     try:
       try:
         r = await self.client("health").get(f"{backend}/health", timeout=self.health_timeout_s)
@@ -261,22 +273,28 @@ class Rotation:
           raise ValueError(f"its /health names version {serves[0]!r:.80} of policy "
                            f"{serves[1]!r:.80} (an integer or a string each)")
         self.serves[backend] = serves
-        self.restarted(backend, got.get("instance"))
+        # (restarted: on its first weights, as one coming back; during an update it
+        # served them in rotation, a reviewer)
+        rejoins = self.restarted(backend, got.get("instance")) or rejoins
         await self.rule_check(backend, got)
-      if ok and wanted is not None and not self.updating.locked() and \
-          got.get("version") != wanted:
+      serving = got.get("version") if ok else None
+      wanted = self.policy["version"]  # (read now: an update may have ended meanwhile)
+      if ok and wanted is not None and not self.updating.locked() and serving != wanted:
         # restarted (or missed an update): out of rotation while it catches up (its turns
         # meanwhile were another policy's; a reviewer)
         self.healthy[backend], rejoins = False, True
-        ok = await self.push_policy(backend)
-        why = "it could not load the current policy"
+        serving = await self.push_policy(backend)
+        ok, why = serving is not None, "it could not load the current policy"
       if ok and self.undeleted[backend]:
         ok = await self.delete_missed(backend)
         why = "deletes it missed failed"
-      if ok and rejoins and (self.updating.locked() or self.policy["version"] != wanted):
-        # An update under way or done meanwhile skipped it (out of rotation): let in now,
-        # it served the old policy on (a reviewer). It loads the new one at its next check.
-        ok, why = False, "a policy update went on meanwhile"
+      if ok and rejoins and self.updating.locked():
+        # An update under way skipped it (out of rotation): let in now, it served the old
+        # policy on (a reviewer). It loads the new one at its next check.
+        ok, why = False, "a policy update is under way"
+      elif ok and not self.updating.locked() and self.policy["version"] not in (None, serving):
+        ok, why = False, (f"it serves version {serving!r}, not the router's "
+                          f"{self.policy['version']!r}: it loads that at its next check")
       self.healthy[backend] = ok
     except Exception as e:  # (any reply it cannot read is a backend not well: red team 14,
       # a JSON list killed the loop, and no backend was checked again)
@@ -322,14 +340,23 @@ class Rotation:
     return True
 
   async def health_loop(self) -> None:
-    while True:
-      await asyncio.gather(*(self.check(b) for b in self.ring.backends), return_exceptions=True)
-      self.first_round.set()
-      try:
-        self.say_mixed()
-      except Exception:  # (the loop must outlive anything a backend said: red team 14)
-        log.exception("router: the backends' policies could not be compared")
-      await asyncio.sleep(self.health_interval_s)
+    """Checks each backend every `health_interval_s`, each on its own (in rounds, one
+    backend's policy load, up to `update_timeout`, held every other's check)."""
+    checked: set = set()
+
+    async def watch(backend: str) -> None:
+      while True:
+        try:
+          await self.check(backend)
+          checked.add(backend)
+          if len(checked) == len(self.ring.backends):
+            self.first_round.set()
+          self.say_mixed()
+        except Exception:  # (the loop must outlive anything a backend said: red team 14)
+          log.exception("router: checking %s failed", backend)
+        await asyncio.sleep(self.health_interval_s)
+
+    await asyncio.gather(*(watch(b) for b in self.ring.backends))
 
 
   def down(self, backend: str, why: str) -> str:
@@ -344,13 +371,14 @@ class Rotation:
   def in_order(self, candidates: Sequence[str]) -> list:
     """`candidates` (a session's backends, its own first) in the order a turn tries them:
     those in rotation, then those out of it that serve the current policy (a check may
-    not have seen one come back yet). One out of rotation on another policy is not
-    tried: its turns were a policy the router no longer holds the backends to (a
-    reviewer); nor one gone (`gone`: its turn would be cut at once)."""
+    not have seen one come back yet). One out of rotation on another policy is tried
+    only when no other is: its turns were a policy the router no longer holds the
+    backends to (a reviewer); one gone (`gone`: its turn would be cut at once), never."""
     wanted = self.policy["version"]
+    out = [b for b in candidates if not self.healthy[b] and not self.gone(b).is_set()]
     return ([b for b in candidates if self.healthy[b]]
-            + [b for b in candidates if not self.healthy[b] and not self.gone(b).is_set()
-               and (wanted is None or self.serves.get(b, (None,))[0] == wanted)])
+            + [b for b in out if wanted is None or self.serves.get(b, (None,))[0] == wanted]
+            or out)  # (none in rotation or on the policy: any that may answer, as before)
 
   async def update(self, body: bytes) -> tuple[dict, int]:
     """Sends a policy update (`POST /update_weights`'s body) to every healthy backend:
@@ -383,6 +411,7 @@ class Rotation:
         out.append({"backend": b, "status": r.status_code, "body": answer})
         if r.status_code == 200 and isinstance(answer, dict) and _version(answer.get("version")):
           took[b] = answer.get("version")
+          self.took(b, took[b])
         else:
           refused.append(b)
       try:

@@ -15,7 +15,8 @@ from jaxagent.agent import run_whitebox
 from jaxagent.config import AgentConfig
 from jaxagent.tokenizer import Tokenizer
 from rollout_server.client import HttpClient
-from rollout_server.router import HashRing, create_router
+from rollout_server.router import create_router
+from rollout_server.routing import HashRing
 from rollout_server.serving import ServerThread
 from tests.rollout_server.test_cli import free_port
 from tests.rollout_server.test_router import _start_server_process, _wait_healthy

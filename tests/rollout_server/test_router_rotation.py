@@ -16,8 +16,9 @@ from rollout_server.serving import ServerThread
 
 def _backend(state: dict):
   """A fake rollout server: /health names `state["version"]` (and `state["instance"]`),
-  /update_weights takes `state["update_s"]` and then serves the version it was sent,
-  /generate waits while `state["hold"]` is set."""
+  /update_weights takes `state["update_s"]` and then serves the version it was sent
+  (refuses with `state["refuse"]`), /generate waits while `state["hold"]` is set; /health
+  answers after `state["health_s"]`."""
   from fastapi import FastAPI, Request
   from fastapi.responses import JSONResponse
 
@@ -25,6 +26,7 @@ def _backend(state: dict):
 
   @app.get("/health")
   async def health():
+    await asyncio.sleep(state.get("health_s", 0.0))
     if not state.get("up", True):
       return JSONResponse({"status": "down"}, status_code=503)
     return {"status": "ok", "version": state["version"], "policy_id": None,
@@ -35,7 +37,10 @@ def _backend(state: dict):
     body = await request.json()
     state["updating"] = True
     await asyncio.sleep(state.get("update_s", 0.0))
-    state["version"], state["updating"] = body["version"], False
+    state["updating"] = False
+    if state.get("refuse"):
+      return JSONResponse({"detail": "cannot load it"}, status_code=500)
+    state["version"] = body["version"]
     return {"version": body["version"]}
 
   @app.post("/generate")
@@ -121,7 +126,9 @@ def test_a_backend_is_out_of_rotation_while_it_catches_up_and_while_an_update_go
       a["up"] = True
       seen = []
       while not update.done():
-        seen.append(_healthy(r.url)[sa.url])
+        now = _healthy(r.url)[sa.url]
+        if not update.done():  # (read while the update went on)
+          seen.append(now)
         time.sleep(0.05)
       assert update.result().status_code == 200
     assert seen and not any(seen), seen  # (out while the update went on without it)
@@ -166,6 +173,11 @@ def test_a_failover_tries_a_backend_out_of_rotation_only_on_the_routers_policy()
   assert rot.in_order(["a", "b", "c", "d"]) == ["b", "a", "c", "d"]  # (no policy pinned yet)
   rot.policy["version"] = 2
   assert rot.in_order(["a", "b", "c", "d"]) == ["b", "a"]
+  # (none in rotation or on the policy: any that may answer; one gone, never)
+  rot.healthy["b"] = False
+  rot.serves["a"] = (1, None)
+  rot.gone("d").set()
+  assert rot.in_order(["a", "b", "c", "d"]) == ["a", "b", "c"]
 
 
 def test_deletes_owed_past_the_bound_are_said_once(caplog):
@@ -326,3 +338,84 @@ def test_turns_on_a_backend_gone_without_a_word_are_cut_not_held(caplog):
   said = [x.getMessage() for x in caplog.records if "health checks in a row" in x.getMessage()]
   assert said == [f"router: {b.url} has not answered {UNREACHABLE_CHECKS} health checks in a "
                   "row: its turns in flight are cut"], said
+
+
+def test_a_check_that_outlasts_an_update_holds_the_backend_to_the_policy_after_it():
+  """A check read the policy before its /health answered: one landing after an update
+  took a backend that had taken the update out of rotation and pushed the policy to it
+  again (a drain and a load more), and put one that had refused it back in on the old
+  policy (a reviewer)."""
+  state = {"version": 0}
+  with ServerThread(_backend(state)) as b, \
+      ServerThread(create_router([b.url], health_interval_s=0.05)) as r:
+    assert httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1},
+                      timeout=30).status_code == 200
+    pushes = httpx.get(f"{r.url}/router/health").json()["policy_pushes"]
+    state["health_s"] = 0.6  # (a busy server: a check now waits on its /health)
+    time.sleep(0.1)
+    assert httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 2},
+                      timeout=30).status_code == 200
+    seen = []
+    for _ in range(12):
+      seen.append(_healthy(r.url)[b.url])
+      time.sleep(0.1)
+    assert all(seen), seen
+    assert httpx.get(f"{r.url}/router/health").json()["policy_pushes"] == pushes
+  taking, refusing = {"version": 0}, {"version": 0}
+  with ServerThread(_backend(taking)) as a, ServerThread(_backend(refusing)) as b, \
+      ServerThread(create_router([a.url, b.url], health_interval_s=0.05)) as r:
+    assert httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1},
+                      timeout=30).status_code == 200
+    refusing.update(health_s=0.6, refuse=True)
+    time.sleep(0.1)
+    assert httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 2},
+                      timeout=30).status_code == 502
+    for _ in range(12):  # (out until it serves version 2: it refuses every push)
+      assert _healthy(r.url) == {a.url: True, b.url: False} and refusing["version"] == 1
+      time.sleep(0.1)
+
+
+def test_one_backends_policy_load_holds_no_other_backends_check():
+  """Checks went in rounds: a backend loading the policy (up to `update_timeout`) held
+  every other's check, and a backend that died meanwhile was taken for healthy."""
+  a, b = {"version": 0}, {"version": 0}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.1)) as r:
+    assert httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1},
+                      timeout=30).status_code == 200
+    a.update(version=0, instance="two", update_s=5.0)  # A restarts; its load takes 5 s
+    deadline = time.time() + 10
+    while not a.get("updating") and time.time() < deadline:
+      time.sleep(0.02)
+    b["up"] = False
+    while _healthy(r.url)[sb.url] and time.time() < deadline:
+      time.sleep(0.05)
+    assert a.get("updating") and _healthy(r.url) == {sa.url: False, sb.url: False}
+
+
+def test_a_backend_restarted_during_an_update_is_out_until_it_serves_the_policy():
+  """One that took an update and restarted (on its first weights) while another was still
+  loading it served version 0 in rotation for the whole update (a reviewer)."""
+  a, b = {"version": 0}, {"version": 0}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.1)) as r:
+    b["update_s"] = 2.0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      update = pool.submit(httpx.post, f"{r.url}/update_weights",
+                           json={"path": "/p", "version": 1}, timeout=60)
+      deadline = time.time() + 10
+      while a["version"] != 1 and time.time() < deadline:
+        time.sleep(0.02)
+      a.update(version=0, instance="two")  # (restarted, on its first weights)
+      time.sleep(0.4)
+      seen = []
+      while not update.done():
+        now = _healthy(r.url)[sa.url]
+        if not update.done():  # (read while the update went on)
+          seen.append(now)
+        time.sleep(0.05)
+      assert update.result().status_code == 200
+    assert seen and not any(seen), seen
+    while not _healthy(r.url)[sa.url] and time.time() < deadline:
+      time.sleep(0.05)
+    assert _healthy(r.url)[sa.url] and a["version"] == 1
