@@ -61,6 +61,17 @@ def _healthy(router_url: str) -> dict:
   return {b["url"]: b["healthy"] for b in got["backends"]}
 
 
+def _while_running(job: concurrent.futures.Future, read) -> list:
+  """`read()` every 50 ms while `job` runs (a read it outlasted is left out)."""
+  seen = []
+  while not job.done():
+    now = read()
+    if not job.done():
+      seen.append(now)
+    time.sleep(0.05)
+  return seen
+
+
 def test_turns_past_a_hundred_in_flight_leave_health_checks_and_updates_alone():
   """On one pool of 100 connections, 101 turns in flight made the health checks wait for a
   connection past their 5 s: every backend went out of rotation and /update_weights
@@ -124,12 +135,7 @@ def test_a_backend_is_out_of_rotation_while_it_catches_up_and_while_an_update_go
       while not b.get("updating") and time.time() < deadline:
         time.sleep(0.02)
       a["up"] = True
-      seen = []
-      while not update.done():
-        now = _healthy(r.url)[sa.url]
-        if not update.done():  # (read while the update went on)
-          seen.append(now)
-        time.sleep(0.05)
+      seen = _while_running(update, lambda: _healthy(r.url)[sa.url])
       assert update.result().status_code == 200
     assert seen and not any(seen), seen  # (out while the update went on without it)
     deadline = time.time() + 10
@@ -408,12 +414,7 @@ def test_a_backend_restarted_during_an_update_is_out_until_it_serves_the_policy(
         time.sleep(0.02)
       a.update(version=0, instance="two")  # (restarted, on its first weights)
       time.sleep(0.4)
-      seen = []
-      while not update.done():
-        now = _healthy(r.url)[sa.url]
-        if not update.done():  # (read while the update went on)
-          seen.append(now)
-        time.sleep(0.05)
+      seen = _while_running(update, lambda: _healthy(r.url)[sa.url])
       assert update.result().status_code == 200
     assert seen and not any(seen), seen
     while not _healthy(r.url)[sa.url] and time.time() < deadline:
