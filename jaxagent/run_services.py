@@ -71,7 +71,8 @@ class Serving:
         router = ServerThread(create_router(s.urls, control_token=self.control_token)).start()
         self._threads.append(router)
         url = router.url
-      self.client = HttpClient(url, control_token=self.control_token)
+      self.client = HttpClient(url, control_token=self.control_token,
+                               update_retry_s=cfg.rollout.infra_grace_s)
       self.gateway_url = url
       return
     from rollout_server.serving import build_served_models, make_engine, start_orchestrator

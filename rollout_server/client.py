@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Optional
 from urllib.parse import quote
@@ -26,12 +27,38 @@ from rollout_server.engine import Engine, SamplingParams
 from rollout_server.orchestrator import (Orchestrator, PromptTooLong, QueueFull, Request,
                                          progress_of)
 
+log = logging.getLogger(__name__)
+
 
 class GenerateError(InfraError):
   """The server could not serve the request (an infrastructure failure, not the model's)."""
 
   def __init__(self, message: str, kind: str = "server"):
     super().__init__(kind, message)
+
+
+def _partly_made(r: httpx.Response, version: int) -> Optional[dict]:
+  """A router's 502 of an update some backends took (its `version` the one sent): the
+  answer, its refusals said in a warning (those backends are out of rotation until they
+  load it); None for any other answer."""
+  if r.status_code != 502:
+    return None
+  try:
+    got = r.json()
+  except ValueError:
+    return None
+  if not (isinstance(got, dict) and got.get("version") == version
+          and isinstance(got.get("results"), list)):
+    return None
+  failed = [x for x in got["results"] if isinstance(x, dict) and x.get("status") != 200
+            and "skipped" not in x]
+  if any(x.get("status") in (401, 403, 409) for x in failed):
+    return None  # (a token refused, another model: the run's error, not a server's moment)
+  log.warning("%s: version %s taken, but not by %s: out of rotation until they load it",
+              r.url, version,
+              ", ".join(f"{x.get('backend')} ({x.get('status') or x.get('error')})"
+                        for x in failed) or "some backends")
+  return got
 
 
 def _other_model(r: httpx.Response) -> bool:
@@ -187,8 +214,9 @@ class HttpClient:
   `control_token` (None: the environment's, `jaxagent.control`)."""
 
   def __init__(self, url: str, *, timeout_s: float = 600.0,
-               control_token: Optional[str] = None):
+               control_token: Optional[str] = None, update_retry_s: float = 30.0):
     self.url = url.rstrip("/")
+    self.update_retry_s = update_retry_s
     self.control_token = control_token or control.from_env()
     self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                      verify=shared_tls())
@@ -290,22 +318,42 @@ class HttpClient:
       return await self._push(path, version, mode)
 
   async def _push(self, path: str, version: int, mode: str = "drain") -> dict:
-    try:
-      r = await self._client.post(f"{self.url}/update_weights",
-                                  json={"path": path, "version": version, "mode": mode},
-                                  headers=control.headers(self.control_token))
-    except httpx.HTTPError as e:
-      raise GenerateError(f"{self.url}/update_weights: {type(e).__name__}: {e}") from e
+    """The update, asked again for up to `update_retry_s` while the server cannot be
+    reached or has none to update (a router's 503: its backends out of rotation a moment,
+    a restart): the first of them stopped a run on healthy servers (a new user). A
+    router's 502 where some backends took the version is the update made (the others
+    are out of rotation until they load it), said."""
+    deadline, wait = time.monotonic() + self.update_retry_s, 0.5
+    while True:
+      try:
+        r = await self._client.post(f"{self.url}/update_weights",
+                                    json={"path": path, "version": version, "mode": mode},
+                                    headers=control.headers(self.control_token))
+        if r.status_code != 503:
+          break
+        why = f"503: {r.text[:300]}"
+      except httpx.TransportError as e:
+        why = f"{type(e).__name__}: {e}"
+        if time.monotonic() + wait > deadline:
+          raise GenerateError(f"{self.url}/update_weights: {why}") from e
+      except httpx.HTTPError as e:
+        raise GenerateError(f"{self.url}/update_weights: {type(e).__name__}: {e}") from e
+      if time.monotonic() + wait > deadline:
+        raise GenerateError(f"{self.url}/update_weights: {why} (asked for "
+                            f"{self.update_retry_s:.0f} s)")
+      await asyncio.sleep(wait)
+      wait = min(wait * 2, 5.0)
     if r.status_code in (401, 403):  # (its text says of the call, not of the cause)
       why = ("it has none" if not self.control_token else
              f"its {control.ENV} differs from the servers'")
       raise GenerateError(f"{self.url}/update_weights refused this process's control token "
                           f"({why}): {r.status_code}: {r.text[:300]}")
-    if r.status_code != 200:
+    out = _partly_made(r, version)
+    if r.status_code != 200 and out is None:
       # (409: a server of another model than the export's; a router says its backends')
       raise GenerateError(f"{self.url}/update_weights: {r.status_code}: {r.text[:500]}",
                           "other_model" if _other_model(r) else "server")
-    out = r.json()
+    out = r.json() if out is None else out
     self._policy = {"path": path, "version": version, "mode": mode}
     self._updates += 1
     return out

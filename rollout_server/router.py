@@ -542,10 +542,10 @@ class _Router(Rotation):
         raise  # (closed by the watch while this loop was at its yield: StreamClosed)
       cut = True  # (no copy: the turn was not recorded whole, and a copy of a dead
       # backend would hold the session's reads at 502 for a turn it never had: a reviewer)
-      self.healthy[backend] = False
       self.failovers["streams_cut"] += 1
       why = ("unreachable: its health checks unanswered" if lost.is_set()
              else type(e).__name__)
+      self.take_out(backend, f"a stream cut: {why}")
       yield stream_cut_event(path, f"the rollout server {backend} went away mid-stream "
                              f"({why}); the answer is incomplete: retry the request")
       return

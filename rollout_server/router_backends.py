@@ -78,6 +78,8 @@ class Rotation:
     self.instances: dict = {}  # backend -> the instance its last /health named
     self.said: dict = {"mixed": None, "forgot_deletes": False}
     self.first_round = asyncio.Event()  # (set once every backend was checked)
+    self.updates_done = 0  # (`update` calls ended: a check that saw one under way or end
+    # cannot judge by the version its /health answered)
     # backend -> its /health checks unanswered in a row, and the event set when they reach
     # UNREACHABLE_CHECKS (a new one when it answers again)
     self.unanswered = {b: 0 for b in self.ring.backends}
@@ -125,7 +127,7 @@ class Rotation:
       log.warning("router: %s owes more than %d session deletes (out of rotation all that "
                   "while): the oldest are forgotten, their records left there", backend,
                   self.max_sessions)
-    self.healthy[backend] = False
+    self.take_out(backend, f"it owes the delete of session {session_id!r}")
 
   def lock_of(self, locks: weakref.WeakValueDictionary, key) -> asyncio.Lock:
     """The lock of `key` in `locks`, made when no one holds or waits for one."""
@@ -258,6 +260,7 @@ class Rotation:
     got, was = None, self.healthy[backend]
     why = "its /health did not answer 200"
     rejoins = not was
+    began = None if self.updating.locked() else self.updates_done
     try:
       try:
         r = await self.client("health").get(f"{backend}/health", timeout=self.health_timeout_s)
@@ -272,10 +275,18 @@ class Rotation:
         if not (_version(serves[0]) and isinstance(serves[1], (str, type(None)))):
           raise ValueError(f"its /health names version {serves[0]!r:.80} of policy "
                            f"{serves[1]!r:.80} (an integer or a string each)")
-        self.serves[backend] = serves
         # (restarted: on its first weights, as one coming back; during an update it
         # served them in rotation, a reviewer)
         rejoins = self.restarted(backend, got.get("instance")) or rejoins
+        if began != self.updates_done or self.updating.locked():
+          # An update began or ended while it answered: its version may be from before
+          # it, and the update said who is in rotation (judged by that version, a check
+          # took every backend out at once and the learner's next update found none: a
+          # new user). One restarted meanwhile is out; the next check judges the rest.
+          if rejoins and was:
+            self.take_out(backend, "it restarted during a policy update")
+          return
+        self.serves[backend] = serves
         await self.rule_check(backend, got)
       serving = got.get("version") if ok else None
       wanted = self.policy["version"]  # (read now: an update may have ended meanwhile)
@@ -359,12 +370,17 @@ class Rotation:
     await asyncio.gather(*(watch(b) for b in self.ring.backends))
 
 
-  def down(self, backend: str, why: str) -> str:
-    """`backend` out of rotation (a turn goes to the next on the ring); what to say."""
+  def take_out(self, backend: str, why: str) -> None:
+    """`backend` out of rotation until a check finds it well; said when it was in."""
     if self.healthy[backend]:
       log.warning("router: %s out of rotation (%s); its sessions' turns go to the next "
                   "backend on the ring until it is well", backend, why)
     self.healthy[backend] = False
+
+  def down(self, backend: str, why: str) -> str:
+    """`backend` out of rotation as a turn failed there (the turn goes to the next on
+    the ring); what to say."""
+    self.take_out(backend, why)
     self.failovers["n"] += 1
     return f"{backend}: {why}"
 
@@ -386,54 +402,61 @@ class Rotation:
     left out of rotation and catches up when it returns); a backend that is down now
     loads this policy before it serves again."""
     async with self.updating:
-      targets = [b for b in self.ring.backends if self.healthy[b]]
-      if not targets:
-        return {"detail": "no healthy backend to update"}, 503
-      results = await asyncio.gather(*(
-          self.client().post(f"{b}/update_weights", content=body,
-                             headers={"content-type": "application/json", **self.ruling},
-                             timeout=self.update_timeout())
-          for b in targets), return_exceptions=True)
-      out, took, refused = [], {}, []
-      for b in self.ring.backends:
-        if b not in targets:
-          out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
-          continue
-        r = results[targets.index(b)]
-        if isinstance(r, Exception):
-          self.healthy[b] = False
-          out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
-          continue
-        try:
-          answer = r.json()
-        except ValueError:
-          answer = {"detail": r.text[:500]}
-        out.append({"backend": b, "status": r.status_code, "body": answer})
-        if r.status_code == 200 and isinstance(answer, dict) and _version(answer.get("version")):
-          took[b] = answer.get("version")
-          self.took(b, took[b])
-        else:
-          refused.append(b)
       try:
-        sent = json.loads(body)
-      except (ValueError, RecursionError):
-        sent = None
-      # Only the policy's update is what a rejoining backend must catch up on (an update
-      # of another served model, named in "model", is passed on, not pinned).
-      if took and not (isinstance(sent, dict) and sent.get("model")):
-        version = next(iter(took.values()))
-        pinned = dict(sent, version=version) if isinstance(sent, dict) else None
-        self.policy.update(body=json.dumps(pinned) if pinned else body, version=version)
-        for b in refused:  # live but stale: out of rotation until it catches up
-          self.healthy[b] = False
-      ok = bool(took) and not refused
-      answer: dict = {}
-      ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
-      if ruled_out:  # (their own 401 says the call had no token, or another: the router's;
-        # first, so that a client's cut of the body keeps it)
-        answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
-                            + ("it has none" if self.control_token is None else "it holds "
-                               "another") + f"): give the router (a learner's own: the "
-                            f"learner) the servers' {control.ENV}")
-      answer.update(results=out, version=self.policy["version"], ok=ok)
-      return answer, 200 if ok else 502
+        return await self._update(body)
+      finally:
+        self.updates_done += 1
+
+  async def _update(self, body: bytes) -> tuple[dict, int]:
+    targets = [b for b in self.ring.backends if self.healthy[b]]
+    if not targets:
+      return {"detail": "no healthy backend to update"}, 503
+    results = await asyncio.gather(*(
+        self.client().post(f"{b}/update_weights", content=body,
+                           headers={"content-type": "application/json", **self.ruling},
+                           timeout=self.update_timeout())
+        for b in targets), return_exceptions=True)
+    out, took, refused = [], {}, []
+    for b in self.ring.backends:
+      if b not in targets:
+        out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
+        continue
+      r = results[targets.index(b)]
+      if isinstance(r, Exception):
+        self.take_out(b, f"its update failed: {type(r).__name__}: {r}")
+        out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
+        continue
+      try:
+        answer = r.json()
+      except ValueError:
+        answer = {"detail": r.text[:500]}
+      out.append({"backend": b, "status": r.status_code, "body": answer})
+      if r.status_code == 200 and isinstance(answer, dict) and _version(answer.get("version")):
+        took[b] = answer.get("version")
+      else:
+        refused.append(b)
+    try:
+      sent = json.loads(body)
+    except (ValueError, RecursionError):
+      sent = None
+    # Only the policy's update is what a rejoining backend must catch up on (an update
+    # of another served model, named in "model", is passed on, not pinned).
+    if took and not (isinstance(sent, dict) and sent.get("model")):
+      version = next(iter(took.values()))
+      pinned = dict(sent, version=version) if isinstance(sent, dict) else None
+      self.policy.update(body=json.dumps(pinned) if pinned else body, version=version)
+      for b, v in took.items():
+        self.took(b, v)
+      for b in refused:  # live but stale: out of rotation until it catches up
+        self.take_out(b, f"it refused the update to version {version!r}")
+    ok = bool(took) and not refused
+    answer: dict = {}
+    ruled_out = [x["backend"] for x in out if x.get("status") in (401, 403)]
+    if ruled_out:  # (their own 401 says the call had no token, or another: the router's;
+      # first, so that a client's cut of the body keeps it)
+      answer["detail"] = (f"{', '.join(ruled_out)} refused this router's control token ("
+                          + ("it has none" if self.control_token is None else "it holds "
+                             "another") + f"): give the router (a learner's own: the "
+                          f"learner) the servers' {control.ENV}")
+    answer.update(results=out, version=self.policy["version"], ok=ok)
+    return answer, 200 if ok else 502

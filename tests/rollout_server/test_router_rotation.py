@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from rollout_server.router import create_router
 from rollout_server.router_backends import Rotation
@@ -18,7 +19,7 @@ def _backend(state: dict):
   """A fake rollout server: /health names `state["version"]` (and `state["instance"]`),
   /update_weights takes `state["update_s"]` and then serves the version it was sent
   (refuses with `state["refuse"]`), /generate waits while `state["hold"]` is set; /health
-  answers after `state["health_s"]`."""
+  answers what it was `state["health_s"]` before."""
   from fastapi import FastAPI, Request
   from fastapi.responses import JSONResponse
 
@@ -26,11 +27,12 @@ def _backend(state: dict):
 
   @app.get("/health")
   async def health():
-    await asyncio.sleep(state.get("health_s", 0.0))
     if not state.get("up", True):
       return JSONResponse({"status": "down"}, status_code=503)
-    return {"status": "ok", "version": state["version"], "policy_id": None,
+    said = {"status": "ok", "version": state["version"], "policy_id": None,
             "instance": state.get("instance", "one")}
+    await asyncio.sleep(state.get("health_s", 0.0))  # (said, on its way: as it was)
+    return said
 
   @app.post("/update_weights")
   async def update(request: Request):
@@ -420,3 +422,68 @@ def test_a_backend_restarted_during_an_update_is_out_until_it_serves_the_policy(
     while not _healthy(r.url)[sa.url] and time.time() < deadline:
       time.sleep(0.05)
     assert _healthy(r.url)[sa.url] and a["version"] == 1
+
+
+def test_updates_back_to_back_keep_backends_whose_checks_they_outlast_in_rotation():
+  """A new user's run stopped at step 16, both servers up: a check whose /health answered
+  before an update and went on after it judged the backend by the old version, pushed
+  the policy to it out of rotation, and kept it out as the next update began; both
+  backends at once, and the learner's next update found none (503)."""
+  a, b = {"version": 0, "health_s": 0.3}, {"version": 0, "health_s": 0.3}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.05)) as r:
+    answers = []
+    for version in range(1, 25):
+      answers.append(httpx.post(f"{r.url}/update_weights",
+                                json={"path": "/p", "version": version}, timeout=30).status_code)
+      time.sleep(0.1)
+    assert answers == [200] * 24, answers
+    assert httpx.get(f"{r.url}/router/health").json()["policy_pushes"] == 0
+
+
+def test_a_learners_update_is_asked_again_while_no_backend_can_take_it(caplog):
+  """The learner stopped at the first 503 of an update (a router with its backends out of
+  rotation a moment): asked again for up to `rollout.infra_grace_s`; a router's 502 of a
+  version some backends took is the update made, its refusals said; a token refused is
+  the run's error at once."""
+  from fastapi import FastAPI
+  from fastapi.responses import JSONResponse
+
+  from rollout_server.client import GenerateError, HttpClient
+
+  caplog.set_level(logging.WARNING, logger="rollout_server.client")
+  answers = []
+  app = FastAPI()
+
+  @app.post("/update_weights")
+  async def update():
+    status, body = answers.pop(0) if answers else (503, {"detail": "no healthy backend"})
+    return JSONResponse(body, status_code=status)
+
+  def push(url, retry_s):
+    async def go():
+      client = HttpClient(url, update_retry_s=retry_s, control_token="t")
+      try:
+        return await client.update_weights("/p", 3)
+      finally:
+        await client._client.aclose()
+    return asyncio.run(go())
+
+  partly = {"version": 3, "ok": False, "results": [
+      {"backend": "http://a", "status": 200, "body": {"version": 3}},
+      {"backend": "http://b", "error": "ReadError: gone"}]}
+  with ServerThread(app) as s:
+    answers[:] = [(503, {"detail": "no healthy backend to update"})] * 2 + [(200, {"version": 3})]
+    assert push(s.url, 30)["version"] == 3 and not answers
+    answers[:] = [(502, partly)]
+    assert push(s.url, 30)["version"] == 3
+    said = [x.getMessage() for x in caplog.records]
+    assert any("version 3 taken, but not by http://b (ReadError: gone)" in x for x in said), said
+    answers[:] = [(502, {**partly, "results": [partly["results"][0], {
+        "backend": "http://b", "status": 401, "body": {"detail": "token"}}]})]
+    with pytest.raises(GenerateError, match="502"):
+      push(s.url, 30)
+    t0 = time.monotonic()
+    with pytest.raises(GenerateError, match=r"503: .*asked for 1 s"):
+      push(s.url, 1.0)
+    assert time.monotonic() - t0 < 10
