@@ -384,6 +384,9 @@ def run_local(args) -> int:
       time.sleep(0.2)
   except RuntimeError as e:
     print(f"launch: error: {e}; stopping the others", file=sys.stderr, flush=True)
+    # (a learner killed: the others stop with it, unsaved, and none said how to go on: a
+    # new user; one that stopped itself said it, or was refused)
+    got["hint"] = isinstance(e, _Failed) and e.code > 128
     return e.code if isinstance(e, _Failed) else 1
   except KeyboardInterrupt:
     print("launch: interrupted; stopping every process", file=sys.stderr, flush=True)
@@ -393,11 +396,25 @@ def run_local(args) -> int:
       signal.signal(sig, signal.SIG_IGN)
     try:
       stop_all()
+      from jaxagent.stopping import RESUME_COMMAND
+      again = (learners[0].env or {}).get(RESUME_COMMAND)
+      if got.get("hint") and again:
+        print(go_on_from(run_dir, again), file=sys.stderr, flush=True)
     finally:  # (a caller in this process gets its own handlers back: a test after an
       # in-process launch found Ctrl-C ignored)
       for sig, handler in previous.items():
         if handler is not None:  # (None: one not set from Python, which it cannot restore)
           signal.signal(sig, handler)
+
+
+def go_on_from(run_dir: str, again: str) -> str:
+  """How a run a learner stopped without its checkpoint goes on: from its newest one."""
+  folder = os.path.join(run_dir, "checkpoints")
+  steps = sorted(int(s) for s in (os.listdir(folder) if os.path.isdir(folder) else ())
+                 if s.isdigit())
+  where = (f"from its checkpoint of step {steps[-1]}" if steps else
+           "from its start (no checkpoint was saved)")
+  return f"launch: the run goes on {where} with: {again}"
 
 
 def main(argv=None) -> int:

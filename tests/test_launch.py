@@ -397,7 +397,26 @@ def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch_lib, "plan", fake_plan(code))
     assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
                             str(tmp_path / "run")]) == want, code
-    assert "launch: error: learner exited with code" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "launch: error: learner exited with code" in err
+    assert "launch: the run goes on" not in err  # (no command to say: none planned)
+  # A learner killed (its others stopped with it, unsaved) is followed by how to go on:
+  # from the newest checkpoint (a new user: it ended without a word of it).
+  from jaxagent.stopping import RESUME_COMMAND
+
+  def planned(args, cfg, run_dir):
+    services, learners = fake_plan(
+        f"import os, signal; os.makedirs({run_dir!r} + '/checkpoints/5'); "
+        "os.kill(os.getpid(), signal.SIGKILL)")(args, cfg, run_dir)
+    learners[0].env = {**os.environ, RESUME_COMMAND: "python -m jaxagent.launch local --resume"}
+    return services, learners
+
+  monkeypatch.setattr(launch_lib, "plan", planned)
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                          str(tmp_path / "killed")]) == 137
+  assert capsys.readouterr().err.endswith(
+      "launch: the run goes on from its checkpoint of step 5 with: python -m jaxagent.launch "
+      "local --resume\n")
   # (its caller's signal handlers are its own again: Ctrl-C was ignored after it)
   assert signal.getsignal(signal.SIGINT) is own
 
