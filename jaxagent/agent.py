@@ -240,6 +240,8 @@ async def while_it_moves(call: Awaitable, look, deadline_s: float, where: str):
       task.cancel()
       with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+    elif not task.cancelled():  # (its error, as a look's raised: read, not a traceback of
+      task.exception()          # asyncio's "never retrieved" at the process's end)
 
 
 async def _within_turn_deadline(engine, call, request_id: Optional[str], deadline_s: float,

@@ -741,3 +741,31 @@ def test_a_long_turn_cut_by_many_weight_updates_is_resumed_whole():
   record = asyncio.run(_generate(EveryToken(idle=IDLE_RESUMES - 1), [1, 2], sampling, "s",
                                  60.0))
   assert len(record.output_ids) == 12
+
+
+def test_a_turn_that_failed_as_its_look_failed_leaves_no_unread_error():
+  """A server gone: the turn's call and the look at how it stands failed together; the
+  look's error was raised and the call's left unread, a 57-line traceback of asyncio's
+  'Task exception was never retrieved' in the run's output (a new user)."""
+  import gc
+
+  from jaxagent.agent import while_it_moves
+
+  unread = []
+
+  async def call():
+    await asyncio.sleep(0.05)
+    raise ConnectionError("All connection attempts failed")
+
+  async def look():
+    await asyncio.sleep(0.2)  # (the call failed meanwhile)
+    raise RuntimeError("the server did not answer")
+
+  async def go():
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unread.append(ctx))
+    with pytest.raises(RuntimeError, match="did not answer"):
+      await while_it_moves(call(), look, 0.01, "a server")
+    gc.collect()
+
+  asyncio.run(go())
+  assert unread == []
