@@ -506,9 +506,11 @@ class _Router(Rotation):
         if records and isinstance(made.get("id"), str):
           self.forget_later(self.latest, session_id, made["id"])
       return Response(content, status_code=resp.status_code, headers=out_headers)
-    return api_error(path, 502, "no backend could take the request; " + (
-        f"last error: {last_error}" if last_error else "every one is unreachable (its health "
-        "checks unanswered)"))
+    if last_error is None:  # (none tried: a moment's, asked again by clients)
+      return api_error(path, 503, "no backend can take the request now: none is in rotation, "
+                       "and those out of it are unreachable or serve another policy than "
+                       f"the router's (version {self.policy['version']!r}); retry")
+    return api_error(path, 502, f"no backend could take the request; last error: {last_error}")
 
   async def relay(self, resp: httpx.Response, backend: str, session_id: Optional[str], path: str,
                   step: Optional[tuple] = None):

@@ -283,6 +283,10 @@ class Rotation:
           # it, and the update said who is in rotation (judged by that version, a check
           # took every backend out at once and the learner's next update found none: a
           # new user). One restarted meanwhile is out; the next check judges the rest.
+          if rejoins:  # (restarted: on its first weights, whatever the update did;
+            # its version kept from before its restart made it a failover's "on the
+            # policy" backend, turns served on version 0: red team 43)
+            self.serves[backend] = serves
           if rejoins and was:
             self.take_out(backend, "it restarted during a policy update")
           return
@@ -387,14 +391,16 @@ class Rotation:
   def in_order(self, candidates: Sequence[str]) -> list:
     """`candidates` (a session's backends, its own first) in the order a turn tries them:
     those in rotation, then those out of it that serve the current policy (a check may
-    not have seen one come back yet). One out of rotation on another policy is tried
-    only when no other is: its turns were a policy the router no longer holds the
-    backends to (a reviewer); one gone (`gone`: its turn would be cut at once), never."""
+    not have seen one come back yet); when there is none, those whose version is not
+    known yet. One known on another policy is never tried: its turns were a policy the
+    router no longer holds the backends to (a reviewer; a restarted server's first
+    weights were served after an update had returned: red team 43); nor one gone
+    (`gone`: its turn would be cut at once)."""
     wanted = self.policy["version"]
     out = [b for b in candidates if not self.healthy[b] and not self.gone(b).is_set()]
     return ([b for b in candidates if self.healthy[b]]
             + [b for b in out if wanted is None or self.serves.get(b, (None,))[0] == wanted]
-            or out)  # (none in rotation or on the policy: any that may answer, as before)
+            or [b for b in out if self.serves.get(b, (None,))[0] is None])
 
   async def update(self, body: bytes) -> tuple[dict, int]:
     """Sends a policy update (`POST /update_weights`'s body) to every healthy backend:
@@ -411,11 +417,27 @@ class Rotation:
     targets = [b for b in self.ring.backends if self.healthy[b]]
     if not targets:
       return {"detail": "no healthy backend to update"}, 503
-    results = await asyncio.gather(*(
-        self.client().post(f"{b}/update_weights", content=body,
-                           headers={"content-type": "application/json", **self.ruling},
-                           timeout=self.update_timeout())
-        for b in targets), return_exceptions=True)
+    async def send(b: str):
+      # (a backend gone meanwhile, its health checks unanswered: its update cut, as its
+      # turns are; a host gone without a reset held every update up to update_timeout)
+      post = asyncio.ensure_future(self.client().post(
+          f"{b}/update_weights", content=body,
+          headers={"content-type": "application/json", **self.ruling},
+          timeout=self.update_timeout()))
+      lost = asyncio.ensure_future(self.gone(b).wait())
+      try:
+        await asyncio.wait({post, lost}, return_when=asyncio.FIRST_COMPLETED)
+      finally:
+        lost.cancel()
+      if not post.done():
+        post.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+          await post
+        raise httpx.ConnectError("unreachable during the update (its health checks "
+                                 "unanswered)")
+      return post.result()
+
+    results = await asyncio.gather(*(send(b) for b in targets), return_exceptions=True)
     out, took, refused = [], {}, []
     for b in self.ring.backends:
       if b not in targets:

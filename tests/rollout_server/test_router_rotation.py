@@ -181,11 +181,14 @@ def test_a_failover_tries_a_backend_out_of_rotation_only_on_the_routers_policy()
   assert rot.in_order(["a", "b", "c", "d"]) == ["b", "a", "c", "d"]  # (no policy pinned yet)
   rot.policy["version"] = 2
   assert rot.in_order(["a", "b", "c", "d"]) == ["b", "a"]
-  # (none in rotation or on the policy: any that may answer; one gone, never)
+  # (none in rotation or on the policy: one whose version is not known; one known on
+  # another, or gone, never: red team 43)
   rot.healthy["b"] = False
   rot.serves["a"] = (1, None)
   rot.gone("d").set()
-  assert rot.in_order(["a", "b", "c", "d"]) == ["a", "b", "c"]
+  assert rot.in_order(["a", "b", "c", "d"]) == ["b"]
+  rot.serves["b"] = (0, None)
+  assert rot.in_order(["a", "b", "c", "d"]) == []
 
 
 def test_deletes_owed_past_the_bound_are_said_once(caplog):
@@ -487,3 +490,30 @@ def test_a_learners_update_is_asked_again_while_no_backend_can_take_it(caplog):
     with pytest.raises(GenerateError, match=r"503: .*asked for 1 s"):
       push(s.url, 1.0)
     assert time.monotonic() - t0 < 10
+
+
+def test_an_update_is_cut_at_a_backend_gone_mid_update():
+  """A backend whose host stopped without a reset (SIGSTOP, a partition) held every
+  policy update through the router up to update_timeout (turn_timeout_s + timeout_s, an
+  hour): its health checks unanswered, its update is cut as its turns are (red team 43)."""
+  async def main():
+    rot = Rotation(["http://a", "http://b"], health_interval_s=1, timeout_s=1,
+                   turn_timeout_s=3600, max_sessions=10, control_token=None,
+                   max_connections=10)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+      if request.url.host == "b":
+        await asyncio.sleep(3600)  # (stopped: never answers)
+      return httpx.Response(200, json={"version": 7})
+
+    rot.clients["calls"] = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    asyncio.get_running_loop().call_later(0.2, rot.gone("http://b").set)
+    t0 = time.monotonic()
+    answer, status = await asyncio.wait_for(rot.update(b'{"path": "p"}'), 10)
+    assert time.monotonic() - t0 < 5
+    assert status == 200 and answer["version"] == 7, answer
+    assert rot.healthy == {"http://a": True, "http://b": False}
+    assert "unreachable" in answer["results"][1]["error"]
+    await rot.aclose()
+
+  asyncio.run(main())
