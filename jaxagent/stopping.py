@@ -15,8 +15,6 @@ import threading
 import time
 from typing import Optional
 
-import jax
-
 from jaxagent.pools import busy_calls
 
 
@@ -38,6 +36,8 @@ def leave_stuck_threads(code: int, grace_s: float = 5.0) -> None:
     return
   print(f"note: {stuck} calls (environments', or a collective's) were still running at "
         "the end; left behind", file=sys.stderr, flush=True)
+  import jax  # (here: `unless_stopped` is the router's too, a process without JAX's work)
+
   if jax.process_count() > 1:
     down = threading.Thread(target=jax.distributed.shutdown, daemon=True)
     down.start()

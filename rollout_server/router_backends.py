@@ -24,6 +24,7 @@ from urllib.parse import quote
 import httpx
 
 from jaxagent import control
+from jaxagent.stopping import unless_stopped
 from jaxagent.tls import shared_tls
 from rollout_server.routing import HashRing
 
@@ -417,25 +418,17 @@ class Rotation:
     targets = [b for b in self.ring.backends if self.healthy[b]]
     if not targets:
       return {"detail": "no healthy backend to update"}, 503
-    async def send(b: str):
+    async def send(b: str) -> httpx.Response:
       # (a backend gone meanwhile, its health checks unanswered: its update cut, as its
       # turns are; a host gone without a reset held every update up to update_timeout)
-      post = asyncio.ensure_future(self.client().post(
+      r = await unless_stopped(self.client().post(
           f"{b}/update_weights", content=body,
           headers={"content-type": "application/json", **self.ruling},
-          timeout=self.update_timeout()))
-      lost = asyncio.ensure_future(self.gone(b).wait())
-      try:
-        await asyncio.wait({post, lost}, return_when=asyncio.FIRST_COMPLETED)
-      finally:
-        lost.cancel()
-      if not post.done():
-        post.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-          await post
+          timeout=self.update_timeout()), self.gone(b))
+      if r is None:
         raise httpx.ConnectError("unreachable during the update (its health checks "
                                  "unanswered)")
-      return post.result()
+      return r
 
     results = await asyncio.gather(*(send(b) for b in targets), return_exceptions=True)
     out, took, refused = [], {}, []
