@@ -409,6 +409,10 @@ def run_local(args) -> int:
 
 def go_on_from(run_dir: str, again: str) -> str:
   """How a run a learner stopped without its checkpoint goes on: from its newest one."""
+  from jaxagent.run_dir import started_a_run
+
+  if not started_a_run(run_dir):  # (--resume would be refused: nothing of it is there)
+    return f"launch: nothing of the run was kept in {run_dir}: start it again"
   folder = os.path.join(run_dir, "checkpoints")
   steps = sorted(int(s) for s in (os.listdir(folder) if os.path.isdir(folder) else ())
                  if s.isdigit())

@@ -773,8 +773,8 @@ class TrainingRun:
       try:
         await self.write_records(records)
         if self.primary:  # (its row was in metrics.jsonl, not on the console: a new user)
-          print(f"step {records['step']}: trained, recorded; the run stopped before its "
-                "weights reached the servers", file=sys.stderr, flush=True)
+          print(f"step {records['step']}: trained and recorded as the run stopped",
+                file=sys.stderr, flush=True)
       except Exception as e:  # (then it is not checkpointed: a resume replays the step)
         print(f"warning: step {records['step']}'s records could not be written "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)

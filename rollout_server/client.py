@@ -26,6 +26,7 @@ from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
 from rollout_server.orchestrator import (Orchestrator, PromptTooLong, QueueFull, Request,
                                          progress_of)
+from rollout_server.routing import NONE_AVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,14 @@ def _partly_made(r: httpx.Response, version: int) -> Optional[dict]:
   if not (isinstance(got, dict) and got.get("version") == version
           and isinstance(got.get("results"), list)):
     return None
-  failed = [x for x in got["results"] if isinstance(x, dict) and x.get("status") != 200
-            and "skipped" not in x]
-  if any(x.get("status") in (401, 403, 409) for x in failed):
-    return None  # (a token refused, another model: the run's error, not a server's moment)
+  results = [x for x in got["results"] if isinstance(x, dict)]
+  if not any(x.get("status") == 200 and isinstance(x.get("body"), dict)
+             and x["body"].get("version") == version for x in results):
+    return None  # (none took it: the version is the router's own, pinned before)
+  failed = [x for x in results if x.get("status") != 200 and "skipped" not in x]
+  if any(isinstance(x.get("status"), int) and (400 <= x["status"] < 500 or x["status"] == 501)
+         for x in failed):
+    return None  # (a token refused, no export there, another model: the run's error)
   log.warning("%s: version %s taken, but not by %s: out of rotation until they load it",
               r.url, version,
               ", ".join(f"{x.get('backend')} ({x.get('status') or x.get('error')})"
@@ -247,7 +252,8 @@ class HttpClient:
     except httpx.HTTPError as e:
       raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
     if r.status_code != 200:
-      kind = ("server_overload" if r.status_code == 503 else
+      kind = ("server" if r.status_code == 503 and NONE_AVAILABLE in r.text else
+              "server_overload" if r.status_code == 503 else
               "prompt_too_long" if r.status_code == 400 and PROMPT_TOO_LONG in r.text else
               "request_refused" if r.status_code < 500 else "server")
       raise GenerateError(f"{self.url}/generate: {r.status_code}: {r.text[:500]}", kind)
@@ -319,7 +325,7 @@ class HttpClient:
 
   async def _push(self, path: str, version: int, mode: str = "drain") -> dict:
     """The update, asked again for up to `update_retry_s` while the server cannot be
-    reached or has none to update (a router's 503: its backends out of rotation a moment,
+    connected to or has none to update (a router's 503: its backends out of rotation a moment,
     a restart): the first of them stopped a run on healthy servers (a new user). A
     router's 502 where some backends took the version is the update made (the others
     are out of rotation until they load it), said."""
@@ -332,7 +338,8 @@ class HttpClient:
         if r.status_code != 503:
           break
         why = f"503: {r.text[:300]}"
-      except httpx.TransportError as e:
+      except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # (never sent: asked again;
+        # one sent and cut may have been taken, and another would drain the turns again)
         why = f"{type(e).__name__}: {e}"
         if time.monotonic() + wait > deadline:
           raise GenerateError(f"{self.url}/update_weights: {why}") from e
@@ -341,6 +348,9 @@ class HttpClient:
       if time.monotonic() + wait > deadline:
         raise GenerateError(f"{self.url}/update_weights: {why} (asked for "
                             f"{self.update_retry_s:.0f} s)")
+      if wait == 0.5:
+        log.warning("%s/update_weights: %s; asked again for up to %.0f s", self.url, why,
+                    self.update_retry_s)
       await asyncio.sleep(wait)
       wait = min(wait * 2, 5.0)
     if r.status_code in (401, 403):  # (its text says of the call, not of the cause)

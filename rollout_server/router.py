@@ -44,8 +44,9 @@ from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard
 from rollout_server import responses_api
 from rollout_server.router_backends import Rotation
-from rollout_server.routing import (api_error, error_body, forwarded_path, handover_refused,
-                                    long_id, parsed, session_from, stream_cut_event)
+from rollout_server.routing import (NONE_AVAILABLE, api_error, error_body, forwarded_path,
+                                    handover_refused, long_id, parsed, session_from,
+                                    stream_cut_event)
 from rollout_server.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -507,7 +508,7 @@ class _Router(Rotation):
           self.forget_later(self.latest, session_id, made["id"])
       return Response(content, status_code=resp.status_code, headers=out_headers)
     if last_error is None:  # (none tried: a moment's, asked again by clients)
-      return api_error(path, 503, "no backend can take the request now: none is in rotation, "
+      return api_error(path, 503, f"{NONE_AVAILABLE}: none is in rotation, "
                        "and those out of it are unreachable or serve another policy than "
                        f"the router's (version {self.policy['version']!r}); retry")
     return api_error(path, 502, f"no backend could take the request; last error: {last_error}")

@@ -265,8 +265,9 @@ class Rotation:
     try:
       try:
         r = await self.client("health").get(f"{backend}/health", timeout=self.health_timeout_s)
-      except httpx.TransportError as e:  # (a pool of its own busy: not the backend's)
-        self.answered(backend, unreachable=not isinstance(e, httpx.PoolTimeout))
+      except httpx.TransportError as e:  # (a pool of its own busy: not the backend's, and
+        if not isinstance(e, httpx.PoolTimeout):  # no answer from it either)
+          self.answered(backend, unreachable=True)
         raise
       self.answered(backend, unreachable=False)
       got = r.json() if r.status_code == 200 else None
@@ -279,6 +280,7 @@ class Rotation:
         # (restarted: on its first weights, as one coming back; during an update it
         # served them in rotation, a reviewer)
         rejoins = self.restarted(backend, got.get("instance")) or rejoins
+        await self.rule_check(backend, got)
         if began != self.updates_done or self.updating.locked():
           # An update began or ended while it answered: its version may be from before
           # it, and the update said who is in rotation (judged by that version, a check
@@ -292,7 +294,6 @@ class Rotation:
             self.take_out(backend, "it restarted during a policy update")
           return
         self.serves[backend] = serves
-        await self.rule_check(backend, got)
       serving = got.get("version") if ok else None
       wanted = self.policy["version"]  # (read now: an update may have ended meanwhile)
       if ok and wanted is not None and not self.updating.locked() and serving != wanted:
@@ -425,7 +426,8 @@ class Rotation:
           f"{b}/update_weights", content=body,
           headers={"content-type": "application/json", **self.ruling},
           timeout=self.update_timeout()), self.gone(b))
-      if r is None:
+      if r is None:  # (it may load it yet: its version not known until its /health says)
+        self.serves[b] = (None, None)
         raise httpx.ConnectError("unreachable during the update (its health checks "
                                  "unanswered)")
       return r

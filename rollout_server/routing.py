@@ -68,6 +68,10 @@ def forwarded_path(raw_path: str) -> tuple[Optional[str], str]:
   return quote(plain), plain
 
 
+# A router's 503 when no backend can take a turn now (the servers', not a full queue's)
+NONE_AVAILABLE = "no backend can take the request now"
+
+
 def error_body(path: str, status: int, message: str) -> dict:
   """An error of a request to `path` (without its leading slash) in the shape of that
   API's errors (Anthropic's, OpenAI's: in FastAPI's `detail` the `openai` client said

@@ -453,6 +453,8 @@ def test_a_learners_update_is_asked_again_while_no_backend_can_take_it(caplog):
   from fastapi.responses import JSONResponse
 
   from rollout_server.client import GenerateError, HttpClient
+  from rollout_server.engine import SamplingParams
+  from rollout_server.routing import NONE_AVAILABLE
 
   caplog.set_level(logging.WARNING, logger="rollout_server.client")
   answers = []
@@ -462,6 +464,10 @@ def test_a_learners_update_is_asked_again_while_no_backend_can_take_it(caplog):
   async def update():
     status, body = answers.pop(0) if answers else (503, {"detail": "no healthy backend"})
     return JSONResponse(body, status_code=status)
+
+  @app.post("/generate")
+  async def generate():  # (a router none of whose backends can take a turn now)
+    return JSONResponse({"detail": f"{NONE_AVAILABLE}: none is in rotation"}, status_code=503)
 
   def push(url, retry_s):
     async def go():
@@ -486,10 +492,26 @@ def test_a_learners_update_is_asked_again_while_no_backend_can_take_it(caplog):
         "backend": "http://b", "status": 401, "body": {"detail": "token"}}]})]
     with pytest.raises(GenerateError, match="502"):
       push(s.url, 30)
+    # (none took it, the version the router's own, pinned before; an export not there)
+    for results in ([partly["results"][1]], [partly["results"][0], {
+        "backend": "http://b", "status": 400, "body": {"detail": "no policy export"}}]):
+      answers[:] = [(502, {**partly, "results": results})]
+      with pytest.raises(GenerateError, match="502"):
+        push(s.url, 30)
     t0 = time.monotonic()
     with pytest.raises(GenerateError, match=r"503: .*asked for 1 s"):
       push(s.url, 1.0)
     assert time.monotonic() - t0 < 10
+
+    async def turn():  # (the servers' kind, not a full queue's: its outage hint says so)
+      client = HttpClient(s.url)
+      try:
+        await client.generate([1], SamplingParams(max_new_tokens=1))
+      finally:
+        await client._client.aclose()
+    with pytest.raises(GenerateError) as refused:
+      asyncio.run(turn())
+    assert refused.value.kind == "server"
 
 
 def test_an_update_is_cut_at_a_backend_gone_mid_update():
