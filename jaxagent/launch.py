@@ -396,29 +396,15 @@ def run_local(args) -> int:
       signal.signal(sig, signal.SIG_IGN)
     try:
       stop_all()
-      from jaxagent.stopping import RESUME_COMMAND
+      from jaxagent.stopping import RESUME_COMMAND, go_on_hint
       again = (learners[0].env or {}).get(RESUME_COMMAND)
       if got.get("hint") and again:
-        print(go_on_from(run_dir, again), file=sys.stderr, flush=True)
+        print(f"launch: {go_on_hint(run_dir, again)}", file=sys.stderr, flush=True)
     finally:  # (a caller in this process gets its own handlers back: a test after an
       # in-process launch found Ctrl-C ignored)
       for sig, handler in previous.items():
         if handler is not None:  # (None: one not set from Python, which it cannot restore)
           signal.signal(sig, handler)
-
-
-def go_on_from(run_dir: str, again: str) -> str:
-  """How a run a learner stopped without its checkpoint goes on: from its newest one."""
-  from jaxagent.run_dir import started_a_run
-
-  if not started_a_run(run_dir):  # (--resume would be refused: nothing of it is there)
-    return f"launch: nothing of the run was kept in {run_dir}: start it again"
-  folder = os.path.join(run_dir, "checkpoints")
-  steps = sorted(int(s) for s in (os.listdir(folder) if os.path.isdir(folder) else ())
-                 if s.isdigit())
-  where = (f"from its checkpoint of step {steps[-1]}" if steps else
-           "from its start (no checkpoint was saved)")
-  return f"launch: the run goes on {where} with: {again}"
 
 
 def main(argv=None) -> int:

@@ -209,16 +209,17 @@ def resume_on(flags: str, where: str) -> None:
   _RESUMED_BY["flags"], _RESUMED_BY["where"] = flags, where
 
 
-def go_on_hint(run_dir: str) -> str:
-  """How a run stopped at once goes on: from its last checkpoint, or from step 0 where it
-  has none yet (a Ctrl-C in its start-up was told "from the last checkpoint": a new
-  user)."""
+def go_on_hint(run_dir: str, command: Optional[str] = None) -> str:
+  """How a run stopped at once goes on (with `command`, this process's `resume_command`
+  unless given): from its last checkpoint, or from step 0 where it has none yet (a
+  Ctrl-C in its start-up was told "from the last checkpoint": a new user)."""
   from jaxagent.run_dir import has_checkpoint, started_a_run
 
+  command = command or resume_command(run_dir)
   if has_checkpoint(run_dir):
-    return f"to go on from the last checkpoint: {resume_command(run_dir)}"
+    return f"to go on from the last checkpoint: {command}"
   if started_a_run(run_dir):  # (its config written: --resume takes it, from step 0)
-    return f"no checkpoint yet: {resume_command(run_dir)} starts it again from step 0"
+    return f"no checkpoint yet: {command} starts it again from step 0"
   # (stopped before its config was written: --resume refuses a directory holding no run)
   return f"nothing of the run was saved yet in {run_dir}: start it again as it was started"
 

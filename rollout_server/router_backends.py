@@ -290,8 +290,8 @@ class Rotation:
             # its version kept from before its restart made it a failover's "on the
             # policy" backend, turns served on version 0: red team 43)
             self.serves[backend] = serves
-          if rejoins and was:
-            self.take_out(backend, "it restarted during a policy update")
+            if was:
+              self.take_out(backend, "it restarted during a policy update")
           return
         self.serves[backend] = serves
       serving = got.get("version") if ok else None

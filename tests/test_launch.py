@@ -399,7 +399,7 @@ def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
                             str(tmp_path / "run")]) == want, code
     err = capsys.readouterr().err
     assert "launch: error: learner exited with code" in err
-    assert "launch: the run goes on" not in err  # (no command to say: none planned)
+    assert "to go on" not in err  # (no command to say: none planned)
   # A learner killed (its others stopped with it, unsaved) is followed by how to go on:
   # from the newest checkpoint (a new user: it ended without a word of it).
   from jaxagent.stopping import RESUME_COMMAND
@@ -415,8 +415,7 @@ def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
   assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
                           str(tmp_path / "killed")]) == 137
   assert capsys.readouterr().err.endswith(
-      "launch: the run goes on from its checkpoint of step 5 with: python -m jaxagent.launch "
-      "local --resume\n")
+      "launch: to go on from the last checkpoint: python -m jaxagent.launch local --resume\n")
   # (its caller's signal handlers are its own again: Ctrl-C was ignored after it)
   assert signal.getsignal(signal.SIGINT) is own
 
