@@ -767,8 +767,10 @@ def access_problem(urls, token: Optional[str], timeout_s: float = 5.0) -> Option
 
 
 def main(argv=None) -> int:
-  from jaxagent.cli_args import positive_float, positive_int
+  from jaxagent.cli_args import log_to_console, positive_float, positive_int
   from jaxagent.serve_http import add_log_level, listen_or_say, serve
+
+  log_to_console()
 
   p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m envs.server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,11 +1,12 @@
-"""Argument types for command lines (the tools' benchmarks): a bad value is argparse's
-one-line error naming the flag (`error: argument --seq-lens: ...`), not a traceback from
-deep in the run (`--presets nope` was a KeyError, `--seq-lens abc` a ValueError, `--turns
-0` a ZeroDivisionError: a new user)."""
+"""Argument types for command lines (the tools' benchmarks), and the commands' console
+logging. A bad value is argparse's one-line error naming the flag (`error: argument
+--seq-lens: ...`), not a traceback from deep in the run (`--presets nope` was a KeyError,
+`--seq-lens abc` a ValueError, `--turns 0` a ZeroDivisionError: a new user)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Callable
 
 
@@ -53,3 +54,26 @@ def names_of(known, what: str) -> Callable[[str], list[str]]:
     return names
 
   return parse
+
+
+class _Said(logging.Formatter):
+  """`warning: <message>`, as the commands' own lines read (the default was
+  `WARNING:rollout_server.router:router: ...`, a logger's name the message repeats)."""
+
+  def format(self, record: logging.LogRecord) -> str:
+    text = f"{record.levelname.lower()}: {record.getMessage()}"
+    if record.exc_info:
+      text += "\n" + self.formatException(record.exc_info)
+    return text
+
+
+def log_to_console() -> None:
+  """Logging's warnings and errors on stderr as `warning: ...` lines, for a command's
+  `main`: a root handler of this shape (an imported library's own, absl's through Orbax,
+  re-shaped), installed before one that would set up its own at first use."""
+  root = logging.getLogger()
+  if not root.handlers:
+    root.addHandler(logging.StreamHandler())
+  for handler in root.handlers:
+    if type(handler) is logging.StreamHandler:
+      handler.setFormatter(_Said())

@@ -42,6 +42,7 @@ import urllib.request
 from typing import Optional
 
 from jaxagent import config as config_lib, control
+from jaxagent.cli_args import log_to_console
 
 
 RESTARTS = 3  # times a service that dies during the run is started again, by default
@@ -408,6 +409,7 @@ def run_local(args) -> int:
 
 
 def main(argv=None) -> int:
+  log_to_console()
   p = argparse.ArgumentParser(
       allow_abbrev=False, prog="python -m jaxagent.launch", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)

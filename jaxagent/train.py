@@ -30,6 +30,7 @@ import jax
 from jaxagent import config as config_lib, control, distributed
 from jaxagent.agreements import exit_code
 from jaxagent.checkpoint import CheckpointUnreadable
+from jaxagent.cli_args import log_to_console
 from jaxagent.errors import (EpisodeBug, InfraError, InfraOutage, NonFiniteUpdate, PeerFailed,
                              PeerLost, RunWriteFailed, TaskError, disk_hint)
 from jaxagent.metrics import RecordsDamaged
@@ -82,6 +83,7 @@ async def train(cfg: config_lib.RunConfig, run_dir: str, resume: bool,
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  log_to_console()
   problem = control.env_problem()
   if problem:
     print(f"error: {problem}", file=sys.stderr)

@@ -17,6 +17,9 @@ from rollout_server.serving import build_app
 
 
 def main(argv=None) -> int:
+  from jaxagent.cli_args import log_to_console
+
+  log_to_console()
   p = argparse.ArgumentParser(
       allow_abbrev=False, prog="python -m rollout_server", description=__doc__)
   p.add_argument("--config", help="YAML server config (see configs/)")

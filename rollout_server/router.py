@@ -29,7 +29,6 @@ import json
 import logging
 import re
 import sys
-import threading
 import uuid
 import weakref
 from typing import Optional, Sequence
@@ -735,7 +734,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
 
 def main(argv=None) -> int:
+  from jaxagent.cli_args import log_to_console
   from jaxagent.serve_http import add_log_level, listen_or_say, serve
+
+  log_to_console()
 
   p = argparse.ArgumentParser(
       allow_abbrev=False, prog="python -m rollout_server.router", description=__doc__,
@@ -775,16 +777,7 @@ def main(argv=None) -> int:
   print(f"router on http://{args.host}:{args.port} over {len(backends)} backends; "
         f"{control.describe(token)}", flush=True)
 
-  def probe(backend: str) -> None:  # (one only, unreachable, said nothing: a new user)
-    try:
-      httpx.get(f"{backend.rstrip('/')}/health", timeout=2.0).raise_for_status()
-    except httpx.HTTPError as e:
-      print(f"warning: backend {backend} does not answer /health yet "
-            f"({type(e).__name__}: {e}); while it is down its requests go to the others "
-            "(502 where none is up)", file=sys.stderr, flush=True)
-
-  for backend in backends:  # (beside the serving: a backend down delays nothing)
-    threading.Thread(target=probe, args=(backend,), daemon=True).start()
+  # (a backend down at the start is said by the health loop's first check, at once)
   serve(create_router(backends, max_body_bytes=args.max_body_bytes, control_token=token,
                       max_connections=args.max_connections), sock,
         log_level=args.log_level)

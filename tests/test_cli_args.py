@@ -38,3 +38,19 @@ def test_a_benchmark_refuses_a_bad_flag_in_one_line(argv, needle):
   r = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_commands_warnings_read_as_its_own_lines_whatever_set_logging_up_first():
+  """Orbax's import sets up logging (absl's `basicConfig`): a router's warning in a training
+  run read `WARNING:rollout_server.router:router: ...` (a new user). A command's `main`
+  shapes it as its own lines, and a library's later setup keeps that shape."""
+  code = ("import logging, orbax.checkpoint\n"
+          "from jaxagent.cli_args import log_to_console\n"
+          "log_to_console()\n"
+          "logging.basicConfig()\n"
+          "logging.getLogger('rollout_server.router').warning('router: %s gone', 'b1')\n"
+          "logging.getLogger('envs.pool').info('not said')\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stderr == "warning: router: b1 gone\n"

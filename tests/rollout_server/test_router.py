@@ -882,8 +882,7 @@ def test_a_router_says_which_backends_do_not_answer_at_its_start():
     while "warning:" not in said and time.monotonic() < deadline:
       if select.select([proc.stderr], [], [], 1.0)[0]:  # (a router that says nothing: no hang)
         said = proc.stderr.readline()
-    assert said.startswith(f"warning: backend {down} does not answer /health yet "
-                           "(ConnectError:"), said
+    assert said.startswith(f"warning: router: {down} out of rotation (ConnectError:"), said
   finally:
     proc.kill()
     proc.wait()
