@@ -85,6 +85,9 @@ class Rotation:
     # UNREACHABLE_CHECKS (a new one when it answers again)
     self.unanswered = {b: 0 for b in self.ring.backends}
     self.gone_events: dict[str, asyncio.Event] = {}
+    # Backends out of rotation only for the policy they serve (missed an update, loading
+    # it): an update is sent to them too (`_update`).
+    self.lagging: set = set()
 
   def gone(self, backend: str) -> asyncio.Event:
     """Set when `backend` is unreachable (`UNREACHABLE_CHECKS`): its turns in flight
@@ -260,7 +263,7 @@ class Rotation:
     backend was seen only in /router/health: a new user)."""
     got, was = None, self.healthy[backend]
     why = "its /health did not answer 200"
-    rejoins = not was
+    rejoins, behind = not was, False  # (behind: out only for the policy it serves)
     began = None if self.updating.locked() else self.updates_done
     try:
       try:
@@ -290,6 +293,7 @@ class Rotation:
             # its version kept from before its restart made it a failover's "on the
             # policy" backend, turns served on version 0: red team 43)
             self.serves[backend] = serves
+            self.lagging.add(backend)
             if was:
               self.take_out(backend, "it restarted during a policy update")
           return
@@ -302,21 +306,27 @@ class Rotation:
         self.healthy[backend], rejoins = False, True
         serving = await self.push_policy(backend)
         ok, why = serving is not None, "it could not load the current policy"
+        behind = ok
       if ok and self.undeleted[backend]:
         ok = await self.delete_missed(backend)
         why = "deletes it missed failed"
       if ok and rejoins and self.updating.locked():
         # An update under way skipped it (out of rotation): let in now, it served the old
         # policy on (a reviewer). It loads the new one at its next check.
-        ok, why = False, "a policy update is under way"
+        ok, why, behind = False, "a policy update is under way", True
       elif ok and not self.updating.locked() and self.policy["version"] not in (None, serving):
-        ok, why = False, (f"it serves version {serving!r}, not the router's "
-                          f"{self.policy['version']!r}: it loads that at its next check")
+        ok, why, behind = False, (f"it serves version {serving!r}, not the router's "
+                                  f"{self.policy['version']!r}: it loads that at its next "
+                                  "check"), True
       self.healthy[backend] = ok
     except Exception as e:  # (any reply it cannot read is a backend not well: red team 14,
       # a JSON list killed the loop, and no backend was checked again)
-      self.healthy[backend] = False
+      self.healthy[backend], behind = False, False
       why = f"{type(e).__name__}: {e}"
+    if behind and not self.healthy[backend]:
+      self.lagging.add(backend)
+    else:
+      self.lagging.discard(backend)
     if not isinstance(got, dict):  # (down: whether it takes the token is not known now)
       self.unruled.pop(backend, None)
     if was and not self.healthy[backend]:
@@ -419,6 +429,11 @@ class Rotation:
     targets = [b for b in self.ring.backends if self.healthy[b]]
     if not targets:
       return {"detail": "no healthy backend to update"}, 503
+    # Those out of rotation only behind the policy take it too (their answer is not the
+    # update's): one that missed an update was pushed it at its next check, and kept out
+    # for good by updates faster than its load, each push ending a version behind.
+    behind = [b for b in self.ring.backends
+              if b in self.lagging and not self.healthy[b] and not self.gone(b).is_set()]
     async def send(b: str) -> httpx.Response:
       # (a backend gone meanwhile, its health checks unanswered: its update cut, as its
       # turns are; a host gone without a reset held every update up to update_timeout)
@@ -432,13 +447,27 @@ class Rotation:
                                  "unanswered)")
       return r
 
-    results = await asyncio.gather(*(send(b) for b in targets), return_exceptions=True)
+    sent_to = targets + behind
+    results = await asyncio.gather(*(send(b) for b in sent_to), return_exceptions=True)
     out, took, refused = [], {}, []
     for b in self.ring.backends:
-      if b not in targets:
+      if b not in sent_to:
         out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
         continue
-      r = results[targets.index(b)]
+      r = results[sent_to.index(b)]
+      if b in behind:  # (out of rotation either way: a check lets it in on the policy)
+        answer = None
+        if not isinstance(r, Exception) and r.status_code == 200:
+          with contextlib.suppress(ValueError):
+            answer = r.json()
+        if isinstance(answer, dict) and _version(answer.get("version")):
+          took[b] = answer.get("version")
+          out.append({"backend": b, "status": 200, "body": answer})
+        else:
+          out.append({"backend": b, "skipped": "out of rotation behind the policy: "
+                      + (f"{type(r).__name__}: {r}" if isinstance(r, Exception) else
+                         f"{r.status_code}: {r.text[:300]}")})
+        continue
       if isinstance(r, Exception):
         self.take_out(b, f"its update failed: {type(r).__name__}: {r}")
         out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})

@@ -444,6 +444,31 @@ def test_updates_back_to_back_keep_backends_whose_checks_they_outlast_in_rotatio
     assert httpx.get(f"{r.url}/router/health").json()["policy_pushes"] == 0
 
 
+def test_a_backend_behind_the_policy_catches_up_with_updates_faster_than_its_load():
+  """A restarted backend was pushed the policy at its next check, out of rotation, and
+  the updates went on without it: with updates coming faster than its load, each push
+  ended a version behind and it stayed out for good. An update is sent to it too."""
+  a, b = {"version": 0, "update_s": 0.2}, {"version": 0, "update_s": 0.2}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.05)) as r:
+    assert httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1},
+                      timeout=30).status_code == 200
+    b.update(version=0, instance="two")  # (restarted, on its first weights)
+    deadline = time.time() + 10
+    while _healthy(r.url)[sb.url] and time.time() < deadline:
+      time.sleep(0.01)
+    seen = []
+    for version in range(2, 16):
+      up = httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": version},
+                      timeout=30)
+      assert up.status_code == 200, up.text
+      time.sleep(0.1)  # (a step's training)
+      if version > 4:
+        seen.append((version, b["version"], _healthy(r.url)[sb.url]))
+    assert all(v == took for v, took, _ in seen[-3:]), seen  # (it took the last updates)
+    assert any(healthy for _, _, healthy in seen), seen  # (and was let in between them)
+
+
 def test_a_learners_update_is_asked_again_while_no_backend_can_take_it(caplog):
   """The learner stopped at the first 503 of an update (a router with its backends out of
   rotation a moment): asked again for up to `rollout.infra_grace_s`; a router's 502 of a
