@@ -458,6 +458,7 @@ class MeasuredEnv:
     self.env, self.actions, self.task = env, [], None
     self.deadline_s = None if hasattr(env, "in_flight_waits") else deadline_s
     self.rewards: list[float] = []
+    self.ended = False  # (a step answered terminated or truncated)
     self.waited_s = self.env_s = 0.0
     self.held_s = 0.0  # of waited_s, other code's holds of the event loop (envs.loopwatch)
     self._clock: Optional[waits.WaitClock] = None
@@ -548,12 +549,17 @@ class MeasuredEnv:
     return TaskError((f"task {task.id!r} ({task.env}): " if task else "") + failure(e))
 
   async def step(self, action: str):
+    if self.ended:  # (a harness's bug: the environment's own refusal named no harness)
+      raise RuntimeError(f"the agent stepped its environment after its episode ended (at "
+                         f"step {len(self.actions)}, terminated or truncated): an agent "
+                         "stops at the step that ends it")
     self.actions.append(action)
     try:
       result = await self._measured(self.env.step(action), "step")
     except BadReward as e:
       raise self._bad_reward(e) from e
     self.rewards.append(float(result.reward))
+    self.ended = bool(result.terminated or result.truncated)
     return result
 
   async def verify(self):

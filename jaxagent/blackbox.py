@@ -516,6 +516,25 @@ def _say_long_turns(turns: list[dict], cfg: AgentConfig) -> None:
               "max_tokens and trains what it asks for")
 
 
+def _played(turns: list[dict], actions: list[str]) -> list[dict]:
+  """The turns of an episode whose environment ended, through the one whose reply made
+  its last step: a harness's calls after it (chatting on) are no step of it. Trained,
+  they were text the environment never saw; and one that outgrew the context made a
+  graded episode a truncation, a fail."""
+  records = [TurnRecord.from_result(t) for t in turns]
+  acted_on = lambda r: any(_same_action(a, r.response) for a in actions)
+  probe = TrajectoryManager("", acted_on=acted_on)
+  for r in records:
+    probe.add_turn(r)
+  steps = _step_numbers(records, probe.abandoned(), actions)
+  kept = [t for t, step in zip(turns, steps) if step < len(actions)]
+  if len(kept) < len(turns):
+    _say_once("past_the_end", "a black-box agent called the gateway after its environment's "
+              "episode ended: those turns are not trained, and what they met (a context "
+              "outgrown, the deadline) is not the episode's")
+  return kept
+
+
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
                            tokenizer: Optional[Tokenizer], actions: list[str]) -> None:
   """Fills `ep`'s turn counts and segments from the server's record of its session,
@@ -593,14 +612,19 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   try:
     await _clear_session(gateway_url, wire_id, control_token)
-    with acting.episode():  # (the harness's own code's holds of the loop are its own)
-      harness = asyncio.ensure_future(blackbox_agent(api)(
-          acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
-          max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-          top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
-      await waits.within(harness, acting.waited, cfg.episode_deadline_s,
-                         EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start, look_s=0.25,
-                         on_cut=in_flight)
+    try:
+      with acting.episode():  # (the harness's own code's holds of the loop are its own)
+        harness = asyncio.ensure_future(blackbox_agent(api)(
+            acting, task, gateway_url, session_id=wire_id, max_turns=cfg.max_turns,
+            max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k, turn_timeout_s=cfg.turn_deadline_s))
+        await waits.within(harness, acting.waited, cfg.episode_deadline_s,
+                           EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start,
+                           look_s=0.25, on_cut=in_flight)
+    except (asyncio.TimeoutError, waits.WallCut, *_gateway_errors(api)):
+      if not acting.ended:
+        raise
+      # (met chatting on after its environment ended: the episode is graded as played)
     # The environment's rewards as its steps returned them, not the harness's list (one
     # that returned [1000.0] for a step the environment gave 0 had it trained: red team 29)
     ep.turn_rewards = list(acting.rewards)
@@ -615,6 +639,8 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       raise InfraError("no_turns_recorded", f"the agent stepped its environment "
                        f"{len(acting.actions)} times and no turn of it was recorded under "
                        "its session: its calls must carry the header X-Session-Id") from None
+    if acting.ended:
+      turns = _played(turns, acting.actions)
     if ep.verdict.get("status") == "infra_error":
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
           True, "verifier"

@@ -586,3 +586,52 @@ def test_turns_past_the_budget_a_harness_is_given_are_said_once(capsys):
   err = capsys.readouterr().err
   assert err.count("warning: the black-box agent's turns run past agent.max_new_tokens "
                    "(4; one of 9 tokens)") == 1, err
+
+
+def test_a_harness_chatting_on_after_its_environment_ended_is_graded_as_it_played(
+    random_params, monkeypatch):
+  """A harness that called the gateway again after the step that ended its environment
+  had those turns trained (text the environment never saw), and one whose further chat
+  outgrew the context made a solved episode a truncation, a fail. The episode is its
+  play: graded, its turns through that step trained; stepping the environment past its
+  end is the harness's error, named."""
+  import openai
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  async def chatty(env, task, base_url, *, session_id, step_again=False, **kw):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused",
+                                default_headers={"X-Session-Id": session_id})
+    try:
+      messages = list((await env.reset(task)).messages)
+      await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+      step = await env.step("3")  # (the secret: solved in one step)
+      assert step.terminated
+      for words in (1, 1, 3000):  # (on and on, at last past the context)
+        messages.append({"role": "user", "content": "thanks! " + "x " * words})
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+      return [step.reward]
+    finally:
+      await client.close()
+
+  async def steps_again(env, task, base_url, **kw):
+    await env.reset(task)
+    await env.step("3")
+    await env.step("3")
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 3})
+  cfg = AgentConfig(max_turns=3, max_new_tokens=2)
+  blackbox_mod._SAID.discard("past_the_end")
+  with running_server(random_params, TOK, version=2) as (srv, _):
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", chatty)
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, cfg,
+                                  session_id="s-chatty", group_id="g"))
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", steps_again)
+    with pytest.raises(RuntimeError, match="stepped its environment after its episode ended"):
+      asyncio.run(run_blackbox(make("guess_number"), task, srv.url, cfg,
+                               session_id="s-again", group_id="g"))
+  assert not ep.infra_error and ep.status == "completed", (ep.status, ep.reason)
+  assert ep.verdict["status"] == "pass" and ep.turns == 1, (ep.verdict, ep.turns)
+  (seg,) = ep.segments
+  assert seg.num_action_tokens <= 2  # (the first call's reply only)
