@@ -173,9 +173,9 @@ class RolloutScheduler:
       self.retries += attempt < self.cfg.max_retries
       if attempt < self.cfg.max_retries and self.cfg.retry_backoff_s > 0:
         await asyncio.sleep(min(self.cfg.retry_backoff_s * 2 ** attempt, 30.0))
-    self._ended(ep.infra_kind or "unknown", ep.reason)
     self.dropped["infra_error"] += 1
     self.dropped[f"infra_{ep.infra_kind or 'unknown'}"] += 1  # by the last attempt's kind
+    self._ended(ep.infra_kind or "unknown", ep.reason)
     group.dropped_episodes += 1
     return None
 
@@ -203,7 +203,8 @@ class RolloutScheduler:
           f"{len(failed)} of the last {len(self.outcomes)} episodes failed in the "
           f"infrastructure, retries and all ({kinds}), more than rollout.max_infra_fraction "
           f"{self.cfg.max_infra_fraction}: {_OUTAGE_HINTS.get(counts[0][0], _OUTAGE_HINT)} "
-          "(their logs; metrics dropped_infra_*), then resume the run"
+          f"(their logs; dropped_infra_* in metrics.jsonl count the run's: this process "
+          f"dropped {self.dropped['infra_error']} episodes so), then resume the run"
           + (f"; the last {counts[0][0]}: {self.last_reason[counts[0][0]][:300]}"
              if self.last_reason.get(counts[0][0]) else ""))
       self._changed.set()
