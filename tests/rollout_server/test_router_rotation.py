@@ -82,7 +82,7 @@ def test_turns_past_a_hundred_in_flight_leave_health_checks_and_updates_alone():
   hold.set()
   state = {"version": 0, "hold": hold}
   with ServerThread(_backend(state)) as b, \
-      ServerThread(create_router([b.url], health_interval_s=0.2)) as r:
+      ServerThread(create_router([b.url], health_interval_s=0.2, health_timeout_s=1.0)) as r:
 
     async def turns(n):
       async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n)) as c:
@@ -96,7 +96,7 @@ def test_turns_past_a_hundred_in_flight_leave_health_checks_and_updates_alone():
       while state.get("in_flight", 0) < 130 and time.time() < deadline:
         time.sleep(0.1)
       assert state["in_flight"] == 130  # (all of them held at the backend at once)
-      time.sleep(6.0)  # (past a health check's 5 s bound)
+      time.sleep(2.5)  # (past a health check's bound)
       assert _healthy(r.url) == {b.url: True}
       up = httpx.post(f"{r.url}/update_weights", json={"path": "/p", "version": 1}, timeout=60)
       assert up.status_code == 200, up.text
