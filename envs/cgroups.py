@@ -209,6 +209,46 @@ def available_memory_bytes() -> int:
   return max(0, min(free)) if free else 0
 
 
+def usable_cpus() -> float:
+  """The CPUs this process may use: those it may run on, bounded by the CPU quota of its
+  own cgroup and their parents' (a container's limit), v1 or v2."""
+  try:
+    cpus = float(len(os.sched_getaffinity(0)))
+  except (AttributeError, OSError):
+    cpus = float(os.cpu_count() or 1)
+  try:
+    with open("/proc/self/cgroup") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return cpus
+  for line in lines:
+    _, controllers, path = line.split(":", 2)
+    if controllers and "cpu" not in controllers.split(","):
+      continue
+    base = os.path.join(_CGROUP_ROOT, controllers)  # (v2's line names none)
+    if controllers and not os.path.isdir(base):
+      base = os.path.join(_CGROUP_ROOT, "cpu")
+    while True:  # (the nearest bound up the tree and beyond: the smallest)
+      where = os.path.join(base, path.lstrip("/"))
+      with contextlib.suppress(OSError, ValueError, IndexError):
+        if controllers:
+          with open(os.path.join(where, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+          with open(os.path.join(where, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        else:
+          with open(os.path.join(where, "cpu.max")) as f:
+            quota_text, period_text = f.read().split()
+          quota = -1 if quota_text == "max" else int(quota_text)
+          period = int(period_text)
+        if quota > 0 and period > 0:
+          cpus = min(cpus, quota / period)
+      if path in ("", "/"):
+        break
+      path = os.path.dirname(path.rstrip("/"))
+  return max(cpus, 0.01)
+
+
 def cpu_cgroup(name: str, cpus: float, parents: Sequence[str] = ()) -> Optional[str]:
   """Holds a sandbox's processes to `cpus` CPUs' time together (None: cannot, or `cpus`
   0)."""

@@ -23,7 +23,8 @@ import uuid
 from typing import Optional, Sequence
 
 from envs import hostfs, waits
-from envs.cgroups import available_memory_bytes, check_delegated_cgroups, remove_stale_cgroups
+from envs.cgroups import (available_memory_bytes, check_delegated_cgroups, remove_stale_cgroups,
+                          usable_cpus)
 from envs.isolation import ISOLATIONS, IsolationUnavailable, Limits, detect_isolation, nproc_room
 from envs.sandbox import FILESYSTEMS, Sandbox, workspace_filesystem
 from jaxagent.errors import InfraError
@@ -98,6 +99,19 @@ class SandboxPool:
           "--allow-unisolated), which lets tool code read and write this host")
     self.size = size
     self.limits = limits
+    # Commands at once that may use more CPUs together than this host has share them:
+    # each runs slower than alone, and a correct solution slowed by its neighbours ran
+    # past its wall limit, scored a timeout (red team 44: three sandboxes' tool calls
+    # burning CPU on a 2-CPU host timed out a sibling's 12 s solution at 20 s). Their wall
+    # limits are stretched by that much (their CPU limit, their own time, is not).
+    self.host_cpus = usable_cpus()
+    each = limits.cpus or self.host_cpus  # (0: unbounded, every CPU)
+    self.wall_stretch = max(1.0, size * each / self.host_cpus)
+    if self.wall_stretch > 1.0:
+      log.warning("sandbox pool: %d commands at once of %g CPUs each share this host's %g "
+                  "CPUs: their wall limits are stretched %.2fx, so that one slowed by the "
+                  "others is not timed out for it (env.sandboxes %d keeps them whole)", size,
+                  each, self.host_cpus, self.wall_stretch, max(1, int(self.host_cpus // each)))
     if os.geteuid() != 0 and self.isolation == "bwrap":
       # (the worker's threads, each workspace's holder, each command's processes)
       nproc_room(256 + max_workspaces + size * (limits.processes + 4))
@@ -163,7 +177,8 @@ class SandboxPool:
                  limits=self.limits,
                  isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
                  progress=lambda: self.last_freed, memory_fits=self.memory_fits,
-                 cgroup_parents=self.cgroup_parents, own_filesystem=self.own_filesystem)
+                 cgroup_parents=self.cgroup_parents, own_filesystem=self.own_filesystem,
+                 wall_stretch=self.wall_stretch)
     self.live.add(sb)
     return sb
 

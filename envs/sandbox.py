@@ -213,7 +213,7 @@ class Sandbox:
                progress: Optional[Callable[[], float]] = None,
                memory_fits: Callable[[], bool] = lambda: False,
                cgroup_parents: Sequence[str] = (),
-               own_filesystem: Optional[bool] = None):
+               own_filesystem: Optional[bool] = None, wall_stretch: float = 1.0):
     # Where the workspace is: `mountpoint` in the namespaces commands run in, and the
     # path the host reaches it by (the same, but through a held tmpfs's holder).
     self.mountpoint = self.host_path = os.path.abspath(workspace)
@@ -223,6 +223,7 @@ class Sandbox:
     if self.isolation not in ISOLATIONS:
       raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")
     self.limits = limits
+    self.wall_stretch = wall_stretch  # (its pool's: `SandboxPool.wall_stretch`)
     self._slots = slots
     self.slot_timeout_s = slot_timeout_s
     self._progress = progress  # when a slot was last freed (time.monotonic)
@@ -683,6 +684,9 @@ class Sandbox:
 
   async def _run(self, argv, timeout, stdin, pid1, trusted_init) -> ExecResult:
     wall = self.limits.wall_s if timeout is None else timeout
+    # (the wall limit as its pool stretches it where the commands at once share fewer
+    # CPUs than they may each use; the CPU limit, the command's own time, is not)
+    limit = wall * self.wall_stretch
     tag = uuid.uuid4().hex[:8]
     out_path = os.path.join(self._logs, f"{tag}.out")
     err_path = os.path.join(self._logs, f"{tag}.err")
@@ -719,13 +723,13 @@ class Sandbox:
         talk = asyncio.ensure_future(proc.communicate(stdin))
         try:
           t_wall = time.perf_counter()
-          done, _ = await asyncio.wait({talk}, timeout=wall)
-          if not done and time.perf_counter() - t_wall - wall >= HELD_LOOP_S:
+          done, _ = await asyncio.wait({talk}, timeout=limit)
+          if not done and time.perf_counter() - t_wall - limit >= HELD_LOOP_S:
             # The loop was held past the wall limit (another call's code): an exit that
             # came in time is seen on its next turns, not read as a timeout (a sibling's
             # hold made a 0.1 s command under a 1 s limit a TIMEOUT verdict: red team).
             done, _ = await asyncio.wait({talk}, timeout=HELD_LOOP_S)
-            if done and not await asyncio.to_thread(clock.ended_by, t_wall + wall):
+            if done and not await asyncio.to_thread(clock.ended_by, t_wall + limit):
               timed_out = True  # (it ended, but past its limit)
           if done:
             talk.result()

@@ -482,6 +482,24 @@ def _cpu_quota(sb) -> str:
 
 
 @needs_isolation
+def test_the_cpus_a_process_may_use_count_its_cgroups_quota():
+  """A pool's wall stretch is by the CPUs this process may use: a container's CPU quota
+  (its cgroup's, or a parent's) counts, not only the CPUs it may run on."""
+  from envs.cgroups import cpu_cgroup, join_cgroups, remove_cgroup, usable_cpus
+
+  path = cpu_cgroup(f"jaxagent-test-quota-{os.getpid()}", 0.5) if os.geteuid() == 0 else None
+  if path is None:
+    pytest.skip("no writable CPU cgroup on this host")
+  try:
+    out = subprocess.run([*join_cgroups([path]), sys.executable, "-c",
+                          "from envs.cgroups import usable_cpus; print(usable_cpus())"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-1000:]
+    assert float(out.stdout) == 0.5 and usable_cpus() >= 1.0, out.stdout
+  finally:
+    remove_cgroup(path)
+
+
 def test_a_killed_commands_exit_is_not_held_to_the_cpu_quota_and_the_next_command_is():
   """The kernel's teardown of killed processes is charged to their CPU cgroup: the quota
   is lifted while they exit and set again before the sandbox's next command."""
@@ -611,6 +629,44 @@ def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
                                       f"{errno.errorcode[errno.EOPNOTSUPP]} "
                                       f"{errno.errorcode[errno.EOPNOTSUPP]} /tmp/b"], r.stdout
   assert sandbox.describe()["seccomp"]
+
+
+@needs_isolation
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux's fincore")
+def test_a_command_cannot_drop_the_hosts_page_cache(sandbox):
+  """posix_fadvise(DONTNEED) and madvise(MADV_PAGEOUT, MADV_COLD) of a file the command may
+  read dropped the host's cached pages of it (the interpreter's own files, 1,406 of /usr's
+  by one command: every other sandbox's commands read them from the disk again; red team
+  44). They answer success and do nothing."""
+  from envs.isolation import seccomp_program
+
+  if seccomp_program() is None:
+    pytest.skip("no libseccomp on this host")
+  target = next((p for p in ("/usr/share/common-licenses/GPL-3", "/etc/services",
+                             "/usr/share/dict/words") if os.path.exists(p)), None)
+  if target is None:
+    pytest.skip("no world-readable file of several pages to look at")
+
+  def cached() -> int:
+    with open(target, "rb") as f:
+      f.read()  # (in the cache first)
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", target],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+  before = cached()
+  assert before > 0
+  r = run(sandbox, "import mmap, os\n"
+                   f"fd = os.open({target!r}, os.O_RDONLY)\n"
+                   "print(os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED))\n"
+                   "m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)\n"
+                   "for advice in (21, 20):  # (MADV_PAGEOUT, MADV_COLD)\n"
+                   "  m.madvise(advice)\n"
+                   "print('advised')\n", timeout=10)
+  assert r.ok and r.stdout.split() == ["None", "advised"], (r.stdout, r.stderr)
+  out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", target],
+                       capture_output=True, text=True, check=True).stdout
+  assert int(out.split()[0]) == before, (before, out)
 
 
 def test_the_python_images_interpreter_loads_the_mountns_filter(monkeypatch):

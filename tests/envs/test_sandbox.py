@@ -946,3 +946,40 @@ def test_the_environments_own_code_is_out_of_view_where_system_dirs_hold_it(sand
     for name in ("secretpkg.tasks", "secretpkg", "lone_env"):
       sys.modules.pop(name, None)
     shutil.rmtree(system, ignore_errors=True)
+
+
+def test_commands_sharing_too_few_cpus_have_their_wall_limits_stretched():
+  """Red team 44: sandboxes' commands at once that may use more CPUs than the host has
+  share them, and a correct solution slowed by a sibling's CPU-burning tool calls ran
+  past its wall limit: a timeout, scored (a 12 s solution timed out at 20 s, 4 sandboxes
+  on 2 CPUs). The pool stretches the wall limits by that much: here two commands of one
+  CPU each on one CPU (a process pinned to it), a burner beside a solution of 1 s of CPU
+  under a 1.5 s limit."""
+  code = (
+      "import asyncio, os, sys\n"
+      "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+      "from envs.isolation import Limits\n"
+      "from envs.pool import SandboxPool\n"
+      "pool = SandboxPool(2, limits=Limits(wall_s=1.5, cpu_s=10), isolation=sys.argv[1],\n"
+      "                   allow_unisolated=True)\n"
+      "BURN = 'import time\\nt = time.process_time()\\n'\\\n"
+      "       'while time.process_time() - t < {}: pass\\nprint(\"done\")'\n"
+      "async def run(seconds):\n"
+      "  async with pool.acquire() as sb:\n"
+      "    return await sb.run_python(BURN.format(seconds))\n"
+      "async def main():\n"
+      "  return await asyncio.gather(run(60), run(1.0))\n"
+      "try:\n"
+      "  burner, solution = asyncio.run(main())\n"
+      "finally:\n"
+      "  pool.close()\n"
+      "print(pool.wall_stretch, burner.timed_out, solution.timed_out, solution.stdout.strip(),\n"
+      "      round(solution.duration_s, 2))\n")
+  out = subprocess.run([sys.executable, "-c", code, (MODES or ["rlimits"])[0]], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  stretch, burner_out, solution_out, said, took = out.stdout.split()
+  assert (stretch, burner_out, solution_out, said) == ("2.0", "True", "False", "done"), \
+      (out.stdout, out.stderr[-1000:])
+  assert float(took) > 1.5  # (slowed past its limit alone: the stretch is what kept it)
+  assert "their wall limits are stretched 2.00x" in out.stderr
