@@ -526,8 +526,16 @@ def _played(turns: list[dict], actions: list[str]) -> list[dict]:
   probe = TrajectoryManager("", acted_on=acted_on)
   for r in records:
     probe.add_turn(r)
-  steps = _step_numbers(records, probe.abandoned(), actions)
-  kept = [t for t, step in zip(turns, steps) if step < len(actions)]
+  left = probe.abandoned()
+  steps = _step_numbers(records, left, actions)
+  made = [i for i, step in enumerate(steps) if step < len(actions) and i not in left]
+  if not made:
+    return turns
+  # (a sample of the last step's prompt recorded after the reply acted on, a best-of-n's
+  # other, is of the play: it trains nothing)
+  last = records[made[-1]].prompt_ids
+  kept = [t for t, r, step in zip(turns, records, steps)
+          if step < len(actions) or r.prompt_ids == last]
   if len(kept) < len(turns):
     _say_once("past_the_end", "a black-box agent called the gateway after its environment's "
               "episode ended: those turns are not trained, and what they met (a context "
