@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import difflib
 import enum
 import hashlib
 import json
@@ -111,6 +112,18 @@ def task_text(template: Any, field: str, task_id: str, **values: Any) -> str:
                        "{{ and }} write braces)")
     out.append(str(values[name]))
   return "".join(out)
+
+
+def task_known(params: dict, known, task_id: str) -> None:
+  """A ValueError naming a task's parameters that are not among `known` (with the nearest
+  known name): a misspelt one was played at its default without a word (`max_turn`
+  capped no turns; a misspelt `secrt` drew a random secret)."""
+  unknown = sorted(set(params) - set(known))
+  if unknown:
+    near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+    hints = [f"{k!r}: did you mean {m[0]!r}?" for k, m in near.items() if m]
+    raise ValueError(f"task {task_id}: unknown parameters {unknown}; known: {sorted(known)}"
+                     + (f" ({'; '.join(hints)})" if hints else ""))
 
 
 def task_int(params: dict, key: str, default: int, task_id: str) -> int:
@@ -578,8 +591,6 @@ def make(name: str, resources: Optional[EnvResources] = None) -> Env:
   """A new environment by registered name; those that need shared resources get them."""
   _load_builtins()
   if name not in ENVS:
-    import difflib
-
     close = difflib.get_close_matches(name, list(ENVS), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise KeyError(f"unknown environment {name!r}{hint}; known: {sorted(ENVS)} (an environment "

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 from envs import pyparse
 from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
-                       task_int, task_text)
+                       task_int, task_known, task_text)
 from envs.tools import Tool, ToolSet
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -175,6 +175,7 @@ class Calculator(Env):
 
   async def reset(self, task: TaskSpec) -> Observation:
     p = task.params
+    task_known(p, ("expression", "question", "examples", "max_turns"), task.id)
     self.task = task
     self.expression = str(p["expression"])
     try:

@@ -35,22 +35,31 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Ver
 
 
 async def check(task: TaskSpec, resources: EnvResources) -> dict:
+  """Whether `task` is kept, and why not. An environment (or task) without a reference
+  policy is checked by the no-op agent alone, said in `note` (it was a traceback)."""
+  note = None
   try:
-    ref = await play(task, lambda env: env.reference_action(), resources)
+    try:
+      ref = await play(task, lambda env: env.reference_action(), resources)
+    except NotImplementedError as e:
+      ref, note = None, f"no reference: {e or 'no reference_action'}; the no-op check only"
     noop = await play(task, lambda env: "", resources)
   except CannotStart as e:  # dropped with its reason (it was a traceback)
     return {"id": task.id, "keep": False, "reasons": [f"cannot start: {e.why}"],
             "reference": "-", "noop": "-"}
   reasons = []
-  if ref.is_infra_error or noop.is_infra_error:
-    reasons.append("grader infrastructure error: " + json.dumps(
-        (ref if ref.is_infra_error else noop).details.get("reason")))
-  if ref.status != VerdictStatus.PASS and not ref.is_infra_error:
+  infra = [v for v in (ref, noop) if v is not None and v.is_infra_error]
+  if infra:
+    reasons.append("grader infrastructure error: " + json.dumps(infra[0].details.get("reason")))
+  if ref is not None and ref.status != VerdictStatus.PASS and not ref.is_infra_error:
     reasons.append(f"reference solution does not pass ({ref.status.value})")
   if noop.status == VerdictStatus.PASS:
     reasons.append("no-op solution passes")
-  return {"id": task.id, "keep": not reasons, "reasons": reasons,
-          "reference": ref.status.value, "noop": noop.status.value}
+  out = {"id": task.id, "keep": not reasons, "reasons": reasons,
+         "reference": ref.status.value if ref is not None else "-", "noop": noop.status.value}
+  if note:
+    out["note"] = note
+  return out
 
 
 async def filter_tasks(tasks: list[TaskSpec], resources: EnvResources,
@@ -104,7 +113,8 @@ def main(argv=None) -> int:
   for r in reports:
     status = "keep" if r["keep"] else "DROP"
     print(f"{status} {r['id']}: reference {r['reference']}, no-op {r['noop']}"
-          + (f" -- {'; '.join(r['reasons'])}" if r["reasons"] else ""))
+          + (f" -- {'; '.join(r['reasons'])}" if r["reasons"] else "")
+          + (f" ({r['note']})" if r.get("note") else ""))
   kept = [t for t, r in zip(tasks, reports) if r["keep"]]
   print(f"{len(kept)} of {len(tasks)} tasks kept")
   if args.out:

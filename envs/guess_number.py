@@ -19,7 +19,7 @@ import random
 import re
 
 from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
-                       task_int, task_number, task_text)
+                       task_int, task_known, task_number, task_text)
 
 _INT = re.compile(r"-?\d+")
 
@@ -49,10 +49,7 @@ class GuessNumber(Env):
         self.low, self.high)
     if not self.low <= self.secret <= self.high:  # (it would be played as a plain failure)
       raise ValueError(f"task {task.id}: secret {self.secret} is outside {self.low}..{self.high}")
-    unknown = sorted(set(p) - KNOWN_PARAMS)
-    if unknown:  # a misspelt `secrt` drew a random secret
-      raise ValueError(f"task {task.id}: unknown parameters {unknown}; known: "
-                       f"{sorted(KNOWN_PARAMS)}")
+    task_known(p, KNOWN_PARAMS, task.id)
     self.lo, self.hi = self.low, self.high  # what the feedback still allows
     self.turns, self.done, self.solved = 0, False, False
     self.reset_counters()

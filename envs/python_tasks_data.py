@@ -150,4 +150,5 @@ def _function_name(reference: str) -> str:
 
 def as_tests(body: str, name: str, fn: str) -> str:
   """A test module importing the solution's function, with one test function."""
-  return f"from solution import {fn}\n\n\ndef test_{name}():\n    {body}\n"
+  body = "\n".join("    " + line if line.strip() else "" for line in body.splitlines())
+  return f"from solution import {fn}\n\n\ndef test_{name}():\n{body or '    pass'}\n"

@@ -14,6 +14,7 @@ import ast
 import asyncio
 import builtins
 import concurrent.futures
+import difflib
 import functools
 import hashlib
 import json
@@ -24,9 +25,9 @@ import textwrap
 import unicodedata
 from typing import Optional
 
-from envs import pyparse, waits
+from envs import pyparse, values, waits
 from envs.base import (Env, EnvResources, Observation, StepResult, TaskSpec, Verdict,
-                       VerdictStatus, register, task_int)
+                       VerdictStatus, register, task_int, task_known)
 from envs.python_tasks_data import TASKS, _function_name, as_tests
 from envs.hostfs import MAX_PATH_CHARS
 from envs.tools import Tool, ToolSet, echoed
@@ -39,6 +40,65 @@ SYSTEM = ("Write Python in the file solution.py using the write_file tool. You c
           "with run_python and check your work with run_public_tests. Reply DONE when "
           "finished.")
 BY_NAME = {t[0]: t for t in TASKS}
+OWN_PARAMS = ("prompt", "function", "tests", "public_test", "reference", "max_turns")
+
+
+def task_spec(task: TaskSpec) -> tuple[tuple, str]:
+  """A task's (name, description, reference solution, public test, hidden cases) and its
+  function's name: a bundled task by `params.task`, or the task file's own (`prompt`,
+  `function`, `tests`: [[args], expected] pairs, compared by type and value, so a JSON
+  list expects a list; optional `public_test`, code the model may run, by default an
+  assert of the first case, and `reference`, a solution `envs.filter` checks). A bad one
+  is a ValueError naming what (an own task was "unknown python_tests task None": a new
+  user)."""
+  p = task.params
+  if "task" in p:
+    task_known(p, ("task", "max_turns"), task.id)
+    name = p["task"]
+    if name not in BY_NAME:
+      near = difflib.get_close_matches(str(name), sorted(BY_NAME), n=1)
+      raise ValueError(f"task {task.id}: unknown python_tests task {name!r}"
+                       + (f" (did you mean {near[0]!r}?)" if near else "")
+                       + f"; bundled: {', '.join(sorted(BY_NAME))} (a task of your own gives "
+                       "prompt, function and tests instead)")
+    return BY_NAME[name], _function_name(BY_NAME[name][2])
+  task_known(p, OWN_PARAMS, task.id)
+  missing = [k for k in ("prompt", "function", "tests") if k not in p]
+  if missing:
+    raise ValueError(f"task {task.id}: a python_tests task names a bundled one (task) or "
+                     f"gives its own prompt, function and tests: {', '.join(missing)} missing")
+  prompt, fn, tests = p["prompt"], p["function"], p["tests"]
+  if not isinstance(prompt, str) or not prompt.strip():
+    raise ValueError(f"task {task.id}: prompt must be a non-empty string")
+  if not (isinstance(fn, str) and fn.isidentifier() and fn.isascii()
+          and not keyword.iskeyword(fn)):
+    raise ValueError(f"task {task.id}: function must be a Python name, got {fn!r:.80}")
+  if not isinstance(tests, list) or not tests:
+    raise ValueError(f"task {task.id}: tests must be a non-empty list of [[args], expected]")
+  cases = []
+  for i, case in enumerate(tests):
+    if not (isinstance(case, list) and len(case) == 2 and isinstance(case[0], list)):
+      raise ValueError(f"task {task.id}: tests[{i}] must be [[args], expected], got "
+                       f"{case!r:.80}")
+    try:
+      values.encode(tuple(case[0]))
+      values.encode(case[1])
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"task {task.id}: tests[{i}]: {e}") from None
+    cases.append((tuple(case[0]), case[1]))
+  first_args, first_expected = cases[0]
+  public = p.get("public_test", f"assert {fn}({', '.join(map(repr, first_args))}) == "
+                                f"{first_expected!r}")
+  reference = p.get("reference", "")
+  for field, code in (("public_test", public), ("reference", reference)):
+    if not isinstance(code, str):
+      raise ValueError(f"task {task.id}: {field} must be a string of Python")
+    try:
+      ast.parse(code)
+    except SyntaxError as e:
+      raise ValueError(f"task {task.id}: {field} is not Python: {e.msg} (line {e.lineno})") \
+          from None
+  return (task.id, prompt, reference, public, cases), fn
 
 
 def judged_answer(files: dict[str, bytes]) -> str:
@@ -540,13 +600,10 @@ class PythonTests(Env):
     return _output(await self.sandbox.run_python(runner, filename="_public_runner.py"))
 
   async def reset(self, task: TaskSpec) -> Observation:
-    name = task.params.get("task")
-    if name not in BY_NAME:
-      raise ValueError(f"task {task.id}: unknown python_tests task {name!r}")
+    spec, fn = task_spec(task)
     await self.close()
     self.task = task
-    self.spec = BY_NAME[name]
-    self.fn = _function_name(self.spec[2])
+    self.spec, self.fn = spec, fn
     self.max_turns = task_int(task.params, "max_turns", 8, task.id)
     self.turns, self.done, self._ref_step = 0, False, 0
     self.reset_counters()
@@ -613,6 +670,9 @@ class PythonTests(Env):
       await lease.__aexit__(None, None, None)
 
   def reference_action(self) -> str:
+    if not self.spec[2]:
+      raise NotImplementedError(f"task {self.task.id} gives no reference solution "
+                                "(params.reference)")
     self._ref_step += 1
     if self._ref_step == 1:
       call = {"name": "write_file", "arguments": {"path": "solution.py", "content": self.spec[2]}}

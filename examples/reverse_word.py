@@ -17,7 +17,7 @@ same `--import`. docs/environments.md says what each method must do.
 """
 
 from envs.base import (Env, Observation, StepResult, TaskSpec, Verdict, VerdictStatus, register,
-                       task_int)
+                       task_int, task_known)
 
 
 @register("reverse_word")  # the name task files give in their "env" field
@@ -28,7 +28,9 @@ class ReverseWord(Env):
   verifier_version = "1"
 
   async def reset(self, task: TaskSpec) -> Observation:
-    # A bad parameter raises ValueError, TypeError or KeyError: the task's fault, named.
+    # A bad parameter raises ValueError, TypeError or KeyError: the task's fault, named;
+    # one it does not know too (a misspelt `max_turn` was played at the default).
+    task_known(task.params, ("word", "max_turns"), task.id)
     word = task.params["word"]
     if not isinstance(word, str) or not word:
       raise ValueError(f"task {task.id}: word must be a non-empty string")

@@ -477,6 +477,55 @@ def test_bundled_python_tasks_all_pass_the_filter():
       "fail"}
 
 
+def test_a_python_tests_task_of_your_own_is_graded_by_its_own_cases():
+  """A task file's own function and hidden cases (a new user could only name a bundled
+  task: "unknown python_tests task None"); its reference, when given, is what the filter
+  checks (without one, the no-op check alone, said: a traceback before); a bad one, or a
+  parameter no environment knows (a misspelt `max_turn` was played at the default), is
+  refused naming what."""
+  from envs.filter import check
+
+  own = {"prompt": "def triple(x): three times x.", "function": "triple",
+         "tests": [[[2], 6], [[0], 0], [[-4], -12], [[10 ** 20], 3 * 10 ** 20]],
+         "reference": "def triple(x):\n    return 3 * x\n"}
+  listed = {"prompt": "def pair(a, b): the list [a, b].", "function": "pair",
+            "tests": [[[1, "x"], [1, "x"]], [[None, 2.5], [None, 2.5]]],
+            "public_test": "p = pair(1, 2)\nassert p == [1, 2]"}
+  resources = EnvResources(sandboxes=2)
+  try:
+    reports = [asyncio.run(check(TaskSpec(i, "python_tests", p), resources))
+               for i, p in (("own", own), ("listed", listed))]
+    env = make("python_tests", resources)
+    for code, want in (("def pair(a, b):\n    return [a, b]\n", "pass"),
+                       ("def pair(a, b):\n    return (a, b)\n", "fail")):  # (a tuple)
+      _, _, verdict = play(env, TaskSpec("listed", "python_tests", listed),
+                           [_call("write_file", path="solution.py", content=code), "DONE"])
+      assert verdict.status.value == want, (code, verdict)
+    observation = asyncio.run(env.reset(TaskSpec("listed", "python_tests", listed)))
+    assert "def pair(a, b): the list [a, b].\nPublic test:\np = pair(1, 2)" in (
+        observation.messages[-1]["content"])
+    asyncio.run(env.close())
+    bad = [({"task": "addd"}, r"unknown python_tests task 'addd' \(did you mean 'add'\?\)"),
+           ({"task": "add", "max_turn": 1}, r"unknown parameters \['max_turn'\].*did you "
+                                            r"mean 'max_turns'\?"),
+           ({"prompt": "p", "function": "f"}, "gives its own prompt, function and tests: "
+                                              "tests missing"),
+           ({**own, "tests": [[1, 2]]}, r"tests\[0\] must be \[\[args\], expected\]"),
+           ({**own, "function": "not a name"}, "function must be a Python name"),
+           ({**own, "reference": "def triple(x) return"}, "reference is not Python")]
+    for params, why in bad:
+      report = asyncio.run(check(TaskSpec("bad", "python_tests", params), resources))
+      assert not report["keep"] and re.search(why, report["reasons"][0]), report
+    report = asyncio.run(check(TaskSpec("c", "calculator", {"expression": "1+1",
+                                                            "max_turn": 1}), resources))
+    assert "unknown parameters ['max_turn']" in report["reasons"][0], report
+  finally:
+    resources.close()
+  assert reports[0]["keep"] and reports[0]["reference"] == "pass", reports[0]
+  assert reports[1]["keep"] and reports[1]["reference"] == "-", reports[1]
+  assert "no reference: task listed gives no reference solution" in reports[1]["note"]
+
+
 def test_noop_passing_task_is_dropped():
   from envs.filter import check
 
