@@ -34,7 +34,7 @@ from typing import Awaitable, Callable, Optional
 from envs.base import BAD_TASK, BadReward, CannotStart, failure, trained_rewards
 from envs import waits
 from jaxagent.config import AgentConfig
-from jaxagent.errors import InfraError, TaskError
+from jaxagent.errors import EpisodeBug, InfraError, TaskError
 from jaxagent.tokenizer import Tokenizer
 from jaxagent.trajectory import (SamplingParams, Segment, TrajectoryManager, TurnRecord,
                                 reported_seconds)
@@ -542,11 +542,15 @@ class MeasuredEnv:
       why = e.why if isinstance(e, CannotStart) else failure(e)
       raise TaskError(f"task {task.id!r} ({task.env}): {why}") from e
 
-  def _bad_reward(self, e: BadReward) -> TaskError:
+  def _bad_reward(self, e: BadReward) -> EpisodeBug:
     """A reward that is not a finite number stops the run in one line naming the task
-    and where (it was "an episode raised ValueError (a bug ...)" and a traceback)."""
+    and where (it was "an episode raised ValueError (a bug ...)" and a traceback): the
+    environment's bug, its task played again on a resume once it is mended (a task
+    file's error, exit 2, it read "data.tasks: ..." and pointed at envs.filter, which
+    cannot see a reward a later step gives: a new user)."""
     task = self.task
-    return TaskError((f"task {task.id!r} ({task.env}): " if task else "") + failure(e))
+    return EpisodeBug(task, e, (f"task {task.id!r} ({task.env}): " if task else "")
+                      + failure(e))
 
   async def step(self, action: str):
     if self.ended:  # (a harness's bug: the environment's own refusal named no harness)

@@ -316,7 +316,8 @@ async def run(args) -> dict:
       try:
         return await play_as_configured(env_factory(task), task, serving, tokenizer, agent,
                                         session_id)
-      except (TaskError, InfraError):  # (the task's: exit 2; the infrastructure's)
+      except (TaskError, InfraError, EpisodeBug):  # (the task's: exit 2; the
+        # infrastructure's; a bug named already: an environment's bad reward)
         raise
       except Exception as e:  # a bug: named with its task and line, as a run names it
         raise EpisodeBug(task, e) from e

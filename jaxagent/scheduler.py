@@ -456,6 +456,8 @@ class RolloutScheduler:
   def _raise_error(self) -> None:
     if isinstance(self.error, (InfraOutage, TaskError, RunWriteFailed, ProducerFailed)):
       raise self.error
+    if isinstance(self.error, EpisodeBug):  # (named already: an environment's bad reward)
+      raise self.error
     if self.error is not None:
       task = self.error_task
       if isinstance(task, dict):  # (a task re-queued from a checkpoint, as saved)

@@ -10,7 +10,7 @@ from envs.base import Env, Observation, StepResult, TaskSpec, Verdict, VerdictSt
 from envs.tools import Tool, ToolSet
 from jaxagent.agent import run_whitebox
 from jaxagent.config import AgentConfig
-from jaxagent.errors import TaskError
+from jaxagent.errors import EpisodeBug
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
 from jaxagent.trajectory import CLEAN, FORK, TurnRecord
 
@@ -519,7 +519,7 @@ def test_a_verdict_status_that_is_none_stops_the_run_naming_the_task_and_line(st
   """A misspelt status failed as AttributeError ('str' object has no attribute 'value')
   deep in the agent, naming neither the status, the task nor the environment's line."""
   task = TaskSpec("t9", "echo", {})
-  with pytest.raises(TaskError, match=r"task 't9' \(echo\): .*test_agent.py:\d+: BadReward: "
+  with pytest.raises(EpisodeBug, match=r"task 't9' \(echo\): .*test_agent.py:\d+: BadReward: "
                      r"a verdict's status must be a VerdictStatus"):
     asyncio.run(run_whitebox(HangingToolEnv(status=status), task, ScriptedEngine(["done"]),
                              TOK, AgentConfig(max_new_tokens=8), session_id="s",

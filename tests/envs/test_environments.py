@@ -420,7 +420,7 @@ def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
 
   from envs.base import BadReward, Observation, StepResult, Verdict, VerdictStatus
   from jaxagent.agent import MeasuredEnv
-  from jaxagent.errors import TaskError
+  from jaxagent.errors import EpisodeBug
 
   for bad in ("0.5", None, True, float("inf")):
     with pytest.raises(BadReward, match="a step's reward must be a finite number"):
@@ -438,7 +438,7 @@ def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
 
   env = MeasuredEnv(Bad())
   asyncio.run(env.reset(TaskSpec("g", "guess_number", {"secret": 5})))
-  with pytest.raises(TaskError, match=r"task 'g' \(guess_number\): .*test_environments.py:\d+: "
+  with pytest.raises(EpisodeBug, match=r"task 'g' \(guess_number\): .*test_environments.py:\d+: "
                      r"BadReward: a step's reward must be a finite number, got '0.5' \(str\)"):
     asyncio.run(env.step("8"))
 
