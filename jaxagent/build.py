@@ -27,6 +27,8 @@ def model_overrides(spec: ModelSpec) -> dict:
                    attention=spec.attention, attention_block=spec.attention_block)
   if spec.scan_unroll is not None:  # None keeps the preset's
     overrides["scan_unroll"] = spec.scan_unroll
+  if spec.max_seq_len is not None:
+    overrides["max_seq_len"] = spec.max_seq_len
   return overrides
 
 

@@ -48,6 +48,10 @@ class ModelSpec:
   # Layers per iteration of the layer scan (unrolling trades compile time for speed);
   # null: the preset's (tiny and nano unroll fully; checkpoints: 1).
   scan_unroll: Optional[int] = None
+  # The positions the model is for (its exports' max_position_embeddings); null: the
+  # preset's or the checkpoint's. A preset's random weights learn any length: raise it
+  # to train longer contexts (a run's longer ones were checked against none).
+  max_seq_len: Optional[int] = None
 
 
   # The fields that decide the weights (their shapes, values and dtype): a run or an

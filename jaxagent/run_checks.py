@@ -38,6 +38,49 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(str(e)) from None
 
 
+def check_lengths(cfg: config_lib.RunConfig) -> None:
+  """The context's length against the engine's, a row's and the model's positions: every
+  setting that does not fit in one error, with the overrides that fit them all (they came
+  one at a time, the first saying to lower agent.max_context_tokens below the task's
+  prompt: a new user)."""
+  from jaxagent.models.config import PRESETS, preset
+
+  a, e, m = cfg.agent, cfg.serving.engine, cfg.model
+  n = a.max_context_tokens
+  takes = min(e.max_prefill_length + a.max_new_tokens, e.max_seq_len)
+  problems = []
+  if not cfg.serving.urls and n > takes:
+    # (compaction triggers at max_context_tokens: the engine's limit must not come first)
+    problems.append(
+        f"agent.max_context_tokens ({n}) is more than the engine takes (prompts of "
+        f"serving.engine.max_prefill_length {e.max_prefill_length} plus agent.max_new_tokens "
+        f"{a.max_new_tokens}, within max_seq_len {e.max_seq_len}: {takes})")
+  if cfg.data.seq_len < n and a.kind == "whitebox":
+    # A longer episode would train only its first seq_len tokens (its failure's last
+    # turns never pushed down).
+    problems.append(f"data.seq_len ({cfg.data.seq_len}) is shorter than "
+                    f"agent.max_context_tokens ({n}): an episode must fit a row")
+  positions = m.max_seq_len or (preset(m.preset).max_seq_len if m.checkpoint is None
+                                and m.preset in PRESETS else None)
+  longest = max(cfg.data.seq_len, 0 if cfg.serving.urls else e.max_seq_len)
+  if positions is not None and longest > positions:
+    problems.append(f"the model is for {positions} positions (model.max_seq_len, "
+                    + ("set" if m.max_seq_len else f"preset {m.preset}'s") + f"), and its "
+                    f"contexts run to {longest} (data.seq_len, serving.engine.max_seq_len)")
+  if not problems:
+    return
+  seq = max(n + a.max_new_tokens, e.max_seq_len)
+  fit = [f"agent.max_context_tokens={n}",
+         f"serving.engine.max_prefill_length={max(n, e.max_prefill_length)}",
+         f"serving.engine.max_seq_len={seq}", f"data.seq_len={max(n, cfg.data.seq_len)}"]
+  if positions is not None:
+    fit.append(f"model.max_seq_len={max(positions, seq, cfg.data.seq_len)}")
+  lower = min(takes if not cfg.serving.urls else n, cfg.data.seq_len)
+  raise config_lib.ConfigError(
+      "; ".join(problems) + f" (contexts of {n} tokens fit with {' '.join(fit)}"
+      + (f"; or lower agent.max_context_tokens to {lower})" if lower < n else ")"))
+
+
 def check_model(m: config_lib.ModelSpec, key: str = "model") -> None:
   """A model's settings (the policy's, or a served model's under `key`), checked before
   anything is built."""
@@ -262,21 +305,7 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if cfg.agent.compaction not in ("none", "summary", "fork"):
     raise config_lib.ConfigError(config_lib.unknown_value(
         "agent.compaction", cfg.agent.compaction, ("none", "summary", "fork")))
-  a, e = cfg.agent, cfg.serving.engine
-  takes = min(e.max_prefill_length + a.max_new_tokens, e.max_seq_len)
-  if not cfg.serving.urls and a.max_context_tokens > takes:
-    # (compaction triggers at max_context_tokens: the engine's limit must not come first)
-    raise config_lib.ConfigError(
-        f"agent.max_context_tokens ({a.max_context_tokens}) is more than the engine takes "
-        f"(prompts of serving.engine.max_prefill_length {e.max_prefill_length} plus "
-        f"agent.max_new_tokens {a.max_new_tokens}, within max_seq_len {e.max_seq_len}): "
-        f"set it to {takes} or less")
-  if cfg.data.seq_len < a.max_context_tokens and a.kind == "whitebox":
-    # A longer episode would train only its first seq_len tokens (its failure's last
-    # turns never pushed down).
-    raise config_lib.ConfigError(
-        f"data.seq_len ({cfg.data.seq_len}) is shorter than agent.max_context_tokens "
-        f"({a.max_context_tokens}): an episode must fit a row")
+  check_lengths(cfg)
   if cfg.rollout.group_size < 2:
     raise config_lib.ConfigError("rollout.group_size must be >= 2 for group advantages")
   if cfg.rollout.infra_window < 1:

@@ -122,3 +122,27 @@ def test_a_cgroup_the_run_cannot_use_is_named_with_its_key():
   with pytest.raises(config.ConfigError, match=r"^env\.cgroups: cgroup /proc: neither the "
                                                r"memory nor the cpu controller"):
     make_env_factory(cfg)
+
+
+def test_context_lengths_that_do_not_fit_are_named_together_with_the_overrides_that_fit():
+  """A new user fitting a 1,400-token prompt met three errors one at a time, the first
+  saying to lower agent.max_context_tokens below the prompt; and a preset's 1,024
+  positions were trained past without a word (its export said 1,024). One error names
+  every setting that does not fit and the overrides that fit them all, which pass."""
+  from jaxagent.run_checks import check_config
+
+  tiny = os.path.join(REPO, "configs/tiny.yaml")
+  longer = ["agent.max_context_tokens=1400"]
+  with pytest.raises(config.ConfigError) as e:
+    check_config(config.load(config.RunConfig, tiny, longer))
+  said = str(e.value)
+  for part in ("agent.max_context_tokens (1400) is more than the engine takes",
+               "data.seq_len (", "is shorter than agent.max_context_tokens (1400)",
+               "or lower agent.max_context_tokens to"):
+    assert part in said, said
+  fit = said.split("fit with ", 1)[1].split(";", 1)[0].split()
+  assert "positions" not in said  # (the tiny default's lengths are within the preset's)
+  with pytest.raises(config.ConfigError, match="the model is for 1024 positions"):
+    check_config(config.load(config.RunConfig, tiny, [f for f in fit
+                                                       if not f.startswith("model.")]))
+  check_config(config.load(config.RunConfig, tiny, fit))  # (the overrides said fit)
