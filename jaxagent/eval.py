@@ -304,7 +304,12 @@ async def run(args) -> dict:
     try:
       tools = await task_tools(args.tasks, env_factory)
     except ValueError as e:  # an unknown environment, bad parameters
-      raise config_lib.ConfigError(f"--tasks: {e}") from None
+      said = str(e)
+      if "unknown environment" in said:  # (its hint named flags eval has not: a new user)
+        said = said.split(" (an environment of your own", 1)[0] + (
+            " (an environment of your own: eval imports the env.imports of the run's "
+            "config.json, or of a --config given)")
+      raise config_lib.ConfigError(f"--tasks: {said}") from None
     mesh = make_mesh()
     model_cfg, _, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES, tools=tools)
     # Served as the run serves it: the policy (in process, or --server), the models

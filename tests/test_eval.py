@@ -204,6 +204,7 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   assert eval_lib.main(["--policy", run_dir, "--tasks", str(unknown)]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "--tasks: task 'x': unknown environment 'nosuch'" in err, err
+  assert "eval imports the env.imports of the run's config.json" in err and "--import" not in err
   # A server config's model over a policy of another model: named (an Orbax shape error).
   from rollout_server import __main__ as server_cli
 
