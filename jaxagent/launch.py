@@ -332,7 +332,8 @@ def run_local(args) -> int:
       return
     raise KeyboardInterrupt
 
-  previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+  previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)
+              if signal.getsignal(sig) != signal.SIG_IGN}  # (ignored from its start: kept)
   try:
     for c in services:
       started.append(c.start(lock))

@@ -463,3 +463,31 @@ def test_launched_learner_processes_get_the_heartbeat_timeout(tmp_path):
     assert learner.cmd[at + 1] == "10" and learner.cmd[learner.cmd.index("--process-id") + 1] \
         == str(i)
     assert "--heartbeat-timeout 10" in learner.env[RESUME_COMMAND]
+
+
+def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
+  """Started in the background of a shell without job control (or under nohup), a run
+  has SIGINT ignored from its start: one before its first step was lost, and one after
+  it (the run's own handler, taken at the first step) stopped the run (a new user).
+  Ignored from the start, it stays ignored; SIGTERM still stops the run."""
+  import asyncio
+
+  from jaxagent.stopping import StopSignals
+
+  before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  loop = asyncio.new_event_loop()
+  try:
+    signals = StopSignals(str(tmp_path)).install(loop)
+    assert signals.handled == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    signals.remove(loop)
+  finally:
+    loop.close()
+    signal.signal(signal.SIGINT, before)
+  loop = asyncio.new_event_loop()
+  try:  # (not ignored: Ctrl-C is the run's, as before)
+    signals = StopSignals(str(tmp_path)).install(loop)
+    assert signals.handled == [signal.SIGTERM, signal.SIGINT]
+    signals.remove(loop)
+  finally:
+    loop.close()
