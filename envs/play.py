@@ -132,8 +132,9 @@ def _returned(env, method: str, value, kind: type):
     with contextlib.suppress(TypeError, OSError):
       fn = getattr(type(env), method)
       where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}: "
+    article = "an" if kind.__name__[0].lower() in "aeiou" else "a"
     raise WrongReturn(f"{where}{type(env).__name__}.{method}() returned "
-                      f"{type(value).__name__}, not a {kind.__name__}")
+                      f"{type(value).__name__}, not {article} {kind.__name__}")
   return value
 
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
+import sys
 import time
 import uuid
 import zlib
@@ -438,6 +440,15 @@ def judge_cut(cut: BaseException, server_s: float, where: str, measured: "Measur
                 f"{measured.env_s:.1f} s in the environment")
 
 
+@functools.cache
+def _uncounted(kind: type) -> None:
+  """Says, once an environment class, that its `step` counted no turn: its `max_turns`
+  never ended an episode, each ran to agent.max_turns without a word (a new user)."""
+  print(f"warning: {kind.__module__}.{kind.__name__}.step counted no turn (self.begin_turn(), "
+        "which ToolSet.run_turn calls): the turns and turn budget it keeps stay at 0",
+        file=sys.stderr, flush=True)
+
+
 class MeasuredEnv:
   """An environment whose calls' waits on shared infrastructure (sandbox slots, a
   worker's turn; in process from `envs.waits`, or as a worker reports them) are counted
@@ -558,12 +569,15 @@ class MeasuredEnv:
                          f"step {len(self.actions)}, terminated or truncated): an agent "
                          "stops at the step that ends it")
     self.actions.append(action)
+    turns = getattr(self.env, "turns", None)  # (an in-process environment's count)
     try:
       result = await self._measured(self.env.step(action), "step")
     except BadReward as e:
       raise self._bad_reward(e) from e
     self.rewards.append(float(result.reward))
     self.ended = bool(result.terminated or result.truncated)
+    if type(turns) is int and getattr(self.env, "turns", None) == turns:
+      _uncounted(type(self.env))
     return result
 
   async def verify(self):

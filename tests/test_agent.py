@@ -769,3 +769,30 @@ def test_a_turn_that_failed_as_its_look_failed_leaves_no_unread_error():
 
   asyncio.run(go())
   assert unread == []
+
+
+def test_an_environment_whose_step_counts_no_turn_is_said_once(capsys):
+  """A step without `self.begin_turn()` kept `turns` at 0: the environment's own turn
+  budget never ended an episode, and each ran to agent.max_turns without a word."""
+  from jaxagent.agent import MeasuredEnv
+
+  class Uncounted(Env):
+    async def reset(self, task):
+      return Observation([])
+
+    async def step(self, action):
+      return StepResult(Observation([]), 0.0, False, False)
+
+    async def verify(self):
+      raise NotImplementedError
+
+  async def go(env):
+    await env.reset(TaskSpec("t", "x", {}))
+    for _ in range(3):
+      await env.step("a")
+
+  asyncio.run(go(MeasuredEnv(Uncounted())))
+  asyncio.run(go(MeasuredEnv(make("guess_number"))))  # (counts its turns: nothing said)
+  err = capsys.readouterr().err
+  assert err.count("Uncounted.step counted no turn (self.begin_turn()") == 1, err
+  assert "GuessNumber" not in err
