@@ -380,14 +380,22 @@ def _step_numbers(records: list[TurnRecord], left: set[int],
     step += i not in left
   if not actions:
     return kept
+  matched = _matched_steps(records, left, actions)
+  if matched is None:
+    _say_tool_calls_dropped(records, actions)
+  return matched if matched is not None else kept
+
+
+def _matched_steps(records: list[TurnRecord], left: set[int],
+                   actions: list[str]) -> Optional[list[int]]:
+  """Each call's step where every action handed is a reply, in order (`_step_numbers`);
+  None where they are not."""
   out, k = [], 0
   for i, r in enumerate(records):
     out.append(k)
     if i not in left and k < len(actions) and _same_action(actions[k], r.response):
       k += 1
-  if k != len(actions):
-    _say_tool_calls_dropped(records, actions)
-  return out if k == len(actions) else kept
+  return out if k == len(actions) else None
 
 
 def _action_key(text: str) -> tuple:
@@ -516,20 +524,29 @@ def _say_long_turns(turns: list[dict], cfg: AgentConfig) -> None:
               "max_tokens and trains what it asks for")
 
 
-def _played(turns: list[dict], actions: list[str]) -> list[dict]:
+def _played(turns: list[dict], actions: list[str], at_end: Optional[int] = None) -> list[dict]:
   """The turns of an episode whose environment ended, through the one whose reply made
   its last step: a harness's calls after it (chatting on) are no step of it. Trained,
   they were text the environment never saw; and one that outgrew the context made a
-  graded episode a truncation, a fail."""
+  graded episode a truncation, a fail. `at_end`: the turns the gateway held as the
+  environment ended (those after it are cut, but for other samples of the last one's
+  prompt, a best-of-n's: untrained); where it is not known, the replies handed tell."""
+  if at_end is not None and 0 < at_end <= len(turns):
+    last = turns[at_end - 1].get("prompt_ids")
+    kept = turns[:at_end] + [t for t in turns[at_end:] if t.get("prompt_ids") == last]
+    if len(kept) < len(turns):
+      _say_past_the_end()
+    return kept
   records = [TurnRecord.from_result(t) for t in turns]
   acted_on = lambda r: any(_same_action(a, r.response) for a in actions)
   probe = TrajectoryManager("", acted_on=acted_on)
   for r in records:
     probe.add_turn(r)
   left = probe.abandoned()
-  steps = _step_numbers(records, left, actions)
-  made = [i for i, step in enumerate(steps) if step < len(actions) and i not in left]
-  if not made:
+  steps = _matched_steps(records, left, actions)
+  made = [i for i, step in enumerate(steps or []) if step < len(actions) and i not in left]
+  if not made:  # (replies not handed as they came: which came after the end is not known,
+    # and a harness's side calls counted as steps cut the reply that ended it; a reviewer)
     return turns
   # (a sample of the last step's prompt recorded after the reply acted on, a best-of-n's
   # other, is of the play: it trains nothing)
@@ -537,10 +554,27 @@ def _played(turns: list[dict], actions: list[str]) -> list[dict]:
   kept = [t for t, r, step in zip(turns, records, steps)
           if step < len(actions) or r.prompt_ids == last]
   if len(kept) < len(turns):
-    _say_once("past_the_end", "a black-box agent called the gateway after its environment's "
-              "episode ended: those turns are not trained, and what they met (a context "
-              "outgrown, the deadline) is not the episode's")
+    _say_past_the_end()
   return kept
+
+
+def _say_past_the_end() -> None:
+  _say_once("past_the_end", "a black-box agent called the gateway after its environment's "
+            "episode ended: those turns are not trained, and what they met (a context "
+            "outgrown, the deadline) is not the episode's")
+
+
+async def _session_count(gateway_url: str, session_id: str) -> Optional[int]:
+  """How many turns the gateway holds of a session now (None where it does not say)."""
+  import httpx
+
+  try:
+    async with httpx.AsyncClient(timeout=30, verify=shared_tls()) as client:
+      r = await client.get(_session_url(gateway_url, session_id), params={"since": 1 << 62})
+    count = r.json().get("count") if r.status_code == 200 else None
+  except (httpx.HTTPError, ValueError, AttributeError):
+    return None
+  return count if type(count) is int else None
 
 
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
@@ -585,6 +619,12 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     wire_id = "sha256-" + hashlib.sha256(wire_id.encode()).hexdigest()[:32]
   wire_id += "~" + secrets.token_hex(12)
 
+  at_end: dict = {}  # the turns the gateway held as the environment ended
+
+  async def count_at_end() -> None:
+    at_end["turns"] = await _session_count(gateway_url, wire_id)
+
+  acting.on_end = count_at_end
   decoding: dict = {}  # at a cut: request id -> how long it had decoded, in flight
   at_cut: dict = {}  # and whether nothing was under way but the harness's own code
 
@@ -629,10 +669,11 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
         await waits.within(harness, acting.waited, cfg.episode_deadline_s,
                            EPISODE_WALL_FACTOR * cfg.episode_deadline_s, t_start,
                            look_s=0.25, on_cut=in_flight)
-    except (asyncio.TimeoutError, waits.WallCut, *_gateway_errors(api)):
+    except (asyncio.TimeoutError, waits.WallCut, InfraError, *_gateway_errors(api)):
       if not acting.ended:
         raise
-      # (met chatting on after its environment ended: the episode is graded as played)
+      # (met chatting on after its environment ended, a turn's deadline too: the episode
+      # is graded as played)
     # The environment's rewards as its steps returned them, not the harness's list (one
     # that returned [1000.0] for a step the environment gave 0 had it trained: red team 29)
     ep.turn_rewards = list(acting.rewards)
@@ -648,7 +689,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
                        f"{len(acting.actions)} times and no turn of it was recorded under "
                        "its session: its calls must carry the header X-Session-Id") from None
     if acting.ended:
-      turns = _played(turns, acting.actions)
+      turns = _played(turns, acting.actions, at_end.get("turns"))
     if ep.verdict.get("status") == "infra_error":
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
           True, "verifier"

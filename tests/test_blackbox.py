@@ -620,6 +620,13 @@ def test_a_harness_chatting_on_after_its_environment_ended_is_graded_as_it_playe
     await env.step("3")
     await env.step("3")
 
+  async def turn_cut(env, task, base_url, *, session_id, **kw):  # (a built-in harness's
+    # turn past its deadline: gateway_turn's InfraError, met after the end)
+    from jaxagent.errors import InfraError
+
+    await chatty(env, task, base_url, session_id=session_id)
+    raise InfraError("turn_deadline", "the turn ran past agent.turn_deadline_s")
+
   task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 3})
   cfg = AgentConfig(max_turns=3, max_new_tokens=2)
   blackbox_mod._SAID.discard("past_the_end")
@@ -627,6 +634,9 @@ def test_a_harness_chatting_on_after_its_environment_ended_is_graded_as_it_playe
     monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", chatty)
     ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, cfg,
                                   session_id="s-chatty", group_id="g"))
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", turn_cut)
+    cut = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, cfg,
+                                   session_id="s-cut", group_id="g"))
     monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", steps_again)
     with pytest.raises(RuntimeError, match="stepped its environment after its episode ended"):
       asyncio.run(run_blackbox(make("guess_number"), task, srv.url, cfg,
@@ -635,3 +645,25 @@ def test_a_harness_chatting_on_after_its_environment_ended_is_graded_as_it_playe
   assert ep.verdict["status"] == "pass" and ep.turns == 1, (ep.verdict, ep.turns)
   (seg,) = ep.segments
   assert seg.num_action_tokens <= 2  # (the first call's reply only)
+  assert not cut.infra_error and cut.verdict["status"] == "pass", (cut.status, cut.reason)
+
+
+def test_play_past_the_end_is_cut_only_where_the_replies_were_handed_as_they_came():
+  """Which calls came after the end is the count of turns the gateway held as the
+  environment ended; where that is not known, the replies handed tell, and where the
+  actions are not the replies (a harness that rewrote them) nothing is cut: a harness's
+  side calls counted as steps cut the reply that ended the episode (a reviewer)."""
+  from jaxagent.blackbox import _played
+
+  def turn(prompt, reply):
+    return {"prompt_ids": prompt, "output_ids": [7], "output_logprobs": [-0.1],
+            "versions": [0], "finish_reason": "stop",
+            "response": {"role": "assistant", "content": reply}}
+
+  turns = [turn([1], "A1"), turn([1, 7, 2], "title1"), turn([1, 7, 3], "A2"),
+           turn([1, 7, 3, 7, 4], "title2"), turn([1, 7, 3, 7, 5], "A3")]
+  assert _played(turns, ["a1", "a2", "a3"]) == turns  # (rewritten: every turn kept)
+  cut = _played(turns + [turn([1, 7, 3, 7, 5, 7, 6], "chat")], ["A1", "A2", "A3"])
+  assert [t["response"]["content"] for t in cut] == ["A1", "title1", "A2", "title2", "A3"]
+  chat = turns + [turn([1, 7, 3, 7, 5, 7, 6], "chat"), turn([1, 7, 3, 7, 5], "A3 again")]
+  assert _played(chat, ["a1", "a2", "a3"], at_end=5) == turns + chat[-1:]  # (a sibling)
