@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from envs import hostfs, waits
 from envs.cgroups import (available_memory_bytes, check_delegated_cgroups, remove_stale_cgroups,
@@ -102,16 +102,21 @@ class SandboxPool:
     # Commands at once that may use more CPUs together than this host has share them:
     # each runs slower than alone, and a correct solution slowed by its neighbours ran
     # past its wall limit, scored a timeout (red team 44: three sandboxes' tool calls
-    # burning CPU on a 2-CPU host timed out a sibling's 12 s solution at 20 s). Their wall
-    # limits are stretched by that much (their CPU limit, their own time, is not).
+    # burning CPU on a 2-CPU host timed out a sibling's 12 s solution at 20 s). A
+    # command's wall limit is stretched by the sharing it met (`stretch`), up to this
+    # (stretched always, a command alone forking to its CPU quota had that much more CPU
+    # time: a reviewer); its CPU limit, its own time, is not.
     self.host_cpus = usable_cpus()
-    each = limits.cpus or self.host_cpus  # (0: unbounded, every CPU)
-    self.wall_stretch = max(1.0, size * each / self.host_cpus)
+    self.cpus_each = limits.cpus or self.host_cpus  # (0: unbounded, every CPU)
+    self.wall_stretch = max(1.0, size * self.cpus_each / self.host_cpus)
     if self.wall_stretch > 1.0:
       log.warning("sandbox pool: %d commands at once of %g CPUs each share this host's %g "
-                  "CPUs: their wall limits are stretched %.2fx, so that one slowed by the "
-                  "others is not timed out for it (env.sandboxes %d keeps them whole)", size,
-                  each, self.host_cpus, self.wall_stretch, max(1, int(self.host_cpus // each)))
+                  "CPUs: a command's wall limit is stretched by the sharing it meets (up to "
+                  "%.2fx), so that one slowed by the others is not timed out for it "
+                  "(env.sandboxes %d keeps them whole)", size, self.cpus_each, self.host_cpus,
+                  self.wall_stretch, max(1, int(self.host_cpus // self.cpus_each)))
+    self._busy_s = 0.0  # commands running, integrated over time (`stretch`)
+    self._busy_at = time.monotonic()
     if os.geteuid() != 0 and self.isolation == "bwrap":
       # (the worker's threads, each workspace's holder, each command's processes)
       nproc_room(256 + max_workspaces + size * (limits.processes + 4))
@@ -160,13 +165,36 @@ class SandboxPool:
     if sem.locked():
       self.waits += 1
     async with sem:
+      self._count_busy()
       self.running += 1
       self.peak_running = max(self.peak_running, self.running)
       try:
         yield
       finally:
+        self._count_busy()
         self.running -= 1
         self.last_freed = time.monotonic()
+
+  def _count_busy(self) -> None:
+    now = time.monotonic()
+    self._busy_s += self.running * (now - self._busy_at)
+    self._busy_at = now
+
+  def stretch(self) -> Callable[[], float]:
+    """For a command starting now: a function that gives its wall limit's stretch so far,
+    the CPUs its pool's commands running meanwhile wanted over the host's (1 alone, up to
+    `wall_stretch`)."""
+    self._count_busy()
+    t0, busy0 = self._busy_at, self._busy_s
+
+    def so_far() -> float:
+      self._count_busy()
+      if self._busy_at <= t0:
+        return 1.0
+      running = (self._busy_s - busy0) / (self._busy_at - t0)
+      return min(self.wall_stretch, max(1.0, running * self.cpus_each / self.host_cpus))
+
+    return so_far
 
   def create(self) -> Sandbox:
     """A new workspace (blocking: a mount and a uid lease)."""
@@ -178,7 +206,7 @@ class SandboxPool:
                  isolation=self.isolation, slots=self.slot, slot_timeout_s=self.slot_timeout_s,
                  progress=lambda: self.last_freed, memory_fits=self.memory_fits,
                  cgroup_parents=self.cgroup_parents, own_filesystem=self.own_filesystem,
-                 wall_stretch=self.wall_stretch)
+                 stretch=self.stretch)
     self.live.add(sb)
     return sb
 

@@ -213,7 +213,8 @@ class Sandbox:
                progress: Optional[Callable[[], float]] = None,
                memory_fits: Callable[[], bool] = lambda: False,
                cgroup_parents: Sequence[str] = (),
-               own_filesystem: Optional[bool] = None, wall_stretch: float = 1.0):
+               own_filesystem: Optional[bool] = None,
+               stretch: Optional[Callable[[], Callable[[], float]]] = None):
     # Where the workspace is: `mountpoint` in the namespaces commands run in, and the
     # path the host reaches it by (the same, but through a held tmpfs's holder).
     self.mountpoint = self.host_path = os.path.abspath(workspace)
@@ -223,7 +224,7 @@ class Sandbox:
     if self.isolation not in ISOLATIONS:
       raise ValueError(f"unknown isolation {self.isolation!r}; one of {ISOLATIONS}")
     self.limits = limits
-    self.wall_stretch = wall_stretch  # (its pool's: `SandboxPool.wall_stretch`)
+    self._stretch = stretch  # (its pool's: `SandboxPool.stretch`)
     self._slots = slots
     self.slot_timeout_s = slot_timeout_s
     self._progress = progress  # when a slot was last freed (time.monotonic)
@@ -683,10 +684,7 @@ class Sandbox:
       await slot.__aexit__(None, None, None)
 
   async def _run(self, argv, timeout, stdin, pid1, trusted_init) -> ExecResult:
-    wall = self.limits.wall_s if timeout is None else timeout
-    # (the wall limit as its pool stretches it where the commands at once share fewer
-    # CPUs than they may each use; the CPU limit, the command's own time, is not)
-    limit = wall * self.wall_stretch
+    wall = limit = self.limits.wall_s if timeout is None else timeout
     tag = uuid.uuid4().hex[:8]
     out_path = os.path.join(self._logs, f"{tag}.out")
     err_path = os.path.join(self._logs, f"{tag}.err")
@@ -723,7 +721,17 @@ class Sandbox:
         talk = asyncio.ensure_future(proc.communicate(stdin))
         try:
           t_wall = time.perf_counter()
-          done, _ = await asyncio.wait({talk}, timeout=limit)
+          # The wall limit, stretched by the sharing of the host's CPUs that the pool's
+          # commands running meanwhile made (`SandboxPool.stretch`; the CPU limit, the
+          # command's own time, is not).
+          stretched = self._stretch() if self._stretch is not None else (lambda: 1.0)
+          while True:
+            done, _ = await asyncio.wait(
+                {talk}, timeout=max(0.0, t_wall + limit - time.perf_counter()))
+            longer = wall * stretched()
+            if done or longer <= limit + 0.01:
+              break
+            limit = longer
           if not done and time.perf_counter() - t_wall - limit >= HELD_LOOP_S:
             # The loop was held past the wall limit (another call's code): an exit that
             # came in time is seen on its next turns, not read as a timeout (a sibling's
