@@ -88,6 +88,7 @@ class Rotation:
     # Backends out of rotation only for the policy they serve (missed an update, loading
     # it): an update is sent to them too (`_update`).
     self.lagging: set = set()
+    self.catching: set = set()  # (their sends, in flight)
 
   def gone(self, backend: str) -> asyncio.Event:
     """Set when `backend` is unreachable (`UNREACHABLE_CHECKS`): its turns in flight
@@ -169,6 +170,8 @@ class Rotation:
     return self.clients[pool]
 
   async def aclose(self) -> None:
+    for task in list(self.catching):
+      task.cancel()
     for c in self.clients.values():
       await c.aclose()
     self.clients.clear()
@@ -429,11 +432,13 @@ class Rotation:
     targets = [b for b in self.ring.backends if self.healthy[b]]
     if not targets:
       return {"detail": "no healthy backend to update"}, 503
-    # Those out of rotation only behind the policy take it too (their answer is not the
-    # update's): one that missed an update was pushed it at its next check, and kept out
-    # for good by updates faster than its load, each push ending a version behind.
+    # Those out of rotation only behind the policy are sent it too, not waited for (their
+    # answer is not the update's; a slow one held every update: a reviewer): one that
+    # missed an update was pushed it at its next check, and kept out for good by updates
+    # faster than its load, each push ending a version behind.
     behind = [b for b in self.ring.backends
               if b in self.lagging and not self.healthy[b] and not self.gone(b).is_set()]
+
     async def send(b: str) -> httpx.Response:
       # (a backend gone meanwhile, its health checks unanswered: its update cut, as its
       # turns are; a host gone without a reset held every update up to update_timeout)
@@ -447,27 +452,28 @@ class Rotation:
                                  "unanswered)")
       return r
 
-    sent_to = targets + behind
-    results = await asyncio.gather(*(send(b) for b in sent_to), return_exceptions=True)
+    async def catch_up(b: str) -> None:  # (a check lets it in once it serves the policy)
+      with contextlib.suppress(Exception):
+        r = await send(b)
+        answer = r.json() if r.status_code == 200 else None
+        if isinstance(answer, dict) and _version(answer.get("version")):
+          self.took(b, answer.get("version"))
+
+    for b in behind:
+      task = asyncio.ensure_future(catch_up(b))
+      self.catching.add(task)
+      task.add_done_callback(self.catching.discard)
+    results = await asyncio.gather(*(send(b) for b in targets), return_exceptions=True)
     out, took, refused = [], {}, []
     for b in self.ring.backends:
-      if b not in sent_to:
+      if b in behind:
+        out.append({"backend": b, "skipped": "out of rotation behind the policy: sent it, "
+                                             "not waited for"})
+        continue
+      if b not in targets:
         out.append({"backend": b, "skipped": "unhealthy: loads this policy when it returns"})
         continue
-      r = results[sent_to.index(b)]
-      if b in behind:  # (out of rotation either way: a check lets it in on the policy)
-        answer = None
-        if not isinstance(r, Exception) and r.status_code == 200:
-          with contextlib.suppress(ValueError):
-            answer = r.json()
-        if isinstance(answer, dict) and _version(answer.get("version")):
-          took[b] = answer.get("version")
-          out.append({"backend": b, "status": 200, "body": answer})
-        else:
-          out.append({"backend": b, "skipped": "out of rotation behind the policy: "
-                      + (f"{type(r).__name__}: {r}" if isinstance(r, Exception) else
-                         f"{r.status_code}: {r.text[:300]}")})
-        continue
+      r = results[targets.index(b)]
       if isinstance(r, Exception):
         self.take_out(b, f"its update failed: {type(r).__name__}: {r}")
         out.append({"backend": b, "error": f"{type(r).__name__}: {r}"})
