@@ -288,6 +288,10 @@ def seccomp_program(dumpable: bool = True) -> Optional[bytes]:
   with contextlib.suppress(ValueError, RuntimeError, OSError):
     for advice in (_MADV_COLD, _MADV_PAGEOUT):
       flt.add_rule(sc.ERRNO(0), "madvise", sc.Arg(2, sc.EQ, advice))
+  with contextlib.suppress(ValueError, RuntimeError, OSError):  # (another process's, or
+    # its own through a pidfd: a reviewer)
+    for advice in (_MADV_COLD, _MADV_PAGEOUT):
+      flt.add_rule(sc.ERRNO(0), "process_madvise", sc.Arg(3, sc.EQ, advice))
   # Extended attributes are kernel memory that a tmpfs's size does not count: a red
   # team's one process stored 3 GiB of them on each of /tmp and /dev/shm in 7 s (a
   # non-root worker has no memory cgroup to charge them to). EOPNOTSUPP, as a filesystem
