@@ -48,7 +48,8 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
   function's name: a bundled task by `params.task`, or the task file's own (`prompt`,
   `function`, `tests`: [[args], expected] pairs, compared by type and value, so a JSON
   list expects a list; optional `public_test`, code the model may run, by default an
-  assert of the first case, and `reference`, a solution `envs.filter` checks). A bad one
+  assert of the first case where there are several, and `reference`, a solution
+  `envs.filter` checks). A bad one
   is a ValueError naming what (an own task was "unknown python_tests task None": a new
   user)."""
   p = task.params
@@ -87,8 +88,10 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
       raise ValueError(f"task {task.id}: tests[{i}]: {e}") from None
     cases.append((tuple(case[0]), case[1]))
   first_args, first_expected = cases[0]
+  # (by default an assert of the first case: of a task's only case, none, or the answer
+  # written back passed it: a reviewer)
   public = p.get("public_test", f"assert {fn}({', '.join(map(repr, first_args))}) == "
-                                f"{first_expected!r}")
+                                f"{first_expected!r}" if len(cases) > 1 else "")
   reference = p.get("reference", "")
   for field, code in (("public_test", public), ("reference", reference)):
     if not isinstance(code, str):
@@ -610,7 +613,7 @@ class PythonTests(Env):
     self._lease = self.resources.pool().acquire()
     self.sandbox = await self._lease.__aenter__()
     self._write_public_tests()
-    user = f"{self.spec[1]}\nPublic test:\n{self.spec[3]}"
+    user = self.spec[1] + (f"\nPublic test:\n{self.spec[3]}" if self.spec[3].strip() else "")
     return Observation([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
                        self.tools.schemas())
 

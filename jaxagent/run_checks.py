@@ -75,7 +75,8 @@ def check_lengths(cfg: config_lib.RunConfig) -> None:
          f"serving.engine.max_seq_len={seq}", f"data.seq_len={max(n, cfg.data.seq_len)}"]
   if positions is not None:
     fit.append(f"model.max_seq_len={max(positions, seq, cfg.data.seq_len)}")
-  lower = min(takes if not cfg.serving.urls else n, cfg.data.seq_len)
+  lower = min(takes if not cfg.serving.urls else n,
+              cfg.data.seq_len if a.kind == "whitebox" else n)
   raise config_lib.ConfigError(
       "; ".join(problems) + f" (contexts of {n} tokens fit with {' '.join(fit)}"
       + (f"; or lower agent.max_context_tokens to {lower})" if lower < n else ")"))

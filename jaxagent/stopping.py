@@ -156,9 +156,9 @@ class StopSignals:
   def install(self, loop: asyncio.AbstractEventLoop) -> "StopSignals":
     for sig in (signal.SIGTERM, signal.SIGINT):
       if signal.getsignal(sig) == signal.SIG_IGN:  # (a job started in the background of
-        # a shell without job control, or under nohup: ignored from its start, as before
-        # this; taken here, a signal before the first step was lost and one after it
-        # stopped the run: a new user)
+        # a shell without job control: ignored from its start, as before this; taken
+        # here, a signal before the first step was lost and one after it stopped the
+        # run: a new user)
         continue
       try:
         loop.add_signal_handler(sig, self.request, sig)

@@ -466,8 +466,8 @@ def test_launched_learner_processes_get_the_heartbeat_timeout(tmp_path):
 
 
 def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
-  """Started in the background of a shell without job control (or under nohup), a run
-  has SIGINT ignored from its start: one before its first step was lost, and one after
+  """Started in the background of a shell without job control, a run has SIGINT ignored
+  from its start: one before its first step was lost, and one after
   it (the run's own handler, taken at the first step) stopped the run (a new user).
   Ignored from the start, it stays ignored; SIGTERM still stops the run."""
   import asyncio
