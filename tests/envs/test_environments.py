@@ -504,6 +504,9 @@ def test_a_python_tests_task_of_your_own_is_graded_by_its_own_cases():
     observation = asyncio.run(env.reset(TaskSpec("listed", "python_tests", listed)))
     assert "def pair(a, b): the list [a, b].\nPublic test:\np = pair(1, 2)" in (
         observation.messages[-1]["content"])
+    single = {"prompt": "def one(): 1.", "function": "one", "tests": [[[], 1]]}
+    observation = asyncio.run(env.reset(TaskSpec("single", "python_tests", single)))
+    assert observation.messages[-1]["content"] == "def one(): 1."  # (no case to copy)
     asyncio.run(env.close())
     bad = [({"task": "addd"}, r"unknown python_tests task 'addd' \(did you mean 'add'\?\)"),
            ({"task": "add", "max_turn": 1}, r"unknown parameters \['max_turn'\].*did you "
