@@ -40,7 +40,11 @@ class TaskSpec:
   def from_dict(cls, d: dict) -> "TaskSpec":
     unknown = set(d) - {"id", "env", "params", "version"}
     if unknown:
-      raise ValueError(f"task spec has unknown keys {sorted(unknown)}")
+      near = [f"{k!r}: did you mean {m[0]!r}?" for k in sorted(unknown, key=str)
+              if (m := difflib.get_close_matches(str(k), ["id", "env", "params", "version"],
+                                                  n=1))]
+      raise ValueError(f"task spec has unknown keys {sorted(unknown, key=str)}"
+                       + (f" ({'; '.join(near)})" if near else ""))
     for key in ("id", "env"):
       if not isinstance(d.get(key), str) or not d[key]:
         raise ValueError(f"task spec needs a non-empty string {key!r}: {d!r}")

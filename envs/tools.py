@@ -13,6 +13,7 @@ tool's plain (not async) function runs in a worker thread, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import inspect
@@ -71,7 +72,7 @@ def _threads():
   return _THREADS[0]
 
 
-def _reply(name: str, out: Any) -> tuple[str, str]:
+def _reply(name: str, out: Any, fn: Any = None) -> tuple[str, str]:
   """A tool's return value as (status, the text the model is shown): a string as it is,
   a JSON value (a dict, list, number or bool) as JSON; a number JSON cannot hold (inf,
   NaN: the policy's arguments can make one) is the call's error. Anything else (None, a
@@ -90,8 +91,11 @@ def _reply(name: str, out: Any) -> tuple[str, str]:
         return "error", f"error: {name} returned a number JSON cannot hold: {out!r:.80}"
       except (TypeError, ValueError):
         pass
-  raise TypeError(f"tool {name!r} returned {type(out).__name__} {out!r:.80}: a tool returns "
-                  "a string (or a JSON value: a dict, list, number or bool)")
+  where = ""  # (the tool's own line: the error's was this file's, a new user)
+  with contextlib.suppress(TypeError, OSError):
+    where = f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}: "
+  raise TypeError(f"{where}tool {name!r} returned {type(out).__name__} {out!r:.80}: a tool "
+                  "returns a string (or a JSON value: a dict, list, number or bool)")
 
 
 async def _in_thread(fn, arguments: dict):
@@ -176,7 +180,7 @@ class ToolSet:
     except Exception as e:  # the tool failed: tell the model, keep the episode
       # (cut: an error may quote the arguments, a 4 MB path said back whole)
       return "error", f"error: {name} failed: {type(e).__name__}: {echoed(str(e))}"
-    return _reply(name, out)
+    return _reply(name, out, tool.fn)
 
   async def run_turn(self, env, text: str) -> ToolRun:
     """One environment turn of tool use: counts the turn, runs the calls, and adds the

@@ -504,6 +504,8 @@ def test_a_python_tests_task_of_your_own_is_graded_by_its_own_cases():
     observation = asyncio.run(env.reset(TaskSpec("listed", "python_tests", listed)))
     assert "def pair(a, b): the list [a, b].\nPublic test:\np = pair(1, 2)" in (
         observation.messages[-1]["content"])
+    with pytest.raises(ValueError, match="'parms': did you mean 'params'"):
+      TaskSpec.from_dict({"id": "x", "env": "python_tests", "parms": own})
     single = {"prompt": "def one(): 1.", "function": "one", "tests": [[[], 1]]}
     observation = asyncio.run(env.reset(TaskSpec("single", "python_tests", single)))
     assert observation.messages[-1]["content"] == "def one(): 1."  # (no case to copy)

@@ -209,5 +209,6 @@ def test_a_tool_that_returns_no_text_is_the_environments_bug(value):
   """None was shown to the model as `null`, a set as the policy's failed call (a
   tool_error): both are the environment's bug, which stops the run naming the tool."""
   tools = ToolSet([Tool("convert", "t", {"type": "object"}, lambda: value)])
-  with pytest.raises(TypeError, match="tool 'convert' returned"):
+  with pytest.raises(TypeError, match=r"test_tools.py:\d+: tool 'convert' returned"):
+    # (named at the tool's own line: it was envs/tools.py's, a new user)
     asyncio.run(tools.run('<tool_call>{"name": "convert", "arguments": {}}</tool_call>'))
