@@ -249,6 +249,33 @@ def usable_cpus() -> float:
   return max(cpus, 0.01)
 
 
+def starved_s(path: str, cpus: float, elapsed_s: float) -> Optional[float]:
+  """How long the processes of the CPU cgroup at `path` were kept from the `cpus` CPUs
+  they are owed over `elapsed_s`: their tasks' waits on a run queue (schedstat), at most
+  what they fell short of `cpus x elapsed_s` in CPU time (stat). A sleeper waits on no run
+  queue, and processes at their own quota had what they are owed: neither is starved.
+  None where they cannot be read (none left)."""
+  tick = os.sysconf("SC_CLK_TCK")
+  used = waited = 0.0
+  try:
+    with open(os.path.join(path, "cgroup.procs")) as f:
+      pids = [int(p) for p in f.read().split()]
+  except (OSError, ValueError):
+    return None
+  for pid in pids:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+      with open(f"/proc/{pid}/stat") as f:  # (past the name, which may hold spaces)
+        fields = f.read().rsplit(")", 1)[1].split()
+      used += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+      for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+          with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            waited += int(f.read().split()[1]) / 1e9
+  if not pids:
+    return None
+  return max(0.0, min(waited, cpus * elapsed_s - used))
+
+
 def cpu_cgroup(name: str, cpus: float, parents: Sequence[str] = ()) -> Optional[str]:
   """Holds a sandbox's processes to `cpus` CPUs' time together (None: cannot, or `cpus`
   0)."""

@@ -103,16 +103,17 @@ class SandboxPool:
     # each runs slower than alone, and a correct solution slowed by its neighbours ran
     # past its wall limit, scored a timeout (red team 44: three sandboxes' tool calls
     # burning CPU on a 2-CPU host timed out a sibling's 12 s solution at 20 s). A
-    # command's wall limit is stretched by the sharing it met (`stretch`), up to this
-    # (stretched always, a command alone forking to its CPU quota had that much more CPU
-    # time: a reviewer); its CPU limit, its own time, is not.
+    # command's wall limit is stretched by the CPU time it was kept from
+    # (`Sandbox._longer`); where it has no CPU cgroup to say, by the sharing its pool's
+    # commands running made (`stretch`), up to this. Its CPU limit, its own time, is not.
     self.host_cpus = usable_cpus()
     self.cpus_each = limits.cpus or self.host_cpus  # (0: unbounded, every CPU)
     self.wall_stretch = max(1.0, size * self.cpus_each / self.host_cpus)
     if self.wall_stretch > 1.0:
       log.warning("sandbox pool: %d commands at once of %g CPUs each share this host's %g "
-                  "CPUs: a command's wall limit is stretched by the sharing it meets (up to "
-                  "%.2fx), so that one slowed by the others is not timed out for it "
+                  "CPUs: a command's wall limit is stretched by the CPU time it is kept from "
+                  "(up to %.2fx by its pool's sharing where no CPU cgroup says), so that one "
+                  "slowed by the others is not timed out for it "
                   "(env.sandboxes %d keeps them whole)", size, self.cpus_each, self.host_cpus,
                   self.wall_stretch, max(1, int(self.host_cpus // self.cpus_each)))
     self._busy_s = 0.0  # commands running, integrated over time (`stretch`)

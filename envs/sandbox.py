@@ -71,7 +71,7 @@ from typing import Callable, Optional, Sequence
 
 from envs import diskwatch, hostfs, waits
 from envs.cgroups import (cgroup_counter, cpu_cgroup, join_cgroups, memory_cgroup,
-                          oom_attribution, remove_cgroup, set_cpu_quota)
+                          oom_attribution, remove_cgroup, set_cpu_quota, starved_s)
 from envs.isolation import (ISOLATIONS, SETPRIV, SETUP_DONE, HeldTmpfs, IsolationUnavailable,
                             Limits, UidLease, confine, detect_isolation, held_tmpfs_refused,
                             nproc_inside, processes_of, scrubbed_env, seccomp_program,
@@ -88,6 +88,9 @@ _PAGE = 4096  # tmpfs (the quota) allocates whole pages
 # call's code): the command gets this long again to be seen ending before it is read as
 # timed out (its exit may have come in time, unseen).
 HELD_LOOP_S = 0.1
+# The most a command's wall limit is stretched for the CPU time it was kept from (a host
+# this starved is the operator's to mend).
+MAX_STRETCH = 4.0
 
 
 class ExitClock:
@@ -728,8 +731,8 @@ class Sandbox:
           while True:
             done, _ = await asyncio.wait(
                 {talk}, timeout=max(0.0, t_wall + limit - time.perf_counter()))
-            longer = wall * stretched()
-            if done or longer <= limit + 0.01:
+            longer = None if done else await self._longer(wall, t_wall, stretched)
+            if longer is None or longer <= limit + 0.05:
               break
             limit = longer
           if not done and time.perf_counter() - t_wall - limit >= HELD_LOOP_S:
@@ -865,6 +868,18 @@ class Sandbox:
       hostfs.remove_tree(self._root + scratch, keep_root=True)
       with contextlib.suppress(OSError):  # (a command that shut it: opened to empty it)
         os.chmod(self._root + scratch, 0o1777)
+
+  async def _longer(self, wall: float, t_wall: float, stretched: Callable[[], float]) -> float:
+    """The wall limit of a command started at `t_wall`, as far as it was kept from the
+    host's CPUs: by its own starvation where its CPU cgroup can say (`starved_s`; the
+    pool's commands running meanwhile lent a stretch to one that slept, and a brute force
+    beside them had that much more CPU time), else by its pool's sharing (`stretched`)."""
+    if self._cpu_cgroup is not None and self.limits.cpus > 0:
+      starved = await asyncio.to_thread(starved_s, self._cpu_cgroup, self.limits.cpus,
+                                        time.perf_counter() - t_wall)
+      if starved is not None:
+        return min(wall + starved, wall * MAX_STRETCH)
+    return wall * stretched()
 
   async def run_python(self, code: str, *, timeout: Optional[float] = None,
                        filename: str = "_run.py") -> ExecResult:

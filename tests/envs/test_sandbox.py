@@ -955,7 +955,9 @@ def test_commands_sharing_too_few_cpus_have_their_wall_limits_stretched():
   on 2 CPUs). The pool stretches a command's wall limit by the sharing it meets: here two
   commands of one CPU each on one CPU (a process pinned to it), a burner beside a
   solution of 1 s of CPU under a 1.5 s limit. A command alone is not stretched (always
-  stretched, one forking to its CPU quota had that much more CPU time: a reviewer)."""
+  stretched, one forking to its CPU quota had that much more CPU time: a reviewer), nor
+  one beside a command that sleeps (counted as sharing, a sibling's sleep lent a brute
+  force of 2.2 CPU-seconds the time to pass its 1.5 s)."""
   code = (
       "import asyncio, os, sys\n"
       "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
@@ -965,24 +967,29 @@ def test_commands_sharing_too_few_cpus_have_their_wall_limits_stretched():
       "                   allow_unisolated=True)\n"
       "BURN = 'import time\\nt = time.process_time()\\n'\\\n"
       "       'while time.process_time() - t < {}: pass\\nprint(\"done\")'\n"
-      "async def run(seconds):\n"
+      "async def run(seconds, code=BURN):\n"
       "  async with pool.acquire() as sb:\n"
-      "    return await sb.run_python(BURN.format(seconds))\n"
+      "    return await sb.run_python(code.format(seconds))\n"
+      "async def beside_a_sleeper():\n"
+      "  return await asyncio.gather(run(4, 'import time\\ntime.sleep({})'), run(2.2))\n"
       "async def main():\n"
       "  return await asyncio.gather(run(60), run(1.0))\n"
       "try:\n"
       "  burner, solution = asyncio.run(main())\n"
       "  alone = asyncio.run(run(60))\n"
+      "  _, forced = asyncio.run(beside_a_sleeper())\n"
       "finally:\n"
       "  pool.close()\n"
       "print(pool.wall_stretch, burner.timed_out, solution.timed_out, solution.stdout.strip(),\n"
-      "      round(solution.duration_s, 2), alone.timed_out, round(alone.duration_s, 2))\n")
+      "      round(solution.duration_s, 2), alone.timed_out, round(alone.duration_s, 2),\n"
+      "      forced.timed_out)\n")
   out = subprocess.run([sys.executable, "-c", code, (MODES or ["rlimits"])[0]], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
-  stretch, burner_out, solution_out, said, took, alone_out, alone_took = out.stdout.split()
-  assert (stretch, burner_out, solution_out, said, alone_out) == (
-      "2.0", "True", "False", "done", "True"), (out.stdout, out.stderr[-1000:])
+  stretch, burner_out, solution_out, said, took, alone_out, alone_took, forced_out = \
+      out.stdout.split()
+  assert (stretch, burner_out, solution_out, said, alone_out, forced_out) == (
+      "2.0", "True", "False", "done", "True", "True"), (out.stdout, out.stderr[-1000:])
   assert float(took) > 1.5  # (slowed past its limit alone: the stretch is what kept it)
   assert float(alone_took) < 2.5, alone_took  # (alone: its 1.5 s, not 3)
-  assert "stretched by the sharing it meets (up to 2.00x)" in out.stderr
+  assert "stretched by the CPU time it is kept from (up to 2.00x" in out.stderr
