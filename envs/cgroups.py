@@ -262,6 +262,8 @@ def starved_s(path: str, cpus: float, elapsed_s: float) -> Optional[float]:
       pids = [int(p) for p in f.read().split()]
   except (OSError, ValueError):
     return None
+  if not pids:
+    return None
   for pid in pids:
     with contextlib.suppress(OSError, ValueError, IndexError):
       with open(f"/proc/{pid}/stat") as f:  # (past the name, which may hold spaces)
@@ -271,8 +273,6 @@ def starved_s(path: str, cpus: float, elapsed_s: float) -> Optional[float]:
         with contextlib.suppress(OSError, ValueError, IndexError):
           with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
             waited += int(f.read().split()[1]) / 1e9
-  if not pids:
-    return None
   return max(0.0, min(waited, cpus * elapsed_s - used))
 
 

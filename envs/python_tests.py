@@ -49,9 +49,8 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
   `function`, `tests`: [[args], expected] pairs, compared by type and value, so a JSON
   list expects a list; optional `public_test`, code the model may run, by default an
   assert of the first case where there are several, and `reference`, a solution
-  `envs.filter` checks). A bad one
-  is a ValueError naming what (an own task was "unknown python_tests task None": a new
-  user)."""
+  `envs.filter` checks). A bad one is a ValueError naming what (an own task was "unknown
+  python_tests task None": a new user)."""
   p = task.params
   if "task" in p:
     task_known(p, ("task", "max_turns"), task.id)

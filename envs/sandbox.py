@@ -724,9 +724,8 @@ class Sandbox:
         talk = asyncio.ensure_future(proc.communicate(stdin))
         try:
           t_wall = time.perf_counter()
-          # The wall limit, stretched by the sharing of the host's CPUs that the pool's
-          # commands running meanwhile made (`SandboxPool.stretch`; the CPU limit, the
-          # command's own time, is not).
+          # The wall limit, stretched by the CPU time the command was kept from
+          # (`_longer`; the CPU limit, the command's own time, is not).
           stretched = self._stretch() if self._stretch is not None else (lambda: 1.0)
           while True:
             done, _ = await asyncio.wait(
