@@ -50,8 +50,8 @@ class ModelSpec:
   scan_unroll: Optional[int] = None
   # The positions the model is for (its exports' max_position_embeddings); null: the
   # preset's or the checkpoint's. A preset's random weights learn any length: raise it
-  # to train longer contexts (a run's longer ones were checked against none; a
-  # checkpoint's, read as it loads, are not checked before).
+  # to train longer contexts. A run's contexts past it are refused, a checkpoint's once
+  # it is read (setting it is the word that a checkpoint's longer context is meant).
   max_seq_len: Optional[int] = None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -38,11 +39,14 @@ def check_model_and_learner(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError(str(e)) from None
 
 
-def check_lengths(cfg: config_lib.RunConfig) -> None:
+def check_lengths(cfg: config_lib.RunConfig, checkpoint_positions: Optional[int] = None
+                  ) -> None:
   """The context's length against the engine's, a row's and the model's positions: every
   setting that does not fit in one error, with the overrides that fit them all (they came
   one at a time, the first saying to lower agent.max_context_tokens below the task's
-  prompt: a new user)."""
+  prompt: a new user). A checkpoint's positions are known once it is read (reading a
+  GGUF's metadata alone took 2.5 s): the run checks them again then, passing
+  `checkpoint_positions`."""
   from jaxagent.models.config import PRESETS, preset
 
   a, e, m = cfg.agent, cfg.serving.engine, cfg.model
@@ -60,13 +64,16 @@ def check_lengths(cfg: config_lib.RunConfig) -> None:
     # turns never pushed down).
     problems.append(f"data.seq_len ({cfg.data.seq_len}) is shorter than "
                     f"agent.max_context_tokens ({n}): an episode must fit a row")
-  positions = m.max_seq_len or (preset(m.preset).max_seq_len if m.checkpoint is None
-                                and m.preset in PRESETS else None)
+  positions, whose = m.max_seq_len, "set"
+  if positions is None and m.checkpoint is None and m.preset in PRESETS:
+    positions, whose = preset(m.preset).max_seq_len, f"preset {m.preset}'s"
+  elif positions is None and m.checkpoint is not None:  # (contexts past the one it was
+    positions, whose = checkpoint_positions, "the checkpoint's"  # trained on, unsaid)
   longest = max(cfg.data.seq_len, 0 if cfg.serving.urls else e.max_seq_len)
   if positions is not None and longest > positions:
-    problems.append(f"the model is for {positions} positions (model.max_seq_len, "
-                    + ("set" if m.max_seq_len else f"preset {m.preset}'s") + f"), and its "
-                    f"contexts run to {longest} (data.seq_len, serving.engine.max_seq_len)")
+    problems.append(f"the model is for {positions} positions (model.max_seq_len, {whose}), "
+                    f"and its contexts run to {longest} (data.seq_len, "
+                    "serving.engine.max_seq_len)")
   if not problems:
     return
   seq = max(n + a.max_new_tokens, e.max_seq_len)

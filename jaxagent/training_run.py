@@ -39,7 +39,7 @@ from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
                               plot_learning_curve, sync_file, token_staleness_metrics)
 from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, restore, write_run_config
-from jaxagent.run_checks import served_scorers
+from jaxagent.run_checks import check_lengths, served_scorers
 from jaxagent.run_dir import compare_canary, dependency_versions, play_canary, trajectories_file
 from jaxagent.run_services import (Serving, attach_judge, env_workers_ready, first_tasks,
                                    make_env_factory, run_meshes, score_segments, task_tools)
@@ -245,6 +245,8 @@ class TrainingRun:
       except ValueError as e:  # a bad line, an unknown environment, no tasks
         raise config_lib.ConfigError(f"data.tasks: {e}") from None
       model_cfg, params, tokenizer = build_model(cfg.model, self.mesh, tools=tools)
+      if cfg.model.checkpoint is not None:
+        check_lengths(cfg, checkpoint_positions=model_cfg.max_seq_len)
     except IsolationUnavailable as e:  # the tasks run code and this host cannot isolate it
       close_envs()
       raise config_lib.ConfigError(f"env.allow_unisolated: {e}") from None

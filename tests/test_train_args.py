@@ -310,3 +310,32 @@ def test_a_bundled_config_run_from_another_directory_says_how_to_run_it(tmp_path
   assert message.endswith(f"working directory ({tmp_path}): run from the repository root "
                           f"({REPO}), or give data.tasks={REPO}/envs/tasks/guess_number.jsonl")
   assert "repository root" not in str(_no_such_file("data.tasks", "nope.jsonl"))
+
+
+def test_contexts_past_a_checkpoints_positions_are_named_at_the_start(tmp_path, capsys):
+  """A checkpoint's positions (its max_position_embeddings) were never checked against the
+  run's contexts (a preset's were): a run trained past the context its checkpoint was made
+  for without a word. Known once it is read, they are checked then, with the overrides
+  that fit (model.max_seq_len, set, is the user's word that the longer context is meant)."""
+  import dataclasses
+
+  import numpy as np
+
+  from jaxagent import train
+  from jaxagent.models.config import preset
+  from jaxagent.models.hf import save_hf
+  from jaxagent.models.params import init_params
+  from jaxagent.tokenizer import Tokenizer
+
+  cfg = dataclasses.replace(preset("nano"), max_seq_len=128)
+  save_hf(str(tmp_path / "ckpt"), cfg, {k: np.asarray(v, np.float32)
+                                        for k, v in init_params(cfg, 0).items()}, "float32")
+  Tokenizer.byte_level().save_hf(str(tmp_path / "ckpt"))
+  args = ["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "run"), "steps=1",
+          f"model.checkpoint={tmp_path / 'ckpt'}", "model.chat_template=chatml_tools"]
+  assert train.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: the model is for 128 positions (model.max_seq_len, the "
+                            "checkpoint's), and its contexts run to 192 (data.seq_len, "
+                            "serving.engine.max_seq_len)"), err
+  assert "model.max_seq_len=192" in err[-1]
