@@ -132,6 +132,21 @@ async def evaluate_policy(cfg: config_lib.RunConfig, env_factory, serving: Servi
   return out
 
 
+def eval_line(figures: dict, step: int, version: int) -> str:
+  """An evaluation's figures (`evaluate_policy`'s) in one line."""
+  def said(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+  passes = " ".join(f"{k[len('eval_'):]} {said(v)}" for k, v in figures.items()
+                    if k.startswith("eval_pass@") and not k.endswith("_tasks"))
+  infra = figures.get("eval_infra_errors", 0)
+  return (f"eval at step {step} (policy v{version}): success "
+          f"{said(figures.get('eval_success_rate'))}" + (f" {passes}" if passes else "")
+          + f" over {figures.get('eval_episodes', 0)} episodes of "
+          f"{figures.get('eval_tasks', 0)} tasks"
+          + (f" ({infra} failed by the infrastructure, left out)" if infra else ""))
+
+
 async def replay_canary(saved: Optional[list], step: int, cfg: config_lib.RunConfig,
                         env_factory, serving: Serving, tokenizer) -> Optional[str]:
   """`--canary`: the canary episodes of checkpoint `step` (`saved`) played again on the
@@ -615,8 +630,10 @@ class TrainingRun:
                                    row["episodes"])])[-cfg.stop_window:]
     try:  # (this process's own work: an error is told at the next agreement)
       if cfg.eval.every and self.step % cfg.eval.every == 0 and self.primary:
-        row.update(await evaluate_policy(cfg, self.env_factory, self.serving, self.tokenizer),
-                   eval_policy_version=scheduler.served)
+        figures = await evaluate_policy(cfg, self.env_factory, self.serving, self.tokenizer)
+        row.update(figures, eval_policy_version=scheduler.served)
+        # (said on the console too: they were only in metrics.jsonl, a new user's)
+        tqdm.write(eval_line(figures, self.step, scheduler.served), file=sys.stdout)
       await self.write_records(self.records)
       self._said(row, m, rollout_s, learner_s, sync_s)
       self.ckpt.check()  # (a save under way that failed stops the run here, not at the next)

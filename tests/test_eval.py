@@ -95,6 +95,19 @@ def test_a_warmup_episode_is_played_first_and_in_no_figure():
   assert [len(eps) for _, eps in by_task.values()] == [2, 2]
 
 
+def test_an_evaluation_during_training_is_said_in_one_line():
+  from jaxagent.training_run import eval_line
+
+  figures = {"eval_tasks": 4, "eval_episodes": 7, "eval_infra_errors": 1,
+             "eval_success_rate": 0.5, "eval_pass@1": 0.5, "eval_pass@1_tasks": 4,
+             "eval_pass@4": None, "eval_pass@4_tasks": 0, "eval_turns_mean": 3.0}
+  assert eval_line(figures, 20, 19) == (
+      "eval at step 20 (policy v19): success 0.500 pass@1 0.500 pass@4 n/a over 7 episodes "
+      "of 4 tasks (1 failed by the infrastructure, left out)")
+  assert eval_line({"eval_tasks": 2, "eval_episodes": 0, "eval_success_rate": None}, 2, 2) \
+      == "eval at step 2 (policy v2): success n/a over 0 episodes of 2 tasks"
+
+
 @pytest.mark.slow
 def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   run_dir = str(tmp_path / "run")
@@ -108,6 +121,9 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   assert "eval_success_rate" not in rows[0] and "eval_pass@1" in rows[1]
   assert rows[1]["eval_tasks"] == 4 and "eval_guess_number_success_rate" in rows[1]
   assert rows[1]["eval_policy_version"] == 2  # (the weights it played)
+  # Said on the console too (they were only in metrics.jsonl: a new user's round).
+  assert "eval at step 2 (policy v2): success " in proc.stdout, proc.stdout[-2000:]
+  assert " over 4 episodes of 4 tasks" in proc.stdout
 
   out = str(tmp_path / "report.json")
   assert eval_lib.main(["--policy", os.path.join(run_dir, "policy"), "--tasks", HELD_OUT,
