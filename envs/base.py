@@ -424,6 +424,12 @@ class Env(abc.ABC):
     """The next action of a perfect agent (for task filtering); optional."""
     raise NotImplementedError(f"{self.name} has no reference policy")
 
+  def shortcuts(self) -> dict[str, list[str]]:
+    """Scripted plays of the task just reset that must not pass, by what each tries (a
+    constant answer, the input given back): `envs.filter` drops a task one of them passes
+    (a task whose every case expected True paid `return True`). None by default."""
+    return {}
+
   def versions(self) -> dict:
     return {"env": f"{self.name}@{self.version}", "verifier": f"{self.name}@{self.verifier_version}",
             "task": self.task.version if self.task else None}
@@ -567,6 +573,9 @@ class WithLatency(Env):
 
   def reference_action(self) -> str:
     return self.env.reference_action()
+
+  def shortcuts(self) -> dict[str, list[str]]:
+    return self.env.shortcuts()
 
   def versions(self) -> dict:
     return self.env.versions()

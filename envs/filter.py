@@ -1,8 +1,9 @@
 """`python -m envs.filter TASKS.jsonl [--out KEPT.jsonl]`: keep only gradeable tasks.
 
-Each task is played twice with scripted agents: the reference policy
-(`Env.reference_action`) must pass, and the no-op agent (empty replies) must
-not. A task that fails either check is dropped, with the reason reported; a
+Each task is played with scripted agents: the reference policy
+(`Env.reference_action`) must pass, and the no-op agent (empty replies) and the
+environment's shortcuts (`Env.shortcuts`: an own python_tests task's constant
+answers, its first argument given back) must not. A task that fails either check is dropped, with the reason reported; a
 grader infrastructure error is reported as such, not as a bad task.
 """
 
@@ -34,6 +35,23 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Ver
     await env.close()
 
 
+async def _shortcuts_passing(task: TaskSpec, resources: EnvResources) -> list[str]:
+  """The environment's shortcuts of `task` (`Env.shortcuts`) that pass, each played."""
+  env = make(task.env, resources)
+  try:
+    await env.reset(task)
+    shortcuts = env.shortcuts()
+  finally:
+    await env.close()
+  passed = []
+  for what, actions in shortcuts.items():
+    script = iter(actions)
+    if (await play(task, lambda env: next(script, ""), resources)).status == \
+        VerdictStatus.PASS:
+      passed.append(what)
+  return passed
+
+
 async def check(task: TaskSpec, resources: EnvResources) -> dict:
   """Whether `task` is kept, and why not. An environment (or task) without a reference
   policy is checked by the no-op agent alone, said in `note` (it was a traceback)."""
@@ -48,6 +66,9 @@ async def check(task: TaskSpec, resources: EnvResources) -> dict:
     return {"id": task.id, "keep": False, "reasons": [f"cannot start: {e.why}"],
             "reference": "-", "noop": "-"}
   reasons = []
+  passed = await _shortcuts_passing(task, resources)
+  if passed:
+    reasons.append(f"an answer that knows nothing passes: {passed[0]}")
   infra = [v for v in (ref, noop) if v is not None and v.is_infra_error]
   if infra:
     reasons.append("grader infrastructure error: " + json.dumps(infra[0].details.get("reason")))

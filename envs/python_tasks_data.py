@@ -149,6 +149,8 @@ def _function_name(reference: str) -> str:
 
 
 def as_tests(body: str, name: str, fn: str) -> str:
-  """A test module importing the solution's function, with one test function."""
+  """A test module importing the solution's function, with one test function (whose name
+  is not the function's: a task's `test_public` was shadowed by it)."""
   body = "\n".join("    " + line if line.strip() else "" for line in body.splitlines())
-  return f"from solution import {fn}\n\n\ndef test_{name}():\n{body or '    pass'}\n"
+  test = f"test_{name}" if f"test_{name}" != fn else f"test_{name}_case"
+  return f"from solution import {fn}\n\n\ndef {test}():\n{body or '    pass'}\n"

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import keyword
+import math
 import os
 import re
 import textwrap
@@ -32,7 +33,7 @@ from envs.python_tasks_data import TASKS, _function_name, as_tests
 from envs.hostfs import MAX_PATH_CHARS
 from envs.tools import Tool, ToolSet, echoed
 from envs.sandbox import WorkspaceTooLarge
-from envs.verifier import HiddenTests, PythonTestVerifier
+from envs.verifier import MAX_REPORT_BYTES, HiddenTests, PythonTestVerifier, report_bytes
 from jaxagent.errors import InfraError
 
 PUBLIC_TESTS = "test_public.py"
@@ -70,6 +71,10 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
   prompt, fn, tests = p["prompt"], p["function"], p["tests"]
   if not isinstance(prompt, str) or not prompt.strip():
     raise ValueError(f"task {task.id}: prompt must be a non-empty string")
+  try:
+    prompt.encode()
+  except UnicodeError:  # (a JSON escape of half a character: the policy saw it)
+    raise ValueError(f"task {task.id}: prompt is not text (a lone surrogate)") from None
   if not (isinstance(fn, str) and fn.isidentifier() and fn.isascii()
           and not keyword.iskeyword(fn)):
     raise ValueError(f"task {task.id}: function must be a Python name, got {fn!r:.80}")
@@ -86,21 +91,62 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
     except (TypeError, ValueError) as e:
       raise ValueError(f"task {task.id}: tests[{i}]: {e}") from None
     cases.append((tuple(case[0]), case[1]))
-  first_args, first_expected = cases[0]
+  takes = report_bytes([e for _, e in cases])
+  if takes > MAX_REPORT_BYTES:  # (a correct answer's results overflow: it never passes)
+    raise ValueError(f"task {task.id}: tests: a correct answer's results take about {takes} "
+                     f"bytes, more than the grader reads ({MAX_REPORT_BYTES}): fewer or "
+                     "smaller cases")
   # (by default an assert of the first case: of a task's only case, none, or the answer
   # written back passed it: a reviewer)
-  public = p.get("public_test", f"assert {fn}({', '.join(map(repr, first_args))}) == "
-                                f"{first_expected!r}" if len(cases) > 1 else "")
+  public = p["public_test"] if "public_test" in p else (
+      default_public_test(fn, cases) if len(cases) > 1 else "")
   reference = p.get("reference", "")
   for field, code in (("public_test", public), ("reference", reference)):
     if not isinstance(code, str):
       raise ValueError(f"task {task.id}: {field} must be a string of Python")
+    if len(code.encode("utf-8", "surrogatepass")) > MAX_OWN_CODE_BYTES:
+      raise ValueError(f"task {task.id}: {field} is over {MAX_OWN_CODE_BYTES} bytes")
     try:
+      code.encode()
       ast.parse(code)
     except SyntaxError as e:
-      raise ValueError(f"task {task.id}: {field} is not Python: {e.msg} (line {e.lineno})") \
-          from None
+      raise ValueError(f"task {task.id}: {field} is not Python: {e.msg}"
+                       + (f" (line {e.lineno})" if e.lineno else "")) from None
+    except (ValueError, UnicodeError) as e:  # (a lone surrogate, a NUL: Python's text)
+      raise ValueError(f"task {task.id}: {field} is not Python: {e}"[:300]) from None
   return (task.id, prompt, reference, public, cases), fn
+
+
+MAX_OWN_CODE_BYTES = 64 << 10  # of a task's own public test or reference (the public test
+# is in the prompt)
+DEFAULT_PUBLIC_CHARS = 1000  # the longest default public test (the prompt shows it)
+
+
+def default_public_test(fn: str, cases: list) -> str:
+  """An own task's public test by default: its first case whose test is short (a case of
+  300,000 numbers made a 2 MB test file, refused as the episode began), checked as the
+  grader checks it, type and value (`==` passed 3.0 for 6 and failed 0.1 + 0.2 for 0.3,
+  which the grader passes); none where no case's is short."""
+  for args, expected in cases:
+    call = f"{fn}({', '.join(map(_literal, args))})"
+    if expected is None:
+      test = f"assert {call} is None"
+    elif type(expected) is float:
+      test = (f"import math\nresult = {call}\nassert type(result) is float and math.isclose("
+              f"result, {_literal(expected)}, rel_tol=1e-9, abs_tol=1e-12), result")
+    else:
+      test = (f"result = {call}\nassert type(result) is {type(expected).__name__} and "
+              f"result == {_literal(expected)}, result")
+    if len(test) <= DEFAULT_PUBLIC_CHARS:
+      return test
+  return ""
+
+
+def _literal(value) -> str:
+  """`value` as Python reads it back (a float that is not finite too)."""
+  if type(value) is float and not math.isfinite(value):
+    return f"float({str(value)!r})"
+  return repr(value)
 
 
 def judged_answer(files: dict[str, bytes]) -> str:
@@ -551,7 +597,10 @@ class PythonTests(Env):
   # trial division, sentinel starts, sentinels the text may hold, negative shifts past a
   # wrap, title case for upper case, palindromes keeping '_' or symbols, a rounded exact
   # conversion, a dropped newline, floats through range(), a look-back of 9).
-  version = "13"
+  # 13: two non-ASCII spellings that read as one ASCII name are refused. 14: an own
+  # task's default public test checks type and value as the grader does, of its first
+  # case whose check is short.
+  version = "14"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True
@@ -594,8 +643,12 @@ class PythonTests(Env):
   async def _run_public_tests(self) -> str:
     # The task's own public test, written again: tool code may have replaced the file.
     await asyncio.to_thread(self._write_public_tests)
+    # (the test functions the module defines, not the solution's function it imports,
+    # whose name may start with test_ too)
     runner = ("import traceback\nimport test_public as t\nok = True\n"
-              "for n in sorted(dir(t)):\n  if n.startswith('test_'):\n    try:\n"
+              "for n in sorted(dir(t)):\n  f = getattr(t, n)\n"
+              "  if n.startswith('test_') and getattr(f, '__module__', '') == t.__name__:\n"
+              "    try:\n"
               "      getattr(t, n)(); print(n, 'passed')\n    except Exception as e:\n"
               "      ok = False; print(n, 'FAILED', type(e).__name__, e)\n"
               "raise SystemExit(0 if ok else 1)\n")
@@ -670,6 +723,29 @@ class PythonTests(Env):
     if self._lease is not None:
       lease, self._lease, self.sandbox = self._lease, None, None
       await lease.__aexit__(None, None, None)
+
+  def shortcuts(self) -> dict[str, list[str]]:
+    """An own task's answers that know nothing (None, the first argument back, each of
+    its first distinct expected values as a constant); a bundled task's cases are kept
+    failing near misses by the tests (`tests/envs/test_python_tasks.py`)."""
+    if "task" in self.task.params:
+      return {}
+    cases = self.spec[4]
+    answers = {"returns None": "None"}
+    if all(args for args, _ in cases):
+      answers["returns its first argument"] = "args[0]"
+    seen = set()
+    for _, expected in cases:
+      key = json.dumps(values.encode(expected))
+      if key not in seen and len(seen) < 3:
+        seen.add(key)
+        answers[f"returns {_literal(expected)[:40]} for every case"] = _literal(expected)
+    write = {"name": "write_file", "arguments": {"path": "solution.py", "content": ""}}
+    out = {}
+    for what, answer in answers.items():
+      write["arguments"]["content"] = f"def {self.fn}(*args, **kwargs):\n    return {answer}\n"
+      out[what] = [f"<tool_call>{json.dumps(write)}</tool_call>", "DONE"]
+    return out
 
   def reference_action(self) -> str:
     if not self.spec[2]:

@@ -636,7 +636,7 @@ class Sandbox:
 
   async def run(self, argv: Sequence[str], *, timeout: Optional[float] = None,
                 stdin: Optional[bytes] = None, pid1: bool = False,
-                trusted_init: bool = False) -> ExecResult:
+                trusted_init: bool = False, keep_stdout: Optional[int] = None) -> ExecResult:
     """Runs `argv` in the workspace; never raises for the command's own failures.
 
     Waits for an execution slot first (at most `slot_timeout_s`; past it the result is an
@@ -645,7 +645,8 @@ class Sandbox:
     (with `pid1`): that init is the caller's own code, which may make itself not dumpable
     (the grader's harness); any other process of the command that does, or that runs a
     program its user may not read, hides its files from a non-root worker's disk watch
-    and is stopped for it (`over_disk`).
+    and is stopped for it (`over_disk`). `keep_stdout`: the bytes of stdout kept (the
+    grader's report; by default `Limits.output_budget`, as stderr's).
     """
     if trusted_init and not pid1:
       raise ValueError("trusted_init is the init of pid1=True")
@@ -682,11 +683,12 @@ class Sandbox:
       return result
     try:
       with waits.commanding():  # (the policy's time, its teardown included)
-        return await self._run(argv, timeout, stdin, pid1, trusted_init)
+        return await self._run(argv, timeout, stdin, pid1, trusted_init,
+                               keep_stdout or self.limits.output_budget)
     finally:
       await slot.__aexit__(None, None, None)
 
-  async def _run(self, argv, timeout, stdin, pid1, trusted_init) -> ExecResult:
+  async def _run(self, argv, timeout, stdin, pid1, trusted_init, keep_stdout) -> ExecResult:
     wall = limit = self.limits.wall_s if timeout is None else timeout
     tag = uuid.uuid4().hex[:8]
     out_path = os.path.join(self._logs, f"{tag}.out")
@@ -702,7 +704,7 @@ class Sandbox:
     seccomp_fd = None
     try:
       with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        diskwatch.reserve(out.fileno(), self.limits.output_budget)
+        diskwatch.reserve(out.fileno(), keep_stdout)
         self._throttle()  # (lifted for an earlier command's teardown, or a wipe's)
         seccomp_fd = seccomp_program_fd(program) if program is not None else None
         command = wrap(self.isolation, self.mountpoint, argv, uid=self.uid, limits=self.limits,
@@ -800,8 +802,8 @@ class Sandbox:
     if host_kills and error is None:
       error = (f"the host ran out of memory: its OOM killer (not this sandbox's limit) killed "
                f"{host_kills} of the command's processes")
-    outs = [hostfs.digest(p, self.limits.output_budget) if os.path.exists(p) else ("", 0, "")
-            for p in (out_path, err_path)]
+    outs = [hostfs.digest(p, budget) if os.path.exists(p) else ("", 0, "")
+            for p, budget in ((out_path, keep_stdout), (err_path, self.limits.output_budget))]
     for p in (out_path, err_path):
       with contextlib.suppress(FileNotFoundError):
         os.unlink(p)

@@ -75,8 +75,9 @@ from envs.sandbox import ExecResult, Sandbox
 # modules the harness imported that the workspace holds one of the same name of are the
 # workspace's for the solution. 12: the names of the modules the solution makes are
 # read once it is imported and after its last case: one that is not an ASCII identifier,
-# or two that read alike, are a fail.
-VERSION = "python-harness-12"
+# or two that read alike, are a fail. 13: the report holds as much as the harness reads
+# of results (it was cut at the commands' 16 KiB: a correct answer of 600 cases failed).
+VERSION = "python-harness-13"
 
 _HARNESS_BODY = r'''
 import ctypes, gc, importlib, importlib.machinery, os, select, signal, sys
@@ -370,7 +371,9 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
   for i, (_, expected) in enumerate(tests.cases):
     got = results.get(str(i))
     if got is None:
-      outcomes[i] = "no result (the solution's process ended first)"
+      outcomes[i] = ("no result (the results overflowed what the harness reads)"
+                     if report.get("overflow") else
+                     "no result (the solution's process ended first)")
     elif "error" in got:
       outcomes[i] = f"raised {got['error']}"
     else:
@@ -384,9 +387,29 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
   passed = sum(o == "pass" for o in outcomes.values())
   status = VerdictStatus.PASS if passed == len(tests.cases) and not report.get(
       "overflow") else VerdictStatus.FAIL
+  overflow = bool(report.get("overflow"))
   return verdict(status, 1.0 if status == VerdictStatus.PASS else 0.0, passed=passed,
                  total=len(tests.cases), cases={str(i): o for i, o in outcomes.items()},
-                 child=child, overflow=bool(report.get("overflow")))
+                 child=child, overflow=overflow, **({"reason": (
+                     "the solution's results overflowed what the harness reads")}
+                     if overflow else {}))
+
+
+MAX_REPORT_BYTES = 1 << 20  # of results the harness reads (its default)
+
+
+def report_line_bytes(max_report_bytes: int) -> int:
+  """The longest report line the harness writes: results of `max_report_bytes`, each
+  case's keyed by its number rather than tagged with it, and the report's other fields."""
+  return max_report_bytes + (64 << 10)
+
+
+def report_bytes(expected: Sequence[Any]) -> int:
+  """About what a report of these expected values takes of what the harness reads (each
+  case's line as the harness writes it): a task whose correct answers do not fit can
+  never pass."""
+  return sum(len(json.dumps({"i": i, "value": values.encode(e)})) + 1
+             for i, e in enumerate(expected)) + 256
 
 
 class PythonTestVerifier:
@@ -395,7 +418,7 @@ class PythonTestVerifier:
   version = VERSION
 
   def __init__(self, pool: SandboxPool, *, timeout_s: float = 20.0, retries: int = 2,
-               max_report_bytes: int = 1 << 20):
+               max_report_bytes: int = MAX_REPORT_BYTES):
     self.pool = pool
     self.timeout_s = timeout_s
     self.retries = retries
@@ -453,10 +476,12 @@ class PythonTestVerifier:
       # The files the policy left do not fit a workspace like its own: its doing.
       return Verdict(VerdictStatus.FAIL, 0.0, env_version, VERSION,
                      {"reason": f"the files cannot be copied to grade: {e.strerror}"})
-    # The report line must fit in what the sandbox keeps of stdout (after "START\n").
-    report_line = sb.limits.output_budget - 64
+    # The report line must fit in what the sandbox keeps of stdout (after "START\n"): as
+    # much as the harness reads of results (it was the commands' 16 KiB, and a correct
+    # solution of 600 small cases, or one 20,000-character answer, failed as overflowed).
+    report_line = report_line_bytes(self.max_report_bytes)
     result = await sb.run([sb.python, "-I", "-B", "-c", harness_source()], timeout=self.timeout_s,
                           stdin=tests.harness_input(self.max_report_bytes, report_line,
                                                     seccomp_keep_dumpable()),
-                          pid1=True, trusted_init=True)
+                          pid1=True, trusted_init=True, keep_stdout=report_line + 64)
     return classify(result, tests, env_version)

@@ -531,6 +531,73 @@ def test_a_python_tests_task_of_your_own_is_graded_by_its_own_cases():
   assert "no reference: task listed gives no reference solution" in reports[1]["note"]
 
 
+def test_an_own_tasks_large_cases_odd_names_and_answers_that_know_nothing():
+  """Red team 45 on own tasks: a correct answer of 600 cases (or of one 20,000-character
+  string) failed, its results past the commands' 16 KiB of output; a task no answer could
+  pass was kept. The default public test disagreed with the grader (3.0 passed it for 6,
+  0.1 + 0.2 failed it for 0.3), a first case of 300,000 numbers made it a 2 MB file the
+  episode could not start with, and a function named test_* broke the public test's
+  runner. A task whose every case expects True paid `return True`: the filter plays
+  answers that know nothing, and drops a task one of them passes."""
+  from envs.filter import check
+  from envs.python_tests import task_spec
+
+  resources = EnvResources(sandboxes=2)
+  env = make("python_tests", resources)
+
+  def own(fn, tests, **more):
+    return {"prompt": f"def {fn}(...): see the tests.", "function": fn, "tests": tests, **more}
+
+  def graded(params, code, actions=("DONE",)):
+    _, steps, verdict = play(env, TaskSpec("t", "python_tests", params),
+                             [_call("write_file", path="solution.py", content=code),
+                              *actions])
+    return verdict, [m["content"] for st in steps for m in st.observation.messages]
+
+  try:
+    many = own("ident", [[[i], i] for i in range(600)])
+    verdict, _ = graded(many, "def ident(x):\n    return x\n")
+    assert verdict.status == VerdictStatus.PASS, verdict.details.get("cases", {}).get("0")
+    big = own("rep", [[["ab", 10_000], "ab" * 10_000], [["x", 2], "xx"]])
+    assert graded(big, "def rep(s, n):\n    return s * n\n")[0].status == VerdictStatus.PASS
+    verdict, _ = graded(big, "def rep(s, n):\n    return [s * n] * 60\n")
+    assert verdict.status == VerdictStatus.FAIL and "overflowed" in verdict.details["reason"]
+    assert "overflowed what the harness reads" in verdict.details["cases"]["0"]
+    with pytest.raises(ValueError, match="tests: a correct answer's results take about"):
+      task_spec(TaskSpec("t", "python_tests", own("f", [[[i], "x" * 100] for i in range(
+          20_000)])))
+    # The default public test checks as the grader does.
+    run_public = _call("run_public_tests")
+    for tests, code, passes in (
+        ([[[2], 6], [[1], 3]], "def f(x):\n    return 3.0 * x\n", False),
+        ([[[0.1], 0.3], [[1], 1.0]], "def f(x):\n    return x + 0.2 if x < 1 else 1.0\n", True),
+        ([[[list(range(300_000))], 1], [[[1]], 1]], "def f(x):\n    return 1\n", True)):
+      verdict, said = graded(own("f", tests), code, (run_public, "DONE"))
+      assert ("test_public passed" in said[1]) is passes, said
+      assert (verdict.status == VerdictStatus.PASS) is passes, verdict
+    for fn in ("test_x", "test_public"):  # (the solution's function is no test to run)
+      verdict, said = graded(own(fn, [[[1], 2], [[2], 3]]),
+                             f"def {fn}(x):\n    return x + 1\n", (run_public, "DONE"))
+      assert verdict.status == VerdictStatus.PASS and "FAILED" not in said[1], said
+    asyncio.run(env.close())
+    every_true = own("is_even", [[[2], True], [[4], True], [[0], True]],
+                     reference="def is_even(n):\n    return n % 2 == 0\n")
+    report = asyncio.run(check(TaskSpec("c", "python_tests", every_true), resources))
+    assert report["reasons"] == ["an answer that knows nothing passes: returns True for "
+                                 "every case"], report
+    echo = own("echo", [[["a"], "a"], [["b"], "b"]])
+    report = asyncio.run(check(TaskSpec("e", "python_tests", echo), resources))
+    assert report["reasons"] == ["an answer that knows nothing passes: returns its first "
+                                 "argument"], report
+  finally:
+    resources.close()
+  for bad, said in (({"reference": "x = '\udcff'"}, "reference is not Python: 'utf-8'"),
+                    ({"prompt": "a\udcff"}, "prompt is not text (a lone surrogate)"),
+                    ({"public_test": "x = 1\n" * 20_000}, "public_test is over 65536 bytes")):
+    with pytest.raises(ValueError, match=re.escape(said)):
+      task_spec(TaskSpec("t", "python_tests", {**own("f", [[[1], 1]]), **bad}))
+
+
 def test_noop_passing_task_is_dropped():
   from envs.filter import check
 
