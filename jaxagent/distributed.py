@@ -242,10 +242,14 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 def peer_gone(e: BaseException) -> bool:
   """Whether `e`, raised in a multi-process run, is a collective's failure because
-  another process is gone."""
+  another process is gone: JAX's runtime error, or Gloo's failure as a CPU allgather
+  raises it (a ValueError "Gloo AllGather failed: ... Connection reset by peer": it was
+  taken for this process's own bug, two tracebacks and exit 1, not the line and exit 3)."""
   import jax
 
-  return (jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError)
+  collective = isinstance(e, jax.errors.JaxRuntimeError) or (
+      isinstance(e, ValueError) and "Gloo" in str(e))
+  return (jax.process_count() > 1 and collective
           and any(s in str(e) for s in _PEER_GONE))
 
 
@@ -273,15 +277,20 @@ def sum_episode_counts(row: dict) -> dict:
   from jax.experimental import multihost_utils
 
   n = float(row.get("episodes", 0))
+  # (every process's row has the same keys: their configs are the run's)
+  summed = SUMMED + tuple(k for k in SUMMED_WHERE_COUNTED if k in row)
   local = np.asarray([n, row.get("success_rate", 0.0) * n, row.get("reward_mean", 0.0) * n]
-                     + [row.get(k, 0) for k in SUMMED], np.float64)
+                     + [row.get(k, 0) for k in summed], np.float64)
   total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(local)).sum(0)
   episodes = max(total[0], 1.0)
   return {"episodes": int(total[0]), "success_rate": float(total[1] / episodes),
           "reward_mean": float(total[2] / episodes),
-          **{k: int(v) for k, v in zip(SUMMED, total[3:])}}
+          **{k: int(v) for k, v in zip(summed, total[3:])}}
 
 
-# The counts of a step's row that are every process's sum (each packs its own groups).
+# The counts of a step's row that are every process's sum (each packs its own groups),
+# and those only a run with their source counts (the token WAL's turns replayed were
+# process 0's alone: a new user).
 SUMMED = ("episodes_trained", "groups", "groups_accepted", "batch_segments",
           "batch_overflow", "batch_overflow_groups", "batch_too_long")
+SUMMED_WHERE_COUNTED = ("wal_replayed_turns",)

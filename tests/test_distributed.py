@@ -62,6 +62,46 @@ def test_two_processes_train_like_one(tmp_path):
   assert os.listdir(tmp_path / "two" / "checkpoints") == ["3"]
 
 
+def test_a_collective_failed_for_a_process_gone_is_told_from_this_processs_own(monkeypatch):
+  """A learner killed mid-run: the other's CPU allgather raised Gloo's failure as a
+  ValueError, taken for its own bug (two tracebacks, exit 1), not the line naming the
+  process gone and the resume (PeerLost, exit 3)."""
+  import jax
+
+  from jaxagent import distributed
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  gloo = ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:534] "
+          "Read error [127.0.0.1]:33133: Connection reset by peer")
+  assert distributed.peer_gone(ValueError(gloo))
+  assert distributed.peer_gone(jax.errors.JaxRuntimeError("UNAVAILABLE: Connection closed "
+                                                          "by peer"))
+  for own in (ValueError("Gloo AllGather failed: shapes differ"),  # (this process's own)
+              ValueError("Connection reset by peer"),  # (not a collective's)
+              ConnectionResetError(104, "Connection reset by peer")):
+    assert not distributed.peer_gone(own), own
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  assert not distributed.peer_gone(ValueError(gloo))
+
+
+def test_a_steps_counts_are_every_processs(monkeypatch):
+  """The row process 0 writes counts every process's episodes, and the token WAL's turns
+  replayed (they were process 0's alone: a new user), where the run has a WAL."""
+  from jax.experimental import multihost_utils
+
+  from jaxagent import distributed
+
+  monkeypatch.setattr(multihost_utils, "process_allgather",  # (two processes alike)
+                      lambda x: np.stack([x, x]))
+  row = {"episodes": 4, "success_rate": 0.5, "reward_mean": 1.0, "groups": 1,
+         "wal_replayed_turns": 7}
+  summed = distributed.sum_episode_counts(row)
+  assert (summed["episodes"], summed["success_rate"], summed["groups"],
+          summed["wal_replayed_turns"]) == (8, 0.5, 2, 14)
+  del row["wal_replayed_turns"]  # (a run without a WAL has none)
+  assert "wal_replayed_turns" not in distributed.sum_episode_counts(row)
+
+
 def test_partial_multi_process_settings_are_named():
   from jaxagent import distributed
 
