@@ -345,6 +345,10 @@ def check_config(cfg: config_lib.RunConfig) -> None:
     raise config_lib.ConfigError("advantage.teacher: sample the student from its whole "
                                  "distribution (agent.temperature > 0, agent.top_p 1, "
                                  "agent.top_k 0)")
+  for key, urls in (("serving.urls", cfg.serving.urls), ("env.urls", cfg.env.urls),
+                    ("env.judge_url", [cfg.env.judge_url] if cfg.env.judge_url else [])):
+    for url in urls:
+      check_url(key, url)
   if cfg.serving.models and cfg.serving.urls:
     raise config_lib.ConfigError("serving.models: only for in-process serving; with "
                                  "serving.urls declare the models in the servers' configs")
@@ -353,6 +357,23 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if not cfg.serving.urls:
     check_served_names(cfg)
   env_latency(cfg)
+
+
+def check_url(key: str, url) -> None:
+  """A server's address, `http(s)://host[:port]`, or a ConfigError naming `key` (one
+  without its scheme was waited on for serving.startup_wait_s, an error that could not
+  clear: a new user)."""
+  from urllib.parse import urlsplit
+
+  try:
+    parts = urlsplit(url)
+    ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    parts.port  # noqa: B018 (a port out of range or not a number raises)
+  except (ValueError, TypeError, AttributeError):
+    ok = False
+  if not ok:
+    raise config_lib.ConfigError(f"{key}: {url!r} is not a server's address (give "
+                                 "http://HOST:PORT or https://...)")
 
 
 def check_served_names(cfg: config_lib.RunConfig) -> None:

@@ -387,6 +387,12 @@ class HttpClient:
             health = r.json()
           except ValueError:  # (not a server of ours: its first call will say)
             health = None
+          if isinstance(health, dict) and not ({"live_slots", "backends"} & health.keys()):
+            # (an environment worker's: its 404 on the first update read as an outage,
+            # exit 3, where the reverse mistake is a setting's: a new user)
+            raise GenerateError(f"{self.url} answers /health but is not a rollout server "
+                                f"or router (python -m rollout_server): {r.text[:200]}",
+                                "request_refused")
           problem = await control_problem(self._client, self.url, health,
                                           self.control_token)
           if problem:

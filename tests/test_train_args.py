@@ -167,6 +167,10 @@ def _bad_settings(tmp_path):
       (tiny + ["advantage.teacher=t", "agent.top_p=0.9"], "whole distribution"),
       (tiny + ["agent.max_context_tokens=1024"], "agent.max_context_tokens (1024) is more"),
       (tiny + ["data.seq_len=128"], "data.seq_len (128) is shorter"),
+      # (waited on for serving.startup_wait_s, an error that could not clear: a new user)
+      (tiny + ["serving.urls=[127.0.0.1:8000]"],
+       "serving.urls: '127.0.0.1:8000' is not a server's address (give http://HOST:PORT"),
+      (tiny + ["env.urls=[http://:80]"], "env.urls: 'http://:80' is not a server's address"),
       (["--config", str(bad_yaml)], "cannot read config file"),
       (["--config", str(tmp_path / "missing.yaml")], "missing.yaml"),
       (["--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "empty"), "--resume"],

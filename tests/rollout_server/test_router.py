@@ -504,6 +504,26 @@ def test_a_client_waits_for_a_server_that_is_still_starting(random_params, token
     orch.stop()
 
 
+def test_a_client_given_a_service_that_is_no_rollout_server_says_so_as_a_setting():
+  """An environment worker given as serving.urls answered /health, and its 404 on the
+  first weight update read as an outage (exit 3), where the reverse mistake is a
+  setting's (a new user): it is refused at the wait, as a refusal the run names under
+  serving.urls (exit 2)."""
+  import asyncio
+
+  from fastapi import FastAPI
+
+  from rollout_server.client import GenerateError, HttpClient
+
+  worker = FastAPI()
+  worker.get("/health")(lambda: {"status": "ok", "sessions": 0, "call_wall_s": 0.0})
+  with ServerThread(worker) as other:
+    with pytest.raises(GenerateError, match=f"{other.url} answers /health but is not a "
+                                            r"rollout server or router") as e:
+      asyncio.run(HttpClient(other.url).wait_ready(5.0, print))
+  assert e.value.kind == "request_refused"
+
+
 def test_a_turn_whose_client_gave_up_is_cancelled_at_its_backend_and_the_backend_stays():
   """A turn has no short read bound (it is as long as its tokens; its client asks how it
   stands), so a client that gives up must not leave the router waiting on the backend:
