@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import subprocess
@@ -75,6 +76,8 @@ from jaxagent import control
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard, name_deep_bodies
 from jaxagent.errors import InfraError
 from jaxagent.tls import shared_tls
+
+log = logging.getLogger(__name__)
 
 
 class CreateBody(BaseModel):
@@ -495,6 +498,9 @@ class RemoteEnv:
   # Per worker URL, its wall (WALL_FACTOR deadlines): past it and a margin, the client
   # asks whether the call still runs.
   _call_walls: dict[str, float] = {}
+  # The worker URLs this process found unreachable, said once an outage (a worker killed
+  # for 15 s was seen only in a step's time and its drops' counts: a new user).
+  _unreachable: set[str] = set()
 
   def __init__(self, url: str, *, timeout_s: float = 180.0,
                client: Optional[httpx.AsyncClient] = None,
@@ -534,7 +540,15 @@ class RemoteEnv:
       sent = self._client.request(method, self.url + path, **kw)
       r = await (self._answer(sent, patience, path) if runs_on else sent)
     except httpx.HTTPError as e:
+      if isinstance(e, httpx.ConnectError) and self.url not in self._unreachable:
+        self._unreachable.add(self.url)
+        log.warning(f"environment worker {self.url} is unreachable ({type(e).__name__}: "
+                    f"{e}): its episodes are dropped as the infrastructure's and their "
+                    "tasks played again")
       raise InfraError("env_worker", f"{self.url}{path}: {type(e).__name__}: {e}") from e
+    if self.url in self._unreachable:
+      self._unreachable.discard(self.url)
+      log.warning(f"environment worker {self.url} answers again")
     if r.status_code == 404 and self.session_id and self.session_id in path:
       raise SessionLost(r.json().get("detail", r.text))
     if r.status_code >= 400:

@@ -428,15 +428,34 @@ def test_a_session_lives_as_long_idle_as_its_client_asks_from_its_last_calls_end
     assert asyncio.run(remote())
 
 
-def test_an_unreachable_worker_is_infrastructure():
+def test_an_unreachable_worker_is_infrastructure_said_once_an_outage(caplog):
+  """A worker killed for 15 s was seen only in a step's time and its drops' counts (a new
+  user): its outage is said once, and its return."""
   from jaxagent.errors import InfraError
   from jaxagent.launch import free_port
 
-  env = RemoteEnv(f"http://127.0.0.1:{free_port()}", timeout_s=5)
-  with pytest.raises(InfraError) as e:
-    asyncio.run(env.reset(TaskSpec("t", "guess_number", {"secret": 3})))
-  assert e.value.kind == "env_worker" and "ConnectError" in str(e.value)
+  port = free_port()
+  url = f"http://127.0.0.1:{port}"
+  task = TaskSpec("t", "guess_number", {"secret": 3})
+  for _ in range(2):
+    env = RemoteEnv(url, timeout_s=5)
+    with pytest.raises(InfraError) as e:
+      asyncio.run(env.reset(task))
+    assert e.value.kind == "env_worker" and "ConnectError" in str(e.value)
   assert issubclass(SessionLost, InfraError)
+  said = [r.getMessage() for r in caplog.records if r.name == "envs.server"]
+  assert len(said) == 1 and said[0].startswith(f"environment worker {url} is unreachable "
+                                               "(ConnectError"), said
+
+  async def back():
+    env = RemoteEnv(url, timeout_s=5)
+    await env.reset(task)
+    await env.aclose()
+
+  with ServerThread(create_app(EnvResources(sandboxes=1)), port=port):
+    asyncio.run(back())
+  said = [r.getMessage() for r in caplog.records if r.name == "envs.server"]
+  assert said[1:] == [f"environment worker {url} answers again"], said
 
 
 def test_a_call_ends_within_two_deadlines_and_closing_cancels_it_first():
