@@ -3,7 +3,7 @@
 Each task is played with scripted agents: the reference policy
 (`Env.reference_action`) must pass, and the no-op agent (empty replies) and the
 environment's shortcuts (`Env.shortcuts`: an own python_tests task's constant
-answers, its first argument given back) must not. A task that fails either check is dropped, with the reason reported; a
+answers, its first argument given back) must not. A task that fails any check is dropped, with the reason reported; a
 grader infrastructure error is reported as such, not as a bad task.
 """
 

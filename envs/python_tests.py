@@ -17,6 +17,7 @@ import concurrent.futures
 import difflib
 import functools
 import hashlib
+import inspect
 import json
 import keyword
 import math
@@ -48,10 +49,10 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
   """A task's (name, description, reference solution, public test, hidden cases) and its
   function's name: a bundled task by `params.task`, or the task file's own (`prompt`,
   `function`, `tests`: [[args], expected] pairs, compared by type and value, so a JSON
-  list expects a list; optional `public_test`, code the model may run, by default an
-  assert of the first case where there are several, and `reference`, a solution
-  `envs.filter` checks). A bad one is a ValueError naming what (an own task was "unknown
-  python_tests task None": a new user)."""
+  list expects a list; optional `public_test`, code the model may run, by default a
+  check of the first case where there are several (`default_public_test`), and
+  `reference`, a solution `envs.filter` checks). A bad one is a ValueError naming what
+  (an own task was "unknown python_tests task None": a new user)."""
   p = task.params
   if "task" in p:
     task_known(p, ("task", "max_turns"), task.id)
@@ -96,7 +97,7 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
     raise ValueError(f"task {task.id}: tests: a correct answer's results take about {takes} "
                      f"bytes, more than the grader reads ({MAX_REPORT_BYTES}): fewer or "
                      "smaller cases")
-  # (by default an assert of the first case: of a task's only case, none, or the answer
+  # (by default a check of the first case: of a task's only case, none, or the answer
   # written back passed it: a reviewer)
   public = p["public_test"] if "public_test" in p else (
       default_public_test(fn, cases) if len(cases) > 1 else "")
@@ -122,21 +123,34 @@ MAX_OWN_CODE_BYTES = 64 << 10  # of a task's own public test or reference (the p
 DEFAULT_PUBLIC_CHARS = 1000  # the longest default public test (the prompt shows it)
 
 
+GRADING = "_grading.py"  # the grader's comparison, for the default public test
+
+
+def grading_module() -> str:
+  """`_grading.py`: the grader's own codec and comparison (`envs.values`, which the
+  harness carries into the sandbox too), and `graded_equal(got, expected)`, what the
+  hidden tests ask of each case."""
+  return (inspect.getsource(values) + "\n\ndef graded_equal(got, expected):\n"
+          "  \"\"\"Whether `got` passes for `expected` as the hidden tests compare: type and "
+          "value, floats within 1e-9.\"\"\"\n"
+          "  return strict_equal(decode(json.loads(json.dumps(encode(got)))), expected)\n")
+
+
+def checker_name(fn: str) -> str:
+  """The default public test's comparison's name: `graded_equal`, unless that is the
+  task's function's."""
+  return "graded_equal" if fn != "graded_equal" else "graded_equal_"
+
+
 def default_public_test(fn: str, cases: list) -> str:
   """An own task's public test by default: its first case whose test is short (a case of
-  300,000 numbers made a 2 MB test file, refused as the episode began), checked as the
-  grader checks it, type and value (`==` passed 3.0 for 6 and failed 0.1 + 0.2 for 0.3,
-  which the grader passes); none where no case's is short."""
+  300,000 numbers made a 2 MB test file, refused as the episode began), compared as the
+  grader compares (`==` passed 3.0 for 6 and failed 0.1 + 0.2 for 0.3, which the grader
+  passes; a test's own names shadowed a function named `result` or `math`); none where no
+  case's is short."""
+  check = checker_name(fn)
   for args, expected in cases:
-    call = f"{fn}({', '.join(map(_literal, args))})"
-    if expected is None:
-      test = f"assert {call} is None"
-    elif type(expected) is float:
-      test = (f"import math\nresult = {call}\nassert type(result) is float and math.isclose("
-              f"result, {_literal(expected)}, rel_tol=1e-9, abs_tol=1e-12), result")
-    else:
-      test = (f"result = {call}\nassert type(result) is {type(expected).__name__} and "
-              f"result == {_literal(expected)}, result")
+    test = f"assert {check}({fn}({', '.join(map(_literal, args))}), {_literal(expected)})"
     if len(test) <= DEFAULT_PUBLIC_CHARS:
       return test
   return ""
@@ -627,7 +641,7 @@ class PythonTests(Env):
     ])
 
   async def _write_file(self, path: str, content: str) -> str:
-    if os.path.normpath(path) == PUBLIC_TESTS:  # (./test_public.py too)
+    if os.path.normpath(path) in (PUBLIC_TESTS, GRADING):  # (./test_public.py too)
       return f"error: {echoed(path)} is read-only"
     data = content.encode()
     await asyncio.to_thread(self.sandbox.write_file, path, data)
@@ -638,7 +652,13 @@ class PythonTests(Env):
     return _output(await self.sandbox.run([self.sandbox.python, "_run.py"]))
 
   def _write_public_tests(self) -> None:
-    self.sandbox.write_file(PUBLIC_TESTS, as_tests(self.spec[3], "public", self.fn))
+    check = checker_name(self.fn)
+    own = "task" not in self.task.params
+    self.sandbox.write_file(PUBLIC_TESTS, (
+        f"from _grading import graded_equal as {check}\n" if own else "")
+        + as_tests(self.spec[3], "public", self.fn))
+    if own:  # (its graded_equal, which the default public test asks)
+      self.sandbox.write_file(GRADING, grading_module())
 
   async def _run_public_tests(self) -> str:
     # The task's own public test, written again: tool code may have replaced the file.
@@ -666,6 +686,9 @@ class PythonTests(Env):
     self.sandbox = await self._lease.__aenter__()
     self._write_public_tests()
     user = self.spec[1] + (f"\nPublic test:\n{self.spec[3]}" if self.spec[3].strip() else "")
+    if "task" not in task.params and "public_test" not in task.params and self.spec[3]:
+      user += (f"\n({checker_name(fn)}: equal as the hidden tests compare, in type and "
+               "value, floats within 1e-9)")
     return Observation([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
                        self.tools.schemas())
 
@@ -686,7 +709,7 @@ class PythonTests(Env):
     (`solution.cpython-311-x86_64-linux-gnu.so`, which the sandbox's gcc can build and
     which Python imports before `solution.py`), would otherwise run in place of an
     innocent-looking solution.py."""
-    skip = {PUBLIC_TESTS, "_run.py", "_public_runner.py"}
+    skip = {PUBLIC_TESTS, GRADING, "_run.py", "_public_runner.py"}
     return {k: v for k, v in self.sandbox.files().items()
             if k not in skip and not k.endswith(_COMPILED) and "__pycache__" not in k.split("/")}
 
@@ -739,7 +762,11 @@ class PythonTests(Env):
       key = json.dumps(values.encode(expected))
       if key not in seen and len(seen) < 3:
         seen.add(key)
-        answers[f"returns {_literal(expected)[:40]} for every case"] = _literal(expected)
+        said = _literal(expected)
+        said = said if len(said) <= 40 else said[:37] + "..."
+        label = f"returns {said} for every case"  # (two alike at first: told apart)
+        answers[label if label not in answers else f"{label} ({len(seen)})"] = \
+            _literal(expected)
     write = {"name": "write_file", "arguments": {"path": "solution.py", "content": ""}}
     out = {}
     for what, answer in answers.items():

@@ -571,11 +571,17 @@ def test_an_own_tasks_large_cases_odd_names_and_answers_that_know_nothing():
     for tests, code, passes in (
         ([[[2], 6], [[1], 3]], "def f(x):\n    return 3.0 * x\n", False),
         ([[[0.1], 0.3], [[1], 1.0]], "def f(x):\n    return x + 0.2 if x < 1 else 1.0\n", True),
-        ([[[list(range(300_000))], 1], [[[1]], 1]], "def f(x):\n    return 1\n", True)):
+        ([[[list(range(300_000))], 1], [[[1]], 1]], "def f(x):\n    return 1\n", True),
+        # (a reviewer: what `type(result) is dict`, a top-level isclose and `==` missed)
+        ([[["ab"], {"a": 1, "b": 1}], [["a"], {"a": 1}]],
+         "from collections import Counter\ndef f(s):\n    return Counter(s)\n", True),
+        ([[[0.1], [0.3]], [[1], [1.0]]], "def f(x):\n    return [x + 0.2] if x < 1 else [1.0]\n",
+         True)):
       verdict, said = graded(own("f", tests), code, (run_public, "DONE"))
       assert ("test_public passed" in said[1]) is passes, said
       assert (verdict.status == VerdictStatus.PASS) is passes, verdict
-    for fn in ("test_x", "test_public"):  # (the solution's function is no test to run)
+    # (the solution's function is no test to run, nor shadowed by the test's names)
+    for fn in ("test_x", "test_public", "result", "math", "graded_equal"):
       verdict, said = graded(own(fn, [[[1], 2], [[2], 3]]),
                              f"def {fn}(x):\n    return x + 1\n", (run_public, "DONE"))
       assert verdict.status == VerdictStatus.PASS and "FAILED" not in said[1], said
