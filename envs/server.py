@@ -540,13 +540,14 @@ class RemoteEnv:
       sent = self._client.request(method, self.url + path, **kw)
       r = await (self._answer(sent, patience, path) if runs_on else sent)
     except httpx.HTTPError as e:
-      if isinstance(e, httpx.ConnectError) and self.url not in self._unreachable:
+      if (isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+          and self.url not in self._unreachable):
         self._unreachable.add(self.url)
         log.warning(f"environment worker {self.url} is unreachable ({type(e).__name__}: "
                     f"{e}): its episodes are dropped as the infrastructure's and their "
                     "tasks played again")
       raise InfraError("env_worker", f"{self.url}{path}: {type(e).__name__}: {e}") from e
-    if self.url in self._unreachable:
+    if self.url in self._unreachable and r.status_code < 500:  # (not a proxy's 502)
       self._unreachable.discard(self.url)
       log.warning(f"environment worker {self.url} answers again")
     if r.status_code == 404 and self.session_id and self.session_id in path:

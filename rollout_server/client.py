@@ -381,8 +381,6 @@ class HttpClient:
       try:
         r = await self._client.get(f"{self.url}/health", timeout=5.0)
         if r.status_code == 200:
-          if said:
-            say(f"{self.url} is ready")
           try:
             health = r.json()
           except ValueError:  # (not a server of ours: its first call will say)
@@ -397,6 +395,8 @@ class HttpClient:
                                           self.control_token)
           if problem:
             raise GenerateError(problem, "request_refused")
+          if said:  # (after the checks: "ready", then a refusal, read oddly)
+            say(f"{self.url} is ready")
           return
         last = f"HTTP {r.status_code}: {r.text[:200]}"
       except httpx.HTTPError as e:
