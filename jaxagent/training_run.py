@@ -37,6 +37,7 @@ from jaxagent.errors import (InfraError, NonFiniteUpdate, PeerFailed, PeerLost, 
 from jaxagent.learner import Learner, loss_notes
 from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
                               plot_learning_curve, sync_file, token_staleness_metrics)
+from jaxagent.models.hf import declares_positions
 from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, restore, write_run_config
 from jaxagent.run_checks import check_lengths, served_scorers
@@ -260,7 +261,7 @@ class TrainingRun:
       except ValueError as e:  # a bad line, an unknown environment, no tasks
         raise config_lib.ConfigError(f"data.tasks: {e}") from None
       model_cfg, params, tokenizer = build_model(cfg.model, self.mesh, tools=tools)
-      if cfg.model.checkpoint is not None:
+      if cfg.model.checkpoint is not None and declares_positions(cfg.model.checkpoint):
         check_lengths(cfg, checkpoint_positions=model_cfg.max_seq_len)
     except IsolationUnavailable as e:  # the tasks run code and this host cannot isolate it
       close_envs()

@@ -343,3 +343,12 @@ def test_contexts_past_a_checkpoints_positions_are_named_at_the_start(tmp_path, 
                             "checkpoint's), and its contexts run to 192 (data.seq_len, "
                             "serving.engine.max_seq_len)"), err
   assert "model.max_seq_len=192" in err[-1]
+  # A config.json that says no positions: its ModelConfig's 2048 is no word of the
+  # checkpoint's, nothing is refused for it (a reviewer).
+  from jaxagent.models.hf import declares_positions
+
+  assert declares_positions(str(tmp_path / "ckpt")) and declares_positions("x.gguf")
+  config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+  del config["max_position_embeddings"]
+  (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+  assert not declares_positions(str(tmp_path / "ckpt"))

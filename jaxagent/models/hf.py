@@ -92,6 +92,20 @@ def params_from_hf(cfg: ModelConfig, get: Callable[[str], np.ndarray]
   return out
 
 
+def declares_positions(checkpoint: str) -> bool:
+  """Whether `model.checkpoint` says the positions it was made for (a HF directory's
+  config.json may not: its ModelConfig then holds a default, not the checkpoint's word; a
+  GGUF's converter writes its context length)."""
+  config_file = os.path.join(checkpoint, "config.json")
+  if not os.path.isdir(checkpoint) or not os.path.exists(config_file):
+    return True
+  try:
+    with open(config_file) as f:
+      return "max_position_embeddings" in json.load(f)
+  except (OSError, ValueError, TypeError):
+    return False
+
+
 def load_hf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES,
             **config_overrides) -> tuple[ModelConfig, Params]:
   """Loads a HF checkpoint directory (`config.json` + `*.safetensors`), sharded on load."""
