@@ -33,6 +33,29 @@ def test_clean_turns_make_one_exact_segment():
   assert (seg.task_id, seg.group_id, seg.rollout_id, seg.reward) == ("t", "g", "s", 1.0)
 
 
+def test_a_re_rendered_last_token_realigns_within_its_budget_exactly():
+  """The next prompt differs from the turn's output only in its last token (a stop token
+  re-rendered): a REALIGN that trains the tokens the next prompt holds, at a drift of
+  exactly `realign_max_tokens` too ("at most"); one past it forks. (Tests by mutation: a
+  CLEAN check blind to the last token, and the budget taken as "under", passed.)"""
+  from jaxagent.trajectory import _common_prefix
+
+  for budget, want in ((1, [CLEAN, REALIGN]), (0, [CLEAN])):
+    m = TrajectoryManager("s", realign_max_tokens=budget)
+    m.add_turn(turn([1, 2, 3], [4, 5, 6]))
+    m.add_turn(turn([1, 2, 3, 4, 5, 9, 7], [8]))
+    segs = m.segments(status="completed", reward=1.0)
+    assert segs[0].decisions == want, (budget, [s.decisions for s in segs])
+    if budget:
+      assert segs[0].tokens.tolist() == [1, 2, 3, 4, 5, 9, 7, 8]
+      assert segs[0].loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
+    else:
+      assert [s.decisions for s in segs] == [[CLEAN], [FORK]]
+  for a, b, n in (([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2], [1, 2], 2), ([], [1], 0),
+                  ([1, 2, 3], [1, 9, 3], 1), ([5], [6], 0)):
+    assert _common_prefix(a, b) == _common_prefix(b, a) == n
+
+
 @pytest.fixture(scope="module")
 def smollm2():
   from jaxagent.models import hf

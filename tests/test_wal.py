@@ -274,3 +274,44 @@ def test_a_log_whose_first_line_is_damaged_is_still_forgotten_by_its_key(tmp_pat
   open(log.path, "wb").write(bytes(raw))
   assert wal.forget([wal.key("g")]) == 1
   assert wal.pending() == []
+
+
+def test_a_replay_checks_the_rebuilt_prompts_tokens_not_only_their_count(tmp_path):
+  """A rebuilt prompt of the logged length but other tokens is refused (its logged
+  log-probs were of another context); the logged prompt itself replays. (Tests by
+  mutation: a check of the length alone passed.)"""
+  wal = TokenWAL(str(tmp_path))
+  engine = ScriptedEngine(["8", "11"])
+  play(engine, log=wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0))
+  prompt = list(engine.prompts[0])
+  (replay,) = wal.pending()
+  with pytest.raises(ValueError, match="turn 0: the rebuilt prompt differs"):
+    replay.next_turn(prompt[:-1] + [prompt[-1] + 1])
+  (replay,) = wal.pending()
+  assert replay.next_turn(prompt).output_ids
+
+
+def test_the_wal_syncs_each_record_and_each_cut_only_when_asked(tmp_path, monkeypatch):
+  """`checkpoint.wal_fsync` on: every record is on disk before its side effect (an fsync
+  a record), and a resume's cut of the logs is synced before it replaces them; off: no
+  record waits on the disk. (Tests by mutation: both fsyncs dropped passed.)"""
+  synced = []
+  monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+  for fsync, where in ((True, "on"), (False, "off")):
+    synced.clear()
+    wal = TokenWAL(str(tmp_path / where), fsync=fsync)
+    log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
+    play(ScriptedEngine(["8", "11"]), log=log)
+    assert len(synced) == (len(read_log(log.path)) if fsync else 0), (where, synced)
+  synced.clear()
+  TokenWAL(str(tmp_path / "off"), fsync=False).set_aside(version=4)  # (turns of 5: cut)
+  assert len(synced) == 1
+
+
+def test_a_bare_group_id_forgets_any_runs_log_of_it(tmp_path):
+  wal = TokenWAL(str(tmp_path))
+  for group in ("g1", "g2"):
+    play(ScriptedEngine(["11"]), log=wal.open(f"{group}-0", group_id=group,
+                                               task=TASK.to_dict(), episode=int(group[1])))
+  assert TokenWAL(str(tmp_path)).forget(["g1"]) == 1
+  assert [r.start["group_id"] for r in wal.pending()] == ["g2"]
