@@ -3,8 +3,9 @@
 Each task is played with scripted agents: the reference policy
 (`Env.reference_action`) must pass, and the no-op agent (empty replies) and the
 environment's shortcuts (`Env.shortcuts`: an own python_tests task's constant
-answers, its first argument given back) must not. A task that fails any check is dropped, with the reason reported; a
-grader infrastructure error is reported as such, not as a bad task.
+answers, its first argument given back) must not. A task that fails any check is
+dropped, with the reason reported; a grader infrastructure error is reported as such,
+not as a bad task.
 """
 
 from __future__ import annotations
@@ -14,20 +15,25 @@ import asyncio
 import json
 import os
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from envs.base import (BAD_TASK, CannotStart, EnvResources, TaskSpec, Verdict, VerdictStatus,
                        add_import_flag, cannot_start, load_modules, load_tasks, make,
                        write_tasks)
 
 
-async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Verdict:
+async def play(task: TaskSpec, policy: Callable, resources: EnvResources,
+               shortcuts: Optional[dict] = None) -> Verdict:
+  """`task` played by `policy` (env -> action) to its verdict; `shortcuts`, given, gets
+  the environment's (`Env.shortcuts`) once it is reset."""
   env = make(task.env, resources)
   try:
     try:
       await env.reset(task)
     except BAD_TASK as e:
       raise cannot_start(task, e) from e
+    if shortcuts is not None:
+      shortcuts.update(env.shortcuts())
     while not env.done:
       await env.step(policy(env))
     return await env.verify()
@@ -35,14 +41,9 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources) -> Ver
     await env.close()
 
 
-async def _shortcuts_passing(task: TaskSpec, resources: EnvResources) -> list[str]:
-  """The environment's shortcuts of `task` (`Env.shortcuts`) that pass, each played."""
-  env = make(task.env, resources)
-  try:
-    await env.reset(task)
-    shortcuts = env.shortcuts()
-  finally:
-    await env.close()
+async def _shortcuts_passing(task: TaskSpec, shortcuts: dict,
+                             resources: EnvResources) -> list[str]:
+  """Those of the environment's `shortcuts` of `task` that pass, each played."""
   passed = []
   for what, actions in shortcuts.items():
     script = iter(actions)
@@ -61,12 +62,13 @@ async def check(task: TaskSpec, resources: EnvResources) -> dict:
       ref = await play(task, lambda env: env.reference_action(), resources)
     except NotImplementedError as e:
       ref, note = None, f"no reference: {e or 'no reference_action'}; the no-op check only"
-    noop = await play(task, lambda env: "", resources)
+    shortcuts: dict = {}
+    noop = await play(task, lambda env: "", resources, shortcuts)
   except CannotStart as e:  # dropped with its reason (it was a traceback)
     return {"id": task.id, "keep": False, "reasons": [f"cannot start: {e.why}"],
             "reference": "-", "noop": "-"}
   reasons = []
-  passed = await _shortcuts_passing(task, resources)
+  passed = await _shortcuts_passing(task, shortcuts, resources)
   if passed:
     reasons.append(f"an answer that knows nothing passes: {passed[0]}")
   infra = [v for v in (ref, noop) if v is not None and v.is_infra_error]

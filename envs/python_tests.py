@@ -81,18 +81,18 @@ def task_spec(task: TaskSpec) -> tuple[tuple, str]:
     raise ValueError(f"task {task.id}: function must be a Python name, got {fn!r:.80}")
   if not isinstance(tests, list) or not tests:
     raise ValueError(f"task {task.id}: tests must be a non-empty list of [[args], expected]")
-  cases = []
+  cases, encoded = [], []
   for i, case in enumerate(tests):
     if not (isinstance(case, list) and len(case) == 2 and isinstance(case[0], list)):
       raise ValueError(f"task {task.id}: tests[{i}] must be [[args], expected], got "
                        f"{case!r:.80}")
     try:
       values.encode(tuple(case[0]))
-      values.encode(case[1])
+      encoded.append(values.encode(case[1]))
     except (TypeError, ValueError) as e:
       raise ValueError(f"task {task.id}: tests[{i}]: {e}") from None
     cases.append((tuple(case[0]), case[1]))
-  takes = report_bytes([e for _, e in cases])
+  takes = report_bytes(encoded)
   if takes > MAX_REPORT_BYTES:  # (a correct answer's results overflow: it never passes)
     raise ValueError(f"task {task.id}: tests: a correct answer's results take about {takes} "
                      f"bytes, more than the grader reads ({MAX_REPORT_BYTES}): fewer or "
@@ -126,6 +126,7 @@ DEFAULT_PUBLIC_CHARS = 1000  # the longest default public test (the prompt shows
 GRADING = "_grading.py"  # the grader's comparison, for the default public test
 
 
+@functools.cache
 def grading_module() -> str:
   """`_grading.py`: the grader's own codec and comparison (`envs.values`, which the
   harness carries into the sandbox too), and `graded_equal(got, expected)`, what the

@@ -404,12 +404,11 @@ def report_line_bytes(max_report_bytes: int) -> int:
   return max_report_bytes + (64 << 10)
 
 
-def report_bytes(expected: Sequence[Any]) -> int:
-  """About what a report of these expected values takes of what the harness reads (each
-  case's line as the harness writes it): a task whose correct answers do not fit can
-  never pass."""
-  lines = sum(len(json.dumps({"i": i, "value": values.encode(e)})) + 1
-              for i, e in enumerate(expected))
+def report_bytes(encoded: Sequence[Any]) -> int:
+  """About what a report of these expected values (`values.encode`d) takes of what the
+  harness reads (each case's line as the harness writes it): a task whose correct
+  answers do not fit can never pass."""
+  lines = sum(len(json.dumps({"i": i, "value": e})) + 1 for i, e in enumerate(encoded))
   return lines + lines // 10 + 256  # (a float a correct answer prints longer, 0.1 + 0.2)
 
 
