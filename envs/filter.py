@@ -30,10 +30,10 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources,
   try:
     try:
       await env.reset(task)
+      if shortcuts is not None:  # (an environment's bug there is its task's failure to start)
+        shortcuts.update(env.shortcuts())
     except BAD_TASK as e:
       raise cannot_start(task, e) from e
-    if shortcuts is not None:
-      shortcuts.update(env.shortcuts())
     while not env.done:
       await env.step(policy(env))
     return await env.verify()

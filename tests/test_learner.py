@@ -393,8 +393,13 @@ def test_packing_places_each_segment_whole_by_first_fit(decreasing):
     ids = batch.segment_ids[r, sl]
     assert len(set(ids.tolist())) == 1 and ids[0] > 0
     assert (batch.segment_ids[r][~used[r]] != ids[0]).all() or used[r].all()
-  assert not batch.loss_mask[~used].any() and not batch.tokens[~used].any()
-  assert not batch.segment_ids[~used].any()
+  for name in ("tokens", "positions", "segment_ids", "loss_mask", "rollout_logp",
+               "advantages", "rollout_weight"):  # (nothing elsewhere)
+    assert not getattr(batch, name)[~used].any(), name
+  assert (batch.versions[~used] == -1).all()
+  for r in range(rows):  # segment ids 1, 2, ... in the order placed in the row
+    mine = sorted((start[i], i) for i in range(len(segs)) if expect[i] == r)
+    assert [int(batch.segment_ids[r, s]) for s, _ in mine] == list(range(1, len(mine) + 1))
   for rid in {s["rollout_id"] for s, r in zip(segs, expect) if r >= 0}:  # weights
     mine = [(i, s) for i, s in enumerate(segs) if s["rollout_id"] == rid and expect[i] >= 0]
     tokens = sum(s["loss_mask"].sum() for _, s in mine)

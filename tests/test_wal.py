@@ -291,7 +291,7 @@ def test_a_replay_checks_the_rebuilt_prompts_tokens_not_only_their_count(tmp_pat
   assert replay.next_turn(prompt).output_ids
 
 
-def test_the_wal_syncs_each_record_and_each_cut_only_when_asked(tmp_path, monkeypatch):
+def test_the_wal_syncs_each_record_only_when_asked_and_every_cut(tmp_path, monkeypatch):
   """`checkpoint.wal_fsync` on: every record is on disk before its side effect (an fsync
   a record), and a resume's cut of the logs is synced before it replaces them; off: no
   record waits on the disk. (Tests by mutation: both fsyncs dropped passed.)"""
@@ -302,7 +302,8 @@ def test_the_wal_syncs_each_record_and_each_cut_only_when_asked(tmp_path, monkey
     wal = TokenWAL(str(tmp_path / where), fsync=fsync)
     log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
     play(ScriptedEngine(["8", "11"]), log=log)
-    assert len(synced) == (len(read_log(log.path)) if fsync else 0), (where, synced)
+    turns = sum(r["kind"] == "turn" for r in read_log(log.path))
+    assert (len(synced) >= turns > 0) if fsync else not synced, (where, synced)
   synced.clear()
   TokenWAL(str(tmp_path / "off"), fsync=False).set_aside(version=4)  # (turns of 5: cut)
   assert len(synced) == 1
