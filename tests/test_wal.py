@@ -188,6 +188,15 @@ def test_a_second_resume_never_replays_turns_of_weights_the_first_gave_up(tmp_pa
   records = read_log(str(tmp_path / "replaying" / "g6.jsonl"))
   assert [r["kind"] for r in records if r["session"] == "g6-0-r0"] == ["start", "turn", "obs"]
   assert not [n for n in os.listdir(tmp_path / "replaying") if not n.endswith(".jsonl")]
+  # Logs already set aside are cut too: a resume whose latest checkpoint was unreadable
+  # restores an older one, below the versions an earlier resume's cut kept. (Tests by
+  # mutation: a cut of the live logs alone passed.)
+  write("g7.jsonl", "g7-0-r0", "c", [1, 2, 3])
+  TokenWAL(str(tmp_path)).set_aside(3)  # (nothing of g7 cut: all at or below 3)
+  TokenWAL(str(tmp_path)).set_aside(1)  # (fallen back to version 1)
+  aside = [r for name in os.listdir(tmp_path / "replaying") if name.endswith(".jsonl")
+           for r in read_log(str(tmp_path / "replaying" / name))]
+  assert [r["versions"] for r in aside if r["kind"] == "turn"] == [[1], [1]]
 
 
 def test_the_logs_of_groups_a_checkpoint_trained_on_are_forgotten_by_their_keys(tmp_path):
