@@ -325,3 +325,33 @@ def test_a_bare_group_id_forgets_any_runs_log_of_it(tmp_path):
                                                task=TASK.to_dict(), episode=int(group[1])))
   assert TokenWAL(str(tmp_path)).forget(["g1"]) == 1
   assert [r.start["group_id"] for r in wal.pending()] == ["g2"]
+
+
+def test_an_episode_whose_start_is_lost_is_played_again_and_clear_leaves_no_cut(tmp_path):
+  """An episode whose start record is damaged (its task and index unknown) is not a
+  replay: it is played again. `clear` also removes a cut a crash left half made, and the
+  WAL holds no more files open than its limit. (Tests by mutation: each survived.)"""
+  wal = TokenWAL(str(tmp_path))
+  for session, episode in (("s1", 0), ("s2", 1)):
+    play(ScriptedEngine(["8", "11"]), log=wal.open(session, group_id="g",
+                                                   task=TASK.to_dict(), episode=episode))
+  path = wal._path("g")
+  lines = open(path, "rb").read().splitlines(keepends=True)
+  start1 = next(i for i, line in enumerate(lines)
+                if json.loads(line)["kind"] == "start" and json.loads(line)["session"] == "s1")
+  lines[start1] = b"#" + lines[start1]
+  open(path, "wb").writelines(lines)
+  assert [r.start["episode"] for r in wal.pending()] == [1]
+  (tmp_path / "g.jsonl.cut").write_text('{"kind": "start"')
+  (tmp_path / "notes.txt").write_text("kept")
+  wal.clear()
+  assert sorted(os.listdir(tmp_path)) == ["notes.txt"] and wal.pending() == []
+
+  few = TokenWAL(str(tmp_path / "few"))
+  few._open.limit = 3
+  for i in range(5):
+    few.open(f"s{i}", group_id=f"g{i}", task=TASK.to_dict(), episode=i)
+    assert len(few._open._held) == min(i + 1, 3)
+  assert list(few._open._held) == [few._path(f"g{i}") for i in (2, 3, 4)]
+  few.open("s9", group_id="g0", task=TASK.to_dict(), episode=9)  # (reopened, appended)
+  assert [r["session"] for r in read_log(few._path("g0"))] == ["s0", "s9"]
