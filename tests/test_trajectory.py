@@ -168,6 +168,10 @@ def test_branches_share_a_prefix_and_train_it_once():
   assert (b0.branch_id, b1.branch_id) == (0, 1)
   assert b1.parent_segment_id == b0.segment_id
   assert sub.agent_role == "subagent" and sub.rollout_id == b0.rollout_id
+  # A later branch hangs off the segment that trained its shared turn: a fork (the
+  # viewer counts it); a root of its own is clean. (Tests by mutation: CLEAN passed.)
+  assert (b0.decisions, b1.decisions, sub.decisions) == ([CLEAN, CLEAN], [FORK, CLEAN], [CLEAN])
+  assert sub.parent_segment_id is None
   assert a == 0
 
 
