@@ -978,3 +978,98 @@ def test_task_generators_write_only_where_told_and_reproduce_the_bundled_files(t
     assert r.returncode == 0 and r.stdout == f"wrote 256 tasks to {out}\n", r.stderr
     with open(os.path.join(REPO, "envs", "tasks", f"{name}.jsonl"), "rb") as f:
       assert out.read_bytes() == f.read(), name
+
+
+def test_calculator_ends_at_its_turn_budget_and_an_answer_after_it_is_not_read():
+  task = TaskSpec("c", "calculator", {"expression": "12 * 7 + 3", "max_turns": 2})
+  call = _call("calculate", expression="12 * 7 + 3")
+  _, steps, verdict = play(make("calculator"), task, [call, call, "ANSWER: 87"])
+  assert len(steps) == 2 and steps[-1].truncated and not steps[-1].terminated
+  assert steps[-1].info["truncation"] == "turn_budget"
+  assert verdict.status == VerdictStatus.FAIL and verdict.details["final"] is None
+
+
+def test_calculator_answers_near_zero_are_within_rounding_only_and_decimals_exact():
+  """A float answer (a fractional power's) near 0 is right within its rounding (1e-12),
+  not within a millionth: `ANSWER: 0` for 6.2e-8 is wrong. Decimals are read as written:
+  `0.1 * 3 * 1000000 - 300000` is 0 (its floats' 5.8e-11 refused a right 0)."""
+  for expression, said, want in (
+      ("2 ** 0.5 - 1.4142135", "0", "fail"), ("2 ** 0.5 - 1.4142135", "0.0000001", "fail"),
+      ("2 ** 0.5 - 1.4142135", "0.00000006237309513", "pass"),
+      ("2 ** 0.5 - 1.414213562373095", "0", "pass"), ("2 ** 0.5", "1.4142135623731", "pass"),
+      ("2 ** 0.5", "1.41421", "fail"), ("0.1 * 3 * 1000000 - 300000", "0", "pass"),
+      ("0.1 * 3 * 1000000 - 300000", "0.0000000000582", "fail")):
+    _, _, verdict = play(make("calculator"), TaskSpec("c", "calculator",
+                                                      {"expression": expression}),
+                         [f"ANSWER: {said}"])
+    assert verdict.status.value == want, (expression, said, verdict.details)
+
+
+def test_a_tool_command_the_sandbox_could_not_run_is_the_infrastructures(monkeypatch):
+  """`run_python` or the public tests that the sandbox could not run (no execution slot
+  in time, no start) end the episode as the infrastructure's failure (dropped, never
+  scored): not an output the policy is shown and the episode graded on."""
+  from envs.sandbox import ExecResult
+  from jaxagent.errors import InfraError
+
+  resources = EnvResources(sandboxes=1)
+  try:
+    env = make("python_tests", resources)
+
+    async def could_not_run(*args, **kwargs):
+      return ExecResult(command=["python3"], exit_code=None, signal=None, duration_s=0.0,
+                        timed_out=False, stdout="", stderr="", stdout_bytes=0,
+                        stderr_bytes=0, stdout_sha256="", stderr_sha256="",
+                        isolation="bwrap", error="no execution slot within 30 s")
+
+    async def go(call):
+      await env.reset(TaskSpec("p", "python_tests", {"task": "add"}))
+      monkeypatch.setattr(env.sandbox, "run", could_not_run)
+      monkeypatch.setattr(env.sandbox, "run_python", could_not_run)
+      try:
+        return await env.step(call)
+      finally:
+        await env.close()
+
+    for call in (_call("run_python", code="print(1)"), _call("run_public_tests")):
+      with pytest.raises(InfraError, match="no execution slot"):
+        asyncio.run(go(call))
+  finally:
+    resources.close()
+
+
+def test_guess_number_a_guess_already_ruled_out_keeps_the_range_and_pays_nothing():
+  """A guess the feedback had already excluded (below what is still possible, or above)
+  leaves the range as it was and rules out nothing: no process reward, never a
+  negative one, and the range said is still the one possible."""
+  task = TaskSpec("g", "guess_number", {"secret": 11, "process_reward": 1.0,
+                                        "feedback": "range"})
+  _, steps, verdict = play(make("guess_number"), task, ["8", "3", "16", "20", "11"])
+  assert [s.observation.messages[0]["content"] for s in steps] == [
+      "Higher: 9-16.", "Higher: 9-16.", "Lower: 9-15.", "Lower: 9-15.", "Correct!"]
+  assert [s.reward for s in steps] == pytest.approx([0.5, 0.0, 1 / 8, 0.0, 1.0])
+  assert verdict.status == VerdictStatus.PASS and verdict.details["guesses"] == [8, 3, 16, 20, 11]
+
+
+def test_an_own_task_without_hidden_cases_is_refused_as_it_is_read():
+  """A task with no hidden cases can never be graded (the grader calls it an
+  infra_error every time: a task dropped sample after sample, never scored): it is
+  refused when read, naming what."""
+  from envs.python_tests import task_spec
+
+  for tests in ([], None, {}):
+    with pytest.raises(ValueError, match=r"tests must be a non-empty list"):
+      task_spec(TaskSpec("t", "python_tests", {"prompt": "def f(x): x.", "function": "f",
+                                                "tests": tests}))
+
+
+def test_guess_number_reads_a_guess_as_long_as_the_widest_range_allows():
+  """Ranges reach +-(10^18 - 1): a secret of 18 digits is guessed by saying it (a
+  guess of 19 digits is refused as too long)."""
+  high = 10**18 - 1
+  task = TaskSpec("g", "guess_number", {"low": -high, "high": high, "secret": -high})
+  _, steps, verdict = play(make("guess_number"), task, [str(high), str(-high)])
+  assert [s.observation.messages[0]["content"] for s in steps] == ["Lower.", "Correct!"]
+  assert verdict.status == VerdictStatus.PASS
+  _, steps, _ = play(make("guess_number"), task, [str(10**18)])
+  assert steps[0].observation.messages[0]["content"] == "That number is too long."

@@ -630,3 +630,151 @@ def test_a_wrong_answer_that_fills_the_disk_unseen_fails_not_an_infra_error(own_
                       r"watch \(not dumpable\)", lines[3]), lines
   # ... but an agent the solution's tests start, which asks not to be, stays dumpable.
   assert lines[4] == "pass None", lines
+
+
+def test_floats_match_within_the_graders_tolerance_and_nan_only_nan():
+  """A float is right within a relative 1e-9 (or 1e-12 of nothing, a sum's rounding near
+  0); not within a millionth. NaN is right for NaN only: a NaN returned for any float
+  case passed it (red team 48), and a right NaN must not fail."""
+  from envs.values import decode, encode, strict_equal
+  nan, inf = float("nan"), float("inf")
+  assert strict_equal(nan, decode(encode(nan))) and strict_equal([1.0, nan], [1.0, nan])
+  for right in (1.5, 0.0, inf, -inf):
+    assert not strict_equal(nan, right) and not strict_equal(right, nan), right
+  assert strict_equal(inf, inf) and not strict_equal(inf, -inf)
+  assert strict_equal(0.1 + 0.2, 0.3) and strict_equal(1e6, 1e6 * (1 + 1e-10))
+  assert strict_equal(0.0, 1e-13) and strict_equal(0.1 + 0.2 - 0.3, 0.0)  # (5.6e-17)
+  assert not strict_equal(1.0, 1.0 + 1e-7) and not strict_equal(1e6, 1e6 + 0.5)
+  assert not strict_equal(0.0, 1e-9) and not strict_equal(1e-9, 2e-9)
+  # As the host grades a report: a NaN for a float case fails, a NaN for a NaN passes.
+  t = HiddenTests("f", [((1,), 2.5)])
+  report = lambda value: "START\n" + json.dumps({
+      "results": {"0": {"value": value}}, "import_error": None, "child": {"exit": 0},
+      "overflow": False, "odd_names": [], "read_names": ["at_end", "imported"]}) + "\n"
+  assert classify(_result(report(["float", "nan"])), t, "e").status == VerdictStatus.FAIL
+  assert classify(_result(report(["float", "nan"])), HiddenTests("f", [((1,), nan)]),
+                  "e").status == VerdictStatus.PASS
+
+
+def test_set_items_match_in_type_and_container_subclasses_are_refused():
+  """A set is right when its items are, each of its type: `{True, 2}` is not `{1, 2}`
+  (`==` says it is, as it says `{1.0} == {1}`: a set of bools or floats passed for ints;
+  red team 48)."""
+  from envs.values import decode, encode, strict_equal
+  assert strict_equal({1, 2}, decode(encode({2, 1})))
+  assert strict_equal(frozenset({"a", (1, 2)}), decode(encode(frozenset({(1, 2), "a"}))))
+  assert not strict_equal({1, 2}, {True, 2}) and not strict_equal({True, 2}, {1, 2})
+  assert not strict_equal({1}, {1.0}) and not strict_equal(frozenset({0}), frozenset({False}))
+  assert not strict_equal({(1, 2)}, {(1.0, 2)})
+  # A list or tuple subclass is not plain data (as an int subclass is not): its own
+  # `__iter__` says what it holds.
+  for cls in (list, tuple):
+    with pytest.raises(TypeError):
+      encode(type("list", (cls,), {"__iter__": lambda self: iter([1])})([2]))
+
+
+def test_json_depth_counts_every_level_and_decode_refuses_past_max_depth():
+  """The harness turns a result nested past what the host reads into an error by
+  `json_depth`: it must count each list and dict level, however deep."""
+  from envs.values import MAX_DEPTH, MAX_JSON_DEPTH, encode, json_depth
+  assert json_depth(3) == 0 and json_depth([]) == 1 and json_depth({}) == 1
+  assert json_depth([[1, {"a": [2]}], []]) == 4
+  deep = []
+  for _ in range(5000):  # (past the recursion limit: counted, not raised)
+    deep = [deep]
+  assert json_depth(deep) == 5001
+  value = 0
+  for _ in range(MAX_DEPTH):
+    value = {0: value}  # (a dict level: three of JSON's)
+  assert MAX_DEPTH < json_depth(encode(value)) <= MAX_JSON_DEPTH
+  # What the host decodes is bounded as what the harness encodes: a value nested past
+  # MAX_DEPTH (a line the solution's process forged) is malformed, not read.
+  from envs.values import decode
+  data = ["none"]
+  for _ in range(MAX_DEPTH + 1):
+    data = ["list", [data]]
+  with pytest.raises(ValueError, match="malformed"):
+    decode(data)
+  assert decode(data[1][0]) == decode(encode(decode(data[1][0])))
+
+
+def test_a_partial_pass_pays_nothing_and_an_overflowed_report_never_passes():
+  """Every case must be right for the reward: two of three right is a fail paid 0 (not
+  2/3), and results that overflowed what the harness reads fail however right they
+  are."""
+  t = HiddenTests("add", [((1, 2), 3), ((2, 2), 4), ((3, 3), 6)])
+
+  def report(results, overflow=False):
+    return "START\n" + json.dumps({"results": results, "import_error": None,
+                                   "child": {"exit": 0}, "overflow": overflow,
+                                   "odd_names": [], "read_names": ["at_end", "imported"]}) + "\n"
+
+  right = {str(i): {"value": ["int", str(v)]} for i, v in enumerate((3, 4, 6))}
+  ok = classify(_result(report(right)), t, "e")
+  assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
+  for last in ({"value": ["int", "7"]}, {"error": "ValueError: no"}):
+    v = classify(_result(report({**right, "2": last})), t, "e")
+    assert v.status == VerdictStatus.FAIL and v.reward == 0.0 and v.details["passed"] == 2
+  v = classify(_result(report({k: right[k] for k in ("0", "1")})), t, "e")
+  assert v.status == VerdictStatus.FAIL and v.reward == 0.0 and v.details["passed"] == 2
+  v = classify(_result(report(right, overflow=True)), t, "e")
+  assert v.status == VerdictStatus.FAIL and v.reward == 0.0 and v.details["overflow"]
+  assert "overflowed" in v.details["reason"]
+
+
+def test_output_past_what_the_host_keeps_is_an_overflow_fail_not_a_dead_harness():
+  """Stdout past what the sandbox kept (`stdout_bytes` over what came back) can only be
+  the solution's doing: a fail, never an infra_error for the report cut short, and never
+  a pass for the part that was kept."""
+  t = HiddenTests("add", [((1, 2), 3)])
+  whole = "START\n" + json.dumps({"results": {"0": {"value": ["int", "3"]}},
+                                  "import_error": None, "child": {"exit": 0},
+                                  "overflow": False, "odd_names": [],
+                                  "read_names": ["at_end", "imported"]}) + "\n"
+  assert classify(_result(whole), t, "e").status == VerdictStatus.PASS
+  for kept in (whole, whole[:len(whole) // 2]):
+    v = classify(_result(kept, stdout_bytes=len(whole) + 4096), t, "e")
+    assert v.status == VerdictStatus.FAIL and v.reward == 0.0, v.details
+    assert v.details["overflow"] and "overflowed the output kept" in v.details["reason"]
+
+
+def test_files_that_cannot_be_copied_to_grade_fail_and_a_failing_disk_is_the_hosts():
+  """A file name too long, or a file too large, for a workspace like the episode's is
+  the files' doing wherever they are graded (a fail, not an infra_error re-rolled every
+  retry); a full disk under a quota of the workspace's own too; a disk that fails (EIO)
+  is the host's."""
+  import errno
+
+  class Refusing:
+    def __init__(self, code, has_quota):
+      self.code, self.has_quota = code, has_quota
+
+    def write_file(self, name, data):
+      raise OSError(self.code, os.strerror(self.code))
+
+  def grade_in(code, has_quota):
+    return asyncio.run(PythonTestVerifier(pool=None).grade_in(
+        Refusing(code, has_quota), {"solution.py": b"x = 1\n"}, None, env_version="x"))
+
+  for code in (errno.ENAMETOOLONG, errno.EFBIG):
+    for has_quota in (True, False):
+      verdict = grade_in(code, has_quota)
+      assert verdict.status == VerdictStatus.FAIL and verdict.reward == 0.0, (code, has_quota)
+      assert os.strerror(code) in verdict.details["reason"]
+  assert grade_in(errno.EDQUOT, True).status == VerdictStatus.FAIL
+  for code, has_quota in ((errno.EDQUOT, False), (errno.EIO, True), (errno.EIO, False)):
+    with pytest.raises(OSError):  # (`grade` makes it an infra error, retried)
+      grade_in(code, has_quota)
+
+
+def test_a_correct_answer_that_fills_what_the_harness_reads_still_passes(pool):
+  """Results just within `max_report_bytes` pass: the report line around them (its
+  other fields) is given room past them, and is never taken for an overflow."""
+  tests = HiddenTests("pad", [((3950,), "x" * 3950)])
+  v = PythonTestVerifier(pool, timeout_s=5.0, retries=1, max_report_bytes=4096)
+  said = asyncio.run(v.grade({"solution.py": b"def pad(n):\n    return 'x' * n\n"}, tests,
+                             env_version="test@1"))
+  assert said.status == VerdictStatus.PASS and not said.details["overflow"], said.details
+  over = asyncio.run(v.grade({"solution.py": b"def pad(n):\n    return 'x' * 2 * n\n"}, tests,
+                             env_version="test@1"))
+  assert over.status == VerdictStatus.FAIL and over.details["overflow"], over.details
