@@ -388,3 +388,82 @@ def test_the_geometric_correction_is_a_mean_over_the_action_tokens():
   c = losses.rollout_correction(old, rollout, row(1, 1, 1, 0), jnp.asarray([[1, 1, 1, 1]]),
                                 mode="truncate", level="geometric")
   np.testing.assert_allclose(c.weights[0, :3], [math.exp(0.5 / 3)] * 3, rtol=1e-5)
+
+
+def test_importance_weights_scale_each_tokens_ppo_and_gspo_loss_and_gradient():
+  """`is_weights` multiply each token's loss (and so its gradient); a run with the
+  rollout correction on trained as if it were off when they were dropped (red team 47)."""
+  logp = row(0.0, math.log(1.5), math.log(0.5))
+  old = jnp.zeros_like(logp)
+  adv = row(1.0, -1.0, 2.0)
+  mask = row(1, 1, 1)
+  w = row(0.5, 2.0, 4.0)
+  # per token max(-A r, -A clip(r, 0.8, 1.2)): -1, 1.5, -1; weighted -0.5 + 3 - 4.
+  out = losses.ppo_clip_loss(logp, old, adv, mask, is_weights_BxT=w)
+  assert float(out.sum) == pytest.approx(-1.5, abs=1e-5) and float(out.denom) == 3
+  # every token on its unclipped side: d(-A r w)/dlogp = -A r w
+  g = jax.grad(lambda lp: losses.ppo_clip_loss(lp, old, adv, mask, is_weights_BxT=w).sum)(logp)
+  np.testing.assert_allclose(g, [[-0.5, 3.0, -4.0]], rtol=1e-5)
+  # GSPO, A = -1 within the clip: each action token's loss is s = e^0.2, weighted 2 and 3
+  # (the third token is out of the loss, its weight of 100 with it).
+  seg = jnp.asarray([[1, 1, 1]])
+  out = losses.gspo_loss(row(0.1, 0.3, 0.0), old, row(-1, -1, -1), row(1, 1, 0), seg,
+                         clip_low=0.5, clip_high=0.5, is_weights_BxT=row(2.0, 3.0, 100.0))
+  assert float(out.sum) == pytest.approx(5 * math.exp(0.2), rel=1e-5)
+
+
+def test_gspo_sequence_ratio_leaves_out_tokens_out_of_the_loss():
+  """The sequence ratio is the mean log-ratio over the action tokens only: a prompt
+  token's log-ratio (5 here) is no part of it."""
+  seg = jnp.asarray([[1, 1, 1]])
+  out = losses.gspo_loss(row(0.1, 0.3, 5.0), jnp.zeros((1, 3)), row(-1, -1, -1),
+                         row(1, 1, 0), seg, clip_low=0.5, clip_high=0.5)
+  assert float(out.sum) == pytest.approx(2 * math.exp(0.2), rel=1e-5)
+  assert float(out.metrics["clip_frac"][0]) == 0.0
+
+
+def test_tokens_of_a_version_past_the_policys_count_as_fresh():
+  """A token whose version is past the learner's (negative staleness) is fresh: its
+  advantage is not scaled up by decay ** -k, and the mask keeps it."""
+  versions = jnp.array([[7, 8, 10]])
+  mask = jnp.ones((1, 3))
+  out = losses.staleness_weighting(versions, jnp.int32(7), mask, mode="decay", decay=0.5)
+  np.testing.assert_array_equal(out.scale, [[1.0, 1.0, 1.0]])
+  out = losses.staleness_weighting(versions, jnp.int32(7), mask, mode="mask", max_staleness=0)
+  np.testing.assert_array_equal(out.mask, [[1.0, 1.0, 1.0]])
+
+
+def test_correction_bounds_are_inclusive_and_its_metrics_are_the_raw_weights():
+  """A weight exactly at `low` or `high` is kept (mask) and not truncated; the metrics are
+  of the weights before truncation and of |old - rollout|."""
+  old = row(0.0, -1.0, 0.5, 3.0)
+  rollout = row(0.0, 0.0, 0.0, 0.0)  # log w = [0, -1, 0.5, (not an action)]
+  m = row(1, 1, 1, 0)
+  seg = jnp.asarray([[1, 1, 1, 1]])
+  c = losses.rollout_correction(old, rollout, m, seg, mode="mask", low=1.0, high=1.0)
+  np.testing.assert_array_equal(c.mask, [[1, 0, 0, 0]])  # w = 1 is inside [1, 1]
+  assert float(c.metrics["is_masked_frac"][0]) == 2.0
+  c = losses.rollout_correction(old, rollout, m, seg, mode="truncate", high=1.0)
+  np.testing.assert_allclose(c.weights[0, :3], [1.0, math.exp(-1), 1.0], rtol=1e-6)
+  assert float(c.metrics["is_truncated_frac"][0]) == 1.0  # only e^0.5 was past 1
+  s, d = c.metrics["is_weight_mean"]
+  assert float(s / d) == pytest.approx((1 + math.exp(-1) + math.exp(0.5)) / 3, rel=1e-6)
+  s, d = c.metrics["rollout_abs_logp_diff"]
+  assert float(s / d) == pytest.approx(1.5 / 3, rel=1e-6)
+
+
+def test_ppo_reports_the_k2_estimate_of_kl_to_the_old_policy():
+  logp, old = row(0.5, -0.2, 3.0), row(0.0, 0.0, 0.0)
+  out = losses.ppo_clip_loss(logp, old, row(1, 1, 1), row(1, 1, 0))
+  s, d = out.metrics["approx_kl_old"]
+  assert (float(s), float(d)) == pytest.approx((0.5 * (0.25 + 0.04), 2.0))
+
+
+def test_reinforce_pushes_up_the_log_prob_of_positive_advantage_tokens():
+  """loss = -A logp: its sum is not 0 here (the hand-computed case above sums to 0, which
+  a loss of the opposite sign also gave) and its gradient is -A."""
+  logp, adv, mask = row(-1.0, -2.0, -3.0), row(2.0, 1.0, 5.0), row(1, 1, 0)
+  out = losses.reinforce_loss(logp, adv, mask)
+  assert float(out.sum) == pytest.approx(2.0 + 2.0)
+  g = jax.grad(lambda lp: losses.reinforce_loss(lp, adv, mask).sum)(logp)
+  np.testing.assert_allclose(g, [[-2.0, -1.0, 0.0]])

@@ -976,3 +976,158 @@ def test_async_updates_sparser_than_the_staleness_bound_are_said():
   assert "up to 2 versions behind" in note and "rollout.max_staleness (1)" in note
   assert rollout_notes(RolloutConfig(mode="async", max_staleness=2, sync_every=3)) == []
   assert rollout_notes(RolloutConfig(mode="sync", sync_every=3)) == []
+
+
+def test_episodes_in_flight_are_capped_by_max_concurrent_episodes():
+  """Async with a staleness bound far off: the groups started at once are capped at twice
+  the groups `max_concurrent_episodes` holds (4 // 2 x 2), not the bound's 24."""
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
+                                       max_staleness=10, max_concurrent_episodes=4),
+                         itertools.count(), lambda *a: asyncio.sleep(60))
+    s.start()
+    await asyncio.sleep(0.05)
+    started = s.started
+    await s.stop()
+    return started
+
+  assert run(go()) == 4
+
+
+def test_equal_reward_groups_are_kept_with_the_filter_off():
+  async def play(task, sid, gid):
+    return episode(task, sid, gid, reward=1.0)
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=2, group_size=2,
+                                       filter_equal_rewards=False), itertools.count(), play)
+    return s, *(await s.next_groups())
+
+  s, accepted, taken = run(go())
+  assert [g.task for g in accepted] == [0, 1] and len(taken) == 2
+  assert s.dropped["no_signal"] == 0 and s.replaced == 0
+
+
+def test_a_failed_episode_is_retried_after_a_doubling_backoff(monkeypatch):
+  sleeps = []
+  real_sleep = asyncio.sleep
+
+  async def fake_sleep(delay, *a):
+    sleeps.append(delay)
+    await real_sleep(0)
+
+  async def play(task, sid, gid):
+    return episode(task, sid, gid, reward=0.0, infra=sid.split("-")[1] == "0")
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=3,
+                                       max_retries=3, retry_backoff_s=0.5,
+                                       filter_equal_rewards=False), itertools.count(), play)
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    return s, *(await s.next_groups())
+
+  s, accepted, taken = run(go())
+  assert sleeps == [0.5, 1.0, 2.0]  # after attempts 0, 1, 2; none after the last
+  assert s.retries == 3 and s.dropped["infra_error"] == 1 and len(accepted[0].episodes) == 2
+
+
+def test_dynamic_sampling_consumes_at_most_max_sample_rounds_times_the_groups():
+  async def play(task, sid, gid):
+    return episode(task, sid, gid, reward=0.0)  # no group carries a signal
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=2, group_size=2,
+                                       max_sample_rounds=3), itertools.count(), play)
+    return s, *(await s.next_groups())
+
+  s, accepted, taken = run(go())
+  assert accepted == [] and len(taken) == 6 and s.dropped["no_signal"] == 6
+
+
+def test_a_group_is_as_stale_as_its_oldest_episode():
+  """Staleness is the learner's version minus the group's oldest token's: one episode of
+  version 3 makes the group 2 versions old at version 5, past max_staleness 1, however
+  fresh the others; at version 4 it is just within the bound."""
+  from jaxagent.scheduler import Group
+
+  s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=2,
+                                     filter_equal_rewards=False, max_staleness=1),
+                       iter(range(100)), None)
+  s.set_version(5)
+
+  def group(old):
+    return Group(0, 0, episodes=[episode(0, "g0-0-r0", "g0", reward=1.0, version=old),
+                                 episode(0, "g0-1-r0", "g0", reward=0.0, version=5)],
+                 done=True)
+
+  assert group(3).min_version() == 3 and group(3).max_version() == 5
+  assert not s._accept(group(3)) and s.dropped["stale"] == 1
+  assert s._accept(group(4)) and s.dropped["stale"] == 1
+
+
+def test_the_outage_bound_is_strictly_past_the_fraction_and_a_zero_grace_is_at_once():
+  s = RolloutScheduler(RolloutConfig(infra_window=4, max_infra_fraction=0.5,
+                                     infra_grace_s=0.0), itertools.count(), None)
+  for kind in ["sandbox", None, "sandbox", None, "sandbox"]:  # 2 of the last 4: at it
+    s._ended(kind)
+    assert s.error is None
+  s._ended("sandbox")  # 3 of the last 4, with no grace: the outage, at once
+  assert "3 of the last 4" in str(s.error)
+
+
+def test_groups_start_on_the_served_weights_and_are_dropped_by_them():
+  """Between weight syncs the learner runs ahead of the servers: a group started then
+  started on the served version, and it is doomed once the learner is past the bound
+  from that version (not from the learner's own at its start). The capacity counts from
+  the served version too: (0 + 2 + 1) x 1 groups, not (2 + 2 + 1)."""
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=2,
+                                       max_staleness=1, sync_every=3),
+                         itertools.count(), lambda *a: asyncio.sleep(60))
+    s.set_version(2)  # two steps past the servers' version 0 (bound: 3 - 1 = 2)
+    s.start()
+    await asyncio.sleep(0.05)
+    versions = [g.started_version for g in s.groups.values()]
+    s.set_version(3)  # version 0 is now 3 behind: every running group is doomed
+    out = versions, s.dropped["stale"], len(s.groups)
+    await s.stop()
+    return out
+
+  versions, stale, left = run(go())
+  assert versions == [0, 0, 0]
+  assert stale == len(versions) and left == 0
+
+
+def test_pending_tasks_keep_the_tasks_queued_to_be_played_again():
+  """Tasks waiting in the requeue (a checkpoint's pending tasks, a group the
+  infrastructure left short) are pending too: saved with a checkpoint, first in line."""
+  s = RolloutScheduler(RolloutConfig(mode="sync"), iter(range(100)), None,
+                       requeue=["a", "b"])
+  assert s.pending_tasks() == ["a", "b"]
+
+
+def test_advantages_are_zero_off_the_action_tokens():
+  from jaxagent.scheduler import Group, compute_advantages
+
+  g = Group(0, 0, episodes=[episode(0, f"g0-{i}", "g0", reward=float(i), turns=2)
+                            for i in range(2)])
+  compute_advantages([g], AdvantageConfig(scale_by_std=False))
+  for e, want in zip(g.episodes, (-0.5, 0.5)):
+    for s in e.segments:
+      np.testing.assert_array_equal(s.advantages, want * s.loss_mask)
+      assert (s.loss_mask == 0).any()
+
+
+def test_the_outage_grace_starts_again_after_the_drops_fall_back_under_the_bound():
+  """A burst of drops, a recovery, then another burst: the grace counts from the second
+  burst's start, not the first's (a brief blip later must not stop the run at once)."""
+  import time
+
+  s = RolloutScheduler(RolloutConfig(infra_window=4, max_infra_fraction=0.5,
+                                     infra_grace_s=0.3), itertools.count(), None)
+  for kind in ["server"] * 4 + [None] * 4:  # past the bound, then back under it
+    s._ended(kind)
+  time.sleep(0.35)
+  for kind in ["server"] * 3:  # past it again, only just
+    s._ended(kind)
+  assert s.error is None
