@@ -1118,16 +1118,25 @@ def test_advantages_are_zero_off_the_action_tokens():
       assert (s.loss_mask == 0).any()
 
 
-def test_the_outage_grace_starts_again_after_the_drops_fall_back_under_the_bound():
+def test_the_outage_grace_starts_again_after_the_drops_fall_back_under_the_bound(
+    monkeypatch):
   """A burst of drops, a recovery, then another burst: the grace counts from the second
   burst's start, not the first's (a brief blip later must not stop the run at once)."""
   import time
 
+  now = [100.0]  # (the scheduler's clock, moved by hand: no real wait to race)
+  monkeypatch.setattr(time, "monotonic", lambda: now[0])
   s = RolloutScheduler(RolloutConfig(infra_window=4, max_infra_fraction=0.5,
-                                     infra_grace_s=0.3), itertools.count(), None)
+                                     infra_grace_s=30.0), itertools.count(), None)
   for kind in ["server"] * 4 + [None] * 4:  # past the bound, then back under it
     s._ended(kind)
-  time.sleep(0.35)
+  now[0] += 60.0
   for kind in ["server"] * 3:  # past it again, only just
     s._ended(kind)
   assert s.error is None
+  now[0] += 29.0
+  s._ended("server")
+  assert s.error is None
+  now[0] += 1.0  # the second burst's grace is spent
+  s._ended("server")
+  assert s.error is not None
