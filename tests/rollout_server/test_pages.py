@@ -163,3 +163,61 @@ def test_eviction_frees_the_unused_end_of_a_leaf_a_sequence_uses_the_start_of():
   c.unref(long + other)
   cache.evict(100, protect=cache._root.children[(7,)].children[(7,)])
   assert cache.match([7] * 6)[0] == 6 and cache.match([7, 8])[0] == 1
+
+
+def test_a_free_page_cannot_be_referenced_and_page_counts_stay_exact():
+  """A reference taken on a free page (one the free list hands out again) would let two
+  sequences write one page's KV: refused, and the page stays free. The tree's page count
+  is the pages it lists, through partial and whole evictions, so its capacity bound and
+  stats hold."""
+  a = PageAllocator(8)
+  pages = a.alloc(2)
+  a.unref(pages[1:])
+  with pytest.raises(ValueError, match="not allocated"):
+    a.ref(pages[1:])
+  with pytest.raises(ValueError, match="not allocated"):
+    a.ref([7])
+  assert a.free == 6 and list(a.refs) == [0, 1, 0, 0, 0, 0, 0, 0]
+  assert sorted(a.alloc(6)) == [2, 3, 4, 5, 6, 7]
+
+  def listed(cache):
+    stack, n = [cache._root], 0
+    while stack:
+      node = stack.pop()
+      stack.extend(node.children.values())
+      n += len(node.pages)
+    return n
+
+  b = PageAllocator(64)
+  cache = PagedPrefixCache(b, page_size=1)
+  long = b.alloc(6)
+  cache.insert([7] * 6, long)
+  b.unref(long)
+  n, got = cache.match([7, 7, 7, 9])  # a sequence holds the first three
+  assert cache.evict(100) == 3 and cache.pages == listed(cache) == 3
+  other = b.alloc(2)
+  cache.insert([7, 8], got[:1] + other[1:])
+  b.unref(other + got)
+  assert cache.pages == listed(cache) == 4
+  assert cache.evict(1) == 1 and cache.pages == listed(cache) == 3
+  assert cache.evict(100) == 3 and cache.pages == listed(cache) == 0 and b.free == 63
+  assert cache.stats()["evicted_pages"] == 7
+
+
+def test_clear_drops_the_trees_reference_once_per_page_a_sequence_keeps_its_own():
+  """After a weight update the tree is cleared: each page it listed loses the tree's one
+  reference (an edge shared by two branches too), so a running sequence's pages stay
+  allocated to it and are not handed out again while it writes them."""
+  a = PageAllocator(16)
+  cache = PagedPrefixCache(a, page_size=1)
+  running = a.alloc(3)
+  cache.insert([1, 2, 3], running)
+  done = a.alloc(3)
+  cache.insert([1, 2, 4], running[:2] + done[2:])
+  a.unref(done)  # (its first two pages were never the tree's: freed now)
+  cache.insert([5, 6], a.alloc(2))
+  cache.clear()
+  assert cache.pages == 0 and cache.match([1, 2, 3])[0] == 0
+  assert [int(a.refs[p]) for p in running] == [1, 1, 1] and a.free == 15 - 3 - 2
+  fresh = a.alloc(a.free)
+  assert not set(fresh) & set(running)

@@ -407,3 +407,161 @@ def test_a_reply_sent_back_is_trained_as_sampled(tokenizer):
   segments = collect_session(turns, session_id="spelled", task_id="t")
   assert len(segments) == 1 and segments[0].decisions == ["clean", "clean"]
   assert segments[0].loss_mask.sum() == len(one["output_ids"]) + len(two["output_ids"])
+
+
+def test_a_threads_replies_are_those_sampled_from_its_own_prompt_and_tools():
+  """A turn's siblings are the replies sampled from its prompt ids, messages and tools:
+  a reply sampled after other prompt ids (the same messages encoded otherwise) or with
+  other tools is not one the next call may continue with its tokens (they were sampled
+  in another context). Replies are bounded; one dropped past the bound is revived."""
+  from rollout_server.sessions import MAX_REPLIES, SessionStore
+
+  u = [{"role": "user", "content": "go"}]
+  r = [{"role": "assistant", "content": f"r{i}"} for i in range(MAX_REPLIES + 2)]
+  store = SessionStore(8)
+  _turn(store, "p", u, [1, 2], [7], r[0])
+  _turn(store, "p", u, [1, 3], [8], r[1])  # (the same messages, other prompt ids)
+  assert store.last_turn("p", u + [r[0]], None).replies == [([8], r[1])]
+  _turn(store, "t", u, [1, 2], [7], r[0], tools=TOOLS)
+  _turn(store, "t", u, [1, 2], [8], r[1])  # (other tools: a template may not show them)
+  assert store.last_turn("t", u + [r[0]], None).replies == [([8], r[1])]
+  # MAX_REPLIES + 1 siblings: the newest MAX_REPLIES are kept; the first, dropped, is a
+  # recorded turn a call may still say it goes on from (revive).
+  first = store.record("b", {"kind": "chat", "messages": u, "tools": None,
+                             "prompt_ids": [1], "output_ids": [100], "response": r[0]})
+  for i in range(1, MAX_REPLIES + 1):
+    _turn(store, "b", u, [1], [100 + i], r[i])
+  replies = store.last_turn("b", u + [r[0]], None).replies
+  assert [out for out, _ in replies] == [[100 + i] for i in range(MAX_REPLIES, 0, -1)]
+  assert store.revive("b", *first)
+  assert store.last_turn("b", u + [r[0]], None).replies == [([100], r[0])]
+  assert store.bytes == sum(s.size for s in store._sessions.values())
+
+
+def test_a_turn_goes_on_from_a_thread_only_when_its_tokens_continue_the_threads():
+  """A summary call (more messages) whose prompt ids do not begin with the agent's last
+  turn's tokens (encoded again from the text: a fork) is no continuation of that turn:
+  the agent's next call is not given that turn's prompt as the new turn's ids sliced
+  (ids never sampled from). A turn that is a thread's parent is not revived as a second
+  thread."""
+  from rollout_server.sessions import SessionStore
+
+  u = [{"role": "user", "content": "go"}]
+  hi, obs = {"role": "assistant", "content": "hi"}, {"role": "user", "content": "obs"}
+  summary = {"role": "user", "content": "Summarize."}
+  store = SessionStore(8)
+  _turn(store, "f", u, [1, 2], [10, 11], hi)
+  _turn(store, "f", u + [hi, obs, summary], [1, 3, 10, 11, 5, 8], [40],
+        {"role": "assistant", "content": "sum"})  # (its ids fork at the second)
+  assert store.last_turn("f", u + [hi, obs], None) is None
+  store = SessionStore(8)
+  where = store.record("m", {"kind": "chat", "messages": u, "tools": None,
+                             "prompt_ids": [1, 2], "output_ids": [10, 11], "response": hi})
+  _turn(store, "m", u + [hi, obs, summary], [1, 2, 10, 11, 5, 8], [40],
+        {"role": "assistant", "content": "sum"})
+  assert store.last_turn("m", u + [hi, obs], None).prompt_ids == [1, 2]
+  size = store.bytes
+  assert not store.revive("m", *where) and store.bytes == size
+  assert len(store._sessions["m"].heads) == 1
+
+
+def test_a_carried_siblings_replies_stay_bounded_and_carried_messages_are_counted():
+  """Replies a handover merges into this store's own sibling are bounded as its own are;
+  the messages of a carried thread are counted as what they hold (many short messages:
+  their objects, not their JSON's few bytes)."""
+  import gc
+  import tracemalloc
+
+  from rollout_server.sessions import MAX_REPLIES, SessionStore
+
+  u = [{"role": "user", "content": "go"}]
+  own = SessionStore(8)
+  for i in range(MAX_REPLIES):
+    _turn(own, "s", u, [1], [100 + i], {"role": "assistant", "content": f"r{i}"})
+  own.carry("s", [{"prompt_ids": [1], "messages": u, "tools": None, "replies": [
+      {"output_ids": [200 + i], "response": None} for i in range(3)]}])
+  replies = own.last_turn("s", u + [{"role": "assistant", "content": "r0"}], None).replies
+  assert len(replies) == MAX_REPLIES
+  assert [out for out, _ in replies] == [[100 + i] for i in range(MAX_REPLIES - 1, -1, -1)]
+
+  store = SessionStore(8)
+  tracemalloc.start()
+  handed = [{"prompt_ids": list(range(100)), "messages": [
+      {"role": "tool", "content": str(i)} for i in range(4000)], "tools": None,
+      "replies": [{"output_ids": [1], "response": None}]}]
+  store.carry("s", handed)
+  del handed
+  gc.collect()
+  held = tracemalloc.get_traced_memory()[0]
+  tracemalloc.stop()
+  assert held < 1.6 * store.bytes, (held, store.bytes)
+
+
+def test_a_summarys_parents_replies_are_counted_where_they_were_carried():
+  """A thread carried with the turn it went on from (a summary's, after the agent's
+  turn) holds that turn's replies (a retry's siblings, sampled long): counted, so the
+  byte bound holds."""
+  import gc
+  import tracemalloc
+
+  from rollout_server.sessions import SessionStore
+
+  u = [{"role": "user", "content": "go"}]
+  long_a, long_b = list(range(1, 50_001)), list(range(2, 50_002))
+  a, b = {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}
+  summary = [{"role": "user", "content": "obs"}, {"role": "user", "content": "Summarize."}]
+  ran = SessionStore(8)
+  _turn(ran, "s", u, [1, 2], long_b, b)
+  _turn(ran, "s", u, [1, 2], long_a, a)  # (a retry: its sibling)
+  _turn(ran, "s", u + [a] + summary, [1, 2] + long_a + [5], [40],
+        {"role": "assistant", "content": "sum"})
+  handed = ran.handover("s")
+  assert [len(t["replies"]) for t in handed] == [2, 1]
+  other = SessionStore(8)
+  gc.collect()
+  tracemalloc.start()
+  other.carry("s", handed)
+  gc.collect()
+  held = tracemalloc.get_traced_memory()[0]
+  tracemalloc.stop()
+  got = other.last_turn("s", u + [b, summary[0]], None)
+  assert got.prompt_ids == [1, 2] and [out for out, _ in got.replies] == [long_a, long_b]
+  assert held < 1.6 * other.bytes, (held, other.bytes)
+
+
+def test_a_calls_arguments_are_restored_as_sampled_only_for_its_own_id_and_values():
+  """`with_sampled_arguments`: a call sent back with its arguments' values written
+  otherwise (spacing, key order) carries the text sampled for its own id; a call whose
+  values the agent changed, an id the session never sampled, another role's message keep
+  what was sent. `_same_reply`: a reply is the one sampled only with its calls' names and
+  readable argument values (its ids aside)."""
+  from rollout_server.chat import _same_reply, with_sampled_arguments
+
+  def call(cid, arguments, name="run"):
+    return {"id": cid, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+  calls = {"c_0": '{"a":1}', "c_1": '{"a": 1,"b":2}'}
+  sent = [{"role": "user", "content": "go", "tool_calls": [call("c_0", '{"a": 1}')]},
+          {"role": "assistant", "content": "", "tool_calls": [
+              call("c_0", '{"a": 1}'), call("c_1", json.dumps({"b": 2, "a": 1})),
+              call("c_2", '{"a": 1}'), call("c_1", '{"a": 2, "b": 2}'), "odd"]}]
+  got = with_sampled_arguments(sent, calls)
+  assert got[0] == sent[0]
+  assert [c["function"]["arguments"] if isinstance(c, dict) else c
+          for c in got[1]["tool_calls"]] == [
+      '{"a":1}', '{"a": 1,"b":2}', '{"a": 1}', '{"a": 2, "b": 2}', "odd"]
+  assert sent[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # (a copy)
+  assert with_sampled_arguments(sent, {}) is sent
+
+  recorded = {"role": "assistant", "content": "ok", "tool_calls": [call("c_0", '{"a":1}')]}
+  assert _same_reply(dict(recorded, tool_calls=[call("x", '{ "a" : 1 }')]), recorded)
+  assert not _same_reply(dict(recorded, tool_calls=[call("c_0", '{"a":1}', "other")]),
+                         recorded)
+  assert not _same_reply(dict(recorded, content="ok!"), recorded)
+  assert not _same_reply(dict(recorded, tool_calls=[]), recorded)
+  assert not _same_reply(recorded, None)
+  unreadable = dict(recorded, tool_calls=[call("c_0", '{"a":')])
+  assert not _same_reply(unreadable, unreadable)
+  assert not _same_reply(dict(recorded, tool_calls=recorded["tool_calls"] + [
+      call("c_1", "{oops")]), recorded)
