@@ -212,3 +212,62 @@ def test_a_tool_that_returns_no_text_is_the_environments_bug(value):
   with pytest.raises(TypeError, match=r"test_tools.py:\d+: tool 'convert' returned"):
     # (named at the tool's own line: it was envs/tools.py's, a new user)
     asyncio.run(tools.run('<tool_call>{"name": "convert", "arguments": {}}</tool_call>'))
+
+
+def test_each_call_of_a_turn_answers_to_its_own_id():
+  """Two calls in one action, a malformed block between them: each call keeps the id of
+  its block (the tool answers are matched to their calls by it; one id for two calls
+  gave both answers to the first)."""
+  from jaxagent.toolcalls import parse_tool_calls
+
+  text = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+          '<tool_call>{"name": add}</tool_call>'
+          '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>')
+  parsed = parse_tool_calls(text, id_prefix="turn7")
+  assert [c.id for c in parsed.calls] == ["turn7_0", "turn7_2"] and len(parsed.errors) == 1
+  assert [c.openai()["id"] for c in parsed.calls] == ["turn7_0", "turn7_2"]
+  r = run(text)
+  answers = [(m.get("tool_call_id"), m["content"]) for m in r.messages]
+  assert sorted(a for a in answers if a[0]) == [("call_0", "3"), ("call_2", "7")]
+
+
+@pytest.mark.parametrize("body", ['{"name": 5, "arguments": {}}', '{"arguments": {"a": 1}}',
+                                  '{"name": null}', '{"name": ["add"], "arguments": {}}'])
+def test_a_call_whose_name_is_not_a_string_is_malformed(body):
+  from jaxagent.toolcalls import parse_tool_calls
+
+  parsed = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+  assert not parsed.calls and len(parsed.errors) == 1
+  assert 'a JSON object with a string "name"' in parsed.errors[0]
+  r = run(f"<tool_call>{body}</tool_call>")
+  assert r.invalid == 1 and "malformed tool call" in r.messages[0]["content"]
+
+
+@pytest.mark.parametrize("arguments", ['[1, 2]', '3', '"5"', '"[1]"', 'null', '"\\"a\\""'])
+def test_arguments_that_are_not_an_object_are_malformed(arguments):
+  """Written directly or as a JSON string, arguments that are not an object are the
+  call's error, told to the model (never a call run with a list, nor a crash)."""
+  from jaxagent.toolcalls import parse_tool_calls
+
+  parsed = parse_tool_calls('<tool_call>{"name": "add", "arguments": %s}</tool_call>'
+                            % arguments)
+  assert not parsed.calls and len(parsed.errors) == 1
+  assert '"arguments" must be a JSON object' in parsed.errors[0]
+  r = run('<tool_call>{"name": "add", "arguments": %s}</tool_call>' % arguments)
+  assert r.invalid == 1 and "malformed tool call" in r.messages[0]["content"]
+
+
+def test_the_kept_text_takes_out_only_the_well_formed_calls():
+  """`kept` (what a gateway's client is given as the reply's content when a block is
+  malformed) keeps a malformed block and one the model left open, as written."""
+  from jaxagent.toolcalls import parse_tool_calls
+
+  good = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+  text = (' A <tool_call>{"name": add}</tool_call> B ' + good + ' C '
+          '<tool_call>{"name": "add", "arguments": {"a": 1')
+  parsed = parse_tool_calls(text)
+  assert [c.arguments for c in parsed.calls] == [{"a": 1, "b": 2}]
+  assert parsed.errors[0].startswith("tool call 0: ") and \
+      parsed.errors[1] == "tool call 2: missing </tool_call>"
+  assert parsed.kept == text.replace(good, "")
+  assert parsed.content == "A  B  C"
