@@ -796,3 +796,234 @@ def test_an_environment_whose_step_counts_no_turn_is_said_once(capsys):
   err = capsys.readouterr().err
   assert err.count("Uncounted.step counted no turn (self.begin_turn()") == 1, err
   assert "GuessNumber" not in err
+
+
+def test_the_turn_cap_plays_exactly_max_turns_turns():
+  ep, engine = play(["1", "2", "3", "4"], TaskSpec("t", "guess_number", {"secret": 11}),
+                    cfg=AgentConfig(max_turns=2, max_new_tokens=4))
+  assert (ep.status, ep.reason, ep.turns) == ("truncated", "turn_cap", 2)
+  assert len(engine.prompts) == 2 and len(ep.turn_rewards) == 2
+  (seg,) = ep.segments
+  assert TOK.decode(seg.tokens[seg.loss_mask > 0].tolist()) == "1<|im_end|>2<|im_end|>"
+
+
+def test_each_turns_process_reward_is_that_turns_and_the_verdict_the_last():
+  """The rewards are the steps' own, turn by turn (the information each guess bought),
+  with the verdict's added to the last turn only."""
+  task = TaskSpec("t", "guess_number", {"secret": 11, "low": 1, "high": 20,
+                                        "process_reward": 1.0})
+
+  async def steps():
+    env = make("guess_number")
+    await env.reset(task)
+    return [(await env.step(a)).reward for a in ("8", "12", "11")]
+
+  expected = asyncio.run(steps())
+  assert len(set(expected)) == 3  # (each turn's differs: a misplaced one shows)
+  ep, _ = play(["8", "12", "11"], task)
+  assert ep.success and ep.turn_rewards == expected[:2] + [expected[2] + 1.0]
+  (seg,) = ep.segments
+  assert list(seg.turn_rewards) == ep.turn_rewards
+
+
+@pytest.mark.parametrize("cap,fits", [(34, True), (33, False)])
+def test_a_prompt_fits_when_it_and_its_new_tokens_reach_the_cap_exactly(cap, fits):
+  """The first prompt is 30 tokens and a turn may add 4: a context of 34 holds the turn,
+  one of 33 does not."""
+  ep, engine = play(["11"], TaskSpec("t", "guess_number", {"secret": 11}),
+                    cfg=AgentConfig(max_context_tokens=cap, max_new_tokens=4))
+  if fits:
+    assert ep.success and ep.turns == 1 and len(engine.prompts[0]) == 30
+  else:
+    assert (ep.status, ep.reason, ep.turns) == ("truncated", "first_prompt_too_long", 0)
+    assert engine.prompts == []
+
+
+def test_a_verdict_of_infra_error_marks_the_episode_the_infrastructures():
+  """A verifier that could not grade (its sandbox failed) is no score: the episode is
+  the infrastructure's, retried or dropped, its rewards never padded with a 0 verdict."""
+  env = HangingToolEnv(status=VerdictStatus.INFRA_ERROR)
+  ep = asyncio.run(run_whitebox(env, TaskSpec("t", "echo", {}), ScriptedEngine(["done"]),
+                                TOK, AgentConfig(max_turns=3, max_new_tokens=8),
+                                session_id="s", group_id="g"))
+  assert (ep.status, ep.reason) == ("failed", "verifier_infra_error")
+  assert ep.infra_error and ep.infra_kind == "verifier" and ep.turns == 1
+  assert ep.verdict["status"] == "infra_error" and not ep.success
+  (seg,) = ep.segments
+  assert seg.status == "failed"
+
+
+class EndingEnv(EchoEnv):
+  """Its first step ends the episode as told (terminated, truncated), reward 0.5."""
+
+  def __init__(self, terminated, truncated):
+    super().__init__()
+    self.ends = (terminated, truncated)
+
+  async def step(self, action):
+    self.begin_turn()
+    return StepResult(Observation([]), 0.5, *self.ends, {"truncation": "tool_budget"})
+
+
+@pytest.mark.parametrize("terminated,truncated,status,reason", [
+    (True, True, "completed", ""), (False, True, "truncated", "tool_budget"),
+    (True, False, "completed", "")])
+def test_an_episode_ends_at_the_step_that_ends_it_with_its_status(terminated, truncated,
+                                                                 status, reason):
+  """A step that terminates is a completed episode, truncated or not; one only truncated
+  is a truncation with the environment's reason. No turn is played after it."""
+  from jaxagent.agent import MeasuredEnv
+
+  env = EndingEnv(terminated, truncated)
+  engine = ScriptedEngine(["a", "b"])
+  ep = asyncio.run(run_whitebox(env, TaskSpec("t", "echo", {}), engine, TOK,
+                                AgentConfig(max_turns=3, max_new_tokens=8),
+                                session_id="s", group_id="g"))
+  assert (ep.status, ep.reason, ep.turns) == (status, reason, 1)
+  assert len(engine.prompts) == 1 and ep.turn_rewards == [1.5] and not ep.infra_error
+  measured = MeasuredEnv(EndingEnv(terminated, truncated))
+
+  async def go():
+    await measured.reset(TaskSpec("t", "echo", {}))
+    await measured.step("a")
+    with pytest.raises(RuntimeError, match="after its episode ended"):
+      await measured.step("b")
+
+  asyncio.run(go())
+
+
+def test_each_turn_is_sampled_with_its_own_seed_and_its_tokens_carry_its_turn():
+  """Turn t is sampled with the seed of (session, t) (a replay goes on with the logged
+  session's), and its tokens, sampled ids and log-probs, are chunk t of the segment."""
+  from jaxagent.agent import _seed
+
+  task = TaskSpec("t", "guess_number", {"secret": 11, "process_reward": 0.0})
+  ep, engine = play(["8", "12", "11"], task)
+  assert engine.seeds == [_seed("s1", t) for t in range(3)] and len(set(engine.seeds)) == 3
+  (seg,) = ep.segments
+  trained = seg.loss_mask > 0
+  sampled = [TOK.encode(a) + [TOK.stop_ids[0]] for a in ("8", "12", "11")]
+  assert seg.tokens[trained].tolist() == sum(sampled, [])
+  assert seg.turn_ids[trained].tolist() == sum(([t] * len(s) for t, s in enumerate(sampled)), [])
+  assert (seg.rollout_logp[trained] == -0.5).all() and (seg.rollout_logp[~trained] == 0).all()
+  assert (seg.versions[~trained] == -1).all()
+
+
+def test_a_prompt_the_engine_refuses_without_compaction_is_a_token_cap_at_once():
+  """Compaction off, an engine that takes shorter prompts than max_context_tokens: its
+  refusal lowers the limit below that prompt, so the episode ends in a truncation at
+  once (scored), never asking again for the prompt refused."""
+  from rollout_server.client import GenerateError
+
+  class Short(ScriptedEngine):
+    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+      if len(prompt_ids) + sampling.max_new_tokens > 40:
+        self.prompts.append(list(prompt_ids))
+        raise GenerateError(f"prompt is too long: {len(prompt_ids)} tokens", "prompt_too_long")
+      return await super().generate(prompt_ids, sampling, session_id, model)
+
+  engine = Short(["1", "2", "3"])
+  ep = asyncio.run(run_whitebox(
+      make("guess_number"), TaskSpec("t", "guess_number", {"secret": 11}), engine, TOK,
+      AgentConfig(max_turns=3, max_new_tokens=4, max_context_tokens=1000,
+                  episode_deadline_s=3.0), session_id="s", group_id="g"))
+  assert (ep.status, ep.reason, ep.turns) == ("truncated", "token_cap", 1)
+  assert len(engine.prompts) == 2 and not ep.infra_error
+
+
+def test_only_the_segments_before_a_compaction_say_it_cut_them():
+  """An episode solved in the turn right after its compaction: the segment that turn
+  opens ends the episode (its own outcome), only the one before says it was cut."""
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=70,
+                    compaction="fork", keep_last_messages=2)
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6,
+                                        "prompt": "Guess my number, {low} to {high}."})
+  ep, _ = play(["1", "2", "3", "11"], task, cfg)
+  assert ep.success and ep.compactions == 1 and ep.turns == 4
+  first, second = ep.segments
+  assert first.turn_ids.max() == 2 and set(second.turn_ids.tolist()) == {3}
+  assert (first.reason, second.reason) == ("context_compacted", "")
+  assert second.status == "completed"
+
+
+def test_the_summary_request_and_its_tokens_fit_the_context():
+  """The summariser's prompt is cut to leave room for summary_max_tokens within the
+  context (the engine refuses a prompt whose new tokens would not fit)."""
+  from jaxagent.agent import SUMMARY_HEADER, _compact, summary_prompt
+
+  messages = [{"role": "system", "content": "Play."}] + [
+      {"role": ("user", "assistant")[i % 2], "content": f"message {i} " + "x" * 150}
+      for i in range(6)]
+  whole = len(summary_prompt(TOK, messages[1:5], 10**6))
+  cfg = AgentConfig(max_context_tokens=whole + 8, compaction="summary",
+                    keep_last_messages=2, summary_max_tokens=16)
+  engine = ScriptedEngine(["Tried x."])
+  kept, text = asyncio.run(_compact(messages, cfg, engine=engine, tokenizer=TOK,
+                                    session_id="s", turn=3))
+  (asked,) = engine.prompts
+  assert len(asked) + 16 <= whole + 8 and "message 1 " in TOK.decode(asked)
+  assert text == "Tried x." and kept == messages[:1] + [
+      {"role": "user", "content": SUMMARY_HEADER + "Tried x."}] + messages[5:]
+
+
+def test_only_a_failed_server_is_asked_again_other_infrastructure_failures_end_the_episode():
+  """agent.turn_retries re-asks a turn whose server failed (the next server, through a
+  router); an overloaded server or a stalled turn ends the episode at once, its kind
+  kept for the drop counters."""
+  from rollout_server.client import GenerateError
+
+  class Overloaded(ScriptedEngine):
+    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+      self.prompts.append(list(prompt_ids))
+      raise GenerateError("queue full", "server_overload")
+
+  engine = Overloaded(["8"])
+  ep = asyncio.run(run_whitebox(make("guess_number"),
+                                TaskSpec("t", "guess_number", {"secret": 11}), engine, TOK,
+                                AgentConfig(max_turns=3, max_new_tokens=4, turn_retries=2),
+                                session_id="s", group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "server_overload" and ep.status == "failed"
+  assert len(engine.prompts) == 1 and "queue full" in ep.reason
+
+
+def test_a_turn_is_compacted_once_and_still_too_long_it_is_a_truncation():
+  """An engine that refuses the compacted prompt too (its limit fell meanwhile): the
+  turn is not compacted again (a summary of a summary), the episode is truncated."""
+  from rollout_server.client import GenerateError
+
+  class Shrinking(ScriptedEngine):
+    lim = 70
+
+    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+      if len(prompt_ids) + sampling.max_new_tokens > self.lim:
+        self.lim = 10
+        self.prompts.append(list(prompt_ids))
+        raise GenerateError(f"prompt is too long: {len(prompt_ids)} tokens", "prompt_too_long")
+      return await super().generate(prompt_ids, sampling, session_id, model)
+
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=1000,
+                    compaction="fork", keep_last_messages=2)
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6,
+                                        "prompt": "Guess my number, {low} to {high}."})
+  engine = Shrinking(["1", "2", "3", "4"])
+  ep = asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
+                                session_id="s", group_id="g"))
+  assert (ep.status, ep.reason, ep.turns, ep.compactions) == ("truncated", "token_cap", 3, 1)
+  assert [len(p) for p in engine.prompts] == [30, 46, 62, 78, 18] and not ep.infra_error
+
+
+def test_an_episode_the_policys_time_cut_is_scored_a_failure_with_its_turns_padded():
+  """Cut on the policy's side (a scored truncation): its verdict is a failure of reward
+  0, every turn played has a reward (the cut one 0), and its segments say so."""
+  import rollout_server.client  # noqa: F401  (imported before the episode's clock starts)
+
+  task = TaskSpec("t", "guess_number", {"secret": 11})
+  config = AgentConfig(max_turns=5, max_new_tokens=4, turn_deadline_s=5,
+                       episode_deadline_s=0.25)
+  ep = asyncio.run(run_whitebox(make("guess_number"), task,
+                                DecodingEngine(["8", "9", "10", "12", "13"], 0.1), TOK,
+                                config, session_id="s", group_id="g"))
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline") and not ep.infra_error
+  assert ep.verdict == {"status": "fail", "reward": 0.0} and not ep.success
+  assert len(ep.turn_rewards) == max(ep.turns, 1) and ep.reward == 0.0
+  assert all(s.status == "truncated" and s.reason == "episode_deadline" for s in ep.segments)

@@ -355,3 +355,42 @@ def test_an_episode_whose_start_is_lost_is_played_again_and_clear_leaves_no_cut(
   assert list(few._open._held) == [few._path(f"g{i}") for i in (2, 3, 4)]
   few.open("s9", group_id="g0", task=TASK.to_dict(), episode=9)  # (reopened, appended)
   assert [r["session"] for r in read_log(few._path("g0"))] == ["s0", "s9"]
+
+
+def test_a_replay_logs_each_turn_by_its_number_and_goes_on_with_the_logged_seeds(tmp_path):
+  """Turn records carry their turn's number; the turns sampled after a replay use the
+  seeds of the logged session (the same tokens as the dead run would have sampled), not
+  the new session's."""
+  from jaxagent.agent import _seed
+
+  wal = TokenWAL(str(tmp_path))
+  log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
+  first = ScriptedEngine(["8", "12", "11"])
+  play(first, log=log)
+  records = read_log(log.path)
+  assert [r["turn"] for r in records if r["kind"] == "turn"] == [0, 1, 2]
+  assert [r["turn"] for r in records if r["kind"] == "obs"] == [0, 1, 2]
+  last = [i for i, r in enumerate(records) if r["kind"] == "turn"][1]
+  engine = ScriptedEngine(["11"])
+  ep = asyncio.run(run_whitebox(make("guess_number"), TASK, engine, TOK, CFG,
+                                session_id="another", group_id="g",
+                                replay=Replay(records[:last + 1])))
+  assert ep.success and ep.replayed_turns == 2 and engine.seeds == [_seed("s1", 2)]
+  assert engine.seeds == first.seeds[2:]
+
+
+def test_a_replayed_turn_whose_observation_matches_but_state_differs_is_dropped(tmp_path):
+  """Only the state hash tells these apart: the first guess reads "Higher." against
+  secret 11 and 12 alike, the environment's state differs."""
+  wal = TokenWAL(str(tmp_path))
+  log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
+  play(ScriptedEngine(["8", "11"]), log=log)
+  records = read_log(log.path)
+  first_obs = [i for i, r in enumerate(records) if r["kind"] == "obs"][0]
+  other = TaskSpec("t", "guess_number", {"secret": 12, "process_reward": 0.1})
+  ep = asyncio.run(run_whitebox(make("guess_number"), other, ScriptedEngine(["12"]), TOK, CFG,
+                                session_id="s2", replay=Replay(records[:first_obs + 1])))
+  assert ep.infra_error and ep.infra_kind == "wal_replay" and "turn 0" in ep.reason
+  same = asyncio.run(run_whitebox(make("guess_number"), TASK, ScriptedEngine(["11"]), TOK, CFG,
+                                  session_id="s2", replay=Replay(records[:first_obs + 1])))
+  assert same.success and same.replayed_turns == 1 and not same.infra_error

@@ -271,3 +271,15 @@ def test_the_kept_text_takes_out_only_the_well_formed_calls():
       parsed.errors[1] == "tool call 2: missing </tool_call>"
   assert parsed.kept == text.replace(good, "")
   assert parsed.content == "A  B  C"
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "add", "arguments": {"a": 1, "b": 2}} trailing',
+    '{"name": "add", "arguments": {"a": 1, "b": 2}}}',
+    '{"name": "add", "arguments": {"a": 1, "b": 2}} {"name": "add"}'])
+def test_a_call_with_text_after_its_json_object_is_malformed(body):
+  from jaxagent.toolcalls import parse_tool_calls
+
+  parsed = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+  assert not parsed.calls and len(parsed.errors) == 1
+  assert parsed.errors[0].startswith("tool call 0: Extra data")
