@@ -458,3 +458,152 @@ def test_an_export_is_found_by_its_version_as_a_user_writes_it(tmp_path):
   from rollout_server.serving import resolve_policy
 
   assert resolve_policy(str(root / "v973")) == (str(root / "v00000973"), 973)
+
+
+# -- red team 51: fingerprints, set-asides, exports and their registry, unit by unit ---
+
+
+def small_state(scale=1.0):
+  return {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4) * scale,
+          "step": jnp.int32(3), "key": jnp.arange(2, dtype=jnp.uint32)}
+
+
+def abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      tree)
+
+
+def test_a_fingerprint_tells_any_one_value_changed_and_any_two_swapped():
+  """Every element counts, the first too, and where it is: rows or columns swapped, a
+  value moved, read back as saved, are a damaged checkpoint."""
+  from jaxagent.checkpoint import fingerprint
+
+  x = jnp.arange(1, 13, dtype=jnp.float32).reshape(3, 4)
+  base = fingerprint({"x": x})["['x']"]
+  variants = {"first changed": x.at[0, 0].set(7.5), "last changed": x.at[2, 3].set(0.5),
+              "rows swapped": x[jnp.array([1, 0, 2])],
+              "columns swapped": x[:, jnp.array([1, 0, 2, 3])],
+              "two values of an antidiagonal swapped": x.at[0, 1].set(x[1, 0]).at[1, 0].set(x[0, 1])}
+  for what, y in variants.items():
+    assert fingerprint({"x": y})["['x']"] != base, what
+  z = jnp.zeros((4,), jnp.float32)  # (a zero first element: its weight is not zero)
+  assert fingerprint({"z": z.at[0].set(1.0)}) != fingerprint({"z": z})
+
+
+def test_one_value_that_is_not_finite_keeps_a_state_from_being_checkpointed():
+  from jaxagent.checkpoint import state_prints
+  from jaxagent.errors import NonFiniteUpdate
+
+  state = small_state()
+  state_prints(state, 1)
+  with pytest.raises(NonFiniteUpdate, match=r"state\['w'\]"):
+    state_prints({**state, "w": state["w"].at[1, 2].set(jnp.nan)}, 1)
+
+
+def test_a_step_unreadable_twice_is_set_aside_again_and_the_newest_meta_is_read(tmp_path):
+  """A step set aside once (`4.unreadable`), saved again by the resumed run and unreadable
+  again, is set aside again (the older copy replaced): the run resumes from the step
+  before, not with an error. `saved_meta` reads the newest step's."""
+  from jaxagent.checkpoint import UNREADABLE
+
+  state = small_state()
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3, async_save=False)
+  for step in (2, 4):
+    ckpt.save(step, state, {"step": step})
+  assert ckpt.saved_meta()["step"] == 4 and ckpt.saved_meta(2)["step"] == 2
+  for _ in range(2):
+    with open(tmp_path / "ckpt" / "4" / "meta" / "metadata", "w") as f:
+      f.write("{")
+    _, meta, skipped = ckpt.restore_latest_readable(abstract(state))
+    assert meta["step"] == 2 and [s for s, _ in skipped] == [4]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", f"4{UNREADABLE}"]
+    ckpt.save(4, state, {"step": 4})
+    assert ckpt.all_steps() == [2, 4]
+  ckpt.close()
+
+
+def test_a_save_cut_short_is_removed_when_the_directory_is_opened(tmp_path):
+  """What a crash left of a save under way (an Orbax temporary directory) is no step, and
+  goes once the next run opens the directory (by its first save)."""
+  state = small_state()
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3, async_save=False)
+  ckpt.save(2, state, {"step": 2})
+  ckpt.close()
+  partial = tmp_path / "ckpt" / "3.orbax-checkpoint-tmp"
+  shutil.copytree(tmp_path / "ckpt" / "2", partial)
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3)
+  assert ckpt.all_steps() == [2]
+  _, meta, skipped = ckpt.restore_latest_readable(abstract(state))
+  assert meta["step"] == 2 and skipped == []
+  ckpt.save(4, state, {"step": 4})  # (Orbax removes it in the background, done by a save)
+  ckpt.close()
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]
+
+
+def test_a_drop_leaves_no_half_replaced_export_of_a_newer_version_behind(tmp_path):
+  """A crash in the middle of replacing v3 (v3 set aside as `.old`, the new one staged)
+  and then a resume at version 2: v3 goes, in every name; an export set aside whose
+  replacement is whole goes, one whose replacement never came goes back."""
+  from jaxagent.checkpoint import _write_registry
+
+  root = tmp_path / "policy"
+  for name in ("v00000001", "v00000002.old", "v00000002.new", "v00000001.old",
+               "v00000003.old", "v00000003.new", "v00000004.orbax-checkpoint-tmp-9"):
+    (root / name).mkdir(parents=True)
+  _write_registry(str(root), [{"version": v} for v in (1, 2, 3)])
+  assert drop_versions_after(str(root), 2) == [3]  # (v3 put back by the tidy-up, then dropped)
+  assert sorted(os.listdir(root)) == ["v00000001", "v00000002", "versions.json"]
+  assert [v["version"] for v in list_versions(str(root))] == [1, 2]
+  # (the registry is cut when only the version after the kept one is past it)
+  (root / "v00000003").mkdir()
+  _write_registry(str(root), [{"version": v} for v in (1, 2, 3)])
+  assert drop_versions_after(str(root), 2) == [3]
+  assert [v["version"] for v in list_versions(str(root))] == [1, 2]
+
+
+def test_the_last_version_and_every_nth_are_kept():
+  from jaxagent.checkpoint import PolicyExports
+
+  exports = PolicyExports("unused", None, export_every=4, steps=10)
+  assert [v for v in range(1, 13) if exports.kept(v)] == [4, 8, 10, 11, 12]
+
+
+def test_a_registry_write_cut_short_leaves_the_registry_as_it_was(tmp_path, monkeypatch):
+  from jaxagent import checkpoint
+
+  root = tmp_path / "policy"
+  root.mkdir()
+  checkpoint._write_registry(str(root), [{"version": 1}])
+
+  def dump_fails(obj, f, **kw):
+    f.write('{"versions": [')
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(checkpoint.json, "dump", dump_fails)
+  with pytest.raises(OSError):
+    checkpoint._write_registry(str(root), [{"version": 1}, {"version": 2}])
+  monkeypatch.undo()
+  assert [v["version"] for v in list_versions(str(root))] == [1]
+
+
+def test_an_export_replaced_by_one_that_fails_to_rename_in_leaves_the_old_one(tmp_path,
+                                                                              monkeypatch):
+  """A crash between setting the old export aside and renaming the new one in: the old
+  one is still read (never removed before the new one is in place)."""
+  from jaxagent import checkpoint
+
+  params = {"w": jnp.ones((2, 4), jnp.float32)}
+  root = str(tmp_path / "policy")
+  path = export_policy(root, 1, params, dtype=None)
+  rename = os.rename
+
+  def rename_in_fails(src, dst):
+    if src.endswith(".new"):
+      raise OSError(5, "Input/output error")
+    rename(src, dst)
+
+  monkeypatch.setattr(checkpoint.os, "rename", rename_in_fails)
+  with pytest.raises(OSError):
+    export_policy(root, 1, {"w": jnp.zeros((2, 4), jnp.float32)}, dtype=None)
+  monkeypatch.undo()
+  assert equal(load_policy(path, abstract(params)), params)

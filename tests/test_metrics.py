@@ -180,3 +180,96 @@ def test_a_resumed_runs_totals_go_on_from_its_checkpoints():
                         "dropped": {"stale": 5, "no_signal": 7}}  # (as a checkpoint holds)
   assert run.totals() == {"retries": 7, "groups_replaced": 5,
                           "dropped": {"stale": 8, "no_signal": 7, "infra_server": 1}}
+
+
+# -- red team 51: what a resume reads of the records, unit by unit ----------------------
+
+
+def test_the_last_step_is_the_largest_a_row_says_and_none_without_rows(tmp_path):
+  """A step's row written again after a failure (a retry) ends the file with an older
+  step: the records still reach the largest one."""
+  from jaxagent.metrics import last_step
+
+  path = tmp_path / "metrics.jsonl"
+  assert last_step(str(path)) is None
+  path.write_text('{"note": "no step"}\n')
+  assert last_step(str(path)) is None
+  path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 2, "again": true}\n'
+                  '{"note": "no step"}\n{"step": 9, "lo')
+  assert last_step(str(path)) == 3
+
+
+def test_a_step_that_is_not_a_number_is_damage_even_true(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1}\n{"step": true}\n{"step": 3}\n')
+  with pytest.raises(RecordsDamaged, match="line 2 is not a row"):
+    cut_jsonl(str(path), 3)
+
+
+def test_a_damaged_gzip_member_header_with_members_after_it_is_damage(tmp_path):
+  """Only one byte of a member's header at the very end is a kill's cut; a header that
+  does not read with rows after it is damage (read as the end, the rows after it went
+  at the next cut)."""
+  import gzip
+
+  first = gzip.compress(b'{"step": 1}\n{"step": 2}\n')
+  later = bytearray(gzip.compress(b'{"step": 3}\n'))
+  later[1] ^= 0x01  # the magic's second byte
+  path = tmp_path / "trajectories.jsonl.gz"
+  path.write_bytes(first + bytes(later) + gzip.compress(b'{"step": 4}\n'))
+  before = path.read_bytes()
+  with pytest.raises(RecordsDamaged, match="the file is damaged"):
+    cut_jsonl(str(path), 9)
+  assert path.read_bytes() == before
+
+
+def test_a_cut_file_is_on_the_disk_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+  """The rewritten file is synced before its rename (a crash after the rename could leave
+  an empty file on some file systems, every row lost), and is whole by then."""
+  import gzip
+
+  from jaxagent import metrics
+
+  events = []
+  sync, replace = metrics.sync_file, metrics.os.replace
+
+  def synced(path):
+    with open(path, "rb") as f:
+      events.append(("sync", os.path.basename(path), f.read()))
+    sync(path)
+
+  def replaced(src, dst):
+    events.append(("replace", os.path.basename(src), os.path.basename(dst)))
+    replace(src, dst)
+
+  monkeypatch.setattr(metrics, "sync_file", synced)
+  monkeypatch.setattr(metrics.os, "replace", replaced)
+  for name in ("metrics.jsonl", "trajectories.jsonl.gz"):
+    path = tmp_path / name
+    text = b'{"step": 1}\n{"step": 2}\n'
+    path.write_bytes(gzip.compress(text) if name.endswith(".gz") else text)
+    events.clear()
+    assert cut_jsonl(str(path), 1) == 1
+    assert [e[0] for e in events] == ["sync", "replace"], events
+    assert events[0][1] == events[1][1] != name and events[1][2] == name
+    data = events[0][2]
+    assert (gzip.decompress(data) if name.endswith(".gz") else data) == b'{"step": 1}\n'
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_bytes_that_do_not_decode_are_damage_and_leave_the_file_alone(tmp_path, gz):
+  """A deflate stream that does not inflate (zlib's error), or bytes that are not UTF-8,
+  are the file damaged (RecordsDamaged naming it), with nothing left beside it."""
+  import gzip
+
+  if gz:
+    data = bytearray(gzip.compress(b'{"step": 1}\n' * 50))
+    data[10] = 0xFF  # the first deflate block's header: an invalid block type
+    path = tmp_path / "trajectories.jsonl.gz"
+  else:
+    data = b'{"step": 1}\n{"step": 2, "x": "\xff\xfe"}\n{"step": 3}\n'
+    path = tmp_path / "metrics.jsonl"
+  path.write_bytes(bytes(data))
+  with pytest.raises(RecordsDamaged, match="the file is damaged"):
+    cut_jsonl(str(path), 9)
+  assert path.read_bytes() == bytes(data) and os.listdir(tmp_path) == [path.name]

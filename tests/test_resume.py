@@ -340,3 +340,127 @@ def test_a_step_that_fails_before_its_update_gives_its_groups_back(tmp_path):
   with open(os.path.join(run_dir, "checkpoints", "3", "meta", "metadata")) as f:
     pending = json.load(f)["pending_tasks"]  # (saved on the way out)
   assert len(pending) == 2, pending  # (sync: step 4's two groups, nothing else in flight)
+
+
+# -- what a resume checks and cuts back, unit by unit (red team 51) ---------------------
+
+
+class _Vocab:
+  """A tokenizer as check_weights sees one: its identity alone."""
+
+  def __init__(self, sha: str):
+    self.sha = sha
+
+  def identity(self) -> dict:
+    return {"vocab_sha256": self.sha}
+
+
+def _tiny(overrides=()):
+  from jaxagent import config as config_lib
+
+  return config_lib.load(config_lib.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
+                         list(overrides))
+
+
+def _rows(path):
+  return [r["step"] for r in read_jsonl(str(path))]
+
+
+def test_cut_back_keeps_the_restored_steps_rows_and_drops_those_past_it_everywhere(tmp_path):
+  """A resume from step 3 (policy version 2) keeps every row of steps up to 3 and none
+  past it: in metrics.jsonl, in the trajectories (both names: a resume may change
+  trajectories.compress), and keeps the exports up to version 2, registered or not.
+  One row too many is a step twice in the history; one too few, a step lost."""
+  import gzip
+
+  from jaxagent.checkpoint import _write_registry, list_versions
+  from jaxagent.run_dir import cut_back
+
+  cfg = _tiny(["trajectories.compress=gzip"])
+  lines = "".join(f'{{"step": {s}, "i": {i}}}\n' for i, s in enumerate([1, 2, 3, 3, 4, 5]))
+  (tmp_path / "metrics.jsonl").write_text(lines)
+  (tmp_path / "trajectories.jsonl").write_text(lines)  # (written before a compress change)
+  (tmp_path / "trajectories.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+  root = tmp_path / "policy"
+  for v in (1, 2, 3, 4):
+    (root / f"v{v:08d}").mkdir(parents=True)
+  _write_registry(str(root), [{"version": v, "path": str(root / f"v{v:08d}")}
+                              for v in (1, 2, 3)])
+  cut_back(str(tmp_path), cfg, 3, 2)
+  for name in ("metrics.jsonl", "trajectories.jsonl", "trajectories.jsonl.gz"):
+    assert _rows(tmp_path / name) == [1, 2, 3, 3], name
+  with gzip.open(tmp_path / "trajectories.jsonl.gz", "rt") as f:  # (still gzip)
+    assert len(f.read().splitlines()) == 4
+  assert [v["version"] for v in list_versions(str(root))] == [1, 2]
+  assert sorted(os.listdir(root)) == ["v00000001", "v00000002", "versions.json"]
+
+
+def test_a_checkpoint_of_other_weights_is_refused_field_by_field_and_by_vocabulary():
+  """Each field that decides the weights, and the tokenizer's vocabulary, refuses a
+  checkpoint saved with another value (the restore casts and reshapes silently)."""
+  from jaxagent import config as config_lib
+  from jaxagent.run_dir import check_weights
+
+  cfg = _tiny()
+  mine = config_lib.to_dict(cfg)
+  meta = {"config": mine, "tokenizer": {"vocab_sha256": "aaaa"}}
+  check_weights(meta, cfg, _Vocab("aaaa"), 4)  # the same: nothing said
+  for field in config_lib.ModelSpec.WEIGHT_FIELDS:
+    other = json.loads(json.dumps(mine))
+    other["model"][field] = "something else"
+    with pytest.raises(config_lib.ConfigError, match=f"checkpoint step 4 .*model.{field}: "):
+      check_weights({**meta, "config": other}, cfg, _Vocab("aaaa"), 4)
+  with pytest.raises(config_lib.ConfigError, match="the tokenizer's vocabulary "
+                     r"\(sha256 aaaa -> bbbb\)"):
+    check_weights(meta, cfg, _Vocab("bbbb"), 4)
+
+
+def test_a_checkpoint_of_a_config_the_run_never_had_is_said_and_one_it_had_is_not(tmp_path,
+                                                                                   capsys):
+  """The configs a run has had: its config.json and those a resume set aside
+  (config.stepN.json): a checkpoint of any of them is the run's own; of none, a warning."""
+  from jaxagent import config as config_lib
+  from jaxagent.run_dir import check_provenance
+
+  now, before = _tiny(["learner.lr=0.5"]), _tiny(["learner.lr=0.25"])
+  (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(now)))
+  (tmp_path / "config.step4.json").write_text(json.dumps(config_lib.to_dict(before)))
+  for cfg in (now, before):
+    check_provenance({"config": config_lib.to_dict(cfg)}, now, _Vocab("x"), 4, str(tmp_path))
+    assert capsys.readouterr().err == ""
+  stranger = config_lib.to_dict(_tiny(["learner.lr=0.125"]))
+  check_provenance({"config": stranger}, now, _Vocab("x"), 4, str(tmp_path))
+  err = capsys.readouterr().err
+  assert "checkpoint step 4 was saved with a config this run never had (learner.lr" in err
+
+
+def test_a_canary_differs_by_tokens_rewards_log_probs_past_the_tolerance_or_count():
+  from jaxagent.run_dir import CANARY_LOGP_ATOL, compare_canary
+
+  assert CANARY_LOGP_ATOL == 1e-4
+  ep = {"task": "t", "tokens": [1, 2, 3], "rewards": [0.0, 1.0], "logp": [-0.5, -1.0]}
+  assert compare_canary([ep], [dict(ep)]) is None
+  assert compare_canary([ep], [{**ep, "logp": [-0.5, -1.0 + 0.9e-4]}]) is None
+  for logp in ([-0.5, -1.0 + 1.5e-4], [-0.5, -1.0 - 1.5e-4]):  # (either way)
+    assert "log-probs differ by up to 1.50e-04" in compare_canary([ep], [{**ep, "logp": logp}])
+  assert "sampled other tokens" in compare_canary([ep], [{**ep, "tokens": [1, 2, 4]}])
+  assert "rewards [0.0, 0.5]" in compare_canary([ep], [{**ep, "rewards": [0.0, 0.5]}])
+  assert compare_canary([ep, ep], [ep]) == "1 canary episodes instead of 2"
+
+
+def test_config_changes_are_every_field_but_the_service_addresses():
+  from jaxagent.run_dir import config_changes
+
+  assert config_changes({"learner": {"lr": 1}, "serving": {"urls": ["a"]}, "x": {}},
+                        {"learner": {"lr": 2}, "serving": {"urls": ["b"]}, "x": {}}) == {
+                            "learner.lr": (1, 2)}
+
+
+def test_a_checkpoint_set_aside_is_no_checkpoint_of_the_run(tmp_path):
+  from jaxagent.run_dir import has_checkpoint
+
+  (tmp_path / "checkpoints" / "4.unreadable").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "6.unrecorded").mkdir()
+  assert not has_checkpoint(str(tmp_path))
+  (tmp_path / "checkpoints" / "2").mkdir()
+  assert has_checkpoint(str(tmp_path))

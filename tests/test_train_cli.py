@@ -442,6 +442,9 @@ def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path,
   assert f"note: --resume keeps the cosine schedule's horizon at the {tiny.steps} steps " \
       f"the run began with (learner.lr_decay_steps={tiny.steps}, set for you" in notes[-1], notes
   assert not any("changes learner.lr_decay_steps" in n for n in notes), notes
+  # (the same steps: the horizon is the run's own, nothing set, nothing said about it)
+  assert run_dir.resumed_config(cfg, str(tmp_path), notes := []) == cfg
+  assert notes == ["warning: --resume changes model.remat: none -> full"]
   for override, said in (("model.param_dtype=bfloat16", "a run keeps its model"),
                          ("model.checkpoint=smollm2", "a run keeps its model"),
                          # (red team 15: "no readable checkpoint ... tree structures do
