@@ -1005,3 +1005,70 @@ def test_commands_sharing_too_few_cpus_have_their_wall_limits_stretched():
   if got["groups"]:
     assert got["forced"][0] and got["forced"][1] != "done" and float(got["forced"][1]) < 1.9, got
   assert "stretched by the CPU time it is kept from (up to 2.00x" in out.stderr
+
+
+def test_a_pool_holds_exactly_its_workspaces_and_frees_each_on_release():
+  """`max_workspaces` live at once, not one more (each is a mount and a uid lease); a
+  released one is removed and frees its place at once, and close releases the rest."""
+  from jaxagent.errors import InfraError
+
+  pool = SandboxPool(1, limits=LIMITS, isolation=(MODES or ["rlimits"])[0],
+                     allow_unisolated=True, max_workspaces=2)
+  try:
+    a, b = pool.create(), pool.create()
+    assert pool.in_use == 2 and a.host_path != b.host_path
+    with pytest.raises(InfraError, match="at its limit of 2 workspaces"):
+      pool.create()
+    pool.release(a)
+    assert pool.in_use == 1 and not os.path.exists(a.host_path)
+    c = pool.create()
+    assert pool.in_use == 2
+  finally:
+    pool.close()
+  assert pool.in_use == 0
+  assert not any(os.path.exists(sb.host_path) for sb in (a, b, c))
+
+
+def test_a_host_oom_kill_is_the_infrastructures_only_where_the_operator_says_so():
+  """A command the host's OOM killer takes is an infrastructure error (re-rolled) only
+  where the operator said the host's memory is the pool's and its limits fit it; else
+  it is the command's own failure (a solution that filled the host is a wrong answer,
+  not a re-roll). The bound counts each live workspace's files."""
+  kw = dict(limits=LIMITS, isolation=(MODES or ["rlimits"])[0], allow_unisolated=True)
+  mine, shared = SandboxPool(1, host_oom_is_infra=True, **kw), SandboxPool(1, **kw)
+  try:
+    assert not shared.memory_fits()
+    empty = mine.memory_bound()
+    sb = mine.create()
+    assert mine.memory_bound() == empty + LIMITS.disk_bytes
+    mine.host_memory = mine.memory_bound()
+    assert mine.memory_fits()
+    mine.host_memory -= 1
+    assert not mine.memory_fits()
+    mine.release(sb)
+  finally:
+    mine.close()
+    shared.close()
+
+
+def test_a_pool_removes_only_the_workspaces_of_workers_no_longer_running(monkeypatch):
+  """At start, a pool on an existing root removes what dead workers left there; a
+  running worker's workspaces stay, another user's too (a signal to it not permitted),
+  and entries not named as a pool's workspace are an operator's, kept."""
+  root = scratch_dir()  # (traversable by sandbox uids)
+  for name in ("424242-aaaaaaaaaaaa", "434343-bbbbbbbbbbbb", "515151-cccccccccccc",
+               "notes"):
+    os.makedirs(os.path.join(root, name))
+
+  def kill(pid, sig):  # (424242 runs as another user, 434343 as this one, 515151 is gone)
+    if pid == 424242:
+      raise PermissionError(1, "Operation not permitted")
+    if pid == 515151:
+      raise ProcessLookupError(3, "No such process")
+
+  with monkeypatch.context() as m:
+    m.setattr(os, "kill", kill)
+    pool = SandboxPool(1, root=str(root), limits=LIMITS,
+                       isolation=(MODES or ["rlimits"])[0], allow_unisolated=True)
+  pool.close()
+  assert sorted(os.listdir(root)) == ["424242-aaaaaaaaaaaa", "434343-bbbbbbbbbbbb", "notes"]

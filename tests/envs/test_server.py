@@ -654,3 +654,171 @@ def test_a_run_waits_at_its_start_for_workers_starting_beside_it():
   finally:
     server.stop()
     resources.close()
+
+
+def test_a_sandbox_the_worker_could_not_run_is_infrastructure_never_a_verdict(worker):
+  """An InfraError raised in an environment's step or verify (a sandbox the worker
+  could not run: its pool full, no slot freed) is the worker's failure: a 503, an
+  InfraError at the client (re-rolled), never a refused call of ours nor a failed
+  verdict scored 0."""
+  async def go(call):
+    env = RemoteEnv(worker.url)
+    try:
+      await env.reset(TaskSpec("b", "buggy_test_env", {"raise": "infra", "status": "fail"}))
+      return await call(env)
+    finally:
+      await env.aclose()
+
+  with pytest.raises(InfraError, match="503: step failed in the infrastructure: sandbox: "
+                                       "sandbox pool is at its limit"):
+    asyncio.run(go(lambda env: env.step("x")))
+  with pytest.raises(InfraError, match="503: verify failed in the infrastructure: sandbox: "
+                                       "no sandbox slot freed"):
+    asyncio.run(go(lambda env: env.verify()))
+  assert 'env_calls_total{kind="verify",outcome="infra"}' in \
+      httpx.get(f"{worker.url}/metrics").text
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 504])
+def test_a_worker_that_fails_is_infrastructure(status):
+  """Any 5xx from a worker (its own failure, a proxy's) is the infrastructure's: an
+  InfraError, re-rolled; never a refused call of ours (a bug, the run stopped)."""
+  async def worker(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(status, json={"detail": "down"})
+
+  async def go():
+    env = RemoteEnv("http://w5", client=httpx.AsyncClient(
+        transport=httpx.MockTransport(worker)))
+    await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
+
+  with pytest.raises(InfraError, match=f"{status}: down"):
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("status", [400, 409, 422])
+def test_a_worker_that_refuses_a_call_is_not_infrastructure(status):
+  """A 4xx is a bad call of ours (or the environment's bug, named): a RuntimeError, never
+  an InfraError that would re-roll the episode."""
+  async def worker(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(status, json={"detail": "no"})
+
+  async def go():
+    env = RemoteEnv("http://w4", client=httpx.AsyncClient(
+        transport=httpx.MockTransport(worker)))
+    await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
+
+  with pytest.raises(RuntimeError, match=f"{status}: no") as got:
+    asyncio.run(go())
+  assert not isinstance(got.value, InfraError)
+
+
+def test_a_session_is_idle_only_between_calls():
+  """A session whose call runs longer than its idle time is not reaped under it (the
+  call was cancelled: a 409 for a step that was merely slow), and its idle time runs
+  from that call's end, not its start (the next call, soon after, is served)."""
+  app = create_app(EnvResources(sandboxes=1), idle_timeout_s=0.4)
+  with ServerThread(app) as srv:
+    sid = httpx.post(f"{srv.url}/sessions", json={"task": {"id": "s", "env": "slow_test_env"}}
+                     ).json()["session_id"]
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "1.0"}, timeout=10)
+    assert r.status_code == 200, r.text
+    time.sleep(0.15)
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "0"}, timeout=10)
+    assert r.status_code == 200, r.text
+    time.sleep(1.2)
+    assert httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "0"}
+                      ).status_code == 404
+
+
+def test_an_environment_whose_start_failed_is_closed(worker):
+  """A reset that fails (the task's parameters, or the host) keeps nothing: the
+  environment is closed (its workspace released; kept, each failed start leaked a
+  sandbox until the pool was full), the task's failure a CannotStart and the host's an
+  InfraError (re-rolled), and no session is left open."""
+  async def go(params):
+    env = RemoteEnv(worker.url)
+    try:
+      await env.reset(TaskSpec("f", "failing_reset_test_env", params))
+    finally:
+      await env.aclose()
+
+  EVENTS.clear()
+  open_before = httpx.get(f"{worker.url}/health").json()["sessions"]
+  with pytest.raises(base.CannotStart, match="cannot start: .*ValueError: no such level"):
+    asyncio.run(go({"raise": "task"}))
+  with pytest.raises(InfraError, match="503: reset failed in the infrastructure: .*No space"):
+    asyncio.run(go({}))
+  assert EVENTS == ["closed", "closed"]
+  assert httpx.get(f"{worker.url}/health").json()["sessions"] == open_before
+
+
+def test_a_clients_new_episode_closes_its_last_session(worker):
+  """A `RemoteEnv` reset again (its next episode) closes the session it had: kept, it
+  held a session slot and a workspace on the worker for its whole idle time. Its
+  `done` says the episode ended once a step terminated it."""
+  async def go():
+    env = RemoteEnv(worker.url)
+    try:
+      await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
+      first = env.session_id
+      await env.reset(TaskSpec("g", "guess_number", {"secret": 5}))
+      await env.step("8")
+      going = env.done
+      result = await env.step("5")
+      return first, env.session_id, not going and result.terminated and env.done
+    finally:
+      await env.aclose()
+
+  first, second, done = asyncio.run(go())
+  assert first != second and done
+  assert httpx.post(f"{worker.url}/sessions/{first}/step", json={"action": "4"}
+                    ).status_code == 404
+  gone = httpx.delete(f"{worker.url}/sessions/{first}")  # (not a session it has)
+  assert gone.status_code == 404 and "no session" in gone.text
+
+
+@pytest.mark.parametrize("down", ["503", "unreachable", "409"])
+def test_closing_a_session_its_worker_cannot_close_ends_quietly(down):
+  """An episode's close after its worker failed (a 503, unreachable) or refused (the
+  session already gone) does not raise: the session is gone either way, and an error
+  there turned a scored episode into a dropped one."""
+  async def worker(request: httpx.Request) -> httpx.Response:
+    if request.method == "POST":
+      return httpx.Response(200, json={"session_id": "s1", "observation": {"messages": []}})
+    if down == "unreachable":
+      raise httpx.ConnectError("refused", request=request)
+    return httpx.Response(int(down), json={"detail": "no"})
+
+  async def go():
+    env = RemoteEnv("http://wc", client=httpx.AsyncClient(
+        transport=httpx.MockTransport(worker)))
+    await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
+    await env.aclose()
+    return env.session_id
+
+  assert asyncio.run(go()) is None
+
+
+def test_a_call_makes_its_session_busy_from_its_start():
+  """A call to a session idle for most of its idle time, queued behind another call
+  under the worker's cap, is served: its session's idle time ended when the call came
+  (counted from the last call's end instead, the reaper closed it under the queued
+  call: a 409)."""
+  app = create_app(EnvResources(sandboxes=1), max_concurrent_calls=1, idle_timeout_s=1.0)
+  task = {"task": {"id": "s", "env": "slow_test_env"}}
+  with ServerThread(app) as srv:
+    a, b = (httpx.post(f"{srv.url}/sessions", json=task).json()["session_id"]
+            for _ in range(2))
+    time.sleep(0.7)
+
+    async def go():
+      async with httpx.AsyncClient(timeout=30) as c:
+        first = asyncio.ensure_future(c.post(f"{srv.url}/sessions/{a}/step",
+                                             json={"action": "0.6"}))
+        await asyncio.sleep(0.05)
+        second = await c.post(f"{srv.url}/sessions/{b}/step", json={"action": "0"})
+        return await first, second
+
+    first, second = asyncio.run(asyncio.wait_for(go(), timeout=30))
+  assert first.status_code == 200, first.text
+  assert second.status_code == 200, second.text

@@ -9,6 +9,7 @@ import pytest
 from envs import base, waits
 from envs.base import VerdictStatus
 from envs.isolation import available_isolations
+from jaxagent.errors import InfraError
 
 needs_isolation = pytest.mark.skipif(available_isolations() == ("rlimits",),
                                      reason="python_tests needs sandbox isolation")
@@ -58,6 +59,8 @@ class BuggyEnv(SlowEnv):
   async def step(self, action):
     if self.task.params.get("raise") == "host":
       raise OSError(28, "No space left on device")
+    if self.task.params.get("raise") == "infra":  # (a sandbox the worker could not run)
+      raise InfraError("sandbox", "sandbox pool is at its limit of 1 workspaces")
     if self.task.params.get("raise"):
       raise AttributeError("grader database down")
     self.counters["tool_calls"] += 2
@@ -65,6 +68,8 @@ class BuggyEnv(SlowEnv):
     return base.StepResult(base.Observation([]), 0.0, False, False, self._info())
 
   async def verify(self):
+    if self.task.params.get("raise") == "infra":  # (its grading's sandbox, say)
+      raise InfraError("sandbox", "no sandbox slot freed within 60 s")
     return base.Verdict(self.task.params["status"], 0.0, "buggy@1", "buggy@1")
 
 
@@ -132,3 +137,14 @@ class QueuedGradingEnv(SlowEnv):
     with waits.waiting(), waits.queued():
       await asyncio.sleep(self.wait_s)
     return await super().verify()
+
+
+@base.register("failing_reset_test_env")
+class FailingResetEnv(WaitingEnv):
+  """Its reset fails: the task's (`params.raise` "task": a ValueError) or the host's
+  (an OSError); it records being closed."""
+
+  async def reset(self, task):
+    if task.params.get("raise") == "task":
+      raise ValueError("no such level")
+    raise OSError(28, "No space left on device")
