@@ -208,7 +208,12 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
   async def reap_idle() -> None:
     now = time.time()
     for sid, s in list(sessions.items()):
-      if now - s.last_used > s.idle_s and not s.lock.locked():
+      # A session with a call in flight is not idle, however long that call has waited
+      # for a turn under the worker's cap (the lock is taken after the turn: a call
+      # queued past the idle time had its session closed under it, a 409 its client
+      # took for a bad call of its own; red team 52).
+      if (now - s.last_used > s.idle_s and not s.lock.locked()
+          and all(c.done() for c in s.calls)):
         n_reaped.inc()
         await close_session(sid)
 

@@ -716,16 +716,16 @@ def test_a_session_is_idle_only_between_calls():
   """A session whose call runs longer than its idle time is not reaped under it (the
   call was cancelled: a 409 for a step that was merely slow), and its idle time runs
   from that call's end, not its start (the next call, soon after, is served)."""
-  app = create_app(EnvResources(sandboxes=1), idle_timeout_s=0.4)
+  app = create_app(EnvResources(sandboxes=1), idle_timeout_s=1.0)
   with ServerThread(app) as srv:
     sid = httpx.post(f"{srv.url}/sessions", json={"task": {"id": "s", "env": "slow_test_env"}}
                      ).json()["session_id"]
-    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "1.0"}, timeout=10)
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "1.6"}, timeout=10)
     assert r.status_code == 200, r.text
-    time.sleep(0.15)
+    time.sleep(0.15)  # (0.85 s of margin for a loaded machine)
     r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "0"}, timeout=10)
     assert r.status_code == 200, r.text
-    time.sleep(1.2)
+    time.sleep(2.0)  # (past the idle time and a reaper's tick, a quarter of it)
     assert httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "0"}
                       ).status_code == 404
 
@@ -799,25 +799,22 @@ def test_closing_a_session_its_worker_cannot_close_ends_quietly(down):
   assert asyncio.run(go()) is None
 
 
-def test_a_call_makes_its_session_busy_from_its_start():
-  """A call to a session idle for most of its idle time, queued behind another call
-  under the worker's cap, is served: its session's idle time ended when the call came
-  (counted from the last call's end instead, the reaper closed it under the queued
-  call: a 409)."""
-  app = create_app(EnvResources(sandboxes=1), max_concurrent_calls=1, idle_timeout_s=1.0)
+def test_a_call_waiting_for_a_turn_past_its_sessions_idle_time_is_served():
+  """A call queued behind another under the worker's cap for several times its session's
+  idle time is still served: a session with a call in flight is never idle (the reaper
+  spared only a session whose lock a call held, taken after the turn: the queued call's
+  session was closed under it, a 409 its client read as a bad call of its own, not the
+  worker's load; red team 52)."""
+  app = create_app(EnvResources(sandboxes=1), max_concurrent_calls=1, idle_timeout_s=0.5)
   task = {"task": {"id": "s", "env": "slow_test_env"}}
   with ServerThread(app) as srv:
-    a, b = (httpx.post(f"{srv.url}/sessions", json=task).json()["session_id"]
-            for _ in range(2))
-    time.sleep(0.7)
-
     async def go():
       async with httpx.AsyncClient(timeout=30) as c:
-        first = asyncio.ensure_future(c.post(f"{srv.url}/sessions/{a}/step",
-                                             json={"action": "0.6"}))
-        await asyncio.sleep(0.05)
-        second = await c.post(f"{srv.url}/sessions/{b}/step", json={"action": "0"})
-        return await first, second
+        a, b = [(await c.post(f"{srv.url}/sessions", json=task)).json()["session_id"]
+                for _ in range(2)]
+        # (both at once: one runs 2 s, the other waits 2 s for its turn, four idle times)
+        return await asyncio.gather(*(c.post(f"{srv.url}/sessions/{sid}/step",
+                                             json={"action": "2"}) for sid in (a, b)))
 
     first, second = asyncio.run(asyncio.wait_for(go(), timeout=30))
   assert first.status_code == 200, first.text
