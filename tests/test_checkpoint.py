@@ -579,7 +579,12 @@ def test_a_registry_write_cut_short_leaves_the_registry_as_it_was(tmp_path, monk
     f.write('{"versions": [')
     raise OSError(28, "No space left on device")
 
-  monkeypatch.setattr(checkpoint.json, "dump", dump_fails)
+  # (the module's own `json` alone: json.dump patched for the process reached other
+  # threads' writes, Orbax's)
+  import json
+  import types
+  monkeypatch.setattr(checkpoint, "json", types.SimpleNamespace(
+      dump=dump_fails, load=json.load, dumps=json.dumps, loads=json.loads))
   with pytest.raises(OSError):
     checkpoint._write_registry(str(root), [{"version": 1}, {"version": 2}])
   monkeypatch.undo()
@@ -598,7 +603,7 @@ def test_an_export_replaced_by_one_that_fails_to_rename_in_leaves_the_old_one(tm
   rename = os.rename
 
   def rename_in_fails(src, dst):
-    if src.endswith(".new"):
+    if src.endswith(".new") and src.startswith(root):  # (this test's files alone)
       raise OSError(5, "Input/output error")
     rename(src, dst)
 

@@ -716,16 +716,21 @@ def test_a_session_is_idle_only_between_calls():
   """A session whose call runs longer than its idle time is not reaped under it (the
   call was cancelled: a 409 for a step that was merely slow), and its idle time runs
   from that call's end, not its start (the next call, soon after, is served)."""
-  app = create_app(EnvResources(sandboxes=1), idle_timeout_s=1.0)
+  app = create_app(EnvResources(sandboxes=1), idle_timeout_s=2.0)  # (a reaper tick: 0.5 s)
   with ServerThread(app) as srv:
     sid = httpx.post(f"{srv.url}/sessions", json={"task": {"id": "s", "env": "slow_test_env"}}
                      ).json()["session_id"]
-    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "1.6"}, timeout=10)
+    r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "2.6"}, timeout=10)
     assert r.status_code == 200, r.text
-    time.sleep(0.15)  # (0.85 s of margin for a loaded machine)
+    # (past a tick: idle counted from the call's start, the session is gone by now; 1.4 s
+    # of margin for a loaded machine)
+    time.sleep(0.6)
     r = httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "0"}, timeout=10)
     assert r.status_code == 200, r.text
-    time.sleep(2.0)  # (past the idle time and a reaper's tick, a quarter of it)
+    deadline = time.monotonic() + 15  # (then reaped: /health touches no session)
+    while httpx.get(f"{srv.url}/health").json()["sessions"]:
+      assert time.monotonic() < deadline, "an idle session was never reaped"
+      time.sleep(0.1)
     assert httpx.post(f"{srv.url}/sessions/{sid}/step", json={"action": "0"}
                       ).status_code == 404
 
@@ -805,16 +810,16 @@ def test_a_call_waiting_for_a_turn_past_its_sessions_idle_time_is_served():
   spared only a session whose lock a call held, taken after the turn: the queued call's
   session was closed under it, a 409 its client read as a bad call of its own, not the
   worker's load; red team 52)."""
-  app = create_app(EnvResources(sandboxes=1), max_concurrent_calls=1, idle_timeout_s=0.5)
+  app = create_app(EnvResources(sandboxes=1), max_concurrent_calls=1, idle_timeout_s=1.0)
   task = {"task": {"id": "s", "env": "slow_test_env"}}
   with ServerThread(app) as srv:
     async def go():
       async with httpx.AsyncClient(timeout=30) as c:
         a, b = [(await c.post(f"{srv.url}/sessions", json=task)).json()["session_id"]
                 for _ in range(2)]
-        # (both at once: one runs 2 s, the other waits 2 s for its turn, four idle times)
+        # (both at once: one runs 3 s, the other waits 3 s for its turn, three idle times)
         return await asyncio.gather(*(c.post(f"{srv.url}/sessions/{sid}/step",
-                                             json={"action": "2"}) for sid in (a, b)))
+                                             json={"action": "3"}) for sid in (a, b)))
 
     first, second = asyncio.run(asyncio.wait_for(go(), timeout=30))
   assert first.status_code == 200, first.text

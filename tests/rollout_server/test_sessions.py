@@ -485,15 +485,20 @@ def test_a_carried_siblings_replies_stay_bounded_and_carried_messages_are_counte
   assert [out for out, _ in replies] == [[100 + i] for i in range(MAX_REPLIES - 1, -1, -1)]
 
   store = SessionStore(8)
+  was = tracemalloc.is_tracing()
   tracemalloc.start()
-  handed = [{"prompt_ids": list(range(100)), "messages": [
-      {"role": "tool", "content": str(i)} for i in range(4000)], "tools": None,
-      "replies": [{"output_ids": [1], "response": None}]}]
-  store.carry("s", handed)
-  del handed
-  gc.collect()
-  held = tracemalloc.get_traced_memory()[0]
-  tracemalloc.stop()
+  try:  # (what this code holds: from here, and tracing stopped whatever it raises)
+    base = tracemalloc.get_traced_memory()[0]
+    handed = [{"prompt_ids": list(range(100)), "messages": [
+        {"role": "tool", "content": str(i)} for i in range(4000)], "tools": None,
+        "replies": [{"output_ids": [1], "response": None}]}]
+    store.carry("s", handed)
+    del handed
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - base
+  finally:
+    if not was:
+      tracemalloc.stop()
   assert held < 1.6 * store.bytes, (held, store.bytes)
 
 
@@ -519,11 +524,16 @@ def test_a_summarys_parents_replies_are_counted_where_they_were_carried():
   assert [len(t["replies"]) for t in handed] == [2, 1]
   other = SessionStore(8)
   gc.collect()
+  was = tracemalloc.is_tracing()
   tracemalloc.start()
-  other.carry("s", handed)
-  gc.collect()
-  held = tracemalloc.get_traced_memory()[0]
-  tracemalloc.stop()
+  try:  # (what the carry holds: from here, and tracing stopped whatever it raises)
+    base = tracemalloc.get_traced_memory()[0]
+    other.carry("s", handed)
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - base
+  finally:
+    if not was:
+      tracemalloc.stop()
   got = other.last_turn("s", u + [b, summary[0]], None)
   assert got.prompt_ids == [1, 2] and [out for out, _ in got.replies] == [long_a, long_b]
   assert held < 1.6 * other.bytes, (held, other.bytes)
