@@ -600,24 +600,35 @@ def test_compaction_forks_the_trajectory(compaction, cap, prompt):
   assert TOK.decode(second.tokens[second.loss_mask > 0].tolist()) == "4<|im_end|>11<|im_end|>"
 
 
+class PromptLimited(ScriptedEngine):
+  """Refuses a prompt that, with its new tokens, passes `limit` (a remote server whose
+  limits the config cannot check) as too long, keeping it among `prompts`; after its
+  first refusal the limit is `then` when given (one that fell meanwhile)."""
+
+  def __init__(self, replies, limit, then=None):
+    super().__init__(replies)
+    self.limit, self.then = limit, then
+
+  async def generate(self, prompt_ids, sampling, session_id=None, model=None):
+    from rollout_server.client import GenerateError
+
+    if len(prompt_ids) + sampling.max_new_tokens > self.limit:
+      self.prompts.append(list(prompt_ids))
+      self.limit = self.limit if self.then is None else self.then
+      raise GenerateError(f"prompt is too long: {len(prompt_ids)} tokens", "prompt_too_long")
+    return await super().generate(prompt_ids, sampling, session_id, model)
+
+
 def test_an_engine_that_refuses_a_long_prompt_gets_a_compaction_not_a_truncation():
   """An engine that takes shorter prompts than agent.max_context_tokens (a remote server
   whose limits the config cannot check): its refusal triggers the compaction the config
   asks for, as reaching max_context_tokens would (a review finding: it was a scored
   truncation, compaction never ran)."""
-  from rollout_server.client import GenerateError
-
-  class Short(ScriptedEngine):
-    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
-      if len(prompt_ids) + sampling.max_new_tokens > 70:
-        raise GenerateError(f"prompt is too long: {len(prompt_ids)} tokens", "prompt_too_long")
-      return await super().generate(prompt_ids, sampling, session_id, model)
-
   cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=1000,
                     compaction="fork", keep_last_messages=2)
   task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6,
                                         "prompt": "Guess my number, {low} to {high}."})
-  engine = Short(["1", "2", "3", "4", "11"])
+  engine = PromptLimited(["1", "2", "3", "4", "11"], 70)
   ep = asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
                                 session_id="s", group_id="g"))
   assert ep.success and ep.compactions == 1 and ep.turns == 5 and not ep.infra_error
@@ -918,16 +929,7 @@ def test_a_prompt_the_engine_refuses_without_compaction_is_a_token_cap_at_once()
   """Compaction off, an engine that takes shorter prompts than max_context_tokens: its
   refusal lowers the limit below that prompt, so the episode ends in a truncation at
   once (scored), never asking again for the prompt refused."""
-  from rollout_server.client import GenerateError
-
-  class Short(ScriptedEngine):
-    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
-      if len(prompt_ids) + sampling.max_new_tokens > 40:
-        self.prompts.append(list(prompt_ids))
-        raise GenerateError(f"prompt is too long: {len(prompt_ids)} tokens", "prompt_too_long")
-      return await super().generate(prompt_ids, sampling, session_id, model)
-
-  engine = Short(["1", "2", "3"])
+  engine = PromptLimited(["1", "2", "3"], 40)
   ep = asyncio.run(run_whitebox(
       make("guess_number"), TaskSpec("t", "guess_number", {"secret": 11}), engine, TOK,
       AgentConfig(max_turns=3, max_new_tokens=4, max_context_tokens=1000,
@@ -994,23 +996,11 @@ def test_only_a_failed_server_is_asked_again_other_infrastructure_failures_end_t
 def test_a_turn_is_compacted_once_and_still_too_long_it_is_a_truncation():
   """An engine that refuses the compacted prompt too (its limit fell meanwhile): the
   turn is not compacted again (a summary of a summary), the episode is truncated."""
-  from rollout_server.client import GenerateError
-
-  class Shrinking(ScriptedEngine):
-    lim = 70
-
-    async def generate(self, prompt_ids, sampling, session_id=None, model=None):
-      if len(prompt_ids) + sampling.max_new_tokens > self.lim:
-        self.lim = 10
-        self.prompts.append(list(prompt_ids))
-        raise GenerateError(f"prompt is too long: {len(prompt_ids)} tokens", "prompt_too_long")
-      return await super().generate(prompt_ids, sampling, session_id, model)
-
   cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=1000,
                     compaction="fork", keep_last_messages=2)
   task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6,
                                         "prompt": "Guess my number, {low} to {high}."})
-  engine = Shrinking(["1", "2", "3", "4"])
+  engine = PromptLimited(["1", "2", "3", "4"], 70, then=10)
   ep = asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
                                 session_id="s", group_id="g"))
   assert (ep.status, ep.reason, ep.turns, ep.compactions) == ("truncated", "token_cap", 3, 1)

@@ -421,12 +421,13 @@ def test_groups_the_bound_cannot_accept_are_dropped_at_once_and_replaced():
   assert started >= 8 + 1
 
 
-def _started_by_redundancy(redundancy, **cfg):
+def _started_at_once(redundancy=0.0, **cfg):
   """How many groups an async scheduler starts at once with `redundancy` (episodes that
-  never end)."""
+  never end; two groups of two a step, `max_staleness` 1 unless `cfg` says)."""
   async def go():
-    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
-                                       max_staleness=1, redundancy=redundancy, **cfg),
+    s = RolloutScheduler(RolloutConfig(**{"mode": "async", "groups_per_step": 2,
+                                          "group_size": 2, "max_staleness": 1,
+                                          "redundancy": redundancy, **cfg}),
                          itertools.count(), lambda *a: asyncio.sleep(60))
     s.start()
     await asyncio.sleep(0.05)
@@ -438,13 +439,13 @@ def _started_by_redundancy(redundancy, **cfg):
 
 
 def test_redundancy_runs_more_groups_than_the_bound():
-  assert [_started_by_redundancy(r) for r in (0.0, 0.5, 1.0)] == [4, 6, 8]
+  assert [_started_at_once(r) for r in (0.0, 0.5, 1.0)] == [4, 6, 8]
 
 
 def test_redundancy_follows_the_bound_not_max_staleness():
   # With sync_every 4 the bound is 3 versions, past max_staleness 1: (1 + r) x the groups
   # that bound lets run (the extra was sized from max_staleness: r=1 ran 1.25x, not 2x).
-  assert [_started_by_redundancy(r, sync_every=4) for r in (0.0, 1.0)] == [8, 16]
+  assert [_started_at_once(r, sync_every=4) for r in (0.0, 1.0)] == [8, 16]
 
 
 def test_window_mode_waits_for_the_oldest_groups():
@@ -981,17 +982,7 @@ def test_async_updates_sparser_than_the_staleness_bound_are_said():
 def test_episodes_in_flight_are_capped_by_max_concurrent_episodes():
   """Async with a staleness bound far off: the groups started at once are capped at twice
   the groups `max_concurrent_episodes` holds (4 // 2 x 2), not the bound's 24."""
-  async def go():
-    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=2, group_size=2,
-                                       max_staleness=10, max_concurrent_episodes=4),
-                         itertools.count(), lambda *a: asyncio.sleep(60))
-    s.start()
-    await asyncio.sleep(0.05)
-    started = s.started
-    await s.stop()
-    return started
-
-  assert run(go()) == 4
+  assert _started_at_once(max_staleness=10, max_concurrent_episodes=4) == 4
 
 
 def test_equal_reward_groups_are_kept_with_the_filter_off():

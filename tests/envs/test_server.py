@@ -679,36 +679,33 @@ def test_a_sandbox_the_worker_could_not_run_is_infrastructure_never_a_verdict(wo
       httpx.get(f"{worker.url}/metrics").text
 
 
+def _reset_on_a_worker_answering(status: int, detail: str) -> None:
+  """A `RemoteEnv` reset against a worker that answers every call `status`."""
+  async def worker(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(status, json={"detail": detail})
+
+  async def go():
+    env = RemoteEnv("http://w", client=httpx.AsyncClient(
+        transport=httpx.MockTransport(worker)))
+    await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
+
+  asyncio.run(go())
+
+
 @pytest.mark.parametrize("status", [500, 502, 503, 504])
 def test_a_worker_that_fails_is_infrastructure(status):
   """Any 5xx from a worker (its own failure, a proxy's) is the infrastructure's: an
   InfraError, re-rolled; never a refused call of ours (a bug, the run stopped)."""
-  async def worker(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(status, json={"detail": "down"})
-
-  async def go():
-    env = RemoteEnv("http://w5", client=httpx.AsyncClient(
-        transport=httpx.MockTransport(worker)))
-    await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
-
   with pytest.raises(InfraError, match=f"{status}: down"):
-    asyncio.run(go())
+    _reset_on_a_worker_answering(status, "down")
 
 
 @pytest.mark.parametrize("status", [400, 409, 422])
 def test_a_worker_that_refuses_a_call_is_not_infrastructure(status):
   """A 4xx is a bad call of ours (or the environment's bug, named): a RuntimeError, never
   an InfraError that would re-roll the episode."""
-  async def worker(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(status, json={"detail": "no"})
-
-  async def go():
-    env = RemoteEnv("http://w4", client=httpx.AsyncClient(
-        transport=httpx.MockTransport(worker)))
-    await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
-
   with pytest.raises(RuntimeError, match=f"{status}: no") as got:
-    asyncio.run(go())
+    _reset_on_a_worker_answering(status, "no")
   assert not isinstance(got.value, InfraError)
 
 
