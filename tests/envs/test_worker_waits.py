@@ -257,6 +257,43 @@ def _hung_worker(waits_answer, steps: dict) -> RemoteEnv:
                    client=httpx.AsyncClient(transport=httpx.MockTransport(worker)))
 
 
+def test_a_new_sessions_calls_are_counted_from_its_own_first():
+  """A call that ended as its client cut it (its answer never counted) keeps the waits
+  its worker says; one whose answer was counted says them no more. The count is the
+  session's: a client that played five calls in its last session and then cut its new
+  session's first call read that call as counted (its 3 s wait taken for the policy's
+  own time)."""
+  sessions = iter(["s1", "s2"])
+
+  async def worker(request: httpx.Request) -> httpx.Response:
+    path = request.url.path
+    if path == "/sessions":
+      return httpx.Response(200, json={"session_id": next(sessions),
+                                       "observation": {"messages": []}})
+    if path == "/sessions/s1/step":
+      return httpx.Response(200, json={
+          "observation": {"messages": []}, "reward": 0.0, "terminated": False,
+          "truncated": False, "info": {}, "call": 5})
+    if path == "/sessions/s2/waits":  # (its first call ended, its answer not counted)
+      return httpx.Response(200, json={"running": False, "call": 1, "infra_wait_s": 3.0,
+                                       "infra_held_s": 0.5})
+    if path == "/sessions/s1/waits":  # (its fifth call's answer was counted)
+      return httpx.Response(200, json={"running": False, "call": 5, "infra_wait_s": 3.0})
+    return httpx.Response(200, json={})  # (DELETE)
+
+  async def go():
+    env = RemoteEnv("http://w2", client=httpx.AsyncClient(
+        transport=httpx.MockTransport(worker)))
+    await env.reset(TaskSpec("s", "slow_test_env"))
+    await env.step("1")
+    counted = await env.in_flight_waits()
+    await env.reset(TaskSpec("s", "slow_test_env"))
+    return counted, await env.in_flight_waits()
+
+  counted, cut = asyncio.run(asyncio.wait_for(go(), timeout=10))
+  assert counted == (0.0, 0.0) and cut == (3.0, 0.5), (counted, cut)
+
+
 def test_a_client_gives_up_on_a_call_its_worker_does_not_say_runs(monkeypatch):
   """Past its patience (the worker's wall and a margin), a client asks the worker
   whether the session's call still runs: a worker that lost it, or cannot say, is the
