@@ -42,6 +42,11 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
   assert store.get("b") is not None and len(store.get("b")) == 2
   size = store.bytes
   assert store.pop("b") is not None and store.bytes == 0 and size > 0
+  store.record("c", turn(5))  # at 20 s
+  now[0] = 30.0  # its last turn exactly its TTL ago: kept; past it, gone
+  assert store.get("c") is not None and store.evicted["ttl"] == 1
+  now[0] = 30.001
+  assert store.get("c") is None and store.evicted["ttl"] == 2 and store.bytes == 0
 
 
 def test_a_recorded_turn_revived_is_continued_with_its_own_tokens():
