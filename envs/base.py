@@ -600,15 +600,33 @@ def register(name: str):
   return deco
 
 
+class UnknownEnv(KeyError):
+  """A task's environment that nobody registered. `said(own)` words it with how a user
+  registers one of their own where `own` is (a command with other flags words it its own
+  way: eval's hint named flags eval has not, a new user)."""
+
+  OWN = ("name its module in env.imports, or --import for envs.server, envs.play and "
+         "envs.filter")
+
+  def __init__(self, name: str, known: list[str]):
+    self.name, self.known = name, known
+    super().__init__(self.said())
+
+  def said(self, own: str = OWN) -> str:
+    close = difflib.get_close_matches(self.name, self.known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"unknown environment {self.name!r}{hint}; known: {self.known} (an environment "
+            f"of your own: {own})")
+
+  def __str__(self) -> str:  # (unquoted, as any error's message)
+    return self.args[0]
+
+
 def make(name: str, resources: Optional[EnvResources] = None) -> Env:
   """A new environment by registered name; those that need shared resources get them."""
   _load_builtins()
   if name not in ENVS:
-    close = difflib.get_close_matches(name, list(ENVS), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise KeyError(f"unknown environment {name!r}{hint}; known: {sorted(ENVS)} (an environment "
-                   "of your own: name its module in env.imports, or --import for envs.server, "
-                   "envs.play and envs.filter)")
+    raise UnknownEnv(name, sorted(ENVS))
   cls = ENVS[name]
   if getattr(cls, "needs_resources", False):
     if resources is None:

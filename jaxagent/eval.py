@@ -302,14 +302,10 @@ async def run(args) -> dict:
       if is_blackbox(agent.kind):
         await check_control(args.server)
     try:
-      tools = await task_tools(args.tasks, env_factory)
+      tools = await task_tools(args.tasks, env_factory, own_envs=(
+          "eval imports the env.imports of the run's config.json, or of a --config given"))
     except ValueError as e:  # an unknown environment, bad parameters
-      said = str(e)
-      if "unknown environment" in said:  # (its hint named flags eval has not: a new user)
-        said = said.split(" (an environment of your own", 1)[0] + (
-            " (an environment of your own: eval imports the env.imports of the run's "
-            "config.json, or of a --config given)")
-      raise config_lib.ConfigError(f"--tasks: {said}") from None
+      raise config_lib.ConfigError(f"--tasks: {e}") from None
     mesh = make_mesh()
     model_cfg, _, tokenizer = build_model(cfg.model, mesh, SAMPLE_RULES, tools=tools)
     # Served as the run serves it: the policy (in process, or --server), the models

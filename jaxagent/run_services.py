@@ -247,14 +247,16 @@ def first_tasks(path: str) -> dict:
   return first
 
 
-async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> list[dict]:
+async def task_tools(path: str, env_factory, first: Optional[dict] = None,
+                     own_envs: Optional[str] = None) -> list[dict]:
   """The tools (OpenAI `tools` entries) the environments of a task file offer: the first
   observation of the first task of each environment the file names (`first`, when the
   caller read them already). A task file that cannot be used (a bad line, no tasks, an
-  unknown environment) raises ValueError."""
+  unknown environment) raises ValueError; an unknown environment's says `own_envs`, how
+  the caller's user registers one of their own (`UnknownEnv.said`)."""
   import pydantic
 
-  from envs.base import BAD_TASK, CannotStart, cannot_start, failure
+  from envs.base import BAD_TASK, CannotStart, UnknownEnv, cannot_start, failure
   from envs.isolation import IsolationUnavailable
   from rollout_server.server import ToolDef
 
@@ -263,7 +265,9 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None) -> li
   for task in first.values():
     try:
       env = env_factory(task)
-    except KeyError as e:  # an environment nobody registered: its message, unquoted
+    except UnknownEnv as e:  # an environment nobody registered
+      raise ValueError(f"task {task.id!r}: {e.said(own_envs or e.OWN)}") from None
+    except KeyError as e:  # (a factory's own: its message, unquoted)
       raise ValueError(f"task {task.id!r}: {e.args[0] if e.args else e}") from None
     try:
       try:
