@@ -325,3 +325,38 @@ def test_group_normalized_with_std_leaves_invalid_samples_out_of_the_std():
   out = adv.group_normalized(r, g, 2, valid_N=jnp.asarray([1, 1, 0, 1, 1], bool))
   np.testing.assert_allclose(out, [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0,
                                    -1 / (1 + 1e-6), 1 / (1 + 1e-6)], rtol=1e-7)
+
+
+def test_rloo_leaves_invalid_samples_out_of_the_baseline_and_gives_them_zero():
+  """An invalid sample (a failed episode) neither moves its group's leave-one-out baseline
+  nor gets an advantage of its own (it got 123 - (-122) = 245 with the valid check gone:
+  red team 61's mutation)."""
+  r = jnp.asarray([1.0, 0.0, 123.0, 5.0])
+  g = jnp.asarray([0, 0, 0, 1])
+  out = adv.rloo(r, g, 2, valid_N=jnp.asarray([1, 1, 0, 1], bool))
+  # r_i - the other valid member's reward; the invalid one 0; a group of one 0
+  np.testing.assert_allclose(out, [1.0, -1.0, 0.0, 0.0], atol=1e-6)
+
+
+def test_flat_and_the_advantages_agree_at_the_rounding_tolerance_itself():
+  """`flat` (which groups dynamic sampling drops) and `_group_stats` share one rule, the
+  tolerance included: values exactly FLAT_ULPS ulps of 1.0 apart are one value to both."""
+  eps = float(np.finfo(np.float32).eps)
+  pair = [1.0, 1.0 - adv.FLAT_ULPS * eps]  # (exact in float32 and in float64)
+  assert adv.flat(pair)
+  assert adv.flat([-x for x in pair])  # (the tolerance scales with the magnitude)
+  np.testing.assert_array_equal(
+      adv.group_normalized(jnp.asarray(pair, jnp.float32), jnp.zeros(2, jnp.int32), 1), 0.0)
+  wider = [1.0, 1.0 - 2 * adv.FLAT_ULPS * eps]
+  assert not adv.flat(wider)
+  assert bool(jnp.all(adv.group_normalized(jnp.asarray(wider, jnp.float32),
+                                           jnp.zeros(2, jnp.int32), 1) != 0))
+
+
+def test_turn_rewards_ignore_process_rewards_on_padded_turns():
+  """Padding's process rewards (whatever a padded array holds) are no reward: only valid
+  turns and the terminal reward on the last valid one count."""
+  process = jnp.asarray([[0.1, 9.0, 9.0], [0.2, 0.3, -7.0]])
+  valid = jnp.asarray([[1, 0, 0], [1, 1, 0]], bool)
+  out = adv.turn_rewards(process, jnp.asarray([1.0, 2.0]), valid)
+  np.testing.assert_allclose(out, [[1.1, 0.0, 0.0], [0.2, 2.3, 0.0]], rtol=1e-6)

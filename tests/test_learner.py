@@ -7,7 +7,8 @@ import pytest
 
 from jaxagent.batch import pack
 from jaxagent.config import LearnerConfig
-from jaxagent.learner import Learner, accumulate_gradients, microbatch_objective, old_logps
+from jaxagent.learner import (Learner, accumulate_gradients, microbatch_objective, old_logps,
+                              token_logps)
 from jaxagent.models import preset
 from jaxagent.models.params import bind, init_params
 from jaxagent.models.sharding import make_mesh
@@ -109,6 +110,13 @@ def test_the_learner_scores_its_frozen_reference_for_the_kl_penalty():
   assert float(m["kl_ref"]) > 1e-4  # it moved away; k3 is non-negative
   state, m = learner.step(state, batch)  # no reference: no KL term
   assert "kl_ref" not in m
+  # A batch that brings its reference log-probs keeps them, reference params or not
+  # (they were scored again from the params: red team 61's mutation).
+  given = make_batch(ref=True)
+  _, with_params = learner.step(learner.init_state(0), given, ref)
+  _, without = learner.step(learner.init_state(0), given)
+  assert float(with_params["kl_ref"]) > 0.1  # (random log-probs: far from the policy)
+  assert float(with_params["kl_ref"]) == pytest.approx(float(without["kl_ref"]), rel=1e-6)
 
 
 def test_step_metrics_and_learning():
@@ -149,8 +157,15 @@ def test_ppo_epochs_equal_updates_against_the_pre_update_policy():
                                                                jax.tree.map(jnp.asarray, batch))
   np.testing.assert_allclose(old, whole, atol=1e-5)  # microbatched = whole batch
   fixed = batch._replace(old_logp=np.asarray(old))
+  logged = []
   for _ in range(2):
-    ref, _ = one.step(ref, fixed)
+    ref, m_one = one.step(ref, fixed)
+    logged.append(float(m_one["loss"]))
+  # loss_first is the first update's loss, loss the last's (loss_first taken from the
+  # last update passed: red team 61's mutation)
+  assert logged[0] != pytest.approx(logged[1], abs=1e-4)
+  assert (float(m["loss_first"]), float(m["loss"])) == pytest.approx(logged, rel=1e-4,
+                                                                     abs=1e-6)
   for name in ref.params:
     np.testing.assert_allclose(state.params[name], ref.params[name], atol=1e-5, err_msg=name)
 
@@ -163,6 +178,10 @@ def test_learning_rate_schedules():
   # Updates count from 0: the 100th (index 99) is at the floor (it stopped short of it).
   assert [float(cos(i)) for i in (0, 10, 99, 500)] == pytest.approx([0.0, 1.0, 0.1, 0.1])
   assert 0.1 < float(cos(55)) < 1.0 and float(cos(98)) > 0.1
+  # With epochs the floor is the last update of lr_decay_steps x epochs (not of lr_decay_steps).
+  _, cos2 = make_optimizer(LearnerConfig(lr=1.0, lr_schedule="cosine", lr_decay_steps=10,
+                                         epochs=2, lr_end_factor=0.1))
+  assert float(cos2(9)) > 0.5 and float(cos2(19)) == pytest.approx(0.1)
   _, const = make_optimizer(LearnerConfig(lr=0.5))
   assert float(const(0)) == float(const(10_000)) == 0.5
 
@@ -203,6 +222,8 @@ def test_bad_settings_name_their_key():
     Learner(CFG, LearnerConfig(staleness="drop"), make_mesh())
   with pytest.raises(ValueError, match="learner.epochs"):
     Learner(CFG, LearnerConfig(epochs=0), make_mesh())
+  with pytest.raises(ValueError, match="learner.microbatches"):
+    Learner(CFG, LearnerConfig(microbatches=0), make_mesh())
   with pytest.raises(ValueError, match="learner.dual_clip is PPO's"):
     Learner(CFG, LearnerConfig(policy_loss="gspo", dual_clip=3.0), make_mesh())
   learner = Learner(CFG, LearnerConfig(microbatches=3), make_mesh())
@@ -268,6 +289,8 @@ def test_a_batch_with_nothing_to_train_leaves_weights_and_optimiser_as_they_were
   empty = empty._replace(loss_mask=np.zeros_like(empty.loss_mask))
   state, m = learner.step(state, empty)
   assert float(m["denom"]) == 0 and int(state.policy_version) == 2
+  # (its logged loss and gradient norm are 0, not 0 x 1/0 = nan)
+  assert float(m["loss"]) == 0.0 and float(m["grad_norm"]) == 0.0
   after = jax.device_get((state.params, state.opt_state))
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a, b)
@@ -432,3 +455,136 @@ def test_pack_refuses_a_segment_it_cannot_train_as_given():
   nan[:] = -1.0
   nan[0] = np.nan  # (on a prompt token: never read)
   pack([dict(seg, rollout_logp=nan)], 1, 8)
+
+
+def test_an_sgd_step_over_microbatches_moves_the_weights_by_lr_times_the_full_batch_mean_gradient():
+  """The step's own scaling, end to end: with plain SGD the update is -lr x the gradient
+  of the full batch's sum / denominator whatever the microbatches (a gradient also divided
+  by their number passed every learner test, Adam being blind to a constant scale), and
+  the logged loss and grad_norm are that mean and its gradient's norm (a loss left as the
+  sum, a norm of the undivided gradient passed too: red team 61's mutations). Clipping
+  then caps the update's norm at lr x max_grad_norm."""
+  lr = 0.5
+  batch = jax.tree.map(jnp.asarray, make_batch())
+  params0 = jax.device_get(init_params(CFG, 0))
+  cfg = LearnerConfig(optimizer="sgd", lr=lr, microbatches=2, max_grad_norm=1e6)
+  learner = Learner(CFG, cfg, make_mesh())
+
+  def full_mean(p):
+    s, (d, _) = microbatch_objective(bind(learner.graphdef, learner.abstract_params, p),
+                                     batch, cfg)
+    return s / d
+
+  loss, want = jax.jit(jax.value_and_grad(full_mean))(params0)
+  norm = float(np.sqrt(sum(float(jnp.sum(jnp.square(g))) for g in want.values())))
+  state, m = learner.step(learner.init_state(0, params0), batch)
+  assert float(m["denom"]) == float(batch.loss_mask.sum())  # (token_mean)
+  assert float(m["loss"]) == pytest.approx(float(loss), rel=1e-5)
+  assert float(m["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+  for name in want:
+    np.testing.assert_allclose(state.params[name] - params0[name], -lr * want[name],
+                               atol=1e-6, rtol=1e-4, err_msg=name)
+  clipped = Learner(CFG, LearnerConfig(optimizer="sgd", lr=lr, microbatches=2,
+                                       max_grad_norm=norm / 4), make_mesh())
+  state, m = clipped.step(clipped.init_state(0, params0), batch)
+  assert float(m["grad_norm"]) == pytest.approx(norm, rel=1e-4)  # (logged before clipping)
+  for name in want:
+    np.testing.assert_allclose(state.params[name] - params0[name], -lr * want[name] / 4,
+                               atol=1e-6, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("policy", ["ppo", "gspo", "reinforce"])
+def test_the_objective_hands_each_loss_the_configured_clips_and_the_rollout_correction(policy):
+  """The policy loss the objective computes is `losses`' own, called with the config's
+  clip_low, clip_high and dual_clip and the rollout correction's weights and mask, taken
+  from the old log-probs (not the current ones): swapped clip bounds, a dual clip or
+  importance weights left out, a correction of the current policy each passed every
+  learner test (red team 61's mutations)."""
+  from jaxagent import losses
+
+  batch = jax.tree.map(jnp.asarray, make_batch())
+  cfg = LearnerConfig(policy_loss=policy, clip_low=0.05, clip_high=0.3,
+                      dual_clip=1.5 if policy == "ppo" else None, correction_mode="truncate",
+                      correction_high=1.2)
+  learner = Learner(CFG, cfg, make_mesh())
+  model = bind(learner.graphdef, learner.abstract_params, init_params(CFG, 0))
+  logp, _ = token_logps(model, batch, cfg)
+  mask = batch.loss_mask
+  # Old log-probs around the current ones: ratios on both sides of both clip bounds.
+  shift = jnp.asarray(np.random.default_rng(4).normal(size=mask.shape) * 0.4, jnp.float32)
+  old = jnp.where(mask > 0, logp + shift, 0.0)
+  batch = batch._replace(old_logp=old)
+  total, (denom, metrics) = jax.jit(lambda b: microbatch_objective(model, b, cfg))(batch)
+
+  old = jnp.where(mask > 0, old, logp)
+  corr = losses.rollout_correction(old, batch.rollout_logp, mask, batch.segment_ids,
+                                   mode="truncate", high=1.2)
+  assert float(metrics["is_truncated_frac"][0]) > 0  # (some weights capped at 1.2)
+  reduce = losses.make_reduce("token_mean", segment_ids_BxT=batch.segment_ids,
+                              rollout_weight_BxT=batch.rollout_weight, norm_len=64.0,
+                              loss_mask_BxT=mask)
+  adv_ = jnp.where(mask > 0, batch.advantages, 0.0)
+  if policy == "ppo":
+    want = losses.ppo_clip_loss(logp, old, adv_, corr.mask, reduce=reduce, clip_low=0.05,
+                                clip_high=0.3, dual_clip=1.5, is_weights_BxT=corr.weights)
+    assert float(want.metrics["dual_clip_frac"][0]) > 0
+  elif policy == "gspo":
+    want = losses.gspo_loss(logp, old, adv_, corr.mask, batch.segment_ids, reduce=reduce,
+                            clip_low=0.05, clip_high=0.3, is_weights_BxT=corr.weights)
+  else:
+    want = losses.reinforce_loss(logp, adv_, corr.mask, reduce=reduce,
+                                 is_weights_BxT=corr.weights)
+  assert float(denom) == float(want.denom)
+  assert float(total) == pytest.approx(float(want.sum), rel=1e-5, abs=1e-5)
+  for key, (s, d) in want.metrics.items():
+    assert float(metrics[key][0]) == pytest.approx(float(s), rel=1e-5, abs=1e-6), key
+
+
+def test_adamw_takes_the_configured_moments_and_decoupled_weight_decay():
+  """Two AdamW updates by hand (bias-corrected moments, decay of the weights themselves):
+  b1 and b2 swapped (the first update is the same either way) or the weight decay left
+  out passed every learner test (red team 61's mutations)."""
+  from jaxagent.learner import make_optimizer
+
+  lr, b1, b2, eps, wd = 0.1, 0.5, 0.9, 1e-8, 0.2
+  tx, _ = make_optimizer(LearnerConfig(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd))
+  p = {"w": jnp.asarray([1.0, -2.0])}
+  g1, g2 = np.array([0.3, -0.1]), np.array([-0.2, 0.4])  # (norms under max_grad_norm 1)
+  state = tx.init(p)
+  want = np.array(p["w"])
+  m = v = 0.0
+  for t, g in enumerate((g1, g2), start=1):
+    upd, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state, p)
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    step = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * want
+    want = want - lr * step
+    p = {"w": p["w"] + upd["w"]}
+    np.testing.assert_allclose(p["w"], want, rtol=1e-5, err_msg=f"update {t}")
+
+
+def test_the_learners_rows_are_a_multiple_of_its_microbatches_times_the_batch_shards():
+  """`row_multiple` (what the trainer pads each batch's rows to) counts the microbatches
+  as well as the devices the rows shard over: without them a batch the step cannot split
+  reached it."""
+  for n in (1, 3):
+    assert Learner(CFG, LearnerConfig(microbatches=n), make_mesh()).row_multiple == n * len(
+        jax.devices())
+
+
+def test_gradients_of_bfloat16_weights_are_accumulated_in_float32():
+  """Each microbatch's gradient is cast to float32 before it is summed: the sum over
+  microbatches (and the step's division by the token count) never runs in bfloat16."""
+  cfg16 = preset("tiny", n_layers=2, param_dtype="bfloat16")
+  cfg = LearnerConfig()
+  learner = Learner(cfg16, cfg, make_mesh())
+  params = init_params(cfg16, 0)
+  assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  batch = jax.tree.map(jnp.asarray, make_batch())
+
+  def objective(p, mb):
+    return microbatch_objective(bind(learner.graphdef, learner.abstract_params, p), mb, cfg)
+
+  for n in (1, 2):
+    grads, _, _, _ = jax.eval_shape(functools.partial(
+        accumulate_gradients, objective=objective, microbatches=n), params, batch)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}, n
