@@ -50,6 +50,12 @@ def test_engine_logprobs_equal_learner_teacher_forced(random_params):
   toks, logp, raw, versions = run_alone(engine, params, prompt, SamplingParams(seed=1), 24)
   want = teacher_forced(random_params, prompt + toks)[len(prompt):]
   np.testing.assert_allclose(logp, want, atol=2e-5)
+  with pytest.raises(ValueError, match="1 pages cannot hold 17 tokens"):
+    engine.prefill_many(params=params, decode_state=engine.init_decode_state(),
+                        requests=[PrefillRequest(list(range(1, 18)), [1])])
+  with pytest.raises(ValueError, match="1 pages cannot hold 18 tokens"):  # 14 in the pool
+    engine.prefill_many(params=params, decode_state=engine.init_decode_state(),
+                        requests=[PrefillRequest([1, 2, 3, 4], [1], start=14)])
   np.testing.assert_allclose(raw, want, atol=2e-5)
   assert set(versions) == {7}
 
@@ -67,6 +73,12 @@ def test_engine_with_the_kernel_keeps_the_logprob_contract(random_params):
   assert toks == runs["gather"][0]
   want = teacher_forced(random_params, prompt + toks)[len(prompt):]
   np.testing.assert_allclose(logp, want, atol=2e-5)
+  with pytest.raises(ValueError, match="1 pages cannot hold 17 tokens"):
+    engine.prefill_many(params=params, decode_state=engine.init_decode_state(),
+                        requests=[PrefillRequest(list(range(1, 18)), [1])])
+  with pytest.raises(ValueError, match="1 pages cannot hold 18 tokens"):  # 14 in the pool
+    engine.prefill_many(params=params, decode_state=engine.init_decode_state(),
+                        requests=[PrefillRequest([1, 2, 3, 4], [1], start=14)])
 
 
 def test_score_gives_every_tokens_logprob_as_sampled(random_params):
@@ -300,3 +312,200 @@ def test_speculative_sampling_keeps_the_distribution(draft, temperature, top_k):
   np.testing.assert_allclose(np.asarray(logp[:, 0]), np.log(p[first]), atol=1e-5)
   accepted = np.asarray(n_out) == 2
   assert abs(accepted.mean() - p[draft]) < 0.015  # a draft is kept with probability p(draft)
+
+
+def test_top_p_keeps_the_smallest_set_of_sorted_tokens_whose_mass_reaches_it():
+  """top_p keeps a token when the mass of the tokens before it is below top_p: the token
+  that crosses top_p is kept, the ones after it are not, and a top_p just below 1 still
+  cuts a tail of more than 1 - top_p; the log-prob is renormalised over what is kept."""
+  from rollout_server.engine import _sampling_logits, sample_token
+
+  probs = np.array([0.005, 0.5, 0.195, 0.3], np.float32)  # sorted: 1, 3, 2, 0
+  logits = jnp.asarray(np.log(probs))
+  for top_p, kept in ((0.6, [1, 3]), (0.79, [1, 3]), (0.81, [1, 2, 3]), (0.99, [1, 2, 3]),
+                      (0.4, [1]), (1.0, [0, 1, 2, 3])):
+    _, scaled, _, _ = _sampling_logits(logits, jnp.float32(1.0), jnp.float32(top_p),
+                                       jnp.int32(0))
+    assert np.flatnonzero(np.isfinite(np.asarray(scaled))).tolist() == kept, top_p
+  token, logp, raw = sample_token(logits, jax.random.PRNGKey(0), jnp.float32(1.0),
+                                  jnp.float32(0.6), jnp.int32(0))
+  assert int(token) in (1, 3)
+  assert float(logp) == pytest.approx(np.log(probs[int(token)] / 0.8), abs=1e-5)
+  assert float(raw) == pytest.approx(np.log(probs[int(token)]), abs=1e-5)
+
+
+def prefilled(engine, params, prompt, sampling, slot, state=None, steps=16):
+  """A decode state with `prompt` prefilled into `slot`; returns (state, first result)."""
+  state = engine.init_decode_state() if state is None else state
+  padded, n = engine.pad_tokens(prompt)
+  state, prefix, first = engine.prefill(params=params, decode_state=state,
+                                        pages=pages_of(engine, n + steps + 1,
+                                                       first=1 + slot * engine.pages_per_seq),
+                                        padded_tokens=padded, true_length=n, sampling=sampling)
+  return engine.insert(prefix, state, slot), first.to_host()
+
+
+def test_generate_steps_equals_single_steps_and_releases_the_slots_it_spent(random_params):
+  """`generate_steps` gives every slot the tokens, log-probs, lengths and versions of as many
+  `generate` calls, marks a slot's rows past its `remaining` invalid, and leaves active
+  exactly the slots with steps left; an empty slot emits nothing."""
+  engine = make_engine(max_seq_len=128, max_prefill_length=64)
+  params = engine.load_params(random_params, version=4)
+  prompts = {0: [3, 4, 5], 2: [9, 8, 7, 6, 5]}
+  sampling = {0: SamplingParams(seed=11), 2: SamplingParams(seed=12, temperature=0.8)}
+
+  def fresh():
+    state = None
+    for slot, p in prompts.items():
+      state, _ = prefilled(engine, params, p, sampling[slot], slot, state)
+    return state
+
+  state, single = fresh(), []
+  for _ in range(6):
+    state, res = engine.generate(params, state)
+    single.append(res.to_host())
+  state, res = engine.generate_steps(params, fresh(), 5, remaining=[6, 0, 3, 0])
+  assert np.asarray(state.active).tolist() == [True, False, False, False]
+  d = np.asarray(res.data)
+  assert d.shape == (5, 4, 6)
+  for t in range(5):
+    h = res.to_host()
+    assert h.valid[t].tolist() == [True, False, t < 3, False]
+    for slot in (0, 2):
+      if h.valid[t, slot]:
+        assert (h.tokens[t, slot], h.lengths[t, slot], h.versions[t, slot]) == (
+            single[t].tokens[slot], single[t].lengths[slot], 4)
+        assert h.logp[t, slot] == pytest.approx(single[t].logp[slot], abs=1e-6)
+  state, res = engine.generate(params, state)  # slot 0 goes on where it was
+  h = res.to_host()
+  assert h.valid.tolist() == [True, False, False, False]
+  assert (h.tokens[0], h.lengths[0]) == (single[5].tokens[0], single[5].lengths[0])
+
+
+def test_verify_emits_accepted_drafts_and_the_corrected_token_as_greedy_decoding(random_params):
+  """Greedy drafts: the drafts that match the greedy tokens are emitted, then the greedy
+  token at the first mismatch (or one more), each with its position's length and the
+  raw log-probs of plain decoding; a slot without drafts emits one token and an empty slot
+  none; decoding then goes on from the last emitted token."""
+  engine = make_engine(max_seq_len=128, max_prefill_length=64)
+  params = engine.load_params(random_params, version=2)
+  prompt, greedy = [5, 6, 7, 8], SamplingParams(temperature=0.0)
+  toks, _, raw, _ = run_alone(engine, params, prompt, greedy, 10)
+  state, first = prefilled(engine, params, prompt, greedy, 1)
+  sampled = SamplingParams(seed=8, temperature=1.0)
+  plain = run_alone(engine, params, [1, 2], sampled, 4)  # no drafts: generate's own tokens
+  state, _ = prefilled(engine, params, [1, 2], sampled, 3, state)
+  assert int(first.tokens[0]) == toks[0]
+  wrong = (toks[4] + 1) % CFG.vocab_size
+  drafts = np.zeros((4, 3), np.int32)
+  drafts[1] = [toks[1], toks[2], 0]
+  state, res = engine.verify(params, state, drafts, np.array([0, 2, 0, 0]))
+  h = res.to_host()
+  assert h.valid.sum(1).tolist() == [0, 3, 0, 1]  # slot 3: no drafts, one token
+  assert int(h.tokens[3, 0]) == plain[0][1] and int(h.lengths[3, 0]) == 4
+  assert h.logp[3, 0] == pytest.approx(plain[1][1], abs=1e-5)
+  assert h.tokens[1, :3].tolist() == toks[1:4]
+  assert h.lengths[1, :3].tolist() == [len(prompt) + 2, len(prompt) + 3, len(prompt) + 4]
+  np.testing.assert_allclose(h.raw_logp[1, :3], raw[1:4], atol=2e-5)
+  assert h.logp[1, :3].tolist() == [0.0] * 3 and set(h.versions[1].tolist()) == {2}
+  drafts[1] = [wrong, toks[5], toks[6]]
+  state, res = engine.verify(params, state, drafts, np.array([0, 3, 0, 0]))
+  h = res.to_host()
+  assert h.valid[1].tolist() == [True, False, False, False] and h.tokens[1, 0] == toks[4]
+  assert h.lengths[1, 0] == len(prompt) + 5
+  drafts[1] = [toks[5], wrong, 0]
+  state, res = engine.verify(params, state, drafts, np.array([0, 2, 0, 0]))
+  h = res.to_host()
+  assert h.valid[1].tolist() == [True, True, False, False]
+  assert h.tokens[1, :2].tolist() == toks[5:7]
+  assert int(state.lengths[1]) == len(prompt) + 6
+  state, res = engine.generate(params, state)
+  h = res.to_host()
+  assert int(h.tokens[1]) == toks[7] and int(h.lengths[1]) == len(prompt) + 8
+  assert h.valid.tolist() == [False, True, False, True] and int(h.tokens[3]) == plain[0][4]
+  assert h.raw_logp[1] == pytest.approx(raw[7], abs=2e-5)
+
+
+def test_release_empties_only_the_named_slots(random_params):
+  """Released slots are inactive with length 0 and a null page-table row, emit nothing,
+  and the other slots decode on as if nothing happened."""
+  engine = make_engine(max_seq_len=128, max_prefill_length=64)
+  params = engine.load_params(random_params)
+  alone = run_alone(engine, params, [7, 7, 7], SamplingParams(seed=3), 4, slot=2)
+  state = None
+  for slot in range(4):
+    state, _ = prefilled(engine, params, [7, 7, 7], SamplingParams(seed=3), slot, state)
+  state = engine.release(state, [0, 3])
+  assert np.asarray(state.active).tolist() == [False, True, True, False]
+  assert np.asarray(state.lengths)[[0, 3]].tolist() == [0, 0]
+  assert not np.asarray(state.page_table)[[0, 3]].any()
+  assert np.asarray(state.page_table)[[1, 2]].any(axis=1).all()
+  got = []
+  for _ in range(4):
+    state, res = engine.generate(params, state)
+    h = res.to_host()
+    assert h.valid.tolist() == [False, True, True, False]
+    got.append(int(h.tokens[2]))
+  assert got == alone[0][1:]
+
+
+def test_a_seeds_key_is_jax_prngkey_layout_over_all_64_bits():
+  """A request's key is `jax.random.PRNGKey(seed)`'s for a 32-bit seed, and every one of a
+  seed's 64 bits counts (seeds that differ only in bit 63 have different keys)."""
+  from rollout_server.engine import _key, _threefry_keys
+
+  for seed in (0, 5, 12345, (1 << 32) - 1):
+    assert np.array_equal(_key(seed), np.asarray(jax.random.PRNGKey(seed))), seed
+  keys = {tuple(_key(s).tolist()) for s in (7, 7 + (1 << 32), 7 + (1 << 63), 7 + (1 << 62))}
+  assert len(keys) == 4
+  assert np.array_equal(_key(-1), _key((1 << 64) - 1))
+  if _threefry_keys():
+    assert _key(7 + (5 << 32)).tolist() == [5, 7]
+
+
+def test_a_max_seq_len_that_is_not_whole_pages_still_has_a_page_for_its_last_positions(
+    random_params):
+  """max_seq_len 40 with 16-token pages: a sequence has 3 pages (the last one partial) and
+  decodes past position 32 with exact log-probs."""
+  engine = make_engine(max_seq_len=40, max_prefill_length=32, page_size=16)
+  assert engine.pages_per_seq == 3 and engine.num_pages == 1 + 4 * 3
+  assert [engine.pages_for(n) for n in (1, 16, 17, 32, 33, 40)] == [1, 1, 2, 2, 3, 3]
+  assert engine.pad_tokens(list(range(10)), prefix_length=30)[1] == 10  # ends at 40: fits
+  with pytest.raises(ValueError, match="prompt of 41 tokens exceeds max_seq_len 40"):
+    engine.pad_tokens(list(range(10)), prefix_length=31)  # (a chunk after a long prefix)
+  params = engine.load_params(random_params)
+  prompt = list(range(3, 33))
+  toks, logp, _, _ = run_alone(engine, params, prompt, SamplingParams(seed=1), 7)
+  want = teacher_forced(random_params, prompt + toks)[len(prompt):]
+  np.testing.assert_allclose(logp, want, atol=2e-5)
+  with pytest.raises(ValueError, match="1 pages cannot hold 17 tokens"):
+    engine.prefill_many(params=params, decode_state=engine.init_decode_state(),
+                        requests=[PrefillRequest(list(range(1, 18)), [1])])
+  with pytest.raises(ValueError, match="1 pages cannot hold 18 tokens"):  # 14 in the pool
+    engine.prefill_many(params=params, decode_state=engine.init_decode_state(),
+                        requests=[PrefillRequest([1, 2, 3, 4], [1], start=14)])
+
+
+def test_a_prefill_writes_the_kv_of_its_tokens_only(random_params):
+  """A prefill writes its prompt's positions into its pages and nothing else: not the
+  padding after the prompt, nor anything of the padding rows (into the null page)."""
+  engine = make_engine(max_seq_len=128, max_prefill_length=64, prefill_rows=4)
+  params = engine.load_params(random_params)
+  state, _, _ = engine.prefill_many(params=params, decode_state=engine.init_decode_state(),
+                                    requests=[PrefillRequest([5, 6, 7], [2])])
+  k, v = np.asarray(state.pages.k), np.asarray(state.pages.v)
+  for pool in (k, v):
+    assert np.abs(pool[:, 2, :3]).sum(axis=(-1, -2)).all()  # each written position
+    assert not pool[:, 2, 3:].any() and not pool[:, 0].any() and not pool[:, 1].any()
+
+
+def test_a_prompt_that_includes_sampled_tokens_samples_on_as_the_decode_did(random_params):
+  """The key of the token at position p is the seed's key folded with p, in prefill as in
+  decode: a prompt extended by a request's first sampled tokens (a resumed turn) samples
+  the same next tokens, with the same seed, as that request's decode did."""
+  engine = make_engine(max_seq_len=128, max_prefill_length=64)
+  params = engine.load_params(random_params)
+  prompt, sampling = [3, 1, 4, 1, 5], SamplingParams(seed=21, temperature=1.0)
+  toks = run_alone(engine, params, prompt, sampling, 6)[0]
+  for cut in (1, 3):
+    assert run_alone(engine, params, prompt + toks[:cut], sampling, 2)[0] == toks[cut:cut + 3]
