@@ -110,6 +110,48 @@ def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.skipif("bwrap" not in MODES, reason="bubblewrap is not on this host")
+def test_user_namespaces_stay_refused_under_bubblewrap_without_the_seccomp_filter(
+    monkeypatch):
+  """bubblewrap's own --disable-userns holds where no seccomp filter does (a host without
+  libseccomp): `unshare -r` still fails."""
+  from envs import sandbox as sandbox_module
+  from envs.isolation import _bwrap_can_disable_userns
+
+  if not _bwrap_can_disable_userns():
+    pytest.skip("this bubblewrap has no --disable-userns (before 0.8)")
+  monkeypatch.setattr(sandbox_module, "seccomp_program", lambda *a, **k: None)
+  root = scratch_dir()
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="bwrap")
+  try:
+    r = asyncio.run(sb.run(["unshare", "-r", "true"]))
+    assert r.exit_code not in (0, None), (r.stdout, r.stderr)
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@needs_isolation
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 numbers")
+def test_a_raw_clone_into_a_new_user_namespace_is_refused_by_the_filter(sandbox):
+  """Tool code that calls clone(CLONE_NEWUSER) itself, not through unshare(1), is refused
+  by the seccomp filter (EPERM), and so is unshare(CLONE_NEWUSER), in either namespace
+  mode."""
+  from envs.isolation import seccomp_program
+
+  if seccomp_program() is None:
+    pytest.skip("no libseccomp on this host")
+  code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+          "r = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)\n"  # clone(NEWUSER | SIGCHLD)
+          "if r == 0:\n  os._exit(0)\n"
+          "print('cloned' if r > 0 else os.strerror(ctypes.get_errno()))\n"
+          "r = libc.syscall(272, 0x10000000)\n"  # unshare(CLONE_NEWUSER)
+          "print('unshared' if r == 0 else os.strerror(ctypes.get_errno()))\n")
+  r = run(sandbox, code)
+  assert r.ok and r.stdout == (os.strerror(errno.EPERM) + "\n") * 2, (r.stdout, r.stderr)
+
+
 @needs_isolation
 def test_memory_is_limited_for_all_of_a_sandboxs_processes_together(sandbox):
   """Three processes of 200 MB each stay under the per-process address-space limit
@@ -629,6 +671,23 @@ def test_a_seccomp_filter_refuses_the_kernels_rarely_needed_syscalls(sandbox):
                                       f"{errno.errorcode[errno.EOPNOTSUPP]} "
                                       f"{errno.errorcode[errno.EOPNOTSUPP]} /tmp/b"], r.stdout
   assert sandbox.describe()["seccomp"]
+
+
+@needs_isolation
+def test_only_a_trusted_init_can_make_itself_not_dumpable(sandbox):
+  """The grader's harness (a trusted init) makes itself not dumpable, so that the solution
+  it runs, of the same uid, can neither ptrace it nor open its /proc/1/fd or mem (a forged
+  report); an untrusted command's prctl(PR_SET_DUMPABLE, 0) answers success and does
+  nothing (its files stay in the disk watch's view)."""
+  if not sandbox.describe()["seccomp"]:
+    pytest.skip("no seccomp filter here")
+  code = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
+          "print(libc.prctl(4, 0, 0, 0, 0), libc.prctl(3, 0, 0, 0, 0))\n")
+  sandbox.write_file("probe.py", code)
+  argv = [sandbox.python, "probe.py"]
+  trusted = asyncio.run(sandbox.run(argv, pid1=True, trusted_init=True))
+  untrusted = asyncio.run(sandbox.run(argv, pid1=True))
+  assert (trusted.stdout, untrusted.stdout) == ("0 0\n", "0 1\n"), (trusted, untrusted)
 
 
 @needs_isolation

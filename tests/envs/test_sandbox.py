@@ -2,6 +2,8 @@
 
 import ast
 import asyncio
+import contextlib
+import errno
 import hashlib
 import json
 import http.server
@@ -156,6 +158,77 @@ def test_output_is_cut_to_the_budget_with_full_size_and_hash(sandbox):
   assert r.stdout_sha256 == hashlib.sha256(b"y" * 5000).hexdigest()
 
 
+def test_stderr_is_cut_to_the_budget_too(sandbox):
+  """A solution that floods stderr (a traceback in a loop) is kept to the same budget as
+  stdout, its full size and hash recorded: the host keeps no more of it."""
+  r = run(sandbox, "import sys\nfor _ in range(500): sys.stderr.write('Traceback!' * 10)")
+  assert r.stderr_bytes == 50000 and len(r.stderr) == 1000 and r.truncated, len(r.stderr)
+  assert r.stderr_sha256 == hashlib.sha256(b"Traceback!" * 5000).hexdigest()
+
+
+@needs_isolation
+def test_a_command_cannot_start_more_processes_than_its_limit(sandbox):
+  """Sleepers spawned to hold the host's process table (each one a process of the
+  sandbox's) are refused past `Limits.processes`: the fork fails with EAGAIN."""
+  code = ("import subprocess\nprocs = []\ntry:\n  for _ in range(2 * 32):\n"
+          "    procs.append(subprocess.Popen(['sleep', '30']))\n"
+          "except OSError as e:\n  print('refused', e.errno)\nprint(len(procs))\n"
+          "for p in procs:\n  p.kill()\n")
+  r = run(sandbox, code, timeout=10)
+  assert r.stdout.startswith("refused 11\n"), (r.stdout, r.stderr)
+  assert int(r.stdout.split()[-1]) < LIMITS.processes
+
+
+@needs_isolation
+def test_a_command_cannot_hold_more_open_files_than_its_limit(sandbox):
+  """Descriptors opened by the thousand (kernel memory no tmpfs counts) stop with EMFILE
+  at `Limits.open_files`."""
+  code = ("import os\nfds = []\ntry:\n  for _ in range(4096):\n"
+          "    fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+          "except OSError as e:\n  print('refused', e.errno, len(fds))\n")
+  r = run(sandbox, code)
+  assert r.stdout.startswith("refused 24 "), (r.stdout, r.stderr)
+  assert int(r.stdout.split()[-1]) < LIMITS.open_files
+
+
+@pytest.mark.parametrize("mode", MODES or ["rlimits"])
+def test_a_run_leaves_no_files_on_the_host_and_destroy_removes_its_folder(mode):
+  """Each command's output files (up to `Limits.file_bytes` each, on the host's disk) and
+  the mount-namespace mode's private root are removed once it is recorded, not kept for
+  the episode's every command; `destroy` removes the sandbox's own folder."""
+  root = scratch_dir()
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation=mode)
+  try:
+    logs = sb._logs
+    for _ in range(2):
+      r = run(sb, "import sys; print('x' * 100000); sys.stderr.write('y' * 100000)")
+      assert r.ok and r.stdout_bytes == 100001, r
+      assert [f for f in os.listdir(logs) if f not in ("tmp", "shm")] == []
+  finally:
+    sb.destroy()
+  assert not os.path.exists(logs)
+  shutil.rmtree(root, ignore_errors=True)
+
+
+@needs_isolation
+def test_tmp_and_dev_shm_hold_no_more_than_their_size(sandbox):
+  """A command that fills /tmp and /dev/shm (memory the workspace quota does not count)
+  meets ENOSPC at `Limits.tmp_bytes` in each, not at half of the host's memory."""
+  code = ("import os\nfor where in ('/tmp', '/dev/shm'):\n  n = 0\n  try:\n"
+          "    for i in range(64):\n"
+          "      with open(f'{where}/f{i}', 'wb') as f:\n        f.write(b'0' * (1 << 20))\n"
+          "      n += 1\n"
+          "  except OSError as e:\n    print(where, 'full', e.errno, n)\n"
+          "  else:\n    print(where, 'all', n)\n")
+  r = run(sandbox, code, timeout=10)
+  lines = r.stdout.splitlines()
+  assert len(lines) == 2, (r.stdout, r.stderr)
+  for where, line in zip(("/tmp", "/dev/shm"), lines):
+    w, full, errno_, n = line.split()
+    assert (w, full, errno_) == (where, "full", "28") and int(n) <= LIMITS.tmp_bytes >> 20, line
+
+
 def test_file_size_limit(sandbox):
   r = run(sandbox, "open('big', 'wb').write(b'0' * (4 << 20))")
   assert r.exit_code != 0
@@ -220,6 +293,54 @@ def test_paths_outside_the_workspace_are_refused_on_the_host(sandbox):
     sandbox.write_file("big.txt", b"x" * (LIMITS.write_bytes + 1))
 
 
+def test_a_path_into_a_sibling_named_like_the_workspace_is_refused(sandbox):
+  """`../ws-evil/x` resolves to a path that starts with the workspace's own as a string:
+  the host neither writes nor reads there."""
+  sibling = sandbox.mountpoint + "-evil"
+  rel = "../" + os.path.basename(sibling) + "/x.txt"
+  with pytest.raises(ValueError, match="outside the workspace"):
+    sandbox.write_file(rel, "planted")
+  assert not os.path.exists(sibling)
+  os.makedirs(sibling)
+  with open(os.path.join(sibling, "x.txt"), "w") as f:
+    f.write("host data")
+  with pytest.raises(ValueError, match="outside the workspace"):
+    sandbox.read_file(rel)
+
+
+def test_a_timed_out_unisolated_commands_children_are_killed_with_it():
+  """Without namespaces (`rlimits`) a command's children are not in a PID namespace that
+  dies with it: the whole process group is killed at the timeout, not the leader only (a
+  sleeper it started would outlive its run)."""
+  root = scratch_dir()
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
+  pid = None
+  try:
+    code = ("import subprocess\np = subprocess.Popen(['sleep', '60'])\n"
+            "open('child.pid', 'w').write(str(p.pid))\nwhile True: pass\n")
+    r = run(sb, code, timeout=1)
+    assert r.timed_out and not r.ok
+    pid = int(sb.read_file("child.pid"))
+    deadline = time.time() + 3
+    while time.time() < deadline:
+      try:
+        with open(f"/proc/{pid}/stat") as f:
+          if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+      except FileNotFoundError:
+        break
+      time.sleep(0.05)
+    else:
+      raise AssertionError(f"the command's child {pid} outlived its timeout")
+    pid = None
+  finally:
+    if pid is not None:
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @needs_isolation
 def test_the_host_is_out_of_view(sandbox):
   """No project tree, no host processes, private /tmp and /dev/shm, no host sockets."""
@@ -255,6 +376,25 @@ def test_the_host_is_out_of_view(sandbox):
   finally:
     listener.close()
     os.unlink(path)
+
+
+@needs_isolation
+def test_the_hosts_sysv_semaphores_are_out_of_view(sandbox):
+  """SysV semaphores (which the seccomp filter leaves to multiprocessing) are the
+  sandbox's own IPC namespace's: a set the host (or another sandbox) made under a known
+  key is not found, so a command can neither read nor change it."""
+  import ctypes
+
+  libc = ctypes.CDLL(None, use_errno=True)
+  key = 0x6A610000 + os.getpid() % 0xFFFF
+  semid = libc.semget(key, 1, 0o1666)  # IPC_CREAT | 0666
+  assert semid >= 0, os.strerror(ctypes.get_errno())
+  try:
+    r = run(sandbox, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     f"print(libc.semget({key}, 0, 0), ctypes.get_errno())\n")
+    assert r.ok and r.stdout == f"-1 {errno.ENOENT}\n", (r.stdout, r.stderr)
+  finally:
+    libc.semctl(semid, 0, 0)  # IPC_RMID
 
 
 @needs_isolation
@@ -573,6 +713,64 @@ def _running(pid: int) -> bool:
     return False
 
 
+def test_a_process_of_the_sandbox_uid_left_on_the_host_is_killed_before_the_next_command(
+    sandbox):
+  """A process running as the sandbox's uid outside its namespaces (a crashed worker's
+  command, or one a PID namespace did not hold) would share the next command's uid: it
+  could write into its workspace, signal it or hold its process limit. Each run, a wipe
+  and a new sandbox of the uid kill every process of it."""
+  if sandbox.uid is None:
+    pytest.skip("only a sandbox uid is killed whole")
+  from envs.isolation import SETPRIV, processes_of
+
+  lease, made = UidLease(), None  # (a uid of no sandbox yet: the next one made with it)
+  for step in ("run", "wipe", "create"):
+    uid = lease.uid if step == "create" else sandbox.uid
+    stray = subprocess.Popen([SETPRIV, f"--reuid={uid}", f"--regid={uid}",
+                              "--clear-groups", "--", "sleep", "60"])
+    try:
+      deadline = time.time() + 5
+      while stray.pid not in processes_of(uid):  # (setpriv has dropped to it)
+        assert time.time() < deadline
+        time.sleep(0.01)
+      if step == "run":
+        assert run(sandbox, "print('next')").stdout == "next\n"
+      elif step == "wipe":
+        sandbox.wipe()
+      else:
+        made = Sandbox(os.path.join(os.path.dirname(sandbox.mountpoint), "ws2"), uid=uid,
+                       limits=LIMITS, isolation=sandbox.isolation)
+      assert stray.wait(timeout=5) == -9, step
+    finally:
+      stray.kill()
+      stray.wait()
+      if made is not None:
+        made.destroy()
+  lease.release()
+
+
+@needs_isolation
+def test_a_snapshot_of_hard_links_to_one_file_counts_each_name(sandbox):
+  """One 1 MiB file under many names takes 1 MiB of the quota but each name is copied: a
+  snapshot past the workspace's quota (which a grading copy must fit in again) raises
+  `WorkspaceTooLarge`, not a snapshot of 13 MiB into an 8 MiB workspace."""
+  from envs.sandbox import WorkspaceTooLarge
+
+  r = run(sandbox, "import os\nopen('big', 'wb').write(b'0' * (1 << 20))\n"
+                   "for i in range(12):\n  os.link('big', f'name{i}')\n")
+  assert r.ok, r.stderr
+  with pytest.raises(WorkspaceTooLarge, match="files take over"):
+    sandbox.files(max_bytes=1 << 20)
+
+
+def test_a_command_the_host_cannot_start_is_the_infrastructures_error(sandbox):
+  """A start that fails on the host (here an argument the kernel cannot take) is an
+  `error` (the infrastructure's, retried), not an exit of the command's."""
+  r = asyncio.run(sandbox.run(["/bin/true", "no\0way"]))
+  assert r.error is not None and r.error.startswith("ValueError"), r
+  assert not r.ok and r.exit_code is None and not r.timed_out
+
+
 def test_host_never_chowns_through_a_link(sandbox, tmp_path):
   """A hard link (or symlink) the sandbox left in its workspace is replaced, not followed."""
   if os.geteuid() != 0 or sandbox.uid is None:
@@ -683,6 +881,31 @@ def test_uids_are_unique_across_pools_and_processes():
     assert taken not in [l.uid for l in leases]
     for l in leases:
       l.release()
+  finally:
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def test_a_uid_another_process_holds_is_never_leased_even_where_the_search_starts_at_it(
+    monkeypatch):
+  """Two workers that share a uid share their sandboxes' processes (each kills and
+  signals the other's): the lock decides, not where this process happens to look first."""
+  if os.geteuid() != 0:
+    pytest.skip("sandbox uids are for root")
+  from envs.isolation import UID_BASE
+
+  proc = subprocess.Popen(
+      [sys.executable, "-c", "from envs.sandbox import UidLease; import sys\n"
+       "l = UidLease(); print(l.uid, flush=True); sys.stdin.read()"],
+      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  try:
+    taken = int(proc.stdout.readline())
+    monkeypatch.setattr(UidLease, "_next", taken - (UID_BASE + 1))
+    lease = UidLease()
+    try:
+      assert lease.uid != taken
+    finally:
+      lease.release()
   finally:
     proc.stdin.close()
     proc.wait(timeout=30)
@@ -1005,6 +1228,21 @@ def test_commands_sharing_too_few_cpus_have_their_wall_limits_stretched():
   if got["groups"]:
     assert got["forced"][0] and got["forced"][1] != "done" and float(got["forced"][1]) < 1.9, got
   assert "stretched by the CPU time it is kept from (up to 2.00x" in out.stderr
+
+
+def test_a_wall_limit_is_stretched_at_most_max_stretch_times(sandbox, monkeypatch):
+  """However long a command's CPU cgroup says it was kept from its CPU (siblings of the
+  same policy burning the host's CPUs beside it), its wall limit grows at most
+  `MAX_STRETCH` times: a brute force gets no unbounded time from a starved host."""
+  from envs import sandbox as sandbox_module
+
+  if sandbox._cpu_cgroup is None:
+    pytest.skip("no CPU cgroup here")
+  monkeypatch.setattr(sandbox_module, "starved_s", lambda *a: 1000.0)
+  got = asyncio.run(sandbox._longer(2.0, time.perf_counter(), lambda: 1.0))
+  assert got == 2.0 * sandbox_module.MAX_STRETCH == 8.0
+  monkeypatch.setattr(sandbox_module, "starved_s", lambda *a: 0.5)
+  assert asyncio.run(sandbox._longer(2.0, time.perf_counter(), lambda: 1.0)) == 2.5
 
 
 def test_a_pool_holds_exactly_its_workspaces_and_frees_each_on_release():
