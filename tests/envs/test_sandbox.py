@@ -166,6 +166,23 @@ def test_stderr_is_cut_to_the_budget_too(sandbox):
   assert r.stderr_sha256 == hashlib.sha256(b"Traceback!" * 5000).hexdigest()
 
 
+def test_a_command_reads_nothing_of_its_hosts_stdin(sandbox):
+  """A command without stdin of its own reads an empty one, not the host process's (a
+  worker's stdin, whatever its launcher piped to it, would reach every solution)."""
+  r, w = os.pipe()
+  os.write(w, b"the host's secret")
+  os.close(w)
+  saved = os.dup(0)
+  os.dup2(r, 0)
+  try:
+    out = run(sandbox, "import sys\nprint(repr(sys.stdin.read()))")
+  finally:
+    os.dup2(saved, 0)
+    os.close(saved)
+    os.close(r)
+  assert out.exit_code == 0 and out.stdout.strip() == "''", (out.stdout, out.stderr)
+
+
 @needs_isolation
 def test_a_command_cannot_start_more_processes_than_its_limit(sandbox):
   """Sleepers spawned to hold the host's process table (each one a process of the
