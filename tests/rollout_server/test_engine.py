@@ -366,6 +366,8 @@ def test_generate_steps_equals_single_steps_and_releases_the_slots_it_spent(rand
     single.append(res.to_host())
   state, res = engine.generate_steps(params, fresh(), 5, remaining=[6, 0, 3, 0])
   assert np.asarray(state.active).tolist() == [True, False, False, False]
+  spent, _ = engine.generate_steps(params, fresh(), 5, remaining=[5, 0, 6, 0])
+  assert np.asarray(spent.active).tolist() == [False, False, True, False]  # (5 of 5: spent)
   d = np.asarray(res.data)
   assert d.shape == (5, 4, 6)
   for t in range(5):
@@ -509,3 +511,41 @@ def test_a_prompt_that_includes_sampled_tokens_samples_on_as_the_decode_did(rand
   toks = run_alone(engine, params, prompt, sampling, 6)[0]
   for cut in (1, 3):
     assert run_alone(engine, params, prompt + toks[:cut], sampling, 2)[0] == toks[cut:cut + 3]
+
+
+def test_the_engines_limits_refuse_one_past_them_and_take_them_exactly(random_params):
+  """A prompt of 0 tokens and one of `max_prefill_length + 1`, a page row of
+  `pages_per_seq + 1` pages, more requests or insert slots than a prefill call has rows,
+  a scored sequence of `max_seq_len + 1` tokens or holding the vocabulary's size as an id,
+  and a `max_prefill_length` past `max_seq_len` are refused (each limit itself is taken);
+  `prefill_rows` defaults to min(8, slots); the sampling copy is cast to the engine's
+  dtype."""
+  from rollout_server.engine import Prefix
+
+  engine = make_engine(max_prefill_length=32, max_seq_len=64, page_size=8)
+  with pytest.raises(ValueError, match="at least one token"):
+    engine.pad_tokens([])
+  assert engine.pad_tokens(list(range(32)))[1] == 32
+  with pytest.raises(ValueError, match="max_prefill_length 32"):
+    engine.pad_tokens(list(range(33)))
+  assert engine.page_row(list(range(1, 9))).tolist() == list(range(1, 9))
+  with pytest.raises(ValueError, match="9 pages exceed"):
+    engine.page_row(list(range(1, 10)))
+  rows = engine.rows_for(engine.prefill_bucket(3))
+  with pytest.raises(ValueError, match=f"{rows + 1} requests exceed"):
+    engine.prefill_many(params=None, decode_state=None,
+                        requests=[PrefillRequest([1, 2, 3], [1 + i]) for i in range(rows + 1)])
+  two_rows = Prefix(*[np.zeros(2, np.int32)] * len(Prefix._fields))
+  with pytest.raises(ValueError, match="3 slots given for 2 prefilled rows"):
+    engine.insert_many(two_rows, None, [0, 1, 2])
+  params = engine.load_params(random_params)
+  with pytest.raises(ValueError, match="more than max_seq_len"):
+    engine.score(params, [[1] * 65])
+  with pytest.raises(ValueError, match="token ids must be in"):
+    engine.score(params, [[1, engine.vocab_size]])
+  make_engine(max_prefill_length=64, max_seq_len=64)
+  with pytest.raises(ValueError, match="exceeds max_seq_len"):
+    make_engine(max_prefill_length=65, max_seq_len=64)
+  assert make_engine().prefill_rows == 4 and make_engine(max_concurrent_decodes=16).prefill_rows == 8
+  half = make_engine(dtype="bfloat16").load_params(random_params)
+  assert {x.dtype for x in jax.tree.leaves(half["weights"])} == {jnp.dtype(jnp.bfloat16)}
