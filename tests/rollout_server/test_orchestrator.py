@@ -85,6 +85,7 @@ def test_weight_update_drain_and_abort(random_params):
       time.sleep(0.005)
     report = orch.update_weights(engine.load_params(random_params, version=3), mode="abort")
     assert running.finish_reason == "abort" and set(running.versions) == {2}
+    assert running.abort_cause == "weight_update"  # (resumable; an explicit abort's is None)
     prompt, sampling, n = continuation(running)
     resumed = orch.generate(prompt, sampling, timeout=120, resumed_tokens=n)
     assert set(resumed.versions) == {3} and resumed.finish_reason == "length"
@@ -373,3 +374,175 @@ def test_multi_step_decode_gives_the_same_tokens(random_params):
   assert any(reason == "stop" for *_, reason in one)
   assert all(set(v) == {3} for _, _, v, _ in one)
   assert s5["live_slots"] == 0 and s5["queue"] == 0 and s5["kv_pages"]["used"] == s1["kv_pages"]["used"]
+
+
+def test_a_request_queued_during_a_drain_runs_on_the_new_weights(random_params):
+  """While a drain update waits for the running request, newly queued requests are not
+  admitted: they run on the new weights (the running one finishes on the old)."""
+  import threading
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1)).start()
+  gate = threading.Event()
+  try:
+    with orch._cv:  # (the loop admits nothing before the listener is on)
+      running = orch.submit([4, 4, 4], SamplingParams(seed=0, max_new_tokens=6))
+      running.add_listener(lambda req, n: n == 1 and gate.wait(60))
+    while not running.output_ids:  # the engine thread now waits in the listener
+      time.sleep(0.001)
+    new = engine.load_params({k: v * 1.5 for k, v in random_params.items()}, version=2)
+    updater = threading.Thread(target=orch.update_weights, args=(new,), daemon=True)
+    updater.start()
+    while orch._update is None:
+      time.sleep(0.001)
+    queued = orch.submit([4, 4, 4], SamplingParams(seed=0, max_new_tokens=6))
+    gate.set()
+    updater.join(60)
+    assert queued.wait(60) and running.done
+    assert set(running.versions) == {1} and set(queued.versions) == {2}
+    assert orch.stats()["version"] == 2
+  finally:
+    gate.set()
+    orch.stop()
+
+
+def test_request_ids_are_unique_while_in_flight_and_free_after(random_params):
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params)).start()
+  try:
+    with orch._cv:
+      first = orch.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="a")
+      with pytest.raises(ValueError, match="already in flight"):
+        orch.submit([1, 2], request_id="a")
+    assert first.wait(60) and first.finish_reason == "length"
+    assert not orch.abort("a") and orch.progress("a") is None  # finished: not in flight
+    again = orch.generate([1, 2], SamplingParams(max_new_tokens=2), request_id="a", timeout=60)
+    assert again.finish_reason == "length" and again.output_ids == first.output_ids
+  finally:
+    orch.stop()
+
+
+def test_stopping_aborts_queued_requests_and_refuses_new_ones(random_params):
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params))  # not started
+  queued = orch.submit([1, 2, 3])
+  orch.stop()
+  assert queued.done and queued.finish_reason == "abort" and queued.output_ids == []
+  with pytest.raises(RuntimeError, match="stopped"):
+    orch.submit([1, 2, 3])
+
+
+def test_a_second_weight_update_is_refused_while_one_is_pending(random_params):
+  import threading
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1))  # not started
+  first = threading.Thread(target=orch.update_weights,
+                           args=(engine.load_params(random_params, version=2),), daemon=True)
+  first.start()
+  while orch._update is None:
+    time.sleep(0.001)
+  with pytest.raises(RuntimeError, match="already in progress"):
+    orch.update_weights(engine.load_params(random_params, version=3))
+  orch.start()
+  try:
+    first.join(60)
+    assert not first.is_alive() and orch.stats()["version"] == 2
+  finally:
+    orch.stop()
+
+
+def test_a_request_aborted_while_queued_never_takes_a_slot(random_params):
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  kept = orch.submit([1, 2, 3], SamplingParams(seed=1, max_new_tokens=8))
+  gone = orch.submit([5, 6, 7], SamplingParams(seed=2, max_new_tokens=8))
+  assert orch.abort(gone.request_id)
+  orch.start()  # (the abort is processed before anything is admitted)
+  try:
+    assert gone.wait(60) and gone.finish_reason == "abort" and gone.output_ids == []
+    assert kept.wait(60) and kept.finish_reason == "length"
+    s = orch.stats()
+    assert s["live_slots"] == 0 and s["kv_pages"]["used"] == 0 and s["queue"] == 0
+  finally:
+    orch.stop()
+
+
+def test_a_stop_token_at_the_last_allowed_position_ends_as_stop(orch):
+  probe = orch.generate([1, 2], SamplingParams(seed=3, max_new_tokens=10), timeout=60)
+  stop = probe.output_ids[4]
+  k = probe.output_ids.index(stop) + 1
+  r = orch.generate([1, 2], SamplingParams(seed=3, max_new_tokens=k, stop_token_ids=(stop,)),
+                    timeout=60)
+  assert r.output_ids == probe.output_ids[:k] and r.finish_reason == "stop"
+
+
+def test_a_prefill_call_with_a_chunked_prompt_gives_each_request_its_own_token(random_params):
+  """A long prompt's chunk and a short prompt share a prefill call (the same bucket); the
+  short one finishes its prefill there and gets its own first token, not the row of the
+  still unfinished long one."""
+  engine = make_engine(page_size=8)
+  params = engine.load_params(random_params)
+  long_prompt, short = list(range(1, 41)), [7, 8, 9]
+  sampling = SamplingParams(seed=3, max_new_tokens=4)
+  alone = Orchestrator(engine, params).start()
+  try:
+    want = [alone.generate(p, sampling, timeout=60).output_ids for p in (long_prompt, short)]
+  finally:
+    alone.stop()
+  orch = Orchestrator(engine, params, prefill_chunk=16)
+  reqs = [orch.submit(p, sampling) for p in (long_prompt, short)]
+  orch.start()
+  try:
+    assert all(r.wait(60) for r in reqs)
+  finally:
+    orch.stop()
+  assert [r.output_ids for r in reqs] == want
+
+
+def test_a_loop_error_fails_the_live_requests_and_the_loop_goes_on(random_params):
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  real, calls = engine.generate, []
+
+  def flaky(params, state):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("device lost")
+    return real(params, state)
+
+  engine.generate = flaky
+  orch.start()
+  try:
+    hit = orch.generate([1, 2, 3], SamplingParams(max_new_tokens=8), timeout=60)
+    assert hit.finish_reason == "error" and "device lost" in hit.error
+    ok = orch.generate([1, 2, 3], SamplingParams(max_new_tokens=8), timeout=60)
+    assert ok.finish_reason == "length" and len(ok.output_ids) == 8
+    s = orch.stats()
+    assert s["loop_errors"] == 1 and s["live_slots"] == 0 and s["kv_pages"]["used"] == 0
+  finally:
+    orch.stop()
+
+
+def test_a_failed_prefill_fails_its_request_alone(random_params):
+  """A prefill call that raises ends its own requests with `error`; a request already
+  decoding (prefilled in an earlier call: another bucket) runs to its end."""
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  real = engine.prefill_many
+
+  def refuse_99(**kw):
+    if any(99 in list(r.tokens) for r in kw["requests"]):
+      raise ValueError("bad row")
+    return real(**kw)
+
+  engine.prefill_many = refuse_99
+  running = orch.submit(list(range(1, 21)), SamplingParams(seed=1, max_new_tokens=30))
+  bad = orch.submit([99, 1, 2], SamplingParams(seed=2, max_new_tokens=30))
+  orch.start()
+  try:
+    assert bad.wait(60) and bad.finish_reason == "error" and "bad row" in bad.error
+    assert running.wait(60) and running.finish_reason == "length"
+    assert len(running.output_ids) == 30 and orch.stats()["loop_errors"] == 0
+  finally:
+    orch.stop()
