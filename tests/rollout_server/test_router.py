@@ -906,3 +906,338 @@ def test_a_router_says_which_backends_do_not_answer_at_its_start():
   finally:
     proc.kill()
     proc.wait()
+
+
+def _path_recording_backend(state: dict):
+  """A fake rollout server that records the raw path of every call it is sent (`state[
+  "seen"]`; its deletes in `state["deletes"]`, answered `state["delete_status"]`): /health answers `state["version"]`, /update_weights takes a version unless
+  `state["refuse"]`, /generate waits `state["generate_s"]`; any other path answers 200. Its record of any
+  session is `state["record"]` (turns; no record_id), none without one."""
+  import asyncio
+
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse
+
+  app = FastAPI()
+  state.setdefault("seen", [])
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "version": state.get("version", 0), "policy_id": None}
+
+  @app.post("/update_weights")
+  async def update(request: Request):
+    if state.get("refuse"):
+      return JSONResponse({"detail": "cannot load it"}, status_code=500)
+    state["version"] = (await request.json())["version"]
+    return {"version": state["version"]}
+
+  @app.get("/sessions/{session_id:path}")
+  async def record(session_id: str, since: int = 0):
+    if "record" not in state:
+      return JSONResponse({"detail": "none"}, status_code=404)
+    return {"turns": state["record"][since:], "count": len(state["record"])}
+
+  @app.delete("/sessions/{session_id:path}")
+  async def delete(session_id: str):
+    state.setdefault("deletes", []).append(session_id)
+    status = state.get("delete_status", 200)
+    return JSONResponse({"detail": "deleted" if status == 200 else "failed"}, status_code=status)
+
+  @app.api_route("/{path:path}", methods=["GET", "POST"])
+  async def anything(path: str, request: Request):
+    state["seen"].append(request.scope["raw_path"].decode())
+    state["headers"] = dict(request.headers)
+    await asyncio.sleep(state.get("generate_s", 0.0))
+    return {"output_ids": [5], "finish_reason": "length", "path": path}
+
+  return app
+
+
+def _raw(url: str, method: str, path: str, body: bytes = b"{}") -> tuple[int, bytes]:
+  """`method path` sent to `url` as written (httpx resolves dot segments first)."""
+  host, port = url.removeprefix("http://").split(":")
+  conn = http.client.HTTPConnection(host, int(port), timeout=30)
+  try:
+    conn.request(method, path, body=body, headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    return r.status, r.read()
+  finally:
+    conn.close()
+
+
+def test_paths_a_backend_could_read_as_another_are_never_forwarded_and_the_rest_go_as_sent():
+  """A path with a `..` or `.` segment (plain or percent-encoded), an encoded `?`, `#`
+  or control character, a router's own path under another spelling, or /abort never
+  reaches a backend (it could be read there as /handover or /update_weights: another
+  client's tokens or policy set); an ordinary one goes on percent-encoded as sent."""
+  from rollout_server.routing import forwarded_path
+
+  assert forwarded_path("/v1/chat/completions") == ("v1/chat/completions",
+                                                    "v1/chat/completions")
+  assert forwarded_path("/v1/models/caf%C3%A9%20x") == ("v1/models/caf%C3%A9%20x",
+                                                        "v1/models/café x")
+  for bad in ("/v1/../handover", "/v1/%2E%2E/handover", "/v1/%2e/generate", "/a//generate",
+              "/generate%3Fx=1", "/generate%23x", "/generate%0Ax", "/generate%0Dx",
+              "/generate%1Fx", "/generate%7Fx", "/generate%00"):
+    assert forwarded_path(bad)[0] is None, bad
+
+  state: dict = {}
+  with ServerThread(_path_recording_backend(state)) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=600)) as router:
+    for method, path in (("POST", "/v1/../handover"), ("POST", "/v1/%2E%2E/handover"),
+                         ("POST", "/x/%2e%2e/update_weights"), ("POST", "/generate%23x"),
+                         ("POST", "/generate%3Fx"), ("POST", "/generate%0Ax"),
+                         ("POST", "/update_weights/"), ("GET", "/control/"),
+                         ("POST", "/abort"), ("POST", "/abort/")):
+      status, body = _raw(router.url, method, path)
+      assert status in (403, 404), (path, status, body)
+    assert state["seen"] == []
+    # (its own path by another method: a 405 naming the one it takes, not a 404)
+    for method, path, allowed in (("GET", "/update_weights", "POST"), ("POST", "/health", "GET"),
+                                  ("POST", "/router/health", "GET")):
+      r = httpx.request(method, router.url + path, timeout=30)
+      assert r.status_code == 405 and r.headers["allow"] == allowed, (path, r.text)
+    assert state["seen"] == []
+    status, body = _raw(router.url, "GET", "/v1/models/caf%C3%A9%20x")
+    assert status == 200 and json.loads(body)["path"] == "v1/models/café x", body
+    assert state["seen"] == ["/v1/models/caf%C3%A9%20x"]
+    # (a client's control token is not passed on: the router's own calls carry the run's)
+    r = httpx.post(f"{router.url}/generate", json={"input_ids": [1]}, timeout=30,
+                   headers={"X-Control-Token": "a-clients", "X-Other": "kept"})
+    assert r.status_code == 200 and state["headers"]["x-other"] == "kept"
+    assert "x-control-token" not in state["headers"], state["headers"]
+
+
+def test_a_requests_session_is_its_header_or_its_body_and_never_two():
+  """A body's `session_id` routes as its header does (to its owner on the ring, every
+  time); a header and a body naming different sessions, the header sent twice, or an id
+  past MAX_SESSION_ID is refused as a 400 in the API's own error shape before any
+  backend sees it (the router routes by one, the server records by the other)."""
+  from rollout_server.routing import MAX_SESSION_ID
+
+  a, b = {}, {}
+  with ServerThread(_path_recording_backend(a)) as sa, ServerThread(_path_recording_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=600)) as router:
+    c = httpx.Client(base_url=router.url, timeout=30)
+    ring = HashRing([sa.url, sb.url])
+    for sid in ("s-1", "s-2", "s-3", "s-4", "s-5", "s-6"):
+      owner = ring.candidates(sid)[0]
+      for _ in range(2):
+        r = c.post("/generate", json={"input_ids": [1], "session_id": sid})
+        assert r.status_code == 200 and r.headers["x-routed-to"] == owner, (sid, r.text)
+      r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": sid})
+      assert r.status_code == 200 and r.headers["x-routed-to"] == owner, (sid, r.text)
+    seen = len(a["seen"]) + len(b["seen"])
+    r = c.post("/v1/chat/completions", json={"messages": [], "session_id": "one"},
+               headers={"X-Session-Id": "two"})
+    assert r.status_code == 400 and "different sessions" in r.json()["error"]["message"], r.text
+    r = c.post("/v1/chat/completions", json={"messages": []},
+               headers=[("X-Session-Id", "one"), ("X-Session-Id", "two")])
+    assert r.status_code == 400 and "2 times" in r.json()["error"]["message"], r.text
+    r = c.post("/v1/messages", json={"messages": []},
+               headers={"X-Session-Id": "x" * (MAX_SESSION_ID + 1)})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "at most" in r.json()["error"]["message"], r.text
+    assert len(a["seen"]) + len(b["seen"]) == seen  # (none of them sent on)
+    # A body that is JSON but no object has no session: sent on (its backend says what is
+    # wrong), not the router's 500.
+    r = c.post("/generate", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    # An id of the bound itself is one; its reads are, one past it is a 400.
+    r = c.post("/generate", json={"input_ids": [1]},
+               headers={"X-Session-Id": "y" * MAX_SESSION_ID})
+    assert r.status_code == 200, r.text
+    assert c.get("/sessions/" + "y" * MAX_SESSION_ID).status_code == 404
+    for route in ("/sessions/", "/requests/"):
+      r = c.get(route + "z" * (MAX_SESSION_ID + 1))
+      assert r.status_code == 400 and "at most" in r.json()["detail"], (route, r.text)
+
+
+def test_the_routers_own_errors_and_stream_cuts_are_in_each_apis_shape():
+  """Its errors on /v1/messages are Anthropic's, on the OpenAI paths (models included)
+  OpenAI's, FastAPI's `detail` elsewhere; a cut stream ends with the API's own stream
+  error (an Anthropic `error` event, a Responses `response.failed` with a top-level
+  `error`, a chat `error` chunk), each a 502 `backend_unavailable`."""
+  from rollout_server.routing import error_body, stream_cut_event
+
+  assert error_body("v1/messages", 503, "m") == {
+      "type": "error", "error": {"type": "overloaded_error", "message": "m"}}
+  for path in ("v1/chat/completions", "v1/responses", "v1/models"):
+    assert error_body(path, 404, "m")["error"] == {
+        "message": "m", "type": "invalid_request_error", "param": None, "code": None}, path
+  assert error_body("generate", 502, "m") == {"detail": "m"}
+
+  def events(raw: bytes) -> list:
+    assert raw.endswith(b"\n\n"), raw
+    lines = raw.decode().strip().split("\n")
+    return [(x.split(": ", 1)[0], x.split(": ", 1)[1]) for x in lines]
+
+  (kind, name), (_, data) = events(stream_cut_event("v1/messages", "gone"))
+  assert (kind, name) == ("event", "error")
+  assert json.loads(data) == {"type": "error", "error": {"type": "api_error", "message": "gone"}}
+  (kind, name), (_, data) = events(stream_cut_event("v1/responses", "gone"))
+  assert (kind, name) == ("event", "response.failed")
+  got = json.loads(data)
+  assert got["type"] == "response.failed" and got["response"]["status"] == "failed"
+  assert got["error"] == {"message": "gone", "type": "backend_unavailable", "code": 502}
+  for path in ("v1/chat/completions", "generate"):
+    [(kind, data)] = events(stream_cut_event(path, "gone"))
+    assert kind == "data" and json.loads(data) == {"error": {
+        "message": "gone", "type": "backend_unavailable", "code": 502}}
+
+
+def test_a_turn_goes_to_no_backend_on_another_policy_and_that_is_a_503_to_retry():
+  """A backend that cannot load the router's policy is out of rotation, and a failover
+  never sends it a turn (it would answer on weights the run left behind): with none
+  other, a turn is a 503 (none available now: retried), in the API's shape, that no
+  backend saw; a backend that cannot be reached at all is a 502."""
+  state: dict = {}
+  with ServerThread(_path_recording_backend(state)) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=0.05)) as router:
+    c = httpx.Client(base_url=router.url, timeout=30)
+    assert c.post("/update_weights", json={"path": "/p", "version": 1}).status_code == 200
+    state.update(version=0, refuse=True)  # (it restarted on its first weights: cannot load 1)
+    deadline = time.time() + 10
+    while c.get("/router/health").json()["backends"][0]["healthy"] and time.time() < deadline:
+      time.sleep(0.02)
+    assert c.get("/router/health").json()["backends"][0]["healthy"] is False
+    state["seen"].clear()
+    r = c.post("/v1/chat/completions", json={"messages": []}, headers={"X-Session-Id": "s"})
+    assert r.status_code == 503 and "no backend can take" in r.json()["error"]["message"], r.text
+    r = c.get("/v1/models")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded", r.text
+    r = c.post("/v1/messages", json={"messages": []})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
+    assert state["seen"] == []
+  with ServerThread(create_router([f"http://127.0.0.1:{free_port()}"],
+                                  health_interval_s=600)) as router:
+    r = httpx.post(f"{router.url}/generate", json={"input_ids": [1]}, timeout=30)
+    assert r.status_code == 502 and "no backend could take" in r.json()["detail"], r.text
+
+
+def test_a_turn_past_its_bound_is_a_504_and_its_backend_stays_in_rotation():
+  """A slow backend is not a dead one: a turn past `turn_timeout_s` is a 504 (not the
+  5xx of a backend gone, nor a failover that runs the turn twice)."""
+  a, b = {"generate_s": 1.0}, {}
+  with ServerThread(_path_recording_backend(a)) as sa, ServerThread(_path_recording_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=600,
+                                 turn_timeout_s=0.3)) as router:
+    sid = next(s for s in (f"s{i}" for i in range(100))
+               if HashRing([sa.url, sb.url]).candidates(s)[0] == sa.url)
+    r = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": []},
+                   headers={"X-Session-Id": sid}, timeout=30)
+    assert r.status_code == 504 and "longer than" in r.json()["error"]["message"], r.text
+    assert b["seen"] == []
+    got = httpx.get(f"{router.url}/router/health").json()
+    assert all(x["healthy"] for x in got["backends"]) and got["failovers"] == 0, got
+
+
+def test_a_turn_never_reaches_a_backend_before_the_delete_of_its_session_it_owes():
+  """A delete a backend failed (500) is owed: a turn of that session goes there only
+  after the backend took it (done after, it wiped the new episode's turns), and while
+  it fails (a 5xx, 408, 429) the turn goes elsewhere, here to none: a 502."""
+  state: dict = {"delete_status": 500}
+  with ServerThread(_path_recording_backend(state)) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=600)) as router:
+    c = httpx.Client(base_url=router.url, timeout=30)
+    c.delete("/sessions/s")
+    assert state["deletes"] == ["s"]
+    for status in (500, 503, 429, 408):
+      state["delete_status"] = status
+      r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"})
+      assert r.status_code == 502 and "delete of the session it owes" in r.text, r.text
+      assert state["seen"] == [], status
+    state["delete_status"] = 200
+    r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"})
+    assert r.status_code == 200 and state["seen"] == ["/generate"], r.text
+    assert state["deletes"] == ["s"] * 6
+    r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"})
+    assert r.status_code == 200 and len(state["deletes"]) == 6  # (owed no more)
+
+
+def test_a_backend_whose_record_began_again_is_copied_from_its_start_by_its_count():
+  """A backend whose record of a session holds fewer turns than the router copied (it
+  restarted at its address; a server that names no record_id) began it again: its turns
+  are all new and copied from the first (read from the router's place, the new ones
+  were lost)."""
+  state: dict = {"record": []}
+  with ServerThread(_path_recording_backend(state)) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=600)) as router:
+    c = httpx.Client(base_url=router.url, timeout=30)
+    for i in range(3):
+      state["record"].append({"n": i, "recorded_at": 10.0 + i})
+      assert c.post("/generate", json={"input_ids": [1]},
+                    headers={"X-Session-Id": "s"}).status_code == 200
+    state["record"] = [{"n": 100, "recorded_at": 20.0}]  # (restarted: one new turn)
+    assert c.post("/generate", json={"input_ids": [1]},
+                  headers={"X-Session-Id": "s"}).status_code == 200
+    got = c.get("/sessions/s").json()
+    assert [t["n"] for t in got["turns"]] == [0, 1, 2, 100], got
+    assert [t["turn"] for t in got["turns"]] == [0, 1, 2, 3] and got["count"] == 4
+    state["record"].append({"n": 101, "recorded_at": 21.0})  # (and on from there, once)
+    got = c.get("/sessions/s").json()
+    assert [t["n"] for t in got["turns"]] == [0, 1, 2, 100, 101], got
+
+
+def test_a_delete_through_a_fresh_router_is_done_where_any_backend_held_the_session():
+  """A router that never saw a session (restarted) deletes it on every backend: one
+  that held it makes the delete a 200 though the others had none; none that held it
+  (nor the router) is a 404."""
+  a, b = {}, {"delete_status": 404}
+  with ServerThread(_path_recording_backend(a)) as sa, ServerThread(_path_recording_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=600)) as router:
+    r = httpx.delete(f"{router.url}/sessions/s", timeout=30)
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert a["deletes"] == b["deletes"] == ["s"]
+    a["delete_status"] = 404
+    r = httpx.delete(f"{router.url}/sessions/t", timeout=30)
+    assert r.status_code == 404, r.text
+
+
+def test_a_stream_its_backend_cut_ends_with_the_apis_error_and_the_backend_leaves_rotation():
+  """A backend that died mid-stream: the stream ends with the API's error event (not a
+  silent cut, read as a whole answer), the backend is out of rotation at once and the
+  session's next turn goes to the next backend on the ring; the cut turn is not copied
+  (its record there unreadable, the session's reads were held at 502 for it)."""
+  from fastapi import FastAPI
+  from fastapi.responses import JSONResponse, StreamingResponse
+
+  dying = FastAPI()
+
+  @dying.get("/health")
+  async def health():
+    return {"status": "ok", "version": 0, "policy_id": None}
+
+  @dying.post("/v1/chat/completions")
+  async def dies_mid_stream():
+    async def events():
+      yield 'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+      raise RuntimeError("the backend dies")  # (the connection is cut mid-body)
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  @dying.get("/sessions/{session_id}")
+  async def unreadable(session_id: str):  # (gone: no record to read)
+    return JSONResponse({"detail": "gone"}, status_code=500)
+
+  other: dict = {"record": [{"n": 1, "recorded_at": 1.0}]}
+  with ServerThread(dying) as sd, ServerThread(_path_recording_backend(other)) as so, \
+      ServerThread(create_router([sd.url, so.url], health_interval_s=600)) as router:
+    sid = next(s for s in (f"s{i}" for i in range(100))
+               if HashRing([sd.url, so.url]).candidates(s)[0] == sd.url)
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", timeout=30,
+                      json={"messages": [], "stream": True},
+                      headers={"X-Session-Id": sid}) as r:
+      assert r.headers["x-routed-to"] == sd.url
+      events = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert json.loads(events[-1][6:])["error"]["code"] == 502, events
+    assert "went away mid-stream" in events[-1], events
+    got = httpx.get(f"{router.url}/router/health").json()
+    assert got["streams_cut"] == 1 and [x["healthy"] for x in got["backends"]] == [False, True]
+    got = httpx.get(f"{router.url}/health", timeout=30)  # (up while any backend is)
+    assert got.status_code == 200 and got.json()["healthy"] == 1, got.text
+    r = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": []},
+                   headers={"X-Session-Id": sid}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-routed-to"] == so.url, r.text
+    got = httpx.get(f"{router.url}/sessions/{sid}", timeout=30)
+    assert got.status_code == 200 and [t["n"] for t in got.json()["turns"]] == [1], got.text

@@ -597,3 +597,117 @@ def test_an_update_is_cut_at_a_backend_gone_mid_update():
     await rot.aclose()
 
   asyncio.run(main())
+
+
+def _mock_rotation(backends, handler, **kw) -> Rotation:
+  """A Rotation whose calls of every pool go to `handler` (httpx.MockTransport)."""
+  rot = Rotation(backends, health_interval_s=1, timeout_s=5, turn_timeout_s=5,
+                 max_sessions=10, control_token=None, max_connections=10, **kw)
+  client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+  for pool in ("turns", "calls", "health"):
+    rot.clients[pool] = client
+  return rot
+
+
+def test_a_backend_is_gone_after_three_unanswered_checks_in_a_row_and_a_busy_pool_is_no_answer():
+  """`UNREACHABLE_CHECKS` unanswered /health in a row (no connection) make a backend gone
+  (its turns cut); an answer between them starts the count again, and a check that found
+  the router's own pool busy (PoolTimeout) says nothing of the backend either way."""
+  mode = {"now": "down"}
+
+  async def handler(request: httpx.Request) -> httpx.Response:
+    if mode["now"] == "down":
+      raise httpx.ConnectError("refused")
+    if mode["now"] == "busy":
+      raise httpx.PoolTimeout("the pool is full")
+    return httpx.Response(200, json={"status": "ok", "version": None})
+
+  async def main():
+    rot = _mock_rotation(["http://a"], handler)
+    gone = rot.gone("http://a")
+    for now in ("down", "down", "up", "down", "down", "busy", "busy", "busy", "busy"):
+      mode["now"] = now
+      await rot.check("http://a")
+      assert not rot.gone("http://a").is_set(), now
+    assert rot.healthy["http://a"] is False
+    mode["now"] = "down"
+    await rot.check("http://a")
+    assert rot.gone("http://a").is_set() and gone.is_set()
+    mode["now"] = "up"
+    await rot.check("http://a")
+    assert rot.healthy["http://a"] and not rot.gone("http://a").is_set()
+    await rot.aclose()
+
+  asyncio.run(main())
+
+
+def test_an_update_is_done_only_where_every_healthy_backend_took_it():
+  """A backend that answered its update with an error (a 500, even a JSON one) or could
+  not be reached did not take it: the update is a 502 with `ok` false, and each of them
+  is out of rotation (loading the policy before it serves again) while the one that took
+  it stays in and the router holds the backends to its version. With none healthy, a
+  503 (asked again by the learner)."""
+  async def handler(request: httpx.Request) -> httpx.Response:
+    host = request.url.host
+    if request.url.path == "/update_weights":
+      if host == "a":
+        return httpx.Response(200, json={"version": 4})
+      if host == "b":
+        return httpx.Response(500, json={"detail": "cannot load it"})
+      raise httpx.ConnectError("refused")
+    return httpx.Response(404)
+
+  async def main():
+    rot = _mock_rotation(["http://a", "http://b", "http://c"], handler)
+    answer, status = await rot.update(b'{"path": "/p", "version": 4}')
+    assert status == 502 and answer["ok"] is False and answer["version"] == 4, answer
+    assert rot.healthy == {"http://a": True, "http://b": False, "http://c": False}
+    by = {x["backend"]: x for x in answer["results"]}
+    assert by["http://b"]["status"] == 500 and "ConnectError" in by["http://c"]["error"]
+    assert rot.policy["version"] == 4 and rot.serves["http://a"][0] == 4
+    assert rot.in_order(["http://b", "http://c", "http://a"]) == ["http://a"]
+    rot.healthy["http://a"] = False
+    answer, status = await rot.update(b'{"path": "/p", "version": 5}')
+    assert status == 503 and rot.policy["version"] == 4, answer
+    await rot.aclose()
+
+  asyncio.run(main())
+
+
+def test_a_backend_is_back_only_once_it_loaded_the_policy_and_did_the_deletes_it_owes():
+  """A backend on another version is out of rotation while the router pushes it the
+  policy, stays out while it answers the push with another version than the router's,
+  and while a delete it owes is refused (401: the token; owed until it is allowed)."""
+  state = {"serves": 0, "loads": 3, "delete": 401, "seen_healthy": [], "deleted": []}
+
+  async def handler(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/health":
+      return httpx.Response(200, json={"status": "ok", "version": state["serves"],
+                                       "policy_id": None, "instance": "one"})
+    if request.url.path == "/update_weights":
+      state["seen_healthy"].append(rot.healthy["http://a"])
+      state["serves"] = state["loads"]
+      return httpx.Response(200, json={"version": state["loads"]})
+    if request.method == "DELETE":
+      state["deleted"].append(request.url.path)
+      return httpx.Response(state["delete"], json={"detail": "x"})
+    return httpx.Response(404)
+
+  async def main():
+    rot.policy.update(body=b'{"path": "/p", "version": 4}', version=4)
+    await rot.check("http://a")  # (loads 3, not 4)
+    assert rot.healthy["http://a"] is False and state["seen_healthy"] == [False]
+    assert rot.in_order(["http://a"]) == []
+    state["loads"] = 4
+    rot.must_delete("http://a", "s1")
+    await rot.check("http://a")  # (loads 4; its delete refused: owed, out)
+    assert state["serves"] == 4 and state["deleted"] == ["/sessions/s1"]
+    assert rot.healthy["http://a"] is False and "s1" in rot.undeleted["http://a"]
+    state["delete"] = 200
+    await rot.check("http://a")
+    assert rot.healthy["http://a"] is True and not rot.undeleted["http://a"]
+    assert state["seen_healthy"] == [False, False]  # (pushed twice, out both times)
+    await rot.aclose()
+
+  rot = _mock_rotation(["http://a"], handler)
+  asyncio.run(main())
