@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import numpy as np
@@ -546,3 +547,299 @@ def test_a_failed_prefill_fails_its_request_alone(random_params):
     assert len(running.output_ids) == 30 and orch.stats()["loop_errors"] == 0
   finally:
     orch.stop()
+
+
+def _first_token_order(reqs, names):
+  """Records, by name, the order in which `reqs` get their first token (listeners run on
+  the engine thread in emission order; add them before the loop starts)."""
+  order = []
+  for r, name in zip(reqs, names):
+    r.add_listener(lambda req, n, name=name: n == 1 and order.append(name))
+  return order
+
+
+def test_a_request_short_of_pages_keeps_its_place_at_the_head_of_the_queue(random_params):
+  """Admission is in order: a request whose pages are not free waits at the head of the
+  queue, and a smaller one behind it that would fit waits too (no overtaking, so a big
+  request is never starved); once pages return, the big one is admitted first."""
+  engine = make_engine(page_size=8, num_pages=1 + 10)
+  orch = Orchestrator(engine, engine.load_params(random_params))  # not started
+  running = orch.submit([1, 2, 3], SamplingParams(seed=1, max_new_tokens=30))  # 5 pages
+  big = orch.submit([4, 5, 6], SamplingParams(seed=2, max_new_tokens=60))  # 8: not free yet
+  small = orch.submit([7, 8, 9], SamplingParams(seed=3, max_new_tokens=5))  # 1: would fit
+  order = _first_token_order([running, big, small], ["running", "big", "small"])
+  orch.start()
+  try:
+    assert all(r.wait(60) for r in (running, big, small))
+  finally:
+    orch.stop()
+  assert order == ["running", "big", "small"]
+  assert small.first_token_at >= running.finished_at
+  assert [r.finish_reason for r in (running, big, small)] == ["length"] * 3
+
+
+def test_siblings_waiting_for_a_prompt_being_prefilled_keep_their_order_ahead_of_later_requests(
+    random_params):
+  """Samples of a prompt whose pages are being computed wait for it (to share them), but
+  keep their places: once slots free they are admitted in submission order and before the
+  requests queued after them."""
+  engine = make_engine(max_concurrent_decodes=2, page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params), prefix_cache_tokens=256)
+  prompt = list(range(1, 21))  # more than a page: its siblings wait for its prefill
+  p1 = orch.submit(prompt, SamplingParams(seed=1, max_new_tokens=6))
+  p2 = orch.submit(prompt, SamplingParams(seed=2, max_new_tokens=6))
+  p3 = orch.submit(prompt, SamplingParams(seed=3, max_new_tokens=6))
+  x = orch.submit([30, 31, 32], SamplingParams(seed=4, max_new_tokens=12))
+  y = orch.submit([40, 41, 42], SamplingParams(seed=5, max_new_tokens=6))
+  reqs, names = [p1, p2, p3, x, y], ["p1", "p2", "p3", "x", "y"]
+  order = _first_token_order(reqs, names)
+  orch.start()
+  try:
+    assert all(r.wait(60) for r in reqs)
+  finally:
+    orch.stop()
+  assert sorted(order[:2]) == ["p1", "x"] and order[2:] == ["p2", "p3", "y"], order
+  assert p2.prefix_hit_tokens > 0 and p3.prefix_hit_tokens > 0  # (they shared p1's pages)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_a_request_takes_one_decode_step_a_token_after_the_one_its_prefill_samples(
+    random_params, decode_steps):
+  """No step is spent past a request's budget: alone, a request of n tokens takes n - 1
+  decode steps (its first token comes from the prefill; one that wants a single token takes
+  none), and one that runs to the cache's end takes one a position left."""
+  engine = make_engine(max_seq_len=64, max_prefill_length=64, page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params),
+                      decode_steps=decode_steps).start()
+  try:
+    for prompt, max_new, want in (([1, 2, 3], 1, 1), ([1, 2, 3], 9, 9),
+                                  (list(range(1, 51)), 40, 64 - 50)):
+      before = orch.stats()["steps"]
+      r = orch.generate(prompt, SamplingParams(seed=1, max_new_tokens=max_new), timeout=60)
+      assert r.finish_reason == "length" and len(r.output_ids) == want
+      assert orch.stats()["steps"] - before == want - 1, (prompt[-1], max_new)
+  finally:
+    orch.stop()
+
+
+def test_raw_log_probs_are_the_models_and_output_log_probs_the_sampling_distributions(
+    random_params):
+  """At a temperature other than 1 (with top-k) the two differ: `raw_logprobs` are the
+  plain model's (as scoring gives them), `output_logprobs` the tempered, filtered
+  distribution's the token was drawn from."""
+  engine = make_engine(max_seq_len=64, max_prefill_length=64, page_size=8)
+  params = engine.load_params(random_params)
+  orch = Orchestrator(engine, params).start()
+  try:
+    r = orch.generate([3, 1, 4, 1, 5], SamplingParams(seed=7, max_new_tokens=12,
+                                                      temperature=0.5, top_k=5), timeout=60)
+  finally:
+    orch.stop()
+  fresh = engine.score(params, [r.prompt_ids + r.output_ids])[0][len(r.prompt_ids):]
+  np.testing.assert_allclose(r.raw_logprobs, fresh, atol=1e-4)
+  assert len(r.output_logprobs) == 12 and all(lp <= 0 for lp in r.output_logprobs)
+  assert np.abs(np.subtract(r.output_logprobs, r.raw_logprobs)).max() > 1e-2
+
+
+def test_a_finished_sequence_caches_only_positions_whose_kv_was_computed(random_params):
+  """A request that ends by length never feeds its last token back, so that position has
+  no KV: when the sequence ends on a page boundary, its last page is not cached, and the
+  next turn recomputes it (exact log-probs) instead of reusing a page with a hole."""
+  engine = make_engine(max_seq_len=64, max_prefill_length=64, page_size=8)
+  params = engine.load_params(random_params)
+  orch = Orchestrator(engine, params, prefix_cache_tokens=256).start()
+  try:
+    first = orch.generate([2, 7, 1, 8, 2], SamplingParams(seed=1, max_new_tokens=11),
+                          timeout=60)  # 16 tokens: two whole pages
+    assert first.finish_reason == "length"
+    seq = first.prompt_ids + first.output_ids + [9, 9]
+    nxt = orch.generate(seq, SamplingParams(seed=2, max_new_tokens=6), timeout=60)
+  finally:
+    orch.stop()
+  assert nxt.prefix_hit_tokens == 8  # the first page; the second holds the unfed token
+  fresh = engine.score(params, [seq + nxt.output_ids])[0][len(seq):]
+  np.testing.assert_allclose(nxt.raw_logprobs, fresh, atol=1e-4)
+
+
+def test_progress_calls_an_admitted_request_running_before_its_prompt_is_in_the_pool(
+    random_params):
+  """Taking a slot is what makes a request `running`: while its first prefill call runs
+  (nothing of its prompt in the pool yet) progress and session_progress no longer count it
+  as queued; a request still waiting for a slot is."""
+  engine = make_engine(max_concurrent_decodes=1)
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  real, seen = engine.prefill_many, []
+
+  def looking(**kw):
+    if not seen:
+      seen.append((orch.progress("a"), orch.progress("b"), orch.session_progress("s")))
+    return real(**kw)
+
+  engine.prefill_many = looking
+  a = orch.submit([1, 2, 3], SamplingParams(max_new_tokens=2), request_id="a", session_id="s")
+  b = orch.submit([4, 5, 6], SamplingParams(max_new_tokens=2), request_id="b", session_id="s")
+  orch.start()
+  try:
+    assert a.wait(60) and b.wait(60)
+  finally:
+    orch.stop()
+  (pa, pb, sess), = seen
+  assert pa["state"] == "running" and pa["prefilled"] == 0 and pa["output_tokens"] == 0
+  assert pb["state"] == "queued"
+  assert sess["requests"] == 2 and sess["queued"] == 1
+
+
+def test_speculative_decoding_ends_at_a_stop_token_inside_an_accepted_draft(random_params):
+  """A stop token among a step's accepted draft tokens ends the request there: the draft
+  tokens after it are discarded, as one token a step would have stopped."""
+  K = 2
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params), speculative=K).start()
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+  try:
+    for prompt in ([100, 200, 5, 17], [9, 8, 7, 6], [1, 2, 3], [50, 60, 70]):
+      out = orch.generate(prompt, greedy, timeout=60).output_ids
+      # A token's first occurrence inside a verify window (a sibling accepts all K drafts:
+      # tokens 1..K+1, K+2..2K+2, ...), not at its end.
+      idx = next((i for i in range(2, 30) if out[i] not in out[:i] and i % (K + 1)), None)
+      if idx is not None:
+        break
+    assert idx is not None, "no prompt's greedy output has a usable stop token"
+    r = orch.generate(prompt, dataclasses.replace(greedy, stop_token_ids=(out[idx],)),
+                      timeout=60)
+    s = orch.stats()
+  finally:
+    orch.stop()
+  assert r.finish_reason == "stop" and r.output_ids == out[:idx + 1], (idx, r.output_ids)
+  assert len(r.output_logprobs) == len(r.versions) == idx + 1
+  assert s["speculative"]["accepted"] > 0
+
+
+def test_submit_takes_requests_up_to_each_limit_exactly(random_params):
+  """Each of submit's limits at its edge: `resumed_tokens` below the prompt's length, the
+  new part of a prompt up to max_prefill_length, the whole prompt short of max_seq_len,
+  and prompt + max_new_tokens up to the pool's pages."""
+  engine = make_engine(max_prefill_length=16, max_seq_len=32, page_size=8, num_pages=1 + 3)
+  orch = Orchestrator(engine, engine.load_params(random_params))  # not started
+  one = SamplingParams(max_new_tokens=1)
+  try:
+    orch.submit([1, 2, 3], one, resumed_tokens=2)
+    for bad in (3, -1):
+      with pytest.raises(ValueError, match="resumed_tokens"):
+        orch.submit([1, 2, 3], one, resumed_tokens=bad)
+    orch.submit([1] * 16, one)
+    with pytest.raises(PromptTooLong, match="max_prefill_length"):
+      orch.submit([1] * 17, one)
+    orch.submit([1] * 20, one, resumed_tokens=4)
+    with pytest.raises(PromptTooLong, match="max_prefill_length"):
+      orch.submit([1] * 20, one, resumed_tokens=3)
+    orch.submit([1] * 23, one, resumed_tokens=16)  # 24 tokens: the pool's 3 pages
+    with pytest.raises(PromptTooLong, match="max_seq_len"):
+      orch.submit([1] * 32, one, resumed_tokens=16)
+    orch.submit([1] * 8, SamplingParams(max_new_tokens=16))  # 24 tokens: 3 pages
+    with pytest.raises(PromptTooLong, match="KV pages"):
+      orch.submit([1] * 8, SamplingParams(max_new_tokens=17))  # 25: 4 pages
+    assert orch.stats()["queue"] == 5
+  finally:
+    orch.stop()
+
+
+def test_a_page_aligned_prompt_in_the_cache_is_reused_all_but_its_last_token(random_params):
+  """The last prompt token is always computed (its logits give the first sample): a prompt
+  of two whole pages, cached, shares only its first page, and samples as it did uncached."""
+  engine = make_engine(max_seq_len=64, max_prefill_length=64, page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params), prefix_cache_tokens=256).start()
+  prompt, sampling = list(range(20, 36)), SamplingParams(seed=4, max_new_tokens=6)
+  try:
+    first = orch.generate(prompt, sampling, timeout=60)
+    again = orch.generate(prompt, sampling, timeout=60)
+  finally:
+    orch.stop()
+  assert first.prefix_hit_tokens == 0 and again.prefix_hit_tokens == 8
+  assert again.finish_reason == "length" and again.output_ids == first.output_ids
+  np.testing.assert_allclose(again.output_logprobs, first.output_logprobs, atol=1e-5)
+
+
+def test_siblings_share_the_pages_of_a_prompt_prefilled_for_a_request_still_running(
+    random_params):
+  """A prompt's whole pages go into the prefix cache when its prefill ends, not when its
+  request does: a sibling admitted while the first still decodes shares them (even with
+  finished sequences not cached)."""
+  engine = make_engine(page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params), prefix_cache_tokens=256,
+                      cache_finished=False)
+  prompt = list(range(1, 21))
+  first = orch.submit(prompt, SamplingParams(seed=1, max_new_tokens=40))
+  sibling = orch.submit(prompt, SamplingParams(seed=2, max_new_tokens=4))
+  orch.start()
+  try:
+    assert sibling.wait(60) and sibling.finish_reason == "length"
+    assert not first.done  # (it was still decoding)
+    assert first.wait(60)
+    s = orch.stats()
+  finally:
+    orch.stop()
+  assert first.prefix_hit_tokens == 0 and sibling.prefix_hit_tokens == 16
+  assert s["shared_pages"] == 2
+
+
+def test_a_request_short_of_pages_gives_back_the_cached_pages_it_matched(random_params):
+  """A request that matches cached pages but finds too few free ones waits without holding
+  them (it retries every loop turn): once all is done and the cache is dropped (a weight
+  update), every page is free."""
+  engine = make_engine(page_size=8, num_pages=1 + 8)
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1),
+                      prefix_cache_tokens=64)
+  prompt = list(range(1, 18))  # 17 tokens: its first two pages are cached at its prefill
+  first = orch.submit(prompt, SamplingParams(seed=1, max_new_tokens=30))  # 6 of 8 pages
+  second = orch.submit(prompt + [5], SamplingParams(seed=2, max_new_tokens=20))  # 5 pages
+  orch.start()
+  try:
+    assert first.wait(60) and second.wait(60)
+    assert second.prefix_hit_tokens == 16
+    orch.update_weights(engine.load_params(random_params, version=2))
+    s = orch.stats()
+  finally:
+    orch.stop()
+  assert s["kv_pages"]["used"] == 0 and s["kv_pages"]["free"] == 8
+
+
+def test_length_aware_admission_expects_the_longest_output_a_prompt_produced(random_params):
+  """A prompt's expected length is the longest of its finished samples, not the last or
+  the shortest: a prompt that once produced 40 tokens (and once 5) starts before one that
+  produced 20 twice."""
+  engine = make_engine(max_concurrent_decodes=1)
+  orch = Orchestrator(engine, engine.load_params(random_params), length_aware=True).start()
+  try:
+    runs = [orch.submit([10, 2, 3], SamplingParams(seed=1, max_new_tokens=5)),
+            orch.submit([10, 2, 3], SamplingParams(seed=2, max_new_tokens=40)),
+            orch.submit([11, 2, 3], SamplingParams(seed=3, max_new_tokens=20)),
+            orch.submit([11, 2, 3], SamplingParams(seed=4, max_new_tokens=20))]
+    assert all(r.wait(60) for r in runs)
+    with orch._cv:  # both queued before the loop admits either (one slot)
+      twenty = orch.submit([11, 2, 3], SamplingParams(seed=5, max_new_tokens=3))
+      forty = orch.submit([10, 2, 3], SamplingParams(seed=6, max_new_tokens=3))
+    assert twenty.wait(60) and forty.wait(60)
+  finally:
+    orch.stop()
+  assert forty.finished_at <= twenty.first_token_at
+
+
+def test_a_request_whose_last_token_is_in_flight_takes_no_more_steps_while_others_wait(
+    random_params):
+  """While a request waits for pages (so steps go one at a time), a running request whose
+  last token is already dispatched is not stepped again: the two take exactly their
+  tokens less the ones their prefills sample."""
+  engine = make_engine(page_size=8, num_pages=1 + 4)
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  first = orch.submit([1, 2, 3], SamplingParams(seed=1, max_new_tokens=9))  # 2 pages
+  waiting = orch.submit([4, 5, 6], SamplingParams(seed=2, max_new_tokens=20))  # 3: waits
+  orch.start()
+  try:
+    assert first.wait(60) and waiting.wait(60)
+    s = orch.stats()
+  finally:
+    orch.stop()
+  assert waiting.first_token_at >= first.finished_at
+  assert [len(r.output_ids) for r in (first, waiting)] == [9, 20]
+  assert s["steps"] == (9 - 1) + (20 - 1)
