@@ -843,3 +843,21 @@ def test_a_request_whose_last_token_is_in_flight_takes_no_more_steps_while_other
   assert waiting.first_token_at >= first.finished_at
   assert [len(r.output_ids) for r in (first, waiting)] == [9, 20]
   assert s["steps"] == (9 - 1) + (20 - 1)
+
+
+def test_a_request_short_of_pages_evicts_cached_prefixes_nothing_runs_on(random_params):
+  """Pages the prefix cache holds for finished sequences are not a reason to wait: a request
+  that needs them evicts those no running sequence uses and is admitted at once."""
+  engine = make_engine(page_size=8, num_pages=1 + 8)
+  orch = Orchestrator(engine, engine.load_params(random_params), prefix_cache_tokens=64).start()
+  try:
+    done = orch.generate(list(range(1, 18)), SamplingParams(seed=1, max_new_tokens=30),
+                         timeout=60)  # 47 tokens: its 5 whole pages stay cached
+    assert done.finish_reason == "length" and orch.stats()["kv_pages"]["free"] == 3
+    big = orch.generate([40, 41, 42], SamplingParams(seed=2, max_new_tokens=40),
+                        timeout=20)  # 6 pages
+    s = orch.stats()
+  finally:
+    orch.stop()
+  assert big.finish_reason == "length" and len(big.output_ids) == 40
+  assert s["prefix_cache"]["evicted_pages"] >= 3
