@@ -861,3 +861,23 @@ def test_a_request_short_of_pages_evicts_cached_prefixes_nothing_runs_on(random_
     orch.stop()
   assert big.finish_reason == "length" and len(big.output_ids) == 40
   assert s["prefix_cache"]["evicted_pages"] >= 3
+
+
+def test_siblings_of_a_prompt_of_one_page_do_not_wait_for_its_prefill(random_params):
+  """Only a prompt with more than a page to compute makes its siblings wait (they would
+  share all but its last token, so at most a one-page prompt gives them nothing): with two
+  slots, two samples of an 8-token prompt start together, ahead of a later request."""
+  engine = make_engine(max_concurrent_decodes=2, page_size=8)
+  orch = Orchestrator(engine, engine.load_params(random_params), prefix_cache_tokens=256)
+  prompt = list(range(1, 9))
+  reqs = [orch.submit(prompt, SamplingParams(seed=1, max_new_tokens=6)),
+          orch.submit(prompt, SamplingParams(seed=2, max_new_tokens=6)),
+          orch.submit([30, 31, 32], SamplingParams(seed=3, max_new_tokens=6))]
+  order = _first_token_order(reqs, ["p1", "p2", "x"])
+  orch.start()
+  try:
+    assert all(r.wait(60) for r in reqs)
+  finally:
+    orch.stop()
+  assert order == ["p1", "p2", "x"]
+  assert reqs[2].first_token_at >= min(reqs[0].finished_at, reqs[1].finished_at)
