@@ -313,7 +313,7 @@ def test_paths_outside_the_workspace_are_refused_on_the_host(sandbox):
 def test_a_path_into_a_sibling_named_like_the_workspace_is_refused(sandbox):
   """`../ws-evil/x` resolves to a path that starts with the workspace's own as a string:
   the host neither writes nor reads there."""
-  sibling = sandbox.mountpoint + "-evil"
+  sibling = sandbox.host_path + "-evil"  # (where the host would write it)
   rel = "../" + os.path.basename(sibling) + "/x.txt"
   with pytest.raises(ValueError, match="outside the workspace"):
     sandbox.write_file(rel, "planted")
@@ -333,9 +333,9 @@ def test_a_timed_out_unisolated_commands_children_are_killed_with_it():
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
   pid = None
   try:
-    code = ("import subprocess\np = subprocess.Popen(['sleep', '60'])\n"
-            "open('child.pid', 'w').write(str(p.pid))\nwhile True: pass\n")
-    r = run(sb, code, timeout=1)
+    code = ("import subprocess, time\np = subprocess.Popen(['sleep', '60'])\n"
+            "open('child.pid', 'w').write(str(p.pid))\ntime.sleep(60)\n")
+    r = run(sb, code, timeout=3)
     assert r.timed_out and not r.ok
     pid = int(sb.read_file("child.pid"))
     deadline = time.time() + 3
@@ -741,29 +741,31 @@ def test_a_process_of_the_sandbox_uid_left_on_the_host_is_killed_before_the_next
   from envs.isolation import SETPRIV, processes_of
 
   lease, made = UidLease(), None  # (a uid of no sandbox yet: the next one made with it)
-  for step in ("run", "wipe", "create"):
-    uid = lease.uid if step == "create" else sandbox.uid
-    stray = subprocess.Popen([SETPRIV, f"--reuid={uid}", f"--regid={uid}",
-                              "--clear-groups", "--", "sleep", "60"])
-    try:
-      deadline = time.time() + 5
-      while stray.pid not in processes_of(uid):  # (setpriv has dropped to it)
-        assert time.time() < deadline
-        time.sleep(0.01)
-      if step == "run":
-        assert run(sandbox, "print('next')").stdout == "next\n"
-      elif step == "wipe":
-        sandbox.wipe()
-      else:
-        made = Sandbox(os.path.join(os.path.dirname(sandbox.mountpoint), "ws2"), uid=uid,
-                       limits=LIMITS, isolation=sandbox.isolation)
-      assert stray.wait(timeout=5) == -9, step
-    finally:
-      stray.kill()
-      stray.wait()
-      if made is not None:
-        made.destroy()
-  lease.release()
+  try:
+    for step in ("run", "wipe", "create"):
+      uid = lease.uid if step == "create" else sandbox.uid
+      stray = subprocess.Popen([SETPRIV, f"--reuid={uid}", f"--regid={uid}",
+                                "--clear-groups", "--", "sleep", "60"])
+      try:
+        deadline = time.time() + 5
+        while stray.pid not in processes_of(uid):  # (setpriv has dropped to it)
+          assert time.time() < deadline
+          time.sleep(0.01)
+        if step == "run":
+          assert run(sandbox, "print('next')").stdout == "next\n"
+        elif step == "wipe":
+          sandbox.wipe()
+        else:
+          made = Sandbox(os.path.join(os.path.dirname(sandbox.mountpoint), "ws2"), uid=uid,
+                         limits=LIMITS, isolation=sandbox.isolation)
+        assert stray.wait(timeout=5) == -9, step
+      finally:
+        stray.kill()
+        stray.wait()
+        if made is not None:
+          made.destroy()
+  finally:
+    lease.release()
 
 
 @needs_isolation

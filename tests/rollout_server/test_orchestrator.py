@@ -1,4 +1,5 @@
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -374,14 +375,13 @@ def test_multi_step_decode_gives_the_same_tokens(random_params):
   assert many == one
   assert any(reason == "stop" for *_, reason in one)
   assert all(set(v) == {3} for _, _, v, _ in one)
-  assert s5["live_slots"] == 0 and s5["queue"] == 0 and s5["kv_pages"]["used"] == s1["kv_pages"]["used"]
+  assert s5["live_slots"] == 0 and s5["queue"] == 0
+  assert s5["kv_pages"]["used"] == s1["kv_pages"]["used"]
 
 
 def test_a_request_queued_during_a_drain_runs_on_the_new_weights(random_params):
   """While a drain update waits for the running request, newly queued requests are not
   admitted: they run on the new weights (the running one finishes on the old)."""
-  import threading
-
   engine = make_engine()
   orch = Orchestrator(engine, engine.load_params(random_params, version=1)).start()
   gate = threading.Event()
@@ -389,13 +389,11 @@ def test_a_request_queued_during_a_drain_runs_on_the_new_weights(random_params):
     with orch._cv:  # (the loop admits nothing before the listener is on)
       running = orch.submit([4, 4, 4], SamplingParams(seed=0, max_new_tokens=6))
       running.add_listener(lambda req, n: n == 1 and gate.wait(60))
-    while not running.output_ids:  # the engine thread now waits in the listener
-      time.sleep(0.001)
+    _until(lambda: running.output_ids)  # the engine thread now waits in the listener
     new = engine.load_params({k: v * 1.5 for k, v in random_params.items()}, version=2)
     updater = threading.Thread(target=orch.update_weights, args=(new,), daemon=True)
     updater.start()
-    while orch._update is None:
-      time.sleep(0.001)
+    _until(lambda: orch._update is not None)
     queued = orch.submit([4, 4, 4], SamplingParams(seed=0, max_new_tokens=6))
     gate.set()
     updater.join(60)
@@ -408,6 +406,8 @@ def test_a_request_queued_during_a_drain_runs_on_the_new_weights(random_params):
 
 
 def test_request_ids_are_unique_while_in_flight_and_free_after(random_params):
+  """A request id names one request in flight (a second is refused); once it finished
+  it is free again: not aborted, no progress, and the id can be used anew."""
   engine = make_engine()
   orch = Orchestrator(engine, engine.load_params(random_params)).start()
   try:
@@ -424,6 +424,8 @@ def test_request_ids_are_unique_while_in_flight_and_free_after(random_params):
 
 
 def test_stopping_aborts_queued_requests_and_refuses_new_ones(random_params):
+  """`stop()` ends the requests still queued (aborted, no tokens: their callers waited
+  for ever) and refuses any submitted after it."""
   engine = make_engine()
   orch = Orchestrator(engine, engine.load_params(random_params))  # not started
   queued = orch.submit([1, 2, 3])
@@ -434,15 +436,15 @@ def test_stopping_aborts_queued_requests_and_refuses_new_ones(random_params):
 
 
 def test_a_second_weight_update_is_refused_while_one_is_pending(random_params):
-  import threading
-
+  """One weight update at a time: a second while the first waits is refused (it replaced
+  the first, whose caller then waited for ever), and the first is done once the loop
+  runs."""
   engine = make_engine()
   orch = Orchestrator(engine, engine.load_params(random_params, version=1))  # not started
   first = threading.Thread(target=orch.update_weights,
                            args=(engine.load_params(random_params, version=2),), daemon=True)
   first.start()
-  while orch._update is None:
-    time.sleep(0.001)
+  _until(lambda: orch._update is not None)
   with pytest.raises(RuntimeError, match="already in progress"):
     orch.update_weights(engine.load_params(random_params, version=3))
   orch.start()
@@ -454,6 +456,8 @@ def test_a_second_weight_update_is_refused_while_one_is_pending(random_params):
 
 
 def test_a_request_aborted_while_queued_never_takes_a_slot(random_params):
+  """A request aborted before it was admitted ends as aborted without a slot or a page:
+  none are left in use once the others are done."""
   engine = make_engine()
   orch = Orchestrator(engine, engine.load_params(random_params))
   kept = orch.submit([1, 2, 3], SamplingParams(seed=1, max_new_tokens=8))
@@ -470,6 +474,8 @@ def test_a_request_aborted_while_queued_never_takes_a_slot(random_params):
 
 
 def test_a_stop_token_at_the_last_allowed_position_ends_as_stop(orch):
+  """A stop token sampled as the request's last allowed token ends it as `stop`, not
+  `length` (the stop check came after the length check)."""
   probe = orch.generate([1, 2], SamplingParams(seed=3, max_new_tokens=10), timeout=60)
   stop = probe.output_ids[4]
   k = probe.output_ids.index(stop) + 1
@@ -492,16 +498,26 @@ def test_a_prefill_call_with_a_chunked_prompt_gives_each_request_its_own_token(r
   finally:
     alone.stop()
   orch = Orchestrator(engine, params, prefill_chunk=16)
+  real, sizes = engine.prefill_many, []
+
+  def counted(**kw):
+    sizes.append(len(kw["requests"]))
+    return real(**kw)
+
+  engine.prefill_many = counted  # (this engine's alone: made for this test)
   reqs = [orch.submit(p, sampling) for p in (long_prompt, short)]
   orch.start()
   try:
     assert all(r.wait(60) for r in reqs)
   finally:
     orch.stop()
+  assert 2 in sizes, sizes  # (the two shared a call)
   assert [r.output_ids for r in reqs] == want
 
 
 def test_a_loop_error_fails_the_live_requests_and_the_loop_goes_on(random_params):
+  """An error of the engine's step fails the requests then live (with its message) and
+  frees their slots and pages; the loop serves the next request (it died with them)."""
   engine = make_engine()
   orch = Orchestrator(engine, engine.load_params(random_params))
   real, calls = engine.generate, []
@@ -547,6 +563,14 @@ def test_a_failed_prefill_fails_its_request_alone(random_params):
     assert len(running.output_ids) == 30 and orch.stats()["loop_errors"] == 0
   finally:
     orch.stop()
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+  """Waits for `condition()` (a regression fails here, not by hanging the suite)."""
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, "gave up waiting"
+    time.sleep(0.001)
 
 
 def _first_token_order(reqs, names):
@@ -774,8 +798,8 @@ def test_siblings_share_the_pages_of_a_prompt_prefilled_for_a_request_still_runn
   orch.start()
   try:
     assert sibling.wait(60) and sibling.finish_reason == "length"
-    assert not first.done  # (it was still decoding)
     assert first.wait(60)
+    assert sibling.first_token_at < first.finished_at  # (admitted while it still decoded)
     s = orch.stats()
   finally:
     orch.stop()

@@ -909,10 +909,12 @@ def test_a_router_says_which_backends_do_not_answer_at_its_start():
 
 
 def _path_recording_backend(state: dict):
-  """A fake rollout server that records the raw path of every call it is sent (`state[
-  "seen"]`; its deletes in `state["deletes"]`, answered `state["delete_status"]`): /health answers `state["version"]`, /update_weights takes a version unless
-  `state["refuse"]`, /generate waits `state["generate_s"]`; any other path answers 200. Its record of any
-  session is `state["record"]` (turns; no record_id), none without one."""
+  """A fake rollout server that records the raw path of every call it is sent
+  (`state["seen"]`; its deletes in `state["deletes"]`, answered
+  `state["delete_status"]`): /health answers `state["version"]`, /update_weights takes a
+  version unless `state["refuse"]`, /generate waits `state["generate_s"]`; any other path
+  answers 200. Its record of any session is `state["record"]` (turns; no record_id), none
+  without one."""
   import asyncio
 
   from fastapi import FastAPI, Request
@@ -1017,7 +1019,8 @@ def test_a_requests_session_is_its_header_or_its_body_and_never_two():
   from rollout_server.routing import MAX_SESSION_ID
 
   a, b = {}, {}
-  with ServerThread(_path_recording_backend(a)) as sa, ServerThread(_path_recording_backend(b)) as sb, \
+  with ServerThread(_path_recording_backend(a)) as sa, \
+      ServerThread(_path_recording_backend(b)) as sb, \
       ServerThread(create_router([sa.url, sb.url], health_interval_s=600)) as router:
     c = httpx.Client(base_url=router.url, timeout=30)
     ring = HashRing([sa.url, sb.url])
@@ -1120,7 +1123,8 @@ def test_a_turn_past_its_bound_is_a_504_and_its_backend_stays_in_rotation():
   """A slow backend is not a dead one: a turn past `turn_timeout_s` is a 504 (not the
   5xx of a backend gone, nor a failover that runs the turn twice)."""
   a, b = {"generate_s": 1.0}, {}
-  with ServerThread(_path_recording_backend(a)) as sa, ServerThread(_path_recording_backend(b)) as sb, \
+  with ServerThread(_path_recording_backend(a)) as sa, \
+      ServerThread(_path_recording_backend(b)) as sb, \
       ServerThread(create_router([sa.url, sb.url], health_interval_s=600,
                                  turn_timeout_s=0.3)) as router:
     sid = next(s for s in (f"s{i}" for i in range(100))
@@ -1141,6 +1145,7 @@ def test_a_turn_never_reaches_a_backend_before_the_delete_of_its_session_it_owes
   with ServerThread(_path_recording_backend(state)) as backend, \
       ServerThread(create_router([backend.url], health_interval_s=600)) as router:
     c = httpx.Client(base_url=router.url, timeout=30)
+    c.get("/health")  # (after the router's first round of checks: none comes between)
     c.delete("/sessions/s")
     assert state["deletes"] == ["s"]
     for status in (500, 503, 429, 408):
@@ -1185,7 +1190,8 @@ def test_a_delete_through_a_fresh_router_is_done_where_any_backend_held_the_sess
   that held it makes the delete a 200 though the others had none; none that held it
   (nor the router) is a 404."""
   a, b = {}, {"delete_status": 404}
-  with ServerThread(_path_recording_backend(a)) as sa, ServerThread(_path_recording_backend(b)) as sb, \
+  with ServerThread(_path_recording_backend(a)) as sa, \
+      ServerThread(_path_recording_backend(b)) as sb, \
       ServerThread(create_router([sa.url, sb.url], health_interval_s=600)) as router:
     r = httpx.delete(f"{router.url}/sessions/s", timeout=30)
     assert r.status_code == 200 and r.json()["deleted"] is True, r.text
