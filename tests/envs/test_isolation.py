@@ -97,14 +97,18 @@ def test_tool_code_cannot_open_user_namespaces_under_bubblewrap():
 
   if not _bwrap_can_disable_userns():
     pytest.skip("this bubblewrap has no --disable-userns (before 0.8)")
+  r, ok = _unshared_in_bwrap()
+  assert r.exit_code not in (0, None), (r.stdout, r.stderr)
+  assert ok.ok and ok.stdout == "still runs\n"
+
+
+def _unshared_in_bwrap():
+  """What `unshare -r true` gave in a bubblewrap sandbox, and a command run after it."""
   root = scratch_dir()
   os.chmod(root, 0o711)
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="bwrap")
   try:
-    r = asyncio.run(sb.run(["unshare", "-r", "true"]))
-    assert r.exit_code not in (0, None), (r.stdout, r.stderr)
-    ok = run(sb, "print('still runs')")
-    assert ok.ok and ok.stdout == "still runs\n"
+    return asyncio.run(sb.run(["unshare", "-r", "true"])), run(sb, "print('still runs')")
   finally:
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
@@ -124,16 +128,9 @@ def test_user_namespaces_stay_refused_under_bubblewrap_without_the_seccomp_filte
   if subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode != 0:
     pytest.skip("this host refuses user namespaces itself")
   monkeypatch.setattr(sandbox_module, "seccomp_program", lambda *a, **k: None)
-  root = scratch_dir()
-  os.chmod(root, 0o711)
-  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="bwrap")
-  try:
-    r = asyncio.run(sb.run(["unshare", "-r", "true"]))
-    assert r.exit_code not in (0, None), (r.stdout, r.stderr)
-    assert os.strerror(errno.ENOSPC) in r.stderr, (r.stdout, r.stderr)
-  finally:
-    sb.destroy()
-    shutil.rmtree(root, ignore_errors=True)
+  r, _ = _unshared_in_bwrap()
+  assert r.exit_code not in (0, None), (r.stdout, r.stderr)
+  assert os.strerror(errno.ENOSPC) in r.stderr, (r.stdout, r.stderr)
 
 
 @needs_isolation

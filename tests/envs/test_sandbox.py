@@ -889,17 +889,22 @@ def test_uids_are_unique_across_pools_and_processes():
   finally:
     a.release()
     b.release()
-  # A live holder in another process keeps its uid.
+  with _a_uid_held_by_another_process() as taken:  # (a live holder keeps its uid)
+    leases = [UidLease() for _ in range(3)]
+    assert taken not in [l.uid for l in leases]
+    for l in leases:
+      l.release()
+
+
+@contextlib.contextmanager
+def _a_uid_held_by_another_process():
+  """The uid a `UidLease` of another process holds while in the block."""
   proc = subprocess.Popen(
       [sys.executable, "-c", "from envs.sandbox import UidLease; import sys\n"
        "l = UidLease(); print(l.uid, flush=True); sys.stdin.read()"],
       cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
   try:
-    taken = int(proc.stdout.readline())
-    leases = [UidLease() for _ in range(3)]
-    assert taken not in [l.uid for l in leases]
-    for l in leases:
-      l.release()
+    yield int(proc.stdout.readline())
   finally:
     proc.stdin.close()
     proc.wait(timeout=30)
@@ -913,21 +918,13 @@ def test_a_uid_another_process_holds_is_never_leased_even_where_the_search_start
     pytest.skip("sandbox uids are for root")
   from envs.isolation import UID_BASE
 
-  proc = subprocess.Popen(
-      [sys.executable, "-c", "from envs.sandbox import UidLease; import sys\n"
-       "l = UidLease(); print(l.uid, flush=True); sys.stdin.read()"],
-      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-  try:
-    taken = int(proc.stdout.readline())
+  with _a_uid_held_by_another_process() as taken:
     monkeypatch.setattr(UidLease, "_next", taken - (UID_BASE + 1))
     lease = UidLease()
     try:
       assert lease.uid != taken
     finally:
       lease.release()
-  finally:
-    proc.stdin.close()
-    proc.wait(timeout=30)
 
 
 def test_pool_caps_running_commands_and_gives_clean_workspaces():
