@@ -265,6 +265,9 @@ class _Node:
   turn: int
   parent: Optional["_Node"]
   children: list = dataclasses.field(default_factory=list)
+  # Mounted under its parent for want of any turn it continues (`_find_parent`'s last
+  # rule): it says nothing of which reply the agent went on from.
+  guessed: bool = False
 
   @property
   def full_tokens(self) -> list[int]:
@@ -336,13 +339,15 @@ class TrajectoryManager:
 
   def add_turn(self, record: TurnRecord, turn: Optional[int] = None) -> int:
     """Mounts a turn under the deepest turn its prompt continues; returns its node id."""
-    parent = self._find_parent(record)
-    node = _Node(len(self.nodes), record, len(self.nodes) if turn is None else turn, parent)
+    parent, guessed = self._find_parent(record)
+    node = _Node(len(self.nodes), record, len(self.nodes) if turn is None else turn, parent,
+                 guessed=guessed)
     (parent.children if parent is not None else self.roots).append(node)
     self.nodes.append(node)
     return node.id
 
-  def _find_parent(self, r: TurnRecord) -> Optional[_Node]:
+  def _find_parent(self, r: TurnRecord) -> tuple[Optional[_Node], bool]:
+    """The turn `r` goes on from, and whether that was guessed (nothing it continues)."""
     if r.messages is not None:
       msgs = [_norm_message(m) for m in r.messages]
       best = None
@@ -352,7 +357,7 @@ class TrajectoryManager:
           if best is None or len(after) > len(best.messages_after()):
             best = node
       if best is not None:
-        return best
+        return best, False
     best, best_len = None, 0
     for node in self.nodes:
       full = node.full_tokens
@@ -366,12 +371,12 @@ class TrajectoryManager:
       # Sampled again from the prompt of an earlier turn: that turn's sibling.
       for node in self.nodes:
         if node.record.prompt_ids == r.prompt_ids:
-          return node.parent
-      # Nothing it continues (compacted or rewritten context): it follows the same
-      # agent's previous turn, and linearising will fork there.
+          return node.parent, False
+      # Nothing it continues (compacted or rewritten context, a side call): it follows
+      # the same agent's previous turn, and linearising will fork there.
       same = [n for n in self.nodes if n.record.agent_role == r.agent_role]
-      best = same[-1] if same else None
-    return best
+      return (same[-1] if same else None), True
+    return best, False
 
   def abandoned(self) -> set[int]:
     """Node ids of turns sampled again from the same prompt and then left (a harness's
@@ -379,7 +384,8 @@ class TrajectoryManager:
     is not theirs and they train nothing. Of siblings with one prompt, those a later turn
     continues are kept; if none is continued (the last step), the one reply `acted_on`
     says the agent handed on, and when that cannot be told, none of them: a rejected
-    reply must not be reinforced with the outcome."""
+    reply must not be reinforced with the outcome. A turn mounted under one of them for
+    want of any it continues (a side call after a best-of-n) continues none of them."""
     siblings: dict[tuple, list[_Node]] = {}
     for n in self.nodes:
       key = (n.parent.id if n.parent is not None else -1, n.record.agent_role,
@@ -389,7 +395,7 @@ class TrajectoryManager:
     for group in siblings.values():
       if len(group) == 1:
         continue
-      kept = [n for n in group if n.children]
+      kept = [n for n in group if any(not c.guessed for c in n.children)]
       if not kept and self.acted_on is not None:
         acted = [n for n in group if self.acted_on(n.record)]
         kept = acted if len(acted) == 1 else []
