@@ -219,32 +219,37 @@ def test_a_blackbox_retry_trains_nothing_and_turns_count_the_steps():
   assert seg.turn_ids[seg.loss_mask > 0].tolist() == [0, 1]
 
 
+def _gateway_turn(messages, prompt, out, text):
+  """A turn as the chat gateway records it (its messages and reply's text with it)."""
+  return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-1.0] * len(out),
+          "versions": [1] * len(out), "finish_reason": "stop", "messages": messages,
+          "response": {"role": "assistant", "content": text}}
+
+
+def _trained(turns, actions):
+  """Each sampled token trained -> its turn id, over every segment of the session."""
+  from jaxagent.blackbox import collect_session
+
+  segments = collect_session(turns, session_id="s", task_id="t", actions=actions)
+  return {int(t): int(i) for s in segments
+          for t, i in zip(s.tokens[s.loss_mask > 0], s.turn_ids[s.loss_mask > 0])}
+
+
+_ASK = [{"role": "user", "content": "guess"}]
+_TITLE = [{"role": "system", "content": "Title?"}, {"role": "user", "content": "guess"}]
+
+
 def test_a_side_call_after_a_best_of_two_continues_neither_reply():
   """A side call (a title: nothing it continues) is mounted under the agent's latest
   turn for want of another: that said nothing of which reply of a best-of-two the agent
   went on from, yet it counted as one, and the rejected reply was trained with the
   outcome (or, at the last step, kept in place of the reply acted on)."""
-  from jaxagent.blackbox import collect_session
-
-  def rec(messages, prompt, out, text):
-    return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-1.0] * len(out),
-            "versions": [1] * len(out), "finish_reason": "stop", "messages": messages,
-            "response": {"role": "assistant", "content": text}}
-
-  ask = [{"role": "user", "content": "guess"}]
-  title = [{"role": "system", "content": "Title?"}, {"role": "user", "content": "guess"}]
-  x, y = rec(ask, [1, 2], [10], "8"), rec(ask, [1, 2], [20], "9")
-  side = rec(title, [7, 7], [40], "A title")
-  on = rec(ask + [{"role": "assistant", "content": "8"}, {"role": "user", "content": "higher"}],
-           [1, 2, 10, 5], [30], "12")
-
-  def trained(turns, actions):  # sampled token -> its turn id, over every segment
-    segments = collect_session(turns, session_id="s", task_id="t", actions=actions)
-    return {int(t): int(i) for s in segments
-            for t, i in zip(s.tokens[s.loss_mask > 0], s.turn_ids[s.loss_mask > 0])}
-
-  assert trained([x, y, side, on], ["8", "12"]) == {10: 0, 40: 1, 30: 1}
-  assert trained([x, y, side], ["8"]) == {10: 0, 40: 1}  # (the last step: "8" acted on)
+  x, y = _gateway_turn(_ASK, [1, 2], [10], "8"), _gateway_turn(_ASK, [1, 2], [20], "9")
+  side = _gateway_turn(_TITLE, [7, 7], [40], "A title")
+  on = _gateway_turn(_ASK + [{"role": "assistant", "content": "8"},
+                             {"role": "user", "content": "higher"}], [1, 2, 10, 5], [30], "12")
+  assert _trained([x, y, side, on], ["8", "12"]) == {10: 0, 40: 1, 30: 1}
+  assert _trained([x, y, side], ["8"]) == {10: 0, 40: 1}  # (the last step: "8" acted on)
 
 
 def test_a_side_call_between_steps_is_no_step_of_its_own():
@@ -253,22 +258,14 @@ def test_a_side_call_between_steps_is_no_step_of_its_own():
   second step got none. With the actions the agent handed the environment, the side
   call belongs to the step under way; actions handed otherwise than the replies say
   leave the count of calls kept."""
-  from jaxagent.blackbox import collect_session
+  turns = [_gateway_turn(_ASK, [1, 2], [10], "8"),
+           _gateway_turn(_TITLE, [7, 7], [40], "A title"),
+           _gateway_turn(_ASK + [{"role": "assistant", "content": "8"},
+                                 {"role": "user", "content": "higher"}], [1, 2, 10, 5], [30],
+                         "12")]
 
-  def rec(messages, prompt, out, text):
-    return {"prompt_ids": prompt, "output_ids": out, "output_logprobs": [-1.0] * len(out),
-            "versions": [1] * len(out), "finish_reason": "stop", "messages": messages,
-            "response": {"role": "assistant", "content": text}}
-
-  ask = [{"role": "user", "content": "guess"}]
-  title = [{"role": "system", "content": "Title?"}, {"role": "user", "content": "guess"}]
-  turns = [rec(ask, [1, 2], [10], "8"), rec(title, [7, 7], [40], "A title"),
-           rec(ask + [{"role": "assistant", "content": "8"},
-                      {"role": "user", "content": "higher"}], [1, 2, 10, 5], [30], "12")]
-  def trained(actions):  # sampled token -> its turn id, over every segment
-    segments = collect_session(turns, session_id="s", task_id="t", actions=actions)
-    return {int(t): int(i) for s in segments
-            for t, i in zip(s.tokens[s.loss_mask > 0], s.turn_ids[s.loss_mask > 0])}
+  def trained(actions):
+    return _trained(turns, actions)
 
   assert trained(["8", "12"]) == {10: 0, 40: 1, 30: 1}
   assert trained(["guess 8", "12"]) == {10: 0, 40: 1, 30: 2}  # (each call a step)
