@@ -470,7 +470,31 @@ async def _take_session(gateway_url: str, session_id: str,
     print(f"warning: session {session_id!r}'s record was taken but not deleted (HTTP "
           f"{gone.status_code}: {gone.text[:200]}); it stays until the server lets it go",
           file=sys.stderr, flush=True)
+  _check_whole(turns, session_id)
   return turns
+
+
+# The serving setting behind each bound of a server's session store.
+_STORE_BOUNDS = {"bytes": "serving.session_max_bytes", "count": "serving.max_sessions",
+                 "ttl": "serving.session_ttl_s"}
+
+
+def _check_whole(turns: Any, session_id: str) -> None:
+  """Raises InfraError where the server dropped the session's record while its episode
+  played (a bound of its session store: `lost_before` on the first turn it holds): the
+  turns it holds are the episode's later ones only. Trained as the whole episode, its
+  first turns were missing, its turn ids numbered the turns left and its per-turn
+  rewards landed on the wrong ones (a reviewer)."""
+  first = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], dict) else {}
+  lost = first.get("lost_before")
+  if not lost:
+    return
+  lost = lost if isinstance(lost, dict) else {}
+  bound = _STORE_BOUNDS.get(lost.get("reason"), "the session store's bounds")
+  raise InfraError("session_evicted", (
+      f"the gateway dropped session {session_id!r}'s record while its episode played "
+      f"({lost.get('turns', '?')} turns, by its {lost.get('reason', '?')} bound): the turns it "
+      f"holds are not the whole episode; raise {bound}"))
 
 
 async def _clear_session(gateway_url: str, session_id: str,
@@ -641,7 +665,8 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
 
   def lost(e: Exception) -> None:
     ep.status, ep.reason, ep.infra_error, ep.infra_kind = (
-        "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True, "server")
+        "failed", f"session record lost: {type(e).__name__}: {e}"[:300], True,
+        getattr(e, "kind", "server"))
 
   async def truncated(reason: str, turns: Optional[list[dict]] = None) -> None:
     """The episode ended by its own doing before its answer: trained as a fail, the
@@ -655,7 +680,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       earned = acting.rewards
       ep.turn_rewards = earned + [0.0] * (len(turns) - len(earned))
       _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
-    except (httpx.HTTPError, KeyError, ValueError) as e:
+    except (httpx.HTTPError, KeyError, ValueError, InfraError) as e:
       lost(e)
 
   try:
@@ -708,7 +733,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
       turns = await _take_session(gateway_url, wire_id, control_token)
     except httpx.HTTPStatusError as e:  # no record: cut in its first turn, or lost
       turns = [] if e.response.status_code == 404 and not acting.actions else e
-    except (httpx.HTTPError, KeyError, ValueError) as e:
+    except (httpx.HTTPError, KeyError, ValueError, InfraError) as e:
       turns = e
     if isinstance(turns, Exception):
       lost(turns)

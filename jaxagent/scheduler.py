@@ -78,6 +78,9 @@ _OUTAGE_HINTS = {
                          "it is given (agent.kind)",
     "agent_stuck": "episodes were cut while the black-box agent's own code held them (no "
                    "request on the gateway, no environment call under way: agent.kind)",
+    "session_evicted": "the rollout servers dropped black-box sessions' records while "
+                       "they played (raise serving.session_max_bytes or "
+                       "serving.max_sessions)",
 }
 
 

@@ -190,6 +190,9 @@ class _Session:
     self.calls: dict[str, str] = {}  # tool call id -> its arguments' text, as sampled
     self.heads: list[_Head] = []  # oldest first
     self._context_size = 0
+    # (made anew under an id this store dropped: what was dropped, until its first
+    # turn of its own says so: `SessionStore.record`)
+    self.lost_before: Optional[dict] = None
 
   def add_head(self, head: _Head) -> None:
     """`head` replaces the threads it continues (the one it went on from is kept as its
@@ -358,7 +361,14 @@ def _context(prompt, output):
 class SessionStore:
   """Recorded turns per session id, bounded by session count, by the bytes their stored
   records hold and by a time to live since a session's last turn; the least recently
-  used go first. `evicted` counts the sessions dropped by each bound."""
+  used go first. `evicted` counts the sessions dropped by each bound.
+
+  A session dropped while its agent played on is made anew at its next call, holding
+  only the turns from there: its record is no longer the episode's, and read so it
+  trained the later turns as the whole episode (per-turn rewards on the wrong turns, a
+  reviewer). The first turn such a session records itself carries `lost_before` (the
+  bound that dropped its record, and how many turns it held); a router's copy of it,
+  made whole from its own, does not (`extend`)."""
 
   def __init__(self, max_sessions: int, ttl_s: Optional[float] = None,
                max_bytes: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
@@ -369,6 +379,10 @@ class SessionStore:
     self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
     self.bytes = 0
     self.evicted = {"count": 0, "bytes": 0, "ttl": 0}
+    # The ids dropped, newest last (what each held), kept for as many more sessions as
+    # the store holds (at least 1,024, at most 65,536: an id is at most 1 KiB).
+    self._lost: collections.OrderedDict[str, dict] = collections.OrderedDict()
+    self._lost_kept = min(max(max_sessions, 1024), 1 << 16)
     self._lock = threading.Lock()
 
   def record(self, session_id: str, turn: dict) -> tuple[str, int]:
@@ -376,13 +390,19 @@ class SessionStore:
     the wall time, by which a router orders the turns a session ran on several servers);
     (its record's id, its index): where it is, for `revive`."""
     turn.setdefault("recorded_at", time.time())
-    return self.extend(session_id, [turn], number=True), turn["turn"]
+    return self._append(session_id, [turn], number=True, own=True), turn["turn"]
 
   def extend(self, session_id: str, turns: list[dict], number: bool = False) -> str:
     """Appends turns recorded elsewhere (a router's copy of its backends' records);
     the record's id."""
+    return self._append(session_id, turns, number)
+
+  def _append(self, session_id: str, turns: list[dict], number: bool,
+              own: bool = False) -> str:
     with self._lock:
       session = self._held(session_id)
+      if own and session.lost_before is not None and not session.turns:
+        turns[0]["lost_before"] = session.lost_before
       for turn in turns:
         if number:
           turn["turn"] = len(session.turns)
@@ -416,6 +436,7 @@ class SessionStore:
     session = self._sessions.get(session_id)
     if session is None:
       session = self._sessions[session_id] = _Session()
+      session.lost_before = self._lost.pop(session_id, None)
     self._sessions.move_to_end(session_id)
     return session
 
@@ -430,6 +451,9 @@ class SessionStore:
     session_id, session = self._sessions.popitem(last=False)
     self.bytes -= session.size
     self.evicted[reason] += 1
+    self._lost[session_id] = {"reason": reason, "turns": len(session.turns)}
+    while len(self._lost) > self._lost_kept:
+      self._lost.popitem(last=False)
     if reason != "ttl":  # a bound a live session can hit: its episode is lost
       log.warning("session %r evicted by the session store's %s bound (%d turns, %d "
                   "bytes, last turn %.0f s ago; the store holds %d sessions in %d bytes)",
@@ -531,6 +555,7 @@ class SessionStore:
           extra=_TURN_OVERHEAD + sum(_size(m) + _MESSAGE_OVERHEAD for m in t["messages"])))
     with self._lock:
       session = self._held(session_id)
+      session.lost_before = None  # (the router handing it over holds its turns)
       for head in handed:
         # (its own threads whose messages begin with the handed one's: the same, or on)
         own = [h for h in session.heads if h.turn is not None and head.continued_by(h.digests)]
@@ -555,6 +580,7 @@ class SessionStore:
 
   def pop(self, session_id: str) -> Optional[list[dict]]:
     with self._lock:
+      self._lost.pop(session_id, None)  # (deleted: its next turn begins a record)
       session = self._sessions.pop(session_id, None)
       if session is None:
         return None

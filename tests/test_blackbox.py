@@ -150,6 +150,54 @@ def test_a_blackbox_best_of_two_trains_the_reply_it_acted_on(random_params, monk
   assert seg is first and second.num_action_tokens == 0
 
 
+def test_a_blackbox_episode_whose_record_the_server_dropped_is_the_infrastructures(
+    random_params, monkeypatch):
+  """A server whose session store dropped the session while its agent played (here its
+  count bound: another session's call came between two steps) holds only the later
+  turns: the episode is dropped as the infrastructure's `session_evicted`, not trained
+  as the later turns alone with the first step's reward on them (a reviewer)."""
+  import httpx
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  honest = blackbox_mod.BLACKBOX_AGENTS["openai"]
+
+  class Crowded:
+    """The environment, with another session's call after its first step."""
+
+    def __init__(self, env, url):
+      self.env, self.url, self.steps = env, url, 0
+
+    def __getattr__(self, name):
+      return getattr(self.env, name)
+
+    async def step(self, action):
+      out = await self.env.step(action)
+      self.steps += 1
+      if self.steps == 1:
+        async with httpx.AsyncClient() as c:
+          r = await c.post(f"{self.url}/v1/chat/completions",
+                           headers={"X-Session-Id": "another"},
+                           json={"model": "policy", "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+          assert r.status_code == 200, r.text
+      return out
+
+  async def crowded(env, task, base_url, **kw):
+    return await honest(Crowded(env, base_url), task, base_url, **kw)
+
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", crowded)
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 3})
+  config = AgentConfig(max_turns=3, max_new_tokens=3)
+  with running_server(random_params, TOK, version=4, max_sessions=1) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="bb-dropped", group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "session_evicted", (ep.status, ep.reason)
+  assert "by its count bound" in ep.reason and "serving.max_sessions" in ep.reason
+  assert not ep.segments
+
+
 def test_a_harness_cannot_reach_a_siblings_session_nor_forge_its_rewards(random_params,
                                                                         monkeypatch):
   """Red team 29: the scheduler's session ids are predictable (`g<group>-<i>-r<attempt>`),

@@ -49,6 +49,46 @@ def test_sessions_are_bounded_by_count_bytes_and_time():
   assert store.get("c") is None and store.evicted["ttl"] == 2 and store.bytes == 0
 
 
+def test_a_session_dropped_while_it_plays_says_so_on_its_next_records_first_turn():
+  """A session a bound dropped and its agent then called again holds its later turns
+  only: the first turn it records itself says what was lost (a reviewer: trained as the
+  whole episode, its per-turn rewards fell on the wrong turns). Not a router's copy made
+  whole again, a deleted session, one carried from another server, nor a later turn."""
+  from rollout_server.sessions import SessionStore
+
+  now = [0.0]
+  store = SessionStore(max_sessions=2, ttl_s=10.0, clock=lambda: now[0])
+  turn = lambda: {"output_ids": [1, 2], "recorded_at": 0.0}  # noqa: E731
+  store.record("a", turn())
+  store.record("a", turn())
+  store.record("b", turn())
+  store.record("c", turn())  # a goes by count
+  store.record("a", turn())
+  store.record("a", turn())
+  got = store.get("a")
+  assert got[0]["lost_before"] == {"reason": "count", "turns": 2}
+  assert "lost_before" not in got[1]
+  now[0] = 20.0  # every session past its time to live
+  store.record("a", turn())
+  assert store.get("a")[0]["lost_before"] == {"reason": "ttl", "turns": 2}
+  assert store.get("c") is None  # (dropped by its time to live too)
+  store.pop("c")  # deleted after it was dropped (cleared for a new episode)
+  store.record("c", turn())
+  assert "lost_before" not in store.get("c")[0]
+  router = SessionStore(max_sessions=1)  # a router's copy, dropped and copied whole again
+  router.extend("r", [turn()], number=True)
+  router.extend("s", [turn()], number=True)
+  router.extend("r", [turn(), turn()], number=True)
+  assert all("lost_before" not in t for t in router.get("r"))
+  store.record("d", turn())  # a session carried from another server after it was dropped
+  store.record("e", turn())
+  store.record("f", turn())
+  store.carry("d", [{"prompt_ids": [1], "messages": [{"role": "user", "content": "x"}],
+                     "replies": [{"output_ids": [2], "response": None}]}])
+  store.record("d", turn())
+  assert "lost_before" not in store.get("d")[0]
+
+
 def test_a_recorded_turn_revived_is_continued_with_its_own_tokens():
   """A call that says which turn it goes on from (a Responses call's previous_response_id)
   makes that turn a thread again, so the call continues its tokens as sampled (here not
