@@ -413,6 +413,21 @@ def _same_action(handed: str, response: Optional[dict]) -> bool:
   return made is not None and (made == handed or _action_key(made) == _action_key(handed))
 
 
+def _acted_on(actions: list[str]) -> Callable[[TurnRecord, list[TurnRecord]], bool]:
+  """Whether the agent handed its environment a turn's reply, given the turns it went on
+  from (`TrajectoryManager.acted_on`): the reply is one of the actions its turns before
+  had not made yet (those made, in order, are theirs). Any action of the episode would
+  do, and a best-of-two at the last step whose rejected reply repeated an earlier
+  action ("ls" again) trained neither reply (a reviewer)."""
+  def acted(record: TurnRecord, before: list[TurnRecord]) -> bool:
+    made = 0
+    for r in before:
+      if made < len(actions) and _same_action(actions[made], r.response):
+        made += 1
+    return any(_same_action(a, record.response) for a in actions[made:])
+  return acted
+
+
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
                     actions: Optional[list[str]] = None, **outcome: Any) -> list[Segment]:
   """Segments from the turns a server recorded for a session (`GET /sessions/{id}`).
@@ -422,8 +437,7 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
   and turn ids count the steps the kept replies made (`_step_numbers`: a side call is
   no step), so per-turn rewards land on the turns that earned them. `actions`, the texts
   the agent handed the environment, tell which of a last step's replies it acted on."""
-  acted_on = (lambda r: any(_same_action(a, r.response) for a in actions)) \
-      if actions is not None else None
+  acted_on = _acted_on(actions) if actions is not None else None
   records = [TurnRecord.from_result(t) for t in turns]
   probe = TrajectoryManager(session_id, acted_on=acted_on)
   for r in records:
@@ -562,8 +576,7 @@ def _played(turns: list[dict], actions: list[str], at_end: Optional[int] = None)
       _say_past_the_end()
     return kept
   records = [TurnRecord.from_result(t) for t in turns]
-  acted_on = lambda r: any(_same_action(a, r.response) for a in actions)
-  probe = TrajectoryManager("", acted_on=acted_on)
+  probe = TrajectoryManager("", acted_on=_acted_on(actions))
   for r in records:
     probe.add_turn(r)
   left = probe.abandoned()

@@ -327,9 +327,11 @@ class TrajectoryManager:
 
   def __init__(self, session_id: str, rollout_id: Optional[str] = None, *, task_id: str = "",
                group_id: str = "", realign_max_tokens: int = 16,
-               acted_on: Optional[Callable[[TurnRecord], bool]] = None):
+               acted_on: Optional[Callable[[TurnRecord, list[TurnRecord]], bool]] = None):
     self.session_id = session_id
-    self.acted_on = acted_on  # whether the agent acted on a turn (see `abandoned`)
+    # Whether the agent acted on a turn, given the turns it went on from, oldest first
+    # (see `abandoned`).
+    self.acted_on = acted_on
     self.rollout_id = rollout_id or session_id
     self.task_id = task_id
     self.group_id = group_id
@@ -397,7 +399,11 @@ class TrajectoryManager:
         continue
       kept = [n for n in group if any(not c.guessed for c in n.children)]
       if not kept and self.acted_on is not None:
-        acted = [n for n in group if self.acted_on(n.record)]
+        before, up = [], group[0].parent
+        while up is not None:
+          before.insert(0, up.record)
+          up = up.parent
+        acted = [n for n in group if self.acted_on(n.record, before)]
         kept = acted if len(acted) == 1 else []
       out.update(n.id for n in group if n not in kept)
     return out

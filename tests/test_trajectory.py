@@ -194,8 +194,8 @@ def test_two_samples_from_one_prompt_are_siblings_and_the_one_left_trains_nothin
   assert second.loss_mask.tolist() == [0, 0, 0, 0, 1, 1, 0, 1]
   # Nothing continues either (the last step): the reply the agent acted on trains, and
   # when that cannot be told, none of them (not a guess that may reinforce the rejected).
-  for acted_on, left in [(None, {0, 1}), (lambda r: r.output_ids == [10], {1}),
-                         (lambda r: True, {0, 1})]:
+  for acted_on, left in [(None, {0, 1}), (lambda r, _: r.output_ids == [10], {1}),
+                         (lambda r, _: True, {0, 1})]:
     m = TrajectoryManager("s", acted_on=acted_on)
     m.add_turn(turn([1, 2], [10]))
     m.add_turn(turn([1, 2], [20]))
@@ -250,6 +250,20 @@ def test_a_side_call_after_a_best_of_two_continues_neither_reply():
                              {"role": "user", "content": "higher"}], [1, 2, 10, 5], [30], "12")
   assert _trained([x, y, side, on], ["8", "12"]) == {10: 0, 40: 1, 30: 1}
   assert _trained([x, y, side], ["8"]) == {10: 0, 40: 1}  # (the last step: "8" acted on)
+
+
+def test_a_last_best_of_two_trains_the_reply_acted_on_though_the_other_was_acted_on_before():
+  """A last step sampled twice, "ls" and "pwd", the agent handing on "pwd" after it had
+  handed "ls" at its first step: the reply acted on is told by the actions its turns
+  before had not made yet ("ls" was the first step's). Told by any action of the
+  episode, both replies were acted on, and neither trained (a reviewer)."""
+  first = _gateway_turn(_ASK, [1, 2], [10], "ls")
+  then = _ASK + [{"role": "assistant", "content": "ls"}, {"role": "user", "content": "a b"}]
+  again = _gateway_turn(then, [1, 2, 10, 5], [10], "ls")
+  other = _gateway_turn(then, [1, 2, 10, 5], [20], "pwd")
+  assert _trained([first, again, other], ["ls", "pwd"]) == {10: 0, 20: 1}
+  assert _trained([first, other, again], ["ls", "ls"]) == {10: 1}  # (the second "ls")
+  assert _trained([first, again, other], ["ls"]) == {10: 0}  # (its last step unplayed)
 
 
 def test_a_side_call_between_steps_is_no_step_of_its_own():
