@@ -477,15 +477,47 @@ async def _take_session(gateway_url: str, session_id: str,
   async with httpx.AsyncClient(timeout=60, verify=shared_tls()) as client:
     r = await client.get(_session_url(gateway_url, session_id))
     r.raise_for_status()
-    turns = r.json()["turns"]
+    try:
+      turns = r.json()["turns"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise InfraError("server", f"the gateway's record of session {session_id!r} is not "
+                       f"one ({type(e).__name__}: {e}): {r.text[:200]}") from None
     gone = await client.delete(_session_url(gateway_url, session_id),
                                headers=control.headers(control_token))
   if gone.status_code not in (200, 404):  # (the turns are taken: the episode stands)
     print(f"warning: session {session_id!r}'s record was taken but not deleted (HTTP "
           f"{gone.status_code}: {gone.text[:200]}); it stays until the server lets it go",
           file=sys.stderr, flush=True)
+  _check_turns(turns, session_id)
   _check_whole(turns, session_id)
   return turns
+
+
+# A recorded turn's lists, and the types of their values.
+_TURN_LISTS = {"prompt_ids": (int,), "output_ids": (int,), "versions": (int,),
+               "output_logprobs": (float, int)}
+
+
+def _check_turns(turns: Any, session_id: str) -> None:
+  """Raises InfraError where a turn of the gateway's record is no turn (a field missing,
+  of the wrong type, lengths that differ): a server's or router's bug, or another
+  gateway's; it stopped the run as the episode's bug, and is the infrastructure's."""
+  if not isinstance(turns, list):
+    raise InfraError("server", f"the gateway's record of session {session_id!r} holds "
+                     f"{type(turns).__name__}, not a list of turns")
+  for i, t in enumerate(turns):
+    try:
+      if not isinstance(t, dict):
+        raise TypeError(f"{type(t).__name__}, not an object")
+      for field, kinds in _TURN_LISTS.items():
+        values = t.get(field)
+        if not isinstance(values, list) or not all(
+            type(v) in kinds for v in values):
+          raise TypeError(f"{field} is not a list of {kinds[0].__name__}s")
+      TurnRecord.from_result(t)
+    except (KeyError, TypeError, ValueError) as e:
+      raise InfraError("server", f"the gateway's record of session {session_id!r}: turn "
+                       f"{i} is no turn ({type(e).__name__}: {e})"[:300]) from None
 
 
 # The serving setting behind each bound of a server's session store.

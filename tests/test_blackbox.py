@@ -198,6 +198,46 @@ def test_a_blackbox_episode_whose_record_the_server_dropped_is_the_infrastructur
   assert not ep.segments
 
 
+@pytest.mark.parametrize("damage", ["no_logprobs", "ids_as_text", "short_versions",
+                                    "not_a_turn", "not_a_list"])
+def test_a_blackbox_episode_whose_record_is_no_record_is_the_infrastructures(
+    random_params, monkeypatch, damage):
+  """A gateway whose record of the session is damaged (a server's or a router's bug, or
+  another gateway): the episode is dropped as the infrastructure's, naming the turn and
+  what is wrong; it stopped the run as the episode's bug (KeyError, TypeError)."""
+  from rollout_server.sessions import SessionStore
+  from tests.rollout_server.conftest import running_server
+
+  read = SessionStore.read
+
+  def damaged(self, session_id, since=0):
+    got = read(self, session_id, since)
+    if got is None or not got[0]:
+      return got
+    turns = got[0]
+    if damage == "no_logprobs":
+      del turns[-1]["output_logprobs"]
+    elif damage == "ids_as_text":
+      turns[-1]["prompt_ids"] = "abc"
+    elif damage == "short_versions":
+      turns[-1]["versions"] = turns[-1]["versions"][:-1] if turns[-1]["versions"] else [1]
+    elif damage == "not_a_turn":
+      turns.append(7)
+    else:
+      turns = {"0": turns[0]}
+    return turns, got[1], got[2]
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 2})
+  config = AgentConfig(max_turns=2, max_new_tokens=3)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    monkeypatch.setattr(SessionStore, "read", damaged)
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="bb-damaged", group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "server", (ep.status, ep.reason)
+  assert "record of session" in ep.reason and not ep.segments
+  assert ("not a list of turns" if damage == "not_a_list" else "is no turn") in ep.reason
+
+
 def test_a_harness_cannot_reach_a_siblings_session_nor_forge_its_rewards(random_params,
                                                                         monkeypatch):
   """Red team 29: the scheduler's session ids are predictable (`g<group>-<i>-r<attempt>`),
