@@ -11,10 +11,11 @@ built so far:
 
 - CLEAN: its prompt extends them: append the new prompt tokens (mask 0) and
   the output (mask 1, with its log-probs and versions);
-- REALIGN: the prompt departs from them inside the last response (the chat
-  template re-rendered it differently) and at most `realign_max_tokens` of that
-  response would change: keep the tokens up to the divergence, continue with
-  the re-rendered tokens as untrained context, then the new output;
+- REALIGN: the prompt departs from them inside the last response, past its first
+  token (the chat template re-rendered its end differently), and at most
+  `realign_max_tokens` of that response would change: keep the tokens up to the
+  divergence, continue with the re-rendered tokens as untrained context, then the
+  new output;
 - FORK: anything else: close the segment and start a new one (its parent
   recorded) from the full prompt.
 
@@ -459,7 +460,10 @@ class TrajectoryManager:
         else:
           d = _common_prefix(cur.tokens, r.prompt_ids)
           start, end = cur.last_out
-          if d >= start and end - d <= self.realign_max_tokens:
+          # (at least one token of the response kept: a divergence at its first token
+          # realigned dropped the whole response from training, the turn's action trained
+          # nowhere, as a template that strips an earlier turn's <think> does; a reviewer)
+          if start < d and end - d <= self.realign_max_tokens:
             cur.truncate(d)
             cur.add_context(r.prompt_ids[d:], node.turn)
             cur.decisions.append(REALIGN)

@@ -68,29 +68,46 @@ def smollm2():
 
 
 def test_bpe_rerendering_realigns_inside_the_last_response(smollm2):
+  """The model sampled "It is Paris" with "Paris" one character per token: valid, but
+  not how the tokenizer encodes it when the history is rendered again. The drift is
+  inside the response: what it shares ("It is") stays trained, the re-rendered rest is
+  context. A drift at the response's first token ("Paris" alone) forks instead, the
+  response trained as sampled (realigned, none of it was trained; a reviewer)."""
   tok = smollm2
   messages = [{"role": "user", "content": "Name a city."}]
   prompt = tok.apply_chat_template(messages)
-  # The model sampled "Paris" one character per token: valid, but not how the
-  # tokenizer encodes "Paris" when the history is rendered again.
-  sampled = [t for ch in "Paris" for t in tok.encode(ch)] + [tok.encode("<|im_end|>")[0]]
-  assert tok.decode(sampled[:-1]) == "Paris" and sampled[:-1] != tok.encode("Paris")
-  history = messages + [{"role": "assistant", "content": "Paris"},
-                        {"role": "user", "content": "Why?"}]
-  second = tok.apply_chat_template(history)
-  m = TrajectoryManager("s")
-  m.add_turn(turn(prompt, sampled, messages=messages,
-                  response={"role": "assistant", "content": "Paris"}))
-  m.add_turn(turn(second, tok.encode("Food.<|im_end|>"), version=2, messages=history[:3]))
-  (seg,) = m.segments()
-  assert seg.decisions == [CLEAN, REALIGN]
-  # Tokens: the first prompt, then the re-rendered history as context, then the new output.
-  n_out = len(tok.encode("Food.<|im_end|>"))
-  assert seg.tokens.tolist() == second + tok.encode("Food.<|im_end|>")
-  d = len(prompt)  # divergence at the first token of the response
-  assert seg.loss_mask[:d].sum() == 0 and seg.loss_mask[d:len(second)].sum() == 0
-  assert seg.loss_mask[-n_out:].tolist() == [1.0] * n_out
-  assert (seg.versions[-n_out:] == 2).all()
+  im_end = tok.encode("<|im_end|>")[0]
+  food = tok.encode("Food.<|im_end|>")
+  for text, shared in (("It is Paris", 2), ("Paris", 0)):
+    sampled = tok.encode(text[:-5]) + [t for ch in "Paris" for t in tok.encode(ch)] + [im_end]
+    assert tok.decode(sampled[:-1]) == text and sampled[:-1] != tok.encode(text)
+    history = messages + [{"role": "assistant", "content": text},
+                          {"role": "user", "content": "Why?"}]
+    second = tok.apply_chat_template(history)
+    d = len(prompt) + shared  # where the second prompt departs from the first turn
+    assert second[:d] == (prompt + sampled)[:d] and second[d] != sampled[shared]
+    m = TrajectoryManager("s")
+    m.add_turn(turn(prompt, sampled, messages=messages,
+                    response={"role": "assistant", "content": text}))
+    m.add_turn(turn(second, food, version=2, messages=history[:3]))
+    segs = m.segments()
+    if shared:
+      (seg,) = segs
+      assert seg.decisions == [CLEAN, REALIGN]
+      # The first prompt, the shared part of the response (trained), the re-rendered
+      # history as context, then the new output.
+      assert seg.tokens.tolist() == second + food
+      assert seg.loss_mask[:len(prompt)].sum() == 0
+      assert seg.loss_mask[len(prompt):d].tolist() == [1.0] * shared
+      assert seg.loss_mask[d:len(second)].sum() == 0
+    else:
+      first, seg = segs
+      assert [first.decisions, seg.decisions] == [[CLEAN], [FORK]]
+      assert first.tokens.tolist() == prompt + sampled
+      assert first.loss_mask.tolist() == [0.0] * len(prompt) + [1.0] * len(sampled)
+      assert seg.tokens.tolist() == second + food and seg.loss_mask[:len(second)].sum() == 0
+    assert seg.loss_mask[-len(food):].tolist() == [1.0] * len(food)
+    assert (seg.versions[-len(food):] == 2).all()
 
 
 def test_long_drift_forks_with_lineage(smollm2):
@@ -142,15 +159,17 @@ def test_trained_bpe_and_a_template_that_rewrites_history(tmp_path):
   msgs2 = msgs + [a1, {"role": "user", "content": "sure?"}, ]
   p2 = tok.apply_chat_template(msgs2)
   assert p2[:len(p1)] == p1 and p2[:len(p1 + out1)] != p1 + out1  # rewritten response
-  # A short rewrite realigns; with a tighter budget the same drift forks.
-  for budget, want in ((64, [[CLEAN, REALIGN]]), (2, [[CLEAN], [FORK]])):
+  # The rewrite begins at the response's first token: however short, it forks, and the
+  # response is trained as sampled (realigned within the budget, none of it trained:
+  # the turn's action was trained nowhere; a reviewer).
+  for budget in (64, 2):
     m = TrajectoryManager("s", realign_max_tokens=budget)
     m.add_turn(turn(p1, out1, messages=msgs, response=a1))
     m.add_turn(turn(p2, tok.encode("yes<|im_end|>"), messages=msgs2))
     segs = m.segments()
-    assert [s.decisions for s in segs] == want
-  assert segs[0].loss_mask.sum() == len(out1)
-  assert segs[1].parent_segment_id == segs[0].segment_id
+    assert [s.decisions for s in segs] == [[CLEAN], [FORK]]
+    assert segs[0].loss_mask.sum() == len(out1)
+    assert segs[1].parent_segment_id == segs[0].segment_id
 
 
 def test_branches_share_a_prefix_and_train_it_once():
