@@ -470,6 +470,7 @@ class MeasuredEnv:
     self.deadline_s = None if hasattr(env, "in_flight_waits") else deadline_s
     self.rewards: list[float] = []
     self.ended = False  # (a step answered terminated or truncated)
+    self.truncation: Optional[str] = None  # (truncated and not terminated: its reason)
     self.on_end: Optional[Callable[[], Awaitable[None]]] = None  # (awaited as it does)
     self.waited_s = self.env_s = 0.0
     self.held_s = 0.0  # of waited_s, other code's holds of the event loop (envs.loopwatch)
@@ -545,7 +546,7 @@ class MeasuredEnv:
       self._clock = None
 
   async def reset(self, task):
-    self.task, self.ended = task, False
+    self.task, self.ended, self.truncation = task, False, None
     try:
       return await self._measured(self.env.reset(task), "reset")
     except BAD_TASK as e:  # the task's parameters (as environments report them)
@@ -577,6 +578,8 @@ class MeasuredEnv:
       raise self._bad_reward(e) from e
     self.rewards.append(float(result.reward))
     self.ended = bool(result.terminated or result.truncated)
+    if result.truncated and not result.terminated:  # (as the white-box agent reads it)
+      self.truncation = str((result.info or {}).get("truncation", "env"))
     if self.ended and self.on_end is not None:
       await self.on_end()
     if type(turns) is int and getattr(self.env, "turns", None) == turns and not self.ended:

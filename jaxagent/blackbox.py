@@ -763,7 +763,12 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     if ep.verdict.get("status") == "infra_error":
       ep.status, ep.reason, ep.infra_error, ep.infra_kind = "failed", "verifier_infra_error", \
           True, "verifier"
-    elif ep.verdict.get("status") != "pass" and len(turns) >= cfg.max_turns:
+    elif acting.truncation is not None:  # (the environment's own cut)
+      ep.status, ep.reason = "truncated", acting.truncation
+    elif ep.verdict.get("status") != "pass" and not acting.ended \
+        and len(acting.actions) >= cfg.max_turns:
+      # (its steps, not its gateway calls: a harness's side calls and retries counted
+      # as turns read an episode its environment ended with a wrong answer as cut)
       ep.status, ep.reason = "truncated", "turn_cap"
     _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
   except (asyncio.TimeoutError, waits.WallCut) as cut:

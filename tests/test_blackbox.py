@@ -198,6 +198,57 @@ def test_a_blackbox_episode_whose_record_the_server_dropped_is_the_infrastructur
   assert not ep.segments
 
 
+def test_a_blackbox_episodes_truncation_is_its_environments_and_its_steps_not_its_calls(
+    random_params, monkeypatch):
+  """An episode whose environment cut it (guess_number's own turn budget) is truncated
+  with the environment's reason, as the white-box agent's; and the turn cap counts the
+  agent's steps, not its gateway calls: with a side call (a title) at each step, an
+  episode the environment ended at 2 of 4 turns was read as cut by the turn cap, and
+  without side calls as completed."""
+  import httpx
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  honest = blackbox_mod.BLACKBOX_AGENTS["openai"]
+
+  class Titled:
+    """The environment, with a side call of the session's before each step."""
+
+    def __init__(self, env, url, session_id):
+      self.env, self.url, self.session_id = env, url, session_id
+
+    def __getattr__(self, name):
+      return getattr(self.env, name)
+
+    async def step(self, action):
+      async with httpx.AsyncClient() as c:
+        r = await c.post(f"{self.url}/v1/chat/completions",
+                         headers={"X-Session-Id": self.session_id},
+                         json={"model": "policy", "max_tokens": 2, "temperature": 1.0,
+                               "messages": [{"role": "user", "content": "A title?"}]})
+        assert r.status_code == 200, r.text
+      return await self.env.step(action)
+
+  async def titled(env, task, base_url, *, session_id, **kw):
+    return await honest(Titled(env, base_url, session_id), task, base_url,
+                        session_id=session_id, **kw)
+
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    def play(agent, env_turns, max_turns):
+      monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", agent)
+      task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": env_turns})
+      ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                    AgentConfig(max_turns=max_turns, max_new_tokens=3),
+                                    session_id=f"bb-cap-{env_turns}", group_id="g"))
+      assert not ep.infra_error, ep.reason
+      return ep.status, ep.reason, ep.turns
+
+    assert play(titled, 2, 4) == ("truncated", "turn_budget", 4)
+    assert play(honest, 2, 4) == ("truncated", "turn_budget", 2)
+    assert play(titled, 8, 2) == ("truncated", "turn_cap", 4)
+
+
 @pytest.mark.parametrize("damage", ["no_logprobs", "ids_as_text", "short_versions",
                                     "not_a_turn", "not_a_list"])
 def test_a_blackbox_episode_whose_record_is_no_record_is_the_infrastructures(
