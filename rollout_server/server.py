@@ -78,13 +78,18 @@ def schema_problem(tools: list[dict]) -> Optional[str]:
     params = spec.get("parameters") if isinstance(spec, dict) else None
     if params is None:
       continue
+    said = f"tools[{i}] ({spec.get('name')!r}): its parameters are not a JSON Schema: "
+    if not isinstance(params, (dict, bool)):  # (a 500 from the draft's lookup: a reviewer)
+      return said + f"{type(params).__name__}, not an object"
+    if isinstance(params, dict) and not isinstance(params.get("$schema", ""), str):
+      return said + (f"$schema is {type(params['$schema']).__name__}, not a string (the "
+                     "URI of a draft)")
     try:
       jsonschema.validators.validator_for(
           params, default=jsonschema.Draft202012Validator).check_schema(params)
     except jsonschema.SchemaError as e:
       where = "".join(f"[{p!r}]" for p in e.absolute_path) or " itself"
-      return (f"tools[{i}] ({spec.get('name')!r}): its parameters are not a JSON Schema: "
-              f"{e.message[:300]} (at parameters{where})")
+      return said + f"{e.message[:300]} (at parameters{where})"
   return None
 
 # -- request bodies -----------------------------------------------------------------------

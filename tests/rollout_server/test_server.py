@@ -838,6 +838,19 @@ def test_tool_schemas_that_are_not_json_schemas_are_named(random_params, tokeniz
       r = httpx.post(srv.url + route, json=body, timeout=120)
       assert r.status_code == 400 and "tools[0] ('calc'): its parameters are not a JSON " \
           "Schema" in r.text and "['properties']['x']['type']" in r.text, (route, r.text)
+    # A $schema that is no string (a 500 from the draft's lookup: a reviewer)
+    for schema, said in [(5, "$schema is int"), ({}, "$schema is dict"), ([1], "list")]:
+      odd = {"$schema": schema, "type": "object"}
+      for route, body in [
+          ("/v1/chat/completions", {"messages": user, "max_tokens": 1, "tools": [
+              {"type": "function", "function": {"name": "calc", "parameters": odd}}]}),
+          ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": user, "tools": [
+              {"name": "calc", "input_schema": odd}]}),
+          ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [
+              {"type": "function", "name": "calc", "parameters": odd}]})]:
+        r = httpx.post(srv.url + route, json=body, timeout=120)
+        assert r.status_code == 400 and "tools[0] ('calc')" in r.text and said in r.text, (
+            route, schema, r.text)
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
               "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
