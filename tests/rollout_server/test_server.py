@@ -827,27 +827,24 @@ def test_tool_schemas_that_are_not_json_schemas_are_named(random_params, tokeniz
   says so is read as one."""
   bad = {"type": "object", "properties": {"x": {"type": "integr"}}}
   user = [{"role": "user", "content": "hi"}]
+
+  def calls_with(params):
+    """A call of each gateway with one tool, `calc`, whose parameters are `params`."""
+    return [("/v1/chat/completions", {"messages": user, "max_tokens": 1, "tools": [
+                {"type": "function", "function": {"name": "calc", "parameters": params}}]}),
+            ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": user, "tools": [
+                {"name": "calc", "input_schema": params}]}),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [
+                {"type": "function", "name": "calc", "parameters": params}]})]
+
   with running_server(random_params, tokenizer) as (srv, orch):
-    for route, body in [
-        ("/v1/chat/completions", {"messages": user, "max_tokens": 1, "tools": [
-            {"type": "function", "function": {"name": "calc", "parameters": bad}}]}),
-        ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": user, "tools": [
-            {"name": "calc", "input_schema": bad}]}),
-        ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [
-            {"type": "function", "name": "calc", "parameters": bad}]})]:
+    for route, body in calls_with(bad):
       r = httpx.post(srv.url + route, json=body, timeout=120)
       assert r.status_code == 400 and "tools[0] ('calc'): its parameters are not a JSON " \
           "Schema" in r.text and "['properties']['x']['type']" in r.text, (route, r.text)
     # A $schema that is no string (a 500 from the draft's lookup: a reviewer)
     for schema, said in [(5, "$schema is int"), ({}, "$schema is dict"), ([1], "list")]:
-      odd = {"$schema": schema, "type": "object"}
-      for route, body in [
-          ("/v1/chat/completions", {"messages": user, "max_tokens": 1, "tools": [
-              {"type": "function", "function": {"name": "calc", "parameters": odd}}]}),
-          ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": user, "tools": [
-              {"name": "calc", "input_schema": odd}]}),
-          ("/v1/responses", {"input": "hi", "max_output_tokens": 1, "tools": [
-              {"type": "function", "name": "calc", "parameters": odd}]})]:
+      for route, body in calls_with({"$schema": schema, "type": "object"}):
         r = httpx.post(srv.url + route, json=body, timeout=120)
         assert r.status_code == 400 and "tools[0] ('calc')" in r.text and said in r.text, (
             route, schema, r.text)
