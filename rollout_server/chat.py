@@ -197,14 +197,33 @@ def _calls(message: dict) -> Optional[list]:
   return out
 
 
+def _call_ids(message: Any) -> list:
+  """A message's tool calls' ids, in order."""
+  calls = message.get("tool_calls") if isinstance(message, dict) else None
+  return [c.get("id") if isinstance(c, dict) else None for c in calls or []]
+
+
 def _same_reply(sent: dict, recorded: Optional[dict]) -> bool:
   """The agent sent a turn's reply back as it got it: its text, and its calls' names and
-  argument values (however the agent wrote them again, whatever ids it gave them)."""
-  if not isinstance(recorded, dict) or (sent.get("content") or "") != (
-      recorded.get("content") or ""):
+  argument values (however the agent wrote them again, whatever ids it gave them); or
+  its calls written into its text, in the template's format, with no `tool_calls` (what
+  the built-in OpenAI agent and `jaxagent.blackbox.reply_text` hand the environment).
+  Sent so, every reply with a call was encoded again from its text: forked, or its
+  closing tokens left untrained, and a control string it spelled in bytes made live (a
+  reviewer)."""
+  if not isinstance(recorded, dict):
     return False
-  calls = _calls(sent)
-  return calls is not None and calls == _calls(recorded)
+  content = sent.get("content") or ""
+  if content == (recorded.get("content") or ""):
+    calls = _calls(sent)
+    return calls is not None and calls == _calls(recorded)
+  if sent.get("tool_calls") or not recorded.get("tool_calls") or not isinstance(content, str):
+    return False
+  parsed = parse_tool_calls(content)
+  return (not parsed.errors and not parsed.unread
+          and parsed.content == (recorded.get("content") or "")
+          and [(c.name, json.dumps(c.arguments, sort_keys=True)) for c in parsed.calls]
+          == _calls(recorded))
 
 
 # Stands for an assistant's reply in a rendering, to find where the template closes it.
@@ -241,8 +260,14 @@ def continued_prompt(tokenizer: Tokenizer, pieces: list, messages: list[dict],
   if not full.startswith(head):
     return None
   reply = messages[k]
-  kept = next((out for out, response in last.replies if _same_reply(reply, response)), None) \
-      if reply.get("role") == "assistant" else None
+  same = [(out, response) for out, response in last.replies if _same_reply(reply, response)] \
+      if reply.get("role") == "assistant" else []
+  # (of siblings that read the same, the one whose call ids the agent sent back: by
+  # value alone the newest, and a best-of-two's rejected reply, `{"x":1}` to the kept
+  # `{"x": 1}`, was continued in place of the reply kept; a reviewer)
+  ids = _call_ids(reply)
+  kept = next((out for out, response in same if ids and _call_ids(response) == ids),
+              same[0][0] if same else None)
   if kept is not None:
     closed = tokenizer.render(messages[:k + 1], tools, add_generation_prompt=False)
     marked = tokenizer.render(messages[:k] + [{"role": "assistant", "content": _REPLY}],

@@ -298,6 +298,39 @@ def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer
   changed = dict(again, content="Sure!")  # (a reply the agent changed: the prompt only)
   assert next_prompt(ask + [changed] + follow[2:], session="t")[:len(prompt) + 1] == \
       prompt + tok.encode("Sure!")[:1]
+  # The call handed back in the reply's text, no tool_calls (the built-in OpenAI agent,
+  # a harness sending `reply_text(message)`): the tokens sampled too (a reviewer: encoded
+  # again from the text, it forked); other values in it, or text around it, are another
+  # reply.
+  from jaxagent.blackbox import reply_text
+
+  texted = {"role": "assistant", "content": reply_text(called)}
+  assert "<tool_call>" in texted["content"] and "tool_calls" not in texted
+  then = [{"role": "user", "content": "6"}]
+  got = next_prompt(ask + [texted] + then, session="t")
+  assert got[:len(prompt) + len(sampled)] == prompt + sampled
+  for other in (texted["content"].replace("2×3", "2×4"), texted["content"] + " ok",
+                texted["content"].replace("</tool_call>", "")):
+    got = next_prompt(ask + [dict(texted, content=other)] + then, session="t")
+    assert got[:len(prompt) + len(sampled)] != prompt + sampled, other
+  # A best-of-two whose replies call with the same values written otherwise, the agent
+  # keeping the first (its call id and its text): the first's tokens, not the newer
+  # sibling's read the same by value (a reviewer).
+  def call(text, call_id):
+    return {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type":
+            "function", "function": {"name": "calculate", "arguments": text}}]}
+
+  spaced, tight = '{"expression": "1"}', '{"expression":"1"}'
+  kept = tok.encode(f'<tool_call>{{"name": "calculate", "arguments": {spaced}}}</tool_call>'
+                    "<|im_end|>")
+  other = tok.encode(f'<tool_call>{{"name":"calculate","arguments":{tight}}}</tool_call>'
+                     "<|im_end|>")
+  _turn(store, "b", ask, prompt, kept, call(spaced, "c_a"))
+  _turn(store, "b", ask, prompt, other, call(tight, "c_b"))
+  sent = ask + [call(spaced, "c_a"), {"role": "tool", "tool_call_id": "c_a", "content": "1"}]
+  assert next_prompt(sent, session="b")[:len(prompt) + len(kept)] == prompt + kept
+  sent[1:] = [call(tight, "c_b"), dict(sent[2], tool_call_id="c_b")]
+  assert next_prompt(sent, session="b")[:len(prompt) + len(other)] == prompt + other
 
 
 def test_a_call_continues_its_thread_past_side_calls_and_on_another_server(tokenizer):
