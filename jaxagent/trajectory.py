@@ -353,14 +353,19 @@ class TrajectoryManager:
     """The turn `r` goes on from, and whether that was guessed (nothing it continues)."""
     if r.messages is not None:
       msgs = [_norm_message(m) for m in r.messages]
-      best = None
+      best, tied = None, []
       for node in self.nodes:
         after = node.messages_after()
         if after is not None and len(after) <= len(msgs) and msgs[:len(after)] == after:
           if best is None or len(after) > len(best.messages_after()):
-            best = node
+            best, tied = node, [node]
+          elif len(after) == len(best.messages_after()):
+            tied.append(node)
       if best is not None:
-        return best, False
+        # (of siblings whose replies read the same, the one whose tokens the prompt goes
+        # on: the gateway continued it; the first alone realigned onto another's tokens)
+        return next((n for n in tied if r.prompt_ids[:len(n.full_tokens)] == n.full_tokens),
+                    best), False
     best, best_len = None, 0
     for node in self.nodes:
       full = node.full_tokens

@@ -285,6 +285,24 @@ def test_a_last_best_of_two_trains_the_reply_acted_on_though_the_other_was_acted
   assert _trained([first, again, other], ["ls"]) == {10: 0}  # (its last step unplayed)
 
 
+def test_a_turn_goes_on_from_the_sibling_whose_tokens_its_prompt_continues():
+  """A best-of-two whose replies read the same ("Paris") in other tokens, the agent
+  going on from the second: the next turn hangs under the second, whose tokens its
+  prompt continues (the gateway continued them), not the first whose messages read the
+  same (it realigned onto the other's tokens, and trained the reply left; a reviewer)."""
+  a = _gateway_turn(_ASK, [1, 2], [10, 11], "Paris")
+  b = _gateway_turn(_ASK, [1, 2], [12], "Paris")
+  on = _gateway_turn(_ASK + [{"role": "assistant", "content": "Paris"},
+                             {"role": "user", "content": "why?"}], [1, 2, 12, 5], [30], "food")
+  m = TrajectoryManager("s")
+  for t in (a, b, on):
+    m.add_turn(TurnRecord.from_result(t))
+  assert m.abandoned() == {0}
+  trained = [s for s in m.segments() if s.num_action_tokens]
+  assert [(s.tokens.tolist(), s.decisions) for s in trained] == [
+      ([1, 2, 12, 5, 30], [CLEAN, CLEAN])]
+
+
 def test_a_side_call_between_steps_is_no_step_of_its_own():
   """A harness's side call (a title: other messages) between two steps was counted as an
   environment step: the second step's process reward landed on the side call and the
