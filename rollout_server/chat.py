@@ -331,6 +331,7 @@ class ChatTurn:
   _message: Optional[dict] = dataclasses.field(default=None, init=False, repr=False)
   # Where the turn was recorded (its session record's id, its index), once it was.
   recorded: Optional[tuple[str, int]] = dataclasses.field(default=None, init=False)
+  abandoned: bool = dataclasses.field(default=False, init=False)  # (`abort_unfinished`)
   _parts: list = dataclasses.field(default_factory=list, init=False, repr=False)
 
   def __post_init__(self):
@@ -491,8 +492,10 @@ class ChatTurn:
         return
 
   def abort_unfinished(self) -> None:
-    """Frees the request's slot if it is still running (its stream's client went away)."""
-    if not self.req.done:
+    """Frees the request's slot if it is still running (its stream's client went away);
+    once (the stream's end and its response's both call it)."""
+    if not self.req.done and not self.abandoned:
+      self.abandoned = True
       self.orch.abort(self.req.request_id)
       if self.on_abandoned is not None:
         self.on_abandoned()

@@ -92,6 +92,24 @@ def schema_problem(tools: list[dict]) -> Optional[str]:
       return said + f"{e.message[:300]} (at parameters{where})"
   return None
 
+class TurnStream(StreamingResponse):
+  """A turn's event stream, whose request is aborted when the response ends before it
+  did, however it ends: a client gone by the time its handler answered (it timed out
+  while its prompt was rendered) cancelled the stream before its generator ran, nor its
+  `finally`, and the request decoded to its end, holding a slot and its pages, recorded
+  by no one (a reviewer)."""
+
+  def __init__(self, turn, events):
+    super().__init__(events, media_type="text/event-stream")
+    self.turn = turn
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      self.turn.abort_unfinished()
+
+
 # -- request bodies -----------------------------------------------------------------------
 
 
@@ -721,9 +739,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
               "jaxagent": {"request_id": turn.request_id, "versions": turn.versions,
                            "prompt_ids": turn.prompt_ids, "output_ids": turn.output_ids}}
 
-    return StreamingResponse(_stream_chat(turn, cid, created, body.model or model_name,
-                                          finish, usage),
-                             media_type="text/event-stream")
+    return TurnStream(turn, _stream_chat(turn, cid, created, body.model or model_name,
+                                         finish, usage))
 
   # Anthropic's Messages API: errors in Anthropic's shape (the route class), the chat
   # converted to the internal form and served as above.
@@ -739,8 +756,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                       _sampling(body, body.max_tokens, list(tokenizer.stop_ids)), session_id,
                       kind="messages", id_prefix="toolu", model=body.model)
     if body.stream:
-      return StreamingResponse(anthropic_api.stream_events(turn, body.model),
-                               media_type="text/event-stream")
+      return TurnStream(turn, anthropic_api.stream_events(turn, body.model))
     try:
       await turn.complete(lambda r: run(r, http, turn.orch))
       return anthropic_api.message_body(turn, body.model)
@@ -790,9 +806,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                             (session_id, *turn.recorded) if turn.recorded else None)
 
     if body.stream:
-      return StreamingResponse(
-          responses_api.stream_events(turn, settings, created, body.logprobs, keep),
-          media_type="text/event-stream")
+      return TurnStream(
+          turn, responses_api.stream_events(turn, settings, created, body.logprobs, keep))
     try:
       await turn.complete(lambda r: run(r, http, turn.orch))
       answer = responses_api.response_body(turn, settings, created, logprobs=body.logprobs)
