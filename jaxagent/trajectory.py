@@ -376,10 +376,11 @@ class TrajectoryManager:
           and d > 0 and d >= best_len):
         best, best_len = node, d
     if best is None:
-      # Sampled again from the prompt of an earlier turn: that turn's sibling.
+      # Sampled again from the prompt of an earlier turn: that turn's sibling, and as
+      # guessed as it (a retried side call continues no reply either: red team 66).
       for node in self.nodes:
         if node.record.prompt_ids == r.prompt_ids:
-          return node.parent, False
+          return node.parent, node.guessed
       # Nothing it continues (compacted or rewritten context, a side call): it follows
       # the same agent's previous turn, and linearising will fork there.
       same = [n for n in self.nodes if n.record.agent_role == r.agent_role]

@@ -391,3 +391,180 @@ def test_dump_and_replay_give_the_same_batch(tmp_path):
 def test_mismatched_record_is_rejected():
   with pytest.raises(ValueError, match="differ in length"):
     TurnRecord([1], [2, 3], [0.0], [1, 1], "stop")
+
+
+def test_a_retried_side_call_after_a_best_of_two_continues_neither_reply_either():
+  """A side call (nothing it continues) is mounted under the latest reply of a best-of-two
+  for want of another, and that says nothing of which reply the agent went on from. The
+  side call asked again (same prompt) was mounted beside it as a sibling *not* guessed:
+  the latest reply then counted as continued, trained with the outcome, and the other
+  one (maybe the reply acted on) was dropped. A retry is as guessed as what it retries."""
+  for acted_on, left in [(None, {0, 1, 2, 3}), (lambda r, _: r.output_ids == [10], {1, 2, 3})]:
+    m = TrajectoryManager("s", acted_on=acted_on)
+    m.add_turn(turn([1, 2], [10]))
+    m.add_turn(turn([1, 2], [20]))
+    m.add_turn(turn([7, 7], [40]))  # a side call: under [20] for want of another
+    m.add_turn(turn([7, 7], [41]))  # ... asked again
+    assert m.abandoned() == left, acted_on
+
+
+def test_every_later_branch_hangs_off_the_segment_that_trained_the_shared_turn():
+  """Three branches from one shared first turn: each later branch's parent is the segment
+  that trained that turn (the first branch's), not the branch before it, which only held
+  the turn as context; lineage chained through untrained copies misreports where a
+  branch came from (the viewer's tree, per-branch credit)."""
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2], [3]))
+  for x in (4, 6, 8):
+    m.add_turn(turn([1, 2, 3, x], [x + 1]))
+  first, *later = m.segments()
+  assert len(later) == 2 and first.loss_mask.tolist() == [0, 0, 1, 0, 1]
+  assert [s.parent_segment_id for s in later] == [first.segment_id] * 2
+  assert [s.decisions for s in later] == [[FORK, CLEAN]] * 2
+  assert [s.branch_id for s in later] == [1, 2]
+  assert len({s.segment_id for s in [first, *later]}) == 3
+
+
+def _call(args, content=None):
+  return {"role": "assistant", "content": content, "tool_calls": [
+      {"id": "c", "type": "function", "function": {"name": "calc", "arguments": args}}]}
+
+
+def test_a_turn_continues_the_reply_whose_tool_call_its_messages_hold():
+  """Two replies to one question calling one tool with other arguments; the next request
+  (tokens rendered anew: they continue neither) holds the second call, its content ""
+  where the reply had none (null). By messages it continues the second reply: told
+  apart by the call's arguments, and with "" and null as the same empty content. Else
+  the first reply (rejected) would be trained with the outcome, or neither reply."""
+  ask = [{"role": "user", "content": "2 * 1?"}]
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2], [3], messages=ask, response=_call('{"x": 1}')))
+  m.add_turn(turn([1, 2], [4], messages=ask, response=_call('{"x": 2}')))
+  m.add_turn(turn([9, 9], [5], messages=ask + [_call('{"x": 2}', ""),
+                                                {"role": "tool", "content": "2"}]))
+  assert m.abandoned() == {0}
+  left, went_on, after = m.segments()
+  assert left.loss_mask.sum() == 0 and not left.rollout_logp.any()  # (none sampled to train)
+  assert went_on.tokens.tolist() == [1, 2, 4]
+  assert went_on.loss_mask.tolist() == [0, 0, 1]
+  assert after.decisions == [FORK] and after.parent_segment_id == went_on.segment_id
+
+
+def test_a_turn_recorded_without_its_reply_message_is_continued_by_its_tokens():
+  """A turn whose messages are known but whose reply message is not (a server that kept
+  no `response`) cannot be matched by messages: the next turn finds it by tokens, and
+  mounting does not fail on the missing reply."""
+  ask = [{"role": "user", "content": "hi"}]
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2], [3], messages=ask))
+  m.add_turn(turn([1, 2, 3, 4], [5], messages=ask + [{"role": "assistant", "content": "yo"},
+                                                      {"role": "user", "content": "so?"}]))
+  (seg,) = m.segments()
+  assert seg.tokens.tolist() == [1, 2, 3, 4, 5] and seg.decisions == [CLEAN, CLEAN]
+  assert seg.loss_mask.tolist() == [0, 0, 1, 0, 1]
+
+
+def test_a_prompt_that_departs_before_the_last_response_forks_however_short_the_drift():
+  """The next prompt departs from the tokens built so far before the last response (an
+  earlier turn's history rewritten), a few tokens from the end. REALIGN is only for a
+  departure inside the last response: cutting back to an earlier point would drop tokens
+  already trained (the first reply here) from the segment, so it forks."""
+  m = TrajectoryManager("s", realign_max_tokens=16)
+  m.add_turn(turn([1, 2, 3], [4, 5]))
+  m.add_turn(turn([1, 2, 3, 4, 5, 6], [7]))
+  m.add_turn(turn([1, 2, 9, 4, 5, 6, 7, 8], [10]))  # rewritten at the third token
+  first, fork = m.segments()
+  assert first.decisions == [CLEAN, CLEAN] and fork.decisions == [FORK]
+  assert first.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7]
+  assert first.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1]
+  assert fork.tokens.tolist() == [1, 2, 9, 4, 5, 6, 7, 8, 10]
+  assert fork.loss_mask.tolist() == [0] * 8 + [1] and fork.parent_segment_id == first.segment_id
+
+
+def test_a_compacted_turn_follows_its_agent_s_latest_turn_and_a_new_agent_starts_a_root():
+  """A turn that continues nothing (context compacted) goes on from the same agent's
+  latest turn: one fork off the segment that ends there. Hung under an earlier turn it
+  would open a branch of its own, replaying that turn as a segment of context; hung
+  under another agent's turn it would take that agent's lineage. Its retry is its
+  sibling; a subagent whose first prompt is the main agent's is no retry of it."""
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2], [3]))
+  m.add_turn(turn([1, 2, 3, 4], [5]))
+  m.add_turn(turn([1, 2], [6], role="sub"))  # the main agent's first prompt, another agent
+  m.add_turn(turn([8, 8], [9]))  # compacted
+  assert m.abandoned() == set()
+  main, fork, sub = m.segments()
+  assert main.tokens.tolist() == [1, 2, 3, 4, 5] and main.decisions == [CLEAN, CLEAN]
+  assert sub.agent_role == "sub" and sub.loss_mask.tolist() == [0, 0, 1]
+  assert sub.parent_segment_id is None
+  assert fork.decisions == [FORK] and fork.parent_segment_id == main.segment_id
+  assert fork.tokens.tolist() == [8, 8, 9] and fork.agent_role == "main"
+
+
+def test_a_request_that_continues_a_cut_reply_goes_on_from_that_reply():
+  """A reply cut at its length limit, sent back as the last message to be continued
+  (nothing after it): its messages are the reply's turn's messages and reply, exactly,
+  so it continues that reply, though its tokens (rendered anew) continue neither. Of a
+  best-of-two, the reply continued trains and the other is left."""
+  ask = [{"role": "user", "content": "a poem"}]
+  roses = {"role": "assistant", "content": "Roses are"}
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2], [3], messages=ask, response=roses))
+  m.add_turn(turn([1, 2], [4], messages=ask, response={"role": "assistant", "content": "Sky"}))
+  m.add_turn(turn([1, 2, 30], [5], messages=ask + [roses]))
+  assert m.abandoned() == {1}
+
+
+def test_by_messages_a_turn_goes_on_from_the_deepest_turn_it_continues():
+  """Each request holds the whole conversation so far, its tokens rendered anew (they
+  continue no turn): it continues every earlier turn by messages, and goes on from the
+  deepest, the last. Hung under the first, each step would open a branch of its own and
+  replay the first turn as a segment of context."""
+  msgs, m = [{"role": "user", "content": "go"}], TrajectoryManager("s")
+  for i in range(3):
+    reply = {"role": "assistant", "content": f"step {i}"}
+    m.add_turn(turn([10 * i + 1, 10 * i + 2], [10 * i + 3], messages=list(msgs), response=reply))
+    msgs += [reply, {"role": "user", "content": "on"}]
+  segs = m.segments()
+  assert [s.decisions for s in segs] == [[CLEAN], [FORK], [FORK]]
+  assert [s.parent_segment_id for s in segs] == [None, segs[0].segment_id, segs[1].segment_id]
+  assert [s.num_action_tokens for s in segs] == [1, 1, 1]
+
+
+def test_a_prompt_that_keeps_only_the_start_of_an_earlier_prompt_continues_no_turn():
+  """A rewritten context that keeps the system prompt's first tokens but departs inside
+  the earlier turns' prompt continues none of them: it is mounted for want of another
+  (guessed), so of a best-of-two before it neither reply counts as continued, and with
+  nothing to tell the reply acted on, neither trains."""
+  m = TrajectoryManager("s")
+  m.add_turn(turn([1, 2, 3], [10]))
+  m.add_turn(turn([1, 2, 3], [20]))
+  m.add_turn(turn([1, 9, 9, 9, 9], [30]))  # shares [1] with both, continues neither
+  assert m.abandoned() == {0, 1}
+
+
+def test_a_reply_continued_is_kept_whatever_else_hangs_under_it_or_acted_on_says():
+  """Of a best-of-two, the reply a later turn continues is kept though a side call also
+  hangs under it (for want of another), and `acted_on` is not asked at all: continuation
+  is the evidence, a guess from replies and actions comes only when there is none."""
+  for acted_on in (None, lambda r, _: True, lambda r, _: r.output_ids == [10]):
+    m = TrajectoryManager("s", acted_on=acted_on)
+    m.add_turn(turn([1, 2], [10]))
+    m.add_turn(turn([1, 2], [20]))
+    m.add_turn(turn([7, 7], [40]))  # a side call: under [20], guessed
+    m.add_turn(turn([1, 2, 20, 5], [30]))  # continues [20]
+    assert m.abandoned() == {0}, acted_on
+
+
+def test_acted_on_is_told_the_turns_before_the_siblings_oldest_first():
+  """`acted_on` tells the reply the agent handed on by the actions its turns before had
+  not made yet: it is given those turns, the root first and the siblings' parent last."""
+  seen = []
+  m = TrajectoryManager("s", acted_on=lambda r, before: seen.append(
+      [t.output_ids for t in before]) or r.output_ids == [7])
+  m.add_turn(turn([1], [2]))
+  m.add_turn(turn([1, 2, 3], [4]))
+  m.add_turn(turn([1, 2, 3, 4, 5], [6]))
+  m.add_turn(turn([1, 2, 3, 4, 5], [7]))
+  assert m.abandoned() == {2}
+  assert seen == [[[2], [4]]] * 2
