@@ -806,3 +806,131 @@ def test_play_past_the_end_is_cut_only_where_the_replies_were_handed_as_they_cam
   assert [t["response"]["content"] for t in cut] == ["A1", "title1", "A2", "title2", "A3"]
   chat = turns + [turn([1, 7, 3, 7, 5, 7, 6], "chat"), turn([1, 7, 3, 7, 5], "A3 again")]
   assert _played(chat, ["a1", "a2", "a3"], at_end=5) == turns + chat[-1:]  # (a sibling)
+
+
+def test_a_record_whose_values_are_of_another_type_is_no_record():
+  """A gateway's turn whose log-probs came as text, or whose token ids as booleans (JSON's
+  true), is a damaged record, the infrastructure's: read on, a text log-prob stopped the
+  run at the batch, and `true` trained as token 1."""
+  from jaxagent.blackbox import _check_turns
+  from jaxagent.errors import InfraError
+
+  good = {"prompt_ids": [1, 2], "output_ids": [3], "output_logprobs": [-0.5],
+          "versions": [1], "finish_reason": "stop"}
+  _check_turns([good, dict(good, output_logprobs=[0])], "s")  # (an int log-prob is one)
+  for damage in ({"output_logprobs": ["-0.5"]}, {"output_ids": [True]},
+                 {"prompt_ids": [1, 2.0]}):
+    with pytest.raises(InfraError, match="turn 1 is no turn"):
+      _check_turns([good, dict(good, **damage)], "s")
+
+
+def test_every_turn_of_a_black_box_session_is_sampled_as_the_run_trains():
+  """A harness that samples its first turn as the run trains and its later ones its own
+  way (hotter, a top_k of its own, or without saying) trains on another distribution's
+  log-probs as surely as one that never did: every turn is checked, both ways."""
+  from jaxagent.blackbox import SamplingMismatch, check_sampling
+
+  cfg = AgentConfig(temperature=0.8, top_p=0.9, top_k=50)
+  ok = {"sampling": {"temperature": 0.8, "top_p": 0.9, "top_k": 50}}
+  check_sampling([ok, ok], cfg, "s")
+  for other in ({"temperature": 1.5}, {"temperature": 0.0}, {"top_k": 0}, {"top_p": 1.0},
+                {"top_k": None}):
+    turn = {"sampling": {**ok["sampling"], **other}}
+    with pytest.raises(SamplingMismatch, match="turn 1 of black-box session s"):
+      check_sampling([ok, turn], cfg, "s")
+  with pytest.raises(SamplingMismatch, match="turn 1 "):
+    check_sampling([ok, {}], cfg, "s")
+
+
+def test_play_past_the_end_after_a_last_best_of_two_and_a_side_call_before_the_end():
+  """Where the gateway did not say how many turns it held as the environment ended, a
+  last step sampled twice still tells the end (the reply acted on): the chat after it is
+  cut. Where it did say, a side call between the last reply and the environment's end
+  is of the play: kept, not cut as if it came after."""
+  from jaxagent.blackbox import _played
+
+  def turn(prompt, reply):
+    return {"prompt_ids": prompt, "output_ids": [7], "output_logprobs": [-0.1],
+            "versions": [0], "finish_reason": "stop",
+            "response": {"role": "assistant", "content": reply}}
+
+  best = [turn([1], "A1"), turn([1, 7, 2], "B"), turn([1, 7, 2], "A2")]
+  chat = turn([5, 5], "chat")
+  assert _played(best + [chat], ["A1", "A2"]) == best
+  side = turn([9], "a title")
+  assert _played(best + [side], ["A1", "A2"], at_end=4) == best + [side]
+
+
+def test_a_black_box_sessions_wire_id_is_fresh_each_episode_and_bounded(random_params,
+                                                                        monkeypatch):
+  """The secret part of a wire id is drawn anew each episode: one derived from the
+  session id (a hash of it) is as predictable as the id, and a sibling could write into
+  it again. An id too long for a header goes as its hash, the secret after it, and one
+  with a control character (a task id's) quoted: raw, no header could carry it."""
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  honest, ids = blackbox_mod.BLACKBOX_AGENTS["openai"], []
+
+  async def noting(env, task, base_url, *, session_id, **kw):
+    ids.append(session_id)
+    return await honest(env, task, base_url, session_id=session_id, **kw)
+
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", noting)
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  config = AgentConfig(max_turns=1, max_new_tokens=2)
+  long_id = "eval-" + "x" * 600 + "-0"
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    eps = [asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                    session_id=sid, group_id="g"))
+           for sid in ("g0-0-r0", "g0-0-r0", long_id, "eval-a\x01b-0")]
+  assert all(not ep.infra_error for ep in eps), [ep.reason for ep in eps]
+  assert eps[2].session_id == long_id
+  first, again, long_wire, quoted = ids
+  assert first.startswith("g0-0-r0~") and again.startswith("g0-0-r0~") and first != again
+  assert long_wire.startswith("sha256-") and len(long_wire) == len("sha256-") + 32 + 25
+  assert quoted.startswith("eval-a%01b-0~")
+
+
+def test_a_black_box_episode_deletes_the_record_it_took_on_a_guarded_server(random_params,
+                                                                           monkeypatch):
+  """The record of a session is taken and deleted with the control token: a record left
+  behind filled the server's session store until its bounds dropped live sessions' records
+  (their episodes lost as `session_evicted`). The record looked for is the wire id's (the
+  session id alone, without its secret, is never recorded)."""
+  import httpx
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  honest, ids = blackbox_mod.BLACKBOX_AGENTS["openai"], []
+
+  async def noting(env, task, base_url, *, session_id, **kw):
+    ids.append(session_id)
+    return await honest(env, task, base_url, session_id=session_id, **kw)
+
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", noting)
+  token = "run-token-" + "y" * 30
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 1})
+  with running_server(random_params, TOK, control_token=token) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  AgentConfig(max_turns=1, max_new_tokens=2),
+                                  session_id="bb-del", control_token=token))
+    (wire,) = ids
+    left = httpx.get(f"{srv.url}/sessions/{wire}").status_code
+  assert not ep.infra_error and ep.segments, ep.reason
+  assert left == 404
+
+
+def test_a_record_that_says_its_first_turns_were_dropped_is_not_the_whole_episode():
+  """A first turn whose `lost_before` says the server dropped the session's earlier turns,
+  in any form it says so, drops the episode as the infrastructure's; only a first turn
+  that says nothing (or an empty note) is the whole episode."""
+  from jaxagent.blackbox import _check_whole
+  from jaxagent.errors import InfraError
+
+  for said in ({}, None, 0):
+    _check_whole([{"lost_before": said}, {"lost_before": True}], "s")
+  for said in (True, {"turns": 2, "reason": "ttl"}, 1):
+    with pytest.raises(InfraError, match="dropped session 's'"):
+      _check_whole([{"lost_before": said}], "s")

@@ -568,3 +568,39 @@ def test_acted_on_is_told_the_turns_before_the_siblings_oldest_first():
   m.add_turn(turn([1, 2, 3, 4, 5], [7]))
   assert m.abandoned() == {2}
   assert seen == [[[2], [4]]] * 2
+
+
+def test_a_retry_whose_reply_reads_as_the_kept_one_is_not_the_step_it_retried():
+  """A harness asked twice for its first step and both replies read "8" (other tokens,
+  one text): the one it went on from is the step, the retry left trains nothing. Had
+  the retry left matched the first action, every later call's step moved on by one and
+  the kept reply took the second step's process reward."""
+  x, y = _gateway_turn(_ASK, [1, 2], [10], "8"), _gateway_turn(_ASK, [1, 2], [20], "8")
+  on = _gateway_turn(None, [1, 2, 20, 5], [30], "12")  # (recorded by its tokens alone)
+  assert _trained([x, y, on], ["8", "12"]) == {20: 0, 30: 1}
+
+
+def test_a_last_best_of_two_tells_a_malformed_call_from_none():
+  """A last step sampled twice, "ok" and "ok" with a malformed tool call, the agent
+  handing on the second: a malformed call is part of the action (the environment
+  answers and counts it), so only that reply was acted on and trains. Read as the same
+  action, both replies were acted on, and neither trained."""
+  plain = _gateway_turn(_ASK, [1, 2], [10], "ok")
+  broken = _gateway_turn(_ASK, [1, 2], [20], "ok<tool_call>{bad</tool_call>")
+  assert _trained([plain, broken], ["ok<tool_call>{bad</tool_call>"]) == {20: 0}
+
+
+def test_a_calls_arguments_handed_in_another_key_order_are_still_its_step():
+  """A harness that hands a call's arguments written anew with the keys in another
+  order (its own JSON encoder) handed the same action: the call is still its step, not
+  a side call that pushed every later process reward onto the call before it."""
+  args = {"expression": "1+2", "precision": 3}
+  reply = {"role": "assistant", "content": "", "tool_calls": [{
+      "id": "c", "type": "function",
+      "function": {"name": "calculate", "arguments": json.dumps(args)}}]}
+  first = dict(_gateway_turn(_ASK, [1, 2], [10], ""), response=reply)
+  side = _gateway_turn(_TITLE, [7, 7], [40], "A title")
+  on = _gateway_turn(_ASK + [{"role": "user", "content": "3"}], [1, 2, 10, 5], [30], "done")
+  handed = ('<tool_call>{"name": "calculate", "arguments": '
+            + json.dumps(dict(reversed(list(args.items())))) + "}</tool_call>")
+  assert _trained([first, side, on], [handed, "done"]) == {10: 0, 40: 1, 30: 1}
