@@ -934,3 +934,77 @@ def test_a_record_that_says_its_first_turns_were_dropped_is_not_the_whole_episod
   for said in (True, {"turns": 2, "reason": "ttl"}, 1):
     with pytest.raises(InfraError, match="dropped session 's'"):
       _check_whole([{"lost_before": said}], "s")
+
+
+def test_a_black_box_episodes_outcome_is_trained_on_its_last_turn_and_its_cap_said(
+    random_params, monkeypatch):
+  """The verdict's reward is added to a black-box episode's last turn, as the white-box
+  agent's (left off, a solved episode trained as its process rewards alone); one that
+  used every turn it had and failed is a `turn_cap` truncation, and one solved on its
+  last turn is completed, not a truncation."""
+  import openai
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  earned = []
+
+  def guessing(guesses):
+    async def harness(env, task, base_url, *, session_id, max_tokens, temperature, top_p,
+                      top_k, **_):
+      client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused",
+                                  max_retries=0, default_headers={"X-Session-Id": session_id})
+      obs, rewards = await env.reset(task), []
+      for guess in guesses:
+        await client.chat.completions.create(
+            model="policy", messages=obs.messages, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, extra_body={"top_k": top_k})
+        rewards.append((await env.step(guess)).reward)
+      await client.close()
+      earned.append(rewards)
+      return rewards
+    return harness
+
+  task = TaskSpec("t", "guess_number", {"secret": 3, "max_turns": 2})
+  cfg = AgentConfig(max_turns=2, max_new_tokens=2)
+  eps = []
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    for guesses in (["1", "3"], ["1", "2"]):
+      monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", guessing(guesses))
+      eps.append(asyncio.run(run_blackbox(make("guess_number"), task, srv.url, cfg,
+                                          session_id="bb-" + "".join(guesses), group_id="g")))
+  solved, failed = eps
+  assert (solved.status, solved.verdict["status"]) == ("completed", "pass"), solved.reason
+  assert solved.verdict["reward"] > 0 and solved.turns == 2
+  assert solved.turn_rewards == [earned[0][0], earned[0][1] + solved.verdict["reward"]]
+  assert (failed.status, failed.reason) == ("truncated", "turn_cap"), failed.reason
+  assert not failed.infra_error and failed.turns == 2
+
+
+def test_a_request_the_gateway_refuses_through_a_client_is_not_the_policys_truncation(
+    random_params, monkeypatch):
+  """Only a refusal that says the prompt is too long is the policy's length (a scored
+  truncation); any other 400 the client raises (a request the harness got wrong) is the
+  harness's, `gateway_refused`: read as the policy's, its episodes trained as failures."""
+  import httpx
+  import openai
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  async def refused(env, task, base_url, **_):
+    await env.reset(task)
+    await env.step("1")
+    request = httpx.Request("POST", f"{base_url}/v1/chat/completions")
+    body = {"error": {"message": "n must be 1"}}
+    raise openai.BadRequestError("n must be 1", body=body,
+                                 response=httpx.Response(400, request=request, json=body))
+
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", refused)
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 3})
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url,
+                                  AgentConfig(max_turns=3, max_new_tokens=2),
+                                  session_id="bb-refused", group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "gateway_refused", (ep.status, ep.reason)
+  assert "400" in ep.reason and "n must be 1" in ep.reason
