@@ -940,8 +940,9 @@ def test_a_black_box_episodes_outcome_is_trained_on_its_last_turn_and_its_cap_sa
     random_params, monkeypatch):
   """The verdict's reward is added to a black-box episode's last turn, as the white-box
   agent's (left off, a solved episode trained as its process rewards alone); one that
-  used every turn it had and failed is a `turn_cap` truncation, and one solved on its
-  last turn is completed, not a truncation."""
+  used every turn it had and failed is a truncation (here the environment's own budget,
+  `turn_budget`, as the white-box agent reads it), and one solved on its last turn is
+  completed, not a truncation."""
   import openai
 
   from jaxagent import blackbox as blackbox_mod
@@ -977,7 +978,7 @@ def test_a_black_box_episodes_outcome_is_trained_on_its_last_turn_and_its_cap_sa
   assert (solved.status, solved.verdict["status"]) == ("completed", "pass"), solved.reason
   assert solved.verdict["reward"] > 0 and solved.turns == 2
   assert solved.turn_rewards == [earned[0][0], earned[0][1] + solved.verdict["reward"]]
-  assert (failed.status, failed.reason) == ("truncated", "turn_cap"), failed.reason
+  assert (failed.status, failed.reason) == ("truncated", "turn_budget"), failed.reason
   assert not failed.infra_error and failed.turns == 2
 
 

@@ -253,7 +253,8 @@ def test_a_blackbox_episode_clears_and_takes_its_record_with_the_token(random_pa
     ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
                                   session_id="bb-1", control_token=TOKEN))
     assert not ep.infra_error and ep.segments, ep.reason
-    assert httpx.get(f"{srv.url}/sessions/{ep.segments[0].session_id}").status_code == 404
+    # (that the record it took is gone: test_blackbox's test of a guarded server; the
+    # session id alone, without the wire id's secret, is never recorded)
     ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
                                   session_id="bb-2"))
     assert ep.infra_error and "401" in ep.reason and control.ENV in ep.reason, ep.reason
