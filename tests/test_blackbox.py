@@ -289,6 +289,32 @@ def test_a_blackbox_episode_whose_record_is_no_record_is_the_infrastructures(
   assert ("not a list of turns" if damage == "not_a_list" else "is no turn") in ep.reason
 
 
+def test_a_record_that_is_not_the_whole_episode_at_a_cut_is_the_infrastructures(
+    random_params, monkeypatch):
+  """An episode cut by its deadline whose record, taken at the cut, says its first turns
+  were dropped: the infrastructure's `session_evicted`, as at the episode's end (the
+  error was not caught there, and stopped the run; red team 67)."""
+  from rollout_server.sessions import SessionStore
+  from tests.rollout_server.conftest import running_server
+
+  read = SessionStore.read
+
+  def evicted(self, session_id, since=0):
+    got = read(self, session_id, since)
+    if got is not None and got[0]:
+      got[0][0]["lost_before"] = {"reason": "bytes", "turns": 3}
+    return got
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=3.0)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    monkeypatch.setattr(SessionStore, "read", evicted)
+    ep = asyncio.run(run_blackbox(SlowEnv(1.0), task, srv.url, config,
+                                  session_id="bb-cut", group_id="g"))
+  assert ep.infra_error and ep.infra_kind == "session_evicted", (ep.status, ep.reason)
+  assert "serving.session_max_bytes" in ep.reason and not ep.segments
+
+
 def test_a_harness_cannot_reach_a_siblings_session_nor_forge_its_rewards(random_params,
                                                                         monkeypatch):
   """Red team 29: the scheduler's session ids are predictable (`g<group>-<i>-r<attempt>`),
