@@ -237,6 +237,25 @@ class CheckpointFailed(RunWriteFailed):
   since it would go on training what it cannot save."""
 
 
+class IteratorAt:
+  """A data iterator's state as it was at one instant, saved as grain saves an
+  iterator's (`RunCheckpointer.save`'s `data_iter`; restored into the iterator itself).
+  A checkpoint's tasks in flight and its iterator's place must be one instant's: read at
+  the save, after its awaits (the canary episodes, the records' sync), the iterator was
+  past a group started meanwhile that the tasks in flight did not list, and a resume
+  never played it (a reviewer)."""
+
+  def __init__(self, iterator: Any):
+    self.state = iterator.get_state()
+
+  def get_state(self) -> bytes:
+    """The state as grain's handler writes an iterator's that is no dataset iterator's
+    (bytes of JSON: a dataset iterator's restores from the same text)."""
+    if isinstance(self.state, bytes):
+      return self.state
+    return json.dumps(self.state, indent=4).encode()
+
+
 class RunCheckpointer:
   """Saves and restores the run state, data-iterator position and metadata together."""
 

@@ -29,8 +29,9 @@ from jaxagent.agreements import Agreements
 from jaxagent.agent import FIRST_PROMPT_TOO_LONG, Episode, run_whitebox
 from jaxagent.blackbox import is_blackbox, run_blackbox
 from jaxagent.build import build_model, describe
-from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, PolicyExports,
-                                 RunCheckpointer, quiet_failed_save_noise, state_prints)
+from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, IteratorAt,
+                                 PolicyExports, RunCheckpointer, quiet_failed_save_noise,
+                                 state_prints)
 from jaxagent.data import task_dataset
 from jaxagent.errors import (InfraError, NonFiniteUpdate, PeerFailed, PeerLost, RunWriteFailed,
                              disk_hint)
@@ -391,11 +392,20 @@ class TrainingRun:
       self.writer.sync()
     sync_file(trajectories_file(self.run_dir, self.cfg))
 
-  async def save_checkpoint(self, pending, force=False, canary=True) -> None:
-    """Saves the run's state at its step, with `pending` (the tasks in flight) and, with
-    `canary`, the canary episodes its weights play."""
+  def save_point(self) -> tuple:
+    """What a checkpoint keeps of the rollouts, taken at one instant (no await between):
+    the tasks in flight, the data iterator's place and the next group's number."""
+    return (self.scheduler.pending_tasks(), IteratorAt(self.tasks),
+            self.scheduler.next_index)
+
+  async def save_checkpoint(self, point, force=False, canary=True) -> None:
+    """Saves the run's state at its step, with `point` (`save_point`: the tasks in flight,
+    where the tasks go on from) and, with `canary`, the canary episodes its weights play.
+    (The rollouts go on meanwhile: a group they start is not in the checkpoint, whose
+    iterator gives its task again on a resume.)"""
     cfg, scheduler, wal, step, state = (self.cfg, self.scheduler, self.wal, self.step,
                                         self.state)
+    pending, data_at, next_index = point
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
     canary_now = None
     try:  # what the saved weights sample on fixed tasks (checked by --canary)
@@ -423,7 +433,7 @@ class TrainingRun:
                                f"the disk before checkpoint {step} ({e.strerror or e})"
                                f"{disk_hint(e)}"))
     done_now = scheduler.drain_finished()
-    mine = {"pending": pending, "next": scheduler.next_index,
+    mine = {"pending": pending, "next": next_index,
             "consumed": [] if wal is None else [
                 k for g in [*self.wal_done_with, *done_now]
                 for k in [wal.key(g), *sorted(self.replayed_from.get(g, ()))]]}
@@ -438,7 +448,7 @@ class TrainingRun:
         "next_group": next_group,
         "wal_consumed_by_process": [g["consumed"] for g in got],
         "stop_window_recent": self.recent, "counted": self.totals(),
-        "canary": canary_now}, self.tasks, force=force, prints=prints)
+        "canary": canary_now}, data_at, force=force, prints=prints)
     if wal is not None:
       # Groups this checkpoint no longer lists need no replay once it is written: those
       # of the checkpoint before are let go now (a save waits for the one before it to
@@ -641,7 +651,7 @@ class TrainingRun:
     except Exception as e:
       self.hold(e)
     if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
-      await self.save_checkpoint(scheduler.pending_tasks())
+      await self.save_checkpoint(self.save_point())
     return True
 
   async def _rollouts(self, accepted: list) -> Optional[tuple]:
@@ -798,7 +808,7 @@ class TrainingRun:
       except Exception as e:  # (then it is not checkpointed: a resume replays the step)
         print(f"warning: step {records['step']}'s records could not be written "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    pending = self.scheduler.pending_tasks()
+    point = self.save_point()
     await self.scheduler.stop()
     unsaved, failed = await self._unsaved()
     if unsaved and ckpt.latest_step() != step and step > 0:
@@ -807,7 +817,7 @@ class TrainingRun:
     elif ckpt.latest_step() != step and step > 0 and not failed:
       # (no canary when a stop gave up waiting for rollouts: its episodes may hang too)
       try:
-        await self.save_checkpoint(pending, force=True,
+        await self.save_checkpoint(point, force=True,
                                    canary=self.finished and not self.abandoned)
       except CheckpointFailed:  # (ckpt.failed: raised below)
         pass

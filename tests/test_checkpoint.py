@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.checkpoint import (CheckpointUnreadable, RunCheckpointer, abstract_params_like,
+from jaxagent.checkpoint import (CheckpointUnreadable, IteratorAt, RunCheckpointer,
+                                 abstract_params_like,
                                  drop_versions_after, export_policy, latest_version,
                                  list_versions, load_policy, version_dir)
 from jaxagent.config import LearnerConfig
@@ -56,6 +57,27 @@ def test_restore_then_step_is_bitwise_identical(tmp_path):
   for _ in range(2):
     restored, _ = learner.step(restored, batch_from(take(it2, 2)))
   assert equal(jax.device_get(restored), live)
+  ckpt.close()
+
+
+def test_a_checkpoint_keeps_the_iterators_place_when_its_save_began(tmp_path):
+  """A checkpoint's tasks in flight are taken when its save begins, the rollouts going on
+  meanwhile (the canary episodes, the records' sync): the iterator's place must be that
+  instant's too (`IteratorAt`). Read at the save, it was past a group started meanwhile
+  that the tasks in flight did not list, and a resume never played that task (a
+  reviewer)."""
+  learner = Learner(CFG, LearnerConfig(), make_mesh())
+  state = learner.init_state(0)
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=2, async_save=True)
+  it = data_iter()
+  take(it, 3)
+  at = IteratorAt(it)  # (the save begins)
+  started_meanwhile = take(it, 2)
+  ckpt.save(1, state, {}, at)
+  ckpt.wait()
+  again = data_iter()
+  ckpt.restore(learner.abstract_state(), again)
+  assert take(again, 2) == started_meanwhile
   ckpt.close()
 
 

@@ -182,6 +182,60 @@ def test_a_resumed_runs_totals_go_on_from_its_checkpoints():
                           "dropped": {"stale": 8, "no_signal": 7, "infra_server": 1}}
 
 
+def test_a_checkpoint_saves_the_rollouts_as_they_stood_when_its_save_began(monkeypatch):
+  """A group started while a checkpoint is saved (the canary episodes, the records' sync:
+  awaits in which the rollouts go on) is in neither the checkpoint's tasks in flight nor
+  before its iterator's place: the iterator's place and the next group's number are
+  saved as they were when the tasks in flight were taken. Read at the save, the
+  iterator was past the group's task, and a resume never played it (a reviewer)."""
+  import asyncio
+  import json
+  import types
+
+  import grain
+
+  from jaxagent import training_run
+  from jaxagent.config import RunConfig
+  from jaxagent.training_run import TrainingRun
+
+  tasks = iter(grain.MapDataset.range(100).to_iter_dataset())
+  scheduler = types.SimpleNamespace(
+      served=0, next_index=2, pending=[{"t": 0}, {"t": 1}], retries=0, replaced=0,
+      dropped={}, drain_finished=lambda: [])
+  scheduler.pending_tasks = lambda: list(scheduler.pending)
+
+  async def a_group_starts(*args):  # (the rollouts go on during the save's awaits)
+    scheduler.pending.append({"t": next(tasks)})
+    scheduler.next_index += 1
+    return ["canary"]
+
+  saved = {}
+
+  class Checkpointer:
+    def save(self, step, state, meta, data_iter, **kw):
+      saved.update(meta=meta, place=json.loads(data_iter.get_state()))
+
+  async def save():
+    run = TrainingRun(RunConfig(), "/nonexistent")
+    run.scheduler, run.tasks, run.ckpt, run.wal = scheduler, tasks, Checkpointer(), None
+    run.step, run.state, run.meta, run.recent = 3, types.SimpleNamespace(
+        policy_version=0), {}, []
+    run._sync_records = lambda: None
+    run.env_factory = run.serving = run.tokenizer = types.SimpleNamespace(client=None)
+    next(tasks), next(tasks)  # (tasks 0 and 1: in flight)
+    await run.save_checkpoint(run.save_point())
+    run.run_pool.shutdown()
+
+  monkeypatch.setattr(training_run, "play_canary", a_group_starts)
+  monkeypatch.setattr(training_run, "state_prints", lambda *a: {})
+  asyncio.run(save())
+  assert saved["meta"]["pending_tasks"] == [{"t": 0}, {"t": 1}]
+  assert saved["meta"]["next_group"] == 2 and saved["meta"]["canary"] == ["canary"]
+  again = iter(grain.MapDataset.range(100).to_iter_dataset())
+  again.set_state(saved["place"])
+  assert next(again) == 2  # (task 2, started during the save, is played on a resume)
+
+
 # -- red team 51: what a resume reads of the records, unit by unit ----------------------
 
 
