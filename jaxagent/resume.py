@@ -179,10 +179,14 @@ def write_run_config(cfg: config_lib.RunConfig, tokenizer, run_dir: str, resume:
         before = json.load(f)
       except ValueError:
         before = {}
-    if config_changes(before, config_lib.to_dict(written)):
+    kept = os.path.join(run_dir, f"config.step{step}.json")
+    if config_changes(before, config_lib.to_dict(written)) and not os.path.exists(kept):
       # Changed on the resume: the config that ran up to here is kept (a copy: a kill
-      # between moving it and writing the new one left the run with none).
-      shutil.copyfile(path, os.path.join(run_dir, f"config.step{step}.json"))
+      # between moving it and writing the new one left the run with none). Once: a
+      # second changed resume at the same step kept the config of the first, which
+      # trained none of the steps kept, in its place (and the checkpoint's own config
+      # was then one the run "never had"; a reviewer).
+      shutil.copyfile(path, kept)
   with open(path + ".tmp", "w") as f:
     json.dump(config_lib.to_dict(written), f, indent=1)
   os.replace(path + ".tmp", path)

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -432,6 +433,29 @@ def test_a_checkpoint_of_a_config_the_run_never_had_is_said_and_one_it_had_is_no
   check_provenance({"config": stranger}, now, _Vocab("x"), 4, str(tmp_path))
   err = capsys.readouterr().err
   assert "checkpoint step 4 was saved with a config this run never had (learner.lr" in err
+
+
+def test_resumes_with_changed_configs_at_one_step_keep_the_config_that_ran_to_it(tmp_path,
+                                                                                capsys):
+  """Three resumes at step 4, each with another config (the second and third dying before
+  a checkpoint of their own): config.step4.json stays the config that ran to step 4 (the
+  second resume's replaced it, and the checkpoint's own config then read as one the run
+  never had; a reviewer)."""
+  from jaxagent import config as config_lib
+  from jaxagent.resume import write_run_config
+  from jaxagent.run_dir import check_provenance
+
+  ran, *then = [_tiny([f"learner.lr={lr}"]) for lr in (0.5, 0.25, 0.125)]
+  tok = types.SimpleNamespace(chat_template=None)
+  write_run_config(ran, tok, str(tmp_path), False, 0)
+  for cfg in then:
+    write_run_config(cfg, tok, str(tmp_path), True, 4)
+  kept = json.loads((tmp_path / "config.step4.json").read_text())
+  assert kept["learner"]["lr"] == 0.5
+  assert json.loads((tmp_path / "config.json").read_text())["learner"]["lr"] == 0.125
+  check_provenance({"config": config_lib.to_dict(ran)}, then[-1], _Vocab("x"), 4,
+                   str(tmp_path))
+  assert capsys.readouterr().err == ""
 
 
 def test_a_canary_differs_by_tokens_rewards_log_probs_past_the_tolerance_or_count():
