@@ -6,12 +6,23 @@ position is saved with the run (`RunCheckpointer`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Iterator
 
 import grain
 import jax
 import numpy as np
+
+
+def tasks_digest(path: str) -> str:
+  """The task file's content as a short SHA-256 (a checkpoint's data place is an index
+  into the order the file's tasks come in)."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()[:16]
 
 
 def task_dataset(path: str, *, seed: int, shuffle: bool = True,

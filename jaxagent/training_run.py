@@ -32,7 +32,7 @@ from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, IteratorAt,
                                  PolicyExports, RunCheckpointer, quiet_failed_save_noise,
                                  state_prints)
-from jaxagent.data import task_dataset
+from jaxagent.data import task_dataset, tasks_digest
 from jaxagent.errors import (InfraError, NonFiniteUpdate, PeerFailed, PeerLost, RunWriteFailed,
                              disk_hint)
 from jaxagent.learner import Learner, loss_notes
@@ -379,7 +379,8 @@ class TrainingRun:
         "mesh": {"shape": dict(self.mesh.shape), "devices": self.mesh.devices.size,
                  "platform": jax.devices()[0].platform, "processes": self.n_proc},
         "tool_schema_sha256": hashlib.sha256(json.dumps(tools, sort_keys=True)
-                                             .encode()).hexdigest()[:16]}
+                                             .encode()).hexdigest()[:16],
+        "tasks_sha256": tasks_digest(cfg.data.tasks)}
     self.rows_here = cfg.data.rows // self.n_proc
     self.row_multiple = self.learner.row_multiple // self.n_proc
     self.step = self.first_step = int(self.state.step)

@@ -458,6 +458,46 @@ def test_resumes_with_changed_configs_at_one_step_keep_the_config_that_ran_to_it
   assert capsys.readouterr().err == ""
 
 
+def test_a_resume_onto_a_tasks_file_changed_in_place_says_so(tmp_path, capsys):
+  """A checkpoint's data place is an index into the order its tasks file's tasks come in:
+  resumed onto the file changed in place (same path, seed and shuffle), the order from
+  there is another, and some of the epoch's tasks come twice or never. Nothing said so
+  (a reviewer); the file's digest, saved with the checkpoint, now does."""
+  from jaxagent.checkpoint import RunCheckpointer
+  from jaxagent.config import LearnerConfig
+  from jaxagent.data import task_dataset, tasks_digest
+  from jaxagent.learner import Learner
+  from jaxagent.models.sharding import make_mesh
+  from jaxagent.resume import restore
+  from tests.test_learner import CFG
+
+  path = tmp_path / "tasks.jsonl"
+  path.write_text("".join(json.dumps({"id": f"t{i}", "env": "guess_number"}) + "\n"
+                          for i in range(8)))
+  cfg = _tiny([f"data.tasks={path}"])
+  learner = Learner(CFG, LearnerConfig(), make_mesh())
+  state = learner.init_state(0)
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  ckpt = RunCheckpointer(str(run_dir / "checkpoints"), keep=2, async_save=False)
+  ckpt.save(1, state, {"tasks_sha256": tasks_digest(str(path))},
+            iter(task_dataset(str(path), seed=0)))
+  ckpt.wait()
+
+  def resumed() -> str:
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    restore(ckpt, learner, state, iter(task_dataset(str(path), seed=0)), cfg,
+            _Vocab("x"), str(run_dir), True)
+    return capsys.readouterr().err
+
+  assert "tasks file" not in resumed()
+  path.write_text(path.read_text() + json.dumps({"id": "t8", "env": "guess_number"}) + "\n")
+  said = resumed()  # (step: the state's own, 0 for these initial weights)
+  assert f"the tasks file {path} is not the one checkpoint step" in said
+  assert "(its content changed)" in said
+  ckpt.close()
+
+
 def test_a_canary_differs_by_tokens_rewards_log_probs_past_the_tolerance_or_count():
   from jaxagent.run_dir import CANARY_LOGP_ATOL, compare_canary
 
