@@ -212,3 +212,62 @@ def test_a_resumed_part_with_the_same_seed_goes_on_as_the_uncut_turn(random_para
           "resumed_tokens": k, "max_new_tokens": 16 - k}).json()
       assert part["output_ids"] == whole["output_ids"][k:], k
       assert part["output_logprobs"] == pytest.approx(whole["output_logprobs"][k:], abs=1e-5)
+
+
+def test_a_turn_resumed_twice_is_recorded_once_as_every_part_sampled_it(tokenizer):
+  """Each part of a turn cut by weight updates is resumed from the prompt and every token
+  sampled so far (not the last part's alone: a prompt missing the earlier parts' tokens,
+  and a `resumed_tokens` the engine keys a seeded turn's tokens by, off), and the whole
+  turn is one record: every part's tokens, log-probs, raw log-probs and versions aligned,
+  the first part's prompt and id, the last part's finish, asked for twice and recorded
+  once (a second record trained the turn twice)."""
+  import asyncio
+
+  from rollout_server.chat import ChatTurn
+  from rollout_server.engine import SamplingParams
+  from rollout_server.orchestrator import Request
+  from rollout_server.sessions import SessionStore
+
+  tokens = tokenizer.encode("Hi there") + tokenizer.encode("<|im_end|>")
+  cuts, seen = [3, 5, len(tokens)], []
+
+  def part(prompt, sampling, n):
+    start = len(prompt) - 2
+    req = Request(list(prompt), sampling, f"r{n}")
+    req.output_ids = tokens[start:cuts[n]]
+    req.output_logprobs = [-0.5 - i for i in range(start, cuts[n])]
+    req.raw_logprobs = [-1.5 - i for i in range(start, cuts[n])]
+    req.versions = [n] * len(req.output_ids)
+    last = n == len(cuts) - 1
+    req.finish_reason, req.abort_cause = ("stop", None) if last else ("abort", "weight_update")
+    req._done.set()
+    return req
+
+  def resubmit(ids, sampling, resumed):
+    seen.append((list(ids), sampling.max_new_tokens, sampling.seed, resumed))
+    return part(ids, sampling, len(seen))
+
+  async def wait(req):
+    pass
+
+  store = SessionStore(8)
+  first = part([1, 2], SamplingParams(max_new_tokens=40, seed=7), 0)
+  turn = ChatTurn(first, tokenizer, None, messages=[{"role": "user", "content": "hi"}],
+                  tools=None, sessions=store, session_id="s", kind="chat", id_prefix="call",
+                  resubmit=resubmit)
+  asyncio.run(turn.complete(wait))
+  assert seen == [([1, 2] + tokens[:3], 37, 7, 3), ([1, 2] + tokens[:5], 35, 7, 5)]
+  assert turn.prompt_ids == [1, 2] and turn.output_ids == tokens
+  assert turn.finish_reason == "stop" and turn.max_new_tokens == 40
+  assert turn.output_logprobs == [-0.5 - i for i in range(len(tokens))]
+  assert turn.versions == [0] * 3 + [1] * 2 + [2] * (len(tokens) - 5)
+  assert turn.finish() == {"role": "assistant", "content": "Hi there"}
+  assert turn.finish() == {"role": "assistant", "content": "Hi there"}
+  (record,) = store.get("s")
+  assert record["prompt_ids"] == [1, 2] and record["output_ids"] == tokens
+  assert record["output_logprobs"] == turn.output_logprobs
+  assert record["raw_logprobs"] == [-1.5 - i for i in range(len(tokens))]
+  assert record["versions"] == turn.versions and record["finish_reason"] == "stop"
+  assert record["resumed"] == 2 and record["part_ids"] == ["r0", "r1", "r2"]
+  assert record["request_id"] == "r0" and turn.recorded == (turn.recorded[0], 0)
+  assert record["response"] == {"role": "assistant", "content": "Hi there"}

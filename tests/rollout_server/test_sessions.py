@@ -653,3 +653,186 @@ def test_a_calls_arguments_are_restored_as_sampled_only_for_its_own_id_and_value
   assert not _same_reply(unreadable, unreadable)
   assert not _same_reply(dict(recorded, tool_calls=recorded["tool_calls"] + [
       call("c_1", "{oops")]), recorded)
+
+
+def test_a_reply_is_the_one_sampled_only_as_its_text_and_calls_were_sent():
+  """`_same_reply` against replies a harness (or the policy's own text) changed: cut
+  short, a space added, a call renamed, a call added in `tool_calls` or a malformed one in
+  the text. Read as the reply sampled, the next prompt holds the sampled tokens in place
+  of what the agent sent (a call it added or renamed gone from the model's context, the
+  turn trained on a context no environment saw). Key order and spacing of a call's values
+  written into the text are the same reply: read as another, the turn was encoded again
+  from its text (a fork)."""
+  from jaxagent.blackbox import reply_text
+  from rollout_server.chat import _same_reply
+
+  def call(cid, arguments, name="calculate"):
+    return {"id": cid, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+  said = {"role": "assistant", "content": "Sure."}
+  assert _same_reply(dict(said), said)
+  for other in ("", "Sure", "Sure. ", " Sure."):
+    assert not _same_reply(dict(said, content=other), said), other
+  called = dict(said, tool_calls=[call("c_0", '{"b": 1, "a": "x"}')])
+  texted = reply_text(called)
+  assert _same_reply({"role": "assistant", "content": texted}, called)
+  assert _same_reply({"role": "assistant", "content": reply_text(
+      dict(called, tool_calls=[call("c_0", '{"a":"x","b":1}')]))}, called)
+  for other in (texted.replace('"calculate"', '"calc"'),
+                texted + '<tool_call>{"name": "calculate", "arguments": {oops}</tool_call>'):
+    assert not _same_reply({"role": "assistant", "content": other}, called), other
+  added = {"role": "assistant", "content": texted,
+           "tool_calls": [call("c_9", '{"a": "y"}')]}
+  assert not _same_reply(added, called)
+
+
+def test_a_history_the_template_renders_otherwise_is_encoded_again():
+  """`continued_prompt` continues a turn's tokens only where the call's rendering begins
+  with the turn's: under a template that writes the history otherwise (here a count of
+  the messages up front) the prompt was the turn's ids and then the new rendering cut at
+  the old one's length (text the model never saw, and the reply's closing lost)."""
+  from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
+  from rollout_server.chat import continued_prompt
+  from rollout_server.sessions import SessionStore
+
+  tok = Tokenizer.byte_level("{{ messages | length }}" + CHATML_TOOLS_TEMPLATE)
+  ask = [{"role": "user", "content": "go"}]
+  reply = {"role": "assistant", "content": "ok"}
+  store = SessionStore(8)
+  _turn(store, "s", ask, tok.apply_chat_template(ask), tok.encode("ok<|im_end|>"), reply)
+  follow = ask + [reply, {"role": "user", "content": "more"}]
+  last = store.last_turn("s", follow, None)
+  assert last is not None
+  assert continued_prompt(tok, tok.render_pieces(follow), follow, None, last) is None
+
+
+def test_a_reply_the_template_writes_otherwise_is_rendered_and_the_prompt_kept_as_sampled():
+  """The turn's prompt ids are kept as recorded (here its text in other tokens than its
+  encoding's: encoded again from the rendering, the context the reply was sampled in was
+  replaced by another). Where the template writes the reply otherwise than it was sampled
+  (trimmed; its reasoning dropped once it is not the last message), the call's prompt is
+  the rendering after the turn's prompt: the sampled tokens continued there gave a prompt
+  whose text was neither the rendering nor cut where the rest begins."""
+  from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE, Tokenizer
+  from rollout_server.chat import continued_prompt
+  from rollout_server.sessions import SessionStore
+
+  def next_prompt(tok, store, messages):
+    return continued_prompt(tok, tok.render_pieces(messages), messages, None,
+                            store.last_turn("s", messages, None))
+
+  ask = [{"role": "user", "content": "go"}]
+  tok = Tokenizer.byte_level()
+  prompt = tok.encode_plain(tok.render(ask))  # (its control tokens spelled in bytes)
+  assert tok.decode(prompt) == tok.render(ask) and prompt != tok.apply_chat_template(ask)
+  reply = {"role": "assistant", "content": "ok"}
+  store = SessionStore(8)
+  _turn(store, "s", ask, prompt, tok.encode("ok<|im_end|>"), reply)
+  follow = ask + [reply, {"role": "user", "content": "more"}]
+  assert next_prompt(tok, store, follow)[:len(prompt) + 3] == prompt + tok.encode(
+      "ok<|im_end|>")
+
+  written = "<|im_start|>assistant\n{{ m.content or '' }}"
+  assert CHATML_TOOLS_TEMPLATE.count(written) == 1
+  for otherwise, content in [("{{ (m.content or '') | trim }}", " ok"), (
+      "{{ m.content if loop.last else (m.content or '').split('</think>')[-1] }}",
+      "<think>hm</think>ok")]:
+    tok = Tokenizer.byte_level(CHATML_TOOLS_TEMPLATE.replace(
+        written, "<|im_start|>assistant\n" + otherwise))
+    prompt = tok.apply_chat_template(ask)
+    reply = {"role": "assistant", "content": content}
+    store = SessionStore(8)
+    _turn(store, "s", ask, prompt, tok.encode_plain(content) + tok.encode("<|im_end|>"), reply)
+    follow = ask + [reply, {"role": "user", "content": "more"}]
+    got = next_prompt(tok, store, follow)
+    assert got[:len(prompt)] == prompt and tok.decode(got) == tok.render(follow), content
+
+
+def test_a_finished_turns_answer_and_record_are_what_it_sampled(tokenizer):
+  """`ChatTurn.finish`: the answer is the text sampled less the stop token that ended it
+  (kept, the agent got `<|im_end|>` in its text; a turn cut by its budget lost its last
+  character), its white space before a call kept, its calls parsed; a malformed call stays
+  in the text as written beside the calls read (the policy is told, as a white-box agent
+  is). The record holds that answer and the errors. A turn the engine failed in or whose
+  client went away is an error, never recorded as the policy's answer."""
+  import pytest
+
+  from rollout_server.chat import ChatTurn, TurnCut
+  from rollout_server.engine import SamplingParams
+  from rollout_server.orchestrator import Request
+  from rollout_server.sessions import SessionStore
+
+  stop = tokenizer.encode("<|im_end|>")
+
+  def finished(text, end=stop, finish="stop", done=True, error=None):
+    req = Request([1, 2], SamplingParams(max_new_tokens=64), "r1",
+                  output_ids=tokenizer.encode_plain(text) + end, finish_reason=finish,
+                  error=error)
+    req.output_logprobs = [-1.0] * len(req.output_ids)
+    if done:
+      req._done.set()
+    store = SessionStore(8)
+    turn = ChatTurn(req, tokenizer, None, messages=[], tools=None, sessions=store,
+                    session_id="s", kind="chat", id_prefix="call")
+    return turn, store
+
+  turn, store = finished("Hi there")
+  assert turn.finish() == {"role": "assistant", "content": "Hi there"}
+  assert finished("Hi there", [], "length")[0].finish()["content"] == "Hi there"
+  good = '<tool_call>{"name": "calculate", "arguments": {"expression": "1"}}</tool_call>'
+  bad = '<tool_call>{"name": "calculate", "arguments": {oops}}</tool_call>'
+  turn, store = finished(f" \nSure.{good}")
+  message = turn.finish()
+  assert message["content"] == " \nSure." and len(message["tool_calls"]) == 1
+  (record,) = store.get("s")
+  assert record["response"] == message and record["output_ids"][-1:] == stop
+  turn, store = finished(f"Sure.{good}{bad}")
+  message = turn.finish()
+  assert message["content"] == f"Sure.{bad}" and len(message["tool_calls"]) == 1
+  assert message["tool_calls"][0]["function"]["name"] == "calculate"
+  (record,) = store.get("s")
+  assert record["response"] == message and len(record["tool_call_errors"]) == 1
+  for kw, status in [({"finish": "error", "error": "boom"}, 500), ({"done": False}, 503)]:
+    turn, store = finished("Hi", **kw)
+    with pytest.raises(TurnCut) as cut:
+      turn.finish()
+    assert cut.value.status == status and store.get("s") is None, kw
+
+
+def test_messages_are_normalised_to_the_text_their_parts_join_to():
+  """`normalise_messages`: content sent as text parts is their texts joined as they are
+  (as the Anthropic and Responses gateways join their blocks): a reply sent back in parts
+  is the reply sampled, and one conversation renders alike through every gateway; joined
+  with new lines, it was another reply, encoded again from its text. Only an assistant
+  message that calls tools may leave its content out (another one rendered an empty
+  turn the agent never sent)."""
+  import pytest
+
+  from rollout_server.chat import _same_reply, normalise_messages
+
+  parts = [{"type": "text", "text": "Sure"}, {"text": "."}]
+  (sent,) = normalise_messages([{"role": "assistant", "content": parts}])
+  assert sent == {"role": "assistant", "content": "Sure."}
+  assert _same_reply(sent, {"role": "assistant", "content": "Sure."})
+  call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+  assert normalise_messages([{"role": "assistant", "tool_calls": call}])[0]["content"] == ""
+  for bad in ({"role": "assistant"}, {"role": "assistant", "tool_calls": []},
+              {"role": "user", "tool_calls": call}, {"role": "tool", "tool_calls": call}):
+    with pytest.raises(ValueError, match="has no content"):
+      normalise_messages([bad])
+
+
+def test_a_stream_shows_no_stop_token_half_character_or_start_of_a_call(tokenizer):
+  """`ChatTurn.visible_text`, what a stream may send before the turn ends: shown, the
+  stop token reached the agent as text, a character cut between its bytes as U+FFFD, and
+  a call's opening tag, once sent, could not be taken back when the call came."""
+  from tests.rollout_server.conftest import finished_turn
+
+  assert finished_turn(tokenizer, "Hi there").visible_text() == "Hi there"
+  for end in ("<tool_call", "<tool", "<"):
+    assert finished_turn(tokenizer, "Hi " + end, "length").visible_text() == "Hi ", end
+  assert finished_turn(tokenizer, "Hi <tool_call>{", "length").visible_text() == "Hi "
+  turn = finished_turn(tokenizer, "Hi é", "length")
+  turn.req.output_ids = turn.req.output_ids[:-1]  # (é is two bytes: one of them)
+  assert turn.visible_text() == "Hi "
