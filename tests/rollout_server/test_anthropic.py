@@ -85,6 +85,54 @@ def test_messages_convert_to_the_openai_form_by_hand():
       {"role": "user", "content": "d"}]  # (a reply the policy left empty, sent back)
 
 
+def test_an_assistants_text_blocks_join_as_written_into_a_message_without_calls():
+  """An assistant message of several text blocks and no tool use is one chat message of
+  their text joined with nothing between (as a user's blocks are, and as the reply was
+  sampled), with no `tool_calls` field: a separator between blocks, or an empty list of
+  calls, put into the prompt and the session record what the policy never wrote."""
+  body = MessagesBody.model_validate({"model": "m", "max_tokens": 8, "messages": [
+      {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": [{"type": "text", "text": "Hel"},
+                                        {"type": "text", "text": "lo."}]},
+      {"role": "user", "content": "Go on."}]})
+  assert chat_messages(body)[0][1] == {"role": "assistant", "content": "Hello."}
+
+
+def test_runs_of_messages_of_a_role_keep_every_call_result_and_text_in_order():
+  """Runs of messages of one role are one turn, nothing of them lost or moved: three user
+  messages' text in order; two assistant messages' tool uses all one reply's calls (the
+  second's replaced the first's: a result then answered a call the prompt lost); a result
+  after a user's text stays a `tool` message (merged into the text, it vanished as a
+  result). A result for a tool use of an earlier reply, not the last one, is refused."""
+  def use(i):
+    return {"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}}
+
+  def result(i):
+    return {"type": "tool_result", "tool_use_id": f"t{i}", "content": f"r{i}"}
+
+  body = MessagesBody.model_validate({"model": "m", "max_tokens": 8, "messages": [
+      {"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+      {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "c"}]},
+      {"role": "assistant", "content": [use(1)]}, {"role": "assistant", "content": [use(2)]},
+      {"role": "user", "content": [result(1), {"type": "text", "text": "x"}]},
+      {"role": "user", "content": [result(2)]}, {"role": "user", "content": "d"}]})
+  calls = [{"id": f"t{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+           for i in (1, 2)]
+  assert chat_messages(body)[0] == [
+      {"role": "user", "content": "abc"},
+      {"role": "assistant", "content": "", "tool_calls": calls},
+      {"role": "tool", "tool_call_id": "t1", "content": "r1"},
+      {"role": "user", "content": "x"},
+      {"role": "tool", "tool_call_id": "t2", "content": "r2"},
+      {"role": "user", "content": "d"}]
+  stale = MessagesBody.model_validate({"model": "m", "max_tokens": 8, "messages": [
+      {"role": "user", "content": "a"}, {"role": "assistant", "content": [use(1)]},
+      {"role": "user", "content": [result(1)]}, {"role": "assistant", "content": "ok"},
+      {"role": "user", "content": [result(1)]}]})
+  with pytest.raises(ValueError, match="messages.4.content.0: tool_result for tool_use_id"):
+    chat_messages(stale)
+
+
 def test_an_environment_chat_renders_alike_through_either_gateway(tokenizer):
   """The calculator's worked examples (OpenAI's shape), put in Anthropic's shape by the
   agent and back by the server, render to the same tokens."""
@@ -167,6 +215,17 @@ def test_a_turn_cut_by_the_context_says_so_not_max_tokens(tokenizer):
 
   assert stop_reason(turn(4, 4)) == "max_tokens"
   assert stop_reason(turn(4, 700)) == "model_context_window_exceeded"
+
+
+def test_a_turn_cut_at_max_tokens_is_max_tokens_though_its_text_parses_as_a_call(tokenizer):
+  """A turn cut by max_tokens right after text that parses as a whole tool call is still
+  max_tokens, not tool_use: the policy never stopped, and an agent told tool_use runs a
+  call the model might have gone on to change."""
+  from rollout_server.anthropic_api import stop_reason
+  output = MEMORISED[0][2]
+  turn = finished_turn(tokenizer, output, "length", len(tokenizer.encode(output)),
+                       kind="messages", id_prefix="toolu")
+  assert stop_reason(turn) == "max_tokens"
 
 
 def claude(url: str, session_id=None) -> anthropic.Anthropic:

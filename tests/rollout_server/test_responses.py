@@ -114,6 +114,48 @@ def test_a_reply_whose_outputs_came_between_its_calls_is_one_turn():
       {"role": "user", "content": "z"}]
 
 
+def test_a_reply_that_opens_the_input_still_gathers_its_interleaved_calls():
+  """A reply that is the input's first item (no user message before it: a conversation
+  the assistant opened) is still the call's own reply: its calls with this server's ids,
+  their outputs between them, are one turn. Read as the prior conversation's (the reply
+  at the input's start taken for the part before), the second call started a new
+  assistant turn: a fork in the recorded tokens at every multi-call turn."""
+  ours = ["call_req-7-0a1b2c3d_0", "call_req-7-0a1b2c3d_1"]
+  items = [{"role": "assistant", "content": "Two."}]
+  for i, c in enumerate(ours):
+    items += [{"type": "function_call", "call_id": c, "name": "f", "arguments": "{}"},
+              {"type": "function_call_output", "call_id": c, "output": str(i)}]
+  got = chat_messages(body(input=items))[0]
+  assert [m["role"] for m in got] == ["assistant", "tool", "tool"]
+  assert [c["id"] for c in got[0]["tool_calls"]] == ours
+
+
+def test_call_ids_of_the_servers_form_only_with_a_numbered_tail_join_a_reply():
+  """Only `call_{request id}_{i}` (a number last) is an id this server gave; a client's
+  own ids that merely start with `call_` and hold an underscore (`call_x_a`, `call_x_b`)
+  are as sent: two turns. Taken for ours, the client's two separate replies were merged
+  into one, a turn the policy never sampled recorded for training."""
+  items = []
+  for c in ("call_x_a", "call_x_b"):
+    items += [{"type": "function_call", "call_id": c, "name": "f", "arguments": "{}"},
+              {"type": "function_call_output", "call_id": c, "output": "r"}]
+  got = chat_messages(body(input=[{"role": "user", "content": "u"}] + items))[0]
+  assert [m["role"] for m in got] == ["user", "assistant", "tool", "assistant", "tool"]
+
+
+def test_a_made_whole_field_whose_parts_miscount_the_input_is_refused():
+  """The parts of a router's call made whole must count the input's items exactly: parts
+  that do not would be read as response boundaries in the wrong places (items joining the
+  wrong response's turn), silently; they are refused instead."""
+  two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+  for parts in ([1, 2], [1], [3, -1], [1, 1.0]):
+    with pytest.raises(ValueError, match="jaxagent_made_whole: not a router's call"):
+      made_whole(body(input=two, jaxagent_made_whole={"previous_response_id": "r",
+                                                      "parts": parts}))
+  assert made_whole(body(input=two, jaxagent_made_whole={
+      "previous_response_id": "r", "parts": [1, 1]})) == ("r", [1, 1])
+
+
 def test_an_environment_chat_renders_alike_through_every_gateway(tokenizer):
   """The calculator's worked examples (OpenAI's chat shape), put in the Responses API's
   items by the agent and back by the server, render to the same tokens."""
@@ -375,6 +417,35 @@ def test_a_cut_turn_says_which_budget_ran_out(tokenizer):
   assert full["incomplete_details"] == {"reason": "max_output_tokens"}
   context = response_body(finished_turn(tokenizer, "aaaa", "length", budget=700), {}, 0)
   assert context["incomplete_details"] == {"reason": "context_window_exceeded"}
+
+
+def test_a_stream_of_a_cut_turn_ends_with_response_incomplete(tokenizer):
+  """A turn cut at max_output_tokens streams to `response.incomplete` (its response
+  incomplete, saying which budget ran out), as OpenAI's API ends it: ended with
+  `response.completed`, a streaming agent took a cut answer for a finished one."""
+  turn = finished_turn(tokenizer, "aaaa", "length", budget=4, kind="responses")
+
+  async def events():
+    return [e async for e in stream_events(turn, echo(body(input="x"), "m"), 0)]
+
+  last = asyncio.run(events())[-1]
+  assert last.startswith("event: response.incomplete\n")
+  final = json.loads(last.split("\n")[1][len("data: "):])["response"]
+  assert final["status"] == "incomplete"
+  assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_a_responses_usage_counts_its_prompt_and_output_tokens(tokenizer):
+  """`usage` is the turn's own token counts: input the prompt's, output the sampled
+  tokens' (the stop token too), total their sum. An agent framework budgets and bills its
+  runs by these (the openai-agents SDK adds them up): counts swapped or a total without
+  the output misreport what each turn cost."""
+  turn = finished_turn(tokenizer, "Hi there, a longer answer.", kind="responses")
+  got = response_body(turn, {}, 0)["usage"]
+  prompt, out = len(turn.prompt_ids), len(turn.output_ids)
+  assert prompt != out
+  assert (got["input_tokens"], got["output_tokens"], got["total_tokens"]) == (
+      prompt, out, prompt + out)
 
 
 def client(url: str, session_id=None) -> openai.OpenAI:
