@@ -428,6 +428,16 @@ def _acted_on(actions: list[str]) -> Callable[[TurnRecord, list[TurnRecord]], bo
   return acted
 
 
+def _steps_of(turns: list[dict], actions: Optional[list[str]]
+              ) -> tuple[list[TurnRecord], list[int]]:
+  """A session's recorded turns, and each one's environment step (`_step_numbers`)."""
+  records = [TurnRecord.from_result(t) for t in turns]
+  probe = TrajectoryManager("", acted_on=_acted_on(actions) if actions is not None else None)
+  for r in records:
+    probe.add_turn(r)
+  return records, _step_numbers(records, probe.abandoned(), actions)
+
+
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
                     actions: Optional[list[str]] = None, **outcome: Any) -> list[Segment]:
   """Segments from the turns a server recorded for a session (`GET /sessions/{id}`).
@@ -438,11 +448,7 @@ def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_i
   no step), so per-turn rewards land on the turns that earned them. `actions`, the texts
   the agent handed the environment, tell which of a last step's replies it acted on."""
   acted_on = _acted_on(actions) if actions is not None else None
-  records = [TurnRecord.from_result(t) for t in turns]
-  probe = TrajectoryManager(session_id, acted_on=acted_on)
-  for r in records:
-    probe.add_turn(r)
-  steps = _step_numbers(records, probe.abandoned(), actions)
+  records, steps = _steps_of(turns, actions)
   manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id,
                               acted_on=acted_on)
   for r, turn in zip(records, steps):
@@ -654,6 +660,12 @@ def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfi
   _say_long_turns(turns, cfg)
   ep.turns = len(turns)
   ep.output_tokens = sum(len(t["output_ids"]) for t in turns)
+  # A per-turn reward for each step its turns make, the one a cut stopped (or a call
+  # after its last action) scored 0 too, as the white-box agent pads (padded to its
+  # gateway calls, retries and side calls made steps that never were, and the chunk
+  # estimator's baseline counted them; a reviewer).
+  steps = max(_steps_of(turns, actions)[1], default=-1) + 1
+  ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (steps - len(ep.turn_rewards))
   ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
                                 group_id=ep.group_id, actions=actions, status=ep.status,
                                 reason=ep.reason, reward=ep.reward,
@@ -722,8 +734,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     try:  # the turns it played still carry the score: stalling must not hide them
       if turns is None:
         turns = await _take_session(gateway_url, wire_id, control_token)
-      earned = acting.rewards
-      ep.turn_rewards = earned + [0.0] * (len(turns) - len(earned))
+      ep.turn_rewards = list(acting.rewards)  # (padded to its steps with its segments)
       _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
     except (httpx.HTTPError, KeyError, ValueError, InfraError) as e:
       lost(e)

@@ -198,6 +198,64 @@ def test_a_blackbox_episode_whose_record_the_server_dropped_is_the_infrastructur
   assert not ep.segments
 
 
+class _Titled:
+  """An environment whose every step a side call of the session's comes before (a
+  harness asking for a title: a gateway call that is no step)."""
+
+  def __init__(self, env, url, session_id):
+    self.env, self.url, self.session_id = env, url, session_id
+
+  def __getattr__(self, name):
+    return getattr(self.env, name)
+
+  async def step(self, action):
+    import httpx
+
+    async with httpx.AsyncClient() as c:
+      r = await c.post(f"{self.url}/v1/chat/completions",
+                       headers={"X-Session-Id": self.session_id},
+                       json={"model": "policy", "max_tokens": 2, "temperature": 1.0,
+                             "messages": [{"role": "user", "content": "A title?"}]})
+      assert r.status_code == 200, r.text
+    return await self.env.step(action)
+
+
+def _titling(harness):
+  """`harness`, its environment's every step after a side call (`_Titled`)."""
+  async def titled(env, task, base_url, *, session_id, **kw):
+    return await harness(_Titled(env, base_url, session_id), task, base_url,
+                         session_id=session_id, **kw)
+  return titled
+
+
+def test_a_cut_blackbox_episodes_turn_rewards_are_its_steps_not_its_calls(random_params,
+                                                                          monkeypatch):
+  """A black-box episode cut by its deadline in its environment, with a side call at each
+  step: its per-turn rewards are one for each step its turns make (the step the cut
+  stopped scored 0), as the white-box agent's. Padded to its gateway calls, the side
+  calls made steps that never were, and the chunk estimator's baseline counted them (a
+  reviewer)."""
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai",
+                      _titling(blackbox_mod.BLACKBOX_AGENTS["openai"]))
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
+  config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=60)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,  # (compiles)
+                             session_id="bb-warm", group_id="g"))
+    ep = asyncio.run(run_blackbox(SlowEnv(2.0, process_reward=0.25), task, srv.url,
+                                  dataclasses.replace(config, episode_deadline_s=8.0),
+                                  session_id="bb-slow", group_id="g"))
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline") and not ep.infra_error, ep
+  # (a side call after the last reply handed, its step in flight, is of the step after)
+  steps = max(int(s.turn_ids.max()) for s in ep.segments) + 1
+  assert len(ep.turn_rewards) == steps < ep.turns, (ep.turn_rewards, ep.turns)
+  earned = ep.turn_rewards.count(0.25)
+  assert earned >= 1 and ep.turn_rewards == [0.25] * earned + [0.0] * (steps - earned)
+
+
 def test_a_blackbox_episodes_truncation_is_its_environments_and_its_steps_not_its_calls(
     random_params, monkeypatch):
   """An episode whose environment cut it (guess_number's own turn budget) is truncated
@@ -205,35 +263,11 @@ def test_a_blackbox_episodes_truncation_is_its_environments_and_its_steps_not_it
   agent's steps, not its gateway calls: with a side call (a title) at each step, an
   episode the environment ended at 2 of 4 turns was read as cut by the turn cap, and
   without side calls as completed."""
-  import httpx
-
   from jaxagent import blackbox as blackbox_mod
   from tests.rollout_server.conftest import running_server
 
   honest = blackbox_mod.BLACKBOX_AGENTS["openai"]
-
-  class Titled:
-    """The environment, with a side call of the session's before each step."""
-
-    def __init__(self, env, url, session_id):
-      self.env, self.url, self.session_id = env, url, session_id
-
-    def __getattr__(self, name):
-      return getattr(self.env, name)
-
-    async def step(self, action):
-      async with httpx.AsyncClient() as c:
-        r = await c.post(f"{self.url}/v1/chat/completions",
-                         headers={"X-Session-Id": self.session_id},
-                         json={"model": "policy", "max_tokens": 2, "temperature": 1.0,
-                               "messages": [{"role": "user", "content": "A title?"}]})
-        assert r.status_code == 200, r.text
-      return await self.env.step(action)
-
-  async def titled(env, task, base_url, *, session_id, **kw):
-    return await honest(Titled(env, base_url, session_id), task, base_url,
-                        session_id=session_id, **kw)
-
+  titled = _titling(honest)
   with running_server(random_params, TOK, version=4) as (srv, _):
     def play(agent, env_turns, max_turns):
       monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", agent)
