@@ -532,12 +532,21 @@ def step_signal(trained: list[Group], cfg: AdvantageConfig):
 
 def rollout_notes(cfg: RolloutConfig) -> list[str]:
   """What a run is told of its rollout settings that are allowed but easy to mistake."""
-  behind = cfg.sync_every - 1
+  behind, notes = cfg.sync_every - 1, []
   if cfg.mode != "sync" and behind > cfg.max_staleness:
-    return [f"rollout.sync_every {cfg.sync_every}: the servers' weights are up to {behind} "
-            f"versions behind the learner's, so tokens that old are trained, past "
-            f"rollout.max_staleness ({cfg.max_staleness})"]
-  return []
+    notes.append(f"rollout.sync_every {cfg.sync_every}: the servers' weights are up to "
+                 f"{behind} versions behind the learner's, so tokens that old are trained, "
+                 f"past rollout.max_staleness ({cfg.max_staleness})")
+  versions = max(cfg.max_staleness, behind) + 1  # (the groups in flight: `_capacity`)
+  running = versions * cfg.groups_per_step + int(round(
+      cfg.redundancy * versions * cfg.groups_per_step))
+  if cfg.mode == "window" and cfg.window >= running:
+    # (the defaults' 16 against 2 x 8: window mode measured as async, a reviewer)
+    notes.append(f"rollout.window {cfg.window} holds every group the staleness bound lets "
+                 f"run ({running}): a step takes the groups first done, as in async mode; "
+                 f"a window below it waits for the oldest (rollout.groups_per_step "
+                 f"{cfg.groups_per_step}: a first-in-first-out queue)")
+  return notes
 
 
 def check_advantage_config(cfg: AdvantageConfig) -> None:

@@ -970,13 +970,22 @@ def test_tokens_of_unknown_version_count_as_fresh_to_acceptance_and_lag():
 
 def test_async_updates_sparser_than_the_staleness_bound_are_said():
   """Async with `sync_every - 1 > max_staleness` trains tokens older than max_staleness
-  (the bound is the larger, as docs/architecture.md says) without a word: red team 39."""
+  (the bound is the larger, as docs/architecture.md says) without a word: red team 39.
+  And a window mode whose window holds every group in flight is async mode, said too."""
   from jaxagent.scheduler import rollout_notes
 
   (note,) = rollout_notes(RolloutConfig(mode="async", max_staleness=1, sync_every=3))
   assert "up to 2 versions behind" in note and "rollout.max_staleness (1)" in note
   assert rollout_notes(RolloutConfig(mode="async", max_staleness=2, sync_every=3)) == []
   assert rollout_notes(RolloutConfig(mode="sync", sync_every=3)) == []
+  # A window that holds every group in flight is async mode (the defaults: 16 of 2 x 8)
+  (note,) = rollout_notes(RolloutConfig(mode="window", groups_per_step=8, window=16,
+                                        max_staleness=1))
+  assert "rollout.window 16 holds every group the staleness bound lets run (16)" in note
+  assert rollout_notes(RolloutConfig(mode="window", groups_per_step=8, window=15,
+                                     max_staleness=1)) == []
+  assert len(rollout_notes(RolloutConfig(mode="window", groups_per_step=8, window=16,
+                                         max_staleness=1, redundancy=0.5))) == 0
 
 
 def test_episodes_in_flight_are_capped_by_max_concurrent_episodes():
