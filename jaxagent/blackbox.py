@@ -428,27 +428,38 @@ def _acted_on(actions: list[str]) -> Callable[[TurnRecord, list[TurnRecord]], bo
   return acted
 
 
-def _steps_of(turns: list[dict], actions: Optional[list[str]]
-              ) -> tuple[list[TurnRecord], list[int]]:
-  """A session's recorded turns, and each one's environment step (`_step_numbers`)."""
+def _left(turns: list[dict], actions: Optional[list[str]]
+          ) -> tuple[list[TurnRecord], set[int]]:
+  """A session's recorded turns, and those the agent left (`TrajectoryManager.abandoned`:
+  a retry's, a best-of-n's others)."""
   records = [TurnRecord.from_result(t) for t in turns]
   probe = TrajectoryManager("", acted_on=_acted_on(actions) if actions is not None else None)
   for r in records:
     probe.add_turn(r)
-  return records, _step_numbers(records, probe.abandoned(), actions)
+  return records, probe.abandoned()
+
+
+def _steps_of(turns: list[dict], actions: Optional[list[str]]
+              ) -> tuple[list[TurnRecord], list[int]]:
+  """A session's recorded turns, and each one's environment step (`_step_numbers`)."""
+  records, left = _left(turns, actions)
+  return records, _step_numbers(records, left, actions)
 
 
 def collect_session(turns: list[dict], *, session_id: str, task_id: str, group_id: str = "",
-                    actions: Optional[list[str]] = None, **outcome: Any) -> list[Segment]:
+                    actions: Optional[list[str]] = None,
+                    steps_of: Optional[tuple[list[TurnRecord], list[int]]] = None,
+                    **outcome: Any) -> list[Segment]:
   """Segments from the turns a server recorded for a session (`GET /sessions/{id}`).
 
   A black-box agent may call the gateway more than once for one environment step (a
   retry, a best-of-n): the replies it left train nothing (`TrajectoryManager.abandoned`),
   and turn ids count the steps the kept replies made (`_step_numbers`: a side call is
   no step), so per-turn rewards land on the turns that earned them. `actions`, the texts
-  the agent handed the environment, tell which of a last step's replies it acted on."""
+  the agent handed the environment, tell which of a last step's replies it acted on.
+  `steps_of`: `_steps_of(turns, actions)`, where the caller has it."""
   acted_on = _acted_on(actions) if actions is not None else None
-  records, steps = _steps_of(turns, actions)
+  records, steps = steps_of or _steps_of(turns, actions)
   manager = TrajectoryManager(session_id, task_id=task_id, group_id=group_id,
                               acted_on=acted_on)
   for r, turn in zip(records, steps):
@@ -613,11 +624,7 @@ def _played(turns: list[dict], actions: list[str], at_end: Optional[int] = None)
     if len(kept) < len(turns):
       _say_past_the_end()
     return kept
-  records = [TurnRecord.from_result(t) for t in turns]
-  probe = TrajectoryManager("", acted_on=_acted_on(actions))
-  for r in records:
-    probe.add_turn(r)
-  left = probe.abandoned()
+  records, left = _left(turns, actions)
   steps = _matched_steps(records, left, actions)
   made = [i for i, step in enumerate(steps or []) if step < len(actions) and i not in left]
   if not made:  # (replies not handed as they came: which came after the end is not known,
@@ -664,10 +671,12 @@ def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfi
   # after its last action) scored 0 too, as the white-box agent pads (padded to its
   # gateway calls, retries and side calls made steps that never were, and the chunk
   # estimator's baseline counted them; a reviewer).
-  steps = max(_steps_of(turns, actions)[1], default=-1) + 1
+  records_steps = _steps_of(turns, actions)
+  steps = max(records_steps[1], default=-1) + 1
   ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (steps - len(ep.turn_rewards))
   ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
-                                group_id=ep.group_id, actions=actions, status=ep.status,
+                                group_id=ep.group_id, actions=actions,
+                                steps_of=records_steps, status=ep.status,
                                 reason=ep.reason, reward=ep.reward,
                                 turn_rewards=list(ep.turn_rewards), verdict=ep.verdict)
   stamp(ep.segments, provenance(tokenizer, turns[0].get("tools") if turns else None, cfg,
