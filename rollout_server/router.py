@@ -484,9 +484,9 @@ class _Router(Rotation):
       step = (self.relayed.step(parsed(body)) if responses and resp.status_code == 200
               else None)
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamingResponse(
-            self.relay(resp, backend, session_id if records else None, path, step),
-            status_code=resp.status_code, headers=out_headers)
+        return _Relayed(resp, self.relay(resp, backend, session_id if records else None,
+                                         path, step),
+                        status_code=resp.status_code, headers=out_headers)
       try:
         content = await resp.aread()
       except httpx.ReadTimeout:  # (slow, as at its send: not a dead backend)
@@ -561,6 +561,24 @@ class _Router(Rotation):
         task = asyncio.ensure_future(self.copy_turns(session_id, backend))
         self.copying.setdefault(session_id, set()).add(task)
         task.add_done_callback(lambda t: self.copied(session_id, t))
+
+
+class _Relayed(StreamingResponse):
+  """A backend's stream relayed, whose response from the backend is closed when this one
+  ends, however it ends: a client gone before the relay began cancelled it before its
+  generator ran, nor its `finally`, and the backend's connection was closed only when
+  the garbage collector freed the relay (as the servers' own streams, `server.TurnStream`,
+  where nothing did; a reviewer)."""
+
+  def __init__(self, upstream: httpx.Response, body, **kw):
+    super().__init__(body, **kw)
+    self.upstream = upstream
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      await self.upstream.aclose()
 
 
 def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,

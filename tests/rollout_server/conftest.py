@@ -118,6 +118,44 @@ def running_server(params, tokenizer, *, version=0, prefix_cache=True, engine=No
     orch.stop()
 
 
+def called_and_left(app, path: str, body: dict, orch: Orchestrator) -> tuple[dict, list]:
+  """Calls the ASGI `app` with `body` at `path` as a client gone by the time it is
+  answered (the disconnect is the first thing its response hears; its socket slow,
+  so the response's start is still being sent), then waits, in the same event loop
+  (the requests' tokens are sent to it), until `orch` runs nothing, for at most a
+  minute: (`orch.stats()`, the message types the app sent)."""
+  import asyncio
+  import json
+  import time
+
+  sent = json.dumps(body).encode()
+  messages = [{"type": "http.request", "body": sent, "more_body": False}]
+  started: list = []
+
+  async def receive():
+    return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+  async def send(message):
+    started.append(message["type"])
+    await asyncio.sleep(0.05)
+
+  scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+           "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+           "raw_path": path.encode(), "query_string": b"", "root_path": "",
+           "headers": [(b"content-type", b"application/json"),
+                       (b"content-length", str(len(sent)).encode())],
+           "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+  async def answered_and_ended():
+    await app(scope, receive, send)
+    deadline = time.time() + 60
+    while orch.stats()["live_slots"] and time.time() < deadline:
+      await asyncio.sleep(0.01)
+
+  asyncio.run(answered_and_ended())
+  return orch.stats(), started
+
+
 @pytest.fixture(scope="module")
 def server(memorised_params, tokenizer):
   """A real server of the memorised model (policy version 3), one a test module."""

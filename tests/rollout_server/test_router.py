@@ -1247,3 +1247,21 @@ def test_a_stream_its_backend_cut_ends_with_the_apis_error_and_the_backend_leave
     assert r.status_code == 200 and r.headers["x-routed-to"] == so.url, r.text
     got = httpx.get(f"{router.url}/sessions/{sid}", timeout=30)
     assert got.status_code == 200 and [t["n"] for t in got.json()["turns"]] == [1], got.text
+
+
+def test_a_relayed_stream_whose_client_left_before_it_began_is_closed(random_params,
+                                                                     tokenizer):
+  """A streamed turn through the router whose client is gone by the time the router
+  answers: the relay's generator never runs, nor its `finally`; the router closes the
+  backend's response as its own ends (`_Relayed`), and the backend aborts the turn. (It
+  passed before too, the connection closed when CPython freed the relay: this pins the
+  behaviour, not a failure seen.)"""
+  from tests.rollout_server.conftest import called_and_left, make_engine, running_server
+
+  body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+          "stream": True, "temperature": 0.0}
+  with running_server(random_params, tokenizer,
+                      engine=make_engine(max_seq_len=4096)) as (srv, orch):
+    stats, started = called_and_left(create_router([srv.url]), "/v1/chat/completions",
+                                     body, orch)
+  assert stats["live_slots"] == 0 and stats["tokens_generated"] < 3000, (stats, started)

@@ -12,7 +12,8 @@ import pytest
 
 from jaxagent.checkpoint import export_policy
 from rollout_server.sessions import SESSION_HEADER
-from tests.rollout_server.conftest import MEMORISED, TOOLS, make_engine, running_server
+from tests.rollout_server.conftest import (MEMORISED, TOOLS, called_and_left, make_engine,
+                                          running_server)
 
 
 def client(srv):
@@ -396,41 +397,13 @@ def test_a_stream_whose_client_left_before_it_began_is_aborted(random_params, to
   and the request decoded to its end, holding its slot and pages, recorded by no one (a
   reviewer). Driven through the app itself: the disconnect is the first thing the
   response hears."""
-  import asyncio
-
   from rollout_server.orchestrator import Orchestrator
   from rollout_server.server import create_app
 
   engine = make_engine(max_seq_len=4096)
   orch = Orchestrator(engine, engine.load_params(random_params, version=0)).start()
   try:
-    app = create_app(orch, tokenizer)
-    sent = json.dumps(body).encode()
-    messages = [{"type": "http.request", "body": sent, "more_body": False}]
-    started = []
-
-    async def receive():
-      return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message):  # (a slow socket: the disconnect is heard meanwhile)
-      started.append(message["type"])
-      await asyncio.sleep(0.05)
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-             "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(sent)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-
-    async def answered_and_ended():  # (in one loop: the request's tokens are sent to it)
-      await app(scope, receive, send)
-      deadline = time.time() + 60
-      while orch.stats()["live_slots"] and time.time() < deadline:
-        await asyncio.sleep(0.01)
-
-    asyncio.run(answered_and_ended())
-    stats = orch.stats()
+    stats, started = called_and_left(create_app(orch, tokenizer), path, body, orch)
     assert stats["live_slots"] == 0 and stats["tokens_generated"] < 3000, (stats, started)
   finally:
     orch.stop()
