@@ -309,6 +309,12 @@ def test_a_call_that_continues_its_sessions_last_turn_keeps_its_tokens(tokenizer
   then = [{"role": "user", "content": "6"}]
   got = next_prompt(ask + [texted] + then, session="t")
   assert got[:len(prompt) + len(sampled)] == prompt + sampled
+  # (a reply whose text began with white space: recorded with it, as sent back)
+  spaced = dict(called, content="\nSure.")
+  _turn(store, "w", ask, prompt, tok.encode("\n") + sampled, spaced)
+  got = next_prompt(ask + [{"role": "assistant", "content": reply_text(spaced)}] + then,
+                    session="w")
+  assert got[:len(prompt) + len(sampled) + 1] == prompt + tok.encode("\n") + sampled
   for other in (texted["content"].replace("2×3", "2×4"), texted["content"] + " ok",
                 texted["content"].replace("</tool_call>", "")):
     got = next_prompt(ask + [dict(texted, content=other)] + then, session="t")
