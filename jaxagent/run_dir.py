@@ -135,13 +135,18 @@ def check_provenance(meta: dict, cfg: config_lib.RunConfig, tokenizer, step: int
 def cut_back(run_dir: str, cfg: config_lib.RunConfig, step: int, version: int) -> None:
   """Rewinds what a stopped run wrote after the `step` (and policy `version`) a
   resumed run restores: each process its trajectory segments, process 0 the metrics
-  rows and the newer policy exports."""
+  rows, the newer policy exports and the configs kept at later steps (their steps are
+  trained again: kept, a later resume at such a step kept a config no step had)."""
   path = trajectories_file(run_dir, cfg)
   for name in (path, path[:-3] if path.endswith(".gz") else path + ".gz"):
     cut_jsonl(name, step)  # (both: a resume may change trajectories.compress)
   if distributed.is_primary():
     cut_jsonl(os.path.join(run_dir, "metrics.jsonl"), step)
     drop_versions_after(os.path.join(run_dir, "policy"), version)
+    for name in os.listdir(run_dir):
+      kept = re.fullmatch(r"config\.step(\d+)\.json", name)
+      if kept and int(kept.group(1)) > step:
+        os.remove(os.path.join(run_dir, name))
 
 
 CANARY_LOGP_ATOL = 1e-4

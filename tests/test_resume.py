@@ -443,7 +443,7 @@ def test_resumes_with_changed_configs_at_one_step_keep_the_config_that_ran_to_it
   never had; a reviewer)."""
   from jaxagent import config as config_lib
   from jaxagent.resume import write_run_config
-  from jaxagent.run_dir import check_provenance
+  from jaxagent.run_dir import check_provenance, cut_back
 
   ran, *then = [_tiny([f"learner.lr={lr}"]) for lr in (0.5, 0.25, 0.125)]
   tok = types.SimpleNamespace(chat_template=None)
@@ -456,6 +456,12 @@ def test_resumes_with_changed_configs_at_one_step_keep_the_config_that_ran_to_it
   check_provenance({"config": config_lib.to_dict(ran)}, then[-1], _Vocab("x"), 4,
                    str(tmp_path))
   assert capsys.readouterr().err == ""
+  # Resumed from an earlier checkpoint (the later ones unreadable): the steps past it are
+  # trained again, and the config kept at step 4 is no longer of any step (a reviewer)
+  (tmp_path / "config.step2.json").write_text(json.dumps(config_lib.to_dict(ran)))
+  cut_back(str(tmp_path), then[-1], 2, 0)
+  assert sorted(p.name for p in tmp_path.glob("config*.json")) == [
+      "config.json", "config.step2.json"]
 
 
 def test_a_resume_onto_a_tasks_file_changed_in_place_says_so(tmp_path, capsys):
