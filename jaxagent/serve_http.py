@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import json
 import socket
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import uvicorn
@@ -19,7 +20,7 @@ from fastapi import Depends, Request
 from fastapi.exception_handlers import (http_exception_handler,
                                          request_validation_exception_handler)
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
@@ -200,6 +201,26 @@ def not_json(request, errors: list) -> Optional[str]:
   if getattr(strict, "value", strict) is True:
     return "body: must be JSON, sent with content-type: application/json (none was sent)"
   return None
+
+
+class EndedStream(StreamingResponse):
+  """A streamed response that calls `on_end` (awaited when it is a coroutine function)
+  when it ends, however it ends: a client gone by the time its handler answered
+  cancelled the stream before its generator ran, nor the generator's `finally`, so what
+  that `finally` lets go (a turn's request: `server`; a backend's response relayed:
+  `router`) must be let go here too (a reviewer)."""
+
+  def __init__(self, content: Any, on_end: Callable[[], Any], **kw):
+    super().__init__(content, **kw)
+    self.on_end = on_end
+
+  async def __call__(self, scope, receive, send) -> None:
+    try:
+      await super().__call__(scope, receive, send)
+    finally:
+      ended = self.on_end()
+      if inspect.isawaitable(ended):
+        await ended
 
 
 class DepthBoundRoute(APIRoute):

@@ -36,11 +36,11 @@ from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from jaxagent import control
 from jaxagent.config import ServerConfig
-from jaxagent.serve_http import BodyLimit, client_gone, control_guard
+from jaxagent.serve_http import BodyLimit, EndedStream, client_gone, control_guard
 from rollout_server import responses_api
 from rollout_server.router_backends import Rotation
 from rollout_server.routing import (NONE_AVAILABLE, api_error, error_body, forwarded_path,
@@ -484,9 +484,11 @@ class _Router(Rotation):
       step = (self.relayed.step(parsed(body)) if responses and resp.status_code == 200
               else None)
       if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        return _Relayed(resp, self.relay(resp, backend, session_id if records else None,
-                                         path, step),
-                        status_code=resp.status_code, headers=out_headers)
+        # (its backend's response closed however it ends: a client gone before the relay
+        # began left it to the garbage collector; a reviewer)
+        return EndedStream(self.relay(resp, backend, session_id if records else None,
+                                      path, step), resp.aclose,
+                           status_code=resp.status_code, headers=out_headers)
       try:
         content = await resp.aread()
       except httpx.ReadTimeout:  # (slow, as at its send: not a dead backend)
@@ -561,24 +563,6 @@ class _Router(Rotation):
         task = asyncio.ensure_future(self.copy_turns(session_id, backend))
         self.copying.setdefault(session_id, set()).add(task)
         task.add_done_callback(lambda t: self.copied(session_id, t))
-
-
-class _Relayed(StreamingResponse):
-  """A backend's stream relayed, whose response from the backend is closed when this one
-  ends, however it ends: a client gone before the relay began cancelled it before its
-  generator ran, nor its `finally`, and the backend's connection was closed only when
-  the garbage collector freed the relay (as the servers' own streams, `server.TurnStream`,
-  where nothing did; a reviewer)."""
-
-  def __init__(self, upstream: httpx.Response, body, **kw):
-    super().__init__(body, **kw)
-    self.upstream = upstream
-
-  async def __call__(self, scope, receive, send) -> None:
-    try:
-      await super().__call__(scope, receive, send)
-    finally:
-      await self.upstream.aclose()
 
 
 def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,

@@ -40,14 +40,15 @@ from typing import Annotated, Literal, Optional, Union
 
 import jsonschema
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxagent.config import ServerConfig
 from jaxagent.errors import PROMPT_TOO_LONG
-from jaxagent.serve_http import BodyLimit, client_gone, control_guard, name_deep_bodies
+from jaxagent.serve_http import (BodyLimit, EndedStream, client_gone, control_guard,
+                                 name_deep_bodies)
 from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, tool_names
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn, Name,
@@ -91,24 +92,6 @@ def schema_problem(tools: list[dict]) -> Optional[str]:
       where = "".join(f"[{p!r}]" for p in e.absolute_path) or " itself"
       return said + f"{e.message[:300]} (at parameters{where})"
   return None
-
-class TurnStream(StreamingResponse):
-  """A turn's event stream, whose request is aborted when the response ends before it
-  did, however it ends: a client gone by the time its handler answered (it timed out
-  while its prompt was rendered) cancelled the stream before its generator ran, nor its
-  `finally`, and the request decoded to its end, holding a slot and its pages, recorded
-  by no one (a reviewer)."""
-
-  def __init__(self, turn, events):
-    super().__init__(events, media_type="text/event-stream")
-    self.turn = turn
-
-  async def __call__(self, scope, receive, send) -> None:
-    try:
-      await super().__call__(scope, receive, send)
-    finally:
-      self.turn.abort_unfinished()
-
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -739,8 +722,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
               "jaxagent": {"request_id": turn.request_id, "versions": turn.versions,
                            "prompt_ids": turn.prompt_ids, "output_ids": turn.output_ids}}
 
-    return TurnStream(turn, _stream_chat(turn, cid, created, body.model or model_name,
-                                         finish, usage))
+    return EndedStream(_stream_chat(turn, cid, created, body.model or model_name, finish,
+                                    usage), turn.abort_unfinished,
+                       media_type="text/event-stream")
 
   # Anthropic's Messages API: errors in Anthropic's shape (the route class), the chat
   # converted to the internal form and served as above.
@@ -756,7 +740,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                       _sampling(body, body.max_tokens, list(tokenizer.stop_ids)), session_id,
                       kind="messages", id_prefix="toolu", model=body.model)
     if body.stream:
-      return TurnStream(turn, anthropic_api.stream_events(turn, body.model))
+      return EndedStream(anthropic_api.stream_events(turn, body.model),
+                         turn.abort_unfinished, media_type="text/event-stream")
     try:
       await turn.complete(lambda r: run(r, http, turn.orch))
       return anthropic_api.message_body(turn, body.model)
@@ -806,8 +791,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                             (session_id, *turn.recorded) if turn.recorded else None)
 
     if body.stream:
-      return TurnStream(
-          turn, responses_api.stream_events(turn, settings, created, body.logprobs, keep))
+      return EndedStream(
+          responses_api.stream_events(turn, settings, created, body.logprobs, keep),
+          turn.abort_unfinished, media_type="text/event-stream")
     try:
       await turn.complete(lambda r: run(r, http, turn.orch))
       answer = responses_api.response_body(turn, settings, created, logprobs=body.logprobs)

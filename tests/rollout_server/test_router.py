@@ -1253,7 +1253,7 @@ def test_a_relayed_stream_whose_client_left_before_it_began_is_closed(random_par
                                                                      tokenizer):
   """A streamed turn through the router whose client is gone by the time the router
   answers: the relay's generator never runs, nor its `finally`; the router closes the
-  backend's response as its own ends (`_Relayed`), and the backend aborts the turn. (It
+  backend's response as its own ends (`serve_http.EndedStream`), and the backend aborts the turn. (It
   passed before too, the connection closed when CPython freed the relay: this pins the
   behaviour, not a failure seen.)"""
   from tests.rollout_server.conftest import called_and_left, make_engine, running_server
