@@ -253,10 +253,8 @@ class RolloutScheduler:
     # staleness_bound() versions past them, a step of groups_per_step groups a version
     # (max_staleness here, not the bound, let no group start between syncs when
     # sync_every - 1 is past it: the run waited for ever; red team 20).
-    bound = (self.served + self.staleness_bound() + 1) * self.cfg.groups_per_step
-    extra = int(round(self.cfg.redundancy * (self.staleness_bound() + 1)
-                      * self.cfg.groups_per_step))
-    return bound + extra + self.replaced - self.shortfall
+    return (self.served * self.cfg.groups_per_step + groups_running(self.cfg)
+            + self.replaced - self.shortfall)
 
   async def _produce(self) -> None:
     try:
@@ -333,8 +331,7 @@ class RolloutScheduler:
     lost its weights (restarted); in the async modes max_staleness, and at least that. A
     run resumed from a checkpoint between two updates replays episodes of the last
     update's weights, within that bound."""
-    behind = self.cfg.sync_every - 1
-    return behind if self.cfg.mode == "sync" else max(self.cfg.max_staleness, behind)
+    return staleness_bound(self.cfg)
 
   def _drop_doomed(self) -> None:
     """Drops, at once, the groups the staleness bound can no longer accept: finished ones
@@ -530,6 +527,20 @@ def step_signal(trained: list[Group], cfg: AdvantageConfig):
   return functools.partial(carries_signal, cfg=cfg)
 
 
+def staleness_bound(cfg: RolloutConfig) -> int:
+  """`RolloutScheduler.staleness_bound` of a run of `cfg`."""
+  behind = cfg.sync_every - 1
+  return behind if cfg.mode == "sync" else max(cfg.max_staleness, behind)
+
+
+def groups_running(cfg: RolloutConfig) -> int:
+  """The groups the staleness bound lets run on one version's weights (with
+  `redundancy`, that many more again: `RolloutScheduler._capacity`)."""
+  versions = staleness_bound(cfg) + 1
+  return versions * cfg.groups_per_step + int(round(
+      cfg.redundancy * versions * cfg.groups_per_step))
+
+
 def rollout_notes(cfg: RolloutConfig) -> list[str]:
   """What a run is told of its rollout settings that are allowed but easy to mistake."""
   behind, notes = cfg.sync_every - 1, []
@@ -537,9 +548,7 @@ def rollout_notes(cfg: RolloutConfig) -> list[str]:
     notes.append(f"rollout.sync_every {cfg.sync_every}: the servers' weights are up to "
                  f"{behind} versions behind the learner's, so tokens that old are trained, "
                  f"past rollout.max_staleness ({cfg.max_staleness})")
-  versions = max(cfg.max_staleness, behind) + 1  # (the groups in flight: `_capacity`)
-  running = versions * cfg.groups_per_step + int(round(
-      cfg.redundancy * versions * cfg.groups_per_step))
+  running = groups_running(cfg)
   if cfg.mode == "window" and cfg.window >= running:
     # (the defaults' 16 against 2 x 8: window mode measured as async, a reviewer)
     notes.append(f"rollout.window {cfg.window} holds every group the staleness bound lets "
