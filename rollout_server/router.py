@@ -27,6 +27,7 @@ import contextlib
 import heapq
 import json
 import logging
+import math
 import re
 import sys
 import uuid
@@ -41,6 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from jaxagent import control
 from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, EndedStream, client_gone, control_guard
+from jaxagent.stopping import unless_stopped
 from rollout_server import responses_api
 from rollout_server.router_backends import Rotation
 from rollout_server.routing import (NONE_AVAILABLE, api_error, error_body, forwarded_path,
@@ -182,16 +184,36 @@ class _Router(Rotation):
     this router's copy was evicted (a bound, or its time to live), every live backend
     that ran its turns is copied whole again."""
     async with self.lock_of(self.copy_locks, session_id):
-      if session_id not in self.sessions and session_id in self.cursors:  # the copy was evicted
-        # Every backend that ran its turns is copied from the start again; one that
-        # cannot be read now keeps its place (read whole when it can be).
-        ran = self.cursors[session_id] = dict.fromkeys(self.cursors[session_id], (0, None))
-        backends = (*(b for b in ran if b not in backends and self.healthy.get(b)), *backends)
-      # (a backend whose record cannot be read now: the copy catches up at the next turn
-      # or read; a read of the record, `strict`, fails instead: the router answered 200
-      # without the turns it could not read, and the episode trained without them)
-      got = await asyncio.gather(*(self.new_turns(session_id, b) for b in backends),
-                                 return_exceptions=True)
+      asked = backends
+      for _ in range(3):
+        if session_id not in self.sessions and session_id in self.cursors:  # evicted
+          # Every backend that ran its turns is copied from the start again, and owes
+          # them until it is: one out of rotation now is read whole when it is back, and
+          # a read meanwhile fails (skipped, the read answered 200 without its turns; a
+          # reviewer). Each keeps the id of the record it copied: one made anew since
+          # lost those turns.
+          ran = self.cursors[session_id] = {
+              b: (0, seen) for b, (_, seen) in self.cursors[session_id].items()}
+          self.forget_later(self.owed, session_id, self.owed.get(session_id, set()) | set(ran))
+          backends = (*(b for b in ran if b not in asked and self.healthy.get(b)), *asked)
+        held = session_id in self.sessions
+        # (a backend whose record cannot be read now: the copy catches up at the next
+        # turn or read; a read of the record, `strict`, fails instead: the router
+        # answered 200 without the turns it could not read, and the episode trained
+        # without them)
+        got = await asyncio.gather(*(self.new_turns(session_id, b) for b in backends),
+                                   return_exceptions=True)
+        # (evicted while its backends were read, by other sessions' copies: the turns
+        # read would begin a copy without the earlier ones, and every read after it
+        # answered 200 without them; a reviewer. Copied whole again.)
+        if not held or session_id in self.sessions:
+          break
+      else:
+        if strict:
+          raise _Unreadable("this router's copy of it was evicted while it was read, "
+                            "three times (its session store is full: raise the router's "
+                            "--max-sessions or --session-max-bytes)")
+        return
       failed = [g for g in got if isinstance(g, BaseException)]
       if failed and (strict or not all(isinstance(g, _Unreadable) for g in failed)):
         raise failed[0]
@@ -210,7 +232,7 @@ class _Router(Rotation):
                                key=lambda t: t.get("recorded_at", 0.0)))
       if turns:
         try:
-          self.sessions.extend(session_id, turns, number=True)
+          self.sessions.merge(session_id, turns)
         except Exception as e:  # (the served turn is the client's: its record is ours)
           # Some of them may be in: the copy is dropped, copied whole again at its next
           # read or turn (kept, the next copy appended them a second time; a reviewer);
@@ -259,8 +281,13 @@ class _Router(Rotation):
       return True
     try:
       # (the client's bound, as the turn's own requests: a busy server is not a dead one)
-      r = await self.client().post(f"{backend}/handover", headers=self.ruling,
-                                   json={"session_id": session_id, "turns": carried})
+      # (cut when its health checks go unanswered, as the turn's own send: a host gone
+      # without a reset held the turn up to the client's bound, 600 s; a reviewer)
+      r = await unless_stopped(self.client().post(
+          f"{backend}/handover", headers=self.ruling,
+          json={"session_id": session_id, "turns": carried}), self.gone(backend))
+      if r is None:
+        return False  # (the turn goes to the next backend)
       why = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
     except httpx.TransportError as e:
       if not isinstance(e, (httpx.ReadTimeout, httpx.PoolTimeout)):
@@ -693,7 +720,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
                                       timeout=10.0)
         if r.status_code == 200:
           got = r.json()
-          return {**{k: float(got.get(k) or 0) for k in keys},
+          said = {k: float(got.get(k) or 0) for k in keys}
+          if not all(math.isfinite(v) and abs(v) < 1e15 for v in said.values()):
+            return {}  # (a backend's garbage: 1e999 was a 500 here; a reviewer)
+          return {**said,
                   "by_request": dict(got.get("by_request") or {})}
       return {}
 

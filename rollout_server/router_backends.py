@@ -313,6 +313,9 @@ class Rotation:
       if ok and self.undeleted[backend]:
         ok = await self.delete_missed(backend)
         why = "deletes it missed failed"
+      # (taken out meanwhile, a delete it missed: it comes back as one out; let in
+      # during an update that skipped it, it served the old policy on: a reviewer)
+      rejoins = rejoins or not self.healthy[backend]
       if ok and rejoins and self.updating.locked():
         # An update under way skipped it (out of rotation): let in now, it served the old
         # policy on (a reviewer). It loads the new one at its next check.

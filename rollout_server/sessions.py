@@ -14,6 +14,7 @@ import array
 import collections
 import dataclasses
 import hashlib
+import heapq
 import json
 import logging
 import threading
@@ -397,19 +398,42 @@ class SessionStore:
     the record's id."""
     return self._append(session_id, turns, number)
 
+  def merge(self, session_id: str, turns: list[dict]) -> str:
+    """Adds turns recorded elsewhere, in order (`turns` in the order they were recorded,
+    `recorded_at`, as the held ones), numbered: a router's copy of a session that ran on
+    several backends. A backend read late (unreadable for a while, out of rotation) holds
+    turns older than ones already copied from another; appended, the record read 200
+    reordered and renumbered (a reviewer). Such a record is made anew in order, under
+    another record id (a copy of it reads it whole again). The record's id."""
+    def at(turn: dict) -> float:
+      return turn.get("recorded_at", 0.0)
+
+    with self._lock:
+      session = self._held(session_id)
+      if session.turns and turns and at(turns[0]) < at(session.turns[-1]):
+        held = session.unpacked()
+        self.bytes -= session.size
+        session = self._sessions[session_id] = _Session()
+        turns = list(heapq.merge(held, turns, key=at))
+      return self._add(session, turns, number=True)
+
   def _append(self, session_id: str, turns: list[dict], number: bool,
               own: bool = False) -> str:
     with self._lock:
       session = self._held(session_id)
       if own and session.lost_before is not None and not session.turns:
         turns[0]["lost_before"] = session.lost_before
-      for turn in turns:
-        if number:
-          turn["turn"] = len(session.turns)
-        self.bytes += session.append(turn)
-      session.touched = self._clock()
-      self._bound()
-      return session.record_id
+      return self._add(session, turns, number)
+
+  def _add(self, session: _Session, turns: list[dict], number: bool) -> str:
+    """(under the lock) `turns` appended to the held `session`; its record's id."""
+    for turn in turns:
+      if number:
+        turn["turn"] = len(session.turns)
+      self.bytes += session.append(turn)
+    session.touched = self._clock()
+    self._bound()
+    return session.record_id
 
   def revive(self, session_id: str, record_id: str, turn: int) -> bool:
     """A call that says which turn it continues (a Responses call's previous_response_id,

@@ -740,12 +740,14 @@ def _recording_backend():
 
   @fake.get("/health")
   async def health():
+    if state.get("down"):  # (out of rotation while it is)
+      return JSONResponse({"status": "down"}, status_code=503)
     return {"status": "ok", "version": 0}
 
   def record(sid):
     record = state["records"].setdefault(sid, {"id": uuid.uuid4().hex, "turns": []})
     record["turns"].append({"turn": len(record["turns"]), "recorded_at": time.time(),
-                            "output_ids": [len(record["turns"])]})
+                            "output_ids": [len(record["turns"])], "by": state.get("name")})
 
   @fake.post("/generate")
   async def generate(request: Request):
@@ -771,7 +773,8 @@ def _recording_backend():
       return JSONResponse({"detail": "none"}, status_code=404)
     got = {"turns": record["turns"][since:], "count": len(record["turns"]),
            "record_id": record["id"]}
-    await asyncio.sleep(state.get("read_s", 0.0))  # (a loaded server answers late)
+    # (a loaded server answers late; or late for one session)
+    await asyncio.sleep(state.get("read_s", 0.0) + state.get("slow", {}).get(session_id, 0.0))
     return got
 
   @fake.delete("/sessions/{session_id}")
@@ -818,6 +821,225 @@ def test_a_missed_delete_never_wipes_a_later_episodes_turns_and_lost_turns_are_s
     assert c.delete("/sessions/lost").status_code == 200
     turn("lost")  # a new episode under the id reads whole again
     assert [t["turn"] for t in c.get("/sessions/lost").json()["turns"]] == [0]
+
+
+def _two_recording_backends(router_args: dict):
+  """Two `_recording_backend`s (named a and b) behind a router; (client, states by url,
+  a turn of a session: the url it ran on), as a context."""
+  @contextlib.contextmanager
+  def running():
+    fakes = [_recording_backend() for _ in range(2)]
+    with ServerThread(fakes[0][0]) as a, ServerThread(fakes[1][0]) as b, \
+        ServerThread(create_router([a.url, b.url], health_interval_s=0.1,
+                                   **router_args)) as router:
+      states = {a.url: fakes[0][1], b.url: fakes[1][1]}
+      for url, name in ((a.url, "a"), (b.url, "b")):
+        states[url]["name"] = name
+      c = httpx.Client(base_url=router.url, timeout=60)
+
+      def turn(sid):
+        r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": sid})
+        assert r.status_code == 200, r.text
+        return r.headers["x-routed-to"]
+      yield c, states, turn
+  return running()
+
+
+def _out_of_rotation(c, n: int) -> None:
+  """Waits until the router holds `n` backends healthy."""
+  deadline = time.time() + 10
+  while c.get("/health").json()["healthy"] != n:
+    assert time.time() < deadline, "the router's health never changed"
+    time.sleep(0.05)
+
+
+def test_turns_a_backend_recorded_before_others_are_copied_in_order_when_read_late():
+  """A reviewer: a session's turn on its backend whose copy failed (the backend loaded,
+  its record unreadable), then the backend out of rotation and the next turn failed
+  over: when the backend came back, its late-read turn was appended after the failed-over
+  one, and the record read 200 reordered and renumbered. The copy is made anew in the
+  order the turns were recorded (another record id)."""
+  with _two_recording_backends({}) as (c, states, turn):
+    home = turn("s")
+    first_id = c.get("/sessions/s").json()["record_id"]
+    states[home]["unreadable"] = True  # (its copy after the turn fails: owed)
+    assert turn("s") == home
+    states[home]["down"] = True
+    _out_of_rotation(c, 1)
+    other = turn("s")
+    assert other != home
+    r = c.get("/sessions/s")  # (its turns not copied, out of rotation: not whole)
+    assert r.status_code == 502 and "out of rotation" in r.text, r.text
+    states[home]["down"] = states[home]["unreadable"] = False
+    _out_of_rotation(c, 2)
+    got = c.get("/sessions/s").json()
+    name = states[home]["name"]
+    assert [(t["by"], t["output_ids"]) for t in got["turns"]] == [
+        (name, [0]), (name, [1]), (states[other]["name"], [0])], got
+    assert [t["turn"] for t in got["turns"]] == [0, 1, 2] and got["count"] == 3
+    assert got["record_id"] != first_id  # (made anew: a copy of it reads it whole)
+
+
+def test_an_evicted_copy_is_not_read_whole_while_a_backend_that_ran_its_turns_is_away():
+  """A reviewer: the router's copy of a failed-over session evicted (its time to live),
+  then read while the backend that ran its first turn was out of rotation: answered 200
+  with the other backend's turns only, and when the backend came back its turns were
+  appended after them; had it restarted meanwhile, they were gone without a word. The
+  read fails while it is away, reads whole and in order when it is back, and says a
+  record begun again lost its turns."""
+  with _two_recording_backends({"session_ttl_s": 1.0}) as (c, states, turn):
+    for sid in ("s", "r"):
+      home = turn(sid)
+      assert c.get(f"/sessions/{sid}").status_code == 200
+      states[home]["down"] = True
+      _out_of_rotation(c, 1)
+      other = turn(sid)
+      assert other != home
+      time.sleep(1.3)  # (the router's copy outlives its time to live)
+      r = c.get(f"/sessions/{sid}")
+      assert r.status_code == 502 and "out of rotation" in r.text, r.text
+      if sid == "r":  # (it restarts: the record of its turn is gone)
+        states[home]["records"].clear()
+      states[home]["down"] = False
+      _out_of_rotation(c, 2)
+      r = c.get(f"/sessions/{sid}")
+      if sid == "r":
+        assert r.status_code == 502 and "its record was lost" in r.text, r.text
+        break
+      got = r.json()
+      assert [t["by"] for t in got["turns"]] == [states[home]["name"], states[other]["name"]]
+      assert [t["turn"] for t in got["turns"]] == [0, 1]
+
+
+def test_a_copy_evicted_while_its_backend_is_read_is_copied_whole_again():
+  """A reviewer: the router's copy was evicted (its count bound) by other sessions'
+  copies while its own copy read the backend; the turn read began a copy without the
+  earlier turns, and every read after it answered 200 with them missing."""
+  import threading
+
+  fake, state = _recording_backend()
+  with ServerThread(fake) as backend, \
+      ServerThread(create_router([backend.url], health_interval_s=600,
+                                 max_sessions=2)) as router:
+    c = httpx.Client(base_url=router.url, timeout=60)
+
+    def turn(sid):
+      r = c.post("/generate", json={"input_ids": [1]}, headers={"X-Session-Id": sid})
+      assert r.status_code == 200, r.text
+
+    turn("s")
+    state["slow"] = {"s": 1.0}  # (its next copy's read takes a second)
+    late = threading.Thread(target=turn, args=("s",))
+    late.start()
+    time.sleep(0.3)
+    turn("x")
+    turn("y")  # (evicts s, the least recently used, while s's copy reads)
+    late.join()
+    state["slow"] = {}
+    got = c.get("/sessions/s").json()
+    assert [t["output_ids"] for t in got["turns"]] == [[0], [1]], got
+    assert got["count"] == 2
+
+
+def _bare_router(*backends: str):
+  from rollout_server.router import _Router
+  return _Router(list(backends), health_interval_s=600, timeout_s=600, turn_timeout_s=600,
+                 max_sessions=10, session_ttl_s=None, session_max_bytes=None,
+                 max_body_bytes=1 << 20, control_token=None, max_connections=10,
+                 health_timeout_s=5)
+
+
+def test_a_handover_to_a_backend_that_stops_answering_is_cut_with_it():
+  """A reviewer: a failed-over turn's handover waited on the client's bound (600 s) for
+  a backend whose host froze without a reset, then sent the turn there all the same. It
+  is cut when the backend's health checks go unanswered, as the turn's own send, and the
+  turn goes to the next backend."""
+  import asyncio
+
+  from fastapi import FastAPI
+
+  frozen = FastAPI()
+
+  @frozen.post("/handover")
+  async def handover():
+    await asyncio.sleep(12)
+    return {}
+
+  with ServerThread(frozen) as b:
+    async def main():
+      router = _bare_router("http://127.0.0.1:9", b.url)
+      router.sessions.extend("s", [{"prompt_ids": [1, 2], "output_ids": [3], "recorded_at": 1.0,
+                                    "messages": [{"role": "user", "content": "hi"}]}],
+                             number=True)
+      router.last_from["s"] = "http://127.0.0.1:9"
+      asyncio.get_running_loop().call_later(0.3, router.gone(b.url).set)
+      t0 = time.monotonic()
+      try:
+        return await asyncio.wait_for(router.hand_over("s", b.url), 8), time.monotonic() - t0
+      finally:
+        await router.aclose()
+
+    went, took = asyncio.run(main())
+  assert went is False and took < 5
+
+
+def test_a_backend_taken_out_during_its_check_is_not_let_in_during_an_update():
+  """A reviewer: a backend in rotation, taken out while its health check ran (a delete
+  it missed), was let back in by that check's end during a policy update that had
+  skipped it: it served the old policy in rotation."""
+  import asyncio
+
+  from fastapi import FastAPI
+
+  fake = FastAPI()
+
+  @fake.get("/health")
+  async def health():
+    await asyncio.sleep(0.3)
+    return {"status": "ok", "version": 0}
+
+  @fake.delete("/sessions/{sid}")
+  async def delete(sid: str):
+    await asyncio.sleep(0.5)
+    return {"deleted": True}
+
+  with ServerThread(fake) as b:
+    async def main():
+      router = _bare_router(b.url)
+      assert router.healthy[b.url]
+      try:
+        check = asyncio.ensure_future(router.check(b.url))
+        await asyncio.sleep(0.1)
+        router.must_delete(b.url, "x")  # (a delete it missed: out)
+        await asyncio.sleep(0.5)  # (its check is doing the delete)
+        async with router.updating:  # an update under way, which skipped it
+          await check
+          return router.healthy[b.url]
+      finally:
+        await router.aclose()
+
+    assert asyncio.run(main()) is False
+
+
+def test_a_backends_numbers_past_reading_are_left_out_of_a_sessions_requests():
+  """A reviewer: a backend answering `{"requests": 1e999}` made the router's
+  /requests a 500."""
+  from fastapi import FastAPI, Response
+
+  fake = FastAPI()
+
+  @fake.get("/health")
+  async def health():
+    return {"status": "ok", "version": 0}
+
+  @fake.get("/requests")
+  async def requests_():
+    return Response(b'{"requests": 1e999, "queued": NaN}', media_type="application/json")
+
+  with ServerThread(fake) as b, ServerThread(create_router([b.url])) as router:
+    r = httpx.get(f"{router.url}/requests", params={"session_id": "s"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["requests"] == 0
 
 
 def test_an_idle_connection_outlives_the_clients_keep_alive():
