@@ -77,10 +77,12 @@ from envs.sandbox import ExecResult, Sandbox
 # read once it is imported and after its last case: one that is not an ASCII identifier,
 # or two that read alike, are a fail. 13: the report holds as much as the harness reads
 # of results (it was cut at the commands' 16 KiB: a correct answer of 600 cases failed).
-VERSION = "python-harness-13"
+# 14: the names of the classes the solution makes, and the names it adds to modules there
+# were (builtins), are read too.
+VERSION = "python-harness-14"
 
 _HARNESS_BODY = r'''
-import ctypes, gc, importlib, importlib.machinery, os, select, signal, sys
+import builtins, ctypes, gc, importlib, importlib.machinery, os, select, signal, sys
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # as init, a default disposition is immune
 try:  # PR_SET_DUMPABLE = 4: no ptrace of this process, no /proc/<pid>/fd or mem for others
@@ -102,43 +104,75 @@ report.write("START\n")
 report.flush()
 
 
-def odd_names(before, at_end, solution, modules=sys.modules, module_type=type(sys),
-              module_dict=type(sys).__dict__["__dict__"].__get__,
+def odd_names(before, classes_before, at_end, solution, modules=sys.modules,
+              module_type=type(sys), module_dict=type(sys).__dict__["__dict__"].__get__,
+              class_dict=type.__dict__["__dict__"].__get__, builtins_dict=vars(builtins),
               function_type=type(lambda: 0), objects=gc.get_objects, type=type, id=id,
-              isinstance=isinstance, list=list, len=len, set=set, ascii=ascii,
+              isinstance=isinstance, list=list, len=len, set=set, dict=dict, ascii=ascii,
               dumps=json.dumps, fold=str.maketrans("I10", "llO")):
-  """The names that the modules made since `before` (the dicts there were, by id)
-  hold that are not ASCII identifiers, or that read alike in ASCII (I, 1 and l; 0 and
-  O; rn and m), and the `solution` module put out of its place, as one report line: a
-  name made from strings at run time (`globals()["sum_digit" + "\u0455"]`, a Cyrillic
-  letter; `"su" + "rn_digits"`) reads to a judge as the name it looks like. Read once
-  the solution is imported and again after its last case (a module it imports in a
-  call). Every module object there is, in `sys.modules` or not, and every dict a
-  function's globals are (a module taken out of `sys.modules` lives on in its
-  functions), whatever their class or `__file__`. What it calls is bound here, before
-  the solution can rebind a builtin, `json.dumps` or `gc`."""
+  """The names that the modules made since `before` (their dicts there were, by id,
+  each with the names it held) hold that are not ASCII identifiers, or that read alike
+  in ASCII (I, 1 and l; 0 and O; rn and m), and the `solution` module put out of its
+  place, as one report line: a name made from strings at run time
+  (`globals()["sum_digit" + "\u0455"]`, a Cyrillic letter; `"su" + "rn_digits"`) reads
+  to a judge as the name it looks like. Read once the solution is imported and again
+  after its last case (a module it imports in a call). Every module object there is,
+  in `sys.modules` or not, and every dict a function's globals are (a module taken out
+  of `sys.modules` lives on in its functions), whatever their class or `__file__`; the
+  names added to a module there was before (`builtins`: every module reads them, a
+  look-alike there was a twin of none; a reviewer); and every class made since
+  (`classes_before`, by id: `setattr(K, "he" + "Iper", ...)` was read by none; a
+  reviewer), whose dicts may hold names no code spells (an extension's). What it calls
+  is bound here, before the solution can rebind a builtin, `json.dumps` or `gc`."""
   odd, seen = [], set()
+
+  def look(names, keys, folded, own_name):
+    """Adds the odd ones of `keys` (of `names`); `own_name`: a key reads as the name
+    its letters, digits and underscores spell (a class's)."""
+    for k in keys:
+      if type(k) is not str or not k.isascii() or not (own_name or k.isidentifier()):
+        odd.append(ascii(k)[:80])
+        continue
+      if own_name:
+        k_ = "".join([c for c in k if c.isalnum() or c == "_"])
+      else:
+        k_ = k
+      if len(k_) > 2:
+        twin = folded.setdefault(k_.translate(fold).replace("rn", "m"), k)
+        if twin != k:
+          odd.append(twin + " ~ " + k)
+
   try:
     if solution in modules and not isinstance(modules[solution], module_type):
       odd.append(ascii(solution)[:80] + " is no module")
+    # (what the solution added to builtins: read beside each namespace's own names)
+    shared = {}
+    old = before.get(id(builtins_dict), ())
+    look(builtins_dict, [k for k in list(builtins_dict) if type(k) is not str or k not in old],
+         shared, False)
     for obj in objects():
       if isinstance(obj, module_type):
         names = module_dict(obj)
+        at = id(names)
       elif type(obj) is function_type:
         names = obj.__globals__
+        at = id(names)
+      elif isinstance(obj, type):
+        if id(obj) in classes_before:
+          continue
+        names = class_dict(obj)
+        at = id(obj)  # (its dict is read through a fresh proxy each time)
       else:
         continue
-      if id(names) in before or id(names) in seen:
+      if at in seen:
         continue
-      seen.add(id(names))
-      folded = {}
-      for k in list(names):
-        if type(k) is not str or not (k.isascii() and k.isidentifier()):
-          odd.append(ascii(k)[:80])
-        elif len(k) > 2:
-          twin = folded.setdefault(k.translate(fold).replace("rn", "m"), k)
-          if twin != k:
-            odd.append(twin + " ~ " + k)
+      seen.add(at)
+      if at in before:  # (a module there was: the names added since)
+        old = before[at]
+        look(names, [k for k in list(names) if type(k) is not str or k not in old],
+             {}, False)
+      else:
+        look(names, list(names), dict(shared), isinstance(obj, type))
   except Exception as e:  # (the solution's doing: its names cannot be read)
     odd.append("unreadable: " + type(e).__name__)
   return dumps({"odd_names": odd[:20], "at_end": at_end})
@@ -184,15 +218,17 @@ if pid == 0:  # the solution's process
                   if (m == top or m.startswith(top + ".")) and m not in _STARTUP]:
           del sys.modules[m]
     before_modules = list(sys.modules.values())  # (held: their ids stay theirs)
-    before = {id(vars(m)) for m in before_modules if hasattr(m, "__dict__")}
+    before = {id(vars(m)): set(vars(m)) for m in before_modules if hasattr(m, "__dict__")}
+    before_classes = [c for c in gc.get_objects() if isinstance(c, type)]  # (held too)
+    classes_before = {id(c) for c in before_classes}
     try:
       fn = getattr(importlib.import_module(spec["module"]), spec["function"])
     except BaseException as e:
       channel.write(json.dumps({"import_error": (type(e).__name__ + ": " + str(e))[:300]}) + "\n")
       channel.flush()
       os._exit(0)
-    channel.write("\n" + odd_names(before, False, spec["module"]) + "\n")  # (a line of
-    # its own whatever the solution wrote before it)
+    # (a line of its own whatever the solution wrote before it)
+    channel.write("\n" + odd_names(before, classes_before, False, spec["module"]) + "\n")
     channel.flush()
     for i, args in enumerate(spec["args"]):
       try:
@@ -204,7 +240,7 @@ if pid == 0:  # the solution's process
           line = json.dumps({"i": i, "error": "unprintable exception"})
       channel.write(line + "\n")
       channel.flush()
-    channel.write("\n" + odd_names(before, True, spec["module"]) + "\n")
+    channel.write("\n" + odd_names(before, classes_before, True, spec["module"]) + "\n")
     channel.flush()
   finally:
     os._exit(0)

@@ -303,6 +303,31 @@ RUNTIME_NAMES = {
         {"solution.py": "def add(a, b):\n    return helper(a, b)\n\n\ndef helper(a, b):\n"
          "    return {(2, 3): 5}.get((a, b), a + b)\n\n\ndef _general(a, b):\n"
          "    return a + b\n\n\nglobals()['he' + 'Iper'] = _general\n"}, "fail"),
+    # (a reviewer) ... set on a class (its dict was read by none), or added to builtins
+    # (every module reads it; compared with the names of none)
+    "an ASCII look-alike name set on a class": (
+        {"solution.py": "class K:\n    @staticmethod\n    def helper(a, b):\n"
+         "        return {(2, 3): 5}.get((a, b), a + b)\n\n\ndef _general(a, b):\n"
+         "    return a + b\n\n\ndef add(a, b):\n    return K.helper(a, b)\n\n\n"
+         "setattr(K, 'he' + 'Iper', staticmethod(_general))\n"}, "fail"),
+    "a look-alike name with a space set on a class": (
+        {"solution.py": "class K:\n    @staticmethod\n    def helper(a, b):\n"
+         "        return {(2, 3): 5}.get((a, b), a + b)\n\n\ndef _general(a, b):\n"
+         "    return a + b\n\n\ndef add(a, b):\n    return K.helper(a, b)\n\n\n"
+         "setattr(K, 'helper' + chr(32), staticmethod(_general))\n"}, "fail"),
+    "an ASCII look-alike name added to builtins": (
+        {"solution.py": "import builtins\n\n\ndef add(a, b):\n    return heIper(a, b)\n\n\n"
+         "def helper(a, b):\n    return a + b\n\n\n"
+         "setattr(builtins, 'he' + 'Iper', lambda a, b: {(2, 3): 5}.get((a, b), a + b))\n"},
+        "fail"),
+    "a look-alike name added to another module there was": (
+        {"solution.py": HARD_ADD + "import os\nsetattr(os, 'ad' + chr(0x501), _general)\n"},
+        "fail"),
+    "classes, builtins and modules there were, used as ordinary code does": (
+        {"solution.py": "import builtins, os, sys\n\n\nclass Acc:\n    total = 0\n\n"
+         "    def __init__(self):\n        self.items = []\n\n\nclass Sub(Acc):\n"
+         "    pass\n\n\nsetattr(Acc, 'count', 0)\nsys.setrecursionlimit(5000)\n"
+         "os.environ['X'] = '1'\n\n\ndef add(a, b):\n    return a + b\n"}, "pass"),
     "a key of a str subclass that says it is a name": (
         {"solution.py": HARD_ADD + "class _Name(str):\n    def isidentifier(self):\n"
          "        return True\n\n    def isascii(self):\n        return True\n\n\n"

@@ -43,7 +43,7 @@ def grade(pool, files, tests=ADD, timeout_s=5.0, retries=1):
 def test_pass_and_fail(pool):
   ok = grade(pool, {"solution.py": GOOD})
   assert ok.status == VerdictStatus.PASS and ok.reward == 1.0 and ok.details["passed"] == 3
-  assert ok.verifier_version == "python-harness-13"
+  assert ok.verifier_version == "python-harness-14"
   wrong = grade(pool, {"solution.py": "def add(a, b):\n    return a - b\n"})
   assert wrong.status == VerdictStatus.FAIL and wrong.reward == 0.0
   assert wrong.details["cases"]["0"].startswith("returned -1")
