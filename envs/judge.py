@@ -116,10 +116,15 @@ class LLMJudge:
   version = VERSION
 
   def __init__(self, url: str, model: str, *, rubric: str = DEFAULT_RUBRIC,
-               max_tokens: int = 256, timeout_s: float = 60.0, retries: int = 1,
+               max_tokens: int = 1024, timeout_s: float = 60.0, retries: int = 1,
                max_answer_chars: int = 12000):
     if not url:
       raise ValueError("LLMJudge needs the URL of a server that hosts the judge")
+    if not (isinstance(max_tokens, int) and max_tokens >= 1):
+      # (256 cut a judge told to reason first, and a cut reply fails the pass: a
+      # reviewer; env.judge_max_tokens)
+      raise ValueError(f"the judge's max_tokens (env.judge_max_tokens) must be a positive "
+                       f"integer, not {max_tokens!r}")
     self.url, self.model, self.rubric = url.rstrip("/"), model, rubric
     self.max_tokens, self.timeout_s, self.retries = max_tokens, timeout_s, retries
     self.max_answer_chars = max_answer_chars

@@ -432,11 +432,13 @@ class EnvConfig:
   # form or an answer too long to show it (over judge_max_answer_chars characters, or
   # over the judge engine's max_prefill_length in tokens); not reaching it is an
   # infra_error. judge_url: None for the run's own gateway; judge_rubric: None for the
-  # default rubric. In-process environments only.
+  # default rubric; judge_max_tokens: the judge's reply (it may reason first: a reply
+  # cut there is unparsed, a fail). In-process environments only.
   judge: Optional[str] = None
   judge_url: Optional[str] = None
   judge_rubric: Optional[str] = None
   judge_max_answer_chars: int = 12000
+  judge_max_tokens: int = 1024
 
 
 @dataclasses.dataclass(frozen=True)

@@ -214,7 +214,8 @@ def attach_judge(cfg: config_lib.RunConfig, env_factory, serving: Serving,
 
   env_factory.resources.judge = LLMJudge(e.judge_url or serving.gateway_url, e.judge,
                                          rubric=e.judge_rubric or DEFAULT_RUBRIC,
-                                         max_answer_chars=e.judge_max_answer_chars)
+                                         max_answer_chars=e.judge_max_answer_chars,
+                                         max_tokens=e.judge_max_tokens)
   names = sorted(set(environments))
   if names and not any(getattr(ENVS.get(n), "asks_judge", False) for n in names):
     askers = sorted(n for n, c in ENVS.items() if getattr(c, "asks_judge", False))

@@ -230,6 +230,40 @@ def test_a_file_cannot_forge_another_files_header_in_the_judges_view():
   assert own_tag != other_tag and copied.count(f"\n{own_tag} ") == 1  # one file header
 
 
+def test_a_judge_that_reasons_first_has_room_to_say_its_verdict():
+  """A reviewer: the judge was told it may reason first and given 256 tokens: a reply
+  cut there is unparsed, and every pass a reasoning judge confirmed past them was a
+  fail (the grader's limit charged to the policy). The judge's reply has 1,024 tokens
+  by default (`env.judge_max_tokens`)."""
+  from fastapi import FastAPI
+
+  from rollout_server.serving import ServerThread
+
+  judge_app, asked = FastAPI(), []
+
+  @judge_app.get("/v1/models")
+  async def models():
+    return {"data": [{"id": "jaxagent"}, {"id": "judge"}]}
+
+  @judge_app.post("/v1/chat/completions")
+  async def chat(body: dict):
+    asked.append(body["max_tokens"])
+    reasoning = "The loop adds each digit of n in turn, for every n. " * 40  # (~500 tokens)
+    cut = body["max_tokens"] < 700
+    return {"choices": [{"finish_reason": "length" if cut else "stop", "message": {
+        "role": "assistant", "content": reasoning + ("" if cut else "\nVERDICT: PASS")}}]}
+
+  with ServerThread(judge_app) as server:
+    v = asyncio.run(LLMJudge(server.url, "judge").confirm(passed(), TASK, SHOWN[HONEST]))
+    assert v.status == VerdictStatus.PASS and v.reward == 1.0, v.details
+    v = asyncio.run(LLMJudge(server.url, "judge", max_tokens=256, retries=0).confirm(
+        passed(), TASK, SHOWN[HONEST]))
+    assert v.status == VerdictStatus.FAIL and v.details["judge_unparsed"]
+  assert asked == [1024, 256]
+  with pytest.raises(ValueError, match="judge_max_tokens"):
+    LLMJudge(server.url, "judge", max_tokens=0)
+
+
 def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys):
   """`env.judge_max_answer_chars` reaches the judge; a judge served in the run whose
   engine takes fewer prompt tokens than that many characters is named once at start."""
@@ -239,13 +273,15 @@ def test_a_run_says_when_its_judge_takes_shorter_prompts_than_it_is_shown(capsys
   from jaxagent.run_services import attach_judge
 
   cfg = config_lib.load(config_lib.RunConfig, None,
-                        ["env.judge=judge", "env.judge_max_answer_chars=4000"])
+                        ["env.judge=judge", "env.judge_max_answer_chars=4000",
+                         "env.judge_max_tokens=2048"])
   factory = types.SimpleNamespace(resources=EnvResources(sandboxes=1))
   serving = types.SimpleNamespace(gateway_url="http://127.0.0.1:9", models={
       "judge": types.SimpleNamespace(engine=types.SimpleNamespace(max_prefill_length=512))})
   try:
     attach_judge(cfg, factory, serving)
     assert factory.resources.judge.max_answer_chars == 4000
+    assert factory.resources.judge.max_tokens == 2048
     assert "at most 512 tokens" in capsys.readouterr().err
     serving.models["judge"].engine.max_prefill_length = 8192
     attach_judge(cfg, factory, serving, ["python_tests", "guess_number"])
