@@ -298,7 +298,7 @@ class BadReward(ValueError):
 REWARD_MAX = 3.4028234663852886e38  # (float32's largest)
 
 
-def _check_reward(value, what: str) -> None:
+def check_reward(value, what: str) -> None:
   """A number of any kind (NumPy's and JAX's scalars too), finite in float32 (the
   learner's); not text or a bool."""
   try:
@@ -329,7 +329,7 @@ class Verdict:
       raise BadReward(f"a verdict's status must be a VerdictStatus (one of "
                       f"{', '.join(v.value for v in VerdictStatus)}), got {self.status!r}") \
           from None
-    _check_reward(self.reward, "a verdict's reward")
+    check_reward(self.reward, "a verdict's reward")
     # (its reasons quote what a solution raised or printed: JSON and UTF-8 text,
     # whatever it was)
     self.details = json_safe(self.details)
@@ -376,7 +376,7 @@ class StepResult:
 
   def __post_init__(self):
     # An environment's bug (or its task data's): named, never trained.
-    _check_reward(self.reward, "a step's reward")
+    check_reward(self.reward, "a step's reward")
 
 
 class Env(abc.ABC):
@@ -389,6 +389,12 @@ class Env(abc.ABC):
   # Shows its passes to `resources.judge` when one is set (env.judge): a run that sets a
   # judge for environments of which none does is told so.
   asks_judge: bool = False
+  # The outcome of an episode the policy cut before it answered (its time ran out; a
+  # black-box conversation outgrew the context), in place of a verdict: the steps'
+  # process rewards are kept. No higher than a wrong answer's outcome: an environment
+  # whose wrong answers pay -1 sets -1 here, or stalling pays better than answering
+  # (a reviewer: fixed at 0, it did).
+  cut_reward: float = 0.0
 
   def __init__(self):
     self.task: Optional[TaskSpec] = None
@@ -550,6 +556,7 @@ class WithLatency(Env):
     self.slept_s = 0.0
 
   task = property(lambda self: self.env.task)
+  cut_reward = property(lambda self: self.env.cut_reward)
   turns = property(lambda self: self.env.turns)
   done = property(lambda self: self.env.done)
   counters = property(lambda self: self.env.counters)
@@ -593,6 +600,10 @@ def register(name: str):
   def deco(cls):
     if name in ENVS:
       raise ValueError(f"environment {name!r} is already registered")
+    try:
+      check_reward(cls.cut_reward, f"environment {name!r}'s cut_reward")
+    except BadReward as e:
+      raise ValueError(str(e)) from None
     cls.name = name
     ENVS[name] = cls
     return cls

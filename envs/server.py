@@ -70,7 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envs import waits
 from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
                        TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
-                       failure, json_safe, load_modules, make)
+                       check_reward, failure, json_safe, load_modules, make)
 from envs.loopwatch import LoopWatch
 from jaxagent import control
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard, name_deep_bodies
@@ -416,7 +416,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       # handler woke, a rush's third start was refused at a limit of 3; a CI failure)
       starting.discard(owner)
       n_sessions.set(len(sessions))
-      return obs
+      return obs, float(env.cut_reward)
 
     # (raced against the client's going, `heard`: a session its reset registered is
     # closed whenever the answer does not carry it, as when a reset ended as the deadline
@@ -424,11 +424,11 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     owner = object()  # (the session's, its reset's call included)
     starting.add(owner)
     try:
-      obs, waited = await heard("reset", sid, start, http, owner=owner)
+      (obs, cut_reward), waited = await heard("reset", sid, start, http, owner=owner)
     finally:
       starting.discard(owner)
     return {"session_id": sid, "observation": dataclasses.asdict(obs), **waited,
-            "call_wall_s": call_wall_s}
+            "call_wall_s": call_wall_s, "cut_reward": cut_reward}
 
   @app.post("/sessions/{sid}/step", dependencies=access)
   async def step(sid: str, body: StepBody, http: Request):
@@ -660,6 +660,9 @@ class RemoteEnv:
       raise
     self.session_id = out["session_id"]
     self._answered = 0  # (a new session's calls are numbered from 1)
+    # (the worker's environment's; a worker from before it says none: 0)
+    self.cut_reward = out.get("cut_reward", 0.0)
+    check_reward(self.cut_reward, f"the worker's environment {task.env!r}'s cut_reward")
     self.done = False
     self.counters = dict.fromkeys(self.counters, 0)
     return Observation(**out["observation"])

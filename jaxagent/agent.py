@@ -33,7 +33,7 @@ import uuid
 import zlib
 from typing import Awaitable, Callable, Optional
 
-from envs.base import BAD_TASK, BadReward, CannotStart, failure, trained_rewards
+from envs.base import BAD_TASK, BadReward, CannotStart, check_reward, failure, trained_rewards
 from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import EpisodeBug, InfraError, TaskError
@@ -545,6 +545,14 @@ class MeasuredEnv:
       self.env_s += max(0.0, time.perf_counter() - t0 - waited)
       self._clock = None
 
+  @property
+  def cut_reward(self) -> float:
+    """The environment's outcome of an episode the policy cut before it answered
+    (`Env.cut_reward`)."""
+    value = getattr(self.env, "cut_reward", 0.0)
+    check_reward(value, f"environment {getattr(self.task, 'env', '?')!r}'s cut_reward")
+    return float(value)
+
   async def reset(self, task):
     self.task, self.ended, self.truncation = task, False, None
     try:
@@ -877,7 +885,8 @@ class _Whitebox:
       ep.infra_error, ep.infra_kind = True, kind
       return
     self.status, self.reason = "truncated", kind
-    ep.verdict = {"status": "fail", "reward": 0.0}
+    cut = self.measured.cut_reward
+    ep.verdict = {"status": "fail", "reward": cut}
     # The turn whose step the cut stopped is in the segments with no reward: it is
     # scored 0 with the rest (left out, the chunk estimator gave the turn that ran out
     # the clock advantage 0, and a cut in the first step hid the whole failure from
@@ -885,6 +894,7 @@ class _Whitebox:
     # (one at least, as a verdict gives an episode cut in its first turn's decoding)
     ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (
         max(ep.turns, 1) - len(ep.turn_rewards))
+    ep.turn_rewards[-1] += cut  # (the outcome, on the last turn as a verdict's)
 
   def _finished(self) -> Episode:
     """The episode with its outcome and its segments, stamped; its log ended."""

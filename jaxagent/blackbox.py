@@ -660,9 +660,11 @@ async def _session_count(gateway_url: str, session_id: str) -> Optional[int]:
 
 
 def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfig,
-                           tokenizer: Optional[Tokenizer], actions: list[str]) -> None:
+                           tokenizer: Optional[Tokenizer], actions: list[str],
+                           outcome: float = 0.0) -> None:
   """Fills `ep`'s turn counts and segments from the server's record of its session,
-  with the episode's outcome (status, rewards, verdict) as it stands."""
+  with the episode's outcome (status, rewards, verdict) as it stands; `outcome`: a cut
+  episode's (`Env.cut_reward`), added to its last step's reward once they are padded."""
   check_sampling(turns, cfg, ep.session_id)
   _say_long_turns(turns, cfg)
   ep.turns = len(turns)
@@ -674,6 +676,9 @@ def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfi
   records_steps = _steps_of(turns, actions)
   steps = max(records_steps[1], default=-1) + 1
   ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (steps - len(ep.turn_rewards))
+  if outcome:
+    ep.turn_rewards = (ep.turn_rewards or [0.0])[:-1] + [(ep.turn_rewards or [0.0])[-1]
+                                                         + outcome]
   ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
                                 group_id=ep.group_id, actions=actions,
                                 steps_of=records_steps, status=ep.status,
@@ -739,12 +744,13 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     process rewards its steps earned kept (as the white-box agent's; `turns`: its
     session's record, when taken already)."""
     ep.status, ep.reason = "truncated", reason
-    ep.verdict = {"status": "fail", "reward": 0.0}
+    ep.verdict = {"status": "fail", "reward": acting.cut_reward}
     try:  # the turns it played still carry the score: stalling must not hide them
       if turns is None:
         turns = await _take_session(gateway_url, wire_id, control_token)
       ep.turn_rewards = list(acting.rewards)  # (padded to its steps with its segments)
-      _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions)
+      _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions,
+                             outcome=acting.cut_reward)
     except (httpx.HTTPError, KeyError, ValueError, InfraError) as e:
       lost(e)
 

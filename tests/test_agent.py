@@ -339,6 +339,9 @@ def test_deadlines_waiting_on_the_server_are_infrastructure_and_the_policys_are_
   run = lambda env, engine, **kw: asyncio.run(run_whitebox(  # noqa: E731
       env, task, engine, TOK, AgentConfig(max_turns=5, max_new_tokens=4, **kw),
       session_id="s", group_id="g"))
+  # (an episode first: what the loop imports at its first use took a lone run of this
+  # test past the 0.5 s wall below, `episode_wall`)
+  run(make("guess_number"), ScriptedEngine(["11"]))
   # A turn the server does not answer within turn_deadline_s: infrastructure, never scored.
   ep = run(make("guess_number"), SlowEngine(["8"], 1.0), turn_deadline_s=0.05)
   assert ep.infra_error and ep.infra_kind == "turn_deadline" and ep.status == "failed"
@@ -358,6 +361,16 @@ def test_deadlines_waiting_on_the_server_are_infrastructure_and_the_policys_are_
   assert (ep.status, ep.reason, ep.turns, ep.turn_rewards) == (
       "truncated", "episode_deadline", 1, [0.0])
   assert ep.segments[0].turn_rewards == [0.0]
+  # An environment whose wrong answers pay -1 says a cut pays as much (fixed at 0, a
+  # cut paid better than a wrong answer: stalling was learnt; a reviewer).
+  harsh = SlowEnv(0.1, process_reward=0.25)
+  harsh.cut_reward = -1.0
+  ep = run(harsh, ScriptedEngine(["8", "9", "10", "11"]), episode_deadline_s=0.25)
+  assert (ep.status, ep.reason) == ("truncated", "episode_deadline")
+  assert ep.verdict == {"status": "fail", "reward": -1.0}
+  assert ep.turn_rewards[:-1] == [0.25] * (ep.turns - 1) and ep.turn_rewards[-1] == -1.0
+  assert ep.reward == 0.25 * (ep.turns - 1) - 1.0
+  assert all(seg.turn_rewards == ep.turn_rewards for seg in ep.segments)
 
 
 def test_a_bug_in_an_environment_propagates():

@@ -80,10 +80,19 @@ def test_a_conversation_that_outgrows_the_engine_is_the_policys_truncation(rando
                                      session_id="wb", group_id="g"))
     black = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
                                      session_id="bb", group_id="g"))
+    # (an environment whose wrong answers pay -1 says a cut pays -1: `Env.cut_reward`)
+    harsh = make("guess_number")
+    harsh.cut_reward = -1.0
+    black_harsh = asyncio.run(run_blackbox(harsh, task, srv.url, config,
+                                           session_id="bb-harsh", group_id="g"))
   for ep in (white, black):
     assert (ep.status, ep.reason) == ("truncated", "token_cap") and not ep.infra_error
     assert ep.reward == 0.0 and 1 <= ep.turns < 8
     assert sum(s.num_action_tokens for s in ep.segments) > 0
+  assert (black_harsh.status, black_harsh.reason) == ("truncated", "token_cap")
+  assert black_harsh.verdict["reward"] == -1.0 and black_harsh.reward == -1.0
+  assert black_harsh.turn_rewards[-1] == -1.0 and set(black_harsh.turn_rewards[:-1]) <= {0.0}
+  assert all(s.reward == -1.0 for s in black_harsh.segments)
 
 
 @pytest.mark.parametrize("api", ["openai", "anthropic", "responses",

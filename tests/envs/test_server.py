@@ -56,6 +56,28 @@ def test_a_reward_that_is_not_a_number_is_the_environments_bug_over_the_service(
   asyncio.run(go())
 
 
+def test_a_workers_environment_says_what_a_cut_episode_scores(worker):
+  """`Env.cut_reward` (an environment whose wrong answers pay -1 pays a cut -1, or
+  stalling pays better than answering wrong) reaches a remote episode's agent."""
+  async def go():
+    said = []
+    for env_name in ("harsh_test_env", "guess_number"):
+      env = RemoteEnv(worker.url)
+      try:
+        await env.reset(TaskSpec("h", env_name, {"secret": 4} if env_name == "guess_number"
+                                 else {}))
+        said.append(env.cut_reward)
+      finally:
+        await env.aclose()
+    return said
+
+  assert asyncio.run(go()) == [-1.0, 0.0]
+  with pytest.raises(ValueError, match="cut_reward must be a finite number"):
+    @base.register("nan_cut_test_env")
+    class _NanCut(base.Env):
+      cut_reward = float("nan")
+
+
 def test_an_environments_bug_on_a_worker_is_named_not_the_infrastructures(worker):
   """An exception of the environment's own (not ValueError, KeyError or RuntimeError) was
   a 500, read as the infrastructure's: a misspelt verdict status was re-rolled 365 times

@@ -47,6 +47,13 @@ class NanRewardEnv(SlowEnv):
     return base.StepResult(base.Observation([]), float("nan"), True, False)
 
 
+@base.register("harsh_test_env")
+class HarshEnv(SlowEnv):
+  """Pays -1 for an episode the policy cut before it answered (as its wrong answers)."""
+
+  cut_reward = -1.0
+
+
 @base.register("buggy_test_env")
 class BuggyEnv(SlowEnv):
   """Its step raises (`params.raise`: an AttributeError, say) or counts a tool call; its
