@@ -27,6 +27,7 @@ import functools
 import hashlib
 import json
 import math
+import subprocess
 import sys
 import time
 import uuid
@@ -532,6 +533,12 @@ class MeasuredEnv:
         if self.deadline_s is None:
           return await call
         return await self._within_deadline(call, what, t0)
+    except (MemoryError, OSError, subprocess.SubprocessError) as e:
+      # This host's (a full disk, a command that failed, a service's own timeout: a
+      # TimeoutError was read as the episode's deadline, the policy's cut; a reviewer),
+      # as on an env worker (its 503), not the environment's code.
+      raise InfraError("env_host", f"the environment's {what} failed in the "
+                                   f"infrastructure: {failure(e)}") from e
     except asyncio.CancelledError:
       if hasattr(self.env, "in_flight_waits"):  # a worker's call, cut client-side
         remote, remote_held = await self.env.in_flight_waits()
@@ -856,7 +863,7 @@ class _Whitebox:
         ep.infra_error, ep.infra_kind = True, "verifier"
       else:
         ep.turn_rewards = trained_rewards(ep.turn_rewards, verdict)
-    except (asyncio.TimeoutError, waits.WallCut) as cut:
+    except (waits.DeadlineCut, waits.WallCut) as cut:  # (not a TimeoutError of its code's)
       self._cut(cut)
     except InfraError as e:  # a server, worker, sandbox or network failure: not a score
       self.status, self.reason = "failed", str(e)[:300]
