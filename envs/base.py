@@ -284,6 +284,10 @@ def json_safe(obj: Any) -> Any:
     return {text_safe(k) if isinstance(k, str) else k: json_safe(v) for k, v in obj.items()}
   if isinstance(obj, (list, tuple)):
     return [json_safe(v) for v in obj]
+  if hasattr(obj, "dtype") and callable(getattr(obj, "tolist", None)):
+    # (NumPy's and JAX's scalars and arrays, which in-process code takes as numbers: an
+    # np.float32 in a step's info was a worker's 500; a reviewer)
+    return json_safe(obj.tolist())
   return obj
 
 
@@ -330,6 +334,7 @@ class Verdict:
                       f"{', '.join(v.value for v in VerdictStatus)}), got {self.status!r}") \
           from None
     check_reward(self.reward, "a verdict's reward")
+    self.reward = float(self.reward)  # (an np.float32 as a number of JSON's and Python's)
     # (its reasons quote what a solution raised or printed: JSON and UTF-8 text,
     # whatever it was)
     self.details = json_safe(self.details)
@@ -377,6 +382,7 @@ class StepResult:
   def __post_init__(self):
     # An environment's bug (or its task data's): named, never trained.
     check_reward(self.reward, "a step's reward")
+    self.reward = float(self.reward)  # (an np.float32 as a number of JSON's and Python's)
 
 
 class Env(abc.ABC):

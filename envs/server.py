@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -64,7 +65,7 @@ from typing import Awaitable, Optional
 import httpx
 from fastapi import FastAPI, HTTPException, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs import waits
@@ -135,6 +136,18 @@ def waits_of(clock: Optional[waits.WaitClock]) -> dict:
 class _NoTurn(Exception):
   """A call waited for a turn under the worker's call cap while nothing moved (no call
   ended, no sandbox command) for its stuck window; a reset, for a deadline."""
+
+
+def _encoded(kind: str, answer: dict) -> Response:
+  """`answer` as JSON. A value the environment gave that JSON cannot carry (a set, an
+  object of its own) is its bug: a 400 naming it (it was a 500 after the call had run,
+  read as the worker's failure and the episode re-rolled; a reviewer)."""
+  try:
+    return Response(json.dumps(json_safe(answer), allow_nan=False),
+                    media_type="application/json")
+  except (TypeError, ValueError, RecursionError) as e:
+    raise HTTPException(400, f"{kind} failed: the environment's answer holds a value JSON "
+                             f"cannot carry ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 256,
@@ -427,8 +440,13 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       (obs, cut_reward), waited = await heard("reset", sid, start, http, owner=owner)
     finally:
       starting.discard(owner)
-    return {"session_id": sid, "observation": dataclasses.asdict(obs), **waited,
-            "call_wall_s": call_wall_s, "cut_reward": cut_reward}
+    try:
+      return _encoded("reset", {"session_id": sid, "observation": dataclasses.asdict(obs),
+                                **waited, "call_wall_s": call_wall_s,
+                                "cut_reward": cut_reward})
+    except HTTPException:  # (its session is not the client's: closed, not left to idle)
+      await waits.to_the_end(close_session(sid))
+      raise
 
   @app.post("/sessions/{sid}/step", dependencies=access)
   async def step(sid: str, body: StepBody, http: Request):
@@ -439,7 +457,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return await s.env.step(body.action)
 
     result, waited = await heard("step", sid, run, http)
-    return {**json_safe(dataclasses.asdict(result)), **waited, "call_wall_s": call_wall_s}
+    return _encoded("step", {**dataclasses.asdict(result), **waited,
+                             "call_wall_s": call_wall_s})
 
   @app.post("/sessions/{sid}/verify", dependencies=access)
   async def verify(sid: str, http: Request):
@@ -450,7 +469,7 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
         return await s.env.verify()
 
     verdict, waited = await heard("verify", sid, run, http)
-    return {**verdict.to_dict(), **waited, "call_wall_s": call_wall_s}
+    return _encoded("verify", {**verdict.to_dict(), **waited, "call_wall_s": call_wall_s})
 
   @app.get("/sessions/{sid}/waits", dependencies=access)
   async def session_waits(sid: str):
@@ -555,17 +574,25 @@ class RemoteEnv:
     if self.url in self._unreachable and r.status_code < 500:  # (not a proxy's 502)
       self._unreachable.discard(self.url)
       log.warning(f"environment worker {self.url} answers again")
+    try:
+      out = r.json() if r.headers.get("content-type", "").startswith("application/json") \
+          else None
+    except ValueError:  # (said JSON and is not)
+      out = None
+    detail = out.get("detail", r.text) if isinstance(out, dict) else r.text[:500]
     if r.status_code == 404 and self.session_id and self.session_id in path:
-      raise SessionLost(r.json().get("detail", r.text))
+      if not isinstance(out, dict):  # (not the worker's: a proxy's page; a reviewer)
+        raise InfraError("env_worker", f"{self.url}{path}: 404 not from the worker: {detail}")
+      raise SessionLost(detail)
     if r.status_code >= 400:
-      detail = r.json().get("detail", r.text) if r.headers.get(
-          "content-type", "").startswith("application/json") else r.text
       message = f"env worker {self.url}{path}: {r.status_code}: {detail}"
       if r.status_code >= 500:
         raise InfraError("env_worker", message)
       raise _Refused(r.status_code, message)
-    out = r.json()
-    if isinstance(out, dict):
+    if not isinstance(out, dict):  # (a proxy's page, or no worker's answer: a reviewer)
+      raise InfraError("env_worker", f"{self.url}{path}: {r.status_code} with no worker's "
+                                     f"answer: {r.text[:200]!r}")
+    if isinstance(out, dict):  # (always, now)
       self.infra_wait_s += float(out.get("infra_wait_s", 0.0))
       self.infra_held_s += float(out.get("infra_held_s", 0.0))
       number = out.pop("call", None)

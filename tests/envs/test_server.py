@@ -78,6 +78,62 @@ def test_a_workers_environment_says_what_a_cut_episode_scores(worker):
       cut_reward = float("nan")
 
 
+def test_numpy_values_cross_the_service_and_values_json_cannot_are_the_environments(worker):
+  """A reviewer: an environment's np.float32 reward or NumPy value in its info (numbers
+  in process) was a 500 after its call had run, read as the worker's failure and the
+  episode re-rolled; at a reset, its session was left open. NumPy's values cross as
+  numbers; a value JSON cannot carry (a set) is the environment's bug, a 400 naming it,
+  and a reset's session is closed."""
+  async def go():
+    env = RemoteEnv(worker.url)
+    try:
+      obs = await env.reset(TaskSpec("n", "numpy_test_env", {}))
+      step = await env.step("x")
+      verdict = await env.verify()
+    finally:
+      await env.aclose()
+    refused = []
+    for odd in ("reset", "step"):
+      env = RemoteEnv(worker.url)
+      try:
+        with pytest.raises(RuntimeError, match="JSON cannot carry") as e:
+          await env.reset(TaskSpec("n", "numpy_test_env", {"odd": odd}))
+          await env.step("x")
+        refused.append(str(e.value))
+      finally:
+        await env.aclose()
+    return obs, step, verdict, refused
+
+  obs, step, verdict, refused = asyncio.run(go())
+  assert obs.messages[0]["n"] == 3 and step.reward == 0.5
+  assert step.info["seen"] == [0, 1] and step.info["turn"] == 1
+  assert verdict.reward == 1.0 and type(verdict.reward) is float
+  assert all(" 400: " in r and "failed: the environment's answer" in r for r in refused)
+  assert httpx.get(f"{worker.url}/health").json()["sessions"] == 0  # (none left open)
+
+
+def test_an_answer_that_is_no_workers_is_the_infrastructures():
+  """A reviewer: a proxy's HTML page (a 404 on a session's path, or a 200) in front of
+  a worker was a ValueError: a bug that stopped the run, or at a reset the task's."""
+  pages = iter([(200, "<html>up</html>"), (404, "<html>not found</html>")])
+
+  def answer(request):
+    status, text = next(pages)
+    return httpx.Response(status, text=text, headers={"content-type": "text/html"})
+
+  async def go():
+    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    env = RemoteEnv("http://worker.invalid", client=client)
+    with pytest.raises(InfraError, match="no worker's answer"):
+      await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
+    env.session_id = "abc"
+    with pytest.raises(InfraError, match="404 not from the worker"):
+      await env.step("4")
+    await client.aclose()
+
+  asyncio.run(go())
+
+
 def test_an_environments_bug_on_a_worker_is_named_not_the_infrastructures(worker):
   """An exception of the environment's own (not ValueError, KeyError or RuntimeError) was
   a 500, read as the infrastructure's: a misspelt verdict status was re-rolled 365 times

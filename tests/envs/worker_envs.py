@@ -54,6 +54,32 @@ class HarshEnv(SlowEnv):
   cut_reward = -1.0
 
 
+@base.register("numpy_test_env")
+class NumpyEnv(SlowEnv):
+  """Gives NumPy's numbers where it gives numbers (`params.odd`: a value JSON cannot
+  carry, a set, in its reset's observation or its step's info)."""
+
+  async def reset(self, task):
+    import numpy as np
+
+    self.task = task
+    await super().reset(task)
+    odd = {1} if task.params.get("odd") == "reset" else np.int64(3)
+    return base.Observation([{"role": "user", "content": "go", "n": odd}])
+
+  async def step(self, action):
+    import numpy as np
+
+    odd = {1} if self.task.params.get("odd") == "step" else np.arange(2)
+    return base.StepResult(base.Observation([]), np.float32(0.5), True, False,
+                           {"seen": odd, "turn": np.int64(1)})
+
+  async def verify(self):
+    import numpy as np
+
+    return base.Verdict("pass", np.float64(1.0), "numpy@1", "numpy@1")
+
+
 @base.register("buggy_test_env")
 class BuggyEnv(SlowEnv):
   """Its step raises (`params.raise`: an AttributeError, say) or counts a tool call; its
