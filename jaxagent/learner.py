@@ -326,8 +326,11 @@ def _update(state: TrainState, batch: TrajectoryBatch, objective, tx, cfg: Learn
 
   # A batch with no token to train on (every one dropped as stale or by the correction's
   # mask) leaves the weights and the optimiser as they were: Adam's momentum and the
-  # weight decay moved the weights, and its step count went on.
-  params, opt_state = jax.lax.cond(denom > 0, apply,
+  # weight decay moved the weights, and its step count went on. Judged by the tokens
+  # kept (the entropy's denominator), not the loss's: per_rollout counts its rollouts on
+  # the batch's own mask, > 0 with every token dropped (a reviewer).
+  trained = metrics["entropy"][1]
+  params, opt_state = jax.lax.cond((denom > 0) & (trained > 0), apply,
                                    lambda _: (state.params, state.opt_state), None)
   out = {k: jnp.where(d > 0, s / jnp.maximum(d, 1e-12), 0.0) for k, (s, d) in metrics.items()}
   out.update(loss=total * scale, grad_norm=grad_norm, denom=denom)

@@ -295,6 +295,19 @@ def test_a_batch_with_nothing_to_train_leaves_weights_and_optimiser_as_they_were
   # The logged rate is the one the next update applies: the schedule counts updates made.
   state, m_next = learner.step(state, make_batch())
   assert float(m_next["lr"]) == float(m["lr"]) == pytest.approx(1e-2 / 4)
+  # per_rollout counts its denominator on the batch's own mask: with every token dropped
+  # as stale it was > 0, and the optimiser stepped on zero gradients (a reviewer).
+  learner = Learner(CFG, LearnerConfig(lr=1e-2, weight_decay=0.1, reduction="per_rollout",
+                                       staleness="mask", max_token_staleness=0), make_mesh())
+  state, _ = learner.step(learner.init_state(0), make_batch())
+  before = jax.device_get((state.params, state.opt_state))
+  batch = make_batch()
+  state, m = learner.step(state, batch._replace(  # (all one version behind: all dropped)
+      versions=np.where(batch.loss_mask > 0, 0, -1).astype(np.int32)))
+  assert float(m["stale_masked_frac"]) == 1.0 and float(m["grad_norm"]) == 0.0
+  after = jax.device_get((state.params, state.opt_state))
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_entropy_and_kl_are_token_means_under_every_reduction():
