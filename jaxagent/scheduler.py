@@ -651,6 +651,13 @@ def compute_advantages(groups: list[Group], cfg: AdvantageConfig,
         s.advantages = s.advantages + np.asarray(adv.distillation(
             jnp.asarray(s.teacher_logp), jnp.asarray(s.rollout_logp),
             jnp.asarray(s.loss_mask), cfg.opd_coef), np.float32)
+        if not np.isfinite(s.advantages).all():  # (the learner's non-finite update
+          # named its learning rate, not the teacher; a reviewer)
+          at = int(np.argwhere(~np.isfinite(s.advantages))[0, 0])
+          raise ValueError(
+              f"the teacher {cfg.teacher!r} scored token {at} of task {e.task_id!r}'s "
+              f"segment {s.segment_id} {s.teacher_logp[at]!r}: its log-probs must be "
+              "finite (a teacher of another vocabulary or a broken scorer)")
 
 
 def batch_rows(used_rows: int, max_rows: int, multiple: int = 1) -> int:

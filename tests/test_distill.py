@@ -51,6 +51,16 @@ def test_opd_alone_and_mixed_with_the_task_advantage():
     compute_advantages(bare, AdvantageConfig(teacher="t"))
   with pytest.raises(ValueError, match="advantage.teacher"):
     compute_advantages(teacher_scored_groups(), AdvantageConfig(estimator="opd"))
+  # A teacher's -inf on an action token (another vocabulary, a broken scorer) is named
+  # here, not as the learner's non-finite update blaming its learning rate (a reviewer);
+  # off the action tokens it trains nothing and is let be.
+  groups = teacher_scored_groups()
+  s = groups[0].episodes[0].segments[0]
+  s.teacher_logp = np.where(s.loss_mask > 0, s.teacher_logp, -np.inf).astype(np.float32)
+  compute_advantages(groups, AdvantageConfig(estimator="opd", teacher="t"))
+  s.teacher_logp[np.argmax(s.loss_mask > 0)] = -np.inf
+  with pytest.raises(ValueError, match="the teacher 't' scored token .* must be finite"):
+    compute_advantages(groups, AdvantageConfig(estimator="opd", teacher="t"))
 
 
 def test_served_reference_log_probs_reach_the_batch():
