@@ -291,6 +291,12 @@ def json_safe(obj: Any) -> Any:
   return obj
 
 
+class ActionTooLarge(ValueError):
+  """A worker refused a step's action as larger than its body bound (413): the policy's
+  output, its truncation (`jaxagent.agent.MeasuredEnv.step`), not a bad call that stops
+  the run (a reviewer: a degenerate policy's escaped bytes could pass 8 MiB)."""
+
+
 class BadReward(ValueError):
   """An environment gave a reward that is not a finite number (a NaN, a string), or a
   verdict whose status is no `VerdictStatus`: its bug, or its task data's; never

@@ -69,9 +69,10 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs import waits
-from envs.base import (BAD_TASK, BadReward, CannotStart, EnvResources, Observation, StepResult,
-                       TaskSpec, Verdict, VerdictStatus, add_import_flag, cannot_start,
-                       check_reward, failure, json_safe, load_modules, make)
+from envs.base import (BAD_TASK, ActionTooLarge, BadReward, CannotStart, EnvResources,
+                       Observation, StepResult, TaskSpec, Verdict, VerdictStatus,
+                       add_import_flag, cannot_start, check_reward, failure, json_safe,
+                       load_modules, make)
 from envs.loopwatch import LoopWatch
 from jaxagent import control
 from jaxagent.serve_http import BodyLimit, client_gone, control_guard, name_deep_bodies
@@ -705,7 +706,12 @@ class RemoteEnv:
       raise
 
   async def step(self, action: str) -> StepResult:
-    out = await self._env_call(f"/sessions/{self.session_id}/step", json={"action": action})
+    try:
+      out = await self._env_call(f"/sessions/{self.session_id}/step", json={"action": action})
+    except _Refused as e:
+      if e.status_code == 413:
+        raise ActionTooLarge(f"{e} (an action of {len(action)} characters)") from None
+      raise
     self.done = out["terminated"] or out["truncated"]
     info = out.get("info")
     if isinstance(info, dict):  # (the environment's tool counters, as its steps tell them)

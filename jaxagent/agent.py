@@ -34,7 +34,8 @@ import uuid
 import zlib
 from typing import Awaitable, Callable, Optional
 
-from envs.base import BAD_TASK, BadReward, CannotStart, check_reward, failure, trained_rewards
+from envs.base import (BAD_TASK, ActionTooLarge, BadReward, CannotStart, Observation,
+                       StepResult, check_reward, failure, trained_rewards)
 from envs import waits
 from jaxagent.config import AgentConfig
 from jaxagent.errors import EpisodeBug, InfraError, TaskError
@@ -591,6 +592,9 @@ class MeasuredEnv:
       result = await self._measured(self.env.step(action), "step")
     except BadReward as e:
       raise self._bad_reward(e) from e
+    except ActionTooLarge as e:  # the policy's output, past what its worker takes
+      result = StepResult(Observation([]), 0.0, False, True,
+                          {"truncation": "action_too_large", "detail": str(e)[:300]})
     self.rewards.append(float(result.reward))
     self.ended = bool(result.terminated or result.truncated)
     if result.truncated and not result.terminated:  # (as the white-box agent reads it)

@@ -134,6 +134,32 @@ def test_an_answer_that_is_no_workers_is_the_infrastructures():
   asyncio.run(go())
 
 
+def test_an_action_larger_than_the_worker_takes_truncates_its_episode():
+  """A reviewer: a step's action past the worker's body bound (a degenerate policy's
+  escaped bytes) was a 413, read as a bad call of ours that stopped the run. It is the
+  policy's truncation, `action_too_large`."""
+  from jaxagent.agent import MeasuredEnv
+
+  resources = EnvResources(sandboxes=1)
+  app = create_app(resources, max_body_bytes=4096)
+  try:
+    with ServerThread(app) as small:
+      async def go():
+        env = MeasuredEnv(RemoteEnv(small.url))
+        await env.reset(TaskSpec("g", "guess_number", {"secret": 4}))
+        result = await env.step("\x00" * 2000)  # (6 bytes each as JSON)
+        verdict = await env.verify()
+        await env.env.aclose()
+        return env, result, verdict
+
+      env, result, verdict = asyncio.run(go())
+  finally:
+    resources.close()
+  assert result.truncated and not result.terminated and result.reward == 0.0
+  assert result.info["truncation"] == "action_too_large" and env.truncation == "action_too_large"
+  assert env.ended and verdict.status == VerdictStatus.FAIL
+
+
 def test_an_environments_bug_on_a_worker_is_named_not_the_infrastructures(worker):
   """An exception of the environment's own (not ValueError, KeyError or RuntimeError) was
   a 500, read as the infrastructure's: a misspelt verdict status was re-rolled 365 times
