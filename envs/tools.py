@@ -196,7 +196,9 @@ class ToolSet:
     """Parses `text` and runs every tool call in it."""
     parsed = parse_tool_calls(text, limit=self.max_blocks_per_turn)
     result = ToolRun(parsed, [])
-    for err in parsed.errors:
+    for err in parsed.errors:  # (calls too, invalid ones: counted as invalid alone, a
+      # turn of one good call and one malformed read as "no call ran"; a reviewer)
+      result.calls += 1
       result.invalid += 1
       result.messages.append({"role": "tool", "content": f"error: malformed tool call: {err}"})
     for n, call in enumerate(parsed.calls):

@@ -51,7 +51,7 @@ def test_good_call():
 ])
 def test_bad_calls_become_error_observations(text, needle):
   r = run(text)
-  assert r.invalid == 1 and len(r.messages) == 1
+  assert r.invalid == 1 and r.calls == 1 and len(r.messages) == 1
   assert r.messages[0]["content"].startswith("error") and needle in r.messages[0]["content"]
 
 
@@ -62,7 +62,8 @@ def test_a_turns_blocks_past_the_read_limit_are_counted_and_answered_together():
   bad = '<tool_call>{"name": add}</tool_call>'
   r = run(bad + good * 2 + bad * 300_000)
   assert TOOLS.max_blocks_per_turn == 32
-  assert (r.calls, r.invalid) == (2 + 299_971, 300_001)  # (30 read malformed, 299,971 unread)
+  # (2 good, 30 read malformed, 299,971 unread: every block a call)
+  assert (r.calls, r.invalid) == (2 + 30 + 299_971, 300_001)
   assert len(r.messages) == 33
   assert [m["content"] for m in r.messages[30:32]] == ["3", "3"]
   assert r.messages[-1]["content"] == (
@@ -70,7 +71,8 @@ def test_a_turns_blocks_past_the_read_limit_are_counted_and_answered_together():
   assert sum(len(m["content"]) for m in r.messages) < 4000
   fewer = asyncio.run(ToolSet(list(TOOLS.tools.values()), max_calls_per_turn=1).run(
       good * 3 + bad * 10))
-  assert (fewer.calls, fewer.invalid) == (3 + 5, 2 + 10)  # (8 read: 1 run, 2 unrun, 5 bad)
+  # (8 read: 1 run, 2 unrun, 5 bad; 5 unread)
+  assert (fewer.calls, fewer.invalid) == (3 + 5 + 5, 2 + 10)
   assert fewer.messages[-1]["content"].startswith("error: 5 more tool calls")
 
 
@@ -105,6 +107,15 @@ def test_failing_tool_is_an_error_not_an_exception():
   r = run('<tool_call>{"name": "boom", "arguments": {}}</tool_call>')
   assert (r.calls, r.invalid, r.errors) == (1, 0, 1)
   assert "disk on fire" in r.messages[0]["content"]
+
+
+def test_a_turn_of_a_good_call_and_a_malformed_one_counts_both():
+  """A reviewer: a malformed block counted as invalid but not as a call, so a turn of
+  one good call and one malformed read as "no call ran" (tool_call_rate: calls >
+  invalid)."""
+  r = run('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+          "<tool_call>oops</tool_call>")
+  assert (r.calls, r.invalid, r.errors) == (2, 1, 0)
 
 
 def test_text_without_calls():
