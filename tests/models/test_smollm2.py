@@ -47,9 +47,10 @@ def test_chat_template_and_greedy_answer(smollm2):
   assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
   assert tok.encode("<|im_start|>") == [1] and tok.stop_ids == (2,)
   generated = []
-  for _ in range(12):
-    logits, _ = model(jnp.asarray([ids + generated]))
-    generated.append(int(jnp.argmax(logits[0, -1])))
+  for _ in range(12):  # (one shape, padded past the end: causal, and compiled once, not 12x)
+    row = ids + generated
+    logits, _ = model(jnp.asarray([row + [0] * (len(ids) + 12 - len(row))]))
+    generated.append(int(jnp.argmax(logits[0, len(row) - 1])))
     if generated[-1] in tok.stop_ids:
       break
   assert "Paris" in tok.decode(generated)
