@@ -23,6 +23,7 @@ import keyword
 import math
 import os
 import re
+import stat
 import textwrap
 import unicodedata
 from typing import Optional
@@ -714,6 +715,24 @@ class PythonTests(Env):
     return {k: v for k, v in self.sandbox.files().items()
             if k not in skip and not k.endswith(_COMPILED) and "__pycache__" not in k.split("/")}
 
+  def _left_out(self, name: str) -> Optional[str]:
+    """Why the workspace's `name` is not among the files graded, when it is there (a
+    reviewer: graded as "did not load: ModuleNotFoundError", which named no cause)."""
+    try:
+      st = os.lstat(os.path.join(self.sandbox.host_path, name))
+    except (OSError, ValueError):
+      return None
+    if stat.S_ISLNK(st.st_mode):
+      return (f"{name} is a symbolic link: only the workspace's regular files are "
+              "graded")
+    if not stat.S_ISREG(st.st_mode):
+      return f"{name} is not a regular file: only those are graded"
+    if st.st_size > self.sandbox.limits.write_bytes:
+      return (f"{name} holds {st.st_size} bytes, over the {self.sandbox.limits.write_bytes} "
+              "a graded file may hold")
+    return (f"{name} was not among the files graded: the workspace holds more than are "
+            "copied to grade (256, in name order)")
+
   async def verify(self) -> Verdict:
     if self.sandbox is None:
       raise RuntimeError("verify() needs an episode: reset first")
@@ -725,11 +744,13 @@ class PythonTests(Env):
       problem = await checked(source_problem, files)
     except WorkspaceTooLarge as e:  # the policy's doing: its files will not fit to grade
       problem = str(e)
+    tests = HiddenTests(self.fn, self.spec[4])
+    if problem is None and f"{tests.module}.py" not in files:
+      problem = await asyncio.to_thread(self._left_out, f"{tests.module}.py")
     if problem is not None:
       return Verdict(VerdictStatus.FAIL, 0.0, env_version, self.verifier_version,
                      {"reason": problem})
-    verdict = await self.verifier.grade(files, HiddenTests(self.fn, self.spec[4]),
-                                        env_version=env_version)
+    verdict = await self.verifier.grade(files, tests, env_version=env_version)
     if self.resources.judge is not None:  # a pass is shown to the judge too (ROLL)
       # The judge's time is a wait on shared infrastructure (a served model, queued
       # behind the run's rollouts): not charged to the episode's or the worker call's

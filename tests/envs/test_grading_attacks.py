@@ -363,6 +363,37 @@ def test_python_tests_workspace_attacks_get_a_verdict_not_a_crash(name):
     resources.close()
 
 
+def test_a_solution_the_grading_leaves_out_says_why():
+  """A reviewer: a solution.py the grading copy leaves out (a symbolic link, a file
+  over what a graded file may hold, one past the 256 files copied) was graded as "did
+  not load: ModuleNotFoundError", naming no cause. Each is a fail saying why."""
+  plays = {
+      "a symbolic link": [_call("write_file", path="impl.py", content=GOOD_ADD),
+                          _call("run_python", code="import os\n"
+                                "os.symlink('impl.py', 'solution.py')\n")],
+      "over what a graded file may hold": [_call(
+          "run_python", code="open('solution.py', 'w').write('# ' + 'x' * (2 << 20) + '\\n')\n")],
+      "past the files copied": [_call(
+          "run_python", code="for i in range(300):\n    open(f'a{i:03}', 'w').write('')\n"),
+          _call("write_file", path="solution.py", content=GOOD_ADD)],
+  }
+  said = {}
+  resources = EnvResources(sandboxes=1)
+  try:
+    for name, actions in plays.items():
+      env = make("python_tests", resources)
+      _, _, verdict = play(env, TaskSpec("p", "python_tests", {"task": "add"}),
+                           actions + ["DONE"])
+      assert verdict.status.value == "fail", (name, verdict.details)
+      said[name] = verdict.details.get("reason", "")
+      asyncio.run(env.close())
+  finally:
+    resources.close()
+  assert "solution.py is a symbolic link" in said["a symbolic link"], said
+  assert "a graded file may hold" in said["over what a graded file may hold"], said
+  assert "not among the files graded" in said["past the files copied"], said
+
+
 # (red team 32) Text the source checks read as a look-alike name: the judge reads `add`
 # rebound to the general version while another name is bound. And the ordinary text
 # each rule must let through.
