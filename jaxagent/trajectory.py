@@ -58,8 +58,8 @@ class SamplingParams:
       raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0 <= self.top_k < 1 << 31:  # (past int32 it failed its whole prefill batch)
+      raise ValueError(f"top_k must be in [0, 2**31), got {self.top_k}")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
     if isinstance(self.seed, bool) or not hasattr(self.seed, "__index__"):

@@ -24,8 +24,10 @@ records the policy version of the params that produced it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 import traceback
@@ -39,11 +41,19 @@ from jaxagent.errors import PROMPT_TOO_LONG
 from rollout_server.engine import Engine, HostResult, PrefillRequest, SamplingParams
 from rollout_server.pages import OutOfPages, PageAllocator, PagedPrefixCache
 
+log = logging.getLogger(__name__)
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class QueueFull(RuntimeError):
   pass
+
+
+class EngineDead(QueueFull):
+  """The engine loop died (its recovery from an error failed): every request fails at
+  once (a 503) and /health says so, instead of waiting for ever on a loop that is gone
+  (a reviewer)."""
 
 
 class PromptTooLong(ValueError):
@@ -153,6 +163,7 @@ class _Update:
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   report: dict = dataclasses.field(default_factory=dict)
   paused_at: Optional[float] = None
+  error: Optional[str] = None  # (the engine loop died before it was made)
 
 
 class Orchestrator:
@@ -178,6 +189,9 @@ class Orchestrator:
     self.prefix_cache_tokens = prefix_cache_tokens
     self.cache_finished = cache_finished
     self.max_queue = max_queue
+    if prefill_chunk is not None and prefill_chunk < 0:  # (each step's error, for ever)
+      raise ValueError(f"prefill_chunk must be >= 0 (0 or None: max_prefill_length), got "
+                       f"{prefill_chunk}")
     self.prefill_chunk = min(prefill_chunk or engine.max_prefill_length,
                              engine.max_prefill_length)
     # Length-aware admission (as Seer): the first sample of a prompt runs ahead as a
@@ -198,6 +212,7 @@ class Orchestrator:
     self._update: Optional[_Update] = None
     self._cv = threading.Condition()
     self._stop = False
+    self.dead: Optional[str] = None  # (what killed the engine loop: `EngineDead`)
     self._thread: Optional[threading.Thread] = None
     self._ids = itertools.count()
     self._recent = collections.deque(maxlen=256)  # (time, tokens) per step
@@ -212,6 +227,7 @@ class Orchestrator:
 
   def _reset_engine_state(self) -> None:
     """A fresh decode state, page allocator and prefix cache (at start, after a loop error)."""
+    self._state = None  # (let go first: two whole KV pools at once ran a device out)
     self._state = self.engine.init_decode_state()
     self.allocator = PageAllocator(self.engine.num_pages)
     self.prefix_cache = (PagedPrefixCache(self.allocator, self.engine.page_size,
@@ -283,6 +299,8 @@ class Orchestrator:
     with self._cv:
       if self._stop:
         raise RuntimeError("the orchestrator is stopped")
+      if self.dead is not None:
+        raise EngineDead(f"the engine loop died: {self.dead}")
       if len(self._queue) >= self.max_queue:
         raise QueueFull(f"queue is full ({self.max_queue} requests)")
       # (96 random bits: a Responses id, resp_{request id}, is what lets a call go on
@@ -354,12 +372,16 @@ class Orchestrator:
       raise ValueError(f"update mode must be 'drain' or 'abort', got {mode!r}")
     upd = _Update(params, int(params["version"]), mode)
     with self._cv:
+      if self.dead is not None:
+        raise EngineDead(f"the engine loop died: {self.dead}")
       if self._update is not None:
         raise RuntimeError("a weight update is already in progress")
       self._update = upd
       self._cv.notify_all()
     if not upd.done.wait(timeout):
       raise TimeoutError("weight update did not complete in time")
+    if upd.error is not None:
+      raise EngineDead(upd.error)
     return upd.report
 
   def stats(self) -> dict:
@@ -377,7 +399,7 @@ class Orchestrator:
            "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
            "shared_pages": self.shared_pages,
            "speculative": {"proposed": self.spec_proposed, "accepted": self.spec_accepted},
-           "version": self.version, "loop_errors": self.loop_errors,
+           "version": self.version, "loop_errors": self.loop_errors, "dead": self.dead,
            "last_swap": self.last_swap,
            "kv_pages": {"total": self.engine.num_pages - 1, "used": self.allocator.used,
                         "free": self.allocator.free, "page_size": self.engine.page_size}}
@@ -406,10 +428,31 @@ class Orchestrator:
       except Exception:  # the loop never dies: fail the live requests and go on
         self.loop_errors += 1
         msg = traceback.format_exc(limit=3)
-        for req in [r for r in self._slots if r is not None]:
-          self._finish(req, "error", error=msg)
-        self._probing.clear()
-        self._reset_engine_state()
+        try:
+          for req in [r for r in self._slots if r is not None]:
+            self._finish(req, "error", error=msg)
+          self._probing.clear()
+          self._reset_engine_state()
+        except Exception:  # (its recovery failed too: out of memory for a fresh pool)
+          self._die(traceback.format_exc(limit=3))
+          return
+
+  def _die(self, why: str) -> None:
+    """The loop cannot go on: every request, queued or live, fails now, and every later
+    one at once (`EngineDead`); an update waiting on it too (it hung, as every request
+    did, while /health said ok: a reviewer)."""
+    log.error("the engine loop died and cannot recover: %s", why)
+    with self._cv:
+      self.dead = why.strip().splitlines()[-1][:500] if why.strip() else "unknown"
+      failing = list(self._requests.values())
+      self._queue.clear()
+      update, self._update = self._update, None
+    for req in failing:
+      with contextlib.suppress(Exception):
+        self._finish(req, "error", error=f"the engine loop died: {self.dead}")
+    if update is not None:
+      update.error = f"the engine loop died: {self.dead}"
+      update.done.set()
 
   def _has_work(self) -> bool:
     admit = bool(self._queue) and self._update is None
@@ -710,8 +753,7 @@ class Orchestrator:
     elif len(req.output_ids) >= req.sampling.max_new_tokens or length >= self.engine.max_seq_len:
       reason = "length"
     if reason is None:
-      for fn in req._listeners:
-        fn(req, len(req.output_ids))
+      self._tell(req)
       return
     self._end(req, reason)
 
@@ -751,5 +793,14 @@ class Orchestrator:
       self._requests.pop(req.request_id, None)
     self.requests_finished += 1
     req._done.set()
+    self._tell(req)
+
+  @staticmethod
+  def _tell(req: Request) -> None:
+    """Calls the request's listeners; one that raises is logged, not the loop's error (it
+    failed every live request and reset the engine: a reviewer)."""
     for fn in req._listeners:
-      fn(req, len(req.output_ids))
+      try:
+        fn(req, len(req.output_ids))
+      except Exception:
+        log.exception("a listener of request %s raised (left out)", req.request_id)

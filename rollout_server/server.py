@@ -406,6 +406,9 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   @app.get("/health")
   async def health():
     s = orch.stats()
+    if s.get("dead"):  # (out of rotation: its every request fails; a reviewer)
+      return JSONResponse({"status": f"the engine loop died: {s['dead']}",
+                           "version": s["version"], "instance": instance}, status_code=503)
     out = {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
            "queue": s["queue"], "policy_id": served_from["id"]
            if served_from["version"] == s["version"] else None, "instance": instance,

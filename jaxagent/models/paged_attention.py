@@ -64,6 +64,10 @@ def past_attention_gather(q_BxTxKxGxD: jax.Array, pool_k: jax.Array, pool_v: jax
     key_pos_S = (cols_C[:, None] * P + jnp.arange(P)[None, :]).reshape(S)
     in_table_S = jnp.repeat(cols_C < n_cols, P)
     mask_Bx1xS = ((key_pos_S[None, :] < past_len_B[:, None]) & in_table_S[None, :])[:, None, :]
+    # Values past a row's keys are zeroed: a page's stale tail (another request's, an
+    # earlier policy's) is weighted 0, and 0 x NaN is NaN: one NaN left in the pool made
+    # every later request that got its page return NaN log-probs (a reviewer).
+    v_blk = jnp.where(mask_Bx1xS[:, 0, :, None, None], v_blk, jnp.zeros((), v_blk.dtype))
     return attend_block(state, q_BxTxKxGxD, k_blk, v_blk, mask_Bx1xS, scale)
 
   # A traced trip count: one compiled loop serves every past length.
@@ -105,6 +109,7 @@ def _triton_kernel(layer_ref, past_len_ref, table_ref, q_ref, k_ref, v_ref,
     v = v_ref[layer, page_id, :, head, :].astype(q.dtype)
     s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale
     mask = (j * P + jnp.arange(P))[None, :] < past_len  # [1, P]
+    v = jnp.where(mask[0][:, None], v, jnp.zeros((), v.dtype))  # (a stale NaN: as the gather)
     m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=1))
     # As attend_block: the rescale factor is exactly 1 where the max did not move,
     # and a finite stand-in for an all -inf max keeps NaN out of exp.

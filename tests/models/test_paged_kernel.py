@@ -66,6 +66,21 @@ def test_kernel_equals_the_gather_loop(layer, past):
   np.testing.assert_allclose(_normalised(got), _normalised(want), atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["gather", "triton"])
+def test_a_nan_left_in_the_pool_past_a_rows_keys_changes_nothing(kernel):
+  """A reviewer: values past a row's keys were weighted 0, and 0 x NaN is NaN: one NaN
+  left in a page's stale tail (another request's, an earlier policy's) made every
+  later request that got the page return NaN log-probs."""
+  q, pool_k, pool_v, table, past = _inputs()
+  want = _state(kernel, q, pool_k, pool_v, 0, table, past)
+  page = int(table[1, 1])  # row 1's second page: its keys 16..31, past 17 reads 16 only
+  poisoned_v = pool_v.at[0, page, 5:].set(jnp.nan)
+  poisoned_k = pool_k.at[0, page, 5:].set(jnp.nan)
+  got = _state(kernel, q, poisoned_k, poisoned_v, 0, table, past)
+  assert np.isfinite(np.asarray(got.acc)).all() and np.isfinite(np.asarray(got.l)).all()
+  np.testing.assert_allclose(_normalised(got), _normalised(want), atol=1e-6)
+
+
 def test_a_rows_result_does_not_depend_on_its_neighbours():
   """Bit for bit: another row's length, pages and queries change nothing in row 1."""
   q, pool_k, pool_v, table, past = _inputs()

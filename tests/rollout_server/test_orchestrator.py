@@ -541,6 +541,72 @@ def test_a_loop_error_fails_the_live_requests_and_the_loop_goes_on(random_params
     orch.stop()
 
 
+def test_a_loop_that_cannot_recover_fails_every_request_at_once(random_params):
+  """A reviewer: an error whose recovery failed too (a fresh KV pool that did not fit
+  beside the old one) ended the engine's thread; every request, and every update, then
+  waited for ever while /health said ok. Every request fails now, and every later one
+  at once (`EngineDead`, a 503)."""
+  from rollout_server.orchestrator import EngineDead
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  real_generate, real_init = engine.generate, engine.init_decode_state
+
+  def lost(params, state):
+    raise RuntimeError("device lost")
+
+  def out_of_memory():  # (the orchestrator made its own pool already)
+    raise MemoryError("RESOURCE_EXHAUSTED: a second KV pool")
+
+  engine.init_decode_state = out_of_memory
+  engine.generate = lost
+  orch.start()
+  try:
+    hit = orch.generate([1, 2, 3], SamplingParams(max_new_tokens=8), timeout=30)
+    assert hit.finish_reason == "error" and "device lost" in hit.error
+    deadline = time.time() + 10  # (its recovery fails just after it failed the request)
+    while not orch.stats()["dead"] and time.time() < deadline:
+      time.sleep(0.01)
+    assert orch.stats()["dead"] and "a second KV pool" in orch.stats()["dead"]
+    with pytest.raises(EngineDead, match="the engine loop died"):
+      orch.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
+    with pytest.raises(EngineDead):
+      orch.update_weights(engine.load_params(random_params, version=1), timeout=5)
+  finally:
+    engine.generate, engine.init_decode_state = real_generate, real_init
+    orch.stop()
+
+
+def test_a_listener_that_raises_is_its_own_error_not_the_loops(random_params):
+  """A reviewer: a request's listener that raised (a callback onto a closed event loop)
+  was the loop's error: it failed every live request and reset the engine."""
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params)).start()
+  try:
+    bad = orch.submit([1, 2, 3], SamplingParams(seed=1, max_new_tokens=6))
+
+    def boom(req, n):
+      raise RuntimeError("loop is closed")
+
+    bad.add_listener(boom)
+    good = orch.generate([4, 5, 6], SamplingParams(seed=2, max_new_tokens=12), timeout=60)
+    assert bad.wait(60) and bad.finish_reason == "length"
+    assert good.finish_reason == "length" and orch.stats()["loop_errors"] == 0
+  finally:
+    orch.stop()
+
+
+def test_settings_the_loop_cannot_run_are_refused_at_the_start(random_params):
+  """A reviewer: a top_k past int32 from the Python API failed its whole prefill batch,
+  and a negative prefill_chunk made every step of the loop an error."""
+  engine = make_engine()
+  with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
+    Orchestrator(engine, engine.load_params(random_params), prefill_chunk=-4)
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  with pytest.raises(ValueError, match="top_k must be in"):
+    orch.submit([1, 2, 3], SamplingParams(top_k=1 << 40))
+
+
 def test_a_failed_prefill_fails_its_request_alone(random_params):
   """A prefill call that raises ends its own requests with `error`; a request already
   decoding (prefilled in an earlier call: another bucket) runs to its end."""
