@@ -452,7 +452,8 @@ class MemorisedToolEnv(Env):
     return StepResult(Observation(run.messages), 0.0, self.done, False, self._info())
 
   async def verify(self):
-    ok = self.counters["tool_calls"] == 1
+    # (the calls that ran: a malformed block is a call too, an invalid one)
+    ok = self.counters["tool_calls"] - self.counters["invalid_tool_calls"] == 1
     return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, float(ok),
                    f"{self.name}@1", f"{self.name}@1", {})
 
