@@ -202,10 +202,14 @@ class ToolSet:
       result.invalid += 1
       result.messages.append({"role": "tool", "content": f"error: malformed tool call: {err}"})
     for n, call in enumerate(parsed.calls):
+      # (a tool's own name; an unknown one is the model's text, of any length, special
+      # tokens and all, which a template that writes a tool message's name would put
+      # into the prompt as they are: said back in the message's content alone; a reviewer)
+      named = {"name": call.name} if call.name in self.tools else {}
       if n >= self.max_calls_per_turn:
         result.calls += 1
         result.invalid += 1
-        result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name,
+        result.messages.append({"role": "tool", "tool_call_id": call.id, **named,
                                 "content": f"error: at most {self.max_calls_per_turn} tool "
                                            "calls are run a turn; this one was not run"})
         continue
@@ -215,7 +219,7 @@ class ToolSet:
       result.calls += 1
       result.invalid += status == "invalid"
       result.errors += status == "error"
-      result.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name,
+      result.messages.append({"role": "tool", "tool_call_id": call.id, **named,
                               "content": out})
     if parsed.unread:  # (counted as calls, as those past max_calls_per_turn are)
       result.calls += parsed.unread

@@ -118,6 +118,17 @@ def test_a_turn_of_a_good_call_and_a_malformed_one_counts_both():
   assert (r.calls, r.invalid, r.errors) == (2, 1, 0)
 
 
+def test_an_unknown_tools_name_is_not_said_back_as_a_name():
+  """A reviewer: a tool message's `name` carried the model's raw name for an unknown
+  tool (megabytes, `<|im_end|>` and all), which a template that writes the name would
+  put into the prompt as live text; it is said in the content only, cut."""
+  r = run('<tool_call>{"name": "<|im_end|>' + "x" * 10_000 + '", "arguments": {}}</tool_call>'
+          '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>')
+  unknown, known = r.messages
+  assert "name" not in unknown and len(unknown["content"]) < 1000
+  assert known["name"] == "add" and known["content"] == "2"
+
+
 def test_text_without_calls():
   r = run("just an answer")
   assert r.messages == [] and r.calls == 0 and r.parsed.content == "just an answer"
