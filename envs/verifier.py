@@ -108,8 +108,8 @@ def odd_names(before, classes_before, at_end, solution, modules=sys.modules,
               module_type=type(sys), module_dict=type(sys).__dict__["__dict__"].__get__,
               class_dict=type.__dict__["__dict__"].__get__, builtins_dict=vars(builtins),
               function_type=type(lambda: 0), objects=gc.get_objects, type=type, id=id,
-              isinstance=isinstance, list=list, len=len, set=set, dict=dict, ascii=ascii,
-              dumps=json.dumps, fold=str.maketrans("I10", "llO")):
+              issubclass=issubclass, list=list, len=len, set=set, dict=dict, str=str,
+              ascii=ascii, dumps=json.dumps, fold=str.maketrans("I10", "llO")):
   """The names that the modules made since `before` (their dicts there were, by id,
   each with the names it held) hold that are not ASCII identifiers, or that read alike
   in ASCII (I, 1 and l; 0 and O; rn and m), and the `solution` module put out of its
@@ -118,61 +118,83 @@ def odd_names(before, classes_before, at_end, solution, modules=sys.modules,
   to a judge as the name it looks like. Read once the solution is imported and again
   after its last case (a module it imports in a call). Every module object there is,
   in `sys.modules` or not, and every dict a function's globals are (a module taken out
-  of `sys.modules` lives on in its functions), whatever their class or `__file__`; the
-  names added to a module there was before (`builtins`: every module reads them, a
-  look-alike there was a twin of none; a reviewer); and every class made since
-  (`classes_before`, by id: `setattr(K, "he" + "Iper", ...)` was read by none; a
-  reviewer), whose dicts may hold names no code spells (an extension's). What it calls
-  is bound here, before the solution can rebind a builtin, `json.dumps` or `gc`."""
+  of `sys.modules` lives on in its functions), whatever their class or `__file__`, its
+  names read beside the builtins' (every module reads them: `Iist` reads as `list`);
+  the names added to a module or a class there was before, read beside the names it
+  held (`setattr(builtins, "I" + "en", ...)` reads as `len`; a reviewer); and every
+  class made since (`classes_before`, by id, each with the names it held:
+  `setattr(K, "he" + "Iper", ...)` was read by none; a reviewer), whose dicts may hold
+  names no code spells (an extension's). A module or class is known by its type, not
+  its `__class__` (a proxy of one is neither). What it calls is bound here, before the
+  solution can rebind a builtin, `json.dumps` or `gc`."""
   odd, seen = [], set()
 
-  def look(names, keys, folded, own_name):
-    """Adds the odd ones of `keys` (of `names`); `own_name`: a key reads as the name
-    its letters, digits and underscores spell (a class's)."""
+  def spelt(k, own_name):
+    """What `k` reads as (`own_name`: a class's key, read as the name its letters,
+    digits and underscores spell), folded; None when it is too short to read alike."""
+    if own_name:
+      k = "".join([c for c in k if c.isalnum() or c == "_"])
+    return k.translate(fold).replace("rn", "m") if len(k) > 2 else None
+
+  def seeded(names, own_name=False):
+    """The fold table of names there were (each one's own reading)."""
+    table = {}
+    for k in names:
+      if type(k) is str and k.isascii():
+        folded = spelt(k, own_name)
+        if folded is not None:
+          table.setdefault(folded, k)
+    return table
+
+  def look(keys, folded, own_name):
+    """Adds the odd ones of `keys`, each read beside the names of `folded` (its fold
+    table, which it joins)."""
     for k in keys:
-      if type(k) is not str or not k.isascii() or not (own_name or k.isidentifier()):
+      if type(k) is not str or not (k.isascii() or own_name and k.isidentifier()) or not (
+          own_name or k.isidentifier()):
         odd.append(ascii(k)[:80])
         continue
-      if own_name:
-        k_ = "".join([c for c in k if c.isalnum() or c == "_"])
-      else:
-        k_ = k
-      if len(k_) > 2:
-        twin = folded.setdefault(k_.translate(fold).replace("rn", "m"), k)
+      if not k.isascii():  # (a class's name in another script: pyparsing's `中文`; code
+        continue  # that spells it is the source checks', a string that makes it shows)
+      reads = spelt(k, own_name)
+      if reads is not None:
+        twin = folded.setdefault(reads, k)
         if twin != k:
           odd.append(twin + " ~ " + k)
 
+  def added(names, old):
+    return [k for k in list(names) if type(k) is not str or k not in old]
+
   try:
-    if solution in modules and not isinstance(modules[solution], module_type):
+    if solution in modules and not issubclass(type(modules[solution]), module_type):
       odd.append(ascii(solution)[:80] + " is no module")
-    # (what the solution added to builtins: read beside each namespace's own names)
-    shared = {}
-    old = before.get(id(builtins_dict), ())
-    look(builtins_dict, [k for k in list(builtins_dict) if type(k) is not str or k not in old],
-         shared, False)
+    # The builtins' names, those the solution added read beside those there were.
+    old = before.get(id(builtins_dict), set())
+    shared = seeded(old)
+    look(added(builtins_dict, old), shared, False)
+    seen.add(id(builtins_dict))  # (read: once)
     for obj in objects():
-      if isinstance(obj, module_type):
-        names = module_dict(obj)
-        at = id(names)
-      elif type(obj) is function_type:
-        names = obj.__globals__
-        at = id(names)
-      elif isinstance(obj, type):
-        if id(obj) in classes_before:
-          continue
-        names = class_dict(obj)
-        at = id(obj)  # (its dict is read through a fresh proxy each time)
+      kind = type(obj)
+      if issubclass(kind, module_type):
+        names, at, own_name, held = module_dict(obj), None, False, before
+      elif kind is function_type:
+        names, at, own_name, held = obj.__globals__, None, False, before
+      elif issubclass(kind, type):
+        names, at, own_name, held = class_dict(obj), id(obj), True, classes_before
       else:
         continue
+      at = id(names) if at is None else at  # (a class's dict: a fresh proxy each time)
       if at in seen:
         continue
       seen.add(at)
-      if at in before:  # (a module there was: the names added since)
-        old = before[at]
-        look(names, [k for k in list(names) if type(k) is not str or k not in old],
-             {}, False)
+      if at in held:  # (one there was: the names added since, beside its own)
+        new = added(names, held[at])
+        if new:
+          look(new, seeded(held[at], own_name), own_name)
+      elif own_name:  # (a class made since: its names, beside each other)
+        look(list(names), {}, True)
       else:
-        look(names, list(names), dict(shared), isinstance(obj, type))
+        look(list(names), dict(shared), False)
   except Exception as e:  # (the solution's doing: its names cannot be read)
     odd.append("unreadable: " + type(e).__name__)
   return dumps({"odd_names": odd[:20], "at_end": at_end})
@@ -219,8 +241,8 @@ if pid == 0:  # the solution's process
           del sys.modules[m]
     before_modules = list(sys.modules.values())  # (held: their ids stay theirs)
     before = {id(vars(m)): set(vars(m)) for m in before_modules if hasattr(m, "__dict__")}
-    before_classes = [c for c in gc.get_objects() if isinstance(c, type)]  # (held too)
-    classes_before = {id(c) for c in before_classes}
+    before_classes = [c for c in gc.get_objects() if issubclass(type(c), type)]  # (held too)
+    classes_before = {id(c): set(type.__dict__["__dict__"].__get__(c)) for c in before_classes}
     try:
       fn = getattr(importlib.import_module(spec["module"]), spec["function"])
     except BaseException as e:

@@ -323,6 +323,20 @@ RUNTIME_NAMES = {
     "a look-alike name added to another module there was": (
         {"solution.py": HARD_ADD + "import os\nsetattr(os, 'ad' + chr(0x501), _general)\n"},
         "fail"),
+    # (its reviewer) ... a look-alike of a builtin added to builtins, or of a name a
+    # module there was held; while a class's names in another script (pyparsing's) and
+    # a proxy of a class are ordinary.
+    "a look-alike of a builtin added to builtins": (
+        {"solution.py": "import builtins\n\n\ndef add(a, b):\n    return surn((a, b))\n\n\n"
+         "setattr(builtins, 'su' + 'rn', lambda t: {(2, 3): 5}.get(t, t[0] + t[1]))\n"},
+        "fail"),
+    "a look-alike of a module's name added to it": (
+        {"solution.py": "import json\n\n\ndef add(a, b):\n    return json.Ioads(str(a)) + b\n"
+         "\n\nsetattr(json, 'I' + 'oads', lambda t: {'2': 2}.get(t, int(t)))\n"}, "fail"),
+    "a class's names in another script, and a proxy of a class": (
+        {"solution.py": "import weakref\n\n\nclass Scripts:\n    pass\n\n\n"
+         "setattr(Scripts, '\u4e2d\u6587', 'zh')\nKEEP = weakref.proxy(Scripts)\n\n\n"
+         "def add(a, b):\n    return a + b\n"}, "pass"),
     "classes, builtins and modules there were, used as ordinary code does": (
         {"solution.py": "import builtins, os, sys\n\n\nclass Acc:\n    total = 0\n\n"
          "    def __init__(self):\n        self.items = []\n\n\nclass Sub(Acc):\n"
