@@ -64,6 +64,7 @@ from typing import Awaitable, Optional
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -140,12 +141,12 @@ class _NoTurn(Exception):
 
 
 def _encoded(kind: str, answer: dict) -> Response:
-  """`answer` as JSON. A value the environment gave that JSON cannot carry (a set, an
-  object of its own) is its bug: a 400 naming it (it was a 500 after the call had run,
-  read as the worker's failure and the episode re-rolled; a reviewer)."""
-  try:
-    return Response(json.dumps(json_safe(answer), allow_nan=False),
-                    media_type="application/json")
+  """`answer` as JSON. A value the environment gave that JSON cannot carry (an object
+  with nothing to write) is its bug: a 400 naming it (a NumPy value was a 500 after the
+  call had run, read as the worker's failure and the episode re-rolled; a reviewer)."""
+  try:  # (sets, dates, enums, paths: as FastAPI's encoder writes them, and NumPy's values)
+    return Response(json.dumps(json_safe(jsonable_encoder(json_safe(answer))),
+                               allow_nan=False), media_type="application/json")
   except (TypeError, ValueError, RecursionError) as e:
     raise HTTPException(400, f"{kind} failed: the environment's answer holds a value JSON "
                              f"cannot carry ({type(e).__name__}: {str(e)[:300]})") from None

@@ -77,13 +77,20 @@ def test_a_workers_environment_says_what_a_cut_episode_scores(worker):
     class _NanCut(base.Env):
       cut_reward = float("nan")
 
+  @base.register("per_task_cut_test_env")  # (one read per episode: not checked here)
+  class _PerTask(base.Env):
+    @property
+    def cut_reward(self):
+      return -float(self.task.params.get("cost", 1.0)) if self.task else 0.0
+
 
 def test_numpy_values_cross_the_service_and_values_json_cannot_are_the_environments(worker):
   """A reviewer: an environment's np.float32 reward or NumPy value in its info (numbers
   in process) was a 500 after its call had run, read as the worker's failure and the
   episode re-rolled; at a reset, its session was left open. NumPy's values cross as
-  numbers; a value JSON cannot carry (a set) is the environment's bug, a 400 naming it,
-  and a reset's session is closed."""
+  numbers, sets, dates and a NaN as FastAPI writes them (a NaN as text); a value JSON
+  cannot carry (an object with nothing to write) is the environment's bug, a 400
+  naming it, and a reset's session is closed."""
   async def go():
     env = RemoteEnv(worker.url)
     try:
@@ -107,6 +114,8 @@ def test_numpy_values_cross_the_service_and_values_json_cannot_are_the_environme
   obs, step, verdict, refused = asyncio.run(go())
   assert obs.messages[0]["n"] == 3 and step.reward == 0.5
   assert step.info["seen"] == [0, 1] and step.info["turn"] == 1
+  assert (step.info["kinds"], step.info["when"], step.info["nan"]) == (["a"], "2026-12-07",
+                                                                       "nan")
   assert verdict.reward == 1.0 and type(verdict.reward) is float
   assert all(" 400: " in r and "failed: the environment's answer" in r for r in refused)
   assert httpx.get(f"{worker.url}/health").json()["sessions"] == 0  # (none left open)

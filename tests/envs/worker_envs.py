@@ -2,6 +2,7 @@
 shape: a slow step, a slow reset, a bug, a blocking tool, a long sandboxed command, a
 marked wait)."""
 import asyncio
+import datetime
 import time
 
 import pytest
@@ -56,23 +57,25 @@ class HarshEnv(SlowEnv):
 
 @base.register("numpy_test_env")
 class NumpyEnv(SlowEnv):
-  """Gives NumPy's numbers where it gives numbers (`params.odd`: a value JSON cannot
-  carry, a set, in its reset's observation or its step's info)."""
+  """Gives NumPy's numbers where it gives numbers, and a set, a date and a NaN in its
+  step's info (`params.odd`: a value JSON cannot carry, an object with nothing to
+  write, in its reset's observation or its step's info)."""
 
   async def reset(self, task):
     import numpy as np
 
     self.task = task
     await super().reset(task)
-    odd = {1} if task.params.get("odd") == "reset" else np.int64(3)
+    odd = object() if task.params.get("odd") == "reset" else np.int64(3)
     return base.Observation([{"role": "user", "content": "go", "n": odd}])
 
   async def step(self, action):
     import numpy as np
 
-    odd = {1} if self.task.params.get("odd") == "step" else np.arange(2)
+    odd = object() if self.task.params.get("odd") == "step" else np.arange(2)
     return base.StepResult(base.Observation([]), np.float32(0.5), True, False,
-                           {"seen": odd, "turn": np.int64(1)})
+                           {"seen": odd, "turn": np.int64(1), "kinds": {"a"},
+                            "when": datetime.date(2026, 12, 7), "nan": float("nan")})
 
   async def verify(self):
     import numpy as np
