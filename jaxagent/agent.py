@@ -27,7 +27,6 @@ import functools
 import hashlib
 import json
 import math
-import subprocess
 import sys
 import time
 import uuid
@@ -534,12 +533,14 @@ class MeasuredEnv:
         if self.deadline_s is None:
           return await call
         return await self._within_deadline(call, what, t0)
-    except (MemoryError, OSError, subprocess.SubprocessError) as e:
-      # This host's (a full disk, a command that failed, a service's own timeout: a
-      # TimeoutError was read as the episode's deadline, the policy's cut; a reviewer),
-      # as on an env worker (its 503), not the environment's code.
-      raise InfraError("env_host", f"the environment's {what} failed in the "
-                                   f"infrastructure: {failure(e)}") from e
+    except TimeoutError as e:  # (not the call's own deadline: that is an InfraError)
+      # A service of the environment's that did not answer in its own time (read as
+      # the episode's deadline, it was the policy's cut, scored; a reviewer), as an env
+      # worker answers it (a 503). Other errors of its code stay its bugs: an OSError
+      # the policy's input can cause (a file it named) made infrastructure would let
+      # the policy turn wrong answers into drops (its reviewer).
+      raise InfraError("env_host", f"the environment's {what} timed out in its own "
+                                   f"call: {failure(e)}") from e
     except asyncio.CancelledError:
       if hasattr(self.env, "in_flight_waits"):  # a worker's call, cut client-side
         remote, remote_held = await self.env.in_flight_waits()
