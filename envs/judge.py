@@ -120,7 +120,8 @@ class LLMJudge:
                max_answer_chars: int = 12000):
     if not url:
       raise ValueError("LLMJudge needs the URL of a server that hosts the judge")
-    if not (isinstance(max_tokens, int) and max_tokens >= 1):
+    if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+            and max_tokens >= 1):
       # (256 cut a judge told to reason first, and a cut reply fails the pass: a
       # reviewer; env.judge_max_tokens)
       raise ValueError(f"the judge's max_tokens (env.judge_max_tokens) must be a positive "

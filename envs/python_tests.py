@@ -730,6 +730,11 @@ class PythonTests(Env):
     if st.st_size > self.sandbox.limits.write_bytes:
       return (f"{name} holds {st.st_size} bytes, over the {self.sandbox.limits.write_bytes} "
               "a graded file may hold")
+    try:
+      with open(os.path.join(self.sandbox.host_path, name), "rb"):
+        pass
+    except OSError as e:  # (its mode shuts the reader out)
+      return f"{name} could not be read to be graded ({type(e).__name__})"
     return (f"{name} was not among the files graded: the workspace holds more than are "
             "copied to grade (256, in name order)")
 

@@ -64,6 +64,8 @@ _OUTAGE_HINTS = {
     "env_worker": "check the environment workers (env.urls)",
     "server": "check the rollout servers (serving.urls, or the in-process engine)",
     "server_overload": "the rollout servers turn turns away (their queue is full)",
+    "engine_dead": "the in-process engine's loop died and cannot recover (its log says "
+                   "why): restart the run",
     "turn_deadline": "turns on the rollout servers did not move for agent.turn_deadline_s "
                      "(queued or stalled)",
     "episode_deadline": "episodes wait on the servers past agent.episode_deadline_s",

@@ -24,8 +24,8 @@ from jaxagent.pools import CountedPool
 from jaxagent.tls import shared_tls
 from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
-from rollout_server.orchestrator import (Orchestrator, PromptTooLong, QueueFull, Request,
-                                         progress_of)
+from rollout_server.orchestrator import (EngineDead, Orchestrator, PromptTooLong, QueueFull,
+                                         Request, progress_of)
 from rollout_server.routing import NONE_AVAILABLE
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,8 @@ class LocalClient:
     try:
       req = orch.submit(prompt_ids, sampling, request_id=request_id, session_id=session_id,
                         resumed_tokens=resumed_tokens)
+    except EngineDead as e:  # (not a full queue: a restart is the remedy)
+      raise GenerateError(str(e), "engine_dead") from e
     except QueueFull as e:
       raise GenerateError(str(e), "server_overload") from e
     except PromptTooLong as e:  # the conversation outgrew the engine: not the server's fault

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import threading
@@ -432,7 +433,11 @@ class Orchestrator:
           for req in [r for r in self._slots if r is not None]:
             self._finish(req, "error", error=msg)
           self._probing.clear()
-          self._reset_engine_state()
+          try:
+            self._reset_engine_state()
+          except Exception:  # (once more, what the failed step held let go first)
+            gc.collect()
+            self._reset_engine_state()
         except Exception:  # (its recovery failed too: out of memory for a fresh pool)
           self._die(traceback.format_exc(limit=3))
           return

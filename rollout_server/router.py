@@ -184,16 +184,18 @@ class _Router(Rotation):
     this router's copy was evicted (a bound, or its time to live), every live backend
     that ran its turns is copied whole again."""
     async with self.lock_of(self.copy_locks, session_id):
-      asked = backends
+      asked, known = backends, dict(self.cursors.get(session_id, {}))
       for _ in range(3):
-        if session_id not in self.sessions and session_id in self.cursors:  # evicted
-          # Every backend that ran its turns is copied from the start again, and owes
-          # them until it is: one out of rotation now is read whole when it is back, and
-          # a read meanwhile fails (skipped, the read answered 200 without its turns; a
-          # reviewer). Each keeps the id of the record it copied: one made anew since
-          # lost those turns.
+        if session_id not in self.sessions and (session_id in self.cursors or known):
+          # Evicted (before, or while its backends were read: its cursors may have gone
+          # with it then, and `known` holds them). Every backend that ran its turns is
+          # copied from the start again, and owes them until it is: one out of rotation
+          # now is read whole when it is back, and a read meanwhile fails (skipped, the
+          # read answered 200 without its turns; a reviewer). Each keeps the id of the
+          # record it copied: one made anew since lost those turns.
           ran = self.cursors[session_id] = {
-              b: (0, seen) for b, (_, seen) in self.cursors[session_id].items()}
+              b: (0, seen) for b, (_, seen) in (self.cursors.get(session_id) or known).items()}
+          known = ran
           self.forget_later(self.owed, session_id, self.owed.get(session_id, set()) | set(ran))
           backends = (*(b for b in ran if b not in asked and self.healthy.get(b)), *asked)
         held = session_id in self.sessions

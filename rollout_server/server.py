@@ -55,7 +55,8 @@ from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, Chat
                                  OpenAIRoute, TurnCut, bound_unrendered, continued_prompt,
                                  normalise_messages, unserved, with_sampled_arguments)
 from rollout_server.engine import SamplingParams
-from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request, progress_of
+from rollout_server.orchestrator import (EngineDead, Orchestrator, PromptTooLong, QueueFull,
+                                         Request, progress_of)
 from rollout_server.routing import error_body
 from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SessionStore, session_header,
                                      session_of)
@@ -519,7 +520,10 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       except Exception as e:  # a bad checkpoint must not take the server down
         raise HTTPException(400, f"cannot load {body.path}: {type(e).__name__}: {e}")
       load_s = time.perf_counter() - t0
-      report = await loop.run_in_executor(None, target.update_weights, params, mode)
+      try:
+        report = await loop.run_in_executor(None, target.update_weights, params, mode)
+      except EngineDead as e:  # (a 500 before: the server needs a restart, not a retry)
+        raise HTTPException(503, str(e))
       if m is None:
         same = before is not None and before == _export_id(body.path, body.version)
         served_from.update(id=before if same else None, version=report["version"])
