@@ -165,17 +165,26 @@ def test_a_chat_turn_the_server_could_not_finish_is_an_error_not_an_answer(rando
   weight update answers 500 / 503, in a stream an error event the client raises, and is
   not recorded: a partial turn must not reach the environment as the policy's answer."""
   with running_server(random_params, tokenizer, version=3) as (srv, orch):
-    submit = orch.submit
-    cut = {"how": "fail"}
+    submit, generate = orch.submit, orch.engine.generate
+    cut = {"how": "fail", "now": False}
+
+    def failing(params, state):  # (the engine's next step fails: a device failure)
+      if cut["now"]:
+        cut["now"] = False
+        raise RuntimeError("simulated device failure")
+      return generate(params, state)
+
+    orch.engine.generate = failing
 
     def cutting(prompt, sampling, **kw):  # the turn is cut after its first token
       req = submit(prompt, sampling, **kw)
 
       def at_two(r, n):  # (after two, a random model's turn had ended once: no cut)
-        if n >= 1 and not r.done:
+        if n == 1 and not r.done:
           if cut["how"] == "fail":
-            raise RuntimeError("simulated device failure")
-          orch.abort(r.request_id)  # an explicit abort (POST /abort does the same)
+            cut["now"] = True  # (a listener's own error is not the loop's: a reviewer)
+          else:
+            orch.abort(r.request_id)  # an explicit abort (POST /abort does the same)
 
       req.add_listener(at_two)
       return req
