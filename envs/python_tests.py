@@ -255,6 +255,36 @@ def _as_read(name: str, marks: bool = False) -> str:
 _ALIKE = str.maketrans("I1|i", "llll")
 
 
+def _called_twin(called: list, defined: list) -> Optional[tuple[str, str]]:
+  """A name code calls that reads as another callable's it does not call by that name:
+  one the files define (`OPS.heIper(...)` beside `def helper`), or a builtin (`surn(...)`
+  as `sum`, `s0rted(...)` as `sorted`, `povv(...)` as `pow`, `rouncl(...)` as `round`),
+  or None. However the
+  called one came to be (bound at run time on builtins, an instance, a module's or a
+  metaclass's `__getattr__`, a `__builtins__` of its own, or only while a call runs:
+  red team 33, past every reading of names at run time), the judge reads the call as
+  the other. Only calls are compared (a matrix entry `a11` beside the builtin `all` is
+  no look-alike of it)."""
+  def read(name: str, builtin: bool) -> str:
+    if builtin:  # (the builtins' short names: 0 and o, vv and w, cl and d too)
+      name = name.replace("0", "o").replace("vv", "w").replace("cl", "d")
+    return _ascii_folded(name)
+
+  mine = {}
+  for n in defined:
+    if len(n) > 2 and n.isascii():
+      mine.setdefault(read(n, False), n)
+  theirs = {read(n, True): n for n in dir(builtins) if len(n) > 2}
+  for n in dict.fromkeys(called):
+    if len(n) <= 2 or not n.isascii():
+      continue
+    for table, builtin in ((mine, False), (theirs, True)):
+      twin = table.get(read(n, builtin), n)
+      if twin != n:
+        return twin, n
+  return None
+
+
 def _ascii_twins(bound: list, strings: list) -> Optional[tuple[str, str]]:
   """Two ASCII names of three letters or more, one of them bound by code, that read
   alike (`_ascii_folded`), or None: `def is_Ieap` beside `def is_leap`, or a string
@@ -330,15 +360,33 @@ def _bound(tree: ast.AST):
       yield (node.asname or node.name).split(".")[0]
 
 
+def _called(tree: ast.AST):
+  """(The names code calls, `f(...)` and `x.f(...)`; the names it defines as callables:
+  functions, classes, imports.)"""
+  called, defined = [], []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call):
+      if isinstance(node.func, ast.Name):
+        called.append(node.func.id)
+      elif isinstance(node.func, ast.Attribute):
+        called.append(node.func.attr)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      defined.append(node.name)
+    elif isinstance(node, ast.alias):
+      defined.append((node.asname or node.name).split(".")[-1])
+  return called, defined
+
+
 def _names_in(text: str, budget: list, depth: int = 0,
-              bound: Optional[list] = None) -> tuple[list[str], list[str]]:
+              bound: Optional[list] = None,
+              calls: Optional[tuple[list, list]] = None) -> tuple[list[str], list[str]]:
   """(The names `text` uses as Python, the names its strings hold as Python). A string
   can name things (`globals()[...]`, `setattr`, `exec`): one that is not ASCII is read
   as Python in turn (indented too), four levels down, and one that is a name is one.
   Text that is not Python (a syntax newer than this host's, prose) gives its name
   tokens; a leading BOM is skipped, as Python does. The names code binds go to `bound`.
   Every text read is taken from `budget` ([characters left]; `_TooMuchToCheck` past
-  it)."""
+  it). The names it calls and defines as callables go to `calls` (`_called`)."""
   source = text[1:] if text.startswith("\ufeff") else text
   _spend(budget, len(source))
   try:
@@ -348,12 +396,16 @@ def _names_in(text: str, budget: list, depth: int = 0,
   own, held = list(_names(tree)), []
   if bound is not None:
     bound += _bound(tree)
+  if calls is not None:
+    called, defined = _called(tree)
+    calls[0].extend(called)
+    calls[1].extend(defined)
   for node in ast.walk(tree):
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
       if node.value.isidentifier():
         held.append(node.value)
       elif depth < 4 and not node.value.isascii():
-        inner = _names_in(node.value, budget, depth + 1, bound)
+        inner = _names_in(node.value, budget, depth + 1, bound, calls)
         held += inner[0] + inner[1]
   return own, held
 
@@ -431,8 +483,9 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   elsewhere, budget = [], [MAX_CHECKED_CHARS]
   bound: list[str] = []  # the names code binds (def, class, assignment, import, argument)
   strings: list[str] = []  # the ASCII names strings hold (`globals()["is_Ieap"]`)
+  calls: tuple[list, list] = ([], [])  # the names code calls, and defines as callables
   for name, text in files.items():
-    own, held = _names_in(text, budget, bound=bound)
+    own, held = _names_in(text, budget, bound=bound, calls=calls)
     strings += [n for n in held if n.isascii() and not isinstance(n, _Word)]
     if name.endswith(".py"):
       odd = next((n for n in own if not n.isascii()), None)
@@ -443,6 +496,11 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
       own, held = [], own + held
     ascii_names.update(n for n in own + held if n.isascii())
     elsewhere += [(name, n) for n in dict.fromkeys(held) if not n.isascii()]
+  called_twin = _called_twin(*calls)
+  if called_twin:
+    return (f"the code calls {called_twin[1]!r}, which reads as {called_twin[0]!r} (I, 1 "
+            "and l; 0 and O or o; rn and m; vv and w; cl and d: a look-alike a judge would take for "
+            "the other, whatever it was bound to); name them apart")
   ascii_twins = _ascii_twins(bound, strings)
   if ascii_twins:
     return (f"the names {ascii_twins[0]!r} and {ascii_twins[1]!r} read alike (I, 1 and l; "
@@ -615,8 +673,9 @@ class PythonTests(Env):
   # conversion, a dropped newline, floats through range(), a look-back of 9).
   # 13: two non-ASCII spellings that read as one ASCII name are refused. 14: an own
   # task's default public test checks type and value as the grader does, of its first
-  # case whose check is short.
-  version = "14"
+  # case whose check is short. 15: a name the code calls that reads as another callable
+  # (one the files define, or a builtin's: `surn(` as `sum`) is refused.
+  version = "15"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

@@ -108,7 +108,8 @@ def odd_names(before, classes_before, at_end, solution, modules=sys.modules,
               module_type=type(sys), module_dict=type(sys).__dict__["__dict__"].__get__,
               class_dict=type.__dict__["__dict__"].__get__, builtins_dict=vars(builtins),
               function_type=type(lambda: 0), objects=gc.get_objects, type=type, id=id,
-              issubclass=issubclass, list=list, len=len, set=set, dict=dict, str=str,
+              issubclass=issubclass, callable=callable, list=list, len=len, set=set,
+              dict=dict, str=str,
               ascii=ascii, dumps=json.dumps, fold=str.maketrans("I10", "llO")):
   """The names that the modules made since `before` (their dicts there were, by id,
   each with the names it held) hold that are not ASCII identifiers, or that read alike
@@ -193,8 +194,12 @@ def odd_names(before, classes_before, at_end, solution, modules=sys.modules,
           look(new, seeded(held[at], own_name), own_name)
       elif own_name:  # (a class made since: its names, beside each other)
         look(list(names), {}, True)
-      else:
-        look(list(names), dict(shared), False)
+      else:  # (a module: its names beside each other, and its callables beside the
+        # builtins': a matrix entry `a11` is no look-alike of `all`; its reviewer)
+        own = list(names)
+        look(own, {}, False)
+        look([k for k in own if type(k) is str and k.isascii() and k.isidentifier()
+              and callable(names[k])], dict(shared), False)
   except Exception as e:  # (the solution's doing: its names cannot be read)
     odd.append("unreadable: " + type(e).__name__)
   return dumps({"odd_names": odd[:20], "at_end": at_end})

@@ -337,6 +337,42 @@ RUNTIME_NAMES = {
         {"solution.py": "import weakref\n\n\nclass Scripts:\n    pass\n\n\n"
          "setattr(Scripts, '\u4e2d\u6587', 'zh')\nKEEP = weakref.proxy(Scripts)\n\n\n"
          "def add(a, b):\n    return a + b\n"}, "pass"),
+    # (red team 33) ... a look-alike however it was bound at run time (a __builtins__ of
+    # its own, a module's or a metaclass's __getattr__, an argument, a zero for an o):
+    # the code's calls are read (`_called_twin`); a name never called is no look-alike.
+    "a look-alike called through a __builtins__ of its own": (
+        {"solution.py": "import builtins\n"
+                       "__builtins__ = dict(vars(builtins), **{\"su\" + \"rn\": "
+                       "lambda t: {(2, 3): 5}.get(t, t[0] + t[1])})\n"
+                       "\n\ndef add(a, b):\n    return surn((a, b))\n"},
+        "fail"),
+    "a look-alike called through a module's __getattr__": (
+        {"helpers.py": "def helper(a, b):\n    return a + b\n\n\ndef _fast(a, b):\n"
+                      "    return {(2, 3): 5}.get((a, b), a + b)\n\n\n"
+                      "def __getattr__(name):  # deprecated aliases\n    return _fast\n",
+         "solution.py": "import helpers\n\n\ndef add(a, b):\n    return helpers.heIper(a, b)\n"},
+        "fail"),
+    "a look-alike called through a metaclass's __getattr__": (
+        {"solution.py": "class _Registry(type):\n    def __getattr__(cls, name):\n"
+                       "        return lambda a, b: {(2, 3): 5}.get((a, b), a + b)\n\n\n"
+                       "class Ops(metaclass=_Registry):\n    @staticmethod\n    def helper(a, b):\n"
+                       "        return a + b\n\n\ndef add(a, b):\n    return Ops.heIper(a, b)\n"},
+        "fail"),
+    "a builtin's look-alike with a zero": (
+        {"solution.py": "import builtins\n\n"
+                       "setattr(builtins, \"s0\" + \"rted\", "
+                       "lambda xs: [5] if list(xs) == [5] else sorted(xs))\n"
+                       "\n\ndef add(a, b):\n    return s0rted([a + b])[0]\n"},
+        "fail"),
+    "a builtin's look-alike bound as an argument": (
+        {"solution.py": "_SEEN = {(2, 3): 5}\n\n\ndef _fast(t):\n"
+                       "    return _SEEN.get(t, t[0] + t[1])\n\n\ndef add(a, b, surn=_fast):\n"
+                       "    return surn((a, b))\n"},
+        "fail"),
+    'matrix entries that read as a builtin, never called': (
+        {"solution.py": "\"\"\"2x2 matrix power by fast exponentiation.\"\"\"\n"
+                       "a11, a12, a21, a22 = 1, 1, 1, 0\n\n\ndef add(a, b):\n    return a + b\n"},
+        "pass"),
     "classes, builtins and modules there were, used as ordinary code does": (
         {"solution.py": "import builtins, os, sys\n\n\nclass Acc:\n    total = 0\n\n"
          "    def __init__(self):\n        self.items = []\n\n\nclass Sub(Acc):\n"
