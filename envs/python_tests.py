@@ -14,6 +14,7 @@ import ast
 import asyncio
 import builtins
 import concurrent.futures
+import dataclasses
 import difflib
 import functools
 import hashlib
@@ -255,33 +256,44 @@ def _as_read(name: str, marks: bool = False) -> str:
 _ALIKE = str.maketrans("I1|i", "llll")
 
 
-def _called_twin(called: list, defined: list) -> Optional[tuple[str, str]]:
-  """A name code calls that reads as another callable's it does not call by that name:
-  one the files define (`OPS.heIper(...)` beside `def helper`), or a builtin (`surn(...)`
-  as `sum`, `s0rted(...)` as `sorted`, `povv(...)` as `pow`, `rouncl(...)` as `round`),
-  or None. However the
-  called one came to be (bound at run time on builtins, an instance, a module's or a
-  metaclass's `__getattr__`, a `__builtins__` of its own, or only while a call runs:
-  red team 33, past every reading of names at run time), the judge reads the call as
-  the other. Only calls are compared (a matrix entry `a11` beside the builtin `all` is
-  no look-alike of it)."""
-  def read(name: str, builtin: bool) -> str:
-    if builtin:  # (the builtins' short names: 0 and o, vv and w, cl and d too)
-      name = name.replace("0", "o").replace("vv", "w").replace("cl", "d")
-    return _ascii_folded(name)
+def _called_twin(uses: "_Uses") -> Optional[tuple[str, str]]:
+  """A name code uses as a callable that reads as another callable, or None: the
+  judge reads the one as the other, however it came to be bound (at run time on
+  builtins, an instance, a module's or a metaclass's `__getattr__`, a `__builtins__`
+  of its own, an argument's default, or only while a call runs: red teams 33 and 34,
+  each past every reading of names at run time). Compared:
+  - a name the code calls, decorates with, or hands a function that takes a function
+    (`map`, `reduce`, `partial`, a `key=`), and one the files define as a callable
+    (def, class, import, an argument whose default is a function) with the builtins
+    (`surn` as `sum`, `s0rted`, `povv`, `rouncl`, `staticrnethod`);
+  - a name the code reads that no code binds, and one it calls, with the callables
+    the files define (`functools.reduce(helpers.heIper, ...)` beside `def helper`);
+  - the callables the files define with each other (`c0mpute` beside `compute`).
+  0 and o, vv and w read alike there too, and cl and d beside a builtin's name. A name
+  only read (a matrix entry `a11` beside the builtin `all`) is not compared with the
+  builtins."""
+  def read(name: str, builtin: bool = False) -> str:
+    name = name.replace("0", "o").replace("vv", "w")
+    return _ascii_folded(name.replace("cl", "d") if builtin else name)
 
-  mine = {}
-  for n in defined:
-    if len(n) > 2 and n.isascii():
-      mine.setdefault(read(n, False), n)
+  def long(names):
+    return [n for n in dict.fromkeys(names) if len(n) > 2 and n.isascii()]
+
+  mine: dict[str, str] = {}
+  for n in long(uses.defined):
+    twin = mine.setdefault(read(n), n)
+    if twin != n:
+      return twin, n
   theirs = {read(n, True): n for n in dir(builtins) if len(n) > 2}
-  for n in dict.fromkeys(called):
-    if len(n) <= 2 or not n.isascii():
-      continue
-    for table, builtin in ((mine, False), (theirs, True)):
-      twin = table.get(read(n, builtin), n)
-      if twin != n:
-        return twin, n
+  for n in long(uses.called + uses.defined):
+    twin = theirs.get(read(n, True), n)
+    if twin != n:
+      return twin, n
+  bound = set(uses.bound)
+  for n in long(uses.called + [n for n in uses.read if n not in bound]):
+    twin = mine.get(read(n), n)
+    if twin != n:
+      return twin, n
   return None
 
 
@@ -360,33 +372,73 @@ def _bound(tree: ast.AST):
       yield (node.asname or node.name).split(".")[0]
 
 
-def _called(tree: ast.AST):
-  """(The names code calls, `f(...)` and `x.f(...)`; the names it defines as callables:
-  functions, classes, imports.)"""
-  called, defined = [], []
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Call):
-      if isinstance(node.func, ast.Name):
-        called.append(node.func.id)
-      elif isinstance(node.func, ast.Attribute):
-        called.append(node.func.attr)
-    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-      defined.append(node.name)
-    elif isinstance(node, ast.alias):
-      defined.append((node.asname or node.name).split(".")[-1])
-  return called, defined
+# Calls that take a function as their first argument (or `key=`): a name handed them
+# is used as a callable.
+_TAKES_A_FUNCTION = {"map", "filter", "reduce", "partial", "starmap", "accumulate",
+                     "filterfalse", "takewhile", "dropwhile", "vectorize", "apply_along_axis",
+                     "methodcaller", "cache", "lru_cache", "wraps", "singledispatch"}
+
+
+@dataclasses.dataclass
+class _Uses:
+  """What code does with names (`_called_twin`): calls (or uses as callables), defines
+  as callables, reads, binds (any way, attributes too)."""
+  called: list = dataclasses.field(default_factory=list)
+  defined: list = dataclasses.field(default_factory=list)
+  read: list = dataclasses.field(default_factory=list)
+  bound: list = dataclasses.field(default_factory=list)
+
+  def add(self, tree: ast.AST) -> None:
+    def name_of(node):
+      """The name a callable expression reads as (`f`, `x.f`, `x.f.__call__`, `a or f`)."""
+      while True:
+        if isinstance(node, ast.Attribute) and node.attr == "__call__":
+          node = node.value
+        elif isinstance(node, ast.BoolOp):
+          node = node.values[-1]
+        elif isinstance(node, ast.IfExp):
+          node = node.body
+        else:
+          break
+      return node.id if isinstance(node, ast.Name) else (
+          node.attr if isinstance(node, ast.Attribute) else None)
+
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call):
+        self.called.append(name_of(node.func))
+        if name_of(node.func) in _TAKES_A_FUNCTION and node.args:
+          self.called.append(name_of(node.args[0]))
+        self.called += [name_of(k.value) for k in node.keywords if k.arg == "key"]
+      elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        self.defined.append(node.name)
+        self.called += [name_of(d.func if isinstance(d, ast.Call) else d)
+                        for d in node.decorator_list]
+      elif isinstance(node, ast.alias):
+        self.defined.append((node.asname or node.name).split(".")[-1])
+      elif isinstance(node, ast.arguments):  # (an argument whose default is a function)
+        positional = node.posonlyargs + node.args
+        pairs = list(zip(positional[len(positional) - len(node.defaults):], node.defaults))
+        pairs += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+        self.defined += [a.arg for a, d in pairs
+                         if isinstance(d, (ast.Name, ast.Attribute, ast.Lambda))]
+      elif isinstance(node, ast.Name):
+        (self.read if isinstance(node.ctx, ast.Load) else self.bound).append(node.id)
+      elif isinstance(node, ast.Attribute):
+        (self.read if isinstance(node.ctx, ast.Load) else self.bound).append(node.attr)
+    self.called = [n for n in self.called if n is not None]
+    self.bound += _bound(tree)
 
 
 def _names_in(text: str, budget: list, depth: int = 0,
               bound: Optional[list] = None,
-              calls: Optional[tuple[list, list]] = None) -> tuple[list[str], list[str]]:
+              uses: Optional[_Uses] = None) -> tuple[list[str], list[str]]:
   """(The names `text` uses as Python, the names its strings hold as Python). A string
   can name things (`globals()[...]`, `setattr`, `exec`): one that is not ASCII is read
   as Python in turn (indented too), four levels down, and one that is a name is one.
   Text that is not Python (a syntax newer than this host's, prose) gives its name
   tokens; a leading BOM is skipped, as Python does. The names code binds go to `bound`.
   Every text read is taken from `budget` ([characters left]; `_TooMuchToCheck` past
-  it). The names it calls and defines as callables go to `calls` (`_called`)."""
+  it). What it does with its names goes to `uses` (`_Uses`)."""
   source = text[1:] if text.startswith("\ufeff") else text
   _spend(budget, len(source))
   try:
@@ -396,16 +448,14 @@ def _names_in(text: str, budget: list, depth: int = 0,
   own, held = list(_names(tree)), []
   if bound is not None:
     bound += _bound(tree)
-  if calls is not None:
-    called, defined = _called(tree)
-    calls[0].extend(called)
-    calls[1].extend(defined)
+  if uses is not None:
+    uses.add(tree)
   for node in ast.walk(tree):
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
       if node.value.isidentifier():
         held.append(node.value)
       elif depth < 4 and not node.value.isascii():
-        inner = _names_in(node.value, budget, depth + 1, bound, calls)
+        inner = _names_in(node.value, budget, depth + 1, bound, uses)
         held += inner[0] + inner[1]
   return own, held
 
@@ -483,9 +533,9 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
   elsewhere, budget = [], [MAX_CHECKED_CHARS]
   bound: list[str] = []  # the names code binds (def, class, assignment, import, argument)
   strings: list[str] = []  # the ASCII names strings hold (`globals()["is_Ieap"]`)
-  calls: tuple[list, list] = ([], [])  # the names code calls, and defines as callables
+  uses = _Uses()  # what code does with its names (calls, defines, reads, binds)
   for name, text in files.items():
-    own, held = _names_in(text, budget, bound=bound, calls=calls)
+    own, held = _names_in(text, budget, bound=bound, uses=uses)
     strings += [n for n in held if n.isascii() and not isinstance(n, _Word)]
     if name.endswith(".py"):
       odd = next((n for n in own if not n.isascii()), None)
@@ -496,16 +546,17 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
       own, held = [], own + held
     ascii_names.update(n for n in own + held if n.isascii())
     elsewhere += [(name, n) for n in dict.fromkeys(held) if not n.isascii()]
-  called_twin = _called_twin(*calls)
-  if called_twin:
-    return (f"the code calls {called_twin[1]!r}, which reads as {called_twin[0]!r} (I, 1 "
-            "and l; 0 and O or o; rn and m; vv and w; cl and d: a look-alike a judge would take for "
-            "the other, whatever it was bound to); name them apart")
   ascii_twins = _ascii_twins(bound, strings)
   if ascii_twins:
     return (f"the names {ascii_twins[0]!r} and {ascii_twins[1]!r} read alike (I, 1 and l; "
             "0 and O; rn and m: a look-alike a judge would take for the other); name "
             "them apart")
+  called_twin = _called_twin(uses)
+  if called_twin:
+    return (f"the code uses {called_twin[1]!r} as a callable, which reads as "
+            f"{called_twin[0]!r} (I, 1 and l; 0 and O or o; rn and m; vv and w; beside a "
+            "builtin, cl and d: a look-alike a judge would take for the other, whatever "
+            "it was bound to); name them apart")
   by_reading = {n.translate(_ALIKE): n for n in ascii_names}
   twins: dict[str, str] = {}  # a reading (folded) -> the first spelling read so
   for name, odd in elsewhere:
@@ -673,8 +724,8 @@ class PythonTests(Env):
   # conversion, a dropped newline, floats through range(), a look-back of 9).
   # 13: two non-ASCII spellings that read as one ASCII name are refused. 14: an own
   # task's default public test checks type and value as the grader does, of its first
-  # case whose check is short. 15: a name the code calls that reads as another callable
-  # (one the files define, or a builtin's: `surn(` as `sum`) is refused.
+  # case whose check is short. 15: a name the code uses as a callable that reads as
+  # another callable (one the files define, or a builtin's: `surn(` as `sum`) is refused.
   version = "15"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
