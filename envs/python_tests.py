@@ -374,8 +374,8 @@ def _bound(tree: ast.AST):
 
 # Calls that take a function as their first argument (or `key=`): a name handed them
 # is used as a callable.
-_TAKES_A_FUNCTION = {"map", "filter", "reduce", "partial", "starmap", "accumulate",
-                     "filterfalse", "takewhile", "dropwhile", "vectorize", "apply_along_axis",
+_TAKES_A_FUNCTION = {"map", "filter", "reduce", "partial", "starmap", "filterfalse",
+                     "takewhile", "dropwhile", "vectorize", "apply_along_axis",
                      "methodcaller", "cache", "lru_cache", "wraps", "singledispatch"}
 
 
@@ -408,7 +408,9 @@ class _Uses:
         self.called.append(name_of(node.func))
         if name_of(node.func) in _TAKES_A_FUNCTION and node.args:
           self.called.append(name_of(node.args[0]))
-        self.called += [name_of(k.value) for k in node.keywords if k.arg == "key"]
+        if name_of(node.func) == "accumulate" and len(node.args) > 1:  # (its function second)
+          self.called.append(name_of(node.args[1]))
+        self.called += [name_of(k.value) for k in node.keywords if k.arg in ("key", "func")]
       elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         self.defined.append(node.name)
         self.called += [name_of(d.func if isinstance(d, ast.Call) else d)
