@@ -29,6 +29,7 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # (a whole run and its resume: the end-to-end tier's, about a minute)
 def test_tiny_default_runs_and_resumes(tmp_path):
   run_dir = str(tmp_path / "run")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=3", *SMALL)
