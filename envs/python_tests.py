@@ -256,7 +256,7 @@ def _as_read(name: str, marks: bool = False) -> str:
 _ALIKE = str.maketrans("I1|i", "llll")
 
 
-def _called_twin(uses: "_Uses") -> Optional[tuple[str, str]]:
+def _called_twin(uses: "_Uses", bound: list) -> Optional[tuple[str, str]]:
   """A name code uses as a callable that reads as another callable, or None: the
   judge reads the one as the other, however it came to be bound (at run time on
   builtins, an instance, a module's or a metaclass's `__getattr__`, a `__builtins__`
@@ -271,7 +271,7 @@ def _called_twin(uses: "_Uses") -> Optional[tuple[str, str]]:
   - the callables the files define with each other (`c0mpute` beside `compute`).
   0 and o, vv and w read alike there too, and cl and d beside a builtin's name. A name
   only read (a matrix entry `a11` beside the builtin `all`) is not compared with the
-  builtins."""
+  builtins. `bound`: the names code binds (`_bound`)."""
   def read(name: str, builtin: bool = False) -> str:
     name = name.replace("0", "o").replace("vv", "w")
     return _ascii_folded(name.replace("cl", "d") if builtin else name)
@@ -289,7 +289,7 @@ def _called_twin(uses: "_Uses") -> Optional[tuple[str, str]]:
     twin = theirs.get(read(n, True), n)
     if twin != n:
       return twin, n
-  bound = set(uses.bound)
+  bound = set(uses.bound) | set(bound)
   for n in long(uses.called + [n for n in uses.read if n not in bound]):
     twin = mine.get(read(n), n)
     if twin != n:
@@ -382,7 +382,7 @@ _TAKES_A_FUNCTION = {"map", "filter", "reduce", "partial", "starmap", "filterfal
 @dataclasses.dataclass
 class _Uses:
   """What code does with names (`_called_twin`): calls (or uses as callables), defines
-  as callables, reads, binds (any way, attributes too)."""
+  as callables, reads, and binds as names or attributes (`_bound` has the rest)."""
   called: list = dataclasses.field(default_factory=list)
   defined: list = dataclasses.field(default_factory=list)
   read: list = dataclasses.field(default_factory=list)
@@ -428,7 +428,6 @@ class _Uses:
       elif isinstance(node, ast.Attribute):
         (self.read if isinstance(node.ctx, ast.Load) else self.bound).append(node.attr)
     self.called = [n for n in self.called if n is not None]
-    self.bound += _bound(tree)
 
 
 def _names_in(text: str, budget: list, depth: int = 0,
@@ -553,7 +552,7 @@ def _misread_name(files: dict[str, str]) -> Optional[str]:
     return (f"the names {ascii_twins[0]!r} and {ascii_twins[1]!r} read alike (I, 1 and l; "
             "0 and O; rn and m: a look-alike a judge would take for the other); name "
             "them apart")
-  called_twin = _called_twin(uses)
+  called_twin = _called_twin(uses, bound)
   if called_twin:
     return (f"the code uses {called_twin[1]!r} as a callable, which reads as "
             f"{called_twin[0]!r} (I, 1 and l; 0 and O or o; rn and m; vv and w; beside a "
