@@ -904,9 +904,9 @@ class _Whitebox:
     # the clock advantage 0, and a cut in the first step hid the whole failure from
     # the baseline and the loss: red team 17; the black-box agent pads so too).
     # (one at least, as a verdict gives an episode cut in its first turn's decoding)
-    ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (
-        max(ep.turns, 1) - len(ep.turn_rewards))
-    ep.turn_rewards[-1] += cut  # (the outcome, on the last turn as a verdict's)
+    # (the outcome on the last turn, as a verdict's: the one reward contract)
+    ep.turn_rewards = trained_rewards(list(ep.turn_rewards) + [0.0] * (
+        max(ep.turns, 1) - len(ep.turn_rewards)), ep.verdict)
 
   def _finished(self) -> Episode:
     """The episode with its outcome and its segments, stamped; its log ended."""

@@ -676,9 +676,8 @@ def _segments_from_session(ep: Episode, turns: list[dict], task, cfg: AgentConfi
   records_steps = _steps_of(turns, actions)
   steps = max(records_steps[1], default=-1) + 1
   ep.turn_rewards = list(ep.turn_rewards) + [0.0] * (steps - len(ep.turn_rewards))
-  if outcome:
-    ep.turn_rewards = (ep.turn_rewards or [0.0])[:-1] + [(ep.turn_rewards or [0.0])[-1]
-                                                         + outcome]
+  if outcome:  # (on the last step, as a verdict's: the one reward contract)
+    ep.turn_rewards = trained_rewards(ep.turn_rewards, {"reward": outcome})
   ep.segments = collect_session(turns, session_id=ep.session_id, task_id=task.id,
                                 group_id=ep.group_id, actions=actions,
                                 steps_of=records_steps, status=ep.status,
