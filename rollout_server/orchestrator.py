@@ -380,7 +380,18 @@ class Orchestrator:
       self._update = upd
       self._cv.notify_all()
     if not upd.done.wait(timeout):
-      raise TimeoutError("weight update did not complete in time")
+      with self._cv:
+        if self._update is upd:
+          # Withdrawn: its caller is told it failed, so it must not swap later, behind
+          # the caller's back (the trainer would stamp its next episodes with the old
+          # version while the engine ran the new one, or load it again beside it).
+          self._update = None
+          self._cv.notify_all()
+          raise TimeoutError(
+              f"the weight update to version {upd.version} did not complete in {timeout} s "
+              f"(the running requests did not finish: mode {upd.mode!r}); withdrawn, the "
+              f"engine still serves version {self.version}")
+      upd.done.wait()  # (it swapped as the time ran out: a moment)
     if upd.error is not None:
       raise EngineDead(upd.error)
     return upd.report
@@ -492,17 +503,19 @@ class Orchestrator:
       return  # draining: keep decoding until the running requests finish
     self._read_results(keep=0)
     t0 = time.perf_counter()
-    self.params = upd.params
-    self.version = upd.version
+    with self._cv:  # (its caller may withdraw it, under the lock, as its time runs out)
+      if self._update is not upd:
+        return
+      self.params = upd.params
+      self.version = upd.version
+      self._update = None
+      self._cv.notify_all()
     if self.prefix_cache is not None:
       self.prefix_cache.clear()
     now = time.perf_counter()
     upd.report.update(version=upd.version, mode=upd.mode, swap_s=now - t0,
                       paused_s=now - upd.paused_at)
     self.last_swap = dict(upd.report)
-    with self._cv:
-      self._update = None
-      self._cv.notify_all()
     upd.done.set()
 
   def _admit(self) -> None:

@@ -524,6 +524,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
         report = await loop.run_in_executor(None, target.update_weights, params, mode)
       except EngineDead as e:  # (a 500 before: the server needs a restart, not a retry)
         raise HTTPException(503, str(e))
+      except TimeoutError as e:  # (withdrawn: the old weights still serve; a retry may)
+        raise HTTPException(504, str(e))
       if m is None:
         same = before is not None and before == _export_id(body.path, body.version)
         served_from.update(id=before if same else None, version=report["version"])

@@ -405,6 +405,33 @@ def test_a_request_queued_during_a_drain_runs_on_the_new_weights(random_params):
     orch.stop()
 
 
+def test_a_weight_update_that_times_out_is_withdrawn_not_swapped_later(random_params):
+  """A drain update whose running request outlasts the caller's timeout is withdrawn:
+  its caller was told it failed, and the engine goes on serving the old version (it
+  swapped later, behind the caller's back) and admitting requests; a later update is
+  taken."""
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1)).start()
+  gate = threading.Event()
+  try:
+    with orch._cv:
+      running = orch.submit([4, 4, 4], SamplingParams(seed=0, max_new_tokens=6))
+      running.add_listener(lambda req, n: n == 1 and gate.wait(60))
+    _until(lambda: running.output_ids)  # the engine thread now waits in the listener
+    new = engine.load_params({k: v * 1.5 for k, v in random_params.items()}, version=2)
+    with pytest.raises(TimeoutError, match="withdrawn, the engine still serves version 1"):
+      orch.update_weights(new, timeout=0.3)
+    gate.set()
+    assert running.wait(60) and set(running.versions) == {1}
+    after = orch.generate([4, 4, 4], SamplingParams(seed=0, max_new_tokens=3), timeout=60)
+    assert set(after.versions) == {1} and orch.stats()["version"] == 1
+    assert orch.update_weights(new, timeout=60)["version"] == 2
+    assert orch.stats()["version"] == 2
+  finally:
+    gate.set()
+    orch.stop()
+
+
 def test_request_ids_are_unique_while_in_flight_and_free_after(random_params):
   """A request id names one request in flight (a second is refused); once it finished
   it is free again: not aborted, no progress, and the id can be used anew."""
