@@ -74,12 +74,18 @@ def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
       "infra_errors": infra,
   }
   scored = [[e for e in eps if not e.infra_error] for _, eps in episodes_by_task.values()]
-  for k in ks:  # over the tasks with at least k scored samples
-    values = [pass_at_k(len(eps), sum(e.success for e in eps), k) for eps in scored
-              if len(eps) >= k]
+  # Every pass@k over the same tasks: those with max(k) scored samples. Each k over the
+  # tasks with k of them read the tasks that lost a sample to the infrastructure (the long,
+  # hard ones) into the small k's and out of the large: a task that failed its 7 scored
+  # samples and lost its 8th left pass@8 at 1.0 beside pass@1 0.5 (a reviewer).
+  whole = [eps for eps in scored if len(eps) >= max(ks, default=0)]
+  for k in ks:
+    values = [pass_at_k(len(eps), sum(e.success for e in eps), k) for eps in whole]
     out[f"pass@{k}"] = float(np.mean(values)) if values else None
     out[f"pass@{k}_tasks"] = len(values)
-  out.update(percentiles([e.latency_s for e in episodes], "latency_s"))
+  # (the episodes played: one scored 0 unplayed, its first prompt too long, took no time)
+  unfit = {id(e) for e in _unfit(episodes)}
+  out.update(percentiles([e.latency_s for e in episodes if id(e) not in unfit], "latency_s"))
   return out
 
 
@@ -162,6 +168,11 @@ def print_table(rep: dict, ks: Sequence[int], file=None) -> None:
   if rep["overall"].get("infra_errors"):
     say(f"({rep['overall']['infra_errors']} episodes failed in the infrastructure after "
           "retries: left out of every figure)")
+  short = [(env, r) for env, r in rows if ks and r.get(f"pass@{ks[0]}_tasks") is not None
+           and r[f"pass@{ks[0]}_tasks"] < r.get("tasks", 0)]
+  for env, r in short:  # (the table's tasks column is every task's)
+    say(f"({env}: pass@k over {r[f'pass@{ks[0]}_tasks']} of its {r['tasks']} tasks, those "
+        f"with {max(ks)} scored samples: the others lost some to the infrastructure)")
   if rep["overall"].get("first_prompt_too_long"):  # (scored 0 unplayed: a new user's
     # walkthrough saw a success of 0 and no reason)
     say(f"({rep['overall']['first_prompt_too_long']} episodes scored 0 without a turn: "

@@ -57,6 +57,11 @@ def test_first_prompts_that_did_not_fit_are_counted_and_said(capsys):
   cut.unfit = "task 'a' (env1): its first prompt is 900 tokens ... raise agent.max_context_tokens"
   rep = eval_lib.report({"a": ("env1", [cut]), "b": ("env1", [_episode("b", True, 1.0)])}, [1])
   assert rep["overall"]["first_prompt_too_long"] == 1 and rep["unfit"] == cut.unfit
+  # (unplayed, it took no time: left out of the latencies, which it pulled down)
+  cut.latency_s = 0.0
+  played = _episode("b", True, 1.0, latency=2.0)
+  assert eval_lib.report({"a": ("env1", [cut]), "b": ("env1", [played])}, [1])[
+      "overall"]["latency_s_p50"] == pytest.approx(2.0)
   eval_lib.print_table(rep, [1])
   assert ("1 episodes scored 0 without a turn: their first prompt did not fit. For example: "
           "task 'a' (env1)") in capsys.readouterr().out
@@ -71,8 +76,27 @@ def test_infrastructure_failures_are_left_out_of_the_figures():
   overall = eval_lib.report(by_task, [1, 2])["overall"]
   assert overall["episodes"] == 3 and overall["infra_errors"] == 1
   assert overall["success_rate"] == pytest.approx(2 / 3)
-  assert overall["pass@1"] == pytest.approx((1.0 + 0.5) / 2)
-  assert overall["pass@2"] == pytest.approx(1.0)  # (task a has one scored sample: left out)
+  # (task a has one scored sample: left out of every pass@k, which all read the same tasks)
+  assert overall["pass@1"] == pytest.approx(0.5) and overall["pass@2"] == pytest.approx(1.0)
+  assert overall["pass@1_tasks"] == overall["pass@2_tasks"] == 1
+
+
+def test_every_pass_at_k_reads_the_same_tasks_whatever_the_infrastructure_lost(capsys):
+  """A reviewer: each pass@k over the tasks with k scored samples read a task that failed
+  its 7 scored samples (its 8th lost to the infrastructure) into pass@1 and out of pass@8,
+  which said 1.0 beside pass@1's 0.5. Every k now reads the tasks with max(k) samples,
+  and the table says how many of the tasks those are."""
+  lost = _episode("b", False, 0.0)
+  lost.infra_error = True
+  by_task = {"a": ("env1", [_episode("a", True, 1.0) for _ in range(8)]),
+             "b": ("env1", [_episode("b", False, 0.0) for _ in range(7)] + [lost])}
+  rep = eval_lib.report(by_task, [1, 8])
+  overall = rep["overall"]
+  assert overall["pass@1"] == overall["pass@8"] == 1.0
+  assert overall["pass@1_tasks"] == overall["pass@8_tasks"] == 1
+  eval_lib.print_table(rep, [1, 8])
+  assert ("all: pass@k over 1 of its 2 tasks, those with 8 scored samples: the others lost "
+          "some to the infrastructure") in capsys.readouterr().out
 
 
 def test_a_warmup_episode_is_played_first_and_in_no_figure():
