@@ -126,12 +126,20 @@ def _config_volume(run: str) -> dict:
 PLACEHOLDER_BUCKET = "gs://BUCKET/runs"  # (--bucket's default: said as such)
 
 
+# Checkpoints and policy exports are finalised by renaming their directories (Orbax's
+# temporary step directory, `vN.new` -> `vN`): on a bucket without a hierarchical
+# namespace gcsfuse refuses to rename a directory that holds anything unless given a
+# limit (the first export failed, and every restart with it: a reviewer), and renames
+# by copying each object then deleting it (not atomic: docs/training.md).
+MOUNT_OPTIONS = "implicit-dirs,rename-dir-limit=1000000"
+
+
 def _mount_bucket(pod: dict, container: dict, bucket: str) -> None:
   """Mounts `bucket` at /runs with the GKE GCS FUSE CSI driver."""
   pod.setdefault("volumes", []).append({
       "name": "runs", "csi": {"driver": "gcsfuse.csi.storage.gke.io",
                               "volumeAttributes": {"bucketName": bucket,
-                                                   "mountOptions": "implicit-dirs"}}})
+                                                   "mountOptions": MOUNT_OPTIONS}}})
   container.setdefault("volumeMounts", []).append({"name": "runs", "mountPath": "/runs"})
 
 
@@ -198,6 +206,17 @@ def manifests(cfg: config_lib.RunConfig, args, tokens: dict | None = None
   bucket, _, prefix = args.bucket.removeprefix("gs://").partition("/")
   if not args.bucket.startswith("gs://") or not bucket:
     raise ValueError(f"--bucket {args.bucket!r}: expected gs://BUCKET[/PREFIX]")
+  if args.bucket != PLACEHOLDER_BUCKET and not re.fullmatch(
+      r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]", bucket):
+    raise ValueError(f"--bucket {args.bucket!r}: {bucket!r} is not a bucket name (lower-case "
+                     "letters, digits, '-', '_' and '.', 3-222 characters, starting and "
+                     "ending with a letter or digit)")
+  parts = [x for x in prefix.split("/") if x]
+  if any(x in (".", "..") or not x.isprintable() or x.strip() != x for x in parts):
+    # (`gs://b/../../etc` put the run directory outside the mount, on the pod's own disk,
+    # which a restart loses and the servers never see: a reviewer)
+    raise ValueError(f"--bucket {args.bucket!r}: its path holds '.', '..', spaces or "
+                     "unprintable characters; give gs://BUCKET[/PREFIX] with a plain prefix")
   # The bucket is mounted by the GCS FUSE CSI driver at /runs in the learner and the
   # rollout servers: metrics, checkpoints and policy exports are plain paths, and the
   # servers load the exports the learner writes.
@@ -459,6 +478,13 @@ def main(argv=None) -> int:
       raise ValueError(f"--sandboxes must be >= 1, got {args.sandboxes}")
     if args.max_restarts < 0:
       raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.server_accelerator != "cpu" and not re.fullmatch(
+        r"nvidia-[a-z0-9-]+", args.server_accelerator):
+      # (any other value asked for no accelerator: the servers ran JAX on a CPU node, and
+      # the warning below said they ran on it: a reviewer)
+      raise ValueError(f"--server-accelerator {args.server_accelerator!r}: a GKE GPU "
+                       "accelerator (nvidia-l4, nvidia-h100-80gb, ...) or cpu")
+
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", args.namespace):
       raise ValueError(f"--namespace {args.namespace!r}: a Kubernetes namespace is lower-case "
                        "letters, digits and '-', starting and ending with a letter or digit")
@@ -491,6 +517,13 @@ def main(argv=None) -> int:
     print(f"{' and '.join(fresh)} hold{'s' if len(fresh) == 1 else ''} a new token the "
           "learner takes: delete its JobSet first (kubectl delete jobset "
           f"{jobset['name']} -n {jobset['namespace']}; it resumes from its checkpoint)")
+  if args.servers and cfg.serving.models:
+    # (xpk's learner runs the image's config, whose serving.models the learner refuses
+    # beside servers: the ConfigMap's leaves them to the servers; a reviewer)
+    print("(no xpk line: the config's serving.models are served by the rollout servers, "
+          "and xpk's learner would run the image's config, which serves them itself beside "
+          "servers, refused; apply the JobSet)")
+    return 0
   secrets = [os.path.join(args.out, s[0]) for s in SECRETS.values() if s[0] in objects]
   if not secrets:
     print(f"or, with xpk (the bucket mounted at /runs): {xpk_command(cfg, args, objects)}")

@@ -317,10 +317,40 @@ def test_what_the_cluster_would_refuse_is_refused_here(tmp_path, capsys):
 def test_bad_slice_and_bucket_are_named(tmp_path):
   for args, msg in [(["--tpu-type", "v5litepod-12"], "12 chips is not a v5litepod slice"),
                     (["--tpu-type", "h100-8"], "expected one of"),
-                    (["--tpu-type", "v5p-32", "--bucket", "s3://x"], "expected gs://")]:
+                    (["--tpu-type", "v5p-32", "--bucket", "s3://x"], "expected gs://"),
+                    # (a reviewer: `..` put the run directory outside the mount, on the
+                    # pod's own disk; a name with a space was taken)
+                    (["--tpu-type", "v5p-32", "--bucket", "gs://b01/../../etc"],
+                     "its path holds '.', '..'"),
+                    (["--tpu-type", "v5p-32", "--bucket", "gs://my bucket/runs"],
+                     "'my bucket' is not a bucket name"),
+                    # (any other value asked for no GPU: the servers ran on a CPU node)
+                    (["--tpu-type", "v5p-32", "--server-accelerator", "tpu-v5-lite-podslice"],
+                     "--server-accelerator 'tpu-v5-lite-podslice': a GKE GPU accelerator")]:
     code, _, stderr = deploy_cli("gke", "--config", "configs/tiny.yaml", "--image", "i",
                                  "--out", str(tmp_path), *args)
     assert code == 2 and msg in stderr, stderr
+
+
+def test_the_bucket_is_mounted_so_that_checkpoints_and_exports_can_be_renamed(tmp_path):
+  """A reviewer: Orbax finalises a checkpoint, and an export is swapped in, by renaming
+  a directory that holds files, which gcsfuse refuses on a bucket without a hierarchical
+  namespace unless given a limit (the first export failed, and every restart with it)."""
+  docs, _ = generate(tmp_path, "v5litepod-8")
+  for name in ("learner-jobset.yaml", "rollout-statefulset.yaml"):
+    text = yaml.safe_dump(docs[name])
+    assert "rename-dir-limit=" in text and "implicit-dirs" in text, name
+
+
+def test_no_xpk_line_is_printed_for_a_learner_that_would_refuse_its_config(tmp_path):
+  """A reviewer: xpk's learner runs the image's config, whose serving.models the
+  learner refuses beside servers (the ConfigMap leaves them to the servers): the line
+  printed would fail in the cluster."""
+  _, stdout = generate(tmp_path, "v5litepod-8", "--env-workers", "0", "env.judge=judge",
+                       "serving.models.judge.model.preset=nano")
+  assert "xpk workload create" not in stdout and "no xpk line" in stdout
+  _, stdout = generate(tmp_path / "plain", "v5litepod-8")
+  assert "xpk workload create" in stdout
 
 
 def test_dockerfile_installs_the_project_with_an_accelerator_choice():
