@@ -635,15 +635,16 @@ class TrainingRun:
         await self.agree(f"export-{self.version}")
       await self.loop.run_in_executor(self.run_pool, exports.write, self.version,
                                       self.state.params)
-    self.t_rollout_mark = time.perf_counter()
     row.update({"weight_sync_s": sync_s,
                 **({"weight_sync_path": sync_path} if sync_path else {})})
     self.recent = (self.recent + [(row.get("success_rate", 0.0) * row["episodes"],
                                    row["episodes"])])[-cfg.stop_window:]
     try:  # (this process's own work: an error is told at the next agreement)
       if cfg.eval.every and self.step % cfg.eval.every == 0 and self.primary:
+        t0 = time.perf_counter()
         figures = await evaluate_policy(cfg, self.env_factory, self.serving, self.tokenizer)
-        row.update(figures, eval_policy_version=scheduler.served)
+        row.update(figures, eval_policy_version=scheduler.served,
+                   eval_s=round(time.perf_counter() - t0, 3))
         # (said on the console too: they were only in metrics.jsonl, a new user's)
         tqdm.write(eval_line(figures, self.step, scheduler.served), file=sys.stdout)
       await self.write_records(self.records)
@@ -653,6 +654,9 @@ class TrainingRun:
       self.hold(e)
     if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
       await self.save_checkpoint(self.save_point())
+    # The next step's rollout wait starts here: after this step's evaluation, records and
+    # save (they were read as its rollout time, and its rates fell: a reviewer).
+    self.t_rollout_mark = time.perf_counter()
     return True
 
   async def _rollouts(self, accepted: list) -> Optional[tuple]:
