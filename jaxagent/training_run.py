@@ -395,9 +395,11 @@ class TrainingRun:
 
   def save_point(self) -> tuple:
     """What a checkpoint keeps of the rollouts, taken at one instant (no await between):
-    the tasks in flight, the data iterator's place and the next group's number."""
+    the tasks in flight, the data iterator's place, the next group's number and the
+    run's totals (a retry or drop of a group in flight counted after it was counted
+    again when a resume played the group again; a reviewer)."""
     return (self.scheduler.pending_tasks(), IteratorAt(self.tasks),
-            self.scheduler.next_index)
+            self.scheduler.next_index, self.totals())
 
   async def save_checkpoint(self, point, force=False, canary=True) -> None:
     """Saves the run's state at its step, with `point` (`save_point`: the tasks in flight,
@@ -406,7 +408,7 @@ class TrainingRun:
     iterator gives its task again on a resume.)"""
     cfg, scheduler, wal, step, state = (self.cfg, self.scheduler, self.wal, self.step,
                                         self.state)
-    pending, data_at, next_index = point
+    pending, data_at, next_index, counted = point
     pending = [t.to_dict() if isinstance(t, TaskSpec) else t for t in pending]
     canary_now = None
     try:  # what the saved weights sample on fixed tasks (checked by --canary)
@@ -448,7 +450,7 @@ class TrainingRun:
         "pending_tasks": pending, "pending_tasks_by_process": by_process,
         "next_group": next_group,
         "wal_consumed_by_process": [g["consumed"] for g in got],
-        "stop_window_recent": self.recent, "counted": self.totals(),
+        "stop_window_recent": self.recent, "counted": counted,
         "canary": canary_now}, data_at, force=force, prints=prints)
     if wal is not None:
       # Groups this checkpoint no longer lists need no replay once it is written: those

@@ -189,6 +189,7 @@ def test_a_checkpoint_saves_the_rollouts_as_they_stood_when_its_save_began(monke
   saved as they were when the tasks in flight were taken. Read at the save, the
   iterator was past the group's task, and a resume never played it (a reviewer)."""
   import asyncio
+  import collections
   import json
   import types
 
@@ -201,12 +202,16 @@ def test_a_checkpoint_saves_the_rollouts_as_they_stood_when_its_save_began(monke
   tasks = iter(grain.MapDataset.range(100).to_iter_dataset())
   scheduler = types.SimpleNamespace(
       served=0, next_index=2, pending=[{"t": 0}, {"t": 1}], retries=0, replaced=0,
-      dropped={}, drain_finished=lambda: [])
+      dropped=collections.Counter(), drain_finished=lambda: [])
   scheduler.pending_tasks = lambda: list(scheduler.pending)
 
   async def a_group_starts(*args):  # (the rollouts go on during the save's awaits)
     scheduler.pending.append({"t": next(tasks)})
     scheduler.next_index += 1
+    # (and a group in flight meets a retry and a drop: played again on a resume, they
+    # were counted twice; a reviewer)
+    scheduler.retries += 1
+    scheduler.dropped["infra_error"] += 1
     return ["canary"]
 
   saved = {}
@@ -231,6 +236,7 @@ def test_a_checkpoint_saves_the_rollouts_as_they_stood_when_its_save_began(monke
   asyncio.run(save())
   assert saved["meta"]["pending_tasks"] == [{"t": 0}, {"t": 1}]
   assert saved["meta"]["next_group"] == 2 and saved["meta"]["canary"] == ["canary"]
+  assert saved["meta"]["counted"] == {"retries": 0, "groups_replaced": 0, "dropped": {}}
   again = iter(grain.MapDataset.range(100).to_iter_dataset())
   again.set_state(saved["place"])
   assert next(again) == 2  # (task 2, started during the save, is played on a resume)
