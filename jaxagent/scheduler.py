@@ -100,6 +100,10 @@ class Group:
   retries: int = 0
   dropped_episodes: int = 0
   task_handle: Optional[asyncio.Task] = dataclasses.field(default=None, repr=False)
+  # What the run's totals counted it as once taken: a drop's reason (the filters'), or
+  # "nothing_trained" (a step it gave nothing); None while accepted or not taken.
+  counted_as: Optional[str] = None
+  requeued: bool = False  # (the infrastructure left it short: its task played again)
 
   @property
   def rewards(self) -> list[float]:
@@ -318,6 +322,8 @@ class RolloutScheduler:
     max_staleness + 1 such steps let no group start again in the async modes, and the
     run waited for ever; red team 20)."""
     self.replaced += len(groups)
+    for g in groups:
+      g.counted_as = "nothing_trained"
     self._changed.set()
 
   def set_served(self, version: int) -> None:
@@ -366,28 +372,33 @@ class RolloutScheduler:
   # -- consumption -----------------------------------------------------------------------
 
   def _accept(self, group: Group) -> bool:
+    why = self._refused(group)
+    if why is not None:
+      self.dropped[why] += 1
+      group.counted_as = why
+    return why is None
+
+  def _refused(self, group: Group) -> Optional[str]:
+    """Why the filters drop `group` (None: accepted)."""
     replay = self._replaying.pop(id(group.task), None) is not None
     if len(group.episodes) < 2:
-      self.dropped["too_few_valid"] += 1
       if not replay and group.dropped_episodes:
         # The infrastructure's drops left it short: its task is played again, once.
         self._replaying[id(group.task)] = group.task
         self.requeue.append(group.task)
-      return False
+        group.requeued = True
+      return "too_few_valid"
     v = group.min_version()
     if v is not None and self.version - v > self.staleness_bound():
-      self.dropped["stale"] += 1
-      return False
+      return "stale"
     newest = group.max_version()
     if newest is not None and newest > self.version:
       # Weights this run has not made (a server still serving a stopped run's): the
       # versions would not say which weights sampled the tokens.
-      self.dropped["future_version"] += 1
-      return False
+      return "future_version"
     if self.cfg.filter_equal_rewards and not carries_signal(group, self.advantage):
-      self.dropped["no_signal"] += 1
-      return False
-    return True
+      return "no_signal"
+    return None
 
   async def next_groups(self) -> tuple[list[Group], list[Group]]:
     """The next step's groups: (accepted, all finished groups consumed, for metrics).
@@ -407,10 +418,30 @@ class RolloutScheduler:
         ok = [g for g in batch if self._accept(g)]
         self.replaced += len(batch) - len(ok)
         accepted += ok
-    except BaseException:  # (a run stopping, an outage): the groups accepted are not lost
-      self.put_back(accepted)
+    except BaseException:  # (a run stopping, an outage): the groups taken are not lost
+      self.give_back(taken)
       raise
     return accepted, taken
+
+  def give_back(self, groups: list[Group]) -> None:
+    """Groups taken since the last step that trained, given back as never taken at a
+    stop: the accepted, those the filters dropped and those a step found nothing in,
+    no longer counted as dropped or replaced. Saved as in flight, a resume plays them
+    again from their episodes' logs and counts them once, in its first row; consumed by
+    the final save, they were in no row of either run (a reviewer). A group whose task
+    was re-queued (the infrastructure left it short) stays taken: the task's second play
+    stands for it."""
+    back = []
+    for g in groups:
+      if g.requeued:
+        continue
+      if g.counted_as is not None:
+        self.replaced -= 1
+        if g.counted_as in self.dropped:
+          self.dropped[g.counted_as] -= 1
+        g.counted_as = None
+      back.append(g)
+    self.put_back(back)
 
   def put_back(self, groups: list[Group]) -> None:
     """Groups taken by a step that was given up: in the scheduler again, in their order,

@@ -815,6 +815,11 @@ class TrainingRun:
       except Exception as e:  # (then it is not checkpointed: a resume replays the step)
         print(f"warning: step {records['step']}'s records could not be written "
               f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    # The groups taken since the last step that trained (steps that found nothing in
+    # them, groups the filters dropped) are in no row yet: given back as in flight, the
+    # final save keeps them for a resume to count (it consumed them: in no row ever).
+    self.scheduler.give_back(self.played)
+    self.played = []
     point = self.save_point()
     await self.scheduler.stop()
     unsaved, failed = await self._unsaved()

@@ -80,6 +80,18 @@ elif os.environ.get("KILL_AT") == "batchfail":
       raise RuntimeError("a bug in making step 4's batch")
     return pack_groups(*args, **kwargs)
   training_run.pack_groups = pack_or_fail
+elif os.environ.get("KILL_AT") == "notrain":
+  # Every group from policy version 3 on is filtered (no signal), and the first step that
+  # trains nothing is followed by a SIGTERM.
+  from jaxagent import scheduler
+  refused, nothing = scheduler.RolloutScheduler._refused, training_run.TrainingRun._nothing_trained
+  def refuse_from_3(self, group):
+    return refused(self, group) or ("no_signal" if self.version >= 3 else None)
+  def nothing_then_stop(self, info):
+    nothing(self, info)
+    os.kill(os.getpid(), signal.SIGTERM)
+  scheduler.RolloutScheduler._refused = refuse_from_3
+  training_run.TrainingRun._nothing_trained = nothing_then_stop
 elif os.environ.get("KILL_AT") == "save":
   save, saves = checkpoint.RunCheckpointer.save, []
   def save_then_die(self, step, *args, **kwargs):
@@ -264,6 +276,31 @@ def test_a_resumed_run_replays_its_episodes_in_flight_from_the_token_wal(tmp_pat
   first = {}
   for s in segs:  # no episode trained at two steps
     assert first.setdefault(sampled(s), s["step"]) == s["step"], (s["group_id"], s["step"])
+
+
+@pytest.mark.slow
+def test_groups_played_after_the_last_trained_step_are_counted_once_over_a_resume(tmp_path):
+  """A reviewer: a stop after a step that trained nothing (every group filtered) let the
+  final save consume that step's groups, and no row of either run counted them (their
+  drops were counted in the totals all the same). They are saved as in flight: the
+  resume plays them again from their logs and its rows count each group once."""
+  run_dir = str(tmp_path / "run")
+  code, out = finish(*start(run_dir, kill_at="notrain", overrides=["steps=5"]))
+  assert code == 128 + signal.SIGTERM, out[-3000:]
+  rows = read_metrics(run_dir)
+  assert [r["step"] for r in rows] == [1, 2, 3], out[-3000:]
+  assert os.path.isdir(os.path.join(run_dir, "checkpoints", "3"))  # (the final save)
+  code, out = finish(*start(run_dir, "--resume", overrides=["steps=5"]))
+  assert code == 0 and "resumed from step 3 " in out, out[-3000:]
+  m = re.search(r"(\d+) tasks re-queued", out)
+  assert m and int(m.group(1)) >= 8, out[-3000:]  # (max_sample_rounds x 2 groups, at least)
+  rows = read_metrics(run_dir)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+  # Every group a row counts and did not train is a drop the totals count, no more.
+  left = sum(r["groups"] - r["groups_accepted"] for r in rows)
+  assert left == sum(rows[-1][f"dropped_{k}"] for k in (
+      "no_signal", "too_few_valid", "stale", "future_version")), rows[-1]
+  assert sum(r.get("wal_replayed_turns", 0) for r in rows) > 0
 
 
 @pytest.mark.slow

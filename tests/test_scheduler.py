@@ -518,12 +518,51 @@ def test_a_step_given_up_while_sampling_loses_none_of_its_groups(how):
       await step
     pending, finished = s.pending_tasks(), s.drain_finished()
     order = list(s.groups)
+    counted = s.dropped["no_signal"], s.replaced
     await s.stop()
-    return pending, finished, order
+    return pending, finished, order, counted
 
-  pending, finished, order = run(go())
-  assert pending[0] == 0 and 1 not in pending and order == sorted(order)
-  assert "g0" not in finished and "g1" in finished
+  pending, finished, order, counted = run(go())
+  # (the filtered group too: consumed, it was in no metrics row of either run)
+  assert pending[:2] == [0, 1] and order == sorted(order)
+  assert "g0" not in finished and "g1" not in finished and counted == (0, 0)
+
+
+def test_groups_taken_since_the_last_trained_step_are_given_back_uncounted():
+  """A reviewer: a stop after a step that trained nothing (its groups filtered, or none
+  packed) let the final save consume those groups (their logs let go, their tasks past
+  the checkpoint's place), and no row of either run counted them. Given back, they are
+  in flight again and their drops no longer counted (a resume counts them once); a
+  group whose task the infrastructure's drops re-queued stays taken."""
+  failed = []
+
+  async def play(task, sid, gid):
+    if task == 2 and sid.endswith("-1-r0") and not failed:  # short: its task played again
+      failed.append(sid)
+      return episode(task, sid, gid, reward=0.0, infra=True)
+    return episode(task, sid, gid, reward=float(task == 0 and sid.endswith("-0-r0")))
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="sync", groups_per_step=1, group_size=2,
+                                       max_retries=0, filter_equal_rewards=True,
+                                       max_sample_rounds=3), itertools.count(), play)
+    accepted, taken = await s.next_groups()  # group 0: accepted, its step found nothing
+    s.trained_nothing(accepted)
+    # task 1 filtered, task 2 short (re-queued), and played again: filtered
+    more_accepted, more = await s.next_groups()
+    assert more_accepted == [] and [g.task for g in more] == [1, 2, 2]
+    assert s.dropped["no_signal"] == 2 and s.dropped["too_few_valid"] == 1
+    assert s.replaced == 4
+    s.give_back(taken + more)
+    pending = s.pending_tasks()
+    finished = s.drain_finished()
+    await s.stop()
+    return s, pending, finished
+
+  s, pending, finished = run(go())
+  assert pending == [0, 1, 2]  # (task 2 once: its second play stands for the first)
+  assert finished == ["g2"]
+  assert s.dropped["no_signal"] == 0 and s.dropped["too_few_valid"] == 1 and s.replaced == 1
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "chunk"])
