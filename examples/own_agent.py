@@ -22,7 +22,7 @@ environment's own, as `env.step` returned them). A gateway that fails
 
 import httpx
 
-from jaxagent.blackbox import gateway_turn, reply_text
+from jaxagent.blackbox import gateway_turn, reply_text, turn_seed
 
 
 async def run_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
@@ -36,9 +36,12 @@ async def run_agent(env, task, base_url: str, *, session_id: str, model: str = "
   # waits on one whose tokens keep coming)
   async with httpx.AsyncClient(base_url=base_url, timeout=None,
                                headers={"X-Session-Id": session_id}) as client:
-    for _ in range(max_turns):
+    for turn in range(max_turns):
+      # (a seed per session and turn, optional: an evaluation of the run then plays the
+      # same episodes each time; without one the gateway draws its own)
       body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-              "temperature": temperature, "top_p": top_p, "top_k": top_k}
+              "temperature": temperature, "top_p": top_p, "top_k": top_k,
+              "seed": turn_seed(session_id, turn)}
       if obs.tools:
         body["tools"] = obs.tools
       r = await gateway_turn(client.post("/v1/chat/completions", json=body), base_url,

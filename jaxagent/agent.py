@@ -93,7 +93,9 @@ class Episode:
 FIRST_PROMPT_TOO_LONG = "first_prompt_too_long"
 
 
-def _seed(session_id: str, turn: int) -> int:
+def turn_seed(session_id: str, turn: int) -> int:
+  """The sampling seed of an episode's turn: the same for the same session and turn (a
+  report is reproducible), another for each episode of a group."""
   return zlib.crc32(f"{session_id}/{turn}".encode()) & 0x7FFFFFFF
 
 
@@ -171,7 +173,7 @@ async def _compact(messages: list[dict], cfg: AgentConfig, *, engine=None,
   sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.summary_max_tokens,
                             stop_token_ids=tuple(tokenizer.stop_ids),
-                            seed=_seed(session_id + "#summary", turn))
+                            seed=turn_seed(session_id + "#summary", turn))
   extra = {"model": cfg.summarizer} if cfg.summarizer else {}
   # Bounded as a turn is (it moves or it is the server's): the policy's context length
   # asked for it, and by default the policy writes it.
@@ -787,7 +789,7 @@ class _Whitebox:
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=cfg.max_new_tokens,
                               stop_token_ids=tuple(tokenizer.stop_ids),
-                              seed=_seed(self.seed_session, turn))
+                              seed=turn_seed(self.seed_session, turn))
     t0 = time.perf_counter()
     self.wait_on("server")
     try:

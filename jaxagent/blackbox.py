@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 from envs.base import import_entry, trained_rewards
 from envs import waits
-from jaxagent import control
+from jaxagent import agent as agent_lib, control
 from jaxagent.agent import (EPISODE_WALL_FACTOR, FIRST_PROMPT_TOO_LONG, Episode, MeasuredEnv,
                             graded, judge_cut, provenance, stamp, while_it_moves)
 from jaxagent.config import AgentConfig
@@ -84,6 +84,14 @@ def _openai_client(base_url: str, session_id: str):
                             timeout=None, default_headers={"X-Session-Id": session_id})
 
 
+def turn_seed(session_id: str, turn: int) -> int:
+  """A harness's sampling seed for its `turn`: the built-in agent's for the episode's
+  session, whose id the harness is handed with a secret part (`~...`, new each play)
+  that is left out, so that an episode played again samples again the same (an
+  evaluation is reproducible; a harness sending no seed has the gateway draw one)."""
+  return agent_lib.turn_seed(session_id.rsplit("~", 1)[0], turn)
+
+
 async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: str = "policy",
                            max_turns: int = 8, max_tokens: int = 32, temperature: float = 1.0,
                            top_p: float = 1.0, top_k: int = 0,
@@ -98,12 +106,14 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
   try:
     obs = await env.reset(task)
     messages = list(obs.messages)
-    for _ in range(max_turns):
+    for turn in range(max_turns):
       kwargs = {"tools": obs.tools} if obs.tools else {}
+      # (seeded as the built-in agent's turns are: an evaluation is reproducible; the
+      # gateway drew a seed of its own for a request without one)
       resp = await gateway_turn(client.chat.completions.create(
           model=model, messages=messages, max_tokens=max_tokens, temperature=temperature,
-          top_p=top_p, extra_body={"top_k": top_k}, **kwargs), base_url, session_id,
-          turn_timeout_s)
+          top_p=top_p, seed=turn_seed(session_id, turn), extra_body={"top_k": top_k},
+          **kwargs), base_url, session_id, turn_timeout_s)
       msg = resp.choices[0].message
       text = msg.content or ""
       # hand the raw call text back in the template's format
@@ -187,10 +197,11 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
     if obs.tools:  # function schemas as Anthropic's tools (the server renders them back)
       kwargs["tools"] = [{**{k: v for k, v in t["function"].items() if k != "parameters"},
                           "input_schema": t["function"]["parameters"]} for t in obs.tools]
-    for _ in range(max_turns):
+    for turn in range(max_turns):
       resp = await gateway_turn(client.messages.create(
           model=model, messages=messages, max_tokens=max_tokens,
-          extra_body={"temperature": temperature, "top_p": top_p, "top_k": top_k},
+          extra_body={"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                      "seed": turn_seed(session_id, turn)},
           **kwargs), base_url, session_id, turn_timeout_s)
       uses = [b for b in resp.content if b.type == "tool_use"]
       text = "".join(b.text for b in resp.content if b.type == "text")
@@ -258,11 +269,12 @@ async def run_responses_agent(env, task, base_url: str, *, session_id: str,
     kwargs: dict[str, Any] = {"instructions": instructions} if instructions else {}
     if obs.tools:  # function schemas as the Responses API's tools (rendered back alike)
       kwargs["tools"] = [{"type": "function", **t["function"]} for t in obs.tools]
-    for _ in range(max_turns):
+    for turn in range(max_turns):
       resp = await gateway_turn(client.responses.create(
           model=model, input=items, max_output_tokens=max_tokens, temperature=temperature,
-          top_p=top_p, store=False, extra_body={"top_k": top_k}, **kwargs),
-          base_url, session_id, turn_timeout_s)
+          top_p=top_p, store=False, extra_body={"top_k": top_k,
+                                                "seed": turn_seed(session_id, turn)},
+          **kwargs), base_url, session_id, turn_timeout_s)
       calls = [o for o in resp.output if o.type == "function_call"]
       text = "".join(p.text for o in resp.output if o.type == "message"
                      for p in o.content if p.type == "output_text")

@@ -16,7 +16,9 @@ Episodes are played as the run plays them: its built-in agent, or its black-box
 harness (`agent.kind`) through the gateway; with `env.judge`, passes are shown to the
 judge as in training. Each task is played max(k) times (`--samples` to play more) at the run's
 temperature, or once greedily with `--greedy` (then only pass@1). Sampling seeds
-follow from the task and sample index, so a report is reproducible.
+follow from the task, the sample index and the turn, so a report is reproducible (a
+black-box harness of your own that sends no seed has the gateway draw one:
+`jaxagent.blackbox.turn_seed` gives it the built-in agents').
 """
 
 from __future__ import annotations

@@ -951,11 +951,11 @@ def test_an_episode_ends_at_the_step_that_ends_it_with_its_status(terminated, tr
 def test_each_turn_is_sampled_with_its_own_seed_and_its_tokens_carry_its_turn():
   """Turn t is sampled with the seed of (session, t) (a replay goes on with the logged
   session's), and its tokens, sampled ids and log-probs, are chunk t of the segment."""
-  from jaxagent.agent import _seed
+  from jaxagent.agent import turn_seed
 
   task = TaskSpec("t", "guess_number", {"secret": 11, "process_reward": 0.0})
   ep, engine = play(["8", "12", "11"], task)
-  assert engine.seeds == [_seed("s1", t) for t in range(3)] and len(set(engine.seeds)) == 3
+  assert engine.seeds == [turn_seed("s1", t) for t in range(3)] and len(set(engine.seeds)) == 3
   (seg,) = ep.segments
   trained = seg.loss_mask > 0
   sampled = [TOK.encode(a) + [TOK.stop_ids[0]] for a in ("8", "12", "11")]

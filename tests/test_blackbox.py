@@ -563,6 +563,27 @@ def test_a_task_that_cannot_start_is_a_task_error_for_every_agent(random_params)
                                config, session_id="bad-wb", group_id="g"))
 
 
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses",
+                                 "examples/own_agent.py:run_agent"])
+def test_a_blackbox_episode_is_played_again_the_same_under_its_session_id(random_params,
+                                                                          api):
+  """A reviewer: the built-in harnesses sent no seed, so the gateway drew one per turn
+  and an evaluation of a black-box run gave other figures each time (eval says its
+  reports are reproducible). Each turn is seeded by its session and turn, as the
+  built-in agent's are."""
+  from tests.rollout_server.conftest import running_server
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 2})
+  config = AgentConfig(max_turns=2, max_new_tokens=6, temperature=1.0)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    played = [asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                       session_id="eval-t-0", group_id="g", api=api))
+              for _ in range(2)]
+  assert all(not ep.infra_error and ep.segments for ep in played), played[0].reason
+  first, again = ([s.tokens.tolist() for s in ep.segments] for ep in played)
+  assert first == again
+
+
 def test_a_blackbox_episode_starts_its_session_afresh(random_params):
   """Turns an attempt recorded under a session id before it died (a run killed and
   resumed plays its groups under the same ids, on a server that outlived it) are not

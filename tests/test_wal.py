@@ -361,7 +361,7 @@ def test_a_replay_logs_each_turn_by_its_number_and_goes_on_with_the_logged_seeds
   """Turn records carry their turn's number; the turns sampled after a replay use the
   seeds of the logged session (the same tokens as the dead run would have sampled), not
   the new session's."""
-  from jaxagent.agent import _seed
+  from jaxagent.agent import turn_seed
 
   wal = TokenWAL(str(tmp_path))
   log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
@@ -375,7 +375,7 @@ def test_a_replay_logs_each_turn_by_its_number_and_goes_on_with_the_logged_seeds
   ep = asyncio.run(run_whitebox(make("guess_number"), TASK, engine, TOK, CFG,
                                 session_id="another", group_id="g",
                                 replay=Replay(records[:last + 1])))
-  assert ep.success and ep.replayed_turns == 2 and engine.seeds == [_seed("s1", 2)]
+  assert ep.success and ep.replayed_turns == 2 and engine.seeds == [turn_seed("s1", 2)]
   assert engine.seeds == first.seeds[2:]
 
 
