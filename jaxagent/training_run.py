@@ -329,10 +329,15 @@ class TrainingRun:
       if resume or cfg.serving.urls:  # servers must start from the learner's weights
         # Exported again on a resume: an export under this version may be a stopped run's.
         path = self.exports.write(version, self.state.params)
-        # Shared servers: one update is enough; each process's own engine (no servers):
-        # every process loads it (a multi-process resume met one process at the load's
-        # barrier and the others past it)
-        if self.primary or not cfg.serving.urls:
+        if serving.orch is not None:
+          # Each process's own engine (no servers): every process loads the weights (a
+          # multi-process resume met one process at the load's barrier and the others
+          # past it), handed over whole as at every weight sync: the export is in
+          # checkpoint.export_dtype, and its rounded weights sampled until the first
+          # sync (a resume's --canary refused a sound checkpoint; a reviewer).
+          weights, _ = serving.engine_copy(self.state.params)
+          await serving.client.load_weights(weights, version)
+        elif self.primary:  # (shared servers: one update is enough)
           await serving.client.update_weights(path, version)
     except InfraError as e:
       # The servers' own settings, not an outage a resume waits out (exit 3 said so: a

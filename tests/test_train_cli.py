@@ -31,8 +31,11 @@ def read_metrics(run_dir):
 
 @pytest.mark.slow  # (a whole run and its resume: the end-to-end tier's, about a minute)
 def test_tiny_default_runs_and_resumes(tmp_path):
+  # (exports in bfloat16: a resume loaded its in-process engine from the export, and its
+  # rounded weights sampled the --canary, which then refused a sound checkpoint)
+  SMALL_BF16 = [*SMALL, "checkpoint.export_dtype=bfloat16"]
   run_dir = str(tmp_path / "run")
-  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=3", *SMALL)
+  proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "steps=3", *SMALL_BF16)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = read_metrics(run_dir)
   assert [r["step"] for r in rows] == [1, 2, 3]
@@ -64,7 +67,7 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   with open(stale, "w") as f:
     f.write("{}\n")
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
-                   "--canary", "steps=4", "checkpoint.wal=false", *SMALL)
+                   "--canary", "steps=4", "checkpoint.wal=false", *SMALL_BF16)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "resumed from step 3 (policy version 3" in proc.stdout
   assert "canary: 2 episodes replayed as saved" in proc.stdout
@@ -82,7 +85,7 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   with open(meta_file, "w") as f:
     json.dump(meta, f)
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
-                   "--canary", "steps=5", *SMALL)
+                   "--canary", "steps=5", *SMALL_BF16)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   # The error alone: the changes of config neither said nor recorded (they were said,
   # and written to config.json, before the canary refused the resume)
@@ -94,7 +97,7 @@ def test_tiny_default_runs_and_resumes(tmp_path):
   # A checkpoint between weight syncs stores no canary: the servers' weights were not the
   # saved ones (a resume from it with --canary refused a sound checkpoint: a reviewer).
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", run_dir, "--resume",
-                   "steps=6", *SMALL, "rollout.sync_every=2", "checkpoint.every_steps=1")
+                   "steps=6", *SMALL_BF16, "rollout.sync_every=2", "checkpoint.every_steps=1")
   assert proc.returncode == 0, proc.stderr[-3000:]
   canaries = {}
   for step in ("5", "6"):
