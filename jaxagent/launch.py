@@ -276,6 +276,10 @@ def run_local(args) -> int:
   if args.learner_processes < 1:
     print("error: --learner-processes must be >= 1", file=sys.stderr)
     return 2
+  if getattr(args, "heartbeat_timeout", None) is not None and args.heartbeat_timeout < 1:
+    # (train refused it, after every service had started and passed its health check)
+    print("error: --heartbeat-timeout must be >= 1 (seconds)", file=sys.stderr)
+    return 2
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir (the run to go on with)", file=sys.stderr)
     return 2

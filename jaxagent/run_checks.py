@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Optional
 
 import numpy as np
@@ -247,6 +248,12 @@ def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:
 
 
 def check_config(cfg: config_lib.RunConfig) -> None:
+  if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", cfg.name):
+    # (it names the run's directory, runs/<name>-<time>: `../x` wrote outside runs/, a
+    # `/` made directories; and the model its servers serve; a reviewer)
+    raise config_lib.ConfigError(
+        f"name: {cfg.name!r}: letters, digits, '.', '_' and '-' (up to 128, starting with "
+        "a letter or digit): it names the run's directory and the model its servers serve")
   _check_ranges(cfg)
   check_model_and_learner(cfg)
   check_served_models(cfg.serving.models)

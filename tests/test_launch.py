@@ -298,6 +298,9 @@ def test_the_learners_checks_come_before_any_service_starts(tmp_path, capsys):
   assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir", str(run),
                           "steps=0"]) == 2
   assert "steps must be >= 1" in capsys.readouterr().err
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir", str(run),
+                          "--heartbeat-timeout", "0"]) == 2
+  assert "--heartbeat-timeout must be >= 1" in capsys.readouterr().err
   (run / "checkpoints" / "2").mkdir(parents=True)
   assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
                           str(run)]) == 2

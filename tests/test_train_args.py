@@ -87,6 +87,9 @@ def _bad_settings(tmp_path):
       (tiny + ["rollout.mode=window", "rollout.window=3"],
        "rollout.window (3) must be >= rollout.groups_per_step (4)"),
       (tiny + ["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
+      # (the run's directory, runs/<name>-<time>: outside runs/ for a reviewer)
+      (["--config", "configs/tiny.yaml", "name=../../escaped"],
+       "name: '../../escaped': letters, digits"),
       (tiny + ["checkpoint.export_dtype=nonsense"], "checkpoint.export_dtype: null"),
       (tiny + ["advantage.estimator=opd", "advantage.teacher=t",
                "serving.models.t.policy=/nonexistent"],
