@@ -14,6 +14,8 @@ import grain
 import jax
 import numpy as np
 
+from jaxagent.config import ConfigError
+
 
 def tasks_digest(path: str) -> str:
   """The task file's content as a short SHA-256 (a checkpoint's data place is an index
@@ -34,6 +36,12 @@ def task_dataset(path: str, *, seed: int, shuffle: bool = True,
     raise ValueError(f"task file {path} has no tasks")
   ds = grain.MapDataset.source(tasks)
   # Each host of a multi-controller run reads its own slice.
+  if len(tasks) < jax.process_count():
+    # (a host with an empty slice stopped at its first task with a bare StopIteration;
+    # a reviewer)
+    raise ConfigError(f"data.tasks: {path} has {len(tasks)} tasks for "
+                      f"{jax.process_count()} processes: each process plays its own slice "
+                      "of the tasks, so it needs at least one task a process")
   ds = ds[jax.process_index()::jax.process_count()]
   if shuffle:
     ds = ds.shuffle(seed=seed)

@@ -91,6 +91,29 @@ def summarize(episodes_by_task: dict, ks: Sequence[int]) -> dict:
   return out
 
 
+def seen_in_training(train_path: str, held_out: list, held_out_path: str) -> Optional[str]:
+  """A warning when the held-out tasks are not held out: `held_out_path` is the training
+  file (`train_path`) itself, or tasks of both share ids (None: neither, or no training
+  file to read). Tasks alike in their environment and parameters are not said: a game of
+  few secrets (guess_number's 16) has them in any two files."""
+  from envs.base import load_tasks
+  from jaxagent.data import tasks_digest
+
+  try:
+    if tasks_digest(train_path) == tasks_digest(held_out_path):
+      return (f"the held-out tasks {held_out_path} are the training tasks ({train_path}): "
+              "the figures are of tasks the policy trained on")
+    ids = {t.id for t in load_tasks(train_path)}
+  except (OSError, ValueError):  # (the run's file moved or gone: nothing to compare)
+    return None
+  shared = [t.id for t in held_out if t.id in ids]
+  if not shared:
+    return None
+  return (f"{len(shared)} of the {len(held_out)} held-out tasks in {held_out_path} share "
+          f"their ids with training tasks in {train_path} (e.g. {shared[0]!r}): tasks the "
+          "policy may have trained on")
+
+
 def _unfit(episodes) -> list:
   """The episodes whose first prompt did not fit the context (scored 0 unplayed)."""
   from jaxagent.agent import FIRST_PROMPT_TOO_LONG
@@ -303,6 +326,11 @@ async def run(args) -> dict:
   tasks = load_tasks(args.tasks, unique=True)
   if args.limit:
     tasks = tasks[:args.limit]
+  # (the run's training file, which --tasks replaced in the check above only; a reviewer:
+  # the training file given as held out was evaluated without a word)
+  seen = cfg.data.tasks and seen_in_training(cfg.data.tasks, tasks, args.tasks)
+  if seen:
+    print(f"warning: {seen}", file=sys.stderr, flush=True)
   await env_workers_ready(cfg, lambda m: print(m, file=sys.stderr, flush=True))
   env_factory, close_envs = make_env_factory(cfg)
   path, version = resolve_policy(args.policy, None)

@@ -284,6 +284,13 @@ class TrainingRun:
     for note in [*loss_notes(self.learner_cfg), *rollout_notes(cfg.rollout)] \
         if self.primary else ():
       print(f"note: {note}", file=sys.stderr)
+    if cfg.eval.every and self.primary:  # (held-out tasks that are the training tasks)
+      from envs.base import load_tasks
+      from jaxagent.eval import seen_in_training
+
+      seen = seen_in_training(cfg.data.tasks, load_tasks(cfg.eval.tasks), cfg.eval.tasks)
+      if seen:
+        print(f"warning: eval.tasks: {seen}", file=sys.stderr)
     state = self.learner.init_state(cfg.seed, params)
     # The KL penalty's reference when the learner scores it: the run's initial weights,
     # frozen (rebuilt the same way on a resume: the preset's seed or the checkpoint).

@@ -146,3 +146,19 @@ def test_context_lengths_that_do_not_fit_are_named_together_with_the_overrides_t
     check_config(config.load(config.RunConfig, tiny, [f for f in fit
                                                        if not f.startswith("model.")]))
   check_config(config.load(config.RunConfig, tiny, fit))  # (the overrides said fit)
+
+
+def test_a_task_file_with_fewer_tasks_than_processes_is_named(tmp_path, monkeypatch):
+  """Each process plays its own slice of the task file: a process with an empty slice
+  stopped at its first task with a bare StopIteration (a reviewer)."""
+  import jax
+
+  from jaxagent.data import task_dataset
+
+  path = tmp_path / "two.jsonl"
+  path.write_text('{"id": "a", "env": "guess_number"}\n{"id": "b", "env": "guess_number"}\n')
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  with pytest.raises(config.ConfigError, match="has 2 tasks for 3 processes"):
+    task_dataset(str(path), seed=0)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert next(iter(task_dataset(str(path), seed=0)))["id"] in ("a", "b")

@@ -384,3 +384,28 @@ def test_ctrl_c_ends_eval_and_filter_in_one_line(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(filter_lib, "filter_tasks", _interrupted)
   assert filter_lib.main([HELD_OUT]) == 130
   assert capsys.readouterr().err == "interrupted: nothing written\n"
+
+
+def test_held_out_tasks_that_are_the_training_tasks_are_said(tmp_path):
+  """A reviewer: the training file given as the held-out one (or tasks of both under one
+  id) was evaluated without a word. Tasks merely alike (guess_number's 16 secrets are in
+  any two files) are not said."""
+  from envs.base import load_tasks
+
+  train = tmp_path / "train.jsonl"
+  train.write_text('{"id": "a", "env": "guess_number", "params": {"secret": 3}}\n'
+                   '{"id": "b", "env": "guess_number", "params": {"secret": 5}}\n')
+  copy = tmp_path / "copy.jsonl"
+  copy.write_bytes(train.read_bytes())
+  assert "are the training tasks" in eval_lib.seen_in_training(
+      str(train), load_tasks(str(copy)), str(copy))
+  shared = tmp_path / "shared.jsonl"
+  shared.write_text('{"id": "b", "env": "guess_number", "params": {"secret": 9}}\n'
+                    '{"id": "c", "env": "guess_number", "params": {"secret": 3}}\n')
+  assert eval_lib.seen_in_training(str(train), load_tasks(str(shared)), str(shared)).startswith(
+      "1 of the 2 held-out tasks")
+  alike = tmp_path / "alike.jsonl"
+  alike.write_text('{"id": "h1", "env": "guess_number", "params": {"secret": 3}}\n')
+  assert eval_lib.seen_in_training(str(train), load_tasks(str(alike)), str(alike)) is None
+  assert eval_lib.seen_in_training(str(tmp_path / "gone.jsonl"), load_tasks(str(alike)),
+                                   str(alike)) is None
