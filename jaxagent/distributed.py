@@ -277,20 +277,33 @@ def sum_episode_counts(row: dict) -> dict:
   from jax.experimental import multihost_utils
 
   n = float(row.get("episodes", 0))
-  # (every process's row has the same keys: their configs are the run's)
+  # (every process's row has the same keys where they do not follow its episodes: their
+  # configs are the run's; a process with no episode this step has no means, and counts
+  # 0, in a vector as long as the others')
   summed = SUMMED + tuple(k for k in SUMMED_WHERE_COUNTED if k in row)
-  local = np.asarray([n, row.get("success_rate", 0.0) * n, row.get("reward_mean", 0.0) * n]
+  means = ("success_rate", "reward_mean", *EPISODE_MEANS)
+  local = np.asarray([n] + [row.get(k, 0.0) * n for k in means]
                      + [row.get(k, 0) for k in summed], np.float64)
   total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(local)).sum(0)
   episodes = max(total[0], 1.0)
-  return {"episodes": int(total[0]), "success_rate": float(total[1] / episodes),
-          "reward_mean": float(total[2] / episodes),
-          **{k: int(v) for k, v in zip(summed, total[3:])}}
+  out = {"episodes": int(total[0]),
+         **{k: int(v) for k, v in zip(summed, total[1 + len(means):])}}
+  for k, v in zip(means, total[1:]):
+    if k in ("success_rate", "reward_mean") or total[0]:  # (the others: with episodes)
+      out[k] = float(v / episodes)
+  return out
 
 
-# The counts of a step's row that are every process's sum (each packs its own groups),
-# and those only a run with their source counts (the token WAL's turns replayed were
-# process 0's alone: a new user).
+# The counts of a step's row that are every process's sum (each packs its own groups,
+# plays its own episodes), and those only a run with their source counts (the token
+# WAL's turns replayed were process 0's alone: a new user). The tool calls, tokens and
+# means over episodes were process 0's alone too, beside the whole run's episode count
+# (tool calls an episode read 4x too low on 4 processes; a reviewer).
 SUMMED = ("episodes_trained", "groups", "groups_accepted", "batch_segments",
-          "batch_overflow", "batch_overflow_groups", "batch_too_long")
+          "batch_overflow", "batch_overflow_groups", "batch_too_long", "tool_calls",
+          "invalid_tool_calls", "tool_errors", "compactions", "groups_with_signal",
+          "output_tokens")
 SUMMED_WHERE_COUNTED = ("wal_replayed_turns",)
+# Means over a step's episodes: every process's, weighted by its episodes.
+EPISODE_MEANS = ("reward_terminal_mean", "reward_process_mean", "turns_mean",
+                 "tool_call_rate", "generate_s_mean", "env_s_mean", "infra_wait_s_mean")

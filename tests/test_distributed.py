@@ -102,6 +102,36 @@ def test_a_steps_counts_are_every_processs(monkeypatch):
   assert "wal_replayed_turns" not in distributed.sum_episode_counts(row)
 
 
+def test_a_steps_tool_calls_tokens_and_means_are_every_processs(monkeypatch):
+  """A reviewer: tool calls, output tokens and the means over episodes were process 0's
+  alone beside every process's episode count (tool calls an episode read 4x too low on
+  4 processes, and the rollout tokens a second with them). Counts are summed, means
+  weighted by each process's episodes; a process with none this step adds nothing."""
+  from jax.experimental import multihost_utils
+
+  from jaxagent import distributed
+
+  mine = {"episodes": 2, "success_rate": 1.0, "reward_mean": 1.0, "tool_calls": 6,
+          "output_tokens": 100, "turns_mean": 3.0, "tool_call_rate": 1.0, "groups": 1}
+  theirs = {"episodes": 6, "success_rate": 0.0, "reward_mean": 0.0, "tool_calls": 6,
+            "output_tokens": 300, "turns_mean": 1.0, "tool_call_rate": 0.5, "groups": 3}
+  idle = {"episodes": 0, "groups": 0}  # (no episode: none of the means' keys)
+  vectors = []
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: (vectors.append(np.asarray(x)), np.asarray(x)[None])[1])
+  for row in (theirs, idle):
+    distributed.sum_episode_counts(row)
+  assert len({v.shape for v in vectors}) == 1  # (one length, episodes or not)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: np.stack([np.asarray(x), *vectors]))
+  summed = distributed.sum_episode_counts(mine)
+  assert (summed["episodes"], summed["tool_calls"], summed["output_tokens"],
+          summed["groups"]) == (8, 12, 400, 4)
+  assert summed["turns_mean"] == pytest.approx((2 * 3.0 + 6 * 1.0) / 8)
+  assert summed["tool_call_rate"] == pytest.approx((2 * 1.0 + 6 * 0.5) / 8)
+  assert summed["success_rate"] == pytest.approx(0.25)
+
+
 def test_partial_multi_process_settings_are_named():
   from jaxagent import distributed
 
