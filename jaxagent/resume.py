@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 from typing import Any, Optional
@@ -166,6 +167,18 @@ def open_wal(cfg: config_lib.RunConfig, run_dir: str, resume: bool, consumed: se
       wal.clear()
       wal.drop_aside()
   return wal, replays
+
+
+def past_logged_groups(next_group: int, replays: list) -> int:
+  """The first group number a resumed run may give: past its checkpoint's `next_group`
+  and past every group whose episodes the token WAL logged (`replays`). The stopped run
+  numbered groups on after its checkpoint, and a replayed episode samples on with its
+  first session's seeds: a fresh group given one of those numbers again sampled the
+  same turns, and a task's episode was trained twice (a reviewer)."""
+  used = [int(m.group(1)) for r in replays
+          for sid in (r.start.get("group_id"), r.start.get("session_id"))
+          for m in [re.fullmatch(r"g(\d+)(?:-.*)?", str(sid or ""))] if m]
+  return max([next_group, *(n + 1 for n in used)])
 
 
 def write_run_config(cfg: config_lib.RunConfig, tokenizer, run_dir: str, resume: bool,

@@ -40,7 +40,7 @@ from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
                               plot_learning_curve, sync_file, token_staleness_metrics)
 from jaxagent.models.hf import declares_positions
 from jaxagent.pools import CountedPool
-from jaxagent.resume import open_wal, restore, write_run_config
+from jaxagent.resume import open_wal, past_logged_groups, restore, write_run_config
 from jaxagent.run_checks import check_lengths, served_scorers
 from jaxagent.run_dir import compare_canary, dependency_versions, play_canary, trajectories_file
 from jaxagent.run_services import (Serving, attach_judge, env_workers_ready, first_tasks,
@@ -381,8 +381,8 @@ class TrainingRun:
                              replayed_from=self.replayed_from)
     self.scheduler = RolloutScheduler(cfg.rollout, tasks, play, requeue=restored.requeue,
                                       advantage=cfg.advantage)
-    self.scheduler.go_on_from(version, restored.next_group, jax.process_index(),
-                              self.n_proc)
+    self.scheduler.go_on_from(version, past_logged_groups(restored.next_group, replays),
+                              jax.process_index(), self.n_proc)
     self.writer = (MetricsWriter(run_dir, purge_step=int(self.state.step) + 1 if resume
                                  else None) if self.primary else None)
     self.meta = {

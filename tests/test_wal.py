@@ -394,3 +394,22 @@ def test_a_replayed_turn_whose_observation_matches_but_state_differs_is_dropped(
   same = asyncio.run(run_whitebox(make("guess_number"), TASK, ScriptedEngine(["11"]), TOK, CFG,
                                   session_id="s2", replay=Replay(records[:first_obs + 1])))
   assert same.success and same.replayed_turns == 1 and not same.infra_error
+
+
+def test_a_resumed_run_numbers_its_groups_past_every_logged_one(tmp_path):
+  """A reviewer: the stopped run numbered groups on after its checkpoint (async modes),
+  and a replayed episode samples on with its first session's seeds: a fresh group of the
+  resumed run given one of those numbers again sampled the same turns (the same task on
+  the same weights), and the episode was trained twice. Group numbers go on past every
+  group the log holds."""
+  from jaxagent.resume import past_logged_groups
+
+  wal = TokenWAL(str(tmp_path))
+  for group, session, episode in (("g7", "g7-0-r0", 0), ("g12", "g12-1-r1", 1)):
+    log = wal.open(session, group_id=group, task=TASK.to_dict(), episode=episode)
+    play(ScriptedEngine(["8", "12", "10", "11"]), log=log)
+  replays = wal.pending()
+  assert len(replays) == 2
+  assert past_logged_groups(5, replays) == 13
+  assert past_logged_groups(20, replays) == 20
+  assert past_logged_groups(5, []) == 5
