@@ -333,7 +333,15 @@ class RunCheckpointer:
 
   def restore(self, abstract_state: Any, data_iter: Any = None, step: Optional[int] = None
               ) -> tuple[Any, dict]:
-    """Restores onto `abstract_state`'s shapes and shardings; `data_iter` is set in place."""
+    """Restores onto `abstract_state`'s shapes and shardings; `data_iter` is set in place.
+    Raises ValueError where the values read back are not those saved."""
+    state, meta, saved = self._read(abstract_state, data_iter, step)
+    self.check_fingerprint(state, saved)
+    return state, meta
+
+  def _read(self, abstract_state: Any, data_iter: Any = None, step: Optional[int] = None
+            ) -> tuple[Any, dict, dict]:
+    """The step's state, its metadata and the fingerprint saved with it, unchecked."""
     import grain
 
     step = self.latest_step() if step is None else step
@@ -344,11 +352,16 @@ class RunCheckpointer:
       items["data_iter"] = grain.checkpoint.CheckpointRestore(data_iter)
     out = self.manager.restore(step, args=ocp.args.Composite(**items))
     meta = dict(out["meta"])
-    damaged = fingerprint_mismatch(out["state"], meta.pop("fingerprint", None) or {})
+    return out["state"], meta, meta.pop("fingerprint", None) or {}
+
+  @staticmethod
+  def check_fingerprint(state: Any, saved: dict) -> None:
+    """Raises ValueError when `state`'s values are not those saved (`saved`: their
+    fingerprint). A reduction over the arrays: every process runs it together."""
+    damaged = fingerprint_mismatch(state, saved)
     if damaged is not None:
       raise ValueError(f"damaged: their fingerprint differs, values read back are not "
                        f"those saved (state{damaged})")
-    return out["state"], meta
 
   def restore_latest_readable(self, abstract_state: Any, data_iter: Any = None
                               ) -> tuple[Any, dict, list[tuple[int, str]]]:
@@ -366,12 +379,20 @@ class RunCheckpointer:
     for step in sorted(self.all_steps(), reverse=True):
       try:
         with _quiet_abandoned_reads():
-          state, meta = self.restore(abstract_state, data_iter, step)
+          state, meta, saved = self._read(abstract_state, data_iter, step)
         reason = None
       except Exception as e:  # any failure to read it: a cut file, bad JSON, a missing array
         reason = short_reason(e)
+      # Read on every process before its fingerprint is checked: the check is a
+      # collective, and a process whose read failed went to this agreement while the
+      # others were in the check's reduction (a reviewer: a hang, not the next step).
       if not distributed.agree_max(reason is not None):
-        break
+        try:
+          self.check_fingerprint(state, saved)
+        except ValueError as e:
+          reason = short_reason(e)
+        if not distributed.agree_max(reason is not None):
+          break
       skipped.append((step, reason or "unreadable on another process"))
     else:
       detail = "; ".join(f"step {s}: {r}" for s, r in skipped) or "none saved"

@@ -134,6 +134,38 @@ def test_a_checkpoint_on_a_full_disk_fails_in_one_line(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def test_a_step_another_process_could_not_read_is_not_fingerprinted_here(tmp_path,
+                                                                          monkeypatch):
+  """A reviewer: the fingerprint check (a reduction over arrays every process holds a
+  part of) ran inside each process's read, before the processes agreed that every one
+  had read the step: one whose read failed went to the agreement while the others were
+  in the check's collective. The check runs once every process has read the step, and
+  together."""
+  from jaxagent import checkpoint, distributed
+
+  learner = Learner(CFG, LearnerConfig(), make_mesh())
+  state = learner.init_state(0)
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3, async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, state, {"step": step})
+  ckpt.close()
+  checked, agreements = [], []
+  check = checkpoint.fingerprint_mismatch
+  monkeypatch.setattr(checkpoint, "fingerprint_mismatch", lambda state, saved: (
+      checked.append(len(agreements)), check(state, saved))[1])
+
+  def another_failed_step_2(value):  # (step 2's read failed on another process)
+    agreements.append(value)
+    return True if len(agreements) == 1 else value
+
+  monkeypatch.setattr(distributed, "agree_max", another_failed_step_2)
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), keep=3)
+  _, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state())
+  assert meta == {"step": 1} and skipped == [(2, "unreadable on another process")]
+  assert checked == [2]  # (step 1's alone, after every process read it)
+  ckpt.close()
+
+
 def test_unreadable_latest_checkpoint_falls_back(tmp_path, capfd):
   learner = Learner(CFG, LearnerConfig(), make_mesh())
   state = learner.init_state(0)
