@@ -517,8 +517,8 @@ class TrainingRun:
         p.pop("segments_job", None)
         raise
     p["segments"] = True
-    complete_row(p, time.time() - self.t_start, self.n_proc, self.totals(),
-                 self.loop_watch.held_s)
+    totals = self.totals()
+    complete_row(p, time.time() - self.t_start, self.n_proc, totals, totals["loop_held_s"])
     if self.writer is not None:
       self.writer.write(p["row"])
     self.recorded = p["step"]
@@ -526,13 +526,17 @@ class TrainingRun:
   def totals(self) -> dict:
     """The run's totals so far, its checkpoint's (a resumed run's) and this process's
     scheduler's since: retries, groups replaced, drops by reason (a resume started
-    them again at 0: per-step differences went negative; red team 39)."""
+    them again at 0: per-step differences went negative; red team 39), and the seconds
+    its event loop was held (process 0's: a reviewer found them begun again too)."""
     before, scheduler = self.counted_before, self.scheduler
     dropped = collections.Counter(before.get("dropped") or {})
     dropped.update(scheduler.dropped)
+    watch = getattr(self, "loop_watch", None)  # (started with the steps)
     return {"retries": int(before.get("retries", 0)) + scheduler.retries,
             "groups_replaced": int(before.get("groups_replaced", 0)) + scheduler.replaced,
-            "dropped": dict(dropped)}
+            "dropped": dict(dropped),
+            "loop_held_s": float(before.get("loop_held_s", 0.0)) + (
+                watch.held_s if watch is not None else 0.0)}
 
   def stop_reached(self) -> Optional[float]:
     """The window's success rate when it reached `stop_success_rate` (else None)."""

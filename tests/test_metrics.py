@@ -174,12 +174,14 @@ def test_a_resumed_runs_totals_go_on_from_its_checkpoints():
   run.run_pool.shutdown()
   run.scheduler = types.SimpleNamespace(retries=2, replaced=1, dropped=collections.Counter(
       {"stale": 3, "infra_server": 1}))
+  run.loop_watch = types.SimpleNamespace(held_s=1.5)
   assert run.totals() == {"retries": 2, "groups_replaced": 1,
-                          "dropped": {"stale": 3, "infra_server": 1}}
-  run.counted_before = {"retries": 5, "groups_replaced": 4,
-                        "dropped": {"stale": 5, "no_signal": 7}}  # (as a checkpoint holds)
+                          "dropped": {"stale": 3, "infra_server": 1}, "loop_held_s": 1.5}
+  run.counted_before = {"retries": 5, "groups_replaced": 4,  # (as a checkpoint holds)
+                        "dropped": {"stale": 5, "no_signal": 7}, "loop_held_s": 2.0}
   assert run.totals() == {"retries": 7, "groups_replaced": 5,
-                          "dropped": {"stale": 8, "no_signal": 7, "infra_server": 1}}
+                          "dropped": {"stale": 8, "no_signal": 7, "infra_server": 1},
+                          "loop_held_s": 3.5}
 
 
 def test_a_checkpoint_saves_the_rollouts_as_they_stood_when_its_save_began(monkeypatch):
@@ -236,7 +238,8 @@ def test_a_checkpoint_saves_the_rollouts_as_they_stood_when_its_save_began(monke
   asyncio.run(save())
   assert saved["meta"]["pending_tasks"] == [{"t": 0}, {"t": 1}]
   assert saved["meta"]["next_group"] == 2 and saved["meta"]["canary"] == ["canary"]
-  assert saved["meta"]["counted"] == {"retries": 0, "groups_replaced": 0, "dropped": {}}
+  assert saved["meta"]["counted"] == {"retries": 0, "groups_replaced": 0, "dropped": {},
+                                      "loop_held_s": 0.0}
   again = iter(grain.MapDataset.range(100).to_iter_dataset())
   again.set_state(saved["place"])
   assert next(again) == 2  # (task 2, started during the save, is played on a resume)

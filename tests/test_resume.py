@@ -203,6 +203,8 @@ def test_sigkilled_run_resumes_with_every_step_once(tmp_path):
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
   wall = [r["wall_time_s"] for r in rows]
   assert wall == sorted(wall), wall
+  held = [r["loop_held_s"] for r in rows]  # (a run's total: a resume went on from 0)
+  assert held == sorted(held), held
   assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
   traj_steps = [row["step"] for row in read_jsonl(os.path.join(run_dir,
                                                               "trajectories.jsonl.gz"))]
