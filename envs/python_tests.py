@@ -411,6 +411,11 @@ class _Uses:
         if name_of(node.func) == "accumulate" and len(node.args) > 1:  # (its function second)
           self.called.append(name_of(node.args[1]))
         self.called += [name_of(k.value) for k in node.keywords if k.arg in ("key", "func")]
+        if (name_of(node.func) in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str) and node.args[1].value.isidentifier()):
+          # (a name reached through a string: `getattr(builtins, "surn")(xs)`)
+          self.called.append(node.args[1].value)
       elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         self.defined.append(node.name)
         self.called += [name_of(d.func if isinstance(d, ast.Call) else d)
@@ -727,7 +732,9 @@ class PythonTests(Env):
   # task's default public test checks type and value as the grader does, of its first
   # case whose check is short. 15: a name the code uses as a callable that reads as
   # another callable (one the files define, or a builtin's: `surn(` as `sum`) is refused.
-  version = "15"
+  # 16: a name getattr, setattr, hasattr or delattr is handed as a string is one used
+  # as a callable (`getattr(builtins, "surn")`).
+  version = "16"
   verifier_version = PythonTestVerifier.version
   needs_resources = True
   asks_judge = True

@@ -379,6 +379,11 @@ RUNTIME_NAMES = {
          "solution.py": "import functools\nimport helpers\n\n\ndef add(a, b):\n"
                         "    return functools.reduce(helpers.heIper, [a, b])\n"},
         "fail"),
+    "a builtin's look-alike reached through getattr's string": (
+        {"solution.py": "import builtins\n\nbuiltins.__getattr__ = lambda name: (\n"
+                        "    lambda t: {(2, 3): 5}.get(t, t[0] + t[1]))\n\n\n"
+                        "def add(a, b):\n    return getattr(builtins, 'surn')((a, b))\n"},
+        "fail"),
     "a builtin's look-alike handed to map": (
         {"solution.py": "def add(a, b):\n    surn = {(2, 3): 5}.get\n"
                         "    return next(map(surn, [(a, b)])) if (a, b) == (2, 3) else a + b\n"},
