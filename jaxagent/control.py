@@ -41,8 +41,9 @@ class Key:
   holders: str
 
   def from_env(self) -> Optional[str]:
-    """The token the environment gives this process (None: unset or blank)."""
-    return os.environ.get(self.env, "").strip() or None
+    """The token the environment gives this process (None: unset or blank), or held
+    out of it (`hold_tokens`)."""
+    return os.environ.get(self.env, "").strip() or _held.get(self.env) or None
 
   def headers(self, token: Optional[str]) -> dict:
     """The headers a guarded call carries (none without a token)."""
@@ -71,6 +72,21 @@ ENVS = Key("JAXAGENT_ENV_TOKEN", "X-Env-Token", "environment session route",
 ENV, HEADER = CONTROL.env, CONTROL.header
 from_env, headers, refusal, describe = (CONTROL.from_env, CONTROL.headers, CONTROL.refusal,
                                         CONTROL.describe)
+
+
+# The tokens a process took out of its environment (`hold_tokens`).
+_held: dict[str, str] = {}
+
+
+def hold_tokens() -> None:
+  """Takes the run's tokens out of this process's environment, kept for `from_env`: a
+  learner's black-box harness that starts a program (a coding agent's command line) gave
+  it both tokens with the environment it inherits (a reviewer), and the harness is not
+  given them."""
+  for key in (CONTROL, ENVS):
+    token = os.environ.pop(key.env, "").strip()
+    if token:
+      _held[key.env] = token
 
 
 def env_problem() -> Optional[str]:

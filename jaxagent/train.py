@@ -279,6 +279,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  # (the tokens out of the environment a black-box harness's programs would inherit;
+  # the command's alone: a test's in-process main keeps its own environment)
+  control.hold_tokens()
   try:
     exit_with = main()
   except SystemExit as e:

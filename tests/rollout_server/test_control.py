@@ -435,3 +435,25 @@ def test_the_guarded_routes_are_the_control_routes(random_params, tokenizer):
   assert guarded(create_router(["http://127.0.0.1:9"], control_token=TOKEN)) == {
       ("POST", "/update_weights"), ("DELETE", "/sessions/{session_id:path}"),
       ("GET", "/control")}
+
+
+def test_a_learner_holds_the_runs_tokens_out_of_the_environment_its_programs_inherit(
+    monkeypatch):
+  """A reviewer: `launch local` gives the learner both tokens in its environment, which a
+  black-box harness's programs (a coding agent's command line) inherited. The learner's
+  command takes them out of it and keeps them for its own calls."""
+  import subprocess
+  import sys
+
+  from jaxagent import control
+
+  monkeypatch.setenv(control.CONTROL.env, "c" * 43)
+  monkeypatch.setenv(control.ENVS.env, "e" * 43)
+  monkeypatch.setattr(control, "_held", {})
+  control.hold_tokens()
+  assert control.CONTROL.env not in __import__("os").environ
+  assert control.from_env() == "c" * 43 and control.ENVS.from_env() == "e" * 43
+  child = subprocess.run([sys.executable, "-c", "import os; print(sorted(k for k in "
+                          "os.environ if k.startswith('JAXAGENT_')))"],
+                         capture_output=True, text=True, check=True)
+  assert "TOKEN" not in child.stdout
