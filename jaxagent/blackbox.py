@@ -29,16 +29,8 @@ from jaxagent.config import AgentConfig
 from jaxagent.errors import PROMPT_TOO_LONG, InfraError
 from jaxagent.tls import shared_tls
 from jaxagent.tokenizer import Tokenizer
-from jaxagent.toolcalls import parse_tool_calls
+from jaxagent.toolcalls import parse_tool_calls, with_calls
 from jaxagent.trajectory import Segment, TrajectoryManager, TurnRecord, reported_seconds
-
-
-def _tool_call_text(name: str, arguments: str) -> str:
-  """A tool call in the chat template's format (what the environment parses), from its
-  name and its arguments' JSON. A "</" can only sit inside a JSON string, where "<\\/"
-  reads the same: escaped, an argument holding "</tool_call>" cannot close the call."""
-  body = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'.replace("</", "<\\/")
-  return f"<tool_call>{body}</tool_call>"
 
 
 async def gateway_progress(base_url: str, session_id: str) -> Optional[dict]:
@@ -115,10 +107,9 @@ async def run_openai_agent(env, task, base_url: str, *, session_id: str, model: 
           top_p=top_p, seed=turn_seed(session_id, turn), extra_body={"top_k": top_k},
           **kwargs), base_url, session_id, turn_timeout_s)
       msg = resp.choices[0].message
-      text = msg.content or ""
       # hand the raw call text back in the template's format
-      text += "".join(_tool_call_text(c.function.name, c.function.arguments)
-                      for c in msg.tool_calls or [])
+      text = with_calls(msg.content or "", [(c.function.name, c.function.arguments)
+                                            for c in msg.tool_calls or []])
       messages.append({"role": "assistant", "content": text})
       step = await env.step(text)
       rewards.append(float(step.reward))
@@ -204,8 +195,8 @@ async def run_anthropic_agent(env, task, base_url: str, *, session_id: str,
                       "seed": turn_seed(session_id, turn)},
           **kwargs), base_url, session_id, turn_timeout_s)
       uses = [b for b in resp.content if b.type == "tool_use"]
-      text = "".join(b.text for b in resp.content if b.type == "text")
-      text += "".join(_tool_call_text(b.name, json.dumps(b.input)) for b in uses)
+      text = with_calls("".join(b.text for b in resp.content if b.type == "text"),
+                        [(b.name, json.dumps(b.input)) for b in uses])
       messages.append({"role": "assistant", "content": resp.content})
       step = await env.step(text)
       rewards.append(float(step.reward))
@@ -276,9 +267,9 @@ async def run_responses_agent(env, task, base_url: str, *, session_id: str,
                                                 "seed": turn_seed(session_id, turn)},
           **kwargs), base_url, session_id, turn_timeout_s)
       calls = [o for o in resp.output if o.type == "function_call"]
-      text = "".join(p.text for o in resp.output if o.type == "message"
-                     for p in o.content if p.type == "output_text")
-      text += "".join(_tool_call_text(c.name, c.arguments) for c in calls)
+      text = with_calls("".join(p.text for o in resp.output if o.type == "message"
+                                for p in o.content if p.type == "output_text"),
+                        [(c.name, c.arguments) for c in calls])
       items += [o.model_dump(exclude_none=True) for o in resp.output]
       step = await env.step(text)
       rewards.append(float(step.reward))
@@ -339,9 +330,9 @@ def _action_text(response: Optional[dict]) -> Optional[str]:
   tool calls in the chat template's format (what the built-in agents send)."""
   if not response:
     return None
-  return (response.get("content") or "") + "".join(
-      _tool_call_text(c["function"]["name"], c["function"]["arguments"])
-      for c in response.get("tool_calls") or [])
+  return with_calls(response.get("content") or "", [
+      (c["function"]["name"], c["function"]["arguments"])
+      for c in response.get("tool_calls") or []])
 
 
 def reply_text(message: dict) -> str:

@@ -53,6 +53,28 @@ class ParsedOutput:
   unread: int = 0
 
 
+def call_text(name: str, arguments: str) -> str:
+  """A tool call in the chat template's format (what the environment parses), from its
+  name and its arguments' JSON. A "</" can only sit inside a JSON string, where "<\\/"
+  reads the same: escaped, an argument holding "</tool_call>" cannot close the call."""
+  body = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'.replace("</", "<\\/")
+  return f"{OPEN}{body}{CLOSE}"
+
+
+def with_calls(content: str, calls: list[tuple[str, str]]) -> str:
+  """A reply's text from what a gateway hands out apart: its content (the text with its
+  well-formed calls taken out) and its calls (name, arguments' JSON), written back in
+  the template's format, where they were as far as a parse can tell: after the content,
+  but before a block left open at its end (one cut by the token budget), which runs to
+  the end of the text. Appended after it, the calls were read as inside it: the
+  environment ran none of them, while the gateway and the record said they were made
+  (a reviewer)."""
+  written = "".join(call_text(name, arguments) for name, arguments in calls)
+  open_at = [m.start() for m in _BLOCK.finditer(content) if not m.group(0).endswith(CLOSE)]
+  at = open_at[-1] if open_at else len(content)
+  return content[:at] + written + content[at:]
+
+
 def _no_constant(name: str):
   raise ValueError(f"{name} is not plain JSON (finite numbers only)")
 

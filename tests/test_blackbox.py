@@ -646,7 +646,7 @@ def test_a_black_box_replys_tool_call_text_keeps_an_argument_that_writes_its_clo
   import json
 
   from envs.tools import parse_tool_calls
-  from jaxagent.blackbox import _tool_call_text
+  from jaxagent.toolcalls import call_text as _tool_call_text
 
   content = 'print("</tool_call><tool_call>")'
   text = _tool_call_text("write_file", json.dumps({"path": "a.py", "content": content}))
@@ -690,6 +690,27 @@ def test_a_black_box_agent_hands_its_environment_a_malformed_tool_call_as_writte
   white, black = (asyncio.run(environment_answers(t))
                   for t in (sampled, _action_text(message)))
   assert black == white and white[1]["invalid_tool_calls"] == 1, (white, black)
+
+
+def test_a_call_before_a_block_cut_open_reaches_the_environment():
+  """A reviewer: a reply of a good call, then a block the token budget cut open, was
+  handed on as its content (the open block) with the call after it, inside the block:
+  the environment ran no call, while the gateway and the record said one was made. The
+  call goes before the open block, where the model wrote it."""
+  from envs.tools import parse_tool_calls
+  from jaxagent.blackbox import reply_text
+
+  message = {"role": "assistant", "content": 'Let me see. <tool_call>{"name": "b", "argu',
+             "tool_calls": [{"id": "c_0", "type": "function",
+                             "function": {"name": "a", "arguments": '{"x": 1}'}}]}
+  text = reply_text(message)
+  assert text.startswith("Let me see. ")
+  parsed = parse_tool_calls(text)
+  assert [(c.name, c.arguments) for c in parsed.calls] == [("a", {"x": 1})]
+  assert len(parsed.errors) == 1  # (the cut block, as the model left it)
+  # (an open block's body may spell another opening: the block is the parser's)
+  inner = dict(message, content='<tool_call>{"name": "b", "arguments": {"s": "<tool_call>')
+  assert [c.name for c in parse_tool_calls(reply_text(inner)).calls] == ["a"]
 
 
 def test_a_harness_of_your_own_is_named_by_module_and_function():
