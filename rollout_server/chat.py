@@ -24,7 +24,7 @@ from pydantic import AfterValidator, Field
 from jaxagent.serve_http import (NESTED_TOO_DEEP, DepthBoundRoute, invalid_json, not_json,
                                  unreadable_body)
 from jaxagent.tokenizer import valid_unicode
-from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls
+from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls, with_calls
 
 if TYPE_CHECKING:  # (annotations only: the router imports this module without JAX)
   from jaxagent.tokenizer import Tokenizer
@@ -153,10 +153,19 @@ def bound_unrendered(messages: list[dict], rendered_chars: int) -> None:
                      "besides (a session's record keeps them)")
 
 
+def _number(literal: str) -> Any:
+  """A JSON number by its value: 30.0 and 1e2 as 30 and 100, as a JavaScript client
+  writes them again (JSON.parse then stringify: every call with such an argument was
+  read as another reply, and the turn forked; a reviewer)."""
+  value = float(literal)
+  return int(value) if value.is_integer() else value
+
+
 def _json_value(text: Any) -> Any:
   try:
-    return json.dumps(json.loads(text), sort_keys=True)
-  except (TypeError, ValueError, RecursionError):
+    return json.dumps(json.loads(text, parse_float=_number, parse_int=_number),
+                      sort_keys=True)
+  except (TypeError, ValueError, RecursionError, OverflowError):
     return None
 
 
@@ -219,6 +228,14 @@ def _same_reply(sent: dict, recorded: Optional[dict]) -> bool:
     return calls is not None and calls == _calls(recorded)
   if sent.get("tool_calls") or not recorded.get("tool_calls") or not isinstance(content, str):
     return False
+  written = [(f.get("name"), f.get("arguments")) for c in recorded["tool_calls"]
+             for f in [c.get("function") if isinstance(c, dict) else None]
+             if isinstance(f, dict)]
+  if all(isinstance(x, str) for pair in written for x in pair) and content == with_calls(
+      recorded.get("content") or "", written):
+    # (written back as the built-in agents and `reply_text` write it: so also a reply
+    # with a malformed block, which the parse below reads as another; a reviewer)
+    return True
   parsed = parse_tool_calls(content)
   # (its white space before kept, as `ChatTurn.finish` records the reply's: "\nHi" and a
   # call sent back so read as another reply; a reviewer)

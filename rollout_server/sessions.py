@@ -191,6 +191,7 @@ class _Session:
     self.calls: dict[str, str] = {}  # tool call id -> its arguments' text, as sampled
     self.heads: list[_Head] = []  # oldest first
     self._context_size = 0
+    self._tools: Optional[tuple[str, Any]] = None  # the last turn's tools (JSON, value)
     # (made anew under an id this store dropped: what was dropped, until its first
     # turn of its own says so: `SessionStore.record`)
     self.lost_before: Optional[dict] = None
@@ -229,6 +230,17 @@ class _Session:
     """Stores `turn`; returns how many bytes the session grew by."""
     stored = {k: _pack(v, _PACKED[k]) if k in _PACKED else v for k, v in turn.items()}
     ids, messages = stored.get("prompt_ids"), stored.get("messages")
+    # The tools a turn offers, as the turn before's where they are the same (stored and
+    # counted once: each turn's whole copy made 95% of a long episode's bytes with an
+    # agent's forty tools, and its record was evicted long before its context's bound;
+    # a reviewer). Not changed by a caller: a read's turns share them, as messages.
+    tools_json = json.dumps(stored["tools"], default=str) if "tools" in stored else None
+    same_tools = tools_json is not None and self._tools is not None \
+        and self._tools[0] == tools_json
+    if same_tools:
+      stored["tools"] = self._tools[1]
+    elif tools_json is not None:
+      self._tools = (tools_json, stored["tools"])
     as_json = [json.dumps(m, default=str) for m in messages] \
         if isinstance(messages, list) else None
     digests = [_digest(j) for j in as_json] if as_json is not None else None
@@ -266,7 +278,9 @@ class _Session:
         head.replies += sibling.replies[:MAX_REPLIES - 1]
       self.add_head(head)
     size = _TURN_OVERHEAD + messages_size + sum(
-        _size(v) for k, v in stored.items() if k != "messages" or not isinstance(messages, list))
+        _size(v) for k, v in stored.items()
+        if (k != "messages" or not isinstance(messages, list)) and not (
+            k == "tools" and same_tools))
     self.turns.append(stored)
     self.size += size
     return size + self._sized()

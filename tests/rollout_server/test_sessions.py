@@ -659,6 +659,29 @@ def test_a_calls_arguments_are_restored_as_sampled_only_for_its_own_id_and_value
   assert not _same_reply(unreadable, unreadable)
   assert not _same_reply(dict(recorded, tool_calls=recorded["tool_calls"] + [
       call("c_1", "{oops")]), recorded)
+  # (a reviewer) Numbers a JavaScript client wrote again (JSON.parse, then stringify:
+  # 30.0 as 30, 1e2 as 100) are the same values: the turn forked on every such call.
+  floats = dict(recorded, tool_calls=[call("c_0", '{"timeout": 30.0, "n": 1e2, "x": 0.5}')])
+  assert _same_reply(dict(floats, tool_calls=[call("c_0", '{"timeout":30,"n":100,"x":0.5}')]),
+                     floats)
+  assert not _same_reply(dict(floats, tool_calls=[call("c_0", '{"timeout":31,"n":100,'
+                                                              '"x":0.5}')]), floats)
+
+
+def test_a_reply_with_a_malformed_block_written_back_as_text_is_the_one_sampled():
+  """A reviewer: a reply with a good call and a malformed block (one cut by the token
+  budget), sent back with its calls written into its text as the built-in agents write
+  it, was read as another reply (the parse found an error): its tokens were encoded
+  again, and the turn forked."""
+  from jaxagent.blackbox import reply_text
+  from rollout_server.chat import _same_reply
+
+  good = {"id": "c_0", "type": "function", "function": {"name": "a", "arguments": "{}"}}
+  for content in ('<tool_call>{"name":"b"', 'Go. <tool_call>{oops}</tool_call>'):
+    recorded = {"role": "assistant", "content": content, "tool_calls": [good]}
+    assert _same_reply({"role": "assistant", "content": reply_text(recorded)}, recorded)
+    assert not _same_reply({"role": "assistant", "content": reply_text(recorded) + "!"},
+                           recorded)
 
 
 def test_a_reply_is_the_one_sampled_only_as_its_text_and_calls_were_sent():
@@ -842,3 +865,29 @@ def test_a_stream_shows_no_stop_token_half_character_or_start_of_a_call(tokenize
   turn = finished_turn(tokenizer, "Hi é", "length")
   turn.req.output_ids = turn.req.output_ids[:-1]  # (é is two bytes: one of them)
   assert turn.visible_text() == "Hi "
+
+
+def test_the_tools_a_sessions_turns_offer_alike_are_stored_and_counted_once():
+  """A reviewer: every turn stored and counted its whole copy of the tools (95% of a long
+  episode's bytes with forty tools of an agent), and the record was evicted long before
+  its context's bound. Tools the turn before offered too are its; other tools are kept."""
+  from rollout_server.sessions import SessionStore
+
+  tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "d" * 900,
+                                             "parameters": {"type": "object"}}}
+           for i in range(40)]
+  store = SessionStore(10)
+  messages = []
+  for i in range(20):
+    messages += [{"role": "user", "content": f"turn {i}"}]
+    _turn(store, "s", list(messages), list(range(3 * i + 3)), [7, 8],
+          {"role": "assistant", "content": "ok"}, tools=json.loads(json.dumps(tools)))
+    messages += [{"role": "assistant", "content": "ok"}]
+  once = len(json.dumps(tools))  # (the record's and its thread's: not one a turn)
+  assert once < store.bytes < 3 * once, (store.bytes, once)
+  turns, _, _ = store.read("s", 0)
+  assert all(t["tools"] == tools for t in turns)
+  _turn(store, "s", list(messages), [1], [2], tools=tools[:1])  # (other tools: kept)
+  _turn(store, "s", list(messages), [1], [2], tools=tools)
+  assert [len(t["tools"]) for t in store.read("s", 20)[0]] == [1, 40]
+  assert store.bytes == store._sessions["s"].size
