@@ -732,7 +732,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                            "prompt_ids": turn.prompt_ids, "output_ids": turn.output_ids}}
 
     return EndedStream(_stream_chat(turn, cid, created, body.model or model_name, finish,
-                                    usage), turn.abort_unfinished,
+                                    usage, logprobs), turn.abort_unfinished,
                        media_type="text/event-stream")
 
   # Anthropic's Messages API: errors in Anthropic's shape (the route class), the chat
@@ -817,12 +817,14 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
   return app
 
 
-async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
-  """Server-sent events: content deltas as tokens arrive, tool calls at the end."""
+async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage, logprobs):
+  """Server-sent events: content deltas as tokens arrive, tool calls at the end, and the
+  log-probs asked for with the last (a stream gave none: a reviewer)."""
 
-  def chunk(delta, reason=None, **extra):
+  def chunk(delta, reason=None, choice=None, **extra):
     body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}], **extra}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
+                         **(choice or {})}], **extra}
     return f"data: {json.dumps(body)}\n\n"
 
   sent = ""
@@ -844,7 +846,8 @@ async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage):
     if message.get("tool_calls"):
       yield chunk({"tool_calls": [dict(c, index=i) for i, c in
                                   enumerate(message["tool_calls"])]})
-    yield chunk({}, reason, usage=usage())
+    asked = logprobs()
+    yield chunk({}, reason, {"logprobs": asked} if asked is not None else None, usage=usage())
     yield "data: [DONE]\n\n"
   finally:
     turn.abort_unfinished()

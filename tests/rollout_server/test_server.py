@@ -71,6 +71,14 @@ def test_openai_streaming(server):
   text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
   assert text == MEMORISED[1][2]
   assert chunks[-1].choices[0].finish_reason == "stop"
+  # (log-probs asked for: the stream's last chunk has them, the same as without a stream;
+  # a stream gave none, a reviewer)
+  asked = dict(model="tiny", messages=MEMORISED[1][0], temperature=0, max_tokens=40,
+               logprobs=True)
+  streamed = [c for c in oai.chat.completions.create(**asked, stream=True)
+              if c.choices and c.choices[0].logprobs is not None]
+  whole = oai.chat.completions.create(**asked).choices[0].logprobs
+  assert len(streamed) == 1 and streamed[0].choices[0].logprobs.content == whole.content
   tool_stream = list(oai.chat.completions.create(
       model="tiny", messages=MEMORISED[0][0], tools=TOOLS, temperature=0, max_tokens=100,
       stream=True))
@@ -612,7 +620,8 @@ def test_a_streamed_reply_says_what_the_whole_reply_says():
   async def streamed(text):
     openai_turn, sent = finished(text), ""
     async for event in _stream_chat(openai_turn, "c", 0, "m",
-                                    lambda: (openai_turn.finish(), "stop"), lambda: {}):
+                                    lambda: (openai_turn.finish(), "stop"), lambda: {},
+                                    lambda: None):
       if event.startswith("data: {"):
         sent += json.loads(event[6:])["choices"][0]["delta"].get("content") or ""
     anthropic_turn, told = finished(text), ""
