@@ -62,7 +62,13 @@ UNSERVED = {"logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
             "response_format": (None, {"type": "text"}), "guided_json": (None,),
             "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
             "structured_outputs": (None,), "thinking": (None, {"type": "disabled"}),
-            "parallel_tool_calls": (None, True)}
+            "parallel_tool_calls": (None, True),
+            # (vLLM's; and stop_token_ids where a route does not take it, as the
+            # messages and responses routes: ignored, they changed the answer unsaid; a
+            # reviewer)
+            "best_of": (None, 1), "use_beam_search": (None, False),
+            "continue_final_message": (None, False), "add_generation_prompt": (None, True),
+            "stop_token_ids": (None, [])}
 
 
 def unserved(extra: Optional[dict]) -> Optional[str]:

@@ -343,6 +343,8 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(server):
       (dict(ok, tools=[{"name": "f"}]), 422, "tools.0.input_schema"),
       (dict(ok, stop_sequences=["\n"]), 400, "stop_sequences"),
       (dict(ok, thinking={"type": "enabled", "budget_tokens": 1024}), 400, "thinking: not"),
+      # (a reviewer: the route ends on the template's stop tokens alone; ignored before)
+      (dict(ok, stop_token_ids=[5]), 400, "stop_token_ids: not served"),
       (dict(ok, tool_choice={"type": "any"}), 400, "tool_choice"),
       (dict(ok, tool_choice={"type": "auto", "disable_parallel_tool_use": True}), 400,
        "tool_choice.disable_parallel_tool_use: not supported"),

@@ -244,6 +244,12 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
        "response_format: not served"),
       ({"messages": user, "ignore_eos": True}, 422, "ignore_eos: not served"),
       ({"messages": user, "parallel_tool_calls": False}, 422, "parallel_tool_calls: not served"),
+      # (a reviewer: vLLM's, ignored, they changed the answer unsaid)
+      ({"messages": user, "best_of": 4}, 422, "best_of: not served"),
+      ({"messages": user, "continue_final_message": True}, 422,
+       "continue_final_message: not served"),
+      ({"messages": user, "add_generation_prompt": False}, 422,
+       "add_generation_prompt: not served"),
       ({"messages": [{"role": "user"}]}, 400, "messages[0] (user) has no content"),
       # (red team 24: recorded, a NaN made the session's record unreadable)
       ({"messages": user, "tools": [dict(tool, function=dict(
@@ -262,7 +268,8 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
   r = c.post("/v1/chat/completions", json={
       "messages": user, "max_tokens": 1, "logit_bias": {}, "presence_penalty": 0,
       "frequency_penalty": 0.0, "response_format": {"type": "text"}, "user": "u",
-      "parallel_tool_calls": True})
+      "parallel_tool_calls": True, "best_of": 1, "add_generation_prompt": True,
+      "stop_token_ids": []})
   assert r.status_code == 200, r.text
   r = c.post("/v1/chat/completions", json={"tools": [tool], "tool_choice": "auto",
                                            "max_tokens": 1,
