@@ -219,17 +219,24 @@ class RolloutScheduler:
       self._changed.set()
 
   async def _run_group(self, group: Group) -> None:
+    episodes = [asyncio.ensure_future(self._episode(group, i))
+                for i in range(self.cfg.group_size)]
     try:
-      results = await asyncio.gather(*(self._episode(group, i)
-                                       for i in range(self.cfg.group_size)))
-    except asyncio.CancelledError:
+      results = await asyncio.gather(*episodes)
+    except asyncio.CancelledError:  # (gather cancels the episodes)
       raise
     except Exception as e:  # a bug: the run stops with it (next_groups raises it)
       if isinstance(e, TaskError):  # the data's: not kept to be played on a resume
         self.groups.pop(group.index, None)
         self._finished.append(f"g{group.index}")
-      self.error, self.error_task = e, group.task
+      if self.error is None:  # (the first: a later group's bug named another task)
+        self.error, self.error_task = e, group.task
       self._changed.set()
+      # The group's other episodes end with it: gather left them running, out of any
+      # task `stop` cancels, on servers and workers the run then closed (a reviewer).
+      for t in episodes:
+        t.cancel()
+      await asyncio.gather(*episodes, return_exceptions=True)
       return
     group.episodes = [e for e in results if e is not None]
     group.done = True
@@ -364,7 +371,10 @@ class RolloutScheduler:
     self._stop = True
     self._changed.set()
     for t in [self._producer, *self._tasks]:
-      if t is not None:
+      # (not a group `_drop_doomed` cancelled already: cancelled again, its episodes'
+      # environment sessions were cut in their close, left open on the workers until
+      # their idle reaper; a reviewer)
+      if t is not None and not t.cancelling():
         t.cancel()
     await asyncio.gather(*[t for t in [self._producer, *self._tasks] if t is not None],
                          return_exceptions=True)

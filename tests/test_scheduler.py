@@ -1179,3 +1179,71 @@ def test_the_outage_grace_starts_again_after_the_drops_fall_back_under_the_bound
   now[0] += 1.0  # the second burst's grace is spent
   s._ended("server")
   assert s.error is not None
+
+
+def test_a_groups_other_episodes_end_with_its_bug_and_stop_leaves_none_running():
+  """A reviewer: an episode's bug ended its group's task while gather left the group's
+  other episodes running, out of any task `stop` cancels: they went on using servers
+  and workers the run then closed, holding their episode slots."""
+  live, cancelled = set(), []
+
+  async def play(task, sid, gid):
+    live.add(sid)
+    try:
+      if sid.startswith("g0-0"):
+        await asyncio.sleep(0.01)
+        raise ValueError("a bug")
+      await asyncio.sleep(5)
+      return episode(task, sid, gid, reward=float(sid.endswith("0-r0")))
+    except asyncio.CancelledError:
+      cancelled.append(sid)
+      raise
+    finally:
+      live.discard(sid)
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=3,
+                                       max_concurrent_episodes=3), itertools.count(), play)
+    s.start()
+    with pytest.raises(EpisodeBug):
+      await s.next_groups()
+    await s.stop()
+    # (before the loop's own end cancels what is left)
+    assert not live and {"g0-1-r0", "g0-2-r0"} <= set(cancelled)
+    assert s.episode_slots._value == 3
+
+  run(go())
+
+
+def test_stop_lets_the_groups_dropped_as_stale_close_their_environments():
+  """A reviewer: a group `_drop_doomed` cancelled (stale once the step's version came)
+  was cancelled again by a stop right after, which cut its episodes' environment
+  closes (an HTTP delete of the worker's session) short: sessions and sandboxes left
+  open on the workers until their idle reaper."""
+  closed, cut = [], []
+
+  async def play(task, sid, gid):
+    try:
+      await asyncio.sleep(10)
+      return episode(task, sid, gid, reward=1.0)
+    finally:  # (run_whitebox's: its environment closed, awaited)
+      try:
+        await asyncio.sleep(0.05)
+        closed.append(sid)
+      except asyncio.CancelledError:
+        cut.append(sid)
+        raise
+
+  async def go():
+    s = RolloutScheduler(RolloutConfig(mode="async", groups_per_step=1, group_size=2,
+                                       max_staleness=0, max_concurrent_episodes=2),
+                         itertools.count(), play)
+    s.start()
+    await asyncio.sleep(0.01)
+    s.set_served(1)
+    s.set_version(1)  # (the running group is doomed, and cancelled)
+    await asyncio.sleep(0)
+    await s.stop()
+
+  run(go())
+  assert sorted(closed) == ["g0-0-r0", "g0-1-r0"] and not cut
