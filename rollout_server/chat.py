@@ -160,17 +160,17 @@ def bound_unrendered(messages: list[dict], rendered_chars: int) -> None:
 
 
 def _number(literal: str) -> Any:
-  """A JSON number by its value: 30.0 and 1e2 as 30 and 100, as a JavaScript client
-  writes them again (JSON.parse then stringify: every call with such an argument was
-  read as another reply, and the turn forked; a reviewer)."""
+  """A JSON number written with a fraction or exponent by its value: 30.0 and 1e2 as 30
+  and 100, as a JavaScript client writes them again (JSON.parse then stringify: every
+  call with such an argument was read as another reply, and the turn forked; a
+  reviewer); whole numbers a double holds exactly only (integers stay exact)."""
   value = float(literal)
-  return int(value) if value.is_integer() else value
+  return int(value) if value.is_integer() and abs(value) <= 2 ** 53 else value
 
 
 def _json_value(text: Any) -> Any:
   try:
-    return json.dumps(json.loads(text, parse_float=_number, parse_int=_number),
-                      sort_keys=True)
+    return json.dumps(json.loads(text, parse_float=_number), sort_keys=True)
   except (TypeError, ValueError, RecursionError, OverflowError):
     return None
 
@@ -249,7 +249,8 @@ def _same_reply(sent: dict, recorded: Optional[dict]) -> bool:
       if parsed.content else ""
   return (not parsed.errors and not parsed.unread
           and text == (recorded.get("content") or "")
-          and [(c.name, json.dumps(c.arguments, sort_keys=True)) for c in parsed.calls]
+          and [(c.name, _json_value(c.raw_arguments if c.raw_arguments is not None
+                                    else json.dumps(c.arguments))) for c in parsed.calls]
           == _calls(recorded))
 
 

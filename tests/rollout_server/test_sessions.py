@@ -666,6 +666,12 @@ def test_a_calls_arguments_are_restored_as_sampled_only_for_its_own_id_and_value
                      floats)
   assert not _same_reply(dict(floats, tool_calls=[call("c_0", '{"timeout":31,"n":100,'
                                                               '"x":0.5}')]), floats)
+  # (and written into the text in a layout of the harness's own; integers stay exact)
+  assert _same_reply({"role": "assistant", "content": 'ok<tool_call>{"name":"run",'
+                      '"arguments":{"x":0.5,"n":1e2,"timeout":30.0}}</tool_call>'}, floats)
+  big = dict(recorded, tool_calls=[call("c_0", '{"n": 12345678901234567891}')])
+  assert not _same_reply(dict(big, tool_calls=[call("c_0", '{"n": 12345678901234567000}')]),
+                         big)
 
 
 def test_a_reply_with_a_malformed_block_written_back_as_text_is_the_one_sampled():
