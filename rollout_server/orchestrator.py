@@ -391,7 +391,9 @@ class Orchestrator:
               f"the weight update to version {upd.version} did not complete in {timeout} s "
               f"(the running requests did not finish: mode {upd.mode!r}); withdrawn, the "
               f"engine still serves version {self.version}")
-      upd.done.wait()  # (it swapped as the time ran out: a moment)
+      if not upd.done.wait(timeout):  # (it swapped as the time ran out: a moment)
+        raise TimeoutError(f"the weight update to version {upd.version} was swapped in "
+                           f"and did not complete in {timeout} s more")
     if upd.error is not None:
       raise EngineDead(upd.error)
     return upd.report
@@ -510,13 +512,15 @@ class Orchestrator:
       self.version = upd.version
       self._update = None
       self._cv.notify_all()
-    if self.prefix_cache is not None:
-      self.prefix_cache.clear()
-    now = time.perf_counter()
-    upd.report.update(version=upd.version, mode=upd.mode, swap_s=now - t0,
-                      paused_s=now - upd.paused_at)
-    self.last_swap = dict(upd.report)
-    upd.done.set()
+    try:  # (swapped: its caller is told so whatever comes next; it waited for ever)
+      if self.prefix_cache is not None:
+        self.prefix_cache.clear()
+      now = time.perf_counter()
+      upd.report.update(version=upd.version, mode=upd.mode, swap_s=now - t0,
+                        paused_s=now - upd.paused_at)
+      self.last_swap = dict(upd.report)
+    finally:
+      upd.done.set()
 
   def _admit(self) -> None:
     """Admits queued requests while a slot and their pages are free, in order; samples

@@ -432,6 +432,25 @@ def test_a_weight_update_that_times_out_is_withdrawn_not_swapped_later(random_pa
     orch.stop()
 
 
+def test_a_weight_update_swapped_in_is_told_done_whatever_fails_after(random_params):
+  """A reviewer: the swap let the update go (under the lock, for a caller's withdrawal)
+  before the prefix cache was cleared and the caller told; an error there (the loop goes
+  on after one) left the caller waiting for ever, and every later update behind it."""
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1),
+                      prefix_cache_tokens=128).start()
+  try:
+    def broken():
+      raise RuntimeError("a refcount gone wrong")
+
+    orch.prefix_cache.clear = broken
+    new = engine.load_params({k: v * 1.5 for k, v in random_params.items()}, version=2)
+    orch.update_weights(new, timeout=30)
+    assert orch.version == 2
+  finally:
+    orch.stop()
+
+
 def test_request_ids_are_unique_while_in_flight_and_free_after(random_params):
   """A request id names one request in flight (a second is refused); once it finished
   it is free again: not aborted, no progress, and the id can be used anew."""
