@@ -517,6 +517,11 @@ def main(argv=None) -> int:
     print(f"{' and '.join(fresh)} hold{'s' if len(fresh) == 1 else ''} a new token the "
           "learner takes: delete its JobSet first (kubectl delete jobset "
           f"{jobset['name']} -n {jobset['namespace']}; it resumes from its checkpoint)")
+  secrets = [os.path.join(args.out, s[0]) for s in SECRETS.values() if s[0] in objects]
+  if secrets:
+    print(f"{' and '.join(secrets)} hold{'s' if len(secrets) == 1 else ''} the run's "
+          f"token{'s' if len(secrets) > 1 else ''} (readable by you alone): keep "
+          f"{'it' if len(secrets) == 1 else 'them'} out of version control")
   if args.servers and cfg.serving.models:
     # (xpk's learner runs the image's config, whose serving.models the learner refuses
     # beside servers: the ConfigMap's leaves them to the servers; a reviewer)
@@ -524,13 +529,9 @@ def main(argv=None) -> int:
           "and xpk's learner would run the image's config, which serves them itself beside "
           "servers, refused; apply the JobSet)")
     return 0
-  secrets = [os.path.join(args.out, s[0]) for s in SECRETS.values() if s[0] in objects]
   if not secrets:
     print(f"or, with xpk (the bucket mounted at /runs): {xpk_command(cfg, args, objects)}")
     return 0
-  print(f"{' and '.join(secrets)} hold{'s' if len(secrets) == 1 else ''} the run's "
-        f"token{'s' if len(secrets) > 1 else ''} (readable by you alone): keep "
-        f"{'it' if len(secrets) == 1 else 'them'} out of version control")
   others = [os.path.join(args.out, n) for n in objects if n != "learner-jobset.yaml"]
   print("or, with xpk (the bucket mounted at /runs): first\n  kubectl apply "
         + " ".join(f"-f {shlex.quote(p)}" for p in others) + "\nthen\n  "

@@ -248,12 +248,15 @@ def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:
 
 
 def check_config(cfg: config_lib.RunConfig) -> None:
-  if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", cfg.name):
+  if (not cfg.name or cfg.name in (".", "..") or len(cfg.name) > 200
+      or any(c in "/\\" or not c.isprintable() for c in cfg.name)):
     # (it names the run's directory, runs/<name>-<time>: `../x` wrote outside runs/, a
-    # `/` made directories; and the model its servers serve; a reviewer)
+    # `/` made directories; a reviewer. Spaces and other scripts stay: runs so named
+    # resume and evaluate as before)
     raise config_lib.ConfigError(
-        f"name: {cfg.name!r}: letters, digits, '.', '_' and '-' (up to 128, starting with "
-        "a letter or digit): it names the run's directory and the model its servers serve")
+        f"name: {cfg.name!r}: a run's name holds no '/', '\\' or unprintable character, "
+        "is not '.' or '..', and is 1-200 characters (it names the run's directory, "
+        "runs/<name>-<time>; a run so named goes on with name=... given)")
   _check_ranges(cfg)
   check_model_and_learner(cfg)
   check_served_models(cfg.serving.models)

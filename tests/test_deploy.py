@@ -349,6 +349,7 @@ def test_no_xpk_line_is_printed_for_a_learner_that_would_refuse_its_config(tmp_p
   _, stdout = generate(tmp_path, "v5litepod-8", "--env-workers", "0", "env.judge=judge",
                        "serving.models.judge.model.preset=nano")
   assert "xpk workload create" not in stdout and "no xpk line" in stdout
+  assert "out of version control" in stdout  # (the Secrets' advice all the same)
   _, stdout = generate(tmp_path / "plain", "v5litepod-8")
   assert "xpk workload create" in stdout
 

@@ -89,7 +89,7 @@ def _bad_settings(tmp_path):
       (tiny + ["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
       # (the run's directory, runs/<name>-<time>: outside runs/ for a reviewer)
       (["--config", "configs/tiny.yaml", "name=../../escaped"],
-       "name: '../../escaped': letters, digits"),
+       "name: '../../escaped': a run's name holds no '/'"),
       (tiny + ["checkpoint.export_dtype=nonsense"], "checkpoint.export_dtype: null"),
       (tiny + ["advantage.estimator=opd", "advantage.teacher=t",
                "serving.models.t.policy=/nonexistent"],
