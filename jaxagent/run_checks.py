@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from typing import Optional
 
 import numpy as np
