@@ -475,6 +475,8 @@ class MeasuredEnv:
     self.ended = False  # (a step answered terminated or truncated)
     self.truncation: Optional[str] = None  # (truncated and not terminated: its reason)
     self.on_end: Optional[Callable[[], Awaitable[None]]] = None  # (awaited as it does)
+    # (awaited as the first step begins, the agent's first reply had)
+    self.on_first_step: Optional[Callable[[], Awaitable[None]]] = None
     self.waited_s = self.env_s = 0.0
     self.held_s = 0.0  # of waited_s, other code's holds of the event loop (envs.loopwatch)
     self._clock: Optional[waits.WaitClock] = None
@@ -590,6 +592,8 @@ class MeasuredEnv:
                          f"step {len(self.actions)}, terminated or truncated): an agent "
                          "stops at the step that ends it")
     self.actions.append(action)
+    if len(self.actions) == 1 and self.on_first_step is not None:
+      await self.on_first_step()
     turns = getattr(self.env, "turns", None)  # (an in-process environment's count)
     try:
       result = await self._measured(self.env.step(action), "step")

@@ -489,17 +489,19 @@ def _session_url(gateway_url: str, session_id: str) -> str:
 
 
 async def _take_session(gateway_url: str, session_id: str,
-                        control_token: Optional[str] = None) -> list[dict]:
+                        control_token: Optional[str] = None,
+                        record_id: Optional[str] = None) -> list[dict]:
   """The turns the server recorded for a session; the record is then deleted (a control
-  call: it carries `control_token`)."""
+  call: it carries `control_token`). `record_id`: the record's id as its episode's first
+  step saw it (`_record_id`): another one now is a record made anew meanwhile."""
   import httpx
 
   async with httpx.AsyncClient(timeout=60, verify=shared_tls()) as client:
     r = await client.get(_session_url(gateway_url, session_id))
     r.raise_for_status()
     try:
-      turns = r.json()["turns"]
-    except (ValueError, KeyError, TypeError) as e:
+      turns, now = r.json()["turns"], r.json().get("record_id")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
       raise InfraError("server", f"the gateway's record of session {session_id!r} is not "
                        f"one ({type(e).__name__}: {e}): {r.text[:200]}") from None
     gone = await client.delete(_session_url(gateway_url, session_id),
@@ -510,7 +512,30 @@ async def _take_session(gateway_url: str, session_id: str,
           file=sys.stderr, flush=True)
   _check_turns(turns, session_id)
   _check_whole(turns, session_id)
+  if record_id is not None and now is not None and now != record_id:
+    # (dropped and made anew past the store's marks of what it dropped: a flood of other
+    # sessions, or a delete; its later turns alone were trained as the whole episode,
+    # its rewards on the wrong turns: a reviewer)
+    raise InfraError("session_evicted", (
+        f"the gateway's record of session {session_id!r} was made anew while its episode "
+        f"played (record {record_id} at its first step, {now} at its end): the turns it "
+        "holds are not the whole episode; raise serving.max_sessions, or look for a client "
+        "making many sessions"))
   return turns
+
+
+async def _record_id(gateway_url: str, session_id: str) -> Optional[str]:
+  """The id of the gateway's record of a session now (None where it holds none, or
+  does not say)."""
+  import httpx
+
+  try:  # (a read the gateway answers at once: not the policy's time to spend)
+    async with httpx.AsyncClient(timeout=10, verify=shared_tls()) as client:
+      r = await client.get(_session_url(gateway_url, session_id), params={"since": 1 << 62})
+    made = r.json().get("record_id") if r.status_code == 200 else None
+  except (httpx.HTTPError, ValueError, AttributeError):
+    return None
+  return made if isinstance(made, str) else None
 
 
 # A recorded turn's lists, and the types of their values.
@@ -722,6 +747,12 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     at_end["turns"] = await _session_count(gateway_url, wire_id)
 
   acting.on_end = count_at_end
+  record: dict = {}  # the record's id at the first step (its first reply is in it)
+
+  async def note_record() -> None:
+    record["id"] = await _record_id(gateway_url, wire_id)
+
+  acting.on_first_step = note_record
   decoding: dict = {}  # at a cut: request id -> how long it had decoded, in flight
   at_cut: dict = {}  # and whether nothing was under way but the harness's own code
 
@@ -749,7 +780,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     ep.verdict = {"status": "fail", "reward": acting.cut_reward}
     try:  # the turns it played still carry the score: stalling must not hide them
       if turns is None:
-        turns = await _take_session(gateway_url, wire_id, control_token)
+        turns = await _take_session(gateway_url, wire_id, control_token, record.get("id"))
       ep.turn_rewards = list(acting.rewards)  # (padded to its steps with its segments)
       _segments_from_session(ep, turns, task, cfg, tokenizer, acting.actions,
                              outcome=acting.cut_reward)
@@ -779,7 +810,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     if ep.verdict.get("status") != "infra_error":
       ep.turn_rewards = trained_rewards(ep.turn_rewards, ep.verdict)
     try:
-      turns = await _take_session(gateway_url, wire_id, control_token)
+      turns = await _take_session(gateway_url, wire_id, control_token, record.get("id"))
     except httpx.HTTPStatusError as e:  # (a harness whose calls lack the session header)
       if e.response.status_code != 404:
         raise
@@ -808,7 +839,7 @@ async def run_blackbox(env, task, gateway_url: str, cfg: AgentConfig, *, session
     # in flight, the server said at the cut) is the policy's.
     elapsed = time.perf_counter() - t_start
     try:
-      turns = await _take_session(gateway_url, wire_id, control_token)
+      turns = await _take_session(gateway_url, wire_id, control_token, record.get("id"))
     except httpx.HTTPStatusError as e:  # no record: cut in its first turn, or lost
       turns = [] if e.response.status_code == 404 and not acting.actions else e
     except (httpx.HTTPError, KeyError, ValueError, InfraError) as e:

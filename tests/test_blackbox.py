@@ -584,6 +584,40 @@ def test_a_blackbox_episode_is_played_again_the_same_under_its_session_id(random
   assert first == again
 
 
+def test_a_record_made_anew_while_its_episode_played_is_the_infrastructures(
+    random_params, monkeypatch):
+  """A reviewer: a flood of other sessions dropped an idle episode's record, and past
+  the store's bounded marks of what it dropped its next turn began a record anew that
+  said nothing: its later turns alone were trained as the whole episode, their rewards
+  on the wrong turns. The record's id at the first step and at the end must agree (here
+  the record is deleted after the first step, as a drop past the marks leaves it)."""
+  import httpx
+
+  from jaxagent import blackbox as blackbox_mod
+  from tests.rollout_server.conftest import running_server
+
+  own_way = blackbox_mod.blackbox_agent("openai")
+
+  task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 3})
+  config = AgentConfig(max_turns=3, max_new_tokens=3)
+  with running_server(random_params, TOK, version=4) as (srv, _):
+    async def dropping(env, task, base_url, *, session_id, **kw):
+      async def step(action, _step=env.step):
+        result = await _step(action)
+        if len(env.actions) == 1:  # (after the first step's record was seen)
+          httpx.delete(f"{base_url}/sessions/{session_id}")
+        return result
+
+      env.step = step
+      return await own_way(env, task, base_url, session_id=session_id, **kw)
+
+    monkeypatch.setitem(blackbox_mod.BLACKBOX_AGENTS, "openai", dropping)
+    ep = asyncio.run(run_blackbox(make("guess_number"), task, srv.url, config,
+                                  session_id="bb-flooded", group_id="g", api="openai"))
+  assert ep.infra_error and ep.infra_kind == "session_evicted", (ep.reason, ep.turns)
+  assert "was made anew while its episode played" in ep.reason
+
+
 def test_a_blackbox_episode_starts_its_session_afresh(random_params):
   """Turns an attempt recorded under a session id before it died (a run killed and
   resumed plays its groups under the same ids, on a server that outlived it) are not
