@@ -832,6 +832,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m envs.server", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--host", default="127.0.0.1")
+  p.add_argument(control.OPEN_FLAG, action="store_true",
+                 help="serve the session routes without a token beyond this machine")
   p.add_argument("--port", type=int, default=8100)
   p.add_argument("--sandboxes", type=positive_int, default=8)
   p.add_argument("--max-sessions", type=positive_int, default=256)
@@ -882,6 +884,11 @@ def main(argv=None) -> int:
     print(f"envs.server: --import {e}", file=sys.stderr)
     return 2
 
+  unguarded = control.open_beyond_this_machine(control.ENVS, control.ENVS.from_env(),
+                                                args.host)
+  if unguarded and not args.open_routes:
+    print(f"envs.server: {unguarded}", file=sys.stderr)
+    return 2
   sock = listen_or_say(args.host, args.port, "envs.server")
   if sock is None:
     return 2

@@ -89,6 +89,30 @@ def hold_tokens() -> None:
       _held[key.env] = token
 
 
+OPEN_FLAG = "--open-routes"
+
+
+def open_beyond_this_machine(key: Key, token: Optional[str], host: str) -> Optional[str]:
+  """Why a process must not start listening on `host` with `key`'s routes open (None:
+  it holds a token, or `host` is this machine's loopback alone): a server's control
+  routes or a worker's session routes answered anyone who could reach it (a reviewer:
+  loading any file as weights, running code in its sandboxes). `OPEN_FLAG` serves them
+  open all the same, where a network of its own guards them."""
+  import ipaddress
+
+  if token or host == "localhost":
+    return None
+  try:
+    if ipaddress.ip_address(host.strip("[]")).is_loopback:
+      return None
+  except ValueError:  # (a host name: reachable beyond this machine, as far as known)
+    pass
+  return (f"listening on {host} (beyond this machine) with {key.env} unset: its "
+          f"{key.routes}s would answer anyone who reaches it; set {key.env} ("
+          f"{key.holders} share it), listen on 127.0.0.1, or give {OPEN_FLAG} where a "
+          "network of its own guards it")
+
+
 def env_problem() -> Optional[str]:
   """Why a token this process's environment gives cannot go in a header (None: each is
   unset or fine). A process's `main` says it and stops (a token with a space or a

@@ -26,6 +26,8 @@ def main(argv=None) -> int:
   p.add_argument("--policy", help="a trained run's policy export (RUN_DIR/policy: the latest "
                                   "version, or RUN_DIR/policy/vN)")
   p.add_argument("--host", help="where to listen (the config's host; as the override host=)")
+  p.add_argument(control.OPEN_FLAG, action="store_true",
+                 help="serve the control routes without a token beyond this machine")
   p.add_argument("--port", type=int, help="the port (the config's port; as the override port=)")
   add_log_level(p)
   p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
@@ -67,6 +69,10 @@ def main(argv=None) -> int:
     config_lib.check_mesh(cfg.mesh)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  unguarded = control.open_beyond_this_machine(control.CONTROL, control.from_env(), cfg.host)
+  if unguarded and not args.open_routes:
+    print(f"error: {unguarded}", file=sys.stderr)
     return 2
   sock = listen_or_say(cfg.host, cfg.port)  # (before the model loads: fails at once)
   if sock is None:

@@ -784,6 +784,8 @@ def main(argv=None) -> int:
                  help="turns held open to the backends at once (one connection each; a "
                       "turn past them waits up to 30 s for one, then 503)")
   p.add_argument("--host", default="127.0.0.1")
+  p.add_argument(control.OPEN_FLAG, action="store_true",
+                 help="serve the control routes without a token beyond this machine")
   p.add_argument("--port", type=int, default=8000)
   add_log_level(p)
   args = p.parse_args(argv)
@@ -804,10 +806,14 @@ def main(argv=None) -> int:
   if not 0 < args.port < 65536:
     print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
     return 2
+  token = control.from_env()
+  unguarded = control.open_beyond_this_machine(control.CONTROL, token, args.host)
+  if unguarded and not args.open_routes:
+    print(f"error: {unguarded}", file=sys.stderr)
+    return 2
   sock = listen_or_say(args.host, args.port)
   if sock is None:
     return 2
-  token = control.from_env()
   print(f"router on http://{args.host}:{args.port} over {len(backends)} backends; "
         f"{control.describe(token)}", flush=True)
 

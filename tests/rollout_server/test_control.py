@@ -457,3 +457,29 @@ def test_a_learner_holds_the_runs_tokens_out_of_the_environment_its_programs_inh
                           "os.environ if k.startswith('JAXAGENT_')))"],
                          capture_output=True, text=True, check=True)
   assert "TOKEN" not in child.stdout
+
+
+def test_a_service_listening_beyond_this_machine_without_its_token_is_refused(
+    monkeypatch, capsys):
+  """A reviewer: a server, router or environment worker given --host 0.0.0.0 and no
+  token served its control (or session) routes to anyone who reached it (loading any
+  file as weights, running code in its sandboxes), and said so in one line. It is
+  refused unless given --open-routes; loopback and a token are as before."""
+  from envs import server as env_server
+  from jaxagent import control
+  from rollout_server import __main__ as server_main, router
+
+  monkeypatch.delenv(control.CONTROL.env, raising=False)
+  monkeypatch.delenv(control.ENVS.env, raising=False)
+  monkeypatch.setattr(control, "_held", {})
+  for main, args, key in (
+      (server_main.main, ["--config", "configs/server_tiny.yaml"], control.CONTROL),
+      (router.main, ["--backends", "http://127.0.0.1:1"], control.CONTROL),
+      (env_server.main, [], control.ENVS)):
+    for host in ("0.0.0.0", "10.1.2.3", "my-host.example"):
+      assert main([*args, "--host", host, "--port", "1"]) == 2, (main, host)
+      err = capsys.readouterr().err
+      assert f"listening on {host} (beyond this machine) with {key.env} unset" in err, err
+  for host in ("127.0.0.1", "::1", "localhost", "[::1]"):
+    assert control.open_beyond_this_machine(control.CONTROL, None, host) is None, host
+  assert control.open_beyond_this_machine(control.CONTROL, "t" * 43, "0.0.0.0") is None
