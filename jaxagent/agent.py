@@ -27,6 +27,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 import sys
 import time
 import uuid
@@ -95,8 +96,12 @@ FIRST_PROMPT_TOO_LONG = "first_prompt_too_long"
 
 def turn_seed(session_id: str, turn: int) -> int:
   """The sampling seed of an episode's turn: the same for the same session and turn (a
-  report is reproducible), another for each episode of a group."""
-  return zlib.crc32(f"{session_id}/{turn}".encode()) & 0x7FFFFFFF
+  report is reproducible), another for each episode of a group; the same for an
+  episode's retries (a session id's `-r<attempt>`): a retry after the infrastructure
+  failed plays the episode again as it went, and one the policy's own action fails
+  again, is dropped again, never a luckier sample in its place (a reviewer)."""
+  base = re.sub(r"-r\d+(#summary)?$", r"\1", session_id)
+  return zlib.crc32(f"{base}/{turn}".encode()) & 0x7FFFFFFF
 
 
 def _merge(first: TurnRecord, more: TurnRecord) -> TurnRecord:

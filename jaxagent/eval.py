@@ -6,8 +6,9 @@ which c pass, 1 - C(n - c, k) / C(n, k)), terminal and process rewards, turns, t
 calls, invalid tool calls and episode latency p50/p95/p99. Writes a JSON report
 (`--out`, default `eval-<tasks>.json` in the evaluated version's directory,
 `<policy>/vN/`; `eval-<tasks>-greedy.json` with `--greedy`) and prints a table. An
-episode the infrastructure failed (a server or worker down) is played again twice,
-then left out of every figure and counted.
+episode the infrastructure failed (a server or worker down) is played again twice, on
+the same seeds (one that failed by its own actions fails again, never replaced by a
+luckier sample), then left out of every figure and counted.
 
 The policy is served in process (an engine built from the run's `config.json`, loaded
 with the export's weights, with the models served beside it and a gateway where the

@@ -956,6 +956,16 @@ def test_each_turn_is_sampled_with_its_own_seed_and_its_tokens_carry_its_turn():
   task = TaskSpec("t", "guess_number", {"secret": 11, "process_reward": 0.0})
   ep, engine = play(["8", "12", "11"], task)
   assert engine.seeds == [turn_seed("s1", t) for t in range(3)] and len(set(engine.seeds)) == 3
+  # An episode's retries sample as it did (a reviewer: a retry drew a new sample, and
+  # an episode whose own action failed the infrastructure was replaced by a luckier
+  # one); its group's other episodes, and a task id that ends so, sample otherwise.
+  from jaxagent.blackbox import turn_seed as harness_seed
+
+  assert turn_seed("g5-1-r0", 2) == turn_seed("g5-1-r3", 2) == harness_seed("g5-1-r2~ab12", 2)
+  assert turn_seed("eval-t-0", 1) == turn_seed("eval-t-0-r1", 1)
+  assert turn_seed("g5-1-r0#summary", 1) == turn_seed("g5-1-r1#summary", 1)
+  assert len({turn_seed("g5-0-r0", 2), turn_seed("g5-1-r0", 2), turn_seed("eval-t-r1-0", 2),
+              turn_seed("eval-t-r2-0", 2)}) == 4
   (seg,) = ep.segments
   trained = seg.loss_mask > 0
   sampled = [TOK.encode(a) + [TOK.stop_ids[0]] for a in ("8", "12", "11")]
