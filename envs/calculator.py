@@ -125,6 +125,11 @@ def safe_eval(expression: str, *, exact: bool = False) -> float | int | Fraction
       if exact and isinstance(node.op, ast.Div) and isinstance(a, (int, Fraction)) \
           and isinstance(b, (int, Fraction)) and b != 0:
         value = Fraction(a) / b  # (exactly: a float rounds past 2**53)
+      elif exact and isinstance(node.op, ast.Pow) and isinstance(a, (int, Fraction)) \
+          and isinstance(b, int) and b < 0 and a != 0:
+        # (exactly: a float's 2 ** -40 was graded with the floor fractional powers get,
+        # and `ANSWER: 0` passed it; a reviewer)
+        value = Fraction(a) ** b
       else:
         value = _OPS[type(node.op)](a, b)
       if isinstance(value, Fraction) and value.denominator == 1:
@@ -162,8 +167,9 @@ class Calculator(Env):
   # examples in the first observation; only an `ANSWER: <number>` line is an answer.
   version = "3"
   # 2: no trailing-number fallback. 3: a quotient's answer within a relative 1e-6, read
-  # exactly (an absolute 1e-6 passed `ANSWER: 0` for 1 / 3000000: red team 29)
-  verifier_version = "3"
+  # exactly (an absolute 1e-6 passed `ANSWER: 0` for 1 / 3000000: red team 29). 4: a
+  # negative whole power read exactly too (`ANSWER: 0` passed 2 ** -40).
+  verifier_version = "4"
 
   def __init__(self):
     super().__init__()

@@ -122,6 +122,10 @@ def test_calculator_compares_whole_numbers_exactly():
       ("100000000000 / 3", "33333333333.3333333333", "pass"),
       ("1 / 3000000", "0", "fail"), ("1 / 3000000", "0.0000003", "fail"),
       ("1 / 3000000", "0.0000003333333", "pass"),
+      # (a reviewer) a negative power, read exactly: its float was given the floor of a
+      # fractional power's rounding, and `ANSWER: 0` passed it
+      ("2 ** -40", "0", "fail"), ("10 ** -13", "0", "fail"), ("2 ** -2", "0.25", "pass"),
+      ("2 ** -40", "0.0000000000009094947017729282379150390625", "pass"),
       # (a reviewer) decimals as written: 0.1 + 0.2 - 0.3 is 0; answers of 4,300 digits
       # and more are read, not raised (int()'s limit stopped the run)
       ("0.1 + 0.2 - 0.3", "0", "pass"), ("0.1 * 3", "0.3", "pass"),
