@@ -130,13 +130,38 @@ def _hf_tokenizer(path: str, template: Optional[str] = None,
   def text(t):
     return t.get("content") if isinstance(t, dict) else t
 
-  template = template or conf.get("chat_template") or CHATML_TOOLS_TEMPLATE
+  template = template or _own_template(conf, [os.path.dirname(tj), path]) \
+      or CHATML_TOOLS_TEMPLATE
   eos = text(conf.get("eos_token")) or "<|endoftext|>"
   return Tokenizer.from_file(tj, template, eos_token=eos,
                              pad_token=text(conf.get("pad_token")) or eos,
                              bos_token=text(conf.get("bos_token")),
                              stop_tokens=["<|im_end|>"] if "<|im_end|>" in template else [],
                              name=os.path.basename(os.path.normpath(path)))
+
+
+def _own_template(conf: dict, directories: list[str]) -> Optional[str]:
+  """A checkpoint's own chat template: its chat_template.jinja (where transformers now
+  saves it, not in tokenizer_config.json: jaxagent's ChatML was used in its place
+  without a word; a reviewer), else tokenizer_config.json's, whose list form of named
+  templates gives its `tool_use` one, else its `default`; None where it has none."""
+  for directory in dict.fromkeys(directories):
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.exists(jinja):
+      with open(jinja, encoding="utf-8") as f:
+        return f.read()
+  template = conf.get("chat_template")
+  if isinstance(template, list):
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    template = named.get("tool_use") or named.get("default")
+    if not isinstance(template, str):
+      raise ConfigError(f"tokenizer_config.json: chat_template is a list of templates "
+                        f"without a 'tool_use' or 'default' one (it names "
+                        f"{sorted(map(str, named))}): give model.chat_template")
+  if template is not None and not isinstance(template, str):
+    raise ConfigError("tokenizer_config.json: chat_template is neither a template nor a "
+                      "list of named ones: give model.chat_template")
+  return template
 
 
 def describe(cfg: ModelConfig) -> str:

@@ -99,3 +99,18 @@ def test_a_checkpoint_without_tokenizer_json_names_model_tokenizer(tmp_path):
   assert _hf_tokenizer(str(ckpt), None, str(own / "tokenizer.json")).eos_id == 2
   with pytest.raises(ConfigError, match="model.tokenizer: no tokenizer.json"):
     _hf_tokenizer(str(ckpt), None, str(tmp_path / "nothing"))
+  # Its own template where transformers saves it now, chat_template.jinja, not in
+  # tokenizer_config.json (ChatML was used in its place without a word: a reviewer); the
+  # list form's tool_use template, else its default.
+  (own / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}"
+                                           "<|im_end|>{% endfor %}")
+  assert _hf_tokenizer(str(ckpt), None, str(own)).chat_template.startswith("{% for m in")
+  (own / "chat_template.jinja").unlink()
+  (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+      "chat_template": [{"name": "default", "template": "D<|im_end|>"},
+                        {"name": "tool_use", "template": "T<|im_end|>"}]}))
+  assert _hf_tokenizer(str(ckpt), None, str(own)).chat_template == "T<|im_end|>"
+  (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+      "chat_template": [{"name": "rag", "template": "R"}]}))
+  with pytest.raises(ConfigError, match="without a 'tool_use' or 'default' one"):
+    _hf_tokenizer(str(ckpt), None, str(own))
