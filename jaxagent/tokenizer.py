@@ -455,8 +455,12 @@ class Tokenizer:
     if pre == "smollm":  # SmolLM splits digits one by one before the GPT-2 regex
       tok.pre_tokenizer = pre_tokenizers.Sequence(
           [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
+    elif pre in ("default", "gpt2"):
       tok.pre_tokenizer = byte_level
+    else:  # (another split, as Llama 3's `llama-bpe`: read with GPT-2's, numbers and white
+      # space came out as other tokens than the model was trained on; a reviewer)
+      raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (default, gpt2, "
+                       "smollm); give the model as a Hugging Face directory")
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(control)
     eos = tokens[int(field("tokenizer.ggml.eos_token_id"))]

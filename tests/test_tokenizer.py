@@ -229,3 +229,39 @@ def test_templates_render_as_transformers_renders_them(template, tmp_path):
                                               tokenize=False), ours
   assert tok.render([{"role": "user", "content": "hi"}]) == \
       "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _gguf(path, pre, rope_freqs=False):
+  """A GGUF of a four-token BPE vocabulary, its pre-tokenizer `pre` (and a stored RoPE
+  frequency tensor, as llama.cpp's converter writes Llama 3.1's scaling)."""
+  import gguf
+  import numpy as np
+
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre(pre)
+  w.add_token_list(["a", "b", "<|im_end|>", "ab"])
+  w.add_token_types([gguf.TokenType.NORMAL, gguf.TokenType.NORMAL, gguf.TokenType.CONTROL,
+                     gguf.TokenType.NORMAL])
+  w.add_token_merges(["a b"])
+  w.add_eos_token_id(2)
+  if rope_freqs:
+    w.add_tensor("rope_freqs.weight", np.ones(4, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return str(path)
+
+
+def test_a_gguf_split_or_rope_this_project_does_not_read_is_refused(tmp_path):
+  """A reviewer: any GGUF pre-tokenizer but SmolLM's was read with GPT-2's split (Llama 3's
+  `llama-bpe` split numbers and white space otherwise: other tokens than the model was
+  trained on), and a Llama 3.1 GGUF's stored RoPE scaling was dropped: both refused."""
+  from jaxagent.models.hf import load_gguf
+
+  with pytest.raises(ValueError, match="GGUF pre-tokenizer 'llama-bpe' is not supported"):
+    Tokenizer.from_gguf(_gguf(tmp_path / "l3.gguf", "llama-bpe"))
+  assert Tokenizer.from_gguf(_gguf(tmp_path / "s.gguf", "smollm")).encode("ab") == [3]
+  with pytest.raises(ValueError, match="GGUF with RoPE scaling"):
+    load_gguf(_gguf(tmp_path / "r.gguf", "smollm", rope_freqs=True))

@@ -29,6 +29,17 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"architecture {arch!r} is not supported; supported: "
                      f"{list(SUPPORTED_ARCHITECTURES)}")
+  # What this model does not compute, refused by name (each loaded without a word and
+  # gave other logits: a Llama's attention_bias is an output bias too, mlp_bias the MLP's,
+  # and another activation than SiLU; a reviewer).
+  act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+  if act != "silu":
+    raise ValueError(f"hidden_act {act!r} is not supported (SiLU only)")
+  if hf.get("mlp_bias"):
+    raise ValueError("mlp_bias is not supported (an MLP without biases only)")
+  if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
+    raise ValueError("a Llama's attention_bias (biases of q, k, v and the output "
+                     "projection) is not supported; Qwen2's q, k, v biases are")
   n_heads = hf["num_attention_heads"]
   # transformers < 5 writes rope_theta / rope_scaling; >= 5 nests both in rope_parameters.
   rope = dict(hf.get("rope_parameters") or {})
@@ -49,7 +60,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
       head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
       d_ff=hf["intermediate_size"], rope_theta=float(theta), rope_scaling=scaling,
       norm_eps=hf.get("rms_norm_eps", 1e-6),
-      qkv_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
+      qkv_bias=arch == "Qwen2ForCausalLM",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_seq_len=hf.get("max_position_embeddings", 2048))
   fields.update(overrides)
@@ -125,12 +136,25 @@ def load_hf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES,
     for name in h.keys():
       where[name] = h
 
+  read = set()
+
   def get(name: str) -> np.ndarray:
     if name not in where:
       raise KeyError(f"tensor {name!r} not found in {path}")
+    read.add(name)
     return np.asarray(where[name].get_tensor(name), dtype=np.float32)
 
-  return cfg, place_params(cfg, params_from_hf(cfg, get), mesh, rules)
+  params = place_params(cfg, params_from_hf(cfg, get), mesh, rules)
+  # Weights the model left unread are a model it does not compute (biases, another
+  # layer's kind): refused, not dropped (a reviewer). A tied checkpoint's copy of its
+  # embedding, and RoPE's stored frequencies (computed here), are not weights.
+  unread = sorted(n for n in set(where) - read
+                  if not n.endswith("rotary_emb.inv_freq")
+                  and not (n == "lm_head.weight" and cfg.tie_embeddings))
+  if unread:
+    raise ValueError(f"{path}: {len(unread)} tensors this model does not compute (e.g. "
+                     f"{', '.join(unread[:4])}): a model of another kind")
+  return cfg, params
 
 
 # -- export to Hugging Face ------------------------------------------------------------
@@ -260,9 +284,15 @@ def load_gguf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES
   arch = gguf_field(reader, "general.architecture")
   if arch != "llama":
     raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+  tensors = {t.name: t for t in reader.tensors}
+  if "rope_freqs.weight" in tensors or gguf_field(reader, "llama.rope.scaling.type",
+                                                  "none") not in ("none", None):
+    # (Llama 3.1's frequency scaling, which llama.cpp's converter stores so: loaded
+    # unscaled, every position's low frequencies were wrong; a reviewer)
+    raise ValueError("GGUF with RoPE scaling (rope_freqs.weight, llama.rope.scaling.*) is "
+                     "not supported; give the model as a Hugging Face directory")
   n_heads = int(gguf_field(reader, "llama.attention.head_count"))
   d_model = int(gguf_field(reader, "llama.embedding_length"))
-  tensors = {t.name: t for t in reader.tensors}
   cfg = ModelConfig(
       vocab_size=int(gguf_field(reader, "llama.vocab_size",
                                 len(reader.fields["tokenizer.ggml.tokens"].data))),
@@ -302,10 +332,14 @@ def load_gguf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES
       "mlp.down_proj.weight": "ffn_down.weight",
   }
 
+  read = set()
+
   def get(name: str) -> np.ndarray:
     if name in hf_names:
+      read.add(hf_names[name])
       return tensor(hf_names[name])
     _, _, i, rest = name.split(".", 3)
+    read.add(f"blk.{i}.{layer_names[rest]}")
     w = tensor(f"blk.{i}.{layer_names[rest]}")
     if rest == "self_attn.q_proj.weight":
       w = _unpermute_rope(w, cfg.n_heads)
@@ -313,4 +347,9 @@ def load_gguf(path: str, mesh: Optional[Mesh] = None, rules: Rules = TRAIN_RULES
       w = _unpermute_rope(w, cfg.n_kv_heads)
     return w
 
-  return cfg, place_params(cfg, params_from_hf(cfg, get), mesh, rules)
+  params = place_params(cfg, params_from_hf(cfg, get), mesh, rules)
+  unread = sorted(set(tensors) - read)
+  if unread:  # (weights of a model of another kind: refused, not dropped)
+    raise ValueError(f"{path}: {len(unread)} tensors this model does not compute (e.g. "
+                     f"{', '.join(unread[:4])}): a model of another kind")
+  return cfg, params

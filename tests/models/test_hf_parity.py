@@ -60,3 +60,29 @@ def test_logits_match_transformers(case, tmp_path):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json"):
     load_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("extra, refused", [
+    (dict(attention_bias=True), "a Llama's attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported")])
+def test_a_llama_of_a_kind_this_model_does_not_compute_is_refused(extra, refused, tmp_path):
+  """A reviewer: a Llama with an output bias, MLP biases or another activation loaded
+  without a word (its logits off by about their own size): refused by name; and weights
+  a checkpoint holds that no parameter reads are refused, not dropped."""
+  from safetensors.numpy import save_file
+
+  hf_cfg = transformers.LlamaConfig(**COMMON, num_key_value_heads=2, **extra)
+  hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+  hf_model.save_pretrained(tmp_path, safe_serialization=True)
+  with pytest.raises(ValueError, match=refused):
+    load_hf(str(tmp_path))
+  plain = tmp_path / "plain"
+  transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+      **COMMON, num_key_value_heads=2), torch_dtype=torch.float32).save_pretrained(
+      plain, safe_serialization=True)
+  load_hf(str(plain))
+  save_file({"model.layers.0.mlp.gate_proj.bias": np.zeros(96, np.float32)},
+            str(plain / "extra.safetensors"))
+  with pytest.raises(ValueError, match="1 tensors this model does not compute.*gate_proj"):
+    load_hf(str(plain))
