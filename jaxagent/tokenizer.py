@@ -194,10 +194,12 @@ def _compile(template: str) -> jinja2.Template:
 def _unicode(text: str) -> str:
   """`text` with lone surrogates (which Python strings may hold, e.g. from a JSON
   escape in a tool call echoed back by a tool, and which no tokenizer can encode)
-  replaced by U+FFFD; any other text unchanged."""
+  replaced by U+FFFD, one each, and a pair of them as the character it makes; any other
+  text unchanged. (Through UTF-8, a lone one made three U+FFFD and a pair six: a
+  reviewer.)"""
   if valid_unicode(text):
     return text
-  return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+  return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 def valid_unicode(text: str) -> bool:

@@ -265,3 +265,13 @@ def test_a_gguf_split_or_rope_this_project_does_not_read_is_refused(tmp_path):
   assert Tokenizer.from_gguf(_gguf(tmp_path / "s.gguf", "smollm")).encode("ab") == [3]
   with pytest.raises(ValueError, match="GGUF with RoPE scaling"):
     load_gguf(_gguf(tmp_path / "r.gguf", "smollm", rope_freqs=True))
+
+
+def test_lone_surrogates_become_one_replacement_character_each():
+  """A reviewer: a lone surrogate (a JSON escape echoed back by a tool) became three
+  U+FFFD, and a pair held apart six, not the character it makes."""
+  from jaxagent.tokenizer import clean_unicode
+
+  assert clean_unicode("a\ud800b") == "a\ufffdb"
+  assert clean_unicode("\ud83d\ude00!") == "\U0001F600!"
+  assert clean_unicode("plain text") == "plain text"

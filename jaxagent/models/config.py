@@ -54,13 +54,13 @@ class ModelConfig:
   scan_unroll: int = 1
 
   def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                 "d_ff", "attention_block", "scan_unroll"):
+      if getattr(self, name) <= 0:  # (n_kv_heads 0 was a ZeroDivisionError; -1 passed)
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "d_ff",
-                 "attention_block", "scan_unroll"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
     if isinstance(self.remat, bool):  # frozen: set through object.__setattr__
       object.__setattr__(self, "remat", "full" if self.remat else "none")
     if self.remat not in REMAT_POLICIES:

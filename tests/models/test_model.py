@@ -160,3 +160,14 @@ def test_place_params_builds_one_parameter_at_a_time(monkeypatch):
   assert events == ["build", "put"] * len(host)
   for k in host:
     np.testing.assert_array_equal(np.asarray(placed[k]), host[k])
+
+
+def test_a_config_without_kv_heads_is_refused_by_name():
+  """A reviewer: n_kv_heads 0 was a ZeroDivisionError, and a negative count passed."""
+  import dataclasses
+
+  from jaxagent.models.config import preset
+
+  for n in (0, -2):
+    with pytest.raises(ValueError, match=f"n_kv_heads must be positive, got {n}"):
+      dataclasses.replace(preset("nano"), n_kv_heads=n)
