@@ -217,6 +217,10 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
                                  f"{a.temperature}")
   if not 0 < a.top_p <= 1:
     raise config_lib.ConfigError(f"agent.top_p must be in (0, 1], got {a.top_p}")
+  if 0 < a.temperature < 1e-6:  # (the learner scores at 1e-6 at least: another
+    # distribution than the one sampled, its ratios not 1; a reviewer)
+    raise config_lib.ConfigError(f"agent.temperature must be 0 (greedy) or >= 1e-6, got "
+                                 f"{a.temperature}")
   if a.temperature == 0:  # (red team 26: the gradient of a greedy token's log-prob is 0)
     raise config_lib.ConfigError(
         "agent.temperature: 0 (greedy) trains nothing (the learner's log-prob of a greedy "

@@ -393,8 +393,11 @@ class Engine:
 
   def _release_impl(self, state: DecodeState, slots):
     put = lambda a, x: a.at[slots].set(x, mode="drop")
+    # (and sampling that filters nothing: an empty slot's old top-p or top-k made every
+    # later step of every row pay the vocabulary's sort until the slot was taken again)
     return state._replace(active=put(state.active, False), lengths=put(state.lengths, 0),
-                          page_table=put(state.page_table, 0))
+                          page_table=put(state.page_table, 0),
+                          top_p=put(state.top_p, 1.0), top_k=put(state.top_k, 0))
 
   def release(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Empties decode slots (donates `decode_state`); their pages go back to whoever

@@ -451,6 +451,18 @@ def test_a_weight_update_swapped_in_is_told_done_whatever_fails_after(random_par
     orch.stop()
 
 
+def test_a_slot_let_go_samples_nothing_filtered_for_its_next_request(orch):
+  """A reviewer: an empty slot kept its last request's top-p and top-k, and every later
+  step of every row paid the vocabulary's sort until the slot was taken again."""
+  done = orch.generate([4, 4, 4], SamplingParams(seed=0, max_new_tokens=2, top_p=0.5,
+                                                 top_k=3), timeout=60)
+  assert done.finish_reason == "length"
+  _until(lambda: not any(orch._slots))
+  with orch._cv:
+    state = orch._state
+    assert np.all(np.asarray(state.top_p) == 1.0) and np.all(np.asarray(state.top_k) == 0)
+
+
 def test_request_ids_are_unique_while_in_flight_and_free_after(random_params):
   """A request id names one request in flight (a second is refused); once it finished
   it is free again: not aborted, no progress, and the id can be used anew."""
