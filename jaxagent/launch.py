@@ -85,10 +85,9 @@ class Child:
     return self
 
   def _forward(self, out_lock: threading.Lock) -> None:
-    for line in self.proc.stdout:
+    for line in self.proc.stdout:  # (read to its end: a child whose pipe fills waits)
       with out_lock:
-        sys.stdout.write(f"[{self.name}] {line}")
-        sys.stdout.flush()
+        _say(f"[{self.name}] {line}", end="")
 
   def alive(self) -> bool:
     return self.proc is not None and self.proc.poll() is None
@@ -250,6 +249,15 @@ def _code(returncode: int) -> int:
   return 128 - returncode if returncode < 0 else returncode
 
 
+def _say(*args, **kwargs) -> None:
+  """`print`, flushed, that a launcher's output gone (its terminal closed, the pipe to a
+  `tee` that died with a Ctrl-C) leaves unsaid: it failed, the children's output was no
+  longer read (a learner waited in a write for ever) or a signal's handler raised (its
+  learners then stopped at once, without a checkpoint; a reviewer)."""
+  with contextlib.suppress(OSError, ValueError):
+    print(*args, **kwargs, flush=True)
+
+
 def run_local(args) -> int:
   problem = control.env_problem()
   if problem:
@@ -283,7 +291,7 @@ def run_local(args) -> int:
   if args.resume and not args.run_dir:
     print("error: --resume needs --run-dir (the run to go on with)", file=sys.stderr)
     return 2
-  from jaxagent.run_dir import holds_a_run, started_a_run
+  from jaxagent.run_dir import holds_a_run, in_use, started_a_run
 
   try:  # the learner's checks, before any service starts (with the URLs it will get)
     check_with_services(cfg, args.servers, args.env_workers)
@@ -308,6 +316,12 @@ def run_local(args) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 2
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  # (a run going on there: refused before its files are rewritten and any service
+  # starts, on the running launch's ports; a reviewer)
+  held = in_use(run_dir) if os.path.isdir(run_dir) else None
+  if held:
+    print(f"error: {held}", file=sys.stderr)
+    return 2
   services, learners = plan(args, cfg, run_dir)
   lock = threading.Lock()
   started: list[Child] = []
@@ -330,9 +344,9 @@ def run_local(args) -> int:
       for c in running:
         with contextlib.suppress(ProcessLookupError):
           os.killpg(c.proc.pid, signum)
-      print(f"launch: {signal.Signals(signum).name}: the learner stops after its step "
+      _say(f"launch: {signal.Signals(signum).name}: the learner stops after its step "
             "and checkpoints, then the services (again to stop everything now)",
-            file=sys.stderr, flush=True)
+            file=sys.stderr)
       return
     raise KeyboardInterrupt
 
@@ -343,16 +357,16 @@ def run_local(args) -> int:
       started.append(c.start(lock))
     for c in services:
       wait_healthy(c, args.start_timeout_s)
-    print(f"launch: {len(services)} services up; starting {len(learners)} learner "
-          f"process(es); run dir {run_dir}", flush=True)
+    _say(f"launch: {len(services)} services up; starting {len(learners)} learner "
+          f"process(es); run dir {run_dir}")
     for c in learners:
       started.append(c.start(lock))
     while True:
       if got["signal"] is not None:  # the learners were told to stop: wait for them
         if not any(c.alive() for c in learners):
           codes = ", ".join(f"{c.name} {c.proc.returncode}" for c in learners)
-          print(f"launch: the learner stopped ({codes}); stopping the services",
-                file=sys.stderr, flush=True)
+          _say(f"launch: the learner stopped ({codes}); stopping the services",
+                file=sys.stderr)
           # (the signal's code only when each learner stopped for it: one that failed
           # or was killed, its checkpoint unsaved, is said by its own code)
           failed = [_code(c.proc.returncode) for c in learners
@@ -361,7 +375,7 @@ def run_local(args) -> int:
         time.sleep(0.2)
         continue
       if all(c.proc.poll() == 0 for c in learners):
-        print("launch: the learner finished; stopping the services", flush=True)
+        _say("launch: the learner finished; stopping the services")
         return 0
       # A dead service first: it is the cause when a learner fails after it. It is
       # started again on its address while it has restarts left; past them, a rollout
@@ -370,15 +384,15 @@ def run_local(args) -> int:
         if not c.alive() and c not in gone:
           if c.restarts < args.restarts:
             c.restarts += 1
-            print(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
+            _say(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
                   f"starting it again (restart {c.restarts} of {args.restarts})",
-                  file=sys.stderr, flush=True)
+                  file=sys.stderr)
             c.start(lock)
             continue
           gone.append(c)
           left = [s for s in services if s.alive() and s.name.startswith("server")]
           if c.name.startswith("server") and left:
-            print(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
+            _say(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
                   f"the learner goes on with {len(left)} server(s)", file=sys.stderr,
                   flush=True)
             continue
@@ -389,13 +403,13 @@ def run_local(args) -> int:
           raise _Failed(f"{c.name} exited with code {code}", _code(code))
       time.sleep(0.2)
   except RuntimeError as e:
-    print(f"launch: error: {e}; stopping the others", file=sys.stderr, flush=True)
+    _say(f"launch: error: {e}; stopping the others", file=sys.stderr)
     # (a learner killed: the others stop with it, unsaved, and none said how to go on: a
     # new user; one that stopped itself said it, or was refused)
     got["hint"] = isinstance(e, _Failed) and e.code > 128
     return e.code if isinstance(e, _Failed) else 1
   except KeyboardInterrupt:
-    print("launch: interrupted; stopping every process", file=sys.stderr, flush=True)
+    _say("launch: interrupted; stopping every process", file=sys.stderr)
     return 128 + (got["signal"] or signal.SIGINT)
   finally:
     for sig in previous:  # (stopping is not cut short: no orphans)
@@ -405,7 +419,7 @@ def run_local(args) -> int:
       from jaxagent.stopping import RESUME_COMMAND, go_on_hint
       again = (learners[0].env or {}).get(RESUME_COMMAND)
       if got.get("hint") and again:
-        print(f"launch: {go_on_hint(run_dir, again)}", file=sys.stderr, flush=True)
+        _say(f"launch: {go_on_hint(run_dir, again)}", file=sys.stderr)
     finally:  # (a caller in this process gets its own handlers back: a test after an
       # in-process launch found Ctrl-C ignored)
       for sig, handler in previous.items():

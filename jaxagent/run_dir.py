@@ -49,6 +49,18 @@ class RunDirInUse(RuntimeError):
   """Another trainer holds the run directory (its process of the same index)."""
 
 
+def in_use(run_dir: str) -> Optional[str]:
+  """Why `run_dir` cannot be trained in now (another process holds its lock), or None:
+  free, or a directory whose lock cannot be taken here (its trainer says so)."""
+  try:
+    lock_run_dir(run_dir).close()
+  except RunDirInUse as e:
+    return str(e)
+  except OSError:
+    pass
+  return None
+
+
 def lock_run_dir(run_dir: str):
   """Takes this process's lock on `run_dir` for as long as it lives (an open file with an
   exclusive `flock`; the system lets it go when the process ends, however it ends), and

@@ -65,19 +65,26 @@ class RepeatedTerm:
   def __init__(self, orphan_log: str):
     self.parent, self.orphan_log = os.getppid(), orphan_log
     self.term_at: Optional[float] = None
+    # The parent as the last signal found it (None: no signal yet): a SIGTERM that finds
+    # another is the parent's death signal, during the stop the last one asked for.
+    self.last_parent: Optional[int] = None
 
   def same_request(self, sig: int) -> bool:
-    orphaned = os.getppid() != self.parent
-    if self.orphan_log and orphaned and _output_may_be_gone():
+    parent = os.getppid()
+    if self.orphan_log and parent != self.parent and _output_may_be_gone():
       output_to_file(self.orphan_log)
       self.orphan_log = ""
     now = time.monotonic()
+    died = self.last_parent is not None and parent != self.last_parent
+    self.last_parent = parent
     if sig != signal.SIGTERM:
       return False
-    if self.term_at is not None and (now - self.term_at < REPEATED_TERM_S or orphaned):
-      return True  # (a parent's death during a stop is no call to stop at once: a reviewer)
+    repeat = self.term_at is not None and now - self.term_at < REPEATED_TERM_S
     self.term_at = now
-    return False
+    # (a parent's death during a stop, after a SIGTERM or a Ctrl-C, is no call to stop at
+    # once, once: a reviewer; an orphan's later SIGTERM is one: a run left by its shell,
+    # its stop stuck, took no SIGTERM again, and one after its Ctrl-C stopped it at once)
+    return repeat or died
 
 
 def _output_may_be_gone() -> bool:

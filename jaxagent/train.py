@@ -16,6 +16,7 @@ points, newer policy exports) is cut back, so every step is recorded once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import os
 import shlex
@@ -35,8 +36,8 @@ from jaxagent.errors import (EpisodeBug, InfraError, InfraOutage, NonFiniteUpdat
                              PeerLost, RunWriteFailed, TaskError, disk_hint)
 from jaxagent.metrics import RecordsDamaged
 from jaxagent.run_checks import check_config
-from jaxagent.run_dir import (RunDirInUse, has_checkpoint, holds_a_run, lock_run_dir,
-                              resumed_config, started_a_run)
+from jaxagent.run_dir import (RunDirInUse, has_checkpoint, holds_a_run, in_use,
+                              lock_run_dir, resumed_config, started_a_run)
 from jaxagent.stopping import (RESUME_COMMAND, go_on_hint, leave_stuck_threads, resume_command,
                                resume_on)
 from jaxagent.training_run import TrainingRun
@@ -164,13 +165,10 @@ def main(argv=None) -> int:
         " (with the settings they were started with)"))
   run_dir = args.run_dir or os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
   if not args.resume and holds_a_run(run_dir):
-    try:  # (a run going on there is said as such)
-      lock_run_dir(run_dir).close()
-    except RunDirInUse as e:
-      print(f"error: {e}", file=sys.stderr)
+    held = in_use(run_dir)  # (a run going on there is said as such)
+    if held:
+      print(f"error: {held}", file=sys.stderr)
       return 2
-    except OSError:  # (a directory it cannot write: its records say enough)
-      pass
     print(f"error: {run_dir} already holds a run (its metrics, checkpoints, trajectories "
           "or policy exports): --resume to go on with it, or another --run-dir",
           file=sys.stderr)
@@ -275,7 +273,10 @@ def main(argv=None) -> int:
     if made and not multi and os.path.isdir(run_dir) and os.listdir(run_dir) == [".lock"]:
       os.remove(os.path.join(run_dir, ".lock"))
       lock.close()
-      os.rmdir(run_dir)
+      # (a second trainer started meanwhile holds a lock of its own there: its directory
+      # stays, and this one's end says nothing; a traceback before: a reviewer)
+      with contextlib.suppress(OSError):
+        os.rmdir(run_dir)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 
@@ -363,8 +364,8 @@ def test_a_runs_served_models_go_to_its_servers(tmp_path):
   assert env.cmd[env.cmd.index("--sandboxes") + 1] == "3"
 
 
-def test_an_orphans_sigterm_never_stops_it_at_once(monkeypatch):
-  """A SIGTERM after the first is "stop now", unless the launcher is gone: its death
+def test_a_parents_death_during_a_stop_is_no_second_request(monkeypatch):
+  """A SIGTERM after the first is "stop now", unless it is the launcher's death: its death
   during a stop (more than a second after the first SIGTERM) stopped the learner at once,
   without its checkpoint (a reviewer)."""
   import signal as signals
@@ -374,10 +375,21 @@ def test_an_orphans_sigterm_never_stops_it_at_once(monkeypatch):
   monkeypatch.setattr(stopping, "REPEATED_TERM_S", 0.0)
   launched = stopping.RepeatedTerm("")
   assert [launched.same_request(signals.SIGTERM) for _ in range(2)] == [False, False]
-  orphan = stopping.RepeatedTerm("")
-  orphan.parent = -1  # (its parent is gone)
-  assert [orphan.same_request(signals.SIGTERM) for _ in range(2)] == [False, True]
-  assert orphan.same_request(signals.SIGINT) is False  # (a person's Ctrl-C still is)
+  dying = stopping.RepeatedTerm("")
+  assert dying.same_request(signals.SIGTERM) is False
+  dying.last_parent = -1  # (its parent died since: the kernel's SIGTERM is the same)
+  assert dying.same_request(signals.SIGTERM) is True
+  assert dying.same_request(signals.SIGINT) is False  # (a person's Ctrl-C still is)
+  # (a reviewer) Its parent's death after a Ctrl-C is no second request either; and a
+  # process orphaned long before (left by its shell) takes each later SIGTERM as one
+  # (its stop stuck, every `kill` was swallowed for good).
+  interrupted = stopping.RepeatedTerm("")
+  assert interrupted.same_request(signals.SIGINT) is False
+  interrupted.last_parent = -1
+  assert interrupted.same_request(signals.SIGTERM) is True
+  left = stopping.RepeatedTerm("")
+  left.parent = -1  # (its parent was gone before any signal)
+  assert [left.same_request(signals.SIGTERM) for _ in range(3)] == [False, False, False]
 
 
 def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
@@ -494,3 +506,41 @@ def test_a_run_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path):
     signals.remove(loop)
   finally:
     loop.close()
+
+
+def test_a_run_directory_in_use_is_refused_before_any_service_starts(tmp_path, capsys):
+  """A reviewer: a second launch on a run going on rewrote its service configs (a dead
+  server came back on the second launch's port) and started every service before its
+  learner met the lock. It is refused first, and writes nothing there."""
+  from jaxagent import launch as launch_lib
+  from jaxagent.run_dir import lock_run_dir
+
+  run = tmp_path / "run"
+  run.mkdir()
+  held = lock_run_dir(str(run))  # (another trainer's)
+  try:
+    assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                            str(run)]) == 2
+    assert "is in use by another trainer" in capsys.readouterr().err
+    assert sorted(os.listdir(run)) == [".lock"]
+  finally:
+    held.close()
+
+
+def test_a_childs_output_is_read_to_its_end_when_the_launchers_own_is_gone(monkeypatch):
+  """A reviewer: with the launcher's output gone (its terminal closed, a `tee` that died
+  with a Ctrl-C) a write failed, its reader thread ended, and a child whose pipe then
+  filled waited in a write for ever."""
+  import io
+
+  from jaxagent import launch as launch_lib
+
+  class Gone(io.StringIO):
+    def write(self, text):
+      raise BrokenPipeError(32, "Broken pipe")
+
+  monkeypatch.setattr(sys, "stdout", Gone())
+  child = launch_lib.Child("talker", [sys.executable, "-c",
+                                      "for i in range(20000): print('x' * 80, flush=True)"])
+  child.start(threading.Lock())
+  assert child.proc.wait(timeout=60) == 0
