@@ -22,6 +22,7 @@ version of the trained groups; success over the first and last thirds of the ste
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -88,6 +89,8 @@ def main() -> None:
   from jaxagent.config import parse_with_overrides
 
   args = parse_with_overrides(p)
+  # (with --json, stdout holds the JSON lines alone: the table goes to stderr)
+  say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
   if not 1 <= args.skip < args.steps:
     p.error("--skip must be in [1, steps)")
 
@@ -104,18 +107,18 @@ def main() -> None:
               for m, r in results.items() if m != "sync"}
     if args.json:
       print(json.dumps(ratios), flush=True)
-  print(f"lognormal step latency: median {args.median_s}s, sigma {args.sigma}, cap "
+  say(f"lognormal step latency: median {args.median_s}s, sigma {args.sigma}, cap "
         f"{args.max_s}s; {args.steps} steps ({args.skip} untimed); staleness "
         f"{args.staleness}")
-  print(f"{'mode':>7} {'valid/s':>8} {'played/s':>9} {'lag':>5} {'stale':>6} {'step s':>7} "
+  say(f"{'mode':>7} {'valid/s':>8} {'played/s':>9} {'lag':>5} {'stale':>6} {'step s':>7} "
         f"{'learner s':>9} {'sync s':>7} {'success 1st->last third':>24}")
   for m, r in results.items():
-    print(f"{m:>7} {r['valid_trajectories_per_s']:>8.2f} {r['episodes_played_per_s']:>9.2f} "
+    say(f"{m:>7} {r['valid_trajectories_per_s']:>8.2f} {r['episodes_played_per_s']:>9.2f} "
           f"{r['policy_lag_mean']:>5.2f} {r['groups_dropped_stale']:>6} {r['step_s_mean']:>7.3f} "
           f"{r['learner_s_mean']:>9.3f} {r['weight_sync_s_mean']:>7.3f} "
           f"{r['success_first_third']:>11.3f} -> {r['success_last_third']:.3f}")
   if "sync" in results:
-    print("  ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    say("  ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
 
 
 if __name__ == "__main__":

