@@ -264,7 +264,8 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  # grpo | rloo | chunk (chunked-MDP reward-to-go with a group baseline)
+  # grpo | rloo | chunk (chunked-MDP reward-to-go with a group baseline) | opd (on-policy
+  # distillation: a teacher's per-token log-probs, docs/learner.md)
   estimator: str = "grpo"
   scale_by_std: bool = True
   gamma: float = 1.0
