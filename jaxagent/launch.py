@@ -255,7 +255,7 @@ def _say(*args, **kwargs) -> None:
   longer read (a learner waited in a write for ever) or a signal's handler raised (its
   learners then stopped at once, without a checkpoint; a reviewer)."""
   with contextlib.suppress(OSError, ValueError):
-    print(*args, **kwargs, flush=True)
+    print(*args, **{"flush": True, **kwargs})
 
 
 def run_local(args) -> int:
@@ -345,8 +345,8 @@ def run_local(args) -> int:
         with contextlib.suppress(ProcessLookupError):
           os.killpg(c.proc.pid, signum)
       _say(f"launch: {signal.Signals(signum).name}: the learner stops after its step "
-            "and checkpoints, then the services (again to stop everything now)",
-            file=sys.stderr)
+           "and checkpoints, then the services (again to stop everything now)",
+           file=sys.stderr)
       return
     raise KeyboardInterrupt
 
@@ -358,7 +358,7 @@ def run_local(args) -> int:
     for c in services:
       wait_healthy(c, args.start_timeout_s)
     _say(f"launch: {len(services)} services up; starting {len(learners)} learner "
-          f"process(es); run dir {run_dir}")
+         f"process(es); run dir {run_dir}")
     for c in learners:
       started.append(c.start(lock))
     while True:
@@ -366,7 +366,7 @@ def run_local(args) -> int:
         if not any(c.alive() for c in learners):
           codes = ", ".join(f"{c.name} {c.proc.returncode}" for c in learners)
           _say(f"launch: the learner stopped ({codes}); stopping the services",
-                file=sys.stderr)
+               file=sys.stderr)
           # (the signal's code only when each learner stopped for it: one that failed
           # or was killed, its checkpoint unsaved, is said by its own code)
           failed = [_code(c.proc.returncode) for c in learners
@@ -385,16 +385,15 @@ def run_local(args) -> int:
           if c.restarts < args.restarts:
             c.restarts += 1
             _say(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
-                  f"starting it again (restart {c.restarts} of {args.restarts})",
-                  file=sys.stderr)
+                 f"starting it again (restart {c.restarts} of {args.restarts})",
+                 file=sys.stderr)
             c.start(lock)
             continue
           gone.append(c)
           left = [s for s in services if s.alive() and s.name.startswith("server")]
           if c.name.startswith("server") and left:
             _say(f"launch: {c.name} exited with code {c.proc.returncode} during the run; "
-                  f"the learner goes on with {len(left)} server(s)", file=sys.stderr,
-                  flush=True)
+                 f"the learner goes on with {len(left)} server(s)", file=sys.stderr)
             continue
           raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} during the run")
       for c in learners:
