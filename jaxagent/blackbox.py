@@ -526,16 +526,23 @@ async def _take_session(gateway_url: str, session_id: str,
 
 async def _record_id(gateway_url: str, session_id: str) -> Optional[str]:
   """The id of the gateway's record of a session now (None where it holds none, or
-  does not say)."""
+  does not say). (A read the gateway answers at once: not the policy's time to spend.)"""
+  made = (await _session_head(gateway_url, session_id, timeout=10)).get("record_id")
+  return made if isinstance(made, str) else None
+
+
+async def _session_head(gateway_url: str, session_id: str, timeout: float) -> dict:
+  """What the gateway says of a session's record without its turns (its count and id),
+  {} where it holds none or cannot be read."""
   import httpx
 
-  try:  # (a read the gateway answers at once: not the policy's time to spend)
-    async with httpx.AsyncClient(timeout=10, verify=shared_tls()) as client:
+  try:
+    async with httpx.AsyncClient(timeout=timeout, verify=shared_tls()) as client:
       r = await client.get(_session_url(gateway_url, session_id), params={"since": 1 << 62})
-    made = r.json().get("record_id") if r.status_code == 200 else None
-  except (httpx.HTTPError, ValueError, AttributeError):
-    return None
-  return made if isinstance(made, str) else None
+    got = r.json() if r.status_code == 200 else {}
+  except (httpx.HTTPError, ValueError):
+    return {}
+  return got if isinstance(got, dict) else {}
 
 
 # A recorded turn's lists, and the types of their values.
@@ -676,14 +683,7 @@ def _say_past_the_end() -> None:
 
 async def _session_count(gateway_url: str, session_id: str) -> Optional[int]:
   """How many turns the gateway holds of a session now (None where it does not say)."""
-  import httpx
-
-  try:
-    async with httpx.AsyncClient(timeout=30, verify=shared_tls()) as client:
-      r = await client.get(_session_url(gateway_url, session_id), params={"since": 1 << 62})
-    count = r.json().get("count") if r.status_code == 200 else None
-  except (httpx.HTTPError, ValueError, AttributeError):
-    return None
+  count = (await _session_head(gateway_url, session_id, timeout=30)).get("count")
   return count if type(count) is int else None
 
 
