@@ -271,16 +271,15 @@ class _Session:
     self.output_count = len(out) if _packed_alike(ids, out) else None
     if digests is not None and self.output_count is not None:  # a chat turn
       head = _Head(self.ids, self.output_count, digests,
-                   json.dumps(stored.get("tools"), default=str),
+                   tools_json if tools_json is not None else "null",
                    [_reply(out, stored.get("response"))], turn=len(self.turns))
       sibling = next((h for h in reversed(self.heads) if h.sibling_of(head)), None)
       if sibling is not None:
         head.replies += sibling.replies[:MAX_REPLIES - 1]
       self.add_head(head)
     size = _TURN_OVERHEAD + messages_size + sum(
-        _size(v) for k, v in stored.items()
-        if (k != "messages" or not isinstance(messages, list)) and not (
-            k == "tools" and same_tools))
+        (0 if same_tools else len(tools_json)) if k == "tools" else _size(v)
+        for k, v in stored.items() if k != "messages" or not isinstance(messages, list))
     self.turns.append(stored)
     self.size += size
     return size + self._sized()
