@@ -500,7 +500,8 @@ async def _take_session(gateway_url: str, session_id: str,
     r = await client.get(_session_url(gateway_url, session_id))
     r.raise_for_status()
     try:
-      turns, now = r.json()["turns"], r.json().get("record_id")
+      got = r.json()  # (once: a long episode's record is megabytes of JSON)
+      turns, now = got["turns"], got.get("record_id")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
       raise InfraError("server", f"the gateway's record of session {session_id!r} is not "
                        f"one ({type(e).__name__}: {e}): {r.text[:200]}") from None
