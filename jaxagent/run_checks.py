@@ -51,6 +51,18 @@ def check_lengths(cfg: config_lib.RunConfig, checkpoint_positions: Optional[int]
 
   a, e, m = cfg.agent, cfg.serving.engine, cfg.model
   n = a.max_context_tokens
+  if n <= a.max_new_tokens:  # (no turn could ever be sampled: the run trained nothing,
+    # saying only that first prompts did not fit)
+    raise config_lib.ConfigError(
+        f"agent.max_context_tokens ({n}) must be more than agent.max_new_tokens "
+        f"({a.max_new_tokens}): a turn's prompt and its reply fit in the context")
+  if a.compaction == "summary" and not 1 <= a.summary_max_tokens < n - a.max_new_tokens:
+    # (0 failed the first compaction, mid-run, naming no key; one as long as the context
+    # left the summary's prompt no room)
+    raise config_lib.ConfigError(
+        f"agent.summary_max_tokens must be in 1..{n - a.max_new_tokens - 1} with "
+        f"agent.compaction summary (less than agent.max_context_tokens {n} minus "
+        f"agent.max_new_tokens {a.max_new_tokens}), got {a.summary_max_tokens}")
   takes = min(e.max_prefill_length + a.max_new_tokens, e.max_seq_len)
   problems = []
   if not cfg.serving.urls and n > takes:
@@ -215,6 +227,10 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
   if not (a.temperature >= 0 and math.isfinite(a.temperature)):
     raise config_lib.ConfigError(f"agent.temperature must be >= 0 (0: greedy), got "
                                  f"{a.temperature}")
+  if cfg.learner.temperature not in (1.0, a.temperature):  # (ignored without a word)
+    raise config_lib.ConfigError(
+        f"learner.temperature ({cfg.learner.temperature}): a run scores tokens at the "
+        f"temperature they were sampled at, agent.temperature ({a.temperature}); set that")
   if not 0 < a.top_p <= 1:
     raise config_lib.ConfigError(f"agent.top_p must be in (0, 1], got {a.top_p}")
   if 0 < a.temperature < 1e-6:  # (the learner scores at 1e-6 at least: another
@@ -271,6 +287,13 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if cfg.rollout.mode not in ("sync", "async", "window"):
     raise config_lib.ConfigError(config_lib.unknown_value(
         "rollout.mode", cfg.rollout.mode, ("sync", "async", "window")))
+  if cfg.rollout.update_mode not in UPDATE_MODES:  # (it failed the first weight sync,
+    # a rollout and a step in, naming no key)
+    raise config_lib.ConfigError(config_lib.unknown_value(
+        "rollout.update_mode", cfg.rollout.update_mode, UPDATE_MODES))
+  if cfg.eval.limit < 0:  # (-1 evaluated every held-out task but the last)
+    raise config_lib.ConfigError(f"eval.limit must be >= 0 (0: every task), got "
+                                 f"{cfg.eval.limit}")
   t = cfg.trajectories
   if t.mode not in ("all", "sample", "none"):
     raise config_lib.ConfigError(config_lib.unknown_value("trajectories.mode", t.mode,
@@ -370,6 +393,9 @@ def check_config(cfg: config_lib.RunConfig) -> None:
   if not cfg.serving.urls:
     check_served_names(cfg)
   env_latency(cfg)
+
+
+UPDATE_MODES = ("drain", "abort")
 
 
 def check_url(key: str, url) -> None:

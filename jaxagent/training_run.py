@@ -205,6 +205,26 @@ def _deleted(state) -> bool:
 NO_STEP_NOTE_S = 60.0
 
 
+def check_process_rows(cfg: config_lib.RunConfig, row_multiple: int, n_proc: int) -> None:
+  """Each of `n_proc` processes packs its own share of a step's rows: `data.rows` and
+  the batch's shards x microbatches (`row_multiple`) must split evenly between them
+  (`data.rows` below the process count left each 0 rows, and the first step died on an
+  assertion; a mesh whose batch axes do not span the processes divided by 0)."""
+  if n_proc == 1:
+    return
+  if cfg.data.rows % n_proc:
+    raise config_lib.ConfigError(
+        f"data.rows ({cfg.data.rows}) must be a multiple of the run's {n_proc} processes "
+        "(each packs its share of a step's rows)")
+  if row_multiple % n_proc:
+    m = cfg.mesh
+    raise config_lib.ConfigError(
+        f"the batch's shards x learner.microbatches ({row_multiple}: mesh.data {m.data}, "
+        f"mesh.fsdp {m.fsdp}, learner.microbatches {cfg.learner.microbatches}) must be a "
+        f"multiple of the run's {n_proc} processes: each process feeds its own rows, so "
+        "the batch axes (data, fsdp) span every process's devices")
+
+
 class TrainingRun:
   """One training run: its parts (`open`: the model, the learner and its state restored,
   the servers, the environments, the scheduler, the checkpoints, the token WAL) and the
@@ -281,6 +301,7 @@ class TrainingRun:
         cfg.learner, temperature=max(cfg.agent.temperature, 1e-6),
         lr_decay_steps=cfg.learner.lr_decay_steps or cfg.steps)
     self.learner = Learner(model_cfg, self.learner_cfg, self.mesh)
+    check_process_rows(cfg, self.learner.row_multiple, self.n_proc)
     for note in [*loss_notes(self.learner_cfg), *rollout_notes(cfg.rollout)] \
         if self.primary else ():
       print(f"note: {note}", file=sys.stderr)

@@ -61,7 +61,11 @@ def main(argv=None) -> int:
       cfg = dataclasses.replace(cfg, policy=args.policy)
     if not 0 < cfg.port < 65536:
       raise config_lib.ConfigError(f"port must be in 1..65535, got {cfg.port}")
-    from jaxagent.run_checks import check_model_and_learner, check_served_models
+    from jaxagent.run_checks import UPDATE_MODES, check_model_and_learner, check_served_models
+
+    if cfg.update_mode not in UPDATE_MODES:  # (each weight update was refused, 400)
+      raise config_lib.ConfigError(config_lib.unknown_value("update_mode", cfg.update_mode,
+                                                            UPDATE_MODES))
 
     check_model_and_learner(config_lib.RunConfig(model=cfg.model))  # as train names them
     check_served_models(cfg.models, "models")

@@ -162,3 +162,41 @@ def test_a_task_file_with_fewer_tasks_than_processes_is_named(tmp_path, monkeypa
     task_dataset(str(path), seed=0)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   assert next(iter(task_dataset(str(path), seed=0)))["id"] in ("a", "b")
+
+
+@pytest.mark.parametrize("override,says", [
+    (["rollout.update_mode=dran"], r"rollout\.update_mode"),  # (failed the first sync)
+    (["eval.limit=-1"], r"eval\.limit must be >= 0"),  # (dropped the last task)
+    (["agent.max_context_tokens=1"], r"agent\.max_context_tokens \(1\) must be more than "
+                                     r"agent\.max_new_tokens"),  # (no turn ever played)
+    (["agent.compaction=summary", "agent.summary_max_tokens=0"],
+     r"agent\.summary_max_tokens must be in 1\.\.158"),  # (failed the first compaction)
+    (["agent.compaction=summary", "agent.summary_max_tokens=159"],
+     r"agent\.summary_max_tokens must be in"),  # (no room for the summariser's prompt)
+    (["learner.temperature=0.7"], r"learner\.temperature \(0\.7\)"),  # (ignored silently)
+])
+def test_settings_that_failed_mid_run_or_did_nothing_are_named(override, says):
+  """Each of these passed the checks and failed a rollout and a step later naming no
+  key, played no turn, or was ignored (a reviewer)."""
+  from jaxagent.run_checks import check_config
+
+  tiny = os.path.join(REPO, "configs/tiny.yaml")
+  with pytest.raises(config.ConfigError, match=says):
+    check_config(config.load(config.RunConfig, tiny, override))
+
+
+def test_rows_that_do_not_split_between_processes_are_named():
+  """`data.rows` below the process count left each process 0 rows (the first step died
+  on an assertion), and a batch axis not spanning the processes divided by 0."""
+  from jaxagent.training_run import check_process_rows
+
+  cfg = config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
+                    ["data.rows=2"])
+  check_process_rows(cfg, 4, 2)
+  check_process_rows(cfg, 1, 1)
+  with pytest.raises(config.ConfigError, match=r"data\.rows \(2\) must be a multiple of the "
+                                               r"run's 4 processes"):
+    check_process_rows(cfg, 4, 4)
+  with pytest.raises(config.ConfigError, match=r"learner\.microbatches \(1: mesh\.data"):
+    check_process_rows(config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
+                                   ["data.rows=4"]), 1, 2)
