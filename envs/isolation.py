@@ -116,7 +116,7 @@ def hidden_paths() -> list[tuple[str, bool]]:
 @functools.lru_cache(maxsize=None)
 def _empty_file() -> str:
   """An empty read-only file of this process's own, mounted over hidden module files."""
-  folder = tempfile.mkdtemp(prefix="jaxagent-sandbox-empty-")
+  folder = tempfile.mkdtemp(prefix=f"jaxagent-sandbox-empty-{os.getpid()}-")
   atexit.register(shutil.rmtree, folder, True)  # (one a process: it was left in /tmp)
   os.chmod(folder, 0o755)
   path = os.path.join(folder, "empty")

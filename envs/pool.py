@@ -36,31 +36,69 @@ log = logging.getLogger(__name__)
 _WORKSPACE_NAME = re.compile(r"(\d+)-[0-9a-f]{12}")
 
 
+# What a worker leaves in the temporary directory, named by its pid: its pool's default
+# root, its sandboxes' logs (commands' output and /tmp), its empty file to mount.
+_LEFT_BY_PID = re.compile(r"jaxagent-(?:sandboxes|logs|sandbox-empty)-(\d+)-.+")
+
+
+def _running(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # (running, as another user)
+    pass
+  return True
+
+
+def _sweep(folder: str, pattern: re.Pattern, what: str, remove: Callable) -> list[str]:
+  """Calls `remove(entry)` on each entry of `folder` whose name `pattern` matches with
+  the pid of a process no longer running (its first group; this one's is running), and
+  says how many it removed (those `remove` says it did)."""
+  gone = []
+  for entry in os.scandir(folder):
+    match = pattern.fullmatch(entry.name)
+    if match is None or int(match.group(1)) == os.getpid() or _running(int(match.group(1))):
+      continue  # (running: another worker's)
+    with contextlib.suppress(OSError):  # (one that cannot be removed stops no start)
+      if remove(entry):
+        gone.append(entry.name)
+  if gone:
+    log.warning("sandbox: removed %d %s that workers no longer running left in %s",
+                len(gone), what, folder)
+  return gone
+
+
+def remove_left_by_dead_workers(tmp: Optional[str] = None) -> list[str]:
+  """Removes what workers of this user no longer running left in the temporary
+  directory `tmp` (a pool's default root is a new folder at each start, so a crashed
+  worker's workspaces, their tmpfs mounted as root, and its commands' logs were never
+  swept: they stayed until the host's disk or memory was full; a red team). Workers that
+  share the temporary directory must share a PID namespace."""
+  def remove(entry) -> bool:
+    if (not entry.is_dir(follow_symlinks=False)
+        or entry.stat(follow_symlinks=False).st_uid != os.geteuid()):
+      return False
+    if entry.name.startswith("jaxagent-sandboxes-"):
+      _remove_stale_workspaces(entry.path)  # (their quota tmpfs unmounted first)
+    hostfs.remove_tree(entry.path)
+    return True
+
+  return _sweep(tmp or tempfile.gettempdir(), _LEFT_BY_PID, "folders", remove)
+
+
 def _remove_stale_workspaces(root: str) -> list[str]:
   """Removes the workspaces in `root` of workers no longer running (killed before they
   released them: on a `--workspace-root` that was there, kept at close, they piled up
   with each crash until its volume was full; red team 7), with their tmpfs as root; the
   other entries are left. Workers that share a root must share a PID namespace."""
-  gone = []
-  for entry in os.scandir(root):
-    match = _WORKSPACE_NAME.fullmatch(entry.name)
-    if match is None or int(match.group(1)) == os.getpid():
-      continue
-    try:
-      os.kill(int(match.group(1)), 0)
-      continue  # (running: another worker's)
-    except ProcessLookupError:
-      pass
-    except PermissionError:
-      continue  # (running, as another user)
+  def remove(entry) -> bool:
     if os.path.ismount(entry.path):  # (a root worker's quota tmpfs)
       subprocess.run(["umount", "-l", entry.path], capture_output=True)
     hostfs.remove_tree(entry.path)
-    gone.append(entry.name)
-  if gone:
-    log.warning("sandbox: removed %d workspaces that workers no longer running left in %s",
-                len(gone), root)
-  return gone
+    return True
+
+  return _sweep(root, _WORKSPACE_NAME, "workspaces", remove)
 
 
 class SandboxPool:
@@ -129,7 +167,10 @@ class SandboxPool:
     # (removed at close where the pool made it; a folder that was there keeps what else
     # it holds: an operator's files there were removed with it, red team 6)
     self._made_root = root is None or not os.path.exists(root)
-    self.root = os.path.abspath(root or tempfile.mkdtemp(prefix="jaxagent-sandboxes-"))
+    if root is None:
+      remove_left_by_dead_workers()
+    self.root = os.path.abspath(root or tempfile.mkdtemp(
+        prefix=f"jaxagent-sandboxes-{os.getpid()}-"))
     os.makedirs(self.root, exist_ok=True)
     if not self._made_root:
       _remove_stale_workspaces(self.root)

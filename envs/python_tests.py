@@ -838,8 +838,10 @@ class PythonTests(Env):
     reviewer: graded as "did not load: ModuleNotFoundError", which named no cause)."""
     try:
       st = os.lstat(os.path.join(self.sandbox.host_path, name))
-    except (OSError, ValueError):
+    except (FileNotFoundError, NotADirectoryError):  # (not written)
       return None
+    except OSError as e:  # (the host's: the workspace gone, an I/O error)
+      raise InfraError("sandbox", f"looking for {name} in the workspace: {e}") from e
     if stat.S_ISLNK(st.st_mode):
       return (f"{name} is a symbolic link: only the workspace's regular files are "
               "graded")

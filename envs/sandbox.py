@@ -197,6 +197,22 @@ def _children(pid: int) -> list[int]:
 
 
 
+# What a workspace's own files can make a host's read of them fail with (a mode that
+# shuts the host out, a name too long for the host's path, a loop): those entries are
+# left out. Any other failure (no descriptors left, no memory, an I/O error, the
+# workspace itself gone) is the host's: grading what was left (nothing, where the
+# workspace was gone) failed a sound answer as its ModuleNotFoundError (a red team).
+_POLICY_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG,
+                            errno.ENOENT, errno.ENOTDIR})
+
+
+def _unread(e: OSError, whole: bool = False) -> None:
+  """Raises the infrastructure's error for a failed read of the workspace's files (of
+  the workspace itself: `whole`), unless it is one the files themselves cause."""
+  if whole or e.errno not in _POLICY_ERRNOS:
+    raise InfraError("sandbox", f"reading the workspace's files: {e}") from e
+
+
 class Sandbox:
   """A workspace directory and a way to run commands in it, isolated and limited.
 
@@ -232,6 +248,11 @@ class Sandbox:
     self.slot_timeout_s = slot_timeout_s
     self._progress = progress  # when a slot was last freed (time.monotonic)
     self._lease = None
+    # Writes and the close take turns: a tool's write whose step was cancelled ran on
+    # in its thread past the close, and made the workspace again on the host's disk,
+    # out of any quota and of its pool's count (a red team).
+    self._io = threading.Lock()
+    self.closed = False
     self._logs: Optional[str] = None  # (commands' output; held: their /tmp mountpoints)
     self._mounted = False  # (a root worker's tmpfs)
     self._held: Optional[HeldTmpfs] = None
@@ -244,8 +265,13 @@ class Sandbox:
         self._lease = UidLease()
         uid = self._lease.uid
       self.uid = uid
-    held = workspace_filesystem(self.isolation, own_filesystem) == "held"
-    os.makedirs(self.host_path, mode=0o700, exist_ok=False)
+    try:  # (a lease taken, then a failure here: its lock held for the worker's life)
+      held = workspace_filesystem(self.isolation, own_filesystem) == "held"
+      os.makedirs(self.host_path, mode=0o700, exist_ok=False)
+    except BaseException:
+      if self._lease is not None:
+        self._lease.release()
+      raise
     try:
       if self.uid is not None:
         hostfs.check_traversable(os.path.dirname(self.host_path))
@@ -258,7 +284,8 @@ class Sandbox:
                        check=True, capture_output=True)
         self._mounted = True
       elif held:
-        self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # (its commands' /tmp too)
+        self._logs = tempfile.mkdtemp(prefix=f"jaxagent-logs-{os.getpid()}-")  # (its
+        # commands' /tmp too; its worker's pid: `pool.remove_left_by_dead_workers`)
         self._held = HeldTmpfs(self.mountpoint, limits.disk_bytes, limits.max_inodes,
                                scratch=self._logs, tmp_size=limits.tmp_bytes)
         self._root = self._held.root
@@ -272,7 +299,8 @@ class Sandbox:
                                      limits.socket_bytes)
         self._cpu_cgroup = cpu_cgroup(name, limits.cpus, cgroup_parents)
       if self._logs is None:
-        self._logs = tempfile.mkdtemp(prefix="jaxagent-logs-")  # outside the workspace
+        self._logs = tempfile.mkdtemp(prefix=f"jaxagent-logs-{os.getpid()}-")  # outside
+        # the workspace
       if not self.has_quota:  # (for the disk watch)
         diskwatch.learn_maps_device(os.path.dirname(self.host_path))
         diskwatch.UNQUOTED.add(id(self))
@@ -320,7 +348,9 @@ class Sandbox:
       raise ValueError(f"{rel!r} is {len(data)} bytes; files are capped at "
                        f"{self.limits.write_bytes} bytes")
     try:
-      with hostfs.named(rel):
+      with self._io, hostfs.named(rel):
+        if self.closed:
+          raise InfraError("sandbox", f"writing {rel!r}: the workspace is closed")
         self._write(self._resolve(rel, follow_last=False), data)
     except OSError as e:
       if e.errno in (errno.EIO, errno.EROFS) or (
@@ -338,6 +368,8 @@ class Sandbox:
     missing = []
     d = parent
     while not os.path.isdir(d):
+      if not d.startswith(self.host_path + os.sep):  # (never made again: it is gone)
+        raise InfraError("sandbox", f"the workspace {self.host_path} is gone")
       missing.append(d)
       d = os.path.dirname(d)
     for d in reversed(missing):
@@ -396,13 +428,17 @@ class Sandbox:
       why = self.over_disk()
       if why is not None:
         raise WorkspaceTooLarge(f"the workspace takes {why}")
+    if self._held is not None and not self._held.alive:
+      raise InfraError("sandbox", f"the workspace's filesystem is gone: its holder (host "
+                                  f"pid {self._held.pid}) ended, exit {self._held.exit_code}")
     out, total, seen = {}, 0, 0
     stack = [(self.host_path, 0)]
     while stack:
       root, depth = stack.pop()
       try:
         entries = sorted(hostfs.scandir_opened(root, self.uid is None), key=lambda e: e.name)
-      except OSError:
+      except OSError as e:
+        _unread(e, root == self.host_path)
         continue
       # Every entry walked counts, directories too: past the quota's inodes (a workspace
       # without its own filesystem, a worker not run as root, has none) the walk is
@@ -429,7 +465,8 @@ class Sandbox:
             return out
           with open(entry.path, "rb") as f:
             data = f.read(max_bytes)
-        except OSError:
+        except OSError as e:
+          _unread(e)
           continue
         total += -(-len(data) // _PAGE) * _PAGE
         if total > budget:
@@ -553,13 +590,23 @@ class Sandbox:
       pause = min(1.0, max(0.1, 10 * took))
       if why is not None:
         over.append(why)
-        await self._terminate(proc)
+        # (to its end: the command's own end cancels this watch, and a termination cut
+        # there left the namespace's last processes writing as its workspace was emptied)
+        await waits.to_the_end(self._terminate(proc))
         return
 
   def destroy(self) -> None:
-    self._kill_uid()
-    self._release()  # unmounts the quota tmpfs first, so only the mountpoint is removed
-    hostfs.remove_tree(self.mountpoint)
+    with self._io:  # (a write under way ends first; none begins after)
+      if self.closed:  # (again: its uid may be another sandbox's by now)
+        return
+      self.closed = True
+    try:
+      self._kill_uid()
+    finally:  # (a failed kill left the tmpfs, the cgroups and the uid's lease for good)
+      try:
+        self._release()  # unmounts the quota tmpfs first, so only the mountpoint is removed
+      finally:
+        hostfs.remove_tree(self.mountpoint)
 
   def _release(self) -> None:
     diskwatch.UNQUOTED.discard(id(self))
@@ -838,30 +885,35 @@ class Sandbox:
     """Kills a timed-out command so that its own parent reaps it (no orphans, no zombies),
     and waits until nothing of it runs."""
     inits = []
-    if self.isolation in ("bwrap", "mountns"):
-      # Killing the PID namespace's init takes down everything inside; bwrap (or
-      # unshare) reaps it and exits. (A sandbox uid is had only in these modes:
-      # `_fast_exit` kills its every process at once.)
-      for child in _children(proc.pid):
-        with contextlib.suppress(OSError):
-          inits.append(os.pidfd_open(child))
-        with contextlib.suppress(ProcessLookupError):
-          os.kill(child, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(proc.pid, signal.SIGKILL)
-    await self._fast_exit()
     try:
-      await asyncio.wait_for(proc.wait(), timeout=5)
-    except asyncio.TimeoutError:
+      if self.isolation in ("bwrap", "mountns"):
+        # Killing the PID namespace's init takes down everything inside; bwrap (or
+        # unshare) reaps it and exits. (A sandbox uid is had only in these modes:
+        # `_fast_exit` kills its every process at once.)
+        for child in _children(proc.pid):
+          with contextlib.suppress(OSError):
+            inits.append(os.pidfd_open(child))
+          with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
       with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGKILL)
-      await proc.wait()
-    if inits:
-      # bwrap, killed too, may end first: the init ends only once the kernel has ended
-      # everything else in its namespace, and until then they still write (the next
-      # command found up to 101 files its timed-out predecessor's processes made in
-      # /tmp after it was emptied: red team 7).
-      await asyncio.to_thread(_all_ended, inits, 5.0)
+        os.killpg(proc.pid, signal.SIGKILL)
+      await self._fast_exit()
+      try:
+        await asyncio.wait_for(proc.wait(), timeout=5)
+      except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+          os.kill(proc.pid, signal.SIGKILL)
+        await proc.wait()
+      if inits:
+        # bwrap, killed too, may end first: the init ends only once the kernel has ended
+        # everything else in its namespace, and until then they still write (the next
+        # command found up to 101 files its timed-out predecessor's processes made in
+        # /tmp after it was emptied: red team 7).
+        ended, inits = inits, []  # (the thread closes them, cancelled or not)
+        await asyncio.to_thread(_all_ended, ended, 5.0)
+    finally:  # (cancelled before: a descriptor a kill, for the worker's life)
+      for fd in inits:
+        os.close(fd)
 
   def _held_scratch_emptied(self) -> None:
     """Empties the /tmp and /dev/shm of a held workspace's commands."""

@@ -217,8 +217,8 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       try:
         with waits.measured(owner=s.owner):  # (a close that holds the loop: the session's)
           await s.env.close()
-      except Exception:
-        pass
+      except Exception:  # (said: a close that failed may have left its workspace)
+        log.exception("env worker: closing session %s failed", sid)
 
   async def reap_idle() -> None:
     now = time.time()
@@ -293,6 +293,10 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
     # (the call is measured to its end: a hold of the loop by another call is credited
     # to its clock meanwhile, envs.loopwatch)
     s = sessions.get(sid) if sid is not None else None
+    if sid is not None and s is None:  # (closed between its handler and here: a DELETE
+      # that ran first did not see this call to end it, and it ran on a closed env)
+      n_calls.labels(kind, "closed").inc()
+      raise HTTPException(409, f"{kind}: the session was closed before this call ran")
     with waits.measured(owner=s.owner if s is not None else owner) as clock:
       task = asyncio.ensure_future(capped())
       number = None

@@ -851,6 +851,36 @@ def test_a_pool_over_a_folder_that_was_there_leaves_its_other_files():
   assert sorted(os.listdir(root)) == ["1-0123456789ab", "keep.txt"]
 
 
+def test_what_a_crashed_worker_left_in_the_temporary_directory_is_swept():
+  """A pool's default root is a new folder at each start, so a crashed worker's
+  workspaces (their tmpfs mounted as root) and its commands' logs were never swept
+  (a red team): a pool on the default root removes the folders of workers no longer
+  running, and leaves a running one's and anything else."""
+  from envs.pool import remove_left_by_dead_workers
+
+  tmp = scratch_dir()
+  ended = subprocess.Popen(["true"])
+  ended.wait()
+  left = [f"jaxagent-sandboxes-{ended.pid}-abc", f"jaxagent-logs-{ended.pid}-x",
+          f"jaxagent-sandbox-empty-{ended.pid}-y"]
+  kept = ["jaxagent-sandboxes-1-abc", f"jaxagent-logs-{os.getpid()}-x", "jaxagent-logs-z",
+          "other"]
+  for name in left + kept:
+    os.makedirs(os.path.join(tmp, name))
+  os.makedirs(os.path.join(tmp, left[0], f"{ended.pid}-0123456789ab", "d"))
+  with open(os.path.join(tmp, left[0], f"{ended.pid}-0123456789ab", "d", "f"), "wb") as f:
+    f.write(b"x" * 4096)
+  assert sorted(remove_left_by_dead_workers(tmp)) == sorted(left)
+  assert sorted(os.listdir(tmp)) == sorted(kept)
+  pool = SandboxPool(1, isolation="rlimits", allow_unisolated=True)
+  try:
+    assert os.path.basename(pool.root).startswith(f"jaxagent-sandboxes-{os.getpid()}-")
+    sb = pool.create()
+    assert os.path.basename(sb._logs).startswith(f"jaxagent-logs-{os.getpid()}-")
+  finally:
+    pool.close()
+
+
 def test_a_non_root_worker_raises_its_process_limit_to_the_hard_one():
   """The user namespaces a non-root worker's sandboxes are made in take its RLIMIT_NPROC
   as theirs: under a finite one every sandbox, holder and worker thread shared it (two
@@ -1327,3 +1357,64 @@ def test_a_pool_removes_only_the_workspaces_of_workers_no_longer_running(monkeyp
                        isolation=(MODES or ["rlimits"])[0], allow_unisolated=True)
   pool.close()
   assert sorted(os.listdir(root)) == ["424242-aaaaaaaaaaaa", "434343-bbbbbbbbbbbb", "notes"]
+
+
+def test_a_write_after_the_close_makes_no_workspace_again(sandbox):
+  """A tool's write whose step was cancelled ran on in its thread past the close and
+  made the workspace again on the host's disk, out of any quota and of its pool's count
+  (a red team); a close twice is a close once."""
+  from jaxagent.errors import InfraError
+
+  sandbox.write_file("solution.py", "x = 1\n")
+  sandbox.destroy()
+  with pytest.raises(InfraError, match="closed"):
+    sandbox.write_file("solution.py", "x" * 1000)
+  assert not os.path.exists(sandbox.mountpoint)
+  sandbox.destroy()
+
+
+def test_a_workspace_gone_is_the_infrastructures_not_an_empty_one():
+  """The files of a workspace gone (its holder dead, its folder removed) read as none,
+  and grading none failed a sound answer as its ModuleNotFoundError (a red team)."""
+  from jaxagent.errors import InfraError
+
+  root = scratch_dir()
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
+  try:
+    sb.write_file("solution.py", "x = 1\n")
+    assert sb.files() == {"solution.py": b"x = 1\n"}
+    shutil.rmtree(sb.host_path)
+    with pytest.raises(InfraError, match="reading the workspace's files"):
+      sb.files()
+    with pytest.raises(InfraError, match="is gone"):
+      sb.write_file("sub/solution.py", "x = 2\n")
+    assert not os.path.exists(sb.host_path)
+  finally:
+    sb.destroy()
+
+
+def test_a_termination_cut_short_leaves_no_descriptor_open():
+  """A command's own end cancelled the disk watch terminating it: the descriptors of its
+  namespace's inits stayed open for the worker's life (a red team)."""
+  root = scratch_dir()
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
+  sb.isolation = "bwrap"  # (its namespace's init: the command's child, as bwrap's)
+
+  async def main():
+    proc = await asyncio.create_subprocess_exec("sh", "-c", "sleep 30 & wait",
+                                                start_new_session=True)
+    await asyncio.sleep(0.3)
+    before = len(os.listdir("/proc/self/fd"))
+    terminating = asyncio.ensure_future(sb._terminate(proc))
+    await asyncio.sleep(0)
+    terminating.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+      await terminating
+    assert len(os.listdir("/proc/self/fd")) == before
+    await proc.wait()
+
+  try:
+    asyncio.run(main())
+  finally:
+    sb.isolation = "rlimits"
+    sb.destroy()
