@@ -416,14 +416,35 @@ def check_url(key: str, url) -> None:
 
 
 def check_served_names(cfg: config_lib.RunConfig) -> None:
-  """Each served model the run names (a KL reference, a teacher, a judge) is one of its
-  `serving.models` (ConfigError naming the key)."""
+  """Each served model the run names (a KL reference, a teacher, a judge, a summariser)
+  is one of its `serving.models` (ConfigError naming the key); one that reads the
+  policy's tokens (`policy_token_readers`) takes them as long as an episode's segment
+  runs (a teacher of the default 1,024 failed every step of 4,096-token episodes)."""
   judge = {"judge": ("env.judge", cfg.env.judge)} if cfg.env.judge and not cfg.env.judge_url \
       else {}
-  for key, name in {**served_scorers(cfg), **judge}.values():
+  for key, name in {**policy_token_readers(cfg), **judge}.values():
     if name not in cfg.serving.models:
       raise config_lib.ConfigError(f"{key}: no served model {name!r} in serving.models "
                                    f"(have {sorted(cfg.serving.models)})")
+  a, e = cfg.agent, cfg.serving.engine
+  longest, whose = ((a.max_context_tokens, "agent.max_context_tokens") if a.kind == "whitebox"
+                    else (e.max_seq_len, "serving.engine.max_seq_len"))
+  for key, name in served_scorers(cfg).values():
+    theirs = cfg.serving.models[name].engine.max_seq_len
+    if theirs < longest:
+      raise config_lib.ConfigError(
+          f"{key}: serving.models.{name}.engine.max_seq_len ({theirs}) is shorter than the "
+          f"episodes it scores ({whose}: {longest})")
+
+
+def policy_token_readers(cfg: config_lib.RunConfig) -> dict[str, tuple[str, str]]:
+  """The served models that read the policy's token ids as they are (scorers, a
+  summariser, whose prompt the policy's tokenizer renders and whose reply it decodes):
+  their vocabulary must be the policy's. Field or role -> (config key, model name)."""
+  out = dict(served_scorers(cfg))
+  if cfg.agent.compaction == "summary" and cfg.agent.summarizer:
+    out["summary"] = ("agent.summarizer", cfg.agent.summarizer)
+  return out
 
 
 def served_scorers(cfg: config_lib.RunConfig) -> dict[str, tuple[str, str]]:

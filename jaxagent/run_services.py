@@ -15,7 +15,7 @@ import numpy as np
 from jaxagent import config as config_lib, control, distributed
 from jaxagent.blackbox import is_blackbox
 from jaxagent.errors import EpisodeBug, InfraError
-from jaxagent.run_checks import env_latency, served_scorers
+from jaxagent.run_checks import env_latency, policy_token_readers
 
 
 def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
@@ -43,6 +43,21 @@ def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
               "XLA_FLAGS=--xla_force_host_platform_device_count=8 before the command")
     raise config_lib.ConfigError(f"mesh / serving.devices: {e}{hint}") from None
   return mesh, serving_mesh
+
+
+def other_vocabulary(m, tokenizer) -> Optional[str]:
+  """Why served model `m` cannot read the policy's token ids (its tokenizer's tokens are
+  others, or its embedding has fewer rows than the policy's tokens), or None. Embeddings
+  padded to other sizes are the same vocabulary (the sizes alone were compared: a
+  7B teacher of the same tokenizer, padded to 152,064 rows, was refused for a 1.5B
+  student's 151,936, and another tokenizer of one size passed)."""
+  if m.tokenizer.identity()["vocab_sha256"] != tokenizer.identity()["vocab_sha256"]:
+    return (f"its tokenizer ({m.tokenizer.name}) is not the policy's ({tokenizer.name}): "
+            "its token ids mean other tokens")
+  if m.engine.vocab_size < tokenizer.vocab_size:
+    return (f"its embedding has {m.engine.vocab_size} rows, fewer than the policy's "
+            f"{tokenizer.vocab_size} tokens")
+  return None
 
 
 class Serving:
@@ -85,13 +100,12 @@ class Serving:
       self.models = build_served_models(s.models, mesh)
     except ValueError as e:  # (an export of another shape than its model: named)
       raise config_lib.ConfigError(f"serving.{e}") from None
-    scorers = {name for _, name in served_scorers(cfg).values()}
-    for name, m in self.models.items():  # tokens a model scores must mean the same to both
-      if name in scorers and m.engine.vocab_size != model_cfg.vocab_size:
+    readers = {name for _, name in policy_token_readers(cfg).values()}
+    for name, m in self.models.items():  # the policy's tokens must mean the same to both
+      why = other_vocabulary(m, tokenizer) if name in readers else None
+      if why is not None:
         self.close_models()
-        raise config_lib.ConfigError(
-            f"serving.models.{name}: vocabulary of {m.engine.vocab_size} tokens, the "
-            f"policy's has {model_cfg.vocab_size}")
+        raise config_lib.ConfigError(f"serving.models.{name}: {why}")
     self.orch = start_orchestrator(engine, first, s.engine)
     self.client = LocalClient(self.orch, engine, models=self.models)
     self.gateway_url = None
@@ -305,7 +319,7 @@ async def score_segments(client, groups, scorers: dict, temperature: float,
   segments = [s for g in groups for e in g.episodes for s in e.segments if s.num_action_tokens]
   if not segments:
     return {}
-  for field, (_, model) in scorers.items():
+  for field, (key, model) in scorers.items():
     for attempt in range(attempts):
       try:
         scores = await client.score(model, [s.tokens.tolist() for s in segments], temperature)
@@ -315,7 +329,13 @@ async def score_segments(client, groups, scorers: dict, temperature: float,
           raise
         await asyncio.sleep(0.5 * 2 ** attempt)
     for s, x in zip(segments, scores):
-      setattr(s, field, np.asarray(x, np.float32))
+      x = np.asarray(x, np.float32)
+      bad = np.flatnonzero(~np.isfinite(x) & (s.loss_mask > 0))
+      if bad.size:  # (a reference's -inf went into the KL penalty: the update was not
+        # finite, and the run stopped naming its learning rate; a reviewer)
+        raise ValueError(f"{key} {model!r} scored token {bad[0]} of segment {s.segment_id} "
+                         f"{float(x[bad[0]])}: its log-probs must be finite (a broken scorer)")
+      setattr(s, field, x)
   if "teacher_logp" not in scorers:
     return {}
   mask = np.concatenate([s.loss_mask for s in segments])

@@ -26,7 +26,7 @@ from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
 from rollout_server.orchestrator import (EngineDead, Orchestrator, PromptTooLong, QueueFull,
                                          Request, progress_of)
-from rollout_server.routing import NONE_AVAILABLE
+from rollout_server.routing import MAX_SCORE_TOKENS, NONE_AVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -304,22 +304,38 @@ class HttpClient:
         pass  # the next turn finds out again
 
   async def score(self, model: str, sequences: list[list[int]], temperature: float = 1.0,
-                  per_request: int = 64) -> list[list[float]]:
-    """As `LocalClient.score`, `per_request` sequences a request."""
-    out = []
-    for i in range(0, len(sequences), per_request):
-      part = sequences[i:i + per_request]
-      body = {"model": model, "input_ids": [list(map(int, s)) for s in part],
-              "temperature": temperature}
-      try:
-        r = await self._client.post(f"{self.url}/v1/score", json=body)
-      except httpx.HTTPError as e:
-        raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
-      if r.status_code != 200:
-        kind = "request_refused" if 400 <= r.status_code < 500 else "server"
-        raise GenerateError(f"{self.url}/v1/score: {r.status_code}: {r.text[:500]}", kind)
-      out += _check_scores(model, part, r.json().get("logprobs"))
+                  per_request: int = 64, max_tokens: int = MAX_SCORE_TOKENS
+                  ) -> list[list[float]]:
+    """As `LocalClient.score`: at most `per_request` sequences and `max_tokens` tokens a
+    request (a server's limit: 64 sequences of 4,100 tokens were refused, a 413, and
+    every step of a run with long episodes failed on it; a reviewer), the sequences of
+    one a server refuses as too large sent in halves."""
+    out, part, held = [], [], 0
+    for s in sequences:
+      if part and (len(part) == per_request or held + len(s) > max_tokens):
+        out += await self._score(model, part, temperature)
+        part, held = [], 0
+      part.append(s)
+      held += len(s)
+    if part:
+      out += await self._score(model, part, temperature)
     return out
+
+  async def _score(self, model: str, part: list, temperature: float) -> list:
+    body = {"model": model, "input_ids": [list(map(int, s)) for s in part],
+            "temperature": temperature}
+    try:
+      r = await self._client.post(f"{self.url}/v1/score", json=body)
+    except httpx.HTTPError as e:
+      raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
+    if r.status_code == 413 and len(part) > 1:  # (a server of a lower limit)
+      half = len(part) // 2
+      return (await self._score(model, part[:half], temperature)
+              + await self._score(model, part[half:], temperature))
+    if r.status_code != 200:
+      kind = "request_refused" if 400 <= r.status_code < 500 else "server"
+      raise GenerateError(f"{self.url}/v1/score: {r.status_code}: {r.text[:500]}", kind)
+    return _check_scores(model, part, r.json().get("logprobs"))
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
     async with self._reloading:  # one push at a time: a reload never lands after a newer one

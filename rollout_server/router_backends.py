@@ -42,6 +42,21 @@ def _version(got) -> bool:
   return got is None or (isinstance(got, (int, str)) and not isinstance(got, bool))
 
 
+def _of_the_policy(answers: list, body: bytes) -> bool:
+  """Whether an update was of the policy: as the backends' answers say (their "model",
+  None for the policy however the request named it), else (an older server's answer)
+  as the request did (no "model"). A policy named by its name was read as another
+  model's update, not pinned, and the next check loaded the version before back."""
+  said = [a["model"] for a in answers if isinstance(a, dict) and "model" in a]
+  if said:
+    return all(m is None for m in said)
+  try:
+    sent = json.loads(body)
+  except (ValueError, RecursionError):
+    return True
+  return not (isinstance(sent, dict) and sent.get("model"))
+
+
 class Rotation:
   """The backends a router sends turns to, and what it keeps of each (`check`)."""
 
@@ -459,7 +474,8 @@ class Rotation:
       with contextlib.suppress(Exception):
         r = await send(b)
         answer = r.json() if r.status_code == 200 else None
-        if isinstance(answer, dict) and _version(answer.get("version")):
+        if isinstance(answer, dict) and _version(answer.get("version")) and \
+            _of_the_policy([answer], body):  # (another model's version is not its policy's)
           self.took(b, answer.get("version"))
 
     for b in behind:
@@ -495,8 +511,8 @@ class Rotation:
     except (ValueError, RecursionError):
       sent = None
     # Only the policy's update is what a rejoining backend must catch up on (an update
-    # of another served model, named in "model", is passed on, not pinned).
-    if took and not (isinstance(sent, dict) and sent.get("model")):
+    # of another served model is passed on, not pinned).
+    if took and _of_the_policy([x["body"] for x in out if x["backend"] in took], body):
       version = next(iter(took.values()))
       pinned = dict(sent, version=version) if isinstance(sent, dict) else None
       self.policy.update(body=json.dumps(pinned) if pinned else body, version=version)

@@ -19,6 +19,9 @@ from rollout_server.chat import openai_error
 from rollout_server.sessions import session_header, session_of
 
 MAX_SESSION_ID = 1024  # characters (quoted into a backend's URL: httpx takes 65,536)
+# The tokens one /v1/score request may hold, all its sequences together (a server's 413
+# past it; its clients send fewer at a time).
+MAX_SCORE_TOKENS = 1 << 18
 
 
 def key_hash(key: str) -> int:

@@ -57,7 +57,7 @@ from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, Chat
 from rollout_server.engine import SamplingParams
 from rollout_server.orchestrator import (EngineDead, Orchestrator, PromptTooLong, QueueFull,
                                          Request, progress_of)
-from rollout_server.routing import error_body
+from rollout_server.routing import MAX_SCORE_TOKENS, error_body
 from rollout_server.sessions import (MAX_HEADS, MAX_REPLIES, SessionStore, session_header,
                                      session_of)
 
@@ -315,7 +315,7 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                session_ttl_s: Optional[float] = ServerConfig.session_ttl_s,
                session_max_bytes: Optional[int] = ServerConfig.session_max_bytes,
                model_name: str = "jaxagent", models: Optional[dict] = None,
-               max_score_tokens: int = 1 << 18, policy_id: Optional[str] = None,
+               max_score_tokens: int = MAX_SCORE_TOKENS, policy_id: Optional[str] = None,
                max_body_bytes: int = ServerConfig.max_body_bytes,
                control_token: Optional[str] = None) -> FastAPI:
   """The server app. `load_params(path, version) -> engine params` serves /update_weights.
@@ -529,7 +529,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
       if m is None:
         same = before is not None and before == _export_id(body.path, body.version)
         served_from.update(id=before if same else None, version=report["version"])
-    return {**report, "load_s": load_s, "total_s": time.perf_counter() - t0}
+    # (which model took it, None: the policy, however it was named: a router pins the
+    # policy's updates for a backend that rejoins, and read a policy named by its name
+    # as another model's, loading the version before back at its next check)
+    return {**report, "model": None if m is None else m.name, "load_s": load_s,
+            "total_s": time.perf_counter() - t0}
 
   @app.get("/sessions/{session_id:path}")
   async def get_session(session_id: str, since: int = Query(0, ge=0)):

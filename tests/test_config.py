@@ -200,3 +200,39 @@ def test_rows_that_do_not_split_between_processes_are_named():
   with pytest.raises(config.ConfigError, match=r"learner\.microbatches \(1: mesh\.data"):
     check_process_rows(config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
                                    ["data.rows=4"]), 1, 2)
+
+
+def test_served_models_that_read_the_policys_tokens_are_checked_at_the_start():
+  """A teacher's engine shorter than the episodes failed every step (the whole segment is
+  scored); a summariser not served failed at the first compaction; a scorer's vocabulary
+  was compared by its embedding's rows alone (a 7B teacher padded to other rows than its
+  1.5B student's was refused, another tokenizer of one size passed; a reviewer)."""
+  import types
+
+  from jaxagent.run_checks import check_config
+  from jaxagent.run_services import other_vocabulary
+  from jaxagent.tokenizer import Tokenizer, smollm2_tokenizer
+
+  tiny = os.path.join(REPO, "configs/tiny.yaml")
+  teacher = ["advantage.estimator=opd", "advantage.teacher=t",
+             "serving.models.t.model.preset=nano", "serving.models.t.engine.max_seq_len=100",
+             "serving.models.t.engine.max_prefill_length=64"]
+  with pytest.raises(config.ConfigError, match=r"advantage\.teacher: serving\.models\.t\.engine"
+                                               r"\.max_seq_len \(100\) is shorter than the "
+                                               r"episodes it scores \(agent\.max_context"):
+    check_config(config.load(config.RunConfig, tiny, teacher))
+  check_config(config.load(config.RunConfig, tiny, teacher[:-2]))
+  with pytest.raises(config.ConfigError, match=r"agent\.summarizer: no served model 's'"):
+    check_config(config.load(config.RunConfig, tiny, ["agent.compaction=summary",
+                                                      "agent.summarizer=s"]))
+  policy = Tokenizer.byte_level()
+
+  def served(tokenizer, rows):
+    return types.SimpleNamespace(tokenizer=tokenizer, engine=types.SimpleNamespace(
+        vocab_size=rows))
+
+  assert other_vocabulary(served(Tokenizer.byte_level(), policy.vocab_size + 64), policy) is None
+  assert "fewer than the policy's" in other_vocabulary(
+      served(Tokenizer.byte_level(), policy.vocab_size - 1), policy)
+  assert "is not the policy's" in other_vocabulary(
+      served(smollm2_tokenizer(), 1 << 20), policy)

@@ -111,3 +111,34 @@ def test_unknown_served_models_are_named(tmp_path):
                    "advantage.teacher=teach", "serving.models.teacher.model.preset=nano")
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert "advantage.teacher: no served model 'teach'" in proc.stderr
+
+
+def test_a_scorers_log_probs_that_are_not_finite_are_named():
+  """A reference's -inf went into the KL penalty: the update was not finite, and the run
+  stopped naming its learning rate (a reviewer). Only trained tokens must be finite."""
+  import asyncio
+  import types
+
+  from jaxagent.run_services import score_segments
+  from jaxagent.trajectory import Segment
+
+  def segment(mask):
+    n = len(mask)
+    return Segment(np.arange(n), np.asarray(mask, np.float32), np.zeros(n, np.float32),
+                   np.zeros(n, np.int32), np.zeros(n, np.int32), "s", "r", "seg-1")
+
+  class Scorer:
+    async def score(self, model, sequences, temperature):
+      return [[-np.inf, -1.0, -2.0] for _ in sequences]
+
+  def scored(mask):
+    groups = [types.SimpleNamespace(episodes=[types.SimpleNamespace(
+        segments=[segment(mask)])])]
+    asyncio.run(score_segments(Scorer(), groups, {"ref_logp": ("learner.kl_reference",
+                                                               "ref")}, 1.0))
+    return groups[0].episodes[0].segments[0].ref_logp
+
+  assert scored([0, 1, 1])[1:].tolist() == [-1.0, -2.0]  # (the prompt's first: untrained)
+  with pytest.raises(ValueError, match=r"learner\.kl_reference 'ref' scored token 0 of "
+                                       r"segment seg-1 -inf: its log-probs must be finite"):
+    scored([1, 1, 1])

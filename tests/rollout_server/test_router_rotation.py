@@ -42,8 +42,12 @@ def _backend(state: dict):
     state["updating"] = False
     if state.get("refuse"):
       return JSONResponse({"detail": "cannot load it"}, status_code=500)
+    if body.get("model") not in (None, "jaxagent"):  # (another served model's, as a
+      # server's: the policy is None in its answer, however the request named it)
+      state.setdefault("models", {})[body["model"]] = body["version"]
+      return {"version": body["version"], "model": body["model"]}
     state["version"] = body["version"]
-    return {"version": body["version"]}
+    return {"version": body["version"], "model": None}
 
   @app.post("/generate")
   async def generate():
@@ -425,6 +429,24 @@ def test_a_backend_restarted_during_an_update_is_out_until_it_serves_the_policy(
     while not _healthy(r.url)[sa.url] and time.time() < deadline:
       time.sleep(0.05)
     assert _healthy(r.url)[sa.url] and a["version"] == 1
+
+
+def test_an_update_naming_the_policy_by_its_name_is_the_policys_and_pinned():
+  """The router pinned only updates that named no model: one naming the policy by its
+  own name (as OpenAI clients send one) was read as another model's, and the next check
+  loaded the version before back into every backend (a reviewer). Another model's
+  update is passed on and pinned as no policy."""
+  a, b = {"version": 0}, {"version": 0}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.1)) as r:
+    for body, policy in (({"path": "/p", "version": 1}, 1),
+                         ({"path": "/p", "version": 2, "model": "jaxagent"}, 2),
+                         ({"path": "/q", "version": 7, "model": "judge"}, 2)):
+      got = httpx.post(f"{r.url}/update_weights", json=body, timeout=60)
+      assert got.status_code == 200 and got.json()["version"] == policy, got.text
+    time.sleep(0.6)  # (checks)
+    assert a["version"] == b["version"] == 2 and a["models"] == b["models"] == {"judge": 7}
+    assert all(_healthy(r.url).values())
 
 
 def test_updates_back_to_back_keep_backends_whose_checks_they_outlast_in_rotation():
