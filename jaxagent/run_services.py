@@ -42,6 +42,16 @@ def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
       hint = ("; this CPU is one device: simulate more with "
               "XLA_FLAGS=--xla_force_host_platform_device_count=8 before the command")
     raise config_lib.ConfigError(f"mesh / serving.devices: {e}{hint}") from None
+  if mesh.devices.size < len(learner_devices):  # (the last were left out, unsaid: with
+    # several processes, every device of the last ones, which fed rows to none)
+    said = (f"mesh.data x mesh.fsdp x mesh.tensor is {mesh.devices.size} devices, of "
+            f"the {len(learner_devices)} the learner has")
+    if multi:
+      raise config_lib.ConfigError(f"{said}: a multi-process learner spans every "
+                                   "process's devices (mesh.data -1 takes the rest)")
+    if not serving_devices:  # (else they may be the engine's)
+      print(f"note: {said}; the rest are idle (mesh.data -1 takes them, mesh.devices "
+            "chooses which)", file=sys.stderr)
   return mesh, serving_mesh
 
 

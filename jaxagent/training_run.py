@@ -205,24 +205,37 @@ def _deleted(state) -> bool:
 NO_STEP_NOTE_S = 60.0
 
 
-def check_process_rows(cfg: config_lib.RunConfig, row_multiple: int, n_proc: int) -> None:
-  """Each of `n_proc` processes packs its own share of a step's rows: `data.rows` and
-  the batch's shards x microbatches (`row_multiple`) must split evenly between them
-  (`data.rows` below the process count left each 0 rows, and the first step died on an
-  assertion; a mesh whose batch axes do not span the processes divided by 0)."""
+def check_process_rows(cfg: config_lib.RunConfig, mesh, n_proc: int) -> None:
+  """Each of `n_proc` processes packs its own share of a step's rows and feeds them to
+  its own devices (`distributed.process_rows`): `data.rows` must split evenly between
+  them, and so must the learner mesh's batch shards (the devices along `tensor` for one
+  (data, fsdp) place), each on one process's devices. (`data.rows` below the process
+  count left each 0 rows, and the first step died on an assertion; a tensor axis across
+  processes put two processes' different rows in one shard, and each trained on a batch
+  of half the rows, none the same, without a word; a reviewer.)"""
   if n_proc == 1:
     return
   if cfg.data.rows % n_proc:
     raise config_lib.ConfigError(
         f"data.rows ({cfg.data.rows}) must be a multiple of the run's {n_proc} processes "
         "(each packs its share of a step's rows)")
-  if row_multiple % n_proc:
-    m = cfg.mesh
+  import numpy as np
+
+  owner = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+  shards = np.moveaxis(owner, list(mesh.axis_names).index("tensor"), -1).reshape(
+      -1, mesh.shape["tensor"])
+  m = cfg.mesh
+  if (shards != shards[:, :1]).any():
     raise config_lib.ConfigError(
-        f"the batch's shards x learner.microbatches ({row_multiple}: mesh.data {m.data}, "
-        f"mesh.fsdp {m.fsdp}, learner.microbatches {cfg.learner.microbatches}) must be a "
-        f"multiple of the run's {n_proc} processes: each process feeds its own rows, so "
-        "the batch axes (data, fsdp) span every process's devices")
+        f"mesh.tensor ({mesh.shape['tensor']}) spans devices of several processes: a batch "
+        "shard's devices must be one process's (each feeds its own rows); make mesh.tensor "
+        "divide the devices of one process")
+  per_process = np.bincount(shards[:, 0], minlength=n_proc)
+  if len(set(per_process.tolist())) > 1:
+    raise config_lib.ConfigError(
+        f"the learner's batch shards (mesh.data {m.data} x mesh.fsdp {m.fsdp}) fall "
+        f"{per_process.tolist()} on the run's {n_proc} processes: each must hold as many "
+        "(each feeds its own share of the rows)")
 
 
 class TrainingRun:
@@ -301,7 +314,7 @@ class TrainingRun:
         cfg.learner, temperature=max(cfg.agent.temperature, 1e-6),
         lr_decay_steps=cfg.learner.lr_decay_steps or cfg.steps)
     self.learner = Learner(model_cfg, self.learner_cfg, self.mesh)
-    check_process_rows(cfg, self.learner.row_multiple, self.n_proc)
+    check_process_rows(cfg, self.mesh, self.n_proc)
     for note in [*loss_notes(self.learner_cfg), *rollout_notes(cfg.rollout)] \
         if self.primary else ():
       print(f"note: {note}", file=sys.stderr)

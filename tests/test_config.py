@@ -187,19 +187,36 @@ def test_settings_that_failed_mid_run_or_did_nothing_are_named(override, says):
 
 def test_rows_that_do_not_split_between_processes_are_named():
   """`data.rows` below the process count left each process 0 rows (the first step died
-  on an assertion), and a batch axis not spanning the processes divided by 0."""
+  on an assertion); a tensor axis across processes put two processes' different rows in
+  one batch shard, and each trained on half the batch, none the same, without a word;
+  shards unevenly over processes (a reviewer)."""
+  import types
+
+  import numpy as np
+
   from jaxagent.training_run import check_process_rows
 
-  cfg = config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
-                    ["data.rows=2"])
-  check_process_rows(cfg, 4, 2)
-  check_process_rows(cfg, 1, 1)
+  def mesh(data, fsdp, tensor, devices_each):
+    devices = [types.SimpleNamespace(process_index=i // devices_each)
+               for i in range(data * fsdp * tensor)]
+    return types.SimpleNamespace(
+        devices=np.asarray(devices, dtype=object).reshape(data, fsdp, tensor),
+        axis_names=("data", "fsdp", "tensor"),
+        shape={"data": data, "fsdp": fsdp, "tensor": tensor})
+
+  tiny = os.path.join(REPO, "configs/tiny.yaml")
+  cfg = config.load(config.RunConfig, tiny, ["data.rows=2"])
+  check_process_rows(cfg, mesh(2, 1, 2, 2), 2)  # (each process's shard its own)
+  check_process_rows(cfg, mesh(1, 2, 2, 2), 2)
+  check_process_rows(cfg, mesh(1, 1, 4, 4), 1)
   with pytest.raises(config.ConfigError, match=r"data\.rows \(2\) must be a multiple of the "
                                                r"run's 4 processes"):
-    check_process_rows(cfg, 4, 4)
-  with pytest.raises(config.ConfigError, match=r"learner\.microbatches \(1: mesh\.data"):
-    check_process_rows(config.load(config.RunConfig, os.path.join(REPO, "configs/tiny.yaml"),
-                                   ["data.rows=4"]), 1, 2)
+    check_process_rows(cfg, mesh(4, 1, 1, 1), 4)
+  with pytest.raises(config.ConfigError, match=r"mesh\.tensor \(4\) spans devices of several "
+                                               r"processes"):
+    check_process_rows(cfg, mesh(1, 1, 4, 2), 2)
+  with pytest.raises(config.ConfigError, match=r"fall \[2, 1\] on the run's 2 processes"):
+    check_process_rows(cfg, mesh(3, 1, 1, 2), 2)
 
 
 def test_served_models_that_read_the_policys_tokens_are_checked_at_the_start():
@@ -236,3 +253,29 @@ def test_served_models_that_read_the_policys_tokens_are_checked_at_the_start():
       served(Tokenizer.byte_level(), policy.vocab_size - 1), policy)
   assert "is not the policy's" in other_vocabulary(
       served(smollm2_tokenizer(), 1 << 20), policy)
+
+
+def test_a_mesh_of_fewer_devices_than_the_learners_is_said_and_refused_across_processes():
+  """Explicit mesh sizes below the device count left the last devices out without a
+  word: with several processes, every device of the last ones, which fed their rows to
+  none (a reviewer)."""
+  from tests.conftest import run_multidevice
+
+  out = run_multidevice("""
+      import contextlib, io, jax
+      from jaxagent import config
+      from jaxagent.run_services import run_meshes
+      said = io.StringIO()
+      with contextlib.redirect_stderr(said):
+        mesh, _ = run_meshes(config.MeshConfig(data=2), "")
+      print(mesh.devices.size, "the rest are idle" in said.getvalue())
+      jax.process_count = lambda: 2
+      try:
+        run_meshes(config.MeshConfig(data=2), "")
+      except config.ConfigError as e:
+        print(e)
+      """, devices=4)
+  first, refused = out.strip().splitlines()
+  assert first == "2 True"
+  assert refused.startswith("mesh.data x mesh.fsdp x mesh.tensor is 2 devices, of the 4 the "
+                            "learner has: a multi-process learner spans every"), refused
