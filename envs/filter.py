@@ -22,6 +22,14 @@ from envs.base import (BAD_TASK, CannotStart, EnvResources, TaskSpec, Verdict, V
                        write_tasks)
 
 
+# The turns a scripted play of a task may take before its task is dropped.
+MAX_TURNS = 256
+
+
+class NeverEnds(Exception):
+  """A scripted play ran past MAX_TURNS: the task is dropped, saying so."""
+
+
 async def play(task: TaskSpec, policy: Callable, resources: EnvResources,
                shortcuts: Optional[dict] = None) -> Verdict:
   """`task` played by `policy` (env -> action) to its verdict; `shortcuts`, given, gets
@@ -34,9 +42,13 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources,
         shortcuts.update(env.shortcuts())
     except BAD_TASK as e:
       raise cannot_start(task, e) from e
-    while not env.done:
-      await env.step(policy(env))
-    return await env.verify()
+    for _ in range(MAX_TURNS):  # (as the agents do: by the step's result, an
+      # environment's own `done` unset by one written as the docs say hung this for ever)
+      result = await env.step(policy(env))
+      if result.terminated or result.truncated or env.done:
+        return await env.verify()
+    raise NeverEnds(f"a scripted play did not end within {MAX_TURNS} turns (no step's "
+                    "result said terminated or truncated)")
   finally:
     await env.close()
 
@@ -64,6 +76,9 @@ async def check(task: TaskSpec, resources: EnvResources) -> dict:
       ref, note = None, f"no reference: {e or 'no reference_action'}; the no-op check only"
     shortcuts: dict = {}
     noop = await play(task, lambda env: "", resources, shortcuts)
+  except NeverEnds as e:
+    return {"id": task.id, "keep": False, "reasons": [str(e)], "reference": "-",
+            "noop": "-"}
   except CannotStart as e:  # dropped with its reason (it was a traceback)
     return {"id": task.id, "keep": False, "reasons": [f"cannot start: {e.why}"],
             "reference": "-", "noop": "-"}

@@ -25,7 +25,7 @@ import jsonschema
 
 from envs import waits
 from jaxagent.errors import InfraError
-from jaxagent.toolcalls import ParsedOutput, parse_tool_calls
+from jaxagent.toolcalls import ParsedOutput, parameters_problem, parse_tool_calls
 
 ToolFn = Callable[..., Union[str, Awaitable[str]]]
 
@@ -149,8 +149,11 @@ class ToolSet:
     self.max_calls_per_turn = max_calls_per_turn
     self.max_blocks_per_turn = (8 * max_calls_per_turn if max_blocks_per_turn is None
                                 else max_blocks_per_turn)
-    for t in tools:
-      jsonschema.Draft202012Validator.check_schema(t.parameters)
+    for t in tools:  # (jsonschema's dump of its metaschema named neither the tool nor
+      # where; a new user)
+      problem = parameters_problem(t.parameters)
+      if problem is not None:
+        raise ValueError(f"tool {t.name!r}: {problem}")
 
   def schemas(self) -> list[dict]:
     return [t.schema() for t in self.tools.values()]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Optional
+import time
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -318,6 +319,39 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None,
                          f"{t!r:.200}") from None
       tools.setdefault(t["function"]["name"], t)
   return list(tools.values())
+
+
+async def check_task_params(path: str, checked: Sequence, limit_s: float = 5.0
+                            ) -> Optional[str]:
+  """Resets each task of a task file whose environment runs in this process and needs no
+  shared resources (its reset checks its parameters; `checked`: tasks reset already),
+  for `limit_s` seconds at most: raises CannotStart for the first bad one (a misspelt
+  parameter was found only when its task was drawn, steps into a run or never; a new
+  user), and returns a note when time ran out first. An environment's own bug is left
+  for its play to name."""
+  from envs.base import BAD_TASK, ENVS, _load_builtins, cannot_start, load_tasks, make
+
+  _load_builtins()
+  t0, n, tasks = time.monotonic(), 0, load_tasks(path, unique=True)
+  done = {t.id for t in checked}
+  for task in tasks:
+    if task.id in done or getattr(ENVS.get(task.env), "needs_resources", True):
+      continue
+    if time.monotonic() - t0 > limit_s:
+      return (f"data.tasks: {n} tasks' parameters checked in {limit_s:.0f}s, not the rest "
+              f"of {len(tasks)} (python -m envs.filter checks a whole file)")
+    env = make(task.env)
+    try:
+      try:
+        await env.reset(task)
+      finally:
+        await env.close()
+    except BAD_TASK as e:
+      raise cannot_start(task, e) from e
+    except Exception:  # (the environment's own: named when the task is played)
+      pass
+    n += 1
+  return None
 
 
 async def score_segments(client, groups, scorers: dict, temperature: float,

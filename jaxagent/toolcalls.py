@@ -15,6 +15,26 @@ from typing import Any, Optional
 
 from envs.values import json_depth  # (standard library only, as this module)
 
+
+def parameters_problem(params: Any) -> Optional[str]:
+  """What is wrong with a tool's `parameters` that is not a valid JSON Schema (by its
+  `$schema`'s draft, 2020-12 where it names none), or None: its message, and where."""
+  import jsonschema  # (only here: the rest of this module is the standard library's)
+
+  said = "its parameters are not a JSON Schema: "
+  if not isinstance(params, (dict, bool)):  # (a 500 from the draft's lookup: a reviewer)
+    return said + f"{type(params).__name__}, not an object"
+  if isinstance(params, dict) and not isinstance(params.get("$schema", ""), str):
+    return said + (f"$schema is {type(params['$schema']).__name__}, not a string (the URI "
+                   "of a draft)")
+  try:
+    jsonschema.validators.validator_for(
+        params, default=jsonschema.Draft202012Validator).check_schema(params)
+  except jsonschema.SchemaError as e:
+    where = "".join(f"[{p!r}]" for p in e.absolute_path) or " itself"
+    return said + f"{e.message[:300]} (at parameters{where})"
+  return None
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The deepest lists and dicts a tool call may nest (its name/arguments object included).
 MAX_NESTING = 64

@@ -43,8 +43,9 @@ from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, past_logged_groups, restore, write_run_config
 from jaxagent.run_checks import check_lengths, served_scorers
 from jaxagent.run_dir import compare_canary, dependency_versions, play_canary, trajectories_file
-from jaxagent.run_services import (Serving, attach_judge, env_workers_ready, first_tasks,
-                                   make_env_factory, run_meshes, score_segments, task_tools)
+from jaxagent.run_services import (Serving, attach_judge, check_task_params, env_workers_ready,
+                                   first_tasks, make_env_factory, run_meshes, score_segments,
+                                   task_tools)
 from jaxagent.scheduler import (DROP_REASONS, RolloutScheduler, baseline_share, episode_index,
                                 no_step_warning, pack_groups, rollout_notes, step_signal,
                                 trim_batch)
@@ -292,6 +293,10 @@ class TrainingRun:
       try:
         first = first_tasks(cfg.data.tasks)
         tools = await task_tools(cfg.data.tasks, env_factory, first)
+        if not cfg.env.urls:  # (workers' environments are reset there, when played)
+          note = await check_task_params(cfg.data.tasks, list(first.values()))
+          if note is not None and self.primary:
+            print(f"note: {note}", file=sys.stderr)
       except ValueError as e:  # a bad line, an unknown environment, no tasks
         raise config_lib.ConfigError(f"data.tasks: {e}") from None
       model_cfg, params, tokenizer = build_model(cfg.model, self.mesh, tools=tools)

@@ -38,7 +38,6 @@ import time
 import uuid
 from typing import Annotated, Literal, Optional, Union
 
-import jsonschema
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -50,6 +49,7 @@ from jaxagent.errors import PROMPT_TOO_LONG
 from jaxagent.serve_http import (BodyLimit, EndedStream, client_gone, control_guard,
                                  name_deep_bodies)
 from jaxagent.tokenizer import Tokenizer, clean_unicode, renders_tools, tool_names
+from jaxagent.toolcalls import parameters_problem
 from rollout_server import anthropic_api, responses_api
 from rollout_server.chat import (SEED, TEMPERATURE, TOKEN_ID, TOP_K, TOP_P, ChatTurn, Name,
                                  OpenAIRoute, TurnCut, bound_unrendered, continued_prompt,
@@ -80,18 +80,9 @@ def schema_problem(tools: list[dict]) -> Optional[str]:
     params = spec.get("parameters") if isinstance(spec, dict) else None
     if params is None:
       continue
-    said = f"tools[{i}] ({spec.get('name')!r}): its parameters are not a JSON Schema: "
-    if not isinstance(params, (dict, bool)):  # (a 500 from the draft's lookup: a reviewer)
-      return said + f"{type(params).__name__}, not an object"
-    if isinstance(params, dict) and not isinstance(params.get("$schema", ""), str):
-      return said + (f"$schema is {type(params['$schema']).__name__}, not a string (the "
-                     "URI of a draft)")
-    try:
-      jsonschema.validators.validator_for(
-          params, default=jsonschema.Draft202012Validator).check_schema(params)
-    except jsonschema.SchemaError as e:
-      where = "".join(f"[{p!r}]" for p in e.absolute_path) or " itself"
-      return said + f"{e.message[:300]} (at parameters{where})"
+    problem = parameters_problem(params)
+    if problem is not None:
+      return f"tools[{i}] ({spec.get('name')!r}): {problem}"
   return None
 
 # -- request bodies -----------------------------------------------------------------------

@@ -211,3 +211,64 @@ def test_an_infra_error_raised_with_a_message_alone_is_counted_under_other():
   e = InfraError("grader_db", "connection refused")
   assert (e.kind, str(e)) == ("grader_db", "grader_db: connection refused")
   assert InfraError("x" * 41).kind == "other" and InfraError("env_worker").kind == "env_worker"
+
+
+def test_the_filter_ends_a_play_by_the_steps_result_and_bounds_one_that_never_ends(
+    tmp_path, capsys):
+  """An environment written as the docs say (its steps' results end the episode; it sets
+  no `done` of its own) hung `envs.filter` for ever, and a user's first command after a
+  bad task is that one (a new user). One that never ends is dropped, saying so."""
+  from envs import filter as filter_cli
+
+  module = _write(tmp_path, "echo_env.py", """
+from envs.base import Env, Observation, StepResult, Verdict, VerdictStatus, register
+
+
+@register("echo_no_done")
+class EchoNoDone(Env):
+  async def reset(self, task):
+    self.task, self.said = task, ""
+    return Observation([{"role": "user", "content": "Say " + task.params["word"]}])
+
+  async def step(self, action):
+    self.begin_turn()
+    self.said = action
+    ends = self.task.params["ends"]
+    return StepResult(Observation([]), 0.0, ends and action == self.task.params["word"],
+                      ends and self.turns >= 3, self._info())
+
+  async def verify(self):
+    ok = self.said == self.task.params["word"]
+    return Verdict(VerdictStatus.PASS if ok else VerdictStatus.FAIL, float(ok), "e@1", "e@1")
+
+  def reference_action(self):
+    return self.task.params["word"]
+""")
+  tasks = _write(tmp_path, "echo.jsonl", "".join(
+      json.dumps({"id": f"echo/{i}", "env": "echo_no_done",
+                  "params": {"word": "hi", "ends": i == 0}}) + "\n" for i in range(2)))
+  out = str(tmp_path / "kept.jsonl")
+  assert filter_cli.main(["--import", module, tasks, "--out", out]) == 0
+  said = capsys.readouterr().out
+  assert "1 of 2 tasks kept" in said, said
+  assert "a scripted play did not end within 256 turns" in said, said
+  with open(out) as f:
+    assert [json.loads(line)["id"] for line in f] == ["echo/0"]
+
+
+def test_a_bad_parameter_of_any_task_is_named_at_the_start(tmp_path):
+  """A misspelt parameter was found only when its task was drawn, steps into a run or
+  never (a new user): the tasks of environments that need no shared resources are reset
+  at the start, within a bound of time, and the first bad one is named."""
+  from envs.base import CannotStart
+  from jaxagent.run_services import check_task_params
+
+  good = {"low": 1, "high": 16, "max_turns": 5, "secret": 13}
+  lines = [{"id": f"g/{i}", "env": "guess_number", "params": dict(good)} for i in range(4)]
+  lines[2]["params"]["secrett"] = lines[2]["params"].pop("secret")
+  path = _write(tmp_path, "tasks.jsonl", "".join(json.dumps(t) + "\n" for t in lines))
+  with pytest.raises(CannotStart, match=r"task 'g/2'.*'secrett'"):
+    asyncio.run(check_task_params(path, []))
+  assert asyncio.run(check_task_params(path, [TaskSpec.from_dict(lines[2])])) is None
+  said = asyncio.run(check_task_params(path, [], limit_s=-1.0))
+  assert said.startswith("data.tasks: 0 tasks' parameters checked in"), said

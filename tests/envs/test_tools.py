@@ -138,6 +138,12 @@ def test_schemas_are_openai_tools_and_checked():
   assert TOOLS.schemas()[0]["function"]["name"] == "add"
   with pytest.raises(Exception):
     ToolSet([Tool("bad", "x", {"type": "nonsense"}, boom)])
+  # (jsonschema's dump of its metaschema named neither the tool nor where; a new user)
+  with pytest.raises(ValueError, match=r"^tool 'add': its parameters are not a JSON Schema: "
+                                       r"'int' is not valid .*\(at parameters\['properties'\]"
+                                       r"\['a'\]\['type'\]\)$"):
+    ToolSet([Tool("add", "x", {"type": "object", "properties": {"a": {"type": "int"}}},
+                  boom)])
 
 
 def test_a_plain_tool_function_runs_off_the_event_loop():
