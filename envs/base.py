@@ -314,10 +314,15 @@ def check_reward(value, what: str) -> None:
   learner's); not text or a bool."""
   try:
     finite = not isinstance(value, (str, bytes, bool)) and math.isfinite(float(value))
-  except (TypeError, ValueError):
+  except (TypeError, ValueError, OverflowError):  # (an int past a float's range: an
+    # unnamed traceback; a red team)
     finite = False
   if not finite:
-    raise BadReward(f"{what} must be a finite number, got {value!r} "
+    try:
+      shown = repr(value)[:100]
+    except ValueError:  # (an int past the digits Python writes)
+      shown = "a number too long to show"
+    raise BadReward(f"{what} must be a finite number, got {shown} "
                     f"({type(value).__name__})")
   if abs(float(value)) > REWARD_MAX:
     raise BadReward(f"{what} must be within float32's range (the learner's, "

@@ -199,12 +199,18 @@ class ToolSet:
     """Parses `text` and runs every tool call in it."""
     parsed = parse_tool_calls(text, limit=self.max_blocks_per_turn)
     result = ToolRun(parsed, [])
-    for err in parsed.errors:  # (calls too, invalid ones: counted as invalid alone, a
-      # turn of one good call and one malformed read as "no call ran"; a reviewer)
-      result.calls += 1
-      result.invalid += 1
-      result.messages.append({"role": "tool", "content": f"error: malformed tool call: {err}"})
-    for n, call in enumerate(parsed.calls):
+    # (answered in the order the blocks were written: with the malformed ones' answers
+    # first, a template that pairs results with calls by place paired them wrongly; a
+    # red team)
+    for kind, n in parsed.order:
+      if kind == "error":  # (calls too, invalid ones: counted as invalid alone, a turn
+        # of one good call and one malformed read as "no call ran"; a reviewer)
+        result.calls += 1
+        result.invalid += 1
+        result.messages.append({"role": "tool", "content":
+                                f"error: malformed tool call: {parsed.errors[n]}"})
+        continue
+      call = parsed.calls[n]
       # (a tool's own name; an unknown one is the model's text, of any length, special
       # tokens and all, which a template that writes a tool message's name would put
       # into the prompt as they are: said back in the message's content alone; a reviewer)

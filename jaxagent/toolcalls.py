@@ -71,6 +71,9 @@ class ParsedOutput:
   kept: str = ""
   # Blocks past `parse_tool_calls`' limit: counted, neither parsed nor taken out of the text.
   unread: int = 0
+  # The blocks read, in the text's order: ("call", index in `calls`) or ("error", index in
+  # `errors`) (an environment answers them in that order).
+  order: tuple = ()
 
 
 def call_text(name: str, arguments: str) -> str:
@@ -168,7 +171,7 @@ def parse_tool_calls(text: str, id_prefix: str = "call",
                      limit: Optional[int] = None) -> ParsedOutput:
   """Splits model text into content and tool calls; malformed blocks become errors. Only
   the first `limit` blocks (all when None) are parsed; the rest are counted (`unread`)."""
-  calls, errors, content, kept = [], [], [], []
+  calls, errors, content, kept, order = [], [], [], [], []
   pos, unread = 0, 0
   for i, m in enumerate(_BLOCK.finditer(text)):
     if limit is not None and i >= limit:
@@ -179,15 +182,32 @@ def parse_tool_calls(text: str, id_prefix: str = "call",
     pos = m.end()
     body = m.group(1)
     if not m.group(0).endswith(CLOSE):
+      order.append(("error", len(errors)))
       errors.append(f"tool call {i}: missing {CLOSE}")
       kept.append(m.group(0))
       continue
     try:
       name, args, raw = _parse_block(body)
+      order.append(("call", len(calls)))
       calls.append(ToolCall(name, args, f"{id_prefix}_{i}", raw))
     except (ValueError, json.JSONDecodeError) as e:
+      order.append(("error", len(errors)))
       errors.append(f"tool call {i}: {e}: {body.strip()[:200]!r}")
       kept.append(m.group(0))
   content.append(text[pos:])
   kept.append(text[pos:])
-  return ParsedOutput("".join(content).strip(), calls, errors, "".join(kept), unread)
+  return ParsedOutput("".join(content).strip(), calls, errors, "".join(kept), unread,
+                      tuple(order))
+
+
+def hands_out_whole(parsed: ParsedOutput, content: str) -> bool:
+  """Whether a reply handed out as `content` and `parsed.calls` apart (a gateway's) reads
+  back, written together again (`with_calls`, as the agents do), as the same calls and
+  malformed blocks. Taking a call out joins the text either side of it: `<tool_` + a
+  call + `call>` opened a block the policy never wrote, which the environment ran first
+  while the gateway's record said no such call was made (a red team)."""
+  again = parse_tool_calls(with_calls(content, [
+      (c.name, c.openai()["function"]["arguments"]) for c in parsed.calls]))
+  return (len(again.errors) == len(parsed.errors)
+          and [(c.name, c.arguments) for c in again.calls]
+          == [(c.name, c.arguments) for c in parsed.calls])

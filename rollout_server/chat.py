@@ -24,7 +24,7 @@ from pydantic import AfterValidator, Field
 from jaxagent.serve_http import (NESTED_TOO_DEEP, DepthBoundRoute, invalid_json, not_json,
                                  unreadable_body)
 from jaxagent.tokenizer import valid_unicode
-from jaxagent.toolcalls import FINITE_JSON, OPEN, parse_tool_calls, with_calls
+from jaxagent.toolcalls import FINITE_JSON, OPEN, hands_out_whole, parse_tool_calls, with_calls
 
 if TYPE_CHECKING:  # (annotations only: the router imports this module without JAX)
   from jaxagent.tokenizer import Tokenizer
@@ -471,6 +471,9 @@ class ChatTurn:
       # (the white space before it kept, as a stream sent it: stripped, the reply no
       # longer began with what the stream had sent, a reviewer of red team 23)
       content = text[:len(text) - len(text.lstrip())] + content
+    if parsed.calls and not hands_out_whole(parsed, content):  # (the calls, taken out,
+      # would make others: the text as sampled, which the environment parses itself)
+      parsed, content = dataclasses.replace(parsed, calls=[]), text
     message = {"role": "assistant", "content": content}
     if parsed.calls:
       message["tool_calls"] = [c.openai() for c in parsed.calls]

@@ -351,6 +351,10 @@ def test_a_record_that_is_not_the_whole_episode_at_a_cut_is_the_infrastructures(
   task = TaskSpec("t", "guess_number", {**UNGUESSABLE, "max_turns": 8})
   config = AgentConfig(max_turns=8, max_new_tokens=3, episode_deadline_s=3.0)
   with running_server(random_params, TOK, version=4) as (srv, _):
+    import httpx  # (compiled first: a compile under load took the episode's 3 s, and
+    # the cut came before any turn was recorded)
+    httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "warm"}], "max_tokens": 3})
     monkeypatch.setattr(SessionStore, "read", evicted)
     ep = asyncio.run(run_blackbox(SlowEnv(1.0), task, srv.url, config,
                                   session_id="bb-cut", group_id="g"))
@@ -724,6 +728,35 @@ def test_a_black_box_agent_hands_its_environment_a_malformed_tool_call_as_writte
   white, black = (asyncio.run(environment_answers(t))
                   for t in (sampled, _action_text(message)))
   assert black == white and white[1]["invalid_tool_calls"] == 1, (white, black)
+
+
+def test_a_call_whose_taking_out_would_make_another_is_handed_out_as_written():
+  """Taking a call out of a reply joins the text either side: `<tool_` + a call + `call>`
+  opened a block the policy never wrote, which a black-box agent's environment ran first
+  while the record said no such call was made; a white-box agent's ran the one call (a
+  red team). Such a reply is handed out as sampled, and both run the same calls."""
+  import types
+
+  from envs.tools import parse_tool_calls
+  from jaxagent.blackbox import _action_text
+  from rollout_server.chat import ChatTurn
+  from rollout_server.sessions import SessionStore
+
+  tok = Tokenizer.byte_level()
+  for sampled in ('<tool_<tool_call>{"name": "a", "arguments": {}}</tool_call>call>'
+                  '{"name": "submit", "arguments": {"x": 1}}</tool_call>',
+                  'x <tool_call>{"name": "a", "arguments": {}}</tool_call> y'):
+    req = types.SimpleNamespace(done=True, finish_reason="stop", error=None,
+                                output_ids=tok.encode(sampled) + [tok._id("<|im_end|>")],
+                                request_id="r1")
+    message = ChatTurn(req, tok, None, messages=[], tools=None, sessions=SessionStore(10),
+                       session_id=None, kind="chat", id_prefix="call").finish()
+    white, black = (parse_tool_calls(t) for t in (sampled, _action_text(message)))
+    assert [(c.name, c.arguments) for c in black.calls] == \
+        [(c.name, c.arguments) for c in white.calls] == [("a", {})], message
+    joined = "submit" in sampled
+    assert ("tool_calls" not in message) == joined and \
+        (message["content"] == sampled) == joined, message
 
 
 def test_a_call_before_a_block_cut_open_reaches_the_environment():

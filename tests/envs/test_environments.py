@@ -426,7 +426,8 @@ def test_a_reward_that_is_not_a_number_is_refused_and_named_with_its_task():
   from jaxagent.agent import MeasuredEnv
   from jaxagent.errors import EpisodeBug
 
-  for bad in ("0.5", None, True, float("inf")):
+  for bad in ("0.5", None, True, float("inf"), 10 ** 400, 10 ** 5000):  # (ints past a
+    # float's range were an unnamed OverflowError; a red team)
     with pytest.raises(BadReward, match="a step's reward must be a finite number"):
       StepResult(Observation([]), bad, False, False)
     with pytest.raises(BadReward, match="a verdict's reward must be a finite number"):

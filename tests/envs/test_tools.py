@@ -65,7 +65,7 @@ def test_a_turns_blocks_past_the_read_limit_are_counted_and_answered_together():
   # (2 good, 30 read malformed, 299,971 unread: every block a call)
   assert (r.calls, r.invalid) == (2 + 30 + 299_971, 300_001)
   assert len(r.messages) == 33
-  assert [m["content"] for m in r.messages[30:32]] == ["3", "3"]
+  assert [m["content"] for m in r.messages[1:3]] == ["3", "3"]  # (in the written order)
   assert r.messages[-1]["content"] == (
       "error: 299971 more tool calls were not read: at most 32 are read a turn")
   assert sum(len(m["content"]) for m in r.messages) < 4000
@@ -144,6 +144,19 @@ def test_schemas_are_openai_tools_and_checked():
                                        r"\['a'\]\['type'\]\)$"):
     ToolSet([Tool("add", "x", {"type": "object", "properties": {"a": {"type": "int"}}},
                   boom)])
+
+
+def test_a_turns_calls_are_answered_in_the_order_they_were_written():
+  """Every malformed block's answer came first: a template that pairs results with
+  calls by place paired them wrongly (a red team)."""
+  run = asyncio.run(TOOLS.run(
+      '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+      '<tool_call>{"name": "add", "arguments": {"a": </tool_call>'
+      '<tool_call>{"name": "add", "arguments": {"a": 7, "b": 6}}</tool_call>'))
+  said = [m["content"] for m in run.messages]
+  assert said[0] == "5" and said[1].startswith("error: malformed tool call: tool call 1")
+  assert said[2] == "13" and [m.get("tool_call_id") for m in run.messages] == \
+      ["call_0", None, "call_2"]
 
 
 def test_a_plain_tool_function_runs_off_the_event_loop():
