@@ -701,8 +701,10 @@ def import_entry(entry: str) -> Any:
   if not isinstance(entry, str) or not entry.strip():
     raise ValueError(f"an import must be a module name or a .py file, got {entry!r}")
   path = os.path.realpath(entry) if entry.endswith(".py") or os.sep in entry else None
-  if path is not None and not os.path.isfile(path):
-    raise ValueError(f"{entry!r}: no such file")
+  if path is not None and not os.path.isfile(path):  # (a run's, evaluated from another
+    # directory: said with no hint why; a new user)
+    raise ValueError(f"{entry!r}: no such file" + ("" if os.path.isabs(entry) else (
+        f" (a relative path, read from the working directory {os.getcwd()})")))
   if path in _FILE_MODULES:
     return _FILE_MODULES[path]
   try:

@@ -568,8 +568,9 @@ def main(argv=None) -> int:
       allow_abbrev=False, prog="python -m jaxagent.view", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("run_dir", help="a training run directory (or its trajectory file)")
-  p.add_argument("--port", type=int, default=8765)
-  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8765, help="port to listen on (default 8765)")
+  p.add_argument("--host", default="127.0.0.1",
+                 help="address to listen on (default 127.0.0.1: this machine only)")
   p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                  help="a host name the page may be opened by besides this machine's (a "
                       "proxy's, a domain name); repeatable")

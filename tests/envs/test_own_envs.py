@@ -103,7 +103,8 @@ def test_a_worker_serves_it_with_import_and_says_what_is_missing_without(tmp_pat
   bad = subprocess.run([sys.executable, "-m", "envs.server", "--import", "examples/nope.py"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
   assert bad.returncode == 2
-  assert bad.stderr.strip() == "envs.server: --import 'examples/nope.py': no such file"
+  assert bad.stderr.strip() == ("envs.server: --import 'examples/nope.py': no such file (a "
+                                f"relative path, read from the working directory {REPO})")
 
 
 @pytest.mark.slow
@@ -126,8 +127,9 @@ def test_a_run_trains_on_it_and_launch_and_deploy_pass_it_on(tmp_path):
   proc = run_train("--config", "configs/tiny.yaml", "--run-dir", str(tmp_path / "bad"),
                    "env.imports=[examples/nope.py]")
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
-  assert proc.stderr.strip().splitlines()[-1] == \
-      "error: env.imports: 'examples/nope.py': no such file"
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: env.imports: 'examples/nope.py': no such file (a relative path, read from "
+      f"the working directory {REPO})")
 
   # The env workers a launch starts, and those it deploys, import the same modules.
   args = argparse.Namespace(config="configs/tiny.yaml", servers=0, env_workers=1,
