@@ -413,6 +413,10 @@ class Env(abc.ABC):
   # whose wrong answers pay -1 sets -1 here, or stalling pays better than answering
   # (a reviewer: fixed at 0, it did).
   cut_reward: float = 0.0
+  # A run resets each task of this environment once at its start (for a few seconds at
+  # most), so that a bad parameter is named before training; False for one whose reset
+  # is costly or has effects beyond itself (one that needs shared resources never is).
+  check_at_start: bool = True
 
   def __init__(self):
     self.task: Optional[TaskSpec] = None

@@ -17,9 +17,9 @@ import os
 import sys
 from typing import Callable, Optional
 
-from envs.base import (BAD_TASK, CannotStart, EnvResources, TaskSpec, Verdict, VerdictStatus,
-                       add_import_flag, cannot_start, load_modules, load_tasks, make,
-                       write_tasks)
+from envs.base import (BAD_TASK, CannotStart, EnvResources, StepResult, TaskSpec, Verdict,
+                       VerdictStatus, add_import_flag, cannot_start, load_modules, load_tasks,
+                       make, write_tasks)
 
 
 # The turns a scripted play of a task may take before its task is dropped.
@@ -44,8 +44,13 @@ async def play(task: TaskSpec, policy: Callable, resources: EnvResources,
       raise cannot_start(task, e) from e
     for _ in range(MAX_TURNS):  # (as the agents do: by the step's result, an
       # environment's own `done` unset by one written as the docs say hung this for ever)
+      if env.done:  # (over at its reset)
+        return await env.verify()
       result = await env.step(policy(env))
-      if result.terminated or result.truncated or env.done:
+      if not isinstance(result, StepResult):
+        raise TypeError(f"environment {task.env!r}: step() returned "
+                        f"{type(result).__name__}, not a StepResult")
+      if result.terminated or result.truncated:
         return await env.verify()
     raise NeverEnds(f"a scripted play did not end within {MAX_TURNS} turns (no step's "
                     "result said terminated or truncated)")

@@ -113,10 +113,30 @@ def hidden_paths() -> list[tuple[str, bool]]:
                 if any(p.startswith(d + os.sep) for d in shown))
 
 
+_OWNER: Optional[tuple[str, int]] = None  # (this process's tag, its lock's descriptor)
+
+
+def owner_tag() -> str:
+  """`<pid>-<8 hex digits>`: what names the folders this process leaves in the temporary
+  directory (`jaxagent-<kind>-<tag>-...`). Its lock file there, `jaxagent-owner-<tag>.lock`,
+  is held (flock) for the process's life: a sweep by a worker in another PID namespace,
+  where this pid says nothing, tells by it that the folders' owner is alive
+  (`envs.pool.remove_left_by_dead_workers`)."""
+  global _OWNER
+  if _OWNER is None or not _OWNER[0].startswith(f"{os.getpid()}-"):  # (a fork: its own)
+    tag = f"{os.getpid()}-{os.urandom(4).hex()}"
+    path = os.path.join(tempfile.gettempdir(), f"jaxagent-owner-{tag}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+    _OWNER = (tag, fd)
+  return _OWNER[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _empty_file() -> str:
   """An empty read-only file of this process's own, mounted over hidden module files."""
-  folder = tempfile.mkdtemp(prefix=f"jaxagent-sandbox-empty-{os.getpid()}-")
+  folder = tempfile.mkdtemp(prefix=f"jaxagent-sandbox-empty-{owner_tag()}-")
   atexit.register(shutil.rmtree, folder, True)  # (one a process: it was left in /tmp)
   os.chmod(folder, 0o755)
   path = os.path.join(folder, "empty")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -25,7 +26,8 @@ from typing import Callable, Optional, Sequence
 from envs import hostfs, waits
 from envs.cgroups import (available_memory_bytes, check_delegated_cgroups, remove_stale_cgroups,
                           usable_cpus)
-from envs.isolation import ISOLATIONS, IsolationUnavailable, Limits, detect_isolation, nproc_room
+from envs.isolation import (ISOLATIONS, IsolationUnavailable, Limits, detect_isolation,
+                            nproc_room, owner_tag)
 from envs.sandbox import FILESYSTEMS, Sandbox, workspace_filesystem
 from jaxagent.errors import InfraError
 
@@ -36,9 +38,11 @@ log = logging.getLogger(__name__)
 _WORKSPACE_NAME = re.compile(r"(\d+)-[0-9a-f]{12}")
 
 
-# What a worker leaves in the temporary directory, named by its pid: its pool's default
-# root, its sandboxes' logs (commands' output and /tmp), its empty file to mount.
-_LEFT_BY_PID = re.compile(r"jaxagent-(?:sandboxes|logs|sandbox-empty)-(\d+)-.+")
+# What a worker leaves in the temporary directory, named by its owner tag (`<pid>-<8 hex
+# digits>`, `isolation.owner_tag`): its pool's default root, its sandboxes' logs
+# (commands' output and /tmp), its empty file to mount; and its lock, held while it lives.
+_LEFT = re.compile(r"jaxagent-(?:sandboxes|logs|sandbox-empty)-(\d+)-([0-9a-f]{8})-.+")
+_OWNER_LOCK = re.compile(r"jaxagent-owner-(\d+)-([0-9a-f]{8})\.lock")
 
 
 def _running(pid: int) -> bool:
@@ -51,18 +55,39 @@ def _running(pid: int) -> bool:
   return True
 
 
-def _sweep(folder: str, pattern: re.Pattern, what: str, remove: Callable) -> list[str]:
-  """Calls `remove(entry)` on each entry of `folder` whose name `pattern` matches with
-  the pid of a process no longer running (its first group; this one's is running), and
-  says how many it removed (those `remove` says it did)."""
+def _owner_alive(tmp: str, pid: str, token: str) -> bool:
+  """Whether the process tagged `<pid>-<token>` lives: its lock held, in any PID
+  namespace; without a lock file (it ended cleanly, or never made one), its pid running
+  here."""
+  try:
+    fd = os.open(os.path.join(tmp, f"jaxagent-owner-{pid}-{token}.lock"),
+                 os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+  except FileNotFoundError:
+    return _running(int(pid))
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    return False
+  except BlockingIOError:
+    return True
+  finally:
+    os.close(fd)
+
+
+def _sweep(folder: str, patterns: Sequence[re.Pattern], what: str, alive: Callable,
+           remove: Callable) -> list[str]:
+  """Calls `remove(entry)` on each entry of `folder` that one of `patterns` matches
+  (in their order) and whose owner is not `alive(match)`, and says how many went
+  (those `remove` says it removed)."""
   gone = []
-  for entry in os.scandir(folder):
-    match = pattern.fullmatch(entry.name)
-    if match is None or int(match.group(1)) == os.getpid() or _running(int(match.group(1))):
-      continue  # (running: another worker's)
-    with contextlib.suppress(OSError):  # (one that cannot be removed stops no start)
-      if remove(entry):
-        gone.append(entry.name)
+  entries = list(os.scandir(folder))
+  for pattern in patterns:
+    for entry in entries:
+      match = pattern.fullmatch(entry.name)
+      if match is None or alive(match):
+        continue  # (running: another worker's)
+      with contextlib.suppress(OSError):  # (one that cannot be removed stops no start)
+        if remove(entry):
+          gone.append(entry.name)
   if gone:
     log.warning("sandbox: removed %d %s that workers no longer running left in %s",
                 len(gone), what, folder)
@@ -73,18 +98,30 @@ def remove_left_by_dead_workers(tmp: Optional[str] = None) -> list[str]:
   """Removes what workers of this user no longer running left in the temporary
   directory `tmp` (a pool's default root is a new folder at each start, so a crashed
   worker's workspaces, their tmpfs mounted as root, and its commands' logs were never
-  swept: they stayed until the host's disk or memory was full; a red team). Workers that
-  share the temporary directory must share a PID namespace."""
+  swept: they stayed until the host's disk or memory was full; a red team): the folders
+  of owners whose lock is free (in any PID namespace), then those locks."""
+  tmp = tmp or tempfile.gettempdir()
+  own = owner_tag()
+
+  def alive(match) -> bool:
+    return f"{match[1]}-{match[2]}" == own or _owner_alive(tmp, match[1], match[2])
+
   def remove(entry) -> bool:
-    if (not entry.is_dir(follow_symlinks=False)
-        or entry.stat(follow_symlinks=False).st_uid != os.geteuid()):
+    if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+      return False
+    if entry.name.endswith(".lock"):
+      if not entry.is_file(follow_symlinks=False):
+        return False
+      os.unlink(entry.path)
+      return True
+    if not entry.is_dir(follow_symlinks=False):
       return False
     if entry.name.startswith("jaxagent-sandboxes-"):
       _remove_stale_workspaces(entry.path)  # (their quota tmpfs unmounted first)
     hostfs.remove_tree(entry.path)
-    return True
+    return not os.path.lexists(entry.path)
 
-  return _sweep(tmp or tempfile.gettempdir(), _LEFT_BY_PID, "folders", remove)
+  return _sweep(tmp, (_LEFT, _OWNER_LOCK), "folders and locks", alive, remove)
 
 
 def _remove_stale_workspaces(root: str) -> list[str]:
@@ -92,13 +129,16 @@ def _remove_stale_workspaces(root: str) -> list[str]:
   released them: on a `--workspace-root` that was there, kept at close, they piled up
   with each crash until its volume was full; red team 7), with their tmpfs as root; the
   other entries are left. Workers that share a root must share a PID namespace."""
+  def alive(match) -> bool:
+    return int(match[1]) == os.getpid() or _running(int(match[1]))
+
   def remove(entry) -> bool:
     if os.path.ismount(entry.path):  # (a root worker's quota tmpfs)
       subprocess.run(["umount", "-l", entry.path], capture_output=True)
     hostfs.remove_tree(entry.path)
-    return True
+    return not os.path.lexists(entry.path)
 
-  return _sweep(root, _WORKSPACE_NAME, "workspaces", remove)
+  return _sweep(root, (_WORKSPACE_NAME,), "workspaces", alive, remove)
 
 
 class SandboxPool:
@@ -170,7 +210,7 @@ class SandboxPool:
     if root is None:
       remove_left_by_dead_workers()
     self.root = os.path.abspath(root or tempfile.mkdtemp(
-        prefix=f"jaxagent-sandboxes-{os.getpid()}-"))
+        prefix=f"jaxagent-sandboxes-{owner_tag()}-"))
     os.makedirs(self.root, exist_ok=True)
     if not self._made_root:
       _remove_stale_workspaces(self.root)

@@ -51,12 +51,14 @@ def check_lengths(cfg: config_lib.RunConfig, checkpoint_positions: Optional[int]
 
   a, e, m = cfg.agent, cfg.serving.engine, cfg.model
   n = a.max_context_tokens
-  if n <= a.max_new_tokens:  # (no turn could ever be sampled: the run trained nothing,
-    # saying only that first prompts did not fit)
+  if a.kind == "whitebox" and n <= a.max_new_tokens:  # (no turn could ever be sampled:
+    # the run trained nothing, saying only that first prompts did not fit; a black-box
+    # agent's context is its harness's)
     raise config_lib.ConfigError(
         f"agent.max_context_tokens ({n}) must be more than agent.max_new_tokens "
         f"({a.max_new_tokens}): a turn's prompt and its reply fit in the context")
-  if a.compaction == "summary" and not 1 <= a.summary_max_tokens < n - a.max_new_tokens:
+  if a.kind == "whitebox" and a.compaction == "summary" and \
+      not 1 <= a.summary_max_tokens < n - a.max_new_tokens:
     # (0 failed the first compaction, mid-run, naming no key; one as long as the context
     # left the summary's prompt no room)
     raise config_lib.ConfigError(
@@ -227,10 +229,6 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
   if not (a.temperature >= 0 and math.isfinite(a.temperature)):
     raise config_lib.ConfigError(f"agent.temperature must be >= 0 (0: greedy), got "
                                  f"{a.temperature}")
-  if cfg.learner.temperature not in (1.0, a.temperature):  # (ignored without a word)
-    raise config_lib.ConfigError(
-        f"learner.temperature ({cfg.learner.temperature}): a run scores tokens at the "
-        f"temperature they were sampled at, agent.temperature ({a.temperature}); set that")
   if not 0 < a.top_p <= 1:
     raise config_lib.ConfigError(f"agent.top_p must be in (0, 1], got {a.top_p}")
   if 0 < a.temperature < 1e-6:  # (the learner scores at 1e-6 at least: another
@@ -250,6 +248,17 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
         "agent.top_k > 0 the engine's log-probs are of the truncated distribution and the "
         "learner's of the whole one, so the correction would weigh every token by the "
         "mass kept; sample from the whole distribution or set learner.correction_mode: none")
+
+
+def ignored_temperature(cfg: config_lib.RunConfig) -> Optional[str]:
+  """A note for a `learner.temperature` of the run's own, which it ignores (it scores
+  tokens at the temperature they were sampled at: ignored without a word before; a
+  note, not an error, so that a run saved with one still resumes)."""
+  t, a = cfg.learner.temperature, cfg.agent.temperature
+  if t in (1.0, a, max(a, 1e-6)):
+    return None
+  return (f"learner.temperature ({t}) is ignored: a run scores tokens at the temperature "
+          f"they were sampled at, agent.temperature ({a})")
 
 
 def _no_such_file(key: str, path: str, why: str = "") -> config_lib.ConfigError:

@@ -6,6 +6,7 @@ the served models that score segments (a KL reference, a teacher)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from typing import Optional, Sequence
@@ -323,34 +324,40 @@ async def task_tools(path: str, env_factory, first: Optional[dict] = None,
 
 async def check_task_params(path: str, checked: Sequence, limit_s: float = 5.0
                             ) -> Optional[str]:
-  """Resets each task of a task file whose environment runs in this process and needs no
-  shared resources (its reset checks its parameters; `checked`: tasks reset already),
-  for `limit_s` seconds at most: raises CannotStart for the first bad one (a misspelt
-  parameter was found only when its task was drawn, steps into a run or never; a new
-  user), and returns a note when time ran out first. An environment's own bug is left
-  for its play to name."""
+  """Resets each task of a task file whose environment runs in this process, needs no
+  shared resources and does not opt out (`Env.check_at_start`: its reset checks its
+  parameters; `checked`: tasks reset already), for `limit_s` seconds in all: raises
+  CannotStart for the first bad one (a misspelt parameter was found only when its task
+  was drawn, steps into a run or never; a new user), and returns a note when time ran
+  out first. A reset that errs otherwise, or outlasts the time left, is left for its
+  play to name."""
   from envs.base import BAD_TASK, ENVS, _load_builtins, cannot_start, load_tasks, make
 
   _load_builtins()
-  t0, n, tasks = time.monotonic(), 0, load_tasks(path, unique=True)
   done = {t.id for t in checked}
-  for task in tasks:
-    if task.id in done or getattr(ENVS.get(task.env), "needs_resources", True):
-      continue
-    if time.monotonic() - t0 > limit_s:
-      return (f"data.tasks: {n} tasks' parameters checked in {limit_s:.0f}s, not the rest "
-              f"of {len(tasks)} (python -m envs.filter checks a whole file)")
+
+  def checkable(task) -> bool:
+    cls = ENVS.get(task.env)
+    return (task.id not in done and getattr(cls, "check_at_start", False)
+            and not getattr(cls, "needs_resources", True))
+
+  tasks = [t for t in load_tasks(path, unique=True) if checkable(t)]
+  t0 = time.monotonic()
+  for n, task in enumerate(tasks):
+    left = limit_s - (time.monotonic() - t0)
+    if left <= 0:
+      return (f"data.tasks: {n} of {len(tasks)} tasks' parameters checked in "
+              f"{limit_s:.0f}s, not the rest (python -m envs.filter checks a whole file)")
     env = make(task.env)
     try:
-      try:
-        await env.reset(task)
-      finally:
-        await env.close()
+      await asyncio.wait_for(env.reset(task), left)
     except BAD_TASK as e:
       raise cannot_start(task, e) from e
-    except Exception:  # (the environment's own: named when the task is played)
+    except Exception:  # (the environment's own, or a slow reset: named when played)
       pass
-    n += 1
+    finally:
+      with contextlib.suppress(Exception):  # (a close's error is no task's)
+        await env.close()
   return None
 
 

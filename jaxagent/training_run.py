@@ -41,7 +41,7 @@ from jaxagent.metrics import (MetricsWriter, RecordsDamaged, episode_metrics,
 from jaxagent.models.hf import declares_positions
 from jaxagent.pools import CountedPool
 from jaxagent.resume import open_wal, past_logged_groups, restore, write_run_config
-from jaxagent.run_checks import check_lengths, served_scorers
+from jaxagent.run_checks import check_lengths, ignored_temperature, served_scorers
 from jaxagent.run_dir import compare_canary, dependency_versions, play_canary, trajectories_file
 from jaxagent.run_services import (Serving, attach_judge, check_task_params, env_workers_ready,
                                    first_tasks, make_env_factory, run_meshes, score_segments,
@@ -286,6 +286,7 @@ class TrainingRun:
 
     cfg, run_dir = self.cfg, self.run_dir
     self.mesh, serving_mesh = run_meshes(cfg.mesh, cfg.serving.devices)
+    check_process_rows(cfg, self.mesh, self.n_proc)  # (before the model is built)
     await env_workers_ready(cfg, lambda m: print(m, flush=True) if self.primary else None)
     env_factory, close_envs = make_env_factory(cfg)
     self.env_factory, self.close_envs = env_factory, close_envs
@@ -319,9 +320,8 @@ class TrainingRun:
         cfg.learner, temperature=max(cfg.agent.temperature, 1e-6),
         lr_decay_steps=cfg.learner.lr_decay_steps or cfg.steps)
     self.learner = Learner(model_cfg, self.learner_cfg, self.mesh)
-    check_process_rows(cfg, self.mesh, self.n_proc)
-    for note in [*loss_notes(self.learner_cfg), *rollout_notes(cfg.rollout)] \
-        if self.primary else ():
+    for note in [*loss_notes(self.learner_cfg), *rollout_notes(cfg.rollout),
+                 *filter(None, [ignored_temperature(cfg)])] if self.primary else ():
       print(f"note: {note}", file=sys.stderr)
     if cfg.eval.every and self.primary:  # (held-out tasks that are the training tasks)
       from envs.base import load_tasks

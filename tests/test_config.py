@@ -173,7 +173,6 @@ def test_a_task_file_with_fewer_tasks_than_processes_is_named(tmp_path, monkeypa
      r"agent\.summary_max_tokens must be in 1\.\.158"),  # (failed the first compaction)
     (["agent.compaction=summary", "agent.summary_max_tokens=159"],
      r"agent\.summary_max_tokens must be in"),  # (no room for the summariser's prompt)
-    (["learner.temperature=0.7"], r"learner\.temperature \(0\.7\)"),  # (ignored silently)
 ])
 def test_settings_that_failed_mid_run_or_did_nothing_are_named(override, says):
   """Each of these passed the checks and failed a rollout and a step later naming no
@@ -279,3 +278,16 @@ def test_a_mesh_of_fewer_devices_than_the_learners_is_said_and_refused_across_pr
   assert first == "2 True"
   assert refused.startswith("mesh.data x mesh.fsdp x mesh.tensor is 2 devices, of the 4 the "
                             "learner has: a multi-process learner spans every"), refused
+
+
+def test_a_learner_temperature_the_run_ignores_is_said():
+  """`learner.temperature` was replaced by the agent's without a word (a reviewer); a
+  note, not an error, so that a run saved with one still resumes."""
+  from jaxagent.run_checks import ignored_temperature
+
+  tiny = os.path.join(REPO, "configs/tiny.yaml")
+  assert ignored_temperature(config.load(config.RunConfig, tiny, [])) is None
+  assert ignored_temperature(config.load(config.RunConfig, tiny, [
+      "learner.temperature=0.7", "agent.temperature=0.7"])) is None
+  said = ignored_temperature(config.load(config.RunConfig, tiny, ["learner.temperature=0.7"]))
+  assert said.startswith("learner.temperature (0.7) is ignored"), said

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -273,4 +274,22 @@ def test_a_bad_parameter_of_any_task_is_named_at_the_start(tmp_path):
     asyncio.run(check_task_params(path, []))
   assert asyncio.run(check_task_params(path, [TaskSpec.from_dict(lines[2])])) is None
   said = asyncio.run(check_task_params(path, [], limit_s=-1.0))
-  assert said.startswith("data.tasks: 0 tasks' parameters checked in"), said
+  assert said.startswith("data.tasks: 0 of 4 tasks' parameters checked in"), said
+
+  class Slow(base.ENVS["guess_number"]):  # (a reset that hangs holds no start for ever)
+    async def reset(self, task):
+      await asyncio.sleep(60)
+
+  class Opted(base.ENVS["guess_number"]):
+    check_at_start = False
+
+  for name, cls in (("slow_reset", Slow), ("opted_out", Opted)):
+    base.register(name)(cls)
+    try:
+      lines[2]["env"] = name
+      path = _write(tmp_path, f"{name}.jsonl", "".join(json.dumps(t) + "\n" for t in lines))
+      t0 = time.monotonic()
+      said = asyncio.run(check_task_params(path, [], limit_s=1.0))
+      assert time.monotonic() - t0 < 10 and (said is None) == (name == "opted_out"), said
+    finally:
+      base.ENVS.pop(name)

@@ -855,28 +855,47 @@ def test_what_a_crashed_worker_left_in_the_temporary_directory_is_swept():
   """A pool's default root is a new folder at each start, so a crashed worker's
   workspaces (their tmpfs mounted as root) and its commands' logs were never swept
   (a red team): a pool on the default root removes the folders of workers no longer
-  running, and leaves a running one's and anything else."""
+  running, told by their lock (held for a worker's life, in any PID namespace: a pid
+  alone said a live worker of another namespace was gone; a reviewer) or, without one,
+  by their pid; a running one's stay, and anything else."""
+  import fcntl
+
+  from envs.isolation import owner_tag
   from envs.pool import remove_left_by_dead_workers
 
   tmp = scratch_dir()
   ended = subprocess.Popen(["true"])
   ended.wait()
-  left = [f"jaxagent-sandboxes-{ended.pid}-abc", f"jaxagent-logs-{ended.pid}-x",
-          f"jaxagent-sandbox-empty-{ended.pid}-y"]
-  kept = ["jaxagent-sandboxes-1-abc", f"jaxagent-logs-{os.getpid()}-x", "jaxagent-logs-z",
-          "other"]
+  gone_here, gone_there, alive_there = (f"{ended.pid}-0123abcd", "1-deadbeef",
+                                        f"{ended.pid}-feedface")
+  left = [f"jaxagent-sandboxes-{gone_here}-abc", f"jaxagent-logs-{gone_here}-x",
+          f"jaxagent-sandbox-empty-{gone_there}-y", f"jaxagent-owner-{gone_there}.lock"]
+  kept = [f"jaxagent-logs-{alive_there}-x", f"jaxagent-owner-{alive_there}.lock",
+          f"jaxagent-logs-{owner_tag()}-x", "jaxagent-logs-z", "other",
+          f"jaxagent-logs-{gone_here}-link"]
   for name in left + kept:
-    os.makedirs(os.path.join(tmp, name))
-  os.makedirs(os.path.join(tmp, left[0], f"{ended.pid}-0123456789ab", "d"))
-  with open(os.path.join(tmp, left[0], f"{ended.pid}-0123456789ab", "d", "f"), "wb") as f:
+    if name.endswith(".lock"):
+      open(os.path.join(tmp, name), "w").close()
+    elif name.endswith("-link"):
+      os.symlink(os.path.join(tmp, "other"), os.path.join(tmp, name))
+    else:
+      os.makedirs(os.path.join(tmp, name))
+  workspace = os.path.join(tmp, left[0], f"{ended.pid}-0123456789ab", "d")
+  os.makedirs(workspace)
+  with open(os.path.join(workspace, "f"), "wb") as f:
     f.write(b"x" * 4096)
-  assert sorted(remove_left_by_dead_workers(tmp)) == sorted(left)
+  held = os.open(os.path.join(tmp, f"jaxagent-owner-{alive_there}.lock"), os.O_RDWR)
+  try:
+    fcntl.flock(held, fcntl.LOCK_EX)  # (a live worker of another PID namespace)
+    assert sorted(remove_left_by_dead_workers(tmp)) == sorted(left)
+  finally:
+    os.close(held)
   assert sorted(os.listdir(tmp)) == sorted(kept)
   pool = SandboxPool(1, isolation="rlimits", allow_unisolated=True)
   try:
-    assert os.path.basename(pool.root).startswith(f"jaxagent-sandboxes-{os.getpid()}-")
+    assert os.path.basename(pool.root).startswith(f"jaxagent-sandboxes-{owner_tag()}-")
     sb = pool.create()
-    assert os.path.basename(sb._logs).startswith(f"jaxagent-logs-{os.getpid()}-")
+    assert os.path.basename(sb._logs).startswith(f"jaxagent-logs-{owner_tag()}-")
   finally:
     pool.close()
 
@@ -1373,22 +1392,39 @@ def test_a_write_after_the_close_makes_no_workspace_again(sandbox):
   sandbox.destroy()
 
 
-def test_a_workspace_gone_is_the_infrastructures_not_an_empty_one():
-  """The files of a workspace gone (its holder dead, its folder removed) read as none,
-  and grading none failed a sound answer as its ModuleNotFoundError (a red team)."""
+@needs_isolation
+def test_a_workspace_gone_is_the_infrastructures_not_an_empty_one(sandbox):
+  """The files of a workspace gone (its holder dead, its filesystem gone) read as none,
+  and grading none failed a sound answer as its ModuleNotFoundError (a red team). Under
+  namespaces the command cannot remove its workspace (a mount point): gone, it is the
+  infrastructure's."""
   from jaxagent.errors import InfraError
 
+  sandbox.write_file("solution.py", "x = 1\n")
+  assert sandbox.files() == {"solution.py": b"x = 1\n"}
+  if sandbox.uid is not None:  # (its quota tmpfs)
+    subprocess.run(["umount", "-l", sandbox.host_path], check=True)
+  shutil.rmtree(sandbox.host_path)
+  with pytest.raises(InfraError, match="reading the workspace's files"):
+    sandbox.files()
+  with pytest.raises(InfraError, match="is gone"):
+    sandbox.write_file("sub/solution.py", "x = 2\n")
+  assert not os.path.exists(sandbox.host_path)
+
+
+def test_a_workspace_its_command_removed_is_its_doing_not_the_infrastructures():
+  """Without namespaces a command runs in its workspace as the host's user and can
+  remove it: graded as no files, as before, not the infrastructure's error, which would
+  have re-rolled a losing episode whose code wiped its workspace (a reviewer)."""
   root = scratch_dir()
   sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="rlimits")
   try:
     sb.write_file("solution.py", "x = 1\n")
-    assert sb.files() == {"solution.py": b"x = 1\n"}
-    shutil.rmtree(sb.host_path)
-    with pytest.raises(InfraError, match="reading the workspace's files"):
-      sb.files()
-    with pytest.raises(InfraError, match="is gone"):
-      sb.write_file("sub/solution.py", "x = 2\n")
-    assert not os.path.exists(sb.host_path)
+    r = run(sb, "import os, shutil; shutil.rmtree(os.getcwd())")
+    assert r.exit_code == 0 and not os.path.exists(sb.host_path), r
+    assert sb.files() == {}
+    sb.write_file("solution.py", "x = 2\n")  # (made again, as before)
+    assert sb.files() == {"solution.py": b"x = 2\n"}
   finally:
     sb.destroy()
 
