@@ -441,9 +441,9 @@ class Sandbox:
         entries = sorted(hostfs.scandir_opened(root, self.uid is None), key=lambda e: e.name)
       except OSError as e:
         # (without namespaces the command runs in the workspace as the host's user, and
-        # can remove it: its doing, graded as no files, not a re-roll; a reviewer)
-        _unread(e, root == self.host_path and not (
-            self.isolation == "rlimits" and e.errno == errno.ENOENT))
+        # can remove or replace it: its doing, graded as no files, not a re-roll; a
+        # reviewer, a red team)
+        _unread(e, root == self.host_path and self.isolation != "rlimits")
         continue
       # Every entry walked counts, directories too: past the quota's inodes (a workspace
       # without its own filesystem, a worker not run as root, has none) the walk is

@@ -407,6 +407,11 @@ def classify(result: ExecResult, tests: HiddenTests, env_version: str) -> Verdic
       return verdict(VerdictStatus.FAIL, reason="the solution ran the sandbox out of memory "
                      f"(the kernel killed {result.oom_kills} of its processes, the "
                      "harness among them)")
+    if result.isolation == "rlimits":  # (no PID namespace: the solution, its child, can
+      # kill it, and one line did, a re-roll for any failing answer; a red team)
+      return verdict(VerdictStatus.FAIL, reason=(
+          f"the harness died after it started (exit {result.exit_code}, signal "
+          f"{result.signal}): without isolation the solution can kill it"))
     return verdict(VerdictStatus.INFRA_ERROR,
                    reason=f"harness died after it started (exit {result.exit_code}, signal "
                           f"{result.signal})")

@@ -1425,6 +1425,9 @@ def test_a_workspace_its_command_removed_is_its_doing_not_the_infrastructures():
     assert sb.files() == {}
     sb.write_file("solution.py", "x = 2\n")  # (made again, as before)
     assert sb.files() == {"solution.py": b"x = 2\n"}
+    r = run(sb, "import os, shutil; d = os.getcwd(); shutil.rmtree(d); open(d, 'w')")
+    assert r.exit_code == 0 and os.path.isfile(sb.host_path), r  # (replaced by a file)
+    assert sb.files() == {}
   finally:
     sb.destroy()
 

@@ -482,6 +482,21 @@ def test_a_full_disk_is_the_files_doing_only_in_a_workspace_with_its_own_quota()
     asyncio.run(grade_in(False))
 
 
+def test_a_solution_that_kills_its_harness_without_isolation_fails():
+  """Without a PID namespace the harness is the solution's parent: one line killed it,
+  and its INFRA_ERROR re-rolled any failing answer (a red team). Only the solution can
+  have done it there: a fail."""
+  pool = SandboxPool(1, limits=Limits(wall_s=5), isolation="rlimits", allow_unisolated=True)
+  try:
+    verdict = grade(pool, {"solution.py": "import os, signal\n"
+                                          "os.kill(os.getppid(), signal.SIGKILL)\n"
+                                          "def add(a, b):\n  return a + b\n"})
+    assert verdict.status == VerdictStatus.FAIL, verdict
+    assert "without isolation the solution can kill it" in verdict.details["reason"]
+  finally:
+    pool.close()
+
+
 def test_a_solution_that_fills_a_grading_workspace_without_a_quota_fails():
   """A grading workspace without a quota of its own (a worker not run as root) is the
   host's disk: a solution that writes past its bounds is stopped and graded a fail,
