@@ -24,8 +24,8 @@ from jaxagent.pools import CountedPool
 from jaxagent.tls import shared_tls
 from jaxagent.trajectory import TurnRecord
 from rollout_server.engine import Engine, SamplingParams
-from rollout_server.orchestrator import (EngineDead, Orchestrator, PromptTooLong, QueueFull,
-                                         Request, progress_of)
+from rollout_server.orchestrator import (ENGINE_DEAD, EngineDead, Orchestrator, PromptTooLong,
+                                         QueueFull, Request, progress_of)
 from rollout_server.routing import MAX_SCORE_TOKENS, NONE_AVAILABLE
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,9 @@ class HttpClient:
       raise GenerateError(f"{self.url}: {type(e).__name__}: {e}") from e
     if r.status_code != 200:
       kind = ("server" if r.status_code == 503 and NONE_AVAILABLE in r.text else
+              # (a dead engine read as a full queue: retried as the run's own load; a
+              # reviewer)
+              "engine_dead" if r.status_code == 503 and ENGINE_DEAD in r.text else
               "server_overload" if r.status_code == 503 else
               "prompt_too_long" if r.status_code == 400 and PROMPT_TOO_LONG in r.text else
               "request_refused" if r.status_code < 500 else "server")

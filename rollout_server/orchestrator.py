@@ -51,6 +51,11 @@ class QueueFull(RuntimeError):
   pass
 
 
+# What every refusal and failure for a dead engine loop says (a client over HTTP tells
+# it from a full queue by it).
+ENGINE_DEAD = "the engine loop died"
+
+
 class EngineDead(QueueFull):
   """The engine loop died (its recovery from an error failed): every request fails at
   once (a 503) and /health says so, instead of waiting for ever on a loop that is gone
@@ -250,11 +255,20 @@ class Orchestrator:
     with self._cv:
       self._stop = True
       self._cv.notify_all()
-    if self._thread is not None:
-      self._thread.join(timeout=30)
+      update, self._update = self._update, None
+    if update is not None:  # (its caller waited out its whole timeout, then was told the
+      # update was withdrawn with the engine still serving; a reviewer)
+      update.error = "the orchestrator stopped before the update was applied"
+      update.done.set()
+    thread, ended = self._thread, True
+    if thread is not None:
+      thread.join(timeout=30)
+      ended = not thread.is_alive()
       self._thread = None
-    for req in list(self._requests.values()):
-      self._finish(req, "abort")
+    if ended:  # (else the loop, in a long device call, ends them at its next look at
+      # `_stop`: finished from here too, a request could end twice; a reviewer)
+      for req in list(self._requests.values()):
+        self._finish(req, "abort")
 
   # -- client API (any thread) ---------------------------------------------------------
 
@@ -301,7 +315,7 @@ class Orchestrator:
       if self._stop:
         raise RuntimeError("the orchestrator is stopped")
       if self.dead is not None:
-        raise EngineDead(f"the engine loop died: {self.dead}")
+        raise EngineDead(f"{ENGINE_DEAD}: {self.dead}")
       if len(self._queue) >= self.max_queue:
         raise QueueFull(f"queue is full ({self.max_queue} requests)")
       # (96 random bits: a Responses id, resp_{request id}, is what lets a call go on
@@ -374,7 +388,7 @@ class Orchestrator:
     upd = _Update(params, int(params["version"]), mode)
     with self._cv:
       if self.dead is not None:
-        raise EngineDead(f"the engine loop died: {self.dead}")
+        raise EngineDead(f"{ENGINE_DEAD}: {self.dead}")
       if self._update is not None:
         raise RuntimeError("a weight update is already in progress")
       self._update = upd
@@ -424,6 +438,18 @@ class Orchestrator:
   # -- engine loop ----------------------------------------------------------------------
 
   def _run(self) -> None:
+    try:
+      self._loop()
+    except BaseException as e:  # (not an Exception: the thread ended without a word, its
+      # waiters hung for ever while /health said ok; a reviewer)
+      self._die(traceback.format_exc(limit=3) or f"{type(e).__name__}: {e}")
+    finally:
+      if self._stop:  # (its requests end here, the loop's own thread, once it is out)
+        for req in list(self._requests.values()):
+          with contextlib.suppress(Exception):
+            self._finish(req, "abort")
+
+  def _loop(self) -> None:
     while True:
       with self._cv:
         while not self._stop and not self._has_work():
@@ -467,9 +493,9 @@ class Orchestrator:
       update, self._update = self._update, None
     for req in failing:
       with contextlib.suppress(Exception):
-        self._finish(req, "error", error=f"the engine loop died: {self.dead}")
+        self._finish(req, "error", error=f"{ENGINE_DEAD}: {self.dead}")
     if update is not None:
-      update.error = f"the engine loop died: {self.dead}"
+      update.error = f"{ENGINE_DEAD}: {self.dead}"
       update.done.set()
 
   def _has_work(self) -> bool:

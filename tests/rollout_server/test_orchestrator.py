@@ -635,6 +635,53 @@ def test_a_loop_that_cannot_recover_fails_every_request_at_once(random_params):
     orch.stop()
 
 
+def test_a_stop_ends_a_waiting_update_and_a_loop_ended_by_any_error_dies_loudly(
+    random_params):
+  """A reviewer: `stop()` left an update waiting out its whole timeout, then told it the
+  update was withdrawn with the engine still serving; and an error that is no
+  Exception ended the loop's thread without a word, its requests waiting for ever while
+  /health said ok. The update fails at once, and such a loop dies as any other."""
+  from rollout_server.orchestrator import EngineDead
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params, version=1))  # not started
+  failed = []
+
+  def update():
+    try:
+      orch.update_weights(engine.load_params(random_params, version=2), timeout=120)
+    except Exception as e:
+      failed.append(e)
+
+  waiting = threading.Thread(target=update, daemon=True)
+  waiting.start()
+  _until(lambda: orch._update is not None)
+  t0 = time.time()
+  orch.stop()
+  waiting.join(10)
+  assert not waiting.is_alive() and time.time() - t0 < 10
+  assert failed and "stopped before the update was applied" in str(failed[0])
+
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params))
+  real_generate = engine.generate
+
+  def interrupted(params, state):
+    raise KeyboardInterrupt("from a native callback")
+
+  engine.generate = interrupted
+  orch.start()
+  try:
+    hit = orch.generate([1, 2, 3], SamplingParams(max_new_tokens=8), timeout=30)
+    assert hit.finish_reason == "error" and "KeyboardInterrupt" in hit.error
+    assert orch.stats()["dead"]
+    with pytest.raises(EngineDead, match="the engine loop died"):
+      orch.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
+  finally:
+    engine.generate = real_generate
+    orch.stop()
+
+
 def test_a_listener_that_raises_is_its_own_error_not_the_loops(random_params):
   """A reviewer: a request's listener that raised (a callback onto a closed event loop)
   was the loop's error: it failed every live request and reset the engine."""

@@ -908,3 +908,27 @@ def test_tool_schemas_that_are_not_json_schemas_are_named(random_params, tokeniz
         "messages": user, "max_tokens": 1, "tools": [
             {"type": "function", "function": {"name": "calc", "parameters": draft7}}]})
     assert r.status_code == 200, r.text
+
+
+def test_a_dead_engine_over_http_is_the_engines_death_not_a_full_queue(random_params,
+                                                                       tokenizer):
+  """A dead engine's 503 was read as a full queue (`server_overload`: the run's own load,
+  retried) by a client over HTTP; in process it was `engine_dead` (a reviewer)."""
+  import asyncio
+
+  from rollout_server.client import GenerateError, HttpClient
+  from rollout_server.engine import SamplingParams
+
+  with running_server(random_params, tokenizer) as (srv, orch):
+    orch._die("RuntimeError: device lost")
+
+    async def turn():
+      http = HttpClient(srv.url)
+      try:
+        await http.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+      finally:
+        await http.aclose()
+
+    with pytest.raises(GenerateError) as e:
+      asyncio.run(turn())
+    assert e.value.kind == "engine_dead", e.value
