@@ -290,7 +290,8 @@ async def _generate(engine, prompt, sampling, session_id, deadline_s, retries: i
   server does not move for its deadline is the server's (overloaded or stuck), not the
   policy's (`_within_turn_deadline`); its length is bounded by max_new_tokens. A turn
   whose server failed is asked again up to `retries` times (of the next server, through
-  a router): the same seed samples the same tokens, so the episode goes on from its last
+  a router): the same seed samples the same tokens (with speculative decoding, another
+  sample of the policy's, as exact), so the episode goes on from its last
   committed token instead of restarting. `look` holds the request in flight (`rid`),
   the decode time of the turn's parts before it (`done_s`, a turn resumed after a weight
   update) and its own as last seen (`decode_s`, `_within_turn_deadline`)."""

@@ -26,7 +26,8 @@ reset and stepped through the logged actions (each observation checked against i
 hash), the logged turns are taken as they were sampled (token-exact, with their
 log-probs and versions) and the episode goes on from its last committed token. A dead
 rollout server costs less still: the turn in flight is asked of another server with
-the same seed, which samples the same tokens (`fold_in(seed, position)` keys).
+the same seed, which samples the same tokens (`fold_in(seed, position)` keys; with
+speculative decoding on, another sample of the policy's, as exact).
 """
 
 from __future__ import annotations

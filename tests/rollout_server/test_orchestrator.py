@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rollout_server.engine import SamplingParams
-from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, continuation
+from rollout_server.orchestrator import Orchestrator, PromptTooLong, QueueFull, Request, continuation
 from tests.rollout_server.conftest import make_engine
 
 
@@ -882,6 +882,30 @@ def test_progress_calls_an_admitted_request_running_before_its_prompt_is_in_the_
   assert pa["state"] == "running" and pa["prefilled"] == 0 and pa["output_tokens"] == 0
   assert pb["state"] == "queued"
   assert sess["requests"] == 2 and sess["queued"] == 1
+
+
+def test_a_sampled_request_never_drafts_from_a_sibling_of_its_own_seed(random_params):
+  """A sibling of the same seed drew its tokens from the random numbers that would
+  verify them as drafts: not independent, the emitted tokens stopped following the
+  policy while their log-probs said they did (an episode's retry keeps its first try's
+  seed; a reviewer measured 0.93 for a token of p 0.55). A retry after its first try
+  alone drafts nothing and samples the first try's tokens again; a request of another
+  seed, or a greedy one, drafts from it."""
+  prompt = [9, 8, 7, 6]
+  engine = make_engine()
+  orch = Orchestrator(engine, engine.load_params(random_params), speculative=4).start()
+  hot = lambda seed: SamplingParams(temperature=0.05, max_new_tokens=24, seed=seed)
+  try:
+    first = orch.generate(prompt, hot(1), timeout=120)
+    retry = orch.generate(prompt, hot(1 + (1 << 64)), timeout=120)  # (the same key)
+    s = orch.stats()["speculative"]
+  finally:
+    orch.stop()
+  assert s["proposed"] == 0 and retry.output_ids == first.output_ids
+  out = first.output_ids
+  for sampling, want in ((hot(1), []), (hot(2), out[3:7]),
+                         (SamplingParams(temperature=0.0, seed=1), out[3:7])):
+    assert orch._draft(Request(prompt, sampling, "r", output_ids=out[:3]), 4) == want
 
 
 def test_speculative_decoding_ends_at_a_stop_token_inside_an_accepted_draft(random_params):
