@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import json
 import logging
 import os
 import resource
@@ -442,10 +443,15 @@ def nproc_room(need: int) -> None:
 
 def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
                 seccomp_fd: Optional[int] = None, uid: Optional[int] = None,
-                held: Optional[HeldTmpfs] = None) -> list[str]:
+                held: Optional[HeldTmpfs] = None, status_fd: Optional[int] = None) -> list[str]:
   if nproc_inside("bwrap", uid):
     argv = [_PRLIMIT, f"--nproc={limits.processes}", "--", *argv]
   out = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+  if status_fd is not None:
+    # bwrap writes `"exit-code"` there once the command has ended, only if its setup
+    # finished and the command was exec'd (`setup_finished`); the command never holds
+    # the descriptor, so it cannot write one.
+    out += ["--json-status-fd", str(status_fd)]
   if held is not None:
     # Inside the holder's user namespace the worker is its root: the command runs as the
     # worker's own ids, as it would without one, with every capability dropped; its /tmp
@@ -481,6 +487,17 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
   for k, v in scrubbed_env("/workspace").items():
     out += ["--setenv", k, v]
   return out + ["--", *argv]
+
+
+def setup_finished(status: bytes) -> bool:
+  """Whether bwrap's `--json-status-fd` output `status` says its command was exec'd (an
+  `"exit-code"` document, written at the command's end, only after a finished setup)."""
+  for line in status.decode(errors="replace").splitlines():
+    with contextlib.suppress(ValueError):
+      document = json.loads(line)
+      if isinstance(document, dict) and "exit-code" in document:
+        return True
+  return False
 
 
 _NSENTER = shutil.which("nsenter", path=_HOST_PATH) or "nsenter"
@@ -705,13 +722,14 @@ def _mountns_script(root: str, workspace: str, uid: int, limits: Limits,
 def wrap(mode: str, workspace: str, argv: Sequence[str], *, uid: Optional[int],
           limits: Limits, run_dir: str, pid1: bool = False,
           seccomp_fd: Optional[int] = None, dumpable: bool = True,
-          held: Optional[HeldTmpfs] = None) -> list[str]:
+          held: Optional[HeldTmpfs] = None, status_fd: Optional[int] = None) -> list[str]:
   """The host command that runs `argv` in `workspace` under isolation `mode` (the
   seccomp filter: bwrap's from `seccomp_fd`, mountns's `seccomp_program(dumpable)`
   written into `run_dir`). `held`: the workspace is that tmpfs, mounted at `workspace`
-  in its holder's namespaces, which bwrap joins first (bwrap only)."""
+  in its holder's namespaces, which bwrap joins first (bwrap only). `status_fd`: where
+  bwrap says the command's exit, once its setup finished (`setup_finished`)."""
   if mode == "bwrap":
-    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd, uid, held)
+    return _bwrap_argv(workspace, argv, limits, pid1, seccomp_fd, uid, held, status_fd)
   if held is not None:
     raise ValueError(f"a held workspace filesystem needs bwrap isolation, not {mode}")
   if mode == "mountns":

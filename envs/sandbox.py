@@ -75,7 +75,8 @@ from envs.cgroups import (cgroup_counter, cpu_cgroup, join_cgroups, memory_cgrou
 from envs.isolation import (ISOLATIONS, SETPRIV, SETUP_DONE, HeldTmpfs, IsolationUnavailable,
                             Limits, UidLease, confine, detect_isolation, held_tmpfs_refused,
                             nproc_inside, owner_tag, processes_of, scrubbed_env,
-                            seccomp_program, seccomp_program_fd, system_python, wrap)
+                            seccomp_program, seccomp_program_fd, setup_finished,
+                            system_python, wrap)
 from jaxagent.errors import InfraError
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,25 @@ class ExitClock:
     Called once its end has been seen, so the thread's own look is due."""
     self.done.wait(wait_s)
     return self.at is None or self.at <= t
+
+
+def _read_all(fd: int) -> bytes:
+  """What a pipe whose writers are gone holds (never waiting for more)."""
+  os.set_blocking(fd, False)
+  chunks = []
+  with contextlib.suppress(BlockingIOError):
+    while chunk := os.read(fd, 1 << 16):
+      chunks.append(chunk)
+  return b"".join(chunks)
+
+
+def _last_line(path: str, limit: int = 300) -> str:
+  """The last line of the text file at `path` (its last `limit` characters at most)."""
+  with contextlib.suppress(OSError), open(path, "rb") as f:
+    f.seek(max(0, os.fstat(f.fileno()).st_size - 4 * limit))
+    lines = f.read().decode(errors="replace").strip().splitlines()
+    return lines[-1][-limit:] if lines else ""
+  return ""
 
 
 class WorkspaceTooLarge(ValueError):
@@ -754,6 +774,10 @@ class Sandbox:
     ooms = self.oom_counts()
     program = seccomp_program(not trusted_init) if self.isolation == "bwrap" else None
     seccomp_fd = None
+    # bwrap says on this pipe whether its setup finished (`setup_finished`): without it,
+    # a mount refused or the held workspace's namespaces gone was shown to the policy as
+    # its own command's exit 1 (a red team).
+    status_r, status_w = os.pipe() if self.isolation == "bwrap" else (None, None)
     try:
       with open(out_path, "wb") as out, open(err_path, "wb") as err:
         diskwatch.reserve(out.fileno(), keep_stdout)
@@ -761,7 +785,7 @@ class Sandbox:
         seccomp_fd = seccomp_program_fd(program) if program is not None else None
         command = wrap(self.isolation, self.mountpoint, argv, uid=self.uid, limits=self.limits,
                         run_dir=run_dir, pid1=pid1, seccomp_fd=seccomp_fd,
-                        dumpable=not trusted_init, held=self._held)
+                        dumpable=not trusted_init, held=self._held, status_fd=status_w)
         # mountns: `unshare` and the mounts need root; setpriv drops to the uid inside.
         uid = self.uid if self.isolation == "bwrap" else None
         cpu = max(self.limits.cpu_s, math.ceil(wall) + 1)
@@ -771,7 +795,11 @@ class Sandbox:
             *command,
             stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
             stdout=out, stderr=err, cwd=self.host_path, env=scrubbed_env(self.workdir),
-            start_new_session=True, pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+            start_new_session=True,
+            pass_fds=tuple(fd for fd in (seccomp_fd, status_w) if fd is not None))
+        if status_w is not None:
+          os.close(status_w)  # (bwrap holds it now: its end is the pipe's)
+          status_w = None
         watch = None if self.has_quota else asyncio.ensure_future(self._watch_disk(proc, over,
                                                                                trusted_init))
         clock = ExitClock(proc.pid)
@@ -816,11 +844,18 @@ class Sandbox:
         if (self.isolation == "mountns" and not timed_out
             and not os.path.exists(os.path.join(run_dir, SETUP_DONE))):
           error = f"the sandbox's setup failed (exit {rc})"
+        if status_r is not None and not timed_out and rc >= 0 and not setup_finished(
+            await asyncio.to_thread(_read_all, status_r)):
+          # (a signal's end, bwrap's or the OOM killer's, is no setup failure: bwrap kept
+          # its status for the command's end; nothing the command does exits it otherwise)
+          error = (f"the sandbox's setup failed (exit {rc}): "
+                   f"{_last_line(err_path)}")
     except (OSError, ValueError) as e:  # could not start: an infrastructure failure
       error, unstarted = f"{type(e).__name__}: {e}", True
     finally:
-      if seccomp_fd is not None:
-        os.close(seccomp_fd)
+      for fd in (seccomp_fd, status_r, status_w):
+        if fd is not None:
+          os.close(fd)
       try:
         await waits.to_the_end(asyncio.to_thread(self._kill_uid))
         if self._held is not None and self._held.alive:  # (fresh for the next command)

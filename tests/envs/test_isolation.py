@@ -750,6 +750,39 @@ def test_the_python_images_interpreter_loads_the_mountns_filter(monkeypatch):
   assert "/usr/local/bin/python3 -I -S -c " in script and ".seccomp.bpf" in script
 
 
+@pytest.mark.skipif("bwrap" not in MODES, reason="needs bubblewrap")
+def test_a_bwrap_setup_that_fails_is_infrastructure_not_the_commands_exit(monkeypatch):
+  """bwrap failing before the command runs (a mount refused; the held workspace's
+  namespaces gone) exits 1, as a command may: a tool call showed it to the policy as its
+  own exit 1 (a red team). bwrap's status says whether the command was exec'd; the
+  command's own exits, 1 or by a signal, stay its own."""
+  import envs.isolation as isolation_mod
+
+  real = isolation_mod._bwrap_argv
+
+  def refused(*a, **k):
+    argv = real(*a, **k)
+    at = argv.index("--")
+    return argv[:at] + ["--ro-bind", "/nonexistent-jaxagent", "/opt/x"] + argv[at:]
+
+  root = scratch_dir()
+  os.chmod(root, 0o711)
+  sb = Sandbox(os.path.join(root, "ws"), limits=LIMITS, isolation="bwrap")
+  try:
+    monkeypatch.setattr(isolation_mod, "_bwrap_argv", refused)
+    r = run(sb, "print('ran')")
+    assert r.error and "setup failed (exit 1)" in r.error and r.stdout == "", r
+    assert "/nonexistent-jaxagent" in r.error  # (bwrap's own words)
+    monkeypatch.setattr(isolation_mod, "_bwrap_argv", real)
+    for code, want in (("raise SystemExit(1)", 1),
+                       ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)):
+      r = run(sb, code)
+      assert r.error is None and r.exit_code == want, r
+  finally:
+    sb.destroy()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.skipif("mountns" not in MODES, reason="needs the mountns mode (root)")
 def test_a_mountns_setup_that_fails_is_infrastructure_not_the_commands_exit(monkeypatch):
   """The hand-built namespace's setup failing (a mount refused) exits non-zero before the
