@@ -241,6 +241,59 @@ def has_checkpoint(run_dir: str) -> bool:
   return os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
 
 
+def _with_model_policies(cfg: config_lib.RunConfig, policies: dict) -> config_lib.RunConfig:
+  models = {name: dataclasses.replace(m, policy=policies.get(name, m.policy))
+            for name, m in cfg.serving.models.items()}
+  return dataclasses.replace(cfg, serving=dataclasses.replace(cfg.serving, models=models))
+
+
+def pinned_exports(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
+  """`cfg` with each model it serves in process from a policy export (`serving.models.*.
+  policy`) at the version directory it loads now: an export root's latest version, which
+  the run's config.json then records, and a resume keeps (`resumed_config`). Without it
+  a resumed run loaded that root's latest again: another reference or teacher than the
+  steps before it had, if the root was exported to meanwhile, said nowhere (a reviewer).
+  ConfigError naming the model when its export cannot be read."""
+  if cfg.serving.urls:  # (the servers' own models)
+    return cfg
+  from rollout_server.serving import resolve_policy
+
+  pinned = {}
+  for name, m in cfg.serving.models.items():
+    if m.policy is not None:
+      try:
+        pinned[name] = resolve_policy(m.policy)[0]
+      except (OSError, ValueError) as e:
+        raise config_lib.ConfigError(f"serving.models.{name}.policy: {e}") from None
+  return _with_model_policies(cfg, pinned)
+
+
+def _kept_exports(saved: config_lib.RunConfig, cfg: config_lib.RunConfig, say) -> dict:
+  """The served models' export versions a resumed run keeps: the version directory its
+  config.json records for a model it serves from the same export root now (a new
+  version there is another model than the one the run's steps had); another path given
+  is a change, said as every change is."""
+  from rollout_server.serving import resolve_policy
+
+  kept = {}
+  for name, m in cfg.serving.models.items():
+    was = saved.serving.models.get(name)
+    if m.policy is None or was is None or was.policy is None or was.policy == m.policy:
+      continue
+    try:
+      now = resolve_policy(m.policy)[0]
+    except (OSError, ValueError):
+      continue  # (said at the start, as on any run)
+    root, given = os.path.dirname(now), os.path.abspath(m.policy)
+    if (root in (given, os.path.join(given, "policy"))  # (a root given, not a version)
+        and now != was.policy and root == os.path.dirname(was.policy)):
+      kept[name] = was.policy
+      say(f"note: --resume keeps serving.models.{name}.policy at {was.policy}, the "
+          f"version the run began with (the latest there now: {os.path.basename(now)}); "
+          "give a version's directory to change it")
+  return kept
+
+
 def resumed_config(cfg: config_lib.RunConfig, run_dir: str,
                    notes: list[str] | None = None) -> config_lib.RunConfig:
   """The config a resumed run goes on with: `cfg`, checked against the run's own
@@ -276,6 +329,8 @@ def resumed_config(cfg: config_lib.RunConfig, run_dir: str,
         f"--resume: a run keeps its optimizer (learner.optimizer: {saved.learner.optimizer} "
         f"-> {cfg.learner.optimizer}: the checkpoint holds its state); start a new run with "
         "another --run-dir")
+  if not cfg.serving.urls:
+    cfg = _with_model_policies(cfg, _kept_exports(saved, cfg, say))
   changed = config_changes(config_lib.to_dict(saved), config_lib.to_dict(cfg))
   if cfg.model.chat_template is None:  # (auto: the saved one is what auto chose)
     changed.pop("model.chat_template", None)

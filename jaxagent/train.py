@@ -37,7 +37,7 @@ from jaxagent.errors import (EpisodeBug, InfraError, InfraOutage, NonFiniteUpdat
 from jaxagent.metrics import RecordsDamaged
 from jaxagent.run_checks import check_config
 from jaxagent.run_dir import (RunDirInUse, has_checkpoint, holds_a_run, in_use,
-                              lock_run_dir, resumed_config, started_a_run)
+                              lock_run_dir, pinned_exports, resumed_config, started_a_run)
 from jaxagent.stopping import (RESUME_COMMAND, go_on_hint, leave_stuck_threads, resume_command,
                                resume_on)
 from jaxagent.training_run import TrainingRun
@@ -195,6 +195,11 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:  # (its config.json replaced meanwhile)
       print(f"error: {e}", file=sys.stderr)
       return 2
+  try:  # (the version each served model loads: config.json records it, a resume keeps it)
+    cfg = pinned_exports(cfg)
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   try:
     try:
       return asyncio.run(train(cfg, run_dir, args.resume, args.canary,

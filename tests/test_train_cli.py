@@ -1,5 +1,6 @@
 """`python -m jaxagent.train`: the whole loop on the tiny default, resume, and config errors."""
 
+import dataclasses
 import json
 import os
 import re
@@ -419,6 +420,44 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
     assert json.load(f)["learner"]["lr_decay_steps"] == 0
   with open(os.path.join(killed, "config.step0.json")) as f:  # what ran before, kept
     assert json.load(f)["steps"] == 500
+
+
+def test_a_served_models_export_is_pinned_at_the_start_and_kept_on_a_resume(tmp_path):
+  """A served model (a KL reference, a teacher) named by an export root loads its latest
+  version: the run's config.json records which, and a resume keeps it though the root
+  was exported to meanwhile (it loaded the newer one, another reference than the steps
+  before had, said nowhere; a reviewer). A version named on the resume is the user's."""
+  import numpy as np
+
+  from jaxagent import run_dir
+  from jaxagent.checkpoint import export_policy
+
+  root = str(tmp_path / "ref")
+  params = {"w": np.zeros((2, 2), np.float32)}
+  export_policy(root, 0, params, dtype=None)
+  v1 = export_policy(root, 1, params, dtype=None)
+  given = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
+                          [f"serving.models.ref.policy={root}",
+                           "serving.models.ref.model.preset=nano"])
+  first = run_dir.pinned_exports(given)
+  assert first.serving.models["ref"].policy == v1 and first.model == given.model
+  (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(first)))
+  v2 = export_policy(root, 2, params, dtype=None)
+  resumed = run_dir.resumed_config(given, str(tmp_path), notes := [])
+  assert resumed.serving.models["ref"].policy == v1, notes
+  assert notes == [f"note: --resume keeps serving.models.ref.policy at {v1}, the version the "
+                   "run began with (the latest there now: v00000002); give a version's "
+                   "directory to change it"]
+  assert run_dir.pinned_exports(resumed).serving.models["ref"].policy == v1
+  named = dataclasses.replace(given, serving=dataclasses.replace(given.serving, models={
+      "ref": dataclasses.replace(given.serving.models["ref"], policy=v2)}))
+  chosen = run_dir.resumed_config(named, str(tmp_path), notes := [])
+  assert chosen.serving.models["ref"].policy == v2
+  assert notes == [f"warning: --resume changes serving.models.ref.policy: {v1} -> {v2}"]
+  gone = dataclasses.replace(named, serving=dataclasses.replace(named.serving, models={
+      "ref": dataclasses.replace(named.serving.models["ref"], policy=str(tmp_path / "no"))}))
+  with pytest.raises(config_lib.ConfigError, match="^serving.models.ref.policy: "):
+    run_dir.pinned_exports(gone)
 
 
 def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path, capsys):
