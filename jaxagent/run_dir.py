@@ -254,8 +254,8 @@ def pinned_exports(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
   a resumed run loaded that root's latest again: another reference or teacher than the
   steps before it had, if the root was exported to meanwhile, said nowhere (a reviewer).
   ConfigError naming the model when its export cannot be read."""
-  if cfg.serving.urls:  # (the servers' own models)
-    return cfg
+  if cfg.serving.urls or all(m.policy is None for m in cfg.serving.models.values()):
+    return cfg  # (remote servers load their own models)
   from rollout_server.serving import resolve_policy
 
   pinned = {}
