@@ -32,7 +32,7 @@ from jaxagent.build import build_model, describe
 from jaxagent.checkpoint import (CheckpointFailed, CheckpointUnreadable, IteratorAt,
                                  PolicyExports, RunCheckpointer, quiet_failed_save_noise,
                                  state_prints)
-from jaxagent.data import task_dataset, tasks_digest
+from jaxagent.data import TASK_ORDER, task_dataset, tasks_digest
 from jaxagent.errors import (InfraError, NonFiniteUpdate, PeerFailed, PeerLost, RunWriteFailed,
                              disk_hint)
 from jaxagent.learner import Learner, loss_notes
@@ -337,15 +337,20 @@ class TrainingRun:
                        if cfg.learner.kl_coef and cfg.learner.kl_reference == "initial"
                        else None)
     self.scorers = served_scorers(cfg)
-    tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle))
-    self.tasks = tasks
     quiet_failed_save_noise()  # a failed save is said in one line (CheckpointFailed)
     self.ckpt = RunCheckpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                                 async_save=cfg.checkpoint.async_save)
+    # A resumed run goes on in the order its checkpoint's data place indexes (runs saved
+    # before `task_order` was recorded: order 1).
     try:
+      saved = self.ckpt.saved_meta() if resume and self.ckpt.latest_step() is not None else None
+      self.task_order = TASK_ORDER if saved is None else int(saved.get("task_order", 1))
+      tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                                order=self.task_order))
+      self.tasks = tasks
       restored = restore(self.ckpt, self.learner, state, tasks, cfg, tokenizer, run_dir,
                          resume)
-    except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError):
+    except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError, ValueError):
       self.ckpt.close()
       close_envs()
       raise
@@ -431,7 +436,7 @@ class TrainingRun:
                  "platform": jax.devices()[0].platform, "processes": self.n_proc},
         "tool_schema_sha256": hashlib.sha256(json.dumps(tools, sort_keys=True)
                                              .encode()).hexdigest()[:16],
-        "tasks_sha256": tasks_digest(cfg.data.tasks)}
+        "tasks_sha256": tasks_digest(cfg.data.tasks), "task_order": self.task_order}
     self.rows_here = cfg.data.rows // self.n_proc
     self.row_multiple = self.learner.row_multiple // self.n_proc
     self.step = self.first_step = int(self.state.step)

@@ -148,20 +148,43 @@ def test_context_lengths_that_do_not_fit_are_named_together_with_the_overrides_t
   check_config(config.load(config.RunConfig, tiny, fit))  # (the overrides said fit)
 
 
-def test_a_task_file_with_fewer_tasks_than_processes_is_named(tmp_path, monkeypatch):
-  """Each process plays its own slice of the task file: a process with an empty slice
-  stopped at its first task with a bare StopIteration (a reviewer)."""
+def test_every_task_comes_once_an_epoch_of_the_run_whatever_the_process_count(
+    tmp_path, monkeypatch):
+  """Each process shuffled its own slice of the file: with 7 tasks over 3 processes the
+  slices' tasks came 20, 30 and 30 times, and fewer tasks than processes was refused
+  (a reviewer). One order, each process taking every n-th task of it: every task comes
+  equally often, and neighbouring data seeds no longer give one order an epoch apart
+  (grain shuffles epoch e with seed + e). A run saved before keeps its order (1)."""
+  import collections
+
   import jax
 
   from jaxagent.data import task_dataset
 
-  path = tmp_path / "two.jsonl"
-  path.write_text('{"id": "a", "env": "guess_number"}\n{"id": "b", "env": "guess_number"}\n')
-  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  def draws(path, processes, n, seed=0, order=2):
+    out = []
+    for p in range(processes):
+      monkeypatch.setattr(jax, "process_index", lambda: p)
+      monkeypatch.setattr(jax, "process_count", lambda: processes)
+      it = iter(task_dataset(str(path), seed=seed, order=order))
+      out.append([next(it)["id"] for _ in range(n)])
+    return out
+
+  path = tmp_path / "seven.jsonl"
+  path.write_text("".join(f'{{"id": "t{i}", "env": "guess_number"}}\n' for i in range(7)))
+  for processes, n in ((3, 7), (2, 14), (1, 21), (3, 70)):
+    counts = collections.Counter(t for mine in draws(path, processes, n) for t in mine)
+    assert set(counts.values()) == {processes * n // 7}, (processes, counts)
+  (one,) = draws(path, 1, 14)
+  (other,) = draws(path, 1, 14, seed=1)
+  assert sorted(one[:7]) == sorted(one[7:]) and one[7:] != other[:7]
+  for seed in (-1, 2 ** 40):  # (grain's own seed range: a traceback a step in)
+    assert sorted(draws(path, 1, 7, seed=seed)[0]) == sorted(one[:7])
+  two = tmp_path / "two.jsonl"
+  two.write_text('{"id": "a", "env": "guess_number"}\n{"id": "b", "env": "guess_number"}\n')
+  assert collections.Counter(sum(draws(two, 3, 4), [])) == {"a": 6, "b": 6}
   with pytest.raises(config.ConfigError, match="has 2 tasks for 3 processes"):
-    task_dataset(str(path), seed=0)
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  assert next(iter(task_dataset(str(path), seed=0)))["id"] in ("a", "b")
+    draws(two, 3, 1, order=1)
 
 
 @pytest.mark.parametrize("override,says", [
