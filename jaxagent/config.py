@@ -637,12 +637,21 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
       key = item[:-1]
       raise ConfigError(f"override {item!r}: no value after '=' (give {key}=VALUE, or "
                         f"{key}=null where the key may be unset)")
+    key = item.partition("=")[0]
+    if any(not part.strip() for part in key.split(".")):
+      # (`learner..lr=1` said "Key '' not in 'LearnerConfig'; did you mean 'learner'?")
+      raise ConfigError(f"override {item!r}: {key!r} is no key (an empty part between "
+                        "its dots)")
     given = None
     try:
       given = OmegaConf.from_dotlist([item])
       merged = OmegaConf.merge(merged, given)
     except oc_errors.OmegaConfBaseException as e:
       raise _error(e, schema, f"override {item!r}", given) from None
+    except yaml.YAMLError as e:  # its value malformed YAML (`k=[1,2`): was a traceback
+      problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+      raise ConfigError(f"override {item!r}: its value is not valid YAML ({problem}); "
+                        "quote a list or mapping whole, e.g. 'key=[1, 2]'") from None
   try:
     return OmegaConf.to_object(merged)
   except oc_errors.OmegaConfBaseException as e:

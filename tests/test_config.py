@@ -110,6 +110,13 @@ def test_missing_required_value_names_key():
 def test_malformed_override():
   with pytest.raises(config.ConfigError, match="key=value"):
     config.load(config.RunConfig, None, ["steps"])
+  # (a new user: a traceback through PyYAML; a suggestion of the key before the dots)
+  with pytest.raises(config.ConfigError, match=r"^override 'agent.max_turns=\[1,2': its "
+                                               r"value is not valid YAML \(did not find"):
+    config.load(config.RunConfig, None, ["agent.max_turns=[1,2"])
+  with pytest.raises(config.ConfigError, match=r"^override 'learner..lr=1': 'learner..lr' "
+                                               r"is no key \(an empty part"):
+    config.load(config.RunConfig, None, ["learner..lr=1"])
 
 
 def test_a_cgroup_the_run_cannot_use_is_named_with_its_key():
