@@ -107,6 +107,20 @@ def test_missing_required_value_names_key():
   assert config.load(_Needs, None, ["path=/x"]).path == "/x"
 
 
+def test_every_bundled_config_loads_and_passes_the_start_checks():
+  """Each run config under configs/ (a user's first command names one) loads and passes
+  the checks a run makes before it builds anything."""
+  from jaxagent.run_checks import check_config
+
+  names = sorted(n for n in os.listdir(os.path.join(REPO, "configs")) if n.endswith(".yaml"))
+  assert "smollm2_python_tests.yaml" in names
+  for name in names:
+    if name.startswith("server_"):  # (a rollout server's, `python -m rollout_server`)
+      config.load(config.ServerConfig, os.path.join(REPO, "configs", name))
+      continue
+    check_config(config.load(config.RunConfig, os.path.join(REPO, "configs", name)))
+
+
 def test_malformed_override():
   with pytest.raises(config.ConfigError, match="key=value"):
     config.load(config.RunConfig, None, ["steps"])
