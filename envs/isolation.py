@@ -483,10 +483,14 @@ def _bwrap_argv(workspace: str, argv: Sequence[str], limits: Limits, pid1: bool,
   out += [# (/dev is a tmpfs of half the host's memory: a command wrote 1 GiB there, red
           # team 30; its devices work read-only, /dev/shm is a mount of its own)
           "--remount-ro", "/dev",
-          "--bind", workspace, "/workspace", "--remount-ro", "/", "--chdir", "/workspace"]
+          "--bind", workspace, "/workspace", "--remount-ro", "/"]
   for k, v in scrubbed_env("/workspace").items():
     out += ["--setenv", k, v]
-  return out + ["--", *argv]
+  # Into the workspace once exec'd, not by bwrap's `--chdir` (its setup, run as the
+  # command's uid): a command that took its workspace's permissions away (`chmod 000
+  # /workspace`) failed the next one's setup, an infrastructure error it could buy at
+  # will (a reviewer); its own doing now, as the command's exit.
+  return out + ["--", "/bin/sh", "-c", 'cd /workspace && exec "$@"', "sandbox", *argv]
 
 
 def setup_finished(status: bytes) -> bool:

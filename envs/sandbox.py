@@ -845,7 +845,7 @@ class Sandbox:
             and not os.path.exists(os.path.join(run_dir, SETUP_DONE))):
           error = f"the sandbox's setup failed (exit {rc})"
         if status_r is not None and not timed_out and rc >= 0 and not setup_finished(
-            await asyncio.to_thread(_read_all, status_r)):
+            _read_all(status_r)):  # (non-blocking: its writer has ended)
           # (a signal's end, bwrap's or the OOM killer's, is no setup failure: bwrap kept
           # its status for the command's end; nothing the command does exits it otherwise)
           error = (f"the sandbox's setup failed (exit {rc}): "

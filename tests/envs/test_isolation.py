@@ -778,6 +778,13 @@ def test_a_bwrap_setup_that_fails_is_infrastructure_not_the_commands_exit(monkey
                        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137)):
       r = run(sb, code)
       assert r.error is None and r.exit_code == want, r
+    # A workspace whose permissions its command took away fails the commands after it as
+    # their own exit, never as a setup failure (an infrastructure error the policy could
+    # buy at will: bwrap's --chdir, a reviewer).
+    r = run(sb, "import os; os.chmod('/workspace', 0)")
+    assert r.ok, r
+    r = asyncio.run(sb.run(["/bin/true"]))
+    assert r.error is None and r.exit_code not in (0, None), r
   finally:
     sb.destroy()
     shutil.rmtree(root, ignore_errors=True)
