@@ -650,8 +650,11 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
       raise _error(e, schema, f"override {item!r}", given) from None
     except yaml.YAMLError as e:  # its value malformed YAML (`k=[1,2`): was a traceback
       problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-      raise ConfigError(f"override {item!r}: its value is not valid YAML ({problem}); "
-                        "quote a list or mapping whole, e.g. 'key=[1, 2]'") from None
+      value = item.partition("=")[2].lstrip()
+      hint = ("; a list or mapping is written whole, e.g. 'key=[1, 2]'"
+              if value.startswith(("[", "{")) else "")
+      raise ConfigError(f"override {item!r}: its value is not valid YAML "
+                        f"({problem}){hint}") from None
   try:
     return OmegaConf.to_object(merged)
   except oc_errors.OmegaConfBaseException as e:

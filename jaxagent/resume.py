@@ -37,6 +37,8 @@ class Restored:
   # The run's totals at the checkpoint (retries, groups replaced, drops by reason: what
   # process 0 counted, as its rows say), which its rows go on from.
   counted: dict = dataclasses.field(default_factory=dict)
+  # The order its data place indexes (`jaxagent.data.TASK_ORDER`; 1 before it was saved).
+  task_order: Optional[int] = None
 
 
 def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunConfig,
@@ -93,7 +95,7 @@ def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunCon
       next_group=int(meta.get("next_group", 0)),
       requeue=[TaskSpec.from_dict(t) for t in mine],
       consumed=set(consumed[me] if me < len(consumed) else []),
-      counted=meta.get("counted") or {})
+      counted=meta.get("counted") or {}, task_order=int(meta.get("task_order", 1)))
   print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
         f"{len(restored.requeue)} tasks re-queued)")
   if cfg.steps <= int(state.step):  # (a lower steps= does not undo steps trained)

@@ -263,6 +263,8 @@ def pinned_exports(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
     if m.policy is not None:
       try:
         pinned[name] = resolve_policy(m.policy)[0]
+        if not os.path.isdir(pinned[name]):  # (a version directory, named, that is gone)
+          raise FileNotFoundError(f"no policy export at {pinned[name]}")
       except (OSError, ValueError) as e:
         raise config_lib.ConfigError(f"serving.models.{name}.policy: {e}") from None
   return _with_model_policies(cfg, pinned)
@@ -287,6 +289,10 @@ def _kept_exports(saved: config_lib.RunConfig, cfg: config_lib.RunConfig, say) -
     root, given = os.path.dirname(now), os.path.abspath(m.policy)
     if (root in (given, os.path.join(given, "policy"))  # (a root given, not a version)
         and now != was.policy and root == os.path.dirname(was.policy)):
+      if not os.path.isdir(was.policy):  # (dropped since: another run's transient export)
+        say(f"warning: --resume: serving.models.{name}.policy's version the run began "
+            f"with, {was.policy}, is gone: it loads the latest, {os.path.basename(now)}")
+        continue
       kept[name] = was.policy
       say(f"note: --resume keeps serving.models.{name}.policy at {was.policy}, the "
           f"version the run began with (the latest there now: {os.path.basename(now)}); "

@@ -350,6 +350,13 @@ class TrainingRun:
       self.tasks = tasks
       restored = restore(self.ckpt, self.learner, state, tasks, cfg, tokenizer, run_dir,
                          resume)
+      if restored.task_order not in (None, self.task_order):
+        # (the newest checkpoint's metadata did not read, and an older one of another
+        # order was restored: its place indexes its own order)
+        self.task_order = restored.task_order
+        self.tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed,
+                                       shuffle=cfg.data.shuffle, order=self.task_order))
+        self.tasks.set_state(tasks.get_state())
     except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError, ValueError):
       self.ckpt.close()
       close_envs()

@@ -531,11 +531,14 @@ def test_a_resume_onto_a_tasks_file_changed_in_place_says_so(tmp_path, capsys):
 
   def resumed() -> str:
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    restore(ckpt, learner, state, iter(task_dataset(str(path), seed=0)), cfg,
-            _Vocab("x"), str(run_dir), True)
+    nonlocal restored
+    restored = restore(ckpt, learner, state, iter(task_dataset(str(path), seed=0)), cfg,
+                       _Vocab("x"), str(run_dir), True)
     return capsys.readouterr().err
 
+  restored = None
   assert "tasks file" not in resumed()
+  assert restored.task_order == 1  # (saved before the order was recorded: its own order)
   path.write_text(path.read_text() + json.dumps({"id": "t8", "env": "guess_number"}) + "\n")
   said = resumed()  # (step: the state's own, 0 for these initial weights)
   assert f"the tasks file {path} is not the one checkpoint step" in said

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -458,6 +459,15 @@ def test_a_served_models_export_is_pinned_at_the_start_and_kept_on_a_resume(tmp_
       "ref": dataclasses.replace(named.serving.models["ref"], policy=str(tmp_path / "no"))}))
   with pytest.raises(config_lib.ConfigError, match="^serving.models.ref.policy: "):
     run_dir.pinned_exports(gone)
+  # The version it began with dropped since (another run's transient export): said, and
+  # the latest loaded; a version directory named that is gone is named at the start.
+  shutil.rmtree(v1)
+  resumed = run_dir.resumed_config(given, str(tmp_path), notes := [])
+  assert run_dir.pinned_exports(resumed).serving.models["ref"].policy == v2
+  assert f"warning: --resume: serving.models.ref.policy's version the run began with, {v1}, " \
+      "is gone: it loads the latest, v00000002" in notes, notes
+  with pytest.raises(config_lib.ConfigError, match="^serving.models.ref.policy: no policy "):
+    run_dir.pinned_exports(first)
 
 
 def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path, capsys):
