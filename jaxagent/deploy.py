@@ -20,8 +20,9 @@ Writes one YAML file per resource into DIR (`kubectl apply -f DIR`):
   workers take as JAXAGENT_ENV_TOKEN; each made once, and kept by a later deploy into
   the same directory (the files are the owner's alone);
 - `env-statefulset.yaml` + `env-service.yaml`: M environment workers on the CPU
-  pool (stateful sessions, so each has a stable name the learner lists), with the
-  capability bubblewrap needs to build its sandboxes.
+  pool (stateful sessions, so each has a stable name the learner lists), privileged
+  (bubblewrap mounts a proc of its own, which a container's masked /proc refuses) and
+  without a service-account token.
 The run directory lives in `--bucket` (gs://BUCKET[/PREFIX]), mounted at /runs in the
 learner and the rollout servers by GKE's GCS FUSE CSI driver, so metrics,
 checkpoints and the policy exports the servers load are plain paths.
@@ -71,6 +72,49 @@ _FAMILIES = {
     "v4": ("tpu-v4-podslice", 4, 2,
            {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}),
 }
+
+
+def check_on_slice(cfg: config_lib.RunConfig, sl: TpuSlice) -> None:
+  """The learner's mesh and rows checks with the slice's chips and hosts (one process a
+  host, its chips its devices in order): a config the slice refuses failed in the
+  cluster, `--max-restarts` times, where it passed here (`data.rows` not split between
+  the hosts, a mesh of other than the slice's chips, a tensor axis across hosts; a
+  reviewer). ConfigError naming the key."""
+  import types
+
+  import numpy as np
+
+  from jaxagent.models.sharding import MESH_AXES
+  from jaxagent.training_run import check_process_rows
+
+  m = cfg.mesh
+  if m.devices:  # (a subset of each host's chips: the learner says what it uses)
+    data, n = m.data, None
+  elif m.data == -1:
+    if sl.chips % (m.fsdp * m.tensor):
+      raise config_lib.ConfigError(
+          f"mesh: the slice's {sl.chips} chips ({sl.name}) do not divide into mesh.fsdp "
+          f"{m.fsdp} x mesh.tensor {m.tensor}")
+    data = n = sl.chips // (m.fsdp * m.tensor)
+    n *= m.fsdp * m.tensor
+  else:
+    data, n = m.data, m.data * m.fsdp * m.tensor
+  if n is not None and n != sl.chips:
+    raise config_lib.ConfigError(
+        f"mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} is {n} devices, and the "
+        f"slice {sl.name} has {sl.chips} chips (a learner of several processes uses every "
+        "one): make the mesh's product the slice's chips, or mesh.data -1")
+  if n is None:
+    if cfg.data.rows % sl.hosts:
+      check_process_rows(cfg, None, sl.hosts)
+    return
+  owners = [types.SimpleNamespace(process_index=i // sl.chips_per_host) for i in range(n)]
+  grid = np.empty(n, dtype=object)
+  grid[:] = owners
+  shape = dict(zip(MESH_AXES, (data, m.fsdp, m.tensor)))
+  check_process_rows(cfg, types.SimpleNamespace(
+      devices=grid.reshape(data, m.fsdp, m.tensor), axis_names=MESH_AXES, shape=shape),
+      sl.hosts)
 
 
 def tpu_slice(name: str) -> TpuSlice:
@@ -341,14 +385,20 @@ def _env_workers(out: dict, cfg: config_lib.RunConfig, args, run: str, meta, env
     env_cmd += ["--import", module]
   if cfg.env.allow_unisolated:  # (as launch local passes it on)
     env_cmd.append("--allow-unisolated")
+  for cgroup in cfg.env.cgroups:  # (as launch local passes them on: they were dropped)
+    env_cmd += ["--cgroup", cgroup]
   env_container = _container("env", args.image, env_cmd, port=env_port, mount_config=False,
                              resources={"requests": {"cpu": str(args.sandboxes),
                                                      "memory": "8Gi"}})
-  # bubblewrap builds user, mount and PID namespaces for each sandbox.
-  env_container["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]},
-                                      "seccompProfile": {"type": "Unconfined"}}
+  # bubblewrap builds user, mount and PID namespaces for each sandbox, and mounts a proc
+  # of its own: the kernel refuses that over a container's masked /proc (SYS_ADMIN with
+  # seccomp unconfined was not enough: "Can't mount proc", a reviewer, reproduced with
+  # /proc masked as containerd masks it), so the worker's container is privileged; tool
+  # code runs inside bubblewrap as an unprivileged uid with a seccomp filter, never with
+  # the container's privileges. The worker needs no Kubernetes API: no token mounted.
+  env_container["securityContext"] = {"privileged": True}
   env_container["env"] = _token_env(run, control.ENVS)
-  env_pod = {"containers": [env_container],
+  env_pod = {"containers": [env_container], "automountServiceAccountToken": False,
              "nodeSelector": {"cloud.google.com/gke-nodepool": args.cpu_pool}}
   out["env-statefulset.yaml"] = _statefulset(meta(f"{run}-env", "env"), env_svc,
                                              args.env_workers, env_pod, _labels("env", run),
@@ -493,6 +543,7 @@ def main(argv=None) -> int:
     # The learner's checks, with the services it will be given (the router, the workers):
     # a config the learner refuses would fail in the cluster, restarts and all.
     check_with_services(cfg, 1 if args.servers else 0, args.env_workers)
+    check_on_slice(cfg, tpu_slice(args.tpu_type))
     kept = kept_tokens(args.out, run_name(cfg))
     objects = manifests(cfg, args, kept)
   except (config_lib.ConfigError, ValueError) as e:

