@@ -19,10 +19,11 @@ Writes one YAML file per resource into DIR (`kubectl apply -f DIR`):
   `env-secret.yaml`: its environment token, which the learner and the environment
   workers take as JAXAGENT_ENV_TOKEN; each made once, and kept by a later deploy into
   the same directory (the files are the owner's alone);
-- `env-statefulset.yaml` + `env-service.yaml`: M environment workers on the CPU
-  pool (stateful sessions, so each has a stable name the learner lists), privileged
-  (bubblewrap mounts a proc of its own, which a container's masked /proc refuses) and
-  without a service-account token.
+- `env-statefulset.yaml` + `env-service.yaml` + `env-networkpolicy.yaml`: M
+  environment workers on the CPU pool (stateful sessions, so each has a stable name
+  the learner lists), privileged (bubblewrap mounts a proc of its own, which a
+  container's masked /proc refuses), without a service-account token, reached by the
+  learner alone and reaching the run's own pods and DNS alone.
 The run directory lives in `--bucket` (gs://BUCKET[/PREFIX]), mounted at /runs in the
 learner and the rollout servers by GKE's GCS FUSE CSI driver, so metrics,
 checkpoints and the policy exports the servers load are plain paths.
@@ -404,6 +405,22 @@ def _env_workers(out: dict, cfg: config_lib.RunConfig, args, run: str, meta, env
                                              args.env_workers, env_pod, _labels("env", run),
                                              annotations=token_hash)
   out["env-service.yaml"] = _headless(meta(env_svc, "env"), _labels("env", run), env_port)
+  # The workers run the policy's code (in bubblewrap, in a privileged container): only
+  # the learner reaches them, and they reach only the run's own pods (a served judge,
+  # through the router or a server) and the cluster's DNS; not the metadata server, the
+  # cluster's other services, or the internet.
+  out["env-networkpolicy.yaml"] = {
+      "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+      "metadata": meta(f"{run}-env", "env"),
+      "spec": {"podSelector": {"matchLabels": _labels("env", run)},
+               "policyTypes": ["Ingress", "Egress"],
+               "ingress": [{"from": [{"podSelector": {"matchLabels": _labels("learner", run)}}],
+                            "ports": [{"protocol": "TCP", "port": env_port}]}],
+               "egress": [{"to": [{"podSelector": {"matchLabels": {"jaxagent/run": run}}}]},
+                          {"to": [{"namespaceSelector": {}, "podSelector": {
+                              "matchLabels": {"k8s-app": "kube-dns"}}}],
+                           "ports": [{"protocol": "UDP", "port": 53},
+                                     {"protocol": "TCP", "port": 53}]}]}}
   return out
 
 
@@ -484,7 +501,7 @@ def write(out_dir: str, objects: dict[str, dict]) -> list[str]:
 MANIFESTS = {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
              "rollout-service.yaml", "router-deployment.yaml", "router-service.yaml",
              "control-secret.yaml", "env-secret.yaml",
-             "env-statefulset.yaml", "env-service.yaml"}
+             "env-statefulset.yaml", "env-service.yaml", "env-networkpolicy.yaml"}
 
 
 def main(argv=None) -> int:

@@ -113,6 +113,7 @@ def test_manifests_validate_and_describe_the_slice(tmp_path, tpu):
   assert set(docs) == {"configmap.yaml", "learner-jobset.yaml", "rollout-statefulset.yaml",
                        "rollout-service.yaml", "router-deployment.yaml",
                        "router-service.yaml", "env-statefulset.yaml", "env-service.yaml",
+                       "env-networkpolicy.yaml",
                        "control-secret.yaml", "env-secret.yaml"}
   for name, doc in docs.items():
     if doc["kind"] == "JobSet":
@@ -415,6 +416,13 @@ def test_a_runs_served_models_are_its_servers_and_sandboxes_its_workers(tmp_path
   # was not enough); the workers need no Kubernetes API token (a reviewer).
   assert worker["securityContext"] == {"privileged": True}
   assert pod["automountServiceAccountToken"] is False
+  # Only the learner reaches them; they reach the run's own pods and DNS alone.
+  policy = docs["env-networkpolicy.yaml"]["spec"]
+  assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "env"
+  (rule,) = policy["ingress"]
+  assert rule["from"] == [{"podSelector": {"matchLabels": docs["learner-jobset.yaml"][
+      "spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"]}}]
+  assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"] and len(policy["egress"]) == 2
 
 
 def test_the_servers_get_an_image_of_their_own(tmp_path):
