@@ -354,9 +354,11 @@ class TrainingRun:
         # (the newest checkpoint's metadata did not read, and an older one of another
         # order was restored: its place indexes its own order)
         self.task_order = restored.task_order
-        self.tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed,
-                                       shuffle=cfg.data.shuffle, order=self.task_order))
-        self.tasks.set_state(tasks.get_state())
+        at = tasks.get_state()
+        tasks = self.tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed,
+                                               shuffle=cfg.data.shuffle,
+                                               order=self.task_order))
+        tasks.set_state(at)
     except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError, ValueError):
       self.ckpt.close()
       close_envs()
