@@ -22,8 +22,8 @@ Writes one YAML file per resource into DIR (`kubectl apply -f DIR`):
 - `env-statefulset.yaml` + `env-service.yaml` + `env-networkpolicy.yaml`: M
   environment workers on the CPU pool (stateful sessions, so each has a stable name
   the learner lists), privileged (bubblewrap mounts a proc of its own, which a
-  container's masked /proc refuses), without a service-account token, reached by the
-  learner alone and reaching the run's own pods and DNS alone.
+  container's masked /proc refuses), without a service-account token, reached from
+  their namespace alone and reaching the run's own pods and DNS alone.
 The run directory lives in `--bucket` (gs://BUCKET[/PREFIX]), mounted at /runs in the
 learner and the rollout servers by GKE's GCS FUSE CSI driver, so metrics,
 checkpoints and the policy exports the servers load are plain paths.
@@ -89,7 +89,11 @@ def check_on_slice(cfg: config_lib.RunConfig, sl: TpuSlice) -> None:
   from jaxagent.training_run import check_process_rows
 
   m = cfg.mesh
-  if m.devices:  # (a subset of each host's chips: the learner says what it uses)
+  if m.devices and sl.hosts > 1:  # (as the learner's own mesh refuses it)
+    raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
+                                 "process's devices; choose devices per process only for "
+                                 "the engine (serving.devices)")
+  if m.devices:  # (one host: the learner says which of its chips it uses)
     data, n = m.data, None
   elif m.data == -1:
     if sl.chips % (m.fsdp * m.tensor):
@@ -100,11 +104,13 @@ def check_on_slice(cfg: config_lib.RunConfig, sl: TpuSlice) -> None:
     n *= m.fsdp * m.tensor
   else:
     data, n = m.data, m.data * m.fsdp * m.tensor
-  if n is not None and n != sl.chips:
+  if n is not None and (n > sl.chips or (n < sl.chips and sl.hosts > 1)):
+    # (one host's learner may leave chips to its engine, `serving.devices`)
     raise config_lib.ConfigError(
         f"mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} is {n} devices, and the "
-        f"slice {sl.name} has {sl.chips} chips (a learner of several processes uses every "
-        "one): make the mesh's product the slice's chips, or mesh.data -1")
+        f"slice {sl.name} has {sl.chips} chips" + (
+            " (a learner of several processes uses every one)" if sl.hosts > 1 else "")
+        + ": make the mesh's product the slice's chips, or mesh.data -1")
   if n is None:
     if cfg.data.rows % sl.hosts:
       check_process_rows(cfg, None, sl.hosts)
@@ -406,7 +412,8 @@ def _env_workers(out: dict, cfg: config_lib.RunConfig, args, run: str, meta, env
                                              annotations=token_hash)
   out["env-service.yaml"] = _headless(meta(env_svc, "env"), _labels("env", run), env_port)
   # The workers run the policy's code (in bubblewrap, in a privileged container): only
-  # the learner reaches them, and they reach only the run's own pods (a served judge,
+  # pods of their namespace reach them (the learner: the JobSet's, or xpk's, which
+  # carries no label of ours), and they reach only the run's own pods (a served judge,
   # through the router or a server) and the cluster's DNS; not the metadata server, the
   # cluster's other services, or the internet.
   out["env-networkpolicy.yaml"] = {
@@ -414,7 +421,7 @@ def _env_workers(out: dict, cfg: config_lib.RunConfig, args, run: str, meta, env
       "metadata": meta(f"{run}-env", "env"),
       "spec": {"podSelector": {"matchLabels": _labels("env", run)},
                "policyTypes": ["Ingress", "Egress"],
-               "ingress": [{"from": [{"podSelector": {"matchLabels": _labels("learner", run)}}],
+               "ingress": [{"from": [{"podSelector": {}}],
                             "ports": [{"protocol": "TCP", "port": env_port}]}],
                "egress": [{"to": [{"podSelector": {"matchLabels": {"jaxagent/run": run}}}]},
                           {"to": [{"namespaceSelector": {}, "podSelector": {

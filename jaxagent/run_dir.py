@@ -287,12 +287,16 @@ def _kept_exports(saved: config_lib.RunConfig, cfg: config_lib.RunConfig, say) -
     except (OSError, ValueError):
       continue  # (said at the start, as on any run)
     root, given = os.path.dirname(now), os.path.abspath(m.policy)
-    if (root in (given, os.path.join(given, "policy"))  # (a root given, not a version)
-        and now != was.policy and root == os.path.dirname(was.policy)):
-      if not os.path.isdir(was.policy):  # (dropped since: another run's transient export)
-        say(f"warning: --resume: serving.models.{name}.policy's version the run began "
-            f"with, {was.policy}, is gone: it loads the latest, {os.path.basename(now)}")
-        continue
+    if (root not in (given, os.path.join(given, "policy"))  # (a version named: the user's)
+        or root != os.path.dirname(was.policy)):  # (another root: a change, said as such)
+      continue
+    if now == was.policy:  # (nothing exported since: the same version, no change)
+      kept[name] = now
+    elif not os.path.isdir(was.policy):  # (dropped since: another run's transient export)
+      say(f"warning: --resume: serving.models.{name}.policy's version the run began "
+          f"with, {was.policy}, is gone: it loads the latest, {os.path.basename(now)}")
+      kept[name] = now
+    else:
       kept[name] = was.policy
       say(f"note: --resume keeps serving.models.{name}.policy at {was.policy}, the "
           f"version the run began with (the latest there now: {os.path.basename(now)}); "

@@ -443,6 +443,8 @@ def test_a_served_models_export_is_pinned_at_the_start_and_kept_on_a_resume(tmp_
   first = run_dir.pinned_exports(given)
   assert first.serving.models["ref"].policy == v1 and first.model == given.model
   (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(first)))
+  same = run_dir.resumed_config(given, str(tmp_path), notes := [])  # (nothing new there)
+  assert same.serving.models["ref"].policy == v1 and notes == [], notes
   v2 = export_policy(root, 2, params, dtype=None)
   resumed = run_dir.resumed_config(given, str(tmp_path), notes := [])
   assert resumed.serving.models["ref"].policy == v1, notes
@@ -464,8 +466,9 @@ def test_a_served_models_export_is_pinned_at_the_start_and_kept_on_a_resume(tmp_
   shutil.rmtree(v1)
   resumed = run_dir.resumed_config(given, str(tmp_path), notes := [])
   assert run_dir.pinned_exports(resumed).serving.models["ref"].policy == v2
-  assert f"warning: --resume: serving.models.ref.policy's version the run began with, {v1}, " \
-      "is gone: it loads the latest, v00000002" in notes, notes
+  assert notes == [f"warning: --resume: serving.models.ref.policy's version the run began "
+                   f"with, {v1}, is gone: it loads the latest, v00000002",
+                   f"warning: --resume changes serving.models.ref.policy: {v1} -> {v2}"]
   with pytest.raises(config_lib.ConfigError, match="^serving.models.ref.policy: no policy "):
     run_dir.pinned_exports(first)
 
