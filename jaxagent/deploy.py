@@ -85,36 +85,24 @@ def check_on_slice(cfg: config_lib.RunConfig, sl: TpuSlice) -> None:
 
   import numpy as np
 
-  from jaxagent.models.sharding import MESH_AXES
+  from jaxagent.models.sharding import MESH_AXES, mesh_data
+  from jaxagent.run_services import MULTI_PROCESS_DEVICES, MULTI_PROCESS_MESH
   from jaxagent.training_run import check_process_rows
 
   m = cfg.mesh
   if m.devices and sl.hosts > 1:  # (as the learner's own mesh refuses it)
-    raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
-                                 "process's devices; choose devices per process only for "
-                                 "the engine (serving.devices)")
+    raise config_lib.ConfigError(MULTI_PROCESS_DEVICES)
   if m.devices:  # (one host: the learner says which of its chips it uses)
-    data, n = m.data, None
-  elif m.data == -1:
-    if sl.chips % (m.fsdp * m.tensor):
-      raise config_lib.ConfigError(
-          f"mesh: the slice's {sl.chips} chips ({sl.name}) do not divide into mesh.fsdp "
-          f"{m.fsdp} x mesh.tensor {m.tensor}")
-    data = n = sl.chips // (m.fsdp * m.tensor)
-    n *= m.fsdp * m.tensor
-  else:
-    data, n = m.data, m.data * m.fsdp * m.tensor
-  if n is not None and (n > sl.chips or (n < sl.chips and sl.hosts > 1)):
-    # (one host's learner may leave chips to its engine, `serving.devices`)
-    raise config_lib.ConfigError(
-        f"mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} is {n} devices, and the "
-        f"slice {sl.name} has {sl.chips} chips" + (
-            " (a learner of several processes uses every one)" if sl.hosts > 1 else "")
-        + ": make the mesh's product the slice's chips, or mesh.data -1")
-  if n is None:
-    if cfg.data.rows % sl.hosts:
-      check_process_rows(cfg, None, sl.hosts)
     return
+  try:  # (the learner's own mesh arithmetic, on the slice's chips)
+    data = mesh_data(m.data, m.fsdp, m.tensor, sl.chips)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"mesh: {e} (the slice {sl.name}'s chips)") from None
+  n = data * m.fsdp * m.tensor
+  if n < sl.chips and sl.hosts > 1:  # (one host's learner may leave chips to its engine)
+    raise config_lib.ConfigError(
+        f"mesh.data x mesh.fsdp x mesh.tensor is {n} devices, of the {sl.chips} chips of "
+        f"the slice {sl.name}: {MULTI_PROCESS_MESH}")
   owners = [types.SimpleNamespace(process_index=i // sl.chips_per_host) for i in range(n)]
   grid = np.empty(n, dtype=object)
   grid[:] = owners

@@ -20,6 +20,14 @@ from jaxagent.errors import EpisodeBug, InfraError
 from jaxagent.run_checks import env_latency, policy_token_readers
 
 
+# What a learner of several processes refuses (`run_meshes`; `deploy gke` before a slice).
+MULTI_PROCESS_DEVICES = ("mesh.devices: a multi-process learner spans every process's "
+                         "devices; choose devices per process only for the engine "
+                         "(serving.devices)")
+MULTI_PROCESS_MESH = ("a multi-process learner spans every process's devices (mesh.data -1 "
+                      "takes the rest)")
+
+
 def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
   """(the learner's mesh, the in-process engine's) for a run: the learner over
   `mesh_cfg`'s axes on its devices (every process's when the learner spans several), the
@@ -30,9 +38,7 @@ def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
 
   multi = jax.process_count() > 1
   if multi and mesh_cfg.devices:
-    raise config_lib.ConfigError("mesh.devices: a multi-process learner spans every "
-                                 "process's devices; choose devices per process only for "
-                                 "the engine (serving.devices)")
+    raise config_lib.ConfigError(MULTI_PROCESS_DEVICES)
   try:
     learner_devices = jax.devices() if multi else select_devices(mesh_cfg.devices)
     mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=learner_devices)
@@ -49,8 +55,7 @@ def run_meshes(mesh_cfg: config_lib.MeshConfig, serving_devices) -> tuple:
     said = (f"mesh.data x mesh.fsdp x mesh.tensor is {mesh.devices.size} devices, of "
             f"the {len(learner_devices)} the learner has")
     if multi:
-      raise config_lib.ConfigError(f"{said}: a multi-process learner spans every "
-                                   "process's devices (mesh.data -1 takes the rest)")
+      raise config_lib.ConfigError(f"{said}: {MULTI_PROCESS_MESH}")
     if not serving_devices:  # (else they may be the engine's)
       print(f"note: {said}; the rest are idle (mesh.data -1 takes them, mesh.devices "
             "chooses which)", file=sys.stderr)

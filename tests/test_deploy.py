@@ -305,14 +305,16 @@ def test_what_the_cluster_would_refuse_is_refused_here(tmp_path, capsys):
                     (["--tpu-type", "v5litepod-16", "data.rows=18"],
                      "data.rows (18) must be a multiple of the run's 4 processes"),
                     (["--tpu-type", "v5litepod-16", "mesh.data=1", "mesh.fsdp=32"],
-                     "is 32 devices, and the slice v5litepod-16 has 16 chips"),
+                     "needs 32 devices, have 16 (the slice v5litepod-16's chips)"),
+                    (["--tpu-type", "v5litepod-16", "mesh.data=2"],
+                     "is 2 devices, of the 16 chips of the slice v5litepod-16: a multi-"),
                     (["--tpu-type", "v5litepod-16", "mesh.tensor=8"],
                      "mesh.tensor (8) spans devices of several processes"),
                     (["--tpu-type", "v5litepod-16", "mesh.fsdp=3"],
-                     "16 chips (v5litepod-16) do not divide into mesh.fsdp 3"),
+                     "16 devices do not divide into fsdp=3 x tensor=1 (the slice"),
                     (["--tpu-type", "v5litepod-16", "mesh.devices=0,1"],
                      "mesh.devices: a multi-process learner spans every process's"),
-                    (["mesh.data=16"], "is 16 devices, and the slice v5litepod-8 has 8 chips:")]:
+                    (["mesh.data=16"], "needs 16 devices, have 8 (the slice v5litepod-8's")]:
     assert gke(*args) == 2, args
     assert msg in capsys.readouterr().err, args
   assert gke("--tpu-type", "v5litepod-16", "mesh.tensor=4", "mesh.fsdp=2") == 0

@@ -72,18 +72,26 @@ def select_devices(spec: str, devices: Optional[Sequence[jax.Device]] = None
   return chosen
 
 
+def mesh_data(data: int, fsdp: int, tensor: int, n_devices: int) -> int:
+  """The size of the `data` axis of a mesh of `n_devices` devices (`data=-1`: the devices
+  fsdp x tensor leave); ValueError where they cannot make the mesh."""
+  if data == -1:
+    if n_devices % (fsdp * tensor):
+      raise ValueError(f"{n_devices} devices do not divide into fsdp={fsdp} x tensor={tensor}")
+    data = n_devices // (fsdp * tensor)
+  n = data * fsdp * tensor
+  if n > n_devices:
+    raise ValueError(f"mesh data={data} fsdp={fsdp} tensor={tensor} needs {n} devices, "
+                     f"have {n_devices}")
+  return data
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """A mesh with axes (data, fsdp, tensor); `data=-1` takes the remaining devices."""
   devices = list(jax.devices() if devices is None else devices)
-  if data == -1:
-    if len(devices) % (fsdp * tensor):
-      raise ValueError(f"{len(devices)} devices do not divide into fsdp={fsdp} x tensor={tensor}")
-    data = len(devices) // (fsdp * tensor)
+  data = mesh_data(data, fsdp, tensor, len(devices))
   n = data * fsdp * tensor
-  if n > len(devices):
-    raise ValueError(f"mesh data={data} fsdp={fsdp} tensor={tensor} needs {n} devices, "
-                     f"have {len(devices)}")
   grid = np.asarray(devices[:n], dtype=object).reshape(data, fsdp, tensor)
   return Mesh(grid, MESH_AXES)
 
