@@ -103,9 +103,8 @@ def check_on_slice(cfg: config_lib.RunConfig, sl: TpuSlice) -> None:
     raise config_lib.ConfigError(
         f"mesh.data x mesh.fsdp x mesh.tensor is {n} devices, of the {sl.chips} chips of "
         f"the slice {sl.name}: {MULTI_PROCESS_MESH}")
-  owners = [types.SimpleNamespace(process_index=i // sl.chips_per_host) for i in range(n)]
-  grid = np.empty(n, dtype=object)
-  grid[:] = owners
+  grid = np.asarray([types.SimpleNamespace(process_index=i // sl.chips_per_host)
+                     for i in range(n)], dtype=object)
   shape = dict(zip(MESH_AXES, (data, m.fsdp, m.tensor)))
   check_process_rows(cfg, types.SimpleNamespace(
       devices=grid.reshape(data, m.fsdp, m.tensor), axis_names=MESH_AXES, shape=shape),

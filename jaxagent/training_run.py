@@ -342,12 +342,14 @@ class TrainingRun:
                                 async_save=cfg.checkpoint.async_save)
     # A resumed run goes on in the order its checkpoint's data place indexes (runs saved
     # before `task_order` was recorded: order 1).
+    def in_order(order: int):
+      return iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                               order=order))
+
     try:
       saved = self.ckpt.saved_meta() if resume and self.ckpt.latest_step() is not None else None
       self.task_order = TASK_ORDER if saved is None else int(saved.get("task_order", 1))
-      tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                                order=self.task_order))
-      self.tasks = tasks
+      tasks = self.tasks = in_order(self.task_order)
       restored = restore(self.ckpt, self.learner, state, tasks, cfg, tokenizer, run_dir,
                          resume)
       if restored.task_order not in (None, self.task_order):
@@ -355,9 +357,7 @@ class TrainingRun:
         # order was restored: its place indexes its own order)
         self.task_order = restored.task_order
         at = tasks.get_state()
-        tasks = self.tasks = iter(task_dataset(cfg.data.tasks, seed=cfg.data.seed,
-                                               shuffle=cfg.data.shuffle,
-                                               order=self.task_order))
+        tasks = self.tasks = in_order(self.task_order)
         tasks.set_state(at)
     except (CheckpointUnreadable, RecordsDamaged, config_lib.ConfigError, ValueError):
       self.ckpt.close()
