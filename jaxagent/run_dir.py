@@ -263,8 +263,6 @@ def pinned_exports(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
     if m.policy is not None:
       try:
         pinned[name] = resolve_policy(m.policy)[0]
-        if not os.path.isdir(pinned[name]):  # (a version directory, named, that is gone)
-          raise FileNotFoundError(f"no policy export at {pinned[name]}")
       except (OSError, ValueError) as e:
         raise config_lib.ConfigError(f"serving.models.{name}.policy: {e}") from None
   return _with_model_policies(cfg, pinned)

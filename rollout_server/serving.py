@@ -32,12 +32,14 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
   """A policy export's version directory and version number.
 
   `path` is a version directory (`.../v00000007`) or an export root with a
-  registry (then `version`, or the latest).
+  registry (then `version`, or the latest). FileNotFoundError where the directory it
+  names is not there (it was returned, and its callers failed later, deep in the load).
   """
+  missing = None
   try:  # (`.../v7` for `.../v00000007`, as a user writes the version)
     path = existing_export(path)
-  except FileNotFoundError:
-    pass  # (said below, as for any path that is not an export)
+  except FileNotFoundError as e:
+    missing = e  # (raised below, once the path is not a run's checkpoint)
   path = os.path.abspath(path)  # (relative to where the command runs; Orbax needs it whole)
   if (not os.path.exists(os.path.join(path, REGISTRY))
       and os.path.exists(os.path.join(path, "policy", REGISTRY))):
@@ -51,12 +53,17 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
       raise FileNotFoundError(f"policy version {v} is not in {path} (have {sorted(entries)})")
     # The export beside the registry (a run directory copied or moved elsewhere reads its
     # own exports, not the paths the registry was written with).
+    if not os.path.isdir(version_dir(path, v)):  # (dropped since: a transient export)
+      raise FileNotFoundError(f"policy version {v} is in {path}'s registry but its "
+                              f"directory {version_dir(path, v)} is gone")
     return version_dir(path, v), v
   run = _run_of_checkpoint(path)
   if run is not None:  # (it read as an export of no version, or failed deep in Orbax)
     raise ValueError(f"{path} is a run's checkpoint (its training state), not a policy "
                      f"export: give the run's exports, {os.path.join(run, 'policy')} (the "
                      "latest) or one version of them (policy/v00000007)")
+  if missing is not None:
+    raise missing
   named = version_of_dir(path)
   if version is None and named is None:
     raise ValueError(f"cannot tell the policy version of {path}: a policy export is a "

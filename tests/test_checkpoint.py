@@ -329,6 +329,18 @@ def test_an_export_of_another_model_or_damaged_or_unregistered_is_named(tmp_path
         resolve_policy(str(given), version)
   with pytest.raises(ValueError, match="a policy export is a version directory "):
     resolve_policy(str(tmp_path / "run"))
+  # A version directory that is not there was returned as it was, for every caller (a
+  # server's weight update, eval, export_hf) to fail on deep in the load; a registry's
+  # version dropped since (a transient export) likewise.
+  with pytest.raises(FileNotFoundError, match=r"no such export .*v00000009"):
+    resolve_policy(str(tmp_path / "policy" / "v00000009"))
+  root = str(tmp_path / "again")
+  export_policy(root, 1, params, dtype=None)
+  shutil.rmtree(export_policy(root, 2, params, dtype=None))
+  with pytest.raises(FileNotFoundError, match=r"policy version 2 is in .*again's registry "
+                     r"but its directory .*v00000002 is gone"):
+    resolve_policy(root)
+  assert resolve_policy(root, 1) == (os.path.join(root, "v00000001"), 1)
 
 
 def test_policy_restores_onto_a_different_mesh(tmp_path, multidevice):

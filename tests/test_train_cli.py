@@ -469,7 +469,7 @@ def test_a_served_models_export_is_pinned_at_the_start_and_kept_on_a_resume(tmp_
   assert notes == [f"warning: --resume: serving.models.ref.policy's version the run began "
                    f"with, {v1}, is gone: it loads the latest, v00000002",
                    f"warning: --resume changes serving.models.ref.policy: {v1} -> {v2}"]
-  with pytest.raises(config_lib.ConfigError, match="^serving.models.ref.policy: no policy "):
+  with pytest.raises(config_lib.ConfigError, match="^serving.models.ref.policy: no such export "):
     run_dir.pinned_exports(first)
 
 
