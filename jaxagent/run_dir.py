@@ -253,18 +253,29 @@ def pinned_exports(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
   the run's config.json then records, and a resume keeps (`resumed_config`). Without it
   a resumed run loaded that root's latest again: another reference or teacher than the
   steps before it had, if the root was exported to meanwhile, said nowhere (a reviewer).
-  ConfigError naming the model when its export cannot be read."""
+  ConfigError naming the model when its export cannot be read.
+
+  With several processes (all must call it) every one loads process 0's versions: each
+  pinned its own, and an export landing between their starts gave the run two reference
+  models; one's error is every one's (alone, it stopped while the others waited for it in
+  the run's first collective)."""
   if cfg.serving.urls or all(m.policy is None for m in cfg.serving.models.values()):
     return cfg  # (remote servers load their own models)
   from rollout_server.serving import resolve_policy
 
-  pinned = {}
+  pinned, failed = {}, None
   for name, m in cfg.serving.models.items():
-    if m.policy is not None:
+    if m.policy is not None and failed is None:
       try:
         pinned[name] = resolve_policy(m.policy)[0]
       except (OSError, ValueError) as e:
-        raise config_lib.ConfigError(f"serving.models.{name}.policy: {e}") from None
+        failed = f"serving.models.{name}.policy: {e}"
+  if jax.process_count() > 1:
+    got = distributed.gather_json({"pinned": pinned, "failed": failed})
+    pinned, failed = got[0]["pinned"], next(
+        (f"process {i}: {g['failed']}" for i, g in enumerate(got) if g["failed"]), None)
+  if failed is not None:
+    raise config_lib.ConfigError(failed)
   return _with_model_policies(cfg, pinned)
 
 

@@ -473,6 +473,41 @@ def test_a_served_models_export_is_pinned_at_the_start_and_kept_on_a_resume(tmp_
     run_dir.pinned_exports(first)
 
 
+def test_every_process_of_a_run_loads_process_0s_pinned_export(tmp_path, monkeypatch):
+  """Each process pinned a served model's export root on its own: one exported to
+  between their starts gave the run two reference models. Process 0's versions are
+  every process's, and one's error is every one's (it stopped alone, the others waiting
+  for it in the run's first collective)."""
+  import jax
+  import numpy as np
+
+  from jaxagent import distributed, run_dir
+  from jaxagent.checkpoint import export_policy
+
+  root = str(tmp_path / "ref")
+  params = {"w": np.zeros((2, 2), np.float32)}
+  v0 = export_policy(root, 0, params, dtype=None)
+  export_policy(root, 1, params, dtype=None)  # (landed after process 0 pinned v0)
+  given = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
+                          [f"serving.models.ref.policy={root}",
+                           "serving.models.ref.model.preset=nano"])
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  sent = []
+
+  def gather(mine):  # (as process 1 of 2)
+    sent.append(mine)
+    return [{"pinned": {"ref": v0}, "failed": None}, mine]
+
+  monkeypatch.setattr(distributed, "gather_json", gather)
+  assert run_dir.pinned_exports(given).serving.models["ref"].policy == v0
+  assert sent[0]["pinned"]["ref"].endswith("v00000001")
+  monkeypatch.setattr(distributed, "gather_json", lambda mine: [
+      {"pinned": {}, "failed": "serving.models.ref.policy: no such export /x"}, mine])
+  with pytest.raises(config_lib.ConfigError, match=r"^process 0: serving.models.ref.policy: "
+                     "no such export /x$"):
+    run_dir.pinned_exports(given)
+
+
 def test_a_resume_keeps_the_weights_fields_and_says_every_other_change(tmp_path, capsys):
   """How a run computes may change on a resume (remat after running out of memory), its
   weights may not; the service addresses of `launch local` (fresh ports) are no change,
