@@ -742,6 +742,8 @@ class _Whitebox:
     """The turn's record and whether it came from the replayed log, the context compacted
     first where it outgrew the limit; None where it is too long (the episode truncated)."""
     while True:  # twice at most: a compaction when the engine refuses the prompt
+      if self.replay is not None and turn in self.replay.limits:  # (as the run that died)
+        self.limit = min(self.limit, self.replay.limits[turn])
       if len(self.prompt) + self.cfg.max_new_tokens > self.limit and \
           not await self._compact_to_fit(turn):
         return None
@@ -813,6 +815,8 @@ class _Whitebox:
       # truncation, scored; a drop would re-roll every episode that ran long.
       self.wait_on("env")
       self.limit = len(self.prompt) + cfg.max_new_tokens - 1
+      if self.log is not None:  # (the compaction it leads to, for a replay to make again)
+        await _commit(self.log, self.log.limit, turn, self.limit)
       return None
     self.wait_on("env")
     took = time.perf_counter() - t0

@@ -180,6 +180,12 @@ class EpisodeLog:
     """Logs the summary that compaction put in the context before `turn`."""
     self._append({"kind": "summary", "turn": turn, "text": text})
 
+  def limit(self, turn: int, tokens: int) -> None:
+    """Logs the context limit the engine's refusal of turn `turn`'s prompt lowered the
+    episode's to (a replay compacts where the stopped run did: with the config's limit
+    its prompts no longer rebuilt, and the finished episode was played again)."""
+    self._append({"kind": "limit", "turn": turn, "tokens": tokens})
+
   def end(self, status: str, reason: str = "") -> None:
     self._append({"kind": "end", "status": status, "reason": reason})
 
@@ -204,6 +210,7 @@ class Replay:
     # Summaries are taken as logged (asked again, a summariser whose weights moved since
     # would write another, and the logged prompts would no longer be rebuilt).
     self.summaries = {r["turn"]: r["text"] for r in records if r["kind"] == "summary"}
+    self.limits = {r["turn"]: r["tokens"] for r in records if r["kind"] == "limit"}
 
   def __len__(self) -> int:
     return len(self.turns)
@@ -212,10 +219,15 @@ class Replay:
     """Keeps the turns up to the first one sampled by weights newer than `version` (a
     resumed run restored `version`: later weights of the stopped run are gone, and their
     tokens would carry versions this run gives to other weights); the episode goes on
-    sampling from there."""
+    sampling from there. So go the summaries and limits logged after that turn: of a
+    conversation that is no longer the episode's (a later compaction put the stopped
+    run's summary of it in the new turns' context; a reviewer)."""
     for i, r in enumerate(self.turns):
       if _sampled_after(r, version):
         del self.turns[i:]
+        for logged in (self.summaries, self.limits):
+          for turn in [t for t in logged if t > r["turn"]]:
+            del logged[turn]
         break
     return self
 

@@ -106,6 +106,68 @@ def test_a_compacted_episode_replays_with_its_logged_summary(tmp_path):
       np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
 
 
+def test_a_summary_logged_after_a_replays_cut_is_not_the_resumed_episodes(tmp_path):
+  """A replay cut at the first turn of weights the resumed run gave up kept the summaries
+  logged after it: a later compaction of the new turns put the stopped run's summary of
+  another conversation in their context, and logged it again (a reviewer)."""
+  from tests.test_agent import LONG
+
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6, "prompt": LONG})
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=300,
+                    compaction="summary", keep_last_messages=2, summary_max_tokens=16)
+
+  def run(engine, path, **kw):
+    log = TokenWAL(str(tmp_path / path)).open("s1", group_id="g", task=task.to_dict(),
+                                              episode=0)
+    ep = asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
+                                  session_id="s1", group_id="g", log=log, **kw))
+    return ep, read_log(log.path)
+
+  _, records = run(ScriptedEngine(["1", "2", "3", "Tried 1 to 3: higher.", "4", "11"]), "a")
+  for r in records:  # (the stopped run's weights moved after turn 0)
+    if r["kind"] == "turn" and r["turn"] >= 1:
+      r["versions"] = [6] * len(r["versions"])
+  replay = Replay(records).up_to_version(5)
+  assert len(replay) == 1 and replay.summaries == {}
+  engine = ScriptedEngine(["9", "10", "New summary.", "12", "11"])
+  ep, again = run(engine, "b", replay=replay)
+  assert ep.success and ep.compactions == 1 and engine.replies == []
+  assert [r["text"] for r in again if r["kind"] == "summary"] == ["New summary."]
+  # Cut later, the summary the kept turns were built on stays.
+  kept = Replay(records[:]).up_to_version(6)
+  assert kept.summaries == {3: "Tried 1 to 3: higher."}
+
+
+def test_a_compaction_the_engines_refusal_made_is_made_again_on_replay(tmp_path):
+  """An engine that takes shorter prompts than agent.max_context_tokens lowered the
+  episode's limit and compacted; the limit was not logged, so a replay (the config's
+  limit) did not compact there, its prompts no longer rebuilt, and the finished episode
+  was played again as an infrastructure error (a reviewer)."""
+  from tests.test_agent import PromptLimited
+
+  task = TaskSpec("t", "guess_number", {"secret": 11, "max_turns": 6,
+                                        "prompt": "Guess my number, {low} to {high}."})
+  cfg = AgentConfig(max_turns=6, max_new_tokens=4, max_context_tokens=1000,
+                    compaction="fork", keep_last_messages=2)
+
+  def run(engine, **kw):
+    return asyncio.run(run_whitebox(make("guess_number"), task, engine, TOK, cfg,
+                                    session_id="s1", group_id="g", **kw))
+
+  log = TokenWAL(str(tmp_path)).open("s1", group_id="g", task=task.to_dict(), episode=0)
+  whole = run(PromptLimited(["1", "2", "3", "4", "11"], 70), log=log)
+  assert whole.success and whole.compactions == 1
+  records = read_log(log.path)
+  assert [r["kind"] for r in records].count("limit") == 1
+  engine = ScriptedEngine([])  # (killed before the end record: every turn committed)
+  again = run(engine, replay=Replay([r for r in records if r["kind"] != "end"]))
+  assert not again.infra_error, again.reason
+  assert again.success and again.replayed_turns == whole.turns and engine.prompts == []
+  for a, b in zip(whole.segments, again.segments, strict=True):
+    for field in ("tokens", "loss_mask", "rollout_logp", "versions"):
+      np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
 def test_a_replay_the_environment_answers_differently_is_dropped_not_scored(tmp_path):
   wal = TokenWAL(str(tmp_path))
   log = wal.open("s1", group_id="g", task=TASK.to_dict(), episode=0)
