@@ -102,19 +102,54 @@ def message_text(content: Any, where: str = "content") -> str:
   raise ValueError(f"{where} must be a string or a list of parts, got {type(content).__name__}")
 
 
+def _checked_calls(calls: Any, where: str) -> list[dict]:
+  """An assistant message's `tool_calls` as OpenAI writes them, each call's arguments the
+  JSON text of an object ("" read as none, as a call the model wrote without them).
+  ValueError naming the call otherwise: `"{bad"` went into the prompt as it was (the
+  template writes the text between the braces of the call), and an entry that was no
+  call failed in the template, naming no field (a reviewer)."""
+  if not isinstance(calls, list):
+    raise ValueError(f"{where} must be a list of calls, got {type(calls).__name__}")
+  out = []
+  for j, call in enumerate(calls):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+      raise ValueError(f"{where}[{j}] must be a call, {{'type': 'function', 'function': "
+                       "{'name': NAME, 'arguments': JSON}}")
+    args = function.get("arguments", "")
+    if isinstance(args, str) and not args.strip():
+      args = "{}"
+    try:
+      value = json.loads(args) if isinstance(args, str) else args
+    except (ValueError, RecursionError):
+      value = None
+    if not isinstance(value, dict):
+      raise ValueError(f"{where}[{j}].function.arguments must be a JSON object (its text, "
+                       f"or the object), got {repr(args)[:100]}")
+    out.append(dict(call, function=dict(function, arguments=args)))
+  return out
+
+
 def normalise_messages(messages: list[dict]) -> list[dict]:
-  """The messages with a known role each and their content as one string (only an
-  assistant message that calls tools may leave it out)."""
+  """The messages with a known role each (a `developer` message is a system one, as
+  OpenAI's newer clients send it) and their content as one string (only an assistant
+  message that calls tools may leave it out)."""
   out = []
   for i, m in enumerate(messages):
-    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-      raise ValueError(f"messages[{i}] needs a role of system, user, assistant or tool")
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+      raise ValueError(f"messages[{i}] needs a role of system, developer, user, assistant "
+                       "or tool")
     if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
       raise ValueError(f"messages[{i}] ({m['role']}) has no content")
-    m = dict(m)
+    m = dict(m, role="system" if m["role"] == "developer" else m["role"])
     m["content"] = message_text(m.get("content"), f"messages[{i}].content")
+    if m["role"] == "assistant" and m.get("tool_calls") is not None:
+      m["tool_calls"] = _checked_calls(m["tool_calls"], f"messages[{i}].tool_calls")
     out.append(m)
   return out
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # Characters a call's messages may hold beyond their rendering (fields a chat template

@@ -627,11 +627,15 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
           [*tok.stop_ids, *(t for t in sampling.stop_token_ids
                             if t not in tokenizer.stop_ids)])))
     if tools:
-      for i, name in enumerate(tool_names(tools)):
+      names = tool_names(tools)
+      for i, name in enumerate(names):
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
           raise HTTPException(400, f"tools[{i}]: the name {name!r} must be 1 to 128 letters, "
                                    "digits, '_', '-', '.', ':' or '/' (a template writes it "
                                    "escaped or not at all, and a call could not name it)")
+        if name in names[:i]:  # (a call of it could mean either)
+          raise HTTPException(400, f"tools[{i}]: the name {name!r} is tools"
+                                   f"[{names.index(name)}]'s too: each tool needs its own")
       key = (id(tok), hashlib.sha256(json.dumps(tools, sort_keys=True, default=str)
                                      .encode()).hexdigest())
       if key not in tool_rendering:

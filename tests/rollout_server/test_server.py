@@ -251,6 +251,16 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
       ({"messages": user, "add_generation_prompt": False}, 422,
        "add_generation_prompt: not served"),
       ({"messages": [{"role": "user"}]}, 400, "messages[0] (user) has no content"),
+      # (a reviewer: rendered into the prompt as they were, or failed in the template)
+      *[({"messages": [*user, {"role": "assistant", "tool_calls": calls}, *user]}, 400, said)
+        for calls, said in [
+            ("x", "messages[1].tool_calls must be a list of calls, got str"),
+            ([5], "messages[1].tool_calls[0] must be a call, "),
+            ([{"id": "a", "function": {"name": "f", "arguments": "{bad"}}],
+             'messages[1].tool_calls[0].function.arguments must be a JSON object (its '
+             "text, or the object), got '{bad'"),
+            ([{"id": "a", "function": {"name": "f", "arguments": "[1, 2]"}}],
+             "messages[1].tool_calls[0].function.arguments must be a JSON object")]],
       # (red team 24: recorded, a NaN made the session's record unreadable)
       ({"messages": user, "tools": [dict(tool, function=dict(
           tool["function"], parameters={"default": float("nan")}))]}, 400,
@@ -264,6 +274,15 @@ def test_bad_requests_get_4xx_and_the_server_lives(server):
     r = c.post("/v1/chat/completions", content=json.dumps(body),
                headers={"content-type": "application/json"})
     assert r.status_code == status and needle in r.text, (body, r.status_code, r.text)
+  # A developer message (OpenAI's newer clients) is a system one; a call's arguments as an
+  # object, or none, are served.
+  r = c.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
+      {"role": "developer", "content": "Be brief."}, *user,
+      {"role": "assistant", "tool_calls": [
+          {"id": "a", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+          {"id": "b", "type": "function", "function": {"name": "g", "arguments": ""}}]},
+      {"role": "tool", "tool_call_id": "a", "content": "1"}]})
+  assert r.status_code == 200, r.text
   # The values that change nothing, as some clients send them, are served.
   r = c.post("/v1/chat/completions", json={
       "messages": user, "max_tokens": 1, "logit_bias": {}, "presence_penalty": 0,
@@ -867,6 +886,12 @@ def test_tool_names_out_of_the_rule_are_named(random_params, tokenizer):
                   "type": "object", "properties": {}}}]})]:
         r = httpx.post(srv.url + route, json=body, timeout=120)
         assert r.status_code == 400 and "tools[0]: the name" in r.text, (route, name, r.text)
+    # One name twice (a reviewer: served, a call of it meaning either).
+    r = httpx.post(srv.url + "/v1/messages", timeout=120, json={
+        "model": "m", "max_tokens": 1, "messages": user, "tools": [
+            {"name": "f", "input_schema": {"type": "object", "properties": {}}},
+            {"name": "f", "input_schema": {"type": "object", "properties": {}}}]})
+    assert r.status_code == 400 and "tools[1]: the name 'f' is tools[0]'s too" in r.text, r.text
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
         "messages": user, "tools": [tool("fs.read_file"), tool("mcp:search-2"),
                                        tool("user-profile/update")],
