@@ -10,8 +10,10 @@ import asyncio
 import errno
 import inspect
 import json
+import signal
 import socket
 import sys
+import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -96,11 +98,21 @@ def control_guard(token: Optional[str], key=None) -> list:
   return [Depends(controlled)]
 
 
+def _exit_by_signal(signum: int, frame) -> None:
+  raise SystemExit(128 + signum)
+
+
 def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
-  """Runs uvicorn on the bound `sock` until it is stopped (SIGINT / SIGTERM)."""
+  """Runs uvicorn on the bound `sock` until it is stopped (SIGINT / SIGTERM), then exits
+  128 + the signal's number, Python's exit handlers run."""
   host, port = sock.getsockname()[:2]
   config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_keep_alive=KEEP_ALIVE_S)
+  if threading.current_thread() is threading.main_thread():
+    # uvicorn shuts down on SIGTERM, then raises it again into the handler it found: the
+    # default one killed the process, its exit handlers not run (an environment worker's
+    # sandbox lock file was left in /tmp; a reviewer).
+    signal.signal(signal.SIGTERM, _exit_by_signal)
   try:
     uvicorn.Server(config).run(sockets=[sock])
   except KeyboardInterrupt:  # (uvicorn raises the Ctrl-C again once it has shut down,

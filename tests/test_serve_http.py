@@ -79,3 +79,44 @@ def test_a_path_no_route_takes_is_named_with_the_routes():
       "no route POST '/v1/completions'; this server's routes: /sessions/{sid}, "
       "/v1/chat/completions"), r.text
   assert client.get("/sessions/x").json()["detail"] == "no session 'x'"
+
+
+def test_a_service_stopped_by_sigterm_runs_its_exit_handlers_and_exits_143(tmp_path):
+  """uvicorn shuts down on SIGTERM, then raises it again: the default handler killed the
+  process (exit -15), its exit handlers not run (an environment worker's sandbox lock
+  file was left behind; a reviewer)."""
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  import httpx
+
+  from tests.conftest import REPO
+
+  done = tmp_path / "exited"
+  code = (
+      "import atexit, socket, sys\n"
+      "from fastapi import FastAPI\n"
+      "from jaxagent.serve_http import serve\n"
+      "atexit.register(lambda: open(sys.argv[1], 'w').write('ran'))\n"
+      "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+      "print(s.getsockname()[1], flush=True)\n"
+      "serve(FastAPI(), s, log_level='warning')\n")
+  p = subprocess.Popen([sys.executable, "-c", code, str(done)], cwd=REPO,
+                       stdout=subprocess.PIPE, text=True)
+  try:
+    port = int(p.stdout.readline())
+    deadline = time.monotonic() + 60
+    while True:
+      try:
+        httpx.get(f"http://127.0.0.1:{port}/none", timeout=5)
+        break
+      except httpx.TransportError:
+        assert time.monotonic() < deadline, "the service never answered"
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 143
+    assert done.read_text() == "ran"
+  finally:
+    p.kill()
