@@ -335,6 +335,12 @@ def run_local(args) -> int:
   # checkpoint (as train does on its own) while the services they need keep serving;
   # then the services stop. A second one stops everything at once.
   got: dict = {"signal": None}
+  told: list[Child] = []  # (the learners it went to)
+
+  def tell(c: Child, signum: int) -> None:
+    told.append(c)
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(c.proc.pid, signum)
 
   def interrupted(signum, frame):
     first = got["signal"] is None
@@ -342,8 +348,7 @@ def run_local(args) -> int:
     running = [c for c in learners if c.alive()]
     if first and running:
       for c in running:
-        with contextlib.suppress(ProcessLookupError):
-          os.killpg(c.proc.pid, signum)
+        tell(c, signum)
       _say(f"launch: {signal.Signals(signum).name}: the learner stops after its step "
            "and checkpoints, then the services (again to stop everything now)",
            file=sys.stderr)
@@ -361,6 +366,10 @@ def run_local(args) -> int:
          f"process(es); run dir {run_dir}")
     for c in learners:
       started.append(c.start(lock))
+    if got["signal"] is not None:  # (it came while they started: those after it trained on
+      for c in learners:  # until a second one; a reviewer)
+        if c not in told and c.alive():
+          tell(c, got["signal"])
     while True:
       if got["signal"] is not None:  # the learners were told to stop: wait for them
         if not any(c.alive() for c in learners):
@@ -369,9 +378,10 @@ def run_local(args) -> int:
                file=sys.stderr)
           # (the signal's code only when each learner stopped for it: one that failed
           # or was killed, its checkpoint unsaved, is said by its own code)
-          failed = [_code(c.proc.returncode) for c in learners
-                    if _code(c.proc.returncode) not in (0, 128 + got["signal"])]
-          return failed[0] if failed else 128 + got["signal"]
+          ends = [_code(c.proc.returncode) for c in learners]
+          failed = [end for end in ends if end not in (0, 128 + got["signal"])]
+          # (every learner ended its run meanwhile: it finished, said as such)
+          return failed[0] if failed else 0 if not any(ends) else 128 + got["signal"]
         time.sleep(0.2)
         continue
       if all(c.proc.poll() == 0 for c in learners):

@@ -435,6 +435,45 @@ def test_a_failed_learners_code_is_the_launchs(tmp_path, monkeypatch, capsys):
   assert signal.getsignal(signal.SIGINT) is own
 
 
+def test_a_signal_while_the_learners_start_reaches_every_one(tmp_path, monkeypatch):
+  """A SIGTERM that came after the first of two learners started went to it alone: the
+  second trained on until a second signal (a reviewer). And learners that ended their
+  runs meanwhile (exit 0) make a launch that finished, not one stopped."""
+  import time
+
+  from jaxagent import launch as launch_lib
+
+  def fake_plan(learner_code):
+    def plan(args, cfg, run_dir):
+      service = launch_lib.Child("server0", [sys.executable, "-c", "import time; "
+                                             "time.sleep(60)"], url="http://127.0.0.1:1")
+      return [service], [launch_lib.Child(f"learner{i}", [sys.executable, "-c", learner_code])
+                         for i in range(2)]
+    return plan
+
+  start, at = launch_lib.Child.start, {}
+
+  def started(child, lock):
+    out = start(child, lock)
+    if child.name == at["name"]:
+      time.sleep(at["after_s"])
+      os.kill(os.getpid(), signal.SIGTERM)
+    return out
+
+  monkeypatch.setattr(launch_lib, "wait_healthy", lambda child, timeout_s: None)
+  monkeypatch.setattr(launch_lib.Child, "start", started)
+  for code, name, after_s, want in (
+      ("import time; time.sleep(60)", "learner0", 0, 143),
+      ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(6)",
+       "learner1", 3, 0)):  # (signalled once both ignore it)
+    at.update(name=name, after_s=after_s)
+    monkeypatch.setattr(launch_lib, "plan", fake_plan(code))
+    t0 = time.monotonic()
+    assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                            str(tmp_path / f"run{want}")]) == want
+    assert time.monotonic() - t0 < 30
+
+
 def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeypatch):
   """The learner of a launch said `python -m jaxagent.train --run-dir D --resume` when it
   stopped, which fails: the run's config names the launch's services, dead by then. It
