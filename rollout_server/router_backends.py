@@ -513,11 +513,16 @@ class Rotation:
     # Only the policy's update is what a rejoining backend must catch up on (an update
     # of another served model is passed on, not pinned).
     if took and _of_the_policy([x["body"] for x in out if x["backend"] in took], body):
-      version = next(iter(took.values()))
+      # The newest any took (an update naming no version: each backend loads the latest
+      # export it finds, and one landing meanwhile gave two; the first answer's was
+      # pinned, and the others' pushed back to it; a reviewer).
+      version = max(took.values())
       pinned = dict(sent, version=version) if isinstance(sent, dict) else None
       self.policy.update(body=json.dumps(pinned) if pinned else body, version=version)
       for b, v in took.items():
         self.took(b, v)
+        if v != version:  # (out of rotation until it serves the policy, as a refusal)
+          self.take_out(b, f"it loaded version {v!r} of the update, others {version!r}")
       for b in refused:  # live but stale: out of rotation until it catches up
         self.take_out(b, f"it refused the update to version {version!r}")
     ok = bool(took) and not refused

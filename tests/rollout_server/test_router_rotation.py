@@ -46,8 +46,8 @@ def _backend(state: dict):
       # server's: the policy is None in its answer, however the request named it)
       state.setdefault("models", {})[body["model"]] = body["version"]
       return {"version": body["version"], "model": body["model"]}
-    state["version"] = body["version"]
-    return {"version": body["version"], "model": None}
+    state["version"] = body.get("version", state.get("latest"))  # (none: the latest export)
+    return {"version": state["version"], "model": None}
 
   @app.post("/generate")
   async def generate():
@@ -446,6 +446,21 @@ def test_an_update_naming_the_policy_by_its_name_is_the_policys_and_pinned():
       assert got.status_code == 200 and got.json()["version"] == policy, got.text
     time.sleep(0.6)  # (checks)
     assert a["version"] == b["version"] == 2 and a["models"] == b["models"] == {"judge": 7}
+    assert all(_healthy(r.url).values())
+
+
+def test_an_update_of_no_version_the_backends_took_two_of_is_the_newests():
+  """An update naming no version: each backend loads the latest export it finds, and one
+  landing meanwhile gave two versions. The first answer's was pinned, the backend of the
+  newer one pushed back to it (a reviewer); the newest is, the other out of rotation
+  until it serves it."""
+  a, b = {"version": 0, "latest": 3}, {"version": 0, "latest": 4}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.1)) as r:
+    got = httpx.post(f"{r.url}/update_weights", json={"path": "/p"}, timeout=60)
+    assert got.status_code == 200 and got.json()["version"] == 4, got.text
+    time.sleep(0.6)  # (checks: a is sent version 4)
+    assert a["version"] == b["version"] == 4
     assert all(_healthy(r.url).values())
 
 
