@@ -92,17 +92,36 @@ class Child:
   def alive(self) -> bool:
     return self.proc is not None and self.proc.poll() is None
 
-  def stop(self, grace_s: float = 10.0) -> None:
-    if not self.alive():
+  def send(self, sig: int) -> None:
+    if self.alive():
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(self.proc.pid, sig)
+
+  def killed_after(self, deadline: float) -> None:
+    """Waits for the child until `deadline` (time.monotonic()), then kills it."""
+    if self.proc is None:
       return
     try:
-      os.killpg(self.proc.pid, signal.SIGTERM)
-      self.proc.wait(grace_s)
+      self.proc.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-      os.killpg(self.proc.pid, signal.SIGKILL)
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(self.proc.pid, signal.SIGKILL)
       self.proc.wait()
-    except ProcessLookupError:
-      pass
+
+
+STOP_GRACE_S = 10.0  # (how long a child stopped is waited for before it is killed)
+
+
+def stop_children(children: list[Child], told: list[Child]) -> None:
+  """Stops `children` together: SIGTERM to each (SIGINT to those `told` to stop already,
+  which a learner takes as the second request, stopping at once: a second SIGTERM within
+  REPEATED_TERM_S of the first reads as the same one), then SIGKILL to those alive after
+  STOP_GRACE_S (each was waited for in turn, up to 10 s a child; a reviewer)."""
+  for c in children:
+    c.send(signal.SIGINT if c in told else signal.SIGTERM)
+  deadline = time.monotonic() + STOP_GRACE_S
+  for c in children:
+    c.killed_after(deadline)
 
 
 def wait_healthy(child: Child, timeout_s: float) -> None:
@@ -327,9 +346,9 @@ def run_local(args) -> int:
   started: list[Child] = []
   gone: list[Child] = []  # services that died (a rollout server with others left: said)
 
-  def stop_all():
-    for c in reversed(started):
-      c.stop()
+  def stop_all():  # (the learners first, while the services they may need still serve)
+    stop_children([c for c in started if c in learners], told)
+    stop_children([c for c in reversed(started) if c not in learners], told)
 
   # The first SIGTERM or Ctrl-C goes to the learners, which stop after their step and
   # checkpoint (as train does on its own) while the services they need keep serving;
@@ -339,8 +358,7 @@ def run_local(args) -> int:
 
   def tell(c: Child, signum: int) -> None:
     told.append(c)
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(c.proc.pid, signum)
+    c.send(signum)
 
   def interrupted(signum, frame):
     first = got["signal"] is None

@@ -474,6 +474,53 @@ def test_a_signal_while_the_learners_start_reaches_every_one(tmp_path, monkeypat
     assert time.monotonic() - t0 < 30
 
 
+def test_children_are_stopped_together_and_a_second_signal_stops_the_learner_at_once(
+    tmp_path, monkeypatch):
+  """The children were stopped one after another, each waited for up to 10 s before it
+  was killed; and the second signal's stop was a SIGTERM, which a learner takes for the
+  first one repeated when it comes within a second of it (killed 10 s on, unsaid). The
+  children are stopped together; a learner told to stop already is sent SIGINT."""
+  import time
+
+  from jaxagent import launch as launch_lib
+
+  deaf = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+          "signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); time.sleep(60)")
+
+  def plan(learner_code, service_code=deaf):
+    def planned(args, cfg, run_dir):
+      return ([launch_lib.Child(f"server{i}", [sys.executable, "-c", service_code],
+                                url="http://127.0.0.1:1") for i in range(3)],
+              [launch_lib.Child("learner", [sys.executable, "-c", learner_code])])
+    return planned
+
+  monkeypatch.setattr(launch_lib, "wait_healthy", lambda child, timeout_s: None)
+  monkeypatch.setattr(launch_lib, "STOP_GRACE_S", 2.0)
+  monkeypatch.setattr(launch_lib, "plan", plan("import sys; sys.exit(3)"))
+  t0 = time.monotonic()
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                          str(tmp_path / "a")]) == 3
+  assert time.monotonic() - t0 < 5  # (three services deaf to SIGTERM: 2 s, not 6)
+  start = launch_lib.Child.start
+
+  def started(child, lock):  # (two signals once the learner has its handlers)
+    out = start(child, lock)
+    if child.name == "learner":
+      time.sleep(3)
+      for _ in range(2):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+    return out
+
+  monkeypatch.setattr(launch_lib.Child, "start", started)
+  monkeypatch.setattr(launch_lib, "STOP_GRACE_S", 30.0)
+  monkeypatch.setattr(launch_lib, "plan", plan(deaf, "import time; time.sleep(60)"))
+  t0 = time.monotonic()
+  assert launch_lib.main(["local", "--config", "configs/tiny.yaml", "--run-dir",
+                          str(tmp_path / "b")]) == 143
+  assert time.monotonic() - t0 < 15  # (the learner's SIGINT: at once, not in 30 s)
+
+
 def test_a_launched_learner_tells_how_to_go_on_with_the_launch(tmp_path, monkeypatch):
   """The learner of a launch said `python -m jaxagent.train --run-dir D --resume` when it
   stopped, which fails: the run's config names the launch's services, dead by then. It
