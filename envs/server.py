@@ -942,7 +942,7 @@ def main(argv=None) -> int:
   finally:
     resources.close()
     if busy_calls():  # (a tool's plain function blocked for ever: Python's exit joined it,
-      # and the worker outlived its Ctrl-C; a SIGTERM uvicorn raises again, which ends it)
+      # and the worker outlived its Ctrl-C or SIGTERM)
       end_process(code, "envs.server")
   return 0
 

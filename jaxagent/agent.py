@@ -742,8 +742,11 @@ class _Whitebox:
     """The turn's record and whether it came from the replayed log, the context compacted
     first where it outgrew the limit; None where it is too long (the episode truncated)."""
     while True:  # twice at most: a compaction when the engine refuses the prompt
-      if self.replay is not None and turn in self.replay.limits:  # (as the run that died)
-        self.limit = min(self.limit, self.replay.limits[turn])
+      if self.replay is not None and turn in self.replay.limits:  # (as the run that died;
+        # logged again, as a summary is, for a replay of this run's log)
+        self.limit = min(self.limit, self.replay.limits.pop(turn))
+        if self.log is not None:
+          await _commit(self.log, self.log.limit, turn, self.limit)
       if len(self.prompt) + self.cfg.max_new_tokens > self.limit and \
           not await self._compact_to_fit(turn):
         return None

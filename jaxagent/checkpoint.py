@@ -623,6 +623,12 @@ def drop_versions_after(root: str, version: int) -> list[int]:
   return dropped
 
 
+def export_stands(path: str) -> bool:
+  """Whether the policy export `path` can be loaded: its directory, or the one a crash
+  left aside while replacing it (`load_policy` reads that)."""
+  return os.path.isdir(path) or os.path.isdir(path + ASIDE)
+
+
 def load_policy(path: str, abstract_params: Any) -> Params:
   """Restores an exported policy onto `abstract_params`.
 

@@ -334,9 +334,10 @@ async def run(args) -> dict:
     print(f"warning: {seen}", file=sys.stderr, flush=True)
   await env_workers_ready(cfg, lambda m: print(m, file=sys.stderr, flush=True))
   env_factory, close_envs = make_env_factory(cfg)
-  path, version = resolve_policy(args.policy, None)
   serving = None
   try:
+    path, version = resolve_policy(args.policy, None)  # (in the try: the environments
+    # were left open when it raised; a reviewer)
     if args.server:
       await check_served(args.server, path, version)
       from jaxagent.blackbox import is_blackbox

@@ -376,14 +376,16 @@ def run_local(args) -> int:
   previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)
               if signal.getsignal(sig) != signal.SIG_IGN}  # (ignored from its start: kept)
   try:
-    for c in services:
-      started.append(c.start(lock))
+    for c in services:  # (in `started` first: a signal in its start stops it too)
+      started.append(c)
+      c.start(lock)
     for c in services:
       wait_healthy(c, args.start_timeout_s)
     _say(f"launch: {len(services)} services up; starting {len(learners)} learner "
          f"process(es); run dir {run_dir}")
     for c in learners:
-      started.append(c.start(lock))
+      started.append(c)
+      c.start(lock)
     if got["signal"] is not None:  # (it came while they started: those after it trained on
       for c in learners:  # until a second one; a reviewer)
         if c not in told and c.alive():

@@ -284,6 +284,7 @@ def _kept_exports(saved: config_lib.RunConfig, cfg: config_lib.RunConfig, say) -
   config.json records for a model it serves from the same export root now (a new
   version there is another model than the one the run's steps had); another path given
   is a change, said as every change is."""
+  from jaxagent.checkpoint import export_stands
   from rollout_server.serving import resolve_policy
 
   kept = {}
@@ -291,17 +292,23 @@ def _kept_exports(saved: config_lib.RunConfig, cfg: config_lib.RunConfig, say) -
     was = saved.serving.models.get(name)
     if m.policy is None or was is None or was.policy is None or was.policy == m.policy:
       continue
+    given = os.path.abspath(m.policy)
+    # (a version named: the user's; another root: a change, said as such)
+    if os.path.dirname(was.policy) not in (given, os.path.join(given, "policy")):
+      continue
     try:
       now = resolve_policy(m.policy)[0]
-    except (OSError, ValueError):
-      continue  # (said at the start, as on any run)
-    root, given = os.path.dirname(now), os.path.abspath(m.policy)
-    if (root not in (given, os.path.join(given, "policy"))  # (a version named: the user's)
-        or root != os.path.dirname(was.policy)):  # (another root: a change, said as such)
+    except (OSError, ValueError) as e:  # (the latest there unreadable: not the one kept)
+      if export_stands(was.policy):
+        kept[name] = was.policy
+        say(f"note: --resume keeps serving.models.{name}.policy at {was.policy}, the "
+            f"version the run began with (the latest there cannot be read: {e})")
+      continue  # (else said at the start, as on any run)
+    if os.path.dirname(now) != os.path.dirname(was.policy):  # (a root's run directory)
       continue
     if now == was.policy:  # (nothing exported since: the same version, no change)
       kept[name] = now
-    elif not os.path.isdir(was.policy):  # (dropped since: another run's transient export)
+    elif not export_stands(was.policy):  # (dropped since: another run's transient export)
       say(f"warning: --resume: serving.models.{name}.policy's version the run began "
           f"with, {was.policy}, is gone: it loads the latest, {os.path.basename(now)}")
       kept[name] = now

@@ -108,15 +108,19 @@ def serve(app, sock: socket.socket, *, log_level: str = "info") -> None:
   host, port = sock.getsockname()[:2]
   config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_keep_alive=KEEP_ALIVE_S)
-  if threading.current_thread() is threading.main_thread():
+  main = threading.current_thread() is threading.main_thread()
+  if main:
     # uvicorn shuts down on SIGTERM, then raises it again into the handler it found: the
     # default one killed the process, its exit handlers not run (an environment worker's
     # sandbox lock file was left in /tmp; a reviewer).
-    signal.signal(signal.SIGTERM, _exit_by_signal)
+    previous = signal.signal(signal.SIGTERM, _exit_by_signal)
   try:
     uvicorn.Server(config).run(sockets=[sock])
   except KeyboardInterrupt:  # (uvicorn raises the Ctrl-C again once it has shut down,
     raise SystemExit(130) from None  # as a traceback when it came mid-request or twice)
+  finally:
+    if main:
+      signal.signal(signal.SIGTERM, previous)
 
 
 async def client_gone(request) -> None:

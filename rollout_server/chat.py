@@ -104,10 +104,12 @@ def message_text(content: Any, where: str = "content") -> str:
 
 def _checked_calls(calls: Any, where: str) -> list[dict]:
   """An assistant message's `tool_calls` as OpenAI writes them, each call's arguments the
-  JSON text of an object ("" read as none, as a call the model wrote without them).
-  ValueError naming the call otherwise: `"{bad"` went into the prompt as it was (the
-  template writes the text between the braces of the call), and an entry that was no
-  call failed in the template, naming no field (a reviewer)."""
+  JSON text of an object ("" or null read as none, as a call the model wrote without
+  them; an object sent as one written as its text, so a call sent back so is the
+  sampled one: it was read as another reply). ValueError naming the call otherwise:
+  `"{bad"` went into the prompt as it was (the template writes the text between the
+  braces of the call), and an entry that was no call failed in the template, naming no
+  field (a reviewer)."""
   if not isinstance(calls, list):
     raise ValueError(f"{where} must be a list of calls, got {type(calls).__name__}")
   out = []
@@ -116,8 +118,8 @@ def _checked_calls(calls: Any, where: str) -> list[dict]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
       raise ValueError(f"{where}[{j}] must be a call, {{'type': 'function', 'function': "
                        "{'name': NAME, 'arguments': JSON}}")
-    args = function.get("arguments", "")
-    if isinstance(args, str) and not args.strip():
+    args = function.get("arguments")
+    if args is None or isinstance(args, str) and not args.strip():
       args = "{}"
     try:
       value = json.loads(args) if isinstance(args, str) else args
@@ -126,6 +128,8 @@ def _checked_calls(calls: Any, where: str) -> list[dict]:
     if not isinstance(value, dict):
       raise ValueError(f"{where}[{j}].function.arguments must be a JSON object (its text, "
                        f"or the object), got {repr(args)[:100]}")
+    if not isinstance(args, str):
+      args = json.dumps(args, ensure_ascii=False)
     out.append(dict(call, function=dict(function, arguments=args)))
   return out
 

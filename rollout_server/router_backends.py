@@ -516,7 +516,8 @@ class Rotation:
       # The newest any took (an update naming no version: each backend loads the latest
       # export it finds, and one landing meanwhile gave two; the first answer's was
       # pinned, and the others' pushed back to it; a reviewer).
-      version = max(took.values())
+      versions = list(took.values())  # (a server's may be a string: the first, then)
+      version = max(versions) if all(isinstance(v, int) for v in versions) else versions[0]
       pinned = dict(sent, version=version) if isinstance(sent, dict) else None
       self.policy.update(body=json.dumps(pinned) if pinned else body, version=version)
       for b, v in took.items():

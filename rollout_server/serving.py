@@ -16,8 +16,8 @@ import uvicorn
 
 from jaxagent import control
 from jaxagent.build import build_model
-from jaxagent.checkpoint import (REGISTRY, existing_export, export_id, latest_version,
-                                 list_versions, version_dir, version_of_dir)
+from jaxagent.checkpoint import (REGISTRY, existing_export, export_id, export_stands,
+                                 latest_version, list_versions, version_dir, version_of_dir)
 from jaxagent.config import EngineConfig, ModelSpec, ServedModelConfig, ServerConfig
 from jaxagent.models.params import init_params
 from jaxagent.models.sharding import SAMPLE_RULES, make_mesh
@@ -38,8 +38,8 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
   missing = None
   try:  # (`.../v7` for `.../v00000007`, as a user writes the version)
     path = existing_export(path)
-  except FileNotFoundError as e:
-    missing = e  # (raised below, once the path is not a run's checkpoint)
+  except FileNotFoundError as e:  # (raised below, once the path is not a run's checkpoint)
+    missing = None if export_stands(os.path.abspath(path)) else e
   path = os.path.abspath(path)  # (relative to where the command runs; Orbax needs it whole)
   if (not os.path.exists(os.path.join(path, REGISTRY))
       and os.path.exists(os.path.join(path, "policy", REGISTRY))):
@@ -53,7 +53,7 @@ def resolve_policy(path: str, version: Optional[int] = None) -> tuple[str, int]:
       raise FileNotFoundError(f"policy version {v} is not in {path} (have {sorted(entries)})")
     # The export beside the registry (a run directory copied or moved elsewhere reads its
     # own exports, not the paths the registry was written with).
-    if not os.path.isdir(version_dir(path, v)):  # (dropped since: a transient export)
+    if not export_stands(version_dir(path, v)):  # (dropped since: a transient export)
       raise FileNotFoundError(f"policy version {v} is in {path}'s registry but its "
                               f"directory {version_dir(path, v)} is gone")
     return version_dir(path, v), v

@@ -473,6 +473,32 @@ def test_a_served_models_export_is_pinned_at_the_start_and_kept_on_a_resume(tmp_
     run_dir.pinned_exports(first)
 
 
+def test_a_resume_keeps_its_export_when_the_latest_there_cannot_be_read(tmp_path):
+  """The root's latest version listed but gone (or being replaced): the resume loads the
+  version it began with, as when the latest reads (it was refused; a reviewer)."""
+  import shutil
+
+  import numpy as np
+
+  from jaxagent import run_dir
+  from jaxagent.checkpoint import export_policy
+
+  root = str(tmp_path / "ref")
+  params = {"w": np.zeros((2, 2), np.float32)}
+  v1 = export_policy(root, 1, params, dtype=None)
+  given = config_lib.load(config_lib.RunConfig, "configs/tiny.yaml",
+                          [f"serving.models.ref.policy={root}",
+                           "serving.models.ref.model.preset=nano"])
+  first = run_dir.pinned_exports(given)
+  (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(first)))
+  shutil.rmtree(export_policy(root, 2, params, dtype=None))
+  resumed = run_dir.resumed_config(given, str(tmp_path), notes := [])
+  assert run_dir.pinned_exports(resumed).serving.models["ref"].policy == v1
+  assert len(notes) == 1 and notes[0].startswith(
+      f"note: --resume keeps serving.models.ref.policy at {v1}, the version the run began "
+      "with (the latest there cannot be read: policy version 2 is in "), notes
+
+
 def test_every_process_of_a_run_loads_process_0s_pinned_export(tmp_path, monkeypatch):
   """Each process pinned a served model's export root on its own: one exported to
   between their starts gave the run two reference models. Process 0's versions are

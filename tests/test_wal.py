@@ -159,13 +159,19 @@ def test_a_compaction_the_engines_refusal_made_is_made_again_on_replay(tmp_path)
   assert whole.success and whole.compactions == 1
   records = read_log(log.path)
   assert [r["kind"] for r in records].count("limit") == 1
-  engine = ScriptedEngine([])  # (killed before the end record: every turn committed)
-  again = run(engine, replay=Replay([r for r in records if r["kind"] != "end"]))
-  assert not again.infra_error, again.reason
-  assert again.success and again.replayed_turns == whole.turns and engine.prompts == []
-  for a, b in zip(whole.segments, again.segments, strict=True):
-    for field in ("tokens", "loss_mask", "rollout_logp", "versions"):
-      np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+  # Killed before the end record (every turn committed), twice: the replay logs the limit
+  # again, as a summary, for a replay of its own log (a reviewer).
+  for i in range(2):
+    engine = ScriptedEngine([])
+    log = TokenWAL(str(tmp_path / f"again{i}")).open("s1", group_id="g",
+                                                     task=task.to_dict(), episode=0)
+    again = run(engine, replay=Replay([r for r in records if r["kind"] != "end"]), log=log)
+    assert not again.infra_error, again.reason
+    assert again.success and again.replayed_turns == whole.turns and engine.prompts == []
+    for a, b in zip(whole.segments, again.segments, strict=True):
+      for field in ("tokens", "loss_mask", "rollout_logp", "versions"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    records = read_log(log.path)
 
 
 def test_a_replay_the_environment_answers_differently_is_dropped_not_scored(tmp_path):

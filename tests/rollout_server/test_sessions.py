@@ -647,6 +647,14 @@ def test_a_calls_arguments_are_restored_as_sampled_only_for_its_own_id_and_value
       '{"a":1}', '{"a": 1,"b":2}', '{"a": 1}', '{"a": 2, "b": 2}', "odd"]
   assert sent[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # (a copy)
   assert with_sampled_arguments(sent, {}) is sent
+  # Arguments sent back as an object, or none ("", null), as the gateway reads them in:
+  # the sampled text (an object was read as another reply, the turn forked; a reviewer).
+  from rollout_server.chat import normalise_messages
+
+  back = normalise_messages([{"role": "assistant", "content": None, "tool_calls": [
+      call("c_0", {"a": 1}), call("c_1", None), call("c_2", "")]}])
+  got = with_sampled_arguments(back, {"c_0": '{"a":1}', "c_1": "{}", "c_2": "{ }"})
+  assert [c["function"]["arguments"] for c in got[0]["tool_calls"]] == ['{"a":1}', "{}", "{ }"]
 
   recorded = {"role": "assistant", "content": "ok", "tool_calls": [call("c_0", '{"a":1}')]}
   assert _same_reply(dict(recorded, tool_calls=[call("x", '{ "a" : 1 }')]), recorded)
