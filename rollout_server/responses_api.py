@@ -38,6 +38,7 @@ from typing import Any, AsyncIterator, Callable, Literal, NamedTuple, Optional, 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout_server.chat import SEED, TOP_K, ChatTurn, Name, TurnCut, unserved
+from rollout_server.sessions import held_bytes
 
 # -- request bodies -----------------------------------------------------------------------
 
@@ -402,7 +403,7 @@ class ResponseStore(_Chains):
   def keep(self, response_id: str, parent: Optional[str], added: list[dict],
            turn: Optional[tuple[str, str, int]] = None) -> None:
     """`turn`: the session turn it was recorded as (session id, record id, index)."""
-    self._put(response_id, parent, (added, turn), len(json.dumps(added, default=str)) + 300)
+    self._put(response_id, parent, (added, turn), held_bytes(added) + 300)
 
   def turn_of(self, response_id: str) -> Optional[tuple[str, str, int]]:
     """The session turn the response was recorded as, when it was and is kept."""

@@ -137,7 +137,7 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
   import copy
 
   import numpy as np
-  from rollout_server.sessions import SessionStore
+  from rollout_server.sessions import SessionStore, held_bytes
 
   def play(turns: int, store: SessionStore, session: str, side_calls: bool = False
            ) -> list[dict]:
@@ -195,23 +195,28 @@ def test_a_sessions_record_grows_with_its_context_not_its_turns_times_it():
   # What it counts is what it holds (its Python objects, the context it keeps for the
   # next turn included; many short messages too)
   import tracemalloc
-  for long_messages in (True, False):
+  for kind in ("long", "short", "containers"):
     store, recorded = SessionStore(max_sessions=10), play(48, None, "m")
-    if not long_messages:
+    if kind == "short":
       for n, t in enumerate(recorded):
         t["messages"] = [{"role": "tool", "content": str(i)} for i in range(20 * n)]
+    if kind == "containers":  # (a field of empty lists: 3 characters of JSON, 64 bytes,
+      # each; counted by its JSON, a store held 18 times its bound; a reviewer)
+      for n, t in enumerate(recorded):
+        t["messages"] = t["messages"][:1] + [
+            {"role": "user", "content": "hi", "x": [[] for _ in range(500)]}] * n
     tracemalloc.start()
     for t in recorded:
       store.record("m", t)
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    assert held < 1.6 * store.bytes, (long_messages, held, store.bytes)
+    assert held < 1.6 * store.bytes, (kind, held, store.bytes)
   sizes = {}
   for turns in (12, 24, 48):
     store = SessionStore(max_sessions=10)
     recorded = play(turns, store, "s")
     sizes[turns] = store.bytes
-    whole = sum(len(json.dumps(t)) for t in recorded)  # what storing each turn whole took
+    whole = sum(map(held_bytes, recorded))  # what storing each turn whole took
     assert store.bytes < whole / (turns / 8), (turns, store.bytes, whole)
   # linear in the turns (whole turns: ~4x a doubling)
   assert sizes[48] / sizes[24] < 2.2 and sizes[24] / sizes[12] < 2.2, sizes
@@ -885,7 +890,7 @@ def test_the_tools_a_sessions_turns_offer_alike_are_stored_and_counted_once():
   """A reviewer: every turn stored and counted its whole copy of the tools (95% of a long
   episode's bytes with forty tools of an agent), and the record was evicted long before
   its context's bound. Tools the turn before offered too are its; other tools are kept."""
-  from rollout_server.sessions import SessionStore
+  from rollout_server.sessions import SessionStore, held_bytes
 
   tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "d" * 900,
                                              "parameters": {"type": "object"}}}
@@ -897,7 +902,7 @@ def test_the_tools_a_sessions_turns_offer_alike_are_stored_and_counted_once():
     _turn(store, "s", list(messages), list(range(3 * i + 3)), [7, 8],
           {"role": "assistant", "content": "ok"}, tools=json.loads(json.dumps(tools)))
     messages += [{"role": "assistant", "content": "ok"}]
-  once = len(json.dumps(tools))  # (the record's and its thread's: not one a turn)
+  once = held_bytes(tools)  # (the record's and its thread's: not one a turn)
   assert once < store.bytes < 3 * once, (store.bytes, once)
   turns, _, _ = store.read("s", 0)
   assert all(t["tools"] == tools for t in turns)
