@@ -297,6 +297,13 @@ def create_app(resources: Optional[EnvResources] = None, *, max_sessions: int = 
       # that ran first did not see this call to end it, and it ran on a closed env)
       n_calls.labels(kind, "closed").inc()
       raise HTTPException(409, f"{kind}: the session was closed before this call ran")
+    if s is not None and s.call is not None and not s.call.done():
+      # One call a session at a time: the others waited for its lock holding places under
+      # the cap, and 6 steps sent at once to one session held every place of a worker of
+      # 4 (another session's 0.1 s step took 9.6 s; a reviewer).
+      n_calls.labels(kind, "busy").inc()
+      raise HTTPException(409, f"{kind}: call {s.n_calls} of this session is still under "
+                               "way (a session's calls run one at a time)")
     with waits.measured(owner=s.owner if s is not None else owner) as clock:
       task = asyncio.ensure_future(capped())
       number = None

@@ -449,6 +449,34 @@ def test_concurrency_cap_queues_calls(worker):
 
 
 
+def test_a_sessions_calls_run_one_at_a_time_not_holding_the_cap(worker):
+  """Calls sent at once to one session waited for its lock holding places under the
+  worker's cap: one harness stalled every other client's calls (a reviewer). A call while
+  another of its session is under way is refused; other sessions' calls go on."""
+  sid = httpx.post(f"{worker.url}/sessions", json={"task": {"id": "s", "env": "slow_test_env"}},
+                   timeout=30).json()["session_id"]
+  other = httpx.post(f"{worker.url}/sessions", json={"task": {"id": "g", "env": "guess_number"}},
+                     timeout=30).json()["session_id"]
+
+  async def go():
+    async with httpx.AsyncClient(base_url=worker.url, timeout=30) as c:
+      first = asyncio.ensure_future(c.post(f"/sessions/{sid}/step", json={"action": "0.8"}))
+      await asyncio.sleep(0.3)
+      again = await asyncio.gather(*(c.post(f"/sessions/{sid}/step", json={"action": "0.8"})
+                                     for _ in range(3)))
+      t0 = time.perf_counter()
+      step = await c.post(f"/sessions/{other}/step", json={"action": "8"})
+      return await first, again, step, time.perf_counter() - t0
+
+  first, again, step, took = asyncio.run(go())
+  assert first.status_code == 200, first.text
+  assert all(r.status_code == 409 and "call 1 of this session is still under way" in r.text
+             for r in again), [r.text for r in again]
+  assert step.status_code == 200 and took < 0.5, (step.text, took)
+  for s in (sid, other):
+    httpx.delete(f"{worker.url}/sessions/{s}")
+
+
 def test_request_bodies_are_capped():
   app = create_app(EnvResources(sandboxes=1), max_body_bytes=4000)
   with ServerThread(app) as srv:
@@ -628,8 +656,11 @@ def test_a_rush_of_starts_keeps_the_session_limit_and_a_close_answers_its_calls_
 
   with ServerThread(app) as srv:
     answers, events = asyncio.run(asyncio.wait_for(go(srv.url), timeout=30))
-  for r in answers:
-    assert r.status_code == 409 and "closed during this call" in r.text, r.text
+  # (the second, sent while the first ran, is refused at once: a session's calls run one
+  # at a time)
+  assert [(r.status_code, "closed during this call" in r.text,
+           "still under way" in r.text) for r in answers] == [(409, True, False),
+                                                                (409, False, True)], answers
   assert events == ["cancelled", "closed"]  # (the second call never ran)
 
 
