@@ -18,8 +18,21 @@ from jaxagent.config import ConfigError
 
 
 def tasks_digest(path: str) -> str:
-  """The task file's content as a short SHA-256 (a checkpoint's data place is an index
-  into the order the file's tasks come in)."""
+  """The task file's tasks as a short SHA-256 (a checkpoint's data place is an index into
+  the order the file's tasks come in): of their values in the file's order, as
+  `task_dataset` reads them, so that an edit that changes no task (a blank line, a key's
+  place, spacing) is no change. ValueError for a line that is not JSON."""
+  digest = hashlib.sha256()
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        digest.update(json.dumps(json.loads(line), sort_keys=True).encode() + b"\n")
+  return digest.hexdigest()[:16]
+
+
+def file_digest(path: str) -> str:
+  """The file's bytes as a short SHA-256 (what checkpoints saved before `tasks_digest`
+  recorded as `tasks_sha256`)."""
   digest = hashlib.sha256()
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):

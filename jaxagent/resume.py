@@ -16,7 +16,7 @@ import jax
 
 from jaxagent import config as config_lib, distributed
 from jaxagent.checkpoint import UNRECORDED, RunCheckpointer
-from jaxagent.data import tasks_digest
+from jaxagent.data import file_digest, tasks_digest
 from jaxagent.metrics import RecordsDamaged, last_step
 from jaxagent.run_dir import check_provenance, check_weights, config_changes, cut_back
 from jaxagent.tokenizer import CHATML_TOOLS_TEMPLATE
@@ -72,8 +72,10 @@ def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunCon
     check_weights(newest, cfg, tokenizer, ckpt.latest_step())
   state, meta, skipped = ckpt.restore_latest_readable(learner.abstract_state(), tasks)
   check_provenance(meta, cfg, tokenizer, int(state.step), run_dir)
-  saved_tasks = meta.get("tasks_sha256")
-  if saved_tasks and distributed.is_primary() and saved_tasks != tasks_digest(cfg.data.tasks):
+  # (of the tasks' values; a checkpoint saved before: of the file's bytes)
+  saved_tasks, digest = ((meta["tasks_digest"], tasks_digest) if "tasks_digest" in meta
+                         else (meta.get("tasks_sha256"), file_digest))
+  if saved_tasks and distributed.is_primary() and saved_tasks != digest(cfg.data.tasks):
     # (changed in place, said by nothing: a changed path, seed or shuffle is said as
     # every config change; a reviewer)
     print(f"warning: --resume: the tasks file {cfg.data.tasks} is not the one checkpoint "

@@ -445,7 +445,7 @@ class TrainingRun:
                  "platform": jax.devices()[0].platform, "processes": self.n_proc},
         "tool_schema_sha256": hashlib.sha256(json.dumps(tools, sort_keys=True)
                                              .encode()).hexdigest()[:16],
-        "tasks_sha256": tasks_digest(cfg.data.tasks), "task_order": self.task_order}
+        "tasks_digest": tasks_digest(cfg.data.tasks), "task_order": self.task_order}
     self.rows_here = cfg.data.rows // self.n_proc
     self.row_multiple = self.learner.row_multiple // self.n_proc
     self.step = self.first_step = int(self.state.step)

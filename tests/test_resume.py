@@ -510,7 +510,7 @@ def test_a_resume_onto_a_tasks_file_changed_in_place_says_so(tmp_path, capsys):
   (a reviewer); the file's digest, saved with the checkpoint, now does."""
   from jaxagent.checkpoint import RunCheckpointer
   from jaxagent.config import LearnerConfig
-  from jaxagent.data import task_dataset, tasks_digest
+  from jaxagent.data import file_digest, task_dataset, tasks_digest
   from jaxagent.learner import Learner
   from jaxagent.models.sharding import make_mesh
   from jaxagent.resume import restore
@@ -525,12 +525,13 @@ def test_a_resume_onto_a_tasks_file_changed_in_place_says_so(tmp_path, capsys):
   run_dir = tmp_path / "run"
   run_dir.mkdir()
   ckpt = RunCheckpointer(str(run_dir / "checkpoints"), keep=2, async_save=False)
-  ckpt.save(1, state, {"tasks_sha256": tasks_digest(str(path))},
+  ckpt.save(1, state, {"tasks_sha256": file_digest(str(path))},  # (as saved before)
             iter(task_dataset(str(path), seed=0)))
   ckpt.wait()
 
-  def resumed() -> str:
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+  def resumed(step: int = 1) -> str:  # (a checkpoint past the records is set aside)
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n'
+                                                   for s in range(1, step + 1)))
     nonlocal restored
     restored = restore(ckpt, learner, state, iter(task_dataset(str(path), seed=0)), cfg,
                        _Vocab("x"), str(run_dir), True)
@@ -543,6 +544,17 @@ def test_a_resume_onto_a_tasks_file_changed_in_place_says_so(tmp_path, capsys):
   said = resumed()  # (step: the state's own, 0 for these initial weights)
   assert f"the tasks file {path} is not the one checkpoint step" in said
   assert "(its content changed)" in said
+  # Saved now, the digest is of the tasks' values: an edit that changes none of them (a
+  # blank line, spacing, a key's place) is no change (it warned of another order).
+  ckpt.save(2, state, {"tasks_digest": tasks_digest(str(path))},
+            iter(task_dataset(str(path), seed=0)))
+  ckpt.wait()
+  path.write_text("\n" + "".join(json.dumps(dict(reversed(json.loads(line).items())),
+                                            indent=1).replace("\n", " ") + "\n\n"
+                                 for line in path.read_text().splitlines()))
+  assert "tasks file" not in resumed(2)
+  path.write_text(path.read_text().replace('"t8"', '"t9"'))
+  assert "(its content changed)" in resumed(2)
   ckpt.close()
 
 
