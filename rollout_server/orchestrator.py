@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import itertools
 import logging
 import threading
@@ -66,6 +67,10 @@ class PromptTooLong(ValueError):
   """A prompt longer than the engine takes (`max_prefill_length`)."""
 
 
+# The tokens (prompts and budgets) of the requests kept for their siblings' drafts.
+SIBLING_TOKENS = 1 << 22
+
+
 @dataclasses.dataclass
 class Request:
   """One generation request and, as it runs, its outputs (token-exact)."""
@@ -94,6 +99,16 @@ class Request:
   finished_at: Optional[float] = None
   _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
   _listeners: list = dataclasses.field(default_factory=list, repr=False)
+  _key: Optional[bytes] = dataclasses.field(default=None, repr=False)
+
+  @property
+  def prompt_key(self) -> bytes:
+    """A digest of the prompt, what the records of a prompt's samples are kept by (its
+    tokens as a tuple kept each prompt whole: 4,096 of 32k tokens were 4.7 GB)."""
+    if self._key is None:
+      self._key = hashlib.blake2b(np.asarray(self.prompt_ids, np.int64).tobytes(),
+                                  digest_size=16).digest()
+    return self._key
 
   @property
   def done(self) -> bool:
@@ -203,12 +218,13 @@ class Orchestrator:
     # Length-aware admission (as Seer): the first sample of a prompt runs ahead as a
     # probe; its siblings wait for it, then queued requests start longest-expected first.
     self.length_aware = length_aware
-    self._lengths: collections.OrderedDict[tuple, int] = collections.OrderedDict()
-    self._probing: set[tuple] = set()
+    self._lengths: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+    self._probing: set[bytes] = set()
     # Group speculative decoding (as Seer): up to `speculative` draft tokens a step, taken
     # from what samples of the same prompt generated after the same recent tokens.
     self.speculative = speculative
-    self._siblings: collections.OrderedDict[tuple, list] = collections.OrderedDict()
+    self._siblings: collections.OrderedDict[bytes, list] = collections.OrderedDict()
+    self._sibling_tokens = 0  # (what the kept requests hold: SIBLING_TOKENS at most)
     self.spec_proposed = 0
     self.spec_accepted = 0
     self._reset_engine_state()
@@ -556,7 +572,7 @@ class Orchestrator:
     free = [i for i, r in enumerate(self._slots) if r is None]
     # Prompts being computed whole pages of, which their siblings will then share.
     page = self.engine.page_size
-    busy = {tuple(r.prompt_ids) for r in self._prefilling
+    busy = {r.prompt_key for r in self._prefilling
             if len(r.prompt_ids) - r.prefix_hit_tokens > page}
     waiting = []
     if self.length_aware:
@@ -566,7 +582,7 @@ class Orchestrator:
         if not self._queue:
           break
         req = self._queue.popleft()
-      key = tuple(req.prompt_ids)
+      key = req.prompt_key
       if (self.prefix_cache is not None and key in busy and len(req.prompt_ids) > 1) or (
           key in self._probing):
         waiting.append(req)
@@ -584,11 +600,7 @@ class Orchestrator:
       if self.length_aware and key not in self._lengths:
         self._probing.add(key)  # the prompt's probe: its siblings wait for its length
       if self.speculative:
-        group = self._siblings.setdefault(key, [])
-        group[:] = group[-15:] + [req]
-        self._siblings.move_to_end(key)
-        while len(self._siblings) > 1024:
-          self._siblings.popitem(last=False)
+        self._keep_sibling(key, req)
       req.slot = free.pop(0)
       self._slots[req.slot] = req
       self._prefilling.append(req)
@@ -596,11 +608,27 @@ class Orchestrator:
       with self._cv:
         self._queue.extendleft(reversed(waiting))
 
+  def _keep_sibling(self, key: bytes, req: Request) -> None:
+    """Keeps `req` among the last 16 samples of its prompt, whose outputs drafts come
+    from: of 1,024 prompts at most, and SIBLING_TOKENS of their prompts and token budgets
+    (by count alone, 16k requests of 32k-token prompts could hold 18 GB; a reviewer)."""
+    def held(group):
+      return sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in group)
+
+    group = self._siblings.pop(key, [])
+    self._sibling_tokens -= held(group)
+    group = group[-15:] + [req]
+    self._siblings[key] = group
+    self._sibling_tokens += held(group)
+    while len(self._siblings) > 1 and (len(self._siblings) > 1024
+                                       or self._sibling_tokens > SIBLING_TOKENS):
+      self._sibling_tokens -= held(self._siblings.popitem(last=False)[1])
+
   def _order_by_expected_length(self) -> None:
     """Queued requests in admission order: probes of prompts never seen first, then the
     longest expected output first (the longest its siblings produced); stable."""
     def expected(req):
-      return self._lengths.get(tuple(req.prompt_ids), float("inf"))
+      return self._lengths.get(req.prompt_key, float("inf"))
 
     with self._cv:
       self._queue = collections.deque(sorted(self._queue, key=lambda r: -expected(r)))
@@ -726,7 +754,7 @@ class Orchestrator:
     if k <= 0 or not out:
       return best
     seed = req.sampling.seed % (1 << 64) if req.sampling.temperature > 0 else None
-    for sib in self._siblings.get(tuple(req.prompt_ids), ()):
+    for sib in self._siblings.get(req.prompt_key, ()):
       if sib is req or sib.sampling.seed % (1 << 64) == seed:
         continue
       o = sib.output_ids
@@ -831,7 +859,7 @@ class Orchestrator:
       self.allocator.unref(req.pages)
       req.pages = []
     if self.length_aware:
-      key = tuple(req.prompt_ids)
+      key = req.prompt_key
       self._probing.discard(key)
       if reason in ("stop", "length"):
         self._lengths[key] = max(self._lengths.pop(key, 0), len(req.output_ids))

@@ -1100,3 +1100,28 @@ def test_siblings_of_a_prompt_of_one_page_do_not_wait_for_its_prefill(random_par
     orch.stop()
   assert order == ["p1", "p2", "x"]
   assert reqs[2].first_token_at >= min(reqs[0].finished_at, reqs[1].finished_at)
+
+
+def test_the_samples_kept_for_drafts_and_lengths_are_bounded_by_their_tokens(monkeypatch):
+  """The samples kept for their siblings' drafts were bounded by count alone (1,024
+  prompts of 16 requests: of 32k-token prompts, 18 GB), and both records kept each prompt
+  whole as their key (a reviewer): kept by a digest, within SIBLING_TOKENS."""
+  import collections
+
+  from rollout_server import orchestrator as orch_lib
+
+  orch = Orchestrator.__new__(Orchestrator)  # (its records alone: no engine)
+  orch._siblings, orch._sibling_tokens = collections.OrderedDict(), 0
+  monkeypatch.setattr(orch_lib, "SIBLING_TOKENS", 1000)
+  reqs = [Request([i] * 90, SamplingParams(max_new_tokens=10), f"r{i}") for i in range(50)]
+  for req in reqs:
+    orch._keep_sibling(req.prompt_key, req)
+  assert len(orch._siblings) == 10 and orch._sibling_tokens == 1000
+  assert list(orch._siblings) == [r.prompt_key for r in reqs[-10:]]
+  assert all(len(k) == 16 for k in orch._siblings)
+  same = [Request([7] * 9, SamplingParams(max_new_tokens=1), f"s{i}") for i in range(20)]
+  for req in same:
+    orch._keep_sibling(req.prompt_key, req)
+  assert orch._siblings[same[0].prompt_key] == same[-16:]
+  assert orch._sibling_tokens == sum(len(r.prompt_ids) + r.sampling.max_new_tokens
+                                     for g in orch._siblings.values() for r in g)
