@@ -136,7 +136,7 @@ class _Router(Rotation):
     `turns`, records each, and an integer `count`: a backend's garbage turned a served
     turn into a 500, red team 14)."""
     try:
-      r = await self.client().get(f"{backend}/sessions/{quote(session_id, safe='')}",
+      r = await self.client(backend).get(f"{backend}/sessions/{quote(session_id, safe='')}",
                                   params={"since": since}, timeout=10.0)
       if r.status_code == 404:
         return None
@@ -285,7 +285,7 @@ class _Router(Rotation):
       # (the client's bound, as the turn's own requests: a busy server is not a dead one)
       # (cut when its health checks go unanswered, as the turn's own send: a host gone
       # without a reset held the turn up to the client's bound, 600 s; a reviewer)
-      r = await unless_stopped(self.client().post(
+      r = await unless_stopped(self.client(backend).post(
           f"{backend}/handover", headers=self.ruling,
           json={"session_id": session_id, "turns": carried}), self.gone(backend))
       if r is None:
@@ -318,7 +318,7 @@ class _Router(Rotation):
     async def delete_on(b: str) -> Optional[bool]:
       """Whether `b` held the session; None when it could not say (deleted later)."""
       with contextlib.suppress(httpx.HTTPError):
-        r = await self.client().delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0,
+        r = await self.client(b).delete(f"{b}/sessions/{quote(session_id, safe='')}", timeout=10.0,
                                        headers=self.ruling)
         if r.status_code in (401, 403):
           refused[b] = r.status_code
@@ -455,10 +455,10 @@ class _Router(Rotation):
       # /requests`): a long bound of its own, and a slow backend is not a dead one.
       timeout = (httpx.Timeout(self.turn_timeout_s, connect=5.0, pool=30.0) if turn
                  else httpx.USE_CLIENT_DEFAULT)
-      req = self.client("turns").build_request(request.method, f"{backend}/{forwarded}", content=content,
-                                        headers=headers, params=request.query_params,
-                                        timeout=timeout)
-      sending = asyncio.ensure_future(self.client("turns").send(req, stream=True))
+      turns = self.client(backend, "turns")
+      req = turns.build_request(request.method, f"{backend}/{forwarded}", content=content,
+                                headers=headers, params=request.query_params, timeout=timeout)
+      sending = asyncio.ensure_future(turns.send(req, stream=True))
       gone = asyncio.ensure_future(client_gone(request))
       lost = asyncio.ensure_future(self.gone(backend).wait())
       try:
@@ -484,7 +484,8 @@ class _Router(Rotation):
           slow = isinstance(e, httpx.ReadTimeout)
           return api_error(path, 504 if slow else 503,
                          f"{backend}: the turn took longer than {self.turn_timeout_s:.0f} s"
-                         if slow else f"the router's connections are all busy ({e})")
+                         if slow else f"the router's {self.max_connections} connections to "
+                         f"{backend} are all busy ({type(e).__name__}: {e})")
         last_error = self.down(backend, f"{type(e).__name__}: {e}")
         continue
       finally:
@@ -718,7 +719,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
 
     async def ask(b: str) -> dict:
       with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
-        r = await router.client().get(f"{b}/requests", params={"session_id": session_id},
+        r = await router.client(b).get(f"{b}/requests", params={"session_id": session_id},
                                       timeout=10.0)
         if r.status_code == 200:
           got = r.json()
@@ -743,7 +744,7 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
       return too_long
     async def ask(b: str):
       with contextlib.suppress(httpx.HTTPError, ValueError):
-        r = await router.client().get(f"{b}/requests/{quote(request_id, safe='')}", timeout=10.0)
+        r = await router.client(b).get(f"{b}/requests/{quote(request_id, safe='')}", timeout=10.0)
         if r.status_code == 200:
           return r.json()
       return None

@@ -163,7 +163,7 @@ class Rotation:
       if session_id not in self.undeleted[backend]:
         return 200
       try:
-        r = await self.client().delete(f"{backend}/sessions/{quote(session_id, safe='')}",
+        r = await self.client(backend).delete(f"{backend}/sessions/{quote(session_id, safe='')}",
                                        timeout=10.0, headers=self.ruling)
       except httpx.HTTPError:
         return None
@@ -172,17 +172,21 @@ class Rotation:
         self.undeleted[backend].pop(session_id, None)  # (401, 403: owed until it is allowed)
       return r.status_code
 
-  def client(self, pool: str = "calls") -> httpx.AsyncClient:
-    """The connection pool of `pool`: "turns" (`max_connections`), "calls" (copies,
-    deletes, handovers, policy updates: httpx's 100) or "health" (the checks, a few per
-    backend); made at its first use, in the serving loop."""
-    if pool not in self.clients:
+  def client(self, backend: str, pool: str = "calls") -> httpx.AsyncClient:
+    """`backend`'s connection pool of `pool`: "turns" (`max_connections`), "calls"
+    (copies, deletes, handovers, policy updates: httpx's 100) or "health" (the checks,
+    one pool for all: a few a backend); made at its first use, in the serving loop. A
+    backend's own pools: one whose turns hung (its /health answering) took every
+    connection of a pool all shared, and the others' turns were 503s after 30 s (a
+    reviewer)."""
+    key = ("health", None) if pool == "health" else (pool, backend)
+    if key not in self.clients:
       size = {"turns": self.max_connections, "calls": 100,
               "health": 4 * len(self.ring.backends) + 4}[pool]
-      self.clients[pool] = httpx.AsyncClient(
+      self.clients[key] = httpx.AsyncClient(
           timeout=httpx.Timeout(self.timeout_s, connect=5.0), verify=shared_tls(),
           limits=httpx.Limits(max_connections=size, max_keepalive_connections=min(size, 64)))
-    return self.clients[pool]
+    return self.clients[key]
 
   async def aclose(self) -> None:
     for task in list(self.catching):
@@ -197,7 +201,7 @@ class Rotation:
     self.failovers["policy_pushes"] += 1
     body, version = self.policy["body"], self.policy["version"]  # (as it is now)
     try:
-      r = await self.client().post(f"{backend}/update_weights", content=body,
+      r = await self.client(backend).post(f"{backend}/update_weights", content=body,
                                    headers={"content-type": "application/json", **self.ruling},
                                    timeout=self.update_timeout())
       got = r.json() if r.status_code == 200 else None
@@ -224,7 +228,7 @@ class Rotation:
         instance = health.get("instance")
         if self.token_checked.get(backend, (None,))[0] != instance or instance is None:
           with contextlib.suppress(httpx.HTTPError):
-            r = await self.client("health").get(f"{backend}/control", headers=self.ruling,
+            r = await self.client(backend, "health").get(f"{backend}/control", headers=self.ruling,
                                                 timeout=5.0)
             # (only an answer about the token is kept: a 503 now is asked again, or a
             # server restarted busy was never checked; 404: one without the route)
@@ -285,7 +289,8 @@ class Rotation:
     began = None if self.updating.locked() else self.updates_done
     try:
       try:
-        r = await self.client("health").get(f"{backend}/health", timeout=self.health_timeout_s)
+        r = await self.client(backend, "health").get(f"{backend}/health",
+                                                     timeout=self.health_timeout_s)
       except httpx.TransportError as e:  # (a pool of its own busy: not the backend's, and
         if not isinstance(e, httpx.PoolTimeout):  # no answer from it either)
           self.answered(backend, unreachable=True)
@@ -460,7 +465,7 @@ class Rotation:
     async def send(b: str) -> httpx.Response:
       # (a backend gone meanwhile, its health checks unanswered: its update cut, as its
       # turns are; a host gone without a reset held every update up to update_timeout)
-      r = await unless_stopped(self.client().post(
+      r = await unless_stopped(self.client(b).post(
           f"{b}/update_weights", content=body,
           headers={"content-type": "application/json", **self.ruling},
           timeout=self.update_timeout()), self.gone(b))

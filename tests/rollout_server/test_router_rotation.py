@@ -109,6 +109,41 @@ def test_turns_past_a_hundred_in_flight_leave_health_checks_and_updates_alone():
     assert [a.status_code for a in answers] == [200] * 130
 
 
+def test_a_backend_whose_turns_hang_holds_only_its_own_connections():
+  """The turns of every backend shared one pool: a backend whose turns hung (its /health
+  answering) took all of its connections, and another's turns were 503s after 30 s (a
+  reviewer). Each backend has its own."""
+  from rollout_server.routing import HashRing
+
+  hold = threading.Event()
+  hold.set()
+  a, b = {"version": 0}, {"version": 0, "hold": hold}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, ServerThread(
+      create_router([sa.url, sb.url], health_interval_s=0.2, max_connections=3)) as r:
+    ring = HashRing([sa.url, sb.url])
+    on = {url: [f"s{i}" for i in range(100) if ring.candidates(f"s{i}")[0] == url][:3]
+          for url in (sa.url, sb.url)}
+
+    async def turns(sessions):
+      async with httpx.AsyncClient(timeout=120) as c:
+        return await asyncio.gather(*(
+            c.post(f"{r.url}/generate", json={"input_ids": [1]},
+                   headers={"X-Session-Id": s}) for s in sessions))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      held = pool.submit(asyncio.run, turns(on[sb.url]))
+      deadline = time.time() + 60
+      while b.get("in_flight", 0) < 3 and time.time() < deadline:
+        time.sleep(0.1)
+      assert b["in_flight"] == 3  # (its every connection)
+      t0 = time.monotonic()
+      answers = asyncio.run(turns(on[sa.url]))
+      assert [x.status_code for x in answers] == [200] * 3, [x.text for x in answers]
+      assert time.monotonic() - t0 < 10
+      hold.clear()
+      assert [x.status_code for x in held.result(timeout=60)] == [200] * 3
+
+
 def test_a_backend_is_out_of_rotation_while_it_catches_up_and_while_an_update_goes_on():
   """A backend that restarted (on its first weights) took turns while the router pushed
   the policy to it; and one that came back during an update (skipped by it) was let in
@@ -623,7 +658,8 @@ def test_an_update_is_cut_at_a_backend_gone_mid_update():
         await asyncio.sleep(3600)  # (stopped: never answers)
       return httpx.Response(200, json={"version": 7})
 
-    rot.clients["calls"] = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    mock = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    rot.clients.update({("calls", b): mock for b in ("http://a", "http://b")})
     asyncio.get_running_loop().call_later(0.2, rot.gone("http://b").set)
     t0 = time.monotonic()
     answer, status = await asyncio.wait_for(rot.update(b'{"path": "p"}'), 10)
@@ -641,8 +677,8 @@ def _mock_rotation(backends, handler, **kw) -> Rotation:
   rot = Rotation(backends, health_interval_s=1, timeout_s=5, turn_timeout_s=5,
                  max_sessions=10, control_token=None, max_connections=10, **kw)
   client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-  for pool in ("turns", "calls", "health"):
-    rot.clients[pool] = client
+  rot.clients.update({(pool, b): client for pool in ("turns", "calls") for b in backends})
+  rot.clients["health", None] = client
   return rot
 
 
