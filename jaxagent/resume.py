@@ -34,8 +34,8 @@ class Restored:
   next_group: int = 0  # group numbers go on from here: session ids stay unique
   requeue: list = dataclasses.field(default_factory=list)  # this process's tasks in flight
   consumed: set = dataclasses.field(default_factory=set)  # trained groups' WAL log keys
-  # The run's totals at the checkpoint (retries, groups replaced, drops by reason: what
-  # process 0 counted, as its rows say), which its rows go on from.
+  # This process's totals at the checkpoint (retries, groups replaced, drops by reason),
+  # which its count goes on from.
   counted: dict = dataclasses.field(default_factory=dict)
   # The order its data place indexes (`jaxagent.data.TASK_ORDER`; 1 before it was saved).
   task_order: Optional[int] = None
@@ -97,7 +97,7 @@ def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunCon
       next_group=int(meta.get("next_group", 0)),
       requeue=[TaskSpec.from_dict(t) for t in mine],
       consumed=set(consumed[me] if me < len(consumed) else []),
-      counted=meta.get("counted") or {}, task_order=int(meta.get("task_order", 1)))
+      counted=_counted(meta, me), task_order=int(meta.get("task_order", 1)))
   print(f"resumed from step {int(state.step)} (policy version {int(state.policy_version)}, "
         f"{len(restored.requeue)} tasks re-queued)")
   if cfg.steps <= int(state.step):  # (a lower steps= does not undo steps trained)
@@ -105,6 +105,16 @@ def restore(ckpt: RunCheckpointer, learner, state, tasks, cfg: config_lib.RunCon
           f"nothing to train; give steps=N above {int(state.step)} to go on",
           file=sys.stderr)
   return restored
+
+
+def _counted(meta: dict, process: int) -> dict:
+  """Process `process`'s totals at the checkpoint. One saved before they were saved by
+  process kept process 0's alone (every process went on from them: the others' counted
+  process 0's twice): the others begin at 0."""
+  by_process = meta.get("counted_by_process")
+  if isinstance(by_process, list):
+    return by_process[process] if process < len(by_process) else {}
+  return (meta.get("counted") or {}) if process == 0 else {}
 
 
 def set_aside_unrecorded(ckpt: RunCheckpointer, run_dir: str) -> None:

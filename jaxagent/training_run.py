@@ -197,6 +197,15 @@ def complete_row(p: dict, wall_time_s: float, n_proc: int, totals: dict,
   return row
 
 
+def add_totals(a: dict, b: dict) -> dict:
+  """Two processes' `TrainingRun.totals` together (`loop_held_s` is `a`'s own)."""
+  dropped = collections.Counter(a.get("dropped") or {})
+  dropped.update(b.get("dropped") or {})
+  return {**a, "retries": a.get("retries", 0) + b.get("retries", 0),
+          "groups_replaced": a.get("groups_replaced", 0) + b.get("groups_replaced", 0),
+          "dropped": dict(dropped)}
+
+
 def _deleted(state) -> bool:
   """Whether `state`'s arrays were given away (donated to a train step under way)."""
   return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))
@@ -276,6 +285,7 @@ class TrainingRun:
     self.own_failure: Optional[BaseException] = None  # this one's, told at the end
     self.nonfinite = False  # stopped by a step whose update was not finite
     self.counted_before: dict = {}  # the resumed checkpoint's totals (`totals`)
+    self.others_totals: dict = {}  # the other processes' totals (their rows are process 0's)
     self.overflow_said = False  # a batch that left groups out was said
 
   async def open(self, resume: bool, canary: bool, notes: Sequence[str]) -> None:
@@ -501,7 +511,7 @@ class TrainingRun:
                                f"the disk before checkpoint {step} ({e.strerror or e})"
                                f"{disk_hint(e)}"))
     done_now = scheduler.drain_finished()
-    mine = {"pending": pending, "next": next_index,
+    mine = {"pending": pending, "next": next_index, "counted": counted,
             "consumed": [] if wal is None else [
                 k for g in [*self.wal_done_with, *done_now]
                 for k in [wal.key(g), *sorted(self.replayed_from.get(g, ()))]]}
@@ -516,6 +526,7 @@ class TrainingRun:
         "next_group": next_group,
         "wal_consumed_by_process": [g["consumed"] for g in got],
         "stop_window_recent": self.recent, "counted": counted,
+        "counted_by_process": [g["counted"] for g in got],
         "canary": canary_now}, data_at, force=force, prints=prints)
     if wal is not None:
       # Groups this checkpoint no longer lists need no replay once it is written: those
@@ -571,7 +582,8 @@ class TrainingRun:
         raise
     p["segments"] = True
     totals = self.totals()
-    complete_row(p, time.time() - self.t_start, self.n_proc, totals, totals["loop_held_s"])
+    complete_row(p, time.time() - self.t_start, self.n_proc,
+                 add_totals(totals, self.others_totals), totals["loop_held_s"])
     if self.writer is not None:
       self.writer.write(p["row"])
     self.recorded = p["step"]
@@ -824,6 +836,12 @@ class TrainingRun:
                batch_too_long=info["too_long"])
     if self.multi:  # the episode counts and success of every process, not only this one's
       row.update(distributed.sum_episode_counts(row))
+      # (and the others' retries, replacements and drops: process 0's alone, while the
+      # groups played were every process's, left a row's groups unaccounted for; a
+      # reviewer)
+      every = distributed.gather_json(self.totals())
+      self.others_totals = functools.reduce(
+          add_totals, [t for i, t in enumerate(every) if i != jax.process_index()], {})
     self.played = []
     return row
 

@@ -102,6 +102,25 @@ def test_a_steps_counts_are_every_processs(monkeypatch):
   assert "wal_replayed_turns" not in distributed.sum_episode_counts(row)
 
 
+def test_a_rows_retries_replacements_and_drops_are_every_processs_and_resume_per_process():
+  """A reviewer: a two-process run's row summed both processes' groups but counted process
+  0's retries, replacements and drops alone (a group left out, said nowhere), and its
+  checkpoint kept process 0's totals, which every process went on from on a resume."""
+  from jaxagent.resume import _counted
+  from jaxagent.training_run import add_totals
+
+  zero = {"retries": 2, "groups_replaced": 1, "dropped": {"stale": 1}, "loop_held_s": 3.0}
+  one = {"retries": 5, "groups_replaced": 0, "dropped": {"stale": 2, "infra_error": 1},
+         "loop_held_s": 9.0}
+  assert add_totals(zero, one) == {"retries": 7, "groups_replaced": 1, "loop_held_s": 3.0,
+                                   "dropped": {"stale": 3, "infra_error": 1}}
+  assert add_totals(zero, {}) == zero
+  meta = {"counted": zero, "counted_by_process": [zero, one]}
+  assert [_counted(meta, p) for p in (0, 1, 2)] == [zero, one, {}]
+  older = {"counted": zero}  # (saved before: process 0's alone)
+  assert [_counted(older, p) for p in (0, 1)] == [zero, {}]
+
+
 def test_a_steps_tool_calls_tokens_and_means_are_every_processs(monkeypatch):
   """A reviewer: tool calls, output tokens and the means over episodes were process 0's
   alone beside every process's episode count (tool calls an episode read 4x too low on
