@@ -424,6 +424,8 @@ class TrainingRun:
       # Every process's episodes start once the servers serve it (sync mode trains tokens
       # of the current weights only).
       distributed.barrier(f"policy-{version}")
+      if cfg.serving.urls and not self.primary:
+        await self._follow(path, version)
     if canary:  # the restored run must sample what the saved one did
       problem = await replay_canary(restored.canary, int(self.state.step), cfg, env_factory,
                                     serving, tokenizer)
@@ -865,10 +867,22 @@ class TrainingRun:
           self.hold(e)
       if self.multi:  # no process samples on for the new version before the servers have it
         await self.agree(f"policy-{version}")
+        if not self.primary:
+          await self._follow(path, version)
       exports.served(version, self.primary)  # (the servers have moved on)
       sync_path = "export"
     self.scheduler.set_served(version)
     return sync_path
+
+  async def _follow(self, path: str, version: int) -> None:
+    """This process's client (and its router) held to the policy the first process updated
+    the servers to: a server that restarts is not served from before it loads it (this
+    process's router held none, let one in on its first weights, and its turns there
+    were stale: a group wasted; a reviewer)."""
+    try:  # (this process's own: an error is told at the next agreement)
+      await self.serving.client.follow_policy(path, version, self.cfg.rollout.update_mode)
+    except Exception as e:
+      self.hold(e)
 
   def _said(self, row: dict, m: dict, rollout_s: float, learner_s: float,
             sync_s: float) -> None:

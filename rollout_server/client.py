@@ -389,6 +389,24 @@ class HttpClient:
     self._updates += 1
     return out
 
+  async def follow_policy(self, path: str, version: int, mode: str = "drain") -> None:
+    """The policy another client updated the servers to (`update_weights`): this client
+    holds its turns to it as to its own update, and its router (`POST /router/policy`)
+    holds its backends to it; a server, not a router (404), is left as it is.
+    GenerateError when the router refuses it."""
+    policy = {"path": path, "version": version, "mode": mode}
+    try:
+      r = await self._client.post(f"{self.url}/router/policy", json=policy,
+                                  headers=control.headers(self.control_token), timeout=30.0)
+    except httpx.HTTPError as e:
+      raise GenerateError(f"{self.url}/router/policy: {type(e).__name__}: {e}") from e
+    if r.status_code not in (200, 404):
+      raise GenerateError(f"{self.url}/router/policy: {r.status_code}: {r.text[:300]}")
+    async with self._reloading:
+      if self._policy is None or self._policy["version"] != version:
+        self._policy = policy
+        self._updates += 1
+
   async def stats(self) -> dict:
     return (await self._client.get(f"{self.url}/health")).json()
 

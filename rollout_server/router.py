@@ -44,7 +44,7 @@ from jaxagent.config import ServerConfig
 from jaxagent.serve_http import BodyLimit, EndedStream, client_gone, control_guard
 from jaxagent.stopping import unless_stopped
 from rollout_server import responses_api
-from rollout_server.router_backends import Rotation
+from rollout_server.router_backends import Rotation, is_version
 from rollout_server.routing import (NONE_AVAILABLE, api_error, error_body, forwarded_path,
                                     handover_refused, long_id, parsed, session_from,
                                     stream_cut_event)
@@ -669,6 +669,22 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     """Sends the update to every healthy backend (`Rotation.update`)."""
     answer, status = await router.update(await request.body())
     return JSONResponse(answer, status_code=status)
+
+  @app.post("/router/policy", dependencies=guarded)
+  async def follow_policy(request: Request):
+    """Holds the backends to the policy of the update in the body (`path`, `version`), which
+    another router (or client) loads into them: this router pushes none (`Rotation.follow`)."""
+    body = await request.body()
+    try:
+      sent = json.loads(body)
+    except (ValueError, RecursionError):
+      sent = None
+    version = sent.get("version") if isinstance(sent, dict) else None
+    if version is None or not is_version(version):
+      return api_error("router/policy", 400, "the body is an update's JSON object naming "
+                       "its version (an integer or a string)")
+    router.follow(body, version)
+    return {"version": router.policy["version"], "follows": True}
 
   @app.get("/sessions/{session_id:path}")
   async def get_session(session_id: str, since: int = Query(0, ge=0)):

@@ -36,7 +36,7 @@ log = logging.getLogger("rollout_server.router")
 UNREACHABLE_CHECKS = 3
 
 
-def _version(got) -> bool:
+def is_version(got) -> bool:
   """Whether `got` can be a served policy version (a /health's: an integer, a string, or
   none; a list there made the mix of versions unhashable and killed the health loop)."""
   return got is None or (isinstance(got, (int, str)) and not isinstance(got, bool))
@@ -77,6 +77,9 @@ class Rotation:
     self.failovers = {"n": 0, "streams_cut": 0, "policy_pushes": 0, "handovers": 0,
                       "handovers_failed": 0, "responses_made_whole": 0}
     self.policy: dict = {"body": None, "version": None}  # the last update the backends took
+    # Held to a policy another router updates the backends to (`follow`): this one pushes
+    # none, and keeps a backend on another version out until it serves the policy.
+    self.follows = False
     self.updating = asyncio.Lock()
     self.clients: dict = {}  # "turns", "calls", "health" -> its httpx.AsyncClient, once made
     # Deletes a backend missed (not healthy then): done before it takes traffic again, or
@@ -195,6 +198,19 @@ class Rotation:
       await c.aclose()
     self.clients.clear()
 
+  def follow(self, body: bytes, version) -> None:
+    """Holds the backends to `version` (the update `body`, as `POST /update_weights`'s),
+    which another router loads into them: a learner's processes each route through a
+    router of their own, and only the first process updates the servers (the others'
+    routers, holding no policy, let a restarted server in on its first weights, and
+    their turns there were stale: a reviewer). A version below the one held is kept
+    out (asked late)."""
+    held = self.policy["version"]
+    self.follows = True
+    if isinstance(held, int) and isinstance(version, int) and version < held:
+      return
+    self.policy.update(body=body, version=version)
+
   async def push_policy(self, backend: str):
     """Loads the current policy into `backend`: the version it now serves, None when it
     did not take it."""
@@ -300,7 +316,7 @@ class Rotation:
       ok = isinstance(got, dict)
       if ok:
         serves = (got.get("version"), got.get("policy_id"))
-        if not (_version(serves[0]) and isinstance(serves[1], (str, type(None)))):
+        if not (is_version(serves[0]) and isinstance(serves[1], (str, type(None)))):
           raise ValueError(f"its /health names version {serves[0]!r:.80} of policy "
                            f"{serves[1]!r:.80} (an integer or a string each)")
         # (restarted: on its first weights, as one coming back; during an update it
@@ -323,7 +339,8 @@ class Rotation:
         self.serves[backend] = serves
       serving = got.get("version") if ok else None
       wanted = self.policy["version"]  # (read now: an update may have ended meanwhile)
-      if ok and wanted is not None and not self.updating.locked() and serving != wanted:
+      if (ok and wanted is not None and not self.updating.locked() and serving != wanted
+          and not self.follows):
         # restarted (or missed an update): out of rotation while it catches up (its turns
         # meanwhile were another policy's; a reviewer)
         self.healthy[backend], rejoins = False, True
@@ -342,8 +359,9 @@ class Rotation:
         ok, why, behind = False, "a policy update is under way", True
       elif ok and not self.updating.locked() and self.policy["version"] not in (None, serving):
         ok, why, behind = False, (f"it serves version {serving!r}, not the router's "
-                                  f"{self.policy['version']!r}: it loads that at its next "
-                                  "check"), True
+                                  f"{self.policy['version']!r}: " + (
+                                      "the router it follows loads that" if self.follows
+                                      else "it loads that at its next check")), True
       self.healthy[backend] = ok
     except Exception as e:  # (any reply it cannot read is a backend not well: red team 14,
       # a JSON list killed the loop, and no backend was checked again)
@@ -479,7 +497,7 @@ class Rotation:
       with contextlib.suppress(Exception):
         r = await send(b)
         answer = r.json() if r.status_code == 200 else None
-        if isinstance(answer, dict) and _version(answer.get("version")) and \
+        if isinstance(answer, dict) and is_version(answer.get("version")) and \
             _of_the_policy([answer], body):  # (another model's version is not its policy's)
           self.took(b, answer.get("version"))
 
@@ -507,7 +525,7 @@ class Rotation:
       except ValueError:
         answer = {"detail": r.text[:500]}
       out.append({"backend": b, "status": r.status_code, "body": answer})
-      if r.status_code == 200 and isinstance(answer, dict) and _version(answer.get("version")):
+      if r.status_code == 200 and isinstance(answer, dict) and is_version(answer.get("version")):
         took[b] = answer.get("version")
       else:
         refused.append(b)

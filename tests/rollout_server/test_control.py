@@ -434,7 +434,7 @@ def test_the_guarded_routes_are_the_control_routes(random_params, tokenizer):
         ("DELETE", "/sessions/{session_id:path}"), ("GET", "/control")}
   assert guarded(create_router(["http://127.0.0.1:9"], control_token=TOKEN)) == {
       ("POST", "/update_weights"), ("DELETE", "/sessions/{session_id:path}"),
-      ("GET", "/control")}
+      ("GET", "/control"), ("POST", "/router/policy")}
 
 
 def test_a_learner_holds_the_runs_tokens_out_of_the_environment_its_programs_inherit(

@@ -784,3 +784,86 @@ def test_a_backend_is_back_only_once_it_loaded_the_policy_and_did_the_deletes_it
 
   rot = _mock_rotation(["http://a"], handler)
   asyncio.run(main())
+
+
+def test_a_router_following_anothers_policy_holds_its_backends_to_it_and_pushes_none():
+  """A reviewer: a learner's second process routes through a router of its own, and only
+  the first process updates the servers; that router held no policy, let a restarted
+  server in on its first weights, and the process's turns there were stale (a group
+  wasted). Following the policy (`POST /router/policy`), it keeps the server out until
+  the other router has loaded it, and loads nothing itself."""
+  from rollout_server.client import GenerateError, HttpClient
+
+  a, b = {"version": 1}, {"version": 1}
+  with ServerThread(_backend(a)) as sa, ServerThread(_backend(b)) as sb, \
+      ServerThread(create_router([sa.url, sb.url], health_interval_s=0.1,
+                                 control_token="t")) as r:
+    policy = {"path": "/p", "version": 1}
+    assert httpx.post(f"{r.url}/router/policy", json=policy, timeout=10).status_code == 401
+    for bad in ({"path": "/p"}, {"version": [1]}, [1]):
+      got = httpx.post(f"{r.url}/router/policy", json=bad, headers={"x-control-token": "t"},
+                       timeout=10)
+      assert got.status_code == 400 and "version" in got.json()["detail"], got.text
+
+    async def follow():
+      client = HttpClient(r.url, control_token="t")
+      try:
+        await client.follow_policy("/p", 1)
+        assert client._policy == {"path": "/p", "version": 1, "mode": "drain"}
+      finally:
+        await client.aclose()
+
+    asyncio.run(follow())
+    a.update(version=0, instance="two")  # (restarted, on its first weights)
+    deadline = time.time() + 10
+    while _healthy(r.url)[sa.url] and time.time() < deadline:
+      time.sleep(0.05)
+    assert not _healthy(r.url)[sa.url]
+    time.sleep(0.5)  # (checks go on: none loads the policy into it)
+    assert not a.get("updating") and a["version"] == 0 and not _healthy(r.url)[sa.url]
+    got = httpx.get(f"{r.url}/router/health", timeout=10).json()
+    assert got["policy_version"] == 1 and got["policy_pushes"] == 0
+    a["version"] = 1  # (the first process's router loaded it)
+    while not _healthy(r.url)[sa.url] and time.time() < deadline:
+      time.sleep(0.05)
+    assert _healthy(r.url)[sa.url]
+    # (a follow asked late, of a version before the one held, holds nothing back)
+    httpx.post(f"{r.url}/router/policy", json={"path": "/p", "version": 2},
+               headers={"x-control-token": "t"}, timeout=10)
+    assert httpx.post(f"{r.url}/router/policy", json=policy, timeout=10,
+                      headers={"x-control-token": "t"}).json()["version"] == 2
+
+  # A client of one server (no router: 404) holds its turns to the policy all the same: a
+  # turn served from before it is asked again, the policy loaded into the server first.
+  from fastapi import FastAPI, Request
+
+  from jaxagent.trajectory import SamplingParams
+
+  served, app = {"version": 0}, FastAPI()
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "version": served["version"]}
+
+  @app.post("/update_weights")
+  async def update(request: Request):
+    served["version"] = (await request.json())["version"]
+    return {"version": served["version"], "model": None}
+
+  @app.post("/generate")
+  async def generate():
+    return {"prompt_ids": [1, 2], "output_ids": [5], "output_logprobs": [-0.5],
+            "versions": [served["version"]], "finish_reason": "length"}
+
+  with ServerThread(app) as one:
+    async def turn():
+      client = HttpClient(one.url)
+      try:
+        await client.follow_policy("/p", 3)
+        with pytest.raises(GenerateError, match="served version 0 after it took version 3"):
+          await client.generate([1, 2], SamplingParams(max_new_tokens=1))
+        assert (await client.generate([1, 2], SamplingParams(max_new_tokens=1))).versions == [3]
+      finally:
+        await client.aclose()
+
+    asyncio.run(turn())
