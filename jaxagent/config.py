@@ -366,6 +366,11 @@ class ServerConfig:
   # A request body over this many bytes is refused (413) before it is parsed (parsed,
   # a body took ~13x its size in memory: a few large ones could take the server down).
   max_body_bytes: int = 32 << 20
+  # /health answers 503 (out of a router's rotation) while the engine loop has been in one
+  # step this many seconds: hung (a device or a collective that never returns), its turns
+  # held with /health still ok. Above the longest compile (a large model's first batch of
+  # a new shape) and the longest prefill; null: never.
+  stall_s: Optional[float] = 900.0
   # More models served beside the policy, by name (see ServedModelConfig).
   models: dict[str, ServedModelConfig] = dataclasses.field(default_factory=dict)
 

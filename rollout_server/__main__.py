@@ -61,6 +61,9 @@ def main(argv=None) -> int:
       cfg = dataclasses.replace(cfg, policy=args.policy)
     if not 0 < cfg.port < 65536:
       raise config_lib.ConfigError(f"port must be in 1..65535, got {cfg.port}")
+    if cfg.stall_s is not None and not cfg.stall_s > 0:  # (0 read every step as hung)
+      raise config_lib.ConfigError(f"stall_s must be > 0 seconds, or null (never), got "
+                                   f"{cfg.stall_s}")
     from jaxagent.run_checks import UPDATE_MODES, check_model_and_learner, check_served_models
 
     if cfg.update_mode not in UPDATE_MODES:  # (each weight update was refused, 400)

@@ -235,6 +235,7 @@ class Orchestrator:
     self._cv = threading.Condition()
     self._stop = False
     self.dead: Optional[str] = None  # (what killed the engine loop: `EngineDead`)
+    self.step_began: Optional[float] = None  # (monotonic: when the loop's step under way began)
     self._thread: Optional[threading.Thread] = None
     self._ids = itertools.count()
     self._recent = collections.deque(maxlen=256)  # (time, tokens) per step
@@ -432,6 +433,8 @@ class Orchestrator:
     with self._cv:
       live = sum(r is not None for r in self._slots)
       queued = len(self._queue)
+    began = self.step_began
+    step_s = 0.0 if began is None or self.dead is not None else time.monotonic() - began
     now = time.perf_counter()
     window = [(t, n) for t, n in list(self._recent) if now - t <= 10.0]
     tps = 0.0
@@ -444,7 +447,7 @@ class Orchestrator:
            "shared_pages": self.shared_pages,
            "speculative": {"proposed": self.spec_proposed, "accepted": self.spec_accepted},
            "version": self.version, "loop_errors": self.loop_errors, "dead": self.dead,
-           "last_swap": self.last_swap,
+           "last_swap": self.last_swap, "step_s": step_s,
            "kv_pages": {"total": self.engine.num_pages - 1, "used": self.allocator.used,
                         "free": self.allocator.free, "page_size": self.engine.page_size}}
     if self.prefix_cache is not None:
@@ -467,11 +470,13 @@ class Orchestrator:
 
   def _loop(self) -> None:
     while True:
+      self.step_began = None
       with self._cv:
         while not self._stop and not self._has_work():
           self._cv.wait(timeout=0.5)
         if self._stop:
           return
+      self.step_began = time.monotonic()
       try:
         self._process_aborts()
         self._process_update()

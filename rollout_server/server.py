@@ -308,7 +308,8 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
                model_name: str = "jaxagent", models: Optional[dict] = None,
                max_score_tokens: int = MAX_SCORE_TOKENS, policy_id: Optional[str] = None,
                max_body_bytes: int = ServerConfig.max_body_bytes,
-               control_token: Optional[str] = None) -> FastAPI:
+               control_token: Optional[str] = None,
+               stall_s: Optional[float] = ServerConfig.stall_s) -> FastAPI:
   """The server app. `load_params(path, version) -> engine params` serves /update_weights.
   `models`: more models served by name (`rollout_server.serving.ServedModel`s).
   `policy_id`: the id of the export the policy's weights were loaded from
@@ -400,6 +401,11 @@ def create_app(orch: Orchestrator, tokenizer: Tokenizer, *, load_params=None,
     s = orch.stats()
     if s.get("dead"):  # (out of rotation: its every request fails; a reviewer)
       return JSONResponse({"status": f"the engine loop died: {s['dead']}",
+                           "version": s["version"], "instance": instance}, status_code=503)
+    if stall_s and s["step_s"] > stall_s:  # (hung: out of rotation, its turns held; a
+      # reviewer found one taking turns for good while /health said ok)
+      return JSONResponse({"status": f"the engine loop has been in one step for "
+                                     f"{s['step_s']:.0f} s (stall_s {stall_s:g}): hung",
                            "version": s["version"], "instance": instance}, status_code=503)
     out = {"status": "ok", "version": s["version"], "live_slots": s["live_slots"],
            "queue": s["queue"], "policy_id": served_from["id"]

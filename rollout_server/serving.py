@@ -189,7 +189,7 @@ def build_app(cfg: ServerConfig):
                    max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
                    session_max_bytes=cfg.session_max_bytes, model_name=cfg.name,
                    models=models, policy_id=policy_id, max_body_bytes=cfg.max_body_bytes,
-                   control_token=control.from_env())
+                   control_token=control.from_env(), stall_s=cfg.stall_s)
   if not renders_tools(tokenizer):  # said at the start, not only to each request
     print(f"note: the chat template of {tokenizer.name} drops tools: chat requests with "
           "tools are refused (400); model.chat_template=chatml_tools renders them", flush=True)

@@ -74,6 +74,8 @@ def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
       # (red team 15: every request failed while /health said ok)
       (server_cli.main, ["--config", "configs/server_tiny.yaml", "engine.prefill_chunk=-1"],
        "engine.prefill_chunk must be >= 0 (0: whole prompts), got -1"),
+      (server_cli.main, ["--config", "configs/server_tiny.yaml", "stall_s=0"],
+       "stall_s must be > 0 seconds, or null (never), got 0"),
       (server_cli.main, ["--config", "configs/server_tiny.yaml", "mesh.fsdp=0"],
        "mesh.fsdp must be >= 1, got 0"),  # (was a ZeroDivisionError's traceback)
       (server_cli.main, ["--config", "configs/server_tiny.yaml",

@@ -957,3 +957,51 @@ def test_a_dead_engine_over_http_is_the_engines_death_not_a_full_queue(random_pa
     with pytest.raises(GenerateError) as e:
       asyncio.run(turn())
     assert e.value.kind == "engine_dead", e.value
+
+
+def test_an_engine_loop_hung_in_a_step_is_out_of_a_routers_rotation(random_params, tokenizer):
+  """A reviewer: a server whose engine loop hung in a step (a device call that never
+  returns) answered /health ok, and a router sent it turns for good, each held for the
+  turn timeout. Past `stall_s` in one step, /health is a 503 naming it, and the router
+  sends the session's turns elsewhere."""
+  from rollout_server.router import create_router
+  from rollout_server.serving import ServerThread
+
+  with running_server(random_params, tokenizer, stall_s=1.0) as (hung, orch), \
+      running_server(random_params, tokenizer) as (well, _):
+    held, entered = threading.Event(), threading.Event()
+    step = orch._step
+
+    def stuck():
+      entered.set()
+      held.wait(60)
+      step()
+
+    orch._step = stuck
+    try:
+      with ServerThread(create_router([hung.url, well.url], health_interval_s=0.2)) as r:
+        first = threading.Thread(target=lambda: httpx.post(
+            f"{hung.url}/generate", json={"input_ids": [1, 2, 3], "max_new_tokens": 2},
+            timeout=60))
+        first.start()
+        assert entered.wait(60)
+        deadline = time.time() + 30
+        while httpx.get(f"{hung.url}/health").status_code == 200 and time.time() < deadline:
+          time.sleep(0.1)
+        got = httpx.get(f"{hung.url}/health")
+        assert got.status_code == 503 and "in one step for" in got.json()["status"], got.text
+        while time.time() < deadline and httpx.get(
+            f"{r.url}/router/health").json()["backends"][0]["healthy"]:
+          time.sleep(0.1)
+        for i in range(4):  # (every session, its home the hung one's or not, is served)
+          out = httpx.post(f"{r.url}/generate", json={
+              "input_ids": [1, 2, 3], "max_new_tokens": 2, "session_id": f"s{i}"}, timeout=30)
+          assert out.status_code == 200, out.text
+        held.set()
+        first.join(60)
+        while time.time() < deadline and httpx.get(f"{hung.url}/health").status_code != 200:
+          time.sleep(0.1)
+        assert httpx.get(f"{hung.url}/health").status_code == 200  # (it went on: well again)
+    finally:
+      held.set()
+      orch._step = step
