@@ -279,6 +279,13 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = (),
     item = _parsed(_ITEMS[kind], raw, where)
     last = kept[-1] if len(kept) > start else None  # (the answer continued stays as it was)
     if isinstance(item, FunctionCallItem):
+      try:  # (named by its item here: the chat form's check names a message and call)
+        value = json.loads(item.arguments) if item.arguments.strip() else {}
+      except (ValueError, RecursionError):
+        value = None
+      if not isinstance(value, dict):
+        raise ValueError(f"{where}.arguments must be the JSON text of an object, got "
+                         f"{item.arguments!r:.100}")
       call = {"id": item.call_id, "type": "function",
               "function": {"name": item.name, "arguments": item.arguments}}
       if last is not None and last["role"] == "assistant":

@@ -652,6 +652,10 @@ def test_bad_requests_get_errors_naming_the_field(server):
        400, "(a message came between them)"),
       (dict(ok, input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), 400,
        "input[0].call_id: Field required"),
+      # (named as the chat form's messages[0].tool_calls[0]: a reviewer)
+      (dict(ok, input=[{"role": "user", "content": "x"}, dict(call, arguments="{bad"),
+                       {"type": "function_call_output", "call_id": "c1", "output": "x"}]),
+       400, "input[1].arguments must be the JSON text of an object, got '{bad'"),
       (dict(ok, tools=[{"type": "web_search"}]), 400,
        "tools[0]: only function tools are served, got type 'web_search'"),
       (dict(ok, tools=[{"type": "function"}]), 400, "tools[0].name: Field required"),
