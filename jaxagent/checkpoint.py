@@ -450,8 +450,8 @@ def existing_export(path: str) -> str:
   if os.path.exists(path):
     return path
   parent, version = os.path.dirname(os.path.normpath(path)) or ".", version_of_dir(path)
-  if version is not None and os.path.isdir(version_dir(parent, version)):
-    return version_dir(parent, version)
+  if version is not None and export_stands(version_dir(parent, version)):
+    return version_dir(parent, version)  # (standing as the copy a crash left aside too)
   try:
     have = sorted(v for v in map(version_of_dir, os.listdir(parent)) if v is not None)
   except OSError:  # (not there, or not to be listed)

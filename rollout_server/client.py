@@ -230,6 +230,7 @@ class HttpClient:
     self._policy: Optional[dict] = None  # the last update the server took
     self._updates = 0  # how many it took (a turn asked before the latest is not checked)
     self._reloading = asyncio.Lock()
+    self._follows = False  # (another client updates the server: `follow_policy`)
 
   async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                      session_id: Optional[str] = None, model: Optional[str] = None,
@@ -270,6 +271,9 @@ class HttpClient:
     if (policy is not None and model is None and updates == self._updates and record.versions
         and min(record.versions) < policy["version"]):
       # (shielded: a turn deadline must not cut a load in the middle)
+      if self._follows:  # (the client that updates it loads it again)
+        raise GenerateError(f"{self.url} served version {min(record.versions)} after it "
+                            f"took version {policy['version']} (restarted?): asked again")
       await asyncio.shield(self._reload(updates))
       raise GenerateError(f"{self.url} served version {min(record.versions)} after it took "
                           f"version {policy['version']} (restarted?): loaded it again")
@@ -301,7 +305,11 @@ class HttpClient:
       policy = dict(self._policy)
       try:
         health = (await self._client.get(f"{self.url}/health", timeout=10.0)).json()
-        if "version" in health and health["version"] != policy["version"]:
+        served = health.get("version")
+        # (not one newer than its policy: another client's update, rolled back)
+        if "version" in health and served != policy["version"] and not (
+            isinstance(served, int) and isinstance(policy["version"], int)
+            and served > policy["version"]):
           await self._push(**policy)
       except (httpx.HTTPError, ValueError, GenerateError):
         pass  # the next turn finds out again
@@ -342,6 +350,7 @@ class HttpClient:
 
   async def update_weights(self, path: str, version: int, mode: str = "drain") -> dict:
     async with self._reloading:  # one push at a time: a reload never lands after a newer one
+      self._follows = False
       return await self._push(path, version, mode)
 
   async def _push(self, path: str, version: int, mode: str = "drain") -> dict:
@@ -391,18 +400,21 @@ class HttpClient:
 
   async def follow_policy(self, path: str, version: int, mode: str = "drain") -> None:
     """The policy another client updated the servers to (`update_weights`): this client
-    holds its turns to it as to its own update, and its router (`POST /router/policy`)
-    holds its backends to it; a server, not a router (404), is left as it is.
-    GenerateError when the router refuses it."""
+    asks again a turn served from older weights (the other loads the policy into the
+    server again: two loading it at once drained it twice, and one a version behind
+    rolled it back; a reviewer), and its router (`POST /router/policy`) holds its
+    backends to it; a server (404), or a router the other client updates (409: shared),
+    is left as it is. GenerateError when the router refuses it otherwise."""
     policy = {"path": path, "version": version, "mode": mode}
     try:
       r = await self._client.post(f"{self.url}/router/policy", json=policy,
                                   headers=control.headers(self.control_token), timeout=30.0)
     except httpx.HTTPError as e:
       raise GenerateError(f"{self.url}/router/policy: {type(e).__name__}: {e}") from e
-    if r.status_code not in (200, 404):
+    if r.status_code not in (200, 404, 409):
       raise GenerateError(f"{self.url}/router/policy: {r.status_code}: {r.text[:300]}")
     async with self._reloading:
+      self._follows = True
       if self._policy is None or self._policy["version"] != version:
         self._policy = policy
         self._updates += 1

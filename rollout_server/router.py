@@ -683,7 +683,10 @@ def create_router(backends: Sequence[str], *, health_interval_s: float = 2.0,
     if version is None or not is_version(version):
       return api_error("router/policy", 400, "the body is an update's JSON object naming "
                        "its version (an integer or a string)")
-    router.follow(body, version)
+    if not router.follow(body, version):
+      return api_error("router/policy", 409, "this router takes the policy's updates itself "
+                       "(POST /update_weights) and loads it into its backends: it follows "
+                       "none")
     return {"version": router.policy["version"], "follows": True}
 
   @app.get("/sessions/{session_id:path}")

@@ -78,8 +78,9 @@ class Rotation:
                       "handovers_failed": 0, "responses_made_whole": 0}
     self.policy: dict = {"body": None, "version": None}  # the last update the backends took
     # Held to a policy another router updates the backends to (`follow`): this one pushes
-    # none, and keeps a backend on another version out until it serves the policy.
-    self.follows = False
+    # none, and keeps a backend behind it out until it serves it. One that takes updates
+    # itself (`leads`) follows none.
+    self.follows = self.leads = False
     self.updating = asyncio.Lock()
     self.clients: dict = {}  # "turns", "calls", "health" -> its httpx.AsyncClient, once made
     # Deletes a backend missed (not healthy then): done before it takes traffic again, or
@@ -198,18 +199,31 @@ class Rotation:
       await c.aclose()
     self.clients.clear()
 
-  def follow(self, body: bytes, version) -> None:
+  def follow(self, body: bytes, version) -> bool:
     """Holds the backends to `version` (the update `body`, as `POST /update_weights`'s),
     which another router loads into them: a learner's processes each route through a
     router of their own, and only the first process updates the servers (the others'
     routers, holding no policy, let a restarted server in on its first weights, and
-    their turns there were stale: a reviewer). A version below the one held is kept
-    out (asked late)."""
+    their turns there were stale: a reviewer). A version below the one held is left
+    out (asked late). False, following nothing, on a router that takes updates itself
+    (one router shared by every process: it loads the policy into a server that comes
+    back, and following, it would load it no more)."""
+    if self.leads:
+      return False
     held = self.policy["version"]
     self.follows = True
-    if isinstance(held, int) and isinstance(version, int) and version < held:
-      return
-    self.policy.update(body=body, version=version)
+    if not (isinstance(held, int) and isinstance(version, int) and version < held):
+      self.policy.update(body=body, version=version)
+    return True
+
+  def on_policy(self, version) -> bool:
+    """Whether a backend serving `version` serves the policy: the router's (any before it
+    has one); following, that or a newer one (the other router's update under way, which
+    this one is told of once it is done: its backends were out until then, a reviewer)."""
+    wanted = self.policy["version"]
+    return (wanted is None or version == wanted
+            or (self.follows and isinstance(version, int) and isinstance(wanted, int)
+                and not isinstance(version, bool) and version > wanted))
 
   async def push_policy(self, backend: str):
     """Loads the current policy into `backend`: the version it now serves, None when it
@@ -340,7 +354,7 @@ class Rotation:
       serving = got.get("version") if ok else None
       wanted = self.policy["version"]  # (read now: an update may have ended meanwhile)
       if (ok and wanted is not None and not self.updating.locked() and serving != wanted
-          and not self.follows):
+          and not self.follows):  # (following: the other router loads it)
         # restarted (or missed an update): out of rotation while it catches up (its turns
         # meanwhile were another policy's; a reviewer)
         self.healthy[backend], rejoins = False, True
@@ -357,7 +371,7 @@ class Rotation:
         # An update under way skipped it (out of rotation): let in now, it served the old
         # policy on (a reviewer). It loads the new one at its next check.
         ok, why, behind = False, "a policy update is under way", True
-      elif ok and not self.updating.locked() and self.policy["version"] not in (None, serving):
+      elif ok and not self.updating.locked() and not self.on_policy(serving):
         ok, why, behind = False, (f"it serves version {serving!r}, not the router's "
                                   f"{self.policy['version']!r}: " + (
                                       "the router it follows loads that" if self.follows
@@ -452,10 +466,9 @@ class Rotation:
     router no longer holds the backends to (a reviewer; a restarted server's first
     weights were served after an update had returned: red team 43); nor one gone
     (`gone`: its turn would be cut at once)."""
-    wanted = self.policy["version"]
     out = [b for b in candidates if not self.healthy[b] and not self.gone(b).is_set()]
     return ([b for b in candidates if self.healthy[b]]
-            + [b for b in out if wanted is None or self.serves.get(b, (None,))[0] == wanted]
+            + [b for b in out if self.on_policy(self.serves.get(b, (None,))[0])]
             or [b for b in out if self.serves.get(b, (None,))[0] is None])
 
   async def update(self, body: bytes) -> tuple[dict, int]:
@@ -464,6 +477,7 @@ class Rotation:
     left out of rotation and catches up when it returns); a backend that is down now
     loads this policy before it serves again."""
     async with self.updating:
+      self.leads, self.follows = True, False
       try:
         return await self._update(body)
       finally:

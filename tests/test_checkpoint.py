@@ -528,6 +528,11 @@ def test_an_export_is_found_by_its_version_as_a_user_writes_it(tmp_path):
   from rollout_server.serving import resolve_policy
 
   assert resolve_policy(str(root / "v973")) == (str(root / "v00000973"), 973)
+  # (standing only as the copy a crash left aside, `v00000003.old`: found by either name;
+  # the short one was "no such export": a reviewer)
+  (root / "v00000003").rename(root / "v00000003.old")
+  for name in ("v3", "v00000003"):
+    assert resolve_policy(str(root / name)) == (str(root / "v00000003"), 3)
 
 
 # -- red team 51: fingerprints, set-asides, exports and their registry, unit by unit ---

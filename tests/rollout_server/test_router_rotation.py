@@ -827,14 +827,48 @@ def test_a_router_following_anothers_policy_holds_its_backends_to_it_and_pushes_
     while not _healthy(r.url)[sa.url] and time.time() < deadline:
       time.sleep(0.05)
     assert _healthy(r.url)[sa.url]
+    # The other router's next update, under way: servers on it stay in (they were out
+    # until this one was told of it, after the whole update; a reviewer)
+    a["version"] = b["version"] = 2
+    time.sleep(0.5)
+    assert all(_healthy(r.url).values())
+    assert httpx.post(f"{r.url}/generate", json={"input_ids": [1]}, timeout=10).status_code \
+        == 200
     # (a follow asked late, of a version before the one held, holds nothing back)
     httpx.post(f"{r.url}/router/policy", json={"path": "/p", "version": 2},
                headers={"x-control-token": "t"}, timeout=10)
     assert httpx.post(f"{r.url}/router/policy", json=policy, timeout=10,
                       headers={"x-control-token": "t"}).json()["version"] == 2
 
+  # One router shared by every process (a deployment's): it takes the first's updates and
+  # follows none (following, it loaded the policy into a restarted server no more, and
+  # with one server no turn could be served again; a reviewer)
+  d = {"version": 0}
+  with ServerThread(_backend(d)) as sd, \
+      ServerThread(create_router([sd.url], health_interval_s=0.1)) as shared:
+    assert httpx.post(f"{shared.url}/update_weights", json={"path": "/p", "version": 1},
+                      timeout=30).status_code == 200
+    refused = httpx.post(f"{shared.url}/router/policy", json={"path": "/p", "version": 1},
+                         timeout=10)
+    assert refused.status_code == 409 and "follows none" in refused.json()["detail"]
+
+    async def shared_follow():
+      client = HttpClient(shared.url)
+      try:
+        await client.follow_policy("/p", 1)  # (409: left as it is)
+      finally:
+        await client.aclose()
+
+    asyncio.run(shared_follow())
+    d.update(version=0, instance="two")
+    deadline = time.time() + 10
+    while d["version"] != 1 and time.time() < deadline:
+      time.sleep(0.05)
+    assert d["version"] == 1  # (loaded again by the router)
+
   # A client of one server (no router: 404) holds its turns to the policy all the same: a
-  # turn served from before it is asked again, the policy loaded into the server first.
+  # turn served from before it is asked again; the client that updates the server loads
+  # it again (both did: it drained twice, and one a version behind rolled it back).
   from fastapi import FastAPI, Request
 
   from jaxagent.trajectory import SamplingParams
@@ -860,9 +894,16 @@ def test_a_router_following_anothers_policy_holds_its_backends_to_it_and_pushes_
       client = HttpClient(one.url)
       try:
         await client.follow_policy("/p", 3)
-        with pytest.raises(GenerateError, match="served version 0 after it took version 3"):
+        with pytest.raises(GenerateError, match="served version 0 after it took version 3 "
+                                                r"\(restarted\?\): asked again"):
           await client.generate([1, 2], SamplingParams(max_new_tokens=1))
-        assert (await client.generate([1, 2], SamplingParams(max_new_tokens=1))).versions == [3]
+        assert served["version"] == 0  # (not this client's to load)
+        leader = HttpClient(one.url)
+        try:
+          await leader.update_weights("/p", 4)  # (the leader's next update, meanwhile)
+        finally:
+          await leader.aclose()
+        assert (await client.generate([1, 2], SamplingParams(max_new_tokens=1))).versions == [4]
       finally:
         await client.aclose()
 
