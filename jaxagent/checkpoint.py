@@ -56,6 +56,11 @@ def _quiet_abandoned_reads():
   never awaited"): the failure is reported once, in one line, by the caller."""
   previous = sys.unraisablehook
   sys.unraisablehook = lambda unraisable: None
+  # (and the records of its tasks' exceptions never retrieved, asyncio's, one a read with
+  # TensorStore's spec, and Orbax's warning of the metadata it could not read)
+  dropped = [(logging.getLogger(name), _DropAll()) for name in ("asyncio", "absl")]
+  for logger, drop in dropped:
+    logger.addFilter(drop)
   try:
     yield
   finally:
@@ -63,6 +68,13 @@ def _quiet_abandoned_reads():
       warnings.simplefilter("ignore", RuntimeWarning)
       gc.collect()  # the abandoned coroutines go now, while the hook is quiet
     sys.unraisablehook = previous
+    for logger, drop in dropped:
+      logger.removeFilter(drop)
+
+
+class _DropAll(logging.Filter):
+  def filter(self, record) -> bool:
+    return False
 
 
 # -- fingerprints -----------------------------------------------------------------------
@@ -640,7 +652,10 @@ def load_policy(path: str, abstract_params: Any) -> Params:
     path += ASIDE  # a crash cut a replacement short: the previous export stands
   if not os.path.isdir(path):
     raise FileNotFoundError(f"no exported policy at {path}")
-  with ocp.StandardCheckpointer() as ckptr:
+  # (a damaged export's failed reads printed 60-140 lines of Orbax's, TensorStore's and
+  # asyncio's tracebacks above the one line: a red team)
+  quiet_failed_save_noise()
+  with ocp.StandardCheckpointer() as ckptr, _quiet_abandoned_reads():
     try:
       stored = ckptr.metadata(path).item_metadata
     except Exception:  # (unreadable: the restore says why)
@@ -654,8 +669,6 @@ def load_policy(path: str, abstract_params: Any) -> Params:
       return ckptr.restore(path, abstract_params)
     except Exception as e:  # (a traceback of Orbax's, or TensorStore's spec dump)
       reason = short_reason(e)
-  with _quiet_abandoned_reads():  # (the failed read's abandoned coroutines, collected)
-    pass
   raise ValueError(f"the policy export at {path} cannot be read (damaged or partial: "
                    f"{reason})")
 

@@ -64,6 +64,14 @@ def main(argv=None) -> int:
     if cfg.stall_s is not None and not cfg.stall_s > 0:  # (0 read every step as hung)
       raise config_lib.ConfigError(f"stall_s must be > 0 seconds, or null (never), got "
                                    f"{cfg.stall_s}")
+    # (each started, and refused every request, or lost every session's record, or
+    # failed every turn of one with a 500: a red team)
+    for key, bounded in (("max_sessions", True), ("max_body_bytes", True),
+                         ("session_max_bytes", False), ("session_ttl_s", False)):
+      value = getattr(cfg, key)
+      if (value is None and bounded) or value is not None and not value > 0:
+        raise config_lib.ConfigError(f"{key} must be > 0" + (
+            "" if bounded else ", or null (unbounded)") + f", got {value}")
     from jaxagent.run_checks import UPDATE_MODES, check_model_and_learner, check_served_models
 
     if cfg.update_mode not in UPDATE_MODES:  # (each weight update was refused, 400)

@@ -819,6 +819,14 @@ def main(argv=None) -> int:
     print(f"error: --backends: give server URLs (http://host:port), got {bad or 'none'}",
           file=sys.stderr)
     return 2
+  twice = sorted({b for b in backends if backends.count(b) > 1})
+  if twice:  # (it weighed the server twice on the ring: a red team)
+    print(f"error: --backends: {', '.join(twice)} listed more than once", file=sys.stderr)
+    return 2
+  if args.max_body_bytes < 1:  # (every request was refused, 413: a red team)
+    print(f"error: --max-body-bytes must be at least 1, got {args.max_body_bytes}",
+          file=sys.stderr)
+    return 2
   if args.max_connections < 1:
     print(f"error: --max-connections must be at least 1, got {args.max_connections}",
           file=sys.stderr)

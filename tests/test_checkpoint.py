@@ -2,6 +2,9 @@ import glob
 import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import grain
 import jax
@@ -18,6 +21,8 @@ from jaxagent.data import take
 from jaxagent.learner import Learner
 from jaxagent.models.sharding import make_mesh
 from tests.test_learner import CFG, make_batch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def equal(a, b):
@@ -533,6 +538,33 @@ def test_an_export_is_found_by_its_version_as_a_user_writes_it(tmp_path):
   (root / "v00000003").rename(root / "v00000003.old")
   for name in ("v3", "v00000003"):
     assert resolve_policy(str(root / name)) == (str(root / "v00000003"), 3)
+
+
+def test_a_damaged_export_is_one_line_not_pages_of_tracebacks(tmp_path):
+  """A red team: an export whose arrays' files were cut short printed 60-140 lines of
+  Orbax's, TensorStore's and asyncio's tracebacks and records above its error's line (in
+  a command's process, with its console logging)."""
+  script = textwrap.dedent(f"""
+      import os, jax, jax.numpy as jnp
+      from jaxagent.cli_args import log_to_console
+      from jaxagent.checkpoint import export_policy, load_policy
+      log_to_console()
+      params = {{f"w{{i}}": jnp.ones((64, 64)) for i in range(8)}}
+      path = export_policy({str(tmp_path)!r}, 1, params, dtype=None)
+      for folder, _, files in os.walk(os.path.join(path, "d")):
+        for name in files:
+          os.truncate(os.path.join(folder, name), 10)
+      try:
+        load_policy(path, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params))
+      except ValueError as e:
+        print("error:", e, flush=True)
+      """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+  said = [line for line in out.stderr.splitlines() if not line.startswith("WARNING")]
+  assert "cannot be read (damaged or partial" in out.stdout, out.stdout + out.stderr[-2000:]
+  assert not said, "\n".join(said)[:3000]
 
 
 # -- red team 51: fingerprints, set-asides, exports and their registry, unit by unit ---
