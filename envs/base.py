@@ -179,8 +179,8 @@ def load_tasks(path: str, unique: bool = False) -> list[TaskSpec]:
   Every bad line is said (the first `BAD_LINES_SAID`, one per line, and how many more):
   the first alone made a file of several mistakes one run each (a new user)."""
   tasks, lines, bad = [], {}, []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(_text_lines(f, path), 1):
       if not line.strip():
         continue
       try:
@@ -207,6 +207,16 @@ def load_tasks(path: str, unique: bool = False) -> list[TaskSpec]:
 
 
 BAD_LINES_SAID = 10  # the bad lines of a task file said at once
+
+
+def _text_lines(f, path: str):
+  """`f`'s lines; ValueError naming the file where it is not UTF-8 text (the decoder's
+  error named none: a red team)."""
+  try:
+    yield from f
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not a task file (JSON lines of UTF-8 text): byte "
+                     f"{e.object[e.start:e.start + 1]!r} ({e.reason})") from None
 
 
 def write_tasks(path: str, tasks: list[TaskSpec]) -> None:

@@ -425,12 +425,18 @@ def main(argv=None) -> int:
                                    ) from None
     if min(ks) < 1:
       raise config_lib.ConfigError(f"--k: each k must be >= 1, got {args.k}")
+    if args.samples is not None and args.samples < 1:  # (it blamed --k)
+      raise config_lib.ConfigError(f"--samples must be >= 1, got {args.samples}")
     if args.samples is not None and args.samples < max(ks):
       raise config_lib.ConfigError(f"--k: each k must be <= --samples ({args.samples}), got "
                                    f"{max(ks)}")
-    if args.temperature is not None and not args.temperature >= 0:
-      raise config_lib.ConfigError(f"--temperature must be >= 0 (0: greedy), got "
-                                   f"{args.temperature}")
+    from jaxagent.run_checks import temperature_problem
+
+    # (inf was every episode an infrastructure failure, exit 3; 1e300 sampled at inf)
+    problem = (None if args.temperature is None
+               else temperature_problem(args.temperature, "--temperature"))
+    if problem:
+      raise config_lib.ConfigError(problem)
     if args.limit is not None and args.limit < 1:
       raise config_lib.ConfigError(f"--limit must be >= 1, got {args.limit}")
     if args.server and not args.server.startswith(("http://", "https://")):

@@ -17,6 +17,19 @@ from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.scheduler import check_advantage_config
 
 
+
+def temperature_problem(value: float, key: str) -> Optional[str]:
+  """What is wrong with sampling temperature `value` (named `key`), or None: one >= 0 (0:
+  greedy), finite in float32 (the engine's: 1e300 sampled at inf), and 0 or >= 1e-6 (the
+  learner scores at 1e-6 at least: another distribution than the one sampled, its ratios
+  not 1; a reviewer)."""
+  if not (value >= 0 and value <= float(np.finfo(np.float32).max)):
+    return f"{key} must be a finite number >= 0 (0: greedy), got {value}"
+  if 0 < value < 1e-6:
+    return f"{key} must be 0 (greedy) or >= 1e-6, got {value}"
+  return None
+
+
 def env_latency(cfg: config_lib.RunConfig):
   """`env.latency` as an `envs.base.Latency`; a bad one is a ConfigError naming it."""
   from envs.base import Latency
@@ -226,15 +239,11 @@ def _check_ranges(cfg: config_lib.RunConfig) -> None:
       raise config_lib.ConfigError(f"{key} must be a number > 0, got {value}")
   if cfg.learner.lr > float(np.finfo(np.float32).max):  # (inf in the step: 1e39)
     raise config_lib.ConfigError(f"learner.lr must be a float32 number, got {cfg.learner.lr}")
-  if not (a.temperature >= 0 and math.isfinite(a.temperature)):
-    raise config_lib.ConfigError(f"agent.temperature must be >= 0 (0: greedy), got "
-                                 f"{a.temperature}")
+  problem = temperature_problem(a.temperature, "agent.temperature")
+  if problem:
+    raise config_lib.ConfigError(problem)
   if not 0 < a.top_p <= 1:
     raise config_lib.ConfigError(f"agent.top_p must be in (0, 1], got {a.top_p}")
-  if 0 < a.temperature < 1e-6:  # (the learner scores at 1e-6 at least: another
-    # distribution than the one sampled, its ratios not 1; a reviewer)
-    raise config_lib.ConfigError(f"agent.temperature must be 0 (greedy) or >= 1e-6, got "
-                                 f"{a.temperature}")
   if a.temperature == 0:  # (red team 26: the gradient of a greedy token's log-prob is 0)
     raise config_lib.ConfigError(
         "agent.temperature: 0 (greedy) trains nothing (the learner's log-prob of a greedy "

@@ -365,6 +365,11 @@ def test_task_files_and_registry(tmp_path):
   assert [s.split(": ")[0] for s in said[1:11]] == [
       f"  {tmp_path}/bad.jsonl:{n}" for n in (2, 3, 5, 6, 7, 8, 9, 10, 11, 12)], said
   assert "line 1's too" in said[3] and said[11] == "  (and 4 more)", said
+  # (not text: the decoder's error named no file; a red team)
+  (tmp_path / "bin.jsonl").write_bytes(b'{"id": "ok", "env": "calculator"}\n\xff\xfe\x00')
+  with pytest.raises(ValueError, match=r"bin\.jsonl: not a task file \(JSON lines of UTF-8 "
+                                       r"text\): byte b'\\xff' \(invalid start byte\)"):
+    load_tasks(str(tmp_path / "bin.jsonl"))
   with pytest.raises(KeyError, match="unknown environment 'chess'"):
     make("chess")
   with pytest.raises(ValueError, match="needs EnvResources"):
