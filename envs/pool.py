@@ -215,6 +215,14 @@ class SandboxPool:
     if not self._made_root:
       _remove_stale_workspaces(self.root)
     os.chmod(self.root, 0o711)  # sandbox uids may pass through to their workspace, not list it
+    probe = os.path.join(self.root, f".probe-{owner_tag()}")
+    try:  # (a root no workspace can be made in, /proc, started a worker whose every
+      # episode failed in the infrastructure: a red team)
+      os.mkdir(probe, 0o700)
+      os.rmdir(probe)
+    except OSError as e:
+      raise ValueError(f"the workspace root {self.root}: a workspace cannot be made there "
+                       f"({e.strerror or e})") from None
     if os.geteuid() == 0 and self.isolation != "rlimits":
       hostfs.check_traversable(self.root)  # at start, not at each episode
     self.live: set[Sandbox] = set()

@@ -32,16 +32,20 @@ def export(policy: str, out: str, dtype: str = "bfloat16", config: Optional[str]
   import numpy as np
   from flax import nnx
 
+  from jaxagent import config as config_lib
   from jaxagent.build import build_model
   from jaxagent.checkpoint import abstract_params_like, load_policy
   from jaxagent.eval import policy_option, run_config_of
   from jaxagent.models.hf import hf_config, save_hf
   from jaxagent.models.params import abstract_model
   from jaxagent.models.sharding import make_mesh
+  from jaxagent.run_checks import check_model_and_learner
   from rollout_server.serving import resolve_policy
 
   policy = policy_option(policy)  # (RUN_DIR/policy/v7 as well as .../v00000007)
   cfg = run_config_of(policy, config)
+  # (an unknown preset was a KeyError's traceback: a red team)
+  check_model_and_learner(config_lib.RunConfig(model=cfg.model))
   path, version = resolve_policy(policy, None)
   # (a run's config.json names the template it trained with, chatml_tools where it
   # chose that one for its tasks' tools)

@@ -856,3 +856,11 @@ async def _stream_chat(turn: ChatTurn, cid, created, model, finish, usage, logpr
     yield "data: [DONE]\n\n"
   finally:
     turn.abort_unfinished()
+
+
+if __name__ == "__main__":  # (`python -m rollout_server.server` did nothing, exit 0: a red team)
+  import sys
+
+  from rollout_server.__main__ import main
+
+  sys.exit(main())

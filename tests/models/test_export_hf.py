@@ -90,6 +90,12 @@ def test_a_trained_runs_policy_loads_in_transformers(tmp_path, monkeypatch, caps
       (tmp_path / "bare" / "config.json").write_text("{}")
     assert main(["--policy", str(run / "policy"), "--out", bad]) == 2
     assert said in capsys.readouterr().err
+  # A config of a model preset not known: named (a KeyError's traceback: a red team)
+  (tmp_path / "typo.yaml").write_text("model:\n  preset: nosuch\n")
+  assert main(["--policy", str(run / "policy"), "--config", str(tmp_path / "typo.yaml"),
+               "--out", str(tmp_path / "y")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "model.preset: unknown 'nosuch'" in err and len(err.splitlines()) == 1, err
 
 
 def test_qwen2_biases_and_llama3_rope_export_in_bfloat16(tmp_path):

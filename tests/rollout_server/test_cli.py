@@ -49,10 +49,12 @@ def test_server_cli_serves_and_stops():
 
 
 def test_server_cli_bad_config():
-  proc = subprocess.run([sys.executable, "-m", "rollout_server", "--config",
-                         "configs/server_tiny.yaml", "engine.slot=2"], cwd=REPO,
-                        capture_output=True, text=True, timeout=60)
-  assert proc.returncode == 2 and "engine.slot" in proc.stderr and "'slots'" in proc.stderr
+  # (as `rollout_server.server` too: it did nothing and exited 0, a red team)
+  for module in ("rollout_server", "rollout_server.server"):
+    proc = subprocess.run([sys.executable, "-m", module, "--config",
+                           "configs/server_tiny.yaml", "engine.slot=2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "engine.slot" in proc.stderr and "'slots'" in proc.stderr
 
 
 def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
@@ -107,6 +109,28 @@ def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
     assert main(args) == 2, args
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, (args, err)
+
+
+def test_a_workspace_root_no_workspace_can_be_made_in_is_refused_at_the_start(capsys):
+  """A red team: `--workspace-root /proc` started a worker whose every episode failed in
+  the infrastructure (FileNotFoundError making its workspace)."""
+  from envs import server as env_server
+
+  assert env_server.main(["--port", str(free_port()), "--workspace-root", "/proc"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("envs.server: ") and "/proc" in err[-1], err
+
+
+def test_an_engine_larger_than_the_memory_is_one_line_naming_its_sizes(capsys):
+  """A red team: `engine.slots=100000000` was 32 lines of JAX's traceback, exit 1."""
+  from rollout_server import __main__ as server_cli
+
+  assert server_cli.main(["--config", "configs/server_tiny.yaml", f"port={free_port()}",
+                          "engine.slots=100000000"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(
+      "error: the model and its KV cache do not fit in the device's memory (engine.slots "
+      "100000000 x engine.max_seq_len"), err
 
 
 def test_a_port_in_use_is_one_line_before_anything_loads(capsys, tmp_path):
