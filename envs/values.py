@@ -86,15 +86,35 @@ def decode(data, depth=0):
     return bytes.fromhex(x)
   if tag in ("list", "tuple", "set", "frozenset") and type(x) is list:
     items = [decode(v, depth + 1) for v in x]
+    if tag in ("set", "frozenset"):
+      _unflooded(items, tag)
     return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
   if tag == "dict" and type(x) is list:
-    out = {}
-    for kv in x:
-      if type(kv) is not list or len(kv) != 2:
-        raise ValueError("malformed dict item")
-      out[decode(kv[0], depth + 1)] = decode(kv[1], depth + 1)
-    return out
+    if any(type(kv) is not list or len(kv) != 2 for kv in x):
+      raise ValueError("malformed dict item")
+    keys = [decode(kv[0], depth + 1) for kv in x]
+    _unflooded(keys, "dict")
+    return dict(zip(keys, [decode(kv[1], depth + 1) for kv in x]))
   raise ValueError(f"malformed {tag!r} value")
+
+
+# Items of one set (keys of one dict) whose hashes may be equal: a few distinct values
+# share one (hash(-1) == hash(-2)); thousands are made to (multiples of 2**61 - 1 all hash
+# to 0), and building their set takes time quadratic in their count.
+MAX_EQUAL_HASHES = 16
+
+
+def _unflooded(items, tag):
+  """ValueError where more than MAX_EQUAL_HASHES of `items` hash alike: their set, built
+  on the grader's host, took seconds holding its interpreter (29,000 ints in a 1 MiB
+  line: 4.5 s of every episode's time on that host; a red team)."""
+  counts = {}
+  for item in items:
+    h = hash(item)
+    counts[h] = counts.get(h, 0) + 1
+    if counts[h] > MAX_EQUAL_HASHES:
+      raise ValueError(f"a {tag} of {len(items)} items of which more than "
+                       f"{MAX_EQUAL_HASHES} hash alike: refused (made to be slow to build)")
 
 
 def strict_equal(a, b, rel_tol=1e-9, abs_tol=1e-12):

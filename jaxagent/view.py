@@ -588,8 +588,20 @@ def main(argv=None) -> int:
                                         *args.allow_host]
                    if args.host not in ("0.0.0.0", "::") else ["*"])
   facts = app.state.index.facets()
-  print(f"{facts['episodes']} episodes ({facts['segments']} segments) in "
-        f"{app.state.index.path}; serving http://{args.host}:{sock.getsockname()[1]}/", flush=True)
+  path = app.state.index.path
+  if not facts["segments"] and (facts["bad_lines"] or not facts["complete"]):
+    # (it served /etc/passwd, or random bytes, as "0 episodes": a red team)
+    sock.close()
+    print(f"error: {path} is not a trajectory file (" + (
+        f"none of its {facts['bad_lines']} lines is a segment" if facts["bad_lines"]
+        else "not gzip") + ")", file=sys.stderr)
+    return 2
+  damaged = ", ".join(filter(None, [
+      f"{facts['bad_lines']} lines not segments, left out" if facts["bad_lines"] else "",
+      "its stream broken past the last whole line" if not facts["complete"] else ""]))
+  print(f"{facts['episodes']} episodes ({facts['segments']} segments) in {path}"
+        + (f" ({damaged})" if damaged else "")
+        + f"; serving http://{args.host}:{sock.getsockname()[1]}/", flush=True)
   serve(app, sock, log_level="warning")
   return 0
 

@@ -315,6 +315,15 @@ def test_without_trajectories_one_line_and_exit_2(tmp_path, capsys):
   assert err.count("\n") == 1 and str(tmp_path) in err and "trajectories.jsonl" in err
   assert view.main([str(tmp_path / "typo")]) == 2  # (it said "no trajectories" in it)
   assert capsys.readouterr().err == f"error: no such run directory or file {tmp_path / 'typo'}\n"
+  # A file of no segment at all, or not gzip where it says so: not served as "0 episodes"
+  # (a red team)
+  (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\nme:x:1:1::/:/bin/sh\n")
+  (tmp_path / "noise.jsonl.gz").write_bytes(bytes(range(256)) * 2)
+  for name, said in (("passwd", "none of its 2 lines is a segment"), ("noise.jsonl.gz",
+                                                                      "not gzip")):
+    assert view.main([str(tmp_path / name), "--port", str(free_port())]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / name} is not a trajectory file "
+                                       f"({said})\n")
 
 
 # -- the page in a real browser -------------------------------------------------------------

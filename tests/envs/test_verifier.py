@@ -688,6 +688,31 @@ def test_set_items_match_in_type_and_container_subclasses_are_refused():
       encode(type("list", (cls,), {"__iter__": lambda self: iter([1])})([2]))
 
 
+def test_a_set_or_dict_made_of_colliding_hashes_is_refused_not_built():
+  """A red team: 29,000 ints that all hash to 0 (multiples of 2**61 - 1), a set returned
+  under the 1 MiB the harness reads, took the grader's host 4.5 s to build (quadratic,
+  holding its interpreter: every episode on it stood still). Refused as the value it
+  cannot read (the case fails); sets and dicts of values that hash alike now and then
+  are read as before."""
+  from envs.values import MAX_EQUAL_HASHES, decode, encode, strict_equal
+  p = 2**61 - 1
+  flood = [["int", str(i * p)] for i in range(1, 3000)]
+  for value in (["set", flood], ["frozenset", flood],
+                ["dict", [[k, ["none"]] for k in flood]], ["tuple", [["set", flood]]]):
+    with pytest.raises(ValueError, match=f"more than {MAX_EQUAL_HASHES} hash alike"):
+      decode(value)
+  few = {i * p for i in range(1, MAX_EQUAL_HASHES + 1)} | {-1, -2}
+  assert strict_equal(decode(encode(few)), few)
+  assert decode(encode({-1: "a", -2: "b"})) == {-1: "a", -2: "b"}
+  t = HiddenTests("f", [((1,), {1})])
+  report = "START\n" + json.dumps({
+      "results": {"0": {"value": ["set", flood]}}, "import_error": None,
+      "child": {"exit": 0}, "overflow": False, "odd_names": [],
+      "read_names": ["at_end", "imported"]}) + "\n"
+  got = classify(_result(report), t, "e")
+  assert got.status == VerdictStatus.FAIL and "hash alike" in got.details["cases"]["0"]
+
+
 def test_json_depth_counts_every_level_and_decode_refuses_past_max_depth():
   """The harness turns a result nested past what the host reads into an error by
   `json_depth`: it must count each list and dict level, however deep."""
