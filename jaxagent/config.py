@@ -615,6 +615,14 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     layers.append(OmegaConf.create(to_dict(base)))
   try:
     if path is not None:
+      with open(path, encoding="utf-8") as f:
+        top = yaml.compose(f)  # (what the top level is: OmegaConf read text as {text: None})
+      if top is not None and not isinstance(top, yaml.MappingNode):
+        raise ConfigError(f"config file {path}: its top level must be a mapping of keys "
+                          "(section: settings), not " + (
+                              "a list" if isinstance(top, yaml.SequenceNode) else
+                              f"text ({top.value[:40]!r}{'...' if len(top.value) > 40 else ''}: is it a "
+                              "config file?)"))
       loaded = OmegaConf.load(path)
       if not isinstance(loaded, DictConfig):  # (a YAML list: not OmegaConf's class name)
         raise ConfigError(f"config file {path}: its top level must be a mapping of keys "

@@ -34,6 +34,8 @@ def _bad_settings(tmp_path):
       config_lib.RunConfig, "configs/tiny.yaml", ["checkpoint.canary_tasks=0"]))))
   a_list = tmp_path / "list.yaml"
   a_list.write_text("- steps\n")
+  text = tmp_path / "passwd"
+  text.write_text("root:x:0:0:root:/root:/bin/bash\nme:x:1:1::/:/bin/sh\n")
   latin1 = tmp_path / "latin1.yaml"
   latin1.write_bytes(b"name: caf\xe9\n")
   tasks = {}
@@ -104,6 +106,9 @@ def _bad_settings(tmp_path):
       (["--config", "configs/tiny.yaml", "--run-dir", str(used)], "already holds a run"),
       (tiny + ["--canary"], "--canary checks a resumed run"),
       (["--config", str(a_list)], "must be a mapping of keys (section: settings), not a list"),
+      # (a red team: "unknown config key 'root:x:0:0:...'", the whole file in one key)
+      (["--config", str(text)], "must be a mapping of keys (section: settings), not "
+                                      "text ("),
       ([*tiny, "learner.lr="], "override 'learner.lr=': no value after '=' (give "
                                "learner.lr=VALUE"),
       # (red team 15: tracebacks, a division by zero, runs that hung or saved nan weights)
