@@ -34,8 +34,8 @@ def _bad_settings(tmp_path):
       config_lib.RunConfig, "configs/tiny.yaml", ["checkpoint.canary_tasks=0"]))))
   a_list = tmp_path / "list.yaml"
   a_list.write_text("- steps\n")
-  text = tmp_path / "passwd"
-  text.write_text("root:x:0:0:root:/root:/bin/bash\nme:x:1:1::/:/bin/sh\n")
+  plain = tmp_path / "passwd"
+  plain.write_text("root:x:0:0:root:/root:/bin/bash\nme:x:1:1::/:/bin/sh\n")
   latin1 = tmp_path / "latin1.yaml"
   latin1.write_bytes(b"name: caf\xe9\n")
   tasks = {}
@@ -107,7 +107,7 @@ def _bad_settings(tmp_path):
       (tiny + ["--canary"], "--canary checks a resumed run"),
       (["--config", str(a_list)], "must be a mapping of keys (section: settings), not a list"),
       # (a red team: "unknown config key 'root:x:0:0:...'", the whole file in one key)
-      (["--config", str(text)], "must be a mapping of keys (section: settings), not "
+      (["--config", str(plain)], "must be a mapping of keys (section: settings), not "
                                       "text ("),
       ([*tiny, "learner.lr="], "override 'learner.lr=': no value after '=' (give "
                                "learner.lr=VALUE"),
