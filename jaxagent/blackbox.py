@@ -547,10 +547,6 @@ async def _session_head(gateway_url: str, session_id: str, timeout: float) -> di
 
 
 # A recorded turn's lists, and the types of their values.
-_TURN_LISTS = {"prompt_ids": (int,), "output_ids": (int,), "versions": (int,),
-               "output_logprobs": (float, int)}
-
-
 def _check_turns(turns: Any, session_id: str) -> None:
   """Raises InfraError where a turn of the gateway's record is no turn (a field missing,
   of the wrong type, lengths that differ): a server's or router's bug, or another
@@ -560,17 +556,10 @@ def _check_turns(turns: Any, session_id: str) -> None:
                      f"{type(turns).__name__}, not a list of turns")
   for i, t in enumerate(turns):
     try:
-      if not isinstance(t, dict):
-        raise TypeError(f"{type(t).__name__}, not an object")
-      for field, kinds in _TURN_LISTS.items():
-        values = t.get(field)
-        if not isinstance(values, list) or not all(
-            type(v) in kinds for v in values):
-          raise TypeError(f"{field} is not a list of {kinds[0].__name__}s")
-      TurnRecord.from_result(t)
-    except (KeyError, TypeError, ValueError) as e:
+      TurnRecord.checked(t)
+    except ValueError as e:
       raise InfraError("server", f"the gateway's record of session {session_id!r}: turn "
-                       f"{i} is no turn ({type(e).__name__}: {e})"[:300]) from None
+                       f"{i} is no turn ({e})"[:300]) from None
 
 
 # The serving setting behind each bound of a server's session store.

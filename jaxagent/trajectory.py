@@ -102,6 +102,29 @@ class TurnRecord:
       raise ValueError(f"turn {self.request_id}: output_ids, output_logprobs and versions "
                        "differ in length")
 
+  # A turn's lists and the types of their items (bool is no int here).
+  LISTS = {"prompt_ids": (int,), "output_ids": (int,), "versions": (int,),
+           "output_logprobs": (float, int)}
+
+  @classmethod
+  def checked(cls, r) -> "TurnRecord":
+    """`from_result` of what a server sent, checked: ValueError naming what is no turn's
+    (a field missing, of another type, lengths that differ, a log-prob not finite)."""
+    try:
+      if not isinstance(r, dict):
+        raise TypeError(f"{type(r).__name__}, not an object")
+      for field, kinds in cls.LISTS.items():
+        values = r.get(field)
+        if not isinstance(values, list) or not all(type(v) in kinds for v in values):
+          raise TypeError(f"{field} is not a list of {kinds[0].__name__}s")
+      if not all(math.isfinite(v) for v in r["output_logprobs"]):
+        raise ValueError("output_logprobs holds one that is not a finite number")
+      if not isinstance(r.get("finish_reason"), str):
+        raise TypeError("finish_reason is not a string")
+      return cls.from_result(r)
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"{type(e).__name__}: {e}"[:300]) from None
+
   @classmethod
   def from_result(cls, r: dict, **extra) -> "TurnRecord":
     """From a `/generate` result or a recorded session turn of the rollout server."""

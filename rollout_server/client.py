@@ -263,10 +263,17 @@ class HttpClient:
               "prompt_too_long" if r.status_code == 400 and PROMPT_TOO_LONG in r.text else
               "request_refused" if r.status_code < 500 else "server")
       raise GenerateError(f"{self.url}/generate: {r.status_code}: {r.text[:500]}", kind)
-    out = r.json()
-    if out["finish_reason"] == "error":
+    try:
+      out = r.json()
+    except ValueError:
+      out = None
+    if isinstance(out, dict) and out.get("finish_reason") == "error":
       raise GenerateError(out.get("error") or "engine error")
-    record = _record(out)
+    try:  # (a server's 200 that is no turn: its failure, not the episode's bug)
+      record = TurnRecord.checked(out)
+    except ValueError as e:
+      raise GenerateError(f"{self.url}/generate answered 200 with no turn ({e}): "
+                          f"{r.text[:200]}", "server") from None
     policy = self._policy
     if (policy is not None and model is None and updates == self._updates and record.versions
         and min(record.versions) < policy["version"]):

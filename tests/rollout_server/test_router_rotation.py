@@ -3,6 +3,7 @@ while it is pushed or updated, and what their /health may say (`router_backends`
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -908,3 +909,44 @@ def test_a_router_following_anothers_policy_holds_its_backends_to_it_and_pushes_
         await client.aclose()
 
     asyncio.run(turn())
+
+
+def test_a_servers_200_that_is_no_turn_is_the_servers_failure_not_the_episodes_bug():
+  """A reviewer: a server's (or router's) 200 that was not JSON, or not a turn, raised a
+  JSONDecodeError or a KeyError from the client: the episode's bug, the run stopped (exit
+  1); one of log-probs that are not numbers went on to the learner. A GenerateError of
+  the server's now (retried as its failure)."""
+  from fastapi import FastAPI
+  from fastapi.responses import PlainTextResponse
+
+  from rollout_server.client import GenerateError, HttpClient
+  from jaxagent.trajectory import SamplingParams
+
+  turn = {"prompt_ids": [1], "output_ids": [2], "output_logprobs": [-0.5], "versions": [0],
+          "finish_reason": "length"}
+  bodies = ["not json", "[1, 2]", json.dumps({"output_ids": [1]}),
+            json.dumps(dict(turn, output_logprobs=["x"])),
+            json.dumps(dict(turn, output_logprobs=[float("nan")])),  # (NaN: Python's JSON)
+            json.dumps(dict(turn, versions=[0, 1])), json.dumps(dict(turn, output_ids=[True]))]
+  said = {"body": None}
+  app = FastAPI()
+
+  @app.post("/generate")
+  async def generate():
+    return PlainTextResponse(said["body"], media_type="application/json")
+
+  async def ask(url):
+    client = HttpClient(url)
+    try:
+      return await client.generate([1], SamplingParams(max_new_tokens=1))
+    finally:
+      await client.aclose()
+
+  with ServerThread(app) as s:
+    for body in bodies:
+      said["body"] = body
+      with pytest.raises(GenerateError, match="answered 200 with no turn") as e:
+        asyncio.run(ask(s.url))
+      assert e.value.kind == "server", body
+    said["body"] = json.dumps(turn)
+    assert asyncio.run(ask(s.url)).output_logprobs == [-0.5]
