@@ -58,7 +58,7 @@ def _quiet_abandoned_reads():
   sys.unraisablehook = lambda unraisable: None
   # (and the records of its tasks' exceptions never retrieved, asyncio's, one a read with
   # TensorStore's spec, and Orbax's warning of the metadata it could not read)
-  dropped = [(logging.getLogger(name), _DropAll()) for name in ("asyncio", "absl")]
+  dropped = [(logging.getLogger(name), _DropReadNoise()) for name in ("asyncio", "absl")]
   for logger, drop in dropped:
     logger.addFilter(drop)
   try:
@@ -72,9 +72,19 @@ def _quiet_abandoned_reads():
       logger.removeFilter(drop)
 
 
-class _DropAll(logging.Filter):
+class _DropReadNoise(logging.Filter):
+  """Drops the records of an Orbax read that failed (its tasks' exceptions never
+  retrieved, the metadata it could not read); any other goes on (a server logs on in its
+  other threads while a weight update loads)."""
+
+  MARKS = ("deserialize", "tensorstore", "Failed to get item metadata")
+
   def filter(self, record) -> bool:
-    return False
+    try:
+      text = record.getMessage()
+    except Exception:  # (a record whose arguments do not format: not this one's to drop)
+      return True
+    return not any(mark in text for mark in self.MARKS)
 
 
 # -- fingerprints -----------------------------------------------------------------------
