@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -49,42 +50,52 @@ UNREADABLE = ".unreadable"  # a run checkpoint that did not read back, kept for 
 UNRECORDED = ".unrecorded"  # one past the steps the run's records hold (resume.restore)
 
 
+def _quiet_read_records() -> None:
+  """Drops for good the records of Orbax's reads that failed (`_DropReadNoise`), logged as
+  their tasks are let go, during a read or after it."""
+  for name in ("asyncio", "absl"):
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _DropReadNoise) for f in logger.filters):
+      logger.filters.insert(0, _DropReadNoise())  # (before those that cut a text short)
+
+
+_HOOK_SWAP = threading.Lock()  # (two swapping at once restored a silent hook for good)
+
+
 @contextlib.contextmanager
 def _quiet_abandoned_reads():
   """Drops what Python would print for Orbax's array reads abandoned when one fails
   ("Exception ignored in: <coroutine ...>" with a traceback each, "coroutine ... was
-  never awaited"): the failure is reported once, in one line, by the caller."""
-  previous = sys.unraisablehook
-  sys.unraisablehook = lambda unraisable: None
-  # (and the records of its tasks' exceptions never retrieved, asyncio's, one a read with
-  # TensorStore's spec, and Orbax's warning of the metadata it could not read)
-  dropped = [(logging.getLogger(name), _DropReadNoise()) for name in ("asyncio", "absl")]
-  for logger, drop in dropped:
-    logger.addFilter(drop)
+  never awaited", their tasks' records): the failure is reported once, in one line, by
+  the caller."""
+  _quiet_read_records()
   try:
     yield
   finally:
-    with warnings.catch_warnings():  # "coroutine ... was never awaited", one a read
-      warnings.simplefilter("ignore", RuntimeWarning)
-      gc.collect()  # the abandoned coroutines go now, while the hook is quiet
-    sys.unraisablehook = previous
-    for logger, drop in dropped:
-      logger.removeFilter(drop)
+    with _HOOK_SWAP:
+      previous = sys.unraisablehook
+      sys.unraisablehook = lambda unraisable: None
+      try:
+        with warnings.catch_warnings():  # "coroutine ... was never awaited", one a read
+          warnings.simplefilter("ignore", RuntimeWarning)
+          gc.collect()  # the abandoned coroutines go now, while the hook is quiet
+      finally:
+        sys.unraisablehook = previous
 
 
 class _DropReadNoise(logging.Filter):
-  """Drops the records of an Orbax read that failed (its tasks' exceptions never
-  retrieved, the metadata it could not read); any other goes on (a server logs on in its
-  other threads while a weight update loads)."""
-
-  MARKS = ("deserialize", "tensorstore", "Failed to get item metadata")
+  """Drops the records of Orbax's reads that failed (their tasks' exceptions never
+  retrieved, the metadata it could not read: the caller says the failure in one line);
+  any other goes on (a server logs on in its other threads while an update loads)."""
 
   def filter(self, record) -> bool:
     try:
       text = record.getMessage()
     except Exception:  # (a record whose arguments do not format: not this one's to drop)
       return True
-    return not any(mark in text for mark in self.MARKS)
+    return not (("never retrieved" in text and any(
+        mark in text for mark in ("async_deserialize", "_wrap_awaitable")))
+        or text.startswith("Failed to get item metadata"))
 
 
 # -- fingerprints -----------------------------------------------------------------------
@@ -228,8 +239,8 @@ def _quiet_closed_loop_callbacks(previous):
       tb = tb.tb_next
     if (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
         and unraisable.object is None and tb is not None
-        and tb.tb_frame.f_code.co_name == "_check_closed"):
-      return
+        and tb.tb_frame.f_code.co_name.endswith("_check_closed")):
+      return  # (asyncio's loop, or uvloop's, "uvloop.loop.Loop._check_closed")
     previous(unraisable)
 
   hook.jaxagent_quiet = True
@@ -665,7 +676,8 @@ def load_policy(path: str, abstract_params: Any) -> Params:
   # (a damaged export's failed reads printed 60-140 lines of Orbax's, TensorStore's and
   # asyncio's tracebacks above the one line: a red team)
   quiet_failed_save_noise()
-  with ocp.StandardCheckpointer() as ckptr, _quiet_abandoned_reads():
+  _quiet_read_records()
+  with ocp.StandardCheckpointer() as ckptr:
     try:
       stored = ckptr.metadata(path).item_metadata
     except Exception:  # (unreadable: the restore says why)
@@ -679,6 +691,8 @@ def load_policy(path: str, abstract_params: Any) -> Params:
       return ckptr.restore(path, abstract_params)
     except Exception as e:  # (a traceback of Orbax's, or TensorStore's spec dump)
       reason = short_reason(e)
+  with _quiet_abandoned_reads():  # (the failed read's abandoned coroutines, collected)
+    pass
   raise ValueError(f"the policy export at {path} cannot be read (damaged or partial: "
                    f"{reason})")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import difflib
 import re
 import sys
@@ -615,15 +616,16 @@ def load(cls: type[T], path: Optional[str] = None, overrides: Sequence[str] = ()
     layers.append(OmegaConf.create(to_dict(base)))
   try:
     if path is not None:
-      with open(path, encoding="utf-8") as f:
-        top = yaml.compose(f)  # (what the top level is: OmegaConf read text as {text: None})
+      with open(path, encoding="utf-8") as f:  # (read once: a pipe, --config /dev/stdin)
+        text = f.read()
+      top = yaml.compose(text)  # (what the top level is: OmegaConf read text as {text: None})
       if top is not None and not isinstance(top, yaml.MappingNode):
         raise ConfigError(f"config file {path}: its top level must be a mapping of keys "
                           "(section: settings), not " + (
                               "a list" if isinstance(top, yaml.SequenceNode) else
                               f"text ({top.value[:40]!r}{'...' if len(top.value) > 40 else ''}: is it a "
                               "config file?)"))
-      loaded = OmegaConf.load(path)
+      loaded = OmegaConf.load(io.StringIO(text))
       if not isinstance(loaded, DictConfig):  # (a YAML list: not OmegaConf's class name)
         raise ConfigError(f"config file {path}: its top level must be a mapping of keys "
                           "(section: settings), not a list")

@@ -23,8 +23,10 @@ def temperature_problem(value: float, key: str) -> Optional[str]:
   greedy), finite in float32 (the engine's: 1e300 sampled at inf), and 0 or >= 1e-6 (the
   learner scores at 1e-6 at least: another distribution than the one sampled, its ratios
   not 1; a reviewer)."""
-  if not (value >= 0 and value <= float(np.finfo(np.float32).max)):
+  if not value >= 0 or math.isinf(value):
     return f"{key} must be a finite number >= 0 (0: greedy), got {value}"
+  if value > float(np.finfo(np.float32).max):  # (finite, but inf in the engine's float32)
+    return f"{key} must be a float32 number (at most 3.4e38), got {value}"
   if 0 < value < 1e-6:
     return f"{key} must be 0 (greedy) or >= 1e-6, got {value}"
   return None

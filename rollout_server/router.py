@@ -819,7 +819,8 @@ def main(argv=None) -> int:
     print(f"error: --backends: give server URLs (http://host:port), got {bad or 'none'}",
           file=sys.stderr)
     return 2
-  twice = sorted({b for b in backends if backends.count(b) > 1})
+  same = [b.rstrip("/").lower() for b in backends]  # (as the ring keys them)
+  twice = sorted({b for b, key in zip(backends, same) if same.count(key) > 1})
   if twice:  # (it weighed the server twice on the ring: a red team)
     print(f"error: --backends: {', '.join(twice)} listed more than once", file=sys.stderr)
     return 2

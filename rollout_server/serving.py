@@ -149,9 +149,17 @@ def build_served_models(models: dict[str, ServedModelConfig], mesh) -> dict[str,
   for name, m in models.items():
     try:
       engine, orch, tokenizer = _start_model(m.model, m.engine, m.policy, m.seed, mesh)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:
       for started in out.values():
         started.orch.stop()
+      if "RESOURCE_EXHAUSTED" in str(e):  # (the policy's engine was blamed: a reviewer)
+        raise ValueError(
+            f"models.{name}: the model and its KV cache do not fit in the device's memory "
+            f"beside the policy's (models.{name}.engine.slots {m.engine.slots} x "
+            f"max_seq_len {m.engine.max_seq_len}): lower them; "
+            f"{str(e).strip().splitlines()[0][:300]}") from None
+      if not isinstance(e, (OSError, ValueError, KeyError)):
+        raise
       said = e.args[0] if isinstance(e, KeyError) and e.args else e
       raise ValueError(f"models.{name}: {said}") from e
     out[name] = ServedModel(name, engine, orch, tokenizer, m.update_weights)

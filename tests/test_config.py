@@ -16,6 +16,25 @@ def test_tiny_yaml_loads_with_types():
     cfg.learner.lr = 1.0
 
 
+def test_a_config_from_a_pipe_is_read_once(tmp_path):
+  """A reviewer: read twice (its top level checked, then loaded), a config from a pipe
+  (--config /dev/stdin) loaded empty: the run went on with the defaults, saying nothing."""
+  import threading
+
+  pipe = str(tmp_path / "pipe")
+  os.mkfifo(pipe)
+
+  def write():
+    with open(pipe, "w") as f:
+      f.write("name: piped\nport: 9123\n")
+
+  writer = threading.Thread(target=write)
+  writer.start()
+  cfg = config.load(config.ServerConfig, pipe)
+  writer.join(10)
+  assert (cfg.name, cfg.port) == ("piped", 9123)
+
+
 def test_dotted_overrides():
   cfg = config.load(config.RunConfig, None, ["learner.lr=3e-4", "mesh.fsdp=2",
                                              "learner.dual_clip=3.0"])

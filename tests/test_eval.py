@@ -218,7 +218,7 @@ def test_eval_cli_on_a_trained_run_and_eval_during_training(tmp_path, capsys):
   for extra, said in ((["--temperature", "-1"], "--temperature must be a finite number >= 0"),
                       # (a red team: every episode an infrastructure failure, exit 3)
                       (["--temperature", "inf"], "--temperature must be a finite number"),
-                      (["--temperature", "1e300"], "--temperature must be a finite number"),
+                      (["--temperature", "1e300"], "--temperature must be a float32 number"),
                       (["--samples", "0"], "--samples must be >= 1, got 0"),
                       (["--limit", "0"], "--limit must be >= 1"),
                       (["--k", "abc"], "--k: whole numbers"),

@@ -78,6 +78,7 @@ def test_bad_arguments_are_one_line_before_anything_listens(capsys, tmp_path):
        "engine.prefill_chunk must be >= 0 (0: whole prompts), got -1"),
       (router.main, ["--backends", "http://h:1,http://h:2,http://h:1"],
        "--backends: http://h:1 listed more than once"),
+      (router.main, ["--backends", "http://h:1,http://H:1/"], "listed more than once"),
       (router.main, ["--backends", "http://h:1", "--max-body-bytes", "-5"],
        "--max-body-bytes must be at least 1, got -5"),
       (server_cli.main, ["--config", "configs/server_tiny.yaml", "max_sessions=-1"],
@@ -131,6 +132,13 @@ def test_an_engine_larger_than_the_memory_is_one_line_naming_its_sizes(capsys):
   assert len(err) == 1 and err[0].startswith(
       "error: the model and its KV cache do not fit in the device's memory (engine.slots "
       "100000000 x engine.max_seq_len"), err
+  # (a served model's: it named the policy's engine; a reviewer)
+  assert server_cli.main(["--config", "configs/server_tiny.yaml", f"port={free_port()}",
+                          "models={judge: {engine: {slots: 100000000}}}"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(
+      "error: models.judge: the model and its KV cache do not fit in the device's memory "
+      "beside the policy's (models.judge.engine.slots 100000000"), err
 
 
 def test_a_port_in_use_is_one_line_before_anything_loads(capsys, tmp_path):
