@@ -47,6 +47,9 @@ def _group_stats(values_N: Array, valid_N: Array, group_ids_N: Array, num_groups
   The std is taken of deviations scaled by their largest, so that rewards of 1e19 do
   not square past float32 (it was inf: every advantage 0)."""
   v = valid_N.astype(jnp.float32)
+  # (an invalid sample's value counts nowhere: a nan there, times 0, was nan in its
+  # group's sums, every advantage of the group nan; an audit)
+  values_N = jnp.where(valid_N, values_N, 0.0)
   count = jax.ops.segment_sum(v, group_ids_N, num_segments=num_groups)
   hi = jax.ops.segment_max(jnp.where(valid_N, values_N, -jnp.inf), group_ids_N,
                            num_segments=num_groups)

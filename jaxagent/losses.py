@@ -34,9 +34,10 @@ _MAX_LOG_RATIO = 20.0
 
 def _exp_capped(x: Array) -> Array:
   """exp(x) up to e^_MAX_LOG_RATIO, then e^_MAX_LOG_RATIO (1 + x - _MAX_LOG_RATIO):
-  continuous with its derivative, finite for any finite x."""
+  continuous with its derivative, finite for any finite x, 0 at -inf (it was nan: -inf
+  - -inf; an audit)."""
   capped = jnp.minimum(x, _MAX_LOG_RATIO)
-  return jnp.exp(capped) * (1.0 + (x - capped))
+  return jnp.exp(capped) * (1.0 + jnp.maximum(x - _MAX_LOG_RATIO, 0.0))
 
 
 # -- log-probs and entropy --------------------------------------------------------

@@ -327,6 +327,17 @@ def test_group_normalized_with_std_leaves_invalid_samples_out_of_the_std():
                                    -1 / (1 + 1e-6), 1 / (1 + 1e-6)], rtol=1e-7)
 
 
+def test_an_invalid_samples_value_that_is_no_number_counts_nowhere():
+  """An audit: a nan (or inf) on an invalid sample, times its weight 0, was nan in its
+  group's sums: every advantage of the group nan."""
+  g, valid = jnp.asarray([0, 0, 0]), jnp.asarray([1, 1, 0], bool)
+  for bad in (jnp.nan, jnp.inf):
+    r = jnp.asarray([1.0, 0.0, bad])
+    np.testing.assert_allclose(adv.group_normalized(r, g, 1, valid_N=valid),
+                               [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0], rtol=1e-6)
+    np.testing.assert_allclose(adv.rloo(r, g, 1, valid_N=valid), [1.0, -1.0, 0.0])
+
+
 def test_rloo_leaves_invalid_samples_out_of_the_baseline_and_gives_them_zero():
   """An invalid sample (a failed episode) neither moves its group's leave-one-out baseline
   nor gets an advantage of its own (it got 123 - (-122) = 245 with the valid check gone:

@@ -353,6 +353,10 @@ def test_ratios_far_off_keep_their_gradient():
     return losses.ppo_clip_loss(lp, jnp.asarray([[-30.0, -1.0]]), -mask, mask).sum
   g = jax.grad(ppo)(jnp.asarray([[-5.0, -1.0]]))
   assert float(g[0, 0]) == pytest.approx(math.exp(20), rel=1e-4)
+  # (at -inf the capped exp is 0, its slope 0: it was nan, -inf - -inf; an audit)
+  x = jnp.asarray([-jnp.inf, 0.0])
+  assert losses._exp_capped(x).tolist() == [0.0, 1.0]
+  assert jax.vmap(jax.grad(losses._exp_capped))(x).tolist() == [0.0, 1.0]
 
 
 def test_a_value_out_of_the_loss_never_reaches_it():
