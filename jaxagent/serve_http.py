@@ -10,6 +10,7 @@ import asyncio
 import errno
 import inspect
 import json
+import math
 import signal
 import socket
 import sys
@@ -312,13 +313,26 @@ def name_deep_bodies(app) -> None:
       return await request_validation_exception_handler(request, exc)
     except RecursionError:
       return await http_exception_handler(request, HTTPException(400, NESTED_TOO_DEEP))
-    except UnicodeEncodeError:  # (it echoes a lone surrogate of the body: a 500 writing it)
+    except (UnicodeEncodeError, ValueError):  # (it echoes a lone surrogate of the body, or
+      # a NaN or 1e400 Python's parser took, which JSON cannot write: a 500 writing it,
+      # read by a client as the server's failure; a red team)
       from fastapi.encoders import jsonable_encoder
       from starlette.responses import Response
 
-      body = json.dumps({"detail": jsonable_encoder(exc.errors())}, ensure_ascii=True,
-                        default=str)
+      body = json.dumps({"detail": _finite(jsonable_encoder(exc.errors()))},
+                        ensure_ascii=True, default=str, allow_nan=False)
       return Response(body, status_code=422, media_type="application/json")
+
+
+def _finite(x):
+  """`x` with each float that JSON cannot write (nan, inf) as its text."""
+  if isinstance(x, float) and not math.isfinite(x):
+    return repr(x)
+  if isinstance(x, dict):
+    return {k: _finite(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_finite(v) for v in x]
+  return x
 
 
 class BodyLimit:

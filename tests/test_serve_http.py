@@ -81,6 +81,32 @@ def test_a_path_no_route_takes_is_named_with_the_routes():
   assert client.get("/sessions/x").json()["detail"] == "no session 'x'"
 
 
+def test_a_bad_number_json_cannot_write_back_is_a_422_not_a_500():
+  """A red team: `{"idle_timeout_s": 1e400}` (inf to Python's parser), or NaN, failed its
+  check, and the 422 that echoes the input could not be written (JSON has no inf): a 500,
+  which a client reads as the server's failure and plays its episode again."""
+  from pydantic import BaseModel, Field
+
+  class Body(BaseModel):
+    idle_timeout_s: float = Field(gt=0, allow_inf_nan=False)
+    action: str = ""
+
+  app = FastAPI()
+  name_deep_bodies(app)
+
+  @app.post("/sessions")
+  async def sessions(body: Body):
+    return {}
+
+  client = TestClient(app, raise_server_exceptions=False)
+  for raw, field in (('{"idle_timeout_s": 1e400}', "idle_timeout_s"),
+                     ('{"idle_timeout_s": -Infinity}', "idle_timeout_s"),
+                     ('{"idle_timeout_s": 1, "action": NaN}', "action")):
+    r = client.post("/sessions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 422, (raw, r.status_code, r.text)
+    assert r.json()["detail"][0]["loc"] == ["body", field], r.text
+
+
 def test_a_service_stopped_by_sigterm_runs_its_exit_handlers_and_exits_143(tmp_path):
   """uvicorn shuts down on SIGTERM, then raises it again: the default handler killed the
   process (exit -15), its exit handlers not run (an environment worker's sandbox lock
