@@ -183,6 +183,9 @@ class Calculator(Env):
     p = task.params
     task_known(p, ("expression", "question", "examples", "max_turns"), task.id)
     self.task = task
+    if "expression" not in p:  # (it was the KeyError's line: a red team)
+      raise ValueError(f"task {task.id}: params need 'expression' (the arithmetic to "
+                       "answer)")
     self.expression = str(p["expression"])
     try:
       self.answer = safe_eval(self.expression, exact=True)

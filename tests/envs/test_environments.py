@@ -787,6 +787,12 @@ def test_guess_number_refuses_a_task_it_would_play_wrongly(params, said):
     asyncio.run(make("guess_number").reset(TaskSpec("g", "guess_number", params)))
 
 
+def test_a_calculator_task_without_its_expression_is_named():
+  """A red team: it was "envs/calculator.py:186: KeyError: 'expression'"."""
+  with pytest.raises(ValueError, match=r"task c: params need 'expression'"):
+    asyncio.run(make("calculator").reset(TaskSpec("c", "calculator", {})))
+
+
 def test_task_numbers_as_a_task_file_may_write_them():
   """Integers written as YAML or JSON may write them (16, 16.0, "16") are read so."""
   from envs.base import task_int, task_number
