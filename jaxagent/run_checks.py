@@ -17,7 +17,6 @@ from jaxagent.models.paged_attention import PAGED_KERNELS
 from jaxagent.scheduler import check_advantage_config
 
 
-
 def temperature_problem(value: float, key: str) -> Optional[str]:
   """What is wrong with sampling temperature `value` (named `key`), or None: one >= 0 (0:
   greedy), finite in float32 (the engine's: 1e300 sampled at inf), and 0 or >= 1e-6 (the

@@ -98,16 +98,14 @@ def main(argv=None) -> int:
     sock.close()
     print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
     return 2
-  except Exception as e:  # (a JAX traceback of 32 lines: a red team)
-    if "RESOURCE_EXHAUSTED" not in str(e):
+  except Exception as e:
+    from rollout_server.serving import memory_problem
+
+    too_large = memory_problem(e, cfg.engine)
+    if not too_large:
       raise
     sock.close()
-    e_ = cfg.engine
-    print(f"error: the model and its KV cache do not fit in the device's memory ("
-          f"engine.slots {e_.slots} x engine.max_seq_len {e_.max_seq_len}"
-          + (f", engine.kv_pages {e_.kv_pages}" if e_.kv_pages else "")
-          + f", engine.prefix_cache_tokens {e_.prefix_cache_tokens}): lower them; "
-          f"{str(e).strip().splitlines()[0][:300]}", file=sys.stderr)
+    print(f"error: {too_large}", file=sys.stderr)
     return 2
   print(f"rollout server {cfg.name} on http://{cfg.host}:{cfg.port} "
         f"(policy version {orch.version}"

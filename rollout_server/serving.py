@@ -143,6 +143,19 @@ def _start_model(spec: ModelSpec, e: EngineConfig, policy: Optional[str], seed: 
   return engine, start_orchestrator(engine, engine_params, e), tokenizer
 
 
+def memory_problem(e: BaseException, engine: EngineConfig, key: str = "") -> Optional[str]:
+  """What an engine's start failing for the device's memory (XLA's RESOURCE_EXHAUSTED)
+  says, naming the sizes to lower (each setting `key` + its name), or None for another
+  failure (it was a JAX traceback of 32 lines: a red team)."""
+  if "RESOURCE_EXHAUSTED" not in str(e):
+    return None
+  return (f"the model and its KV cache do not fit in the device's memory ({key}engine.slots "
+          f"{engine.slots} x {key}engine.max_seq_len {engine.max_seq_len}"
+          + (f", {key}engine.kv_pages {engine.kv_pages}" if engine.kv_pages else "")
+          + f", {key}engine.prefix_cache_tokens {engine.prefix_cache_tokens}): lower them; "
+          + str(e).strip().splitlines()[0][:300])
+
+
 def build_served_models(models: dict[str, ServedModelConfig], mesh) -> dict[str, ServedModel]:
   """The extra models of a config (`models:`), each started on `mesh`."""
   out = {}
@@ -152,12 +165,9 @@ def build_served_models(models: dict[str, ServedModelConfig], mesh) -> dict[str,
     except Exception as e:
       for started in out.values():
         started.orch.stop()
-      if "RESOURCE_EXHAUSTED" in str(e):  # (the policy's engine was blamed: a reviewer)
-        raise ValueError(
-            f"models.{name}: the model and its KV cache do not fit in the device's memory "
-            f"beside the policy's (models.{name}.engine.slots {m.engine.slots} x "
-            f"max_seq_len {m.engine.max_seq_len}): lower them; "
-            f"{str(e).strip().splitlines()[0][:300]}") from None
+      too_large = memory_problem(e, m.engine, f"models.{name}.")
+      if too_large:  # (the policy's engine was blamed: a reviewer)
+        raise ValueError(f"models.{name}: {too_large}") from None
       if not isinstance(e, (OSError, ValueError, KeyError)):
         raise
       said = e.args[0] if isinstance(e, KeyError) and e.args else e

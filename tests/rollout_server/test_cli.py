@@ -138,7 +138,7 @@ def test_an_engine_larger_than_the_memory_is_one_line_naming_its_sizes(capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith(
       "error: models.judge: the model and its KV cache do not fit in the device's memory "
-      "beside the policy's (models.judge.engine.slots 100000000"), err
+      "(models.judge.engine.slots 100000000 x models.judge.engine.max_seq_len"), err
 
 
 def test_a_port_in_use_is_one_line_before_anything_loads(capsys, tmp_path):
