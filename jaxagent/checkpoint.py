@@ -93,8 +93,9 @@ class _DropReadNoise(logging.Filter):
       text = record.getMessage()
     except Exception:  # (a record whose arguments do not format: not this one's to drop)
       return True
-    return not (("never retrieved" in text and any(
-        mark in text for mark in ("async_deserialize", "_wrap_awaitable")))
+    return not (("never retrieved" in text and any(  # (a task's or a future's)
+        mark in text for mark in ("async_deserialize", "_wrap_awaitable", "OCDBT",
+                                  "tensorstore")))
         or text.startswith("Failed to get item metadata"))
 
 

@@ -173,7 +173,8 @@ def test_a_task_that_cannot_start_is_one_line_in_play_and_a_drop_in_filter(tmp_p
                       stdin='"8"\n')
   assert code == 2 and "Traceback" not in err, err
   assert re.fullmatch(r"envs.play: task 'z' cannot start: envs/calculator.py:\d+: "
-                      r"KeyError: 'expression'\n", err), err
+                      r"ValueError: task z: params need 'expression' \(the arithmetic to "
+                      r"answer\)\n", err), err
   assert env_filter.main([str(tasks), "--out", str(tmp_path / "kept.jsonl")]) == 0
   out = capsys.readouterr().out
   assert "DROP z: reference -, no-op - -- cannot start: envs/calculator.py:" in out
