@@ -102,6 +102,16 @@ def message_text(content: Any, where: str = "content") -> str:
   raise ValueError(f"{where} must be a string or a list of parts, got {type(content).__name__}")
 
 
+def call_arguments(args: Any) -> Optional[dict]:
+  """A tool call's arguments as the object they are (given as its JSON text, or as the
+  object), or None where they are not an object ("" is none: {})."""
+  try:
+    value = (json.loads(args) if args.strip() else {}) if isinstance(args, str) else args
+  except (ValueError, RecursionError):
+    return None
+  return value if isinstance(value, dict) else None
+
+
 def _checked_calls(calls: Any, where: str) -> list[dict]:
   """An assistant message's `tool_calls` as OpenAI writes them, each call's arguments the
   JSON text of an object ("" or null read as none, as a call the model wrote without
@@ -121,11 +131,7 @@ def _checked_calls(calls: Any, where: str) -> list[dict]:
     args = function.get("arguments")
     if args is None or isinstance(args, str) and not args.strip():
       args = "{}"
-    try:
-      value = json.loads(args) if isinstance(args, str) else args
-    except (ValueError, RecursionError):
-      value = None
-    if not isinstance(value, dict):
+    if call_arguments(args) is None:
       raise ValueError(f"{where}[{j}].function.arguments must be a JSON object (its text, "
                        f"or the object), got {repr(args)[:100]}")
     if not isinstance(args, str):

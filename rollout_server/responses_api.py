@@ -37,7 +37,7 @@ from typing import Any, AsyncIterator, Callable, Literal, NamedTuple, Optional, 
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout_server.chat import SEED, TOP_K, ChatTurn, Name, TurnCut, unserved
+from rollout_server.chat import SEED, TOP_K, ChatTurn, Name, TurnCut, call_arguments, unserved
 from rollout_server.sessions import held_bytes
 
 # -- request bodies -----------------------------------------------------------------------
@@ -279,11 +279,8 @@ def chat_messages(body: ResponsesBody, prior: list[dict] = (),
     item = _parsed(_ITEMS[kind], raw, where)
     last = kept[-1] if len(kept) > start else None  # (the answer continued stays as it was)
     if isinstance(item, FunctionCallItem):
-      try:  # (named by its item here: the chat form's check names a message and call)
-        value = json.loads(item.arguments) if item.arguments.strip() else {}
-      except (ValueError, RecursionError):
-        value = None
-      if not isinstance(value, dict):
+      # (named by its item here: the chat form's check names a message and call)
+      if call_arguments(item.arguments) is None:
         raise ValueError(f"{where}.arguments must be the JSON text of an object, got "
                          f"{item.arguments!r:.100}")
       call = {"id": item.call_id, "type": "function",
