@@ -319,20 +319,21 @@ def name_deep_bodies(app) -> None:
       from fastapi.encoders import jsonable_encoder
       from starlette.responses import Response
 
-      body = json.dumps({"detail": _finite(jsonable_encoder(exc.errors()))},
+      body = json.dumps({"detail": finite(jsonable_encoder(exc.errors()), repr)},
                         ensure_ascii=True, default=str, allow_nan=False)
       return Response(body, status_code=422, media_type="application/json")
 
 
-def _finite(x):
-  """`x` with each float that JSON cannot write (nan, inf) as its text."""
-  if isinstance(x, float) and not math.isfinite(x):
-    return repr(x)
-  if isinstance(x, dict):
-    return {k: _finite(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_finite(v) for v in x]
-  return x
+def finite(value: Any, instead: Callable[[float], Any] = lambda x: None) -> Any:
+  """`value` with each float JSON cannot write (nan, inf) as `instead` makes it (None:
+  null; `repr`: its text), in its dicts, lists and tuples."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else instead(value)
+  if isinstance(value, dict):
+    return {k: finite(v, instead) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [finite(v, instead) for v in value]
+  return value
 
 
 class BodyLimit:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import math
 import os
 import socket
 import sys
@@ -51,7 +50,7 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from jaxagent.serve_http import listen_or_say, serve
+from jaxagent.serve_http import finite, listen_or_say, serve
 from jaxagent.tokenizer import IM_END, IM_START, Tokenizer, smollm2_tokenizer
 from jaxagent.toolcalls import parse_tool_calls
 from jaxagent.trajectory import FORK, REALIGN
@@ -493,17 +492,6 @@ def trajectory_file(path: str) -> Optional[str]:
   return None
 
 
-def _finite(value: Any) -> Any:
-  """`value` with every NaN and infinity as None (JSON has neither)."""
-  if isinstance(value, float):
-    return value if math.isfinite(value) else None
-  if isinstance(value, dict):
-    return {k: _finite(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_finite(v) for v in value]
-  return value
-
-
 class FiniteJSON(JSONResponse):
   """JSON with a NaN or an infinity written as null: a run's file may hold one (a reward,
   a log-prob of -inf), and every list it was in answered 500 (red team 24)."""
@@ -512,7 +500,7 @@ class FiniteJSON(JSONResponse):
     try:
       return super().render(content)
     except ValueError:
-      return super().render(_finite(content))
+      return super().render(finite(content))
 
 
 def create_app(run_dir: str, hosts: Sequence[str] = ()):
